@@ -1,0 +1,18 @@
+# Warning flags for host code, applied per target through mkv_set_warnings().
+function(mkv_set_warnings target)
+  set(flags -Wall -Wextra -Wpedantic -Wshadow -Wnon-virtual-dtor -Wold-style-cast
+            -Wcast-align -Wunused -Woverloaded-virtual -Wconversion -Wsign-conversion
+            -Wnull-dereference -Wdouble-promotion -Wformat=2 -Wimplicit-fallthrough)
+  if(MKV_WARNINGS_AS_ERRORS)
+    list(APPEND flags -Werror)
+  endif()
+  target_compile_options(${target} PRIVATE $<$<COMPILE_LANGUAGE:CXX>:${flags}>)
+endfunction()
+
+# Sanitizers apply to every target of the build when MKV_SANITIZE is on.
+if(MKV_SANITIZE)
+  add_compile_options($<$<COMPILE_LANGUAGE:CXX>:-fsanitize=address,undefined>
+                      $<$<COMPILE_LANGUAGE:CXX>:-fno-omit-frame-pointer>
+                      $<$<COMPILE_LANGUAGE:CXX>:-fno-sanitize-recover=undefined>)
+  add_link_options(-fsanitize=address,undefined)
+endif()

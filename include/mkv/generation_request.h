@@ -1,0 +1,61 @@
+#pragma once
+/// \file generation_request.h
+/// What the runtime tells the KV layer about one request (a batch of sequences) and about the
+/// state of its execution. Both are plain data owned by the runtime.
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "mkv/cuda_types.h"
+#include "mkv/media.h"
+#include "mkv/types.h"
+
+namespace mkv {
+
+/// The request as the user submitted it.
+struct LLMGenerationRequest {
+  /// Per-sequence inputs, in execution-row order.
+  struct Sequence {
+    std::vector<imageUtils::ImageData> imageBuffers;  ///< one per image placeholder run
+    std::vector<audioUtils::AudioData> audioBuffers;  ///< one per audio placeholder run
+    /// Overrides the request-level lookup policy for this sequence when set.
+    std::optional<ContextCacheLookupPolicy> contextCacheLookupPolicy;
+  };
+  std::vector<Sequence> requests;
+  ContextCacheLookupPolicy contextCacheLookupPolicy = ContextCacheLookupPolicy::kUseCache;
+  ContextCacheCommitPolicy contextCacheCommitPolicy =
+      ContextCacheCommitPolicy::kIncludingGeneratedTokens;
+  /// Tokens at the end of the prompt (a chat template's generation prompt) that the next turn
+  /// will not reproduce; Hybrid-MTP endpoint publication stops before them. 0 = none.
+  int32_t contextCacheReplayTailLength = 0;
+  /// LoRA adapter of the request; empty = base model. Must equal the context's.
+  std::string loraWeightsName;
+  /// Tenant isolation: requests with different salts never share cached state.
+  std::string cacheSalt;
+};
+
+/// The runtime's per-request view, read by ManagedKVCacheRequest at every lifecycle call.
+/// All per-row vectors are in execution-row order and have `activeBatchSize` entries.
+struct DecodingInferenceContext {
+  /// Stream every enqueued KV operation of this request goes to. The library never owns it.
+  cudaStream_t stream = nullptr;
+  /// Number of execution rows (sequences) in the current batch.
+  int32_t activeBatchSize = 0;
+  /// Full logical prompt of each row (what context reuse hashes and matches).
+  std::vector<std::vector<int32_t>> rawBatchedInputIds;
+  /// Prompt tokens the prefill actually executes per row, after reuse and any token pruning:
+  /// rawBatchedInputIds[i].size() - prefillStart[i] without pruning.
+  std::vector<int32_t> effectivePrefillLengths;
+  /// Tokens sampled so far per row. Under kCommittedPlusLookahead the last one has no KV yet.
+  std::vector<std::vector<int32_t>> generatedTokenIds;
+  /// Stable physical row of each execution row (page-table row == recurrent row == slot).
+  std::vector<ResidentRef> residentRefs;
+  /// kNotFinished while a row is running; the reason once it stopped.
+  std::vector<FinishReason> finishReasons;
+  /// LoRA adapter currently applied; empty = base model. Part of every block key.
+  std::string loraWeightsName;
+};
+
+}  // namespace mkv

@@ -1,0 +1,116 @@
+#pragma once
+/// \file kernels.h
+/// Data-movement launchers (SPEC §10). Every launcher
+///   1. validates its arguments first and throws mkv::Error naming the launcher and the bad
+///      value (unsupported shape, mismatched geometry, wrong dtype, mixed devices, too many
+///      layers/buffers, ids out of range when they are host-readable);
+///   2. then makes exactly one CUDA launch covering all layers and all items on `stream` when
+///      the buffers are kGPU, or runs the host reference twin synchronously when they are kCPU.
+/// GPU and host paths produce bit-identical results. Nothing is allocated on the launch path,
+/// nothing synchronises with the host, and every GPU launch is CUDA-graph capturable.
+///
+/// Id and index tensors live on the same device as the data. GPU kernels cannot report a bad
+/// id to the host without a synchronisation, so they skip any id outside its valid range
+/// exactly like the -1 sentinel; callers inside the library validate ids on the host before
+/// staging them, and CPU launches throw for them.
+
+#include <cstdint>
+#include <span>
+
+#include "mkv/cuda_types.h"
+#include "mkv/tensor.h"
+#include "mkv/types.h"
+
+namespace mkv::kernels {
+
+/// Most layers one copyPages call addresses (the per-layer pointer table travels in the
+/// kernel's parameters, so no descriptor upload is needed).
+inline constexpr int32_t kMaxLayers = 256;
+/// Most row buffers one compactBatch / zeroRows call addresses.
+inline constexpr int32_t kMaxRowBuffers = 256;
+
+/// Per-layer paged KV buffers of one geometry: a KVCachePool, a reduced SWA pool or a
+/// partial-KV snapshot slab. Layer l starts at layerBases[l] and holds two halves (K, then V),
+/// each of `numPages` pages of `tokensPerPage` token rows of `tokenBytes` bytes:
+/// `[2, numPages, tokensPerPage, heads, headDim]`. The span must outlive the call.
+struct PagedBuffers {
+  std::span<void* const> layerBases;
+  DeviceType deviceType = DeviceType::kCPU;
+  int32_t numPages = 0;
+  int32_t tokensPerPage = 0;
+  int64_t tokenBytes = 0;
+
+  int32_t numLayers() const noexcept { return static_cast<int32_t>(layerBases.size()); }
+  int64_t pageBytes() const noexcept { return tokensPerPage * tokenBytes; }
+};
+
+/// Rows of one per-slot tensor: `numRows` rows of `rowBytes` bytes, contiguous.
+struct RowBuffer {
+  void* data = nullptr;
+  int64_t rowBytes = 0;
+  int64_t numRows = 0;
+};
+
+/// Copies item i for every layer and both halves: page srcIds[i] of `src` to page dstIds[i]
+/// of `dst` — the whole page, or only its first tokenCounts[i] token rows when `tokenCounts`
+/// is given (partial-page snapshots). An item with -1 in either id, or 0 token rows, is
+/// skipped. Gather, scatter and in-pool copy are all expressed by the two id lists; `src` and
+/// `dst` may be the same buffers. Destination pages of one call must be distinct and must not
+/// be source pages of another item of the same call.
+/// Requires: same device, layer count, tokensPerPage and tokenBytes on both sides; ids int32
+/// `[n]`; tokenCounts int32 `[n]` with values in [0, tokensPerPage].
+void copyPages(PagedBuffers const& src, PagedBuffers const& dst, Tensor const& srcIds,
+               Tensor const& dstIds, Tensor const* tokenCounts, cudaStream_t stream);
+
+/// Order-preserving in-place batch compaction of several per-slot tensors in one launch:
+/// for every old row i with d = oldToNew[i] in [0, newBatchSize), row d becomes old row i.
+/// Rows with d == -1 are dropped; destinations outside [0, newBatchSize) are ignored. The
+/// mapping must keep survivor order (the k-th survivor goes to k), which makes the in-place
+/// move safe although source and destination rows overlap.
+/// Requires: oldToNew int32 `[oldBatch]` on `deviceType`; every buffer has >= oldBatch rows;
+/// 0 <= newBatchSize <= oldBatch.
+void compactBatch(std::span<RowBuffer const> buffers, DeviceType deviceType,
+                  Tensor const& oldToNew, int32_t newBatchSize, cudaStream_t stream);
+
+/// A source and a destination row buffer with the same rowBytes.
+struct RowBufferPair {
+  RowBuffer src;
+  RowBuffer dst;
+};
+
+/// For every pair and every item i: row dstRows[i] of pair.dst = row srcRows[i] of pair.src.
+/// One launch for all pairs and items (recurrent snapshot capture / restore of every layer).
+/// srcRows and dstRows int32 `[n]` on `deviceType`; -1 in either skips the item. Destination
+/// rows must be distinct within a pair and must not be source rows of the same pair.
+void copyRows(std::span<RowBufferPair const> buffers, DeviceType deviceType,
+              Tensor const& srcRows, Tensor const& dstRows, cudaStream_t stream);
+
+/// slab[slots[i], :] = hidden[rows[i], :] (boundary hidden-state capture).
+/// hidden `[tokens, width]` and slab `[slots, width]` have the same dtype and width; rows and
+/// slots int32 `[n]`; -1 in either skips the item.
+void captureHiddenRows(Tensor const& hidden, Tensor const& rows, Tensor& slab,
+                       Tensor const& slots, cudaStream_t stream);
+
+/// hidden[rows[i], :] = slab[slots[i], :] (boundary hidden-state restore). Same rules.
+void restoreHiddenRows(Tensor const& slab, Tensor const& slots, Tensor& hidden,
+                       Tensor const& rows, cudaStream_t stream);
+
+/// dst[i, :, :] = table[residentSlots[i], :, :] for i < n, building the active-step page table
+/// in execution order from resident rows. A slot of -1 yields a row of -1.
+/// table int32 `[maxBatch, 2, maxPagesPerSeq]`; residentSlots int32 `[n]`; dst int32 with
+/// capacity for `[n, 2, maxPagesPerSeq]` (it is reshaped to exactly that).
+void gatherPageTableRows(Tensor const& table, Tensor const& residentSlots, Tensor& dst,
+                         cudaStream_t stream);
+
+/// Zeroes row rows[i] of every buffer (recurrent / conv state of released residents).
+/// rows int32 `[n]`; -1 skips.
+void zeroRows(std::span<RowBuffer const> buffers, DeviceType deviceType, Tensor const& rows,
+              cudaStream_t stream);
+
+/// Applies a staged patch to an int32 tensor (page-table uploads). `patch` is int32 and starts
+/// with `numRanges` (offset, count, valueStart) triples; range r writes
+/// dst[offset_r + j] = patch[valueStart_r + j] for j < count_r. Ranges must lie inside `dst`
+/// and must not overlap each other.
+void applyInt32Patch(Tensor& dst, Tensor const& patch, int32_t numRanges, cudaStream_t stream);
+
+}  // namespace mkv::kernels

@@ -1,0 +1,97 @@
+#pragma once
+/// \file kv_cache_pool.h
+/// Physical paged KV storage for a group of attention layers of one geometry, plus the
+/// execution-ordered KV-length tensor the attention kernels read.
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <vector>
+
+#include "mkv/cuda_types.h"
+#include "mkv/kernels.h"
+#include "mkv/tensor.h"
+#include "mkv/types.h"
+
+namespace mkv {
+
+namespace detail {
+class Int32Staging;
+}
+
+struct KVCachePoolConfig {
+  int32_t numLayers = 0;      ///< attention layers stored in this pool (<= kernels::kMaxLayers)
+  int32_t numKVHeads = 0;
+  int32_t headDim = 0;
+  int32_t tokensPerPage = 128;  ///< power of two in [16, 1024]
+  int32_t numPages = 0;         ///< pages per half; a page id addresses that page in every layer
+  int32_t maxBatchSize = 0;     ///< rows of the KV-length tensor
+  DataType dataType = DataType::kFloat16;
+  DeviceType deviceType = DeviceType::kGPU;
+};
+
+/// Per layer one zero-initialised buffer `[2, numPages, tokensPerPage, numKVHeads, headDim]`
+/// (the K half, then the V half). Page id p addresses K page p and V page p of every layer.
+/// A reduced pool for bounded-SWA layers is simply a second KVCachePool with its own id space.
+///
+/// The KV-length tensor `[activeBatchSize]` (int32, capacity maxBatchSize, on the pool's
+/// device) holds, per execution row, the tokens whose KV is materialised. It is
+/// execution-ordered: batch compaction compacts it, while page-table rows never move.
+///
+/// Thread-safety: one writer (the engine thread). All device writes are ordered on the stream
+/// passed to each call; host-side state changes immediately.
+class KVCachePool {
+ public:
+  /// Validates the config (throws mkv::Error naming the bad field) and allocates.
+  explicit KVCachePool(KVCachePoolConfig const& config);
+  ~KVCachePool();
+  KVCachePool(KVCachePool const&) = delete;
+  KVCachePool& operator=(KVCachePool const&) = delete;
+
+  KVCachePoolConfig const& config() const noexcept { return mConfig; }
+  int32_t numLayers() const noexcept { return mConfig.numLayers; }
+  int32_t numPages() const noexcept { return mConfig.numPages; }
+  int32_t tokensPerPage() const noexcept { return mConfig.tokensPerPage; }
+  int32_t maxBatchSize() const noexcept { return mConfig.maxBatchSize; }
+  DeviceType deviceType() const noexcept { return mConfig.deviceType; }
+  /// Bytes of one token row of one half of one layer: numKVHeads * headDim * dtype size.
+  int64_t tokenBytes() const noexcept;
+  /// Bytes of one page of one half of one layer.
+  int64_t pageBytes() const noexcept { return tokenBytes() * mConfig.tokensPerPage; }
+  /// Bytes of all layers' K and V storage.
+  int64_t totalBytes() const noexcept;
+
+  /// Layer l's buffer `[2, numPages, tokensPerPage, numKVHeads, headDim]`.
+  Tensor& layer(int32_t l);
+  Tensor const& layer(int32_t l) const;
+  /// Descriptor for the copy kernels (all layers, K and V halves).
+  kernels::PagedBuffers pagedBuffers() const noexcept;
+
+  /// KV-length tensor viewed as `[activeBatchSize]`.
+  Tensor& kvLengths() noexcept { return mKvLengths; }
+  Tensor const& kvLengths() const noexcept { return mKvLengths; }
+  int32_t activeBatchSize() const noexcept { return mActiveBatchSize; }
+
+  /// Starts a new batch: active batch = lengths.size() and the device lengths are set to
+  /// `lengths` (the reuse lengths: tokens already materialised per row). Stream-ordered.
+  void resetForNewSequences(std::span<int32_t const> lengths, cudaStream_t stream);
+  /// Overwrites the lengths of rows [firstRow, firstRow + lengths.size()) of the active batch
+  /// (engine commits after an execution; seating an in-flight joiner). Stream-ordered.
+  void writeLengths(int32_t firstRow, std::span<int32_t const> lengths, cudaStream_t stream);
+  /// Changes the active batch size without touching lengths (rows beyond the old size keep
+  /// whatever they held). Throws outside [0, maxBatchSize].
+  void setActiveBatchSize(int32_t batchSize);
+  /// Compacts the lengths with the order-preserving mapping (one kernel; mapping is int32
+  /// `[activeBatchSize]` on the pool's device), then sets the active batch to newBatchSize.
+  void compactLengths(Tensor const& oldToNew, int32_t newBatchSize, cudaStream_t stream);
+
+ private:
+  KVCachePoolConfig mConfig;
+  std::vector<Tensor> mLayers;
+  std::vector<void*> mLayerBases;
+  Tensor mKvLengths;
+  int32_t mActiveBatchSize = 0;
+  std::unique_ptr<detail::Int32Staging> mStaging;
+};
+
+}  // namespace mkv

@@ -1,0 +1,129 @@
+#pragma once
+/// \file kv_page_table.h
+/// Host source of truth for page-table rows, with a device mirror at a stable address.
+
+#include <cstdint>
+#include <memory>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "mkv/cuda_types.h"
+#include "mkv/tensor.h"
+#include "mkv/types.h"
+
+namespace mkv {
+
+namespace detail {
+class Int32Staging;
+}
+
+enum class PageTableMode : uint8_t {
+  /// Live entries of a row form a prefix; everything after the first -1 is -1.
+  kDense,
+  /// Disjoint live ranges are allowed (a sliding window keeps absolute logical pages); a page
+  /// id may appear at most once among a row's live entries.
+  kSparseWindow,
+};
+
+/// Counts of the last upload / uploadDirty call.
+struct PageTableUploadStats {
+  int64_t entries = 0;  ///< int32 entries copied (K and V entries both count)
+  int64_t ranges = 0;   ///< coalesced contiguous runs copied
+};
+
+/// Page table `[maxBatch, 2, maxPagesPerSeq]` int32: per resident row the K page ids of its
+/// logical pages, then the V ids, where V = K + numPages for live entries and -1 marks an
+/// empty entry. The host copy is the source of truth; the device mirror (same shape, on the
+/// table's device, stable address for engine bindings and CUDA graphs) is brought up to date
+/// by `upload` / `uploadDirty`, each one staged copy plus one patch kernel on the stream.
+///
+/// Rows belong to resident slots and never move between slots. Every mutator validates all of
+/// its input before changing anything; on mkv::Error the table is unchanged.
+/// Thread-safety: one writer (the engine thread).
+class KVPageTable {
+ public:
+  /// Throws unless maxBatch > 0, maxPagesPerSeq > 0, 0 < numPages <= INT32_MAX / 2.
+  KVPageTable(int32_t maxBatch, int32_t maxPagesPerSeq, int32_t numPages, PageTableMode mode,
+              DeviceType deviceType);
+  ~KVPageTable();
+  KVPageTable(KVPageTable const&) = delete;
+  KVPageTable& operator=(KVPageTable const&) = delete;
+
+  int32_t maxBatch() const noexcept { return mMaxBatch; }
+  int32_t maxPagesPerSeq() const noexcept { return mMaxPagesPerSeq; }
+  int32_t numPages() const noexcept { return mNumPages; }
+  PageTableMode mode() const noexcept { return mMode; }
+  DeviceType deviceType() const noexcept { return mDeviceType; }
+
+  /// One row replacement: `kPages` become logical pages [0, kPages.size()), the rest of the
+  /// row is cleared. -1 entries are allowed only in sparse-window mode.
+  struct RowUpdate {
+    CacheSlot slot = -1;
+    std::span<PageId const> kPages;
+  };
+
+  void setRow(CacheSlot slot, std::span<PageId const> kPages);
+  /// Applies all updates or none: validates slots (in range, not repeated), lengths and page
+  /// ids of every update before mutating any row. An empty span clears the row.
+  void setRows(std::span<RowUpdate const> updates);
+  /// Sets one logical entry. Dense mode: only at the end of the live prefix (appending) or
+  /// replacing a live entry. Sparse mode: rejects a page already live elsewhere in the row.
+  void setEntry(CacheSlot slot, int32_t logicalPage, PageId kPage);
+  /// Clears one entry. Dense mode: only the last live entry.
+  void clearEntry(CacheSlot slot, int32_t logicalPage);
+  void clearRow(CacheSlot slot);
+
+  /// K page id of one entry (-1 when empty).
+  PageId entry(CacheSlot slot, int32_t logicalPage) const;
+  /// Host row: 2 * maxPagesPerSeq entries, K ids then V ids.
+  std::span<int32_t const> hostRow(CacheSlot slot) const;
+  /// Number of live entries in a row.
+  int32_t liveEntryCount(CacheSlot slot) const;
+
+  /// Checks V derivation, id range and the mode's rule on every row. Returns false and writes
+  /// a description of the first violation to *error (when given).
+  bool checkInvariants(std::string* error = nullptr) const;
+
+  /// Copies every dirty row (coalesced runs of rows) to the device mirror. Returns false and
+  /// enqueues nothing when the table is clean. Validates invariants first (throws on a broken
+  /// table). Waits for the previous upload's staging copy before reusing staging memory.
+  bool upload(cudaStream_t stream);
+  /// Copies only the entries that changed since the last upload, coalescing adjacent entries
+  /// into ranges. Same return and validation rules as `upload`.
+  bool uploadDirty(cudaStream_t stream);
+  PageTableUploadStats lastUploadStats() const noexcept { return mLastUpload; }
+  /// Cumulative counts over every upload of this table.
+  PageTableUploadStats totalUploadStats() const noexcept { return mTotalUpload; }
+  bool dirty() const noexcept { return !mDirtyEntries.empty(); }
+
+  /// Device mirror `[maxBatch, 2, maxPagesPerSeq]`, stable address for the table's lifetime.
+  Tensor const& deviceTable() const noexcept { return mDevice; }
+
+  /// dst[i] = device row residentSlots[i] (one launch; -1 slots give rows of -1).
+  /// residentSlots int32 `[n]` on the table's device; dst is reshaped to `[n, 2, maxPages]`.
+  void gatherRows(Tensor& dst, Tensor const& residentSlots, cudaStream_t stream) const;
+
+ private:
+  void validateSlot(char const* call, CacheSlot slot) const;
+  void validateRowPages(char const* call, CacheSlot slot, std::span<PageId const> kPages) const;
+  void writeEntry(CacheSlot slot, int32_t logicalPage, PageId kPage);
+  bool uploadRanges(std::vector<int64_t> const& sortedEntries, bool rowGranular,
+                    cudaStream_t stream);
+
+  int32_t mMaxBatch;
+  int32_t mMaxPagesPerSeq;
+  int32_t mNumPages;
+  PageTableMode mMode;
+  DeviceType mDeviceType;
+  std::vector<int32_t> mHost;            // [maxBatch, 2, maxPagesPerSeq]
+  std::vector<int32_t> mLiveCount;       // per slot
+  std::vector<int64_t> mDirtyEntries;    // flat indices of changed K entries, unsorted, unique
+  std::vector<uint8_t> mEntryDirtyFlag;  // per K entry
+  Tensor mDevice;
+  std::unique_ptr<detail::Int32Staging> mStaging;
+  PageTableUploadStats mLastUpload;
+  PageTableUploadStats mTotalUpload;
+};
+
+}  // namespace mkv

@@ -1,0 +1,86 @@
+#pragma once
+/// \file types.h
+/// Value types shared by every layer (SPEC §4). Plain data, no behaviour beyond comparisons.
+
+#include <cstddef>
+#include <cstdint>
+#include <string_view>
+
+namespace mkv {
+
+/// Physical page id inside one page pool (a KV pool has its own id space; a reduced SWA pool
+/// has another). Live page-table entries are in [0, numPages); kNoPage marks an empty entry.
+using PageId = int32_t;
+/// Resident row index: page-table row == recurrent-state row == slot.
+using CacheSlot = int32_t;
+/// Sentinel for an unused page-table entry.
+inline constexpr PageId kNoPage = -1;
+
+/// A stable physical state row handed out by ResidentSlotPool. Epoch 0 is invalid; the pool
+/// bumps the epoch on release, so work tagged with a stale ref cannot commit into a reused row.
+struct ResidentRef {
+  CacheSlot slot = -1;
+  uint64_t epoch = 0;
+  friend bool operator==(ResidentRef const&, ResidentRef const&) = default;
+};
+
+/// KV positions (tokens) one execution may address beyond the committed endpoint.
+/// Vanilla decoding: {1, 0}. EAGLE: {verify size, drafting steps x top-k}.
+struct DecodingKvHeadroom {
+  int32_t baseExtraTokens = 1;
+  int32_t draftExtraTokens = 0;
+  friend bool operator==(DecodingKvHeadroom const&, DecodingKvHeadroom const&) = default;
+};
+
+/// Whether the runtime's per-sequence token list ends with one sampled token whose KV is not
+/// written yet (kCommittedPlusLookahead, the default) or every listed token already has KV.
+enum class DecodingTokenStateContract : uint8_t { kCommittedPlusLookahead, kFullyCommitted };
+
+/// kPrefillStateOnly suppresses every decode-end publication of a request.
+enum class ContextCacheCommitPolicy : uint8_t { kIncludingGeneratedTokens, kPrefillStateOnly };
+
+/// kBypass: the sequence uses coordinator-managed private pages but never looks up or publishes.
+enum class ContextCacheLookupPolicy : uint8_t { kUseCache, kBypass };
+
+/// Why a sequence stopped. Cancelled and errored sequences are never published.
+enum class FinishReason : uint8_t {
+  kNotFinished,
+  kEndOfSequence,
+  kStopString,
+  kLength,
+  kCancelled,
+  kError
+};
+
+/// Expected outcomes of BoundedSwaKVPageManager calls (contract violations throw instead).
+enum class SwaKVCacheStatus : uint8_t { kOk, kRequestFailed, kPoisoned };
+/// Expected outcomes of ContextCacheCoordinator calls (contract violations throw instead).
+enum class ContextCacheStatus : uint8_t { kOk, kRequestFailed, kPoisoned };
+
+/// Element types of Tensor.
+enum class DataType { kFloat32, kFloat16, kBFloat16, kFp8E4M3, kInt8, kUInt8, kInt32, kInt64 };
+/// Where a Tensor's bytes live. kGPU means device memory from cudaMalloc (never managed memory).
+enum class DeviceType { kCPU, kGPU };
+
+/// Bytes of one element of `type`.
+constexpr std::size_t dataTypeSize(DataType type) noexcept {
+  switch (type) {
+    case DataType::kFloat32: return 4;
+    case DataType::kFloat16: return 2;
+    case DataType::kBFloat16: return 2;
+    case DataType::kFp8E4M3: return 1;
+    case DataType::kInt8: return 1;
+    case DataType::kUInt8: return 1;
+    case DataType::kInt32: return 4;
+    case DataType::kInt64: return 8;
+  }
+  return 0;
+}
+
+std::string_view toString(DataType type) noexcept;
+std::string_view toString(DeviceType type) noexcept;
+std::string_view toString(FinishReason reason) noexcept;
+std::string_view toString(SwaKVCacheStatus status) noexcept;
+std::string_view toString(ContextCacheStatus status) noexcept;
+
+}  // namespace mkv

@@ -1,0 +1,105 @@
+/// Host reference twins of the CUDA kernels. They define the semantics the GPU kernels must
+/// reproduce bit for bit (tests/gpu compares the two on random data).
+#include <cstring>
+
+#include "kernel_params.h"
+
+namespace mkv::kernels::detail {
+
+void copyPagesHost(CopyPagesLaunch const& launch) {
+  int64_t const pageBytes = launch.tokensPerPage * launch.tokenBytes;
+  for (int32_t item = 0; item < launch.numItems; ++item) {
+    int32_t const srcId = launch.srcIds[item];
+    int32_t const dstId = launch.dstIds[item];
+    if (srcId < 0 || srcId >= launch.srcNumPages || dstId < 0 || dstId >= launch.dstNumPages) {
+      continue;
+    }
+    int32_t tokens = launch.tokensPerPage;
+    if (launch.tokenCounts != nullptr) {
+      tokens = launch.tokenCounts[item];
+      if (tokens <= 0) {
+        continue;
+      }
+      if (tokens > launch.tokensPerPage) {
+        tokens = launch.tokensPerPage;
+      }
+    }
+    auto const bytes = static_cast<std::size_t>(tokens * launch.tokenBytes);
+    for (int32_t layer = 0; layer < launch.numLayers; ++layer) {
+      auto const* src = static_cast<uint8_t const*>(launch.srcLayers[layer]);
+      auto* dst = static_cast<uint8_t*>(launch.dstLayers[layer]);
+      for (int32_t half = 0; half < 2; ++half) {
+        int64_t const srcOffset = (int64_t{half} * launch.srcNumPages + srcId) * pageBytes;
+        int64_t const dstOffset = (int64_t{half} * launch.dstNumPages + dstId) * pageBytes;
+        std::memmove(dst + dstOffset, src + srcOffset, bytes);
+      }
+    }
+  }
+}
+
+void compactBatchHost(CompactBatchLaunch const& launch) {
+  for (int32_t b = 0; b < launch.numBuffers; ++b) {
+    RowBufferDesc const& buffer = launch.buffers[b];
+    auto const rowBytes = static_cast<std::size_t>(buffer.rowBytes);
+    for (int32_t oldRow = 0; oldRow < launch.oldBatch; ++oldRow) {
+      int32_t const newRow = launch.oldToNew[oldRow];
+      if (newRow < 0 || newRow >= launch.newBatch || newRow == oldRow) {
+        continue;
+      }
+      std::memmove(buffer.data + static_cast<std::size_t>(newRow) * rowBytes,
+                   buffer.data + static_cast<std::size_t>(oldRow) * rowBytes, rowBytes);
+    }
+  }
+}
+
+void copyRowsHost(CopyRowsLaunch const& launch) {
+  for (int32_t b = 0; b < launch.numBuffers; ++b) {
+    RowCopyDesc const& buffer = launch.buffers[b];
+    auto const rowBytes = static_cast<std::size_t>(buffer.rowBytes);
+    for (int32_t item = 0; item < launch.numItems; ++item) {
+      int64_t const srcRow = launch.srcRows != nullptr ? launch.srcRows[item] : item;
+      int64_t const dstRow = launch.dstRows != nullptr ? launch.dstRows[item] : item;
+      if (dstRow < 0 || dstRow >= buffer.dstNumRows) {
+        continue;
+      }
+      uint8_t* dst = buffer.dst + static_cast<std::size_t>(dstRow) * rowBytes;
+      if (srcRow < 0 || srcRow >= buffer.srcNumRows) {
+        if (launch.fillSkipped != 0) {
+          std::memset(dst, 0xFF, rowBytes);
+        }
+        continue;
+      }
+      std::memmove(dst, buffer.src + static_cast<std::size_t>(srcRow) * rowBytes, rowBytes);
+    }
+  }
+}
+
+void zeroRowsHost(ZeroRowsLaunch const& launch) {
+  for (int32_t b = 0; b < launch.numBuffers; ++b) {
+    RowBufferDesc const& buffer = launch.buffers[b];
+    for (int32_t item = 0; item < launch.numItems; ++item) {
+      int32_t const row = launch.rows[item];
+      if (row < 0 || row >= launch.numRows[b]) {
+        continue;
+      }
+      std::memset(buffer.data + static_cast<std::size_t>(row) * static_cast<std::size_t>(buffer.rowBytes),
+                  0, static_cast<std::size_t>(buffer.rowBytes));
+    }
+  }
+}
+
+void applyInt32PatchHost(Int32PatchLaunch const& launch) {
+  for (int32_t r = 0; r < launch.numRanges; ++r) {
+    int64_t const offset = launch.patch[3 * r];
+    int64_t const count = launch.patch[3 * r + 1];
+    int64_t const valueStart = launch.patch[3 * r + 2];
+    for (int64_t j = 0; j < count; ++j) {
+      int64_t const target = offset + j;
+      if (target >= 0 && target < launch.dstNumel) {
+        launch.dst[target] = launch.patch[valueStart + j];
+      }
+    }
+  }
+}
+
+}  // namespace mkv::kernels::detail

@@ -1,0 +1,329 @@
+/// Validation and device dispatch of the launchers declared in mkv/kernels.h.
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <type_traits>
+
+#include "core/check.h"
+#include "core/device.h"
+#include "kernel_params.h"
+#include "mkv/kernels.h"
+
+namespace mkv::kernels {
+namespace {
+
+using detail::RowBufferDesc;
+
+void requireIndexTensor(Tensor const& t, char const* call, char const* name, DeviceType device,
+                        int64_t expectedCount) {
+  MKV_REQUIRE(t.dataType() == DataType::kInt32, call, "{} must be int32, got {}", name,
+              toString(t.dataType()));
+  MKV_REQUIRE(t.rank() == 1, call, "{} must be 1-D, got shape {}", name, t.shape().toString());
+  MKV_REQUIRE(t.deviceType() == device, call, "{} is on {} but the data is on {}", name,
+              toString(t.deviceType()), toString(device));
+  if (expectedCount >= 0) {
+    MKV_REQUIRE(t.numel() == expectedCount, call, "{} has {} entries, expected {}", name,
+                t.numel(), expectedCount);
+  }
+  MKV_REQUIRE(t.numel() == 0 || t.rawPointer() != nullptr, call, "{} has no data", name);
+}
+
+/// Host-readable ids must be -1 or inside [0, limit).
+void requireIdsInRange(Tensor const& ids, int64_t limit, char const* call, char const* name) {
+  if (ids.deviceType() != DeviceType::kCPU) {
+    return;
+  }
+  int32_t const* values = ids.dataPointer<int32_t>();
+  for (int64_t i = 0; i < ids.numel(); ++i) {
+    MKV_REQUIRE(values[i] >= -1 && values[i] < limit, call,
+                "{}[{}] = {} is outside [-1, {})", name, i, values[i], limit);
+  }
+}
+
+#if MKV_WITH_CUDA
+#define MKV_CUDA_IMPL(function) (&detail::function)
+#else
+#define MKV_CUDA_IMPL(function) nullptr
+#endif
+
+template <typename Launch>
+using CudaImpl = cudaError_t (*)(Launch const&, cudaStream_t);
+
+template <typename Launch>
+void run(DeviceType device, char const* call, Launch const& launch,
+         void (*host)(Launch const&), std::type_identity_t<CudaImpl<Launch>> cuda,
+         cudaStream_t stream) {
+  if (device == DeviceType::kCPU) {
+    host(launch);
+    return;
+  }
+#if MKV_WITH_CUDA
+  mkv::detail::checkCuda(cuda(launch, stream), call);
+#else
+  (void)cuda;
+  (void)stream;
+  mkv::detail::throwContract(call, "GPU buffers given, but managedkv was built without CUDA");
+#endif
+}
+
+void requireRowBuffers(std::span<RowBuffer const> buffers, char const* call, int64_t minRows) {
+  MKV_REQUIRE(buffers.size() <= static_cast<std::size_t>(kMaxRowBuffers), call,
+              "{} buffers exceed the limit of {}", buffers.size(), kMaxRowBuffers);
+  for (std::size_t b = 0; b < buffers.size(); ++b) {
+    MKV_REQUIRE(buffers[b].rowBytes > 0, call, "buffer {} has rowBytes {}", b,
+                buffers[b].rowBytes);
+    MKV_REQUIRE(buffers[b].data != nullptr, call, "buffer {} has no data", b);
+    MKV_REQUIRE(buffers[b].numRows >= minRows, call, "buffer {} has {} rows, needs {}", b,
+                buffers[b].numRows, minRows);
+  }
+}
+
+}  // namespace
+
+void copyPages(PagedBuffers const& src, PagedBuffers const& dst, Tensor const& srcIds,
+               Tensor const& dstIds, Tensor const* tokenCounts, cudaStream_t stream) {
+  constexpr char const* kCall = "copyPages";
+  MKV_REQUIRE(src.deviceType == dst.deviceType, kCall, "src is on {} but dst on {}",
+              toString(src.deviceType), toString(dst.deviceType));
+  MKV_REQUIRE(src.numLayers() == dst.numLayers(), kCall, "src has {} layers but dst {}",
+              src.numLayers(), dst.numLayers());
+  MKV_REQUIRE(src.numLayers() <= kMaxLayers, kCall, "{} layers exceed the limit of {}",
+              src.numLayers(), kMaxLayers);
+  MKV_REQUIRE(src.tokensPerPage > 0 && src.tokensPerPage == dst.tokensPerPage, kCall,
+              "tokensPerPage differ or are not positive: src {}, dst {}", src.tokensPerPage,
+              dst.tokensPerPage);
+  MKV_REQUIRE(src.tokenBytes > 0 && src.tokenBytes == dst.tokenBytes, kCall,
+              "tokenBytes differ or are not positive: src {}, dst {}", src.tokenBytes,
+              dst.tokenBytes);
+  MKV_REQUIRE(src.numPages > 0 && dst.numPages > 0, kCall, "numPages must be positive: src {}, dst {}",
+              src.numPages, dst.numPages);
+  for (int32_t l = 0; l < src.numLayers(); ++l) {
+    MKV_REQUIRE(src.layerBases[static_cast<std::size_t>(l)] != nullptr &&
+                    dst.layerBases[static_cast<std::size_t>(l)] != nullptr,
+                kCall, "layer {} has a null base pointer", l);
+  }
+  requireIndexTensor(srcIds, kCall, "srcIds", src.deviceType, -1);
+  requireIndexTensor(dstIds, kCall, "dstIds", src.deviceType, srcIds.numel());
+  requireIdsInRange(srcIds, src.numPages, kCall, "srcIds");
+  requireIdsInRange(dstIds, dst.numPages, kCall, "dstIds");
+  if (tokenCounts != nullptr) {
+    requireIndexTensor(*tokenCounts, kCall, "tokenCounts", src.deviceType, srcIds.numel());
+    if (tokenCounts->deviceType() == DeviceType::kCPU) {
+      int32_t const* counts = tokenCounts->dataPointer<int32_t>();
+      for (int64_t i = 0; i < tokenCounts->numel(); ++i) {
+        MKV_REQUIRE(counts[i] >= 0 && counts[i] <= src.tokensPerPage, kCall,
+                    "tokenCounts[{}] = {} is outside [0, {}]", i, counts[i], src.tokensPerPage);
+      }
+    }
+  }
+  if (srcIds.numel() == 0) {
+    return;
+  }
+  detail::CopyPagesLaunch launch{};
+  std::copy(src.layerBases.begin(), src.layerBases.end(), launch.srcLayers);
+  std::copy(dst.layerBases.begin(), dst.layerBases.end(), launch.dstLayers);
+  launch.srcIds = srcIds.dataPointer<int32_t>();
+  launch.dstIds = dstIds.dataPointer<int32_t>();
+  launch.tokenCounts = tokenCounts != nullptr ? tokenCounts->dataPointer<int32_t>() : nullptr;
+  launch.tokenBytes = src.tokenBytes;
+  launch.numLayers = src.numLayers();
+  launch.numItems = static_cast<int32_t>(srcIds.numel());
+  launch.srcNumPages = src.numPages;
+  launch.dstNumPages = dst.numPages;
+  launch.tokensPerPage = src.tokensPerPage;
+  run(src.deviceType, kCall, launch, &detail::copyPagesHost, MKV_CUDA_IMPL(copyPagesCuda), stream);
+}
+
+void compactBatch(std::span<RowBuffer const> buffers, DeviceType deviceType,
+                  Tensor const& oldToNew, int32_t newBatchSize, cudaStream_t stream) {
+  constexpr char const* kCall = "compactBatch";
+  requireIndexTensor(oldToNew, kCall, "oldToNew", deviceType, -1);
+  int64_t const oldBatch = oldToNew.numel();
+  MKV_REQUIRE(newBatchSize >= 0 && newBatchSize <= oldBatch, kCall,
+              "newBatchSize {} is outside [0, {}]", newBatchSize, oldBatch);
+  requireRowBuffers(buffers, kCall, oldBatch);
+  if (deviceType == DeviceType::kCPU) {
+    int32_t const* mapping = oldToNew.dataPointer<int32_t>();
+    int32_t nextSurvivor = 0;
+    for (int64_t i = 0; i < oldBatch; ++i) {
+      if (mapping[i] < 0 || mapping[i] >= newBatchSize) {
+        MKV_REQUIRE(mapping[i] >= -1, kCall, "oldToNew[{}] = {} is below -1", i, mapping[i]);
+        continue;
+      }
+      MKV_REQUIRE(mapping[i] == nextSurvivor, kCall,
+                  "mapping is not order-preserving: oldToNew[{}] = {}, expected {}", i,
+                  mapping[i], nextSurvivor);
+      ++nextSurvivor;
+    }
+  }
+  if (buffers.empty() || oldBatch == 0) {
+    return;
+  }
+  detail::CompactBatchLaunch launch{};
+  for (std::size_t b = 0; b < buffers.size(); ++b) {
+    launch.buffers[b] = RowBufferDesc{static_cast<uint8_t*>(buffers[b].data), buffers[b].rowBytes};
+  }
+  launch.oldToNew = oldToNew.dataPointer<int32_t>();
+  launch.numBuffers = static_cast<int32_t>(buffers.size());
+  launch.oldBatch = static_cast<int32_t>(oldBatch);
+  launch.newBatch = newBatchSize;
+  run(deviceType, kCall, launch, &detail::compactBatchHost, MKV_CUDA_IMPL(compactBatchCuda), stream);
+}
+
+void copyRows(std::span<RowBufferPair const> buffers, DeviceType deviceType,
+              Tensor const& srcRows, Tensor const& dstRows, cudaStream_t stream) {
+  constexpr char const* kCall = "copyRows";
+  MKV_REQUIRE(buffers.size() <= static_cast<std::size_t>(kMaxRowBuffers), kCall,
+              "{} buffer pairs exceed the limit of {}", buffers.size(), kMaxRowBuffers);
+  requireIndexTensor(srcRows, kCall, "srcRows", deviceType, -1);
+  requireIndexTensor(dstRows, kCall, "dstRows", deviceType, srcRows.numel());
+  detail::CopyRowsLaunch launch{};
+  for (std::size_t b = 0; b < buffers.size(); ++b) {
+    RowBuffer const& src = buffers[b].src;
+    RowBuffer const& dst = buffers[b].dst;
+    MKV_REQUIRE(src.rowBytes > 0 && src.rowBytes == dst.rowBytes, kCall,
+                "pair {}: rowBytes differ or are not positive: {} vs {}", b, src.rowBytes,
+                dst.rowBytes);
+    MKV_REQUIRE(src.data != nullptr && dst.data != nullptr, kCall, "pair {} has no data", b);
+    requireIdsInRange(srcRows, src.numRows, kCall, "srcRows");
+    requireIdsInRange(dstRows, dst.numRows, kCall, "dstRows");
+    launch.buffers[b] = detail::RowCopyDesc{static_cast<uint8_t const*>(src.data),
+                                            static_cast<uint8_t*>(dst.data), src.rowBytes,
+                                            src.numRows, dst.numRows};
+  }
+  if (buffers.empty() || srcRows.numel() == 0) {
+    return;
+  }
+  launch.srcRows = srcRows.dataPointer<int32_t>();
+  launch.dstRows = dstRows.dataPointer<int32_t>();
+  launch.numBuffers = static_cast<int32_t>(buffers.size());
+  launch.numItems = static_cast<int32_t>(srcRows.numel());
+  launch.fillSkipped = 0;
+  run(deviceType, kCall, launch, &detail::copyRowsHost, MKV_CUDA_IMPL(copyRowsCuda), stream);
+}
+
+namespace {
+
+RowBuffer rowsOf(Tensor const& t) {
+  return RowBuffer{const_cast<void*>(t.rawPointer()),
+                   t.dim(1) * static_cast<int64_t>(dataTypeSize(t.dataType())), t.dim(0)};
+}
+
+void copyHiddenRows(char const* call, Tensor const& src, Tensor const& srcRows, Tensor& dst,
+                    Tensor const& dstRows, cudaStream_t stream) {
+  MKV_REQUIRE(src.rank() == 2 && dst.rank() == 2, call, "expected 2-D tensors, got {} and {}",
+              src.shape().toString(), dst.shape().toString());
+  MKV_REQUIRE(src.dataType() == dst.dataType(), call, "dtype mismatch: {} vs {}",
+              toString(src.dataType()), toString(dst.dataType()));
+  MKV_REQUIRE(src.dim(1) == dst.dim(1) && src.dim(1) > 0, call,
+              "row width mismatch or empty rows: {} vs {}", src.dim(1), dst.dim(1));
+  MKV_REQUIRE(src.deviceType() == dst.deviceType(), call, "src on {} but dst on {}",
+              toString(src.deviceType()), toString(dst.deviceType()));
+  RowBufferPair const pair{rowsOf(src), rowsOf(dst)};
+  try {
+    copyRows(std::span<RowBufferPair const>(&pair, 1), src.deviceType(), srcRows, dstRows, stream);
+  } catch (Error const& error) {
+    mkv::detail::throwContract(call, "{}", error.what());
+  }
+}
+
+}  // namespace
+
+void captureHiddenRows(Tensor const& hidden, Tensor const& rows, Tensor& slab, Tensor const& slots,
+                       cudaStream_t stream) {
+  copyHiddenRows("captureHiddenRows", hidden, rows, slab, slots, stream);
+}
+
+void restoreHiddenRows(Tensor const& slab, Tensor const& slots, Tensor& hidden, Tensor const& rows,
+                       cudaStream_t stream) {
+  copyHiddenRows("restoreHiddenRows", slab, slots, hidden, rows, stream);
+}
+
+void gatherPageTableRows(Tensor const& table, Tensor const& residentSlots, Tensor& dst,
+                         cudaStream_t stream) {
+  constexpr char const* kCall = "gatherPageTableRows";
+  MKV_REQUIRE(table.rank() == 3 && table.dim(1) == 2, kCall,
+              "table must be [maxBatch, 2, maxPagesPerSeq], got {}", table.shape().toString());
+  MKV_REQUIRE(table.dataType() == DataType::kInt32 && dst.dataType() == DataType::kInt32, kCall,
+              "table and dst must be int32");
+  MKV_REQUIRE(table.deviceType() == dst.deviceType(), kCall, "table on {} but dst on {}",
+              toString(table.deviceType()), toString(dst.deviceType()));
+  requireIndexTensor(residentSlots, kCall, "residentSlots", table.deviceType(), -1);
+  requireIdsInRange(residentSlots, table.dim(0), kCall, "residentSlots");
+  int64_t const n = residentSlots.numel();
+  Coords const shape{n, 2, table.dim(2)};
+  MKV_REQUIRE(dst.reshape(shape), kCall, "dst capacity {} bytes cannot hold {}",
+              dst.capacityBytes(), shape.toString());
+  if (n == 0) {
+    return;
+  }
+  detail::CopyRowsLaunch launch{};
+  launch.buffers[0] = detail::RowCopyDesc{static_cast<uint8_t const*>(table.rawPointer()),
+                                          static_cast<uint8_t*>(dst.rawPointer()),
+                                          2 * table.dim(2) * static_cast<int64_t>(sizeof(int32_t)),
+                                          table.dim(0), n};
+  launch.srcRows = residentSlots.dataPointer<int32_t>();
+  launch.dstRows = nullptr;
+  launch.numBuffers = 1;
+  launch.numItems = static_cast<int32_t>(n);
+  launch.fillSkipped = 1;
+  run(table.deviceType(), kCall, launch, &detail::copyRowsHost, MKV_CUDA_IMPL(copyRowsCuda), stream);
+}
+
+void zeroRows(std::span<RowBuffer const> buffers, DeviceType deviceType, Tensor const& rows,
+              cudaStream_t stream) {
+  constexpr char const* kCall = "zeroRows";
+  requireIndexTensor(rows, kCall, "rows", deviceType, -1);
+  requireRowBuffers(buffers, kCall, 0);
+  for (std::size_t b = 0; b < buffers.size(); ++b) {
+    requireIdsInRange(rows, buffers[b].numRows, kCall, "rows");
+  }
+  if (buffers.empty() || rows.numel() == 0) {
+    return;
+  }
+  detail::ZeroRowsLaunch launch{};
+  for (std::size_t b = 0; b < buffers.size(); ++b) {
+    launch.buffers[b] = RowBufferDesc{static_cast<uint8_t*>(buffers[b].data), buffers[b].rowBytes};
+    launch.numRows[b] = buffers[b].numRows;
+  }
+  launch.rows = rows.dataPointer<int32_t>();
+  launch.numBuffers = static_cast<int32_t>(buffers.size());
+  launch.numItems = static_cast<int32_t>(rows.numel());
+  run(deviceType, kCall, launch, &detail::zeroRowsHost, MKV_CUDA_IMPL(zeroRowsCuda), stream);
+}
+
+void applyInt32Patch(Tensor& dst, Tensor const& patch, int32_t numRanges, cudaStream_t stream) {
+  constexpr char const* kCall = "applyInt32Patch";
+  MKV_REQUIRE(dst.dataType() == DataType::kInt32, kCall, "dst must be int32, got {}",
+              toString(dst.dataType()));
+  requireIndexTensor(patch, kCall, "patch", dst.deviceType(), -1);
+  MKV_REQUIRE(numRanges >= 0 && 3 * int64_t{numRanges} <= patch.numel(), kCall,
+              "{} ranges need {} header entries but the patch has {}", numRanges,
+              3 * int64_t{numRanges}, patch.numel());
+  if (patch.deviceType() == DeviceType::kCPU) {
+    int32_t const* header = patch.dataPointer<int32_t>();
+    for (int32_t r = 0; r < numRanges; ++r) {
+      int64_t const offset = header[3 * r];
+      int64_t const count = header[3 * r + 1];
+      int64_t const start = header[3 * r + 2];
+      MKV_REQUIRE(offset >= 0 && count >= 0 && offset + count <= dst.numel(), kCall,
+                  "range {} [{}, {}) is outside dst of {} entries", r, offset, offset + count,
+                  dst.numel());
+      MKV_REQUIRE(start >= 3 * int64_t{numRanges} && start + count <= patch.numel(), kCall,
+                  "range {} values [{}, {}) are outside the patch of {} entries", r, start,
+                  start + count, patch.numel());
+    }
+  }
+  if (numRanges == 0) {
+    return;
+  }
+  detail::Int32PatchLaunch launch{};
+  launch.dst = dst.dataPointer<int32_t>();
+  launch.patch = patch.dataPointer<int32_t>();
+  launch.dstNumel = dst.numel();
+  launch.numRanges = numRanges;
+  run(dst.deviceType(), kCall, launch, &detail::applyInt32PatchHost, MKV_CUDA_IMPL(applyInt32PatchCuda),
+      stream);
+}
+
+}  // namespace mkv::kernels

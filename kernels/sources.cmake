@@ -1,0 +1,14 @@
+# Launchers and host reference twins always build; the CUDA implementations only with CUDA.
+list(APPEND MKV_LIBRARY_SOURCES
+  ${CMAKE_CURRENT_LIST_DIR}/launchers.cpp
+  ${CMAKE_CURRENT_LIST_DIR}/host_reference.cpp
+)
+if(MKV_WITH_CUDA)
+  list(APPEND MKV_LIBRARY_SOURCES
+    ${CMAKE_CURRENT_LIST_DIR}/copy_pages.cu
+    ${CMAKE_CURRENT_LIST_DIR}/compact_batch.cu
+    ${CMAKE_CURRENT_LIST_DIR}/copy_rows.cu
+    ${CMAKE_CURRENT_LIST_DIR}/zero_rows.cu
+    ${CMAKE_CURRENT_LIST_DIR}/int32_patch.cu
+  )
+endif()

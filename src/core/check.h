@@ -1,0 +1,54 @@
+#pragma once
+/// \file check.h
+/// Internal checking helpers (not installed).
+///
+/// * MKV_REQUIRE(cond, "call", "fmt", args...) - a contract check on caller input; throws
+///   mkv::Error("call: <message>") so the message names the call and the offending value.
+/// * MKV_ASSERT(cond, "fmt", args...) - an internal invariant, always on; throws
+///   mkv::Error("internal invariant violated at file:line: ...").
+/// * MKV_DASSERT - the same, compiled out in NDEBUG builds; for hot paths only.
+
+#include <fmt/format.h>
+
+#include "mkv/error.h"
+
+namespace mkv::detail {
+
+[[noreturn]] void throwError(std::string message);
+
+template <typename... Args>
+[[noreturn]] void throwContract(char const* call, fmt::format_string<Args...> format,
+                                Args&&... args) {
+  throwError(fmt::format("{}: {}", call, fmt::format(format, std::forward<Args>(args)...)));
+}
+
+template <typename... Args>
+[[noreturn]] void throwInvariant(char const* file, int line, fmt::format_string<Args...> format,
+                                 Args&&... args) {
+  throwError(fmt::format("internal invariant violated at {}:{}: {}", file, line,
+                         fmt::format(format, std::forward<Args>(args)...)));
+}
+
+}  // namespace mkv::detail
+
+#define MKV_REQUIRE(cond, call, ...)                          \
+  do {                                                        \
+    if (!(cond)) [[unlikely]] {                               \
+      ::mkv::detail::throwContract(call, __VA_ARGS__);        \
+    }                                                         \
+  } while (false)
+
+#define MKV_ASSERT(cond, ...)                                         \
+  do {                                                                \
+    if (!(cond)) [[unlikely]] {                                       \
+      ::mkv::detail::throwInvariant(__FILE__, __LINE__, __VA_ARGS__); \
+    }                                                                 \
+  } while (false)
+
+#ifdef NDEBUG
+#define MKV_DASSERT(cond, ...) \
+  do {                         \
+  } while (false)
+#else
+#define MKV_DASSERT(cond, ...) MKV_ASSERT(cond, __VA_ARGS__)
+#endif

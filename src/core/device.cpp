@@ -1,0 +1,289 @@
+#include "core/device.h"
+
+#include <cstring>
+#include <utility>
+
+#include "core/check.h"
+#include "mkv/stream.h"
+
+#if MKV_WITH_CUDA
+#include <cuda_runtime.h>
+#endif
+
+namespace mkv::detail {
+namespace {
+[[noreturn]] void throwNoCuda(std::string_view what) {
+  throwError(fmt::format("{}: GPU memory requested, but managedkv was built without CUDA", what));
+}
+}  // namespace
+
+std::string_view cudaErrorName(cudaError_t status) noexcept {
+#if MKV_WITH_CUDA
+  return cudaGetErrorName(status);
+#else
+  switch (status) {
+    case cudaSuccess: return "cudaSuccess";
+    case cudaErrorInvalidValue: return "cudaErrorInvalidValue";
+    case cudaErrorMemoryAllocation: return "cudaErrorMemoryAllocation";
+    case cudaErrorNoDevice: return "cudaErrorNoDevice";
+    case cudaErrorNotSupported: return "cudaErrorNotSupported";
+    case cudaErrorUnknown: return "cudaErrorUnknown";
+  }
+  return "cudaError(unknown)";
+#endif
+}
+
+void checkCuda(cudaError_t status, std::string_view what) {
+  if (status == cudaSuccess) [[likely]] {
+    return;
+  }
+#if MKV_WITH_CUDA
+  throwError(fmt::format("{}: {}: {}", what, cudaGetErrorName(status), cudaGetErrorString(status)));
+#else
+  throwError(fmt::format("{}: {}", what, cudaErrorName(status)));
+#endif
+}
+
+void* allocateDevice(std::size_t bytes) {
+#if MKV_WITH_CUDA
+  void* pointer = nullptr;
+  if (bytes == 0) {
+    return nullptr;
+  }
+  checkCuda(cudaMalloc(&pointer, bytes), fmt::format("cudaMalloc({} bytes)", bytes));
+  return pointer;
+#else
+  (void)bytes;
+  throwNoCuda("allocateDevice");
+#endif
+}
+
+void freeDevice(void* pointer) noexcept {
+#if MKV_WITH_CUDA
+  if (pointer != nullptr) {
+    (void)cudaFree(pointer);
+  }
+#else
+  (void)pointer;
+#endif
+}
+
+void* allocatePinnedHost(std::size_t bytes) {
+#if MKV_WITH_CUDA
+  void* pointer = nullptr;
+  if (bytes == 0) {
+    return nullptr;
+  }
+  checkCuda(cudaMallocHost(&pointer, bytes), fmt::format("cudaMallocHost({} bytes)", bytes));
+  return pointer;
+#else
+  (void)bytes;
+  throwNoCuda("allocatePinnedHost");
+#endif
+}
+
+void freePinnedHost(void* pointer) noexcept {
+#if MKV_WITH_CUDA
+  if (pointer != nullptr) {
+    (void)cudaFreeHost(pointer);
+  }
+#else
+  (void)pointer;
+#endif
+}
+
+void copyBytes(void* dst, DeviceType dstType, void const* src, DeviceType srcType,
+               std::size_t bytes, cudaStream_t stream) {
+  if (bytes == 0) {
+    return;
+  }
+  if (dstType == DeviceType::kCPU && srcType == DeviceType::kCPU) {
+    std::memmove(dst, src, bytes);
+    return;
+  }
+#if MKV_WITH_CUDA
+  checkCuda(cudaMemcpyAsync(dst, src, bytes, cudaMemcpyDefault, stream), "cudaMemcpyAsync");
+#else
+  (void)stream;
+  throwNoCuda("copyBytes");
+#endif
+}
+
+void fillBytes(void* dst, DeviceType type, int value, std::size_t bytes, cudaStream_t stream) {
+  if (bytes == 0) {
+    return;
+  }
+  if (type == DeviceType::kCPU) {
+    std::memset(dst, value, bytes);
+    return;
+  }
+#if MKV_WITH_CUDA
+  checkCuda(cudaMemsetAsync(dst, value, bytes, stream), "cudaMemsetAsync");
+#else
+  (void)stream;
+  throwNoCuda("fillBytes");
+#endif
+}
+
+void synchronizeDevice() {
+#if MKV_WITH_CUDA
+  checkCuda(cudaDeviceSynchronize(), "cudaDeviceSynchronize");
+#endif
+}
+
+Event::Event(DeviceType deviceType) {
+  if (deviceType == DeviceType::kGPU) {
+#if MKV_WITH_CUDA
+    cudaEvent_t event = nullptr;
+    checkCuda(cudaEventCreateWithFlags(&event, cudaEventDisableTiming), "cudaEventCreate");
+    mEvent = event;
+#else
+    throwNoCuda("Event");
+#endif
+  }
+}
+
+Event::~Event() {
+#if MKV_WITH_CUDA
+  if (mEvent != nullptr) {
+    (void)cudaEventDestroy(static_cast<cudaEvent_t>(mEvent));
+  }
+#endif
+}
+
+Event::Event(Event&& other) noexcept
+    : mEvent(std::exchange(other.mEvent, nullptr)), mRecorded(std::exchange(other.mRecorded, false)) {}
+
+Event& Event::operator=(Event&& other) noexcept {
+  if (this != &other) {
+    Event dying(std::move(*this));
+    mEvent = std::exchange(other.mEvent, nullptr);
+    mRecorded = std::exchange(other.mRecorded, false);
+  }
+  return *this;
+}
+
+void Event::record(cudaStream_t stream) {
+#if MKV_WITH_CUDA
+  if (mEvent != nullptr) {
+    checkCuda(cudaEventRecord(static_cast<cudaEvent_t>(mEvent), stream), "cudaEventRecord");
+    mRecorded = true;
+  }
+#else
+  (void)stream;
+#endif
+}
+
+void Event::synchronize() {
+#if MKV_WITH_CUDA
+  if (mEvent != nullptr && mRecorded) {
+    checkCuda(cudaEventSynchronize(static_cast<cudaEvent_t>(mEvent)), "cudaEventSynchronize");
+  }
+#endif
+}
+
+HostBuffer::HostBuffer(std::size_t bytes, DeviceType forDevice)
+    : mBytes(bytes), mPinned(forDevice == DeviceType::kGPU) {
+  if (bytes == 0) {
+    return;
+  }
+  mData = mPinned ? allocatePinnedHost(bytes) : ::operator new(bytes);
+  std::memset(mData, 0, bytes);
+}
+
+HostBuffer::~HostBuffer() { release(); }
+
+void HostBuffer::release() noexcept {
+  if (mData != nullptr) {
+    if (mPinned) {
+      freePinnedHost(mData);
+    } else {
+      ::operator delete(mData);
+    }
+  }
+  mData = nullptr;
+  mBytes = 0;
+}
+
+HostBuffer::HostBuffer(HostBuffer&& other) noexcept
+    : mData(std::exchange(other.mData, nullptr)),
+      mBytes(std::exchange(other.mBytes, 0)),
+      mPinned(other.mPinned) {}
+
+HostBuffer& HostBuffer::operator=(HostBuffer&& other) noexcept {
+  if (this != &other) {
+    release();
+    mData = std::exchange(other.mData, nullptr);
+    mBytes = std::exchange(other.mBytes, 0);
+    mPinned = other.mPinned;
+  }
+  return *this;
+}
+
+Int32Staging::Int32Staging(int64_t capacity, DeviceType deviceType)
+    : mCapacity(capacity),
+      mDeviceType(deviceType),
+      mHost(static_cast<std::size_t>(capacity) * sizeof(int32_t), deviceType),
+      mDevice(deviceType == DeviceType::kGPU ? Tensor({capacity}, DataType::kInt32, deviceType)
+                                             : Tensor()),
+      mEvent(deviceType) {
+  MKV_REQUIRE(capacity > 0, "Int32Staging", "capacity must be positive, got {}", capacity);
+}
+
+Int32Staging::Batch Int32Staging::begin(cudaStream_t stream) {
+  mEvent.synchronize();
+  return Batch(*this, stream);
+}
+
+Tensor Int32Staging::Batch::add(std::span<int32_t const> values) {
+  auto const count = static_cast<int64_t>(values.size());
+  MKV_REQUIRE(mUsed + count <= mOwner.mCapacity, "Int32Staging::add",
+              "{} values do not fit: {} of {} already used", count, mUsed, mOwner.mCapacity);
+  auto* host = static_cast<int32_t*>(mOwner.mHost.data()) + mUsed;
+  if (count > 0) {
+    std::memcpy(host, values.data(), values.size_bytes());
+  }
+  int32_t* target = mOwner.mDeviceType == DeviceType::kGPU
+                        ? mOwner.mDevice.dataPointer<int32_t>() + mUsed
+                        : host;
+  mUsed += count;
+  return Tensor::view(target, {count}, DataType::kInt32, mOwner.mDeviceType);
+}
+
+void Int32Staging::Batch::submit() {
+  if (mOwner.mDeviceType == DeviceType::kGPU && mUsed > 0) {
+    copyBytes(mOwner.mDevice.rawPointer(), DeviceType::kGPU, mOwner.mHost.data(), DeviceType::kCPU,
+              static_cast<std::size_t>(mUsed) * sizeof(int32_t), mStream);
+    mOwner.mEvent.record(mStream);
+  }
+}
+
+}  // namespace mkv::detail
+
+namespace mkv {
+
+StreamSynchronizer defaultStreamSynchronizer(DeviceType deviceType) {
+  if (deviceType == DeviceType::kCPU) {
+    return [](cudaStream_t) { return cudaSuccess; };
+  }
+#if MKV_WITH_CUDA
+  return [](cudaStream_t stream) { return cudaStreamSynchronize(stream); };
+#else
+  return [](cudaStream_t) { return cudaErrorNoDevice; };
+#endif
+}
+
+bool cudaDeviceAvailable() noexcept {
+#if MKV_WITH_CUDA
+  int count = 0;
+  if (cudaGetDeviceCount(&count) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return false;
+  }
+  return count > 0;
+#else
+  return false;
+#endif
+}
+
+}  // namespace mkv

@@ -1,0 +1,8 @@
+list(APPEND MKV_LIBRARY_SOURCES
+  ${CMAKE_CURRENT_LIST_DIR}/check.cpp
+  ${CMAKE_CURRENT_LIST_DIR}/device.cpp
+  ${CMAKE_CURRENT_LIST_DIR}/logging.cpp
+  ${CMAKE_CURRENT_LIST_DIR}/media.cpp
+  ${CMAKE_CURRENT_LIST_DIR}/tensor.cpp
+  ${CMAKE_CURRENT_LIST_DIR}/types.cpp
+)

@@ -1,0 +1,50 @@
+#include "mkv/types.h"
+
+namespace mkv {
+
+std::string_view toString(DataType type) noexcept {
+  switch (type) {
+    case DataType::kFloat32: return "float32";
+    case DataType::kFloat16: return "float16";
+    case DataType::kBFloat16: return "bfloat16";
+    case DataType::kFp8E4M3: return "fp8e4m3";
+    case DataType::kInt8: return "int8";
+    case DataType::kUInt8: return "uint8";
+    case DataType::kInt32: return "int32";
+    case DataType::kInt64: return "int64";
+  }
+  return "unknown";
+}
+
+std::string_view toString(DeviceType type) noexcept {
+  return type == DeviceType::kCPU ? "cpu" : "gpu";
+}
+
+std::string_view toString(FinishReason reason) noexcept {
+  switch (reason) {
+    case FinishReason::kNotFinished: return "not-finished";
+    case FinishReason::kEndOfSequence: return "end-of-sequence";
+    case FinishReason::kStopString: return "stop-string";
+    case FinishReason::kLength: return "length";
+    case FinishReason::kCancelled: return "cancelled";
+    case FinishReason::kError: return "error";
+  }
+  return "unknown";
+}
+
+namespace {
+template <typename Status>
+std::string_view statusName(Status status) noexcept {
+  switch (status) {
+    case Status::kOk: return "ok";
+    case Status::kRequestFailed: return "request-failed";
+    case Status::kPoisoned: return "poisoned";
+  }
+  return "unknown";
+}
+}  // namespace
+
+std::string_view toString(SwaKVCacheStatus status) noexcept { return statusName(status); }
+std::string_view toString(ContextCacheStatus status) noexcept { return statusName(status); }
+
+}  // namespace mkv
