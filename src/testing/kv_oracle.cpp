@@ -1,0 +1,179 @@
+#include "mkv/testing/kv_oracle.h"
+
+#include <fmt/format.h>
+
+#include <cstring>
+
+#include "core/check.h"
+#include "core/device.h"
+
+namespace mkv::testing {
+namespace {
+
+uint64_t mix64(uint64_t x) noexcept {
+  x ^= x >> 30;
+  x *= 0xBF58476D1CE4E5B9ULL;
+  x ^= x >> 27;
+  x *= 0x94D049BB133111EBULL;
+  x ^= x >> 31;
+  return x;
+}
+
+constexpr uint64_t kChainRoot = 0x6A09E667F3BCC908ULL;
+
+}  // namespace
+
+void PrefixDigests::extend(std::span<uint64_t const> positionKeys) {
+  uint64_t previous = mDigests.empty() ? mix64(kChainRoot ^ mSeed) : mDigests.back();
+  mDigests.reserve(mDigests.size() + positionKeys.size());
+  for (uint64_t key : positionKeys) {
+    previous = mix64(previous ^ mix64(key + 0x9E3779B97F4A7C15ULL));
+    mDigests.push_back(previous);
+  }
+}
+
+void PrefixDigests::extendTokens(std::span<int32_t const> tokens) {
+  std::vector<uint64_t> keys(tokens.size());
+  for (std::size_t i = 0; i < tokens.size(); ++i) {
+    keys[i] = static_cast<uint32_t>(tokens[i]);
+  }
+  extend(keys);
+}
+
+void PrefixDigests::truncate(int64_t length) {
+  if (length >= 0 && length < size()) {
+    mDigests.resize(static_cast<std::size_t>(length));
+  }
+}
+
+void KvOracle::expectedRow(uint64_t digest, int32_t layer, int32_t half, std::span<uint8_t> out) {
+  uint64_t state = mix64(digest ^ (static_cast<uint64_t>(layer) << 32) ^
+                         (static_cast<uint64_t>(half) << 1) ^ 0xD1B54A32D192ED03ULL);
+  std::size_t i = 0;
+  while (i < out.size()) {
+    state += 0x9E3779B97F4A7C15ULL;
+    uint64_t word = mix64(state);
+    for (int b = 0; b < 8 && i < out.size(); ++b, ++i) {
+      out[i] = static_cast<uint8_t>(word >> (8 * b));
+    }
+  }
+}
+
+KvOracle::KvOracle(KVCachePool& pool, KVPageTable const& table) : mPool(pool), mTable(table) {
+  MKV_REQUIRE(pool.numPages() == table.numPages(), "KvOracle",
+              "pool has {} pages but the page table addresses {}", pool.numPages(),
+              table.numPages());
+  MKV_REQUIRE(pool.deviceType() == table.deviceType(), "KvOracle",
+              "pool on {} but page table on {}", toString(pool.deviceType()),
+              toString(table.deviceType()));
+}
+
+std::vector<int32_t> KvOracle::deviceRow(CacheSlot slot) const {
+  MKV_REQUIRE(slot >= 0 && slot < mTable.maxBatch(), "KvOracle", "slot {} outside [0, {})", slot,
+              mTable.maxBatch());
+  auto const width = static_cast<std::size_t>(2 * mTable.maxPagesPerSeq());
+  std::vector<int32_t> row(width);
+  auto const* base = mTable.deviceTable().dataPointer<int32_t>() + width * static_cast<std::size_t>(slot);
+  detail::copyBytes(row.data(), DeviceType::kCPU, base, mTable.deviceType(),
+                    width * sizeof(int32_t), nullptr);
+  if (mTable.deviceType() == DeviceType::kGPU) {
+    detail::synchronizeDevice();
+  }
+  return row;
+}
+
+PageId KvOracle::resolve(CacheSlot, int64_t position, std::vector<int32_t> const& row) const {
+  int64_t const logical = position / mPool.tokensPerPage();
+  if (logical >= mTable.maxPagesPerSeq()) {
+    return kNoPage;
+  }
+  return row[static_cast<std::size_t>(logical)];
+}
+
+void KvOracle::write(CacheSlot slot, PrefixDigests const& digests, int64_t begin, int64_t end) {
+  MKV_REQUIRE(begin >= 0 && begin <= end && end <= digests.size(), "KvOracle::write",
+              "range [{}, {}) outside the {} known positions", begin, end, digests.size());
+  std::vector<int32_t> const row = deviceRow(slot);
+  auto const tokenBytes = static_cast<std::size_t>(mPool.tokenBytes());
+  auto const pageBytes = static_cast<std::size_t>(mPool.pageBytes());
+  auto const halfBytes = pageBytes * static_cast<std::size_t>(mPool.numPages());
+  std::vector<uint8_t> bytes(tokenBytes);
+  for (int64_t p = begin; p < end; ++p) {
+    PageId const page = resolve(slot, p, row);
+    MKV_REQUIRE(page >= 0 && page < mPool.numPages(), "KvOracle::write",
+                "position {} of slot {} maps to no page (entry {})", p, slot, page);
+    auto const rowInPage = static_cast<std::size_t>(p % mPool.tokensPerPage());
+    for (int32_t layer = 0; layer < mPool.numLayers(); ++layer) {
+      auto* base = static_cast<uint8_t*>(mPool.layer(layer).rawPointer());
+      for (int32_t half = 0; half < 2; ++half) {
+        expectedRow(digests.at(p), layer, half, bytes);
+        uint8_t* target = base + static_cast<std::size_t>(half) * halfBytes +
+                          static_cast<std::size_t>(page) * pageBytes + rowInPage * tokenBytes;
+        detail::copyBytes(target, mPool.deviceType(), bytes.data(), DeviceType::kCPU, tokenBytes,
+                          nullptr);
+        if (mPool.deviceType() == DeviceType::kGPU) {
+          detail::synchronizeDevice();
+        }
+      }
+    }
+  }
+}
+
+OracleReport KvOracle::verify(CacheSlot slot, PrefixDigests const& digests, int64_t begin,
+                              int64_t end) const {
+  MKV_REQUIRE(begin >= 0 && begin <= end && end <= digests.size(), "KvOracle::verify",
+              "range [{}, {}) outside the {} known positions", begin, end, digests.size());
+  OracleReport report;
+  std::vector<int32_t> const row = deviceRow(slot);
+  auto const tokenBytes = static_cast<std::size_t>(mPool.tokenBytes());
+  auto const pageBytes = static_cast<std::size_t>(mPool.pageBytes());
+  auto const halfBytes = pageBytes * static_cast<std::size_t>(mPool.numPages());
+  std::vector<uint8_t> expected(tokenBytes);
+  std::vector<uint8_t> found(tokenBytes);
+  for (int64_t p = begin; p < end; ++p) {
+    ++report.positionsChecked;
+    PageId const page = resolve(slot, p, row);
+    if (page < 0 || page >= mPool.numPages()) {
+      if (report.mismatches++ == 0) {
+        report.firstMismatch =
+            fmt::format("slot {} position {}: no page mapped (entry {})", slot, p, page);
+      }
+      continue;
+    }
+    auto const rowInPage = static_cast<std::size_t>(p % mPool.tokensPerPage());
+    bool positionOk = true;
+    for (int32_t layer = 0; layer < mPool.numLayers() && positionOk; ++layer) {
+      auto const* base = static_cast<uint8_t const*>(mPool.layer(layer).rawPointer());
+      for (int32_t half = 0; half < 2 && positionOk; ++half) {
+        expectedRow(digests.at(p), layer, half, expected);
+        uint8_t const* source = base + static_cast<std::size_t>(half) * halfBytes +
+                                static_cast<std::size_t>(page) * pageBytes + rowInPage * tokenBytes;
+        detail::copyBytes(found.data(), DeviceType::kCPU, source, mPool.deviceType(), tokenBytes,
+                          nullptr);
+        if (mPool.deviceType() == DeviceType::kGPU) {
+          detail::synchronizeDevice();
+        }
+        if (std::memcmp(found.data(), expected.data(), tokenBytes) != 0) {
+          positionOk = false;
+          if (report.mismatches == 0) {
+            std::size_t byte = 0;
+            while (found[byte] == expected[byte]) {
+              ++byte;
+            }
+            report.firstMismatch = fmt::format(
+                "slot {} position {} (page {}, row {}) layer {} {}: byte {} is {:#04x}, expected "
+                "{:#04x}",
+                slot, p, page, rowInPage, layer, half == 0 ? "K" : "V", byte, found[byte],
+                expected[byte]);
+          }
+        }
+      }
+    }
+    if (!positionOk) {
+      ++report.mismatches;
+    }
+  }
+  return report;
+}
+
+}  // namespace mkv::testing

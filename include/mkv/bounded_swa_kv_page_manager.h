@@ -1,0 +1,227 @@
+#pragma once
+/// \file bounded_swa_kv_page_manager.h
+/// Sliding-window layers keep only their last W tokens, in a bounded set of rotating pages per
+/// sequence (SPEC §7). Architecture and a worked page budget: docs/architecture.md ("Bounded
+/// SWA").
+
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <optional>
+#include <span>
+#include <vector>
+
+#include "mkv/cuda_types.h"
+#include "mkv/kv_cache_pool.h"
+#include "mkv/kv_page_table.h"
+#include "mkv/recurrent_state_pool.h"
+#include "mkv/stream.h"
+#include "mkv/tensor.h"
+#include "mkv/types.h"
+
+namespace mkv {
+
+/// One mapped page of a sliding window: absolute logical page -> physical page of the SWA pool.
+struct SwaPageBinding {
+  int32_t logicalPage = 0;
+  PageId page = kNoPage;
+  friend bool operator==(SwaPageBinding const&, SwaPageBinding const&) = default;
+};
+
+/// Observable state of one sequence (execution row) of a request.
+struct SwaSequenceState {
+  ResidentRef resident;
+  /// Tokens whose KV exists (committed endpoint e). A staged transition is `pendingEndpoint`.
+  int32_t endpoint = 0;
+  std::optional<int32_t> pendingEndpoint;
+  /// Retained logical pages [retainedBegin, retainedEnd) for the endpoint (pending one when a
+  /// transition is staged): [floor(max(0, e - W) / P), ceil(e / P)).
+  int32_t retainedBegin = 0;
+  int32_t retainedEnd = 0;
+  /// Mapped pages, ascending logical page.
+  std::deque<SwaPageBinding> bindings;
+  /// Pages held by the sequence but unmapped (its private reserve).
+  std::vector<PageId> reservedPages;
+  /// Bindings created by the staged transition (already in `bindings`).
+  std::vector<SwaPageBinding> newBindings;
+  /// Pages that left the window; still mapped and held until the completion call.
+  std::vector<SwaPageBinding> pendingRetire;
+  /// bindings + reserved + pendingRetire (pendingRetire pages are not in bindings).
+  int32_t heldPages() const noexcept {
+    return static_cast<int32_t>(bindings.size() + reservedPages.size() + pendingRetire.size());
+  }
+};
+
+/// Construction parameters.
+struct BoundedSwaConfig {
+  int32_t windowTokens = 0;  ///< W: attention window of the sliding layers, in tokens
+};
+
+/// Borrowed physical resources the manager drives. All must outlive the manager.
+struct BoundedSwaResources {
+  /// Reduced pool of the sliding-window layers; its page ids are this manager's to hand out.
+  KVCachePool* swaPool = nullptr;
+  /// Sparse-window page table over swaPool's ids, one row per resident slot.
+  KVPageTable* swaPageTable = nullptr;
+  /// Pools whose KV-length tensors follow the request: reset to 0 at preparePrefill and
+  /// compacted at batch compaction (swaPool and, in mixed models, the full pool).
+  std::vector<KVCachePool*> lengthPools;
+  /// Recurrent rows of hybrid models; rows of dropped residents are zeroed at compaction.
+  RecurrentStatePool* recurrent = nullptr;
+};
+
+/// Bounded rotating pages for sliding-window attention layers.
+///
+/// Budget: M = ceil(W / P) + 1 pages hold one window. Admission reserves 2M + 1 private pages
+/// per sequence, atomically for the whole batch and independent of prompt length (two window
+/// images let a multi-page transition build the new image while the old one stays live, plus
+/// one page that keeps decode writable right after admission). After completePrefill a
+/// sequence keeps at most M + 1 pages (enough for single-token decode with deferred
+/// retirement) and returns the surplus to the free list. Several requests may be active at
+/// once while the pool has pages; each holds its own residents' pages, so an active request
+/// is never starved by another.
+///
+/// Deferred retirement: pages that leave the window stay held and mapped until
+/// completePrefill / completeDecodeStep (called after the runtime's own completion point);
+/// only then are their entries cleared and the pages returned to the sequence's own reserve.
+///
+/// Faults: a failed stream synchronisation (finish, compaction, abandonment) poisons the
+/// manager and quarantines the request's pages (never reused while a kernel might touch
+/// them); beginRequest then returns kPoisoned until shutdown() drains the quarantine.
+///
+/// Limits: vanilla one-token decode only (headroom {1,0}, kCommittedPlusLookahead, not
+/// speculative), no in-flight admission. All calls use the construction stream.
+/// Thread-safety: single writer (the engine thread); no call may run concurrently with another.
+class BoundedSwaKVPageManager {
+  struct Request;
+
+ public:
+  /// Move-only handle of one admitted request. Destroying a live handle abandons the request:
+  /// synchronises when device work is pending, then releases its pages (a failed
+  /// synchronisation poisons the manager and quarantines the pages instead).
+  class RequestHandle {
+   public:
+    RequestHandle() = default;
+    RequestHandle(RequestHandle&& other) noexcept;
+    RequestHandle& operator=(RequestHandle&& other) noexcept;
+    RequestHandle(RequestHandle const&) = delete;
+    RequestHandle& operator=(RequestHandle const&) = delete;
+    ~RequestHandle();
+    bool valid() const noexcept { return mManager != nullptr; }
+
+   private:
+    friend class BoundedSwaKVPageManager;
+    RequestHandle(BoundedSwaKVPageManager* manager, uint64_t id) : mManager(manager), mId(id) {}
+    void abandon() noexcept;
+    BoundedSwaKVPageManager* mManager = nullptr;
+    uint64_t mId = 0;
+  };
+
+  struct BeginRequestResult {
+    SwaKVCacheStatus status = SwaKVCacheStatus::kRequestFailed;
+    std::optional<RequestHandle> request;
+  };
+
+  /// Throws mkv::Error unless W > 0, the pool and table are consistent (table ids == pool
+  /// pages, sparse-window mode, table width covers the longest sequence, pool >= one sequence's
+  /// admission budget), and every length pool's batch capacity covers the table's rows.
+  BoundedSwaKVPageManager(BoundedSwaConfig const& config, BoundedSwaResources resources,
+                          cudaStream_t stream, StreamSynchronizer synchronizer = {});
+  /// Terminates the process if a request is still active or quarantined (a lifetime bug that
+  /// would otherwise free memory kernels may still touch).
+  ~BoundedSwaKVPageManager();
+  BoundedSwaKVPageManager(BoundedSwaKVPageManager const&) = delete;
+  BoundedSwaKVPageManager& operator=(BoundedSwaKVPageManager const&) = delete;
+
+  /// M = ceil(W / P) + 1.
+  static int32_t windowPages(int32_t windowTokens, int32_t tokensPerPage);
+  /// Pages reserved per sequence from admission to completePrefill: 2M + 1.
+  static int32_t admissionPagesPerSequence(int32_t windowTokens, int32_t tokensPerPage);
+  /// Pages a sequence keeps during single-token decode: M + 1.
+  static int32_t decodePagesPerSequence(int32_t windowTokens, int32_t tokensPerPage);
+
+  /// Admits a batch: reserves 2M + 1 pages per resident, all or nothing.
+  /// kPoisoned when poisoned; kRequestFailed (nothing changed) when the free pages do not cover
+  /// the batch. Throws for a foreign stream, an empty or oversized batch, residents out of
+  /// range, with epoch 0, repeated, or already held by another active request.
+  BeginRequestResult beginRequest(std::span<ResidentRef const> residents, cudaStream_t stream);
+
+  /// Maps each sequence's retained window for its executed prefill length and uploads the
+  /// table patch; resets the length pools to 0 for the batch. Call after embeddings and token
+  /// pruning fixed the lengths. Throws for a wrong phase, a length count that differs from the
+  /// batch, or a length outside (0, maxPagesPerSeq * P].
+  void preparePrefill(RequestHandle& handle, std::span<int32_t const> inputLengths);
+  /// Commits the prefill transition, retires pages that left the window, and trims each
+  /// sequence to M + 1 held pages. No synchronisation: call after the runtime's completion point.
+  void completePrefill(RequestHandle& handle);
+  /// Stages endpoint + 1 for every sequence (at most one new page mapped and one page staged
+  /// for retirement each) and uploads the patch. kRequestFailed (the request is finishing)
+  /// when a sequence would pass the table width.
+  SwaKVCacheStatus prepareDecodeStep(RequestHandle& handle);
+  /// Commits the step and retires pages that left the window.
+  void completeDecodeStep(RequestHandle& handle);
+
+  /// Validates an order-preserving oldToNew mapping (size == batch; entries -1 or in
+  /// [0, newBatchSize); the k-th survivor goes to k; every destination covered), stores it and
+  /// copies it into `deviceMapping` (reshaped to [oldBatch], on the pool's device).
+  void beginBatchCompaction(RequestHandle& handle, std::span<int32_t const> oldToNew,
+                            int32_t newBatchSize, Tensor& deviceMapping);
+  /// Clears dropped residents' rows, zeroes their recurrent rows, compacts the KV lengths with
+  /// one kernel, synchronises, then returns the dropped pages to the free list. A failed
+  /// synchronisation: kPoisoned, the request is quarantined and the handle becomes invalid.
+  SwaKVCacheStatus compactBatch(RequestHandle& handle);
+  /// Synchronises pending work, clears every row and releases all pages. An invalid handle is
+  /// kOk. kPoisoned when the synchronisation fails (request quarantined) or the manager is
+  /// poisoned.
+  SwaKVCacheStatus finish(RequestHandle& handle);
+  /// Drains the quarantine: synchronises, releases every quarantined page and clears the poison
+  /// when that succeeds. kRequestFailed when requests are still active; kPoisoned when the
+  /// drain's synchronisation failed (the quarantine is kept).
+  SwaKVCacheStatus shutdown() noexcept;
+
+  bool poisoned() const noexcept { return mPoisoned; }
+  int32_t freePageCount() const noexcept { return static_cast<int32_t>(mFreePages.size()); }
+  int32_t totalPageCount() const noexcept;
+  int32_t quarantinedPageCount() const noexcept;
+  int32_t activeRequestCount() const noexcept;
+  int32_t windowTokens() const noexcept { return mWindow; }
+  int32_t tokensPerPage() const noexcept { return mPageSize; }
+  /// 2M + 1 (admission / prefill budget per sequence).
+  int32_t privatePagesPerSequence() const noexcept { return mAdmissionPages; }
+  /// M + 1 (decode budget per sequence).
+  int32_t decodePagesPerSequence() const noexcept { return mDecodePages; }
+  /// Current batch size of a request.
+  int32_t batchSize(RequestHandle const& handle) const;
+  /// State of execution row `row`. Throws for an invalid handle or row.
+  SwaSequenceState const& state(RequestHandle const& handle, int32_t row) const;
+
+ private:
+  enum class Phase : uint8_t { kAdmitted, kExecuting, kFinishing };
+  Request& request(RequestHandle const& handle, char const* call) const;
+  void stageWindow(SwaSequenceState& state, int32_t newEndpoint, char const* call);
+  bool stageDecode(SwaSequenceState& state);
+  void mapNewBindings(SwaSequenceState const& state);
+  void retire(SwaSequenceState& state);
+  void releaseSequence(SwaSequenceState& state) noexcept;
+  void quarantine(std::unique_ptr<Request> request) noexcept;
+  std::unique_ptr<Request> detach(uint64_t id) noexcept;
+  void abandon(uint64_t id) noexcept;
+  bool synchronize() noexcept;
+
+  int32_t mWindow;
+  int32_t mPageSize;
+  int32_t mWindowPages;
+  int32_t mAdmissionPages;
+  int32_t mDecodePages;
+  BoundedSwaResources mResources;
+  cudaStream_t mStream;
+  StreamSynchronizer mSynchronizer;
+  std::vector<PageId> mFreePages;
+  std::vector<uint8_t> mResidentBusy;
+  std::vector<std::unique_ptr<Request>> mActive;
+  std::vector<std::unique_ptr<Request>> mQuarantine;
+  uint64_t mNextRequestId = 1;
+  bool mPoisoned = false;
+};
+
+}  // namespace mkv

@@ -1,0 +1,81 @@
+#pragma once
+/// \file kv_oracle.h
+/// The KV oracle of the testing kit (SPEC §11): deterministic KV contents that depend on the
+/// whole prefix, written and verified through the page table.
+
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "mkv/kv_cache_pool.h"
+#include "mkv/kv_page_table.h"
+#include "mkv/types.h"
+
+namespace mkv::testing {
+
+/// Chained 64-bit digest of every prefix of a sequence: digests[p] covers positions [0, p].
+/// `positionKeys[p]` is whatever identifies position p (the token id, mixed with the digest
+/// of the media item covering it); `seed` identifies everything else the KV depends on
+/// (cache salt, LoRA adapter). Equal prefixes under equal seeds give equal digests; any
+/// difference anywhere earlier changes every later digest.
+class PrefixDigests {
+ public:
+  explicit PrefixDigests(uint64_t seed = 0) : mSeed(seed) {}
+  /// Appends positions; O(keys.size()).
+  void extend(std::span<uint64_t const> positionKeys);
+  /// Appends token ids as position keys.
+  void extendTokens(std::span<int32_t const> tokens);
+  /// Drops positions beyond `length`.
+  void truncate(int64_t length);
+
+  int64_t size() const noexcept { return static_cast<int64_t>(mDigests.size()); }
+  uint64_t at(int64_t position) const { return mDigests.at(static_cast<std::size_t>(position)); }
+  std::span<uint64_t const> values() const noexcept { return mDigests; }
+  uint64_t seed() const noexcept { return mSeed; }
+
+ private:
+  uint64_t mSeed;
+  std::vector<uint64_t> mDigests;
+};
+
+/// Result of a verification: positions compared, how many held wrong bytes, and a description
+/// of the first mismatch (layer, half, position, page, expected vs found first differing byte).
+struct OracleReport {
+  int64_t positionsChecked = 0;
+  int64_t mismatches = 0;
+  std::string firstMismatch;
+  bool ok() const noexcept { return mismatches == 0; }
+};
+
+/// Writes and verifies KV bytes of one pool through one page table.
+///
+/// The bytes of (layer l, half h, position p) are a pseudo-random stream seeded by
+/// (digest of prefix [0, p], l, h): reused KV is correct only if it was produced for exactly
+/// the same prefix. The oracle resolves position p of resident row `slot` through the
+/// *device mirror* of the page table (so a missing upload is caught) at logical page
+/// p / tokensPerPage, row p % tokensPerPage. Works for kCPU and kGPU pools (GPU pages are
+/// staged through host memory with synchronous copies: a test tool, not a fast path).
+class KvOracle {
+ public:
+  KvOracle(KVCachePool& pool, KVPageTable const& table);
+
+  /// Writes positions [begin, end) of row `slot` as an engine execution would.
+  /// Throws mkv::Error when a position's page-table entry is empty or digests are too short.
+  void write(CacheSlot slot, PrefixDigests const& digests, int64_t begin, int64_t end);
+  /// Verifies positions [begin, end) of row `slot`; an empty entry counts as a mismatch.
+  OracleReport verify(CacheSlot slot, PrefixDigests const& digests, int64_t begin,
+                      int64_t end) const;
+
+  /// Expected bytes of one token row (tokenBytes of the pool) for (digest, layer, half).
+  static void expectedRow(uint64_t digest, int32_t layer, int32_t half, std::span<uint8_t> out);
+
+ private:
+  PageId resolve(CacheSlot slot, int64_t position, std::vector<int32_t> const& row) const;
+  std::vector<int32_t> deviceRow(CacheSlot slot) const;
+
+  KVCachePool& mPool;
+  KVPageTable const& mTable;
+};
+
+}  // namespace mkv::testing

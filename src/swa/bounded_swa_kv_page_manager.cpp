@@ -1,0 +1,623 @@
+#include "mkv/bounded_swa_kv_page_manager.h"
+
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <exception>
+#include <limits>
+#include <utility>
+
+#include "core/check.h"
+#include "core/device.h"
+#include "mkv/logging.h"
+
+namespace mkv {
+
+struct BoundedSwaKVPageManager::Request {
+  uint64_t id = 0;
+  Phase phase = Phase::kAdmitted;
+  bool pending = false;  // device work enqueued and not yet known complete
+  std::vector<SwaSequenceState> sequences;
+  std::vector<int32_t> mapping;  // pending compaction (old -> new), empty when none
+  int32_t newBatchSize = -1;
+  Tensor* deviceMapping = nullptr;
+  std::unique_ptr<detail::Int32Staging> staging;
+};
+
+namespace {
+
+int32_t ceilDiv(int64_t a, int64_t b) { return static_cast<int32_t>((a + b - 1) / b); }
+
+int32_t retainedBeginFor(int32_t endpoint, int32_t window, int32_t pageSize) {
+  return static_cast<int32_t>(std::max<int64_t>(0, int64_t{endpoint} - window) / pageSize);
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------- RequestHandle
+
+BoundedSwaKVPageManager::RequestHandle::RequestHandle(RequestHandle&& other) noexcept
+    : mManager(std::exchange(other.mManager, nullptr)), mId(std::exchange(other.mId, 0)) {}
+
+BoundedSwaKVPageManager::RequestHandle& BoundedSwaKVPageManager::RequestHandle::operator=(
+    RequestHandle&& other) noexcept {
+  if (this != &other) {
+    abandon();
+    mManager = std::exchange(other.mManager, nullptr);
+    mId = std::exchange(other.mId, 0);
+  }
+  return *this;
+}
+
+BoundedSwaKVPageManager::RequestHandle::~RequestHandle() { abandon(); }
+
+void BoundedSwaKVPageManager::RequestHandle::abandon() noexcept {
+  if (mManager != nullptr) {
+    mManager->abandon(mId);
+    mManager = nullptr;
+    mId = 0;
+  }
+}
+
+// ---------------------------------------------------------------- construction
+
+int32_t BoundedSwaKVPageManager::windowPages(int32_t windowTokens, int32_t tokensPerPage) {
+  MKV_REQUIRE(windowTokens > 0 && tokensPerPage > 0, "BoundedSwaKVPageManager::windowPages",
+              "window {} and page size {} must be positive", windowTokens, tokensPerPage);
+  return ceilDiv(windowTokens, tokensPerPage) + 1;
+}
+
+int32_t BoundedSwaKVPageManager::admissionPagesPerSequence(int32_t windowTokens,
+                                                           int32_t tokensPerPage) {
+  return 2 * windowPages(windowTokens, tokensPerPage) + 1;
+}
+
+int32_t BoundedSwaKVPageManager::decodePagesPerSequence(int32_t windowTokens,
+                                                        int32_t tokensPerPage) {
+  return windowPages(windowTokens, tokensPerPage) + 1;
+}
+
+BoundedSwaKVPageManager::BoundedSwaKVPageManager(BoundedSwaConfig const& config,
+                                                 BoundedSwaResources resources,
+                                                 cudaStream_t stream,
+                                                 StreamSynchronizer synchronizer)
+    : mWindow(config.windowTokens),
+      mPageSize(0),
+      mWindowPages(0),
+      mAdmissionPages(0),
+      mDecodePages(0),
+      mResources(std::move(resources)),
+      mStream(stream),
+      mSynchronizer(std::move(synchronizer)) {
+  constexpr char const* kCall = "BoundedSwaKVPageManager";
+  MKV_REQUIRE(mResources.swaPool != nullptr && mResources.swaPageTable != nullptr, kCall,
+              "swaPool and swaPageTable are required");
+  KVCachePool const& pool = *mResources.swaPool;
+  KVPageTable const& table = *mResources.swaPageTable;
+  MKV_REQUIRE(mWindow > 0, kCall, "windowTokens must be positive, got {}", mWindow);
+  mPageSize = pool.tokensPerPage();
+  mWindowPages = windowPages(mWindow, mPageSize);
+  mAdmissionPages = 2 * mWindowPages + 1;
+  mDecodePages = mWindowPages + 1;
+  MKV_REQUIRE(table.mode() == PageTableMode::kSparseWindow, kCall,
+              "the SWA page table must be in sparse-window mode");
+  MKV_REQUIRE(table.numPages() == pool.numPages(), kCall,
+              "page table addresses {} pages but the SWA pool has {}", table.numPages(),
+              pool.numPages());
+  MKV_REQUIRE(table.deviceType() == pool.deviceType(), kCall, "table on {} but pool on {}",
+              toString(table.deviceType()), toString(pool.deviceType()));
+  MKV_REQUIRE(pool.numPages() >= mAdmissionPages, kCall,
+              "the SWA pool has {} pages, fewer than one sequence's admission budget 2M+1 = {}",
+              pool.numPages(), mAdmissionPages);
+  for (KVCachePool const* lengths : mResources.lengthPools) {
+    MKV_REQUIRE(lengths != nullptr, kCall, "null length pool");
+    MKV_REQUIRE(lengths->maxBatchSize() >= table.maxBatch(), kCall,
+                "a length pool holds {} rows but the table has {}", lengths->maxBatchSize(),
+                table.maxBatch());
+    MKV_REQUIRE(lengths->deviceType() == pool.deviceType(), kCall,
+                "length pool on {} but SWA pool on {}", toString(lengths->deviceType()),
+                toString(pool.deviceType()));
+  }
+  if (mResources.recurrent != nullptr) {
+    MKV_REQUIRE(mResources.recurrent->numSlots() >= table.maxBatch(), kCall,
+                "recurrent pool has {} slots but the table has {} rows",
+                mResources.recurrent->numSlots(), table.maxBatch());
+  }
+  if (!mSynchronizer) {
+    mSynchronizer = defaultStreamSynchronizer(pool.deviceType());
+  }
+  mFreePages.reserve(static_cast<std::size_t>(pool.numPages()));
+  for (PageId page = pool.numPages() - 1; page >= 0; --page) {
+    mFreePages.push_back(page);  // pop_back hands out the lowest id first
+  }
+  mResidentBusy.assign(static_cast<std::size_t>(table.maxBatch()), 0);
+}
+
+BoundedSwaKVPageManager::~BoundedSwaKVPageManager() {
+  if (!mActive.empty() || !mQuarantine.empty()) {
+    logger()->critical(
+        "BoundedSwaKVPageManager destroyed with {} active and {} quarantined requests",
+        mActive.size(), mQuarantine.size());
+    std::terminate();
+  }
+}
+
+// ---------------------------------------------------------------- observers
+
+int32_t BoundedSwaKVPageManager::totalPageCount() const noexcept {
+  return mResources.swaPool->numPages();
+}
+
+int32_t BoundedSwaKVPageManager::quarantinedPageCount() const noexcept {
+  int32_t count = 0;
+  for (auto const& request : mQuarantine) {
+    for (auto const& state : request->sequences) {
+      count += state.heldPages();
+    }
+  }
+  return count;
+}
+
+int32_t BoundedSwaKVPageManager::activeRequestCount() const noexcept {
+  return static_cast<int32_t>(mActive.size());
+}
+
+BoundedSwaKVPageManager::Request& BoundedSwaKVPageManager::request(RequestHandle const& handle,
+                                                                   char const* call) const {
+  MKV_REQUIRE(handle.mManager == this, call, "the request handle is {}",
+              handle.mManager == nullptr ? "invalid" : "from another manager");
+  for (auto const& active : mActive) {
+    if (active->id == handle.mId) {
+      return *active;
+    }
+  }
+  detail::throwContract(call, "request {} is not active", handle.mId);
+}
+
+int32_t BoundedSwaKVPageManager::batchSize(RequestHandle const& handle) const {
+  return static_cast<int32_t>(request(handle, "BoundedSwaKVPageManager::batchSize").sequences.size());
+}
+
+SwaSequenceState const& BoundedSwaKVPageManager::state(RequestHandle const& handle,
+                                                       int32_t row) const {
+  Request const& req = request(handle, "BoundedSwaKVPageManager::state");
+  MKV_REQUIRE(row >= 0 && static_cast<std::size_t>(row) < req.sequences.size(),
+              "BoundedSwaKVPageManager::state", "row {} outside the batch of {}", row,
+              req.sequences.size());
+  return req.sequences[static_cast<std::size_t>(row)];
+}
+
+// ---------------------------------------------------------------- admission
+
+BoundedSwaKVPageManager::BeginRequestResult BoundedSwaKVPageManager::beginRequest(
+    std::span<ResidentRef const> residents, cudaStream_t stream) {
+  constexpr char const* kCall = "BoundedSwaKVPageManager::beginRequest";
+  MKV_REQUIRE(stream == mStream, kCall, "stream differs from the manager's construction stream");
+  int32_t const maxBatch = mResources.swaPageTable->maxBatch();
+  MKV_REQUIRE(!residents.empty() && residents.size() <= static_cast<std::size_t>(maxBatch), kCall,
+              "batch of {} residents outside [1, {}]", residents.size(), maxBatch);
+  std::vector<uint8_t> seen(static_cast<std::size_t>(maxBatch), 0);
+  for (std::size_t i = 0; i < residents.size(); ++i) {
+    ResidentRef const ref = residents[i];
+    MKV_REQUIRE(ref.slot >= 0 && ref.slot < maxBatch, kCall, "resident {} has slot {} outside [0, {})",
+                i, ref.slot, maxBatch);
+    MKV_REQUIRE(ref.epoch != 0, kCall, "resident {} (slot {}) has epoch 0", i, ref.slot);
+    auto const slot = static_cast<std::size_t>(ref.slot);
+    MKV_REQUIRE(seen[slot] == 0, kCall, "slot {} appears twice in the batch", ref.slot);
+    MKV_REQUIRE(mResidentBusy[slot] == 0, kCall, "slot {} is held by another active request",
+                ref.slot);
+    seen[slot] = 1;
+  }
+  BeginRequestResult result;
+  if (mPoisoned) {
+    result.status = SwaKVCacheStatus::kPoisoned;
+    return result;
+  }
+  auto const needed = static_cast<std::size_t>(mAdmissionPages) * residents.size();
+  if (needed > mFreePages.size()) {
+    result.status = SwaKVCacheStatus::kRequestFailed;
+    return result;
+  }
+  auto created = std::make_unique<Request>();
+  created->id = mNextRequestId;
+  created->staging = std::make_unique<detail::Int32Staging>(maxBatch, mResources.swaPool->deviceType());
+  created->sequences.resize(residents.size());
+  for (std::size_t i = 0; i < residents.size(); ++i) {
+    created->sequences[i].resident = residents[i];
+    created->sequences[i].reservedPages.reserve(static_cast<std::size_t>(mAdmissionPages));
+  }
+  mActive.reserve(mActive.size() + 1);
+  mQuarantine.reserve(mQuarantine.size() + mActive.size() + 1);  // noexcept paths never allocate
+  // Nothing below throws: take the pages and publish the request.
+  for (auto& state : created->sequences) {
+    for (int32_t p = 0; p < mAdmissionPages; ++p) {
+      state.reservedPages.push_back(mFreePages.back());
+      mFreePages.pop_back();
+    }
+    mResidentBusy[static_cast<std::size_t>(state.resident.slot)] = 1;
+  }
+  ++mNextRequestId;
+  mActive.push_back(std::move(created));
+  result.status = SwaKVCacheStatus::kOk;
+  result.request = RequestHandle(this, mActive.back()->id);
+  return result;
+}
+
+// ---------------------------------------------------------------- window transitions
+
+void BoundedSwaKVPageManager::stageWindow(SwaSequenceState& state, int32_t newEndpoint,
+                                          char const* call) {
+  MKV_ASSERT(!state.pendingEndpoint.has_value(), "{}: a transition is already staged", call);
+  MKV_ASSERT(newEndpoint >= state.endpoint, "{}: endpoint would move back from {} to {}", call,
+             state.endpoint, newEndpoint);
+  int32_t const newBegin = retainedBeginFor(newEndpoint, mWindow, mPageSize);
+  int32_t const newEnd = ceilDiv(newEndpoint, mPageSize);
+  int32_t const firstUnbound = state.bindings.empty() ? newBegin : state.bindings.back().logicalPage + 1;
+  int32_t const mapFrom = std::max(newBegin, firstUnbound);
+  int32_t const toMap = std::max(0, newEnd - mapFrom);
+  MKV_ASSERT(toMap <= static_cast<int32_t>(state.reservedPages.size()),
+             "{}: slot {} needs {} pages but holds {} in reserve", call, state.resident.slot,
+             toMap, state.reservedPages.size());
+  // Feasibility is established; the rest only moves ids between the slot's own lists.
+  while (!state.bindings.empty() && state.bindings.front().logicalPage < newBegin) {
+    state.pendingRetire.push_back(state.bindings.front());
+    state.bindings.pop_front();
+  }
+  for (int32_t logical = mapFrom; logical < newEnd; ++logical) {
+    SwaPageBinding const binding{logical, state.reservedPages.back()};
+    state.reservedPages.pop_back();
+    state.bindings.push_back(binding);
+    state.newBindings.push_back(binding);
+  }
+  state.pendingEndpoint = newEndpoint;
+  state.retainedBegin = newBegin;
+  state.retainedEnd = newEnd;
+}
+
+bool BoundedSwaKVPageManager::stageDecode(SwaSequenceState& state) {
+  if (state.endpoint == std::numeric_limits<int32_t>::max()) {
+    return false;
+  }
+  int32_t const next = state.endpoint + 1;
+  int32_t const newEnd = ceilDiv(next, mPageSize);
+  if (newEnd > mResources.swaPageTable->maxPagesPerSeq()) {
+    return false;
+  }
+  bool const needsPage = newEnd > state.retainedEnd;
+  if (needsPage && state.reservedPages.empty()) {
+    return false;
+  }
+  return true;
+}
+
+void BoundedSwaKVPageManager::mapNewBindings(SwaSequenceState const& state) {
+  for (SwaPageBinding const& binding : state.newBindings) {
+    mResources.swaPageTable->setEntry(state.resident.slot, binding.logicalPage, binding.page);
+  }
+}
+
+void BoundedSwaKVPageManager::retire(SwaSequenceState& state) {
+  MKV_ASSERT(state.pendingEndpoint.has_value(), "retire without a staged transition (slot {})",
+             state.resident.slot);
+  for (SwaPageBinding const& binding : state.pendingRetire) {
+    mResources.swaPageTable->clearEntry(state.resident.slot, binding.logicalPage);
+    state.reservedPages.push_back(binding.page);
+  }
+  state.pendingRetire.clear();
+  state.newBindings.clear();
+  state.endpoint = *state.pendingEndpoint;
+  state.pendingEndpoint.reset();
+}
+
+// ---------------------------------------------------------------- lifecycle
+
+void BoundedSwaKVPageManager::preparePrefill(RequestHandle& handle,
+                                             std::span<int32_t const> inputLengths) {
+  constexpr char const* kCall = "BoundedSwaKVPageManager::preparePrefill";
+  Request& req = request(handle, kCall);
+  MKV_REQUIRE(req.phase == Phase::kAdmitted && !req.pending, kCall,
+              "prefill was already prepared for this request");
+  MKV_REQUIRE(inputLengths.size() == req.sequences.size(), kCall,
+              "{} lengths for a batch of {}", inputLengths.size(), req.sequences.size());
+  int64_t const maxTokens = int64_t{mResources.swaPageTable->maxPagesPerSeq()} * mPageSize;
+  for (std::size_t i = 0; i < inputLengths.size(); ++i) {
+    MKV_REQUIRE(inputLengths[i] > 0 && inputLengths[i] <= maxTokens, kCall,
+                "length {} of row {} outside (0, {}]", inputLengths[i], i, maxTokens);
+  }
+  for (std::size_t i = 0; i < inputLengths.size(); ++i) {
+    SwaSequenceState& state = req.sequences[i];
+    mResources.swaPageTable->clearRow(state.resident.slot);
+    stageWindow(state, inputLengths[i], kCall);
+    mapNewBindings(state);
+  }
+  mResources.swaPageTable->uploadDirty(mStream);
+  std::vector<int32_t> const zeros(req.sequences.size(), 0);
+  for (KVCachePool* lengths : mResources.lengthPools) {
+    lengths->resetForNewSequences(zeros, mStream);
+  }
+  req.phase = Phase::kExecuting;
+  req.pending = true;
+}
+
+void BoundedSwaKVPageManager::completePrefill(RequestHandle& handle) {
+  constexpr char const* kCall = "BoundedSwaKVPageManager::completePrefill";
+  Request& req = request(handle, kCall);
+  MKV_REQUIRE(req.phase == Phase::kExecuting && req.pending && !req.sequences.empty() &&
+                  req.sequences.front().pendingEndpoint.has_value() &&
+                  req.sequences.front().endpoint == 0,
+              kCall, "no prepared prefill to complete");
+  for (SwaSequenceState& state : req.sequences) {
+    retire(state);
+    // Beyond the reference: decode needs at most M + 1 held pages; return the surplus.
+    while (state.heldPages() > mDecodePages && !state.reservedPages.empty()) {
+      mFreePages.push_back(state.reservedPages.back());
+      state.reservedPages.pop_back();
+    }
+    MKV_ASSERT(!state.reservedPages.empty(), "slot {} has no replacement page after prefill",
+               state.resident.slot);
+  }
+  req.pending = false;
+}
+
+SwaKVCacheStatus BoundedSwaKVPageManager::prepareDecodeStep(RequestHandle& handle) {
+  constexpr char const* kCall = "BoundedSwaKVPageManager::prepareDecodeStep";
+  Request& req = request(handle, kCall);
+  MKV_REQUIRE(req.phase == Phase::kExecuting && !req.pending, kCall,
+              "a decode step needs a completed prefill or step and no pending work");
+  for (SwaSequenceState& state : req.sequences) {
+    if (!stageDecode(state)) {
+      req.phase = Phase::kFinishing;
+      return SwaKVCacheStatus::kRequestFailed;
+    }
+  }
+  for (SwaSequenceState& state : req.sequences) {
+    stageWindow(state, state.endpoint + 1, kCall);
+    mapNewBindings(state);
+  }
+  mResources.swaPageTable->uploadDirty(mStream);
+  req.pending = true;
+  return SwaKVCacheStatus::kOk;
+}
+
+void BoundedSwaKVPageManager::completeDecodeStep(RequestHandle& handle) {
+  constexpr char const* kCall = "BoundedSwaKVPageManager::completeDecodeStep";
+  Request& req = request(handle, kCall);
+  MKV_REQUIRE(req.phase == Phase::kExecuting && req.pending && !req.sequences.empty() &&
+                  req.sequences.front().pendingEndpoint.has_value() && req.mapping.empty(),
+              kCall, "no prepared decode step to complete");
+  for (SwaSequenceState& state : req.sequences) {
+    retire(state);
+  }
+  req.pending = false;
+}
+
+void BoundedSwaKVPageManager::beginBatchCompaction(RequestHandle& handle,
+                                                   std::span<int32_t const> oldToNew,
+                                                   int32_t newBatchSize, Tensor& deviceMapping) {
+  constexpr char const* kCall = "BoundedSwaKVPageManager::beginBatchCompaction";
+  Request& req = request(handle, kCall);
+  MKV_REQUIRE(req.phase == Phase::kExecuting && !req.pending, kCall,
+              "compaction needs an executing request with no pending work");
+  auto const oldBatch = static_cast<int32_t>(req.sequences.size());
+  MKV_REQUIRE(oldToNew.size() == req.sequences.size(), kCall, "mapping has {} entries for a batch of {}",
+              oldToNew.size(), oldBatch);
+  MKV_REQUIRE(newBatchSize >= 0 && newBatchSize <= oldBatch, kCall,
+              "new batch size {} outside [0, {}]", newBatchSize, oldBatch);
+  int32_t nextSurvivor = 0;
+  for (std::size_t i = 0; i < oldToNew.size(); ++i) {
+    if (oldToNew[i] == -1) {
+      continue;
+    }
+    MKV_REQUIRE(oldToNew[i] >= 0 && oldToNew[i] < newBatchSize, kCall,
+                "oldToNew[{}] = {} outside [-1, {})", i, oldToNew[i], newBatchSize);
+    MKV_REQUIRE(oldToNew[i] == nextSurvivor, kCall,
+                "mapping is not order-preserving: oldToNew[{}] = {}, expected {}", i, oldToNew[i],
+                nextSurvivor);
+    ++nextSurvivor;
+  }
+  MKV_REQUIRE(nextSurvivor == newBatchSize, kCall, "{} survivors for a new batch of {}",
+              nextSurvivor, newBatchSize);
+  MKV_REQUIRE(deviceMapping.dataType() == DataType::kInt32 &&
+                  deviceMapping.deviceType() == mResources.swaPool->deviceType(),
+              kCall, "deviceMapping must be int32 on {}", toString(mResources.swaPool->deviceType()));
+  MKV_REQUIRE(deviceMapping.capacityBytes() >= static_cast<int64_t>(oldToNew.size_bytes()), kCall,
+              "deviceMapping holds {} bytes, needs {}", deviceMapping.capacityBytes(),
+              oldToNew.size_bytes());
+  auto batch = req.staging->begin(mStream);
+  Tensor staged = batch.add(oldToNew);
+  batch.submit();
+  bool const reshaped = deviceMapping.reshape({oldBatch});
+  MKV_ASSERT(reshaped, "deviceMapping reshape failed after the capacity check");
+  detail::copyBytes(deviceMapping.rawPointer(), deviceMapping.deviceType(), staged.rawPointer(),
+                    staged.deviceType(), oldToNew.size_bytes(), mStream);
+  req.mapping.assign(oldToNew.begin(), oldToNew.end());
+  req.newBatchSize = newBatchSize;
+  req.deviceMapping = &deviceMapping;
+  req.pending = true;
+}
+
+SwaKVCacheStatus BoundedSwaKVPageManager::compactBatch(RequestHandle& handle) {
+  constexpr char const* kCall = "BoundedSwaKVPageManager::compactBatch";
+  Request& req = request(handle, kCall);
+  MKV_REQUIRE(req.phase == Phase::kExecuting && req.pending && !req.mapping.empty(), kCall,
+              "no batch compaction was begun");
+  std::vector<CacheSlot> dropped;
+  for (std::size_t i = 0; i < req.mapping.size(); ++i) {
+    if (req.mapping[i] < 0) {
+      dropped.push_back(req.sequences[i].resident.slot);
+      mResources.swaPageTable->clearRow(req.sequences[i].resident.slot);
+    }
+  }
+  mResources.swaPageTable->uploadDirty(mStream);
+  if (mResources.recurrent != nullptr && !dropped.empty()) {
+    mResources.recurrent->clearResidentSlots(dropped, mStream);
+  }
+  for (KVCachePool* lengths : mResources.lengthPools) {
+    lengths->compactLengths(*req.deviceMapping, req.newBatchSize, mStream);
+  }
+  if (!synchronize()) {
+    handle.mManager = nullptr;
+    quarantine(detach(req.id));
+    return SwaKVCacheStatus::kPoisoned;
+  }
+  std::vector<SwaSequenceState> survivors;
+  survivors.reserve(static_cast<std::size_t>(req.newBatchSize));
+  for (std::size_t i = 0; i < req.mapping.size(); ++i) {
+    if (req.mapping[i] < 0) {
+      releaseSequence(req.sequences[i]);
+    } else {
+      survivors.push_back(std::move(req.sequences[i]));
+    }
+  }
+  req.sequences = std::move(survivors);
+  req.mapping.clear();
+  req.newBatchSize = -1;
+  req.deviceMapping = nullptr;
+  req.pending = false;
+  if (req.sequences.empty()) {
+    req.phase = Phase::kFinishing;
+  }
+  return SwaKVCacheStatus::kOk;
+}
+
+SwaKVCacheStatus BoundedSwaKVPageManager::finish(RequestHandle& handle) {
+  if (!handle.valid()) {
+    return mPoisoned ? SwaKVCacheStatus::kPoisoned : SwaKVCacheStatus::kOk;
+  }
+  Request& req = request(handle, "BoundedSwaKVPageManager::finish");
+  uint64_t const id = req.id;
+  handle.mManager = nullptr;
+  handle.mId = 0;
+  if (req.pending && !synchronize()) {
+    quarantine(detach(id));
+    return SwaKVCacheStatus::kPoisoned;
+  }
+  std::unique_ptr<Request> finished = detach(id);
+  try {
+    for (SwaSequenceState const& state : finished->sequences) {
+      mResources.swaPageTable->clearRow(state.resident.slot);
+    }
+    mResources.swaPageTable->uploadDirty(mStream);
+  } catch (std::exception const& error) {
+    logger()->error("BoundedSwaKVPageManager::finish: clearing rows failed: {}", error.what());
+    quarantine(std::move(finished));
+    return SwaKVCacheStatus::kPoisoned;
+  }
+  for (SwaSequenceState& state : finished->sequences) {
+    releaseSequence(state);
+  }
+  return mPoisoned ? SwaKVCacheStatus::kPoisoned : SwaKVCacheStatus::kOk;
+}
+
+SwaKVCacheStatus BoundedSwaKVPageManager::shutdown() noexcept {
+  if (!mQuarantine.empty()) {
+    if (!synchronize()) {
+      return SwaKVCacheStatus::kPoisoned;
+    }
+    bool cleared = true;
+    try {
+      for (auto const& request : mQuarantine) {
+        for (SwaSequenceState const& state : request->sequences) {
+          mResources.swaPageTable->clearRow(state.resident.slot);
+        }
+      }
+      mResources.swaPageTable->uploadDirty(mStream);
+    } catch (std::exception const& error) {
+      logger()->error("BoundedSwaKVPageManager::shutdown: clearing rows failed: {}", error.what());
+      cleared = false;
+    }
+    if (!cleared) {
+      return SwaKVCacheStatus::kPoisoned;
+    }
+    for (auto& request : mQuarantine) {
+      for (SwaSequenceState& state : request->sequences) {
+        releaseSequence(state);
+      }
+    }
+    mQuarantine.clear();
+  }
+  mPoisoned = false;
+  return mActive.empty() ? SwaKVCacheStatus::kOk : SwaKVCacheStatus::kRequestFailed;
+}
+
+// ---------------------------------------------------------------- internals
+
+bool BoundedSwaKVPageManager::synchronize() noexcept {
+  cudaError_t status = cudaErrorUnknown;
+  try {
+    status = mSynchronizer(mStream);
+  } catch (...) {
+    status = cudaErrorUnknown;
+  }
+  if (status != cudaSuccess) {
+    logger()->error("BoundedSwaKVPageManager: stream synchronisation failed ({}); poisoned",
+                    detail::cudaErrorName(status));
+    mPoisoned = true;
+    return false;
+  }
+  return true;
+}
+
+void BoundedSwaKVPageManager::releaseSequence(SwaSequenceState& state) noexcept {
+  for (SwaPageBinding const& binding : state.bindings) {
+    mFreePages.push_back(binding.page);
+  }
+  for (SwaPageBinding const& binding : state.pendingRetire) {
+    mFreePages.push_back(binding.page);
+  }
+  for (PageId page : state.reservedPages) {
+    mFreePages.push_back(page);
+  }
+  state.bindings.clear();
+  state.pendingRetire.clear();
+  state.reservedPages.clear();
+  state.newBindings.clear();
+  mResidentBusy[static_cast<std::size_t>(state.resident.slot)] = 0;
+}
+
+std::unique_ptr<BoundedSwaKVPageManager::Request> BoundedSwaKVPageManager::detach(
+    uint64_t id) noexcept {
+  for (auto it = mActive.begin(); it != mActive.end(); ++it) {
+    if ((*it)->id == id) {
+      std::unique_ptr<Request> detached = std::move(*it);
+      mActive.erase(it);
+      return detached;
+    }
+  }
+  return nullptr;
+}
+
+void BoundedSwaKVPageManager::quarantine(std::unique_ptr<Request> request) noexcept {
+  if (request == nullptr) {
+    return;
+  }
+  mPoisoned = true;
+  // Capacity was reserved at admission for every request that can be quarantined.
+  mQuarantine.push_back(std::move(request));
+}
+
+void BoundedSwaKVPageManager::abandon(uint64_t id) noexcept {
+  std::unique_ptr<Request> abandoned = detach(id);
+  if (abandoned == nullptr) {
+    return;
+  }
+  if (abandoned->pending && !synchronize()) {
+    quarantine(std::move(abandoned));
+    return;
+  }
+  try {
+    for (SwaSequenceState const& state : abandoned->sequences) {
+      mResources.swaPageTable->clearRow(state.resident.slot);
+    }
+    mResources.swaPageTable->uploadDirty(mStream);
+  } catch (std::exception const& error) {
+    logger()->error("BoundedSwaKVPageManager: abandoning a request failed: {}", error.what());
+    quarantine(std::move(abandoned));
+    return;
+  }
+  for (SwaSequenceState& state : abandoned->sequences) {
+    releaseSequence(state);
+  }
+}
+
+}  // namespace mkv
