@@ -67,10 +67,12 @@ class KVPageTable {
   /// Applies all updates or none: validates slots (in range, not repeated), lengths and page
   /// ids of every update before mutating any row. An empty span clears the row.
   void setRows(std::span<RowUpdate const> updates);
-  /// Sets one logical entry. Dense mode: only at the end of the live prefix (appending) or
-  /// replacing a live entry. Sparse mode: rejects a page already live elsewhere in the row.
+  /// Sets one logical entry to a page id in [0, numPages) (use clearEntry to empty one).
+  /// Dense mode: only at the end of the live prefix (appending) or replacing a live entry.
+  /// Sparse mode: rejects a page already live elsewhere in the row.
   void setEntry(CacheSlot slot, int32_t logicalPage, PageId kPage);
-  /// Clears one entry. Dense mode: only the last live entry.
+  /// Clears one entry; clearing an empty entry changes nothing. Dense mode: of the live
+  /// entries only the last one may be cleared (anything else would leave a hole).
   void clearEntry(CacheSlot slot, int32_t logicalPage);
   void clearRow(CacheSlot slot);
 
@@ -85,12 +87,17 @@ class KVPageTable {
   /// a description of the first violation to *error (when given).
   bool checkInvariants(std::string* error = nullptr) const;
 
-  /// Copies every dirty row (coalesced runs of rows) to the device mirror. Returns false and
-  /// enqueues nothing when the table is clean. Validates invariants first (throws on a broken
-  /// table). Waits for the previous upload's staging copy before reusing staging memory.
+  /// Copies every dirty row (coalesced runs of adjacent rows) to the device mirror: one staged
+  /// copy plus one patch launch. Returns false and enqueues nothing when the table is clean.
+  /// First checks the invariants of every row it is about to upload (throws mkv::Error on a
+  /// broken row, leaving table and dirty state unchanged). Waits for the previous upload's
+  /// staging copy before reusing staging memory. The patch buffer on the device is reused by
+  /// the next upload, so successive uploads of one table must be ordered (one stream).
   bool upload(cudaStream_t stream);
-  /// Copies only the entries that changed since the last upload, coalescing adjacent entries
-  /// into ranges. Same return and validation rules as `upload`.
+  /// Copies only the K entries that changed since the last upload and their V twins; runs of
+  /// adjacent K entries coalesce into one K range plus the matching V range (a single changed
+  /// entry = 2 entries in 2 ranges). Work is O(changed entries). Same return, validation and
+  /// ordering rules as `upload`.
   bool uploadDirty(cudaStream_t stream);
   PageTableUploadStats lastUploadStats() const noexcept { return mLastUpload; }
   /// Cumulative counts over every upload of this table.
@@ -100,16 +107,20 @@ class KVPageTable {
   /// Device mirror `[maxBatch, 2, maxPagesPerSeq]`, stable address for the table's lifetime.
   Tensor const& deviceTable() const noexcept { return mDevice; }
 
-  /// dst[i] = device row residentSlots[i] (one launch; -1 slots give rows of -1).
+  /// dst[i] = device row residentSlots[i] (one launch; -1 slots give rows of -1). Reads the
+  /// device mirror, i.e. the state of the last upload, stream-ordered after it.
   /// residentSlots int32 `[n]` on the table's device; dst is reshaped to `[n, 2, maxPages]`.
   void gatherRows(Tensor& dst, Tensor const& residentSlots, cudaStream_t stream) const;
 
  private:
+  friend class KVPageTableTestPeer;  // tests only: breaks the host copy to exercise the checks
+
   void validateSlot(char const* call, CacheSlot slot) const;
+  void validateLogical(char const* call, int32_t logicalPage) const;
   void validateRowPages(char const* call, CacheSlot slot, std::span<PageId const> kPages) const;
+  bool checkRow(CacheSlot slot, std::string* error) const;
   void writeEntry(CacheSlot slot, int32_t logicalPage, PageId kPage);
-  bool uploadRanges(std::vector<int64_t> const& sortedEntries, bool rowGranular,
-                    cudaStream_t stream);
+  bool uploadRanges(bool rowGranular, cudaStream_t stream);
 
   int32_t mMaxBatch;
   int32_t mMaxPagesPerSeq;
@@ -119,7 +130,9 @@ class KVPageTable {
   std::vector<int32_t> mHost;            // [maxBatch, 2, maxPagesPerSeq]
   std::vector<int32_t> mLiveCount;       // per slot
   std::vector<int64_t> mDirtyEntries;    // flat indices of changed K entries, unsorted, unique
-  std::vector<uint8_t> mEntryDirtyFlag;  // per K entry
+  std::vector<uint8_t> mEntryDirtyFlag;  // per K entry, [maxBatch, maxPagesPerSeq]
+  mutable std::vector<int32_t> mScratch;  // ids sorted by duplicate checks (preallocated)
+  std::vector<int32_t> mPatch;            // host image of the next patch (preallocated)
   Tensor mDevice;
   std::unique_ptr<detail::Int32Staging> mStaging;
   PageTableUploadStats mLastUpload;

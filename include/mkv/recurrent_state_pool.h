@@ -18,6 +18,7 @@ namespace detail {
 class Int32Staging;
 }
 
+/// All fields must be positive; numLayers <= kernels::kMaxRowBuffers / 2.
 struct RecurrentStatePoolConfig {
   int32_t numLayers = 0;          ///< recurrent layers (each has one state and one conv row)
   int32_t numSlots = 0;           ///< resident slots (== KV page-table rows)
@@ -53,7 +54,8 @@ class RecurrentStatePool {
 
   /// Zeroes one resident's rows in every layer (one launch). Stream-ordered.
   void clearResidentSlot(CacheSlot slot, cudaStream_t stream);
-  /// Zeroes several residents' rows in one launch. Throws for a slot out of range.
+  /// Zeroes several residents' rows in one launch. Throws for a slot out of range or for more
+  /// slots than the pool has (nothing enqueued).
   void clearResidentSlots(std::span<CacheSlot const> slots, cudaStream_t stream);
 
  private:

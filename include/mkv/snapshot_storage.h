@@ -39,6 +39,12 @@ class SnapshotStorage {
  public:
   /// `recurrent` may be null (attention-only) and `baseKv` may be null (pure recurrent);
   /// `draftKv` is the paired draft pool for Hybrid-MTP, or null. Borrowed, must outlive this.
+  /// A slab exists only when its pool and slot count are given: recurrent slabs need
+  /// `recurrent` and recurrentSlots > 0; partial-KV slabs need `baseKv` (and `draftKv` for the
+  /// draft slab) and partialKvSlots > 0; the hidden slab needs boundaryHiddenWidth > 0 and
+  /// recurrentSlots > 0. Throws for negative counts, partialKvSlots > 0 without `baseKv`, a
+  /// draft pool without a base pool, a hidden width without slots or without any pool to take
+  /// the device from, and pools on different devices.
   SnapshotStorage(SnapshotStorageConfig const& config, RecurrentStatePool* recurrent,
                   KVCachePool* baseKv, KVCachePool* draftKv = nullptr);
   ~SnapshotStorage();
@@ -55,6 +61,8 @@ class SnapshotStorage {
   int64_t totalBytes() const noexcept;
 
   SnapshotStorageConfig const& config() const noexcept { return mConfig; }
+  /// Device of the slabs: that of the given pools (kCPU when none is given).
+  DeviceType deviceType() const noexcept;
   bool hasDraft() const noexcept { return mDraftKv != nullptr; }
   bool hasBoundaryHidden() const noexcept { return mConfig.boundaryHiddenWidth > 0; }
 
@@ -63,6 +71,8 @@ class SnapshotStorage {
 
   /// Copies the first validTokens (1..tokensPerPage) token rows of K and V page `page` of
   /// every base layer (and of `draftPage` of the draft pool when it is >= 0) into the slot.
+  /// Base and draft are two launches (their page ids differ, and one copyPages item applies the
+  /// same ids to every layer of one call); the staged ids are shared by both.
   void capturePartialKv(int32_t snapshotSlot, PageId page, int32_t validTokens,
                         PageId draftPage, cudaStream_t stream);
   void restorePartialKv(int32_t snapshotSlot, PageId page, int32_t validTokens,
@@ -82,6 +92,11 @@ class SnapshotStorage {
   Tensor const& boundaryHiddenSlab() const;
 
  private:
+  void copyPartialKv(char const* call, bool capture, int32_t snapshotSlot, PageId page,
+                     int32_t validTokens, PageId draftPage, cudaStream_t stream);
+  void validateBoundaryHidden(char const* call, int32_t snapshotSlot, Tensor const& hidden,
+                          int32_t row) const;
+
   SnapshotStorageConfig mConfig;
   RecurrentStatePool* mRecurrent;
   KVCachePool* mBaseKv;
@@ -92,6 +107,8 @@ class SnapshotStorage {
   std::vector<Tensor> mPartialDraft;
   std::vector<void*> mPartialBaseBases;
   std::vector<void*> mPartialDraftBases;
+  std::vector<kernels::RowBufferPair> mCapturePairs;  // pool rows -> slab rows, every layer
+  std::vector<kernels::RowBufferPair> mRestorePairs;  // slab rows -> pool rows, every layer
   Tensor mBoundaryHidden;
   std::unique_ptr<detail::Int32Staging> mStaging;
 };

@@ -1,1 +1,7 @@
-list(APPEND MKV_LIBRARY_SOURCES)
+list(APPEND MKV_LIBRARY_SOURCES
+  ${CMAKE_CURRENT_LIST_DIR}/kv_cache_pool.cpp
+  ${CMAKE_CURRENT_LIST_DIR}/kv_page_table.cpp
+  ${CMAKE_CURRENT_LIST_DIR}/recurrent_state_pool.cpp
+  ${CMAKE_CURRENT_LIST_DIR}/resident_slot_pool.cpp
+  ${CMAKE_CURRENT_LIST_DIR}/snapshot_storage.cpp
+)

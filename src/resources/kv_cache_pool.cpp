@@ -1,0 +1,160 @@
+#include "mkv/kv_cache_pool.h"
+
+#include <bit>
+#include <limits>
+
+#include "core/check.h"
+#include "core/device.h"
+
+namespace mkv {
+namespace {
+
+constexpr char const* kCtor = "KVCachePool";
+
+/// a * b, throwing when the product leaves [0, INT64_MAX].
+int64_t checkedProduct(int64_t a, int64_t b, char const* what) {
+  MKV_REQUIRE(a >= 0 && b >= 0 && (b == 0 || a <= std::numeric_limits<int64_t>::max() / b), kCtor,
+              "{} overflows int64 ({} x {})", what, a, b);
+  return a * b;
+}
+
+void validateConfig(KVCachePoolConfig const& c) {
+  MKV_REQUIRE(c.numLayers >= 1 && c.numLayers <= kernels::kMaxLayers, kCtor,
+              "numLayers {} is outside [1, {}]", c.numLayers, kernels::kMaxLayers);
+  MKV_REQUIRE(c.numKVHeads > 0, kCtor, "numKVHeads must be positive, got {}", c.numKVHeads);
+  MKV_REQUIRE(c.headDim > 0, kCtor, "headDim must be positive, got {}", c.headDim);
+  MKV_REQUIRE(c.tokensPerPage >= 16 && c.tokensPerPage <= 1024 &&
+                  std::has_single_bit(static_cast<uint32_t>(c.tokensPerPage)),
+              kCtor, "tokensPerPage must be a power of two in [16, 1024], got {}",
+              c.tokensPerPage);
+  MKV_REQUIRE(c.numPages > 0, kCtor, "numPages must be positive, got {}", c.numPages);
+  MKV_REQUIRE(c.maxBatchSize > 0, kCtor, "maxBatchSize must be positive, got {}", c.maxBatchSize);
+  int64_t const tokenBytes = checkedProduct(
+      checkedProduct(c.numKVHeads, c.headDim, "numKVHeads * headDim"),
+      static_cast<int64_t>(dataTypeSize(c.dataType)), "token bytes");
+  int64_t const pageBytes = checkedProduct(tokenBytes, c.tokensPerPage, "page bytes");
+  int64_t const layerBytes =
+      checkedProduct(checkedProduct(pageBytes, c.numPages, "half bytes"), 2, "layer bytes");
+  checkedProduct(layerBytes, c.numLayers, "total bytes");
+}
+
+}  // namespace
+
+KVCachePool::KVCachePool(KVCachePoolConfig const& config) : mConfig(config) {
+  validateConfig(config);
+  mLayers.reserve(static_cast<std::size_t>(config.numLayers));
+  mLayerBases.reserve(static_cast<std::size_t>(config.numLayers));
+  for (int32_t l = 0; l < config.numLayers; ++l) {
+    mLayers.emplace_back(Coords{2, config.numPages, config.tokensPerPage, config.numKVHeads,
+                                config.headDim},
+                         config.dataType, config.deviceType);
+    mLayerBases.push_back(mLayers.back().rawPointer());
+  }
+  mKvLengths = Tensor({config.maxBatchSize}, DataType::kInt32, config.deviceType);
+  bool const viewed = mKvLengths.reshape({0});
+  MKV_ASSERT(viewed, "an empty view always fits");
+  mStaging = std::make_unique<detail::Int32Staging>(config.maxBatchSize, config.deviceType);
+}
+
+KVCachePool::~KVCachePool() = default;
+
+int64_t KVCachePool::tokenBytes() const noexcept {
+  return int64_t{mConfig.numKVHeads} * mConfig.headDim *
+         static_cast<int64_t>(dataTypeSize(mConfig.dataType));
+}
+
+int64_t KVCachePool::totalBytes() const noexcept {
+  return int64_t{mConfig.numLayers} * 2 * mConfig.numPages * pageBytes();
+}
+
+Tensor& KVCachePool::layer(int32_t l) {
+  MKV_REQUIRE(l >= 0 && l < mConfig.numLayers, "KVCachePool::layer", "layer {} is outside [0, {})",
+              l, mConfig.numLayers);
+  return mLayers[static_cast<std::size_t>(l)];
+}
+
+Tensor const& KVCachePool::layer(int32_t l) const {
+  return const_cast<KVCachePool*>(this)->layer(l);
+}
+
+kernels::PagedBuffers KVCachePool::pagedBuffers() const noexcept {
+  return kernels::PagedBuffers{mLayerBases, mConfig.deviceType, mConfig.numPages,
+                               mConfig.tokensPerPage, tokenBytes()};
+}
+
+namespace {
+
+void validateLengths(char const* call, std::span<int32_t const> lengths) {
+  for (std::size_t i = 0; i < lengths.size(); ++i) {
+    MKV_REQUIRE(lengths[i] >= 0, call, "lengths[{}] = {} is negative", i, lengths[i]);
+  }
+}
+
+}  // namespace
+
+void KVCachePool::resetForNewSequences(std::span<int32_t const> lengths, cudaStream_t stream) {
+  constexpr char const* kCall = "KVCachePool::resetForNewSequences";
+  MKV_REQUIRE(lengths.size() <= static_cast<std::size_t>(mConfig.maxBatchSize), kCall,
+              "{} sequences exceed maxBatchSize {}", lengths.size(), mConfig.maxBatchSize);
+  validateLengths(kCall, lengths);
+  auto const batchSize = static_cast<int32_t>(lengths.size());
+  if (batchSize > 0) {
+    detail::Int32Staging::Batch batch = mStaging->begin(stream);
+    Tensor const staged = batch.add(lengths);
+    batch.submit();
+    detail::copyBytes(mKvLengths.rawPointer(), mConfig.deviceType, staged.rawPointer(),
+                      mConfig.deviceType, lengths.size_bytes(), stream);
+  }
+  setActiveBatchSize(batchSize);
+}
+
+void KVCachePool::writeLengths(int32_t firstRow, std::span<int32_t const> lengths,
+                               cudaStream_t stream) {
+  constexpr char const* kCall = "KVCachePool::writeLengths";
+  MKV_REQUIRE(firstRow >= 0 && int64_t{firstRow} + static_cast<int64_t>(lengths.size()) <=
+                                   mActiveBatchSize,
+              kCall, "rows [{}, {}) are outside the active batch of {}", firstRow,
+              int64_t{firstRow} + static_cast<int64_t>(lengths.size()), mActiveBatchSize);
+  validateLengths(kCall, lengths);
+  if (lengths.empty()) {
+    return;
+  }
+  detail::Int32Staging::Batch batch = mStaging->begin(stream);
+  Tensor const staged = batch.add(lengths);
+  batch.submit();
+  detail::copyBytes(mKvLengths.dataPointer<int32_t>() + firstRow, mConfig.deviceType,
+                    staged.rawPointer(), mConfig.deviceType, lengths.size_bytes(), stream);
+}
+
+void KVCachePool::setActiveBatchSize(int32_t batchSize) {
+  MKV_REQUIRE(batchSize >= 0 && batchSize <= mConfig.maxBatchSize,
+              "KVCachePool::setActiveBatchSize", "batch size {} is outside [0, {}]", batchSize,
+              mConfig.maxBatchSize);
+  bool const viewed = mKvLengths.reshape({batchSize});
+  MKV_ASSERT(viewed, "a batch within maxBatchSize fits the length tensor");
+  mActiveBatchSize = batchSize;
+}
+
+void KVCachePool::compactLengths(Tensor const& oldToNew, int32_t newBatchSize,
+                                 cudaStream_t stream) {
+  constexpr char const* kCall = "KVCachePool::compactLengths";
+  MKV_REQUIRE(oldToNew.numel() == mActiveBatchSize, kCall,
+              "mapping has {} entries but the active batch is {}", oldToNew.numel(),
+              mActiveBatchSize);
+  MKV_REQUIRE(newBatchSize >= 0 && newBatchSize <= mActiveBatchSize, kCall,
+              "newBatchSize {} is outside [0, {}]", newBatchSize, mActiveBatchSize);
+  MKV_REQUIRE(oldToNew.deviceType() == mConfig.deviceType, kCall,
+              "mapping is on {} but the pool is on {}", toString(oldToNew.deviceType()),
+              toString(mConfig.deviceType));
+  kernels::RowBuffer const lengths{mKvLengths.rawPointer(), sizeof(int32_t),
+                                   mConfig.maxBatchSize};
+  try {
+    kernels::compactBatch(std::span<kernels::RowBuffer const>(&lengths, 1), mConfig.deviceType,
+                          oldToNew, newBatchSize, stream);
+  } catch (Error const& error) {
+    detail::throwContract(kCall, "{}", error.what());
+  }
+  setActiveBatchSize(newBatchSize);
+}
+
+}  // namespace mkv

@@ -1,0 +1,386 @@
+#include "mkv/kv_page_table.h"
+
+#include <algorithm>
+#include <limits>
+#include <utility>
+
+#include "core/check.h"
+#include "core/device.h"
+#include "mkv/kernels.h"
+
+namespace mkv {
+namespace {
+
+/// Worst-case int32 count of one patch: every K entry dirty in alternating positions gives
+/// ceil(W / 2) K runs per row, each with a V twin (3 header entries per range), plus all K and V
+/// values. Row-granular uploads need fewer (ceil(B / 2) ranges, 2 * B * W values).
+int64_t patchCapacity(int64_t maxBatch, int64_t maxPagesPerSeq) {
+  int64_t const entryRuns = maxBatch * ((maxPagesPerSeq + 1) / 2);
+  int64_t const entryPatch = 3 * (2 * entryRuns) + 2 * maxBatch * maxPagesPerSeq;
+  int64_t const rowPatch = 3 * ((maxBatch + 1) / 2) + 2 * maxBatch * maxPagesPerSeq;
+  return std::max(entryPatch, rowPatch);
+}
+
+/// Sorts `values`; when some value occurs twice, stores it in *duplicate and returns true.
+bool findDuplicate(std::vector<int32_t>& values, int32_t* duplicate) {
+  std::sort(values.begin(), values.end());
+  auto const it = std::adjacent_find(values.begin(), values.end());
+  if (it == values.end()) {
+    return false;
+  }
+  *duplicate = *it;
+  return true;
+}
+
+}  // namespace
+
+KVPageTable::KVPageTable(int32_t maxBatch, int32_t maxPagesPerSeq, int32_t numPages,
+                         PageTableMode mode, DeviceType deviceType)
+    : mMaxBatch(maxBatch),
+      mMaxPagesPerSeq(maxPagesPerSeq),
+      mNumPages(numPages),
+      mMode(mode),
+      mDeviceType(deviceType) {
+  constexpr char const* kCall = "KVPageTable";
+  MKV_REQUIRE(maxBatch > 0, kCall, "maxBatch must be positive, got {}", maxBatch);
+  MKV_REQUIRE(maxPagesPerSeq > 0, kCall, "maxPagesPerSeq must be positive, got {}",
+              maxPagesPerSeq);
+  MKV_REQUIRE(numPages > 0 && numPages <= std::numeric_limits<int32_t>::max() / 2, kCall,
+              "numPages must be in [1, {}] so that V ids fit int32, got {}",
+              std::numeric_limits<int32_t>::max() / 2, numPages);
+  int64_t const capacity = patchCapacity(maxBatch, maxPagesPerSeq);
+  MKV_REQUIRE(capacity <= std::numeric_limits<int32_t>::max(), kCall,
+              "a {} x {} table is too large: patch offsets must fit int32", maxBatch,
+              maxPagesPerSeq);
+  auto const kEntries = static_cast<std::size_t>(maxBatch) * static_cast<std::size_t>(maxPagesPerSeq);
+  mHost.assign(2 * kEntries, kNoPage);
+  mLiveCount.assign(static_cast<std::size_t>(maxBatch), 0);
+  mDirtyEntries.reserve(kEntries);
+  mEntryDirtyFlag.assign(kEntries, 0);
+  mScratch.reserve(static_cast<std::size_t>(std::max(maxBatch, maxPagesPerSeq)));
+  mPatch.reserve(static_cast<std::size_t>(capacity));
+  mDevice = Tensor({maxBatch, 2, maxPagesPerSeq}, DataType::kInt32, deviceType);
+  detail::fillBytes(mDevice.rawPointer(), deviceType, 0xFF,
+                    static_cast<std::size_t>(mDevice.sizeBytes()), nullptr);
+  if (deviceType == DeviceType::kGPU) {
+    detail::synchronizeDevice();
+  }
+  mStaging = std::make_unique<detail::Int32Staging>(capacity, deviceType);
+}
+
+KVPageTable::~KVPageTable() = default;
+
+void KVPageTable::validateSlot(char const* call, CacheSlot slot) const {
+  MKV_REQUIRE(slot >= 0 && slot < mMaxBatch, call, "slot {} is outside [0, {})", slot, mMaxBatch);
+}
+
+void KVPageTable::validateLogical(char const* call, int32_t logicalPage) const {
+  MKV_REQUIRE(logicalPage >= 0 && logicalPage < mMaxPagesPerSeq, call,
+              "logical page {} is outside [0, {})", logicalPage, mMaxPagesPerSeq);
+}
+
+void KVPageTable::validateRowPages(char const* call, CacheSlot slot,
+                                   std::span<PageId const> kPages) const {
+  MKV_REQUIRE(kPages.size() <= static_cast<std::size_t>(mMaxPagesPerSeq), call,
+              "slot {}: {} pages given but a row holds at most {}", slot, kPages.size(),
+              mMaxPagesPerSeq);
+  for (std::size_t i = 0; i < kPages.size(); ++i) {
+    PageId const page = kPages[i];
+    if (page == kNoPage) {
+      MKV_REQUIRE(mMode == PageTableMode::kSparseWindow, call,
+                  "slot {}: page[{}] = -1, but empty entries inside a row are only allowed in "
+                  "sparse-window mode",
+                  slot, i);
+      continue;
+    }
+    MKV_REQUIRE(page >= 0 && page < mNumPages, call, "slot {}: page[{}] = {} is outside [0, {})",
+                slot, i, page, mNumPages);
+  }
+  if (mMode == PageTableMode::kSparseWindow) {
+    mScratch.clear();
+    for (PageId page : kPages) {
+      if (page != kNoPage) {
+        mScratch.push_back(page);
+      }
+    }
+    int32_t duplicate = 0;
+    MKV_REQUIRE(!findDuplicate(mScratch, &duplicate), call,
+                "slot {}: page {} appears more than once among the live entries", slot,
+                duplicate);
+  }
+}
+
+bool KVPageTable::checkRow(CacheSlot slot, std::string* error) const {
+  auto fail = [&](std::string message) {
+    if (error != nullptr) {
+      *error = std::move(message);
+    }
+    return false;
+  };
+  std::span<int32_t const> const row = hostRow(slot);
+  auto const width = static_cast<std::size_t>(mMaxPagesPerSeq);
+  int32_t live = 0;
+  bool seenEmpty = false;
+  mScratch.clear();
+  for (std::size_t i = 0; i < width; ++i) {
+    int32_t const k = row[i];
+    int32_t const v = row[width + i];
+    if (k == kNoPage) {
+      if (v != kNoPage) {
+        return fail(fmt::format("row {} entry {}: K is empty but V is {}", slot, i, v));
+      }
+      seenEmpty = true;
+      continue;
+    }
+    if (k < 0 || k >= mNumPages) {
+      return fail(fmt::format("row {} entry {}: K page {} is outside [0, {})", slot, i, k,
+                              mNumPages));
+    }
+    if (v != k + mNumPages) {
+      return fail(fmt::format("row {} entry {}: V page is {}, expected {} (K {} + numPages {})",
+                              slot, i, v, k + mNumPages, k, mNumPages));
+    }
+    if (mMode == PageTableMode::kDense && seenEmpty) {
+      return fail(fmt::format("row {} entry {}: live entry after an empty one in a dense table",
+                              slot, i));
+    }
+    ++live;
+    if (mMode == PageTableMode::kSparseWindow) {
+      mScratch.push_back(k);
+    }
+  }
+  if (live != mLiveCount[static_cast<std::size_t>(slot)]) {
+    return fail(fmt::format("row {}: {} live entries, but {} are recorded", slot, live,
+                            mLiveCount[static_cast<std::size_t>(slot)]));
+  }
+  int32_t duplicate = 0;
+  if (mMode == PageTableMode::kSparseWindow && findDuplicate(mScratch, &duplicate)) {
+    return fail(fmt::format("row {}: page {} is live more than once", slot, duplicate));
+  }
+  return true;
+}
+
+bool KVPageTable::checkInvariants(std::string* error) const {
+  for (CacheSlot slot = 0; slot < mMaxBatch; ++slot) {
+    if (!checkRow(slot, error)) {
+      return false;
+    }
+  }
+  return true;
+}
+
+void KVPageTable::writeEntry(CacheSlot slot, int32_t logicalPage, PageId kPage) {
+  auto const width = static_cast<std::size_t>(mMaxPagesPerSeq);
+  std::size_t const flat = static_cast<std::size_t>(slot) * 2 * width +
+                           static_cast<std::size_t>(logicalPage);
+  PageId const old = mHost[flat];
+  if (old == kPage) {
+    return;
+  }
+  mHost[flat] = kPage;
+  mHost[flat + width] = kPage == kNoPage ? kNoPage : kPage + mNumPages;
+  int32_t& live = mLiveCount[static_cast<std::size_t>(slot)];
+  live += (old == kNoPage ? 1 : 0) - (kPage == kNoPage ? 1 : 0);
+  uint8_t& flag =
+      mEntryDirtyFlag[static_cast<std::size_t>(slot) * width + static_cast<std::size_t>(logicalPage)];
+  if (flag == 0) {
+    flag = 1;
+    mDirtyEntries.push_back(static_cast<int64_t>(flat));
+  }
+}
+
+void KVPageTable::setRow(CacheSlot slot, std::span<PageId const> kPages) {
+  constexpr char const* kCall = "KVPageTable::setRow";
+  validateSlot(kCall, slot);
+  validateRowPages(kCall, slot, kPages);
+  for (int32_t i = 0; i < mMaxPagesPerSeq; ++i) {
+    auto const index = static_cast<std::size_t>(i);
+    writeEntry(slot, i, index < kPages.size() ? kPages[index] : kNoPage);
+  }
+}
+
+void KVPageTable::setRows(std::span<RowUpdate const> updates) {
+  constexpr char const* kCall = "KVPageTable::setRows";
+  for (RowUpdate const& update : updates) {
+    validateSlot(kCall, update.slot);
+    validateRowPages(kCall, update.slot, update.kPages);
+  }
+  mScratch.clear();
+  for (RowUpdate const& update : updates) {
+    mScratch.push_back(update.slot);
+  }
+  int32_t repeated = 0;
+  MKV_REQUIRE(!findDuplicate(mScratch, &repeated), kCall, "slot {} is updated more than once",
+              repeated);
+  for (RowUpdate const& update : updates) {
+    for (int32_t i = 0; i < mMaxPagesPerSeq; ++i) {
+      auto const index = static_cast<std::size_t>(i);
+      writeEntry(update.slot, i, index < update.kPages.size() ? update.kPages[index] : kNoPage);
+    }
+  }
+}
+
+void KVPageTable::setEntry(CacheSlot slot, int32_t logicalPage, PageId kPage) {
+  constexpr char const* kCall = "KVPageTable::setEntry";
+  validateSlot(kCall, slot);
+  validateLogical(kCall, logicalPage);
+  MKV_REQUIRE(kPage >= 0 && kPage < mNumPages, kCall,
+              "slot {} entry {}: page {} is outside [0, {}) (clearEntry empties an entry)", slot,
+              logicalPage, kPage, mNumPages);
+  if (mMode == PageTableMode::kDense) {
+    int32_t const live = mLiveCount[static_cast<std::size_t>(slot)];
+    MKV_REQUIRE(logicalPage <= live, kCall,
+                "slot {} entry {}: a dense row with {} live entries can only be replaced below "
+                "{} or appended at {}",
+                slot, logicalPage, live, live, live);
+  } else {
+    std::span<int32_t const> const row = hostRow(slot);
+    for (int32_t i = 0; i < mMaxPagesPerSeq; ++i) {
+      MKV_REQUIRE(i == logicalPage || row[static_cast<std::size_t>(i)] != kPage, kCall,
+                  "slot {} entry {}: page {} is already live at entry {}", slot, logicalPage,
+                  kPage, i);
+    }
+  }
+  writeEntry(slot, logicalPage, kPage);
+}
+
+void KVPageTable::clearEntry(CacheSlot slot, int32_t logicalPage) {
+  constexpr char const* kCall = "KVPageTable::clearEntry";
+  validateSlot(kCall, slot);
+  validateLogical(kCall, logicalPage);
+  if (entry(slot, logicalPage) == kNoPage) {
+    return;
+  }
+  if (mMode == PageTableMode::kDense) {
+    int32_t const live = mLiveCount[static_cast<std::size_t>(slot)];
+    MKV_REQUIRE(logicalPage == live - 1, kCall,
+                "slot {} entry {}: only the last live entry ({}) of a dense row can be cleared",
+                slot, logicalPage, live - 1);
+  }
+  writeEntry(slot, logicalPage, kNoPage);
+}
+
+void KVPageTable::clearRow(CacheSlot slot) {
+  validateSlot("KVPageTable::clearRow", slot);
+  for (int32_t i = 0; i < mMaxPagesPerSeq && mLiveCount[static_cast<std::size_t>(slot)] > 0; ++i) {
+    writeEntry(slot, i, kNoPage);
+  }
+}
+
+PageId KVPageTable::entry(CacheSlot slot, int32_t logicalPage) const {
+  validateSlot("KVPageTable::entry", slot);
+  validateLogical("KVPageTable::entry", logicalPage);
+  return mHost[static_cast<std::size_t>(slot) * 2 * static_cast<std::size_t>(mMaxPagesPerSeq) +
+               static_cast<std::size_t>(logicalPage)];
+}
+
+std::span<int32_t const> KVPageTable::hostRow(CacheSlot slot) const {
+  validateSlot("KVPageTable::hostRow", slot);
+  auto const width = 2 * static_cast<std::size_t>(mMaxPagesPerSeq);
+  return std::span<int32_t const>(mHost).subspan(static_cast<std::size_t>(slot) * width, width);
+}
+
+int32_t KVPageTable::liveEntryCount(CacheSlot slot) const {
+  validateSlot("KVPageTable::liveEntryCount", slot);
+  return mLiveCount[static_cast<std::size_t>(slot)];
+}
+
+bool KVPageTable::upload(cudaStream_t stream) { return uploadRanges(/*rowGranular=*/true, stream); }
+
+bool KVPageTable::uploadDirty(cudaStream_t stream) {
+  return uploadRanges(/*rowGranular=*/false, stream);
+}
+
+bool KVPageTable::uploadRanges(bool rowGranular, cudaStream_t stream) {
+  char const* const call = rowGranular ? "KVPageTable::upload" : "KVPageTable::uploadDirty";
+  if (mDirtyEntries.empty()) {
+    mLastUpload = {};
+    return false;
+  }
+  // Sorting reorders the dirty set but does not change it, so a throw below leaves the table
+  // and its dirty state as they were.
+  std::sort(mDirtyEntries.begin(), mDirtyEntries.end());
+  std::vector<int64_t> const& sortedEntries = mDirtyEntries;
+  int64_t const width = mMaxPagesPerSeq;
+  int64_t const rowWidth = 2 * width;
+  for (std::size_t i = 0; i < sortedEntries.size(); ++i) {
+    int64_t const row = sortedEntries[i] / rowWidth;
+    if (i > 0 && sortedEntries[i - 1] / rowWidth == row) {
+      continue;
+    }
+    std::string error;
+    if (!checkRow(static_cast<CacheSlot>(row), &error)) {
+      detail::throwContract(call, "broken table, nothing uploaded: {}", error);
+    }
+  }
+
+  // Runs of the upload: adjacent rows (row granular) or adjacent K entries (entry granular).
+  // visit(offset, count) is called once per run, in ascending order.
+  auto forEachRun = [&](auto&& visit) {
+    std::size_t i = 0;
+    while (i < sortedEntries.size()) {
+      if (rowGranular) {
+        int64_t const first = sortedEntries[i] / rowWidth;
+        int64_t last = first;
+        while (i < sortedEntries.size() && sortedEntries[i] / rowWidth <= last + 1) {
+          last = sortedEntries[i] / rowWidth;
+          ++i;
+        }
+        visit(first * rowWidth, (last - first + 1) * rowWidth);
+      } else {
+        int64_t const first = sortedEntries[i];
+        int64_t count = 1;
+        ++i;
+        while (i < sortedEntries.size() && sortedEntries[i] == first + count) {
+          ++count;
+          ++i;
+        }
+        visit(first, count);
+      }
+    }
+  };
+  int64_t runs = 0;
+  forEachRun([&](int64_t, int64_t) { ++runs; });
+  int64_t const numRanges = rowGranular ? runs : 2 * runs;
+  mPatch.assign(static_cast<std::size_t>(3 * numRanges), 0);
+  std::size_t header = 0;
+  auto appendRange = [&](int64_t offset, int64_t count) {
+    mPatch[header++] = static_cast<int32_t>(offset);
+    mPatch[header++] = static_cast<int32_t>(count);
+    mPatch[header++] = static_cast<int32_t>(mPatch.size());
+    auto const begin = mHost.begin() + offset;
+    mPatch.insert(mPatch.end(), begin, begin + count);
+  };
+  forEachRun([&](int64_t offset, int64_t count) {
+    appendRange(offset, count);
+    if (!rowGranular) {
+      appendRange(offset + width, count);
+    }
+  });
+  detail::Int32Staging::Batch batch = mStaging->begin(stream);
+  Tensor const patch = batch.add(mPatch);
+  batch.submit();
+  kernels::applyInt32Patch(mDevice, patch, static_cast<int32_t>(numRanges), stream);
+
+  for (int64_t flat : sortedEntries) {
+    int64_t const slot = flat / rowWidth;
+    mEntryDirtyFlag[static_cast<std::size_t>(slot * width + flat % rowWidth)] = 0;
+  }
+  mDirtyEntries.clear();
+  mLastUpload.entries = static_cast<int64_t>(mPatch.size()) - 3 * numRanges;
+  mLastUpload.ranges = numRanges;
+  mTotalUpload.entries += mLastUpload.entries;
+  mTotalUpload.ranges += mLastUpload.ranges;
+  return true;
+}
+
+void KVPageTable::gatherRows(Tensor& dst, Tensor const& residentSlots, cudaStream_t stream) const {
+  constexpr char const* kCall = "KVPageTable::gatherRows";
+  MKV_REQUIRE(residentSlots.deviceType() == mDeviceType && dst.deviceType() == mDeviceType, kCall,
+              "residentSlots on {} and dst on {}, but the table is on {}",
+              toString(residentSlots.deviceType()), toString(dst.deviceType()),
+              toString(mDeviceType));
+  kernels::gatherPageTableRows(mDevice, residentSlots, dst, stream);
+}
+
+}  // namespace mkv
