@@ -12,7 +12,7 @@
 
 namespace mkv::detail {
 namespace {
-[[noreturn]] void throwNoCuda(std::string_view what) {
+[[noreturn, maybe_unused]] void throwNoCuda(std::string_view what) {
   throwError(fmt::format("{}: GPU memory requested, but managedkv was built without CUDA", what));
 }
 }  // namespace
