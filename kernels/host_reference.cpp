@@ -95,8 +95,9 @@ void applyInt32PatchHost(Int32PatchLaunch const& launch) {
     int64_t const valueStart = launch.patch[3 * r + 2];
     for (int64_t j = 0; j < count; ++j) {
       int64_t const target = offset + j;
-      if (target >= 0 && target < launch.dstNumel) {
-        launch.dst[target] = launch.patch[valueStart + j];
+      int64_t const source = valueStart + j;
+      if (target >= 0 && target < launch.dstNumel && source >= 0 && source < launch.patchNumel) {
+        launch.dst[target] = launch.patch[source];
       }
     }
   }

@@ -69,10 +69,13 @@ struct ZeroRowsLaunch {
   int32_t numItems;
 };
 
+/// A write outside dst or a value index outside the patch is skipped (GPU patches cannot be
+/// validated on the host).
 struct Int32PatchLaunch {
   int32_t* dst;
   int32_t const* patch;  // numRanges (offset, count, valueStart) triples, then the values
   int64_t dstNumel;
+  int64_t patchNumel;
   int32_t numRanges;
 };
 

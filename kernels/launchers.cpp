@@ -321,6 +321,7 @@ void applyInt32Patch(Tensor& dst, Tensor const& patch, int32_t numRanges, cudaSt
   launch.dst = dst.dataPointer<int32_t>();
   launch.patch = patch.dataPointer<int32_t>();
   launch.dstNumel = dst.numel();
+  launch.patchNumel = patch.numel();
   launch.numRanges = numRanges;
   run(dst.deviceType(), kCall, launch, &detail::applyInt32PatchHost, MKV_CUDA_IMPL(applyInt32PatchCuda),
       stream);
