@@ -1,0 +1,64 @@
+/// applyInt32Patch on the GPU (page-table uploads): one launch for every range. grid.y walks
+/// the ranges; the grid.x CTAs of a range split its values, each thread keeping
+/// kLoadsInFlight loads in flight. Ranges are arbitrary int32 offsets on both sides, so the
+/// accesses are 4-byte; the patch is small next to the page data it describes.
+#include <algorithm>
+
+#include "kernel_params.h"
+#include "vector_copy.cuh"
+
+namespace mkv::kernels::detail {
+namespace {
+
+constexpr int32_t kPatchThreads = 256;
+constexpr int64_t kPatchValuesPerPass = int64_t{kPatchThreads} * kLoadsInFlight;
+/// grid.x is sized so that the average range takes one pass of every CTA, within these bounds
+/// (the range lengths themselves may live on the device). grid.y is the hardware limit.
+constexpr int64_t kMaxPatchBlocksX = 1024;
+constexpr int64_t kMaxPatchBlocksY = 65535;
+
+__global__ void __launch_bounds__(kPatchThreads)
+    int32PatchKernel(__grid_constant__ Int32PatchLaunch const launch) {
+  for (int64_t r = blockIdx.y; r < launch.numRanges; r += gridDim.y) {
+    int64_t const offset = launch.patch[3 * r];
+    int64_t const count = launch.patch[3 * r + 1];
+    int64_t const valueStart = launch.patch[3 * r + 2];
+    int64_t const stride = int64_t{gridDim.x} * kPatchValuesPerPass;
+    for (int64_t first = int64_t{blockIdx.x} * kPatchValuesPerPass + threadIdx.x; first < count;
+         first += stride) {
+      int32_t values[kLoadsInFlight];
+      bool valid[kLoadsInFlight];
+#pragma unroll
+      for (int32_t k = 0; k < kLoadsInFlight; ++k) {
+        int64_t const j = first + int64_t{k} * kPatchThreads;
+        int64_t const target = offset + j;
+        int64_t const source = valueStart + j;
+        valid[k] = j < count && target >= 0 && target < launch.dstNumel && source >= 0 &&
+                   source < launch.patchNumel;
+        values[k] = valid[k] ? __ldg(launch.patch + source) : 0;
+      }
+#pragma unroll
+      for (int32_t k = 0; k < kLoadsInFlight; ++k) {
+        if (valid[k]) {
+          launch.dst[offset + first + int64_t{k} * kPatchThreads] = values[k];
+        }
+      }
+    }
+  }
+}
+
+}  // namespace
+
+cudaError_t applyInt32PatchCuda(Int32PatchLaunch const& launch, cudaStream_t stream) {
+  int64_t const ranges = std::max<int64_t>(launch.numRanges, 1);
+  int64_t const averageValues = (launch.dstNumel + ranges - 1) / ranges;
+  int64_t const blocksX =
+      std::clamp<int64_t>((averageValues + kPatchValuesPerPass - 1) / kPatchValuesPerPass, 1,
+                          kMaxPatchBlocksX);
+  dim3 const grid(static_cast<unsigned int>(blocksX),
+                  static_cast<unsigned int>(std::min(ranges, kMaxPatchBlocksY)), 1);
+  int32PatchKernel<<<grid, kPatchThreads, 0, stream>>>(launch);
+  return cudaGetLastError();
+}
+
+}  // namespace mkv::kernels::detail
