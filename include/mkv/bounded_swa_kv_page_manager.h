@@ -197,6 +197,7 @@ class BoundedSwaKVPageManager {
 
  private:
   enum class Phase : uint8_t { kAdmitted, kExecuting, kFinishing };
+  enum class Pending : uint8_t;
   Request& request(RequestHandle const& handle, char const* call) const;
   void stageWindow(SwaSequenceState& state, int32_t newEndpoint, char const* call);
   bool stageDecode(SwaSequenceState& state);

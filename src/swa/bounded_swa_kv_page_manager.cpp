@@ -13,10 +13,19 @@
 
 namespace mkv {
 
+/// Device work a request has enqueued and not yet seen complete; it names the only call that
+/// may complete it.
+enum class BoundedSwaKVPageManager::Pending : uint8_t {
+  kNone,
+  kPrefill,     // preparePrefill -> completePrefill
+  kDecode,      // prepareDecodeStep -> completeDecodeStep
+  kCompaction,  // beginBatchCompaction -> compactBatch
+};
+
 struct BoundedSwaKVPageManager::Request {
   uint64_t id = 0;
   Phase phase = Phase::kAdmitted;
-  bool pending = false;  // device work enqueued and not yet known complete
+  Pending pending = Pending::kNone;
   std::vector<SwaSequenceState> sequences;
   std::vector<int32_t> mapping;  // pending compaction (old -> new), empty when none
   int32_t newBatchSize = -1;
@@ -315,7 +324,7 @@ void BoundedSwaKVPageManager::preparePrefill(RequestHandle& handle,
                                              std::span<int32_t const> inputLengths) {
   constexpr char const* kCall = "BoundedSwaKVPageManager::preparePrefill";
   Request& req = request(handle, kCall);
-  MKV_REQUIRE(req.phase == Phase::kAdmitted && !req.pending, kCall,
+  MKV_REQUIRE(req.phase == Phase::kAdmitted && req.pending == Pending::kNone, kCall,
               "prefill was already prepared for this request");
   MKV_REQUIRE(inputLengths.size() == req.sequences.size(), kCall,
               "{} lengths for a batch of {}", inputLengths.size(), req.sequences.size());
@@ -336,16 +345,13 @@ void BoundedSwaKVPageManager::preparePrefill(RequestHandle& handle,
     lengths->resetForNewSequences(zeros, mStream);
   }
   req.phase = Phase::kExecuting;
-  req.pending = true;
+  req.pending = Pending::kPrefill;
 }
 
 void BoundedSwaKVPageManager::completePrefill(RequestHandle& handle) {
   constexpr char const* kCall = "BoundedSwaKVPageManager::completePrefill";
   Request& req = request(handle, kCall);
-  MKV_REQUIRE(req.phase == Phase::kExecuting && req.pending && !req.sequences.empty() &&
-                  req.sequences.front().pendingEndpoint.has_value() &&
-                  req.sequences.front().endpoint == 0,
-              kCall, "no prepared prefill to complete");
+  MKV_REQUIRE(req.pending == Pending::kPrefill, kCall, "no prepared prefill to complete");
   for (SwaSequenceState& state : req.sequences) {
     retire(state);
     // Beyond the reference: decode needs at most M + 1 held pages; return the surplus.
@@ -356,13 +362,13 @@ void BoundedSwaKVPageManager::completePrefill(RequestHandle& handle) {
     MKV_ASSERT(!state.reservedPages.empty(), "slot {} has no replacement page after prefill",
                state.resident.slot);
   }
-  req.pending = false;
+  req.pending = Pending::kNone;
 }
 
 SwaKVCacheStatus BoundedSwaKVPageManager::prepareDecodeStep(RequestHandle& handle) {
   constexpr char const* kCall = "BoundedSwaKVPageManager::prepareDecodeStep";
   Request& req = request(handle, kCall);
-  MKV_REQUIRE(req.phase == Phase::kExecuting && !req.pending, kCall,
+  MKV_REQUIRE(req.phase == Phase::kExecuting && req.pending == Pending::kNone, kCall,
               "a decode step needs a completed prefill or step and no pending work");
   for (SwaSequenceState& state : req.sequences) {
     if (!stageDecode(state)) {
@@ -375,20 +381,18 @@ SwaKVCacheStatus BoundedSwaKVPageManager::prepareDecodeStep(RequestHandle& handl
     mapNewBindings(state);
   }
   mResources.swaPageTable->uploadDirty(mStream);
-  req.pending = true;
+  req.pending = Pending::kDecode;
   return SwaKVCacheStatus::kOk;
 }
 
 void BoundedSwaKVPageManager::completeDecodeStep(RequestHandle& handle) {
   constexpr char const* kCall = "BoundedSwaKVPageManager::completeDecodeStep";
   Request& req = request(handle, kCall);
-  MKV_REQUIRE(req.phase == Phase::kExecuting && req.pending && !req.sequences.empty() &&
-                  req.sequences.front().pendingEndpoint.has_value() && req.mapping.empty(),
-              kCall, "no prepared decode step to complete");
+  MKV_REQUIRE(req.pending == Pending::kDecode, kCall, "no prepared decode step to complete");
   for (SwaSequenceState& state : req.sequences) {
     retire(state);
   }
-  req.pending = false;
+  req.pending = Pending::kNone;
 }
 
 void BoundedSwaKVPageManager::beginBatchCompaction(RequestHandle& handle,
@@ -396,7 +400,7 @@ void BoundedSwaKVPageManager::beginBatchCompaction(RequestHandle& handle,
                                                    int32_t newBatchSize, Tensor& deviceMapping) {
   constexpr char const* kCall = "BoundedSwaKVPageManager::beginBatchCompaction";
   Request& req = request(handle, kCall);
-  MKV_REQUIRE(req.phase == Phase::kExecuting && !req.pending, kCall,
+  MKV_REQUIRE(req.phase == Phase::kExecuting && req.pending == Pending::kNone, kCall,
               "compaction needs an executing request with no pending work");
   auto const oldBatch = static_cast<int32_t>(req.sequences.size());
   MKV_REQUIRE(oldToNew.size() == req.sequences.size(), kCall, "mapping has {} entries for a batch of {}",
@@ -433,14 +437,13 @@ void BoundedSwaKVPageManager::beginBatchCompaction(RequestHandle& handle,
   req.mapping.assign(oldToNew.begin(), oldToNew.end());
   req.newBatchSize = newBatchSize;
   req.deviceMapping = &deviceMapping;
-  req.pending = true;
+  req.pending = Pending::kCompaction;
 }
 
 SwaKVCacheStatus BoundedSwaKVPageManager::compactBatch(RequestHandle& handle) {
   constexpr char const* kCall = "BoundedSwaKVPageManager::compactBatch";
   Request& req = request(handle, kCall);
-  MKV_REQUIRE(req.phase == Phase::kExecuting && req.pending && !req.mapping.empty(), kCall,
-              "no batch compaction was begun");
+  MKV_REQUIRE(req.pending == Pending::kCompaction, kCall, "no batch compaction was begun");
   std::vector<CacheSlot> dropped;
   for (std::size_t i = 0; i < req.mapping.size(); ++i) {
     if (req.mapping[i] < 0) {
@@ -473,7 +476,7 @@ SwaKVCacheStatus BoundedSwaKVPageManager::compactBatch(RequestHandle& handle) {
   req.mapping.clear();
   req.newBatchSize = -1;
   req.deviceMapping = nullptr;
-  req.pending = false;
+  req.pending = Pending::kNone;
   if (req.sequences.empty()) {
     req.phase = Phase::kFinishing;
   }
@@ -488,7 +491,7 @@ SwaKVCacheStatus BoundedSwaKVPageManager::finish(RequestHandle& handle) {
   uint64_t const id = req.id;
   handle.mManager = nullptr;
   handle.mId = 0;
-  if (req.pending && !synchronize()) {
+  if (req.pending != Pending::kNone && !synchronize()) {
     quarantine(detach(id));
     return SwaKVCacheStatus::kPoisoned;
   }
@@ -601,7 +604,7 @@ void BoundedSwaKVPageManager::abandon(uint64_t id) noexcept {
   if (abandoned == nullptr) {
     return;
   }
-  if (abandoned->pending && !synchronize()) {
+  if (abandoned->pending != Pending::kNone && !synchronize()) {
     quarantine(std::move(abandoned));
     return;
   }
