@@ -201,7 +201,8 @@ SwaSequenceState const& BoundedSwaKVPageManager::state(RequestHandle const& hand
 BoundedSwaKVPageManager::BeginRequestResult BoundedSwaKVPageManager::beginRequest(
     std::span<ResidentRef const> residents, cudaStream_t stream) {
   constexpr char const* kCall = "BoundedSwaKVPageManager::beginRequest";
-  MKV_REQUIRE(stream == mStream, kCall, "stream differs from the manager's construction stream");
+  MKV_REQUIRE(stream == mStream, kCall, "stream {} differs from the construction stream {}",
+              fmt::ptr(stream), fmt::ptr(mStream));
   int32_t const maxBatch = mResources.swaPageTable->maxBatch();
   MKV_REQUIRE(!residents.empty() && residents.size() <= static_cast<std::size_t>(maxBatch), kCall,
               "batch of {} residents outside [1, {}]", residents.size(), maxBatch);
@@ -213,14 +214,18 @@ BoundedSwaKVPageManager::BeginRequestResult BoundedSwaKVPageManager::beginReques
     MKV_REQUIRE(ref.epoch != 0, kCall, "resident {} (slot {}) has epoch 0", i, ref.slot);
     auto const slot = static_cast<std::size_t>(ref.slot);
     MKV_REQUIRE(seen[slot] == 0, kCall, "slot {} appears twice in the batch", ref.slot);
-    MKV_REQUIRE(mResidentBusy[slot] == 0, kCall, "slot {} is held by another active request",
-                ref.slot);
     seen[slot] = 1;
   }
   BeginRequestResult result;
+  // Poisoned first: a quarantined request still holds its residents, and the runtime may have
+  // handed one of those slots out again; that is the poisoned outcome, not a contract error.
   if (mPoisoned) {
     result.status = SwaKVCacheStatus::kPoisoned;
     return result;
+  }
+  for (ResidentRef const ref : residents) {
+    MKV_REQUIRE(mResidentBusy[static_cast<std::size_t>(ref.slot)] == 0, kCall,
+                "slot {} is held by another active request", ref.slot);
   }
   auto const needed = static_cast<std::size_t>(mAdmissionPages) * residents.size();
   if (needed > mFreePages.size()) {
