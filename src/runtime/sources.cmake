@@ -1,1 +1,1 @@
-list(APPEND MKV_LIBRARY_SOURCES)
+list(APPEND MKV_LIBRARY_SOURCES ${CMAKE_CURRENT_LIST_DIR}/managed_kv_cache_request.cpp)

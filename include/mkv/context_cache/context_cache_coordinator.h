@@ -1,0 +1,282 @@
+#pragma once
+/// \file context_cache_coordinator.h
+/// Stream-aware lifecycle of context reuse over full paged KV (SPEC §8.3). Drives the CUDA-free
+/// ContextCacheManager and the physical resources (page tables, KV lengths, snapshots).
+/// Call order, statuses and publication points: docs/lifecycle.md and docs/context_cache.md.
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "mkv/context_cache/block_hash.h"
+#include "mkv/context_cache/context_cache_manager.h"
+#include "mkv/context_cache/context_cache_metrics.h"
+#include "mkv/context_cache/kv_event_queue.h"
+#include "mkv/context_cache/reuse_plan.h"
+#include "mkv/cuda_types.h"
+#include "mkv/kv_cache_pool.h"
+#include "mkv/kv_page_table.h"
+#include "mkv/recurrent_state_pool.h"
+#include "mkv/stream.h"
+#include "mkv/tensor.h"
+#include "mkv/types.h"
+
+namespace mkv {
+
+/// Context-cache settings of a runtime.
+struct ContextCacheConfig {
+  /// false: lookups and publication are off and the coordinator is a plain paged allocator over
+  /// the full pool (the runtime's full-storage mode). Every sequence is treated as kBypass.
+  bool enabled = true;
+  int32_t maxRecords = 1024;  ///< published records kept (LRU beyond); 0 keeps none
+  bool verifyTokens = true;   ///< verify tokens on every index match (SPEC §8.1)
+  int32_t eventQueueCapacity = 0;  ///< BlockStored / BlockRemoved events kept; 0 = off
+  int64_t recurrentSnapshotPoolBytes = 0;  ///< hybrid checkpoints: budget of recurrent slots
+  int64_t partialKvSnapshotPoolBytes = 0;  ///< hybrid checkpoints: budget of partial-KV slots
+};
+
+/// What kind of model state the base model carries.
+enum class BaseStateKind : uint8_t { kAttentionOnly, kPureRecurrent, kHybrid };
+
+/// The deployment the coordinator serves, validated at construction.
+struct ContextCacheDeploymentProfile {
+  BaseStateKind baseStateKind = BaseStateKind::kAttentionOnly;
+  /// Set for speculative deployments (EAGLE {paged, 1}, MTP {paged, 1}, ...).
+  std::optional<SpecReuseContract> speculative;
+  /// Hybrid-MTP: width (elements) and type of the boundary hidden row kept with checkpoints.
+  int64_t boundaryHiddenWidth = 0;
+  DataType boundaryHiddenType = DataType::kFloat16;
+
+  bool hasAttention() const noexcept { return baseStateKind != BaseStateKind::kPureRecurrent; }
+  bool usesCheckpointReuse() const noexcept {
+    return baseStateKind != BaseStateKind::kAttentionOnly;
+  }
+  bool isSpeculative() const noexcept { return speculative.has_value(); }
+  bool ownsPagedSpecState() const noexcept { return speculative && speculative->pagedSpecState; }
+};
+
+/// Borrowed physical resources; all must outlive the coordinator.
+struct ContextCachePhysicalResources {
+  KVCachePool* basePool = nullptr;       ///< full paged KV of the base model (null: pure recurrent)
+  KVPageTable* basePageTable = nullptr;  ///< dense table over basePool ids
+  KVCachePool* draftPool = nullptr;      ///< paged draft KV (speculative, paged contract)
+  KVPageTable* draftPageTable = nullptr;
+  RecurrentStatePool* recurrent = nullptr;  ///< hybrid / pure recurrent models
+};
+
+/// One sequence of an admission.
+struct ContextCacheSequenceAdmission {
+  std::vector<int32_t> tokenIds;     ///< full logical prompt
+  BlockKeyExtras keyExtras;          ///< adapter and salt digests
+  std::vector<MediaPosition> media;  ///< empty (text only) or one entry per prompt token
+  ResidentRef resident;
+  /// Overrides the batch policy for this sequence when set.
+  std::optional<ContextCacheLookupPolicy> lookupPolicy;
+};
+
+/// A batch admission (one runtime request).
+struct ContextCacheBatchAdmission {
+  std::vector<ContextCacheSequenceAdmission> sequences;
+  bool speculativeRequest = false;
+  DecodingTokenStateContract tokenStateContract = DecodingTokenStateContract::kCommittedPlusLookahead;
+  ContextCacheLookupPolicy lookupPolicy = ContextCacheLookupPolicy::kUseCache;
+  ContextCacheCommitPolicy commitPolicy = ContextCacheCommitPolicy::kIncludingGeneratedTokens;
+  int32_t replayTailLength = 0;
+};
+
+/// `committedStateLength` of an advance that keeps a sequence where it is (cancelled slot,
+/// joiner not yet finalised): zero tokens accepted, ledger unchanged.
+inline constexpr int32_t kHoldCommittedStateLength = -1;
+
+/// Progress of one sequence over one execution.
+struct ContextCacheSequenceAdvance {
+  int32_t const* acceptedTokenIds = nullptr;  ///< tokens appended to the ledger
+  int32_t acceptedTokenCount = 0;
+  /// Tokens whose KV is now materialised, or kHoldCommittedStateLength.
+  int32_t committedStateLength = kHoldCommittedStateLength;
+};
+
+/// Coordinator-level counters (the manager's ContextCacheMetrics cover admission, publication
+/// and eviction).
+struct ContextCacheCoordinatorCounters {
+  uint64_t requests = 0;               ///< beginRequest calls that admitted a batch
+  uint64_t refusedRequests = 0;        ///< beginRequest calls refused for capacity
+  uint64_t prefillPublications = 0;    ///< publication attempts at prefill end
+  uint64_t decodePublications = 0;     ///< publication attempts at decode end (completed slots)
+  uint64_t liveAdmissions = 0;         ///< in-flight sequences admitted
+  uint64_t liveAdmissionRefusals = 0;  ///< in-flight admissions refused for capacity
+  uint64_t retractedAdmissions = 0;
+  uint64_t pageGrowths = 0;            ///< decode steps that grew a sequence's pages
+  uint64_t growthFailures = 0;         ///< growth refused: the request was failed
+  uint64_t synchronizations = 0;       ///< stream synchronisations made by the coordinator
+  uint64_t quarantinedRequests = 0;
+  uint64_t planningNanoseconds = 0;    ///< host time spent in lookup + acquire
+};
+
+/// Context reuse over full paged KV: lookups at admission, page rows for execution, growth per
+/// decode step, publication at the runtime's existing completion points, compaction that never
+/// moves resident rows, in-flight admission, poison and quarantine.
+///
+/// Several requests may be admitted at once (their leases overlap in lifetime), but only one may
+/// be executing (between preparePrefill and finish) at a time: the pool's KV-length tensor is
+/// per batch. All calls use the construction stream.
+///
+/// Errors: contract violations throw mkv::Error (call + value) and change nothing; expected
+/// outcomes are ContextCacheStatus values. A failed synchronisation poisons the coordinator and
+/// quarantines the request (its pages stay leased) until shutdown() drains it.
+/// Thread-safety: single writer (the engine thread).
+class ContextCacheCoordinator {
+  struct Request;
+
+ public:
+  /// Move-only handle of an admitted request; destroying a live handle abandons the request
+  /// (synchronises when work is pending; on failure poisons and quarantines).
+  class RequestHandle {
+   public:
+    RequestHandle() = default;
+    RequestHandle(RequestHandle&& other) noexcept;
+    RequestHandle& operator=(RequestHandle&& other) noexcept;
+    RequestHandle(RequestHandle const&) = delete;
+    RequestHandle& operator=(RequestHandle const&) = delete;
+    ~RequestHandle();
+    bool valid() const noexcept { return mCoordinator != nullptr; }
+
+   private:
+    friend class ContextCacheCoordinator;
+    RequestHandle(ContextCacheCoordinator* coordinator, uint64_t id)
+        : mCoordinator(coordinator), mId(id) {}
+    void abandon() noexcept;
+    ContextCacheCoordinator* mCoordinator = nullptr;
+    uint64_t mId = 0;
+  };
+
+  struct AdmissionResult {
+    RequestHandle request;
+    std::vector<int32_t> prefillStarts;  ///< reuse length per sequence (execution starts here)
+  };
+  struct BeginRequestResult {
+    ContextCacheStatus status = ContextCacheStatus::kRequestFailed;
+    std::optional<AdmissionResult> admission;
+  };
+  struct AdmitSequenceResult {
+    ContextCacheStatus status = ContextCacheStatus::kRequestFailed;
+    bool insufficientCapacity = false;  ///< kRequestFailed because of pool pressure (retry later)
+    int32_t prefillStart = 0;
+  };
+
+  /// Validates the deployment and resources (throws mkv::Error) and builds the manager.
+  ContextCacheCoordinator(ContextCacheConfig const& config,
+                          ContextCacheDeploymentProfile const& profile,
+                          ContextCachePhysicalResources resources, cudaStream_t stream,
+                          StreamSynchronizer synchronizer = {});
+  /// Terminates the process when requests are still active or quarantined.
+  ~ContextCacheCoordinator();
+  ContextCacheCoordinator(ContextCacheCoordinator const&) = delete;
+  ContextCacheCoordinator& operator=(ContextCacheCoordinator const&) = delete;
+
+  /// Looks up and leases every sequence (all or nothing). kRequestFailed when the pools cannot
+  /// hold the batch (nothing changed), kPoisoned when poisoned. Throws for a foreign stream, an
+  /// empty or oversized batch, bad residents, empty or oversized prompts, bad headroom, or a
+  /// speculative request on a non-speculative deployment.
+  BeginRequestResult beginRequest(ContextCacheBatchAdmission const& admission,
+                                  DecodingKvHeadroom const& headroom, cudaStream_t stream);
+  /// Binds page-table rows (one upload), restores snapshots, resets the device KV lengths to the
+  /// reuse lengths. Throws outside (admitted, no pending work) or when another request executes.
+  void preparePrefill(RequestHandle& handle);
+  /// Hybrid deployments: stages checkpoint copies at the prompt end. No-op otherwise.
+  void enqueuePrefillCaptures(RequestHandle& handle);
+  /// After the runtime's prefill synchronisation: applies one advance per sequence (the prompt
+  /// plus the lookahead under kCommittedPlusLookahead) and publishes the prompt's full blocks.
+  /// `commonStateLengths` is empty, or one per sequence for speculative requests.
+  ContextCacheStatus finalizePrefillPublication(
+      RequestHandle& handle, std::span<ContextCacheSequenceAdvance const> advances,
+      std::span<int32_t const> commonStateLengths = {});
+  /// Grows each sequence's pages to cover committed + headroom and uploads the grown entries.
+  /// kRequestFailed (request finishing) when a sequence cannot grow.
+  ContextCacheStatus prepareDecodeStep(RequestHandle& handle, DecodingKvHeadroom const& headroom);
+  /// After the runtime's decode synchronisation: applies advances and publishes the full blocks
+  /// of `completedSlots` (finished, not cancelled or errored) at decode end.
+  ContextCacheStatus completeDecodeStep(RequestHandle& handle,
+                                        std::span<ContextCacheSequenceAdvance const> advances,
+                                        std::span<int32_t const> completedSlots,
+                                        std::span<int32_t const> commonStateLengths = {});
+  /// Validates an order-preserving mapping and copies it into `deviceMapping` (int32, reshaped
+  /// to [oldBatch], on the pool's device).
+  void beginBatchCompaction(RequestHandle& handle, std::span<int32_t const> oldToNew,
+                            int32_t newBatchSize, Tensor& deviceMapping);
+  /// Clears dropped residents' rows, compacts KV lengths, zeroes dropped recurrent rows,
+  /// synchronises, then releases the dropped leases. kPoisoned on a failed synchronisation
+  /// (request quarantined, handle invalidated).
+  ContextCacheStatus compactBatch(RequestHandle& handle);
+  /// Synchronises pending work and releases every lease. An invalid handle is kOk.
+  ContextCacheStatus finish(RequestHandle& handle);
+  /// Drains quarantined requests; clears the poison when every drain succeeded.
+  /// kRequestFailed when requests are still active.
+  ContextCacheStatus shutdown() noexcept;
+
+  /// In-flight admission is offered for attention-only, non-speculative deployments.
+  bool supportsLiveSequenceAdmission() const noexcept;
+  /// Admits one more sequence into an executing request with no pending work; binds only the
+  /// new resident's row. The sequence joins at the end of the batch. Inherits the founder's
+  /// lookup and commit policy and cache salt.
+  AdmitSequenceResult admitSequence(RequestHandle& handle,
+                                    ContextCacheSequenceAdmission const& admission,
+                                    DecodingKvHeadroom const& headroom);
+  /// After the joiner's prefill: exactly one accepted token (the lookahead) with committed ==
+  /// prompt length; publishes the joiner's prompt blocks.
+  ContextCacheStatus finalizeSequenceAdmission(RequestHandle& handle, int32_t slot,
+                                               ContextCacheSequenceAdvance const& advance);
+  /// Undoes the newest admission that never joined (lease released, row cleared). Poisons and
+  /// returns false when that is impossible.
+  bool retractSequenceAdmission(RequestHandle& handle) noexcept;
+
+  // Observers.
+  bool poisoned() const noexcept { return mPoisoned; }
+  int32_t activeRequestCount() const noexcept { return static_cast<int32_t>(mActive.size()); }
+  int32_t quarantinedRequestCount() const noexcept {
+    return static_cast<int32_t>(mQuarantine.size());
+  }
+  int32_t batchSize(RequestHandle const& handle) const;
+  /// Reuse length of execution row `slot`.
+  int32_t reuseTokenLength(RequestHandle const& handle, int32_t slot) const;
+  /// Tokens with materialised KV of execution row `slot`.
+  int32_t committedLength(RequestHandle const& handle, int32_t slot) const;
+  /// Base pages held by execution row `slot`, in logical order.
+  std::span<PageId const> basePages(RequestHandle const& handle, int32_t slot) const;
+  ContextCacheManager const& manager() const noexcept { return *mManager; }
+  ContextCacheMetrics metrics() const { return mManager->metrics(); }
+  ContextCacheCoordinatorCounters const& counters() const noexcept { return mCounters; }
+  std::vector<KvEvent> drainEvents() { return mManager->drainEvents(); }
+  /// Manager metrics and coordinator counters in the Prometheus text format.
+  std::string toPrometheus(std::string_view prefix = "managedkv_") const;
+  ContextCacheConfig const& config() const noexcept { return mConfig; }
+  ContextCacheDeploymentProfile const& profile() const noexcept { return mProfile; }
+
+ private:
+  Request& request(RequestHandle const& handle, char const* call) const;
+  std::unique_ptr<Request> detach(uint64_t id) noexcept;
+  void quarantine(std::unique_ptr<Request> request) noexcept;
+  bool synchronize() noexcept;
+  void abandon(uint64_t id) noexcept;
+  void releaseRows(Request& request);
+  /// Publishes the ready full blocks of one sequence (skipped for bypass sequences).
+  void publishReady(Request& request, std::size_t row);
+
+  ContextCacheConfig mConfig;
+  ContextCacheDeploymentProfile mProfile;
+  ContextCachePhysicalResources mResources;
+  cudaStream_t mStream;
+  StreamSynchronizer mSynchronizer;
+  std::unique_ptr<ContextCacheManager> mManager;
+  std::vector<std::unique_ptr<Request>> mActive;
+  std::vector<std::unique_ptr<Request>> mQuarantine;
+  std::vector<uint8_t> mResidentBusy;
+  ContextCacheCoordinatorCounters mCounters;
+  uint64_t mNextRequestId = 1;
+  bool mPoisoned = false;
+};
+
+}  // namespace mkv

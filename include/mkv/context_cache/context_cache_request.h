@@ -1,0 +1,120 @@
+#pragma once
+/// \file context_cache_request.h
+/// Translates the runtime's per-request view (LLMGenerationRequest + DecodingInferenceContext)
+/// into ContextCacheCoordinator calls for one request.
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "mkv/context_cache/context_cache_coordinator.h"
+#include "mkv/generation_request.h"
+#include "mkv/media.h"
+#include "mkv/tensor.h"
+#include "mkv/types.h"
+
+namespace mkv {
+
+/// Per-position media identity of a prompt: `mediaTokenIds[0]` is the image placeholder token
+/// and `mediaTokenIds[1]` (when present) the audio placeholder. Each maximal run of one
+/// placeholder maps to the next item of that modality; every position of the run gets the item's
+/// content digest and its offset in the run. Returns an empty vector for a text-only prompt.
+/// Throws mkv::Error when the prompt has more runs than items, or an image cannot be read on
+/// the host (callers check `hostReadable` first).
+std::vector<MediaPosition> buildMediaPositions(std::vector<int32_t> const& tokens,
+                                               std::vector<int32_t> const& mediaTokenIds,
+                                               std::vector<imageUtils::ImageData> const& images,
+                                               std::vector<audioUtils::AudioData> const& audios);
+
+/// One request's context-reuse state as the runtime sees it. Move-only. Every bool method
+/// returns false (with one log line naming the operation and whether the coordinator is
+/// poisoned) for an expected failure, and throws mkv::Error for misuse. Destroying a live
+/// request abandons it (see ContextCacheCoordinator::RequestHandle).
+class ContextCacheRequest {
+ public:
+  /// kNoCapacity: transient pool pressure, retry at a later step boundary.
+  enum class AdmitSequenceStatus : uint8_t { kAdmitted, kNoCapacity, kFailed };
+
+  /// Builds the batch admission (prompts, LoRA and salt identity, per-position media digests,
+  /// lookup policies) and admits it. nullopt when the coordinator refuses (capacity / poisoned).
+  /// A batch whose images the host cannot read goes on bypass. Throws when the context's sizes
+  /// disagree, or the request's LoRA name differs from the context's.
+  static std::optional<ContextCacheRequest> begin(
+      ContextCacheCoordinator& coordinator, LLMGenerationRequest const& request,
+      DecodingInferenceContext const& context, bool speculativeRequest,
+      DecodingKvHeadroom const& headroom, std::vector<int32_t> const& mediaTokenIds = {},
+      DecodingTokenStateContract tokenStateContract =
+          DecodingTokenStateContract::kCommittedPlusLookahead,
+      ContextCacheCommitPolicy commitPolicy = ContextCacheCommitPolicy::kIncludingGeneratedTokens);
+
+  ContextCacheRequest(ContextCacheRequest&&) noexcept = default;
+  ContextCacheRequest& operator=(ContextCacheRequest&&) = delete;
+  ContextCacheRequest(ContextCacheRequest const&) = delete;
+  ContextCacheRequest& operator=(ContextCacheRequest const&) = delete;
+  ~ContextCacheRequest() = default;
+
+  /// Reuse length per execution row (execution starts here), compacted with the batch.
+  std::vector<int32_t> const& prefillStarts() const noexcept { return mPrefillStarts; }
+  int32_t reuseTokenLength(int32_t slot) const;
+
+  bool preparePrefill();
+  bool enqueuePrefillCaptures();
+  /// Prefill advances from the context: the whole prompt, plus the one sampled lookahead token
+  /// under kCommittedPlusLookahead (generatedTokenIds[row].size() must be 1, else 0).
+  bool completePrefill(DecodingInferenceContext const& context,
+                       std::vector<int32_t> const& commonStateLengths);
+  bool prepareDecodeStep(DecodingInferenceContext const& context,
+                         DecodingKvHeadroom const& headroom);
+  /// Decode advances from the growth of generatedTokenIds since prepareDecodeStep. A row that
+  /// stopped without a new token must be kCancelled or kError (held); rows finished for any
+  /// other reason are published.
+  bool completeDecodeStep(DecodingInferenceContext const& context,
+                          std::vector<int32_t> const& commonStateLengths);
+  bool beginBatchCompaction(std::vector<int32_t> const& oldToNew, int32_t newBatchSize,
+                            Tensor& deviceBatchMapping);
+  /// `keepMapping` must equal the mapping given to beginBatchCompaction.
+  bool completeBatchCompaction(std::vector<int32_t> const& keepMapping);
+  bool finish();
+
+  AdmitSequenceStatus admitSequence(std::vector<int32_t> const& tokenIds,
+                                    std::string const& loraWeightsName,
+                                    DecodingKvHeadroom const& headroom, int32_t& prefillStart,
+                                    ResidentRef resident, cudaStream_t stream,
+                                    std::vector<int32_t> const& mediaTokenIds = {},
+                                    std::vector<imageUtils::ImageData> const& imageBuffers = {},
+                                    std::vector<audioUtils::AudioData> const& audioBuffers = {});
+  bool finalizeSequenceAdmission(int32_t slot, int32_t const& lookaheadToken,
+                                 int32_t fullInputLength);
+  bool retractSequenceAdmission() noexcept;
+
+  /// Hybrid-MTP endpoint publication; throws on deployments that are not Hybrid-MTP.
+  bool publishHybridMtpEndpoint(int32_t slot, int32_t residentStateLength,
+                                Tensor const& baseHiddenStates, int32_t boundaryHiddenRow);
+  /// Hybrid-MTP boundary hidden restore; throws on deployments that are not Hybrid-MTP.
+  bool restoreHybridMtpBoundaryHidden(int32_t slot, Tensor& baseHiddenStates,
+                                      int32_t destinationRow);
+
+  bool poisoned() const noexcept { return mCoordinator->poisoned(); }
+
+ private:
+  ContextCacheRequest(ContextCacheCoordinator& coordinator,
+                      ContextCacheCoordinator::RequestHandle handle,
+                      std::vector<int32_t> prefillStarts, DecodingTokenStateContract contract,
+                      std::string cacheSalt, cudaStream_t stream);
+  bool check(ContextCacheStatus status, char const* operation) const;
+
+  ContextCacheCoordinator* mCoordinator;
+  ContextCacheCoordinator::RequestHandle mHandle;
+  std::vector<int32_t> mPrefillStarts;
+  DecodingTokenStateContract mContract;
+  std::string mCacheSalt;
+  cudaStream_t mStream;
+  /// Per execution row: 1 while an in-flight admission is not finalised.
+  std::vector<uint8_t> mUnfinalized;
+  /// generatedTokenIds sizes recorded by prepareDecodeStep (empty when no step is prepared).
+  std::optional<std::vector<std::size_t>> mPreparedCounts;
+  std::vector<int32_t> mPendingMapping;
+};
+
+}  // namespace mkv

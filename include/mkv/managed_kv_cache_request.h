@@ -1,0 +1,124 @@
+#pragma once
+/// \file managed_kv_cache_request.h
+/// One runtime request facade over the two KV backends (SPEC §9). The API is exactly the one of
+/// the reference engine's ManagedKVCacheRequest. The engine loop, call by call: docs/lifecycle.md.
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <variant>
+#include <vector>
+
+#include "mkv/bounded_swa_kv_page_manager.h"
+#include "mkv/context_cache/context_cache_coordinator.h"
+#include "mkv/context_cache/context_cache_request.h"
+#include "mkv/cuda_types.h"
+#include "mkv/generation_request.h"
+#include "mkv/media.h"
+#include "mkv/tensor.h"
+#include "mkv/types.h"
+
+namespace mkv {
+
+/// One runtime request facade over orthogonal execution paging and context-reuse clients.
+///
+/// The support matrix selects exactly one backend: bounded SWA when reuse is off (and bounded
+/// pages are fewer than full pages), or context reuse with full KV storage (KVCacheRuntime
+/// makes the choice). Keeping the lifecycle prefill -> decode -> compaction -> finish behind this
+/// facade lets a later adapter compose both without moving SWA rotation into the coordinator.
+///
+/// Return values: `false` / `nullopt` for an expected backend failure (no capacity, poisoned,
+/// request failed), each logged once with the operation and whether the backend is poisoned.
+/// Contract violations (wrong order, sizes that disagree, a call the backend does not offer)
+/// throw mkv::Error and change nothing. Destroying the facade abandons the backend request.
+/// Thread-safety: single writer (the engine thread).
+class ManagedKVCacheRequest {
+ public:
+  /// Starts a request on exactly one backend (throws unless exactly one pointer is non-null).
+  /// Context reuse: forwards to ContextCacheRequest::begin. Bounded SWA: throws unless the
+  /// request is not speculative, headroom is {1, 0}, the contract is kCommittedPlusLookahead and
+  /// the context holds activeBatchSize > 0 prompts and residents; admits the residents.
+  /// nullopt on a failed admission.
+  static std::optional<ManagedKVCacheRequest> begin(
+      ContextCacheCoordinator* contextCache, BoundedSwaKVPageManager* swaPageManager,
+      LLMGenerationRequest const& request, DecodingInferenceContext const& context,
+      bool speculativeRequest, DecodingKvHeadroom const& headroom,
+      DecodingTokenStateContract tokenStateContract, ContextCacheCommitPolicy commitPolicy,
+      std::vector<int32_t> const& mediaTokenIds = {});
+
+  ManagedKVCacheRequest(ManagedKVCacheRequest&&) noexcept = default;
+  ManagedKVCacheRequest& operator=(ManagedKVCacheRequest&&) = delete;
+  ManagedKVCacheRequest(ManagedKVCacheRequest const&) = delete;
+  ManagedKVCacheRequest& operator=(ManagedKVCacheRequest const&) = delete;
+  ~ManagedKVCacheRequest() = default;
+
+  /// True iff the context-reuse backend is held.
+  bool hasContextReuse() const noexcept;
+  /// Per execution row, the reuse length (execution starts there); nullptr for bounded SWA.
+  std::vector<int32_t> const* prefillStarts() const noexcept;
+  /// Reuse length of one row. Context backend only (throws for bounded SWA).
+  int32_t reuseTokenLength(int32_t slot) const;
+
+  /// Hybrid-MTP endpoint publication. Context backend only.
+  bool publishHybridMtpEndpoint(int32_t slot, int32_t residentStateLength,
+                                Tensor const& baseHiddenStates, int32_t boundaryHiddenRow);
+  /// Copies the checkpoint's boundary hidden row into `destinationRow`. Context backend only.
+  bool restoreHybridMtpBoundaryHidden(int32_t slot, Tensor& baseHiddenStates,
+                                      int32_t destinationRow);
+
+  /// Binds rows and restores state before prefill (bounded SWA: no-op, true).
+  bool preparePrefill();
+  /// Maps the SWA windows for the executed prefill lengths (context backend: no-op, true).
+  /// Call after embeddings and any token pruning fixed the lengths.
+  bool prepareSwaPrefill(std::vector<int32_t> const& effectiveInputLengths);
+  /// Stages hybrid checkpoint captures at the prompt end (bounded SWA: no-op, true).
+  bool enqueuePrefillCaptures();
+  /// After the runtime's prefill synchronisation.
+  bool completePrefill(DecodingInferenceContext const& context,
+                       std::vector<int32_t> const& commonStateLengths);
+  /// Before each decode execution. Bounded SWA throws unless headroom is {1, 0}.
+  bool prepareDecodeStep(DecodingInferenceContext const& context,
+                         DecodingKvHeadroom const& headroom);
+  /// After the runtime's decode synchronisation.
+  bool completeDecodeStep(DecodingInferenceContext const& context,
+                          std::vector<int32_t> const& commonStateLengths);
+  /// Order-preserving compaction: validates `oldToNew` and copies it into deviceBatchMapping.
+  bool beginBatchCompaction(std::vector<int32_t> const& oldToNew, int32_t newBatchSize,
+                            Tensor& deviceBatchMapping);
+  /// Clears dropped rows, compacts KV lengths, synchronises and releases dropped state.
+  bool completeBatchCompaction(std::vector<int32_t> const& keepMapping);
+  /// Ends the request (synchronises pending work, releases everything).
+  bool finish();
+
+  /// In-flight admission, context-reuse backend only.
+  ///
+  /// The bounded-SWA backend has no live-slot admission (its per-slot window state cannot join
+  /// a running batch), and KVCacheRuntime::supportsSeatedAdmission() refuses such deployments
+  /// before an engine that would call these is ever constructed; the kFailed / false returns
+  /// here are the backstop.
+  ContextCacheRequest::AdmitSequenceStatus admitSequence(
+      std::vector<int32_t> const& tokenIds, std::string const& loraWeightsName,
+      DecodingKvHeadroom const& headroom, int32_t& prefillStart, ResidentRef resident,
+      cudaStream_t stream, std::vector<int32_t> const& mediaTokenIds = {},
+      std::vector<imageUtils::ImageData> const& imageBuffers = {},
+      std::vector<audioUtils::AudioData> const& audioBuffers = {});
+  bool finalizeSequenceAdmission(int32_t slot, int32_t const& lookaheadToken,
+                                 int32_t fullInputLength);
+  bool retractSequenceAdmission() noexcept;
+
+ private:
+  struct SwaBackend {
+    BoundedSwaKVPageManager* manager;
+    BoundedSwaKVPageManager::RequestHandle handle;
+  };
+  explicit ManagedKVCacheRequest(ContextCacheRequest backend);
+  explicit ManagedKVCacheRequest(SwaBackend backend);
+
+  ContextCacheRequest* context() noexcept;
+  ContextCacheRequest const* context() const noexcept;
+  SwaBackend& swa(char const* call);
+
+  std::variant<ContextCacheRequest, SwaBackend> mBackend;
+};
+
+}  // namespace mkv

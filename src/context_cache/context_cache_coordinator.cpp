@@ -1,0 +1,936 @@
+#include "mkv/context_cache/context_cache_coordinator.h"
+
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <chrono>
+#include <exception>
+#include <limits>
+#include <utility>
+
+#include "core/check.h"
+#include "core/device.h"
+#include "mkv/logging.h"
+
+namespace mkv {
+namespace {
+
+enum class Phase : uint8_t { kAdmitted, kExecuting, kFinishing };
+
+int32_t pagesFor(int64_t tokens, int32_t pageSize) {
+  return static_cast<int32_t>((tokens + pageSize - 1) / pageSize);
+}
+
+bool isHold(ContextCacheSequenceAdvance const& advance) {
+  return advance.acceptedTokenCount == 0 &&
+         advance.committedStateLength == kHoldCommittedStateLength;
+}
+
+}  // namespace
+
+struct ContextCacheCoordinator::Request {
+  struct Sequence {
+    CacheRequestLease lease;
+    ResidentRef resident;
+    std::vector<int32_t> tokens;       // ledger: prompt, then accepted tokens
+    std::vector<MediaPosition> media;  // empty, or one entry per ledger token
+    BlockKeyExtras extras;
+    ContextCacheLookupPolicy policy = ContextCacheLookupPolicy::kUseCache;
+    int32_t promptLength = 0;
+    int32_t reuseTokenLength = 0;
+    int32_t committed = 0;        // tokens with materialised KV
+    int32_t publishedBlocks = 0;  // full blocks already published
+    bool joined = true;           // false: admitted in flight, not finalised yet
+  };
+
+  uint64_t id = 0;
+  Phase phase = Phase::kAdmitted;
+  bool pending = false;
+  DecodingTokenStateContract contract = DecodingTokenStateContract::kCommittedPlusLookahead;
+  ContextCacheCommitPolicy commitPolicy = ContextCacheCommitPolicy::kIncludingGeneratedTokens;
+  ContextCacheLookupPolicy batchPolicy = ContextCacheLookupPolicy::kUseCache;
+  std::vector<Sequence> sequences;
+  std::vector<int32_t> mapping;
+  int32_t newBatchSize = -1;
+  Tensor* deviceMapping = nullptr;
+  std::unique_ptr<detail::Int32Staging> staging;
+};
+
+// ---------------------------------------------------------------- RequestHandle
+
+ContextCacheCoordinator::RequestHandle::RequestHandle(RequestHandle&& other) noexcept
+    : mCoordinator(std::exchange(other.mCoordinator, nullptr)), mId(std::exchange(other.mId, 0)) {}
+
+ContextCacheCoordinator::RequestHandle& ContextCacheCoordinator::RequestHandle::operator=(
+    RequestHandle&& other) noexcept {
+  if (this != &other) {
+    abandon();
+    mCoordinator = std::exchange(other.mCoordinator, nullptr);
+    mId = std::exchange(other.mId, 0);
+  }
+  return *this;
+}
+
+ContextCacheCoordinator::RequestHandle::~RequestHandle() { abandon(); }
+
+void ContextCacheCoordinator::RequestHandle::abandon() noexcept {
+  if (mCoordinator != nullptr) {
+    mCoordinator->abandon(mId);
+    mCoordinator = nullptr;
+    mId = 0;
+  }
+}
+
+// ---------------------------------------------------------------- construction
+
+ContextCacheCoordinator::ContextCacheCoordinator(ContextCacheConfig const& config,
+                                                 ContextCacheDeploymentProfile const& profile,
+                                                 ContextCachePhysicalResources resources,
+                                                 cudaStream_t stream,
+                                                 StreamSynchronizer synchronizer)
+    : mConfig(config),
+      mProfile(profile),
+      mResources(resources),
+      mStream(stream),
+      mSynchronizer(std::move(synchronizer)) {
+  constexpr char const* kCall = "ContextCacheCoordinator";
+  MKV_REQUIRE(config.maxRecords >= 0, kCall, "maxRecords must be >= 0, got {}", config.maxRecords);
+  MKV_REQUIRE(config.eventQueueCapacity >= 0, kCall, "eventQueueCapacity must be >= 0, got {}",
+              config.eventQueueCapacity);
+  MKV_REQUIRE(profile.baseStateKind == BaseStateKind::kAttentionOnly && !profile.isSpeculative(),
+              kCall,
+              "deployment profile not supported: only attention-only, non-speculative deployments "
+              "are implemented (hybrid, pure-recurrent and speculative reuse are not)");
+  MKV_REQUIRE(resources.basePool != nullptr && resources.basePageTable != nullptr, kCall,
+              "an attention deployment needs basePool and basePageTable");
+  MKV_REQUIRE(resources.draftPool == nullptr && resources.draftPageTable == nullptr, kCall,
+              "draft resources given to a non-speculative deployment");
+  KVCachePool const& pool = *resources.basePool;
+  KVPageTable const& table = *resources.basePageTable;
+  MKV_REQUIRE(table.mode() == PageTableMode::kDense, kCall, "the base page table must be dense");
+  MKV_REQUIRE(table.numPages() == pool.numPages(), kCall,
+              "base page table addresses {} pages but the pool has {}", table.numPages(),
+              pool.numPages());
+  MKV_REQUIRE(table.deviceType() == pool.deviceType(), kCall, "table on {} but pool on {}",
+              toString(table.deviceType()), toString(pool.deviceType()));
+  MKV_REQUIRE(pool.maxBatchSize() >= table.maxBatch(), kCall,
+              "pool KV lengths hold {} rows but the table has {}", pool.maxBatchSize(),
+              table.maxBatch());
+  if (resources.recurrent != nullptr) {
+    MKV_REQUIRE(resources.recurrent->numSlots() >= table.maxBatch(), kCall,
+                "recurrent pool has {} slots but the table has {} rows",
+                resources.recurrent->numSlots(), table.maxBatch());
+  }
+  if (!mSynchronizer) {
+    mSynchronizer = defaultStreamSynchronizer(pool.deviceType());
+  }
+  ResourceDemand capacities{};
+  capacities.baseKvPages = pool.numPages();
+  ContextCacheManagerOptions options;
+  options.verifyTokens = config.verifyTokens;
+  options.eventQueueCapacity = config.eventQueueCapacity;
+  mManager = std::make_unique<ContextCacheManager>(pool.tokensPerPage(), capacities,
+                                                   config.enabled ? config.maxRecords : 0, options);
+  mResidentBusy.assign(static_cast<std::size_t>(table.maxBatch()), 0);
+}
+
+ContextCacheCoordinator::~ContextCacheCoordinator() {
+  if (!mActive.empty() || !mQuarantine.empty()) {
+    logger()->critical(
+        "ContextCacheCoordinator destroyed with {} active and {} quarantined requests",
+        mActive.size(), mQuarantine.size());
+    std::terminate();
+  }
+}
+
+// ---------------------------------------------------------------- helpers
+
+ContextCacheCoordinator::Request& ContextCacheCoordinator::request(RequestHandle const& handle,
+                                                                   char const* call) const {
+  MKV_REQUIRE(handle.mCoordinator == this, call, "the request handle is {}",
+              handle.mCoordinator == nullptr ? "invalid" : "from another coordinator");
+  for (auto const& active : mActive) {
+    if (active->id == handle.mId) {
+      return *active;
+    }
+  }
+  detail::throwContract(call, "request {} is not active", handle.mId);
+}
+
+int32_t ContextCacheCoordinator::batchSize(RequestHandle const& handle) const {
+  return static_cast<int32_t>(request(handle, "ContextCacheCoordinator::batchSize").sequences.size());
+}
+
+namespace {
+template <typename Req>
+auto& sequenceAt(Req& req, int32_t slot, char const* call) {
+  MKV_REQUIRE(slot >= 0 && static_cast<std::size_t>(slot) < req.sequences.size(), call,
+              "slot {} outside the batch of {}", slot, req.sequences.size());
+  return req.sequences[static_cast<std::size_t>(slot)];
+}
+}  // namespace
+
+int32_t ContextCacheCoordinator::reuseTokenLength(RequestHandle const& handle, int32_t slot) const {
+  constexpr char const* kCall = "ContextCacheCoordinator::reuseTokenLength";
+  return sequenceAt(request(handle, kCall), slot, kCall).reuseTokenLength;
+}
+
+int32_t ContextCacheCoordinator::committedLength(RequestHandle const& handle, int32_t slot) const {
+  constexpr char const* kCall = "ContextCacheCoordinator::committedLength";
+  return sequenceAt(request(handle, kCall), slot, kCall).committed;
+}
+
+std::span<PageId const> ContextCacheCoordinator::basePages(RequestHandle const& handle,
+                                                           int32_t slot) const {
+  constexpr char const* kCall = "ContextCacheCoordinator::basePages";
+  return sequenceAt(request(handle, kCall), slot, kCall).lease.basePages();
+}
+
+bool ContextCacheCoordinator::supportsLiveSequenceAdmission() const noexcept {
+  return mProfile.baseStateKind == BaseStateKind::kAttentionOnly && !mProfile.isSpeculative();
+}
+
+bool ContextCacheCoordinator::synchronize() noexcept {
+  ++mCounters.synchronizations;
+  cudaError_t status = cudaErrorUnknown;
+  try {
+    status = mSynchronizer(mStream);
+  } catch (...) {
+    status = cudaErrorUnknown;
+  }
+  if (status != cudaSuccess) {
+    logger()->error("ContextCacheCoordinator: stream synchronisation failed ({}); poisoned",
+                    detail::cudaErrorName(status));
+    mPoisoned = true;
+    return false;
+  }
+  return true;
+}
+
+std::unique_ptr<ContextCacheCoordinator::Request> ContextCacheCoordinator::detach(
+    uint64_t id) noexcept {
+  for (auto it = mActive.begin(); it != mActive.end(); ++it) {
+    if ((*it)->id == id) {
+      std::unique_ptr<Request> detached = std::move(*it);
+      mActive.erase(it);
+      return detached;
+    }
+  }
+  return nullptr;
+}
+
+void ContextCacheCoordinator::quarantine(std::unique_ptr<Request> req) noexcept {
+  if (req == nullptr) {
+    return;
+  }
+  mPoisoned = true;
+  ++mCounters.quarantinedRequests;
+  mQuarantine.push_back(std::move(req));  // capacity reserved at admission
+}
+
+void ContextCacheCoordinator::releaseRows(Request& req) {
+  for (auto const& sequence : req.sequences) {
+    mResources.basePageTable->clearRow(sequence.resident.slot);
+  }
+  mResources.basePageTable->uploadDirty(mStream);
+}
+
+void ContextCacheCoordinator::abandon(uint64_t id) noexcept {
+  std::unique_ptr<Request> abandoned = detach(id);
+  if (abandoned == nullptr) {
+    return;
+  }
+  if (abandoned->pending && !synchronize()) {
+    quarantine(std::move(abandoned));
+    return;
+  }
+  try {
+    releaseRows(*abandoned);
+  } catch (std::exception const& error) {
+    logger()->error("ContextCacheCoordinator: abandoning a request failed: {}", error.what());
+    quarantine(std::move(abandoned));
+    return;
+  }
+  for (auto const& sequence : abandoned->sequences) {
+    mResidentBusy[static_cast<std::size_t>(sequence.resident.slot)] = 0;
+  }
+}
+
+// ---------------------------------------------------------------- admission
+
+namespace {
+
+void validateHeadroom(char const* call, DecodingKvHeadroom const& headroom) {
+  MKV_REQUIRE(headroom.baseExtraTokens > 0, call, "baseExtraTokens must be > 0, got {}",
+              headroom.baseExtraTokens);
+  MKV_REQUIRE(headroom.draftExtraTokens == 0, call,
+              "draftExtraTokens {} given, but the deployment has no paged draft state",
+              headroom.draftExtraTokens);
+}
+
+}  // namespace
+
+ContextCacheCoordinator::BeginRequestResult ContextCacheCoordinator::beginRequest(
+    ContextCacheBatchAdmission const& admission, DecodingKvHeadroom const& headroom,
+    cudaStream_t stream) {
+  constexpr char const* kCall = "ContextCacheCoordinator::beginRequest";
+  MKV_REQUIRE(stream == mStream, kCall, "stream differs from the coordinator's construction stream");
+  MKV_REQUIRE(static_cast<uint8_t>(admission.tokenStateContract) <= 1 &&
+                  static_cast<uint8_t>(admission.commitPolicy) <= 1 &&
+                  static_cast<uint8_t>(admission.lookupPolicy) <= 1,
+              kCall, "contract {} / commit policy {} / lookup policy {} out of range",
+              static_cast<int>(admission.tokenStateContract),
+              static_cast<int>(admission.commitPolicy), static_cast<int>(admission.lookupPolicy));
+  MKV_REQUIRE(!admission.speculativeRequest || mProfile.isSpeculative(), kCall,
+              "speculative request on a non-speculative deployment");
+  validateHeadroom(kCall, headroom);
+  KVPageTable const& table = *mResources.basePageTable;
+  std::size_t const batch = admission.sequences.size();
+  MKV_REQUIRE(batch > 0 && batch <= static_cast<std::size_t>(table.maxBatch()), kCall,
+              "batch of {} sequences outside [1, {}]", batch, table.maxBatch());
+  int32_t const pageSize = mManager->pageSize();
+  std::vector<uint8_t> seen(mResidentBusy.size(), 0);
+  for (std::size_t i = 0; i < batch; ++i) {
+    auto const& sequence = admission.sequences[i];
+    ResidentRef const ref = sequence.resident;
+    MKV_REQUIRE(ref.slot >= 0 && ref.slot < table.maxBatch(), kCall,
+                "sequence {} has resident slot {} outside [0, {})", i, ref.slot, table.maxBatch());
+    MKV_REQUIRE(ref.epoch != 0, kCall, "sequence {} (slot {}) has epoch 0", i, ref.slot);
+    auto const slot = static_cast<std::size_t>(ref.slot);
+    MKV_REQUIRE(seen[slot] == 0, kCall, "resident slot {} appears twice", ref.slot);
+    MKV_REQUIRE(mResidentBusy[slot] == 0, kCall, "resident slot {} is held by another request",
+                ref.slot);
+    seen[slot] = 1;
+    MKV_REQUIRE(!sequence.tokenIds.empty(), kCall, "sequence {} has an empty prompt", i);
+    int64_t const needed =
+        pagesFor(static_cast<int64_t>(sequence.tokenIds.size()) + headroom.baseExtraTokens, pageSize);
+    MKV_REQUIRE(needed <= table.maxPagesPerSeq(), kCall,
+                "sequence {} needs {} pages ({} tokens + {} headroom) but a row holds {}", i,
+                needed, sequence.tokenIds.size(), headroom.baseExtraTokens, table.maxPagesPerSeq());
+    MKV_REQUIRE(sequence.media.empty() || sequence.media.size() == sequence.tokenIds.size(), kCall,
+                "sequence {} has {} media positions for {} tokens", i, sequence.media.size(),
+                sequence.tokenIds.size());
+    if (sequence.lookupPolicy) {
+      MKV_REQUIRE(static_cast<uint8_t>(*sequence.lookupPolicy) <= 1, kCall,
+                  "sequence {} lookup policy {} out of range", i,
+                  static_cast<int>(*sequence.lookupPolicy));
+    }
+  }
+  BeginRequestResult result;
+  if (mPoisoned) {
+    result.status = ContextCacheStatus::kPoisoned;
+    return result;
+  }
+
+  auto created = std::make_unique<Request>();
+  created->id = mNextRequestId;
+  created->contract = admission.tokenStateContract;
+  created->commitPolicy = admission.commitPolicy;
+  created->batchPolicy = admission.lookupPolicy;
+  created->staging = std::make_unique<detail::Int32Staging>(table.maxBatch(), table.deviceType());
+  created->sequences.reserve(static_cast<std::size_t>(table.maxBatch()));
+  auto const start = std::chrono::steady_clock::now();
+  for (auto const& sequence : admission.sequences) {
+    ContextCacheLookupPolicy policy = sequence.lookupPolicy.value_or(admission.lookupPolicy);
+    if (!mConfig.enabled) {
+      policy = ContextCacheLookupPolicy::kBypass;
+    }
+    LookupRequest lookup;
+    lookup.prompt = PromptView{sequence.tokenIds, sequence.media, sequence.keyExtras};
+    lookup.mode = ReuseMode::kVanilla;
+    lookup.policy = policy;
+    lookup.baseExtraTokens = headroom.baseExtraTokens;
+    mkv::AdmissionResult acquired = mManager->acquireWithFallback(lookup);
+    if (!acquired.lease) {
+      mCounters.planningNanoseconds += static_cast<uint64_t>(
+          std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() -
+                                                               start)
+              .count());
+      ++mCounters.refusedRequests;
+      result.status = ContextCacheStatus::kRequestFailed;
+      return result;  // `created` releases the leases taken so far
+    }
+    Request::Sequence state;
+    state.lease = std::move(*acquired.lease);
+    state.resident = sequence.resident;
+    state.tokens = sequence.tokenIds;
+    state.media = sequence.media;
+    state.extras = sequence.keyExtras;
+    state.policy = policy;
+    state.promptLength = static_cast<int32_t>(sequence.tokenIds.size());
+    state.reuseTokenLength = acquired.plan.reuseTokenLength;
+    state.committed = acquired.plan.reuseTokenLength;
+    created->sequences.push_back(std::move(state));
+  }
+  mCounters.planningNanoseconds += static_cast<uint64_t>(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start)
+          .count());
+  mActive.reserve(mActive.size() + 1);
+  mQuarantine.reserve(mQuarantine.size() + mActive.size() + 1);
+
+  ++mNextRequestId;
+  ++mCounters.requests;
+  AdmissionResult admitted;
+  admitted.prefillStarts.reserve(batch);
+  for (auto const& sequence : created->sequences) {
+    admitted.prefillStarts.push_back(sequence.reuseTokenLength);
+    mResidentBusy[static_cast<std::size_t>(sequence.resident.slot)] = 1;
+  }
+  mActive.push_back(std::move(created));
+  admitted.request = RequestHandle(this, mActive.back()->id);
+  result.status = ContextCacheStatus::kOk;
+  result.admission = std::move(admitted);
+  return result;
+}
+
+// ---------------------------------------------------------------- prefill
+
+void ContextCacheCoordinator::preparePrefill(RequestHandle& handle) {
+  constexpr char const* kCall = "ContextCacheCoordinator::preparePrefill";
+  Request& req = request(handle, kCall);
+  MKV_REQUIRE(req.phase == Phase::kAdmitted && !req.pending, kCall,
+              "prefill was already prepared for this request");
+  for (auto const& other : mActive) {
+    MKV_REQUIRE(other.get() == &req || other->phase != Phase::kExecuting, kCall,
+                "request {} is executing; only one request may execute at a time", other->id);
+  }
+  std::vector<KVPageTable::RowUpdate> rows;
+  std::vector<int32_t> lengths;
+  rows.reserve(req.sequences.size());
+  lengths.reserve(req.sequences.size());
+  for (auto const& sequence : req.sequences) {
+    rows.push_back({sequence.resident.slot, sequence.lease.basePages()});
+    lengths.push_back(sequence.reuseTokenLength);
+  }
+  mResources.basePageTable->setRows(rows);
+  mResources.basePageTable->uploadDirty(mStream);
+  mResources.basePool->resetForNewSequences(lengths, mStream);
+  req.phase = Phase::kExecuting;
+  req.pending = true;
+}
+
+void ContextCacheCoordinator::enqueuePrefillCaptures(RequestHandle& handle) {
+  constexpr char const* kCall = "ContextCacheCoordinator::enqueuePrefillCaptures";
+  Request const& req = request(handle, kCall);
+  MKV_REQUIRE(req.phase == Phase::kExecuting && req.pending, kCall,
+              "captures are enqueued between preparePrefill and finalizePrefillPublication");
+  // Attention-only deployments keep no checkpoints: nothing to capture.
+}
+
+namespace {
+
+/// Validates a prefill advance of `sequence` under `contract` (the whole prompt plus, for
+/// kCommittedPlusLookahead, exactly one lookahead token).
+template <typename Sequence>
+void validatePrefillAdvance(char const* call, std::size_t row, Sequence const& sequence,
+                            ContextCacheSequenceAdvance const& advance,
+                            DecodingTokenStateContract contract) {
+  auto const ledger = static_cast<int32_t>(sequence.tokens.size());
+  if (contract == DecodingTokenStateContract::kFullyCommitted) {
+    MKV_REQUIRE(advance.acceptedTokenCount == 0 && advance.committedStateLength == ledger, call,
+                "row {}: a fully committed prefill accepts 0 tokens and commits {}, got {} / {}",
+                row, ledger, advance.acceptedTokenCount, advance.committedStateLength);
+  } else {
+    MKV_REQUIRE(advance.acceptedTokenCount == 1 && advance.acceptedTokenIds != nullptr &&
+                    advance.committedStateLength == ledger,
+                call,
+                "row {}: a prefill accepts the 1 lookahead token and commits the {} prompt "
+                "tokens, got {} accepted / {} committed",
+                row, ledger, advance.acceptedTokenCount, advance.committedStateLength);
+  }
+}
+
+template <typename Sequence>
+void applyAdvance(Sequence& sequence, ContextCacheSequenceAdvance const& advance) {
+  if (isHold(advance)) {
+    return;
+  }
+  sequence.tokens.insert(sequence.tokens.end(), advance.acceptedTokenIds,
+                         advance.acceptedTokenIds + advance.acceptedTokenCount);
+  if (!sequence.media.empty()) {
+    sequence.media.resize(sequence.tokens.size());  // generated tokens are text
+  }
+  sequence.committed = advance.committedStateLength;
+}
+
+}  // namespace
+
+ContextCacheStatus ContextCacheCoordinator::finalizePrefillPublication(
+    RequestHandle& handle, std::span<ContextCacheSequenceAdvance const> advances,
+    std::span<int32_t const> commonStateLengths) {
+  constexpr char const* kCall = "ContextCacheCoordinator::finalizePrefillPublication";
+  Request& req = request(handle, kCall);
+  MKV_REQUIRE(req.phase == Phase::kExecuting && req.pending, kCall,
+              "no prepared prefill to finalise");
+  MKV_REQUIRE(advances.size() == req.sequences.size(), kCall, "{} advances for a batch of {}",
+              advances.size(), req.sequences.size());
+  MKV_REQUIRE(commonStateLengths.empty(), kCall,
+              "common state lengths are for speculative requests, got {}",
+              commonStateLengths.size());
+  for (std::size_t i = 0; i < advances.size(); ++i) {
+    MKV_REQUIRE(req.sequences[i].joined, kCall, "row {} was admitted in flight", i);
+    validatePrefillAdvance(kCall, i, req.sequences[i], advances[i], req.contract);
+  }
+  for (std::size_t i = 0; i < advances.size(); ++i) {
+    applyAdvance(req.sequences[i], advances[i]);
+  }
+  req.pending = false;  // the runtime synchronised before calling
+  for (std::size_t row = 0; row < req.sequences.size(); ++row) {
+    ++mCounters.prefillPublications;
+    publishReady(req, row);
+  }
+  return ContextCacheStatus::kOk;
+}
+
+void ContextCacheCoordinator::publishReady(Request& req, std::size_t row) {
+  Request::Sequence& sequence = req.sequences[row];
+  if (sequence.policy == ContextCacheLookupPolicy::kBypass) {
+    return;
+  }
+  int32_t const pageSize = mManager->pageSize();
+  int32_t const blocks = sequence.committed / pageSize;
+  if (blocks <= sequence.publishedBlocks) {
+    return;
+  }
+  auto const tokens = static_cast<std::size_t>(blocks) * static_cast<std::size_t>(pageSize);
+  std::span<MediaPosition const> media;
+  if (!sequence.media.empty()) {
+    media = std::span<MediaPosition const>(sequence.media).first(tokens);
+  }
+  PromptView const prefix{std::span<int32_t const>(sequence.tokens).first(tokens), media,
+                          sequence.extras};
+  PromptBlocks const digests = hashPromptBlocks(prefix, pageSize);
+  PublishResult const published = mManager->publish(sequence.lease, digests, sequence.committed);
+  sequence.publishedBlocks = std::max(sequence.publishedBlocks, published.publishedFullBlockCount);
+}
+
+// ---------------------------------------------------------------- decode
+
+ContextCacheStatus ContextCacheCoordinator::prepareDecodeStep(RequestHandle& handle,
+                                                              DecodingKvHeadroom const& headroom) {
+  constexpr char const* kCall = "ContextCacheCoordinator::prepareDecodeStep";
+  Request& req = request(handle, kCall);
+  MKV_REQUIRE(req.phase == Phase::kExecuting && !req.pending && req.mapping.empty(), kCall,
+              "a decode step needs an executing request with no pending work");
+  validateHeadroom(kCall, headroom);
+  KVPageTable& table = *mResources.basePageTable;
+  int32_t const pageSize = mManager->pageSize();
+  bool grew = false;
+  for (auto& sequence : req.sequences) {
+    int64_t const required = pagesFor(int64_t{sequence.committed} + headroom.baseExtraTokens, pageSize);
+    if (required > table.maxPagesPerSeq()) {
+      req.phase = Phase::kFinishing;
+      ++mCounters.growthFailures;
+      return ContextCacheStatus::kRequestFailed;
+    }
+    auto const held = static_cast<int32_t>(sequence.lease.basePages().size());
+    if (required <= held) {
+      continue;
+    }
+    if (!mManager->growBasePages(sequence.lease, static_cast<int32_t>(required) - held)) {
+      req.phase = Phase::kFinishing;
+      ++mCounters.growthFailures;
+      if (grew) {
+        table.uploadDirty(mStream);
+      }
+      return ContextCacheStatus::kRequestFailed;
+    }
+    std::span<PageId const> const pages = sequence.lease.basePages();
+    for (auto logical = static_cast<std::size_t>(held); logical < pages.size(); ++logical) {
+      table.setEntry(sequence.resident.slot, static_cast<int32_t>(logical), pages[logical]);
+    }
+    ++mCounters.pageGrowths;
+    grew = true;
+  }
+  table.uploadDirty(mStream);
+  req.pending = true;
+  return ContextCacheStatus::kOk;
+}
+
+ContextCacheStatus ContextCacheCoordinator::completeDecodeStep(
+    RequestHandle& handle, std::span<ContextCacheSequenceAdvance const> advances,
+    std::span<int32_t const> completedSlots, std::span<int32_t const> commonStateLengths) {
+  constexpr char const* kCall = "ContextCacheCoordinator::completeDecodeStep";
+  Request& req = request(handle, kCall);
+  MKV_REQUIRE(req.phase == Phase::kExecuting && req.pending && req.mapping.empty(), kCall,
+              "no prepared decode step to complete");
+  MKV_REQUIRE(advances.size() == req.sequences.size(), kCall, "{} advances for a batch of {}",
+              advances.size(), req.sequences.size());
+  MKV_REQUIRE(commonStateLengths.empty(), kCall,
+              "common state lengths are for speculative requests, got {}",
+              commonStateLengths.size());
+  for (std::size_t i = 0; i < advances.size(); ++i) {
+    auto const& sequence = req.sequences[i];
+    ContextCacheSequenceAdvance const& advance = advances[i];
+    if (isHold(advance)) {
+      continue;
+    }
+    MKV_REQUIRE(sequence.joined, kCall,
+                "row {} was admitted in flight and not finalised: it must hold (0 tokens, "
+                "committed {})",
+                i, kHoldCommittedStateLength);
+    MKV_REQUIRE(advance.acceptedTokenCount > 0 && advance.acceptedTokenIds != nullptr, kCall,
+                "row {}: a zero advance must use the hold sentinel (committed {}), got {} "
+                "tokens / committed {}",
+                i, kHoldCommittedStateLength, advance.acceptedTokenCount,
+                advance.committedStateLength);
+    auto const ledger = static_cast<int64_t>(sequence.tokens.size());
+    if (req.contract == DecodingTokenStateContract::kFullyCommitted) {
+      MKV_REQUIRE(advance.committedStateLength == ledger + advance.acceptedTokenCount &&
+                      ledger == sequence.committed,
+                  kCall, "row {}: committed {} but ledger {} + accepted {}", i,
+                  advance.committedStateLength, ledger, advance.acceptedTokenCount);
+    } else {
+      MKV_REQUIRE(advance.acceptedTokenCount == 1 &&
+                      advance.committedStateLength == sequence.committed + 1 &&
+                      ledger == int64_t{sequence.committed} + 1,
+                  kCall,
+                  "row {}: vanilla decode accepts 1 token and commits {} (ledger {}), got {} "
+                  "accepted / committed {}",
+                  i, sequence.committed + 1, ledger, advance.acceptedTokenCount,
+                  advance.committedStateLength);
+    }
+  }
+  std::vector<uint8_t> completed(req.sequences.size(), 0);
+  for (int32_t slot : completedSlots) {
+    MKV_REQUIRE(slot >= 0 && static_cast<std::size_t>(slot) < req.sequences.size(), kCall,
+                "completed slot {} outside the batch of {}", slot, req.sequences.size());
+    MKV_REQUIRE(completed[static_cast<std::size_t>(slot)] == 0, kCall,
+                "completed slot {} listed twice", slot);
+    MKV_REQUIRE(req.sequences[static_cast<std::size_t>(slot)].joined, kCall,
+                "completed slot {} was never finalised", slot);
+    completed[static_cast<std::size_t>(slot)] = 1;
+  }
+  for (std::size_t i = 0; i < advances.size(); ++i) {
+    applyAdvance(req.sequences[i], advances[i]);
+  }
+  req.pending = false;
+  if (req.commitPolicy == ContextCacheCommitPolicy::kIncludingGeneratedTokens) {
+    for (std::size_t i = 0; i < completed.size(); ++i) {
+      if (completed[i] != 0) {
+        ++mCounters.decodePublications;
+        publishReady(req, i);
+      }
+    }
+  }
+  return ContextCacheStatus::kOk;
+}
+
+// ---------------------------------------------------------------- compaction
+
+void ContextCacheCoordinator::beginBatchCompaction(RequestHandle& handle,
+                                                   std::span<int32_t const> oldToNew,
+                                                   int32_t newBatchSize, Tensor& deviceMapping) {
+  constexpr char const* kCall = "ContextCacheCoordinator::beginBatchCompaction";
+  Request& req = request(handle, kCall);
+  MKV_REQUIRE(req.phase == Phase::kExecuting && !req.pending && req.mapping.empty(), kCall,
+              "compaction needs an executing request with no pending work");
+  auto const oldBatch = static_cast<int32_t>(req.sequences.size());
+  MKV_REQUIRE(oldToNew.size() == req.sequences.size(), kCall,
+              "mapping has {} entries for a batch of {}", oldToNew.size(), oldBatch);
+  MKV_REQUIRE(newBatchSize >= 0 && newBatchSize <= oldBatch, kCall,
+              "new batch size {} outside [0, {}]", newBatchSize, oldBatch);
+  int32_t nextSurvivor = 0;
+  for (std::size_t i = 0; i < oldToNew.size(); ++i) {
+    if (oldToNew[i] == -1) {
+      continue;
+    }
+    MKV_REQUIRE(oldToNew[i] >= 0 && oldToNew[i] < newBatchSize, kCall,
+                "oldToNew[{}] = {} outside [-1, {})", i, oldToNew[i], newBatchSize);
+    MKV_REQUIRE(oldToNew[i] == nextSurvivor, kCall,
+                "survivors must keep their order: oldToNew[{}] = {}, expected {}", i, oldToNew[i],
+                nextSurvivor);
+    ++nextSurvivor;
+  }
+  MKV_REQUIRE(nextSurvivor == newBatchSize, kCall, "{} survivors for a new batch of {}",
+              nextSurvivor, newBatchSize);
+  MKV_REQUIRE(deviceMapping.dataType() == DataType::kInt32 &&
+                  deviceMapping.deviceType() == mResources.basePool->deviceType(),
+              kCall, "deviceMapping must be int32 on {}",
+              toString(mResources.basePool->deviceType()));
+  MKV_REQUIRE(deviceMapping.capacityBytes() >= static_cast<int64_t>(oldToNew.size_bytes()), kCall,
+              "deviceMapping holds {} bytes, needs {}", deviceMapping.capacityBytes(),
+              oldToNew.size_bytes());
+  auto batch = req.staging->begin(mStream);
+  Tensor const staged = batch.add(oldToNew);
+  batch.submit();
+  bool const reshaped = deviceMapping.reshape({oldBatch});
+  MKV_ASSERT(reshaped, "deviceMapping reshape failed after the capacity check");
+  detail::copyBytes(deviceMapping.rawPointer(), deviceMapping.deviceType(), staged.rawPointer(),
+                    staged.deviceType(), oldToNew.size_bytes(), mStream);
+  req.mapping.assign(oldToNew.begin(), oldToNew.end());
+  req.newBatchSize = newBatchSize;
+  req.deviceMapping = &deviceMapping;
+  req.pending = true;
+}
+
+ContextCacheStatus ContextCacheCoordinator::compactBatch(RequestHandle& handle) {
+  constexpr char const* kCall = "ContextCacheCoordinator::compactBatch";
+  Request& req = request(handle, kCall);
+  MKV_REQUIRE(req.phase == Phase::kExecuting && req.pending && !req.mapping.empty(), kCall,
+              "no batch compaction was begun");
+  std::vector<CacheSlot> dropped;
+  for (std::size_t i = 0; i < req.mapping.size(); ++i) {
+    if (req.mapping[i] < 0) {
+      dropped.push_back(req.sequences[i].resident.slot);
+      mResources.basePageTable->clearRow(req.sequences[i].resident.slot);
+    }
+  }
+  mResources.basePageTable->uploadDirty(mStream);
+  mResources.basePool->compactLengths(*req.deviceMapping, req.newBatchSize, mStream);
+  if (mResources.recurrent != nullptr && !dropped.empty()) {
+    mResources.recurrent->clearResidentSlots(dropped, mStream);
+  }
+  if (!synchronize()) {
+    handle.mCoordinator = nullptr;
+    handle.mId = 0;
+    quarantine(detach(req.id));
+    return ContextCacheStatus::kPoisoned;
+  }
+  std::vector<Request::Sequence> survivors;
+  survivors.reserve(req.sequences.capacity());
+  for (std::size_t i = 0; i < req.mapping.size(); ++i) {
+    if (req.mapping[i] < 0) {
+      mResidentBusy[static_cast<std::size_t>(req.sequences[i].resident.slot)] = 0;
+    } else {
+      survivors.push_back(std::move(req.sequences[i]));
+    }
+  }
+  req.sequences = std::move(survivors);  // dropped leases are released here
+  req.mapping.clear();
+  req.newBatchSize = -1;
+  req.deviceMapping = nullptr;
+  req.pending = false;
+  if (req.sequences.empty()) {
+    req.phase = Phase::kFinishing;
+  }
+  return ContextCacheStatus::kOk;
+}
+
+// ---------------------------------------------------------------- finish / shutdown
+
+ContextCacheStatus ContextCacheCoordinator::finish(RequestHandle& handle) {
+  if (!handle.valid()) {
+    return mPoisoned ? ContextCacheStatus::kPoisoned : ContextCacheStatus::kOk;
+  }
+  Request& req = request(handle, "ContextCacheCoordinator::finish");
+  uint64_t const id = req.id;
+  handle.mCoordinator = nullptr;
+  handle.mId = 0;
+  if (req.pending && !synchronize()) {
+    quarantine(detach(id));
+    return ContextCacheStatus::kPoisoned;
+  }
+  std::unique_ptr<Request> finished = detach(id);
+  try {
+    releaseRows(*finished);
+  } catch (std::exception const& error) {
+    logger()->error("ContextCacheCoordinator::finish: clearing rows failed: {}", error.what());
+    quarantine(std::move(finished));
+    return ContextCacheStatus::kPoisoned;
+  }
+  for (auto const& sequence : finished->sequences) {
+    mResidentBusy[static_cast<std::size_t>(sequence.resident.slot)] = 0;
+  }
+  return mPoisoned ? ContextCacheStatus::kPoisoned : ContextCacheStatus::kOk;
+}
+
+ContextCacheStatus ContextCacheCoordinator::shutdown() noexcept {
+  if (!mQuarantine.empty()) {
+    if (!synchronize()) {
+      return ContextCacheStatus::kPoisoned;
+    }
+    try {
+      for (auto& quarantined : mQuarantine) {
+        for (auto const& sequence : quarantined->sequences) {
+          mResources.basePageTable->clearRow(sequence.resident.slot);
+        }
+      }
+      mResources.basePageTable->uploadDirty(mStream);
+    } catch (std::exception const& error) {
+      logger()->error("ContextCacheCoordinator::shutdown: clearing rows failed: {}", error.what());
+      return ContextCacheStatus::kPoisoned;
+    }
+    for (auto& quarantined : mQuarantine) {
+      for (auto const& sequence : quarantined->sequences) {
+        mResidentBusy[static_cast<std::size_t>(sequence.resident.slot)] = 0;
+      }
+    }
+    mQuarantine.clear();  // leases released
+  }
+  mPoisoned = false;
+  return mActive.empty() ? ContextCacheStatus::kOk : ContextCacheStatus::kRequestFailed;
+}
+
+// ---------------------------------------------------------------- in-flight admission
+
+ContextCacheCoordinator::AdmitSequenceResult ContextCacheCoordinator::admitSequence(
+    RequestHandle& handle, ContextCacheSequenceAdmission const& admission,
+    DecodingKvHeadroom const& headroom) {
+  constexpr char const* kCall = "ContextCacheCoordinator::admitSequence";
+  Request& req = request(handle, kCall);
+  MKV_REQUIRE(supportsLiveSequenceAdmission(), kCall,
+              "in-flight admission needs an attention-only, non-speculative deployment");
+  MKV_REQUIRE(req.phase == Phase::kExecuting && !req.pending && req.mapping.empty(), kCall,
+              "admission needs an executing request with no pending work or compaction");
+  MKV_REQUIRE(!req.sequences.empty(), kCall, "the request has no founding sequence");
+  validateHeadroom(kCall, headroom);
+  KVPageTable& table = *mResources.basePageTable;
+  MKV_REQUIRE(req.sequences.size() < static_cast<std::size_t>(table.maxBatch()), kCall,
+              "the batch is full ({} sequences)", req.sequences.size());
+  ResidentRef const ref = admission.resident;
+  MKV_REQUIRE(ref.slot >= 0 && ref.slot < table.maxBatch() && ref.epoch != 0, kCall,
+              "invalid resident (slot {}, epoch {})", ref.slot, ref.epoch);
+  MKV_REQUIRE(mResidentBusy[static_cast<std::size_t>(ref.slot)] == 0, kCall,
+              "resident slot {} is already held", ref.slot);
+  MKV_REQUIRE(!admission.tokenIds.empty(), kCall, "empty prompt");
+  int64_t const needed = pagesFor(
+      static_cast<int64_t>(admission.tokenIds.size()) + headroom.baseExtraTokens, mManager->pageSize());
+  MKV_REQUIRE(needed <= table.maxPagesPerSeq(), kCall,
+              "the prompt needs {} pages but a row holds {}", needed, table.maxPagesPerSeq());
+  MKV_REQUIRE(admission.media.empty() || admission.media.size() == admission.tokenIds.size(), kCall,
+              "{} media positions for {} tokens", admission.media.size(), admission.tokenIds.size());
+  AdmitSequenceResult result;
+  if (mPoisoned) {
+    result.status = ContextCacheStatus::kPoisoned;
+    return result;
+  }
+  ContextCacheLookupPolicy policy = admission.lookupPolicy.value_or(req.sequences.front().policy);
+  if (!mConfig.enabled) {
+    policy = ContextCacheLookupPolicy::kBypass;
+  }
+  LookupRequest lookup;
+  lookup.prompt = PromptView{admission.tokenIds, admission.media, admission.keyExtras};
+  lookup.mode = ReuseMode::kVanilla;
+  lookup.policy = policy;
+  lookup.baseExtraTokens = headroom.baseExtraTokens;
+  auto const start = std::chrono::steady_clock::now();
+  mkv::AdmissionResult acquired = mManager->acquireWithFallback(lookup);
+  mCounters.planningNanoseconds += static_cast<uint64_t>(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start)
+          .count());
+  if (!acquired.lease) {
+    ++mCounters.liveAdmissionRefusals;
+    result.status = ContextCacheStatus::kRequestFailed;
+    result.insufficientCapacity = true;
+    return result;
+  }
+  Request::Sequence state;
+  state.lease = std::move(*acquired.lease);
+  state.resident = ref;
+  state.tokens = admission.tokenIds;
+  state.media = admission.media;
+  state.extras = admission.keyExtras;
+  state.policy = policy;
+  state.promptLength = static_cast<int32_t>(admission.tokenIds.size());
+  state.reuseTokenLength = acquired.plan.reuseTokenLength;
+  state.committed = acquired.plan.reuseTokenLength;
+  state.joined = false;
+  req.sequences.push_back(std::move(state));
+  try {
+    table.setRow(ref.slot, req.sequences.back().lease.basePages());
+    table.uploadDirty(mStream);
+  } catch (...) {
+    req.sequences.pop_back();
+    try {
+      table.clearRow(ref.slot);
+    } catch (...) {
+      mPoisoned = true;
+    }
+    throw;
+  }
+  mResidentBusy[static_cast<std::size_t>(ref.slot)] = 1;
+  ++mCounters.liveAdmissions;
+  result.status = ContextCacheStatus::kOk;
+  result.prefillStart = req.sequences.back().reuseTokenLength;
+  return result;
+}
+
+ContextCacheStatus ContextCacheCoordinator::finalizeSequenceAdmission(
+    RequestHandle& handle, int32_t slot, ContextCacheSequenceAdvance const& advance) {
+  constexpr char const* kCall = "ContextCacheCoordinator::finalizeSequenceAdmission";
+  Request& req = request(handle, kCall);
+  MKV_REQUIRE(req.phase == Phase::kExecuting, kCall, "the request is not executing");
+  auto& sequence = sequenceAt(req, slot, kCall);
+  MKV_REQUIRE(!sequence.joined, kCall, "slot {} is not an unfinalised in-flight admission", slot);
+  if (mPoisoned) {
+    return ContextCacheStatus::kPoisoned;
+  }
+  MKV_REQUIRE(advance.acceptedTokenCount == 1 && advance.acceptedTokenIds != nullptr &&
+                  advance.committedStateLength == static_cast<int32_t>(sequence.tokens.size()),
+              kCall,
+              "slot {}: finalising accepts the 1 lookahead token and commits the {} prompt "
+              "tokens, got {} / {}",
+              slot, sequence.tokens.size(), advance.acceptedTokenCount,
+              advance.committedStateLength);
+  applyAdvance(sequence, advance);
+  sequence.joined = true;
+  ++mCounters.prefillPublications;
+  publishReady(req, static_cast<std::size_t>(slot));
+  return ContextCacheStatus::kOk;
+}
+
+bool ContextCacheCoordinator::retractSequenceAdmission(RequestHandle& handle) noexcept {
+  Request* req = nullptr;
+  try {
+    req = &request(handle, "ContextCacheCoordinator::retractSequenceAdmission");
+  } catch (...) {
+    return false;
+  }
+  if (req->sequences.size() <= 1 || req->sequences.back().joined || !req->mapping.empty()) {
+    logger()->error(
+        "ContextCacheCoordinator::retractSequenceAdmission: only the newest never-joined "
+        "sequence of a running batch can be retracted; poisoned");
+    mPoisoned = true;
+    return false;
+  }
+  CacheSlot const slot = req->sequences.back().resident.slot;
+  req->sequences.pop_back();  // lease released
+  mResidentBusy[static_cast<std::size_t>(slot)] = 0;
+  ++mCounters.retractedAdmissions;
+  try {
+    mResources.basePageTable->clearRow(slot);
+    mResources.basePageTable->uploadDirty(mStream);
+  } catch (std::exception const& error) {
+    logger()->error("ContextCacheCoordinator::retractSequenceAdmission: {}; poisoned", error.what());
+    mPoisoned = true;
+    return false;
+  }
+  return true;
+}
+
+// ---------------------------------------------------------------- observability
+
+std::string ContextCacheCoordinator::toPrometheus(std::string_view prefix) const {
+  std::string text = mkv::toPrometheus(mManager->metrics(), prefix);
+  auto counter = [&](char const* name, char const* help, uint64_t value) {
+    text += fmt::format("# HELP {0}{1}_total {2}\n# TYPE {0}{1}_total counter\n{0}{1}_total {3}\n",
+                        prefix, name, help, value);
+  };
+  counter("coordinator_requests", "Requests admitted by beginRequest.", mCounters.requests);
+  counter("coordinator_refused_requests", "Requests refused for capacity.",
+          mCounters.refusedRequests);
+  counter("coordinator_prefill_publications", "Publication attempts at prefill end.",
+          mCounters.prefillPublications);
+  counter("coordinator_decode_publications", "Publication attempts at decode end.",
+          mCounters.decodePublications);
+  counter("coordinator_live_admissions", "Sequences admitted into a running batch.",
+          mCounters.liveAdmissions);
+  counter("coordinator_live_admission_refusals", "In-flight admissions refused for capacity.",
+          mCounters.liveAdmissionRefusals);
+  counter("coordinator_retracted_admissions", "In-flight admissions retracted.",
+          mCounters.retractedAdmissions);
+  counter("coordinator_page_growths", "Decode steps that grew a sequence's pages.",
+          mCounters.pageGrowths);
+  counter("coordinator_growth_failures", "Page growths refused (request failed).",
+          mCounters.growthFailures);
+  counter("coordinator_synchronizations", "Stream synchronisations made by the coordinator.",
+          mCounters.synchronizations);
+  counter("coordinator_quarantined_requests", "Requests quarantined after a failed sync.",
+          mCounters.quarantinedRequests);
+  counter("coordinator_planning_nanoseconds", "Host nanoseconds spent in lookup and acquire.",
+          mCounters.planningNanoseconds);
+  return text;
+}
+
+}  // namespace mkv

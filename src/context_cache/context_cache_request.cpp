@@ -1,0 +1,397 @@
+#include "mkv/context_cache/context_cache_request.h"
+
+#include <spdlog/spdlog.h>
+
+#include <limits>
+#include <utility>
+
+#include "core/check.h"
+#include "mkv/logging.h"
+
+namespace mkv {
+
+std::vector<MediaPosition> buildMediaPositions(std::vector<int32_t> const& tokens,
+                                               std::vector<int32_t> const& mediaTokenIds,
+                                               std::vector<imageUtils::ImageData> const& images,
+                                               std::vector<audioUtils::AudioData> const& audios) {
+  constexpr char const* kCall = "buildMediaPositions";
+  std::vector<MediaPosition> positions;
+  if (mediaTokenIds.empty()) {
+    return positions;
+  }
+  int32_t const imageToken = mediaTokenIds[0];
+  std::optional<int32_t> const audioToken =
+      mediaTokenIds.size() > 1 ? std::optional<int32_t>(mediaTokenIds[1]) : std::nullopt;
+  std::size_t nextImage = 0;
+  std::size_t nextAudio = 0;
+  bool any = false;
+  int32_t runToken = std::numeric_limits<int32_t>::min();
+  Hash128 runDigest;
+  int32_t runOffset = 0;
+  positions.resize(tokens.size());
+  for (std::size_t i = 0; i < tokens.size(); ++i) {
+    int32_t const token = tokens[i];
+    bool const isImage = token == imageToken;
+    bool const isAudio = audioToken && token == *audioToken && !isImage;
+    if (!isImage && !isAudio) {
+      runToken = std::numeric_limits<int32_t>::min();
+      continue;
+    }
+    if (token != runToken) {  // a new run starts
+      runToken = token;
+      runOffset = 0;
+      if (isImage) {
+        MKV_REQUIRE(nextImage < images.size(), kCall,
+                    "image run {} at position {} has no image (only {} given)", nextImage + 1, i,
+                    images.size());
+        std::optional<Hash128> const digest = digestImage(images[nextImage++]);
+        MKV_REQUIRE(digest.has_value(), kCall, "image {} is not host-readable packed RGB",
+                    nextImage - 1);
+        runDigest = *digest;
+      } else {
+        MKV_REQUIRE(nextAudio < audios.size(), kCall,
+                    "audio run {} at position {} has no clip (only {} given)", nextAudio + 1, i,
+                    audios.size());
+        runDigest = digestAudio(audios[nextAudio++]);
+      }
+    }
+    positions[i] = MediaPosition{runDigest, runOffset++};
+    any = true;
+  }
+  if (!any) {
+    positions.clear();
+  }
+  return positions;
+}
+
+namespace {
+
+bool imagesHostReadable(std::vector<imageUtils::ImageData> const& images) {
+  for (auto const& image : images) {
+    if (image.data() == nullptr) {
+      return false;
+    }
+  }
+  return true;
+}
+
+template <typename Vector>
+void compactVector(Vector& values, std::vector<int32_t> const& mapping, int32_t newSize) {
+  Vector compacted(static_cast<std::size_t>(newSize));
+  for (std::size_t i = 0; i < mapping.size() && i < values.size(); ++i) {
+    if (mapping[i] >= 0) {
+      compacted[static_cast<std::size_t>(mapping[i])] = std::move(values[i]);
+    }
+  }
+  values = std::move(compacted);
+}
+
+}  // namespace
+
+ContextCacheRequest::ContextCacheRequest(ContextCacheCoordinator& coordinator,
+                                         ContextCacheCoordinator::RequestHandle handle,
+                                         std::vector<int32_t> prefillStarts,
+                                         DecodingTokenStateContract contract,
+                                         std::string cacheSalt, cudaStream_t stream)
+    : mCoordinator(&coordinator),
+      mHandle(std::move(handle)),
+      mPrefillStarts(std::move(prefillStarts)),
+      mContract(contract),
+      mCacheSalt(std::move(cacheSalt)),
+      mStream(stream),
+      mUnfinalized(mPrefillStarts.size(), 0) {}
+
+std::optional<ContextCacheRequest> ContextCacheRequest::begin(
+    ContextCacheCoordinator& coordinator, LLMGenerationRequest const& request,
+    DecodingInferenceContext const& context, bool speculativeRequest,
+    DecodingKvHeadroom const& headroom, std::vector<int32_t> const& mediaTokenIds,
+    DecodingTokenStateContract tokenStateContract, ContextCacheCommitPolicy commitPolicy) {
+  constexpr char const* kCall = "ContextCacheRequest::begin";
+  auto const batch = context.rawBatchedInputIds.size();
+  MKV_REQUIRE(context.activeBatchSize > 0 &&
+                  batch == static_cast<std::size_t>(context.activeBatchSize),
+              kCall, "activeBatchSize {} but {} prompts", context.activeBatchSize, batch);
+  MKV_REQUIRE(context.residentRefs.size() == batch, kCall, "{} residents for {} prompts",
+              context.residentRefs.size(), batch);
+  MKV_REQUIRE(request.requests.empty() || request.requests.size() == batch, kCall,
+              "{} per-sequence inputs for {} prompts", request.requests.size(), batch);
+  MKV_REQUIRE(request.loraWeightsName.empty() || request.loraWeightsName == context.loraWeightsName,
+              kCall, "request LoRA '{}' differs from the context's '{}'", request.loraWeightsName,
+              context.loraWeightsName);
+
+  ContextCacheLookupPolicy batchPolicy = request.contextCacheLookupPolicy;
+  if (!mediaTokenIds.empty()) {
+    for (auto const& sequence : request.requests) {
+      if (!imagesHostReadable(sequence.imageBuffers)) {
+        batchPolicy = ContextCacheLookupPolicy::kBypass;  // SPEC §8.1: bypass, do not fail
+      }
+    }
+  }
+  bool const forcedBypass = batchPolicy == ContextCacheLookupPolicy::kBypass;
+  BlockKeyExtras const extras{digestIdentity(context.loraWeightsName),
+                              digestIdentity(request.cacheSalt)};
+
+  ContextCacheBatchAdmission admission;
+  admission.speculativeRequest = speculativeRequest;
+  admission.tokenStateContract = tokenStateContract;
+  admission.lookupPolicy = batchPolicy;
+  admission.commitPolicy = commitPolicy;
+  admission.replayTailLength = request.contextCacheReplayTailLength;
+  admission.sequences.resize(batch);
+  for (std::size_t i = 0; i < batch; ++i) {
+    auto& sequence = admission.sequences[i];
+    sequence.tokenIds = context.rawBatchedInputIds[i];
+    sequence.keyExtras = extras;
+    sequence.resident = context.residentRefs[i];
+    std::optional<ContextCacheLookupPolicy> override;
+    if (!request.requests.empty()) {
+      override = request.requests[i].contextCacheLookupPolicy;
+    }
+    if (forcedBypass) {
+      override = ContextCacheLookupPolicy::kBypass;
+    }
+    sequence.lookupPolicy = override;
+    ContextCacheLookupPolicy const effective = override.value_or(batchPolicy);
+    if (effective == ContextCacheLookupPolicy::kUseCache && !request.requests.empty()) {
+      sequence.media = buildMediaPositions(sequence.tokenIds, mediaTokenIds,
+                                           request.requests[i].imageBuffers,
+                                           request.requests[i].audioBuffers);
+    }
+  }
+  auto begun = coordinator.beginRequest(admission, headroom, context.stream);
+  if (begun.status != ContextCacheStatus::kOk) {
+    logger()->warn("ContextCacheRequest::begin: admission refused ({}{})", toString(begun.status),
+                   coordinator.poisoned() ? ", coordinator poisoned" : "");
+    return std::nullopt;
+  }
+  return ContextCacheRequest(coordinator, std::move(begun.admission->request),
+                             std::move(begun.admission->prefillStarts), tokenStateContract,
+                             request.cacheSalt, context.stream);
+}
+
+bool ContextCacheRequest::check(ContextCacheStatus status, char const* operation) const {
+  if (status == ContextCacheStatus::kOk) {
+    return true;
+  }
+  logger()->error("ContextCacheRequest::{} failed: {}{}", operation, toString(status),
+                  mCoordinator->poisoned() ? " (coordinator poisoned)" : " (request failed)");
+  return false;
+}
+
+int32_t ContextCacheRequest::reuseTokenLength(int32_t slot) const {
+  MKV_REQUIRE(slot >= 0 && static_cast<std::size_t>(slot) < mPrefillStarts.size(),
+              "ContextCacheRequest::reuseTokenLength", "slot {} outside the batch of {}", slot,
+              mPrefillStarts.size());
+  return mPrefillStarts[static_cast<std::size_t>(slot)];
+}
+
+bool ContextCacheRequest::preparePrefill() {
+  mCoordinator->preparePrefill(mHandle);
+  return true;
+}
+
+bool ContextCacheRequest::enqueuePrefillCaptures() {
+  mCoordinator->enqueuePrefillCaptures(mHandle);
+  return true;
+}
+
+bool ContextCacheRequest::completePrefill(DecodingInferenceContext const& context,
+                                          std::vector<int32_t> const& commonStateLengths) {
+  constexpr char const* kCall = "ContextCacheRequest::completePrefill";
+  auto const batch = static_cast<std::size_t>(mCoordinator->batchSize(mHandle));
+  MKV_REQUIRE(context.generatedTokenIds.size() == batch &&
+                  context.rawBatchedInputIds.size() == batch,
+              kCall, "context has {} prompts / {} generated lists for a batch of {}",
+              context.rawBatchedInputIds.size(), context.generatedTokenIds.size(), batch);
+  std::vector<ContextCacheSequenceAdvance> advances(batch);
+  for (std::size_t i = 0; i < batch; ++i) {
+    auto const& generated = context.generatedTokenIds[i];
+    auto const rawSize = static_cast<int32_t>(context.rawBatchedInputIds[i].size());
+    if (mContract == DecodingTokenStateContract::kFullyCommitted) {
+      MKV_REQUIRE(generated.empty(), kCall,
+                  "row {}: a fully committed prefill has no generated token, got {}", i,
+                  generated.size());
+      advances[i] = {nullptr, 0, rawSize};
+    } else {
+      MKV_REQUIRE(generated.size() == 1, kCall,
+                  "row {}: after prefill exactly one lookahead token is sampled, got {}", i,
+                  generated.size());
+      advances[i] = {&generated.back(), 1, rawSize};
+    }
+  }
+  return check(mCoordinator->finalizePrefillPublication(mHandle, advances, commonStateLengths),
+               "completePrefill");
+}
+
+bool ContextCacheRequest::prepareDecodeStep(DecodingInferenceContext const& context,
+                                            DecodingKvHeadroom const& headroom) {
+  constexpr char const* kCall = "ContextCacheRequest::prepareDecodeStep";
+  MKV_REQUIRE(!mPreparedCounts.has_value(), kCall, "a decode step is already prepared");
+  auto const batch = static_cast<std::size_t>(mCoordinator->batchSize(mHandle));
+  MKV_REQUIRE(context.generatedTokenIds.size() == batch, kCall,
+              "context has {} generated lists for a batch of {}", context.generatedTokenIds.size(),
+              batch);
+  if (!check(mCoordinator->prepareDecodeStep(mHandle, headroom), "prepareDecodeStep")) {
+    return false;
+  }
+  std::vector<std::size_t> counts(batch);
+  for (std::size_t i = 0; i < batch; ++i) {
+    counts[i] = context.generatedTokenIds[i].size();
+  }
+  mPreparedCounts = std::move(counts);
+  return true;
+}
+
+bool ContextCacheRequest::completeDecodeStep(DecodingInferenceContext const& context,
+                                             std::vector<int32_t> const& commonStateLengths) {
+  constexpr char const* kCall = "ContextCacheRequest::completeDecodeStep";
+  MKV_REQUIRE(mPreparedCounts.has_value(), kCall, "no decode step was prepared");
+  std::vector<std::size_t> const& before = *mPreparedCounts;
+  auto const batch = before.size();
+  MKV_REQUIRE(context.generatedTokenIds.size() == batch && context.finishReasons.size() == batch &&
+                  context.rawBatchedInputIds.size() == batch,
+              kCall, "the batch changed size since prepareDecodeStep ({} rows prepared)", batch);
+  std::vector<ContextCacheSequenceAdvance> advances(batch);
+  std::vector<int32_t> completed;
+  for (std::size_t i = 0; i < batch; ++i) {
+    auto const& generated = context.generatedTokenIds[i];
+    FinishReason const reason = context.finishReasons[i];
+    MKV_REQUIRE(generated.size() >= before[i], kCall, "row {} lost generated tokens ({} -> {})",
+                i, before[i], generated.size());
+    std::size_t const accepted = generated.size() - before[i];
+    if (mUnfinalized[i] != 0) {
+      MKV_REQUIRE(accepted == 0, kCall, "row {} is an unfinalised admission but gained tokens", i);
+      advances[i] = {nullptr, 0, kHoldCommittedStateLength};
+      continue;
+    }
+    if (accepted == 0) {
+      MKV_REQUIRE(reason == FinishReason::kCancelled || reason == FinishReason::kError, kCall,
+                  "row {} produced no token but is {}, not cancelled or errored", i,
+                  toString(reason));
+      advances[i] = {nullptr, 0, kHoldCommittedStateLength};
+      continue;
+    }
+    int64_t const committed = static_cast<int64_t>(context.rawBatchedInputIds[i].size()) +
+                              static_cast<int64_t>(generated.size()) -
+                              (mContract == DecodingTokenStateContract::kFullyCommitted ? 0 : 1);
+    MKV_REQUIRE(committed <= std::numeric_limits<int32_t>::max(), kCall,
+                "row {}: committed length {} exceeds int32", i, committed);
+    advances[i] = {generated.data() + before[i], static_cast<int32_t>(accepted),
+                   static_cast<int32_t>(committed)};
+    if (reason != FinishReason::kNotFinished && reason != FinishReason::kCancelled &&
+        reason != FinishReason::kError) {
+      completed.push_back(static_cast<int32_t>(i));
+    }
+  }
+  mPreparedCounts.reset();
+  return check(mCoordinator->completeDecodeStep(mHandle, advances, completed, commonStateLengths),
+               "completeDecodeStep");
+}
+
+bool ContextCacheRequest::beginBatchCompaction(std::vector<int32_t> const& oldToNew,
+                                               int32_t newBatchSize, Tensor& deviceBatchMapping) {
+  MKV_REQUIRE(!mPreparedCounts.has_value(), "ContextCacheRequest::beginBatchCompaction",
+              "a decode step is still prepared");
+  mCoordinator->beginBatchCompaction(mHandle, oldToNew, newBatchSize, deviceBatchMapping);
+  mPendingMapping = oldToNew;
+  return true;
+}
+
+bool ContextCacheRequest::completeBatchCompaction(std::vector<int32_t> const& keepMapping) {
+  constexpr char const* kCall = "ContextCacheRequest::completeBatchCompaction";
+  MKV_REQUIRE(!mPendingMapping.empty() && keepMapping == mPendingMapping, kCall,
+              "the mapping differs from the one given to beginBatchCompaction");
+  int32_t newSize = 0;
+  for (int32_t destination : keepMapping) {
+    newSize += destination >= 0 ? 1 : 0;
+  }
+  ContextCacheStatus const status = mCoordinator->compactBatch(mHandle);
+  if (status != ContextCacheStatus::kOk) {
+    mPendingMapping.clear();
+    return check(status, "completeBatchCompaction");
+  }
+  compactVector(mPrefillStarts, keepMapping, newSize);
+  compactVector(mUnfinalized, keepMapping, newSize);
+  mPendingMapping.clear();
+  return true;
+}
+
+bool ContextCacheRequest::finish() {
+  MKV_REQUIRE(!mPreparedCounts.has_value(), "ContextCacheRequest::finish",
+              "a decode step is still prepared");
+  return check(mCoordinator->finish(mHandle), "finish");
+}
+
+ContextCacheRequest::AdmitSequenceStatus ContextCacheRequest::admitSequence(
+    std::vector<int32_t> const& tokenIds, std::string const& loraWeightsName,
+    DecodingKvHeadroom const& headroom, int32_t& prefillStart, ResidentRef resident,
+    cudaStream_t stream, std::vector<int32_t> const& mediaTokenIds,
+    std::vector<imageUtils::ImageData> const& imageBuffers,
+    std::vector<audioUtils::AudioData> const& audioBuffers) {
+  constexpr char const* kCall = "ContextCacheRequest::admitSequence";
+  MKV_REQUIRE(stream == mStream, kCall, "stream differs from the request's stream");
+  MKV_REQUIRE(!mPreparedCounts.has_value(), kCall, "a decode step is prepared");
+  ContextCacheSequenceAdmission admission;
+  admission.tokenIds = tokenIds;
+  admission.keyExtras = BlockKeyExtras{digestIdentity(loraWeightsName), digestIdentity(mCacheSalt)};
+  admission.resident = resident;
+  if (!mediaTokenIds.empty() && !imagesHostReadable(imageBuffers)) {
+    admission.lookupPolicy = ContextCacheLookupPolicy::kBypass;
+  } else {
+    admission.media = buildMediaPositions(tokenIds, mediaTokenIds, imageBuffers, audioBuffers);
+  }
+  auto const result = mCoordinator->admitSequence(mHandle, admission, headroom);
+  if (result.status == ContextCacheStatus::kOk) {
+    mPrefillStarts.push_back(result.prefillStart);
+    mUnfinalized.push_back(1);
+    prefillStart = result.prefillStart;
+    return AdmitSequenceStatus::kAdmitted;
+  }
+  if (result.status == ContextCacheStatus::kRequestFailed && result.insufficientCapacity) {
+    return AdmitSequenceStatus::kNoCapacity;
+  }
+  check(result.status, "admitSequence");
+  return AdmitSequenceStatus::kFailed;
+}
+
+bool ContextCacheRequest::finalizeSequenceAdmission(int32_t slot, int32_t const& lookaheadToken,
+                                                    int32_t fullInputLength) {
+  ContextCacheSequenceAdvance const advance{&lookaheadToken, 1, fullInputLength};
+  if (!check(mCoordinator->finalizeSequenceAdmission(mHandle, slot, advance),
+             "finalizeSequenceAdmission")) {
+    return false;
+  }
+  mUnfinalized[static_cast<std::size_t>(slot)] = 0;
+  return true;
+}
+
+bool ContextCacheRequest::retractSequenceAdmission() noexcept {
+  if (mPrefillStarts.empty()) {
+    return false;
+  }
+  bool const retracted = mCoordinator->retractSequenceAdmission(mHandle);
+  if (retracted) {
+    mPrefillStarts.pop_back();
+    mUnfinalized.pop_back();
+  }
+  return retracted;
+}
+
+bool ContextCacheRequest::publishHybridMtpEndpoint(int32_t slot, int32_t residentStateLength,
+                                                   Tensor const& baseHiddenStates,
+                                                   int32_t boundaryHiddenRow) {
+  (void)baseHiddenStates;
+  detail::throwContract("ContextCacheRequest::publishHybridMtpEndpoint",
+                        "the deployment is not Hybrid-MTP (slot {}, length {}, row {})", slot,
+                        residentStateLength, boundaryHiddenRow);
+}
+
+bool ContextCacheRequest::restoreHybridMtpBoundaryHidden(int32_t slot, Tensor& baseHiddenStates,
+                                                         int32_t destinationRow) {
+  (void)baseHiddenStates;
+  detail::throwContract("ContextCacheRequest::restoreHybridMtpBoundaryHidden",
+                        "the deployment is not Hybrid-MTP (slot {}, row {})", slot,
+                        destinationRow);
+}
+
+}  // namespace mkv
