@@ -1,0 +1,121 @@
+#pragma once
+/// \file kv_cache_runtime.h
+/// Owns the physical KV resources of one engine and exactly one KV backend (SPEC §9).
+
+#include <cstdint>
+#include <memory>
+#include <string_view>
+
+#include "mkv/bounded_swa_kv_page_manager.h"
+#include "mkv/context_cache/context_cache_coordinator.h"
+#include "mkv/cuda_types.h"
+#include "mkv/kv_cache_pool.h"
+#include "mkv/kv_page_table.h"
+#include "mkv/recurrent_state_pool.h"
+#include "mkv/resident_slot_pool.h"
+#include "mkv/stream.h"
+#include "mkv/types.h"
+
+namespace mkv {
+
+/// The attention and recurrent geometry of the model the engine runs.
+struct KVCacheModelConfig {
+  int32_t numFullAttentionLayers = 0;     ///< layers attending to every position
+  int32_t numSlidingWindowLayers = 0;     ///< layers attending to the last slidingWindowTokens
+  int32_t slidingWindowTokens = 0;        ///< W; required when there are sliding layers
+  int32_t numKVHeads = 8;
+  int32_t headDim = 128;
+  DataType kvDataType = DataType::kFloat16;
+  int32_t numRecurrentLayers = 0;         ///< Mamba / linear-attention layers
+  int64_t recurrentStateBytes = 0;        ///< per layer and slot
+  int64_t recurrentConvBytes = 0;         ///< per layer and slot
+};
+
+struct KVCacheRuntimeConfig {
+  KVCacheModelConfig model;
+  int32_t maxBatchSize = 1;        ///< resident slots = page-table rows
+  int32_t maxSequenceLength = 0;   ///< tokens of prompt + generation per sequence
+  int32_t tokensPerPage = 128;     ///< power of two in [16, 1024]
+  /// Pages of the full pool; 0 = maxBatchSize * ceil(maxSequenceLength / tokensPerPage).
+  int32_t numPages = 0;
+  /// Pages of the bounded SWA pool; 0 = maxBatchSize * (2M + 1), the admission minimum.
+  int32_t numSwaPages = 0;
+  /// Context (prefix) reuse on: full paged KV + ContextCacheCoordinator.
+  bool contextReuse = false;
+  /// Settings of the coordinator (its `enabled` is set from contextReuse).
+  ContextCacheConfig contextCache;
+  DeviceType deviceType = DeviceType::kGPU;
+  cudaStream_t stream = nullptr;  ///< the engine's stream; never owned
+  StreamSynchronizer synchronizer;  ///< empty = defaultStreamSynchronizer(deviceType)
+};
+
+enum class KVCacheBackend : uint8_t {
+  kContextReuse,  ///< full paged KV, prefix reuse (ContextCacheCoordinator)
+  kBoundedSwa,    ///< sliding layers in bounded rotating pages (BoundedSwaKVPageManager)
+  kFullStorage,   ///< full paged KV without reuse (the coordinator with lookups off)
+};
+std::string_view toString(KVCacheBackend backend) noexcept;
+
+/// Creates and owns the pools, page tables, resident slots and exactly one backend, chosen by the
+/// support matrix:
+/// * contextReuse on -> kContextReuse: every attention layer in the full pool;
+/// * reuse off, sliding layers present and maxBatchSize * (2M + 1) strictly fewer than the full
+///   pool's pages -> kBoundedSwa: sliding layers in a reduced pool with its own page ids, full
+///   layers (Gemma-style mixed models) in the full pool with a static identity page table;
+/// * otherwise -> kFullStorage.
+/// Thread-safety: single writer (the engine thread).
+class KVCacheRuntime {
+ public:
+  /// Validates the config (throws mkv::Error naming the field) and allocates everything.
+  static std::unique_ptr<KVCacheRuntime> create(KVCacheRuntimeConfig const& config);
+  ~KVCacheRuntime();
+  KVCacheRuntime(KVCacheRuntime const&) = delete;
+  KVCacheRuntime& operator=(KVCacheRuntime const&) = delete;
+
+  KVCacheBackend backend() const noexcept { return mBackend; }
+  /// Non-null for kContextReuse and kFullStorage.
+  ContextCacheCoordinator* contextCache() noexcept { return mCoordinator.get(); }
+  /// Non-null for kBoundedSwa.
+  BoundedSwaKVPageManager* swaPageManager() noexcept { return mSwaManager.get(); }
+  /// Whether a running batch may admit sequences in flight (false for bounded SWA).
+  bool supportsSeatedAdmission() const noexcept { return mBackend != KVCacheBackend::kBoundedSwa; }
+
+  KVCacheRuntimeConfig const& config() const noexcept { return mConfig; }
+  /// Pool of the full-attention layers (and of every attention layer unless kBoundedSwa);
+  /// null when the model has no such layers.
+  KVCachePool* fullPool() noexcept { return mFullPool.get(); }
+  KVPageTable* fullPageTable() noexcept { return mFullTable.get(); }
+  /// Reduced pool and sparse-window table of the sliding layers (kBoundedSwa only).
+  KVCachePool* swaPool() noexcept { return mSwaPool.get(); }
+  KVPageTable* swaPageTable() noexcept { return mSwaTable.get(); }
+  RecurrentStatePool* recurrentState() noexcept { return mRecurrent.get(); }
+  ResidentSlotPool& residentSlots() noexcept { return mResidentSlots; }
+  /// The pool whose KV-length tensor the backend maintains (full pool, else the SWA pool).
+  KVCachePool& lengthPool() noexcept;
+  /// Window layers: full-pool layer indices [0, numFull) are full attention; in the full pool of
+  /// kContextReuse / kFullStorage, sliding layers follow at [numFull, numFull + numSliding).
+  int32_t maxPagesPerSequence() const noexcept { return mMaxPagesPerSequence; }
+  /// Device bytes of every pool.
+  int64_t kvBytes() const noexcept;
+
+  /// Drains the backend's quarantine (see the backends' shutdown()).
+  bool shutdown() noexcept;
+
+ private:
+  explicit KVCacheRuntime(KVCacheRuntimeConfig const& config);
+
+  KVCacheRuntimeConfig mConfig;
+  KVCacheBackend mBackend = KVCacheBackend::kFullStorage;
+  int32_t mMaxPagesPerSequence = 0;
+  std::unique_ptr<KVCachePool> mFullPool;
+  std::unique_ptr<KVPageTable> mFullTable;
+  std::unique_ptr<KVCachePool> mSwaPool;
+  std::unique_ptr<KVPageTable> mSwaTable;
+  std::unique_ptr<RecurrentStatePool> mRecurrent;
+  ResidentSlotPool mResidentSlots;
+  // Backends last: they are destroyed before the resources they borrow.
+  std::unique_ptr<ContextCacheCoordinator> mCoordinator;
+  std::unique_ptr<BoundedSwaKVPageManager> mSwaManager;
+};
+
+}  // namespace mkv

@@ -1,0 +1,177 @@
+#include "mkv/kv_cache_runtime.h"
+
+#include <limits>
+#include <vector>
+
+#include "core/check.h"
+
+namespace mkv {
+
+std::string_view toString(KVCacheBackend backend) noexcept {
+  switch (backend) {
+    case KVCacheBackend::kContextReuse: return "context-reuse";
+    case KVCacheBackend::kBoundedSwa: return "bounded-swa";
+    case KVCacheBackend::kFullStorage: return "full-storage";
+  }
+  return "unknown";
+}
+
+namespace {
+
+constexpr char const* kCall = "KVCacheRuntime::create";
+
+int32_t ceilDiv(int64_t a, int64_t b) { return static_cast<int32_t>((a + b - 1) / b); }
+
+void validate(KVCacheRuntimeConfig const& config) {
+  KVCacheModelConfig const& model = config.model;
+  MKV_REQUIRE(model.numFullAttentionLayers >= 0 && model.numSlidingWindowLayers >= 0 &&
+                  model.numRecurrentLayers >= 0,
+              kCall, "layer counts must be >= 0 (full {}, sliding {}, recurrent {})",
+              model.numFullAttentionLayers, model.numSlidingWindowLayers, model.numRecurrentLayers);
+  MKV_REQUIRE(model.numFullAttentionLayers + model.numSlidingWindowLayers > 0, kCall,
+              "the model needs at least one attention layer");
+  MKV_REQUIRE(model.numSlidingWindowLayers == 0 || model.slidingWindowTokens > 0, kCall,
+              "sliding layers need slidingWindowTokens > 0, got {}", model.slidingWindowTokens);
+  MKV_REQUIRE(model.numRecurrentLayers == 0 ||
+                  (model.recurrentStateBytes > 0 && model.recurrentConvBytes >= 0),
+              kCall, "recurrent layers need recurrentStateBytes > 0 (got {}) and conv bytes >= 0",
+              model.recurrentStateBytes);
+  MKV_REQUIRE(config.maxBatchSize > 0, kCall, "maxBatchSize must be > 0, got {}",
+              config.maxBatchSize);
+  MKV_REQUIRE(config.maxSequenceLength > 0, kCall, "maxSequenceLength must be > 0, got {}",
+              config.maxSequenceLength);
+  MKV_REQUIRE(config.numPages >= 0 && config.numSwaPages >= 0, kCall,
+              "page counts must be >= 0 (numPages {}, numSwaPages {})", config.numPages,
+              config.numSwaPages);
+  if (config.contextReuse) {
+    MKV_REQUIRE(model.numRecurrentLayers == 0, kCall,
+                "context reuse for recurrent (hybrid) models is not supported");
+  }
+}
+
+}  // namespace
+
+KVCacheRuntime::KVCacheRuntime(KVCacheRuntimeConfig const& config) : mConfig(config) {}
+
+KVCacheRuntime::~KVCacheRuntime() = default;
+
+std::unique_ptr<KVCacheRuntime> KVCacheRuntime::create(KVCacheRuntimeConfig const& config) {
+  validate(config);
+  KVCacheModelConfig const& model = config.model;
+  std::unique_ptr<KVCacheRuntime> runtime(new KVCacheRuntime(config));
+  int32_t const pageSize = config.tokensPerPage;
+  runtime->mMaxPagesPerSequence = ceilDiv(config.maxSequenceLength, pageSize);
+  int32_t const width = runtime->mMaxPagesPerSequence;
+  int64_t const fullDefault = int64_t{config.maxBatchSize} * width;
+  MKV_REQUIRE(config.numPages > 0 || fullDefault <= std::numeric_limits<int32_t>::max() / 2, kCall,
+              "default full pool of {} pages overflows int32", fullDefault);
+  int32_t const fullPages = config.numPages > 0 ? config.numPages : static_cast<int32_t>(fullDefault);
+  StreamSynchronizer const synchronizer =
+      config.synchronizer ? config.synchronizer : defaultStreamSynchronizer(config.deviceType);
+
+  bool bounded = false;
+  int32_t swaPages = 0;
+  if (!config.contextReuse && model.numSlidingWindowLayers > 0) {
+    int32_t const perSequence =
+        BoundedSwaKVPageManager::admissionPagesPerSequence(model.slidingWindowTokens, pageSize);
+    int64_t const minimum = int64_t{config.maxBatchSize} * perSequence;
+    bounded = minimum < fullPages;
+    swaPages = static_cast<int32_t>(std::max<int64_t>(minimum, config.numSwaPages));
+  }
+
+  auto makePool = [&](int32_t layers, int32_t pages) {
+    KVCachePoolConfig pool;
+    pool.numLayers = layers;
+    pool.numKVHeads = model.numKVHeads;
+    pool.headDim = model.headDim;
+    pool.tokensPerPage = pageSize;
+    pool.numPages = pages;
+    pool.maxBatchSize = config.maxBatchSize;
+    pool.dataType = model.kvDataType;
+    pool.deviceType = config.deviceType;
+    return std::make_unique<KVCachePool>(pool);
+  };
+
+  if (model.numRecurrentLayers > 0) {
+    RecurrentStatePoolConfig recurrent;
+    recurrent.numLayers = model.numRecurrentLayers;
+    recurrent.numSlots = config.maxBatchSize;
+    recurrent.stateBytesPerSlot = model.recurrentStateBytes;
+    recurrent.convBytesPerSlot = model.recurrentConvBytes;
+    recurrent.deviceType = config.deviceType;
+    runtime->mRecurrent = std::make_unique<RecurrentStatePool>(recurrent);
+  }
+  runtime->mResidentSlots.reset(config.maxBatchSize);
+
+  if (bounded) {
+    runtime->mBackend = KVCacheBackend::kBoundedSwa;
+    runtime->mSwaPool = makePool(model.numSlidingWindowLayers, swaPages);
+    runtime->mSwaTable = std::make_unique<KVPageTable>(
+        config.maxBatchSize, width, swaPages, PageTableMode::kSparseWindow, config.deviceType);
+    BoundedSwaResources resources;
+    resources.swaPool = runtime->mSwaPool.get();
+    resources.swaPageTable = runtime->mSwaTable.get();
+    resources.recurrent = runtime->mRecurrent.get();
+    if (model.numFullAttentionLayers > 0) {
+      MKV_REQUIRE(fullPages >= fullDefault, kCall,
+                  "bounded SWA keeps full layers identity-mapped: numPages {} must cover "
+                  "maxBatchSize x pages per sequence = {}",
+                  fullPages, fullDefault);
+      runtime->mFullPool = makePool(model.numFullAttentionLayers, fullPages);
+      runtime->mFullTable = std::make_unique<KVPageTable>(config.maxBatchSize, width, fullPages,
+                                                          PageTableMode::kDense, config.deviceType);
+      std::vector<PageId> row(static_cast<std::size_t>(width));
+      for (int32_t slot = 0; slot < config.maxBatchSize; ++slot) {
+        for (int32_t p = 0; p < width; ++p) {
+          row[static_cast<std::size_t>(p)] = slot * width + p;
+        }
+        runtime->mFullTable->setRow(slot, row);
+      }
+      runtime->mFullTable->upload(config.stream);
+      resources.lengthPools.push_back(runtime->mFullPool.get());
+    }
+    resources.lengthPools.push_back(runtime->mSwaPool.get());
+    runtime->mSwaManager = std::make_unique<BoundedSwaKVPageManager>(
+        BoundedSwaConfig{model.slidingWindowTokens}, resources, config.stream, synchronizer);
+    return runtime;
+  }
+
+  runtime->mBackend =
+      config.contextReuse ? KVCacheBackend::kContextReuse : KVCacheBackend::kFullStorage;
+  runtime->mFullPool = makePool(model.numFullAttentionLayers + model.numSlidingWindowLayers, fullPages);
+  runtime->mFullTable = std::make_unique<KVPageTable>(config.maxBatchSize, width, fullPages,
+                                                      PageTableMode::kDense, config.deviceType);
+  ContextCacheConfig cache = config.contextCache;
+  cache.enabled = config.contextReuse;
+  ContextCachePhysicalResources resources;
+  resources.basePool = runtime->mFullPool.get();
+  resources.basePageTable = runtime->mFullTable.get();
+  resources.recurrent = runtime->mRecurrent.get();
+  runtime->mCoordinator = std::make_unique<ContextCacheCoordinator>(
+      cache, ContextCacheDeploymentProfile{}, resources, config.stream, synchronizer);
+  return runtime;
+}
+
+KVCachePool& KVCacheRuntime::lengthPool() noexcept {
+  return mFullPool ? *mFullPool : *mSwaPool;
+}
+
+int64_t KVCacheRuntime::kvBytes() const noexcept {
+  int64_t bytes = 0;
+  if (mFullPool) {
+    bytes += mFullPool->totalBytes();
+  }
+  if (mSwaPool) {
+    bytes += mSwaPool->totalBytes();
+  }
+  return bytes;
+}
+
+bool KVCacheRuntime::shutdown() noexcept {
+  if (mCoordinator) {
+    return mCoordinator->shutdown() == ContextCacheStatus::kOk;
+  }
+  return mSwaManager->shutdown() == SwaKVCacheStatus::kOk;
+}
+
+}  // namespace mkv
