@@ -1,0 +1,145 @@
+#pragma once
+/// \file reference_engine.h
+/// A model-free engine loop that drives ManagedKVCacheRequest exactly as a runtime would, with
+/// the KV oracle checking every byte attention would read (SPEC §11). Used by the scenario
+/// tests, the benchmarks and mkv-replay; integrators can use it to check their own wiring.
+
+#include <cstdint>
+#include <deque>
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "mkv/generation_request.h"
+#include "mkv/kv_cache_runtime.h"
+#include "mkv/media.h"
+#include "mkv/testing/kv_oracle.h"
+#include "mkv/types.h"
+
+namespace mkv::testing {
+
+/// One sequence to run.
+struct EngineSequence {
+  std::vector<int32_t> prompt;
+  int32_t maxNewTokens = 8;  ///< generation stops with kLength after this many sampled tokens
+  std::vector<imageUtils::ImageData> images;
+  std::vector<audioUtils::AudioData> audios;
+  std::optional<ContextCacheLookupPolicy> lookupPolicy;
+  /// Cancel the sequence before decode step number `cancelAtStep` (0-based); -1 = never.
+  int32_t cancelAtStep = -1;
+  /// Caller's id, reported back in the outcome.
+  int64_t tag = 0;
+};
+
+/// One runtime request: a founding batch of sequences sharing request-level settings.
+struct EngineRequest {
+  std::vector<EngineSequence> sequences;
+  std::string loraWeightsName;
+  std::string cacheSalt;
+  ContextCacheLookupPolicy lookupPolicy = ContextCacheLookupPolicy::kUseCache;
+  ContextCacheCommitPolicy commitPolicy = ContextCacheCommitPolicy::kIncludingGeneratedTokens;
+  /// {image placeholder, audio placeholder} token ids, or empty.
+  std::vector<int32_t> mediaTokenIds;
+};
+
+enum class VerifyMode : uint8_t {
+  kAll,     ///< every position attention reads, at every step
+  kSample,  ///< reused positions and newly written ones fully; a few random positions per step
+  kNone,
+};
+
+struct ReferenceEngineOptions {
+  VerifyMode verify = VerifyMode::kAll;
+  uint64_t seed = 1;
+  /// A sampled token is the end-of-sequence token with probability 1 / eosEvery (0: never).
+  int32_t eosEvery = 0;
+  /// Throw mkv::Error on the first oracle mismatch (tests) instead of only counting it.
+  bool throwOnMismatch = true;
+  /// Called after every decode step with the step index (tests inject faults here).
+  std::function<void(int64_t)> onStep;
+};
+
+struct SequenceOutcome {
+  int64_t tag = 0;
+  std::vector<int32_t> prompt;
+  std::vector<int32_t> generated;  ///< sampled tokens (the last one has no KV)
+  FinishReason reason = FinishReason::kNotFinished;
+  int32_t prefillStart = 0;  ///< reused tokens
+  bool joinedInFlight = false;
+};
+
+struct RequestOutcome {
+  bool admitted = false;        ///< false: the backend refused the founding batch (no capacity)
+  bool failed = false;          ///< a lifecycle call returned false (request failed / poisoned)
+  std::vector<SequenceOutcome> sequences;  ///< founders, then joiners, in admission order
+  int64_t decodeSteps = 0;
+};
+
+/// Cumulative figures of an engine.
+struct EngineStats {
+  int64_t requests = 0;
+  int64_t sequences = 0;
+  int64_t promptTokens = 0;
+  int64_t reusedTokens = 0;
+  int64_t prefillTokensComputed = 0;
+  int64_t decodeSteps = 0;
+  int64_t generatedTokens = 0;
+  int64_t joins = 0;
+  int64_t joinRefusals = 0;
+  int64_t oracleChecks = 0;      ///< positions verified
+  int64_t oracleMismatches = 0;  ///< positions with wrong bytes
+  std::string firstMismatch;
+  int64_t lengthChecks = 0;      ///< device KV-length rows verified
+  int64_t peakPagesInUse = 0;    ///< max pages not free, over all pools
+  std::vector<int64_t> stepHostNanoseconds;  ///< library time per decode step (facade calls)
+};
+
+/// Drives requests through a KVCacheRuntime. Executes no model: for every executed position it
+/// writes KV bytes that are a function of the whole prefix (KvOracle), then checks what the
+/// attention of that step would read: all positions of full layers, the last W of sliding ones.
+/// Also checks the device KV-length tensor after every execution.
+class ReferenceEngine {
+ public:
+  explicit ReferenceEngine(KVCacheRuntime& runtime, ReferenceEngineOptions options = {});
+  ~ReferenceEngine();
+
+  /// Runs `request` to completion. While it runs, sequences from `joinQueue` (front first) join
+  /// the batch through in-flight admission whenever a row and the pools allow it and the backend
+  /// supports it; joiners inherit the request's salt, LoRA and policies. Joined sequences are
+  /// popped from the queue; the others stay.
+  RequestOutcome run(EngineRequest const& request, std::deque<EngineSequence>* joinQueue = nullptr);
+
+  EngineStats const& stats() const noexcept { return mStats; }
+  /// Pages currently not free in every pool of the runtime (leased or cached).
+  int64_t pagesInUse() const;
+  /// The deterministic token the engine samples after a prefix with this digest.
+  int32_t sampleToken(uint64_t prefixDigest) const;
+  int32_t endOfSequenceToken() const noexcept { return kEndOfSequence; }
+
+  static constexpr int32_t kEndOfSequence = 2;
+
+ private:
+  struct Row;
+  struct Run;
+
+  uint64_t identitySeed(EngineRequest const& request) const;
+  std::vector<uint64_t> positionKeys(EngineSequence const& sequence,
+                                     std::vector<int32_t> const& mediaTokenIds) const;
+  void executePrefill(Run& run, Row& row, int32_t start);
+  void verifyRow(Run& run, Row& row, bool full);
+  void checkLengths(Run& run);
+  void notePages();
+  void report(std::string const& what);
+
+  KVCacheRuntime& mRuntime;
+  ReferenceEngineOptions mOptions;
+  std::unique_ptr<KvOracle> mFullOracle;
+  std::unique_ptr<KvOracle> mSwaOracle;
+  Tensor mDeviceMapping;
+  EngineStats mStats;
+  uint64_t mRandom;
+};
+
+}  // namespace mkv::testing
