@@ -64,7 +64,9 @@ struct BoundedSwaResources {
   /// Sparse-window page table over swaPool's ids, one row per resident slot.
   KVPageTable* swaPageTable = nullptr;
   /// Pools whose KV-length tensors follow the request: reset to 0 at preparePrefill and
-  /// compacted at batch compaction (swaPool and, in mixed models, the full pool).
+  /// compacted at batch compaction (swaPool and, in mixed models, the full pool). A length
+  /// tensor holds one batch, so it follows one request at a time: the last one to prefill,
+  /// until it finishes. Leave empty when several requests execute concurrently.
   std::vector<KVCachePool*> lengthPools;
   /// Recurrent rows of hybrid models; rows of dropped residents are zeroed at compaction.
   RecurrentStatePool* recurrent = nullptr;
@@ -149,7 +151,8 @@ class BoundedSwaKVPageManager {
   /// Maps each sequence's retained window for its executed prefill length and uploads the
   /// table patch; resets the length pools to 0 for the batch. Call after embeddings and token
   /// pruning fixed the lengths. Throws for a wrong phase, a length count that differs from the
-  /// batch, or a length outside (0, maxPagesPerSeq * P].
+  /// batch, a length outside (0, maxPagesPerSeq * P], or length pools that still follow
+  /// another active request.
   void preparePrefill(RequestHandle& handle, std::span<int32_t const> inputLengths);
   /// Commits the prefill transition, retires pages that left the window, and trims each
   /// sequence to M + 1 held pages. No synchronisation: call after the runtime's completion point.
@@ -222,6 +225,7 @@ class BoundedSwaKVPageManager {
   std::vector<std::unique_ptr<Request>> mActive;
   std::vector<std::unique_ptr<Request>> mQuarantine;
   uint64_t mNextRequestId = 1;
+  uint64_t mLengthOwner = 0;  // request whose batch the length pools hold (0: none)
   bool mPoisoned = false;
 };
 

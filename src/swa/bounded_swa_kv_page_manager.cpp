@@ -338,6 +338,12 @@ void BoundedSwaKVPageManager::preparePrefill(RequestHandle& handle,
     MKV_REQUIRE(inputLengths[i] > 0 && inputLengths[i] <= maxTokens, kCall,
                 "length {} of row {} outside (0, {}]", inputLengths[i], i, maxTokens);
   }
+  // The KV-length tensors are execution-ordered for one batch: resetting them for this request
+  // would overwrite the lengths another active request's kernels read.
+  MKV_REQUIRE(mResources.lengthPools.empty() || mLengthOwner == 0 || mLengthOwner == req.id,
+              kCall,
+              "the KV-length pools follow request {}, still active; request {} cannot reset them",
+              mLengthOwner, req.id);
   for (std::size_t i = 0; i < inputLengths.size(); ++i) {
     SwaSequenceState& state = req.sequences[i];
     mResources.swaPageTable->clearRow(state.resident.slot);
@@ -348,6 +354,9 @@ void BoundedSwaKVPageManager::preparePrefill(RequestHandle& handle,
   std::vector<int32_t> const zeros(req.sequences.size(), 0);
   for (KVCachePool* lengths : mResources.lengthPools) {
     lengths->resetForNewSequences(zeros, mStream);
+  }
+  if (!mResources.lengthPools.empty()) {
+    mLengthOwner = req.id;
   }
   req.phase = Phase::kExecuting;
   req.pending = Pending::kPrefill;
@@ -589,6 +598,9 @@ std::unique_ptr<BoundedSwaKVPageManager::Request> BoundedSwaKVPageManager::detac
     if ((*it)->id == id) {
       std::unique_ptr<Request> detached = std::move(*it);
       mActive.erase(it);
+      if (mLengthOwner == id) {
+        mLengthOwner = 0;
+      }
       return detached;
     }
   }
