@@ -131,10 +131,12 @@ int64_t SnapshotStorage::boundaryHiddenBytesPerSlot(int64_t width, DataType type
 }
 
 int64_t SnapshotStorage::totalBytes() const noexcept {
-  int64_t total = mBoundaryHidden.sizeBytes();
+  // capacityBytes, not sizeBytes: an unallocated (default) Tensor has rank 0 and so reports
+  // one element of sizeBytes, but no capacity.
+  int64_t total = mBoundaryHidden.capacityBytes();
   for (auto const* slabs : {&mStateSlabs, &mConvSlabs, &mPartialBase, &mPartialDraft}) {
     for (Tensor const& slab : *slabs) {
-      total += slab.sizeBytes();
+      total += slab.capacityBytes();
     }
   }
   return total;
