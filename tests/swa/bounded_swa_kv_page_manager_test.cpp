@@ -657,7 +657,7 @@ TEST_P(BoundedSwaDecodeTest, RotationUsesConstantPatchesAndRecyclesRetiredPages)
 TEST_P(BoundedSwaDecodeTest, LongDecodeRunKeepsTheWindowExactInBoundedMemory) {
   RigConfig config = rigConfig();
   config.window = 64;
-  config.pageSize = 16;  // M = 5
+  config.pageSize = 32;  // M = 3: 7 pages at admission, 4 in decode; 640 rotations
   config.maxBatch = 2;
   int32_t const steps = 20500;
   std::vector<int32_t> const lengths{100, 37};
@@ -672,7 +672,8 @@ TEST_P(BoundedSwaDecodeTest, LongDecodeRunKeepsTheWindowExactInBoundedMemory) {
     sequences[i].prefill(rig.oracle(), lengths[i], config.window);
   }
   manager.completePrefill(handle);
-  EXPECT_EQ(manager.freePageCount(), 22 - 2 * 6);
+  ASSERT_EQ(manager.totalPageCount(), 14);
+  EXPECT_EQ(manager.freePageCount(), 14 - 2 * 4);
   DecodeChecker checker(rig, handle);
   int64_t checked = 0;
   for (int32_t s = 0; s < steps; ++s) {
@@ -689,7 +690,7 @@ TEST_P(BoundedSwaDecodeTest, LongDecodeRunKeepsTheWindowExactInBoundedMemory) {
       checked += report.positionsChecked;
       ASSERT_TRUE(report.ok()) << "step " << s << ": " << report.firstMismatch;
     }
-    ASSERT_EQ(manager.freePageCount(), 10);
+    ASSERT_EQ(manager.freePageCount(), 6);
   }
   // Every step checks min(W, e) positions of each sequence (37 + s + 1 < 64 early on).
   int64_t expectedChecked = 0;
@@ -701,8 +702,10 @@ TEST_P(BoundedSwaDecodeTest, LongDecodeRunKeepsTheWindowExactInBoundedMemory) {
   EXPECT_EQ(checked, expectedChecked);
   EXPECT_EQ(expectedChecked, int64_t{2} * steps * config.window - (64 - 38 + 1) * (64 - 38) / 2);
   EXPECT_EQ(manager.state(handle, 0).endpoint, 100 + steps);
+  // Begin pages crossed: 100 -> 20600 retires 641 - 1, 37 -> 20537 retires 639 - 0.
+  EXPECT_EQ(checker.retires(), 640 + 639);
   EXPECT_EQ(manager.finish(handle), SwaKVCacheStatus::kOk);
-  EXPECT_EQ(manager.freePageCount(), 22);
+  EXPECT_EQ(manager.freePageCount(), 14);
 }
 
 TEST_P(BoundedSwaDecodeTest, DecodePastTheTableWidthFailsTheRequest) {

@@ -347,13 +347,13 @@ class EngineSequence {
 
   /// Prefill of `length` tokens: only the retained window [max(0, L - W), L) is persisted.
   void prefill(testing::KvOracle& oracle, int32_t length, int32_t window) {
-    appendTokens(length);
+    ensureTokens(length);
     oracle.write(mSlot, mDigests, std::max<int64_t>(0, length - window), length);
     mWritten = length;
   }
   /// One decode step writes position e (the staged page must already be mapped on the device).
   void decode(testing::KvOracle& oracle) {
-    appendTokens(1);
+    ensureTokens(mWritten + 1);
     oracle.write(mSlot, mDigests, mWritten, mWritten + 1);
     ++mWritten;
   }
@@ -363,6 +363,15 @@ class EngineSequence {
   }
 
  private:
+  /// The token stream is fixed by the seed, and a position's digest depends only on the
+  /// positions before it, so digests may run ahead of what was written. They are extended in
+  /// chunks: PrefixDigests::extend reserves exactly size + n, so one call per token would
+  /// copy the whole vector every step.
+  void ensureTokens(int64_t count) {
+    if (mDigests.size() < count) {
+      appendTokens(static_cast<int32_t>(std::max<int64_t>(count - mDigests.size(), 1024)));
+    }
+  }
   void appendTokens(int32_t count) {
     std::vector<int32_t> tokens(static_cast<std::size_t>(count));
     for (int32_t& token : tokens) {
