@@ -1,0 +1,135 @@
+#pragma once
+/// \file block_hash.h
+/// Chained XXH3-128 block keys for context reuse (SPEC §8.1).
+///
+/// A *block* is one full page of tokens. Block i of a prompt is keyed by
+///   key_i = XXH3-128(parent key, XXH3-128(token ids of the block), digest of the block's media
+///                    positions, adapter digest, salt digest on block 0 only, token count)
+/// with parent key = key_{i-1} and key_{-1} = kBlockChainRoot. Chaining makes a key name the whole
+/// prefix up to and including its block. A second, *content* chain over the token ids alone (no
+/// extras, no media) is kept for diagnostics: it lets the cache tell "same text under another
+/// salt / adapter / image" apart from "never seen" (see MissReason).
+///
+/// Digests hash the in-memory bytes of int32 token ids; the library assumes a little-endian host
+/// (enforced at compile time), so digests are identical across supported machines.
+///
+/// Thread-safety: every function here is pure and may be called from any thread.
+
+#include <compare>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "mkv/media.h"
+
+namespace mkv {
+
+/// A 128-bit digest. The all-zero value means "none" (no adapter, no salt, not a media position).
+struct Hash128 {
+  uint64_t hi = 0;
+  uint64_t lo = 0;
+
+  constexpr bool isZero() const noexcept { return hi == 0 && lo == 0; }
+  friend constexpr bool operator==(Hash128, Hash128) noexcept = default;
+  friend constexpr auto operator<=>(Hash128, Hash128) noexcept = default;
+};
+
+/// Hasher for unordered containers. Digests are uniformly distributed already; folding both
+/// halves keeps hand-made test digests (e.g. {0, k}) well spread too.
+struct Hash128Hasher {
+  std::size_t operator()(Hash128 h) const noexcept {
+    return static_cast<std::size_t>(h.lo ^ (h.hi * 0x9E3779B97F4A7C15ULL));
+  }
+};
+
+/// 32 lowercase hex digits, `hi` first.
+std::string toString(Hash128 h);
+
+/// Parent of block 0 in both chains, and the exact-prefix digest of the empty prefix.
+inline constexpr Hash128 kBlockChainRoot{0x9E3779B97F4A7C15ULL, 0xC2B2AE3D27D4EB4FULL};
+
+/// Request-wide key inputs. Zero members mean "none". `salt` partitions tenants: it enters the
+/// first block's key, and through the chain every later key, so different salts never share.
+struct BlockKeyExtras {
+  Hash128 adapter;  ///< LoRA adapter identity, e.g. digestIdentity(loraWeightsName)
+  Hash128 salt;     ///< cache salt, e.g. digestIdentity(cacheSalt)
+  friend bool operator==(BlockKeyExtras const&, BlockKeyExtras const&) = default;
+};
+
+/// Media identity of one token position. `content` is the digest of the image / audio item the
+/// position belongs to (zero: not a media position); `offset` is the position's index inside that
+/// item's placeholder run (0 for the item's first placeholder token).
+struct MediaPosition {
+  Hash128 content;
+  int32_t offset = 0;
+  friend bool operator==(MediaPosition const&, MediaPosition const&) = default;
+};
+
+/// A token sequence as the cache sees it. Nothing is owned. `media` is empty for text-only prompts
+/// or holds exactly one entry per token.
+struct PromptView {
+  std::span<int32_t const> tokens;
+  std::span<MediaPosition const> media;
+  BlockKeyExtras extras;
+};
+
+/// The full blocks of a prompt with both chains. Produced by hashPromptBlocks(); `prompt` still
+/// refers to the caller's tokens and media, which must outlive this value.
+struct PromptBlocks {
+  PromptView prompt;
+  int32_t pageSize = 0;              ///< tokens per block
+  std::vector<Hash128> keys;         ///< key_i, one per full block (the partial tail has none)
+  std::vector<Hash128> contentKeys;  ///< token-only chain, one per full block
+  std::vector<Hash128>
+      mediaDigests;  ///< per full block its media digest; zero for text-only blocks
+
+  int32_t fullBlockCount() const noexcept { return static_cast<int32_t>(keys.size()); }
+  int32_t tokenCount() const noexcept { return static_cast<int32_t>(prompt.tokens.size()); }
+  /// keys[block - 1], or kBlockChainRoot for block 0.
+  Hash128 parentOf(int32_t block) const noexcept;
+  /// Token ids of full block `block` (pageSize of them).
+  std::span<int32_t const> blockTokens(int32_t block) const noexcept;
+  /// Media positions of full block `block`; empty when the prompt is text-only.
+  std::span<MediaPosition const> blockMedia(int32_t block) const noexcept;
+};
+
+/// Keys, content keys and media digests of every full block of `prompt` (partial tail excluded).
+/// Throws mkv::Error when pageSize <= 0, the prompt exceeds INT32_MAX tokens, or `media` is neither
+/// empty nor one entry per token.
+PromptBlocks hashPromptBlocks(PromptView prompt, int32_t pageSize);
+
+/// Keys only (the publication and benchmark path): keys of hashPromptBlocks(prompt, pageSize).
+std::vector<Hash128> hashFullBlocks(PromptView prompt, int32_t pageSize);
+
+/// Digest of the exact prefix prompt[0, length): kBlockChainRoot for length 0, the last full
+/// block's key for a page-aligned length, otherwise a key over the partial final block chained on
+/// the preceding full block (used by hybrid checkpoints). Throws for length outside [0, tokens].
+Hash128 hashExactPrefix(PromptView prompt, int32_t length, int32_t pageSize);
+/// The same digest, reusing the already computed full-block keys of `blocks`: O(page) work.
+Hash128 exactPrefixDigest(PromptBlocks const& blocks, int32_t length);
+
+/// Key of one block of `tokens.size()` tokens (a full page, or a partial final block) chained on
+/// `parent`; `media` is empty or one entry per token; the salt enters only when `firstBlock`.
+Hash128 hashBlock(Hash128 parent, std::span<int32_t const> tokens,
+                  std::span<MediaPosition const> media, BlockKeyExtras const& extras,
+                  bool firstBlock);
+
+/// Digest of opaque bytes: image pixels, PCM samples, a mel path, an adapter name, a salt.
+Hash128 digestBytes(std::span<std::byte const> bytes) noexcept;
+/// Identity digest of a name (LoRA adapter, cache salt): zero for the empty name ("none").
+Hash128 digestIdentity(std::string_view name) noexcept;
+/// Content digest of a host-readable packed RGB image, or nullopt when the host cannot read the
+/// pixels (the request then goes on bypass rather than failing, SPEC §8.1).
+std::optional<Hash128> digestImage(imageUtils::ImageData const& image) noexcept;
+/// Content digest of an audio clip: over the PCM samples when present, else over the mel path.
+Hash128 digestAudio(audioUtils::AudioData const& audio) noexcept;
+
+}  // namespace mkv
+
+template <>
+struct std::hash<mkv::Hash128> : mkv::Hash128Hasher {};
