@@ -1,3 +1,4 @@
 list(APPEND MKV_LIBRARY_SOURCES
   ${CMAKE_CURRENT_LIST_DIR}/block_hash.cpp
+  ${CMAKE_CURRENT_LIST_DIR}/resource_pools.cpp
 )
