@@ -1,4 +1,6 @@
 list(APPEND MKV_LIBRARY_SOURCES
   ${CMAKE_CURRENT_LIST_DIR}/block_hash.cpp
+  ${CMAKE_CURRENT_LIST_DIR}/block_index.cpp
+  ${CMAKE_CURRENT_LIST_DIR}/recent_digest_set.cpp
   ${CMAKE_CURRENT_LIST_DIR}/resource_pools.cpp
 )
