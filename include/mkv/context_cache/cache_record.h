@@ -1,0 +1,104 @@
+#pragma once
+/// \file cache_record.h
+/// A published, reusable prefix state: the endpoint of a chained prefix path (SPEC §8.2).
+///
+/// Thread-safety: plain value type.
+
+#include <cstdint>
+#include <optional>
+#include <vector>
+
+#include "mkv/context_cache/block_hash.h"
+#include "mkv/context_cache/resource_pools.h"
+#include "mkv/types.h"
+
+namespace mkv {
+
+/// Record ids are handed out by RecordStore from 1, monotonically; 0 is never a record.
+using RecordId = uint64_t;
+inline constexpr RecordId kNoRecord = 0;
+
+/// Exact key of a record: the digest naming its whole path and its full-block count. For a plain
+/// (block) record `terminal` is the last block key; for a hybrid checkpoint it is the checkpoint's
+/// exact-prefix digest.
+struct RecordKey {
+  Hash128 terminal;
+  int32_t fullBlockCount = 0;
+  friend bool operator==(RecordKey const&, RecordKey const&) = default;
+};
+
+/// Key of a hybrid checkpoint: exact-prefix digest and exact token length.
+struct HybridKey {
+  Hash128 exactDigest;
+  int32_t exactLength = 0;
+  friend bool operator==(HybridKey const&, HybridKey const&) = default;
+};
+
+struct RecordKeyHasher {
+  std::size_t operator()(RecordKey const& k) const noexcept {
+    return Hash128Hasher{}(k.terminal) ^ static_cast<std::size_t>(k.fullBlockCount);
+  }
+  std::size_t operator()(HybridKey const& k) const noexcept {
+    return Hash128Hasher{}(k.exactDigest) ^ static_cast<std::size_t>(k.exactLength);
+  }
+};
+
+/// Speculative paired state: the draft KV pages of the record's blocks, produced together with
+/// the base pages by one producer (never canonicalised across records).
+struct SpecState {
+  std::vector<PageId> draftPagePath;
+  friend bool operator==(SpecState const&, SpecState const&) = default;
+};
+
+/// One published record. It owns one cache reference on every resource it lists (resources()).
+///
+/// Kinds: a plain record (no exactCheckpointLength) reuses whole blocks; a hybrid checkpoint
+/// (exactCheckpointLength set) reuses an exact length, possibly mid-page, and carries a recurrent
+/// snapshot, a partial-KV snapshot iff its length does not end on a page boundary (attention
+/// models; Hybrid+MTP always), and for pure-recurrent models no base pages at all.
+struct CacheRecord {
+  RecordId id = kNoRecord;
+  RecordKey key;
+  std::vector<Hash128> logicalBlockDigests;  ///< block keys of the path, key.fullBlockCount
+  std::vector<PageId> basePagePath;    ///< canonical base page per block (or empty, see above)
+  std::optional<SpecState> specState;  ///< paired draft path (speculative, Hybrid+MTP)
+  std::optional<SnapshotSlot> recurrentSnapshotSlot;
+  std::optional<SnapshotSlot> partialKvSnapshotSlot;
+  std::optional<int32_t> exactCheckpointLength;
+  /// With token verification on, the checkpoint tokens its base pages do not cover (the partial
+  /// tail; every token for pure-recurrent checkpoints), compared on every hybrid match.
+  std::vector<int32_t> verificationTokens;
+
+  bool isHybrid() const noexcept { return exactCheckpointLength.has_value(); }
+  /// {key.terminal, *exactCheckpointLength} for hybrid records.
+  std::optional<HybridKey> hybridKey() const noexcept;
+
+  /// Every resource the record holds a cache reference on (base pages, draft pages, snapshots).
+  template <typename Fn>
+  void forEachResource(Fn&& fn) const {
+    for (PageId page : basePagePath) {
+      fn(ResourceId{ResourceType::kBaseKvPage, page});
+    }
+    if (specState) {
+      for (PageId page : specState->draftPagePath) {
+        fn(ResourceId{ResourceType::kDraftKvPage, page});
+      }
+    }
+    if (recurrentSnapshotSlot) {
+      fn(ResourceId{ResourceType::kRecurrentSnapshot, *recurrentSnapshotSlot});
+    }
+    if (partialKvSnapshotSlot) {
+      fn(ResourceId{ResourceType::kPartialKvSnapshot, *partialKvSnapshotSlot});
+    }
+  }
+  std::vector<ResourceId> resources() const;
+
+  /// Throws mkv::Error naming the broken rule: a plain record needs >= 1 block and key.terminal ==
+  /// the last logical digest; logical digests count == key.fullBlockCount; the base path has one
+  /// page per block, or is empty for a hybrid checkpoint without attention; a spec path has one
+  /// draft page per block; snapshot slots only on hybrid records, which need a recurrent slot and
+  /// a positive exact length; ids non-negative.
+  void validate() const;
+};
+
+}  // namespace mkv
