@@ -2,6 +2,7 @@ list(APPEND MKV_LIBRARY_SOURCES
   ${CMAKE_CURRENT_LIST_DIR}/block_hash.cpp
   ${CMAKE_CURRENT_LIST_DIR}/block_index.cpp
   ${CMAKE_CURRENT_LIST_DIR}/cache_record.cpp
+  ${CMAKE_CURRENT_LIST_DIR}/eviction_planner.cpp
   ${CMAKE_CURRENT_LIST_DIR}/recent_digest_set.cpp
   ${CMAKE_CURRENT_LIST_DIR}/record_store.cpp
   ${CMAKE_CURRENT_LIST_DIR}/resource_pools.cpp

@@ -1,0 +1,50 @@
+#pragma once
+/// \file eviction_planner.h
+/// Side-effect-free choice of LRU victims that frees a demand across all pools (SPEC §8.2).
+///
+/// Thread-safety: single writer (plan() uses the planner's scratch arrays).
+
+#include <array>
+#include <cstdint>
+#include <vector>
+
+#include "mkv/context_cache/record_store.h"
+#include "mkv/context_cache/resource_pools.h"
+
+namespace mkv {
+
+/// Outcome of EvictionPlanner::plan.
+struct EvictionPlan {
+  bool feasible = false;
+  std::vector<RecordId> victims;  ///< evict in this order (LRU first); empty when infeasible
+  ResourceDemand reclaimed;       ///< slots the victims return to the free rings, per type
+};
+
+/// Simulates evicting records LRU -> MRU (a protected record, e.g. the request's own hit, is moved
+/// to the very end) and returns the shortest victim prefix after which the free slots cover the
+/// whole demand in all four pools together. Per visited record it decrements a simulated cache
+/// count of each of its resources; a resource counts as reclaimed when that count reaches zero and
+/// no lease pins it (active == 0). Shared ancestors therefore free only once every record using
+/// them is a victim, and pinned resources never count.
+///
+/// Cost: O(1) when the free slots already cover the demand or when it cannot be met even by
+/// evicting everything (ResourcePools::reclaimableCount); otherwise linear in the resources of the
+/// visited records, never in the number of records. The scratch (one int32 per pool slot) is
+/// reset incrementally, touching only what the walk touched.
+class EvictionPlanner {
+ public:
+  /// Sizes the scratch for pools of these capacities (throws for negative ones).
+  explicit EvictionPlanner(ResourceDemand capacities);
+
+  /// Reads `pools` and `records` only. `protectedRecord` may be kNoRecord. Throws when the pools'
+  /// capacities differ from the planner's or the demand is negative.
+  EvictionPlan plan(ResourceDemand const& demand, ResourcePools const& pools,
+                    RecordStore const& records, RecordId protectedRecord = kNoRecord);
+
+ private:
+  std::array<std::vector<int32_t>, kResourceTypeCount> mSimulatedCache;  ///< -1 = untouched
+  std::vector<ResourceId> mTouched;
+  ResourceDemand mCapacities;
+};
+
+}  // namespace mkv
