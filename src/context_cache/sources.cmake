@@ -6,4 +6,5 @@ list(APPEND MKV_LIBRARY_SOURCES
   ${CMAKE_CURRENT_LIST_DIR}/recent_digest_set.cpp
   ${CMAKE_CURRENT_LIST_DIR}/record_store.cpp
   ${CMAKE_CURRENT_LIST_DIR}/resource_pools.cpp
+  ${CMAKE_CURRENT_LIST_DIR}/reuse_plan.cpp
 )

@@ -1,0 +1,167 @@
+#pragma once
+/// \file reuse_plan.h
+/// ReusePlan and the pure planner functions of context reuse (SPEC §8.2; upstream §3.3).
+///
+/// Every planner reads the block index and the record store through const references and changes
+/// nothing (no refcount, no LRU order, no metric). A plan is consumed by
+/// ContextCacheManager::acquire, which validates it against the current state.
+///
+/// Thread-safety: the functions are pure; they may run concurrently with other const readers of
+/// the same index and store, never with a writer.
+
+#include <cstdint>
+#include <optional>
+#include <string_view>
+#include <vector>
+
+#include "mkv/context_cache/block_hash.h"
+#include "mkv/context_cache/block_index.h"
+#include "mkv/context_cache/cache_record.h"
+#include "mkv/context_cache/record_store.h"
+#include "mkv/context_cache/resource_pools.h"
+#include "mkv/types.h"
+
+namespace mkv {
+
+/// Which kind of state a request reuses and produces.
+enum class ReuseMode : uint8_t {
+  kVanilla,    ///< attention KV, whole blocks
+  kHybrid,     ///< exact checkpoints: recurrent snapshot (+ partial KV page); pure recurrent too
+  kHybridMtp,  ///< hybrid + MTP draft: paired base/draft paths, boundary token kept private
+  kSpec,       ///< speculative (EAGLE-style): paired base + draft paths, replayed last page(s)
+};
+enum class ReusePlanKind : uint8_t {
+  kStandard,          ///< reuses a prefix
+  kNoReusablePrefix,  ///< cold: reuses nothing (miss or bypass)
+  kFullInputRewind,   ///< the whole page-aligned input matched; its last page is recomputed
+};
+enum class SpecReplayMode : uint8_t { kNone, kFullPage };
+
+/// Why a lookup did not reuse all of its full blocks (see classifyMiss; kCapacity is assigned by
+/// the manager when a cache-derived plan fails for capacity).
+enum class MissReason : uint8_t {
+  kNoPrefix,
+  kShorterThanOnePage,
+  kEvicted,
+  kSaltMismatch,
+  kLoraMismatch,
+  kMediaMismatch,
+  kCapacity,
+};
+inline constexpr int32_t kMissReasonCount = 7;
+/// "no_prefix", "shorter_than_one_page", "evicted", "salt_mismatch", "lora_mismatch",
+/// "media_mismatch", "capacity".
+std::string_view toString(MissReason reason) noexcept;
+std::string_view toString(ReuseMode mode) noexcept;
+
+/// Per-deployment speculative reuse contract. pagedSpecState: the draft model owns paged KV (so a
+/// reusable state is a paired base+draft path). futureDependencyTokens: draft KV at a position
+/// depends on that many later base tokens, so the last ceil(n / page) reused pages are replayed.
+/// EAGLE and MTP: {true, 1}; DFlash / JetSpec / DSpark: {true, 0}; Gemma4 MTP: {false, 0}.
+struct SpecReuseContract {
+  bool pagedSpecState = true;
+  int32_t futureDependencyTokens = 1;
+  friend bool operator==(SpecReuseContract const&, SpecReuseContract const&) = default;
+};
+
+/// A replayed spec plan bound a shorter path than it matched; the publication of the consumer must
+/// cover at least pathBlockCount blocks and its block pathBlockCount - 1 must have this digest.
+struct SpecReplayDependency {
+  int32_t pathBlockCount = 0;
+  Hash128 terminalDigest;
+  friend bool operator==(SpecReplayDependency const&, SpecReplayDependency const&) = default;
+};
+
+/// Exact checkpoint a hybrid plan reuses.
+struct HybridCheckpoint {
+  Hash128 exactDigest;
+  int32_t exactLength = 0;
+  friend bool operator==(HybridCheckpoint const&, HybridCheckpoint const&) = default;
+};
+
+/// What a request reuses and what it must allocate. Lengths are tokens, bindings page ids / slots.
+struct ReusePlan {
+  ReuseMode mode = ReuseMode::kVanilla;
+  ReusePlanKind kind = ReusePlanKind::kNoReusablePrefix;
+  int32_t inputTokenLength = 0;
+  /// Tokens whose cached state was found, before any rewind or replay.
+  int32_t matchedTokenLength = 0;
+  /// Tokens whose state is bound and need not be recomputed: execution starts here.
+  int32_t reuseTokenLength = 0;
+  /// Block keys of the reused blocks (the bound prefix); publication must agree with them.
+  std::vector<Hash128> matchedBlockDigests;
+  /// Shared base pages of the reused blocks (empty for pure-recurrent checkpoints).
+  std::vector<PageId> basePageBindings;
+
+  RecordId specRecord = kNoRecord;        ///< spec / Hybrid+MTP: producer of the draft path
+  std::vector<PageId> draftPageBindings;  ///< its draft pages of the reused blocks
+  std::optional<SpecReplayDependency> specReplayDependency;
+  SpecReplayMode specReplayMode = SpecReplayMode::kNone;
+
+  bool hybridHasAttention = true;  ///< false: pure recurrent (no KV pages at all)
+  RecordId hybridRecord = kNoRecord;
+  std::optional<HybridCheckpoint> hybridCheckpoint;
+  std::optional<SnapshotSlot> recurrentSnapshotBinding;  ///< restore source
+  std::optional<SnapshotSlot> partialKvSnapshotBinding;  ///< restore source (partial page)
+
+  /// Private resources to allocate at acquire (snapshot reservations come later).
+  ResourceDemand demand;
+
+  /// Diagnostics of the lookup: leading blocks found in the block index (verified), and how many
+  /// digest hits verification refused while planning.
+  int32_t indexedPrefixBlocks = 0;
+  int32_t verificationRejects = 0;
+
+  /// True when the plan reuses anything (its acquisition may be retried cold on capacity).
+  bool isCacheDerived() const noexcept {
+    return reuseTokenLength > 0 || kind == ReusePlanKind::kFullInputRewind;
+  }
+};
+
+/// Reuses nothing; demand = every input page: base ceil(n / page) unless pure recurrent
+/// (!hasAttention), draft the same when `pairedDraft`.
+ReusePlan makeColdReusePlan(ReuseMode mode, int32_t inputTokens, int32_t pageSize,
+                            bool hasAttention, bool pairedDraft);
+
+/// Page-aligned longest verified prefix. A fully matched page-aligned input drops its last page
+/// (kFullInputRewind) so the last token is recomputed for logits. Demand = pages - bound.
+/// kBypass gives the cold plan.
+ReusePlan makeVanillaReusePlan(BlockIndex const& index, PromptBlocks const& blocks,
+                               ContextCacheLookupPolicy policy);
+
+/// Longest stored exact checkpoint strictly shorter than the input whose logical blocks equal the
+/// input's, with a recurrent snapshot, a partial-KV snapshot iff attention and length % page != 0,
+/// and a complete base path (none for pure recurrent). Reuse = the checkpoint length (may be
+/// mid-page). Demand = pages - full blocks (0 for pure recurrent).
+ReusePlan makeHybridReusePlan(BlockIndex const& index, RecordStore const& records,
+                              PromptBlocks const& blocks, bool hasAttention,
+                              ContextCacheLookupPolicy policy);
+
+/// As makeHybridReusePlan with the boundary token kept private: full blocks = (length - 1) / page,
+/// both snapshots mandatory, base and draft paths of exactly that many pages. Demand base = draft
+/// = pages - full blocks.
+ReusePlan makeHybridMtpReusePlan(BlockIndex const& index, RecordStore const& records,
+                                 PromptBlocks const& blocks, ContextCacheLookupPolicy policy);
+
+/// EAGLE-style paired reuse: the longest coherent spec path (one producer) not longer than the
+/// verified base match; base-only records are ignored (paged contracts). The last
+/// max(ceil(futureDependencyTokens / page), 1 if the whole page-aligned input matched) pages are
+/// replayed; a replayed path records the dependency its publication must cover.
+ReusePlan makeSpecReusePlan(BlockIndex const& index, RecordStore const& records,
+                            PromptBlocks const& blocks, SpecReuseContract const& contract,
+                            ContextCacheLookupPolicy policy);
+
+/// Raises the private demand so bound + private pages cover `baseTokens` base and `draftTokens`
+/// draft positions (0 = no requirement), e.g. input + decoding headroom.
+void requireKvPageCoverage(ReusePlan& plan, int32_t pageSize, int32_t baseTokens,
+                           int32_t draftTokens);
+
+/// Why a kUseCache lookup with this plan did not reuse all full blocks, or nullopt when it did:
+/// kShorterThanOnePage when the input has no full block (and nothing was reused); else, looking at
+/// the first block missing from the index: kEvicted when its key was evicted recently; salt / LoRA
+/// / media mismatch when the same token content is indexed under another salt / adapter / media
+/// (checked in that order); otherwise kNoPrefix.
+std::optional<MissReason> classifyMiss(BlockIndex const& index, PromptBlocks const& blocks,
+                                       ReusePlan const& plan);
+
+}  // namespace mkv

@@ -1,0 +1,306 @@
+#include "mkv/context_cache/reuse_plan.h"
+
+#include <algorithm>
+
+#include "core/check.h"
+
+namespace mkv {
+
+std::string_view toString(MissReason reason) noexcept {
+  switch (reason) {
+    case MissReason::kNoPrefix:
+      return "no_prefix";
+    case MissReason::kShorterThanOnePage:
+      return "shorter_than_one_page";
+    case MissReason::kEvicted:
+      return "evicted";
+    case MissReason::kSaltMismatch:
+      return "salt_mismatch";
+    case MissReason::kLoraMismatch:
+      return "lora_mismatch";
+    case MissReason::kMediaMismatch:
+      return "media_mismatch";
+    case MissReason::kCapacity:
+      return "capacity";
+  }
+  return "unknown";
+}
+
+std::string_view toString(ReuseMode mode) noexcept {
+  switch (mode) {
+    case ReuseMode::kVanilla:
+      return "vanilla";
+    case ReuseMode::kHybrid:
+      return "hybrid";
+    case ReuseMode::kHybridMtp:
+      return "hybrid_mtp";
+    case ReuseMode::kSpec:
+      return "spec";
+  }
+  return "unknown";
+}
+
+namespace {
+
+int32_t pagesFor(int64_t tokens, int32_t pageSize) noexcept {
+  return static_cast<int32_t>((tokens + pageSize - 1) / pageSize);
+}
+
+void checkPolicy(char const* call, ContextCacheLookupPolicy policy) {
+  MKV_REQUIRE(
+      policy == ContextCacheLookupPolicy::kUseCache || policy == ContextCacheLookupPolicy::kBypass,
+      call, "lookup policy {} out of range", static_cast<int>(policy));
+}
+
+void checkBlocks(char const* call, BlockIndex const& index, PromptBlocks const& blocks) {
+  MKV_REQUIRE(blocks.pageSize == index.pageSize(), call,
+              "blocks hashed with page size {}, index uses {}", blocks.pageSize, index.pageSize());
+}
+
+template <typename T>
+std::vector<T> firstOf(std::vector<T> const& v, int32_t n) {
+  return std::vector<T>(v.begin(), v.begin() + n);
+}
+
+// Shared search of makeHybridReusePlan / makeHybridMtpReusePlan.
+ReusePlan planHybrid(BlockIndex const& index, RecordStore const& records,
+                     PromptBlocks const& blocks, bool hasAttention, bool mtp,
+                     ContextCacheLookupPolicy policy) {
+  int32_t const n = blocks.tokenCount();
+  int32_t const page = blocks.pageSize;
+  ReuseMode const mode = mtp ? ReuseMode::kHybridMtp : ReuseMode::kHybrid;
+  ReusePlan plan = makeColdReusePlan(mode, n, page, hasAttention, mtp);
+  if (policy == ContextCacheLookupPolicy::kBypass || n == 0) {
+    return plan;
+  }
+  BlockIndex::PrefixMatch const indexed = index.longestPrefix(blocks, blocks.fullBlockCount());
+  plan.indexedPrefixBlocks = static_cast<int32_t>(indexed.pages.size());
+  plan.verificationRejects = indexed.verificationRejected ? 1 : 0;
+
+  for (int32_t const length : records.hybridCheckpointLengths(n)) {
+    if (length <= 0) {
+      continue;
+    }
+    int32_t const full = mtp ? (length - 1) / page : length / page;
+    bool const needsPartial = mtp || (hasAttention && length % page != 0);
+    Hash128 const digest = exactPrefixDigest(blocks, length);
+    CacheRecord const* record = records.findHybrid(HybridKey{digest, length});
+    if (record == nullptr || record->key.fullBlockCount != full ||
+        !std::equal(record->logicalBlockDigests.begin(), record->logicalBlockDigests.end(),
+                    blocks.keys.begin()) ||
+        !record->recurrentSnapshotSlot ||
+        record->partialKvSnapshotSlot.has_value() != needsPartial ||
+        record->basePagePath.size() != static_cast<std::size_t>(hasAttention ? full : 0)) {
+      continue;
+    }
+    if (mtp && (!record->specState ||
+                record->specState->draftPagePath.size() != static_cast<std::size_t>(full))) {
+      continue;
+    }
+    if (index.verifiesTokens()) {
+      bool verified = true;
+      for (int32_t b = 0; verified && b < static_cast<int32_t>(record->basePagePath.size()); ++b) {
+        verified = index.holds(record->basePagePath[static_cast<std::size_t>(b)], blocks, b);
+      }
+      auto const covered = record->basePagePath.size() * static_cast<std::size_t>(page);
+      auto const tail =
+          blocks.prompt.tokens.subspan(covered, static_cast<std::size_t>(length) - covered);
+      verified =
+          verified && std::equal(tail.begin(), tail.end(), record->verificationTokens.begin(),
+                                 record->verificationTokens.end());
+      if (!verified) {
+        ++plan.verificationRejects;
+        continue;
+      }
+    }
+    plan.kind = ReusePlanKind::kStandard;
+    plan.matchedTokenLength = length;
+    plan.reuseTokenLength = length;
+    plan.matchedBlockDigests = firstOf(blocks.keys, full);
+    plan.basePageBindings = record->basePagePath;
+    plan.hybridRecord = record->id;
+    plan.hybridCheckpoint = HybridCheckpoint{digest, length};
+    plan.recurrentSnapshotBinding = record->recurrentSnapshotSlot;
+    plan.partialKvSnapshotBinding = record->partialKvSnapshotSlot;
+    int32_t const pages = pagesFor(n, page);
+    plan.demand.baseKvPages = hasAttention ? pages - full : 0;
+    if (mtp) {
+      plan.specRecord = record->id;
+      plan.draftPageBindings = record->specState->draftPagePath;
+      plan.demand.draftKvPages = pages - full;
+    }
+    return plan;
+  }
+  return plan;
+}
+
+}  // namespace
+
+ReusePlan makeColdReusePlan(ReuseMode mode, int32_t inputTokens, int32_t pageSize,
+                            bool hasAttention, bool pairedDraft) {
+  MKV_REQUIRE(inputTokens >= 0, "makeColdReusePlan", "negative input length {}", inputTokens);
+  MKV_REQUIRE(pageSize > 0, "makeColdReusePlan", "page size must be positive, got {}", pageSize);
+  ReusePlan plan;
+  plan.mode = mode;
+  plan.kind = ReusePlanKind::kNoReusablePrefix;
+  plan.inputTokenLength = inputTokens;
+  plan.hybridHasAttention = hasAttention;
+  int32_t const pages = pagesFor(inputTokens, pageSize);
+  plan.demand.baseKvPages = hasAttention ? pages : 0;
+  plan.demand.draftKvPages = pairedDraft ? pages : 0;
+  return plan;
+}
+
+ReusePlan makeVanillaReusePlan(BlockIndex const& index, PromptBlocks const& blocks,
+                               ContextCacheLookupPolicy policy) {
+  checkPolicy("makeVanillaReusePlan", policy);
+  checkBlocks("makeVanillaReusePlan", index, blocks);
+  int32_t const n = blocks.tokenCount();
+  int32_t const page = blocks.pageSize;
+  ReusePlan plan = makeColdReusePlan(ReuseMode::kVanilla, n, page, true, false);
+  if (policy == ContextCacheLookupPolicy::kBypass || n == 0) {
+    return plan;
+  }
+  BlockIndex::PrefixMatch match = index.longestPrefix(blocks, blocks.fullBlockCount());
+  auto const matched = static_cast<int32_t>(match.pages.size());
+  plan.indexedPrefixBlocks = matched;
+  plan.verificationRejects = match.verificationRejected ? 1 : 0;
+  if (matched == 0) {
+    return plan;
+  }
+  bool const fullInput = matched * page == n;
+  int32_t const bound = fullInput ? matched - 1 : matched;
+  match.pages.resize(static_cast<std::size_t>(bound));
+  plan.kind = fullInput ? ReusePlanKind::kFullInputRewind : ReusePlanKind::kStandard;
+  plan.matchedTokenLength = matched * page;
+  plan.reuseTokenLength = bound * page;
+  plan.matchedBlockDigests = firstOf(blocks.keys, bound);
+  plan.basePageBindings = std::move(match.pages);
+  plan.demand.baseKvPages = pagesFor(n, page) - bound;
+  return plan;
+}
+
+ReusePlan makeHybridReusePlan(BlockIndex const& index, RecordStore const& records,
+                              PromptBlocks const& blocks, bool hasAttention,
+                              ContextCacheLookupPolicy policy) {
+  checkPolicy("makeHybridReusePlan", policy);
+  checkBlocks("makeHybridReusePlan", index, blocks);
+  return planHybrid(index, records, blocks, hasAttention, false, policy);
+}
+
+ReusePlan makeHybridMtpReusePlan(BlockIndex const& index, RecordStore const& records,
+                                 PromptBlocks const& blocks, ContextCacheLookupPolicy policy) {
+  checkPolicy("makeHybridMtpReusePlan", policy);
+  checkBlocks("makeHybridMtpReusePlan", index, blocks);
+  return planHybrid(index, records, blocks, true, true, policy);
+}
+
+ReusePlan makeSpecReusePlan(BlockIndex const& index, RecordStore const& records,
+                            PromptBlocks const& blocks, SpecReuseContract const& contract,
+                            ContextCacheLookupPolicy policy) {
+  checkPolicy("makeSpecReusePlan", policy);
+  checkBlocks("makeSpecReusePlan", index, blocks);
+  MKV_REQUIRE(contract.futureDependencyTokens >= 0, "makeSpecReusePlan",
+              "negative future dependency {}", contract.futureDependencyTokens);
+  int32_t const n = blocks.tokenCount();
+  int32_t const page = blocks.pageSize;
+  ReusePlan plan = makeColdReusePlan(ReuseMode::kSpec, n, page, true, contract.pagedSpecState);
+  if (policy == ContextCacheLookupPolicy::kBypass || n == 0) {
+    return plan;
+  }
+  BlockIndex::PrefixMatch match = index.longestPrefix(blocks, blocks.fullBlockCount());
+  auto const baseMatched = static_cast<int32_t>(match.pages.size());
+  plan.indexedPrefixBlocks = baseMatched;
+  plan.verificationRejects = match.verificationRejected ? 1 : 0;
+
+  int32_t pathBlocks = baseMatched;
+  CacheRecord const* producer = nullptr;
+  if (contract.pagedSpecState) {
+    std::optional<RecordStore::SpecPathMatch> const path =
+        records.findLongestSpecPath(blocks.keys, baseMatched);
+    pathBlocks = path ? path->blockCount : 0;
+    producer = path ? path->record : nullptr;
+  }
+  if (pathBlocks == 0) {
+    return plan;
+  }
+  int32_t const replayPages = pagesFor(contract.futureDependencyTokens, page);
+  bool const fullInput = pathBlocks * page == n;
+  int32_t const rewind = std::min(pathBlocks, std::max(replayPages, fullInput ? 1 : 0));
+  int32_t const bound = pathBlocks - rewind;
+  if (replayPages > 0 && pathBlocks > replayPages) {
+    plan.specReplayDependency =
+        SpecReplayDependency{pathBlocks, blocks.keys[static_cast<std::size_t>(pathBlocks - 1)]};
+  }
+  plan.kind = fullInput   ? ReusePlanKind::kFullInputRewind
+              : bound > 0 ? ReusePlanKind::kStandard
+                          : ReusePlanKind::kNoReusablePrefix;
+  plan.matchedTokenLength = pathBlocks * page;
+  plan.reuseTokenLength = bound * page;
+  plan.specReplayMode =
+      replayPages > 0 && bound > 0 ? SpecReplayMode::kFullPage : SpecReplayMode::kNone;
+  match.pages.resize(static_cast<std::size_t>(bound));
+  plan.matchedBlockDigests = firstOf(blocks.keys, bound);
+  if (producer != nullptr && bound > 0) {
+    MKV_ASSERT(std::equal(match.pages.begin(), match.pages.end(), producer->basePagePath.begin()),
+               "spec record {} base path is not the canonical path", producer->id);
+    plan.specRecord = producer->id;
+    plan.draftPageBindings = firstOf(producer->specState->draftPagePath, bound);
+  }
+  plan.basePageBindings = std::move(match.pages);
+  int32_t const pages = pagesFor(n, page);
+  plan.demand.baseKvPages = pages - bound;
+  plan.demand.draftKvPages = contract.pagedSpecState ? pages - bound : 0;
+  return plan;
+}
+
+void requireKvPageCoverage(ReusePlan& plan, int32_t pageSize, int32_t baseTokens,
+                           int32_t draftTokens) {
+  MKV_REQUIRE(pageSize > 0 && baseTokens >= 0 && draftTokens >= 0, "requireKvPageCoverage",
+              "page size {} / base tokens {} / draft tokens {} out of range", pageSize, baseTokens,
+              draftTokens);
+  auto const raise = [pageSize](int32_t& demand, std::size_t bound, int32_t tokens) {
+    int32_t const required = pagesFor(tokens, pageSize) - static_cast<int32_t>(bound);
+    demand = std::max(demand, required);
+  };
+  raise(plan.demand.baseKvPages, plan.basePageBindings.size(), baseTokens);
+  raise(plan.demand.draftKvPages, plan.draftPageBindings.size(), draftTokens);
+}
+
+std::optional<MissReason> classifyMiss(BlockIndex const& index, PromptBlocks const& blocks,
+                                       ReusePlan const& plan) {
+  checkBlocks("classifyMiss", index, blocks);
+  int32_t const full = blocks.fullBlockCount();
+  if (full == 0) {
+    return plan.reuseTokenLength > 0 ? std::nullopt
+                                     : std::optional(MissReason::kShorterThanOnePage);
+  }
+  if (plan.matchedTokenLength >= full * blocks.pageSize) {
+    return std::nullopt;
+  }
+  int32_t const first = plan.indexedPrefixBlocks;
+  if (first >= full) {
+    return MissReason::kNoPrefix;  // every block indexed, yet no record could use them
+  }
+  auto const b = static_cast<std::size_t>(first);
+  if (index.wasRecentlyEvicted(blocks.keys[b])) {
+    return MissReason::kEvicted;
+  }
+  std::vector<BlockProvenance> const others = index.provenanceByContent(blocks.contentKeys[b]);
+  BlockKeyExtras const& ours = blocks.prompt.extras;
+  auto const any = [&others](auto&& differs) {
+    return std::any_of(others.begin(), others.end(), differs);
+  };
+  if (any([&](BlockProvenance const& p) { return p.salt != ours.salt; })) {
+    return MissReason::kSaltMismatch;
+  }
+  if (any([&](BlockProvenance const& p) { return p.adapter != ours.adapter; })) {
+    return MissReason::kLoraMismatch;
+  }
+  if (any([&](BlockProvenance const& p) { return p.media != blocks.mediaDigests[b]; })) {
+    return MissReason::kMediaMismatch;
+  }
+  return MissReason::kNoPrefix;
+}
+
+}  // namespace mkv
