@@ -1,0 +1,78 @@
+#pragma once
+/// \file context_cache_metrics.h
+/// Counters of context reuse and their Prometheus rendering (SPEC §8.4).
+///
+/// Thread-safety: plain value type; toPrometheus is pure.
+
+#include <array>
+#include <cstdint>
+#include <string>
+#include <string_view>
+
+#include "mkv/context_cache/resource_pools.h"
+#include "mkv/context_cache/reuse_plan.h"
+
+namespace mkv {
+
+/// Cumulative counters of one ContextCacheManager plus a snapshot of its occupancy (gauges),
+/// returned by ContextCacheManager::metrics(). "Admission" counters are counted by
+/// acquireWithFallback only (the coordinator's per-sequence entry point); acquire() on a
+/// hand-made plan counts nothing but evictions.
+struct ContextCacheMetrics {
+  // Admission.
+  uint64_t admittedSequences = 0;    ///< sequences that got a lease
+  uint64_t lookups = 0;              ///< kUseCache admissions (bypasses are not lookups)
+  uint64_t hits = 0;                 ///< admitted lookups whose plan matched > 0 tokens
+  uint64_t matchedTokens = 0;        ///< sum of matched tokens of admitted plans
+  uint64_t reusedTokens = 0;         ///< sum of reused tokens (execution skipped)
+  uint64_t bypasses = 0;             ///< kBypass admissions
+  uint64_t forcedColdRetries = 0;    ///< cache-derived plan failed for capacity, retried cold
+  uint64_t fullInputRewinds = 0;     ///< admitted plans of kind kFullInputRewind
+  uint64_t specFullPageReplays = 0;  ///< admitted spec plans with SpecReplayMode::kFullPage
+  uint64_t failedAcquisitions = 0;   ///< admissions that got no lease (insufficient capacity)
+  /// Lookups that did not reuse all their full blocks, by reason (one reason per lookup; kCapacity
+  /// when the admission was forced cold or failed).
+  std::array<uint64_t, kMissReasonCount> misses{};
+
+  // Publication.
+  uint64_t publishedRecords = 0;        ///< new records inserted
+  uint64_t existingRecordsTouched = 0;  ///< duplicate publications (first producer kept)
+  uint64_t specUpgrades = 0;            ///< spec state attached to an existing base-only record
+  uint64_t rejectedPublications = 0;    ///< verification refused the very first block
+
+  // Eviction and verification.
+  uint64_t evictedRecords = 0;
+  /// Resources returned to a free ring by an eviction (not by a lease release), per type.
+  std::array<uint64_t, kResourceTypeCount> reclaimedResources{};
+  uint64_t verificationRejects = 0;  ///< digest hits refused by token verification
+  uint64_t droppedEvents = 0;        ///< KV events overwritten in the full event queue
+
+  // Gauges: occupancy when metrics() was called.
+  ResourceDemand freeResources;
+  ResourceDemand capacities;
+  int64_t records = 0;
+  int64_t indexedBlocks = 0;
+  int64_t liveLeases = 0;
+
+  uint64_t& missCount(MissReason reason) noexcept {
+    return misses[static_cast<std::size_t>(reason)];
+  }
+  uint64_t missCount(MissReason reason) const noexcept {
+    return misses[static_cast<std::size_t>(reason)];
+  }
+  uint64_t& reclaimed(ResourceType type) noexcept {
+    return reclaimedResources[static_cast<std::size_t>(type)];
+  }
+  uint64_t reclaimed(ResourceType type) const noexcept {
+    return reclaimedResources[static_cast<std::size_t>(type)];
+  }
+};
+
+/// Prometheus text exposition (format 0.0.4) of every counter and gauge: one `# HELP` and one
+/// `# TYPE` line per metric, counters named `<prefix>..._total`, misses as one counter with a
+/// `reason` label, reclaimed resources and pool occupancy with a `type` label. `prefix` must be a
+/// valid metric-name prefix ([a-zA-Z_:][a-zA-Z0-9_:]*, may be empty); throws otherwise.
+std::string toPrometheus(ContextCacheMetrics const& metrics,
+                         std::string_view prefix = "managedkv_");
+
+}  // namespace mkv
