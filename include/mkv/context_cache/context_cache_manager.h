@@ -1,0 +1,221 @@
+#pragma once
+/// \file context_cache_manager.h
+/// CUDA-free bookkeeping of context reuse: pools, block index, records, leases, eviction and
+/// transactional publication (SPEC §8.2, §8.4). ContextCacheCoordinator drives it.
+///
+/// Thread-safety: single writer. Every call, including lease release and destruction, must come
+/// from the one thread that owns the manager (the engine thread); there is no internal locking.
+/// Leases must not outlive the manager.
+
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <vector>
+
+#include "mkv/context_cache/block_hash.h"
+#include "mkv/context_cache/block_index.h"
+#include "mkv/context_cache/cache_request_lease.h"
+#include "mkv/context_cache/context_cache_metrics.h"
+#include "mkv/context_cache/eviction_planner.h"
+#include "mkv/context_cache/kv_event_queue.h"
+#include "mkv/context_cache/record_store.h"
+#include "mkv/context_cache/resource_pools.h"
+#include "mkv/context_cache/reuse_plan.h"
+#include "mkv/types.h"
+
+namespace mkv {
+
+struct ContextCacheManagerOptions {
+  /// Verify tokens, parent, media and extras on every index hit (SPEC §8.1). Costs one flat int32
+  /// array of base capacity x page size and a memcmp per matched block.
+  bool verifyTokens = true;
+  /// Capacity of the KV event queue; 0 disables events.
+  int32_t eventQueueCapacity = 0;
+  /// Speculative reuse contract of the deployment; required for ReuseMode::kSpec.
+  std::optional<SpecReuseContract> specContract;
+  /// Digests remembered after eviction for MissReason::kEvicted; -1 = the base page capacity.
+  int32_t evictedDigestHistory = -1;
+};
+
+/// What the coordinator knows about one sequence at admission.
+struct LookupRequest {
+  PromptView prompt;  ///< full logical prompt (not owned), its media and key extras
+  ReuseMode mode = ReuseMode::kVanilla;
+  ContextCacheLookupPolicy policy = ContextCacheLookupPolicy::kUseCache;
+  bool hasAttention = true;      ///< kHybrid only: false for pure-recurrent models
+  int32_t baseExtraTokens = 0;   ///< decoding headroom: base pages must cover input + this
+  int32_t draftExtraTokens = 0;  ///< paired draft pages must cover input + this
+};
+
+/// Result of ContextCacheManager::lookup (pure).
+struct LookupResult {
+  PromptBlocks blocks;  ///< digests of the prompt (refers to the request's tokens)
+  ReusePlan plan;
+  std::optional<MissReason> missReason;  ///< block-based reason; never kCapacity
+};
+
+enum class AcquireStatus : uint8_t { kAcquired, kInsufficientCapacity };
+struct AcquireResult {
+  std::optional<CacheRequestLease> lease;  ///< engaged iff kAcquired
+  AcquireStatus status = AcquireStatus::kInsufficientCapacity;
+};
+
+enum class AdmissionOutcome : uint8_t {
+  kAcquired,              ///< the looked-up plan was acquired
+  kAcquiredCold,          ///< it failed for capacity; the cold retry was acquired (forced cold)
+  kInsufficientCapacity,  ///< no lease
+};
+struct AdmissionResult {
+  std::optional<CacheRequestLease> lease;
+  AdmissionOutcome outcome = AdmissionOutcome::kInsufficientCapacity;
+  ReusePlan plan;  ///< the plan acquired (the cold plan when forced cold) or last attempted
+  std::optional<MissReason> missReason;  ///< as counted in the metrics
+};
+
+enum class PublishStatus : uint8_t {
+  kPublished,             ///< a new record
+  kExistingRecord,        ///< already published: the first record was touched and kept
+  kSpecStateAttached,     ///< an existing base-only record gained this lease's draft path
+  kVerificationRejected,  ///< the first block's digest is indexed with other content; nothing done
+};
+struct PublishResult {
+  PublishStatus status = PublishStatus::kVerificationRejected;
+  /// The new or existing record; kNoRecord when rejected or evicted at once (maxRecords == 0).
+  RecordId record = kNoRecord;
+  /// The record's canonical base pages (may differ from the lease's pages: the lease keeps its
+  /// own).
+  std::vector<PageId> canonicalBasePages;
+  /// Full blocks the record covers (0 when rejected).
+  int32_t publishedFullBlockCount = 0;
+};
+
+/// Owns the four typed pools, the block index, the record store, the eviction planner, metrics and
+/// the event queue. Requests hold CacheRequestLeases; published state lives in records.
+///
+/// Contract violations (bad arguments, a lease of another manager or of the wrong mode, a stale
+/// plan, publications that disagree with the lease) throw mkv::Error naming the call and leave the
+/// manager unchanged. Capacity shortage is a value (nullopt / false / kInsufficientCapacity), and
+/// a refused request changes nothing: no pin stays, no record is evicted.
+class ContextCacheManager {
+ public:
+  /// pageSize: tokens per block/page (> 0). capacities: slots per pool (base capacity = the base
+  /// KV pool's page count). maxRecords >= 0 (0 keeps nothing). Throws on invalid arguments.
+  ContextCacheManager(int32_t pageSize, ResourceDemand capacities, int32_t maxRecords,
+                      ContextCacheManagerOptions options = {});
+  /// Terminates the process if leases are still live (they would dangle).
+  ~ContextCacheManager();
+  ContextCacheManager(ContextCacheManager const&) = delete;
+  ContextCacheManager& operator=(ContextCacheManager const&) = delete;
+
+  // --- Planning and admission -------------------------------------------------------------
+
+  /// Hashes the prompt and builds the plan of the request's mode, with its coverage raised to
+  /// input + extra tokens and the miss reason of a kUseCache lookup. Pure: changes nothing,
+  /// counts nothing. Throws for an empty prompt, a spec request without a contract, a
+  /// pure-recurrent Hybrid+MTP request, or negative / misplaced extra tokens.
+  LookupResult lookup(LookupRequest const& request) const;
+  /// The cold (bypass) plan of the request with the same coverage rules.
+  ReusePlan coldPlanOf(LookupRequest const& request) const;
+  /// Pins the plan's hits, evicts what the private demand needs (LRU first, the hit record last),
+  /// allocates the demand all-or-nothing and touches the hit spec/hybrid record (pure block hits
+  /// leave record recency alone). Infeasible: no lease and nothing changed. Throws for a plan
+  /// whose bindings no longer match the index or records (plans are consumed right after lookup).
+  AcquireResult acquire(ReusePlan const& plan);
+  /// The coordinator's one call per sequence: lookup, acquire, and when a cache-derived plan fails
+  /// for capacity one cold retry (forced cold). Counts every admission metric.
+  AdmissionResult acquireWithFallback(LookupRequest const& request);
+
+  // --- Lease growth and snapshots -----------------------------------------------------------
+
+  /// Appends `count` private base pages to a vanilla or (attention) hybrid lease. All-or-nothing;
+  /// may evict; false leaves everything unchanged.
+  bool growBasePages(CacheRequestLease& lease, int32_t count);
+  /// Appends base and draft pages to a spec or Hybrid+MTP lease, atomically across both pools.
+  bool growSpecPages(CacheRequestLease& lease, int32_t basePages, int32_t draftPages);
+  /// Reserves a recurrent slot and, when `needsPartial` (attention only), a partial-KV slot for a
+  /// checkpoint capture; they belong to the lease until retired. May evict; nullopt on pressure.
+  std::optional<SnapshotReservation> reserveHybridSnapshots(CacheRequestLease& lease,
+                                                            bool needsPartial);
+  /// Drops the pins on the hit's restore sources (call once the restore copies completed).
+  void releaseRestoredHybridSnapshots(CacheRequestLease& lease);
+  /// Drops the lease's references on a reservation (after its publication committed, the record
+  /// keeps the slots; otherwise they return to the free ring).
+  void retireHybridSnapshotReservation(CacheRequestLease& lease,
+                                       SnapshotReservation const& reservation);
+
+  // --- Publication (transactional) --------------------------------------------------------
+
+  /// Publishes the first count = min(blocks, residentStateLength / page) full blocks of a vanilla
+  /// or spec lease (count must be > 0, <= its base pages, and <= its draft pages for paged spec).
+  /// blocks.keys must agree with the lease's reused prefix, and cover a spec replay dependency.
+  /// Canonical projection: each block uses its already indexed page, else the lease's page (first
+  /// producer stays canonical; the lease is never rebound). A duplicate key touches the existing
+  /// record (a base-only one gains a paged spec lease's draft path). With verification, a block
+  /// whose digest is indexed with other content truncates the publication before it. When the
+  /// record limit is exceeded the LRU record is evicted (maxRecords == 0: the new record itself).
+  /// Any exception leaves the manager exactly as before (rollback of refs, index, record).
+  PublishResult publish(CacheRequestLease& lease, PromptBlocks const& blocks,
+                        int32_t residentStateLength);
+  /// Publishes an exact checkpoint of a hybrid lease at `exactLength` (<= blocks' tokens): full
+  /// blocks = exactLength / page, `reservation` (owned by the lease) must hold exactly a recurrent
+  /// slot plus a partial slot iff attention and exactLength % page != 0. Duplicate -> touch.
+  PublishResult publishHybrid(CacheRequestLease& lease, PromptBlocks const& blocks,
+                              int32_t exactLength, SnapshotReservation const& reservation);
+  /// Hybrid+MTP endpoint: full blocks = (exactLength - 1) / page (the boundary token stays
+  /// private), both snapshot slots mandatory, base and draft paths of those blocks.
+  PublishResult publishHybridMtp(CacheRequestLease& lease, PromptBlocks const& blocks,
+                                 int32_t exactLength, SnapshotReservation const& reservation);
+
+  // --- Observers ------------------------------------------------------------------------------
+
+  /// All queued KV events, oldest first (see KvEventQueue).
+  std::vector<KvEvent> drainEvents() { return mEvents.drain(); }
+  /// Counters plus current occupancy.
+  ContextCacheMetrics metrics() const;
+  ResourcePools const& pools() const noexcept { return mPools; }
+  BlockIndex const& index() const noexcept { return mIndex; }
+  RecordStore const& records() const noexcept { return mRecords; }
+  int32_t pageSize() const noexcept { return mPageSize; }
+  int32_t maxRecords() const noexcept { return mMaxRecords; }
+  ContextCacheManagerOptions const& options() const noexcept { return mOptions; }
+  int32_t liveLeaseCount() const noexcept { return mLiveLeases; }
+
+ private:
+  friend class CacheRequestLease;
+  struct Projection;
+  class PublicationTransaction;
+
+  void checkLease(char const* call, CacheRequestLease const& lease) const;
+  void checkRequest(char const* call, LookupRequest const& request) const;
+  void checkPlan(ReusePlan const& plan) const;
+  bool pairedDraft(ReuseMode mode) const noexcept;
+  void applyCoverage(ReusePlan& plan, LookupRequest const& request) const;
+  /// Evicts (only if feasible) and allocates `demand` into `targets`; false = nothing changed.
+  bool allocateWithEviction(ResourceDemand const& demand, RecordId protectedRecord,
+                            std::array<std::vector<int32_t>*, kResourceTypeCount> const& targets);
+  void evictRecord(RecordId id) noexcept;
+  void enforceRecordLimit() noexcept;
+  void releaseLease(CacheRequestLease& lease) noexcept;
+  void checkBoundPrefix(char const* call, CacheRequestLease const& lease,
+                        PromptBlocks const& blocks, int32_t count) const;
+  Projection project(char const* call, std::span<PageId const> producerPages,
+                     PromptBlocks const& blocks, int32_t count) const;
+  PublishResult commitNewRecord(CacheRecord record, PromptBlocks const& blocks,
+                                Projection const& projection);
+  PublishResult publishCheckpoint(char const* call, CacheRequestLease& lease,
+                                  PromptBlocks const& blocks, int32_t exactLength,
+                                  SnapshotReservation const& reservation, bool mtp);
+
+  int32_t mPageSize;
+  int32_t mMaxRecords;
+  ContextCacheManagerOptions mOptions;
+  ResourcePools mPools;
+  BlockIndex mIndex;
+  RecordStore mRecords;
+  EvictionPlanner mEvictionPlanner;
+  KvEventQueue mEvents;
+  ContextCacheMetrics mMetrics;
+  int32_t mLiveLeases = 0;
+};
+
+}  // namespace mkv

@@ -1,0 +1,776 @@
+#include "mkv/context_cache/context_cache_manager.h"
+
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <exception>
+#include <limits>
+#include <unordered_map>
+
+#include "core/check.h"
+#include "mkv/logging.h"
+
+namespace mkv {
+
+namespace {
+
+int32_t validatedPageSize(int32_t pageSize, ResourceDemand const& capacities, int32_t maxRecords,
+                          ContextCacheManagerOptions const& options) {
+  constexpr char const* kCall = "ContextCacheManager";
+  MKV_REQUIRE(pageSize > 0, kCall, "page size must be positive, got {}", pageSize);
+  MKV_REQUIRE(!capacities.hasNegative(), kCall,
+              "capacities must be non-negative: base {}, draft {}, recurrent {}, partial {}",
+              capacities.baseKvPages, capacities.draftKvPages, capacities.recurrentSnapshotSlots,
+              capacities.partialKvSnapshotSlots);
+  MKV_REQUIRE(maxRecords >= 0, kCall, "maxRecords must be non-negative, got {}", maxRecords);
+  MKV_REQUIRE(options.eventQueueCapacity >= 0, kCall,
+              "event queue capacity must be non-negative, got {}", options.eventQueueCapacity);
+  MKV_REQUIRE(options.evictedDigestHistory >= -1, kCall,
+              "evicted digest history must be >= -1, got {}", options.evictedDigestHistory);
+  MKV_REQUIRE(!options.specContract || options.specContract->futureDependencyTokens >= 0, kCall,
+              "negative future dependency {}",
+              options.specContract ? options.specContract->futureDependencyTokens : 0);
+  return pageSize;
+}
+
+int32_t historyOf(ContextCacheManagerOptions const& options, ResourceDemand const& capacities) {
+  return options.evictedDigestHistory < 0 ? std::max(0, capacities.baseKvPages)
+                                          : options.evictedDigestHistory;
+}
+
+template <typename T>
+std::vector<T> firstOf(std::span<T const> values, int32_t n) {
+  return std::vector<T>(values.begin(), values.begin() + n);
+}
+
+}  // namespace
+
+// ---------------------------------------------------------------------------------------------
+// Publication internals
+
+/// Canonical page choice of a publication, computed before anything changes.
+struct ContextCacheManager::Projection {
+  int32_t count = 0;                 ///< publishable blocks (truncated at a verification reject)
+  std::vector<PageId> canonical;     ///< canonical base page per block
+  std::vector<int32_t> newMappings;  ///< blocks this publication indexes for the first time
+  bool verificationRejected = false;
+};
+
+/// Undo log of one publication: cache references added, index entries inserted, the record.
+/// Everything is rolled back in reverse order unless commit() is called. Storage is reserved up
+/// front so recording a step never throws.
+class ContextCacheManager::PublicationTransaction {
+ public:
+  PublicationTransaction(ContextCacheManager& manager, std::size_t refs, std::size_t mappings)
+      : mManager(manager) {
+    mRefs.reserve(refs);
+    mIndexed.reserve(mappings);
+  }
+  PublicationTransaction(PublicationTransaction const&) = delete;
+  PublicationTransaction& operator=(PublicationTransaction const&) = delete;
+  ~PublicationTransaction() {
+    if (!mCommitted) {
+      rollback();
+    }
+  }
+
+  void addCache(ResourceId id) {
+    MKV_ASSERT(mRefs.size() < mRefs.capacity(), "publication undo log overflow");
+    mManager.mPools.addCache(id);
+    mRefs.push_back(id);
+  }
+  void index(PromptBlocks const& blocks, int32_t block, PageId page) {
+    MKV_ASSERT(mIndexed.size() < mIndexed.capacity(), "publication undo log overflow");
+    PageId const canonical =
+        mManager.mIndex.insert(blocks.keys[static_cast<std::size_t>(block)], page, blocks, block);
+    MKV_ASSERT(canonical == page, "block {} was indexed on page {} during its own publication",
+               block, canonical);
+    mIndexed.push_back(page);
+  }
+  void setRecord(RecordId id) noexcept { mRecord = id; }
+  void commit() noexcept { mCommitted = true; }
+
+ private:
+  void rollback() noexcept {
+    if (mRecord != kNoRecord) {
+      mManager.mRecords.erase(mRecord);
+    }
+    for (auto it = mIndexed.rbegin(); it != mIndexed.rend(); ++it) {
+      mManager.mIndex.erasePage(*it, /*rememberEviction=*/false);
+    }
+    for (auto it = mRefs.rbegin(); it != mRefs.rend(); ++it) {
+      // Every resource was allocated before this publication referenced it, so dropping the
+      // reference restores the previous counts and never frees a slot.
+      mManager.mPools.dropCache(*it);
+    }
+  }
+
+  ContextCacheManager& mManager;
+  std::vector<ResourceId> mRefs;
+  std::vector<PageId> mIndexed;
+  RecordId mRecord = kNoRecord;
+  bool mCommitted = false;
+};
+
+// ---------------------------------------------------------------------------------------------
+// Construction
+
+ContextCacheManager::ContextCacheManager(int32_t pageSize, ResourceDemand capacities,
+                                         int32_t maxRecords, ContextCacheManagerOptions options)
+    : mPageSize(validatedPageSize(pageSize, capacities, maxRecords, options)),
+      mMaxRecords(maxRecords),
+      mOptions(std::move(options)),
+      mPools(capacities),
+      mIndex(capacities.baseKvPages, pageSize, mOptions.verifyTokens,
+             historyOf(mOptions, capacities)),
+      mEvictionPlanner(capacities),
+      mEvents(mOptions.eventQueueCapacity) {}
+
+ContextCacheManager::~ContextCacheManager() {
+  if (mLiveLeases != 0) {
+    logger()->critical("ContextCacheManager destroyed with {} live leases", mLiveLeases);
+    std::terminate();
+  }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Validation helpers
+
+void ContextCacheManager::checkLease(char const* call, CacheRequestLease const& lease) const {
+  MKV_REQUIRE(lease.mManager == this, call, "the lease is {}",
+              lease.valid() ? "of another manager" : "invalid (released or moved from)");
+}
+
+bool ContextCacheManager::pairedDraft(ReuseMode mode) const noexcept {
+  return mode == ReuseMode::kHybridMtp || (mode == ReuseMode::kSpec && mOptions.specContract &&
+                                           mOptions.specContract->pagedSpecState);
+}
+
+void ContextCacheManager::checkRequest(char const* call, LookupRequest const& request) const {
+  MKV_REQUIRE(static_cast<uint8_t>(request.mode) <= static_cast<uint8_t>(ReuseMode::kSpec), call,
+              "reuse mode {} out of range", static_cast<int>(request.mode));
+  MKV_REQUIRE(request.policy == ContextCacheLookupPolicy::kUseCache ||
+                  request.policy == ContextCacheLookupPolicy::kBypass,
+              call, "lookup policy {} out of range", static_cast<int>(request.policy));
+  MKV_REQUIRE(!request.prompt.tokens.empty(), call, "empty prompt");
+  MKV_REQUIRE(
+      request.prompt.tokens.size() < static_cast<std::size_t>(std::numeric_limits<int32_t>::max()),
+      call, "prompt of {} tokens exceeds INT32_MAX", request.prompt.tokens.size());
+  MKV_REQUIRE(request.mode != ReuseMode::kSpec || mOptions.specContract.has_value(), call,
+              "speculative request on a manager without a spec reuse contract");
+  MKV_REQUIRE(request.hasAttention || request.mode == ReuseMode::kHybrid, call,
+              "only hybrid requests may be pure recurrent (mode {})", toString(request.mode));
+  MKV_REQUIRE(request.baseExtraTokens >= 0 && request.draftExtraTokens >= 0, call,
+              "negative extra tokens: base {}, draft {}", request.baseExtraTokens,
+              request.draftExtraTokens);
+  MKV_REQUIRE(request.draftExtraTokens == 0 || pairedDraft(request.mode), call,
+              "draft extra tokens {} for a {} request without paired draft state",
+              request.draftExtraTokens, toString(request.mode));
+  int64_t const n = static_cast<int64_t>(request.prompt.tokens.size());
+  MKV_REQUIRE(n + std::max(request.baseExtraTokens, request.draftExtraTokens) <=
+                  std::numeric_limits<int32_t>::max(),
+              call, "input {} + extra tokens overflows int32", n);
+}
+
+void ContextCacheManager::applyCoverage(ReusePlan& plan, LookupRequest const& request) const {
+  auto const n = static_cast<int32_t>(request.prompt.tokens.size());
+  int32_t const base = request.hasAttention ? n + request.baseExtraTokens : 0;
+  int32_t const draft = pairedDraft(request.mode) ? n + request.draftExtraTokens : 0;
+  requireKvPageCoverage(plan, mPageSize, base, draft);
+}
+
+void ContextCacheManager::checkPlan(ReusePlan const& plan) const {
+  constexpr char const* kCall = "ContextCacheManager::acquire";
+  MKV_REQUIRE(static_cast<uint8_t>(plan.mode) <= static_cast<uint8_t>(ReuseMode::kSpec), kCall,
+              "reuse mode {} out of range", static_cast<int>(plan.mode));
+  MKV_REQUIRE(plan.mode != ReuseMode::kSpec || mOptions.specContract.has_value(), kCall,
+              "spec plan on a manager without a spec reuse contract");
+  MKV_REQUIRE(plan.hybridHasAttention || plan.mode == ReuseMode::kHybrid, kCall,
+              "only hybrid plans may be pure recurrent");
+  MKV_REQUIRE(!plan.demand.hasNegative() && plan.demand.recurrentSnapshotSlots == 0 &&
+                  plan.demand.partialKvSnapshotSlots == 0,
+              kCall,
+              "demand base {}, draft {}, recurrent {}, partial {}: negative, or snapshots "
+              "(reserve those with reserveHybridSnapshots)",
+              plan.demand.baseKvPages, plan.demand.draftKvPages, plan.demand.recurrentSnapshotSlots,
+              plan.demand.partialKvSnapshotSlots);
+  MKV_REQUIRE(plan.hybridHasAttention || plan.demand.baseKvPages == 0, kCall,
+              "pure-recurrent plan demands {} base pages", plan.demand.baseKvPages);
+  MKV_REQUIRE(
+      (plan.draftPageBindings.empty() && plan.demand.draftKvPages == 0) || pairedDraft(plan.mode),
+      kCall, "draft pages for a {} plan without paired draft state", toString(plan.mode));
+  bool const pureRecurrent = !plan.hybridHasAttention;
+  MKV_REQUIRE(pureRecurrent ? plan.basePageBindings.empty()
+                            : plan.basePageBindings.size() == plan.matchedBlockDigests.size(),
+              kCall, "{} base bindings for {} matched blocks", plan.basePageBindings.size(),
+              plan.matchedBlockDigests.size());
+  for (std::size_t b = 0; b < plan.basePageBindings.size(); ++b) {
+    std::optional<PageId> const page = mIndex.find(plan.matchedBlockDigests[b]);
+    MKV_REQUIRE(page == plan.basePageBindings[b], kCall,
+                "stale plan: block {} is no longer indexed on page {}", b,
+                plan.basePageBindings[b]);
+  }
+  if (plan.specRecord != kNoRecord) {
+    CacheRecord const* record = mRecords.get(plan.specRecord);
+    MKV_REQUIRE(record != nullptr && record->specState &&
+                    record->specState->draftPagePath.size() >= plan.draftPageBindings.size() &&
+                    std::equal(plan.draftPageBindings.begin(), plan.draftPageBindings.end(),
+                               record->specState->draftPagePath.begin()),
+                kCall, "stale plan: spec record {} no longer holds the bound draft path",
+                plan.specRecord);
+  } else {
+    MKV_REQUIRE(plan.draftPageBindings.empty(), kCall, "draft bindings without a spec record");
+  }
+  if (plan.hybridRecord != kNoRecord) {
+    CacheRecord const* record = mRecords.get(plan.hybridRecord);
+    MKV_REQUIRE(record != nullptr && record->isHybrid() &&
+                    record->recurrentSnapshotSlot == plan.recurrentSnapshotBinding &&
+                    record->partialKvSnapshotSlot == plan.partialKvSnapshotBinding &&
+                    record->basePagePath == plan.basePageBindings,
+                kCall, "stale plan: hybrid record {} no longer holds the bound state",
+                plan.hybridRecord);
+  } else {
+    MKV_REQUIRE(!plan.recurrentSnapshotBinding && !plan.partialKvSnapshotBinding, kCall,
+                "snapshot bindings without a hybrid record");
+  }
+  MKV_REQUIRE(!plan.specReplayDependency || plan.mode == ReuseMode::kSpec, kCall,
+              "replay dependency on a {} plan", toString(plan.mode));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Planning and admission
+
+LookupResult ContextCacheManager::lookup(LookupRequest const& request) const {
+  checkRequest("ContextCacheManager::lookup", request);
+  LookupResult result{hashPromptBlocks(request.prompt, mPageSize), {}, std::nullopt};
+  switch (request.mode) {
+    case ReuseMode::kVanilla:
+      result.plan = makeVanillaReusePlan(mIndex, result.blocks, request.policy);
+      break;
+    case ReuseMode::kHybrid:
+      result.plan = makeHybridReusePlan(mIndex, mRecords, result.blocks, request.hasAttention,
+                                        request.policy);
+      break;
+    case ReuseMode::kHybridMtp:
+      result.plan = makeHybridMtpReusePlan(mIndex, mRecords, result.blocks, request.policy);
+      break;
+    case ReuseMode::kSpec:
+      result.plan = makeSpecReusePlan(mIndex, mRecords, result.blocks, *mOptions.specContract,
+                                      request.policy);
+      break;
+  }
+  applyCoverage(result.plan, request);
+  if (request.policy == ContextCacheLookupPolicy::kUseCache) {
+    result.missReason = classifyMiss(mIndex, result.blocks, result.plan);
+  }
+  return result;
+}
+
+ReusePlan ContextCacheManager::coldPlanOf(LookupRequest const& request) const {
+  checkRequest("ContextCacheManager::coldPlanOf", request);
+  ReusePlan plan =
+      makeColdReusePlan(request.mode, static_cast<int32_t>(request.prompt.tokens.size()), mPageSize,
+                        request.hasAttention, pairedDraft(request.mode));
+  applyCoverage(plan, request);
+  return plan;
+}
+
+bool ContextCacheManager::allocateWithEviction(
+    ResourceDemand const& demand, RecordId protectedRecord,
+    std::array<std::vector<int32_t>*, kResourceTypeCount> const& targets) {
+  // Grow the targets first: once records are evicted, nothing may fail any more.
+  for (ResourceType type : kAllResourceTypes) {
+    if (std::vector<int32_t>* target = targets[static_cast<std::size_t>(type)]) {
+      target->reserve(target->size() + static_cast<std::size_t>(demand[type]));
+    }
+  }
+  if (!mPools.canAllocate(demand)) {
+    EvictionPlan const plan = mEvictionPlanner.plan(demand, mPools, mRecords, protectedRecord);
+    if (!plan.feasible) {
+      return false;
+    }
+    for (RecordId victim : plan.victims) {
+      evictRecord(victim);
+    }
+  }
+  bool const allocated = mPools.allocate(demand, targets);
+  MKV_ASSERT(allocated, "eviction plan was feasible but allocation of {} base pages failed",
+             demand.baseKvPages);
+  return true;
+}
+
+AcquireResult ContextCacheManager::acquire(ReusePlan const& plan) {
+  checkPlan(plan);
+  CacheRequestLease lease;
+  lease.mMode = plan.mode;
+  lease.mHasAttention = plan.hybridHasAttention;
+  lease.mHitRecord = plan.hybridRecord != kNoRecord ? plan.hybridRecord : plan.specRecord;
+  lease.mBoundDigests = plan.matchedBlockDigests;
+  lease.mReplayDependency = plan.specReplayDependency;
+  lease.mBasePages.reserve(plan.basePageBindings.size() +
+                           static_cast<std::size_t>(plan.demand.baseKvPages));
+  lease.mDraftPages.reserve(plan.draftPageBindings.size() +
+                            static_cast<std::size_t>(plan.demand.draftKvPages));
+  // Live before the first pin: every exit from here on (refusal, exception) releases the pins.
+  lease.mManager = this;
+  ++mLiveLeases;
+  for (PageId page : plan.basePageBindings) {
+    mPools.addActive({ResourceType::kBaseKvPage, page});
+    lease.mBasePages.push_back(page);
+  }
+  for (PageId page : plan.draftPageBindings) {
+    mPools.addActive({ResourceType::kDraftKvPage, page});
+    lease.mDraftPages.push_back(page);
+  }
+  if (plan.recurrentSnapshotBinding) {
+    mPools.addActive({ResourceType::kRecurrentSnapshot, *plan.recurrentSnapshotBinding});
+    lease.mHitRecurrent = plan.recurrentSnapshotBinding;
+  }
+  if (plan.partialKvSnapshotBinding) {
+    mPools.addActive({ResourceType::kPartialKvSnapshot, *plan.partialKvSnapshotBinding});
+    lease.mHitPartial = plan.partialKvSnapshotBinding;
+  }
+  lease.mBoundBasePages = static_cast<int32_t>(lease.mBasePages.size());
+  lease.mBoundDraftPages = static_cast<int32_t>(lease.mDraftPages.size());
+
+  if (!allocateWithEviction(plan.demand, lease.mHitRecord,
+                            {&lease.mBasePages, &lease.mDraftPages, nullptr, nullptr})) {
+    return {std::nullopt, AcquireStatus::kInsufficientCapacity};  // the lease drops its pins
+  }
+  if (lease.mHitRecord != kNoRecord && mRecords.get(lease.mHitRecord) != nullptr) {
+    mRecords.touch(lease.mHitRecord);
+  }
+  return {std::move(lease), AcquireStatus::kAcquired};
+}
+
+AdmissionResult ContextCacheManager::acquireWithFallback(LookupRequest const& request) {
+  LookupResult looked = lookup(request);
+  int32_t const verificationRejects = looked.plan.verificationRejects;
+  std::optional<MissReason> const blockMiss = looked.missReason;
+  bool const useCache = request.policy == ContextCacheLookupPolicy::kUseCache;
+  AdmissionResult result;
+  AcquireResult acquired = acquire(looked.plan);
+  if (acquired.lease) {
+    result.outcome = AdmissionOutcome::kAcquired;
+    result.plan = std::move(looked.plan);
+  } else if (useCache && looked.plan.isCacheDerived()) {
+    ReusePlan cold = coldPlanOf(request);
+    acquired = acquire(cold);
+    ++mMetrics.forcedColdRetries;
+    result.outcome =
+        acquired.lease ? AdmissionOutcome::kAcquiredCold : AdmissionOutcome::kInsufficientCapacity;
+    result.plan = std::move(cold);
+  } else {
+    result.outcome = AdmissionOutcome::kInsufficientCapacity;
+    result.plan = std::move(looked.plan);
+  }
+  result.lease = std::move(acquired.lease);
+
+  if (useCache) {
+    ++mMetrics.lookups;
+    mMetrics.verificationRejects += static_cast<uint64_t>(verificationRejects);
+    result.missReason = result.outcome == AdmissionOutcome::kAcquired
+                            ? blockMiss
+                            : std::optional(MissReason::kCapacity);
+    if (result.missReason) {
+      ++mMetrics.missCount(*result.missReason);
+    }
+  } else {
+    ++mMetrics.bypasses;
+  }
+  if (!result.lease) {
+    ++mMetrics.failedAcquisitions;
+    return result;
+  }
+  ++mMetrics.admittedSequences;
+  ReusePlan const& plan = result.plan;
+  if (plan.matchedTokenLength > 0) {
+    ++mMetrics.hits;
+  }
+  mMetrics.matchedTokens += static_cast<uint64_t>(plan.matchedTokenLength);
+  mMetrics.reusedTokens += static_cast<uint64_t>(plan.reuseTokenLength);
+  if (plan.kind == ReusePlanKind::kFullInputRewind) {
+    ++mMetrics.fullInputRewinds;
+  }
+  if (plan.specReplayMode == SpecReplayMode::kFullPage) {
+    ++mMetrics.specFullPageReplays;
+  }
+  return result;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Growth and snapshots
+
+bool ContextCacheManager::growBasePages(CacheRequestLease& lease, int32_t count) {
+  constexpr char const* kCall = "ContextCacheManager::growBasePages";
+  checkLease(kCall, lease);
+  MKV_REQUIRE(count >= 0, kCall, "negative page count {}", count);
+  MKV_REQUIRE(lease.mode() == ReuseMode::kVanilla ||
+                  (lease.mode() == ReuseMode::kHybrid && lease.hasAttention()),
+              kCall, "{} lease{}; use growSpecPages for paired leases", toString(lease.mode()),
+              lease.hasAttention() ? "" : " without attention");
+  if (count == 0) {
+    return true;
+  }
+  return allocateWithEviction(ResourceDemand{count, 0, 0, 0}, lease.mHitRecord,
+                              {&lease.mBasePages, nullptr, nullptr, nullptr});
+}
+
+bool ContextCacheManager::growSpecPages(CacheRequestLease& lease, int32_t basePages,
+                                        int32_t draftPages) {
+  constexpr char const* kCall = "ContextCacheManager::growSpecPages";
+  checkLease(kCall, lease);
+  MKV_REQUIRE(basePages >= 0 && draftPages >= 0, kCall, "negative page counts {} / {}", basePages,
+              draftPages);
+  MKV_REQUIRE(lease.mode() == ReuseMode::kSpec || lease.mode() == ReuseMode::kHybridMtp, kCall,
+              "{} lease; use growBasePages", toString(lease.mode()));
+  MKV_REQUIRE(draftPages == 0 || pairedDraft(lease.mode()), kCall,
+              "{} draft pages for a lease without paired draft state", draftPages);
+  if (basePages == 0 && draftPages == 0) {
+    return true;
+  }
+  return allocateWithEviction(ResourceDemand{basePages, draftPages, 0, 0}, lease.mHitRecord,
+                              {&lease.mBasePages, &lease.mDraftPages, nullptr, nullptr});
+}
+
+std::optional<SnapshotReservation> ContextCacheManager::reserveHybridSnapshots(
+    CacheRequestLease& lease, bool needsPartial) {
+  constexpr char const* kCall = "ContextCacheManager::reserveHybridSnapshots";
+  checkLease(kCall, lease);
+  MKV_REQUIRE(lease.mode() == ReuseMode::kHybrid || lease.mode() == ReuseMode::kHybridMtp, kCall,
+              "{} lease holds no hybrid state", toString(lease.mode()));
+  MKV_REQUIRE(!needsPartial || lease.hasAttention(), kCall,
+              "a pure-recurrent lease has no partial KV page to snapshot");
+  lease.mReservations.reserve(lease.mReservations.size() + 1);
+  std::vector<int32_t> recurrent;
+  std::vector<int32_t> partial;
+  if (!allocateWithEviction(ResourceDemand{0, 0, 1, needsPartial ? 1 : 0}, lease.mHitRecord,
+                            {nullptr, nullptr, &recurrent, &partial})) {
+    return std::nullopt;
+  }
+  SnapshotReservation const reservation{
+      recurrent.front(), needsPartial ? std::optional(partial.front()) : std::nullopt};
+  lease.mReservations.push_back(reservation);
+  return reservation;
+}
+
+void ContextCacheManager::releaseRestoredHybridSnapshots(CacheRequestLease& lease) {
+  checkLease("ContextCacheManager::releaseRestoredHybridSnapshots", lease);
+  if (lease.mHitRecurrent) {
+    mPools.dropActive({ResourceType::kRecurrentSnapshot, *lease.mHitRecurrent});
+    lease.mHitRecurrent.reset();
+  }
+  if (lease.mHitPartial) {
+    mPools.dropActive({ResourceType::kPartialKvSnapshot, *lease.mHitPartial});
+    lease.mHitPartial.reset();
+  }
+}
+
+void ContextCacheManager::retireHybridSnapshotReservation(CacheRequestLease& lease,
+                                                          SnapshotReservation const& reservation) {
+  constexpr char const* kCall = "ContextCacheManager::retireHybridSnapshotReservation";
+  checkLease(kCall, lease);
+  auto const it = std::find(lease.mReservations.begin(), lease.mReservations.end(), reservation);
+  MKV_REQUIRE(it != lease.mReservations.end(), kCall,
+              "recurrent slot {} is not a reservation of this lease", reservation.recurrentSlot);
+  mPools.dropActive({ResourceType::kRecurrentSnapshot, reservation.recurrentSlot});
+  if (reservation.partialKvSlot) {
+    mPools.dropActive({ResourceType::kPartialKvSnapshot, *reservation.partialKvSlot});
+  }
+  lease.mReservations.erase(it);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Eviction and release
+
+void ContextCacheManager::evictRecord(RecordId id) noexcept {
+  CacheRecord const* record = mRecords.get(id);
+  if (record == nullptr) {
+    return;
+  }
+  record->forEachResource([this](ResourceId resource) {
+    bool const freed = mPools.dropCache(resource);
+    // A page without cache references is no longer reusable, even while a lease still pins it.
+    if (resource.type == ResourceType::kBaseKvPage && mPools.cacheRefs(resource) == 0) {
+      if (std::optional<Hash128> const digest = mIndex.digestOf(resource.index)) {
+        mIndex.erasePage(resource.index);
+        mEvents.push(BlockRemoved{*digest, resource.index});
+      }
+    }
+    if (freed) {
+      ++mMetrics.reclaimed(resource.type);
+    }
+  });
+  mRecords.erase(id);
+  ++mMetrics.evictedRecords;
+}
+
+void ContextCacheManager::enforceRecordLimit() noexcept {
+  while (mRecords.size() > static_cast<std::size_t>(mMaxRecords)) {
+    evictRecord(mRecords.lruToMru().front().id);
+  }
+}
+
+void ContextCacheManager::releaseLease(CacheRequestLease& lease) noexcept {
+  for (PageId page : lease.mBasePages) {
+    mPools.dropActive({ResourceType::kBaseKvPage, page});
+  }
+  for (PageId page : lease.mDraftPages) {
+    mPools.dropActive({ResourceType::kDraftKvPage, page});
+  }
+  if (lease.mHitRecurrent) {
+    mPools.dropActive({ResourceType::kRecurrentSnapshot, *lease.mHitRecurrent});
+  }
+  if (lease.mHitPartial) {
+    mPools.dropActive({ResourceType::kPartialKvSnapshot, *lease.mHitPartial});
+  }
+  for (SnapshotReservation const& reservation : lease.mReservations) {
+    mPools.dropActive({ResourceType::kRecurrentSnapshot, reservation.recurrentSlot});
+    if (reservation.partialKvSlot) {
+      mPools.dropActive({ResourceType::kPartialKvSnapshot, *reservation.partialKvSlot});
+    }
+  }
+  --mLiveLeases;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Publication
+
+void ContextCacheManager::checkBoundPrefix(char const* call, CacheRequestLease const& lease,
+                                           PromptBlocks const& blocks, int32_t count) const {
+  std::size_t const n = std::min(static_cast<std::size_t>(count), lease.mBoundDigests.size());
+  for (std::size_t b = 0; b < n; ++b) {
+    MKV_REQUIRE(blocks.keys[b] == lease.mBoundDigests[b], call,
+                "block {} digest {} differs from the lease's reused block {}", b,
+                toString(blocks.keys[b]), toString(lease.mBoundDigests[b]));
+  }
+}
+
+ContextCacheManager::Projection ContextCacheManager::project(char const* call,
+                                                             std::span<PageId const> producerPages,
+                                                             PromptBlocks const& blocks,
+                                                             int32_t count) const {
+  Projection projection;
+  projection.canonical.reserve(static_cast<std::size_t>(count));
+  std::unordered_map<Hash128, PageId, Hash128Hasher> firstInThisPublication;
+  for (int32_t b = 0; b < count; ++b) {
+    Hash128 const key = blocks.keys[static_cast<std::size_t>(b)];
+    if (std::optional<PageId> const indexed = mIndex.find(key)) {
+      if (mIndex.verifiesTokens() && !mIndex.holds(*indexed, blocks, b)) {
+        projection.verificationRejected = true;
+        break;
+      }
+      projection.canonical.push_back(*indexed);
+      continue;
+    }
+    if (auto const it = firstInThisPublication.find(key); it != firstInThisPublication.end()) {
+      projection.canonical.push_back(it->second);
+      continue;
+    }
+    PageId const page = producerPages[static_cast<std::size_t>(b)];
+    std::optional<Hash128> const other = mIndex.digestOf(page);
+    MKV_REQUIRE(!other, call, "page {} of block {} is already indexed under digest {}, not {}",
+                page, b, toString(*other), toString(key));
+    projection.canonical.push_back(page);
+    projection.newMappings.push_back(b);
+    firstInThisPublication.emplace(key, page);
+  }
+  projection.count = static_cast<int32_t>(projection.canonical.size());
+  return projection;
+}
+
+PublishResult ContextCacheManager::commitNewRecord(CacheRecord record, PromptBlocks const& blocks,
+                                                   Projection const& projection) {
+  // Everything that can throw happens before commit(); after it only noexcept steps remain.
+  PublishResult result{PublishStatus::kPublished, kNoRecord, record.basePagePath,
+                       record.key.fullBlockCount};
+  std::size_t refs = 0;
+  record.forEachResource([&refs](ResourceId) { ++refs; });
+  PublicationTransaction transaction(*this, refs, projection.newMappings.size());
+  record.forEachResource([&transaction](ResourceId id) { transaction.addCache(id); });
+  for (int32_t b : projection.newMappings) {
+    transaction.index(blocks, b, projection.canonical[static_cast<std::size_t>(b)]);
+  }
+  RecordStore::InsertResult const inserted = mRecords.insert(std::move(record));
+  MKV_ASSERT(inserted.inserted, "record key already present after the duplicate check");
+  transaction.setRecord(inserted.record->id);
+  transaction.commit();
+
+  result.record = inserted.record->id;
+  ++mMetrics.publishedRecords;
+  for (int32_t b : projection.newMappings) {
+    mEvents.push(BlockStored{blocks.keys[static_cast<std::size_t>(b)], blocks.parentOf(b),
+                             projection.canonical[static_cast<std::size_t>(b)], mPageSize});
+  }
+  enforceRecordLimit();
+  if (mRecords.get(result.record) == nullptr) {
+    result.record = kNoRecord;  // maxRecords == 0: evicted at once
+  }
+  return result;
+}
+
+PublishResult ContextCacheManager::publish(CacheRequestLease& lease, PromptBlocks const& blocks,
+                                           int32_t residentStateLength) {
+  constexpr char const* kCall = "ContextCacheManager::publish";
+  checkLease(kCall, lease);
+  MKV_REQUIRE(lease.mode() == ReuseMode::kVanilla || lease.mode() == ReuseMode::kSpec, kCall,
+              "{} lease; use publishHybrid / publishHybridMtp", toString(lease.mode()));
+  MKV_REQUIRE(blocks.pageSize == mPageSize, kCall,
+              "blocks hashed with page size {}, manager uses {}", blocks.pageSize, mPageSize);
+  MKV_REQUIRE(residentStateLength >= 0, kCall, "negative resident length {}", residentStateLength);
+  int32_t const count = std::min(blocks.fullBlockCount(), residentStateLength / mPageSize);
+  MKV_REQUIRE(count > 0, kCall, "nothing to publish: {} full blocks, resident length {}",
+              blocks.fullBlockCount(), residentStateLength);
+  MKV_REQUIRE(static_cast<std::size_t>(count) <= lease.mBasePages.size(), kCall,
+              "{} blocks but the lease holds {} base pages", count, lease.mBasePages.size());
+  bool const paged = pairedDraft(lease.mode());
+  MKV_REQUIRE(!paged || static_cast<std::size_t>(count) <= lease.mDraftPages.size(), kCall,
+              "{} blocks but the lease holds {} draft pages", count, lease.mDraftPages.size());
+  checkBoundPrefix(kCall, lease, blocks, count);
+  if (std::optional<SpecReplayDependency> const& dependency = lease.mReplayDependency) {
+    MKV_REQUIRE(count >= dependency->pathBlockCount, kCall,
+                "{} blocks do not cover the replayed path of {} blocks", count,
+                dependency->pathBlockCount);
+    MKV_REQUIRE(blocks.keys[static_cast<std::size_t>(dependency->pathBlockCount - 1)] ==
+                    dependency->terminalDigest,
+                kCall, "block {} digest differs from the replayed path's boundary {}",
+                dependency->pathBlockCount - 1, toString(dependency->terminalDigest));
+  }
+
+  Projection projection = project(kCall, lease.basePages(), blocks, count);
+  if (projection.verificationRejected) {
+    ++mMetrics.verificationRejects;
+  }
+  if (projection.count == 0) {
+    ++mMetrics.rejectedPublications;
+    return {};
+  }
+  int32_t const published = projection.count;
+  RecordKey const key{blocks.keys[static_cast<std::size_t>(published - 1)], published};
+  if (CacheRecord const* existing = mRecords.find(key)) {
+    PublishResult result{PublishStatus::kExistingRecord, existing->id, existing->basePagePath,
+                         published};
+    if (paged && !existing->specState) {
+      SpecState state{firstOf(lease.draftPages(), published)};
+      PublicationTransaction transaction(*this, state.draftPagePath.size(), 0);
+      for (PageId page : state.draftPagePath) {
+        transaction.addCache({ResourceType::kDraftKvPage, page});
+      }
+      mRecords.setSpecState(existing->id, std::move(state));
+      transaction.commit();
+      ++mMetrics.specUpgrades;
+      result.status = PublishStatus::kSpecStateAttached;
+    } else {
+      mRecords.touch(existing->id);
+      ++mMetrics.existingRecordsTouched;
+    }
+    return result;
+  }
+
+  CacheRecord record;
+  record.key = key;
+  record.logicalBlockDigests = firstOf(std::span<Hash128 const>(blocks.keys), published);
+  record.basePagePath = projection.canonical;
+  if (paged) {
+    record.specState = SpecState{firstOf(lease.draftPages(), published)};
+  }
+  return commitNewRecord(std::move(record), blocks, projection);
+}
+
+PublishResult ContextCacheManager::publishCheckpoint(char const* call, CacheRequestLease& lease,
+                                                     PromptBlocks const& blocks,
+                                                     int32_t exactLength,
+                                                     SnapshotReservation const& reservation,
+                                                     bool mtp) {
+  checkLease(call, lease);
+  ReuseMode const mode = mtp ? ReuseMode::kHybridMtp : ReuseMode::kHybrid;
+  MKV_REQUIRE(lease.mode() == mode, call, "{} lease; expected {}", toString(lease.mode()),
+              toString(mode));
+  MKV_REQUIRE(blocks.pageSize == mPageSize, call,
+              "blocks hashed with page size {}, manager uses {}", blocks.pageSize, mPageSize);
+  MKV_REQUIRE(exactLength > 0 && exactLength <= blocks.tokenCount(), call,
+              "checkpoint length {} outside (0, {}]", exactLength, blocks.tokenCount());
+  int32_t const full = mtp ? (exactLength - 1) / mPageSize : exactLength / mPageSize;
+  bool const attention = lease.hasAttention();
+  bool const needsPartial = mtp || (attention && exactLength % mPageSize != 0);
+  MKV_REQUIRE(reservation.partialKvSlot.has_value() == needsPartial, call,
+              "checkpoint at {} {} a partial-KV snapshot", exactLength,
+              needsPartial ? "needs" : "must not carry");
+  MKV_REQUIRE(std::find(lease.mReservations.begin(), lease.mReservations.end(), reservation) !=
+                  lease.mReservations.end(),
+              call, "recurrent slot {} is not a reservation of this lease",
+              reservation.recurrentSlot);
+  MKV_REQUIRE(!attention || static_cast<std::size_t>(full) <= lease.mBasePages.size(), call,
+              "{} full blocks but the lease holds {} base pages", full, lease.mBasePages.size());
+  MKV_REQUIRE(!mtp || static_cast<std::size_t>(full) <= lease.mDraftPages.size(), call,
+              "{} full blocks but the lease holds {} draft pages", full, lease.mDraftPages.size());
+  checkBoundPrefix(call, lease, blocks, full);
+
+  Hash128 const digest = exactPrefixDigest(blocks, exactLength);
+  if (CacheRecord const* existing = mRecords.findHybrid(HybridKey{digest, exactLength})) {
+    mRecords.touch(existing->id);
+    ++mMetrics.existingRecordsTouched;
+    return {PublishStatus::kExistingRecord, existing->id, existing->basePagePath, full};
+  }
+  Projection projection;
+  if (attention) {
+    projection = project(call, lease.basePages(), blocks, full);
+  } else {
+    projection.count = full;
+  }
+  if (projection.verificationRejected) {
+    ++mMetrics.verificationRejects;
+  }
+  if (projection.count < full) {
+    ++mMetrics.rejectedPublications;  // a checkpoint needs every one of its blocks
+    return {};
+  }
+
+  CacheRecord record;
+  record.key = RecordKey{digest, full};
+  record.logicalBlockDigests = firstOf(std::span<Hash128 const>(blocks.keys), full);
+  record.basePagePath = projection.canonical;
+  if (mtp) {
+    record.specState = SpecState{firstOf(lease.draftPages(), full)};
+  }
+  record.recurrentSnapshotSlot = reservation.recurrentSlot;
+  record.partialKvSnapshotSlot = reservation.partialKvSlot;
+  record.exactCheckpointLength = exactLength;
+  if (mIndex.verifiesTokens()) {
+    std::size_t const covered = record.basePagePath.size() * static_cast<std::size_t>(mPageSize);
+    auto const tail =
+        blocks.prompt.tokens.subspan(covered, static_cast<std::size_t>(exactLength) - covered);
+    record.verificationTokens.assign(tail.begin(), tail.end());
+  }
+  return commitNewRecord(std::move(record), blocks, projection);
+}
+
+PublishResult ContextCacheManager::publishHybrid(CacheRequestLease& lease,
+                                                 PromptBlocks const& blocks, int32_t exactLength,
+                                                 SnapshotReservation const& reservation) {
+  return publishCheckpoint("ContextCacheManager::publishHybrid", lease, blocks, exactLength,
+                           reservation, false);
+}
+
+PublishResult ContextCacheManager::publishHybridMtp(CacheRequestLease& lease,
+                                                    PromptBlocks const& blocks, int32_t exactLength,
+                                                    SnapshotReservation const& reservation) {
+  return publishCheckpoint("ContextCacheManager::publishHybridMtp", lease, blocks, exactLength,
+                           reservation, true);
+}
+
+// ---------------------------------------------------------------------------------------------
+// Observers
+
+ContextCacheMetrics ContextCacheManager::metrics() const {
+  ContextCacheMetrics m = mMetrics;
+  m.droppedEvents = mEvents.droppedCount();
+  m.freeResources = mPools.freeCounts();
+  m.capacities = mPools.capacities();
+  m.records = static_cast<int64_t>(mRecords.size());
+  m.indexedBlocks = mIndex.size();
+  m.liveLeases = mLiveLeases;
+  return m;
+}
+
+}  // namespace mkv
