@@ -103,7 +103,10 @@ class PropertyRun {
     double const r = uniform();
     bool const slotsLeft =
         std::find(mSlotBusy.begin(), mSlotBusy.end(), false) != mSlotBusy.end();
-    if (mPoisoned && (mRequests.empty() || r < 0.15)) {
+    if (mPoisoned && slotsLeft && !mTriedPoisonedAdmission) {
+      mTriedPoisonedAdmission = true;
+      admitRandom();  // refused with kPoisoned, once per poisoned period
+    } else if (mPoisoned && (mRequests.empty() || r < 0.15)) {
       shutdownRandom();  // nothing can be admitted until the quarantine drains
     } else if (mRequests.empty() || (slotsLeft && r < 0.3)) {
       admitRandom();
@@ -413,7 +416,9 @@ class PropertyRun {
 
   void shutdownRandom() {
     bool const draining = !mQuarantine.empty();
-    bool const armed = maybeArmFailure(0.3);
+    // The first drain of every run fails, so even a short run covers a failing shutdown.
+    bool const armed = draining && mCoverage.failedShutdowns == 0 ? maybeArmFailure(1.0)
+                                                                  : maybeArmFailure(0.3);
     SwaKVCacheStatus const status = manager().shutdown();
     expectFailureConsumed(armed, draining);
     if (draining && armed) {
@@ -433,6 +438,7 @@ class PropertyRun {
     }
     mQuarantine.clear();
     mPoisoned = false;
+    mTriedPoisonedAdmission = false;
     // Residents of drained requests are free again.
     mSlotBusy.assign(kMaxBatch, false);
     for (auto const& request : mRequests) {
@@ -559,6 +565,7 @@ class PropertyRun {
   std::vector<std::unique_ptr<ModelRequest>> mRequests;
   std::vector<QuarantinedRequest> mQuarantine;
   bool mPoisoned = false;
+  bool mTriedPoisonedAdmission = false;
   uint64_t mEpoch = 0;
   int64_t mStep = 0;
   Coverage mCoverage;
