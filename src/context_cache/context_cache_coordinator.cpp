@@ -298,8 +298,6 @@ ContextCacheCoordinator::BeginRequestResult ContextCacheCoordinator::beginReques
     MKV_REQUIRE(ref.epoch != 0, kCall, "sequence {} (slot {}) has epoch 0", i, ref.slot);
     auto const slot = static_cast<std::size_t>(ref.slot);
     MKV_REQUIRE(seen[slot] == 0, kCall, "resident slot {} appears twice", ref.slot);
-    MKV_REQUIRE(mResidentBusy[slot] == 0, kCall, "resident slot {} is held by another request",
-                ref.slot);
     seen[slot] = 1;
     MKV_REQUIRE(!sequence.tokenIds.empty(), kCall, "sequence {} has an empty prompt", i);
     int64_t const needed =
@@ -317,9 +315,15 @@ ContextCacheCoordinator::BeginRequestResult ContextCacheCoordinator::beginReques
     }
   }
   BeginRequestResult result;
+  // Poisoned first: a quarantined request still holds its residents, and the runtime may have
+  // handed one of those slots out again; that is the poisoned outcome, not a contract error.
   if (mPoisoned) {
     result.status = ContextCacheStatus::kPoisoned;
     return result;
+  }
+  for (auto const& sequence : admission.sequences) {
+    MKV_REQUIRE(mResidentBusy[static_cast<std::size_t>(sequence.resident.slot)] == 0, kCall,
+                "resident slot {} is held by another request", sequence.resident.slot);
   }
 
   auto created = std::make_unique<Request>();
@@ -781,8 +785,6 @@ ContextCacheCoordinator::AdmitSequenceResult ContextCacheCoordinator::admitSeque
   ResidentRef const ref = admission.resident;
   MKV_REQUIRE(ref.slot >= 0 && ref.slot < table.maxBatch() && ref.epoch != 0, kCall,
               "invalid resident (slot {}, epoch {})", ref.slot, ref.epoch);
-  MKV_REQUIRE(mResidentBusy[static_cast<std::size_t>(ref.slot)] == 0, kCall,
-              "resident slot {} is already held", ref.slot);
   MKV_REQUIRE(!admission.tokenIds.empty(), kCall, "empty prompt");
   int64_t const needed = pagesFor(
       static_cast<int64_t>(admission.tokenIds.size()) + headroom.baseExtraTokens, mManager->pageSize());
@@ -791,10 +793,12 @@ ContextCacheCoordinator::AdmitSequenceResult ContextCacheCoordinator::admitSeque
   MKV_REQUIRE(admission.media.empty() || admission.media.size() == admission.tokenIds.size(), kCall,
               "{} media positions for {} tokens", admission.media.size(), admission.tokenIds.size());
   AdmitSequenceResult result;
-  if (mPoisoned) {
+  if (mPoisoned) {  // before the busy check, as in beginRequest
     result.status = ContextCacheStatus::kPoisoned;
     return result;
   }
+  MKV_REQUIRE(mResidentBusy[static_cast<std::size_t>(ref.slot)] == 0, kCall,
+              "resident slot {} is already held", ref.slot);
   ContextCacheLookupPolicy policy = admission.lookupPolicy.value_or(req.sequences.front().policy);
   if (!mConfig.enabled) {
     policy = ContextCacheLookupPolicy::kBypass;

@@ -178,8 +178,9 @@ class ContextCacheCoordinator {
   ContextCacheCoordinator& operator=(ContextCacheCoordinator const&) = delete;
 
   /// Looks up and leases every sequence (all or nothing). kRequestFailed when the pools cannot
-  /// hold the batch (nothing changed), kPoisoned when poisoned. Throws for a foreign stream, an
-  /// empty or oversized batch, bad residents, empty or oversized prompts, bad headroom, or a
+  /// hold the batch (nothing changed), kPoisoned when poisoned (reported before residents still
+  /// held by a quarantined request are rejected). Throws for a foreign stream, an empty or
+  /// oversized batch, bad or busy residents, empty or oversized prompts, bad headroom, or a
   /// speculative request on a non-speculative deployment.
   BeginRequestResult beginRequest(ContextCacheBatchAdmission const& admission,
                                   DecodingKvHeadroom const& headroom, cudaStream_t stream);
