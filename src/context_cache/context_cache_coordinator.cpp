@@ -258,6 +258,51 @@ void ContextCacheCoordinator::abandon(uint64_t id) noexcept {
 
 // ---------------------------------------------------------------- admission
 
+/// The manager's view of one sequence admission (it refers to `sequence`'s tokens and media).
+LookupRequest ContextCacheCoordinator::lookupOf(ContextCacheSequenceAdmission const& sequence,
+                                                ContextCacheLookupPolicy policy,
+                                                DecodingKvHeadroom const& headroom) const {
+  LookupRequest lookup;
+  lookup.prompt = PromptView{sequence.tokenIds, sequence.media, sequence.keyExtras};
+  lookup.mode = ReuseMode::kVanilla;
+  lookup.policy = mConfig.enabled ? policy : ContextCacheLookupPolicy::kBypass;
+  lookup.baseExtraTokens = headroom.baseExtraTokens;
+  return lookup;
+}
+
+bool ContextCacheCoordinator::batchMayFit(std::span<LookupRequest const> lookups) const {
+  ResourcePools const& pools = mManager->pools();
+  constexpr ResourceType kBase = ResourceType::kBaseKvPage;
+  int64_t const free = pools.freeCount(kBase);
+  int32_t const pageSize = mManager->pageSize();
+  int64_t cold = 0;
+  for (LookupRequest const& lookup : lookups) {
+    cold += pagesFor(static_cast<int64_t>(lookup.prompt.tokens.size()) + lookup.baseExtraTokens,
+                     pageSize);
+  }
+  if (lookups.size() <= 1 || cold <= free) {
+    return true;  // one acquire is all-or-nothing itself; within free pages nothing is evicted
+  }
+  // Lower bound of what the batch takes from free + reclaimable pages: every plan's private
+  // demand, plus the reclaimable pages its hits pin (pinned pages cannot be reclaimed). A plan
+  // that loses a hit to an earlier sequence's eviction needs that page privately instead, so the
+  // bound holds whatever the acquires evict.
+  int64_t need = 0;
+  std::vector<uint8_t> pinned(static_cast<std::size_t>(pools.capacity(kBase)), 0);
+  for (LookupRequest const& lookup : lookups) {
+    ReusePlan const plan = mManager->lookup(lookup).plan;
+    need += plan.demand.baseKvPages;
+    for (PageId page : plan.basePageBindings) {
+      auto& seen = pinned[static_cast<std::size_t>(page)];
+      if (seen == 0 && pools.activeRefs({kBase, page}) == 0) {
+        seen = 1;
+        ++need;
+      }
+    }
+  }
+  return need <= free + pools.reclaimableCount(kBase);
+}
+
 namespace {
 
 void validateHeadroom(char const* call, DecodingKvHeadroom const& headroom) {
@@ -333,25 +378,30 @@ ContextCacheCoordinator::BeginRequestResult ContextCacheCoordinator::beginReques
   created->batchPolicy = admission.lookupPolicy;
   created->staging = std::make_unique<detail::Int32Staging>(table.maxBatch(), table.deviceType());
   created->sequences.reserve(static_cast<std::size_t>(table.maxBatch()));
-  auto const start = std::chrono::steady_clock::now();
+  std::vector<LookupRequest> lookups;
+  lookups.reserve(batch);
   for (auto const& sequence : admission.sequences) {
-    ContextCacheLookupPolicy policy = sequence.lookupPolicy.value_or(admission.lookupPolicy);
-    if (!mConfig.enabled) {
-      policy = ContextCacheLookupPolicy::kBypass;
-    }
-    LookupRequest lookup;
-    lookup.prompt = PromptView{sequence.tokenIds, sequence.media, sequence.keyExtras};
-    lookup.mode = ReuseMode::kVanilla;
-    lookup.policy = policy;
-    lookup.baseExtraTokens = headroom.baseExtraTokens;
-    mkv::AdmissionResult acquired = mManager->acquireWithFallback(lookup);
+    lookups.push_back(lookupOf(sequence, sequence.lookupPolicy.value_or(admission.lookupPolicy),
+                               headroom));
+  }
+  auto const start = std::chrono::steady_clock::now();
+  auto refuse = [&]() {
+    mCounters.planningNanoseconds += static_cast<uint64_t>(
+        std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() -
+                                                             start)
+            .count());
+    ++mCounters.refusedRequests;
+    result.status = ContextCacheStatus::kRequestFailed;
+  };
+  if (!batchMayFit(lookups)) {
+    refuse();
+    return result;
+  }
+  for (std::size_t i = 0; i < batch; ++i) {
+    auto const& sequence = admission.sequences[i];
+    mkv::AdmissionResult acquired = mManager->acquireWithFallback(lookups[i]);
     if (!acquired.lease) {
-      mCounters.planningNanoseconds += static_cast<uint64_t>(
-          std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() -
-                                                               start)
-              .count());
-      ++mCounters.refusedRequests;
-      result.status = ContextCacheStatus::kRequestFailed;
+      refuse();
       return result;  // `created` releases the leases taken so far
     }
     Request::Sequence state;
@@ -360,7 +410,7 @@ ContextCacheCoordinator::BeginRequestResult ContextCacheCoordinator::beginReques
     state.tokens = sequence.tokenIds;
     state.media = sequence.media;
     state.extras = sequence.keyExtras;
-    state.policy = policy;
+    state.policy = lookups[i].policy;
     state.promptLength = static_cast<int32_t>(sequence.tokenIds.size());
     state.reuseTokenLength = acquired.plan.reuseTokenLength;
     state.committed = acquired.plan.reuseTokenLength;
@@ -799,15 +849,8 @@ ContextCacheCoordinator::AdmitSequenceResult ContextCacheCoordinator::admitSeque
   }
   MKV_REQUIRE(mResidentBusy[static_cast<std::size_t>(ref.slot)] == 0, kCall,
               "resident slot {} is already held", ref.slot);
-  ContextCacheLookupPolicy policy = admission.lookupPolicy.value_or(req.sequences.front().policy);
-  if (!mConfig.enabled) {
-    policy = ContextCacheLookupPolicy::kBypass;
-  }
-  LookupRequest lookup;
-  lookup.prompt = PromptView{admission.tokenIds, admission.media, admission.keyExtras};
-  lookup.mode = ReuseMode::kVanilla;
-  lookup.policy = policy;
-  lookup.baseExtraTokens = headroom.baseExtraTokens;
+  LookupRequest const lookup = lookupOf(
+      admission, admission.lookupPolicy.value_or(req.sequences.front().policy), headroom);
   auto const start = std::chrono::steady_clock::now();
   mkv::AdmissionResult acquired = mManager->acquireWithFallback(lookup);
   mCounters.planningNanoseconds += static_cast<uint64_t>(
@@ -825,7 +868,7 @@ ContextCacheCoordinator::AdmitSequenceResult ContextCacheCoordinator::admitSeque
   state.tokens = admission.tokenIds;
   state.media = admission.media;
   state.extras = admission.keyExtras;
-  state.policy = policy;
+  state.policy = lookup.policy;
   state.promptLength = static_cast<int32_t>(admission.tokenIds.size());
   state.reuseTokenLength = acquired.plan.reuseTokenLength;
   state.committed = acquired.plan.reuseTokenLength;

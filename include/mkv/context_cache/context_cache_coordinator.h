@@ -265,6 +265,12 @@ class ContextCacheCoordinator {
   void releaseRows(Request& request);
   /// Publishes the ready full blocks of one sequence (skipped for bypass sequences).
   void publishReady(Request& request, std::size_t row);
+  /// The manager's lookup of one sequence under `policy` (kBypass when reuse is disabled).
+  LookupRequest lookupOf(ContextCacheSequenceAdmission const& sequence,
+                         ContextCacheLookupPolicy policy, DecodingKvHeadroom const& headroom) const;
+  /// False when the batch certainly cannot be leased as a whole (then no sequence is acquired,
+  /// so no record is evicted for a batch that is refused anyway).
+  bool batchMayFit(std::span<LookupRequest const> lookups) const;
 
   ContextCacheConfig mConfig;
   ContextCacheDeploymentProfile mProfile;
