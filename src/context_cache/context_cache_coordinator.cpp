@@ -849,8 +849,9 @@ ContextCacheCoordinator::AdmitSequenceResult ContextCacheCoordinator::admitSeque
   }
   MKV_REQUIRE(mResidentBusy[static_cast<std::size_t>(ref.slot)] == 0, kCall,
               "resident slot {} is already held", ref.slot);
-  LookupRequest const lookup = lookupOf(
-      admission, admission.lookupPolicy.value_or(req.sequences.front().policy), headroom);
+  // The request's own policy: the first surviving row after a compaction is not the founder.
+  LookupRequest const lookup =
+      lookupOf(admission, admission.lookupPolicy.value_or(req.batchPolicy), headroom);
   auto const start = std::chrono::steady_clock::now();
   mkv::AdmissionResult acquired = mManager->acquireWithFallback(lookup);
   mCounters.planningNanoseconds += static_cast<uint64_t>(

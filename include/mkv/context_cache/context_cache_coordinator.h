@@ -221,8 +221,9 @@ class ContextCacheCoordinator {
   /// In-flight admission is offered for attention-only, non-speculative deployments.
   bool supportsLiveSequenceAdmission() const noexcept;
   /// Admits one more sequence into an executing request with no pending work; binds only the
-  /// new resident's row. The sequence joins at the end of the batch. Inherits the founder's
-  /// lookup and commit policy and cache salt.
+  /// new resident's row. The sequence joins at the end of the batch. Unless the admission sets
+  /// its own lookup policy it inherits the request's (the batch policy of beginRequest); the
+  /// commit policy is the request's. Salt and adapter come with the admission's key extras.
   AdmitSequenceResult admitSequence(RequestHandle& handle,
                                     ContextCacheSequenceAdmission const& admission,
                                     DecodingKvHeadroom const& headroom);
