@@ -283,9 +283,12 @@ bool ContextCacheRequest::completeDecodeStep(DecodingInferenceContext const& con
       completed.push_back(static_cast<int32_t>(i));
     }
   }
+  // Only once the coordinator accepted the step: a rejected (throwing) call leaves the step
+  // prepared, so the runtime can retry with corrected progress.
+  ContextCacheStatus const status =
+      mCoordinator->completeDecodeStep(mHandle, advances, completed, commonStateLengths);
   mPreparedCounts.reset();
-  return check(mCoordinator->completeDecodeStep(mHandle, advances, completed, commonStateLengths),
-               "completeDecodeStep");
+  return check(status, "completeDecodeStep");
 }
 
 bool ContextCacheRequest::beginBatchCompaction(std::vector<int32_t> const& oldToNew,
