@@ -472,8 +472,10 @@ RequestOutcome ReferenceEngine::run(EngineRequest const& request,
     if (!ok || run.rows.empty()) {
       break;
     }
-    ok = tryJoins();
-    if (!ok) {
+    // A joiner can finish on its lookahead token: compact it away before the next step (a row
+    // that finished without a new token may only be cancelled or errored).
+    ok = tryJoins() && compactFinished();
+    if (!ok || run.rows.empty()) {
       break;
     }
     bool anyRunning = false;
