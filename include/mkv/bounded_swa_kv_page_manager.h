@@ -125,8 +125,11 @@ class BoundedSwaKVPageManager {
   };
 
   /// Throws mkv::Error unless W > 0, the pool and table are consistent (table ids == pool
-  /// pages, sparse-window mode, table width covers the longest sequence, pool >= one sequence's
-  /// admission budget), and every length pool's batch capacity covers the table's rows.
+  /// pages, same device, sparse-window mode, pool >= one sequence's admission budget), every
+  /// length pool's batch capacity covers the table's rows, and the recurrent pool (when given)
+  /// has a row per table row. The table width (maxPagesPerSeq * P tokens, absolute positions)
+  /// bounds how long a sequence may grow: prefill rejects longer prompts and a decode step past
+  /// it returns kRequestFailed.
   BoundedSwaKVPageManager(BoundedSwaConfig const& config, BoundedSwaResources resources,
                           cudaStream_t stream, StreamSynchronizer synchronizer = {});
   /// Terminates the process if a request is still active or quarantined (a lifetime bug that
@@ -173,9 +176,9 @@ class BoundedSwaKVPageManager {
   /// one kernel, synchronises, then returns the dropped pages to the free list. A failed
   /// synchronisation: kPoisoned, the request is quarantined and the handle becomes invalid.
   SwaKVCacheStatus compactBatch(RequestHandle& handle);
-  /// Synchronises pending work, clears every row and releases all pages. An invalid handle is
-  /// kOk. kPoisoned when the synchronisation fails (request quarantined) or the manager is
-  /// poisoned.
+  /// Synchronises pending work, clears every row and releases all pages. An invalid handle
+  /// (already finished, or quarantined by a failed compaction) is a no-op. kPoisoned when the
+  /// synchronisation fails (request quarantined) or the manager is poisoned, else kOk.
   SwaKVCacheStatus finish(RequestHandle& handle);
   /// Drains the quarantine: synchronises, releases every quarantined page and clears the poison
   /// when that succeeds. kRequestFailed when requests are still active; kPoisoned when the
