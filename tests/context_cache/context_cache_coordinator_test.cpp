@@ -1,0 +1,783 @@
+// ContextCacheCoordinator (SPEC §8.3, upstream §2.3 / §6.2): prefix reuse over full paged KV on a
+// vanilla attention-only deployment. Every reuse is checked byte-wise by the KV oracle; every
+// test runs on host tensors and again on the GPU when a device is present.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <string>
+#include <variant>
+
+#include "context_cache_test_support.h"
+#include "coordinator_test_rig.h"
+
+namespace mkv::test {
+namespace {
+
+using Handle = ContextCacheCoordinator::RequestHandle;
+constexpr ContextCacheStatus kOk = ContextCacheStatus::kOk;
+
+class ContextCacheCoordinatorTest : public DeviceTest {};
+
+/// Publishes `prompt` through a one-sequence request on slot 0 (prefill publication only).
+void publish(CoordinatorRig& rig, std::vector<int32_t> const& prompt) {
+  Seq seq(prompt, 0);
+  Handle handle = rig.admit({&seq});
+  ASSERT_EQ(rig.prefill(handle, {&seq}), kOk);
+  ASSERT_EQ(rig.coordinator.finish(handle), kOk);
+}
+
+std::vector<Hash128> keysOf(std::vector<int32_t> const& tokens, int32_t pageSize = 128) {
+  return hashFullBlocks(PromptView{tokens, {}, {}}, pageSize);
+}
+
+TEST_P(ContextCacheCoordinatorTest, PublishesColdPrefixAndReusesLongestFullBlock) {
+  CoordinatorRig rig(device());
+  std::vector<int32_t> const prompt = tokenRun(129, 100);
+  Seq cold(prompt, 0);
+  std::vector<int32_t> starts;
+  Handle first = rig.admit({&cold}, &starts);
+  EXPECT_EQ(starts, std::vector<int32_t>{0});
+  ASSERT_EQ(rig.prefill(first, {&cold}), kOk);
+  ASSERT_EQ(rig.coordinator.finish(first), kOk);
+
+  ContextCacheMetrics metrics = rig.coordinator.metrics();
+  EXPECT_EQ(metrics.publishedRecords, 1u);
+  EXPECT_EQ(metrics.records, 1);
+  EXPECT_EQ(metrics.indexedBlocks, 1);  // 129 tokens: one full block, the tail stays private
+  EXPECT_EQ(metrics.missCount(MissReason::kNoPrefix), 1u);
+  std::vector<CacheRecord> const records = rig.records();
+  ASSERT_EQ(records.size(), 1u);
+  EXPECT_EQ(records[0].key.fullBlockCount, 1);
+  EXPECT_EQ(records[0].logicalBlockDigests, keysOf(prompt));
+
+  Seq warm(joined(prompt, {7}), 1);
+  Handle second = rig.admit({&warm}, &starts);
+  EXPECT_EQ(starts, std::vector<int32_t>{128});
+  ASSERT_EQ(rig.coordinator.basePages(second, 0).size(), 2u);  // 130 + 1 headroom
+  EXPECT_EQ(rig.coordinator.basePages(second, 0)[0], records[0].basePagePath[0]);
+  ASSERT_EQ(rig.prefill(second, {&warm}), kOk);  // verifies the reused 128 positions
+  EXPECT_TRUE(rig.verify(warm).ok());
+  metrics = rig.coordinator.metrics();
+  EXPECT_EQ(metrics.hits, 1u);
+  EXPECT_EQ(metrics.matchedTokens, 128u);
+  EXPECT_EQ(metrics.reusedTokens, 128u);
+  ASSERT_EQ(rig.coordinator.finish(second), kOk);
+  rig.expectQuiescent();
+}
+
+TEST_P(ContextCacheCoordinatorTest, AdmissionBindsOnlyTheSchedulerOwnedResidentRow) {
+  CoordinatorRig rig(device());
+  Seq seq(tokenRun(200, 5), 2);
+  seq.resident = ResidentRef{2, 7};
+  Handle handle = rig.admit({&seq});
+  std::vector<PageId> const pages(rig.coordinator.basePages(handle, 0).begin(),
+                                  rig.coordinator.basePages(handle, 0).end());
+  ASSERT_EQ(pages.size(), 2u);
+  rig.coordinator.preparePrefill(handle);
+  EXPECT_EQ(rig.mirroredPages(2), pages);
+  EXPECT_TRUE(rig.mirroredPages(0).empty());
+  EXPECT_TRUE(rig.mirroredPages(1).empty());
+  EXPECT_EQ(rig.kvLengths(), std::vector<int32_t>{0});
+  ASSERT_EQ(rig.coordinator.finish(handle), kOk);
+  EXPECT_TRUE(rig.mirroredPages(2).empty()) << "finish clears the resident row";
+  rig.expectQuiescent();
+}
+
+TEST_P(ContextCacheCoordinatorTest, ExactFullInputHitReportsTheMatchButRewindsExecution) {
+  CoordinatorRig rig(device());
+  std::vector<int32_t> const prompt = tokenRun(128, 40);
+  publish(rig, prompt);
+  ContextCacheMetrics const before = rig.coordinator.metrics();
+  Seq again(prompt, 1);
+  std::vector<int32_t> starts;
+  Handle handle = rig.admit({&again}, &starts);
+  EXPECT_EQ(starts, std::vector<int32_t>{0}) << "the last token must be recomputed for logits";
+  ContextCacheMetrics const after = rig.coordinator.metrics();
+  EXPECT_EQ(after.fullInputRewinds, before.fullInputRewinds + 1);
+  EXPECT_EQ(after.matchedTokens, before.matchedTokens + 128);
+  EXPECT_EQ(after.reusedTokens, before.reusedTokens);
+  EXPECT_EQ(after.hits, before.hits + 1);
+  ASSERT_EQ(rig.prefill(handle, {&again}), kOk);
+  EXPECT_TRUE(rig.verify(again).ok());
+  EXPECT_EQ(rig.coordinator.metrics().existingRecordsTouched, before.existingRecordsTouched + 1);
+  EXPECT_EQ(rig.coordinator.metrics().records, 1);
+  ASSERT_EQ(rig.coordinator.finish(handle), kOk);
+  rig.expectQuiescent();
+}
+
+/// Forges a digest collision through the manager's publication seam: `content`'s KV (written by
+/// the oracle) is published under the block keys of `victim`. The manager is owned non-const by
+/// the coordinator, so the const_cast is well defined; tests only.
+void publishUnderForeignKeys(CoordinatorRig& rig, std::vector<int32_t> const& content,
+                             std::vector<Hash128> const& keys) {
+  auto& manager = const_cast<ContextCacheManager&>(rig.manager());
+  LookupRequest lookup;
+  lookup.prompt = PromptView{content, {}, {}};
+  lookup.policy = ContextCacheLookupPolicy::kBypass;
+  lookup.baseExtraTokens = 1;
+  AdmissionResult acquired = manager.acquireWithFallback(lookup);
+  ASSERT_TRUE(acquired.lease.has_value());
+  CacheSlot const slot = rig.options.maxBatch - 1;
+  rig.table.setRow(slot, acquired.lease->basePages());
+  rig.table.uploadDirty(nullptr);
+  testing::PrefixDigests digests;
+  digests.extendTokens(content);
+  rig.oracle.write(slot, digests, 0, static_cast<int64_t>(content.size()));
+  PromptBlocks forged = hashPromptBlocks(PromptView{content, {}, {}}, rig.options.pageSize);
+  ASSERT_LE(keys.size(), forged.keys.size());
+  std::copy(keys.begin(), keys.end(), forged.keys.begin());
+  PublishResult const published =
+      manager.publish(*acquired.lease, forged, static_cast<int32_t>(content.size()));
+  ASSERT_EQ(published.status, PublishStatus::kPublished);
+  acquired.lease->release();
+  rig.table.clearRow(slot);
+  rig.table.uploadDirty(nullptr);
+}
+
+TEST_P(ContextCacheCoordinatorTest, DigestCollisionNeverHandsOutAnotherPromptsKv) {
+  CoordinatorRig rig(device());
+  std::vector<int32_t> const victim = tokenRun(129, 100);
+  std::vector<int32_t> const other = tokenRun(129, 9000);
+  publishUnderForeignKeys(rig, other, keysOf(victim));
+  ASSERT_TRUE(rig.manager().index().find(keysOf(victim)[0]).has_value());
+
+  Seq seq(victim, 0);
+  std::vector<int32_t> starts;
+  Handle handle = rig.admit({&seq}, &starts);
+  EXPECT_EQ(starts, std::vector<int32_t>{0}) << "a verified-away digest hit is a miss";
+  EXPECT_GE(rig.coordinator.metrics().verificationRejects, 1u);
+  ASSERT_EQ(rig.prefill(handle, {&seq}), kOk);
+  testing::OracleReport const report = rig.verify(seq);
+  EXPECT_TRUE(report.ok()) << report.firstMismatch;
+  EXPECT_EQ(rig.coordinator.metrics().rejectedPublications, 1u)
+      << "the victim's own publication must not overwrite the first committer either";
+  ASSERT_EQ(rig.coordinator.finish(handle), kOk);
+  rig.expectQuiescent();
+}
+
+TEST_P(ContextCacheCoordinatorTest, WithoutVerificationTheForgedCollisionIsCaughtByTheOracle) {
+  // Control of the test above: the seam really produces a colliding entry, and reusing it
+  // would be data corruption that the oracle reports.
+  RigOptions options;
+  options.verifyTokens = false;
+  CoordinatorRig rig(device(), options);
+  std::vector<int32_t> const victim = tokenRun(129, 100);
+  publishUnderForeignKeys(rig, tokenRun(129, 9000), keysOf(victim));
+  Seq seq(victim, 0);
+  std::vector<int32_t> starts;
+  Handle handle = rig.admit({&seq}, &starts);
+  EXPECT_EQ(starts, std::vector<int32_t>{128});
+  rig.coordinator.preparePrefill(handle);
+  EXPECT_EQ(rig.oracle.verify(0, seq.digests, 0, 128).mismatches, 128);
+  ASSERT_EQ(rig.coordinator.finish(handle), kOk);
+}
+
+TEST_P(ContextCacheCoordinatorTest, LongestPrefixStopsAtTheFirstMissingBlock) {
+  RigOptions options;
+  options.verifyTokens = false;  // only the hole stops the walk
+  CoordinatorRig rig(device(), options);
+  std::vector<int32_t> const prompt = tokenRun(394, 300);  // 3 full blocks + 10
+  std::vector<Hash128> keys = keysOf(prompt);
+  keys[1] = Hash128{0x1234, 0x5678};  // block 1 is indexed under an unrelated digest
+  publishUnderForeignKeys(rig, prompt, keys);
+  std::vector<Hash128> const real = keysOf(prompt);
+  ASSERT_TRUE(rig.manager().index().find(real[0]).has_value());
+  ASSERT_FALSE(rig.manager().index().find(real[1]).has_value());
+  ASSERT_TRUE(rig.manager().index().find(real[2]).has_value()) << "block 2 is indexed";
+
+  Seq seq(joined(prompt, {1}), 0);
+  std::vector<int32_t> starts;
+  Handle handle = rig.admit({&seq}, &starts);
+  EXPECT_EQ(starts, std::vector<int32_t>{128});
+  ASSERT_EQ(rig.prefill(handle, {&seq}), kOk);
+  EXPECT_TRUE(rig.verify(seq).ok());
+  ASSERT_EQ(rig.coordinator.finish(handle), kOk);
+}
+
+TEST_P(ContextCacheCoordinatorTest, EvictsLruUnderPressureKeepingSharedAncestorsAndPinnedPages) {
+  RigOptions options;
+  options.numPages = 8;
+  options.eventQueueCapacity = 64;
+  CoordinatorRig rig(device(), options);
+  std::vector<int32_t> const s = tokenRun(128, 1000);
+  std::vector<int32_t> const a = joined(joined(s, tokenRun(128, 2000)), {1});
+  std::vector<int32_t> const b = joined(joined(s, tokenRun(128, 3000)), {1});
+  std::vector<int32_t> const c = tokenRun(128, 4000);
+  publish(rig, a);               // R_A = [S, A]
+  publish(rig, b);               // R_B = [S, B], shares S
+  publish(rig, joined(c, {1}));  // R_C = [C]
+  publish(rig, a);               // duplicate: R_A becomes MRU; LRU order is now B, C, A
+  ASSERT_EQ(rig.freePages(), 4);
+  auto recordOf = [&](std::vector<int32_t> const& tokens, int32_t blocks) -> RecordId {
+    CacheRecord const* record = rig.manager().records().find(
+        RecordKey{keysOf(tokens)[static_cast<std::size_t>(blocks - 1)], blocks});
+    return record != nullptr ? record->id : kNoRecord;
+  };
+  RecordId const recordA = recordOf(a, 2);
+  RecordId const recordB = recordOf(b, 2);
+  RecordId const recordC = recordOf(c, 1);
+  PageId const pageS = *rig.manager().index().find(keysOf(s)[0]);
+  PageId const pageA = *rig.manager().index().find(keysOf(a)[1]);
+  PageId const pageB = *rig.manager().index().find(keysOf(b)[1]);
+  PageId const pageC = *rig.manager().index().find(keysOf(c)[0]);
+  (void)rig.coordinator.drainEvents();
+
+  // A live request pins C (reused) and keeps executing while others are admitted.
+  Seq live(joined(c, tokenRun(172, 5000)), 0);
+  std::vector<int32_t> starts;
+  Handle liveHandle = rig.admit({&live}, &starts);
+  ASSERT_EQ(starts, std::vector<int32_t>{128});
+  ASSERT_EQ(rig.prefill(liveHandle, {&live}), kOk);  // publishes R_L = [C, L0] (MRU)
+  ASSERT_EQ(rig.freePages(), 2);
+  (void)rig.coordinator.drainEvents();
+
+  auto bypass = [&](int32_t tokens, CacheSlot slot) {
+    Seq seq(tokenRun(tokens, 7000 + slot), slot);
+    ContextCacheBatchAdmission batch = rig.batchOf({&seq});
+    batch.lookupPolicy = ContextCacheLookupPolicy::kBypass;
+    return rig.begin(batch);
+  };
+  auto removedPages = [&]() {
+    std::vector<PageId> pages;
+    for (KvEvent const& event : rig.coordinator.drainEvents()) {
+      if (auto const* removed = std::get_if<BlockRemoved>(&event)) {
+        pages.push_back(removed->page);
+      }
+    }
+    std::sort(pages.begin(), pages.end());
+    return pages;
+  };
+
+  // 3 pages, 2 free: the LRU record R_B goes; S survives through R_A.
+  {
+    auto first = bypass(300, 1);
+    ASSERT_EQ(first.status, kOk);
+    EXPECT_FALSE(rig.hasRecord(recordB));
+    EXPECT_TRUE(rig.hasRecord(recordC));
+    EXPECT_TRUE(rig.hasRecord(recordA));
+    EXPECT_EQ(removedPages(), std::vector<PageId>{pageB});
+    EXPECT_EQ(rig.cacheRefs(pageS), 1) << "shared ancestor kept by R_A";
+    LookupRequest lookup;
+    std::vector<int32_t> const reader = joined(a, {5});
+    lookup.prompt = PromptView{reader, {}, {}};
+    lookup.baseExtraTokens = 1;
+    EXPECT_EQ(rig.manager().lookup(lookup).plan.reuseTokenLength, 256);
+    ASSERT_EQ(rig.coordinator.finish(first.admission->request), kOk);
+  }
+  // 4 pages, 3 free: R_C is next but its page is pinned by the live request, so R_A goes too.
+  auto second = bypass(400, 2);
+  ASSERT_EQ(second.status, kOk);
+  EXPECT_FALSE(rig.hasRecord(recordC));
+  EXPECT_FALSE(rig.hasRecord(recordA));
+  std::vector<PageId> expected{pageS, pageA};
+  std::sort(expected.begin(), expected.end());
+  EXPECT_EQ(removedPages(), expected);
+  EXPECT_EQ(rig.activeRefs(pageC), 1);
+  EXPECT_TRUE(rig.manager().index().find(keysOf(c)[0]).has_value()) << "R_L still holds C";
+  EXPECT_EQ(rig.coordinator.metrics().evictedRecords, 3u);
+  EXPECT_EQ(rig.coordinator.metrics().reclaimed(ResourceType::kBaseKvPage), 3u);
+
+  // Nothing reclaimable is left (R_L's pages are pinned): an admission is refused and changes
+  // nothing.
+  ManagerState const state = captureState(rig.manager());
+  std::vector<std::vector<int32_t>> rows;
+  for (CacheSlot slot = 0; slot < 3; ++slot) {
+    rows.push_back(rig.hostRow(slot));
+  }
+  Seq refused(tokenRun(200, 9100), 1);
+  auto const before = rig.coordinator.counters().refusedRequests;
+  EXPECT_EQ(rig.begin(rig.batchOf({&refused})).status, ContextCacheStatus::kRequestFailed);
+  EXPECT_EQ(rig.coordinator.counters().refusedRequests, before + 1);
+  EXPECT_EQ(captureState(rig.manager()), state);
+  for (CacheSlot slot = 0; slot < 3; ++slot) {
+    EXPECT_EQ(rig.hostRow(slot), rows[static_cast<std::size_t>(slot)]);
+    EXPECT_EQ(rig.deviceRow(slot), rows[static_cast<std::size_t>(slot)]);
+  }
+  EXPECT_TRUE(removedPages().empty());
+
+  // The live request's KV survived every eviction.
+  for (int step = 0; step < 3; ++step) {
+    ASSERT_EQ(rig.decode(liveHandle, {&live}), kOk);
+  }
+  testing::OracleReport const report = rig.verify(live);
+  EXPECT_TRUE(report.ok()) << report.firstMismatch;
+  EXPECT_EQ(report.positionsChecked, 303);
+  ASSERT_EQ(rig.coordinator.finish(second.admission->request), kOk);
+  ASSERT_EQ(rig.coordinator.finish(liveHandle), kOk);
+  rig.expectQuiescent();
+  expectManagerInvariants(rig.manager());
+}
+
+TEST_P(ContextCacheCoordinatorTest, InfeasibleBatchAdmissionChangesNothing) {
+  // Two records are reclaimable, a bystander holds two private pages, two pages are free. The
+  // batch's first sequence alone could evict its way in, the whole batch cannot: refused with
+  // nothing evicted.
+  RigOptions options;
+  options.numPages = 8;
+  CoordinatorRig rig(device(), options);
+  publish(rig, tokenRun(257, 100));
+  publish(rig, tokenRun(257, 900));
+  Seq bystander(tokenRun(200, 5000), 2);
+  Handle held = rig.admit({&bystander});
+  ASSERT_EQ(rig.freePages(), 2);
+  ManagerState const state = captureState(rig.manager());
+  ContextCacheMetrics const before = rig.coordinator.metrics();
+  Seq first(tokenRun(300, 7000), 0);
+  Seq second(tokenRun(400, 8000), 1);
+  ContextCacheBatchAdmission batch = rig.batchOf({&first, &second});
+  batch.lookupPolicy = ContextCacheLookupPolicy::kBypass;
+  EXPECT_EQ(rig.begin(batch).status, ContextCacheStatus::kRequestFailed);
+  EXPECT_EQ(captureState(rig.manager()), state);
+  ContextCacheMetrics const after = rig.coordinator.metrics();
+  EXPECT_EQ(after.evictedRecords, before.evictedRecords);
+  EXPECT_EQ(after.records, before.records);
+  EXPECT_EQ(after.indexedBlocks, before.indexedBlocks);
+  EXPECT_EQ(after.freeResources, before.freeResources);
+  EXPECT_TRUE(rig.mirroredPages(0).empty());
+  EXPECT_TRUE(rig.mirroredPages(1).empty());
+  // The same residents are free for a batch that fits.
+  Seq small(tokenRun(100, 7000), 0);
+  Handle fits = rig.admit({&small});
+  ASSERT_EQ(rig.coordinator.finish(fits), kOk);
+  ASSERT_EQ(rig.coordinator.finish(held), kOk);
+  rig.expectQuiescent();
+}
+
+TEST_P(ContextCacheCoordinatorTest, RecordLimitEvictsTheLruRecord) {
+  RigOptions options;
+  options.maxRecords = 2;
+  CoordinatorRig rig(device(), options);
+  std::vector<int32_t> const first = tokenRun(129, 100);
+  publish(rig, first);
+  publish(rig, tokenRun(129, 1100));
+  publish(rig, tokenRun(129, 2100));
+  ContextCacheMetrics const metrics = rig.coordinator.metrics();
+  EXPECT_EQ(metrics.records, 2);
+  EXPECT_EQ(metrics.evictedRecords, 1u);
+  EXPECT_FALSE(rig.manager().index().find(keysOf(first)[0]).has_value());
+  Seq again(first, 0);
+  std::vector<int32_t> starts;
+  Handle handle = rig.admit({&again}, &starts);
+  EXPECT_EQ(starts, std::vector<int32_t>{0});
+  EXPECT_EQ(rig.coordinator.metrics().missCount(MissReason::kEvicted), 1u);
+  ASSERT_EQ(rig.coordinator.finish(handle), kOk);
+  rig.expectQuiescent();
+}
+
+TEST_P(ContextCacheCoordinatorTest, RecordLimitZeroKeepsNothing) {
+  RigOptions options;
+  options.maxRecords = 0;
+  CoordinatorRig rig(device(), options);
+  std::vector<int32_t> const prompt = tokenRun(300, 100);
+  publish(rig, prompt);
+  EXPECT_EQ(rig.coordinator.metrics().records, 0);
+  EXPECT_EQ(rig.coordinator.metrics().indexedBlocks, 0);
+  EXPECT_EQ(rig.freePages(), options.numPages);
+  Seq again(prompt, 0);
+  std::vector<int32_t> starts;
+  Handle handle = rig.admit({&again}, &starts);
+  EXPECT_EQ(starts, std::vector<int32_t>{0});
+  ASSERT_EQ(rig.coordinator.finish(handle), kOk);
+  rig.expectQuiescent();
+}
+
+TEST_P(ContextCacheCoordinatorTest, DuplicatePublicationKeepsTheFirstProducer) {
+  CoordinatorRig rig(device());
+  std::vector<int32_t> const prompt = tokenRun(129, 100);
+  Seq one(prompt, 0);
+  Seq two(prompt, 1);
+  Handle handle = rig.admit({&one, &two});
+  PageId const firstProducer = rig.coordinator.basePages(handle, 0)[0];
+  PageId const secondProducer = rig.coordinator.basePages(handle, 1)[0];
+  ASSERT_NE(firstProducer, secondProducer);
+  ASSERT_EQ(rig.prefill(handle, {&one, &two}), kOk);
+  ContextCacheMetrics const metrics = rig.coordinator.metrics();
+  EXPECT_EQ(metrics.publishedRecords, 1u);
+  EXPECT_EQ(metrics.existingRecordsTouched, 1u);
+  EXPECT_EQ(rig.records().at(0).basePagePath, std::vector<PageId>{firstProducer});
+  EXPECT_EQ(rig.cacheRefs(secondProducer), 0) << "the duplicate stays private to its lease";
+  ASSERT_EQ(rig.coordinator.finish(handle), kOk);
+  EXPECT_EQ(rig.freePages(), rig.options.numPages - 1);
+
+  Seq reader(joined(prompt, {3}), 2);
+  Handle readerHandle = rig.admit({&reader});
+  EXPECT_EQ(rig.coordinator.basePages(readerHandle, 0)[0], firstProducer);
+  ASSERT_EQ(rig.prefill(readerHandle, {&reader}), kOk);
+  ASSERT_EQ(rig.coordinator.finish(readerHandle), kOk);
+  rig.expectQuiescent();
+}
+
+TEST_P(ContextCacheCoordinatorTest, DecodePublicationIncludesTheGeneratedPageBoundary) {
+  CoordinatorRig rig(device());
+  Seq seq(tokenRun(255, 100), 0);
+  Handle handle = rig.admit({&seq});
+  ASSERT_EQ(rig.prefill(handle, {&seq}), kOk);
+  EXPECT_EQ(rig.coordinator.metrics().indexedBlocks, 1);
+  ASSERT_EQ(rig.decode(handle, {&seq}, {0}), kOk);  // lookahead KV written: 256 committed
+  EXPECT_EQ(rig.coordinator.committedLength(handle, 0), 256);
+  std::vector<CacheRecord> const records = rig.records();
+  ASSERT_EQ(records.size(), 2u);
+  EXPECT_EQ(records.back().key.fullBlockCount, 2);
+  EXPECT_EQ(rig.coordinator.counters().decodePublications, 1u);
+  ASSERT_EQ(rig.coordinator.finish(handle), kOk);
+
+  Seq reader(joined(std::vector<int32_t>(seq.tokens.begin(), seq.tokens.begin() + 256), {42}), 1);
+  std::vector<int32_t> starts;
+  Handle readerHandle = rig.admit({&reader}, &starts);
+  EXPECT_EQ(starts, std::vector<int32_t>{256});
+  ASSERT_EQ(rig.prefill(readerHandle, {&reader}), kOk);  // oracle: generated token's KV reused
+  ASSERT_EQ(rig.coordinator.finish(readerHandle), kOk);
+  rig.expectQuiescent();
+}
+
+TEST_P(ContextCacheCoordinatorTest, PrefillStateOnlyPublishesNothingAtDecodeEnd) {
+  CoordinatorRig rig(device());
+  Seq seq(tokenRun(255, 100), 0);
+  ContextCacheBatchAdmission batch = rig.batchOf({&seq});
+  batch.commitPolicy = ContextCacheCommitPolicy::kPrefillStateOnly;
+  auto begun = rig.begin(batch);
+  ASSERT_EQ(begun.status, kOk);
+  Handle handle = std::move(begun.admission->request);
+  ASSERT_EQ(rig.prefill(handle, {&seq}), kOk);
+  ContextCacheMetrics const before = rig.coordinator.metrics();
+  EXPECT_EQ(before.publishedRecords, 1u);
+  ASSERT_EQ(rig.decode(handle, {&seq}, {0}), kOk);
+  ContextCacheMetrics const after = rig.coordinator.metrics();
+  EXPECT_EQ(after.publishedRecords, 1u);
+  EXPECT_EQ(after.existingRecordsTouched, before.existingRecordsTouched);
+  EXPECT_EQ(after.records, 1);
+  EXPECT_EQ(rig.coordinator.counters().decodePublications, 0u);
+  ASSERT_EQ(rig.coordinator.finish(handle), kOk);
+  rig.expectQuiescent();
+}
+
+TEST_P(ContextCacheCoordinatorTest, BatchAppliesTheLookupPolicyPerSequence) {
+  CoordinatorRig rig(device());
+  std::vector<int32_t> const prompt = tokenRun(129, 100);
+  publish(rig, prompt);
+  ContextCacheMetrics const before = rig.coordinator.metrics();
+  Seq bypassed(joined(prompt, {1}), 0);
+  Seq cached(joined(prompt, {2}), 1);
+  ContextCacheBatchAdmission batch = rig.batchOf({&bypassed, &cached});
+  batch.sequences[0].lookupPolicy = ContextCacheLookupPolicy::kBypass;
+  auto begun = rig.begin(batch);
+  ASSERT_EQ(begun.status, kOk);
+  EXPECT_EQ(begun.admission->prefillStarts, (std::vector<int32_t>{0, 128}));
+  ContextCacheMetrics const after = rig.coordinator.metrics();
+  EXPECT_EQ(after.bypasses, before.bypasses + 1);
+  EXPECT_EQ(after.hits, before.hits + 1);
+  ASSERT_EQ(rig.prefill(begun.admission->request, {&bypassed, &cached}), kOk);
+  ASSERT_EQ(rig.coordinator.finish(begun.admission->request), kOk);
+  rig.expectQuiescent();
+}
+
+TEST_P(ContextCacheCoordinatorTest, BypassUsesManagedPagesAndPublishesNothing) {
+  CoordinatorRig rig(device());
+  std::vector<int32_t> const prompt = tokenRun(255, 100);
+  Seq seq(prompt, 1);
+  ContextCacheBatchAdmission batch = rig.batchOf({&seq});
+  batch.lookupPolicy = ContextCacheLookupPolicy::kBypass;
+  auto begun = rig.begin(batch);
+  ASSERT_EQ(begun.status, kOk);
+  Handle handle = std::move(begun.admission->request);
+  EXPECT_EQ(rig.freePages(), rig.options.numPages - 2);
+  ASSERT_EQ(rig.prefill(handle, {&seq}), kOk);
+  EXPECT_EQ(rig.mirroredPages(1).size(), 2u);
+  ASSERT_EQ(rig.decode(handle, {&seq}, {0}), kOk);
+  EXPECT_TRUE(rig.verify(seq).ok());
+  EXPECT_EQ(rig.coordinator.metrics().publishedRecords, 0u);
+  EXPECT_EQ(rig.coordinator.metrics().indexedBlocks, 0);
+  ASSERT_EQ(rig.coordinator.finish(handle), kOk);
+  Seq reader(joined(prompt, {1, 2}), 0);
+  std::vector<int32_t> starts;
+  Handle readerHandle = rig.admit({&reader}, &starts);
+  EXPECT_EQ(starts, std::vector<int32_t>{0});
+  EXPECT_EQ(rig.coordinator.metrics().missCount(MissReason::kNoPrefix), 1u);
+  ASSERT_EQ(rig.coordinator.finish(readerHandle), kOk);
+  rig.expectQuiescent();
+}
+
+TEST_P(ContextCacheCoordinatorTest, HoldSentinelIsLegalButAZeroAdvanceWithALengthThrows) {
+  CoordinatorRig rig(device());
+  Seq running(tokenRun(100, 1), 0);
+  Seq cancelled(tokenRun(255, 1000), 1);
+  Handle handle = rig.admit({&running, &cancelled});
+  ASSERT_EQ(rig.prefill(handle, {&running, &cancelled}), kOk);
+  ASSERT_EQ(rig.coordinator.prepareDecodeStep(handle, kVanilla), kOk);
+  ContextCacheSequenceAdvance const advance = rig.executeDecode(running, 0);
+  std::vector<ContextCacheSequenceAdvance> bad{advance, {nullptr, 0, cancelled.promptLength}};
+  EXPECT_TRUE(throwsError(
+      [&] { rig.coordinator.completeDecodeStep(handle, bad, std::span<int32_t const>{}); },
+      {"completeDecodeStep", "hold sentinel"}));
+  std::vector<ContextCacheSequenceAdvance> good{advance, {nullptr, 0, kHoldCommittedStateLength}};
+  EXPECT_EQ(rig.coordinator.completeDecodeStep(handle, good, std::span<int32_t const>{}), kOk);
+  EXPECT_EQ(rig.coordinator.committedLength(handle, 1), 255);
+  EXPECT_EQ(rig.coordinator.committedLength(handle, 0), 101);
+  ASSERT_EQ(rig.coordinator.finish(handle), kOk);
+  rig.expectQuiescent();
+}
+
+TEST_P(ContextCacheCoordinatorTest, RejectsMalformedProgressBeforeMutation) {
+  CoordinatorRig rig(device());
+  Seq seq(tokenRun(255, 100), 0);
+  Handle handle = rig.admit({&seq});
+  rig.coordinator.preparePrefill(handle);
+  rig.executePrefill(seq, 0, 0);
+  seq.sample();
+  std::vector<ContextCacheSequenceAdvance> advances{{&seq.tokens.back(), 1, 254}};
+  EXPECT_TRUE(throwsError([&] { rig.coordinator.finalizePrefillPublication(handle, advances); },
+                          {"finalizePrefillPublication", "254"}));
+  EXPECT_EQ(rig.coordinator.committedLength(handle, 0), 0);
+  EXPECT_EQ(rig.coordinator.metrics().publishedRecords, 0u);
+  advances[0].committedStateLength = 255;
+  ASSERT_EQ(rig.coordinator.finalizePrefillPublication(handle, advances), kOk);
+  EXPECT_EQ(rig.coordinator.metrics().publishedRecords, 1u);
+
+  ASSERT_EQ(rig.coordinator.prepareDecodeStep(handle, kVanilla), kOk);
+  ContextCacheSequenceAdvance step = rig.executeDecode(seq, 0);
+  step.committedStateLength += 1;
+  std::vector<ContextCacheSequenceAdvance> wrong{step};
+  std::vector<int32_t> const completed{0};
+  EXPECT_TRUE(throwsError([&] { rig.coordinator.completeDecodeStep(handle, wrong, completed); },
+                          {"completeDecodeStep", "257"}));
+  EXPECT_EQ(rig.coordinator.committedLength(handle, 0), 255);
+  EXPECT_EQ(rig.coordinator.metrics().publishedRecords, 1u);
+  wrong[0].committedStateLength = 256;
+  ASSERT_EQ(rig.coordinator.completeDecodeStep(handle, wrong, completed), kOk);
+  EXPECT_EQ(rig.coordinator.committedLength(handle, 0), 256);
+  EXPECT_EQ(rig.coordinator.metrics().publishedRecords, 2u);
+  ASSERT_EQ(rig.coordinator.finish(handle), kOk);
+}
+
+TEST_P(ContextCacheCoordinatorTest, CompactionRejectsSurvivorReordering) {
+  CoordinatorRig rig(device());
+  Seq a(tokenRun(50, 1), 0);
+  Seq b(tokenRun(60, 100), 1);
+  Handle handle = rig.admit({&a, &b});
+  ASSERT_EQ(rig.prefill(handle, {&a, &b}), kOk);
+  Tensor mapping({3}, DataType::kInt32, device());
+  std::vector<int32_t> const reordered{1, 0};
+  EXPECT_TRUE(
+      throwsError([&] { rig.coordinator.beginBatchCompaction(handle, reordered, 2, mapping); },
+                  {"beginBatchCompaction", "order"}));
+  // Nothing was staged: the request still decodes and a valid compaction works.
+  ASSERT_EQ(rig.decode(handle, {&a, &b}), kOk);
+  std::vector<int32_t> const dropFirst{-1, 0};
+  rig.coordinator.beginBatchCompaction(handle, dropFirst, 1, mapping);
+  EXPECT_EQ(readAs<int32_t>(mapping), dropFirst);
+  ASSERT_EQ(rig.coordinator.compactBatch(handle), kOk);
+  EXPECT_EQ(rig.coordinator.batchSize(handle), 1);
+  EXPECT_EQ(rig.kvLengths(), std::vector<int32_t>{61});
+  ASSERT_EQ(rig.coordinator.finish(handle), kOk);
+  rig.expectQuiescent();
+}
+
+/// Which synchronisation point fails in the poison tests.
+enum class FailingSync { kAbandonment, kFinish, kCompaction };
+
+TEST_P(ContextCacheCoordinatorTest, EveryFailedSynchronisationPoisonsAndShutdownFreesEveryPage) {
+  for (FailingSync point :
+       {FailingSync::kAbandonment, FailingSync::kFinish, FailingSync::kCompaction}) {
+    SCOPED_TRACE(static_cast<int>(point));
+    CoordinatorRig rig(device());
+    publish(rig, tokenRun(129, 100));
+    Seq a(tokenRun(200, 100), 0);
+    Seq b(tokenRun(300, 5000), 1);
+    {
+      Handle handle = rig.admit({&a, &b});
+      ASSERT_EQ(rig.prefill(handle, {&a, &b}), kOk);
+      Tensor mapping({3}, DataType::kInt32, device());
+      rig.sync->failures = 1;
+      if (point == FailingSync::kAbandonment) {
+        ASSERT_EQ(rig.coordinator.prepareDecodeStep(handle, kVanilla), kOk);  // work pending
+      } else if (point == FailingSync::kFinish) {
+        ASSERT_EQ(rig.coordinator.prepareDecodeStep(handle, kVanilla), kOk);
+        EXPECT_EQ(rig.coordinator.finish(handle), ContextCacheStatus::kPoisoned);
+        EXPECT_FALSE(handle.valid());
+      } else {
+        std::vector<int32_t> const dropSecond{0, -1};
+        rig.coordinator.beginBatchCompaction(handle, dropSecond, 1, mapping);
+        EXPECT_EQ(rig.coordinator.compactBatch(handle), ContextCacheStatus::kPoisoned);
+        EXPECT_FALSE(handle.valid());
+      }
+    }  // abandonment (or nothing left to abandon)
+    EXPECT_EQ(rig.sync->failures, 0) << "the injected failure was consumed";
+    EXPECT_TRUE(rig.coordinator.poisoned());
+    EXPECT_EQ(rig.coordinator.quarantinedRequestCount(), 1);
+    EXPECT_EQ(rig.coordinator.activeRequestCount(), 0);
+    EXPECT_GT(rig.manager().liveLeaseCount(), 0) << "quarantined pages stay leased";
+    // The runtime hands the (quarantined) resident 0 out again: poisoned, not a contract error.
+    Seq next(tokenRun(100, 1), 0);
+    ContextCacheStatus status = kOk;
+    EXPECT_NO_THROW(status = rig.begin(rig.batchOf({&next})).status);
+    EXPECT_EQ(status, ContextCacheStatus::kPoisoned);
+    EXPECT_EQ(rig.coordinator.shutdown(), kOk);
+    EXPECT_FALSE(rig.coordinator.poisoned());
+    EXPECT_EQ(rig.coordinator.quarantinedRequestCount(), 0);
+    rig.expectQuiescent();
+    EXPECT_TRUE(rig.mirroredPages(0).empty());
+    EXPECT_TRUE(rig.mirroredPages(1).empty());
+    Handle after = rig.admit({&next});
+    ASSERT_EQ(rig.coordinator.finish(after), kOk);
+  }
+}
+
+TEST_P(ContextCacheCoordinatorTest, ShutdownDrainsEveryQuarantinedRequest) {
+  CoordinatorRig rig(device());
+  Seq a(tokenRun(200, 100), 0);
+  Seq b(tokenRun(300, 5000), 1);
+  {
+    Handle first = rig.admit({&a});
+    Handle second = rig.admit({&b});
+    rig.coordinator.preparePrefill(first);
+    rig.sync->failures = 1;
+    first = Handle{};  // abandoned with pending work: the sync fails
+    EXPECT_EQ(rig.coordinator.quarantinedRequestCount(), 1);
+    rig.coordinator.preparePrefill(second);
+    rig.sync->failures = 1;
+  }  // second abandoned, its sync fails too
+  EXPECT_EQ(rig.coordinator.quarantinedRequestCount(), 2);
+  EXPECT_EQ(rig.freePages(), rig.options.numPages - 5);
+  rig.sync->failures = 1;
+  EXPECT_EQ(rig.coordinator.shutdown(), ContextCacheStatus::kPoisoned) << "a failed drain";
+  EXPECT_EQ(rig.coordinator.quarantinedRequestCount(), 2);
+  EXPECT_EQ(rig.coordinator.shutdown(), kOk);
+  EXPECT_EQ(rig.coordinator.quarantinedRequestCount(), 0);
+  EXPECT_EQ(rig.freePages(), rig.options.numPages);
+  rig.expectQuiescent();
+}
+
+TEST_P(ContextCacheCoordinatorTest, ConcurrentRequestsOverlapButOnlyOneExecutes) {
+  CoordinatorRig rig(device());
+  Seq a(tokenRun(200, 100), 0);
+  Seq b(tokenRun(300, 5000), 1);
+  Handle first = rig.admit({&a});
+  Handle second = rig.admit({&b});
+  EXPECT_EQ(rig.coordinator.activeRequestCount(), 2);
+  ASSERT_EQ(rig.prefill(first, {&a}), kOk);
+  EXPECT_TRUE(throwsError([&] { rig.coordinator.preparePrefill(second); },
+                          {"preparePrefill", "executing"}));
+  ASSERT_EQ(rig.decode(first, {&a}), kOk);
+  ASSERT_EQ(rig.coordinator.finish(first), kOk);
+  ASSERT_EQ(rig.prefill(second, {&b}), kOk);
+  EXPECT_TRUE(rig.verify(b).ok());
+  ASSERT_EQ(rig.coordinator.finish(second), kOk);
+  EXPECT_EQ(rig.coordinator.shutdown(), kOk);
+  rig.expectQuiescent();
+}
+
+TEST_P(ContextCacheCoordinatorTest, OversizedPromptThrowsAndLeavesNothingHeld) {
+  CoordinatorRig rig(device());
+  Seq fits(tokenRun(100, 1), 0);
+  Seq oversized(tokenRun(512, 1), 1);  // 512 + 1 headroom needs 5 pages of a 4-page row
+  EXPECT_TRUE(throwsError(
+      [&] {
+        rig.begin(rig.batchOf({&fits, &oversized}));
+      },
+      {"beginRequest", "5 pages"}));
+  EXPECT_EQ(rig.coordinator.activeRequestCount(), 0);
+  EXPECT_EQ(rig.manager().liveLeaseCount(), 0);
+  Seq valid(tokenRun(511, 1), 1);
+  Handle handle = rig.admit({&fits, &valid});
+  ASSERT_EQ(rig.prefill(handle, {&fits, &valid}), kOk);
+  ASSERT_EQ(rig.coordinator.finish(handle), kOk);
+  rig.expectQuiescent();
+}
+
+TEST_P(ContextCacheCoordinatorTest, MetricsAndPrometheusIncludeTheCoordinatorCounters) {
+  CoordinatorRig rig(device());
+  std::vector<int32_t> const prompt = tokenRun(129, 100);
+  publish(rig, prompt);  // cold producer
+  Seq reader(joined(prompt, {1}), 0);
+  Seq bypassed(tokenRun(100, 5), 1);
+  ContextCacheBatchAdmission batch = rig.batchOf({&reader, &bypassed});
+  batch.sequences[1].lookupPolicy = ContextCacheLookupPolicy::kBypass;
+  auto begun = rig.begin(batch);
+  ASSERT_EQ(begun.status, kOk);
+  Handle handle = std::move(begun.admission->request);
+  ASSERT_EQ(rig.prefill(handle, {&reader, &bypassed}), kOk);
+  ASSERT_EQ(rig.decode(handle, {&reader, &bypassed}, {0}), kOk);
+  ASSERT_EQ(rig.coordinator.finish(handle), kOk);
+
+  ContextCacheCoordinatorCounters const& counters = rig.coordinator.counters();
+  EXPECT_EQ(counters.requests, 2u);
+  EXPECT_EQ(counters.refusedRequests, 0u);
+  EXPECT_EQ(counters.prefillPublications, 3u);
+  EXPECT_EQ(counters.decodePublications, 1u);
+  EXPECT_EQ(counters.synchronizations, 0u) << "the runtime synchronised; nothing was pending";
+  ContextCacheMetrics const metrics = rig.coordinator.metrics();
+  EXPECT_EQ(metrics.admittedSequences, 3u);
+  EXPECT_EQ(metrics.lookups, 2u);
+  EXPECT_EQ(metrics.hits, 1u);
+  EXPECT_EQ(metrics.bypasses, 1u);
+  EXPECT_EQ(metrics.reusedTokens, 128u);
+  EXPECT_EQ(metrics.publishedRecords, 1u);
+  EXPECT_EQ(metrics.existingRecordsTouched, 1u);  // the reader's prefill end; decode adds no block
+  EXPECT_EQ(metrics.capacities.baseKvPages, rig.options.numPages);
+  EXPECT_EQ(metrics.freeResources.baseKvPages, rig.options.numPages - 1);
+
+  std::string const text = rig.coordinator.toPrometheus();
+  for (char const* line : {"managedkv_coordinator_requests_total 2\n",
+                           "managedkv_coordinator_prefill_publications_total 3\n",
+                           "managedkv_coordinator_decode_publications_total 1\n",
+                           "managedkv_coordinator_live_admissions_total 0\n",
+                           "# TYPE managedkv_coordinator_synchronizations_total counter\n",
+                           "managedkv_hits_total 1\n", "managedkv_reused_tokens_total 128\n"}) {
+    EXPECT_NE(text.find(line), std::string::npos) << "missing: " << line;
+  }
+  EXPECT_NE(rig.coordinator.toPrometheus("engine_").find("engine_coordinator_requests_total 2"),
+            std::string::npos);
+  rig.expectQuiescent();
+}
+
+TEST_P(ContextCacheCoordinatorTest, EventsReportEveryStoredAndRemovedBlock) {
+  RigOptions options;
+  options.numPages = 4;
+  options.eventQueueCapacity = 16;
+  CoordinatorRig rig(device(), options);
+  std::vector<int32_t> const prompt = tokenRun(300, 100);  // 2 blocks published
+  Seq seq(prompt, 0);
+  Handle handle = rig.admit({&seq});
+  std::vector<PageId> const pages(rig.coordinator.basePages(handle, 0).begin(),
+                                  rig.coordinator.basePages(handle, 0).end());
+  ASSERT_EQ(rig.prefill(handle, {&seq}), kOk);
+  ASSERT_EQ(rig.coordinator.finish(handle), kOk);
+  std::vector<Hash128> const keys = keysOf(prompt);
+  std::vector<KvEvent> events = rig.coordinator.drainEvents();
+  ASSERT_EQ(events.size(), 2u);
+  for (std::size_t b = 0; b < 2; ++b) {
+    auto const* stored = std::get_if<BlockStored>(&events[b]);
+    ASSERT_NE(stored, nullptr);
+    EXPECT_EQ(stored->digest, keys[b]);
+    EXPECT_EQ(stored->parent, b == 0 ? kBlockChainRoot : keys[b - 1]);
+    EXPECT_EQ(stored->page, pages[b]);
+    EXPECT_EQ(stored->tokenCount, 128);
+  }
+  // A 4-page bypass request needs every page: the record is evicted.
+  Seq big(tokenRun(400, 7), 1);
+  ContextCacheBatchAdmission batch = rig.batchOf({&big});
+  batch.lookupPolicy = ContextCacheLookupPolicy::kBypass;
+  auto begun = rig.begin(batch);
+  ASSERT_EQ(begun.status, kOk);
+  events = rig.coordinator.drainEvents();
+  ASSERT_EQ(events.size(), 2u);
+  std::vector<PageId> removed;
+  for (KvEvent const& event : events) {
+    auto const* gone = std::get_if<BlockRemoved>(&event);
+    ASSERT_NE(gone, nullptr);
+    EXPECT_TRUE(gone->digest == keys[0] || gone->digest == keys[1]);
+    removed.push_back(gone->page);
+  }
+  std::sort(removed.begin(), removed.end());
+  std::vector<PageId> expected(pages.begin(), pages.begin() + 2);
+  std::sort(expected.begin(), expected.end());
+  EXPECT_EQ(removed, expected);
+  ASSERT_EQ(rig.coordinator.finish(begun.admission->request), kOk);
+  EXPECT_TRUE(rig.coordinator.drainEvents().empty());
+  rig.expectQuiescent();
+}
+
+INSTANTIATE_TEST_SUITE_P(Devices, ContextCacheCoordinatorTest, allDeviceTypes(), deviceName);
+
+}  // namespace
+}  // namespace mkv::test

@@ -1,0 +1,496 @@
+// ContextCacheRequest (upstream §2.2 / §6.3): the translation of the runtime's request view
+// (LLMGenerationRequest + DecodingInferenceContext) into coordinator calls: identity keys (LoRA,
+// salt, images), lookup policies, publication at decode end, compaction of the prefill starts
+// and in-flight admission. KV is written and verified by the oracle throughout.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstring>
+#include <string>
+
+#include "coordinator_test_rig.h"
+
+namespace mkv::test {
+namespace {
+
+using AdmitStatus = ContextCacheRequest::AdmitSequenceStatus;
+constexpr int32_t kImageToken = 32000;
+
+class ContextCacheRequestTest : public DeviceTest {};
+
+/// Runs one single-row request (begin, prefill, finish) on `slot` and returns its prefill start.
+int32_t runOnce(CoordinatorRig& rig, std::vector<int32_t> const& prompt, std::string lora = {},
+                std::string salt = {}, std::vector<imageUtils::ImageData> images = {},
+                CacheSlot slot = 0) {
+  RequestDriver driver(rig, std::move(lora), std::move(salt));
+  driver.add(prompt, slot, std::nullopt, std::move(images));
+  if (!driver.request.requests[0].imageBuffers.empty()) {
+    driver.useMedia({kImageToken});
+  }
+  EXPECT_TRUE(driver.begin());
+  if (!driver.cache) {
+    return -1;
+  }
+  int32_t const start = driver.cache->reuseTokenLength(0);
+  EXPECT_TRUE(driver.prefill());
+  EXPECT_TRUE(driver.cache->finish());
+  return start;
+}
+
+imageUtils::ImageData hostImage(uint8_t seed) {
+  auto pixels = std::make_shared<Tensor>(Coords{4, 4, 3}, DataType::kUInt8, DeviceType::kCPU);
+  auto* bytes = static_cast<uint8_t*>(pixels->rawPointer());
+  for (int i = 0; i < 48; ++i) {
+    bytes[i] = static_cast<uint8_t>(seed + 7 * i);
+  }
+  return imageUtils::ImageData{pixels, 4, 4, 3};
+}
+
+/// text, a run of `run` image placeholders, text ...: the image lies inside the first block.
+std::vector<int32_t> imagePrompt(std::vector<int32_t> const& runLengths, int32_t total) {
+  std::vector<int32_t> tokens = tokenRun(10, 1);
+  for (int32_t run : runLengths) {
+    tokens.insert(tokens.end(), static_cast<std::size_t>(run), kImageToken);
+    tokens.push_back(7);
+  }
+  std::vector<int32_t> const tail = tokenRun(total - static_cast<int32_t>(tokens.size()), 500);
+  return joined(tokens, tail);
+}
+
+TEST_P(ContextCacheRequestTest, LoraIdentityKeysTheBlocks) {
+  CoordinatorRig rig(device());
+  std::vector<int32_t> const prompt = tokenRun(129, 100);
+  EXPECT_EQ(runOnce(rig, prompt, "adapter-a"), 0);
+  EXPECT_EQ(runOnce(rig, joined(prompt, {1}), "adapter-a"), 128);
+  uint64_t const before = rig.coordinator.metrics().missCount(MissReason::kLoraMismatch);
+  EXPECT_EQ(runOnce(rig, joined(prompt, {1}), "adapter-b"), 0);
+  EXPECT_EQ(runOnce(rig, joined(prompt, {2})), 0) << "the base model is another identity";
+  EXPECT_EQ(rig.coordinator.metrics().missCount(MissReason::kLoraMismatch), before + 2);
+  rig.expectQuiescent();
+}
+
+TEST_P(ContextCacheRequestTest, CacheSaltIsolatesTenants) {
+  CoordinatorRig rig(device());
+  std::vector<int32_t> const prompt = tokenRun(129, 100);
+  EXPECT_EQ(runOnce(rig, prompt, {}, "tenant-1"), 0);
+  EXPECT_EQ(runOnce(rig, joined(prompt, {1}), {}, "tenant-1"), 128);
+  EXPECT_EQ(runOnce(rig, joined(prompt, {1}), {}, "tenant-2"), 0);
+  EXPECT_EQ(rig.coordinator.metrics().missCount(MissReason::kSaltMismatch), 1u);
+  rig.expectQuiescent();
+}
+
+TEST_P(ContextCacheRequestTest, HostImageKeysThePlaceholderRunOnItsPixels) {
+  CoordinatorRig rig(device());
+  std::vector<int32_t> const prompt = imagePrompt({64}, 140);
+  EXPECT_EQ(runOnce(rig, prompt, {}, {}, {hostImage(1)}), 0);
+  EXPECT_EQ(rig.coordinator.metrics().bypasses, 0u) << "a host RGB image is media-aware";
+  EXPECT_EQ(runOnce(rig, prompt, {}, {}, {hostImage(1)}), 128);
+  EXPECT_EQ(runOnce(rig, prompt, {}, {}, {hostImage(2)}), 0);
+  EXPECT_EQ(rig.coordinator.metrics().missCount(MissReason::kMediaMismatch), 1u);
+  rig.expectQuiescent();
+}
+
+TEST_P(ContextCacheRequestTest, TheSameImageAtAnotherPositionMisses) {
+  CoordinatorRig rig(device());
+  std::vector<int32_t> const prompt = imagePrompt({40, 40}, 140);
+  EXPECT_EQ(runOnce(rig, prompt, {}, {}, {hostImage(1), hostImage(2)}), 0);
+  EXPECT_EQ(runOnce(rig, prompt, {}, {}, {hostImage(1), hostImage(2)}), 128);
+  // Same tokens, same two images, swapped runs.
+  EXPECT_EQ(runOnce(rig, prompt, {}, {}, {hostImage(2), hostImage(1)}), 0);
+  EXPECT_EQ(rig.coordinator.metrics().missCount(MissReason::kMediaMismatch), 1u);
+  // The first image one token later (the text before it is longer).
+  std::vector<int32_t> shifted = joined(tokenRun(11, 1), std::vector<int32_t>(40, kImageToken));
+  shifted = joined(joined(shifted, {7}), tokenRun(88, 500));
+  EXPECT_EQ(runOnce(rig, shifted, {}, {}, {hostImage(1)}), 0);
+  rig.expectQuiescent();
+}
+
+TEST_P(ContextCacheRequestTest, AnImageTheHostCannotReadBypassesAndKeepsItsResidentRow) {
+  auto floatPixels =
+      std::make_shared<Tensor>(Coords{4, 4, 3}, DataType::kFloat32, DeviceType::kCPU);
+  auto rgbaPixels = std::make_shared<Tensor>(Coords{4, 4, 4}, DataType::kUInt8, DeviceType::kCPU);
+  std::memset(rgbaPixels->rawPointer(), 9, 64);
+  std::memset(floatPixels->rawPointer(), 0, 192);
+  for (imageUtils::ImageData const& image :
+       {imageUtils::ImageData{floatPixels, 4, 4, 3}, imageUtils::ImageData{rgbaPixels, 4, 4, 4}}) {
+    ASSERT_EQ(image.data(), nullptr);
+    CoordinatorRig rig(device());
+    std::vector<int32_t> const prompt = imagePrompt({64}, 140);
+    runOnce(rig, prompt, {}, {}, {hostImage(1)});  // the same tokens are cached
+    uint64_t const bypasses = rig.coordinator.metrics().bypasses;
+    RequestDriver driver(rig);
+    driver.add(prompt, 2, std::nullopt, {image});
+    driver.rows[0].resident = ResidentRef{2, 7};
+    driver.context.residentRefs[0] = ResidentRef{2, 7};
+    driver.useMedia({kImageToken});
+    ASSERT_TRUE(driver.begin()) << "bypass, not failure";
+    EXPECT_EQ(driver.cache->prefillStarts(), std::vector<int32_t>{0});
+    EXPECT_EQ(rig.coordinator.metrics().bypasses, bypasses + 1);
+    ASSERT_TRUE(driver.prefill());
+    EXPECT_EQ(rig.mirroredPages(2).size(), 2u);
+    EXPECT_TRUE(rig.mirroredPages(0).empty());
+    EXPECT_TRUE(rig.mirroredPages(1).empty());
+    ASSERT_TRUE(driver.decode({{0, FinishReason::kLength}}));
+    EXPECT_TRUE(rig.verify(driver.rows[0]).ok());
+    EXPECT_EQ(rig.coordinator.metrics().publishedRecords, 1u) << "the bypass published nothing";
+    ASSERT_TRUE(driver.cache->finish());
+    rig.expectQuiescent();
+  }
+}
+
+TEST_P(ContextCacheRequestTest, RequestLookupPolicyOverridesTheBatchDefaultPerSequence) {
+  CoordinatorRig rig(device());
+  std::vector<int32_t> const prompt = tokenRun(129, 100);
+  runOnce(rig, prompt);
+  RequestDriver driver(rig);
+  driver.add(joined(prompt, {1}), 0, ContextCacheLookupPolicy::kBypass);
+  driver.add(joined(prompt, {2}), 1);
+  ASSERT_TRUE(driver.begin());
+  EXPECT_EQ(driver.cache->prefillStarts(), (std::vector<int32_t>{0, 128}));
+  ASSERT_TRUE(driver.prefill());
+  ASSERT_TRUE(driver.cache->finish());
+  rig.expectQuiescent();
+}
+
+TEST_P(ContextCacheRequestTest, DecodePublishesTheGeneratedPageBoundaryAndRejectsPairingMisuse) {
+  CoordinatorRig rig(device());
+  RequestDriver driver(rig);
+  driver.add(tokenRun(255, 100), 0);
+  ASSERT_TRUE(driver.begin());
+  ASSERT_TRUE(driver.prefill());
+  ASSERT_TRUE(driver.cache->prepareDecodeStep(driver.context, kVanilla));
+  EXPECT_TRUE(throwsError([&] { driver.cache->prepareDecodeStep(driver.context, kVanilla); },
+                          {"prepareDecodeStep", "already prepared"}));
+  rig.executeDecode(driver.rows[0], 0);
+  driver.context.generatedTokenIds[0].push_back(driver.rows[0].tokens.back());
+  driver.context.finishReasons[0] = FinishReason::kLength;
+  ASSERT_TRUE(driver.cache->completeDecodeStep(driver.context, {}));
+  EXPECT_TRUE(throwsError([&] { driver.cache->completeDecodeStep(driver.context, {}); },
+                          {"completeDecodeStep", "no decode step"}));
+  std::vector<CacheRecord> const records = rig.records();
+  ASSERT_EQ(records.size(), 2u);
+  EXPECT_EQ(records.back().key.fullBlockCount, 2);
+  ASSERT_TRUE(driver.cache->finish());
+  std::vector<int32_t> const ledger = driver.rows[0].tokens;
+  EXPECT_EQ(runOnce(rig, joined(std::vector<int32_t>(ledger.begin(), ledger.begin() + 256), {5}),
+                    {}, {}, {}, 1),
+            256);
+  rig.expectQuiescent();
+}
+
+TEST_P(ContextCacheRequestTest, CancelledAndErroredSlotsAreNeverPublished) {
+  CoordinatorRig rig(device());
+  RequestDriver driver(rig);
+  driver.add(tokenRun(255, 100), 0);
+  driver.add(tokenRun(255, 1000), 1);
+  driver.add(tokenRun(255, 2000), 2);
+  ASSERT_TRUE(driver.begin());
+  ASSERT_TRUE(driver.prefill());
+  ASSERT_EQ(rig.coordinator.metrics().records, 3);
+  // Rows 1 and 2 reach 256 committed tokens, then stop cancelled / errored.
+  ASSERT_TRUE(driver.decode({{1, FinishReason::kCancelled}, {2, FinishReason::kError}}));
+  EXPECT_EQ(rig.coordinator.metrics().records, 3);
+  EXPECT_EQ(rig.coordinator.counters().decodePublications, 0u);
+  // They hold (no token) while row 0 finishes and publishes its two blocks.
+  ASSERT_TRUE(driver.decode({{0, FinishReason::kLength}}));
+  EXPECT_EQ(rig.coordinator.metrics().records, 4);
+  EXPECT_EQ(rig.coordinator.counters().decodePublications, 1u);
+  // A row without a token must be cancelled or errored.
+  EXPECT_TRUE(
+      throwsError([&] { driver.decode(); }, {"completeDecodeStep", "not cancelled or errored"}));
+  std::vector<Seq> const rows = driver.rows;
+  driver.cache.reset();  // abandoned with the step pending: synchronised and released
+  EXPECT_FALSE(rig.coordinator.poisoned());
+  for (std::size_t row = 1; row < 3; ++row) {
+    std::vector<int32_t> const& ledger = rows[row].tokens;
+    EXPECT_EQ(runOnce(rig, std::vector<int32_t>(ledger.begin(), ledger.begin() + 257)), 128)
+        << "row " << row << " published only its prompt block";
+  }
+  rig.expectQuiescent();
+}
+
+TEST_P(ContextCacheRequestTest, MalformedProgressIsRejectedBeforeMutation) {
+  CoordinatorRig rig(device());
+  RequestDriver driver(rig);
+  driver.add(tokenRun(255, 100), 0);
+  ASSERT_TRUE(driver.begin());
+  ASSERT_TRUE(driver.prefill());
+  ASSERT_TRUE(driver.cache->prepareDecodeStep(driver.context, kVanilla));
+  rig.executeDecode(driver.rows[0], 0);
+  std::vector<int32_t>& generated = driver.context.generatedTokenIds[0];
+  generated.push_back(driver.rows[0].tokens.back());
+  generated.push_back(77);  // vanilla decoding accepts one token per step
+  driver.context.finishReasons[0] = FinishReason::kLength;
+  EXPECT_TRUE(throwsError([&] { driver.cache->completeDecodeStep(driver.context, {}); },
+                          {"completeDecodeStep", "vanilla decode accepts 1 token"}));
+  generated.pop_back();
+  ASSERT_TRUE(driver.cache->completeDecodeStep(driver.context, {}));
+  EXPECT_EQ(rig.records().back().key.fullBlockCount, 2);
+  ASSERT_TRUE(driver.cache->finish());
+  rig.expectQuiescent();
+}
+
+TEST_P(ContextCacheRequestTest, CompactionKeepsResidentRowsAndCompactsPrefillStarts) {
+  CoordinatorRig rig(device());
+  std::vector<int32_t> const shared = tokenRun(129, 7000);
+  runOnce(rig, shared);
+  RequestDriver driver(rig);
+  driver.add(tokenRun(100, 1), 0);
+  driver.add(tokenRun(200, 1000), 1);
+  driver.add(joined(std::vector<int32_t>(shared.begin(), shared.begin() + 128), tokenRun(122, 1)),
+             2);
+  ASSERT_TRUE(driver.begin());
+  EXPECT_EQ(driver.cache->prefillStarts(), (std::vector<int32_t>{0, 0, 128}));
+  ASSERT_TRUE(driver.prefill());
+  ASSERT_TRUE(driver.decode({{1, FinishReason::kEndOfSequence}}));
+  std::vector<int32_t> const row0 = rig.hostRow(0);
+  std::vector<int32_t> const row2 = rig.hostRow(2);
+  std::vector<int32_t> const mapping{0, -1, 1};
+  Tensor deviceMapping({3}, DataType::kInt32, device());
+  ASSERT_TRUE(driver.cache->beginBatchCompaction(mapping, 2, deviceMapping));
+  EXPECT_EQ(readAs<int32_t>(deviceMapping), mapping);
+  ASSERT_TRUE(driver.cache->completeBatchCompaction(mapping));
+  driver.compactView(mapping);
+  EXPECT_EQ(driver.cache->prefillStarts(), (std::vector<int32_t>{0, 128}));
+  EXPECT_EQ(driver.cache->reuseTokenLength(1), 128);
+  EXPECT_EQ(rig.hostRow(0), row0);
+  EXPECT_EQ(rig.deviceRow(0), row0);
+  EXPECT_EQ(rig.hostRow(2), row2);
+  EXPECT_EQ(rig.deviceRow(2), row2);
+  EXPECT_TRUE(rig.mirroredPages(1).empty());
+  EXPECT_EQ(rig.kvLengths(), (std::vector<int32_t>{101, 251}));
+  // Growth after the compaction extends the survivors' own rows only.
+  std::size_t const pages0 = rig.hostPages(0).size();
+  std::size_t const pages2 = rig.hostPages(2).size();
+  for (int step = 0; step < 28; ++step) {
+    ASSERT_TRUE(driver.decode());
+  }
+  std::vector<PageId> const grown0 = rig.mirroredPages(0);
+  std::vector<PageId> const grown2 = rig.mirroredPages(2);
+  EXPECT_EQ(grown0.size(), pages0 + 1);
+  EXPECT_EQ(grown2.size(), pages2 + 1);
+  EXPECT_TRUE(
+      std::equal(row0.begin(), row0.begin() + static_cast<std::ptrdiff_t>(pages0), grown0.begin()));
+  EXPECT_TRUE(
+      std::equal(row2.begin(), row2.begin() + static_cast<std::ptrdiff_t>(pages2), grown2.begin()));
+  EXPECT_TRUE(rig.mirroredPages(1).empty());
+  EXPECT_TRUE(rig.verify(driver.rows[0]).ok());
+  EXPECT_TRUE(rig.verify(driver.rows[1]).ok());
+  EXPECT_EQ(rig.kvLengths(), (std::vector<int32_t>{129, 279}));
+  ASSERT_TRUE(driver.cache->finish());
+  rig.expectQuiescent();
+}
+
+// ---------------------------------------------------------------- in-flight admission
+
+/// A founder on slot 0 whose 256-token system prompt is published at prefill.
+struct JoinFixture {
+  explicit JoinFixture(CoordinatorRig& rig) : driver(rig) {
+    driver.add(joined(system, {1, 2, 3}), 0);
+    EXPECT_TRUE(driver.begin());
+    EXPECT_TRUE(driver.prefill());
+    EXPECT_TRUE(driver.decode());
+  }
+  std::vector<int32_t> const system = tokenRun(256, 10);
+  std::vector<int32_t> joinerPrompt() const { return joined(system, tokenRun(130, 8000)); }
+  RequestDriver driver;
+};
+
+TEST_P(ContextCacheRequestTest, AJoinerReusesTheFoundersPrefixAndBindsOnlyItsRow) {
+  CoordinatorRig rig(device());
+  JoinFixture fixture(rig);
+  RequestDriver& driver = fixture.driver;
+  std::vector<int32_t> const founderRow = rig.hostRow(0);
+  int64_t const records = rig.coordinator.metrics().records;
+  int32_t start = -1;
+  ASSERT_EQ(driver.admit(fixture.joinerPrompt(), 1, &start), AdmitStatus::kAdmitted);
+  EXPECT_EQ(start, 256);
+  EXPECT_EQ(driver.cache->prefillStarts(), (std::vector<int32_t>{0, 256}));
+  std::vector<PageId> const joinerPages = rig.mirroredPages(1);
+  std::vector<PageId> const founderPages = rig.mirroredPages(0);
+  ASSERT_EQ(joinerPages.size(), 4u);
+  EXPECT_EQ(std::vector<PageId>(joinerPages.begin(), joinerPages.begin() + 2),
+            std::vector<PageId>(founderPages.begin(), founderPages.begin() + 2));
+  EXPECT_EQ(rig.hostRow(0), founderRow);
+  EXPECT_TRUE(rig.mirroredPages(2).empty());
+  EXPECT_EQ(rig.activeRefs(joinerPages[0]), 2);
+  EXPECT_EQ(rig.activeRefs(joinerPages[1]), 2);
+  ASSERT_TRUE(driver.seatNewest());  // verifies the reused 256 positions, publishes
+  EXPECT_EQ(rig.coordinator.metrics().records, records + 1);
+  EXPECT_EQ(rig.records().back().key.fullBlockCount, 3);
+  for (int step = 0; step < 3; ++step) {
+    ASSERT_TRUE(driver.decode());
+  }
+  EXPECT_TRUE(rig.verify(driver.rows[0]).ok());
+  EXPECT_TRUE(rig.verify(driver.rows[1]).ok());
+  EXPECT_EQ(rig.coordinator.counters().liveAdmissions, 1u);
+  ASSERT_TRUE(driver.cache->finish());
+  std::vector<int32_t> const prompt = fixture.joinerPrompt();
+  EXPECT_EQ(runOnce(rig, joined(std::vector<int32_t>(prompt.begin(), prompt.begin() + 384), {9}),
+                    {}, {}, {}, 2),
+            384);
+  rig.expectQuiescent();
+}
+
+TEST_P(ContextCacheRequestTest, RetractingAnAdmissionUnwindsItAndTheRowStaysUsable) {
+  CoordinatorRig rig(device());
+  JoinFixture fixture(rig);
+  RequestDriver& driver = fixture.driver;
+  int32_t const free = rig.freePages();
+  ASSERT_EQ(driver.admit(fixture.joinerPrompt(), 1), AdmitStatus::kAdmitted);
+  EXPECT_EQ(rig.freePages(), free - 2);
+  ASSERT_TRUE(driver.retractNewest());
+  EXPECT_EQ(rig.freePages(), free);
+  EXPECT_TRUE(rig.mirroredPages(1).empty());
+  EXPECT_EQ(driver.cache->prefillStarts(), std::vector<int32_t>{0});
+  EXPECT_EQ(rig.coordinator.counters().retractedAdmissions, 1u);
+  EXPECT_FALSE(driver.cache->retractSequenceAdmission()) << "the founder cannot be retracted";
+  EXPECT_TRUE(rig.coordinator.poisoned());
+  EXPECT_EQ(rig.coordinator.shutdown(), ContextCacheStatus::kRequestFailed) << "still active";
+  EXPECT_FALSE(rig.coordinator.poisoned());
+  ASSERT_TRUE(driver.decode());
+  ASSERT_EQ(driver.admit(fixture.joinerPrompt(), 1), AdmitStatus::kAdmitted);
+  ASSERT_TRUE(driver.seatNewest());
+  ASSERT_TRUE(driver.decode());
+  EXPECT_TRUE(rig.verify(driver.rows[1]).ok());
+  ASSERT_TRUE(driver.cache->finish());
+  rig.expectQuiescent();
+}
+
+TEST_P(ContextCacheRequestTest, AnUnfinalizedJoinerHoldsAtZeroAdvance) {
+  CoordinatorRig rig(device());
+  JoinFixture fixture(rig);
+  RequestDriver& driver = fixture.driver;
+  ASSERT_EQ(driver.admit(fixture.joinerPrompt(), 1), AdmitStatus::kAdmitted);
+  int32_t const founderBefore = driver.rows[0].materialized;
+  ASSERT_TRUE(driver.decode()) << "the never-finalised joiner holds";
+  EXPECT_EQ(driver.rows[0].materialized, founderBefore + 1);
+  ASSERT_TRUE(driver.seatNewest());
+  ASSERT_TRUE(driver.decode());
+  EXPECT_TRUE(rig.verify(driver.rows[0]).ok());
+  EXPECT_TRUE(rig.verify(driver.rows[1]).ok());
+  ASSERT_TRUE(driver.cache->finish());
+  rig.expectQuiescent();
+}
+
+TEST_P(ContextCacheRequestTest, TheFounderRetiresWhileTheJoinerKeepsTheSharedPages) {
+  CoordinatorRig rig(device());
+  JoinFixture fixture(rig);
+  RequestDriver& driver = fixture.driver;
+  ASSERT_EQ(driver.admit(fixture.joinerPrompt(), 1), AdmitStatus::kAdmitted);
+  ASSERT_TRUE(driver.seatNewest());
+  std::vector<PageId> const joinerPages = rig.mirroredPages(1);
+  EXPECT_EQ(rig.activeRefs(joinerPages[0]), 2);
+  ASSERT_TRUE(driver.decode({{0, FinishReason::kLength}}));
+  std::vector<int32_t> const mapping{-1, 0};
+  Tensor deviceMapping({3}, DataType::kInt32, device());
+  ASSERT_TRUE(driver.cache->beginBatchCompaction(mapping, 1, deviceMapping));
+  ASSERT_TRUE(driver.cache->completeBatchCompaction(mapping));
+  driver.compactView(mapping);
+  EXPECT_EQ(driver.cache->prefillStarts(), std::vector<int32_t>{256});
+  EXPECT_TRUE(rig.mirroredPages(0).empty());
+  EXPECT_EQ(rig.mirroredPages(1), joinerPages);
+  for (PageId page : {joinerPages[0], joinerPages[1]}) {
+    EXPECT_EQ(rig.activeRefs(page), 1) << "page " << page;
+    EXPECT_GE(rig.cacheRefs(page), 1) << "page " << page;
+  }
+  for (int step = 0; step < 2; ++step) {
+    ASSERT_TRUE(driver.decode());
+  }
+  EXPECT_TRUE(rig.verify(driver.rows[0]).ok());
+  ASSERT_TRUE(driver.cache->finish());
+  rig.expectQuiescent();
+}
+
+TEST_P(ContextCacheRequestTest, JoinersInheritTheRequestPolicyNotTheFirstSurvivingRow) {
+  CoordinatorRig rig(device());
+  JoinFixture fixture(rig);
+  RequestDriver& driver = fixture.driver;
+  // A joiner whose image the host cannot read goes on bypass ...
+  auto rgba = std::make_shared<Tensor>(Coords{2, 2, 4}, DataType::kUInt8, DeviceType::kCPU);
+  std::memset(rgba->rawPointer(), 3, 16);
+  std::vector<int32_t> const withImage =
+      joined(fixture.system, joined(std::vector<int32_t>(8, kImageToken), {4}));
+  int32_t start = -1;
+  ASSERT_EQ(
+      driver.admit(withImage, 1, &start, {kImageToken}, {imageUtils::ImageData{rgba, 2, 2, 4}}),
+      AdmitStatus::kAdmitted);
+  EXPECT_EQ(start, 0);
+  ASSERT_TRUE(driver.seatNewest());
+  // ... and becomes the first row once the founder retires.
+  ASSERT_TRUE(driver.decode({{0, FinishReason::kLength}}));
+  std::vector<int32_t> const mapping{-1, 0};
+  Tensor deviceMapping({3}, DataType::kInt32, device());
+  ASSERT_TRUE(driver.cache->beginBatchCompaction(mapping, 1, deviceMapping));
+  ASSERT_TRUE(driver.cache->completeBatchCompaction(mapping));
+  driver.compactView(mapping);
+  // A plain text joiner still uses the cache: it inherits the request's policy.
+  ASSERT_EQ(driver.admit(fixture.joinerPrompt(), 0, &start), AdmitStatus::kAdmitted);
+  EXPECT_EQ(start, 256);
+  ASSERT_TRUE(driver.seatNewest());
+  ASSERT_TRUE(driver.decode());
+  EXPECT_TRUE(rig.verify(driver.rows[1]).ok());
+  ASSERT_TRUE(driver.cache->finish());
+  rig.expectQuiescent();
+}
+
+TEST_P(ContextCacheRequestTest, AdmissionRefusedUnderPoolPressureLeavesTheRequestIntact) {
+  RigOptions options;
+  options.numPages = 8;
+  CoordinatorRig rig(device(), options);
+  JoinFixture fixture(rig);  // 3 pages, 2 of them published
+  RequestDriver& driver = fixture.driver;
+  Seq bystander(tokenRun(400, 50), 2);
+  ContextCacheBatchAdmission batch = rig.batchOf({&bystander});
+  batch.lookupPolicy = ContextCacheLookupPolicy::kBypass;
+  auto held = rig.begin(batch);  // overlapping lease of 4 pages
+  ASSERT_EQ(held.status, ContextCacheStatus::kOk);
+  ASSERT_EQ(rig.freePages(), 1);
+  std::vector<int32_t> const founderRow = rig.hostRow(0);
+  ASSERT_EQ(driver.admit(fixture.joinerPrompt(), 1), AdmitStatus::kNoCapacity);
+  EXPECT_EQ(driver.cache->prefillStarts(), std::vector<int32_t>{0});
+  EXPECT_EQ(rig.coordinator.counters().liveAdmissionRefusals, 1u);
+  EXPECT_EQ(rig.coordinator.metrics().missCount(MissReason::kCapacity), 1u);
+  EXPECT_TRUE(rig.mirroredPages(1).empty());
+  EXPECT_EQ(rig.hostRow(0), founderRow);
+  EXPECT_EQ(rig.freePages(), 1);
+  ASSERT_TRUE(driver.decode());
+  EXPECT_TRUE(rig.verify(driver.rows[0]).ok());
+  ASSERT_EQ(rig.coordinator.finish(held.admission->request), ContextCacheStatus::kOk);
+  ASSERT_EQ(driver.admit(fixture.joinerPrompt(), 1), AdmitStatus::kAdmitted) << "retry later";
+  ASSERT_TRUE(driver.seatNewest());
+  ASSERT_TRUE(driver.decode());
+  ASSERT_TRUE(driver.cache->finish());
+  rig.expectQuiescent();
+}
+
+TEST_P(ContextCacheRequestTest, EarlyDestructionAbandonsAPendingRequest) {
+  CoordinatorRig rig(device());
+  {
+    RequestDriver driver(rig);
+    driver.add(tokenRun(300, 1), 0);
+    ASSERT_TRUE(driver.begin());
+    ASSERT_TRUE(driver.cache->preparePrefill());
+  }  // dropped with work pending: synchronised, then released
+  EXPECT_EQ(rig.sync->calls, 1);
+  EXPECT_FALSE(rig.coordinator.poisoned());
+  rig.expectQuiescent();
+  EXPECT_EQ(runOnce(rig, tokenRun(300, 1)), 0);
+}
+
+TEST_P(ContextCacheRequestTest, ASpeculativeRequestOnAVanillaDeploymentThrows) {
+  CoordinatorRig rig(device());
+  RequestDriver driver(rig);
+  driver.add(tokenRun(10, 1), 0);
+  EXPECT_TRUE(throwsError(
+      [&] {
+        ContextCacheRequest::begin(rig.coordinator, driver.request, driver.context, true, kVanilla);
+      },
+      {"beginRequest", "speculative"}));
+  EXPECT_EQ(rig.coordinator.activeRequestCount(), 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(Devices, ContextCacheRequestTest, allDeviceTypes(), deviceName);
+
+}  // namespace
+}  // namespace mkv::test
