@@ -22,9 +22,10 @@ namespace {
 /// window. To be measured on the H200 (kernels.md has no in-place compaction numbers).
 constexpr int32_t kCompactThreads = 512;
 constexpr int32_t kCompactRowsInFlight = 8;
-/// Column chunks a buffer is cut into when its rows are wide enough, and the narrowest chunk
-/// (64 B, two 32-byte sectors per row). To be measured on the H200.
-constexpr int64_t kCompactTargetChunks = 128;
+/// Column chunks a buffer is cut into when its rows are wide enough (256: about two CTAs per SM
+/// of an H200 for one buffer), and the narrowest chunk (64 B, two 32-byte sectors per row).
+/// To be measured on the H200.
+constexpr int64_t kCompactTargetChunks = 256;
 constexpr int64_t kCompactMinChunkBytes = 64;
 /// grid.x limit (a row of 2^31 x 512 x 16 B is far beyond any memory).
 constexpr int64_t kMaxCompactChunks = (int64_t{1} << 31) - 1;
