@@ -28,6 +28,8 @@ if(MKV_WITH_CUDA)
     # CMake < 3.26 does not know nvcc's C++20 flag (and rejects CUDA_STANDARD 20).
     add_compile_options($<$<COMPILE_LANGUAGE:CUDA>:-std=c++20>)
   endif()
+  # The runtime comes from MKV_CUDART through managedkv only, never implicitly per target.
+  set(CMAKE_CUDA_RUNTIME_LIBRARY None)
   if(MKV_STATIC_RUNTIME)
     set(MKV_CUDART CUDA::cudart_static)
   else()
@@ -35,3 +37,12 @@ if(MKV_WITH_CUDA)
   endif()
 endif()
 message(STATUS "managedkv: CUDA kernels ${MKV_WITH_CUDA} (architectures: ${CMAKE_CUDA_ARCHITECTURES})")
+
+# mkv_link_static_runtime(target): under MKV_STATIC_RUNTIME an executable also links libstdc++
+# and libgcc statically, so a binary built here runs unchanged on the GPU test machine
+# (docs/benchmarks.md). The library already links CUDA::cudart_static and header-only fmt.
+function(mkv_link_static_runtime target)
+  if(MKV_STATIC_RUNTIME)
+    target_link_options(${target} PRIVATE -static-libstdc++ -static-libgcc)
+  endif()
+endfunction()
