@@ -1,0 +1,710 @@
+/// mkv_gpu_bench: CUDA-event benchmark of the managedkv data-movement kernels, cases G1-G5 of
+/// ../shared/reference/kernels.md §5 (method and results: docs/benchmarks.md).
+///
+/// Per case, in one run and on one non-blocking stream, it times
+///   1. a contiguous cudaMemcpyAsync of the same byte count (the denominator of "ratio"),
+///   2. the managedkv launcher (and, for the decode step, the same call replayed as a graph),
+///   3. a loop of one cudaMemcpyAsync per page / row (subsampled beyond kLoopCopies copies and
+///      scaled to the full count; the row says so),
+/// poisoning the destination with 0xFF before each method and verifying it bitwise on the
+/// device afterwards. Times are medians of --reps repetitions after --warmups, each repetition
+/// bracketed by CUDA events. TB/s counts read + write: 2 * bytes / time.
+///
+/// Exit status: 0 = every case ran and verified (performance misses do not fail the run);
+/// 2 = a verification found mismatching bytes; 77 = no CUDA device visible (nothing measured);
+/// 1 = usage or CUDA error.
+#include <cuda_runtime.h>
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <fstream>
+#include <functional>
+#include <numeric>
+#include <random>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "bench_device.h"
+#include "mkv/kernels.h"
+#include "mkv/tensor.h"
+
+#ifndef MKV_BENCH_COMMIT
+#define MKV_BENCH_COMMIT "unknown"
+#endif
+
+namespace {
+
+using mkv::DataType;
+using mkv::DeviceType;
+using mkv::Tensor;
+using mkv::kernels::PagedBuffers;
+using mkv::kernels::RowBuffer;
+using mkv::kernels::RowBufferPair;
+
+constexpr int kExitNoDevice = 77;
+constexpr int kExitMismatch = 2;
+constexpr int64_t kKiB = 1024;
+constexpr int64_t kMiB = 1024 * kKiB;
+constexpr int64_t kGiB = 1024 * kMiB;
+/// K or V page row of one token: 8 KV heads x 128 dims x 2 B (bf16).
+constexpr int64_t kTokenBytes = 8 * 128 * 2;
+/// Bytes one G1-G3 call moves (kernels.md §1: >= 256 MiB so HBM, not L2, is measured).
+constexpr int64_t kBandwidthBytes = kGiB;
+/// Per-copy loops are subsampled beyond this many cudaMemcpyAsync calls per repetition
+/// (~4 us each on the H200, kernels.md §3).
+constexpr int64_t kLoopCopies = 4096;
+constexpr int kLoopReps = 3;
+
+struct Options {
+  std::string csvPath;
+  std::string filter;
+  int reps = 15;
+  int warmups = 3;
+};
+
+[[noreturn]] void fail(std::string const& message) {
+  std::fprintf(stderr, "mkv_gpu_bench: %s\n", message.c_str());
+  std::exit(1);
+}
+
+void check(cudaError_t status, std::string_view what) {
+  if (status != cudaSuccess) {
+    fail(fmt::format("{}: {}: {}", what, cudaGetErrorName(status), cudaGetErrorString(status)));
+  }
+}
+
+/// Owning device allocation.
+class DeviceBuffer {
+ public:
+  explicit DeviceBuffer(int64_t bytes) : mBytes(bytes) {
+    check(cudaMalloc(&mData, static_cast<std::size_t>(bytes)), fmt::format("cudaMalloc({} B)", bytes));
+  }
+  ~DeviceBuffer() { (void)cudaFree(mData); }
+  DeviceBuffer(DeviceBuffer const&) = delete;
+  DeviceBuffer& operator=(DeviceBuffer const&) = delete;
+  uint8_t* data() const { return static_cast<uint8_t*>(mData); }
+  int64_t size() const { return mBytes; }
+
+ private:
+  void* mData = nullptr;
+  int64_t mBytes;
+};
+
+/// One line of the result table.
+struct Row {
+  Row(std::string caseName_, std::string method_, int64_t bytes_)
+      : caseName(std::move(caseName_)), method(std::move(method_)), bytes(bytes_) {}
+  std::string caseName;
+  std::string method;
+  int64_t bytes = 0;
+  double us = 0;
+  double ratio = 0;  // same-run memcpy time / this time
+  std::string target;
+  std::string status;  // PASS, MISS, or "-" (reported only)
+  std::string note;
+  uint64_t mismatches = 0;
+  double tbps() const { return us > 0 ? 2.0 * static_cast<double>(bytes) / (us * 1e6) : 0.0; }
+};
+
+std::string humanBytes(int64_t bytes) {
+  if (bytes >= kGiB && bytes % kGiB == 0) {
+    return fmt::format("{} GiB", bytes / kGiB);
+  }
+  if (bytes >= kMiB) {
+    return fmt::format("{:.1f} MiB", static_cast<double>(bytes) / static_cast<double>(kMiB));
+  }
+  return fmt::format("{} KiB", bytes / kKiB);
+}
+
+std::vector<int32_t> distinct(int64_t count, int64_t limit, std::mt19937_64& rng) {
+  std::vector<int32_t> ids(static_cast<std::size_t>(limit));
+  std::iota(ids.begin(), ids.end(), 0);
+  std::shuffle(ids.begin(), ids.end(), rng);
+  ids.resize(static_cast<std::size_t>(count));
+  return ids;
+}
+
+std::vector<int32_t> sequence(int64_t count) {
+  std::vector<int32_t> ids(static_cast<std::size_t>(count));
+  std::iota(ids.begin(), ids.end(), 0);
+  return ids;
+}
+
+class Bench {
+ public:
+  explicit Bench(Options options)
+      : mOptions(std::move(options)),
+        mSource(4 * kGiB),
+        mDestination(2 * kGiB),
+        mScratch(2 * kGiB),
+        mMap(2 * 2 * 65536 * static_cast<int64_t>(sizeof(int64_t))) {
+    check(cudaStreamCreateWithFlags(&mStream, cudaStreamNonBlocking), "cudaStreamCreate");
+    check(cudaEventCreate(&mStart), "cudaEventCreate");
+    check(cudaEventCreate(&mStop), "cudaEventCreate");
+    mkv::bench::fillRandom(mSource.data(), mSource.size(), 0x5EED0001, mStream);
+    mkv::bench::fillRandom(mScratch.data(), mScratch.size(), 0x5EED0002, mStream);
+    check(cudaStreamSynchronize(mStream), "initial fill");
+  }
+  ~Bench() {
+    (void)cudaEventDestroy(mStart);
+    (void)cudaEventDestroy(mStop);
+    (void)cudaStreamDestroy(mStream);
+  }
+  Bench(Bench const&) = delete;
+  Bench& operator=(Bench const&) = delete;
+
+  void runAll() {
+    for (int64_t const pageKiB : {32, 64, 128, 256}) {
+      pageCase("G1 gather", pageKiB * kKiB, PageIds::kGather, 0.93);
+    }
+    for (int64_t const pageKiB : {32, 64, 128, 256}) {
+      pageCase("G2 scatter-gather", pageKiB * kKiB, PageIds::kScatterGather, 0.90);
+    }
+    for (int64_t const pageKiB : {32, 64, 128, 256}) {
+      pageCase("G3 sequential", pageKiB * kKiB, PageIds::kSequential, 0.96);
+    }
+    for (int32_t const layers : {32, 80}) {
+      for (int32_t const pages : {16, 64, 256}) {
+        decodeCase(layers, pages);
+      }
+    }
+    for (int64_t const n : {256, 32768}) {
+      for (int64_t const rowKiB : {2, 8, 16, 64}) {
+        rowCase(RowKind::kCopyRows, rowKiB * kKiB, n);
+        rowCase(RowKind::kCompactBatch, rowKiB * kKiB, n);
+        rowCase(RowKind::kHiddenCapture, rowKiB * kKiB, n);
+      }
+    }
+  }
+
+  std::vector<Row> const& rows() const { return mRows; }
+  bool anyMismatch() const {
+    return std::any_of(mRows.begin(), mRows.end(), [](Row const& r) { return r.mismatches != 0; });
+  }
+
+ private:
+  enum class PageIds { kGather, kScatterGather, kSequential };
+  enum class RowKind { kCopyRows, kCompactBatch, kHiddenCapture };
+
+  bool selected(std::string const& name) const {
+    return mOptions.filter.empty() || name.find(mOptions.filter) != std::string::npos;
+  }
+
+  /// Median time in us of `op` over `reps` event-bracketed repetitions after `warmups`.
+  double medianUs(int reps, int warmups, std::function<void()> const& op) {
+    for (int i = 0; i < warmups; ++i) {
+      op();
+    }
+    check(cudaStreamSynchronize(mStream), "warm-up");
+    std::vector<double> times;
+    for (int i = 0; i < reps; ++i) {
+      check(cudaEventRecord(mStart, mStream), "cudaEventRecord");
+      op();
+      check(cudaEventRecord(mStop, mStream), "cudaEventRecord");
+      check(cudaEventSynchronize(mStop), "cudaEventSynchronize");
+      float ms = 0;
+      check(cudaEventElapsedTime(&ms, mStart, mStop), "cudaEventElapsedTime");
+      times.push_back(static_cast<double>(ms) * 1000.0);
+    }
+    check(cudaGetLastError(), "timed operation");
+    std::sort(times.begin(), times.end());
+    return times[times.size() / 2];
+  }
+  double medianUs(std::function<void()> const& op) {
+    return medianUs(mOptions.reps, mOptions.warmups, op);
+  }
+
+  void poison(void* dst, int64_t bytes) {
+    check(cudaMemsetAsync(dst, 0xFF, static_cast<std::size_t>(bytes), mStream), "poison");
+  }
+  void copy(void* dst, void const* src, int64_t bytes) {
+    check(cudaMemcpyAsync(dst, src, static_cast<std::size_t>(bytes), cudaMemcpyDeviceToDevice, mStream),
+          "cudaMemcpyAsync");
+  }
+
+  /// Mismatching words of `rows` rows at dst against ref rows map[r] (0xFF rows for -1).
+  uint64_t verify(void const* dst, void const* ref, int64_t rowBytes, std::vector<int64_t> const& map) {
+    auto const bytes = static_cast<int64_t>(map.size() * sizeof(int64_t));
+    if (bytes > mMap.size()) {
+      fail("verification map too large");
+    }
+    check(cudaMemcpyAsync(mMap.data(), map.data(), static_cast<std::size_t>(bytes),
+                          cudaMemcpyHostToDevice, mStream),
+          "upload map");
+    return mkv::bench::countMismatches(dst, ref, rowBytes, static_cast<int64_t>(map.size()),
+                                       reinterpret_cast<int64_t const*>(mMap.data()), mStream);
+  }
+
+  Tensor upload(std::vector<int32_t> const& values) {
+    Tensor tensor({static_cast<int64_t>(values.size())}, DataType::kInt32, DeviceType::kGPU);
+    check(cudaMemcpy(tensor.rawPointer(), values.data(), values.size() * sizeof(int32_t),
+                     cudaMemcpyHostToDevice),
+          "upload ids");
+    return tensor;
+  }
+
+  /// The same-run denominator: one contiguous cudaMemcpyAsync of `bytes`, verified.
+  Row memcpyRow(std::string const& name, int64_t bytes) {
+    poison(mDestination.data(), bytes);
+    Row row{name, "cudaMemcpyAsync contiguous", bytes};
+    row.us = medianUs([&] { copy(mDestination.data(), mSource.data(), bytes); });
+    row.mismatches = verify(mDestination.data(), mSource.data(), bytes, {0});
+    row.ratio = 1.0;
+    row.target = "denominator";
+    row.status = "-";
+    return row;
+  }
+
+  void add(Row row) {
+    fmt::print("  {:<30} {:<34} {:>10.1f} us {:>6.2f} TB/s  x{:<6.3f} {:<18} {:<5} {}{}\n", row.caseName,
+               row.method, row.us, row.tbps(), row.ratio, row.target, row.status,
+               row.mismatches == 0 ? "" : fmt::format("MISMATCHES {} ", row.mismatches), row.note);
+    std::fflush(stdout);
+    mRows.push_back(std::move(row));
+  }
+
+  static std::string passIf(bool ok) { return ok ? "PASS" : "MISS"; }
+
+  /// Row of a per-copy loop; `kernelUs` is the launcher's time for the same case.
+  Row loopRow(std::string const& name, int64_t bytes, double memcpyUs, double loopUs, double kernelUs,
+              int64_t copies, int64_t timedCopies, double minSpeedup, std::string method) {
+    Row row{name, std::move(method), bytes};
+    row.us = loopUs;
+    row.ratio = memcpyUs / loopUs;
+    if (timedCopies < copies) {
+      row.note = fmt::format("subsampled {}/{} copies, time scaled", timedCopies, copies);
+    }
+    if (minSpeedup > 0) {
+      row.target = fmt::format("mkv >= {:.0f}x loop", minSpeedup);
+      row.status = passIf(loopUs >= minSpeedup * kernelUs);
+      row.note += fmt::format("{}mkv is {:.0f}x faster", row.note.empty() ? "" : "; ", loopUs / kernelUs);
+    } else {
+      row.target = "report";
+      row.status = "-";
+    }
+    return row;
+  }
+
+  /// G1-G3: whole K+V pages of one layer, 1 GiB moved per call.
+  void pageCase(char const* kind, int64_t pageBytes, PageIds ids, double minRatio) {
+    std::string const name = fmt::format("{} {}KiB", kind, pageBytes / kKiB);
+    if (!selected(name)) {
+      return;
+    }
+    int64_t const items = kBandwidthBytes / (2 * pageBytes);
+    auto const tokensPerPage = static_cast<int32_t>(pageBytes / kTokenBytes);
+    auto const srcPages = static_cast<int32_t>(2 * items);
+    auto const dstPages = static_cast<int32_t>(ids == PageIds::kScatterGather ? 2 * items : items);
+    std::mt19937_64 rng(static_cast<uint64_t>(pageBytes) * 31 + static_cast<uint64_t>(ids));
+    std::vector<int32_t> const srcIds =
+        ids == PageIds::kSequential ? sequence(items) : distinct(items, srcPages, rng);
+    std::vector<int32_t> const dstIds =
+        ids == PageIds::kScatterGather ? distinct(items, dstPages, rng) : sequence(items);
+    int64_t const bytes = 2 * items * pageBytes;
+    int64_t const dstBytes = 2 * int64_t{dstPages} * pageBytes;
+
+    fmt::print("{}: {} items x K+V pages of {}, {} moved\n", name, items, humanBytes(pageBytes),
+               humanBytes(bytes));
+    Row const denominator = memcpyRow(name, bytes);
+    add(denominator);
+
+    auto expectedMap = [&](int64_t usedItems) {
+      std::vector<int64_t> map(static_cast<std::size_t>(2 * dstPages), -1);
+      for (int64_t i = 0; i < usedItems; ++i) {
+        for (int64_t half = 0; half < 2; ++half) {
+          map[static_cast<std::size_t>(half * dstPages + dstIds[static_cast<std::size_t>(i)])] =
+              half * srcPages + srcIds[static_cast<std::size_t>(i)];
+        }
+      }
+      return map;
+    };
+
+    Tensor const srcIdTensor = upload(srcIds);
+    Tensor const dstIdTensor = upload(dstIds);
+    std::vector<void*> const srcBase{mSource.data()};
+    std::vector<void*> const dstBase{mDestination.data()};
+    PagedBuffers const src{srcBase, DeviceType::kGPU, srcPages, tokensPerPage, kTokenBytes};
+    PagedBuffers const dst{dstBase, DeviceType::kGPU, dstPages, tokensPerPage, kTokenBytes};
+    poison(mDestination.data(), dstBytes);
+    Row kernel{name, "mkv copyPages", bytes};
+    kernel.us = medianUs([&] {
+      mkv::kernels::copyPages(src, dst, srcIdTensor, dstIdTensor, nullptr, mStream);
+    });
+    kernel.mismatches = verify(mDestination.data(), mSource.data(), pageBytes, expectedMap(items));
+    kernel.ratio = denominator.us / kernel.us;
+    kernel.target = fmt::format(">= {:.2f}x memcpy", minRatio);
+    kernel.status = passIf(kernel.ratio >= minRatio);
+    add(kernel);
+
+    int64_t const loopItems = std::min(items, kLoopCopies / 2);
+    poison(mDestination.data(), dstBytes);
+    double const loopUs =
+        medianUs(kLoopReps, 1, [&] {
+          for (int64_t i = 0; i < loopItems; ++i) {
+            for (int64_t half = 0; half < 2; ++half) {
+              copy(mDestination.data() + (half * dstPages + dstIds[static_cast<std::size_t>(i)]) * pageBytes,
+                   mSource.data() + (half * srcPages + srcIds[static_cast<std::size_t>(i)]) * pageBytes,
+                   pageBytes);
+            }
+          }
+        }) *
+        static_cast<double>(items) / static_cast<double>(loopItems);
+    Row loop = loopRow(name, bytes, denominator.us, loopUs, kernel.us, 2 * items, 2 * loopItems,
+                       pageBytes <= 64 * kKiB ? 20.0 : 0.0, "cudaMemcpyAsync per page");
+    loop.mismatches = verify(mDestination.data(), mSource.data(), pageBytes, expectedMap(loopItems));
+    add(loop);
+  }
+
+  /// G4: one decode step over every layer; separate per-layer pools, random ids.
+  /// `pagesPerLayer` pages of 32 KiB per layer = pagesPerLayer / 2 ids with K and V halves.
+  void decodeCase(int32_t layers, int32_t pagesPerLayer) {
+    std::string const name = fmt::format("G4 decode L={} n={}", layers, pagesPerLayer);
+    if (!selected(name)) {
+      return;
+    }
+    int64_t const pageBytes = 32 * kKiB;
+    int32_t const items = pagesPerLayer / 2;
+    int32_t const poolPages = pagesPerLayer;
+    int64_t const poolBytes = 2 * int64_t{poolPages} * pageBytes;
+    int64_t const bytes = int64_t{layers} * 2 * items * pageBytes;
+    std::mt19937_64 rng(static_cast<uint64_t>(layers) * 1000 + static_cast<uint64_t>(pagesPerLayer));
+    std::vector<int32_t> const srcIds = distinct(items, poolPages, rng);
+    std::vector<int32_t> const dstIds = distinct(items, poolPages, rng);
+    std::vector<void*> srcBases;
+    std::vector<void*> dstBases;
+    for (int32_t l = 0; l < layers; ++l) {
+      srcBases.push_back(mSource.data() + l * poolBytes);
+      dstBases.push_back(mDestination.data() + l * poolBytes);
+    }
+    fmt::print("{}: {} layers x {} ids x K+V pages of 32 KiB in one call, {} moved\n", name, layers,
+               items, humanBytes(bytes));
+    Row const denominator = memcpyRow(name, bytes);
+    add(denominator);
+
+    auto verifyLayers = [&](int64_t usedItems) {
+      std::vector<int64_t> map(static_cast<std::size_t>(2 * poolPages), -1);
+      for (int64_t i = 0; i < usedItems; ++i) {
+        for (int64_t half = 0; half < 2; ++half) {
+          map[static_cast<std::size_t>(half * poolPages + dstIds[static_cast<std::size_t>(i)])] =
+              half * poolPages + srcIds[static_cast<std::size_t>(i)];
+        }
+      }
+      uint64_t mismatches = 0;
+      for (int32_t l = 0; l < layers; ++l) {
+        mismatches += verify(dstBases[static_cast<std::size_t>(l)], srcBases[static_cast<std::size_t>(l)],
+                             pageBytes, map);
+      }
+      return mismatches;
+    };
+
+    Tensor const srcIdTensor = upload(srcIds);
+    Tensor const dstIdTensor = upload(dstIds);
+    PagedBuffers const src{srcBases, DeviceType::kGPU, poolPages, 16, kTokenBytes};
+    PagedBuffers const dst{dstBases, DeviceType::kGPU, poolPages, 16, kTokenBytes};
+    auto launch = [&] { mkv::kernels::copyPages(src, dst, srcIdTensor, dstIdTensor, nullptr, mStream); };
+    poison(mDestination.data(), layers * poolBytes);
+    Row kernel{name, "mkv copyPages (one launch)", bytes};
+    kernel.us = medianUs(launch);
+    kernel.mismatches = verifyLayers(items);
+    kernel.ratio = denominator.us / kernel.us;
+    bool const gated = layers == 32 && pagesPerLayer == 64;
+    kernel.target = gated ? "<= 45 us" : "report";
+    kernel.status = gated ? passIf(kernel.us <= 45.0) : "-";
+    add(kernel);
+
+    cudaGraph_t graph = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    check(cudaStreamBeginCapture(mStream, cudaStreamCaptureModeGlobal), "cudaStreamBeginCapture");
+    launch();
+    check(cudaStreamEndCapture(mStream, &graph), "cudaStreamEndCapture");
+    check(cudaGraphInstantiate(&exec, graph, 0), "cudaGraphInstantiate");
+    poison(mDestination.data(), layers * poolBytes);
+    Row replay{name, "mkv copyPages as CUDA graph", bytes};
+    replay.us = medianUs([&] { check(cudaGraphLaunch(exec, mStream), "cudaGraphLaunch"); });
+    replay.mismatches = verifyLayers(items);
+    replay.ratio = denominator.us / replay.us;
+    replay.target = "mkv <= 1.3x graph";
+    replay.status = passIf(kernel.us <= 1.3 * replay.us);
+    add(replay);
+    check(cudaGraphExecDestroy(exec), "cudaGraphExecDestroy");
+    check(cudaGraphDestroy(graph), "cudaGraphDestroy");
+
+    int64_t const copies = int64_t{layers} * 2 * items;
+    int64_t const loopItems = std::clamp<int64_t>(kLoopCopies / (2 * layers), 1, items);
+    poison(mDestination.data(), layers * poolBytes);
+    double const loopUs =
+        medianUs(kLoopReps, 1, [&] {
+          for (int64_t i = 0; i < loopItems; ++i) {
+            for (int32_t l = 0; l < layers; ++l) {
+              for (int64_t half = 0; half < 2; ++half) {
+                copy(static_cast<uint8_t*>(dstBases[static_cast<std::size_t>(l)]) +
+                         (half * poolPages + dstIds[static_cast<std::size_t>(i)]) * pageBytes,
+                     static_cast<uint8_t const*>(srcBases[static_cast<std::size_t>(l)]) +
+                         (half * poolPages + srcIds[static_cast<std::size_t>(i)]) * pageBytes,
+                     pageBytes);
+              }
+            }
+          }
+        }) *
+        static_cast<double>(items) / static_cast<double>(loopItems);
+    Row loop = loopRow(name, bytes, denominator.us, loopUs, kernel.us, copies,
+                       int64_t{layers} * 2 * loopItems, 10.0, "cudaMemcpyAsync per page");
+    loop.mismatches = verifyLayers(loopItems);
+    add(loop);
+  }
+
+  /// G5: rows of per-slot state / hidden states: gather (copyRows), in-place forward
+  /// compaction (compactBatch), scatter-gather of hidden rows (captureHiddenRows).
+  void rowCase(RowKind kind, int64_t rowBytes, int64_t n) {
+    char const* const kindName = kind == RowKind::kCopyRows       ? "copyRows"
+                                 : kind == RowKind::kCompactBatch ? "compactBatch"
+                                                                  : "captureHidden";
+    std::string const name = fmt::format("G5 {} {}KiB n={}", kindName, rowBytes / kKiB, n);
+    if (!selected(name)) {
+      return;
+    }
+    std::mt19937_64 rng(static_cast<uint64_t>(rowBytes) * 7 + static_cast<uint64_t>(n) +
+                        static_cast<uint64_t>(kind));
+    bool const gated = n >= 32768;
+    double const minRatio = 0.90;
+
+    if (kind == RowKind::kCompactBatch) {
+      compactCase(name, rowBytes, n, gated, minRatio, rng);
+      return;
+    }
+    // Gather from a 2n-row source into n destination rows.
+    std::vector<int32_t> const srcRows = distinct(n, 2 * n, rng);
+    std::vector<int32_t> const dstRows =
+        kind == RowKind::kCopyRows ? sequence(n) : distinct(n, n, rng);
+    int64_t const bytes = n * rowBytes;
+    fmt::print("{}: {} rows of {} from a pool of {}, {} moved\n", name, n, humanBytes(rowBytes),
+               2 * n, humanBytes(bytes));
+    Row const denominator = memcpyRow(name, bytes);
+    add(denominator);
+    auto expectedMap = [&](int64_t usedItems) {
+      std::vector<int64_t> map(static_cast<std::size_t>(n), -1);
+      for (int64_t i = 0; i < usedItems; ++i) {
+        map[static_cast<std::size_t>(dstRows[static_cast<std::size_t>(i)])] =
+            srcRows[static_cast<std::size_t>(i)];
+      }
+      return map;
+    };
+    Tensor const srcTensor = upload(srcRows);
+    Tensor const dstTensor = upload(dstRows);
+    poison(mDestination.data(), bytes);
+    Row kernel{name, kind == RowKind::kCopyRows ? "mkv copyRows" : "mkv captureHiddenRows", bytes};
+    if (kind == RowKind::kCopyRows) {
+      std::vector<RowBufferPair> const pairs{{RowBuffer{mSource.data(), rowBytes, 2 * n},
+                                              RowBuffer{mDestination.data(), rowBytes, n}}};
+      kernel.us = medianUs([&] { mkv::kernels::copyRows(pairs, DeviceType::kGPU, srcTensor, dstTensor, mStream); });
+    } else {
+      Tensor const hidden =
+          Tensor::view(mSource.data(), {2 * n, rowBytes / 2}, DataType::kBFloat16, DeviceType::kGPU);
+      Tensor slab = Tensor::view(mDestination.data(), {n, rowBytes / 2}, DataType::kBFloat16, DeviceType::kGPU);
+      kernel.us = medianUs([&] { mkv::kernels::captureHiddenRows(hidden, srcTensor, slab, dstTensor, mStream); });
+    }
+    kernel.mismatches = verify(mDestination.data(), mSource.data(), rowBytes, expectedMap(n));
+    kernel.ratio = denominator.us / kernel.us;
+    kernel.target = gated ? fmt::format(">= {:.2f}x memcpy", minRatio) : "report";
+    kernel.status = gated ? passIf(kernel.ratio >= minRatio) : "-";
+    add(kernel);
+
+    int64_t const loopItems = std::min(n, kLoopCopies);
+    poison(mDestination.data(), bytes);
+    double const loopUs =
+        medianUs(kLoopReps, 1, [&] {
+          for (int64_t i = 0; i < loopItems; ++i) {
+            copy(mDestination.data() + dstRows[static_cast<std::size_t>(i)] * rowBytes,
+                 mSource.data() + srcRows[static_cast<std::size_t>(i)] * rowBytes, rowBytes);
+          }
+        }) *
+        static_cast<double>(n) / static_cast<double>(loopItems);
+    Row loop = loopRow(name, bytes, denominator.us, loopUs, kernel.us, n, loopItems,
+                       rowBytes <= 64 * kKiB ? 20.0 : 0.0, "cudaMemcpyAsync per row");
+    loop.mismatches = verify(mDestination.data(), mSource.data(), rowBytes, expectedMap(loopItems));
+    add(loop);
+  }
+
+  /// In-place forward compaction of n rows, each surviving with probability 1/2. The
+  /// pristine rows live in mScratch; the compacted buffer is mDestination.
+  void compactCase(std::string const& name, int64_t rowBytes, int64_t n, bool gated, double minRatio,
+                   std::mt19937_64& rng) {
+    std::vector<int32_t> oldToNew(static_cast<std::size_t>(n), -1);
+    std::vector<std::pair<int64_t, int64_t>> moves;  // (old row, new row), ascending
+    std::bernoulli_distribution survives(0.5);
+    int32_t next = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      if (survives(rng)) {
+        oldToNew[static_cast<std::size_t>(i)] = next;
+        if (next != i) {
+          moves.emplace_back(i, next);
+        }
+        ++next;
+      }
+    }
+    int64_t const bytes = static_cast<int64_t>(moves.size()) * rowBytes;
+    fmt::print("{}: {} rows of {}, {} survivors, {} moved rows = {} in place\n", name, n,
+               humanBytes(rowBytes), next, moves.size(), humanBytes(bytes));
+    Row const denominator = memcpyRow(name, bytes);
+    add(denominator);
+    auto restore = [&] { copy(mDestination.data(), mScratch.data(), n * rowBytes); };
+    auto expectedMap = [&](std::size_t usedMoves) {
+      std::vector<int64_t> map(static_cast<std::size_t>(n));
+      std::iota(map.begin(), map.end(), int64_t{0});
+      for (std::size_t m = 0; m < usedMoves; ++m) {
+        map[static_cast<std::size_t>(moves[m].second)] = moves[m].first;
+      }
+      return map;
+    };
+    Tensor const mapping = upload(oldToNew);
+    std::vector<RowBuffer> const buffers{RowBuffer{mDestination.data(), rowBytes, n}};
+    auto launch = [&] { mkv::kernels::compactBatch(buffers, DeviceType::kGPU, mapping, next, mStream); };
+    restore();
+    Row kernel{name, "mkv compactBatch (in place)", bytes};
+    kernel.us = medianUs(launch);  // repetitions compact already compacted rows: same traffic
+    restore();
+    launch();
+    kernel.mismatches = verify(mDestination.data(), mScratch.data(), rowBytes, expectedMap(moves.size()));
+    kernel.ratio = denominator.us / kernel.us;
+    kernel.target = gated ? fmt::format(">= {:.2f}x memcpy", minRatio) : "report";
+    kernel.status = gated ? passIf(kernel.ratio >= minRatio) : "-";
+    add(kernel);
+
+    std::size_t const loopMoves = std::min(moves.size(), static_cast<std::size_t>(kLoopCopies));
+    auto loopOnce = [&] {
+      for (std::size_t m = 0; m < loopMoves; ++m) {
+        copy(mDestination.data() + moves[m].second * rowBytes, mDestination.data() + moves[m].first * rowBytes,
+             rowBytes);
+      }
+    };
+    restore();
+    double const loopUs = medianUs(kLoopReps, 1, loopOnce) * static_cast<double>(moves.size()) /
+                          static_cast<double>(std::max<std::size_t>(loopMoves, 1));
+    restore();
+    loopOnce();
+    Row loop = loopRow(name, bytes, denominator.us, loopUs, kernel.us, static_cast<int64_t>(moves.size()),
+                       static_cast<int64_t>(loopMoves), rowBytes <= 64 * kKiB ? 20.0 : 0.0,
+                       "cudaMemcpyAsync per row (ascending)");
+    loop.mismatches = verify(mDestination.data(), mScratch.data(), rowBytes, expectedMap(loopMoves));
+    add(loop);
+  }
+
+  Options mOptions;
+  DeviceBuffer mSource;       // random; source pools and rows
+  DeviceBuffer mDestination;  // destinations, poisoned before every method
+  DeviceBuffer mScratch;      // random; pristine rows of the compaction cases
+  DeviceBuffer mMap;          // verification maps
+  cudaStream_t mStream = nullptr;
+  cudaEvent_t mStart = nullptr;
+  cudaEvent_t mStop = nullptr;
+  std::vector<Row> mRows;
+};
+
+void printTable(std::vector<Row> const& rows) {
+  fmt::print("\n{:<30} {:<36} {:>10} {:>12} {:>7} {:>7} {:<18} {:<6} {}\n", "case", "method", "bytes",
+             "us (median)", "TB/s", "ratio", "target", "status", "note");
+  for (Row const& r : rows) {
+    fmt::print("{:<30} {:<36} {:>10} {:>12.1f} {:>7.2f} {:>7.3f} {:<18} {:<6} {}{}\n", r.caseName, r.method,
+               humanBytes(r.bytes), r.us, r.tbps(), r.ratio, r.target, r.status,
+               r.mismatches == 0 ? "" : fmt::format("MISMATCHES {} ", r.mismatches), r.note);
+  }
+  auto const count = [&](std::string_view s) {
+    return std::count_if(rows.begin(), rows.end(), [&](Row const& r) { return r.status == s; });
+  };
+  fmt::print("\n{} PASS, {} MISS, {} reported only; {} rows with mismatches\n", count("PASS"),
+             count("MISS"), count("-"),
+             std::count_if(rows.begin(), rows.end(), [](Row const& r) { return r.mismatches != 0; }));
+}
+
+void writeCsv(std::string const& path, std::vector<Row> const& rows) {
+  std::ofstream out(path);
+  if (!out) {
+    fail("cannot write " + path);
+  }
+  out << "case,method,bytes,us_median,tbps_rw,ratio_vs_memcpy,target,status,mismatches,note\n";
+  for (Row const& r : rows) {
+    out << fmt::format("\"{}\",\"{}\",{},{:.3f},{:.4f},{:.4f},\"{}\",{},{},\"{}\"\n", r.caseName,
+                       r.method, r.bytes, r.us, r.tbps(), r.ratio, r.target, r.status, r.mismatches,
+                       r.note);
+  }
+}
+
+void usage() {
+  std::printf(
+      "usage: mkv_gpu_bench [--csv PATH] [--filter SUBSTRING] [--reps N] [--warmups N]\n"
+      "Times memcpy / managedkv kernels / per-copy loops on the cases G1-G5 of kernels.md §5,\n"
+      "verifying every method bitwise on the device. Exit: 0 ran and verified, 2 mismatches,\n"
+      "77 no CUDA device (nothing measured), 1 usage or CUDA error.\n");
+}
+
+Options parse(int argc, char** argv) {
+  Options options;
+  for (int i = 1; i < argc; ++i) {
+    std::string_view const arg = argv[i];
+    auto value = [&]() -> std::string {
+      if (i + 1 >= argc) {
+        usage();
+        std::exit(1);
+      }
+      return argv[++i];
+    };
+    if (arg == "--csv") {
+      options.csvPath = value();
+    } else if (arg == "--filter") {
+      options.filter = value();
+    } else if (arg == "--reps") {
+      options.reps = std::max(1, std::atoi(value().c_str()));
+    } else if (arg == "--warmups") {
+      options.warmups = std::max(0, std::atoi(value().c_str()));
+    } else if (arg == "--help" || arg == "-h") {
+      usage();
+      std::exit(0);
+    } else {
+      usage();
+      std::exit(1);
+    }
+  }
+  return options;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  Options options = parse(argc, argv);
+  int devices = 0;
+  cudaError_t const status = cudaGetDeviceCount(&devices);
+  if (status != cudaSuccess || devices == 0) {
+    std::fprintf(stderr, "mkv_gpu_bench: no CUDA device visible (%s); nothing measured\n",
+                 status == cudaSuccess ? "0 devices" : cudaGetErrorName(status));
+    return kExitNoDevice;
+  }
+  cudaDeviceProp prop{};
+  check(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
+  int driver = 0;
+  int runtime = 0;
+  check(cudaDriverGetVersion(&driver), "cudaDriverGetVersion");
+  check(cudaRuntimeGetVersion(&runtime), "cudaRuntimeGetVersion");
+  fmt::print("mkv_gpu_bench (commit {}) on {}: {} SMs, {} MiB L2, {} GiB, driver {}, runtime {}; "
+             "median of {} reps after {} warm-ups\n",
+             MKV_BENCH_COMMIT, prop.name, prop.multiProcessorCount, prop.l2CacheSize / kMiB,
+             static_cast<int64_t>(prop.totalGlobalMem) / kGiB, driver, runtime, options.reps,
+             options.warmups);
+  std::vector<Row> rows;
+  bool mismatch = false;
+  {
+    Bench bench(options);
+    bench.runAll();
+    rows = bench.rows();
+    mismatch = bench.anyMismatch();
+  }
+  if (!options.csvPath.empty()) {
+    writeCsv(options.csvPath, rows);
+  }
+  printTable(rows);
+  return mismatch ? kExitMismatch : 0;
+}

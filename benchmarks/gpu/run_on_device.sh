@@ -1,0 +1,175 @@
+#!/usr/bin/env bash
+# The GPU half in one go (docs/benchmarks.md, ../shared/design/GPU.md):
+#   1. mkv_gpu_tests (every launcher on the GPU vs its host twin, graph capture),
+#   2. mkv_gpu_bench (cases G1-G5, CSV),
+#   3. torch_baselines.py (same shapes in PyTorch, and the G6 comparison with 2.),
+#   4. compute-sanitizer memcheck and racecheck over a short selection of mkv_gpu_tests,
+#   5. the other test suites of the build folder (CPU suites and their GPU instantiations),
+#      while time is left,
+# with every log under $OUT (default ./out), and a short summary table printed last.
+#
+# Usage:  bash benchmarks/gpu/run_on_device.sh [BUILD_DIR]
+#   BUILD_DIR holds tests/<layer>/mkv_*_tests and benchmarks/gpu/mkv_gpu_bench: the build tree of
+#   `cmake --preset cuda-release && cmake --build build/cuda-release`, or its small copy
+#   build/cuda-release/device (the default when present; the only folder the GPU machine needs).
+# Exit status: 0 when no step failed (a step without GPU, torch or sanitizer is SKIP), 1 else.
+set -u
+
+DEFAULT_BUILD=build/cuda-release
+[[ -d $DEFAULT_BUILD/device ]] && DEFAULT_BUILD=$DEFAULT_BUILD/device
+BUILD=${1:-$DEFAULT_BUILD}
+OUT=${OUT:-./out}
+SCRIPT_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+# Whole-script budget in seconds: the device tool stops a command after 600 s.
+BUDGET=${MKV_DEVICE_BUDGET_S:-540}
+SANITIZER_FILTER=${MKV_SANITIZER_FILTER:-'Geometries/CopyPagesGpuTest.*/0:Geometries/CopyPagesGpuTest.*/5:Geometries/CopyPagesGpuTest.*/6:Mappings/CompactBatchGpuTest.*/2:Mappings/CompactBatchGpuTest.*/6:CompactBatchInPlaceTest.*:Widths/*:RowLaunchersGpuTest.*:ZeroRowsGpuTest.*:Int32PatchGpuTest.*:GraphCaptureGpuTest.*:CopyPagesKernelTest.*'}
+RACECHECK_FILTER=${MKV_RACECHECK_FILTER:-'Mappings/CompactBatchGpuTest.*/2:Mappings/CompactBatchGpuTest.*/8:CompactBatchInPlaceTest.DroppingTheFirstRowShiftsEveryRowByOne:GraphCaptureGpuTest.CompactBatchInPlace'}
+
+mkdir -p "$OUT"
+START=$(date +%s)
+SUMMARY=()
+FAILED=0
+
+elapsed() { echo $(( $(date +%s) - START )); }
+
+# record STEP STATUS SECONDS DETAIL
+record() {
+  SUMMARY+=("$(printf '%-28s %-5s %6s  %s' "$1" "$2" "$3" "$4")")
+  [[ $2 == FAIL ]] && FAILED=1
+  echo "== $1: $2 ($3 s) $4"
+}
+
+# run_step NAME LOG TIMEOUT CMD...: runs CMD with its output in LOG, for at most TIMEOUT s and
+# never beyond the script's budget; sets RC (124: stopped) and SECONDS_TAKEN.
+run_step() {
+  local name=$1 log=$2 limit=$3
+  shift 3
+  local left=$(( BUDGET - $(elapsed) ))
+  (( limit > left )) && limit=$left
+  echo "== $name: $*" | tee "$log"
+  if (( limit < 5 )); then
+    echo "(not run: time budget used up)" >>"$log"
+    RC=124 SECONDS_TAKEN=0
+    return
+  fi
+  local t0=$(date +%s)
+  timeout --kill-after=10 "$limit" "$@" >>"$log" 2>&1
+  RC=$?
+  SECONDS_TAKEN=$(( $(date +%s) - t0 ))
+  [[ $RC == 124 || $RC == 137 ]] && echo "(stopped after $limit s)" >>"$log"
+}
+
+gtest_detail() {  # summary of a gtest log
+  local log=$1 passed skipped failed
+  passed=$(grep -oP '^\[  PASSED  \] \K[0-9]+' "$log" | tail -1)
+  skipped=$(grep -oP '^\[  SKIPPED \] \K[0-9]+(?= test)' "$log" | tail -1)
+  failed=$(grep -oP '^\[  FAILED  \] \K[0-9]+(?= test)' "$log" | tail -1)
+  echo "${passed:-0} passed, ${skipped:-0} skipped, ${failed:-0} failed"
+}
+
+gtest_status() {  # STATUS of a gtest run: SKIP when every test skipped (no device)
+  local rc=$1 log=$2 passed skipped
+  passed=$(grep -oP '^\[  PASSED  \] \K[0-9]+' "$log" | tail -1)
+  skipped=$(grep -oP '^\[  SKIPPED \] \K[0-9]+(?= test)' "$log" | tail -1)
+  if [[ $rc != 0 ]]; then echo FAIL
+  elif [[ ${passed:-0} == 0 && ${skipped:-0} != 0 ]]; then echo SKIP
+  else echo PASS; fi
+}
+
+{
+  echo "date: $(date -u +%FT%TZ)"
+  echo "host: $(uname -a)"
+  echo "build: $BUILD"
+  (cd "$SCRIPT_DIR" && git describe --always --dirty 2>/dev/null) | sed 's/^/commit: /'
+  command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --format=csv
+} >"$OUT/environment.txt" 2>&1
+command -v nvidia-smi >/dev/null && nvidia-smi >"$OUT/nvidia-smi.txt" 2>&1
+
+GPU_TESTS=$BUILD/tests/gpu/mkv_gpu_tests
+BENCH=$BUILD/benchmarks/gpu/mkv_gpu_bench
+
+# 1. GPU test binary.
+if [[ -x $GPU_TESTS ]]; then
+  run_step "gpu tests" "$OUT/gpu_tests.log" 180 "$GPU_TESTS" --gtest_output="xml:$OUT/gpu_tests.xml"
+  record "mkv_gpu_tests" "$(gtest_status $RC "$OUT/gpu_tests.log")" "$SECONDS_TAKEN" \
+    "$(gtest_detail "$OUT/gpu_tests.log")"
+else
+  record "mkv_gpu_tests" FAIL 0 "$GPU_TESTS missing (build with the cuda-release preset)"
+fi
+
+# 2. Benchmark (exit 77: no device).
+if [[ -x $BENCH ]]; then
+  run_step "gpu bench" "$OUT/gpu_bench.log" 300 "$BENCH" --csv "$OUT/gpu_bench.csv"
+  case $RC in
+    0) status=PASS ;;
+    77) status=SKIP ;;
+    *) status=FAIL ;;
+  esac
+  BENCH_DETAIL=$(tail -1 "$OUT/gpu_bench.log")  # the table's tally, or why nothing ran
+  record "mkv_gpu_bench" "$status" "$SECONDS_TAKEN" "rc $RC: $BENCH_DETAIL"
+else
+  record "mkv_gpu_bench" FAIL 0 "$BENCH missing"
+fi
+
+# 3. Torch baselines (exit 77: no torch or no device).
+TORCH_ARGS=(--csv "$OUT/torch_baselines.csv")
+[[ -f $OUT/gpu_bench.csv ]] && TORCH_ARGS+=(--mkv-csv "$OUT/gpu_bench.csv")
+if command -v python3 >/dev/null; then
+  run_step "torch baselines" "$OUT/torch_baselines.log" 240 python3 "$SCRIPT_DIR/torch_baselines.py" "${TORCH_ARGS[@]}"
+  case $RC in
+    0) status=PASS ;;
+    77) status=SKIP ;;
+    *) status=FAIL ;;
+  esac
+  g6=$(grep -cE ' PASS$' "$OUT/torch_baselines.log" 2>/dev/null)
+  g6miss=$(grep -cE ' MISS$' "$OUT/torch_baselines.log" 2>/dev/null)
+  record "torch_baselines.py" "$status" "$SECONDS_TAKEN" "rc $RC; G6 gates: ${g6:-0} PASS, ${g6miss:-0} MISS"
+else
+  record "torch_baselines.py" SKIP 0 "no python3"
+fi
+
+# 4. compute-sanitizer over a short selection of the GPU tests.
+SANITIZER=$(command -v compute-sanitizer || ls /usr/local/cuda/bin/compute-sanitizer 2>/dev/null)
+for tool in memcheck racecheck; do
+  filter=$SANITIZER_FILTER
+  [[ $tool == racecheck ]] && filter=$RACECHECK_FILTER
+  if [[ -z $SANITIZER || ! -x $GPU_TESTS ]]; then
+    record "compute-sanitizer $tool" SKIP 0 "compute-sanitizer not found"
+    continue
+  fi
+  if [[ $(gtest_status 0 "$OUT/gpu_tests.log") == SKIP ]]; then
+    record "compute-sanitizer $tool" SKIP 0 "no device"
+    continue
+  fi
+  run_step "compute-sanitizer $tool" "$OUT/sanitizer_$tool.log" 150 \
+    "$SANITIZER" --tool "$tool" --error-exitcode 3 --print-limit 20 "$GPU_TESTS" --gtest_filter="$filter"
+  summary_line=$(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$OUT/sanitizer_$tool.log" | tail -1)
+  [[ $RC == 0 ]] && status=PASS || status=FAIL
+  record "compute-sanitizer $tool" "$status" "$SECONDS_TAKEN" "rc $RC; $(gtest_detail "$OUT/sanitizer_$tool.log"); ${summary_line:-no summary}"
+done
+
+# 5. The other test suites of the build folder, while the budget lasts.
+for suite in "$BUILD"/tests/*/mkv_*_tests; do
+  [[ -x $suite && $suite != "$GPU_TESTS" ]] || continue
+  name=$(basename "$suite")
+  left=$(( BUDGET - $(elapsed) ))
+  if (( left < 30 )); then
+    record "$name" SKIP 0 "time budget used up"
+    continue
+  fi
+  run_step "$name" "$OUT/$name.log" "$left" "$suite" --gtest_output="xml:$OUT/$name.xml"
+  record "$name" "$(gtest_status $RC "$OUT/$name.log")" "$SECONDS_TAKEN" "$(gtest_detail "$OUT/$name.log")"
+done
+
+{
+  if [[ -f $OUT/gpu_bench.csv ]]; then
+    echo
+    echo "benchmark rows that missed their target (full table: $OUT/gpu_bench.log):"
+    grep -F ',MISS,' "$OUT/gpu_bench.csv" | cut -d, -f1,2,4,6,7 | sed 's/^/  /' || true
+  fi
+  echo
+  printf '%-28s %-5s %6s  %s\n' "step" "state" "s" "detail"
+  printf '%s\n' "${SUMMARY[@]}"
+  echo "logs: $OUT (total $(elapsed) s)"
+} | tee "$OUT/summary.txt"
+exit $FAILED
