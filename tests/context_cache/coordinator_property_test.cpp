@@ -200,6 +200,13 @@ TEST(CoordinatorPropertyTest, RandomWorkloadsUnderPoolPressureNeverCorruptKv) {
   EXPECT_GT(endOfSequence, 0);
   RecordProperty("requests", static_cast<int>(requests));
   RecordProperty("failed", static_cast<int>(failures));
+  RecordProperty("refusals", static_cast<int>(refusals));
+  RecordProperty("joins", static_cast<int>(joins));
+  RecordProperty("cancellations", static_cast<int>(cancellations));
+  RecordProperty("end_of_sequence", static_cast<int>(endOfSequence));
+  RecordProperty("reused_tokens", static_cast<int>(reused));
+  RecordProperty("evicted_records", static_cast<int>(totals.evictedRecords));
+  RecordProperty("forced_cold_retries", static_cast<int>(totals.forcedColdRetries));
 }
 
 TEST(CoordinatorPropertyTest, AJoinerFinishingOnItsLookaheadLeavesTheBatchBeforeTheNextStep) {
