@@ -10,6 +10,8 @@
 namespace mkv::kernels::detail {
 namespace {
 
+/// Threads per CTA. Not measured yet (page-table patches are small next to the pages they
+/// describe); to be measured on the H200 with a whole-table upload.
 constexpr int32_t kPatchThreads = 256;
 constexpr int64_t kPatchValuesPerPass = int64_t{kPatchThreads} * kLoadsInFlight;
 /// grid.x is sized so that the average range takes one pass of every CTA, within these bounds
