@@ -20,7 +20,7 @@ class Int32Staging;
 }
 
 struct KVCachePoolConfig {
-  int32_t numLayers = 0;      ///< attention layers stored in this pool (<= kernels::kMaxLayers)
+  int32_t numLayers = 0;  ///< attention layers stored in this pool (<= kernels::kMaxLayers)
   int32_t numKVHeads = 0;
   int32_t headDim = 0;
   int32_t tokensPerPage = 128;  ///< power of two in [16, 1024]
@@ -39,7 +39,8 @@ struct KVCachePoolConfig {
 /// execution-ordered: batch compaction compacts it, while page-table rows never move.
 ///
 /// Thread-safety: one writer (the engine thread). All device writes are ordered on the stream
-/// passed to each call; host-side state changes immediately.
+/// passed to each call; host-side state changes immediately. Length uploads share one staging
+/// buffer, so the length writes of one pool must be ordered (one stream).
 class KVCachePool {
  public:
   /// Validates the config (throws mkv::Error naming the bad field) and allocates.

@@ -127,10 +127,10 @@ class KVPageTable {
   int32_t mNumPages;
   PageTableMode mMode;
   DeviceType mDeviceType;
-  std::vector<int32_t> mHost;            // [maxBatch, 2, maxPagesPerSeq]
-  std::vector<int32_t> mLiveCount;       // per slot
-  std::vector<int64_t> mDirtyEntries;    // flat indices of changed K entries, unsorted, unique
-  std::vector<uint8_t> mEntryDirtyFlag;  // per K entry, [maxBatch, maxPagesPerSeq]
+  std::vector<int32_t> mHost;             // [maxBatch, 2, maxPagesPerSeq]
+  std::vector<int32_t> mLiveCount;        // per slot
+  std::vector<int64_t> mDirtyEntries;     // flat indices of changed K entries, unsorted, unique
+  std::vector<uint8_t> mEntryDirtyFlag;   // per K entry, [maxBatch, maxPagesPerSeq]
   mutable std::vector<int32_t> mScratch;  // ids sorted by duplicate checks (preallocated)
   std::vector<int32_t> mPatch;            // host image of the next patch (preallocated)
   Tensor mDevice;

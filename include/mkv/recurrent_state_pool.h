@@ -30,7 +30,8 @@ struct RecurrentStatePoolConfig {
 /// Per recurrent layer a state buffer `[numSlots, stateBytesPerSlot]` and a conv buffer
 /// `[numSlots, convBytesPerSlot]` (uint8, zero-initialised). Row `slot` belongs to the resident
 /// with that slot; rows never move. The engine's kernels read and write the rows through
-/// `state(l)` / `conv(l)`. Thread-safety: one writer.
+/// `state(l)` / `conv(l)`. Thread-safety: one writer. Slot lists travel through one reused
+/// staging buffer, so the clears of one pool must be ordered (one stream).
 class RecurrentStatePool {
  public:
   explicit RecurrentStatePool(RecurrentStatePoolConfig const& config);

@@ -35,6 +35,8 @@ struct SnapshotStorageConfig {
 /// Every capture and restore is one kernel launch on `stream`, covering all layers. Partial
 /// copies move exactly the first `validTokens` token rows of the K and V halves. Slots and
 /// page ids are validated on the host (mkv::Error, nothing enqueued). Thread-safety: one writer.
+/// Ids travel through one reused staging buffer, so the operations of one storage must be
+/// ordered (one stream).
 class SnapshotStorage {
  public:
   /// `recurrent` may be null (attention-only) and `baseKv` may be null (pure recurrent);
@@ -73,10 +75,10 @@ class SnapshotStorage {
   /// every base layer (and of `draftPage` of the draft pool when it is >= 0) into the slot.
   /// Base and draft are two launches (their page ids differ, and one copyPages item applies the
   /// same ids to every layer of one call); the staged ids are shared by both.
-  void capturePartialKv(int32_t snapshotSlot, PageId page, int32_t validTokens,
-                        PageId draftPage, cudaStream_t stream);
-  void restorePartialKv(int32_t snapshotSlot, PageId page, int32_t validTokens,
-                        PageId draftPage, cudaStream_t stream);
+  void capturePartialKv(int32_t snapshotSlot, PageId page, int32_t validTokens, PageId draftPage,
+                        cudaStream_t stream);
+  void restorePartialKv(int32_t snapshotSlot, PageId page, int32_t validTokens, PageId draftPage,
+                        cudaStream_t stream);
 
   /// slab[slot] = hidden[row]; hidden `[tokens, boundaryHiddenWidth]` of boundaryHiddenType.
   void captureBoundaryHidden(int32_t snapshotSlot, Tensor const& hidden, int32_t row,
@@ -95,7 +97,7 @@ class SnapshotStorage {
   void copyPartialKv(char const* call, bool capture, int32_t snapshotSlot, PageId page,
                      int32_t validTokens, PageId draftPage, cudaStream_t stream);
   void validateBoundaryHidden(char const* call, int32_t snapshotSlot, Tensor const& hidden,
-                          int32_t row) const;
+                              int32_t row) const;
 
   SnapshotStorageConfig mConfig;
   RecurrentStatePool* mRecurrent;

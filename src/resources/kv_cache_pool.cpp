@@ -25,13 +25,12 @@ void validateConfig(KVCachePoolConfig const& c) {
   MKV_REQUIRE(c.headDim > 0, kCtor, "headDim must be positive, got {}", c.headDim);
   MKV_REQUIRE(c.tokensPerPage >= 16 && c.tokensPerPage <= 1024 &&
                   std::has_single_bit(static_cast<uint32_t>(c.tokensPerPage)),
-              kCtor, "tokensPerPage must be a power of two in [16, 1024], got {}",
-              c.tokensPerPage);
+              kCtor, "tokensPerPage must be a power of two in [16, 1024], got {}", c.tokensPerPage);
   MKV_REQUIRE(c.numPages > 0, kCtor, "numPages must be positive, got {}", c.numPages);
   MKV_REQUIRE(c.maxBatchSize > 0, kCtor, "maxBatchSize must be positive, got {}", c.maxBatchSize);
-  int64_t const tokenBytes = checkedProduct(
-      checkedProduct(c.numKVHeads, c.headDim, "numKVHeads * headDim"),
-      static_cast<int64_t>(dataTypeSize(c.dataType)), "token bytes");
+  int64_t const tokenBytes =
+      checkedProduct(checkedProduct(c.numKVHeads, c.headDim, "numKVHeads * headDim"),
+                     static_cast<int64_t>(dataTypeSize(c.dataType)), "token bytes");
   int64_t const pageBytes = checkedProduct(tokenBytes, c.tokensPerPage, "page bytes");
   int64_t const layerBytes =
       checkedProduct(checkedProduct(pageBytes, c.numPages, "half bytes"), 2, "layer bytes");
@@ -45,9 +44,9 @@ KVCachePool::KVCachePool(KVCachePoolConfig const& config) : mConfig(config) {
   mLayers.reserve(static_cast<std::size_t>(config.numLayers));
   mLayerBases.reserve(static_cast<std::size_t>(config.numLayers));
   for (int32_t l = 0; l < config.numLayers; ++l) {
-    mLayers.emplace_back(Coords{2, config.numPages, config.tokensPerPage, config.numKVHeads,
-                                config.headDim},
-                         config.dataType, config.deviceType);
+    mLayers.emplace_back(
+        Coords{2, config.numPages, config.tokensPerPage, config.numKVHeads, config.headDim},
+        config.dataType, config.deviceType);
     mLayerBases.push_back(mLayers.back().rawPointer());
   }
   mKvLengths = Tensor({config.maxBatchSize}, DataType::kInt32, config.deviceType);
@@ -111,10 +110,10 @@ void KVCachePool::resetForNewSequences(std::span<int32_t const> lengths, cudaStr
 void KVCachePool::writeLengths(int32_t firstRow, std::span<int32_t const> lengths,
                                cudaStream_t stream) {
   constexpr char const* kCall = "KVCachePool::writeLengths";
-  MKV_REQUIRE(firstRow >= 0 && int64_t{firstRow} + static_cast<int64_t>(lengths.size()) <=
-                                   mActiveBatchSize,
-              kCall, "rows [{}, {}) are outside the active batch of {}", firstRow,
-              int64_t{firstRow} + static_cast<int64_t>(lengths.size()), mActiveBatchSize);
+  MKV_REQUIRE(
+      firstRow >= 0 && int64_t{firstRow} + static_cast<int64_t>(lengths.size()) <= mActiveBatchSize,
+      kCall, "rows [{}, {}) are outside the active batch of {}", firstRow,
+      int64_t{firstRow} + static_cast<int64_t>(lengths.size()), mActiveBatchSize);
   validateLengths(kCall, lengths);
   if (lengths.empty()) {
     return;
@@ -146,8 +145,7 @@ void KVCachePool::compactLengths(Tensor const& oldToNew, int32_t newBatchSize,
   MKV_REQUIRE(oldToNew.deviceType() == mConfig.deviceType, kCall,
               "mapping is on {} but the pool is on {}", toString(oldToNew.deviceType()),
               toString(mConfig.deviceType));
-  kernels::RowBuffer const lengths{mKvLengths.rawPointer(), sizeof(int32_t),
-                                   mConfig.maxBatchSize};
+  kernels::RowBuffer const lengths{mKvLengths.rawPointer(), sizeof(int32_t), mConfig.maxBatchSize};
   try {
     kernels::compactBatch(std::span<kernels::RowBuffer const>(&lengths, 1), mConfig.deviceType,
                           oldToNew, newBatchSize, stream);

@@ -43,8 +43,7 @@ KVPageTable::KVPageTable(int32_t maxBatch, int32_t maxPagesPerSeq, int32_t numPa
       mDeviceType(deviceType) {
   constexpr char const* kCall = "KVPageTable";
   MKV_REQUIRE(maxBatch > 0, kCall, "maxBatch must be positive, got {}", maxBatch);
-  MKV_REQUIRE(maxPagesPerSeq > 0, kCall, "maxPagesPerSeq must be positive, got {}",
-              maxPagesPerSeq);
+  MKV_REQUIRE(maxPagesPerSeq > 0, kCall, "maxPagesPerSeq must be positive, got {}", maxPagesPerSeq);
   MKV_REQUIRE(numPages > 0 && numPages <= std::numeric_limits<int32_t>::max() / 2, kCall,
               "numPages must be in [1, {}] so that V ids fit int32, got {}",
               std::numeric_limits<int32_t>::max() / 2, numPages);
@@ -52,7 +51,8 @@ KVPageTable::KVPageTable(int32_t maxBatch, int32_t maxPagesPerSeq, int32_t numPa
   MKV_REQUIRE(capacity <= std::numeric_limits<int32_t>::max(), kCall,
               "a {} x {} table is too large: patch offsets must fit int32", maxBatch,
               maxPagesPerSeq);
-  auto const kEntries = static_cast<std::size_t>(maxBatch) * static_cast<std::size_t>(maxPagesPerSeq);
+  auto const kEntries =
+      static_cast<std::size_t>(maxBatch) * static_cast<std::size_t>(maxPagesPerSeq);
   mHost.assign(2 * kEntries, kNoPage);
   mLiveCount.assign(static_cast<std::size_t>(maxBatch), 0);
   mDirtyEntries.reserve(kEntries);
@@ -105,8 +105,7 @@ void KVPageTable::validateRowPages(char const* call, CacheSlot slot,
     }
     int32_t duplicate = 0;
     MKV_REQUIRE(!findDuplicate(mScratch, &duplicate), call,
-                "slot {}: page {} appears more than once among the live entries", slot,
-                duplicate);
+                "slot {}: page {} appears more than once among the live entries", slot, duplicate);
   }
 }
 
@@ -133,16 +132,16 @@ bool KVPageTable::checkRow(CacheSlot slot, std::string* error) const {
       continue;
     }
     if (k < 0 || k >= mNumPages) {
-      return fail(fmt::format("row {} entry {}: K page {} is outside [0, {})", slot, i, k,
-                              mNumPages));
+      return fail(
+          fmt::format("row {} entry {}: K page {} is outside [0, {})", slot, i, k, mNumPages));
     }
     if (v != k + mNumPages) {
       return fail(fmt::format("row {} entry {}: V page is {}, expected {} (K {} + numPages {})",
                               slot, i, v, k + mNumPages, k, mNumPages));
     }
     if (mMode == PageTableMode::kDense && seenEmpty) {
-      return fail(fmt::format("row {} entry {}: live entry after an empty one in a dense table",
-                              slot, i));
+      return fail(
+          fmt::format("row {} entry {}: live entry after an empty one in a dense table", slot, i));
     }
     ++live;
     if (mMode == PageTableMode::kSparseWindow) {
@@ -171,8 +170,8 @@ bool KVPageTable::checkInvariants(std::string* error) const {
 
 void KVPageTable::writeEntry(CacheSlot slot, int32_t logicalPage, PageId kPage) {
   auto const width = static_cast<std::size_t>(mMaxPagesPerSeq);
-  std::size_t const flat = static_cast<std::size_t>(slot) * 2 * width +
-                           static_cast<std::size_t>(logicalPage);
+  std::size_t const flat =
+      static_cast<std::size_t>(slot) * 2 * width + static_cast<std::size_t>(logicalPage);
   PageId const old = mHost[flat];
   if (old == kPage) {
     return;
@@ -181,8 +180,8 @@ void KVPageTable::writeEntry(CacheSlot slot, int32_t logicalPage, PageId kPage) 
   mHost[flat + width] = kPage == kNoPage ? kNoPage : kPage + mNumPages;
   int32_t& live = mLiveCount[static_cast<std::size_t>(slot)];
   live += (old == kNoPage ? 1 : 0) - (kPage == kNoPage ? 1 : 0);
-  uint8_t& flag =
-      mEntryDirtyFlag[static_cast<std::size_t>(slot) * width + static_cast<std::size_t>(logicalPage)];
+  uint8_t& flag = mEntryDirtyFlag[static_cast<std::size_t>(slot) * width +
+                                  static_cast<std::size_t>(logicalPage)];
   if (flag == 0) {
     flag = 1;
     mDirtyEntries.push_back(static_cast<int64_t>(flat));
@@ -237,8 +236,8 @@ void KVPageTable::setEntry(CacheSlot slot, int32_t logicalPage, PageId kPage) {
     std::span<int32_t const> const row = hostRow(slot);
     for (int32_t i = 0; i < mMaxPagesPerSeq; ++i) {
       MKV_REQUIRE(i == logicalPage || row[static_cast<std::size_t>(i)] != kPage, kCall,
-                  "slot {} entry {}: page {} is already live at entry {}", slot, logicalPage,
-                  kPage, i);
+                  "slot {} entry {}: page {} is already live at entry {}", slot, logicalPage, kPage,
+                  i);
     }
   }
   writeEntry(slot, logicalPage, kPage);

@@ -68,8 +68,7 @@ void RecurrentStatePool::clearResidentSlot(CacheSlot slot, cudaStream_t stream) 
   clearResidentSlots(std::span<CacheSlot const>(&slot, 1), stream);
 }
 
-void RecurrentStatePool::clearResidentSlots(std::span<CacheSlot const> slots,
-                                            cudaStream_t stream) {
+void RecurrentStatePool::clearResidentSlots(std::span<CacheSlot const> slots, cudaStream_t stream) {
   constexpr char const* kCall = "RecurrentStatePool::clearResidentSlots";
   for (std::size_t i = 0; i < slots.size(); ++i) {
     MKV_REQUIRE(slots[i] >= 0 && slots[i] < mConfig.numSlots, kCall,

@@ -7,8 +7,7 @@
 namespace mkv {
 
 void ResidentSlotPool::reset(int32_t capacity) {
-  MKV_REQUIRE(capacity >= 0, "ResidentSlotPool::reset", "capacity must be >= 0, got {}",
-              capacity);
+  MKV_REQUIRE(capacity >= 0, "ResidentSlotPool::reset", "capacity must be >= 0, got {}", capacity);
   mEpochs.assign(static_cast<std::size_t>(capacity), 1);
   mHeld.assign(static_cast<std::size_t>(capacity), 0);
   mHeldCount = 0;

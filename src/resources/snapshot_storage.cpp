@@ -27,9 +27,8 @@ kernels::PagedBuffers slabBuffers(KVCachePool const& pool, std::vector<void*> co
 
 }  // namespace
 
-SnapshotStorage::SnapshotStorage(SnapshotStorageConfig const& config,
-                                 RecurrentStatePool* recurrent, KVCachePool* baseKv,
-                                 KVCachePool* draftKv)
+SnapshotStorage::SnapshotStorage(SnapshotStorageConfig const& config, RecurrentStatePool* recurrent,
+                                 KVCachePool* baseKv, KVCachePool* draftKv)
     : mConfig(config), mRecurrent(recurrent), mBaseKv(baseKv), mDraftKv(draftKv) {
   MKV_REQUIRE(config.recurrentSlots >= 0, kCtor, "recurrentSlots must be >= 0, got {}",
               config.recurrentSlots);
@@ -216,9 +215,8 @@ void SnapshotStorage::copyPartialKv(char const* call, bool capture, int32_t snap
   Tensor const pages = batch.add(std::span<int32_t const>(&page, 1));
   Tensor const slots = batch.add(std::span<int32_t const>(&snapshotSlot, 1));
   Tensor const tokens = batch.add(std::span<int32_t const>(&validTokens, 1));
-  Tensor const draftPages =
-      batch.add(draftPage != kNoPage ? std::span<int32_t const>(&draftPage, 1)
-                                     : std::span<int32_t const>());
+  Tensor const draftPages = batch.add(draftPage != kNoPage ? std::span<int32_t const>(&draftPage, 1)
+                                                           : std::span<int32_t const>());
   batch.submit();
   auto copy = [&](KVCachePool const& pool, std::vector<void*> const& slabBases,
                   Tensor const& poolPages) {
@@ -237,7 +235,7 @@ void SnapshotStorage::copyPartialKv(char const* call, bool capture, int32_t snap
 }
 
 void SnapshotStorage::validateBoundaryHidden(char const* call, int32_t snapshotSlot,
-                                         Tensor const& hidden, int32_t row) const {
+                                             Tensor const& hidden, int32_t row) const {
   MKV_REQUIRE(hasBoundaryHidden(), call,
               "no boundary hidden slab is configured (boundaryHiddenWidth is 0)");
   MKV_REQUIRE(snapshotSlot >= 0 && snapshotSlot < mConfig.recurrentSlots, call,
@@ -254,8 +252,8 @@ void SnapshotStorage::validateBoundaryHidden(char const* call, int32_t snapshotS
               hidden.dim(0));
 }
 
-void SnapshotStorage::captureBoundaryHidden(int32_t snapshotSlot, Tensor const& hidden,
-                                            int32_t row, cudaStream_t stream) {
+void SnapshotStorage::captureBoundaryHidden(int32_t snapshotSlot, Tensor const& hidden, int32_t row,
+                                            cudaStream_t stream) {
   validateBoundaryHidden("SnapshotStorage::captureBoundaryHidden", snapshotSlot, hidden, row);
   detail::Int32Staging::Batch batch = mStaging->begin(stream);
   Tensor const rows = batch.add(std::span<int32_t const>(&row, 1));

@@ -32,9 +32,9 @@ TEST(CheckTest, RequireEvaluatesArgumentsOnlyOnFailure) {
 }
 
 TEST(CheckTest, AssertNamesFileAndLine) {
-  EXPECT_TRUE(test::throwsError([] { MKV_ASSERT(1 + 1 == 3, "arithmetic is {}", "broken"); },
-                                {"internal invariant violated", "check_test.cpp",
-                                 "arithmetic is broken"}));
+  EXPECT_TRUE(
+      test::throwsError([] { MKV_ASSERT(1 + 1 == 3, "arithmetic is {}", "broken"); },
+                        {"internal invariant violated", "check_test.cpp", "arithmetic is broken"}));
 }
 
 TEST(CheckTest, DebugAssertFollowsTheBuildMode) {

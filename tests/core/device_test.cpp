@@ -40,8 +40,7 @@ TEST(DeviceTest, HostOnlyBuildRefusesDeviceMemory) {
   std::array<uint8_t, 4> host{};
   EXPECT_TRUE(throwsError(
       [&] {
-        detail::copyBytes(host.data(), DeviceType::kGPU, host.data(), DeviceType::kCPU, 4,
-                          nullptr);
+        detail::copyBytes(host.data(), DeviceType::kGPU, host.data(), DeviceType::kCPU, 4, nullptr);
       },
       {"copyBytes", "without CUDA"}));
   EXPECT_FALSE(cudaDeviceAvailable());
@@ -70,8 +69,8 @@ TEST(HostBufferTest, IsZeroedAndMovable) {
 }
 
 TEST(Int32StagingTest, RejectsNonPositiveCapacity) {
-  EXPECT_TRUE(throwsError([] { detail::Int32Staging(0, DeviceType::kCPU); },
-                          {"Int32Staging", "0"}));
+  EXPECT_TRUE(
+      throwsError([] { detail::Int32Staging(0, DeviceType::kCPU); }, {"Int32Staging", "0"}));
 }
 
 class Int32StagingDeviceTest : public test::DeviceTest {};
@@ -118,8 +117,7 @@ TEST_P(Int32StagingDeviceTest, RejectsValuesBeyondTheCapacity) {
   EXPECT_EQ(test::readAs<int32_t>(last), one);
 }
 
-INSTANTIATE_TEST_SUITE_P(Devices, Int32StagingDeviceTest, test::allDeviceTypes(),
-                         test::deviceName);
+INSTANTIATE_TEST_SUITE_P(Devices, Int32StagingDeviceTest, test::allDeviceTypes(), test::deviceName);
 
 }  // namespace
 }  // namespace mkv

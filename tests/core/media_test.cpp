@@ -11,8 +11,8 @@ using imageUtils::ImageData;
 
 ImageData rgbImage(int32_t width, int32_t height) {
   ImageData image;
-  image.buffer = std::make_shared<Tensor>(Coords{height, width, 3}, DataType::kUInt8,
-                                          DeviceType::kCPU);
+  image.buffer =
+      std::make_shared<Tensor>(Coords{height, width, 3}, DataType::kUInt8, DeviceType::kCPU);
   image.width = width;
   image.height = height;
   image.channels = 3;

@@ -116,9 +116,9 @@ TEST(TensorTest, ViewWrapsCallerMemoryWithoutOwningIt) {
 
 TEST(TensorTest, ViewRejectsNullDataAndTooSmallCapacity) {
   std::array<int32_t, 4> storage{};
-  EXPECT_TRUE(throwsError(
-      [] { (void)Tensor::view(nullptr, {4}, DataType::kInt32, DeviceType::kCPU); },
-      {"Tensor::view", "null"}));
+  EXPECT_TRUE(
+      throwsError([] { (void)Tensor::view(nullptr, {4}, DataType::kInt32, DeviceType::kCPU); },
+                  {"Tensor::view", "null"}));
   EXPECT_TRUE(throwsError(
       [&] { (void)Tensor::view(storage.data(), {4}, DataType::kInt32, DeviceType::kCPU, 12); },
       {"Tensor::view", "12", "16"}));
@@ -166,8 +166,8 @@ TEST(TensorTest, GpuTensorInAHostOnlyBuildThrows) {
 #if MKV_WITH_CUDA
   GTEST_SKIP() << "built with CUDA";
 #else
-  EXPECT_TRUE(throwsError([] { Tensor({4}, DataType::kInt32, DeviceType::kGPU); },
-                          {"without CUDA"}));
+  EXPECT_TRUE(
+      throwsError([] { Tensor({4}, DataType::kInt32, DeviceType::kGPU); }, {"without CUDA"}));
 #endif
 }
 

@@ -22,9 +22,9 @@ TEST(TypesTest, DataTypeSizesAreTheElementBytes) {
 
 TEST(TypesTest, DataTypeNamesAreDistinct) {
   std::set<std::string> names;
-  for (DataType type : {DataType::kFloat32, DataType::kFloat16, DataType::kBFloat16,
-                        DataType::kFp8E4M3, DataType::kInt8, DataType::kUInt8, DataType::kInt32,
-                        DataType::kInt64}) {
+  for (DataType type :
+       {DataType::kFloat32, DataType::kFloat16, DataType::kBFloat16, DataType::kFp8E4M3,
+        DataType::kInt8, DataType::kUInt8, DataType::kInt32, DataType::kInt64}) {
     std::string const name(toString(type));
     EXPECT_NE(name, "unknown");
     names.insert(name);

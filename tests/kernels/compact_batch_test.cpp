@@ -31,8 +31,9 @@ void modelCompact(Rows& rows, std::vector<int32_t> const& mapping, int32_t newBa
   auto const width = static_cast<std::size_t>(rows.width);
   for (std::size_t i = 0; i < mapping.size(); ++i) {
     if (mapping[i] >= 0 && mapping[i] < newBatch) {
-      std::copy_n(old.begin() + static_cast<long>(i * width), width,
-                  rows.expected.begin() + static_cast<long>(static_cast<std::size_t>(mapping[i]) * width));
+      std::copy_n(
+          old.begin() + static_cast<long>(i * width), width,
+          rows.expected.begin() + static_cast<long>(static_cast<std::size_t>(mapping[i]) * width));
     }
   }
 }
@@ -146,9 +147,8 @@ TEST_P(CompactBatchTest, RejectsInvalidBuffersAndSizes) {
   Rows rows(4, 8, device(), rng);
   Tensor const mapping = test::int32Tensor({0, 1, 2, 3}, device());
   std::vector<kernels::RowBuffer> tooFew{{rows.tensor.rawPointer(), 8, 3}};
-  EXPECT_TRUE(throwsError(
-      [&] { kernels::compactBatch(tooFew, device(), mapping, 4, nullptr); },
-      {"compactBatch", "buffer 0 has 3 rows, needs 4"}));
+  EXPECT_TRUE(throwsError([&] { kernels::compactBatch(tooFew, device(), mapping, 4, nullptr); },
+                          {"compactBatch", "buffer 0 has 3 rows, needs 4"}));
   std::vector<kernels::RowBuffer> zeroWidth{{rows.tensor.rawPointer(), 0, 4}};
   EXPECT_TRUE(throwsError([&] { kernels::compactBatch(zeroWidth, device(), mapping, 4, nullptr); },
                           {"compactBatch", "rowBytes 0"}));
@@ -195,9 +195,9 @@ TEST(CompactBatchHostTest, RejectsAMappingOnTheWrongDevice) {
   Rows rows(2, 8, DeviceType::kCPU, rng);
   std::vector<kernels::RowBuffer> const buffers{rows.buffer()};
   Tensor const mapping = test::int32Tensor({0, 1}, DeviceType::kCPU);
-  EXPECT_TRUE(throwsError(
-      [&] { kernels::compactBatch(buffers, DeviceType::kGPU, mapping, 2, nullptr); },
-      {"compactBatch", "oldToNew is on cpu but the data is on gpu"}));
+  EXPECT_TRUE(
+      throwsError([&] { kernels::compactBatch(buffers, DeviceType::kGPU, mapping, 2, nullptr); },
+                  {"compactBatch", "oldToNew is on cpu but the data is on gpu"}));
 }
 
 }  // namespace

@@ -16,8 +16,7 @@ using test::throwsError;
 /// Per-layer paged buffers `[2, numPages, tokensPerPage, tokenBytes]` (uint8) on one device,
 /// with a host copy of what they should hold.
 struct Paged {
-  Paged(int32_t layers, int32_t pages, int32_t tokensPerPage, int64_t tokenBytes,
-        DeviceType device)
+  Paged(int32_t layers, int32_t pages, int32_t tokensPerPage, int64_t tokenBytes, DeviceType device)
       : numPages(pages), tokens(tokensPerPage), bytesPerToken(tokenBytes), deviceType(device) {
     for (int32_t l = 0; l < layers; ++l) {
       tensors.emplace_back(Coords{2, pages, tokensPerPage, tokenBytes}, DataType::kUInt8, device);
@@ -56,9 +55,9 @@ struct Paged {
 
 /// The naive model: item by item, layer by layer, half by half, the first n token rows of
 /// `srcBytes` (laid out like `src`) into dst.expected.
-void modelCopyPages(Paged const& src, std::vector<std::vector<uint8_t>> const& srcBytes,
-                    Paged& dst, std::vector<int32_t> const& srcIds,
-                    std::vector<int32_t> const& dstIds, std::vector<int32_t> const* counts) {
+void modelCopyPages(Paged const& src, std::vector<std::vector<uint8_t>> const& srcBytes, Paged& dst,
+                    std::vector<int32_t> const& srcIds, std::vector<int32_t> const& dstIds,
+                    std::vector<int32_t> const* counts) {
   for (std::size_t i = 0; i < srcIds.size(); ++i) {
     if (srcIds[i] < 0 || dstIds[i] < 0) {
       continue;
@@ -211,7 +210,9 @@ TEST_P(CopyPagesTest, RejectsMismatchedGeometry) {
   Paged otherPageSize(2, 4, 32, 16, device());
   Tensor const ids = test::int32Tensor({0}, device());
   EXPECT_TRUE(throwsError(
-      [&] { kernels::copyPages(pool.buffers(), fewerLayers.buffers(), ids, ids, nullptr, nullptr); },
+      [&] {
+        kernels::copyPages(pool.buffers(), fewerLayers.buffers(), ids, ids, nullptr, nullptr);
+      },
       {"copyPages", "2 layers", "1"}));
   EXPECT_TRUE(throwsError(
       [&] {
@@ -232,14 +233,15 @@ TEST_P(CopyPagesTest, RejectsMalformedIdTensors) {
   Tensor const wide({2}, DataType::kInt64, device());
   Tensor const matrix({1, 2}, DataType::kInt32, device());
   auto const buffers = pool.buffers();
-  EXPECT_TRUE(throwsError(
-      [&] { kernels::copyPages(buffers, buffers, two, three, nullptr, nullptr); },
-      {"copyPages", "dstIds has 3 entries, expected 2"}));
-  EXPECT_TRUE(throwsError([&] { kernels::copyPages(buffers, buffers, wide, two, nullptr, nullptr); },
-                          {"copyPages", "srcIds must be int32", "int64"}));
-  EXPECT_TRUE(throwsError(
-      [&] { kernels::copyPages(buffers, buffers, matrix, two, nullptr, nullptr); },
-      {"copyPages", "srcIds must be 1-D", "[1, 2]"}));
+  EXPECT_TRUE(
+      throwsError([&] { kernels::copyPages(buffers, buffers, two, three, nullptr, nullptr); },
+                  {"copyPages", "dstIds has 3 entries, expected 2"}));
+  EXPECT_TRUE(
+      throwsError([&] { kernels::copyPages(buffers, buffers, wide, two, nullptr, nullptr); },
+                  {"copyPages", "srcIds must be int32", "int64"}));
+  EXPECT_TRUE(
+      throwsError([&] { kernels::copyPages(buffers, buffers, matrix, two, nullptr, nullptr); },
+                  {"copyPages", "srcIds must be 1-D", "[1, 2]"}));
   EXPECT_TRUE(throwsError([&] { kernels::copyPages(buffers, buffers, two, two, &three, nullptr); },
                           {"copyPages", "tokenCounts has 3 entries"}));
 }
@@ -265,9 +267,7 @@ TEST(CopyPagesHostTest, RejectsIdsAndCountsOutOfRangeWithoutCopying) {
       [&] { kernels::copyPages(pool.buffers(), slab.buffers(), okSrc, badDst, nullptr, nullptr); },
       {"copyPages", "dstIds[0] = -2"}));
   EXPECT_TRUE(throwsError(
-      [&] {
-        kernels::copyPages(pool.buffers(), slab.buffers(), okSrc, dst, &badCounts, nullptr);
-      },
+      [&] { kernels::copyPages(pool.buffers(), slab.buffers(), okSrc, dst, &badCounts, nullptr); },
       {"copyPages", "tokenCounts[1] = 17", "[0, 16]"}));
   slab.expectMatches();  // validation happens before any byte moves
 }
@@ -281,9 +281,9 @@ TEST(CopyPagesHostTest, RejectsTooManyLayersNullBasesAndMixedDevices) {
                           {"copyPages", "257 layers exceed the limit of 256"}));
   std::vector<void*> const withNull{storage.data(), nullptr};
   kernels::PagedBuffers const nullLayer{withNull, DeviceType::kCPU, 1, 16, 4};
-  EXPECT_TRUE(throwsError(
-      [&] { kernels::copyPages(nullLayer, nullLayer, ids, ids, nullptr, nullptr); },
-      {"copyPages", "layer 1 has a null base pointer"}));
+  EXPECT_TRUE(
+      throwsError([&] { kernels::copyPages(nullLayer, nullLayer, ids, ids, nullptr, nullptr); },
+                  {"copyPages", "layer 1 has a null base pointer"}));
   std::vector<void*> const one{storage.data()};
   kernels::PagedBuffers const host{one, DeviceType::kCPU, 1, 16, 4};
   kernels::PagedBuffers const gpu{one, DeviceType::kGPU, 1, 16, 4};

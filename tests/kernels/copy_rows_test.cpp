@@ -32,9 +32,10 @@ void modelCopyRows(Rows const& src, Rows& dst, std::vector<int32_t> const& srcRo
     if (srcRows[i] < 0 || dstRows[i] < 0) {
       continue;
     }
-    std::copy_n(src.expected.begin() + static_cast<long>(static_cast<std::size_t>(srcRows[i]) * width),
-                width,
-                dst.expected.begin() + static_cast<long>(static_cast<std::size_t>(dstRows[i]) * width));
+    std::copy_n(
+        src.expected.begin() + static_cast<long>(static_cast<std::size_t>(srcRows[i]) * width),
+        width,
+        dst.expected.begin() + static_cast<long>(static_cast<std::size_t>(dstRows[i]) * width));
   }
 }
 
@@ -93,7 +94,8 @@ TEST_P(CopyRowsTest, RandomItemsMatchTheModel) {
     dstRows.resize(std::uniform_int_distribution<std::size_t>(1, dstRows.size())(rng));
     std::vector<int32_t> srcRows(dstRows.size());
     for (std::size_t i = 0; i < srcRows.size(); ++i) {
-      srcRows[i] = rng() % 7 == 0 ? -1 : static_cast<int32_t>(rng() % static_cast<uint64_t>(srcCount));
+      srcRows[i] =
+          rng() % 7 == 0 ? -1 : static_cast<int32_t>(rng() % static_cast<uint64_t>(srcCount));
     }
     Tensor const src = test::int32Tensor(srcRows, device());
     Tensor const dst = test::int32Tensor(dstRows, device());
@@ -140,10 +142,12 @@ TEST(CopyRowsHostTest, RejectsRowsOutsideEitherBufferWithoutCopying) {
   Tensor const dstBad = test::int32Tensor({0, 2}, DeviceType::kCPU);
   Tensor const srcBad = test::int32Tensor({4, 0}, DeviceType::kCPU);
   Tensor const dstRows = test::int32Tensor({0, 1}, DeviceType::kCPU);
-  EXPECT_TRUE(throwsError([&] { kernels::copyRows(pairs, DeviceType::kCPU, srcRows, dstBad, nullptr); },
-                          {"copyRows", "dstRows[1] = 2", "[-1, 2)"}));
-  EXPECT_TRUE(throwsError([&] { kernels::copyRows(pairs, DeviceType::kCPU, srcBad, dstRows, nullptr); },
-                          {"copyRows", "srcRows[0] = 4"}));
+  EXPECT_TRUE(
+      throwsError([&] { kernels::copyRows(pairs, DeviceType::kCPU, srcRows, dstBad, nullptr); },
+                  {"copyRows", "dstRows[1] = 2", "[-1, 2)"}));
+  EXPECT_TRUE(
+      throwsError([&] { kernels::copyRows(pairs, DeviceType::kCPU, srcBad, dstRows, nullptr); },
+                  {"copyRows", "srcRows[0] = 4"}));
   EXPECT_EQ(test::readBytes(dst.tensor), dst.expected);
 }
 

@@ -26,9 +26,9 @@ class GatherPageTableRowsTest : public test::DeviceTest {
       mHostTable[i] = static_cast<int32_t>(100 + i);
     }
     mTable = Tensor({kBatch, 2, kWidth}, DataType::kInt32, device());
-    test::writeBytes(mTable, std::span<uint8_t const>(
-                                 reinterpret_cast<uint8_t const*>(mHostTable.data()),
-                                 mHostTable.size() * sizeof(int32_t)));
+    test::writeBytes(mTable,
+                     std::span<uint8_t const>(reinterpret_cast<uint8_t const*>(mHostTable.data()),
+                                              mHostTable.size() * sizeof(int32_t)));
   }
 
   std::vector<int32_t> hostRow(int32_t slot) const {

@@ -80,8 +80,9 @@ TEST(HiddenRowsHostTest, RejectsRowsAndSlotsOutOfRangeNamingTheLauncher) {
   Tensor const okRow = test::int32Tensor({3}, DeviceType::kCPU);
   EXPECT_TRUE(throwsError([&] { kernels::captureHiddenRows(hidden, row, slab, slot, nullptr); },
                           {"captureHiddenRows", "srcRows[0] = 4"}));
-  EXPECT_TRUE(throwsError([&] { kernels::captureHiddenRows(hidden, okRow, slab, badSlot, nullptr); },
-                          {"captureHiddenRows", "dstRows[0] = 2"}));
+  EXPECT_TRUE(
+      throwsError([&] { kernels::captureHiddenRows(hidden, okRow, slab, badSlot, nullptr); },
+                  {"captureHiddenRows", "dstRows[0] = 2"}));
 }
 
 }  // namespace

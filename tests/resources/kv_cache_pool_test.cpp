@@ -236,9 +236,9 @@ TEST(KVCachePoolHostTest, CompactLengthsRejectsANonOrderPreservingMappingWithout
   std::vector<int32_t> const reuse{10, 20, 30};
   pool.resetForNewSequences(reuse, nullptr);
   Tensor const swapped = test::int32Tensor({1, 0, -1}, DeviceType::kCPU);
-  EXPECT_TRUE(test::throwsError([&] { pool.compactLengths(swapped, 2, nullptr); },
-                                {"KVCachePool::compactLengths", "not order-preserving",
-                                 "oldToNew[0] = 1"}));
+  EXPECT_TRUE(test::throwsError(
+      [&] { pool.compactLengths(swapped, 2, nullptr); },
+      {"KVCachePool::compactLengths", "not order-preserving", "oldToNew[0] = 1"}));
   EXPECT_EQ(pool.activeBatchSize(), 3);
   EXPECT_EQ(test::readAs<int32_t>(pool.kvLengths()), reuse);
 }

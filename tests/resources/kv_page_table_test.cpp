@@ -7,10 +7,10 @@
 #include <algorithm>
 #include <limits>
 #include <numeric>
-#include <tuple>
 #include <random>
 #include <set>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "test_util.h"
@@ -100,19 +100,22 @@ TEST(KVPageTableConstructionTest, RejectsInvalidSizes) {
                           {"KVPageTable", "maxPagesPerSeq", "-1"}));
   EXPECT_TRUE(throwsError([] { KVPageTable(2, 4, 0, Mode::kDense, DeviceType::kCPU); },
                           {"KVPageTable", "numPages", "0"}));
-  EXPECT_TRUE(throwsError(
-      [&] { KVPageTable(2, 4, tooManyPages, Mode::kDense, DeviceType::kCPU); },
-      {"KVPageTable", "numPages", std::to_string(tooManyPages)}));
+  EXPECT_TRUE(throwsError([&] { KVPageTable(2, 4, tooManyPages, Mode::kDense, DeviceType::kCPU); },
+                          {"KVPageTable", "numPages", std::to_string(tooManyPages)}));
   EXPECT_TRUE(throwsError([] { KVPageTable(1 << 16, 1 << 14, 8, Mode::kDense, DeviceType::kCPU); },
                           {"KVPageTable", "too large"}));
-  EXPECT_NO_THROW(KVPageTable(2, 4, std::numeric_limits<int32_t>::max() / 2, Mode::kDense,
-                              DeviceType::kCPU));
+  EXPECT_NO_THROW(
+      KVPageTable(2, 4, std::numeric_limits<int32_t>::max() / 2, Mode::kDense, DeviceType::kCPU));
 }
 
 template <typename Table>
-concept CanCompactRows = requires(Table& table) { table.compactRows(); };
+concept CanCompactRows = requires(Table& table) {
+  table.compactRows();
+};
 template <typename Table>
-concept CanMoveRow = requires(Table& table) { table.moveRow(0, 1); };
+concept CanMoveRow = requires(Table& table) {
+  table.moveRow(0, 1);
+};
 
 TEST(KVPageTableConstructionTest, HasNoApiThatMovesRowsBetweenSlots) {
   EXPECT_FALSE(CanCompactRows<KVPageTable>);
@@ -164,14 +167,14 @@ TEST_P(KVPageTableTest, SetRowRejectsInvalidPagesWithoutMutation) {
     std::vector<int32_t> const tooLong(kWidth + 1, 0);
     EXPECT_TRUE(throwsError([&] { table.setRow(2, outOfRange); },
                             {"KVPageTable::setRow", "slot 2", "page[1] = 32", "[0, 32)"}));
-    EXPECT_TRUE(throwsError([&] { table.setRow(2, negative); },
-                            {"KVPageTable::setRow", "page[1] = -7"}));
+    EXPECT_TRUE(
+        throwsError([&] { table.setRow(2, negative); }, {"KVPageTable::setRow", "page[1] = -7"}));
     EXPECT_TRUE(throwsError([&] { table.setRow(2, tooLong); },
                             {"KVPageTable::setRow", "7 pages", "at most 6"}));
     EXPECT_TRUE(throwsError([&] { table.setRow(4, initial); },
                             {"KVPageTable::setRow", "slot 4 is outside [0, 4)"}));
-    EXPECT_TRUE(throwsError([&] { table.setRow(-1, initial); },
-                            {"KVPageTable::setRow", "slot -1"}));
+    EXPECT_TRUE(
+        throwsError([&] { table.setRow(-1, initial); }, {"KVPageTable::setRow", "slot -1"}));
     EXPECT_EQ(hostState(table), before);
     ASSERT_TRUE(table.uploadDirty(nullptr));  // only the entry set before the failures
     EXPECT_EQ(table.lastUploadStats().entries, 2);
@@ -255,8 +258,9 @@ TEST_P(KVPageTableTest, SparseWindowRejectsADuplicateLivePageWithinARow) {
   std::vector<int32_t> const duplicate{7, -1, 7};
   EXPECT_TRUE(throwsError([&] { table.setRow(1, duplicate); },
                           {"KVPageTable::setRow", "slot 1", "page 7 appears more than once"}));
-  EXPECT_TRUE(throwsError([&] { table.setEntry(0, 4, 5); },
-                          {"KVPageTable::setEntry", "slot 0 entry 4", "page 5 is already live at entry 2"}));
+  EXPECT_TRUE(throwsError(
+      [&] { table.setEntry(0, 4, 5); },
+      {"KVPageTable::setEntry", "slot 0 entry 4", "page 5 is already live at entry 2"}));
   EXPECT_EQ(hostState(table), before);
   table.setEntry(0, 2, 5);  // rewriting an entry with its own page is no duplicate
   EXPECT_EQ(hostState(table), before);
@@ -291,9 +295,9 @@ TEST_P(KVPageTableTest, DenseSetEntryAppendsOrReplacesButNeverLeavesAHole) {
   table.setEntry(0, 1, 2);
   table.setEntry(0, 2, 3);
   HostState const before = hostState(table);
-  EXPECT_TRUE(throwsError([&] { table.setEntry(0, 4, 9); },
-                          {"KVPageTable::setEntry", "slot 0 entry 4", "3 live entries",
-                           "appended at 3"}));
+  EXPECT_TRUE(
+      throwsError([&] { table.setEntry(0, 4, 9); },
+                  {"KVPageTable::setEntry", "slot 0 entry 4", "3 live entries", "appended at 3"}));
   EXPECT_EQ(hostState(table), before);
   table.setEntry(0, 1, 7);  // replace below the end
   table.setEntry(0, 3, 8);  // append
@@ -326,14 +330,15 @@ TEST_P(KVPageTableTest, EntryMutatorsAndObserversRejectInvalidArguments) {
   EXPECT_TRUE(throwsError([&] { table.setEntry(4, 0, 1); }, {"KVPageTable::setEntry", "slot 4"}));
   EXPECT_TRUE(throwsError([&] { table.setEntry(0, 6, 1); },
                           {"KVPageTable::setEntry", "logical page 6 is outside [0, 6)"}));
-  EXPECT_TRUE(throwsError([&] { table.setEntry(0, -1, 1); },
-                          {"KVPageTable::setEntry", "logical page -1"}));
+  EXPECT_TRUE(
+      throwsError([&] { table.setEntry(0, -1, 1); }, {"KVPageTable::setEntry", "logical page -1"}));
   EXPECT_TRUE(throwsError([&] { table.setEntry(0, 0, -1); },
                           {"KVPageTable::setEntry", "page -1 is outside [0, 32)", "clearEntry"}));
   EXPECT_TRUE(throwsError([&] { table.setEntry(0, 0, 32); }, {"KVPageTable::setEntry", "page 32"}));
-  EXPECT_TRUE(throwsError([&] { table.clearEntry(-2, 0); }, {"KVPageTable::clearEntry", "slot -2"}));
-  EXPECT_TRUE(throwsError([&] { table.clearEntry(0, 7); },
-                          {"KVPageTable::clearEntry", "logical page 7"}));
+  EXPECT_TRUE(
+      throwsError([&] { table.clearEntry(-2, 0); }, {"KVPageTable::clearEntry", "slot -2"}));
+  EXPECT_TRUE(
+      throwsError([&] { table.clearEntry(0, 7); }, {"KVPageTable::clearEntry", "logical page 7"}));
   EXPECT_TRUE(throwsError([&] { table.clearRow(4); }, {"KVPageTable::clearRow", "slot 4"}));
   EXPECT_TRUE(throwsError([&] { (void)table.entry(0, 6); }, {"KVPageTable::entry", "6"}));
   EXPECT_TRUE(throwsError([&] { (void)table.hostRow(5); }, {"KVPageTable::hostRow", "slot 5"}));
@@ -564,32 +569,39 @@ TEST_P(KVPageTableTest, ChecksDetectBrokenRowsAndUploadsRefuseThem) {
     char const* fragment;
   };
   std::vector<Case> const cases{
-      {Mode::kDense, {1, 2}, [](KVPageTable& t) { KVPageTableTestPeer::poke(t, 0, 1, 1, 99); },
+      {Mode::kDense,
+       {1, 2},
+       [](KVPageTable& t) { KVPageTableTestPeer::poke(t, 0, 1, 1, 99); },
        "row 0 entry 1: V page is 99, expected 34"},
-      {Mode::kDense, {1, 2},
+      {Mode::kDense,
+       {1, 2},
        [](KVPageTable& t) {
          KVPageTableTestPeer::poke(t, 0, 0, 0, 40);
          KVPageTableTestPeer::poke(t, 0, 1, 0, 72);
        },
        "row 0 entry 0: K page 40 is outside [0, 32)"},
-      {Mode::kDense, {1, 2, 3},
+      {Mode::kDense,
+       {1, 2, 3},
        [](KVPageTable& t) {
          KVPageTableTestPeer::poke(t, 0, 0, 1, -1);
          KVPageTableTestPeer::poke(t, 0, 1, 1, -1);
          KVPageTableTestPeer::setLiveCount(t, 0, 2);
        },
        "row 0 entry 2: live entry after an empty one in a dense table"},
-      {Mode::kSparseWindow, {1, -1, 2},
+      {Mode::kSparseWindow,
+       {1, -1, 2},
        [](KVPageTable& t) {
          KVPageTableTestPeer::poke(t, 0, 0, 1, 1);
          KVPageTableTestPeer::poke(t, 0, 1, 1, 33);
          KVPageTableTestPeer::setLiveCount(t, 0, 3);
        },
        "row 0: page 1 is live more than once"},
-      {Mode::kSparseWindow, {1, -1, 2},
+      {Mode::kSparseWindow,
+       {1, -1, 2},
        [](KVPageTable& t) { KVPageTableTestPeer::poke(t, 0, 1, 1, 5); },
        "row 0 entry 1: K is empty but V is 5"},
-      {Mode::kDense, {1, 2},
+      {Mode::kDense,
+       {1, 2},
        [](KVPageTable& t) {
          KVPageTableTestPeer::setLiveCount(t, 0, 1);
          KVPageTableTestPeer::poke(t, 0, 0, 0, 1);  // unchanged value; marks row 0 dirty
@@ -625,7 +637,10 @@ INSTANTIATE_TEST_SUITE_P(Devices, KVPageTableTest, test::allDeviceTypes(), test:
 class TableModel {
  public:
   TableModel(int32_t batch, int32_t width, int32_t pages, Mode mode)
-      : mBatch(batch), mWidth(width), mPages(pages), mMode(mode),
+      : mBatch(batch),
+        mWidth(width),
+        mPages(pages),
+        mMode(mode),
         mK(static_cast<std::size_t>(batch * width), kNoPage) {}
 
   int32_t k(int32_t slot, int32_t logical) const { return mK[index(slot, logical)]; }
@@ -657,8 +672,7 @@ class TableModel {
     if (!slotOk(slot) || !logicalOk(logical)) {
       return false;
     }
-    return k(slot, logical) == kNoPage || mMode == Mode::kSparseWindow ||
-           logical == live(slot) - 1;
+    return k(slot, logical) == kNoPage || mMode == Mode::kSparseWindow || logical == live(slot) - 1;
   }
   bool canSetRow(int32_t slot, std::vector<int32_t> const& pages) const {
     if (!slotOk(slot) || pages.size() > static_cast<std::size_t>(mWidth)) {
@@ -766,7 +780,9 @@ TEST_P(KVPageTablePropertyTest, RandomOperationsMatchAVectorModel) {
     return std::uniform_int_distribution<int32_t>(lo, hi)(rng);
   };
   // Mostly valid arguments, sometimes one step outside the valid range.
-  auto slotArg = [&] { return rng() % 20 == 0 ? pick(0, 1) * (kBatch + 1) - 1 : pick(0, kBatch - 1); };
+  auto slotArg = [&] {
+    return rng() % 20 == 0 ? pick(0, 1) * (kBatch + 1) - 1 : pick(0, kBatch - 1);
+  };
   auto logicalArg = [&](int32_t slot) {
     if (rng() % 20 == 0) {
       return pick(0, 1) * (kWidth + 1) - 1;
@@ -776,7 +792,9 @@ TEST_P(KVPageTablePropertyTest, RandomOperationsMatchAVectorModel) {
     }
     return pick(0, kWidth - 1);
   };
-  auto pageArg = [&] { return rng() % 25 == 0 ? pick(0, 1) * (kPages + 2) - 2 : pick(0, kPages - 1); };
+  auto pageArg = [&] {
+    return rng() % 25 == 0 ? pick(0, 1) * (kPages + 2) - 2 : pick(0, kPages - 1);
+  };
   auto rowArg = [&] {
     std::vector<int32_t> pages(static_cast<std::size_t>(kPages));
     std::iota(pages.begin(), pages.end(), 0);

@@ -36,9 +36,9 @@ TEST(RecurrentStatePoolConfigTest, RejectsInvalidFields) {
   EXPECT_TRUE(rejects([](auto& c) { c.numSlots = 0; }, {"numSlots", "0"}));
   EXPECT_TRUE(rejects([](auto& c) { c.stateBytesPerSlot = -1; }, {"stateBytesPerSlot", "-1"}));
   EXPECT_TRUE(rejects([](auto& c) { c.convBytesPerSlot = 0; }, {"convBytesPerSlot", "0"}));
-  EXPECT_TRUE(rejects(
-      [](auto& c) { c.stateBytesPerSlot = std::numeric_limits<int64_t>::max() / 2; },
-      {"overflow int64"}));
+  EXPECT_TRUE(
+      rejects([](auto& c) { c.stateBytesPerSlot = std::numeric_limits<int64_t>::max() / 2; },
+              {"overflow int64"}));
 }
 
 class RecurrentStatePoolTest : public test::DeviceTest {
@@ -120,16 +120,14 @@ TEST_P(RecurrentStatePoolTest, RejectsInvalidSlotsWithoutZeroingAnything) {
   EXPECT_TRUE(throwsError([&] { pool.clearResidentSlot(4, nullptr); },
                           {"RecurrentStatePool::clearResidentSlots", "slots[0] = 4", "[0, 4)"}));
   std::vector<CacheSlot> const mixed{1, -1};
-  EXPECT_TRUE(throwsError([&] { pool.clearResidentSlots(mixed, nullptr); },
-                          {"slots[1] = -1"}));
+  EXPECT_TRUE(throwsError([&] { pool.clearResidentSlots(mixed, nullptr); }, {"slots[1] = -1"}));
   std::vector<CacheSlot> const tooMany{0, 1, 2, 3, 0};
-  EXPECT_TRUE(throwsError([&] { pool.clearResidentSlots(tooMany, nullptr); },
-                          {"5 slots", "only 4"}));
+  EXPECT_TRUE(
+      throwsError([&] { pool.clearResidentSlots(tooMany, nullptr); }, {"5 slots", "only 4"}));
   EXPECT_EQ(readAll(pool), model);
 }
 
-INSTANTIATE_TEST_SUITE_P(Devices, RecurrentStatePoolTest, test::allDeviceTypes(),
-                         test::deviceName);
+INSTANTIATE_TEST_SUITE_P(Devices, RecurrentStatePoolTest, test::allDeviceTypes(), test::deviceName);
 
 }  // namespace
 }  // namespace mkv

@@ -90,8 +90,8 @@ TEST(ResidentSlotPoolTest, ResetFreesEverySlotAndRestartsEpochsAndOrder) {
 TEST(ResidentSlotPoolTest, ResetRejectsANegativeCapacityWithoutChange) {
   ResidentSlotPool pool(2);
   ResidentRef const held = *pool.acquire();
-  EXPECT_TRUE(test::throwsError([&] { pool.reset(-1); },
-                                {"ResidentSlotPool::reset", "capacity", "-1"}));
+  EXPECT_TRUE(
+      test::throwsError([&] { pool.reset(-1); }, {"ResidentSlotPool::reset", "capacity", "-1"}));
   EXPECT_EQ(pool.capacity(), 2);
   EXPECT_TRUE(pool.contains(held));
   EXPECT_EQ(pool.available(), 1);

@@ -14,9 +14,9 @@ namespace {
 
 using test::throwsError;
 
-constexpr int32_t kTokens = 16;            // tokens per page
-constexpr int64_t kBaseTokenBytes = 32;    // 2 heads x 8 dims x fp16
-constexpr int64_t kDraftTokenBytes = 32;   // 1 head x 16 dims x fp16
+constexpr int32_t kTokens = 16;           // tokens per page
+constexpr int64_t kBaseTokenBytes = 32;   // 2 heads x 8 dims x fp16
+constexpr int64_t kDraftTokenBytes = 32;  // 1 head x 16 dims x fp16
 constexpr int64_t kStateBytes = 48;
 constexpr int64_t kConvBytes = 24;
 constexpr int64_t kHiddenWidth = 64;
@@ -44,7 +44,9 @@ class SnapshotStorageTest : public test::DeviceTest {
   SnapshotStorageConfig config() const {
     return SnapshotStorageConfig{3, 2, kHiddenWidth, DataType::kFloat16};
   }
-  SnapshotStorage makeFull() { return SnapshotStorage(config(), mRecurrent.get(), mBase.get(), mDraft.get()); }
+  SnapshotStorage makeFull() {
+    return SnapshotStorage(config(), mRecurrent.get(), mBase.get(), mDraft.get());
+  }
 
   std::unique_ptr<RecurrentStatePool> mRecurrent;
   std::unique_ptr<KVCachePool> mBase;
@@ -85,20 +87,41 @@ TEST_P(SnapshotStorageTest, SlabsHaveTheirPoolsGeometry) {
 TEST_P(SnapshotStorageTest, RejectsInconsistentConfigurations) {
   RecurrentStatePool* recurrent = mRecurrent.get();
   KVCachePool* base = mBase.get();
-  EXPECT_TRUE(throwsError([&] { SnapshotStorage({-1, 0, 0}, recurrent, base); },
-                          {"SnapshotStorage", "recurrentSlots", "-1"}));
-  EXPECT_TRUE(throwsError([&] { SnapshotStorage({0, -2, 0}, recurrent, base); },
-                          {"partialKvSlots", "-2"}));
-  EXPECT_TRUE(throwsError([&] { SnapshotStorage({1, 0, -3}, recurrent, base); },
-                          {"boundaryHiddenWidth", "-3"}));
-  EXPECT_TRUE(throwsError([&] { SnapshotStorage({0, 2, 0}, recurrent, nullptr); },
-                          {"partialKvSlots 2", "without a base KV pool"}));
-  EXPECT_TRUE(throwsError([&] { SnapshotStorage({0, 0, 0}, recurrent, nullptr, mDraft.get()); },
-                          {"draft pool needs a base pool"}));
-  EXPECT_TRUE(throwsError([&] { SnapshotStorage({0, 0, 8}, recurrent, base); },
-                          {"boundaryHiddenWidth 8", "recurrentSlots > 0"}));
-  EXPECT_TRUE(throwsError([&] { SnapshotStorage({2, 0, 8}, nullptr, nullptr); },
-                          {"without any pool"}));
+  EXPECT_TRUE(throwsError(
+      [&] {
+        SnapshotStorage({-1, 0, 0}, recurrent, base);
+      },
+      {"SnapshotStorage", "recurrentSlots", "-1"}));
+  EXPECT_TRUE(throwsError(
+      [&] {
+        SnapshotStorage({0, -2, 0}, recurrent, base);
+      },
+      {"partialKvSlots", "-2"}));
+  EXPECT_TRUE(throwsError(
+      [&] {
+        SnapshotStorage({1, 0, -3}, recurrent, base);
+      },
+      {"boundaryHiddenWidth", "-3"}));
+  EXPECT_TRUE(throwsError(
+      [&] {
+        SnapshotStorage({0, 2, 0}, recurrent, nullptr);
+      },
+      {"partialKvSlots 2", "without a base KV pool"}));
+  EXPECT_TRUE(throwsError(
+      [&] {
+        SnapshotStorage({0, 0, 0}, recurrent, nullptr, mDraft.get());
+      },
+      {"draft pool needs a base pool"}));
+  EXPECT_TRUE(throwsError(
+      [&] {
+        SnapshotStorage({0, 0, 8}, recurrent, base);
+      },
+      {"boundaryHiddenWidth 8", "recurrentSlots > 0"}));
+  EXPECT_TRUE(throwsError(
+      [&] {
+        SnapshotStorage({2, 0, 8}, nullptr, nullptr);
+      },
+      {"without any pool"}));
 }
 
 TEST_P(SnapshotStorageTest, PartialKvRoundTripCopiesOnlyTheValidTokenRows) {
@@ -162,18 +185,20 @@ TEST_P(SnapshotStorageTest, PairedBaseAndDraftPartialKvRoundTrip) {
   std::vector<uint8_t> const draft = test::readBytes(mDraft->layer(0));
   auto const pageBytes = static_cast<std::size_t>(kTokens * kBaseTokenBytes);
   for (int32_t half = 0; half < 2; ++half) {
-    EXPECT_TRUE(std::equal(base.begin() + static_cast<long>(offset(8, kBaseTokenBytes, half, 1, 0)),
-                           base.begin() + static_cast<long>(offset(8, kBaseTokenBytes, half, 1, 0) + pageBytes),
-                           base0.begin() + static_cast<long>(offset(8, kBaseTokenBytes, half, 3, 0))))
+    EXPECT_TRUE(std::equal(
+        base.begin() + static_cast<long>(offset(8, kBaseTokenBytes, half, 1, 0)),
+        base.begin() + static_cast<long>(offset(8, kBaseTokenBytes, half, 1, 0) + pageBytes),
+        base0.begin() + static_cast<long>(offset(8, kBaseTokenBytes, half, 3, 0))))
         << "base half " << half;
-    EXPECT_TRUE(std::equal(draft.begin() + static_cast<long>(offset(6, kDraftTokenBytes, half, 4, 0)),
-                           draft.begin() + static_cast<long>(offset(6, kDraftTokenBytes, half, 4, 0) + pageBytes),
-                           draft0.begin() + static_cast<long>(offset(6, kDraftTokenBytes, half, 5, 0))))
+    EXPECT_TRUE(std::equal(
+        draft.begin() + static_cast<long>(offset(6, kDraftTokenBytes, half, 4, 0)),
+        draft.begin() + static_cast<long>(offset(6, kDraftTokenBytes, half, 4, 0) + pageBytes),
+        draft0.begin() + static_cast<long>(offset(6, kDraftTokenBytes, half, 5, 0))))
         << "draft half " << half;
   }
   // Nothing else was written.
-  std::size_t const nonZeroBase =
-      static_cast<std::size_t>(std::count_if(base.begin(), base.end(), [](uint8_t b) { return b != 0; }));
+  std::size_t const nonZeroBase = static_cast<std::size_t>(
+      std::count_if(base.begin(), base.end(), [](uint8_t b) { return b != 0; }));
   EXPECT_LE(nonZeroBase, 2 * 2 * pageBytes);  // page 1 of both halves (of this layer)
 }
 
@@ -187,16 +212,16 @@ TEST_P(SnapshotStorageTest, PartialKvRejectsInvalidArgumentsWithoutCopying) {
                           {"SnapshotStorage::capturePartialKv", "snapshot slot 2", "[0, 2)"}));
   EXPECT_TRUE(throwsError([&] { storage.capturePartialKv(0, 8, 4, kNoPage, nullptr); },
                           {"SnapshotStorage::capturePartialKv", "page 8", "[0, 8)"}));
-  EXPECT_TRUE(throwsError([&] { storage.capturePartialKv(0, -1, 4, kNoPage, nullptr); },
-                          {"page -1"}));
+  EXPECT_TRUE(
+      throwsError([&] { storage.capturePartialKv(0, -1, 4, kNoPage, nullptr); }, {"page -1"}));
   EXPECT_TRUE(throwsError([&] { storage.capturePartialKv(0, 1, 0, kNoPage, nullptr); },
                           {"validTokens 0", "[1, 16]"}));
   EXPECT_TRUE(throwsError([&] { storage.restorePartialKv(0, 1, 17, kNoPage, nullptr); },
                           {"SnapshotStorage::restorePartialKv", "validTokens 17"}));
   EXPECT_TRUE(throwsError([&] { storage.capturePartialKv(0, 1, 4, 6, nullptr); },
                           {"draft page 6", "[0, 6)"}));
-  EXPECT_TRUE(throwsError([&] { storage.capturePartialKv(0, 1, 4, -3, nullptr); },
-                          {"draft page -3"}));
+  EXPECT_TRUE(
+      throwsError([&] { storage.capturePartialKv(0, 1, 4, -3, nullptr); }, {"draft page -3"}));
   EXPECT_EQ(test::readBytes(storage.partialKvSlab(0)), slab);
   EXPECT_EQ(test::readBytes(storage.partialKvSlab(0, true)), draftSlab);
 }
@@ -240,8 +265,10 @@ TEST_P(SnapshotStorageTest, RecurrentRoundTripIsByteExactForEveryLayer) {
   for (int32_t l = 0; l < 2; ++l) {
     std::vector<uint8_t> const state = test::readBytes(storage.recurrentStateSlab(l));
     std::vector<uint8_t> const conv = test::readBytes(storage.recurrentConvSlab(l));
-    EXPECT_EQ(rowOf(state, kStateBytes, 2), rowOf(pool[static_cast<std::size_t>(2 * l)], kStateBytes, 3));
-    EXPECT_EQ(rowOf(conv, kConvBytes, 2), rowOf(pool[static_cast<std::size_t>(2 * l + 1)], kConvBytes, 3));
+    EXPECT_EQ(rowOf(state, kStateBytes, 2),
+              rowOf(pool[static_cast<std::size_t>(2 * l)], kStateBytes, 3));
+    EXPECT_EQ(rowOf(conv, kConvBytes, 2),
+              rowOf(pool[static_cast<std::size_t>(2 * l + 1)], kConvBytes, 3));
     EXPECT_EQ(rowOf(state, kStateBytes, 0), std::vector<uint8_t>(kStateBytes, 0));  // untouched
   }
   mRecurrent->clearResidentSlot(3, nullptr);
@@ -270,7 +297,8 @@ TEST_P(SnapshotStorageTest, RecurrentRejectsSlotsOutOfRangeWithoutCopying) {
                           {"SnapshotStorage::restoreRecurrent", "snapshot slot -1"}));
   EXPECT_TRUE(throwsError([&] { storage.restoreRecurrent(0, -1, nullptr); },
                           {"SnapshotStorage::restoreRecurrent", "resident slot -1"}));
-  EXPECT_EQ(test::readBytes(storage.recurrentStateSlab(0)), std::vector<uint8_t>(3 * kStateBytes, 0));
+  EXPECT_EQ(test::readBytes(storage.recurrentStateSlab(0)),
+            std::vector<uint8_t>(3 * kStateBytes, 0));
   EXPECT_EQ(test::readBytes(mRecurrent->state(0)), state);
 }
 
@@ -289,8 +317,8 @@ TEST_P(SnapshotStorageTest, BoundaryHiddenRoundTripIsByteExact) {
   std::vector<uint8_t> const poison = test::fillConstant(target, 0x77);
   storage.restoreBoundaryHidden(1, target, 0, nullptr);
   std::vector<uint8_t> const restored = test::readBytes(target);
-  EXPECT_TRUE(std::equal(restored.begin(), restored.begin() + rowBytes,
-                         tokens.begin() + 6 * rowBytes));
+  EXPECT_TRUE(
+      std::equal(restored.begin(), restored.begin() + rowBytes, tokens.begin() + 6 * rowBytes));
   EXPECT_TRUE(std::equal(restored.begin() + rowBytes, restored.end(), poison.begin() + rowBytes));
 }
 
