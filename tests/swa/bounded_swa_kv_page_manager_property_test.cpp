@@ -103,9 +103,9 @@ class PropertyRun {
     double const r = uniform();
     bool const slotsLeft =
         std::find(mSlotBusy.begin(), mSlotBusy.end(), false) != mSlotBusy.end();
-    if (mPoisoned && slotsLeft && !mTriedPoisonedAdmission) {
+    if (mPoisoned && !mTriedPoisonedAdmission) {
       mTriedPoisonedAdmission = true;
-      admitRandom();  // refused with kPoisoned, once per poisoned period
+      admitWhilePoisoned();
     } else if (mPoisoned && (mRequests.empty() || r < 0.15)) {
       shutdownRandom();  // nothing can be admitted until the quarantine drains
     } else if (mRequests.empty() || (slotsLeft && r < 0.3)) {
@@ -180,6 +180,23 @@ class PropertyRun {
       used += quarantined.pages;
     }
     return mRig->manager().totalPageCount() - used;
+  }
+
+  /// Once per poisoned period: any slots, busy ones included (held by an active or a
+  /// quarantined request), are refused with kPoisoned, not with a contract error.
+  void admitWhilePoisoned() {
+    std::vector<int32_t> slots(kMaxBatch);
+    for (int32_t slot = 0; slot < kMaxBatch; ++slot) {
+      slots[static_cast<std::size_t>(slot)] = slot;
+    }
+    std::shuffle(slots.begin(), slots.end(), mRandom);
+    slots.resize(static_cast<std::size_t>(between(1, 3)));
+    int32_t const freeBefore = manager().freePageCount();
+    auto const result = manager().beginRequest(residentsFor(slots, ++mEpoch), SwaRig::stream());
+    EXPECT_EQ(result.status, SwaKVCacheStatus::kPoisoned) << "step " << mStep;
+    EXPECT_FALSE(result.request.has_value());
+    EXPECT_EQ(manager().freePageCount(), freeBefore);
+    ++mCoverage.refusedPoisoned;
   }
 
   void admitRandom() {
