@@ -75,6 +75,35 @@ TEST_F(BlockIndexTest, VerificationRefusesAForcedDigestCollision) {
   EXPECT_EQ(trusting.longestPrefix(mA, 1).pages, (std::vector<PageId>{3}));
 }
 
+TEST_F(BlockIndexTest, VerificationComparesTokensEvenWhenEveryDigestCollides) {
+  // Forge B's block so that its key, content key and media digest all equal A's: only the stored
+  // token ids can tell them apart.
+  PromptBlocks forged = mB;
+  forged.keys = mA.keys;
+  forged.contentKeys = mA.contentKeys;
+  forged.mediaDigests = mA.mediaDigests;
+  ASSERT_EQ(mIndex.insert(mA.keys[0], 2, forged, 0), 2);
+  EXPECT_FALSE(mIndex.holds(2, mA, 0));
+  EXPECT_TRUE(mIndex.longestPrefix(mA, 1).verificationRejected);
+  EXPECT_TRUE(mIndex.holds(2, forged, 0));
+}
+
+TEST_F(BlockIndexTest, VerificationComparesMediaPositionsEvenWhenTheMediaDigestCollides) {
+  std::vector<MediaPosition> imageA(mTokensA.size());
+  std::vector<MediaPosition> imageB(mTokensA.size());
+  for (std::size_t i = 0; i < 4; ++i) {
+    imageA[i] = {Hash128{1, 1}, static_cast<int32_t>(i)};
+    imageB[i] = {Hash128{2, 2}, static_cast<int32_t>(i)};
+  }
+  PromptBlocks const a = hashPromptBlocks(viewOf(mTokensA, {}, &imageA), kPage);
+  PromptBlocks forged = hashPromptBlocks(viewOf(mTokensA, {}, &imageB), kPage);
+  forged.keys = a.keys;
+  forged.mediaDigests = a.mediaDigests;
+  ASSERT_EQ(mIndex.insert(a.keys[0], 1, forged, 0), 1);
+  EXPECT_FALSE(mIndex.holds(1, a, 0));
+  EXPECT_TRUE(mIndex.holds(1, forged, 0));
+}
+
 TEST_F(BlockIndexTest, VerificationComparesParentSaltAdapterAndMedia) {
   std::vector<MediaPosition> media(mTokensA.size());
   media[1] = {Hash128{9, 9}, 0};

@@ -123,6 +123,11 @@ class ContextCacheManager {
   AcquireResult acquire(ReusePlan const& plan);
   /// The coordinator's one call per sequence: lookup, acquire, and when a cache-derived plan fails
   /// for capacity one cold retry (forced cold). Counts every admission metric.
+  /// Note: because acquire pins the hit before planning eviction and the planner's feasibility
+  /// test is exact, the cold plan needs exactly the pages the hit pinned on top of the same
+  /// private demand, so the retry cannot succeed where the cache-derived plan failed; it is kept
+  /// as the coordinator contract (and counted), and the property test asserts kAcquiredCold never
+  /// occurs. It would matter again if acquisition ever became approximate.
   AdmissionResult acquireWithFallback(LookupRequest const& request);
 
   // --- Lease growth and snapshots -----------------------------------------------------------
