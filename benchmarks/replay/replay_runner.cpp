@@ -1,0 +1,516 @@
+#include "replay_runner.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <deque>
+#include <limits>
+#include <memory>
+#include <unordered_map>
+
+#include "mkv/kernels.h"
+#include "mkv/stream.h"
+
+namespace mkv::replay {
+namespace {
+
+using testing::EngineRequest;
+using testing::EngineSequence;
+using testing::ReferenceEngine;
+using testing::RequestOutcome;
+using testing::SequenceOutcome;
+
+constexpr int32_t kMaxBatch = 4096;
+constexpr int32_t kMaxGeometry = 4096;  // KV heads, head dim
+
+int64_t ceilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+[[noreturn]] void configError(std::string message) { throw ReplayConfigError(std::move(message)); }
+
+void validate(ReplayConfig const& c) {
+  if (c.pageSize < 16 || c.pageSize > 1024 || (c.pageSize & (c.pageSize - 1)) != 0) {
+    configError(fmt::format("page size {} is not a power of two in [16, 1024]", c.pageSize));
+  }
+  if (c.layers < 1 || c.fullLayers < 0 || c.layers + c.fullLayers > kernels::kMaxLayers) {
+    configError(fmt::format("layers {} (+ {} full layers) must be >= 1 and at most {} in all",
+                            c.layers, c.fullLayers, kernels::kMaxLayers));
+  }
+  if (c.fullLayers > 0 && c.mode != ReplayMode::kSwa) {
+    configError("full layers besides sliding ones exist only in swa mode");
+  }
+  if (c.kvHeads < 1 || c.kvHeads > kMaxGeometry || c.headDim < 1 || c.headDim > kMaxGeometry) {
+    configError(fmt::format("KV heads {} and head dim {} must be in [1, {}]", c.kvHeads, c.headDim,
+                            kMaxGeometry));
+  }
+  if (c.mode == ReplayMode::kSwa && c.windowTokens < 1) {
+    configError(fmt::format("window {} must be >= 1 token", c.windowTokens));
+  }
+  if (c.maxBatch < 1 || c.maxBatch > kMaxBatch) {
+    configError(fmt::format("max batch {} must be in [1, {}]", c.maxBatch, kMaxBatch));
+  }
+  if (c.maxOutputTokens < 0) {
+    configError(fmt::format("max output {} must be >= 1 (0 = no cap)", c.maxOutputTokens));
+  }
+  if (c.poolSizing == PoolSizing::kPages && c.poolAmount < 1) {
+    configError(fmt::format("a pool of {} pages is smaller than 1 page", c.poolAmount));
+  }
+  if (c.poolSizing == PoolSizing::kTokens && c.poolAmount < c.pageSize) {
+    configError(fmt::format("a pool of {} tokens is smaller than 1 page of {} tokens", c.poolAmount,
+                            c.pageSize));
+  }
+  if (c.device == DeviceType::kGPU && !cudaDeviceAvailable()) {
+    configError(MKV_WITH_CUDA ? "--device cuda: no CUDA device is visible"
+                              : "--device cuda: this build has no CUDA (configure with "
+                                "-DMKV_ENABLE_CUDA=ON)");
+  }
+}
+
+int64_t percentile(std::vector<int64_t> values, double q) {
+  if (values.empty()) {
+    return 0;
+  }
+  auto const rank = static_cast<std::size_t>(q * static_cast<double>(values.size() - 1) + 0.5);
+  std::nth_element(values.begin(), values.begin() + static_cast<std::ptrdiff_t>(rank),
+                   values.end());
+  return values[rank];
+}
+
+bool completedNormally(FinishReason reason) noexcept {
+  return reason == FinishReason::kLength || reason == FinishReason::kEndOfSequence ||
+         reason == FinishReason::kStopString;
+}
+
+/// A materialised request waiting for the engine.
+struct Pending {
+  std::size_t index = 0;
+  EngineSequence sequence;
+  std::string salt;
+  std::string lora;
+  bool alone = false;  ///< a retry: runs without joiners
+};
+
+class Runner {
+ public:
+  Runner(RequestSource& source, ReplayConfig const& config, ProgressCallback const& progress)
+      : mSource(source), mConfig(config), mProgress(progress) {}
+
+  ReplayResult run() {
+    auto const start = std::chrono::steady_clock::now();
+    validate(mConfig);
+    mCount = mSource.size();
+    if (mConfig.limit > 0) {
+      mCount = std::min(mCount, mConfig.limit);
+    }
+    if (mCount == 0) {
+      configError("the workload has no requests");
+    }
+    mResult.config = mConfig;
+    mResult.workload = mSource.describe();
+    mResult.requests = static_cast<int64_t>(mCount);
+    mResult.records.resize(mCount);
+    createRuntime();
+    replayAll();
+    summarize();
+    mResult.wallSeconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    return std::move(mResult);
+  }
+
+ private:
+  void createRuntime() {
+    ReplayConfig const& c = mConfig;
+    int64_t const longest = mSource.longestSequenceTokens(c.maxOutputTokens) + 2;
+    if (longest > std::numeric_limits<int32_t>::max() / 2) {
+      configError(fmt::format("a sequence of {} tokens is too long", longest));
+    }
+    int64_t const width = ceilDiv(longest, c.pageSize);
+    KVCacheRuntimeConfig rc;
+    rc.model.numKVHeads = c.kvHeads;
+    rc.model.headDim = c.headDim;
+    rc.model.kvDataType = c.dtype;
+    rc.tokensPerPage = c.pageSize;
+    rc.maxSequenceLength = static_cast<int32_t>(longest);
+    rc.deviceType = c.device;
+    rc.contextCache.verifyTokens = true;
+    // Records are limited by pages, never by count: a request publishes at most twice.
+    rc.contextCache.maxRecords = static_cast<int32_t>(std::min<int64_t>(
+        std::numeric_limits<int32_t>::max(), std::max<int64_t>(1024, 2 * mResult.requests + 16)));
+    int64_t explicitPages = 0;
+    if (c.poolSizing == PoolSizing::kPages) {
+      explicitPages = c.poolAmount;
+    } else if (c.poolSizing == PoolSizing::kTokens) {
+      explicitPages = c.poolAmount / c.pageSize;
+    }
+    int64_t pages = 0;
+    int32_t batch = c.maxBatch;
+    switch (c.mode) {
+      case ReplayMode::kReuse:
+        rc.model.numFullAttentionLayers = c.layers;
+        rc.contextReuse = true;
+        pages = explicitPages > 0
+                    ? explicitPages
+                    : mSource.cachedPagesBound(c.pageSize, c.maxOutputTokens) + batch * width;
+        break;
+      case ReplayMode::kFull:
+        rc.model.numFullAttentionLayers = c.layers;
+        pages = explicitPages > 0 ? explicitPages : batch * width;
+        break;
+      case ReplayMode::kSwa: {
+        rc.model.numSlidingWindowLayers = c.layers;
+        rc.model.numFullAttentionLayers = c.fullLayers;
+        rc.model.slidingWindowTokens = c.windowTokens;
+        int32_t const perSequence =
+            BoundedSwaKVPageManager::admissionPagesPerSequence(c.windowTokens, c.pageSize);
+        pages = explicitPages > 0 ? explicitPages : int64_t{batch} * perSequence;
+        if (pages < perSequence) {
+          configError(fmt::format(
+              "a pool of {} pages is smaller than one sequence's bounded-SWA budget: 2M + 1 = {} "
+              "pages (M = ceil({} / {}) + 1)",
+              pages, perSequence, c.windowTokens, c.pageSize));
+        }
+        batch = static_cast<int32_t>(std::min<int64_t>(batch, pages / perSequence));
+        rc.numSwaPages =
+            static_cast<int32_t>(std::min<int64_t>(pages, std::numeric_limits<int32_t>::max()));
+        // The full layers' identity-mapped pool; never fewer pages than bounded SWA holds, so
+        // the runtime always picks bounded SWA in this mode.
+        rc.numPages = static_cast<int32_t>(
+            std::max<int64_t>(int64_t{batch} * width, int64_t{batch} * perSequence + 1));
+        break;
+      }
+    }
+    if (pages > std::numeric_limits<int32_t>::max() / 2 ||
+        (c.mode == ReplayMode::kSwa && rc.numPages > std::numeric_limits<int32_t>::max() / 2)) {
+      configError(fmt::format("a pool of {} pages is too large", pages));
+    }
+    if (c.mode != ReplayMode::kSwa) {
+      rc.numPages = static_cast<int32_t>(pages);
+    }
+    rc.maxBatchSize = batch;
+    mResult.maxBatch = batch;
+    mResult.maxSequenceTokens = width * c.pageSize;
+    mRuntime = KVCacheRuntime::create(rc);
+    KVCacheBackend const expected = c.mode == ReplayMode::kReuse ? KVCacheBackend::kContextReuse
+                                    : c.mode == ReplayMode::kSwa ? KVCacheBackend::kBoundedSwa
+                                                                 : KVCacheBackend::kFullStorage;
+    if (mRuntime->backend() != expected) {
+      throw std::logic_error(fmt::format("the runtime chose the {} backend for {} mode",
+                                         mkv::toString(mRuntime->backend()), toString(c.mode)));
+    }
+    mResult.backend = mRuntime->backend();
+    KVCachePool const& pool =
+        c.mode == ReplayMode::kSwa ? *mRuntime->swaPool() : *mRuntime->fullPool();
+    mResult.poolPages = pool.numPages();
+    mResult.bytesPerPage = pool.totalBytes() / pool.numPages();
+    if (c.mode == ReplayMode::kSwa && mRuntime->fullPool() != nullptr) {
+      mResult.staticKvBytes = mRuntime->fullPool()->totalBytes();
+    }
+
+    testing::ReferenceEngineOptions options;
+    options.verify = c.verify;
+    options.seed = c.seed;
+    options.throwOnMismatch = false;
+    options.onStep = [this](int64_t) { onStep(); };
+    mEngine = std::make_unique<ReferenceEngine>(*mRuntime, std::move(options));
+    mJoins = c.mode != ReplayMode::kSwa && batch > 1 && mRuntime->supportsSeatedAdmission();
+    mFoundersPerRun = c.mode == ReplayMode::kSwa ? static_cast<std::size_t>(batch) : 1;
+  }
+
+  /// Materialises the next request when the source has it ready.
+  bool stageNext() {
+    if (mNextIndex >= mCount || !mSource.ready(mNextIndex)) {
+      return false;
+    }
+    ReplayRequest request = mSource.materialize(mNextIndex);
+    if (request.prompt.empty()) {
+      throw std::runtime_error(fmt::format("request {} has an empty prompt", mNextIndex));
+    }
+    RequestRecord& record = mResult.records[mNextIndex];
+    record.index = mNextIndex;
+    record.id = request.id;
+    record.timestampMs = request.timestampMs;
+    record.promptTokens = static_cast<int64_t>(request.prompt.size());
+    record.maxNewTokens = cappedOutput(request.maxNewTokens, mConfig.maxOutputTokens);
+    Pending pending;
+    pending.index = mNextIndex;
+    pending.sequence.prompt = std::move(request.prompt);
+    pending.sequence.maxNewTokens = record.maxNewTokens;
+    pending.sequence.tag = static_cast<int64_t>(mNextIndex);
+    pending.salt = std::move(request.salt);
+    pending.lora = std::move(request.lora);
+    mStaged.push_back(std::move(pending));
+    ++mNextIndex;
+    return true;
+  }
+
+  Pending* peekStaged() {
+    if (mStaged.empty() && !stageNext()) {
+      return nullptr;
+    }
+    return &mStaged.front();
+  }
+
+  bool sameIdentity(Pending const& pending) const {
+    return pending.salt == mRunSalt && pending.lora == mRunLora;
+  }
+
+  /// Keeps up to maxBatch same-identity requests queued for in-flight admission (FIFO: stops at
+  /// the first request of another salt or adapter, or one that is not ready).
+  void fillJoinQueue() {
+    while (mJoinQueue.size() < static_cast<std::size_t>(mResult.maxBatch)) {
+      Pending* next = peekStaged();
+      if (next == nullptr || next->alone || !sameIdentity(*next)) {
+        return;
+      }
+      mQueuedTags.push_back(next->index);
+      mJoinQueue.push_back(std::move(next->sequence));
+      mStaged.pop_front();
+    }
+  }
+
+  void reportProgress() {
+    if (mProgress) {
+      mProgress(mHanded, mCount);
+    }
+  }
+
+  /// After every decode step: the step's figures, joins since the last step, queue refill.
+  void onStep() {
+    std::size_t const step = mStepNanos.size();
+    mStepNanos.push_back(mEngine->stats().stepHostNanoseconds.back());
+    mStepPages.push_back(mEngine->pagesInUse());
+    std::size_t const joined = mQueuedTags.size() - mJoinQueue.size();
+    for (std::size_t i = 0; i < joined; ++i) {
+      mJoinStep[mQueuedTags.front()] = step;
+      mQueuedTags.pop_front();
+      ++mHanded;
+    }
+    if (mRunJoins) {
+      fillJoinQueue();
+    }
+    reportProgress();
+  }
+
+  void replayAll() {
+    while (true) {
+      Pending* first = peekStaged();
+      if (first == nullptr) {
+        if (mNextIndex < mCount) {
+          throw std::logic_error(
+              fmt::format("request {} is not ready although nothing runs", mNextIndex));
+        }
+        return;
+      }
+      mRunSalt = first->salt;
+      mRunLora = first->lora;
+      bool const alone = first->alone;
+      EngineRequest request;
+      request.cacheSalt = mRunSalt;
+      request.loraWeightsName = mRunLora;
+      while (request.sequences.size() < (alone ? 1 : mFoundersPerRun)) {
+        Pending* next = peekStaged();
+        if (next == nullptr || !sameIdentity(*next)) {
+          break;
+        }
+        request.sequences.push_back(std::move(next->sequence));
+        mStaged.pop_front();
+      }
+      mHanded += request.sequences.size();
+      mStepNanos.clear();
+      mStepPages.clear();
+      mJoinStep.clear();
+      mJoinQueue.clear();
+      mQueuedTags.clear();
+      mRunJoins = mJoins && !alone;
+      if (mRunJoins) {
+        fillJoinQueue();
+      }
+      reportProgress();
+      RequestOutcome const outcome = mEngine->run(request, mRunJoins ? &mJoinQueue : nullptr);
+      // Joins after the last step; then what never joined goes back, in order.
+      std::size_t const lateJoins = mQueuedTags.size() - mJoinQueue.size();
+      for (std::size_t i = 0; i < lateJoins; ++i) {
+        mQueuedTags.pop_front();
+        ++mHanded;
+      }
+      while (!mJoinQueue.empty()) {
+        Pending pending;
+        pending.index = mQueuedTags.back();
+        pending.sequence = std::move(mJoinQueue.back());
+        pending.salt = mRunSalt;
+        pending.lora = mRunLora;
+        mStaged.push_front(std::move(pending));
+        mJoinQueue.pop_back();
+        mQueuedTags.pop_back();
+      }
+      processOutcome(outcome);
+      reportProgress();
+    }
+  }
+
+  void processOutcome(RequestOutcome const& outcome) {
+    std::size_t const steps = mStepNanos.size();
+    struct Finished {
+      SequenceOutcome const* sequence;
+      std::size_t start;
+      std::size_t count;
+      std::size_t end;
+    };
+    std::vector<Finished> finished;
+    std::vector<int64_t> active(steps + 1, 0);
+    for (SequenceOutcome const& sequence : outcome.sequences) {
+      std::size_t start = 0;
+      if (sequence.joinedInFlight) {
+        auto const it = mJoinStep.find(static_cast<std::size_t>(sequence.tag));
+        start = it != mJoinStep.end() ? it->second : steps;
+      }
+      std::size_t const sampled = sequence.generated.size();
+      std::size_t const count = std::min(sampled > 0 ? sampled - 1 : 0, steps - start);
+      // Released by the compaction after its last step (before the next one).
+      std::size_t const end = start + count;
+      active[start] += 1;
+      active[start + count] -= 1;
+      finished.push_back(Finished{&sequence, start, count, end});
+    }
+    for (std::size_t i = 1; i < active.size(); ++i) {
+      active[i] += active[i - 1];
+    }
+    std::stable_sort(finished.begin(), finished.end(),
+                     [](Finished const& a, Finished const& b) { return a.end < b.end; });
+    int64_t const pagesAtEnd = mEngine->pagesInUse();
+    std::vector<Pending> retries;
+    for (Finished const& f : finished) {
+      SequenceOutcome const& sequence = *f.sequence;
+      auto const index = static_cast<std::size_t>(sequence.tag);
+      RequestRecord& record = mResult.records[index];
+      ++record.attempts;
+      bool const ok = outcome.admitted && completedNormally(sequence.reason);
+      if (!ok && outcome.admitted && outcome.sequences.size() > 1 && record.attempts < 2) {
+        // Failed in a batch (pages held by the others): once more after the batch drained.
+        Pending pending;
+        pending.index = index;
+        pending.sequence.prompt = sequence.prompt;
+        pending.sequence.maxNewTokens = record.maxNewTokens;
+        pending.sequence.tag = sequence.tag;
+        pending.salt = mRunSalt;
+        pending.lora = mRunLora;
+        pending.alone = true;
+        retries.push_back(std::move(pending));
+        ++mResult.retriedRequests;
+        continue;
+      }
+      double nanos = 0.0;
+      for (std::size_t step = f.start; step < f.start + f.count; ++step) {
+        nanos += static_cast<double>(mStepNanos[step]) / static_cast<double>(active[step]);
+      }
+      record.decodeHostNanoseconds = static_cast<int64_t>(nanos + 0.5);
+      record.pagesInUseAfter = f.end < steps ? mStepPages[f.end] : pagesAtEnd;
+      record.reason = outcome.admitted ? sequence.reason : FinishReason::kNotFinished;
+      record.joinedInFlight = sequence.joinedInFlight;
+      record.failed = !ok;
+      if (ok) {
+        record.reusedTokens = sequence.prefillStart;
+        record.prefillTokens = record.promptTokens - record.reusedTokens;
+        record.generatedTokens = static_cast<int64_t>(sequence.generated.size());
+        mCompletedPrompt += record.promptTokens;
+        mCompletedReused += record.reusedTokens;
+      } else {
+        ++mResult.failedRequests;
+      }
+      ++mCompleted;
+      mResult.timeline.push_back(TimelinePoint{
+          mCompleted, record.pagesInUseAfter,
+          mCompletedPrompt > 0
+              ? static_cast<double>(mCompletedReused) / static_cast<double>(mCompletedPrompt)
+              : 0.0});
+      mSource.finished(
+          index, ok ? std::span<int32_t const>(sequence.generated) : std::span<int32_t const>());
+    }
+    for (auto it = retries.rbegin(); it != retries.rend(); ++it) {
+      mStaged.push_front(std::move(*it));
+      --mHanded;
+    }
+  }
+
+  void summarize() {
+    testing::EngineStats const& stats = mEngine->stats();
+    ReplayResult& r = mResult;
+    r.joins = stats.joins;
+    r.promptTokens = stats.promptTokens;
+    r.reusedTokens = stats.reusedTokens;
+    r.prefillTokensComputed = stats.prefillTokensComputed;
+    r.generatedTokens = stats.generatedTokens;
+    r.decodeSteps = stats.decodeSteps;
+    r.hitRate = r.promptTokens > 0
+                    ? static_cast<double>(r.reusedTokens) / static_cast<double>(r.promptTokens)
+                    : 0.0;
+    r.oracleChecks = stats.oracleChecks;
+    r.oracleMismatches = stats.oracleMismatches;
+    r.firstMismatch = stats.firstMismatch;
+    r.peakPagesInUse = stats.peakPagesInUse;
+    r.peakKvBytes = r.peakPagesInUse * r.bytesPerPage + r.staticKvBytes;
+    r.hostNsPerStepP50 = percentile(stats.stepHostNanoseconds, 0.50);
+    r.hostNsPerStepP99 = percentile(stats.stepHostNanoseconds, 0.99);
+    if (ContextCacheCoordinator const* coordinator = mRuntime->contextCache()) {
+      ContextCacheMetrics const metrics = coordinator->metrics();
+      r.evictedRecords = static_cast<int64_t>(metrics.evictedRecords);
+      r.forcedColdRetries = static_cast<int64_t>(metrics.forcedColdRetries);
+      r.publishedRecords = static_cast<int64_t>(metrics.publishedRecords);
+      for (std::size_t i = 0; i < r.missesByReason.size(); ++i) {
+        r.missesByReason[i] = static_cast<int64_t>(metrics.misses[i]);
+      }
+    }
+    if (BoundedSwaKVPageManager const* swa = mRuntime->swaPageManager()) {
+      r.swaPagesPerSequencePrefill = swa->privatePagesPerSequence();
+      r.swaPagesPerSequenceDecode = swa->decodePagesPerSequence();
+    }
+    if (!mRuntime->shutdown()) {
+      throw std::runtime_error("the runtime's shutdown did not drain its quarantine");
+    }
+  }
+
+  RequestSource& mSource;
+  ReplayConfig mConfig;
+  ProgressCallback const& mProgress;
+  std::size_t mCount = 0;
+  ReplayResult mResult;
+  std::unique_ptr<KVCacheRuntime> mRuntime;
+  std::unique_ptr<ReferenceEngine> mEngine;  // after mRuntime: destroyed first
+  bool mJoins = false;
+  std::size_t mFoundersPerRun = 1;
+
+  std::deque<Pending> mStaged;  // materialised, in replay order (retries first)
+  std::size_t mNextIndex = 0;   // next request to materialise
+  std::size_t mHanded = 0;      // requests handed to the engine
+  int64_t mCompleted = 0;
+  int64_t mCompletedPrompt = 0;
+  int64_t mCompletedReused = 0;
+
+  // The current run.
+  bool mRunJoins = false;
+  std::string mRunSalt;
+  std::string mRunLora;
+  std::deque<EngineSequence> mJoinQueue;
+  std::deque<std::size_t> mQueuedTags;                     // request index of each mJoinQueue entry
+  std::unordered_map<std::size_t, std::size_t> mJoinStep;  // joiner -> run-local step
+  std::vector<int64_t> mStepNanos;
+  std::vector<int64_t> mStepPages;
+};
+
+}  // namespace
+
+std::string_view toString(ReplayMode mode) noexcept {
+  switch (mode) {
+    case ReplayMode::kReuse: return "reuse";
+    case ReplayMode::kSwa: return "swa";
+    case ReplayMode::kFull: return "full";
+  }
+  return "unknown";
+}
+
+ReplayResult runReplay(RequestSource& source, ReplayConfig const& config,
+                       ProgressCallback const& progress) {
+  return Runner(source, config, progress).run();
+}
+
+}  // namespace mkv::replay

@@ -1,0 +1,140 @@
+#pragma once
+/// \file replay_runner.h
+/// Replays a RequestSource through KVCacheRuntime + ManagedKVCacheRequest + the reference engine
+/// (SPEC §14) and collects what docs/replay.md describes.
+
+#include <array>
+#include <cstdint>
+#include <functional>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "mkv/context_cache/reuse_plan.h"
+#include "mkv/kv_cache_runtime.h"
+#include "mkv/testing/reference_engine.h"
+#include "mkv/types.h"
+#include "request_source.h"
+
+namespace mkv::replay {
+
+enum class ReplayMode : uint8_t {
+  kReuse,  ///< context reuse on: full paged KV + ContextCacheCoordinator
+  kSwa,    ///< reuse off, sliding-window layers: bounded SWA pages
+  kFull,   ///< reuse off, full-attention layers only: full storage
+};
+std::string_view toString(ReplayMode mode) noexcept;
+
+/// How the pool size was chosen.
+enum class PoolSizing : uint8_t {
+  kUnbounded,  ///< computed from the workload so that nothing is ever evicted
+  kPages,      ///< --pool-pages
+  kTokens,     ///< --pool-tokens, rounded down to whole pages
+};
+
+/// Replay settings; defaults are mkv-replay's (docs/replay.md).
+struct ReplayConfig {
+  ReplayMode mode = ReplayMode::kReuse;
+  int32_t windowTokens = 4096;  ///< W of the sliding layers (kSwa)
+  int32_t fullLayers = 0;       ///< kSwa: full-attention layers besides the sliding ones
+  int32_t layers = 1;           ///< attention layers (sliding ones in kSwa)
+  int32_t kvHeads = 1;
+  int32_t headDim = 8;
+  DataType dtype = DataType::kFloat16;
+  int32_t pageSize = 128;
+  PoolSizing poolSizing = PoolSizing::kUnbounded;
+  int64_t poolAmount = 0;       ///< pages (kPages) or tokens (kTokens)
+  int32_t maxBatch = 1;         ///< sequences executing at once
+  int32_t maxOutputTokens = 0;  ///< cap on sampled tokens per request; 0 = none
+  std::size_t limit = 0;        ///< replay the first `limit` requests; 0 = all
+  DeviceType device = DeviceType::kCPU;
+  testing::VerifyMode verify = testing::VerifyMode::kSample;
+  uint64_t seed = 1;
+};
+
+/// A configuration that cannot be replayed (an impossible pool, a bad geometry): mkv-replay
+/// reports it as bad input.
+class ReplayConfigError : public std::invalid_argument {
+ public:
+  using std::invalid_argument::invalid_argument;
+};
+
+/// The outcome of one request (its last attempt).
+struct RequestRecord {
+  std::size_t index = 0;
+  std::string id;
+  std::optional<double> timestampMs;
+  int64_t promptTokens = 0;
+  int32_t maxNewTokens = 0;  ///< after the --max-output cap
+  int64_t reusedTokens = 0;
+  int64_t prefillTokens = 0;                         ///< prompt - reused (executed by the prefill)
+  int64_t generatedTokens = 0;                       ///< sampled tokens
+  FinishReason reason = FinishReason::kNotFinished;  ///< kNotFinished when it was never admitted
+  bool failed = false;  ///< never completed: refused with the pool otherwise idle, or failed alone
+  bool joinedInFlight = false;
+  int32_t attempts = 0;
+  int64_t pagesInUseAfter = 0;  ///< pages not free (leased or cached) once it released its own
+  /// Host time of the library calls of the decode steps it took part in; a step's time is shared
+  /// evenly by the sequences it decoded (exact with --max-batch 1).
+  int64_t decodeHostNanoseconds = 0;
+};
+
+/// One point of the replay's time line (one per completed request, in completion order).
+struct TimelinePoint {
+  int64_t completed = 0;
+  int64_t pagesInUse = 0;
+  double hitRate = 0.0;  ///< cumulative reused / prompt tokens so far
+};
+
+struct ReplayResult {
+  ReplayConfig config;
+  std::string workload;  ///< RequestSource::describe()
+  KVCacheBackend backend = KVCacheBackend::kContextReuse;
+  int32_t maxBatch = 1;           ///< effective (kSwa: limited by the pool)
+  int64_t maxSequenceTokens = 0;  ///< page-table width in tokens
+  int64_t poolPages = 0;          ///< pages of the managed pool (SWA pool in kSwa)
+  int64_t bytesPerPage = 0;       ///< K and V of every layer of that pool
+  int64_t staticKvBytes = 0;      ///< kSwa with full layers: the identity-mapped full pool
+
+  int64_t requests = 0;
+  int64_t failedRequests = 0;
+  int64_t retriedRequests = 0;
+  int64_t joins = 0;
+  /// Token figures count every admitted attempt (they differ from the per-request records only
+  /// when requests were retried).
+  int64_t promptTokens = 0;
+  int64_t reusedTokens = 0;
+  int64_t prefillTokensComputed = 0;
+  int64_t generatedTokens = 0;
+  int64_t decodeSteps = 0;
+  double hitRate = 0.0;  ///< reused / prompt tokens
+  int64_t evictedRecords = 0;
+  int64_t forcedColdRetries = 0;
+  int64_t publishedRecords = 0;
+  std::array<int64_t, kMissReasonCount> missesByReason{};
+  int64_t peakPagesInUse = 0;
+  int64_t peakKvBytes = 0;
+  int32_t swaPagesPerSequencePrefill = 0;
+  int32_t swaPagesPerSequenceDecode = 0;
+  int64_t oracleChecks = 0;
+  int64_t oracleMismatches = 0;
+  std::string firstMismatch;
+  int64_t hostNsPerStepP50 = 0;
+  int64_t hostNsPerStepP99 = 0;
+  double wallSeconds = 0.0;
+
+  std::vector<RequestRecord> records;   ///< by request index
+  std::vector<TimelinePoint> timeline;  ///< by completion
+};
+
+/// Called now and then with (requests handed to the engine, requests to replay).
+using ProgressCallback = std::function<void(std::size_t, std::size_t)>;
+
+/// Runs the replay. Throws ReplayConfigError for a configuration that cannot run, mkv::Error for
+/// library contract violations (a bug), and std::exception from the source.
+ReplayResult runReplay(RequestSource& source, ReplayConfig const& config,
+                       ProgressCallback const& progress = {});
+
+}  // namespace mkv::replay

@@ -1,0 +1,36 @@
+# Runs mkv-replay on tiny_mooncake.jsonl and checks its --json figures against values computed by
+# hand (blocks of 512 tokens, pages of 128): request 1 [1, 2] reuses 0; 2 [1, 2, 3] reuses 1024;
+# 3 [1, 9] reuses 512; 4 repeats 1 and, fully matched and page-aligned, recomputes its last
+# page: 896. Prompt tokens 1024 + 1500 + 700 + 1024 = 4248, reused 2432.
+# Usage: cmake -DMKV_REPLAY=<exe> -DTRACE=<jsonl> -DOUT=<json> -P check_replay_json.cmake
+execute_process(COMMAND ${MKV_REPLAY} --trace ${TRACE} --json ${OUT} --quiet
+                RESULT_VARIABLE rc ERROR_VARIABLE err)
+if(NOT rc EQUAL 0)
+  message(FATAL_ERROR "mkv-replay exited with ${rc}: ${err}")
+endif()
+file(READ ${OUT} json)
+foreach(expectation requests=4 prompt_tokens=4248 reused_tokens=2432 prefill_tokens_computed=1816
+                    generated_tokens=10 decode_steps=6 evicted_records=0 failed_requests=0 joins=0
+                    oracle_mismatches=0 page_size=128 swa_pages_per_sequence_prefill=0)
+  string(REPLACE "=" ";" pair ${expectation})
+  list(GET pair 0 key)
+  list(GET pair 1 expected)
+  string(JSON value GET "${json}" ${key})
+  if(NOT value EQUAL expected)
+    message(FATAL_ERROR "${key} is ${value}, expected ${expected}\n${json}")
+  endif()
+endforeach()
+string(JSON hit GET "${json}" hit_rate)
+string(SUBSTRING "${hit}" 0 8 hit)
+if(NOT hit STREQUAL "0.572504")
+  message(FATAL_ERROR "hit_rate is ${hit}, expected 2432 / 4248 = 0.572504...")
+endif()
+string(JSON misses GET "${json}" misses_by_reason no_prefix)
+if(NOT misses EQUAL 3)
+  message(FATAL_ERROR "misses_by_reason.no_prefix is ${misses}, expected 3")
+endif()
+string(JSON mode GET "${json}" mode)
+string(JSON backend GET "${json}" backend)
+if(NOT mode STREQUAL "reuse" OR NOT backend STREQUAL "context-reuse")
+  message(FATAL_ERROR "mode ${mode}, backend ${backend}")
+endif()

@@ -1,0 +1,219 @@
+// The mkv-replay executable: exit codes, the one-line messages for bad input, the output files,
+// the plot, and silence on a non-terminal stderr.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "json_object.h"
+#include "replay_plot.h"
+
+#ifndef MKV_REPLAY_EXECUTABLE
+#error "MKV_REPLAY_EXECUTABLE must name the mkv-replay binary"
+#endif
+#ifndef MKV_REPLAY_TEST_DIR
+#error "MKV_REPLAY_TEST_DIR must name the tests/replay folder"
+#endif
+
+namespace mkv::replay {
+namespace {
+
+namespace fs = std::filesystem;
+
+std::string quoted(std::string const& text) {
+  std::string out = "'";
+  for (char c : text) {
+    out += c == '\'' ? std::string("'\\''") : std::string(1, c);
+  }
+  return out + "'";
+}
+
+std::string slurp(fs::path const& path) {
+  std::ifstream file(path);
+  std::stringstream text;
+  text << file.rdbuf();
+  return text.str();
+}
+
+struct CliResult {
+  int exitCode = -1;
+  std::string out;
+  std::string err;
+};
+
+class MkvReplayCliTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    std::string pattern = (fs::temp_directory_path() / "mkv-replay-cli-XXXXXX").string();
+    ASSERT_NE(::mkdtemp(pattern.data()), nullptr);
+    mDir = pattern;
+  }
+  void TearDown() override { fs::remove_all(mDir); }
+
+  /// Runs mkv-replay with `args` (stdout and stderr to files, so stderr is no terminal).
+  CliResult run(std::vector<std::string> const& args, std::string const& environment = "") {
+    std::string command = environment + " " + quoted(MKV_REPLAY_EXECUTABLE);
+    for (std::string const& arg : args) {
+      command += " " + quoted(arg);
+    }
+    command +=
+        " >" + quoted((mDir / "stdout").string()) + " 2>" + quoted((mDir / "stderr").string());
+    int const status = std::system(command.c_str());
+    CliResult result;
+    result.exitCode = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+    result.out = slurp(mDir / "stdout");
+    result.err = slurp(mDir / "stderr");
+    return result;
+  }
+
+  std::string write(std::string const& name, std::string const& text) {
+    fs::path const path = mDir / name;
+    std::ofstream(path) << text;
+    return path.string();
+  }
+
+  void expectBadInput(std::vector<std::string> const& args, std::string const& message) {
+    CliResult const result = run(args);
+    EXPECT_EQ(result.exitCode, 2) << result.err;
+    EXPECT_EQ(result.err.rfind("mkv-replay: ", 0), 0u) << result.err;
+    EXPECT_NE(result.err.find(message), std::string::npos) << result.err;
+    EXPECT_EQ(std::count(result.err.begin(), result.err.end(), '\n'), 1) << result.err;
+    EXPECT_TRUE(result.out.empty()) << result.out;
+  }
+
+  fs::path mDir;
+  std::string const mTiny = std::string(MKV_REPLAY_TEST_DIR) + "/tiny_mooncake.jsonl";
+};
+
+TEST_F(MkvReplayCliTest, TraceToJsonAndCsvWithTheHandComputedFigures) {
+  std::string const json = (mDir / "out.json").string();
+  std::string const csv = (mDir / "out.csv").string();
+  CliResult const result = run({"--trace", mTiny, "--json", json, "--csv", csv});
+  ASSERT_EQ(result.exitCode, 0) << result.err;
+  EXPECT_TRUE(result.err.empty()) << result.err;  // no progress bar without a terminal
+  EXPECT_NE(result.out.find("reused tokens             2,432  (hit rate 57.25%)"),
+            std::string::npos)
+      << result.out;
+  JsonObject const figures = parseJsonObject(slurp(json));
+  EXPECT_EQ(figures.find("requests")->number.integer, 4);
+  EXPECT_EQ(figures.find("prompt_tokens")->number.integer, 4248);
+  EXPECT_EQ(figures.find("reused_tokens")->number.integer, 2432);
+  EXPECT_NEAR(figures.find("hit_rate")->number.value, 2432.0 / 4248.0, 1e-12);
+  EXPECT_EQ(figures.find("oracle_mismatches")->number.integer, 0);
+  EXPECT_EQ(figures.find("pool_sizing")->string, "unbounded");
+  std::string const rows = slurp(csv);
+  EXPECT_EQ(std::count(rows.begin(), rows.end(), '\n'), 5);
+}
+
+TEST_F(MkvReplayCliTest, TokensTraceQuietAndEveryMode) {
+  // A 300-token prompt twice: the second reuses two pages of 128.
+  std::string prompt;
+  for (int i = 0; i < 300; ++i) {
+    prompt += (i ? "," : "") + std::to_string(5 + i);
+  }
+  std::string const tokens =
+      write("t.jsonl", "{\"id\": \"x\", \"prompt\": [" + prompt +
+                           "], \"max_new_tokens\": 3}\n"
+                           "{\"id\": \"y\", \"prompt\": [" +
+                           prompt + "], \"max_new_tokens\": 2, \"salt\": \"\"}\n");
+  std::string const json = (mDir / "t.json").string();
+  CliResult const reuse = run({"--trace", tokens, "--format", "tokens", "--quiet", "--json", json});
+  ASSERT_EQ(reuse.exitCode, 0) << reuse.err;
+  EXPECT_TRUE(reuse.out.empty());
+  EXPECT_EQ(parseJsonObject(slurp(json)).find("reused_tokens")->number.integer, 256);
+  CliResult const swa =
+      run({"--trace", tokens, "--mode", "swa", "--window", "128", "--json", json, "--quiet"});
+  ASSERT_EQ(swa.exitCode, 0) << swa.err;
+  JsonObject const swaFigures = parseJsonObject(slurp(json));
+  EXPECT_EQ(swaFigures.find("swa_pages_per_sequence_prefill")->number.integer, 5);
+  EXPECT_EQ(swaFigures.find("swa_pages_per_sequence_decode")->number.integer, 3);
+  EXPECT_EQ(swaFigures.find("backend")->string, "bounded-swa");
+  CliResult const full = run({"--trace", tokens, "--mode", "full", "--dtype", "fp32", "--layers",
+                              "2", "--verify", "all", "--json", json, "--quiet"});
+  ASSERT_EQ(full.exitCode, 0) << full.err;
+  EXPECT_EQ(parseJsonObject(slurp(json)).find("reused_tokens")->number.integer, 0);
+}
+
+TEST_F(MkvReplayCliTest, HelpExitsZero) {
+  CliResult const result = run({"--help"});
+  EXPECT_EQ(result.exitCode, 0);
+  EXPECT_NE(result.out.find("usage: mkv-replay"), std::string::npos);
+  EXPECT_NE(result.out.find("--pool-tokens"), std::string::npos);
+}
+
+TEST_F(MkvReplayCliTest, BadOptionsAreOneLineAndExitTwo) {
+  expectBadInput({"--bogus"}, "unknown option '--bogus' (see --help)");
+  expectBadInput({"extra"}, "unexpected argument 'extra'");
+  expectBadInput({"--page-size", "abc"}, "--page-size expects an integer, got 'abc'");
+  expectBadInput({"--page-size=100"}, "page size 100 is not a power of two in [16, 1024]");
+  expectBadInput({"--page-size", "8"}, "--page-size 8 is outside [16, 1024]");
+  expectBadInput({"--max-batch", "0"}, "--max-batch 0 is outside [1, 4096]");
+  expectBadInput({"--limit", "99999999999999999999"}, "--limit 99999999999999999999 is outside");
+  expectBadInput({"--mode", "turbo"}, "--mode expects one of reuse, swa, full, got 'turbo'");
+  expectBadInput({"--verify"}, "--verify needs a value");
+  expectBadInput({"--dtype", "int4"}, "--dtype expects one of fp16, bf16, fp32, fp8");
+  expectBadInput({"--window", "64"}, "--window applies to --mode swa only");
+  expectBadInput({"--format", "tokens"}, "--format applies to --trace only");
+  expectBadInput({"--pool-pages", "4", "--pool-tokens", "4096"}, "give the pool size once");
+  expectBadInput({"--pool-pages", "0"}, "a pool of 0 pages is smaller than 1 page");
+  expectBadInput({"--pool-tokens", "100"}, "a pool of 100 tokens is smaller than 1 page of 128");
+  expectBadInput({"--mode", "swa", "--pool-pages", "3"},
+                 "a pool of 3 pages is smaller than one sequence's bounded-SWA budget: 2M + 1 = "
+                 "67 pages");
+  expectBadInput({"--json", (mDir / "no" / "such" / "dir.json").string()}, "cannot write");
+  if (MKV_WITH_CUDA == 0) {
+    expectBadInput({"--device", "cuda"}, "--device cuda: this build has no CUDA");
+  }
+}
+
+TEST_F(MkvReplayCliTest, BadTracesNameTheFileAndLineAndExitTwo) {
+  expectBadInput(
+      {"--trace", (mDir / "missing.jsonl").string()},
+      "cannot open trace " + (mDir / "missing.jsonl").string() + ": No such file or directory");
+  std::string const good = "{\"input_length\": 10, \"output_length\": 1, \"hash_ids\": [1]}\n";
+  std::string const broken = write("broken.jsonl", good + "\n" + good + "{\"input_length\": 10,\n");
+  expectBadInput({"--trace", broken}, broken + ":4: column 21: expected a string key");
+  std::string const longer = write(
+      "longer.jsonl", good + "{\"input_length\": 600, \"output_length\": 1, \"hash_ids\": [1]}\n");
+  expectBadInput({"--trace", longer},
+                 longer + ":2: \"input_length\" 600 is longer than the 512 tokens of its 1");
+  std::string const wrong = write("wrong.jsonl", good);
+  expectBadInput({"--trace", wrong, "--format", "tokens"}, wrong + ":1: missing \"prompt\"");
+  std::string const empty = write("empty.jsonl", "\n\n");
+  expectBadInput({"--trace", empty}, empty + ": no requests");
+  // --limit stops reading before a later malformed line.
+  CliResult const limited = run({"--trace", broken, "--limit", "2", "--quiet"});
+  EXPECT_EQ(limited.exitCode, 0) << limited.err;
+}
+
+TEST_F(MkvReplayCliTest, PlotWithoutGnuplotIsOneMessageAndExitZero) {
+  std::string const png = (mDir / "p.png").string();
+  CliResult const result = run({"--trace", mTiny, "--plot", png}, "PATH=/nonexistent");
+  EXPECT_EQ(result.exitCode, 0) << result.err;
+  EXPECT_EQ(result.err, "mkv-replay: gnuplot is not installed (not found in PATH); " + png +
+                            " was not written\n");
+  EXPECT_FALSE(fs::exists(png));
+  EXPECT_FALSE(result.out.empty());
+}
+
+TEST_F(MkvReplayCliTest, PlotWritesAPng) {
+  if (!findInPath("gnuplot")) {
+    GTEST_SKIP() << "gnuplot is not installed";
+  }
+  std::string const png = (mDir / "p.png").string();
+  CliResult const result = run({"--trace", mTiny, "--plot", png, "--quiet"});
+  EXPECT_EQ(result.exitCode, 0) << result.err;
+  ASSERT_TRUE(fs::exists(png));
+  std::string const bytes = slurp(png);
+  EXPECT_EQ(bytes.substr(1, 3), "PNG");
+  EXPECT_GT(bytes.size(), 1000u);
+}
+
+}  // namespace
+}  // namespace mkv::replay

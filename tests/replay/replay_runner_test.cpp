@@ -1,0 +1,480 @@
+// The replay runner end to end on CPU tensors: exact reuse figures computed independently of the
+// library, the bounded-SWA budget, eviction under a bounded pool, failed and retried requests,
+// in-flight joins, salts, and the report writers.
+#include "replay_runner.h"
+
+#include <gtest/gtest.h>
+
+#include <map>
+#include <numeric>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "json_object.h"
+#include "multi_turn_workload.h"
+#include "replay_report.h"
+#include "trace.h"
+
+#ifndef MKV_TEST_DATA_DIR
+#error "MKV_TEST_DATA_DIR must name the tests/data folder"
+#endif
+#ifndef MKV_REPLAY_TEST_DIR
+#error "MKV_REPLAY_TEST_DIR must name the tests/replay folder"
+#endif
+
+namespace mkv::replay {
+namespace {
+
+/// Forwards to a source and remembers every request's prompt and sampled tokens.
+class RecordingSource final : public RequestSource {
+ public:
+  explicit RecordingSource(RequestSource& inner)
+      : prompts(inner.size()), generated(inner.size()), mInner(inner) {}
+  std::size_t size() const override { return mInner.size(); }
+  std::string describe() const override { return mInner.describe(); }
+  bool ready(std::size_t index) const override { return mInner.ready(index); }
+  ReplayRequest materialize(std::size_t index) override {
+    ReplayRequest request = mInner.materialize(index);
+    prompts[index] = request.prompt;
+    return request;
+  }
+  void finished(std::size_t index, std::span<int32_t const> tokens) override {
+    generated[index].assign(tokens.begin(), tokens.end());
+    order.push_back(index);
+    mInner.finished(index, tokens);
+  }
+  int64_t longestSequenceTokens(int32_t cap) const override {
+    return mInner.longestSequenceTokens(cap);
+  }
+  int64_t cachedPagesBound(int32_t pageSize, int32_t cap) const override {
+    return mInner.cachedPagesBound(pageSize, cap);
+  }
+
+  std::vector<std::vector<int32_t>> prompts;
+  std::vector<std::vector<int32_t>> generated;
+  std::vector<std::size_t> order;  ///< completion order
+
+ private:
+  RequestSource& mInner;
+};
+
+/// The set of published page-aligned prefixes, as a trie of exact page contents (no hashing):
+/// the independent model of vanilla reuse.
+class PrefixPages {
+ public:
+  explicit PrefixPages(int32_t pageSize) : mPage(static_cast<std::size_t>(pageSize)) {}
+
+  /// Leading full pages of `tokens` that are published.
+  std::size_t matchedPages(std::vector<int32_t> const& tokens) const {
+    int64_t node = 0;
+    std::size_t pages = 0;
+    for (std::size_t begin = 0; begin + mPage <= tokens.size(); begin += mPage, ++pages) {
+      auto const it = mNodes.find(key(node, tokens, begin));
+      if (it == mNodes.end()) {
+        break;
+      }
+      node = it->second;
+    }
+    return pages;
+  }
+  /// Publishes the first `pages` full pages of `tokens`.
+  void publish(std::vector<int32_t> const& tokens, std::size_t pages) {
+    int64_t node = 0;
+    for (std::size_t p = 0; p < pages; ++p) {
+      auto const [it, inserted] =
+          mNodes.emplace(key(node, tokens, p * mPage), static_cast<int64_t>(mNodes.size()) + 1);
+      node = it->second;
+    }
+  }
+  /// Vanilla planner: the longest published page-aligned prefix, but never the whole prompt
+  /// (a fully matched page-aligned prompt recomputes its last page for the logits).
+  int64_t expectedReuse(std::vector<int32_t> const& prompt) const {
+    std::size_t const cap = (prompt.size() - 1) / mPage;
+    return static_cast<int64_t>(std::min(matchedPages(prompt), cap) * mPage);
+  }
+  /// What a request that ran to completion publishes: its prompt's full pages at prefill, then
+  /// the full pages of prompt + sampled tokens that have KV (all but the last) at decode end.
+  void publishRequest(std::vector<int32_t> const& prompt, std::vector<int32_t> const& generated) {
+    publish(prompt, prompt.size() / mPage);
+    std::vector<int32_t> sequence = prompt;
+    sequence.insert(sequence.end(), generated.begin(), generated.end());
+    std::size_t const withKv = generated.empty() ? prompt.size() : sequence.size() - 1;
+    publish(sequence, withKv / mPage);
+  }
+
+ private:
+  using Key = std::pair<int64_t, std::vector<int32_t>>;
+  Key key(int64_t parent, std::vector<int32_t> const& tokens, std::size_t begin) const {
+    auto const first = tokens.begin() + static_cast<std::ptrdiff_t>(begin);
+    return {parent, std::vector<int32_t>(first, first + static_cast<std::ptrdiff_t>(mPage))};
+  }
+  std::size_t mPage;
+  std::map<Key, int64_t> mNodes;
+};
+
+TraceSource traceSource(std::string const& path, std::size_t limit = 0) {
+  return TraceSource(loadTrace(path, TraceFormat::kAuto, limit), path);
+}
+
+std::string const kTiny = std::string(MKV_REPLAY_TEST_DIR) + "/tiny_mooncake.jsonl";
+std::string const kMooncake500 = std::string(MKV_TEST_DATA_DIR) + "/mooncake_first500.jsonl";
+
+int64_t missCount(ReplayResult const& result, MissReason reason) {
+  return result.missesByReason[static_cast<std::size_t>(reason)];
+}
+
+TEST(ReplayRunnerTest, TinyTraceReusesExactlyTheHandComputedTokens) {
+  // Blocks of 512 tokens, pages of 128: request 1 [1, 2] (1024) reuses nothing; request 2
+  // [1, 2, 3] (1500) reuses blocks 1 and 2 = 1024; request 3 [1, 9] (700) reuses block 1 = 512;
+  // request 4 repeats request 1 (page-aligned, fully matched) and recomputes its last page: 896.
+  TraceSource source = traceSource(kTiny);
+  ReplayResult const result = runReplay(source, ReplayConfig{});
+  ASSERT_EQ(result.records.size(), 4u);
+  std::vector<int64_t> const reused = {0, 1024, 512, 896};
+  for (std::size_t i = 0; i < 4; ++i) {
+    EXPECT_EQ(result.records[i].reusedTokens, reused[i]) << i;
+    EXPECT_FALSE(result.records[i].failed);
+    EXPECT_EQ(result.records[i].reason, FinishReason::kLength);
+  }
+  EXPECT_EQ(result.backend, KVCacheBackend::kContextReuse);
+  EXPECT_EQ(result.requests, 4);
+  EXPECT_EQ(result.promptTokens, 1024 + 1500 + 700 + 1024);
+  EXPECT_EQ(result.reusedTokens, 2432);
+  EXPECT_EQ(result.prefillTokensComputed, 4248 - 2432);
+  EXPECT_DOUBLE_EQ(result.hitRate, 2432.0 / 4248.0);
+  EXPECT_EQ(result.generatedTokens, 4 + 3 + 2 + 1);
+  EXPECT_EQ(result.decodeSteps, 3 + 2 + 1 + 0);
+  EXPECT_EQ(result.evictedRecords, 0);
+  EXPECT_EQ(result.failedRequests, 0);
+  EXPECT_EQ(result.joins, 0);
+  EXPECT_EQ(missCount(result, MissReason::kNoPrefix), 3);  // 1: nothing; 2 and 3: a new block
+  EXPECT_GT(result.oracleChecks, 2432);                    // every reused position, and more
+  EXPECT_EQ(result.oracleMismatches, 0);
+  EXPECT_EQ(result.swaPagesPerSequencePrefill, 0);
+  EXPECT_EQ(result.peakKvBytes, result.peakPagesInUse * result.bytesPerPage);
+  EXPECT_EQ(result.bytesPerPage, 2 * 128 * 1 * 8 * 2);  // K+V x tokens x heads x dim x fp16
+  EXPECT_GE(result.hostNsPerStepP99, result.hostNsPerStepP50);
+  ASSERT_EQ(result.timeline.size(), 4u);
+  EXPECT_DOUBLE_EQ(result.timeline.back().hitRate, 2432.0 / 4248.0);
+  for (std::size_t i = 1; i < 4; ++i) {  // nothing is evicted: cached pages only grow
+    EXPECT_GE(result.records[i].pagesInUseAfter, result.records[i - 1].pagesInUseAfter);
+  }
+  EXPECT_LE(result.peakPagesInUse, result.poolPages);
+}
+
+TEST(ReplayRunnerTest, MooncakeFirst500ReuseMatchesAnIndependentLongestPrefixModel) {
+  TraceSource trace = traceSource(kMooncake500);
+  ASSERT_EQ(trace.size(), 500u);
+  RecordingSource source(trace);
+  ReplayConfig config;
+  config.maxBatch = 1;
+  ReplayResult const result = runReplay(source, config);
+  ASSERT_EQ(result.failedRequests, 0);
+  ASSERT_EQ(source.order.size(), 500u);
+  PrefixPages published(config.pageSize);
+  int64_t expectedTotal = 0;
+  int64_t promptTotal = 0;
+  for (std::size_t i = 0; i < 500; ++i) {
+    ASSERT_EQ(source.order[i], i);  // one at a time, in trace order
+    int64_t const expected = published.expectedReuse(source.prompts[i]);
+    EXPECT_EQ(result.records[i].reusedTokens, expected) << "request " << i;
+    expectedTotal += expected;
+    promptTotal += static_cast<int64_t>(source.prompts[i].size());
+    published.publishRequest(source.prompts[i], source.generated[i]);
+  }
+  EXPECT_EQ(result.reusedTokens, expectedTotal);
+  EXPECT_EQ(result.promptTokens, promptTotal);
+  EXPECT_GT(expectedTotal, promptTotal / 20);  // the sample trace does share prefixes
+  EXPECT_EQ(result.evictedRecords, 0);
+  EXPECT_EQ(result.oracleMismatches, 0);
+  EXPECT_GT(result.oracleChecks, expectedTotal);
+}
+
+TEST(ReplayRunnerTest, FullModeReusesNothing) {
+  TraceSource source = traceSource(kTiny);
+  ReplayConfig config;
+  config.mode = ReplayMode::kFull;
+  ReplayResult const result = runReplay(source, config);
+  EXPECT_EQ(result.backend, KVCacheBackend::kFullStorage);
+  EXPECT_EQ(result.reusedTokens, 0);
+  EXPECT_EQ(result.prefillTokensComputed, result.promptTokens);
+  EXPECT_EQ(result.publishedRecords, 0);
+  EXPECT_EQ(result.oracleMismatches, 0);
+  // Nothing is cached: one request's pages at a time.
+  EXPECT_LE(result.peakPagesInUse, (1500 + 3 + 2 + 127) / 128);
+}
+
+TEST(ReplayRunnerTest, SwaKeepsTheBoundedBudget) {
+  TraceSource source = traceSource(kTiny);
+  ReplayConfig config;
+  config.mode = ReplayMode::kSwa;
+  config.windowTokens = 512;
+  config.maxBatch = 2;
+  config.verify = testing::VerifyMode::kAll;
+  ReplayResult const result = runReplay(source, config);
+  int32_t const m = 512 / 128 + 1;
+  EXPECT_EQ(result.backend, KVCacheBackend::kBoundedSwa);
+  EXPECT_EQ(result.swaPagesPerSequencePrefill, 2 * m + 1);
+  EXPECT_EQ(result.swaPagesPerSequenceDecode, m + 1);
+  EXPECT_EQ(result.maxBatch, 2);
+  EXPECT_EQ(result.poolPages, 2 * (2 * m + 1));
+  EXPECT_LE(result.peakPagesInUse, 2 * (2 * m + 1));
+  EXPECT_GT(result.peakPagesInUse, 0);
+  EXPECT_EQ(result.reusedTokens, 0);
+  EXPECT_EQ(result.failedRequests, 0);
+  EXPECT_EQ(result.oracleMismatches, 0);
+  EXPECT_GT(result.oracleChecks, 0);
+  EXPECT_EQ(result.staticKvBytes, 0);
+}
+
+TEST(ReplayRunnerTest, SwaWithFullLayersCountsTheIdentityMappedPool) {
+  TraceSource source = traceSource(kTiny);
+  ReplayConfig config;
+  config.mode = ReplayMode::kSwa;
+  config.windowTokens = 256;
+  config.fullLayers = 1;
+  ReplayResult const result = runReplay(source, config);
+  EXPECT_EQ(result.backend, KVCacheBackend::kBoundedSwa);
+  EXPECT_GT(result.staticKvBytes, 0);
+  EXPECT_EQ(result.peakKvBytes, result.peakPagesInUse * result.bytesPerPage + result.staticKvBytes);
+  EXPECT_EQ(result.oracleMismatches, 0);
+}
+
+TEST(ReplayRunnerTest, SwaPoolBelowOneSequenceIsAConfigErrorAndASmallPoolLimitsTheBatch) {
+  TraceSource source = traceSource(kTiny);
+  ReplayConfig config;
+  config.mode = ReplayMode::kSwa;
+  config.windowTokens = 512;  // 2M + 1 = 11 pages
+  config.poolSizing = PoolSizing::kPages;
+  config.poolAmount = 10;
+  EXPECT_THROW(runReplay(source, config), ReplayConfigError);
+  config.poolAmount = 21;
+  config.maxBatch = 4;
+  ReplayResult const result = runReplay(source, config);
+  EXPECT_EQ(result.maxBatch, 1);
+  EXPECT_EQ(result.failedRequests, 0);
+}
+
+TEST(ReplayRunnerTest, ImpossibleConfigurationsThrowConfigErrors) {
+  TraceSource source = traceSource(kTiny);
+  auto fails = [&](auto&& change) {
+    ReplayConfig config;
+    change(config);
+    EXPECT_THROW(runReplay(source, config), ReplayConfigError);
+  };
+  fails([](ReplayConfig& c) { c.pageSize = 100; });
+  fails([](ReplayConfig& c) { c.pageSize = 8; });
+  fails([](ReplayConfig& c) {
+    c.poolSizing = PoolSizing::kPages;
+    c.poolAmount = 0;
+  });
+  fails([](ReplayConfig& c) {
+    c.poolSizing = PoolSizing::kTokens;
+    c.poolAmount = 127;
+  });
+  fails([](ReplayConfig& c) { c.fullLayers = 1; });  // not swa
+  fails([](ReplayConfig& c) { c.maxBatch = 0; });
+  if (!cudaDeviceAvailable()) {
+    fails([](ReplayConfig& c) { c.device = DeviceType::kGPU; });
+  }
+}
+
+TEST(ReplayRunnerTest, BoundedPoolEvictsAndStaysCorrect) {
+  TraceSource unbounded = traceSource(kMooncake500, 60);
+  ReplayResult const reference = runReplay(unbounded, ReplayConfig{});
+  TraceSource bounded = traceSource(kMooncake500, 60);
+  ReplayConfig config;
+  config.poolSizing = PoolSizing::kTokens;
+  config.poolAmount = 300000;
+  ReplayResult const result = runReplay(bounded, config);
+  EXPECT_EQ(result.poolPages, 300000 / 128);
+  EXPECT_GT(result.evictedRecords, 0);
+  EXPECT_LE(result.peakPagesInUse, result.poolPages);
+  EXPECT_LT(result.reusedTokens, reference.reusedTokens);
+  EXPECT_EQ(result.promptTokens, reference.promptTokens);
+  EXPECT_EQ(result.failedRequests, 0);
+  EXPECT_EQ(result.oracleMismatches, 0);
+}
+
+TEST(ReplayRunnerTest, ARequestLargerThanTheEmptyPoolFailsAndIsSkipped) {
+  TraceSource source = traceSource(kTiny);
+  ReplayConfig config;
+  config.poolSizing = PoolSizing::kPages;
+  config.poolAmount = 9;  // request 2 needs 12 pages; the others fit (evicting the cache)
+  ReplayResult const result = runReplay(source, config);
+  EXPECT_EQ(result.failedRequests, 1);
+  EXPECT_TRUE(result.records[1].failed);
+  EXPECT_EQ(result.records[1].reason, FinishReason::kNotFinished);
+  for (std::size_t i : {0u, 2u, 3u}) {
+    EXPECT_FALSE(result.records[i].failed) << i;
+    EXPECT_EQ(result.records[i].reason, FinishReason::kLength);
+  }
+  EXPECT_EQ(result.promptTokens, 1024 + 700 + 1024);
+  EXPECT_LE(result.peakPagesInUse, 9);
+  EXPECT_EQ(result.oracleMismatches, 0);
+  EXPECT_NE(formatCsv(result).find("\n1,,10,1500,3,0,0,0,refused,0,1,"), std::string::npos)
+      << formatCsv(result);
+}
+
+TEST(ReplayRunnerTest, EmbeddedWorkloadReusesEachPreviousTurnIncludingItsReply) {
+  MultiTurnWorkload workload;
+  RecordingSource source(workload);
+  ReplayResult const result = runReplay(source, ReplayConfig{});
+  ASSERT_EQ(result.requests, 120);
+  EXPECT_EQ(result.failedRequests, 0);
+  EXPECT_EQ(result.oracleMismatches, 0);
+  EXPECT_EQ(result.evictedRecords, 0);
+  constexpr std::size_t kConversations = 24;
+  for (std::size_t i = 0; i < 120; ++i) {
+    std::vector<int32_t> const& prompt = source.prompts[i];
+    if (i < kConversations) {
+      // Only the shared system prompt (320 tokens = 2 pages) of the even conversations, once
+      // the first of them published it.
+      EXPECT_EQ(result.records[i].reusedTokens, i % 2 == 0 && i > 0 ? 256 : 0) << i;
+      continue;
+    }
+    // The previous turn's prompt and reply are a prefix of this prompt; everything of it that
+    // had KV was published in whole pages.
+    std::size_t const previous = i - kConversations;
+    std::size_t const withKv =
+        source.prompts[previous].size() + source.generated[previous].size() - 1;
+    ASSERT_TRUE(std::equal(source.prompts[previous].begin(), source.prompts[previous].end(),
+                           prompt.begin()));
+    ASSERT_TRUE(
+        std::equal(source.generated[previous].begin(), source.generated[previous].end(),
+                   prompt.begin() + static_cast<std::ptrdiff_t>(source.prompts[previous].size())));
+    EXPECT_EQ(result.records[i].reusedTokens, static_cast<int64_t>(withKv / 128 * 128)) << i;
+  }
+  EXPECT_GT(result.hitRate, 0.5);
+  // Deterministic: the same figures again.
+  MultiTurnWorkload again;
+  ReplayResult const second = runReplay(again, ReplayConfig{});
+  EXPECT_EQ(second.reusedTokens, result.reusedTokens);
+  EXPECT_EQ(second.promptTokens, result.promptTokens);
+  EXPECT_EQ(second.generatedTokens, result.generatedTokens);
+}
+
+TEST(ReplayRunnerTest, InFlightJoinsKeepKvCorrect) {
+  MultiTurnWorkload workload;
+  ReplayConfig config;
+  config.maxBatch = 4;
+  ReplayResult const result = runReplay(workload, config);
+  EXPECT_GT(result.joins, 0);
+  EXPECT_EQ(result.failedRequests, 0);
+  EXPECT_EQ(result.oracleMismatches, 0);
+  EXPECT_GT(result.reusedTokens, 0);
+  int64_t const joined = std::count_if(result.records.begin(), result.records.end(),
+                                       [](RequestRecord const& r) { return r.joinedInFlight; });
+  EXPECT_EQ(joined, result.joins);
+  int64_t const decodeNanos = std::accumulate(
+      result.records.begin(), result.records.end(), int64_t{0},
+      [](int64_t sum, RequestRecord const& r) { return sum + r.decodeHostNanoseconds; });
+  EXPECT_GT(decodeNanos, 0);
+}
+
+TEST(ReplayRunnerTest, BatchFailuresUnderPressureAreRetriedAlone) {
+  MultiTurnWorkload workload;
+  ReplayConfig config;
+  config.maxBatch = 8;
+  config.poolSizing = PoolSizing::kPages;
+  config.poolAmount = 40;
+  ReplayResult const result = runReplay(workload, config);
+  EXPECT_EQ(result.failedRequests, 0);  // every request fits alone
+  EXPECT_EQ(result.oracleMismatches, 0);
+  EXPECT_LE(result.peakPagesInUse, 40);
+  for (RequestRecord const& record : result.records) {
+    EXPECT_LE(record.attempts, 2);
+  }
+}
+
+TEST(ReplayRunnerTest, SaltsIsolateTenants) {
+  std::vector<TraceRecord> records;
+  std::string prompt;
+  for (int i = 0; i < 300; ++i) {
+    prompt += (i == 0 ? "" : ", ") + std::to_string(1000 + i);
+  }
+  for (char const* salt : {"a", "b", "a"}) {
+    records.push_back(parseTraceLine(
+        "{\"prompt\": [" + prompt + "], \"max_new_tokens\": 2, \"salt\": \"" + salt + "\"}",
+        TraceFormat::kAuto));
+  }
+  TraceSource source(std::move(records), "salts");
+  ReplayResult const result = runReplay(source, ReplayConfig{});
+  EXPECT_EQ(result.records[0].reusedTokens, 0);
+  EXPECT_EQ(result.records[1].reusedTokens, 0);
+  EXPECT_EQ(result.records[2].reusedTokens, 256);
+  EXPECT_EQ(missCount(result, MissReason::kSaltMismatch), 1);
+  EXPECT_EQ(result.oracleMismatches, 0);
+}
+
+TEST(ReplayRunnerTest, OutputCapAndLimit) {
+  TraceSource source = traceSource(kTiny);
+  ReplayConfig config;
+  config.maxOutputTokens = 1;
+  config.limit = 3;
+  ReplayResult const result = runReplay(source, config);
+  EXPECT_EQ(result.requests, 3);
+  EXPECT_EQ(result.generatedTokens, 3);
+  EXPECT_EQ(result.decodeSteps, 0);
+  EXPECT_EQ(result.records[1].maxNewTokens, 1);
+}
+
+TEST(ReplayReportTest, JsonHasEveryFigureAndCsvOneRowPerRequest) {
+  TraceSource source = traceSource(kTiny);
+  ReplayResult const result = runReplay(source, ReplayConfig{});
+  JsonObject const json = parseJsonObject(formatJson(result));
+  for (char const* key : {"requests",
+                          "prompt_tokens",
+                          "reused_tokens",
+                          "hit_rate",
+                          "prefill_tokens_computed",
+                          "decode_steps",
+                          "evicted_records",
+                          "misses_by_reason",
+                          "pool_pages",
+                          "peak_pages_in_use",
+                          "peak_kv_bytes",
+                          "swa_pages_per_sequence_prefill",
+                          "swa_pages_per_sequence_decode",
+                          "oracle_checks",
+                          "oracle_mismatches",
+                          "host_ns_per_step_p50",
+                          "host_ns_per_step_p99",
+                          "wall_s",
+                          "mode",
+                          "backend",
+                          "device",
+                          "page_size",
+                          "pool_tokens",
+                          "forced_cold_retries",
+                          "failed_requests",
+                          "joins"}) {
+    EXPECT_NE(json.find(key), nullptr) << key;
+  }
+  EXPECT_EQ(json.find("reused_tokens")->number.integer, 2432);
+  EXPECT_EQ(json.find("mode")->string, "reuse");
+  EXPECT_EQ(json.find("backend")->string, "context-reuse");
+  EXPECT_EQ(json.find("pool_tokens")->number.integer, result.poolPages * 128);
+  EXPECT_EQ(json.find("misses_by_reason")->kind, JsonValue::Kind::kOther);
+  EXPECT_NE(formatJson(result).find("\"misses_by_reason\": {\"no_prefix\": 3, "),
+            std::string::npos);
+
+  std::string const csv = formatCsv(result);
+  EXPECT_EQ(std::count(csv.begin(), csv.end(), '\n'), 5);
+  EXPECT_EQ(csv.substr(0, csv.find('\n')),
+            "index,id,timestamp_ms,prompt_tokens,max_new_tokens,reused_tokens,prefill_tokens,"
+            "generated_tokens,finish_reason,joined,attempts,pages_in_use_after,decode_host_ns");
+  EXPECT_NE(csv.find("\n1,,10,1500,3,1024,476,3,length,0,1,"), std::string::npos) << csv;
+
+  std::string const summary = formatSummary(result);
+  EXPECT_NE(summary.find("reused tokens             2,432  (hit rate 57.25%)"), std::string::npos)
+      << summary;
+}
+
+TEST(ReplayReportTest, JsonStringsAreEscaped) {
+  EXPECT_EQ(jsonString("a\"b\\c\n\x01"), "\"a\\\"b\\\\c\\n\\u0001\"");
+}
+
+}  // namespace
+}  // namespace mkv::replay
