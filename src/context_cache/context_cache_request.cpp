@@ -20,8 +20,8 @@ std::vector<MediaPosition> buildMediaPositions(std::vector<int32_t> const& token
     return positions;
   }
   int32_t const imageToken = mediaTokenIds[0];
-  std::optional<int32_t> const audioToken =
-      mediaTokenIds.size() > 1 ? std::optional<int32_t>(mediaTokenIds[1]) : std::nullopt;
+  bool const hasAudio = mediaTokenIds.size() > 1;
+  int32_t const audioToken = hasAudio ? mediaTokenIds[1] : 0;
   std::size_t nextImage = 0;
   std::size_t nextAudio = 0;
   bool any = false;
@@ -32,7 +32,7 @@ std::vector<MediaPosition> buildMediaPositions(std::vector<int32_t> const& token
   for (std::size_t i = 0; i < tokens.size(); ++i) {
     int32_t const token = tokens[i];
     bool const isImage = token == imageToken;
-    bool const isAudio = audioToken && token == *audioToken && !isImage;
+    bool const isAudio = hasAudio && token == audioToken && !isImage;
     if (!isImage && !isAudio) {
       runToken = std::numeric_limits<int32_t>::min();
       continue;
