@@ -25,7 +25,6 @@ constexpr uint64_t kChainRoot = 0x6A09E667F3BCC908ULL;
 
 void PrefixDigests::extend(std::span<uint64_t const> positionKeys) {
   uint64_t previous = mDigests.empty() ? mix64(kChainRoot ^ mSeed) : mDigests.back();
-  mDigests.reserve(mDigests.size() + positionKeys.size());
   for (uint64_t key : positionKeys) {
     previous = mix64(previous ^ mix64(key + 0x9E3779B97F4A7C15ULL));
     mDigests.push_back(previous);
