@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# Installs the Debian packages managedkv builds with (Debian 12 / Ubuntu 24.04), skipping the ones
+# already present. Run as root (or prefix with sudo). The CUDA toolkit is optional: without nvcc the
+# build is host-only (MKV_ENABLE_CUDA=AUTO).
+set -euo pipefail
+packages=(cmake ninja-build g++ git pkg-config libgtest-dev libgmock-dev libbenchmark-dev
+          libfmt-dev libspdlog-dev libxxhash-dev gnuplot-nox)
+missing=()
+for package in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q "install ok installed" ||
+    missing+=("$package")
+done
+if ((${#missing[@]})); then
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}"
+fi
