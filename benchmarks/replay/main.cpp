@@ -338,6 +338,9 @@ int main(int argc, char** argv) {
   } catch (std::exception const& error) {
     fmt::print(stderr, "mkv-replay: internal error: {}\n", error.what());
     return kExitInternal;
+  } catch (...) {
+    fmt::print(stderr, "mkv-replay: internal error: an unknown exception\n");
+    return kExitInternal;
   }
   return kExitBadInput;
 }
