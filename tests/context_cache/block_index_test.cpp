@@ -106,7 +106,7 @@ TEST_F(BlockIndexTest, VerificationComparesMediaPositionsEvenWhenTheMediaDigestC
 
 TEST_F(BlockIndexTest, VerificationComparesParentSaltAdapterAndMedia) {
   std::vector<MediaPosition> media(mTokensA.size());
-  media[1] = {Hash128{9, 9}, 0};
+  media.at(1) = {Hash128{9, 9}, 0};
   struct Variant {
     char const* what;
     PromptBlocks blocks;
