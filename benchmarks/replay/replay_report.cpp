@@ -16,7 +16,10 @@ std::string grouped(int64_t value) {
     }
     out.push_back(digits[i]);
   }
-  return value < 0 ? "-" + out : out;
+  if (value < 0) {
+    out.insert(out.begin(), '-');
+  }
+  return out;
 }
 
 std::string bytes(int64_t value) {

@@ -392,7 +392,7 @@ TEST(ReplayRunnerTest, SaltsIsolateTenants) {
   std::vector<TraceRecord> records;
   std::string prompt;
   for (int i = 0; i < 300; ++i) {
-    prompt += (i == 0 ? "" : ", ") + std::to_string(1000 + i);
+    prompt.append(i > 0 ? ", " : "").append(std::to_string(1000 + i));
   }
   for (char const* salt : {"a", "b", "a"}) {
     records.push_back(parseTraceLine(
