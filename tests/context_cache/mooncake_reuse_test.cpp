@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <charconv>
 #include <cstdint>
+#include <filesystem>
 #include <fstream>
 #include <iostream>
 #include <optional>
@@ -38,12 +39,20 @@ struct TraceRequest {
 
 /// The text after `"key":` in a flat JSON object, or nullopt.
 std::optional<std::string_view> valueOf(std::string_view line, std::string_view key) {
-  std::string const quoted = "\"" + std::string(key) + "\"";
-  std::size_t position = line.find(quoted);
-  if (position == std::string_view::npos) {
-    return std::nullopt;
+  std::size_t position = 0;
+  while (true) {
+    position = line.find(key, position);
+    if (position == std::string_view::npos) {
+      return std::nullopt;
+    }
+    std::size_t const after = position + key.size();
+    if (position > 0 && line[position - 1] == '"' && after < line.size() && line[after] == '"') {
+      position = after + 1;
+      break;
+    }
+    position = after;
   }
-  position = line.find(':', position + quoted.size());
+  position = line.find(':', position);
   if (position == std::string_view::npos) {
     return std::nullopt;
   }
@@ -107,7 +116,7 @@ std::optional<TraceRequest> parseLine(std::string_view line) {
   return request;
 }
 
-std::vector<TraceRequest> readTrace(std::string const& path, std::size_t limit) {
+std::vector<TraceRequest> readTrace(std::filesystem::path const& path, std::size_t limit) {
   std::ifstream in(path);
   std::vector<TraceRequest> requests;
   std::string line;
@@ -195,7 +204,7 @@ class PrefixSet {
 
 TEST(MooncakeReuseTest, First500RequestsReuseWhatALongestPrefixModelPredicts) {
   std::vector<TraceRequest> const trace =
-      readTrace(std::string(MKV_TEST_DATA_DIR) + "/mooncake_first500.jsonl", 500);
+      readTrace(std::filesystem::path(MKV_TEST_DATA_DIR) / "mooncake_first500.jsonl", 500);
   ASSERT_EQ(trace.size(), 500u);
   std::vector<std::vector<int32_t>> prompts;
   int64_t pagesWithoutSharing = 0;
