@@ -15,7 +15,9 @@
 namespace mkv {
 namespace {
 
-enum class Phase : uint8_t { kAdmitted, kExecuting, kFinishing };
+/// kPrefilling: between preparePrefill and finalizePrefillPublication (the prefill is the pending
+/// work); kExecuting: after it (decode steps, compaction and joins).
+enum class Phase : uint8_t { kAdmitted, kPrefilling, kExecuting, kFinishing };
 
 int32_t pagesFor(int64_t tokens, int32_t pageSize) {
   return static_cast<int32_t>((tokens + pageSize - 1) / pageSize);
@@ -445,7 +447,9 @@ void ContextCacheCoordinator::preparePrefill(RequestHandle& handle) {
   MKV_REQUIRE(req.phase == Phase::kAdmitted && !req.pending, kCall,
               "prefill was already prepared for this request");
   for (auto const& other : mActive) {
-    MKV_REQUIRE(other.get() == &req || other->phase != Phase::kExecuting, kCall,
+    MKV_REQUIRE(other.get() == &req ||
+                    (other->phase != Phase::kExecuting && other->phase != Phase::kPrefilling),
+                kCall,
                 "request {} is executing; only one request may execute at a time", other->id);
   }
   std::vector<KVPageTable::RowUpdate> rows;
@@ -459,14 +463,14 @@ void ContextCacheCoordinator::preparePrefill(RequestHandle& handle) {
   mResources.basePageTable->setRows(rows);
   mResources.basePageTable->uploadDirty(mStream);
   mResources.basePool->resetForNewSequences(lengths, mStream);
-  req.phase = Phase::kExecuting;
+  req.phase = Phase::kPrefilling;
   req.pending = true;
 }
 
 void ContextCacheCoordinator::enqueuePrefillCaptures(RequestHandle& handle) {
   constexpr char const* kCall = "ContextCacheCoordinator::enqueuePrefillCaptures";
   Request const& req = request(handle, kCall);
-  MKV_REQUIRE(req.phase == Phase::kExecuting && req.pending, kCall,
+  MKV_REQUIRE(req.phase == Phase::kPrefilling, kCall,
               "captures are enqueued between preparePrefill and finalizePrefillPublication");
   // Attention-only deployments keep no checkpoints: nothing to capture.
 }
@@ -514,8 +518,7 @@ ContextCacheStatus ContextCacheCoordinator::finalizePrefillPublication(
     std::span<int32_t const> commonStateLengths) {
   constexpr char const* kCall = "ContextCacheCoordinator::finalizePrefillPublication";
   Request& req = request(handle, kCall);
-  MKV_REQUIRE(req.phase == Phase::kExecuting && req.pending, kCall,
-              "no prepared prefill to finalise");
+  MKV_REQUIRE(req.phase == Phase::kPrefilling, kCall, "no prepared prefill to finalise");
   MKV_REQUIRE(advances.size() == req.sequences.size(), kCall, "{} advances for a batch of {}",
               advances.size(), req.sequences.size());
   MKV_REQUIRE(commonStateLengths.empty(), kCall,
@@ -528,6 +531,7 @@ ContextCacheStatus ContextCacheCoordinator::finalizePrefillPublication(
   for (std::size_t i = 0; i < advances.size(); ++i) {
     applyAdvance(req.sequences[i], advances[i]);
   }
+  req.phase = Phase::kExecuting;
   req.pending = false;  // the runtime synchronised before calling
   for (std::size_t row = 0; row < req.sequences.size(); ++row) {
     ++mCounters.prefillPublications;
@@ -575,6 +579,9 @@ ContextCacheStatus ContextCacheCoordinator::prepareDecodeStep(RequestHandle& han
     if (required > table.maxPagesPerSeq()) {
       req.phase = Phase::kFinishing;
       ++mCounters.growthFailures;
+      if (grew) {
+        table.uploadDirty(mStream);  // rows grown before this one stay consistent on the device
+      }
       return ContextCacheStatus::kRequestFailed;
     }
     auto const held = static_cast<int32_t>(sequence.lease.basePages().size());
@@ -828,6 +835,10 @@ ContextCacheCoordinator::AdmitSequenceResult ContextCacheCoordinator::admitSeque
   MKV_REQUIRE(req.phase == Phase::kExecuting && !req.pending && req.mapping.empty(), kCall,
               "admission needs an executing request with no pending work or compaction");
   MKV_REQUIRE(!req.sequences.empty(), kCall, "the request has no founding sequence");
+  // A joiner is finalised with its lookahead token (committed == prompt): the fully committed
+  // contract, where every listed token has KV, could never advance it.
+  MKV_REQUIRE(req.contract == DecodingTokenStateContract::kCommittedPlusLookahead, kCall,
+              "in-flight admission needs the committed-plus-lookahead contract");
   validateHeadroom(kCall, headroom);
   KVPageTable& table = *mResources.basePageTable;
   MKV_REQUIRE(req.sequences.size() < static_cast<std::size_t>(table.maxBatch()), kCall,
@@ -925,10 +936,11 @@ bool ContextCacheCoordinator::retractSequenceAdmission(RequestHandle& handle) no
   } catch (...) {
     return false;
   }
-  if (req->sequences.size() <= 1 || req->sequences.back().joined || !req->mapping.empty()) {
+  // Pending device work (a decode step, a compaction) may still read the row's pages.
+  if (req->sequences.size() <= 1 || req->sequences.back().joined || req->pending) {
     logger()->error(
         "ContextCacheCoordinator::retractSequenceAdmission: only the newest never-joined "
-        "sequence of a running batch can be retracted; poisoned");
+        "sequence of a running batch with no pending work can be retracted; poisoned");
     mPoisoned = true;
     return false;
   }

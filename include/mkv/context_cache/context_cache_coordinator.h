@@ -187,11 +187,13 @@ class ContextCacheCoordinator {
   /// Binds page-table rows (one upload), restores snapshots, resets the device KV lengths to the
   /// reuse lengths. Throws outside (admitted, no pending work) or when another request executes.
   void preparePrefill(RequestHandle& handle);
-  /// Hybrid deployments: stages checkpoint copies at the prompt end. No-op otherwise.
+  /// Hybrid deployments: stages checkpoint copies at the prompt end. No-op otherwise. Throws
+  /// outside preparePrefill -> finalizePrefillPublication.
   void enqueuePrefillCaptures(RequestHandle& handle);
   /// After the runtime's prefill synchronisation: applies one advance per sequence (the prompt
   /// plus the lookahead under kCommittedPlusLookahead) and publishes the prompt's full blocks.
-  /// `commonStateLengths` is empty, or one per sequence for speculative requests.
+  /// `commonStateLengths` is empty, or one per sequence for speculative requests. Throws unless a
+  /// prefill is prepared (before preparePrefill, after finalisation, during a decode step).
   ContextCacheStatus finalizePrefillPublication(
       RequestHandle& handle, std::span<ContextCacheSequenceAdvance const> advances,
       std::span<int32_t const> commonStateLengths = {});
@@ -212,7 +214,9 @@ class ContextCacheCoordinator {
   /// synchronises, then releases the dropped leases. kPoisoned on a failed synchronisation
   /// (request quarantined, handle invalidated).
   ContextCacheStatus compactBatch(RequestHandle& handle);
-  /// Synchronises pending work and releases every lease. An invalid handle is kOk.
+  /// Synchronises pending work and releases every lease. kPoisoned when the synchronisation fails
+  /// (request quarantined) or the coordinator is poisoned, else kOk. An invalid handle (finished,
+  /// or quarantined by compactBatch) changes nothing and reports the same way.
   ContextCacheStatus finish(RequestHandle& handle);
   /// Drains quarantined requests; clears the poison when every drain succeeded.
   /// kRequestFailed when requests are still active.
@@ -224,6 +228,7 @@ class ContextCacheCoordinator {
   /// new resident's row. The sequence joins at the end of the batch. Unless the admission sets
   /// its own lookup policy it inherits the request's (the batch policy of beginRequest); the
   /// commit policy is the request's. Salt and adapter come with the admission's key extras.
+  /// Throws for a request under kFullyCommitted: a joiner is finalised with a lookahead token.
   AdmitSequenceResult admitSequence(RequestHandle& handle,
                                     ContextCacheSequenceAdmission const& admission,
                                     DecodingKvHeadroom const& headroom);
@@ -231,8 +236,10 @@ class ContextCacheCoordinator {
   /// prompt length; publishes the joiner's prompt blocks.
   ContextCacheStatus finalizeSequenceAdmission(RequestHandle& handle, int32_t slot,
                                                ContextCacheSequenceAdvance const& advance);
-  /// Undoes the newest admission that never joined (lease released, row cleared). Poisons and
-  /// returns false when that is impossible.
+  /// Undoes the newest admission that never joined (lease released, row cleared) while no work is
+  /// pending. Poisons and returns false when that is impossible (the newest sequence joined, it is
+  /// the only one, or a decode step or compaction is pending); false without poisoning for an
+  /// invalid handle.
   bool retractSequenceAdmission(RequestHandle& handle) noexcept;
 
   // Observers.
