@@ -1,0 +1,77 @@
+#pragma once
+/// \file lifecycle_driver.h
+/// A lifecycle fuzzer driven by a byte string. The bytes choose a runtime (context reuse, full
+/// storage or bounded SWA, small pools on the CPU), then a sequence of operations: requests
+/// begun through ManagedKVCacheRequest or directly on the ContextCacheCoordinator /
+/// BoundedSwaKVPageManager, their lifecycle steps, in-flight joins, compactions, drops,
+/// injected synchronisation failures, shutdowns, and invalid calls of every kind (wrong order,
+/// bad sizes, stale residents and handles, bad mappings, oversized prompts, calls the backend
+/// does not offer). After every operation the driver checks:
+///
+/// * an invalid call threw mkv::Error and left the observable state unchanged (page tables,
+///   device mirrors, KV lengths, KV bytes, pools, refcounts, records, request states);
+/// * a valid call did not throw, and its status is the documented one for what happened
+///   (synchronisation failures, capacity, poison);
+/// * page conservation per pool, refcounts against leases and records, records against the
+///   block index, page-table invariants, cleared rows of unbound residents;
+/// * the KV oracle on every live sequence and on every quarantined one (whose pages must not
+///   be reused), and the device KV lengths of the executing batch.
+///
+/// At the end it finishes everything, shuts the backend down and checks that every page is
+/// back. The same driver serves the seeded gtest (lifecycle_fuzz_test.cpp), the fault
+/// injection test and the libFuzzer target (lifecycle_fuzzer.cpp). docs/reliability.md.
+
+#include <cstdint>
+#include <span>
+#include <string>
+
+namespace mkv::fuzz {
+
+/// Synchronisation faults injected on top of the ones the input asks for.
+struct SyncFaultPlan {
+  int64_t failAt = 0;       ///< the failAt-th synchronisation (1-based) fails; 0 = none
+  bool persistent = false;  ///< every synchronisation from failAt on fails, until teardown
+};
+
+struct LifecycleOptions {
+  SyncFaultPlan syncFaults;
+  /// Honour the input's "fail the next synchronisation" operations.
+  bool inputFaults = true;
+  /// Stop after this many operations even when input is left.
+  int64_t maxOperations = int64_t{1} << 40;
+  /// Print one line per operation to stderr.
+  bool trace = false;
+};
+
+/// What a run exercised (summed over runs by the tests).
+struct LifecycleStats {
+  int64_t operations = 0;
+  int64_t libraryCalls = 0;
+  int64_t rejectedCalls = 0;   ///< invalid calls that threw mkv::Error and changed nothing
+  int64_t refusals = 0;        ///< nullopt / kRequestFailed / kNoCapacity / false outcomes
+  int64_t requests = 0;        ///< admitted requests
+  int64_t prefills = 0;
+  int64_t decodeSteps = 0;
+  int64_t compactions = 0;
+  int64_t joins = 0;
+  int64_t retractions = 0;
+  int64_t drops = 0;           ///< requests abandoned by destroying their handle
+  int64_t failedSynchronizations = 0;
+  int64_t quarantines = 0;     ///< requests that went to quarantine
+  int64_t shutdowns = 0;
+  int64_t badAllocs = 0;       ///< library calls that threw std::bad_alloc (allocation faults)
+  int64_t oraclePositions = 0; ///< KV positions verified
+
+  LifecycleStats& operator+=(LifecycleStats const& other);
+};
+
+struct LifecycleResult {
+  bool ok = true;
+  std::string failure;  ///< the first violated property and the last operations
+  LifecycleStats stats;
+};
+
+/// Runs one lifecycle. Never throws; a violated property is reported in the result.
+LifecycleResult runLifecycle(std::span<uint8_t const> data, LifecycleOptions const& options = {});
+
+}  // namespace mkv::fuzz
