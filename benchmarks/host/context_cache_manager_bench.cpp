@@ -1,0 +1,143 @@
+// Admission of a 32k-token prompt through ContextCacheManager (SPEC §13: lookup + acquire
+// <= 50 µs with token verification on), cold and with 50 % / 95 % of its blocks cached, token
+// verification on and off:
+//   * BM_Lookup: hashing and planning only (pure);
+//   * BM_LookupAcquire: acquireWithFallback, the coordinator's one call per sequence (lookup,
+//     pins, private pages, metrics), and the lease's release (a few µs of it);
+//   * BM_LookupAcquirePublish: lookup, acquire and publication of the whole prompt in the steady
+//     state of a full record store: every iteration's prompt has its own suffix, so each
+//     publication indexes the new blocks and evicts the least recently used record.
+
+#include <benchmark/benchmark.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "host_bench_support.h"
+#include "mkv/context_cache/context_cache_manager.h"
+
+namespace mkv::bench {
+namespace {
+
+constexpr int32_t kPromptTokens = 32768;
+constexpr int32_t kRecordLimit = 4;
+
+void managerCases(benchmark::internal::Benchmark* b) {
+  b->ArgNames({"page", "hit", "verify"});
+  for (int64_t page : {16, 64}) {
+    for (int64_t hit : {0, 50, 95}) {
+      for (int64_t verify : {1, 0}) {
+        b->Args({page, hit, verify});
+      }
+    }
+  }
+  b->Unit(benchmark::kMicrosecond);
+}
+
+ContextCacheManagerOptions managerOptions(bool verify) {
+  ContextCacheManagerOptions options;
+  options.verifyTokens = verify;
+  return options;
+}
+
+/// A manager whose cache holds one published 32k prompt, and a query prompt that shares its
+/// first `hit` percent of blocks with it and differs from there on.
+class ManagerRig {
+ public:
+  ManagerRig(int32_t page, int32_t hitPercent, bool verify)
+      : mPage(page),
+        mHitBlocks(kPromptTokens / page * hitPercent / 100),
+        mManager(page,
+                 ResourceDemand{(kRecordLimit + 4) * (kPromptTokens / page + 1), 0, 0, 0},
+                 kRecordLimit, managerOptions(verify)),
+        mCached(randomTokens(kPromptTokens, 11)),
+        mQuery(mCached) {
+    LookupRequest cached = requestOf(mCached);
+    AdmissionResult admitted = mManager.acquireWithFallback(cached);
+    mManager.publish(*admitted.lease, hashPromptBlocks(cached.prompt, page), kPromptTokens);
+    makeUnique(0);
+  }
+
+  /// Gives the query a suffix no earlier query had (from its first uncached block on).
+  void makeUnique(int64_t serial) {
+    mQuery[static_cast<std::size_t>(mHitBlocks * mPage)] = uniqueToken(serial);
+  }
+  LookupRequest query() const { return requestOf(mQuery); }
+  ContextCacheManager& manager() noexcept { return mManager; }
+  int32_t hitTokens() const noexcept { return mHitBlocks * mPage; }
+
+ private:
+  static LookupRequest requestOf(std::vector<int32_t> const& tokens) {
+    LookupRequest request;
+    request.prompt = PromptView{tokens, {}, {}};
+    request.baseExtraTokens = 1;  // the lookahead token's slot, as the coordinator asks
+    return request;
+  }
+
+  int32_t mPage;
+  int32_t mHitBlocks;
+  ContextCacheManager mManager;
+  std::vector<int32_t> mCached;
+  std::vector<int32_t> mQuery;
+};
+
+ManagerRig makeRig(benchmark::State const& state) {
+  return ManagerRig(static_cast<int32_t>(state.range(0)), static_cast<int32_t>(state.range(1)),
+                    state.range(2) != 0);
+}
+
+void BM_Lookup(benchmark::State& state) {
+  ManagerRig rig = makeRig(state);
+  LookupRequest const request = rig.query();
+  for (auto _ : state) {
+    LookupResult result = rig.manager().lookup(request);
+    benchmark::DoNotOptimize(result.plan.reuseTokenLength);
+  }
+  if (rig.manager().lookup(request).plan.reuseTokenLength != rig.hitTokens()) {
+    state.SkipWithError("unexpected reuse length");
+  }
+  setTokenCounters(state, kPromptTokens);
+}
+BENCHMARK(BM_Lookup)->Apply(managerCases);
+
+void BM_LookupAcquire(benchmark::State& state) {
+  ManagerRig rig = makeRig(state);
+  LookupRequest const request = rig.query();
+  for (auto _ : state) {
+    AdmissionResult admitted = rig.manager().acquireWithFallback(request);
+    if (!admitted.lease || admitted.plan.reuseTokenLength != rig.hitTokens()) {
+      state.SkipWithError("admission failed or reused an unexpected length");
+      break;
+    }
+  }  // the lease is released at the end of every iteration
+  setTokenCounters(state, kPromptTokens);
+}
+BENCHMARK(BM_LookupAcquire)->Apply(managerCases);
+
+void BM_LookupAcquirePublish(benchmark::State& state) {
+  ManagerRig rig = makeRig(state);
+  ContextCacheManager& manager = rig.manager();
+  int64_t serial = 1;
+  for (auto _ : state) {
+    rig.makeUnique(serial++);
+    LookupRequest const request = rig.query();
+    LookupResult looked = manager.lookup(request);
+    AcquireResult acquired = manager.acquire(looked.plan);
+    if (!acquired.lease) {
+      state.SkipWithError("acquisition failed");
+      break;
+    }
+    PublishResult const published = manager.publish(*acquired.lease, looked.blocks, kPromptTokens);
+    if (published.status != PublishStatus::kPublished ||
+        looked.plan.reuseTokenLength != rig.hitTokens()) {
+      state.SkipWithError("publication failed or reused an unexpected length");
+      break;
+    }
+  }
+  state.counters["records"] = static_cast<double>(manager.records().size());
+  setTokenCounters(state, kPromptTokens);
+}
+BENCHMARK(BM_LookupAcquirePublish)->Apply(managerCases);
+
+}  // namespace
+}  // namespace mkv::bench

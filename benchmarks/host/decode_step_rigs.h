@@ -1,0 +1,296 @@
+#pragma once
+/// \file decode_step_rigs.h
+/// Decode-step rigs of the host benchmarks: a CPU KVCacheRuntime with one running batch, driven
+/// either through its backend directly (BoundedSwaKVPageManager, ContextCacheCoordinator) or
+/// through the ManagedKVCacheRequest facade exactly as ReferenceEngine drives it. step() is one
+/// decode step of the whole batch, including the engine's minimal share (building the advances,
+/// or appending the sampled tokens to the context the facade reads). When the rows approach the
+/// table width, step() first finishes the request and admits the batch again; that restart is
+/// inside the measurement but amortised over thousands of steps (< 1 %, see docs/benchmarks.md).
+
+#include <algorithm>
+#include <cstdint>
+#include <exception>
+#include <memory>
+#include <optional>
+#include <stdexcept>
+#include <utility>
+#include <vector>
+
+#include "host_bench_support.h"
+#include "mkv/generation_request.h"
+#include "mkv/kv_cache_runtime.h"
+#include "mkv/managed_kv_cache_request.h"
+
+namespace mkv::bench {
+
+inline constexpr DecodingKvHeadroom kDecodeHeadroom{1, 0};
+inline constexpr int32_t kDecodeToken = 5;
+
+/// The engine-side state the facade reads: prompts, residents, generated tokens, finish reasons.
+inline DecodingInferenceContext engineContext(std::vector<std::vector<int32_t>> const& prompts,
+                                              uint64_t epoch) {
+  DecodingInferenceContext context;
+  context.activeBatchSize = static_cast<int32_t>(prompts.size());
+  context.rawBatchedInputIds = prompts;
+  for (std::size_t i = 0; i < prompts.size(); ++i) {
+    context.residentRefs.push_back(ResidentRef{static_cast<CacheSlot>(i), epoch});
+    context.finishReasons.push_back(FinishReason::kNotFinished);
+    context.generatedTokenIds.emplace_back();
+  }
+  return context;
+}
+
+/// Bounded SWA, Gemma-3-like window: W = 1024 tokens, page 16 (M = 65), sequences up to 32k
+/// tokens (2048 logical pages per table row). Prompt lengths are spread over [2048, 4096) so that
+/// in every step about 1/16 of the rows map a page and 1/16 retire one, as in a real batch.
+class SwaDecodeRig {
+ public:
+  static constexpr int32_t kWindow = 1024;
+  static constexpr int32_t kPage = 16;
+  static constexpr int32_t kMaxSequence = 32768;
+
+  SwaDecodeRig(int32_t batch, bool facade) : mFacade(facade) {
+    KVCacheRuntimeConfig config = cpuRuntimeConfig(batch, kMaxSequence, kPage);
+    config.model.numSlidingWindowLayers = 1;
+    config.model.slidingWindowTokens = kWindow;
+    mRuntime = KVCacheRuntime::create(config);
+    if (mRuntime->backend() != KVCacheBackend::kBoundedSwa) {
+      throw std::runtime_error("SwaDecodeRig: the runtime did not select bounded SWA");
+    }
+    for (int32_t i = 0; i < batch; ++i) {
+      mLengths.push_back(2048 + (i * 7919) % 2048);
+      mPrompts.emplace_back(static_cast<std::size_t>(mLengths.back()), 1);
+    }
+    mLongest = *std::max_element(mLengths.begin(), mLengths.end());
+    start();
+  }
+  ~SwaDecodeRig() { stop(); }
+  SwaDecodeRig(SwaDecodeRig const&) = delete;
+  SwaDecodeRig& operator=(SwaDecodeRig const&) = delete;
+
+  void step() {
+    if (mLongest + mSteps + 2 > kMaxSequence) {
+      stop();
+      start();
+    }
+    bool ok = true;
+    if (mFacade) {
+      ok = mManaged->prepareDecodeStep(mContext, kDecodeHeadroom);
+      for (auto& generated : mContext.generatedTokenIds) {
+        generated.push_back(kDecodeToken);
+      }
+      ok = mManaged->completeDecodeStep(mContext, {}) && ok;
+    } else {
+      BoundedSwaKVPageManager& manager = *mRuntime->swaPageManager();
+      ok = manager.prepareDecodeStep(*mHandle) == SwaKVCacheStatus::kOk;
+      manager.completeDecodeStep(*mHandle);
+    }
+    if (!ok) {
+      throw std::runtime_error("SwaDecodeRig: a decode step failed");
+    }
+    ++mSteps;
+  }
+
+ private:
+  void start() {
+    ++mEpoch;
+    mSteps = 0;
+    BoundedSwaKVPageManager& manager = *mRuntime->swaPageManager();
+    if (mFacade) {
+      mContext = engineContext(mPrompts, mEpoch);
+      auto begun = ManagedKVCacheRequest::begin(
+          nullptr, &manager, LLMGenerationRequest{}, mContext, false, kDecodeHeadroom,
+          DecodingTokenStateContract::kCommittedPlusLookahead,
+          ContextCacheCommitPolicy::kIncludingGeneratedTokens);
+      if (!begun) {
+        throw std::runtime_error("SwaDecodeRig: admission failed");
+      }
+      mManaged.emplace(std::move(*begun));
+      mManaged->prepareSwaPrefill(mLengths);
+      for (auto& generated : mContext.generatedTokenIds) {
+        generated.push_back(kDecodeToken);  // the lookahead token sampled by prefill
+      }
+      mManaged->completePrefill(mContext, {});
+      return;
+    }
+    std::vector<ResidentRef> residents;
+    for (std::size_t i = 0; i < mLengths.size(); ++i) {
+      residents.push_back(ResidentRef{static_cast<CacheSlot>(i), mEpoch});
+    }
+    auto begun = manager.beginRequest(residents, nullptr);
+    if (begun.status != SwaKVCacheStatus::kOk) {
+      throw std::runtime_error("SwaDecodeRig: admission failed");
+    }
+    mHandle = std::move(begun.request);
+    manager.preparePrefill(*mHandle, mLengths);
+    manager.completePrefill(*mHandle);
+  }
+  void stop() {
+    if (mManaged) {
+      mManaged->finish();
+      mManaged.reset();
+    }
+    if (mHandle) {
+      mRuntime->swaPageManager()->finish(*mHandle);
+      mHandle.reset();
+    }
+  }
+
+  bool mFacade;
+  std::unique_ptr<KVCacheRuntime> mRuntime;
+  std::vector<int32_t> mLengths;
+  std::vector<std::vector<int32_t>> mPrompts;
+  int32_t mLongest = 0;
+  int64_t mSteps = 0;
+  uint64_t mEpoch = 0;
+  std::optional<BoundedSwaKVPageManager::RequestHandle> mHandle;
+  DecodingInferenceContext mContext;
+  std::optional<ManagedKVCacheRequest> mManaged;
+};
+
+/// Context reuse over full paged KV, page 16, verification on, rows of 16k tokens; every row has
+/// its own 512-token prompt (32 full pages).
+///   * Growth::kNone: the admission's headroom covers the whole cycle, so no step grows a row;
+///   * Growth::kEvery16th: decode headroom only; the rows are page-aligned alike, so every 16th
+///     step grows every row by one page and the other 15 grow none, as a real batch averages.
+/// step() checks the coordinator's growth counter against that schedule.
+class ReuseDecodeRig {
+ public:
+  enum class Growth : uint8_t { kNone, kEvery16th };
+  static constexpr int32_t kPage = 16;
+  static constexpr int32_t kPrompt = 512;
+  static constexpr int32_t kMaxSequence = 16384;
+
+  ReuseDecodeRig(int32_t batch, bool facade, Growth growth)
+      : mBatch(batch), mFacade(facade), mGrowth(growth) {
+    KVCacheRuntimeConfig config = cpuRuntimeConfig(batch, kMaxSequence, kPage);
+    config.model.numFullAttentionLayers = 1;
+    config.contextReuse = true;
+    // Room for every row at full length next to the cached prompts: growth never evicts.
+    config.numPages = batch * (kMaxSequence / kPage + 8);
+    mRuntime = KVCacheRuntime::create(config);
+    for (int32_t i = 0; i < batch; ++i) {
+      mPrompts.push_back(randomTokens(kPrompt, 100 + static_cast<uint64_t>(i)));
+    }
+    mAdvances.resize(static_cast<std::size_t>(batch));
+    start();
+  }
+  ~ReuseDecodeRig() { stop(); }
+  ReuseDecodeRig(ReuseDecodeRig const&) = delete;
+  ReuseDecodeRig& operator=(ReuseDecodeRig const&) = delete;
+
+  void step() {
+    if (kPrompt + mSteps + kPage + 2 > kMaxSequence) {
+      stop();
+      start();
+    }
+    ContextCacheCoordinator& coordinator = *mRuntime->contextCache();
+    uint64_t const growthsBefore = coordinator.counters().pageGrowths;
+    bool ok = true;
+    if (mFacade) {
+      ok = mManaged->prepareDecodeStep(mContext, kDecodeHeadroom);
+      for (auto& generated : mContext.generatedTokenIds) {
+        generated.push_back(kDecodeToken);
+      }
+      ok = mManaged->completeDecodeStep(mContext, {}) && ok;
+    } else {
+      int32_t const committed = kPrompt + static_cast<int32_t>(mSteps) + 1;
+      for (ContextCacheSequenceAdvance& advance : mAdvances) {
+        advance = {&kDecodeToken, 1, committed};
+      }
+      ok = coordinator.prepareDecodeStep(*mHandle, kDecodeHeadroom) == ContextCacheStatus::kOk;
+      ok = coordinator.completeDecodeStep(*mHandle, mAdvances, {}) == ContextCacheStatus::kOk &&
+           ok;
+    }
+    bool const grows = mGrowth == Growth::kEvery16th && mSteps > 0 && mSteps % kPage == 0;
+    uint64_t const grown = coordinator.counters().pageGrowths - growthsBefore;
+    if (!ok || grown != (grows ? static_cast<uint64_t>(mBatch) : 0)) {
+      throw std::runtime_error("ReuseDecodeRig: a decode step failed or grew unexpectedly");
+    }
+    ++mSteps;
+  }
+
+ private:
+  DecodingKvHeadroom admissionHeadroom() const {
+    // kNone: cover every token the cycle will commit (kPrompt + steps + 1 < kMaxSequence - kPage).
+    return mGrowth == Growth::kNone ? DecodingKvHeadroom{kMaxSequence - kPage - kPrompt, 0}
+                                    : kDecodeHeadroom;
+  }
+  void start() {
+    ++mEpoch;
+    mSteps = 0;
+    ContextCacheCoordinator& coordinator = *mRuntime->contextCache();
+    if (mFacade) {
+      mContext = engineContext(mPrompts, mEpoch);
+      auto begun = ManagedKVCacheRequest::begin(
+          &coordinator, nullptr, LLMGenerationRequest{}, mContext, false, admissionHeadroom(),
+          DecodingTokenStateContract::kCommittedPlusLookahead,
+          ContextCacheCommitPolicy::kIncludingGeneratedTokens);
+      if (!begun) {
+        throw std::runtime_error("ReuseDecodeRig: admission failed");
+      }
+      mManaged.emplace(std::move(*begun));
+      mManaged->preparePrefill();
+      for (auto& generated : mContext.generatedTokenIds) {
+        generated.push_back(kDecodeToken);  // the lookahead token sampled by prefill
+      }
+      mManaged->completePrefill(mContext, {});
+      return;
+    }
+    ContextCacheBatchAdmission admission;
+    for (std::size_t i = 0; i < mPrompts.size(); ++i) {
+      ContextCacheSequenceAdmission sequence;
+      sequence.tokenIds = mPrompts[i];
+      sequence.resident = ResidentRef{static_cast<CacheSlot>(i), mEpoch};
+      admission.sequences.push_back(std::move(sequence));
+    }
+    auto begun = coordinator.beginRequest(admission, admissionHeadroom(), nullptr);
+    if (begun.status != ContextCacheStatus::kOk) {
+      throw std::runtime_error("ReuseDecodeRig: admission failed");
+    }
+    mHandle = std::move(begun.admission->request);
+    coordinator.preparePrefill(*mHandle);
+    std::vector<ContextCacheSequenceAdvance> const prefill(
+        mPrompts.size(), ContextCacheSequenceAdvance{&kDecodeToken, 1, kPrompt});
+    coordinator.finalizePrefillPublication(*mHandle, prefill);
+  }
+  void stop() {
+    if (mManaged) {
+      mManaged->finish();
+      mManaged.reset();
+    }
+    if (mHandle) {
+      mRuntime->contextCache()->finish(*mHandle);
+      mHandle.reset();
+    }
+  }
+
+  int32_t mBatch;
+  bool mFacade;
+  Growth mGrowth;
+  std::unique_ptr<KVCacheRuntime> mRuntime;
+  std::vector<std::vector<int32_t>> mPrompts;
+  std::vector<ContextCacheSequenceAdvance> mAdvances;
+  int64_t mSteps = 0;
+  uint64_t mEpoch = 0;
+  std::optional<ContextCacheCoordinator::RequestHandle> mHandle;
+  DecodingInferenceContext mContext;
+  std::optional<ManagedKVCacheRequest> mManaged;
+};
+
+/// Runs one rig step per iteration; a failure (exception) skips the benchmark with its message.
+template <typename Rig, typename... Args>
+void runDecodeSteps(benchmark::State& state, int32_t batch, Args&&... args) {
+  try {
+    Rig rig(batch, std::forward<Args>(args)...);
+    for (auto _ : state) {
+      rig.step();
+    }
+  } catch (std::exception const& error) {
+    state.SkipWithError(error.what());
+  }
+  setSequenceStepCounters(state, batch);
+}
+
+}  // namespace mkv::bench
