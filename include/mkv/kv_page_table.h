@@ -96,8 +96,9 @@ class KVPageTable {
   bool upload(cudaStream_t stream);
   /// Copies only the K entries that changed since the last upload and their V twins; runs of
   /// adjacent K entries coalesce into one K range plus the matching V range (a single changed
-  /// entry = 2 entries in 2 ranges). Work is O(changed entries). Same return, validation and
-  /// ordering rules as `upload`.
+  /// entry = 2 entries in 2 ranges). Work is O(changed entries), plus the check of each changed
+  /// row, which reads only its live range (a sliding window's M pages, a dense row's live
+  /// prefix), never the whole row width. Same return, validation and ordering rules as `upload`.
   bool uploadDirty(cudaStream_t stream);
   PageTableUploadStats lastUploadStats() const noexcept { return mLastUpload; }
   /// Cumulative counts over every upload of this table.
@@ -118,7 +119,12 @@ class KVPageTable {
   void validateSlot(char const* call, CacheSlot slot) const;
   void validateLogical(char const* call, int32_t logicalPage) const;
   void validateRowPages(char const* call, CacheSlot slot, std::span<PageId const> kPages) const;
-  bool checkRow(CacheSlot slot, std::string* error) const;
+  /// Checks row `slot`, reading only logical entries [first, last): the caller knows every entry
+  /// outside that range to be empty (K and V -1).
+  bool checkRow(CacheSlot slot, std::string* error, int32_t first, int32_t last) const;
+  /// One branch-light pass over [first, last) that accepts the rows the mutators produce; false
+  /// means "run the full check", which then names the violation.
+  bool rowLooksValid(CacheSlot slot, int32_t first, int32_t last) const;
   void writeEntry(CacheSlot slot, int32_t logicalPage, PageId kPage);
   bool uploadRanges(bool rowGranular, cudaStream_t stream);
 
@@ -129,9 +135,18 @@ class KVPageTable {
   DeviceType mDeviceType;
   std::vector<int32_t> mHost;             // [maxBatch, 2, maxPagesPerSeq]
   std::vector<int32_t> mLiveCount;        // per slot
+  // Per slot [mLiveBegin, mLiveEnd): the first and one past the last live K entry (empty range:
+  // begin == end). Every entry outside it is empty, except entries that are dirty. Keeps the row
+  // checks of an upload and the sparse duplicate check of setEntry O(live range), not O(width).
+  std::vector<int32_t> mLiveBegin;
+  std::vector<int32_t> mLiveEnd;
   std::vector<int64_t> mDirtyEntries;     // flat indices of changed K entries, unsorted, unique
   std::vector<uint8_t> mEntryDirtyFlag;   // per K entry, [maxBatch, maxPagesPerSeq]
   mutable std::vector<int32_t> mScratch;  // ids sorted by duplicate checks (preallocated)
+  // Sparse tables: page id -> generation of the last rowLooksValid pass that saw it live, so the
+  // pass finds a repeated page in O(live entries) without sorting them.
+  mutable std::vector<uint32_t> mPageSeen;
+  mutable uint32_t mSeenGeneration = 0;
   std::vector<int32_t> mPatch;            // host image of the next patch (preallocated)
   Tensor mDevice;
   std::unique_ptr<detail::Int32Staging> mStaging;

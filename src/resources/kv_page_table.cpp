@@ -55,9 +55,14 @@ KVPageTable::KVPageTable(int32_t maxBatch, int32_t maxPagesPerSeq, int32_t numPa
       static_cast<std::size_t>(maxBatch) * static_cast<std::size_t>(maxPagesPerSeq);
   mHost.assign(2 * kEntries, kNoPage);
   mLiveCount.assign(static_cast<std::size_t>(maxBatch), 0);
+  mLiveBegin.assign(static_cast<std::size_t>(maxBatch), 0);
+  mLiveEnd.assign(static_cast<std::size_t>(maxBatch), 0);
   mDirtyEntries.reserve(kEntries);
   mEntryDirtyFlag.assign(kEntries, 0);
   mScratch.reserve(static_cast<std::size_t>(std::max(maxBatch, maxPagesPerSeq)));
+  if (mode == PageTableMode::kSparseWindow) {
+    mPageSeen.assign(static_cast<std::size_t>(numPages), 0);
+  }
   mPatch.reserve(static_cast<std::size_t>(capacity));
   mDevice = Tensor({maxBatch, 2, maxPagesPerSeq}, DataType::kInt32, deviceType);
   detail::fillBytes(mDevice.rawPointer(), deviceType, 0xFF,
@@ -109,7 +114,56 @@ void KVPageTable::validateRowPages(char const* call, CacheSlot slot,
   }
 }
 
-bool KVPageTable::checkRow(CacheSlot slot, std::string* error) const {
+bool KVPageTable::rowLooksValid(CacheSlot slot, int32_t first, int32_t last) const {
+  auto const width = static_cast<std::size_t>(mMaxPagesPerSeq);
+  int32_t const* const k = mHost.data() + static_cast<std::size_t>(slot) * 2 * width;
+  int32_t const* const v = k + width;
+  int32_t const recorded = mLiveCount[static_cast<std::size_t>(slot)];
+  bool bad = false;
+  if (mMode == PageTableMode::kDense) {
+    // Live entries are exactly [0, recorded): with entries before `first` empty, only an empty
+    // row can pass, and the recorded prefix must lie inside the range.
+    if ((first > 0 && recorded > 0) || recorded > last) {
+      return false;
+    }
+    for (int32_t i = first; i < last; ++i) {
+      int32_t const kPage = k[i];
+      int32_t const vPage = v[i];
+      bad |= i < recorded ? (kPage < 0 || kPage >= mNumPages || vPage != kPage + mNumPages)
+                          : (kPage != kNoPage || vPage != kNoPage);
+    }
+    return !bad;
+  }
+  if (++mSeenGeneration == 0) {  // wrapped: forget every earlier pass
+    std::fill(mPageSeen.begin(), mPageSeen.end(), 0U);
+    mSeenGeneration = 1;
+  }
+  int32_t live = 0;
+  for (int32_t i = first; i < last; ++i) {
+    int32_t const kPage = k[i];
+    int32_t const vPage = v[i];
+    if (kPage == kNoPage) {
+      bad |= vPage != kNoPage;
+      continue;
+    }
+    if (kPage < 0 || kPage >= mNumPages || vPage != kPage + mNumPages) {
+      return false;
+    }
+    uint32_t& seen = mPageSeen[static_cast<std::size_t>(kPage)];
+    if (seen == mSeenGeneration) {
+      return false;  // live twice in this row
+    }
+    seen = mSeenGeneration;
+    ++live;
+  }
+  return !bad && live == recorded;
+}
+
+bool KVPageTable::checkRow(CacheSlot slot, std::string* error, int32_t first,
+                           int32_t last) const {
+  if (rowLooksValid(slot, first, last)) {
+    return true;
+  }
   auto fail = [&](std::string message) {
     if (error != nullptr) {
       *error = std::move(message);
@@ -119,9 +173,11 @@ bool KVPageTable::checkRow(CacheSlot slot, std::string* error) const {
   std::span<int32_t const> const row = hostRow(slot);
   auto const width = static_cast<std::size_t>(mMaxPagesPerSeq);
   int32_t live = 0;
-  bool seenEmpty = false;
+  // Entries before `first` are empty: a dense row's first live entry after them breaks the rule
+  // exactly as a scan from entry 0 would report it.
+  bool seenEmpty = first > 0;
   mScratch.clear();
-  for (std::size_t i = 0; i < width; ++i) {
+  for (auto i = static_cast<std::size_t>(first); i < static_cast<std::size_t>(last); ++i) {
     int32_t const k = row[i];
     int32_t const v = row[width + i];
     if (k == kNoPage) {
@@ -161,7 +217,7 @@ bool KVPageTable::checkRow(CacheSlot slot, std::string* error) const {
 
 bool KVPageTable::checkInvariants(std::string* error) const {
   for (CacheSlot slot = 0; slot < mMaxBatch; ++slot) {
-    if (!checkRow(slot, error)) {
+    if (!checkRow(slot, error, 0, mMaxPagesPerSeq)) {
       return false;
     }
   }
@@ -180,6 +236,21 @@ void KVPageTable::writeEntry(CacheSlot slot, int32_t logicalPage, PageId kPage) 
   mHost[flat + width] = kPage == kNoPage ? kNoPage : kPage + mNumPages;
   int32_t& live = mLiveCount[static_cast<std::size_t>(slot)];
   live += (old == kNoPage ? 1 : 0) - (kPage == kNoPage ? 1 : 0);
+  int32_t& begin = mLiveBegin[static_cast<std::size_t>(slot)];
+  int32_t& end = mLiveEnd[static_cast<std::size_t>(slot)];
+  if (kPage != kNoPage) {
+    begin = begin == end ? logicalPage : std::min(begin, logicalPage);
+    end = std::max(end, logicalPage + 1);
+  } else {
+    // Keep the range tight at its edges: a window retiring its oldest page moves `begin` by one.
+    int32_t const* const k = mHost.data() + static_cast<std::size_t>(slot) * 2 * width;
+    while (begin < end && k[begin] == kNoPage) {
+      ++begin;
+    }
+    while (begin < end && k[end - 1] == kNoPage) {
+      --end;
+    }
+  }
   uint8_t& flag = mEntryDirtyFlag[static_cast<std::size_t>(slot) * width +
                                   static_cast<std::size_t>(logicalPage)];
   if (flag == 0) {
@@ -234,7 +305,8 @@ void KVPageTable::setEntry(CacheSlot slot, int32_t logicalPage, PageId kPage) {
                 slot, logicalPage, live, live, live);
   } else {
     std::span<int32_t const> const row = hostRow(slot);
-    for (int32_t i = 0; i < mMaxPagesPerSeq; ++i) {
+    for (int32_t i = mLiveBegin[static_cast<std::size_t>(slot)];
+         i < mLiveEnd[static_cast<std::size_t>(slot)]; ++i) {
       MKV_REQUIRE(i == logicalPage || row[static_cast<std::size_t>(i)] != kPage, kCall,
                   "slot {} entry {}: page {} is already live at entry {}", slot, logicalPage, kPage,
                   i);
@@ -297,18 +369,30 @@ bool KVPageTable::uploadRanges(bool rowGranular, cudaStream_t stream) {
     return false;
   }
   // Sorting reorders the dirty set but does not change it, so a throw below leaves the table
-  // and its dirty state as they were.
-  std::sort(mDirtyEntries.begin(), mDirtyEntries.end());
+  // and its dirty state as they were. Entries are mostly appended in order (rows in batch order,
+  // entries ascending), so the O(n) test usually saves the sort.
+  if (!std::is_sorted(mDirtyEntries.begin(), mDirtyEntries.end())) {
+    std::sort(mDirtyEntries.begin(), mDirtyEntries.end());
+  }
   std::vector<int64_t> const& sortedEntries = mDirtyEntries;
   int64_t const width = mMaxPagesPerSeq;
   int64_t const rowWidth = 2 * width;
-  for (std::size_t i = 0; i < sortedEntries.size(); ++i) {
+  for (std::size_t i = 0; i < sortedEntries.size();) {
     int64_t const row = sortedEntries[i] / rowWidth;
-    if (i > 0 && sortedEntries[i - 1] / rowWidth == row) {
-      continue;
+    // The row's dirty entries are adjacent in the sorted set; together with its live range they
+    // cover every entry that may be non-empty.
+    auto const firstDirty = static_cast<int32_t>(sortedEntries[i] % rowWidth);
+    while (i + 1 < sortedEntries.size() && sortedEntries[i + 1] / rowWidth == row) {
+      ++i;
     }
+    auto const lastDirty = static_cast<int32_t>(sortedEntries[i] % rowWidth);
+    ++i;
+    auto const r = static_cast<std::size_t>(row);
+    bool const anyLive = mLiveBegin[r] < mLiveEnd[r];
+    int32_t const first = anyLive ? std::min(mLiveBegin[r], firstDirty) : firstDirty;
+    int32_t const last = anyLive ? std::max(mLiveEnd[r], lastDirty + 1) : lastDirty + 1;
     std::string error;
-    if (!checkRow(static_cast<CacheSlot>(row), &error)) {
+    if (!checkRow(static_cast<CacheSlot>(row), &error, first, last)) {
       detail::throwContract(call, "broken table, nothing uploaded: {}", error);
     }
   }
