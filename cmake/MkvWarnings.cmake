@@ -16,3 +16,17 @@ if(MKV_SANITIZE)
                       $<$<COMPILE_LANGUAGE:CXX>:-fno-sanitize-recover=undefined>)
   add_link_options(-fsanitize=address,undefined)
 endif()
+
+# libFuzzer builds (-DMKV_BUILD_FUZZERS=ON, clang only; the "fuzz" preset): every target is
+# instrumented for coverage and sanitised (ASan + UBSan); only the fuzzer executables link libFuzzer
+# itself (tests/fuzz/CMakeLists.txt).
+if(MKV_BUILD_FUZZERS)
+  if(NOT CMAKE_CXX_COMPILER_ID MATCHES "Clang")
+    message(FATAL_ERROR "MKV_BUILD_FUZZERS needs clang (libFuzzer); the compiler is "
+                        "${CMAKE_CXX_COMPILER_ID}. Use the \"fuzz\" preset.")
+  endif()
+  add_compile_options($<$<COMPILE_LANGUAGE:CXX>:-fsanitize=fuzzer-no-link,address,undefined>
+                      $<$<COMPILE_LANGUAGE:CXX>:-fno-omit-frame-pointer>
+                      $<$<COMPILE_LANGUAGE:CXX>:-fno-sanitize-recover=undefined>)
+  add_link_options(-fsanitize=address,undefined)
+endif()
