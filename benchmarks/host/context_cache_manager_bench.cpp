@@ -24,7 +24,7 @@ constexpr int32_t kRecordLimit = 4;
 
 void managerCases(benchmark::internal::Benchmark* b) {
   b->ArgNames({"page", "hit", "verify"});
-  for (int64_t page : {16, 64}) {
+  for (int64_t page : {16, 64, 128}) {  // 128: KVCacheRuntimeConfig's default
     for (int64_t hit : {0, 50, 95}) {
       for (int64_t verify : {1, 0}) {
         b->Args({page, hit, verify});

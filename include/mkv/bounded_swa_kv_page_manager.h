@@ -217,6 +217,7 @@ class BoundedSwaKVPageManager {
 
   int32_t mWindow;
   int32_t mPageSize;
+  int32_t mPageShift = 0;  // log2(mPageSize): pool page sizes are powers of two
   int32_t mWindowPages;
   int32_t mAdmissionPages;
   int32_t mDecodePages;

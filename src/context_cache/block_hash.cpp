@@ -163,7 +163,8 @@ PromptBlocks hashPromptBlocks(PromptView prompt, int32_t pageSize) {
   Hash128 contentParent = kBlockChainRoot;
   for (std::size_t b = 0; b < count; ++b) {
     Hash128 const tokens = tokenDigest(prompt.tokens.subspan(b * page, page));
-    Hash128 const media = mediaDigest(mediaSlice(prompt, b * page, page));
+    Hash128 const media =
+        prompt.media.empty() ? Hash128{} : mediaDigest(prompt.media.subspan(b * page, page));
     parent = keyStep(parent, tokens, page, media, prompt.extras, b == 0);
     contentParent = contentStep(contentParent, tokens, page);
     blocks.keys[b] = parent;

@@ -90,6 +90,11 @@ bool BlockIndex::holds(PageId page, PromptBlocks const& blocks, int32_t block) c
   if (!e.indexed || e.digest != blocks.keys[static_cast<std::size_t>(block)]) {
     return false;
   }
+  return verified(e, page, blocks, block);
+}
+
+bool BlockIndex::verified(Entry const& e, PageId page, PromptBlocks const& blocks,
+                          int32_t block) const {
   if (!mVerifyTokens) {
     return true;
   }
@@ -118,15 +123,17 @@ BlockIndex::PrefixMatch BlockIndex::longestPrefix(PromptBlocks const& blocks,
   int32_t const limit = std::clamp(maxBlocks, 0, blocks.fullBlockCount());
   match.pages.reserve(static_cast<std::size_t>(limit));
   for (int32_t b = 0; b < limit; ++b) {
-    std::optional<PageId> const page = find(blocks.keys[static_cast<std::size_t>(b)]);
-    if (!page) {
+    auto const it = mByDigest.find(blocks.keys[static_cast<std::size_t>(b)]);
+    if (it == mByDigest.end()) {
       break;
     }
-    if (mVerifyTokens && !holds(*page, blocks, b)) {
+    // An indexed digest names an indexed entry of a valid page: holds() minus its checks.
+    PageId const page = it->second;
+    if (!verified(mEntries[static_cast<std::size_t>(page)], page, blocks, b)) {
       match.verificationRejected = true;
       break;
     }
-    match.pages.push_back(*page);
+    match.pages.push_back(page);
   }
   return match;
 }

@@ -272,7 +272,8 @@ LookupRequest ContextCacheCoordinator::lookupOf(ContextCacheSequenceAdmission co
   return lookup;
 }
 
-bool ContextCacheCoordinator::batchMayFit(std::span<LookupRequest const> lookups) const {
+bool ContextCacheCoordinator::batchMayFit(std::span<LookupRequest const> lookups,
+                                          std::vector<LookupResult>& looked) const {
   ResourcePools const& pools = mManager->pools();
   constexpr ResourceType kBase = ResourceType::kBaseKvPage;
   int64_t const free = pools.freeCount(kBase);
@@ -291,8 +292,10 @@ bool ContextCacheCoordinator::batchMayFit(std::span<LookupRequest const> lookups
   // bound holds whatever the acquires evict.
   int64_t need = 0;
   std::vector<uint8_t> pinned(static_cast<std::size_t>(pools.capacity(kBase)), 0);
+  looked.reserve(lookups.size());
   for (LookupRequest const& lookup : lookups) {
-    ReusePlan const plan = mManager->lookup(lookup).plan;
+    looked.push_back(mManager->lookup(lookup));
+    ReusePlan const& plan = looked.back().plan;
     need += plan.demand.baseKvPages;
     for (PageId page : plan.basePageBindings) {
       auto& seen = pinned[static_cast<std::size_t>(page)];
@@ -395,13 +398,17 @@ ContextCacheCoordinator::BeginRequestResult ContextCacheCoordinator::beginReques
     ++mCounters.refusedRequests;
     result.status = ContextCacheStatus::kRequestFailed;
   };
-  if (!batchMayFit(lookups)) {
+  std::vector<LookupResult> looked;  // filled when the check had to look the batch up
+  if (!batchMayFit(lookups, looked)) {
     refuse();
     return result;
   }
   for (std::size_t i = 0; i < batch; ++i) {
     auto const& sequence = admission.sequences[i];
-    mkv::AdmissionResult acquired = mManager->acquireWithFallback(lookups[i]);
+    // Reuses the check's digests (and its plan while nothing was evicted in between).
+    mkv::AdmissionResult acquired =
+        looked.empty() ? mManager->acquireWithFallback(lookups[i])
+                       : mManager->acquireWithFallback(lookups[i], std::move(looked[i]));
     if (!acquired.lease) {
       refuse();
       return result;  // `created` releases the leases taken so far

@@ -65,6 +65,7 @@ class ContextCacheManager::PublicationTransaction {
       : mManager(manager) {
     mRefs.reserve(refs);
     mIndexed.reserve(mappings);
+    ++mManager.mStateVersion;  // records or index change (a rollback restores them: harmless)
   }
   PublicationTransaction(PublicationTransaction const&) = delete;
   PublicationTransaction& operator=(PublicationTransaction const&) = delete;
@@ -179,7 +180,7 @@ void ContextCacheManager::applyCoverage(ReusePlan& plan, LookupRequest const& re
   requireKvPageCoverage(plan, mPageSize, base, draft);
 }
 
-void ContextCacheManager::checkPlan(ReusePlan const& plan) const {
+void ContextCacheManager::checkPlan(ReusePlan const& plan, bool fresh) const {
   constexpr char const* kCall = "ContextCacheManager::acquire";
   MKV_REQUIRE(static_cast<uint8_t>(plan.mode) <= static_cast<uint8_t>(ReuseMode::kSpec), kCall,
               "reuse mode {} out of range", static_cast<int>(plan.mode));
@@ -204,7 +205,7 @@ void ContextCacheManager::checkPlan(ReusePlan const& plan) const {
                             : plan.basePageBindings.size() == plan.matchedBlockDigests.size(),
               kCall, "{} base bindings for {} matched blocks", plan.basePageBindings.size(),
               plan.matchedBlockDigests.size());
-  for (std::size_t b = 0; b < plan.basePageBindings.size(); ++b) {
+  for (std::size_t b = 0; !fresh && b < plan.basePageBindings.size(); ++b) {
     std::optional<PageId> const page = mIndex.find(plan.matchedBlockDigests[b]);
     MKV_REQUIRE(page == plan.basePageBindings[b], kCall,
                 "stale plan: block {} is no longer indexed on page {}", b,
@@ -242,7 +243,12 @@ void ContextCacheManager::checkPlan(ReusePlan const& plan) const {
 
 LookupResult ContextCacheManager::lookup(LookupRequest const& request) const {
   checkRequest("ContextCacheManager::lookup", request);
-  LookupResult result{hashPromptBlocks(request.prompt, mPageSize), {}, std::nullopt};
+  LookupResult result{hashPromptBlocks(request.prompt, mPageSize), {}, std::nullopt, 0};
+  planLookup(request, result);
+  return result;
+}
+
+void ContextCacheManager::planLookup(LookupRequest const& request, LookupResult& result) const {
   switch (request.mode) {
     case ReuseMode::kVanilla:
       result.plan = makeVanillaReusePlan(mIndex, result.blocks, request.policy);
@@ -260,10 +266,10 @@ LookupResult ContextCacheManager::lookup(LookupRequest const& request) const {
       break;
   }
   applyCoverage(result.plan, request);
-  if (request.policy == ContextCacheLookupPolicy::kUseCache) {
-    result.missReason = classifyMiss(mIndex, result.blocks, result.plan);
-  }
-  return result;
+  result.missReason = request.policy == ContextCacheLookupPolicy::kUseCache
+                          ? classifyMiss(mIndex, result.blocks, result.plan)
+                          : std::nullopt;
+  result.stateVersion = mStateVersion;
 }
 
 ReusePlan ContextCacheManager::coldPlanOf(LookupRequest const& request) const {
@@ -278,10 +284,14 @@ ReusePlan ContextCacheManager::coldPlanOf(LookupRequest const& request) const {
 bool ContextCacheManager::allocateWithEviction(
     ResourceDemand const& demand, RecordId protectedRecord,
     std::array<std::vector<int32_t>*, kResourceTypeCount> const& targets) {
-  // Grow the targets first: once records are evicted, nothing may fail any more.
+  // Grow the targets first: once records are evicted, nothing may fail any more. Geometrically:
+  // a lease grows by one page every page of decoded tokens.
   for (ResourceType type : kAllResourceTypes) {
     if (std::vector<int32_t>* target = targets[static_cast<std::size_t>(type)]) {
-      target->reserve(target->size() + static_cast<std::size_t>(demand[type]));
+      std::size_t const needed = target->size() + static_cast<std::size_t>(demand[type]);
+      if (needed > target->capacity()) {
+        target->reserve(std::max(needed, 2 * target->capacity()));
+      }
     }
   }
   if (!mPools.canAllocate(demand)) {
@@ -300,7 +310,11 @@ bool ContextCacheManager::allocateWithEviction(
 }
 
 AcquireResult ContextCacheManager::acquire(ReusePlan const& plan) {
-  checkPlan(plan);
+  return acquirePlan(plan, /*fresh=*/false);
+}
+
+AcquireResult ContextCacheManager::acquirePlan(ReusePlan const& plan, bool fresh) {
+  checkPlan(plan, fresh);
   CacheRequestLease lease;
   lease.mMode = plan.mode;
   lease.mHasAttention = plan.hybridHasAttention;
@@ -344,12 +358,30 @@ AcquireResult ContextCacheManager::acquire(ReusePlan const& plan) {
 }
 
 AdmissionResult ContextCacheManager::acquireWithFallback(LookupRequest const& request) {
-  LookupResult looked = lookup(request);
+  return admit(request, lookup(request));
+}
+
+AdmissionResult ContextCacheManager::acquireWithFallback(LookupRequest const& request,
+                                                         LookupResult looked) {
+  constexpr char const* kCall = "ContextCacheManager::acquireWithFallback";
+  checkRequest(kCall, request);
+  MKV_REQUIRE(looked.blocks.pageSize == mPageSize &&
+                  looked.blocks.prompt.tokens.data() == request.prompt.tokens.data() &&
+                  looked.blocks.prompt.tokens.size() == request.prompt.tokens.size(),
+              kCall, "the lookup result is not this request's ({} tokens, page {})",
+              looked.blocks.prompt.tokens.size(), looked.blocks.pageSize);
+  if (looked.stateVersion != mStateVersion) {
+    planLookup(request, looked);  // records or index changed since: re-plan, no re-hash
+  }
+  return admit(request, std::move(looked));
+}
+
+AdmissionResult ContextCacheManager::admit(LookupRequest const& request, LookupResult looked) {
   int32_t const verificationRejects = looked.plan.verificationRejects;
   std::optional<MissReason> const blockMiss = looked.missReason;
   bool const useCache = request.policy == ContextCacheLookupPolicy::kUseCache;
   AdmissionResult result;
-  AcquireResult acquired = acquire(looked.plan);
+  AcquireResult acquired = acquirePlan(looked.plan, /*fresh=*/true);
   if (acquired.lease) {
     result.outcome = AdmissionOutcome::kAcquired;
     result.plan = std::move(looked.plan);
@@ -488,6 +520,7 @@ void ContextCacheManager::evictRecord(RecordId id) noexcept {
   if (record == nullptr) {
     return;
   }
+  ++mStateVersion;
   record->forEachResource([this](ResourceId resource) {
     bool const freed = mPools.dropCache(resource);
     // A page without cache references is no longer reusable, even while a lease still pins it.

@@ -234,7 +234,8 @@ bool ContextCacheRequest::prepareDecodeStep(DecodingInferenceContext const& cont
   if (!check(mCoordinator->prepareDecodeStep(mHandle, headroom), "prepareDecodeStep")) {
     return false;
   }
-  std::vector<std::size_t> counts(batch);
+  std::vector<std::size_t> counts = std::move(mStepScratch.counts);  // reused: no allocation
+  counts.resize(batch);
   for (std::size_t i = 0; i < batch; ++i) {
     counts[i] = context.generatedTokenIds[i].size();
   }
@@ -251,8 +252,10 @@ bool ContextCacheRequest::completeDecodeStep(DecodingInferenceContext const& con
   MKV_REQUIRE(context.generatedTokenIds.size() == batch && context.finishReasons.size() == batch &&
                   context.rawBatchedInputIds.size() == batch,
               kCall, "the batch changed size since prepareDecodeStep ({} rows prepared)", batch);
-  std::vector<ContextCacheSequenceAdvance> advances(batch);
-  std::vector<int32_t> completed;
+  std::vector<ContextCacheSequenceAdvance>& advances = mStepScratch.advances;
+  std::vector<int32_t>& completed = mStepScratch.completed;
+  advances.resize(batch);
+  completed.clear();
   for (std::size_t i = 0; i < batch; ++i) {
     auto const& generated = context.generatedTokenIds[i];
     FinishReason const reason = context.finishReasons[i];
@@ -287,6 +290,7 @@ bool ContextCacheRequest::completeDecodeStep(DecodingInferenceContext const& con
   // prepared, so the runtime can retry with corrected progress.
   ContextCacheStatus const status =
       mCoordinator->completeDecodeStep(mHandle, advances, completed, commonStateLengths);
+  mStepScratch.counts = std::move(*mPreparedCounts);
   mPreparedCounts.reset();
   return check(status, "completeDecodeStep");
 }

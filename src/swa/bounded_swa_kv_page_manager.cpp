@@ -3,6 +3,7 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <bit>
 #include <exception>
 #include <limits>
 #include <utility>
@@ -37,8 +38,14 @@ namespace {
 
 int32_t ceilDiv(int64_t a, int64_t b) { return static_cast<int32_t>((a + b - 1) / b); }
 
-int32_t retainedBeginFor(int32_t endpoint, int32_t window, int32_t pageSize) {
-  return static_cast<int32_t>(std::max<int64_t>(0, int64_t{endpoint} - window) / pageSize);
+// The pool's page size is a power of two: the per-step page arithmetic shifts instead of
+// dividing (three 64-bit divisions per sequence and step otherwise).
+int32_t pagesCovering(int32_t tokens, int32_t pageShift) {
+  return static_cast<int32_t>((int64_t{tokens} + (int64_t{1} << pageShift) - 1) >> pageShift);
+}
+
+int32_t retainedBeginFor(int32_t endpoint, int32_t window, int32_t pageShift) {
+  return static_cast<int32_t>(std::max<int64_t>(0, int64_t{endpoint} - window) >> pageShift);
 }
 
 }  // namespace
@@ -105,6 +112,9 @@ BoundedSwaKVPageManager::BoundedSwaKVPageManager(BoundedSwaConfig const& config,
   KVPageTable const& table = *mResources.swaPageTable;
   MKV_REQUIRE(mWindow > 0, kCall, "windowTokens must be positive, got {}", mWindow);
   mPageSize = pool.tokensPerPage();
+  MKV_ASSERT(std::has_single_bit(static_cast<uint32_t>(mPageSize)),
+             "pool page size {} is not a power of two", mPageSize);
+  mPageShift = std::countr_zero(static_cast<uint32_t>(mPageSize));
   mWindowPages = windowPages(mWindow, mPageSize);
   mAdmissionPages = 2 * mWindowPages + 1;
   mDecodePages = mWindowPages + 1;
@@ -264,8 +274,14 @@ void BoundedSwaKVPageManager::stageWindow(SwaSequenceState& state, int32_t newEn
   MKV_ASSERT(!state.pendingEndpoint.has_value(), "{}: a transition is already staged", call);
   MKV_ASSERT(newEndpoint >= state.endpoint, "{}: endpoint would move back from {} to {}", call,
              state.endpoint, newEndpoint);
-  int32_t const newBegin = retainedBeginFor(newEndpoint, mWindow, mPageSize);
-  int32_t const newEnd = ceilDiv(newEndpoint, mPageSize);
+  int32_t const newBegin = retainedBeginFor(newEndpoint, mWindow, mPageShift);
+  int32_t const newEnd = pagesCovering(newEndpoint, mPageShift);
+  if (newBegin == state.retainedBegin && newEnd == state.retainedEnd && !state.bindings.empty()) {
+    // Most decode steps: the endpoint moves inside its last page and the window's first page
+    // stays; bindings already cover [newBegin, newEnd), nothing retires and nothing maps.
+    state.pendingEndpoint = newEndpoint;
+    return;
+  }
   int32_t const firstUnbound = state.bindings.empty() ? newBegin : state.bindings.back().logicalPage + 1;
   int32_t const mapFrom = std::max(newBegin, firstUnbound);
   int32_t const toMap = std::max(0, newEnd - mapFrom);
@@ -293,7 +309,7 @@ bool BoundedSwaKVPageManager::stageDecode(SwaSequenceState& state) {
     return false;
   }
   int32_t const next = state.endpoint + 1;
-  int32_t const newEnd = ceilDiv(next, mPageSize);
+  int32_t const newEnd = pagesCovering(next, mPageShift);
   if (newEnd > mResources.swaPageTable->maxPagesPerSeq()) {
     return false;
   }

@@ -89,6 +89,9 @@ class BlockIndex {
   };
 
   void checkPage(char const* call, PageId page) const;
+  /// holds() without its argument checks: `e` is the entry of `page`, indexed under the block's
+  /// key; compares what verification compares (no-op true when verification is off).
+  bool verified(Entry const& e, PageId page, PromptBlocks const& blocks, int32_t block) const;
   static BlockProvenance provenanceOf(PromptBlocks const& blocks, int32_t block) noexcept;
 
   int32_t mPageCapacity;

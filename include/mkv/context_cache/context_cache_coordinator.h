@@ -277,8 +277,9 @@ class ContextCacheCoordinator {
   LookupRequest lookupOf(ContextCacheSequenceAdmission const& sequence,
                          ContextCacheLookupPolicy policy, DecodingKvHeadroom const& headroom) const;
   /// False when the batch certainly cannot be leased as a whole (then no sequence is acquired,
-  /// so no record is evicted for a batch that is refused anyway).
-  bool batchMayFit(std::span<LookupRequest const> lookups) const;
+  /// so no record is evicted for a batch that is refused anyway). When it has to look the batch
+  /// up to decide, it leaves the lookups in `looked` (one per sequence) for the acquisitions.
+  bool batchMayFit(std::span<LookupRequest const> lookups, std::vector<LookupResult>& looked) const;
 
   ContextCacheConfig mConfig;
   ContextCacheDeploymentProfile mProfile;

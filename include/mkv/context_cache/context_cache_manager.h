@@ -52,6 +52,8 @@ struct LookupResult {
   PromptBlocks blocks;  ///< digests of the prompt (refers to the request's tokens)
   ReusePlan plan;
   std::optional<MissReason> missReason;  ///< block-based reason; never kCapacity
+  /// The manager state the plan was made against (opaque; see acquireWithFallback).
+  uint64_t stateVersion = 0;
 };
 
 enum class AcquireStatus : uint8_t { kAcquired, kInsufficientCapacity };
@@ -129,6 +131,13 @@ class ContextCacheManager {
   /// as the coordinator contract (and counted), and the property test asserts kAcquiredCold never
   /// occurs. It would matter again if acquisition ever became approximate.
   AdmissionResult acquireWithFallback(LookupRequest const& request);
+  /// The same admission for a request this manager already looked up: `looked` must be
+  /// lookup(request)'s result (same tokens, same page size). Its digests are reused, never
+  /// recomputed; its plan is used as is while the index and records are unchanged since the
+  /// lookup, and rebuilt from the digests when an eviction or publication changed them in
+  /// between (e.g. an earlier sequence of the same batch evicted records). Same outcome and
+  /// metrics as acquireWithFallback(request) at this moment.
+  AdmissionResult acquireWithFallback(LookupRequest const& request, LookupResult looked);
 
   // --- Lease growth and snapshots -----------------------------------------------------------
 
@@ -192,7 +201,13 @@ class ContextCacheManager {
 
   void checkLease(char const* call, CacheRequestLease const& lease) const;
   void checkRequest(char const* call, LookupRequest const& request) const;
-  void checkPlan(ReusePlan const& plan) const;
+  /// `fresh`: the plan was just made against the current state, so its bindings need no
+  /// re-validation against the index (the O(blocks) part of the check).
+  void checkPlan(ReusePlan const& plan, bool fresh) const;
+  /// The plan of an already hashed lookup (lookup's second half).
+  void planLookup(LookupRequest const& request, LookupResult& result) const;
+  AcquireResult acquirePlan(ReusePlan const& plan, bool fresh);
+  AdmissionResult admit(LookupRequest const& request, LookupResult looked);
   bool pairedDraft(ReuseMode mode) const noexcept;
   void applyCoverage(ReusePlan& plan, LookupRequest const& request) const;
   /// Evicts (only if feasible) and allocates `demand` into `targets`; false = nothing changed.
@@ -221,6 +236,8 @@ class ContextCacheManager {
   KvEventQueue mEvents;
   ContextCacheMetrics mMetrics;
   int32_t mLiveLeases = 0;
+  /// Bumped by every change of the index or the records (what plans are made of).
+  uint64_t mStateVersion = 0;
 };
 
 }  // namespace mkv

@@ -114,6 +114,12 @@ class ContextCacheRequest {
   std::vector<uint8_t> mUnfinalized;
   /// generatedTokenIds sizes recorded by prepareDecodeStep (empty when no step is prepared).
   std::optional<std::vector<std::size_t>> mPreparedCounts;
+  /// Buffers of the decode-step calls, kept between steps so a step allocates nothing.
+  struct StepScratch {
+    std::vector<std::size_t> counts;
+    std::vector<ContextCacheSequenceAdvance> advances;
+    std::vector<int32_t> completed;
+  } mStepScratch;
   std::vector<int32_t> mPendingMapping;
 };
 
