@@ -4,7 +4,7 @@
 # build is host-only (MKV_ENABLE_CUDA=AUTO).
 set -euo pipefail
 packages=(cmake ninja-build g++ git pkg-config libgtest-dev libgmock-dev libbenchmark-dev
-          libfmt-dev libspdlog-dev libxxhash-dev gnuplot-nox)
+          libfmt-dev libspdlog-dev libxxhash-dev libssl-dev gnuplot-nox)
 missing=()
 for package in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q "install ok installed" ||
