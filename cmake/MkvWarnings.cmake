@@ -13,12 +13,15 @@ function(mkv_set_warnings target)
   target_compile_options(${target} PRIVATE $<$<AND:$<COMPILE_LANGUAGE:CXX>,$<CXX_COMPILER_ID:GNU>>:-Wno-restrict>)
 endfunction()
 
-# Sanitizers apply to every target of the build when MKV_SANITIZE is on.
+# Sanitizers apply to every target of the build when MKV_SANITIZE is on. The flags are also kept
+# in MKV_SANITIZER_COMPILE_FLAGS / MKV_SANITIZER_LINK_FLAGS: code built outside this project
+# against the installed library (tests/package) must use them too.
+set(MKV_SANITIZER_COMPILE_FLAGS)
+set(MKV_SANITIZER_LINK_FLAGS)
 if(MKV_SANITIZE)
-  add_compile_options($<$<COMPILE_LANGUAGE:CXX>:-fsanitize=address,undefined>
-                      $<$<COMPILE_LANGUAGE:CXX>:-fno-omit-frame-pointer>
-                      $<$<COMPILE_LANGUAGE:CXX>:-fno-sanitize-recover=undefined>)
-  add_link_options(-fsanitize=address,undefined)
+  set(MKV_SANITIZER_COMPILE_FLAGS -fsanitize=address,undefined -fno-omit-frame-pointer
+                                  -fno-sanitize-recover=undefined)
+  set(MKV_SANITIZER_LINK_FLAGS -fsanitize=address,undefined)
 endif()
 
 # libFuzzer builds (-DMKV_BUILD_FUZZERS=ON, clang only; the "fuzz" preset): every target is
@@ -29,8 +32,11 @@ if(MKV_BUILD_FUZZERS)
     message(FATAL_ERROR "MKV_BUILD_FUZZERS needs clang (libFuzzer); the compiler is "
                         "${CMAKE_CXX_COMPILER_ID}. Use the \"fuzz\" preset.")
   endif()
-  add_compile_options($<$<COMPILE_LANGUAGE:CXX>:-fsanitize=fuzzer-no-link,address,undefined>
-                      $<$<COMPILE_LANGUAGE:CXX>:-fno-omit-frame-pointer>
-                      $<$<COMPILE_LANGUAGE:CXX>:-fno-sanitize-recover=undefined>)
-  add_link_options(-fsanitize=address,undefined)
+  set(MKV_SANITIZER_COMPILE_FLAGS -fsanitize=fuzzer-no-link,address,undefined
+                                  -fno-omit-frame-pointer -fno-sanitize-recover=undefined)
+  set(MKV_SANITIZER_LINK_FLAGS -fsanitize=address,undefined)
+endif()
+if(MKV_SANITIZER_COMPILE_FLAGS)
+  add_compile_options("$<$<COMPILE_LANGUAGE:CXX>:${MKV_SANITIZER_COMPILE_FLAGS}>")
+  add_link_options(${MKV_SANITIZER_LINK_FLAGS})
 endif()
