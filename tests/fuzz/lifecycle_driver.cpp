@@ -1005,6 +1005,9 @@ class Lifecycle {
     }
     KVPageTable const& table = *mainTable();
     std::vector<int32_t> seen(static_cast<std::size_t>(table.numPages()), 0);
+    // Dense rows: the last row that mapped each page, so a page live twice within one row is
+    // found in O(live entries) (pages shared by several rows are legitimate reuse).
+    std::vector<CacheSlot> lastRow(static_cast<std::size_t>(table.numPages()), -1);
     for (CacheSlot slot = 0; slot < table.maxBatch(); ++slot) {
       Row const* row = rowOf(slot);
       if (row == nullptr) {
@@ -1016,8 +1019,14 @@ class Lifecycle {
         expectf(table.liveEntryCount(slot) >= ceilPages(row->materialized),
                "row {} maps {} pages for {} written positions", slot,
                            table.liveEntryCount(slot), row->materialized);
-        for (int32_t p = 0; p < table.liveEntryCount(slot); ++p) {
-          ++seen[static_cast<std::size_t>(table.entry(slot, p))];
+        std::span<int32_t const> const live =
+            table.hostRow(slot).first(static_cast<std::size_t>(table.liveEntryCount(slot)));
+        for (std::size_t p = 0; p < live.size(); ++p) {
+          auto const page = static_cast<std::size_t>(live[p]);
+          expectf(lastRow[page] != slot, "dense row {} maps page {} twice (entry {})", slot,
+                  live[p], p);
+          lastRow[page] = slot;
+          ++seen[page];
         }
         continue;
       }

@@ -13,7 +13,8 @@
 /// * a valid call did not throw, and its status is the documented one for what happened
 ///   (synchronisation failures, capacity, poison);
 /// * page conservation per pool, refcounts against leases and records, records against the
-///   block index, page-table invariants, cleared rows of unbound residents;
+///   block index, page-table invariants, no page live twice within one row (dense rows of the
+///   coordinator as well as sparse SWA rows), cleared rows of unbound residents;
 /// * the KV oracle on every live sequence and on every quarantined one (whose pages must not
 ///   be reused), and the device KV lengths of the executing batch.
 ///
