@@ -23,6 +23,7 @@
 #include <memory>
 #include <new>
 #include <optional>
+#include <random>
 #include <stdexcept>
 #include <utility>
 #include <vector>
@@ -2701,6 +2702,15 @@ class QuietLogger {
 };
 
 }  // namespace
+
+std::vector<uint8_t> seededInput(uint64_t seed, std::size_t bytes) {
+  std::mt19937_64 rng(seed);
+  std::vector<uint8_t> input(bytes);
+  for (uint8_t& byte : input) {
+    byte = static_cast<uint8_t>(rng());
+  }
+  return input;
+}
 
 LifecycleResult runLifecycle(std::span<uint8_t const> data, LifecycleOptions const& options) {
   QuietLogger const quiet;

@@ -25,6 +25,7 @@
 #include <cstdint>
 #include <span>
 #include <string>
+#include <vector>
 
 namespace mkv::fuzz {
 
@@ -71,6 +72,10 @@ struct LifecycleResult {
   std::string failure;  ///< the first violated property and the last operations
   LifecycleStats stats;
 };
+
+/// The input of seed `seed`: `bytes` bytes of std::mt19937_64(seed). The seeded gtest, the
+/// allocation fault test and `mkv_lifecycle_replay --seeds` run these inputs.
+std::vector<uint8_t> seededInput(uint64_t seed, std::size_t bytes);
 
 /// Runs one lifecycle. Never throws; a violated property is reported in the result.
 LifecycleResult runLifecycle(std::span<uint8_t const> data, LifecycleOptions const& options = {});
