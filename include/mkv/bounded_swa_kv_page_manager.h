@@ -205,7 +205,11 @@ class BoundedSwaKVPageManager {
   enum class Phase : uint8_t { kAdmitted, kExecuting, kFinishing };
   enum class Pending : uint8_t;
   Request& request(RequestHandle const& handle, char const* call) const;
-  void stageWindow(SwaSequenceState& state, int32_t newEndpoint, char const* call);
+  // A transition to a new endpoint in two halves, so that a batch stages all or nothing: the
+  // first appends the bindings to map (pages from the sequence's reserve) and is the only one that
+  // can throw (a deque block); the second never throws and stages the pages leaving the window.
+  void appendBindings(SwaSequenceState& state, int32_t newEndpoint, char const* call) const;
+  void commitWindow(SwaSequenceState& state, int32_t newEndpoint) const noexcept;
   bool stageDecode(SwaSequenceState& state);
   void mapNewBindings(SwaSequenceState const& state);
   void retire(SwaSequenceState& state);

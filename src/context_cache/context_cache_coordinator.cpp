@@ -6,6 +6,7 @@
 #include <chrono>
 #include <exception>
 #include <limits>
+#include <new>
 #include <utility>
 
 #include "core/check.h"
@@ -428,13 +429,13 @@ ContextCacheCoordinator::BeginRequestResult ContextCacheCoordinator::beginReques
   mCounters.planningNanoseconds += static_cast<uint64_t>(
       std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start)
           .count());
-  mActive.reserve(mActive.size() + 1);
-  mQuarantine.reserve(mQuarantine.size() + mActive.size() + 1);
-
-  ++mNextRequestId;
-  ++mCounters.requests;
   AdmissionResult admitted;
   admitted.prefillStarts.reserve(batch);
+  mActive.reserve(mActive.size() + 1);
+  mQuarantine.reserve(mQuarantine.size() + mActive.size() + 1);
+  // Nothing below throws: publish the request.
+  ++mNextRequestId;
+  ++mCounters.requests;
   for (auto const& sequence : created->sequences) {
     admitted.prefillStarts.push_back(sequence.reuseTokenLength);
     mResidentBusy[static_cast<std::size_t>(sequence.resident.slot)] = 1;
@@ -505,6 +506,27 @@ void validatePrefillAdvance(char const* call, std::size_t row, Sequence const& s
   }
 }
 
+/// Makes room for an advance so that applying it cannot throw. A call reserves every advance
+/// before it applies the first, so a std::bad_alloc leaves the request as it was. Capacity grows
+/// geometrically, as push_back's would.
+template <typename Sequence>
+void reserveAdvance(Sequence& sequence, ContextCacheSequenceAdvance const& advance) {
+  if (isHold(advance)) {
+    return;
+  }
+  std::size_t const size =
+      sequence.tokens.size() + static_cast<std::size_t>(advance.acceptedTokenCount);
+  auto grow = [size](auto& values) {
+    if (values.capacity() < size) {
+      values.reserve(std::max(size, 2 * values.capacity()));
+    }
+  };
+  grow(sequence.tokens);
+  if (!sequence.media.empty()) {
+    grow(sequence.media);
+  }
+}
+
 template <typename Sequence>
 void applyAdvance(Sequence& sequence, ContextCacheSequenceAdvance const& advance) {
   if (isHold(advance)) {
@@ -536,6 +558,9 @@ ContextCacheStatus ContextCacheCoordinator::finalizePrefillPublication(
     validatePrefillAdvance(kCall, i, req.sequences[i], advances[i], req.contract);
   }
   for (std::size_t i = 0; i < advances.size(); ++i) {
+    reserveAdvance(req.sequences[i], advances[i]);
+  }
+  for (std::size_t i = 0; i < advances.size(); ++i) {
     applyAdvance(req.sequences[i], advances[i]);
   }
   req.phase = Phase::kExecuting;
@@ -564,9 +589,19 @@ void ContextCacheCoordinator::publishReady(Request& req, std::size_t row) {
   }
   PromptView const prefix{std::span<int32_t const>(sequence.tokens).first(tokens), media,
                           sequence.extras};
-  PromptBlocks const digests = hashPromptBlocks(prefix, pageSize);
-  PublishResult const published = mManager->publish(sequence.lease, digests, sequence.committed);
-  sequence.publishedBlocks = std::max(sequence.publishedBlocks, published.publishedFullBlockCount);
+  // Publication records what the sequence already computed; the completion it belongs to has
+  // been applied. Out of host memory, the blocks stay unpublished (the manager rolls the attempt
+  // back) and a later completion point of the sequence may publish them.
+  try {
+    PromptBlocks const digests = hashPromptBlocks(prefix, pageSize);
+    PublishResult const published = mManager->publish(sequence.lease, digests, sequence.committed);
+    sequence.publishedBlocks =
+        std::max(sequence.publishedBlocks, published.publishedFullBlockCount);
+  } catch (std::bad_alloc const&) {
+    logger()->warn("ContextCacheCoordinator: out of host memory; {} blocks of request {} row {} "
+                   "were not published",
+                   blocks - sequence.publishedBlocks, req.id, row);
+  }
 }
 
 // ---------------------------------------------------------------- decode
@@ -595,7 +630,18 @@ ContextCacheStatus ContextCacheCoordinator::prepareDecodeStep(RequestHandle& han
     if (required <= held) {
       continue;
     }
-    if (!mManager->growBasePages(sequence.lease, static_cast<int32_t>(required) - held)) {
+    bool grown = false;
+    try {
+      grown = mManager->growBasePages(sequence.lease, static_cast<int32_t>(required) - held);
+    } catch (...) {
+      // The failed growth changed nothing; rows grown before it keep their pages (mapped and
+      // uploaded, so host and device agree), and a retry of the step does not grow them again.
+      if (grew) {
+        table.uploadDirty(mStream);
+      }
+      throw;
+    }
+    if (!grown) {
       req.phase = Phase::kFinishing;
       ++mCounters.growthFailures;
       if (grew) {
@@ -670,6 +716,9 @@ ContextCacheStatus ContextCacheCoordinator::completeDecodeStep(
     completed[static_cast<std::size_t>(slot)] = 1;
   }
   for (std::size_t i = 0; i < advances.size(); ++i) {
+    reserveAdvance(req.sequences[i], advances[i]);
+  }
+  for (std::size_t i = 0; i < advances.size(); ++i) {
     applyAdvance(req.sequences[i], advances[i]);
   }
   req.pending = false;
@@ -737,7 +786,11 @@ ContextCacheStatus ContextCacheCoordinator::compactBatch(RequestHandle& handle) 
   Request& req = request(handle, kCall);
   MKV_REQUIRE(req.phase == Phase::kExecuting && req.pending && !req.mapping.empty(), kCall,
               "no batch compaction was begun");
+  // Allocations first: nothing below allocates, so a std::bad_alloc changes nothing.
   std::vector<CacheSlot> dropped;
+  dropped.reserve(req.mapping.size());
+  std::vector<Request::Sequence> survivors;
+  survivors.reserve(req.sequences.capacity());
   for (std::size_t i = 0; i < req.mapping.size(); ++i) {
     if (req.mapping[i] < 0) {
       dropped.push_back(req.sequences[i].resident.slot);
@@ -755,8 +808,6 @@ ContextCacheStatus ContextCacheCoordinator::compactBatch(RequestHandle& handle) 
     quarantine(detach(req.id));
     return ContextCacheStatus::kPoisoned;
   }
-  std::vector<Request::Sequence> survivors;
-  survivors.reserve(req.sequences.capacity());
   for (std::size_t i = 0; i < req.mapping.size(); ++i) {
     if (req.mapping[i] < 0) {
       mResidentBusy[static_cast<std::size_t>(req.sequences[i].resident.slot)] = 0;
@@ -929,6 +980,7 @@ ContextCacheStatus ContextCacheCoordinator::finalizeSequenceAdmission(
               "tokens, got {} / {}",
               slot, sequence.tokens.size(), advance.acceptedTokenCount,
               advance.committedStateLength);
+  reserveAdvance(sequence, advance);
   applyAdvance(sequence, advance);
   sequence.joined = true;
   ++mCounters.prefillPublications;

@@ -76,14 +76,14 @@ bool imagesHostReadable(std::vector<imageUtils::ImageData> const& images) {
 }
 
 template <typename Vector>
-void compactVector(Vector& values, std::vector<int32_t> const& mapping, int32_t newSize) {
-  Vector compacted(static_cast<std::size_t>(newSize));
+Vector compacted(Vector const& values, std::vector<int32_t> const& mapping, int32_t newSize) {
+  Vector result(static_cast<std::size_t>(newSize));
   for (std::size_t i = 0; i < mapping.size() && i < values.size(); ++i) {
     if (mapping[i] >= 0) {
-      compacted[static_cast<std::size_t>(mapping[i])] = std::move(values[i]);
+      result[static_cast<std::size_t>(mapping[i])] = values[i];
     }
   }
-  values = std::move(compacted);
+  return result;
 }
 
 }  // namespace
@@ -231,13 +231,16 @@ bool ContextCacheRequest::prepareDecodeStep(DecodingInferenceContext const& cont
   MKV_REQUIRE(context.generatedTokenIds.size() == batch, kCall,
               "context has {} generated lists for a batch of {}", context.generatedTokenIds.size(),
               batch);
-  if (!check(mCoordinator->prepareDecodeStep(mHandle, headroom), "prepareDecodeStep")) {
-    return false;
-  }
-  std::vector<std::size_t> counts = std::move(mStepScratch.counts);  // reused: no allocation
+  // Recorded before the coordinator prepares the step (the scratch is reused, so this rarely
+  // allocates): nothing after a prepared step can fail.
+  std::vector<std::size_t> counts = std::move(mStepScratch.counts);
   counts.resize(batch);
   for (std::size_t i = 0; i < batch; ++i) {
     counts[i] = context.generatedTokenIds[i].size();
+  }
+  if (!check(mCoordinator->prepareDecodeStep(mHandle, headroom), "prepareDecodeStep")) {
+    mStepScratch.counts = std::move(counts);
+    return false;
   }
   mPreparedCounts = std::move(counts);
   return true;
@@ -299,8 +302,9 @@ bool ContextCacheRequest::beginBatchCompaction(std::vector<int32_t> const& oldTo
                                                int32_t newBatchSize, Tensor& deviceBatchMapping) {
   MKV_REQUIRE(!mPreparedCounts.has_value(), "ContextCacheRequest::beginBatchCompaction",
               "a decode step is still prepared");
+  std::vector<int32_t> pending = oldToNew;  // copied before the coordinator begins
   mCoordinator->beginBatchCompaction(mHandle, oldToNew, newBatchSize, deviceBatchMapping);
-  mPendingMapping = oldToNew;
+  mPendingMapping = std::move(pending);
   return true;
 }
 
@@ -312,13 +316,16 @@ bool ContextCacheRequest::completeBatchCompaction(std::vector<int32_t> const& ke
   for (int32_t destination : keepMapping) {
     newSize += destination >= 0 ? 1 : 0;
   }
+  // Built before the coordinator compacts: nothing after a compaction can fail.
+  std::vector<int32_t> starts = compacted(mPrefillStarts, keepMapping, newSize);
+  std::vector<uint8_t> unfinalized = compacted(mUnfinalized, keepMapping, newSize);
   ContextCacheStatus const status = mCoordinator->compactBatch(mHandle);
   if (status != ContextCacheStatus::kOk) {
     mPendingMapping.clear();
     return check(status, "completeBatchCompaction");
   }
-  compactVector(mPrefillStarts, keepMapping, newSize);
-  compactVector(mUnfinalized, keepMapping, newSize);
+  mPrefillStarts = std::move(starts);
+  mUnfinalized = std::move(unfinalized);
   mPendingMapping.clear();
   return true;
 }
@@ -347,6 +354,9 @@ ContextCacheRequest::AdmitSequenceStatus ContextCacheRequest::admitSequence(
   } else {
     admission.media = buildMediaPositions(tokenIds, mediaTokenIds, imageBuffers, audioBuffers);
   }
+  // Room for the joiner's row before the coordinator admits it: nothing after can fail.
+  mPrefillStarts.reserve(mPrefillStarts.size() + 1);
+  mUnfinalized.reserve(mUnfinalized.size() + 1);
   auto const result = mCoordinator->admitSequence(mHandle, admission, headroom);
   if (result.status == ContextCacheStatus::kOk) {
     mPrefillStarts.push_back(result.prefillStart);

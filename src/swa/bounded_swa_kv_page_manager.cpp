@@ -246,9 +246,14 @@ BoundedSwaKVPageManager::BeginRequestResult BoundedSwaKVPageManager::beginReques
   created->id = mNextRequestId;
   created->staging = std::make_unique<detail::Int32Staging>(maxBatch, mResources.swaPool->deviceType());
   created->sequences.resize(residents.size());
+  // A sequence never holds more than 2M + 1 pages, so with these capacities no transition,
+  // completion or release allocates (only bindings, a deque, may).
   for (std::size_t i = 0; i < residents.size(); ++i) {
-    created->sequences[i].resident = residents[i];
-    created->sequences[i].reservedPages.reserve(static_cast<std::size_t>(mAdmissionPages));
+    SwaSequenceState& state = created->sequences[i];
+    state.resident = residents[i];
+    state.reservedPages.reserve(static_cast<std::size_t>(mAdmissionPages));
+    state.newBindings.reserve(static_cast<std::size_t>(mAdmissionPages));
+    state.pendingRetire.reserve(static_cast<std::size_t>(mAdmissionPages));
   }
   mActive.reserve(mActive.size() + 1);
   mQuarantine.reserve(mQuarantine.size() + mActive.size() + 1);  // noexcept paths never allocate
@@ -269,40 +274,56 @@ BoundedSwaKVPageManager::BeginRequestResult BoundedSwaKVPageManager::beginReques
 
 // ---------------------------------------------------------------- window transitions
 
-void BoundedSwaKVPageManager::stageWindow(SwaSequenceState& state, int32_t newEndpoint,
-                                          char const* call) {
+void BoundedSwaKVPageManager::appendBindings(SwaSequenceState& state, int32_t newEndpoint,
+                                             char const* call) const {
   MKV_ASSERT(!state.pendingEndpoint.has_value(), "{}: a transition is already staged", call);
   MKV_ASSERT(newEndpoint >= state.endpoint, "{}: endpoint would move back from {} to {}", call,
              state.endpoint, newEndpoint);
-  int32_t const newBegin = retainedBeginFor(newEndpoint, mWindow, mPageShift);
   int32_t const newEnd = pagesCovering(newEndpoint, mPageShift);
-  if (newBegin == state.retainedBegin && newEnd == state.retainedEnd && !state.bindings.empty()) {
-    // Most decode steps: the endpoint moves inside its last page and the window's first page
-    // stays; bindings already cover [newBegin, newEnd), nothing retires and nothing maps.
-    state.pendingEndpoint = newEndpoint;
-    return;
+  if (newEnd == state.retainedEnd && !state.bindings.empty()) {
+    return;  // most decode steps: the endpoint moves inside its last page, nothing maps
   }
+  int32_t const newBegin = retainedBeginFor(newEndpoint, mWindow, mPageShift);
   int32_t const firstUnbound = state.bindings.empty() ? newBegin : state.bindings.back().logicalPage + 1;
   int32_t const mapFrom = std::max(newBegin, firstUnbound);
   int32_t const toMap = std::max(0, newEnd - mapFrom);
   MKV_ASSERT(toMap <= static_cast<int32_t>(state.reservedPages.size()),
              "{}: slot {} needs {} pages but holds {} in reserve", call, state.resident.slot,
              toMap, state.reservedPages.size());
-  // Feasibility is established; the rest only moves ids between the slot's own lists.
-  while (!state.bindings.empty() && state.bindings.front().logicalPage < newBegin) {
-    state.pendingRetire.push_back(state.bindings.front());
-    state.bindings.pop_front();
-  }
+  MKV_ASSERT(state.newBindings.empty(), "{}: slot {} has bindings of an earlier transition", call,
+             state.resident.slot);
   for (int32_t logical = mapFrom; logical < newEnd; ++logical) {
     SwaPageBinding const binding{logical, state.reservedPages.back()};
+    state.bindings.push_back(binding);     // may allocate; the lists below keep in step with it
+    state.newBindings.push_back(binding);  // capacity reserved at admission
     state.reservedPages.pop_back();
-    state.bindings.push_back(binding);
-    state.newBindings.push_back(binding);
+  }
+}
+
+void BoundedSwaKVPageManager::commitWindow(SwaSequenceState& state,
+                                           int32_t newEndpoint) const noexcept {
+  int32_t const newBegin = retainedBeginFor(newEndpoint, mWindow, mPageShift);
+  while (!state.bindings.empty() && state.bindings.front().logicalPage < newBegin) {
+    state.pendingRetire.push_back(state.bindings.front());  // capacity reserved at admission
+    state.bindings.pop_front();
   }
   state.pendingEndpoint = newEndpoint;
   state.retainedBegin = newBegin;
-  state.retainedEnd = newEnd;
+  state.retainedEnd = pagesCovering(newEndpoint, mPageShift);
 }
+
+namespace {
+
+/// Undoes appendBindings (the appended bindings are exactly newBindings) without allocating.
+void dropAppendedBindings(SwaSequenceState& state) noexcept {
+  for (auto it = state.newBindings.rbegin(); it != state.newBindings.rend(); ++it) {
+    state.bindings.pop_back();
+    state.reservedPages.push_back(it->page);  // back where it came from, within capacity
+  }
+  state.newBindings.clear();
+}
+
+}  // namespace
 
 bool BoundedSwaKVPageManager::stageDecode(SwaSequenceState& state) {
   if (state.endpoint == std::numeric_limits<int32_t>::max()) {
@@ -360,14 +381,25 @@ void BoundedSwaKVPageManager::preparePrefill(RequestHandle& handle,
               kCall,
               "the KV-length pools follow request {}, still active; request {} cannot reset them",
               mLengthOwner, req.id);
+  // Whatever can fail comes first and is undone on failure: the request stays admitted.
+  std::vector<int32_t> const zeros(req.sequences.size(), 0);
+  try {
+    for (std::size_t i = 0; i < inputLengths.size(); ++i) {
+      appendBindings(req.sequences[i], inputLengths[i], kCall);
+    }
+  } catch (...) {
+    for (SwaSequenceState& state : req.sequences) {
+      dropAppendedBindings(state);
+    }
+    throw;
+  }
   for (std::size_t i = 0; i < inputLengths.size(); ++i) {
     SwaSequenceState& state = req.sequences[i];
     mResources.swaPageTable->clearRow(state.resident.slot);
-    stageWindow(state, inputLengths[i], kCall);
+    commitWindow(state, inputLengths[i]);
     mapNewBindings(state);
   }
   mResources.swaPageTable->uploadDirty(mStream);
-  std::vector<int32_t> const zeros(req.sequences.size(), 0);
   for (KVCachePool* lengths : mResources.lengthPools) {
     lengths->resetForNewSequences(zeros, mStream);
   }
@@ -406,8 +438,18 @@ SwaKVCacheStatus BoundedSwaKVPageManager::prepareDecodeStep(RequestHandle& handl
       return SwaKVCacheStatus::kRequestFailed;
     }
   }
+  try {
+    for (SwaSequenceState& state : req.sequences) {
+      appendBindings(state, state.endpoint + 1, kCall);
+    }
+  } catch (...) {
+    for (SwaSequenceState& state : req.sequences) {
+      dropAppendedBindings(state);
+    }
+    throw;
+  }
   for (SwaSequenceState& state : req.sequences) {
-    stageWindow(state, state.endpoint + 1, kCall);
+    commitWindow(state, state.endpoint + 1);
     mapNewBindings(state);
   }
   mResources.swaPageTable->uploadDirty(mStream);
@@ -474,7 +516,9 @@ SwaKVCacheStatus BoundedSwaKVPageManager::compactBatch(RequestHandle& handle) {
   constexpr char const* kCall = "BoundedSwaKVPageManager::compactBatch";
   Request& req = request(handle, kCall);
   MKV_REQUIRE(req.pending == Pending::kCompaction, kCall, "no batch compaction was begun");
+  // The only allocation comes first, so a std::bad_alloc changes nothing.
   std::vector<CacheSlot> dropped;
+  dropped.reserve(req.mapping.size());
   for (std::size_t i = 0; i < req.mapping.size(); ++i) {
     if (req.mapping[i] < 0) {
       dropped.push_back(req.sequences[i].resident.slot);
@@ -493,16 +537,20 @@ SwaKVCacheStatus BoundedSwaKVPageManager::compactBatch(RequestHandle& handle) {
     quarantine(detach(req.id));
     return SwaKVCacheStatus::kPoisoned;
   }
-  std::vector<SwaSequenceState> survivors;
-  survivors.reserve(static_cast<std::size_t>(req.newBatchSize));
+  // Compacted in place by move assignment: moving a SwaSequenceState into new storage would
+  // allocate (libstdc++'s std::deque move constructor does), assigning it does not.
   for (std::size_t i = 0; i < req.mapping.size(); ++i) {
     if (req.mapping[i] < 0) {
       releaseSequence(req.sequences[i]);
-    } else {
-      survivors.push_back(std::move(req.sequences[i]));
     }
   }
-  req.sequences = std::move(survivors);
+  for (std::size_t i = 0; i < req.mapping.size(); ++i) {
+    auto const destination = static_cast<std::size_t>(req.mapping[i]);
+    if (req.mapping[i] >= 0 && destination != i) {
+      req.sequences[destination] = std::move(req.sequences[i]);
+    }
+  }
+  req.sequences.erase(req.sequences.begin() + req.newBatchSize, req.sequences.end());
   req.mapping.clear();
   req.newBatchSize = -1;
   req.deviceMapping = nullptr;

@@ -779,5 +779,86 @@ TEST_P(ContextCacheCoordinatorTest, EventsReportEveryStoredAndRemovedBlock) {
 
 INSTANTIATE_TEST_SUITE_P(Devices, ContextCacheCoordinatorTest, allDeviceTypes(), deviceName);
 
+TEST(ContextCacheCoordinatorConstructionTest, RejectsUnsupportedDeploymentsAndInconsistentResources) {
+  RigOptions const options;
+  KVCachePool pool(CoordinatorRig::poolConfig(DeviceType::kCPU, options));
+  KVPageTable table(options.maxBatch, options.maxPagesPerSeq, options.numPages,
+                    PageTableMode::kDense, DeviceType::kCPU);
+  KVPageTable sparse(options.maxBatch, options.maxPagesPerSeq, options.numPages,
+                     PageTableMode::kSparseWindow, DeviceType::kCPU);
+  KVPageTable wider(options.maxBatch, options.maxPagesPerSeq, options.numPages + 1,
+                    PageTableMode::kDense, DeviceType::kCPU);
+  KVPageTable taller(options.maxBatch + 1, options.maxPagesPerSeq, options.numPages,
+                     PageTableMode::kDense, DeviceType::kCPU);
+  RecurrentStatePoolConfig recurrentConfig;
+  recurrentConfig.numLayers = 1;
+  recurrentConfig.numSlots = options.maxBatch - 1;
+  recurrentConfig.stateBytesPerSlot = 8;
+  recurrentConfig.convBytesPerSlot = 8;
+  recurrentConfig.deviceType = DeviceType::kCPU;
+  RecurrentStatePool recurrent(recurrentConfig);
+  ContextCachePhysicalResources const valid{&pool, &table, nullptr, nullptr, nullptr};
+  auto construct = [](ContextCacheConfig const& config, ContextCacheDeploymentProfile const& profile,
+                      ContextCachePhysicalResources const& resources) {
+    return [=] { ContextCacheCoordinator coordinator(config, profile, resources, nullptr); };
+  };
+  ContextCacheConfig config;
+  ContextCacheDeploymentProfile const attention;
+  EXPECT_NO_THROW(construct(config, attention, valid)());
+
+  config.maxRecords = -1;
+  EXPECT_TRUE(throwsError(construct(config, attention, valid),
+                          {"ContextCacheCoordinator", "maxRecords must be >= 0, got -1"}));
+  config = ContextCacheConfig{};
+  config.eventQueueCapacity = -2;
+  EXPECT_TRUE(throwsError(construct(config, attention, valid), {"eventQueueCapacity", "-2"}));
+  config = ContextCacheConfig{};
+  ContextCacheDeploymentProfile hybrid;
+  hybrid.baseStateKind = BaseStateKind::kHybrid;
+  EXPECT_TRUE(throwsError(construct(config, hybrid, valid), {"deployment profile not supported"}));
+  ContextCacheDeploymentProfile speculative;
+  speculative.speculative = SpecReuseContract{true, 1};
+  EXPECT_TRUE(throwsError(construct(config, speculative, valid), {"deployment profile"}));
+  EXPECT_TRUE(throwsError(construct(config, attention, {&pool, nullptr, nullptr, nullptr, nullptr}),
+                          {"needs basePool and basePageTable"}));
+  EXPECT_TRUE(throwsError(construct(config, attention, {&pool, &table, &pool, &table, nullptr}),
+                          {"draft resources given to a non-speculative deployment"}));
+  EXPECT_TRUE(throwsError(construct(config, attention, {&pool, &sparse, nullptr, nullptr, nullptr}),
+                          {"the base page table must be dense"}));
+  EXPECT_TRUE(throwsError(construct(config, attention, {&pool, &wider, nullptr, nullptr, nullptr}),
+                          {"addresses 17 pages but the pool has 16"}));
+  EXPECT_TRUE(throwsError(construct(config, attention, {&pool, &taller, nullptr, nullptr, nullptr}),
+                          {"pool KV lengths hold 3 rows but the table has 4"}));
+  EXPECT_TRUE(throwsError(construct(config, attention, {&pool, &table, nullptr, nullptr, &recurrent}),
+                          {"recurrent pool has 2 slots but the table has 3 rows"}));
+  if (cudaDeviceAvailable()) {
+    KVPageTable gpuTable(options.maxBatch, options.maxPagesPerSeq, options.numPages,
+                         PageTableMode::kDense, DeviceType::kGPU);
+    EXPECT_TRUE(throwsError(
+        construct(config, attention, {&pool, &gpuTable, nullptr, nullptr, nullptr}),
+        {"table on gpu but pool on cpu"}));
+  }
+}
+
+/// Destroys a coordinator while one of its requests is active (the handle outlives it).
+void destroyTheCoordinatorWithAnActiveRequest() {
+  RigOptions const options;
+  KVCachePool pool(CoordinatorRig::poolConfig(DeviceType::kCPU, options));
+  KVPageTable table(options.maxBatch, options.maxPagesPerSeq, options.numPages,
+                    PageTableMode::kDense, DeviceType::kCPU);
+  Handle handle;
+  ContextCacheCoordinator coordinator(ContextCacheConfig{}, ContextCacheDeploymentProfile{},
+                                      {&pool, &table, nullptr, nullptr, nullptr}, nullptr);
+  ContextCacheBatchAdmission admission;
+  admission.sequences.resize(1);
+  admission.sequences[0].tokenIds = tokenRun(5, 1);
+  admission.sequences[0].resident = ResidentRef{0, 1};
+  handle = std::move(coordinator.beginRequest(admission, {1, 0}, nullptr).admission->request);
+}
+
+TEST(ContextCacheCoordinatorDeathTest, DestroyingTheCoordinatorWithAnActiveRequestTerminates) {
+  EXPECT_DEATH(destroyTheCoordinatorWithAnActiveRequest(), "destroyed with 1 active");
+}
+
 }  // namespace
 }  // namespace mkv::test

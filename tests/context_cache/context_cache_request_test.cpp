@@ -490,6 +490,57 @@ TEST_P(ContextCacheRequestTest, ASpeculativeRequestOnAVanillaDeploymentThrows) {
   EXPECT_EQ(rig.coordinator.activeRequestCount(), 0);
 }
 
+TEST_P(ContextCacheRequestTest, RequestsThatDisagreeWithTheirContextOrMediaThrowAndAdmitNothing) {
+  CoordinatorRig rig(device());
+  RequestDriver driver(rig, "adapter");
+  driver.add(tokenRun(20, 1), 0);
+  auto begin = [&](LLMGenerationRequest const& request, DecodingInferenceContext const& context,
+                   std::vector<int32_t> const& mediaTokenIds = {}) {
+    return [&, mediaTokenIds] {
+      (void)ContextCacheRequest::begin(rig.coordinator, request, context, false, kVanilla,
+                                       mediaTokenIds);
+    };
+  };
+  DecodingInferenceContext wrongBatch = driver.context;
+  wrongBatch.activeBatchSize = 2;
+  EXPECT_TRUE(throwsError(begin(driver.request, wrongBatch),
+                          {"ContextCacheRequest::begin", "activeBatchSize 2 but 1 prompts"}));
+  DecodingInferenceContext noResidents = driver.context;
+  noResidents.residentRefs.clear();
+  EXPECT_TRUE(throwsError(begin(driver.request, noResidents), {"0 residents for 1 prompts"}));
+  LLMGenerationRequest twoInputs = driver.request;
+  twoInputs.requests.emplace_back();
+  EXPECT_TRUE(throwsError(begin(twoInputs, driver.context),
+                          {"2 per-sequence inputs for 1 prompts"}));
+  LLMGenerationRequest otherAdapter = driver.request;
+  otherAdapter.loraWeightsName = "other";
+  EXPECT_TRUE(throwsError(begin(otherAdapter, driver.context),
+                          {"request LoRA 'other' differs from the context's 'adapter'"}));
+
+  // Two image runs but one image; an audio run without a clip.
+  constexpr int32_t kAudioToken = 32001;
+  DecodingInferenceContext media = driver.context;
+  media.rawBatchedInputIds[0] = imagePrompt({3, 3}, 20);
+  LLMGenerationRequest oneImage = driver.request;
+  oneImage.requests[0].imageBuffers = {hostImage(1)};
+  EXPECT_TRUE(throwsError(begin(oneImage, media, {kImageToken}),
+                          {"buildMediaPositions", "image run 2", "only 1 given"}));
+  media.rawBatchedInputIds[0] = joined(tokenRun(4, 1), std::vector<int32_t>(3, kAudioToken));
+  EXPECT_TRUE(throwsError(begin(oneImage, media, {kImageToken, kAudioToken}),
+                          {"buildMediaPositions", "audio run 1", "only 0 given"}));
+  // Called directly, an image the host cannot read is an error (begin checks first and bypasses).
+  EXPECT_TRUE(throwsError(
+      [&] {
+        (void)buildMediaPositions(imagePrompt({3}, 20), {kImageToken},
+                                  {imageUtils::ImageData{nullptr, 4, 4, 3}}, {});
+      },
+      {"buildMediaPositions", "image 0 is not host-readable"}));
+
+  EXPECT_EQ(rig.coordinator.activeRequestCount(), 0);
+  EXPECT_EQ(rig.coordinator.manager().liveLeaseCount(), 0);
+  EXPECT_EQ(rig.coordinator.counters().requests, 0U);
+}
+
 INSTANTIATE_TEST_SUITE_P(Devices, ContextCacheRequestTest, allDeviceTypes(), deviceName);
 
 }  // namespace

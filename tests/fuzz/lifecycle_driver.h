@@ -13,7 +13,8 @@
 /// * a valid call did not throw, and its status is the documented one for what happened
 ///   (synchronisation failures, capacity, poison);
 /// * page conservation per pool, refcounts against leases and records, records against the
-///   block index, page-table invariants, cleared rows of unbound residents;
+///   block index, page-table invariants, no page live twice within one row (dense rows of the
+///   coordinator as well as sparse SWA rows), cleared rows of unbound residents;
 /// * the KV oracle on every live sequence and on every quarantined one (whose pages must not
 ///   be reused), and the device KV lengths of the executing batch.
 ///
@@ -24,6 +25,7 @@
 #include <cstdint>
 #include <span>
 #include <string>
+#include <vector>
 
 namespace mkv::fuzz {
 
@@ -70,6 +72,10 @@ struct LifecycleResult {
   std::string failure;  ///< the first violated property and the last operations
   LifecycleStats stats;
 };
+
+/// The input of seed `seed`: `bytes` bytes of std::mt19937_64(seed). The seeded gtest, the
+/// allocation fault test and `mkv_lifecycle_replay --seeds` run these inputs.
+std::vector<uint8_t> seededInput(uint64_t seed, std::size_t bytes);
 
 /// Runs one lifecycle. Never throws; a violated property is reported in the result.
 LifecycleResult runLifecycle(std::span<uint8_t const> data, LifecycleOptions const& options = {});

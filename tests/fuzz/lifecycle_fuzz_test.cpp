@@ -8,7 +8,6 @@
 #include <filesystem>
 #include <fstream>
 #include <iterator>
-#include <random>
 #include <string>
 #include <vector>
 
@@ -16,15 +15,6 @@
 
 namespace mkv::fuzz {
 namespace {
-
-std::vector<uint8_t> randomInput(uint64_t seed, std::size_t bytes) {
-  std::mt19937_64 rng(seed);
-  std::vector<uint8_t> input(bytes);
-  for (uint8_t& byte : input) {
-    byte = static_cast<uint8_t>(rng());
-  }
-  return input;
-}
 
 std::vector<uint8_t> readFile(std::filesystem::path const& path) {
   std::ifstream file(path, std::ios::binary);
@@ -37,7 +27,7 @@ TEST(LifecycleFuzzTest, SeededLifecyclesKeepEveryInvariant) {
   constexpr int64_t kOperations = 100'000;
   LifecycleStats total;
   for (uint64_t seed = 1; total.operations < kOperations; ++seed) {
-    std::vector<uint8_t> const input = randomInput(seed, 1500);
+    std::vector<uint8_t> const input = seededInput(seed, 1500);
     LifecycleResult const result = runLifecycle(input);
     ASSERT_TRUE(result.ok) << "seed " << seed << ": " << result.failure;
     total += result.stats;
@@ -69,6 +59,32 @@ TEST(LifecycleFuzzTest, SeededLifecyclesKeepEveryInvariant) {
               static_cast<long long>(total.failedSynchronizations),
               static_cast<long long>(total.quarantines), static_cast<long long>(total.shutdowns),
               static_cast<long long>(total.oraclePositions));
+}
+
+/// Synchronisation faults at fixed points instead of where the input asks: for each seed the
+/// k-th synchronisation fails (once, or from then on until teardown), for every k up to kPoints.
+/// Every failed synchronisation must poison and quarantine as documented, with the invariants and
+/// the KV oracle holding throughout, and shutdown must bring every page back.
+TEST(LifecycleFuzzTest, EverySynchronisationPointMayFail) {
+  constexpr int64_t kPoints = 8;
+  LifecycleStats total;
+  for (uint64_t seed = 1; seed <= 12; ++seed) {
+    std::vector<uint8_t> const input = seededInput(seed, 400);
+    for (int64_t failAt = 1; failAt <= kPoints; ++failAt) {
+      for (bool persistent : {false, true}) {
+        LifecycleOptions options;
+        options.inputFaults = false;
+        options.syncFaults = SyncFaultPlan{failAt, persistent};
+        LifecycleResult const result = runLifecycle(input, options);
+        ASSERT_TRUE(result.ok) << "seed " << seed << ", synchronisation " << failAt
+                               << (persistent ? " onwards" : "") << ": " << result.failure;
+        total += result.stats;
+      }
+    }
+  }
+  EXPECT_GT(total.failedSynchronizations, 100);
+  EXPECT_GT(total.quarantines, 50);
+  EXPECT_GT(total.shutdowns, 50);
 }
 
 /// Every file of the libFuzzer seed corpus (and every regression input added there) passes.

@@ -11,22 +11,12 @@
 #include <cstdlib>
 #include <fstream>
 #include <iterator>
-#include <random>
 #include <string>
 #include <vector>
 
 #include "fuzz/lifecycle_driver.h"
 
 namespace {
-
-std::vector<uint8_t> seededInput(uint64_t seed, std::size_t bytes) {
-  std::mt19937_64 rng(seed);  // the same inputs as the seeded gtest
-  std::vector<uint8_t> input(bytes);
-  for (uint8_t& byte : input) {
-    byte = static_cast<uint8_t>(rng());
-  }
-  return input;
-}
 
 bool report(std::string const& name, mkv::fuzz::LifecycleResult const& result) {
   if (!result.ok) {
@@ -74,7 +64,7 @@ int main(int argc, char** argv) {
   }
   for (uint64_t seed = first; first != 0 && seed <= last; ++seed) {
     mkv::fuzz::LifecycleResult const result =
-        mkv::fuzz::runLifecycle(seededInput(seed, bytes), options);
+        mkv::fuzz::runLifecycle(mkv::fuzz::seededInput(seed, bytes), options);
     ok = report("seed " + std::to_string(seed), result) && ok;
     total += result.stats;
   }

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <optional>
 #include <set>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -1001,6 +1002,31 @@ TEST_P(BoundedSwaHandleTest, DroppingOrReplacingAHandleReturnsItsPages) {
 
 INSTANTIATE_TEST_SUITE_P(Devices, BoundedSwaHandleTest,
                          ::testing::Values(DeviceType::kCPU, DeviceType::kGPU), deviceName);
+
+/// Destroys a manager while one of its requests is active (the handle outlives it).
+void destroyTheManagerWithAnActiveRequest() {
+  KVCachePoolConfig poolConfig;
+  poolConfig.numLayers = 1;
+  poolConfig.numKVHeads = 1;
+  poolConfig.headDim = 4;
+  poolConfig.tokensPerPage = 16;
+  poolConfig.numPages = 8;
+  poolConfig.maxBatchSize = 1;
+  poolConfig.deviceType = DeviceType::kCPU;
+  KVCachePool pool(poolConfig);
+  KVPageTable table(1, 4, 8, PageTableMode::kSparseWindow, DeviceType::kCPU);
+  BoundedSwaResources resources;
+  resources.swaPool = &pool;
+  resources.swaPageTable = &table;
+  std::optional<BoundedSwaKVPageManager::RequestHandle> handle;
+  BoundedSwaKVPageManager manager(BoundedSwaConfig{16}, resources, nullptr);
+  ResidentRef const resident{0, 1};
+  handle = std::move(manager.beginRequest(std::span(&resident, 1), nullptr).request);
+}
+
+TEST(BoundedSwaDeathTest, DestroyingTheManagerWithAnActiveRequestTerminates) {
+  EXPECT_DEATH(destroyTheManagerWithAnActiveRequest(), "destroyed with 1 active");
+}
 
 }  // namespace
 }  // namespace mkv::swa_test
