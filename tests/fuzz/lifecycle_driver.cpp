@@ -1627,11 +1627,12 @@ class Lifecycle {
         }
         break;
       case 2: stream = foreignStream(); break;
-      case 3: residents[0].epoch = 0; break;
-      case 4: residents[0].slot = mIn.oneIn(2) ? -1 : mMaxBatch; break;
+      // at(): GCC 12 at -O3 cannot see that a plan has residents (-Wnull-dereference).
+      case 3: residents.at(0).epoch = 0; break;
+      case 4: residents.at(0).slot = mIn.oneIn(2) ? -1 : mMaxBatch; break;
       default:
         if (residents.size() < 2) {
-          residents[0].slot = -5;
+          residents.at(0).slot = -5;
         } else {
           residents[1] = residents[0];
         }
