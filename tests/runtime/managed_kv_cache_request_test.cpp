@@ -312,19 +312,25 @@ TEST_P(ManagedKVCacheRequestTest, SizesThatDisagreeWithTheBatchThrowAndChangeNot
   ASSERT_TRUE(driver.completeDecode());
 
   Tensor floatMapping({4}, DataType::kFloat32, DeviceType::kCPU);
-  std::pair<std::vector<int32_t>, int32_t> const badMappings[] = {
-      {{0, 1}, 2},      // two entries for three rows
-      {{0, -1, 1}, 3},  // three survivors announced, two kept
-      {{1, -1, 0}, 2},  // survivors out of order
-      {{0, -1, 2}, 2},  // a destination outside the new batch
-      {{0, -2, 1}, 2},  // not a destination and not -1
+  struct BadMapping {
+    std::vector<int32_t> oldToNew;
+    int32_t newSize;
+    std::string_view fragment;  ///< both backends word it alike
   };
-  for (auto const& [mapping, newSize] : badMappings) {
+  BadMapping const badMappings[] = {
+      {{0, 1}, 2, "mapping has 2 entries for a batch of 3"},
+      {{0, -1, 1}, 3, "2 survivors for a new batch of 3"},
+      {{1, -1, 0}, 2, "oldToNew[0] = 1, expected 0"},  // survivors out of order
+      {{0, -1, 2}, 2, "oldToNew[2] = 2 outside [-1, 2)"},
+      {{0, -2, 1}, 2, "oldToNew[1] = -2 outside [-1, 2)"},
+  };
+  for (BadMapping const& bad : badMappings) {
     expectRejected(
         rig, "beginBatchCompaction",
-        [&] { (void)facade.beginBatchCompaction(mapping, newSize, driver.deviceMapping); },
+        [&] { (void)facade.beginBatchCompaction(bad.oldToNew, bad.newSize, driver.deviceMapping); },
         {pick("ContextCacheCoordinator::beginBatchCompaction",
-              "BoundedSwaKVPageManager::beginBatchCompaction")});
+              "BoundedSwaKVPageManager::beginBatchCompaction"),
+         bad.fragment});
   }
   expectRejected(rig, "a float mapping tensor",
                  [&] {

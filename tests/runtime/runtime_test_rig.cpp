@@ -184,6 +184,8 @@ void RuntimeRig::expectIdle() const {
       cached += pools.cacheRefs(ResourceId{ResourceType::kBaseKvPage, page}) > 0 ? 1 : 0;
     }
     EXPECT_EQ(freePages() + cached, totalPages()) << "every page is free or cached";
+    EXPECT_EQ(pools.reclaimableCount(ResourceType::kBaseKvPage), cached)
+        << "evicting the records would free every cached page";
     for (CacheSlot slot = 0; slot < runtime.config().maxBatchSize; ++slot) {
       EXPECT_EQ(runtime.fullPageTable()->liveEntryCount(slot), 0) << "slot " << slot;
     }

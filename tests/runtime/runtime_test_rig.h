@@ -95,9 +95,9 @@ class RuntimeRig {
   BackendState observe() const;
   /// Every field of `before` still holds.
   void expectUnchanged(BackendState const& before) const;
-  /// No request, no poison, no held page (free == total, or free + cached == total with reuse),
-  /// every table row empty (the full table of bounded SWA keeps its identity rows), every
-  /// resident available.
+  /// No request, no poison, no held page (free == total; with reuse free + cached == total and
+  /// every cached page reclaimable), every row of the backend's table empty, every resident
+  /// available.
   void expectIdle() const;
 
  private:
