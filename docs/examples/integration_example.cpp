@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <optional>
 #include <stdexcept>
+#include <string>
 #include <vector>
 
 namespace example {
@@ -17,13 +18,19 @@ struct Sequence {
   int32_t maxNewTokens = 4;
 };
 
-// Serves one request; returns the tokens each sequence reused from the cache.
+// Serves one request; returns the tokens each sequence reused from the cache. Throws
+// std::runtime_error when the request had to be aborted; its residents are back in the pool.
 std::vector<int32_t> serve(mkv::KVCacheRuntime& runtime, std::vector<Sequence> const& sequences) {
   mkv::LLMGenerationRequest request;
   request.requests.resize(sequences.size());
   mkv::DecodingInferenceContext context;
   context.stream = runtime.config().stream;
   context.activeBatchSize = static_cast<int32_t>(sequences.size());
+  auto releaseResidents = [&] {
+    for (mkv::ResidentRef const& resident : context.residentRefs) {
+      runtime.residentSlots().release(resident);
+    }
+  };
   for (Sequence const& sequence : sequences) {
     context.rawBatchedInputIds.push_back(sequence.prompt);
     context.residentRefs.push_back(runtime.residentSlots().acquire().value());
@@ -38,8 +45,23 @@ std::vector<int32_t> serve(mkv::KVCacheRuntime& runtime, std::vector<Sequence> c
       mkv::DecodingTokenStateContract::kCommittedPlusLookahead,
       request.contextCacheCommitPolicy);
   if (!managed) {
+    releaseResidents();
     throw std::runtime_error("no capacity now: a real engine keeps the request queued");
   }
+  // A lifecycle call returns false when the request cannot go on: a pool is exhausted, a stream
+  // synchronisation failed, or the backend is poisoned (the library has logged which). The
+  // engine then ends the request, returns its residents and reports the failure; after a
+  // poisoning, runtime.shutdown() recovers the backend once no request is active.
+  auto require = [&](bool ok, char const* operation) {
+    if (ok) {
+      return;
+    }
+    bool const poisoned = !managed->finish();
+    managed.reset();
+    releaseResidents();
+    throw std::runtime_error(std::string(operation) + " failed, request aborted" +
+                             (poisoned ? " (backend poisoned)" : ""));
+  };
   std::vector<int32_t> reused(sequences.size(), 0);
   if (auto const* starts = managed->prefillStarts()) {
     reused = *starts;
@@ -50,23 +72,22 @@ std::vector<int32_t> serve(mkv::KVCacheRuntime& runtime, std::vector<Sequence> c
   }
 
   // Prefill: bind pages, map windows, run the model from prefillStarts(), sample one token each.
-  managed->preparePrefill();
-  managed->prepareSwaPrefill(context.effectivePrefillLengths);
+  require(managed->preparePrefill(), "preparePrefill");
+  require(managed->prepareSwaPrefill(context.effectivePrefillLengths), "prepareSwaPrefill");
   // ... engine: prefill kernels read and write KV through runtime.fullPageTable()->deviceTable()
-  managed->enqueuePrefillCaptures();
+  require(managed->enqueuePrefillCaptures(), "enqueuePrefillCaptures");
   // ... engine: synchronise the stream, sample
   for (auto& generated : context.generatedTokenIds) {
     generated.push_back(1000 + static_cast<int32_t>(generated.size()));
   }
-  managed->completePrefill(context, {});
+  require(managed->completePrefill(context, {}), "completePrefill");
 
   mkv::Tensor deviceMapping({runtime.config().maxBatchSize}, mkv::DataType::kInt32,
                             runtime.config().deviceType);
   std::vector<Sequence> rows = sequences;
   while (context.activeBatchSize > 0) {
-    if (!managed->prepareDecodeStep(context, headroom)) {
-      break;  // the request cannot continue (pool exhausted): finish it
-    }
+    // false: no page for the next position (pool exhausted, or a row is full).
+    require(managed->prepareDecodeStep(context, headroom), "prepareDecodeStep");
     // ... engine: one decode step; synchronise; sample
     for (std::size_t i = 0; i < rows.size(); ++i) {
       auto& generated = context.generatedTokenIds[i];
@@ -75,7 +96,7 @@ std::vector<int32_t> serve(mkv::KVCacheRuntime& runtime, std::vector<Sequence> c
         context.finishReasons[i] = mkv::FinishReason::kLength;
       }
     }
-    managed->completeDecodeStep(context, {});
+    require(managed->completeDecodeStep(context, {}), "completeDecodeStep");
 
     // Compact finished rows away (order-preserving), then release their residents.
     std::vector<int32_t> oldToNew(rows.size(), -1);
@@ -88,8 +109,9 @@ std::vector<int32_t> serve(mkv::KVCacheRuntime& runtime, std::vector<Sequence> c
     if (survivors == context.activeBatchSize) {
       continue;
     }
-    managed->beginBatchCompaction(oldToNew, survivors, deviceMapping);
-    managed->completeBatchCompaction(oldToNew);
+    require(managed->beginBatchCompaction(oldToNew, survivors, deviceMapping),
+            "beginBatchCompaction");
+    require(managed->completeBatchCompaction(oldToNew), "completeBatchCompaction");
     mkv::DecodingInferenceContext next;
     next.stream = context.stream;
     std::vector<Sequence> kept;
@@ -109,10 +131,8 @@ std::vector<int32_t> serve(mkv::KVCacheRuntime& runtime, std::vector<Sequence> c
     context = std::move(next);
     rows = std::move(kept);
   }
-  managed->finish();
-  for (mkv::ResidentRef const& resident : context.residentRefs) {
-    runtime.residentSlots().release(resident);
-  }
+  require(managed->finish(), "finish");
+  releaseResidents();
   return reused;
 }
 

@@ -27,8 +27,8 @@ struct KVCacheModelConfig {
   int32_t headDim = 128;
   DataType kvDataType = DataType::kFloat16;
   int32_t numRecurrentLayers = 0;         ///< Mamba / linear-attention layers
-  int64_t recurrentStateBytes = 0;        ///< per layer and slot
-  int64_t recurrentConvBytes = 0;         ///< per layer and slot
+  int64_t recurrentStateBytes = 0;        ///< per layer and slot; > 0 with recurrent layers
+  int64_t recurrentConvBytes = 0;         ///< per layer and slot; > 0 with recurrent layers
 };
 
 struct KVCacheRuntimeConfig {
@@ -37,8 +37,10 @@ struct KVCacheRuntimeConfig {
   int32_t maxSequenceLength = 0;   ///< tokens of prompt + generation per sequence
   int32_t tokensPerPage = 128;     ///< power of two in [16, 1024]
   /// Pages of the full pool; 0 = maxBatchSize * ceil(maxSequenceLength / tokensPerPage).
+  /// Either pool holds at most int32 max / 2 pages (V ids are K ids + numPages).
   int32_t numPages = 0;
-  /// Pages of the bounded SWA pool; 0 = maxBatchSize * (2M + 1), the admission minimum.
+  /// Pages of the bounded SWA pool; 0 = maxBatchSize * (2M + 1), the admission minimum (a
+  /// smaller positive count is an error when bounded SWA is chosen).
   int32_t numSwaPages = 0;
   /// Context (prefix) reuse on: full paged KV + ContextCacheCoordinator.
   bool contextReuse = false;

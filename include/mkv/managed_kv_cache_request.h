@@ -86,6 +86,7 @@ class ManagedKVCacheRequest {
   bool beginBatchCompaction(std::vector<int32_t> const& oldToNew, int32_t newBatchSize,
                             Tensor& deviceBatchMapping);
   /// Clears dropped rows, compacts KV lengths, synchronises and releases dropped state.
+  /// `keepMapping` must equal the mapping given to beginBatchCompaction.
   bool completeBatchCompaction(std::vector<int32_t> const& keepMapping);
   /// Ends the request (synchronises pending work, releases everything).
   bool finish();
@@ -110,6 +111,7 @@ class ManagedKVCacheRequest {
   struct SwaBackend {
     BoundedSwaKVPageManager* manager;
     BoundedSwaKVPageManager::RequestHandle handle;
+    std::vector<int32_t> pendingMapping;  ///< of beginBatchCompaction, until it completes
   };
   explicit ManagedKVCacheRequest(ContextCacheRequest backend);
   explicit ManagedKVCacheRequest(SwaBackend backend);

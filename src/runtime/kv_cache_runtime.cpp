@@ -1,5 +1,6 @@
 #include "mkv/kv_cache_runtime.h"
 
+#include <bit>
 #include <limits>
 #include <vector>
 
@@ -32,17 +33,29 @@ void validate(KVCacheRuntimeConfig const& config) {
               "the model needs at least one attention layer");
   MKV_REQUIRE(model.numSlidingWindowLayers == 0 || model.slidingWindowTokens > 0, kCall,
               "sliding layers need slidingWindowTokens > 0, got {}", model.slidingWindowTokens);
+  MKV_REQUIRE(model.numKVHeads > 0, kCall, "numKVHeads must be > 0, got {}", model.numKVHeads);
+  MKV_REQUIRE(model.headDim > 0, kCall, "headDim must be > 0, got {}", model.headDim);
   MKV_REQUIRE(model.numRecurrentLayers == 0 ||
-                  (model.recurrentStateBytes > 0 && model.recurrentConvBytes >= 0),
-              kCall, "recurrent layers need recurrentStateBytes > 0 (got {}) and conv bytes >= 0",
-              model.recurrentStateBytes);
+                  (model.recurrentStateBytes > 0 && model.recurrentConvBytes > 0),
+              kCall,
+              "recurrent layers need recurrentStateBytes > 0 and recurrentConvBytes > 0 (got {} "
+              "and {})",
+              model.recurrentStateBytes, model.recurrentConvBytes);
   MKV_REQUIRE(config.maxBatchSize > 0, kCall, "maxBatchSize must be > 0, got {}",
               config.maxBatchSize);
   MKV_REQUIRE(config.maxSequenceLength > 0, kCall, "maxSequenceLength must be > 0, got {}",
               config.maxSequenceLength);
-  MKV_REQUIRE(config.numPages >= 0 && config.numSwaPages >= 0, kCall,
-              "page counts must be >= 0 (numPages {}, numSwaPages {})", config.numPages,
-              config.numSwaPages);
+  // Checked here, before it divides anything (0 would), with the pools' own rule.
+  MKV_REQUIRE(config.tokensPerPage >= 16 && config.tokensPerPage <= 1024 &&
+                  std::has_single_bit(static_cast<uint32_t>(config.tokensPerPage)),
+              kCall, "tokensPerPage must be a power of two in [16, 1024], got {}",
+              config.tokensPerPage);
+  // Page-table entries hold V ids as K id + numPages, so a pool may not exceed int32 max / 2.
+  constexpr int32_t kMaxPages = std::numeric_limits<int32_t>::max() / 2;
+  MKV_REQUIRE(config.numPages >= 0 && config.numPages <= kMaxPages, kCall,
+              "numPages must be in [0, {}], got {}", kMaxPages, config.numPages);
+  MKV_REQUIRE(config.numSwaPages >= 0 && config.numSwaPages <= kMaxPages, kCall,
+              "numSwaPages must be in [0, {}], got {}", kMaxPages, config.numSwaPages);
   if (config.contextReuse) {
     MKV_REQUIRE(model.numRecurrentLayers == 0, kCall,
                 "context reuse for recurrent (hybrid) models is not supported");
@@ -76,6 +89,10 @@ std::unique_ptr<KVCacheRuntime> KVCacheRuntime::create(KVCacheRuntimeConfig cons
         BoundedSwaKVPageManager::admissionPagesPerSequence(model.slidingWindowTokens, pageSize);
     int64_t const minimum = int64_t{config.maxBatchSize} * perSequence;
     bounded = minimum < fullPages;
+    MKV_REQUIRE(!bounded || config.numSwaPages == 0 || config.numSwaPages >= minimum, kCall,
+                "numSwaPages {} is below the bounded-SWA admission minimum maxBatchSize {} x "
+                "(2M + 1) {} = {} (0 selects the minimum)",
+                config.numSwaPages, config.maxBatchSize, perSequence, minimum);
     swaPages = static_cast<int32_t>(std::max<int64_t>(minimum, config.numSwaPages));
   }
 

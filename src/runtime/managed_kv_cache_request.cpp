@@ -22,6 +22,21 @@ bool swaStatus(SwaKVCacheStatus status, BoundedSwaKVPageManager const& manager,
   return false;
 }
 
+/// The bounded-SWA manager reads no context, but a context whose rows disagree with the batch is
+/// the engine bug the context-reuse backend rejects; reject it on both backends alike.
+void requireContextRows(char const* call, DecodingInferenceContext const& context,
+                        BoundedSwaKVPageManager const& manager,
+                        BoundedSwaKVPageManager::RequestHandle const& handle) {
+  if (!handle.valid()) {
+    return;  // the manager reports the invalid handle itself
+  }
+  auto const batch = static_cast<std::size_t>(manager.batchSize(handle));
+  MKV_REQUIRE(
+      context.rawBatchedInputIds.size() == batch && context.generatedTokenIds.size() == batch, call,
+      "context has {} prompts / {} generated lists for a batch of {}",
+      context.rawBatchedInputIds.size(), context.generatedTokenIds.size(), batch);
+}
+
 }  // namespace
 
 ManagedKVCacheRequest::ManagedKVCacheRequest(ContextCacheRequest backend)
@@ -65,7 +80,7 @@ std::optional<ManagedKVCacheRequest> ManagedKVCacheRequest::begin(
   if (!swaStatus(begun.status, *swaPageManager, "begin")) {
     return std::nullopt;
   }
-  return ManagedKVCacheRequest(SwaBackend{swaPageManager, std::move(*begun.request)});
+  return ManagedKVCacheRequest(SwaBackend{swaPageManager, std::move(*begun.request), {}});
 }
 
 ContextCacheRequest* ManagedKVCacheRequest::context() noexcept {
@@ -139,6 +154,8 @@ bool ManagedKVCacheRequest::completePrefill(DecodingInferenceContext const& cont
     return backend->completePrefill(context_, commonStateLengths);
   }
   SwaBackend& backend = swa("completePrefill");
+  requireContextRows("ManagedKVCacheRequest::completePrefill", context_, *backend.manager,
+                     backend.handle);
   backend.manager->completePrefill(backend.handle);
   return true;
 }
@@ -152,6 +169,8 @@ bool ManagedKVCacheRequest::prepareDecodeStep(DecodingInferenceContext const& co
               "the bounded-SWA backend needs headroom {{1, 0}}, got {{{}, {}}}",
               headroom.baseExtraTokens, headroom.draftExtraTokens);
   SwaBackend& backend = swa("prepareDecodeStep");
+  requireContextRows("ManagedKVCacheRequest::prepareDecodeStep", context_, *backend.manager,
+                     backend.handle);
   return swaStatus(backend.manager->prepareDecodeStep(backend.handle), *backend.manager,
                    "prepareDecodeStep");
 }
@@ -162,6 +181,8 @@ bool ManagedKVCacheRequest::completeDecodeStep(DecodingInferenceContext const& c
     return backend->completeDecodeStep(context_, commonStateLengths);
   }
   SwaBackend& backend = swa("completeDecodeStep");
+  requireContextRows("ManagedKVCacheRequest::completeDecodeStep", context_, *backend.manager,
+                     backend.handle);
   backend.manager->completeDecodeStep(backend.handle);
   return true;
 }
@@ -172,7 +193,9 @@ bool ManagedKVCacheRequest::beginBatchCompaction(std::vector<int32_t> const& old
     return backend->beginBatchCompaction(oldToNew, newBatchSize, deviceBatchMapping);
   }
   SwaBackend& backend = swa("beginBatchCompaction");
+  std::vector<int32_t> pending = oldToNew;  // copied first: nothing fails after the manager's call
   backend.manager->beginBatchCompaction(backend.handle, oldToNew, newBatchSize, deviceBatchMapping);
+  backend.pendingMapping = std::move(pending);
   return true;
 }
 
@@ -181,8 +204,15 @@ bool ManagedKVCacheRequest::completeBatchCompaction(std::vector<int32_t> const& 
     return backend->completeBatchCompaction(keepMapping);
   }
   SwaBackend& backend = swa("completeBatchCompaction");
-  return swaStatus(backend.manager->compactBatch(backend.handle), *backend.manager,
-                   "completeBatchCompaction");
+  // An empty pending mapping: no compaction was begun, which the manager reports.
+  MKV_REQUIRE(backend.pendingMapping.empty() || keepMapping == backend.pendingMapping,
+              "ManagedKVCacheRequest::completeBatchCompaction",
+              "keepMapping ({} entries) differs from the mapping given to beginBatchCompaction "
+              "({} entries)",
+              keepMapping.size(), backend.pendingMapping.size());
+  SwaKVCacheStatus const status = backend.manager->compactBatch(backend.handle);
+  backend.pendingMapping.clear();
+  return swaStatus(status, *backend.manager, "completeBatchCompaction");
 }
 
 bool ManagedKVCacheRequest::finish() {

@@ -1789,7 +1789,9 @@ class Lifecycle {
       context.rawBatchedInputIds.emplace_back(1, 1);
     }
     bool const swaFacade = req.via == Via::kFacade && !coordinatorBackend();
-    bool const badArguments = variant >= 0 && variant <= 2 && !swaFacade && req.via == Via::kFacade;
+    // The SWA facade reads only the context's row count (common lengths and tokens it ignores).
+    bool const badArguments =
+        req.via == Via::kFacade && (swaFacade ? variant == 2 : variant >= 0 && variant <= 2);
     std::vector<ContextCacheSequenceAdvance> advances;
     for (Row const& row : sampled) {
       if (req.contract == DecodingTokenStateContract::kCommittedPlusLookahead) {
@@ -2112,7 +2114,7 @@ class Lifecycle {
     bool const valid = req.stage == Stage::kCompaction;
     std::vector<int32_t> keep = req.mapping;
     bool badArguments = false;
-    if (bad && req.via == Via::kFacade && coordinatorBackend()) {
+    if (bad && req.via == Via::kFacade) {
       badArguments = true;  // the keep mapping must be the one given to beginBatchCompaction
       if (keep.empty()) {
         keep.push_back(0);

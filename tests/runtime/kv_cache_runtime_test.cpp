@@ -1,83 +1,369 @@
-// KVCacheRuntime: configuration errors of create() (each names the field and leaves nothing
-// allocated behind), the backend it chooses, and what shutdown() reports (docs/errors.md).
+// KVCacheRuntime (SPEC §9): the support matrix that picks exactly one backend and sizes its pools,
+// supportsSeatedAdmission() per backend, and config validation (mkv::Error naming the call and
+// the offending value, before anything is allocated).
+#include "mkv/kv_cache_runtime.h"
+
 #include <gtest/gtest.h>
 
 #include <functional>
+#include <limits>
+#include <numeric>
+#include <ostream>
+#include <string>
 #include <string_view>
+#include <vector>
 
-#include "mkv/kv_cache_runtime.h"
+#include "mkv/error.h"
 #include "mkv/managed_kv_cache_request.h"
-#include "test_util.h"
+#include "mkv/testing/reference_engine.h"
 
 namespace mkv {
 namespace {
 
-KVCacheRuntimeConfig validConfig() {
+std::vector<int32_t> tokenRun(int32_t count, int32_t first) {
+  std::vector<int32_t> tokens(static_cast<std::size_t>(count));
+  std::iota(tokens.begin(), tokens.end(), first);
+  return tokens;
+}
+
+/// 4 rows of 256 tokens in pages of 16: 16 pages a row, a full pool of 64 pages by default.
+KVCacheRuntimeConfig baseConfig() {
   KVCacheRuntimeConfig config;
-  config.model.numFullAttentionLayers = 1;
+  config.model.numFullAttentionLayers = 2;
   config.model.numKVHeads = 1;
   config.model.headDim = 4;
-  config.maxBatchSize = 2;
-  config.maxSequenceLength = 64;
+  config.maxBatchSize = 4;
+  config.maxSequenceLength = 256;
   config.tokensPerPage = 16;
   config.deviceType = DeviceType::kCPU;
   return config;
 }
 
-TEST(KVCacheRuntimeTest, CreateRejectsEveryInvalidFieldByName) {
-  struct Case {
-    std::function<void(KVCacheRuntimeConfig&)> breakIt;
-    std::initializer_list<std::string_view> fragments;
+/// Adds `sliding` window layers of W = 24 tokens: M = 3, 2M + 1 = 7 pages a row, 28 for the batch.
+KVCacheRuntimeConfig withWindow(KVCacheRuntimeConfig config, int32_t full, int32_t sliding) {
+  config.model.numFullAttentionLayers = full;
+  config.model.numSlidingWindowLayers = sliding;
+  config.model.slidingWindowTokens = 24;
+  return config;
+}
+
+constexpr int32_t kBoundedMinimum = 4 * 7;
+
+struct MatrixCase {
+  std::string name;
+  KVCacheRuntimeConfig config;
+  KVCacheBackend backend;
+  int32_t fullPoolLayers;  ///< 0: no full pool
+  int32_t fullPoolPages;
+  int32_t swaPoolLayers;  ///< 0: no SWA pool
+  int32_t swaPoolPages;
+};
+
+template <typename Case>
+std::string caseName(::testing::TestParamInfo<Case> const& testCase) {
+  return testCase.param.name;
+}
+
+void PrintTo(MatrixCase const& matrixCase, std::ostream* out) { *out << matrixCase.name; }
+
+std::vector<MatrixCase> matrixCases() {
+  std::vector<MatrixCase> cases;
+  auto reuse = [](KVCacheRuntimeConfig config) {
+    config.contextReuse = true;
+    return config;
   };
-  Case const cases[] = {
-      {[](KVCacheRuntimeConfig& c) { c.model.numRecurrentLayers = -1; },
-       {"KVCacheRuntime::create", "layer counts must be >= 0", "recurrent -1"}},
-      {[](KVCacheRuntimeConfig& c) { c.model.numFullAttentionLayers = 0; },
-       {"KVCacheRuntime::create", "at least one attention layer"}},
-      {[](KVCacheRuntimeConfig& c) { c.model.numSlidingWindowLayers = 1; },
-       {"KVCacheRuntime::create", "slidingWindowTokens > 0, got 0"}},
-      {[](KVCacheRuntimeConfig& c) { c.model.numRecurrentLayers = 1; },
-       {"KVCacheRuntime::create", "recurrentStateBytes > 0 (got 0)"}},
-      {[](KVCacheRuntimeConfig& c) { c.maxBatchSize = 0; },
-       {"KVCacheRuntime::create", "maxBatchSize must be > 0, got 0"}},
-      {[](KVCacheRuntimeConfig& c) { c.maxSequenceLength = -5; },
-       {"KVCacheRuntime::create", "maxSequenceLength must be > 0, got -5"}},
-      {[](KVCacheRuntimeConfig& c) { c.numSwaPages = -1; },
-       {"KVCacheRuntime::create", "page counts must be >= 0", "numSwaPages -1"}},
-      {[](KVCacheRuntimeConfig& c) {
-         c.contextReuse = true;
-         c.model.numRecurrentLayers = 1;
-         c.model.recurrentStateBytes = 16;
-       },
-       {"KVCacheRuntime::create", "context reuse for recurrent (hybrid) models"}},
-      {[](KVCacheRuntimeConfig& c) {
-         c.maxBatchSize = 1 << 20;
-         c.maxSequenceLength = 1 << 30;
-       },
-       {"KVCacheRuntime::create", "overflows int32"}},
-      {[](KVCacheRuntimeConfig& c) {  // Gemma-style: full layers stay identity-mapped
+  auto pages = [](KVCacheRuntimeConfig config, int32_t numPages) {
+    config.numPages = numPages;
+    return config;
+  };
+  KVCacheRuntimeConfig const mixed = withWindow(baseConfig(), 2, 3);
+  KVCacheRuntimeConfig const slidingOnly = withWindow(baseConfig(), 0, 2);
+  cases.push_back(
+      {"reuse_full_attention", reuse(baseConfig()), KVCacheBackend::kContextReuse, 2, 64, 0, 0});
+  // Reuse wins over bounded SWA even where the window would fit: sliding layers in the full pool.
+  cases.push_back({"reuse_mixed", reuse(mixed), KVCacheBackend::kContextReuse, 5, 64, 0, 0});
+  cases.push_back(
+      {"reuse_sliding_only", reuse(slidingOnly), KVCacheBackend::kContextReuse, 2, 64, 0, 0});
+  cases.push_back(
+      {"no_reuse_full_attention", baseConfig(), KVCacheBackend::kFullStorage, 2, 64, 0, 0});
+  cases.push_back(
+      {"bounded_sliding_only", slidingOnly, KVCacheBackend::kBoundedSwa, 0, 0, 2, kBoundedMinimum});
+  // Gemma-style: full layers identity-mapped in their own pool, window layers bounded.
+  cases.push_back({"bounded_mixed", mixed, KVCacheBackend::kBoundedSwa, 2, 64, 3, kBoundedMinimum});
+  KVCacheRuntimeConfig roomy = slidingOnly;
+  roomy.numSwaPages = 40;
+  cases.push_back({"bounded_explicit_swa_pages", roomy, KVCacheBackend::kBoundedSwa, 0, 0, 2, 40});
+  // maxBatchSize x (2M + 1) == full pool pages: not strictly smaller, full storage.
+  cases.push_back({"boundary_equal", pages(slidingOnly, kBoundedMinimum),
+                   KVCacheBackend::kFullStorage, 2, kBoundedMinimum, 0, 0});
+  cases.push_back({"boundary_one_more", pages(slidingOnly, kBoundedMinimum + 1),
+                   KVCacheBackend::kBoundedSwa, 0, 0, 2, kBoundedMinimum});
+  cases.push_back({"boundary_equal_mixed", pages(mixed, kBoundedMinimum),
+                   KVCacheBackend::kFullStorage, 5, kBoundedMinimum, 0, 0});
+  // A window wider than the sequences: W = 300 needs 2 x 20 + 1 pages a row, more than 16.
+  KVCacheRuntimeConfig wide = mixed;
+  wide.model.slidingWindowTokens = 300;
+  cases.push_back({"window_wider_than_rows", wide, KVCacheBackend::kFullStorage, 5, 64, 0, 0});
+  // numSwaPages only sizes a bounded pool; below the minimum it is ignored elsewhere.
+  KVCacheRuntimeConfig ignored = reuse(mixed);
+  ignored.numSwaPages = 3;
+  cases.push_back({"reuse_ignores_swa_pages", ignored, KVCacheBackend::kContextReuse, 5, 64, 0, 0});
+  return cases;
+}
+
+class KVCacheRuntimeMatrixTest : public ::testing::TestWithParam<MatrixCase> {};
+
+TEST_P(KVCacheRuntimeMatrixTest, ChoosesOneBackendAndSizesItsPools) {
+  MatrixCase const& c = GetParam();
+  auto runtime = KVCacheRuntime::create(c.config);
+  ASSERT_EQ(runtime->backend(), c.backend) << toString(runtime->backend());
+  bool const bounded = c.backend == KVCacheBackend::kBoundedSwa;
+  // Exactly one backend.
+  EXPECT_EQ(runtime->contextCache() != nullptr, !bounded);
+  EXPECT_EQ(runtime->swaPageManager() != nullptr, bounded);
+  EXPECT_EQ(runtime->supportsSeatedAdmission(), !bounded);
+  if (!bounded) {
+    EXPECT_EQ(runtime->contextCache()->config().enabled,
+              c.backend == KVCacheBackend::kContextReuse);
+    EXPECT_EQ(runtime->contextCache()->supportsLiveSequenceAdmission(), true);
+  }
+  EXPECT_EQ(runtime->maxPagesPerSequence(), 16);
+  int64_t bytes = 0;
+  if (c.fullPoolLayers > 0) {
+    ASSERT_NE(runtime->fullPool(), nullptr);
+    ASSERT_NE(runtime->fullPageTable(), nullptr);
+    EXPECT_EQ(runtime->fullPool()->numLayers(), c.fullPoolLayers);
+    EXPECT_EQ(runtime->fullPool()->numPages(), c.fullPoolPages);
+    EXPECT_EQ(runtime->fullPageTable()->mode(), PageTableMode::kDense);
+    EXPECT_EQ(runtime->fullPageTable()->numPages(), c.fullPoolPages);
+    EXPECT_EQ(runtime->fullPageTable()->maxPagesPerSeq(), 16);
+    EXPECT_EQ(&runtime->lengthPool(), runtime->fullPool());
+    bytes += runtime->fullPool()->totalBytes();
+  } else {
+    EXPECT_EQ(runtime->fullPool(), nullptr);
+    EXPECT_EQ(runtime->fullPageTable(), nullptr);
+  }
+  if (c.swaPoolLayers > 0) {
+    ASSERT_NE(runtime->swaPool(), nullptr);
+    ASSERT_NE(runtime->swaPageTable(), nullptr);
+    EXPECT_EQ(runtime->swaPool()->numLayers(), c.swaPoolLayers);
+    EXPECT_EQ(runtime->swaPool()->numPages(), c.swaPoolPages);
+    EXPECT_EQ(runtime->swaPageTable()->mode(), PageTableMode::kSparseWindow);
+    EXPECT_EQ(runtime->swaPageTable()->numPages(), c.swaPoolPages);
+    EXPECT_EQ(runtime->swaPageManager()->totalPageCount(), c.swaPoolPages);
+    EXPECT_EQ(runtime->swaPageManager()->windowTokens(), 24);
+    EXPECT_EQ(runtime->swaPageManager()->privatePagesPerSequence(), 7);
+    if (c.fullPoolLayers == 0) {
+      EXPECT_EQ(&runtime->lengthPool(), runtime->swaPool());
+    }
+    bytes += runtime->swaPool()->totalBytes();
+  } else {
+    EXPECT_EQ(runtime->swaPool(), nullptr);
+    EXPECT_EQ(runtime->swaPageTable(), nullptr);
+  }
+  EXPECT_EQ(runtime->kvBytes(), bytes);
+  EXPECT_EQ(runtime->recurrentState(), nullptr);
+  EXPECT_EQ(runtime->residentSlots().capacity(), 4);
+  EXPECT_TRUE(runtime->shutdown());
+}
+
+INSTANTIATE_TEST_SUITE_P(SupportMatrix, KVCacheRuntimeMatrixTest,
+                         ::testing::ValuesIn(matrixCases()), caseName<MatrixCase>);
+
+TEST(KVCacheRuntimeTest, BackendNames) {
+  EXPECT_EQ(toString(KVCacheBackend::kContextReuse), "context-reuse");
+  EXPECT_EQ(toString(KVCacheBackend::kBoundedSwa), "bounded-swa");
+  EXPECT_EQ(toString(KVCacheBackend::kFullStorage), "full-storage");
+}
+
+TEST(KVCacheRuntimeTest, MixedBoundedModelMapsFullLayersByIdentityAndRunsBothPools) {
+  auto runtime = KVCacheRuntime::create(withWindow(baseConfig(), 1, 2));
+  ASSERT_EQ(runtime->backend(), KVCacheBackend::kBoundedSwa);
+  KVPageTable const& full = *runtime->fullPageTable();
+  for (CacheSlot slot = 0; slot < 4; ++slot) {
+    for (int32_t page = 0; page < 16; ++page) {
+      EXPECT_EQ(full.entry(slot, page), slot * 16 + page) << "slot " << slot;
+    }
+  }
+  EXPECT_FALSE(full.dirty()) << "the identity rows are uploaded at creation";
+  // Both pools serve a request: the oracle reads every full-layer position and the last W
+  // positions of the window layers, and the KV lengths of both pools.
+  testing::ReferenceEngine engine(*runtime);
+  testing::EngineRequest request;
+  request.sequences.push_back({tokenRun(70, 3), 30, {}, {}, {}, -1, 0});
+  request.sequences.push_back({tokenRun(20, 900), 50, {}, {}, {}, -1, 1});
+  auto const outcome = engine.run(request);
+  ASSERT_TRUE(outcome.admitted);
+  EXPECT_FALSE(outcome.failed);
+  EXPECT_EQ(outcome.decodeSteps, 49);
+  EXPECT_EQ(engine.stats().oracleMismatches, 0);
+  EXPECT_GE(engine.stats().oracleChecks, 70 + 20 + 49 * 24);
+  EXPECT_EQ(engine.stats().peakPagesInUse, 2 * 7) << "2M + 1 pages per sequence at admission";
+  EXPECT_EQ(runtime->swaPageManager()->freePageCount(), kBoundedMinimum);
+  EXPECT_TRUE(runtime->shutdown());
+}
+
+TEST(KVCacheRuntimeTest, FullStorageNeverReuses) {
+  auto runtime = KVCacheRuntime::create(baseConfig());
+  ASSERT_EQ(runtime->backend(), KVCacheBackend::kFullStorage);
+  testing::ReferenceEngine engine(*runtime);
+  testing::EngineRequest request;
+  request.sequences.push_back({tokenRun(50, 3), 4, {}, {}, {}, -1, 0});
+  for (int run = 0; run < 2; ++run) {
+    auto const outcome = engine.run(request);
+    ASSERT_TRUE(outcome.admitted);
+    EXPECT_EQ(outcome.sequences.at(0).prefillStart, 0) << "run " << run;
+  }
+  EXPECT_EQ(engine.stats().reusedTokens, 0);
+  EXPECT_EQ(runtime->contextCache()->manager().records().size(), 0u);
+  EXPECT_TRUE(runtime->shutdown());
+}
+
+TEST(KVCacheRuntimeTest, RecurrentLayersGetARowPerResident) {
+  for (bool withWindowLayers : {false, true}) {
+    KVCacheRuntimeConfig config = withWindowLayers ? withWindow(baseConfig(), 1, 1) : baseConfig();
+    config.model.numRecurrentLayers = 3;
+    config.model.recurrentStateBytes = 32;
+    config.model.recurrentConvBytes = 8;
+    auto runtime = KVCacheRuntime::create(config);
+    EXPECT_EQ(runtime->backend(),
+              withWindowLayers ? KVCacheBackend::kBoundedSwa : KVCacheBackend::kFullStorage);
+    ASSERT_NE(runtime->recurrentState(), nullptr);
+    EXPECT_EQ(runtime->recurrentState()->numLayers(), 3);
+    EXPECT_EQ(runtime->recurrentState()->numSlots(), 4);
+    EXPECT_EQ(runtime->recurrentState()->config().stateBytesPerSlot, 32);
+    EXPECT_TRUE(runtime->shutdown());
+  }
+}
+
+struct InvalidCase {
+  std::string name;
+  std::function<void(KVCacheRuntimeConfig&)> mutate;
+  std::vector<std::string_view> fragments;  ///< besides the call name
+};
+
+void PrintTo(InvalidCase const& invalidCase, std::ostream* out) { *out << invalidCase.name; }
+
+std::vector<InvalidCase> invalidCases() {
+  constexpr int32_t kIntMax = std::numeric_limits<int32_t>::max();
+  auto recurrent = [](int64_t state, int64_t conv) {
+    return [state, conv](KVCacheRuntimeConfig& c) {
+      c.model.numRecurrentLayers = 1;
+      c.model.recurrentStateBytes = state;
+      c.model.recurrentConvBytes = conv;
+    };
+  };
+  auto pageSize = [](int32_t tokens) {
+    return [tokens](KVCacheRuntimeConfig& c) { c.tokensPerPage = tokens; };
+  };
+  return {
+      {"negative_full_layers",
+       [](auto& c) { c.model.numFullAttentionLayers = -1; },
+       {"layer counts", "full -1"}},
+      {"negative_sliding_layers",
+       [](auto& c) { c.model.numSlidingWindowLayers = -2; },
+       {"layer counts", "sliding -2"}},
+      {"negative_recurrent_layers",
+       [](auto& c) { c.model.numRecurrentLayers = -3; },
+       {"layer counts", "recurrent -3"}},
+      {"no_attention_layer",
+       [](auto& c) { c.model.numFullAttentionLayers = 0; },
+       {"at least one attention layer"}},
+      {"sliding_without_window",
+       [](auto& c) {
          c.model.numSlidingWindowLayers = 1;
-         c.model.slidingWindowTokens = 16;
-         c.maxSequenceLength = 1024;
-         c.numPages = 100;
+         c.model.slidingWindowTokens = 0;
        },
-       {"KVCacheRuntime::create", "identity-mapped", "numPages 100", "128"}},
-      // Resources validate their own fields; the message names the resource.
-      {[](KVCacheRuntimeConfig& c) { c.tokensPerPage = 24; },
-       {"KVCachePool", "tokensPerPage must be a power of two in [16, 1024], got 24"}},
-      {[](KVCacheRuntimeConfig& c) { c.contextCache.maxRecords = -1; },
-       {"ContextCacheCoordinator", "maxRecords must be >= 0, got -1"}},
+       {"slidingWindowTokens > 0, got 0"}},
+      {"negative_window",
+       [](auto& c) {
+         c.model.numSlidingWindowLayers = 1;
+         c.model.slidingWindowTokens = -8;
+       },
+       {"slidingWindowTokens > 0, got -8"}},
+      {"no_kv_heads", [](auto& c) { c.model.numKVHeads = 0; }, {"numKVHeads must be > 0, got 0"}},
+      {"negative_head_dim", [](auto& c) { c.model.headDim = -4; }, {"headDim must be > 0, got -4"}},
+      {"recurrent_without_state", recurrent(0, 8), {"recurrentStateBytes", "got 0 and 8"}},
+      {"recurrent_without_conv", recurrent(16, 0), {"recurrentConvBytes", "got 16 and 0"}},
+      {"no_batch", [](auto& c) { c.maxBatchSize = 0; }, {"maxBatchSize must be > 0, got 0"}},
+      {"negative_sequence",
+       [](auto& c) { c.maxSequenceLength = -1; },
+       {"maxSequenceLength must be > 0, got -1"}},
+      {"page_of_zero_tokens", pageSize(0), {"tokensPerPage", "[16, 1024], got 0"}},
+      {"page_of_8_tokens", pageSize(8), {"tokensPerPage", "got 8"}},
+      {"page_not_a_power_of_two", pageSize(48), {"power of two", "got 48"}},
+      {"page_of_2048_tokens", pageSize(2048), {"tokensPerPage", "got 2048"}},
+      {"negative_page_size", pageSize(-16), {"tokensPerPage", "got -16"}},
+      {"negative_pages", [](auto& c) { c.numPages = -1; }, {"numPages", "got -1"}},
+      {"pages_beyond_int32_ids",
+       [](auto& c) { c.numPages = kIntMax; },
+       {"numPages must be in [0, 1073741823], got 2147483647"}},
+      {"negative_swa_pages", [](auto& c) { c.numSwaPages = -5; }, {"numSwaPages", "got -5"}},
+      {"swa_pages_below_the_admission_minimum",
+       [](auto& c) {
+         c = withWindow(c, 0, 1);
+         c.numSwaPages = kBoundedMinimum - 1;
+       },
+       {"numSwaPages 27 is below", "= 28"}},
+      {"reuse_with_recurrent_layers",
+       [recurrent](auto& c) {
+         recurrent(16, 8)(c);
+         c.contextReuse = true;
+       },
+       {"context reuse for recurrent"}},
+      {"bounded_mixed_full_pool_too_small",
+       [](auto& c) {
+         c = withWindow(c, 1, 1);
+         c.numPages = 40;  // > 28: bounded SWA is chosen, but 4 rows x 16 pages do not fit
+       },
+       {"identity-mapped", "numPages 40", "= 64"}},
+      {"default_full_pool_overflows",
+       [](auto& c) {
+         c.maxBatchSize = 1 << 16;
+         c.maxSequenceLength = 1 << 24;
+       },
+       {"default full pool of 68719476736 pages overflows int32"}},
   };
-  for (Case const& c : cases) {
-    KVCacheRuntimeConfig config = validConfig();
-    c.breakIt(config);
-    EXPECT_TRUE(test::throwsError([&] { (void)KVCacheRuntime::create(config); }, c.fragments));
+}
+
+class KVCacheRuntimeValidationTest : public ::testing::TestWithParam<InvalidCase> {};
+
+TEST_P(KVCacheRuntimeValidationTest, ThrowsNamingTheCallAndTheValue) {
+  KVCacheRuntimeConfig config = baseConfig();
+  GetParam().mutate(config);
+  try {
+    auto runtime = KVCacheRuntime::create(config);
+    FAIL() << "created a " << toString(runtime->backend()) << " runtime";
+  } catch (Error const& error) {
+    std::string const message = error.what();
+    EXPECT_EQ(message.rfind("KVCacheRuntime::create: ", 0), 0u) << message;
+    for (std::string_view fragment : GetParam().fragments) {
+      EXPECT_NE(message.find(fragment), std::string::npos)
+          << "\"" << message << "\" lacks \"" << fragment << "\"";
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(InvalidConfigs, KVCacheRuntimeValidationTest,
+                         ::testing::ValuesIn(invalidCases()), caseName<InvalidCase>);
+
+TEST(KVCacheRuntimeTest, AFieldAResourceValidatesIsRejectedUnderThatResourcesName) {
+  KVCacheRuntimeConfig config = baseConfig();
+  config.contextReuse = true;
+  config.contextCache.maxRecords = -1;
+  try {
+    (void)KVCacheRuntime::create(config);
+    FAIL() << "created a runtime with maxRecords -1";
+  } catch (Error const& error) {
+    std::string const message = error.what();
+    EXPECT_NE(message.find("ContextCacheCoordinator"), std::string::npos) << message;
+    EXPECT_NE(message.find("maxRecords must be >= 0, got -1"), std::string::npos) << message;
   }
 }
 
 TEST(KVCacheRuntimeTest, ShutdownReportsActiveRequestsAndSucceedsOnceTheyEnded) {
   for (bool reuse : {true, false}) {
-    KVCacheRuntimeConfig config = validConfig();
+    KVCacheRuntimeConfig config = baseConfig();
     config.contextReuse = reuse;
     if (!reuse) {  // bounded SWA: sliding layers, far fewer window pages than full pages
       config.model.numFullAttentionLayers = 0;
@@ -86,7 +372,8 @@ TEST(KVCacheRuntimeTest, ShutdownReportsActiveRequestsAndSucceedsOnceTheyEnded) 
       config.maxSequenceLength = 1024;
     }
     auto runtime = KVCacheRuntime::create(config);
-    ASSERT_EQ(runtime->backend(), reuse ? KVCacheBackend::kContextReuse : KVCacheBackend::kBoundedSwa);
+    ASSERT_EQ(runtime->backend(),
+              reuse ? KVCacheBackend::kContextReuse : KVCacheBackend::kBoundedSwa);
     DecodingInferenceContext context;
     context.activeBatchSize = 1;
     context.rawBatchedInputIds = {{1, 2, 3}};

@@ -1,18 +1,30 @@
-// End-to-end scenarios through KVCacheRuntime + ManagedKVCacheRequest + the reference engine.
+// End-to-end scenarios through KVCacheRuntime + ManagedKVCacheRequest, driven by the reference
+// engine or call by call (runtime_test_rig.h), with the KV oracle checking every position read.
 #include <gtest/gtest.h>
 
+#include <cstring>
 #include <deque>
+#include <memory>
 #include <numeric>
+#include <span>
+#include <string>
 
 #include "mkv/kv_cache_runtime.h"
 #include "mkv/testing/reference_engine.h"
+#include "runtime_test_rig.h"
 
 namespace mkv {
 namespace {
 
+using runtime_test::Backend;
+using runtime_test::BackendState;
+using runtime_test::configFor;
+using runtime_test::FacadeDriver;
+using runtime_test::RuntimeRig;
 using testing::EngineRequest;
 using testing::EngineSequence;
 using testing::ReferenceEngine;
+using AdmitStatus = ContextCacheRequest::AdmitSequenceStatus;
 
 KVCacheRuntimeConfig smallConfig(bool reuse) {
   KVCacheRuntimeConfig config;
@@ -32,6 +44,26 @@ std::vector<int32_t> tokens(int32_t count, int32_t first) {
   std::vector<int32_t> result(static_cast<std::size_t>(count));
   std::iota(result.begin(), result.end(), first);
   return result;
+}
+
+std::vector<int32_t> joined(std::vector<int32_t> a, std::vector<int32_t> const& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
+
+/// Runs one single-sequence request; returns its reused tokens.
+int32_t runOnce(ReferenceEngine& engine, EngineRequest request) {
+  auto const outcome = engine.run(request);
+  EXPECT_TRUE(outcome.admitted);
+  EXPECT_FALSE(outcome.failed);
+  return outcome.sequences.at(0).prefillStart;
+}
+
+EngineRequest single(std::vector<int32_t> prompt, std::string lora = {}) {
+  EngineRequest request;
+  request.loraWeightsName = std::move(lora);
+  request.sequences.push_back(EngineSequence{std::move(prompt), 3, {}, {}, {}, -1, 0});
+  return request;
 }
 
 TEST(ScenarioTest, MultiTurnChatReusesThePreviousTurn) {
@@ -106,7 +138,214 @@ TEST(ScenarioTest, BoundedSwaDecodesFarBeyondTheWindowWithConstantPages) {
   EXPECT_EQ(engine.stats().oracleMismatches, 0);
   int32_t const m = BoundedSwaKVPageManager::windowPages(40, 16);
   EXPECT_LE(engine.stats().peakPagesInUse, 2 * (2 * m + 1));
-  EXPECT_EQ(runtime->swaPageManager()->freePageCount(), runtime->swaPageManager()->totalPageCount());
+  EXPECT_EQ(runtime->swaPageManager()->freePageCount(),
+            runtime->swaPageManager()->totalPageCount());
+}
+
+TEST(ScenarioTest, TheLoraAdapterIsPartOfTheReuseIdentity) {
+  auto runtime = KVCacheRuntime::create(smallConfig(true));
+  ReferenceEngine engine(*runtime);                    // its oracle keys KV on the adapter too
+  std::vector<int32_t> const system = tokens(64, 10);  // 4 pages
+  EXPECT_EQ(runOnce(engine, single(joined(system, {1}), "adapter-a")), 0);
+  EXPECT_EQ(runOnce(engine, single(joined(system, {2}), "adapter-b")), 0) << "another adapter";
+  EXPECT_EQ(runOnce(engine, single(joined(system, {3}))), 0) << "the base model is another one";
+  EXPECT_EQ(runOnce(engine, single(joined(system, {4}), "adapter-a")), 64);
+  EXPECT_EQ(runOnce(engine, single(joined(system, {5}), "adapter-b")), 64);
+  EXPECT_EQ(runOnce(engine, single(joined(system, {6}))), 64);
+  ContextCacheMetrics const metrics = runtime->contextCache()->metrics();
+  EXPECT_EQ(metrics.missCount(MissReason::kLoraMismatch), 2u);
+  EXPECT_EQ(engine.stats().reusedTokens, 3 * 64);
+  EXPECT_EQ(engine.stats().oracleMismatches, 0);
+  EXPECT_TRUE(runtime->shutdown());
+}
+
+TEST(ScenarioTest, HostImagePixelsArePartOfTheReuseIdentity) {
+  constexpr int32_t kImageToken = 32000;
+  auto image = [](uint8_t seed) {
+    auto pixels = std::make_shared<Tensor>(Coords{4, 4, 3}, DataType::kUInt8, DeviceType::kCPU);
+    auto* bytes = static_cast<uint8_t*>(pixels->rawPointer());
+    for (int i = 0; i < 48; ++i) {
+      bytes[i] = static_cast<uint8_t>(seed + 7 * i);
+    }
+    return imageUtils::ImageData{pixels, 4, 4, 3};
+  };
+  // 40 text tokens, an image run at [40, 60), 40 text tokens: pages 0 and 1 are text only.
+  std::vector<int32_t> const prompt =
+      joined(joined(tokens(40, 10), std::vector<int32_t>(20, kImageToken)), tokens(40, 200));
+  auto withImage = [&](imageUtils::ImageData const& pixels) {
+    EngineRequest request = single(prompt);
+    request.mediaTokenIds = {kImageToken};
+    request.sequences[0].images = {pixels};
+    return request;
+  };
+  auto runtime = KVCacheRuntime::create(smallConfig(true));
+  ReferenceEngine engine(*runtime);  // its oracle keys image positions on the pixels
+  EXPECT_EQ(runOnce(engine, withImage(image(1))), 0);
+  EXPECT_EQ(runOnce(engine, withImage(image(1))), 96) << "same image: every full page";
+  EXPECT_EQ(runOnce(engine, withImage(image(2))), 32) << "other pixels: only the text before";
+  EXPECT_EQ(runOnce(engine, withImage(image(1))), 96) << "the first image is still cached";
+  // An equal copy of the pixels is the same image.
+  imageUtils::ImageData copy = image(9);
+  std::memcpy(copy.buffer->rawPointer(), image(1).buffer->rawPointer(), 48);
+  EXPECT_EQ(runOnce(engine, withImage(copy)), 96);
+  EXPECT_EQ(runtime->contextCache()->metrics().bypasses, 0u) << "host RGB images are media-aware";
+  EXPECT_EQ(engine.stats().oracleMismatches, 0);
+  EXPECT_TRUE(runtime->shutdown());
+}
+
+TEST(ScenarioTest, ARetractedJoinLeavesNoTraceAndTheRowJoinsAgain) {
+  RuntimeRig rig(configFor(Backend::kContextReuse));
+  FacadeDriver driver(rig);
+  std::vector<int32_t> const system = tokens(32, 10);  // 2 pages, published by the prefill
+  driver.add(joined(system, tokens(9, 100)));
+  ASSERT_TRUE(driver.begin());
+  ASSERT_TRUE(driver.prefill());
+  ASSERT_TRUE(driver.decode());
+  KVPageTable const& table = *rig.runtime().fullPageTable();
+  CacheSlot const founder = driver.rows[0].resident.slot;
+  std::vector<int32_t> const joiner = joined(system, tokens(5, 400));  // 37 tokens
+
+  BackendState const before = rig.observe();
+  ASSERT_EQ(driver.admit(joiner), AdmitStatus::kAdmitted);
+  CacheSlot const slot = driver.rows[1].resident.slot;
+  EXPECT_EQ(*driver.facade().prefillStarts(), (std::vector<int32_t>{0, 32}));
+  EXPECT_EQ(table.liveEntryCount(slot), 3) << "37 tokens + 1 headroom";
+  EXPECT_EQ(table.entry(slot, 0), table.entry(founder, 0)) << "the shared prefix is reused";
+  EXPECT_EQ(table.entry(slot, 1), table.entry(founder, 1));
+  EXPECT_EQ(rig.freePages(), before.freePages - 1) << "one private page";
+  // Retracting the never-finalised admission restores everything it touched.
+  ASSERT_TRUE(driver.retractNewest());
+  rig.expectUnchanged(before);
+  EXPECT_EQ(*driver.facade().prefillStarts(), std::vector<int32_t>{0});
+  EXPECT_EQ(rig.runtime().contextCache()->counters().retractedAdmissions, 1u);
+  driver.verify();
+
+  // The same sequence is admitted again and joins: its reused prefix and its own KV verified.
+  ASSERT_EQ(driver.admit(joiner), AdmitStatus::kAdmitted);
+  EXPECT_EQ(driver.rows[1].prefillStart, 32);
+  ASSERT_TRUE(driver.seatNewest());
+  driver.verify();
+  for (int step = 0; step < 4; ++step) {
+    ASSERT_TRUE(driver.decode());
+    driver.verify();
+  }
+  EXPECT_EQ(driver.generated(1).size(), 5u);
+  EXPECT_TRUE(driver.finish());
+  EXPECT_FALSE(rig.poisoned());
+}
+
+TEST(ScenarioTest, RetractingAFinalisedJoinPoisonsUntilShutdown) {
+  RuntimeRig rig(configFor(Backend::kContextReuse));
+  {
+    FacadeDriver driver(rig);
+    driver.add(tokens(20, 10));
+    ASSERT_TRUE(driver.begin());
+    ASSERT_TRUE(driver.prefill());
+    ASSERT_EQ(driver.admit(tokens(20, 500)), AdmitStatus::kAdmitted);
+    ASSERT_TRUE(driver.seatNewest());
+    // Only a never-finalised admission can be undone; noexcept, so the failure poisons.
+    EXPECT_FALSE(driver.facade().retractSequenceAdmission());
+    EXPECT_TRUE(rig.poisoned());
+    EXPECT_EQ(driver.rows.size(), 2u);
+    EXPECT_FALSE(driver.finish()) << "finishing reports the poison";
+  }
+  EXPECT_TRUE(rig.runtime().shutdown());
+  rig.expectIdle();
+}
+
+TEST(ScenarioTest, CancelledRowsAreCompactedAwayAndOnlyFinishedOnesPublish) {
+  auto runtime = KVCacheRuntime::create(smallConfig(true));
+  ReferenceEngine engine(*runtime);
+  // 30-token prompts: the prefill publishes one full page, decode fills a second one.
+  EngineRequest request;
+  request.sequences.push_back(EngineSequence{tokens(30, 100), 12, {}, {}, {}, -1, 0});
+  request.sequences.push_back(EngineSequence{tokens(30, 200), 12, {}, {}, {}, 2, 1});
+  request.sequences.push_back(EngineSequence{tokens(30, 300), 5, {}, {}, {}, -1, 2});
+  request.sequences.push_back(EngineSequence{tokens(30, 400), 12, {}, {}, {}, 6, 3});
+  auto const outcome = engine.run(request);
+  ASSERT_TRUE(outcome.admitted);
+  EXPECT_FALSE(outcome.failed);
+  ASSERT_EQ(outcome.sequences.size(), 4u);
+  FinishReason const reasons[] = {FinishReason::kLength, FinishReason::kCancelled,
+                                  FinishReason::kLength, FinishReason::kCancelled};
+  std::size_t const generated[] = {12, 3, 5, 7};  // cancelled before step k: 1 + k tokens
+  for (std::size_t i = 0; i < 4; ++i) {
+    EXPECT_EQ(outcome.sequences[i].reason, reasons[i]) << i;
+    EXPECT_EQ(outcome.sequences[i].generated.size(), generated[i]) << i;
+  }
+  EXPECT_EQ(outcome.decodeSteps, 11) << "the survivor decodes on after each compaction";
+  EXPECT_EQ(engine.stats().oracleMismatches, 0);
+  // Device KV lengths checked per row: 4 after the prefill, the rows in the batch at each step
+  // (4 4 4 3 2 2 2 1 1 1 1: a cancelled row leaves at the next compaction), and the survivors
+  // after each compaction (3 2 1 0).
+  EXPECT_EQ(engine.stats().lengthChecks, 4 + 25 + 6);
+  // Replaying prompt + generated tokens: finished rows published the blocks their decode filled,
+  // cancelled rows only their prompt's full page (the reused KV is verified by the oracle).
+  int32_t const reused[] = {32, 16, 32, 16};
+  for (std::size_t i = 0; i < 4; ++i) {
+    auto const& sequence = outcome.sequences[i];
+    EXPECT_EQ(runOnce(engine, single(joined(sequence.prompt, sequence.generated))), reused[i]) << i;
+  }
+  EXPECT_EQ(engine.stats().oracleMismatches, 0);
+  EXPECT_TRUE(runtime->shutdown());
+}
+
+class CompactionScenarioTest : public ::testing::TestWithParam<Backend> {};
+
+INSTANTIATE_TEST_SUITE_P(Backends, CompactionScenarioTest,
+                         ::testing::Values(Backend::kContextReuse, Backend::kBoundedSwa),
+                         runtime_test::backendName);
+
+TEST_P(CompactionScenarioTest, ACancelledRowLeavesAndTheSurvivorsKeepTheirRows) {
+  RuntimeRig rig(configFor(GetParam()));
+  bool const bounded = GetParam() == Backend::kBoundedSwa;
+  KVPageTable const& table =
+      bounded ? *rig.runtime().swaPageTable() : *rig.runtime().fullPageTable();
+  FacadeDriver driver(rig);
+  driver.add(tokens(40, 100));
+  driver.add(tokens(23, 300));
+  driver.add(tokens(37, 500));
+  ASSERT_TRUE(driver.begin());
+  ASSERT_TRUE(driver.prefill());
+  for (int step = 0; step < 2; ++step) {
+    ASSERT_TRUE(driver.decode());
+  }
+  driver.cancel(1);
+  ASSERT_TRUE(driver.decode());  // rows 0 and 2 only
+  driver.verify();
+  EXPECT_EQ(driver.generated(1).size(), 3u);
+  auto rowOf = [&](CacheSlot slot) {
+    std::span<int32_t const> const row = table.hostRow(slot);
+    return std::vector<int32_t>(row.begin(), row.end());
+  };
+  CacheSlot const dropped = driver.rows[1].resident.slot;
+  CacheSlot const survivors[] = {driver.rows[0].resident.slot, driver.rows[2].resident.slot};
+  std::vector<int32_t> const rowsBefore[] = {rowOf(survivors[0]), rowOf(survivors[1])};
+  int32_t const droppedPages = table.liveEntryCount(dropped);
+  int32_t const held = rig.heldPages();
+  ASSERT_GT(droppedPages, 0);
+
+  ASSERT_TRUE(driver.compact({0, -1, 1}));
+  EXPECT_EQ(table.liveEntryCount(dropped), 0) << "the dropped row is cleared";
+  for (std::size_t i = 0; i < 2; ++i) {
+    EXPECT_EQ(rowOf(survivors[i]), rowsBefore[i]) << "rows never move";
+  }
+  if (bounded) {
+    // Every sequence decodes in M + 1 pages: the mapped window plus its reserve.
+    EXPECT_EQ(held - rig.heldPages(), rig.runtime().swaPageManager()->decodePagesPerSequence());
+  } else {
+    EXPECT_EQ(held - rig.heldPages(), droppedPages);
+    EXPECT_EQ(*driver.facade().prefillStarts(), (std::vector<int32_t>{0, 0}));
+  }
+  EXPECT_EQ(driver.context.activeBatchSize, 2);
+  driver.verify();                         // KV and the compacted KV lengths
+  for (int step = 0; step < 30; ++step) {  // the survivors decode on, past the window
+    ASSERT_TRUE(driver.decode());
+    driver.verify();
+  }
+  EXPECT_EQ(driver.generated(0).size(), 34u);
+  EXPECT_TRUE(driver.finish());
+  EXPECT_EQ(rig.heldPages(), 0);
 }
 
 }  // namespace

@@ -1,0 +1,446 @@
+// ManagedKVCacheRequest (SPEC §9): the dispatch table of each backend, and the contract: misuse
+// throws mkv::Error naming the call and changes nothing (free and held pages, page-table rows,
+// KV lengths, residents, poison, synchronisations), after which the request carries on as if
+// nothing had happened and the KV oracle still passes.
+#include "mkv/managed_kv_cache_request.h"
+
+#include <gtest/gtest.h>
+
+#include <initializer_list>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "runtime_test_rig.h"
+#include "test_util.h"
+
+namespace mkv::runtime_test {
+namespace {
+
+using AdmitStatus = ContextCacheRequest::AdmitSequenceStatus;
+constexpr auto kLookahead = DecodingTokenStateContract::kCommittedPlusLookahead;
+constexpr auto kCommitAll = ContextCacheCommitPolicy::kIncludingGeneratedTokens;
+
+/// `call` throws mkv::Error whose message holds every fragment, and the backend is unchanged.
+template <typename Call>
+void expectRejected(RuntimeRig& rig, char const* what, Call&& call,
+                    std::initializer_list<std::string_view> fragments) {
+  SCOPED_TRACE(what);
+  BackendState const before = rig.observe();
+  EXPECT_TRUE(test::throwsError(std::forward<Call>(call), fragments));
+  rig.expectUnchanged(before);
+}
+
+/// `call` returns `expected` and the backend is unchanged.
+template <typename Call, typename Result>
+void expectNoOp(RuntimeRig& rig, char const* what, Call&& call, Result expected) {
+  SCOPED_TRACE(what);
+  BackendState const before = rig.observe();
+  EXPECT_EQ(call(), expected);
+  rig.expectUnchanged(before);
+}
+
+/// Decodes the survivors to the end of a request and checks their KV: the request works as if
+/// no rejected call had been made.
+void finishCleanly(RuntimeRig& rig, FacadeDriver& driver) {
+  for (int step = 0; step < 3; ++step) {
+    ASSERT_TRUE(driver.decode());
+    driver.verify();
+  }
+  EXPECT_TRUE(driver.finish());
+  EXPECT_FALSE(rig.poisoned());
+  EXPECT_EQ(rig.activeRequests(), 0);
+}
+
+class ManagedKVCacheRequestTest : public ::testing::TestWithParam<Backend> {
+ protected:
+  bool reuse() const { return GetParam() == Backend::kContextReuse; }
+  /// The fragment the backend's own message holds.
+  std::string_view pick(std::string_view reuseText, std::string_view swaText) const {
+    return reuse() ? reuseText : swaText;
+  }
+};
+
+INSTANTIATE_TEST_SUITE_P(Backends, ManagedKVCacheRequestTest,
+                         ::testing::Values(Backend::kContextReuse, Backend::kBoundedSwa),
+                         backendName);
+
+// ---------------------------------------------------------------- begin
+
+TEST(ManagedKVCacheRequestBeginTest, NeedsExactlyOneBackend) {
+  RuntimeRig reuseRig(configFor(Backend::kContextReuse));
+  RuntimeRig swaRig(configFor(Backend::kBoundedSwa));
+  FacadeDriver driver(reuseRig);
+  driver.add(tokenRun(40, 5));
+  auto begin = [&](ContextCacheCoordinator* contextCache, BoundedSwaKVPageManager* swa) {
+    return ManagedKVCacheRequest::begin(contextCache, swa, driver.request, driver.context, false,
+                                        kVanilla, kLookahead, kCommitAll);
+  };
+  BackendState const swaBefore = swaRig.observe();
+  expectRejected(
+      reuseRig, "both backends",
+      [&] { (void)begin(reuseRig.runtime().contextCache(), swaRig.runtime().swaPageManager()); },
+      {"ManagedKVCacheRequest::begin", "exactly one backend",
+       "context cache set, SWA manager set"});
+  swaRig.expectUnchanged(swaBefore);
+  expectRejected(reuseRig, "no backend", [&] { (void)begin(nullptr, nullptr); },
+                 {"ManagedKVCacheRequest::begin", "context cache null, SWA manager null"});
+  // The same request then begins on its one backend and runs.
+  ASSERT_TRUE(driver.begin());
+  ASSERT_TRUE(driver.prefill());
+  finishCleanly(reuseRig, driver);
+}
+
+TEST(ManagedKVCacheRequestBeginTest, BoundedSwaRejectsSpeculationOtherHeadroomAndFullCommit) {
+  RuntimeRig rig(configFor(Backend::kBoundedSwa));
+  FacadeDriver driver(rig);
+  driver.add(tokenRun(40, 5));
+  driver.add(tokenRun(30, 500));
+  BoundedSwaKVPageManager* swa = rig.runtime().swaPageManager();
+  auto begin = [&](bool speculative, DecodingKvHeadroom headroom,
+                   DecodingTokenStateContract contract) {
+    return [&, speculative, headroom, contract] {
+      (void)ManagedKVCacheRequest::begin(nullptr, swa, driver.request, driver.context, speculative,
+                                         headroom, contract, kCommitAll);
+    };
+  };
+  expectRejected(rig, "speculative", begin(true, kVanilla, kLookahead),
+                 {"ManagedKVCacheRequest::begin", "does not decode speculatively"});
+  expectRejected(rig, "two verify tokens", begin(false, {2, 0}, kLookahead),
+                 {"ManagedKVCacheRequest::begin", "needs headroom {1, 0}, got {2, 0}"});
+  expectRejected(rig, "draft tokens", begin(false, {1, 1}, kLookahead), {"got {1, 1}"});
+  expectRejected(rig, "no headroom", begin(false, {0, 0}, kLookahead), {"got {0, 0}"});
+  expectRejected(rig, "fully committed",
+                 begin(false, kVanilla, DecodingTokenStateContract::kFullyCommitted),
+                 {"ManagedKVCacheRequest::begin", "committed-plus-lookahead contract"});
+  ASSERT_TRUE(driver.begin());
+  EXPECT_EQ(rig.freePages(), rig.totalPages() - 2 * 7) << "2M + 1 pages per sequence";
+  ASSERT_TRUE(driver.prefill());
+  finishCleanly(rig, driver);
+}
+
+TEST_P(ManagedKVCacheRequestTest, BeginRejectsAContextWhoseSizesDisagree) {
+  RuntimeRig rig(configFor(GetParam()));
+  FacadeDriver driver(rig);
+  driver.add(tokenRun(40, 5));
+  driver.context.activeBatchSize = 2;
+  expectRejected(rig, "batch size", [&] { (void)driver.begin(); },
+                 {pick("ContextCacheRequest::begin", "ManagedKVCacheRequest::begin"),
+                  pick("activeBatchSize 2 but 1 prompts", "activeBatchSize 2 with 1 prompts")});
+  driver.context.activeBatchSize = 1;
+  std::vector<ResidentRef> const residents = driver.context.residentRefs;
+  driver.context.residentRefs.clear();
+  expectRejected(rig, "no residents", [&] { (void)driver.begin(); },
+                 {pick("0 residents for 1 prompts", "with 1 prompts and 0 residents")});
+  driver.context.residentRefs = residents;
+  ASSERT_TRUE(driver.begin());
+  ASSERT_TRUE(driver.prefill());
+  finishCleanly(rig, driver);
+}
+
+// ---------------------------------------------------------------- lifecycle order
+
+TEST_P(ManagedKVCacheRequestTest, CallsOutOfOrderThrowAndChangeNothing) {
+  RuntimeRig rig(configFor(GetParam()));
+  FacadeDriver driver(rig);
+  driver.add(tokenRun(40, 5));
+  driver.add(tokenRun(23, 300));
+  ManagedKVCacheRequest* facade = nullptr;
+  // With its lookahead tokens sampled, as if the engine had run a prefill.
+  auto completePrefill = [&] {
+    DecodingInferenceContext sampled = driver.context;
+    for (std::vector<int32_t>& generated : sampled.generatedTokenIds) {
+      generated.assign(1, 1234);
+    }
+    (void)facade->completePrefill(sampled, {});
+  };
+  auto prepareDecode = [&] { (void)facade->prepareDecodeStep(driver.context, kVanilla); };
+  auto completeDecode = [&] { (void)facade->completeDecodeStep(driver.context, {}); };
+  auto beginCompaction = [&] {
+    (void)facade->beginBatchCompaction({0, -1}, 1, driver.deviceMapping);
+  };
+  auto completeCompaction = [&] { (void)facade->completeBatchCompaction({0, -1}); };
+  std::vector<int32_t> const joiner = tokenRun(20, 700);
+
+  ASSERT_TRUE(driver.begin());
+  facade = &driver.facade();
+  // Admitted, nothing prepared.
+  expectRejected(rig, "completePrefill before preparePrefill", completePrefill,
+                 {pick("finalizePrefillPublication", "BoundedSwaKVPageManager::completePrefill"),
+                  "no prepared prefill"});
+  expectRejected(rig, "prepareDecodeStep before prefill", prepareDecode,
+                 {pick("ContextCacheCoordinator::prepareDecodeStep",
+                       "BoundedSwaKVPageManager::prepareDecodeStep"),
+                  pick("needs an executing request", "needs a completed prefill")});
+  expectRejected(rig, "completeDecodeStep before prefill", completeDecode,
+                 {pick("ContextCacheRequest::completeDecodeStep",
+                       "BoundedSwaKVPageManager::completeDecodeStep"),
+                  pick("no decode step was prepared", "no prepared decode step")});
+  expectRejected(rig, "beginBatchCompaction before prefill", beginCompaction,
+                 {"beginBatchCompaction", "compaction needs an executing request"});
+  expectRejected(rig, "completeBatchCompaction before prefill", completeCompaction,
+                 {pick("ContextCacheRequest::completeBatchCompaction",
+                       "BoundedSwaKVPageManager::compactBatch"),
+                  pick("differs from the one given", "no batch compaction")});
+
+  // Prefill prepared, not completed.
+  ASSERT_TRUE(driver.preparePrefill());
+  if (reuse()) {
+    expectRejected(rig, "preparePrefill twice", [&] { (void)facade->preparePrefill(); },
+                   {"ContextCacheCoordinator::preparePrefill", "already prepared"});
+    expectRejected(rig, "admitSequence during the prefill", [&] { (void)driver.admit(joiner); },
+                   {"ContextCacheCoordinator::admitSequence", "no pending work"});
+  } else {
+    expectRejected(rig, "prepareSwaPrefill twice",
+                   [&] { (void)facade->prepareSwaPrefill(driver.context.effectivePrefillLengths); },
+                   {"BoundedSwaKVPageManager::preparePrefill", "already prepared"});
+  }
+  expectRejected(rig, "prepareDecodeStep during the prefill", prepareDecode, {"prepareDecodeStep"});
+  expectRejected(rig, "beginBatchCompaction during the prefill", beginCompaction,
+                 {"beginBatchCompaction", "no pending work"});
+  driver.executePrefill();
+  ASSERT_TRUE(driver.completePrefill());
+
+  // Prefill completed, no step prepared.
+  expectRejected(rig, "completePrefill twice", completePrefill,
+                 {pick("finalizePrefillPublication", "BoundedSwaKVPageManager::completePrefill")});
+  expectRejected(rig, "completeDecodeStep without a prepared step", completeDecode,
+                 {"completeDecodeStep", pick("no decode step was prepared", "no prepared")});
+  expectRejected(rig, "completeBatchCompaction without beginBatchCompaction", completeCompaction,
+                 {pick("ContextCacheRequest::completeBatchCompaction",
+                       "BoundedSwaKVPageManager::compactBatch"),
+                  pick("differs", "no batch compaction")});
+  driver.verify();
+
+  // A decode step prepared.
+  ASSERT_TRUE(driver.prepareDecode());
+  expectRejected(rig, "prepareDecodeStep twice", prepareDecode,
+                 {"prepareDecodeStep", pick("already prepared", "no pending work")});
+  expectRejected(rig, "beginBatchCompaction during a step", beginCompaction,
+                 {"beginBatchCompaction", pick("still prepared", "no pending work")});
+  if (reuse()) {
+    expectRejected(rig, "finish during a step", [&] { (void)facade->finish(); },
+                   {"ContextCacheRequest::finish", "a decode step is still prepared"});
+    expectRejected(rig, "admitSequence during a step", [&] { (void)driver.admit(joiner); },
+                   {"ContextCacheRequest::admitSequence", "a decode step is prepared"});
+  }
+  driver.finishRow(1);
+  ASSERT_TRUE(driver.completeDecode());
+
+  // A compaction begun.
+  ASSERT_TRUE(facade->beginBatchCompaction({0, -1}, 1, driver.deviceMapping));
+  expectRejected(rig, "prepareDecodeStep during a compaction", prepareDecode,
+                 {"prepareDecodeStep"});
+  expectRejected(rig, "beginBatchCompaction twice", beginCompaction, {"beginBatchCompaction"});
+  ASSERT_TRUE(facade->completeBatchCompaction({0, -1}));
+  driver.compactView({0, -1});
+  driver.verify();
+  finishCleanly(rig, driver);
+
+  // Finished: the handle is gone; a second finish is a no-op.
+  expectRejected(rig, "prepareDecodeStep after finish", prepareDecode, {"invalid"});
+  expectNoOp(
+      rig, "finish twice", [&] { return facade->finish(); }, true);
+}
+
+// ---------------------------------------------------------------- sizes
+
+TEST_P(ManagedKVCacheRequestTest, SizesThatDisagreeWithTheBatchThrowAndChangeNothing) {
+  RuntimeRig rig(configFor(GetParam()));
+  FacadeDriver driver(rig);
+  driver.add(tokenRun(40, 5));
+  driver.add(tokenRun(23, 300));
+  driver.add(tokenRun(37, 600));
+  ASSERT_TRUE(driver.begin());
+  ManagedKVCacheRequest& facade = driver.facade();
+  DecodingInferenceContext& context = driver.context;
+  if (!reuse()) {
+    expectRejected(rig, "two SWA prefill lengths for three rows",
+                   [&] {
+                     (void)facade.prepareSwaPrefill({40, 23});
+                   },
+                   {"BoundedSwaKVPageManager::preparePrefill", "2 lengths for a batch of 3"});
+    expectRejected(rig, "an empty SWA prefill",
+                   [&] {
+                     (void)facade.prepareSwaPrefill({40, 0, 37});
+                   },
+                   {"BoundedSwaKVPageManager::preparePrefill", "length 0 of row 1"});
+    expectRejected(
+        rig, "a prefill longer than a row",
+        [&] {
+          (void)facade.prepareSwaPrefill({40, 257, 37});
+        },
+        {"BoundedSwaKVPageManager::preparePrefill", "length 257 of row 1 outside (0, 256]"});
+  }
+  ASSERT_TRUE(driver.preparePrefill());
+  driver.executePrefill();
+  // The runtime's view with one row too many, then one too few.
+  auto withRows = [&](std::size_t rows, auto call) {
+    return [&, rows, call] {
+      DecodingInferenceContext const saved = context;
+      context.generatedTokenIds.resize(rows);
+      context.rawBatchedInputIds.resize(rows);
+      context.finishReasons.resize(rows);
+      try {
+        call();
+      } catch (...) {
+        context = saved;
+        throw;
+      }
+      context = saved;
+    };
+  };
+  for (std::size_t rows : {std::size_t{2}, std::size_t{4}}) {
+    expectRejected(
+        rig, "completePrefill", withRows(rows, [&] { (void)facade.completePrefill(context, {}); }),
+        {pick("ContextCacheRequest::completePrefill", "ManagedKVCacheRequest::completePrefill"),
+         "for a batch of 3"});
+  }
+  ASSERT_TRUE(driver.completePrefill());
+  expectRejected(
+      rig, "prepareDecodeStep for two rows",
+      withRows(2, [&] { (void)facade.prepareDecodeStep(context, kVanilla); }),
+      {pick("ContextCacheRequest::prepareDecodeStep", "ManagedKVCacheRequest::prepareDecodeStep"),
+       "for a batch of 3"});
+  ASSERT_TRUE(driver.prepareDecode());
+  expectRejected(
+      rig, "completeDecodeStep for four rows",
+      withRows(4, [&] { (void)facade.completeDecodeStep(context, {}); }),
+      {pick("ContextCacheRequest::completeDecodeStep", "ManagedKVCacheRequest::completeDecodeStep"),
+       pick("the batch changed size", "for a batch of 3")});
+  driver.finishRow(1);
+  ASSERT_TRUE(driver.completeDecode());
+
+  Tensor floatMapping({4}, DataType::kFloat32, DeviceType::kCPU);
+  struct BadMapping {
+    std::vector<int32_t> oldToNew;
+    int32_t newSize;
+    std::string_view fragment;  ///< both backends word it alike
+  };
+  BadMapping const badMappings[] = {
+      {{0, 1}, 2, "mapping has 2 entries for a batch of 3"},
+      {{0, -1, 1}, 3, "2 survivors for a new batch of 3"},
+      {{1, -1, 0}, 2, "oldToNew[0] = 1, expected 0"},  // survivors out of order
+      {{0, -1, 2}, 2, "oldToNew[2] = 2 outside [-1, 2)"},
+      {{0, -2, 1}, 2, "oldToNew[1] = -2 outside [-1, 2)"},
+  };
+  for (BadMapping const& bad : badMappings) {
+    expectRejected(
+        rig, "beginBatchCompaction",
+        [&] { (void)facade.beginBatchCompaction(bad.oldToNew, bad.newSize, driver.deviceMapping); },
+        {pick("ContextCacheCoordinator::beginBatchCompaction",
+              "BoundedSwaKVPageManager::beginBatchCompaction"),
+         bad.fragment});
+  }
+  expectRejected(rig, "a float mapping tensor",
+                 [&] {
+                   (void)facade.beginBatchCompaction({0, -1, 1}, 2, floatMapping);
+                 },
+                 {"int32"});
+  ASSERT_TRUE(facade.beginBatchCompaction({0, -1, 1}, 2, driver.deviceMapping));
+  expectRejected(rig, "completeBatchCompaction with another mapping",
+                 [&] {
+                   (void)facade.completeBatchCompaction({0, 1, -1});
+                 },
+                 {pick("ContextCacheRequest::completeBatchCompaction",
+                       "ManagedKVCacheRequest::completeBatchCompaction"),
+                  "differs from the"});
+  ASSERT_TRUE(facade.completeBatchCompaction({0, -1, 1}));
+  if (reuse()) {
+    expectRejected(rig, "reuseTokenLength beyond the batch",
+                   [&] { (void)facade.reuseTokenLength(2); },
+                   {"ContextCacheRequest::reuseTokenLength", "slot 2 outside the batch of 2"});
+  }
+  driver.compactView({0, -1, 1});  // the survivors carry on
+  driver.verify();
+  finishCleanly(rig, driver);
+}
+
+// ---------------------------------------------------------------- dispatch per backend
+
+TEST(ManagedKVCacheRequestDispatchTest, ContextReuseBackend) {
+  RuntimeRig rig(configFor(Backend::kContextReuse));
+  EXPECT_TRUE(rig.runtime().supportsSeatedAdmission());
+  FacadeDriver driver(rig);
+  driver.add(tokenRun(40, 5));
+  driver.add(tokenRun(23, 300));
+  ASSERT_TRUE(driver.begin());
+  ManagedKVCacheRequest& facade = driver.facade();
+  EXPECT_TRUE(facade.hasContextReuse());
+  ASSERT_NE(facade.prefillStarts(), nullptr);
+  EXPECT_EQ(*facade.prefillStarts(), (std::vector<int32_t>{0, 0}));
+  EXPECT_EQ(facade.reuseTokenLength(1), 0);
+  Tensor hidden({4, 8}, DataType::kFloat16, DeviceType::kCPU);
+  expectRejected(rig, "publishHybridMtpEndpoint",
+                 [&] { (void)facade.publishHybridMtpEndpoint(0, 40, hidden, 0); },
+                 {"publishHybridMtpEndpoint", "not Hybrid-MTP"});
+  expectRejected(rig, "restoreHybridMtpBoundaryHidden",
+                 [&] { (void)facade.restoreHybridMtpBoundaryHidden(0, hidden, 0); },
+                 {"restoreHybridMtpBoundaryHidden", "not Hybrid-MTP"});
+  ASSERT_TRUE(facade.preparePrefill());
+  // The SWA-only call is a no-op here, whatever the lengths.
+  expectNoOp(
+      rig, "prepareSwaPrefill", [&] { return facade.prepareSwaPrefill({}); }, true);
+  expectNoOp(
+      rig, "prepareSwaPrefill, bad lengths", [&] { return facade.prepareSwaPrefill({-5}); }, true);
+  // Attention only: nothing to capture.
+  expectNoOp(
+      rig, "enqueuePrefillCaptures", [&] { return facade.enqueuePrefillCaptures(); }, true);
+  driver.executePrefill();
+  ASSERT_TRUE(driver.completePrefill());
+  driver.verify();
+  finishCleanly(rig, driver);
+}
+
+TEST(ManagedKVCacheRequestDispatchTest, BoundedSwaBackend) {
+  RuntimeRig rig(configFor(Backend::kBoundedSwa));
+  EXPECT_FALSE(rig.runtime().supportsSeatedAdmission());
+  FacadeDriver driver(rig);
+  driver.add(tokenRun(40, 5));
+  driver.add(tokenRun(23, 300));
+  ASSERT_TRUE(driver.begin());
+  ManagedKVCacheRequest& facade = driver.facade();
+  EXPECT_FALSE(facade.hasContextReuse());
+  EXPECT_EQ(facade.prefillStarts(), nullptr);
+  expectRejected(rig, "reuseTokenLength", [&] { (void)facade.reuseTokenLength(0); },
+                 {"ManagedKVCacheRequest::reuseTokenLength", "slot 0", "no context reuse"});
+  Tensor hidden({4, 8}, DataType::kFloat16, DeviceType::kCPU);
+  expectRejected(rig, "publishHybridMtpEndpoint",
+                 [&] { (void)facade.publishHybridMtpEndpoint(1, 23, hidden, 0); },
+                 {"ManagedKVCacheRequest::publishHybridMtpEndpoint", "slot 1", "no context reuse"});
+  expectRejected(rig, "restoreHybridMtpBoundaryHidden",
+                 [&] { (void)facade.restoreHybridMtpBoundaryHidden(0, hidden, 2); },
+                 {"ManagedKVCacheRequest::restoreHybridMtpBoundaryHidden", "no context reuse"});
+  // The context-reuse calls of the prefill are no-ops: nothing is mapped until prepareSwaPrefill.
+  expectNoOp(
+      rig, "preparePrefill", [&] { return facade.preparePrefill(); }, true);
+  ASSERT_TRUE(facade.prepareSwaPrefill(driver.context.effectivePrefillLengths));
+  expectNoOp(
+      rig, "enqueuePrefillCaptures", [&] { return facade.enqueuePrefillCaptures(); }, true);
+  driver.executePrefill();
+  ASSERT_TRUE(driver.completePrefill());
+  // In-flight admission is the backstop here: refused, nothing taken, no poison.
+  {
+    SCOPED_TRACE("admitSequence");
+    BackendState const before = rig.observe();
+    int32_t prefillStart = -7;
+    ResidentRef const resident = rig.runtime().residentSlots().acquire().value();
+    EXPECT_EQ(facade.admitSequence(tokenRun(10, 1), {}, kVanilla, prefillStart, resident,
+                                   driver.context.stream),
+              AdmitStatus::kFailed);
+    EXPECT_EQ(prefillStart, -7);
+    (void)rig.runtime().residentSlots().release(resident);
+    rig.expectUnchanged(before);
+  }
+  int32_t const lookahead = driver.generated(0).back();
+  expectNoOp(
+      rig, "finalizeSequenceAdmission",
+      [&] { return facade.finalizeSequenceAdmission(0, lookahead, 40); }, false);
+  expectNoOp(
+      rig, "retractSequenceAdmission", [&] { return facade.retractSequenceAdmission(); }, true);
+  driver.verify();
+  finishCleanly(rig, driver);
+}
+
+}  // namespace
+}  // namespace mkv::runtime_test

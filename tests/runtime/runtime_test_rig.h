@@ -1,0 +1,190 @@
+#pragma once
+/// \file runtime_test_rig.h
+/// Shared pieces of the runtime suites: small KVCacheRuntime configurations for both backends, a
+/// stream synchroniser whose calls can be made to fail (fault model, SPEC §12), observers of the
+/// backend's pages and tables, and FacadeDriver, which runs one request through
+/// ManagedKVCacheRequest call by call as an engine would, writing KV for every executed position
+/// and checking with the KV oracle what attention reads.
+
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <memory>
+#include <optional>
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include "mkv/kv_cache_runtime.h"
+#include "mkv/managed_kv_cache_request.h"
+#include "mkv/testing/kv_oracle.h"
+
+namespace mkv::runtime_test {
+
+inline constexpr DecodingKvHeadroom kVanilla{1, 0};
+inline constexpr int32_t kPageTokens = 16;
+inline constexpr int32_t kWindowTokens = 24;  ///< SWA runtime: M = ceil(24 / 16) + 1 = 3
+
+/// The two backends a runtime can hand to ManagedKVCacheRequest::begin.
+enum class Backend : uint8_t { kContextReuse, kBoundedSwa };
+std::string backendName(::testing::TestParamInfo<Backend> const& info);
+void PrintTo(Backend backend, std::ostream* out);
+
+/// Host runtimes with 4 resident rows, pages of 16 tokens and 8-byte token rows.
+/// kContextReuse: 2 full-attention layers, 64 pages (16 a row). kBoundedSwa: a Gemma-style model,
+/// 1 full layer (identity-mapped) and 1 sliding layer with W = 24 in 4 x (2M + 1) = 28 pages.
+KVCacheRuntimeConfig configFor(Backend backend);
+
+/// tokens first, first + 1, ..., first + count - 1.
+std::vector<int32_t> tokenRun(int32_t count, int32_t first);
+
+/// Counts the backend's stream synchronisations and fails chosen ones (cudaErrorUnknown). Copies
+/// share one state, so the test keeps this while the runtime owns the std::function.
+class SyncFaults {
+ public:
+  StreamSynchronizer synchronizer(DeviceType device) const;
+  /// The `call`-th synchronisation since construction (1-based) fails, once.
+  void failCall(int64_t call) { mState->failAt = call; }
+  void failNext() { failCall(mState->calls + 1); }
+  void disarm() { mState->failAt = 0; }
+  int64_t calls() const { return mState->calls; }
+  int64_t failures() const { return mState->failures; }
+
+ private:
+  struct State {
+    int64_t calls = 0;
+    int64_t failures = 0;
+    int64_t failAt = 0;
+  };
+  std::shared_ptr<State> mState = std::make_shared<State>();
+};
+
+/// What a rejected call must leave exactly as it was.
+struct BackendState {
+  int32_t freePages = 0;
+  int32_t heldPages = 0;
+  int32_t activeRequests = 0;
+  bool poisoned = false;
+  int32_t availableResidents = 0;
+  std::vector<int32_t> fullTable;  ///< every host row of the full pool's table
+  std::vector<int32_t> swaTable;   ///< every host row of the SWA table (bounded SWA)
+  std::vector<int32_t> kvLengths;  ///< the active rows of every length tensor
+  int64_t synchronizations = 0;
+};
+
+/// A KVCacheRuntime whose backend synchronises through SyncFaults. Declare drivers and facades
+/// after the rig, so they are destroyed first.
+class RuntimeRig {
+ public:
+  explicit RuntimeRig(KVCacheRuntimeConfig config);
+  /// Drains what a failed test left quarantined (the backend's destructor would terminate).
+  ~RuntimeRig();
+  RuntimeRig(RuntimeRig const&) = delete;
+  RuntimeRig& operator=(RuntimeRig const&) = delete;
+
+  KVCacheRuntime& runtime() { return *mRuntime; }
+  SyncFaults& faults() { return mFaults; }
+  bool boundedSwa() const { return mRuntime->backend() == KVCacheBackend::kBoundedSwa; }
+  /// The backend's page pool: base KV pages (coordinator) or SWA pages.
+  int32_t freePages() const;
+  int32_t totalPages() const;
+  /// Pages that a request holds or quarantines (neither free nor only cached by a record).
+  int32_t heldPages() const;
+  bool poisoned() const;
+  int32_t activeRequests() const;
+  BackendState observe() const;
+  /// Every field of `before` still holds.
+  void expectUnchanged(BackendState const& before) const;
+  /// No request, no poison, no held page (free == total; with reuse free + cached == total and
+  /// every cached page reclaimable), every row of the backend's table empty, every resident
+  /// available.
+  void expectIdle() const;
+
+ private:
+  SyncFaults mFaults;
+  std::unique_ptr<KVCacheRuntime> mRuntime;
+};
+
+/// One request driven through ManagedKVCacheRequest as an engine drives it: residents from the
+/// runtime, the LLMGenerationRequest and DecodingInferenceContext, KV bytes written through the
+/// oracles for every executed position, the device KV lengths, and compaction of its own view.
+/// Sampled tokens are a deterministic function of the prefix.
+class FacadeDriver {
+ public:
+  struct Row {
+    std::vector<int32_t> prompt;
+    ResidentRef resident;
+    testing::PrefixDigests digests;  ///< prompt, then every sampled token
+    int32_t prefillStart = 0;
+    int32_t materialized = 0;  ///< positions with KV
+    bool seated = true;        ///< false: admitted in flight, prefill not run yet
+  };
+
+  explicit FacadeDriver(RuntimeRig& rig);
+  /// Drops the facade (abandoning a live request) and releases the residents.
+  ~FacadeDriver();
+  FacadeDriver(FacadeDriver const&) = delete;
+  FacadeDriver& operator=(FacadeDriver const&) = delete;
+
+  /// Adds a founding row on a fresh resident (before begin).
+  void add(std::vector<int32_t> prompt);
+  /// ManagedKVCacheRequest::begin on the runtime's backend, vanilla decoding.
+  bool begin();
+  /// preparePrefill, then prepareSwaPrefill with the executed lengths.
+  bool preparePrefill();
+  /// The engine's prefill: KV of every row from its prefill start, lengths, one lookahead token.
+  void executePrefill();
+  bool completePrefill();
+  bool prefill();
+  /// prepareDecodeStep; then the engine writes the KV of each running row's last token and
+  /// samples the next one.
+  bool prepareDecode();
+  bool completeDecode();
+  bool decode();
+  /// Stops a row before the next step (no token): kCancelled.
+  void cancel(std::size_t row);
+  /// Marks a row finished by its last sampled token (kLength).
+  void finishRow(std::size_t row);
+  /// beginBatchCompaction + completeBatchCompaction, then compactView on success.
+  bool compact(std::vector<int32_t> const& oldToNew);
+  /// The engine's view follows a completed compaction: rows mapped to -1 leave and their
+  /// residents are released.
+  void compactView(std::vector<int32_t> const& oldToNew);
+  /// admitSequence on a fresh resident; the row joins unseated. The resident is released again
+  /// unless the status is kAdmitted.
+  ContextCacheRequest::AdmitSequenceStatus admit(std::vector<int32_t> prompt);
+  /// The joiner's prefill, KV length and lookahead, then finalizeSequenceAdmission.
+  bool seatNewest();
+  /// retractSequenceAdmission; on success the newest row leaves the view.
+  bool retractNewest();
+  bool finish();
+  /// Destroys the facade (abandonment).
+  void drop() { managed.reset(); }
+  /// Oracle over every running row (all positions of full layers, the last W of sliding ones)
+  /// and the device KV lengths of the batch.
+  void verify() const;
+  /// The sampled tokens of a row.
+  std::vector<int32_t> const& generated(std::size_t row) const {
+    return context.generatedTokenIds[row];
+  }
+  ManagedKVCacheRequest& facade() { return *managed; }
+
+  LLMGenerationRequest request;
+  DecodingInferenceContext context;
+  std::vector<Row> rows;
+  std::optional<ManagedKVCacheRequest> managed;
+  Tensor deviceMapping;
+
+ private:
+  void executeRowPrefill(std::size_t row);
+  void sample(std::size_t row);
+  void writeLength(std::size_t row);
+  void appendRow(std::vector<int32_t> prompt, ResidentRef resident, bool seated);
+  void popRow();
+
+  RuntimeRig& mRig;
+  std::unique_ptr<testing::KvOracle> mFullOracle;
+  std::unique_ptr<testing::KvOracle> mSwaOracle;
+};
+
+}  // namespace mkv::runtime_test
