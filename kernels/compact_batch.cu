@@ -19,12 +19,17 @@ namespace mkv::kernels::detail {
 namespace {
 
 /// Threads per CTA and rows each thread has in flight per window: 512 x 8 x 16 B = 64 KiB per
-/// window. To be measured on the H200 (kernels.md has no in-place compaction numbers).
+/// window (64 registers at 16 B, two CTAs per SM).
 constexpr int32_t kCompactThreads = 512;
 constexpr int32_t kCompactRowsInFlight = 8;
 /// Column chunks a buffer is cut into when its rows are wide enough (256: about two CTAs per SM
 /// of an H200 for one buffer), and the narrowest chunk (64 B, two 32-byte sectors per row).
-/// To be measured on the H200.
+/// Measured on an H200 (docs/benchmarks.md, 2026-12-02), half the rows dropped: at n = 256 rows
+/// (real batches) 7.6-11.8 us, 0.66-0.75 x a memcpy of the moved bytes, launch bound like the
+/// memcpy itself; at n = 32768 the serial window sweep of one CTA per column chunk reaches only
+/// 0.15 (2 KiB rows: 32 CTAs), 0.38 (8 KiB), 0.57 (16 KiB) and 0.73 (64 KiB). Row-parallel
+/// in-place compaction needs ordering between CTAs (a window may overwrite rows an earlier
+/// window still has to read); docs/benchmarks.md describes the redesign.
 constexpr int64_t kCompactTargetChunks = 256;
 constexpr int64_t kCompactMinChunkBytes = 64;
 /// grid.x limit (a row of 2^31 x 512 x 16 B is far beyond any memory).

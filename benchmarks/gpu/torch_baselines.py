@@ -8,7 +8,9 @@ expected tensor through an int16 view (random bf16 bit patterns contain NaNs, so
 equality would be the wrong check). Times are medians over CUDA-event-bracketed repetitions.
 
 With ``--mkv-csv`` (the CSV of mkv_gpu_bench) it also prints the G6 gates: managedkv
->= 1.0x index_select(out=) and >= 3.5x index_copy_ / advanced-index assignment.
+>= 1.0x index_select(out=) and >= 3.5x index_copy_ / advanced-index assignment. With
+``--torch-csv`` it measures nothing and prints the G6 gates from an earlier run's two CSVs
+(no torch or GPU needed).
 
 Exit status: 0 ran and verified; 2 a verification mismatch; 77 no torch or no CUDA device.
 """
@@ -20,9 +22,8 @@ import sys
 
 try:
     import torch
-except ImportError:  # the development machines have no torch
-    print("torch_baselines.py: torch is not installed; nothing measured", file=sys.stderr)
-    sys.exit(77)
+except ImportError:  # the development machines have no torch (enough for --torch-csv)
+    torch = None
 
 KIB = 1024
 MIB = 1024 * KIB
@@ -252,7 +253,8 @@ def g6_gates(rows, mkv_csv):
     for r in rows:
         if r["case"] not in mkv or "copy_ (same" in r["method"]:
             continue
-        need = 1.0 if "index_select" in r["method"] else 3.5
+        # "index_copy_(index_select)" also names index_select: match the method, not a substring.
+        need = 1.0 if r["method"].startswith("torch index_select") else 3.5
         speedup = r["us"] / mkv[r["case"]]
         gates.append((r["case"], r["method"], mkv[r["case"]], r["us"], speedup, need))
     print(f"\nG6: managedkv vs torch on the same shapes\n{'case':<30} {'torch method':<40} "
@@ -267,10 +269,23 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--csv", help="write the rows here")
     parser.add_argument("--mkv-csv", help="CSV of mkv_gpu_bench for the G6 comparison")
+    parser.add_argument("--torch-csv", help="measure nothing: G6 gates from this CSV of an "
+                        "earlier run (needs --mkv-csv)")
     parser.add_argument("--filter", default="", help="only cases whose name contains this")
     parser.add_argument("--reps", type=int, default=15)
     parser.add_argument("--warmups", type=int, default=3)
     args = parser.parse_args()
+    if args.torch_csv:
+        if not args.mkv_csv:
+            parser.error("--torch-csv needs --mkv-csv")
+        with open(args.torch_csv, newline="") as f:
+            rows = [{"case": r["case"], "method": r["method"], "us": float(r["us_median"])}
+                    for r in csv.DictReader(f)]
+        gates = g6_gates(rows, args.mkv_csv)
+        return 0 if gates else 1
+    if torch is None:
+        print("torch_baselines.py: torch is not installed; nothing measured", file=sys.stderr)
+        return 77
     if not torch.cuda.is_available():
         print("torch_baselines.py: no CUDA device visible; nothing measured", file=sys.stderr)
         return 77
