@@ -48,7 +48,9 @@ template <typename T>
 std::vector<T> readAs(Tensor const& tensor) {
   std::vector<uint8_t> const bytes = readBytes(tensor);
   std::vector<T> values(bytes.size() / sizeof(T));
-  std::memcpy(values.data(), bytes.data(), values.size() * sizeof(T));
+  if (!values.empty()) {  // memcpy of an empty vector's null data() is undefined
+    std::memcpy(values.data(), bytes.data(), values.size() * sizeof(T));
+  }
   return values;
 }
 

@@ -53,6 +53,7 @@ using test::viewOf;
 
 constexpr int32_t kPage = 4;
 
+#if MKV_TEST_ALLOCATION_INJECTION
 struct Counters {
   uint64_t published, touched, upgrades, evicted, admitted, lookups, rejects;
   friend bool operator==(Counters const&, Counters const&) = default;
@@ -63,6 +64,7 @@ Counters countersOf(ContextCacheManager const& m) {
           x.evictedRecords,     x.admittedSequences,      x.lookups,
           x.verificationRejects};
 }
+#endif
 
 /// Runs `operation` with the n-th allocation failing, for n = 0, 1, ... until it succeeds.
 /// Returns the number of injected failures. `operation` must be repeatable after a failure.

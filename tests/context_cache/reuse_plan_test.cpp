@@ -173,7 +173,8 @@ TEST_F(ReusePlanTest, PlanningDoesNotChangePoolRefsOrRecordRecency) {
   publishCheckpointOf(mManager, prompt, 6);
   publishCold(mManager, iotaTokens(8, 100));
   test::ManagerState const before = captureState(mManager);
-  PromptBlocks const blocks = blocksOf(test::concat(prompt, {1}));
+  std::vector<int32_t> const longer = test::concat(prompt, {1});  // blocks view its tokens
+  PromptBlocks const blocks = blocksOf(longer);
   (void)makeVanillaReusePlan(index(), blocks, kUse);
   (void)makeHybridReusePlan(index(), records(), blocks, true, kUse);
   (void)makeHybridMtpReusePlan(index(), records(), blocks, kUse);
