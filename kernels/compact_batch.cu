@@ -1,16 +1,54 @@
-/// compactBatch on the GPU: order-preserving in-place compaction of every buffer in one launch.
+/// compactBatch on the GPU: order-preserving in-place compaction of every buffer in one launch,
+/// parallel over rows as well as columns.
 ///
-/// Why it is safe in place (cf. vLLM PR #50729): an order-preserving mapping sends old row i to
-/// d_i <= i. A CTA owns one column chunk of one buffer and sweeps the old rows upward in
-/// windows: it loads the chunk of every moving row of the window into registers, waits at a
-/// barrier, then stores them. A store of window w writes a row d_i <= i < end of w, whose old
-/// contents were loaded in window w or earlier; loads of later windows read rows >= end of w,
-/// which nothing writes any more. No other CTA touches the chunk, so no row is overwritten
-/// before it was read, for any order-preserving mapping.
+/// Work units. Buffer k is cut into row tiles of R_k consecutive old rows and column chunks of
+/// C_k vectors with R_k x C_k = 2048 vectors (compactTileShape in kernel_params.h; 32 KiB at
+/// 16-byte width). A unit (k, tile r, chunk c) is one CTA: it loads the chunk of every moving
+/// row of its tile into registers (a row moves when its destination d = oldToNew[i] lies in
+/// [0, newBatch) and differs from i), then stores them to rows d.
 ///
-/// Parallelism therefore comes from column chunks (and buffers), and from the rows of one
-/// window: grid.y = buffer, grid.x = column chunk.
+/// Why it is safe in place. An order-preserving mapping sends old row i to d <= i, and each
+/// destination has one source. The old contents of a row d that the unit overwrites are read
+/// (if d moves itself) only by the unit (k, tileOf(d), c), with tileOf(d) <= r. When that is the
+/// unit itself, a barrier puts its loads before its stores. Otherwise the unit waits for it:
+///   1. load the moving rows (every thread waits for its loads before the barrier: the loaded
+///      values feed __syncthreads_or);
+///   2. thread 0 publishes "tile loaded" for (k, r, c): a device-scope fence, then a flag store;
+///   3. thread 0 waits until the units (k, r', c) for r' in [tileOf(minDest),
+///      min(tileOf(maxDest), r - 1)] have published, where minDest and maxDest are the extreme
+///      destinations of the unit's movers (every row it writes lies between them; for an
+///      order-preserving mapping that is at most two tiles), then a barrier;
+///   4. store.
+/// Nothing else writes a row d: the unit writing it is the one holding its single source.
+///
+/// No deadlock. Units are not blockIdx: each CTA takes a ticket from a counter in the workspace
+/// and works on unit = ticket, numbered buffer by buffer and tile-major within a buffer. A unit
+/// waits only for units of the same (k, c) with a smaller tile, so with a smaller ticket, which a
+/// running CTA already holds; and a unit publishes before it waits. By induction over tickets
+/// every unit publishes and every wait ends, whatever order and residency the scheduler picks
+/// (compute-sanitizer running one CTA at a time included), and for any mapping, ordered or not
+/// (an unordered one gives undefined rows, never a hang or a write outside [0, newBatch)).
+///
+/// Memory ordering (PTX memory model). Publisher: its loads have returned before the barrier,
+/// then thread 0's fence.acq_rel.gpu and relaxed flag store form a release pattern. Waiter:
+/// thread 0 reads the flags relaxed once while the tile loads are in flight; the same fence,
+/// executed after that read, turns a hit into an acquire pattern; a miss is then polled with
+/// ld.acquire.gpu and __nanosleep backoff. The barrier after the wait orders every thread's
+/// stores after thread 0's acquire. A CTA never waits for itself (r' < r). The overlap of a
+/// destination row with a source row still to be read is the in-place hazard of vLLM #50729.
+///
+/// Workspace and replay (layout: kernel_params.h). One 64-bit atomic add hands out the ticket
+/// (low half) and the launch generation (high half). The CTA that takes the last ticket knows
+/// every ticket of the launch is taken and stores (generation + 1, ticket 0): the next launch
+/// (stream-ordered, or the next replay of a graph) starts clean. A flag means "loaded in this
+/// launch" when it equals generation + 1, so flags are never cleared, except once every 2^32 - 1
+/// launches: in the launch of kCompactWrapGeneration the units count themselves finished and
+/// the last one zeroes every flag before the generation restarts at 0. A launch of one unit
+/// needs no ordering and leaves the workspace alone.
+#include <cuda/atomic>
+
 #include <algorithm>
+#include <climits>
 
 #include "kernel_params.h"
 #include "vector_copy.cuh"
@@ -18,88 +56,220 @@
 namespace mkv::kernels::detail {
 namespace {
 
-/// Threads per CTA and rows each thread has in flight per window: 512 x 8 x 16 B = 64 KiB per
-/// window (64 registers at 16 B, two CTAs per SM).
-constexpr int32_t kCompactThreads = 512;
-constexpr int32_t kCompactRowsInFlight = 8;
-/// Column chunks a buffer is cut into when its rows are wide enough (256: about two CTAs per SM
-/// of an H200 for one buffer), and the narrowest chunk (64 B, two 32-byte sectors per row).
-/// Measured on an H200 (docs/benchmarks.md, 2026-12-02), half the rows dropped: at n = 256 rows
-/// (real batches) 7.6-11.8 us, 0.66-0.75 x a memcpy of the moved bytes, launch bound like the
-/// memcpy itself; at n = 32768 the serial window sweep of one CTA per column chunk reaches only
-/// 0.15 (2 KiB rows: 32 CTAs), 0.38 (8 KiB), 0.57 (16 KiB) and 0.73 (64 KiB). Row-parallel
-/// in-place compaction needs ordering between CTAs (a window may overwrite rows an earlier
-/// window still has to read); docs/benchmarks.md describes the redesign.
-constexpr int64_t kCompactTargetChunks = 256;
-constexpr int64_t kCompactMinChunkBytes = 64;
-/// grid.x limit (a row of 2^31 x 512 x 16 B is far beyond any memory).
-constexpr int64_t kMaxCompactChunks = (int64_t{1} << 31) - 1;
+using WordRef = cuda::atomic_ref<uint32_t, cuda::thread_scope_device>;
+using TicketRef = cuda::atomic_ref<unsigned long long, cuda::thread_scope_device>;
 
-/// How one buffer is cut into column chunks: `lanes` consecutive threads (a power of two)
-/// cover one chunk of a row with `Width`-byte accesses.
-struct CompactGeometry {
-  int32_t lanes;
-  int64_t chunks;
+/// Kernel parameters: the launch plus where each buffer's units start.
+struct CompactKernelParams {
+  CompactBatchLaunch launch;
+  uint32_t firstUnit[kMaxRowBuffers + 1];  // buffer b: units [firstUnit[b], firstUnit[b + 1])
+  uint32_t numUnits;
 };
 
-__host__ __device__ constexpr int64_t nextPowerOfTwo(int64_t value) {
-  int64_t result = 1;
-  while (result < value) {
-    result *= 2;
+/// Poll interval bounds of a waiting thread 0. A waited-for tile was dispatched before the
+/// waiter and publishes after one load round trip (about a microsecond), so the cap is short.
+constexpr unsigned int kFirstSleepNs = 32;
+constexpr unsigned int kMaxSleepNs = 512;
+
+/// One word of a loaded vector: using it waits for the whole load instruction.
+template <typename V>
+__device__ __forceinline__ uint32_t lowWord(V const& value) {
+  if constexpr (sizeof(V) >= 8) {
+    return value.x;
+  } else {
+    return value;
   }
-  return result;
 }
 
-__host__ __device__ constexpr CompactGeometry compactGeometry(int64_t rowBytes, int32_t width) {
-  int64_t const vectorsPerRow = rowBytes / width;
-  int64_t lanes = nextPowerOfTwo((vectorsPerRow + kCompactTargetChunks - 1) / kCompactTargetChunks);
-  int64_t const minLanes = kCompactMinChunkBytes / width;
-  lanes = lanes < minLanes ? minLanes : lanes;
-  lanes = lanes > kCompactThreads ? kCompactThreads : lanes;
-  int64_t const rowLanes = nextPowerOfTwo(vectorsPerRow);
-  lanes = lanes > rowLanes ? rowLanes : lanes;
-  return CompactGeometry{static_cast<int32_t>(lanes), (vectorsPerRow + lanes - 1) / lanes};
+__device__ __forceinline__ void waitUntilLoaded(uint32_t* flag, uint32_t loaded) {
+  unsigned int sleepNs = kFirstSleepNs;
+  while (WordRef(*flag).load(cuda::memory_order_acquire) != loaded) {
+    __nanosleep(sleepNs);
+    sleepNs = min(2 * sleepNs, kMaxSleepNs);
+  }
 }
 
+/// The buffer whose units contain `unit` (firstUnit is strictly increasing: every buffer of a
+/// launch has at least one unit).
+__device__ __forceinline__ int32_t bufferOfUnit(CompactKernelParams const& params, uint32_t unit) {
+  int32_t low = 0;
+  int32_t high = params.launch.numBuffers;  // invariant: firstUnit[low] <= unit < firstUnit[high]
+  while (high - low > 1) {
+    int32_t const middle = (low + high) / 2;
+    if (params.firstUnit[middle] <= unit) {
+      low = middle;
+    } else {
+      high = middle;
+    }
+  }
+  return low;
+}
+
+/// Four CTAs per SM (64 registers; -Xptxas -v, sm_90: 60-64 registers, no spills, 8.2 KiB of
+/// shared memory): 128 KiB of tiles in flight per SM. Without the minimum, ptxas aimed at 48
+/// registers and spilled at 2-, 4- and 16-byte widths.
 template <int Width>
-__global__ void __launch_bounds__(kCompactThreads)
-    compactBatchKernel(__grid_constant__ CompactBatchLaunch const launch) {
+__global__ void __launch_bounds__(kCompactThreads, 4)
+    compactBatchKernel(__grid_constant__ CompactKernelParams const params) {
   using V = Vec<Width>;
-  RowBufferDesc const& buffer = launch.buffers[blockIdx.y];
-  uint8_t* const data = buffer.data;
-  int64_t const rowBytes = buffer.rowBytes;
-  CompactGeometry const geometry = compactGeometry(rowBytes, Width);
-  if (blockIdx.x >= geometry.chunks) {
-    return;  // the whole CTA leaves: no barrier is skipped by part of it
-  }
-  int32_t const lanes = geometry.lanes;
-  int32_t const lane = static_cast<int32_t>(threadIdx.x) % lanes;
-  int32_t const rowsPerPass = kCompactThreads / lanes;
-  int32_t const rowInPass = static_cast<int32_t>(threadIdx.x) / lanes;
-  int64_t const column = (int64_t{blockIdx.x} * lanes + lane) * Width;
-  bool const columnInRow = column < rowBytes;
-  int32_t const rowsPerWindow = rowsPerPass * kCompactRowsInFlight;
+  constexpr int32_t kTileVectors = 1 << kCompactTileVectorsLog2;
+  __shared__ int32_t sTargets[kTileVectors];  // per tile row: destination, or -1 (not moving)
+  __shared__ unsigned long long sTicket;
+  __shared__ int32_t sMinTarget;
+  __shared__ int32_t sMaxTarget;
+  __shared__ bool sLastFinisher;
 
-  for (int32_t windowStart = 0; windowStart < launch.oldBatch; windowStart += rowsPerWindow) {
-    V values[kCompactRowsInFlight];
-    int32_t targets[kCompactRowsInFlight];
-#pragma unroll
-    for (int32_t k = 0; k < kCompactRowsInFlight; ++k) {
-      int32_t const oldRow = windowStart + rowInPass + k * rowsPerPass;
-      targets[k] = -1;
-      if (columnInRow && oldRow < launch.oldBatch) {
-        int32_t const newRow = launch.oldToNew[oldRow];
-        if (newRow >= 0 && newRow < launch.newBatch && newRow != oldRow) {
-          targets[k] = newRow;
-          values[k] = *reinterpret_cast<V const*>(data + oldRow * rowBytes + column);
-        }
+  CompactBatchLaunch const& launch = params.launch;
+  auto const thread = static_cast<int32_t>(threadIdx.x);
+  bool const ordered = params.numUnits > 1;
+  uint32_t* const flags = launch.workspace + kCompactHeaderWords;
+  if (thread == 0) {
+    sTicket = 0;  // a single unit is unit 0 and touches no workspace
+    if (ordered) {
+      auto* const ticketWord =
+          reinterpret_cast<unsigned long long*>(launch.workspace + kCompactTicketWord);
+      TicketRef ticket(*ticketWord);
+      sTicket = ticket.fetch_add(1, cuda::memory_order_relaxed);
+      auto const taken = static_cast<uint32_t>(sTicket);
+      if (taken == params.numUnits - 1) {  // every ticket of this launch is taken: reset
+        auto const generation = static_cast<uint32_t>(sTicket >> 32);
+        uint32_t const next = generation == kCompactWrapGeneration ? 0 : generation + 1;
+        ticket.store(static_cast<unsigned long long>(next) << 32, cuda::memory_order_relaxed);
       }
     }
-    __syncthreads();  // every load of the window precedes every store of it
+    sMinTarget = INT_MAX;
+    sMaxTarget = -1;
+  }
+  __syncthreads();
+  auto const unit = static_cast<uint32_t>(sTicket);
+  auto const generation = static_cast<uint32_t>(sTicket >> 32);
+  if (unit >= params.numUnits) {
+    return;  // only with a workspace written by someone else; the whole CTA leaves
+  }
+
+  int32_t const b = bufferOfUnit(params, unit);
+  uint8_t* const data = launch.buffers[b].data;
+  int64_t const rowBytes = launch.buffers[b].rowBytes;
+  CompactTileShape const shape = compactTileShape(rowBytes, Width);
+  auto const chunks = static_cast<uint32_t>(shape.chunks);
+  uint32_t const local = unit - params.firstUnit[b];
+  uint32_t const tile = local / chunks;
+  uint32_t const chunk = local - tile * chunks;
+  int64_t const firstRow = int64_t{tile} << shape.rowsLog2;
+  int32_t const tileRows = 1 << shape.rowsLog2;
+
+  // Destinations of the tile's rows, and their extremes.
+  int32_t minTarget = INT_MAX;
+  int32_t maxTarget = -1;
 #pragma unroll
-    for (int32_t k = 0; k < kCompactRowsInFlight; ++k) {
-      if (targets[k] >= 0) {
-        *reinterpret_cast<V*>(data + targets[k] * rowBytes + column) = values[k];
+  for (int32_t k = 0; k < kCompactVectorsPerThread; ++k) {
+    int32_t const row = k * kCompactThreads + thread;
+    if (row < tileRows) {
+      int64_t const oldRow = firstRow + row;
+      int32_t target = -1;
+      if (oldRow < launch.oldBatch) {
+        int32_t const newRow = __ldg(launch.oldToNew + oldRow);
+        target = newRow >= 0 && newRow < launch.newBatch && newRow != oldRow ? newRow : -1;
+      }
+      sTargets[row] = target;
+      if (target >= 0) {
+        minTarget = min(minTarget, target);
+        maxTarget = max(maxTarget, target);
+      }
+    }
+  }
+#pragma unroll
+  for (int32_t offset = kWarpSize / 2; offset > 0; offset /= 2) {
+    minTarget = min(minTarget, __shfl_xor_sync(0xFFFFFFFFu, minTarget, offset));
+    maxTarget = max(maxTarget, __shfl_xor_sync(0xFFFFFFFFu, maxTarget, offset));
+  }
+  if (thread % kWarpSize == 0 && maxTarget >= 0) {
+    atomicMin(&sMinTarget, minTarget);
+    atomicMax(&sMaxTarget, maxTarget);
+  }
+  __syncthreads();
+
+  // Earlier tiles of (b, chunk) holding rows this unit writes: [firstWait, lastWait].
+  uint32_t const loaded = generation + 1;
+  int64_t firstWait = 0;
+  int64_t lastWait = -1;
+  if (ordered && sMaxTarget >= 0) {
+    firstWait = sMinTarget >> shape.rowsLog2;
+    lastWait = min(int64_t{sMaxTarget >> shape.rowsLog2}, int64_t{tile} - 1);
+  }
+  auto flagOf = [&](int64_t waitTile) {
+    return flags + params.firstUnit[b] + static_cast<uint32_t>(waitTile) * chunks + chunk;
+  };
+
+  // 1. Load the moving rows' chunk: vector e = k * threads + thread of the tile is row
+  //    e / C, column e % C, so a warp reads 32 consecutive vectors (512 B at 16 B) of a row, or
+  //    several whole narrow rows.
+  int32_t const chunkLog2 = shape.chunkVectorsLog2;
+  int64_t const rowVectors = rowBytes / Width;
+  int64_t const firstColumn = int64_t{chunk} << chunkLog2;
+  V values[kCompactVectorsPerThread];
+  uint32_t moving = 0;  // bit k: vector k moves
+  uint32_t touch = 0;
+#pragma unroll
+  for (int32_t k = 0; k < kCompactVectorsPerThread; ++k) {
+    int32_t const e = k * kCompactThreads + thread;
+    int32_t const row = e >> chunkLog2;
+    int64_t const column = firstColumn + (e & ((1 << chunkLog2) - 1));
+    if (sTargets[row] >= 0 && column < rowVectors) {
+      values[k] = reinterpret_cast<V const*>(data + (firstRow + row) * rowBytes)[column];
+      moving |= 1u << k;
+      touch |= lowWord(values[k]);
+    }
+  }
+  // Thread 0 takes a first, relaxed look at the (at most two, for an ordered mapping) flags it
+  // needs while its loads are in flight.
+  bool earlierLoaded = true;
+  if (thread == 0 && firstWait <= lastWait) {
+    uint32_t const first = WordRef(*flagOf(firstWait)).load(cuda::memory_order_relaxed);
+    uint32_t const last = WordRef(*flagOf(lastWait)).load(cuda::memory_order_relaxed);
+    earlierLoaded = lastWait - firstWait <= 1 && first == loaded && last == loaded;
+  }
+  // Every thread's loads have returned when the barrier opens (it consumes `touch`).
+  (void)__syncthreads_or(static_cast<int>(touch));
+
+  if (ordered && thread == 0) {
+    // 2. Publish: release pattern (also the acquire fence for the relaxed look above).
+    cuda::atomic_thread_fence(cuda::memory_order_acq_rel, cuda::thread_scope_device);
+    WordRef(flags[unit]).store(loaded, cuda::memory_order_relaxed);
+    // 3. Wait for the earlier tiles that read rows this unit overwrites.
+    if (!earlierLoaded) {
+      for (int64_t t = firstWait; t <= lastWait; ++t) {
+        waitUntilLoaded(flagOf(t), loaded);
+      }
+    }
+  }
+  __syncthreads();
+
+  // 4. Store.
+#pragma unroll
+  for (int32_t k = 0; k < kCompactVectorsPerThread; ++k) {
+    if ((moving >> k) & 1u) {
+      int32_t const e = k * kCompactThreads + thread;
+      int64_t const column = firstColumn + (e & ((1 << chunkLog2) - 1));
+      int64_t const target = sTargets[e >> chunkLog2];
+      reinterpret_cast<V*>(data + target * rowBytes)[column] = values[k];
+    }
+  }
+
+  if (ordered && generation == kCompactWrapGeneration) {
+    // Once every 2^32 - 1 launches: the last unit to finish with the flags clears them all.
+    if (thread == 0) {
+      WordRef finished(launch.workspace[kCompactFinishedWord]);
+      sLastFinisher = finished.fetch_add(1, cuda::memory_order_acq_rel) == params.numUnits - 1;
+    }
+    __syncthreads();
+    if (sLastFinisher) {
+      int64_t const flagWords = launch.workspaceWords - kCompactHeaderWords;
+      for (int64_t w = thread; w < flagWords; w += kCompactThreads) {
+        flags[w] = 0;
+      }
+      if (thread == 0) {
+        launch.workspace[kCompactFinishedWord] = 0;
       }
     }
   }
@@ -113,16 +283,21 @@ cudaError_t compactBatchCuda(CompactBatchLaunch const& launch, cudaStream_t stre
     bits |= addressBits(launch.buffers[b].data) | static_cast<uint64_t>(launch.buffers[b].rowBytes);
   }
   int32_t const width = accessWidth(bits);
-  int64_t chunks = 1;
+  CompactKernelParams params{};
+  params.launch = launch;
+  int64_t units = 0;
   for (int32_t b = 0; b < launch.numBuffers; ++b) {
-    chunks = std::max(chunks, compactGeometry(launch.buffers[b].rowBytes, width).chunks);
+    params.firstUnit[b] = static_cast<uint32_t>(units);
+    units += compactUnits(launch.buffers[b].rowBytes, width, launch.oldBatch);
+    if (units > std::min(kMaxCompactUnits, launch.workspaceWords - kCompactHeaderWords)) {
+      return cudaErrorInvalidValue;  // the launcher's validation makes this unreachable
+    }
   }
-  if (chunks > kMaxCompactChunks) {
-    return cudaErrorInvalidValue;
-  }
-  dim3 const grid(static_cast<unsigned int>(chunks), static_cast<unsigned int>(launch.numBuffers), 1);
+  params.firstUnit[launch.numBuffers] = static_cast<uint32_t>(units);
+  params.numUnits = static_cast<uint32_t>(units);
   withAccessWidth(width, [&](auto w) {
-    compactBatchKernel<decltype(w)::value><<<grid, kCompactThreads, 0, stream>>>(launch);
+    compactBatchKernel<decltype(w)::value>
+        <<<static_cast<unsigned int>(units), kCompactThreads, 0, stream>>>(params);
   });
   return cudaGetLastError();
 }

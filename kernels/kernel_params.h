@@ -32,9 +32,70 @@ struct RowBufferDesc {
   int64_t rowBytes;
 };
 
+/// compactBatch's work decomposition (the design: kernels/compact_batch.cu). A work unit is one
+/// row tile (consecutive old rows) x one column chunk of one buffer, moved by one CTA of
+/// kCompactThreads threads holding kCompactVectorsPerThread vectors each: a tile of
+/// 2^kCompactTileVectorsLog2 vectors (32 KiB at 16-byte width). Plain constexpr functions, so
+/// the launcher (unit bound, workspace size) and the kernel (decoding a unit) share them.
+/// Chosen from kernels.md §3.4 (16-byte accesses, >= 4 loads in flight per thread, ~16-32 KiB
+/// per CTA); not yet measured on an H200 with this kernel (docs/benchmarks.md).
+inline constexpr int32_t kCompactThreads = 256;
+inline constexpr int32_t kCompactVectorsPerThread = 8;
+inline constexpr int32_t kCompactTileVectorsLog2 = 11;
+static_assert(kCompactThreads * kCompactVectorsPerThread == 1 << kCompactTileVectorsLog2);
+/// Most units of one launch: grid.x and the 32-bit unit indices of the kernel.
+inline constexpr int64_t kMaxCompactUnits = (int64_t{1} << 31) - 1;
+
+/// A unit of a buffer covers 2^chunkVectorsLog2 vectors of each of 2^rowsLog2 rows; a row has
+/// `chunks` chunks. The chunk is the row's vector count rounded up to a power of two, at most
+/// the whole tile, so narrow rows share a tile (several rows per warp) and wide rows are split
+/// into tile-sized chunks (one warp covers 512 contiguous bytes at 16-byte width).
+struct CompactTileShape {
+  int32_t chunkVectorsLog2;
+  int32_t rowsLog2;
+  int64_t chunks;
+};
+
+constexpr CompactTileShape compactTileShape(int64_t rowBytes, int32_t width) {
+  int64_t const rowVectors = rowBytes / width;
+  int32_t log2 = 0;
+  while (log2 < kCompactTileVectorsLog2 && (int64_t{1} << log2) < rowVectors) {
+    ++log2;
+  }
+  return CompactTileShape{log2, kCompactTileVectorsLog2 - log2,
+                          (rowVectors + (int64_t{1} << log2) - 1) >> log2};
+}
+
+/// Units of one buffer of `rows` rows at access width `width`; kMaxCompactUnits + 1 when there
+/// would be more than kMaxCompactUnits.
+constexpr int64_t compactUnits(int64_t rowBytes, int32_t width, int64_t rows) {
+  CompactTileShape const shape = compactTileShape(rowBytes, width);
+  int64_t const tiles = (rows + (int64_t{1} << shape.rowsLog2) - 1) >> shape.rowsLog2;
+  if (tiles != 0 && shape.chunks > kMaxCompactUnits / tiles) {
+    return kMaxCompactUnits + 1;
+  }
+  return tiles * shape.chunks;
+}
+
+/// compactBatch's device workspace, in 32-bit words. Words 0-1 are one 64-bit word: the ticket
+/// counter (low half) and the launch generation (high half), so one atomic add hands a CTA its
+/// unit and the generation together. Word 2 counts finished units in the one launch of every
+/// 2^32 - 1 whose generation is kCompactWrapGeneration. Word 3 is padding; then one "loaded"
+/// flag per unit: a flag equal to generation + 1 means "loaded in this launch". All zero is the
+/// valid initial state.
+inline constexpr int64_t kCompactTicketWord = 0;
+inline constexpr int64_t kCompactFinishedWord = 2;
+inline constexpr int64_t kCompactHeaderWords = 4;
+/// The last generation of a cycle: its launch clears every flag and the next starts again at 0,
+/// so generation + 1 never wraps to 0 (the value of never-written flags) and no flag written
+/// 2^32 launches ago can pass for a fresh one.
+inline constexpr uint32_t kCompactWrapGeneration = 0xFFFFFFFEu;
+
 struct CompactBatchLaunch {
   RowBufferDesc buffers[kMaxRowBuffers];
   int32_t const* oldToNew;  // [oldBatch]
+  uint32_t* workspace;      // GPU only (the host twin ignores it): kCompactHeaderWords + flags
+  int64_t workspaceWords;
   int32_t numBuffers;
   int32_t oldBatch;
   int32_t newBatch;

@@ -2,6 +2,8 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <array>
+#include <cstdint>
 #include <type_traits>
 
 #include "core/check.h"
@@ -78,7 +80,30 @@ void requireRowBuffers(std::span<RowBuffer const> buffers, char const* call, int
   }
 }
 
+/// Words of the compactBatch workspace for `rows` rows of buffers of these widths: the header
+/// and one flag per unit at the narrowest access width (1 byte), which has the most units; a
+/// launch's real width depends on the buffers' alignment, so this bounds every launch.
+int64_t compactWorkspaceWords(char const* call, int64_t rows, std::span<int64_t const> rowBytes) {
+  MKV_REQUIRE(rows >= 0, call, "maxOldBatch {} is negative", rows);
+  MKV_REQUIRE(rowBytes.size() <= static_cast<std::size_t>(kMaxRowBuffers), call,
+              "{} buffers exceed the limit of {}", rowBytes.size(), kMaxRowBuffers);
+  int64_t units = 0;
+  for (std::size_t b = 0; b < rowBytes.size(); ++b) {
+    MKV_REQUIRE(rowBytes[b] > 0, call, "buffer {} has rowBytes {}", b, rowBytes[b]);
+    units += detail::compactUnits(rowBytes[b], 1, rows);  // each <= kMaxCompactUnits + 1
+  }
+  MKV_REQUIRE(units <= detail::kMaxCompactUnits, call,
+              "{} rows of these buffers need {} work units, more than the limit of {}", rows,
+              units, detail::kMaxCompactUnits);
+  return detail::kCompactHeaderWords + units;
+}
+
 }  // namespace
+
+int64_t compactBatchWorkspaceBytes(int64_t maxOldBatch, std::span<int64_t const> rowBytes) {
+  return compactWorkspaceWords("compactBatchWorkspaceBytes", maxOldBatch, rowBytes) *
+         static_cast<int64_t>(sizeof(uint32_t));
+}
 
 void copyPages(PagedBuffers const& src, PagedBuffers const& dst, Tensor const& srcIds,
                Tensor const& dstIds, Tensor const* tokenCounts, cudaStream_t stream) {
@@ -135,7 +160,8 @@ void copyPages(PagedBuffers const& src, PagedBuffers const& dst, Tensor const& s
 }
 
 void compactBatch(std::span<RowBuffer const> buffers, DeviceType deviceType,
-                  Tensor const& oldToNew, int32_t newBatchSize, cudaStream_t stream) {
+                  Tensor const& oldToNew, int32_t newBatchSize, Tensor& workspace,
+                  cudaStream_t stream) {
   constexpr char const* kCall = "compactBatch";
   requireIndexTensor(oldToNew, kCall, "oldToNew", deviceType, -1);
   int64_t const oldBatch = oldToNew.numel();
@@ -155,6 +181,23 @@ void compactBatch(std::span<RowBuffer const> buffers, DeviceType deviceType,
                   mapping[i], nextSurvivor);
       ++nextSurvivor;
     }
+  } else {
+    std::array<int64_t, kMaxRowBuffers> rowBytes{};
+    for (std::size_t b = 0; b < buffers.size(); ++b) {
+      rowBytes[b] = buffers[b].rowBytes;
+    }
+    int64_t const words =
+        compactWorkspaceWords(kCall, oldBatch, std::span(rowBytes.data(), buffers.size()));
+    int64_t const bytes = words * static_cast<int64_t>(sizeof(uint32_t));
+    MKV_REQUIRE(workspace.dataType() == DataType::kInt32 && workspace.deviceType() == deviceType,
+                kCall, "workspace must be int32 on {}, got {} on {}", toString(deviceType),
+                toString(workspace.dataType()), toString(workspace.deviceType()));
+    MKV_REQUIRE(workspace.sizeBytes() >= bytes, kCall,
+                "workspace has {} bytes, needs {} for {} rows of {} buffers "
+                "(compactBatchWorkspaceBytes)",
+                workspace.sizeBytes(), bytes, oldBatch, buffers.size());
+    MKV_REQUIRE(reinterpret_cast<uintptr_t>(workspace.rawPointer()) % sizeof(uint64_t) == 0,
+                kCall, "workspace is not 8-byte aligned");
   }
   if (buffers.empty() || oldBatch == 0) {
     return;
@@ -164,6 +207,10 @@ void compactBatch(std::span<RowBuffer const> buffers, DeviceType deviceType,
     launch.buffers[b] = RowBufferDesc{static_cast<uint8_t*>(buffers[b].data), buffers[b].rowBytes};
   }
   launch.oldToNew = oldToNew.dataPointer<int32_t>();
+  if (deviceType == DeviceType::kGPU) {
+    launch.workspace = workspace.dataPointer<uint32_t>();
+    launch.workspaceWords = workspace.sizeBytes() / static_cast<int64_t>(sizeof(uint32_t));
+  }
   launch.numBuffers = static_cast<int32_t>(buffers.size());
   launch.oldBatch = static_cast<int32_t>(oldBatch);
   launch.newBatch = newBatchSize;

@@ -24,6 +24,7 @@
 #include <functional>
 #include <numeric>
 #include <random>
+#include <span>
 #include <string>
 #include <string_view>
 #include <utility>
@@ -563,7 +564,13 @@ class Bench {
     };
     Tensor const mapping = upload(oldToNew);
     std::vector<RowBuffer> const buffers{RowBuffer{mDestination.data(), rowBytes, n}};
-    auto launch = [&] { mkv::kernels::compactBatch(buffers, DeviceType::kGPU, mapping, next, mStream); };
+    int64_t const workspaceBytes =
+        mkv::kernels::compactBatchWorkspaceBytes(n, std::span(&rowBytes, 1));
+    Tensor workspace({workspaceBytes / static_cast<int64_t>(sizeof(int32_t))}, DataType::kInt32,
+                     DeviceType::kGPU);
+    auto launch = [&] {
+      mkv::kernels::compactBatch(buffers, DeviceType::kGPU, mapping, next, workspace, mStream);
+    };
     restore();
     Row kernel{name, "mkv compactBatch (in place)", bytes};
     kernel.us = medianUs(launch);  // repetitions compact already compacted rows: same traffic

@@ -67,10 +67,28 @@ void copyPages(PagedBuffers const& src, PagedBuffers const& dst, Tensor const& s
 /// Rows with d == -1 are dropped; destinations outside [0, newBatchSize) are ignored. The
 /// mapping must keep survivor order (the k-th survivor goes to k), which makes the in-place
 /// move safe although source and destination rows overlap.
+///
+/// On the GPU the rows are moved by many CTAs that order themselves through `workspace`: int32
+/// on the GPU, at least compactBatchWorkspaceBytes(oldBatch, rowBytes of `buffers`) bytes,
+/// 8-byte aligned, zero-filled before its first use (an owning Tensor is) and written by
+/// nothing but compactBatch afterwards. Each launch leaves it ready for the next, so one
+/// workspace serves any number of stream-ordered calls and CUDA-graph replays. Launches that
+/// may run concurrently (different streams, or graph nodes without a dependency between them)
+/// must use different workspaces. kCPU ignores `workspace` (an empty Tensor will do).
 /// Requires: oldToNew int32 `[oldBatch]` on `deviceType`; every buffer has >= oldBatch rows;
 /// 0 <= newBatchSize <= oldBatch.
 void compactBatch(std::span<RowBuffer const> buffers, DeviceType deviceType,
-                  Tensor const& oldToNew, int32_t newBatchSize, cudaStream_t stream);
+                  Tensor const& oldToNew, int32_t newBatchSize, Tensor& workspace,
+                  cudaStream_t stream);
+
+/// Bytes of the compactBatch workspace for up to `maxOldBatch` rows of buffers whose row widths
+/// are `rowBytes` (one entry per buffer), whatever the buffers' alignment. A workspace of this
+/// size serves every call with at most that many rows and buffers of those widths (or some of
+/// them), so callers size it once at construction: 16 bytes, plus per buffer 1/512 to 1/256 of
+/// its rows' bytes and 4 bytes for a partial tile.
+/// Throws mkv::Error for a negative maxOldBatch, a width <= 0, more than kMaxRowBuffers widths,
+/// or more than 2^31 - 1 work units (several TiB of rows).
+int64_t compactBatchWorkspaceBytes(int64_t maxOldBatch, std::span<int64_t const> rowBytes);
 
 /// A source and a destination row buffer with the same rowBytes.
 struct RowBufferPair {

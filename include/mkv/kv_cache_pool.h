@@ -84,6 +84,8 @@ class KVCachePool {
   void setActiveBatchSize(int32_t batchSize);
   /// Compacts the lengths with the order-preserving mapping (one kernel; mapping is int32
   /// `[activeBatchSize]` on the pool's device), then sets the active batch to newBatchSize.
+  /// The kernel orders itself through a workspace the pool allocated at construction, so the
+  /// compactions of one pool must be ordered (one stream), like its other length writes.
   void compactLengths(Tensor const& oldToNew, int32_t newBatchSize, cudaStream_t stream);
 
  private:
@@ -93,6 +95,7 @@ class KVCachePool {
   Tensor mKvLengths;
   int32_t mActiveBatchSize = 0;
   std::unique_ptr<detail::Int32Staging> mStaging;
+  Tensor mCompactWorkspace;  ///< kernels::compactBatch's workspace (GPU pools; empty on kCPU)
 };
 
 }  // namespace mkv

@@ -53,6 +53,13 @@ KVCachePool::KVCachePool(KVCachePoolConfig const& config) : mConfig(config) {
   bool const viewed = mKvLengths.reshape({0});
   MKV_ASSERT(viewed, "an empty view always fits");
   mStaging = std::make_unique<detail::Int32Staging>(config.maxBatchSize, config.deviceType);
+  if (config.deviceType == DeviceType::kGPU) {
+    int64_t const lengthBytes = sizeof(int32_t);
+    int64_t const workspaceBytes =
+        kernels::compactBatchWorkspaceBytes(config.maxBatchSize, std::span(&lengthBytes, 1));
+    mCompactWorkspace = Tensor({workspaceBytes / static_cast<int64_t>(sizeof(int32_t))},
+                               DataType::kInt32, DeviceType::kGPU);
+  }
 }
 
 KVCachePool::~KVCachePool() = default;
@@ -148,7 +155,7 @@ void KVCachePool::compactLengths(Tensor const& oldToNew, int32_t newBatchSize,
   kernels::RowBuffer const lengths{mKvLengths.rawPointer(), sizeof(int32_t), mConfig.maxBatchSize};
   try {
     kernels::compactBatch(std::span<kernels::RowBuffer const>(&lengths, 1), mConfig.deviceType,
-                          oldToNew, newBatchSize, stream);
+                          oldToNew, newBatchSize, mCompactWorkspace, stream);
   } catch (Error const& error) {
     detail::throwContract(kCall, "{}", error.what());
   }

@@ -1,11 +1,13 @@
 /// Every launcher inside stream capture (global mode, so any unsafe call would break it):
-/// the capture holds exactly one kernel node, and replaying the instantiated graph twice
-/// gives the host twin's result bit for bit.
+/// the capture holds exactly one kernel node, and replaying the instantiated graph gives the
+/// host twin's result bit for bit (twice on the same data; compactBatch three times on fresh
+/// data, since its workspace carries state from one launch to the next).
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
 #include <functional>
 #include <random>
+#include <span>
 #include <vector>
 
 #include "gpu/gpu_parity.h"
@@ -19,32 +21,43 @@ using kernels::PagedBuffers;
 using kernels::RowBuffer;
 using kernels::RowBufferPair;
 
+using Launcher = std::function<void(DeviceType, cudaStream_t)>;
+
 class GraphCaptureGpuTest : public GpuTest {
  protected:
-  /// `run(device, stream)` issues one launcher call. `outputs` are the buffers it writes,
-  /// whose GPU copies are reset to their initial bytes before each replay.
-  void captureAndReplay(std::function<void(DeviceType, cudaStream_t)> const& run,
-                        std::vector<MirroredBytes*> const& outputs) {
-    std::vector<std::vector<uint8_t>> initial;
-    for (MirroredBytes* output : outputs) {
-      initial.push_back(output->gpuBytes());
-    }
-    run(DeviceType::kCPU, nullptr);
-
+  /// Captures `run(kGPU, stream)` and checks that the capture holds exactly one kernel node;
+  /// returns the instantiated graph (nullptr after a failed check).
+  cudaGraphExec_t captureOneKernel(Launcher const& run) {
     cudaGraph_t graph = nullptr;
     cudaOk(cudaStreamBeginCapture(stream(), cudaStreamCaptureModeGlobal), "cudaStreamBeginCapture");
     run(DeviceType::kGPU, stream());
     cudaOk(cudaStreamEndCapture(stream(), &graph), "cudaStreamEndCapture");
     std::size_t nodes = 0;
     cudaOk(cudaGraphGetNodes(graph, nullptr, &nodes), "cudaGraphGetNodes");
-    ASSERT_EQ(nodes, 1u) << "one launch per call";
-    cudaGraphNode_t node = nullptr;
-    cudaOk(cudaGraphGetNodes(graph, &node, &nodes), "cudaGraphGetNodes");
-    cudaGraphNodeType type{};
-    cudaOk(cudaGraphNodeGetType(node, &type), "cudaGraphNodeGetType");
-    EXPECT_EQ(type, cudaGraphNodeTypeKernel);
     cudaGraphExec_t exec = nullptr;
-    cudaOk(cudaGraphInstantiate(&exec, graph, 0), "cudaGraphInstantiate");
+    EXPECT_EQ(nodes, 1u) << "one launch per call";
+    if (nodes == 1) {
+      cudaGraphNode_t node = nullptr;
+      cudaOk(cudaGraphGetNodes(graph, &node, &nodes), "cudaGraphGetNodes");
+      cudaGraphNodeType type{};
+      cudaOk(cudaGraphNodeGetType(node, &type), "cudaGraphNodeGetType");
+      EXPECT_EQ(type, cudaGraphNodeTypeKernel);
+      cudaOk(cudaGraphInstantiate(&exec, graph, 0), "cudaGraphInstantiate");
+    }
+    cudaOk(cudaGraphDestroy(graph), "cudaGraphDestroy");
+    return exec;
+  }
+
+  /// `run(device, stream)` issues one launcher call. `outputs` are the buffers it writes,
+  /// whose GPU copies are reset to their initial bytes before each replay.
+  void captureAndReplay(Launcher const& run, std::vector<MirroredBytes*> const& outputs) {
+    std::vector<std::vector<uint8_t>> initial;
+    for (MirroredBytes* output : outputs) {
+      initial.push_back(output->gpuBytes());
+    }
+    run(DeviceType::kCPU, nullptr);
+    cudaGraphExec_t const exec = captureOneKernel(run);
+    ASSERT_NE(exec, nullptr);
     for (int replay = 0; replay < 2; ++replay) {
       SCOPED_TRACE(::testing::Message() << "replay " << replay);
       for (std::size_t o = 0; o < outputs.size(); ++o) {
@@ -57,7 +70,6 @@ class GraphCaptureGpuTest : public GpuTest {
       }
     }
     cudaOk(cudaGraphExecDestroy(exec), "cudaGraphExecDestroy");
-    cudaOk(cudaGraphDestroy(graph), "cudaGraphDestroy");
   }
 
   static cudaStream_t onDevice(DeviceType device, cudaStream_t stream) {
@@ -94,20 +106,51 @@ TEST_F(GraphCaptureGpuTest, CopyPagesWithTokenCounts) {
       {&dst});
 }
 
-TEST_F(GraphCaptureGpuTest, CompactBatchInPlace) {
-  int32_t const oldBatch = 600;
+// compactBatch's CTAs order themselves through a workspace whose ticket counter and generation
+// each launch must leave ready for the next: one graph replayed three times, each time on new
+// rows and a new mapping (newBatchSize is baked into the graph; survivors past it are ignored).
+TEST_F(GraphCaptureGpuTest, CompactBatchReplaysOnFreshData) {
+  int32_t const oldBatch = 3000;
+  std::vector<int64_t> const widths{4, 2048};
   MirroredBytes lengths(test::randomBytes(oldBatch * 4, mRng));
   MirroredBytes state(test::randomBytes(oldBatch * 2048, mRng));
-  std::vector<int32_t> mapping;
-  int32_t const survivors = orderPreservingMapping(mapping, oldBatch, 0.5, mRng);
-  MirroredInt32 const oldToNew(mapping);
-  captureAndReplay(
-      [&](DeviceType device, cudaStream_t s) {
-        std::vector<RowBuffer> const buffers{RowBuffer{lengths.on(device), 4, oldBatch},
-                                             RowBuffer{state.on(device), 2048, oldBatch}};
-        kernels::compactBatch(buffers, device, oldToNew.on(device), survivors, onDevice(device, s));
-      },
-      {&lengths, &state});
+  std::vector<int32_t> shiftByOne(static_cast<std::size_t>(oldBatch));
+  for (int32_t i = 0; i < oldBatch; ++i) {
+    shiftByOne[static_cast<std::size_t>(i)] = i - 1;
+  }
+  MirroredInt32 oldToNew(shiftByOne);
+  int32_t const newBatch = oldBatch - 1;
+  Tensor workspace({kernels::compactBatchWorkspaceBytes(oldBatch, widths) /
+                    static_cast<int64_t>(sizeof(int32_t))},
+                   DataType::kInt32, DeviceType::kGPU);
+  Tensor none;
+  Launcher const run = [&](DeviceType device, cudaStream_t s) {
+    std::vector<RowBuffer> const buffers{RowBuffer{lengths.on(device), 4, oldBatch},
+                                         RowBuffer{state.on(device), 2048, oldBatch}};
+    kernels::compactBatch(buffers, device, oldToNew.on(device), newBatch,
+                          device == DeviceType::kGPU ? workspace : none, onDevice(device, s));
+  };
+  cudaGraphExec_t const exec = captureOneKernel(run);
+  ASSERT_NE(exec, nullptr);
+  for (int replay = 0; replay < 3; ++replay) {
+    SCOPED_TRACE(::testing::Message() << "replay " << replay);
+    lengths.reset(test::randomBytes(oldBatch * 4, mRng));
+    state.reset(test::randomBytes(oldBatch * 2048, mRng));
+    if (replay > 0) {
+      std::vector<int32_t> mapping;
+      (void)orderPreservingMapping(mapping, oldBatch, replay == 1 ? 0.5 : 0.95, mRng);
+      std::span<uint8_t const> const raw(reinterpret_cast<uint8_t const*>(mapping.data()),
+                                         mapping.size() * sizeof(int32_t));
+      test::writeBytes(oldToNew.cpu, raw);
+      test::writeBytes(oldToNew.gpu, raw);
+    }
+    run(DeviceType::kCPU, nullptr);
+    cudaOk(cudaGraphLaunch(exec, stream()), "cudaGraphLaunch");
+    synchronize();
+    EXPECT_TRUE(sameBytes(lengths));
+    EXPECT_TRUE(sameBytes(state));
+  }
+  cudaOk(cudaGraphExecDestroy(exec), "cudaGraphExecDestroy");
 }
 
 TEST_F(GraphCaptureGpuTest, CopyRowsAndHiddenCapture) {
