@@ -42,7 +42,9 @@ struct KVCacheRuntimeConfig {
   /// Pages of the bounded SWA pool; 0 = maxBatchSize * (2M + 1), the admission minimum (a
   /// smaller positive count is an error when bounded SWA is chosen).
   int32_t numSwaPages = 0;
-  /// Context (prefix) reuse on: full paged KV + ContextCacheCoordinator.
+  /// Context (prefix) reuse on: full paged KV + ContextCacheCoordinator. For a model with
+  /// recurrent layers this is hybrid checkpoint reuse, which needs the snapshot budgets of
+  /// `contextCache` (at least one recurrent and one partial-KV slot).
   bool contextReuse = false;
   /// Settings of the coordinator (its `enabled` is set from contextReuse).
   ContextCacheConfig contextCache;
@@ -60,7 +62,8 @@ std::string_view toString(KVCacheBackend backend) noexcept;
 
 /// Creates and owns the pools, page tables, resident slots and exactly one backend, chosen by the
 /// support matrix:
-/// * contextReuse on -> kContextReuse: every attention layer in the full pool;
+/// * contextReuse on -> kContextReuse: every attention layer in the full pool (hybrid models:
+///   exact checkpoints of the recurrent rows and the partial last page);
 /// * reuse off, sliding layers present and maxBatchSize * (2M + 1) strictly fewer than the full
 ///   pool's pages -> kBoundedSwa: sliding layers in a reduced pool with its own page ids, full
 ///   layers (Gemma-style mixed models) in the full pool with a static identity page table;
@@ -79,8 +82,11 @@ class KVCacheRuntime {
   ContextCacheCoordinator* contextCache() noexcept { return mCoordinator.get(); }
   /// Non-null for kBoundedSwa.
   BoundedSwaKVPageManager* swaPageManager() noexcept { return mSwaManager.get(); }
-  /// Whether a running batch may admit sequences in flight (false for bounded SWA).
-  bool supportsSeatedAdmission() const noexcept { return mBackend != KVCacheBackend::kBoundedSwa; }
+  /// Whether a running batch may admit sequences in flight: false for bounded SWA and for hybrid
+  /// checkpoint reuse (a joiner cannot restore a checkpoint into a running batch).
+  bool supportsSeatedAdmission() const noexcept {
+    return mCoordinator != nullptr && mCoordinator->supportsLiveSequenceAdmission();
+  }
 
   KVCacheRuntimeConfig const& config() const noexcept { return mConfig; }
   /// Pool of the full-attention layers (and of every attention layer unless kBoundedSwa);

@@ -24,6 +24,10 @@ int32_t pagesFor(int64_t tokens, int32_t pageSize) {
   return static_cast<int32_t>((tokens + pageSize - 1) / pageSize);
 }
 
+/// Block granularity of the digests of a pure-recurrent deployment (it has no pages; checkpoints
+/// are keyed by exact prefix digests chained over blocks of this many tokens).
+constexpr int32_t kPureRecurrentBlockTokens = 128;
+
 bool isHold(ContextCacheSequenceAdvance const& advance) {
   return advance.acceptedTokenCount == 0 &&
          advance.committedStateLength == kHoldCommittedStateLength;
@@ -44,6 +48,14 @@ struct ContextCacheCoordinator::Request {
     int32_t committed = 0;        // tokens with materialised KV
     int32_t publishedBlocks = 0;  // full blocks already published
     bool joined = true;           // false: admitted in flight, not finalised yet
+    // Checkpoint deployments: the longest exact checkpoint published, and the capture enqueued
+    // but not committed yet (its slots are reservations of the lease).
+    int32_t publishedExact = 0;
+    struct StagedCapture {
+      SnapshotReservation reservation;
+      int32_t exactLength = 0;
+    };
+    std::optional<StagedCapture> staged;
   };
 
   uint64_t id = 0;
@@ -100,41 +112,90 @@ ContextCacheCoordinator::ContextCacheCoordinator(ContextCacheConfig const& confi
   MKV_REQUIRE(config.maxRecords >= 0, kCall, "maxRecords must be >= 0, got {}", config.maxRecords);
   MKV_REQUIRE(config.eventQueueCapacity >= 0, kCall, "eventQueueCapacity must be >= 0, got {}",
               config.eventQueueCapacity);
-  MKV_REQUIRE(profile.baseStateKind == BaseStateKind::kAttentionOnly && !profile.isSpeculative(),
-              kCall,
-              "deployment profile not supported: only attention-only, non-speculative deployments "
-              "are implemented (hybrid, pure-recurrent and speculative reuse are not)");
-  MKV_REQUIRE(resources.basePool != nullptr && resources.basePageTable != nullptr, kCall,
-              "an attention deployment needs basePool and basePageTable");
+  MKV_REQUIRE(config.recurrentSnapshotPoolBytes >= 0 && config.partialKvSnapshotPoolBytes >= 0,
+              kCall, "snapshot budgets must be >= 0, got recurrent {} and partial {} bytes",
+              config.recurrentSnapshotPoolBytes, config.partialKvSnapshotPoolBytes);
+  MKV_REQUIRE(
+      static_cast<uint8_t>(profile.baseStateKind) <= static_cast<uint8_t>(BaseStateKind::kHybrid),
+      kCall, "base state kind {} out of range", static_cast<int>(profile.baseStateKind));
+  MKV_REQUIRE(!profile.isSpeculative(), kCall,
+              "deployment profile not supported: speculative deployments are not implemented");
+  MKV_REQUIRE(profile.boundaryHiddenWidth == 0, kCall,
+              "boundaryHiddenWidth {} is for Hybrid-MTP deployments only",
+              profile.boundaryHiddenWidth);
   MKV_REQUIRE(resources.draftPool == nullptr && resources.draftPageTable == nullptr, kCall,
               "draft resources given to a non-speculative deployment");
-  KVCachePool const& pool = *resources.basePool;
-  KVPageTable const& table = *resources.basePageTable;
-  MKV_REQUIRE(table.mode() == PageTableMode::kDense, kCall, "the base page table must be dense");
-  MKV_REQUIRE(table.numPages() == pool.numPages(), kCall,
-              "base page table addresses {} pages but the pool has {}", table.numPages(),
-              pool.numPages());
-  MKV_REQUIRE(table.deviceType() == pool.deviceType(), kCall, "table on {} but pool on {}",
-              toString(table.deviceType()), toString(pool.deviceType()));
-  MKV_REQUIRE(pool.maxBatchSize() >= table.maxBatch(), kCall,
-              "pool KV lengths hold {} rows but the table has {}", pool.maxBatchSize(),
-              table.maxBatch());
-  if (resources.recurrent != nullptr) {
-    MKV_REQUIRE(resources.recurrent->numSlots() >= table.maxBatch(), kCall,
-                "recurrent pool has {} slots but the table has {} rows",
-                resources.recurrent->numSlots(), table.maxBatch());
+  RecurrentStatePool const* recurrent = resources.recurrent;
+  MKV_REQUIRE(!profile.usesCheckpointReuse() || recurrent != nullptr, kCall,
+              "a {} deployment needs the recurrent state pool",
+              profile.hasAttention() ? "hybrid" : "pure-recurrent");
+  if (profile.hasAttention()) {
+    MKV_REQUIRE(resources.basePool != nullptr && resources.basePageTable != nullptr, kCall,
+                "an attention deployment needs basePool and basePageTable");
+    KVCachePool const& pool = *resources.basePool;
+    KVPageTable const& table = *resources.basePageTable;
+    MKV_REQUIRE(table.mode() == PageTableMode::kDense, kCall, "the base page table must be dense");
+    MKV_REQUIRE(table.numPages() == pool.numPages(), kCall,
+                "base page table addresses {} pages but the pool has {}", table.numPages(),
+                pool.numPages());
+    MKV_REQUIRE(table.deviceType() == pool.deviceType(), kCall, "table on {} but pool on {}",
+                toString(table.deviceType()), toString(pool.deviceType()));
+    MKV_REQUIRE(pool.maxBatchSize() >= table.maxBatch(), kCall,
+                "pool KV lengths hold {} rows but the table has {}", pool.maxBatchSize(),
+                table.maxBatch());
+    mMaxBatch = table.maxBatch();
+    mDevice = pool.deviceType();
+  } else {
+    MKV_REQUIRE(resources.basePool == nullptr && resources.basePageTable == nullptr, kCall,
+                "a pure-recurrent deployment has no KV: basePool and basePageTable must be null");
+    mMaxBatch = recurrent->numSlots();
+    mDevice = recurrent->deviceType();
+  }
+  if (recurrent != nullptr) {
+    MKV_REQUIRE(recurrent->numSlots() >= mMaxBatch, kCall,
+                "recurrent pool has {} slots but the table has {} rows", recurrent->numSlots(),
+                mMaxBatch);
+    MKV_REQUIRE(recurrent->deviceType() == mDevice, kCall, "recurrent pool on {} but KV on {}",
+                toString(recurrent->deviceType()), toString(mDevice));
   }
   if (!mSynchronizer) {
-    mSynchronizer = defaultStreamSynchronizer(pool.deviceType());
+    mSynchronizer = defaultStreamSynchronizer(mDevice);
   }
   ResourceDemand capacities{};
-  capacities.baseKvPages = pool.numPages();
+  capacities.baseKvPages = hasKv() ? resources.basePool->numPages() : 0;
+  SnapshotStorageConfig snapshots;
+  if (profile.usesCheckpointReuse()) {
+    auto slotsOf = [&](int64_t budget, int64_t bytesPerSlot, char const* field) {
+      int64_t const slots = budget / bytesPerSlot;
+      MKV_REQUIRE(slots <= std::numeric_limits<int32_t>::max(), kCall,
+                  "{} {} gives {} slots, more than int32 holds", field, budget, slots);
+      MKV_REQUIRE(!config.enabled || slots >= 1, kCall, "{} {} holds no snapshot slot of {} bytes",
+                  field, budget, bytesPerSlot);
+      return static_cast<int32_t>(slots);
+    };
+    snapshots.recurrentSlots =
+        slotsOf(config.recurrentSnapshotPoolBytes,
+                SnapshotStorage::recurrentBytesPerSlot(*recurrent), "recurrentSnapshotPoolBytes");
+    if (hasKv()) {
+      snapshots.partialKvSlots =
+          slotsOf(config.partialKvSnapshotPoolBytes,
+                  SnapshotStorage::partialKvBytesPerSlot(*resources.basePool),
+                  "partialKvSnapshotPoolBytes");
+    }
+    capacities.recurrentSnapshotSlots = snapshots.recurrentSlots;
+    capacities.partialKvSnapshotSlots = snapshots.partialKvSlots;
+  }
   ContextCacheManagerOptions options;
   options.verifyTokens = config.verifyTokens;
   options.eventQueueCapacity = config.eventQueueCapacity;
-  mManager = std::make_unique<ContextCacheManager>(pool.tokensPerPage(), capacities,
-                                                   config.enabled ? config.maxRecords : 0, options);
-  mResidentBusy.assign(static_cast<std::size_t>(table.maxBatch()), 0);
+  mManager = std::make_unique<ContextCacheManager>(
+      hasKv() ? resources.basePool->tokensPerPage() : kPureRecurrentBlockTokens, capacities,
+      config.enabled ? config.maxRecords : 0, options);
+  if (profile.usesCheckpointReuse()) {
+    mSnapshots =
+        std::make_unique<SnapshotStorage>(snapshots, resources.recurrent, resources.basePool);
+  }
+  mResidentBusy.assign(static_cast<std::size_t>(mMaxBatch), 0);
 }
 
 ContextCacheCoordinator::~ContextCacheCoordinator() {
@@ -232,6 +293,9 @@ void ContextCacheCoordinator::quarantine(std::unique_ptr<Request> req) noexcept 
 }
 
 void ContextCacheCoordinator::releaseRows(Request& req) {
+  if (!hasKv()) {
+    return;
+  }
   for (auto const& sequence : req.sequences) {
     mResources.basePageTable->clearRow(sequence.resident.slot);
   }
@@ -267,7 +331,8 @@ LookupRequest ContextCacheCoordinator::lookupOf(ContextCacheSequenceAdmission co
                                                 DecodingKvHeadroom const& headroom) const {
   LookupRequest lookup;
   lookup.prompt = PromptView{sequence.tokenIds, sequence.media, sequence.keyExtras};
-  lookup.mode = ReuseMode::kVanilla;
+  lookup.mode = mProfile.usesCheckpointReuse() ? ReuseMode::kHybrid : ReuseMode::kVanilla;
+  lookup.hasAttention = hasKv();
   lookup.policy = mConfig.enabled ? policy : ContextCacheLookupPolicy::kBypass;
   lookup.baseExtraTokens = headroom.baseExtraTokens;
   return lookup;
@@ -276,6 +341,9 @@ LookupRequest ContextCacheCoordinator::lookupOf(ContextCacheSequenceAdmission co
 bool ContextCacheCoordinator::batchMayFit(std::span<LookupRequest const> lookups,
                                           std::vector<LookupResult>& looked) const {
   ResourcePools const& pools = mManager->pools();
+  if (!hasKv()) {
+    return true;  // pure recurrent: sequences take no pages at admission
+  }
   constexpr ResourceType kBase = ResourceType::kBaseKvPage;
   int64_t const free = pools.freeCount(kBase);
   int32_t const pageSize = mManager->pageSize();
@@ -335,27 +403,33 @@ ContextCacheCoordinator::BeginRequestResult ContextCacheCoordinator::beginReques
   MKV_REQUIRE(!admission.speculativeRequest || mProfile.isSpeculative(), kCall,
               "speculative request on a non-speculative deployment");
   validateHeadroom(kCall, headroom);
-  KVPageTable const& table = *mResources.basePageTable;
   std::size_t const batch = admission.sequences.size();
-  MKV_REQUIRE(batch > 0 && batch <= static_cast<std::size_t>(table.maxBatch()), kCall,
-              "batch of {} sequences outside [1, {}]", batch, table.maxBatch());
+  MKV_REQUIRE(batch > 0 && batch <= static_cast<std::size_t>(mMaxBatch), kCall,
+              "batch of {} sequences outside [1, {}]", batch, mMaxBatch);
   int32_t const pageSize = mManager->pageSize();
   std::vector<uint8_t> seen(mResidentBusy.size(), 0);
   for (std::size_t i = 0; i < batch; ++i) {
     auto const& sequence = admission.sequences[i];
     ResidentRef const ref = sequence.resident;
-    MKV_REQUIRE(ref.slot >= 0 && ref.slot < table.maxBatch(), kCall,
-                "sequence {} has resident slot {} outside [0, {})", i, ref.slot, table.maxBatch());
+    MKV_REQUIRE(ref.slot >= 0 && ref.slot < mMaxBatch, kCall,
+                "sequence {} has resident slot {} outside [0, {})", i, ref.slot, mMaxBatch);
     MKV_REQUIRE(ref.epoch != 0, kCall, "sequence {} (slot {}) has epoch 0", i, ref.slot);
     auto const slot = static_cast<std::size_t>(ref.slot);
     MKV_REQUIRE(seen[slot] == 0, kCall, "resident slot {} appears twice", ref.slot);
     seen[slot] = 1;
     MKV_REQUIRE(!sequence.tokenIds.empty(), kCall, "sequence {} has an empty prompt", i);
-    int64_t const needed =
-        pagesFor(static_cast<int64_t>(sequence.tokenIds.size()) + headroom.baseExtraTokens, pageSize);
-    MKV_REQUIRE(needed <= table.maxPagesPerSeq(), kCall,
-                "sequence {} needs {} pages ({} tokens + {} headroom) but a row holds {}", i,
-                needed, sequence.tokenIds.size(), headroom.baseExtraTokens, table.maxPagesPerSeq());
+    MKV_REQUIRE(sequence.tokenIds.size() <
+                    static_cast<std::size_t>(std::numeric_limits<int32_t>::max() - pageSize),
+                kCall, "sequence {} has {} tokens, more than int32 positions", i,
+                sequence.tokenIds.size());
+    if (hasKv()) {
+      int32_t const width = mResources.basePageTable->maxPagesPerSeq();
+      int64_t const needed = pagesFor(
+          static_cast<int64_t>(sequence.tokenIds.size()) + headroom.baseExtraTokens, pageSize);
+      MKV_REQUIRE(needed <= width, kCall,
+                  "sequence {} needs {} pages ({} tokens + {} headroom) but a row holds {}", i,
+                  needed, sequence.tokenIds.size(), headroom.baseExtraTokens, width);
+    }
     MKV_REQUIRE(sequence.media.empty() || sequence.media.size() == sequence.tokenIds.size(), kCall,
                 "sequence {} has {} media positions for {} tokens", i, sequence.media.size(),
                 sequence.tokenIds.size());
@@ -382,8 +456,8 @@ ContextCacheCoordinator::BeginRequestResult ContextCacheCoordinator::beginReques
   created->contract = admission.tokenStateContract;
   created->commitPolicy = admission.commitPolicy;
   created->batchPolicy = admission.lookupPolicy;
-  created->staging = std::make_unique<detail::Int32Staging>(table.maxBatch(), table.deviceType());
-  created->sequences.reserve(static_cast<std::size_t>(table.maxBatch()));
+  created->staging = std::make_unique<detail::Int32Staging>(mMaxBatch, mDevice);
+  created->sequences.reserve(static_cast<std::size_t>(mMaxBatch));
   std::vector<LookupRequest> lookups;
   lookups.reserve(batch);
   for (auto const& sequence : admission.sequences) {
@@ -460,27 +534,157 @@ void ContextCacheCoordinator::preparePrefill(RequestHandle& handle) {
                 kCall,
                 "request {} is executing; only one request may execute at a time", other->id);
   }
-  std::vector<KVPageTable::RowUpdate> rows;
-  std::vector<int32_t> lengths;
-  rows.reserve(req.sequences.size());
-  lengths.reserve(req.sequences.size());
-  for (auto const& sequence : req.sequences) {
-    rows.push_back({sequence.resident.slot, sequence.lease.basePages()});
-    lengths.push_back(sequence.reuseTokenLength);
+  std::vector<CacheSlot> cold;  // checkpoint deployments: rows that start from the empty state
+  if (mSnapshots != nullptr) {
+    cold.reserve(req.sequences.size());
+    for (auto const& sequence : req.sequences) {
+      if (!sequence.lease.recurrentSnapshotSlot()) {
+        cold.push_back(sequence.resident.slot);
+      }
+    }
   }
-  mResources.basePageTable->setRows(rows);
-  mResources.basePageTable->uploadDirty(mStream);
-  mResources.basePool->resetForNewSequences(lengths, mStream);
+  if (hasKv()) {
+    std::vector<KVPageTable::RowUpdate> rows;
+    std::vector<int32_t> lengths;
+    rows.reserve(req.sequences.size());
+    lengths.reserve(req.sequences.size());
+    for (auto const& sequence : req.sequences) {
+      rows.push_back({sequence.resident.slot, sequence.lease.basePages()});
+      lengths.push_back(sequence.reuseTokenLength);
+    }
+    mResources.basePageTable->setRows(rows);
+    mResources.basePageTable->uploadDirty(mStream);
+    mResources.basePool->resetForNewSequences(lengths, mStream);
+  }
+  if (mSnapshots != nullptr) {
+    restoreCheckpoints(req, cold);
+  }
   req.phase = Phase::kPrefilling;
   req.pending = true;
 }
 
+void ContextCacheCoordinator::restoreCheckpoints(Request& req, std::span<CacheSlot const> cold) {
+  int32_t const pageSize = mManager->pageSize();
+  for (auto const& sequence : req.sequences) {
+    std::optional<SnapshotSlot> const recurrent = sequence.lease.recurrentSnapshotSlot();
+    if (!recurrent) {
+      continue;
+    }
+    mSnapshots->restoreRecurrent(*recurrent, sequence.resident.slot, mStream);
+    if (std::optional<SnapshotSlot> const partial = sequence.lease.partialKvSnapshotSlot()) {
+      int32_t const reuse = sequence.reuseTokenLength;
+      PageId const page = sequence.lease.basePages()[static_cast<std::size_t>(reuse / pageSize)];
+      mSnapshots->restorePartialKv(*partial, page, reuse % pageSize, kNoPage, mStream);
+    }
+    ++mCounters.checkpointRestores;
+  }
+  if (!cold.empty()) {
+    mResources.recurrent->clearResidentSlots(cold, mStream);
+  }
+}
+
 void ContextCacheCoordinator::enqueuePrefillCaptures(RequestHandle& handle) {
   constexpr char const* kCall = "ContextCacheCoordinator::enqueuePrefillCaptures";
-  Request const& req = request(handle, kCall);
+  Request& req = request(handle, kCall);
   MKV_REQUIRE(req.phase == Phase::kPrefilling, kCall,
               "captures are enqueued between preparePrefill and finalizePrefillPublication");
-  // Attention-only deployments keep no checkpoints: nothing to capture.
+  if (mSnapshots == nullptr) {
+    return;  // attention-only deployments keep no checkpoints
+  }
+  for (std::size_t row = 0; row < req.sequences.size(); ++row) {
+    stageCapture(req, row, req.sequences[row].promptLength);  // a staged row is skipped
+  }
+}
+
+namespace {
+
+/// The first `length` ledger tokens of a sequence as the cache hashes them.
+template <typename Sequence>
+PromptView prefixOf(Sequence const& sequence, int32_t length) {
+  auto const tokens = static_cast<std::size_t>(length);
+  std::span<MediaPosition const> media;
+  if (!sequence.media.empty()) {
+    media = std::span<MediaPosition const>(sequence.media).first(tokens);
+  }
+  return PromptView{std::span<int32_t const>(sequence.tokens).first(tokens), media,
+                    sequence.extras};
+}
+
+}  // namespace
+
+bool ContextCacheCoordinator::stageCapture(Request& req, std::size_t row, int32_t exactLength) {
+  Request::Sequence& sequence = req.sequences[row];
+  if (sequence.policy == ContextCacheLookupPolicy::kBypass ||
+      exactLength <= sequence.publishedExact || sequence.staged) {
+    return false;
+  }
+  int32_t const pageSize = mManager->pageSize();
+  bool const partial = hasKv() && exactLength % pageSize != 0;
+  std::optional<SnapshotReservation> reservation;
+  try {
+    // A checkpoint already cached under this key needs no copy, and must not evict anything.
+    PromptBlocks const blocks = hashPromptBlocks(prefixOf(sequence, exactLength), pageSize);
+    if (mManager->records().findHybrid(
+            HybridKey{exactPrefixDigest(blocks, exactLength), exactLength}) != nullptr) {
+      return false;
+    }
+    reservation = mManager->reserveHybridSnapshots(sequence.lease, partial);
+  } catch (std::bad_alloc const&) {
+    logger()->warn(
+        "ContextCacheCoordinator: out of host memory; the checkpoint of {} tokens of "
+        "request {} row {} is not captured",
+        exactLength, req.id, row);
+    return false;
+  }
+  if (!reservation) {
+    uint64_t const skips = ++mCounters.snapshotPressureSkips;
+    if ((skips & (skips - 1)) == 0) {  // 1, 2, 4, 8, ...: the log stays readable under pressure
+      logger()->warn(
+          "ContextCacheCoordinator: no snapshot slot for a checkpoint of {} tokens; "
+          "capture skipped ({} skips so far)",
+          exactLength, skips);
+    }
+    return false;
+  }
+  mSnapshots->captureRecurrent(reservation->recurrentSlot, sequence.resident.slot, mStream);
+  if (partial) {
+    PageId const page =
+        sequence.lease.basePages()[static_cast<std::size_t>(exactLength / pageSize)];
+    mSnapshots->capturePartialKv(*reservation->partialKvSlot, page, exactLength % pageSize, kNoPage,
+                                 mStream);
+  }
+  sequence.staged = Request::Sequence::StagedCapture{*reservation, exactLength};
+  ++mCounters.checkpointCaptures;
+  return true;
+}
+
+void ContextCacheCoordinator::commitCaptures(Request& req) {
+  for (std::size_t row = 0; row < req.sequences.size(); ++row) {
+    Request::Sequence& sequence = req.sequences[row];
+    if (!sequence.staged) {
+      continue;
+    }
+    Request::Sequence::StagedCapture const staged = *sequence.staged;
+    sequence.staged.reset();
+    // As publishReady: out of host memory, the checkpoint stays unpublished.
+    try {
+      PromptBlocks const blocks =
+          hashPromptBlocks(prefixOf(sequence, staged.exactLength), mManager->pageSize());
+      PublishResult const published =
+          mManager->publishHybrid(sequence.lease, blocks, staged.exactLength, staged.reservation);
+      if (published.status != PublishStatus::kVerificationRejected) {
+        sequence.publishedExact = staged.exactLength;
+        ++mCounters.checkpointPublications;
+      }
+    } catch (std::bad_alloc const&) {
+      logger()->warn(
+          "ContextCacheCoordinator: out of host memory; the checkpoint of {} tokens of "
+          "request {} row {} was not published",
+          staged.exactLength, req.id, row);
+    }
+    // The record (if any) holds the slots now; otherwise they return to the free rings.
+    mManager->retireHybridSnapshotReservation(sequence.lease, staged.reservation);
+  }
 }
 
 namespace {
@@ -564,7 +768,15 @@ ContextCacheStatus ContextCacheCoordinator::finalizePrefillPublication(
     applyAdvance(req.sequences[i], advances[i]);
   }
   req.phase = Phase::kExecuting;
-  req.pending = false;  // the runtime synchronised before calling
+  req.pending = false;  // the runtime synchronised before calling: restores and captures are done
+  if (mSnapshots != nullptr) {
+    for (auto& sequence : req.sequences) {
+      mManager->releaseRestoredHybridSnapshots(sequence.lease);
+      mCounters.prefillPublications += sequence.staged ? 1u : 0u;
+    }
+    commitCaptures(req);
+    return ContextCacheStatus::kOk;
+  }
   for (std::size_t row = 0; row < req.sequences.size(); ++row) {
     ++mCounters.prefillPublications;
     publishReady(req, row);
@@ -582,13 +794,7 @@ void ContextCacheCoordinator::publishReady(Request& req, std::size_t row) {
   if (blocks <= sequence.publishedBlocks) {
     return;
   }
-  auto const tokens = static_cast<std::size_t>(blocks) * static_cast<std::size_t>(pageSize);
-  std::span<MediaPosition const> media;
-  if (!sequence.media.empty()) {
-    media = std::span<MediaPosition const>(sequence.media).first(tokens);
-  }
-  PromptView const prefix{std::span<int32_t const>(sequence.tokens).first(tokens), media,
-                          sequence.extras};
+  PromptView const prefix = prefixOf(sequence, blocks * pageSize);
   // Publication records what the sequence already computed; the completion it belongs to has
   // been applied. Out of host memory, the blocks stay unpublished (the manager rolls the attempt
   // back) and a later completion point of the sequence may publish them.
@@ -613,6 +819,10 @@ ContextCacheStatus ContextCacheCoordinator::prepareDecodeStep(RequestHandle& han
   MKV_REQUIRE(req.phase == Phase::kExecuting && !req.pending && req.mapping.empty(), kCall,
               "a decode step needs an executing request with no pending work");
   validateHeadroom(kCall, headroom);
+  if (!hasKv()) {
+    req.pending = true;  // pure recurrent: no pages to grow
+    return ContextCacheStatus::kOk;
+  }
   KVPageTable& table = *mResources.basePageTable;
   int32_t const pageSize = mManager->pageSize();
   bool grew = false;
@@ -722,14 +932,37 @@ ContextCacheStatus ContextCacheCoordinator::completeDecodeStep(
     applyAdvance(req.sequences[i], advances[i]);
   }
   req.pending = false;
-  if (req.commitPolicy == ContextCacheCommitPolicy::kIncludingGeneratedTokens) {
+  if (req.commitPolicy != ContextCacheCommitPolicy::kIncludingGeneratedTokens) {
+    return ContextCacheStatus::kOk;
+  }
+  if (mSnapshots == nullptr) {
     for (std::size_t i = 0; i < completed.size(); ++i) {
       if (completed[i] != 0) {
         ++mCounters.decodePublications;
         publishReady(req, i);
       }
     }
+    return ContextCacheStatus::kOk;
   }
+  bool staged = false;
+  for (std::size_t i = 0; i < completed.size(); ++i) {
+    if (completed[i] != 0 && stageCapture(req, i, req.sequences[i].committed)) {
+      ++mCounters.decodePublications;
+      staged = true;
+    }
+  }
+  if (!staged) {
+    return ContextCacheStatus::kOk;
+  }
+  // The copies read state the step just wrote: one synchronisation makes them terminal.
+  ++mCounters.captureSynchronizations;
+  if (!synchronize()) {
+    handle.mCoordinator = nullptr;
+    handle.mId = 0;
+    quarantine(detach(req.id));  // the slots stay leased while the copies may still run
+    return ContextCacheStatus::kPoisoned;
+  }
+  commitCaptures(req);
   return ContextCacheStatus::kOk;
 }
 
@@ -761,10 +994,8 @@ void ContextCacheCoordinator::beginBatchCompaction(RequestHandle& handle,
   }
   MKV_REQUIRE(nextSurvivor == newBatchSize, kCall, "{} survivors for a new batch of {}",
               nextSurvivor, newBatchSize);
-  MKV_REQUIRE(deviceMapping.dataType() == DataType::kInt32 &&
-                  deviceMapping.deviceType() == mResources.basePool->deviceType(),
-              kCall, "deviceMapping must be int32 on {}",
-              toString(mResources.basePool->deviceType()));
+  MKV_REQUIRE(deviceMapping.dataType() == DataType::kInt32 && deviceMapping.deviceType() == mDevice,
+              kCall, "deviceMapping must be int32 on {}", toString(mDevice));
   MKV_REQUIRE(deviceMapping.capacityBytes() >= static_cast<int64_t>(oldToNew.size_bytes()), kCall,
               "deviceMapping holds {} bytes, needs {}", deviceMapping.capacityBytes(),
               oldToNew.size_bytes());
@@ -792,13 +1023,18 @@ ContextCacheStatus ContextCacheCoordinator::compactBatch(RequestHandle& handle) 
   std::vector<Request::Sequence> survivors;
   survivors.reserve(req.sequences.capacity());
   for (std::size_t i = 0; i < req.mapping.size(); ++i) {
+    MKV_ASSERT(!req.sequences[i].staged, "row {} has an uncommitted capture at compaction", i);
     if (req.mapping[i] < 0) {
       dropped.push_back(req.sequences[i].resident.slot);
-      mResources.basePageTable->clearRow(req.sequences[i].resident.slot);
     }
   }
-  mResources.basePageTable->uploadDirty(mStream);
-  mResources.basePool->compactLengths(*req.deviceMapping, req.newBatchSize, mStream);
+  if (hasKv()) {
+    for (CacheSlot slot : dropped) {
+      mResources.basePageTable->clearRow(slot);
+    }
+    mResources.basePageTable->uploadDirty(mStream);
+    mResources.basePool->compactLengths(*req.deviceMapping, req.newBatchSize, mStream);
+  }
   if (mResources.recurrent != nullptr && !dropped.empty()) {
     mResources.recurrent->clearResidentSlots(dropped, mStream);
   }
@@ -860,12 +1096,14 @@ ContextCacheStatus ContextCacheCoordinator::shutdown() noexcept {
       return ContextCacheStatus::kPoisoned;
     }
     try {
-      for (auto& quarantined : mQuarantine) {
-        for (auto const& sequence : quarantined->sequences) {
-          mResources.basePageTable->clearRow(sequence.resident.slot);
+      if (hasKv()) {
+        for (auto& quarantined : mQuarantine) {
+          for (auto const& sequence : quarantined->sequences) {
+            mResources.basePageTable->clearRow(sequence.resident.slot);
+          }
         }
+        mResources.basePageTable->uploadDirty(mStream);
       }
-      mResources.basePageTable->uploadDirty(mStream);
     } catch (std::exception const& error) {
       logger()->error("ContextCacheCoordinator::shutdown: clearing rows failed: {}", error.what());
       return ContextCacheStatus::kPoisoned;
@@ -1049,6 +1287,17 @@ std::string ContextCacheCoordinator::toPrometheus(std::string_view prefix) const
           mCounters.quarantinedRequests);
   counter("coordinator_planning_nanoseconds", "Host nanoseconds spent in lookup and acquire.",
           mCounters.planningNanoseconds);
+  counter("coordinator_checkpoint_restores", "Sequences started from a restored checkpoint.",
+          mCounters.checkpointRestores);
+  counter("coordinator_checkpoint_captures", "Checkpoint captures enqueued.",
+          mCounters.checkpointCaptures);
+  counter("coordinator_checkpoint_publications", "Captured checkpoints committed as records.",
+          mCounters.checkpointPublications);
+  counter("coordinator_snapshot_pressure_skips", "Checkpoint captures skipped for want of a slot.",
+          mCounters.snapshotPressureSkips);
+  counter("coordinator_capture_synchronizations",
+          "Stream synchronisations made for decode-end captures.",
+          mCounters.captureSynchronizations);
   return text;
 }
 

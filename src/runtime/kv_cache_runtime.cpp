@@ -56,10 +56,6 @@ void validate(KVCacheRuntimeConfig const& config) {
               "numPages must be in [0, {}], got {}", kMaxPages, config.numPages);
   MKV_REQUIRE(config.numSwaPages >= 0 && config.numSwaPages <= kMaxPages, kCall,
               "numSwaPages must be in [0, {}], got {}", kMaxPages, config.numSwaPages);
-  if (config.contextReuse) {
-    MKV_REQUIRE(model.numRecurrentLayers == 0, kCall,
-                "context reuse for recurrent (hybrid) models is not supported");
-  }
 }
 
 }  // namespace
@@ -164,8 +160,14 @@ std::unique_ptr<KVCacheRuntime> KVCacheRuntime::create(KVCacheRuntimeConfig cons
   resources.basePool = runtime->mFullPool.get();
   resources.basePageTable = runtime->mFullTable.get();
   resources.recurrent = runtime->mRecurrent.get();
-  runtime->mCoordinator = std::make_unique<ContextCacheCoordinator>(
-      cache, ContextCacheDeploymentProfile{}, resources, config.stream, synchronizer);
+  // Reuse for a hybrid model is checkpoint reuse (snapshot budgets in config.contextCache);
+  // without reuse the recurrent rows are only zeroed when compaction drops them.
+  ContextCacheDeploymentProfile profile;
+  if (config.contextReuse && model.numRecurrentLayers > 0) {
+    profile.baseStateKind = BaseStateKind::kHybrid;
+  }
+  runtime->mCoordinator = std::make_unique<ContextCacheCoordinator>(cache, profile, resources,
+                                                                    config.stream, synchronizer);
   return runtime;
 }
 

@@ -2,6 +2,7 @@
 
 #include <fmt/format.h>
 
+#include <algorithm>
 #include <cstring>
 
 #include "core/check.h"
@@ -170,6 +171,81 @@ OracleReport KvOracle::verify(CacheSlot slot, PrefixDigests const& digests, int6
     }
     if (!positionOk) {
       ++report.mismatches;
+    }
+  }
+  return report;
+}
+
+// ---------------------------------------------------------------- RecurrentOracle
+
+void RecurrentOracle::expectedRow(uint64_t digest, int32_t layer, bool conv,
+                                  std::span<uint8_t> out) {
+  // Row kinds 2 and 3 continue KvOracle's halves 0 (K) and 1 (V): no stream is shared.
+  KvOracle::expectedRow(digest, layer, conv ? 3 : 2, out);
+}
+
+void RecurrentOracle::expected(PrefixDigests const& digests, int64_t length, int32_t layer,
+                               bool conv, std::span<uint8_t> out) const {
+  if (length == 0) {
+    std::fill(out.begin(), out.end(), uint8_t{0});
+  } else {
+    expectedRow(digests.at(length - 1), layer, conv, out);
+  }
+}
+
+void RecurrentOracle::write(CacheSlot slot, PrefixDigests const& digests, int64_t length) {
+  MKV_REQUIRE(slot >= 0 && slot < mPool.numSlots(), "RecurrentOracle::write",
+              "slot {} outside [0, {})", slot, mPool.numSlots());
+  MKV_REQUIRE(length >= 0 && length <= digests.size(), "RecurrentOracle::write",
+              "length {} outside the {} known positions", length, digests.size());
+  for (int32_t layer = 0; layer < mPool.numLayers(); ++layer) {
+    for (bool conv : {false, true}) {
+      Tensor& rows = conv ? mPool.conv(layer) : mPool.state(layer);
+      auto const bytes = static_cast<std::size_t>(rows.dim(1));
+      std::vector<uint8_t> row(bytes);
+      expected(digests, length, layer, conv, row);
+      detail::copyBytes(
+          static_cast<uint8_t*>(rows.rawPointer()) + bytes * static_cast<std::size_t>(slot),
+          mPool.deviceType(), row.data(), DeviceType::kCPU, bytes, nullptr);
+      if (mPool.deviceType() == DeviceType::kGPU) {
+        detail::synchronizeDevice();
+      }
+    }
+  }
+}
+
+OracleReport RecurrentOracle::verify(CacheSlot slot, PrefixDigests const& digests,
+                                     int64_t length) const {
+  MKV_REQUIRE(slot >= 0 && slot < mPool.numSlots(), "RecurrentOracle::verify",
+              "slot {} outside [0, {})", slot, mPool.numSlots());
+  MKV_REQUIRE(length >= 0 && length <= digests.size(), "RecurrentOracle::verify",
+              "length {} outside the {} known positions", length, digests.size());
+  OracleReport report;
+  report.positionsChecked = 1;
+  for (int32_t layer = 0; layer < mPool.numLayers(); ++layer) {
+    for (bool conv : {false, true}) {
+      Tensor const& rows = conv ? mPool.conv(layer) : mPool.state(layer);
+      auto const bytes = static_cast<std::size_t>(rows.dim(1));
+      std::vector<uint8_t> want(bytes);
+      std::vector<uint8_t> found(bytes);
+      expected(digests, length, layer, conv, want);
+      detail::copyBytes(
+          found.data(), DeviceType::kCPU,
+          static_cast<uint8_t const*>(rows.rawPointer()) + bytes * static_cast<std::size_t>(slot),
+          mPool.deviceType(), bytes, nullptr);
+      if (mPool.deviceType() == DeviceType::kGPU) {
+        detail::synchronizeDevice();
+      }
+      auto const differs = std::mismatch(found.begin(), found.end(), want.begin());
+      if (differs.first != found.end()) {
+        report.mismatches = 1;
+        report.firstMismatch = fmt::format(
+            "slot {} recurrent state after {} tokens, layer {} {} row: byte {} is {:#04x}, "
+            "expected {:#04x}",
+            slot, length, layer, conv ? "conv" : "state", differs.first - found.begin(),
+            *differs.first, *differs.second);
+        return report;
+      }
     }
   }
   return report;

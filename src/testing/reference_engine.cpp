@@ -61,6 +61,12 @@ ReferenceEngine::ReferenceEngine(KVCacheRuntime& runtime, ReferenceEngineOptions
   if (runtime.swaPool() != nullptr) {
     mSwaOracle = std::make_unique<KvOracle>(*runtime.swaPool(), *runtime.swaPageTable());
   }
+  // Only checkpoint deployments promise a zeroed or restored row at the start of a sequence.
+  ContextCacheCoordinator const* coordinator = runtime.contextCache();
+  if (runtime.recurrentState() != nullptr && coordinator != nullptr &&
+      coordinator->profile().usesCheckpointReuse()) {
+    mRecurrentOracle = std::make_unique<RecurrentOracle>(*runtime.recurrentState());
+  }
   mDeviceMapping = Tensor({runtime.config().maxBatchSize}, DataType::kInt32,
                           runtime.config().deviceType);
 }
@@ -198,6 +204,21 @@ void ReferenceEngine::checkLengths(Run& run) {
   }
 }
 
+void ReferenceEngine::executeRecurrent(Row& row, int32_t from, int32_t to) {
+  if (!mRecurrentOracle) {
+    return;
+  }
+  if (mOptions.verify != VerifyMode::kNone) {
+    OracleReport const resumed = mRecurrentOracle->verify(row.resident.slot, row.digests, from);
+    ++mStats.recurrentChecks;
+    if (!resumed.ok()) {
+      ++mStats.oracleMismatches;
+      report("recurrent state: " + resumed.firstMismatch);
+    }
+  }
+  mRecurrentOracle->write(row.resident.slot, row.digests, to);
+}
+
 namespace {
 void writeLength(KVCacheRuntime& runtime, int32_t row, int32_t length, cudaStream_t stream) {
   int32_t const value[1] = {length};
@@ -233,6 +254,7 @@ void ReferenceEngine::executePrefill(Run& run, Row& row, int32_t start) {
     mSwaOracle->write(row.resident.slot, row.digests, std::max(0, promptLength - window),
                       promptLength);
   }
+  executeRecurrent(row, start, promptLength);
   row.materialized = promptLength;
   mStats.promptTokens += promptLength;
   mStats.reusedTokens += start;
@@ -518,6 +540,7 @@ RequestOutcome ReferenceEngine::run(EngineRequest const& request,
       if (mRuntime.backend() == KVCacheBackend::kBoundedSwa && mSwaOracle) {
         mSwaOracle->write(row.resident.slot, row.digests, position, position + 1);
       }
+      executeRecurrent(row, position, position + 1);
       row.materialized = position + 1;
       writeLength(mRuntime, static_cast<int32_t>(i), row.materialized, stream);
       verifyRow(run, row, /*full=*/false);

@@ -815,7 +815,8 @@ TEST(ContextCacheCoordinatorConstructionTest, RejectsUnsupportedDeploymentsAndIn
   config = ContextCacheConfig{};
   ContextCacheDeploymentProfile hybrid;
   hybrid.baseStateKind = BaseStateKind::kHybrid;
-  EXPECT_TRUE(throwsError(construct(config, hybrid, valid), {"deployment profile not supported"}));
+  EXPECT_TRUE(throwsError(construct(config, hybrid, valid),
+                          {"a hybrid deployment needs the recurrent state pool"}));
   ContextCacheDeploymentProfile speculative;
   speculative.speculative = SpecReuseContract{true, 1};
   EXPECT_TRUE(throwsError(construct(config, speculative, valid), {"deployment profile"}));

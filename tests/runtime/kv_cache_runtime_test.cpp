@@ -305,12 +305,6 @@ std::vector<InvalidCase> invalidCases() {
          c.numSwaPages = kBoundedMinimum - 1;
        },
        {"numSwaPages 27 is below", "= 28"}},
-      {"reuse_with_recurrent_layers",
-       [recurrent](auto& c) {
-         recurrent(16, 8)(c);
-         c.contextReuse = true;
-       },
-       {"context reuse for recurrent"}},
       {"bounded_mixed_full_pool_too_small",
        [](auto& c) {
          c = withWindow(c, 1, 1);
@@ -346,6 +340,40 @@ TEST_P(KVCacheRuntimeValidationTest, ThrowsNamingTheCallAndTheValue) {
 
 INSTANTIATE_TEST_SUITE_P(InvalidConfigs, KVCacheRuntimeValidationTest,
                          ::testing::ValuesIn(invalidCases()), caseName<InvalidCase>);
+
+TEST(KVCacheRuntimeTest, ReuseForAHybridModelIsCheckpointReuseWithoutSeatedAdmission) {
+  KVCacheRuntimeConfig config = baseConfig();
+  config.contextReuse = true;
+  config.model.numRecurrentLayers = 2;
+  config.model.recurrentStateBytes = 24;
+  config.model.recurrentConvBytes = 8;
+  try {
+    (void)KVCacheRuntime::create(config);
+    FAIL() << "created a hybrid reuse runtime without snapshot budgets";
+  } catch (Error const& error) {
+    std::string const message = error.what();
+    EXPECT_NE(message.find("ContextCacheCoordinator"), std::string::npos) << message;
+    EXPECT_NE(message.find("recurrentSnapshotPoolBytes 0 holds no snapshot slot of 64 bytes"),
+              std::string::npos)
+        << message;
+  }
+  config.contextCache.recurrentSnapshotPoolBytes = 5 * 64;
+  config.contextCache.partialKvSnapshotPoolBytes = 3 * 2 * 2 * 16 * 4 * 2;  // 2 layers, fp16
+  auto runtime = KVCacheRuntime::create(config);
+  ASSERT_EQ(runtime->backend(), KVCacheBackend::kContextReuse);
+  ContextCacheCoordinator const& coordinator = *runtime->contextCache();
+  EXPECT_EQ(coordinator.profile().baseStateKind, BaseStateKind::kHybrid);
+  EXPECT_EQ(coordinator.manager().pools().capacity(ResourceType::kRecurrentSnapshot), 5);
+  EXPECT_EQ(coordinator.manager().pools().capacity(ResourceType::kPartialKvSnapshot), 3);
+  EXPECT_FALSE(runtime->supportsSeatedAdmission());
+  EXPECT_TRUE(runtime->shutdown());
+
+  config.contextReuse = false;  // full storage keeps the attention-only profile
+  runtime = KVCacheRuntime::create(config);
+  EXPECT_EQ(runtime->contextCache()->profile().baseStateKind, BaseStateKind::kAttentionOnly);
+  EXPECT_TRUE(runtime->supportsSeatedAdmission());
+  EXPECT_TRUE(runtime->shutdown());
+}
 
 TEST(KVCacheRuntimeTest, AFieldAResourceValidatesIsRejectedUnderThatResourcesName) {
   KVCacheRuntimeConfig config = baseConfig();

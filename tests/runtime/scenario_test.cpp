@@ -6,6 +6,7 @@
 #include <deque>
 #include <memory>
 #include <numeric>
+#include <random>
 #include <span>
 #include <string>
 
@@ -23,6 +24,7 @@ using runtime_test::FacadeDriver;
 using runtime_test::RuntimeRig;
 using testing::EngineRequest;
 using testing::EngineSequence;
+using testing::EngineStats;
 using testing::ReferenceEngine;
 using AdmitStatus = ContextCacheRequest::AdmitSequenceStatus;
 
@@ -91,6 +93,114 @@ TEST(ScenarioTest, MultiTurnChatReusesThePreviousTurn) {
   EXPECT_EQ(engine.stats().oracleMismatches, 0);
   EXPECT_GT(engine.stats().oracleChecks, 0);
   EXPECT_TRUE(runtime->shutdown());
+}
+
+KVCacheRuntimeConfig hybridConfig(int32_t recurrentSlots, int32_t partialSlots) {
+  KVCacheRuntimeConfig config = smallConfig(true);
+  config.maxBatchSize = 3;
+  config.maxSequenceLength = 256;
+  config.model.numRecurrentLayers = 2;
+  config.model.recurrentStateBytes = 24;
+  config.model.recurrentConvBytes = 8;
+  config.contextCache.recurrentSnapshotPoolBytes = recurrentSlots * 2 * (24 + 8);
+  // 2 layers x K and V x 16 tokens x 1 head x 4 x fp16 per partial page.
+  config.contextCache.partialKvSnapshotPoolBytes = partialSlots * 2 * 2 * 16 * 4 * 2;
+  return config;
+}
+
+TEST(ScenarioTest, HybridMultiTurnChatResumesFromTheExactEndOfThePreviousTurn) {
+  auto runtime = KVCacheRuntime::create(hybridConfig(8, 8));
+  ASSERT_EQ(runtime->contextCache()->profile().baseStateKind, BaseStateKind::kHybrid);
+  ReferenceEngine engine(*runtime);
+  std::vector<int32_t> history = tokens(40, 100);
+  int32_t previousLength = 0;
+  for (int turn = 0; turn < 4; ++turn) {
+    EngineRequest request;
+    request.sequences.push_back(EngineSequence{history, 6, {}, {}, {}, -1, turn});
+    auto const outcome = engine.run(request);
+    ASSERT_TRUE(outcome.admitted);
+    ASSERT_FALSE(outcome.failed);
+    auto const& sequence = outcome.sequences.at(0);
+    // The decode-end checkpoint of the previous turn: prompt + generated tokens with KV, not
+    // rounded down to a page.
+    EXPECT_EQ(sequence.prefillStart, previousLength) << "turn " << turn;
+    previousLength = static_cast<int32_t>(history.size() + sequence.generated.size()) - 1;
+    history.insert(history.end(), sequence.generated.begin(), sequence.generated.end());
+    auto const user = tokens(13, 500 + 20 * turn);
+    history.insert(history.end(), user.begin(), user.end());
+  }
+  EXPECT_EQ(engine.stats().oracleMismatches, 0);
+  EXPECT_GE(engine.stats().recurrentChecks, 4 * 6) << "every execution resumed a checked state";
+  EXPECT_EQ(runtime->contextCache()->counters().checkpointRestores, 3u);
+  EXPECT_TRUE(runtime->shutdown());
+}
+
+TEST(ScenarioTest, RandomHybridWorkloadsNeverCorruptKvOrRecurrentState) {
+  // Tight pools: 40 pages of 16 tokens, 5 recurrent and 3 partial snapshot slots, 10 records, so
+  // admissions evict, captures are skipped under snapshot pressure and checkpoints end mid-page.
+  KVCacheRuntimeConfig config = hybridConfig(5, 3);
+  config.numPages = 40;
+  config.contextCache.maxRecords = 10;
+  auto runtime = KVCacheRuntime::create(config);
+  testing::ReferenceEngineOptions options;
+  options.seed = 7;
+  options.eosEvery = 9;
+  ReferenceEngine engine(*runtime, options);
+  std::mt19937 rng(2024);
+  auto below = [&rng](int32_t n) { return static_cast<int32_t>(rng() % static_cast<uint32_t>(n)); };
+  std::vector<std::vector<int32_t>> histories{tokens(20, 1), tokens(45, 300), tokens(9, 900)};
+  int64_t admitted = 0;
+  for (int request = 0; request < 60; ++request) {
+    EngineRequest engineRequest;
+    int32_t const rows = 1 + below(3);
+    for (int32_t row = 0; row < rows; ++row) {
+      auto& history = histories[static_cast<std::size_t>(below(3))];
+      // Continue a conversation, or branch off one of its prefixes.
+      auto const size = static_cast<int32_t>(history.size());
+      int32_t const kept = below(2) == 0 ? size : 1 + below(size);
+      std::vector<int32_t> prompt(history.begin(), history.begin() + kept);
+      std::vector<int32_t> const more = tokens(1 + below(20), 2000 + 37 * request + row);
+      prompt.insert(prompt.end(), more.begin(), more.end());
+      prompt.resize(std::min<std::size_t>(prompt.size(), 200));
+      EngineSequence sequence{prompt, 1 + below(8), {}, {}, {}, -1, request};
+      if (below(6) == 0) {
+        sequence.cancelAtStep = below(3);
+      }
+      if (below(8) == 0) {
+        sequence.lookupPolicy = ContextCacheLookupPolicy::kBypass;
+      }
+      engineRequest.sequences.push_back(std::move(sequence));
+    }
+    auto const outcome = engine.run(engineRequest);
+    if (!outcome.admitted) {
+      continue;  // the pools cannot hold the batch now
+    }
+    ++admitted;
+    for (auto const& sequence : outcome.sequences) {
+      if (sequence.prompt.size() + sequence.generated.size() < 200 && below(2) == 0) {
+        auto& history = histories[static_cast<std::size_t>(below(3))];
+        history = sequence.prompt;
+        history.insert(history.end(), sequence.generated.begin(), sequence.generated.end());
+      }
+    }
+  }
+  EngineStats const& stats = engine.stats();
+  EXPECT_GT(admitted, 40);
+  EXPECT_EQ(stats.oracleMismatches, 0) << stats.firstMismatch;
+  EXPECT_GT(stats.recurrentChecks, 0);
+  EXPECT_GT(stats.reusedTokens, 0);
+  ContextCacheCoordinatorCounters const& counters = runtime->contextCache()->counters();
+  EXPECT_GE(counters.checkpointRestores, 10u);
+  EXPECT_GT(counters.snapshotPressureSkips, 0u) << "pinned restore sources left no slot";
+  EXPECT_GT(runtime->contextCache()->metrics().evictedRecords, 0u);
+  EXPECT_TRUE(runtime->shutdown());
+  ContextCacheManager const& manager = runtime->contextCache()->manager();
+  EXPECT_EQ(manager.liveLeaseCount(), 0);
+  for (ResourceType type : kAllResourceTypes) {
+    for (int32_t i = 0; i < manager.pools().capacity(type); ++i) {
+      EXPECT_EQ(manager.pools().activeRefs({type, i}), 0);
+    }
+  }
 }
 
 TEST(ScenarioTest, JoinsReuseASharedSystemPrompt) {

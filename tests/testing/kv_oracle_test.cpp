@@ -5,9 +5,8 @@
 // positions outside the verified range are never read.
 #include "mkv/testing/kv_oracle.h"
 
-#include <gtest/gtest.h>
-
 #include <fmt/format.h>
+#include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -23,6 +22,7 @@
 #include "core/device.h"
 #include "mkv/kv_cache_pool.h"
 #include "mkv/kv_page_table.h"
+#include "mkv/recurrent_state_pool.h"
 #include "test_util.h"
 
 namespace mkv {
@@ -437,6 +437,87 @@ TEST_P(KvOracleTest, RejectsRangesBeyondTheDigestsAndMismatchedResources) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Devices, KvOracleTest, test::allDeviceTypes(), test::deviceName);
+
+// ---------------------------------------------------------------- RecurrentOracle
+
+using testing::RecurrentOracle;
+
+class RecurrentOracleTest : public test::DeviceTest {
+ protected:
+  void SetUp() override {
+    DeviceTest::SetUp();
+    if (IsSkipped()) {
+      return;
+    }
+    RecurrentStatePoolConfig config;
+    config.numLayers = 2;
+    config.numSlots = 3;
+    config.stateBytesPerSlot = 20;
+    config.convBytesPerSlot = 6;
+    config.deviceType = device();
+    mPool = std::make_unique<RecurrentStatePool>(config);
+    mOracle = std::make_unique<RecurrentOracle>(*mPool);
+  }
+
+  std::unique_ptr<RecurrentStatePool> mPool;
+  std::unique_ptr<RecurrentOracle> mOracle;
+};
+
+TEST_P(RecurrentOracleTest, TheStateIsAFunctionOfTheWholePrefixAndZeroBeforeAnyToken) {
+  PrefixDigests const digests = digestsOf(tokenRange(30, 5));
+  EXPECT_TRUE(mOracle->verify(1, digests, 0).ok()) << "a fresh pool holds the empty state";
+  mOracle->write(1, digests, 17);
+  OracleReport const report = mOracle->verify(1, digests, 17);
+  EXPECT_TRUE(report.ok()) << report.firstMismatch;
+  EXPECT_EQ(report.positionsChecked, 1);
+  EXPECT_FALSE(mOracle->verify(1, digests, 16).ok()) << "one token short";
+  EXPECT_FALSE(mOracle->verify(1, digests, 0).ok());
+  std::vector<int32_t> branch = tokenRange(16, 5);
+  branch.push_back(999);
+  PrefixDigests const other = digestsOf(branch);
+  EXPECT_FALSE(mOracle->verify(1, other, 17).ok()) << "another last token";
+  EXPECT_TRUE(mOracle->verify(0, digests, 0).ok()) << "other rows are untouched";
+  EXPECT_TRUE(mOracle->verify(2, digests, 0).ok());
+  // The row's bytes are exactly the expected streams of each layer and kind.
+  for (int32_t layer = 0; layer < 2; ++layer) {
+    for (bool conv : {false, true}) {
+      Tensor const& rows = conv ? mPool->conv(layer) : mPool->state(layer);
+      std::vector<uint8_t> const bytes = test::readBytes(rows);
+      auto const width = static_cast<std::size_t>(rows.dim(1));
+      std::vector<uint8_t> expected(width);
+      RecurrentOracle::expectedRow(digests.at(16), layer, conv, expected);
+      EXPECT_TRUE(std::equal(expected.begin(), expected.end(), bytes.data() + width))
+          << "layer " << layer << (conv ? " conv" : " state");
+    }
+  }
+  mOracle->write(1, digests, 0);
+  EXPECT_TRUE(mOracle->verify(1, digests, 0).ok()) << "length 0 writes the empty state";
+}
+
+TEST_P(RecurrentOracleTest, AFlippedByteInAnyLayerOrKindIsReported) {
+  PrefixDigests const digests = digestsOf(tokenRange(9, 40));
+  for (int32_t layer = 0; layer < 2; ++layer) {
+    for (bool conv : {false, true}) {
+      mOracle->write(2, digests, 9);
+      Tensor& rows = conv ? mPool->conv(layer) : mPool->state(layer);
+      std::vector<uint8_t> bytes = test::readBytes(rows);
+      bytes[2 * static_cast<std::size_t>(rows.dim(1)) + 3] ^= 0x10;
+      test::writeBytes(rows, bytes);
+      OracleReport const report = mOracle->verify(2, digests, 9);
+      EXPECT_EQ(report.mismatches, 1);
+      EXPECT_NE(report.firstMismatch.find(
+                    fmt::format("layer {} {} row: byte 3", layer, conv ? "conv" : "state")),
+                std::string::npos)
+          << report.firstMismatch;
+    }
+  }
+  EXPECT_TRUE(test::throwsError([&] { mOracle->write(3, digests, 1); },
+                                {"RecurrentOracle::write", "slot 3 outside [0, 3)"}));
+  EXPECT_TRUE(test::throwsError([&] { (void)mOracle->verify(0, digests, 10); },
+                                {"RecurrentOracle::verify", "length 10", "9 known positions"}));
+}
+
+INSTANTIATE_TEST_SUITE_P(Devices, RecurrentOracleTest, test::allDeviceTypes(), test::deviceName);
 
 }  // namespace
 }  // namespace mkv

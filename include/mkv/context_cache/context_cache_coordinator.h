@@ -20,6 +20,7 @@
 #include "mkv/kv_cache_pool.h"
 #include "mkv/kv_page_table.h"
 #include "mkv/recurrent_state_pool.h"
+#include "mkv/snapshot_storage.h"
 #include "mkv/stream.h"
 #include "mkv/tensor.h"
 #include "mkv/types.h"
@@ -34,14 +35,25 @@ struct ContextCacheConfig {
   int32_t maxRecords = 1024;  ///< published records kept (LRU beyond); 0 keeps none
   bool verifyTokens = true;   ///< verify tokens on every index match (SPEC §8.1)
   int32_t eventQueueCapacity = 0;  ///< BlockStored / BlockRemoved events kept; 0 = off
-  int64_t recurrentSnapshotPoolBytes = 0;  ///< hybrid checkpoints: budget of recurrent slots
-  int64_t partialKvSnapshotPoolBytes = 0;  ///< hybrid checkpoints: budget of partial-KV slots
+  /// Hybrid / pure-recurrent deployments: device bytes of recurrent snapshot slots. Slots =
+  /// budget / SnapshotStorage::recurrentBytesPerSlot (plus the boundary hidden row for
+  /// Hybrid-MTP); an enabled checkpoint deployment needs at least one. Ignored otherwise.
+  int64_t recurrentSnapshotPoolBytes = 0;
+  /// Hybrid deployments: device bytes of partial-KV snapshot slots (the valid rows of a partially
+  /// filled last page, every layer, K and V). Slots = budget / partialKvBytesPerSlot; an enabled
+  /// hybrid deployment needs at least one. Ignored without attention.
+  int64_t partialKvSnapshotPoolBytes = 0;
 };
 
 /// What kind of model state the base model carries.
 enum class BaseStateKind : uint8_t { kAttentionOnly, kPureRecurrent, kHybrid };
 
-/// The deployment the coordinator serves, validated at construction.
+/// The deployment the coordinator serves, validated against the resources at construction:
+/// * attention-only: basePool + basePageTable; block reuse (a recurrent pool, if given, only has
+///   its dropped rows zeroed at compaction);
+/// * hybrid (attention + recurrent layers): basePool + basePageTable + recurrent; exact
+///   checkpoints (recurrent rows + the partial last KV page) instead of blocks;
+/// * pure recurrent: recurrent only (no KV pool, no page table); recurrent checkpoints.
 struct ContextCacheDeploymentProfile {
   BaseStateKind baseStateKind = BaseStateKind::kAttentionOnly;
   /// Set for speculative deployments (EAGLE {paged, 1}, MTP {paged, 1}, ...).
@@ -113,12 +125,26 @@ struct ContextCacheCoordinatorCounters {
   uint64_t growthFailures = 0;         ///< growth refused: the request was failed
   uint64_t synchronizations = 0;       ///< stream synchronisations made by the coordinator
   uint64_t quarantinedRequests = 0;
+  uint64_t checkpointRestores = 0;      ///< sequences that started from a restored checkpoint
+  uint64_t checkpointCaptures = 0;      ///< checkpoint captures enqueued (prefill or decode end)
+  uint64_t checkpointPublications = 0;  ///< captured checkpoints committed as records
+  /// Captures skipped because no snapshot slot could be reserved (the request carries on).
+  uint64_t snapshotPressureSkips = 0;
+  uint64_t captureSynchronizations = 0;  ///< synchronisations made for decode-end captures
   uint64_t planningNanoseconds = 0;    ///< host time spent in lookup + acquire
 };
 
 /// Context reuse over full paged KV: lookups at admission, page rows for execution, growth per
 /// decode step, publication at the runtime's existing completion points, compaction that never
 /// moves resident rows, in-flight admission, poison and quarantine.
+///
+/// Hybrid and pure-recurrent deployments reuse exact checkpoints instead of blocks: recurrent
+/// rows plus the valid rows of a partially filled last KV page, kept in a SnapshotStorage the
+/// coordinator owns, its slots typed resources of the manager. A checkpoint is captured at the
+/// prompt end (enqueuePrefillCaptures, committed after the runtime's prefill synchronisation) and
+/// at the committed length of rows that finished normally (completeDecodeStep, committed after
+/// one capture synchronisation); preparePrefill restores the longest one strictly shorter than
+/// the prompt. When no snapshot slot can be had, the capture is skipped, never the request.
 ///
 /// Several requests may be admitted at once (their leases overlap in lifetime), but only one may
 /// be executing (between preparePrefill and finish) at a time: the pool's KV-length tensor is
@@ -184,14 +210,20 @@ class ContextCacheCoordinator {
   /// speculative request on a non-speculative deployment.
   BeginRequestResult beginRequest(ContextCacheBatchAdmission const& admission,
                                   DecodingKvHeadroom const& headroom, cudaStream_t stream);
-  /// Binds page-table rows (one upload), restores snapshots, resets the device KV lengths to the
-  /// reuse lengths. Throws outside (admitted, no pending work) or when another request executes.
+  /// Binds page-table rows (one upload), resets the device KV lengths to the reuse lengths and,
+  /// on checkpoint deployments, restores each hit's recurrent rows and the valid rows of its
+  /// partial page (zeroes the recurrent rows of sequences that reuse nothing); stream-ordered.
+  /// Throws outside (admitted, no pending work) or when another request executes.
   void preparePrefill(RequestHandle& handle);
-  /// Hybrid deployments: stages checkpoint copies at the prompt end. No-op otherwise. Throws
-  /// outside preparePrefill -> finalizePrefillPublication.
+  /// Checkpoint deployments: enqueues, after the runtime's prefill kernels, the capture of every
+  /// (non-bypass) sequence's state at its prompt end; committed by finalizePrefillPublication.
+  /// A sequence whose slots cannot be reserved is skipped (snapshotPressureSkips); a second call
+  /// stages nothing more. No-op on attention-only deployments. Throws outside preparePrefill ->
+  /// finalizePrefillPublication.
   void enqueuePrefillCaptures(RequestHandle& handle);
   /// After the runtime's prefill synchronisation: applies one advance per sequence (the prompt
-  /// plus the lookahead under kCommittedPlusLookahead) and publishes the prompt's full blocks.
+  /// plus the lookahead under kCommittedPlusLookahead) and publishes the prompt's full blocks
+  /// (checkpoint deployments: commits the captures of enqueuePrefillCaptures instead).
   /// `commonStateLengths` is empty, or one per sequence for speculative requests. Throws unless a
   /// prefill is prepared (before preparePrefill, after finalisation, during a decode step).
   ContextCacheStatus finalizePrefillPublication(
@@ -201,7 +233,10 @@ class ContextCacheCoordinator {
   /// kRequestFailed (request finishing) when a sequence cannot grow.
   ContextCacheStatus prepareDecodeStep(RequestHandle& handle, DecodingKvHeadroom const& headroom);
   /// After the runtime's decode synchronisation: applies advances and publishes the full blocks
-  /// of `completedSlots` (finished, not cancelled or errored) at decode end.
+  /// of `completedSlots` (finished, not cancelled or errored) at decode end. Checkpoint
+  /// deployments capture the completed slots' state at their committed length instead, make one
+  /// capture synchronisation and commit; when it fails: kPoisoned, the request is quarantined
+  /// and the handle invalidated.
   ContextCacheStatus completeDecodeStep(RequestHandle& handle,
                                         std::span<ContextCacheSequenceAdvance const> advances,
                                         std::span<int32_t const> completedSlots,
@@ -222,7 +257,8 @@ class ContextCacheCoordinator {
   /// kRequestFailed when requests are still active.
   ContextCacheStatus shutdown() noexcept;
 
-  /// In-flight admission is offered for attention-only, non-speculative deployments.
+  /// In-flight admission is offered for attention-only, non-speculative deployments (a joiner
+  /// cannot restore a checkpoint into a running batch).
   bool supportsLiveSequenceAdmission() const noexcept;
   /// Admits one more sequence into an executing request with no pending work; binds only the
   /// new resident's row. The sequence joins at the end of the batch. Unless the admission sets
@@ -263,6 +299,8 @@ class ContextCacheCoordinator {
   std::string toPrometheus(std::string_view prefix = "managedkv_") const;
   ContextCacheConfig const& config() const noexcept { return mConfig; }
   ContextCacheDeploymentProfile const& profile() const noexcept { return mProfile; }
+  /// Checkpoint slabs (hybrid and pure-recurrent deployments), else null.
+  SnapshotStorage const* snapshots() const noexcept { return mSnapshots.get(); }
 
  private:
   Request& request(RequestHandle const& handle, char const* call) const;
@@ -273,6 +311,15 @@ class ContextCacheCoordinator {
   void releaseRows(Request& request);
   /// Publishes the ready full blocks of one sequence (skipped for bypass sequences).
   void publishReady(Request& request, std::size_t row);
+  bool hasKv() const noexcept { return mProfile.hasAttention(); }
+  /// Restores the recurrent rows and partial pages of a checkpoint request's hits and zeroes the
+  /// recurrent rows of `cold` residents.
+  void restoreCheckpoints(Request& request, std::span<CacheSlot const> cold);
+  /// Reserves slots and enqueues the capture of row `row` at `exactLength`; false when there is
+  /// nothing to capture (bypass, already published, already cached) or no slot (pressure).
+  bool stageCapture(Request& request, std::size_t row, int32_t exactLength);
+  /// Publishes every staged capture (its copies are complete) and retires the reservations.
+  void commitCaptures(Request& request);
   /// The manager's lookup of one sequence under `policy` (kBypass when reuse is disabled).
   LookupRequest lookupOf(ContextCacheSequenceAdmission const& sequence,
                          ContextCacheLookupPolicy policy, DecodingKvHeadroom const& headroom) const;
@@ -287,6 +334,9 @@ class ContextCacheCoordinator {
   cudaStream_t mStream;
   StreamSynchronizer mSynchronizer;
   std::unique_ptr<ContextCacheManager> mManager;
+  std::unique_ptr<SnapshotStorage> mSnapshots;
+  int32_t mMaxBatch = 0;
+  DeviceType mDevice = DeviceType::kCPU;
   std::vector<std::unique_ptr<Request>> mActive;
   std::vector<std::unique_ptr<Request>> mQuarantine;
   std::vector<uint8_t> mResidentBusy;

@@ -10,6 +10,7 @@
 
 #include "mkv/kv_cache_pool.h"
 #include "mkv/kv_page_table.h"
+#include "mkv/recurrent_state_pool.h"
 #include "mkv/types.h"
 
 namespace mkv::testing {
@@ -76,6 +77,34 @@ class KvOracle {
 
   KVCachePool& mPool;
   KVPageTable const& mTable;
+};
+
+/// Writes and verifies the recurrent rows of one RecurrentStatePool, the recurrent counterpart of
+/// KvOracle. The state of a resident after executing positions [0, length) is, in every layer's
+/// state and conv row, a pseudo-random stream seeded by (digest of prefix [0, length - 1],
+/// layer, row kind); before any position executed (length 0) both rows are zero. So a restored
+/// checkpoint passes only if it holds the state of exactly the same prefix, and a sequence that
+/// reuses nothing must start from zeroed rows. Works for kCPU and kGPU pools (synchronous host
+/// staging; a test tool).
+class RecurrentOracle {
+ public:
+  explicit RecurrentOracle(RecurrentStatePool& pool) : mPool(pool) {}
+
+  /// Sets the rows of `slot` to the state after positions [0, length) (an execution's result).
+  /// Throws mkv::Error for a slot out of range or a length beyond the digests.
+  void write(CacheSlot slot, PrefixDigests const& digests, int64_t length);
+  /// Compares the rows of `slot` with the state after [0, length). The report counts one
+  /// position (the state) and at most one mismatch, described by layer, row kind and byte.
+  OracleReport verify(CacheSlot slot, PrefixDigests const& digests, int64_t length) const;
+
+  /// Expected bytes of one layer's state (conv = false) or conv row after the prefix `digest`.
+  static void expectedRow(uint64_t digest, int32_t layer, bool conv, std::span<uint8_t> out);
+
+ private:
+  void expected(PrefixDigests const& digests, int64_t length, int32_t layer, bool conv,
+                std::span<uint8_t> out) const;
+
+  RecurrentStatePool& mPool;
 };
 
 }  // namespace mkv::testing

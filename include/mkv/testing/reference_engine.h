@@ -92,6 +92,7 @@ struct EngineStats {
   int64_t oracleMismatches = 0;  ///< positions with wrong bytes
   std::string firstMismatch;
   int64_t lengthChecks = 0;      ///< device KV-length rows verified
+  int64_t recurrentChecks = 0;   ///< recurrent states verified (checkpoint deployments)
   int64_t peakPagesInUse = 0;    ///< max pages not free, over all pools
   std::vector<int64_t> stepHostNanoseconds;  ///< library time per decode step (facade calls)
 };
@@ -99,7 +100,10 @@ struct EngineStats {
 /// Drives requests through a KVCacheRuntime. Executes no model: for every executed position it
 /// writes KV bytes that are a function of the whole prefix (KvOracle), then checks what the
 /// attention of that step would read: all positions of full layers, the last W of sliding ones.
-/// Also checks the device KV-length tensor after every execution.
+/// Also checks the device KV-length tensor after every execution. On checkpoint deployments
+/// (hybrid models with context reuse) it also writes each execution's recurrent state with the
+/// RecurrentOracle and, before every execution, checks that the row holds the state of exactly
+/// the positions it resumes from (zero for a fresh sequence, the restored checkpoint after reuse).
 class ReferenceEngine {
  public:
   explicit ReferenceEngine(KVCacheRuntime& runtime, ReferenceEngineOptions options = {});
@@ -130,6 +134,8 @@ class ReferenceEngine {
   void executePrefill(Run& run, Row& row, int32_t start);
   void verifyRow(Run& run, Row& row, bool full);
   void checkLengths(Run& run);
+  /// Recurrent state: verify the row resumes from `from` tokens, then write the state after `to`.
+  void executeRecurrent(Row& row, int32_t from, int32_t to);
   void notePages();
   void report(std::string const& what);
 
@@ -137,6 +143,7 @@ class ReferenceEngine {
   ReferenceEngineOptions mOptions;
   std::unique_ptr<KvOracle> mFullOracle;
   std::unique_ptr<KvOracle> mSwaOracle;
+  std::unique_ptr<RecurrentOracle> mRecurrentOracle;
   Tensor mDeviceMapping;
   EngineStats mStats;
   uint64_t mRandom;
