@@ -1,7 +1,8 @@
 // Block digest throughput of a 32k-token prompt (SPEC §13: <= 1 ns per token incl. chaining),
 // side by side with the schemes of peer systems, every one chained parent -> block:
-//   * managedkv: hashPromptBlocks (keys, content keys, media digests: what a lookup hashes) and
-//     hashFullBlocks (keys only: the publication path), chained XXH3-128;
+//   * managedkv: hashPromptBlocks (keys, token and media digests: what a lookup hashes),
+//     hashPromptBlocks + every content key (what a cold publication adds: the token-only chain,
+//     computed on demand) and hashFullBlocks (keys only), chained XXH3-128;
 //   * SHA-256 (OpenSSL EVP): digest = SHA-256(parent digest || block token bytes), vLLM's default
 //     since v0.10.2 (its pickling of the tuple is left out, which only favours it);
 //   * FNV-1a-128, byte-wise: state = (state ^ byte) * prime mod 2^128 over the parent digest bytes
@@ -45,12 +46,26 @@ void BM_HashPromptBlocks(benchmark::State& state) {
   for (auto _ : state) {
     PromptBlocks blocks = hashPromptBlocks(view, page);
     benchmark::DoNotOptimize(blocks.keys.data());
-    benchmark::DoNotOptimize(blocks.contentKeys.data());
+    benchmark::DoNotOptimize(blocks.tokenDigests.data());
     benchmark::ClobberMemory();
   }
   setTokenCounters(state, kPromptTokens);
 }
 BENCHMARK(BM_HashPromptBlocks)->Apply(pageSizes);
+
+void BM_HashPromptBlocksAndContentChain(benchmark::State& state) {
+  auto const page = static_cast<int32_t>(state.range(0));
+  PromptView const view{prompt(), {}, {}};
+  for (auto _ : state) {
+    PromptBlocks blocks = hashPromptBlocks(view, page);
+    Hash128 last = blocks.contentKey(blocks.fullBlockCount() - 1);
+    benchmark::DoNotOptimize(blocks.keys.data());
+    benchmark::DoNotOptimize(last);
+    benchmark::ClobberMemory();
+  }
+  setTokenCounters(state, kPromptTokens);
+}
+BENCHMARK(BM_HashPromptBlocksAndContentChain)->Apply(pageSizes);
 
 void BM_HashFullBlocks(benchmark::State& state) {
   auto const page = static_cast<int32_t>(state.range(0));

@@ -149,6 +149,22 @@ Hash128 hashBlock(Hash128 parent, std::span<int32_t const> tokens,
                  firstBlock);
 }
 
+Hash128 PromptBlocks::contentKey(int32_t block) const {
+  MKV_REQUIRE(block >= 0 && block < fullBlockCount(), "PromptBlocks::contentKey",
+              "block {} outside [0, {})", block, fullBlockCount());
+  auto const wanted = static_cast<std::size_t>(block);
+  if (wanted >= mContentKeys.size()) {
+    mContentKeys.reserve(keys.size());
+    Hash128 parent = mContentKeys.empty() ? kBlockChainRoot : mContentKeys.back();
+    auto const page = static_cast<std::size_t>(pageSize);
+    for (std::size_t b = mContentKeys.size(); b <= wanted; ++b) {
+      parent = contentStep(parent, tokenDigests[b], page);
+      mContentKeys.push_back(parent);
+    }
+  }
+  return mContentKeys[wanted];
+}
+
 PromptBlocks hashPromptBlocks(PromptView prompt, int32_t pageSize) {
   validatePrompt("hashPromptBlocks", prompt, pageSize);
   PromptBlocks blocks;
@@ -157,18 +173,16 @@ PromptBlocks hashPromptBlocks(PromptView prompt, int32_t pageSize) {
   auto const page = static_cast<std::size_t>(pageSize);
   std::size_t const count = prompt.tokens.size() / page;
   blocks.keys.resize(count);
-  blocks.contentKeys.resize(count);
+  blocks.tokenDigests.resize(count);
   blocks.mediaDigests.resize(count);
   Hash128 parent = kBlockChainRoot;
-  Hash128 contentParent = kBlockChainRoot;
   for (std::size_t b = 0; b < count; ++b) {
     Hash128 const tokens = tokenDigest(prompt.tokens.subspan(b * page, page));
     Hash128 const media =
         prompt.media.empty() ? Hash128{} : mediaDigest(prompt.media.subspan(b * page, page));
     parent = keyStep(parent, tokens, page, media, prompt.extras, b == 0);
-    contentParent = contentStep(contentParent, tokens, page);
     blocks.keys[b] = parent;
-    blocks.contentKeys[b] = contentParent;
+    blocks.tokenDigests[b] = tokens;
     blocks.mediaDigests[b] = media;
   }
   return blocks;

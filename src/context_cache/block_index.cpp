@@ -37,9 +37,9 @@ void BlockIndex::checkPage(char const* call, PageId page) const {
               mPageCapacity);
 }
 
-BlockProvenance BlockIndex::provenanceOf(PromptBlocks const& blocks, int32_t block) noexcept {
+BlockProvenance BlockIndex::provenanceOf(PromptBlocks const& blocks, int32_t block) {
   auto const b = static_cast<std::size_t>(block);
-  return BlockProvenance{blocks.contentKeys[b], blocks.prompt.extras.salt,
+  return BlockProvenance{blocks.contentKey(block), blocks.prompt.extras.salt,
                          blocks.prompt.extras.adapter, blocks.mediaDigests[b]};
 }
 
@@ -80,7 +80,8 @@ std::vector<BlockProvenance> BlockIndex::provenanceByContent(Hash128 contentKey)
   return out;
 }
 
-bool BlockIndex::holds(PageId page, PromptBlocks const& blocks, int32_t block) const {
+bool BlockIndex::holds(PageId page, PromptBlocks const& blocks, int32_t block,
+                       bool ancestorsVerified) const {
   checkPage("BlockIndex::holds", page);
   MKV_REQUIRE(block >= 0 && block < blocks.fullBlockCount(), "BlockIndex::holds",
               "block {} outside [0, {})", block, blocks.fullBlockCount());
@@ -90,15 +91,24 @@ bool BlockIndex::holds(PageId page, PromptBlocks const& blocks, int32_t block) c
   if (!e.indexed || e.digest != blocks.keys[static_cast<std::size_t>(block)]) {
     return false;
   }
-  return verified(e, page, blocks, block);
+  return verified(e, page, blocks, block, ancestorsVerified);
 }
 
-bool BlockIndex::verified(Entry const& e, PageId page, PromptBlocks const& blocks,
-                          int32_t block) const {
+bool BlockIndex::verified(Entry const& e, PageId page, PromptBlocks const& blocks, int32_t block,
+                          bool ancestorsVerified) const {
   if (!mVerifyTokens) {
     return true;
   }
-  if (e.parent != blocks.parentOf(block) || e.provenance != provenanceOf(blocks, block)) {
+  BlockKeyExtras const& extras = blocks.prompt.extras;
+  BlockProvenance const& kept = e.provenance;
+  if (e.parent != blocks.parentOf(block) || kept.salt != extras.salt ||
+      kept.adapter != extras.adapter ||
+      kept.media != blocks.mediaDigests[static_cast<std::size_t>(block)]) {
+    return false;
+  }
+  // Equal content chains follow from equal tokens in this block and in every ancestor; compare
+  // the chain only when the ancestors were not token-verified in this walk.
+  if (block > 0 && !ancestorsVerified && kept.contentKey != blocks.contentKey(block)) {
     return false;
   }
   std::span<int32_t const> const tokens = blocks.blockTokens(block);
@@ -129,7 +139,9 @@ BlockIndex::PrefixMatch BlockIndex::longestPrefix(PromptBlocks const& blocks,
     }
     // An indexed digest names an indexed entry of a valid page: holds() minus its checks.
     PageId const page = it->second;
-    if (!verified(mEntries[static_cast<std::size_t>(page)], page, blocks, b)) {
+    // Blocks [0, b) were verified by this loop: their tokens already imply equal content.
+    if (!verified(mEntries[static_cast<std::size_t>(page)], page, blocks, b,
+                  /*ancestorsVerified=*/true)) {
       match.verificationRejected = true;
       break;
     }

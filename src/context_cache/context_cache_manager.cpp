@@ -586,16 +586,20 @@ ContextCacheManager::Projection ContextCacheManager::project(char const* call,
   Projection projection;
   projection.canonical.reserve(static_cast<std::size_t>(count));
   std::unordered_map<Hash128, PageId, Hash128Hasher> firstInThisPublication;
+  // While every block so far matched an indexed block token by token, the content chain needs
+  // no comparison; after the first block that did not, holds() compares it.
+  bool ancestorsVerified = true;
   for (int32_t b = 0; b < count; ++b) {
     Hash128 const key = blocks.keys[static_cast<std::size_t>(b)];
     if (std::optional<PageId> const indexed = mIndex.find(key)) {
-      if (mIndex.verifiesTokens() && !mIndex.holds(*indexed, blocks, b)) {
+      if (mIndex.verifiesTokens() && !mIndex.holds(*indexed, blocks, b, ancestorsVerified)) {
         projection.verificationRejected = true;
         break;
       }
       projection.canonical.push_back(*indexed);
       continue;
     }
+    ancestorsVerified = false;
     if (auto const it = firstInThisPublication.find(key); it != firstInThisPublication.end()) {
       projection.canonical.push_back(it->second);
       continue;

@@ -100,7 +100,8 @@ ReusePlan planHybrid(BlockIndex const& index, RecordStore const& records,
     if (index.verifiesTokens()) {
       bool verified = true;
       for (int32_t b = 0; verified && b < static_cast<int32_t>(record->basePagePath.size()); ++b) {
-        verified = index.holds(record->basePagePath[static_cast<std::size_t>(b)], blocks, b);
+        verified = index.holds(record->basePagePath[static_cast<std::size_t>(b)], blocks, b,
+                               /*ancestorsVerified=*/true);
       }
       auto const covered = record->basePagePath.size() * static_cast<std::size_t>(page);
       auto const tail =
@@ -286,7 +287,7 @@ std::optional<MissReason> classifyMiss(BlockIndex const& index, PromptBlocks con
   if (index.wasRecentlyEvicted(blocks.keys[b])) {
     return MissReason::kEvicted;
   }
-  std::vector<BlockProvenance> const others = index.provenanceByContent(blocks.contentKeys[b]);
+  std::vector<BlockProvenance> const others = index.provenanceByContent(blocks.contentKey(first));
   BlockKeyExtras const& ours = blocks.prompt.extras;
   auto const any = [&others](auto&& differs) {
     return std::any_of(others.begin(), others.end(), differs);

@@ -155,15 +155,38 @@ TEST(BlockHashTest, PromptBlocksCarryKeysContentKeysAndMedia) {
 
   // The content chain ignores extras and media; the key chain does not.
   PromptBlocks const plain = hashPromptBlocks(viewOf(tokens), kPage);
-  EXPECT_EQ(blocks.contentKeys, plain.contentKeys);
+  for (int32_t b = 0; b < 3; ++b) {
+    EXPECT_EQ(blocks.contentKey(b), plain.contentKey(b)) << "block " << b;
+  }
   EXPECT_NE(blocks.keys, plain.keys);
   std::vector<int32_t> changed = tokens;
   changed[0] = -5;
   PromptBlocks const other = hashPromptBlocks(viewOf(changed), kPage);
-  EXPECT_NE(other.contentKeys[2], plain.contentKeys[2]);
+  EXPECT_NE(other.contentKey(2), plain.contentKey(2));
   // Content keys and block keys live in different domains.
-  EXPECT_NE(plain.contentKeys[0], plain.keys[0]);
+  EXPECT_NE(plain.contentKey(0), plain.keys[0]);
   EXPECT_TRUE(hashPromptBlocks(viewOf(tokens), kPage).blockMedia(0).empty());
+}
+
+TEST(BlockHashTest, ContentKeysAreComputedOnDemandAndDoNotDependOnTheOrderAsked) {
+  std::vector<int32_t> const tokens = iotaTokens(5 * kPage + 3);
+  PromptBlocks const lazy = hashPromptBlocks(viewOf(tokens), kPage);
+  EXPECT_EQ(lazy.contentKeysComputed(), 0);
+  Hash128 const third = lazy.contentKey(2);
+  EXPECT_EQ(lazy.contentKeysComputed(), 3);
+  EXPECT_EQ(lazy.contentKey(1), lazy.contentKey(1));
+  EXPECT_EQ(lazy.contentKeysComputed(), 3) << "a key already computed is not recomputed";
+  Hash128 const last = lazy.contentKey(4);
+  EXPECT_EQ(lazy.contentKeysComputed(), 5);
+  // A fresh object asked in the other order gives the same chain.
+  PromptBlocks const fresh = hashPromptBlocks(viewOf(tokens), kPage);
+  EXPECT_EQ(fresh.contentKey(4), last);
+  EXPECT_EQ(fresh.contentKey(2), third);
+  // Every key differs from its parent's: the chain moves with each block.
+  EXPECT_NE(fresh.contentKey(3), fresh.contentKey(2));
+  EXPECT_THROW(static_cast<void>(lazy.contentKey(5)), Error);
+  EXPECT_THROW(static_cast<void>(lazy.contentKey(-1)), Error);
+  EXPECT_EQ(lazy.contentKeysComputed(), 5);
 }
 
 TEST(BlockHashTest, ExactPrefixDigestRules) {

@@ -77,10 +77,10 @@ TEST_F(BlockIndexTest, VerificationRefusesAForcedDigestCollision) {
 
 TEST_F(BlockIndexTest, VerificationComparesTokensEvenWhenEveryDigestCollides) {
   // Forge B's block so that its key, content key and media digest all equal A's: only the stored
-  // token ids can tell them apart.
+  // token ids can tell them apart. (Content keys are chained from the token digests.)
   PromptBlocks forged = mB;
   forged.keys = mA.keys;
-  forged.contentKeys = mA.contentKeys;
+  forged.tokenDigests = mA.tokenDigests;
   forged.mediaDigests = mA.mediaDigests;
   ASSERT_EQ(mIndex.insert(mA.keys[0], 2, forged, 0), 2);
   EXPECT_FALSE(mIndex.holds(2, mA, 0));
@@ -163,13 +163,40 @@ TEST_F(BlockIndexTest, EraseForgetsTheEntryAndRemembersEvictions) {
 TEST_F(BlockIndexTest, ContentChainFindsTheSameTextUnderOtherExtras) {
   PromptBlocks const salted = hashPromptBlocks(viewOf(mTokensA, {{}, Hash128{4, 4}}), kPage);
   ASSERT_EQ(mIndex.insert(salted.keys[0], 0, salted, 0), 0);
-  std::vector<BlockProvenance> const found = mIndex.provenanceByContent(mA.contentKeys[0]);
+  std::vector<BlockProvenance> const found = mIndex.provenanceByContent(mA.contentKey(0));
   ASSERT_EQ(found.size(), 1U);
   EXPECT_EQ(found[0].salt, (Hash128{4, 4}));
-  EXPECT_EQ(mIndex.provenanceOf(0).contentKey, mA.contentKeys[0]);
-  EXPECT_TRUE(mIndex.provenanceByContent(mB.contentKeys[0]).empty());
+  EXPECT_EQ(mIndex.provenanceOf(0).contentKey, mA.contentKey(0));
+  EXPECT_TRUE(mIndex.provenanceByContent(mB.contentKey(0)).empty());
   mIndex.erasePage(0);
-  EXPECT_TRUE(mIndex.provenanceByContent(mA.contentKeys[0]).empty());
+  EXPECT_TRUE(mIndex.provenanceByContent(mA.contentKey(0)).empty());
+}
+
+TEST_F(BlockIndexTest, AVerifiedWalkFromBlockZeroComputesNoContentKeys) {
+  indexAll(mA, 0);
+  PromptBlocks const again = hashPromptBlocks(viewOf(mTokensA), kPage);
+  ASSERT_EQ(again.contentKeysComputed(), 0);
+  EXPECT_EQ(mIndex.longestPrefix(again, again.fullBlockCount()).pages,
+            (std::vector<PageId>{0, 1, 2}));
+  EXPECT_EQ(again.contentKeysComputed(), 0) << "token comparisons imply equal content";
+  // A lone check of a later block (ancestors not verified by the caller) compares the chain.
+  EXPECT_TRUE(mIndex.holds(2, again, 2));
+  EXPECT_EQ(again.contentKeysComputed(), 3);
+}
+
+TEST_F(BlockIndexTest, ALoneCheckCatchesAnAncestorThatDiffersBehindForgedKeys) {
+  // C differs from A in block 0 only. A's block 1 is indexed; C's keys are forged to collide with
+  // A's, so parent, salt, adapter, media and block 1's tokens all agree: only the content chain
+  // (over block 0's tokens too) tells the prompts apart.
+  std::vector<int32_t> tokensC = mTokensA;
+  tokensC[0] = -1;
+  PromptBlocks forged = hashPromptBlocks(viewOf(tokensC), kPage);
+  forged.keys = mA.keys;
+  ASSERT_EQ(mIndex.insert(mA.keys[1], 5, mA, 1), 5);
+  EXPECT_FALSE(mIndex.holds(5, forged, 1));
+  EXPECT_TRUE(mIndex.holds(5, mA, 1));
+  // A caller that verified block 0 itself would have rejected C there; it may skip the chain.
+  EXPECT_TRUE(mIndex.holds(5, forged, 1, /*ancestorsVerified=*/true));
 }
 
 TEST_F(BlockIndexTest, RejectsBlocksOfAnotherPageSize) {

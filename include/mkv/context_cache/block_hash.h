@@ -78,13 +78,21 @@ struct PromptView {
   BlockKeyExtras extras;
 };
 
-/// The full blocks of a prompt with both chains. Produced by hashPromptBlocks(); `prompt` still
+/// The full blocks of a prompt: the key chain, each block's token and media digests, and (computed
+/// on first use) the token-only content chain. Produced by hashPromptBlocks(); `prompt` still
 /// refers to the caller's tokens and media, which must outlive this value.
+///
+/// Only publication (indexing a new block) and miss classification need content keys, and they
+/// need them rarely compared with lookups; a lookup whose verification walks the path from block 0
+/// compares the token ids themselves, which already implies equal content. So the content chain is
+/// not computed with the keys: contentKey(b) extends a memo from the stored token digests, one
+/// 48-byte XXH3 step per block, the first time a block at or past b is asked for. The memo makes
+/// concurrent const use of one PromptBlocks unsafe; it is a per-request value.
 struct PromptBlocks {
   PromptView prompt;
-  int32_t pageSize = 0;              ///< tokens per block
-  std::vector<Hash128> keys;         ///< key_i, one per full block (the partial tail has none)
-  std::vector<Hash128> contentKeys;  ///< token-only chain, one per full block
+  int32_t pageSize = 0;               ///< tokens per block
+  std::vector<Hash128> keys;          ///< key_i, one per full block (the partial tail has none)
+  std::vector<Hash128> tokenDigests;  ///< per full block the XXH3-128 of its token ids
   std::vector<Hash128>
       mediaDigests;  ///< per full block its media digest; zero for text-only blocks
 
@@ -96,9 +104,20 @@ struct PromptBlocks {
   std::span<int32_t const> blockTokens(int32_t block) const noexcept;
   /// Media positions of full block `block`; empty when the prompt is text-only.
   std::span<MediaPosition const> blockMedia(int32_t block) const noexcept;
+  /// Token-only chain digest of full block `block` (ignores media, adapter and salt): equal for
+  /// two prompts exactly when their first block+1 blocks hold the same token ids (up to XXH3-128
+  /// collisions). Throws mkv::Error when `block` is outside [0, fullBlockCount()).
+  Hash128 contentKey(int32_t block) const;
+  /// How many content keys have been computed so far (observability for tests and benchmarks).
+  int32_t contentKeysComputed() const noexcept {
+    return static_cast<int32_t>(mContentKeys.size());
+  }
+
+ private:
+  mutable std::vector<Hash128> mContentKeys;  ///< content chain memo, a prefix of the blocks
 };
 
-/// Keys, content keys and media digests of every full block of `prompt` (partial tail excluded).
+/// Keys, token digests and media digests of every full block of `prompt` (partial tail excluded).
 /// Throws mkv::Error when pageSize <= 0, the prompt exceeds INT32_MAX tokens, or `media` is neither
 /// empty nor one entry per token.
 PromptBlocks hashPromptBlocks(PromptView prompt, int32_t pageSize);

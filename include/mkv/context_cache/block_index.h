@@ -52,8 +52,12 @@ class BlockIndex {
   /// verification, whose content matches). Stops at the first miss; O(k); no side effects.
   PrefixMatch longestPrefix(PromptBlocks const& blocks, int32_t maxBlocks) const;
   /// True when `page` is indexed under blocks.keys[block] and, with verification on, holds exactly
-  /// that block's tokens, parent, media positions, salt and adapter.
-  bool holds(PageId page, PromptBlocks const& blocks, int32_t block) const;
+  /// that block's tokens, parent, media positions, salt and adapter, and the same token-only
+  /// content chain. `ancestorsVerified`: the caller has just verified blocks [0, block) of the
+  /// same prompt with holds(), so their token comparisons already imply equal content and the
+  /// content-chain comparison (which may compute content keys) is skipped. Block 0 needs none.
+  bool holds(PageId page, PromptBlocks const& blocks, int32_t block,
+             bool ancestorsVerified = false) const;
 
   /// Indexes block `block` of `blocks` on `page` under `digest` (normally blocks.keys[block]; a
   /// different digest models a collision in tests). First committer wins: an already indexed
@@ -91,8 +95,9 @@ class BlockIndex {
   void checkPage(char const* call, PageId page) const;
   /// holds() without its argument checks: `e` is the entry of `page`, indexed under the block's
   /// key; compares what verification compares (no-op true when verification is off).
-  bool verified(Entry const& e, PageId page, PromptBlocks const& blocks, int32_t block) const;
-  static BlockProvenance provenanceOf(PromptBlocks const& blocks, int32_t block) noexcept;
+  bool verified(Entry const& e, PageId page, PromptBlocks const& blocks, int32_t block,
+                bool ancestorsVerified) const;
+  static BlockProvenance provenanceOf(PromptBlocks const& blocks, int32_t block);
 
   int32_t mPageCapacity;
   int32_t mPageSize;
