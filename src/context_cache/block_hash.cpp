@@ -165,6 +165,14 @@ Hash128 PromptBlocks::contentKey(int32_t block) const {
   return mContentKeys[wanted];
 }
 
+Hash128 PromptBlocks::contentKeyAfter(Hash128 parentContentKey, int32_t block) const {
+  MKV_REQUIRE(block >= 0 && block < fullBlockCount(), "PromptBlocks::contentKeyAfter",
+              "block {} outside [0, {})", block, fullBlockCount());
+  return contentStep(block == 0 ? kBlockChainRoot : parentContentKey,
+                     tokenDigests[static_cast<std::size_t>(block)],
+                     static_cast<std::size_t>(pageSize));
+}
+
 PromptBlocks hashPromptBlocks(PromptView prompt, int32_t pageSize) {
   validatePrompt("hashPromptBlocks", prompt, pageSize);
   PromptBlocks blocks;

@@ -287,7 +287,14 @@ std::optional<MissReason> classifyMiss(BlockIndex const& index, PromptBlocks con
   if (index.wasRecentlyEvicted(blocks.keys[b])) {
     return MissReason::kEvicted;
   }
-  std::vector<BlockProvenance> const others = index.provenanceByContent(blocks.contentKey(first));
+  // Blocks [0, first) matched the index (token by token with verification on), so the indexed
+  // entry of block first - 1 holds our content key there: one chain step instead of a walk.
+  std::optional<PageId> const parentPage =
+      first == 0 ? std::nullopt : index.find(blocks.keys[b - 1]);
+  Hash128 const contentKey =
+      parentPage ? blocks.contentKeyAfter(index.provenanceOf(*parentPage).contentKey, first)
+                 : blocks.contentKey(first);
+  std::vector<BlockProvenance> const others = index.provenanceByContent(contentKey);
   BlockKeyExtras const& ours = blocks.prompt.extras;
   auto const any = [&others](auto&& differs) {
     return std::any_of(others.begin(), others.end(), differs);

@@ -257,6 +257,23 @@ TEST_F(ReusePlanTest, CoverageRaisesOnlyThePrivateDemand) {
   EXPECT_THROW(requireKvPageCoverage(plan, kPage, -1, 0), Error);
 }
 
+TEST_F(ReusePlanTest, ClassifyingAPartialHitsMissTakesOneContentStepNotAWalk) {
+  std::vector<int32_t> const published = iotaTokens(6 * kPage);
+  publishCold(mManager, published);
+  std::vector<int32_t> query = published;
+  query[4 * kPage] = -7;  // blocks 0-3 hit, block 4 differs
+  PromptBlocks const blocks = blocksOf(query);
+  ReusePlan const plan = makeVanillaReusePlan(index(), blocks, kUse);
+  ASSERT_EQ(plan.indexedPrefixBlocks, 4);
+  EXPECT_EQ(blocks.contentKeysComputed(), 0) << "planning compares tokens, not content keys";
+  EXPECT_EQ(classifyMiss(index(), blocks, plan), MissReason::kNoPrefix);
+  EXPECT_EQ(blocks.contentKeysComputed(), 0) << "block 4's content key came from block 3's entry";
+  // The same text under another salt: block 0's key differs, its content key is found indexed.
+  PromptBlocks const salted = hashPromptBlocks(viewOf(published, {{}, Hash128{9, 9}}), kPage);
+  ReusePlan const saltedPlan = makeVanillaReusePlan(index(), salted, kUse);
+  EXPECT_EQ(classifyMiss(index(), salted, saltedPlan), MissReason::kSaltMismatch);
+}
+
 TEST_F(ReusePlanTest, RejectsBlocksOfAnotherPageSize) {
   std::vector<int32_t> const prompt = iotaTokens(8);
   PromptBlocks const other = hashPromptBlocks(viewOf(prompt), 2);

@@ -108,6 +108,10 @@ struct PromptBlocks {
   /// two prompts exactly when their first block+1 blocks hold the same token ids (up to XXH3-128
   /// collisions). Throws mkv::Error when `block` is outside [0, fullBlockCount()).
   Hash128 contentKey(int32_t block) const;
+  /// contentKey(block) from the content key of block - 1 taken elsewhere (an index entry the
+  /// caller matched block by block): one chain step, no walk from block 0, the memo untouched.
+  /// `parentContentKey` is ignored for block 0. Throws mkv::Error when `block` is out of range.
+  Hash128 contentKeyAfter(Hash128 parentContentKey, int32_t block) const;
   /// How many content keys have been computed so far (observability for tests and benchmarks).
   int32_t contentKeysComputed() const noexcept {
     return static_cast<int32_t>(mContentKeys.size());
