@@ -201,18 +201,18 @@ INSTANTIATE_TEST_SUITE_P(SupportMatrix, KVCacheRuntimeMatrixTest,
                          matrixName);
 
 /// The tests that create a runtime, on each device.
-class KVCacheRuntimeDeviceTest : public test::DeviceTest {};
+class KVCacheRuntimeTest : public test::DeviceTest {};
 
-INSTANTIATE_TEST_SUITE_P(Devices, KVCacheRuntimeDeviceTest, test::allDeviceTypes(),
+INSTANTIATE_TEST_SUITE_P(Devices, KVCacheRuntimeTest, test::allDeviceTypes(),
                          test::deviceName);
 
-TEST(KVCacheRuntimeTest, BackendNames) {
+TEST(KVCacheRuntimeConfigTest, BackendNames) {
   EXPECT_EQ(toString(KVCacheBackend::kContextReuse), "context-reuse");
   EXPECT_EQ(toString(KVCacheBackend::kBoundedSwa), "bounded-swa");
   EXPECT_EQ(toString(KVCacheBackend::kFullStorage), "full-storage");
 }
 
-TEST_P(KVCacheRuntimeDeviceTest, MixedBoundedModelMapsFullLayersByIdentityAndRunsBothPools) {
+TEST_P(KVCacheRuntimeTest, MixedBoundedModelMapsFullLayersByIdentityAndRunsBothPools) {
   auto runtime = KVCacheRuntime::create(withWindow(baseConfig(device()), 1, 2));
   ASSERT_EQ(runtime->backend(), KVCacheBackend::kBoundedSwa);
   KVPageTable const& full = *runtime->fullPageTable();
@@ -245,7 +245,7 @@ TEST_P(KVCacheRuntimeDeviceTest, MixedBoundedModelMapsFullLayersByIdentityAndRun
   EXPECT_TRUE(runtime->shutdown());
 }
 
-TEST_P(KVCacheRuntimeDeviceTest, FullStorageNeverReuses) {
+TEST_P(KVCacheRuntimeTest, FullStorageNeverReuses) {
   auto runtime = KVCacheRuntime::create(baseConfig(device()));
   ASSERT_EQ(runtime->backend(), KVCacheBackend::kFullStorage);
   testing::ReferenceEngine engine(*runtime);
@@ -261,7 +261,7 @@ TEST_P(KVCacheRuntimeDeviceTest, FullStorageNeverReuses) {
   EXPECT_TRUE(runtime->shutdown());
 }
 
-TEST_P(KVCacheRuntimeDeviceTest, RecurrentLayersGetARowPerResident) {
+TEST_P(KVCacheRuntimeTest, RecurrentLayersGetARowPerResident) {
   for (bool withWindowLayers : {false, true}) {
     KVCacheRuntimeConfig config =
         withWindowLayers ? withWindow(baseConfig(device()), 1, 1) : baseConfig(device());
@@ -385,7 +385,7 @@ TEST_P(KVCacheRuntimeValidationTest, ThrowsNamingTheCallAndTheValue) {
 INSTANTIATE_TEST_SUITE_P(InvalidConfigs, KVCacheRuntimeValidationTest,
                          ::testing::ValuesIn(invalidCases()), caseName<InvalidCase>);
 
-TEST_P(KVCacheRuntimeDeviceTest, ReuseForAHybridModelIsCheckpointReuseWithoutSeatedAdmission) {
+TEST_P(KVCacheRuntimeTest, ReuseForAHybridModelIsCheckpointReuseWithoutSeatedAdmission) {
   KVCacheRuntimeConfig config = baseConfig(device());
   config.contextReuse = true;
   config.model.numRecurrentLayers = 2;
@@ -419,7 +419,7 @@ TEST_P(KVCacheRuntimeDeviceTest, ReuseForAHybridModelIsCheckpointReuseWithoutSea
   EXPECT_TRUE(runtime->shutdown());
 }
 
-TEST(KVCacheRuntimeTest, AFieldAResourceValidatesIsRejectedUnderThatResourcesName) {
+TEST(KVCacheRuntimeConfigTest, AFieldAResourceValidatesIsRejectedUnderThatResourcesName) {
   KVCacheRuntimeConfig config = baseConfig();
   config.contextReuse = true;
   config.contextCache.maxRecords = -1;
@@ -433,7 +433,7 @@ TEST(KVCacheRuntimeTest, AFieldAResourceValidatesIsRejectedUnderThatResourcesNam
   }
 }
 
-TEST_P(KVCacheRuntimeDeviceTest, ShutdownReportsActiveRequestsAndSucceedsOnceTheyEnded) {
+TEST_P(KVCacheRuntimeTest, ShutdownReportsActiveRequestsAndSucceedsOnceTheyEnded) {
   for (bool reuse : {true, false}) {
     KVCacheRuntimeConfig config = baseConfig(device());
     config.contextReuse = reuse;
