@@ -5,7 +5,7 @@
 #   3. torch_baselines.py (same shapes in PyTorch, and the G6 comparison with 2.),
 #   4. compute-sanitizer memcheck and racecheck over a short selection of mkv_gpu_tests,
 #   5. the other test suites of the build folder (CPU suites and their GPU instantiations),
-#      while time is left,
+#      mkv_runtime_tests first, while time is left,
 # with every log under $OUT (default ./out), and a short summary table printed last.
 #
 # Usage:  bash benchmarks/gpu/run_on_device.sh [BUILD_DIR]
@@ -59,12 +59,13 @@ run_step() {
   [[ $RC == 124 || $RC == 137 ]] && echo "(stopped after $limit s)" >>"$log"
 }
 
-gtest_detail() {  # summary of a gtest log
-  local log=$1 passed skipped failed
+gtest_detail() {  # summary of a gtest log; "on GPU": passed instances named .../gpu or ..._gpu
+  local log=$1 passed skipped failed gpu
   passed=$(grep -oP '^\[  PASSED  \] \K[0-9]+' "$log" | tail -1)
   skipped=$(grep -oP '^\[  SKIPPED \] \K[0-9]+(?= test)' "$log" | tail -1)
   failed=$(grep -oP '^\[  FAILED  \] \K[0-9]+(?= test)' "$log" | tail -1)
-  echo "${passed:-0} passed, ${skipped:-0} skipped, ${failed:-0} failed"
+  gpu=$(grep -cE '^\[       OK \] .*[/_]gpu \(' "$log")
+  echo "${passed:-0} passed (${gpu:-0} on GPU), ${skipped:-0} skipped, ${failed:-0} failed"
 }
 
 gtest_status() {  # STATUS of a gtest run: SKIP when every test skipped (no device)
@@ -148,8 +149,15 @@ for tool in memcheck racecheck; do
   record "compute-sanitizer $tool" "$status" "$SECONDS_TAKEN" "rc $RC; $(gtest_detail "$OUT/sanitizer_$tool.log"); ${summary_line:-no summary}"
 done
 
-# 5. The other test suites of the build folder, while the budget lasts.
-for suite in "$BUILD"/tests/*/mkv_*_tests; do
+# 5. The other test suites of the build folder, while the budget lasts: the runtime's end-to-end
+#    scenarios (facade, faults, reference engine, on CPU and GPU tensors) first.
+SUITES=()
+[[ -x $BUILD/tests/runtime/mkv_runtime_tests ]] || record "mkv_runtime_tests" FAIL 0 \
+  "$BUILD/tests/runtime/mkv_runtime_tests missing"
+for suite in "$BUILD"/tests/runtime/mkv_runtime_tests "$BUILD"/tests/*/mkv_*_tests; do
+  [[ " ${SUITES[*]} " == *" $suite "* ]] || SUITES+=("$suite")
+done
+for suite in "${SUITES[@]}"; do
   [[ -x $suite && $suite != "$GPU_TESTS" ]] || continue
   name=$(basename "$suite")
   left=$(( BUDGET - $(elapsed) ))

@@ -1,6 +1,8 @@
 // KVCacheRuntime (SPEC §9): the support matrix that picks exactly one backend and sizes its pools,
 // supportsSeatedAdmission() per backend, and config validation (mkv::Error naming the call and
-// the offending value, before anything is allocated).
+// the offending value, before anything is allocated). Tests that create a runtime run on host
+// tensors and on GPU tensors (the kGPU instances skip without a CUDA device); config validation
+// stays on the host.
 #include "mkv/kv_cache_runtime.h"
 
 #include <gtest/gtest.h>
@@ -11,11 +13,14 @@
 #include <ostream>
 #include <string>
 #include <string_view>
+#include <tuple>
 #include <vector>
 
 #include "mkv/error.h"
 #include "mkv/managed_kv_cache_request.h"
 #include "mkv/testing/reference_engine.h"
+#include "runtime_test_rig.h"
+#include "test_util.h"
 
 namespace mkv {
 namespace {
@@ -27,7 +32,7 @@ std::vector<int32_t> tokenRun(int32_t count, int32_t first) {
 }
 
 /// 4 rows of 256 tokens in pages of 16: 16 pages a row, a full pool of 64 pages by default.
-KVCacheRuntimeConfig baseConfig() {
+KVCacheRuntimeConfig baseConfig(DeviceType device = DeviceType::kCPU) {
   KVCacheRuntimeConfig config;
   config.model.numFullAttentionLayers = 2;
   config.model.numKVHeads = 1;
@@ -35,7 +40,7 @@ KVCacheRuntimeConfig baseConfig() {
   config.maxBatchSize = 4;
   config.maxSequenceLength = 256;
   config.tokensPerPage = 16;
-  config.deviceType = DeviceType::kCPU;
+  config.deviceType = device;
   return config;
 }
 
@@ -111,11 +116,24 @@ std::vector<MatrixCase> matrixCases() {
   return cases;
 }
 
-class KVCacheRuntimeMatrixTest : public ::testing::TestWithParam<MatrixCase> {};
+/// Every support-matrix case on every device.
+class KVCacheRuntimeMatrixTest
+    : public ::testing::TestWithParam<std::tuple<MatrixCase, DeviceType>> {
+ protected:
+  void SetUp() override { MKV_SKIP_WITHOUT_DEVICE(device()); }
+  MatrixCase const& matrixCase() const { return std::get<0>(GetParam()); }
+  DeviceType device() const { return std::get<1>(GetParam()); }
+};
+
+std::string matrixName(::testing::TestParamInfo<std::tuple<MatrixCase, DeviceType>> const& info) {
+  return std::get<0>(info.param).name + "_" + std::string(toString(std::get<1>(info.param)));
+}
 
 TEST_P(KVCacheRuntimeMatrixTest, ChoosesOneBackendAndSizesItsPools) {
-  MatrixCase const& c = GetParam();
-  auto runtime = KVCacheRuntime::create(c.config);
+  MatrixCase const& c = matrixCase();
+  KVCacheRuntimeConfig config = c.config;
+  config.deviceType = device();
+  auto runtime = KVCacheRuntime::create(config);
   ASSERT_EQ(runtime->backend(), c.backend) << toString(runtime->backend());
   bool const bounded = c.backend == KVCacheBackend::kBoundedSwa;
   // Exactly one backend.
@@ -164,25 +182,49 @@ TEST_P(KVCacheRuntimeMatrixTest, ChoosesOneBackendAndSizesItsPools) {
   EXPECT_EQ(runtime->kvBytes(), bytes);
   EXPECT_EQ(runtime->recurrentState(), nullptr);
   EXPECT_EQ(runtime->residentSlots().capacity(), 4);
+  for (KVCachePool const* pool : {runtime->fullPool(), runtime->swaPool()}) {
+    if (pool != nullptr) {
+      EXPECT_EQ(pool->deviceType(), device());
+    }
+  }
+  for (KVPageTable const* table : {runtime->fullPageTable(), runtime->swaPageTable()}) {
+    if (table != nullptr) {
+      EXPECT_EQ(table->deviceType(), device());
+    }
+  }
   EXPECT_TRUE(runtime->shutdown());
 }
 
 INSTANTIATE_TEST_SUITE_P(SupportMatrix, KVCacheRuntimeMatrixTest,
-                         ::testing::ValuesIn(matrixCases()), caseName<MatrixCase>);
+                         ::testing::Combine(::testing::ValuesIn(matrixCases()),
+                                            test::allDeviceTypes()),
+                         matrixName);
 
-TEST(KVCacheRuntimeTest, BackendNames) {
+/// The tests that create a runtime, on each device.
+class KVCacheRuntimeTest : public test::DeviceTest {};
+
+INSTANTIATE_TEST_SUITE_P(Devices, KVCacheRuntimeTest, test::allDeviceTypes(),
+                         test::deviceName);
+
+TEST(KVCacheRuntimeConfigTest, BackendNames) {
   EXPECT_EQ(toString(KVCacheBackend::kContextReuse), "context-reuse");
   EXPECT_EQ(toString(KVCacheBackend::kBoundedSwa), "bounded-swa");
   EXPECT_EQ(toString(KVCacheBackend::kFullStorage), "full-storage");
 }
 
-TEST(KVCacheRuntimeTest, MixedBoundedModelMapsFullLayersByIdentityAndRunsBothPools) {
-  auto runtime = KVCacheRuntime::create(withWindow(baseConfig(), 1, 2));
+TEST_P(KVCacheRuntimeTest, MixedBoundedModelMapsFullLayersByIdentityAndRunsBothPools) {
+  auto runtime = KVCacheRuntime::create(withWindow(baseConfig(device()), 1, 2));
   ASSERT_EQ(runtime->backend(), KVCacheBackend::kBoundedSwa);
   KVPageTable const& full = *runtime->fullPageTable();
+  // The device table as attention reads it: [slot][K, V][logical page].
+  std::vector<int32_t> const uploaded = test::readAs<int32_t>(full.deviceTable());
+  ASSERT_EQ(uploaded.size(), 4u * 2 * 16);
   for (CacheSlot slot = 0; slot < 4; ++slot) {
     for (int32_t page = 0; page < 16; ++page) {
       EXPECT_EQ(full.entry(slot, page), slot * 16 + page) << "slot " << slot;
+      std::size_t const k = (static_cast<std::size_t>(slot) * 2) * 16 + static_cast<std::size_t>(page);
+      EXPECT_EQ(uploaded[k], slot * 16 + page) << "K, slot " << slot;
+      EXPECT_EQ(uploaded[k + 16], slot * 16 + page + 64) << "V, slot " << slot;
     }
   }
   EXPECT_FALSE(full.dirty()) << "the identity rows are uploaded at creation";
@@ -203,8 +245,8 @@ TEST(KVCacheRuntimeTest, MixedBoundedModelMapsFullLayersByIdentityAndRunsBothPoo
   EXPECT_TRUE(runtime->shutdown());
 }
 
-TEST(KVCacheRuntimeTest, FullStorageNeverReuses) {
-  auto runtime = KVCacheRuntime::create(baseConfig());
+TEST_P(KVCacheRuntimeTest, FullStorageNeverReuses) {
+  auto runtime = KVCacheRuntime::create(baseConfig(device()));
   ASSERT_EQ(runtime->backend(), KVCacheBackend::kFullStorage);
   testing::ReferenceEngine engine(*runtime);
   testing::EngineRequest request;
@@ -219,9 +261,10 @@ TEST(KVCacheRuntimeTest, FullStorageNeverReuses) {
   EXPECT_TRUE(runtime->shutdown());
 }
 
-TEST(KVCacheRuntimeTest, RecurrentLayersGetARowPerResident) {
+TEST_P(KVCacheRuntimeTest, RecurrentLayersGetARowPerResident) {
   for (bool withWindowLayers : {false, true}) {
-    KVCacheRuntimeConfig config = withWindowLayers ? withWindow(baseConfig(), 1, 1) : baseConfig();
+    KVCacheRuntimeConfig config =
+        withWindowLayers ? withWindow(baseConfig(device()), 1, 1) : baseConfig(device());
     config.model.numRecurrentLayers = 3;
     config.model.recurrentStateBytes = 32;
     config.model.recurrentConvBytes = 8;
@@ -232,6 +275,7 @@ TEST(KVCacheRuntimeTest, RecurrentLayersGetARowPerResident) {
     EXPECT_EQ(runtime->recurrentState()->numLayers(), 3);
     EXPECT_EQ(runtime->recurrentState()->numSlots(), 4);
     EXPECT_EQ(runtime->recurrentState()->config().stateBytesPerSlot, 32);
+    EXPECT_EQ(runtime->recurrentState()->deviceType(), device());
     EXPECT_TRUE(runtime->shutdown());
   }
 }
@@ -341,8 +385,8 @@ TEST_P(KVCacheRuntimeValidationTest, ThrowsNamingTheCallAndTheValue) {
 INSTANTIATE_TEST_SUITE_P(InvalidConfigs, KVCacheRuntimeValidationTest,
                          ::testing::ValuesIn(invalidCases()), caseName<InvalidCase>);
 
-TEST(KVCacheRuntimeTest, ReuseForAHybridModelIsCheckpointReuseWithoutSeatedAdmission) {
-  KVCacheRuntimeConfig config = baseConfig();
+TEST_P(KVCacheRuntimeTest, ReuseForAHybridModelIsCheckpointReuseWithoutSeatedAdmission) {
+  KVCacheRuntimeConfig config = baseConfig(device());
   config.contextReuse = true;
   config.model.numRecurrentLayers = 2;
   config.model.recurrentStateBytes = 24;
@@ -375,7 +419,7 @@ TEST(KVCacheRuntimeTest, ReuseForAHybridModelIsCheckpointReuseWithoutSeatedAdmis
   EXPECT_TRUE(runtime->shutdown());
 }
 
-TEST(KVCacheRuntimeTest, AFieldAResourceValidatesIsRejectedUnderThatResourcesName) {
+TEST(KVCacheRuntimeConfigTest, AFieldAResourceValidatesIsRejectedUnderThatResourcesName) {
   KVCacheRuntimeConfig config = baseConfig();
   config.contextReuse = true;
   config.contextCache.maxRecords = -1;
@@ -389,9 +433,9 @@ TEST(KVCacheRuntimeTest, AFieldAResourceValidatesIsRejectedUnderThatResourcesNam
   }
 }
 
-TEST(KVCacheRuntimeTest, ShutdownReportsActiveRequestsAndSucceedsOnceTheyEnded) {
+TEST_P(KVCacheRuntimeTest, ShutdownReportsActiveRequestsAndSucceedsOnceTheyEnded) {
   for (bool reuse : {true, false}) {
-    KVCacheRuntimeConfig config = baseConfig();
+    KVCacheRuntimeConfig config = baseConfig(device());
     config.contextReuse = reuse;
     if (!reuse) {  // bounded SWA: sliding layers, far fewer window pages than full pages
       config.model.numFullAttentionLayers = 0;

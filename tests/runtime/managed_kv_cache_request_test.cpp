@@ -1,7 +1,8 @@
 // ManagedKVCacheRequest (SPEC §9): the dispatch table of each backend, and the contract: misuse
 // throws mkv::Error naming the call and changes nothing (free and held pages, page-table rows,
 // KV lengths, residents, poison, synchronisations), after which the request carries on as if
-// nothing had happened and the KV oracle still passes.
+// nothing had happened and the KV oracle still passes. Every test runs on host tensors and on GPU
+// tensors (the kGPU instances skip without a CUDA device).
 #include "mkv/managed_kv_cache_request.h"
 
 #include <gtest/gtest.h>
@@ -52,9 +53,8 @@ void finishCleanly(RuntimeRig& rig, FacadeDriver& driver) {
   EXPECT_EQ(rig.activeRequests(), 0);
 }
 
-class ManagedKVCacheRequestTest : public ::testing::TestWithParam<Backend> {
+class ManagedKVCacheRequestTest : public RuntimeCaseTest {
  protected:
-  bool reuse() const { return GetParam() == Backend::kContextReuse; }
   /// The fragment the backend's own message holds.
   std::string_view pick(std::string_view reuseText, std::string_view swaText) const {
     return reuse() ? reuseText : swaText;
@@ -62,14 +62,22 @@ class ManagedKVCacheRequestTest : public ::testing::TestWithParam<Backend> {
 };
 
 INSTANTIATE_TEST_SUITE_P(Backends, ManagedKVCacheRequestTest,
-                         ::testing::Values(Backend::kContextReuse, Backend::kBoundedSwa),
-                         backendName);
+                         ::testing::ValuesIn(allRuntimeCases()), runtimeCaseName);
+
+/// The tests bound to one backend, on each device.
+class ManagedKVCacheRequestBeginTest : public test::DeviceTest {};
+class ManagedKVCacheRequestDispatchTest : public test::DeviceTest {};
+
+INSTANTIATE_TEST_SUITE_P(Devices, ManagedKVCacheRequestBeginTest, test::allDeviceTypes(),
+                         test::deviceName);
+INSTANTIATE_TEST_SUITE_P(Devices, ManagedKVCacheRequestDispatchTest, test::allDeviceTypes(),
+                         test::deviceName);
 
 // ---------------------------------------------------------------- begin
 
-TEST(ManagedKVCacheRequestBeginTest, NeedsExactlyOneBackend) {
-  RuntimeRig reuseRig(configFor(Backend::kContextReuse));
-  RuntimeRig swaRig(configFor(Backend::kBoundedSwa));
+TEST_P(ManagedKVCacheRequestBeginTest, NeedsExactlyOneBackend) {
+  RuntimeRig reuseRig(configFor(Backend::kContextReuse, device()));
+  RuntimeRig swaRig(configFor(Backend::kBoundedSwa, device()));
   FacadeDriver driver(reuseRig);
   driver.add(tokenRun(40, 5));
   auto begin = [&](ContextCacheCoordinator* contextCache, BoundedSwaKVPageManager* swa) {
@@ -91,8 +99,8 @@ TEST(ManagedKVCacheRequestBeginTest, NeedsExactlyOneBackend) {
   finishCleanly(reuseRig, driver);
 }
 
-TEST(ManagedKVCacheRequestBeginTest, BoundedSwaRejectsSpeculationOtherHeadroomAndFullCommit) {
-  RuntimeRig rig(configFor(Backend::kBoundedSwa));
+TEST_P(ManagedKVCacheRequestBeginTest, BoundedSwaRejectsSpeculationOtherHeadroomAndFullCommit) {
+  RuntimeRig rig(configFor(Backend::kBoundedSwa, device()));
   FacadeDriver driver(rig);
   driver.add(tokenRun(40, 5));
   driver.add(tokenRun(30, 500));
@@ -120,7 +128,7 @@ TEST(ManagedKVCacheRequestBeginTest, BoundedSwaRejectsSpeculationOtherHeadroomAn
 }
 
 TEST_P(ManagedKVCacheRequestTest, BeginRejectsAContextWhoseSizesDisagree) {
-  RuntimeRig rig(configFor(GetParam()));
+  RuntimeRig rig(configFor(backend(), device()));
   FacadeDriver driver(rig);
   driver.add(tokenRun(40, 5));
   driver.context.activeBatchSize = 2;
@@ -141,7 +149,7 @@ TEST_P(ManagedKVCacheRequestTest, BeginRejectsAContextWhoseSizesDisagree) {
 // ---------------------------------------------------------------- lifecycle order
 
 TEST_P(ManagedKVCacheRequestTest, CallsOutOfOrderThrowAndChangeNothing) {
-  RuntimeRig rig(configFor(GetParam()));
+  RuntimeRig rig(configFor(backend(), device()));
   FacadeDriver driver(rig);
   driver.add(tokenRun(40, 5));
   driver.add(tokenRun(23, 300));
@@ -246,7 +254,7 @@ TEST_P(ManagedKVCacheRequestTest, CallsOutOfOrderThrowAndChangeNothing) {
 // ---------------------------------------------------------------- sizes
 
 TEST_P(ManagedKVCacheRequestTest, SizesThatDisagreeWithTheBatchThrowAndChangeNothing) {
-  RuntimeRig rig(configFor(GetParam()));
+  RuntimeRig rig(configFor(backend(), device()));
   FacadeDriver driver(rig);
   driver.add(tokenRun(40, 5));
   driver.add(tokenRun(23, 300));
@@ -311,7 +319,7 @@ TEST_P(ManagedKVCacheRequestTest, SizesThatDisagreeWithTheBatchThrowAndChangeNot
   driver.finishRow(1);
   ASSERT_TRUE(driver.completeDecode());
 
-  Tensor floatMapping({4}, DataType::kFloat32, DeviceType::kCPU);
+  Tensor floatMapping({4}, DataType::kFloat32, device());
   struct BadMapping {
     std::vector<int32_t> oldToNew;
     int32_t newSize;
@@ -358,8 +366,8 @@ TEST_P(ManagedKVCacheRequestTest, SizesThatDisagreeWithTheBatchThrowAndChangeNot
 
 // ---------------------------------------------------------------- dispatch per backend
 
-TEST(ManagedKVCacheRequestDispatchTest, ContextReuseBackend) {
-  RuntimeRig rig(configFor(Backend::kContextReuse));
+TEST_P(ManagedKVCacheRequestDispatchTest, ContextReuseBackend) {
+  RuntimeRig rig(configFor(Backend::kContextReuse, device()));
   EXPECT_TRUE(rig.runtime().supportsSeatedAdmission());
   FacadeDriver driver(rig);
   driver.add(tokenRun(40, 5));
@@ -370,7 +378,7 @@ TEST(ManagedKVCacheRequestDispatchTest, ContextReuseBackend) {
   ASSERT_NE(facade.prefillStarts(), nullptr);
   EXPECT_EQ(*facade.prefillStarts(), (std::vector<int32_t>{0, 0}));
   EXPECT_EQ(facade.reuseTokenLength(1), 0);
-  Tensor hidden({4, 8}, DataType::kFloat16, DeviceType::kCPU);
+  Tensor hidden({4, 8}, DataType::kFloat16, device());
   expectRejected(rig, "publishHybridMtpEndpoint",
                  [&] { (void)facade.publishHybridMtpEndpoint(0, 40, hidden, 0); },
                  {"publishHybridMtpEndpoint", "not Hybrid-MTP"});
@@ -392,8 +400,8 @@ TEST(ManagedKVCacheRequestDispatchTest, ContextReuseBackend) {
   finishCleanly(rig, driver);
 }
 
-TEST(ManagedKVCacheRequestDispatchTest, BoundedSwaBackend) {
-  RuntimeRig rig(configFor(Backend::kBoundedSwa));
+TEST_P(ManagedKVCacheRequestDispatchTest, BoundedSwaBackend) {
+  RuntimeRig rig(configFor(Backend::kBoundedSwa, device()));
   EXPECT_FALSE(rig.runtime().supportsSeatedAdmission());
   FacadeDriver driver(rig);
   driver.add(tokenRun(40, 5));
@@ -404,7 +412,7 @@ TEST(ManagedKVCacheRequestDispatchTest, BoundedSwaBackend) {
   EXPECT_EQ(facade.prefillStarts(), nullptr);
   expectRejected(rig, "reuseTokenLength", [&] { (void)facade.reuseTokenLength(0); },
                  {"ManagedKVCacheRequest::reuseTokenLength", "slot 0", "no context reuse"});
-  Tensor hidden({4, 8}, DataType::kFloat16, DeviceType::kCPU);
+  Tensor hidden({4, 8}, DataType::kFloat16, device());
   expectRejected(rig, "publishHybridMtpEndpoint",
                  [&] { (void)facade.publishHybridMtpEndpoint(1, 23, hidden, 0); },
                  {"ManagedKVCacheRequest::publishHybridMtpEndpoint", "slot 1", "no context reuse"});

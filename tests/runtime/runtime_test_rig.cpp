@@ -5,7 +5,7 @@
 #include <span>
 #include <utility>
 
-#include "core/device.h"
+#include "test_util.h"
 
 namespace mkv::runtime_test {
 
@@ -17,7 +17,27 @@ void PrintTo(Backend backend, std::ostream* out) {
   *out << (backend == Backend::kContextReuse ? "context reuse" : "bounded SWA");
 }
 
-KVCacheRuntimeConfig configFor(Backend backend) {
+void PrintTo(RuntimeCase const& runtimeCase, std::ostream* out) {
+  PrintTo(runtimeCase.backend, out);
+  *out << " on " << toString(runtimeCase.device);
+}
+
+std::string runtimeCaseName(::testing::TestParamInfo<RuntimeCase> const& info) {
+  return std::string(info.param.backend == Backend::kContextReuse ? "reuse_" : "swa_") +
+         std::string(toString(info.param.device));
+}
+
+std::vector<RuntimeCase> allRuntimeCases() {
+  std::vector<RuntimeCase> cases;
+  for (DeviceType device : {DeviceType::kCPU, DeviceType::kGPU}) {
+    for (Backend backend : {Backend::kContextReuse, Backend::kBoundedSwa}) {
+      cases.push_back({backend, device});
+    }
+  }
+  return cases;
+}
+
+KVCacheRuntimeConfig configFor(Backend backend, DeviceType device) {
   KVCacheRuntimeConfig config;
   config.model.numKVHeads = 1;
   config.model.headDim = 4;
@@ -25,7 +45,7 @@ KVCacheRuntimeConfig configFor(Backend backend) {
   config.maxBatchSize = 4;
   config.maxSequenceLength = 256;
   config.tokensPerPage = kPageTokens;
-  config.deviceType = DeviceType::kCPU;
+  config.deviceType = device;
   if (backend == Backend::kContextReuse) {
     config.model.numFullAttentionLayers = 2;
     config.contextReuse = true;
@@ -124,14 +144,9 @@ void appendRows(KVPageTable const* table, std::vector<int32_t>& out) {
   }
 }
 
+/// The active rows of the pool's KV-length tensor, copied to the host.
 std::vector<int32_t> activeLengths(KVCachePool const& pool) {
-  std::vector<int32_t> lengths(static_cast<std::size_t>(pool.activeBatchSize()));
-  detail::copyBytes(lengths.data(), DeviceType::kCPU, pool.kvLengths().rawPointer(),
-                    pool.deviceType(), lengths.size() * sizeof(int32_t), nullptr);
-  if (pool.deviceType() == DeviceType::kGPU) {
-    detail::synchronizeDevice();
-  }
-  return lengths;
+  return test::readAs<int32_t>(pool.kvLengths());  // shaped [activeBatchSize]
 }
 
 }  // namespace

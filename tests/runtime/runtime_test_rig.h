@@ -1,7 +1,7 @@
 #pragma once
 /// \file runtime_test_rig.h
-/// Shared pieces of the runtime suites: small KVCacheRuntime configurations for both backends, a
-/// stream synchroniser whose calls can be made to fail (fault model, SPEC §12), observers of the
+/// Shared pieces of the runtime suites: the (backend, device) parameter of TEST_P suites, small
+/// KVCacheRuntime configurations for both backends on either device, a stream synchroniser whose calls can be made to fail (fault model, SPEC §12), observers of the
 /// backend's pages and tables, and FacadeDriver, which runs one request through
 /// ManagedKVCacheRequest call by call as an engine would, writing KV for every executed position
 /// and checking with the KV oracle what attention reads.
@@ -17,6 +17,7 @@
 
 #include "mkv/kv_cache_runtime.h"
 #include "mkv/managed_kv_cache_request.h"
+#include "mkv/stream.h"
 #include "mkv/testing/kv_oracle.h"
 
 namespace mkv::runtime_test {
@@ -30,10 +31,39 @@ enum class Backend : uint8_t { kContextReuse, kBoundedSwa };
 std::string backendName(::testing::TestParamInfo<Backend> const& info);
 void PrintTo(Backend backend, std::ostream* out);
 
-/// Host runtimes with 4 resident rows, pages of 16 tokens and 8-byte token rows.
+/// Skips the calling test (GTEST_SKIP) on kGPU without a CUDA device or in a build without CUDA.
+/// A macro: GTEST_SKIP returns from the function that expands it.
+#define MKV_SKIP_WITHOUT_DEVICE(device)                                              \
+  do {                                                                              \
+    if ((device) == ::mkv::DeviceType::kGPU && !::mkv::cudaDeviceAvailable()) {     \
+      GTEST_SKIP() << "no CUDA device (or a build without CUDA)";                   \
+    }                                                                               \
+  } while (false)
+
+/// Parameter of the suites that run on both backends and both devices.
+struct RuntimeCase {
+  Backend backend;
+  DeviceType device;
+};
+void PrintTo(RuntimeCase const& runtimeCase, std::ostream* out);
+/// "reuse_cpu", "swa_gpu", ...
+std::string runtimeCaseName(::testing::TestParamInfo<RuntimeCase> const& info);
+/// Every backend on every device (for ::testing::ValuesIn).
+std::vector<RuntimeCase> allRuntimeCases();
+
+/// Fixture base of TEST_P suites over RuntimeCase; the kGPU cases skip without a CUDA device.
+class RuntimeCaseTest : public ::testing::TestWithParam<RuntimeCase> {
+ protected:
+  void SetUp() override { MKV_SKIP_WITHOUT_DEVICE(device()); }
+  Backend backend() const { return GetParam().backend; }
+  DeviceType device() const { return GetParam().device; }
+  bool reuse() const { return backend() == Backend::kContextReuse; }
+};
+
+/// Runtimes with 4 resident rows, pages of 16 tokens and 8-byte token rows, on `device`.
 /// kContextReuse: 2 full-attention layers, 64 pages (16 a row). kBoundedSwa: a Gemma-style model,
 /// 1 full layer (identity-mapped) and 1 sliding layer with W = 24 in 4 x (2M + 1) = 28 pages.
-KVCacheRuntimeConfig configFor(Backend backend);
+KVCacheRuntimeConfig configFor(Backend backend, DeviceType device);
 
 /// tokens first, first + 1, ..., first + count - 1.
 std::vector<int32_t> tokenRun(int32_t count, int32_t first);

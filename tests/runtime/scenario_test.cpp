@@ -1,5 +1,7 @@
 // End-to-end scenarios through KVCacheRuntime + ManagedKVCacheRequest, driven by the reference
 // engine or call by call (runtime_test_rig.h), with the KV oracle checking every position read.
+// Every scenario runs on host tensors and on GPU tensors (the kGPU instances skip without a CUDA
+// device).
 #include <gtest/gtest.h>
 
 #include <cstring>
@@ -13,6 +15,7 @@
 #include "mkv/kv_cache_runtime.h"
 #include "mkv/testing/reference_engine.h"
 #include "runtime_test_rig.h"
+#include "test_util.h"
 
 namespace mkv {
 namespace {
@@ -21,6 +24,8 @@ using runtime_test::Backend;
 using runtime_test::BackendState;
 using runtime_test::configFor;
 using runtime_test::FacadeDriver;
+using runtime_test::RuntimeCase;
+using runtime_test::RuntimeCaseTest;
 using runtime_test::RuntimeRig;
 using testing::EngineRequest;
 using testing::EngineSequence;
@@ -28,7 +33,7 @@ using testing::EngineStats;
 using testing::ReferenceEngine;
 using AdmitStatus = ContextCacheRequest::AdmitSequenceStatus;
 
-KVCacheRuntimeConfig smallConfig(bool reuse) {
+KVCacheRuntimeConfig smallConfig(bool reuse, DeviceType device) {
   KVCacheRuntimeConfig config;
   config.model.numFullAttentionLayers = 2;
   config.model.numKVHeads = 1;
@@ -38,7 +43,7 @@ KVCacheRuntimeConfig smallConfig(bool reuse) {
   config.maxSequenceLength = 1024;
   config.tokensPerPage = 16;
   config.contextReuse = reuse;
-  config.deviceType = DeviceType::kCPU;
+  config.deviceType = device;
   return config;
 }
 
@@ -68,8 +73,12 @@ EngineRequest single(std::vector<int32_t> prompt, std::string lora = {}) {
   return request;
 }
 
-TEST(ScenarioTest, MultiTurnChatReusesThePreviousTurn) {
-  auto runtime = KVCacheRuntime::create(smallConfig(true));
+class ScenarioTest : public test::DeviceTest {};
+
+INSTANTIATE_TEST_SUITE_P(Devices, ScenarioTest, test::allDeviceTypes(), test::deviceName);
+
+TEST_P(ScenarioTest, MultiTurnChatReusesThePreviousTurn) {
+  auto runtime = KVCacheRuntime::create(smallConfig(true, device()));
   ASSERT_EQ(runtime->backend(), KVCacheBackend::kContextReuse);
   ReferenceEngine engine(*runtime);
   std::vector<int32_t> history = tokens(40, 100);
@@ -95,8 +104,9 @@ TEST(ScenarioTest, MultiTurnChatReusesThePreviousTurn) {
   EXPECT_TRUE(runtime->shutdown());
 }
 
-KVCacheRuntimeConfig hybridConfig(int32_t recurrentSlots, int32_t partialSlots) {
-  KVCacheRuntimeConfig config = smallConfig(true);
+KVCacheRuntimeConfig hybridConfig(int32_t recurrentSlots, int32_t partialSlots,
+                                  DeviceType device) {
+  KVCacheRuntimeConfig config = smallConfig(true, device);
   config.maxBatchSize = 3;
   config.maxSequenceLength = 256;
   config.model.numRecurrentLayers = 2;
@@ -108,8 +118,8 @@ KVCacheRuntimeConfig hybridConfig(int32_t recurrentSlots, int32_t partialSlots) 
   return config;
 }
 
-TEST(ScenarioTest, HybridMultiTurnChatResumesFromTheExactEndOfThePreviousTurn) {
-  auto runtime = KVCacheRuntime::create(hybridConfig(8, 8));
+TEST_P(ScenarioTest, HybridMultiTurnChatResumesFromTheExactEndOfThePreviousTurn) {
+  auto runtime = KVCacheRuntime::create(hybridConfig(8, 8, device()));
   ASSERT_EQ(runtime->contextCache()->profile().baseStateKind, BaseStateKind::kHybrid);
   ReferenceEngine engine(*runtime);
   std::vector<int32_t> history = tokens(40, 100);
@@ -135,10 +145,10 @@ TEST(ScenarioTest, HybridMultiTurnChatResumesFromTheExactEndOfThePreviousTurn) {
   EXPECT_TRUE(runtime->shutdown());
 }
 
-TEST(ScenarioTest, RandomHybridWorkloadsNeverCorruptKvOrRecurrentState) {
+TEST_P(ScenarioTest, RandomHybridWorkloadsNeverCorruptKvOrRecurrentState) {
   // Tight pools: 40 pages of 16 tokens, 5 recurrent and 3 partial snapshot slots, 10 records, so
   // admissions evict, captures are skipped under snapshot pressure and checkpoints end mid-page.
-  KVCacheRuntimeConfig config = hybridConfig(5, 3);
+  KVCacheRuntimeConfig config = hybridConfig(5, 3, device());
   config.numPages = 40;
   config.contextCache.maxRecords = 10;
   auto runtime = KVCacheRuntime::create(config);
@@ -203,8 +213,8 @@ TEST(ScenarioTest, RandomHybridWorkloadsNeverCorruptKvOrRecurrentState) {
   }
 }
 
-TEST(ScenarioTest, JoinsReuseASharedSystemPrompt) {
-  auto runtime = KVCacheRuntime::create(smallConfig(true));
+TEST_P(ScenarioTest, JoinsReuseASharedSystemPrompt) {
+  auto runtime = KVCacheRuntime::create(smallConfig(true, device()));
   ReferenceEngine engine(*runtime);
   std::vector<int32_t> system = tokens(64, 7);
   EngineRequest request;
@@ -229,8 +239,8 @@ TEST(ScenarioTest, JoinsReuseASharedSystemPrompt) {
   EXPECT_TRUE(runtime->shutdown());
 }
 
-TEST(ScenarioTest, BoundedSwaDecodesFarBeyondTheWindowWithConstantPages) {
-  KVCacheRuntimeConfig config = smallConfig(false);
+TEST_P(ScenarioTest, BoundedSwaDecodesFarBeyondTheWindowWithConstantPages) {
+  KVCacheRuntimeConfig config = smallConfig(false, device());
   config.model.numFullAttentionLayers = 1;
   config.model.numSlidingWindowLayers = 2;
   config.model.slidingWindowTokens = 40;
@@ -252,8 +262,8 @@ TEST(ScenarioTest, BoundedSwaDecodesFarBeyondTheWindowWithConstantPages) {
             runtime->swaPageManager()->totalPageCount());
 }
 
-TEST(ScenarioTest, TheLoraAdapterIsPartOfTheReuseIdentity) {
-  auto runtime = KVCacheRuntime::create(smallConfig(true));
+TEST_P(ScenarioTest, TheLoraAdapterIsPartOfTheReuseIdentity) {
+  auto runtime = KVCacheRuntime::create(smallConfig(true, device()));
   ReferenceEngine engine(*runtime);                    // its oracle keys KV on the adapter too
   std::vector<int32_t> const system = tokens(64, 10);  // 4 pages
   EXPECT_EQ(runOnce(engine, single(joined(system, {1}), "adapter-a")), 0);
@@ -269,8 +279,9 @@ TEST(ScenarioTest, TheLoraAdapterIsPartOfTheReuseIdentity) {
   EXPECT_TRUE(runtime->shutdown());
 }
 
-TEST(ScenarioTest, HostImagePixelsArePartOfTheReuseIdentity) {
+TEST_P(ScenarioTest, HostImagePixelsArePartOfTheReuseIdentity) {
   constexpr int32_t kImageToken = 32000;
+  // Host pixels, whatever the runtime's device: only host RGB is hashed into the identity.
   auto image = [](uint8_t seed) {
     auto pixels = std::make_shared<Tensor>(Coords{4, 4, 3}, DataType::kUInt8, DeviceType::kCPU);
     auto* bytes = static_cast<uint8_t*>(pixels->rawPointer());
@@ -288,7 +299,7 @@ TEST(ScenarioTest, HostImagePixelsArePartOfTheReuseIdentity) {
     request.sequences[0].images = {pixels};
     return request;
   };
-  auto runtime = KVCacheRuntime::create(smallConfig(true));
+  auto runtime = KVCacheRuntime::create(smallConfig(true, device()));
   ReferenceEngine engine(*runtime);  // its oracle keys image positions on the pixels
   EXPECT_EQ(runOnce(engine, withImage(image(1))), 0);
   EXPECT_EQ(runOnce(engine, withImage(image(1))), 96) << "same image: every full page";
@@ -299,12 +310,23 @@ TEST(ScenarioTest, HostImagePixelsArePartOfTheReuseIdentity) {
   std::memcpy(copy.buffer->rawPointer(), image(1).buffer->rawPointer(), 48);
   EXPECT_EQ(runOnce(engine, withImage(copy)), 96);
   EXPECT_EQ(runtime->contextCache()->metrics().bypasses, 0u) << "host RGB images are media-aware";
+  if (device() == DeviceType::kGPU) {
+    // The same pixels in GPU memory cannot be hashed on the host: the request runs on
+    // context-cache bypass (no reuse) rather than failing.
+    imageUtils::ImageData onDevice = image(1);
+    onDevice.buffer = std::make_shared<Tensor>(Coords{4, 4, 3}, DataType::kUInt8, device());
+    test::writeBytes(*onDevice.buffer, test::readBytes(*image(1).buffer));
+    ASSERT_EQ(onDevice.data(), nullptr);
+    EXPECT_EQ(runOnce(engine, withImage(onDevice)), 0);
+    EXPECT_EQ(runtime->contextCache()->metrics().bypasses, 1u);
+    EXPECT_EQ(runOnce(engine, withImage(image(1))), 96) << "the host image is still cached";
+  }
   EXPECT_EQ(engine.stats().oracleMismatches, 0);
   EXPECT_TRUE(runtime->shutdown());
 }
 
-TEST(ScenarioTest, ARetractedJoinLeavesNoTraceAndTheRowJoinsAgain) {
-  RuntimeRig rig(configFor(Backend::kContextReuse));
+TEST_P(ScenarioTest, ARetractedJoinLeavesNoTraceAndTheRowJoinsAgain) {
+  RuntimeRig rig(configFor(Backend::kContextReuse, device()));
   FacadeDriver driver(rig);
   std::vector<int32_t> const system = tokens(32, 10);  // 2 pages, published by the prefill
   driver.add(joined(system, tokens(9, 100)));
@@ -344,8 +366,8 @@ TEST(ScenarioTest, ARetractedJoinLeavesNoTraceAndTheRowJoinsAgain) {
   EXPECT_FALSE(rig.poisoned());
 }
 
-TEST(ScenarioTest, RetractingAFinalisedJoinPoisonsUntilShutdown) {
-  RuntimeRig rig(configFor(Backend::kContextReuse));
+TEST_P(ScenarioTest, RetractingAFinalisedJoinPoisonsUntilShutdown) {
+  RuntimeRig rig(configFor(Backend::kContextReuse, device()));
   {
     FacadeDriver driver(rig);
     driver.add(tokens(20, 10));
@@ -363,8 +385,8 @@ TEST(ScenarioTest, RetractingAFinalisedJoinPoisonsUntilShutdown) {
   rig.expectIdle();
 }
 
-TEST(ScenarioTest, CancelledRowsAreCompactedAwayAndOnlyFinishedOnesPublish) {
-  auto runtime = KVCacheRuntime::create(smallConfig(true));
+TEST_P(ScenarioTest, CancelledRowsAreCompactedAwayAndOnlyFinishedOnesPublish) {
+  auto runtime = KVCacheRuntime::create(smallConfig(true, device()));
   ReferenceEngine engine(*runtime);
   // 30-token prompts: the prefill publishes one full page, decode fills a second one.
   EngineRequest request;
@@ -400,15 +422,15 @@ TEST(ScenarioTest, CancelledRowsAreCompactedAwayAndOnlyFinishedOnesPublish) {
   EXPECT_TRUE(runtime->shutdown());
 }
 
-class CompactionScenarioTest : public ::testing::TestWithParam<Backend> {};
+class CompactionScenarioTest : public RuntimeCaseTest {};
 
 INSTANTIATE_TEST_SUITE_P(Backends, CompactionScenarioTest,
-                         ::testing::Values(Backend::kContextReuse, Backend::kBoundedSwa),
-                         runtime_test::backendName);
+                         ::testing::ValuesIn(runtime_test::allRuntimeCases()),
+                         runtime_test::runtimeCaseName);
 
 TEST_P(CompactionScenarioTest, ACancelledRowLeavesAndTheSurvivorsKeepTheirRows) {
-  RuntimeRig rig(configFor(GetParam()));
-  bool const bounded = GetParam() == Backend::kBoundedSwa;
+  RuntimeRig rig(configFor(backend(), device()));
+  bool const bounded = backend() == Backend::kBoundedSwa;
   KVPageTable const& table =
       bounded ? *rig.runtime().swaPageTable() : *rig.runtime().fullPageTable();
   FacadeDriver driver(rig);
