@@ -51,6 +51,10 @@ struct ContextCacheCoordinator::Request {
     // Checkpoint deployments: the longest exact checkpoint published, and the capture enqueued
     // but not committed yet (its slots are reservations of the lease).
     int32_t publishedExact = 0;
+    // Speculative requests: tokens whose base and draft state are both materialised, and the
+    // prompt endpoint frozen until the draft initialisation is known complete.
+    int32_t common = 0;
+    int32_t frozenPrefill = 0;
     struct StagedCapture {
       SnapshotReservation reservation;
       int32_t exactLength = 0;
@@ -61,6 +65,11 @@ struct ContextCacheCoordinator::Request {
   uint64_t id = 0;
   Phase phase = Phase::kAdmitted;
   bool pending = false;
+  bool speculative = false;
+  // A speculative request's draft initialisation (enqueued by the runtime after the prefill) is
+  // not known complete: the frozen prompt endpoints wait for the first verification round or a
+  // synchronisation of the coordinator.
+  bool draftInitPending = false;
   DecodingTokenStateContract contract = DecodingTokenStateContract::kCommittedPlusLookahead;
   ContextCacheCommitPolicy commitPolicy = ContextCacheCommitPolicy::kIncludingGeneratedTokens;
   ContextCacheLookupPolicy batchPolicy = ContextCacheLookupPolicy::kUseCache;
@@ -118,13 +127,31 @@ ContextCacheCoordinator::ContextCacheCoordinator(ContextCacheConfig const& confi
   MKV_REQUIRE(
       static_cast<uint8_t>(profile.baseStateKind) <= static_cast<uint8_t>(BaseStateKind::kHybrid),
       kCall, "base state kind {} out of range", static_cast<int>(profile.baseStateKind));
-  MKV_REQUIRE(!profile.isSpeculative(), kCall,
-              "deployment profile not supported: speculative deployments are not implemented");
-  MKV_REQUIRE(profile.boundaryHiddenWidth == 0, kCall,
+  if (profile.isSpeculative()) {
+    MKV_REQUIRE(profile.speculative->futureDependencyTokens >= 0, kCall,
+                "speculative futureDependencyTokens must be >= 0, got {}",
+                profile.speculative->futureDependencyTokens);
+    MKV_REQUIRE(profile.hasAttention(), kCall,
+                "a pure-recurrent deployment cannot be speculative (no KV for a draft to pair "
+                "with)");
+  }
+  bool const mtp = profile.isHybridMtp();
+  bool const paged = profile.ownsPagedSpecState();
+  MKV_REQUIRE(!mtp || paged, kCall,
+              "a Hybrid-MTP deployment needs an own-KV draft: the speculative contract must be "
+              "paged");
+  MKV_REQUIRE(mtp || profile.boundaryHiddenWidth == 0, kCall,
               "boundaryHiddenWidth {} is for Hybrid-MTP deployments only",
               profile.boundaryHiddenWidth);
-  MKV_REQUIRE(resources.draftPool == nullptr && resources.draftPageTable == nullptr, kCall,
-              "draft resources given to a non-speculative deployment");
+  MKV_REQUIRE(!mtp || profile.boundaryHiddenWidth > 0, kCall,
+              "a Hybrid-MTP deployment needs boundaryHiddenWidth > 0, got {}",
+              profile.boundaryHiddenWidth);
+  MKV_REQUIRE(!mtp || dataTypeSize(profile.boundaryHiddenType) > 0, kCall,
+              "boundaryHiddenType {} out of range", static_cast<int>(profile.boundaryHiddenType));
+  MKV_REQUIRE(paged || (resources.draftPool == nullptr && resources.draftPageTable == nullptr),
+              kCall, "draft resources given to a {}",
+              profile.isSpeculative() ? "speculative deployment whose draft has no paged KV"
+                                      : "non-speculative deployment");
   RecurrentStatePool const* recurrent = resources.recurrent;
   MKV_REQUIRE(!profile.usesCheckpointReuse() || recurrent != nullptr, kCall,
               "a {} deployment needs the recurrent state pool",
@@ -158,11 +185,31 @@ ContextCacheCoordinator::ContextCacheCoordinator(ContextCacheConfig const& confi
     MKV_REQUIRE(recurrent->deviceType() == mDevice, kCall, "recurrent pool on {} but KV on {}",
                 toString(recurrent->deviceType()), toString(mDevice));
   }
+  if (paged) {
+    MKV_REQUIRE(resources.draftPool != nullptr && resources.draftPageTable != nullptr, kCall,
+                "a paged speculative deployment needs draftPool and draftPageTable");
+    KVCachePool const& draft = *resources.draftPool;
+    KVPageTable const& table = *resources.draftPageTable;
+    MKV_REQUIRE(table.mode() == PageTableMode::kDense, kCall, "the draft page table must be dense");
+    MKV_REQUIRE(table.numPages() == draft.numPages(), kCall,
+                "draft page table addresses {} pages but the draft pool has {}", table.numPages(),
+                draft.numPages());
+    MKV_REQUIRE(draft.tokensPerPage() == resources.basePool->tokensPerPage(), kCall,
+                "draft pages hold {} tokens but base pages {}", draft.tokensPerPage(),
+                resources.basePool->tokensPerPage());
+    MKV_REQUIRE(table.deviceType() == mDevice && draft.deviceType() == mDevice, kCall,
+                "draft table on {} and draft pool on {} but base KV on {}",
+                toString(table.deviceType()), toString(draft.deviceType()), toString(mDevice));
+    MKV_REQUIRE(table.maxBatch() == mMaxBatch && draft.maxBatchSize() >= mMaxBatch, kCall,
+                "draft table has {} rows and draft pool KV lengths {} but the base table has {}",
+                table.maxBatch(), draft.maxBatchSize(), mMaxBatch);
+  }
   if (!mSynchronizer) {
     mSynchronizer = defaultStreamSynchronizer(mDevice);
   }
   ResourceDemand capacities{};
   capacities.baseKvPages = hasKv() ? resources.basePool->numPages() : 0;
+  capacities.draftKvPages = paged ? resources.draftPool->numPages() : 0;
   SnapshotStorageConfig snapshots;
   if (profile.usesCheckpointReuse()) {
     auto slotsOf = [&](int64_t budget, int64_t bytesPerSlot, char const* field) {
@@ -173,14 +220,23 @@ ContextCacheCoordinator::ContextCacheCoordinator(ContextCacheConfig const& confi
                   field, budget, bytesPerSlot);
       return static_cast<int32_t>(slots);
     };
+    // A Hybrid-MTP slot also holds the boundary hidden row, and its partial page the draft's.
+    int64_t recurrentBytes = SnapshotStorage::recurrentBytesPerSlot(*recurrent);
+    if (mtp) {
+      snapshots.boundaryHiddenWidth = profile.boundaryHiddenWidth;
+      snapshots.boundaryHiddenType = profile.boundaryHiddenType;
+      recurrentBytes += SnapshotStorage::boundaryHiddenBytesPerSlot(profile.boundaryHiddenWidth,
+                                                                    profile.boundaryHiddenType);
+    }
     snapshots.recurrentSlots =
-        slotsOf(config.recurrentSnapshotPoolBytes,
-                SnapshotStorage::recurrentBytesPerSlot(*recurrent), "recurrentSnapshotPoolBytes");
+        slotsOf(config.recurrentSnapshotPoolBytes, recurrentBytes, "recurrentSnapshotPoolBytes");
     if (hasKv()) {
+      int64_t partialBytes = SnapshotStorage::partialKvBytesPerSlot(*resources.basePool);
+      if (mtp) {
+        partialBytes += SnapshotStorage::partialKvBytesPerSlot(*resources.draftPool);
+      }
       snapshots.partialKvSlots =
-          slotsOf(config.partialKvSnapshotPoolBytes,
-                  SnapshotStorage::partialKvBytesPerSlot(*resources.basePool),
-                  "partialKvSnapshotPoolBytes");
+          slotsOf(config.partialKvSnapshotPoolBytes, partialBytes, "partialKvSnapshotPoolBytes");
     }
     capacities.recurrentSnapshotSlots = snapshots.recurrentSlots;
     capacities.partialKvSnapshotSlots = snapshots.partialKvSlots;
@@ -188,12 +244,14 @@ ContextCacheCoordinator::ContextCacheCoordinator(ContextCacheConfig const& confi
   ContextCacheManagerOptions options;
   options.verifyTokens = config.verifyTokens;
   options.eventQueueCapacity = config.eventQueueCapacity;
+  options.specContract = profile.speculative;
   mManager = std::make_unique<ContextCacheManager>(
       hasKv() ? resources.basePool->tokensPerPage() : kPureRecurrentBlockTokens, capacities,
       config.enabled ? config.maxRecords : 0, options);
   if (profile.usesCheckpointReuse()) {
-    mSnapshots =
-        std::make_unique<SnapshotStorage>(snapshots, resources.recurrent, resources.basePool);
+    mSnapshots = std::make_unique<SnapshotStorage>(snapshots, resources.recurrent,
+                                                   resources.basePool,
+                                                   mtp ? resources.draftPool : nullptr);
   }
   mResidentBusy.assign(static_cast<std::size_t>(mMaxBatch), 0);
 }
@@ -250,6 +308,32 @@ std::span<PageId const> ContextCacheCoordinator::basePages(RequestHandle const& 
   return sequenceAt(request(handle, kCall), slot, kCall).lease.basePages();
 }
 
+std::span<PageId const> ContextCacheCoordinator::draftPages(RequestHandle const& handle,
+                                                            int32_t slot) const {
+  constexpr char const* kCall = "ContextCacheCoordinator::draftPages";
+  return sequenceAt(request(handle, kCall), slot, kCall).lease.draftPages();
+}
+
+int32_t ContextCacheCoordinator::commonLength(RequestHandle const& handle, int32_t slot) const {
+  constexpr char const* kCall = "ContextCacheCoordinator::commonLength";
+  return sequenceAt(request(handle, kCall), slot, kCall).common;
+}
+
+bool ContextCacheCoordinator::pairsDraft(Request const& req) const noexcept {
+  return req.speculative && mProfile.ownsPagedSpecState();
+}
+
+bool ContextCacheCoordinator::isHybridMtp(Request const& req) const noexcept {
+  return req.speculative && mProfile.isHybridMtp();
+}
+
+void ContextCacheCoordinator::uploadTables(bool paired) {
+  mResources.basePageTable->uploadDirty(mStream);
+  if (paired) {
+    mResources.draftPageTable->uploadDirty(mStream);
+  }
+}
+
 bool ContextCacheCoordinator::supportsLiveSequenceAdmission() const noexcept {
   return mProfile.baseStateKind == BaseStateKind::kAttentionOnly && !mProfile.isSpeculative();
 }
@@ -296,10 +380,14 @@ void ContextCacheCoordinator::releaseRows(Request& req) {
   if (!hasKv()) {
     return;
   }
+  bool const paired = pairsDraft(req);
   for (auto const& sequence : req.sequences) {
     mResources.basePageTable->clearRow(sequence.resident.slot);
+    if (paired) {
+      mResources.draftPageTable->clearRow(sequence.resident.slot);
+    }
   }
-  mResources.basePageTable->uploadDirty(mStream);
+  uploadTables(paired);
 }
 
 void ContextCacheCoordinator::abandon(uint64_t id) noexcept {
@@ -307,7 +395,8 @@ void ContextCacheCoordinator::abandon(uint64_t id) noexcept {
   if (abandoned == nullptr) {
     return;
   }
-  if (abandoned->pending && !synchronize()) {
+  // An abandoned request publishes nothing, not even a frozen speculative prompt endpoint.
+  if ((abandoned->pending || abandoned->draftInitPending) && !synchronize()) {
     quarantine(std::move(abandoned));
     return;
   }
@@ -328,10 +417,18 @@ void ContextCacheCoordinator::abandon(uint64_t id) noexcept {
 /// The manager's view of one sequence admission (it refers to `sequence`'s tokens and media).
 LookupRequest ContextCacheCoordinator::lookupOf(ContextCacheSequenceAdmission const& sequence,
                                                 ContextCacheLookupPolicy policy,
-                                                DecodingKvHeadroom const& headroom) const {
+                                                DecodingKvHeadroom const& headroom,
+                                                bool speculative) const {
   LookupRequest lookup;
   lookup.prompt = PromptView{sequence.tokenIds, sequence.media, sequence.keyExtras};
-  lookup.mode = mProfile.usesCheckpointReuse() ? ReuseMode::kHybrid : ReuseMode::kVanilla;
+  // A vanilla request on a speculative deployment reuses and publishes the base side only.
+  bool const checkpoints = mProfile.usesCheckpointReuse();
+  if (speculative) {
+    lookup.mode = checkpoints ? ReuseMode::kHybridMtp : ReuseMode::kSpec;
+    lookup.draftExtraTokens = mProfile.ownsPagedSpecState() ? headroom.draftExtraTokens : 0;
+  } else {
+    lookup.mode = checkpoints ? ReuseMode::kHybrid : ReuseMode::kVanilla;
+  }
   lookup.hasAttention = hasKv();
   lookup.policy = mConfig.enabled ? policy : ContextCacheLookupPolicy::kBypass;
   lookup.baseExtraTokens = headroom.baseExtraTokens;
@@ -345,46 +442,69 @@ bool ContextCacheCoordinator::batchMayFit(std::span<LookupRequest const> lookups
     return true;  // pure recurrent: sequences take no pages at admission
   }
   constexpr ResourceType kBase = ResourceType::kBaseKvPage;
-  int64_t const free = pools.freeCount(kBase);
+  constexpr ResourceType kDraft = ResourceType::kDraftKvPage;
   int32_t const pageSize = mManager->pageSize();
-  int64_t cold = 0;
+  int64_t coldBase = 0;
+  int64_t coldDraft = 0;
   for (LookupRequest const& lookup : lookups) {
-    cold += pagesFor(static_cast<int64_t>(lookup.prompt.tokens.size()) + lookup.baseExtraTokens,
-                     pageSize);
+    auto const tokens = static_cast<int64_t>(lookup.prompt.tokens.size());
+    coldBase += pagesFor(tokens + lookup.baseExtraTokens, pageSize);
+    if (pools.capacity(kDraft) > 0 && lookup.mode != ReuseMode::kVanilla &&
+        lookup.mode != ReuseMode::kHybrid) {
+      coldDraft += pagesFor(tokens + lookup.draftExtraTokens, pageSize);
+    }
   }
-  if (lookups.size() <= 1 || cold <= free) {
+  if (lookups.size() <= 1 || (coldBase <= pools.freeCount(kBase) &&
+                              coldDraft <= pools.freeCount(kDraft))) {
     return true;  // one acquire is all-or-nothing itself; within free pages nothing is evicted
   }
-  // Lower bound of what the batch takes from free + reclaimable pages: every plan's private
-  // demand, plus the reclaimable pages its hits pin (pinned pages cannot be reclaimed). A plan
-  // that loses a hit to an earlier sequence's eviction needs that page privately instead, so the
-  // bound holds whatever the acquires evict.
-  int64_t need = 0;
-  std::vector<uint8_t> pinned(static_cast<std::size_t>(pools.capacity(kBase)), 0);
+  // Lower bound, per page type, of what the batch takes from free + reclaimable pages: every
+  // plan's private demand, plus the reclaimable pages its hits pin (pinned pages cannot be
+  // reclaimed). A plan that loses a hit to an earlier sequence's eviction needs that page
+  // privately instead, so the bound holds whatever the acquires evict.
+  int64_t needBase = 0;
+  int64_t needDraft = 0;
+  std::vector<uint8_t> pinnedBase(static_cast<std::size_t>(pools.capacity(kBase)), 0);
+  std::vector<uint8_t> pinnedDraft(static_cast<std::size_t>(pools.capacity(kDraft)), 0);
+  auto pin = [&](ResourceType type, std::vector<uint8_t>& pinned, PageId page, int64_t& need) {
+    auto& seen = pinned[static_cast<std::size_t>(page)];
+    if (seen == 0 && pools.activeRefs({type, page}) == 0) {
+      seen = 1;
+      ++need;
+    }
+  };
   looked.reserve(lookups.size());
   for (LookupRequest const& lookup : lookups) {
     looked.push_back(mManager->lookup(lookup));
     ReusePlan const& plan = looked.back().plan;
-    need += plan.demand.baseKvPages;
+    needBase += plan.demand.baseKvPages;
+    needDraft += plan.demand.draftKvPages;
     for (PageId page : plan.basePageBindings) {
-      auto& seen = pinned[static_cast<std::size_t>(page)];
-      if (seen == 0 && pools.activeRefs({kBase, page}) == 0) {
-        seen = 1;
-        ++need;
-      }
+      pin(kBase, pinnedBase, page, needBase);
+    }
+    for (PageId page : plan.draftPageBindings) {
+      pin(kDraft, pinnedDraft, page, needDraft);
     }
   }
-  return need <= free + pools.reclaimableCount(kBase);
+  return needBase <= pools.freeCount(kBase) + pools.reclaimableCount(kBase) &&
+         needDraft <= pools.freeCount(kDraft) + pools.reclaimableCount(kDraft);
 }
 
 namespace {
 
-void validateHeadroom(char const* call, DecodingKvHeadroom const& headroom) {
+/// `paired`: the request binds draft pages, which then need headroom of their own.
+void validateHeadroom(char const* call, DecodingKvHeadroom const& headroom, bool paired) {
   MKV_REQUIRE(headroom.baseExtraTokens > 0, call, "baseExtraTokens must be > 0, got {}",
               headroom.baseExtraTokens);
-  MKV_REQUIRE(headroom.draftExtraTokens == 0, call,
-              "draftExtraTokens {} given, but the deployment has no paged draft state",
-              headroom.draftExtraTokens);
+  if (paired) {
+    MKV_REQUIRE(headroom.draftExtraTokens > 0, call,
+                "draftExtraTokens must be > 0 for a request with paged draft state, got {}",
+                headroom.draftExtraTokens);
+  } else {
+    MKV_REQUIRE(headroom.draftExtraTokens == 0, call,
+                "draftExtraTokens {} given, but the request has no paged draft state",
+                headroom.draftExtraTokens);
+  }
 }
 
 }  // namespace
@@ -402,10 +522,20 @@ ContextCacheCoordinator::BeginRequestResult ContextCacheCoordinator::beginReques
               static_cast<int>(admission.commitPolicy), static_cast<int>(admission.lookupPolicy));
   MKV_REQUIRE(!admission.speculativeRequest || mProfile.isSpeculative(), kCall,
               "speculative request on a non-speculative deployment");
-  validateHeadroom(kCall, headroom);
+  bool const speculative = admission.speculativeRequest;
+  bool const paired = speculative && mProfile.ownsPagedSpecState();
+  validateHeadroom(kCall, headroom, paired);
   std::size_t const batch = admission.sequences.size();
   MKV_REQUIRE(batch > 0 && batch <= static_cast<std::size_t>(mMaxBatch), kCall,
               "batch of {} sequences outside [1, {}]", batch, mMaxBatch);
+  if (speculative && mProfile.isHybridMtp()) {
+    // The runtime's Hybrid-MTP prefill publishes one endpoint of one sequence, and the draft KV
+    // lags the base by the accepted span, so a decode-end checkpoint would hold short draft state.
+    MKV_REQUIRE(batch == 1, kCall, "a Hybrid-MTP request has one sequence, got {}", batch);
+    MKV_REQUIRE(admission.commitPolicy == ContextCacheCommitPolicy::kPrefillStateOnly, kCall,
+                "a Hybrid-MTP request needs commit policy kPrefillStateOnly, got {}",
+                static_cast<int>(admission.commitPolicy));
+  }
   int32_t const pageSize = mManager->pageSize();
   std::vector<uint8_t> seen(mResidentBusy.size(), 0);
   for (std::size_t i = 0; i < batch; ++i) {
@@ -429,6 +559,15 @@ ContextCacheCoordinator::BeginRequestResult ContextCacheCoordinator::beginReques
       MKV_REQUIRE(needed <= width, kCall,
                   "sequence {} needs {} pages ({} tokens + {} headroom) but a row holds {}", i,
                   needed, sequence.tokenIds.size(), headroom.baseExtraTokens, width);
+    }
+    if (paired) {
+      int32_t const width = mResources.draftPageTable->maxPagesPerSeq();
+      int64_t const needed = pagesFor(
+          static_cast<int64_t>(sequence.tokenIds.size()) + headroom.draftExtraTokens, pageSize);
+      MKV_REQUIRE(needed <= width, kCall,
+                  "sequence {} needs {} draft pages ({} tokens + {} headroom) but a draft row "
+                  "holds {}",
+                  i, needed, sequence.tokenIds.size(), headroom.draftExtraTokens, width);
     }
     MKV_REQUIRE(sequence.media.empty() || sequence.media.size() == sequence.tokenIds.size(), kCall,
                 "sequence {} has {} media positions for {} tokens", i, sequence.media.size(),
@@ -456,13 +595,21 @@ ContextCacheCoordinator::BeginRequestResult ContextCacheCoordinator::beginReques
   created->contract = admission.tokenStateContract;
   created->commitPolicy = admission.commitPolicy;
   created->batchPolicy = admission.lookupPolicy;
+  created->speculative = speculative;
   created->staging = std::make_unique<detail::Int32Staging>(mMaxBatch, mDevice);
   created->sequences.reserve(static_cast<std::size_t>(mMaxBatch));
+  // Media in a speculative batch: the draft's state is not keyed by media, so the whole batch
+  // bypasses the cache.
+  bool const mediaBypass =
+      speculative && std::any_of(admission.sequences.begin(), admission.sequences.end(),
+                                 [](auto const& sequence) { return !sequence.media.empty(); });
   std::vector<LookupRequest> lookups;
   lookups.reserve(batch);
   for (auto const& sequence : admission.sequences) {
-    lookups.push_back(lookupOf(sequence, sequence.lookupPolicy.value_or(admission.lookupPolicy),
-                               headroom));
+    ContextCacheLookupPolicy const policy =
+        mediaBypass ? ContextCacheLookupPolicy::kBypass
+                    : sequence.lookupPolicy.value_or(admission.lookupPolicy);
+    lookups.push_back(lookupOf(sequence, policy, headroom, speculative));
   }
   auto const start = std::chrono::steady_clock::now();
   auto refuse = [&]() {
@@ -498,6 +645,7 @@ ContextCacheCoordinator::BeginRequestResult ContextCacheCoordinator::beginReques
     state.promptLength = static_cast<int32_t>(sequence.tokenIds.size());
     state.reuseTokenLength = acquired.plan.reuseTokenLength;
     state.committed = acquired.plan.reuseTokenLength;
+    state.common = acquired.plan.reuseTokenLength;
     created->sequences.push_back(std::move(state));
   }
   mCounters.planningNanoseconds += static_cast<uint64_t>(
@@ -544,17 +692,33 @@ void ContextCacheCoordinator::preparePrefill(RequestHandle& handle) {
     }
   }
   if (hasKv()) {
+    bool const paired = pairsDraft(req);
+    bool const mtp = isHybridMtp(req);
     std::vector<KVPageTable::RowUpdate> rows;
+    std::vector<KVPageTable::RowUpdate> draftRows;
     std::vector<int32_t> lengths;
+    std::vector<int32_t> draftLengths;
     rows.reserve(req.sequences.size());
     lengths.reserve(req.sequences.size());
     for (auto const& sequence : req.sequences) {
       rows.push_back({sequence.resident.slot, sequence.lease.basePages()});
       lengths.push_back(sequence.reuseTokenLength);
+      if (paired) {
+        draftRows.push_back({sequence.resident.slot, sequence.lease.draftPages()});
+        // The draft row of a Hybrid-MTP boundary token depends on its successor: recomputed.
+        int32_t const reuse = sequence.reuseTokenLength;
+        draftLengths.push_back(mtp && reuse > 0 ? reuse - 1 : reuse);
+      }
     }
     mResources.basePageTable->setRows(rows);
-    mResources.basePageTable->uploadDirty(mStream);
+    if (paired) {
+      mResources.draftPageTable->setRows(draftRows);
+    }
+    uploadTables(paired);
     mResources.basePool->resetForNewSequences(lengths, mStream);
+    if (paired) {
+      mResources.draftPool->resetForNewSequences(draftLengths, mStream);
+    }
   }
   if (mSnapshots != nullptr) {
     restoreCheckpoints(req, cold);
@@ -573,8 +737,17 @@ void ContextCacheCoordinator::restoreCheckpoints(Request& req, std::span<CacheSl
     mSnapshots->restoreRecurrent(*recurrent, sequence.resident.slot, mStream);
     if (std::optional<SnapshotSlot> const partial = sequence.lease.partialKvSnapshotSlot()) {
       int32_t const reuse = sequence.reuseTokenLength;
-      PageId const page = sequence.lease.basePages()[static_cast<std::size_t>(reuse / pageSize)];
-      mSnapshots->restorePartialKv(*partial, page, reuse % pageSize, kNoPage, mStream);
+      if (sequence.lease.mode() == ReuseMode::kHybridMtp) {
+        // The boundary token stays private: its page is the lease's, with 1..page valid rows.
+        auto const index = static_cast<std::size_t>((reuse - 1) / pageSize);
+        mSnapshots->restorePartialKv(*partial, sequence.lease.basePages()[index],
+                                     reuse - static_cast<int32_t>(index) * pageSize,
+                                     sequence.lease.draftPages()[index], mStream);
+      } else {
+        PageId const page =
+            sequence.lease.basePages()[static_cast<std::size_t>(reuse / pageSize)];
+        mSnapshots->restorePartialKv(*partial, page, reuse % pageSize, kNoPage, mStream);
+      }
     }
     ++mCounters.checkpointRestores;
   }
@@ -588,8 +761,10 @@ void ContextCacheCoordinator::enqueuePrefillCaptures(RequestHandle& handle) {
   Request& req = request(handle, kCall);
   MKV_REQUIRE(req.phase == Phase::kPrefilling, kCall,
               "captures are enqueued between preparePrefill and finalizePrefillPublication");
-  if (mSnapshots == nullptr) {
-    return;  // attention-only deployments keep no checkpoints
+  if (mSnapshots == nullptr || isHybridMtp(req)) {
+    // Attention-only deployments keep no checkpoints; a Hybrid-MTP request publishes its
+    // endpoint through publishHybridMtpEndpoint only.
+    return;
   }
   for (std::size_t row = 0; row < req.sequences.size(); ++row) {
     stageCapture(req, row, req.sequences[row].promptLength);  // a staged row is skipped
@@ -710,6 +885,21 @@ void validatePrefillAdvance(char const* call, std::size_t row, Sequence const& s
   }
 }
 
+/// Common state lengths: none for a vanilla request; for a speculative one, one per sequence,
+/// which may be left out (derived from the committed lengths) unless `required`.
+template <typename Req>
+void validateCommonLengths(char const* call, Req const& req, std::span<int32_t const> common,
+                           bool required) {
+  if (!req.speculative) {
+    MKV_REQUIRE(common.empty(), call, "common state lengths are for speculative requests, got {}",
+                common.size());
+    return;
+  }
+  MKV_REQUIRE(common.size() == req.sequences.size() || (common.empty() && !required), call,
+              "{} common state lengths for a batch of {}{}", common.size(), req.sequences.size(),
+              required ? " (one per sequence is required with a paged draft)" : "");
+}
+
 /// Makes room for an advance so that applying it cannot throw. A call reserves every advance
 /// before it applies the first, so a std::bad_alloc leaves the request as it was. Capacity grows
 /// geometrically, as push_back's would.
@@ -754,12 +944,14 @@ ContextCacheStatus ContextCacheCoordinator::finalizePrefillPublication(
   MKV_REQUIRE(req.phase == Phase::kPrefilling, kCall, "no prepared prefill to finalise");
   MKV_REQUIRE(advances.size() == req.sequences.size(), kCall, "{} advances for a batch of {}",
               advances.size(), req.sequences.size());
-  MKV_REQUIRE(commonStateLengths.empty(), kCall,
-              "common state lengths are for speculative requests, got {}",
-              commonStateLengths.size());
+  validateCommonLengths(kCall, req, commonStateLengths, pairsDraft(req) && !isHybridMtp(req));
   for (std::size_t i = 0; i < advances.size(); ++i) {
     MKV_REQUIRE(req.sequences[i].joined, kCall, "row {} was admitted in flight", i);
     validatePrefillAdvance(kCall, i, req.sequences[i], advances[i], req.contract);
+    MKV_REQUIRE(commonStateLengths.empty() ||
+                    commonStateLengths[i] == advances[i].committedStateLength,
+                kCall, "row {}: the common state length after prefill is the prompt's {}, got {}",
+                i, advances[i].committedStateLength, commonStateLengths[i]);
   }
   for (std::size_t i = 0; i < advances.size(); ++i) {
     reserveAdvance(req.sequences[i], advances[i]);
@@ -769,6 +961,9 @@ ContextCacheStatus ContextCacheCoordinator::finalizePrefillPublication(
   }
   req.phase = Phase::kExecuting;
   req.pending = false;  // the runtime synchronised before calling: restores and captures are done
+  for (auto& sequence : req.sequences) {
+    sequence.common = sequence.committed;
+  }
   if (mSnapshots != nullptr) {
     for (auto& sequence : req.sequences) {
       mManager->releaseRestoredHybridSnapshots(sequence.lease);
@@ -777,22 +972,47 @@ ContextCacheStatus ContextCacheCoordinator::finalizePrefillPublication(
     commitCaptures(req);
     return ContextCacheStatus::kOk;
   }
+  if (req.speculative) {
+    // The runtime enqueues the draft initialisation after this call: the prompt endpoint waits.
+    for (auto& sequence : req.sequences) {
+      sequence.frozenPrefill = sequence.committed;
+    }
+    req.draftInitPending = true;
+    return ContextCacheStatus::kOk;
+  }
   for (std::size_t row = 0; row < req.sequences.size(); ++row) {
     ++mCounters.prefillPublications;
-    publishReady(req, row);
+    publishReady(req, row, req.sequences[row].committed);
   }
   return ContextCacheStatus::kOk;
 }
 
-void ContextCacheCoordinator::publishReady(Request& req, std::size_t row) {
+void ContextCacheCoordinator::publishFrozenPrefill(Request& req) {
+  req.draftInitPending = false;
+  for (std::size_t row = 0; row < req.sequences.size(); ++row) {
+    Request::Sequence const& sequence = req.sequences[row];
+    ++mCounters.prefillPublications;
+    publishReady(req, row, std::min(sequence.frozenPrefill, sequence.common));
+  }
+}
+
+void ContextCacheCoordinator::publishReady(Request& req, std::size_t row, int32_t length) {
   Request::Sequence& sequence = req.sequences[row];
   if (sequence.policy == ContextCacheLookupPolicy::kBypass) {
     return;
   }
   int32_t const pageSize = mManager->pageSize();
-  int32_t const blocks = sequence.committed / pageSize;
+  int32_t const blocks = length / pageSize;
   if (blocks <= sequence.publishedBlocks) {
     return;
+  }
+  // A replayed spec hit publishes once its state covers the path it replayed into again.
+  std::optional<SpecReplayDependency> const& dependency = sequence.lease.replayDependency();
+  if (dependency && blocks < dependency->pathBlockCount) {
+    return;
+  }
+  if (req.speculative) {
+    ++mCounters.specPairPublications;
   }
   PromptView const prefix = prefixOf(sequence, blocks * pageSize);
   // Publication records what the sequence already computed; the completion it belongs to has
@@ -800,7 +1020,7 @@ void ContextCacheCoordinator::publishReady(Request& req, std::size_t row) {
   // back) and a later completion point of the sequence may publish them.
   try {
     PromptBlocks const digests = hashPromptBlocks(prefix, pageSize);
-    PublishResult const published = mManager->publish(sequence.lease, digests, sequence.committed);
+    PublishResult const published = mManager->publish(sequence.lease, digests, length);
     sequence.publishedBlocks =
         std::max(sequence.publishedBlocks, published.publishedFullBlockCount);
   } catch (std::bad_alloc const&) {
@@ -808,6 +1028,122 @@ void ContextCacheCoordinator::publishReady(Request& req, std::size_t row) {
                    "were not published",
                    blocks - sequence.publishedBlocks, req.id, row);
   }
+}
+
+// ---------------------------------------------------------------- Hybrid-MTP
+
+namespace {
+
+void validateHiddenRow(char const* call, ContextCacheDeploymentProfile const& profile,
+                       DeviceType device, Tensor const& hidden, int32_t row) {
+  MKV_REQUIRE(hidden.rank() == 2 && hidden.dim(1) == profile.boundaryHiddenWidth &&
+                  hidden.dataType() == profile.boundaryHiddenType && hidden.deviceType() == device,
+              call, "the hidden states must be [rows, {}] of {} on {}, got {} of {} on {}",
+              profile.boundaryHiddenWidth, toString(profile.boundaryHiddenType), toString(device),
+              hidden.shape().toString(), toString(hidden.dataType()),
+              toString(hidden.deviceType()));
+  MKV_REQUIRE(row >= 0 && row < hidden.dim(0), call, "hidden row {} outside [0, {})", row,
+              hidden.dim(0));
+}
+
+}  // namespace
+
+
+ContextCacheStatus ContextCacheCoordinator::publishHybridMtpEndpoint(
+    RequestHandle& handle, int32_t slot, int32_t residentStateLength,
+    Tensor const& baseHiddenStates, int32_t boundaryHiddenRow) {
+  constexpr char const* kCall = "ContextCacheCoordinator::publishHybridMtpEndpoint";
+  Request& req = request(handle, kCall);
+  MKV_REQUIRE(mProfile.isHybridMtp(), kCall, "the deployment is not Hybrid-MTP (slot {}, length {})",
+              slot, residentStateLength);
+  MKV_REQUIRE(req.speculative, kCall, "request {} is not speculative (slot {}, length {})", req.id,
+              slot, residentStateLength);
+  MKV_REQUIRE(req.phase == Phase::kPrefilling, kCall,
+              "an endpoint is published between preparePrefill and finalizePrefillPublication");
+  Request::Sequence& sequence = sequenceAt(req, slot, kCall);
+  MKV_REQUIRE(residentStateLength >= 0 && residentStateLength <= sequence.promptLength, kCall,
+              "slot {}: residentStateLength {} outside [0, prompt {}]", slot, residentStateLength,
+              sequence.promptLength);
+  validateHiddenRow(kCall, mProfile, mDevice, baseHiddenStates, boundaryHiddenRow);
+  if (sequence.policy == ContextCacheLookupPolicy::kBypass || residentStateLength == 0 ||
+      residentStateLength <= sequence.publishedExact) {
+    return ContextCacheStatus::kOk;
+  }
+  int32_t const pageSize = mManager->pageSize();
+  int32_t const full = (residentStateLength - 1) / pageSize;
+  PromptBlocks const blocks =
+      hashPromptBlocks(prefixOf(sequence, residentStateLength), pageSize);
+  if (mManager->records().findHybrid(HybridKey{exactPrefixDigest(blocks, residentStateLength),
+                                               residentStateLength}) != nullptr) {
+    return ContextCacheStatus::kOk;  // cached already: no copy, no slot
+  }
+  // The restore copies were enqueued before the captures on the same stream: a reservation may
+  // take over the hit's slots.
+  mManager->releaseRestoredHybridSnapshots(sequence.lease);
+  std::optional<SnapshotReservation> const reservation =
+      mManager->reserveHybridSnapshots(sequence.lease, true);
+  if (!reservation) {
+    uint64_t const skips = ++mCounters.snapshotPressureSkips;
+    if ((skips & (skips - 1)) == 0) {
+      logger()->warn(
+          "ContextCacheCoordinator: no snapshot slot for a Hybrid-MTP endpoint of {} tokens; "
+          "publication skipped ({} skips so far)",
+          residentStateLength, skips);
+    }
+    return ContextCacheStatus::kOk;
+  }
+  auto const page = static_cast<std::size_t>(full);
+  mSnapshots->captureRecurrent(reservation->recurrentSlot, sequence.resident.slot, mStream);
+  mSnapshots->capturePartialKv(*reservation->partialKvSlot, sequence.lease.basePages()[page],
+                               residentStateLength - full * pageSize,
+                               sequence.lease.draftPages()[page], mStream);
+  mSnapshots->captureBoundaryHidden(reservation->recurrentSlot, baseHiddenStates,
+                                    boundaryHiddenRow, mStream);
+  ++mCounters.checkpointCaptures;
+  if (!synchronize()) {
+    handle.mCoordinator = nullptr;
+    handle.mId = 0;
+    quarantine(detach(req.id));  // the reserved slots stay leased while the copies may run
+    return ContextCacheStatus::kPoisoned;
+  }
+  try {
+    PublishResult const published =
+        mManager->publishHybridMtp(sequence.lease, blocks, residentStateLength, *reservation);
+    if (published.status != PublishStatus::kVerificationRejected) {
+      sequence.publishedExact = residentStateLength;
+      ++mCounters.hybridMtpPublications;
+    }
+  } catch (std::bad_alloc const&) {
+    logger()->warn(
+        "ContextCacheCoordinator: out of host memory; the Hybrid-MTP endpoint of {} tokens of "
+        "request {} row {} was not published",
+        residentStateLength, req.id, slot);
+  }
+  mManager->retireHybridSnapshotReservation(sequence.lease, *reservation);
+  return ContextCacheStatus::kOk;
+}
+
+void ContextCacheCoordinator::restoreHybridMtpBoundaryHidden(RequestHandle& handle, int32_t slot,
+                                                             Tensor& baseHiddenStates,
+                                                             int32_t destinationRow) {
+  constexpr char const* kCall = "ContextCacheCoordinator::restoreHybridMtpBoundaryHidden";
+  Request& req = request(handle, kCall);
+  MKV_REQUIRE(mProfile.isHybridMtp(), kCall, "the deployment is not Hybrid-MTP (slot {}, row {})",
+              slot, destinationRow);
+  MKV_REQUIRE(req.phase == Phase::kPrefilling, kCall,
+              "the boundary hidden row is restored between preparePrefill and the endpoint's "
+              "publication");
+  Request::Sequence const& sequence = sequenceAt(req, slot, kCall);
+  std::optional<SnapshotSlot> const recurrent = sequence.lease.recurrentSnapshotSlot();
+  MKV_REQUIRE(sequence.lease.mode() == ReuseMode::kHybridMtp && recurrent.has_value(), kCall,
+              "slot {} restored no Hybrid-MTP checkpoint (reuse {}){}", slot,
+              sequence.reuseTokenLength,
+              sequence.lease.mode() == ReuseMode::kHybridMtp && sequence.reuseTokenLength > 0
+                  ? ", or its pins were released by the endpoint's publication"
+                  : "");
+  validateHiddenRow(kCall, mProfile, mDevice, baseHiddenStates, destinationRow);
+  mSnapshots->restoreBoundaryHidden(*recurrent, baseHiddenStates, destinationRow, mStream);
+  ++mCounters.boundaryHiddenRestores;
 }
 
 // ---------------------------------------------------------------- decode
@@ -818,55 +1154,69 @@ ContextCacheStatus ContextCacheCoordinator::prepareDecodeStep(RequestHandle& han
   Request& req = request(handle, kCall);
   MKV_REQUIRE(req.phase == Phase::kExecuting && !req.pending && req.mapping.empty(), kCall,
               "a decode step needs an executing request with no pending work");
-  validateHeadroom(kCall, headroom);
+  bool const paired = pairsDraft(req);
+  validateHeadroom(kCall, headroom, paired);
   if (!hasKv()) {
     req.pending = true;  // pure recurrent: no pages to grow
     return ContextCacheStatus::kOk;
   }
   KVPageTable& table = *mResources.basePageTable;
+  KVPageTable* const draftTable = paired ? mResources.draftPageTable : nullptr;
   int32_t const pageSize = mManager->pageSize();
   bool grew = false;
-  for (auto& sequence : req.sequences) {
-    int64_t const required = pagesFor(int64_t{sequence.committed} + headroom.baseExtraTokens, pageSize);
-    if (required > table.maxPagesPerSeq()) {
-      req.phase = Phase::kFinishing;
-      ++mCounters.growthFailures;
-      if (grew) {
-        table.uploadDirty(mStream);  // rows grown before this one stay consistent on the device
-      }
-      return ContextCacheStatus::kRequestFailed;
+  // Rows grown before a failing one keep their pages (mapped and uploaded, so host and device
+  // agree), and a retry of the step does not grow them again.
+  auto fail = [&]() {
+    req.phase = Phase::kFinishing;
+    ++mCounters.growthFailures;
+    if (grew) {
+      uploadTables(paired);
     }
-    auto const held = static_cast<int32_t>(sequence.lease.basePages().size());
-    if (required <= held) {
+    return ContextCacheStatus::kRequestFailed;
+  };
+  for (auto& sequence : req.sequences) {
+    int64_t const base = pagesFor(int64_t{sequence.committed} + headroom.baseExtraTokens, pageSize);
+    int64_t const draft =
+        paired ? pagesFor(int64_t{sequence.committed} + headroom.draftExtraTokens, pageSize) : 0;
+    if (base > table.maxPagesPerSeq() || (paired && draft > draftTable->maxPagesPerSeq())) {
+      return fail();
+    }
+    auto const heldBase = static_cast<int32_t>(sequence.lease.basePages().size());
+    auto const heldDraft = static_cast<int32_t>(sequence.lease.draftPages().size());
+    int32_t const growBase = std::max(0, static_cast<int32_t>(base) - heldBase);
+    int32_t const growDraft = std::max(0, static_cast<int32_t>(draft) - heldDraft);
+    if (growBase == 0 && growDraft == 0) {
       continue;
     }
     bool grown = false;
     try {
-      grown = mManager->growBasePages(sequence.lease, static_cast<int32_t>(required) - held);
+      ReuseMode const mode = sequence.lease.mode();
+      grown = mode == ReuseMode::kSpec || mode == ReuseMode::kHybridMtp
+                  ? mManager->growSpecPages(sequence.lease, growBase, growDraft)
+                  : mManager->growBasePages(sequence.lease, growBase);
     } catch (...) {
-      // The failed growth changed nothing; rows grown before it keep their pages (mapped and
-      // uploaded, so host and device agree), and a retry of the step does not grow them again.
-      if (grew) {
-        table.uploadDirty(mStream);
+      if (grew) {  // the failed growth changed nothing
+        uploadTables(paired);
       }
       throw;
     }
     if (!grown) {
-      req.phase = Phase::kFinishing;
-      ++mCounters.growthFailures;
-      if (grew) {
-        table.uploadDirty(mStream);
-      }
-      return ContextCacheStatus::kRequestFailed;
+      return fail();
     }
     std::span<PageId const> const pages = sequence.lease.basePages();
-    for (auto logical = static_cast<std::size_t>(held); logical < pages.size(); ++logical) {
+    for (auto logical = static_cast<std::size_t>(heldBase); logical < pages.size(); ++logical) {
       table.setEntry(sequence.resident.slot, static_cast<int32_t>(logical), pages[logical]);
+    }
+    std::span<PageId const> const draftPages = sequence.lease.draftPages();
+    for (auto logical = static_cast<std::size_t>(heldDraft); paired && logical < draftPages.size();
+         ++logical) {
+      draftTable->setEntry(sequence.resident.slot, static_cast<int32_t>(logical),
+                           draftPages[logical]);
     }
     ++mCounters.pageGrowths;
     grew = true;
   }
-  table.uploadDirty(mStream);
+  uploadTables(paired);
   req.pending = true;
   return ContextCacheStatus::kOk;
 }
@@ -880,9 +1230,7 @@ ContextCacheStatus ContextCacheCoordinator::completeDecodeStep(
               "no prepared decode step to complete");
   MKV_REQUIRE(advances.size() == req.sequences.size(), kCall, "{} advances for a batch of {}",
               advances.size(), req.sequences.size());
-  MKV_REQUIRE(commonStateLengths.empty(), kCall,
-              "common state lengths are for speculative requests, got {}",
-              commonStateLengths.size());
+  validateCommonLengths(kCall, req, commonStateLengths, pairsDraft(req) && !isHybridMtp(req));
   for (std::size_t i = 0; i < advances.size(); ++i) {
     auto const& sequence = req.sequences[i];
     ContextCacheSequenceAdvance const& advance = advances[i];
@@ -904,6 +1252,15 @@ ContextCacheStatus ContextCacheCoordinator::completeDecodeStep(
                       ledger == sequence.committed,
                   kCall, "row {}: committed {} but ledger {} + accepted {}", i,
                   advance.committedStateLength, ledger, advance.acceptedTokenCount);
+    } else if (req.speculative) {
+      MKV_REQUIRE(advance.committedStateLength ==
+                          int64_t{sequence.committed} + advance.acceptedTokenCount &&
+                      ledger == int64_t{sequence.committed} + 1,
+                  kCall,
+                  "row {}: a speculative step commits the previous {} + accepted {} (ledger {}), "
+                  "got committed {}",
+                  i, sequence.committed, advance.acceptedTokenCount, ledger,
+                  advance.committedStateLength);
     } else {
       MKV_REQUIRE(advance.acceptedTokenCount == 1 &&
                       advance.committedStateLength == sequence.committed + 1 &&
@@ -914,6 +1271,13 @@ ContextCacheStatus ContextCacheCoordinator::completeDecodeStep(
                   i, sequence.committed + 1, ledger, advance.acceptedTokenCount,
                   advance.committedStateLength);
     }
+  }
+  for (std::size_t i = 0; i < advances.size() && !commonStateLengths.empty(); ++i) {
+    int32_t const common = commonStateLengths[i];
+    MKV_REQUIRE(isHold(advances[i]) || (common >= req.sequences[i].common &&
+                                        common <= advances[i].committedStateLength),
+                kCall, "row {}: common state length {} outside [{}, committed {}]", i, common,
+                req.sequences[i].common, advances[i].committedStateLength);
   }
   std::vector<uint8_t> completed(req.sequences.size(), 0);
   for (int32_t slot : completedSlots) {
@@ -929,9 +1293,18 @@ ContextCacheStatus ContextCacheCoordinator::completeDecodeStep(
     reserveAdvance(req.sequences[i], advances[i]);
   }
   for (std::size_t i = 0; i < advances.size(); ++i) {
-    applyAdvance(req.sequences[i], advances[i]);
+    Request::Sequence& sequence = req.sequences[i];
+    applyAdvance(sequence, advances[i]);
+    if (req.speculative && !isHold(advances[i])) {
+      sequence.common = commonStateLengths.empty() ? sequence.committed : commonStateLengths[i];
+    }
   }
   req.pending = false;
+  if (req.draftInitPending) {
+    // The verification round read the draft state the initialisation wrote; the runtime's
+    // synchronisation of the round made both complete.
+    publishFrozenPrefill(req);
+  }
   if (req.commitPolicy != ContextCacheCommitPolicy::kIncludingGeneratedTokens) {
     return ContextCacheStatus::kOk;
   }
@@ -939,7 +1312,8 @@ ContextCacheStatus ContextCacheCoordinator::completeDecodeStep(
     for (std::size_t i = 0; i < completed.size(); ++i) {
       if (completed[i] != 0) {
         ++mCounters.decodePublications;
-        publishReady(req, i);
+        Request::Sequence const& sequence = req.sequences[i];
+        publishReady(req, i, req.speculative ? sequence.common : sequence.committed);
       }
     }
     return ContextCacheStatus::kOk;
@@ -1029,11 +1403,18 @@ ContextCacheStatus ContextCacheCoordinator::compactBatch(RequestHandle& handle) 
     }
   }
   if (hasKv()) {
+    bool const paired = pairsDraft(req);
     for (CacheSlot slot : dropped) {
       mResources.basePageTable->clearRow(slot);
+      if (paired) {
+        mResources.draftPageTable->clearRow(slot);
+      }
     }
-    mResources.basePageTable->uploadDirty(mStream);
+    uploadTables(paired);
     mResources.basePool->compactLengths(*req.deviceMapping, req.newBatchSize, mStream);
+    if (paired) {
+      mResources.draftPool->compactLengths(*req.deviceMapping, req.newBatchSize, mStream);
+    }
   }
   if (mResources.recurrent != nullptr && !dropped.empty()) {
     mResources.recurrent->clearResidentSlots(dropped, mStream);
@@ -1043,6 +1424,9 @@ ContextCacheStatus ContextCacheCoordinator::compactBatch(RequestHandle& handle) 
     handle.mId = 0;
     quarantine(detach(req.id));
     return ContextCacheStatus::kPoisoned;
+  }
+  if (req.draftInitPending) {
+    publishFrozenPrefill(req);  // the synchronisation made the draft initialisation complete
   }
   for (std::size_t i = 0; i < req.mapping.size(); ++i) {
     if (req.mapping[i] < 0) {
@@ -1072,9 +1456,12 @@ ContextCacheStatus ContextCacheCoordinator::finish(RequestHandle& handle) {
   uint64_t const id = req.id;
   handle.mCoordinator = nullptr;
   handle.mId = 0;
-  if (req.pending && !synchronize()) {
+  if ((req.pending || req.draftInitPending) && !synchronize()) {
     quarantine(detach(id));
     return ContextCacheStatus::kPoisoned;
+  }
+  if (req.draftInitPending) {
+    publishFrozenPrefill(req);
   }
   std::unique_ptr<Request> finished = detach(id);
   try {
@@ -1097,12 +1484,17 @@ ContextCacheStatus ContextCacheCoordinator::shutdown() noexcept {
     }
     try {
       if (hasKv()) {
+        bool paired = false;
         for (auto& quarantined : mQuarantine) {
+          paired = paired || pairsDraft(*quarantined);
           for (auto const& sequence : quarantined->sequences) {
             mResources.basePageTable->clearRow(sequence.resident.slot);
+            if (pairsDraft(*quarantined)) {
+              mResources.draftPageTable->clearRow(sequence.resident.slot);
+            }
           }
         }
-        mResources.basePageTable->uploadDirty(mStream);
+        uploadTables(paired);
       }
     } catch (std::exception const& error) {
       logger()->error("ContextCacheCoordinator::shutdown: clearing rows failed: {}", error.what());
@@ -1135,7 +1527,7 @@ ContextCacheCoordinator::AdmitSequenceResult ContextCacheCoordinator::admitSeque
   // contract, where every listed token has KV, could never advance it.
   MKV_REQUIRE(req.contract == DecodingTokenStateContract::kCommittedPlusLookahead, kCall,
               "in-flight admission needs the committed-plus-lookahead contract");
-  validateHeadroom(kCall, headroom);
+  validateHeadroom(kCall, headroom, false);
   KVPageTable& table = *mResources.basePageTable;
   MKV_REQUIRE(req.sequences.size() < static_cast<std::size_t>(table.maxBatch()), kCall,
               "the batch is full ({} sequences)", req.sequences.size());
@@ -1158,7 +1550,7 @@ ContextCacheCoordinator::AdmitSequenceResult ContextCacheCoordinator::admitSeque
               "resident slot {} is already held", ref.slot);
   // The request's own policy: the first surviving row after a compaction is not the founder.
   LookupRequest const lookup =
-      lookupOf(admission, admission.lookupPolicy.value_or(req.batchPolicy), headroom);
+      lookupOf(admission, admission.lookupPolicy.value_or(req.batchPolicy), headroom, false);
   auto const start = std::chrono::steady_clock::now();
   mkv::AdmissionResult acquired = mManager->acquireWithFallback(lookup);
   mCounters.planningNanoseconds += static_cast<uint64_t>(
@@ -1222,7 +1614,7 @@ ContextCacheStatus ContextCacheCoordinator::finalizeSequenceAdmission(
   applyAdvance(sequence, advance);
   sequence.joined = true;
   ++mCounters.prefillPublications;
-  publishReady(req, static_cast<std::size_t>(slot));
+  publishReady(req, static_cast<std::size_t>(slot), sequence.committed);
   return ContextCacheStatus::kOk;
 }
 
@@ -1298,6 +1690,13 @@ std::string ContextCacheCoordinator::toPrometheus(std::string_view prefix) const
   counter("coordinator_capture_synchronizations",
           "Stream synchronisations made for decode-end captures.",
           mCounters.captureSynchronizations);
+  counter("coordinator_spec_pair_publications",
+          "Speculative publication attempts at the common base and draft length.",
+          mCounters.specPairPublications);
+  counter("coordinator_hybrid_mtp_publications", "Hybrid-MTP endpoints committed as records.",
+          mCounters.hybridMtpPublications);
+  counter("coordinator_boundary_hidden_restores", "Boundary hidden rows restored (Hybrid-MTP).",
+          mCounters.boundaryHiddenRestores);
   return text;
 }
 

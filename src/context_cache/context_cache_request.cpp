@@ -397,18 +397,15 @@ bool ContextCacheRequest::retractSequenceAdmission() noexcept {
 bool ContextCacheRequest::publishHybridMtpEndpoint(int32_t slot, int32_t residentStateLength,
                                                    Tensor const& baseHiddenStates,
                                                    int32_t boundaryHiddenRow) {
-  (void)baseHiddenStates;
-  detail::throwContract("ContextCacheRequest::publishHybridMtpEndpoint",
-                        "the deployment is not Hybrid-MTP (slot {}, length {}, row {})", slot,
-                        residentStateLength, boundaryHiddenRow);
+  return check(mCoordinator->publishHybridMtpEndpoint(mHandle, slot, residentStateLength,
+                                                      baseHiddenStates, boundaryHiddenRow),
+               "publishHybridMtpEndpoint");
 }
 
 bool ContextCacheRequest::restoreHybridMtpBoundaryHidden(int32_t slot, Tensor& baseHiddenStates,
                                                          int32_t destinationRow) {
-  (void)baseHiddenStates;
-  detail::throwContract("ContextCacheRequest::restoreHybridMtpBoundaryHidden",
-                        "the deployment is not Hybrid-MTP (slot {}, row {})", slot,
-                        destinationRow);
+  mCoordinator->restoreHybridMtpBoundaryHidden(mHandle, slot, baseHiddenStates, destinationRow);
+  return true;
 }
 
 }  // namespace mkv

@@ -819,7 +819,8 @@ TEST(ContextCacheCoordinatorConstructionTest, RejectsUnsupportedDeploymentsAndIn
                           {"a hybrid deployment needs the recurrent state pool"}));
   ContextCacheDeploymentProfile speculative;
   speculative.speculative = SpecReuseContract{true, 1};
-  EXPECT_TRUE(throwsError(construct(config, speculative, valid), {"deployment profile"}));
+  EXPECT_TRUE(throwsError(construct(config, speculative, valid),
+                          {"a paged speculative deployment needs draftPool and draftPageTable"}));
   EXPECT_TRUE(throwsError(construct(config, attention, {&pool, nullptr, nullptr, nullptr, nullptr}),
                           {"needs basePool and basePageTable"}));
   EXPECT_TRUE(throwsError(construct(config, attention, {&pool, &table, &pool, &table, nullptr}),

@@ -54,6 +54,14 @@ enum class BaseStateKind : uint8_t { kAttentionOnly, kPureRecurrent, kHybrid };
 /// * hybrid (attention + recurrent layers): basePool + basePageTable + recurrent; exact
 ///   checkpoints (recurrent rows + the partial last KV page) instead of blocks;
 /// * pure recurrent: recurrent only (no KV pool, no page table); recurrent checkpoints.
+///
+/// `speculative` adds a draft model (docs/context_cache.md, "Speculative paired reuse"):
+/// * attention-only base: EAGLE-style paired reuse. A paged contract (the draft owns KV: EAGLE,
+///   MTP {paged, 1}; DFlash-like {paged, 0}) needs draftPool + draftPageTable; a shared-KV
+///   contract ({not paged, 0}) must have none;
+/// * hybrid base: Hybrid-MTP. The contract must be paged (an own-KV draft) and
+///   boundaryHiddenWidth > 0 (the base hidden row kept with each endpoint);
+/// * pure recurrent: never speculative.
 struct ContextCacheDeploymentProfile {
   BaseStateKind baseStateKind = BaseStateKind::kAttentionOnly;
   /// Set for speculative deployments (EAGLE {paged, 1}, MTP {paged, 1}, ...).
@@ -68,6 +76,9 @@ struct ContextCacheDeploymentProfile {
   }
   bool isSpeculative() const noexcept { return speculative.has_value(); }
   bool ownsPagedSpecState() const noexcept { return speculative && speculative->pagedSpecState; }
+  bool isHybridMtp() const noexcept {
+    return isSpeculative() && baseStateKind == BaseStateKind::kHybrid;
+  }
 };
 
 /// Borrowed physical resources; all must outlive the coordinator.
@@ -131,6 +142,10 @@ struct ContextCacheCoordinatorCounters {
   /// Captures skipped because no snapshot slot could be reserved (the request carries on).
   uint64_t snapshotPressureSkips = 0;
   uint64_t captureSynchronizations = 0;  ///< synchronisations made for decode-end captures
+  /// Speculative requests: paired (base + draft) publication attempts at the common length.
+  uint64_t specPairPublications = 0;
+  uint64_t hybridMtpPublications = 0;  ///< Hybrid-MTP endpoints committed as records
+  uint64_t boundaryHiddenRestores = 0;  ///< boundary hidden rows copied back (Hybrid-MTP hits)
   uint64_t planningNanoseconds = 0;    ///< host time spent in lookup + acquire
 };
 
@@ -206,8 +221,11 @@ class ContextCacheCoordinator {
   /// Looks up and leases every sequence (all or nothing). kRequestFailed when the pools cannot
   /// hold the batch (nothing changed), kPoisoned when poisoned (reported before residents still
   /// held by a quarantined request are rejected). Throws for a foreign stream, an empty or
-  /// oversized batch, bad or busy residents, empty or oversized prompts, bad headroom, or a
-  /// speculative request on a non-speculative deployment.
+  /// oversized batch, bad or busy residents, empty or oversized prompts, bad headroom (draft
+  /// headroom > 0 exactly when the request pairs a paged draft), a speculative request on a
+  /// non-speculative deployment, or a Hybrid-MTP request with more than one sequence or without
+  /// kPrefillStateOnly. A speculative batch with media in any sequence bypasses the cache as a
+  /// whole (no lookup, no publication).
   BeginRequestResult beginRequest(ContextCacheBatchAdmission const& admission,
                                   DecodingKvHeadroom const& headroom, cudaStream_t stream);
   /// Binds page-table rows (one upload), resets the device KV lengths to the reuse lengths and,
@@ -224,8 +242,14 @@ class ContextCacheCoordinator {
   /// After the runtime's prefill synchronisation: applies one advance per sequence (the prompt
   /// plus the lookahead under kCommittedPlusLookahead) and publishes the prompt's full blocks
   /// (checkpoint deployments: commits the captures of enqueuePrefillCaptures instead).
-  /// `commonStateLengths` is empty, or one per sequence for speculative requests. Throws unless a
-  /// prefill is prepared (before preparePrefill, after finalisation, during a decode step).
+  /// `commonStateLengths` (tokens whose base *and* draft state is materialised) is for
+  /// speculative requests only: one per sequence, each equal to the prompt length; required with
+  /// a paged draft, derived from the advances when empty otherwise. A speculative request on an
+  /// attention deployment publishes nothing here: its draft initialisation is still running, so
+  /// the prompt endpoint is frozen and published after the first verification round (or, when no
+  /// round follows, after the synchronisation of compactBatch / finish; never on abandonment).
+  /// Throws unless a prefill is prepared (before preparePrefill, after finalisation, during a
+  /// decode step).
   ContextCacheStatus finalizePrefillPublication(
       RequestHandle& handle, std::span<ContextCacheSequenceAdvance const> advances,
       std::span<int32_t const> commonStateLengths = {});
@@ -233,7 +257,10 @@ class ContextCacheCoordinator {
   /// kRequestFailed (request finishing) when a sequence cannot grow.
   ContextCacheStatus prepareDecodeStep(RequestHandle& handle, DecodingKvHeadroom const& headroom);
   /// After the runtime's decode synchronisation: applies advances and publishes the full blocks
-  /// of `completedSlots` (finished, not cancelled or errored) at decode end. Checkpoint
+  /// of `completedSlots` (finished, not cancelled or errored) at decode end. Speculative
+  /// requests accept any positive number of tokens per row (committed = previous + accepted) and
+  /// publish paired base + draft paths at the common length (one per row; required with a paged
+  /// draft, monotonic, at most the committed length; entries of held rows are ignored). Checkpoint
   /// deployments capture the completed slots' state at their committed length instead, make one
   /// capture synchronisation and commit; when it fails: kPoisoned, the request is quarantined
   /// and the handle invalidated.
@@ -256,6 +283,31 @@ class ContextCacheCoordinator {
   /// Drains quarantined requests; clears the poison when every drain succeeded.
   /// kRequestFailed when requests are still active.
   ContextCacheStatus shutdown() noexcept;
+
+  /// Hybrid-MTP (speculative request on a Hybrid-MTP deployment), between preparePrefill and
+  /// finalizePrefillPublication: publishes the exact checkpoint of row `slot` at
+  /// `residentStateLength` tokens with the boundary token (the last one) kept private. Captures
+  /// the recurrent rows, the valid rows of the paired base and draft boundary pages (page
+  /// (length - 1) / tokensPerPage) and row `boundaryHiddenRow` of `baseHiddenStates`
+  /// ([rows, boundaryHiddenWidth] of boundaryHiddenType on the pools' device), synchronises the
+  /// stream once and commits the record. Releases the pins on the row's restored checkpoint (so
+  /// restoreHybridMtpBoundaryHidden must come first). kOk without publishing for a bypass row,
+  /// a length of 0, a length already published, or when no snapshot slot can be had (pressure,
+  /// counted in snapshotPressureSkips). kPoisoned when the synchronisation fails (request
+  /// quarantined, handle invalidated). Throws, changing nothing, on another deployment, for a
+  /// non-speculative request, outside the prefill, for a slot outside the batch, a negative
+  /// length or one beyond the prompt, or a hidden tensor / row that does not fit.
+  ContextCacheStatus publishHybridMtpEndpoint(RequestHandle& handle, int32_t slot,
+                                              int32_t residentStateLength,
+                                              Tensor const& baseHiddenStates,
+                                              int32_t boundaryHiddenRow);
+  /// Hybrid-MTP, between preparePrefill and publishHybridMtpEndpoint / finalisation: enqueues
+  /// the copy of the boundary hidden row of row `slot`'s restored checkpoint into row
+  /// `destinationRow` of `baseHiddenStates` (stream-ordered, no synchronisation). Throws,
+  /// changing nothing, on another deployment, when the row restored no Hybrid-MTP checkpoint
+  /// (or its pins were released), or for a tensor / row that does not fit.
+  void restoreHybridMtpBoundaryHidden(RequestHandle& handle, int32_t slot,
+                                      Tensor& baseHiddenStates, int32_t destinationRow);
 
   /// In-flight admission is offered for attention-only, non-speculative deployments (a joiner
   /// cannot restore a checkpoint into a running batch).
@@ -291,6 +343,10 @@ class ContextCacheCoordinator {
   int32_t committedLength(RequestHandle const& handle, int32_t slot) const;
   /// Base pages held by execution row `slot`, in logical order.
   std::span<PageId const> basePages(RequestHandle const& handle, int32_t slot) const;
+  /// Draft pages held by execution row `slot` (empty unless the request pairs a paged draft).
+  std::span<PageId const> draftPages(RequestHandle const& handle, int32_t slot) const;
+  /// Common (base and draft) materialised length of row `slot`; speculative requests.
+  int32_t commonLength(RequestHandle const& handle, int32_t slot) const;
   ContextCacheManager const& manager() const noexcept { return *mManager; }
   ContextCacheMetrics metrics() const { return mManager->metrics(); }
   ContextCacheCoordinatorCounters const& counters() const noexcept { return mCounters; }
@@ -309,8 +365,18 @@ class ContextCacheCoordinator {
   bool synchronize() noexcept;
   void abandon(uint64_t id) noexcept;
   void releaseRows(Request& request);
-  /// Publishes the ready full blocks of one sequence (skipped for bypass sequences).
-  void publishReady(Request& request, std::size_t row);
+  /// Publishes the full blocks of the first `length` tokens of one sequence (skipped for bypass
+  /// sequences); paired requests publish the draft path with them.
+  void publishReady(Request& request, std::size_t row, int32_t length);
+  /// Publishes the frozen prompt endpoint of every row of a speculative request whose draft
+  /// initialisation is now known complete (at most each row's common length).
+  void publishFrozenPrefill(Request& request);
+  /// The request binds draft pages (speculative request, paged draft).
+  bool pairsDraft(Request const& request) const noexcept;
+  /// The request is a Hybrid-MTP request (speculative request on a Hybrid-MTP deployment).
+  bool isHybridMtp(Request const& request) const noexcept;
+  /// Uploads the dirty rows of the base table and, for `paired`, of the draft table.
+  void uploadTables(bool paired);
   bool hasKv() const noexcept { return mProfile.hasAttention(); }
   /// Restores the recurrent rows and partial pages of a checkpoint request's hits and zeroes the
   /// recurrent rows of `cold` residents.
@@ -322,7 +388,8 @@ class ContextCacheCoordinator {
   void commitCaptures(Request& request);
   /// The manager's lookup of one sequence under `policy` (kBypass when reuse is disabled).
   LookupRequest lookupOf(ContextCacheSequenceAdmission const& sequence,
-                         ContextCacheLookupPolicy policy, DecodingKvHeadroom const& headroom) const;
+                         ContextCacheLookupPolicy policy, DecodingKvHeadroom const& headroom,
+                         bool speculative) const;
   /// False when the batch certainly cannot be leased as a whole (then no sequence is acquired,
   /// so no record is evicted for a batch that is refused anyway). When it has to look the batch
   /// up to decide, it leaves the lookups in `looked` (one per sequence) for the acquisitions.

@@ -88,10 +88,13 @@ class ContextCacheRequest {
                                  int32_t fullInputLength);
   bool retractSequenceAdmission() noexcept;
 
-  /// Hybrid-MTP endpoint publication; throws on deployments that are not Hybrid-MTP.
+  /// Hybrid-MTP endpoint publication (ContextCacheCoordinator::publishHybridMtpEndpoint): false
+  /// when the capture synchronisation failed (poisoned). Throws on deployments that are not
+  /// Hybrid-MTP and for misuse.
   bool publishHybridMtpEndpoint(int32_t slot, int32_t residentStateLength,
                                 Tensor const& baseHiddenStates, int32_t boundaryHiddenRow);
-  /// Hybrid-MTP boundary hidden restore; throws on deployments that are not Hybrid-MTP.
+  /// Hybrid-MTP boundary hidden restore (ContextCacheCoordinator::restoreHybridMtpBoundaryHidden);
+  /// throws on deployments that are not Hybrid-MTP and for misuse.
   bool restoreHybridMtpBoundaryHidden(int32_t slot, Tensor& baseHiddenStates,
                                       int32_t destinationRow);
 

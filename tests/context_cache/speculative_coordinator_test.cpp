@@ -1,0 +1,489 @@
+// ContextCacheCoordinator on speculative deployments (SPEC §8.2-8.3, upstream §3.3, §3.8-3.10,
+// §6.5-6.6): EAGLE-style paired base + draft reuse with a full-page replay, and Hybrid-MTP
+// endpoints with the boundary token private. The base KV, the draft KV and the recurrent rows of
+// every execution are written and verified by the oracles, so reuse is correct only when it is
+// byte-exact for the consumer's own prefix.
+#include <gtest/gtest.h>
+
+#include <vector>
+
+#include "speculative_test_rig.h"
+
+namespace mkv::test {
+namespace {
+
+using Handle = ContextCacheCoordinator::RequestHandle;
+constexpr ContextCacheStatus kOk = ContextCacheStatus::kOk;
+constexpr ResourceType kDraft = ResourceType::kDraftKvPage;
+
+class SpeculativeCoordinatorTest : public DeviceTest {};
+class HybridMtpCoordinatorTest : public DeviceTest {
+ protected:
+  static SpecRigOptions mtp() {
+    SpecRigOptions options;
+    options.hybrid = true;
+    options.maxBatch = 2;
+    return options;
+  }
+};
+
+// ------------------------------------------------------------------------------- EAGLE
+
+TEST_P(SpeculativeCoordinatorTest, FirstVerificationPublishesThePairAndTheNextRequestReplaysAPage) {
+  SpecRig rig(device());
+  Seq producer(tokenRun(300, 1), 0);
+  Handle handle = rig.admit({&producer}, true);
+  ASSERT_EQ(rig.prefill(handle, {&producer}, true), kOk);
+  EXPECT_TRUE(rig.records().empty()) << "the draft initialisation may still run: nothing yet";
+  ASSERT_EQ(rig.step(handle, {&producer}, {2}, {0}, {}, true), kOk);
+  ASSERT_EQ(rig.records().size(), 1u) << "the frozen prompt endpoint, after the first round";
+  CacheRecord const record = rig.records().front();
+  EXPECT_EQ(record.basePagePath.size(), 2u);
+  ASSERT_TRUE(record.specState.has_value());
+  EXPECT_EQ(record.specState->draftPagePath.size(), 2u);
+  EXPECT_EQ(rig.coordinator->counters().specPairPublications, 1u);
+  ASSERT_EQ(rig.coordinator->finish(handle), kOk);
+
+  // Same 300 tokens, then another continuation: the draft row 255 depends on token 256, the
+  // producer's, so the path's last page is replayed and reuse starts at 128.
+  Seq consumer(joined(tokenRun(300, 1), tokenRun(40, 9000)), 1);
+  std::vector<int32_t> starts;
+  Handle next = rig.admit({&consumer}, true, &starts);
+  EXPECT_EQ(starts, std::vector<int32_t>{128});
+  EXPECT_EQ(rig.manager().metrics().specFullPageReplays, 1u);
+  EXPECT_EQ(rig.coordinator->draftPages(next, 0)[0], record.specState->draftPagePath[0]);
+  ASSERT_EQ(rig.prefill(next, {&consumer}, true), kOk);  // verifies base and draft [0, 128)
+  EXPECT_EQ(readAs<int32_t>(rig.draftPool->kvLengths())[0], 340);
+  ASSERT_EQ(rig.step(next, {&consumer}, {3}, {1}, {0}, true), kOk);
+  ASSERT_EQ(rig.coordinator->finish(next), kOk);
+  rig.expectQuiescent();
+}
+
+TEST_P(SpeculativeCoordinatorTest, AnAbandonedSpeculativeRequestPublishesNothing) {
+  SpecRig rig(device());
+  Seq producer(tokenRun(300, 1), 0);
+  {
+    Handle handle = rig.admit({&producer}, true);
+    ASSERT_EQ(rig.prefill(handle, {&producer}, true), kOk);
+    int32_t const syncs = rig.sync->calls;
+    handle = Handle{};  // abandoned before the first verification round
+    EXPECT_EQ(rig.sync->calls, syncs + 1) << "the draft initialisation is waited for";
+  }
+  EXPECT_TRUE(rig.records().empty());
+  EXPECT_EQ(rig.coordinator->activeRequestCount(), 0);
+  rig.expectQuiescent();
+}
+
+TEST_P(SpeculativeCoordinatorTest, WithoutARoundThePromptEndpointIsPublishedAfterTheTerminalSync) {
+  SpecRig rig(device());
+  Seq viaFinish(tokenRun(200, 1), 0);
+  Handle handle = rig.admit({&viaFinish}, true);
+  ASSERT_EQ(rig.prefill(handle, {&viaFinish}, true), kOk);
+  int32_t syncs = rig.sync->calls;
+  ASSERT_EQ(rig.coordinator->finish(handle), kOk);
+  EXPECT_EQ(rig.sync->calls, syncs + 1);
+  EXPECT_EQ(rig.records().size(), 1u);
+
+  Seq viaCompaction(tokenRun(200, 5000), 1);
+  Handle other = rig.admit({&viaCompaction}, true);
+  ASSERT_EQ(rig.prefill(other, {&viaCompaction}, true), kOk);
+  Tensor mapping({2}, DataType::kInt32, device());
+  std::vector<int32_t> const drop{-1};
+  rig.coordinator->beginBatchCompaction(other, drop, 0, mapping);
+  syncs = rig.sync->calls;
+  ASSERT_EQ(rig.coordinator->compactBatch(other), kOk);
+  EXPECT_EQ(rig.sync->calls, syncs + 1) << "the compaction's own synchronisation";
+  EXPECT_EQ(rig.records().size(), 2u);
+  EXPECT_EQ(readAs<int32_t>(rig.draftTable->deviceTable())[4], kNoPage)
+      << "the dropped row's draft entries are cleared";
+  ASSERT_EQ(rig.coordinator->finish(other), kOk);
+  rig.expectQuiescent();
+}
+
+TEST_P(SpeculativeCoordinatorTest, DecodeEndPublicationStopsAtTheCommonBaseAndDraftLength) {
+  SpecRig rig(device());
+  Seq producer(tokenRun(254, 1), 0);
+  Handle handle = rig.admit({&producer}, true);
+  ASSERT_EQ(rig.prefill(handle, {&producer}, true), kOk);
+  // committed 257, but the draft materialised 255 only: one block, already published.
+  ASSERT_EQ(rig.step(handle, {&producer}, {3}, {2}, {0}, true), kOk);
+  EXPECT_EQ(rig.coordinator->committedLength(handle, 0), 257);
+  EXPECT_EQ(rig.coordinator->commonLength(handle, 0), 255);
+  ASSERT_EQ(rig.records().size(), 1u);
+  EXPECT_EQ(rig.records().front().basePagePath.size(), 1u);
+  ASSERT_EQ(rig.step(handle, {&producer}, {1}, {0}, {0}, true), kOk);
+  ASSERT_EQ(rig.records().size(), 2u) << "common 258 covers two blocks";
+  EXPECT_EQ(rig.records().back().specState->draftPagePath.size(), 2u);
+  ASSERT_EQ(rig.coordinator->finish(handle), kOk);
+  rig.expectQuiescent();
+}
+
+TEST_P(SpeculativeCoordinatorTest, VanillaRequestsReuseTheBaseSideAndSpecPlansIgnoreBaseOnlyRecords) {
+  SpecRig rig(device());
+  Seq producer(tokenRun(300, 1), 0);
+  Handle handle = rig.admit({&producer}, true);
+  ASSERT_EQ(rig.prefill(handle, {&producer}, true), kOk);
+  ASSERT_EQ(rig.coordinator->finish(handle), kOk);
+  int32_t const freeDraft = rig.pools().freeCount(kDraft);
+  std::vector<int32_t> const draftTable = readAs<int32_t>(rig.draftTable->deviceTable());
+
+  Seq vanilla(joined(tokenRun(300, 1), tokenRun(10, 7000)), 1);
+  std::vector<int32_t> starts;
+  Handle plain = rig.admit({&vanilla}, false, &starts);
+  EXPECT_EQ(starts, std::vector<int32_t>{256}) << "no replay: the base KV needs no successor";
+  EXPECT_TRUE(rig.coordinator->draftPages(plain, 0).empty());
+  ASSERT_EQ(rig.prefill(plain, {&vanilla}, false), kOk);
+  ASSERT_EQ(rig.step(plain, {&vanilla}, {1}, {0}, {0}, false), kOk);
+  ASSERT_EQ(rig.coordinator->finish(plain), kOk);
+  EXPECT_EQ(rig.pools().freeCount(kDraft), freeDraft) << "no draft page taken";
+  EXPECT_EQ(readAs<int32_t>(rig.draftTable->deviceTable()), draftTable) << "draft rows untouched";
+
+  // A base-only record cannot reconstruct draft KV: a speculative request ignores it.
+  Seq baseOnly(tokenRun(260, 40000), 0);
+  Handle publisher = rig.admit({&baseOnly}, false);
+  ASSERT_EQ(rig.prefill(publisher, {&baseOnly}, false), kOk);
+  ASSERT_EQ(rig.coordinator->finish(publisher), kOk);
+  EXPECT_FALSE(rig.records().back().specState.has_value());
+  Seq eagle(tokenRun(300, 40000), 1);
+  Handle spec = rig.admit({&eagle}, true, &starts);
+  EXPECT_EQ(starts, std::vector<int32_t>{0});
+  ASSERT_EQ(rig.prefill(spec, {&eagle}, true), kOk);
+  ASSERT_EQ(rig.step(spec, {&eagle}, {1}, {0}, {}, true), kOk);
+  EXPECT_TRUE(rig.records().back().specState.has_value())
+      << "the pair attaches its draft path to the base-only record";
+  ASSERT_EQ(rig.coordinator->finish(spec), kOk);
+  rig.expectQuiescent();
+}
+
+TEST_P(SpeculativeCoordinatorTest, MediaInOneSequenceBypassesTheWholeSpeculativeBatch) {
+  SpecRig rig(device());
+  Seq producer(tokenRun(300, 1), 0);
+  Handle handle = rig.admit({&producer}, true);
+  ASSERT_EQ(rig.prefill(handle, {&producer}, true), kOk);
+  ASSERT_EQ(rig.coordinator->finish(handle), kOk);
+  std::size_t const records = rig.records().size();
+
+  Seq text(tokenRun(300, 1), 0);
+  Seq image(tokenRun(300, 1), 1);
+  ContextCacheBatchAdmission batch = rig.batchOf({&text, &image}, true);
+  batch.sequences[1].media.assign(300, MediaPosition{Hash128{1, 2}, 0});
+  auto begun = rig.coordinator->beginRequest(batch, SpecRig::kSpecHeadroom, nullptr);
+  ASSERT_EQ(begun.status, kOk);
+  EXPECT_EQ(begun.admission->prefillStarts, (std::vector<int32_t>{0, 0}));
+  Handle both = std::move(begun.admission->request);
+  ASSERT_EQ(rig.prefill(both, {&text, &image}, true), kOk);
+  ASSERT_EQ(rig.step(both, {&text, &image}, {1, 1}, {0, 0}, {0, 1}, true), kOk);
+  ASSERT_EQ(rig.coordinator->finish(both), kOk);
+  EXPECT_EQ(rig.records().size(), records) << "bypassed rows publish nothing";
+  rig.expectQuiescent();
+}
+
+TEST_P(SpeculativeCoordinatorTest, MisusedProgressOrHeadroomThrowsAndChangesNothing) {
+  SpecRig rig(device());
+  Seq seq(tokenRun(100, 1), 0);
+  ContextCacheBatchAdmission const batch = rig.batchOf({&seq}, true);
+  EXPECT_TRUE(throwsError([&] { (void)rig.coordinator->beginRequest(batch, {4, 0}, nullptr); },
+                          {"beginRequest", "draftExtraTokens must be > 0", "got 0"}));
+  EXPECT_TRUE(throwsError(
+      [&] { (void)rig.coordinator->beginRequest(rig.batchOf({&seq}, false), {4, 4}, nullptr); },
+      {"draftExtraTokens 4 given, but the request has no paged draft state"}));
+  EXPECT_EQ(rig.manager().liveLeaseCount(), 0);
+
+  Handle handle = rig.admit({&seq}, true);
+  rig.coordinator->preparePrefill(handle);
+  rig.executeBase(seq, 0, 0, 100);
+  seq.sample();
+  rig.executeDraft(seq, 0, 0, 100);
+  ContextCacheSequenceAdvance const advance{&seq.tokens.back(), 1, 100};
+  EXPECT_TRUE(throwsError(
+      [&] { (void)rig.coordinator->finalizePrefillPublication(handle, {&advance, 1}); },
+      {"finalizePrefillPublication", "0 common state lengths for a batch of 1", "required"}));
+  std::vector<int32_t> const wrong{99};
+  EXPECT_TRUE(throwsError(
+      [&] { (void)rig.coordinator->finalizePrefillPublication(handle, {&advance, 1}, wrong); },
+      {"row 0: the common state length after prefill is the prompt's 100, got 99"}));
+  std::vector<int32_t> const common{100};
+  ASSERT_EQ(rig.coordinator->finalizePrefillPublication(handle, {&advance, 1}, common), kOk);
+  ASSERT_EQ(rig.coordinator->prepareDecodeStep(handle, SpecRig::kSpecHeadroom), kOk);
+  std::vector<int32_t> const tokens{5, 6};
+  ContextCacheSequenceAdvance const two{tokens.data(), 2, 102};
+  std::vector<int32_t> const beyond{103};
+  EXPECT_TRUE(throwsError(
+      [&] { (void)rig.coordinator->completeDecodeStep(handle, {&two, 1}, {}, beyond); },
+      {"completeDecodeStep", "row 0: common state length 103 outside [100, committed 102]"}));
+  ContextCacheSequenceAdvance const skewed{tokens.data(), 2, 103};
+  EXPECT_TRUE(throwsError(
+      [&] { (void)rig.coordinator->completeDecodeStep(handle, {&skewed, 1}, {}, common); },
+      {"a speculative step commits the previous 100 + accepted 2"}));
+  EXPECT_EQ(rig.coordinator->committedLength(handle, 0), 100) << "nothing applied";
+  EXPECT_EQ(rig.coordinator->commonLength(handle, 0), 100);
+  ASSERT_EQ(rig.coordinator->completeDecodeStep(handle, {&two, 1}, {}, common), kOk);
+  ASSERT_EQ(rig.coordinator->finish(handle), kOk);
+}
+
+INSTANTIATE_TEST_SUITE_P(Devices, SpeculativeCoordinatorTest, allDeviceTypes(), deviceName);
+
+// ------------------------------------------------------------------------------- Hybrid-MTP
+
+TEST_P(HybridMtpCoordinatorTest, EndpointReuseRestoresThePairedStateAndTheBoundaryHiddenRow) {
+  SpecRig rig(device(), mtp());
+  Seq producer(tokenRun(129, 100), 0);
+  Handle handle = rig.admit({&producer}, true);
+  ASSERT_EQ(rig.mtpPrefill(handle, producer), kOk);
+  ASSERT_EQ(rig.records().size(), 1u);
+  CacheRecord const record = rig.records().front();
+  EXPECT_EQ(record.exactCheckpointLength, 129);
+  EXPECT_EQ(record.basePagePath.size(), 1u) << "token 128 (the boundary) stays private";
+  ASSERT_TRUE(record.specState.has_value());
+  EXPECT_EQ(record.specState->draftPagePath.size(), 1u);
+  EXPECT_TRUE(record.partialKvSnapshotSlot.has_value());
+  EXPECT_EQ(rig.coordinator->counters().hybridMtpPublications, 1u);
+  ASSERT_EQ(rig.step(handle, {&producer}, {3}, {0}, {0}, true), kOk);
+  EXPECT_EQ(rig.records().size(), 1u) << "kPrefillStateOnly: no decode-end checkpoint";
+  ASSERT_EQ(rig.coordinator->finish(handle), kOk);
+
+  Seq consumer(joined(tokenRun(129, 100), tokenRun(11, 7)), 1);
+  std::vector<int32_t> starts;
+  Handle next = rig.admit({&consumer}, true, &starts);
+  EXPECT_EQ(starts, std::vector<int32_t>{129});
+  std::span<PageId const> const draft = rig.coordinator->draftPages(next, 0);
+  ASSERT_EQ(draft.size(), 2u);
+  EXPECT_EQ(draft[0], record.specState->draftPagePath[0]);
+  EXPECT_NE(draft[1], record.specState->draftPagePath[0]);
+  // mtpPrefill verifies base [0, 129), draft [0, 128), the recurrent rows and the hidden row.
+  ASSERT_EQ(rig.mtpPrefill(next, consumer), kOk);
+  EXPECT_EQ(rig.coordinator->counters().checkpointRestores, 1u);
+  EXPECT_EQ(rig.coordinator->counters().boundaryHiddenRestores, 1u);
+  EXPECT_EQ(rig.records().size(), 2u) << "the consumer's own endpoint at 140";
+  ASSERT_EQ(rig.coordinator->finish(next), kOk);
+  rig.expectQuiescent();
+}
+
+TEST_P(HybridMtpCoordinatorTest, ThePreparedDraftLengthLeavesTheBoundaryRowToRecompute) {
+  SpecRig rig(device(), mtp());
+  Seq producer(tokenRun(256, 100), 0);
+  Handle handle = rig.admit({&producer}, true);
+  ASSERT_EQ(rig.mtpPrefill(handle, producer), kOk);
+  ASSERT_EQ(rig.coordinator->finish(handle), kOk);
+  EXPECT_EQ(rig.records().front().basePagePath.size(), 1u)
+      << "page-aligned: the boundary page is a full private page";
+
+  Seq consumer(joined(tokenRun(256, 100), tokenRun(30, 7)), 1);
+  std::vector<int32_t> starts;
+  Handle next = rig.admit({&consumer}, true, &starts);
+  EXPECT_EQ(starts, std::vector<int32_t>{256});
+  rig.coordinator->preparePrefill(next);
+  EXPECT_EQ(readAs<int32_t>(rig.pool.kvLengths())[0], 256);
+  EXPECT_EQ(readAs<int32_t>(rig.draftPool->kvLengths())[0], 255);
+  rig.verifyResumed(consumer, 256, 255, "restored");
+  ASSERT_EQ(rig.coordinator->finish(next), kOk);
+  rig.expectQuiescent();
+}
+
+TEST_P(HybridMtpCoordinatorTest, AVanillaRequestRestoresOnlyTheBaseHybridState) {
+  SpecRig rig(device(), mtp());
+  Seq producer(tokenRun(129, 100), 0);
+  Handle handle = rig.admit({&producer}, true);
+  ASSERT_EQ(rig.mtpPrefill(handle, producer), kOk);
+  ASSERT_EQ(rig.coordinator->finish(handle), kOk);
+  int32_t const freeDraft = rig.pools().freeCount(kDraft);
+
+  Seq vanilla(joined(tokenRun(129, 100), {5}), 1);
+  std::vector<int32_t> starts;
+  Handle plain = rig.admit({&vanilla}, false, &starts);
+  EXPECT_EQ(starts, std::vector<int32_t>{129});
+  EXPECT_TRUE(rig.coordinator->draftPages(plain, 0).empty());
+  EXPECT_EQ(rig.pools().freeCount(kDraft), freeDraft);
+  ASSERT_EQ(rig.prefill(plain, {&vanilla}, false), kOk);  // verifies base and recurrent state
+  Tensor hidden({1, rig.options.hiddenWidth}, DataType::kFloat16, device());
+  EXPECT_TRUE(throwsError([&] { (void)rig.coordinator->publishHybridMtpEndpoint(plain, 0, 1, hidden, 0); },
+                          {"publishHybridMtpEndpoint", "is not speculative"}));
+  ASSERT_EQ(rig.coordinator->finish(plain), kOk);
+  rig.expectQuiescent();
+}
+
+TEST_P(HybridMtpCoordinatorTest, GuardsSkipAndMisuseThrowsWithoutChangingAnything) {
+  SpecRig rig(device(), mtp());
+  Seq a(tokenRun(40, 1), 0);
+  Seq b(tokenRun(40, 500), 1);
+  EXPECT_TRUE(throwsError(
+      [&] {
+        (void)rig.coordinator->beginRequest(rig.batchOf({&a, &b}, true), SpecRig::kSpecHeadroom,
+                                            nullptr);
+      },
+      {"beginRequest", "a Hybrid-MTP request has one sequence, got 2"}));
+  ContextCacheBatchAdmission generated = rig.batchOf({&a}, true);
+  generated.commitPolicy = ContextCacheCommitPolicy::kIncludingGeneratedTokens;
+  EXPECT_TRUE(throwsError(
+      [&] { (void)rig.coordinator->beginRequest(generated, SpecRig::kSpecHeadroom, nullptr); },
+      {"needs commit policy kPrefillStateOnly, got 0"}));
+  EXPECT_EQ(rig.manager().liveLeaseCount(), 0);
+
+  Handle handle = rig.admit({&a}, true);
+  Tensor hidden = rig.hiddenStates(a, 0, 40);
+  Tensor narrow({40, rig.options.hiddenWidth - 1}, DataType::kFloat16, device());
+  EXPECT_TRUE(throwsError(
+      [&] { (void)rig.coordinator->publishHybridMtpEndpoint(handle, 0, 40, hidden, 39); },
+      {"between preparePrefill and finalizePrefillPublication"}));
+  rig.coordinator->preparePrefill(handle);
+  rig.executeBase(a, 0, 0, 40);
+  Tensor restored({1, rig.options.hiddenWidth}, DataType::kFloat16, device());
+  EXPECT_TRUE(throwsError(
+      [&] { rig.coordinator->restoreHybridMtpBoundaryHidden(handle, 0, restored, 0); },
+      {"restoreHybridMtpBoundaryHidden", "slot 0 restored no Hybrid-MTP checkpoint (reuse 0)"}));
+  int32_t const freeRecurrent = rig.pools().freeCount(ResourceType::kRecurrentSnapshot);
+  int32_t const syncs = rig.sync->calls;
+  auto publish = [&](int32_t length, Tensor const& states, int32_t row) {
+    return [&, length, row] {
+      (void)rig.coordinator->publishHybridMtpEndpoint(handle, 0, length, states, row);
+    };
+  };
+  EXPECT_TRUE(throwsError(publish(41, hidden, 39), {"residentStateLength 41 outside [0, prompt 40]"}));
+  EXPECT_TRUE(throwsError(publish(-1, hidden, 39), {"residentStateLength -1"}));
+  EXPECT_TRUE(throwsError(publish(40, hidden, 40), {"hidden row 40 outside [0, 40)"}));
+  EXPECT_TRUE(throwsError(publish(40, narrow, 39), {"must be [rows, 8] of"}));
+  EXPECT_TRUE(throwsError(
+      [&] { (void)rig.coordinator->publishHybridMtpEndpoint(handle, 1, 40, hidden, 39); },
+      {"slot 1 outside the batch of 1"}));
+  EXPECT_EQ(rig.coordinator->publishHybridMtpEndpoint(handle, 0, 0, hidden, 0), kOk);
+  EXPECT_EQ(rig.sync->calls, syncs);
+  EXPECT_EQ(rig.pools().freeCount(ResourceType::kRecurrentSnapshot), freeRecurrent);
+  EXPECT_TRUE(rig.records().empty());
+  ASSERT_EQ(rig.coordinator->finish(handle), kOk);
+
+  Seq bypassed(tokenRun(40, 1), 0);
+  ContextCacheBatchAdmission bypass = rig.batchOf({&bypassed}, true);
+  bypass.lookupPolicy = ContextCacheLookupPolicy::kBypass;
+  auto begun = rig.coordinator->beginRequest(bypass, SpecRig::kSpecHeadroom, nullptr);
+  ASSERT_EQ(begun.status, kOk);
+  Handle skipped = std::move(begun.admission->request);
+  ASSERT_EQ(rig.mtpPrefill(skipped, bypassed), kOk);
+  EXPECT_TRUE(rig.records().empty()) << "a bypass row never publishes";
+  ASSERT_EQ(rig.coordinator->finish(skipped), kOk);
+  rig.expectQuiescent();
+}
+
+TEST_P(HybridMtpCoordinatorTest, AFailedEndpointSynchronisationPoisonsAndQuarantines) {
+  SpecRig rig(device(), mtp());
+  Seq producer(tokenRun(129, 100), 0);
+  {
+    Handle handle = rig.admit({&producer}, true);
+    rig.sync->failures = 1;
+    EXPECT_EQ(rig.mtpPrefill(handle, producer), ContextCacheStatus::kPoisoned);
+    EXPECT_FALSE(handle.valid());
+    EXPECT_EQ(rig.coordinator->quarantinedRequestCount(), 1);
+    EXPECT_TRUE(rig.records().empty());
+  }
+  EXPECT_EQ(rig.coordinator->shutdown(), kOk);
+  rig.expectQuiescent();
+}
+
+TEST_P(HybridMtpCoordinatorTest, TheEndpointApiRefusesOtherDeployments) {
+  SpecRig rig(device());  // EAGLE
+  Seq seq(tokenRun(40, 1), 0);
+  Handle handle = rig.admit({&seq}, true);
+  rig.coordinator->preparePrefill(handle);
+  Tensor hidden({40, 8}, DataType::kFloat16, device());
+  EXPECT_TRUE(throwsError(
+      [&] { (void)rig.coordinator->publishHybridMtpEndpoint(handle, 0, 40, hidden, 39); },
+      {"publishHybridMtpEndpoint", "the deployment is not Hybrid-MTP (slot 0, length 40)"}));
+  EXPECT_TRUE(throwsError(
+      [&] { rig.coordinator->restoreHybridMtpBoundaryHidden(handle, 0, hidden, 0); },
+      {"restoreHybridMtpBoundaryHidden", "the deployment is not Hybrid-MTP (slot 0, row 0)"}));
+  ASSERT_EQ(rig.coordinator->finish(handle), kOk);
+}
+
+INSTANTIATE_TEST_SUITE_P(Devices, HybridMtpCoordinatorTest, allDeviceTypes(), deviceName);
+
+// ------------------------------------------------------------------------------- profiles
+
+TEST(SpeculativeCoordinatorConstructionTest, ValidatesProfilesAgainstDraftResourcesAndBudgets) {
+  SpecRigOptions const o;
+  KVCachePool pool(CoordinatorRig::poolConfig(DeviceType::kCPU, SpecRig::kvOptions(o, 16)));
+  KVCachePool draft(CoordinatorRig::poolConfig(DeviceType::kCPU, SpecRig::kvOptions(o, 8)));
+  KVPageTable table(o.maxBatch, o.maxPagesPerSeq, 16, PageTableMode::kDense, DeviceType::kCPU);
+  KVPageTable draftTable(o.maxBatch, o.maxPagesPerSeq, 8, PageTableMode::kDense,
+                         DeviceType::kCPU);
+  KVPageTable wrongPages(o.maxBatch, o.maxPagesPerSeq, 9, PageTableMode::kDense,
+                         DeviceType::kCPU);
+  KVPageTable moreRows(o.maxBatch + 1, o.maxPagesPerSeq, 8, PageTableMode::kDense,
+                       DeviceType::kCPU);
+  RigOptions smallPages = SpecRig::kvOptions(o, 8);
+  smallPages.pageSize = 64;
+  KVCachePool otherPage(CoordinatorRig::poolConfig(DeviceType::kCPU, smallPages));
+  HybridRigOptions hybridOptions;
+  RecurrentStatePool recurrent(HybridRig::recurrentConfig(DeviceType::kCPU, hybridOptions));
+  int64_t const recurrentBytes = SnapshotStorage::recurrentBytesPerSlot(recurrent);
+  int64_t const hiddenBytes = SnapshotStorage::boundaryHiddenBytesPerSlot(8, DataType::kFloat16);
+  int64_t const partialBytes =
+      SnapshotStorage::partialKvBytesPerSlot(pool) + SnapshotStorage::partialKvBytesPerSlot(draft);
+
+  ContextCacheConfig config;
+  config.recurrentSnapshotPoolBytes = 3 * (recurrentBytes + hiddenBytes) + recurrentBytes;
+  config.partialKvSnapshotPoolBytes = 2 * partialBytes + partialBytes / 2;
+  ContextCacheDeploymentProfile eagle;
+  eagle.speculative = SpecReuseContract{true, 1};
+  ContextCacheDeploymentProfile shared;
+  shared.speculative = SpecReuseContract{false, 0};
+  ContextCacheDeploymentProfile mtp = eagle;
+  mtp.baseStateKind = BaseStateKind::kHybrid;
+  mtp.boundaryHiddenWidth = 8;
+  auto construct = [](ContextCacheConfig const& c, ContextCacheDeploymentProfile const& p,
+                      ContextCachePhysicalResources const& r) {
+    return [=] { ContextCacheCoordinator coordinator(c, p, r, nullptr); };
+  };
+  {
+    ContextCacheCoordinator coordinator(config, mtp,
+                                        {&pool, &table, &draft, &draftTable, &recurrent}, nullptr);
+    ResourcePools const& pools = coordinator.manager().pools();
+    EXPECT_EQ(pools.capacity(ResourceType::kRecurrentSnapshot), 3)
+        << "each slot is charged its boundary hidden row";
+    EXPECT_EQ(pools.capacity(ResourceType::kPartialKvSnapshot), 2)
+        << "each slot is charged the paired draft page";
+    EXPECT_EQ(pools.capacity(kDraft), 8);
+    ASSERT_NE(coordinator.snapshots(), nullptr);
+    EXPECT_TRUE(coordinator.snapshots()->hasDraft());
+    EXPECT_TRUE(coordinator.snapshots()->hasBoundaryHidden());
+    EXPECT_FALSE(coordinator.supportsLiveSequenceAdmission());
+  }
+  EXPECT_NO_THROW(construct(config, eagle, {&pool, &table, &draft, &draftTable, nullptr})());
+  EXPECT_NO_THROW(construct(config, shared, {&pool, &table, nullptr, nullptr, nullptr})());
+  EXPECT_TRUE(throwsError(construct(config, eagle, {&pool, &table, nullptr, nullptr, nullptr}),
+                          {"ContextCacheCoordinator",
+                           "a paged speculative deployment needs draftPool and draftPageTable"}));
+  EXPECT_TRUE(
+      throwsError(construct(config, shared, {&pool, &table, &draft, &draftTable, nullptr}),
+                  {"draft resources given to a speculative deployment whose draft has no paged"}));
+  EXPECT_TRUE(throwsError(construct(config, eagle, {&pool, &table, &draft, &wrongPages, nullptr}),
+                          {"draft page table addresses 9 pages but the draft pool has 8"}));
+  EXPECT_TRUE(throwsError(construct(config, eagle, {&pool, &table, &draft, &moreRows, nullptr}),
+                          {"draft table has 3 rows and draft pool KV lengths 2 but the base "
+                           "table has 2"}));
+  EXPECT_TRUE(
+      throwsError(construct(config, eagle, {&pool, &table, &otherPage, &draftTable, nullptr}),
+                  {"draft pages hold 64 tokens but base pages 128"}));
+  ContextCacheDeploymentProfile bad = eagle;
+  bad.speculative->futureDependencyTokens = -1;
+  EXPECT_TRUE(throwsError(construct(config, bad, {&pool, &table, &draft, &draftTable, nullptr}),
+                          {"futureDependencyTokens must be >= 0, got -1"}));
+  bad = mtp;
+  bad.speculative = SpecReuseContract{false, 0};
+  EXPECT_TRUE(throwsError(construct(config, bad, {&pool, &table, nullptr, nullptr, &recurrent}),
+                          {"a Hybrid-MTP deployment needs an own-KV draft"}));
+  bad = mtp;
+  bad.boundaryHiddenWidth = 0;
+  EXPECT_TRUE(
+      throwsError(construct(config, bad, {&pool, &table, &draft, &draftTable, &recurrent}),
+                  {"a Hybrid-MTP deployment needs boundaryHiddenWidth > 0, got 0"}));
+  bad = eagle;
+  bad.boundaryHiddenWidth = 8;
+  EXPECT_TRUE(throwsError(construct(config, bad, {&pool, &table, &draft, &draftTable, nullptr}),
+                          {"boundaryHiddenWidth 8 is for Hybrid-MTP deployments only"}));
+  bad = eagle;
+  bad.baseStateKind = BaseStateKind::kPureRecurrent;
+  EXPECT_TRUE(throwsError(construct(config, bad, {nullptr, nullptr, nullptr, nullptr, &recurrent}),
+                          {"a pure-recurrent deployment cannot be speculative"}));
+}
+
+}  // namespace
+}  // namespace mkv::test
