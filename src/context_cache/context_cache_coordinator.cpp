@@ -435,61 +435,6 @@ LookupRequest ContextCacheCoordinator::lookupOf(ContextCacheSequenceAdmission co
   return lookup;
 }
 
-bool ContextCacheCoordinator::batchMayFit(std::span<LookupRequest const> lookups,
-                                          std::vector<LookupResult>& looked) const {
-  ResourcePools const& pools = mManager->pools();
-  if (!hasKv()) {
-    return true;  // pure recurrent: sequences take no pages at admission
-  }
-  constexpr ResourceType kBase = ResourceType::kBaseKvPage;
-  constexpr ResourceType kDraft = ResourceType::kDraftKvPage;
-  int32_t const pageSize = mManager->pageSize();
-  int64_t coldBase = 0;
-  int64_t coldDraft = 0;
-  for (LookupRequest const& lookup : lookups) {
-    auto const tokens = static_cast<int64_t>(lookup.prompt.tokens.size());
-    coldBase += pagesFor(tokens + lookup.baseExtraTokens, pageSize);
-    if (pools.capacity(kDraft) > 0 && lookup.mode != ReuseMode::kVanilla &&
-        lookup.mode != ReuseMode::kHybrid) {
-      coldDraft += pagesFor(tokens + lookup.draftExtraTokens, pageSize);
-    }
-  }
-  if (lookups.size() <= 1 || (coldBase <= pools.freeCount(kBase) &&
-                              coldDraft <= pools.freeCount(kDraft))) {
-    return true;  // one acquire is all-or-nothing itself; within free pages nothing is evicted
-  }
-  // Lower bound, per page type, of what the batch takes from free + reclaimable pages: every
-  // plan's private demand, plus the reclaimable pages its hits pin (pinned pages cannot be
-  // reclaimed). A plan that loses a hit to an earlier sequence's eviction needs that page
-  // privately instead, so the bound holds whatever the acquires evict.
-  int64_t needBase = 0;
-  int64_t needDraft = 0;
-  std::vector<uint8_t> pinnedBase(static_cast<std::size_t>(pools.capacity(kBase)), 0);
-  std::vector<uint8_t> pinnedDraft(static_cast<std::size_t>(pools.capacity(kDraft)), 0);
-  auto pin = [&](ResourceType type, std::vector<uint8_t>& pinned, PageId page, int64_t& need) {
-    auto& seen = pinned[static_cast<std::size_t>(page)];
-    if (seen == 0 && pools.activeRefs({type, page}) == 0) {
-      seen = 1;
-      ++need;
-    }
-  };
-  looked.reserve(lookups.size());
-  for (LookupRequest const& lookup : lookups) {
-    looked.push_back(mManager->lookup(lookup));
-    ReusePlan const& plan = looked.back().plan;
-    needBase += plan.demand.baseKvPages;
-    needDraft += plan.demand.draftKvPages;
-    for (PageId page : plan.basePageBindings) {
-      pin(kBase, pinnedBase, page, needBase);
-    }
-    for (PageId page : plan.draftPageBindings) {
-      pin(kDraft, pinnedDraft, page, needDraft);
-    }
-  }
-  return needBase <= pools.freeCount(kBase) + pools.reclaimableCount(kBase) &&
-         needDraft <= pools.freeCount(kDraft) + pools.reclaimableCount(kDraft);
-}
-
 namespace {
 
 /// `paired`: the request binds draft pages, which then need headroom of their own.
@@ -620,21 +565,32 @@ ContextCacheCoordinator::BeginRequestResult ContextCacheCoordinator::beginReques
     ++mCounters.refusedRequests;
     result.status = ContextCacheStatus::kRequestFailed;
   };
-  std::vector<LookupResult> looked;  // filled when the check had to look the batch up
-  if (!batchMayFit(lookups, looked)) {
-    refuse();
-    return result;
+  // A refused request changes nothing: one sequence's acquire is all-or-nothing itself; several
+  // are admitted together (pins first, one eviction for the whole batch, then allocation),
+  // because an earlier sequence's eviction could otherwise cost a later one its hits after
+  // records are already gone.
+  std::vector<mkv::AdmissionResult> acquiredAll;
+  if (batch == 1) {
+    acquiredAll.push_back(mManager->acquireWithFallback(lookups[0]));
+    if (!acquiredAll[0].lease) {
+      refuse();
+      return result;
+    }
+  } else {
+    std::vector<LookupResult> looked;
+    looked.reserve(batch);
+    for (LookupRequest const& lookup : lookups) {
+      looked.push_back(mManager->lookup(lookup));
+    }
+    acquiredAll = mManager->acquireBatch(lookups, std::move(looked));
+    if (acquiredAll.empty()) {
+      refuse();
+      return result;
+    }
   }
   for (std::size_t i = 0; i < batch; ++i) {
     auto const& sequence = admission.sequences[i];
-    // Reuses the check's digests (and its plan while nothing was evicted in between).
-    mkv::AdmissionResult acquired =
-        looked.empty() ? mManager->acquireWithFallback(lookups[i])
-                       : mManager->acquireWithFallback(lookups[i], std::move(looked[i]));
-    if (!acquired.lease) {
-      refuse();
-      return result;  // `created` releases the leases taken so far
-    }
+    mkv::AdmissionResult& acquired = acquiredAll[i];
     Request::Sequence state;
     state.lease = std::move(*acquired.lease);
     state.resident = sequence.resident;

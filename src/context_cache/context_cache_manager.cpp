@@ -313,8 +313,7 @@ AcquireResult ContextCacheManager::acquire(ReusePlan const& plan) {
   return acquirePlan(plan, /*fresh=*/false);
 }
 
-AcquireResult ContextCacheManager::acquirePlan(ReusePlan const& plan, bool fresh) {
-  checkPlan(plan, fresh);
+CacheRequestLease ContextCacheManager::pinPlan(ReusePlan const& plan) {
   CacheRequestLease lease;
   lease.mMode = plan.mode;
   lease.mHasAttention = plan.hybridHasAttention;
@@ -346,7 +345,12 @@ AcquireResult ContextCacheManager::acquirePlan(ReusePlan const& plan, bool fresh
   }
   lease.mBoundBasePages = static_cast<int32_t>(lease.mBasePages.size());
   lease.mBoundDraftPages = static_cast<int32_t>(lease.mDraftPages.size());
+  return lease;
+}
 
+AcquireResult ContextCacheManager::acquirePlan(ReusePlan const& plan, bool fresh) {
+  checkPlan(plan, fresh);
+  CacheRequestLease lease = pinPlan(plan);
   if (!allocateWithEviction(plan.demand, lease.mHitRecord,
                             {&lease.mBasePages, &lease.mDraftPages, nullptr, nullptr})) {
     return {std::nullopt, AcquireStatus::kInsufficientCapacity};  // the lease drops its pins
@@ -376,6 +380,77 @@ AdmissionResult ContextCacheManager::acquireWithFallback(LookupRequest const& re
   return admit(request, std::move(looked));
 }
 
+std::vector<AdmissionResult> ContextCacheManager::acquireBatch(
+    std::span<LookupRequest const> requests, std::vector<LookupResult> looked) {
+  constexpr char const* kCall = "ContextCacheManager::acquireBatch";
+  MKV_REQUIRE(looked.size() == requests.size(), kCall, "{} lookup results for {} requests",
+              looked.size(), requests.size());
+  for (std::size_t i = 0; i < requests.size(); ++i) {
+    checkRequest(kCall, requests[i]);
+    MKV_REQUIRE(looked[i].blocks.pageSize == mPageSize &&
+                    looked[i].blocks.prompt.tokens.data() == requests[i].prompt.tokens.data() &&
+                    looked[i].blocks.prompt.tokens.size() == requests[i].prompt.tokens.size(),
+                kCall, "lookup result {} is not its request's ({} tokens, page {})", i,
+                looked[i].blocks.prompt.tokens.size(), looked[i].blocks.pageSize);
+  }
+  for (std::size_t i = 0; i < requests.size(); ++i) {
+    if (looked[i].stateVersion != mStateVersion) {
+      planLookup(requests[i], looked[i]);  // records or index changed since: re-plan, no re-hash
+    }
+    checkPlan(looked[i].plan, /*fresh=*/true);
+  }
+  // 1. Every hit pinned while every plan is still current (nothing is evicted before the last).
+  std::vector<CacheRequestLease> leases;
+  leases.reserve(requests.size());
+  ResourceDemand total;
+  for (LookupResult const& result : looked) {
+    leases.push_back(pinPlan(result.plan));
+    for (ResourceType type : kAllResourceTypes) {
+      total[type] += result.plan.demand[type];
+    }
+  }
+  // 2. One exact eviction plan for the whole private demand, with every pin in place.
+  bool fits = mPools.canAllocate(total);
+  EvictionPlan eviction;
+  if (!fits) {
+    eviction = mEvictionPlanner.plan(total, mPools, mRecords, kNoRecord);
+    fits = eviction.feasible;
+  }
+  std::vector<AdmissionResult> admitted(requests.size());
+  if (!fits) {
+    leases.clear();  // drops every pin: pinned pages are cached, so no free ring moves
+    for (std::size_t i = 0; i < requests.size(); ++i) {
+      int32_t const verificationRejects = looked[i].plan.verificationRejects;
+      admitted[i].plan = std::move(looked[i].plan);
+      countAdmission(requests[i], verificationRejects, looked[i].missReason, admitted[i]);
+    }
+    return {};
+  }
+  // 3. Evict, then allocate each plan's demand from the free rings (cannot fail any more: the
+  // leases reserved room for their pages when pinned).
+  for (RecordId victim : eviction.victims) {
+    evictRecord(victim);
+  }
+  for (std::size_t i = 0; i < requests.size(); ++i) {
+    CacheRequestLease& lease = leases[i];
+    bool const allocated = mPools.allocate(
+        looked[i].plan.demand, {&lease.mBasePages, &lease.mDraftPages, nullptr, nullptr});
+    MKV_ASSERT(allocated, "batch eviction was feasible but allocation for sequence {} failed", i);
+  }
+  for (std::size_t i = 0; i < requests.size(); ++i) {
+    CacheRequestLease& lease = leases[i];
+    if (lease.mHitRecord != kNoRecord && mRecords.get(lease.mHitRecord) != nullptr) {
+      mRecords.touch(lease.mHitRecord);
+    }
+    int32_t const verificationRejects = looked[i].plan.verificationRejects;
+    admitted[i].lease = std::move(lease);
+    admitted[i].outcome = AdmissionOutcome::kAcquired;
+    admitted[i].plan = std::move(looked[i].plan);
+    countAdmission(requests[i], verificationRejects, looked[i].missReason, admitted[i]);
+  }
+  return admitted;
+}
+
 AdmissionResult ContextCacheManager::admit(LookupRequest const& request, LookupResult looked) {
   int32_t const verificationRejects = looked.plan.verificationRejects;
   std::optional<MissReason> const blockMiss = looked.missReason;
@@ -397,7 +472,14 @@ AdmissionResult ContextCacheManager::admit(LookupRequest const& request, LookupR
     result.plan = std::move(looked.plan);
   }
   result.lease = std::move(acquired.lease);
+  countAdmission(request, verificationRejects, blockMiss, result);
+  return result;
+}
 
+void ContextCacheManager::countAdmission(LookupRequest const& request, int32_t verificationRejects,
+                                         std::optional<MissReason> blockMiss,
+                                         AdmissionResult& result) {
+  bool const useCache = request.policy == ContextCacheLookupPolicy::kUseCache;
   if (useCache) {
     ++mMetrics.lookups;
     mMetrics.verificationRejects += static_cast<uint64_t>(verificationRejects);
@@ -412,7 +494,7 @@ AdmissionResult ContextCacheManager::admit(LookupRequest const& request, LookupR
   }
   if (!result.lease) {
     ++mMetrics.failedAcquisitions;
-    return result;
+    return;
   }
   ++mMetrics.admittedSequences;
   ReusePlan const& plan = result.plan;
@@ -427,7 +509,6 @@ AdmissionResult ContextCacheManager::admit(LookupRequest const& request, LookupR
   if (plan.specReplayMode == SpecReplayMode::kFullPage) {
     ++mMetrics.specFullPageReplays;
   }
-  return result;
 }
 
 // ---------------------------------------------------------------------------------------------

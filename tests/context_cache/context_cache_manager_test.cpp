@@ -932,3 +932,95 @@ TEST(ContextCacheManagerTest, EventsAreOffByDefault) {
 
 }  // namespace
 }  // namespace mkv
+
+namespace mkv {
+namespace {
+
+// Pool of 8 pages: records A (pages of A's two blocks) and B cached, a live lease pinning A's
+// pages (so evicting A's record frees nothing but drops A's blocks from the index), 3 free pages.
+struct BatchRig {
+  ContextCacheManager manager{kPage, ResourceDemand{8, 0, 0, 0}, 16};
+  std::vector<int32_t> a = iotaTokens(8);
+  std::vector<int32_t> b = iotaTokens(8, 100);
+  std::vector<int32_t> aPlusOne = concat(a, {7000});
+  std::vector<int32_t> aPlusThree = concat(a, {900, 901, 902});
+  std::optional<CacheRequestLease> live;
+
+  BatchRig() {
+    publishCold(manager, a);
+    publishCold(manager, b);
+    live = admit(manager, requestOf(aPlusOne));
+    EXPECT_EQ(manager.pools().freeCount(ResourceType::kBaseKvPage), 3);
+  }
+
+  std::vector<AdmissionResult> admitBatch(std::vector<LookupRequest> const& requests) {
+    std::vector<LookupResult> looked;
+    for (LookupRequest const& request : requests) {
+      looked.push_back(manager.lookup(request));
+    }
+    return manager.acquireBatch(requests, std::move(looked));
+  }
+};
+
+TEST(ContextCacheManagerBatchTest, ABatchThatFitsOnlyWhenAdmittedTogetherIsAdmitted) {
+  // A cold sequence of 16 tokens (4 private pages) and A + 3 tokens (A's 2 pinned pages + 1):
+  // 5 private pages against 3 free + 2 reclaimable (B's).
+  std::vector<int32_t> const cold = iotaTokens(16, 500);
+  {
+    // One by one, the cold sequence evicts A's record (LRU) and B's for its 4 pages; A's blocks
+    // leave the index, so the second sequence now needs 3 pages and 1 is left.
+    BatchRig sequential;
+    AdmissionResult first = sequential.manager.acquireWithFallback(requestOf(cold));
+    ASSERT_TRUE(first.lease);
+    AdmissionResult second = sequential.manager.acquireWithFallback(requestOf(sequential.aPlusThree));
+    EXPECT_FALSE(second.lease) << "the hazard acquireBatch exists for";
+    EXPECT_EQ(sequential.manager.records().size(), 0U);
+  }
+  BatchRig rig;
+  std::vector<AdmissionResult> admitted =
+      rig.admitBatch({requestOf(cold), requestOf(rig.aPlusThree)});
+  ASSERT_EQ(admitted.size(), 2U);
+  ASSERT_TRUE(admitted[0].lease && admitted[1].lease);
+  EXPECT_EQ(admitted[0].lease->basePages().size(), 4U);
+  EXPECT_EQ(admitted[1].plan.reuseTokenLength, 8) << "A's pages were pinned before any eviction";
+  EXPECT_EQ(admitted[1].lease->basePages().size(), 3U);
+  EXPECT_EQ(rig.manager.pools().freeCount(ResourceType::kBaseKvPage), 0);
+  EXPECT_EQ(rig.manager.metrics().admittedSequences, 5U);  // A, B, the live lease, the batch
+  expectManagerInvariants(rig.manager);
+}
+
+TEST(ContextCacheManagerBatchTest, ARefusedBatchChangesNothingAndCountsCapacityMisses) {
+  BatchRig rig;
+  std::vector<int32_t> const cold = iotaTokens(20, 500);  // 5 private pages: 6 > 3 + 2
+  test::ManagerState const before = captureState(rig.manager);
+  uint64_t const capacityMisses = rig.manager.metrics().missCount(MissReason::kCapacity);
+  EXPECT_TRUE(rig.admitBatch({requestOf(cold), requestOf(rig.aPlusThree)}).empty());
+  EXPECT_EQ(captureState(rig.manager), before) << "no pin, eviction or allocation stays";
+  EXPECT_EQ(rig.manager.metrics().missCount(MissReason::kCapacity), capacityMisses + 2);
+  EXPECT_EQ(rig.manager.liveLeaseCount(), 1);
+  // The same batch fits once the live lease is gone (A's pages become reclaimable too).
+  rig.live.reset();
+  std::vector<AdmissionResult> admitted =
+      rig.admitBatch({requestOf(cold), requestOf(rig.aPlusThree)});
+  ASSERT_EQ(admitted.size(), 2U);
+  EXPECT_EQ(admitted[1].plan.reuseTokenLength, 8);
+  expectManagerInvariants(rig.manager);
+}
+
+TEST(ContextCacheManagerBatchTest, RejectsMismatchedLookupsWithoutChangingAnything) {
+  BatchRig rig;
+  std::vector<int32_t> const cold = iotaTokens(8, 500);
+  std::vector<LookupRequest> const requests{requestOf(cold), requestOf(rig.aPlusThree)};
+  test::ManagerState const before = captureState(rig.manager);
+  std::vector<LookupResult> one;
+  one.push_back(rig.manager.lookup(requests[0]));
+  EXPECT_THROW(rig.manager.acquireBatch(requests, std::move(one)), Error);
+  std::vector<LookupResult> swapped;
+  swapped.push_back(rig.manager.lookup(requests[1]));
+  swapped.push_back(rig.manager.lookup(requests[0]));
+  EXPECT_THROW(rig.manager.acquireBatch(requests, std::move(swapped)), Error);
+  EXPECT_EQ(captureState(rig.manager), before);
+}
+
+}  // namespace
+}  // namespace mkv

@@ -390,10 +390,6 @@ class ContextCacheCoordinator {
   LookupRequest lookupOf(ContextCacheSequenceAdmission const& sequence,
                          ContextCacheLookupPolicy policy, DecodingKvHeadroom const& headroom,
                          bool speculative) const;
-  /// False when the batch certainly cannot be leased as a whole (then no sequence is acquired,
-  /// so no record is evicted for a batch that is refused anyway). When it has to look the batch
-  /// up to decide, it leaves the lookups in `looked` (one per sequence) for the acquisitions.
-  bool batchMayFit(std::span<LookupRequest const> lookups, std::vector<LookupResult>& looked) const;
 
   ContextCacheConfig mConfig;
   ContextCacheDeploymentProfile mProfile;

@@ -138,6 +138,18 @@ class ContextCacheManager {
   /// between (e.g. an earlier sequence of the same batch evicted records). Same outcome and
   /// metrics as acquireWithFallback(request) at this moment.
   AdmissionResult acquireWithFallback(LookupRequest const& request, LookupResult looked);
+  /// All-or-nothing admission of several sequences (one coordinator request): `looked[i]` must be
+  /// lookup(requests[i])'s result, as for acquireWithFallback. Every plan's hits are pinned
+  /// first, then records are evicted once for the batch's whole private demand (exact: the
+  /// planner sees every pin), then each plan's demand is allocated. Sequence by sequence
+  /// admission is not all-or-nothing: an earlier sequence's eviction can drop a later sequence's
+  /// hit from the index (a page without cache references is not reusable even while pinned) and
+  /// then the later one needs more pages than planned, after records are already gone. Returns
+  /// one acquired result per request, or an empty vector when the batch does not fit: then no pin
+  /// stays, nothing is evicted or allocated, and each kUseCache sequence counts a kCapacity miss.
+  /// No forced-cold retry (it cannot succeed where the cache-derived plan failed; see above).
+  std::vector<AdmissionResult> acquireBatch(std::span<LookupRequest const> requests,
+                                            std::vector<LookupResult> looked);
 
   // --- Lease growth and snapshots -----------------------------------------------------------
 
@@ -207,7 +219,12 @@ class ContextCacheManager {
   /// The plan of an already hashed lookup (lookup's second half).
   void planLookup(LookupRequest const& request, LookupResult& result) const;
   AcquireResult acquirePlan(ReusePlan const& plan, bool fresh);
+  /// acquirePlan's first half: a live lease holding the plan's pins (checked plan), no allocation.
+  CacheRequestLease pinPlan(ReusePlan const& plan);
   AdmissionResult admit(LookupRequest const& request, LookupResult looked);
+  /// admit's metrics of one finished admission attempt.
+  void countAdmission(LookupRequest const& request, int32_t verificationRejects,
+                      std::optional<MissReason> blockMiss, AdmissionResult& result);
   bool pairedDraft(ReuseMode mode) const noexcept;
   void applyCoverage(ReusePlan& plan, LookupRequest const& request) const;
   /// Evicts (only if feasible) and allocates `demand` into `targets`; false = nothing changed.
