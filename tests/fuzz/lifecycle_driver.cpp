@@ -685,8 +685,11 @@ class Lifecycle {
     if (coordinatorBackend()) {
       report = mFullOracle->verify(row.resident.slot, row.digests, 0, row.materialized);
     } else {
-      report = mSwaOracle->verify(row.resident.slot, row.digests,
-                                  std::max(0, row.endpoint - mWindow), row.materialized);
+      // The window of the endpoint the backend keeps, clipped to what is materialised: with a
+      // window of 1 and a sampled token listed but not yet written, the window starts past the
+      // last written position and nothing is checkable yet.
+      int32_t const windowBegin = std::min(std::max(0, row.endpoint - mWindow), row.materialized);
+      report = mSwaOracle->verify(row.resident.slot, row.digests, windowBegin, row.materialized);
       if (report.ok() && mFullOracle) {
         report = mFullOracle->verify(row.resident.slot, row.digests, 0, row.materialized);
       }
