@@ -336,6 +336,31 @@ TEST_P(SpeculativeFacadeTest, AnAbandonedSpeculativeRequestPublishesNothing) {
   ASSERT_TRUE(later.managed->finish());
 }
 
+TEST_P(SpeculativeFacadeTest, WithoutARoundThePromptEndpointIsPublishedOnceFinishSynchronised) {
+  RuntimeRig rig(eagleConfig(device()));
+  {
+    SpecDriver producer(rig, tokenRun(48, 11), true);
+    ASSERT_TRUE(producer.begin());
+    ASSERT_TRUE(producer.prefill());
+    EXPECT_TRUE(records(rig).empty());
+    int64_t const syncs = rig.faults().calls();
+    ASSERT_TRUE(producer.managed->finish());
+    EXPECT_EQ(rig.faults().calls(), syncs + 1);
+    ASSERT_EQ(records(rig).size(), 1u) << "after the synchronisation of finish";
+    ASSERT_TRUE(records(rig).front().specState.has_value());
+    EXPECT_EQ(records(rig).front().specState->draftPagePath.size(), 3u);
+  }
+  // A consumer diverging at token 48: three paired blocks match, the last page is replayed, and
+  // the oracles check the reused base and draft rows [0, 32) before its prefill.
+  SpecDriver consumer(rig, joined(tokenRun(48, 11), tokenRun(9, 4000)), true);
+  ASSERT_TRUE(consumer.begin());
+  EXPECT_EQ(consumer.start, 2 * kPageTokens);
+  ASSERT_TRUE(consumer.prefill());
+  ASSERT_TRUE(consumer.round(4, 2));
+  consumer.verify(consumer.baseLength, consumer.draftLength, "after the round");
+  ASSERT_TRUE(consumer.managed->finish());
+}
+
 TEST_P(SpeculativeFacadeTest, SpeculativeRequestsNeedASpeculativeReuseRuntime) {
   RuntimeRig plain(configFor(Backend::kContextReuse, device()));
   ASSERT_EQ(plain.runtime().draftPool(), nullptr);
