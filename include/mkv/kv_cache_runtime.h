@@ -4,6 +4,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string_view>
 
 #include "mkv/bounded_swa_kv_page_manager.h"
@@ -31,6 +32,34 @@ struct KVCacheModelConfig {
   int64_t recurrentConvBytes = 0;         ///< per layer and slot; > 0 with recurrent layers
 };
 
+/// The draft model of a speculative deployment (docs/context_cache.md, "Speculative paired reuse"
+/// and "Hybrid-MTP endpoints"). On an attention-only model it gives EAGLE-style paired base + draft
+/// reuse; on a model with recurrent layers it gives Hybrid-MTP (paged draft and a boundary hidden
+/// row kept with each endpoint).
+struct KVCacheSpeculativeConfig {
+  /// The draft owns paged KV (EAGLE, MTP with its own KV, DFlash-like drafts): the runtime
+  /// allocates a draft pool of the geometry below and a dense draft page table, paired page by page
+  /// with the base. false: the draft reads the base KV (Gemma4-style MTP) and owns no pool, so
+  /// numDraftLayers and numDraftPages must stay 0.
+  bool pagedDraft = true;
+  /// Draft KV at a position depends on this many later tokens (EAGLE, MTP: 1), so a reused path
+  /// replays its last ceil(futureDependencyTokens / tokensPerPage) pages (the reuse contract).
+  int32_t futureDependencyTokens = 1;
+  int32_t numDraftLayers = 0;  ///< attention layers of the draft; > 0 with a paged draft
+  int32_t numDraftKVHeads = 8;
+  int32_t draftHeadDim = 128;
+  DataType draftKvDataType = DataType::kFloat16;
+  /// Pages of the draft pool; 0 = as many as the full pool (a paired path holds one draft page
+  /// per base page). At most int32 max / 2, like the other pools.
+  int32_t numDraftPages = 0;
+  /// Hybrid-MTP only (the model has recurrent layers): elements of the base hidden row kept with
+  /// each endpoint, > 0; must be 0 on an attention-only model. The coordinator charges one row per
+  /// recurrent snapshot slot, and one base plus one draft page per partial-KV slot (budgets in
+  /// KVCacheRuntimeConfig::contextCache).
+  int64_t boundaryHiddenWidth = 0;
+  DataType boundaryHiddenType = DataType::kFloat16;
+};
+
 struct KVCacheRuntimeConfig {
   KVCacheModelConfig model;
   int32_t maxBatchSize = 1;        ///< resident slots = page-table rows
@@ -48,6 +77,9 @@ struct KVCacheRuntimeConfig {
   bool contextReuse = false;
   /// Settings of the coordinator (its `enabled` is set from contextReuse).
   ContextCacheConfig contextCache;
+  /// Speculative decoding with a draft model (needs contextReuse: the bounded-SWA and
+  /// full-storage backends decode vanilla only). nullopt: speculative requests are refused.
+  std::optional<KVCacheSpeculativeConfig> speculative;
   DeviceType deviceType = DeviceType::kGPU;
   cudaStream_t stream = nullptr;  ///< the engine's stream; never owned
   StreamSynchronizer synchronizer;  ///< empty = defaultStreamSynchronizer(deviceType)
@@ -63,7 +95,8 @@ std::string_view toString(KVCacheBackend backend) noexcept;
 /// Creates and owns the pools, page tables, resident slots and exactly one backend, chosen by the
 /// support matrix:
 /// * contextReuse on -> kContextReuse: every attention layer in the full pool (hybrid models:
-///   exact checkpoints of the recurrent rows and the partial last page);
+///   exact checkpoints of the recurrent rows and the partial last page); with `speculative`, the
+///   draft pool and draft page table too (EAGLE-style paired reuse, or Hybrid-MTP);
 /// * reuse off, sliding layers present and maxBatchSize * (2M + 1) strictly fewer than the full
 ///   pool's pages -> kBoundedSwa: sliding layers in a reduced pool with its own page ids, full
 ///   layers (Gemma-style mixed models) in the full pool with a static identity page table;
@@ -82,8 +115,9 @@ class KVCacheRuntime {
   ContextCacheCoordinator* contextCache() noexcept { return mCoordinator.get(); }
   /// Non-null for kBoundedSwa.
   BoundedSwaKVPageManager* swaPageManager() noexcept { return mSwaManager.get(); }
-  /// Whether a running batch may admit sequences in flight: false for bounded SWA and for hybrid
-  /// checkpoint reuse (a joiner cannot restore a checkpoint into a running batch).
+  /// Whether a running batch may admit sequences in flight: false for bounded SWA, for speculative
+  /// deployments and for hybrid checkpoint reuse (a joiner cannot restore a checkpoint or pair a
+  /// draft in a running batch).
   bool supportsSeatedAdmission() const noexcept {
     return mCoordinator != nullptr && mCoordinator->supportsLiveSequenceAdmission();
   }
@@ -96,6 +130,10 @@ class KVCacheRuntime {
   /// Reduced pool and sparse-window table of the sliding layers (kBoundedSwa only).
   KVCachePool* swaPool() noexcept { return mSwaPool.get(); }
   KVPageTable* swaPageTable() noexcept { return mSwaTable.get(); }
+  /// Draft KV pool and its dense page table (speculative deployments with a paged draft), else
+  /// null.
+  KVCachePool* draftPool() noexcept { return mDraftPool.get(); }
+  KVPageTable* draftPageTable() noexcept { return mDraftTable.get(); }
   RecurrentStatePool* recurrentState() noexcept { return mRecurrent.get(); }
   ResidentSlotPool& residentSlots() noexcept { return mResidentSlots; }
   /// The pool whose KV-length tensor the backend maintains (full pool, else the SWA pool).
@@ -103,7 +141,7 @@ class KVCacheRuntime {
   /// Window layers: full-pool layer indices [0, numFull) are full attention; in the full pool of
   /// kContextReuse / kFullStorage, sliding layers follow at [numFull, numFull + numSliding).
   int32_t maxPagesPerSequence() const noexcept { return mMaxPagesPerSequence; }
-  /// Device bytes of every pool.
+  /// Device bytes of every KV pool (full, SWA and draft).
   int64_t kvBytes() const noexcept;
 
   /// Drains the backend's quarantine (see the backends' shutdown()).
@@ -119,6 +157,8 @@ class KVCacheRuntime {
   std::unique_ptr<KVPageTable> mFullTable;
   std::unique_ptr<KVCachePool> mSwaPool;
   std::unique_ptr<KVPageTable> mSwaTable;
+  std::unique_ptr<KVCachePool> mDraftPool;
+  std::unique_ptr<KVPageTable> mDraftTable;
   std::unique_ptr<RecurrentStatePool> mRecurrent;
   ResidentSlotPool mResidentSlots;
   // Backends last: they are destroyed before the resources they borrow.

@@ -23,6 +23,49 @@ constexpr char const* kCall = "KVCacheRuntime::create";
 
 int32_t ceilDiv(int64_t a, int64_t b) { return static_cast<int32_t>((a + b - 1) / b); }
 
+/// The support matrix of SPEC §9 and the draft of the speculative reuse contract.
+void validateSpeculative(KVCacheRuntimeConfig const& config, KVCacheSpeculativeConfig const& spec,
+                         int32_t maxPages) {
+  MKV_REQUIRE(config.contextReuse, kCall,
+              "speculative needs contextReuse (the bounded-SWA and full-storage backends decode "
+              "vanilla only)");
+  MKV_REQUIRE(spec.futureDependencyTokens >= 0, kCall,
+              "speculative.futureDependencyTokens must be >= 0, got {}",
+              spec.futureDependencyTokens);
+  if (spec.pagedDraft) {
+    MKV_REQUIRE(spec.numDraftLayers > 0, kCall,
+                "a paged draft needs speculative.numDraftLayers > 0, got {}", spec.numDraftLayers);
+    MKV_REQUIRE(spec.numDraftKVHeads > 0, kCall,
+                "speculative.numDraftKVHeads must be > 0, got {}", spec.numDraftKVHeads);
+    MKV_REQUIRE(spec.draftHeadDim > 0, kCall, "speculative.draftHeadDim must be > 0, got {}",
+                spec.draftHeadDim);
+    MKV_REQUIRE(spec.numDraftPages >= 0 && spec.numDraftPages <= maxPages, kCall,
+                "speculative.numDraftPages must be in [0, {}], got {}", maxPages,
+                spec.numDraftPages);
+  } else {
+    MKV_REQUIRE(spec.numDraftLayers == 0 && spec.numDraftPages == 0, kCall,
+                "a draft without paged KV owns no pool: speculative.numDraftLayers and "
+                "numDraftPages must be 0, got {} and {}",
+                spec.numDraftLayers, spec.numDraftPages);
+  }
+  if (config.model.numRecurrentLayers > 0) {  // Hybrid-MTP
+    MKV_REQUIRE(spec.pagedDraft, kCall,
+                "Hybrid-MTP (a model with recurrent layers) needs speculative.pagedDraft");
+    MKV_REQUIRE(spec.boundaryHiddenWidth > 0, kCall,
+                "Hybrid-MTP (a model with recurrent layers) needs speculative.boundaryHiddenWidth "
+                "> 0, got {}",
+                spec.boundaryHiddenWidth);
+    MKV_REQUIRE(dataTypeSize(spec.boundaryHiddenType) > 0, kCall,
+                "speculative.boundaryHiddenType {} out of range",
+                static_cast<int>(spec.boundaryHiddenType));
+  } else {
+    MKV_REQUIRE(spec.boundaryHiddenWidth == 0, kCall,
+                "speculative.boundaryHiddenWidth {} is for Hybrid-MTP (a model with recurrent "
+                "layers) only; must be 0",
+                spec.boundaryHiddenWidth);
+  }
+}
+
 void validate(KVCacheRuntimeConfig const& config) {
   KVCacheModelConfig const& model = config.model;
   MKV_REQUIRE(model.numFullAttentionLayers >= 0 && model.numSlidingWindowLayers >= 0 &&
@@ -56,6 +99,9 @@ void validate(KVCacheRuntimeConfig const& config) {
               "numPages must be in [0, {}], got {}", kMaxPages, config.numPages);
   MKV_REQUIRE(config.numSwaPages >= 0 && config.numSwaPages <= kMaxPages, kCall,
               "numSwaPages must be in [0, {}], got {}", kMaxPages, config.numSwaPages);
+  if (config.speculative) {
+    validateSpeculative(config, *config.speculative, kMaxPages);
+  }
 }
 
 }  // namespace
@@ -92,17 +138,21 @@ std::unique_ptr<KVCacheRuntime> KVCacheRuntime::create(KVCacheRuntimeConfig cons
     swaPages = static_cast<int32_t>(std::max<int64_t>(minimum, config.numSwaPages));
   }
 
-  auto makePool = [&](int32_t layers, int32_t pages) {
+  auto makePoolOf = [&](int32_t layers, int32_t heads, int32_t headDim, DataType type,
+                        int32_t pages) {
     KVCachePoolConfig pool;
     pool.numLayers = layers;
-    pool.numKVHeads = model.numKVHeads;
-    pool.headDim = model.headDim;
+    pool.numKVHeads = heads;
+    pool.headDim = headDim;
     pool.tokensPerPage = pageSize;
     pool.numPages = pages;
     pool.maxBatchSize = config.maxBatchSize;
-    pool.dataType = model.kvDataType;
+    pool.dataType = type;
     pool.deviceType = config.deviceType;
     return std::make_unique<KVCachePool>(pool);
+  };
+  auto makePool = [&](int32_t layers, int32_t pages) {
+    return makePoolOf(layers, model.numKVHeads, model.headDim, model.kvDataType, pages);
   };
 
   if (model.numRecurrentLayers > 0) {
@@ -166,6 +216,21 @@ std::unique_ptr<KVCacheRuntime> KVCacheRuntime::create(KVCacheRuntimeConfig cons
   if (config.contextReuse && model.numRecurrentLayers > 0) {
     profile.baseStateKind = BaseStateKind::kHybrid;
   }
+  if (config.speculative) {  // validated: reuse is on
+    KVCacheSpeculativeConfig const& spec = *config.speculative;
+    profile.speculative = SpecReuseContract{spec.pagedDraft, spec.futureDependencyTokens};
+    profile.boundaryHiddenWidth = spec.boundaryHiddenWidth;
+    profile.boundaryHiddenType = spec.boundaryHiddenType;
+    if (spec.pagedDraft) {
+      int32_t const draftPages = spec.numDraftPages > 0 ? spec.numDraftPages : fullPages;
+      runtime->mDraftPool = makePoolOf(spec.numDraftLayers, spec.numDraftKVHeads,
+                                       spec.draftHeadDim, spec.draftKvDataType, draftPages);
+      runtime->mDraftTable = std::make_unique<KVPageTable>(
+          config.maxBatchSize, width, draftPages, PageTableMode::kDense, config.deviceType);
+      resources.draftPool = runtime->mDraftPool.get();
+      resources.draftPageTable = runtime->mDraftTable.get();
+    }
+  }
   runtime->mCoordinator = std::make_unique<ContextCacheCoordinator>(cache, profile, resources,
                                                                     config.stream, synchronizer);
   return runtime;
@@ -182,6 +247,9 @@ int64_t KVCacheRuntime::kvBytes() const noexcept {
   }
   if (mSwaPool) {
     bytes += mSwaPool->totalBytes();
+  }
+  if (mDraftPool) {
+    bytes += mDraftPool->totalBytes();
   }
   return bytes;
 }

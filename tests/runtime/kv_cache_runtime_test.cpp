@@ -54,6 +54,26 @@ KVCacheRuntimeConfig withWindow(KVCacheRuntimeConfig config, int32_t full, int32
 
 constexpr int32_t kBoundedMinimum = 4 * 7;
 
+/// Reuse on with an EAGLE draft {paged, 1} of 1 layer, 1 head of 4; `hybrid` adds 2 recurrent
+/// layers of 24 + 8 bytes and a boundary hidden row of 8 (Hybrid-MTP) with 2 snapshot slots each.
+KVCacheRuntimeConfig speculativeConfig(KVCacheRuntimeConfig config, bool hybrid) {
+  config.contextReuse = true;
+  KVCacheSpeculativeConfig spec;
+  spec.numDraftLayers = 1;
+  spec.numDraftKVHeads = 1;
+  spec.draftHeadDim = 4;
+  if (hybrid) {
+    config.model.numRecurrentLayers = 2;
+    config.model.recurrentStateBytes = 24;
+    config.model.recurrentConvBytes = 8;
+    spec.boundaryHiddenWidth = 8;
+    config.contextCache.recurrentSnapshotPoolBytes = 2 * (2 * (24 + 8) + 8 * 2);
+    config.contextCache.partialKvSnapshotPoolBytes = 2 * (2 + 1) * (2 * 16 * 4 * 2);
+  }
+  config.speculative = spec;
+  return config;
+}
+
 struct MatrixCase {
   std::string name;
   KVCacheRuntimeConfig config;
@@ -300,6 +320,13 @@ std::vector<InvalidCase> invalidCases() {
   auto pageSize = [](int32_t tokens) {
     return [tokens](KVCacheRuntimeConfig& c) { c.tokensPerPage = tokens; };
   };
+  // Reuse on with a draft: EAGLE, or Hybrid-MTP with recurrent layers; then `mutate` the draft.
+  auto draft = [](bool hybrid, std::function<void(KVCacheSpeculativeConfig&)> mutate) {
+    return [hybrid, mutate](KVCacheRuntimeConfig& c) {
+      c = speculativeConfig(c, hybrid);
+      mutate(*c.speculative);
+    };
+  };
   return {
       {"negative_full_layers",
        [](auto& c) { c.model.numFullAttentionLayers = -1; },
@@ -361,6 +388,57 @@ std::vector<InvalidCase> invalidCases() {
          c.maxSequenceLength = 1 << 24;
        },
        {"default full pool of 68719476736 pages overflows int32"}},
+      {"speculative_without_reuse",
+       [](auto& c) {
+         c = speculativeConfig(c, false);
+         c.contextReuse = false;
+       },
+       {"speculative needs contextReuse"}},
+      {"negative_future_dependency",
+       draft(false, [](auto& s) { s.futureDependencyTokens = -1; }),
+       {"speculative.futureDependencyTokens must be >= 0, got -1"}},
+      {"paged_draft_without_layers",
+       draft(false, [](auto& s) { s.numDraftLayers = 0; }),
+       {"speculative.numDraftLayers > 0, got 0"}},
+      {"draft_without_kv_heads",
+       draft(false, [](auto& s) { s.numDraftKVHeads = 0; }),
+       {"speculative.numDraftKVHeads must be > 0, got 0"}},
+      {"negative_draft_head_dim",
+       draft(false, [](auto& s) { s.draftHeadDim = -4; }),
+       {"speculative.draftHeadDim must be > 0, got -4"}},
+      {"negative_draft_pages",
+       draft(false, [](auto& s) { s.numDraftPages = -3; }),
+       {"speculative.numDraftPages must be in [0, 1073741823], got -3"}},
+      {"draft_pages_beyond_int32_ids",
+       draft(false, [](auto& s) { s.numDraftPages = kIntMax; }),
+       {"speculative.numDraftPages", "got 2147483647"}},
+      {"shared_kv_draft_with_layers",
+       draft(false,
+             [](auto& s) {
+               s.pagedDraft = false;
+               s.futureDependencyTokens = 0;
+               s.numDraftPages = 5;
+             }),
+       {"owns no pool", "numDraftLayers and numDraftPages must be 0, got 1 and 5"}},
+      {"boundary_hidden_width_without_recurrent_layers",
+       draft(false, [](auto& s) { s.boundaryHiddenWidth = 8; }),
+       {"speculative.boundaryHiddenWidth 8 is for Hybrid-MTP"}},
+      {"hybrid_mtp_without_boundary_hidden_width",
+       draft(true, [](auto& s) { s.boundaryHiddenWidth = 0; }),
+       {"Hybrid-MTP", "speculative.boundaryHiddenWidth > 0, got 0"}},
+      {"hybrid_mtp_negative_boundary_hidden_width",
+       draft(true, [](auto& s) { s.boundaryHiddenWidth = -2; }),
+       {"speculative.boundaryHiddenWidth > 0, got -2"}},
+      {"hybrid_mtp_without_paged_draft",
+       draft(true,
+             [](auto& s) {
+               s.pagedDraft = false;
+               s.numDraftLayers = 0;
+             }),
+       {"Hybrid-MTP", "needs speculative.pagedDraft"}},
+      {"hybrid_mtp_boundary_hidden_type_out_of_range",
+       draft(true, [](auto& s) { s.boundaryHiddenType = static_cast<DataType>(99); }),
+       {"speculative.boundaryHiddenType 99 out of range"}},
   };
 }
 
@@ -416,6 +494,66 @@ TEST_P(KVCacheRuntimeTest, ReuseForAHybridModelIsCheckpointReuseWithoutSeatedAdm
   runtime = KVCacheRuntime::create(config);
   EXPECT_EQ(runtime->contextCache()->profile().baseStateKind, BaseStateKind::kAttentionOnly);
   EXPECT_TRUE(runtime->supportsSeatedAdmission());
+  EXPECT_TRUE(runtime->shutdown());
+}
+
+TEST_P(KVCacheRuntimeTest, SpeculativeReuseOwnsTheDraftPoolAndTableAndPassesTheContract) {
+  KVCacheRuntimeConfig config = speculativeConfig(baseConfig(device()), false);
+  config.speculative->draftKvDataType = DataType::kBFloat16;
+  auto runtime = KVCacheRuntime::create(config);
+  ASSERT_EQ(runtime->backend(), KVCacheBackend::kContextReuse);
+  KVCachePool const* draft = runtime->draftPool();
+  ASSERT_NE(draft, nullptr);
+  ASSERT_NE(runtime->draftPageTable(), nullptr);
+  EXPECT_EQ(draft->numLayers(), 1);
+  EXPECT_EQ(draft->numPages(), 64) << "0 pages: as many as the full pool";
+  EXPECT_EQ(draft->tokensPerPage(), 16);
+  EXPECT_EQ(draft->maxBatchSize(), 4);
+  EXPECT_EQ(draft->deviceType(), device());
+  EXPECT_EQ(draft->config().numKVHeads, 1);
+  EXPECT_EQ(draft->config().headDim, 4);
+  EXPECT_EQ(draft->config().dataType, DataType::kBFloat16);
+  EXPECT_EQ(runtime->draftPageTable()->mode(), PageTableMode::kDense);
+  EXPECT_EQ(runtime->draftPageTable()->numPages(), 64);
+  EXPECT_EQ(runtime->draftPageTable()->maxBatch(), 4);
+  EXPECT_EQ(runtime->draftPageTable()->maxPagesPerSeq(), 16);
+  EXPECT_EQ(runtime->kvBytes(), runtime->fullPool()->totalBytes() + draft->totalBytes());
+  ContextCacheCoordinator const& coordinator = *runtime->contextCache();
+  EXPECT_EQ(coordinator.profile().speculative, (SpecReuseContract{true, 1}));
+  EXPECT_EQ(coordinator.profile().baseStateKind, BaseStateKind::kAttentionOnly);
+  EXPECT_EQ(coordinator.manager().pools().capacity(ResourceType::kDraftKvPage), 64);
+  EXPECT_FALSE(runtime->supportsSeatedAdmission()) << "a joiner cannot pair a draft mid-batch";
+  EXPECT_TRUE(runtime->shutdown());
+
+  config.speculative->numDraftPages = 20;
+  config.speculative->futureDependencyTokens = 0;  // DFlash-like: paired, no replay
+  runtime = KVCacheRuntime::create(config);
+  EXPECT_EQ(runtime->draftPool()->numPages(), 20);
+  EXPECT_EQ(runtime->draftPageTable()->numPages(), 20);
+  EXPECT_EQ(runtime->contextCache()->profile().speculative, (SpecReuseContract{true, 0}));
+  EXPECT_EQ(runtime->contextCache()->manager().pools().capacity(ResourceType::kDraftKvPage), 20);
+  EXPECT_TRUE(runtime->shutdown());
+
+  config.speculative = KVCacheSpeculativeConfig{};  // a draft reading the base KV
+  config.speculative->pagedDraft = false;
+  config.speculative->futureDependencyTokens = 0;
+  runtime = KVCacheRuntime::create(config);
+  EXPECT_EQ(runtime->draftPool(), nullptr);
+  EXPECT_EQ(runtime->draftPageTable(), nullptr);
+  EXPECT_EQ(runtime->contextCache()->profile().speculative, (SpecReuseContract{false, 0}));
+  EXPECT_EQ(runtime->kvBytes(), runtime->fullPool()->totalBytes());
+  EXPECT_TRUE(runtime->shutdown());
+
+  runtime = KVCacheRuntime::create(speculativeConfig(baseConfig(device()), true));
+  ContextCacheDeploymentProfile const& mtp = runtime->contextCache()->profile();
+  EXPECT_TRUE(mtp.isHybridMtp());
+  EXPECT_EQ(mtp.boundaryHiddenWidth, 8);
+  EXPECT_EQ(mtp.boundaryHiddenType, DataType::kFloat16);
+  ResourcePools const& pools = runtime->contextCache()->manager().pools();
+  EXPECT_EQ(pools.capacity(ResourceType::kRecurrentSnapshot), 2) << "rows + hidden row a slot";
+  EXPECT_EQ(pools.capacity(ResourceType::kPartialKvSnapshot), 2) << "base + draft page a slot";
+  EXPECT_NE(runtime->draftPool(), nullptr);
+  EXPECT_FALSE(runtime->supportsSeatedAdmission());
   EXPECT_TRUE(runtime->shutdown());
 }
 
