@@ -59,12 +59,12 @@ run_step() {
   [[ $RC == 124 || $RC == 137 ]] && echo "(stopped after $limit s)" >>"$log"
 }
 
-gtest_detail() {  # summary of a gtest log; "on GPU": passed instances named .../gpu or ..._gpu
+gtest_detail() {  # summary of a gtest log; "on GPU": passed instances named .../gpu, .../Gpu or ..._gpu
   local log=$1 passed skipped failed gpu
   passed=$(grep -oP '^\[  PASSED  \] \K[0-9]+' "$log" | tail -1)
   skipped=$(grep -oP '^\[  SKIPPED \] \K[0-9]+(?= test)' "$log" | tail -1)
   failed=$(grep -oP '^\[  FAILED  \] \K[0-9]+(?= test)' "$log" | tail -1)
-  gpu=$(grep -cE '^\[       OK \] .*[/_]gpu \(' "$log")
+  gpu=$(grep -ciE '^\[       OK \] .*[/_]gpu \(' "$log")
   echo "${passed:-0} passed (${gpu:-0} on GPU), ${skipped:-0} skipped, ${failed:-0} failed"
 }
 
