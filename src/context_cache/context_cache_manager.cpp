@@ -825,7 +825,14 @@ PublishResult ContextCacheManager::publishCheckpoint(char const* call, CacheRequ
   checkBoundPrefix(call, lease, blocks, full);
 
   Hash128 const digest = exactPrefixDigest(blocks, exactLength);
-  if (CacheRecord const* existing = mRecords.findHybrid(HybridKey{digest, exactLength})) {
+  // First committer wins within one kind. A plain checkpoint is also cached already when an
+  // unaligned Hybrid-MTP one exists (plain plans restore its base side); a Hybrid-MTP checkpoint
+  // never counts a base-only one, which its plans cannot use.
+  CacheRecord const* existing = mRecords.findHybrid(HybridKey{digest, exactLength, mtp});
+  if (existing == nullptr && !mtp && attention && exactLength % mPageSize != 0) {
+    existing = mRecords.findHybrid(HybridKey{digest, exactLength, true});
+  }
+  if (existing != nullptr) {
     mRecords.touch(existing->id);
     ++mMetrics.existingRecordsTouched;
     return {PublishStatus::kExistingRecord, existing->id, existing->basePagePath, full};
