@@ -403,8 +403,13 @@ std::vector<AdmissionResult> ContextCacheManager::acquireBatch(
   std::vector<CacheRequestLease> leases;
   leases.reserve(requests.size());
   ResourceDemand total;
+  std::vector<RecordId> hits;  // the batch's own hit records: evicted last, as acquirePlan's hit
+  hits.reserve(looked.size());
   for (LookupResult const& result : looked) {
     leases.push_back(pinPlan(result.plan));
+    if (leases.back().mHitRecord != kNoRecord) {
+      hits.push_back(leases.back().mHitRecord);
+    }
     for (ResourceType type : kAllResourceTypes) {
       total[type] += result.plan.demand[type];
     }
@@ -413,7 +418,7 @@ std::vector<AdmissionResult> ContextCacheManager::acquireBatch(
   bool fits = mPools.canAllocate(total);
   EvictionPlan eviction;
   if (!fits) {
-    eviction = mEvictionPlanner.plan(total, mPools, mRecords, kNoRecord);
+    eviction = mEvictionPlanner.plan(total, mPools, mRecords, hits);
     fits = eviction.feasible;
   }
   std::vector<AdmissionResult> admitted(requests.size());
