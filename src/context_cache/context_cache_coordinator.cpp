@@ -1024,6 +1024,9 @@ ContextCacheStatus ContextCacheCoordinator::publishHybridMtpEndpoint(
   MKV_REQUIRE(residentStateLength >= 0 && residentStateLength <= sequence.promptLength, kCall,
               "slot {}: residentStateLength {} outside [0, prompt {}]", slot, residentStateLength,
               sequence.promptLength);
+  MKV_REQUIRE(residentStateLength == 0 || residentStateLength >= sequence.reuseTokenLength, kCall,
+              "slot {}: residentStateLength {} below the restored reuse length {}", slot,
+              residentStateLength, sequence.reuseTokenLength);
   validateHiddenRow(kCall, mProfile, mDevice, baseHiddenStates, boundaryHiddenRow);
   if (sequence.policy == ContextCacheLookupPolicy::kBypass || residentStateLength == 0 ||
       residentStateLength <= sequence.publishedExact) {

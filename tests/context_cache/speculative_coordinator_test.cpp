@@ -447,6 +447,32 @@ TEST_P(HybridMtpCoordinatorTest, AnEndpointDoesNotBlockABaseOnlyCheckpointOfOneL
   rig.expectQuiescent();
 }
 
+TEST_P(HybridMtpCoordinatorTest, AnEndpointBelowTheRestoredLengthThrowsAndChangesNothing) {
+  SpecRig rig(device(), mtp());
+  Seq producer(tokenRun(129, 100), 0);
+  Handle handle = rig.admit({&producer}, true);
+  ASSERT_EQ(rig.mtpPrefill(handle, producer), kOk);
+  ASSERT_EQ(rig.coordinator->finish(handle), kOk);
+
+  Seq consumer(joined(tokenRun(129, 100), tokenRun(71, 7)), 1);
+  std::vector<int32_t> starts;
+  Handle next = rig.admit({&consumer}, true, &starts);
+  ASSERT_EQ(starts, std::vector<int32_t>{129});
+  rig.coordinator->preparePrefill(next);
+  Tensor hidden = rig.hiddenStates(consumer, 129, 200);
+  int32_t const freeRecurrent = rig.pools().freeCount(ResourceType::kRecurrentSnapshot);
+  int32_t const syncs = rig.sync->calls;
+  EXPECT_TRUE(throwsError(
+      [&] { (void)rig.coordinator->publishHybridMtpEndpoint(next, 0, 100, hidden, 0); },
+      {"publishHybridMtpEndpoint", "residentStateLength 100", "129"}));
+  EXPECT_EQ(rig.sync->calls, syncs);
+  EXPECT_EQ(rig.pools().freeCount(ResourceType::kRecurrentSnapshot), freeRecurrent);
+  EXPECT_EQ(rig.records().size(), 1u);
+  EXPECT_EQ(rig.coordinator->counters().hybridMtpPublications, 1u);
+  ASSERT_EQ(rig.coordinator->finish(next), kOk);
+  rig.expectQuiescent();
+}
+
 INSTANTIATE_TEST_SUITE_P(Devices, HybridMtpCoordinatorTest, allDeviceTypes(), deviceName);
 
 // ------------------------------------------------------------------------------- profiles
