@@ -1424,10 +1424,18 @@ ContextCacheStatus ContextCacheCoordinator::finish(RequestHandle& handle) {
     quarantine(detach(id));
     return ContextCacheStatus::kPoisoned;
   }
-  if (req.draftInitPending) {
-    publishFrozenPrefill(req);
-  }
+  // Detached first: a publication that throws must not strand the request in mActive (shutdown
+  // could not recover its rows and leases any more). The publication is best effort here.
   std::unique_ptr<Request> finished = detach(id);
+  if (finished->draftInitPending) {
+    try {
+      publishFrozenPrefill(*finished);
+    } catch (std::exception const& error) {
+      logger()->error("ContextCacheCoordinator::finish: publishing the frozen prompt endpoint of "
+                      "request {} failed: {}",
+                      id, error.what());
+    }
+  }
   try {
     releaseRows(*finished);
   } catch (std::exception const& error) {
