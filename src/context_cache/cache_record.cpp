@@ -8,7 +8,7 @@ std::optional<HybridKey> CacheRecord::hybridKey() const noexcept {
   if (!exactCheckpointLength) {
     return std::nullopt;
   }
-  return HybridKey{key.terminal, *exactCheckpointLength};
+  return HybridKey{key.terminal, *exactCheckpointLength, specState.has_value()};
 }
 
 std::vector<ResourceId> CacheRecord::resources() const {

@@ -753,10 +753,14 @@ bool ContextCacheCoordinator::stageCapture(Request& req, std::size_t row, int32_
   bool const partial = hasKv() && exactLength % pageSize != 0;
   std::optional<SnapshotReservation> reservation;
   try {
-    // A checkpoint already cached under this key needs no copy, and must not evict anything.
+    // A checkpoint already cached under this key needs no copy, and must not evict anything;
+    // so does an unaligned Hybrid-MTP one, whose base side plain plans restore (an aligned one
+    // keeps its boundary page private and is of no use to them).
     PromptBlocks const blocks = hashPromptBlocks(prefixOf(sequence, exactLength), pageSize);
-    if (mManager->records().findHybrid(
-            HybridKey{exactPrefixDigest(blocks, exactLength), exactLength}) != nullptr) {
+    Hash128 const digest = exactPrefixDigest(blocks, exactLength);
+    if (mManager->records().findHybrid(HybridKey{digest, exactLength, false}) != nullptr ||
+        (partial &&
+         mManager->records().findHybrid(HybridKey{digest, exactLength, true}) != nullptr)) {
       return false;
     }
     reservation = mManager->reserveHybridSnapshots(sequence.lease, partial);
@@ -1020,6 +1024,9 @@ ContextCacheStatus ContextCacheCoordinator::publishHybridMtpEndpoint(
   MKV_REQUIRE(residentStateLength >= 0 && residentStateLength <= sequence.promptLength, kCall,
               "slot {}: residentStateLength {} outside [0, prompt {}]", slot, residentStateLength,
               sequence.promptLength);
+  MKV_REQUIRE(residentStateLength == 0 || residentStateLength >= sequence.reuseTokenLength, kCall,
+              "slot {}: residentStateLength {} below the restored reuse length {}", slot,
+              residentStateLength, sequence.reuseTokenLength);
   validateHiddenRow(kCall, mProfile, mDevice, baseHiddenStates, boundaryHiddenRow);
   if (sequence.policy == ContextCacheLookupPolicy::kBypass || residentStateLength == 0 ||
       residentStateLength <= sequence.publishedExact) {
@@ -1030,8 +1037,9 @@ ContextCacheStatus ContextCacheCoordinator::publishHybridMtpEndpoint(
   PromptBlocks const blocks =
       hashPromptBlocks(prefixOf(sequence, residentStateLength), pageSize);
   if (mManager->records().findHybrid(HybridKey{exactPrefixDigest(blocks, residentStateLength),
-                                               residentStateLength}) != nullptr) {
-    return ContextCacheStatus::kOk;  // cached already: no copy, no slot
+                                               residentStateLength, true}) != nullptr) {
+    // Cached already (a base-only checkpoint of this length does not count): no copy, no slot.
+    return ContextCacheStatus::kOk;
   }
   // The restore copies were enqueued before the captures on the same stream: a reservation may
   // take over the hit's slots.
@@ -1416,10 +1424,18 @@ ContextCacheStatus ContextCacheCoordinator::finish(RequestHandle& handle) {
     quarantine(detach(id));
     return ContextCacheStatus::kPoisoned;
   }
-  if (req.draftInitPending) {
-    publishFrozenPrefill(req);
-  }
+  // Detached first: a publication that throws must not strand the request in mActive (shutdown
+  // could not recover its rows and leases any more). The publication is best effort here.
   std::unique_ptr<Request> finished = detach(id);
+  if (finished->draftInitPending) {
+    try {
+      publishFrozenPrefill(*finished);
+    } catch (std::exception const& error) {
+      logger()->error("ContextCacheCoordinator::finish: publishing the frozen prompt endpoint of "
+                      "request {} failed: {}",
+                      id, error.what());
+    }
+  }
   try {
     releaseRows(*finished);
   } catch (std::exception const& error) {

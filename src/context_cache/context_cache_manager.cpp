@@ -403,8 +403,13 @@ std::vector<AdmissionResult> ContextCacheManager::acquireBatch(
   std::vector<CacheRequestLease> leases;
   leases.reserve(requests.size());
   ResourceDemand total;
+  std::vector<RecordId> hits;  // the batch's own hit records: evicted last, as acquirePlan's hit
+  hits.reserve(looked.size());
   for (LookupResult const& result : looked) {
     leases.push_back(pinPlan(result.plan));
+    if (leases.back().mHitRecord != kNoRecord) {
+      hits.push_back(leases.back().mHitRecord);
+    }
     for (ResourceType type : kAllResourceTypes) {
       total[type] += result.plan.demand[type];
     }
@@ -413,7 +418,7 @@ std::vector<AdmissionResult> ContextCacheManager::acquireBatch(
   bool fits = mPools.canAllocate(total);
   EvictionPlan eviction;
   if (!fits) {
-    eviction = mEvictionPlanner.plan(total, mPools, mRecords, kNoRecord);
+    eviction = mEvictionPlanner.plan(total, mPools, mRecords, hits);
     fits = eviction.feasible;
   }
   std::vector<AdmissionResult> admitted(requests.size());
@@ -825,7 +830,14 @@ PublishResult ContextCacheManager::publishCheckpoint(char const* call, CacheRequ
   checkBoundPrefix(call, lease, blocks, full);
 
   Hash128 const digest = exactPrefixDigest(blocks, exactLength);
-  if (CacheRecord const* existing = mRecords.findHybrid(HybridKey{digest, exactLength})) {
+  // First committer wins within one kind. A plain checkpoint is also cached already when an
+  // unaligned Hybrid-MTP one exists (plain plans restore its base side); a Hybrid-MTP checkpoint
+  // never counts a base-only one, which its plans cannot use.
+  CacheRecord const* existing = mRecords.findHybrid(HybridKey{digest, exactLength, mtp});
+  if (existing == nullptr && !mtp && attention && exactLength % mPageSize != 0) {
+    existing = mRecords.findHybrid(HybridKey{digest, exactLength, true});
+  }
+  if (existing != nullptr) {
     mRecords.touch(existing->id);
     ++mMetrics.existingRecordsTouched;
     return {PublishStatus::kExistingRecord, existing->id, existing->basePagePath, full};

@@ -17,6 +17,12 @@ EvictionPlanner::EvictionPlanner(ResourceDemand capacities) : mCapacities(capaci
 
 EvictionPlan EvictionPlanner::plan(ResourceDemand const& demand, ResourcePools const& pools,
                                    RecordStore const& records, RecordId protectedRecord) {
+  return plan(demand, pools, records, std::span<RecordId const>(&protectedRecord, 1));
+}
+
+EvictionPlan EvictionPlanner::plan(ResourceDemand const& demand, ResourcePools const& pools,
+                                   RecordStore const& records,
+                                   std::span<RecordId const> protectedRecords) {
   MKV_REQUIRE(pools.capacities() == mCapacities, "EvictionPlanner::plan",
               "pools of another geometry (base capacity {} vs {})", pools.capacities().baseKvPages,
               mCapacities.baseKvPages);
@@ -66,15 +72,26 @@ EvictionPlan EvictionPlanner::plan(ResourceDemand const& demand, ResourcePools c
     return result.reclaimed.covers(need);
   };
 
+  auto const isProtected = [&](RecordId id) {
+    return std::find(protectedRecords.begin(), protectedRecords.end(), id) !=
+           protectedRecords.end();
+  };
   for (CacheRecord const& record : records.lruToMru()) {
-    if (record.id != protectedRecord && visit(record)) {
+    if (!isProtected(record.id) && visit(record)) {
       result.feasible = true;
       return result;
     }
   }
-  if (CacheRecord const* last = records.get(protectedRecord); last != nullptr && visit(*last)) {
-    result.feasible = true;
-    return result;
+  for (std::size_t i = 0; i < protectedRecords.size(); ++i) {
+    RecordId const id = protectedRecords[i];
+    if (std::find(protectedRecords.begin(), protectedRecords.begin() + static_cast<std::ptrdiff_t>(i),
+                  id) != protectedRecords.begin() + static_cast<std::ptrdiff_t>(i)) {
+      continue;  // visited already
+    }
+    if (CacheRecord const* last = records.get(id); last != nullptr && visit(*last)) {
+      result.feasible = true;
+      return result;
+    }
   }
   return {};  // cache references outside the store's records: cannot be planned
 }

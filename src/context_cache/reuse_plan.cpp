@@ -84,17 +84,23 @@ ReusePlan planHybrid(BlockIndex const& index, RecordStore const& records,
     int32_t const full = mtp ? (length - 1) / page : length / page;
     bool const needsPartial = mtp || (hasAttention && length % page != 0);
     Hash128 const digest = exactPrefixDigest(blocks, length);
-    CacheRecord const* record = records.findHybrid(HybridKey{digest, length});
-    if (record == nullptr || record->key.fullBlockCount != full ||
-        !std::equal(record->logicalBlockDigests.begin(), record->logicalBlockDigests.end(),
-                    blocks.keys.begin()) ||
-        !record->recurrentSnapshotSlot ||
-        record->partialKvSnapshotSlot.has_value() != needsPartial ||
-        record->basePagePath.size() != static_cast<std::size_t>(hasAttention ? full : 0)) {
-      continue;
+    auto const usable = [&](CacheRecord const* candidate) {
+      return candidate != nullptr && candidate->key.fullBlockCount == full &&
+             std::equal(candidate->logicalBlockDigests.begin(),
+                        candidate->logicalBlockDigests.end(), blocks.keys.begin()) &&
+             candidate->recurrentSnapshotSlot &&
+             candidate->partialKvSnapshotSlot.has_value() == needsPartial &&
+             candidate->basePagePath.size() == static_cast<std::size_t>(hasAttention ? full : 0) &&
+             (!mtp || (candidate->specState && candidate->specState->draftPagePath.size() ==
+                                                   static_cast<std::size_t>(full)));
+    };
+    // A Hybrid-MTP plan uses Hybrid-MTP checkpoints only; a plain plan prefers a base-only one
+    // and otherwise restores the base side of a Hybrid-MTP checkpoint (unaligned lengths only).
+    CacheRecord const* record = records.findHybrid(HybridKey{digest, length, mtp});
+    if (!usable(record) && !mtp) {
+      record = records.findHybrid(HybridKey{digest, length, true});
     }
-    if (mtp && (!record->specState ||
-                record->specState->draftPagePath.size() != static_cast<std::size_t>(full))) {
+    if (!usable(record)) {
       continue;
     }
     if (index.verifiesTokens()) {

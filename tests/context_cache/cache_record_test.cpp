@@ -39,7 +39,10 @@ TEST(CacheRecordTest, ValidRecordsPass) {
   EXPECT_NO_THROW(spec.validate());
   EXPECT_NO_THROW(checkpoint(0, true).validate()) << "sub-page checkpoint";
   EXPECT_NO_THROW(checkpoint(2, false).validate()) << "pure recurrent: no base path";
-  EXPECT_EQ(checkpoint(1, true).hybridKey(), (HybridKey{Hash128{9, 9}, 5}));
+  EXPECT_EQ(checkpoint(1, true).hybridKey(), (HybridKey{Hash128{9, 9}, 5, false}));
+  CacheRecord mtp = checkpoint(1, true);
+  mtp.specState = SpecState{{3}};
+  EXPECT_EQ(mtp.hybridKey(), (HybridKey{Hash128{9, 9}, 5, true}));
   EXPECT_FALSE(blockRecord(1).hybridKey().has_value());
 }
 

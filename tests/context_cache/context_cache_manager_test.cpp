@@ -1007,6 +1007,36 @@ TEST(ContextCacheManagerBatchTest, ARefusedBatchChangesNothingAndCountsCapacityM
   expectManagerInvariants(rig.manager);
 }
 
+TEST(ContextCacheManagerBatchTest, TheBatchsOwnHitRecordsAreEvictedLast) {
+  // H (LRU): a hybrid checkpoint at 6 (1 page); P: one at 8 (2 pages); 3 pages free. The batch
+  // needs 1 private page for H's consumer and 3 for a cold sequence: one page short, which P
+  // alone frees. H, the batch's own hit, must survive (acquirePlan protects its hit the same way).
+  ContextCacheManager m(kPage, {6, 0, 2, 2}, 8);
+  std::vector<int32_t> const h = iotaTokens(6);
+  ASSERT_EQ(publishCheckpointOf(m, h, 6).status, PublishStatus::kPublished);
+  ASSERT_EQ(publishCheckpointOf(m, iotaTokens(8, 100), 8).status, PublishStatus::kPublished);
+  ASSERT_EQ(m.records().size(), 2U);
+  RecordId const hit = m.records().lruToMru().front().id;
+  ASSERT_EQ(m.pools().freeCount(ResourceType::kBaseKvPage), 3);
+  std::vector<int32_t> const consumer = concat(h, {1, 2});
+  std::vector<int32_t> const cold = iotaTokens(12, 500);
+  std::vector<LookupRequest> const requests{requestOf(consumer, ReuseMode::kHybrid),
+                                            requestOf(cold, ReuseMode::kHybrid)};
+  std::vector<LookupResult> looked;
+  for (LookupRequest const& request : requests) {
+    looked.push_back(m.lookup(request));
+  }
+  ASSERT_EQ(looked[0].plan.hybridRecord, hit);
+  std::vector<AdmissionResult> admitted = m.acquireBatch(requests, std::move(looked));
+  ASSERT_EQ(admitted.size(), 2U);
+  ASSERT_TRUE(admitted[0].lease && admitted[1].lease);
+  EXPECT_EQ(admitted[0].plan.reuseTokenLength, 6);
+  EXPECT_NE(m.records().get(hit), nullptr) << "the batch's own hit record was evicted";
+  EXPECT_EQ(m.records().size(), 1U);
+  admitted.clear();
+  expectManagerInvariants(m);
+}
+
 TEST(ContextCacheManagerBatchTest, RejectsMismatchedLookupsWithoutChangingAnything) {
   BatchRig rig;
   std::vector<int32_t> const cold = iotaTokens(8, 500);

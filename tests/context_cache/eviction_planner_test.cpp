@@ -140,6 +140,21 @@ TEST_F(EvictionPlannerTest, ProtectedRecordIsVisitedLast) {
             (std::vector<RecordId>{b, a}));
 }
 
+TEST_F(EvictionPlannerTest, SeveralProtectedRecordsAreVisitedLastInTheOrderGiven) {
+  RecordId const a = addRecord({0});
+  RecordId const b = addRecord({1});
+  RecordId const c = addRecord({2});
+  settle();
+  std::vector<RecordId> const protectedRecords{c, kNoRecord, a, c};
+  EXPECT_EQ(mPlanner.plan({2, 0, 0, 0}, mPools, mRecords, protectedRecords).victims,
+            (std::vector<RecordId>{b}));
+  EXPECT_EQ(mPlanner.plan({4, 0, 0, 0}, mPools, mRecords, protectedRecords).victims,
+            (std::vector<RecordId>{b, c, a}))
+      << "repeats and kNoRecord are skipped";
+  EXPECT_EQ(mPlanner.plan({3, 0, 0, 0}, mPools, mRecords, std::span<RecordId const>{}).victims,
+            (std::vector<RecordId>{a, b}));
+}
+
 TEST_F(EvictionPlannerTest, RejectsForeignPoolsAndNegativeDemand) {
   ResourcePools other({5, 2, 0, 0});
   EXPECT_THROW(mPlanner.plan({1, 0, 0, 0}, other, mRecords), Error);

@@ -272,6 +272,17 @@ TEST_F(ReusePlanTest, ClassifyingAPartialHitsMissTakesOneContentStepNotAWalk) {
   PromptBlocks const salted = hashPromptBlocks(viewOf(published, {{}, Hash128{9, 9}}), kPage);
   ReusePlan const saltedPlan = makeVanillaReusePlan(index(), salted, kUse);
   EXPECT_EQ(classifyMiss(index(), salted, saltedPlan), MissReason::kSaltMismatch);
+  // The same text with an image in block 4 (the first missed block, index > 0): its content key,
+  // derived from block 3's entry by contentKeyAfter, is indexed, so the miss is the media's.
+  std::vector<MediaPosition> media(published.size());
+  for (std::size_t i = 0; i < 2; ++i) {
+    media[4 * kPage + 1 + i] = MediaPosition{Hash128{7, 7}, static_cast<int32_t>(i)};
+  }
+  PromptBlocks const withMedia = hashPromptBlocks(viewOf(published, {}, &media), kPage);
+  ReusePlan const mediaPlan = makeVanillaReusePlan(index(), withMedia, kUse);
+  ASSERT_EQ(mediaPlan.indexedPrefixBlocks, 4);
+  EXPECT_EQ(classifyMiss(index(), withMedia, mediaPlan), MissReason::kMediaMismatch);
+  EXPECT_EQ(withMedia.contentKeysComputed(), 0) << "one content step from block 3's entry";
 }
 
 TEST_F(ReusePlanTest, RejectsBlocksOfAnotherPageSize) {

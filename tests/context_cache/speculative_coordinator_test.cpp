@@ -393,6 +393,86 @@ TEST_P(HybridMtpCoordinatorTest, TheEndpointApiRefusesOtherDeployments) {
   ASSERT_EQ(rig.coordinator->finish(handle), kOk);
 }
 
+TEST_P(HybridMtpCoordinatorTest, ABaseOnlyCheckpointAndAnEndpointOfOneLengthCoexist) {
+  SpecRig rig(device(), mtp());
+  // A vanilla request publishes a base-only checkpoint at 129 (page 128) ...
+  Seq vanilla(tokenRun(129, 100), 0);
+  Handle plain = rig.admit({&vanilla}, false);
+  ASSERT_EQ(rig.prefill(plain, {&vanilla}, false), kOk);
+  ASSERT_EQ(rig.coordinator->finish(plain), kOk);
+  ASSERT_EQ(rig.records().size(), 1u);
+  EXPECT_FALSE(rig.records().front().specState.has_value());
+  // ... which must not stop a speculative request from publishing its endpoint at 129.
+  Seq producer(tokenRun(129, 100), 1);
+  Handle handle = rig.admit({&producer}, true);
+  ASSERT_EQ(rig.mtpPrefill(handle, producer), kOk);
+  ASSERT_EQ(rig.coordinator->finish(handle), kOk);
+  EXPECT_EQ(rig.coordinator->counters().hybridMtpPublications, 1u);
+  ASSERT_EQ(rig.records().size(), 2u);
+  Seq consumer(joined(tokenRun(129, 100), tokenRun(11, 7)), 0);
+  std::vector<int32_t> starts;
+  Handle next = rig.admit({&consumer}, true, &starts);
+  EXPECT_EQ(starts, std::vector<int32_t>{129});
+  ASSERT_EQ(rig.mtpPrefill(next, consumer), kOk);
+  ASSERT_EQ(rig.coordinator->finish(next), kOk);
+  // A second endpoint at 129 is still deduplicated (first committer wins within one kind).
+  Seq again(tokenRun(129, 100), 1);
+  Handle repeat = rig.admit({&again}, true);
+  ASSERT_EQ(rig.mtpPrefill(repeat, again), kOk);
+  ASSERT_EQ(rig.coordinator->finish(repeat), kOk);
+  EXPECT_EQ(rig.records().size(), 3u) << "the two checkpoints at 129 and the consumer's at 140";
+  rig.expectQuiescent();
+}
+
+TEST_P(HybridMtpCoordinatorTest, AnEndpointDoesNotBlockABaseOnlyCheckpointOfOneLength) {
+  SpecRig rig(device(), mtp());
+  Seq producer(tokenRun(256, 100), 0);
+  Handle handle = rig.admit({&producer}, true);
+  ASSERT_EQ(rig.mtpPrefill(handle, producer), kOk);
+  ASSERT_EQ(rig.coordinator->finish(handle), kOk);
+  ASSERT_EQ(rig.records().size(), 1u);
+  // Page-aligned: the vanilla plan cannot use the endpoint (1 block, not 2), so the vanilla
+  // request must publish its own base-only checkpoint at 256.
+  Seq vanilla(tokenRun(256, 100), 1);
+  Handle plain = rig.admit({&vanilla}, false);
+  ASSERT_EQ(rig.prefill(plain, {&vanilla}, false), kOk);
+  ASSERT_EQ(rig.coordinator->finish(plain), kOk);
+  EXPECT_EQ(rig.records().size(), 2u);
+  Seq consumer(joined(tokenRun(256, 100), {5}), 0);
+  std::vector<int32_t> starts;
+  Handle next = rig.admit({&consumer}, false, &starts);
+  EXPECT_EQ(starts, std::vector<int32_t>{256});
+  ASSERT_EQ(rig.prefill(next, {&consumer}, false), kOk);
+  ASSERT_EQ(rig.coordinator->finish(next), kOk);
+  rig.expectQuiescent();
+}
+
+TEST_P(HybridMtpCoordinatorTest, AnEndpointBelowTheRestoredLengthThrowsAndChangesNothing) {
+  SpecRig rig(device(), mtp());
+  Seq producer(tokenRun(129, 100), 0);
+  Handle handle = rig.admit({&producer}, true);
+  ASSERT_EQ(rig.mtpPrefill(handle, producer), kOk);
+  ASSERT_EQ(rig.coordinator->finish(handle), kOk);
+
+  Seq consumer(joined(tokenRun(129, 100), tokenRun(71, 7)), 1);
+  std::vector<int32_t> starts;
+  Handle next = rig.admit({&consumer}, true, &starts);
+  ASSERT_EQ(starts, std::vector<int32_t>{129});
+  rig.coordinator->preparePrefill(next);
+  Tensor hidden = rig.hiddenStates(consumer, 129, 200);
+  int32_t const freeRecurrent = rig.pools().freeCount(ResourceType::kRecurrentSnapshot);
+  int32_t const syncs = rig.sync->calls;
+  EXPECT_TRUE(throwsError(
+      [&] { (void)rig.coordinator->publishHybridMtpEndpoint(next, 0, 100, hidden, 0); },
+      {"publishHybridMtpEndpoint", "residentStateLength 100", "129"}));
+  EXPECT_EQ(rig.sync->calls, syncs);
+  EXPECT_EQ(rig.pools().freeCount(ResourceType::kRecurrentSnapshot), freeRecurrent);
+  EXPECT_EQ(rig.records().size(), 1u);
+  EXPECT_EQ(rig.coordinator->counters().hybridMtpPublications, 1u);
+  ASSERT_EQ(rig.coordinator->finish(next), kOk);
+  rig.expectQuiescent();
+}
+
 INSTANTIATE_TEST_SUITE_P(Devices, HybridMtpCoordinatorTest, allDeviceTypes(), deviceName);
 
 // ------------------------------------------------------------------------------- profiles

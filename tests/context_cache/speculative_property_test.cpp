@@ -65,10 +65,24 @@ void runWorkload(SpecRigOptions options, uint32_t seed, int32_t requests) {
     for (Seq& seq : seqs) {
       rows.push_back(&seq);
     }
+    auto const recordIds = [&rig] {
+      std::vector<RecordId> ids;
+      for (CacheRecord const& record : rig.records()) {
+        ids.push_back(record.id);
+      }
+      return ids;
+    };
+    std::vector<RecordId> const recordsBefore = recordIds();
+    ResourceDemand const freeBefore = rig.pools().freeCounts();
+    int32_t const leasesBefore = rig.manager().liveLeaseCount();
     auto begun = rig.coordinator->beginRequest(rig.batchOf(rows, speculative),
                                                rig.headroomOf(speculative), nullptr);
     if (begun.status == ContextCacheStatus::kRequestFailed) {
-      continue;  // pool pressure: nothing changed
+      // Pool pressure: nothing changed (no record evicted or reordered, no slot taken).
+      EXPECT_EQ(recordIds(), recordsBefore);
+      EXPECT_EQ(rig.pools().freeCounts(), freeBefore);
+      EXPECT_EQ(rig.manager().liveLeaseCount(), leasesBefore);
+      continue;
     }
     ASSERT_EQ(begun.status, kOk);
     Handle handle = std::move(begun.admission->request);

@@ -27,10 +27,14 @@ struct RecordKey {
   friend bool operator==(RecordKey const&, RecordKey const&) = default;
 };
 
-/// Key of a hybrid checkpoint: exact-prefix digest and exact token length.
+/// Key of a hybrid checkpoint: exact-prefix digest, exact token length and whether it is a
+/// Hybrid-MTP checkpoint (paired draft state, boundary token private). A base-only checkpoint and
+/// a Hybrid-MTP one of the same prefix and length are different records: neither plan kind can
+/// use the other's (SPEC §8.3), so one must not block the other's publication.
 struct HybridKey {
   Hash128 exactDigest;
   int32_t exactLength = 0;
+  bool mtp = false;
   friend bool operator==(HybridKey const&, HybridKey const&) = default;
 };
 
@@ -39,7 +43,8 @@ struct RecordKeyHasher {
     return Hash128Hasher{}(k.terminal) ^ static_cast<std::size_t>(k.fullBlockCount);
   }
   std::size_t operator()(HybridKey const& k) const noexcept {
-    return Hash128Hasher{}(k.exactDigest) ^ static_cast<std::size_t>(k.exactLength);
+    return Hash128Hasher{}(k.exactDigest) ^ static_cast<std::size_t>(k.exactLength) ^
+           (k.mtp ? std::size_t{1} << 31 : 0);
   }
 };
 
@@ -70,7 +75,7 @@ struct CacheRecord {
   std::vector<int32_t> verificationTokens;
 
   bool isHybrid() const noexcept { return exactCheckpointLength.has_value(); }
-  /// {key.terminal, *exactCheckpointLength} for hybrid records.
+  /// {key.terminal, *exactCheckpointLength, specState set} for hybrid records.
   std::optional<HybridKey> hybridKey() const noexcept;
 
   /// Every resource the record holds a cache reference on (base pages, draft pages, snapshots).

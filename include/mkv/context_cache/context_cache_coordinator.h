@@ -243,8 +243,9 @@ class ContextCacheCoordinator {
   /// plus the lookahead under kCommittedPlusLookahead) and publishes the prompt's full blocks
   /// (checkpoint deployments: commits the captures of enqueuePrefillCaptures instead).
   /// `commonStateLengths` (tokens whose base *and* draft state is materialised) is for
-  /// speculative requests only: one per sequence, each equal to the prompt length; required with
-  /// a paged draft, derived from the advances when empty otherwise. A speculative request on an
+  /// speculative requests only: one per sequence, each equal to the prompt length; required when
+  /// the request pairs a paged draft on a deployment other than Hybrid-MTP, derived from the
+  /// advances when empty otherwise (Hybrid-MTP requests may omit them). A speculative request on an
   /// attention deployment publishes nothing here: its draft initialisation is still running, so
   /// the prompt endpoint is frozen and published after the first verification round (or, when no
   /// round follows, after the synchronisation of compactBatch / finish; never on abandonment).
@@ -259,8 +260,10 @@ class ContextCacheCoordinator {
   /// After the runtime's decode synchronisation: applies advances and publishes the full blocks
   /// of `completedSlots` (finished, not cancelled or errored) at decode end. Speculative
   /// requests accept any positive number of tokens per row (committed = previous + accepted) and
-  /// publish paired base + draft paths at the common length (one per row; required with a paged
-  /// draft, monotonic, at most the committed length; entries of held rows are ignored). Checkpoint
+  /// publish paired base + draft paths at the common length (one per row; required when the
+  /// request pairs a paged draft on a deployment other than Hybrid-MTP, derived from the
+  /// advances when empty otherwise; monotonic, at most the committed length; entries of held
+  /// rows are ignored). Checkpoint
   /// deployments capture the completed slots' state at their committed length instead, make one
   /// capture synchronisation and commit; when it fails: kPoisoned, the request is quarantined
   /// and the handle invalidated.

@@ -6,6 +6,7 @@
 
 #include <array>
 #include <cstdint>
+#include <span>
 #include <vector>
 
 #include "mkv/context_cache/record_store.h"
@@ -20,8 +21,8 @@ struct EvictionPlan {
   ResourceDemand reclaimed;       ///< slots the victims return to the free rings, per type
 };
 
-/// Simulates evicting records LRU -> MRU (a protected record, e.g. the request's own hit, is moved
-/// to the very end) and returns the shortest victim prefix after which the free slots cover the
+/// Simulates evicting records LRU -> MRU (protected records, e.g. the requests' own hits, are moved
+/// to the very end, in the order given) and returns the shortest victim prefix after which the free slots cover the
 /// whole demand in all four pools together. Per visited record it decrements a simulated cache
 /// count of each of its resources; a resource counts as reclaimed when that count reaches zero and
 /// no lease pins it (active == 0). Shared ancestors therefore free only once every record using
@@ -40,6 +41,11 @@ class EvictionPlanner {
   /// capacities differ from the planner's or the demand is negative.
   EvictionPlan plan(ResourceDemand const& demand, ResourcePools const& pools,
                     RecordStore const& records, RecordId protectedRecord = kNoRecord);
+  /// As above with several protected records (kNoRecord entries and repeats are ignored; ids of
+  /// records no longer stored are skipped). The walk costs O(protected) extra per visited record,
+  /// meant for a batch's few hits.
+  EvictionPlan plan(ResourceDemand const& demand, ResourcePools const& pools,
+                    RecordStore const& records, std::span<RecordId const> protectedRecords);
 
  private:
   std::array<std::vector<int32_t>, kResourceTypeCount> mSimulatedCache;  ///< -1 = untouched
