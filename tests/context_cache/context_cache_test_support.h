@@ -85,6 +85,20 @@ inline ManagerState captureState(ContextCacheManager const& manager) {
   return s;
 }
 
+/// No live lease, and every resource of every pool either free or cached by a record.
+inline void expectQuiescent(ContextCacheManager const& manager) {
+  EXPECT_EQ(manager.liveLeaseCount(), 0);
+  ResourcePools const& pools = manager.pools();
+  for (ResourceType type : kAllResourceTypes) {
+    int32_t cached = 0;
+    for (int32_t i = 0; i < pools.capacity(type); ++i) {
+      EXPECT_EQ(pools.activeRefs({type, i}), 0);
+      cached += pools.cacheRefs({type, i}) > 0 ? 1 : 0;
+    }
+    EXPECT_EQ(pools.freeCount(type) + cached, pools.capacity(type));
+  }
+}
+
 /// Page conservation and reference bookkeeping of a manager:
 /// * per pool: free + (pinned or cached) == capacity; a slot is in the free ring iff both counts
 ///   are 0; reclaimableCount == slots with cache > 0 and active == 0;

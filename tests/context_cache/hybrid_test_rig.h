@@ -14,6 +14,7 @@
 #include <span>
 #include <vector>
 
+#include "context_cache_test_support.h"
 #include "coordinator_test_rig.h"
 #include "mkv/context_cache/context_cache_coordinator.h"
 #include "mkv/recurrent_state_pool.h"
@@ -204,17 +205,7 @@ class HybridRig {
   }
 
   /// No live lease and every resource either free or cached by a record.
-  void expectQuiescent() const {
-    EXPECT_EQ(manager().liveLeaseCount(), 0);
-    for (ResourceType type : kAllResourceTypes) {
-      int32_t cached = 0;
-      for (int32_t i = 0; i < pools().capacity(type); ++i) {
-        EXPECT_EQ(pools().activeRefs({type, i}), 0);
-        cached += pools().cacheRefs({type, i}) > 0 ? 1 : 0;
-      }
-      EXPECT_EQ(pools().freeCount(type) + cached, pools().capacity(type));
-    }
-  }
+  void expectQuiescent() const { test::expectQuiescent(manager()); }
 
   HybridRigOptions options;
   std::optional<KVCachePool> pool;

@@ -317,17 +317,7 @@ class SpecRig {
   }
 
   /// No live lease and every resource either free or cached by a record.
-  void expectQuiescent() const {
-    EXPECT_EQ(manager().liveLeaseCount(), 0);
-    for (ResourceType type : kAllResourceTypes) {
-      int32_t cached = 0;
-      for (int32_t i = 0; i < pools().capacity(type); ++i) {
-        EXPECT_EQ(pools().activeRefs({type, i}), 0);
-        cached += pools().cacheRefs({type, i}) > 0 ? 1 : 0;
-      }
-      EXPECT_EQ(pools().freeCount(type) + cached, pools().capacity(type));
-    }
-  }
+  void expectQuiescent() const { test::expectQuiescent(manager()); }
 
   SpecRigOptions options;
   DeviceType device;
