@@ -80,6 +80,24 @@ struct Seq {
   testing::PrefixDigests digests;
 };
 
+/// The admission of `seq`'s prompt (text only, no extras, batch policy).
+inline ContextCacheSequenceAdmission promptAdmissionOf(Seq const& seq) {
+  ContextCacheSequenceAdmission admission;
+  admission.tokenIds =
+      std::vector<int32_t>(seq.tokens.begin(), seq.tokens.begin() + seq.promptLength);
+  admission.resident = seq.resident;
+  return admission;
+}
+
+/// The admissions of `seqs`' prompts as one batch (defaults otherwise).
+inline ContextCacheBatchAdmission promptBatchOf(std::vector<Seq*> const& seqs) {
+  ContextCacheBatchAdmission batch;
+  for (Seq const* seq : seqs) {
+    batch.sequences.push_back(promptAdmissionOf(*seq));
+  }
+  return batch;
+}
+
 /// Pool, table, coordinator and oracle on one device. Declare handles and requests *after* the
 /// rig so they are destroyed first.
 class CoordinatorRig {
@@ -149,20 +167,11 @@ class CoordinatorRig {
     return pools().cacheRefs({ResourceType::kBaseKvPage, page});
   }
 
-  /// The admission of `seq`'s prompt (text only, no extras, batch policy).
   ContextCacheSequenceAdmission admissionOf(Seq const& seq) const {
-    ContextCacheSequenceAdmission admission;
-    admission.tokenIds =
-        std::vector<int32_t>(seq.tokens.begin(), seq.tokens.begin() + seq.promptLength);
-    admission.resident = seq.resident;
-    return admission;
+    return promptAdmissionOf(seq);
   }
   ContextCacheBatchAdmission batchOf(std::vector<Seq*> const& seqs) const {
-    ContextCacheBatchAdmission batch;
-    for (Seq const* seq : seqs) {
-      batch.sequences.push_back(admissionOf(*seq));
-    }
-    return batch;
+    return promptBatchOf(seqs);
   }
   ContextCacheCoordinator::BeginRequestResult begin(ContextCacheBatchAdmission const& batch) {
     return coordinator.beginRequest(batch, kVanilla, nullptr);

@@ -92,15 +92,7 @@ class HybridRig {
   int32_t freeSlots(ResourceType type) const { return pools().freeCount(type); }
 
   ContextCacheBatchAdmission batchOf(std::vector<Seq*> const& seqs) const {
-    ContextCacheBatchAdmission batch;
-    for (Seq const* seq : seqs) {
-      ContextCacheSequenceAdmission admission;
-      admission.tokenIds =
-          std::vector<int32_t>(seq->tokens.begin(), seq->tokens.begin() + seq->promptLength);
-      admission.resident = seq->resident;
-      batch.sequences.push_back(std::move(admission));
-    }
-    return batch;
+    return promptBatchOf(seqs);
   }
   ContextCacheCoordinator::RequestHandle admit(std::vector<Seq*> const& seqs,
                                                std::vector<int32_t>* starts = nullptr,

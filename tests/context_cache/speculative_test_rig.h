@@ -129,17 +129,10 @@ class SpecRig {
   }
 
   ContextCacheBatchAdmission batchOf(std::vector<Seq*> const& seqs, bool speculative) const {
-    ContextCacheBatchAdmission batch;
+    ContextCacheBatchAdmission batch = promptBatchOf(seqs);
     batch.speculativeRequest = speculative;
     if (speculative && options.hybrid) {
       batch.commitPolicy = ContextCacheCommitPolicy::kPrefillStateOnly;
-    }
-    for (Seq const* seq : seqs) {
-      ContextCacheSequenceAdmission admission;
-      admission.tokenIds =
-          std::vector<int32_t>(seq->tokens.begin(), seq->tokens.begin() + seq->promptLength);
-      admission.resident = seq->resident;
-      batch.sequences.push_back(std::move(admission));
     }
     return batch;
   }
