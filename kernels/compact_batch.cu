@@ -302,4 +302,12 @@ cudaError_t compactBatchCuda(CompactBatchLaunch const& launch, cudaStream_t stre
   return cudaGetLastError();
 }
 
+cudaError_t loadCompactBatchKernels() {
+  cudaError_t status = cudaSuccess;
+  forEachAccessWidth([&](auto width) {
+    status = firstError(status, loadKernel(compactBatchKernel<decltype(width)::value>));
+  });
+  return status;
+}
+
 }  // namespace mkv::kernels::detail

@@ -63,4 +63,12 @@ cudaError_t copyPagesCuda(CopyPagesLaunch const& launch, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+cudaError_t loadCopyPagesKernels() {
+  cudaError_t status = cudaSuccess;
+  forEachAccessWidth([&](auto width) {
+    status = firstError(status, loadKernel(copyPagesKernel<decltype(width)::value>));
+  });
+  return status;
+}
+
 }  // namespace mkv::kernels::detail

@@ -59,4 +59,12 @@ cudaError_t copyRowsCuda(CopyRowsLaunch const& launch, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+cudaError_t loadCopyRowsKernels() {
+  cudaError_t status = cudaSuccess;
+  forEachAccessWidth([&](auto width) {
+    status = firstError(status, loadKernel(copyRowsKernel<decltype(width)::value>));
+  });
+  return status;
+}
+
 }  // namespace mkv::kernels::detail

@@ -88,6 +88,16 @@ void zeroRowsHost(ZeroRowsLaunch const& launch) {
   }
 }
 
+void applyInt32InlinePatchHost(Int32InlinePatchLaunch const& launch) {
+  Int32PatchLaunch general{};
+  general.dst = launch.dst;
+  general.patch = launch.patch;
+  general.dstNumel = launch.dstNumel;
+  general.patchNumel = launch.patchNumel;
+  general.numRanges = launch.numRanges;
+  applyInt32PatchHost(general);
+}
+
 void applyInt32PatchHost(Int32PatchLaunch const& launch) {
   for (int32_t r = 0; r < launch.numRanges; ++r) {
     int64_t const offset = launch.patch[3 * r];

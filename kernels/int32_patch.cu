@@ -49,7 +49,31 @@ __global__ void __launch_bounds__(kPatchThreads)
   }
 }
 
+/// The inline variant: the patch lives in the parameters. One CTA per range (grid.y), its
+/// threads striding over the range's values; the patches are small (<= kMaxInlinePatchValues).
+__global__ void __launch_bounds__(kPatchThreads)
+    int32InlinePatchKernel(__grid_constant__ Int32InlinePatchLaunch const launch) {
+  for (int32_t r = blockIdx.y; r < launch.numRanges; r += gridDim.y) {
+    int64_t const offset = launch.patch[3 * r];
+    int32_t const count = launch.patch[3 * r + 1];
+    int32_t const valueStart = launch.patch[3 * r + 2];
+    for (int32_t j = threadIdx.x; j < count; j += kPatchThreads) {
+      int64_t const target = offset + j;
+      int32_t const source = valueStart + j;
+      if (target >= 0 && target < launch.dstNumel && source >= 0 && source < launch.patchNumel) {
+        launch.dst[target] = launch.patch[source];
+      }
+    }
+  }
+}
+
 }  // namespace
+
+cudaError_t applyInt32InlinePatchCuda(Int32InlinePatchLaunch const& launch, cudaStream_t stream) {
+  auto const ranges = static_cast<unsigned int>(std::clamp<int64_t>(launch.numRanges, 1, kMaxPatchBlocksY));
+  int32InlinePatchKernel<<<dim3(1, ranges, 1), kPatchThreads, 0, stream>>>(launch);
+  return cudaGetLastError();
+}
 
 cudaError_t applyInt32PatchCuda(Int32PatchLaunch const& launch, cudaStream_t stream) {
   int64_t const ranges = std::max<int64_t>(launch.numRanges, 1);
@@ -61,6 +85,10 @@ cudaError_t applyInt32PatchCuda(Int32PatchLaunch const& launch, cudaStream_t str
                   static_cast<unsigned int>(std::min(ranges, kMaxPatchBlocksY)), 1);
   int32PatchKernel<<<grid, kPatchThreads, 0, stream>>>(launch);
   return cudaGetLastError();
+}
+
+cudaError_t loadInt32PatchKernels() {
+  return firstError(loadKernel(int32PatchKernel), loadKernel(int32InlinePatchKernel));
 }
 
 }  // namespace mkv::kernels::detail

@@ -143,12 +143,24 @@ struct Int32PatchLaunch {
   int32_t numRanges;
 };
 
+/// A patch small enough to travel in the kernel's parameters (the classic 4 KiB limit): no
+/// upload, no staging, one launch. Same layout and semantics as Int32PatchLaunch's patch.
+struct Int32InlinePatchLaunch {
+  int32_t* dst;
+  int64_t dstNumel;
+  int32_t patchNumel;
+  int32_t numRanges;
+  int32_t patch[kMaxInlinePatchValues];
+};
+static_assert(sizeof(Int32InlinePatchLaunch) <= 4096, "kernel parameters are limited to 4 KiB");
+
 // Host reference twins: synchronous, same semantics bit for bit.
 void copyPagesHost(CopyPagesLaunch const& launch);
 void compactBatchHost(CompactBatchLaunch const& launch);
 void copyRowsHost(CopyRowsLaunch const& launch);
 void zeroRowsHost(ZeroRowsLaunch const& launch);
 void applyInt32PatchHost(Int32PatchLaunch const& launch);
+void applyInt32InlinePatchHost(Int32InlinePatchLaunch const& launch);
 
 // CUDA implementations (kernels/*.cu), present when MKV_WITH_CUDA. Each is one launch.
 cudaError_t copyPagesCuda(CopyPagesLaunch const& launch, cudaStream_t stream);
@@ -156,5 +168,12 @@ cudaError_t compactBatchCuda(CompactBatchLaunch const& launch, cudaStream_t stre
 cudaError_t copyRowsCuda(CopyRowsLaunch const& launch, cudaStream_t stream);
 cudaError_t zeroRowsCuda(ZeroRowsLaunch const& launch, cudaStream_t stream);
 cudaError_t applyInt32PatchCuda(Int32PatchLaunch const& launch, cudaStream_t stream);
+cudaError_t applyInt32InlinePatchCuda(Int32InlinePatchLaunch const& launch, cudaStream_t stream);
+// Each loads every instantiation of its file's kernels on the current device (loadKernels()).
+cudaError_t loadCopyPagesKernels();
+cudaError_t loadCompactBatchKernels();
+cudaError_t loadCopyRowsKernels();
+cudaError_t loadZeroRowsKernels();
+cudaError_t loadInt32PatchKernels();
 
 }  // namespace mkv::kernels::detail

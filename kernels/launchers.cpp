@@ -339,6 +339,42 @@ void zeroRows(std::span<RowBuffer const> buffers, DeviceType deviceType, Tensor 
   run(deviceType, kCall, launch, &detail::zeroRowsHost, MKV_CUDA_IMPL(zeroRowsCuda), stream);
 }
 
+void applyInt32InlinePatch(Tensor& dst, std::span<int32_t const> patch, int32_t numRanges,
+                           cudaStream_t stream) {
+  constexpr char const* kCall = "applyInt32InlinePatch";
+  MKV_REQUIRE(dst.dataType() == DataType::kInt32, kCall, "dst must be int32, got {}",
+              toString(dst.dataType()));
+  MKV_REQUIRE(patch.size() <= static_cast<std::size_t>(kMaxInlinePatchValues), kCall,
+              "a patch of {} entries exceeds the inline limit of {}", patch.size(),
+              kMaxInlinePatchValues);
+  auto const patchNumel = static_cast<int64_t>(patch.size());
+  MKV_REQUIRE(numRanges >= 0 && 3 * int64_t{numRanges} <= patchNumel, kCall,
+              "{} ranges need {} header entries but the patch has {}", numRanges,
+              3 * int64_t{numRanges}, patchNumel);
+  for (int32_t r = 0; r < numRanges; ++r) {
+    int64_t const offset = patch[static_cast<std::size_t>(3 * r)];
+    int64_t const count = patch[static_cast<std::size_t>(3 * r + 1)];
+    int64_t const start = patch[static_cast<std::size_t>(3 * r + 2)];
+    MKV_REQUIRE(offset >= 0 && count >= 0 && offset + count <= dst.numel(), kCall,
+                "range {} [{}, {}) is outside dst of {} entries", r, offset, offset + count,
+                dst.numel());
+    MKV_REQUIRE(start >= 3 * int64_t{numRanges} && start + count <= patchNumel, kCall,
+                "range {} values [{}, {}) are outside the patch of {} entries", r, start,
+                start + count, patchNumel);
+  }
+  if (numRanges == 0) {
+    return;
+  }
+  detail::Int32InlinePatchLaunch launch{};
+  launch.dst = dst.dataPointer<int32_t>();
+  launch.dstNumel = dst.numel();
+  launch.patchNumel = static_cast<int32_t>(patchNumel);
+  launch.numRanges = numRanges;
+  std::copy(patch.begin(), patch.end(), launch.patch);
+  run(dst.deviceType(), kCall, launch, &detail::applyInt32InlinePatchHost,
+      MKV_CUDA_IMPL(applyInt32InlinePatchCuda), stream);
+}
+
 void applyInt32Patch(Tensor& dst, Tensor const& patch, int32_t numRanges, cudaStream_t stream) {
   constexpr char const* kCall = "applyInt32Patch";
   MKV_REQUIRE(dst.dataType() == DataType::kInt32, kCall, "dst must be int32, got {}",
@@ -372,6 +408,17 @@ void applyInt32Patch(Tensor& dst, Tensor const& patch, int32_t numRanges, cudaSt
   launch.numRanges = numRanges;
   run(dst.deviceType(), kCall, launch, &detail::applyInt32PatchHost, MKV_CUDA_IMPL(applyInt32PatchCuda),
       stream);
+}
+
+void loadKernels() {
+#if MKV_WITH_CUDA
+  cudaError_t status = detail::loadCopyPagesKernels();
+  status = status != cudaSuccess ? status : detail::loadCompactBatchKernels();
+  status = status != cudaSuccess ? status : detail::loadCopyRowsKernels();
+  status = status != cudaSuccess ? status : detail::loadZeroRowsKernels();
+  status = status != cudaSuccess ? status : detail::loadInt32PatchKernels();
+  mkv::detail::checkCuda(status, "kernels::loadKernels");
+#endif
 }
 
 }  // namespace mkv::kernels

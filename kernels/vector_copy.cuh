@@ -131,4 +131,25 @@ decltype(auto) withAccessWidth(int32_t width, Body&& body) {
   }
 }
 
+/// Calls `body` once per access width, so a loader can reach every instantiation of a kernel.
+template <typename Body>
+void forEachAccessWidth(Body&& body) {
+  for (int32_t width : {16, 8, 4, 2, 1}) {
+    withAccessWidth(width, body);
+  }
+}
+
+/// Loads `kernel` on the current device now (cudaFuncGetAttributes forces the load that CUDA's
+/// lazy loading would otherwise do at the first launch, where it may synchronise the context).
+template <typename Kernel>
+cudaError_t loadKernel(Kernel kernel) {
+  cudaFuncAttributes attributes{};
+  return cudaFuncGetAttributes(&attributes, kernel);
+}
+
+/// Folds launch statuses: the first error wins.
+inline cudaError_t firstError(cudaError_t current, cudaError_t next) {
+  return current != cudaSuccess ? current : next;
+}
+
 }  // namespace mkv::kernels::detail

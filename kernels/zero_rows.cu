@@ -49,4 +49,12 @@ cudaError_t zeroRowsCuda(ZeroRowsLaunch const& launch, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
+cudaError_t loadZeroRowsKernels() {
+  cudaError_t status = cudaSuccess;
+  forEachAccessWidth([&](auto width) {
+    status = firstError(status, loadKernel(zeroRowsKernel<decltype(width)::value>));
+  });
+  return status;
+}
+
 }  // namespace mkv::kernels::detail

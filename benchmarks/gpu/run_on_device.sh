@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # The GPU half in one go (docs/benchmarks.md, ../shared/design/GPU.md):
 #   1. mkv_gpu_tests (every launcher on the GPU vs its host twin, graph capture),
+#   1b. the engine loop's host cost with GPU tensors next to the CPU twin (mkv_host_bench's
+#      BM_RequestLifecycle / BM_Engine*DecodeStep rows, ratios by engine_loop_ratios.py),
 #   2. mkv_gpu_bench (cases G1-G5, CSV),
 #   3. torch_baselines.py (same shapes in PyTorch, and the G6 comparison with 2.),
 #   4. compute-sanitizer memcheck and racecheck over a short selection of mkv_gpu_tests,
@@ -88,6 +90,9 @@ command -v nvidia-smi >/dev/null && nvidia-smi >"$OUT/nvidia-smi.txt" 2>&1
 
 GPU_TESTS=$BUILD/tests/gpu/mkv_gpu_tests
 BENCH=$BUILD/benchmarks/gpu/mkv_gpu_bench
+HOST_BENCH=$BUILD/benchmarks/host/mkv_host_bench
+# Shared libraries the bundle carries (mkv_host_bench's Google Benchmark), see benchmarks/gpu/CMakeLists.txt.
+[[ -d $BUILD/lib ]] && export LD_LIBRARY_PATH=$BUILD/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 
 # 1. GPU test binary.
 if [[ -x $GPU_TESTS ]]; then
@@ -96,6 +101,27 @@ if [[ -x $GPU_TESTS ]]; then
     "$(gtest_detail "$OUT/gpu_tests.log")"
 else
   record "mkv_gpu_tests" FAIL 0 "$GPU_TESTS missing (build with the cuda-release preset)"
+fi
+
+# 1b. Engine loop: host cost per request and per decode step, GPU tensors vs the CPU twin.
+if [[ -x $HOST_BENCH ]]; then
+  run_step "engine loop bench" "$OUT/engine_loop.log" 150 "$HOST_BENCH" \
+    --benchmark_filter='BM_RequestLifecycle|BM_Engine' --benchmark_repetitions=5 \
+    --benchmark_report_aggregates_only=true --benchmark_out="$OUT/engine_loop.json" \
+    --benchmark_out_format=json
+  if [[ $RC == 0 ]]; then
+    python3 "$SCRIPT_DIR/engine_loop_ratios.py" "$OUT/engine_loop.json" >"$OUT/engine_loop_ratios.txt" 2>&1
+    case $? in
+      0) status=PASS ;;
+      77) status=SKIP ;;
+      *) status=FAIL ;;
+    esac
+    record "engine loop (GPU/CPU)" "$status" "$SECONDS_TAKEN" "$(tail -1 "$OUT/engine_loop_ratios.txt")"
+  else
+    record "engine loop (GPU/CPU)" FAIL "$SECONDS_TAKEN" "mkv_host_bench rc $RC"
+  fi
+else
+  record "engine loop (GPU/CPU)" FAIL 0 "$HOST_BENCH missing"
 fi
 
 # 2. Benchmark (exit 77: no device).

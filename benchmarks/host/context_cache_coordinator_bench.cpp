@@ -37,7 +37,7 @@ constexpr int32_t kBatch = 4;
 void BM_CoordinatorBeginRequest(benchmark::State& state) {
   int32_t const blocks = kPromptTokens / kPage;
   int32_t const cachedBlocks = blocks * 95 / 100;
-  KVCacheRuntimeConfig config = cpuRuntimeConfig(kBatch, kPromptTokens + kPage, kPage);
+  KVCacheRuntimeConfig config = benchRuntimeConfig(kBatch, kPromptTokens + kPage, kPage);
   config.model.numFullAttentionLayers = 1;
   config.contextReuse = true;
   config.numPages = kBatch * blocks + 600;  // cold admission of the batch would need 8196 free

@@ -1,6 +1,7 @@
 #pragma once
 /// \file decode_step_rigs.h
-/// Decode-step rigs of the host benchmarks: a CPU KVCacheRuntime with one running batch, driven
+/// Decode-step rigs of the host benchmarks: a KVCacheRuntime (CPU tensors unless a rig is given
+/// kGPU) with one running batch, driven
 /// either through its backend directly (BoundedSwaKVPageManager, ContextCacheCoordinator) or
 /// through the ManagedKVCacheRequest facade exactly as ReferenceEngine drives it. step() is one
 /// decode step of the whole batch, including the engine's minimal share (building the advances,
@@ -50,8 +51,9 @@ class SwaDecodeRig {
   static constexpr int32_t kPage = 16;
   static constexpr int32_t kMaxSequence = 32768;
 
-  SwaDecodeRig(int32_t batch, bool facade) : mFacade(facade) {
-    KVCacheRuntimeConfig config = cpuRuntimeConfig(batch, kMaxSequence, kPage);
+  SwaDecodeRig(int32_t batch, bool facade, DeviceType device = DeviceType::kCPU)
+      : mFacade(facade) {
+    KVCacheRuntimeConfig config = benchRuntimeConfig(batch, kMaxSequence, kPage, device);
     config.model.numSlidingWindowLayers = 1;
     config.model.slidingWindowTokens = kWindow;
     mRuntime = KVCacheRuntime::create(config);
@@ -162,9 +164,9 @@ class ReuseDecodeRig {
   static constexpr int32_t kPrompt = 512;
   static constexpr int32_t kMaxSequence = 16384;
 
-  ReuseDecodeRig(int32_t batch, bool facade, Growth growth)
+  ReuseDecodeRig(int32_t batch, bool facade, Growth growth, DeviceType device = DeviceType::kCPU)
       : mBatch(batch), mFacade(facade), mGrowth(growth) {
-    KVCacheRuntimeConfig config = cpuRuntimeConfig(batch, kMaxSequence, kPage);
+    KVCacheRuntimeConfig config = benchRuntimeConfig(batch, kMaxSequence, kPage, device);
     config.model.numFullAttentionLayers = 1;
     config.contextReuse = true;
     // Room for every row at full length next to the cached prompts: growth never evicts.

@@ -1,7 +1,7 @@
 #pragma once
 /// \file host_bench_support.h
 /// Pieces shared by the host benchmarks (mkv_host_bench): deterministic token streams, the
-/// per-token / per-sequence counters and CPU runtimes for the decode-step benchmarks. Method and
+/// per-token / per-sequence counters and the runtimes of the decode-step benchmarks. Method and
 /// results: docs/benchmarks.md ("Host").
 ///
 /// Every benchmark reports CPU time of whole iterations (Google Benchmark's default): on the
@@ -59,17 +59,19 @@ inline void setSequenceStepCounters(benchmark::State& state, int64_t batch) {
   state.counters["ns_per_seq"] = secondsPer(static_cast<double>(batch));
 }
 
-/// The smallest KV geometry (1 layer, 1 head, head dim 1, fp16) on CPU tensors: bookkeeping cost
-/// does not depend on the bytes per page, and large batches stay within a few tens of MiB.
-inline KVCacheRuntimeConfig cpuRuntimeConfig(int32_t maxBatch, int32_t maxSequenceLength,
-                                             int32_t pageSize) {
+/// The smallest KV geometry (1 layer, 1 head, head dim 1, fp16), on CPU tensors unless `device`
+/// says otherwise: bookkeeping cost does not depend on the bytes per page, and large batches stay
+/// within a few tens of MiB. GPU runtimes use the legacy default stream (nullptr).
+inline KVCacheRuntimeConfig benchRuntimeConfig(int32_t maxBatch, int32_t maxSequenceLength,
+                                               int32_t pageSize,
+                                               DeviceType device = DeviceType::kCPU) {
   KVCacheRuntimeConfig config;
   config.model.numKVHeads = 1;
   config.model.headDim = 1;
   config.maxBatchSize = maxBatch;
   config.maxSequenceLength = maxSequenceLength;
   config.tokensPerPage = pageSize;
-  config.deviceType = DeviceType::kCPU;
+  config.deviceType = device;
   return config;
 }
 

@@ -20,6 +20,9 @@
 #include "mkv/types.h"
 
 namespace mkv {
+namespace detail {
+class Int32UploadRegions;
+}  // namespace detail
 
 /// One mapped page of a sliding window: absolute logical page -> physical page of the SWA pool.
 struct SwaPageBinding {
@@ -230,6 +233,8 @@ class BoundedSwaKVPageManager {
   StreamSynchronizer mSynchronizer;
   std::vector<PageId> mFreePages;
   std::vector<uint8_t> mResidentBusy;
+  /// Compaction-mapping staging, one region per resident slot (created once, see device.h).
+  std::unique_ptr<detail::Int32UploadRegions> mMappingUploads;
   std::vector<std::unique_ptr<Request>> mActive;
   std::vector<std::unique_ptr<Request>> mQuarantine;
   uint64_t mNextRequestId = 1;

@@ -28,6 +28,9 @@ namespace mkv::kernels {
 inline constexpr int32_t kMaxLayers = 256;
 /// Most row buffers one compactBatch / zeroRows call addresses.
 inline constexpr int32_t kMaxRowBuffers = 256;
+/// Most int32 entries (headers and values) of a patch that applyInt32InlinePatch carries in the
+/// kernel's parameters (which the classic limit keeps within 4 KiB).
+inline constexpr int32_t kMaxInlinePatchValues = 1000;
 
 /// Per-layer paged KV buffers of one geometry: a KVCachePool, a reduced SWA pool or a
 /// partial-KV snapshot slab. Layer l starts at layerBases[l] and holds two halves (K, then V),
@@ -130,5 +133,20 @@ void zeroRows(std::span<RowBuffer const> buffers, DeviceType deviceType, Tensor 
 /// dst[offset_r + j] = patch[valueStart_r + j] for j < count_r. Ranges must lie inside `dst`
 /// and must not overlap each other.
 void applyInt32Patch(Tensor& dst, Tensor const& patch, int32_t numRanges, cudaStream_t stream);
+
+/// applyInt32Patch for a patch held in host memory, of at most kMaxInlinePatchValues entries: the
+/// patch travels in the kernel's parameters, so nothing is staged or uploaded (one launch, no
+/// copy, no event: the cheapest host path for the small page-table patches of a request's
+/// lifecycle). Every range is validated on the host first (throws mkv::Error naming it, dst
+/// unchanged). kCPU: the host twin.
+void applyInt32InlinePatch(Tensor& dst, std::span<int32_t const> patch, int32_t numRanges,
+                           cudaStream_t stream);
+
+/// Loads every kernel of the library on the current CUDA device now. CUDA's lazy loading would
+/// otherwise load each kernel at its first launch, and a load may synchronise the whole context,
+/// i.e. wait for the engine's work on other streams. KVCacheRuntime::create calls it for GPU
+/// runtimes; call it once per device when using the launchers directly. Idempotent; a no-op in a
+/// build without CUDA. Throws mkv::Error on a CUDA failure.
+void loadKernels();
 
 }  // namespace mkv::kernels

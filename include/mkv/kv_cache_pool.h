@@ -16,7 +16,7 @@
 namespace mkv {
 
 namespace detail {
-class Int32Staging;
+class Int32UploadRegions;
 }
 
 struct KVCachePoolConfig {
@@ -94,7 +94,8 @@ class KVCachePool {
   std::vector<void*> mLayerBases;
   Tensor mKvLengths;
   int32_t mActiveBatchSize = 0;
-  std::unique_ptr<detail::Int32Staging> mStaging;
+  /// Staging of length writes: one pinned region, copied straight into mKvLengths.
+  std::unique_ptr<detail::Int32UploadRegions> mLengthUploads;
   Tensor mCompactWorkspace;  ///< kernels::compactBatch's workspace (GPU pools; empty on kCPU)
 };
 

@@ -36,7 +36,9 @@ struct PageTableUploadStats {
 /// logical pages, then the V ids, where V = K + numPages for live entries and -1 marks an
 /// empty entry. The host copy is the source of truth; the device mirror (same shape, on the
 /// table's device, stable address for engine bindings and CUDA graphs) is brought up to date
-/// by `upload` / `uploadDirty`, each one staged copy plus one patch kernel on the stream.
+/// by `upload` / `uploadDirty`, each one patch kernel on the stream: a patch of at most
+/// kernels::kMaxInlinePatchValues entries travels in the launch's parameters, a larger one is
+/// staged first (one copy).
 ///
 /// Rows belong to resident slots and never move between slots. Every mutator validates all of
 /// its input before changing anything; on mkv::Error the table is unchanged.

@@ -77,7 +77,6 @@ struct ContextCacheCoordinator::Request {
   std::vector<int32_t> mapping;
   int32_t newBatchSize = -1;
   Tensor* deviceMapping = nullptr;
-  std::unique_ptr<detail::Int32Staging> staging;
 };
 
 // ---------------------------------------------------------------- RequestHandle
@@ -254,6 +253,7 @@ ContextCacheCoordinator::ContextCacheCoordinator(ContextCacheConfig const& confi
                                                    mtp ? resources.draftPool : nullptr);
   }
   mResidentBusy.assign(static_cast<std::size_t>(mMaxBatch), 0);
+  mMappingUploads = std::make_unique<detail::Int32UploadRegions>(mMaxBatch, mMaxBatch, mDevice);
 }
 
 ContextCacheCoordinator::~ContextCacheCoordinator() {
@@ -541,7 +541,6 @@ ContextCacheCoordinator::BeginRequestResult ContextCacheCoordinator::beginReques
   created->commitPolicy = admission.commitPolicy;
   created->batchPolicy = admission.lookupPolicy;
   created->speculative = speculative;
-  created->staging = std::make_unique<detail::Int32Staging>(mMaxBatch, mDevice);
   created->sequences.reserve(static_cast<std::size_t>(mMaxBatch));
   // Media in a speculative batch: the draft's state is not keyed by media, so the whole batch
   // bypasses the cache.
@@ -1337,13 +1336,13 @@ void ContextCacheCoordinator::beginBatchCompaction(RequestHandle& handle,
   MKV_REQUIRE(deviceMapping.capacityBytes() >= static_cast<int64_t>(oldToNew.size_bytes()), kCall,
               "deviceMapping holds {} bytes, needs {}", deviceMapping.capacityBytes(),
               oldToNew.size_bytes());
-  auto batch = req.staging->begin(mStream);
-  Tensor const staged = batch.add(oldToNew);
-  batch.submit();
   bool const reshaped = deviceMapping.reshape({oldBatch});
   MKV_ASSERT(reshaped, "deviceMapping reshape failed after the capacity check");
-  detail::copyBytes(deviceMapping.rawPointer(), deviceMapping.deviceType(), staged.rawPointer(),
-                    staged.deviceType(), oldToNew.size_bytes(), mStream);
+  if (!oldToNew.empty()) {
+    // The request holds its first resident's slot, so that slot's staging region is its own.
+    mMappingUploads->upload(req.sequences.front().resident.slot, oldToNew,
+                            deviceMapping.rawPointer(), mStream);
+  }
   req.mapping.assign(oldToNew.begin(), oldToNew.end());
   req.newBatchSize = newBatchSize;
   req.deviceMapping = &deviceMapping;

@@ -258,6 +258,42 @@ void Int32Staging::Batch::submit() {
   }
 }
 
+Int32UploadRegions::Int32UploadRegions(int32_t regions, int64_t capacity, DeviceType deviceType)
+    : mCapacity(capacity), mDeviceType(deviceType) {
+  MKV_REQUIRE(regions > 0 && capacity > 0, "Int32UploadRegions",
+              "regions and capacity must be positive, got {} and {}", regions, capacity);
+  if (deviceType == DeviceType::kGPU) {
+    mHost = HostBuffer(static_cast<std::size_t>(regions) * static_cast<std::size_t>(capacity) *
+                           sizeof(int32_t),
+                       deviceType);
+  }
+  mEvents.reserve(static_cast<std::size_t>(regions));
+  for (int32_t r = 0; r < regions; ++r) {
+    mEvents.emplace_back(deviceType);
+  }
+}
+
+void Int32UploadRegions::upload(int32_t region, std::span<int32_t const> values, void* dst,
+                                cudaStream_t stream) {
+  MKV_REQUIRE(region >= 0 && region < regions(), "Int32UploadRegions::upload",
+              "region {} outside [0, {})", region, regions());
+  MKV_REQUIRE(static_cast<int64_t>(values.size()) <= mCapacity, "Int32UploadRegions::upload",
+              "{} values exceed the region capacity {}", values.size(), mCapacity);
+  if (values.empty()) {
+    return;
+  }
+  if (mDeviceType == DeviceType::kCPU) {
+    std::memmove(dst, values.data(), values.size_bytes());
+    return;
+  }
+  Event& event = mEvents[static_cast<std::size_t>(region)];
+  event.synchronize();
+  auto* staged = static_cast<int32_t*>(mHost.data()) + static_cast<int64_t>(region) * mCapacity;
+  std::memcpy(staged, values.data(), values.size_bytes());
+  copyBytes(dst, DeviceType::kGPU, staged, DeviceType::kCPU, values.size_bytes(), stream);
+  event.record(stream);
+}
+
 }  // namespace mkv::detail
 
 namespace mkv {

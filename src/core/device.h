@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <span>
 #include <string_view>
+#include <vector>
 
 #include "mkv/cuda_types.h"
 #include "mkv/tensor.h"
@@ -112,6 +113,33 @@ class Int32Staging {
   HostBuffer mHost;
   Tensor mDevice;
   Event mEvent;
+};
+
+/// Pinned staging for small int32 uploads into caller-owned device buffers, split into `regions`
+/// fixed regions of `capacity` entries each, every region guarded by its own event. Created once
+/// with its owner (a backend keys one region per resident slot); nothing allocates afterwards,
+/// so a request's lifecycle never calls cudaMalloc/cudaFree (both synchronise the device).
+/// A region is used by one owner at a time: a backend uses the region of a resident slot only
+/// while its request holds that slot, and every upload is followed by a synchronisation of the
+/// stream before the slot is released, so the event wait in upload() returns at once.
+class Int32UploadRegions {
+ public:
+  Int32UploadRegions(int32_t regions, int64_t capacity, DeviceType deviceType);
+
+  /// Copies `values` into region `region`'s host staging and enqueues one copy of them into
+  /// `dst` ([values.size()] int32 on the target device) on `stream`; kCPU: a plain copy into
+  /// `dst`. Waits for the region's previous copy to have read its staging first.
+  /// Throws mkv::Error when `region` is out of range or `values` exceed the capacity.
+  void upload(int32_t region, std::span<int32_t const> values, void* dst, cudaStream_t stream);
+
+  int32_t regions() const noexcept { return static_cast<int32_t>(mEvents.size()); }
+  int64_t capacity() const noexcept { return mCapacity; }
+
+ private:
+  int64_t mCapacity;
+  DeviceType mDeviceType;
+  HostBuffer mHost;
+  std::vector<Event> mEvents;
 };
 
 }  // namespace mkv::detail

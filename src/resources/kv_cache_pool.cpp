@@ -52,7 +52,8 @@ KVCachePool::KVCachePool(KVCachePoolConfig const& config) : mConfig(config) {
   mKvLengths = Tensor({config.maxBatchSize}, DataType::kInt32, config.deviceType);
   bool const viewed = mKvLengths.reshape({0});
   MKV_ASSERT(viewed, "an empty view always fits");
-  mStaging = std::make_unique<detail::Int32Staging>(config.maxBatchSize, config.deviceType);
+  mLengthUploads =
+      std::make_unique<detail::Int32UploadRegions>(1, config.maxBatchSize, config.deviceType);
   if (config.deviceType == DeviceType::kGPU) {
     int64_t const lengthBytes = sizeof(int32_t);
     int64_t const workspaceBytes =
@@ -104,13 +105,7 @@ void KVCachePool::resetForNewSequences(std::span<int32_t const> lengths, cudaStr
               "{} sequences exceed maxBatchSize {}", lengths.size(), mConfig.maxBatchSize);
   validateLengths(kCall, lengths);
   auto const batchSize = static_cast<int32_t>(lengths.size());
-  if (batchSize > 0) {
-    detail::Int32Staging::Batch batch = mStaging->begin(stream);
-    Tensor const staged = batch.add(lengths);
-    batch.submit();
-    detail::copyBytes(mKvLengths.rawPointer(), mConfig.deviceType, staged.rawPointer(),
-                      mConfig.deviceType, lengths.size_bytes(), stream);
-  }
+  mLengthUploads->upload(0, lengths, mKvLengths.rawPointer(), stream);
   setActiveBatchSize(batchSize);
 }
 
@@ -122,14 +117,7 @@ void KVCachePool::writeLengths(int32_t firstRow, std::span<int32_t const> length
       kCall, "rows [{}, {}) are outside the active batch of {}", firstRow,
       int64_t{firstRow} + static_cast<int64_t>(lengths.size()), mActiveBatchSize);
   validateLengths(kCall, lengths);
-  if (lengths.empty()) {
-    return;
-  }
-  detail::Int32Staging::Batch batch = mStaging->begin(stream);
-  Tensor const staged = batch.add(lengths);
-  batch.submit();
-  detail::copyBytes(mKvLengths.dataPointer<int32_t>() + firstRow, mConfig.deviceType,
-                    staged.rawPointer(), mConfig.deviceType, lengths.size_bytes(), stream);
+  mLengthUploads->upload(0, lengths, mKvLengths.dataPointer<int32_t>() + firstRow, stream);
 }
 
 void KVCachePool::setActiveBatchSize(int32_t batchSize) {

@@ -440,10 +440,16 @@ bool KVPageTable::uploadRanges(bool rowGranular, cudaStream_t stream) {
       appendRange(offset + width, count);
     }
   });
-  detail::Int32Staging::Batch batch = mStaging->begin(stream);
-  Tensor const patch = batch.add(mPatch);
-  batch.submit();
-  kernels::applyInt32Patch(mDevice, patch, static_cast<int32_t>(numRanges), stream);
+  if (mPatch.size() <= static_cast<std::size_t>(kernels::kMaxInlinePatchValues)) {
+    // The common case (a request's rows, a decode step's growth): the patch rides in the
+    // launch's parameters, no staging copy and no event.
+    kernels::applyInt32InlinePatch(mDevice, mPatch, static_cast<int32_t>(numRanges), stream);
+  } else {
+    detail::Int32Staging::Batch batch = mStaging->begin(stream);
+    Tensor const patch = batch.add(mPatch);
+    batch.submit();
+    kernels::applyInt32Patch(mDevice, patch, static_cast<int32_t>(numRanges), stream);
+  }
 
   for (int64_t flat : sortedEntries) {
     int64_t const slot = flat / rowWidth;

@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "core/check.h"
+#include "mkv/kernels.h"
 
 namespace mkv {
 
@@ -113,6 +114,9 @@ KVCacheRuntime::~KVCacheRuntime() = default;
 std::unique_ptr<KVCacheRuntime> KVCacheRuntime::create(KVCacheRuntimeConfig const& config) {
   validate(config);
   KVCacheModelConfig const& model = config.model;
+  if (config.deviceType == DeviceType::kGPU) {
+    kernels::loadKernels();  // no lazy kernel load (which may wait for other streams) later
+  }
   std::unique_ptr<KVCacheRuntime> runtime(new KVCacheRuntime(config));
   int32_t const pageSize = config.tokensPerPage;
   runtime->mMaxPagesPerSequence = ceilDiv(config.maxSequenceLength, pageSize);

@@ -31,7 +31,6 @@ struct BoundedSwaKVPageManager::Request {
   std::vector<int32_t> mapping;  // pending compaction (old -> new), empty when none
   int32_t newBatchSize = -1;
   Tensor* deviceMapping = nullptr;
-  std::unique_ptr<detail::Int32Staging> staging;
 };
 
 namespace {
@@ -150,6 +149,8 @@ BoundedSwaKVPageManager::BoundedSwaKVPageManager(BoundedSwaConfig const& config,
     mFreePages.push_back(page);  // pop_back hands out the lowest id first
   }
   mResidentBusy.assign(static_cast<std::size_t>(table.maxBatch()), 0);
+  mMappingUploads = std::make_unique<detail::Int32UploadRegions>(
+      table.maxBatch(), table.maxBatch(), pool.deviceType());
 }
 
 BoundedSwaKVPageManager::~BoundedSwaKVPageManager() {
@@ -244,7 +245,6 @@ BoundedSwaKVPageManager::BeginRequestResult BoundedSwaKVPageManager::beginReques
   }
   auto created = std::make_unique<Request>();
   created->id = mNextRequestId;
-  created->staging = std::make_unique<detail::Int32Staging>(maxBatch, mResources.swaPool->deviceType());
   created->sequences.resize(residents.size());
   // A sequence never holds more than 2M + 1 pages, so with these capacities no transition,
   // completion or release allocates (only bindings, a deque, may).
@@ -499,13 +499,13 @@ void BoundedSwaKVPageManager::beginBatchCompaction(RequestHandle& handle,
   MKV_REQUIRE(deviceMapping.capacityBytes() >= static_cast<int64_t>(oldToNew.size_bytes()), kCall,
               "deviceMapping holds {} bytes, needs {}", deviceMapping.capacityBytes(),
               oldToNew.size_bytes());
-  auto batch = req.staging->begin(mStream);
-  Tensor staged = batch.add(oldToNew);
-  batch.submit();
   bool const reshaped = deviceMapping.reshape({oldBatch});
   MKV_ASSERT(reshaped, "deviceMapping reshape failed after the capacity check");
-  detail::copyBytes(deviceMapping.rawPointer(), deviceMapping.deviceType(), staged.rawPointer(),
-                    staged.deviceType(), oldToNew.size_bytes(), mStream);
+  if (!oldToNew.empty()) {
+    // The request holds its first resident's slot, so that slot's staging region is its own.
+    mMappingUploads->upload(req.sequences.front().resident.slot, oldToNew,
+                            deviceMapping.rawPointer(), mStream);
+  }
   req.mapping.assign(oldToNew.begin(), oldToNew.end());
   req.newBatchSize = newBatchSize;
   req.deviceMapping = &deviceMapping;

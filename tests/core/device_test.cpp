@@ -119,5 +119,46 @@ TEST_P(Int32StagingDeviceTest, RejectsValuesBeyondTheCapacity) {
 
 INSTANTIATE_TEST_SUITE_P(Devices, Int32StagingDeviceTest, test::allDeviceTypes(), test::deviceName);
 
+TEST(Int32UploadRegionsTest, RejectsNonPositiveSizes) {
+  EXPECT_TRUE(throwsError([] { detail::Int32UploadRegions(0, 4, DeviceType::kCPU); },
+                          {"Int32UploadRegions", "0"}));
+  EXPECT_TRUE(throwsError([] { detail::Int32UploadRegions(2, -1, DeviceType::kCPU); },
+                          {"Int32UploadRegions", "-1"}));
+}
+
+class Int32UploadRegionsDeviceTest : public test::DeviceTest {};
+
+TEST_P(Int32UploadRegionsDeviceTest, EachRegionUploadsIntoItsDestination) {
+  detail::Int32UploadRegions uploads(3, 4, device());
+  Tensor first({4}, DataType::kInt32, device());
+  Tensor second({4}, DataType::kInt32, device());
+  std::vector<int32_t> const a{0, -1, 1, 2};
+  std::vector<int32_t> const b{-1, 0};
+  uploads.upload(0, a, first.rawPointer(), nullptr);
+  uploads.upload(2, b, second.rawPointer(), nullptr);
+  EXPECT_EQ(test::readAs<int32_t>(first), a);
+  EXPECT_EQ(test::readAs<int32_t>(second), (std::vector<int32_t>{-1, 0, 0, 0}));
+  std::vector<int32_t> const again{5, 6, 7, 8};
+  uploads.upload(0, again, first.rawPointer(), nullptr);  // a region is reused
+  EXPECT_EQ(test::readAs<int32_t>(first), again);
+}
+
+TEST_P(Int32UploadRegionsDeviceTest, RejectsABadRegionOrTooManyValuesWithoutWriting) {
+  detail::Int32UploadRegions uploads(2, 2, device());
+  Tensor target({4}, DataType::kInt32, device());
+  std::vector<int32_t> const three{1, 2, 3};
+  std::vector<int32_t> const one{9};
+  EXPECT_TRUE(throwsError([&] { uploads.upload(0, three, target.rawPointer(), nullptr); },
+                          {"Int32UploadRegions::upload", "3", "2"}));
+  EXPECT_TRUE(throwsError([&] { uploads.upload(2, one, target.rawPointer(), nullptr); },
+                          {"Int32UploadRegions::upload", "region 2"}));
+  EXPECT_TRUE(throwsError([&] { uploads.upload(-1, one, target.rawPointer(), nullptr); },
+                          {"Int32UploadRegions::upload", "region -1"}));
+  EXPECT_EQ(test::readAs<int32_t>(target), (std::vector<int32_t>{0, 0, 0, 0}));
+}
+
+INSTANTIATE_TEST_SUITE_P(Devices, Int32UploadRegionsDeviceTest, test::allDeviceTypes(),
+                         test::deviceName);
+
 }  // namespace
 }  // namespace mkv

@@ -126,5 +126,26 @@ TEST_F(Int32PatchGpuTest, RangesOutsideDstOrPatchAreSkippedLikeTheHostTwin) {
   EXPECT_EQ(values[10], 0);
 }
 
+TEST_F(Int32PatchGpuTest, InlinePatchesMatchHostTwin) {
+  // Patches up to the inline limit: many one-entry ranges, a few longer ones, a full one.
+  for (std::vector<int32_t> const& counts :
+       {std::vector<int32_t>(200, 1), std::vector<int32_t>{0, 17, 300, 2, 0, 41},
+        std::vector<int32_t>{kernels::kMaxInlinePatchValues - 3}}) {
+    int32_t const dstNumel = 4096;
+    std::vector<int32_t> const patch = makePatch(counts, dstNumel);
+    ASSERT_LE(patch.size(), static_cast<std::size_t>(kernels::kMaxInlinePatchValues));
+    std::vector<uint8_t> const initial = test::randomBytes(dstNumel * 4, mRng);
+    MirroredBytes dst(initial);
+    for (DeviceType device : {DeviceType::kCPU, DeviceType::kGPU}) {
+      Tensor d = Tensor::view(dst.on(device), {dstNumel}, DataType::kInt32, device);
+      kernels::applyInt32InlinePatch(d, patch, static_cast<int32_t>(counts.size()),
+                                     device == DeviceType::kGPU ? stream() : nullptr);
+    }
+    synchronize();
+    EXPECT_TRUE(sameBytes(dst));
+    EXPECT_NE(dst.gpuBytes(), initial);
+  }
+}
+
 }  // namespace
 }  // namespace mkv::gputest

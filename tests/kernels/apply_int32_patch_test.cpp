@@ -105,6 +105,38 @@ TEST_P(ApplyInt32PatchTest, RejectsWrongTypesAndShortHeaders) {
                           {"applyInt32Patch", "-1 ranges"}));
 }
 
+TEST_P(ApplyInt32PatchTest, InlinePatchWritesEveryRangeAndNothingElse) {
+  std::vector<int32_t> model(20, -1);
+  Tensor dst = test::int32Tensor(model, device());
+  Patch patch;
+  patch.add(0, {3});
+  patch.add(4, {7, 8, 9, 10});
+  patch.add(19, {6});
+  patch.applyTo(model);
+  kernels::applyInt32InlinePatch(dst, patch.image(), 3, nullptr);
+  EXPECT_EQ(test::readAs<int32_t>(dst), model);
+}
+
+TEST_P(ApplyInt32PatchTest, InlinePatchRejectsBadRangesAndOversizedPatchesWithoutWriting) {
+  std::vector<int32_t> const model(8, 5);
+  Tensor dst = test::int32Tensor(model, device());
+  std::vector<int32_t> const outsideDst{6, 3, 3, 1, 2, 3};
+  EXPECT_TRUE(throwsError([&] { kernels::applyInt32InlinePatch(dst, outsideDst, 1, nullptr); },
+                          {"applyInt32InlinePatch", "range 0 [6, 9) is outside dst of 8"}));
+  std::vector<int32_t> const outsidePatch{0, 4, 3, 1, 2, 3};
+  EXPECT_TRUE(throwsError([&] { kernels::applyInt32InlinePatch(dst, outsidePatch, 1, nullptr); },
+                          {"applyInt32InlinePatch", "values [3, 7) are outside the patch of 6"}));
+  std::vector<int32_t> const shortHeader{0, 1, 3, 5};
+  EXPECT_TRUE(throwsError([&] { kernels::applyInt32InlinePatch(dst, shortHeader, 2, nullptr); },
+                          {"applyInt32InlinePatch", "2 ranges need 6 header entries", "4"}));
+  std::vector<int32_t> oversized(kernels::kMaxInlinePatchValues + 1, 0);
+  oversized[1] = 1;
+  oversized[2] = 3;
+  EXPECT_TRUE(throwsError([&] { kernels::applyInt32InlinePatch(dst, oversized, 1, nullptr); },
+                          {"applyInt32InlinePatch", "1001 entries exceeds the inline limit"}));
+  EXPECT_EQ(test::readAs<int32_t>(dst), model);
+}
+
 INSTANTIATE_TEST_SUITE_P(Devices, ApplyInt32PatchTest, test::allDeviceTypes(), test::deviceName);
 
 TEST(ApplyInt32PatchHostTest, RejectsRangesOutsideDstOrPatchWithoutWriting) {

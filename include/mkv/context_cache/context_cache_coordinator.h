@@ -26,6 +26,9 @@
 #include "mkv/types.h"
 
 namespace mkv {
+namespace detail {
+class Int32UploadRegions;
+}  // namespace detail
 
 /// Context-cache settings of a runtime.
 struct ContextCacheConfig {
@@ -406,6 +409,8 @@ class ContextCacheCoordinator {
   std::vector<std::unique_ptr<Request>> mActive;
   std::vector<std::unique_ptr<Request>> mQuarantine;
   std::vector<uint8_t> mResidentBusy;
+  /// Compaction-mapping staging, one region per resident slot (created once, see device.h).
+  std::unique_ptr<detail::Int32UploadRegions> mMappingUploads;
   ContextCacheCoordinatorCounters mCounters;
   uint64_t mNextRequestId = 1;
   bool mPoisoned = false;

@@ -1,0 +1,188 @@
+// The engine loop's host cost with GPU tensors next to the CPU twin, in one run: per request
+// (begin, the prefill calls, finish) and per decode step, on both backends. The library does the
+// same bookkeeping on both devices; with GPU tensors it also stages uploads in pinned memory,
+// enqueues copies and kernels and synchronises at its completion points. Target (docs/benchmarks.md,
+// "Engine loop on the GPU"): GPU within 1.5x of CPU. The GPU rows skip without a CUDA device.
+//
+// BM_RequestLifecycle times the library calls only (manual time, one steady_clock read around each
+// phase, ~85 ns each and the same on both devices); the decode-step rows time whole iterations
+// (decode_step_rigs.h), as the other decode-step benchmarks do.
+
+#include <benchmark/benchmark.h>
+
+#include <chrono>
+#include <cstdint>
+#include <exception>
+#include <memory>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "decode_step_rigs.h"
+#include "host_bench_support.h"
+#include "mkv/kv_cache_runtime.h"
+#include "mkv/managed_kv_cache_request.h"
+#include "mkv/stream.h"
+
+namespace mkv::bench {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+DeviceType deviceArg(benchmark::State const& state, std::size_t index) {
+  return state.range(index) != 0 ? DeviceType::kGPU : DeviceType::kCPU;
+}
+
+/// True (and the benchmark skipped) when `device` is kGPU and no CUDA device is visible.
+bool skipWithoutDevice(benchmark::State& state, DeviceType device) {
+  if (device == DeviceType::kGPU && !cudaDeviceAvailable()) {
+    state.SkipWithError("no CUDA device (or a build without CUDA)");
+    return true;
+  }
+  return false;
+}
+
+/// Library nanoseconds of one request, by phase.
+struct PhaseNanoseconds {
+  int64_t begin = 0;
+  int64_t prefill = 0;  ///< preparePrefill, prepareSwaPrefill, enqueuePrefillCaptures, completePrefill
+  int64_t finish = 0;
+  int64_t total() const { return begin + prefill + finish; }
+};
+
+/// One sequence per request, a 2048-token prompt, pages of 128 tokens. Context reuse: every
+/// prompt is new (a unique first token), so each request misses, publishes 16 blocks and, once
+/// the pool is full, evicts old records. Bounded SWA: W = 1024 (M = 9).
+class LifecycleRig {
+ public:
+  static constexpr int32_t kPrompt = 2048;
+  static constexpr int32_t kPage = 128;
+
+  LifecycleRig(bool reuse, DeviceType device) : mPrompt(randomTokens(kPrompt, 7)) {
+    KVCacheRuntimeConfig config = benchRuntimeConfig(4, 4096, kPage, device);
+    config.model.numFullAttentionLayers = 1;
+    if (reuse) {
+      config.contextReuse = true;
+      config.numPages = 64 * (kPrompt / kPage);  // room for 64 cached prompts, then LRU
+    } else {
+      config.model.numSlidingWindowLayers = 1;
+      config.model.slidingWindowTokens = 1024;
+    }
+    mRuntime = KVCacheRuntime::create(config);
+    mContext.stream = config.stream;
+    mContext.activeBatchSize = 1;
+    mContext.finishReasons = {FinishReason::kNotFinished};
+  }
+
+  PhaseNanoseconds serve(int64_t serial) {
+    mPrompt[0] = uniqueToken(serial);
+    mContext.rawBatchedInputIds = {mPrompt};
+    mContext.generatedTokenIds = {{}};
+    mContext.residentRefs = {mRuntime->residentSlots().acquire().value()};
+    PhaseNanoseconds phases;
+    auto start = Clock::now();
+    std::optional<ManagedKVCacheRequest> managed = ManagedKVCacheRequest::begin(
+        mRuntime->contextCache(), mRuntime->swaPageManager(), LLMGenerationRequest{}, mContext,
+        false, kDecodeHeadroom, DecodingTokenStateContract::kCommittedPlusLookahead,
+        ContextCacheCommitPolicy::kIncludingGeneratedTokens);
+    phases.begin = elapsed(start);
+    require(managed.has_value(), "begin");
+    int32_t const reused = managed->prefillStarts() != nullptr ? managed->prefillStarts()->at(0) : 0;
+    mContext.effectivePrefillLengths = {kPrompt - reused};
+    start = Clock::now();
+    bool ok = managed->preparePrefill();
+    ok = ok && managed->prepareSwaPrefill(mContext.effectivePrefillLengths);
+    ok = ok && managed->enqueuePrefillCaptures();
+    phases.prefill = elapsed(start);
+    mContext.generatedTokenIds[0].push_back(kDecodeToken);  // the engine samples
+    start = Clock::now();
+    ok = ok && managed->completePrefill(mContext, {});
+    phases.prefill += elapsed(start);
+    require(ok, "the prefill calls");
+    start = Clock::now();
+    ok = managed->finish();
+    phases.finish = elapsed(start);
+    require(ok, "finish");
+    managed.reset();
+    (void)mRuntime->residentSlots().release(mContext.residentRefs[0]);
+    return phases;
+  }
+
+ private:
+  static int64_t elapsed(Clock::time_point start) {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now() - start).count();
+  }
+  static void require(bool ok, char const* what) {
+    if (!ok) {
+      throw std::runtime_error(std::string("LifecycleRig: ") + what + " failed");
+    }
+  }
+
+  std::vector<int32_t> mPrompt;
+  std::unique_ptr<KVCacheRuntime> mRuntime;
+  DecodingInferenceContext mContext;
+};
+
+void BM_RequestLifecycle(benchmark::State& state) {
+  DeviceType const device = deviceArg(state, 1);
+  if (skipWithoutDevice(state, device)) {
+    return;
+  }
+  PhaseNanoseconds sum;
+  try {
+    LifecycleRig rig(state.range(0) == 0, device);
+    int64_t serial = 0;
+    for (auto _ : state) {
+      PhaseNanoseconds const phases = rig.serve(serial++);
+      sum.begin += phases.begin;
+      sum.prefill += phases.prefill;
+      sum.finish += phases.finish;
+      state.SetIterationTime(static_cast<double>(phases.total()) * 1e-9);
+    }
+  } catch (std::exception const& error) {
+    state.SkipWithError(error.what());
+    return;
+  }
+  auto const perRequestMicroseconds = [&](int64_t nanoseconds) {
+    return benchmark::Counter(static_cast<double>(nanoseconds) * 1e-3 /
+                              static_cast<double>(state.iterations()));
+  };
+  state.counters["begin_us"] = perRequestMicroseconds(sum.begin);
+  state.counters["prefill_us"] = perRequestMicroseconds(sum.prefill);
+  state.counters["finish_us"] = perRequestMicroseconds(sum.finish);
+}
+BENCHMARK(BM_RequestLifecycle)
+    ->ArgNames({"swa", "gpu"})
+    ->ArgsProduct({{0, 1}, {0, 1}})
+    ->UseManualTime()
+    ->Unit(benchmark::kMicrosecond);
+
+void BM_EngineReuseDecodeStep(benchmark::State& state) {
+  DeviceType const device = deviceArg(state, 1);
+  if (skipWithoutDevice(state, device)) {
+    return;
+  }
+  runDecodeSteps<ReuseDecodeRig>(state, static_cast<int32_t>(state.range(0)), /*facade=*/true,
+                                 ReuseDecodeRig::Growth::kEvery16th, device);
+}
+BENCHMARK(BM_EngineReuseDecodeStep)
+    ->ArgNames({"batch", "gpu"})
+    ->ArgsProduct({{64, 256}, {0, 1}})
+    ->Unit(benchmark::kMicrosecond);
+
+void BM_EngineSwaDecodeStep(benchmark::State& state) {
+  DeviceType const device = deviceArg(state, 1);
+  if (skipWithoutDevice(state, device)) {
+    return;
+  }
+  runDecodeSteps<SwaDecodeRig>(state, static_cast<int32_t>(state.range(0)), /*facade=*/true,
+                               device);
+}
+BENCHMARK(BM_EngineSwaDecodeStep)
+    ->ArgNames({"batch", "gpu"})
+    ->ArgsProduct({{64, 256}, {0, 1}})
+    ->Unit(benchmark::kMicrosecond);
+
+}  // namespace
+}  // namespace mkv::bench

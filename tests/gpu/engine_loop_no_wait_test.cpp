@@ -1,0 +1,311 @@
+// A request's lifecycle on the GPU never waits for the engine's other streams (issue: the GPU
+// engine loop at engine speed). While a kernel spins for a second on an unrelated non-blocking
+// stream, complete lifecycles run on the engine's stream through ManagedKVCacheRequest on every
+// backend; afterwards cudaStreamQuery of the unrelated stream must still say cudaErrorNotReady.
+// Any cudaMalloc / cudaFree / cudaMallocHost / cudaFreeHost, device synchronisation or lazy kernel
+// load inside a lifecycle call would have waited for the spinning kernel. Nothing here reads a
+// clock: the verdict is the other stream's state.
+
+#include <gtest/gtest.h>
+
+#include <chrono>
+#include <cstdint>
+#include <numeric>
+#include <optional>
+#include <vector>
+
+#include "busy_stream.h"
+#include "gpu_parity.h"
+#include "mkv/kv_cache_runtime.h"
+#include "mkv/managed_kv_cache_request.h"
+#include "mkv/tensor.h"
+
+namespace mkv::gputest {
+namespace {
+
+constexpr DecodingKvHeadroom kVanilla{1, 0};
+constexpr int32_t kPage = 128;
+constexpr std::chrono::milliseconds kBusyFor{1000};
+
+std::vector<int32_t> tokenRun(int32_t count, int32_t first) {
+  std::vector<int32_t> tokens(static_cast<std::size_t>(count));
+  std::iota(tokens.begin(), tokens.end(), first);
+  return tokens;
+}
+
+KVCacheRuntimeConfig baseConfig(cudaStream_t stream) {
+  KVCacheRuntimeConfig config;
+  config.model.numKVHeads = 2;
+  config.model.headDim = 64;
+  config.maxBatchSize = 4;
+  config.maxSequenceLength = 4096;
+  config.tokensPerPage = kPage;
+  config.deviceType = DeviceType::kGPU;
+  config.stream = stream;
+  return config;
+}
+
+/// The engine side of one request, without a model: residents, the context the facade reads,
+/// KV lengths written to the device as an engine writes them, sampled tokens.
+class LoopEngine {
+ public:
+  LoopEngine(KVCacheRuntime& runtime, cudaStream_t stream) : mRuntime(runtime) {
+    mContext.stream = stream;
+  }
+  ~LoopEngine() {
+    mManaged.reset();
+    for (ResidentRef const& resident : mContext.residentRefs) {
+      (void)mRuntime.residentSlots().release(resident);
+    }
+  }
+  LoopEngine(LoopEngine const&) = delete;
+  LoopEngine& operator=(LoopEngine const&) = delete;
+
+  void add(std::vector<int32_t> prompt) { appendRow(std::move(prompt), acquire()); }
+
+  void begin() {
+    std::optional<ManagedKVCacheRequest> begun = ManagedKVCacheRequest::begin(
+        mRuntime.contextCache(), mRuntime.swaPageManager(), mRequest, mContext, false, kVanilla,
+        DecodingTokenStateContract::kCommittedPlusLookahead,
+        ContextCacheCommitPolicy::kIncludingGeneratedTokens);
+    ASSERT_TRUE(begun.has_value());
+    mManaged.emplace(std::move(*begun));
+  }
+
+  /// preparePrefill, the SWA windows, captures, the prefill's KV lengths, one sampled token.
+  void prefill() {
+    std::vector<int32_t> const* starts = mManaged->prefillStarts();
+    for (std::size_t row = 0; row < mPrompts.size(); ++row) {
+      int32_t const start = starts != nullptr ? (*starts)[row] : 0;
+      mContext.effectivePrefillLengths.push_back(promptLength(row) - start);
+    }
+    ASSERT_TRUE(mManaged->preparePrefill());
+    ASSERT_TRUE(mManaged->prepareSwaPrefill(mContext.effectivePrefillLengths));
+    ASSERT_TRUE(mManaged->enqueuePrefillCaptures());
+    for (std::size_t row = 0; row < mPrompts.size(); ++row) {
+      writeLength(row, promptLength(row));
+      mContext.generatedTokenIds[row].push_back(sampled(row));
+    }
+    ASSERT_TRUE(mManaged->completePrefill(mContext, {}));
+  }
+
+  void decode(int32_t steps) {
+    for (int32_t step = 0; step < steps; ++step) {
+      ASSERT_TRUE(mManaged->prepareDecodeStep(mContext, kVanilla));
+      for (std::size_t row = 0; row < mPrompts.size(); ++row) {
+        writeLength(row, materialized(row) + 1);
+        mContext.generatedTokenIds[row].push_back(sampled(row));
+      }
+      ASSERT_TRUE(mManaged->completeDecodeStep(mContext, {}));
+    }
+  }
+
+  /// Row `row` stops; the batch is compacted and the row's resident released.
+  void dropRow(std::size_t row) {
+    std::vector<int32_t> oldToNew(mPrompts.size(), -1);
+    int32_t survivors = 0;
+    for (std::size_t i = 0; i < mPrompts.size(); ++i) {
+      if (i != row) {
+        oldToNew[i] = survivors++;
+      }
+    }
+    ASSERT_TRUE(mManaged->beginBatchCompaction(oldToNew, survivors, mDeviceMapping));
+    ASSERT_TRUE(mManaged->completeBatchCompaction(oldToNew));
+    ASSERT_TRUE(mRuntime.residentSlots().release(mContext.residentRefs[row]));
+    eraseRow(row);
+  }
+
+  /// An in-flight join: admission, the joiner's prefill and KV length, finalisation.
+  void join(std::vector<int32_t> prompt) {
+    ResidentRef const resident = acquire();
+    int32_t start = -1;
+    ASSERT_EQ(mManaged->admitSequence(prompt, "", kVanilla, start, resident, mContext.stream),
+              ContextCacheRequest::AdmitSequenceStatus::kAdmitted);
+    appendRow(std::move(prompt), resident);
+    std::size_t const row = mPrompts.size() - 1;
+    mContext.effectivePrefillLengths.push_back(promptLength(row) - start);
+    mRuntime.lengthPool().setActiveBatchSize(static_cast<int32_t>(mPrompts.size()));
+    writeLength(row, promptLength(row));
+    mContext.generatedTokenIds[row].push_back(sampled(row));
+    ASSERT_TRUE(mManaged->finalizeSequenceAdmission(
+        static_cast<int32_t>(row), mContext.generatedTokenIds[row].back(), promptLength(row)));
+  }
+
+  /// An in-flight admission taken back before its prefill.
+  void admitAndRetract(std::vector<int32_t> const& prompt) {
+    ResidentRef const resident = acquire();
+    int32_t start = -1;
+    ASSERT_EQ(mManaged->admitSequence(prompt, "", kVanilla, start, resident, mContext.stream),
+              ContextCacheRequest::AdmitSequenceStatus::kAdmitted);
+    ASSERT_TRUE(mManaged->retractSequenceAdmission());
+    ASSERT_TRUE(mRuntime.residentSlots().release(resident));
+  }
+
+  void finish() { ASSERT_TRUE(mManaged->finish()); }
+  int32_t prefillStart(std::size_t row) const { return (*mManaged->prefillStarts())[row]; }
+
+ private:
+  ResidentRef acquire() {
+    std::optional<ResidentRef> resident = mRuntime.residentSlots().acquire();
+    EXPECT_TRUE(resident.has_value());
+    return resident.value_or(ResidentRef{});
+  }
+  void appendRow(std::vector<int32_t> prompt, ResidentRef resident) {
+    mContext.rawBatchedInputIds.push_back(prompt);
+    mContext.residentRefs.push_back(resident);
+    mContext.generatedTokenIds.emplace_back();
+    mContext.finishReasons.push_back(FinishReason::kNotFinished);
+    mPrompts.push_back(std::move(prompt));
+    mContext.activeBatchSize = static_cast<int32_t>(mPrompts.size());
+  }
+  void eraseRow(std::size_t row) {
+    auto const at = static_cast<std::ptrdiff_t>(row);
+    mContext.rawBatchedInputIds.erase(mContext.rawBatchedInputIds.begin() + at);
+    mContext.residentRefs.erase(mContext.residentRefs.begin() + at);
+    mContext.generatedTokenIds.erase(mContext.generatedTokenIds.begin() + at);
+    mContext.finishReasons.erase(mContext.finishReasons.begin() + at);
+    mContext.effectivePrefillLengths.erase(mContext.effectivePrefillLengths.begin() + at);
+    mPrompts.erase(mPrompts.begin() + at);
+    mContext.activeBatchSize = static_cast<int32_t>(mPrompts.size());
+  }
+  int32_t promptLength(std::size_t row) const {
+    return static_cast<int32_t>(mPrompts[row].size());
+  }
+  /// Positions with KV: the prompt and every sampled token but the last (the lookahead).
+  int32_t materialized(std::size_t row) const {
+    return promptLength(row) + static_cast<int32_t>(mContext.generatedTokenIds[row].size()) - 1;
+  }
+  int32_t sampled(std::size_t row) const {
+    return 1000 + static_cast<int32_t>(mContext.generatedTokenIds[row].size());
+  }
+  void writeLength(std::size_t row, int32_t length) {
+    mRuntime.lengthPool().writeLengths(static_cast<int32_t>(row), std::span(&length, 1),
+                                       mContext.stream);
+  }
+
+  KVCacheRuntime& mRuntime;
+  LLMGenerationRequest mRequest;
+  DecodingInferenceContext mContext;
+  std::vector<std::vector<int32_t>> mPrompts;
+  Tensor mDeviceMapping{{4}, DataType::kInt32, DeviceType::kGPU};
+  std::optional<ManagedKVCacheRequest> mManaged;
+};
+
+class EngineLoopNoWaitTest : public GpuTest {
+ protected:
+  /// Starts the unrelated work; everything allocated before this line may allocate freely.
+  void occupyOtherStream() { mBusy.emplace(); mBusy->occupy(kBusyFor); }
+  /// The verdict: the unrelated kernel still runs, so no call above waited for it.
+  void expectOtherStreamStillBusy() {
+    EXPECT_EQ(mBusy->query(), cudaErrorNotReady)
+        << "a lifecycle call waited for work on another stream (" << kBusyFor.count()
+        << " ms kernel)";
+    mBusy->drain();
+  }
+
+  std::optional<BusyStream> mBusy;
+};
+
+// The check can fail: an allocation made while the other stream runs waits for it.
+TEST_F(EngineLoopNoWaitTest, AGpuAllocationWaitsForTheOtherStream) {
+  BusyStream busy;
+  busy.occupy(std::chrono::milliseconds(300));
+  Tensor allocated({1024}, DataType::kInt32, DeviceType::kGPU);  // cudaMalloc + device sync
+  EXPECT_EQ(busy.query(), cudaSuccess);
+}
+
+TEST_F(EngineLoopNoWaitTest, ReuseWithPublicationAndHit) {
+  KVCacheRuntimeConfig config = baseConfig(stream());
+  config.model.numFullAttentionLayers = 2;
+  config.contextReuse = true;
+  auto runtime = KVCacheRuntime::create(config);
+  LoopEngine first(*runtime, stream());
+  LoopEngine second(*runtime, stream());
+  first.add(tokenRun(2048, 10));
+  second.add(tokenRun(2048, 10));
+  occupyOtherStream();
+  first.begin();
+  first.prefill();
+  first.decode(4);
+  first.finish();
+  second.begin();
+  EXPECT_GE(second.prefillStart(0), 2048 - kPage);  // the published prompt is reused
+  second.prefill();
+  second.decode(2);
+  second.finish();
+  expectOtherStreamStillBusy();
+}
+
+TEST_F(EngineLoopNoWaitTest, BoundedSwaWithCompaction) {
+  KVCacheRuntimeConfig config = baseConfig(stream());
+  config.model.numFullAttentionLayers = 1;
+  config.model.numSlidingWindowLayers = 1;
+  config.model.slidingWindowTokens = 256;
+  auto runtime = KVCacheRuntime::create(config);
+  ASSERT_EQ(runtime->backend(), KVCacheBackend::kBoundedSwa);
+  LoopEngine engine(*runtime, stream());
+  engine.add(tokenRun(1500, 10));
+  engine.add(tokenRun(700, 5000));
+  engine.add(tokenRun(300, 9000));
+  occupyOtherStream();
+  engine.begin();
+  engine.prefill();
+  engine.decode(130);  // crosses page boundaries: windows map and retire pages
+  engine.dropRow(1);
+  engine.decode(3);
+  engine.finish();
+  expectOtherStreamStillBusy();
+}
+
+TEST_F(EngineLoopNoWaitTest, InFlightJoinAndRetract) {
+  KVCacheRuntimeConfig config = baseConfig(stream());
+  config.model.numFullAttentionLayers = 2;
+  config.contextReuse = true;
+  auto runtime = KVCacheRuntime::create(config);
+  ASSERT_TRUE(runtime->supportsSeatedAdmission());
+  LoopEngine engine(*runtime, stream());
+  engine.add(tokenRun(600, 10));
+  occupyOtherStream();
+  engine.begin();
+  engine.prefill();
+  engine.decode(2);
+  engine.join(tokenRun(900, 4000));
+  engine.decode(2);
+  engine.admitAndRetract(tokenRun(400, 7000));
+  engine.dropRow(0);
+  engine.decode(1);
+  engine.finish();
+  expectOtherStreamStillBusy();
+}
+
+TEST_F(EngineLoopNoWaitTest, HybridCheckpointCapture) {
+  KVCacheRuntimeConfig config = baseConfig(stream());
+  config.model.numFullAttentionLayers = 1;
+  config.model.numRecurrentLayers = 2;
+  config.model.recurrentStateBytes = 4096;
+  config.model.recurrentConvBytes = 512;
+  config.contextReuse = true;
+  config.contextCache.recurrentSnapshotPoolBytes = 8 * 2 * (4096 + 512);
+  // 1 layer x K and V x 128 tokens x 2 heads x 64 x fp16 per partial page.
+  config.contextCache.partialKvSnapshotPoolBytes = 8 * 2 * kPage * 2 * 64 * 2;
+  auto runtime = KVCacheRuntime::create(config);
+  ContextCacheCoordinator& coordinator = *runtime->contextCache();
+  LoopEngine first(*runtime, stream());
+  LoopEngine second(*runtime, stream());
+  first.add(tokenRun(1000, 10));
+  second.add(tokenRun(1100, 10));  // extends the first prompt: restores its checkpoint
+  occupyOtherStream();
+  first.begin();
+  first.prefill();
+  first.decode(3);
+  first.finish();
+  second.begin();
+  second.prefill();
+  second.finish();
+  expectOtherStreamStillBusy();
+  EXPECT_GE(coordinator.counters().checkpointCaptures, 1U);
+  EXPECT_GE(coordinator.counters().checkpointRestores, 1U);
+}
+
+}  // namespace
+}  // namespace mkv::gputest
