@@ -441,6 +441,12 @@ TEST(ReplayReportTest, JsonHasEveryFigureAndCsvOneRowPerRequest) {
                           "oracle_mismatches",
                           "host_ns_per_step_p50",
                           "host_ns_per_step_p99",
+                          "host_ns_per_step_mean",
+                          "gpu_timed",
+                          "gpu_ns_per_step_p50",
+                          "gpu_ns_per_step_p99",
+                          "gpu_ns_per_step_mean",
+                          "requests_per_s",
                           "wall_s",
                           "mode",
                           "backend",
@@ -453,6 +459,12 @@ TEST(ReplayReportTest, JsonHasEveryFigureAndCsvOneRowPerRequest) {
     EXPECT_NE(json.find(key), nullptr) << key;
   }
   EXPECT_EQ(json.find("reused_tokens")->number.integer, 2432);
+  // CPU tensors: no GPU time is measured, and the report says so instead of inventing a figure.
+  EXPECT_FALSE(result.gpuTimed);
+  EXPECT_EQ(json.find("gpu_timed")->kind, JsonValue::Kind::kBool);
+  EXPECT_NE(formatJson(result).find("\"gpu_timed\": false"), std::string::npos);
+  EXPECT_EQ(json.find("gpu_ns_per_step_p50")->number.integer, 0);
+  EXPECT_NE(formatSummary(result).find("n/a (CPU tensors)"), std::string::npos);
   EXPECT_EQ(json.find("mode")->string, "reuse");
   EXPECT_EQ(json.find("backend")->string, "context-reuse");
   EXPECT_EQ(json.find("pool_tokens")->number.integer, result.poolPages * 128);
