@@ -158,6 +158,16 @@ for tool in memcheck racecheck; do
   [[ $RC == 0 ]] && status=PASS || status=FAIL
   record "compute-sanitizer $tool" "$status" "$SECONDS_TAKEN" "rc $RC; $(gtest_detail "$OUT/sanitizer_$tool.log"); ${summary_line:-no summary}"
 done
+# ... and over the reference engine's step kernels (tests/testing: CPU vs GPU parity runs).
+TESTING_TESTS=$BUILD/tests/testing/mkv_testing_tests
+if [[ -n $SANITIZER && -x $TESTING_TESTS && $(gtest_status 0 "$OUT/gpu_tests.log") != SKIP ]]; then
+  run_step "compute-sanitizer memcheck engine" "$OUT/sanitizer_memcheck_engine.log" 120 \
+    "$SANITIZER" --tool memcheck --error-exitcode 3 --print-limit 20 "$TESTING_TESTS" \
+    --gtest_filter='Shapes/ReferenceEngineParityTest.*'
+  summary_line=$(grep -E 'ERROR SUMMARY' "$OUT/sanitizer_memcheck_engine.log" | tail -1)
+  [[ $RC == 0 ]] && status=PASS || status=FAIL
+  record "compute-sanitizer engine" "$status" "$SECONDS_TAKEN" "rc $RC; $(gtest_detail "$OUT/sanitizer_memcheck_engine.log"); ${summary_line:-no summary}"
+fi
 
 # 5. The other test suites of the build folder, while the budget lasts: the runtime's end-to-end
 #    scenarios (facade, faults, reference engine, on CPU and GPU tensors) first.
