@@ -8,12 +8,18 @@
 #   4. compute-sanitizer memcheck and racecheck over a short selection of mkv_gpu_tests,
 #   5. the other test suites of the build folder (CPU suites and their GPU instantiations),
 #      mkv_runtime_tests first, while time is left,
+#   6. mkv-replay on GPU and on CPU tensors at a model-sized geometry (32 layers x 8 KV heads x
+#      head dim 128, page 128: 16 MiB per page), reuse and swa modes, on the embedded workload
+#      and the first requests of the bundled Mooncake sample: the figures of both devices must be
+#      identical; wall times, requests/s and library host / GPU ns per step are in replay_*.json,
 # with every log under $OUT (default ./out), and a short summary table printed last.
-#
+##
 # Usage:  bash benchmarks/gpu/run_on_device.sh [BUILD_DIR]
 #   BUILD_DIR holds tests/<layer>/mkv_*_tests and benchmarks/gpu/mkv_gpu_bench: the build tree of
 #   `cmake --preset cuda-release && cmake --build build/cuda-release`, or its small copy
 #   build/cuda-release/device (the default when present; the only folder the GPU machine needs).
+# The suites find their input files in $BUILD/test_inputs (exported as MKV_TEST_INPUTS).
+# MKV_REPLAY_LIMIT (default 12) sets the Mooncake requests of step 6.
 # Exit status: 0 when no step failed (a step without GPU, torch or sanitizer is SKIP), 1 else.
 set -u
 
@@ -28,6 +34,10 @@ SANITIZER_FILTER=${MKV_SANITIZER_FILTER:-'Geometries/CopyPagesGpuTest.*/0:Geomet
 RACECHECK_FILTER=${MKV_RACECHECK_FILTER:-'Mappings/CompactBatchGpuTest.*/2:Mappings/CompactBatchGpuTest.*/7:Mappings/CompactBatchMappingTest.*/10:GraphCaptureGpuTest.CompactBatchReplaysOnFreshData'}
 
 mkdir -p "$OUT"
+if [[ -d $BUILD/test_inputs ]]; then
+  MKV_TEST_INPUTS=$(cd "$BUILD/test_inputs" && pwd)
+  export MKV_TEST_INPUTS
+fi
 START=$(date +%s)
 SUMMARY=()
 FAILED=0
@@ -174,6 +184,16 @@ for tool in memcheck racecheck; do
   [[ $RC == 0 ]] && status=PASS || status=FAIL
   record "compute-sanitizer $tool" "$status" "$SECONDS_TAKEN" "rc $RC; $(gtest_detail "$OUT/sanitizer_$tool.log"); ${summary_line:-no summary}"
 done
+# ... and over the reference engine's step kernels (tests/testing: CPU vs GPU parity runs).
+TESTING_TESTS=$BUILD/tests/testing/mkv_testing_tests
+if [[ -n $SANITIZER && -x $TESTING_TESTS && $(gtest_status 0 "$OUT/gpu_tests.log") != SKIP ]]; then
+  run_step "compute-sanitizer memcheck engine" "$OUT/sanitizer_memcheck_engine.log" 120 \
+    "$SANITIZER" --tool memcheck --error-exitcode 3 --print-limit 20 "$TESTING_TESTS" \
+    --gtest_filter='Shapes/ReferenceEngineParityTest.*'
+  summary_line=$(grep -E 'ERROR SUMMARY' "$OUT/sanitizer_memcheck_engine.log" | tail -1)
+  [[ $RC == 0 ]] && status=PASS || status=FAIL
+  record "compute-sanitizer engine" "$status" "$SECONDS_TAKEN" "rc $RC; $(gtest_detail "$OUT/sanitizer_memcheck_engine.log"); ${summary_line:-no summary}"
+fi
 
 # 5. The other test suites of the build folder, while the budget lasts: the runtime's end-to-end
 #    scenarios (facade, faults, reference engine, on CPU and GPU tensors) first.
@@ -194,6 +214,59 @@ for suite in "${SUITES[@]}"; do
   run_step "$name" "$OUT/$name.log" "$left" "$suite" --gtest_output="xml:$OUT/$name.xml"
   record "$name" "$(gtest_status $RC "$OUT/$name.log")" "$SECONDS_TAKEN" "$(gtest_detail "$OUT/$name.log")"
 done
+
+# 6. mkv-replay, GPU vs CPU tensors at a model-sized geometry. Pools: 256 pages (4 GiB) for the
+#    embedded workload (it peaks at 146), 1024 pages (16 GiB) for the Mooncake requests; swa
+#    sizes its own pool (window pages per sequence). Both fit the host's and the GPU's memory.
+REPLAY=$BUILD/benchmarks/replay/mkv-replay
+TRACE=${MKV_TEST_INPUTS:-$BUILD/test_inputs}/tests/data/mooncake_first500.jsonl
+LIMIT=${MKV_REPLAY_LIMIT:-12}
+GEOMETRY=(--layers 32 --kv-heads 8 --head-dim 128 --page-size 128 --verify sample --quiet)
+replay_case() {  # NAME ARGS...: one run per device, then the figures compared
+  local name=$1
+  shift
+  local left=$(( BUDGET - $(elapsed) ))
+  if (( left < 60 )); then
+    record "mkv-replay $name" SKIP 0 "time budget used up"
+    return
+  fi
+  local device status=PASS detail=""
+  for device in cuda cpu; do
+    run_step "mkv-replay $name $device" "$OUT/replay_${name}_$device.log" 240 \
+      "$REPLAY" "$@" "${GEOMETRY[@]}" --device "$device" --json "$OUT/replay_${name}_$device.json"
+    if [[ $RC != 0 ]]; then
+      status=FAIL
+      detail+="$device rc $RC; "
+      continue
+    fi
+    detail+="$device $(grep -oP '"wall_s": \K[0-9.]+' "$OUT/replay_${name}_$device.json") s"
+    detail+=" (GPU ns/step $(grep -oP '"gpu_ns_per_step_mean": \K[0-9]+' "$OUT/replay_${name}_$device.json")); "
+  done
+  if [[ $status == PASS ]]; then
+    # Everything but the device and the timings must agree.
+    local timing='"(device|wall_s|requests_per_s|host_ns_per_step_[a-z0-9]+|gpu_[a-z_0-9]+)":'
+    if ! diff <(grep -vE "$timing" "$OUT/replay_${name}_cuda.json") \
+              <(grep -vE "$timing" "$OUT/replay_${name}_cpu.json") >"$OUT/replay_${name}_diff.txt"; then
+      status=FAIL
+      detail+="figures differ (replay_${name}_diff.txt)"
+    fi
+  fi
+  record "mkv-replay $name" "$status" "" "$detail"
+}
+if [[ ! -x $REPLAY ]]; then
+  record "mkv-replay" FAIL 0 "$REPLAY missing (cuda-release builds it)"
+elif [[ $(gtest_status 0 "$OUT/gpu_tests.log") == SKIP ]]; then
+  record "mkv-replay" SKIP 0 "no device"
+else
+  replay_case embedded_reuse --pool-tokens 32768
+  replay_case embedded_swa --mode swa --window 1024 --full-layers 1 --max-batch 4
+  if [[ -f $TRACE ]]; then
+    replay_case mooncake_reuse --trace "$TRACE" --limit "$LIMIT" --pool-tokens 131072
+    replay_case mooncake_swa --trace "$TRACE" --limit "$LIMIT" --mode swa --window 4096 --full-layers 1 --max-batch 4
+  else
+    record "mkv-replay mooncake" FAIL 0 "$TRACE missing (the bundle's test_inputs)"
+  fi
+fi
 
 {
   if [[ -f $OUT/gpu_bench.csv ]]; then

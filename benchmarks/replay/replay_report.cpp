@@ -102,6 +102,10 @@ std::string number(double value) {
   return fmt::format("{}", value);
 }
 
+double requestsPerSecond(ReplayResult const& r) {
+  return r.wallSeconds > 0.0 ? static_cast<double>(r.requests) / r.wallSeconds : 0.0;
+}
+
 }  // namespace
 
 std::string jsonString(std::string_view text) {
@@ -198,8 +202,13 @@ std::string formatSummary(ReplayResult const& r) {
     line("first mismatch", r.firstMismatch);
   }
   line("host ns per decode step",
-       fmt::format("p50 {}, p99 {}", grouped(r.hostNsPerStepP50), grouped(r.hostNsPerStepP99)));
-  line("wall time", fmt::format("{:.2f} s", r.wallSeconds));
+       fmt::format("p50 {}, p99 {}, mean {}", grouped(r.hostNsPerStepP50),
+                   grouped(r.hostNsPerStepP99), grouped(r.hostNsPerStepMean)));
+  line("GPU ns per decode step",
+       r.gpuTimed ? fmt::format("p50 {}, p99 {}, mean {}", grouped(r.gpuNsPerStepP50),
+                                grouped(r.gpuNsPerStepP99), grouped(r.gpuNsPerStepMean))
+                  : std::string("n/a (CPU tensors)"));
+  line("wall time", fmt::format("{:.2f} s, {:.1f} requests/s", r.wallSeconds, requestsPerSecond(r)));
   return out;
 }
 
@@ -259,6 +268,12 @@ std::string formatJson(ReplayResult const& r) {
   field("first_mismatch", jsonString(r.firstMismatch));
   integer("host_ns_per_step_p50", r.hostNsPerStepP50);
   integer("host_ns_per_step_p99", r.hostNsPerStepP99);
+  integer("host_ns_per_step_mean", r.hostNsPerStepMean);
+  field("gpu_timed", r.gpuTimed ? "true" : "false");
+  integer("gpu_ns_per_step_p50", r.gpuNsPerStepP50);
+  integer("gpu_ns_per_step_p99", r.gpuNsPerStepP99);
+  integer("gpu_ns_per_step_mean", r.gpuNsPerStepMean);
+  field("requests_per_s", fmt::format("{:.1f}", requestsPerSecond(r)));
   field("wall_s", fmt::format("{:.3f}", r.wallSeconds));
   out += "\n}\n";
   return out;

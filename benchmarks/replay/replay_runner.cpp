@@ -66,6 +66,17 @@ void validate(ReplayConfig const& c) {
   }
 }
 
+int64_t mean(std::vector<int64_t> const& values) {
+  if (values.empty()) {
+    return 0;
+  }
+  double sum = 0.0;
+  for (int64_t v : values) {
+    sum += static_cast<double>(v);
+  }
+  return static_cast<int64_t>(sum / static_cast<double>(values.size()) + 0.5);
+}
+
 int64_t percentile(std::vector<int64_t> values, double q) {
   if (values.empty()) {
     return 0;
@@ -451,6 +462,11 @@ class Runner {
     r.peakKvBytes = r.peakPagesInUse * r.bytesPerPage + r.staticKvBytes;
     r.hostNsPerStepP50 = percentile(stats.stepHostNanoseconds, 0.50);
     r.hostNsPerStepP99 = percentile(stats.stepHostNanoseconds, 0.99);
+    r.hostNsPerStepMean = mean(stats.stepHostNanoseconds);
+    r.gpuTimed = mConfig.device == DeviceType::kGPU;
+    r.gpuNsPerStepP50 = percentile(stats.stepGpuNanoseconds, 0.50);
+    r.gpuNsPerStepP99 = percentile(stats.stepGpuNanoseconds, 0.99);
+    r.gpuNsPerStepMean = mean(stats.stepGpuNanoseconds);
     if (ContextCacheCoordinator const* coordinator = mRuntime->contextCache()) {
       ContextCacheMetrics const metrics = coordinator->metrics();
       r.evictedRecords = static_cast<int64_t>(metrics.evictedRecords);

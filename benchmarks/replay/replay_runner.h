@@ -123,6 +123,13 @@ struct ReplayResult {
   std::string firstMismatch;
   int64_t hostNsPerStepP50 = 0;
   int64_t hostNsPerStepP99 = 0;
+  int64_t hostNsPerStepMean = 0;
+  /// GPU tensors: stream time of the library's own work per decode step (CUDA events around
+  /// prepareDecodeStep and completeDecodeStep). CPU tensors: not measured (gpuTimed false, 0).
+  bool gpuTimed = false;
+  int64_t gpuNsPerStepP50 = 0;
+  int64_t gpuNsPerStepP99 = 0;
+  int64_t gpuNsPerStepMean = 0;
   double wallSeconds = 0.0;
 
   std::vector<RequestRecord> records;   ///< by request index

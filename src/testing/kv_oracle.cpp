@@ -7,18 +7,12 @@
 
 #include "core/check.h"
 #include "core/device.h"
+#include "testing/oracle_bytes.h"
 
 namespace mkv::testing {
 namespace {
 
-uint64_t mix64(uint64_t x) noexcept {
-  x ^= x >> 30;
-  x *= 0xBF58476D1CE4E5B9ULL;
-  x ^= x >> 27;
-  x *= 0x94D049BB133111EBULL;
-  x ^= x >> 31;
-  return x;
-}
+using oracle::mix64;
 
 constexpr uint64_t kChainRoot = 0x6A09E667F3BCC908ULL;
 
@@ -47,12 +41,10 @@ void PrefixDigests::truncate(int64_t length) {
 }
 
 void KvOracle::expectedRow(uint64_t digest, int32_t layer, int32_t half, std::span<uint8_t> out) {
-  uint64_t state = mix64(digest ^ (static_cast<uint64_t>(layer) << 32) ^
-                         (static_cast<uint64_t>(half) << 1) ^ 0xD1B54A32D192ED03ULL);
+  uint64_t const seed = oracle::rowSeed(digest, layer, half);
   std::size_t i = 0;
-  while (i < out.size()) {
-    state += 0x9E3779B97F4A7C15ULL;
-    uint64_t word = mix64(state);
+  for (int64_t w = 0; i < out.size(); ++w) {
+    uint64_t const word = oracle::rowWord(seed, w);
     for (int b = 0; b < 8 && i < out.size(); ++b, ++i) {
       out[i] = static_cast<uint8_t>(word >> (8 * b));
     }

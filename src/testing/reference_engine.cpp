@@ -10,6 +10,7 @@
 #include "mkv/context_cache/block_hash.h"
 #include "mkv/context_cache/context_cache_request.h"
 #include "mkv/managed_kv_cache_request.h"
+#include "testing/oracle_stepper.h"
 
 namespace mkv::testing {
 namespace {
@@ -55,18 +56,15 @@ struct ReferenceEngine::Run {
 
 ReferenceEngine::ReferenceEngine(KVCacheRuntime& runtime, ReferenceEngineOptions options)
     : mRuntime(runtime), mOptions(std::move(options)), mRandom(mix(mOptions.seed + 0x51ED)) {
-  if (runtime.fullPool() != nullptr) {
-    mFullOracle = std::make_unique<KvOracle>(*runtime.fullPool(), *runtime.fullPageTable());
-  }
-  if (runtime.swaPool() != nullptr) {
-    mSwaOracle = std::make_unique<KvOracle>(*runtime.swaPool(), *runtime.swaPageTable());
-  }
+  mHasFull = runtime.fullPool() != nullptr;
+  mHasSwa = runtime.swaPool() != nullptr;
   // Only checkpoint deployments promise a zeroed or restored row at the start of a sequence.
   ContextCacheCoordinator const* coordinator = runtime.contextCache();
-  if (runtime.recurrentState() != nullptr && coordinator != nullptr &&
-      coordinator->profile().usesCheckpointReuse()) {
-    mRecurrentOracle = std::make_unique<RecurrentOracle>(*runtime.recurrentState());
-  }
+  mRecurrent = runtime.recurrentState() != nullptr && coordinator != nullptr &&
+               coordinator->profile().usesCheckpointReuse();
+  mSteps = std::make_unique<oracle::OracleStepper>(runtime, mRecurrent);
+  mMarks = std::make_unique<oracle::StreamMarks>(runtime.config().deviceType);
+  mLengthValues.resize(static_cast<std::size_t>(runtime.config().maxBatchSize));
   mDeviceMapping = Tensor({runtime.config().maxBatchSize}, DataType::kInt32,
                           runtime.config().deviceType);
 }
@@ -136,55 +134,66 @@ void ReferenceEngine::verifyRow(Run& run, Row& row, bool full) {
   }
   int32_t const end = row.materialized;
   int32_t const window = mRuntime.config().model.slidingWindowTokens;
-  auto check = [&](KvOracle const& oracle, int64_t begin, int64_t stop) {
-    if (begin >= stop) {
-      return;
-    }
-    OracleReport const result = oracle.verify(row.resident.slot, row.digests, begin, stop);
-    mStats.oracleChecks += result.positionsChecked;
-    if (!result.ok()) {
-      mStats.oracleMismatches += result.mismatches;
-      report(result.firstMismatch);
-    }
+  auto check = [&](int32_t pool, int64_t begin, int64_t stop) {
+    mSteps->verify(pool, row.resident.slot, static_cast<int32_t>(begin), static_cast<int32_t>(stop),
+                   oracle::kOracleAttention);
   };
-  auto sampled = [&](KvOracle const& oracle, int64_t begin, int64_t stop) {
+  auto sampled = [&](int32_t pool, int64_t begin, int64_t stop) {
     if (full || mOptions.verify == VerifyMode::kAll) {
-      check(oracle, begin, stop);
+      check(pool, begin, stop);
       return;
     }
     if (begin >= stop) {
       return;
     }
-    check(oracle, stop - 1, stop);  // the position just written
+    check(pool, stop - 1, stop);  // the position just written
     for (int i = 0; i < 2; ++i) {
       mRandom = mix(mRandom + 0x9E37);
       int64_t const p = begin + static_cast<int64_t>(mRandom % static_cast<uint64_t>(stop - begin));
-      check(oracle, p, p + 1);
+      check(pool, p, p + 1);
     }
   };
   bool const bounded = mRuntime.backend() == KVCacheBackend::kBoundedSwa;
-  if (mFullOracle) {
-    sampled(*mFullOracle, 0, end);
+  if (mHasFull) {
+    sampled(oracle::OracleStepper::kFull, 0, end);
   }
-  if (bounded && mSwaOracle) {
-    sampled(*mSwaOracle, std::max(0, end - window), end);
+  if (bounded && mHasSwa) {
+    sampled(oracle::OracleStepper::kSwa, std::max(0, end - window), end);
   }
 }
 
 void ReferenceEngine::checkLengths(Run& run) {
-  auto checkPool = [&](KVCachePool const& pool) {
+  if (mOptions.verify == VerifyMode::kNone) {
+    return;
+  }
+  auto const rows = static_cast<int32_t>(run.rows.size());
+  mSteps->snapshotLengths(rows, rows, mRuntime.config().stream);
+}
+
+void ReferenceEngine::finishStep(Run& run) {
+  oracle::StepFindings const& found = mSteps->complete(mRuntime.config().stream, "ReferenceEngine::run");
+  mStats.oracleChecks += found.positionsChecked;
+  mStats.recurrentChecks += found.recurrentChecks;
+  if (found.recurrentMismatches > 0) {
+    mStats.oracleMismatches += found.recurrentMismatches;
+    report("recurrent state: " + found.recurrentFirst);
+  }
+  if (found.kvMismatches > 0) {
+    mStats.oracleMismatches += found.kvMismatches;
+    report(found.kvFirst);
+  }
+  KVCachePool const* pools[2] = {mRuntime.fullPool(), mRuntime.swaPool()};
+  for (int32_t p = 0; p < 2; ++p) {
+    if (pools[p] == nullptr || found.lengths[p] == nullptr) {
+      continue;
+    }
     auto const rows = run.rows.size();
-    if (static_cast<std::size_t>(pool.activeBatchSize()) != rows) {
-      report(fmt::format("KV-length tensor has {} active rows, expected {}", pool.activeBatchSize(),
-                         rows));
-      return;
+    if (static_cast<std::size_t>(pools[p]->activeBatchSize()) != rows) {
+      report(fmt::format("KV-length tensor has {} active rows, expected {}",
+                         pools[p]->activeBatchSize(), rows));
+      continue;
     }
-    std::vector<int32_t> lengths(rows);
-    detail::copyBytes(lengths.data(), DeviceType::kCPU, pool.kvLengths().rawPointer(),
-                      pool.deviceType(), rows * sizeof(int32_t), nullptr);
-    if (pool.deviceType() == DeviceType::kGPU) {
-      detail::synchronizeDevice();
-    }
+    std::vector<int32_t> const& lengths = *found.lengths[p];
     for (std::size_t i = 0; i < rows; ++i) {
       ++mStats.lengthChecks;
       if (lengths[i] != run.rows[i].materialized) {
@@ -192,44 +201,52 @@ void ReferenceEngine::checkLengths(Run& run) {
                            run.rows[i].resident.slot, lengths[i], run.rows[i].materialized));
       }
     }
-  };
+  }
+}
+
+void ReferenceEngine::lengthStep(Run& run) {
   if (mOptions.verify == VerifyMode::kNone) {
     return;
   }
-  if (mRuntime.fullPool() != nullptr) {
-    checkPool(*mRuntime.fullPool());
-  }
-  if (mRuntime.swaPool() != nullptr) {
-    checkPool(*mRuntime.swaPool());
+  mSteps->begin();
+  checkLengths(run);
+  finishStep(run);
+}
+
+template <typename Include>
+void ReferenceEngine::writeLengths(Run& run, std::size_t first, std::size_t last, Include include) {
+  cudaStream_t const stream = mRuntime.config().stream;
+  std::size_t i = first;
+  while (i < last) {
+    if (!include(i)) {
+      ++i;
+      continue;
+    }
+    std::size_t j = i;
+    while (j < last && include(j)) {
+      mLengthValues[j] = run.rows[j].materialized;
+      ++j;
+    }
+    std::span<int32_t const> const values(mLengthValues.data() + i, j - i);
+    for (KVCachePool* pool : {mRuntime.fullPool(), mRuntime.swaPool()}) {
+      if (pool != nullptr) {
+        pool->writeLengths(static_cast<int32_t>(i), values, stream);
+      }
+    }
+    i = j;
   }
 }
 
 void ReferenceEngine::executeRecurrent(Row& row, int32_t from, int32_t to) {
-  if (!mRecurrentOracle) {
+  if (!mRecurrent) {
     return;
   }
-  if (mOptions.verify != VerifyMode::kNone) {
-    OracleReport const resumed = mRecurrentOracle->verify(row.resident.slot, row.digests, from);
-    ++mStats.recurrentChecks;
-    if (!resumed.ok()) {
-      ++mStats.oracleMismatches;
-      report("recurrent state: " + resumed.firstMismatch);
-    }
-  }
-  mRecurrentOracle->write(row.resident.slot, row.digests, to);
+  MKV_REQUIRE(from >= 0 && from <= to && to <= row.digests.size(), "ReferenceEngine::run",
+              "recurrent execution [{}, {}) outside the {} known positions", from, to,
+              row.digests.size());
+  mSteps->recurrent(row.resident.slot, mOptions.verify != VerifyMode::kNone, from,
+                    from > 0 ? row.digests.at(from - 1) : 0, to, to > 0 ? row.digests.at(to - 1) : 0);
 }
-
-namespace {
-void writeLength(KVCacheRuntime& runtime, int32_t row, int32_t length, cudaStream_t stream) {
-  int32_t const value[1] = {length};
-  if (runtime.fullPool() != nullptr) {
-    runtime.fullPool()->writeLengths(row, value, stream);
-  }
-  if (runtime.swaPool() != nullptr) {
-    runtime.swaPool()->writeLengths(row, value, stream);
-  }
-}
-}  // namespace
 
 void ReferenceEngine::executePrefill(Run& run, Row& row, int32_t start) {
   auto const promptLength = static_cast<int32_t>(row.spec.prompt.size());
@@ -238,21 +255,19 @@ void ReferenceEngine::executePrefill(Run& run, Row& row, int32_t start) {
   row.prefillStart = start;
   bool const bounded = mRuntime.backend() == KVCacheBackend::kBoundedSwa;
   int32_t const window = mRuntime.config().model.slidingWindowTokens;
+  int32_t const slot = row.resident.slot;
+  int64_t const staged = mSteps->stage(slot, 0, row.digests.values());
   // What the cache claims is already there must be exactly this prefix's KV.
-  if (start > 0 && mOptions.verify != VerifyMode::kNone && mFullOracle) {
-    OracleReport const reused = mFullOracle->verify(row.resident.slot, row.digests, 0, start);
-    mStats.oracleChecks += reused.positionsChecked;
-    if (!reused.ok()) {
-      mStats.oracleMismatches += reused.mismatches;
-      report("reused prefix: " + reused.firstMismatch);
-    }
+  if (start > 0 && mOptions.verify != VerifyMode::kNone && mHasFull) {
+    mSteps->verify(oracle::OracleStepper::kFull, slot, 0, start, oracle::kOracleReusedPrefix);
   }
-  if (mFullOracle) {
-    mFullOracle->write(row.resident.slot, row.digests, bounded ? 0 : start, promptLength);
+  if (mHasFull) {
+    int32_t const from = bounded ? 0 : start;
+    mSteps->write(oracle::OracleStepper::kFull, slot, from, promptLength, staged + from);
   }
-  if (bounded && mSwaOracle) {
-    mSwaOracle->write(row.resident.slot, row.digests, std::max(0, promptLength - window),
-                      promptLength);
+  if (bounded && mHasSwa) {
+    int32_t const from = std::max(0, promptLength - window);
+    mSteps->write(oracle::OracleStepper::kSwa, slot, from, promptLength, staged + from);
   }
   executeRecurrent(row, start, promptLength);
   row.materialized = promptLength;
@@ -364,10 +379,12 @@ RequestOutcome ReferenceEngine::run(EngineRequest const& request,
     context.finishReasons[index] = row.reason;
   };
   if (ok) {
+    mSteps->begin();
     for (std::size_t i = 0; i < run.rows.size(); ++i) {
       executePrefill(run, run.rows[i], run.rows[i].prefillStart);
-      writeLength(mRuntime, static_cast<int32_t>(i), run.rows[i].materialized, stream);
     }
+    mSteps->submit(stream);
+    writeLengths(run, 0, run.rows.size(), [](std::size_t) { return true; });
     t0 = std::chrono::steady_clock::now();
     ok = managed.enqueuePrefillCaptures();
     libraryNanos += nanosSince(t0);
@@ -378,6 +395,7 @@ RequestOutcome ReferenceEngine::run(EngineRequest const& request,
     ok = ok && managed.completePrefill(context, {});
     libraryNanos += nanosSince(t0);
     checkLengths(run);
+    finishStep(run);
   }
   notePages();
 
@@ -420,7 +438,7 @@ RequestOutcome ReferenceEngine::run(EngineRequest const& request,
     next.activeBatchSize = static_cast<int32_t>(kept.size());
     context = std::move(next);
     run.rows = std::move(kept);
-    checkLengths(run);
+    lengthStep(run);
     return true;
   };
 
@@ -471,8 +489,10 @@ RequestOutcome ReferenceEngine::run(EngineRequest const& request,
           pool->setActiveBatchSize(context.activeBatchSize);
         }
       }
+      mSteps->begin();
       executePrefill(run, run.rows[index], prefillStart);
-      writeLength(mRuntime, static_cast<int32_t>(index), run.rows[index].materialized, stream);
+      mSteps->submit(stream);
+      writeLengths(run, index, index + 1, [](std::size_t) { return true; });
       sampleAfter(run.rows[index], index);
       int32_t const lookahead = context.generatedTokenIds[index].back();
       auto const finalizeStart = std::chrono::steady_clock::now();
@@ -481,9 +501,11 @@ RequestOutcome ReferenceEngine::run(EngineRequest const& request,
           static_cast<int32_t>(run.rows[index].spec.prompt.size()));
       libraryNanos += nanosSince(finalizeStart);
       if (!finalized) {
+        finishStep(run);
         return false;
       }
       checkLengths(run);
+      finishStep(run);
       notePages();
     }
     return true;
@@ -514,9 +536,11 @@ RequestOutcome ReferenceEngine::run(EngineRequest const& request,
       continue;  // compact the cancelled rows away
     }
     int64_t stepNanos = 0;
+    mMarks->mark(0, stream);
     auto start = std::chrono::steady_clock::now();
     ok = managed.prepareDecodeStep(context, headroom);
     stepNanos += nanosSince(start);
+    mMarks->mark(1, stream);
     if (!ok) {
       for (std::size_t i = 0; i < run.rows.size(); ++i) {
         if (run.rows[i].reason == FinishReason::kNotFinished) {
@@ -526,35 +550,51 @@ RequestOutcome ReferenceEngine::run(EngineRequest const& request,
       break;
     }
     notePages();
-    for (std::size_t i = 0; i < run.rows.size(); ++i) {
+    mSteps->begin();
+    std::size_t const batch = run.rows.size();
+    auto running = [&](std::size_t i) { return run.rows[i].reason == FinishReason::kNotFinished; };
+    for (std::size_t i = 0; i < batch; ++i) {
       Row& row = run.rows[i];
-      if (row.reason != FinishReason::kNotFinished) {
+      if (!running(i)) {
         continue;
       }
       int32_t const position = row.materialized;
       uint64_t const key = static_cast<uint32_t>(context.generatedTokenIds[i].back());
       row.digests.extend(std::span<uint64_t const>(&key, 1));
-      if (mFullOracle) {
-        mFullOracle->write(row.resident.slot, row.digests, position, position + 1);
+      int64_t const staged =
+          mSteps->stage(row.resident.slot, position, row.digests.values().subspan(static_cast<std::size_t>(position), 1));
+      if (mHasFull) {
+        mSteps->write(oracle::OracleStepper::kFull, row.resident.slot, position, position + 1, staged);
       }
-      if (mRuntime.backend() == KVCacheBackend::kBoundedSwa && mSwaOracle) {
-        mSwaOracle->write(row.resident.slot, row.digests, position, position + 1);
+      if (mRuntime.backend() == KVCacheBackend::kBoundedSwa && mHasSwa) {
+        mSteps->write(oracle::OracleStepper::kSwa, row.resident.slot, position, position + 1, staged);
       }
       executeRecurrent(row, position, position + 1);
       row.materialized = position + 1;
-      writeLength(mRuntime, static_cast<int32_t>(i), row.materialized, stream);
       verifyRow(run, row, /*full=*/false);
-      ++row.steps;
-      sampleAfter(row, i);
     }
+    mSteps->submit(stream);
+    writeLengths(run, 0, batch, running);
+    for (std::size_t i = 0; i < batch; ++i) {
+      if (running(i)) {
+        ++run.rows[i].steps;
+        sampleAfter(run.rows[i], i);
+      }
+    }
+    mMarks->mark(2, stream);
     start = std::chrono::steady_clock::now();
     ok = managed.completeDecodeStep(context, {});
     stepNanos += nanosSince(start);
+    mMarks->mark(3, stream);
     mStats.stepHostNanoseconds.push_back(stepNanos);
     libraryNanos += stepNanos;
     ++mStats.decodeSteps;
     ++run.outcome.decodeSteps;
     checkLengths(run);
+    finishStep(run);
+    if (mMarks->enabled()) {
+      mStats.stepGpuNanoseconds.push_back(mMarks->elapsedNanos(0, 1) + mMarks->elapsedNanos(2, 3));
+    }
     if (mOptions.onStep) {
       mOptions.onStep(mStats.decodeSteps);
     }

@@ -19,10 +19,7 @@
 
 #include "mkv/kv_cache_runtime.h"
 #include "mkv/testing/reference_engine.h"
-
-#ifndef MKV_TEST_DATA_DIR
-#error "MKV_TEST_DATA_DIR must name the tests/data folder"
-#endif
+#include "test_inputs.h"
 
 namespace mkv::test {
 namespace {
@@ -203,8 +200,8 @@ class PrefixSet {
 };
 
 TEST(MooncakeReuseTest, First500RequestsReuseWhatALongestPrefixModelPredicts) {
-  std::vector<TraceRequest> const trace =
-      readTrace(std::filesystem::path(MKV_TEST_DATA_DIR) / "mooncake_first500.jsonl", 500);
+  MKV_TEST_INPUT_OR_SKIP(path, "tests/data/mooncake_first500.jsonl");
+  std::vector<TraceRequest> const trace = readTrace(path, 500);
   ASSERT_EQ(trace.size(), 500u);
   std::vector<std::vector<int32_t>> prompts;
   int64_t pagesWithoutSharing = 0;

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "fuzz/lifecycle_driver.h"
+#include "test_inputs.h"
 
 namespace mkv::fuzz {
 namespace {
@@ -89,8 +90,9 @@ TEST(LifecycleFuzzTest, EverySynchronisationPointMayFail) {
 
 /// Every file of the libFuzzer seed corpus (and every regression input added there) passes.
 TEST(LifecycleFuzzTest, CorpusInputsPass) {
+  MKV_TEST_INPUT_OR_SKIP(corpus, "tests/fuzz/corpus");
   int32_t files = 0;
-  for (auto const& entry : std::filesystem::directory_iterator(MKV_FUZZ_CORPUS_DIR)) {
+  for (auto const& entry : std::filesystem::directory_iterator(corpus)) {
     if (!entry.is_regular_file()) {
       continue;
     }

@@ -13,13 +13,8 @@
 
 #include "json_object.h"
 #include "replay_plot.h"
+#include "test_inputs.h"
 
-#ifndef MKV_REPLAY_EXECUTABLE
-#error "MKV_REPLAY_EXECUTABLE must name the mkv-replay binary"
-#endif
-#ifndef MKV_REPLAY_TEST_DIR
-#error "MKV_REPLAY_TEST_DIR must name the tests/replay folder"
-#endif
 
 namespace mkv::replay {
 namespace {
@@ -53,6 +48,11 @@ class MkvReplayCliTest : public ::testing::Test {
     std::string pattern = (fs::temp_directory_path() / "mkv-replay-cli-XXXXXX").string();
     ASSERT_NE(::mkdtemp(pattern.data()), nullptr);
     mDir = pattern;
+    // The executable beside the suite's folder, in the build tree as in the GPU bundle.
+    mExecutable = test::findBuildOutput("benchmarks/replay/mkv-replay");
+    if (mExecutable.empty()) {
+      GTEST_SKIP() << "benchmarks/replay/mkv-replay not found in the folders above the test executable";
+    }
   }
   void TearDown() override { fs::remove_all(mDir); }
 
@@ -60,7 +60,7 @@ class MkvReplayCliTest : public ::testing::Test {
   CliResult run(std::vector<std::string> const& args, std::string const& environment = "") {
     // Appended piece by piece: GCC 12 -O3 warns falsely (-Wrestrict) on chains of operator+.
     std::string command = environment;
-    command.append(" ").append(quoted(MKV_REPLAY_EXECUTABLE));
+    command.append(" ").append(quoted(mExecutable.string()));
     for (std::string const& arg : args) {
       command.append(" ").append(quoted(arg));
     }
@@ -90,13 +90,15 @@ class MkvReplayCliTest : public ::testing::Test {
   }
 
   fs::path mDir;
-  std::string const mTiny = std::string(MKV_REPLAY_TEST_DIR) + "/tiny_mooncake.jsonl";
+  fs::path mExecutable;
 };
 
 TEST_F(MkvReplayCliTest, TraceToJsonAndCsvWithTheHandComputedFigures) {
+  MKV_TEST_INPUT_OR_SKIP(tinyPath, "tests/replay/tiny_mooncake.jsonl");
+  std::string const tiny = tinyPath.string();
   std::string const json = (mDir / "out.json").string();
   std::string const csv = (mDir / "out.csv").string();
-  CliResult const result = run({"--trace", mTiny, "--json", json, "--csv", csv});
+  CliResult const result = run({"--trace", tiny, "--json", json, "--csv", csv});
   ASSERT_EQ(result.exitCode, 0) << result.err;
   EXPECT_TRUE(result.err.empty()) << result.err;  // no progress bar without a terminal
   EXPECT_NE(result.out.find("reused tokens             2,432  (hit rate 57.25%)"),
@@ -175,6 +177,8 @@ TEST_F(MkvReplayCliTest, BadOptionsAreOneLineAndExitTwo) {
 }
 
 TEST_F(MkvReplayCliTest, BadTracesNameTheFileAndLineAndExitTwo) {
+  MKV_TEST_INPUT_OR_SKIP(tinyPath, "tests/replay/tiny_mooncake.jsonl");
+  std::string const tiny = tinyPath.string();
   expectBadInput(
       {"--trace", (mDir / "missing.jsonl").string()},
       "cannot open trace " + (mDir / "missing.jsonl").string() + ": No such file or directory");
@@ -195,8 +199,10 @@ TEST_F(MkvReplayCliTest, BadTracesNameTheFileAndLineAndExitTwo) {
 }
 
 TEST_F(MkvReplayCliTest, PlotWithoutGnuplotIsOneMessageAndExitZero) {
+  MKV_TEST_INPUT_OR_SKIP(tinyPath, "tests/replay/tiny_mooncake.jsonl");
+  std::string const tiny = tinyPath.string();
   std::string const png = (mDir / "p.png").string();
-  CliResult const result = run({"--trace", mTiny, "--plot", png}, "PATH=/nonexistent");
+  CliResult const result = run({"--trace", tiny, "--plot", png}, "PATH=/nonexistent");
   EXPECT_EQ(result.exitCode, 0) << result.err;
   EXPECT_EQ(result.err, "mkv-replay: gnuplot is not installed (not found in PATH); " + png +
                             " was not written\n");
@@ -205,11 +211,13 @@ TEST_F(MkvReplayCliTest, PlotWithoutGnuplotIsOneMessageAndExitZero) {
 }
 
 TEST_F(MkvReplayCliTest, PlotWritesAPng) {
+  MKV_TEST_INPUT_OR_SKIP(tinyPath, "tests/replay/tiny_mooncake.jsonl");
+  std::string const tiny = tinyPath.string();
   if (!findInPath("gnuplot")) {
     GTEST_SKIP() << "gnuplot is not installed";
   }
   std::string const png = (mDir / "p.png").string();
-  CliResult const result = run({"--trace", mTiny, "--plot", png, "--quiet"});
+  CliResult const result = run({"--trace", tiny, "--plot", png, "--quiet"});
   EXPECT_EQ(result.exitCode, 0) << result.err;
   ASSERT_TRUE(fs::exists(png));
   std::string const bytes = slurp(png);

@@ -14,14 +14,9 @@
 #include "json_object.h"
 #include "multi_turn_workload.h"
 #include "replay_report.h"
+#include "test_inputs.h"
 #include "trace.h"
 
-#ifndef MKV_TEST_DATA_DIR
-#error "MKV_TEST_DATA_DIR must name the tests/data folder"
-#endif
-#ifndef MKV_REPLAY_TEST_DIR
-#error "MKV_REPLAY_TEST_DIR must name the tests/replay folder"
-#endif
 
 namespace mkv::replay {
 namespace {
@@ -113,18 +108,16 @@ class PrefixPages {
   std::map<Key, int64_t> mNodes;
 };
 
-TraceSource traceSource(std::string const& path, std::size_t limit = 0) {
-  return TraceSource(loadTrace(path, TraceFormat::kAuto, limit), path);
+TraceSource traceSource(std::filesystem::path const& path, std::size_t limit = 0) {
+  return TraceSource(loadTrace(path.string(), TraceFormat::kAuto, limit), path.string());
 }
-
-std::string const kTiny = std::string(MKV_REPLAY_TEST_DIR) + "/tiny_mooncake.jsonl";
-std::string const kMooncake500 = std::string(MKV_TEST_DATA_DIR) + "/mooncake_first500.jsonl";
 
 int64_t missCount(ReplayResult const& result, MissReason reason) {
   return result.missesByReason[static_cast<std::size_t>(reason)];
 }
 
 TEST(ReplayRunnerTest, TinyTraceReusesExactlyTheHandComputedTokens) {
+  MKV_TEST_INPUT_OR_SKIP(kTiny, "tests/replay/tiny_mooncake.jsonl");
   // Blocks of 512 tokens, pages of 128: request 1 [1, 2] (1024) reuses nothing; request 2
   // [1, 2, 3] (1500) reuses blocks 1 and 2 = 1024; request 3 [1, 9] (700) reuses block 1 = 512;
   // request 4 repeats request 1 (page-aligned, fully matched) and recomputes its last page: 896.
@@ -164,6 +157,7 @@ TEST(ReplayRunnerTest, TinyTraceReusesExactlyTheHandComputedTokens) {
 }
 
 TEST(ReplayRunnerTest, MooncakeFirst500ReuseMatchesAnIndependentLongestPrefixModel) {
+  MKV_TEST_INPUT_OR_SKIP(kMooncake500, "tests/data/mooncake_first500.jsonl");
   TraceSource trace = traceSource(kMooncake500);
   ASSERT_EQ(trace.size(), 500u);
   RecordingSource source(trace);
@@ -192,6 +186,7 @@ TEST(ReplayRunnerTest, MooncakeFirst500ReuseMatchesAnIndependentLongestPrefixMod
 }
 
 TEST(ReplayRunnerTest, FullModeReusesNothing) {
+  MKV_TEST_INPUT_OR_SKIP(kTiny, "tests/replay/tiny_mooncake.jsonl");
   TraceSource source = traceSource(kTiny);
   ReplayConfig config;
   config.mode = ReplayMode::kFull;
@@ -206,6 +201,7 @@ TEST(ReplayRunnerTest, FullModeReusesNothing) {
 }
 
 TEST(ReplayRunnerTest, SwaKeepsTheBoundedBudget) {
+  MKV_TEST_INPUT_OR_SKIP(kTiny, "tests/replay/tiny_mooncake.jsonl");
   TraceSource source = traceSource(kTiny);
   ReplayConfig config;
   config.mode = ReplayMode::kSwa;
@@ -229,6 +225,7 @@ TEST(ReplayRunnerTest, SwaKeepsTheBoundedBudget) {
 }
 
 TEST(ReplayRunnerTest, SwaWithFullLayersCountsTheIdentityMappedPool) {
+  MKV_TEST_INPUT_OR_SKIP(kTiny, "tests/replay/tiny_mooncake.jsonl");
   TraceSource source = traceSource(kTiny);
   ReplayConfig config;
   config.mode = ReplayMode::kSwa;
@@ -242,6 +239,7 @@ TEST(ReplayRunnerTest, SwaWithFullLayersCountsTheIdentityMappedPool) {
 }
 
 TEST(ReplayRunnerTest, SwaPoolBelowOneSequenceIsAConfigErrorAndASmallPoolLimitsTheBatch) {
+  MKV_TEST_INPUT_OR_SKIP(kTiny, "tests/replay/tiny_mooncake.jsonl");
   TraceSource source = traceSource(kTiny);
   ReplayConfig config;
   config.mode = ReplayMode::kSwa;
@@ -257,6 +255,7 @@ TEST(ReplayRunnerTest, SwaPoolBelowOneSequenceIsAConfigErrorAndASmallPoolLimitsT
 }
 
 TEST(ReplayRunnerTest, ImpossibleConfigurationsThrowConfigErrors) {
+  MKV_TEST_INPUT_OR_SKIP(kTiny, "tests/replay/tiny_mooncake.jsonl");
   TraceSource source = traceSource(kTiny);
   auto fails = [&](auto&& change) {
     ReplayConfig config;
@@ -281,6 +280,7 @@ TEST(ReplayRunnerTest, ImpossibleConfigurationsThrowConfigErrors) {
 }
 
 TEST(ReplayRunnerTest, BoundedPoolEvictsAndStaysCorrect) {
+  MKV_TEST_INPUT_OR_SKIP(kMooncake500, "tests/data/mooncake_first500.jsonl");
   TraceSource unbounded = traceSource(kMooncake500, 60);
   ReplayResult const reference = runReplay(unbounded, ReplayConfig{});
   TraceSource bounded = traceSource(kMooncake500, 60);
@@ -298,6 +298,7 @@ TEST(ReplayRunnerTest, BoundedPoolEvictsAndStaysCorrect) {
 }
 
 TEST(ReplayRunnerTest, ARequestLargerThanTheEmptyPoolFailsAndIsSkipped) {
+  MKV_TEST_INPUT_OR_SKIP(kTiny, "tests/replay/tiny_mooncake.jsonl");
   TraceSource source = traceSource(kTiny);
   ReplayConfig config;
   config.poolSizing = PoolSizing::kPages;
@@ -409,6 +410,7 @@ TEST(ReplayRunnerTest, SaltsIsolateTenants) {
 }
 
 TEST(ReplayRunnerTest, OutputCapAndLimit) {
+  MKV_TEST_INPUT_OR_SKIP(kTiny, "tests/replay/tiny_mooncake.jsonl");
   TraceSource source = traceSource(kTiny);
   ReplayConfig config;
   config.maxOutputTokens = 1;
@@ -421,6 +423,7 @@ TEST(ReplayRunnerTest, OutputCapAndLimit) {
 }
 
 TEST(ReplayReportTest, JsonHasEveryFigureAndCsvOneRowPerRequest) {
+  MKV_TEST_INPUT_OR_SKIP(kTiny, "tests/replay/tiny_mooncake.jsonl");
   TraceSource source = traceSource(kTiny);
   ReplayResult const result = runReplay(source, ReplayConfig{});
   JsonObject const json = parseJsonObject(formatJson(result));
@@ -441,6 +444,12 @@ TEST(ReplayReportTest, JsonHasEveryFigureAndCsvOneRowPerRequest) {
                           "oracle_mismatches",
                           "host_ns_per_step_p50",
                           "host_ns_per_step_p99",
+                          "host_ns_per_step_mean",
+                          "gpu_timed",
+                          "gpu_ns_per_step_p50",
+                          "gpu_ns_per_step_p99",
+                          "gpu_ns_per_step_mean",
+                          "requests_per_s",
                           "wall_s",
                           "mode",
                           "backend",
@@ -453,6 +462,12 @@ TEST(ReplayReportTest, JsonHasEveryFigureAndCsvOneRowPerRequest) {
     EXPECT_NE(json.find(key), nullptr) << key;
   }
   EXPECT_EQ(json.find("reused_tokens")->number.integer, 2432);
+  // CPU tensors: no GPU time is measured, and the report says so instead of inventing a figure.
+  EXPECT_FALSE(result.gpuTimed);
+  EXPECT_EQ(json.find("gpu_timed")->kind, JsonValue::Kind::kBool);
+  EXPECT_NE(formatJson(result).find("\"gpu_timed\": false"), std::string::npos);
+  EXPECT_EQ(json.find("gpu_ns_per_step_p50")->number.integer, 0);
+  EXPECT_NE(formatSummary(result).find("n/a (CPU tensors)"), std::string::npos);
   EXPECT_EQ(json.find("mode")->string, "reuse");
   EXPECT_EQ(json.find("backend")->string, "context-reuse");
   EXPECT_EQ(json.find("pool_tokens")->number.integer, result.poolPages * 128);

@@ -78,6 +78,11 @@ struct RequestOutcome {
 };
 
 /// Cumulative figures of an engine.
+namespace oracle {
+class OracleStepper;
+class StreamMarks;
+}  // namespace oracle
+
 struct EngineStats {
   int64_t requests = 0;
   int64_t sequences = 0;
@@ -95,15 +100,29 @@ struct EngineStats {
   int64_t recurrentChecks = 0;   ///< recurrent states verified (checkpoint deployments)
   int64_t peakPagesInUse = 0;    ///< max pages not free, over all pools
   std::vector<int64_t> stepHostNanoseconds;  ///< library time per decode step (facade calls)
+  /// GPU pools only: stream time of the library's work per decode step, measured with CUDA
+  /// events recorded right before and after prepareDecodeStep and completeDecodeStep (the
+  /// engine's own write and verify launches are outside). Empty with CPU pools.
+  std::vector<int64_t> stepGpuNanoseconds;
 };
 
 /// Drives requests through a KVCacheRuntime. Executes no model: for every executed position it
-/// writes KV bytes that are a function of the whole prefix (KvOracle), then checks what the
-/// attention of that step would read: all positions of full layers, the last W of sliding ones.
-/// Also checks the device KV-length tensor after every execution. On checkpoint deployments
-/// (hybrid models with context reuse) it also writes each execution's recurrent state with the
-/// RecurrentOracle and, before every execution, checks that the row holds the state of exactly
-/// the positions it resumes from (zero for a fresh sequence, the restored checkpoint after reuse).
+/// writes KV bytes that are a function of the whole prefix (the KvOracle's bytes), then checks
+/// what the attention of that step would read: all positions of full layers, the last W of
+/// sliding ones. Also checks the device KV-length tensor after every execution. On checkpoint
+/// deployments (hybrid models with context reuse) it also writes each execution's recurrent
+/// state (the RecurrentOracle's bytes) and, before every execution, checks that the row holds
+/// the state of exactly the positions it resumes from (zero for a fresh sequence, the restored
+/// checkpoint after reuse).
+///
+/// Works at engine speed on either device: an engine step (the founding batch's prefill, one
+/// joiner's prefill, one decode step of the whole batch) stages its digests and ranges in a
+/// buffer allocated at construction, uploads them with one copy, writes every layer's K and V
+/// of the step in one launch and verifies every position the step reads in one launch; the
+/// findings come back with one copy and one wait on the runtime's stream, the step's
+/// completion point. CPU pools run bit-identical host twins of the kernels, so both devices
+/// produce the same figures. Mismatches are counted and described as the oracles describe
+/// them; with throwOnMismatch the step's first one throws once the step completes.
 class ReferenceEngine {
  public:
   explicit ReferenceEngine(KVCacheRuntime& runtime, ReferenceEngineOptions options = {});
@@ -133,7 +152,16 @@ class ReferenceEngine {
                                      std::vector<int32_t> const& mediaTokenIds) const;
   void executePrefill(Run& run, Row& row, int32_t start);
   void verifyRow(Run& run, Row& row, bool full);
+  /// Snapshots the device KV-length rows (checked by finishStep).
   void checkLengths(Run& run);
+  /// The step's completion point: collects and reports its findings.
+  void finishStep(Run& run);
+  /// A step that only checks the KV lengths (after a compaction).
+  void lengthStep(Run& run);
+  /// Writes the KV length of the rows in [first, last) that `include` selects, one call per
+  /// contiguous run and pool.
+  template <typename Include>
+  void writeLengths(Run& run, std::size_t first, std::size_t last, Include include);
   /// Recurrent state: verify the row resumes from `from` tokens, then write the state after `to`.
   void executeRecurrent(Row& row, int32_t from, int32_t to);
   void notePages();
@@ -141,9 +169,12 @@ class ReferenceEngine {
 
   KVCacheRuntime& mRuntime;
   ReferenceEngineOptions mOptions;
-  std::unique_ptr<KvOracle> mFullOracle;
-  std::unique_ptr<KvOracle> mSwaOracle;
-  std::unique_ptr<RecurrentOracle> mRecurrentOracle;
+  std::unique_ptr<oracle::OracleStepper> mSteps;
+  std::unique_ptr<oracle::StreamMarks> mMarks;
+  bool mHasFull = false;
+  bool mHasSwa = false;
+  bool mRecurrent = false;
+  std::vector<int32_t> mLengthValues;
   Tensor mDeviceMapping;
   EngineStats mStats;
   uint64_t mRandom;

@@ -1,0 +1,392 @@
+// The reference engine's step kernels (src/testing/oracle_step.h): a corrupted KV or recurrent
+// byte is reported with its exact coordinates at the step that reads it, and the same workload
+// gives the same figures, the same outcomes and the same pool bytes (poison included) on CPU and
+// GPU tensors, so the CUDA kernels and their host twins do bit-identical work.
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <numeric>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "mkv/kv_cache_runtime.h"
+#include "mkv/stream.h"
+#include "mkv/testing/reference_engine.h"
+#include "test_util.h"
+
+namespace mkv {
+namespace {
+
+using testing::EngineRequest;
+using testing::EngineSequence;
+using testing::EngineStats;
+using testing::ReferenceEngine;
+using testing::ReferenceEngineOptions;
+using testing::RequestOutcome;
+using testing::VerifyMode;
+
+enum class Shape { kReuse, kSwa, kHybrid };
+
+std::string shapeName(Shape shape) {
+  switch (shape) {
+    case Shape::kReuse: return "reuse";
+    case Shape::kSwa: return "swa";
+    case Shape::kHybrid: return "hybrid";
+  }
+  return "?";
+}
+
+constexpr int32_t kPageTokens = 16;
+
+/// Token rows of 12 bytes (1 head x 6 x fp16) and recurrent rows of 20 and 12 bytes: none a
+/// multiple of 8, so every row ends in a partial word.
+KVCacheRuntimeConfig configOf(Shape shape, DeviceType device) {
+  KVCacheRuntimeConfig config;
+  config.model.numKVHeads = 1;
+  config.model.headDim = 6;
+  config.model.kvDataType = DataType::kFloat16;
+  config.maxBatchSize = 3;
+  config.maxSequenceLength = 256;
+  config.tokensPerPage = kPageTokens;
+  config.deviceType = device;
+  if (shape == Shape::kSwa) {
+    config.model.numFullAttentionLayers = 1;
+    config.model.numSlidingWindowLayers = 2;
+    config.model.slidingWindowTokens = 40;
+    return config;
+  }
+  config.model.numFullAttentionLayers = 2;
+  config.contextReuse = true;
+  if (shape == Shape::kHybrid) {
+    config.model.numRecurrentLayers = 2;
+    config.model.recurrentStateBytes = 20;
+    config.model.recurrentConvBytes = 12;
+    config.contextCache.recurrentSnapshotPoolBytes = 8 * 2 * (20 + 12);
+    config.contextCache.partialKvSnapshotPoolBytes = 8 * 2 * 2 * kPageTokens * 12;
+  }
+  return config;
+}
+
+std::vector<int32_t> tokens(int32_t count, int32_t first) {
+  std::vector<int32_t> result(static_cast<std::size_t>(count));
+  std::iota(result.begin(), result.end(), first);
+  return result;
+}
+
+std::vector<int32_t> joined(std::vector<int32_t> a, std::vector<int32_t> const& b) {
+  a.insert(a.end(), b.begin(), b.end());
+  return a;
+}
+
+EngineSequence sequence(std::vector<int32_t> prompt, int32_t maxNew, int32_t cancelAt = -1) {
+  EngineSequence s;
+  s.prompt = std::move(prompt);
+  s.maxNewTokens = maxNew;
+  s.cancelAtStep = cancelAt;
+  return s;
+}
+
+/// Batches with a shared prefix (reuse hits on the second request), a cancellation, in-flight
+/// joins where the backend has them, and end-of-sequence tokens (eosEvery).
+struct Workload {
+  std::vector<EngineRequest> requests;
+  std::vector<std::deque<EngineSequence>> joins;
+};
+
+Workload workloadOf(Shape shape) {
+  std::vector<int32_t> const system = tokens(70, 100);
+  Workload w;
+  EngineRequest first;
+  first.sequences = {sequence(joined(system, tokens(5, 900)), 9),
+                     sequence(joined(system, tokens(9, 950)), 6)};
+  w.requests.push_back(first);
+  w.joins.emplace_back();
+  EngineRequest second;
+  second.sequences = {sequence(joined(system, tokens(20, 3000)), 7),
+                      sequence(joined(system, tokens(3, 3100)), 8, 3)};
+  w.requests.push_back(second);
+  w.joins.emplace_back();
+  EngineRequest third;
+  third.sequences = {sequence(joined(system, tokens(33, 5000)), 12)};
+  w.requests.push_back(third);
+  w.joins.emplace_back();
+  if (shape != Shape::kSwa) {
+    w.joins.back().push_back(sequence(joined(system, tokens(11, 7000)), 5));
+    w.joins.back().push_back(sequence(tokens(50, 8000), 4));
+  }
+  return w;
+}
+
+std::vector<uint8_t> poisonFor(Tensor const& tensor, uint32_t seed) {
+  std::vector<uint8_t> bytes(static_cast<std::size_t>(tensor.sizeBytes()));
+  std::mt19937 random(seed);
+  for (auto& b : bytes) {
+    b = static_cast<uint8_t>(random());
+  }
+  return bytes;
+}
+
+/// Everything a run leaves: figures, outcomes and every KV and recurrent byte.
+struct RunResult {
+  EngineStats stats;
+  std::vector<RequestOutcome> outcomes;
+  std::vector<std::vector<uint8_t>> bytes;
+};
+
+using Corruption = std::function<void(KVCacheRuntime&, int64_t)>;
+
+RunResult runWorkload(Shape shape, DeviceType device, Corruption const& corrupt = {}) {
+  auto runtime = KVCacheRuntime::create(configOf(shape, device));
+  // Poison every KV byte: the bytes the engine never writes must stay as they were.
+  uint32_t seed = 1;
+  for (KVCachePool* pool : {runtime->fullPool(), runtime->swaPool()}) {
+    for (int32_t l = 0; pool != nullptr && l < pool->numLayers(); ++l) {
+      test::writeBytes(pool->layer(l), poisonFor(pool->layer(l), seed++));
+    }
+  }
+  ReferenceEngineOptions options;
+  options.verify = VerifyMode::kAll;
+  options.eosEvery = 7;
+  options.throwOnMismatch = false;
+  KVCacheRuntime* raw = runtime.get();
+  if (corrupt) {
+    options.onStep = [raw, &corrupt](int64_t step) { corrupt(*raw, step); };
+  }
+  ReferenceEngine engine(*runtime, options);
+  Workload workload = workloadOf(shape);
+  RunResult result;
+  for (std::size_t r = 0; r < workload.requests.size(); ++r) {
+    result.outcomes.push_back(engine.run(workload.requests[r], &workload.joins[r]));
+  }
+  result.stats = engine.stats();
+  for (KVCachePool* pool : {runtime->fullPool(), runtime->swaPool()}) {
+    for (int32_t l = 0; pool != nullptr && l < pool->numLayers(); ++l) {
+      result.bytes.push_back(test::readBytes(pool->layer(l)));
+    }
+  }
+  if (RecurrentStatePool* state = runtime->recurrentState()) {
+    for (int32_t l = 0; l < state->numLayers(); ++l) {
+      result.bytes.push_back(test::readBytes(state->state(l)));
+      result.bytes.push_back(test::readBytes(state->conv(l)));
+    }
+  }
+  EXPECT_TRUE(runtime->shutdown());
+  return result;
+}
+
+/// Flips byte `byte` of the token row of position `position` of resident slot 0 (layer, half).
+void flipKvByte(KVCacheRuntime& runtime, int32_t layer, int32_t half, int32_t position,
+                int64_t byte, uint8_t* was, uint8_t* now, int32_t* pageOut) {
+  KVCachePool& pool = *runtime.fullPool();
+  int32_t const page = runtime.fullPageTable()->hostRow(0)[static_cast<std::size_t>(position / kPageTokens)];
+  ASSERT_GE(page, 0);
+  std::vector<uint8_t> bytes = test::readBytes(pool.layer(layer));
+  std::size_t const offset = static_cast<std::size_t>(half * pool.pageBytes() * pool.numPages() +
+                                                      page * pool.pageBytes() +
+                                                      (position % kPageTokens) * pool.tokenBytes() + byte);
+  *was = bytes[offset];
+  bytes[offset] = static_cast<uint8_t>(bytes[offset] ^ 0x5A);
+  *now = bytes[offset];
+  *pageOut = page;
+  test::writeBytes(pool.layer(layer), bytes);
+}
+
+class ReferenceEngineTest : public test::DeviceTest {};
+INSTANTIATE_TEST_SUITE_P(Devices, ReferenceEngineTest, test::allDeviceTypes(), test::deviceName);
+
+TEST_P(ReferenceEngineTest, ACorruptedKvByteIsReportedWithItsCoordinatesAtEveryStepThatReadsIt) {
+  auto runtime = KVCacheRuntime::create(configOf(Shape::kReuse, device()));
+  uint8_t was = 0;
+  uint8_t now = 0;
+  int32_t page = -1;
+  ReferenceEngineOptions options;
+  options.verify = VerifyMode::kAll;
+  options.throwOnMismatch = false;
+  KVCacheRuntime* raw = runtime.get();
+  options.onStep = [&](int64_t step) {
+    if (step == 2) {
+      flipKvByte(*raw, 1, 1, 21, 9, &was, &now, &page);
+    }
+  };
+  ReferenceEngine engine(*runtime, options);
+  EngineRequest request;
+  request.sequences = {sequence(tokens(30, 100), 6)};
+  RequestOutcome const outcome = engine.run(request);
+  ASSERT_TRUE(outcome.admitted);
+  ASSERT_EQ(outcome.decodeSteps, 5);  // steps 3, 4 and 5 read the corrupted position
+  EXPECT_EQ(engine.stats().oracleMismatches, 3);
+  EXPECT_EQ(engine.stats().firstMismatch,
+            fmt::format("slot 0 position 21 (page {}, row 5) layer 1 V: byte 9 is {:#04x}, "
+                        "expected {:#04x}",
+                        page, now, was));
+  // Positions checked: the prompt after prefill, then every position at every step.
+  EXPECT_EQ(engine.stats().oracleChecks, 30 + 31 + 32 + 33 + 34 + 35);
+}
+
+TEST_P(ReferenceEngineTest, AMismatchThrowsWhenTheStepCompletesWithThrowOnMismatch) {
+  auto runtime = KVCacheRuntime::create(configOf(Shape::kReuse, device()));
+  uint8_t was = 0;
+  uint8_t now = 0;
+  int32_t page = -1;
+  ReferenceEngineOptions options;
+  options.verify = VerifyMode::kAll;
+  KVCacheRuntime* raw = runtime.get();
+  options.onStep = [&](int64_t step) {
+    if (step == 1) {
+      flipKvByte(*raw, 0, 0, 30, 0, &was, &now, &page);
+    }
+  };
+  ReferenceEngine engine(*runtime, options);
+  EngineRequest request;
+  request.sequences = {sequence(tokens(30, 100), 6)};
+  // Position 30 (the first decoded token) was written at step 1: step 2 reads it.
+  EXPECT_TRUE(test::throwsError([&] { engine.run(request); },
+                                {"ReferenceEngine: oracle mismatch: slot 0 position 30",
+                                 "layer 0 K: byte 0 is"}));
+  EXPECT_EQ(engine.stats().decodeSteps, 2);
+}
+
+TEST_P(ReferenceEngineTest, ACorruptedRecurrentByteIsReportedWhenTheNextExecutionResumes) {
+  auto runtime = KVCacheRuntime::create(configOf(Shape::kHybrid, device()));
+  ReferenceEngineOptions options;
+  options.verify = VerifyMode::kAll;
+  options.throwOnMismatch = false;
+  uint8_t was = 0;
+  uint8_t now = 0;
+  KVCacheRuntime* raw = runtime.get();
+  options.onStep = [&](int64_t step) {
+    if (step == 2) {
+      Tensor& rows = raw->recurrentState()->state(1);
+      std::vector<uint8_t> bytes = test::readBytes(rows);
+      was = bytes[17];  // slot 0, byte 17
+      bytes[17] = static_cast<uint8_t>(was ^ 0xFF);
+      now = bytes[17];
+      test::writeBytes(rows, bytes);
+    }
+  };
+  ReferenceEngine engine(*runtime, options);
+  EngineRequest request;
+  request.sequences = {sequence(tokens(30, 100), 6)};
+  ASSERT_TRUE(engine.run(request).admitted);
+  // Step 3 resumes from the state after 30 + 2 tokens and rewrites it: one mismatch.
+  EXPECT_EQ(engine.stats().oracleMismatches, 1);
+  EXPECT_EQ(engine.stats().firstMismatch,
+            fmt::format("recurrent state: slot 0 recurrent state after 32 tokens, layer 1 state "
+                        "row: byte 17 is {:#04x}, expected {:#04x}",
+                        now, was));
+  EXPECT_EQ(engine.stats().recurrentChecks, 1 + 5);  // the prefill and every decode step
+}
+
+TEST_P(ReferenceEngineTest, VerifyNoneWritesButChecksNothing) {
+  auto runtime = KVCacheRuntime::create(configOf(Shape::kReuse, device()));
+  ReferenceEngineOptions options;
+  options.verify = VerifyMode::kNone;
+  ReferenceEngine engine(*runtime, options);
+  EngineRequest request;
+  request.sequences = {sequence(tokens(30, 100), 4)};
+  ASSERT_TRUE(engine.run(request).admitted);
+  EXPECT_EQ(engine.stats().oracleChecks, 0);
+  EXPECT_EQ(engine.stats().lengthChecks, 0);
+  // What it wrote is still the oracle's bytes: a verifying engine reuses them without complaint.
+  ReferenceEngine checker(*runtime);
+  request.sequences[0].prompt = joined(tokens(30, 100), tokens(20, 600));
+  RequestOutcome const outcome = checker.run(request);
+  EXPECT_EQ(outcome.sequences.at(0).prefillStart, 16);
+  EXPECT_EQ(checker.stats().oracleMismatches, 0) << checker.stats().firstMismatch;
+  EXPECT_TRUE(runtime->shutdown());
+}
+
+// ---------------------------------------------------------------- CPU vs GPU
+
+class ReferenceEngineParityTest : public ::testing::TestWithParam<Shape> {
+ protected:
+  void SetUp() override {
+    if (!cudaDeviceAvailable()) {
+      GTEST_SKIP() << "no CUDA device (or a build without CUDA)";
+    }
+  }
+};
+
+INSTANTIATE_TEST_SUITE_P(Shapes, ReferenceEngineParityTest,
+                         ::testing::Values(Shape::kReuse, Shape::kSwa, Shape::kHybrid),
+                         [](::testing::TestParamInfo<Shape> const& shape) {
+                           return shapeName(shape.param) + "_gpu";
+                         });
+
+void expectSameRun(RunResult const& cpu, RunResult const& gpu) {
+  EngineStats const& a = cpu.stats;
+  EngineStats const& b = gpu.stats;
+  EXPECT_EQ(a.requests, b.requests);
+  EXPECT_EQ(a.sequences, b.sequences);
+  EXPECT_EQ(a.promptTokens, b.promptTokens);
+  EXPECT_EQ(a.reusedTokens, b.reusedTokens);
+  EXPECT_EQ(a.prefillTokensComputed, b.prefillTokensComputed);
+  EXPECT_EQ(a.decodeSteps, b.decodeSteps);
+  EXPECT_EQ(a.generatedTokens, b.generatedTokens);
+  EXPECT_EQ(a.joins, b.joins);
+  EXPECT_EQ(a.joinRefusals, b.joinRefusals);
+  EXPECT_EQ(a.oracleChecks, b.oracleChecks);
+  EXPECT_EQ(a.oracleMismatches, b.oracleMismatches);
+  EXPECT_EQ(a.firstMismatch, b.firstMismatch);
+  EXPECT_EQ(a.lengthChecks, b.lengthChecks);
+  EXPECT_EQ(a.recurrentChecks, b.recurrentChecks);
+  EXPECT_EQ(a.peakPagesInUse, b.peakPagesInUse);
+  EXPECT_TRUE(a.stepGpuNanoseconds.empty());
+  EXPECT_EQ(b.stepGpuNanoseconds.size(), static_cast<std::size_t>(b.decodeSteps));
+  ASSERT_EQ(cpu.outcomes.size(), gpu.outcomes.size());
+  for (std::size_t r = 0; r < cpu.outcomes.size(); ++r) {
+    ASSERT_EQ(cpu.outcomes[r].sequences.size(), gpu.outcomes[r].sequences.size());
+    for (std::size_t s = 0; s < cpu.outcomes[r].sequences.size(); ++s) {
+      EXPECT_EQ(cpu.outcomes[r].sequences[s].generated, gpu.outcomes[r].sequences[s].generated);
+      EXPECT_EQ(cpu.outcomes[r].sequences[s].reason, gpu.outcomes[r].sequences[s].reason);
+      EXPECT_EQ(cpu.outcomes[r].sequences[s].prefillStart, gpu.outcomes[r].sequences[s].prefillStart);
+    }
+  }
+  ASSERT_EQ(cpu.bytes.size(), gpu.bytes.size());
+  for (std::size_t i = 0; i < cpu.bytes.size(); ++i) {
+    EXPECT_TRUE(cpu.bytes[i] == gpu.bytes[i]) << "buffer " << i << " differs";
+  }
+}
+
+TEST_P(ReferenceEngineParityTest, TheSameWorkloadGivesTheSameFiguresAndBytesOnBothDevices) {
+  RunResult const cpu = runWorkload(GetParam(), DeviceType::kCPU);
+  RunResult const gpu = runWorkload(GetParam(), DeviceType::kGPU);
+  EXPECT_EQ(cpu.stats.oracleMismatches, 0) << cpu.stats.firstMismatch;
+  EXPECT_GT(cpu.stats.oracleChecks, 0);
+  if (GetParam() != Shape::kSwa) {
+    EXPECT_GT(cpu.stats.reusedTokens, 0);
+    EXPECT_GT(cpu.stats.joins, 0);
+  }
+  expectSameRun(cpu, gpu);
+}
+
+TEST_P(ReferenceEngineParityTest, CorruptionIsFoundAndDescribedIdenticallyOnBothDevices) {
+  // Flip one byte of the last layer of the first pool, in a page of slot 0, after step 4.
+  Corruption const corrupt = [](KVCacheRuntime& runtime, int64_t step) {
+    if (step != 4) {
+      return;
+    }
+    KVCachePool& pool = runtime.fullPool() != nullptr ? *runtime.fullPool() : *runtime.swaPool();
+    KVPageTable const& table =
+        runtime.fullPool() != nullptr ? *runtime.fullPageTable() : *runtime.swaPageTable();
+    int32_t const page = table.hostRow(0)[0];
+    ASSERT_GE(page, 0);
+    Tensor& layer = pool.layer(pool.numLayers() - 1);
+    std::vector<uint8_t> bytes = test::readBytes(layer);
+    auto const offset = static_cast<std::size_t>(page * pool.pageBytes() + 3 * pool.tokenBytes() + 11);
+    bytes[offset] = static_cast<uint8_t>(bytes[offset] ^ 0x81);
+    test::writeBytes(layer, bytes);
+  };
+  RunResult const cpu = runWorkload(GetParam(), DeviceType::kCPU, corrupt);
+  RunResult const gpu = runWorkload(GetParam(), DeviceType::kGPU, corrupt);
+  EXPECT_GT(cpu.stats.oracleMismatches, 0);
+  EXPECT_NE(cpu.stats.firstMismatch.find("position 3 "), std::string::npos) << cpu.stats.firstMismatch;
+  expectSameRun(cpu, gpu);
+}
+
+}  // namespace
+}  // namespace mkv
