@@ -169,7 +169,9 @@ class BoundedSwaKVPageManager {
 
   /// Validates an order-preserving oldToNew mapping (size == batch; entries -1 or in
   /// [0, newBatchSize); the k-th survivor goes to k; every destination covered), stores it and
-  /// copies it into `deviceMapping` (reshaped to [oldBatch], on the pool's device).
+  /// copies it into `deviceMapping` (reshaped to [oldBatch], on the pool's device). Throws,
+  /// changing nothing, as well when a length pool's active batch is not the batch: everything
+  /// compactBatch needs is checked here.
   void beginBatchCompaction(RequestHandle& handle, std::span<int32_t const> oldToNew,
                             int32_t newBatchSize, Tensor& deviceMapping);
   /// Clears dropped residents' rows, zeroes their recurrent rows, compacts the KV lengths with
@@ -209,6 +211,8 @@ class BoundedSwaKVPageManager {
   // first appends the bindings to map (pages from the sequence's reserve) and is the only one that
   // can throw (a deque block); the second never throws and stages the pages leaving the window.
   void appendBindings(SwaSequenceState& state, int32_t newEndpoint, char const* call) const;
+  /// Throws (naming `call`) unless every length pool's active batch is the request's row count.
+  void requireLengthBatch(char const* call, Request const& req) const;
   void commitWindow(SwaSequenceState& state, int32_t newEndpoint) const noexcept;
   bool stageDecode(SwaSequenceState& state);
   void mapNewBindings(SwaSequenceState const& state);

@@ -1306,6 +1306,23 @@ ContextCacheStatus ContextCacheCoordinator::completeDecodeStep(
 
 // ---------------------------------------------------------------- compaction
 
+void ContextCacheCoordinator::requireLengthBatch(char const* call, Request const& req) const {
+  if (!hasKv()) {
+    return;
+  }
+  auto const rows = static_cast<int32_t>(req.sequences.size());
+  for (KVCachePool const* pool : {mResources.basePool, pairsDraft(req) ? mResources.draftPool
+                                                                       : nullptr}) {
+    if (pool == nullptr) {
+      continue;
+    }
+    MKV_REQUIRE(pool->activeBatchSize() == rows, call,
+                "the {} KV-length tensor's active batch is {} but the request has {} rows (the "
+                "engine grows it with setActiveBatchSize + writeLengths when it seats a joiner)",
+                pool == mResources.basePool ? "base" : "draft", pool->activeBatchSize(), rows);
+  }
+}
+
 void ContextCacheCoordinator::beginBatchCompaction(RequestHandle& handle,
                                                    std::span<int32_t const> oldToNew,
                                                    int32_t newBatchSize, Tensor& deviceMapping) {
@@ -1337,6 +1354,7 @@ void ContextCacheCoordinator::beginBatchCompaction(RequestHandle& handle,
   MKV_REQUIRE(deviceMapping.capacityBytes() >= static_cast<int64_t>(oldToNew.size_bytes()), kCall,
               "deviceMapping holds {} bytes, needs {}", deviceMapping.capacityBytes(),
               oldToNew.size_bytes());
+  requireLengthBatch(kCall, req);
   auto batch = req.staging->begin(mStream);
   Tensor const staged = batch.add(oldToNew);
   batch.submit();
@@ -1355,6 +1373,7 @@ ContextCacheStatus ContextCacheCoordinator::compactBatch(RequestHandle& handle) 
   Request& req = request(handle, kCall);
   MKV_REQUIRE(req.phase == Phase::kExecuting && req.pending && !req.mapping.empty(), kCall,
               "no batch compaction was begun");
+  requireLengthBatch(kCall, req);  // the engine may have resized the tensor since the begin
   // Allocations first: nothing below allocates, so a std::bad_alloc changes nothing.
   std::vector<CacheSlot> dropped;
   dropped.reserve(req.mapping.size());

@@ -467,6 +467,15 @@ void BoundedSwaKVPageManager::completeDecodeStep(RequestHandle& handle) {
   req.pending = Pending::kNone;
 }
 
+void BoundedSwaKVPageManager::requireLengthBatch(char const* call, Request const& req) const {
+  auto const rows = static_cast<int32_t>(req.sequences.size());
+  for (KVCachePool const* pool : mResources.lengthPools) {
+    MKV_REQUIRE(pool->activeBatchSize() == rows, call,
+                "a KV-length tensor's active batch is {} but the request has {} rows",
+                pool->activeBatchSize(), rows);
+  }
+}
+
 void BoundedSwaKVPageManager::beginBatchCompaction(RequestHandle& handle,
                                                    std::span<int32_t const> oldToNew,
                                                    int32_t newBatchSize, Tensor& deviceMapping) {
@@ -499,6 +508,7 @@ void BoundedSwaKVPageManager::beginBatchCompaction(RequestHandle& handle,
   MKV_REQUIRE(deviceMapping.capacityBytes() >= static_cast<int64_t>(oldToNew.size_bytes()), kCall,
               "deviceMapping holds {} bytes, needs {}", deviceMapping.capacityBytes(),
               oldToNew.size_bytes());
+  requireLengthBatch(kCall, req);
   auto batch = req.staging->begin(mStream);
   Tensor staged = batch.add(oldToNew);
   batch.submit();
@@ -516,6 +526,7 @@ SwaKVCacheStatus BoundedSwaKVPageManager::compactBatch(RequestHandle& handle) {
   constexpr char const* kCall = "BoundedSwaKVPageManager::compactBatch";
   Request& req = request(handle, kCall);
   MKV_REQUIRE(req.pending == Pending::kCompaction, kCall, "no batch compaction was begun");
+  requireLengthBatch(kCall, req);  // the engine may have resized a tensor since the begin
   // The only allocation comes first, so a std::bad_alloc changes nothing.
   std::vector<CacheSlot> dropped;
   dropped.reserve(req.mapping.size());

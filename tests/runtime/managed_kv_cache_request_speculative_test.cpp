@@ -367,7 +367,7 @@ TEST_P(SpeculativeFacadeTest, SpeculativeRequestsNeedASpeculativeReuseRuntime) {
   SpecDriver onPlain(plain, tokenRun(20, 1), true);
   BackendState const before = plain.observe();
   EXPECT_TRUE(test::throwsError([&] { (void)onPlain.begin(); },
-                                {"beginRequest", "speculative request on a non-speculative"}));
+                                {"ManagedKVCacheRequest::begin", "speculative request on a non-speculative"}));
   plain.expectUnchanged(before);
 
   RuntimeRig swa(configFor(Backend::kBoundedSwa, device()));
@@ -469,7 +469,7 @@ TEST_P(HybridMtpFacadeTest, MisuseThrowsAndAFailedEndpointSyncReturnsFalse) {
     BackendState const before = rig.observe();
     EXPECT_TRUE(
         test::throwsError([&] { (void)a.begin(kPrefillOnly); },
-                          {"beginRequest", "a Hybrid-MTP request has one sequence, got 2"}));
+                          {"ManagedKVCacheRequest::begin", "a Hybrid-MTP request has one sequence, got 2"}));
     rig.expectUnchanged(before);
   }
   SpecDriver wrongPolicy(rig, tokenRun(30, 1), true);

@@ -272,7 +272,10 @@ class ContextCacheCoordinator {
                                         std::span<int32_t const> completedSlots,
                                         std::span<int32_t const> commonStateLengths = {});
   /// Validates an order-preserving mapping and copies it into `deviceMapping` (int32, reshaped
-  /// to [oldBatch], on the pool's device).
+  /// to [oldBatch], on the pool's device). Throws, changing nothing, as well when a KV-length
+  /// tensor to compact (base, and draft for a paired request) does not hold exactly the batch's
+  /// rows (a seated joiner the engine did not grow it for): everything compactBatch needs is
+  /// checked here.
   void beginBatchCompaction(RequestHandle& handle, std::span<int32_t const> oldToNew,
                             int32_t newBatchSize, Tensor& deviceMapping);
   /// Clears dropped residents' rows, compacts KV lengths, zeroes dropped recurrent rows,
@@ -378,6 +381,9 @@ class ContextCacheCoordinator {
   bool pairsDraft(Request const& request) const noexcept;
   /// The request is a Hybrid-MTP request (speculative request on a Hybrid-MTP deployment).
   bool isHybridMtp(Request const& request) const noexcept;
+  /// Throws (naming `call`) unless the KV-length tensors the compaction compacts (base, and
+  /// draft when paired) hold exactly the request's rows.
+  void requireLengthBatch(char const* call, Request const& req) const;
   /// Uploads the dirty rows of the base table and, for `paired`, of the draft table.
   void uploadTables(bool paired);
   bool hasKv() const noexcept { return mProfile.hasAttention(); }
