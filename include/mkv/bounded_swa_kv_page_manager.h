@@ -15,6 +15,7 @@
 #include "mkv/kv_cache_pool.h"
 #include "mkv/kv_page_table.h"
 #include "mkv/recurrent_state_pool.h"
+#include "mkv/resident_slot_pool.h"
 #include "mkv/stream.h"
 #include "mkv/tensor.h"
 #include "mkv/types.h"
@@ -70,6 +71,9 @@ struct BoundedSwaResources {
   std::vector<KVCachePool*> lengthPools;
   /// Recurrent rows of hybrid models; rows of dropped residents are zeroed at compaction.
   RecurrentStatePool* recurrent = nullptr;
+  /// The runtime's resident rows (KVCacheRuntime sets it). When set, beginRequest refuses a
+  /// ResidentRef that is not held with its current epoch (ResidentSlotPool::requireHeld).
+  ResidentSlotPool const* residentSlots = nullptr;
 };
 
 /// Bounded rotating pages for sliding-window attention layers.
@@ -148,7 +152,8 @@ class BoundedSwaKVPageManager {
   /// Admits a batch: reserves 2M + 1 pages per resident, all or nothing.
   /// kPoisoned when poisoned; kRequestFailed (nothing changed) when the free pages do not cover
   /// the batch. Throws for a foreign stream, an empty or oversized batch, residents out of
-  /// range, with epoch 0, repeated, or already held by another active request.
+  /// range, with epoch 0, repeated, stale (resources.residentSlots does not hold them with that
+  /// epoch), or already held by another active request.
   BeginRequestResult beginRequest(std::span<ResidentRef const> residents, cudaStream_t stream);
 
   /// Maps each sequence's retained window for its executed prefill length and uploads the

@@ -489,6 +489,9 @@ ContextCacheCoordinator::BeginRequestResult ContextCacheCoordinator::beginReques
     MKV_REQUIRE(ref.slot >= 0 && ref.slot < mMaxBatch, kCall,
                 "sequence {} has resident slot {} outside [0, {})", i, ref.slot, mMaxBatch);
     MKV_REQUIRE(ref.epoch != 0, kCall, "sequence {} (slot {}) has epoch 0", i, ref.slot);
+    if (mResources.residentSlots != nullptr) {
+      mResources.residentSlots->requireHeld(kCall, ref);
+    }
     auto const slot = static_cast<std::size_t>(ref.slot);
     MKV_REQUIRE(seen[slot] == 0, kCall, "resident slot {} appears twice", ref.slot);
     seen[slot] = 1;
@@ -1525,6 +1528,9 @@ ContextCacheCoordinator::AdmitSequenceResult ContextCacheCoordinator::admitSeque
   ResidentRef const ref = admission.resident;
   MKV_REQUIRE(ref.slot >= 0 && ref.slot < table.maxBatch() && ref.epoch != 0, kCall,
               "invalid resident (slot {}, epoch {})", ref.slot, ref.epoch);
+  if (mResources.residentSlots != nullptr) {
+    mResources.residentSlots->requireHeld(kCall, ref);
+  }
   MKV_REQUIRE(!admission.tokenIds.empty(), kCall, "empty prompt");
   int64_t const needed = pagesFor(
       static_cast<int64_t>(admission.tokenIds.size()) + headroom.baseExtraTokens, mManager->pageSize());

@@ -222,6 +222,9 @@ BoundedSwaKVPageManager::BeginRequestResult BoundedSwaKVPageManager::beginReques
     MKV_REQUIRE(ref.slot >= 0 && ref.slot < maxBatch, kCall, "resident {} has slot {} outside [0, {})",
                 i, ref.slot, maxBatch);
     MKV_REQUIRE(ref.epoch != 0, kCall, "resident {} (slot {}) has epoch 0", i, ref.slot);
+    if (mResources.residentSlots != nullptr) {
+      mResources.residentSlots->requireHeld(kCall, ref);
+    }
     auto const slot = static_cast<std::size_t>(ref.slot);
     MKV_REQUIRE(seen[slot] == 0, kCall, "slot {} appears twice in the batch", ref.slot);
     seen[slot] = 1;

@@ -5,6 +5,7 @@
 // tensors (the kGPU instances skip without a CUDA device).
 #include "mkv/managed_kv_cache_request.h"
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <initializer_list>
@@ -144,6 +145,64 @@ TEST_P(ManagedKVCacheRequestTest, BeginRejectsAContextWhoseSizesDisagree) {
   ASSERT_TRUE(driver.begin());
   ASSERT_TRUE(driver.prefill());
   finishCleanly(rig, driver);
+}
+
+// ---------------------------------------------------------------- stale residents
+
+// A ResidentRef whose slot was released and acquired again (its epoch bumped) is refused at every
+// entry point that takes one, naming the call, the slot and both epochs; so is a ref of a slot the
+// pool does not hold.
+TEST_P(ManagedKVCacheRequestTest, AStaleResidentIsRefusedByBegin) {
+  RuntimeRig rig(configFor(backend(), device()));
+  ResidentSlotPool& slots = rig.runtime().residentSlots();
+  FacadeDriver driver(rig);
+  driver.add(tokenRun(40, 5));
+  ResidentRef const stale = driver.context.residentRefs[0];
+  ASSERT_TRUE(slots.release(stale));
+  ResidentRef const current = slots.acquire().value();
+  ASSERT_EQ(current.slot, stale.slot);
+  ASSERT_EQ(current.epoch, stale.epoch + 1);
+  expectRejected(rig, "begin with a stale ref", [&] { (void)driver.begin(); },
+                 {"ManagedKVCacheRequest::begin",
+                  fmt::format("resident slot {} has epoch {}", stale.slot, stale.epoch),
+                  fmt::format("current epoch is {}", current.epoch), "stale"});
+  ASSERT_TRUE(slots.release(current));
+  expectRejected(rig, "begin with a ref of a free slot", [&] { (void)driver.begin(); },
+                 {"ManagedKVCacheRequest::begin", "stale"});
+  ResidentRef const fresh = slots.acquire().value();
+  driver.context.residentRefs[0] = fresh;
+  driver.rows[0].resident = fresh;
+  ASSERT_TRUE(driver.begin());
+  ASSERT_TRUE(driver.prefill());
+  finishCleanly(rig, driver);
+}
+
+TEST_P(ManagedKVCacheRequestDispatchTest, AStaleResidentIsRefusedByAdmitSequence) {
+  RuntimeRig rig(configFor(Backend::kContextReuse, device()));
+  ResidentSlotPool& slots = rig.runtime().residentSlots();
+  FacadeDriver driver(rig);
+  driver.add(tokenRun(40, 5));
+  ASSERT_TRUE(driver.begin());
+  ASSERT_TRUE(driver.prefill());
+  ResidentRef const stale = slots.acquire().value();
+  ASSERT_TRUE(slots.release(stale));
+  ResidentRef const current = slots.acquire().value();
+  ASSERT_EQ(current.slot, stale.slot);
+  int32_t start = -1;
+  expectRejected(rig, "admitSequence with a stale ref",
+                 [&] {
+                   (void)driver.facade().admitSequence(tokenRun(20, 700), "", kVanilla, start,
+                                                       stale, driver.context.stream);
+                 },
+                 {"ManagedKVCacheRequest::admitSequence",
+                  fmt::format("resident slot {} has epoch {}", stale.slot, stale.epoch),
+                  fmt::format("current epoch is {}", current.epoch)});
+  EXPECT_EQ(start, -1);
+  ASSERT_TRUE(slots.release(current));
+  ASSERT_EQ(driver.admit(tokenRun(20, 700)), ContextCacheRequest::AdmitSequenceStatus::kAdmitted);
+  ASSERT_TRUE(driver.seatNewest());
+  driver.verify();
+  EXPECT_TRUE(driver.finish());
 }
 
 // ---------------------------------------------------------------- lifecycle order

@@ -20,6 +20,7 @@
 #include "mkv/kv_cache_pool.h"
 #include "mkv/kv_page_table.h"
 #include "mkv/recurrent_state_pool.h"
+#include "mkv/resident_slot_pool.h"
 #include "mkv/snapshot_storage.h"
 #include "mkv/stream.h"
 #include "mkv/tensor.h"
@@ -88,6 +89,10 @@ struct ContextCachePhysicalResources {
   KVCachePool* draftPool = nullptr;      ///< paged draft KV (speculative, paged contract)
   KVPageTable* draftPageTable = nullptr;
   RecurrentStatePool* recurrent = nullptr;  ///< hybrid / pure recurrent models
+  /// The runtime's resident rows (KVCacheRuntime sets it). When set, beginRequest and
+  /// admitSequence refuse a ResidentRef that is not held with its current epoch (a stale ref of
+  /// a released and reused row): ResidentSlotPool::requireHeld.
+  ResidentSlotPool const* residentSlots = nullptr;
 };
 
 /// One sequence of an admission.
@@ -224,8 +229,9 @@ class ContextCacheCoordinator {
   /// oversized batch, bad or busy residents, empty or oversized prompts, bad headroom (draft
   /// headroom > 0 exactly when the request pairs a paged draft), a speculative request on a
   /// non-speculative deployment, or a Hybrid-MTP request with more than one sequence or without
-  /// kPrefillStateOnly. A speculative batch with media in any sequence bypasses the cache as a
-  /// whole (no lookup, no publication).
+  /// kPrefillStateOnly, and (with resources.residentSlots) for a resident the runtime's pool does
+  /// not hold with that epoch (stale). A speculative batch with media in any sequence bypasses
+  /// the cache as a whole (no lookup, no publication).
   BeginRequestResult beginRequest(ContextCacheBatchAdmission const& admission,
                                   DecodingKvHeadroom const& headroom, cudaStream_t stream);
   /// Binds page-table rows (one upload), resets the device KV lengths to the reuse lengths and,
@@ -322,7 +328,8 @@ class ContextCacheCoordinator {
   /// new resident's row. The sequence joins at the end of the batch. Unless the admission sets
   /// its own lookup policy it inherits the request's (the batch policy of beginRequest); the
   /// commit policy is the request's. Salt and adapter come with the admission's key extras.
-  /// Throws for a request under kFullyCommitted: a joiner is finalised with a lookahead token.
+  /// Throws for a request under kFullyCommitted: a joiner is finalised with a lookahead token;
+  /// and (with resources.residentSlots) for a stale resident, as beginRequest.
   AdmitSequenceResult admitSequence(RequestHandle& handle,
                                     ContextCacheSequenceAdmission const& admission,
                                     DecodingKvHeadroom const& headroom);
