@@ -203,6 +203,9 @@ class BoundedSwaKVPageManager {
   int32_t privatePagesPerSequence() const noexcept { return mAdmissionPages; }
   /// M + 1 (decode budget per sequence).
   int32_t decodePagesPerSequence() const noexcept { return mDecodePages; }
+  /// Who holds resident row `slot`: kFree, kActive (a live request) or kQuarantined (a request
+  /// quarantined by a failed synchronisation, until shutdown() drains it). Out of range: kFree.
+  ResidentRowState residentRowState(CacheSlot slot) const noexcept;
   /// Current batch size of a request.
   int32_t batchSize(RequestHandle const& handle) const;
   /// State of execution row `row`. Throws for an invalid handle or row.

@@ -1615,23 +1615,23 @@ ContextCacheStatus ContextCacheCoordinator::finalizeSequenceAdmission(
   return ContextCacheStatus::kOk;
 }
 
-bool ContextCacheCoordinator::retractSequenceAdmission(RequestHandle& handle) noexcept {
-  Request* req = nullptr;
-  try {
-    req = &request(handle, "ContextCacheCoordinator::retractSequenceAdmission");
-  } catch (...) {
-    return false;
-  }
+bool ContextCacheCoordinator::retractSequenceAdmission(RequestHandle& handle) {
+  constexpr char const* kCall = "ContextCacheCoordinator::retractSequenceAdmission";
+  Request& req = request(handle, kCall);
   // Pending device work (a decode step, a compaction) may still read the row's pages.
-  if (req->sequences.size() <= 1 || req->sequences.back().joined || req->pending) {
-    logger()->error(
-        "ContextCacheCoordinator::retractSequenceAdmission: only the newest never-joined "
-        "sequence of a running batch with no pending work can be retracted; poisoned");
-    mPoisoned = true;
-    return false;
-  }
-  CacheSlot const slot = req->sequences.back().resident.slot;
-  req->sequences.pop_back();  // lease released
+  MKV_REQUIRE(!req.pending, kCall,
+              "request {} has pending work (a decode step or compaction): retract between steps",
+              req.id);
+  MKV_REQUIRE(req.sequences.size() > 1, kCall,
+              "request {} has {} sequence(s): only an in-flight joiner beside the batch can be "
+              "retracted",
+              req.id, req.sequences.size());
+  MKV_REQUIRE(!req.sequences.back().joined, kCall,
+              "the newest sequence (row {}) of request {} is not an unfinalised in-flight "
+              "admission",
+              req.sequences.size() - 1, req.id);
+  CacheSlot const slot = req.sequences.back().resident.slot;
+  req.sequences.pop_back();  // lease released
   mResidentBusy[static_cast<std::size_t>(slot)] = 0;
   ++mCounters.retractedAdmissions;
   try {
@@ -1643,6 +1643,21 @@ bool ContextCacheCoordinator::retractSequenceAdmission(RequestHandle& handle) no
     return false;
   }
   return true;
+}
+
+ResidentRowState ContextCacheCoordinator::residentRowState(CacheSlot slot) const noexcept {
+  if (slot < 0 || static_cast<std::size_t>(slot) >= mResidentBusy.size() ||
+      mResidentBusy[static_cast<std::size_t>(slot)] == 0) {
+    return ResidentRowState::kFree;
+  }
+  for (auto const& quarantined : mQuarantine) {
+    for (auto const& sequence : quarantined->sequences) {
+      if (sequence.resident.slot == slot) {
+        return ResidentRowState::kQuarantined;
+      }
+    }
+  }
+  return ResidentRowState::kActive;
 }
 
 // ---------------------------------------------------------------- observability

@@ -387,10 +387,7 @@ bool ContextCacheRequest::finalizeSequenceAdmission(int32_t slot, int32_t const&
   return true;
 }
 
-bool ContextCacheRequest::retractSequenceAdmission() noexcept {
-  if (mPrefillStarts.empty()) {
-    return false;
-  }
+bool ContextCacheRequest::retractSequenceAdmission() {
   bool const retracted = mCoordinator->retractSequenceAdmission(mHandle);
   if (retracted) {
     mPrefillStarts.pop_back();

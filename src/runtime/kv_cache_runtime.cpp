@@ -263,4 +263,8 @@ bool KVCacheRuntime::shutdown() noexcept {
   return mSwaManager->shutdown() == SwaKVCacheStatus::kOk;
 }
 
+ResidentRowState KVCacheRuntime::residentRowState(CacheSlot slot) const noexcept {
+  return mCoordinator ? mCoordinator->residentRowState(slot) : mSwaManager->residentRowState(slot);
+}
+
 }  // namespace mkv

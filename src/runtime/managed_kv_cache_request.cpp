@@ -312,9 +312,10 @@ bool ManagedKVCacheRequest::finalizeSequenceAdmission(int32_t slot, int32_t cons
   return false;
 }
 
-bool ManagedKVCacheRequest::retractSequenceAdmission() noexcept {
+bool ManagedKVCacheRequest::retractSequenceAdmission() {
   if (ContextCacheRequest* backend = context()) {
-    return backend->retractSequenceAdmission();
+    return asFacadeCall("ManagedKVCacheRequest::retractSequenceAdmission",
+                        [&] { return backend->retractSequenceAdmission(); });
   }
   return true;  // nothing was admitted, so nothing to undo
 }

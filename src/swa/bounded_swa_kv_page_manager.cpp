@@ -177,6 +177,21 @@ int32_t BoundedSwaKVPageManager::quarantinedPageCount() const noexcept {
   return count;
 }
 
+ResidentRowState BoundedSwaKVPageManager::residentRowState(CacheSlot slot) const noexcept {
+  if (slot < 0 || static_cast<std::size_t>(slot) >= mResidentBusy.size() ||
+      mResidentBusy[static_cast<std::size_t>(slot)] == 0) {
+    return ResidentRowState::kFree;
+  }
+  for (auto const& quarantined : mQuarantine) {
+    for (SwaSequenceState const& state : quarantined->sequences) {
+      if (state.resident.slot == slot) {
+        return ResidentRowState::kQuarantined;
+      }
+    }
+  }
+  return ResidentRowState::kActive;
+}
+
 int32_t BoundedSwaKVPageManager::activeRequestCount() const noexcept {
   return static_cast<int32_t>(mActive.size());
 }

@@ -375,11 +375,18 @@ TEST_P(ScenarioTest, RetractingAFinalisedJoinPoisonsUntilShutdown) {
     ASSERT_TRUE(driver.prefill());
     ASSERT_EQ(driver.admit(tokens(20, 500)), AdmitStatus::kAdmitted);
     ASSERT_TRUE(driver.seatNewest());
-    // Only a never-finalised admission can be undone; noexcept, so the failure poisons.
-    EXPECT_FALSE(driver.facade().retractSequenceAdmission());
-    EXPECT_TRUE(rig.poisoned());
+    // Only a never-finalised admission can be undone: retracting a seated row is misuse the
+    // facade detects before any side effect, so it throws and changes nothing (no poison).
+    BackendState const before = rig.observe();
+    EXPECT_TRUE(test::throwsError([&] { (void)driver.facade().retractSequenceAdmission(); },
+                                  {"ManagedKVCacheRequest::retractSequenceAdmission",
+                                   "row 1", "not an unfinalised in-flight admission"}));
+    rig.expectUnchanged(before);
+    EXPECT_FALSE(rig.poisoned());
     EXPECT_EQ(driver.rows.size(), 2u);
-    EXPECT_FALSE(driver.finish()) << "finishing reports the poison";
+    ASSERT_TRUE(driver.decode());
+    driver.verify();
+    EXPECT_TRUE(driver.finish());
   }
   EXPECT_TRUE(rig.runtime().shutdown());
   rig.expectIdle();

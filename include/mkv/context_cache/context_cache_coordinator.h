@@ -338,10 +338,15 @@ class ContextCacheCoordinator {
   ContextCacheStatus finalizeSequenceAdmission(RequestHandle& handle, int32_t slot,
                                                ContextCacheSequenceAdvance const& advance);
   /// Undoes the newest admission that never joined (lease released, row cleared) while no work is
-  /// pending. Poisons and returns false when that is impossible (the newest sequence joined, it is
-  /// the only one, or a decode step or compaction is pending); false without poisoning for an
-  /// invalid handle.
-  bool retractSequenceAdmission(RequestHandle& handle) noexcept;
+  /// pending. Throws mkv::Error, changing nothing, when that is impossible: an invalid handle,
+  /// pending work (a decode step or compaction), the newest sequence joined, or it is the only
+  /// one. false (poisoned) only when clearing the row failed on the device.
+  bool retractSequenceAdmission(RequestHandle& handle);
+  /// Who holds resident row `slot` in this coordinator: kFree (no request: the runtime may release
+  /// and reuse it), kActive (a live request), kQuarantined (a request quarantined by a failed
+  /// synchronisation: the row and its pages may still be read by device work; free after
+  /// shutdown() drains the quarantine). Out-of-range slots are kFree.
+  ResidentRowState residentRowState(CacheSlot slot) const noexcept;
 
   // Observers.
   bool poisoned() const noexcept { return mPoisoned; }
