@@ -1269,7 +1269,14 @@ ContextCacheStatus ContextCacheCoordinator::completeDecodeStep(
   req.pending = false;
   if (req.draftInitPending) {
     // The verification round read the draft state the initialisation wrote; the runtime's
-    // synchronisation of the round made both complete.
+    // synchronisation of the round made both complete. A row this round holds was cancelled or
+    // errored before its prompt endpoint became publishable: like any stopped row, it publishes
+    // nothing (docs/context_cache.md, "Publication points").
+    for (std::size_t i = 0; i < advances.size(); ++i) {
+      if (isHold(advances[i])) {
+        req.sequences[i].frozenPrefill = 0;
+      }
+    }
     publishFrozenPrefill(req);
   }
   if (req.commitPolicy != ContextCacheCommitPolicy::kIncludingGeneratedTokens) {

@@ -361,6 +361,58 @@ TEST_P(SpeculativeFacadeTest, WithoutARoundThePromptEndpointIsPublishedOnceFinis
   ASSERT_TRUE(consumer.managed->finish());
 }
 
+// docs/context_cache.md, "Publication points": a row cancelled before the first verification
+// round is held by that round and its frozen prompt endpoint is never published, as a cancelled
+// row publishes nothing; the other row's is. Two 45-token prompts, completePrefill(ctx, {45, 45}),
+// row 1 cancelled before the first prepareDecodeStep / completeDecodeStep, then finish.
+TEST_P(SpeculativeFacadeTest, ARowCancelledBeforeTheFirstRoundPublishesNoPromptEndpoint) {
+  RuntimeRig rig(eagleConfig(device()));
+  KVCacheRuntime& runtime = rig.runtime();
+  std::vector<std::vector<int32_t>> const prompts{tokenRun(45, 21), tokenRun(45, 900)};
+  auto contextOf = [&](std::vector<ResidentRef> const& residents) {
+    DecodingInferenceContext context;
+    context.stream = runtime.config().stream;
+    context.activeBatchSize = 2;
+    context.rawBatchedInputIds = prompts;
+    context.generatedTokenIds.assign(2, {});
+    context.residentRefs = residents;
+    context.finishReasons.assign(2, FinishReason::kNotFinished);
+    return context;
+  };
+  LLMGenerationRequest request;
+  request.requests.resize(2);
+  std::vector<ResidentRef> const residents{runtime.residentSlots().acquire().value(),
+                                           runtime.residentSlots().acquire().value()};
+  {
+    DecodingInferenceContext context = contextOf(residents);
+    std::optional<ManagedKVCacheRequest> managed = ManagedKVCacheRequest::begin(
+        runtime.contextCache(), nullptr, request, context, true, kSpecHeadroom, kLookahead,
+        kCommitAll);
+    ASSERT_TRUE(managed.has_value());
+    ASSERT_TRUE(managed->preparePrefill());
+    ASSERT_TRUE(managed->enqueuePrefillCaptures());
+    context.generatedTokenIds = {{7001}, {7002}};
+    ASSERT_TRUE(managed->completePrefill(context, {45, 45}));
+    context.finishReasons[1] = FinishReason::kCancelled;
+    ASSERT_TRUE(managed->prepareDecodeStep(context, kSpecHeadroom));
+    context.generatedTokenIds[0].push_back(7003);
+    ASSERT_TRUE(managed->completeDecodeStep(context, {45, 45}));
+    ASSERT_TRUE(managed->finish());
+  }
+  ASSERT_EQ(records(rig).size(), 1u) << "row 0's prompt endpoint only";
+  DecodingInferenceContext later = contextOf(residents);
+  std::optional<ManagedKVCacheRequest> consumer = ManagedKVCacheRequest::begin(
+      runtime.contextCache(), nullptr, request, later, true, kSpecHeadroom, kLookahead, kCommitAll);
+  ASSERT_TRUE(consumer.has_value());
+  EXPECT_GT((*consumer->prefillStarts())[0], 0) << "row 0's prompt is reused";
+  EXPECT_EQ((*consumer->prefillStarts())[1], 0) << "the cancelled row's prompt is not";
+  ASSERT_TRUE(consumer->finish());
+  consumer.reset();
+  for (ResidentRef const& resident : residents) {
+    ASSERT_TRUE(runtime.residentSlots().release(resident));
+  }
+}
+
 TEST_P(SpeculativeFacadeTest, SpeculativeRequestsNeedASpeculativeReuseRuntime) {
   RuntimeRig plain(configFor(Backend::kContextReuse, device()));
   ASSERT_EQ(plain.runtime().draftPool(), nullptr);

@@ -253,8 +253,9 @@ class ContextCacheCoordinator {
   /// the request pairs a paged draft on a deployment other than Hybrid-MTP, derived from the
   /// advances when empty otherwise (Hybrid-MTP requests may omit them). A speculative request on an
   /// attention deployment publishes nothing here: its draft initialisation is still running, so
-  /// the prompt endpoint is frozen and published after the first verification round (or, when no
-  /// round follows, after the synchronisation of compactBatch / finish; never on abandonment).
+  /// the prompt endpoint is frozen and published after the first verification round, for the rows
+  /// that round advances (a row it holds, cancelled or errored, publishes nothing), or, when no
+  /// round follows, after the synchronisation of compactBatch / finish; never on abandonment.
   /// Throws unless a prefill is prepared (before preparePrefill, after finalisation, during a
   /// decode step).
   ContextCacheStatus finalizePrefillPublication(
