@@ -784,12 +784,19 @@ bool ContextCacheCoordinator::stageCapture(Request& req, std::size_t row, int32_
     }
     return false;
   }
-  mSnapshots->captureRecurrent(reservation->recurrentSlot, sequence.resident.slot, mStream);
-  if (partial) {
-    PageId const page =
-        sequence.lease.basePages()[static_cast<std::size_t>(exactLength / pageSize)];
-    mSnapshots->capturePartialKv(*reservation->partialKvSlot, page, exactLength % pageSize, kNoPage,
-                                 mStream);
+  try {
+    injectFault(CoordinatorFaultSite::kSnapshotCapture);
+    mSnapshots->captureRecurrent(reservation->recurrentSlot, sequence.resident.slot, mStream);
+    if (partial) {
+      PageId const page =
+          sequence.lease.basePages()[static_cast<std::size_t>(exactLength / pageSize)];
+      injectFault(CoordinatorFaultSite::kSnapshotCapture);
+      mSnapshots->capturePartialKv(*reservation->partialKvSlot, page, exactLength % pageSize,
+                                   kNoPage, mStream);
+    }
+  } catch (...) {
+    mManager->retireHybridSnapshotReservation(sequence.lease, *reservation);
+    throw;
   }
   sequence.staged = Request::Sequence::StagedCapture{*reservation, exactLength};
   ++mCounters.checkpointCaptures;
@@ -977,6 +984,7 @@ void ContextCacheCoordinator::publishReady(Request& req, std::size_t row, int32_
   if (req.speculative) {
     ++mCounters.specPairPublications;
   }
+  injectFault(CoordinatorFaultSite::kPublication);
   PromptView const prefix = prefixOf(sequence, blocks * pageSize);
   // Publication records what the sequence already computed; the completion it belongs to has
   // been applied. Out of host memory, the blocks stay unpublished (the manager rolls the attempt
@@ -1044,11 +1052,15 @@ ContextCacheStatus ContextCacheCoordinator::publishHybridMtpEndpoint(
     // Cached already (a base-only checkpoint of this length does not count): no copy, no slot.
     return ContextCacheStatus::kOk;
   }
-  // The restore copies were enqueued before the captures on the same stream: a reservation may
-  // take over the hit's slots.
-  mManager->releaseRestoredHybridSnapshots(sequence.lease);
-  std::optional<SnapshotReservation> const reservation =
+  // Reserved with the hit's pins still held, so a std::bad_alloc here changes nothing. Only under
+  // pressure are the pins released (the restore copies were enqueued before the captures on the
+  // same stream, so a reservation may take over the hit's slots) and the reservation retried.
+  std::optional<SnapshotReservation> reservation =
       mManager->reserveHybridSnapshots(sequence.lease, true);
+  if (!reservation) {
+    mManager->releaseRestoredHybridSnapshots(sequence.lease);
+    reservation = mManager->reserveHybridSnapshots(sequence.lease, true);
+  }
   if (!reservation) {
     uint64_t const skips = ++mCounters.snapshotPressureSkips;
     if ((skips & (skips - 1)) == 0) {
@@ -1060,12 +1072,23 @@ ContextCacheStatus ContextCacheCoordinator::publishHybridMtpEndpoint(
     return ContextCacheStatus::kOk;
   }
   auto const page = static_cast<std::size_t>(full);
-  mSnapshots->captureRecurrent(reservation->recurrentSlot, sequence.resident.slot, mStream);
-  mSnapshots->capturePartialKv(*reservation->partialKvSlot, sequence.lease.basePages()[page],
-                               residentStateLength - full * pageSize,
-                               sequence.lease.draftPages()[page], mStream);
-  mSnapshots->captureBoundaryHidden(reservation->recurrentSlot, baseHiddenStates,
-                                    boundaryHiddenRow, mStream);
+  try {
+    injectFault(CoordinatorFaultSite::kSnapshotCapture);
+    mSnapshots->captureRecurrent(reservation->recurrentSlot, sequence.resident.slot, mStream);
+    injectFault(CoordinatorFaultSite::kSnapshotCapture);
+    mSnapshots->capturePartialKv(*reservation->partialKvSlot, sequence.lease.basePages()[page],
+                                 residentStateLength - full * pageSize,
+                                 sequence.lease.draftPages()[page], mStream);
+    injectFault(CoordinatorFaultSite::kSnapshotCapture);
+    mSnapshots->captureBoundaryHidden(reservation->recurrentSlot, baseHiddenStates,
+                                      boundaryHiddenRow, mStream);
+  } catch (...) {
+    // Copies already enqueued into the slots are stream-ordered before any later use of them.
+    mManager->retireHybridSnapshotReservation(sequence.lease, *reservation);
+    throw;
+  }
+  // The endpoint supersedes the hit: its pins go now (restoreHybridMtpBoundaryHidden is over).
+  mManager->releaseRestoredHybridSnapshots(sequence.lease);
   ++mCounters.checkpointCaptures;
   if (!synchronize()) {
     handle.mCoordinator = nullptr;

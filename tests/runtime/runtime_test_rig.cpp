@@ -189,6 +189,14 @@ BackendState RuntimeRig::observe() const {
       state.records.push_back(record.id);
     }
     state.liveLeases = manager.liveLeaseCount();
+    for (ResourceType type : {ResourceType::kDraftKvPage, ResourceType::kRecurrentSnapshot,
+                              ResourceType::kPartialKvSnapshot}) {
+      for (int32_t id = 0; id < pools.capacity(type); ++id) {
+        state.snapshotRefs.push_back(pools.activeRefs({type, id}));
+        state.snapshotRefs.push_back(pools.cacheRefs({type, id}));
+      }
+      state.snapshotRefs.push_back(pools.freeCount(type));
+    }
   } else {
     state.quarantinedRequests = runtime.swaPageManager()->quarantinedPageCount();
   }
@@ -219,6 +227,7 @@ void RuntimeRig::expectUnchanged(BackendState const& before, bool ringOrder) con
   EXPECT_EQ(now.pageRefs, before.pageRefs) << "page references";
   EXPECT_EQ(now.freeRing, before.freeRing);
   EXPECT_EQ(now.records, before.records);
+  EXPECT_EQ(now.snapshotRefs, before.snapshotRefs) << "draft pages and snapshot slots";
   EXPECT_EQ(now.liveLeases, before.liveLeases);
   EXPECT_EQ(now.synchronizations, before.synchronizations);
 }

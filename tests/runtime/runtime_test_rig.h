@@ -108,6 +108,8 @@ struct BackendState {
   std::vector<int32_t> pageRefs;         ///< context reuse: active and cache refs of every page
   std::vector<int32_t> freeRing;         ///< context reuse: the base pool's free ring, in order
   std::vector<uint64_t> records;         ///< context reuse: record ids, LRU to MRU
+  std::vector<int32_t> snapshotRefs;     ///< context reuse: active and cache refs of every
+                                         ///< draft page and snapshot slot, then free counts
   int32_t liveLeases = 0;
   int64_t synchronizations = 0;
 };

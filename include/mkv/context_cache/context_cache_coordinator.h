@@ -5,6 +5,7 @@
 /// Call order, statuses and publication points: docs/lifecycle.md and docs/context_cache.md.
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <span>
@@ -113,6 +114,12 @@ struct ContextCacheBatchAdmission {
   ContextCacheLookupPolicy lookupPolicy = ContextCacheLookupPolicy::kUseCache;
   ContextCacheCommitPolicy commitPolicy = ContextCacheCommitPolicy::kIncludingGeneratedTokens;
   int32_t replayTailLength = 0;
+};
+
+/// Where ContextCacheCoordinator::setFaultHookForTesting's hook is called.
+enum class CoordinatorFaultSite : uint8_t {
+  kSnapshotCapture,  ///< before each snapshot capture (recurrent rows, partial page, hidden row)
+  kPublication,      ///< before each publication of full blocks (publishReady)
 };
 
 /// `committedStateLength` of an advance that keeps a sequence where it is (cancelled slot,
@@ -309,7 +316,11 @@ class ContextCacheCoordinator {
   /// counted in snapshotPressureSkips). kPoisoned when the synchronisation fails (request
   /// quarantined, handle invalidated). Throws, changing nothing, on another deployment, for a
   /// non-speculative request, outside the prefill, for a slot outside the batch, a negative
-  /// length or one beyond the prompt, or a hidden tensor / row that does not fit.
+  /// length or one beyond the prompt, or a hidden tensor / row that does not fit. The snapshot
+  /// slots are reserved while the hit's pins are still held; only when none is free are the pins
+  /// released and the reservation retried. A std::bad_alloc of the first reservation or a capture
+  /// that throws (its reservation is retired first) leaves the request as it was, pins included,
+  /// unless the pins had been released for the retry under pressure.
   ContextCacheStatus publishHybridMtpEndpoint(RequestHandle& handle, int32_t slot,
                                               int32_t residentStateLength,
                                               Tensor const& baseHiddenStates,
@@ -374,6 +385,13 @@ class ContextCacheCoordinator {
   std::string toPrometheus(std::string_view prefix = "managedkv_") const;
   ContextCacheConfig const& config() const noexcept { return mConfig; }
   ContextCacheDeploymentProfile const& profile() const noexcept { return mProfile; }
+  /// Fault injection for tests: `hook` is called at every CoordinatorFaultSite; a hook that throws
+  /// stands for a capture whose launch failed or a publication that failed. Empty (the default):
+  /// nothing is called. What each call leaves after such a throw is documented at the call
+  /// (publishHybridMtpEndpoint, finish).
+  void setFaultHookForTesting(std::function<void(CoordinatorFaultSite)> hook) {
+    mFaultHook = std::move(hook);
+  }
   /// Checkpoint slabs (hybrid and pure-recurrent deployments), else null.
   SnapshotStorage const* snapshots() const noexcept { return mSnapshots.get(); }
 
@@ -394,6 +412,12 @@ class ContextCacheCoordinator {
   bool pairsDraft(Request const& request) const noexcept;
   /// The request is a Hybrid-MTP request (speculative request on a Hybrid-MTP deployment).
   bool isHybridMtp(Request const& request) const noexcept;
+  /// Calls the fault hook (tests) at `site`, if one is set.
+  void injectFault(CoordinatorFaultSite site) const {
+    if (mFaultHook) {
+      mFaultHook(site);
+    }
+  }
   /// Throws (naming `call`) unless the KV-length tensors the compaction compacts (base, and
   /// draft when paired) hold exactly the request's rows.
   void requireLengthBatch(char const* call, Request const& req) const;
@@ -428,6 +452,7 @@ class ContextCacheCoordinator {
   ContextCacheCoordinatorCounters mCounters;
   uint64_t mNextRequestId = 1;
   bool mPoisoned = false;
+  std::function<void(CoordinatorFaultSite)> mFaultHook;
 };
 
 }  // namespace mkv
