@@ -1407,6 +1407,13 @@ ContextCacheStatus ContextCacheCoordinator::compactBatch(RequestHandle& handle) 
   MKV_REQUIRE(req.phase == Phase::kExecuting && req.pending && !req.mapping.empty(), kCall,
               "no batch compaction was begun");
   requireLengthBatch(kCall, req);  // the engine may have resized the tensor since the begin
+  MKV_REQUIRE(req.deviceMapping->numel() == static_cast<int64_t>(req.mapping.size()) &&
+                  req.deviceMapping->deviceType() == mDevice,
+              kCall,
+              "deviceMapping was reshaped or replaced since beginBatchCompaction: {} entries on "
+              "{}, expected {} on {}",
+              req.deviceMapping->numel(), toString(req.deviceMapping->deviceType()),
+              req.mapping.size(), toString(mDevice));
   // Allocations first: nothing below allocates, so a std::bad_alloc changes nothing.
   std::vector<CacheSlot> dropped;
   dropped.reserve(req.mapping.size());

@@ -374,6 +374,66 @@ TEST_P(ManagedKVCacheRequestDispatchTest, AJoinerTheLengthTensorWasNotGrownForFa
   EXPECT_TRUE(driver.finish());
 }
 
+// The audit of the facade's entry points for a throw after a mutation: every rejected call below
+// must leave the whole observable state (BackendState: host and device page tables, KV lengths,
+// pools, references, the free ring, records, leases, snapshot slots) byte-identical.
+TEST_P(ManagedKVCacheRequestTest, ACompactionWhoseDeviceMappingChangedThrowsBeforeClearingRows) {
+  RuntimeRig rig(configFor(backend(), device()));
+  FacadeDriver driver(rig);
+  driver.add(tokenRun(40, 5));
+  driver.add(tokenRun(23, 300));
+  ASSERT_TRUE(driver.begin());
+  ASSERT_TRUE(driver.prefill());
+  ASSERT_TRUE(driver.prepareDecode());
+  driver.finishRow(1);
+  ASSERT_TRUE(driver.completeDecode());
+  ASSERT_TRUE(driver.facade().beginBatchCompaction({0, -1}, 1, driver.deviceMapping));
+  ASSERT_TRUE(driver.deviceMapping.reshape({1}));  // the engine reuses its tensor too early
+  expectRejected(rig, "completeBatchCompaction over a reshaped mapping",
+                 [&] { (void)driver.facade().completeBatchCompaction({0, -1}); },
+                 {"ManagedKVCacheRequest::completeBatchCompaction",
+                  "deviceMapping was reshaped or replaced", "1 entries", "expected 2"});
+  ASSERT_TRUE(driver.deviceMapping.reshape({2}));
+  ASSERT_TRUE(driver.facade().completeBatchCompaction({0, -1}));
+  driver.compactView({0, -1});
+  finishCleanly(rig, driver);
+}
+
+TEST_P(ManagedKVCacheRequestDispatchTest, TheJoinCallsThrowBeforeTheyChangeAnything) {
+  RuntimeRig rig(configFor(Backend::kContextReuse, device()));
+  FacadeDriver driver(rig);
+  driver.add(tokenRun(40, 5));
+  ASSERT_TRUE(driver.begin());
+  expectRejected(rig, "enqueuePrefillCaptures before preparePrefill",
+                 [&] { (void)driver.facade().enqueuePrefillCaptures(); },
+                 {"ManagedKVCacheRequest::enqueuePrefillCaptures", "between preparePrefill"});
+  ASSERT_TRUE(driver.prefill());
+  expectRejected(rig, "retracting the only row",
+                 [&] { (void)driver.facade().retractSequenceAdmission(); },
+                 {"ManagedKVCacheRequest::retractSequenceAdmission", "has 1 sequence(s)"});
+  ASSERT_EQ(driver.admit(tokenRun(20, 700)), ContextCacheRequest::AdmitSequenceStatus::kAdmitted);
+  int32_t const lookahead = 4242;
+  expectRejected(rig, "finalizeSequenceAdmission of a founder",
+                 [&] { (void)driver.facade().finalizeSequenceAdmission(0, lookahead, 40); },
+                 {"ManagedKVCacheRequest::finalizeSequenceAdmission",
+                  "slot 0 is not an unfinalised in-flight admission"});
+  expectRejected(rig, "finalizeSequenceAdmission with the wrong prompt length",
+                 [&] { (void)driver.facade().finalizeSequenceAdmission(1, lookahead, 19); },
+                 {"ManagedKVCacheRequest::finalizeSequenceAdmission", "commits the 20 prompt"});
+  expectRejected(rig, "finalizeSequenceAdmission beyond the batch",
+                 [&] { (void)driver.facade().finalizeSequenceAdmission(2, lookahead, 20); },
+                 {"ManagedKVCacheRequest::finalizeSequenceAdmission"});
+  ASSERT_TRUE(driver.seatNewest());
+  ASSERT_TRUE(driver.prepareDecode());
+  expectRejected(rig, "retracting during a decode step",
+                 [&] { (void)driver.facade().retractSequenceAdmission(); },
+                 {"ManagedKVCacheRequest::retractSequenceAdmission", "pending work"});
+  ASSERT_TRUE(driver.completeDecode());
+  driver.verify();
+  EXPECT_TRUE(driver.finish());
+  EXPECT_FALSE(rig.poisoned());
+}
+
 // ---------------------------------------------------------------- sizes
 
 TEST_P(ManagedKVCacheRequestTest, SizesThatDisagreeWithTheBatchThrowAndChangeNothing) {
