@@ -366,7 +366,7 @@ TEST_P(ScenarioTest, ARetractedJoinLeavesNoTraceAndTheRowJoinsAgain) {
   EXPECT_FALSE(rig.poisoned());
 }
 
-TEST_P(ScenarioTest, RetractingAFinalisedJoinPoisonsUntilShutdown) {
+TEST_P(ScenarioTest, RetractingAFinalisedJoinThrowsAndChangesNothing) {
   RuntimeRig rig(configFor(Backend::kContextReuse, device()));
   {
     FacadeDriver driver(rig);
