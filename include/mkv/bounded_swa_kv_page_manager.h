@@ -15,6 +15,7 @@
 #include "mkv/kv_cache_pool.h"
 #include "mkv/kv_page_table.h"
 #include "mkv/recurrent_state_pool.h"
+#include "mkv/resident_slot_pool.h"
 #include "mkv/stream.h"
 #include "mkv/tensor.h"
 #include "mkv/types.h"
@@ -73,6 +74,9 @@ struct BoundedSwaResources {
   std::vector<KVCachePool*> lengthPools;
   /// Recurrent rows of hybrid models; rows of dropped residents are zeroed at compaction.
   RecurrentStatePool* recurrent = nullptr;
+  /// The runtime's resident rows (KVCacheRuntime sets it). When set, beginRequest refuses a
+  /// ResidentRef that is not held with its current epoch (ResidentSlotPool::requireHeld).
+  ResidentSlotPool const* residentSlots = nullptr;
 };
 
 /// Bounded rotating pages for sliding-window attention layers.
@@ -151,7 +155,8 @@ class BoundedSwaKVPageManager {
   /// Admits a batch: reserves 2M + 1 pages per resident, all or nothing.
   /// kPoisoned when poisoned; kRequestFailed (nothing changed) when the free pages do not cover
   /// the batch. Throws for a foreign stream, an empty or oversized batch, residents out of
-  /// range, with epoch 0, repeated, or already held by another active request.
+  /// range, with epoch 0, repeated, stale (resources.residentSlots does not hold them with that
+  /// epoch), or already held by another active request.
   BeginRequestResult beginRequest(std::span<ResidentRef const> residents, cudaStream_t stream);
 
   /// Maps each sequence's retained window for its executed prefill length and uploads the
@@ -172,7 +177,9 @@ class BoundedSwaKVPageManager {
 
   /// Validates an order-preserving oldToNew mapping (size == batch; entries -1 or in
   /// [0, newBatchSize); the k-th survivor goes to k; every destination covered), stores it and
-  /// copies it into `deviceMapping` (reshaped to [oldBatch], on the pool's device).
+  /// copies it into `deviceMapping` (reshaped to [oldBatch], on the pool's device). Throws,
+  /// changing nothing, as well when a length pool's active batch is not the batch: everything
+  /// compactBatch needs is checked here.
   void beginBatchCompaction(RequestHandle& handle, std::span<int32_t const> oldToNew,
                             int32_t newBatchSize, Tensor& deviceMapping);
   /// Clears dropped residents' rows, zeroes their recurrent rows, compacts the KV lengths with
@@ -199,6 +206,9 @@ class BoundedSwaKVPageManager {
   int32_t privatePagesPerSequence() const noexcept { return mAdmissionPages; }
   /// M + 1 (decode budget per sequence).
   int32_t decodePagesPerSequence() const noexcept { return mDecodePages; }
+  /// Who holds resident row `slot`: kFree, kActive (a live request) or kQuarantined (a request
+  /// quarantined by a failed synchronisation, until shutdown() drains it). Out of range: kFree.
+  ResidentRowState residentRowState(CacheSlot slot) const noexcept;
   /// Current batch size of a request.
   int32_t batchSize(RequestHandle const& handle) const;
   /// State of execution row `row`. Throws for an invalid handle or row.
@@ -212,6 +222,8 @@ class BoundedSwaKVPageManager {
   // first appends the bindings to map (pages from the sequence's reserve) and is the only one that
   // can throw (a deque block); the second never throws and stages the pages leaving the window.
   void appendBindings(SwaSequenceState& state, int32_t newEndpoint, char const* call) const;
+  /// Throws (naming `call`) unless every length pool's active batch is the request's row count.
+  void requireLengthBatch(char const* call, Request const& req) const;
   void commitWindow(SwaSequenceState& state, int32_t newEndpoint) const noexcept;
   bool stageDecode(SwaSequenceState& state);
   void mapNewBindings(SwaSequenceState const& state);

@@ -146,6 +146,12 @@ class KVCacheRuntime {
 
   /// Drains the backend's quarantine (see the backends' shutdown()).
   bool shutdown() noexcept;
+  /// Whether the engine may release resident row `slot` to residentSlots() and reuse it: kFree
+  /// (yes), kActive (a live request holds it), kQuarantined (a failed synchronisation left device
+  /// work that may still read the row and its pages: release it only after shutdown() returned
+  /// true). Ask after a lifecycle call returned false, typically `finish()`
+  /// (docs/lifecycle.md, "Failures").
+  ResidentRowState residentRowState(CacheSlot slot) const noexcept;
 
  private:
   explicit KVCacheRuntime(KVCacheRuntimeConfig const& config);

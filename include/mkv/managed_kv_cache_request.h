@@ -105,7 +105,11 @@ class ManagedKVCacheRequest {
       std::vector<audioUtils::AudioData> const& audioBuffers = {});
   bool finalizeSequenceAdmission(int32_t slot, int32_t const& lookaheadToken,
                                  int32_t fullInputLength);
-  bool retractSequenceAdmission() noexcept;
+  /// Undoes the newest in-flight admission that was not finalised. Throws mkv::Error, changing
+  /// nothing, when none can be undone (the newest row joined or is the only one, work is
+  /// pending, the request finished); false (backend poisoned) only when clearing the row failed
+  /// on the device. Bounded SWA: nothing was admitted, true.
+  bool retractSequenceAdmission();
 
  private:
   struct SwaBackend {

@@ -28,6 +28,14 @@ class ResidentSlotPool {
   bool release(ResidentRef ref);
   /// True when `ref` is currently held with exactly that epoch.
   bool contains(ResidentRef ref) const noexcept;
+  /// The current epoch of `slot` (the one its next or current holder carries); 0 for a slot out
+  /// of range.
+  uint64_t epoch(CacheSlot slot) const noexcept;
+  /// Throws mkv::Error naming `call` unless `ref` is held with its current epoch: a slot out of
+  /// range, a slot not held, or a stale ref (the slot was released, its epoch bumped, and maybe
+  /// acquired again) — the message names the slot and both epochs. The backends check every ref
+  /// an integrator hands in with this (KVCacheRuntime wires the pool to them).
+  void requireHeld(char const* call, ResidentRef ref) const;
 
   int32_t capacity() const noexcept { return static_cast<int32_t>(mEpochs.size()); }
   int32_t available() const noexcept;

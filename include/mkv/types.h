@@ -24,6 +24,15 @@ struct ResidentRef {
   friend bool operator==(ResidentRef const&, ResidentRef const&) = default;
 };
 
+/// What a backend does with a resident row (KVCacheRuntime::residentRowState): the engine may
+/// release a resident to its ResidentSlotPool and reuse the row only once it is kFree.
+enum class ResidentRowState : uint8_t {
+  kFree,         ///< no request of the backend holds the row
+  kActive,       ///< a live request holds it (until its finish or compaction drops the row)
+  kQuarantined,  ///< a request quarantined by a failed synchronisation holds it: device work may
+                 ///< still read the row and its pages; kFree after a successful shutdown()
+};
+
 /// KV positions (tokens) one execution may address beyond the committed endpoint.
 /// Vanilla decoding: {1, 0}. EAGLE: {verify size, drafting steps x top-k}.
 struct DecodingKvHeadroom {
@@ -80,6 +89,7 @@ constexpr std::size_t dataTypeSize(DataType type) noexcept {
 std::string_view toString(DataType type) noexcept;
 std::string_view toString(DeviceType type) noexcept;
 std::string_view toString(FinishReason reason) noexcept;
+std::string_view toString(ResidentRowState state) noexcept;
 std::string_view toString(SwaKVCacheStatus status) noexcept;
 std::string_view toString(ContextCacheStatus status) noexcept;
 

@@ -489,6 +489,9 @@ ContextCacheCoordinator::BeginRequestResult ContextCacheCoordinator::beginReques
     MKV_REQUIRE(ref.slot >= 0 && ref.slot < mMaxBatch, kCall,
                 "sequence {} has resident slot {} outside [0, {})", i, ref.slot, mMaxBatch);
     MKV_REQUIRE(ref.epoch != 0, kCall, "sequence {} (slot {}) has epoch 0", i, ref.slot);
+    if (mResources.residentSlots != nullptr) {
+      mResources.residentSlots->requireHeld(kCall, ref);
+    }
     auto const slot = static_cast<std::size_t>(ref.slot);
     MKV_REQUIRE(seen[slot] == 0, kCall, "resident slot {} appears twice", ref.slot);
     seen[slot] = 1;
@@ -780,12 +783,19 @@ bool ContextCacheCoordinator::stageCapture(Request& req, std::size_t row, int32_
     }
     return false;
   }
-  mSnapshots->captureRecurrent(reservation->recurrentSlot, sequence.resident.slot, mStream);
-  if (partial) {
-    PageId const page =
-        sequence.lease.basePages()[static_cast<std::size_t>(exactLength / pageSize)];
-    mSnapshots->capturePartialKv(*reservation->partialKvSlot, page, exactLength % pageSize, kNoPage,
-                                 mStream);
+  try {
+    injectFault(CoordinatorFaultSite::kSnapshotCapture);
+    mSnapshots->captureRecurrent(reservation->recurrentSlot, sequence.resident.slot, mStream);
+    if (partial) {
+      PageId const page =
+          sequence.lease.basePages()[static_cast<std::size_t>(exactLength / pageSize)];
+      injectFault(CoordinatorFaultSite::kSnapshotCapture);
+      mSnapshots->capturePartialKv(*reservation->partialKvSlot, page, exactLength % pageSize,
+                                   kNoPage, mStream);
+    }
+  } catch (...) {
+    mManager->retireHybridSnapshotReservation(sequence.lease, *reservation);
+    throw;
   }
   sequence.staged = Request::Sequence::StagedCapture{*reservation, exactLength};
   ++mCounters.checkpointCaptures;
@@ -973,6 +983,7 @@ void ContextCacheCoordinator::publishReady(Request& req, std::size_t row, int32_
   if (req.speculative) {
     ++mCounters.specPairPublications;
   }
+  injectFault(CoordinatorFaultSite::kPublication);
   PromptView const prefix = prefixOf(sequence, blocks * pageSize);
   // Publication records what the sequence already computed; the completion it belongs to has
   // been applied. Out of host memory, the blocks stay unpublished (the manager rolls the attempt
@@ -1040,11 +1051,15 @@ ContextCacheStatus ContextCacheCoordinator::publishHybridMtpEndpoint(
     // Cached already (a base-only checkpoint of this length does not count): no copy, no slot.
     return ContextCacheStatus::kOk;
   }
-  // The restore copies were enqueued before the captures on the same stream: a reservation may
-  // take over the hit's slots.
-  mManager->releaseRestoredHybridSnapshots(sequence.lease);
-  std::optional<SnapshotReservation> const reservation =
+  // Reserved with the hit's pins still held, so a std::bad_alloc here changes nothing. Only under
+  // pressure are the pins released (the restore copies were enqueued before the captures on the
+  // same stream, so a reservation may take over the hit's slots) and the reservation retried.
+  std::optional<SnapshotReservation> reservation =
       mManager->reserveHybridSnapshots(sequence.lease, true);
+  if (!reservation) {
+    mManager->releaseRestoredHybridSnapshots(sequence.lease);
+    reservation = mManager->reserveHybridSnapshots(sequence.lease, true);
+  }
   if (!reservation) {
     uint64_t const skips = ++mCounters.snapshotPressureSkips;
     if ((skips & (skips - 1)) == 0) {
@@ -1056,12 +1071,23 @@ ContextCacheStatus ContextCacheCoordinator::publishHybridMtpEndpoint(
     return ContextCacheStatus::kOk;
   }
   auto const page = static_cast<std::size_t>(full);
-  mSnapshots->captureRecurrent(reservation->recurrentSlot, sequence.resident.slot, mStream);
-  mSnapshots->capturePartialKv(*reservation->partialKvSlot, sequence.lease.basePages()[page],
-                               residentStateLength - full * pageSize,
-                               sequence.lease.draftPages()[page], mStream);
-  mSnapshots->captureBoundaryHidden(reservation->recurrentSlot, baseHiddenStates,
-                                    boundaryHiddenRow, mStream);
+  try {
+    injectFault(CoordinatorFaultSite::kSnapshotCapture);
+    mSnapshots->captureRecurrent(reservation->recurrentSlot, sequence.resident.slot, mStream);
+    injectFault(CoordinatorFaultSite::kSnapshotCapture);
+    mSnapshots->capturePartialKv(*reservation->partialKvSlot, sequence.lease.basePages()[page],
+                                 residentStateLength - full * pageSize,
+                                 sequence.lease.draftPages()[page], mStream);
+    injectFault(CoordinatorFaultSite::kSnapshotCapture);
+    mSnapshots->captureBoundaryHidden(reservation->recurrentSlot, baseHiddenStates,
+                                      boundaryHiddenRow, mStream);
+  } catch (...) {
+    // Copies already enqueued into the slots are stream-ordered before any later use of them.
+    mManager->retireHybridSnapshotReservation(sequence.lease, *reservation);
+    throw;
+  }
+  // The endpoint supersedes the hit: its pins go now (restoreHybridMtpBoundaryHidden is over).
+  mManager->releaseRestoredHybridSnapshots(sequence.lease);
   ++mCounters.checkpointCaptures;
   if (!synchronize()) {
     handle.mCoordinator = nullptr;
@@ -1265,7 +1291,14 @@ ContextCacheStatus ContextCacheCoordinator::completeDecodeStep(
   req.pending = false;
   if (req.draftInitPending) {
     // The verification round read the draft state the initialisation wrote; the runtime's
-    // synchronisation of the round made both complete.
+    // synchronisation of the round made both complete. A row this round holds was cancelled or
+    // errored before its prompt endpoint became publishable: like any stopped row, it publishes
+    // nothing (docs/context_cache.md, "Publication points").
+    for (std::size_t i = 0; i < advances.size(); ++i) {
+      if (isHold(advances[i])) {
+        req.sequences[i].frozenPrefill = 0;
+      }
+    }
     publishFrozenPrefill(req);
   }
   if (req.commitPolicy != ContextCacheCommitPolicy::kIncludingGeneratedTokens) {
@@ -1305,6 +1338,23 @@ ContextCacheStatus ContextCacheCoordinator::completeDecodeStep(
 
 // ---------------------------------------------------------------- compaction
 
+void ContextCacheCoordinator::requireLengthBatch(char const* call, Request const& req) const {
+  if (!hasKv()) {
+    return;
+  }
+  auto const rows = static_cast<int32_t>(req.sequences.size());
+  for (KVCachePool const* pool : {mResources.basePool, pairsDraft(req) ? mResources.draftPool
+                                                                       : nullptr}) {
+    if (pool == nullptr) {
+      continue;
+    }
+    MKV_REQUIRE(pool->activeBatchSize() == rows, call,
+                "the {} KV-length tensor's active batch is {} but the request has {} rows (the "
+                "engine grows it with setActiveBatchSize + writeLengths when it seats a joiner)",
+                pool == mResources.basePool ? "base" : "draft", pool->activeBatchSize(), rows);
+  }
+}
+
 void ContextCacheCoordinator::beginBatchCompaction(RequestHandle& handle,
                                                    std::span<int32_t const> oldToNew,
                                                    int32_t newBatchSize, Tensor& deviceMapping) {
@@ -1336,6 +1386,7 @@ void ContextCacheCoordinator::beginBatchCompaction(RequestHandle& handle,
   MKV_REQUIRE(deviceMapping.capacityBytes() >= static_cast<int64_t>(oldToNew.size_bytes()), kCall,
               "deviceMapping holds {} bytes, needs {}", deviceMapping.capacityBytes(),
               oldToNew.size_bytes());
+  requireLengthBatch(kCall, req);
   bool const reshaped = deviceMapping.reshape({oldBatch});
   MKV_ASSERT(reshaped, "deviceMapping reshape failed after the capacity check");
   if (!oldToNew.empty()) {
@@ -1354,6 +1405,14 @@ ContextCacheStatus ContextCacheCoordinator::compactBatch(RequestHandle& handle) 
   Request& req = request(handle, kCall);
   MKV_REQUIRE(req.phase == Phase::kExecuting && req.pending && !req.mapping.empty(), kCall,
               "no batch compaction was begun");
+  requireLengthBatch(kCall, req);  // the engine may have resized the tensor since the begin
+  MKV_REQUIRE(req.deviceMapping->numel() == static_cast<int64_t>(req.mapping.size()) &&
+                  req.deviceMapping->deviceType() == mDevice,
+              kCall,
+              "deviceMapping was reshaped or replaced since beginBatchCompaction: {} entries on "
+              "{}, expected {} on {}",
+              req.deviceMapping->numel(), toString(req.deviceMapping->deviceType()),
+              req.mapping.size(), toString(mDevice));
   // Allocations first: nothing below allocates, so a std::bad_alloc changes nothing.
   std::vector<CacheSlot> dropped;
   dropped.reserve(req.mapping.size());
@@ -1505,6 +1564,9 @@ ContextCacheCoordinator::AdmitSequenceResult ContextCacheCoordinator::admitSeque
   ResidentRef const ref = admission.resident;
   MKV_REQUIRE(ref.slot >= 0 && ref.slot < table.maxBatch() && ref.epoch != 0, kCall,
               "invalid resident (slot {}, epoch {})", ref.slot, ref.epoch);
+  if (mResources.residentSlots != nullptr) {
+    mResources.residentSlots->requireHeld(kCall, ref);
+  }
   MKV_REQUIRE(!admission.tokenIds.empty(), kCall, "empty prompt");
   int64_t const needed = pagesFor(
       static_cast<int64_t>(admission.tokenIds.size()) + headroom.baseExtraTokens, mManager->pageSize());
@@ -1589,23 +1651,23 @@ ContextCacheStatus ContextCacheCoordinator::finalizeSequenceAdmission(
   return ContextCacheStatus::kOk;
 }
 
-bool ContextCacheCoordinator::retractSequenceAdmission(RequestHandle& handle) noexcept {
-  Request* req = nullptr;
-  try {
-    req = &request(handle, "ContextCacheCoordinator::retractSequenceAdmission");
-  } catch (...) {
-    return false;
-  }
+bool ContextCacheCoordinator::retractSequenceAdmission(RequestHandle& handle) {
+  constexpr char const* kCall = "ContextCacheCoordinator::retractSequenceAdmission";
+  Request& req = request(handle, kCall);
   // Pending device work (a decode step, a compaction) may still read the row's pages.
-  if (req->sequences.size() <= 1 || req->sequences.back().joined || req->pending) {
-    logger()->error(
-        "ContextCacheCoordinator::retractSequenceAdmission: only the newest never-joined "
-        "sequence of a running batch with no pending work can be retracted; poisoned");
-    mPoisoned = true;
-    return false;
-  }
-  CacheSlot const slot = req->sequences.back().resident.slot;
-  req->sequences.pop_back();  // lease released
+  MKV_REQUIRE(!req.pending, kCall,
+              "request {} has pending work (a decode step or compaction): retract between steps",
+              req.id);
+  MKV_REQUIRE(req.sequences.size() > 1, kCall,
+              "request {} has {} sequence(s): only an in-flight joiner beside the batch can be "
+              "retracted",
+              req.id, req.sequences.size());
+  MKV_REQUIRE(!req.sequences.back().joined, kCall,
+              "the newest sequence (row {}) of request {} is not an unfinalised in-flight "
+              "admission",
+              req.sequences.size() - 1, req.id);
+  CacheSlot const slot = req.sequences.back().resident.slot;
+  req.sequences.pop_back();  // lease released
   mResidentBusy[static_cast<std::size_t>(slot)] = 0;
   ++mCounters.retractedAdmissions;
   try {
@@ -1617,6 +1679,21 @@ bool ContextCacheCoordinator::retractSequenceAdmission(RequestHandle& handle) no
     return false;
   }
   return true;
+}
+
+ResidentRowState ContextCacheCoordinator::residentRowState(CacheSlot slot) const noexcept {
+  if (slot < 0 || static_cast<std::size_t>(slot) >= mResidentBusy.size() ||
+      mResidentBusy[static_cast<std::size_t>(slot)] == 0) {
+    return ResidentRowState::kFree;
+  }
+  for (auto const& quarantined : mQuarantine) {
+    for (auto const& sequence : quarantined->sequences) {
+      if (sequence.resident.slot == slot) {
+        return ResidentRowState::kQuarantined;
+      }
+    }
+  }
+  return ResidentRowState::kActive;
 }
 
 // ---------------------------------------------------------------- observability

@@ -1,5 +1,6 @@
 #include "mkv/context_cache/context_cache_request.h"
 
+#include <fmt/ranges.h>
 #include <spdlog/spdlog.h>
 
 #include <limits>
@@ -310,8 +311,12 @@ bool ContextCacheRequest::beginBatchCompaction(std::vector<int32_t> const& oldTo
 
 bool ContextCacheRequest::completeBatchCompaction(std::vector<int32_t> const& keepMapping) {
   constexpr char const* kCall = "ContextCacheRequest::completeBatchCompaction";
-  MKV_REQUIRE(!mPendingMapping.empty() && keepMapping == mPendingMapping, kCall,
-              "the mapping differs from the one given to beginBatchCompaction");
+  MKV_REQUIRE(!mPendingMapping.empty(), kCall,
+              "no batch compaction was begun (keepMapping [{}]; call beginBatchCompaction first)",
+              fmt::join(keepMapping, ", "));
+  MKV_REQUIRE(keepMapping == mPendingMapping, kCall,
+              "keepMapping [{}] differs from the mapping [{}] given to beginBatchCompaction",
+              fmt::join(keepMapping, ", "), fmt::join(mPendingMapping, ", "));
   int32_t newSize = 0;
   for (int32_t destination : keepMapping) {
     newSize += destination >= 0 ? 1 : 0;
@@ -382,10 +387,7 @@ bool ContextCacheRequest::finalizeSequenceAdmission(int32_t slot, int32_t const&
   return true;
 }
 
-bool ContextCacheRequest::retractSequenceAdmission() noexcept {
-  if (mPrefillStarts.empty()) {
-    return false;
-  }
+bool ContextCacheRequest::retractSequenceAdmission() {
   bool const retracted = mCoordinator->retractSequenceAdmission(mHandle);
   if (retracted) {
     mPrefillStarts.pop_back();

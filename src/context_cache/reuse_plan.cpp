@@ -301,18 +301,31 @@ std::optional<MissReason> classifyMiss(BlockIndex const& index, PromptBlocks con
       parentPage ? blocks.contentKeyAfter(index.provenanceOf(*parentPage).contentKey, first)
                  : blocks.contentKey(first);
   std::vector<BlockProvenance> const others = index.provenanceByContent(contentKey);
+  // The nearest cached identity names the culprit: of the provenances that differ from ours,
+  // the one matching the most of (salt, adapter, media); its first differing field, in that
+  // order, is the reason (ties between provenances go to the reason first in that order).
   BlockKeyExtras const& ours = blocks.prompt.extras;
-  auto const any = [&others](auto&& differs) {
-    return std::any_of(others.begin(), others.end(), differs);
-  };
-  if (any([&](BlockProvenance const& p) { return p.salt != ours.salt; })) {
-    return MissReason::kSaltMismatch;
+  Hash128 const& ourMedia = blocks.mediaDigests[b];
+  std::optional<MissReason> nearest;
+  int32_t nearestMatches = -1;
+  for (BlockProvenance const& p : others) {
+    bool const salt = p.salt == ours.salt;
+    bool const adapter = p.adapter == ours.adapter;
+    bool const media = p.media == ourMedia;
+    int32_t const matches = int32_t{salt} + int32_t{adapter} + int32_t{media};
+    if (matches == 3) {
+      continue;  // the same identity: not what kept this block out
+    }
+    MissReason const reason = !salt      ? MissReason::kSaltMismatch
+                              : !adapter ? MissReason::kLoraMismatch
+                                         : MissReason::kMediaMismatch;
+    if (matches > nearestMatches || (matches == nearestMatches && reason < *nearest)) {
+      nearest = reason;
+      nearestMatches = matches;
+    }
   }
-  if (any([&](BlockProvenance const& p) { return p.adapter != ours.adapter; })) {
-    return MissReason::kLoraMismatch;
-  }
-  if (any([&](BlockProvenance const& p) { return p.media != blocks.mediaDigests[b]; })) {
-    return MissReason::kMediaMismatch;
+  if (nearest) {
+    return *nearest;
   }
   return MissReason::kNoPrefix;
 }

@@ -32,6 +32,15 @@ std::string_view toString(FinishReason reason) noexcept {
   return "unknown";
 }
 
+std::string_view toString(ResidentRowState state) noexcept {
+  switch (state) {
+    case ResidentRowState::kFree: return "free";
+    case ResidentRowState::kActive: return "active";
+    case ResidentRowState::kQuarantined: return "quarantined";
+  }
+  return "unknown";
+}
+
 namespace {
 template <typename Status>
 std::string_view statusName(Status status) noexcept {

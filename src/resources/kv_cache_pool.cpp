@@ -105,7 +105,7 @@ void KVCachePool::resetForNewSequences(std::span<int32_t const> lengths, cudaStr
               "{} sequences exceed maxBatchSize {}", lengths.size(), mConfig.maxBatchSize);
   validateLengths(kCall, lengths);
   auto const batchSize = static_cast<int32_t>(lengths.size());
-  mLengthUploads->upload(0, lengths, mKvLengths.rawPointer(), stream);
+  uploadLengths(0, lengths, stream);
   setActiveBatchSize(batchSize);
 }
 
@@ -117,6 +117,24 @@ void KVCachePool::writeLengths(int32_t firstRow, std::span<int32_t const> length
       kCall, "rows [{}, {}) are outside the active batch of {}", firstRow,
       int64_t{firstRow} + static_cast<int64_t>(lengths.size()), mActiveBatchSize);
   validateLengths(kCall, lengths);
+  uploadLengths(firstRow, lengths, stream);
+}
+
+void KVCachePool::uploadLengths(int32_t firstRow, std::span<int32_t const> lengths,
+                                cudaStream_t stream) {
+  if (lengths.empty()) {
+    return;
+  }
+  constexpr std::size_t kHeader = 3;
+  if (kHeader + lengths.size() <= static_cast<std::size_t>(kernels::kMaxInlinePatchValues)) {
+    // One launch carrying the values in its parameters: no staging copy, no event.
+    mLengthPatch.assign({firstRow, static_cast<int32_t>(lengths.size()), int32_t{kHeader}});
+    mLengthPatch.insert(mLengthPatch.end(), lengths.begin(), lengths.end());
+    Tensor every = Tensor::view(mKvLengths.rawPointer(), {mConfig.maxBatchSize}, DataType::kInt32,
+                                mConfig.deviceType);
+    kernels::applyInt32InlinePatch(every, mLengthPatch, 1, stream);
+    return;
+  }
   mLengthUploads->upload(0, lengths, mKvLengths.dataPointer<int32_t>() + firstRow, stream);
 }
 

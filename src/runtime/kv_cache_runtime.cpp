@@ -179,6 +179,7 @@ std::unique_ptr<KVCacheRuntime> KVCacheRuntime::create(KVCacheRuntimeConfig cons
     resources.swaPool = runtime->mSwaPool.get();
     resources.swaPageTable = runtime->mSwaTable.get();
     resources.recurrent = runtime->mRecurrent.get();
+    resources.residentSlots = &runtime->mResidentSlots;
     if (model.numFullAttentionLayers > 0) {
       MKV_REQUIRE(fullPages >= fullDefault, kCall,
                   "bounded SWA keeps full layers identity-mapped: numPages {} must cover "
@@ -214,6 +215,7 @@ std::unique_ptr<KVCacheRuntime> KVCacheRuntime::create(KVCacheRuntimeConfig cons
   resources.basePool = runtime->mFullPool.get();
   resources.basePageTable = runtime->mFullTable.get();
   resources.recurrent = runtime->mRecurrent.get();
+  resources.residentSlots = &runtime->mResidentSlots;
   // Reuse for a hybrid model is checkpoint reuse (snapshot budgets in config.contextCache);
   // without reuse the recurrent rows are only zeroed when compaction drops them.
   ContextCacheDeploymentProfile profile;
@@ -263,6 +265,10 @@ bool KVCacheRuntime::shutdown() noexcept {
     return mCoordinator->shutdown() == ContextCacheStatus::kOk;
   }
   return mSwaManager->shutdown() == SwaKVCacheStatus::kOk;
+}
+
+ResidentRowState KVCacheRuntime::residentRowState(CacheSlot slot) const noexcept {
+  return mCoordinator ? mCoordinator->residentRowState(slot) : mSwaManager->residentRowState(slot);
 }
 
 }  // namespace mkv

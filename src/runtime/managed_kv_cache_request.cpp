@@ -1,7 +1,11 @@
 #include "mkv/managed_kv_cache_request.h"
 
+#include <fmt/ranges.h>
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
+#include <cctype>
+#include <string_view>
 #include <utility>
 
 #include "core/check.h"
@@ -11,6 +15,32 @@ namespace mkv {
 namespace {
 
 constexpr DecodingKvHeadroom kVanillaHeadroom{1, 0};
+
+/// The message of a backend's contract error as the facade call `call` reports it: the leading
+/// "Backend::method: " (the internal call) is replaced by `call`, so the integrator reads the
+/// call it made, then the value and what was expected. Other messages (internal invariants)
+/// keep their text behind `call`.
+std::string renamed(char const* call, std::string_view message) {
+  std::size_t const colon = message.find(": ");
+  std::string_view const head = message.substr(0, colon);
+  bool const isCall =
+      colon != std::string_view::npos && !head.empty() &&
+      std::all_of(head.begin(), head.end(), [](char c) {
+        return std::isalnum(static_cast<unsigned char>(c)) != 0 || c == '_' || c == ':';
+      });
+  return fmt::format("{}: {}", call, isCall ? message.substr(colon + 2) : message);
+}
+
+/// Runs a backend call on behalf of the facade call `call`; an mkv::Error it throws is rethrown
+/// naming `call` (the backend validated before it changed anything, so nothing changed).
+template <typename Function>
+decltype(auto) asFacadeCall(char const* call, Function&& function) {
+  try {
+    return std::forward<Function>(function)();
+  } catch (Error const& error) {
+    detail::throwError(renamed(call, error.what()));
+  }
+}
 
 bool swaStatus(SwaKVCacheStatus status, BoundedSwaKVPageManager const& manager,
                char const* operation) {
@@ -56,9 +86,10 @@ std::optional<ManagedKVCacheRequest> ManagedKVCacheRequest::begin(
               "exactly one backend must be given (context cache {}, SWA manager {})",
               contextCache != nullptr ? "set" : "null", swaPageManager != nullptr ? "set" : "null");
   if (contextCache != nullptr) {
-    auto backend = ContextCacheRequest::begin(*contextCache, request, context, speculativeRequest,
-                                              headroom, mediaTokenIds, tokenStateContract,
-                                              commitPolicy);
+    auto backend = asFacadeCall(kCall, [&] {
+      return ContextCacheRequest::begin(*contextCache, request, context, speculativeRequest,
+                                        headroom, mediaTokenIds, tokenStateContract, commitPolicy);
+    });
     if (!backend) {
       return std::nullopt;
     }
@@ -76,7 +107,8 @@ std::optional<ManagedKVCacheRequest> ManagedKVCacheRequest::begin(
                   context.residentRefs.size() == context.rawBatchedInputIds.size(),
               kCall, "activeBatchSize {} with {} prompts and {} residents", context.activeBatchSize,
               context.rawBatchedInputIds.size(), context.residentRefs.size());
-  auto begun = swaPageManager->beginRequest(context.residentRefs, context.stream);
+  auto begun = asFacadeCall(
+      kCall, [&] { return swaPageManager->beginRequest(context.residentRefs, context.stream); });
   if (!swaStatus(begun.status, *swaPageManager, "begin")) {
     return std::nullopt;
   }
@@ -105,33 +137,42 @@ std::vector<int32_t> const* ManagedKVCacheRequest::prefillStarts() const noexcep
 }
 
 int32_t ManagedKVCacheRequest::reuseTokenLength(int32_t slot) const {
+  constexpr char const* kCall = "ManagedKVCacheRequest::reuseTokenLength";
   ContextCacheRequest const* backend = context();
-  MKV_REQUIRE(backend != nullptr, "ManagedKVCacheRequest::reuseTokenLength",
-              "slot {}: the bounded-SWA backend has no context reuse", slot);
-  return backend->reuseTokenLength(slot);
+  MKV_REQUIRE(backend != nullptr, kCall, "slot {}: the bounded-SWA backend has no context reuse",
+              slot);
+  return asFacadeCall(kCall, [&] { return backend->reuseTokenLength(slot); });
 }
 
 bool ManagedKVCacheRequest::publishHybridMtpEndpoint(int32_t slot, int32_t residentStateLength,
                                                      Tensor const& baseHiddenStates,
                                                      int32_t boundaryHiddenRow) {
+  constexpr char const* kCall = "ManagedKVCacheRequest::publishHybridMtpEndpoint";
   ContextCacheRequest* backend = context();
-  MKV_REQUIRE(backend != nullptr, "ManagedKVCacheRequest::publishHybridMtpEndpoint",
-              "slot {}: the bounded-SWA backend has no context reuse", slot);
-  return backend->publishHybridMtpEndpoint(slot, residentStateLength, baseHiddenStates,
-                                           boundaryHiddenRow);
+  MKV_REQUIRE(backend != nullptr, kCall, "slot {}: the bounded-SWA backend has no context reuse",
+              slot);
+  return asFacadeCall(kCall, [&] {
+    return backend->publishHybridMtpEndpoint(slot, residentStateLength, baseHiddenStates,
+                                             boundaryHiddenRow);
+  });
 }
 
 bool ManagedKVCacheRequest::restoreHybridMtpBoundaryHidden(int32_t slot, Tensor& baseHiddenStates,
                                                            int32_t destinationRow) {
+  constexpr char const* kCall = "ManagedKVCacheRequest::restoreHybridMtpBoundaryHidden";
   ContextCacheRequest* backend = context();
-  MKV_REQUIRE(backend != nullptr, "ManagedKVCacheRequest::restoreHybridMtpBoundaryHidden",
-              "slot {}: the bounded-SWA backend has no context reuse", slot);
-  return backend->restoreHybridMtpBoundaryHidden(slot, baseHiddenStates, destinationRow);
+  MKV_REQUIRE(backend != nullptr, kCall, "slot {}: the bounded-SWA backend has no context reuse",
+              slot);
+  return asFacadeCall(kCall, [&] {
+    return backend->restoreHybridMtpBoundaryHidden(slot, baseHiddenStates, destinationRow);
+  });
 }
 
 bool ManagedKVCacheRequest::preparePrefill() {
   ContextCacheRequest* backend = context();
-  return backend == nullptr || backend->preparePrefill();
+  return backend == nullptr ||
+         asFacadeCall("ManagedKVCacheRequest::preparePrefill",
+                      [&] { return backend->preparePrefill(); });
 }
 
 bool ManagedKVCacheRequest::prepareSwaPrefill(std::vector<int32_t> const& effectiveInputLengths) {
@@ -139,88 +180,106 @@ bool ManagedKVCacheRequest::prepareSwaPrefill(std::vector<int32_t> const& effect
     return true;
   }
   SwaBackend& backend = swa("prepareSwaPrefill");
-  backend.manager->preparePrefill(backend.handle, effectiveInputLengths);
+  asFacadeCall("ManagedKVCacheRequest::prepareSwaPrefill", [&] {
+    backend.manager->preparePrefill(backend.handle, effectiveInputLengths);
+  });
   return true;
 }
 
 bool ManagedKVCacheRequest::enqueuePrefillCaptures() {
   ContextCacheRequest* backend = context();
-  return backend == nullptr || backend->enqueuePrefillCaptures();
+  return backend == nullptr ||
+         asFacadeCall("ManagedKVCacheRequest::enqueuePrefillCaptures",
+                      [&] { return backend->enqueuePrefillCaptures(); });
 }
 
 bool ManagedKVCacheRequest::completePrefill(DecodingInferenceContext const& context_,
                                             std::vector<int32_t> const& commonStateLengths) {
+  constexpr char const* kCall = "ManagedKVCacheRequest::completePrefill";
   if (ContextCacheRequest* backend = context()) {
-    return backend->completePrefill(context_, commonStateLengths);
+    return asFacadeCall(kCall,
+                        [&] { return backend->completePrefill(context_, commonStateLengths); });
   }
   SwaBackend& backend = swa("completePrefill");
-  requireContextRows("ManagedKVCacheRequest::completePrefill", context_, *backend.manager,
-                     backend.handle);
-  backend.manager->completePrefill(backend.handle);
+  requireContextRows(kCall, context_, *backend.manager, backend.handle);
+  asFacadeCall(kCall, [&] { backend.manager->completePrefill(backend.handle); });
   return true;
 }
 
 bool ManagedKVCacheRequest::prepareDecodeStep(DecodingInferenceContext const& context_,
                                               DecodingKvHeadroom const& headroom) {
+  constexpr char const* kCall = "ManagedKVCacheRequest::prepareDecodeStep";
   if (ContextCacheRequest* backend = context()) {
-    return backend->prepareDecodeStep(context_, headroom);
+    return asFacadeCall(kCall, [&] { return backend->prepareDecodeStep(context_, headroom); });
   }
-  MKV_REQUIRE(headroom == kVanillaHeadroom, "ManagedKVCacheRequest::prepareDecodeStep",
+  MKV_REQUIRE(headroom == kVanillaHeadroom, kCall,
               "the bounded-SWA backend needs headroom {{1, 0}}, got {{{}, {}}}",
               headroom.baseExtraTokens, headroom.draftExtraTokens);
   SwaBackend& backend = swa("prepareDecodeStep");
-  requireContextRows("ManagedKVCacheRequest::prepareDecodeStep", context_, *backend.manager,
-                     backend.handle);
-  return swaStatus(backend.manager->prepareDecodeStep(backend.handle), *backend.manager,
-                   "prepareDecodeStep");
+  requireContextRows(kCall, context_, *backend.manager, backend.handle);
+  SwaKVCacheStatus const status =
+      asFacadeCall(kCall, [&] { return backend.manager->prepareDecodeStep(backend.handle); });
+  return swaStatus(status, *backend.manager, "prepareDecodeStep");
 }
 
 bool ManagedKVCacheRequest::completeDecodeStep(DecodingInferenceContext const& context_,
                                                std::vector<int32_t> const& commonStateLengths) {
+  constexpr char const* kCall = "ManagedKVCacheRequest::completeDecodeStep";
   if (ContextCacheRequest* backend = context()) {
-    return backend->completeDecodeStep(context_, commonStateLengths);
+    return asFacadeCall(kCall,
+                        [&] { return backend->completeDecodeStep(context_, commonStateLengths); });
   }
   SwaBackend& backend = swa("completeDecodeStep");
-  requireContextRows("ManagedKVCacheRequest::completeDecodeStep", context_, *backend.manager,
-                     backend.handle);
-  backend.manager->completeDecodeStep(backend.handle);
+  requireContextRows(kCall, context_, *backend.manager, backend.handle);
+  asFacadeCall(kCall, [&] { backend.manager->completeDecodeStep(backend.handle); });
   return true;
 }
 
 bool ManagedKVCacheRequest::beginBatchCompaction(std::vector<int32_t> const& oldToNew,
                                                  int32_t newBatchSize, Tensor& deviceBatchMapping) {
+  constexpr char const* kCall = "ManagedKVCacheRequest::beginBatchCompaction";
   if (ContextCacheRequest* backend = context()) {
-    return backend->beginBatchCompaction(oldToNew, newBatchSize, deviceBatchMapping);
+    return asFacadeCall(kCall, [&] {
+      return backend->beginBatchCompaction(oldToNew, newBatchSize, deviceBatchMapping);
+    });
   }
   SwaBackend& backend = swa("beginBatchCompaction");
   std::vector<int32_t> pending = oldToNew;  // copied first: nothing fails after the manager's call
-  backend.manager->beginBatchCompaction(backend.handle, oldToNew, newBatchSize, deviceBatchMapping);
+  asFacadeCall(kCall, [&] {
+    backend.manager->beginBatchCompaction(backend.handle, oldToNew, newBatchSize,
+                                          deviceBatchMapping);
+  });
   backend.pendingMapping = std::move(pending);
   return true;
 }
 
 bool ManagedKVCacheRequest::completeBatchCompaction(std::vector<int32_t> const& keepMapping) {
+  constexpr char const* kCall = "ManagedKVCacheRequest::completeBatchCompaction";
   if (ContextCacheRequest* backend = context()) {
-    return backend->completeBatchCompaction(keepMapping);
+    return asFacadeCall(kCall, [&] { return backend->completeBatchCompaction(keepMapping); });
   }
   SwaBackend& backend = swa("completeBatchCompaction");
-  // An empty pending mapping: no compaction was begun, which the manager reports.
-  MKV_REQUIRE(backend.pendingMapping.empty() || keepMapping == backend.pendingMapping,
-              "ManagedKVCacheRequest::completeBatchCompaction",
-              "keepMapping ({} entries) differs from the mapping given to beginBatchCompaction "
-              "({} entries)",
-              keepMapping.size(), backend.pendingMapping.size());
-  SwaKVCacheStatus const status = backend.manager->compactBatch(backend.handle);
+  MKV_REQUIRE(!backend.pendingMapping.empty(), kCall,
+              "no batch compaction was begun (keepMapping [{}]; call beginBatchCompaction first)",
+              fmt::join(keepMapping, ", "));
+  MKV_REQUIRE(keepMapping == backend.pendingMapping, kCall,
+              "keepMapping [{}] differs from the mapping [{}] given to beginBatchCompaction",
+              fmt::join(keepMapping, ", "), fmt::join(backend.pendingMapping, ", "));
+  SwaKVCacheStatus const status =
+      asFacadeCall(kCall, [&] { return backend.manager->compactBatch(backend.handle); });
   backend.pendingMapping.clear();
   return swaStatus(status, *backend.manager, "completeBatchCompaction");
 }
 
 bool ManagedKVCacheRequest::finish() {
+  constexpr char const* kCall = "ManagedKVCacheRequest::finish";
   if (ContextCacheRequest* backend = context()) {
-    return backend->finish();
+    return asFacadeCall(kCall, [&] { return backend->finish(); });
   }
   SwaBackend& backend = swa("finish");
-  return swaStatus(backend.manager->finish(backend.handle), *backend.manager, "finish");
+  SwaKVCacheStatus const status =
+      asFacadeCall(kCall, [&] { return backend.manager->finish(backend.handle); });
+  return swaStatus(status, *backend.manager, "finish");
 }
 
 ContextCacheRequest::AdmitSequenceStatus ManagedKVCacheRequest::admitSequence(
@@ -230,8 +289,10 @@ ContextCacheRequest::AdmitSequenceStatus ManagedKVCacheRequest::admitSequence(
     std::vector<imageUtils::ImageData> const& imageBuffers,
     std::vector<audioUtils::AudioData> const& audioBuffers) {
   if (ContextCacheRequest* backend = context()) {
-    return backend->admitSequence(tokenIds, loraWeightsName, headroom, prefillStart, resident,
-                                  stream, mediaTokenIds, imageBuffers, audioBuffers);
+    return asFacadeCall("ManagedKVCacheRequest::admitSequence", [&] {
+      return backend->admitSequence(tokenIds, loraWeightsName, headroom, prefillStart, resident,
+                                    stream, mediaTokenIds, imageBuffers, audioBuffers);
+    });
   }
   logger()->error(
       "ManagedKVCacheRequest::admitSequence: the bounded-SWA backend has no in-flight admission");
@@ -241,7 +302,9 @@ ContextCacheRequest::AdmitSequenceStatus ManagedKVCacheRequest::admitSequence(
 bool ManagedKVCacheRequest::finalizeSequenceAdmission(int32_t slot, int32_t const& lookaheadToken,
                                                       int32_t fullInputLength) {
   if (ContextCacheRequest* backend = context()) {
-    return backend->finalizeSequenceAdmission(slot, lookaheadToken, fullInputLength);
+    return asFacadeCall("ManagedKVCacheRequest::finalizeSequenceAdmission", [&] {
+      return backend->finalizeSequenceAdmission(slot, lookaheadToken, fullInputLength);
+    });
   }
   logger()->error(
       "ManagedKVCacheRequest::finalizeSequenceAdmission: the bounded-SWA backend has no "
@@ -249,9 +312,10 @@ bool ManagedKVCacheRequest::finalizeSequenceAdmission(int32_t slot, int32_t cons
   return false;
 }
 
-bool ManagedKVCacheRequest::retractSequenceAdmission() noexcept {
+bool ManagedKVCacheRequest::retractSequenceAdmission() {
   if (ContextCacheRequest* backend = context()) {
-    return backend->retractSequenceAdmission();
+    return asFacadeCall("ManagedKVCacheRequest::retractSequenceAdmission",
+                        [&] { return backend->retractSequenceAdmission(); });
   }
   return true;  // nothing was admitted, so nothing to undo
 }

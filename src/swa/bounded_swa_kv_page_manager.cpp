@@ -178,6 +178,21 @@ int32_t BoundedSwaKVPageManager::quarantinedPageCount() const noexcept {
   return count;
 }
 
+ResidentRowState BoundedSwaKVPageManager::residentRowState(CacheSlot slot) const noexcept {
+  if (slot < 0 || static_cast<std::size_t>(slot) >= mResidentBusy.size() ||
+      mResidentBusy[static_cast<std::size_t>(slot)] == 0) {
+    return ResidentRowState::kFree;
+  }
+  for (auto const& quarantined : mQuarantine) {
+    for (SwaSequenceState const& state : quarantined->sequences) {
+      if (state.resident.slot == slot) {
+        return ResidentRowState::kQuarantined;
+      }
+    }
+  }
+  return ResidentRowState::kActive;
+}
+
 int32_t BoundedSwaKVPageManager::activeRequestCount() const noexcept {
   return static_cast<int32_t>(mActive.size());
 }
@@ -223,6 +238,9 @@ BoundedSwaKVPageManager::BeginRequestResult BoundedSwaKVPageManager::beginReques
     MKV_REQUIRE(ref.slot >= 0 && ref.slot < maxBatch, kCall, "resident {} has slot {} outside [0, {})",
                 i, ref.slot, maxBatch);
     MKV_REQUIRE(ref.epoch != 0, kCall, "resident {} (slot {}) has epoch 0", i, ref.slot);
+    if (mResources.residentSlots != nullptr) {
+      mResources.residentSlots->requireHeld(kCall, ref);
+    }
     auto const slot = static_cast<std::size_t>(ref.slot);
     MKV_REQUIRE(seen[slot] == 0, kCall, "slot {} appears twice in the batch", ref.slot);
     seen[slot] = 1;
@@ -467,6 +485,15 @@ void BoundedSwaKVPageManager::completeDecodeStep(RequestHandle& handle) {
   req.pending = Pending::kNone;
 }
 
+void BoundedSwaKVPageManager::requireLengthBatch(char const* call, Request const& req) const {
+  auto const rows = static_cast<int32_t>(req.sequences.size());
+  for (KVCachePool const* pool : mResources.lengthPools) {
+    MKV_REQUIRE(pool->activeBatchSize() == rows, call,
+                "a KV-length tensor's active batch is {} but the request has {} rows",
+                pool->activeBatchSize(), rows);
+  }
+}
+
 void BoundedSwaKVPageManager::beginBatchCompaction(RequestHandle& handle,
                                                    std::span<int32_t const> oldToNew,
                                                    int32_t newBatchSize, Tensor& deviceMapping) {
@@ -499,6 +526,7 @@ void BoundedSwaKVPageManager::beginBatchCompaction(RequestHandle& handle,
   MKV_REQUIRE(deviceMapping.capacityBytes() >= static_cast<int64_t>(oldToNew.size_bytes()), kCall,
               "deviceMapping holds {} bytes, needs {}", deviceMapping.capacityBytes(),
               oldToNew.size_bytes());
+  requireLengthBatch(kCall, req);
   bool const reshaped = deviceMapping.reshape({oldBatch});
   MKV_ASSERT(reshaped, "deviceMapping reshape failed after the capacity check");
   if (!oldToNew.empty()) {
@@ -516,6 +544,14 @@ SwaKVCacheStatus BoundedSwaKVPageManager::compactBatch(RequestHandle& handle) {
   constexpr char const* kCall = "BoundedSwaKVPageManager::compactBatch";
   Request& req = request(handle, kCall);
   MKV_REQUIRE(req.pending == Pending::kCompaction, kCall, "no batch compaction was begun");
+  requireLengthBatch(kCall, req);  // the engine may have resized a tensor since the begin
+  MKV_REQUIRE(req.deviceMapping->numel() == static_cast<int64_t>(req.mapping.size()) &&
+                  req.deviceMapping->deviceType() == mResources.swaPool->deviceType(),
+              kCall,
+              "deviceMapping was reshaped or replaced since beginBatchCompaction: {} entries on "
+              "{}, expected {} on {}",
+              req.deviceMapping->numel(), toString(req.deviceMapping->deviceType()),
+              req.mapping.size(), toString(mResources.swaPool->deviceType()));
   // The only allocation comes first, so a std::bad_alloc changes nothing.
   std::vector<CacheSlot> dropped;
   dropped.reserve(req.mapping.size());

@@ -860,6 +860,29 @@ TEST_F(MissReasonTest, LoraMismatch) {
       MissReason::kLoraMismatch);
 }
 
+// The case: the prompt is cached under (tenant-a, no LoRA), (tenant-b, no LoRA) and
+// (no salt, no LoRA); a request with salt tenant-a and LoRA x is nearest to the first, which
+// differs only in the adapter, so the miss is a LoRA mismatch, not the salt mismatch of the
+// second provenance. Nearest with two differing fields: the first of them (salt).
+TEST_F(MissReasonTest, TheNearestCachedIdentityNamesTheReason) {
+  Hash128 const none = digestIdentity("");
+  Hash128 const tenantA = digestIdentity("tenant-a");
+  publishCold(mManager, mPrompt, ReuseMode::kVanilla, {none, tenantA});
+  publishCold(mManager, mPrompt, ReuseMode::kVanilla, {none, digestIdentity("tenant-b")});
+  publishCold(mManager, mPrompt, ReuseMode::kVanilla, {none, none});
+  auto classify = [&](BlockKeyExtras extras) {
+    return admitAndClassify(requestOf(mPrompt, ReuseMode::kVanilla,
+                                      ContextCacheLookupPolicy::kUseCache, extras));
+  };
+  EXPECT_EQ(classify({digestIdentity("x"), tenantA}), MissReason::kLoraMismatch);
+  EXPECT_EQ(classify({none, digestIdentity("tenant-c")}), MissReason::kSaltMismatch);
+  EXPECT_EQ(classify({digestIdentity("x"), digestIdentity("tenant-c")}),
+            MissReason::kSaltMismatch)
+      << "every cached identity differs in salt and adapter: the first field";
+  EXPECT_EQ(mManager.metrics().missCount(MissReason::kLoraMismatch), 1U);
+  EXPECT_EQ(mManager.metrics().missCount(MissReason::kSaltMismatch), 2U);
+}
+
 TEST_F(MissReasonTest, MediaMismatch) {
   std::vector<int32_t> const tokens(8, 42);  // image placeholders in block 1
   std::vector<MediaPosition> imageA(tokens.size());

@@ -344,10 +344,12 @@ TEST_P(ContextCacheRequestTest, RetractingAnAdmissionUnwindsItAndTheRowStaysUsab
   EXPECT_TRUE(rig.mirroredPages(1).empty());
   EXPECT_EQ(driver.cache->prefillStarts(), std::vector<int32_t>{0});
   EXPECT_EQ(rig.coordinator.counters().retractedAdmissions, 1u);
-  EXPECT_FALSE(driver.cache->retractSequenceAdmission()) << "the founder cannot be retracted";
-  EXPECT_TRUE(rig.coordinator.poisoned());
-  EXPECT_EQ(rig.coordinator.shutdown(), ContextCacheStatus::kRequestFailed) << "still active";
+  // The founder cannot be retracted: misuse, detected before any side effect.
+  EXPECT_TRUE(throwsError([&] { (void)driver.cache->retractSequenceAdmission(); },
+                                {"ContextCacheCoordinator::retractSequenceAdmission",
+                                 "has 1 sequence(s)"}));
   EXPECT_FALSE(rig.coordinator.poisoned());
+  EXPECT_EQ(driver.cache->prefillStarts(), std::vector<int32_t>{0});
   ASSERT_TRUE(driver.decode());
   ASSERT_EQ(driver.admit(fixture.joinerPrompt(), 1), AdmitStatus::kAdmitted);
   ASSERT_TRUE(driver.seatNewest());

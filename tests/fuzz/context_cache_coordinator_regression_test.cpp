@@ -165,7 +165,7 @@ TEST(ContextCacheCoordinatorRegressionTest, PrefillCapturesOutsideThePrefillThro
 /// while a decode step was pending released its lease, so its pages could be handed to another
 /// request while the step's kernels might still read its row. Now refused (false, poisoned),
 /// and the pages stay pinned until the request ends.
-TEST(ContextCacheCoordinatorRegressionTest, RetractDuringADecodeStepRefusesAndKeepsThePages) {
+TEST(ContextCacheCoordinatorRegressionTest, RetractDuringADecodeStepThrowsAndKeepsThePages) {
   Rig rig;
   ContextCacheCoordinator& coordinator = rig.coordinator();
   Handle handle = rig.admit({tokens(20)});
@@ -180,8 +180,15 @@ TEST(ContextCacheCoordinatorRegressionTest, RetractDuringADecodeStepRefusesAndKe
   std::vector<PageId> const pages(coordinator.basePages(handle, 1).begin(),
                                   coordinator.basePages(handle, 1).end());
   ASSERT_FALSE(pages.empty());
-  EXPECT_FALSE(coordinator.retractSequenceAdmission(handle));
-  EXPECT_TRUE(coordinator.poisoned());
+  try {
+    (void)coordinator.retractSequenceAdmission(handle);
+    ADD_FAILURE() << "retracting during a decode step did not throw";
+  } catch (Error const& error) {
+    EXPECT_NE(std::string(error.what()).find("retractSequenceAdmission: request 1 has pending work"),
+              std::string::npos)
+        << error.what();
+  }
+  EXPECT_FALSE(coordinator.poisoned()) << "misuse throws; it does not poison";
   ASSERT_EQ(coordinator.batchSize(handle), 2);
   ResourcePools const& pools = coordinator.manager().pools();
   for (PageId page : pages) {
@@ -195,7 +202,7 @@ TEST(ContextCacheCoordinatorRegressionTest, RetractDuringADecodeStepRefusesAndKe
   EXPECT_TRUE(coordinator.retractSequenceAdmission(handle));
   EXPECT_EQ(coordinator.batchSize(handle), 1);
   EXPECT_EQ(rig.table().liveEntryCount(joiner.resident.slot), 0);
-  EXPECT_EQ(coordinator.finish(handle), ContextCacheStatus::kPoisoned);
+  EXPECT_EQ(coordinator.finish(handle), ContextCacheStatus::kOk);
   EXPECT_EQ(coordinator.shutdown(), ContextCacheStatus::kOk);
   EXPECT_FALSE(coordinator.poisoned());
 }

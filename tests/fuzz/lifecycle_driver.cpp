@@ -2371,22 +2371,12 @@ class Lifecycle {
       }
       return mCoordinator->retractSequenceAdmission(req.coordinator);
     };
-    bool const handleValid = req.stage != Stage::kGone;
-    bool const possible = handleValid && req.rows.size() > 1 && !req.rows.back().joined &&
+    bool const possible = req.stage != Stage::kGone && req.rows.size() > 1 &&
+                          !req.rows.back().joined &&
                           (req.stage == Stage::kIdle || req.stage == Stage::kFinishing);
     if (!possible) {
-      // Impossible retractions poison the coordinator (nothing else changes); a facade without
-      // rows or an invalid handle only answers false.
-      bool const poisons = handleValid && !(req.via == Via::kFacade && req.rows.empty());
-      Snapshot before = snapshot();
-      bool const retracted = accept(what, call);
-      expect(!retracted, what + ": retracted what cannot be retracted");
-      Snapshot after = snapshot();
-      expectf(after.poisoned == (poisons || before.poisoned),
-             "{}: poison {} -> {}", what, before.poisoned, after.poisoned);
-      after.poisoned = before.poisoned;
-      expectf(before == after, "{}: changed {}", what, difference(before, after));
-      mPoisoned = mPoisoned || poisons;
+      // Misuse detectable before any side effect: it throws and changes nothing (no poison).
+      reject(what, call);
       trace(what + ": refused");
       return;
     }
@@ -2649,9 +2639,7 @@ class Lifecycle {
       reject(what + " preparePrefill", [&] { mCoordinator->preparePrefill(stale); });
       reject(what + " prepareDecodeStep",
              [&] { return mCoordinator->prepareDecodeStep(stale, kVanilla); });
-      bool const retracted = unchanged(what + " retract",
-                                       [&] { return mCoordinator->retractSequenceAdmission(stale); });
-      expect(!retracted, what + ": retracted");
+      reject(what + " retract", [&] { return mCoordinator->retractSequenceAdmission(stale); });
       ContextCacheStatus const status = unchanged(what + " finish",
                                                   [&] { return mCoordinator->finish(stale); });
       expect(status == (mPoisoned ? ContextCacheStatus::kPoisoned : ContextCacheStatus::kOk),

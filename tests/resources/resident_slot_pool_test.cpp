@@ -133,5 +133,29 @@ TEST(ResidentSlotPoolTest, RandomAcquireAndReleaseMatchAModel) {
   }
 }
 
+TEST(ResidentSlotPoolTest, RequireHeldNamesTheCallTheSlotAndBothEpochsOfAStaleRef) {
+  ResidentSlotPool pool(2);
+  ResidentRef const first = pool.acquire().value();
+  EXPECT_NO_THROW(pool.requireHeld("Caller::call", first));
+  EXPECT_EQ(pool.epoch(first.slot), first.epoch);
+  ASSERT_TRUE(pool.release(first));
+  EXPECT_TRUE(test::throwsError([&] { pool.requireHeld("Caller::call", first); },
+                                {"Caller::call", "resident slot 0 has epoch 1",
+                                 "current epoch is 2", "stale (the slot was released)"}));
+  ResidentRef const second = pool.acquire().value();
+  ASSERT_EQ(second.slot, first.slot);
+  EXPECT_EQ(pool.epoch(second.slot), 2u);
+  EXPECT_TRUE(test::throwsError([&] { pool.requireHeld("Caller::call", first); },
+                                {"Caller::call", "has epoch 1", "current epoch is 2",
+                                 "released and acquired again"}));
+  EXPECT_NO_THROW(pool.requireHeld("Caller::call", second));
+  EXPECT_TRUE(test::throwsError([&] { pool.requireHeld("Caller::call", ResidentRef{1, 1}); },
+                                {"Caller::call", "resident slot 1 (epoch 1) is not held"}));
+  EXPECT_TRUE(test::throwsError([&] { pool.requireHeld("Caller::call", ResidentRef{2, 1}); },
+                                {"Caller::call", "slot 2 outside the resident pool's [0, 2)"}));
+  EXPECT_EQ(pool.epoch(2), 0u);
+  EXPECT_EQ(pool.available(), 1) << "the checks change nothing";
+}
+
 }  // namespace
 }  // namespace mkv

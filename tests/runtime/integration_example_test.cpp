@@ -1,5 +1,6 @@
-// Builds and runs docs/examples/integration_example.cpp (its happy path and its handling of
-// failed lifecycle calls), and checks that docs/integration.md shows exactly that file, so the
+// Builds and runs docs/examples/integration_example.cpp (its happy path, the KV lengths it keeps,
+// in-flight admission with finalisation or retraction, and its handling of failed lifecycle
+// calls), and checks that docs/integration.md shows exactly that file, so the
 // documented example cannot drift from compiling code. The example's engine loop runs on host
 // tensors and, as its header promises, with deviceType = kGPU (skipped without a CUDA device).
 #include <gtest/gtest.h>
@@ -49,17 +50,18 @@ INSTANTIATE_TEST_SUITE_P(Devices, IntegrationExampleTest, mkv::test::allDeviceTy
 
 TEST_P(IntegrationExampleTest, SecondRequestReusesTheSharedPrefix) {
   auto runtime = makeRuntime();
+  example::Engine engine(*runtime);
   std::vector<int32_t> system(200);
   std::iota(system.begin(), system.end(), 1);
   auto first = system;
   first.push_back(900);
-  auto const coldReuse = example::serve(*runtime, {{first, 5}});
+  auto const coldReuse = engine.serve({{first, 5}});
   EXPECT_EQ(coldReuse, std::vector<int32_t>{0});
   auto second = system;
   second.push_back(901);
   auto third = system;
   third.push_back(902);
-  auto const warmReuse = example::serve(*runtime, {{second, 3}, {third, 6}});
+  auto const warmReuse = engine.serve({{second, 3}, {third, 6}});
   // 200 shared tokens = 3 full pages of 64.
   EXPECT_EQ(warmReuse, (std::vector<int32_t>{192, 192}));
   EXPECT_EQ(runtime->residentSlots().available(), runtime->residentSlots().capacity());
@@ -68,11 +70,12 @@ TEST_P(IntegrationExampleTest, SecondRequestReusesTheSharedPrefix) {
 
 TEST_P(IntegrationExampleTest, ARowThatCannotGrowAbortsTheRequestAndReturnsItsResidents) {
   auto runtime = makeRuntime();
+  example::Engine engine(*runtime);
   std::vector<int32_t> prompt(2046);
   std::iota(prompt.begin(), prompt.end(), 1);
   // A row holds 2048 tokens: the third decode step would need position 2048.
   try {
-    (void)example::serve(*runtime, {{prompt, 8}});
+    (void)engine.serve({{prompt, 8}});
     ADD_FAILURE() << "the request was served";
   } catch (mkv::Error const& error) {
     ADD_FAILURE() << "a contract violation: " << error.what();
@@ -85,7 +88,7 @@ TEST_P(IntegrationExampleTest, ARowThatCannotGrowAbortsTheRequestAndReturnsItsRe
   // The runtime serves on; the aborted request's prompt was published by its prefill.
   std::vector<int32_t> next(prompt.begin(), prompt.begin() + 200);
   next.push_back(5);
-  EXPECT_EQ(example::serve(*runtime, {{next, 3}}), std::vector<int32_t>{192});
+  EXPECT_EQ(engine.serve({{next, 3}}), std::vector<int32_t>{192});
   EXPECT_TRUE(runtime->shutdown());
 }
 
@@ -99,11 +102,12 @@ TEST_P(IntegrationExampleTest, AFailedSynchronisationAbortsTheRequestUntilShutdo
     return ++calls == 1 ? cudaErrorUnknown : status;
   };
   auto runtime = mkv::KVCacheRuntime::create(config);
+  example::Engine engine(*runtime);
   std::vector<int32_t> prompt(100);
   std::iota(prompt.begin(), prompt.end(), 1);
   // The shorter sequence finishes first: its compaction synchronises, and that fails.
   try {
-    (void)example::serve(*runtime, {{prompt, 2}, {prompt, 5}});
+    (void)engine.serve({{prompt, 2}, {prompt, 5}});
     ADD_FAILURE() << "the request was served";
   } catch (mkv::Error const& error) {
     ADD_FAILURE() << "a contract violation: " << error.what();
@@ -111,15 +115,94 @@ TEST_P(IntegrationExampleTest, AFailedSynchronisationAbortsTheRequestUntilShutdo
     EXPECT_STREQ(error.what(), "completeBatchCompaction failed, request aborted (backend poisoned)");
   }
   EXPECT_EQ(calls, 1);
-  EXPECT_EQ(runtime->residentSlots().available(), runtime->residentSlots().capacity());
+  // Both rows are quarantined: the engine parks their residents until the drain.
+  EXPECT_EQ(engine.parkedResidents(), 2u);
+  EXPECT_EQ(runtime->residentSlots().available(), runtime->residentSlots().capacity() - 2);
   EXPECT_TRUE(runtime->contextCache()->poisoned());
-  EXPECT_THROW((void)example::serve(*runtime, {{prompt, 2}}), std::runtime_error)
+  EXPECT_THROW((void)engine.serve({{prompt, 2}}), std::runtime_error)
       << "no admission while poisoned";
-  EXPECT_EQ(runtime->residentSlots().available(), runtime->residentSlots().capacity());
-  EXPECT_TRUE(runtime->shutdown());
+  EXPECT_EQ(runtime->residentSlots().available(), runtime->residentSlots().capacity() - 2);
+  EXPECT_TRUE(engine.shutdown());
   EXPECT_EQ(calls, 2) << "the quarantine drained";
-  EXPECT_EQ(example::serve(*runtime, {{prompt, 2}, {prompt, 5}}), (std::vector<int32_t>{64, 64}));
-  EXPECT_TRUE(runtime->shutdown());
+  EXPECT_EQ(engine.parkedResidents(), 0u);
+  EXPECT_EQ(runtime->residentSlots().available(), runtime->residentSlots().capacity());
+  EXPECT_EQ(engine.serve({{prompt, 2}, {prompt, 5}}), (std::vector<int32_t>{64, 64}));
+  EXPECT_TRUE(engine.shutdown());
+}
+
+/// The active device KV lengths each time the backend synchronises (inside compactions and
+/// finish), read after the stream was waited for.
+struct LengthRecorder {
+  mkv::KVCacheRuntime* runtime = nullptr;
+  std::vector<std::vector<int32_t>> seen;
+};
+
+std::unique_ptr<mkv::KVCacheRuntime> recordingRuntime(mkv::DeviceType device,
+                                                      std::shared_ptr<LengthRecorder> recorder) {
+  mkv::KVCacheRuntimeConfig config = exampleConfig(device);
+  config.synchronizer = [recorder, wait = mkv::defaultStreamSynchronizer(device)](
+                            cudaStream_t stream) {
+    cudaError_t const status = wait(stream);
+    recorder->seen.push_back(mkv::test::readAs<int32_t>(recorder->runtime->fullPool()->kvLengths()));
+    return status;
+  };
+  auto runtime = mkv::KVCacheRuntime::create(config);
+  recorder->runtime = runtime.get();
+  return runtime;
+}
+
+// The engine's duty: the device KV lengths follow every step. At the first compaction (after one
+// decode step; the 2-token row finishes) the survivor's KV length is its prompt plus the one
+// decoded position, not the reuse length preparePrefill wrote.
+TEST_P(IntegrationExampleTest, TheKvLengthsFollowEveryStep) {
+  auto recorder = std::make_shared<LengthRecorder>();
+  auto runtime = recordingRuntime(device(), recorder);
+  example::Engine engine(*runtime);
+  std::vector<int32_t> prompt(100);
+  std::iota(prompt.begin(), prompt.end(), 1);
+  EXPECT_EQ(engine.serve({{prompt, 2}, {prompt, 5}}), (std::vector<int32_t>{0, 0}));
+  ASSERT_EQ(recorder->seen.size(), 2u) << "two compactions synchronise";
+  EXPECT_EQ(recorder->seen[0], std::vector<int32_t>{100 + 1});
+  EXPECT_EQ(recorder->seen[1], std::vector<int32_t>{}) << "the last row compacted away";
+  EXPECT_TRUE(engine.shutdown());
+}
+
+// In-flight admission: a waiting sequence joins after the first decode step, reusing the prefix
+// the founders published; the engine grows the KV-length tensor for it, and at the compaction
+// that drops it (3 tokens: prefill + 2 steps) the founder's length is its prompt + 3 decoded.
+TEST_P(IntegrationExampleTest, AWaitingSequenceJoinsInFlightWithItsKvLength) {
+  auto recorder = std::make_shared<LengthRecorder>();
+  auto runtime = recordingRuntime(device(), recorder);
+  example::Engine engine(*runtime);
+  std::vector<int32_t> prompt(100);
+  std::iota(prompt.begin(), prompt.end(), 1);
+  std::vector<int32_t> joiner = prompt;
+  joiner.push_back(7);
+  EXPECT_EQ(engine.serve({{prompt, 6}}, {{joiner, 3}}), (std::vector<int32_t>{0, 64}))
+      << "the joiner reuses the founder's published page";
+  EXPECT_EQ(runtime->contextCache()->counters().liveAdmissions, 1u);
+  ASSERT_EQ(recorder->seen.size(), 2u);
+  EXPECT_EQ(recorder->seen[0], std::vector<int32_t>{100 + 3});
+  EXPECT_EQ(runtime->residentSlots().available(), runtime->residentSlots().capacity());
+  EXPECT_TRUE(engine.shutdown());
+}
+
+// A joiner whose prefill does not fit the step's budget is admitted, then retracted (nothing ran
+// for it) at every step; the request goes on without it and every resident comes back.
+TEST_P(IntegrationExampleTest, AJoinerThatDoesNotFitIsRetractedAndTheRequestGoesOn) {
+  auto runtime = makeRuntime();
+  example::Engine engine(*runtime);
+  engine.joinerPrefillBudget = 16;
+  std::vector<int32_t> prompt(100);
+  std::iota(prompt.begin(), prompt.end(), 1);
+  std::vector<int32_t> joiner(80, 5);  // nothing to reuse: 80 prefill tokens
+  EXPECT_EQ(engine.serve({{prompt, 4}}, {{joiner, 3}}), std::vector<int32_t>{0});
+  // One attempt after each decode step the founder survives (2 of its 3: the last one ends it).
+  EXPECT_EQ(runtime->contextCache()->counters().liveAdmissions, 2u);
+  EXPECT_EQ(runtime->contextCache()->counters().retractedAdmissions, 2u);
+  EXPECT_FALSE(runtime->contextCache()->poisoned());
+  EXPECT_EQ(runtime->residentSlots().available(), runtime->residentSlots().capacity());
+  EXPECT_TRUE(engine.shutdown());
 }
 
 TEST(IntegrationExampleDocTest, TheDocumentShowsTheCompiledExample) {

@@ -148,5 +148,43 @@ TEST_P(ManagedKVCacheRequestFaultTest, EverySynchronisationFailingOnceQuarantine
             (std::vector<std::string>{"compaction 1", "compaction 2", "finish", "abandonment"}));
 }
 
+// After finish() returned false the engine asks KVCacheRuntime::residentRowState whether it may
+// release a resident and reuse its row: kQuarantined until shutdown() drains the quarantine, then
+// kFree; a row of a live request is kActive, one never used or released by a clean finish kFree.
+TEST_P(ManagedKVCacheRequestFaultTest, ResidentRowStateTellsQuarantinedRowsFromFreeOnes) {
+  RuntimeRig rig(configFor(backend(), device()));
+  KVCacheRuntime& runtime = rig.runtime();
+  std::vector<ResidentRef> residents;
+  {
+    FacadeDriver driver(rig);
+    driver.add(tokenRun(40, 5));
+    driver.add(tokenRun(23, 300));
+    residents = driver.context.residentRefs;
+    EXPECT_EQ(runtime.residentRowState(residents[0].slot), ResidentRowState::kFree)
+        << "acquired from the pool, not yet admitted";
+    ASSERT_TRUE(driver.begin());
+    EXPECT_EQ(runtime.residentRowState(residents[1].slot), ResidentRowState::kActive);
+    EXPECT_EQ(runtime.residentRowState(2), ResidentRowState::kFree) << "a row nobody holds";
+    EXPECT_EQ(runtime.residentRowState(-1), ResidentRowState::kFree);
+    ASSERT_TRUE(driver.preparePrefill());  // the engine's prefill failed: finish synchronises
+    rig.faults().failNext();
+    EXPECT_FALSE(driver.finish());
+    for (ResidentRef const& resident : residents) {
+      EXPECT_EQ(runtime.residentRowState(resident.slot), ResidentRowState::kQuarantined)
+          << "slot " << resident.slot;
+    }
+    driver.drop();
+    driver.rows.clear();  // the engine keeps quarantined residents until the drain
+    driver.context.residentRefs.clear();
+  }
+  EXPECT_EQ(runtime.residentSlots().available(), runtime.config().maxBatchSize - 2);
+  ASSERT_TRUE(runtime.shutdown());
+  for (ResidentRef const& resident : residents) {
+    EXPECT_EQ(runtime.residentRowState(resident.slot), ResidentRowState::kFree);
+    EXPECT_TRUE(runtime.residentSlots().release(resident));
+  }
+  rig.expectIdle();
+}
+
 }  // namespace
 }  // namespace mkv::runtime_test

@@ -361,13 +361,65 @@ TEST_P(SpeculativeFacadeTest, WithoutARoundThePromptEndpointIsPublishedOnceFinis
   ASSERT_TRUE(consumer.managed->finish());
 }
 
+// docs/context_cache.md, "Publication points": a row cancelled before the first verification
+// round is held by that round and its frozen prompt endpoint is never published, as a cancelled
+// row publishes nothing; the other row's is. Two 45-token prompts, completePrefill(ctx, {45, 45}),
+// row 1 cancelled before the first prepareDecodeStep / completeDecodeStep, then finish.
+TEST_P(SpeculativeFacadeTest, ARowCancelledBeforeTheFirstRoundPublishesNoPromptEndpoint) {
+  RuntimeRig rig(eagleConfig(device()));
+  KVCacheRuntime& runtime = rig.runtime();
+  std::vector<std::vector<int32_t>> const prompts{tokenRun(45, 21), tokenRun(45, 900)};
+  auto contextOf = [&](std::vector<ResidentRef> const& residents) {
+    DecodingInferenceContext context;
+    context.stream = runtime.config().stream;
+    context.activeBatchSize = 2;
+    context.rawBatchedInputIds = prompts;
+    context.generatedTokenIds.assign(2, {});
+    context.residentRefs = residents;
+    context.finishReasons.assign(2, FinishReason::kNotFinished);
+    return context;
+  };
+  LLMGenerationRequest request;
+  request.requests.resize(2);
+  std::vector<ResidentRef> const residents{runtime.residentSlots().acquire().value(),
+                                           runtime.residentSlots().acquire().value()};
+  {
+    DecodingInferenceContext context = contextOf(residents);
+    std::optional<ManagedKVCacheRequest> managed = ManagedKVCacheRequest::begin(
+        runtime.contextCache(), nullptr, request, context, true, kSpecHeadroom, kLookahead,
+        kCommitAll);
+    ASSERT_TRUE(managed.has_value());
+    ASSERT_TRUE(managed->preparePrefill());
+    ASSERT_TRUE(managed->enqueuePrefillCaptures());
+    context.generatedTokenIds = {{7001}, {7002}};
+    ASSERT_TRUE(managed->completePrefill(context, {45, 45}));
+    context.finishReasons[1] = FinishReason::kCancelled;
+    ASSERT_TRUE(managed->prepareDecodeStep(context, kSpecHeadroom));
+    context.generatedTokenIds[0].push_back(7003);
+    ASSERT_TRUE(managed->completeDecodeStep(context, {45, 45}));
+    ASSERT_TRUE(managed->finish());
+  }
+  ASSERT_EQ(records(rig).size(), 1u) << "row 0's prompt endpoint only";
+  DecodingInferenceContext later = contextOf(residents);
+  std::optional<ManagedKVCacheRequest> consumer = ManagedKVCacheRequest::begin(
+      runtime.contextCache(), nullptr, request, later, true, kSpecHeadroom, kLookahead, kCommitAll);
+  ASSERT_TRUE(consumer.has_value());
+  EXPECT_GT((*consumer->prefillStarts())[0], 0) << "row 0's prompt is reused";
+  EXPECT_EQ((*consumer->prefillStarts())[1], 0) << "the cancelled row's prompt is not";
+  ASSERT_TRUE(consumer->finish());
+  consumer.reset();
+  for (ResidentRef const& resident : residents) {
+    ASSERT_TRUE(runtime.residentSlots().release(resident));
+  }
+}
+
 TEST_P(SpeculativeFacadeTest, SpeculativeRequestsNeedASpeculativeReuseRuntime) {
   RuntimeRig plain(configFor(Backend::kContextReuse, device()));
   ASSERT_EQ(plain.runtime().draftPool(), nullptr);
   SpecDriver onPlain(plain, tokenRun(20, 1), true);
   BackendState const before = plain.observe();
   EXPECT_TRUE(test::throwsError([&] { (void)onPlain.begin(); },
-                                {"beginRequest", "speculative request on a non-speculative"}));
+                                {"ManagedKVCacheRequest::begin", "speculative request on a non-speculative"}));
   plain.expectUnchanged(before);
 
   RuntimeRig swa(configFor(Backend::kBoundedSwa, device()));
@@ -380,6 +432,38 @@ TEST_P(SpeculativeFacadeTest, SpeculativeRequestsNeedASpeculativeReuseRuntime) {
       },
       {"ManagedKVCacheRequest::begin", "does not decode speculatively"}));
   swa.expectUnchanged(swaBefore);
+}
+
+// finish publishes a frozen prompt endpoint best effort: a publication that throws is logged and
+// finish goes on, releasing every row and page, and reports success (the request ended).
+TEST_P(SpeculativeFacadeTest, APublicationThatThrowsInFinishIsLoggedAndTheRequestStillEnds) {
+  RuntimeRig rig(eagleConfig(device()));
+  ContextCacheCoordinator& coordinator = *rig.runtime().contextCache();
+  {
+    SpecDriver producer(rig, tokenRun(48, 11), true);
+    ASSERT_TRUE(producer.begin());
+    ASSERT_TRUE(producer.prefill());
+    int publications = 0;
+    coordinator.setFaultHookForTesting([&](CoordinatorFaultSite site) {
+      if (site == CoordinatorFaultSite::kPublication) {
+        ++publications;
+        throw Error("injected publication failure");
+      }
+    });
+    EXPECT_TRUE(producer.managed->finish());
+    coordinator.setFaultHookForTesting({});
+    EXPECT_EQ(publications, 1);
+    EXPECT_FALSE(rig.poisoned());
+    EXPECT_TRUE(records(rig).empty()) << "the failed publication left nothing behind";
+  }
+  rig.expectIdle();
+  expectDraftIdle(rig);
+  SpecDriver later(rig, tokenRun(48, 11), true);
+  ASSERT_TRUE(later.begin());
+  EXPECT_EQ(later.start, 0);
+  ASSERT_TRUE(later.prefill());
+  ASSERT_TRUE(later.managed->finish());
+  EXPECT_EQ(records(rig).size(), 1u) << "the backend publishes again";
 }
 
 INSTANTIATE_TEST_SUITE_P(Devices, SpeculativeFacadeTest, test::allDeviceTypes(), test::deviceName);
@@ -469,7 +553,7 @@ TEST_P(HybridMtpFacadeTest, MisuseThrowsAndAFailedEndpointSyncReturnsFalse) {
     BackendState const before = rig.observe();
     EXPECT_TRUE(
         test::throwsError([&] { (void)a.begin(kPrefillOnly); },
-                          {"beginRequest", "a Hybrid-MTP request has one sequence, got 2"}));
+                          {"ManagedKVCacheRequest::begin", "a Hybrid-MTP request has one sequence, got 2"}));
     rig.expectUnchanged(before);
   }
   SpecDriver wrongPolicy(rig, tokenRun(30, 1), true);
@@ -504,6 +588,56 @@ TEST_P(HybridMtpFacadeTest, MisuseThrowsAndAFailedEndpointSyncReturnsFalse) {
       test::throwsError([&] { (void)vanilla.managed->publishHybridMtpEndpoint(0, 30, hidden, 29); },
                         {"publishHybridMtpEndpoint", "is not speculative"}));
   ASSERT_TRUE(vanilla.managed->finish());
+}
+
+// The endpoint reserves its snapshot slots before it touches the hit's pins, and a capture that
+// throws (a failed launch, injected by the coordinator's fault hook) retires the reservation: the
+// request is left as it was, its boundary hidden row can still be restored, and a retry publishes.
+TEST_P(HybridMtpFacadeTest, ACaptureThatThrowsLeavesTheRequestAndItsPinsAsTheyWere) {
+  RuntimeRig rig(mtpConfig(device()));
+  ContextCacheCoordinator& coordinator = *rig.runtime().contextCache();
+  std::vector<int32_t> const shared = tokenRun(40, 100);
+  {
+    SpecDriver producer(rig, shared, true);
+    ASSERT_TRUE(producer.begin(kPrefillOnly));
+    ASSERT_TRUE(producer.managed->preparePrefill());
+    ASSERT_TRUE(mtpPrefill(producer, 40, device()));
+    ASSERT_TRUE(producer.managed->finish());
+  }
+  SpecDriver consumer(rig, joined(shared, tokenRun(20, 5000)), true);
+  ASSERT_TRUE(consumer.begin(kPrefillOnly));
+  ASSERT_EQ(consumer.start, 40);
+  ASSERT_TRUE(consumer.managed->preparePrefill());
+  consumer.executeBase(40, 60);
+  consumer.executeDraft(39, 59);
+  Tensor hidden({20, kHiddenWidth}, DataType::kFloat16, device());
+  for (int failing : {1, 2, 3}) {  // each of the three captures in turn
+    int captures = 0;
+    coordinator.setFaultHookForTesting([&](CoordinatorFaultSite site) {
+      if (site == CoordinatorFaultSite::kSnapshotCapture && ++captures == failing) {
+        throw Error("injected capture failure");
+      }
+    });
+    BackendState const before = rig.observe();
+    EXPECT_TRUE(test::throwsError(
+        [&] { (void)consumer.managed->publishHybridMtpEndpoint(0, 60, hidden, 19); },
+        {"ManagedKVCacheRequest::publishHybridMtpEndpoint", "injected capture failure"}))
+        << "capture " << failing;
+    rig.expectUnchanged(before);
+  }
+  coordinator.setFaultHookForTesting({});
+  EXPECT_EQ(coordinator.counters().hybridMtpPublications, 1u) << "the producer's only";
+  Tensor restored({1, kHiddenWidth}, DataType::kFloat16, device());
+  ASSERT_TRUE(consumer.managed->restoreHybridMtpBoundaryHidden(0, restored, 0))
+      << "the hit's pins are still held";
+  EXPECT_EQ(test::readBytes(restored), hiddenRow(consumer.digests.at(39)));
+  ASSERT_TRUE(consumer.managed->publishHybridMtpEndpoint(0, 60, hidden, 19));
+  EXPECT_EQ(coordinator.counters().hybridMtpPublications, 2u);
+  consumer.sample();
+  ASSERT_TRUE(consumer.managed->completePrefill(consumer.context, {}));
+  ASSERT_TRUE(consumer.managed->finish());
+  consumer.managed.reset();
+  EXPECT_EQ(records(rig).size(), 2u);
 }
 
 INSTANTIATE_TEST_SUITE_P(Devices, HybridMtpFacadeTest, test::allDeviceTypes(), test::deviceName);

@@ -5,6 +5,7 @@
 // tensors (the kGPU instances skip without a CUDA device).
 #include "mkv/managed_kv_cache_request.h"
 
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <initializer_list>
@@ -133,7 +134,7 @@ TEST_P(ManagedKVCacheRequestTest, BeginRejectsAContextWhoseSizesDisagree) {
   driver.add(tokenRun(40, 5));
   driver.context.activeBatchSize = 2;
   expectRejected(rig, "batch size", [&] { (void)driver.begin(); },
-                 {pick("ContextCacheRequest::begin", "ManagedKVCacheRequest::begin"),
+                 {pick("ManagedKVCacheRequest::begin", "ManagedKVCacheRequest::begin"),
                   pick("activeBatchSize 2 but 1 prompts", "activeBatchSize 2 with 1 prompts")});
   driver.context.activeBatchSize = 1;
   std::vector<ResidentRef> const residents = driver.context.residentRefs;
@@ -144,6 +145,64 @@ TEST_P(ManagedKVCacheRequestTest, BeginRejectsAContextWhoseSizesDisagree) {
   ASSERT_TRUE(driver.begin());
   ASSERT_TRUE(driver.prefill());
   finishCleanly(rig, driver);
+}
+
+// ---------------------------------------------------------------- stale residents
+
+// A ResidentRef whose slot was released and acquired again (its epoch bumped) is refused at every
+// entry point that takes one, naming the call, the slot and both epochs; so is a ref of a slot the
+// pool does not hold.
+TEST_P(ManagedKVCacheRequestTest, AStaleResidentIsRefusedByBegin) {
+  RuntimeRig rig(configFor(backend(), device()));
+  ResidentSlotPool& slots = rig.runtime().residentSlots();
+  FacadeDriver driver(rig);
+  driver.add(tokenRun(40, 5));
+  ResidentRef const stale = driver.context.residentRefs[0];
+  ASSERT_TRUE(slots.release(stale));
+  ResidentRef const current = slots.acquire().value();
+  ASSERT_EQ(current.slot, stale.slot);
+  ASSERT_EQ(current.epoch, stale.epoch + 1);
+  expectRejected(rig, "begin with a stale ref", [&] { (void)driver.begin(); },
+                 {"ManagedKVCacheRequest::begin",
+                  fmt::format("resident slot {} has epoch {}", stale.slot, stale.epoch),
+                  fmt::format("current epoch is {}", current.epoch), "stale"});
+  ASSERT_TRUE(slots.release(current));
+  expectRejected(rig, "begin with a ref of a free slot", [&] { (void)driver.begin(); },
+                 {"ManagedKVCacheRequest::begin", "stale"});
+  ResidentRef const fresh = slots.acquire().value();
+  driver.context.residentRefs[0] = fresh;
+  driver.rows[0].resident = fresh;
+  ASSERT_TRUE(driver.begin());
+  ASSERT_TRUE(driver.prefill());
+  finishCleanly(rig, driver);
+}
+
+TEST_P(ManagedKVCacheRequestDispatchTest, AStaleResidentIsRefusedByAdmitSequence) {
+  RuntimeRig rig(configFor(Backend::kContextReuse, device()));
+  ResidentSlotPool& slots = rig.runtime().residentSlots();
+  FacadeDriver driver(rig);
+  driver.add(tokenRun(40, 5));
+  ASSERT_TRUE(driver.begin());
+  ASSERT_TRUE(driver.prefill());
+  ResidentRef const stale = slots.acquire().value();
+  ASSERT_TRUE(slots.release(stale));
+  ResidentRef const current = slots.acquire().value();
+  ASSERT_EQ(current.slot, stale.slot);
+  int32_t start = -1;
+  expectRejected(rig, "admitSequence with a stale ref",
+                 [&] {
+                   (void)driver.facade().admitSequence(tokenRun(20, 700), "", kVanilla, start,
+                                                       stale, driver.context.stream);
+                 },
+                 {"ManagedKVCacheRequest::admitSequence",
+                  fmt::format("resident slot {} has epoch {}", stale.slot, stale.epoch),
+                  fmt::format("current epoch is {}", current.epoch)});
+  EXPECT_EQ(start, -1);
+  ASSERT_TRUE(slots.release(current));
+  ASSERT_EQ(driver.admit(tokenRun(20, 700)), ContextCacheRequest::AdmitSequenceStatus::kAdmitted);
+  ASSERT_TRUE(driver.seatNewest());
+  driver.verify();
+  EXPECT_TRUE(driver.finish());
 }
 
 // ---------------------------------------------------------------- lifecycle order
@@ -174,34 +233,34 @@ TEST_P(ManagedKVCacheRequestTest, CallsOutOfOrderThrowAndChangeNothing) {
   facade = &driver.facade();
   // Admitted, nothing prepared.
   expectRejected(rig, "completePrefill before preparePrefill", completePrefill,
-                 {pick("finalizePrefillPublication", "BoundedSwaKVPageManager::completePrefill"),
+                 {pick("ManagedKVCacheRequest::completePrefill", "ManagedKVCacheRequest::completePrefill"),
                   "no prepared prefill"});
   expectRejected(rig, "prepareDecodeStep before prefill", prepareDecode,
-                 {pick("ContextCacheCoordinator::prepareDecodeStep",
-                       "BoundedSwaKVPageManager::prepareDecodeStep"),
+                 {pick("ManagedKVCacheRequest::prepareDecodeStep",
+                       "ManagedKVCacheRequest::prepareDecodeStep"),
                   pick("needs an executing request", "needs a completed prefill")});
   expectRejected(rig, "completeDecodeStep before prefill", completeDecode,
-                 {pick("ContextCacheRequest::completeDecodeStep",
-                       "BoundedSwaKVPageManager::completeDecodeStep"),
+                 {pick("ManagedKVCacheRequest::completeDecodeStep",
+                       "ManagedKVCacheRequest::completeDecodeStep"),
                   pick("no decode step was prepared", "no prepared decode step")});
   expectRejected(rig, "beginBatchCompaction before prefill", beginCompaction,
                  {"beginBatchCompaction", "compaction needs an executing request"});
   expectRejected(rig, "completeBatchCompaction before prefill", completeCompaction,
-                 {pick("ContextCacheRequest::completeBatchCompaction",
-                       "BoundedSwaKVPageManager::compactBatch"),
-                  pick("differs from the one given", "no batch compaction")});
+                 {pick("ManagedKVCacheRequest::completeBatchCompaction",
+                       "ManagedKVCacheRequest::completeBatchCompaction"),
+                  "no batch compaction was begun"});
 
   // Prefill prepared, not completed.
   ASSERT_TRUE(driver.preparePrefill());
   if (reuse()) {
     expectRejected(rig, "preparePrefill twice", [&] { (void)facade->preparePrefill(); },
-                   {"ContextCacheCoordinator::preparePrefill", "already prepared"});
+                   {"ManagedKVCacheRequest::preparePrefill", "already prepared"});
     expectRejected(rig, "admitSequence during the prefill", [&] { (void)driver.admit(joiner); },
-                   {"ContextCacheCoordinator::admitSequence", "no pending work"});
+                   {"ManagedKVCacheRequest::admitSequence", "no pending work"});
   } else {
     expectRejected(rig, "prepareSwaPrefill twice",
                    [&] { (void)facade->prepareSwaPrefill(driver.context.effectivePrefillLengths); },
-                   {"BoundedSwaKVPageManager::preparePrefill", "already prepared"});
+                   {"ManagedKVCacheRequest::prepareSwaPrefill", "already prepared"});
   }
   expectRejected(rig, "prepareDecodeStep during the prefill", prepareDecode, {"prepareDecodeStep"});
   expectRejected(rig, "beginBatchCompaction during the prefill", beginCompaction,
@@ -211,13 +270,13 @@ TEST_P(ManagedKVCacheRequestTest, CallsOutOfOrderThrowAndChangeNothing) {
 
   // Prefill completed, no step prepared.
   expectRejected(rig, "completePrefill twice", completePrefill,
-                 {pick("finalizePrefillPublication", "BoundedSwaKVPageManager::completePrefill")});
+                 {pick("ManagedKVCacheRequest::completePrefill", "ManagedKVCacheRequest::completePrefill")});
   expectRejected(rig, "completeDecodeStep without a prepared step", completeDecode,
                  {"completeDecodeStep", pick("no decode step was prepared", "no prepared")});
   expectRejected(rig, "completeBatchCompaction without beginBatchCompaction", completeCompaction,
-                 {pick("ContextCacheRequest::completeBatchCompaction",
-                       "BoundedSwaKVPageManager::compactBatch"),
-                  pick("differs", "no batch compaction")});
+                 {pick("ManagedKVCacheRequest::completeBatchCompaction",
+                       "ManagedKVCacheRequest::completeBatchCompaction"),
+                  "no batch compaction was begun"});
   driver.verify();
 
   // A decode step prepared.
@@ -228,9 +287,9 @@ TEST_P(ManagedKVCacheRequestTest, CallsOutOfOrderThrowAndChangeNothing) {
                  {"beginBatchCompaction", pick("still prepared", "no pending work")});
   if (reuse()) {
     expectRejected(rig, "finish during a step", [&] { (void)facade->finish(); },
-                   {"ContextCacheRequest::finish", "a decode step is still prepared"});
+                   {"ManagedKVCacheRequest::finish", "a decode step is still prepared"});
     expectRejected(rig, "admitSequence during a step", [&] { (void)driver.admit(joiner); },
-                   {"ContextCacheRequest::admitSequence", "a decode step is prepared"});
+                   {"ManagedKVCacheRequest::admitSequence", "a decode step is prepared"});
   }
   driver.finishRow(1);
   ASSERT_TRUE(driver.completeDecode());
@@ -251,6 +310,130 @@ TEST_P(ManagedKVCacheRequestTest, CallsOutOfOrderThrowAndChangeNothing) {
       rig, "finish twice", [&] { return facade->finish(); }, true);
 }
 
+// ---------------------------------------------------------------- compaction validation
+
+// Everything completeBatchCompaction needs is validated by beginBatchCompaction: a KV-length
+// tensor whose active batch is not the request's (the engine did not grow or shrink it) throws
+// there, and a tensor resized between begin and complete throws before anything is cleared.
+TEST_P(ManagedKVCacheRequestTest, ALengthTensorThatDisagreesWithTheBatchFailsTheCompactionBegin) {
+  RuntimeRig rig(configFor(backend(), device()));
+  FacadeDriver driver(rig);
+  driver.add(tokenRun(40, 5));
+  driver.add(tokenRun(23, 300));
+  ASSERT_TRUE(driver.begin());
+  ASSERT_TRUE(driver.prefill());
+  ASSERT_TRUE(driver.decode());
+  ASSERT_TRUE(driver.prepareDecode());
+  driver.finishRow(0);
+  ASSERT_TRUE(driver.completeDecode());
+  KVCachePool& lengths = rig.runtime().lengthPool();
+  lengths.setActiveBatchSize(1);  // an engine that shrank its tensor too early
+  expectRejected(rig, "beginBatchCompaction over a tensor of 1 row",
+                 [&] { (void)driver.facade().beginBatchCompaction({-1, 0}, 1, driver.deviceMapping); },
+                 {"beginBatchCompaction", "active batch is 1", "has 2 rows"});
+  lengths.setActiveBatchSize(2);
+  ASSERT_TRUE(driver.facade().beginBatchCompaction({-1, 0}, 1, driver.deviceMapping));
+  lengths.setActiveBatchSize(3);  // resized between begin and complete
+  expectRejected(rig, "completeBatchCompaction over a tensor of 3 rows",
+                 [&] { (void)driver.facade().completeBatchCompaction({-1, 0}); },
+                 {"completeBatchCompaction", "active batch is 3", "has 2 rows"});
+  lengths.setActiveBatchSize(2);
+  ASSERT_TRUE(driver.facade().completeBatchCompaction({-1, 0}));
+  driver.compactView({-1, 0});
+  driver.verify();
+  finishCleanly(rig, driver);
+}
+
+// The engine: a joiner admitted and prefilled, but the KV-length tensor never grown for
+// it. The compaction that drops a founder must throw at its begin, before the dropped row is
+// cleared in the host table and its device copy.
+TEST_P(ManagedKVCacheRequestDispatchTest, AJoinerTheLengthTensorWasNotGrownForFailsTheBegin) {
+  RuntimeRig rig(configFor(Backend::kContextReuse, device()));
+  FacadeDriver driver(rig);
+  driver.add(tokenRun(40, 5));
+  driver.add(tokenRun(23, 300));
+  ASSERT_TRUE(driver.begin());
+  ASSERT_TRUE(driver.prefill());
+  ASSERT_EQ(driver.admit(tokenRun(20, 700)), ContextCacheRequest::AdmitSequenceStatus::kAdmitted);
+  ASSERT_TRUE(driver.seatNewest());
+  ASSERT_TRUE(driver.decode());
+  ASSERT_TRUE(driver.prepareDecode());
+  driver.finishRow(1);
+  ASSERT_TRUE(driver.completeDecode());
+  KVCachePool& lengths = *rig.runtime().fullPool();
+  lengths.setActiveBatchSize(2);  // as if the engine had never grown it for the joiner
+  expectRejected(rig, "beginBatchCompaction",
+                 [&] {
+                   (void)driver.facade().beginBatchCompaction({0, -1, 1}, 2, driver.deviceMapping);
+                 },
+                 {"ManagedKVCacheRequest::beginBatchCompaction", "active batch is 2",
+                  "has 3 rows"});
+  lengths.setActiveBatchSize(3);
+  ASSERT_TRUE(driver.compact({0, -1, 1}));
+  driver.verify();
+  EXPECT_TRUE(driver.finish());
+}
+
+// The audit of the facade's entry points for a throw after a mutation: every rejected call below
+// must leave the whole observable state (BackendState: host and device page tables, KV lengths,
+// pools, references, the free ring, records, leases, snapshot slots) byte-identical.
+TEST_P(ManagedKVCacheRequestTest, ACompactionWhoseDeviceMappingChangedThrowsBeforeClearingRows) {
+  RuntimeRig rig(configFor(backend(), device()));
+  FacadeDriver driver(rig);
+  driver.add(tokenRun(40, 5));
+  driver.add(tokenRun(23, 300));
+  ASSERT_TRUE(driver.begin());
+  ASSERT_TRUE(driver.prefill());
+  ASSERT_TRUE(driver.prepareDecode());
+  driver.finishRow(1);
+  ASSERT_TRUE(driver.completeDecode());
+  ASSERT_TRUE(driver.facade().beginBatchCompaction({0, -1}, 1, driver.deviceMapping));
+  ASSERT_TRUE(driver.deviceMapping.reshape({1}));  // the engine reuses its tensor too early
+  expectRejected(rig, "completeBatchCompaction over a reshaped mapping",
+                 [&] { (void)driver.facade().completeBatchCompaction({0, -1}); },
+                 {"ManagedKVCacheRequest::completeBatchCompaction",
+                  "deviceMapping was reshaped or replaced", "1 entries", "expected 2"});
+  ASSERT_TRUE(driver.deviceMapping.reshape({2}));
+  ASSERT_TRUE(driver.facade().completeBatchCompaction({0, -1}));
+  driver.compactView({0, -1});
+  finishCleanly(rig, driver);
+}
+
+TEST_P(ManagedKVCacheRequestDispatchTest, TheJoinCallsThrowBeforeTheyChangeAnything) {
+  RuntimeRig rig(configFor(Backend::kContextReuse, device()));
+  FacadeDriver driver(rig);
+  driver.add(tokenRun(40, 5));
+  ASSERT_TRUE(driver.begin());
+  expectRejected(rig, "enqueuePrefillCaptures before preparePrefill",
+                 [&] { (void)driver.facade().enqueuePrefillCaptures(); },
+                 {"ManagedKVCacheRequest::enqueuePrefillCaptures", "between preparePrefill"});
+  ASSERT_TRUE(driver.prefill());
+  expectRejected(rig, "retracting the only row",
+                 [&] { (void)driver.facade().retractSequenceAdmission(); },
+                 {"ManagedKVCacheRequest::retractSequenceAdmission", "has 1 sequence(s)"});
+  ASSERT_EQ(driver.admit(tokenRun(20, 700)), ContextCacheRequest::AdmitSequenceStatus::kAdmitted);
+  int32_t const lookahead = 4242;
+  expectRejected(rig, "finalizeSequenceAdmission of a founder",
+                 [&] { (void)driver.facade().finalizeSequenceAdmission(0, lookahead, 40); },
+                 {"ManagedKVCacheRequest::finalizeSequenceAdmission",
+                  "slot 0 is not an unfinalised in-flight admission"});
+  expectRejected(rig, "finalizeSequenceAdmission with the wrong prompt length",
+                 [&] { (void)driver.facade().finalizeSequenceAdmission(1, lookahead, 19); },
+                 {"ManagedKVCacheRequest::finalizeSequenceAdmission", "commits the 20 prompt"});
+  expectRejected(rig, "finalizeSequenceAdmission beyond the batch",
+                 [&] { (void)driver.facade().finalizeSequenceAdmission(2, lookahead, 20); },
+                 {"ManagedKVCacheRequest::finalizeSequenceAdmission"});
+  ASSERT_TRUE(driver.seatNewest());
+  ASSERT_TRUE(driver.prepareDecode());
+  expectRejected(rig, "retracting during a decode step",
+                 [&] { (void)driver.facade().retractSequenceAdmission(); },
+                 {"ManagedKVCacheRequest::retractSequenceAdmission", "pending work"});
+  ASSERT_TRUE(driver.completeDecode());
+  driver.verify();
+  EXPECT_TRUE(driver.finish());
+  EXPECT_FALSE(rig.poisoned());
+}
+
 // ---------------------------------------------------------------- sizes
 
 TEST_P(ManagedKVCacheRequestTest, SizesThatDisagreeWithTheBatchThrowAndChangeNothing) {
@@ -267,18 +450,18 @@ TEST_P(ManagedKVCacheRequestTest, SizesThatDisagreeWithTheBatchThrowAndChangeNot
                    [&] {
                      (void)facade.prepareSwaPrefill({40, 23});
                    },
-                   {"BoundedSwaKVPageManager::preparePrefill", "2 lengths for a batch of 3"});
+                   {"ManagedKVCacheRequest::prepareSwaPrefill", "2 lengths for a batch of 3"});
     expectRejected(rig, "an empty SWA prefill",
                    [&] {
                      (void)facade.prepareSwaPrefill({40, 0, 37});
                    },
-                   {"BoundedSwaKVPageManager::preparePrefill", "length 0 of row 1"});
+                   {"ManagedKVCacheRequest::prepareSwaPrefill", "length 0 of row 1"});
     expectRejected(
         rig, "a prefill longer than a row",
         [&] {
           (void)facade.prepareSwaPrefill({40, 257, 37});
         },
-        {"BoundedSwaKVPageManager::preparePrefill", "length 257 of row 1 outside (0, 256]"});
+        {"ManagedKVCacheRequest::prepareSwaPrefill", "length 257 of row 1 outside (0, 256]"});
   }
   ASSERT_TRUE(driver.preparePrefill());
   driver.executePrefill();
@@ -301,20 +484,20 @@ TEST_P(ManagedKVCacheRequestTest, SizesThatDisagreeWithTheBatchThrowAndChangeNot
   for (std::size_t rows : {std::size_t{2}, std::size_t{4}}) {
     expectRejected(
         rig, "completePrefill", withRows(rows, [&] { (void)facade.completePrefill(context, {}); }),
-        {pick("ContextCacheRequest::completePrefill", "ManagedKVCacheRequest::completePrefill"),
+        {pick("ManagedKVCacheRequest::completePrefill", "ManagedKVCacheRequest::completePrefill"),
          "for a batch of 3"});
   }
   ASSERT_TRUE(driver.completePrefill());
   expectRejected(
       rig, "prepareDecodeStep for two rows",
       withRows(2, [&] { (void)facade.prepareDecodeStep(context, kVanilla); }),
-      {pick("ContextCacheRequest::prepareDecodeStep", "ManagedKVCacheRequest::prepareDecodeStep"),
+      {pick("ManagedKVCacheRequest::prepareDecodeStep", "ManagedKVCacheRequest::prepareDecodeStep"),
        "for a batch of 3"});
   ASSERT_TRUE(driver.prepareDecode());
   expectRejected(
       rig, "completeDecodeStep for four rows",
       withRows(4, [&] { (void)facade.completeDecodeStep(context, {}); }),
-      {pick("ContextCacheRequest::completeDecodeStep", "ManagedKVCacheRequest::completeDecodeStep"),
+      {pick("ManagedKVCacheRequest::completeDecodeStep", "ManagedKVCacheRequest::completeDecodeStep"),
        pick("the batch changed size", "for a batch of 3")});
   driver.finishRow(1);
   ASSERT_TRUE(driver.completeDecode());
@@ -336,8 +519,8 @@ TEST_P(ManagedKVCacheRequestTest, SizesThatDisagreeWithTheBatchThrowAndChangeNot
     expectRejected(
         rig, "beginBatchCompaction",
         [&] { (void)facade.beginBatchCompaction(bad.oldToNew, bad.newSize, driver.deviceMapping); },
-        {pick("ContextCacheCoordinator::beginBatchCompaction",
-              "BoundedSwaKVPageManager::beginBatchCompaction"),
+        {pick("ManagedKVCacheRequest::beginBatchCompaction",
+              "ManagedKVCacheRequest::beginBatchCompaction"),
          bad.fragment});
   }
   expectRejected(rig, "a float mapping tensor",
@@ -350,14 +533,14 @@ TEST_P(ManagedKVCacheRequestTest, SizesThatDisagreeWithTheBatchThrowAndChangeNot
                  [&] {
                    (void)facade.completeBatchCompaction({0, 1, -1});
                  },
-                 {pick("ContextCacheRequest::completeBatchCompaction",
+                 {pick("ManagedKVCacheRequest::completeBatchCompaction",
                        "ManagedKVCacheRequest::completeBatchCompaction"),
                   "differs from the"});
   ASSERT_TRUE(facade.completeBatchCompaction({0, -1, 1}));
   if (reuse()) {
     expectRejected(rig, "reuseTokenLength beyond the batch",
                    [&] { (void)facade.reuseTokenLength(2); },
-                   {"ContextCacheRequest::reuseTokenLength", "slot 2 outside the batch of 2"});
+                   {"ManagedKVCacheRequest::reuseTokenLength", "slot 2 outside the batch of 2"});
   }
   driver.compactView({0, -1, 1});  // the survivors carry on
   driver.verify();

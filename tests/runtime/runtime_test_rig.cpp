@@ -161,27 +161,74 @@ BackendState RuntimeRig::observe() const {
   state.availableResidents = runtime.residentSlots().available();
   appendRows(runtime.fullPageTable(), state.fullTable);
   appendRows(runtime.swaPageTable(), state.swaTable);
-  for (KVCachePool const* pool : {runtime.fullPool(), runtime.swaPool()}) {
+  appendRows(runtime.draftPageTable(), state.draftTable);
+  for (KVPageTable const* table :
+       {runtime.fullPageTable(), runtime.swaPageTable(), runtime.draftPageTable()}) {
+    if (table != nullptr) {
+      std::vector<int32_t> const device = test::readAs<int32_t>(table->deviceTable());
+      state.deviceTables.insert(state.deviceTables.end(), device.begin(), device.end());
+    }
+  }
+  for (KVCachePool const* pool : {runtime.fullPool(), runtime.swaPool(), runtime.draftPool()}) {
     if (pool != nullptr) {
       state.kvLengths.push_back(pool->activeBatchSize());
       std::vector<int32_t> const lengths = activeLengths(*pool);
       state.kvLengths.insert(state.kvLengths.end(), lengths.begin(), lengths.end());
     }
   }
+  if (ContextCacheCoordinator const* coordinator = runtime.contextCache()) {
+    state.quarantinedRequests = coordinator->quarantinedRequestCount();
+    ContextCacheManager const& manager = coordinator->manager();
+    ResourcePools const& pools = manager.pools();
+    for (int32_t page = 0; page < totalPages(); ++page) {
+      state.pageRefs.push_back(pools.activeRefs({ResourceType::kBaseKvPage, page}));
+      state.pageRefs.push_back(pools.cacheRefs({ResourceType::kBaseKvPage, page}));
+    }
+    state.freeRing = pools.freeList(ResourceType::kBaseKvPage);
+    for (CacheRecord const& record : manager.records().lruToMru()) {
+      state.records.push_back(record.id);
+    }
+    state.liveLeases = manager.liveLeaseCount();
+    for (ResourceType type : {ResourceType::kDraftKvPage, ResourceType::kRecurrentSnapshot,
+                              ResourceType::kPartialKvSnapshot}) {
+      for (int32_t id = 0; id < pools.capacity(type); ++id) {
+        state.snapshotRefs.push_back(pools.activeRefs({type, id}));
+        state.snapshotRefs.push_back(pools.cacheRefs({type, id}));
+      }
+      state.snapshotRefs.push_back(pools.freeCount(type));
+    }
+  } else {
+    state.quarantinedRequests = runtime.swaPageManager()->quarantinedPageCount();
+  }
   state.synchronizations = mFaults.calls();
   return state;
 }
 
-void RuntimeRig::expectUnchanged(BackendState const& before) const {
-  BackendState const now = observe();
+void RuntimeRig::expectUnchanged(BackendState const& before, bool ringOrder) const {
+  BackendState now = observe();
+  if (!ringOrder) {
+    std::vector<int32_t> ring = before.freeRing;
+    std::sort(ring.begin(), ring.end());
+    std::sort(now.freeRing.begin(), now.freeRing.end());
+    EXPECT_EQ(now.freeRing, ring) << "the free pages";
+    now.freeRing = before.freeRing;
+  }
   EXPECT_EQ(now.freePages, before.freePages);
   EXPECT_EQ(now.heldPages, before.heldPages);
   EXPECT_EQ(now.activeRequests, before.activeRequests);
+  EXPECT_EQ(now.quarantinedRequests, before.quarantinedRequests);
   EXPECT_EQ(now.poisoned, before.poisoned);
   EXPECT_EQ(now.availableResidents, before.availableResidents);
   EXPECT_EQ(now.fullTable, before.fullTable);
   EXPECT_EQ(now.swaTable, before.swaTable);
+  EXPECT_EQ(now.draftTable, before.draftTable);
+  EXPECT_EQ(now.deviceTables, before.deviceTables) << "device page tables";
   EXPECT_EQ(now.kvLengths, before.kvLengths);
+  EXPECT_EQ(now.pageRefs, before.pageRefs) << "page references";
+  EXPECT_EQ(now.freeRing, before.freeRing);
+  EXPECT_EQ(now.records, before.records);
+  EXPECT_EQ(now.snapshotRefs, before.snapshotRefs) << "draft pages and snapshot slots";
+  EXPECT_EQ(now.liveLeases, before.liveLeases);
   EXPECT_EQ(now.synchronizations, before.synchronizations);
 }
 

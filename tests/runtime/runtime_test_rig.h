@@ -89,16 +89,28 @@ class SyncFaults {
   std::shared_ptr<State> mState = std::make_shared<State>();
 };
 
-/// What a rejected call must leave exactly as it was.
+/// What a rejected call must leave exactly as it was: the observable state of the runtime and
+/// its backend, compared field by field (RuntimeRig::expectUnchanged). Page tables are taken
+/// twice, the host rows and the device copy read back; KV lengths of every length tensor (full,
+/// SWA, draft) with their active batch.
 struct BackendState {
   int32_t freePages = 0;
   int32_t heldPages = 0;
   int32_t activeRequests = 0;
+  int32_t quarantinedRequests = 0;
   bool poisoned = false;
   int32_t availableResidents = 0;
-  std::vector<int32_t> fullTable;  ///< every host row of the full pool's table
-  std::vector<int32_t> swaTable;   ///< every host row of the SWA table (bounded SWA)
-  std::vector<int32_t> kvLengths;  ///< the active rows of every length tensor
+  std::vector<int32_t> fullTable;        ///< every host row of the full pool's table
+  std::vector<int32_t> swaTable;         ///< every host row of the SWA table (bounded SWA)
+  std::vector<int32_t> draftTable;       ///< every host row of the draft table (paged draft)
+  std::vector<int32_t> deviceTables;     ///< the device copies of those tables, read back
+  std::vector<int32_t> kvLengths;        ///< active batch and active rows of every length tensor
+  std::vector<int32_t> pageRefs;         ///< context reuse: active and cache refs of every page
+  std::vector<int32_t> freeRing;         ///< context reuse: the base pool's free ring, in order
+  std::vector<uint64_t> records;         ///< context reuse: record ids, LRU to MRU
+  std::vector<int32_t> snapshotRefs;     ///< context reuse: active and cache refs of every
+                                         ///< draft page and snapshot slot, then free counts
+  int32_t liveLeases = 0;
   int64_t synchronizations = 0;
 };
 
@@ -123,8 +135,9 @@ class RuntimeRig {
   bool poisoned() const;
   int32_t activeRequests() const;
   BackendState observe() const;
-  /// Every field of `before` still holds.
-  void expectUnchanged(BackendState const& before) const;
+  /// Every field of `before` still holds. `ringOrder` false compares the free ring as a set (a
+  /// successful undo, such as a retraction, returns its pages to the ring's other end).
+  void expectUnchanged(BackendState const& before, bool ringOrder = true) const;
   /// No request, no poison, no held page (free == total; with reuse free + cached == total and
   /// every cached page reclaimable), every row of the backend's table empty, every resident
   /// available.

@@ -5,6 +5,7 @@
 /// Call order, statuses and publication points: docs/lifecycle.md and docs/context_cache.md.
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <span>
@@ -20,6 +21,7 @@
 #include "mkv/kv_cache_pool.h"
 #include "mkv/kv_page_table.h"
 #include "mkv/recurrent_state_pool.h"
+#include "mkv/resident_slot_pool.h"
 #include "mkv/snapshot_storage.h"
 #include "mkv/stream.h"
 #include "mkv/tensor.h"
@@ -91,6 +93,10 @@ struct ContextCachePhysicalResources {
   KVCachePool* draftPool = nullptr;      ///< paged draft KV (speculative, paged contract)
   KVPageTable* draftPageTable = nullptr;
   RecurrentStatePool* recurrent = nullptr;  ///< hybrid / pure recurrent models
+  /// The runtime's resident rows (KVCacheRuntime sets it). When set, beginRequest and
+  /// admitSequence refuse a ResidentRef that is not held with its current epoch (a stale ref of
+  /// a released and reused row): ResidentSlotPool::requireHeld.
+  ResidentSlotPool const* residentSlots = nullptr;
 };
 
 /// One sequence of an admission.
@@ -111,6 +117,12 @@ struct ContextCacheBatchAdmission {
   ContextCacheLookupPolicy lookupPolicy = ContextCacheLookupPolicy::kUseCache;
   ContextCacheCommitPolicy commitPolicy = ContextCacheCommitPolicy::kIncludingGeneratedTokens;
   int32_t replayTailLength = 0;
+};
+
+/// Where ContextCacheCoordinator::setFaultHookForTesting's hook is called.
+enum class CoordinatorFaultSite : uint8_t {
+  kSnapshotCapture,  ///< before each snapshot capture (recurrent rows, partial page, hidden row)
+  kPublication,      ///< before each publication of full blocks (publishReady)
 };
 
 /// `committedStateLength` of an advance that keeps a sequence where it is (cancelled slot,
@@ -227,8 +239,9 @@ class ContextCacheCoordinator {
   /// oversized batch, bad or busy residents, empty or oversized prompts, bad headroom (draft
   /// headroom > 0 exactly when the request pairs a paged draft), a speculative request on a
   /// non-speculative deployment, or a Hybrid-MTP request with more than one sequence or without
-  /// kPrefillStateOnly. A speculative batch with media in any sequence bypasses the cache as a
-  /// whole (no lookup, no publication).
+  /// kPrefillStateOnly, and (with resources.residentSlots) for a resident the runtime's pool does
+  /// not hold with that epoch (stale). A speculative batch with media in any sequence bypasses
+  /// the cache as a whole (no lookup, no publication).
   BeginRequestResult beginRequest(ContextCacheBatchAdmission const& admission,
                                   DecodingKvHeadroom const& headroom, cudaStream_t stream);
   /// Binds page-table rows (one upload), resets the device KV lengths to the reuse lengths and,
@@ -250,8 +263,9 @@ class ContextCacheCoordinator {
   /// the request pairs a paged draft on a deployment other than Hybrid-MTP, derived from the
   /// advances when empty otherwise (Hybrid-MTP requests may omit them). A speculative request on an
   /// attention deployment publishes nothing here: its draft initialisation is still running, so
-  /// the prompt endpoint is frozen and published after the first verification round (or, when no
-  /// round follows, after the synchronisation of compactBatch / finish; never on abandonment).
+  /// the prompt endpoint is frozen and published after the first verification round, for the rows
+  /// that round advances (a row it holds, cancelled or errored, publishes nothing), or, when no
+  /// round follows, after the synchronisation of compactBatch / finish; never on abandonment.
   /// Throws unless a prefill is prepared (before preparePrefill, after finalisation, during a
   /// decode step).
   ContextCacheStatus finalizePrefillPublication(
@@ -275,7 +289,10 @@ class ContextCacheCoordinator {
                                         std::span<int32_t const> completedSlots,
                                         std::span<int32_t const> commonStateLengths = {});
   /// Validates an order-preserving mapping and copies it into `deviceMapping` (int32, reshaped
-  /// to [oldBatch], on the pool's device).
+  /// to [oldBatch], on the pool's device). Throws, changing nothing, as well when a KV-length
+  /// tensor to compact (base, and draft for a paired request) does not hold exactly the batch's
+  /// rows (a seated joiner the engine did not grow it for): everything compactBatch needs is
+  /// checked here.
   void beginBatchCompaction(RequestHandle& handle, std::span<int32_t const> oldToNew,
                             int32_t newBatchSize, Tensor& deviceMapping);
   /// Clears dropped residents' rows, compacts KV lengths, zeroes dropped recurrent rows,
@@ -302,7 +319,11 @@ class ContextCacheCoordinator {
   /// counted in snapshotPressureSkips). kPoisoned when the synchronisation fails (request
   /// quarantined, handle invalidated). Throws, changing nothing, on another deployment, for a
   /// non-speculative request, outside the prefill, for a slot outside the batch, a negative
-  /// length or one beyond the prompt, or a hidden tensor / row that does not fit.
+  /// length or one beyond the prompt, or a hidden tensor / row that does not fit. The snapshot
+  /// slots are reserved while the hit's pins are still held; only when none is free are the pins
+  /// released and the reservation retried. A std::bad_alloc of the first reservation or a capture
+  /// that throws (its reservation is retired first) leaves the request as it was, pins included,
+  /// unless the pins had been released for the retry under pressure.
   ContextCacheStatus publishHybridMtpEndpoint(RequestHandle& handle, int32_t slot,
                                               int32_t residentStateLength,
                                               Tensor const& baseHiddenStates,
@@ -322,7 +343,8 @@ class ContextCacheCoordinator {
   /// new resident's row. The sequence joins at the end of the batch. Unless the admission sets
   /// its own lookup policy it inherits the request's (the batch policy of beginRequest); the
   /// commit policy is the request's. Salt and adapter come with the admission's key extras.
-  /// Throws for a request under kFullyCommitted: a joiner is finalised with a lookahead token.
+  /// Throws for a request under kFullyCommitted: a joiner is finalised with a lookahead token;
+  /// and (with resources.residentSlots) for a stale resident, as beginRequest.
   AdmitSequenceResult admitSequence(RequestHandle& handle,
                                     ContextCacheSequenceAdmission const& admission,
                                     DecodingKvHeadroom const& headroom);
@@ -331,10 +353,15 @@ class ContextCacheCoordinator {
   ContextCacheStatus finalizeSequenceAdmission(RequestHandle& handle, int32_t slot,
                                                ContextCacheSequenceAdvance const& advance);
   /// Undoes the newest admission that never joined (lease released, row cleared) while no work is
-  /// pending. Poisons and returns false when that is impossible (the newest sequence joined, it is
-  /// the only one, or a decode step or compaction is pending); false without poisoning for an
-  /// invalid handle.
-  bool retractSequenceAdmission(RequestHandle& handle) noexcept;
+  /// pending. Throws mkv::Error, changing nothing, when that is impossible: an invalid handle,
+  /// pending work (a decode step or compaction), the newest sequence joined, or it is the only
+  /// one. false (poisoned) only when clearing the row failed on the device.
+  bool retractSequenceAdmission(RequestHandle& handle);
+  /// Who holds resident row `slot` in this coordinator: kFree (no request: the runtime may release
+  /// and reuse it), kActive (a live request), kQuarantined (a request quarantined by a failed
+  /// synchronisation: the row and its pages may still be read by device work; free after
+  /// shutdown() drains the quarantine). Out-of-range slots are kFree.
+  ResidentRowState residentRowState(CacheSlot slot) const noexcept;
 
   // Observers.
   bool poisoned() const noexcept { return mPoisoned; }
@@ -361,6 +388,13 @@ class ContextCacheCoordinator {
   std::string toPrometheus(std::string_view prefix = "managedkv_") const;
   ContextCacheConfig const& config() const noexcept { return mConfig; }
   ContextCacheDeploymentProfile const& profile() const noexcept { return mProfile; }
+  /// Fault injection for tests: `hook` is called at every CoordinatorFaultSite; a hook that throws
+  /// stands for a capture whose launch failed or a publication that failed. Empty (the default):
+  /// nothing is called. What each call leaves after such a throw is documented at the call
+  /// (publishHybridMtpEndpoint, finish).
+  void setFaultHookForTesting(std::function<void(CoordinatorFaultSite)> hook) {
+    mFaultHook = std::move(hook);
+  }
   /// Checkpoint slabs (hybrid and pure-recurrent deployments), else null.
   SnapshotStorage const* snapshots() const noexcept { return mSnapshots.get(); }
 
@@ -381,6 +415,15 @@ class ContextCacheCoordinator {
   bool pairsDraft(Request const& request) const noexcept;
   /// The request is a Hybrid-MTP request (speculative request on a Hybrid-MTP deployment).
   bool isHybridMtp(Request const& request) const noexcept;
+  /// Calls the fault hook (tests) at `site`, if one is set.
+  void injectFault(CoordinatorFaultSite site) const {
+    if (mFaultHook) {
+      mFaultHook(site);
+    }
+  }
+  /// Throws (naming `call`) unless the KV-length tensors the compaction compacts (base, and
+  /// draft when paired) hold exactly the request's rows.
+  void requireLengthBatch(char const* call, Request const& req) const;
   /// Uploads the dirty rows of the base table and, for `paired`, of the draft table.
   void uploadTables(bool paired);
   bool hasKv() const noexcept { return mProfile.hasAttention(); }
@@ -414,6 +457,7 @@ class ContextCacheCoordinator {
   ContextCacheCoordinatorCounters mCounters;
   uint64_t mNextRequestId = 1;
   bool mPoisoned = false;
+  std::function<void(CoordinatorFaultSite)> mFaultHook;
 };
 
 }  // namespace mkv

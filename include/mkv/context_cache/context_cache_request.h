@@ -86,7 +86,9 @@ class ContextCacheRequest {
                                     std::vector<audioUtils::AudioData> const& audioBuffers = {});
   bool finalizeSequenceAdmission(int32_t slot, int32_t const& lookaheadToken,
                                  int32_t fullInputLength);
-  bool retractSequenceAdmission() noexcept;
+  /// Undoes the newest in-flight admission that was not finalised (see the coordinator's);
+  /// throws mkv::Error, changing nothing, when there is none to undo or work is pending.
+  bool retractSequenceAdmission();
 
   /// Hybrid-MTP endpoint publication (ContextCacheCoordinator::publishHybridMtpEndpoint): false
   /// when the capture synchronisation failed (poisoned). Throws on deployments that are not

@@ -159,8 +159,9 @@ void requireKvPageCoverage(ReusePlan& plan, int32_t pageSize, int32_t baseTokens
 /// Why a kUseCache lookup with this plan did not reuse all full blocks, or nullopt when it did:
 /// kShorterThanOnePage when the input has no full block (and nothing was reused); else, looking at
 /// the first block missing from the index: kEvicted when its key was evicted recently; salt / LoRA
-/// / media mismatch when the same token content is indexed under another salt / adapter / media
-/// (checked in that order); otherwise kNoPrefix.
+/// / media mismatch when the same token content is indexed under another identity: of those
+/// identities the nearest one (matching the most of salt, adapter, media) names the reason by its
+/// first differing field in that order (ties: salt, then LoRA, then media); otherwise kNoPrefix.
 std::optional<MissReason> classifyMiss(BlockIndex const& index, PromptBlocks const& blocks,
                                        ReusePlan const& plan);
 
