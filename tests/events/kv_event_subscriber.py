@@ -26,7 +26,7 @@ import time
 import msgpack
 import zmq
 
-PAGE_SIZE = 16
+PAGE_SIZE = 64
 LIMIT = 60
 DEADLINE_S = 60.0  # everything below is bounded by this
 END_SEQUENCE = -1
@@ -159,8 +159,11 @@ def run(mkv_replay, trace, encoding, passed):
     with tempfile.TemporaryDirectory() as scratch:
         json_path = os.path.join(scratch, "replay.json")
         process = subprocess.Popen(
+            # A pool small enough to evict (BlockRemoved), large enough that no request fails;
+            # in-flight joins; the oracle off (what is checked here is the event stream).
             [mkv_replay, "--quiet", "--trace", trace, "--limit", str(LIMIT), "--page-size",
-             str(PAGE_SIZE), "--pool-pages", "160", "--max-batch", "4", "--json", json_path,
+             str(PAGE_SIZE), "--pool-pages", "1000", "--max-batch", "2", "--max-output", "4",
+             "--verify", "none", "--json", json_path,
              "--kv-events", "tcp://127.0.0.1:*", "--kv-events-replay", "tcp://127.0.0.1:*",
              "--kv-events-encoding", encoding, "--kv-events-hold"],
             stdin=subprocess.PIPE, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
@@ -203,6 +206,8 @@ def run(mkv_replay, trace, encoding, passed):
             check(report["kv_events"]["batches_published"] == count, "batch count differs")
             check(report["dropped_events"] == 0, "the in-process event queue dropped events")
             check(report["evicted_records"] > 0, "no eviction: BlockRemoved is not exercised")
+            check(report["failed_requests"] == 0 and report["joins"] > 0,
+                  "the workload should run every request, some joining in flight")
             check(index, "the index is empty at the end")
             blocks = rebuild(payloads, count, encoding)
             check(set(blocks) == index,
