@@ -7,9 +7,9 @@ if(TARGET managedkv_testing)
   list(APPEND _mkv_install_targets managedkv_testing)
 endif()
 
+# The include directory reaches the export once, through the targets' INSTALL_INTERFACE.
 install(TARGETS ${_mkv_install_targets} EXPORT managedkvTargets
-        ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR}
-        INCLUDES DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
+        ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR})
 install(DIRECTORY ${PROJECT_SOURCE_DIR}/include/mkv DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
 install(EXPORT managedkvTargets NAMESPACE managedkv:: DESTINATION ${MKV_INSTALL_CMAKEDIR})
 

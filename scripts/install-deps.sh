@@ -4,7 +4,8 @@
 # build is host-only (MKV_ENABLE_CUDA=AUTO).
 set -euo pipefail
 packages=(cmake ninja-build g++ git pkg-config libgtest-dev libgmock-dev libbenchmark-dev
-          libfmt-dev libspdlog-dev libxxhash-dev libssl-dev gnuplot-nox)
+          libfmt-dev libspdlog-dev libxxhash-dev libssl-dev gnuplot-nox
+          libzmq3-dev libmsgpack-cxx-dev python3 python3-zmq python3-msgpack)
 missing=()
 for package in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q "install ok installed" ||

@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "mkv/error.h"
+#include "mkv/events/kv_event_publisher.h"
 #include "mkv/logging.h"
 #include "multi_turn_workload.h"
 #include "progress_bar.h"
@@ -66,6 +67,15 @@ runtime
   --dtype T             fp16 (default), bf16, fp32, fp8
   --device D            cpu (default) or cuda (CUDA build with a visible device)
   --verify V            KV oracle: all, sample (default), none
+KV events (reuse mode; vLLM's ZeroMQ wire format, for KV-aware routers)
+  --kv-events ENDPOINT  publish each engine step's KV events on a ZeroMQ PUB socket: bound
+                        for a wildcard (tcp://*:5557), connected otherwise
+  --kv-events-replay ENDPOINT
+                        bind a ROUTER socket that replays buffered batches on request
+  --kv-events-encoding E
+                        map (default: events as tagged maps) or array (positional)
+  --kv-events-hold      start the replay after a line on standard input (subscribers connect
+                        first), and after it keep the sockets open until standard input closes
 output
   --json FILE           summary figures as one JSON object
   --csv FILE            one row per request
@@ -90,6 +100,8 @@ struct CliOptions {
   std::optional<std::string> csv;
   std::optional<std::string> plot;
   spdlog::level::level_enum logLevel = spdlog::level::off;
+  mkv::KvEventPublisherConfig kvEvents;  ///< endpoint empty: no publisher
+  bool kvEventsHold = false;
   bool windowGiven = false;
   bool quiet = false;
   bool help = false;
@@ -136,6 +148,10 @@ CliOptions parseArguments(int argc, char** argv) {
     }
     if (arg == "--quiet") {
       options.quiet = true;
+      continue;
+    }
+    if (arg == "--kv-events-hold") {
+      options.kvEventsHold = true;
       continue;
     }
     if (arg.substr(0, 2) != "--") {
@@ -220,6 +236,15 @@ CliOptions parseArguments(int argc, char** argv) {
                                                                  {"warn", spdlog::level::warn},
                                                                  {"info", spdlog::level::info},
                                                                  {"debug", spdlog::level::debug}});
+    } else if (flag == "--kv-events") {
+      options.kvEvents.endpoint = std::string(value());
+    } else if (flag == "--kv-events-replay") {
+      options.kvEvents.replayEndpoint = std::string(value());
+    } else if (flag == "--kv-events-encoding") {
+      options.kvEvents.encoding = parseChoice<mkv::KvEventEncoding>(
+          flag, value(),
+          {{"map", mkv::KvEventEncoding::kTaggedMap},
+           {"array", mkv::KvEventEncoding::kPositionalArray}});
     } else if (flag == "--json") {
       options.json = std::string(value());
     } else if (flag == "--csv") {
@@ -232,6 +257,14 @@ CliOptions parseArguments(int argc, char** argv) {
   }
   if (options.format && !options.trace) {
     throw UsageError("--format applies to --trace only");
+  }
+  bool const kvEventOptions = !options.kvEvents.replayEndpoint.empty() || options.kvEventsHold ||
+                              options.kvEvents.encoding != mkv::KvEventEncoding::kTaggedMap;
+  if (options.kvEvents.endpoint.empty() && kvEventOptions) {
+    throw UsageError("--kv-events-replay, --kv-events-encoding and --kv-events-hold need --kv-events");
+  }
+  if (!options.kvEvents.endpoint.empty() && c.mode != ReplayMode::kReuse) {
+    throw UsageError("--kv-events applies to --mode reuse only");
   }
   if (c.mode != ReplayMode::kSwa && (options.windowGiven || fullLayersGiven)) {
     throw UsageError(fmt::format("{} applies to --mode swa only",
@@ -273,7 +306,7 @@ int run(int argc, char** argv) {
   // Refusals and failed growth are expected under a bounded pool and counted in the summary;
   // the library's own lines about them are opt-in.
   mkv::logger()->set_level(options.logLevel);
-  ReplayConfig const& config = options.config;
+  ReplayConfig config = options.config;
   std::unique_ptr<RequestSource> source;
   if (options.trace) {
     TraceFormat const format = options.format.value_or(TraceFormat::kAuto);
@@ -291,11 +324,35 @@ int run(int argc, char** argv) {
   }
   auto const json = openOutput(options.json);
   auto const csv = openOutput(options.csv);
+  std::unique_ptr<mkv::KvEventPublisher> events;
+  if (!options.kvEvents.endpoint.empty()) {
+    try {
+      events = mkv::KvEventPublisher::create(options.kvEvents);
+    } catch (mkv::Error const& error) {
+      throw UsageError(error.what());
+    }
+    fmt::print(stderr, "mkv-replay: kv events on {}{}\n", events->endpoint(),
+               events->replayEndpoint().empty()
+                   ? std::string()
+                   : fmt::format(", replay on {}", events->replayEndpoint()));
+    config.kvEvents = events.get();
+    if (options.kvEventsHold) {
+      fmt::print(stderr, "mkv-replay: kv events: the replay starts after a line on standard input\n");
+      std::fflush(stderr);
+      for (int c = std::fgetc(stdin); c != EOF && c != '\n'; c = std::fgetc(stdin)) {
+      }
+    }
+  }
 
   ProgressBar bar(stderr, !options.quiet && ::isatty(STDERR_FILENO) != 0);
   ReplayResult const result = runReplay(
       *source, config, [&bar](std::size_t done, std::size_t total) { bar.update(done, total); });
   bar.clear();
+  if (events) {
+    events->flush();
+    fmt::print(stderr, "mkv-replay: kv events: {} batches published, {} dropped\n",
+               events->batchesPublished(), events->batchesDropped());
+  }
 
   if (!options.quiet) {
     std::fputs(formatSummary(result).c_str(), stdout);
@@ -311,6 +368,12 @@ int run(int argc, char** argv) {
       code = kExitInternal;
     } else if (plot.status == PlotStatus::kNoGnuplot || !options.quiet) {
       fmt::print(stderr, "mkv-replay: {}\n", plot.message);
+    }
+  }
+  if (events && options.kvEventsHold) {
+    fmt::print(stderr, "mkv-replay: kv event sockets open until standard input closes\n");
+    std::fflush(stderr);
+    for (int c = std::fgetc(stdin); c != EOF; c = std::fgetc(stdin)) {
     }
   }
   if (result.oracleMismatches > 0) {

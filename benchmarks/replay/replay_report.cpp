@@ -1,6 +1,7 @@
 #include "replay_report.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
 
 #include <cmath>
 
@@ -274,6 +275,14 @@ std::string formatJson(ReplayResult const& r) {
   integer("gpu_ns_per_step_p99", r.gpuNsPerStepP99);
   integer("gpu_ns_per_step_mean", r.gpuNsPerStepMean);
   field("requests_per_s", fmt::format("{:.1f}", requestsPerSecond(r)));
+  integer("dropped_events", r.droppedEvents);
+  if (KvEventPublisher const* events = c.kvEvents) {
+    field("kv_events",
+          fmt::format("{{\"batches_published\": {}, \"batches_dropped\": {}, "
+                      "\"indexed_block_hashes\": [{}]}}",
+                      events->batchesPublished(), events->batchesDropped(),
+                      fmt::join(r.indexedBlockHashes, ", ")));
+  }
   field("wall_s", fmt::format("{:.3f}", r.wallSeconds));
   out += "\n}\n";
   return out;

@@ -59,6 +59,9 @@ void validate(ReplayConfig const& c) {
     configError(fmt::format("a pool of {} tokens is smaller than 1 page of {} tokens", c.poolAmount,
                             c.pageSize));
   }
+  if (c.kvEvents != nullptr && c.mode != ReplayMode::kReuse) {
+    configError(fmt::format("KV events exist in reuse mode only, not in {} mode", toString(c.mode)));
+  }
   if (c.device == DeviceType::kGPU && !cudaDeviceAvailable()) {
     configError(MKV_WITH_CUDA ? "--device cuda: no CUDA device is visible"
                               : "--device cuda: this build has no CUDA (configure with "
@@ -197,6 +200,11 @@ class Runner {
     if (c.mode != ReplayMode::kSwa) {
       rc.numPages = static_cast<int32_t>(pages);
     }
+    if (c.kvEvents != nullptr) {
+      // One step stores at most the pages it publishes and removes at most every cached page.
+      rc.contextCache.eventQueueCapacity = static_cast<int32_t>(
+          std::min<int64_t>(std::numeric_limits<int32_t>::max() / 4, 2 * pages + 1024));
+    }
     rc.maxBatchSize = batch;
     mResult.maxBatch = batch;
     mResult.maxSequenceTokens = width * c.pageSize;
@@ -286,7 +294,15 @@ class Runner {
   }
 
   /// After every decode step: the step's figures, joins since the last step, queue refill.
+  /// Hands the events since the last call to the publisher: one batch per engine step.
+  void publishEvents() {
+    if (mConfig.kvEvents != nullptr) {
+      mConfig.kvEvents->publish(mRuntime->contextCache()->drainEvents());
+    }
+  }
+
   void onStep() {
+    publishEvents();
     std::size_t const step = mStepNanos.size();
     mStepNanos.push_back(mEngine->stats().stepHostNanoseconds.back());
     mStepPages.push_back(mEngine->pagesInUse());
@@ -338,6 +354,7 @@ class Runner {
       }
       reportProgress();
       RequestOutcome const outcome = mEngine->run(request, mRunJoins ? &mJoinQueue : nullptr);
+      publishEvents();  // the run's last step: its prefill-only or finishing events
       // Joins after the last step; then what never joined goes back, in order.
       std::size_t const lateJoins = mQueuedTags.size() - mJoinQueue.size();
       for (std::size_t i = 0; i < lateJoins; ++i) {
@@ -474,6 +491,16 @@ class Runner {
       r.publishedRecords = static_cast<int64_t>(metrics.publishedRecords);
       for (std::size_t i = 0; i < r.missesByReason.size(); ++i) {
         r.missesByReason[i] = static_cast<int64_t>(metrics.misses[i]);
+      }
+      r.droppedEvents = static_cast<int64_t>(metrics.droppedEvents);
+      if (mConfig.kvEvents != nullptr) {
+        BlockIndex const& index = coordinator->manager().index();
+        for (PageId page = 0; page < index.pageCapacity(); ++page) {
+          if (std::optional<Hash128> const digest = index.digestOf(page)) {
+            r.indexedBlockHashes.push_back(digest->lo);
+          }
+        }
+        std::sort(r.indexedBlockHashes.begin(), r.indexedBlockHashes.end());
       }
     }
     if (BoundedSwaKVPageManager const* swa = mRuntime->swaPageManager()) {

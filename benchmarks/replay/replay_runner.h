@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "mkv/context_cache/reuse_plan.h"
+#include "mkv/events/kv_event_publisher.h"
 #include "mkv/kv_cache_runtime.h"
 #include "mkv/testing/reference_engine.h"
 #include "mkv/types.h"
@@ -52,6 +53,8 @@ struct ReplayConfig {
   DeviceType device = DeviceType::kCPU;
   testing::VerifyMode verify = testing::VerifyMode::kSample;
   uint64_t seed = 1;
+  /// kReuse: each engine step's KV events go to this publisher as one batch (not owned).
+  KvEventPublisher* kvEvents = nullptr;
 };
 
 /// A configuration that cannot be replayed (an impossible pool, a bad geometry): mkv-replay
@@ -131,6 +134,10 @@ struct ReplayResult {
   int64_t gpuNsPerStepP99 = 0;
   int64_t gpuNsPerStepMean = 0;
   double wallSeconds = 0.0;
+  /// With ReplayConfig::kvEvents: the low 64 bits of every block the cache's index holds at the
+  /// end of the replay (what a subscriber rebuilds from the events), ascending.
+  std::vector<uint64_t> indexedBlockHashes;
+  int64_t droppedEvents = 0;  ///< events the full in-process queue overwrote before publication
 
   std::vector<RequestRecord> records;   ///< by request index
   std::vector<TimelinePoint> timeline;  ///< by completion

@@ -139,6 +139,16 @@ std::span<MediaPosition const> PromptBlocks::blockMedia(int32_t block) const noe
                     static_cast<std::size_t>(pageSize));
 }
 
+Hash128 PromptBlocks::extrasDigest(int32_t block) const noexcept {
+  std::array<Hash128, 3> const parts{mediaDigests[static_cast<std::size_t>(block)],
+                                     prompt.extras.adapter,
+                                     block == 0 ? prompt.extras.salt : Hash128{}};
+  if (std::all_of(parts.begin(), parts.end(), [](Hash128 h) { return h.isZero(); })) {
+    return {};
+  }
+  return digestBytes(std::as_bytes(std::span(parts)));
+}
+
 Hash128 hashBlock(Hash128 parent, std::span<int32_t const> tokens,
                   std::span<MediaPosition const> media, BlockKeyExtras const& extras,
                   bool firstBlock) {

@@ -125,7 +125,7 @@ ContextCacheManager::ContextCacheManager(int32_t pageSize, ResourceDemand capaci
       mIndex(capacities.baseKvPages, pageSize, mOptions.verifyTokens,
              historyOf(mOptions, capacities)),
       mEvictionPlanner(capacities),
-      mEvents(mOptions.eventQueueCapacity) {}
+      mEvents(mOptions.eventQueueCapacity, mPageSize) {}
 
 ContextCacheManager::~ContextCacheManager() {
   if (mLiveLeases != 0) {
@@ -487,6 +487,7 @@ void ContextCacheManager::countAdmission(LookupRequest const& request, int32_t v
   bool const useCache = request.policy == ContextCacheLookupPolicy::kUseCache;
   if (useCache) {
     ++mMetrics.lookups;
+    mMetrics.queriedTokens += request.prompt.tokens.size();
     mMetrics.verificationRejects += static_cast<uint64_t>(verificationRejects);
     result.missReason = result.outcome == AdmissionOutcome::kAcquired
                             ? blockMiss
@@ -722,8 +723,11 @@ PublishResult ContextCacheManager::commitNewRecord(CacheRecord record, PromptBlo
   result.record = inserted.record->id;
   ++mMetrics.publishedRecords;
   for (int32_t b : projection.newMappings) {
-    mEvents.push(BlockStored{blocks.keys[static_cast<std::size_t>(b)], blocks.parentOf(b),
-                             projection.canonical[static_cast<std::size_t>(b)], mPageSize});
+    auto const block = static_cast<std::size_t>(b);
+    mEvents.pushStored(BlockStored{blocks.keys[block], blocks.parentOf(b),
+                                   projection.canonical[block], mPageSize, {},
+                                   blocks.extrasDigest(b)},
+                       blocks.blockTokens(b));
   }
   enforceRecordLimit();
   if (mRecords.get(result.record) == nullptr) {

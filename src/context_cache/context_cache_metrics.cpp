@@ -1,68 +1,29 @@
 #include "mkv/context_cache/context_cache_metrics.h"
 
-#include <algorithm>
-#include <iterator>
-
-#include "core/check.h"
+#include "core/prometheus_text.h"
 
 namespace mkv {
 
 namespace {
 
-bool isNameChar(char c, bool first) noexcept {
-  bool const alpha = (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || c == '_' || c == ':';
-  return alpha || (!first && c >= '0' && c <= '9');
+template <typename Fn>
+void perType(detail::PrometheusWriter& w, std::string_view name, std::string_view type,
+             std::string_view help, Fn&& value) {
+  w.header(name, type, help);
+  for (ResourceType t : kAllResourceTypes) {
+    w.sample(name, "type", toString(t), value(t));
+  }
 }
-
-class Writer {
- public:
-  explicit Writer(std::string_view prefix) : mPrefix(prefix) {}
-
-  void header(std::string_view name, std::string_view type, std::string_view help) {
-    fmt::format_to(std::back_inserter(mOut), "# HELP {}{} {}\n# TYPE {}{} {}\n", mPrefix, name,
-                   help, mPrefix, name, type);
-  }
-  template <typename T>
-  void sample(std::string_view name, T value) {
-    fmt::format_to(std::back_inserter(mOut), "{}{} {}\n", mPrefix, name, value);
-  }
-  template <typename T>
-  void sample(std::string_view name, std::string_view label, std::string_view labelValue, T value) {
-    fmt::format_to(std::back_inserter(mOut), "{}{}{{{}=\"{}\"}} {}\n", mPrefix, name, label,
-                   labelValue, value);
-  }
-  void counter(std::string_view name, std::string_view help, uint64_t value) {
-    header(name, "counter", help);
-    sample(name, value);
-  }
-  void gauge(std::string_view name, std::string_view help, int64_t value) {
-    header(name, "gauge", help);
-    sample(name, value);
-  }
-  template <typename Fn>
-  void perType(std::string_view name, std::string_view type, std::string_view help, Fn&& value) {
-    header(name, type, help);
-    for (ResourceType t : kAllResourceTypes) {
-      sample(name, "type", toString(t), value(t));
-    }
-  }
-  std::string take() { return std::move(mOut); }
-
- private:
-  std::string_view mPrefix;
-  std::string mOut;
-};
 
 }  // namespace
 
 std::string toPrometheus(ContextCacheMetrics const& m, std::string_view prefix) {
-  bool valid = true;
-  for (std::size_t i = 0; i < prefix.size(); ++i) {
-    valid = valid && isNameChar(prefix[i], i == 0);
-  }
-  MKV_REQUIRE(valid, "toPrometheus", "invalid metric name prefix '{}'", prefix);
-
-  Writer w(prefix);
+  detail::PrometheusWriter w("toPrometheus", prefix);
+  w.counter("prefix_cache_queries_total",
+            "Prompt tokens looked up in the prefix cache (vLLM's prefix_cache_queries).",
+            m.queriedTokens);
+  w.counter("prefix_cache_hits_total",
+            "Prompt tokens the prefix cache supplied (vLLM's prefix_cache_hits).", m.reusedTokens);
   w.counter("admitted_sequences_total", "Sequences admitted with a context-cache lease.",
             m.admittedSequences);
   w.counter("lookups_total", "Context-cache lookups (admissions not on bypass).", m.lookups);
@@ -98,7 +59,7 @@ std::string toPrometheus(ContextCacheMetrics const& m, std::string_view prefix) 
             m.rejectedPublications);
   w.counter("evicted_records_total", "Records evicted (capacity pressure or record limit).",
             m.evictedRecords);
-  w.perType("reclaimed_resources_total", "counter",
+  perType(w, "reclaimed_resources_total", "counter",
             "Resources returned to a free list by eviction.",
             [&m](ResourceType t) { return m.reclaimed(t); });
   w.counter("verification_rejects_total",
@@ -106,9 +67,9 @@ std::string toPrometheus(ContextCacheMetrics const& m, std::string_view prefix) 
             m.verificationRejects);
   w.counter("dropped_events_total", "KV events overwritten in the full event queue.",
             m.droppedEvents);
-  w.perType("pool_free", "gauge", "Free slots per resource pool.",
+  perType(w, "pool_free", "gauge", "Free slots per resource pool.",
             [&m](ResourceType t) { return m.freeResources[t]; });
-  w.perType("pool_capacity", "gauge", "Capacity per resource pool.",
+  perType(w, "pool_capacity", "gauge", "Capacity per resource pool.",
             [&m](ResourceType t) { return m.capacities[t]; });
   w.gauge("records", "Published records currently stored.", m.records);
   w.gauge("indexed_blocks", "Blocks currently reusable through the block index.", m.indexedBlocks);

@@ -1,30 +1,61 @@
 #include "mkv/context_cache/kv_event_queue.h"
 
-#include <type_traits>
+#include <algorithm>
 
 #include "core/check.h"
 
 namespace mkv {
 
-static_assert(std::is_nothrow_copy_assignable_v<KvEvent>, "push() relies on nothrow copies");
-
-KvEventQueue::KvEventQueue(int32_t capacity) {
+KvEventQueue::KvEventQueue(int32_t capacity, int32_t tokensPerBlock)
+    : mTokensPerBlock(tokensPerBlock) {
   MKV_REQUIRE(capacity >= 0, "KvEventQueue", "capacity must be non-negative, got {}", capacity);
+  MKV_REQUIRE(tokensPerBlock >= 0, "KvEventQueue", "tokensPerBlock must be non-negative, got {}",
+              tokensPerBlock);
   mRing.resize(static_cast<std::size_t>(capacity));
+  mTokens.resize(static_cast<std::size_t>(capacity) * static_cast<std::size_t>(tokensPerBlock));
 }
 
-void KvEventQueue::push(KvEvent const& event) noexcept {
-  if (mRing.empty()) {
-    return;
-  }
+std::size_t KvEventQueue::claimSlot() noexcept {
   auto const cap = static_cast<int32_t>(mRing.size());
   if (mSize == cap) {
     mHead = (mHead + 1) % cap;
     --mSize;
     ++mDropped;
   }
-  mRing[static_cast<std::size_t>((mHead + mSize) % cap)] = event;
+  auto const slot = static_cast<std::size_t>((mHead + mSize) % cap);
   ++mSize;
+  return slot;
+}
+
+void KvEventQueue::push(KvEvent const& event) noexcept {
+  if (auto const* stored = std::get_if<BlockStored>(&event)) {
+    pushStored(*stored, stored->tokens);
+    return;
+  }
+  if (mRing.empty()) {
+    return;
+  }
+  auto const& removed = std::get<BlockRemoved>(event);
+  Slot& slot = mRing[claimSlot()];
+  slot = Slot{};
+  slot.digest = removed.digest;
+  slot.page = removed.page;
+}
+
+void KvEventQueue::pushStored(BlockStored const& event, std::span<int32_t const> tokens) noexcept {
+  if (mRing.empty()) {
+    return;
+  }
+  std::size_t const index = claimSlot();
+  bool const keep = mTokensPerBlock > 0 && event.tokenCount <= mTokensPerBlock &&
+                    tokens.size() == static_cast<std::size_t>(event.tokenCount);
+  mRing[index] = Slot{true,       event.digest,     event.parent,
+                      event.extras, event.page,     event.tokenCount,
+                      keep ? event.tokenCount : 0};
+  if (keep) {
+    std::copy(tokens.begin(), tokens.end(),
+              mTokens.begin() + static_cast<std::ptrdiff_t>(index) * mTokensPerBlock);
+  }
 }
 
 std::vector<KvEvent> KvEventQueue::drain() {
@@ -32,7 +63,16 @@ std::vector<KvEvent> KvEventQueue::drain() {
   out.reserve(static_cast<std::size_t>(mSize));
   auto const cap = static_cast<int32_t>(mRing.size());
   for (int32_t k = 0; k < mSize; ++k) {
-    out.push_back(mRing[static_cast<std::size_t>((mHead + k) % cap)]);
+    auto const index = static_cast<std::size_t>((mHead + k) % cap);
+    Slot const& slot = mRing[index];
+    if (!slot.stored) {
+      out.emplace_back(BlockRemoved{slot.digest, slot.page});
+      continue;
+    }
+    auto const first = mTokens.begin() + static_cast<std::ptrdiff_t>(index) * mTokensPerBlock;
+    out.emplace_back(BlockStored{slot.digest, slot.parent, slot.page, slot.tokenCount,
+                                 std::vector<int32_t>(first, first + slot.keptTokens),
+                                 slot.extras});
   }
   mHead = 0;
   mSize = 0;

@@ -77,6 +77,29 @@ TEST(BlockHashTest, SaltEntersTheFirstBlockAndPropagatesThroughTheChain) {
   }
 }
 
+TEST(BlockHashTest, ExtrasDigestIsZeroExactlyForBlocksKeyedByTokensAlone) {
+  std::vector<int32_t> const tokens = iotaTokens(3 * kPage);
+  PromptBlocks const plain = hashPromptBlocks(viewOf(tokens), kPage);
+  for (int32_t b = 0; b < 3; ++b) {
+    EXPECT_TRUE(plain.extrasDigest(b).isZero()) << b;
+  }
+  BlockKeyExtras salted;
+  salted.salt = digestIdentity("tenant");
+  PromptBlocks const withSalt = hashPromptBlocks(viewOf(tokens, salted), kPage);
+  EXPECT_FALSE(withSalt.extrasDigest(0).isZero());
+  EXPECT_TRUE(withSalt.extrasDigest(1).isZero()) << "the salt enters block 0 only";
+  BlockKeyExtras adapted;
+  adapted.adapter = digestIdentity("lora-a");
+  PromptBlocks const withAdapter = hashPromptBlocks(viewOf(tokens, adapted), kPage);
+  EXPECT_FALSE(withAdapter.extrasDigest(2).isZero()) << "the adapter enters every block";
+  EXPECT_NE(withAdapter.extrasDigest(0), withSalt.extrasDigest(0));
+  std::vector<MediaPosition> const media = imageAt(tokens.size(), kPage + 1, 2, Hash128{7, 8});
+  PromptBlocks const withImage = hashPromptBlocks(viewOf(tokens, {}, &media), kPage);
+  EXPECT_TRUE(withImage.extrasDigest(0).isZero());
+  EXPECT_FALSE(withImage.extrasDigest(1).isZero()) << "the block holding the image";
+  EXPECT_TRUE(withImage.extrasDigest(2).isZero());
+}
+
 TEST(BlockHashTest, ChainedKeysNameTheWholePrefix) {
   std::vector<int32_t> const a = iotaTokens(2 * kPage);
   std::vector<int32_t> b = a;

@@ -9,6 +9,7 @@
 
 #include "context_cache_test_support.h"
 #include "coordinator_test_rig.h"
+#include "prometheus_text_parser.h"
 
 namespace mkv::test {
 namespace {
@@ -716,7 +717,13 @@ TEST_P(ContextCacheCoordinatorTest, MetricsAndPrometheusIncludeTheCoordinatorCou
   EXPECT_EQ(metrics.capacities.baseKvPages, rig.options.numPages);
   EXPECT_EQ(metrics.freeResources.baseKvPages, rig.options.numPages - 1);
 
+  EXPECT_EQ(metrics.queriedTokens, 259u) << "the producer's 129 and the reader's 130 tokens";
+
   std::string const text = rig.coordinator.toPrometheus();
+  test::PrometheusParse const parsed = test::parsePrometheusText(text);
+  ASSERT_TRUE(parsed.text.has_value()) << parsed.error;
+  EXPECT_EQ(parsed.text->samples.at("managedkv_prefix_cache_queries_total"), 259);
+  EXPECT_EQ(parsed.text->samples.at("managedkv_prefix_cache_hits_total"), 128);
   for (char const* line : {"managedkv_coordinator_requests_total 2\n",
                            "managedkv_coordinator_prefill_publications_total 3\n",
                            "managedkv_coordinator_decode_publications_total 1\n",

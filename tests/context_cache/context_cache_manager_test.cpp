@@ -925,10 +925,15 @@ TEST(ContextCacheManagerTest, EventQueueReportsStoredAndRemovedBlocks) {
   PromptBlocks const blocks = hashPromptBlocks(viewOf(a), kPage);
   std::vector<KvEvent> const stored = m.drainEvents();
   ASSERT_EQ(stored.size(), 2U);
+  // Each stored block carries its token ids (routers re-hash them); a plain text prompt has no
+  // key inputs besides tokens and parent.
+  auto const tokensOf = [&a](int32_t block) {
+    return std::vector<int32_t>(a.begin() + block * kPage, a.begin() + (block + 1) * kPage);
+  };
   EXPECT_EQ(std::get<BlockStored>(stored[0]),
-            (BlockStored{blocks.keys[0], kBlockChainRoot, pages[0], kPage}));
+            (BlockStored{blocks.keys[0], kBlockChainRoot, pages[0], kPage, tokensOf(0), {}}));
   EXPECT_EQ(std::get<BlockStored>(stored[1]),
-            (BlockStored{blocks.keys[1], blocks.keys[0], pages[1], kPage}));
+            (BlockStored{blocks.keys[1], blocks.keys[0], pages[1], kPage, tokensOf(1), {}}));
   EXPECT_TRUE(m.drainEvents().empty());
 
   std::vector<int32_t> const b = iotaTokens(4, 40);

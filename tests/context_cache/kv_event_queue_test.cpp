@@ -2,6 +2,8 @@
 
 #include <gtest/gtest.h>
 
+#include <vector>
+
 #include "mkv/error.h"
 
 namespace mkv {
@@ -34,12 +36,40 @@ TEST(KvEventQueueTest, OverflowDropsTheOldestAndCounts) {
   EXPECT_EQ(std::get<BlockRemoved>(queue.drain().at(0)).page, 9);
 }
 
+TEST(KvEventQueueTest, KeepsEachStoredBlocksTokensInItsSlot) {
+  KvEventQueue queue(2, 4);
+  std::vector<int32_t> const first{1, 2, 3, 4};
+  std::vector<int32_t> const second{5, 6, 7, 8};
+  std::vector<int32_t> const third{9, 10, 11, 12};
+  Hash128 const extras{7, 7};
+  queue.pushStored(BlockStored{Hash128{0, 1}, kBlockChainRoot, 0, 4}, first);
+  queue.push(BlockStored{Hash128{0, 2}, Hash128{0, 1}, 1, 4, second, extras});
+  queue.pushStored(BlockStored{Hash128{0, 3}, Hash128{0, 2}, 2, 4}, third);  // overwrites `first`
+  std::vector<KvEvent> const events = queue.drain();
+  ASSERT_EQ(events.size(), 2U);
+  EXPECT_EQ(std::get<BlockStored>(events[0]),
+            (BlockStored{Hash128{0, 2}, Hash128{0, 1}, 1, 4, second, extras}));
+  EXPECT_EQ(std::get<BlockStored>(events[1]).tokens, third);
+  EXPECT_EQ(queue.droppedCount(), 1U);
+
+  // Tokens that do not fit the slot, or disagree with the token count, are not kept.
+  queue.pushStored(BlockStored{Hash128{0, 4}, kBlockChainRoot, 3, 5}, std::vector<int32_t>{1, 2, 3, 4, 5});
+  queue.pushStored(BlockStored{Hash128{0, 5}, kBlockChainRoot, 4, 4}, std::vector<int32_t>{1, 2, 3});
+  for (KvEvent const& event : queue.drain()) {
+    EXPECT_TRUE(std::get<BlockStored>(event).tokens.empty());
+  }
+  KvEventQueue withoutTokens(2);
+  withoutTokens.pushStored(BlockStored{Hash128{0, 6}, kBlockChainRoot, 5, 4}, first);
+  EXPECT_TRUE(std::get<BlockStored>(withoutTokens.drain().at(0)).tokens.empty());
+}
+
 TEST(KvEventQueueTest, ZeroCapacityDisablesWithoutCountingDrops) {
   KvEventQueue queue(0);
   queue.push(BlockRemoved{});
   EXPECT_TRUE(queue.drain().empty());
   EXPECT_EQ(queue.droppedCount(), 0U);
   EXPECT_THROW(KvEventQueue(-1), Error);
+  EXPECT_THROW(KvEventQueue(1, -1), Error);
 }
 
 }  // namespace

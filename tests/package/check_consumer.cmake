@@ -32,6 +32,32 @@ if(CUDA_ROOT)
 endif()
 
 run_step("install" ${CMAKE_COMMAND} --install ${BUILD_DIR} --prefix ${prefix} ${config_args})
+
+# The exported targets as a consumer reads them: each include directory once, no empty
+# $<LINK_ONLY:> entry (what a build-only dependency leaves behind when exported carelessly).
+file(GLOB_RECURSE exports ${prefix}/managedkvTargets.cmake)
+list(LENGTH exports found)
+if(NOT found EQUAL 1)
+  message(FATAL_ERROR "expected one installed managedkvTargets.cmake, found: ${exports}")
+endif()
+file(READ ${exports} exported)
+string(FIND "${exported}" "LINK_ONLY:>" empty_link_only)
+if(NOT empty_link_only EQUAL -1)
+  message(FATAL_ERROR "${exports} carries an empty $<LINK_ONLY:> entry")
+endif()
+# Semicolons separate list items in CMake: hide them while splitting the file into properties.
+string(REPLACE ";" "<semicolon>" exported "${exported}")
+string(REGEX MATCHALL "INTERFACE_INCLUDE_DIRECTORIES \"[^\"]*\"" include_lists "${exported}")
+foreach(entry IN LISTS include_lists)
+  string(REGEX REPLACE "^INTERFACE_INCLUDE_DIRECTORIES \"(.*)\"$" "\\1" dirs "${entry}")
+  string(REPLACE "<semicolon>" ";" dirs "${dirs}")
+  set(unique ${dirs})
+  list(REMOVE_DUPLICATES unique)
+  if(NOT dirs STREQUAL unique)
+    message(FATAL_ERROR "${exports} lists an include directory twice: ${dirs}")
+  endif()
+endforeach()
+message(STATUS "exported targets: no empty LINK_ONLY entry, no repeated include directory")
 run_step("configure" ${CMAKE_COMMAND} -S ${CONSUMER_DIR} -B ${build} -G ${GENERATOR}
          -DCMAKE_MAKE_PROGRAM=${MAKE_PROGRAM} -DCMAKE_CXX_COMPILER=${CXX_COMPILER}
          ${build_type_args} "-DCMAKE_CXX_FLAGS=${CXX_FLAGS}"

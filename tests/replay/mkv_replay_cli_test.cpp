@@ -171,6 +171,15 @@ TEST_F(MkvReplayCliTest, BadOptionsAreOneLineAndExitTwo) {
                  "a pool of 3 pages is smaller than one sequence's bounded-SWA budget: 2M + 1 = "
                  "67 pages");
   expectBadInput({"--json", (mDir / "no" / "such" / "dir.json").string()}, "cannot write");
+  expectBadInput({"--kv-events-hold"},
+                 "--kv-events-replay, --kv-events-encoding and --kv-events-hold need --kv-events");
+  expectBadInput({"--kv-events", "tcp://127.0.0.1:*", "--mode", "full"},
+                 "--kv-events applies to --mode reuse only");
+  expectBadInput({"--kv-events", "tcp://127.0.0.1:*", "--kv-events-encoding", "json"},
+                 "--kv-events-encoding expects one of map, array, got 'json'");
+  expectBadInput({"--kv-events", "nonsense://x"},
+                 "KvEventPublisher::create: cannot connect the PUB socket to endpoint "
+                 "'nonsense://x'");
   if (MKV_WITH_CUDA == 0) {
     expectBadInput({"--device", "cuda"}, "--device cuda: this build has no CUDA");
   }

@@ -104,6 +104,10 @@ struct PromptBlocks {
   std::span<int32_t const> blockTokens(int32_t block) const noexcept;
   /// Media positions of full block `block`; empty when the prompt is text-only.
   std::span<MediaPosition const> blockMedia(int32_t block) const noexcept;
+  /// Identity of what enters key `block` besides its token ids and its parent (its media digest,
+  /// the adapter, the salt on block 0): zero when none of them is set, so a consumer that hashes
+  /// token ids alone (a KV-aware router) can tell which blocks it can match.
+  Hash128 extrasDigest(int32_t block) const noexcept;
   /// Token-only chain digest of full block `block` (ignores media, adapter and salt): equal for
   /// two prompts exactly when their first block+1 blocks hold the same token ids (up to XXH3-128
   /// collisions). Throws mkv::Error when `block` is outside [0, fullBlockCount()).

@@ -25,6 +25,9 @@ struct ContextCacheMetrics {
   uint64_t hits = 0;                 ///< admitted lookups whose plan matched > 0 tokens
   uint64_t matchedTokens = 0;        ///< sum of matched tokens of admitted plans
   uint64_t reusedTokens = 0;         ///< sum of reused tokens (execution skipped)
+  /// Prompt tokens of every lookup, admitted or not (vLLM's prefix_cache_queries: a lookup
+  /// refused for capacity and retried later counts again).
+  uint64_t queriedTokens = 0;
   uint64_t bypasses = 0;             ///< kBypass admissions
   uint64_t forcedColdRetries = 0;    ///< cache-derived plan failed for capacity, retried cold
   uint64_t fullInputRewinds = 0;     ///< admitted plans of kind kFullInputRewind
@@ -70,8 +73,11 @@ struct ContextCacheMetrics {
 
 /// Prometheus text exposition (format 0.0.4) of every counter and gauge: one `# HELP` and one
 /// `# TYPE` line per metric, counters named `<prefix>..._total`, misses as one counter with a
-/// `reason` label, reclaimed resources and pool occupancy with a `type` label. `prefix` must be a
-/// valid metric-name prefix ([a-zA-Z_:][a-zA-Z0-9_:]*, may be empty); throws otherwise.
+/// `reason` label, reclaimed resources and pool occupancy with a `type` label. The token-counted
+/// prefix-cache pair dashboards built for vLLM read comes first under vLLM's names:
+/// `<prefix>prefix_cache_queries_total` (queriedTokens) and `<prefix>prefix_cache_hits_total`
+/// (reusedTokens: bypasses reuse nothing); with prefix "vllm:" they are vLLM's own series. `prefix` must be a valid
+/// metric-name prefix ([a-zA-Z_:][a-zA-Z0-9_:]*, may be empty); throws otherwise.
 std::string toPrometheus(ContextCacheMetrics const& metrics,
                          std::string_view prefix = "managedkv_");
 

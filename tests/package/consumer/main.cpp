@@ -2,6 +2,7 @@
 // request by hand through ManagedKVCacheRequest (what every consumer links), then, when the
 // package exports managedkv::testing, runs the reference engine with the KV oracle on both
 // backends. Exits non-zero on the first wrong result.
+#include <mkv/events/kv_event_publisher.h>
 #include <mkv/kv_cache_runtime.h>
 #include <mkv/managed_kv_cache_request.h>
 
@@ -89,9 +90,19 @@ int32_t serveOne(mkv::KVCacheRuntime& runtime, std::vector<int32_t> const& token
 }
 
 void byHand() {
-  auto runtime = mkv::KVCacheRuntime::create(runtimeConfig(true));
+  mkv::KVCacheRuntimeConfig config = runtimeConfig(true);
+  config.contextCache.eventQueueCapacity = 64;
+  auto runtime = mkv::KVCacheRuntime::create(config);
   expect(runtime->backend() == mkv::KVCacheBackend::kContextReuse, "backend is context reuse");
   expect(serveOne(*runtime, prompt(40, 1), 3) == 0, "a cold prompt reuses nothing");
+  // The KV event publisher links libzmq through the package: the first request's two published
+  // blocks go out as one batch (an inproc endpoint: bound, nothing leaves the process).
+  mkv::KvEventPublisherConfig events;
+  events.endpoint = "inproc://managedkv-consumer";
+  auto publisher = mkv::KvEventPublisher::create(events);
+  expect(publisher->publish(runtime->contextCache()->drainEvents()), "publish one step's events");
+  publisher->flush();
+  expect(publisher->batchesPublished() == 1, "one batch published");
   // The first 32 tokens (two pages) are shared and were published at prefill.
   expect(serveOne(*runtime, prompt(40, 2), 3) == 2 * kPageSize, "a warm prompt reuses two pages");
   expect(runtime->residentSlots().available() == runtime->residentSlots().capacity(),

@@ -1,0 +1,260 @@
+#!/usr/bin/env python3
+"""A KV-aware router's view of mkv-replay's KV events, decoded independently of the encoder.
+
+Runs mkv-replay with --kv-events on an ephemeral loopback port, subscribes with pyzmq, decodes
+every batch with the msgpack package and rebuilds the cache's block set from the events alone,
+checking on the way what routers such as Dynamo's and llm-d's rely on (3 frames, big-endian
+sequence numbers without a gap, [timestamp, [events], rank] payloads, unique unsigned 64-bit
+block hashes, known parents, block_size tokens per block). The set must equal the index that
+mkv-replay reports at the end (--json), first from the live stream, then again after a resync
+through the replay socket from a mid-stream sequence number. Batches the subscriber missed
+before its subscription reached the publisher (ZeroMQ's slow joiner) are fetched through the
+replay socket, so the outcome does not depend on timing.
+
+usage: kv_event_subscriber.py MKV_REPLAY TRACE ENCODING (map|array)
+Prints 'N passed, 0 failed' and exits 0 on success; exits 1 naming the first failed check.
+"""
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+
+import msgpack
+import zmq
+
+PAGE_SIZE = 64
+LIMIT = 60
+DEADLINE_S = 60.0  # everything below is bounded by this
+END_SEQUENCE = -1
+
+FIELDS = {  # positional layout of the older vLLM encoding, after the class name
+    "BlockStored": ["block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
+                    "medium", "lora_name", "extra_keys"],
+    "BlockRemoved": ["block_hashes", "medium"],
+    "AllBlocksCleared": [],
+}
+
+
+class CheckFailed(Exception):
+    pass
+
+
+def check(condition, message):
+    if not condition:
+        raise CheckFailed(message)
+
+
+class Deadline:
+    def __init__(self, seconds):
+        self.end = time.monotonic() + seconds
+
+    def left_ms(self):
+        left = self.end - time.monotonic()
+        check(left > 0, "the test ran out of time")
+        return int(left * 1000)
+
+
+def decode_event(raw, encoding):
+    if encoding == "map":
+        check(isinstance(raw, dict), f"event {raw!r} is not a tagged map")
+        kind = raw.get("type")
+        check(kind in FIELDS, f"unknown event type {kind!r}")
+        fields = dict(raw)
+        del fields["type"]
+        check(set(fields) <= set(FIELDS[kind]), f"{kind} has unexpected keys {sorted(fields)}")
+    else:
+        check(isinstance(raw, list) and raw, f"event {raw!r} is not a positional array")
+        kind = raw[0]
+        check(kind in FIELDS, f"unknown event class {kind!r}")
+        check(len(raw) - 1 <= len(FIELDS[kind]), f"{kind} has {len(raw) - 1} fields")
+        fields = dict(zip(FIELDS[kind], raw[1:]))
+    return kind, fields
+
+
+def is_u64(value):
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**64
+
+
+def apply_batch(blocks, sequence, payload, encoding):
+    """Applies one batch to `blocks` (block hash -> its token ids) as a router would."""
+    batch = msgpack.unpackb(payload, raw=False, strict_map_key=False)
+    check(isinstance(batch, list) and len(batch) == 3,
+          f"batch {sequence} is not [timestamp, events, rank]")
+    timestamp, events, rank = batch
+    check(isinstance(timestamp, float) and timestamp > 1e9, f"batch {sequence}: bad timestamp")
+    check(rank == 0, f"batch {sequence}: data parallel rank {rank!r}")
+    check(isinstance(events, list) and events, f"batch {sequence} has no events")
+    for raw in events:
+        kind, f = decode_event(raw, encoding)
+        if kind == "BlockStored":
+            hashes, parent, tokens = f["block_hashes"], f["parent_block_hash"], f["token_ids"]
+            check(hashes and all(is_u64(h) for h in hashes), f"batch {sequence}: block hashes")
+            check(f["block_size"] == PAGE_SIZE, f"batch {sequence}: block_size {f['block_size']}")
+            check(len(tokens) == PAGE_SIZE * len(hashes),
+                  f"batch {sequence}: {len(tokens)} token ids for {len(hashes)} blocks")
+            check(all(isinstance(t, int) and 0 <= t < 2**32 for t in tokens),
+                  f"batch {sequence}: token ids are not unsigned 32-bit integers")
+            check(f.get("medium") == "GPU", f"batch {sequence}: medium {f.get('medium')!r}")
+            # Routers drop a stored event that repeats a hash or whose parent they do not know.
+            check(len(set(hashes)) == len(hashes) and parent not in hashes,
+                  f"batch {sequence}: repeated block hash")
+            check(parent is None or (is_u64(parent) and parent in blocks),
+                  f"batch {sequence}: parent {parent} is not a stored block")
+            for i, h in enumerate(hashes):
+                check(h not in blocks, f"batch {sequence}: block {h} stored twice")
+                blocks[h] = tokens[i * PAGE_SIZE:(i + 1) * PAGE_SIZE]
+        elif kind == "BlockRemoved":
+            check(f.get("medium") == "GPU", f"batch {sequence}: medium {f.get('medium')!r}")
+            for h in f["block_hashes"]:
+                check(h in blocks, f"batch {sequence}: removed block {h} was not stored")
+                del blocks[h]
+        else:
+            blocks.clear()
+
+
+def rebuild(payloads, count, encoding):
+    blocks = {}
+    for sequence in range(count):
+        apply_batch(blocks, sequence, payloads[sequence], encoding)
+    return blocks
+
+
+def replay_from(context, endpoint, start, deadline):
+    """Every batch the replay socket returns from `start` on, in order, up to the end marker."""
+    dealer = context.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(endpoint)
+    dealer.send_multipart([b"", start.to_bytes(8, "big")])
+    batches = []
+    while True:
+        check(dealer.poll(deadline.left_ms()) != 0, f"no answer to a replay from {start}")
+        frames = dealer.recv_multipart()
+        check(len(frames) == 3 and frames[0] == b"" and len(frames[1]) == 8,
+              f"replay answer of {len(frames)} frames")
+        sequence = int.from_bytes(frames[1], "big", signed=True)
+        if sequence == END_SEQUENCE:
+            check(frames[2] == b"", "the end marker has a payload")
+            dealer.close()
+            return batches
+        batches.append((sequence, frames[2]))
+
+
+def read_line(stream, pattern, deadline):
+    while True:
+        deadline.left_ms()
+        line = stream.readline()
+        check(line, f"mkv-replay closed its standard error before '{pattern}'")
+        match = re.search(pattern, line)
+        if match:
+            return match
+
+
+def run(mkv_replay, trace, encoding, passed):
+    deadline = Deadline(DEADLINE_S)
+    context = zmq.Context()
+    with tempfile.TemporaryDirectory() as scratch:
+        json_path = os.path.join(scratch, "replay.json")
+        process = subprocess.Popen(
+            # A pool small enough to evict (BlockRemoved), large enough that no request fails;
+            # in-flight joins; the oracle off (what is checked here is the event stream).
+            [mkv_replay, "--quiet", "--trace", trace, "--limit", str(LIMIT), "--page-size",
+             str(PAGE_SIZE), "--pool-pages", "1000", "--max-batch", "2", "--max-output", "4",
+             "--verify", "none", "--json", json_path,
+             "--kv-events", "tcp://127.0.0.1:*", "--kv-events-replay", "tcp://127.0.0.1:*",
+             "--kv-events-encoding", encoding, "--kv-events-hold"],
+            stdin=subprocess.PIPE, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+        try:
+            endpoints = read_line(process.stderr, r"kv events on (\S+), replay on (\S+)", deadline)
+            sub = context.socket(zmq.SUB)
+            sub.setsockopt(zmq.LINGER, 0)
+            sub.setsockopt(zmq.RCVHWM, 0)
+            sub.setsockopt(zmq.SUBSCRIBE, b"")
+            sub.connect(endpoints.group(1))
+            read_line(process.stderr, r"starts after a line", deadline)
+            process.stdin.write("go\n")
+            process.stdin.flush()
+            count = int(read_line(process.stderr, r"kv events: (\d+) batches published, 0 dropped",
+                                  deadline).group(1))
+            read_line(process.stderr, r"open until standard input closes", deadline)
+            check(count > 10, f"only {count} batches: the workload is too small to test")
+
+            live = {}
+            while count - 1 not in live:
+                check(sub.poll(deadline.left_ms()) != 0, "the live stream stopped early")
+                frames = sub.recv_multipart()
+                check(len(frames) == 3 and frames[0] == b"" and len(frames[1]) == 8,
+                      f"a message of {len(frames)} frames")
+                live[int.from_bytes(frames[1], "big")] = frames[2]
+            first = min(live)
+            check(sorted(live) == list(range(first, count)),
+                  f"the live stream has a sequence gap after {first}")
+            passed.append(f"live stream of {count - first} batches without a gap")
+
+            payloads = dict(live)
+            if first > 0:  # the slow joiner's missed prefix, from the replay buffer
+                for sequence, payload in replay_from(context, endpoints.group(2), 0, deadline):
+                    payloads.setdefault(sequence, payload)
+            check(sorted(payloads) == list(range(count)), "batches missing after the replay")
+
+            with open(json_path, encoding="utf-8") as file:
+                report = json.load(file)
+            index = set(report["kv_events"]["indexed_block_hashes"])
+            check(report["kv_events"]["batches_published"] == count, "batch count differs")
+            check(report["dropped_events"] == 0, "the in-process event queue dropped events")
+            check(report["evicted_records"] > 0, "no eviction: BlockRemoved is not exercised")
+            check(report["failed_requests"] == 0 and report["joins"] > 0,
+                  "the workload should run every request, some joining in flight")
+            check(index, "the index is empty at the end")
+            blocks = rebuild(payloads, count, encoding)
+            check(set(blocks) == index,
+                  f"rebuilt {len(blocks)} blocks, the index holds {len(index)} "
+                  f"({len(set(blocks) ^ index)} differ)")
+            passed.append(f"block set rebuilt from events equals the index ({len(index)} blocks)")
+
+            middle = count // 2
+            resent = replay_from(context, endpoints.group(2), middle, deadline)
+            check([s for s, _ in resent] == list(range(middle, count)),
+                  f"replay from {middle} returned sequences {[s for s, _ in resent][:5]}...")
+            check(all(payloads[s] == p for s, p in resent), "a replayed batch differs from the live one")
+            resynced = {s: payloads[s] for s in range(middle)}
+            resynced.update(dict(resent))
+            check(set(rebuild(resynced, count, encoding)) == index,
+                  "the block set after a resync differs from the index")
+            passed.append(f"resync from sequence {middle} through the replay socket")
+
+            process.stdin.close()
+            check(process.wait(timeout=max(1, deadline.left_ms() / 1000)) == 0,
+                  f"mkv-replay exited with {process.returncode}")
+            passed.append("mkv-replay exited 0")
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
+            context.destroy(linger=0)
+
+
+def main():
+    if len(sys.argv) != 4 or sys.argv[3] not in ("map", "array"):
+        print(__doc__)
+        return 2
+    passed = []
+    try:
+        run(sys.argv[1], sys.argv[2], sys.argv[3], passed)
+    except (CheckFailed, subprocess.TimeoutExpired) as failure:
+        for line in passed:
+            print(f"ok: {line}")
+        print(f"FAILED: {failure}")
+        print(f"{len(passed)} passed, 1 failed")
+        return 1
+    for line in passed:
+        print(f"ok: {line}")
+    print(f"{len(passed)} passed, 0 failed")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
