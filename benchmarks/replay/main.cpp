@@ -73,7 +73,8 @@ KV events (reuse mode; vLLM's ZeroMQ wire format, for KV-aware routers)
   --kv-events-replay ENDPOINT
                         bind a ROUTER socket that replays buffered batches on request
   --kv-events-encoding E
-                        map (default: events as tagged maps) or array (positional)
+                        map (default: events as tagged maps) or array (positional;
+                        what llm-d decodes)
   --kv-events-hold      start the replay after a line on standard input (subscribers connect
                         first), and after it keep the sockets open until standard input closes
 output

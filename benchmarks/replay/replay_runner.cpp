@@ -201,9 +201,13 @@ class Runner {
       rc.numPages = static_cast<int32_t>(pages);
     }
     if (c.kvEvents != nullptr) {
-      // One step stores at most the pages it publishes and removes at most every cached page.
+      // Events of one step: each running sequence stores at most its `width` blocks; evictions
+      // remove the blocks of pages freed for the step's admissions (at most a batch of
+      // sequences, plus the rest of the last record evicted) and of pages still leased.
       rc.contextCache.eventQueueCapacity = static_cast<int32_t>(
-          std::min<int64_t>(std::numeric_limits<int32_t>::max() / 4, 2 * pages + 1024));
+          std::min<int64_t>({std::numeric_limits<int32_t>::max() / 4, 2 * pages,
+                             4 * int64_t{batch} * width}) +
+          1024);
     }
     rc.maxBatchSize = batch;
     mResult.maxBatch = batch;

@@ -25,6 +25,7 @@ import time
 
 import msgpack
 import zmq
+import zmq.utils.monitor
 
 PAGE_SIZE = 64
 LIMIT = 60
@@ -173,7 +174,16 @@ def run(mkv_replay, trace, encoding, passed):
             sub.setsockopt(zmq.LINGER, 0)
             sub.setsockopt(zmq.RCVHWM, 0)
             sub.setsockopt(zmq.SUBSCRIBE, b"")
+            monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
             sub.connect(endpoints.group(1))
+            # The subscription leaves right after the handshake: starting the replay only then
+            # makes a live stream from the first batch the rule (the replay socket still covers
+            # a subscription that arrives late).
+            check(monitor.poll(deadline.left_ms()) != 0, "no handshake with the publisher")
+            event = zmq.utils.monitor.recv_monitor_message(monitor)
+            check(event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED, f"monitor event {event}")
+            sub.disable_monitor()
+            monitor.close()
             read_line(process.stderr, r"starts after a line", deadline)
             process.stdin.write("go\n")
             process.stdin.flush()

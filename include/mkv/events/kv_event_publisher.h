@@ -26,9 +26,10 @@ namespace mkv {
 /// How each event of a batch is encoded. The batch itself is always the array
 /// `[timestamp, [events], data_parallel_rank]`.
 enum class KvEventEncoding : uint8_t {
-  kTaggedMap,        ///< a map with a "type" key and field names (vLLM's current encoding)
+  kTaggedMap,        ///< a map with a "type" key and field names (vLLM's current encoding;
+                     ///< Dynamo decodes it, llm-d does not)
   kPositionalArray,  ///< an array led by the event's class name (older vLLM; Dynamo and llm-d
-                     ///< decode both)
+                     ///< decode it)
 };
 
 struct KvEventPublisherConfig {
