@@ -101,7 +101,7 @@ command -v nvidia-smi >/dev/null && nvidia-smi >"$OUT/nvidia-smi.txt" 2>&1
 GPU_TESTS=$BUILD/tests/gpu/mkv_gpu_tests
 BENCH=$BUILD/benchmarks/gpu/mkv_gpu_bench
 HOST_BENCH=$BUILD/benchmarks/host/mkv_host_bench
-# Shared libraries the bundle carries (mkv_host_bench's Google Benchmark), see benchmarks/gpu/CMakeLists.txt.
+# Shared libraries the bundle carries (libzmq's chain, Google Benchmark, ...): bundle_shared_libraries.sh.
 [[ -d $BUILD/lib ]] && export LD_LIBRARY_PATH=$BUILD/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 
 # 1. GPU test binary.

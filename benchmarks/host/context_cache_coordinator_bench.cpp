@@ -43,13 +43,14 @@ void BM_CoordinatorBeginRequest(benchmark::State& state) {
   config.numPages = kBatch * blocks + 600;  // cold admission of the batch would need 8196 free
   std::unique_ptr<KVCacheRuntime> const runtime = KVCacheRuntime::create(config);
   ContextCacheCoordinator& coordinator = *runtime->contextCache();
+  std::vector<ResidentRef> const residents = acquireResidents(*runtime, kBatch);
 
   ContextCacheBatchAdmission cached;
   ContextCacheBatchAdmission query;
   for (int32_t i = 0; i < kBatch; ++i) {
     ContextCacheSequenceAdmission sequence;
     sequence.tokenIds = randomTokens(kPromptTokens, 200 + static_cast<uint64_t>(i));
-    sequence.resident = ResidentRef{i, 1};
+    sequence.resident = residents[static_cast<std::size_t>(i)];
     cached.sequences.push_back(sequence);
     sequence.tokenIds[static_cast<std::size_t>(cachedBlocks * kPage)] = uniqueToken(i);
     query.sequences.push_back(std::move(sequence));

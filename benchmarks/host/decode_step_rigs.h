@@ -28,14 +28,27 @@ namespace mkv::bench {
 inline constexpr DecodingKvHeadroom kDecodeHeadroom{1, 0};
 inline constexpr int32_t kDecodeToken = 5;
 
+/// `count` residents of the runtime, held for the rig's lifetime (every request reuses them).
+inline std::vector<ResidentRef> acquireResidents(KVCacheRuntime& runtime, int32_t count) {
+  std::vector<ResidentRef> residents;
+  for (int32_t i = 0; i < count; ++i) {
+    std::optional<ResidentRef> resident = runtime.residentSlots().acquire();
+    if (!resident) {
+      throw std::runtime_error("decode-step rig: no free resident slot");
+    }
+    residents.push_back(*resident);
+  }
+  return residents;
+}
+
 /// The engine-side state the facade reads: prompts, residents, generated tokens, finish reasons.
 inline DecodingInferenceContext engineContext(std::vector<std::vector<int32_t>> const& prompts,
-                                              uint64_t epoch) {
+                                              std::vector<ResidentRef> const& residents) {
   DecodingInferenceContext context;
   context.activeBatchSize = static_cast<int32_t>(prompts.size());
   context.rawBatchedInputIds = prompts;
   for (std::size_t i = 0; i < prompts.size(); ++i) {
-    context.residentRefs.push_back(ResidentRef{static_cast<CacheSlot>(i), epoch});
+    context.residentRefs.push_back(residents[i]);
     context.finishReasons.push_back(FinishReason::kNotFinished);
     context.generatedTokenIds.emplace_back();
   }
@@ -60,6 +73,7 @@ class SwaDecodeRig {
     if (mRuntime->backend() != KVCacheBackend::kBoundedSwa) {
       throw std::runtime_error("SwaDecodeRig: the runtime did not select bounded SWA");
     }
+    mResidents = acquireResidents(*mRuntime, batch);
     for (int32_t i = 0; i < batch; ++i) {
       mLengths.push_back(2048 + (i * 7919) % 2048);
       mPrompts.emplace_back(static_cast<std::size_t>(mLengths.back()), 1);
@@ -96,11 +110,10 @@ class SwaDecodeRig {
 
  private:
   void start() {
-    ++mEpoch;
     mSteps = 0;
     BoundedSwaKVPageManager& manager = *mRuntime->swaPageManager();
     if (mFacade) {
-      mContext = engineContext(mPrompts, mEpoch);
+      mContext = engineContext(mPrompts, mResidents);
       auto begun = ManagedKVCacheRequest::begin(
           nullptr, &manager, LLMGenerationRequest{}, mContext, false, kDecodeHeadroom,
           DecodingTokenStateContract::kCommittedPlusLookahead,
@@ -116,11 +129,7 @@ class SwaDecodeRig {
       mManaged->completePrefill(mContext, {});
       return;
     }
-    std::vector<ResidentRef> residents;
-    for (std::size_t i = 0; i < mLengths.size(); ++i) {
-      residents.push_back(ResidentRef{static_cast<CacheSlot>(i), mEpoch});
-    }
-    auto begun = manager.beginRequest(residents, nullptr);
+    auto begun = manager.beginRequest(mResidents, nullptr);
     if (begun.status != SwaKVCacheStatus::kOk) {
       throw std::runtime_error("SwaDecodeRig: admission failed");
     }
@@ -145,7 +154,7 @@ class SwaDecodeRig {
   std::vector<std::vector<int32_t>> mPrompts;
   int32_t mLongest = 0;
   int64_t mSteps = 0;
-  uint64_t mEpoch = 0;
+  std::vector<ResidentRef> mResidents;
   std::optional<BoundedSwaKVPageManager::RequestHandle> mHandle;
   DecodingInferenceContext mContext;
   std::optional<ManagedKVCacheRequest> mManaged;
@@ -172,6 +181,7 @@ class ReuseDecodeRig {
     // Room for every row at full length next to the cached prompts: growth never evicts.
     config.numPages = batch * (kMaxSequence / kPage + 8);
     mRuntime = KVCacheRuntime::create(config);
+    mResidents = acquireResidents(*mRuntime, batch);
     for (int32_t i = 0; i < batch; ++i) {
       mPrompts.push_back(randomTokens(kPrompt, 100 + static_cast<uint64_t>(i)));
     }
@@ -220,11 +230,10 @@ class ReuseDecodeRig {
                                     : kDecodeHeadroom;
   }
   void start() {
-    ++mEpoch;
     mSteps = 0;
     ContextCacheCoordinator& coordinator = *mRuntime->contextCache();
     if (mFacade) {
-      mContext = engineContext(mPrompts, mEpoch);
+      mContext = engineContext(mPrompts, mResidents);
       auto begun = ManagedKVCacheRequest::begin(
           &coordinator, nullptr, LLMGenerationRequest{}, mContext, false, admissionHeadroom(),
           DecodingTokenStateContract::kCommittedPlusLookahead,
@@ -244,7 +253,7 @@ class ReuseDecodeRig {
     for (std::size_t i = 0; i < mPrompts.size(); ++i) {
       ContextCacheSequenceAdmission sequence;
       sequence.tokenIds = mPrompts[i];
-      sequence.resident = ResidentRef{static_cast<CacheSlot>(i), mEpoch};
+      sequence.resident = mResidents[i];
       admission.sequences.push_back(std::move(sequence));
     }
     auto begun = coordinator.beginRequest(admission, admissionHeadroom(), nullptr);
@@ -275,7 +284,7 @@ class ReuseDecodeRig {
   std::vector<std::vector<int32_t>> mPrompts;
   std::vector<ContextCacheSequenceAdvance> mAdvances;
   int64_t mSteps = 0;
-  uint64_t mEpoch = 0;
+  std::vector<ResidentRef> mResidents;
   std::optional<ContextCacheCoordinator::RequestHandle> mHandle;
   DecodingInferenceContext mContext;
   std::optional<ManagedKVCacheRequest> mManaged;

@@ -94,8 +94,13 @@ class KVCachePool {
   std::vector<void*> mLayerBases;
   Tensor mKvLengths;
   int32_t mActiveBatchSize = 0;
-  /// Staging of length writes: one pinned region, copied straight into mKvLengths.
+  /// Writes lengths[i] to row firstRow + i of the length tensor: one inline patch launch, or for
+  /// batches beyond the inline limit one copy from pinned staging.
+  void uploadLengths(int32_t firstRow, std::span<int32_t const> lengths, cudaStream_t stream);
+
+  /// Staging of length writes beyond the inline limit: one pinned region, copied into mKvLengths.
   std::unique_ptr<detail::Int32UploadRegions> mLengthUploads;
+  std::vector<int32_t> mLengthPatch;  ///< the inline patch being built (capacity reused)
   Tensor mCompactWorkspace;  ///< kernels::compactBatch's workspace (GPU pools; empty on kCPU)
 };
 
