@@ -7,9 +7,9 @@
 set -euo pipefail
 bundle=$1
 mkdir -p "$bundle/lib"
-system='^(linux-vdso|ld-linux|libc|libm|libdl|librt|libpthread|libresolv|libstdc\+\+|libgcc_s)\.'
+system='^(linux-vdso|ld-linux|libc|libm|libmvec|libdl|librt|libpthread|libresolv|libutil|libstdc\+\+|libgcc_s)\.'
 find "$bundle" -path "$bundle/lib" -prune -o -type f -perm -u+x -print | while read -r executable; do
-  ldd "$executable" 2>/dev/null | awk '$2 == "=>" && $3 ~ /^\// {print $1, $3}'
+  { ldd "$executable" 2>/dev/null || true; } | awk '$2 == "=>" && $3 ~ /^\// {print $1, $3}'
 done | sort -u | while read -r name path; do
   [[ $name =~ $system ]] && continue
   cp -L "$path" "$bundle/lib/$name"

@@ -15,6 +15,13 @@ import sys
 TARGET = 1.5
 
 
+def failures(report):
+    """Rows that failed for another reason than a missing CUDA device."""
+    return sorted({bench["run_name"] for bench in report.get("benchmarks", [])
+                   if bench.get("error_occurred") and "no CUDA device" not in
+                   bench.get("error_message", "")})
+
+
 def medians(report):
     rows = {}
     for bench in report.get("benchmarks", []):
@@ -36,7 +43,14 @@ def medians(report):
 
 def main(path):
     with open(path) as handle:
-        rows = medians(json.load(handle))
+        report = json.load(handle)
+    failed = failures(report)
+    for name in failed:
+        print(f"FAILED: {name}")
+    if failed:
+        print(f"{len(failed)} benchmark row(s) failed")
+        return 1
+    rows = medians(report)
     pairs = {key: row for key, row in rows.items() if "cpu" in row and "gpu" in row}
     if not pairs:
         print("no benchmark ran on both devices (no GPU?)")

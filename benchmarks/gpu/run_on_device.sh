@@ -104,6 +104,15 @@ HOST_BENCH=$BUILD/benchmarks/host/mkv_host_bench
 # Shared libraries the bundle carries (libzmq's chain, Google Benchmark, ...): bundle_shared_libraries.sh.
 [[ -d $BUILD/lib ]] && export LD_LIBRARY_PATH=$BUILD/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 
+# 0. The no-wait suite in a process of its own with lazy kernel loading (the CUDA default), so no
+#    earlier test has loaded the library's kernels: what KVCacheRuntime::create must do itself.
+if [[ -x $GPU_TESTS ]]; then
+  run_step "no-wait suite" "$OUT/no_wait.log" 60 env CUDA_MODULE_LOADING=LAZY "$GPU_TESTS" \
+    --gtest_filter='EngineLoopNoWait*'
+  record "engine loop no-wait" "$(gtest_status $RC "$OUT/no_wait.log")" "$SECONDS_TAKEN" \
+    "$(gtest_detail "$OUT/no_wait.log")"
+fi
+
 # 1. GPU test binary.
 if [[ -x $GPU_TESTS ]]; then
   run_step "gpu tests" "$OUT/gpu_tests.log" 180 "$GPU_TESTS" --gtest_output="xml:$OUT/gpu_tests.xml"

@@ -119,9 +119,10 @@ class Int32Staging {
 /// fixed regions of `capacity` entries each, every region guarded by its own event. Created once
 /// with its owner (a backend keys one region per resident slot); nothing allocates afterwards,
 /// so a request's lifecycle never calls cudaMalloc/cudaFree (both synchronise the device).
-/// A region is used by one owner at a time: a backend uses the region of a resident slot only
-/// while its request holds that slot, and every upload is followed by a synchronisation of the
-/// stream before the slot is released, so the event wait in upload() returns at once.
+/// A region is used by one owner at a time. The backends use the region of a resident slot only
+/// while their request holds that slot, and a compaction synchronises the stream before it
+/// releases a slot, so there the event wait in upload() returns at once; KVCachePool's single
+/// region (length writes beyond the inline limit) may wait for its previous copy.
 class Int32UploadRegions {
  public:
   Int32UploadRegions(int32_t regions, int64_t capacity, DeviceType deviceType);

@@ -24,8 +24,9 @@ __global__ void spinKernel(uint64_t nanoseconds) {
 
 }  // namespace
 
-BusyStream::BusyStream() {
-  cudaOk(cudaStreamCreateWithFlags(&mStream, cudaStreamNonBlocking), "cudaStreamCreate");
+BusyStream::BusyStream(bool blocking) {
+  cudaOk(cudaStreamCreateWithFlags(&mStream, blocking ? cudaStreamDefault : cudaStreamNonBlocking),
+         "cudaStreamCreate");
   cudaFuncAttributes attributes{};
   cudaOk(cudaFuncGetAttributes(&attributes, spinKernel), "load spinKernel");
 }

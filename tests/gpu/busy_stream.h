@@ -12,7 +12,9 @@ namespace mkv::gputest {
 
 class BusyStream {
  public:
-  BusyStream();
+  /// `blocking`: a stream created with cudaStreamDefault, which the legacy default stream
+  /// (stream 0) waits for; otherwise cudaStreamNonBlocking.
+  explicit BusyStream(bool blocking = false);
   /// Waits for the spinning kernel, then destroys the stream.
   ~BusyStream();
   BusyStream(BusyStream const&) = delete;

@@ -1,11 +1,15 @@
 // A request's lifecycle on the GPU never waits for the engine's other streams (issue: the GPU
-// engine loop at engine speed). While a kernel spins for a second on an unrelated non-blocking
-// stream, complete lifecycles run on the engine's stream through ManagedKVCacheRequest on every
-// backend; afterwards cudaStreamQuery of the unrelated stream must still say cudaErrorNotReady.
-// Any cudaMalloc / cudaFree / cudaMallocHost / cudaFreeHost, device synchronisation or lazy kernel
-// load inside a lifecycle call would have waited for the spinning kernel. Nothing here reads a
-// clock: the verdict is the other stream's state.
+// engine loop at engine speed). While kernels spin for a second on two unrelated streams, one
+// non-blocking and one blocking (which work on the legacy default stream would wait for),
+// complete lifecycles run on the engine's stream through ManagedKVCacheRequest on every backend;
+// afterwards cudaStreamQuery of both streams must still say cudaErrorNotReady. A device-wide
+// synchronisation (cudaDeviceSynchronize, or cudaFree, cudaFreeHost and the like, which
+// synchronise implicitly), a context-wide lazy kernel load or any use of stream 0 inside a
+// lifecycle call would have waited for a spinning kernel. Nothing here reads a clock: the verdict
+// is the other streams' state. run_on_device.sh runs this suite in a process of its own with
+// CUDA_MODULE_LOADING=LAZY, so no earlier test has loaded the library's kernels.
 
+#include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -194,24 +198,48 @@ class LoopEngine {
 class EngineLoopNoWaitTest : public GpuTest {
  protected:
   /// Starts the unrelated work; everything allocated before this line may allocate freely.
-  void occupyOtherStream() { mBusy.emplace(); mBusy->occupy(kBusyFor); }
-  /// The verdict: the unrelated kernel still runs, so no call above waited for it.
+  void occupyOtherStream() {
+    mNonBlocking.emplace(false);
+    mBlocking.emplace(true);
+    mNonBlocking->occupy(kBusyFor);
+    mBlocking->occupy(kBusyFor);
+  }
+  /// The verdict: the unrelated kernels still run, so no call above waited for them.
   void expectOtherStreamStillBusy() {
-    EXPECT_EQ(mBusy->query(), cudaErrorNotReady)
-        << "a lifecycle call waited for work on another stream (" << kBusyFor.count()
+    EXPECT_EQ(mNonBlocking->query(), cudaErrorNotReady)
+        << "a lifecycle call waited for a non-blocking stream (" << kBusyFor.count()
         << " ms kernel)";
-    mBusy->drain();
+    EXPECT_EQ(mBlocking->query(), cudaErrorNotReady)
+        << "a lifecycle call waited for a blocking stream (" << kBusyFor.count()
+        << " ms kernel): work on the legacy default stream?";
+    mNonBlocking->drain();
+    mBlocking->drain();
   }
 
-  std::optional<BusyStream> mBusy;
+  std::optional<BusyStream> mNonBlocking;
+  std::optional<BusyStream> mBlocking;
 };
 
-// The check can fail: an allocation made while the other stream runs waits for it.
-TEST_F(EngineLoopNoWaitTest, AGpuAllocationWaitsForTheOtherStream) {
-  BusyStream busy;
-  busy.occupy(std::chrono::milliseconds(300));
-  Tensor allocated({1024}, DataType::kInt32, DeviceType::kGPU);  // cudaMalloc + device sync
-  EXPECT_EQ(busy.query(), cudaSuccess);
+// The check can fail: a GPU Tensor's construction (cudaMalloc, a memset on stream 0, a device
+// synchronisation) made while the other streams run waits for both.
+TEST_F(EngineLoopNoWaitTest, ADeviceWideWaitIsSeen) {
+  BusyStream nonBlocking(false);
+  BusyStream blocking(true);
+  nonBlocking.occupy(std::chrono::milliseconds(300));
+  blocking.occupy(std::chrono::milliseconds(300));
+  Tensor allocated({1024}, DataType::kInt32, DeviceType::kGPU);
+  EXPECT_EQ(nonBlocking.query(), cudaSuccess);
+  EXPECT_EQ(blocking.query(), cudaSuccess);
+}
+
+// The legacy default stream waits for a blocking stream: the second busy stream sees it.
+TEST_F(EngineLoopNoWaitTest, WorkOnTheLegacyDefaultStreamIsSeen) {
+  Tensor buffer({1024}, DataType::kInt32, DeviceType::kGPU);
+  BusyStream blocking(true);
+  blocking.occupy(std::chrono::milliseconds(300));
+  cudaOk(cudaMemsetAsync(buffer.rawPointer(), 0, 4096, nullptr), "cudaMemsetAsync on stream 0");
+  cudaOk(cudaStreamSynchronize(nullptr), "cudaStreamSynchronize(0)");
+  EXPECT_EQ(blocking.query(), cudaSuccess);
 }
 
 TEST_F(EngineLoopNoWaitTest, ReuseWithPublicationAndHit) {
@@ -224,15 +252,33 @@ TEST_F(EngineLoopNoWaitTest, ReuseWithPublicationAndHit) {
   first.add(tokenRun(2048, 10));
   second.add(tokenRun(2048, 10));
   occupyOtherStream();
-  first.begin();
-  first.prefill();
-  first.decode(4);
-  first.finish();
-  second.begin();
+  ASSERT_NO_FATAL_FAILURE(first.begin());
+  ASSERT_NO_FATAL_FAILURE(first.prefill());
+  ASSERT_NO_FATAL_FAILURE(first.decode(4));
+  ASSERT_NO_FATAL_FAILURE(first.finish());
+  ASSERT_NO_FATAL_FAILURE(second.begin());
   EXPECT_GE(second.prefillStart(0), 2048 - kPage);  // the published prompt is reused
-  second.prefill();
-  second.decode(2);
-  second.finish();
+  ASSERT_NO_FATAL_FAILURE(second.prefill());
+  ASSERT_NO_FATAL_FAILURE(second.decode(2));
+  ASSERT_NO_FATAL_FAILURE(second.finish());
+  expectOtherStreamStillBusy();
+}
+
+TEST_F(EngineLoopNoWaitTest, FullStorageWithCompaction) {
+  KVCacheRuntimeConfig config = baseConfig(stream());
+  config.model.numFullAttentionLayers = 2;
+  auto runtime = KVCacheRuntime::create(config);
+  ASSERT_EQ(runtime->backend(), KVCacheBackend::kFullStorage);
+  LoopEngine engine(*runtime, stream());
+  engine.add(tokenRun(900, 10));
+  engine.add(tokenRun(400, 3000));
+  occupyOtherStream();
+  ASSERT_NO_FATAL_FAILURE(engine.begin());
+  ASSERT_NO_FATAL_FAILURE(engine.prefill());
+  ASSERT_NO_FATAL_FAILURE(engine.decode(130));
+  ASSERT_NO_FATAL_FAILURE(engine.dropRow(0));
+  ASSERT_NO_FATAL_FAILURE(engine.decode(2));
+  ASSERT_NO_FATAL_FAILURE(engine.finish());
   expectOtherStreamStillBusy();
 }
 
@@ -248,12 +294,12 @@ TEST_F(EngineLoopNoWaitTest, BoundedSwaWithCompaction) {
   engine.add(tokenRun(700, 5000));
   engine.add(tokenRun(300, 9000));
   occupyOtherStream();
-  engine.begin();
-  engine.prefill();
+  ASSERT_NO_FATAL_FAILURE(engine.begin());
+  ASSERT_NO_FATAL_FAILURE(engine.prefill());
   engine.decode(130);  // crosses page boundaries: windows map and retire pages
-  engine.dropRow(1);
-  engine.decode(3);
-  engine.finish();
+  ASSERT_NO_FATAL_FAILURE(engine.dropRow(1));
+  ASSERT_NO_FATAL_FAILURE(engine.decode(3));
+  ASSERT_NO_FATAL_FAILURE(engine.finish());
   expectOtherStreamStillBusy();
 }
 
@@ -266,15 +312,15 @@ TEST_F(EngineLoopNoWaitTest, InFlightJoinAndRetract) {
   LoopEngine engine(*runtime, stream());
   engine.add(tokenRun(600, 10));
   occupyOtherStream();
-  engine.begin();
-  engine.prefill();
-  engine.decode(2);
-  engine.join(tokenRun(900, 4000));
-  engine.decode(2);
-  engine.admitAndRetract(tokenRun(400, 7000));
-  engine.dropRow(0);
-  engine.decode(1);
-  engine.finish();
+  ASSERT_NO_FATAL_FAILURE(engine.begin());
+  ASSERT_NO_FATAL_FAILURE(engine.prefill());
+  ASSERT_NO_FATAL_FAILURE(engine.decode(2));
+  ASSERT_NO_FATAL_FAILURE(engine.join(tokenRun(900, 4000)));
+  ASSERT_NO_FATAL_FAILURE(engine.decode(2));
+  ASSERT_NO_FATAL_FAILURE(engine.admitAndRetract(tokenRun(400, 7000)));
+  ASSERT_NO_FATAL_FAILURE(engine.dropRow(0));
+  ASSERT_NO_FATAL_FAILURE(engine.decode(1));
+  ASSERT_NO_FATAL_FAILURE(engine.finish());
   expectOtherStreamStillBusy();
 }
 
@@ -295,13 +341,13 @@ TEST_F(EngineLoopNoWaitTest, HybridCheckpointCapture) {
   first.add(tokenRun(1000, 10));
   second.add(tokenRun(1100, 10));  // extends the first prompt: restores its checkpoint
   occupyOtherStream();
-  first.begin();
-  first.prefill();
-  first.decode(3);
-  first.finish();
-  second.begin();
-  second.prefill();
-  second.finish();
+  ASSERT_NO_FATAL_FAILURE(first.begin());
+  ASSERT_NO_FATAL_FAILURE(first.prefill());
+  ASSERT_NO_FATAL_FAILURE(first.decode(3));
+  ASSERT_NO_FATAL_FAILURE(first.finish());
+  ASSERT_NO_FATAL_FAILURE(second.begin());
+  ASSERT_NO_FATAL_FAILURE(second.prefill());
+  ASSERT_NO_FATAL_FAILURE(second.finish());
   expectOtherStreamStillBusy();
   EXPECT_GE(coordinator.counters().checkpointCaptures, 1U);
   EXPECT_GE(coordinator.counters().checkpointRestores, 1U);
