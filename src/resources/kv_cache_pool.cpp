@@ -54,6 +54,9 @@ KVCachePool::KVCachePool(KVCachePoolConfig const& config) : mConfig(config) {
   MKV_ASSERT(viewed, "an empty view always fits");
   mLengthUploads =
       std::make_unique<detail::Int32UploadRegions>(1, config.maxBatchSize, config.deviceType);
+  // Length writes never allocate: a std::bad_alloc there would come after a backend's page-table
+  // upload and leave a throwing call with changed state.
+  mLengthPatch.reserve(static_cast<std::size_t>(kernels::kMaxInlinePatchValues));
   if (config.deviceType == DeviceType::kGPU) {
     int64_t const lengthBytes = sizeof(int32_t);
     int64_t const workspaceBytes =
