@@ -1381,12 +1381,12 @@ void ContextCacheCoordinator::beginBatchCompaction(RequestHandle& handle,
   }
   MKV_REQUIRE(nextSurvivor == newBatchSize, kCall, "{} survivors for a new batch of {}",
               nextSurvivor, newBatchSize);
+  requireLengthBatch(kCall, req);
   MKV_REQUIRE(deviceMapping.dataType() == DataType::kInt32 && deviceMapping.deviceType() == mDevice,
               kCall, "deviceMapping must be int32 on {}", toString(mDevice));
   MKV_REQUIRE(deviceMapping.capacityBytes() >= static_cast<int64_t>(oldToNew.size_bytes()), kCall,
               "deviceMapping holds {} bytes, needs {}", deviceMapping.capacityBytes(),
               oldToNew.size_bytes());
-  requireLengthBatch(kCall, req);
   bool const reshaped = deviceMapping.reshape({oldBatch});
   MKV_ASSERT(reshaped, "deviceMapping reshape failed after the capacity check");
   if (!oldToNew.empty()) {
@@ -1406,8 +1406,9 @@ ContextCacheStatus ContextCacheCoordinator::compactBatch(RequestHandle& handle) 
   MKV_REQUIRE(req.phase == Phase::kExecuting && req.pending && !req.mapping.empty(), kCall,
               "no batch compaction was begun");
   requireLengthBatch(kCall, req);  // the engine may have resized the tensor since the begin
-  MKV_REQUIRE(req.deviceMapping->numel() == static_cast<int64_t>(req.mapping.size()) &&
-                  req.deviceMapping->deviceType() == mDevice,
+  // The device mapping is read only to compact the length tensors.
+  MKV_REQUIRE(!hasKv() || (req.deviceMapping->numel() == static_cast<int64_t>(req.mapping.size()) &&
+                           req.deviceMapping->deviceType() == mDevice),
               kCall,
               "deviceMapping was reshaped or replaced since beginBatchCompaction: {} entries on "
               "{}, expected {} on {}",

@@ -520,13 +520,13 @@ void BoundedSwaKVPageManager::beginBatchCompaction(RequestHandle& handle,
   }
   MKV_REQUIRE(nextSurvivor == newBatchSize, kCall, "{} survivors for a new batch of {}",
               nextSurvivor, newBatchSize);
+  requireLengthBatch(kCall, req);
   MKV_REQUIRE(deviceMapping.dataType() == DataType::kInt32 &&
                   deviceMapping.deviceType() == mResources.swaPool->deviceType(),
               kCall, "deviceMapping must be int32 on {}", toString(mResources.swaPool->deviceType()));
   MKV_REQUIRE(deviceMapping.capacityBytes() >= static_cast<int64_t>(oldToNew.size_bytes()), kCall,
               "deviceMapping holds {} bytes, needs {}", deviceMapping.capacityBytes(),
               oldToNew.size_bytes());
-  requireLengthBatch(kCall, req);
   bool const reshaped = deviceMapping.reshape({oldBatch});
   MKV_ASSERT(reshaped, "deviceMapping reshape failed after the capacity check");
   if (!oldToNew.empty()) {
@@ -545,8 +545,10 @@ SwaKVCacheStatus BoundedSwaKVPageManager::compactBatch(RequestHandle& handle) {
   Request& req = request(handle, kCall);
   MKV_REQUIRE(req.pending == Pending::kCompaction, kCall, "no batch compaction was begun");
   requireLengthBatch(kCall, req);  // the engine may have resized a tensor since the begin
-  MKV_REQUIRE(req.deviceMapping->numel() == static_cast<int64_t>(req.mapping.size()) &&
-                  req.deviceMapping->deviceType() == mResources.swaPool->deviceType(),
+  // The device mapping is read only to compact the length pools.
+  MKV_REQUIRE(mResources.lengthPools.empty() ||
+                  (req.deviceMapping->numel() == static_cast<int64_t>(req.mapping.size()) &&
+                   req.deviceMapping->deviceType() == mResources.swaPool->deviceType()),
               kCall,
               "deviceMapping was reshaped or replaced since beginBatchCompaction: {} entries on "
               "{}, expected {} on {}",

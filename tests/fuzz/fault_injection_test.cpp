@@ -1222,6 +1222,119 @@ TEST_F(AllocationFaultTest, FacadeOverBoundedSwaFailsWithoutATrace) {
          failEveryAllocation(swaConfig(), facadeScript(false)), 10);
 }
 
+/// publishHybridMtpEndpoint reserves its snapshot slots before it releases the pins of the
+/// checkpoint the row restored: an allocation that fails anywhere before the endpoint's copies
+/// leaves the pins (and every snapshot slot) as they were, so the boundary hidden row can still be
+/// restored and the endpoint published by a retry.
+TEST_F(AllocationFaultTest, AHybridMtpEndpointThatRunsOutOfHostMemoryKeepsTheHitsPins) {
+  KVCacheRuntimeConfig config;
+  config.model.numFullAttentionLayers = 2;
+  config.model.numKVHeads = 1;
+  config.model.headDim = 4;
+  config.model.numRecurrentLayers = 2;
+  config.model.recurrentStateBytes = 24;
+  config.model.recurrentConvBytes = 8;
+  config.maxBatchSize = 2;
+  config.maxSequenceLength = 128;
+  config.tokensPerPage = 16;
+  config.contextReuse = true;
+  config.deviceType = DeviceType::kCPU;
+  KVCacheSpeculativeConfig spec;
+  spec.numDraftLayers = 1;
+  spec.numDraftKVHeads = 1;
+  spec.draftHeadDim = 4;
+  spec.boundaryHiddenWidth = 8;
+  config.speculative = spec;
+  config.contextCache.recurrentSnapshotPoolBytes = 4 * (2 * (24 + 8) + 8 * 2);
+  config.contextCache.partialKvSnapshotPoolBytes = 4 * 3 * (2 * 16 * 4 * 2);
+  std::unique_ptr<KVCacheRuntime> runtime = KVCacheRuntime::create(config);
+  ContextCacheCoordinator& coordinator = *runtime->contextCache();
+  constexpr DecodingKvHeadroom kHeadroom{4, 4};
+  std::vector<int32_t> prompt(60);
+  std::iota(prompt.begin(), prompt.end(), 100);
+  auto contextOf = [&](std::vector<int32_t> tokens, ResidentRef resident) {
+    DecodingInferenceContext context;
+    context.activeBatchSize = 1;
+    context.rawBatchedInputIds = {std::move(tokens)};
+    context.generatedTokenIds = {{}};
+    context.residentRefs = {resident};
+    context.finishReasons = {FinishReason::kNotFinished};
+    return context;
+  };
+  LLMGenerationRequest request;
+  request.requests.resize(1);
+  ResidentRef const resident = runtime->residentSlots().acquire().value();
+  {  // The producer publishes the endpoint at 40.
+    DecodingInferenceContext context =
+        contextOf(std::vector<int32_t>(prompt.begin(), prompt.begin() + 40), resident);
+    auto producer = ManagedKVCacheRequest::begin(
+        &coordinator, nullptr, request, context, true, kHeadroom,
+        DecodingTokenStateContract::kCommittedPlusLookahead,
+        ContextCacheCommitPolicy::kPrefillStateOnly);
+    ASSERT_TRUE(producer.has_value());
+    ASSERT_TRUE(producer->preparePrefill());
+    Tensor hidden({40, 8}, DataType::kFloat16, DeviceType::kCPU);
+    ASSERT_TRUE(producer->publishHybridMtpEndpoint(0, 40, hidden, 39));
+    context.generatedTokenIds[0].push_back(7);
+    ASSERT_TRUE(producer->completePrefill(context, {}));
+    ASSERT_TRUE(producer->finish());
+  }
+  DecodingInferenceContext context = contextOf(prompt, resident);
+  auto consumer = ManagedKVCacheRequest::begin(&coordinator, nullptr, request, context, true,
+                                               kHeadroom,
+                                               DecodingTokenStateContract::kCommittedPlusLookahead,
+                                               ContextCacheCommitPolicy::kPrefillStateOnly);
+  ASSERT_TRUE(consumer.has_value());
+  ASSERT_EQ(consumer->reuseTokenLength(0), 40);
+  ASSERT_TRUE(consumer->preparePrefill());
+  ResourcePools const& pools = coordinator.manager().pools();
+  auto slotRefs = [&] {
+    std::vector<int32_t> refs;
+    for (ResourceType type : {ResourceType::kRecurrentSnapshot, ResourceType::kPartialKvSnapshot}) {
+      for (int32_t id = 0; id < pools.capacity(type); ++id) {
+        refs.push_back(pools.activeRefs({type, id}));
+        refs.push_back(pools.cacheRefs({type, id}));
+      }
+      refs.push_back(pools.freeCount(type));
+    }
+    return refs;
+  };
+  Tensor hidden({20, 8}, DataType::kFloat16, DeviceType::kCPU);
+  Tensor restored({1, 8}, DataType::kFloat16, DeviceType::kCPU);
+  int64_t failures = 0;
+  for (int64_t k = 1;; ++k) {
+    std::vector<int32_t> const before = slotRefs();
+    uint64_t const publications = coordinator.counters().hybridMtpPublications;
+    armAllocationFault(k);
+    bool threw = false;
+    try {
+      LibraryCall call;
+      (void)consumer->publishHybridMtpEndpoint(0, 60, hidden, 19);
+    } catch (std::bad_alloc const&) {
+      threw = true;
+    }
+    bool const fired = !allocationFaultPending();
+    armAllocationFault(0);
+    if (!threw) {
+      // The k-th allocation came after the copies (an absorbed publication) or never came.
+      EXPECT_TRUE(!fired || coordinator.counters().hybridMtpPublications == publications);
+      break;
+    }
+    ++failures;
+    EXPECT_EQ(slotRefs(), before) << "allocation " << k;
+    EXPECT_EQ(coordinator.counters().hybridMtpPublications, publications);
+    EXPECT_TRUE(consumer->restoreHybridMtpBoundaryHidden(0, restored, 0))
+        << "allocation " << k << ": the hit's pins are held";
+  }
+  EXPECT_GE(failures, 2) << "the hashing and the reservation allocate";
+  context.generatedTokenIds[0].push_back(7);
+  ASSERT_TRUE(consumer->completePrefill(context, {}));
+  ASSERT_TRUE(consumer->finish());
+  consumer.reset();
+  ASSERT_TRUE(runtime->residentSlots().release(resident));
+  EXPECT_TRUE(runtime->shutdown());
+}
+
 /// The lifecycle fuzzer with one allocation failing at a point spread over each lifecycle: the
 /// driver drops the request whose call threw std::bad_alloc and every invariant and the KV
 /// oracle must still hold, through to a teardown that finds every page back.
