@@ -14,10 +14,9 @@
 ///
 /// Every "key" is a 64-bit value whose minimum over all findings of a launch is the finding the
 /// sequential host loop would report first, so the GPU and the twin agree on it:
-///   KV mismatch   flat(30) | code(10) | byte(16) | found(8), code = 0 (no page) or 1 + 2*layer + half
-///   KV page       flat(32) | page entry as uint32 (32)
-///   write fault   flat(32) | page entry as uint32 (32)
-///   recurrent     item(16) | 2*layer + conv(8) | byte(32) | found(8)
+///   KV mismatch   flat(30) | code(10) | byte(16) | found(8), code = 0 (no page) or 1 + 2*layer +
+///   half KV page       flat(32) | page entry as uint32 (32) write fault   flat(32) | page entry as
+///   uint32 (32) recurrent     item(16) | 2*layer + conv(8) | byte(32) | found(8)
 /// where `flat` is the position's index in the step's verify (or write) list, in list order.
 
 #include <cstdint>
@@ -134,8 +133,8 @@ inline constexpr int64_t kOracleStoreChunk = 1024;
 
 /// Work units of the write launch: write positions, then store chunks, then recurrent items.
 inline int64_t oracleWriteUnits(OracleStepHeader const& header) {
-  return header.writePositions + (header.storePositions + kOracleStoreChunk - 1) / kOracleStoreChunk +
-         header.numRecurrent;
+  return header.writePositions +
+         (header.storePositions + kOracleStoreChunk - 1) / kOracleStoreChunk + header.numRecurrent;
 }
 
 /// Host twins: the same work as the kernels, sequentially, on host pointers.

@@ -2,6 +2,8 @@
 // failed lifecycle calls), and checks that docs/integration.md shows exactly that file, so the
 // documented example cannot drift from compiling code. The example's engine loop runs on host
 // tensors and, as its header promises, with deviceType = kGPU (skipped without a CUDA device).
+#include "../../docs/examples/integration_example.cpp"
+
 #include <gtest/gtest.h>
 
 #include <fstream>
@@ -12,7 +14,6 @@
 #include <stdexcept>
 #include <string>
 
-#include "../../docs/examples/integration_example.cpp"
 #include "mkv/error.h"
 #include "mkv/stream.h"
 #include "test_inputs.h"

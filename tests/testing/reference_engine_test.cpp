@@ -2,6 +2,8 @@
 // byte is reported with its exact coordinates at the step that reads it, and the same workload
 // gives the same figures, the same outcomes and the same pool bytes (poison included) on CPU and
 // GPU tensors, so the CUDA kernels and their host twins do bit-identical work.
+#include "mkv/testing/reference_engine.h"
+
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
@@ -15,7 +17,6 @@
 
 #include "mkv/kv_cache_runtime.h"
 #include "mkv/stream.h"
-#include "mkv/testing/reference_engine.h"
 #include "test_util.h"
 
 namespace mkv {
@@ -33,9 +34,12 @@ enum class Shape { kReuse, kSwa, kHybrid };
 
 std::string shapeName(Shape shape) {
   switch (shape) {
-    case Shape::kReuse: return "reuse";
-    case Shape::kSwa: return "swa";
-    case Shape::kHybrid: return "hybrid";
+    case Shape::kReuse:
+      return "reuse";
+    case Shape::kSwa:
+      return "swa";
+    case Shape::kHybrid:
+      return "hybrid";
   }
   return "?";
 }
@@ -182,12 +186,13 @@ RunResult runWorkload(Shape shape, DeviceType device, Corruption const& corrupt 
 void flipKvByte(KVCacheRuntime& runtime, int32_t layer, int32_t half, int32_t position,
                 int64_t byte, uint8_t* was, uint8_t* now, int32_t* pageOut) {
   KVCachePool& pool = *runtime.fullPool();
-  int32_t const page = runtime.fullPageTable()->hostRow(0)[static_cast<std::size_t>(position / kPageTokens)];
+  int32_t const page =
+      runtime.fullPageTable()->hostRow(0)[static_cast<std::size_t>(position / kPageTokens)];
   ASSERT_GE(page, 0);
   std::vector<uint8_t> bytes = test::readBytes(pool.layer(layer));
-  std::size_t const offset = static_cast<std::size_t>(half * pool.pageBytes() * pool.numPages() +
-                                                      page * pool.pageBytes() +
-                                                      (position % kPageTokens) * pool.tokenBytes() + byte);
+  std::size_t const offset =
+      static_cast<std::size_t>(half * pool.pageBytes() * pool.numPages() + page * pool.pageBytes() +
+                               (position % kPageTokens) * pool.tokenBytes() + byte);
   *was = bytes[offset];
   bytes[offset] = static_cast<uint8_t>(bytes[offset] ^ 0x5A);
   *now = bytes[offset];
@@ -244,9 +249,9 @@ TEST_P(ReferenceEngineTest, AMismatchThrowsWhenTheStepCompletesWithThrowOnMismat
   EngineRequest request;
   request.sequences = {sequence(tokens(30, 100), 6)};
   // Position 30 (the first decoded token) was written at step 1: step 2 reads it.
-  EXPECT_TRUE(test::throwsError([&] { engine.run(request); },
-                                {"ReferenceEngine: oracle mismatch: slot 0 position 30",
-                                 "layer 0 K: byte 0 is"}));
+  EXPECT_TRUE(test::throwsError(
+      [&] { engine.run(request); },
+      {"ReferenceEngine: oracle mismatch: slot 0 position 30", "layer 0 K: byte 0 is"}));
   EXPECT_EQ(engine.stats().decodeSteps, 2);
 }
 
@@ -343,7 +348,8 @@ void expectSameRun(RunResult const& cpu, RunResult const& gpu) {
     for (std::size_t s = 0; s < cpu.outcomes[r].sequences.size(); ++s) {
       EXPECT_EQ(cpu.outcomes[r].sequences[s].generated, gpu.outcomes[r].sequences[s].generated);
       EXPECT_EQ(cpu.outcomes[r].sequences[s].reason, gpu.outcomes[r].sequences[s].reason);
-      EXPECT_EQ(cpu.outcomes[r].sequences[s].prefillStart, gpu.outcomes[r].sequences[s].prefillStart);
+      EXPECT_EQ(cpu.outcomes[r].sequences[s].prefillStart,
+                gpu.outcomes[r].sequences[s].prefillStart);
     }
   }
   ASSERT_EQ(cpu.bytes.size(), gpu.bytes.size());
@@ -377,14 +383,16 @@ TEST_P(ReferenceEngineParityTest, CorruptionIsFoundAndDescribedIdenticallyOnBoth
     ASSERT_GE(page, 0);
     Tensor& layer = pool.layer(pool.numLayers() - 1);
     std::vector<uint8_t> bytes = test::readBytes(layer);
-    auto const offset = static_cast<std::size_t>(page * pool.pageBytes() + 3 * pool.tokenBytes() + 11);
+    auto const offset =
+        static_cast<std::size_t>(page * pool.pageBytes() + 3 * pool.tokenBytes() + 11);
     bytes[offset] = static_cast<uint8_t>(bytes[offset] ^ 0x81);
     test::writeBytes(layer, bytes);
   };
   RunResult const cpu = runWorkload(GetParam(), DeviceType::kCPU, corrupt);
   RunResult const gpu = runWorkload(GetParam(), DeviceType::kGPU, corrupt);
   EXPECT_GT(cpu.stats.oracleMismatches, 0);
-  EXPECT_NE(cpu.stats.firstMismatch.find("position 3 "), std::string::npos) << cpu.stats.firstMismatch;
+  EXPECT_NE(cpu.stats.firstMismatch.find("position 3 "), std::string::npos)
+      << cpu.stats.firstMismatch;
   expectSameRun(cpu, gpu);
 }
 
