@@ -7,6 +7,7 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <deque>
 #include <memory>
@@ -354,7 +355,12 @@ void expectSameRun(RunResult const& cpu, RunResult const& gpu) {
   }
   ASSERT_EQ(cpu.bytes.size(), gpu.bytes.size());
   for (std::size_t i = 0; i < cpu.bytes.size(); ++i) {
-    EXPECT_TRUE(cpu.bytes[i] == gpu.bytes[i]) << "buffer " << i << " differs";
+    ASSERT_EQ(cpu.bytes[i].size(), gpu.bytes[i].size()) << "buffer " << i;
+    auto const differs = std::mismatch(cpu.bytes[i].begin(), cpu.bytes[i].end(), gpu.bytes[i].begin());
+    EXPECT_TRUE(differs.first == cpu.bytes[i].end())
+        << "buffer " << i << " (KV layers of the full pool, then of the SWA pool, then recurrent "
+        << "state and conv rows) differs first at byte " << (differs.first - cpu.bytes[i].begin())
+        << ": cpu " << int{*differs.first} << ", gpu " << int{*differs.second};
   }
 }
 
