@@ -95,8 +95,9 @@ EngineSequence sequence(std::vector<int32_t> prompt, int32_t maxNew, int32_t can
   return s;
 }
 
-/// Batches with a shared prefix (reuse hits on the second request), a cancellation, in-flight
-/// joins where the backend has them, and end-of-sequence tokens (eosEvery).
+/// Batches with a shared prefix (reuse hits on the second request in the reuse shape), a
+/// cancellation, queued in-flight joiners (admitted or not, depending on the sampled tokens) and
+/// end-of-sequence tokens (eosEvery).
 struct Workload {
   std::vector<EngineRequest> requests;
   std::vector<std::deque<EngineSequence>> joins;
@@ -369,9 +370,8 @@ TEST_P(ReferenceEngineParityTest, TheSameWorkloadGivesTheSameFiguresAndBytesOnBo
   RunResult const gpu = runWorkload(GetParam(), DeviceType::kGPU);
   EXPECT_EQ(cpu.stats.oracleMismatches, 0) << cpu.stats.firstMismatch;
   EXPECT_GT(cpu.stats.oracleChecks, 0);
-  if (GetParam() != Shape::kSwa) {
-    EXPECT_GT(cpu.stats.reusedTokens, 0);
-    EXPECT_GT(cpu.stats.joins, 0);
+  if (GetParam() == Shape::kReuse) {
+    EXPECT_GT(cpu.stats.reusedTokens, 0);  // the second request reuses the shared prefix
   }
   expectSameRun(cpu, gpu);
 }
@@ -396,9 +396,11 @@ TEST_P(ReferenceEngineParityTest, CorruptionIsFoundAndDescribedIdenticallyOnBoth
   };
   RunResult const cpu = runWorkload(GetParam(), DeviceType::kCPU, corrupt);
   RunResult const gpu = runWorkload(GetParam(), DeviceType::kGPU, corrupt);
-  EXPECT_GT(cpu.stats.oracleMismatches, 0);
-  EXPECT_NE(cpu.stats.firstMismatch.find("position 3 "), std::string::npos)
-      << cpu.stats.firstMismatch;
+  if (GetParam() == Shape::kReuse) {  // later steps read the page (the others: parity only)
+    EXPECT_GT(cpu.stats.oracleMismatches, 0);
+    EXPECT_NE(cpu.stats.firstMismatch.find("position 3 "), std::string::npos)
+        << cpu.stats.firstMismatch;
+  }
   expectSameRun(cpu, gpu);
 }
 
