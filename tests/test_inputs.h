@@ -30,8 +30,8 @@ std::string missingInput(std::string_view relative);
 }  // namespace mkv::test
 
 /// Sets `var` to the input at `relative` or skips the test with a message naming what is missing.
-#define MKV_TEST_INPUT_OR_SKIP(var, relative)                    \
+#define MKV_TEST_INPUT_OR_SKIP(var, relative)                             \
   std::filesystem::path const var = ::mkv::test::findTestInput(relative); \
-  if (var.empty()) {                                             \
-    GTEST_SKIP() << ::mkv::test::missingInput(relative);         \
+  if (var.empty()) {                                                      \
+    GTEST_SKIP() << ::mkv::test::missingInput(relative);                  \
   }

@@ -209,7 +209,8 @@ std::string formatSummary(ReplayResult const& r) {
        r.gpuTimed ? fmt::format("p50 {}, p99 {}, mean {}", grouped(r.gpuNsPerStepP50),
                                 grouped(r.gpuNsPerStepP99), grouped(r.gpuNsPerStepMean))
                   : std::string("n/a (CPU tensors)"));
-  line("wall time", fmt::format("{:.2f} s, {:.1f} requests/s", r.wallSeconds, requestsPerSecond(r)));
+  line("wall time",
+       fmt::format("{:.2f} s, {:.1f} requests/s", r.wallSeconds, requestsPerSecond(r)));
   return out;
 }
 

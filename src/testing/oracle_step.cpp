@@ -9,7 +9,8 @@ void oracleWriteHost(OracleGeometry const& geometry, uint8_t* plan) {
   auto& header = *reinterpret_cast<OracleStepHeader*>(plan);
   OracleResult& result = header.result;
   for (int64_t flat = 0; flat < header.writePositions; ++flat) {
-    result.writeFaultKey = minKey(result.writeFaultKey, writeUnitShare(geometry, plan, header, flat, 0, 1));
+    result.writeFaultKey =
+        minKey(result.writeFaultKey, writeUnitShare(geometry, plan, header, flat, 0, 1));
   }
   int64_t const chunks = (header.storePositions + kOracleStoreChunk - 1) / kOracleStoreChunk;
   for (int64_t chunk = 0; chunk < chunks; ++chunk) {

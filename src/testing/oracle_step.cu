@@ -50,7 +50,8 @@ __global__ void __launch_bounds__(kThreads)
       storeUnitShare(geometry, plan, header, unit - header.writePositions, tid, threads);
     } else {
       int64_t const item = unit - header.writePositions - storeChunks;
-      uint64_t const key = blockMin(recurrentUnitShare(geometry, plan, header, item, tid, threads), &shared);
+      uint64_t const key =
+          blockMin(recurrentUnitShare(geometry, plan, header, item, tid, threads), &shared);
       if (tid == 0 && key != kNoKey) {
         atomicAdd(&header.result.recurrentMismatches, 1ULL);
         atomicMin(&header.result.recurrentKey, static_cast<unsigned long long>(key));

@@ -2,22 +2,21 @@
 /// \file oracle_step.h
 /// The step kernels of the reference engine (SPEC §11): the KV (and recurrent) writes of a whole
 /// engine step in one launch, the oracle verification of every position the step's attention
-/// reads in one launch, and a snapshot of the KV-length rows in one launch, each with a host twin that does
-/// the same work on CPU tensors with bit-identical results. Plain C++ (compiles with g++ and
-/// nvcc). Private to the testing library: not installed.
+/// reads in one launch, and a snapshot of the KV-length rows in one launch, each with a host twin
+/// that does the same work on CPU tensors with bit-identical results. Plain C++ (compiles with
+/// g++ and nvcc). Private to the testing library: not installed.
 ///
-/// A step is described by a *plan*: one contiguous byte buffer (OracleStepHeader, then the
-/// ranges, recurrent items, length checks and the staged prefix digests), built on the host in
-/// pinned memory and uploaded with one copy. The header starts with the OracleResult the kernels
-/// fill in (zero counts, all-ones keys as uploaded), followed by the length snapshot; these are
-/// the only bytes copied back.
+/// A step is described by a *plan*: one contiguous byte buffer (OracleStepHeader, the length
+/// snapshot area, then the staged ranges, write ranges, verify ranges, recurrent items and the
+/// staged prefix digests), built on the host in pinned memory and uploaded with one copy. The
+/// header starts with the OracleResult the kernels fill in (zero counts, all-ones keys as
+/// uploaded); it and the length snapshot are the only bytes copied back.
 ///
 /// Every "key" is a 64-bit value whose minimum over all findings of a launch is the finding the
 /// sequential host loop would report first, so the GPU and the twin agree on it:
-///   KV mismatch   flat(30) | code(10) | byte(16) | found(8), code = 0 (no page) or 1 + 2*layer + half
-///   KV page       flat(32) | page entry as uint32 (32)
-///   write fault   flat(32) | page entry as uint32 (32)
-///   recurrent     item(16) | 2*layer + conv(8) | byte(32) | found(8)
+///   KV mismatch   flat(30) | code(10) | byte(16) | found(8), code = 0 (no page) or 1 + 2*layer +
+///   half KV page       flat(32) | page entry as uint32 (32) write fault   flat(32) | page entry as
+///   uint32 (32) recurrent     item(16) | 2*layer + conv(8) | byte(32) | found(8)
 /// where `flat` is the position's index in the step's verify (or write) list, in list order.
 
 #include <cstdint>
@@ -134,8 +133,8 @@ inline constexpr int64_t kOracleStoreChunk = 1024;
 
 /// Work units of the write launch: write positions, then store chunks, then recurrent items.
 inline int64_t oracleWriteUnits(OracleStepHeader const& header) {
-  return header.writePositions + (header.storePositions + kOracleStoreChunk - 1) / kOracleStoreChunk +
-         header.numRecurrent;
+  return header.writePositions +
+         (header.storePositions + kOracleStoreChunk - 1) / kOracleStoreChunk + header.numRecurrent;
 }
 
 /// Host twins: the same work as the kernels, sequentially, on host pointers.

@@ -57,9 +57,12 @@ MKV_ORACLE_FN void storeWord(uint8_t* p, int64_t n, uint64_t v) {
   }
 }
 
-MKV_ORACLE_FN uint64_t byteMask(int64_t n) { return n >= 8 ? ~uint64_t{0} : (uint64_t{1} << (8 * n)) - 1; }
+MKV_ORACLE_FN uint64_t byteMask(int64_t n) {
+  return n >= 8 ? ~uint64_t{0} : (uint64_t{1} << (8 * n)) - 1;
+}
 
-/// Index of the range of `ranges[0, count)` holding flat position `flat` (ranges are in flat order).
+/// Index of the range of `ranges[0, count)` holding flat position `flat` (ranges are in flat
+/// order).
 MKV_ORACLE_FN int64_t findRange(OracleRange const* ranges, int64_t count, int64_t flat) {
   int64_t lo = 0;
   int64_t hi = count - 1;
@@ -142,9 +145,10 @@ MKV_ORACLE_FN void storeUnitShare(OracleGeometry const& geometry, uint8_t const*
 /// (when verified), then writes the state after toLength, word by word. Returns the minimum
 /// mismatch key of this thread's words.
 MKV_ORACLE_FN uint64_t recurrentUnitShare(OracleGeometry const& geometry, uint8_t const* plan,
-                                          OracleStepHeader const& header, int64_t item,
-                                          int32_t tid, int32_t threads) {
-  OracleRecurrentItem const& it = planArray<OracleRecurrentItem>(plan, header.recurrentOffset)[item];
+                                          OracleStepHeader const& header, int64_t item, int32_t tid,
+                                          int32_t threads) {
+  OracleRecurrentItem const& it =
+      planArray<OracleRecurrentItem>(plan, header.recurrentOffset)[item];
   OracleRecurrentGeometry const& rec = geometry.recurrent;
   uint64_t key = kNoKey;
   for (int32_t lk = 0; lk < 2 * rec.numLayers; ++lk) {
@@ -159,13 +163,15 @@ MKV_ORACLE_FN uint64_t recurrentUnitShare(OracleGeometry const& geometry, uint8_
       int64_t const n = bytes - 8 * w < 8 ? bytes - 8 * w : 8;
       uint8_t* p = row + 8 * w;
       if ((it.flags & kOracleRecurrentVerify) != 0) {
-        uint64_t const want =
-            (it.flags & kOracleRecurrentFromZero) != 0 ? 0 : oracle::rowWord(fromSeed, w) & byteMask(n);
+        uint64_t const want = (it.flags & kOracleRecurrentFromZero) != 0
+                                  ? 0
+                                  : oracle::rowWord(fromSeed, w) & byteMask(n);
         uint64_t const found = loadWord(p, n);
         if (found != want) {
           int32_t const b = firstSetByte(found ^ want);
-          key = minKey(key, (static_cast<uint64_t>(item) << 48) | (static_cast<uint64_t>(lk) << 40) |
-                                (static_cast<uint64_t>(8 * w + b) << 8) | ((found >> (8 * b)) & 0xFF));
+          key = minKey(key,
+                       (static_cast<uint64_t>(item) << 48) | (static_cast<uint64_t>(lk) << 40) |
+                           (static_cast<uint64_t>(8 * w + b) << 8) | ((found >> (8 * b)) & 0xFF));
         }
       }
       storeWord(p, n, (it.flags & kOracleRecurrentToZero) != 0 ? 0 : oracle::rowWord(toSeed, w));
@@ -202,8 +208,9 @@ MKV_ORACLE_FN uint64_t verifyUnitShare(OracleGeometry const& geometry, uint8_t c
       uint64_t const found = loadWord(row + 8 * w, n);
       if (found != want) {
         int32_t const b = firstSetByte(found ^ want);
-        key = minKey(key, flatKey | (static_cast<uint64_t>(1 + lh) << 24) |
-                              (static_cast<uint64_t>(8 * w + b) << 8) | ((found >> (8 * b)) & 0xFF));
+        key =
+            minKey(key, flatKey | (static_cast<uint64_t>(1 + lh) << 24) |
+                            (static_cast<uint64_t>(8 * w + b) << 8) | ((found >> (8 * b)) & 0xFF));
       }
     }
     if (key != kNoKey) {

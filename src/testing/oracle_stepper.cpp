@@ -22,8 +22,9 @@ uint8_t expectedByte(uint64_t digest, int32_t layer, int32_t half, int64_t byte)
 }
 
 void fillPool(OraclePoolGeometry& geometry, KVCachePool& pool, KVPageTable const& table) {
-  MKV_REQUIRE(pool.numLayers() <= kOracleMaxLayers, kCall, "a pool of {} layers exceeds the {} the oracle addresses",
-              pool.numLayers(), kOracleMaxLayers);
+  MKV_REQUIRE(pool.numLayers() <= kOracleMaxLayers, kCall,
+              "a pool of {} layers exceeds the {} the oracle addresses", pool.numLayers(),
+              kOracleMaxLayers);
   MKV_REQUIRE(pool.tokenBytes() <= kOracleMaxTokenBytes, kCall,
               "token rows of {} bytes exceed the {} the oracle addresses", pool.tokenBytes(),
               kOracleMaxTokenBytes);
@@ -75,8 +76,8 @@ OracleStepper::OracleStepper(KVCacheRuntime& runtime, bool recurrent)
     g.numLayers = state.numLayers();
     g.numSlots = state.numSlots();
   }
-  MKV_REQUIRE(int64_t{rows} < kOracleMaxItems, kCall, "{} resident slots exceed the {} the oracle addresses",
-              rows, kOracleMaxItems);
+  MKV_REQUIRE(int64_t{rows} < kOracleMaxItems, kCall,
+              "{} resident slots exceed the {} the oracle addresses", rows, kOracleMaxItems);
   pitch = std::max<int64_t>(pitch, 1);
   mDigestStore = Tensor({rows, pitch}, DataType::kInt64, mDevice);
   mGeometry.digestStore = mDigestStore.dataPointer<uint64_t>();
@@ -102,7 +103,8 @@ OracleStepper::OracleStepper(KVCacheRuntime& runtime, bool recurrent)
   mLengths[1].reserve(r);
   if (mDevice == DeviceType::kGPU) {
     mPlanDevice = Tensor({static_cast<int64_t>(mStagingBytes)}, DataType::kUInt8, mDevice);
-    mGeometryDevice = Tensor({static_cast<int64_t>(sizeof(OracleGeometry))}, DataType::kUInt8, mDevice);
+    mGeometryDevice =
+        Tensor({static_cast<int64_t>(sizeof(OracleGeometry))}, DataType::kUInt8, mDevice);
     ::mkv::detail::copyBytes(mGeometryDevice.rawPointer(), mDevice, &mGeometry, DeviceType::kCPU,
                              sizeof(OracleGeometry), nullptr);
     ::mkv::detail::synchronizeDevice();  // construction-time initialisation
@@ -118,7 +120,8 @@ OracleStepper::~OracleStepper() {
   }
 }
 
-void OracleStepper::requireCapacity(std::size_t used, std::size_t capacity, char const* what) const {
+void OracleStepper::requireCapacity(std::size_t used, std::size_t capacity,
+                                    char const* what) const {
   MKV_REQUIRE(used <= capacity, kCall, "a step needs {} {} but the oracle holds {}", used, what,
               capacity);
 }
@@ -172,8 +175,8 @@ void OracleStepper::write(int32_t pool, int32_t slot, int32_t begin, int32_t end
     return;
   }
   requireCapacity(mWrites.size() + 1, mWrites.capacity(), "write ranges");
-  mWrites.push_back(
-      OracleRange{pool, slot, begin, end - begin, kOracleAttention, 0, index, mHeader.writePositions});
+  mWrites.push_back(OracleRange{pool, slot, begin, end - begin, kOracleAttention, 0, index,
+                                mHeader.writePositions});
   mHeader.writePositions += end - begin;
 }
 
@@ -186,7 +189,8 @@ void OracleStepper::verify(int32_t pool, int32_t slot, int32_t begin, int32_t en
     return;
   }
   requireCapacity(mVerifies.size() + 1, mMaxRanges, "checked ranges");
-  mVerifies.push_back(OracleRange{pool, slot, begin, end - begin, kind, 0, -1, mHeader.verifyPositions});
+  mVerifies.push_back(
+      OracleRange{pool, slot, begin, end - begin, kind, 0, -1, mHeader.verifyPositions});
   mHeader.verifyPositions += end - begin;
   MKV_REQUIRE(mHeader.verifyPositions <= kOracleMaxFlat, kCall,
               "a step checks {} positions, more than the {} the oracle addresses",
@@ -246,8 +250,10 @@ void OracleStepper::submit(cudaStream_t stream) {
   auto const* geometry = static_cast<OracleGeometry const*>(mGeometryDevice.rawPointer());
   ::mkv::detail::copyBytes(device, DeviceType::kGPU, plan, DeviceType::kCPU, used, stream);
   mPending = true;
-  ::mkv::detail::checkCuda(oracleWriteCuda(geometry, device, header, stream), "ReferenceEngine write launch");
-  ::mkv::detail::checkCuda(oracleVerifyCuda(geometry, device, header, stream), "ReferenceEngine verify launch");
+  ::mkv::detail::checkCuda(oracleWriteCuda(geometry, device, header, stream),
+                           "ReferenceEngine write launch");
+  ::mkv::detail::checkCuda(oracleVerifyCuda(geometry, device, header, stream),
+                           "ReferenceEngine verify launch");
 #else
   (void)used;
   (void)stream;
@@ -284,7 +290,8 @@ void OracleStepper::snapshotLengths(int32_t rowsFull, int32_t rowsSwa, cudaStrea
 
 uint64_t OracleStepper::storedDigest(int32_t slot, int64_t position) const {
   uint64_t value = 0;
-  auto const* source = mDigestStore.dataPointer<uint64_t>() + slot * mGeometry.storePitch + position;
+  auto const* source =
+      mDigestStore.dataPointer<uint64_t>() + slot * mGeometry.storePitch + position;
   ::mkv::detail::copyBytes(&value, DeviceType::kCPU, source, mDevice, sizeof(value), nullptr);
   if (mDevice == DeviceType::kGPU) {
     ::mkv::detail::synchronizeDevice();  // mismatch reporting only, never on the step path
@@ -348,7 +355,8 @@ StepFindings const& OracleStepper::complete(cudaStream_t stream, char const* cal
     OracleResult const& result = header.result;
     if (result.writeFaultKey != kNoKey) {
       auto const flat = static_cast<int64_t>(result.writeFaultKey >> 32);
-      auto const entry = static_cast<int32_t>(static_cast<uint32_t>(result.writeFaultKey & 0xFFFFFFFFULL));
+      auto const entry =
+          static_cast<int32_t>(static_cast<uint32_t>(result.writeFaultKey & 0xFFFFFFFFULL));
       OracleRange const& range =
           mWrites[static_cast<std::size_t>(findRange(mWrites.data(), mHeader.numWrites, flat))];
       ::mkv::detail::throwContract(call, "position {} of slot {} maps to no page (entry {})",
@@ -359,9 +367,9 @@ StepFindings const& OracleStepper::complete(cudaStream_t stream, char const* cal
     if (result.kvMismatches > 0) {
       mFindings.kvFirst = describeKv(result);
     }
-    mFindings.recurrentChecks = static_cast<int64_t>(
-        std::count_if(mRecurrent.begin(), mRecurrent.end(),
-                      [](OracleRecurrentItem const& it) { return (it.flags & kOracleRecurrentVerify) != 0; }));
+    mFindings.recurrentChecks = static_cast<int64_t>(std::count_if(
+        mRecurrent.begin(), mRecurrent.end(),
+        [](OracleRecurrentItem const& it) { return (it.flags & kOracleRecurrentVerify) != 0; }));
     mFindings.recurrentMismatches = static_cast<int64_t>(result.recurrentMismatches);
     if (result.recurrentMismatches > 0) {
       mFindings.recurrentFirst = describeRecurrent(result);

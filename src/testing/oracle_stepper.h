@@ -28,7 +28,7 @@ struct StepFindings {
   std::string kvFirst;           ///< the first, as KvOracle::verify describes it
   int64_t recurrentChecks = 0;
   int64_t recurrentMismatches = 0;
-  std::string recurrentFirst;    ///< as RecurrentOracle::verify describes it
+  std::string recurrentFirst;  ///< as RecurrentOracle::verify describes it
   std::vector<int32_t> const* lengths[2] = {nullptr, nullptr};  ///< snapshot rows, if taken
 };
 

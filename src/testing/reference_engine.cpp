@@ -171,7 +171,8 @@ void ReferenceEngine::checkLengths(Run& run) {
 }
 
 void ReferenceEngine::finishStep(Run& run) {
-  oracle::StepFindings const& found = mSteps->complete(mRuntime.config().stream, "ReferenceEngine::run");
+  oracle::StepFindings const& found =
+      mSteps->complete(mRuntime.config().stream, "ReferenceEngine::run");
   mStats.oracleChecks += found.positionsChecked;
   mStats.recurrentChecks += found.recurrentChecks;
   if (found.recurrentMismatches > 0) {
@@ -245,7 +246,8 @@ void ReferenceEngine::executeRecurrent(Row& row, int32_t from, int32_t to) {
               "recurrent execution [{}, {}) outside the {} known positions", from, to,
               row.digests.size());
   mSteps->recurrent(row.resident.slot, mOptions.verify != VerifyMode::kNone, from,
-                    from > 0 ? row.digests.at(from - 1) : 0, to, to > 0 ? row.digests.at(to - 1) : 0);
+                    from > 0 ? row.digests.at(from - 1) : 0, to,
+                    to > 0 ? row.digests.at(to - 1) : 0);
 }
 
 void ReferenceEngine::executePrefill(Run& run, Row& row, int32_t start) {
@@ -562,12 +564,15 @@ RequestOutcome ReferenceEngine::run(EngineRequest const& request,
       uint64_t const key = static_cast<uint32_t>(context.generatedTokenIds[i].back());
       row.digests.extend(std::span<uint64_t const>(&key, 1));
       int64_t const staged =
-          mSteps->stage(row.resident.slot, position, row.digests.values().subspan(static_cast<std::size_t>(position), 1));
+          mSteps->stage(row.resident.slot, position,
+                        row.digests.values().subspan(static_cast<std::size_t>(position), 1));
       if (mHasFull) {
-        mSteps->write(oracle::OracleStepper::kFull, row.resident.slot, position, position + 1, staged);
+        mSteps->write(oracle::OracleStepper::kFull, row.resident.slot, position, position + 1,
+                      staged);
       }
       if (mRuntime.backend() == KVCacheBackend::kBoundedSwa && mHasSwa) {
-        mSteps->write(oracle::OracleStepper::kSwa, row.resident.slot, position, position + 1, staged);
+        mSteps->write(oracle::OracleStepper::kSwa, row.resident.slot, position, position + 1,
+                      staged);
       }
       executeRecurrent(row, position, position + 1);
       row.materialized = position + 1;

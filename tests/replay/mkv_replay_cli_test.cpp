@@ -15,7 +15,6 @@
 #include "replay_plot.h"
 #include "test_inputs.h"
 
-
 namespace mkv::replay {
 namespace {
 
@@ -51,7 +50,8 @@ class MkvReplayCliTest : public ::testing::Test {
     // The executable beside the suite's folder, in the build tree as in the GPU bundle.
     mExecutable = test::findBuildOutput("benchmarks/replay/mkv-replay");
     if (mExecutable.empty()) {
-      GTEST_SKIP() << "benchmarks/replay/mkv-replay not found in the folders above the test executable";
+      GTEST_SKIP()
+          << "benchmarks/replay/mkv-replay not found in the folders above the test executable";
     }
   }
   void TearDown() override { fs::remove_all(mDir); }

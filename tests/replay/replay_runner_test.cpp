@@ -17,7 +17,6 @@
 #include "test_inputs.h"
 #include "trace.h"
 
-
 namespace mkv::replay {
 namespace {
 

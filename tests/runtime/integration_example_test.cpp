@@ -3,6 +3,8 @@
 // calls), and checks that docs/integration.md shows exactly that file, so the
 // documented example cannot drift from compiling code. The example's engine loop runs on host
 // tensors and, as its header promises, with deviceType = kGPU (skipped without a CUDA device).
+#include "../../docs/examples/integration_example.cpp"
+
 #include <gtest/gtest.h>
 
 #include <fstream>
@@ -13,9 +15,9 @@
 #include <stdexcept>
 #include <string>
 
-#include "../../docs/examples/integration_example.cpp"
 #include "mkv/error.h"
 #include "mkv/stream.h"
+#include "test_inputs.h"
 #include "test_util.h"
 
 namespace {
@@ -206,16 +208,12 @@ TEST_P(IntegrationExampleTest, AJoinerThatDoesNotFitIsRetractedAndTheRequestGoes
 }
 
 TEST(IntegrationExampleDocTest, TheDocumentShowsTheCompiledExample) {
-  // The source tree this binary was built from; a copied binary (the GPU machine runs the
-  // build/cuda-release/device bundle alone) may not find it there.
-  std::string const docPath = MKV_SOURCE_DIR "/docs/integration.md";
-  std::string const codePath = MKV_SOURCE_DIR "/docs/examples/integration_example.cpp";
-  std::optional<std::string> const doc = readFile(docPath);
-  std::optional<std::string> const code = readFile(codePath);
-  if (!doc || !code) {
-    GTEST_SKIP() << "the source tree is not at the path compiled in: cannot read "
-                 << (doc ? codePath : docPath);
-  }
+  // Copies beside the binary (the GPU bundle carries them) or the source tree (test_inputs.h).
+  MKV_TEST_INPUT_OR_SKIP(docPath, "docs/integration.md");
+  MKV_TEST_INPUT_OR_SKIP(codePath, "docs/examples/integration_example.cpp");
+  std::optional<std::string> const doc = readFile(docPath.string());
+  std::optional<std::string> const code = readFile(codePath.string());
+  ASSERT_TRUE(doc && code) << "cannot read " << (doc ? codePath : docPath);
   ASSERT_FALSE(code->empty());
   std::string const begin = "<!-- example:begin -->\n```cpp\n";
   std::string const end = "```\n<!-- example:end -->";
