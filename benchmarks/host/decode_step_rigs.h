@@ -114,6 +114,7 @@ class SwaDecodeRig {
     BoundedSwaKVPageManager& manager = *mRuntime->swaPageManager();
     if (mFacade) {
       mContext = engineContext(mPrompts, mResidents);
+      mContext.stream = mRuntime->config().stream;
       auto begun = ManagedKVCacheRequest::begin(
           nullptr, &manager, LLMGenerationRequest{}, mContext, false, kDecodeHeadroom,
           DecodingTokenStateContract::kCommittedPlusLookahead,
@@ -234,6 +235,7 @@ class ReuseDecodeRig {
     ContextCacheCoordinator& coordinator = *mRuntime->contextCache();
     if (mFacade) {
       mContext = engineContext(mPrompts, mResidents);
+      mContext.stream = mRuntime->config().stream;
       auto begun = ManagedKVCacheRequest::begin(
           &coordinator, nullptr, LLMGenerationRequest{}, mContext, false, admissionHeadroom(),
           DecodingTokenStateContract::kCommittedPlusLookahead,

@@ -59,9 +59,27 @@ inline void setSequenceStepCounters(benchmark::State& state, int64_t batch) {
   state.counters["ns_per_seq"] = secondsPer(static_cast<double>(batch));
 }
 
+/// The stream of the GPU rows: one non-blocking stream for the whole process, as an engine has
+/// its own (docs/architecture.md tells engines not to use the legacy default stream); nullptr for
+/// CPU runtimes and in a build without CUDA.
+inline cudaStream_t benchStream(DeviceType device) {
+#if MKV_WITH_CUDA
+  if (device == DeviceType::kGPU) {
+    static cudaStream_t const stream = [] {
+      cudaStream_t created = nullptr;
+      (void)cudaStreamCreateWithFlags(&created, cudaStreamNonBlocking);
+      return created;
+    }();
+    return stream;
+  }
+#endif
+  (void)device;
+  return nullptr;
+}
+
 /// The smallest KV geometry (1 layer, 1 head, head dim 1, fp16), on CPU tensors unless `device`
 /// says otherwise: bookkeeping cost does not depend on the bytes per page, and large batches stay
-/// within a few tens of MiB. GPU runtimes use the legacy default stream (nullptr).
+/// within a few tens of MiB. GPU runtimes run on benchStream().
 inline KVCacheRuntimeConfig benchRuntimeConfig(int32_t maxBatch, int32_t maxSequenceLength,
                                                int32_t pageSize,
                                                DeviceType device = DeviceType::kCPU) {
@@ -72,6 +90,7 @@ inline KVCacheRuntimeConfig benchRuntimeConfig(int32_t maxBatch, int32_t maxSequ
   config.maxSequenceLength = maxSequenceLength;
   config.tokensPerPage = pageSize;
   config.deviceType = device;
+  config.stream = benchStream(device);
   return config;
 }
 
