@@ -2,6 +2,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <limits>
 #include <string>
 #include <vector>
@@ -227,6 +228,23 @@ TEST_P(KVCachePoolTest, CompactLengthsRejectsMismatchesWithoutChange) {
                           {"KVCachePool::compactLengths", "mapping is on"}));
   EXPECT_EQ(pool.activeBatchSize(), 3);
   EXPECT_EQ(allLengths(pool), before);
+}
+
+// Batches beyond the inline patch limit take the staged path (one copy from pinned staging).
+TEST_P(KVCachePoolTest, LengthWritesBeyondTheInlineLimitAreStaged) {
+  KVCachePoolConfig config = smallConfig(device());
+  config.maxBatchSize = kernels::kMaxInlinePatchValues + 200;
+  KVCachePool pool(config);
+  std::vector<int32_t> lengths(static_cast<std::size_t>(config.maxBatchSize));
+  for (std::size_t i = 0; i < lengths.size(); ++i) {
+    lengths[i] = static_cast<int32_t>(3 * i + 1);
+  }
+  pool.resetForNewSequences(lengths, nullptr);
+  EXPECT_EQ(test::readAs<int32_t>(pool.kvLengths()), lengths);
+  std::vector<int32_t> update(static_cast<std::size_t>(kernels::kMaxInlinePatchValues), 7);
+  pool.writeLengths(100, update, nullptr);
+  std::copy(update.begin(), update.end(), lengths.begin() + 100);
+  EXPECT_EQ(test::readAs<int32_t>(pool.kvLengths()), lengths);
 }
 
 INSTANTIATE_TEST_SUITE_P(Devices, KVCachePoolTest, test::allDeviceTypes(), test::deviceName);
