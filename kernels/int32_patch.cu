@@ -70,7 +70,8 @@ __global__ void __launch_bounds__(kPatchThreads)
 }  // namespace
 
 cudaError_t applyInt32InlinePatchCuda(Int32InlinePatchLaunch const& launch, cudaStream_t stream) {
-  auto const ranges = static_cast<unsigned int>(std::clamp<int64_t>(launch.numRanges, 1, kMaxPatchBlocksY));
+  auto const ranges =
+      static_cast<unsigned int>(std::clamp<int64_t>(launch.numRanges, 1, kMaxPatchBlocksY));
   int32InlinePatchKernel<<<dim3(1, ranges, 1), kPatchThreads, 0, stream>>>(launch);
   return cudaGetLastError();
 }

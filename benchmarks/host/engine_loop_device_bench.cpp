@@ -1,8 +1,9 @@
 // The engine loop's host cost with GPU tensors next to the CPU twin, in one run: per request
 // (begin, the prefill calls, finish) and per decode step, on both backends. The library does the
 // same bookkeeping on both devices; with GPU tensors it also stages uploads in pinned memory,
-// enqueues copies and kernels and synchronises at its completion points. Target (docs/benchmarks.md,
-// "Engine loop on the GPU"): GPU within 1.5x of CPU. The GPU rows skip without a CUDA device.
+// enqueues copies and kernels and synchronises at its completion points. Target
+// (docs/benchmarks.md, "The engine loop on the GPU"): GPU within 1.5x of CPU. The GPU rows skip
+// without a CUDA device.
 //
 // BM_RequestLifecycle times the library calls only (manual time, one steady_clock read around each
 // phase, ~85 ns each and the same on both devices); the decode-step rows time whole iterations
@@ -46,7 +47,8 @@ bool skipWithoutDevice(benchmark::State& state, DeviceType device) {
 /// Library nanoseconds of one request, by phase.
 struct PhaseNanoseconds {
   int64_t begin = 0;
-  int64_t prefill = 0;  ///< preparePrefill, prepareSwaPrefill, enqueuePrefillCaptures, completePrefill
+  /// preparePrefill, prepareSwaPrefill, enqueuePrefillCaptures and completePrefill.
+  int64_t prefill = 0;
   int64_t finish = 0;
   int64_t total() const { return begin + prefill + finish; }
 };
@@ -88,7 +90,8 @@ class LifecycleRig {
         ContextCacheCommitPolicy::kIncludingGeneratedTokens);
     phases.begin = elapsed(start);
     require(managed.has_value(), "begin");
-    int32_t const reused = managed->prefillStarts() != nullptr ? managed->prefillStarts()->at(0) : 0;
+    std::vector<int32_t> const* starts = managed->prefillStarts();
+    int32_t const reused = starts != nullptr ? starts->at(0) : 0;
     mContext.effectivePrefillLengths = {kPrompt - reused};
     start = Clock::now();
     bool ok = managed->preparePrefill();
