@@ -49,10 +49,26 @@ __global__ void __launch_bounds__(kPatchThreads)
   }
 }
 
+/// The parameters of an inline launch: the prefix of Int32InlinePatchLaunch that the patch needs.
+/// A launch copies its whole parameter block, so small patches use a small block (Capacity).
+template <int32_t Capacity>
+struct InlinePatchParams {
+  int32_t* dst;
+  int64_t dstNumel;
+  int32_t patchNumel;
+  int32_t numRanges;
+  int32_t patch[Capacity];
+};
+
+/// Parameter capacities, smallest first: a request's rows or a step's growth (up to 64 entries),
+/// a few rows, the inline limit. The last must be kMaxInlinePatchValues.
+constexpr int32_t kInlineCapacities[] = {64, 384, kMaxInlinePatchValues};
+
 /// The inline variant: the patch lives in the parameters. One CTA per range (grid.y), its
 /// threads striding over the range's values; the patches are small (<= kMaxInlinePatchValues).
+template <int32_t Capacity>
 __global__ void __launch_bounds__(kPatchThreads)
-    int32InlinePatchKernel(__grid_constant__ Int32InlinePatchLaunch const launch) {
+    int32InlinePatchKernel(__grid_constant__ InlinePatchParams<Capacity> const launch) {
   for (int32_t r = blockIdx.y; r < launch.numRanges; r += gridDim.y) {
     int64_t const offset = launch.patch[3 * r];
     int32_t const count = launch.patch[3 * r + 1];
@@ -67,13 +83,31 @@ __global__ void __launch_bounds__(kPatchThreads)
   }
 }
 
+template <int32_t Capacity>
+cudaError_t launchInlinePatch(Int32InlinePatchLaunch const& launch, cudaStream_t stream) {
+  InlinePatchParams<Capacity> params;
+  params.dst = launch.dst;
+  params.dstNumel = launch.dstNumel;
+  params.patchNumel = launch.patchNumel;
+  params.numRanges = launch.numRanges;
+  std::copy(launch.patch, launch.patch + launch.patchNumel, params.patch);
+  auto const ranges =
+      static_cast<unsigned int>(std::clamp<int64_t>(launch.numRanges, 1, kMaxPatchBlocksY));
+  int32InlinePatchKernel<Capacity><<<dim3(1, ranges, 1), kPatchThreads, 0, stream>>>(params);
+  return cudaGetLastError();
+}
+
 }  // namespace
 
 cudaError_t applyInt32InlinePatchCuda(Int32InlinePatchLaunch const& launch, cudaStream_t stream) {
-  auto const ranges =
-      static_cast<unsigned int>(std::clamp<int64_t>(launch.numRanges, 1, kMaxPatchBlocksY));
-  int32InlinePatchKernel<<<dim3(1, ranges, 1), kPatchThreads, 0, stream>>>(launch);
-  return cudaGetLastError();
+  static_assert(kInlineCapacities[2] == kMaxInlinePatchValues);
+  if (launch.patchNumel <= kInlineCapacities[0]) {
+    return launchInlinePatch<kInlineCapacities[0]>(launch, stream);
+  }
+  if (launch.patchNumel <= kInlineCapacities[1]) {
+    return launchInlinePatch<kInlineCapacities[1]>(launch, stream);
+  }
+  return launchInlinePatch<kInlineCapacities[2]>(launch, stream);
 }
 
 cudaError_t applyInt32PatchCuda(Int32PatchLaunch const& launch, cudaStream_t stream) {
@@ -89,7 +123,10 @@ cudaError_t applyInt32PatchCuda(Int32PatchLaunch const& launch, cudaStream_t str
 }
 
 cudaError_t loadInt32PatchKernels() {
-  return firstError(loadKernel(int32PatchKernel), loadKernel(int32InlinePatchKernel));
+  cudaError_t status = loadKernel(int32PatchKernel);
+  status = firstError(status, loadKernel(int32InlinePatchKernel<kInlineCapacities[0]>));
+  status = firstError(status, loadKernel(int32InlinePatchKernel<kInlineCapacities[1]>));
+  return firstError(status, loadKernel(int32InlinePatchKernel<kInlineCapacities[2]>));
 }
 
 }  // namespace mkv::kernels::detail

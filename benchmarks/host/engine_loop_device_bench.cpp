@@ -22,9 +22,11 @@
 
 #include "decode_step_rigs.h"
 #include "host_bench_support.h"
+#include "mkv/kernels.h"
 #include "mkv/kv_cache_runtime.h"
 #include "mkv/managed_kv_cache_request.h"
 #include "mkv/stream.h"
+#include "mkv/tensor.h"
 
 namespace mkv::bench {
 namespace {
@@ -159,6 +161,49 @@ BENCHMARK(BM_RequestLifecycle)
     ->ArgNames({"swa", "gpu"})
     ->ArgsProduct({{0, 1}, {0, 1}})
     ->UseManualTime()
+    ->Unit(benchmark::kMicrosecond);
+
+/// Waits for `stream` (nothing to wait for on the CPU twin).
+void drain(cudaStream_t stream) {
+#if MKV_WITH_CUDA
+  if (stream != nullptr) {
+    (void)cudaStreamSynchronize(stream);
+  }
+#else
+  (void)stream;
+#endif
+}
+
+/// The engine thread's cost of one inline patch (kernels::applyInt32InlinePatch) of `values`
+/// entries in one range: the unit every page-table and KV-length write of a request pays on the
+/// GPU, and its host twin on the CPU. The parameter block grows with the patch (64, 384 or 1,000
+/// entries), so the rows show what a launch costs per parameter byte. The stream is drained
+/// outside the timing every 256 launches, so the launch queue never fills and the time is the
+/// host's, not the GPU's.
+void BM_InlinePatchLaunch(benchmark::State& state) {
+  DeviceType const device = deviceArg(state, 1);
+  if (skipWithoutDevice(state, device)) {
+    return;
+  }
+  auto const values = static_cast<int32_t>(state.range(0));
+  cudaStream_t const stream = benchStream(device);
+  Tensor table({4096}, DataType::kInt32, device);
+  std::vector<int32_t> patch = {0, values - 3, 3};
+  patch.resize(static_cast<std::size_t>(values), 7);
+  int64_t launches = 0;
+  for (auto _ : state) {
+    kernels::applyInt32InlinePatch(table, patch, 1, stream);
+    if (++launches % 256 == 0) {
+      state.PauseTiming();
+      drain(stream);
+      state.ResumeTiming();
+    }
+  }
+  drain(stream);
+}
+BENCHMARK(BM_InlinePatchLaunch)
+    ->ArgNames({"values", "gpu"})
+    ->ArgsProduct({{4, 64, 384, 1000}, {0, 1}})
     ->Unit(benchmark::kMicrosecond);
 
 void BM_EngineReuseDecodeStep(benchmark::State& state) {
