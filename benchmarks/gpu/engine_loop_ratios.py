@@ -6,7 +6,9 @@ Reads the JSON of
       --benchmark_repetitions=N --benchmark_report_aggregates_only=true --benchmark_format=json
 and prints, for every benchmark that ran on both devices, the CPU and GPU medians (and the
 per-phase counters of BM_RequestLifecycle) with the GPU / CPU ratio against the 1.5x target.
-Exit status: 0 when every pair is within the target, 1 when one misses, 77 when no GPU row ran.
+Exit status: 0 when every pair is within the target, 1 when one misses (a measurement, not a
+failure: run_on_device.sh reports the misses), 2 when a benchmark row failed, 77 when no GPU row
+ran.
 """
 import json
 import re
@@ -51,7 +53,7 @@ def main(path):
         print(f"FAILED: {name}")
     if failed:
         print(f"{len(failed)} benchmark row(s) failed")
-        return 1
+        return 2
     rows = medians(report)
     pairs = {key: row for key, row in rows.items() if "cpu" in row and "gpu" in row}
     if not pairs:
