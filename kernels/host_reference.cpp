@@ -89,13 +89,23 @@ void zeroRowsHost(ZeroRowsLaunch const& launch) {
 }
 
 void applyInt32InlinePatchHost(Int32InlinePatchLaunch const& launch) {
-  Int32PatchLaunch general{};
-  general.dst = launch.dst;
-  general.patch = launch.patch;
-  general.dstNumel = launch.dstNumel;
-  general.patchNumel = launch.patchNumel;
-  general.numRanges = launch.numRanges;
-  applyInt32PatchHost(general);
+  int32_t target = 0;
+  for (int32_t r = 0; r < launch.numRanges; ++r) {
+    while (target + 1 < launch.numTargets && r >= launch.targetRangeEnd[target]) {
+      ++target;
+    }
+    int64_t const offset = launch.patch[3 * r];
+    int64_t const count = launch.patch[3 * r + 1];
+    int64_t const valueStart = launch.patch[3 * r + 2];
+    for (int64_t j = 0; j < count; ++j) {
+      int64_t const index = offset + j;
+      int64_t const source = valueStart + j;
+      if (index >= 0 && index < launch.dstNumel[target] && source >= 0 &&
+          source < launch.patchNumel) {
+        launch.dst[target][index] = launch.patch[source];
+      }
+    }
+  }
 }
 
 void applyInt32PatchHost(Int32PatchLaunch const& launch) {

@@ -49,65 +49,43 @@ __global__ void __launch_bounds__(kPatchThreads)
   }
 }
 
-/// The parameters of an inline launch: the prefix of Int32InlinePatchLaunch that the patch needs.
-/// A launch copies its whole parameter block, so small patches use a small block (Capacity).
-template <int32_t Capacity>
-struct InlinePatchParams {
-  int32_t* dst;
-  int64_t dstNumel;
-  int32_t patchNumel;
-  int32_t numRanges;
-  int32_t patch[Capacity];
-};
-
-/// Parameter capacities, smallest first: a request's rows or a step's growth (up to 64 entries),
-/// a few rows, the inline limit. The last must be kMaxInlinePatchValues.
-constexpr int32_t kInlineCapacities[] = {64, 384, kMaxInlinePatchValues};
+/// The target tensor of inline range `r`: the first whose range end lies beyond it.
+__device__ int32_t inlineTarget(Int32InlinePatchLaunch const& launch, int32_t r) {
+  int32_t target = 0;
+  while (target + 1 < launch.numTargets && r >= launch.targetRangeEnd[target]) {
+    ++target;
+  }
+  return target;
+}
 
 /// The inline variant: the patch lives in the parameters. One CTA per range (grid.y), its
 /// threads striding over the range's values; the patches are small (<= kMaxInlinePatchValues).
-template <int32_t Capacity>
 __global__ void __launch_bounds__(kPatchThreads)
-    int32InlinePatchKernel(__grid_constant__ InlinePatchParams<Capacity> const launch) {
+    int32InlinePatchKernel(__grid_constant__ Int32InlinePatchLaunch const launch) {
   for (int32_t r = blockIdx.y; r < launch.numRanges; r += gridDim.y) {
+    int32_t const target = inlineTarget(launch, r);
+    int32_t* const dst = launch.dst[target];
+    int64_t const dstNumel = launch.dstNumel[target];
     int64_t const offset = launch.patch[3 * r];
     int32_t const count = launch.patch[3 * r + 1];
     int32_t const valueStart = launch.patch[3 * r + 2];
     for (int32_t j = threadIdx.x; j < count; j += kPatchThreads) {
-      int64_t const target = offset + j;
+      int64_t const index = offset + j;
       int32_t const source = valueStart + j;
-      if (target >= 0 && target < launch.dstNumel && source >= 0 && source < launch.patchNumel) {
-        launch.dst[target] = launch.patch[source];
+      if (index >= 0 && index < dstNumel && source >= 0 && source < launch.patchNumel) {
+        dst[index] = launch.patch[source];
       }
     }
   }
 }
 
-template <int32_t Capacity>
-cudaError_t launchInlinePatch(Int32InlinePatchLaunch const& launch, cudaStream_t stream) {
-  InlinePatchParams<Capacity> params;
-  params.dst = launch.dst;
-  params.dstNumel = launch.dstNumel;
-  params.patchNumel = launch.patchNumel;
-  params.numRanges = launch.numRanges;
-  std::copy(launch.patch, launch.patch + launch.patchNumel, params.patch);
-  auto const ranges =
-      static_cast<unsigned int>(std::clamp<int64_t>(launch.numRanges, 1, kMaxPatchBlocksY));
-  int32InlinePatchKernel<Capacity><<<dim3(1, ranges, 1), kPatchThreads, 0, stream>>>(params);
-  return cudaGetLastError();
-}
-
 }  // namespace
 
 cudaError_t applyInt32InlinePatchCuda(Int32InlinePatchLaunch const& launch, cudaStream_t stream) {
-  static_assert(kInlineCapacities[2] == kMaxInlinePatchValues);
-  if (launch.patchNumel <= kInlineCapacities[0]) {
-    return launchInlinePatch<kInlineCapacities[0]>(launch, stream);
-  }
-  if (launch.patchNumel <= kInlineCapacities[1]) {
-    return launchInlinePatch<kInlineCapacities[1]>(launch, stream);
-  }
-  return launchInlinePatch<kInlineCapacities[2]>(launch, stream);
+  auto const ranges =
+      static_cast<unsigned int>(std::clamp<int64_t>(launch.numRanges, 1, kMaxPatchBlocksY));
+  int32InlinePatchKernel<<<dim3(1, ranges, 1), kPatchThreads, 0, stream>>>(launch);
+  return cudaGetLastError();
 }
 
 cudaError_t applyInt32PatchCuda(Int32PatchLaunch const& launch, cudaStream_t stream) {
@@ -123,10 +101,7 @@ cudaError_t applyInt32PatchCuda(Int32PatchLaunch const& launch, cudaStream_t str
 }
 
 cudaError_t loadInt32PatchKernels() {
-  cudaError_t status = loadKernel(int32PatchKernel);
-  status = firstError(status, loadKernel(int32InlinePatchKernel<kInlineCapacities[0]>));
-  status = firstError(status, loadKernel(int32InlinePatchKernel<kInlineCapacities[1]>));
-  return firstError(status, loadKernel(int32InlinePatchKernel<kInlineCapacities[2]>));
+  return firstError(loadKernel(int32PatchKernel), loadKernel(int32InlinePatchKernel));
 }
 
 }  // namespace mkv::kernels::detail

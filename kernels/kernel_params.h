@@ -144,10 +144,14 @@ struct Int32PatchLaunch {
 };
 
 /// A patch small enough to travel in the kernel's parameters (the classic 4 KiB limit): no
-/// upload, no staging, one launch. Same layout and semantics as Int32PatchLaunch's patch.
+/// upload, no staging, one launch. Same layout and semantics as Int32PatchLaunch's patch, for up
+/// to kMaxInlinePatchTargets tensors: ranges [targetRangeEnd[t - 1], targetRangeEnd[t]) write
+/// dst[t] (targetRangeEnd[-1] = 0; the last end is numRanges).
 struct Int32InlinePatchLaunch {
-  int32_t* dst;
-  int64_t dstNumel;
+  int32_t* dst[kMaxInlinePatchTargets];
+  int64_t dstNumel[kMaxInlinePatchTargets];
+  int32_t targetRangeEnd[kMaxInlinePatchTargets];
+  int32_t numTargets;
   int32_t patchNumel;
   int32_t numRanges;
   int32_t patch[kMaxInlinePatchValues];
@@ -161,6 +165,11 @@ void copyRowsHost(CopyRowsLaunch const& launch);
 void zeroRowsHost(ZeroRowsLaunch const& launch);
 void applyInt32PatchHost(Int32PatchLaunch const& launch);
 void applyInt32InlinePatchHost(Int32InlinePatchLaunch const& launch);
+
+/// Runs an inline patch launch on `device` (the host twin for kCPU); throws mkv::Error naming
+/// `call` when the CUDA launch fails.
+void runInt32InlinePatch(DeviceType device, char const* call, Int32InlinePatchLaunch const& launch,
+                         cudaStream_t stream);
 
 // CUDA implementations (kernels/*.cu), present when MKV_WITH_CUDA. Each is one launch.
 cudaError_t copyPagesCuda(CopyPagesLaunch const& launch, cudaStream_t stream);

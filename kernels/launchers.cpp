@@ -366,13 +366,14 @@ void applyInt32InlinePatch(Tensor& dst, std::span<int32_t const> patch, int32_t 
     return;
   }
   detail::Int32InlinePatchLaunch launch{};
-  launch.dst = dst.dataPointer<int32_t>();
-  launch.dstNumel = dst.numel();
+  launch.dst[0] = dst.dataPointer<int32_t>();
+  launch.dstNumel[0] = dst.numel();
+  launch.targetRangeEnd[0] = numRanges;
+  launch.numTargets = 1;
   launch.patchNumel = static_cast<int32_t>(patchNumel);
   launch.numRanges = numRanges;
   std::copy(patch.begin(), patch.end(), launch.patch);
-  run(dst.deviceType(), kCall, launch, &detail::applyInt32InlinePatchHost,
-      MKV_CUDA_IMPL(applyInt32InlinePatchCuda), stream);
+  detail::runInt32InlinePatch(dst.deviceType(), kCall, launch, stream);
 }
 
 void applyInt32Patch(Tensor& dst, Tensor const& patch, int32_t numRanges, cudaStream_t stream) {
@@ -409,6 +410,16 @@ void applyInt32Patch(Tensor& dst, Tensor const& patch, int32_t numRanges, cudaSt
   run(dst.deviceType(), kCall, launch, &detail::applyInt32PatchHost, MKV_CUDA_IMPL(applyInt32PatchCuda),
       stream);
 }
+
+namespace detail {
+
+void runInt32InlinePatch(DeviceType device, char const* call, Int32InlinePatchLaunch const& launch,
+                         cudaStream_t stream) {
+  run(device, call, launch, &applyInt32InlinePatchHost, MKV_CUDA_IMPL(applyInt32InlinePatchCuda),
+      stream);
+}
+
+}  // namespace detail
 
 void loadKernels() {
 #if MKV_WITH_CUDA

@@ -16,6 +16,7 @@
 
 #include <cstdint>
 #include <span>
+#include <vector>
 
 #include "mkv/cuda_types.h"
 #include "mkv/tensor.h"
@@ -31,6 +32,8 @@ inline constexpr int32_t kMaxRowBuffers = 256;
 /// Most int32 entries (headers and values) of a patch that applyInt32InlinePatch carries in the
 /// kernel's parameters (which the classic limit keeps within 4 KiB).
 inline constexpr int32_t kMaxInlinePatchValues = 1000;
+/// Most tensors one inline patch launch writes (InlinePatchBatch).
+inline constexpr int32_t kMaxInlinePatchTargets = 4;
 
 /// Per-layer paged KV buffers of one geometry: a KVCachePool, a reduced SWA pool or a
 /// partial-KV snapshot slab. Layer l starts at layerBases[l] and holds two halves (K, then V),
@@ -141,6 +144,68 @@ void applyInt32Patch(Tensor& dst, Tensor const& patch, int32_t numRanges, cudaSt
 /// unchanged). kCPU: the host twin.
 void applyInt32InlinePatch(Tensor& dst, std::span<int32_t const> patch, int32_t numRanges,
                            cudaStream_t stream);
+
+/// Int32 writes to up to kMaxInlinePatchTargets tensors of one device, gathered on the host and
+/// applied by one applyInt32InlinePatch-style launch: a facade call's page-table rows and KV
+/// lengths cost one launch instead of one each (a launch costs the engine thread 4-5 µs on an
+/// H200, docs/benchmarks.md). The effect is always that of applying the writes one by one in the
+/// order they were added: add() first flushes what is queued when the new range would overlap a
+/// queued one, or when it does not fit (values or targets). The owner flushes at the end of the
+/// call that queued the writes; writes queued but not flushed are not on the device.
+/// Reserves its storage at construction: add() and flush() never allocate. Not thread-safe.
+class InlinePatchBatch {
+ public:
+  InlinePatchBatch();
+
+  /// Queues dst[offset + j] = values[j] for every j < values.size(). dst must be int32 and of the
+  /// same device as the writes already queued; [offset, offset + values.size()) must lie inside
+  /// dst and values.size() + 3 must not exceed kMaxInlinePatchValues: otherwise throws mkv::Error
+  /// naming `call` and queues nothing. May flush on `stream` first (see the class comment).
+  void add(char const* call, Tensor& dst, int64_t offset, std::span<int32_t const> values,
+           cudaStream_t stream);
+  /// Applies every queued write in one launch on `stream` (the host twin, synchronously, for
+  /// kCPU tensors) and empties the batch. Nothing to do when empty. Throws mkv::Error when the
+  /// launch fails (the batch is emptied all the same).
+  void flush(cudaStream_t stream);
+  /// Drops every queued write unapplied.
+  void discard() noexcept;
+  /// Calls `queue()` (which adds writes), then flush(stream): also when `queue` throws half-way
+  /// (then rethrows), so that whatever it queued reaches the device like the writes before it.
+  template <typename Queue>
+  void flushAfter(cudaStream_t stream, Queue&& queue) {
+    try {
+      queue();
+    } catch (...) {
+      flush(stream);
+      throw;
+    }
+    flush(stream);
+  }
+
+  bool empty() const noexcept { return mRanges.empty(); }
+  /// Launches (host-twin applications on kCPU) made so far.
+  int64_t launches() const noexcept { return mLaunches; }
+
+ private:
+  struct Range {
+    int32_t target;
+    int32_t valueStart;  ///< into mValues
+    int64_t offset;
+    int32_t count;
+  };
+  /// Whether [offset, offset + count) of `target`'s memory meets a queued range.
+  bool overlapsQueued(int32_t* base, int64_t offset, int64_t count) const;
+  /// Index of dst among the queued targets, or -1.
+  int32_t findTarget(int32_t* base) const;
+
+  int32_t* mTargets[kMaxInlinePatchTargets] = {};
+  int64_t mTargetNumel[kMaxInlinePatchTargets] = {};
+  int32_t mNumTargets = 0;
+  DeviceType mDeviceType = DeviceType::kCPU;
+  std::vector<Range> mRanges;
+  std::vector<int32_t> mValues;
+  int64_t mLaunches = 0;
+};
 
 /// Loads every kernel of the library on the current CUDA device now. CUDA's lazy loading would
 /// otherwise load each kernel at its first launch, and a load may synchronise the whole context,

@@ -1,0 +1,122 @@
+/// kernels::InlinePatchBatch: int32 writes to a few tensors, applied by one inline patch launch.
+#include <algorithm>
+#include <cstdint>
+#include <limits>
+
+#include "core/check.h"
+#include "kernel_params.h"
+#include "mkv/kernels.h"
+
+namespace mkv::kernels {
+namespace {
+
+/// The header entries (offset, count, valueStart) each range adds to the launch's patch.
+constexpr int32_t kHeaderPerRange = 3;
+
+}  // namespace
+
+InlinePatchBatch::InlinePatchBatch() {
+  mRanges.reserve(static_cast<std::size_t>(kMaxInlinePatchValues / (kHeaderPerRange + 1)));
+  mValues.reserve(static_cast<std::size_t>(kMaxInlinePatchValues));
+}
+
+int32_t InlinePatchBatch::findTarget(int32_t* base) const {
+  for (int32_t t = 0; t < mNumTargets; ++t) {
+    if (mTargets[t] == base) {
+      return t;
+    }
+  }
+  return -1;
+}
+
+bool InlinePatchBatch::overlapsQueued(int32_t* base, int64_t offset, int64_t count) const {
+  // Compared as addresses: two tensors may view the same memory.
+  auto const begin = reinterpret_cast<std::uintptr_t>(base + offset);
+  auto const end = reinterpret_cast<std::uintptr_t>(base + offset + count);
+  return std::any_of(mRanges.begin(), mRanges.end(), [&](Range const& range) {
+    int32_t* const queuedBase = mTargets[range.target];
+    auto const queuedBegin = reinterpret_cast<std::uintptr_t>(queuedBase + range.offset);
+    auto const queuedEnd = reinterpret_cast<std::uintptr_t>(queuedBase + range.offset + range.count);
+    return begin < queuedEnd && queuedBegin < end;
+  });
+}
+
+void InlinePatchBatch::add(char const* call, Tensor& dst, int64_t offset,
+                           std::span<int32_t const> values, cudaStream_t stream) {
+  auto const count = static_cast<int64_t>(values.size());
+  MKV_REQUIRE(dst.dataType() == DataType::kInt32, call, "the patched tensor must be int32, got {}",
+              toString(dst.dataType()));
+  MKV_REQUIRE(offset >= 0 && offset + count <= dst.numel(), call,
+              "writes [{}, {}) are outside a tensor of {} entries", offset, offset + count,
+              dst.numel());
+  MKV_REQUIRE(offset + count <= std::numeric_limits<int32_t>::max(), call,
+              "writes up to entry {} are beyond an int32 patch offset", offset + count);
+  MKV_REQUIRE(count + kHeaderPerRange <= kMaxInlinePatchValues, call,
+              "{} values in one range exceed the inline limit of {}", count,
+              kMaxInlinePatchValues - kHeaderPerRange);
+  MKV_REQUIRE(empty() || dst.deviceType() == mDeviceType, call,
+              "a {} tensor joins writes queued for {} tensors", toString(dst.deviceType()),
+              toString(mDeviceType));
+  if (count == 0) {
+    return;
+  }
+  int32_t* const base = dst.dataPointer<int32_t>();
+  int64_t const queuedEntries =
+      static_cast<int64_t>(mValues.size()) + kHeaderPerRange * static_cast<int64_t>(mRanges.size());
+  bool const full = queuedEntries + kHeaderPerRange + count > kMaxInlinePatchValues ||
+                    (findTarget(base) < 0 && mNumTargets == kMaxInlinePatchTargets);
+  if (full || overlapsQueued(base, offset, count)) {
+    flush(stream);
+  }
+  int32_t target = findTarget(base);
+  if (target < 0) {
+    target = mNumTargets++;
+    mTargets[target] = base;
+    mTargetNumel[target] = dst.numel();
+  }
+  mDeviceType = dst.deviceType();
+  mRanges.push_back({target, static_cast<int32_t>(mValues.size()), offset,
+                     static_cast<int32_t>(count)});
+  mValues.insert(mValues.end(), values.begin(), values.end());
+}
+
+void InlinePatchBatch::flush(cudaStream_t stream) {
+  if (empty()) {
+    return;
+  }
+  // The launch groups ranges by target; within a batch no two ranges overlap, so the order in
+  // which they are applied does not matter.
+  std::sort(mRanges.begin(), mRanges.end(),
+                   [](Range const& a, Range const& b) { return a.target < b.target; });
+  detail::Int32InlinePatchLaunch launch{};
+  auto const numRanges = static_cast<int32_t>(mRanges.size());
+  int32_t valueStart = kHeaderPerRange * numRanges;
+  for (int32_t r = 0; r < numRanges; ++r) {
+    Range const& range = mRanges[static_cast<std::size_t>(r)];
+    launch.patch[kHeaderPerRange * r] = static_cast<int32_t>(range.offset);
+    launch.patch[kHeaderPerRange * r + 1] = range.count;
+    launch.patch[kHeaderPerRange * r + 2] = valueStart;
+    std::copy_n(mValues.begin() + range.valueStart, range.count, launch.patch + valueStart);
+    valueStart += range.count;
+    launch.targetRangeEnd[range.target] = r + 1;
+  }
+  for (int32_t t = 0; t < mNumTargets; ++t) {
+    launch.dst[t] = mTargets[t];
+    launch.dstNumel[t] = mTargetNumel[t];
+  }
+  launch.numTargets = mNumTargets;
+  launch.numRanges = numRanges;
+  launch.patchNumel = valueStart;
+  DeviceType const device = mDeviceType;
+  discard();
+  ++mLaunches;
+  detail::runInt32InlinePatch(device, "InlinePatchBatch::flush", launch, stream);
+}
+
+void InlinePatchBatch::discard() noexcept {
+  mRanges.clear();
+  mValues.clear();
+  mNumTargets = 0;
+}
+
+}  // namespace mkv::kernels
