@@ -247,6 +247,8 @@ class BoundedSwaKVPageManager {
   std::vector<uint8_t> mResidentBusy;
   /// Compaction-mapping staging, one region per resident slot (created once, see device.h).
   std::unique_ptr<detail::Int32UploadRegions> mMappingUploads;
+  /// Table rows and KV lengths a call writes, applied by one launch at the call's end.
+  kernels::InlinePatchBatch mDeviceWrites;
   std::vector<std::unique_ptr<Request>> mActive;
   std::vector<std::unique_ptr<Request>> mQuarantine;
   uint64_t mNextRequestId = 1;

@@ -76,6 +76,11 @@ class KVCachePool {
   /// Starts a new batch: active batch = lengths.size() and the device lengths are set to
   /// `lengths` (the reuse lengths: tokens already materialised per row). Stream-ordered.
   void resetForNewSequences(std::span<int32_t const> lengths, cudaStream_t stream);
+  /// resetForNewSequences, but the length write joins `batch` (flushed by the caller on
+  /// `stream` before anything reads the lengths there) when it fits the inline limit; a larger
+  /// one flushes `batch` and is copied at once.
+  void resetForNewSequences(std::span<int32_t const> lengths, kernels::InlinePatchBatch& batch,
+                            cudaStream_t stream);
   /// Overwrites the lengths of rows [firstRow, firstRow + lengths.size()) of the active batch
   /// (engine commits after an execution; seating an in-flight joiner). Stream-ordered.
   void writeLengths(int32_t firstRow, std::span<int32_t const> lengths, cudaStream_t stream);
@@ -94,13 +99,19 @@ class KVCachePool {
   std::vector<void*> mLayerBases;
   Tensor mKvLengths;
   int32_t mActiveBatchSize = 0;
-  /// Writes lengths[i] to row firstRow + i of the length tensor: one inline patch launch, or for
-  /// batches beyond the inline limit one copy from pinned staging.
-  void uploadLengths(int32_t firstRow, std::span<int32_t const> lengths, cudaStream_t stream);
+  /// Both resetForNewSequences: validates, writes the lengths (into `batch` when given), sets
+  /// the active batch size.
+  void resetLengths(std::span<int32_t const> lengths, kernels::InlinePatchBatch* batch,
+                    cudaStream_t stream);
+  /// Writes lengths[i] to row firstRow + i of the length tensor: queued in `batch` (nullptr: the
+  /// pool's own, flushed here: one inline patch launch), or for batches beyond the inline limit
+  /// one copy from pinned staging.
+  void uploadLengths(int32_t firstRow, std::span<int32_t const> lengths,
+                     kernels::InlinePatchBatch* batch, cudaStream_t stream);
 
   /// Staging of length writes beyond the inline limit: one pinned region, copied into mKvLengths.
   std::unique_ptr<detail::Int32UploadRegions> mLengthUploads;
-  std::vector<int32_t> mLengthPatch;  ///< the inline patch being built (capacity reused)
+  kernels::InlinePatchBatch mLengthWrites;  ///< inline length writes of the pool's own calls
   Tensor mCompactWorkspace;  ///< kernels::compactBatch's workspace (GPU pools; empty on kCPU)
 };
 

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "mkv/cuda_types.h"
+#include "mkv/kernels.h"
 #include "mkv/tensor.h"
 #include "mkv/types.h"
 
@@ -37,8 +38,8 @@ struct PageTableUploadStats {
 /// empty entry. The host copy is the source of truth; the device mirror (same shape, on the
 /// table's device, stable address for engine bindings and CUDA graphs) is brought up to date
 /// by `upload` / `uploadDirty`, each one patch kernel on the stream: a patch of at most
-/// kernels::kMaxInlinePatchValues entries travels in the launch's parameters, a larger one is
-/// staged first (one copy).
+/// kernels::kMaxInlinePatchValues entries travels in the launch's parameters (or joins the
+/// caller's kernels::InlinePatchBatch), a larger one is staged first (one copy).
 ///
 /// Rows belong to resident slots and never move between slots. Every mutator validates all of
 /// its input before changing anything; on mkv::Error the table is unchanged.
@@ -102,6 +103,11 @@ class KVPageTable {
   /// row, which reads only its live range (a sliding window's M pages, a dense row's live
   /// prefix), never the whole row width. Same return, validation and ordering rules as `upload`.
   bool uploadDirty(cudaStream_t stream);
+  /// uploadDirty, but an inline-sized patch is queued in `batch` instead of launched, so the
+  /// caller's other device writes of the same call share its launch; the caller flushes `batch`
+  /// on `stream` before anything reads the table there. A patch beyond the inline limit flushes
+  /// `batch` first and is staged and launched at once. The table counts as uploaded on return.
+  bool uploadDirty(kernels::InlinePatchBatch& batch, cudaStream_t stream);
   PageTableUploadStats lastUploadStats() const noexcept { return mLastUpload; }
   /// Cumulative counts over every upload of this table.
   PageTableUploadStats totalUploadStats() const noexcept { return mTotalUpload; }
@@ -128,7 +134,8 @@ class KVPageTable {
   /// means "run the full check", which then names the violation.
   bool rowLooksValid(CacheSlot slot, int32_t first, int32_t last) const;
   void writeEntry(CacheSlot slot, int32_t logicalPage, PageId kPage);
-  bool uploadRanges(bool rowGranular, cudaStream_t stream);
+  /// upload / uploadDirty: queues into `batch`, or into mOwnWrites and flushes it (nullptr).
+  bool uploadRanges(bool rowGranular, kernels::InlinePatchBatch* batch, cudaStream_t stream);
 
   int32_t mMaxBatch;
   int32_t mMaxPagesPerSeq;
@@ -149,7 +156,8 @@ class KVPageTable {
   // pass finds a repeated page in O(live entries) without sorting them.
   mutable std::vector<uint32_t> mPageSeen;
   mutable uint32_t mSeenGeneration = 0;
-  std::vector<int32_t> mPatch;            // host image of the next patch (preallocated)
+  std::vector<int32_t> mPatch;            // host image of a staged patch (preallocated)
+  kernels::InlinePatchBatch mOwnWrites;   // inline patches of upload / uploadDirty(stream)
   Tensor mDevice;
   std::unique_ptr<detail::Int32Staging> mStaging;
   PageTableUploadStats mLastUpload;

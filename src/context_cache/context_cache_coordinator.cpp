@@ -328,9 +328,13 @@ bool ContextCacheCoordinator::isHybridMtp(Request const& req) const noexcept {
 }
 
 void ContextCacheCoordinator::uploadTables(bool paired) {
-  mResources.basePageTable->uploadDirty(mStream);
+  mDeviceWrites.flushAfter(mStream, [&] { queueTableUploads(paired); });
+}
+
+void ContextCacheCoordinator::queueTableUploads(bool paired) {
+  mResources.basePageTable->uploadDirty(mDeviceWrites, mStream);
   if (paired) {
-    mResources.draftPageTable->uploadDirty(mStream);
+    mResources.draftPageTable->uploadDirty(mDeviceWrites, mStream);
   }
 }
 
@@ -672,11 +676,15 @@ void ContextCacheCoordinator::preparePrefill(RequestHandle& handle) {
     if (paired) {
       mResources.draftPageTable->setRows(draftRows);
     }
-    uploadTables(paired);
-    mResources.basePool->resetForNewSequences(lengths, mStream);
-    if (paired) {
-      mResources.draftPool->resetForNewSequences(draftLengths, mStream);
-    }
+    // The rows and the lengths of both models in one launch (a launch costs the engine thread
+    // 4-5 µs: docs/benchmarks.md, "What one launch costs the engine thread").
+    mDeviceWrites.flushAfter(mStream, [&] {
+      queueTableUploads(paired);
+      mResources.basePool->resetForNewSequences(lengths, mDeviceWrites, mStream);
+      if (paired) {
+        mResources.draftPool->resetForNewSequences(draftLengths, mDeviceWrites, mStream);
+      }
+    });
   }
   if (mSnapshots != nullptr) {
     restoreCheckpoints(req, cold);

@@ -56,7 +56,6 @@ KVCachePool::KVCachePool(KVCachePoolConfig const& config) : mConfig(config) {
       std::make_unique<detail::Int32UploadRegions>(1, config.maxBatchSize, config.deviceType);
   // Length writes never allocate: a std::bad_alloc there would come after a backend's page-table
   // upload and leave a throwing call with changed state.
-  mLengthPatch.reserve(static_cast<std::size_t>(kernels::kMaxInlinePatchValues));
   if (config.deviceType == DeviceType::kGPU) {
     int64_t const lengthBytes = sizeof(int32_t);
     int64_t const workspaceBytes =
@@ -103,13 +102,22 @@ void validateLengths(char const* call, std::span<int32_t const> lengths) {
 }  // namespace
 
 void KVCachePool::resetForNewSequences(std::span<int32_t const> lengths, cudaStream_t stream) {
+  resetLengths(lengths, nullptr, stream);
+}
+
+void KVCachePool::resetForNewSequences(std::span<int32_t const> lengths,
+                                       kernels::InlinePatchBatch& batch, cudaStream_t stream) {
+  resetLengths(lengths, &batch, stream);
+}
+
+void KVCachePool::resetLengths(std::span<int32_t const> lengths, kernels::InlinePatchBatch* batch,
+                               cudaStream_t stream) {
   constexpr char const* kCall = "KVCachePool::resetForNewSequences";
   MKV_REQUIRE(lengths.size() <= static_cast<std::size_t>(mConfig.maxBatchSize), kCall,
               "{} sequences exceed maxBatchSize {}", lengths.size(), mConfig.maxBatchSize);
   validateLengths(kCall, lengths);
-  auto const batchSize = static_cast<int32_t>(lengths.size());
-  uploadLengths(0, lengths, stream);
-  setActiveBatchSize(batchSize);
+  uploadLengths(0, lengths, batch, stream);
+  setActiveBatchSize(static_cast<int32_t>(lengths.size()));
 }
 
 void KVCachePool::writeLengths(int32_t firstRow, std::span<int32_t const> lengths,
@@ -120,23 +128,28 @@ void KVCachePool::writeLengths(int32_t firstRow, std::span<int32_t const> length
       kCall, "rows [{}, {}) are outside the active batch of {}", firstRow,
       int64_t{firstRow} + static_cast<int64_t>(lengths.size()), mActiveBatchSize);
   validateLengths(kCall, lengths);
-  uploadLengths(firstRow, lengths, stream);
+  uploadLengths(firstRow, lengths, nullptr, stream);
 }
 
 void KVCachePool::uploadLengths(int32_t firstRow, std::span<int32_t const> lengths,
-                                cudaStream_t stream) {
+                                kernels::InlinePatchBatch* batch, cudaStream_t stream) {
   if (lengths.empty()) {
     return;
   }
   constexpr std::size_t kHeader = 3;
   if (kHeader + lengths.size() <= static_cast<std::size_t>(kernels::kMaxInlinePatchValues)) {
-    // One launch carrying the values in its parameters: no staging copy, no event.
-    mLengthPatch.assign({firstRow, static_cast<int32_t>(lengths.size()), int32_t{kHeader}});
-    mLengthPatch.insert(mLengthPatch.end(), lengths.begin(), lengths.end());
+    // The values travel in the parameters of one launch: no staging copy, no event.
     Tensor every = Tensor::view(mKvLengths.rawPointer(), {mConfig.maxBatchSize}, DataType::kInt32,
                                 mConfig.deviceType);
-    kernels::applyInt32InlinePatch(every, mLengthPatch, 1, stream);
+    kernels::InlinePatchBatch& writes = batch != nullptr ? *batch : mLengthWrites;
+    writes.add("KVCachePool::uploadLengths", every, firstRow, lengths, stream);
+    if (batch == nullptr) {
+      mLengthWrites.flush(stream);
+    }
     return;
+  }
+  if (batch != nullptr) {
+    batch->flush(stream);  // what the caller queued before stays ahead of this write
   }
   mLengthUploads->upload(0, lengths, mKvLengths.dataPointer<int32_t>() + firstRow, stream);
 }

@@ -356,13 +356,20 @@ int32_t KVPageTable::liveEntryCount(CacheSlot slot) const {
   return mLiveCount[static_cast<std::size_t>(slot)];
 }
 
-bool KVPageTable::upload(cudaStream_t stream) { return uploadRanges(/*rowGranular=*/true, stream); }
-
-bool KVPageTable::uploadDirty(cudaStream_t stream) {
-  return uploadRanges(/*rowGranular=*/false, stream);
+bool KVPageTable::upload(cudaStream_t stream) {
+  return uploadRanges(/*rowGranular=*/true, nullptr, stream);
 }
 
-bool KVPageTable::uploadRanges(bool rowGranular, cudaStream_t stream) {
+bool KVPageTable::uploadDirty(cudaStream_t stream) {
+  return uploadRanges(/*rowGranular=*/false, nullptr, stream);
+}
+
+bool KVPageTable::uploadDirty(kernels::InlinePatchBatch& batch, cudaStream_t stream) {
+  return uploadRanges(/*rowGranular=*/false, &batch, stream);
+}
+
+bool KVPageTable::uploadRanges(bool rowGranular, kernels::InlinePatchBatch* batch,
+                               cudaStream_t stream) {
   char const* const call = rowGranular ? "KVPageTable::upload" : "KVPageTable::uploadDirty";
   if (mDirtyEntries.empty()) {
     mLastUpload = {};
@@ -423,31 +430,53 @@ bool KVPageTable::uploadRanges(bool rowGranular, cudaStream_t stream) {
     }
   };
   int64_t runs = 0;
-  forEachRun([&](int64_t, int64_t) { ++runs; });
-  int64_t const numRanges = rowGranular ? runs : 2 * runs;
-  mPatch.assign(static_cast<std::size_t>(3 * numRanges), 0);
-  std::size_t header = 0;
-  auto appendRange = [&](int64_t offset, int64_t count) {
-    mPatch[header++] = static_cast<int32_t>(offset);
-    mPatch[header++] = static_cast<int32_t>(count);
-    mPatch[header++] = static_cast<int32_t>(mPatch.size());
-    auto const begin = mHost.begin() + offset;
-    mPatch.insert(mPatch.end(), begin, begin + count);
-  };
-  forEachRun([&](int64_t offset, int64_t count) {
-    appendRange(offset, count);
-    if (!rowGranular) {
-      appendRange(offset + width, count);
-    }
+  int64_t runValues = 0;
+  forEachRun([&](int64_t, int64_t count) {
+    ++runs;
+    runValues += count;
   });
-  if (mPatch.size() <= static_cast<std::size_t>(kernels::kMaxInlinePatchValues)) {
-    // The common case (a request's rows, a decode step's growth): the patch rides in the
-    // launch's parameters, no staging copy and no event.
-    kernels::applyInt32InlinePatch(mDevice, mPatch, static_cast<int32_t>(numRanges), stream);
+  int64_t const numRanges = rowGranular ? runs : 2 * runs;
+  int64_t const values = rowGranular ? runValues : 2 * runValues;
+  if (values + 3 * numRanges <= kernels::kMaxInlinePatchValues) {
+    // The common case (a request's rows, a decode step's growth): the values ride in the
+    // parameters of one launch, the caller's batch or the table's own.
+    kernels::InlinePatchBatch& writes = batch != nullptr ? *batch : mOwnWrites;
+    auto const hostValues = [&](int64_t offset, int64_t count) {
+      return std::span<int32_t const>(mHost).subspan(static_cast<std::size_t>(offset),
+                                                     static_cast<std::size_t>(count));
+    };
+    forEachRun([&](int64_t offset, int64_t count) {
+      writes.add(call, mDevice, offset, hostValues(offset, count), stream);
+      if (!rowGranular) {
+        writes.add(call, mDevice, offset + width, hostValues(offset + width, count), stream);
+      }
+    });
+    if (batch == nullptr) {
+      mOwnWrites.flush(stream);
+    }
   } else {
-    detail::Int32Staging::Batch batch = mStaging->begin(stream);
-    Tensor const patch = batch.add(mPatch);
-    batch.submit();
+    if (batch != nullptr) {
+      batch->flush(stream);  // what the caller queued before stays ahead of this upload
+    }
+    // A large upload (a whole table, a big batch): the patch goes through pinned staging.
+    mPatch.assign(static_cast<std::size_t>(3 * numRanges), 0);
+    std::size_t header = 0;
+    auto appendRange = [&](int64_t offset, int64_t count) {
+      mPatch[header++] = static_cast<int32_t>(offset);
+      mPatch[header++] = static_cast<int32_t>(count);
+      mPatch[header++] = static_cast<int32_t>(mPatch.size());
+      auto const begin = mHost.begin() + offset;
+      mPatch.insert(mPatch.end(), begin, begin + count);
+    };
+    forEachRun([&](int64_t offset, int64_t count) {
+      appendRange(offset, count);
+      if (!rowGranular) {
+        appendRange(offset + width, count);
+      }
+    });
+    detail::Int32Staging::Batch staged = mStaging->begin(stream);
+    Tensor const patch = staged.add(mPatch);
+    staged.submit();
     kernels::applyInt32Patch(mDevice, patch, static_cast<int32_t>(numRanges), stream);
   }
 
@@ -456,7 +485,7 @@ bool KVPageTable::uploadRanges(bool rowGranular, cudaStream_t stream) {
     mEntryDirtyFlag[static_cast<std::size_t>(slot * width + flat % rowWidth)] = 0;
   }
   mDirtyEntries.clear();
-  mLastUpload.entries = static_cast<int64_t>(mPatch.size()) - 3 * numRanges;
+  mLastUpload.entries = values;
   mLastUpload.ranges = numRanges;
   mTotalUpload.entries += mLastUpload.entries;
   mTotalUpload.ranges += mLastUpload.ranges;

@@ -417,10 +417,14 @@ void BoundedSwaKVPageManager::preparePrefill(RequestHandle& handle,
     commitWindow(state, inputLengths[i]);
     mapNewBindings(state);
   }
-  mResources.swaPageTable->uploadDirty(mStream);
-  for (KVCachePool* lengths : mResources.lengthPools) {
-    lengths->resetForNewSequences(zeros, mStream);
-  }
+  // The rows and every pool's lengths in one launch (a launch costs the engine thread 4-5 µs:
+  // docs/benchmarks.md, "What one launch costs the engine thread").
+  mDeviceWrites.flushAfter(mStream, [&] {
+    mResources.swaPageTable->uploadDirty(mDeviceWrites, mStream);
+    for (KVCachePool* lengths : mResources.lengthPools) {
+      lengths->resetForNewSequences(zeros, mDeviceWrites, mStream);
+    }
+  });
   if (!mResources.lengthPools.empty()) {
     mLengthOwner = req.id;
   }

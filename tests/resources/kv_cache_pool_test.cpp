@@ -146,6 +146,22 @@ TEST_P(KVCachePoolTest, ResetForNewSequencesSetsTheBatchAndTheDeviceLengths) {
   EXPECT_EQ(pool.activeBatchSize(), 0);
 }
 
+TEST_P(KVCachePoolTest, ResetIntoABatchSetsTheBatchNowAndTheLengthsAtTheFlush) {
+  KVCachePool pool = make();
+  pool.resetForNewSequences(std::vector<int32_t>{4, 4}, nullptr);
+  kernels::InlinePatchBatch batch;
+  std::vector<int32_t> const reuse{0, 128, 17};
+  pool.resetForNewSequences(reuse, batch, nullptr);
+  EXPECT_EQ(pool.activeBatchSize(), 3);
+  EXPECT_EQ(allLengths(pool)[1], 4) << "queued, not launched";
+  batch.flush(nullptr);
+  EXPECT_EQ(lengths(pool), reuse);
+  EXPECT_TRUE(throwsError([&] { pool.resetForNewSequences(std::vector<int32_t>{-1}, batch, nullptr); },
+                          {"KVCachePool::resetForNewSequences", "-1"}));
+  EXPECT_TRUE(batch.empty());
+  EXPECT_EQ(pool.activeBatchSize(), 3);
+}
+
 TEST_P(KVCachePoolTest, ResetRejectsTooManyOrNegativeLengthsWithoutChange) {
   KVCachePool pool = make();
   std::vector<int32_t> const reuse{1, 2};

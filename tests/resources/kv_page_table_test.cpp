@@ -138,6 +138,43 @@ TEST_P(KVPageTableTest, NewTableIsEmptyCleanAndItsMirrorHoldsMinusOne) {
   EXPECT_EQ(table.liveEntryCount(2), 0);
 }
 
+TEST_P(KVPageTableTest, UploadDirtyIntoABatchLandsWithTheBatchsOneLaunch) {
+  KVPageTable table = make(Mode::kDense);
+  Tensor lengths = test::int32Tensor({0, 0, 0, 0}, device());
+  kernels::InlinePatchBatch batch;
+  batch.add("test", lengths, 1, std::vector<int32_t>{64}, nullptr);
+  table.setRow(1, std::vector<int32_t>{3, 4, 5});
+  table.setRow(3, std::vector<int32_t>{9});
+  std::vector<int32_t> const before = mirror(table);
+  EXPECT_TRUE(table.uploadDirty(batch, nullptr));
+  EXPECT_FALSE(table.dirty());
+  EXPECT_EQ(table.lastUploadStats().entries, 8);  // K and V of four entries
+  EXPECT_EQ(mirror(table), before) << "queued, not launched";
+  batch.flush(nullptr);
+  EXPECT_EQ(batch.launches(), 1);
+  EXPECT_EQ(mirror(table), hostEntries(table));
+  EXPECT_EQ(test::readAs<int32_t>(lengths), (std::vector<int32_t>{0, 64, 0, 0}));
+  EXPECT_FALSE(table.uploadDirty(batch, nullptr)) << "a clean table queues nothing";
+  EXPECT_TRUE(batch.empty());
+}
+
+TEST_P(KVPageTableTest, AnUploadBeyondTheInlineLimitFlushesTheBatchFirst) {
+  KVPageTable table(64, 16, 4096, Mode::kDense, device());
+  Tensor marker = test::int32Tensor({0}, device());
+  kernels::InlinePatchBatch batch;
+  batch.add("test", marker, 0, std::vector<int32_t>{1}, nullptr);
+  for (CacheSlot slot = 0; slot < 64; ++slot) {
+    std::vector<int32_t> pages(16);
+    std::iota(pages.begin(), pages.end(), 16 * slot);
+    table.setRow(slot, pages);
+  }
+  EXPECT_TRUE(table.uploadDirty(batch, nullptr));  // 2,048 entries: staged
+  EXPECT_EQ(batch.launches(), 1);
+  EXPECT_TRUE(batch.empty());
+  EXPECT_EQ(test::readAs<int32_t>(marker), (std::vector<int32_t>{1}));
+  EXPECT_EQ(mirror(table), hostEntries(table));
+}
+
 TEST_P(KVPageTableTest, SetRowWritesKPagesDerivesVPagesAndClearsTheTail) {
   KVPageTable table = make(Mode::kDense);
   std::vector<int32_t> const pages{3, 4, 5};

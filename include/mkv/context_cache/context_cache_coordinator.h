@@ -424,8 +424,10 @@ class ContextCacheCoordinator {
   /// Throws (naming `call`) unless the KV-length tensors the compaction compacts (base, and
   /// draft when paired) hold exactly the request's rows.
   void requireLengthBatch(char const* call, Request const& req) const;
-  /// Uploads the dirty rows of the base table and, for `paired`, of the draft table.
+  /// Uploads the dirty rows of the base table and, for `paired`, of the draft table (one launch).
   void uploadTables(bool paired);
+  /// uploadTables, queued in mDeviceWrites for the caller to flush.
+  void queueTableUploads(bool paired);
   bool hasKv() const noexcept { return mProfile.hasAttention(); }
   /// Restores the recurrent rows and partial pages of a checkpoint request's hits and zeroes the
   /// recurrent rows of `cold` residents.
@@ -454,6 +456,8 @@ class ContextCacheCoordinator {
   std::vector<uint8_t> mResidentBusy;
   /// Compaction-mapping staging, one region per resident slot (created once, see device.h).
   std::unique_ptr<detail::Int32UploadRegions> mMappingUploads;
+  /// Table rows and KV lengths a call writes, applied by one launch at the call's end.
+  kernels::InlinePatchBatch mDeviceWrites;
   ContextCacheCoordinatorCounters mCounters;
   uint64_t mNextRequestId = 1;
   bool mPoisoned = false;
