@@ -1,6 +1,7 @@
 #include "trace.h"
 
 #include <fmt/format.h>
+#include <simdjson.h>
 #define XXH_INLINE_ALL
 #include <xxhash.h>
 
@@ -11,7 +12,6 @@
 #include <limits>
 #include <unordered_set>
 
-#include "json_object.h"
 
 namespace mkv::replay {
 namespace {
@@ -28,119 +28,379 @@ bool isBlank(std::string_view text) noexcept {
                      [](char c) { return c == ' ' || c == '\t' || c == '\r' || c == '\n'; });
 }
 
-[[noreturn]] void wrongType(std::string_view key, std::string_view expected, JsonValue const& v) {
-  throw TraceLineError(fmt::format("\"{}\" must be {}, got {}", key, expected, describe(v.kind)));
-}
+namespace od = simdjson::ondemand;
 
-int64_t integerField(JsonValue const& value, std::string_view key, int64_t min, int64_t max) {
-  if (value.kind != JsonValue::Kind::kNumber) {
-    wrongType(key, "an integer", value);
-  }
-  if (!value.number.integral) {
-    throw TraceLineError(fmt::format("\"{}\" must be an integer, got {}", key, value.number.value));
-  }
-  if (value.number.integer < min || value.number.integer > max) {
-    throw TraceLineError(
-        fmt::format("\"{}\" is {}, outside [{}, {}]", key, value.number.integer, min, max));
-  }
-  return value.number.integer;
-}
+/// Nesting limit of the values validate() walks (recursively: it keeps a hostile line from
+/// exhausting the stack; simdjson's On-Demand API does not limit the depth of skipped values).
+constexpr int kMaxDepth = 128;
 
-JsonValue const& required(JsonObject const& object, std::string_view key, std::string_view format) {
-  JsonValue const* value = object.find(key);
-  if (value == nullptr) {
-    throw TraceLineError(fmt::format("missing \"{}\" (required in the {} format)", key, format));
-  }
-  return *value;
-}
-
-template <typename T>
-std::vector<T> integerArray(JsonValue const& value, std::string_view key, int64_t min,
-                            int64_t max) {
-  if (value.kind != JsonValue::Kind::kNumberArray) {
-    wrongType(key, "an array of integers", value);
-  }
-  if (value.numbers.empty()) {
-    throw TraceLineError(fmt::format("\"{}\" is empty", key));
-  }
-  std::vector<T> out;
-  out.reserve(value.numbers.size());
-  for (std::size_t i = 0; i < value.numbers.size(); ++i) {
-    JsonNumber const& n = value.numbers[i];
-    if (!n.integral) {
-      throw TraceLineError(fmt::format("\"{}\"[{}] must be an integer, got {}", key, i, n.value));
+/// One trace line, read with simdjson's On-Demand API: forward only, every value validated as it
+/// is read (the values of unknown keys by a walk that reads each of them), every failure a
+/// TraceLineError (syntax ones with the 1-based column simdjson stopped at, when it knows it).
+class LineReader {
+ public:
+  explicit LineReader(std::string_view text) : mText(text), mPadded(text) {
+    thread_local od::parser parser;  // reused by every line of a thread
+    check(parser.iterate(mPadded).get(mDocument));
+    mIterating = true;
+    od::json_type type{};
+    check(mDocument.type().get(type));
+    if (type != od::json_type::object) {
+      throw TraceLineError(fmt::format("column {}: a line holds one JSON object, found {}",
+                                       column(), describe(type)));
     }
-    if (n.integer < min || n.integer > max) {
+  }
+
+  od::document& document() noexcept { return mDocument; }
+
+  /// Fails on anything but whitespace after the object.
+  void expectEnd() {
+    if (!mDocument.current_location().error()) {
+      syntax(simdjson::TRAILING_CONTENT);
+    }
+  }
+
+  void check(simdjson::error_code error) {
+    if (error != simdjson::SUCCESS) {
+      syntax(error);
+    }
+  }
+
+  /// 1-based column of simdjson's current position; 0 when it has none.
+  std::size_t column() {
+    char const* at = nullptr;
+    if (!mIterating || mDocument.current_location().get(at) != simdjson::SUCCESS) {
+      return 0;
+    }
+    return columnOf(at);
+  }
+
+  std::size_t columnOf(char const* at) const noexcept {
+    return static_cast<std::size_t>(at - mPadded.data()) + 1;
+  }
+
+  [[noreturn]] void syntax(simdjson::error_code error) {
+    // An object or array left open ends at the end of the line; errors found while indexing the
+    // whole line (an unclosed string, a raw control character, bad UTF-8) have no position.
+    std::size_t const at =
+        error == simdjson::INCOMPLETE_ARRAY_OR_OBJECT ? mText.size() + 1 : column();
+    std::string_view const message = simdjson::error_message(error);
+    throw TraceLineError(at == 0 ? std::string(message) : fmt::format("column {}: {}", at, message));
+  }
+
+  /// Reads (and so validates) a value of any kind, recursively.
+  void validate(od::value value, int depth = 0) {
+    if (depth >= kMaxDepth) {
+      throw TraceLineError(fmt::format("column {}: values nested deeper than {} levels",
+                                       columnOf(value.raw_json_token().data()), kMaxDepth));
+    }
+    od::json_type type{};
+    check(value.type().get(type));
+    switch (type) {
+      case od::json_type::object: {
+        od::object object;
+        check(value.get_object().get(object));
+        validate(object, depth + 1);
+        return;
+      }
+      case od::json_type::array: {
+        od::array array;
+        check(value.get_array().get(array));
+        for (auto element : array) {
+          od::value item;
+          check(element.get(item));
+          validate(item, depth + 1);
+        }
+        return;
+      }
+      case od::json_type::number: {
+        od::number number;
+        check(value.get_number().get(number));
+        return;
+      }
+      case od::json_type::string: {
+        std::string_view text;
+        check(value.get_string().get(text));
+        return;
+      }
+      case od::json_type::boolean: {
+        // simdjson reports a misspelt true or false as a value of another type.
+        bool flag = false;
+        if (value.get_bool().get(flag) != simdjson::SUCCESS) {
+          syntax(value.raw_json_token().front() == 't' ? simdjson::T_ATOM_ERROR
+                                                       : simdjson::F_ATOM_ERROR);
+        }
+        return;
+      }
+      case od::json_type::null: {
+        bool null = false;
+        if (value.is_null().get(null) != simdjson::SUCCESS || !null) {
+          syntax(simdjson::N_ATOM_ERROR);
+        }
+        return;
+      }
+    }
+  }
+
+  void validate(od::object object, int depth = 0) {
+    for (auto field : object) {
+      std::string_view key;
+      check(field.unescaped_key().get(key));
+      od::value member;
+      check(field.value().get(member));
+      validate(member, depth);
+    }
+  }
+
+  /// Reads the whole line again (after a first pass that skipped values).
+  void validateLine() {
+    mDocument.rewind();
+    od::object object;
+    check(mDocument.get_object().get(object));
+    validate(object);
+    expectEnd();
+  }
+
+  static std::string_view describe(od::json_type type) noexcept {
+    switch (type) {
+      case od::json_type::object: return "an object";
+      case od::json_type::array: return "an array";
+      case od::json_type::number: return "a number";
+      case od::json_type::string: return "a string";
+      case od::json_type::boolean: return "a boolean";
+      case od::json_type::null: return "null";
+    }
+    return "unknown";
+  }
+
+  /// Throws `LABEL must be EXPECTED, got KIND` once the value is known to be well-formed.
+  [[noreturn]] void wrongType(std::string_view label, std::string_view expected, od::value value) {
+    od::json_type const type = typeOf(value);
+    validate(value);
+    throw TraceLineError(fmt::format("{} must be {}, got {}", label, expected, describe(type)));
+  }
+
+  od::json_type typeOf(od::value& value) {
+    od::json_type type{};
+    check(value.type().get(type));
+    return type;
+  }
+
+  /// `"key"`, or `"key"[index]` for an element (index >= 0).
+  static std::string label(std::string_view key, int64_t index) {
+    return index < 0 ? fmt::format("\"{}\"", key) : fmt::format("\"{}\"[{}]", key, index);
+  }
+
+  /// A number that must be an integer in [min, max]; `key` and `index` name it (see label).
+  static int64_t bounded(od::number number, std::string_view key, int64_t index, int64_t min,
+                         int64_t max) {
+    switch (number.get_number_type()) {
+      case od::number_type::floating_point_number:
+        throw TraceLineError(fmt::format("{} must be an integer, got {}", label(key, index),
+                                         number.get_double()));
+      case od::number_type::unsigned_integer:  // at least 2^63
+        throw TraceLineError(fmt::format("{} is {}, outside [{}, {}]", label(key, index),
+                                         number.get_uint64(), min, max));
+      case od::number_type::signed_integer: break;
+    }
+    int64_t const value = number.get_int64();
+    if (value < min || value > max) {
       throw TraceLineError(
-          fmt::format("\"{}\"[{}] is {}, outside [{}, {}]", key, i, n.integer, min, max));
+          fmt::format("{} is {}, outside [{}, {}]", label(key, index), value, min, max));
     }
-    out.push_back(static_cast<T>(n.integer));
+    return value;
   }
-  return out;
+
+  int64_t integer(od::value value, std::string_view key, int64_t min, int64_t max) {
+    if (typeOf(value) != od::json_type::number) {
+      wrongType(label(key, -1), "an integer", value);
+    }
+    od::number number;
+    check(value.get_number().get(number));
+    return bounded(number, key, -1, min, max);
+  }
+
+  template <typename T>
+  std::vector<T> integerArray(od::value value, std::string_view key, int64_t min, int64_t max) {
+    if (typeOf(value) != od::json_type::array) {
+      wrongType(label(key, -1), "an array of integers", value);
+    }
+    od::array array;
+    check(value.get_array().get(array));
+    std::vector<T> out;
+    for (auto element : array) {
+      od::value item;
+      check(element.get(item));
+      auto const index = static_cast<int64_t>(out.size());
+      if (typeOf(item) != od::json_type::number) {
+        wrongType(label(key, index), "an integer", item);
+      }
+      od::number number;
+      check(item.get_number().get(number));
+      out.push_back(static_cast<T>(bounded(number, key, index, min, max)));
+    }
+    if (out.empty()) {
+      throw TraceLineError(fmt::format("\"{}\" is empty", key));
+    }
+    return out;
+  }
+
+  std::string string(od::value value, std::string_view key) {
+    if (typeOf(value) != od::json_type::string) {
+      wrongType(label(key, -1), "a string", value);
+    }
+    std::string_view text;
+    check(value.get_string().get(text));
+    return std::string(text);
+  }
+
+  double number(od::value value, std::string_view key) {
+    if (typeOf(value) != od::json_type::number) {
+      wrongType(label(key, -1), "a number", value);
+    }
+    od::number number;
+    check(value.get_number().get(number));
+    return number.as_double();
+  }
+
+  /// "id": a string as written, or an integer's digits.
+  std::string id(od::value value) {
+    od::json_type const type = typeOf(value);
+    if (type == od::json_type::string) {
+      return string(value, "id");
+    }
+    od::number number;
+    if (type == od::json_type::number) {
+      check(value.get_number().get(number));
+    }
+    if (type != od::json_type::number ||
+        number.get_number_type() == od::number_type::floating_point_number) {
+      throw TraceLineError(fmt::format("\"id\" must be a string or an integer, got {}",
+                                       type == od::json_type::number ? "a fraction or an exponent"
+                                                                     : describe(type)));
+    }
+    return number.is_int64() ? std::to_string(number.get_int64())
+                             : std::to_string(number.get_uint64());
+  }
+
+ private:
+  std::string_view mText;
+  simdjson::padded_string mPadded;
+  od::document mDocument;
+  bool mIterating = false;  ///< iterate() succeeded: mDocument has positions
+};
+
+/// Which format a line's keys say, for --format auto; rewinds the line afterwards.
+TraceFormat detectFormat(LineReader& reader) {
+  od::object object;
+  reader.check(reader.document().get_object().get(object));
+  bool tokens = false;
+  bool mooncake = false;
+  for (auto field : object) {
+    std::string_view key;
+    reader.check(field.unescaped_key().get(key));
+    tokens = tokens || key == "prompt";
+    mooncake = mooncake || key == "hash_ids" || key == "input_length" || key == "output_length";
+  }
+  if (tokens == mooncake) {
+    reader.validateLine();  // a syntax error comes first
+  }
+  if (tokens && mooncake) {
+    throw TraceLineError(
+        "the object has both \"prompt\" (tokens format) and Mooncake keys; choose one with "
+        "--format");
+  }
+  if (!tokens && !mooncake) {
+    throw TraceLineError(
+        "neither a Mooncake record (\"input_length\", \"output_length\", \"hash_ids\") nor a "
+        "tokens record (\"prompt\", \"max_new_tokens\")");
+  }
+  reader.document().rewind();
+  return tokens ? TraceFormat::kTokens : TraceFormat::kMooncake;
 }
 
-void readCommon(JsonObject const& object, TraceRecord& record) {
-  if (JsonValue const* salt = object.find("salt")) {
-    if (salt->kind != JsonValue::Kind::kString) {
-      wrongType("salt", "a string", *salt);
+/// Reads the keys of `record.format` and the common ones in line order; any other key's value is
+/// validated and ignored. A duplicate key is an error.
+void readFields(LineReader& reader, TraceRecord& record) {
+  bool const mooncake = record.format == TraceFormat::kMooncake;
+  std::optional<int64_t> input;
+  std::optional<int64_t> output;
+  std::optional<int64_t> maxNewTokens;
+  bool hashIds = false;
+  bool prompt = false;
+  std::vector<std::string> keys;
+  od::object object;
+  reader.check(reader.document().get_object().get(object));
+  for (auto member : object) {
+    od::field field;
+    reader.check(std::move(member).get(field));
+    char const* const keyAt = field.key().raw() - 1;  // raw(): just after the opening quote
+    std::string_view key;
+    reader.check(field.unescaped_key().get(key));
+    if (std::find(keys.begin(), keys.end(), key) != keys.end()) {
+      throw TraceLineError(
+          fmt::format("column {}: duplicate key \"{}\"", reader.columnOf(keyAt), key));
     }
-    record.salt = salt->string;
-  }
-  if (JsonValue const* lora = object.find("lora")) {
-    if (lora->kind != JsonValue::Kind::kString) {
-      wrongType("lora", "a string", *lora);
-    }
-    record.lora = lora->string;
-  }
-  if (JsonValue const* id = object.find("id")) {
-    if (id->kind == JsonValue::Kind::kString) {
-      record.id = id->string;
-    } else if (id->kind == JsonValue::Kind::kNumber && id->number.integral) {
-      record.id = std::to_string(id->number.integer);
+    keys.emplace_back(key);
+    od::value value = field.value();
+    if (mooncake && key == "input_length") {
+      input = reader.integer(value, key, 1, kMaxTraceTokens);
+    } else if (mooncake && key == "output_length") {
+      output = reader.integer(value, key, 0, kMaxTraceTokens);
+    } else if (mooncake && key == "hash_ids") {
+      record.hashIds =
+          reader.integerArray<int64_t>(value, key, 0, std::numeric_limits<int64_t>::max());
+      hashIds = true;
+    } else if (!mooncake && key == "prompt") {
+      record.tokens =
+          reader.integerArray<int32_t>(value, key, 0, std::numeric_limits<int32_t>::max());
+      prompt = true;
+    } else if (!mooncake && key == "max_new_tokens") {
+      maxNewTokens = reader.integer(value, key, 1, kMaxTraceTokens);
+    } else if (key == "salt") {
+      record.salt = reader.string(value, key);
+    } else if (key == "lora") {
+      record.lora = reader.string(value, key);
+    } else if (key == "id") {
+      record.id = reader.id(value);
+    } else if (key == "timestamp") {
+      record.timestampMs = reader.number(value, key);
     } else {
-      wrongType("id", "a string or an integer", *id);
+      reader.validate(value);
     }
   }
-  if (JsonValue const* timestamp = object.find("timestamp")) {
-    if (timestamp->kind != JsonValue::Kind::kNumber) {
-      wrongType("timestamp", "a number", *timestamp);
+  reader.expectEnd();
+
+  auto require = [&record](bool present, std::string_view key) {
+    if (!present) {
+      throw TraceLineError(fmt::format("missing \"{}\" (required in the {} format)", key,
+                                       toString(record.format)));
     }
-    record.timestampMs = timestamp->number.value;
+  };
+  if (mooncake) {
+    require(input.has_value(), "input_length");
+    require(output.has_value(), "output_length");
+    require(hashIds, "hash_ids");
+    record.inputLength = static_cast<int32_t>(*input);
+    record.maxNewTokens = static_cast<int32_t>(std::max<int64_t>(*output, 1));
+    int64_t const capacity =
+        int64_t{kMooncakeBlockTokens} * static_cast<int64_t>(record.hashIds.size());
+    if (record.inputLength > capacity) {
+      throw TraceLineError(fmt::format(
+          "\"input_length\" {} is longer than the {} tokens of its {} \"hash_ids\" blocks ({} "
+          "tokens each)",
+          record.inputLength, capacity, record.hashIds.size(), kMooncakeBlockTokens));
+    }
+  } else {
+    require(prompt, "prompt");
+    require(maxNewTokens.has_value(), "max_new_tokens");
+    if (record.tokens.size() > static_cast<std::size_t>(kMaxTraceTokens)) {
+      throw TraceLineError(fmt::format("\"prompt\" has {} tokens, more than {}",
+                                       record.tokens.size(), kMaxTraceTokens));
+    }
+    record.inputLength = static_cast<int32_t>(record.tokens.size());
+    record.maxNewTokens = static_cast<int32_t>(*maxNewTokens);
   }
-}
-
-void readMooncake(JsonObject const& object, TraceRecord& record) {
-  constexpr std::string_view kFormat = "mooncake";
-  record.format = TraceFormat::kMooncake;
-  record.inputLength = static_cast<int32_t>(
-      integerField(required(object, "input_length", kFormat), "input_length", 1, kMaxTraceTokens));
-  int64_t const output =
-      integerField(required(object, "output_length", kFormat), "output_length", 0, kMaxTraceTokens);
-  record.maxNewTokens = static_cast<int32_t>(std::max<int64_t>(output, 1));
-  record.hashIds = integerArray<int64_t>(required(object, "hash_ids", kFormat), "hash_ids", 0,
-                                         std::numeric_limits<int64_t>::max());
-  int64_t const capacity =
-      int64_t{kMooncakeBlockTokens} * static_cast<int64_t>(record.hashIds.size());
-  if (record.inputLength > capacity) {
-    throw TraceLineError(fmt::format(
-        "\"input_length\" {} is longer than the {} tokens of its {} \"hash_ids\" blocks ({} tokens "
-        "each)",
-        record.inputLength, capacity, record.hashIds.size(), kMooncakeBlockTokens));
-  }
-}
-
-void readTokens(JsonObject const& object, TraceRecord& record) {
-  constexpr std::string_view kFormat = "tokens";
-  record.format = TraceFormat::kTokens;
-  record.tokens = integerArray<int32_t>(required(object, "prompt", kFormat), "prompt", 0,
-                                        std::numeric_limits<int32_t>::max());
-  if (record.tokens.size() > static_cast<std::size_t>(kMaxTraceTokens)) {
-    throw TraceLineError(fmt::format("\"prompt\" has {} tokens, more than {}", record.tokens.size(),
-                                     kMaxTraceTokens));
-  }
-  record.inputLength = static_cast<int32_t>(record.tokens.size());
-  record.maxNewTokens = static_cast<int32_t>(integerField(
-      required(object, "max_new_tokens", kFormat), "max_new_tokens", 1, kMaxTraceTokens));
 }
 
 struct DigestHash {
@@ -195,36 +455,10 @@ std::vector<int32_t> expandMooncakePrompt(std::span<int64_t const> hashIds, int3
 }
 
 TraceRecord parseTraceLine(std::string_view text, TraceFormat format) {
-  JsonObject object;
-  try {
-    object = parseJsonObject(text);
-  } catch (JsonSyntaxError const& error) {
-    throw TraceLineError(fmt::format("column {}: {}", error.column(), error.what()));
-  }
+  LineReader reader(text);
   TraceRecord record;
-  if (format == TraceFormat::kAuto) {
-    bool const tokens = object.find("prompt") != nullptr;
-    bool const mooncake = object.find("hash_ids") != nullptr ||
-                          object.find("input_length") != nullptr ||
-                          object.find("output_length") != nullptr;
-    if (tokens && mooncake) {
-      throw TraceLineError(
-          "the object has both \"prompt\" (tokens format) and Mooncake keys; choose one with "
-          "--format");
-    }
-    if (!tokens && !mooncake) {
-      throw TraceLineError(
-          "neither a Mooncake record (\"input_length\", \"output_length\", \"hash_ids\") nor a "
-          "tokens record (\"prompt\", \"max_new_tokens\")");
-    }
-    format = tokens ? TraceFormat::kTokens : TraceFormat::kMooncake;
-  }
-  if (format == TraceFormat::kMooncake) {
-    readMooncake(object, record);
-  } else {
-    readTokens(object, record);
-  }
-  readCommon(object, record);
+  record.format = format == TraceFormat::kAuto ? detectFormat(reader) : format;
+  readFields(reader, record);
   return record;
 }
 
