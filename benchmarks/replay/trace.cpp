@@ -39,9 +39,16 @@ constexpr int kMaxDepth = 128;
 /// TraceLineError (syntax ones with the 1-based column simdjson stopped at, when it knows it).
 class LineReader {
  public:
-  explicit LineReader(std::string_view text) : mText(text), mPadded(text) {
-    thread_local od::parser parser;  // reused by every line of a thread
-    check(parser.iterate(mPadded).get(mDocument));
+  explicit LineReader(std::string_view text) : mText(text) {
+    // Reused by every line of a thread: the parser, and the line copied with the zero bytes
+    // simdjson may read past its end.
+    thread_local od::parser parser;
+    thread_local std::string padded;
+    padded.assign(text);
+    padded.append(simdjson::SIMDJSON_PADDING, '\0');
+    mLine = padded.data();
+    check(parser.iterate(simdjson::padded_string_view(padded.data(), text.size(), padded.size()))
+              .get(mDocument));
     mIterating = true;
     od::json_type type{};
     check(mDocument.type().get(type));
@@ -76,7 +83,7 @@ class LineReader {
   }
 
   std::size_t columnOf(char const* at) const noexcept {
-    return static_cast<std::size_t>(at - mPadded.data()) + 1;
+    return static_cast<std::size_t>(at - mLine) + 1;
   }
 
   [[noreturn]] void syntax(simdjson::error_code error) {
@@ -100,7 +107,13 @@ class LineReader {
       case od::json_type::object: {
         od::object object;
         check(value.get_object().get(object));
-        validate(object, depth + 1);
+        for (auto field : object) {
+          std::string_view key;
+          check(field.unescaped_key().get(key));
+          od::value member;
+          check(field.value().get(member));
+          validate(member, depth + 1);
+        }
         return;
       }
       case od::json_type::array: {
@@ -140,25 +153,6 @@ class LineReader {
         return;
       }
     }
-  }
-
-  void validate(od::object object, int depth = 0) {
-    for (auto field : object) {
-      std::string_view key;
-      check(field.unescaped_key().get(key));
-      od::value member;
-      check(field.value().get(member));
-      validate(member, depth);
-    }
-  }
-
-  /// Reads the whole line again (after a first pass that skipped values).
-  void validateLine() {
-    mDocument.rewind();
-    od::object object;
-    check(mDocument.get_object().get(object));
-    validate(object);
-    expectEnd();
   }
 
   static std::string_view describe(od::json_type type) noexcept {
@@ -285,47 +279,35 @@ class LineReader {
 
  private:
   std::string_view mText;
-  simdjson::padded_string mPadded;
+  char const* mLine = nullptr;  ///< the padded copy of the line simdjson reads
   od::document mDocument;
   bool mIterating = false;  ///< iterate() succeeded: mDocument has positions
 };
 
-/// Which format a line's keys say, for --format auto; rewinds the line afterwards.
-TraceFormat detectFormat(LineReader& reader) {
-  od::object object;
-  reader.check(reader.document().get_object().get(object));
-  bool tokens = false;
-  bool mooncake = false;
-  for (auto field : object) {
-    std::string_view key;
-    reader.check(field.unescaped_key().get(key));
-    tokens = tokens || key == "prompt";
-    mooncake = mooncake || key == "hash_ids" || key == "input_length" || key == "output_length";
-  }
-  if (tokens == mooncake) {
-    reader.validateLine();  // a syntax error comes first
-  }
-  if (tokens && mooncake) {
-    throw TraceLineError(
-        "the object has both \"prompt\" (tokens format) and Mooncake keys; choose one with "
-        "--format");
-  }
-  if (!tokens && !mooncake) {
-    throw TraceLineError(
-        "neither a Mooncake record (\"input_length\", \"output_length\", \"hash_ids\") nor a "
-        "tokens record (\"prompt\", \"max_new_tokens\")");
-  }
-  reader.document().rewind();
-  return tokens ? TraceFormat::kTokens : TraceFormat::kMooncake;
-}
-
-/// Reads the keys of `record.format` and the common ones in line order; any other key's value is
-/// validated and ignored. A duplicate key is an error.
-void readFields(LineReader& reader, TraceRecord& record) {
-  bool const mooncake = record.format == TraceFormat::kMooncake;
+/// Reads one line in a single pass, in line order: the keys of `format` and the common ones into
+/// the record, any other key's value validated and ignored. With kAuto the first key that belongs
+/// to one format only ("prompt"; "hash_ids", "input_length", "output_length") decides; a key of
+/// the other one after it is an error. A duplicate key is an error.
+TraceRecord readRecord(LineReader& reader, TraceFormat const requested) {
+  TraceRecord record;
+  TraceFormat format = requested;
+  auto belongs = [&](TraceFormat keyFormat) {
+    if (requested != TraceFormat::kAuto) {
+      return requested == keyFormat;
+    }
+    if (format != TraceFormat::kAuto && format != keyFormat) {
+      throw TraceLineError(
+          "the object has both \"prompt\" (tokens format) and Mooncake keys; choose one with "
+          "--format");
+    }
+    format = keyFormat;
+    return true;
+  };
   std::optional<int64_t> input;
   std::optional<int64_t> output;
-  std::optional<int64_t> maxNewTokens;
+  // "max_new_tokens" is read before the format may be known, and checked once it is.
+  std::optional<od::json_type> maxNewTokensType;
+  od::number maxNewTokens{};
   bool hashIds = false;
   bool prompt = false;
   std::vector<std::string> keys;
@@ -343,20 +325,25 @@ void readFields(LineReader& reader, TraceRecord& record) {
     }
     keys.emplace_back(key);
     od::value value = field.value();
-    if (mooncake && key == "input_length") {
+    if (key == "input_length" && belongs(TraceFormat::kMooncake)) {
       input = reader.integer(value, key, 1, kMaxTraceTokens);
-    } else if (mooncake && key == "output_length") {
+    } else if (key == "output_length" && belongs(TraceFormat::kMooncake)) {
       output = reader.integer(value, key, 0, kMaxTraceTokens);
-    } else if (mooncake && key == "hash_ids") {
+    } else if (key == "hash_ids" && belongs(TraceFormat::kMooncake)) {
       record.hashIds =
           reader.integerArray<int64_t>(value, key, 0, std::numeric_limits<int64_t>::max());
       hashIds = true;
-    } else if (!mooncake && key == "prompt") {
+    } else if (key == "prompt" && belongs(TraceFormat::kTokens)) {
       record.tokens =
           reader.integerArray<int32_t>(value, key, 0, std::numeric_limits<int32_t>::max());
       prompt = true;
-    } else if (!mooncake && key == "max_new_tokens") {
-      maxNewTokens = reader.integer(value, key, 1, kMaxTraceTokens);
+    } else if (key == "max_new_tokens" && requested != TraceFormat::kMooncake) {
+      maxNewTokensType = reader.typeOf(value);
+      if (*maxNewTokensType == od::json_type::number) {
+        reader.check(value.get_number().get(maxNewTokens));
+      } else {
+        reader.validate(value);
+      }
     } else if (key == "salt") {
       record.salt = reader.string(value, key);
     } else if (key == "lora") {
@@ -371,13 +358,19 @@ void readFields(LineReader& reader, TraceRecord& record) {
   }
   reader.expectEnd();
 
-  auto require = [&record](bool present, std::string_view key) {
+  if (format == TraceFormat::kAuto) {
+    throw TraceLineError(
+        "neither a Mooncake record (\"input_length\", \"output_length\", \"hash_ids\") nor a "
+        "tokens record (\"prompt\", \"max_new_tokens\")");
+  }
+  record.format = format;
+  auto require = [format](bool present, std::string_view key) {
     if (!present) {
       throw TraceLineError(fmt::format("missing \"{}\" (required in the {} format)", key,
-                                       toString(record.format)));
+                                       toString(format)));
     }
   };
-  if (mooncake) {
+  if (format == TraceFormat::kMooncake) {
     require(input.has_value(), "input_length");
     require(output.has_value(), "output_length");
     require(hashIds, "hash_ids");
@@ -393,14 +386,20 @@ void readFields(LineReader& reader, TraceRecord& record) {
     }
   } else {
     require(prompt, "prompt");
-    require(maxNewTokens.has_value(), "max_new_tokens");
+    require(maxNewTokensType.has_value(), "max_new_tokens");
+    if (*maxNewTokensType != od::json_type::number) {
+      throw TraceLineError(fmt::format("\"max_new_tokens\" must be an integer, got {}",
+                                       LineReader::describe(*maxNewTokensType)));
+    }
+    record.maxNewTokens = static_cast<int32_t>(
+        LineReader::bounded(maxNewTokens, "max_new_tokens", -1, 1, kMaxTraceTokens));
     if (record.tokens.size() > static_cast<std::size_t>(kMaxTraceTokens)) {
       throw TraceLineError(fmt::format("\"prompt\" has {} tokens, more than {}",
                                        record.tokens.size(), kMaxTraceTokens));
     }
     record.inputLength = static_cast<int32_t>(record.tokens.size());
-    record.maxNewTokens = static_cast<int32_t>(*maxNewTokens);
   }
+  return record;
 }
 
 struct DigestHash {
@@ -456,10 +455,7 @@ std::vector<int32_t> expandMooncakePrompt(std::span<int64_t const> hashIds, int3
 
 TraceRecord parseTraceLine(std::string_view text, TraceFormat format) {
   LineReader reader(text);
-  TraceRecord record;
-  record.format = format == TraceFormat::kAuto ? detectFormat(reader) : format;
-  readFields(reader, record);
-  return record;
+  return readRecord(reader, format);
 }
 
 std::vector<TraceRecord> parseTrace(std::istream& input, std::string const& name,

@@ -170,22 +170,15 @@ struct MalformedLine {
 
 class TraceSyntaxTest : public ::testing::TestWithParam<MalformedLine> {};
 
-// Strict JSON everywhere in the line, unknown keys included. With --format auto the line is read
-// once more to find the format's keys, so simdjson may stop at another column of the same error.
+// Strict JSON everywhere in the line, unknown keys included, whatever the format.
 TEST_P(TraceSyntaxTest, NamesTheColumnWhenSimdjsonHasOne) {
   MalformedLine const& c = GetParam();
-  std::string const error = errorOf(c.text, TraceFormat::kMooncake);
-  EXPECT_EQ(error.rfind(c.message, 0), 0u) << c.text << "\n  -> " << error;
-  std::string_view what = c.message;
-  if (what.rfind("column ", 0) == 0) {
-    what.remove_prefix(what.find(": ") + 2);
+  for (TraceFormat format : {TraceFormat::kAuto, TraceFormat::kMooncake}) {
+    std::string const error = errorOf(c.text, format);
+    EXPECT_EQ(error.rfind(c.message, 0), 0u)
+        << c.text << " (" << toString(format) << ")\n  -> " << error;
   }
-  EXPECT_NE(errorOf(c.text, TraceFormat::kAuto).find(what), std::string::npos)
-      << c.text << " (auto)\n  -> " << errorOf(c.text, TraceFormat::kAuto);
 }
-
-constexpr char const* kStructure = "The JSON document has an improper structure";
-constexpr char const* kEndedEarly = "JSON document ended early in the middle of an object";
 
 INSTANTIATE_TEST_SUITE_P(
     Cases, TraceSyntaxTest,
