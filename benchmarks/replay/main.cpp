@@ -282,7 +282,8 @@ CliOptions parseArguments(int argc, char** argv) {
   }
   if (options.kvEvents.endpoint.empty() &&
       replay->count() + encoding->count() + hold->count() > 0) {
-    throw UsageError("--kv-events-replay, --kv-events-encoding and --kv-events-hold need --kv-events");
+    throw UsageError(
+        "--kv-events-replay, --kv-events-encoding and --kv-events-hold need --kv-events");
   }
   if (!options.kvEvents.endpoint.empty() && c.mode != ReplayMode::kReuse) {
     throw UsageError("--kv-events applies to --mode reuse only");
@@ -358,7 +359,8 @@ int run(int argc, char** argv) {
                    : fmt::format(", replay on {}", events->replayEndpoint()));
     config.kvEvents = events.get();
     if (options.kvEventsHold) {
-      fmt::print(stderr, "mkv-replay: kv events: the replay starts after a line on standard input\n");
+      fmt::print(stderr,
+                 "mkv-replay: kv events: the replay starts after a line on standard input\n");
       std::fflush(stderr);
       for (int c = std::fgetc(stdin); c != EOF && c != '\n'; c = std::fgetc(stdin)) {
       }

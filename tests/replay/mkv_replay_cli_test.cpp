@@ -144,11 +144,34 @@ TEST_F(MkvReplayCliTest, TokensTraceQuietAndEveryMode) {
   EXPECT_EQ(nlohmann::json::parse(slurp(json)).at("reused_tokens"), 0);
 }
 
-TEST_F(MkvReplayCliTest, HelpExitsZero) {
-  CliResult const result = run({"--help"});
-  EXPECT_EQ(result.exitCode, 0);
-  EXPECT_NE(result.out.find("usage: mkv-replay"), std::string::npos);
-  EXPECT_NE(result.out.find("--pool-tokens"), std::string::npos);
+TEST_F(MkvReplayCliTest, HelpExitsZeroAndListsEveryOption) {
+  for (char const* flag : {"--help", "-h"}) {
+    CliResult const result = run({flag});
+    EXPECT_EQ(result.exitCode, 0);
+    EXPECT_NE(result.out.find("usage: mkv-replay"), std::string::npos) << result.out;
+    EXPECT_TRUE(result.err.empty()) << result.err;
+    // Every option of docs/replay.md's table, each described on its own line.
+    for (char const* option :
+         {"--trace FILE", "--format F", "--limit N", "--max-output N", "--seed N", "--mode M",
+          "--window W", "--full-layers N", "--page-size N", "--pool-pages N", "--pool-tokens N",
+          "--max-batch N", "--layers N", "--kv-heads N", "--head-dim N", "--dtype T",
+          "--device D", "--verify V", "--kv-events ENDPOINT", "--kv-events-replay ENDPOINT",
+          "--kv-events-encoding E", "--kv-events-hold", "--json FILE", "--csv FILE",
+          "--plot FILE.png", "--quiet", "--log-level L", "-h,--help"}) {
+      EXPECT_NE(result.out.find(std::string("\n  ") + option), std::string::npos) << option;
+    }
+    EXPECT_NE(result.out.find("exit codes: 0 ok, 1 internal error, 2 bad input, 3 KV corruption"),
+              std::string::npos);
+  }
+}
+
+TEST_F(MkvReplayCliTest, AnOptionGivenTwiceTakesItsLastValue) {
+  MKV_TEST_INPUT_OR_SKIP(tinyPath, "tests/replay/tiny_mooncake.jsonl");
+  std::string const json = (mDir / "twice.json").string();
+  CliResult const result = run({"--trace", tinyPath.string(), "--page-size", "64",
+                                "--page-size=256", "--quiet", "--json", json});
+  ASSERT_EQ(result.exitCode, 0) << result.err;
+  EXPECT_EQ(nlohmann::json::parse(slurp(json)).at("page_size"), 256);
 }
 
 TEST_F(MkvReplayCliTest, BadOptionsAreOneLineAndExitTwo) {

@@ -149,7 +149,8 @@ TEST(TraceTest, DecodesEveryStringEscapeAsUtf8) {
 TEST(TraceTest, ChecksAndIgnoresUnknownKeysOfEveryKind) {
   TraceRecord const record = parseTraceLine(
       R"( {"meta": {"x": [1, {"y": "z"}], "w": null}, "mixed": [1, "two", true, false, -2.5e3],)"
-      R"( "nested": [[1], []], "prompt": [7], "max_new_tokens": 2, "e": {}, "id": 18446744073709551615})"
+      R"( "nested": [[1], []], "prompt": [7], "max_new_tokens": 2, "e": {},)"
+      R"( "id": 18446744073709551615})"
       "\r",
       TraceFormat::kAuto);
   EXPECT_EQ(record.tokens, (std::vector<int32_t>{7}));
@@ -209,7 +210,8 @@ INSTANTIATE_TEST_SUITE_P(
         MalformedLine{"{\"a\": {\"b\": }}",
                       "column 13: The JSON document has an improper structure"},
         MalformedLine{"{\"a\": NaN}", "column 7: The JSON document has an improper structure"},
-        MalformedLine{"{\"a\": 1, \"a\": 2, \"input_length\": 1}", "column 10: duplicate key \"a\""}));
+        MalformedLine{"{\"a\": 1, \"a\": 2, \"input_length\": 1}",
+                      "column 10: duplicate key \"a\""}));
 
 TEST(TraceTest, NestingBeyondTheDepthLimitIsAnErrorNotACrash) {
   auto nested = [](std::size_t depth) {
