@@ -13,6 +13,7 @@
 /// Exit status: 0 = every case ran and verified (performance misses do not fail the run);
 /// 2 = a verification found mismatching bytes; 77 = no CUDA device visible (nothing measured);
 /// 1 = usage or CUDA error.
+#include <CLI/CLI.hpp>
 #include <cuda_runtime.h>
 #include <fmt/format.h>
 
@@ -641,40 +642,31 @@ void writeCsv(std::string const& path, std::vector<Row> const& rows) {
   }
 }
 
-void usage() {
-  std::printf(
-      "usage: mkv_gpu_bench [--csv PATH] [--filter SUBSTRING] [--reps N] [--warmups N]\n"
-      "Times memcpy / managedkv kernels / per-copy loops on the cases G1-G5 of kernels.md §5,\n"
-      "verifying every method bitwise on the device. Exit: 0 ran and verified, 2 mismatches,\n"
-      "77 no CUDA device (nothing measured), 1 usage or CUDA error.\n");
-}
-
 Options parse(int argc, char** argv) {
   Options options;
-  for (int i = 1; i < argc; ++i) {
-    std::string_view const arg = argv[i];
-    auto value = [&]() -> std::string {
-      if (i + 1 >= argc) {
-        usage();
-        std::exit(1);
-      }
-      return argv[++i];
-    };
-    if (arg == "--csv") {
-      options.csvPath = value();
-    } else if (arg == "--filter") {
-      options.filter = value();
-    } else if (arg == "--reps") {
-      options.reps = std::max(1, std::atoi(value().c_str()));
-    } else if (arg == "--warmups") {
-      options.warmups = std::max(0, std::atoi(value().c_str()));
-    } else if (arg == "--help" || arg == "-h") {
-      usage();
-      std::exit(0);
-    } else {
-      usage();
-      std::exit(1);
-    }
+  CLI::App app(
+      "Times memcpy / managedkv kernels / per-copy loops on the cases G1-G5 of kernels.md §5,\n"
+      "verifying every method bitwise on the device.",
+      "mkv_gpu_bench");
+  app.footer(
+      "exit: 0 ran and verified, 2 mismatches, 77 no CUDA device (nothing measured), 1 usage or "
+      "CUDA error");
+  app.add_option("--csv", options.csvPath, "also write the rows to a CSV file")->type_name("PATH");
+  app.add_option("--filter", options.filter, "only the cases whose name contains it")
+      ->type_name("SUBSTRING");
+  app.add_option("--reps", options.reps, "timed repetitions per method (the median is reported)")
+      ->check(CLI::Range(1, 1000000))
+      ->capture_default_str();
+  app.add_option("--warmups", options.warmups, "untimed repetitions before them")
+      ->check(CLI::Range(0, 1000000))
+      ->capture_default_str();
+  try {
+    app.parse(argc, argv);
+  } catch (CLI::CallForHelp const&) {
+    std::fputs(app.help().c_str(), stdout);
+    std::exit(0);
+  } catch (CLI::ParseError const& error) {
+    fail(fmt::format("{} (see --help)", error.what()));
   }
   return options;
 }

@@ -5,6 +5,7 @@
 // Exit codes: 0 success, 1 internal error (a library or tool bug), 2 bad input (usage, trace,
 // impossible configuration, unwritable output), 3 the KV oracle found corrupted KV.
 
+#include <CLI/CLI.hpp>
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 #include <unistd.h>
@@ -39,54 +40,13 @@ constexpr int kExitInternal = 1;
 constexpr int kExitBadInput = 2;
 constexpr int kExitCorruption = 3;
 
-constexpr char const* kUsage = R"(usage: mkv-replay [options]
+constexpr char const* kDescription =
+    "Replays requests through KVCacheRuntime + ManagedKVCacheRequest + the reference engine (CPU\n"
+    "tensors by default) and prints a summary. Without --trace it replays an embedded workload of\n"
+    "24 interleaved 5-turn conversations. Full reference: docs/replay.md.";
 
-Replays requests through KVCacheRuntime + ManagedKVCacheRequest + the reference engine (CPU
-tensors by default) and prints a summary. Without --trace it replays an embedded workload of 24
-interleaved 5-turn conversations. Full reference: docs/replay.md.
-
-input
-  --trace FILE          JSONL trace: Mooncake FAST'25 records or token records
-  --format F            auto (default: per line, by its keys), mooncake, tokens
-  --limit N             replay only the first N requests
-  --max-output N        cap the tokens sampled per request at N
-  --seed N              workload and sampling seed (default 1)
-runtime
-  --mode M              reuse (default: context reuse), swa (bounded sliding-window pages),
-                        full (full storage, no reuse)
-  --window W            swa: sliding window in tokens (default 4096)
-  --full-layers N       swa: N full-attention layers besides the sliding ones (default 0)
-  --page-size N         tokens per page, power of two in [16, 1024] (default 128)
-  --pool-pages N        pool size in pages (default: unbounded, sized from the workload)
-  --pool-tokens N       pool size in tokens, rounded down to whole pages
-  --max-batch N         sequences executing at once (default 1); reuse/full: in-flight joins,
-                        swa: batches of N consecutive requests
-  --layers N            attention layers (swa: sliding layers) (default 1)
-  --kv-heads N          KV heads (default 1)
-  --head-dim N          head dimension (default 8)
-  --dtype T             fp16 (default), bf16, fp32, fp8
-  --device D            cpu (default) or cuda (CUDA build with a visible device)
-  --verify V            KV oracle: all, sample (default), none
-KV events (reuse mode; vLLM's ZeroMQ wire format, for KV-aware routers)
-  --kv-events ENDPOINT  publish each engine step's KV events on a ZeroMQ PUB socket: bound
-                        for a wildcard (tcp://*:5557), connected otherwise
-  --kv-events-replay ENDPOINT
-                        bind a ROUTER socket that replays buffered batches on request
-  --kv-events-encoding E
-                        map (default: events as tagged maps) or array (positional;
-                        what llm-d decodes)
-  --kv-events-hold      start the replay after a line on standard input (subscribers connect
-                        first), and after it keep the sockets open until standard input closes
-output
-  --json FILE           summary figures as one JSON object
-  --csv FILE            one row per request
-  --plot FILE.png       pages in use and hit rate over the replay (needs gnuplot)
-  --quiet               no summary table and no progress bar
-  --log-level L         the library's own log lines: off (default), error, warn, info, debug
-  --help                this text
-
-exit codes: 0 ok, 1 internal error, 2 bad input, 3 KV corruption found by the oracle
-)";
+constexpr char const* kFooter =
+    "exit codes: 0 ok, 1 internal error, 2 bad input, 3 KV corruption found by the oracle";
 
 class UsageError : public std::runtime_error {
  public:
@@ -103,9 +63,8 @@ struct CliOptions {
   spdlog::level::level_enum logLevel = spdlog::level::off;
   mkv::KvEventPublisherConfig kvEvents;  ///< endpoint empty: no publisher
   bool kvEventsHold = false;
-  bool windowGiven = false;
   bool quiet = false;
-  bool help = false;
+  std::string help;  ///< the usage text when --help was given
 };
 
 int64_t parseInteger(std::string_view flag, std::string_view text, int64_t min, int64_t max) {
@@ -135,141 +94,203 @@ T parseChoice(std::string_view flag, std::string_view text,
   throw UsageError(fmt::format("{} expects one of {}, got '{}'", flag, names, text));
 }
 
+/// CLI11 parses the command line (option names, `--flag value` and `--flag=value`, help text);
+/// values are converted here so that every message is the one docs/replay.md documents.
 CliOptions parseArguments(int argc, char** argv) {
   CliOptions options;
   ReplayConfig& c = options.config;
-  bool poolGiven = false;
-  bool fullLayersGiven = false;
   constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
-  for (int i = 1; i < argc; ++i) {
-    std::string_view arg(argv[i]);
-    if (arg == "--help" || arg == "-h") {
-      options.help = true;
-      continue;
-    }
-    if (arg == "--quiet") {
-      options.quiet = true;
-      continue;
-    }
-    if (arg == "--kv-events-hold") {
-      options.kvEventsHold = true;
-      continue;
-    }
+  CLI::App app(kDescription, "mkv-replay");
+  app.set_help_flag();
+  app.allow_extras();  // reported below, as documented
+  app.option_defaults()->multi_option_policy(CLI::MultiOptionPolicy::TakeLast);
+  app.footer(kFooter);
+  app.get_formatter()->label("Usage", "usage");
+  app.get_formatter()->column_width(26);
+
+  std::string_view group;
+  // An option with a value, converted by `set(flag, value)` when the parse ends.
+  auto option = [&](std::string const& flag, std::string const& type, std::string const& help,
+                    auto set) {
+    return app
+        .add_option_function<std::string>(
+            flag, [flag, set](std::string const& value) { set(flag, value); }, help)
+        ->type_name(type)
+        ->group(std::string(group));
+  };
+  auto int32 = [](int64_t min, int64_t max, int32_t& target) {
+    return [min, max, &target](std::string_view flag, std::string_view value) {
+      target = static_cast<int32_t>(parseInteger(flag, value, min, max));
+    };
+  };
+  auto text = [](std::optional<std::string>& target) {
+    return [&target](std::string_view, std::string const& value) { target = value; };
+  };
+
+  group = "input";
+  option("--trace", "FILE", "JSONL trace: Mooncake FAST'25 records or token records",
+         text(options.trace));
+  option("--format", "F", "auto (default: per line, by its keys), mooncake, tokens",
+         [&](std::string_view flag, std::string_view value) {
+           options.format = parseChoice<TraceFormat>(flag, value,
+                                                     {{"auto", TraceFormat::kAuto},
+                                                      {"mooncake", TraceFormat::kMooncake},
+                                                      {"tokens", TraceFormat::kTokens}});
+         });
+  option("--limit", "N", "replay only the first N requests",
+         [&](std::string_view flag, std::string_view value) {
+           c.limit = static_cast<std::size_t>(
+               parseInteger(flag, value, 1, std::numeric_limits<int64_t>::max()));
+         });
+  option("--max-output", "N", "cap the tokens sampled per request at N",
+         int32(1, kMaxTraceTokens, c.maxOutputTokens));
+  option("--seed", "N", "workload and sampling seed (default 1)",
+         [&](std::string_view flag, std::string_view value) {
+           c.seed = static_cast<uint64_t>(
+               parseInteger(flag, value, 0, std::numeric_limits<int64_t>::max()));
+         });
+
+  group = "runtime";
+  option("--mode", "M",
+         "reuse (default: context reuse), swa (bounded sliding-window pages), full (full "
+         "storage, no reuse)",
+         [&](std::string_view flag, std::string_view value) {
+           c.mode = parseChoice<ReplayMode>(flag, value,
+                                            {{"reuse", ReplayMode::kReuse},
+                                             {"swa", ReplayMode::kSwa},
+                                             {"full", ReplayMode::kFull}});
+         });
+  auto* window = option("--window", "W", "swa: sliding window in tokens (default 4096)",
+                        int32(1, kInt32Max / 4, c.windowTokens));
+  auto* fullLayers =
+      option("--full-layers", "N", "swa: N full-attention layers besides the sliding ones "
+             "(default 0)", int32(0, 256, c.fullLayers));
+  option("--page-size", "N", "tokens per page, power of two in [16, 1024] (default 128)",
+         int32(16, 1024, c.pageSize));
+  auto pool = [&](PoolSizing sizing) {
+    return [&c, sizing](std::string_view flag, std::string_view value) {
+      c.poolSizing = sizing;
+      c.poolAmount = parseInteger(flag, value, 0, std::numeric_limits<int64_t>::max());
+    };
+  };
+  auto* poolPages = option("--pool-pages", "N",
+                           "pool size in pages (default: unbounded, sized from the workload)",
+                           pool(PoolSizing::kPages));
+  auto* poolTokens = option("--pool-tokens", "N",
+                            "pool size in tokens, rounded down to whole pages",
+                            pool(PoolSizing::kTokens));
+  option("--max-batch", "N",
+         "sequences executing at once (default 1); reuse/full: in-flight joins, swa: batches of "
+         "N consecutive requests",
+         int32(1, 4096, c.maxBatch));
+  option("--layers", "N", "attention layers (swa: sliding layers) (default 1)",
+         int32(1, 256, c.layers));
+  option("--kv-heads", "N", "KV heads (default 1)", int32(1, 4096, c.kvHeads));
+  option("--head-dim", "N", "head dimension (default 8)", int32(1, 4096, c.headDim));
+  option("--dtype", "T", "fp16 (default), bf16, fp32, fp8",
+         [&](std::string_view flag, std::string_view value) {
+           c.dtype = parseChoice<mkv::DataType>(flag, value,
+                                                {{"fp16", mkv::DataType::kFloat16},
+                                                 {"bf16", mkv::DataType::kBFloat16},
+                                                 {"fp32", mkv::DataType::kFloat32},
+                                                 {"fp8", mkv::DataType::kFp8E4M3}});
+         });
+  option("--device", "D", "cpu (default) or cuda (CUDA build with a visible device)",
+         [&](std::string_view flag, std::string_view value) {
+           c.device = parseChoice<mkv::DeviceType>(
+               flag, value, {{"cpu", mkv::DeviceType::kCPU}, {"cuda", mkv::DeviceType::kGPU}});
+         });
+  option("--verify", "V", "KV oracle: all, sample (default), none",
+         [&](std::string_view flag, std::string_view value) {
+           c.verify = parseChoice<mkv::testing::VerifyMode>(
+               flag, value,
+               {{"all", mkv::testing::VerifyMode::kAll},
+                {"sample", mkv::testing::VerifyMode::kSample},
+                {"none", mkv::testing::VerifyMode::kNone}});
+         });
+
+  group = "KV events (reuse mode; vLLM's ZeroMQ wire format, for KV-aware routers)";
+  option("--kv-events", "ENDPOINT",
+         "publish each engine step's KV events on a ZeroMQ PUB socket: bound for a wildcard "
+         "(tcp://*:5557), connected otherwise",
+         [&](std::string_view, std::string const& value) { options.kvEvents.endpoint = value; });
+  auto* replay = option("--kv-events-replay", "ENDPOINT",
+                        "bind a ROUTER socket that replays buffered batches on request",
+                        [&](std::string_view, std::string const& value) {
+                          options.kvEvents.replayEndpoint = value;
+                        });
+  auto* encoding = option(
+      "--kv-events-encoding", "E",
+      "map (default: events as tagged maps) or array (positional; what llm-d decodes)",
+      [&](std::string_view flag, std::string_view value) {
+        options.kvEvents.encoding = parseChoice<mkv::KvEventEncoding>(
+            flag, value,
+            {{"map", mkv::KvEventEncoding::kTaggedMap},
+             {"array", mkv::KvEventEncoding::kPositionalArray}});
+      });
+  auto* hold = app.add_flag("--kv-events-hold", options.kvEventsHold,
+                            "start the replay after a line on standard input (subscribers "
+                            "connect first), and after it keep the sockets open until standard "
+                            "input closes")
+                   ->group(std::string(group));
+
+  group = "output";
+  option("--json", "FILE", "summary figures as one JSON object", text(options.json));
+  option("--csv", "FILE", "one row per request", text(options.csv));
+  option("--plot", "FILE.png", "pages in use and hit rate over the replay (needs gnuplot)",
+         text(options.plot));
+  app.add_flag("--quiet", options.quiet, "no summary table and no progress bar")->group("output");
+  option("--log-level", "L", "the library's own log lines: off (default), error, warn, info, debug",
+         [&](std::string_view flag, std::string_view value) {
+           options.logLevel = parseChoice<spdlog::level::level_enum>(
+               flag, value,
+               {{"off", spdlog::level::off},
+                {"error", spdlog::level::err},
+                {"warn", spdlog::level::warn},
+                {"info", spdlog::level::info},
+                {"debug", spdlog::level::debug}});
+         });
+  bool help = false;
+  app.add_flag("-h,--help", help, "this text")->group("output");
+
+  try {
+    app.parse(argc, argv);
+  } catch (CLI::ArgumentMismatch const& error) {
+    // "--verify: 1 required V missing": CLI11 names the option first.
+    std::string_view const what = error.what();
+    throw UsageError(fmt::format("{} needs a value", what.substr(0, what.find(':'))));
+  } catch (CLI::ParseError const& error) {
+    throw UsageError(error.what());
+  }
+  if (help) {
+    options.help = app.help();
+    return options;
+  }
+  if (std::vector<std::string> const extras = app.remaining(); !extras.empty()) {
+    std::string_view const arg = extras.front();
     if (arg.substr(0, 2) != "--") {
       throw UsageError(fmt::format("unexpected argument '{}' (options start with --)", arg));
     }
-    std::string_view flag = arg;
-    std::optional<std::string_view> inlineValue;
-    if (std::size_t const eq = arg.find('='); eq != std::string_view::npos) {
-      flag = arg.substr(0, eq);
-      inlineValue = arg.substr(eq + 1);
-    }
-    auto value = [&]() -> std::string_view {
-      if (inlineValue) {
-        return *inlineValue;
-      }
-      if (i + 1 >= argc) {
-        throw UsageError(fmt::format("{} needs a value", flag));
-      }
-      return argv[++i];
-    };
-    auto integer = [&](int64_t min, int64_t max) { return parseInteger(flag, value(), min, max); };
-    auto int32 = [&](int64_t min, int64_t max) { return static_cast<int32_t>(integer(min, max)); };
-    if (flag == "--trace") {
-      options.trace = std::string(value());
-    } else if (flag == "--format") {
-      options.format = parseChoice<TraceFormat>(flag, value(),
-                                                {{"auto", TraceFormat::kAuto},
-                                                 {"mooncake", TraceFormat::kMooncake},
-                                                 {"tokens", TraceFormat::kTokens}});
-    } else if (flag == "--mode") {
-      c.mode = parseChoice<ReplayMode>(
-          flag, value(),
-          {{"reuse", ReplayMode::kReuse}, {"swa", ReplayMode::kSwa}, {"full", ReplayMode::kFull}});
-    } else if (flag == "--window") {
-      c.windowTokens = int32(1, kInt32Max / 4);
-      options.windowGiven = true;
-    } else if (flag == "--full-layers") {
-      c.fullLayers = int32(0, 256);
-      fullLayersGiven = true;
-    } else if (flag == "--page-size") {
-      c.pageSize = int32(16, 1024);
-    } else if (flag == "--pool-pages" || flag == "--pool-tokens") {
-      if (poolGiven) {
-        throw UsageError("give the pool size once: --pool-pages or --pool-tokens");
-      }
-      poolGiven = true;
-      c.poolSizing = flag == "--pool-pages" ? PoolSizing::kPages : PoolSizing::kTokens;
-      c.poolAmount = integer(0, std::numeric_limits<int64_t>::max());
-    } else if (flag == "--max-batch") {
-      c.maxBatch = int32(1, 4096);
-    } else if (flag == "--max-output") {
-      c.maxOutputTokens = int32(1, kMaxTraceTokens);
-    } else if (flag == "--layers") {
-      c.layers = int32(1, 256);
-    } else if (flag == "--kv-heads") {
-      c.kvHeads = int32(1, 4096);
-    } else if (flag == "--head-dim") {
-      c.headDim = int32(1, 4096);
-    } else if (flag == "--dtype") {
-      c.dtype = parseChoice<mkv::DataType>(flag, value(),
-                                           {{"fp16", mkv::DataType::kFloat16},
-                                            {"bf16", mkv::DataType::kBFloat16},
-                                            {"fp32", mkv::DataType::kFloat32},
-                                            {"fp8", mkv::DataType::kFp8E4M3}});
-    } else if (flag == "--device") {
-      c.device = parseChoice<mkv::DeviceType>(
-          flag, value(), {{"cpu", mkv::DeviceType::kCPU}, {"cuda", mkv::DeviceType::kGPU}});
-    } else if (flag == "--verify") {
-      c.verify =
-          parseChoice<mkv::testing::VerifyMode>(flag, value(),
-                                                {{"all", mkv::testing::VerifyMode::kAll},
-                                                 {"sample", mkv::testing::VerifyMode::kSample},
-                                                 {"none", mkv::testing::VerifyMode::kNone}});
-    } else if (flag == "--limit") {
-      c.limit = static_cast<std::size_t>(integer(1, std::numeric_limits<int64_t>::max()));
-    } else if (flag == "--seed") {
-      c.seed = static_cast<uint64_t>(integer(0, std::numeric_limits<int64_t>::max()));
-    } else if (flag == "--log-level") {
-      options.logLevel = parseChoice<spdlog::level::level_enum>(flag, value(),
-                                                                {{"off", spdlog::level::off},
-                                                                 {"error", spdlog::level::err},
-                                                                 {"warn", spdlog::level::warn},
-                                                                 {"info", spdlog::level::info},
-                                                                 {"debug", spdlog::level::debug}});
-    } else if (flag == "--kv-events") {
-      options.kvEvents.endpoint = std::string(value());
-    } else if (flag == "--kv-events-replay") {
-      options.kvEvents.replayEndpoint = std::string(value());
-    } else if (flag == "--kv-events-encoding") {
-      options.kvEvents.encoding = parseChoice<mkv::KvEventEncoding>(
-          flag, value(),
-          {{"map", mkv::KvEventEncoding::kTaggedMap},
-           {"array", mkv::KvEventEncoding::kPositionalArray}});
-    } else if (flag == "--json") {
-      options.json = std::string(value());
-    } else if (flag == "--csv") {
-      options.csv = std::string(value());
-    } else if (flag == "--plot") {
-      options.plot = std::string(value());
-    } else {
-      throw UsageError(fmt::format("unknown option '{}' (see --help)", flag));
-    }
+    throw UsageError(
+        fmt::format("unknown option '{}' (see --help)", arg.substr(0, arg.find('='))));
+  }
+  if (poolPages->count() > 0 && poolTokens->count() > 0) {
+    throw UsageError("give the pool size once: --pool-pages or --pool-tokens");
   }
   if (options.format && !options.trace) {
     throw UsageError("--format applies to --trace only");
   }
-  bool const kvEventOptions = !options.kvEvents.replayEndpoint.empty() || options.kvEventsHold ||
-                              options.kvEvents.encoding != mkv::KvEventEncoding::kTaggedMap;
-  if (options.kvEvents.endpoint.empty() && kvEventOptions) {
-    throw UsageError("--kv-events-replay, --kv-events-encoding and --kv-events-hold need --kv-events");
+  if (options.kvEvents.endpoint.empty() &&
+      replay->count() + encoding->count() + hold->count() > 0) {
+    throw UsageError(
+        "--kv-events-replay, --kv-events-encoding and --kv-events-hold need --kv-events");
   }
   if (!options.kvEvents.endpoint.empty() && c.mode != ReplayMode::kReuse) {
     throw UsageError("--kv-events applies to --mode reuse only");
   }
-  if (c.mode != ReplayMode::kSwa && (options.windowGiven || fullLayersGiven)) {
+  if (c.mode != ReplayMode::kSwa && window->count() + fullLayers->count() > 0) {
     throw UsageError(fmt::format("{} applies to --mode swa only",
-                                 options.windowGiven ? "--window" : "--full-layers"));
+                                 window->count() > 0 ? "--window" : "--full-layers"));
   }
   return options;
 }
@@ -300,8 +321,8 @@ void writeOutput(std::ofstream* file, std::optional<std::string> const& path,
 
 int run(int argc, char** argv) {
   CliOptions const options = parseArguments(argc, argv);
-  if (options.help) {
-    std::fputs(kUsage, stdout);
+  if (!options.help.empty()) {
+    std::fputs(options.help.c_str(), stdout);
     return kExitOk;
   }
   // Refusals and failed growth are expected under a bounded pool and counted in the summary;
@@ -338,7 +359,8 @@ int run(int argc, char** argv) {
                    : fmt::format(", replay on {}", events->replayEndpoint()));
     config.kvEvents = events.get();
     if (options.kvEventsHold) {
-      fmt::print(stderr, "mkv-replay: kv events: the replay starts after a line on standard input\n");
+      fmt::print(stderr,
+                 "mkv-replay: kv events: the replay starts after a line on standard input\n");
       std::fflush(stderr);
       for (int c = std::fgetc(stdin); c != EOF && c != '\n'; c = std::fgetc(stdin)) {
       }

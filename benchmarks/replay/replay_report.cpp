@@ -1,7 +1,7 @@
 #include "replay_report.h"
 
 #include <fmt/format.h>
-#include <fmt/ranges.h>
+#include <nlohmann/json.hpp>
 
 #include <cmath>
 
@@ -109,27 +109,6 @@ double requestsPerSecond(ReplayResult const& r) {
 
 }  // namespace
 
-std::string jsonString(std::string_view text) {
-  std::string out = "\"";
-  for (char c : text) {
-    auto const u = static_cast<unsigned char>(c);
-    switch (c) {
-      case '"': out += "\\\""; break;
-      case '\\': out += "\\\\"; break;
-      case '\n': out += "\\n"; break;
-      case '\r': out += "\\r"; break;
-      case '\t': out += "\\t"; break;
-      default:
-        if (u < 0x20) {
-          out += fmt::format("\\u{:04x}", u);
-        } else {
-          out.push_back(c);
-        }
-    }
-  }
-  return out + "\"";
-}
-
 std::string formatSummary(ReplayResult const& r) {
   ReplayConfig const& c = r.config;
   std::string out;
@@ -216,77 +195,75 @@ std::string formatSummary(ReplayResult const& r) {
 
 std::string formatJson(ReplayResult const& r) {
   ReplayConfig const& c = r.config;
-  std::string misses;
+  nlohmann::ordered_json misses = nlohmann::ordered_json::object();
   for (std::size_t i = 0; i < r.missesByReason.size(); ++i) {
-    misses += fmt::format("{}{}: {}", i == 0 ? "" : ", ",
-                          jsonString(toString(static_cast<MissReason>(i))), r.missesByReason[i]);
+    misses[std::string(toString(static_cast<MissReason>(i)))] = r.missesByReason[i];
   }
-  std::string out = "{\n";
-  bool first = true;
-  auto field = [&](std::string_view key, std::string const& value) {
-    out += fmt::format("{}  {}: {}", first ? "" : ",\n", jsonString(key), value);
-    first = false;
+  nlohmann::ordered_json json = {
+      {"workload", r.workload},
+      {"mode", toString(c.mode)},
+      {"backend", mkv::toString(r.backend)},
+      {"device", c.device == DeviceType::kGPU ? "cuda" : "cpu"},
+      {"verify", verifyName(c.verify)},
+      {"seed", c.seed},
+      {"layers", c.layers},
+      {"full_layers", c.fullLayers},
+      {"kv_heads", c.kvHeads},
+      {"head_dim", c.headDim},
+      {"dtype", dtypeName(c.dtype)},
+      {"window", c.mode == ReplayMode::kSwa ? c.windowTokens : 0},
+      {"page_size", c.pageSize},
+      {"bytes_per_page", r.bytesPerPage},
+      {"pool_sizing", poolSizingKey(c.poolSizing)},
+      {"pool_pages", r.poolPages},
+      {"pool_tokens", r.poolPages * c.pageSize},
+      {"max_batch", r.maxBatch},
+      {"max_output", c.maxOutputTokens},
+      {"requests", r.requests},
+      {"failed_requests", r.failedRequests},
+      {"retried_requests", r.retriedRequests},
+      {"joins", r.joins},
+      {"prompt_tokens", r.promptTokens},
+      {"reused_tokens", r.reusedTokens},
+      {"hit_rate", r.hitRate},  // NaN and infinities are written as null
+      {"prefill_tokens_computed", r.prefillTokensComputed},
+      {"generated_tokens", r.generatedTokens},
+      {"decode_steps", r.decodeSteps},
+      {"published_records", r.publishedRecords},
+      {"evicted_records", r.evictedRecords},
+      {"forced_cold_retries", r.forcedColdRetries},
+      {"misses_by_reason", misses},
+      {"peak_pages_in_use", r.peakPagesInUse},
+      {"peak_kv_bytes", r.peakKvBytes},
+      {"swa_pages_per_sequence_prefill", r.swaPagesPerSequencePrefill},
+      {"swa_pages_per_sequence_decode", r.swaPagesPerSequenceDecode},
+      {"oracle_checks", r.oracleChecks},
+      {"oracle_mismatches", r.oracleMismatches},
+      {"first_mismatch", r.firstMismatch},
+      {"host_ns_per_step_p50", r.hostNsPerStepP50},
+      {"host_ns_per_step_p99", r.hostNsPerStepP99},
+      {"host_ns_per_step_mean", r.hostNsPerStepMean},
+      {"gpu_timed", r.gpuTimed},
+      {"gpu_ns_per_step_p50", r.gpuNsPerStepP50},
+      {"gpu_ns_per_step_p99", r.gpuNsPerStepP99},
+      {"gpu_ns_per_step_mean", r.gpuNsPerStepMean},
+      {"requests_per_s", std::round(requestsPerSecond(r) * 10.0) / 10.0},
+      {"dropped_events", r.droppedEvents},
   };
-  auto integer = [&](std::string_view key, int64_t value) { field(key, std::to_string(value)); };
-  field("workload", jsonString(r.workload));
-  field("mode", jsonString(toString(c.mode)));
-  field("backend", jsonString(mkv::toString(r.backend)));
-  field("device", jsonString(c.device == DeviceType::kGPU ? "cuda" : "cpu"));
-  field("verify", jsonString(verifyName(c.verify)));
-  integer("seed", static_cast<int64_t>(c.seed));
-  integer("layers", c.layers);
-  integer("full_layers", c.fullLayers);
-  integer("kv_heads", c.kvHeads);
-  integer("head_dim", c.headDim);
-  field("dtype", jsonString(dtypeName(c.dtype)));
-  integer("window", c.mode == ReplayMode::kSwa ? c.windowTokens : 0);
-  integer("page_size", c.pageSize);
-  integer("bytes_per_page", r.bytesPerPage);
-  field("pool_sizing", jsonString(poolSizingKey(c.poolSizing)));
-  integer("pool_pages", r.poolPages);
-  integer("pool_tokens", r.poolPages * c.pageSize);
-  integer("max_batch", r.maxBatch);
-  integer("max_output", c.maxOutputTokens);
-  integer("requests", r.requests);
-  integer("failed_requests", r.failedRequests);
-  integer("retried_requests", r.retriedRequests);
-  integer("joins", r.joins);
-  integer("prompt_tokens", r.promptTokens);
-  integer("reused_tokens", r.reusedTokens);
-  field("hit_rate", number(r.hitRate));
-  integer("prefill_tokens_computed", r.prefillTokensComputed);
-  integer("generated_tokens", r.generatedTokens);
-  integer("decode_steps", r.decodeSteps);
-  integer("published_records", r.publishedRecords);
-  integer("evicted_records", r.evictedRecords);
-  integer("forced_cold_retries", r.forcedColdRetries);
-  field("misses_by_reason", "{" + misses + "}");
-  integer("peak_pages_in_use", r.peakPagesInUse);
-  integer("peak_kv_bytes", r.peakKvBytes);
-  integer("swa_pages_per_sequence_prefill", r.swaPagesPerSequencePrefill);
-  integer("swa_pages_per_sequence_decode", r.swaPagesPerSequenceDecode);
-  integer("oracle_checks", r.oracleChecks);
-  integer("oracle_mismatches", r.oracleMismatches);
-  field("first_mismatch", jsonString(r.firstMismatch));
-  integer("host_ns_per_step_p50", r.hostNsPerStepP50);
-  integer("host_ns_per_step_p99", r.hostNsPerStepP99);
-  integer("host_ns_per_step_mean", r.hostNsPerStepMean);
-  field("gpu_timed", r.gpuTimed ? "true" : "false");
-  integer("gpu_ns_per_step_p50", r.gpuNsPerStepP50);
-  integer("gpu_ns_per_step_p99", r.gpuNsPerStepP99);
-  integer("gpu_ns_per_step_mean", r.gpuNsPerStepMean);
-  field("requests_per_s", fmt::format("{:.1f}", requestsPerSecond(r)));
-  integer("dropped_events", r.droppedEvents);
   if (KvEventPublisher const* events = c.kvEvents) {
-    field("kv_events",
-          fmt::format("{{\"batches_published\": {}, \"batches_dropped\": {}, "
-                      "\"indexed_block_hashes\": [{}]}}",
-                      events->batchesPublished(), events->batchesDropped(),
-                      fmt::join(r.indexedBlockHashes, ", ")));
+    json["kv_events"] = {{"batches_published", events->batchesPublished()},
+                         {"batches_dropped", events->batchesDropped()},
+                         {"indexed_block_hashes", r.indexedBlockHashes}};
   }
-  field("wall_s", fmt::format("{:.3f}", r.wallSeconds));
-  out += "\n}\n";
-  return out;
+  json["wall_s"] = std::round(r.wallSeconds * 1000.0) / 1000.0;
+  // One top-level key per line, nested values on the line of their key; bytes that are not
+  // UTF-8 (a trace path's, in `workload`) become U+FFFD.
+  std::string out = "{\n";
+  for (auto const& [key, value] : json.items()) {
+    out += fmt::format("{}  {}: {}", out.size() > 2 ? ",\n" : "", nlohmann::json(key).dump(),
+                       value.dump(-1, ' ', false, nlohmann::json::error_handler_t::replace));
+  }
+  return out + "\n}\n";
 }
 
 std::string formatCsv(ReplayResult const& r) {

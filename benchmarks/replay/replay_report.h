@@ -17,7 +17,4 @@ std::string formatJson(ReplayResult const& result);
 /// Header plus one row per request in index order.
 std::string formatCsv(ReplayResult const& result);
 
-/// `text` as a JSON string literal (quotes included).
-std::string jsonString(std::string_view text);
-
 }  // namespace mkv::replay

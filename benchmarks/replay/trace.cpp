@@ -1,6 +1,7 @@
 #include "trace.h"
 
 #include <fmt/format.h>
+#include <simdjson.h>
 #define XXH_INLINE_ALL
 #include <xxhash.h>
 
@@ -10,8 +11,6 @@
 #include <fstream>
 #include <limits>
 #include <unordered_set>
-
-#include "json_object.h"
 
 namespace mkv::replay {
 namespace {
@@ -28,119 +27,379 @@ bool isBlank(std::string_view text) noexcept {
                      [](char c) { return c == ' ' || c == '\t' || c == '\r' || c == '\n'; });
 }
 
-[[noreturn]] void wrongType(std::string_view key, std::string_view expected, JsonValue const& v) {
-  throw TraceLineError(fmt::format("\"{}\" must be {}, got {}", key, expected, describe(v.kind)));
-}
+namespace od = simdjson::ondemand;
 
-int64_t integerField(JsonValue const& value, std::string_view key, int64_t min, int64_t max) {
-  if (value.kind != JsonValue::Kind::kNumber) {
-    wrongType(key, "an integer", value);
-  }
-  if (!value.number.integral) {
-    throw TraceLineError(fmt::format("\"{}\" must be an integer, got {}", key, value.number.value));
-  }
-  if (value.number.integer < min || value.number.integer > max) {
-    throw TraceLineError(
-        fmt::format("\"{}\" is {}, outside [{}, {}]", key, value.number.integer, min, max));
-  }
-  return value.number.integer;
-}
+/// Nesting limit of the values validate() walks, recursively: it keeps a hostile line from
+/// exhausting the stack (simdjson 3.0.1's On-Demand API let 5,000 levels through).
+constexpr int kMaxDepth = 128;
 
-JsonValue const& required(JsonObject const& object, std::string_view key, std::string_view format) {
-  JsonValue const* value = object.find(key);
-  if (value == nullptr) {
-    throw TraceLineError(fmt::format("missing \"{}\" (required in the {} format)", key, format));
-  }
-  return *value;
-}
-
-template <typename T>
-std::vector<T> integerArray(JsonValue const& value, std::string_view key, int64_t min,
-                            int64_t max) {
-  if (value.kind != JsonValue::Kind::kNumberArray) {
-    wrongType(key, "an array of integers", value);
-  }
-  if (value.numbers.empty()) {
-    throw TraceLineError(fmt::format("\"{}\" is empty", key));
-  }
-  std::vector<T> out;
-  out.reserve(value.numbers.size());
-  for (std::size_t i = 0; i < value.numbers.size(); ++i) {
-    JsonNumber const& n = value.numbers[i];
-    if (!n.integral) {
-      throw TraceLineError(fmt::format("\"{}\"[{}] must be an integer, got {}", key, i, n.value));
+/// One trace line, read with simdjson's On-Demand API: forward only, every value validated as it
+/// is read (the values of unknown keys by a walk that reads each of them), every failure a
+/// TraceLineError (syntax ones with the 1-based column simdjson stopped at, when it knows it).
+class LineReader {
+ public:
+  explicit LineReader(std::string_view text) : mText(text) {
+    // Reused by every line of a thread: the parser, and the line copied with the zero bytes
+    // simdjson may read past its end.
+    thread_local od::parser parser;
+    thread_local std::string padded;
+    padded.assign(text);
+    padded.append(simdjson::SIMDJSON_PADDING, '\0');
+    mLine = padded.data();
+    check(parser.iterate(simdjson::padded_string_view(padded.data(), text.size(), padded.size()))
+              .get(mDocument));
+    mIterating = true;
+    od::json_type type{};
+    check(mDocument.type().get(type));
+    if (type != od::json_type::object) {
+      throw TraceLineError(fmt::format("column {}: a line holds one JSON object, found {}",
+                                       column(), describe(type)));
     }
-    if (n.integer < min || n.integer > max) {
+  }
+
+  od::document& document() noexcept { return mDocument; }
+
+  /// Fails on anything but whitespace after the object.
+  void expectEnd() {
+    if (!mDocument.current_location().error()) {
+      syntax(simdjson::TRAILING_CONTENT);
+    }
+  }
+
+  void check(simdjson::error_code error) {
+    if (error != simdjson::SUCCESS) {
+      syntax(error);
+    }
+  }
+
+  /// 1-based column of simdjson's current position; 0 when it has none.
+  std::size_t column() {
+    char const* at = nullptr;
+    if (!mIterating || mDocument.current_location().get(at) != simdjson::SUCCESS) {
+      return 0;
+    }
+    return columnOf(at);
+  }
+
+  std::size_t columnOf(char const* at) const noexcept {
+    return static_cast<std::size_t>(at - mLine) + 1;
+  }
+
+  [[noreturn]] void syntax(simdjson::error_code error) {
+    // An object or array left open ends at the end of the line; errors found while indexing the
+    // whole line (an unclosed string, a raw control character, bad UTF-8) have no position.
+    std::size_t const at =
+        error == simdjson::INCOMPLETE_ARRAY_OR_OBJECT ? mText.size() + 1 : column();
+    std::string_view const message = simdjson::error_message(error);
+    throw TraceLineError(at == 0 ? std::string(message)
+                                 : fmt::format("column {}: {}", at, message));
+  }
+
+  /// Reads (and so validates) a value of any kind, recursively.
+  void validate(od::value value, int depth = 0) {
+    if (depth >= kMaxDepth) {
+      throw TraceLineError(fmt::format("column {}: values nested deeper than {} levels",
+                                       columnOf(value.raw_json_token().data()), kMaxDepth));
+    }
+    od::json_type type{};
+    check(value.type().get(type));
+    switch (type) {
+      case od::json_type::object: {
+        od::object object;
+        check(value.get_object().get(object));
+        for (auto field : object) {
+          std::string_view key;
+          check(field.unescaped_key().get(key));
+          od::value member;
+          check(field.value().get(member));
+          validate(member, depth + 1);
+        }
+        return;
+      }
+      case od::json_type::array: {
+        od::array array;
+        check(value.get_array().get(array));
+        for (auto element : array) {
+          od::value item;
+          check(element.get(item));
+          validate(item, depth + 1);
+        }
+        return;
+      }
+      case od::json_type::number: {
+        od::number number;
+        check(value.get_number().get(number));
+        return;
+      }
+      case od::json_type::string: {
+        std::string_view text;
+        check(value.get_string().get(text));
+        return;
+      }
+      case od::json_type::boolean: {
+        // simdjson reports a misspelt true or false as a value of another type.
+        bool flag = false;
+        if (value.get_bool().get(flag) != simdjson::SUCCESS) {
+          syntax(value.raw_json_token().front() == 't' ? simdjson::T_ATOM_ERROR
+                                                       : simdjson::F_ATOM_ERROR);
+        }
+        return;
+      }
+      case od::json_type::null: {
+        bool null = false;
+        if (value.is_null().get(null) != simdjson::SUCCESS || !null) {
+          syntax(simdjson::N_ATOM_ERROR);
+        }
+        return;
+      }
+    }
+  }
+
+  static std::string_view describe(od::json_type type) noexcept {
+    switch (type) {
+      case od::json_type::object: return "an object";
+      case od::json_type::array: return "an array";
+      case od::json_type::number: return "a number";
+      case od::json_type::string: return "a string";
+      case od::json_type::boolean: return "a boolean";
+      case od::json_type::null: return "null";
+    }
+    return "unknown";
+  }
+
+  /// Throws `LABEL must be EXPECTED, got KIND` once the value is known to be well-formed.
+  [[noreturn]] void wrongType(std::string_view label, std::string_view expected, od::value value) {
+    od::json_type const type = typeOf(value);
+    validate(value);
+    throw TraceLineError(fmt::format("{} must be {}, got {}", label, expected, describe(type)));
+  }
+
+  od::json_type typeOf(od::value& value) {
+    od::json_type type{};
+    check(value.type().get(type));
+    return type;
+  }
+
+  /// `"key"`, or `"key"[index]` for an element (index >= 0).
+  static std::string label(std::string_view key, int64_t index) {
+    return index < 0 ? fmt::format("\"{}\"", key) : fmt::format("\"{}\"[{}]", key, index);
+  }
+
+  /// A number that must be an integer in [min, max]; `key` and `index` name it (see label).
+  static int64_t bounded(od::number number, std::string_view key, int64_t index, int64_t min,
+                         int64_t max) {
+    switch (number.get_number_type()) {
+      case od::number_type::floating_point_number:
+        throw TraceLineError(fmt::format("{} must be an integer, got {}", label(key, index),
+                                         number.get_double()));
+      case od::number_type::unsigned_integer:  // at least 2^63
+        throw TraceLineError(fmt::format("{} is {}, outside [{}, {}]", label(key, index),
+                                         number.get_uint64(), min, max));
+      case od::number_type::signed_integer: break;
+    }
+    int64_t const value = number.get_int64();
+    if (value < min || value > max) {
       throw TraceLineError(
-          fmt::format("\"{}\"[{}] is {}, outside [{}, {}]", key, i, n.integer, min, max));
+          fmt::format("{} is {}, outside [{}, {}]", label(key, index), value, min, max));
     }
-    out.push_back(static_cast<T>(n.integer));
+    return value;
   }
-  return out;
-}
 
-void readCommon(JsonObject const& object, TraceRecord& record) {
-  if (JsonValue const* salt = object.find("salt")) {
-    if (salt->kind != JsonValue::Kind::kString) {
-      wrongType("salt", "a string", *salt);
+  int64_t integer(od::value value, std::string_view key, int64_t min, int64_t max) {
+    if (typeOf(value) != od::json_type::number) {
+      wrongType(label(key, -1), "an integer", value);
     }
-    record.salt = salt->string;
+    od::number number;
+    check(value.get_number().get(number));
+    return bounded(number, key, -1, min, max);
   }
-  if (JsonValue const* lora = object.find("lora")) {
-    if (lora->kind != JsonValue::Kind::kString) {
-      wrongType("lora", "a string", *lora);
+
+  template <typename T>
+  std::vector<T> integerArray(od::value value, std::string_view key, int64_t min, int64_t max) {
+    if (typeOf(value) != od::json_type::array) {
+      wrongType(label(key, -1), "an array of integers", value);
     }
-    record.lora = lora->string;
+    od::array array;
+    check(value.get_array().get(array));
+    std::vector<T> out;
+    for (auto element : array) {
+      od::value item;
+      check(element.get(item));
+      auto const index = static_cast<int64_t>(out.size());
+      if (typeOf(item) != od::json_type::number) {
+        wrongType(label(key, index), "an integer", item);
+      }
+      od::number number;
+      check(item.get_number().get(number));
+      out.push_back(static_cast<T>(bounded(number, key, index, min, max)));
+    }
+    if (out.empty()) {
+      throw TraceLineError(fmt::format("\"{}\" is empty", key));
+    }
+    return out;
   }
-  if (JsonValue const* id = object.find("id")) {
-    if (id->kind == JsonValue::Kind::kString) {
-      record.id = id->string;
-    } else if (id->kind == JsonValue::Kind::kNumber && id->number.integral) {
-      record.id = std::to_string(id->number.integer);
+
+  std::string string(od::value value, std::string_view key) {
+    if (typeOf(value) != od::json_type::string) {
+      wrongType(label(key, -1), "a string", value);
+    }
+    std::string_view text;
+    check(value.get_string().get(text));
+    return std::string(text);
+  }
+
+  double number(od::value value, std::string_view key) {
+    if (typeOf(value) != od::json_type::number) {
+      wrongType(label(key, -1), "a number", value);
+    }
+    od::number number;
+    check(value.get_number().get(number));
+    return number.as_double();
+  }
+
+  /// "id": a string as written, or an integer's digits.
+  std::string id(od::value value) {
+    od::json_type const type = typeOf(value);
+    if (type == od::json_type::string) {
+      return string(value, "id");
+    }
+    od::number number;
+    if (type == od::json_type::number) {
+      check(value.get_number().get(number));
+    }
+    if (type != od::json_type::number ||
+        number.get_number_type() == od::number_type::floating_point_number) {
+      throw TraceLineError(fmt::format("\"id\" must be a string or an integer, got {}",
+                                       type == od::json_type::number ? "a fraction or an exponent"
+                                                                     : describe(type)));
+    }
+    return number.is_int64() ? std::to_string(number.get_int64())
+                             : std::to_string(number.get_uint64());
+  }
+
+ private:
+  std::string_view mText;
+  char const* mLine = nullptr;  ///< the padded copy of the line simdjson reads
+  od::document mDocument;
+  bool mIterating = false;  ///< iterate() succeeded: mDocument has positions
+};
+
+/// Reads one line in a single pass, in line order: the keys of `format` and the common ones into
+/// the record, any other key's value validated and ignored. With kAuto the first key that belongs
+/// to one format only ("prompt"; "hash_ids", "input_length", "output_length") decides; a key of
+/// the other one after it is an error. A duplicate key is an error.
+TraceRecord readRecord(LineReader& reader, TraceFormat const requested) {
+  TraceRecord record;
+  TraceFormat format = requested;
+  auto belongs = [&](TraceFormat keyFormat) {
+    if (requested != TraceFormat::kAuto) {
+      return requested == keyFormat;
+    }
+    if (format != TraceFormat::kAuto && format != keyFormat) {
+      throw TraceLineError(
+          "the object has both \"prompt\" (tokens format) and Mooncake keys; choose one with "
+          "--format");
+    }
+    format = keyFormat;
+    return true;
+  };
+  std::optional<int64_t> input;
+  std::optional<int64_t> output;
+  // "max_new_tokens" is read before the format may be known, and checked once it is.
+  std::optional<od::json_type> maxNewTokensType;
+  od::number maxNewTokens{};
+  bool hashIds = false;
+  bool prompt = false;
+  std::vector<std::string> keys;
+  od::object object;
+  reader.check(reader.document().get_object().get(object));
+  for (auto member : object) {
+    od::field field;
+    reader.check(std::move(member).get(field));
+    char const* const keyAt = field.key().raw() - 1;  // raw(): just after the opening quote
+    std::string_view key;
+    reader.check(field.unescaped_key().get(key));
+    if (std::find(keys.begin(), keys.end(), key) != keys.end()) {
+      throw TraceLineError(
+          fmt::format("column {}: duplicate key \"{}\"", reader.columnOf(keyAt), key));
+    }
+    keys.emplace_back(key);
+    od::value value = field.value();
+    if (key == "input_length" && belongs(TraceFormat::kMooncake)) {
+      input = reader.integer(value, key, 1, kMaxTraceTokens);
+    } else if (key == "output_length" && belongs(TraceFormat::kMooncake)) {
+      output = reader.integer(value, key, 0, kMaxTraceTokens);
+    } else if (key == "hash_ids" && belongs(TraceFormat::kMooncake)) {
+      record.hashIds =
+          reader.integerArray<int64_t>(value, key, 0, std::numeric_limits<int64_t>::max());
+      hashIds = true;
+    } else if (key == "prompt" && belongs(TraceFormat::kTokens)) {
+      record.tokens =
+          reader.integerArray<int32_t>(value, key, 0, std::numeric_limits<int32_t>::max());
+      prompt = true;
+    } else if (key == "max_new_tokens" && requested != TraceFormat::kMooncake) {
+      maxNewTokensType = reader.typeOf(value);
+      if (*maxNewTokensType == od::json_type::number) {
+        reader.check(value.get_number().get(maxNewTokens));
+      } else {
+        reader.validate(value);
+      }
+    } else if (key == "salt") {
+      record.salt = reader.string(value, key);
+    } else if (key == "lora") {
+      record.lora = reader.string(value, key);
+    } else if (key == "id") {
+      record.id = reader.id(value);
+    } else if (key == "timestamp") {
+      record.timestampMs = reader.number(value, key);
     } else {
-      wrongType("id", "a string or an integer", *id);
+      reader.validate(value);
     }
   }
-  if (JsonValue const* timestamp = object.find("timestamp")) {
-    if (timestamp->kind != JsonValue::Kind::kNumber) {
-      wrongType("timestamp", "a number", *timestamp);
+  reader.expectEnd();
+
+  if (format == TraceFormat::kAuto) {
+    throw TraceLineError(
+        "neither a Mooncake record (\"input_length\", \"output_length\", \"hash_ids\") nor a "
+        "tokens record (\"prompt\", \"max_new_tokens\")");
+  }
+  record.format = format;
+  auto require = [format](bool present, std::string_view key) {
+    if (!present) {
+      throw TraceLineError(fmt::format("missing \"{}\" (required in the {} format)", key,
+                                       toString(format)));
     }
-    record.timestampMs = timestamp->number.value;
+  };
+  if (format == TraceFormat::kMooncake) {
+    require(input.has_value(), "input_length");
+    require(output.has_value(), "output_length");
+    require(hashIds, "hash_ids");
+    record.inputLength = static_cast<int32_t>(*input);
+    record.maxNewTokens = static_cast<int32_t>(std::max<int64_t>(*output, 1));
+    int64_t const capacity =
+        int64_t{kMooncakeBlockTokens} * static_cast<int64_t>(record.hashIds.size());
+    if (record.inputLength > capacity) {
+      throw TraceLineError(fmt::format(
+          "\"input_length\" {} is longer than the {} tokens of its {} \"hash_ids\" blocks ({} "
+          "tokens each)",
+          record.inputLength, capacity, record.hashIds.size(), kMooncakeBlockTokens));
+    }
+  } else {
+    require(prompt, "prompt");
+    require(maxNewTokensType.has_value(), "max_new_tokens");
+    if (*maxNewTokensType != od::json_type::number) {
+      throw TraceLineError(fmt::format("\"max_new_tokens\" must be an integer, got {}",
+                                       LineReader::describe(*maxNewTokensType)));
+    }
+    record.maxNewTokens = static_cast<int32_t>(
+        LineReader::bounded(maxNewTokens, "max_new_tokens", -1, 1, kMaxTraceTokens));
+    if (record.tokens.size() > static_cast<std::size_t>(kMaxTraceTokens)) {
+      throw TraceLineError(fmt::format("\"prompt\" has {} tokens, more than {}",
+                                       record.tokens.size(), kMaxTraceTokens));
+    }
+    record.inputLength = static_cast<int32_t>(record.tokens.size());
   }
-}
-
-void readMooncake(JsonObject const& object, TraceRecord& record) {
-  constexpr std::string_view kFormat = "mooncake";
-  record.format = TraceFormat::kMooncake;
-  record.inputLength = static_cast<int32_t>(
-      integerField(required(object, "input_length", kFormat), "input_length", 1, kMaxTraceTokens));
-  int64_t const output =
-      integerField(required(object, "output_length", kFormat), "output_length", 0, kMaxTraceTokens);
-  record.maxNewTokens = static_cast<int32_t>(std::max<int64_t>(output, 1));
-  record.hashIds = integerArray<int64_t>(required(object, "hash_ids", kFormat), "hash_ids", 0,
-                                         std::numeric_limits<int64_t>::max());
-  int64_t const capacity =
-      int64_t{kMooncakeBlockTokens} * static_cast<int64_t>(record.hashIds.size());
-  if (record.inputLength > capacity) {
-    throw TraceLineError(fmt::format(
-        "\"input_length\" {} is longer than the {} tokens of its {} \"hash_ids\" blocks ({} tokens "
-        "each)",
-        record.inputLength, capacity, record.hashIds.size(), kMooncakeBlockTokens));
-  }
-}
-
-void readTokens(JsonObject const& object, TraceRecord& record) {
-  constexpr std::string_view kFormat = "tokens";
-  record.format = TraceFormat::kTokens;
-  record.tokens = integerArray<int32_t>(required(object, "prompt", kFormat), "prompt", 0,
-                                        std::numeric_limits<int32_t>::max());
-  if (record.tokens.size() > static_cast<std::size_t>(kMaxTraceTokens)) {
-    throw TraceLineError(fmt::format("\"prompt\" has {} tokens, more than {}", record.tokens.size(),
-                                     kMaxTraceTokens));
-  }
-  record.inputLength = static_cast<int32_t>(record.tokens.size());
-  record.maxNewTokens = static_cast<int32_t>(integerField(
-      required(object, "max_new_tokens", kFormat), "max_new_tokens", 1, kMaxTraceTokens));
+  return record;
 }
 
 struct DigestHash {
@@ -195,37 +454,8 @@ std::vector<int32_t> expandMooncakePrompt(std::span<int64_t const> hashIds, int3
 }
 
 TraceRecord parseTraceLine(std::string_view text, TraceFormat format) {
-  JsonObject object;
-  try {
-    object = parseJsonObject(text);
-  } catch (JsonSyntaxError const& error) {
-    throw TraceLineError(fmt::format("column {}: {}", error.column(), error.what()));
-  }
-  TraceRecord record;
-  if (format == TraceFormat::kAuto) {
-    bool const tokens = object.find("prompt") != nullptr;
-    bool const mooncake = object.find("hash_ids") != nullptr ||
-                          object.find("input_length") != nullptr ||
-                          object.find("output_length") != nullptr;
-    if (tokens && mooncake) {
-      throw TraceLineError(
-          "the object has both \"prompt\" (tokens format) and Mooncake keys; choose one with "
-          "--format");
-    }
-    if (!tokens && !mooncake) {
-      throw TraceLineError(
-          "neither a Mooncake record (\"input_length\", \"output_length\", \"hash_ids\") nor a "
-          "tokens record (\"prompt\", \"max_new_tokens\")");
-    }
-    format = tokens ? TraceFormat::kTokens : TraceFormat::kMooncake;
-  }
-  if (format == TraceFormat::kMooncake) {
-    readMooncake(object, record);
-  } else {
-    readTokens(object, record);
-  }
-  readCommon(object, record);
-  return record;
+  LineReader reader(text);
+  return readRecord(reader, format);
 }
 
 std::vector<TraceRecord> parseTrace(std::istream& input, std::string const& name,

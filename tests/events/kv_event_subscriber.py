@@ -11,7 +11,11 @@ through the replay socket from a mid-stream sequence number. Batches the subscri
 before its subscription reached the publisher (ZeroMQ's slow joiner) are fetched through the
 replay socket, so the outcome does not depend on timing.
 
-usage: kv_event_subscriber.py MKV_REPLAY TRACE ENCODING (map|array)
+With MODE connect (default: bind) the subscriber binds its SUB socket on an ephemeral loopback
+port first and mkv-replay's publisher connects to it (an endpoint without a wildcard), the way a
+deployment whose router listens is wired.
+
+usage: kv_event_subscriber.py MKV_REPLAY TRACE ENCODING (map|array) [MODE (bind|connect)]
 Prints 'N passed, 0 failed' and exits 0 on success; exits 1 naming the first failed check.
 """
 
@@ -154,9 +158,17 @@ def read_line(stream, pattern, deadline):
             return match
 
 
-def run(mkv_replay, trace, encoding, passed):
+def run(mkv_replay, trace, encoding, mode, passed):
     deadline = Deadline(DEADLINE_S)
     context = zmq.Context()
+    sub = context.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.RCVHWM, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+    publish_to = "tcp://127.0.0.1:*"
+    if mode == "connect":
+        publish_to = f"tcp://127.0.0.1:{sub.bind_to_random_port('tcp://127.0.0.1')}"
     with tempfile.TemporaryDirectory() as scratch:
         json_path = os.path.join(scratch, "replay.json")
         process = subprocess.Popen(
@@ -165,17 +177,16 @@ def run(mkv_replay, trace, encoding, passed):
             [mkv_replay, "--quiet", "--trace", trace, "--limit", str(LIMIT), "--page-size",
              str(PAGE_SIZE), "--pool-pages", "1000", "--max-batch", "2", "--max-output", "4",
              "--verify", "none", "--json", json_path,
-             "--kv-events", "tcp://127.0.0.1:*", "--kv-events-replay", "tcp://127.0.0.1:*",
+             "--kv-events", publish_to, "--kv-events-replay", "tcp://127.0.0.1:*",
              "--kv-events-encoding", encoding, "--kv-events-hold"],
             stdin=subprocess.PIPE, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
         try:
             endpoints = read_line(process.stderr, r"kv events on (\S+), replay on (\S+)", deadline)
-            sub = context.socket(zmq.SUB)
-            sub.setsockopt(zmq.LINGER, 0)
-            sub.setsockopt(zmq.RCVHWM, 0)
-            sub.setsockopt(zmq.SUBSCRIBE, b"")
-            monitor = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
-            sub.connect(endpoints.group(1))
+            if mode == "connect":
+                check(endpoints.group(1) == publish_to,
+                      f"the publisher reports {endpoints.group(1)}, not the SUB's {publish_to}")
+            else:
+                sub.connect(endpoints.group(1))
             # The subscription leaves right after the handshake: starting the replay only then
             # makes a live stream from the first batch the rule (the replay socket still covers
             # a subscription that arrives late).
@@ -184,6 +195,11 @@ def run(mkv_replay, trace, encoding, passed):
             check(event["event"] == zmq.EVENT_HANDSHAKE_SUCCEEDED, f"monitor event {event}")
             sub.disable_monitor()
             monitor.close()
+            if mode == "connect":
+                # A bound SUB socket attaches a peer it accepted, and sends it the subscription,
+                # only when its own thread next uses the socket: poll it for a moment now rather
+                # than after the replay (when every batch would have been dropped unsubscribed).
+                sub.poll(200)
             read_line(process.stderr, r"starts after a line", deadline)
             process.stdin.write("go\n")
             process.stdin.flush()
@@ -194,7 +210,9 @@ def run(mkv_replay, trace, encoding, passed):
 
             live = {}
             while count - 1 not in live:
-                check(sub.poll(deadline.left_ms()) != 0, "the live stream stopped early")
+                check(sub.poll(deadline.left_ms()) != 0,
+                      f"the live stream stopped early ({len(live)} of {count} batches, "
+                      f"the last {max(live, default=None)})")
                 frames = sub.recv_multipart()
                 check(len(frames) == 3 and frames[0] == b"" and len(frames[1]) == 8,
                       f"a message of {len(frames)} frames")
@@ -202,7 +220,7 @@ def run(mkv_replay, trace, encoding, passed):
             first = min(live)
             check(sorted(live) == list(range(first, count)),
                   f"the live stream has a sequence gap after {first}")
-            passed.append(f"live stream of {count - first} batches without a gap")
+            passed.append(f"live stream of {count - first} batches without a gap ({mode})")
 
             payloads = dict(live)
             if first > 0:  # the slow joiner's missed prefix, from the replay buffer
@@ -248,12 +266,13 @@ def run(mkv_replay, trace, encoding, passed):
 
 
 def main():
-    if len(sys.argv) != 4 or sys.argv[3] not in ("map", "array"):
+    if (len(sys.argv) not in (4, 5) or sys.argv[3] not in ("map", "array")
+            or sys.argv[4:] not in ([], ["bind"], ["connect"])):
         print(__doc__)
         return 2
     passed = []
     try:
-        run(sys.argv[1], sys.argv[2], sys.argv[3], passed)
+        run(sys.argv[1], sys.argv[2], sys.argv[3], (sys.argv[4:] or ["bind"])[0], passed)
     except (CheckFailed, subprocess.TimeoutExpired) as failure:
         for line in passed:
             print(f"ok: {line}")

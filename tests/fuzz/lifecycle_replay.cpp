@@ -4,7 +4,10 @@
 ///   mkv_lifecycle_replay [--trace] FILE...
 ///   mkv_lifecycle_replay [--trace] --seeds FIRST LAST [--bytes N]
 ///
-/// Exit status 1 when a lifecycle violated a property (its report is printed).
+/// Exit status 1 when a lifecycle violated a property (its report is printed), 2 for a bad
+/// command line (CLI11's message on stderr).
+
+#include <CLI/CLI.hpp>
 
 #include <cstdint>
 #include <cstdio>
@@ -30,27 +33,30 @@ bool report(std::string const& name, mkv::fuzz::LifecycleResult const& result) {
 int main(int argc, char** argv) {
   mkv::fuzz::LifecycleOptions options;
   std::vector<std::string> files;
-  uint64_t first = 0;
-  uint64_t last = 0;
+  std::vector<uint64_t> seeds;  // FIRST LAST
   std::size_t bytes = 1500;
-  for (int i = 1; i < argc; ++i) {
-    std::string const arg = argv[i];
-    if (arg == "--trace") {
-      options.trace = true;
-    } else if (arg == "--seeds" && i + 2 < argc) {
-      first = std::strtoull(argv[i + 1], nullptr, 10);
-      last = std::strtoull(argv[i + 2], nullptr, 10);
-      i += 2;
-    } else if (arg == "--bytes" && i + 1 < argc) {
-      bytes = std::strtoull(argv[++i], nullptr, 10);
-    } else {
-      files.push_back(arg);
+  CLI::App app("Runs the lifecycle driver on files (a libFuzzer crash, a corpus entry) or on the "
+               "seeded inputs of lifecycle_fuzz_test.cpp.",
+               "mkv_lifecycle_replay");
+  app.add_flag("--trace", options.trace, "print every operation");
+  auto* seedOption = app.add_option("--seeds", seeds, "the seeded inputs FIRST to LAST")
+                         ->type_name("FIRST LAST")
+                         ->expected(2);
+  app.add_option("--bytes", bytes, "bytes of each seeded input")
+      ->check(CLI::PositiveNumber)
+      ->capture_default_str()
+      ->needs(seedOption);
+  app.add_option("files", files, "inputs to replay")->type_name("FILE")->check(CLI::ExistingFile);
+  try {
+    app.parse(argc, argv);
+    if (files.empty() && seeds.empty()) {
+      throw CLI::RequiredError("FILE... or --seeds FIRST LAST");
     }
-  }
-  if (files.empty() && first == 0) {
-    std::fprintf(stderr, "usage: %s [--trace] FILE... | [--trace] --seeds FIRST LAST [--bytes N]\n",
-                 argv[0]);
-    return 2;
+    if (!seeds.empty() && seeds[1] < seeds[0]) {
+      throw CLI::ValidationError("--seeds", "LAST is below FIRST");
+    }
+  } catch (CLI::ParseError const& error) {
+    return app.exit(error) == 0 ? 0 : 2;
   }
   bool ok = true;
   mkv::fuzz::LifecycleStats total;
@@ -62,7 +68,8 @@ int main(int argc, char** argv) {
     ok = report(file, result) && ok;
     total += result.stats;
   }
-  for (uint64_t seed = first; first != 0 && seed <= last; ++seed) {
+  for (uint64_t seed = seeds.empty() ? 1 : seeds[0]; !seeds.empty() && seed <= seeds[1];
+       ++seed) {
     mkv::fuzz::LifecycleResult const result =
         mkv::fuzz::runLifecycle(mkv::fuzz::seededInput(seed, bytes), options);
     ok = report("seed " + std::to_string(seed), result) && ok;

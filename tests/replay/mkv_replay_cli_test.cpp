@@ -1,6 +1,7 @@
 // The mkv-replay executable: exit codes, the one-line messages for bad input, the output files,
 // the plot, and silence on a non-terminal stderr.
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -11,7 +12,6 @@
 #include <string>
 #include <vector>
 
-#include "json_object.h"
 #include "replay_plot.h"
 #include "test_inputs.h"
 
@@ -104,13 +104,13 @@ TEST_F(MkvReplayCliTest, TraceToJsonAndCsvWithTheHandComputedFigures) {
   EXPECT_NE(result.out.find("reused tokens             2,432  (hit rate 57.25%)"),
             std::string::npos)
       << result.out;
-  JsonObject const figures = parseJsonObject(slurp(json));
-  EXPECT_EQ(figures.find("requests")->number.integer, 4);
-  EXPECT_EQ(figures.find("prompt_tokens")->number.integer, 4248);
-  EXPECT_EQ(figures.find("reused_tokens")->number.integer, 2432);
-  EXPECT_NEAR(figures.find("hit_rate")->number.value, 2432.0 / 4248.0, 1e-12);
-  EXPECT_EQ(figures.find("oracle_mismatches")->number.integer, 0);
-  EXPECT_EQ(figures.find("pool_sizing")->string, "unbounded");
+  nlohmann::json const figures = nlohmann::json::parse(slurp(json));
+  EXPECT_EQ(figures.at("requests"), 4);
+  EXPECT_EQ(figures.at("prompt_tokens"), 4248);
+  EXPECT_EQ(figures.at("reused_tokens"), 2432);
+  EXPECT_NEAR(figures.at("hit_rate").get<double>(), 2432.0 / 4248.0, 1e-12);
+  EXPECT_EQ(figures.at("oracle_mismatches"), 0);
+  EXPECT_EQ(figures.at("pool_sizing"), "unbounded");
   std::string const rows = slurp(csv);
   EXPECT_EQ(std::count(rows.begin(), rows.end(), '\n'), 5);
 }
@@ -130,25 +130,48 @@ TEST_F(MkvReplayCliTest, TokensTraceQuietAndEveryMode) {
   CliResult const reuse = run({"--trace", tokens, "--format", "tokens", "--quiet", "--json", json});
   ASSERT_EQ(reuse.exitCode, 0) << reuse.err;
   EXPECT_TRUE(reuse.out.empty());
-  EXPECT_EQ(parseJsonObject(slurp(json)).find("reused_tokens")->number.integer, 256);
+  EXPECT_EQ(nlohmann::json::parse(slurp(json)).at("reused_tokens"), 256);
   CliResult const swa =
       run({"--trace", tokens, "--mode", "swa", "--window", "128", "--json", json, "--quiet"});
   ASSERT_EQ(swa.exitCode, 0) << swa.err;
-  JsonObject const swaFigures = parseJsonObject(slurp(json));
-  EXPECT_EQ(swaFigures.find("swa_pages_per_sequence_prefill")->number.integer, 5);
-  EXPECT_EQ(swaFigures.find("swa_pages_per_sequence_decode")->number.integer, 3);
-  EXPECT_EQ(swaFigures.find("backend")->string, "bounded-swa");
+  nlohmann::json const swaFigures = nlohmann::json::parse(slurp(json));
+  EXPECT_EQ(swaFigures.at("swa_pages_per_sequence_prefill"), 5);
+  EXPECT_EQ(swaFigures.at("swa_pages_per_sequence_decode"), 3);
+  EXPECT_EQ(swaFigures.at("backend"), "bounded-swa");
   CliResult const full = run({"--trace", tokens, "--mode", "full", "--dtype", "fp32", "--layers",
                               "2", "--verify", "all", "--json", json, "--quiet"});
   ASSERT_EQ(full.exitCode, 0) << full.err;
-  EXPECT_EQ(parseJsonObject(slurp(json)).find("reused_tokens")->number.integer, 0);
+  EXPECT_EQ(nlohmann::json::parse(slurp(json)).at("reused_tokens"), 0);
 }
 
-TEST_F(MkvReplayCliTest, HelpExitsZero) {
-  CliResult const result = run({"--help"});
-  EXPECT_EQ(result.exitCode, 0);
-  EXPECT_NE(result.out.find("usage: mkv-replay"), std::string::npos);
-  EXPECT_NE(result.out.find("--pool-tokens"), std::string::npos);
+TEST_F(MkvReplayCliTest, HelpExitsZeroAndListsEveryOption) {
+  for (char const* flag : {"--help", "-h"}) {
+    CliResult const result = run({flag});
+    EXPECT_EQ(result.exitCode, 0);
+    EXPECT_NE(result.out.find("usage: mkv-replay"), std::string::npos) << result.out;
+    EXPECT_TRUE(result.err.empty()) << result.err;
+    // Every option of docs/replay.md's table, each described on its own line.
+    for (char const* option :
+         {"--trace FILE", "--format F", "--limit N", "--max-output N", "--seed N", "--mode M",
+          "--window W", "--full-layers N", "--page-size N", "--pool-pages N", "--pool-tokens N",
+          "--max-batch N", "--layers N", "--kv-heads N", "--head-dim N", "--dtype T",
+          "--device D", "--verify V", "--kv-events ENDPOINT", "--kv-events-replay ENDPOINT",
+          "--kv-events-encoding E", "--kv-events-hold", "--json FILE", "--csv FILE",
+          "--plot FILE.png", "--quiet", "--log-level L", "-h,--help"}) {
+      EXPECT_NE(result.out.find(std::string("\n  ") + option), std::string::npos) << option;
+    }
+    EXPECT_NE(result.out.find("exit codes: 0 ok, 1 internal error, 2 bad input, 3 KV corruption"),
+              std::string::npos);
+  }
+}
+
+TEST_F(MkvReplayCliTest, AnOptionGivenTwiceTakesItsLastValue) {
+  MKV_TEST_INPUT_OR_SKIP(tinyPath, "tests/replay/tiny_mooncake.jsonl");
+  std::string const json = (mDir / "twice.json").string();
+  CliResult const result = run({"--trace", tinyPath.string(), "--page-size", "64",
+                                "--page-size=256", "--quiet", "--json", json});
+  ASSERT_EQ(result.exitCode, 0) << result.err;
+  EXPECT_EQ(nlohmann::json::parse(slurp(json)).at("page_size"), 256);
 }
 
 TEST_F(MkvReplayCliTest, BadOptionsAreOneLineAndExitTwo) {
@@ -193,7 +216,8 @@ TEST_F(MkvReplayCliTest, BadTracesNameTheFileAndLineAndExitTwo) {
       "cannot open trace " + (mDir / "missing.jsonl").string() + ": No such file or directory");
   std::string const good = "{\"input_length\": 10, \"output_length\": 1, \"hash_ids\": [1]}\n";
   std::string const broken = write("broken.jsonl", good + "\n" + good + "{\"input_length\": 10,\n");
-  expectBadInput({"--trace", broken}, broken + ":4: column 21: expected a string key");
+  expectBadInput({"--trace", broken},
+                 broken + ":4: column 21: JSON document ended early in the middle of an object");
   std::string const longer = write(
       "longer.jsonl", good + "{\"input_length\": 600, \"output_length\": 1, \"hash_ids\": [1]}\n");
   expectBadInput({"--trace", longer},

@@ -4,14 +4,15 @@
 #include "replay_runner.h"
 
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
+#include <limits>
 #include <map>
 #include <numeric>
 #include <string>
 #include <utility>
 #include <vector>
 
-#include "json_object.h"
 #include "multi_turn_workload.h"
 #include "replay_report.h"
 #include "test_inputs.h"
@@ -425,7 +426,7 @@ TEST(ReplayReportTest, JsonHasEveryFigureAndCsvOneRowPerRequest) {
   MKV_TEST_INPUT_OR_SKIP(kTiny, "tests/replay/tiny_mooncake.jsonl");
   TraceSource source = traceSource(kTiny);
   ReplayResult const result = runReplay(source, ReplayConfig{});
-  JsonObject const json = parseJsonObject(formatJson(result));
+  nlohmann::json const json = nlohmann::json::parse(formatJson(result));
   for (char const* key : {"requests",
                           "prompt_tokens",
                           "reused_tokens",
@@ -458,21 +459,21 @@ TEST(ReplayReportTest, JsonHasEveryFigureAndCsvOneRowPerRequest) {
                           "forced_cold_retries",
                           "failed_requests",
                           "joins"}) {
-    EXPECT_NE(json.find(key), nullptr) << key;
+    EXPECT_TRUE(json.contains(key)) << key;
   }
-  EXPECT_EQ(json.find("reused_tokens")->number.integer, 2432);
+  EXPECT_EQ(json.at("reused_tokens"), 2432);
   // CPU tensors: no GPU time is measured, and the report says so instead of inventing a figure.
   EXPECT_FALSE(result.gpuTimed);
-  EXPECT_EQ(json.find("gpu_timed")->kind, JsonValue::Kind::kBool);
-  EXPECT_NE(formatJson(result).find("\"gpu_timed\": false"), std::string::npos);
-  EXPECT_EQ(json.find("gpu_ns_per_step_p50")->number.integer, 0);
+  EXPECT_EQ(json.at("gpu_timed"), false);
+  EXPECT_NE(formatJson(result).find("\n  \"gpu_timed\": false,\n"), std::string::npos);
+  EXPECT_EQ(json.at("gpu_ns_per_step_p50"), 0);
   EXPECT_NE(formatSummary(result).find("n/a (CPU tensors)"), std::string::npos);
-  EXPECT_EQ(json.find("mode")->string, "reuse");
-  EXPECT_EQ(json.find("backend")->string, "context-reuse");
-  EXPECT_EQ(json.find("pool_tokens")->number.integer, result.poolPages * 128);
-  EXPECT_EQ(json.find("misses_by_reason")->kind, JsonValue::Kind::kOther);
-  EXPECT_NE(formatJson(result).find("\"misses_by_reason\": {\"no_prefix\": 3, "),
-            std::string::npos);
+  EXPECT_EQ(json.at("mode"), "reuse");
+  EXPECT_EQ(json.at("backend"), "context-reuse");
+  EXPECT_EQ(json.at("pool_tokens"), result.poolPages * 128);
+  EXPECT_EQ(json.at("misses_by_reason").at("no_prefix"), 3);
+  EXPECT_EQ(json.at("misses_by_reason").size(), result.missesByReason.size());
+  EXPECT_FALSE(json.contains("kv_events"));  // no publisher
 
   std::string const csv = formatCsv(result);
   EXPECT_EQ(std::count(csv.begin(), csv.end(), '\n'), 5);
@@ -486,8 +487,17 @@ TEST(ReplayReportTest, JsonHasEveryFigureAndCsvOneRowPerRequest) {
       << summary;
 }
 
-TEST(ReplayReportTest, JsonStringsAreEscaped) {
-  EXPECT_EQ(jsonString("a\"b\\c\n\x01"), "\"a\\\"b\\\\c\\n\\u0001\"");
+TEST(ReplayReportTest, JsonKeepsStringsExactlyAndNonFiniteFiguresAsNull) {
+  ReplayResult result;
+  result.workload = "a\"b\\c\n\x01 \xC3\xA9";
+  result.hitRate = std::numeric_limits<double>::quiet_NaN();
+  std::string const text = formatJson(result);
+  nlohmann::json const json = nlohmann::json::parse(text);
+  EXPECT_EQ(json.at("workload"), result.workload);
+  EXPECT_TRUE(json.at("hit_rate").is_null());
+  // One top-level key per line.
+  EXPECT_EQ(static_cast<std::size_t>(std::count(text.begin(), text.end(), '\n')),
+            json.size() + 2);
 }
 
 }  // namespace

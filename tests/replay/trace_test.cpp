@@ -1,10 +1,12 @@
-// Trace formats of mkv-replay: the Mooncake and token line parsers, format detection, the
-// loader's line numbers, and the deterministic expansion of Mooncake block ids.
+// Trace formats of mkv-replay: the Mooncake and token line parsers (simdjson), strict JSON with
+// the column of a syntax error, format detection, the loader's line numbers, and the
+// deterministic expansion of Mooncake block ids.
 #include "trace.h"
 
 #include <gtest/gtest.h>
 
 #include <set>
+#include <string_view>
 #include <sstream>
 #include <string>
 
@@ -94,7 +96,11 @@ TEST(TraceTest, RejectsEveryMalformedRecord) {
       {R"({"input_length": 10, "output_length": 1, "hash_ids": [1, 2.5]})", TraceFormat::kAuto,
        "\"hash_ids\"[1] must be an integer"},
       {R"({"input_length": 10, "output_length": 1, "hash_ids": [1, "2"]})", TraceFormat::kAuto,
-       "\"hash_ids\" must be an array of integers, got an object or a mixed array"},
+       "\"hash_ids\"[1] must be an integer, got a string"},
+      {R"({"input_length": 10, "output_length": 1, "hash_ids": {"0": 1}})", TraceFormat::kAuto,
+       "\"hash_ids\" must be an array of integers, got an object"},
+      {R"({"input_length": 9223372036854775808, "output_length": 1, "hash_ids": [1]})",
+       TraceFormat::kAuto, "\"input_length\" is 9223372036854775808, outside [1, "},
       {R"({"input_length": 10, "output_length": 1, "hash_ids": 5})", TraceFormat::kAuto,
        "\"hash_ids\" must be an array of integers, got a number"},
       {R"({"input_length": 10, "output_length": 1, "hash_ids": [1], "timestamp": "x"})",
@@ -121,12 +127,100 @@ TEST(TraceTest, RejectsEveryMalformedRecord) {
       {R"({"input_length": 10, "output_length": 1, "hash_ids": [1]})", TraceFormat::kTokens,
        "missing \"prompt\""},
       {R"({"prompt": [1], "max_new_tokens": 1)", TraceFormat::kAuto,
-       "column 36: expected ',' or '}', found the end of the line"},
+       "column 36: JSON document ended early in the middle of an object or array"},
+      {R"({"prompt": [1], "max_new_tokens": 1, "id": true})", TraceFormat::kAuto,
+       "\"id\" must be a string or an integer, got a boolean"},
   };
   for (Case const& c : cases) {
     EXPECT_NE(errorOf(c.line, c.format).find(c.message), std::string::npos)
         << c.line << "\n  -> " << errorOf(c.line, c.format);
   }
+}
+
+TEST(TraceTest, DecodesEveryStringEscapeAsUtf8) {
+  TraceRecord const record = parseTraceLine(
+      R"({"prompt": [1], "max_new_tokens": 1, "salt": "q\" b\\ s\/ \b\f\n\r\t \u00e9 \u20ac )"
+      R"(\ud83d\ude00", "id": "\u0041"})",
+      TraceFormat::kAuto);
+  EXPECT_EQ(record.salt, "q\" b\\ s/ \b\f\n\r\t \xC3\xA9 \xE2\x82\xAC \xF0\x9F\x98\x80");
+  EXPECT_EQ(record.id, "A");
+}
+
+TEST(TraceTest, ChecksAndIgnoresUnknownKeysOfEveryKind) {
+  TraceRecord const record = parseTraceLine(
+      R"( {"meta": {"x": [1, {"y": "z"}], "w": null}, "mixed": [1, "two", true, false, -2.5e3],)"
+      R"( "nested": [[1], []], "prompt": [7], "max_new_tokens": 2, "e": {},)"
+      R"( "id": 18446744073709551615})"
+      "\r",
+      TraceFormat::kAuto);
+  EXPECT_EQ(record.tokens, (std::vector<int32_t>{7}));
+  EXPECT_EQ(record.maxNewTokens, 2);
+  EXPECT_EQ(record.id, "18446744073709551615");
+  // A forced format ignores the other format's keys, whatever their values.
+  EXPECT_EQ(parseTraceLine(R"({"input_length": 1, "output_length": 1, "hash_ids": [1],)"
+                           R"( "prompt": "text", "max_new_tokens": []})",
+                           TraceFormat::kMooncake)
+                .inputLength,
+            1);
+}
+
+struct MalformedLine {
+  char const* text;
+  char const* message;  ///< the start of TraceLineError::what()
+};
+
+class TraceSyntaxTest : public ::testing::TestWithParam<MalformedLine> {};
+
+// Strict JSON everywhere in the line, unknown keys included, whatever the format.
+TEST_P(TraceSyntaxTest, NamesTheColumnWhenSimdjsonHasOne) {
+  MalformedLine const& c = GetParam();
+  for (TraceFormat format : {TraceFormat::kAuto, TraceFormat::kMooncake}) {
+    std::string const error = errorOf(c.text, format);
+    EXPECT_EQ(error.rfind(c.message, 0), 0u)
+        << c.text << " (" << toString(format) << ")\n  -> " << error;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Cases, TraceSyntaxTest,
+    ::testing::Values(
+        MalformedLine{"", "Empty: no JSON found"},
+        MalformedLine{"[1, 2]", "column 1: a line holds one JSON object, found an array"},
+        MalformedLine{"{\"a\": 1", "column 8: JSON document ended early"},
+        MalformedLine{"{\"a\": 1,}", "column 9: The JSON document has an improper structure"},
+        MalformedLine{"{\"a\" 1}", "column 6: The JSON document has an improper structure"},
+        MalformedLine{"{a: 1}", "column 2: The JSON document has an improper structure"},
+        MalformedLine{"{\"a\": 1}{}", "column 9: Unexpected trailing content"},
+        MalformedLine{"{\"a\": \"x}", "A string is opened, but never closed"},
+        MalformedLine{"{\"a\": \"x\ty\"}", "Within strings, some characters must be escaped"},
+        MalformedLine{"{\"a\": \"\\x\"}", "column 11: Problem while parsing a string"},
+        MalformedLine{"{\"a\": \"\\u12g4\"}", "column 15: Problem while parsing a string"},
+        MalformedLine{"{\"a\": \"\\udc00\"}", "column 15: Problem while parsing a string"},
+        MalformedLine{"{\"a\": \"\\ud800x\"}", "column 16: Problem while parsing a string"},
+        MalformedLine{"{\"a\": \"\xC3\x28\"}", "The input is not valid UTF-8"},
+        MalformedLine{"{\"a\": 01}", "column 7: Problem while parsing a number"},
+        MalformedLine{"{\"a\": -}", "column 7: Problem while parsing a number"},
+        MalformedLine{"{\"a\": 1.}", "column 7: Problem while parsing a number"},
+        MalformedLine{"{\"a\": 1e}", "column 7: Problem while parsing a number"},
+        MalformedLine{"{\"a\": +1}", "column 7: The JSON document has an improper structure"},
+        MalformedLine{"{\"a\": tru}", "column 7: Problem while parsing an atom starting with"},
+        MalformedLine{"{\"a\": nul}", "column 7: Problem while parsing an atom starting with"},
+        MalformedLine{"{\"a\": [1, 2}", "column 12: The JSON document has an improper structure"},
+        MalformedLine{"{\"a\": [1 2]}", "column 10: The JSON document has an improper structure"},
+        MalformedLine{"{\"a\": {\"b\": }}",
+                      "column 13: The JSON document has an improper structure"},
+        MalformedLine{"{\"a\": NaN}", "column 7: The JSON document has an improper structure"},
+        MalformedLine{"{\"a\": 1, \"a\": 2, \"input_length\": 1}",
+                      "column 10: duplicate key \"a\""}));
+
+TEST(TraceTest, NestingBeyondTheDepthLimitIsAnErrorNotACrash) {
+  auto nested = [](std::size_t depth) {
+    return R"({"prompt": [1], "max_new_tokens": 1, "a": )" + std::string(depth, '[') +
+           std::string(depth, ']') + "}";
+  };
+  EXPECT_EQ(errorOf(nested(128)), "accepted");
+  // The 129th bracket opens at column 43 + 128.
+  EXPECT_EQ(errorOf(nested(100000)), "column 171: values nested deeper than 128 levels");
 }
 
 TEST(TraceTest, LoaderNamesTheFileAndLineAndSkipsBlankLines) {
@@ -140,7 +234,9 @@ TEST(TraceTest, LoaderNamesTheFileAndLineAndSkipsBlankLines) {
     parseTrace(input, "t.jsonl", TraceFormat::kAuto);
     FAIL() << "accepted";
   } catch (TraceError const& error) {
-    EXPECT_EQ(std::string(error.what()).rfind("t.jsonl:5: column 40: expected ',' or '}'", 0), 0u)
+    EXPECT_EQ(std::string(error.what())
+                  .rfind("t.jsonl:5: column 40: The JSON document has an improper structure", 0),
+              0u)
         << error.what();
   }
   std::istringstream again(
