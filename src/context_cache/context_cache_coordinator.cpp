@@ -17,6 +17,7 @@
 #include "core/check.h"
 #include "core/device.h"
 #include "mkv/logging.h"
+#include "resources/backend_requests.h"
 
 namespace mkv {
 
@@ -135,15 +136,7 @@ ContextCacheStatus ContextCacheCoordinator::quarantineHandle(RequestHandle& hand
 
 bool ContextCacheCoordinator::synchronize() noexcept {
   ++mCounters.synchronizations;
-  cudaError_t status = cudaErrorUnknown;
-  try {
-    status = mSynchronizer(mStream);
-  } catch (...) {
-    status = cudaErrorUnknown;
-  }
-  if (status != cudaSuccess) {
-    logger()->error("ContextCacheCoordinator: stream synchronisation failed ({}); poisoned",
-                    detail::cudaErrorName(status));
+  if (!detail::synchronizeStream(mSynchronizer, mStream, "ContextCacheCoordinator")) {
     mPoisoned = true;
     return false;
   }

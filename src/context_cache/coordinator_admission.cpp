@@ -8,6 +8,7 @@
 #include "context_cache/coordinator_request.h"
 #include "context_cache/coordinator_validation.h"
 #include "core/check.h"
+#include "resources/backend_requests.h"
 #include "mkv/context_cache/context_cache_coordinator.h"
 
 namespace mkv {
@@ -108,8 +109,7 @@ ContextCacheCoordinator::BeginRequestResult ContextCacheCoordinator::beginReques
     return result;
   }
   for (auto const& sequence : admission.sequences) {
-    MKV_REQUIRE(mResidentBusy[static_cast<std::size_t>(sequence.resident.slot)] == 0, kCall,
-                "resident slot {} is held by another request", sequence.resident.slot);
+    detail::requireResidentFree(kCall, sequence.resident.slot, mResidentBusy);
   }
   std::unique_ptr<Request> created = newRequest(admission);
   bool const speculative = admission.speculativeRequest;

@@ -3,6 +3,7 @@
 #include <limits>
 
 #include "core/check.h"
+#include "resources/backend_requests.h"
 
 namespace mkv::detail {
 
@@ -87,16 +88,7 @@ void validateBatchAdmission(char const* call, ContextCacheBatchAdmission const& 
   std::vector<uint8_t> seen(static_cast<std::size_t>(limits.maxBatch), 0);
   for (std::size_t i = 0; i < admission.sequences.size(); ++i) {
     auto const& sequence = admission.sequences[i];
-    ResidentRef const ref = sequence.resident;
-    MKV_REQUIRE(ref.slot >= 0 && ref.slot < limits.maxBatch, call,
-                "sequence {} has resident slot {} outside [0, {})", i, ref.slot, limits.maxBatch);
-    MKV_REQUIRE(ref.epoch != 0, call, "sequence {} (slot {}) has epoch 0", i, ref.slot);
-    if (limits.residentSlots != nullptr) {
-      limits.residentSlots->requireHeld(call, ref);
-    }
-    auto const slot = static_cast<std::size_t>(ref.slot);
-    MKV_REQUIRE(seen[slot] == 0, call, "resident slot {} appears twice", ref.slot);
-    seen[slot] = 1;
+    validateResident(call, i, sequence.resident, limits.maxBatch, limits.residentSlots, seen);
     validatePrompt(call, i, sequence, headroom, limits, paired);
     MKV_REQUIRE(sequence.media.empty() || sequence.media.size() == sequence.tokenIds.size(), call,
                 "sequence {} has {} media positions for {} tokens", i, sequence.media.size(),
@@ -227,37 +219,6 @@ std::vector<uint8_t> validateDecodeCompletion(char const* call, CoordinatorReque
     completed[static_cast<std::size_t>(slot)] = 1;
   }
   return completed;
-}
-
-void validateCompactionMapping(char const* call, std::span<int32_t const> oldToNew,
-                               std::size_t oldBatch, int32_t newBatchSize) {
-  MKV_REQUIRE(oldToNew.size() == oldBatch, call, "mapping has {} entries for a batch of {}",
-              oldToNew.size(), oldBatch);
-  MKV_REQUIRE(newBatchSize >= 0 && static_cast<std::size_t>(newBatchSize) <= oldBatch, call,
-              "new batch size {} outside [0, {}]", newBatchSize, oldBatch);
-  int32_t nextSurvivor = 0;
-  for (std::size_t i = 0; i < oldToNew.size(); ++i) {
-    if (oldToNew[i] == -1) {
-      continue;
-    }
-    MKV_REQUIRE(oldToNew[i] >= 0 && oldToNew[i] < newBatchSize, call,
-                "oldToNew[{}] = {} outside [-1, {})", i, oldToNew[i], newBatchSize);
-    MKV_REQUIRE(oldToNew[i] == nextSurvivor, call,
-                "survivors must keep their order: oldToNew[{}] = {}, expected {}", i, oldToNew[i],
-                nextSurvivor);
-    ++nextSurvivor;
-  }
-  MKV_REQUIRE(nextSurvivor == newBatchSize, call, "{} survivors for a new batch of {}",
-              nextSurvivor, newBatchSize);
-}
-
-void validateDeviceMapping(char const* call, Tensor const& deviceMapping, DeviceType device,
-                           std::size_t entries) {
-  MKV_REQUIRE(deviceMapping.dataType() == DataType::kInt32 && deviceMapping.deviceType() == device,
-              call, "deviceMapping must be int32 on {}", toString(device));
-  auto const bytes = static_cast<int64_t>(entries * sizeof(int32_t));
-  MKV_REQUIRE(deviceMapping.capacityBytes() >= bytes, call,
-              "deviceMapping holds {} bytes, needs {}", deviceMapping.capacityBytes(), bytes);
 }
 
 void validateHiddenRow(char const* call, ContextCacheDeploymentProfile const& profile,

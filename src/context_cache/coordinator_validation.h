@@ -2,7 +2,8 @@
 /// \file coordinator_validation.h
 /// The contract checks of ContextCacheCoordinator's calls as pure functions (not installed):
 /// each reads its arguments only and throws mkv::Error naming `call` and the offending value,
-/// so a call validates everything before it changes anything.
+/// so a call validates everything before it changes anything. The checks both backends make
+/// (residents, compaction mappings) are in resources/backend_requests.h.
 
 #include <cstdint>
 #include <span>
@@ -60,15 +61,6 @@ std::vector<uint8_t> validateDecodeCompletion(char const* call, CoordinatorReque
                                               std::span<ContextCacheSequenceAdvance const> advances,
                                               std::span<int32_t const> completedSlots,
                                               std::span<int32_t const> commonStateLengths);
-
-/// An order-preserving compaction mapping of `oldBatch` rows onto `newBatchSize`: one entry per
-/// row, -1 (dropped) or the survivor's new row, survivors in order, every new row covered.
-void validateCompactionMapping(char const* call, std::span<int32_t const> oldToNew,
-                               std::size_t oldBatch, int32_t newBatchSize);
-
-/// The engine's mapping tensor: int32 on `device`, room for `entries` values.
-void validateDeviceMapping(char const* call, Tensor const& deviceMapping, DeviceType device,
-                           std::size_t entries);
 
 /// A Hybrid-MTP hidden-state tensor ([rows, boundaryHiddenWidth] of boundaryHiddenType on
 /// `device`) and a row inside it.
