@@ -541,7 +541,9 @@ SwaKVCacheStatus BoundedSwaKVPageManager::compactBatch(RequestHandle& handle) {
     lengths->compactLengths(*req.deviceMapping, req.newBatchSize, mStream);
   }
   if (!synchronize()) {
+    // Invalidated as every other path does (finish; the coordinator's): no manager, no id.
     handle.mManager = nullptr;
+    handle.mId = 0;
     quarantine(detach(req.id));
     return SwaKVCacheStatus::kPoisoned;
   }

@@ -205,6 +205,9 @@ class ContextCacheCoordinator {
     RequestHandle& operator=(RequestHandle const&) = delete;
     ~RequestHandle();
     bool valid() const noexcept { return mCoordinator != nullptr; }
+    /// The request's id (1, 2, ... in admission order; named by error messages), 0 once the
+    /// handle is invalid (finished, abandoned, moved from, or quarantined).
+    uint64_t id() const noexcept { return mId; }
 
    private:
     friend class ContextCacheCoordinator;
