@@ -117,6 +117,9 @@ class BoundedSwaKVPageManager {
     RequestHandle& operator=(RequestHandle const&) = delete;
     ~RequestHandle();
     bool valid() const noexcept { return mManager != nullptr; }
+    /// The request's id (1, 2, ... in admission order; named by error messages), 0 once the
+    /// handle is invalid (finished, abandoned, moved from, or quarantined).
+    uint64_t id() const noexcept { return mId; }
 
    private:
     friend class BoundedSwaKVPageManager;

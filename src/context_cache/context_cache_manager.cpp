@@ -5,7 +5,6 @@
 #include <algorithm>
 #include <exception>
 #include <limits>
-#include <unordered_map>
 
 #include "core/check.h"
 #include "mkv/logging.h"
@@ -38,80 +37,7 @@ int32_t historyOf(ContextCacheManagerOptions const& options, ResourceDemand cons
                                           : options.evictedDigestHistory;
 }
 
-template <typename T>
-std::vector<T> firstOf(std::span<T const> values, int32_t n) {
-  return std::vector<T>(values.begin(), values.begin() + n);
-}
-
 }  // namespace
-
-// ---------------------------------------------------------------------------------------------
-// Publication internals
-
-/// Canonical page choice of a publication, computed before anything changes.
-struct ContextCacheManager::Projection {
-  int32_t count = 0;                 ///< publishable blocks (truncated at a verification reject)
-  std::vector<PageId> canonical;     ///< canonical base page per block
-  std::vector<int32_t> newMappings;  ///< blocks this publication indexes for the first time
-  bool verificationRejected = false;
-};
-
-/// Undo log of one publication: cache references added, index entries inserted, the record.
-/// Everything is rolled back in reverse order unless commit() is called. Storage is reserved up
-/// front so recording a step never throws.
-class ContextCacheManager::PublicationTransaction {
- public:
-  PublicationTransaction(ContextCacheManager& manager, std::size_t refs, std::size_t mappings)
-      : mManager(manager) {
-    mRefs.reserve(refs);
-    mIndexed.reserve(mappings);
-    ++mManager.mStateVersion;  // records or index change (a rollback restores them: harmless)
-  }
-  PublicationTransaction(PublicationTransaction const&) = delete;
-  PublicationTransaction& operator=(PublicationTransaction const&) = delete;
-  ~PublicationTransaction() {
-    if (!mCommitted) {
-      rollback();
-    }
-  }
-
-  void addCache(ResourceId id) {
-    MKV_ASSERT(mRefs.size() < mRefs.capacity(), "publication undo log overflow");
-    mManager.mPools.addCache(id);
-    mRefs.push_back(id);
-  }
-  void index(PromptBlocks const& blocks, int32_t block, PageId page) {
-    MKV_ASSERT(mIndexed.size() < mIndexed.capacity(), "publication undo log overflow");
-    PageId const canonical =
-        mManager.mIndex.insert(blocks.keys[static_cast<std::size_t>(block)], page, blocks, block);
-    MKV_ASSERT(canonical == page, "block {} was indexed on page {} during its own publication",
-               block, canonical);
-    mIndexed.push_back(page);
-  }
-  void setRecord(RecordId id) noexcept { mRecord = id; }
-  void commit() noexcept { mCommitted = true; }
-
- private:
-  void rollback() noexcept {
-    if (mRecord != kNoRecord) {
-      mManager.mRecords.erase(mRecord);
-    }
-    for (auto it = mIndexed.rbegin(); it != mIndexed.rend(); ++it) {
-      mManager.mIndex.erasePage(*it, /*rememberEviction=*/false);
-    }
-    for (auto it = mRefs.rbegin(); it != mRefs.rend(); ++it) {
-      // Every resource was allocated before this publication referenced it, so dropping the
-      // reference restores the previous counts and never frees a slot.
-      mManager.mPools.dropCache(*it);
-    }
-  }
-
-  ContextCacheManager& mManager;
-  std::vector<ResourceId> mRefs;
-  std::vector<PageId> mIndexed;
-  RecordId mRecord = kNoRecord;
-  bool mCommitted = false;
-};
 
 // ---------------------------------------------------------------------------------------------
 // Construction
@@ -380,17 +306,16 @@ AdmissionResult ContextCacheManager::acquireWithFallback(LookupRequest const& re
   return admit(request, std::move(looked));
 }
 
-std::vector<AdmissionResult> ContextCacheManager::acquireBatch(
-    std::span<LookupRequest const> requests, std::vector<LookupResult> looked) {
-  constexpr char const* kCall = "ContextCacheManager::acquireBatch";
-  MKV_REQUIRE(looked.size() == requests.size(), kCall, "{} lookup results for {} requests",
+void ContextCacheManager::checkBatch(char const* call, std::span<LookupRequest const> requests,
+                                     std::vector<LookupResult>& looked) const {
+  MKV_REQUIRE(looked.size() == requests.size(), call, "{} lookup results for {} requests",
               looked.size(), requests.size());
   for (std::size_t i = 0; i < requests.size(); ++i) {
-    checkRequest(kCall, requests[i]);
+    checkRequest(call, requests[i]);
     MKV_REQUIRE(looked[i].blocks.pageSize == mPageSize &&
                     looked[i].blocks.prompt.tokens.data() == requests[i].prompt.tokens.data() &&
                     looked[i].blocks.prompt.tokens.size() == requests[i].prompt.tokens.size(),
-                kCall, "lookup result {} is not its request's ({} tokens, page {})", i,
+                call, "lookup result {} is not its request's ({} tokens, page {})", i,
                 looked[i].blocks.prompt.tokens.size(), looked[i].blocks.pageSize);
   }
   for (std::size_t i = 0; i < requests.size(); ++i) {
@@ -399,6 +324,11 @@ std::vector<AdmissionResult> ContextCacheManager::acquireBatch(
     }
     checkPlan(looked[i].plan, /*fresh=*/true);
   }
+}
+
+std::vector<AdmissionResult> ContextCacheManager::acquireBatch(
+    std::span<LookupRequest const> requests, std::vector<LookupResult> looked) {
+  checkBatch("ContextCacheManager::acquireBatch", requests, looked);
   // 1. Every hit pinned while every plan is still current (nothing is evicted before the last).
   std::vector<CacheRequestLease> leases;
   leases.reserve(requests.size());
@@ -651,246 +581,6 @@ void ContextCacheManager::releaseLease(CacheRequestLease& lease) noexcept {
     }
   }
   --mLiveLeases;
-}
-
-// ---------------------------------------------------------------------------------------------
-// Publication
-
-void ContextCacheManager::checkBoundPrefix(char const* call, CacheRequestLease const& lease,
-                                           PromptBlocks const& blocks, int32_t count) const {
-  std::size_t const n = std::min(static_cast<std::size_t>(count), lease.mBoundDigests.size());
-  for (std::size_t b = 0; b < n; ++b) {
-    MKV_REQUIRE(blocks.keys[b] == lease.mBoundDigests[b], call,
-                "block {} digest {} differs from the lease's reused block {}", b,
-                toString(blocks.keys[b]), toString(lease.mBoundDigests[b]));
-  }
-}
-
-ContextCacheManager::Projection ContextCacheManager::project(char const* call,
-                                                             std::span<PageId const> producerPages,
-                                                             PromptBlocks const& blocks,
-                                                             int32_t count) const {
-  Projection projection;
-  projection.canonical.reserve(static_cast<std::size_t>(count));
-  std::unordered_map<Hash128, PageId, Hash128Hasher> firstInThisPublication;
-  // While every block so far matched an indexed block token by token, the content chain needs
-  // no comparison; after the first block that did not, holds() compares it.
-  bool ancestorsVerified = true;
-  for (int32_t b = 0; b < count; ++b) {
-    Hash128 const key = blocks.keys[static_cast<std::size_t>(b)];
-    if (std::optional<PageId> const indexed = mIndex.find(key)) {
-      if (mIndex.verifiesTokens() && !mIndex.holds(*indexed, blocks, b, ancestorsVerified)) {
-        projection.verificationRejected = true;
-        break;
-      }
-      projection.canonical.push_back(*indexed);
-      continue;
-    }
-    ancestorsVerified = false;
-    if (auto const it = firstInThisPublication.find(key); it != firstInThisPublication.end()) {
-      projection.canonical.push_back(it->second);
-      continue;
-    }
-    PageId const page = producerPages[static_cast<std::size_t>(b)];
-    std::optional<Hash128> const other = mIndex.digestOf(page);
-    MKV_REQUIRE(!other, call, "page {} of block {} is already indexed under digest {}, not {}",
-                page, b, toString(*other), toString(key));
-    projection.canonical.push_back(page);
-    projection.newMappings.push_back(b);
-    firstInThisPublication.emplace(key, page);
-  }
-  projection.count = static_cast<int32_t>(projection.canonical.size());
-  return projection;
-}
-
-PublishResult ContextCacheManager::commitNewRecord(CacheRecord record, PromptBlocks const& blocks,
-                                                   Projection const& projection) {
-  // Everything that can throw happens before commit(); after it only noexcept steps remain.
-  PublishResult result{PublishStatus::kPublished, kNoRecord, record.basePagePath,
-                       record.key.fullBlockCount};
-  std::size_t refs = 0;
-  record.forEachResource([&refs](ResourceId) { ++refs; });
-  PublicationTransaction transaction(*this, refs, projection.newMappings.size());
-  record.forEachResource([&transaction](ResourceId id) { transaction.addCache(id); });
-  for (int32_t b : projection.newMappings) {
-    transaction.index(blocks, b, projection.canonical[static_cast<std::size_t>(b)]);
-  }
-  RecordStore::InsertResult const inserted = mRecords.insert(std::move(record));
-  MKV_ASSERT(inserted.inserted, "record key already present after the duplicate check");
-  transaction.setRecord(inserted.record->id);
-  transaction.commit();
-
-  result.record = inserted.record->id;
-  ++mMetrics.publishedRecords;
-  for (int32_t b : projection.newMappings) {
-    auto const block = static_cast<std::size_t>(b);
-    mEvents.pushStored(BlockStored{blocks.keys[block], blocks.parentOf(b),
-                                   projection.canonical[block], mPageSize, {},
-                                   blocks.extrasDigest(b)},
-                       blocks.blockTokens(b));
-  }
-  enforceRecordLimit();
-  if (mRecords.get(result.record) == nullptr) {
-    result.record = kNoRecord;  // maxRecords == 0: evicted at once
-  }
-  return result;
-}
-
-PublishResult ContextCacheManager::publish(CacheRequestLease& lease, PromptBlocks const& blocks,
-                                           int32_t residentStateLength) {
-  constexpr char const* kCall = "ContextCacheManager::publish";
-  checkLease(kCall, lease);
-  MKV_REQUIRE(lease.mode() == ReuseMode::kVanilla || lease.mode() == ReuseMode::kSpec, kCall,
-              "{} lease; use publishHybrid / publishHybridMtp", toString(lease.mode()));
-  MKV_REQUIRE(blocks.pageSize == mPageSize, kCall,
-              "blocks hashed with page size {}, manager uses {}", blocks.pageSize, mPageSize);
-  MKV_REQUIRE(residentStateLength >= 0, kCall, "negative resident length {}", residentStateLength);
-  int32_t const count = std::min(blocks.fullBlockCount(), residentStateLength / mPageSize);
-  MKV_REQUIRE(count > 0, kCall, "nothing to publish: {} full blocks, resident length {}",
-              blocks.fullBlockCount(), residentStateLength);
-  MKV_REQUIRE(static_cast<std::size_t>(count) <= lease.mBasePages.size(), kCall,
-              "{} blocks but the lease holds {} base pages", count, lease.mBasePages.size());
-  bool const paged = pairedDraft(lease.mode());
-  MKV_REQUIRE(!paged || static_cast<std::size_t>(count) <= lease.mDraftPages.size(), kCall,
-              "{} blocks but the lease holds {} draft pages", count, lease.mDraftPages.size());
-  checkBoundPrefix(kCall, lease, blocks, count);
-  if (std::optional<SpecReplayDependency> const& dependency = lease.mReplayDependency) {
-    MKV_REQUIRE(count >= dependency->pathBlockCount, kCall,
-                "{} blocks do not cover the replayed path of {} blocks", count,
-                dependency->pathBlockCount);
-    MKV_REQUIRE(blocks.keys[static_cast<std::size_t>(dependency->pathBlockCount - 1)] ==
-                    dependency->terminalDigest,
-                kCall, "block {} digest differs from the replayed path's boundary {}",
-                dependency->pathBlockCount - 1, toString(dependency->terminalDigest));
-  }
-
-  Projection projection = project(kCall, lease.basePages(), blocks, count);
-  if (projection.verificationRejected) {
-    ++mMetrics.verificationRejects;
-  }
-  if (projection.count == 0) {
-    ++mMetrics.rejectedPublications;
-    return {};
-  }
-  int32_t const published = projection.count;
-  RecordKey const key{blocks.keys[static_cast<std::size_t>(published - 1)], published};
-  if (CacheRecord const* existing = mRecords.find(key)) {
-    PublishResult result{PublishStatus::kExistingRecord, existing->id, existing->basePagePath,
-                         published};
-    if (paged && !existing->specState) {
-      SpecState state{firstOf(lease.draftPages(), published)};
-      PublicationTransaction transaction(*this, state.draftPagePath.size(), 0);
-      for (PageId page : state.draftPagePath) {
-        transaction.addCache({ResourceType::kDraftKvPage, page});
-      }
-      mRecords.setSpecState(existing->id, std::move(state));
-      transaction.commit();
-      ++mMetrics.specUpgrades;
-      result.status = PublishStatus::kSpecStateAttached;
-    } else {
-      mRecords.touch(existing->id);
-      ++mMetrics.existingRecordsTouched;
-    }
-    return result;
-  }
-
-  CacheRecord record;
-  record.key = key;
-  record.logicalBlockDigests = firstOf(std::span<Hash128 const>(blocks.keys), published);
-  record.basePagePath = projection.canonical;
-  if (paged) {
-    record.specState = SpecState{firstOf(lease.draftPages(), published)};
-  }
-  return commitNewRecord(std::move(record), blocks, projection);
-}
-
-PublishResult ContextCacheManager::publishCheckpoint(char const* call, CacheRequestLease& lease,
-                                                     PromptBlocks const& blocks,
-                                                     int32_t exactLength,
-                                                     SnapshotReservation const& reservation,
-                                                     bool mtp) {
-  checkLease(call, lease);
-  ReuseMode const mode = mtp ? ReuseMode::kHybridMtp : ReuseMode::kHybrid;
-  MKV_REQUIRE(lease.mode() == mode, call, "{} lease; expected {}", toString(lease.mode()),
-              toString(mode));
-  MKV_REQUIRE(blocks.pageSize == mPageSize, call,
-              "blocks hashed with page size {}, manager uses {}", blocks.pageSize, mPageSize);
-  MKV_REQUIRE(exactLength > 0 && exactLength <= blocks.tokenCount(), call,
-              "checkpoint length {} outside (0, {}]", exactLength, blocks.tokenCount());
-  int32_t const full = mtp ? (exactLength - 1) / mPageSize : exactLength / mPageSize;
-  bool const attention = lease.hasAttention();
-  bool const needsPartial = mtp || (attention && exactLength % mPageSize != 0);
-  MKV_REQUIRE(reservation.partialKvSlot.has_value() == needsPartial, call,
-              "checkpoint at {} {} a partial-KV snapshot", exactLength,
-              needsPartial ? "needs" : "must not carry");
-  MKV_REQUIRE(std::find(lease.mReservations.begin(), lease.mReservations.end(), reservation) !=
-                  lease.mReservations.end(),
-              call, "recurrent slot {} is not a reservation of this lease",
-              reservation.recurrentSlot);
-  MKV_REQUIRE(!attention || static_cast<std::size_t>(full) <= lease.mBasePages.size(), call,
-              "{} full blocks but the lease holds {} base pages", full, lease.mBasePages.size());
-  MKV_REQUIRE(!mtp || static_cast<std::size_t>(full) <= lease.mDraftPages.size(), call,
-              "{} full blocks but the lease holds {} draft pages", full, lease.mDraftPages.size());
-  checkBoundPrefix(call, lease, blocks, full);
-
-  Hash128 const digest = exactPrefixDigest(blocks, exactLength);
-  // First committer wins within one kind. A plain checkpoint is also cached already when an
-  // unaligned Hybrid-MTP one exists (plain plans restore its base side); a Hybrid-MTP checkpoint
-  // never counts a base-only one, which its plans cannot use.
-  CacheRecord const* existing = mRecords.findHybrid(HybridKey{digest, exactLength, mtp});
-  if (existing == nullptr && !mtp && attention && exactLength % mPageSize != 0) {
-    existing = mRecords.findHybrid(HybridKey{digest, exactLength, true});
-  }
-  if (existing != nullptr) {
-    mRecords.touch(existing->id);
-    ++mMetrics.existingRecordsTouched;
-    return {PublishStatus::kExistingRecord, existing->id, existing->basePagePath, full};
-  }
-  Projection projection;
-  if (attention) {
-    projection = project(call, lease.basePages(), blocks, full);
-  } else {
-    projection.count = full;
-  }
-  if (projection.verificationRejected) {
-    ++mMetrics.verificationRejects;
-  }
-  if (projection.count < full) {
-    ++mMetrics.rejectedPublications;  // a checkpoint needs every one of its blocks
-    return {};
-  }
-
-  CacheRecord record;
-  record.key = RecordKey{digest, full};
-  record.logicalBlockDigests = firstOf(std::span<Hash128 const>(blocks.keys), full);
-  record.basePagePath = projection.canonical;
-  if (mtp) {
-    record.specState = SpecState{firstOf(lease.draftPages(), full)};
-  }
-  record.recurrentSnapshotSlot = reservation.recurrentSlot;
-  record.partialKvSnapshotSlot = reservation.partialKvSlot;
-  record.exactCheckpointLength = exactLength;
-  if (mIndex.verifiesTokens()) {
-    std::size_t const covered = record.basePagePath.size() * static_cast<std::size_t>(mPageSize);
-    auto const tail =
-        blocks.prompt.tokens.subspan(covered, static_cast<std::size_t>(exactLength) - covered);
-    record.verificationTokens.assign(tail.begin(), tail.end());
-  }
-  return commitNewRecord(std::move(record), blocks, projection);
-}
-
-PublishResult ContextCacheManager::publishHybrid(CacheRequestLease& lease,
-                                                 PromptBlocks const& blocks, int32_t exactLength,
-                                                 SnapshotReservation const& reservation) {
-  return publishCheckpoint("ContextCacheManager::publishHybrid", lease, blocks, exactLength,
-                           reservation, false);
-}
-
-PublishResult ContextCacheManager::publishHybridMtp(CacheRequestLease& lease,
-                                                    PromptBlocks const& blocks, int32_t exactLength,
-                                                    SnapshotReservation const& reservation) {
-  return publishCheckpoint("ContextCacheManager::publishHybridMtp", lease, blocks, exactLength,
-                           reservation, true);
 }
 
 // ---------------------------------------------------------------------------------------------

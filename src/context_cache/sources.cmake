@@ -4,7 +4,14 @@ list(APPEND MKV_LIBRARY_SOURCES
   ${CMAKE_CURRENT_LIST_DIR}/cache_record.cpp
   ${CMAKE_CURRENT_LIST_DIR}/cache_request_lease.cpp
   ${CMAKE_CURRENT_LIST_DIR}/context_cache_coordinator.cpp
+  ${CMAKE_CURRENT_LIST_DIR}/coordinator_admission.cpp
+  ${CMAKE_CURRENT_LIST_DIR}/coordinator_checkpoints.cpp
+  ${CMAKE_CURRENT_LIST_DIR}/coordinator_deployment.cpp
+  ${CMAKE_CURRENT_LIST_DIR}/coordinator_inflight_admission.cpp
+  ${CMAKE_CURRENT_LIST_DIR}/coordinator_paged_rows.cpp
+  ${CMAKE_CURRENT_LIST_DIR}/coordinator_validation.cpp
   ${CMAKE_CURRENT_LIST_DIR}/context_cache_manager.cpp
+  ${CMAKE_CURRENT_LIST_DIR}/context_cache_manager_publication.cpp
   ${CMAKE_CURRENT_LIST_DIR}/context_cache_request.cpp
   ${CMAKE_CURRENT_LIST_DIR}/context_cache_metrics.cpp
   ${CMAKE_CURRENT_LIST_DIR}/eviction_planner.cpp

@@ -11,6 +11,7 @@
 #include "core/check.h"
 #include "core/device.h"
 #include "mkv/logging.h"
+#include "resources/backend_requests.h"
 
 namespace mkv {
 
@@ -234,16 +235,7 @@ BoundedSwaKVPageManager::BeginRequestResult BoundedSwaKVPageManager::beginReques
               "batch of {} residents outside [1, {}]", residents.size(), maxBatch);
   std::vector<uint8_t> seen(static_cast<std::size_t>(maxBatch), 0);
   for (std::size_t i = 0; i < residents.size(); ++i) {
-    ResidentRef const ref = residents[i];
-    MKV_REQUIRE(ref.slot >= 0 && ref.slot < maxBatch, kCall, "resident {} has slot {} outside [0, {})",
-                i, ref.slot, maxBatch);
-    MKV_REQUIRE(ref.epoch != 0, kCall, "resident {} (slot {}) has epoch 0", i, ref.slot);
-    if (mResources.residentSlots != nullptr) {
-      mResources.residentSlots->requireHeld(kCall, ref);
-    }
-    auto const slot = static_cast<std::size_t>(ref.slot);
-    MKV_REQUIRE(seen[slot] == 0, kCall, "slot {} appears twice in the batch", ref.slot);
-    seen[slot] = 1;
+    detail::validateResident(kCall, i, residents[i], maxBatch, mResources.residentSlots, seen);
   }
   BeginRequestResult result;
   // Poisoned first: a quarantined request still holds its residents, and the runtime may have
@@ -253,8 +245,7 @@ BoundedSwaKVPageManager::BeginRequestResult BoundedSwaKVPageManager::beginReques
     return result;
   }
   for (ResidentRef const ref : residents) {
-    MKV_REQUIRE(mResidentBusy[static_cast<std::size_t>(ref.slot)] == 0, kCall,
-                "slot {} is held by another active request", ref.slot);
+    detail::requireResidentFree(kCall, ref.slot, mResidentBusy);
   }
   auto const needed = static_cast<std::size_t>(mAdmissionPages) * residents.size();
   if (needed > mFreePages.size()) {
@@ -506,31 +497,10 @@ void BoundedSwaKVPageManager::beginBatchCompaction(RequestHandle& handle,
   MKV_REQUIRE(req.phase == Phase::kExecuting && req.pending == Pending::kNone, kCall,
               "compaction needs an executing request with no pending work");
   auto const oldBatch = static_cast<int32_t>(req.sequences.size());
-  MKV_REQUIRE(oldToNew.size() == req.sequences.size(), kCall, "mapping has {} entries for a batch of {}",
-              oldToNew.size(), oldBatch);
-  MKV_REQUIRE(newBatchSize >= 0 && newBatchSize <= oldBatch, kCall,
-              "new batch size {} outside [0, {}]", newBatchSize, oldBatch);
-  int32_t nextSurvivor = 0;
-  for (std::size_t i = 0; i < oldToNew.size(); ++i) {
-    if (oldToNew[i] == -1) {
-      continue;
-    }
-    MKV_REQUIRE(oldToNew[i] >= 0 && oldToNew[i] < newBatchSize, kCall,
-                "oldToNew[{}] = {} outside [-1, {})", i, oldToNew[i], newBatchSize);
-    MKV_REQUIRE(oldToNew[i] == nextSurvivor, kCall,
-                "mapping is not order-preserving: oldToNew[{}] = {}, expected {}", i, oldToNew[i],
-                nextSurvivor);
-    ++nextSurvivor;
-  }
-  MKV_REQUIRE(nextSurvivor == newBatchSize, kCall, "{} survivors for a new batch of {}",
-              nextSurvivor, newBatchSize);
+  detail::validateCompactionMapping(kCall, oldToNew, req.sequences.size(), newBatchSize);
   requireLengthBatch(kCall, req);
-  MKV_REQUIRE(deviceMapping.dataType() == DataType::kInt32 &&
-                  deviceMapping.deviceType() == mResources.swaPool->deviceType(),
-              kCall, "deviceMapping must be int32 on {}", toString(mResources.swaPool->deviceType()));
-  MKV_REQUIRE(deviceMapping.capacityBytes() >= static_cast<int64_t>(oldToNew.size_bytes()), kCall,
-              "deviceMapping holds {} bytes, needs {}", deviceMapping.capacityBytes(),
-              oldToNew.size_bytes());
+  detail::validateDeviceMapping(kCall, deviceMapping, mResources.swaPool->deviceType(),
+                                oldToNew.size());
   bool const reshaped = deviceMapping.reshape({oldBatch});
   MKV_ASSERT(reshaped, "deviceMapping reshape failed after the capacity check");
   if (!oldToNew.empty()) {
@@ -575,7 +545,9 @@ SwaKVCacheStatus BoundedSwaKVPageManager::compactBatch(RequestHandle& handle) {
     lengths->compactLengths(*req.deviceMapping, req.newBatchSize, mStream);
   }
   if (!synchronize()) {
+    // Invalidated as every other path does (finish; the coordinator's): no manager, no id.
     handle.mManager = nullptr;
+    handle.mId = 0;
     quarantine(detach(req.id));
     return SwaKVCacheStatus::kPoisoned;
   }
@@ -666,15 +638,7 @@ SwaKVCacheStatus BoundedSwaKVPageManager::shutdown() noexcept {
 // ---------------------------------------------------------------- internals
 
 bool BoundedSwaKVPageManager::synchronize() noexcept {
-  cudaError_t status = cudaErrorUnknown;
-  try {
-    status = mSynchronizer(mStream);
-  } catch (...) {
-    status = cudaErrorUnknown;
-  }
-  if (status != cudaSuccess) {
-    logger()->error("BoundedSwaKVPageManager: stream synchronisation failed ({}); poisoned",
-                    detail::cudaErrorName(status));
+  if (!detail::synchronizeStream(mSynchronizer, mStream, "BoundedSwaKVPageManager")) {
     mPoisoned = true;
     return false;
   }

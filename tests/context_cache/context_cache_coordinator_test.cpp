@@ -595,11 +595,13 @@ TEST_P(ContextCacheCoordinatorTest, EveryFailedSynchronisationPoisonsAndShutdown
         ASSERT_EQ(rig.coordinator.prepareDecodeStep(handle, kVanilla), kOk);
         EXPECT_EQ(rig.coordinator.finish(handle), ContextCacheStatus::kPoisoned);
         EXPECT_FALSE(handle.valid());
+        EXPECT_EQ(handle.id(), 0u);
       } else {
         std::vector<int32_t> const dropSecond{0, -1};
         rig.coordinator.beginBatchCompaction(handle, dropSecond, 1, mapping);
         EXPECT_EQ(rig.coordinator.compactBatch(handle), ContextCacheStatus::kPoisoned);
         EXPECT_FALSE(handle.valid());
+        EXPECT_EQ(handle.id(), 0u) << "an invalidated handle keeps no request id";
       }
     }  // abandonment (or nothing left to abandon)
     EXPECT_EQ(rig.sync->failures, 0) << "the injected failure was consumed";

@@ -72,6 +72,7 @@ TEST_P(BoundedSwaFaultTest, FailedFinishSynchronisationQuarantinesUntilShutdown)
   EXPECT_EQ(manager.finish(handle), SwaKVCacheStatus::kPoisoned);
   EXPECT_EQ(rig.faults().failed(), 1);
   EXPECT_FALSE(handle.valid());
+  EXPECT_EQ(handle.id(), 0u);
   EXPECT_EQ(manager.activeRequestCount(), 0);
   EXPECT_EQ(manager.freePageCount(), 21 - held);
   // The rows stay mapped: kernels may still read them.
@@ -95,6 +96,7 @@ TEST_P(BoundedSwaFaultTest, FailedCompactionSynchronisationQuarantinesTheWholeRe
   rig.faults().failNext();
   EXPECT_EQ(manager.compactBatch(handle), SwaKVCacheStatus::kPoisoned);
   EXPECT_FALSE(handle.valid());
+  EXPECT_EQ(handle.id(), 0u) << "an invalidated handle keeps no request id";
   EXPECT_EQ(manager.activeRequestCount(), 0);
   // The dropped sequence's pages are withheld as well as the survivors'.
   EXPECT_EQ(manager.freePageCount(), 21 - held);

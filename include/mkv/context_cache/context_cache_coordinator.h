@@ -4,6 +4,7 @@
 /// ContextCacheManager and the physical resources (page tables, KV lengths, snapshots).
 /// Call order, statuses and publication points: docs/lifecycle.md and docs/context_cache.md.
 
+#include <chrono>
 #include <cstdint>
 #include <functional>
 #include <memory>
@@ -30,6 +31,10 @@
 namespace mkv {
 namespace detail {
 class Int32UploadRegions;
+class PagedRows;
+struct AdmissionLimits;
+struct CoordinatorRequest;
+struct CoordinatorSequence;
 }  // namespace detail
 
 /// Context-cache settings of a runtime.
@@ -185,7 +190,8 @@ struct ContextCacheCoordinatorCounters {
 /// quarantines the request (its pages stay leased) until shutdown() drains it.
 /// Thread-safety: single writer (the engine thread).
 class ContextCacheCoordinator {
-  struct Request;
+  using Request = detail::CoordinatorRequest;
+  using Sequence = detail::CoordinatorSequence;
 
  public:
   /// Move-only handle of an admitted request; destroying a live handle abandons the request
@@ -199,6 +205,9 @@ class ContextCacheCoordinator {
     RequestHandle& operator=(RequestHandle const&) = delete;
     ~RequestHandle();
     bool valid() const noexcept { return mCoordinator != nullptr; }
+    /// The request's id (1, 2, ... in admission order; named by error messages), 0 once the
+    /// handle is invalid (finished, abandoned, moved from, or quarantined).
+    uint64_t id() const noexcept { return mId; }
 
    private:
     friend class ContextCacheCoordinator;
@@ -399,18 +408,28 @@ class ContextCacheCoordinator {
   SnapshotStorage const* snapshots() const noexcept { return mSnapshots.get(); }
 
  private:
+  // The parts of the coordinator, one file each (docs/architecture.md, "Context reuse"): the
+  // request registry, prefill, decode and compaction (context_cache_coordinator.cpp), batch
+  // admission (coordinator_admission.cpp), checkpoints and Hybrid-MTP
+  // (coordinator_checkpoints.cpp), in-flight admission (coordinator_inflight_admission.cpp);
+  // beside them the request state (coordinator_request.h), the pure contract checks
+  // (coordinator_validation.h), the deployment validation (coordinator_deployment.h) and the
+  // paged rows (coordinator_paged_rows.h).
+
+  // Request registry.
   Request& request(RequestHandle const& handle, char const* call) const;
   std::unique_ptr<Request> detach(uint64_t id) noexcept;
   void quarantine(std::unique_ptr<Request> request) noexcept;
+  /// After a failed synchronisation: invalidates `handle` and quarantines its request.
+  ContextCacheStatus quarantineHandle(RequestHandle& handle, uint64_t id) noexcept;
   bool synchronize() noexcept;
   void abandon(uint64_t id) noexcept;
+  /// Clears the request's rows (and uploads); throws what the page tables throw.
   void releaseRows(Request& request);
-  /// Publishes the full blocks of the first `length` tokens of one sequence (skipped for bypass
-  /// sequences); paired requests publish the draft path with them.
-  void publishReady(Request& request, std::size_t row, int32_t length);
-  /// Publishes the frozen prompt endpoint of every row of a speculative request whose draft
-  /// initialisation is now known complete (at most each row's common length).
-  void publishFrozenPrefill(Request& request);
+  /// Marks the request's resident rows free.
+  void releaseResidents(Request const& request) noexcept;
+  detail::PagedRows rows() const noexcept;
+  bool hasKv() const noexcept { return mProfile.hasAttention(); }
   /// The request binds draft pages (speculative request, paged draft).
   bool pairsDraft(Request const& request) const noexcept;
   /// The request is a Hybrid-MTP request (speculative request on a Hybrid-MTP deployment).
@@ -421,26 +440,66 @@ class ContextCacheCoordinator {
       mFaultHook(site);
     }
   }
-  /// Throws (naming `call`) unless the KV-length tensors the compaction compacts (base, and
-  /// draft when paired) hold exactly the request's rows.
-  void requireLengthBatch(char const* call, Request const& req) const;
-  /// Uploads the dirty rows of the base table and, for `paired`, of the draft table (one launch).
-  void uploadTables(bool paired);
-  /// uploadTables, queued in mDeviceWrites for the caller to flush.
-  void queueTableUploads(bool paired);
-  bool hasKv() const noexcept { return mProfile.hasAttention(); }
+  void countPlanning(std::chrono::steady_clock::time_point start) noexcept;
+
+  // Batch admission.
+  detail::AdmissionLimits admissionLimits() const noexcept;
+  /// The manager's lookup of one sequence under `policy` (kBypass when reuse is disabled).
+  LookupRequest lookupOf(ContextCacheSequenceAdmission const& sequence,
+                         ContextCacheLookupPolicy policy, DecodingKvHeadroom const& headroom,
+                         bool speculative) const;
+  /// One lease per lookup, all or nothing (empty: refused for capacity, nothing changed).
+  std::vector<mkv::AdmissionResult> acquireAll(std::span<LookupRequest const> lookups);
+  /// An empty request of the admission (made before anything is acquired).
+  std::unique_ptr<Request> newRequest(ContextCacheBatchAdmission const& admission) const;
+  /// Moves the acquired leases into the request's sequences.
+  void addSequences(Request& request, ContextCacheBatchAdmission const& admission,
+                    std::span<LookupRequest const> lookups,
+                    std::vector<mkv::AdmissionResult>& acquired) const;
+
+  // Publication of full blocks.
+  /// Publishes the full blocks of the first `length` tokens of one sequence (skipped for bypass
+  /// sequences); paired requests publish the draft path with them.
+  void publishReady(Request& request, std::size_t row, int32_t length);
+  /// Publishes the frozen prompt endpoint of every row of a speculative request whose draft
+  /// initialisation is now known complete (at most each row's common length).
+  void publishFrozenPrefill(Request& request);
+  /// completeDecodeStep's publication of the completed rows (blocks, or checkpoints with one
+  /// capture synchronisation: kPoisoned, handle invalidated, when it fails).
+  ContextCacheStatus publishCompleted(RequestHandle& handle, Request& request,
+                                      std::span<uint8_t const> completed);
+
+  // Decode and compaction.
+  /// Grows each sequence's pages to cover committed + headroom and maps them (prepareDecodeStep).
+  ContextCacheStatus growPages(Request& request, DecodingKvHeadroom const& headroom);
+  /// compactBatch's device work: clears dropped rows, compacts lengths, zeroes recurrent rows.
+  void enqueueCompaction(Request& request, std::span<CacheSlot const> dropped);
+  /// compactBatch after its synchronisation: releases the dropped rows, keeps the survivors.
+  void settleCompaction(Request& request, std::vector<Sequence>& survivors) noexcept;
+
+  // Checkpoints (hybrid and pure-recurrent deployments) and Hybrid-MTP.
   /// Restores the recurrent rows and partial pages of a checkpoint request's hits and zeroes the
   /// recurrent rows of `cold` residents.
   void restoreCheckpoints(Request& request, std::span<CacheSlot const> cold);
   /// Reserves slots and enqueues the capture of row `row` at `exactLength`; false when there is
   /// nothing to capture (bypass, already published, already cached) or no slot (pressure).
   bool stageCapture(Request& request, std::size_t row, int32_t exactLength);
+  /// Enqueues the copies of a staged capture into `reservation` (the fault hook before each).
+  void enqueueCapture(Sequence const& sequence, SnapshotReservation const& reservation,
+                      int32_t exactLength, bool partial);
   /// Publishes every staged capture (its copies are complete) and retires the reservations.
   void commitCaptures(Request& request);
-  /// The manager's lookup of one sequence under `policy` (kBypass when reuse is disabled).
-  LookupRequest lookupOf(ContextCacheSequenceAdmission const& sequence,
-                         ContextCacheLookupPolicy policy, DecodingKvHeadroom const& headroom,
-                         bool speculative) const;
+  /// publishHybridMtpEndpoint's reservation: with the hit's pins held, then (pressure) without.
+  std::optional<SnapshotReservation> reserveEndpoint(Sequence& sequence,
+                                                     int32_t residentStateLength);
+  /// Enqueues the endpoint's captures (recurrent rows, boundary pages, hidden row).
+  void captureEndpoint(Sequence& sequence, SnapshotReservation const& reservation,
+                       int32_t residentStateLength, Tensor const& baseHiddenStates,
+                       int32_t boundaryHiddenRow);
+  /// Commits a captured endpoint as a record, after its synchronisation.
+  void commitEndpoint(Request const& request, Sequence& sequence, int32_t slot,
+                      PromptBlocks const& blocks, int32_t residentStateLength,
+                      SnapshotReservation const& reservation);
 
   ContextCacheConfig mConfig;
   ContextCacheDeploymentProfile mProfile;
@@ -456,8 +515,6 @@ class ContextCacheCoordinator {
   std::vector<uint8_t> mResidentBusy;
   /// Compaction-mapping staging, one region per resident slot (created once, see device.h).
   std::unique_ptr<detail::Int32UploadRegions> mMappingUploads;
-  /// Table rows and KV lengths a call writes, applied by one launch at the call's end.
-  kernels::InlinePatchBatch mDeviceWrites;
   ContextCacheCoordinatorCounters mCounters;
   uint64_t mNextRequestId = 1;
   bool mPoisoned = false;

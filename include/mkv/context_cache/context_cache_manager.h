@@ -218,6 +218,10 @@ class ContextCacheManager {
   void checkPlan(ReusePlan const& plan, bool fresh) const;
   /// The plan of an already hashed lookup (lookup's second half).
   void planLookup(LookupRequest const& request, LookupResult& result) const;
+  /// acquireBatch's checks: every request and its lookup result, re-planned when the state
+  /// changed since the lookup, and every plan.
+  void checkBatch(char const* call, std::span<LookupRequest const> requests,
+                  std::vector<LookupResult>& looked) const;
   AcquireResult acquirePlan(ReusePlan const& plan, bool fresh);
   /// acquirePlan's first half: a live lease holding the plan's pins (checked plan), no allocation.
   CacheRequestLease pinPlan(ReusePlan const& plan);
@@ -239,6 +243,17 @@ class ContextCacheManager {
                      PromptBlocks const& blocks, int32_t count) const;
   PublishResult commitNewRecord(CacheRecord record, PromptBlocks const& blocks,
                                 Projection const& projection);
+  /// publish's checks of the lease against the first `count` blocks.
+  void checkPublication(char const* call, CacheRequestLease const& lease,
+                        PromptBlocks const& blocks, int32_t count) const;
+  /// publish of a key already recorded: a paged spec lease attaches its draft path to a
+  /// base-only record, anything else touches the record.
+  PublishResult publishExisting(CacheRequestLease const& lease, CacheRecord const& existing,
+                                int32_t published);
+  /// publishCheckpoint's checks; returns the checkpoint's full blocks.
+  int32_t checkCheckpoint(char const* call, CacheRequestLease const& lease,
+                          PromptBlocks const& blocks, int32_t exactLength,
+                          SnapshotReservation const& reservation, bool mtp) const;
   PublishResult publishCheckpoint(char const* call, CacheRequestLease& lease,
                                   PromptBlocks const& blocks, int32_t exactLength,
                                   SnapshotReservation const& reservation, bool mtp);

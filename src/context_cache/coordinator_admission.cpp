@@ -1,0 +1,157 @@
+// ContextCacheCoordinator: batch admission (beginRequest). Validates the whole batch, looks every
+// sequence up, leases all of them or none, then registers the request.
+
+#include <algorithm>
+#include <chrono>
+
+#include "context_cache/coordinator_paged_rows.h"
+#include "context_cache/coordinator_request.h"
+#include "context_cache/coordinator_validation.h"
+#include "core/check.h"
+#include "resources/backend_requests.h"
+#include "mkv/context_cache/context_cache_coordinator.h"
+
+namespace mkv {
+
+detail::AdmissionLimits ContextCacheCoordinator::admissionLimits() const noexcept {
+  detail::AdmissionLimits limits;
+  limits.maxBatch = mMaxBatch;
+  limits.pageSize = mManager->pageSize();
+  limits.hasKv = hasKv();
+  limits.baseRowPages = hasKv() ? mResources.basePageTable->maxPagesPerSeq() : 0;
+  limits.pagedDraft = mProfile.ownsPagedSpecState();
+  limits.draftRowPages = limits.pagedDraft ? mResources.draftPageTable->maxPagesPerSeq() : 0;
+  limits.speculativeDeployment = mProfile.isSpeculative();
+  limits.hybridMtpDeployment = mProfile.isHybridMtp();
+  limits.residentSlots = mResources.residentSlots;
+  return limits;
+}
+
+/// The manager's view of one sequence admission (it refers to `sequence`'s tokens and media).
+LookupRequest ContextCacheCoordinator::lookupOf(ContextCacheSequenceAdmission const& sequence,
+                                                ContextCacheLookupPolicy policy,
+                                                DecodingKvHeadroom const& headroom,
+                                                bool speculative) const {
+  LookupRequest lookup;
+  lookup.prompt = PromptView{sequence.tokenIds, sequence.media, sequence.keyExtras};
+  // A vanilla request on a speculative deployment reuses and publishes the base side only.
+  bool const checkpoints = mProfile.usesCheckpointReuse();
+  if (speculative) {
+    lookup.mode = checkpoints ? ReuseMode::kHybridMtp : ReuseMode::kSpec;
+    lookup.draftExtraTokens = mProfile.ownsPagedSpecState() ? headroom.draftExtraTokens : 0;
+  } else {
+    lookup.mode = checkpoints ? ReuseMode::kHybrid : ReuseMode::kVanilla;
+  }
+  lookup.hasAttention = hasKv();
+  lookup.policy = mConfig.enabled ? policy : ContextCacheLookupPolicy::kBypass;
+  lookup.baseExtraTokens = headroom.baseExtraTokens;
+  return lookup;
+}
+
+// A refused request changes nothing: one sequence's acquire is all-or-nothing itself; several
+// are admitted together (pins first, one eviction for the whole batch, then allocation),
+// because an earlier sequence's eviction could otherwise cost a later one its hits after
+// records are already gone.
+std::vector<mkv::AdmissionResult> ContextCacheCoordinator::acquireAll(
+    std::span<LookupRequest const> lookups) {
+  std::vector<mkv::AdmissionResult> acquired;
+  if (lookups.size() == 1) {
+    acquired.push_back(mManager->acquireWithFallback(lookups[0]));
+    if (!acquired[0].lease) {
+      acquired.clear();
+    }
+    return acquired;
+  }
+  std::vector<LookupResult> looked;
+  looked.reserve(lookups.size());
+  for (LookupRequest const& lookup : lookups) {
+    looked.push_back(mManager->lookup(lookup));
+  }
+  return mManager->acquireBatch(lookups, std::move(looked));
+}
+
+std::unique_ptr<ContextCacheCoordinator::Request> ContextCacheCoordinator::newRequest(
+    ContextCacheBatchAdmission const& admission) const {
+  auto created = std::make_unique<Request>();
+  created->id = mNextRequestId;
+  created->contract = admission.tokenStateContract;
+  created->commitPolicy = admission.commitPolicy;
+  created->batchPolicy = admission.lookupPolicy;
+  created->speculative = admission.speculativeRequest;
+  created->sequences.reserve(static_cast<std::size_t>(mMaxBatch));
+  return created;
+}
+
+void ContextCacheCoordinator::addSequences(Request& created,
+                                           ContextCacheBatchAdmission const& admission,
+                                           std::span<LookupRequest const> lookups,
+                                           std::vector<mkv::AdmissionResult>& acquired) const {
+  for (std::size_t i = 0; i < admission.sequences.size(); ++i) {
+    Sequence state =
+        detail::admittedSequence(admission.sequences[i], lookups[i].policy, acquired[i]);
+    state.common = state.reuseTokenLength;
+    created.sequences.push_back(std::move(state));
+  }
+}
+
+ContextCacheCoordinator::BeginRequestResult ContextCacheCoordinator::beginRequest(
+    ContextCacheBatchAdmission const& admission, DecodingKvHeadroom const& headroom,
+    cudaStream_t stream) {
+  constexpr char const* kCall = "ContextCacheCoordinator::beginRequest";
+  MKV_REQUIRE(stream == mStream, kCall,
+              "stream differs from the coordinator's construction stream");
+  detail::validateBatchAdmission(kCall, admission, headroom, admissionLimits());
+  BeginRequestResult result;
+  // Poisoned first: a quarantined request still holds its residents, and the runtime may have
+  // handed one of those slots out again; that is the poisoned outcome, not a contract error.
+  if (mPoisoned) {
+    result.status = ContextCacheStatus::kPoisoned;
+    return result;
+  }
+  for (auto const& sequence : admission.sequences) {
+    detail::requireResidentFree(kCall, sequence.resident.slot, mResidentBusy);
+  }
+  std::unique_ptr<Request> created = newRequest(admission);
+  bool const speculative = admission.speculativeRequest;
+  // Media in a speculative batch: the draft's state is not keyed by media, so the whole batch
+  // bypasses the cache.
+  bool const mediaBypass =
+      speculative && std::any_of(admission.sequences.begin(), admission.sequences.end(),
+                                 [](auto const& sequence) { return !sequence.media.empty(); });
+  std::vector<LookupRequest> lookups;
+  lookups.reserve(admission.sequences.size());
+  for (auto const& sequence : admission.sequences) {
+    ContextCacheLookupPolicy const policy =
+        mediaBypass ? ContextCacheLookupPolicy::kBypass
+                    : sequence.lookupPolicy.value_or(admission.lookupPolicy);
+    lookups.push_back(lookupOf(sequence, policy, headroom, speculative));
+  }
+  auto const start = std::chrono::steady_clock::now();
+  std::vector<mkv::AdmissionResult> acquired = acquireAll(lookups);
+  if (acquired.empty()) {
+    countPlanning(start);
+    ++mCounters.refusedRequests;
+    result.status = ContextCacheStatus::kRequestFailed;
+    return result;
+  }
+  addSequences(*created, admission, lookups, acquired);
+  countPlanning(start);
+  AdmissionResult admitted;
+  admitted.prefillStarts.reserve(created->sequences.size());
+  mActive.reserve(mActive.size() + 1);
+  mQuarantine.reserve(mQuarantine.size() + mActive.size() + 1);
+  // Nothing below throws: publish the request.
+  ++mNextRequestId;
+  ++mCounters.requests;
+  for (auto const& sequence : created->sequences) {
+    admitted.prefillStarts.push_back(sequence.reuseTokenLength);
+    mResidentBusy[static_cast<std::size_t>(sequence.resident.slot)] = 1;
+  }
+  mActive.push_back(std::move(created));
+  admitted.request = RequestHandle(this, mActive.back()->id);
+  result.status = ContextCacheStatus::kOk;
+  result.admission = std::move(admitted);
+  return result;
+}
+
+}  // namespace mkv

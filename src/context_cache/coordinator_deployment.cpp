@@ -1,0 +1,173 @@
+#include "context_cache/coordinator_deployment.h"
+
+#include <limits>
+
+#include "core/check.h"
+
+namespace mkv::detail {
+namespace {
+
+constexpr char const* kCall = "ContextCacheCoordinator";
+
+/// The configuration and the profile on their own, then which resources the profile admits.
+void validateProfile(ContextCacheConfig const& config, ContextCacheDeploymentProfile const& profile,
+                     ContextCachePhysicalResources const& resources) {
+  MKV_REQUIRE(config.maxRecords >= 0, kCall, "maxRecords must be >= 0, got {}", config.maxRecords);
+  MKV_REQUIRE(config.eventQueueCapacity >= 0, kCall, "eventQueueCapacity must be >= 0, got {}",
+              config.eventQueueCapacity);
+  MKV_REQUIRE(config.recurrentSnapshotPoolBytes >= 0 && config.partialKvSnapshotPoolBytes >= 0,
+              kCall, "snapshot budgets must be >= 0, got recurrent {} and partial {} bytes",
+              config.recurrentSnapshotPoolBytes, config.partialKvSnapshotPoolBytes);
+  MKV_REQUIRE(
+      static_cast<uint8_t>(profile.baseStateKind) <= static_cast<uint8_t>(BaseStateKind::kHybrid),
+      kCall, "base state kind {} out of range", static_cast<int>(profile.baseStateKind));
+  if (profile.isSpeculative()) {
+    MKV_REQUIRE(profile.speculative->futureDependencyTokens >= 0, kCall,
+                "speculative futureDependencyTokens must be >= 0, got {}",
+                profile.speculative->futureDependencyTokens);
+    MKV_REQUIRE(profile.hasAttention(), kCall,
+                "a pure-recurrent deployment cannot be speculative (no KV for a draft to pair "
+                "with)");
+  }
+  bool const mtp = profile.isHybridMtp();
+  bool const paged = profile.ownsPagedSpecState();
+  MKV_REQUIRE(!mtp || paged, kCall,
+              "a Hybrid-MTP deployment needs an own-KV draft: the speculative contract must be "
+              "paged");
+  MKV_REQUIRE(mtp || profile.boundaryHiddenWidth == 0, kCall,
+              "boundaryHiddenWidth {} is for Hybrid-MTP deployments only",
+              profile.boundaryHiddenWidth);
+  MKV_REQUIRE(!mtp || profile.boundaryHiddenWidth > 0, kCall,
+              "a Hybrid-MTP deployment needs boundaryHiddenWidth > 0, got {}",
+              profile.boundaryHiddenWidth);
+  MKV_REQUIRE(!mtp || dataTypeSize(profile.boundaryHiddenType) > 0, kCall,
+              "boundaryHiddenType {} out of range", static_cast<int>(profile.boundaryHiddenType));
+  MKV_REQUIRE(paged || (resources.draftPool == nullptr && resources.draftPageTable == nullptr),
+              kCall, "draft resources given to a {}",
+              profile.isSpeculative() ? "speculative deployment whose draft has no paged KV"
+                                      : "non-speculative deployment");
+  MKV_REQUIRE(!profile.usesCheckpointReuse() || resources.recurrent != nullptr, kCall,
+              "a {} deployment needs the recurrent state pool",
+              profile.hasAttention() ? "hybrid" : "pure-recurrent");
+}
+
+/// The base KV (pool and dense table) of an attention deployment, or its absence; sets the
+/// layout's rows and device.
+void validateBase(ContextCacheDeploymentProfile const& profile,
+                  ContextCachePhysicalResources const& resources, DeploymentLayout& layout) {
+  if (!profile.hasAttention()) {
+    MKV_REQUIRE(resources.basePool == nullptr && resources.basePageTable == nullptr, kCall,
+                "a pure-recurrent deployment has no KV: basePool and basePageTable must be null");
+    layout.maxBatch = resources.recurrent->numSlots();
+    layout.device = resources.recurrent->deviceType();
+    return;
+  }
+  MKV_REQUIRE(resources.basePool != nullptr && resources.basePageTable != nullptr, kCall,
+              "an attention deployment needs basePool and basePageTable");
+  KVCachePool const& pool = *resources.basePool;
+  KVPageTable const& table = *resources.basePageTable;
+  MKV_REQUIRE(table.mode() == PageTableMode::kDense, kCall, "the base page table must be dense");
+  MKV_REQUIRE(table.numPages() == pool.numPages(), kCall,
+              "base page table addresses {} pages but the pool has {}", table.numPages(),
+              pool.numPages());
+  MKV_REQUIRE(table.deviceType() == pool.deviceType(), kCall, "table on {} but pool on {}",
+              toString(table.deviceType()), toString(pool.deviceType()));
+  MKV_REQUIRE(pool.maxBatchSize() >= table.maxBatch(), kCall,
+              "pool KV lengths hold {} rows but the table has {}", pool.maxBatchSize(),
+              table.maxBatch());
+  layout.maxBatch = table.maxBatch();
+  layout.device = pool.deviceType();
+}
+
+/// The recurrent pool (when given) and the draft KV of a paged speculative deployment, against
+/// the base's rows and device.
+void validateCompanions(ContextCacheDeploymentProfile const& profile,
+                        ContextCachePhysicalResources const& resources,
+                        DeploymentLayout const& layout) {
+  int32_t const maxBatch = layout.maxBatch;
+  DeviceType const device = layout.device;
+  if (RecurrentStatePool const* recurrent = resources.recurrent) {
+    MKV_REQUIRE(recurrent->numSlots() >= maxBatch, kCall,
+                "recurrent pool has {} slots but the table has {} rows", recurrent->numSlots(),
+                maxBatch);
+    MKV_REQUIRE(recurrent->deviceType() == device, kCall, "recurrent pool on {} but KV on {}",
+                toString(recurrent->deviceType()), toString(device));
+  }
+  if (!profile.ownsPagedSpecState()) {
+    return;
+  }
+  MKV_REQUIRE(resources.draftPool != nullptr && resources.draftPageTable != nullptr, kCall,
+              "a paged speculative deployment needs draftPool and draftPageTable");
+  KVCachePool const& draft = *resources.draftPool;
+  KVPageTable const& table = *resources.draftPageTable;
+  MKV_REQUIRE(table.mode() == PageTableMode::kDense, kCall, "the draft page table must be dense");
+  MKV_REQUIRE(table.numPages() == draft.numPages(), kCall,
+              "draft page table addresses {} pages but the draft pool has {}", table.numPages(),
+              draft.numPages());
+  MKV_REQUIRE(draft.tokensPerPage() == resources.basePool->tokensPerPage(), kCall,
+              "draft pages hold {} tokens but base pages {}", draft.tokensPerPage(),
+              resources.basePool->tokensPerPage());
+  MKV_REQUIRE(table.deviceType() == device && draft.deviceType() == device, kCall,
+              "draft table on {} and draft pool on {} but base KV on {}",
+              toString(table.deviceType()), toString(draft.deviceType()), toString(device));
+  MKV_REQUIRE(table.maxBatch() == maxBatch && draft.maxBatchSize() >= maxBatch, kCall,
+              "draft table has {} rows and draft pool KV lengths {} but the base table has {}",
+              table.maxBatch(), draft.maxBatchSize(), maxBatch);
+}
+
+/// Snapshot slots of a checkpoint deployment, from the byte budgets.
+void layOutSnapshots(ContextCacheConfig const& config, ContextCacheDeploymentProfile const& profile,
+                     ContextCachePhysicalResources const& resources, DeploymentLayout& layout) {
+  auto slotsOf = [&](int64_t budget, int64_t bytesPerSlot, char const* field) {
+    int64_t const slots = budget / bytesPerSlot;
+    MKV_REQUIRE(slots <= std::numeric_limits<int32_t>::max(), kCall,
+                "{} {} gives {} slots, more than int32 holds", field, budget, slots);
+    MKV_REQUIRE(!config.enabled || slots >= 1, kCall, "{} {} holds no snapshot slot of {} bytes",
+                field, budget, bytesPerSlot);
+    return static_cast<int32_t>(slots);
+  };
+  bool const mtp = profile.isHybridMtp();
+  SnapshotStorageConfig& snapshots = layout.snapshots;
+  // A Hybrid-MTP slot also holds the boundary hidden row, and its partial page the draft's.
+  int64_t recurrentBytes = SnapshotStorage::recurrentBytesPerSlot(*resources.recurrent);
+  if (mtp) {
+    snapshots.boundaryHiddenWidth = profile.boundaryHiddenWidth;
+    snapshots.boundaryHiddenType = profile.boundaryHiddenType;
+    recurrentBytes += SnapshotStorage::boundaryHiddenBytesPerSlot(profile.boundaryHiddenWidth,
+                                                                  profile.boundaryHiddenType);
+  }
+  snapshots.recurrentSlots =
+      slotsOf(config.recurrentSnapshotPoolBytes, recurrentBytes, "recurrentSnapshotPoolBytes");
+  if (profile.hasAttention()) {
+    int64_t partialBytes = SnapshotStorage::partialKvBytesPerSlot(*resources.basePool);
+    if (mtp) {
+      partialBytes += SnapshotStorage::partialKvBytesPerSlot(*resources.draftPool);
+    }
+    snapshots.partialKvSlots =
+        slotsOf(config.partialKvSnapshotPoolBytes, partialBytes, "partialKvSnapshotPoolBytes");
+  }
+  layout.capacities.recurrentSnapshotSlots = snapshots.recurrentSlots;
+  layout.capacities.partialKvSnapshotSlots = snapshots.partialKvSlots;
+}
+
+}  // namespace
+
+DeploymentLayout validateDeployment(ContextCacheConfig const& config,
+                                    ContextCacheDeploymentProfile const& profile,
+                                    ContextCachePhysicalResources const& resources) {
+  validateProfile(config, profile, resources);
+  DeploymentLayout layout;
+  validateBase(profile, resources, layout);
+  validateCompanions(profile, resources, layout);
+  bool const hasKv = profile.hasAttention();
+  layout.blockTokens = hasKv ? resources.basePool->tokensPerPage() : kPureRecurrentBlockTokens;
+  layout.capacities.baseKvPages = hasKv ? resources.basePool->numPages() : 0;
+  layout.capacities.draftKvPages =
+      profile.ownsPagedSpecState() ? resources.draftPool->numPages() : 0;
+  if (profile.usesCheckpointReuse()) {
+    layOutSnapshots(config, profile, resources, layout);
+  }
+  return layout;
+}
+
+}  // namespace mkv::detail

@@ -1,0 +1,136 @@
+// ContextCacheCoordinator: in-flight admission. A sequence joins an executing request at the end
+// of its batch (admitSequence), is finalised after its own prefill (finalizeSequenceAdmission) or
+// undone while it has not joined (retractSequenceAdmission).
+
+#include <spdlog/spdlog.h>
+
+#include <chrono>
+#include <exception>
+
+#include "context_cache/coordinator_paged_rows.h"
+#include "context_cache/coordinator_request.h"
+#include "context_cache/coordinator_validation.h"
+#include "core/check.h"
+#include "mkv/context_cache/context_cache_coordinator.h"
+#include "mkv/logging.h"
+
+namespace mkv {
+
+ContextCacheCoordinator::AdmitSequenceResult ContextCacheCoordinator::admitSequence(
+    RequestHandle& handle, ContextCacheSequenceAdmission const& admission,
+    DecodingKvHeadroom const& headroom) {
+  constexpr char const* kCall = "ContextCacheCoordinator::admitSequence";
+  Request& req = request(handle, kCall);
+  MKV_REQUIRE(supportsLiveSequenceAdmission(), kCall,
+              "in-flight admission needs an attention-only, non-speculative deployment");
+  MKV_REQUIRE(req.stage == RequestStage::kSettled, kCall,
+              "admission needs an executing request with no pending work or compaction");
+  MKV_REQUIRE(!req.sequences.empty(), kCall, "the request has no founding sequence");
+  // A joiner is finalised with its lookahead token (committed == prompt): the fully committed
+  // contract, where every listed token has KV, could never advance it.
+  MKV_REQUIRE(req.contract == DecodingTokenStateContract::kCommittedPlusLookahead, kCall,
+              "in-flight admission needs the committed-plus-lookahead contract");
+  detail::validateHeadroom(kCall, headroom, false);
+  detail::PagedRows const table = rows();
+  MKV_REQUIRE(req.sequences.size() < static_cast<std::size_t>(table.maxBatch()), kCall,
+              "the batch is full ({} sequences)", req.sequences.size());
+  detail::validateJoiner(kCall, admission, headroom, table.maxBatch(), table.baseRowPages(),
+                         mManager->pageSize(), mResources.residentSlots);
+  AdmitSequenceResult result;
+  if (mPoisoned) {  // before the busy check, as in beginRequest
+    result.status = ContextCacheStatus::kPoisoned;
+    return result;
+  }
+  ResidentRef const ref = admission.resident;
+  MKV_REQUIRE(mResidentBusy[static_cast<std::size_t>(ref.slot)] == 0, kCall,
+              "resident slot {} is already held", ref.slot);
+  // The request's own policy: the first surviving row after a compaction is not the founder.
+  LookupRequest const lookup =
+      lookupOf(admission, admission.lookupPolicy.value_or(req.batchPolicy), headroom, false);
+  auto const start = std::chrono::steady_clock::now();
+  mkv::AdmissionResult acquired = mManager->acquireWithFallback(lookup);
+  countPlanning(start);
+  if (!acquired.lease) {
+    ++mCounters.liveAdmissionRefusals;
+    result.status = ContextCacheStatus::kRequestFailed;
+    result.insufficientCapacity = true;
+    return result;
+  }
+  Sequence state = detail::admittedSequence(admission, lookup.policy, acquired);
+  state.joined = false;
+  req.sequences.push_back(std::move(state));
+  try {
+    table.bindJoiner(ref.slot, req.sequences.back().lease.basePages());
+  } catch (...) {
+    req.sequences.pop_back();
+    try {
+      table.clearRow(ref.slot, false);
+    } catch (...) {
+      mPoisoned = true;
+    }
+    throw;
+  }
+  mResidentBusy[static_cast<std::size_t>(ref.slot)] = 1;
+  ++mCounters.liveAdmissions;
+  result.status = ContextCacheStatus::kOk;
+  result.prefillStart = req.sequences.back().reuseTokenLength;
+  return result;
+}
+
+ContextCacheStatus ContextCacheCoordinator::finalizeSequenceAdmission(
+    RequestHandle& handle, int32_t slot, ContextCacheSequenceAdvance const& advance) {
+  constexpr char const* kCall = "ContextCacheCoordinator::finalizeSequenceAdmission";
+  Request& req = request(handle, kCall);
+  MKV_REQUIRE(isExecuting(req.stage), kCall, "the request is not executing");
+  auto& sequence = detail::sequenceAt(req, slot, kCall);
+  MKV_REQUIRE(!sequence.joined, kCall, "slot {} is not an unfinalised in-flight admission", slot);
+  if (mPoisoned) {
+    return ContextCacheStatus::kPoisoned;
+  }
+  MKV_REQUIRE(advance.acceptedTokenCount == 1 && advance.acceptedTokenIds != nullptr &&
+                  advance.committedStateLength == static_cast<int32_t>(sequence.tokens.size()),
+              kCall,
+              "slot {}: finalising accepts the 1 lookahead token and commits the {} prompt "
+              "tokens, got {} / {}",
+              slot, sequence.tokens.size(), advance.acceptedTokenCount,
+              advance.committedStateLength);
+  detail::reserveAdvance(sequence, advance);
+  detail::applyAdvance(sequence, advance);
+  sequence.joined = true;
+  ++mCounters.prefillPublications;
+  publishReady(req, static_cast<std::size_t>(slot), sequence.committed);
+  return ContextCacheStatus::kOk;
+}
+
+bool ContextCacheCoordinator::retractSequenceAdmission(RequestHandle& handle) {
+  constexpr char const* kCall = "ContextCacheCoordinator::retractSequenceAdmission";
+  Request& req = request(handle, kCall);
+  // Pending device work (a decode step, a compaction) may still read the row's pages.
+  MKV_REQUIRE(!hasPendingWork(req.stage), kCall,
+              "request {} has pending work (a decode step or compaction): retract between steps",
+              req.id);
+  MKV_REQUIRE(req.sequences.size() > 1, kCall,
+              "request {} has {} sequence(s): only an in-flight joiner beside the batch can be "
+              "retracted",
+              req.id, req.sequences.size());
+  MKV_REQUIRE(!req.sequences.back().joined, kCall,
+              "the newest sequence (row {}) of request {} is not an unfinalised in-flight "
+              "admission",
+              req.sequences.size() - 1, req.id);
+  CacheSlot const slot = req.sequences.back().resident.slot;
+  req.sequences.pop_back();  // lease released
+  mResidentBusy[static_cast<std::size_t>(slot)] = 0;
+  ++mCounters.retractedAdmissions;
+  try {
+    rows().clearRow(slot, false);
+    rows().upload(false);
+  } catch (std::exception const& error) {
+    logger()->error("ContextCacheCoordinator::retractSequenceAdmission: {}; poisoned",
+                    error.what());
+    mPoisoned = true;
+    return false;
+  }
+  return true;
+}
+
+}  // namespace mkv

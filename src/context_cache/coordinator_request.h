@@ -1,0 +1,193 @@
+#pragma once
+/// \file coordinator_request.h
+/// The state of one ContextCacheCoordinator request, shared by the coordinator's parts (not
+/// installed). The parts and one request's path through them: docs/architecture.md, "Context
+/// reuse".
+
+#include <algorithm>
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <utility>
+#include <vector>
+
+#include "core/check.h"
+#include "mkv/context_cache/context_cache_coordinator.h"
+
+namespace mkv {
+
+/// Where a coordinator request is in its lifecycle. The stages with pending device work
+/// (kPrefilling, kDecoding, kCompacting) name the only call that completes it; a request that
+/// is abandoned or finished in one of them synchronises first.
+enum class RequestStage : uint8_t {
+  kAdmitted,    ///< beginRequest admitted it; preparePrefill comes next
+  kPrefilling,  ///< preparePrefill bound its rows; finalizePrefillPublication completes it
+  kSettled,     ///< executing, nothing pending: a decode step, compaction or join may begin
+  kDecoding,    ///< prepareDecodeStep grew its pages; completeDecodeStep completes it
+  kCompacting,  ///< beginBatchCompaction uploaded the mapping; compactBatch completes it
+  kFinishing,   ///< a failed growth or an emptied batch: only finish remains
+};
+
+/// Device work is enqueued that no completion call has seen complete.
+constexpr bool hasPendingWork(RequestStage stage) noexcept {
+  return stage == RequestStage::kPrefilling || stage == RequestStage::kDecoding ||
+         stage == RequestStage::kCompacting;
+}
+
+/// Past the prefill and not finishing (decode steps, compaction and joins belong here).
+constexpr bool isExecuting(RequestStage stage) noexcept {
+  return stage == RequestStage::kSettled || stage == RequestStage::kDecoding ||
+         stage == RequestStage::kCompacting;
+}
+
+namespace detail {
+
+/// One sequence (execution row) of a coordinator request.
+struct CoordinatorSequence {
+  CacheRequestLease lease;
+  ResidentRef resident;
+  std::vector<int32_t> tokens;       // ledger: prompt, then accepted tokens
+  std::vector<MediaPosition> media;  // empty, or one entry per ledger token
+  BlockKeyExtras extras;
+  ContextCacheLookupPolicy policy = ContextCacheLookupPolicy::kUseCache;
+  int32_t promptLength = 0;
+  int32_t reuseTokenLength = 0;
+  int32_t committed = 0;        // tokens with materialised KV
+  int32_t publishedBlocks = 0;  // full blocks already published
+  bool joined = true;           // false: admitted in flight, not finalised yet
+  // Checkpoint deployments: the longest exact checkpoint published, and the capture enqueued
+  // but not committed yet (its slots are reservations of the lease).
+  int32_t publishedExact = 0;
+  // Speculative requests: tokens whose base and draft state are both materialised, and the
+  // prompt endpoint frozen until the draft initialisation is known complete.
+  int32_t common = 0;
+  int32_t frozenPrefill = 0;
+  struct StagedCapture {
+    SnapshotReservation reservation;
+    int32_t exactLength = 0;
+  };
+  std::optional<StagedCapture> staged;
+};
+
+/// One admitted request of a ContextCacheCoordinator (its private `Request`).
+struct CoordinatorRequest {
+  using Sequence = CoordinatorSequence;
+
+  uint64_t id = 0;
+  RequestStage stage = RequestStage::kAdmitted;
+  bool speculative = false;
+  // A speculative request's draft initialisation (enqueued by the runtime after the prefill) is
+  // not known complete: the frozen prompt endpoints wait for the first verification round or a
+  // synchronisation of the coordinator. Independent of the stage (it spans decode steps and
+  // compactions until one of them completes).
+  bool draftInitPending = false;
+  DecodingTokenStateContract contract = DecodingTokenStateContract::kCommittedPlusLookahead;
+  ContextCacheCommitPolicy commitPolicy = ContextCacheCommitPolicy::kIncludingGeneratedTokens;
+  ContextCacheLookupPolicy batchPolicy = ContextCacheLookupPolicy::kUseCache;
+  std::vector<Sequence> sequences;
+  // The compaction begun (meaningful in kCompacting only; the mapping keeps its capacity).
+  std::vector<int32_t> mapping;
+  int32_t newBatchSize = -1;
+  Tensor* deviceMapping = nullptr;
+
+  /// Pending work, or a draft initialisation not known complete: a finish or an abandonment
+  /// synchronises first.
+  bool needsSynchronization() const noexcept { return hasPendingWork(stage) || draftInitPending; }
+};
+
+inline int32_t pagesFor(int64_t tokens, int32_t pageSize) {
+  return static_cast<int32_t>((tokens + pageSize - 1) / pageSize);
+}
+
+/// An advance that keeps a sequence where it is (cancelled slot, joiner not yet finalised).
+inline bool isHold(ContextCacheSequenceAdvance const& advance) {
+  return advance.acceptedTokenCount == 0 &&
+         advance.committedStateLength == kHoldCommittedStateLength;
+}
+
+/// Execution row `slot` of a request; throws (naming `call`) outside the batch.
+template <typename Req>
+auto& sequenceAt(Req& req, int32_t slot, char const* call) {
+  MKV_REQUIRE(slot >= 0 && static_cast<std::size_t>(slot) < req.sequences.size(), call,
+              "slot {} outside the batch of {}", slot, req.sequences.size());
+  return req.sequences[static_cast<std::size_t>(slot)];
+}
+
+/// The first `length` ledger tokens of a sequence as the cache hashes them.
+inline PromptView prefixOf(CoordinatorSequence const& sequence, int32_t length) {
+  auto const tokens = static_cast<std::size_t>(length);
+  std::span<MediaPosition const> media;
+  if (!sequence.media.empty()) {
+    media = std::span<MediaPosition const>(sequence.media).first(tokens);
+  }
+  return PromptView{std::span<int32_t const>(sequence.tokens).first(tokens), media,
+                    sequence.extras};
+}
+
+/// A sequence of `admission` that holds `acquired`'s lease under lookup `policy`; its ledger is
+/// the prompt and its committed length the reuse length.
+inline CoordinatorSequence admittedSequence(ContextCacheSequenceAdmission const& admission,
+                                            ContextCacheLookupPolicy policy,
+                                            mkv::AdmissionResult& acquired) {
+  CoordinatorSequence state;
+  state.lease = std::move(*acquired.lease);
+  state.resident = admission.resident;
+  state.tokens = admission.tokenIds;
+  state.media = admission.media;
+  state.extras = admission.keyExtras;
+  state.policy = policy;
+  state.promptLength = static_cast<int32_t>(admission.tokenIds.size());
+  state.reuseTokenLength = acquired.plan.reuseTokenLength;
+  state.committed = acquired.plan.reuseTokenLength;
+  return state;
+}
+
+/// Makes room for an advance so that applying it cannot throw. A call reserves every advance
+/// before it applies the first, so a std::bad_alloc leaves the request as it was. Capacity grows
+/// geometrically, as push_back's would.
+inline void reserveAdvance(CoordinatorSequence& sequence,
+                           ContextCacheSequenceAdvance const& advance) {
+  if (isHold(advance)) {
+    return;
+  }
+  std::size_t const size =
+      sequence.tokens.size() + static_cast<std::size_t>(advance.acceptedTokenCount);
+  auto grow = [size](auto& values) {
+    if (values.capacity() < size) {
+      values.reserve(std::max(size, 2 * values.capacity()));
+    }
+  };
+  grow(sequence.tokens);
+  if (!sequence.media.empty()) {
+    grow(sequence.media);
+  }
+}
+
+/// Appends an advance's accepted tokens to the ledger and sets the committed length (a reserved
+/// advance does not throw).
+inline void applyAdvance(CoordinatorSequence& sequence,
+                         ContextCacheSequenceAdvance const& advance) {
+  if (isHold(advance)) {
+    return;
+  }
+  sequence.tokens.insert(sequence.tokens.end(), advance.acceptedTokenIds,
+                         advance.acceptedTokenIds + advance.acceptedTokenCount);
+  if (!sequence.media.empty()) {
+    sequence.media.resize(sequence.tokens.size());  // generated tokens are text
+  }
+  sequence.committed = advance.committedStateLength;
+}
+
+/// One advance per row of a validated call: all reserved, then all applied.
+inline void applyAdvances(CoordinatorRequest& req,
+                          std::span<ContextCacheSequenceAdvance const> advances) {
+  for (std::size_t i = 0; i < advances.size(); ++i) {
+    reserveAdvance(req.sequences[i], advances[i]);
+  }
+  for (std::size_t i = 0; i < advances.size(); ++i) {
+    applyAdvance(req.sequences[i], advances[i]);
+  }
+}
+
+}  // namespace detail
+}  // namespace mkv
