@@ -144,7 +144,7 @@ bool ContextCacheCoordinator::synchronize() noexcept {
 }
 
 detail::PagedRows ContextCacheCoordinator::rows() const noexcept {
-  return detail::PagedRows(mResources, mStream);
+  return detail::PagedRows(mResources, mDeviceWrites, mStream);
 }
 
 void ContextCacheCoordinator::releaseRows(Request& req) {

@@ -27,11 +27,13 @@ void PagedRows::bindPrefill(CoordinatorRequest const& req, bool paired, bool mtp
   if (paired) {
     mResources.draftPageTable->setRows(draftRows);
   }
-  upload(paired);
-  mResources.basePool->resetForNewSequences(lengths, mStream);
-  if (paired) {
-    mResources.draftPool->resetForNewSequences(draftLengths, mStream);
-  }
+  mWrites.flushAfter(mStream, [&] {
+    queueUploads(paired);
+    mResources.basePool->resetForNewSequences(lengths, mWrites, mStream);
+    if (paired) {
+      mResources.draftPool->resetForNewSequences(draftLengths, mWrites, mStream);
+    }
+  });
 }
 
 void PagedRows::mapGrown(CoordinatorRequest::Sequence const& sequence, std::size_t heldBase,
@@ -68,9 +70,13 @@ void PagedRows::release(CoordinatorRequest const& req, bool paired) const {
 }
 
 void PagedRows::upload(bool paired) const {
-  mResources.basePageTable->uploadDirty(mStream);
+  mWrites.flushAfter(mStream, [&] { queueUploads(paired); });
+}
+
+void PagedRows::queueUploads(bool paired) const {
+  mResources.basePageTable->uploadDirty(mWrites, mStream);
   if (paired) {
-    mResources.draftPageTable->uploadDirty(mStream);
+    mResources.draftPageTable->uploadDirty(mWrites, mStream);
   }
 }
 

@@ -17,11 +17,15 @@ namespace mkv::detail {
 /// deployments with attention (pure-recurrent deployments have no rows).
 class PagedRows {
  public:
-  PagedRows(ContextCachePhysicalResources const& resources, cudaStream_t stream) noexcept
-      : mResources(resources), mStream(stream) {}
+  /// `writes` gathers the table rows and KV lengths of one call for one launch (the
+  /// coordinator's; see kernels::InlinePatchBatch).
+  PagedRows(ContextCachePhysicalResources const& resources, kernels::InlinePatchBatch& writes,
+            cudaStream_t stream) noexcept
+      : mResources(resources), mWrites(writes), mStream(stream) {}
 
   /// preparePrefill: binds each sequence's lease pages to its resident row (base, and draft when
-  /// `paired`), uploads them and resets the batch's KV lengths to the reuse lengths. A
+  /// `paired`), uploads them and resets the batch's KV lengths to the reuse lengths, all in one
+  /// launch (a launch costs the engine thread 4-5 µs: docs/benchmarks.md). A
   /// Hybrid-MTP (`mtp`) draft length stops before the hit's boundary token (recomputed).
   void bindPrefill(CoordinatorRequest const& req, bool paired, bool mtp) const;
   /// Maps the pages `sequence`'s lease holds beyond `heldBase` base and `heldDraft` draft pages
@@ -34,7 +38,8 @@ class PagedRows {
   void clearRow(CacheSlot slot, bool paired) const;
   /// Clears every row of `req` and uploads.
   void release(CoordinatorRequest const& req, bool paired) const;
-  /// Uploads the dirty rows of the base table and, when `paired`, of the draft table.
+  /// Uploads the dirty rows of the base table and, when `paired`, of the draft table (one
+  /// launch).
   void upload(bool paired) const;
   /// Compacts the KV lengths (base, and draft when `paired`) with the device mapping.
   void compactLengths(Tensor const& deviceMapping, int32_t newBatchSize, bool paired) const;
@@ -47,7 +52,11 @@ class PagedRows {
   int32_t maxBatch() const noexcept { return mResources.basePageTable->maxBatch(); }
 
  private:
+  /// upload(), queued in mWrites for the caller to flush.
+  void queueUploads(bool paired) const;
+
   ContextCachePhysicalResources const& mResources;
+  kernels::InlinePatchBatch& mWrites;
   cudaStream_t mStream;
 };
 

@@ -515,6 +515,9 @@ class ContextCacheCoordinator {
   std::vector<uint8_t> mResidentBusy;
   /// Compaction-mapping staging, one region per resident slot (created once, see device.h).
   std::unique_ptr<detail::Int32UploadRegions> mMappingUploads;
+  /// Table rows and KV lengths a call writes, applied by one launch at the call's end (mutable:
+  /// scratch of the const rows() view, empty between calls).
+  mutable kernels::InlinePatchBatch mDeviceWrites;
   ContextCacheCoordinatorCounters mCounters;
   uint64_t mNextRequestId = 1;
   bool mPoisoned = false;
