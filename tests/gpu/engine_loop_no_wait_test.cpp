@@ -28,6 +28,7 @@ namespace mkv::gputest {
 namespace {
 
 constexpr DecodingKvHeadroom kVanilla{1, 0};
+constexpr DecodingKvHeadroom kSpeculative{4, 4};
 constexpr int32_t kPage = 128;
 constexpr std::chrono::milliseconds kBusyFor{1000};
 
@@ -50,10 +51,12 @@ KVCacheRuntimeConfig baseConfig(cudaStream_t stream) {
 }
 
 /// The engine side of one request, without a model: residents, the context the facade reads,
-/// KV lengths written to the device as an engine writes them, sampled tokens.
+/// KV lengths written to the device as an engine writes them, sampled tokens. `speculative`: an
+/// EAGLE-style request on a runtime with a paged draft (the draft's lengths follow the base's).
 class LoopEngine {
  public:
-  LoopEngine(KVCacheRuntime& runtime, cudaStream_t stream) : mRuntime(runtime) {
+  LoopEngine(KVCacheRuntime& runtime, cudaStream_t stream, bool speculative = false)
+      : mRuntime(runtime), mSpeculative(speculative) {
     mContext.stream = stream;
   }
   ~LoopEngine() {
@@ -69,8 +72,8 @@ class LoopEngine {
 
   void begin() {
     std::optional<ManagedKVCacheRequest> begun = ManagedKVCacheRequest::begin(
-        mRuntime.contextCache(), mRuntime.swaPageManager(), mRequest, mContext, false, kVanilla,
-        DecodingTokenStateContract::kCommittedPlusLookahead,
+        mRuntime.contextCache(), mRuntime.swaPageManager(), mRequest, mContext, mSpeculative,
+        headroom(), DecodingTokenStateContract::kCommittedPlusLookahead,
         ContextCacheCommitPolicy::kIncludingGeneratedTokens);
     ASSERT_TRUE(begun.has_value());
     mManaged.emplace(std::move(*begun));
@@ -86,11 +89,33 @@ class LoopEngine {
     ASSERT_TRUE(mManaged->preparePrefill());
     ASSERT_TRUE(mManaged->prepareSwaPrefill(mContext.effectivePrefillLengths));
     ASSERT_TRUE(mManaged->enqueuePrefillCaptures());
+    std::vector<int32_t> common;  // lengths both models hold (speculative requests only)
     for (std::size_t row = 0; row < mPrompts.size(); ++row) {
       writeLength(row, promptLength(row));
       mContext.generatedTokenIds[row].push_back(sampled(row));
+      if (mSpeculative) {
+        common.push_back(promptLength(row));
+      }
     }
-    ASSERT_TRUE(mManaged->completePrefill(mContext, {}));
+    ASSERT_TRUE(mManaged->completePrefill(mContext, common));
+  }
+
+  /// Speculative verification rounds: each accepts `accepted` tokens per row, the base and the
+  /// draft execute them.
+  void rounds(int32_t count, int32_t accepted) {
+    for (int32_t round = 0; round < count; ++round) {
+      ASSERT_TRUE(mManaged->prepareDecodeStep(mContext, kSpeculative));
+      std::vector<int32_t> common;
+      for (std::size_t row = 0; row < mPrompts.size(); ++row) {
+        int32_t const executed = materialized(row) + accepted;
+        writeLength(row, executed);
+        for (int32_t k = 0; k < accepted; ++k) {
+          mContext.generatedTokenIds[row].push_back(sampled(row));
+        }
+        common.push_back(executed);
+      }
+      ASSERT_TRUE(mManaged->completeDecodeStep(mContext, common));
+    }
   }
 
   void decode(int32_t steps) {
@@ -182,12 +207,19 @@ class LoopEngine {
   int32_t sampled(std::size_t row) const {
     return 1000 + static_cast<int32_t>(mContext.generatedTokenIds[row].size());
   }
+  DecodingKvHeadroom headroom() const { return mSpeculative ? kSpeculative : kVanilla; }
+  /// The base's KV length of `row`, and the draft's on a speculative request.
   void writeLength(std::size_t row, int32_t length) {
     mRuntime.lengthPool().writeLengths(static_cast<int32_t>(row), std::span(&length, 1),
                                        mContext.stream);
+    if (mSpeculative) {
+      mRuntime.draftPool()->writeLengths(static_cast<int32_t>(row), std::span(&length, 1),
+                                         mContext.stream);
+    }
   }
 
   KVCacheRuntime& mRuntime;
+  bool mSpeculative;
   LLMGenerationRequest mRequest;
   DecodingInferenceContext mContext;
   std::vector<std::vector<int32_t>> mPrompts;
@@ -322,6 +354,35 @@ TEST_F(EngineLoopNoWaitTest, InFlightJoinAndRetract) {
   ASSERT_NO_FATAL_FAILURE(engine.decode(1));
   ASSERT_NO_FATAL_FAILURE(engine.finish());
   expectOtherStreamStillBusy();
+}
+
+TEST_F(EngineLoopNoWaitTest, SpeculativePairedReuse) {
+  KVCacheRuntimeConfig config = baseConfig(stream());
+  config.model.numFullAttentionLayers = 2;
+  config.contextReuse = true;
+  KVCacheSpeculativeConfig draft;
+  draft.numDraftLayers = 1;
+  draft.numDraftKVHeads = 2;
+  draft.draftHeadDim = 64;
+  config.speculative = draft;
+  auto runtime = KVCacheRuntime::create(config);
+  ASSERT_NE(runtime->draftPool(), nullptr);
+  LoopEngine producer(*runtime, stream(), /*speculative=*/true);
+  LoopEngine consumer(*runtime, stream(), /*speculative=*/true);
+  producer.add(tokenRun(1024, 10));
+  consumer.add(tokenRun(1100, 10));  // extends the producer's prompt: a paired hit
+  occupyOtherStream();
+  ASSERT_NO_FATAL_FAILURE(producer.begin());
+  ASSERT_NO_FATAL_FAILURE(producer.prefill());
+  ASSERT_NO_FATAL_FAILURE(producer.rounds(3, 3));
+  ASSERT_NO_FATAL_FAILURE(producer.finish());
+  ASSERT_NO_FATAL_FAILURE(consumer.begin());
+  EXPECT_GE(consumer.prefillStart(0), kPage) << "the paired prompt endpoint is reused";
+  ASSERT_NO_FATAL_FAILURE(consumer.prefill());
+  ASSERT_NO_FATAL_FAILURE(consumer.rounds(2, 2));
+  ASSERT_NO_FATAL_FAILURE(consumer.finish());
+  expectOtherStreamStillBusy();
+  EXPECT_GE(runtime->contextCache()->counters().specPairPublications, 1U);
 }
 
 TEST_F(EngineLoopNoWaitTest, HybridCheckpointCapture) {
