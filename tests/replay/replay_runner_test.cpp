@@ -14,7 +14,7 @@
 #include "json_object.h"
 #include "multi_turn_workload.h"
 #include "replay_report.h"
-#include "test_inputs.h"
+#include "support/test_inputs.h"
 #include "trace.h"
 
 namespace mkv::replay {

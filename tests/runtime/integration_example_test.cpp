@@ -17,8 +17,8 @@
 
 #include "mkv/error.h"
 #include "mkv/stream.h"
-#include "test_inputs.h"
-#include "test_util.h"
+#include "support/test_inputs.h"
+#include "support/test_util.h"
 
 namespace {
 
