@@ -7,6 +7,7 @@
 
 #include "core/check.h"
 #include "core/device.h"
+#include "mkv/context_cache/block_hash.h"
 #include "testing/oracle_bytes.h"
 
 namespace mkv::testing {
@@ -17,6 +18,13 @@ using oracle::mix64;
 constexpr uint64_t kChainRoot = 0x6A09E667F3BCC908ULL;
 
 }  // namespace
+
+uint64_t identitySeed(std::string_view loraWeightsName, std::string_view cacheSalt) noexcept {
+  using oracle::seedMix;
+  Hash128 const salt = digestIdentity(cacheSalt);
+  Hash128 const lora = digestIdentity(loraWeightsName);
+  return seedMix(salt.hi ^ seedMix(salt.lo ^ seedMix(lora.hi ^ seedMix(lora.lo))));
+}
 
 void PrefixDigests::extend(std::span<uint64_t const> positionKeys) {
   uint64_t previous = mDigests.empty() ? mix64(kChainRoot ^ mSeed) : mDigests.back();

@@ -31,6 +31,17 @@ MKV_ORACLE_FN uint64_t mix64(uint64_t x) {
   return x;
 }
 
+/// A second 64-bit finaliser, for seeds and sampling (the identity seed, the reference engine's
+/// tokens): independent of mix64, so a seed never equals a row word.
+MKV_ORACLE_FN uint64_t seedMix(uint64_t x) {
+  x ^= x >> 31;
+  x *= 0x7FB5D329728EA185ULL;
+  x ^= x >> 27;
+  x *= 0x81DADEF4BC2DD44DULL;
+  x ^= x >> 33;
+  return x;
+}
+
 /// Seed of the row (digest, layer, half).
 MKV_ORACLE_FN uint64_t rowSeed(uint64_t digest, int32_t layer, int32_t half) {
   return mix64(digest ^ (static_cast<uint64_t>(static_cast<uint32_t>(layer)) << 32) ^

@@ -47,7 +47,7 @@ void fillPool(OraclePoolGeometry& geometry, KVCachePool& pool, KVPageTable const
 }  // namespace
 
 OracleStepper::OracleStepper(KVCacheRuntime& runtime, bool recurrent)
-    : mRuntime(runtime), mDevice(runtime.config().deviceType), mDone(runtime.config().deviceType) {
+    : mDevice(runtime.config().deviceType), mDone(runtime.config().deviceType) {
   int32_t const rows = runtime.config().maxBatchSize;
   int64_t pitch = 0;
   KVCachePool* pools[2] = {runtime.fullPool(), runtime.swaPool()};

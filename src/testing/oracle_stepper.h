@@ -72,7 +72,6 @@ class OracleStepper {
   std::size_t pack();  // returns the plan bytes
   void requireCapacity(std::size_t used, std::size_t capacity, char const* what) const;
 
-  KVCacheRuntime& mRuntime;
   DeviceType mDevice;
   OracleGeometry mGeometry{};
   Tensor mGeometryDevice;  // kGPU: a copy of mGeometry
@@ -116,7 +115,7 @@ class StreamMarks {
 
  private:
   bool mEnabled = false;
-  void* mEvents[kMarks] = {};
+  [[maybe_unused]] void* mEvents[kMarks] = {};  // cudaEvent_t, CUDA builds only
 };
 
 }  // namespace mkv::testing::oracle

@@ -10,19 +10,13 @@
 #include "mkv/context_cache/block_hash.h"
 #include "mkv/context_cache/context_cache_request.h"
 #include "mkv/managed_kv_cache_request.h"
+#include "testing/oracle_bytes.h"
 #include "testing/oracle_stepper.h"
 
 namespace mkv::testing {
 namespace {
 
-uint64_t mix(uint64_t x) noexcept {
-  x ^= x >> 31;
-  x *= 0x7FB5D329728EA185ULL;
-  x ^= x >> 27;
-  x *= 0x81DADEF4BC2DD44DULL;
-  x ^= x >> 33;
-  return x;
-}
+uint64_t mix(uint64_t x) noexcept { return oracle::seedMix(x); }
 
 int64_t nanosSince(std::chrono::steady_clock::time_point start) {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() -
@@ -80,9 +74,7 @@ int32_t ReferenceEngine::sampleToken(uint64_t prefixDigest) const {
 }
 
 uint64_t ReferenceEngine::identitySeed(EngineRequest const& request) const {
-  Hash128 const salt = digestIdentity(request.cacheSalt);
-  Hash128 const lora = digestIdentity(request.loraWeightsName);
-  return mix(salt.hi ^ mix(salt.lo ^ mix(lora.hi ^ mix(lora.lo))));
+  return testing::identitySeed(request.loraWeightsName, request.cacheSalt);
 }
 
 std::vector<uint64_t> ReferenceEngine::positionKeys(EngineSequence const& sequence,

@@ -12,7 +12,7 @@
 namespace mkv {
 namespace {
 
-using test::iotaTokens;
+using test::tokenRun;
 using test::viewOf;
 
 constexpr int32_t kPage = 4;
@@ -27,15 +27,15 @@ std::vector<MediaPosition> imageAt(std::size_t tokens, std::size_t begin, std::s
 }
 
 TEST(BlockHashTest, EqualInputsProduceEqualDigests) {
-  std::vector<int32_t> const a = iotaTokens(13);
-  std::vector<int32_t> const b = iotaTokens(13);
+  std::vector<int32_t> const a = tokenRun(13, 0);
+  std::vector<int32_t> const b = tokenRun(13, 0);
   BlockKeyExtras const extras{digestIdentity("lora-a"), digestIdentity("tenant-1")};
   EXPECT_EQ(hashFullBlocks(viewOf(a, extras), kPage), hashFullBlocks(viewOf(b, extras), kPage));
   EXPECT_EQ(hashFullBlocks(viewOf(a), kPage).size(), 3U);
 }
 
 TEST(BlockHashTest, EveryKeyInputChangesTheBlockDigest) {
-  std::vector<int32_t> const tokens = iotaTokens(kPage, 100);
+  std::vector<int32_t> const tokens = tokenRun(kPage, 100);
   Hash128 const parent{1, 2};
   BlockKeyExtras const extras{Hash128{3, 4}, Hash128{5, 6}};
   std::vector<MediaPosition> const media = imageAt(kPage, 1, 2, Hash128{7, 8});
@@ -63,7 +63,7 @@ TEST(BlockHashTest, EveryKeyInputChangesTheBlockDigest) {
 }
 
 TEST(BlockHashTest, SaltEntersTheFirstBlockAndPropagatesThroughTheChain) {
-  std::vector<int32_t> const tokens = iotaTokens(3 * kPage);
+  std::vector<int32_t> const tokens = tokenRun(3 * kPage, 0);
   BlockKeyExtras const tenantA{{}, digestIdentity("a")};
   BlockKeyExtras const tenantB{{}, digestIdentity("b")};
   // Only the first block hashes the salt itself...
@@ -78,7 +78,7 @@ TEST(BlockHashTest, SaltEntersTheFirstBlockAndPropagatesThroughTheChain) {
 }
 
 TEST(BlockHashTest, ExtrasDigestIsZeroExactlyForBlocksKeyedByTokensAlone) {
-  std::vector<int32_t> const tokens = iotaTokens(3 * kPage);
+  std::vector<int32_t> const tokens = tokenRun(3 * kPage, 0);
   PromptBlocks const plain = hashPromptBlocks(viewOf(tokens), kPage);
   for (int32_t b = 0; b < 3; ++b) {
     EXPECT_TRUE(plain.extrasDigest(b).isZero()) << b;
@@ -101,7 +101,7 @@ TEST(BlockHashTest, ExtrasDigestIsZeroExactlyForBlocksKeyedByTokensAlone) {
 }
 
 TEST(BlockHashTest, ChainedKeysNameTheWholePrefix) {
-  std::vector<int32_t> const a = iotaTokens(2 * kPage);
+  std::vector<int32_t> const a = tokenRun(2 * kPage, 0);
   std::vector<int32_t> b = a;
   b[0] = 999;  // differs only in block 0
   std::vector<Hash128> const ka = hashFullBlocks(viewOf(a), kPage);
@@ -113,10 +113,10 @@ TEST(BlockHashTest, ChainedKeysNameTheWholePrefix) {
 }
 
 TEST(BlockHashTest, PartialTailIsExcluded) {
-  std::vector<int32_t> const aligned = iotaTokens(2 * kPage);
-  std::vector<int32_t> const withTail = test::concat(aligned, {77, 78, 79});
+  std::vector<int32_t> const aligned = tokenRun(2 * kPage, 0);
+  std::vector<int32_t> const withTail = test::concatenated(aligned, {77, 78, 79});
   EXPECT_EQ(hashFullBlocks(viewOf(aligned), kPage), hashFullBlocks(viewOf(withTail), kPage));
-  EXPECT_TRUE(hashFullBlocks(viewOf(iotaTokens(kPage - 1)), kPage).empty());
+  EXPECT_TRUE(hashFullBlocks(viewOf(tokenRun(kPage - 1, 0)), kPage).empty());
 }
 
 TEST(BlockHashTest, SameImageAtAnotherPositionDiffers) {
@@ -150,7 +150,7 @@ TEST(BlockHashTest, MultiImageOrderMatters) {
 }
 
 TEST(BlockHashTest, AllZeroMediaIsTextOnly) {
-  std::vector<int32_t> const tokens = iotaTokens(3 * kPage);
+  std::vector<int32_t> const tokens = tokenRun(3 * kPage, 0);
   std::vector<MediaPosition> const none(tokens.size());
   EXPECT_EQ(hashFullBlocks(viewOf(tokens, {}, &none), kPage),
             hashFullBlocks(viewOf(tokens), kPage));
@@ -161,7 +161,7 @@ TEST(BlockHashTest, AllZeroMediaIsTextOnly) {
 }
 
 TEST(BlockHashTest, PromptBlocksCarryKeysContentKeysAndMedia) {
-  std::vector<int32_t> const tokens = iotaTokens(3 * kPage + 2);
+  std::vector<int32_t> const tokens = tokenRun(3 * kPage + 2, 0);
   std::vector<MediaPosition> const media = imageAt(tokens.size(), kPage + 1, 2, Hash128{5, 5});
   BlockKeyExtras const extras{digestIdentity("lora"), digestIdentity("salt")};
   PromptBlocks const blocks = hashPromptBlocks(viewOf(tokens, extras, &media), kPage);
@@ -192,7 +192,7 @@ TEST(BlockHashTest, PromptBlocksCarryKeysContentKeysAndMedia) {
 }
 
 TEST(BlockHashTest, ContentKeysAreComputedOnDemandAndDoNotDependOnTheOrderAsked) {
-  std::vector<int32_t> const tokens = iotaTokens(5 * kPage + 3);
+  std::vector<int32_t> const tokens = tokenRun(5 * kPage + 3, 0);
   PromptBlocks const lazy = hashPromptBlocks(viewOf(tokens), kPage);
   EXPECT_EQ(lazy.contentKeysComputed(), 0);
   Hash128 const third = lazy.contentKey(2);
@@ -217,7 +217,7 @@ TEST(BlockHashTest, ContentKeysAreComputedOnDemandAndDoNotDependOnTheOrderAsked)
 }
 
 TEST(BlockHashTest, ExactPrefixDigestRules) {
-  std::vector<int32_t> const tokens = iotaTokens(3 * kPage + 1);
+  std::vector<int32_t> const tokens = tokenRun(3 * kPage + 1, 0);
   BlockKeyExtras const extras{{}, digestIdentity("s")};
   PromptView const view = viewOf(tokens, extras);
   PromptBlocks const blocks = hashPromptBlocks(view, kPage);
@@ -238,7 +238,7 @@ TEST(BlockHashTest, ExactPrefixDigestRules) {
 }
 
 TEST(BlockHashTest, RejectsMalformedInput) {
-  std::vector<int32_t> const tokens = iotaTokens(8);
+  std::vector<int32_t> const tokens = tokenRun(8, 0);
   std::vector<MediaPosition> const shortMedia(3);
   EXPECT_THROW(hashFullBlocks(viewOf(tokens), 0), Error);
   EXPECT_THROW(hashPromptBlocks(viewOf(tokens, {}, &shortMedia), kPage), Error);
@@ -286,7 +286,7 @@ TEST(BlockHashTest, ImageAndAudioDigests) {
 TEST(BlockHashTest, DigestFormatIsStable) {
   // Pins the key format: routers and persisted event streams rely on digests not changing
   // between versions. Update deliberately (and say so in the changelog) if the format changes.
-  std::vector<int32_t> const tokens = iotaTokens(8);
+  std::vector<int32_t> const tokens = tokenRun(8, 0);
   std::vector<Hash128> const keys = hashFullBlocks(viewOf(tokens), kPage);
   EXPECT_EQ(toString(keys[0]), "22cbbe7aaff448a610bfcf947480ae62");
   EXPECT_EQ(toString(keys[1]), "f4ecc1a348eca18445c71339db7f3d78");

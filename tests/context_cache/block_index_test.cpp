@@ -8,7 +8,7 @@
 namespace mkv {
 namespace {
 
-using test::iotaTokens;
+using test::tokenRun;
 using test::viewOf;
 
 constexpr int32_t kPage = 4;
@@ -16,8 +16,8 @@ constexpr int32_t kPage = 4;
 class BlockIndexTest : public ::testing::Test {
  protected:
   BlockIndex mIndex{8, kPage, /*verifyTokens=*/true, /*evictedHistory=*/8};
-  std::vector<int32_t> mTokensA = iotaTokens(3 * kPage);
-  std::vector<int32_t> mTokensB = iotaTokens(3 * kPage, 500);
+  std::vector<int32_t> mTokensA = tokenRun(3 * kPage, 0);
+  std::vector<int32_t> mTokensB = tokenRun(3 * kPage, 500);
   PromptBlocks mA = hashPromptBlocks(viewOf(mTokensA), kPage);
   PromptBlocks mB = hashPromptBlocks(viewOf(mTokensB), kPage);
 

@@ -12,7 +12,7 @@ namespace mkv {
 namespace {
 
 using test::admit;
-using test::iotaTokens;
+using test::tokenRun;
 using test::requestOf;
 
 constexpr int32_t kPage = 4;
@@ -38,13 +38,13 @@ TEST(CacheRequestLeaseTest, DefaultLeaseIsInvalidAndEmpty) {
 
 TEST(CacheRequestLeaseTest, MoveAndReleaseAreSafeAndIdempotent) {
   ContextCacheManager m(kPage, {4, 0, 0, 0}, 8);
-  CacheRequestLease a = admit(m, requestOf(iotaTokens(5)));
+  CacheRequestLease a = admit(m, requestOf(tokenRun(5, 0)));
   std::vector<PageId> const pages = pagesOf(a);
   CacheRequestLease b = std::move(a);
   EXPECT_FALSE(a.valid());  // NOLINT(bugprone-use-after-move): the moved-from state is defined
   EXPECT_TRUE(a.basePages().empty());
   EXPECT_EQ(pagesOf(b), pages);
-  CacheRequestLease c = admit(m, requestOf(iotaTokens(3)));
+  CacheRequestLease c = admit(m, requestOf(tokenRun(3, 0)));
   c = std::move(b);  // releases c's page first
   EXPECT_EQ(m.pools().freeCount(ResourceType::kBaseKvPage), 2);
   c.release();
@@ -54,7 +54,7 @@ TEST(CacheRequestLeaseTest, MoveAndReleaseAreSafeAndIdempotent) {
   EXPECT_EQ(m.liveLeaseCount(), 0);
   EXPECT_THROW(m.growBasePages(c, 1), Error) << "released lease";
   ContextCacheManager other(kPage, {4, 0, 0, 0}, 8);
-  CacheRequestLease foreign = admit(other, requestOf(iotaTokens(5)));
+  CacheRequestLease foreign = admit(other, requestOf(tokenRun(5, 0)));
   EXPECT_THROW(m.growBasePages(foreign, 1), Error) << "lease of another manager";
 }
 

@@ -9,7 +9,7 @@
 
 #include "context_cache_test_support.h"
 #include "coordinator_test_rig.h"
-#include "prometheus_text_parser.h"
+#include "support/prometheus_text_parser.h"
 
 namespace mkv::test {
 namespace {
@@ -51,7 +51,7 @@ TEST_P(ContextCacheCoordinatorTest, PublishesColdPrefixAndReusesLongestFullBlock
   EXPECT_EQ(records[0].key.fullBlockCount, 1);
   EXPECT_EQ(records[0].logicalBlockDigests, keysOf(prompt));
 
-  Seq warm(joined(prompt, {7}), 1);
+  Seq warm(concatenated(prompt, {7}), 1);
   Handle second = rig.admit({&warm}, &starts);
   EXPECT_EQ(starts, std::vector<int32_t>{128});
   ASSERT_EQ(rig.coordinator.basePages(second, 0).size(), 2u);  // 130 + 1 headroom
@@ -186,7 +186,7 @@ TEST_P(ContextCacheCoordinatorTest, LongestPrefixStopsAtTheFirstMissingBlock) {
   ASSERT_FALSE(rig.manager().index().find(real[1]).has_value());
   ASSERT_TRUE(rig.manager().index().find(real[2]).has_value()) << "block 2 is indexed";
 
-  Seq seq(joined(prompt, {1}), 0);
+  Seq seq(concatenated(prompt, {1}), 0);
   std::vector<int32_t> starts;
   Handle handle = rig.admit({&seq}, &starts);
   EXPECT_EQ(starts, std::vector<int32_t>{128});
@@ -201,12 +201,12 @@ TEST_P(ContextCacheCoordinatorTest, EvictsLruUnderPressureKeepingSharedAncestors
   options.eventQueueCapacity = 64;
   CoordinatorRig rig(device(), options);
   std::vector<int32_t> const s = tokenRun(128, 1000);
-  std::vector<int32_t> const a = joined(joined(s, tokenRun(128, 2000)), {1});
-  std::vector<int32_t> const b = joined(joined(s, tokenRun(128, 3000)), {1});
+  std::vector<int32_t> const a = concatenated(concatenated(s, tokenRun(128, 2000)), {1});
+  std::vector<int32_t> const b = concatenated(concatenated(s, tokenRun(128, 3000)), {1});
   std::vector<int32_t> const c = tokenRun(128, 4000);
   publish(rig, a);               // R_A = [S, A]
   publish(rig, b);               // R_B = [S, B], shares S
-  publish(rig, joined(c, {1}));  // R_C = [C]
+  publish(rig, concatenated(c, {1}));  // R_C = [C]
   publish(rig, a);               // duplicate: R_A becomes MRU; LRU order is now B, C, A
   ASSERT_EQ(rig.freePages(), 4);
   auto recordOf = [&](std::vector<int32_t> const& tokens, int32_t blocks) -> RecordId {
@@ -224,7 +224,7 @@ TEST_P(ContextCacheCoordinatorTest, EvictsLruUnderPressureKeepingSharedAncestors
   (void)rig.coordinator.drainEvents();
 
   // A live request pins C (reused) and keeps executing while others are admitted.
-  Seq live(joined(c, tokenRun(172, 5000)), 0);
+  Seq live(concatenated(c, tokenRun(172, 5000)), 0);
   std::vector<int32_t> starts;
   Handle liveHandle = rig.admit({&live}, &starts);
   ASSERT_EQ(starts, std::vector<int32_t>{128});
@@ -259,7 +259,7 @@ TEST_P(ContextCacheCoordinatorTest, EvictsLruUnderPressureKeepingSharedAncestors
     EXPECT_EQ(removedPages(), std::vector<PageId>{pageB});
     EXPECT_EQ(rig.cacheRefs(pageS), 1) << "shared ancestor kept by R_A";
     LookupRequest lookup;
-    std::vector<int32_t> const reader = joined(a, {5});
+    std::vector<int32_t> const reader = concatenated(a, {5});
     lookup.prompt = PromptView{reader, {}, {}};
     lookup.baseExtraTokens = 1;
     EXPECT_EQ(rig.manager().lookup(lookup).plan.reuseTokenLength, 256);
@@ -400,7 +400,7 @@ TEST_P(ContextCacheCoordinatorTest, DuplicatePublicationKeepsTheFirstProducer) {
   ASSERT_EQ(rig.coordinator.finish(handle), kOk);
   EXPECT_EQ(rig.freePages(), rig.options.numPages - 1);
 
-  Seq reader(joined(prompt, {3}), 2);
+  Seq reader(concatenated(prompt, {3}), 2);
   Handle readerHandle = rig.admit({&reader});
   EXPECT_EQ(rig.coordinator.basePages(readerHandle, 0)[0], firstProducer);
   ASSERT_EQ(rig.prefill(readerHandle, {&reader}), kOk);
@@ -422,7 +422,8 @@ TEST_P(ContextCacheCoordinatorTest, DecodePublicationIncludesTheGeneratedPageBou
   EXPECT_EQ(rig.coordinator.counters().decodePublications, 1u);
   ASSERT_EQ(rig.coordinator.finish(handle), kOk);
 
-  Seq reader(joined(std::vector<int32_t>(seq.tokens.begin(), seq.tokens.begin() + 256), {42}), 1);
+  Seq reader(concatenated(std::vector<int32_t>(seq.tokens.begin(), seq.tokens.begin() + 256), {42}),
+             1);
   std::vector<int32_t> starts;
   Handle readerHandle = rig.admit({&reader}, &starts);
   EXPECT_EQ(starts, std::vector<int32_t>{256});
@@ -457,8 +458,8 @@ TEST_P(ContextCacheCoordinatorTest, BatchAppliesTheLookupPolicyPerSequence) {
   std::vector<int32_t> const prompt = tokenRun(129, 100);
   publish(rig, prompt);
   ContextCacheMetrics const before = rig.coordinator.metrics();
-  Seq bypassed(joined(prompt, {1}), 0);
-  Seq cached(joined(prompt, {2}), 1);
+  Seq bypassed(concatenated(prompt, {1}), 0);
+  Seq cached(concatenated(prompt, {2}), 1);
   ContextCacheBatchAdmission batch = rig.batchOf({&bypassed, &cached});
   batch.sequences[0].lookupPolicy = ContextCacheLookupPolicy::kBypass;
   auto begun = rig.begin(batch);
@@ -489,7 +490,7 @@ TEST_P(ContextCacheCoordinatorTest, BypassUsesManagedPagesAndPublishesNothing) {
   EXPECT_EQ(rig.coordinator.metrics().publishedRecords, 0u);
   EXPECT_EQ(rig.coordinator.metrics().indexedBlocks, 0);
   ASSERT_EQ(rig.coordinator.finish(handle), kOk);
-  Seq reader(joined(prompt, {1, 2}), 0);
+  Seq reader(concatenated(prompt, {1, 2}), 0);
   std::vector<int32_t> starts;
   Handle readerHandle = rig.admit({&reader}, &starts);
   EXPECT_EQ(starts, std::vector<int32_t>{0});
@@ -588,7 +589,7 @@ TEST_P(ContextCacheCoordinatorTest, EveryFailedSynchronisationPoisonsAndShutdown
       Handle handle = rig.admit({&a, &b});
       ASSERT_EQ(rig.prefill(handle, {&a, &b}), kOk);
       Tensor mapping({3}, DataType::kInt32, device());
-      rig.sync->failures = 1;
+      rig.sync.failNext();
       if (point == FailingSync::kAbandonment) {
         ASSERT_EQ(rig.coordinator.prepareDecodeStep(handle, kVanilla), kOk);  // work pending
       } else if (point == FailingSync::kFinish) {
@@ -604,7 +605,7 @@ TEST_P(ContextCacheCoordinatorTest, EveryFailedSynchronisationPoisonsAndShutdown
         EXPECT_EQ(handle.id(), 0u) << "an invalidated handle keeps no request id";
       }
     }  // abandonment (or nothing left to abandon)
-    EXPECT_EQ(rig.sync->failures, 0) << "the injected failure was consumed";
+    EXPECT_EQ(rig.sync.pendingFailures(), 0) << "the injected failure was consumed";
     EXPECT_TRUE(rig.coordinator.poisoned());
     EXPECT_EQ(rig.coordinator.quarantinedRequestCount(), 1);
     EXPECT_EQ(rig.coordinator.activeRequestCount(), 0);
@@ -633,15 +634,15 @@ TEST_P(ContextCacheCoordinatorTest, ShutdownDrainsEveryQuarantinedRequest) {
     Handle first = rig.admit({&a});
     Handle second = rig.admit({&b});
     rig.coordinator.preparePrefill(first);
-    rig.sync->failures = 1;
+    rig.sync.failNext();
     first = Handle{};  // abandoned with pending work: the sync fails
     EXPECT_EQ(rig.coordinator.quarantinedRequestCount(), 1);
     rig.coordinator.preparePrefill(second);
-    rig.sync->failures = 1;
+    rig.sync.failNext();
   }  // second abandoned, its sync fails too
   EXPECT_EQ(rig.coordinator.quarantinedRequestCount(), 2);
   EXPECT_EQ(rig.freePages(), rig.options.numPages - 5);
-  rig.sync->failures = 1;
+  rig.sync.failNext();
   EXPECT_EQ(rig.coordinator.shutdown(), ContextCacheStatus::kPoisoned) << "a failed drain";
   EXPECT_EQ(rig.coordinator.quarantinedRequestCount(), 2);
   EXPECT_EQ(rig.coordinator.shutdown(), kOk);
@@ -691,7 +692,7 @@ TEST_P(ContextCacheCoordinatorTest, MetricsAndPrometheusIncludeTheCoordinatorCou
   CoordinatorRig rig(device());
   std::vector<int32_t> const prompt = tokenRun(129, 100);
   publish(rig, prompt);  // cold producer
-  Seq reader(joined(prompt, {1}), 0);
+  Seq reader(concatenated(prompt, {1}), 0);
   Seq bypassed(tokenRun(100, 5), 1);
   ContextCacheBatchAdmission batch = rig.batchOf({&reader, &bypassed});
   batch.sequences[1].lookupPolicy = ContextCacheLookupPolicy::kBypass;

@@ -124,7 +124,7 @@ TEST_P(ContextCacheManagerPropertyTest, RandomOperationsKeepInvariantsAndMatchTh
   // alphabet; a fifth of them carry another salt.
   std::vector<std::vector<int32_t>> systems;
   for (int32_t s = 0; s < 4; ++s) {
-    systems.push_back(test::iotaTokens(uniform(0, 12), 1000 * (s + 1)));
+    systems.push_back(test::tokenRun(uniform(0, 12), 1000 * (s + 1)));
   }
   Hash128 const salts[2] = {Hash128{}, digestIdentity("tenant")};
   auto const randomPrompt = [&]() {

@@ -44,9 +44,9 @@ namespace {
 
 using test::admit;
 using test::captureState;
-using test::concat;
+using test::concatenated;
 using test::expectManagerInvariants;
-using test::iotaTokens;
+using test::tokenRun;
 using test::publishCold;
 using test::requestOf;
 using test::viewOf;
@@ -110,9 +110,9 @@ TEST_F(ContextCacheManagerRollbackTest, NewRecordPublicationRollsBackEveryStep) 
   ContextCacheManagerOptions options;
   options.eventQueueCapacity = 8;
   ContextCacheManager m(kPage, {8, 0, 0, 0}, 8, options);
-  std::vector<int32_t> const a = iotaTokens(8);
+  std::vector<int32_t> const a = tokenRun(8, 0);
   publishCold(m, a);
-  std::vector<int32_t> const longer = concat(a, iotaTokens(8, 50));
+  std::vector<int32_t> const longer = concatenated(a, tokenRun(8, 50));
   CacheRequestLease lease = admit(m, requestOf(longer));
   PromptBlocks const blocks = hashPromptBlocks(viewOf(longer), kPage);
   (void)m.drainEvents();
@@ -141,7 +141,7 @@ TEST_F(ContextCacheManagerRollbackTest, SpecUpgradeAndSpecRecordRollBack) {
   ContextCacheManagerOptions options;
   options.specContract = SpecReuseContract{true, 1};
   ContextCacheManager m(kPage, {16, 16, 0, 0}, 8, options);
-  std::vector<int32_t> const a = iotaTokens(8);
+  std::vector<int32_t> const a = tokenRun(8, 0);
   publishCold(m, a);  // base-only record
   CacheRequestLease spec =
       admit(m, requestOf(a, ReuseMode::kSpec, ContextCacheLookupPolicy::kBypass));
@@ -150,7 +150,7 @@ TEST_F(ContextCacheManagerRollbackTest, SpecUpgradeAndSpecRecordRollBack) {
   EXPECT_GT(failEveryAllocation(m, [&] { upgraded = m.publish(spec, blocks, 8); }), 0);
   EXPECT_EQ(upgraded.status, PublishStatus::kSpecStateAttached);
 
-  std::vector<int32_t> const b = iotaTokens(12, 70);
+  std::vector<int32_t> const b = tokenRun(12, 70);
   CacheRequestLease fresh = admit(m, requestOf(b, ReuseMode::kSpec));
   PromptBlocks const freshBlocks = hashPromptBlocks(viewOf(b), kPage);
   PublishResult paired;
@@ -161,7 +161,7 @@ TEST_F(ContextCacheManagerRollbackTest, SpecUpgradeAndSpecRecordRollBack) {
 
 TEST_F(ContextCacheManagerRollbackTest, HybridCheckpointPublicationRollsBack) {
   ContextCacheManager m(kPage, {8, 0, 2, 2}, 8);
-  std::vector<int32_t> const a = iotaTokens(9);
+  std::vector<int32_t> const a = tokenRun(9, 0);
   CacheRequestLease lease = admit(m, requestOf(a, ReuseMode::kHybrid));
   std::optional<SnapshotReservation> const r = m.reserveHybridSnapshots(lease, true);
   ASSERT_TRUE(r);
@@ -174,12 +174,12 @@ TEST_F(ContextCacheManagerRollbackTest, HybridCheckpointPublicationRollsBack) {
 
 TEST_F(ContextCacheManagerRollbackTest, AcquireWithEvictionAndGrowthRollBack) {
   ContextCacheManager m(kPage, {6, 0, 0, 0}, 8);
-  std::vector<int32_t> const a = iotaTokens(8);
+  std::vector<int32_t> const a = tokenRun(8, 0);
   publishCold(m, a);
-  publishCold(m, iotaTokens(8, 40));
-  publishCold(m, iotaTokens(8, 80));  // pool full of cached pages
+  publishCold(m, tokenRun(8, 40));
+  publishCold(m, tokenRun(8, 80));  // pool full of cached pages
   std::optional<CacheRequestLease> lease;
-  std::vector<int32_t> const prompt = concat(a, iotaTokens(6, 300));
+  std::vector<int32_t> const prompt = concatenated(a, tokenRun(6, 300));
   EXPECT_GT(failEveryAllocation(m,
                                 [&] {
                                   AdmissionResult admitted =

@@ -10,9 +10,9 @@ namespace {
 
 using test::admit;
 using test::captureState;
-using test::concat;
+using test::concatenated;
 using test::expectManagerInvariants;
-using test::iotaTokens;
+using test::tokenRun;
 using test::publishCheckpointOf;
 using test::publishCold;
 using test::publishTokens;
@@ -48,12 +48,12 @@ std::vector<RecordId> lruIds(ContextCacheManager const& m) {
 
 TEST(ContextCacheManagerTest, AcquirePinsHitsBeforeEvictionAndAllocatesPrivatePages) {
   ContextCacheManager m(kPage, {3, 0, 0, 0}, 8);
-  std::vector<int32_t> const a = iotaTokens(8);
+  std::vector<int32_t> const a = tokenRun(8, 0);
   RecordId const ra = publishCold(m, a);  // pages 0, 1
-  publishCold(m, iotaTokens(4, 100));     // page 2
+  publishCold(m, tokenRun(4, 100));     // page 2
   ASSERT_EQ(m.pools().freeCount(ResourceType::kBaseKvPage), 0);
 
-  AdmissionResult admitted = m.acquireWithFallback(requestOf(concat(a, {1, 2})));
+  AdmissionResult admitted = m.acquireWithFallback(requestOf(concatenated(a, {1, 2})));
   ASSERT_TRUE(admitted.lease);
   EXPECT_EQ(admitted.outcome, AdmissionOutcome::kAcquired);
   EXPECT_EQ(admitted.plan.reuseTokenLength, 8);
@@ -69,7 +69,7 @@ TEST(ContextCacheManagerTest, AcquirePinsHitsBeforeEvictionAndAllocatesPrivatePa
 
 TEST(ContextCacheManagerTest, BypassAcquireBuildsAForcedColdPlan) {
   ContextCacheManager m(kPage, {8, 0, 0, 0}, 8);
-  std::vector<int32_t> const a = iotaTokens(8);
+  std::vector<int32_t> const a = tokenRun(8, 0);
   publishCold(m, a);
   AdmissionResult bypass =
       m.acquireWithFallback(requestOf(a, ReuseMode::kVanilla, ContextCacheLookupPolicy::kBypass));
@@ -86,12 +86,12 @@ TEST(ContextCacheManagerTest, BypassAcquireBuildsAForcedColdPlan) {
 
 TEST(ContextCacheManagerTest, InfeasibleAcquireRollsBackPinsWithoutEviction) {
   ContextCacheManager m(kPage, {4, 0, 0, 0}, 8);
-  std::vector<int32_t> const a = iotaTokens(8);
+  std::vector<int32_t> const a = tokenRun(8, 0);
   publishCold(m, a);
-  CacheRequestLease holder = admit(m, requestOf(iotaTokens(8, 50)));  // pages 2, 3 held
+  CacheRequestLease holder = admit(m, requestOf(tokenRun(8, 50)));  // pages 2, 3 held
   test::ManagerState const before = captureState(m);
   ContextCacheMetrics const metricsBefore = m.metrics();
-  LookupResult const looked = m.lookup(requestOf(concat(a, iotaTokens(8, 200))));
+  LookupResult const looked = m.lookup(requestOf(concatenated(a, tokenRun(8, 200))));
   ASSERT_EQ(looked.plan.demand.baseKvPages, 2);
   AcquireResult const refused = m.acquire(looked.plan);
   EXPECT_FALSE(refused.lease.has_value());
@@ -104,9 +104,9 @@ TEST(ContextCacheManagerTest, InfeasibleAcquireRollsBackPinsWithoutEviction) {
 
 TEST(ContextCacheManagerTest, CapacityFailureOfACacheDerivedPlanRetriesColdOnce) {
   ContextCacheManager m(kPage, {4, 0, 0, 0}, 8);
-  std::vector<int32_t> const a = iotaTokens(12);
+  std::vector<int32_t> const a = tokenRun(12, 0);
   publishCold(m, a);  // pages 0..2, page 3 free
-  std::vector<int32_t> const tokens = concat(a, iotaTokens(2, 300));
+  std::vector<int32_t> const tokens = concatenated(a, tokenRun(2, 300));
   LookupRequest request = requestOf(tokens);
   request.baseExtraTokens = 3;  // 17 tokens -> 5 pages: 3 bound + 2 private > 4
   AdmissionResult const refused = m.acquireWithFallback(request);
@@ -122,7 +122,7 @@ TEST(ContextCacheManagerTest, CapacityFailureOfACacheDerivedPlanRetriesColdOnce)
   EXPECT_EQ(m.records().size(), 1U);
 
   // A cold plan that fails is not retried.
-  AdmissionResult const cold = m.acquireWithFallback(requestOf(iotaTokens(20, 700)));
+  AdmissionResult const cold = m.acquireWithFallback(requestOf(tokenRun(20, 700)));
   EXPECT_EQ(cold.outcome, AdmissionOutcome::kInsufficientCapacity);
   metrics = m.metrics();
   EXPECT_EQ(metrics.forcedColdRetries, 1U);
@@ -133,10 +133,10 @@ TEST(ContextCacheManagerTest, CapacityFailureOfACacheDerivedPlanRetriesColdOnce)
 
 TEST(ContextCacheManagerTest, LeaseDestructorReleasesEveryUnpublishedResource) {
   ContextCacheManager m(kPage, {6, 6, 2, 2}, 8);
-  std::vector<int32_t> const a = iotaTokens(9);
+  std::vector<int32_t> const a = tokenRun(9, 0);
   publishCheckpointOf(m, a, 6);  // hybrid record: 1 page, recurrent + partial
   {
-    std::vector<int32_t> const tokens = concat(a, {5});
+    std::vector<int32_t> const tokens = concatenated(a, {5});
     LookupRequest const request = requestOf(tokens, ReuseMode::kHybrid);
     CacheRequestLease lease = admit(m, request);
     ASSERT_TRUE(lease.recurrentSnapshotSlot().has_value());
@@ -155,18 +155,18 @@ TEST(ContextCacheManagerDeathTest, DestroyingTheManagerWithLiveLeasesTerminates)
       {
         std::optional<CacheRequestLease> lease;
         ContextCacheManager m(kPage, {4, 0, 0, 0}, 8);
-        lease = admit(m, requestOf(iotaTokens(5)));
+        lease = admit(m, requestOf(tokenRun(5, 0)));
       },
       "live leases");
 }
 
 TEST(ContextCacheManagerTest, StalePlansAreRejected) {
   ContextCacheManager m(kPage, {8, 0, 0, 0}, 1);
-  std::vector<int32_t> const a = iotaTokens(8);
+  std::vector<int32_t> const a = tokenRun(8, 0);
   publishCold(m, a);
-  LookupResult const looked = m.lookup(requestOf(concat(a, {1})));
+  LookupResult const looked = m.lookup(requestOf(concatenated(a, {1})));
   ASSERT_EQ(looked.plan.reuseTokenLength, 8);
-  publishCold(m, iotaTokens(4, 70));  // record limit 1 evicts a's record
+  publishCold(m, tokenRun(4, 70));  // record limit 1 evicts a's record
   test::ManagerState const before = captureState(m);
   EXPECT_THROW(m.acquire(looked.plan), Error);
   EXPECT_EQ(captureState(m), before);
@@ -177,14 +177,14 @@ TEST(ContextCacheManagerTest, RejectsMalformedRequests) {
   ContextCacheManager m(kPage, {8, 0, 0, 0}, 8);
   std::vector<int32_t> const empty;
   EXPECT_THROW(m.lookup(requestOf(empty)), Error);
-  EXPECT_THROW(m.lookup(requestOf(iotaTokens(4), ReuseMode::kSpec)), Error) << "no contract";
-  LookupRequest pure = requestOf(iotaTokens(4), ReuseMode::kVanilla);
+  EXPECT_THROW(m.lookup(requestOf(tokenRun(4, 0), ReuseMode::kSpec)), Error) << "no contract";
+  LookupRequest pure = requestOf(tokenRun(4, 0), ReuseMode::kVanilla);
   pure.hasAttention = false;
   EXPECT_THROW(m.lookup(pure), Error);
-  LookupRequest draftHeadroom = requestOf(iotaTokens(4));
+  LookupRequest draftHeadroom = requestOf(tokenRun(4, 0));
   draftHeadroom.draftExtraTokens = 2;
   EXPECT_THROW(m.lookup(draftHeadroom), Error);
-  LookupRequest negative = requestOf(iotaTokens(4));
+  LookupRequest negative = requestOf(tokenRun(4, 0));
   negative.baseExtraTokens = -1;
   EXPECT_THROW(m.acquireWithFallback(negative), Error);
   EXPECT_EQ(m.metrics().lookups, 0U);
@@ -198,7 +198,7 @@ TEST(ContextCacheManagerTest, RejectsMalformedRequests) {
 
 TEST(ContextCacheManagerTest, PublishAddsCacheRefsBeforeDroppingActivity) {
   ContextCacheManager m(kPage, {4, 0, 0, 0}, 8);
-  std::vector<int32_t> const a = iotaTokens(10);
+  std::vector<int32_t> const a = tokenRun(10, 0);
   CacheRequestLease lease = admit(m, requestOf(a));
   PublishResult const published = publishTokens(m, lease, a);
   EXPECT_EQ(published.status, PublishStatus::kPublished);
@@ -217,14 +217,15 @@ TEST(ContextCacheManagerTest, PublishAddsCacheRefsBeforeDroppingActivity) {
 
 TEST(ContextCacheManagerTest, PublicationProjectsCanonicalOverlapWithoutRebindingLease) {
   ContextCacheManager m(kPage, {8, 0, 0, 0}, 8);
-  std::vector<int32_t> const a = iotaTokens(8);
+  std::vector<int32_t> const a = tokenRun(8, 0);
   CacheRequestLease first =
       admit(m, requestOf(a, ReuseMode::kVanilla, ContextCacheLookupPolicy::kBypass));
-  CacheRequestLease second = admit(m, requestOf(concat(a, iotaTokens(4, 40)), ReuseMode::kVanilla,
-                                                ContextCacheLookupPolicy::kBypass));
+  CacheRequestLease second =
+      admit(m, requestOf(concatenated(a, tokenRun(4, 40)), ReuseMode::kVanilla,
+                         ContextCacheLookupPolicy::kBypass));
   publishTokens(m, first, a);
   std::vector<PageId> const secondPages = pagesOf(second);
-  PublishResult const projected = publishTokens(m, second, concat(a, iotaTokens(4, 40)));
+  PublishResult const projected = publishTokens(m, second, concatenated(a, tokenRun(4, 40)));
   EXPECT_EQ(projected.status, PublishStatus::kPublished);
   EXPECT_EQ(projected.canonicalBasePages,
             (std::vector<PageId>{pagesOf(first)[0], pagesOf(first)[1], secondPages[2]}))
@@ -239,7 +240,7 @@ TEST(ContextCacheManagerTest, PublicationProjectsCanonicalOverlapWithoutRebindin
 
 TEST(ContextCacheManagerTest, LaterPublicationUsesCanonicalPageChosenByEarlierProducer) {
   ContextCacheManager m(kPage, {8, 0, 0, 0}, 8);
-  std::vector<int32_t> const a = iotaTokens(4);
+  std::vector<int32_t> const a = tokenRun(4, 0);
   publishCold(m, a);
   PageId const canonical = *m.index().find(hashFullBlocks(viewOf(a), kPage)[0]);
   CacheRequestLease late =
@@ -253,9 +254,9 @@ TEST(ContextCacheManagerTest, LaterPublicationUsesCanonicalPageChosenByEarlierPr
 
 TEST(ContextCacheManagerTest, ExactDuplicatePublicationMovesExistingRecordToMru) {
   ContextCacheManager m(kPage, {8, 0, 0, 0}, 8);
-  std::vector<int32_t> const a = iotaTokens(4);
+  std::vector<int32_t> const a = tokenRun(4, 0);
   RecordId const ra = publishCold(m, a);
-  RecordId const rb = publishCold(m, iotaTokens(4, 10));
+  RecordId const rb = publishCold(m, tokenRun(4, 10));
   EXPECT_EQ(lruIds(m), (std::vector<RecordId>{ra, rb}));
   EXPECT_EQ(publishCold(m, a), ra);
   EXPECT_EQ(lruIds(m), (std::vector<RecordId>{rb, ra}));
@@ -265,7 +266,7 @@ TEST(ContextCacheManagerTest, ExactDuplicatePublicationMovesExistingRecordToMru)
 
 TEST(ContextCacheManagerTest, ExistingRecordPublicationDoesNotRebindActiveLease) {
   ContextCacheManager m(kPage, {8, 0, 0, 0}, 8);
-  std::vector<int32_t> const a = iotaTokens(8);
+  std::vector<int32_t> const a = tokenRun(8, 0);
   publishCold(m, a);
   CacheRequestLease lease =
       admit(m, requestOf(a, ReuseMode::kVanilla, ContextCacheLookupPolicy::kBypass));
@@ -280,8 +281,8 @@ TEST(ContextCacheManagerTest, ExistingRecordPublicationDoesNotRebindActiveLease)
 
 TEST(ContextCacheManagerTest, PublicationRejectsConflictingMappingWithoutChange) {
   ContextCacheManager m(kPage, {8, 0, 0, 0}, 8);
-  std::vector<int32_t> const a = iotaTokens(4);
-  std::vector<int32_t> const b = iotaTokens(4, 60);
+  std::vector<int32_t> const a = tokenRun(4, 0);
+  std::vector<int32_t> const b = tokenRun(4, 60);
   CacheRequestLease lease =
       admit(m, requestOf(a, ReuseMode::kVanilla, ContextCacheLookupPolicy::kBypass));
   publishTokens(m, lease, a);
@@ -294,31 +295,31 @@ TEST(ContextCacheManagerTest, PublicationRejectsConflictingMappingWithoutChange)
 
 TEST(ContextCacheManagerTest, PublicationMustAgreeWithTheReusedPrefix) {
   ContextCacheManager m(kPage, {8, 0, 0, 0}, 8);
-  std::vector<int32_t> const a = iotaTokens(8);
+  std::vector<int32_t> const a = tokenRun(8, 0);
   publishCold(m, a);
-  CacheRequestLease hit = admit(m, requestOf(concat(a, {1})));
+  CacheRequestLease hit = admit(m, requestOf(concatenated(a, {1})));
   ASSERT_EQ(hit.boundBasePageCount(), 2);
-  std::vector<int32_t> other = concat(a, {1});
+  std::vector<int32_t> other = concatenated(a, {1});
   other[0] = 77;
   EXPECT_THROW(publishTokens(m, hit, other), Error);
   EXPECT_THROW(publishTokens(m, hit, a, {}, 3), Error) << "resident length below one page";
-  std::vector<int32_t> const longer = concat(a, iotaTokens(8, 500));
+  std::vector<int32_t> const longer = concatenated(a, tokenRun(8, 500));
   EXPECT_THROW(publishTokens(m, hit, longer), Error) << "4 blocks but the lease holds 3 pages";
   EXPECT_EQ(publishTokens(m, hit, longer, {}, 12).publishedFullBlockCount, 3);
 }
 
 TEST(ContextCacheManagerTest, RecordLimitEvictsTheLruRecord) {
   ContextCacheManager m(kPage, {8, 0, 0, 0}, 2);
-  RecordId const r1 = publishCold(m, iotaTokens(4, 0));
-  RecordId const r2 = publishCold(m, iotaTokens(4, 10));
-  RecordId const r3 = publishCold(m, iotaTokens(4, 20));
+  RecordId const r1 = publishCold(m, tokenRun(4, 0));
+  RecordId const r2 = publishCold(m, tokenRun(4, 10));
+  RecordId const r3 = publishCold(m, tokenRun(4, 20));
   EXPECT_EQ(lruIds(m), (std::vector<RecordId>{r2, r3}));
   EXPECT_EQ(m.records().get(r1), nullptr);
   EXPECT_EQ(m.pools().freeCount(ResourceType::kBaseKvPage), 6);
   EXPECT_EQ(m.metrics().evictedRecords, 1U);
 
   ContextCacheManager none(kPage, {8, 0, 0, 0}, 0);
-  std::vector<int32_t> const a = iotaTokens(8);
+  std::vector<int32_t> const a = tokenRun(8, 0);
   CacheRequestLease lease = admit(none, requestOf(a));
   PublishResult const result = publishTokens(none, lease, a);
   EXPECT_EQ(result.status, PublishStatus::kPublished);
@@ -327,44 +328,44 @@ TEST(ContextCacheManagerTest, RecordLimitEvictsTheLruRecord) {
   EXPECT_EQ(none.index().size(), 0);
   lease.release();
   EXPECT_EQ(none.pools().freeCount(ResourceType::kBaseKvPage), 8);
-  EXPECT_EQ(none.lookup(requestOf(concat(a, {1}))).plan.reuseTokenLength, 0);
+  EXPECT_EQ(none.lookup(requestOf(concatenated(a, {1}))).plan.reuseTokenLength, 0);
 }
 
 TEST(ContextCacheManagerTest, EvictingOneBranchPreservesSharedAncestorPages) {
   ContextCacheManager m(kPage, {8, 0, 0, 0}, 1);  // the limit evicts the first branch
-  std::vector<int32_t> const trunk = iotaTokens(4);
-  RecordId const left = publishCold(m, concat(trunk, iotaTokens(4, 100)));
+  std::vector<int32_t> const trunk = tokenRun(4, 0);
+  RecordId const left = publishCold(m, concatenated(trunk, tokenRun(4, 100)));
   PageId const shared = m.records().get(left)->basePagePath[0];
-  CacheRequestLease hit = admit(m, requestOf(concat(trunk, iotaTokens(5, 200))));
+  CacheRequestLease hit = admit(m, requestOf(concatenated(trunk, tokenRun(5, 200))));
   EXPECT_EQ(pagesOf(hit)[0], shared);
-  publishTokens(m, hit, concat(trunk, iotaTokens(5, 200)));
+  publishTokens(m, hit, concatenated(trunk, tokenRun(5, 200)));
   hit.release();
   EXPECT_EQ(m.records().get(left), nullptr);
   EXPECT_EQ(m.pools().cacheRefs(basePage(shared)), 1) << "kept by the surviving branch";
-  EXPECT_EQ(m.lookup(requestOf(concat(trunk, {9}))).plan.reuseTokenLength, 4);
-  EXPECT_EQ(m.lookup(requestOf(concat(trunk, iotaTokens(5, 100)))).plan.reuseTokenLength, 4)
+  EXPECT_EQ(m.lookup(requestOf(concatenated(trunk, {9}))).plan.reuseTokenLength, 4);
+  EXPECT_EQ(m.lookup(requestOf(concatenated(trunk, tokenRun(5, 100)))).plan.reuseTokenLength, 4)
       << "the evicted branch's own block is gone";
   expectManagerInvariants(m);
 }
 
 TEST(ContextCacheManagerTest, BlockHitDoesNotTouchOwningRecordRecency) {
   ContextCacheManager m(kPage, {8, 0, 0, 0}, 8);
-  std::vector<int32_t> const a = iotaTokens(8);
+  std::vector<int32_t> const a = tokenRun(8, 0);
   RecordId const ra = publishCold(m, a);
-  RecordId const rb = publishCold(m, iotaTokens(4, 50));
-  CacheRequestLease hit = admit(m, requestOf(concat(a, {1})));
+  RecordId const rb = publishCold(m, tokenRun(4, 50));
+  CacheRequestLease hit = admit(m, requestOf(concatenated(a, {1})));
   EXPECT_EQ(hit.boundBasePageCount(), 2);
   EXPECT_EQ(lruIds(m), (std::vector<RecordId>{ra, rb}));
 }
 
 TEST(ContextCacheManagerTest, EvictionMetricsCountOnlyResourcesReturnedToFreeLists) {
   ContextCacheManager m(kPage, {4, 0, 0, 0}, 8);
-  std::vector<int32_t> const a = iotaTokens(8);
+  std::vector<int32_t> const a = tokenRun(8, 0);
   publishCold(m, a);                                            // pages 0, 1
-  CacheRequestLease pin = admit(m, requestOf(concat(a, {1})));  // pins 0, 1; takes page 2
-  publishCold(m, iotaTokens(4, 40));                            // page 3
+  CacheRequestLease pin = admit(m, requestOf(concatenated(a, {1})));  // pins 0, 1; takes page 2
+  publishCold(m, tokenRun(4, 40));                            // page 3
   // One more page: both records go (LRU prefix), but only page 3 returns (0, 1 are pinned).
-  AdmissionResult const big = m.acquireWithFallback(requestOf(iotaTokens(4, 80)));
+  AdmissionResult const big = m.acquireWithFallback(requestOf(tokenRun(4, 80)));
   ASSERT_TRUE(big.lease);
   ContextCacheMetrics const metrics = m.metrics();
   EXPECT_EQ(metrics.evictedRecords, 2U);
@@ -378,8 +379,8 @@ TEST(ContextCacheManagerTest, EvictionMetricsCountOnlyResourcesReturnedToFreeLis
 
 TEST(ContextCacheManagerTest, DynamicGrowthAtomicallyAddsRequestedPages) {
   ContextCacheManager m(kPage, {5, 0, 0, 0}, 8);
-  CacheRequestLease lease = admit(m, requestOf(iotaTokens(4)));
-  publishCold(m, iotaTokens(4, 30));  // one evictable page
+  CacheRequestLease lease = admit(m, requestOf(tokenRun(4, 0)));
+  publishCold(m, tokenRun(4, 30));  // one evictable page
   test::ManagerState const before = captureState(m);
   EXPECT_FALSE(m.growBasePages(lease, 5));
   EXPECT_EQ(captureState(m), before) << "nothing evicted for an impossible growth";
@@ -397,7 +398,7 @@ TEST(ContextCacheManagerTest, DynamicGrowthAtomicallyAddsRequestedPages) {
 
 TEST(ContextCacheManagerTest, StandardPublicationRejectsHybridLease) {
   ContextCacheManager m(kPage, {8, 0, 2, 2}, 8);
-  std::vector<int32_t> const a = iotaTokens(8);
+  std::vector<int32_t> const a = tokenRun(8, 0);
   CacheRequestLease lease = admit(m, requestOf(a, ReuseMode::kHybrid));
   EXPECT_THROW(publishTokens(m, lease, a), Error);
   std::optional<SnapshotReservation> const r = m.reserveHybridSnapshots(lease, false);
@@ -410,7 +411,7 @@ TEST(ContextCacheManagerTest, StandardPublicationRejectsHybridLease) {
 
 TEST(ContextCacheManagerTest, HybridCheckpointPublishesAndAcquiresAllStateAtomically) {
   ContextCacheManager m(kPage, {8, 0, 2, 2}, 8);
-  std::vector<int32_t> const a = iotaTokens(9);
+  std::vector<int32_t> const a = tokenRun(9, 0);
   LookupRequest const request = requestOf(a, ReuseMode::kHybrid);
   CacheRequestLease producer = admit(m, request);
   std::optional<SnapshotReservation> const reservation = m.reserveHybridSnapshots(producer, true);
@@ -428,7 +429,7 @@ TEST(ContextCacheManagerTest, HybridCheckpointPublishesAndAcquiresAllStateAtomic
   producer.release();
 
   AdmissionResult consumer =
-      m.acquireWithFallback(requestOf(concat(iotaTokens(6), {1, 2}), ReuseMode::kHybrid));
+      m.acquireWithFallback(requestOf(concatenated(tokenRun(6, 0), {1, 2}), ReuseMode::kHybrid));
   ASSERT_TRUE(consumer.lease);
   EXPECT_EQ(consumer.plan.reuseTokenLength, 6);
   EXPECT_EQ(consumer.lease->recurrentSnapshotSlot(), reservation->recurrentSlot);
@@ -448,7 +449,7 @@ TEST(ContextCacheManagerTest, HybridCheckpointPublishesAndAcquiresAllStateAtomic
 
 TEST(ContextCacheManagerTest, HybridMtpCheckpointPublishesAndAcquiresPairedBaseAndDraftState) {
   ContextCacheManager m(kPage, {8, 8, 2, 2}, 8);
-  std::vector<int32_t> const a = iotaTokens(9);
+  std::vector<int32_t> const a = tokenRun(9, 0);
   CacheRequestLease producer = admit(m, requestOf(a, ReuseMode::kHybridMtp));
   EXPECT_EQ(pagesOf(producer).size(), 3U);
   EXPECT_EQ(draftOf(producer).size(), 3U);
@@ -477,11 +478,11 @@ TEST(ContextCacheManagerTest, HybridMtpCheckpointPublishesAndAcquiresPairedBaseA
 
 TEST(ContextCacheManagerTest, PureRecurrentCheckpointNeedsNoBaseOrPartialPage) {
   ContextCacheManager m(kPage, {0, 0, 1, 0}, 8);
-  std::vector<int32_t> const a = iotaTokens(3);
+  std::vector<int32_t> const a = tokenRun(3, 0);
   PublishResult const published = publishCheckpointOf(m, a, 3, ReuseMode::kHybrid, false);
   ASSERT_EQ(published.status, PublishStatus::kPublished);
   EXPECT_TRUE(published.canonicalBasePages.empty());
-  std::vector<int32_t> const tokens = concat(a, {9});
+  std::vector<int32_t> const tokens = concatenated(a, {9});
   LookupRequest request = requestOf(tokens, ReuseMode::kHybrid);
   request.hasAttention = false;
   AdmissionResult consumer = m.acquireWithFallback(request);
@@ -497,7 +498,7 @@ TEST(ContextCacheManagerTest, PureRecurrentCheckpointNeedsNoBaseOrPartialPage) {
 
 TEST(ContextCacheManagerTest, HybridPublicationProjectsCanonicalOverlapAndRetainsDescendant) {
   ContextCacheManager m(kPage, {8, 0, 4, 4}, 1);
-  std::vector<int32_t> const a = iotaTokens(11);
+  std::vector<int32_t> const a = tokenRun(11, 0);
   PublishResult const first = publishCheckpointOf(m, a, 5);
   PublishResult const second = publishCheckpointOf(m, a, 10);  // limit 1 evicts the first
   ASSERT_EQ(second.status, PublishStatus::kPublished);
@@ -511,7 +512,7 @@ TEST(ContextCacheManagerTest, HybridPublicationProjectsCanonicalOverlapAndRetain
 
 TEST(ContextCacheManagerTest, SnapshotPressureFailsTheReservationWithoutChange) {
   ContextCacheManager m(kPage, {8, 0, 1, 1}, 8);
-  std::vector<int32_t> const a = iotaTokens(9);
+  std::vector<int32_t> const a = tokenRun(9, 0);
   CacheRequestLease lease = admit(m, requestOf(a, ReuseMode::kHybrid));
   ASSERT_TRUE(m.reserveHybridSnapshots(lease, true));
   test::ManagerState const before = captureState(m);
@@ -532,13 +533,13 @@ class SpecManagerTest : public ::testing::Test {
 };
 
 TEST_F(SpecManagerTest, SpecAcquirePublishesPairedStateAndReplaysOneFullPage) {
-  std::vector<int32_t> const a = iotaTokens(12);
+  std::vector<int32_t> const a = tokenRun(12, 0);
   RecordId const producer = publishCold(mManager, a, ReuseMode::kSpec);
   CacheRecord const* record = mManager.records().get(producer);
   ASSERT_TRUE(record && record->specState);
   EXPECT_EQ(record->specState->draftPagePath.size(), 3U);
 
-  AdmissionResult consumer = mManager.acquireWithFallback(specRequest(concat(a, {1})));
+  AdmissionResult consumer = mManager.acquireWithFallback(specRequest(concatenated(a, {1})));
   ASSERT_TRUE(consumer.lease);
   EXPECT_EQ(consumer.plan.reuseTokenLength, 8);
   EXPECT_EQ(consumer.plan.specReplayMode, SpecReplayMode::kFullPage);
@@ -552,9 +553,9 @@ TEST_F(SpecManagerTest, SpecAcquirePublishesPairedStateAndReplaysOneFullPage) {
 }
 
 TEST_F(SpecManagerTest, BaseOnlyHitAllocatesColdPairedState) {
-  std::vector<int32_t> const a = iotaTokens(8);
+  std::vector<int32_t> const a = tokenRun(8, 0);
   publishCold(mManager, a);  // vanilla on a spec deployment: base only
-  AdmissionResult consumer = mManager.acquireWithFallback(specRequest(concat(a, {1})));
+  AdmissionResult consumer = mManager.acquireWithFallback(specRequest(concatenated(a, {1})));
   ASSERT_TRUE(consumer.lease);
   EXPECT_EQ(consumer.plan.reuseTokenLength, 0);
   EXPECT_EQ(consumer.lease->boundBasePageCount(), 0);
@@ -563,19 +564,19 @@ TEST_F(SpecManagerTest, BaseOnlyHitAllocatesColdPairedState) {
 }
 
 TEST_F(SpecManagerTest, VanillaPublicationPreservesPairedRecordForLaterSpecReuse) {
-  std::vector<int32_t> const a = iotaTokens(8);
+  std::vector<int32_t> const a = tokenRun(8, 0);
   RecordId const paired = publishCold(mManager, a, ReuseMode::kSpec);
   EXPECT_EQ(publishCold(mManager, a), paired) << "vanilla duplicate touches the paired record";
   ASSERT_TRUE(mManager.records().get(paired)->specState);
-  AdmissionResult vanilla = mManager.acquireWithFallback(requestOf(concat(a, {1})));
+  AdmissionResult vanilla = mManager.acquireWithFallback(requestOf(concatenated(a, {1})));
   ASSERT_TRUE(vanilla.lease);
   EXPECT_EQ(vanilla.plan.reuseTokenLength, 8) << "vanilla uses the base side without replay";
   EXPECT_TRUE(vanilla.lease->draftPages().empty());
-  EXPECT_EQ(mManager.lookup(specRequest(concat(a, {1}))).plan.reuseTokenLength, 4);
+  EXPECT_EQ(mManager.lookup(specRequest(concatenated(a, {1}))).plan.reuseTokenLength, 4);
 }
 
 TEST_F(SpecManagerTest, SpecDraftUpgradeUsesCanonicalProjectedBasePath) {
-  std::vector<int32_t> const a = iotaTokens(8);
+  std::vector<int32_t> const a = tokenRun(8, 0);
   RecordId const base = publishCold(mManager, a);
   std::vector<PageId> const canonical = mManager.records().get(base)->basePagePath;
   CacheRequestLease spec =
@@ -596,7 +597,7 @@ TEST_F(SpecManagerTest, SpecDraftUpgradeUsesCanonicalProjectedBasePath) {
 }
 
 TEST_F(SpecManagerTest, EvictingUpgradedSpecRecordReleasesDraftIndexAndReferences) {
-  std::vector<int32_t> const a = iotaTokens(8);
+  std::vector<int32_t> const a = tokenRun(8, 0);
   RecordId const base = publishCold(mManager, a);
   {
     CacheRequestLease spec =
@@ -605,7 +606,7 @@ TEST_F(SpecManagerTest, EvictingUpgradedSpecRecordReleasesDraftIndexAndReference
   }
   ASSERT_EQ(mManager.pools().freeCount(ResourceType::kDraftKvPage), 6);
   // Need all 8 base pages: the record must go, with its draft pages and spec-path entries.
-  AdmissionResult big = mManager.acquireWithFallback(requestOf(iotaTokens(32, 100)));
+  AdmissionResult big = mManager.acquireWithFallback(requestOf(tokenRun(32, 100)));
   ASSERT_TRUE(big.lease);
   EXPECT_EQ(mManager.records().get(base), nullptr);
   EXPECT_EQ(mManager.pools().freeCount(ResourceType::kDraftKvPage), 8);
@@ -616,7 +617,7 @@ TEST_F(SpecManagerTest, EvictingUpgradedSpecRecordReleasesDraftIndexAndReference
 }
 
 TEST_F(SpecManagerTest, SpecPublicationUsesCommonMaterializedBoundary) {
-  std::vector<int32_t> const a = iotaTokens(12);
+  std::vector<int32_t> const a = tokenRun(12, 0);
   CacheRequestLease spec =
       admit(mManager, requestOf(a, ReuseMode::kSpec, ContextCacheLookupPolicy::kBypass));
   PublishResult const published = publishTokens(mManager, spec, a, {}, /*common length*/ 9);
@@ -625,10 +626,10 @@ TEST_F(SpecManagerTest, SpecPublicationUsesCommonMaterializedBoundary) {
 }
 
 TEST_F(SpecManagerTest, SpecFullPageReplayPublishesProjectedBaseWithoutRebinding) {
-  std::vector<int32_t> const a = iotaTokens(12);
+  std::vector<int32_t> const a = tokenRun(12, 0);
   RecordId const producer = publishCold(mManager, a, ReuseMode::kSpec);
   std::vector<PageId> const producerBase = mManager.records().get(producer)->basePagePath;
-  std::vector<int32_t> const longer = concat(a, iotaTokens(4, 90));
+  std::vector<int32_t> const longer = concatenated(a, tokenRun(4, 90));
   CacheRequestLease consumer = admit(mManager, specRequest(longer));
   std::vector<PageId> const leased = pagesOf(consumer);
   ASSERT_NE(leased[2], producerBase[2]) << "the replayed page is private";
@@ -644,9 +645,9 @@ TEST_F(SpecManagerTest, SpecFullPageReplayPublishesProjectedBaseWithoutRebinding
 }
 
 TEST_F(SpecManagerTest, SpecFullPageReplayRejectsPublicationBeforeDependencyBoundary) {
-  std::vector<int32_t> const a = iotaTokens(12);
+  std::vector<int32_t> const a = tokenRun(12, 0);
   publishCold(mManager, a, ReuseMode::kSpec);
-  std::vector<int32_t> const longer = concat(a, {1});
+  std::vector<int32_t> const longer = concatenated(a, {1});
   CacheRequestLease consumer = admit(mManager, specRequest(longer));
   ASSERT_TRUE(consumer.replayDependency().has_value());
   test::ManagerState const before = captureState(mManager);
@@ -657,17 +658,17 @@ TEST_F(SpecManagerTest, SpecFullPageReplayRejectsPublicationBeforeDependencyBoun
 }
 
 TEST_F(SpecManagerTest, SpecFullPageReplayRejectsChangedBoundaryHash) {
-  std::vector<int32_t> const a = iotaTokens(12);
+  std::vector<int32_t> const a = tokenRun(12, 0);
   publishCold(mManager, a, ReuseMode::kSpec);
-  CacheRequestLease consumer = admit(mManager, specRequest(concat(a, {1})));
-  std::vector<int32_t> changed = concat(a, {1});
+  CacheRequestLease consumer = admit(mManager, specRequest(concatenated(a, {1})));
+  std::vector<int32_t> changed = concatenated(a, {1});
   changed[10] = -9;  // inside the replayed page: the bound prefix still agrees
   EXPECT_THROW(publishTokens(mManager, consumer, changed), Error);
 }
 
 TEST_F(SpecManagerTest, SpecGrowthIsAtomicAcrossBaseAndDraftPools) {
   ContextCacheManager m(kPage, ResourceDemand{8, 3, 0, 0}, 8, eagleOptions());
-  CacheRequestLease lease = admit(m, specRequest(iotaTokens(8)));
+  CacheRequestLease lease = admit(m, specRequest(tokenRun(8, 0)));
   test::ManagerState const before = captureState(m);
   EXPECT_FALSE(m.growSpecPages(lease, 1, 2)) << "draft pool short";
   EXPECT_EQ(captureState(m), before);
@@ -679,11 +680,11 @@ TEST_F(SpecManagerTest, SpecGrowthIsAtomicAcrossBaseAndDraftPools) {
 
 TEST_F(SpecManagerTest, SpecHitIsTreatedAsMruDuringPressureEviction) {
   ContextCacheManager m(kPage, ResourceDemand{6, 6, 0, 0}, 8, eagleOptions());
-  std::vector<int32_t> const a = iotaTokens(8);
+  std::vector<int32_t> const a = tokenRun(8, 0);
   RecordId const hit = publishCold(m, a, ReuseMode::kSpec);  // LRU
-  RecordId const other = publishCold(m, iotaTokens(8, 50), ReuseMode::kSpec);
+  RecordId const other = publishCold(m, tokenRun(8, 50), ReuseMode::kSpec);
   ASSERT_EQ(lruIds(m), (std::vector<RecordId>{hit, other}));
-  std::vector<int32_t> const tokens = concat(a, iotaTokens(4, 300));
+  std::vector<int32_t> const tokens = concatenated(a, tokenRun(4, 300));
   LookupRequest request = specRequest(tokens);
   request.baseExtraTokens = 4;  // 16 tokens: 4 pages, 1 bound + 3 private
   AdmissionResult admitted = m.acquireWithFallback(request);
@@ -696,11 +697,11 @@ TEST_F(SpecManagerTest, SpecHitIsTreatedAsMruDuringPressureEviction) {
 
 TEST_F(SpecManagerTest, InfeasibleSpecAcquirePreservesLruAndTypedReferences) {
   ContextCacheManager m(kPage, ResourceDemand{8, 3, 0, 0}, 8, eagleOptions());
-  std::vector<int32_t> const a = iotaTokens(8);
+  std::vector<int32_t> const a = tokenRun(8, 0);
   publishCold(m, a, ReuseMode::kSpec);
-  publishCold(m, iotaTokens(4, 50));
+  publishCold(m, tokenRun(4, 50));
   test::ManagerState const before = captureState(m);
-  LookupResult const looked = m.lookup(specRequest(concat(a, iotaTokens(8, 70))));
+  LookupResult const looked = m.lookup(specRequest(concatenated(a, tokenRun(8, 70))));
   ASSERT_GT(looked.plan.reuseTokenLength, 0);
   AcquireResult const refused = m.acquire(looked.plan);
   EXPECT_FALSE(refused.lease);
@@ -709,9 +710,9 @@ TEST_F(SpecManagerTest, InfeasibleSpecAcquirePreservesLruAndTypedReferences) {
 
 TEST_F(SpecManagerTest, SpecEvictionRemovesBothIndices) {
   ContextCacheManager m(kPage, ResourceDemand{8, 8, 0, 0}, 1, eagleOptions());
-  std::vector<int32_t> const a = iotaTokens(8);
+  std::vector<int32_t> const a = tokenRun(8, 0);
   publishCold(m, a, ReuseMode::kSpec);
-  publishCold(m, iotaTokens(4, 60), ReuseMode::kSpec);  // limit evicts a
+  publishCold(m, tokenRun(4, 60), ReuseMode::kSpec);  // limit evicts a
   PromptBlocks const blocks = hashPromptBlocks(viewOf(a), kPage);
   EXPECT_FALSE(m.index().find(blocks.keys[0]).has_value());
   EXPECT_FALSE(m.records().findLongestSpecPath(blocks.keys, 2).has_value());
@@ -724,8 +725,8 @@ TEST_F(SpecManagerTest, SpecEvictionRemovesBothIndices) {
 
 TEST(ContextCacheManagerTest, ForgedCollisionIsNeverReused) {
   ContextCacheManager m(kPage, {8, 0, 0, 0}, 8);
-  std::vector<int32_t> const victim = iotaTokens(8);
-  std::vector<int32_t> const attacker = iotaTokens(8, 1000);
+  std::vector<int32_t> const victim = tokenRun(8, 0);
+  std::vector<int32_t> const attacker = tokenRun(8, 1000);
   PromptBlocks const real = hashPromptBlocks(viewOf(victim), kPage);
   // The attacker's blocks carry the victim's digests: what a digest collision would produce.
   PromptBlocks forged = hashPromptBlocks(viewOf(attacker), kPage);
@@ -734,7 +735,7 @@ TEST(ContextCacheManagerTest, ForgedCollisionIsNeverReused) {
   ASSERT_EQ(m.publish(producer, forged, 8).status, PublishStatus::kPublished);
   producer.release();
 
-  AdmissionResult consumer = m.acquireWithFallback(requestOf(concat(victim, {1})));
+  AdmissionResult consumer = m.acquireWithFallback(requestOf(concatenated(victim, {1})));
   ASSERT_TRUE(consumer.lease);
   EXPECT_EQ(consumer.plan.reuseTokenLength, 0) << "another prompt's KV must never be handed out";
   EXPECT_EQ(m.metrics().verificationRejects, 1U);
@@ -747,13 +748,13 @@ TEST(ContextCacheManagerTest, ForgedCollisionIsNeverReused) {
   ContextCacheManager unverified(kPage, {8, 0, 0, 0}, 8, trusting);
   CacheRequestLease p2 = admit(unverified, requestOf(attacker));
   unverified.publish(p2, forged, 8);
-  EXPECT_EQ(unverified.lookup(requestOf(concat(victim, {1}))).plan.reuseTokenLength, 8)
+  EXPECT_EQ(unverified.lookup(requestOf(concatenated(victim, {1}))).plan.reuseTokenLength, 8)
       << "without verification the collision would be trusted";
 }
 
 TEST(ContextCacheManagerTest, HybridCheckpointTailTokensAreVerified) {
   ContextCacheManager m(kPage, {8, 0, 2, 2}, 8);
-  std::vector<int32_t> const real = iotaTokens(7);
+  std::vector<int32_t> const real = tokenRun(7, 0);
   std::vector<int32_t> fake = real;
   fake[5] = 99;  // differs inside the partial tail of a 6-token checkpoint
   CacheRequestLease producer = admit(m, requestOf(fake, ReuseMode::kHybrid));
@@ -781,12 +782,12 @@ TEST(ContextCacheManagerTest, HybridCheckpointTailTokensAreVerified) {
 
 TEST(ContextCacheManagerTest, MetricsCountAdmissionsAndPublications) {
   ContextCacheManager m(kPage, {16, 0, 0, 0}, 8);
-  std::vector<int32_t> const a = iotaTokens(8);
+  std::vector<int32_t> const a = tokenRun(8, 0);
   publishCold(m, a);                                  // bypass, new record
   CacheRequestLease rewind = admit(m, requestOf(a));  // full input rewind
-  CacheRequestLease partial = admit(m, requestOf(concat(a, {1, 2})));
-  publishTokens(m, partial, concat(a, {1, 2}));  // existing record touched
-  CacheRequestLease miss = admit(m, requestOf(iotaTokens(6, 70)));
+  CacheRequestLease partial = admit(m, requestOf(concatenated(a, {1, 2})));
+  publishTokens(m, partial, concatenated(a, {1, 2}));  // existing record touched
+  CacheRequestLease miss = admit(m, requestOf(tokenRun(6, 70)));
   ContextCacheMetrics const metrics = m.metrics();
   EXPECT_EQ(metrics.admittedSequences, 4U);
   EXPECT_EQ(metrics.bypasses, 1U);
@@ -813,7 +814,7 @@ class MissReasonTest : public ::testing::Test {
     EXPECT_TRUE(result.lease);
     return result.missReason;
   }
-  std::vector<int32_t> mPrompt = iotaTokens(8);
+  std::vector<int32_t> mPrompt = tokenRun(8, 0);
 };
 
 TEST_F(MissReasonTest, NoPrefix) {
@@ -821,24 +822,24 @@ TEST_F(MissReasonTest, NoPrefix) {
 }
 
 TEST_F(MissReasonTest, ShorterThanOnePage) {
-  EXPECT_EQ(admitAndClassify(requestOf(iotaTokens(3))), MissReason::kShorterThanOnePage);
+  EXPECT_EQ(admitAndClassify(requestOf(tokenRun(3, 0))), MissReason::kShorterThanOnePage);
 }
 
 TEST_F(MissReasonTest, FullMatchIsNoMiss) {
   publishCold(mManager, mPrompt);
-  EXPECT_EQ(admitAndClassify(requestOf(concat(mPrompt, {3}))), std::nullopt);
+  EXPECT_EQ(admitAndClassify(requestOf(concatenated(mPrompt, {3}))), std::nullopt);
   EXPECT_EQ(admitAndClassify(requestOf(mPrompt)), std::nullopt) << "rewind is no miss";
 }
 
 TEST_F(MissReasonTest, StoppedEarlyCountsTheFirstMissingBlock) {
-  publishCold(mManager, iotaTokens(4));
+  publishCold(mManager, tokenRun(4, 0));
   EXPECT_EQ(admitAndClassify(requestOf(mPrompt)), MissReason::kNoPrefix);
 }
 
 TEST_F(MissReasonTest, Evicted) {
   ContextCacheManager small(kPage, ResourceDemand{2, 0, 0, 0}, 1);
   publishCold(small, mPrompt);
-  publishCold(small, iotaTokens(4, 50));  // record limit evicts mPrompt's record
+  publishCold(small, tokenRun(4, 50));  // record limit evicts mPrompt's record
   AdmissionResult result = small.acquireWithFallback(requestOf(mPrompt));
   EXPECT_EQ(result.missReason, MissReason::kEvicted);
   EXPECT_EQ(small.metrics().missCount(MissReason::kEvicted), 1U);
@@ -893,7 +894,7 @@ TEST_F(MissReasonTest, MediaMismatch) {
   }
   CacheRequestLease producer = admit(mManager, requestOf(tokens));
   mManager.publish(producer, hashPromptBlocks(viewOf(tokens, {}, &imageA), kPage), 8);
-  std::vector<int32_t> const longer = concat(tokens, {1});
+  std::vector<int32_t> const longer = concatenated(tokens, {1});
   std::vector<MediaPosition> imageBLonger = imageB;
   imageBLonger.emplace_back();
   LookupRequest request = requestOf(longer);
@@ -907,7 +908,7 @@ TEST_F(MissReasonTest, MediaMismatch) {
 TEST_F(MissReasonTest, Capacity) {
   ContextCacheManager small(kPage, ResourceDemand{2, 0, 0, 0}, 8);
   CacheRequestLease holder = admit(
-      small, requestOf(iotaTokens(8), ReuseMode::kVanilla, ContextCacheLookupPolicy::kBypass));
+      small, requestOf(tokenRun(8, 0), ReuseMode::kVanilla, ContextCacheLookupPolicy::kBypass));
   AdmissionResult result = small.acquireWithFallback(requestOf(mPrompt));
   EXPECT_FALSE(result.lease);
   EXPECT_EQ(result.missReason, MissReason::kCapacity);
@@ -919,7 +920,7 @@ TEST(ContextCacheManagerTest, EventQueueReportsStoredAndRemovedBlocks) {
   ContextCacheManagerOptions options;
   options.eventQueueCapacity = 3;
   ContextCacheManager m(kPage, {8, 0, 0, 0}, 1, options);
-  std::vector<int32_t> const a = iotaTokens(8);
+  std::vector<int32_t> const a = tokenRun(8, 0);
   RecordId const ra = publishCold(m, a);
   std::vector<PageId> const pages = m.records().get(ra)->basePagePath;
   PromptBlocks const blocks = hashPromptBlocks(viewOf(a), kPage);
@@ -936,7 +937,7 @@ TEST(ContextCacheManagerTest, EventQueueReportsStoredAndRemovedBlocks) {
             (BlockStored{blocks.keys[1], blocks.keys[0], pages[1], kPage, tokensOf(1), {}}));
   EXPECT_TRUE(m.drainEvents().empty());
 
-  std::vector<int32_t> const b = iotaTokens(4, 40);
+  std::vector<int32_t> const b = tokenRun(4, 40);
   publishCold(m, b);  // stores b's block, the limit removes a's two blocks
   std::vector<KvEvent> const next = m.drainEvents();
   ASSERT_EQ(next.size(), 3U);
@@ -945,15 +946,15 @@ TEST(ContextCacheManagerTest, EventQueueReportsStoredAndRemovedBlocks) {
   EXPECT_EQ(std::get<BlockRemoved>(next[2]), (BlockRemoved{blocks.keys[1], pages[1]}));
   EXPECT_EQ(m.metrics().droppedEvents, 0U);
 
-  publishCold(m, iotaTokens(8, 90));  // 2 stored + 1 removed + ... overflow the ring of 3
-  publishCold(m, iotaTokens(4, 190));
+  publishCold(m, tokenRun(8, 90));  // 2 stored + 1 removed + ... overflow the ring of 3
+  publishCold(m, tokenRun(4, 190));
   EXPECT_EQ(m.drainEvents().size(), 3U);
   EXPECT_EQ(m.metrics().droppedEvents, 3U) << "2 + 1 + 1 + 2 = 6 events, 3 kept";
 }
 
 TEST(ContextCacheManagerTest, EventsAreOffByDefault) {
   ContextCacheManager m(kPage, {8, 0, 0, 0}, 8);
-  publishCold(m, iotaTokens(8));
+  publishCold(m, tokenRun(8, 0));
   EXPECT_TRUE(m.drainEvents().empty());
   EXPECT_EQ(m.metrics().droppedEvents, 0U);
 }
@@ -968,10 +969,10 @@ namespace {
 // pages (so evicting A's record frees nothing but drops A's blocks from the index), 3 free pages.
 struct BatchRig {
   ContextCacheManager manager{kPage, ResourceDemand{8, 0, 0, 0}, 16};
-  std::vector<int32_t> a = iotaTokens(8);
-  std::vector<int32_t> b = iotaTokens(8, 100);
-  std::vector<int32_t> aPlusOne = concat(a, {7000});
-  std::vector<int32_t> aPlusThree = concat(a, {900, 901, 902});
+  std::vector<int32_t> a = tokenRun(8, 0);
+  std::vector<int32_t> b = tokenRun(8, 100);
+  std::vector<int32_t> aPlusOne = concatenated(a, {7000});
+  std::vector<int32_t> aPlusThree = concatenated(a, {900, 901, 902});
   std::optional<CacheRequestLease> live;
 
   BatchRig() {
@@ -993,7 +994,7 @@ struct BatchRig {
 TEST(ContextCacheManagerBatchTest, ABatchThatFitsOnlyWhenAdmittedTogetherIsAdmitted) {
   // A cold sequence of 16 tokens (4 private pages) and A + 3 tokens (A's 2 pinned pages + 1):
   // 5 private pages against 3 free + 2 reclaimable (B's).
-  std::vector<int32_t> const cold = iotaTokens(16, 500);
+  std::vector<int32_t> const cold = tokenRun(16, 500);
   {
     // One by one, the cold sequence evicts A's record (LRU) and B's for its 4 pages; A's blocks
     // leave the index, so the second sequence now needs 3 pages and 1 is left.
@@ -1019,7 +1020,7 @@ TEST(ContextCacheManagerBatchTest, ABatchThatFitsOnlyWhenAdmittedTogetherIsAdmit
 
 TEST(ContextCacheManagerBatchTest, ARefusedBatchChangesNothingAndCountsCapacityMisses) {
   BatchRig rig;
-  std::vector<int32_t> const cold = iotaTokens(20, 500);  // 5 private pages: 6 > 3 + 2
+  std::vector<int32_t> const cold = tokenRun(20, 500);  // 5 private pages: 6 > 3 + 2
   test::ManagerState const before = captureState(rig.manager);
   uint64_t const capacityMisses = rig.manager.metrics().missCount(MissReason::kCapacity);
   EXPECT_TRUE(rig.admitBatch({requestOf(cold), requestOf(rig.aPlusThree)}).empty());
@@ -1040,14 +1041,14 @@ TEST(ContextCacheManagerBatchTest, TheBatchsOwnHitRecordsAreEvictedLast) {
   // needs 1 private page for H's consumer and 3 for a cold sequence: one page short, which P
   // alone frees. H, the batch's own hit, must survive (acquirePlan protects its hit the same way).
   ContextCacheManager m(kPage, {6, 0, 2, 2}, 8);
-  std::vector<int32_t> const h = iotaTokens(6);
+  std::vector<int32_t> const h = tokenRun(6, 0);
   ASSERT_EQ(publishCheckpointOf(m, h, 6).status, PublishStatus::kPublished);
-  ASSERT_EQ(publishCheckpointOf(m, iotaTokens(8, 100), 8).status, PublishStatus::kPublished);
+  ASSERT_EQ(publishCheckpointOf(m, tokenRun(8, 100), 8).status, PublishStatus::kPublished);
   ASSERT_EQ(m.records().size(), 2U);
   RecordId const hit = m.records().lruToMru().front().id;
   ASSERT_EQ(m.pools().freeCount(ResourceType::kBaseKvPage), 3);
-  std::vector<int32_t> const consumer = concat(h, {1, 2});
-  std::vector<int32_t> const cold = iotaTokens(12, 500);
+  std::vector<int32_t> const consumer = concatenated(h, {1, 2});
+  std::vector<int32_t> const cold = tokenRun(12, 500);
   std::vector<LookupRequest> const requests{requestOf(consumer, ReuseMode::kHybrid),
                                             requestOf(cold, ReuseMode::kHybrid)};
   std::vector<LookupResult> looked;
@@ -1067,7 +1068,7 @@ TEST(ContextCacheManagerBatchTest, TheBatchsOwnHitRecordsAreEvictedLast) {
 
 TEST(ContextCacheManagerBatchTest, RejectsMismatchedLookupsWithoutChangingAnything) {
   BatchRig rig;
-  std::vector<int32_t> const cold = iotaTokens(8, 500);
+  std::vector<int32_t> const cold = tokenRun(8, 500);
   std::vector<LookupRequest> const requests{requestOf(cold), requestOf(rig.aPlusThree)};
   test::ManagerState const before = captureState(rig.manager);
   std::vector<LookupResult> one;

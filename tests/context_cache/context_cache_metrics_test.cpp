@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "mkv/error.h"
-#include "prometheus_text_parser.h"
+#include "support/prometheus_text_parser.h"
 
 namespace mkv {
 namespace {

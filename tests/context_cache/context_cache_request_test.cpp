@@ -54,17 +54,17 @@ std::vector<int32_t> imagePrompt(std::vector<int32_t> const& runLengths, int32_t
     tokens.push_back(7);
   }
   std::vector<int32_t> const tail = tokenRun(total - static_cast<int32_t>(tokens.size()), 500);
-  return joined(tokens, tail);
+  return concatenated(tokens, tail);
 }
 
 TEST_P(ContextCacheRequestTest, LoraIdentityKeysTheBlocks) {
   CoordinatorRig rig(device());
   std::vector<int32_t> const prompt = tokenRun(129, 100);
   EXPECT_EQ(runOnce(rig, prompt, "adapter-a"), 0);
-  EXPECT_EQ(runOnce(rig, joined(prompt, {1}), "adapter-a"), 128);
+  EXPECT_EQ(runOnce(rig, concatenated(prompt, {1}), "adapter-a"), 128);
   uint64_t const before = rig.coordinator.metrics().missCount(MissReason::kLoraMismatch);
-  EXPECT_EQ(runOnce(rig, joined(prompt, {1}), "adapter-b"), 0);
-  EXPECT_EQ(runOnce(rig, joined(prompt, {2})), 0) << "the base model is another identity";
+  EXPECT_EQ(runOnce(rig, concatenated(prompt, {1}), "adapter-b"), 0);
+  EXPECT_EQ(runOnce(rig, concatenated(prompt, {2})), 0) << "the base model is another identity";
   EXPECT_EQ(rig.coordinator.metrics().missCount(MissReason::kLoraMismatch), before + 2);
   rig.expectQuiescent();
 }
@@ -73,8 +73,8 @@ TEST_P(ContextCacheRequestTest, CacheSaltIsolatesTenants) {
   CoordinatorRig rig(device());
   std::vector<int32_t> const prompt = tokenRun(129, 100);
   EXPECT_EQ(runOnce(rig, prompt, {}, "tenant-1"), 0);
-  EXPECT_EQ(runOnce(rig, joined(prompt, {1}), {}, "tenant-1"), 128);
-  EXPECT_EQ(runOnce(rig, joined(prompt, {1}), {}, "tenant-2"), 0);
+  EXPECT_EQ(runOnce(rig, concatenated(prompt, {1}), {}, "tenant-1"), 128);
+  EXPECT_EQ(runOnce(rig, concatenated(prompt, {1}), {}, "tenant-2"), 0);
   EXPECT_EQ(rig.coordinator.metrics().missCount(MissReason::kSaltMismatch), 1u);
   rig.expectQuiescent();
 }
@@ -99,8 +99,9 @@ TEST_P(ContextCacheRequestTest, TheSameImageAtAnotherPositionMisses) {
   EXPECT_EQ(runOnce(rig, prompt, {}, {}, {hostImage(2), hostImage(1)}), 0);
   EXPECT_EQ(rig.coordinator.metrics().missCount(MissReason::kMediaMismatch), 1u);
   // The first image one token later (the text before it is longer).
-  std::vector<int32_t> shifted = joined(tokenRun(11, 1), std::vector<int32_t>(40, kImageToken));
-  shifted = joined(joined(shifted, {7}), tokenRun(88, 500));
+  std::vector<int32_t> shifted =
+      concatenated(tokenRun(11, 1), std::vector<int32_t>(40, kImageToken));
+  shifted = concatenated(concatenated(shifted, {7}), tokenRun(88, 500));
   EXPECT_EQ(runOnce(rig, shifted, {}, {}, {hostImage(1)}), 0);
   rig.expectQuiescent();
 }
@@ -143,8 +144,8 @@ TEST_P(ContextCacheRequestTest, RequestLookupPolicyOverridesTheBatchDefaultPerSe
   std::vector<int32_t> const prompt = tokenRun(129, 100);
   runOnce(rig, prompt);
   RequestDriver driver(rig);
-  driver.add(joined(prompt, {1}), 0, ContextCacheLookupPolicy::kBypass);
-  driver.add(joined(prompt, {2}), 1);
+  driver.add(concatenated(prompt, {1}), 0, ContextCacheLookupPolicy::kBypass);
+  driver.add(concatenated(prompt, {2}), 1);
   ASSERT_TRUE(driver.begin());
   EXPECT_EQ(driver.cache->prefillStarts(), (std::vector<int32_t>{0, 128}));
   ASSERT_TRUE(driver.prefill());
@@ -172,9 +173,10 @@ TEST_P(ContextCacheRequestTest, DecodePublishesTheGeneratedPageBoundaryAndReject
   EXPECT_EQ(records.back().key.fullBlockCount, 2);
   ASSERT_TRUE(driver.cache->finish());
   std::vector<int32_t> const ledger = driver.rows[0].tokens;
-  EXPECT_EQ(runOnce(rig, joined(std::vector<int32_t>(ledger.begin(), ledger.begin() + 256), {5}),
-                    {}, {}, {}, 1),
-            256);
+  EXPECT_EQ(
+      runOnce(rig, concatenated(std::vector<int32_t>(ledger.begin(), ledger.begin() + 256), {5}),
+              {}, {}, {}, 1),
+      256);
   rig.expectQuiescent();
 }
 
@@ -237,8 +239,9 @@ TEST_P(ContextCacheRequestTest, CompactionKeepsResidentRowsAndCompactsPrefillSta
   RequestDriver driver(rig);
   driver.add(tokenRun(100, 1), 0);
   driver.add(tokenRun(200, 1000), 1);
-  driver.add(joined(std::vector<int32_t>(shared.begin(), shared.begin() + 128), tokenRun(122, 1)),
-             2);
+  driver.add(
+      concatenated(std::vector<int32_t>(shared.begin(), shared.begin() + 128), tokenRun(122, 1)),
+      2);
   ASSERT_TRUE(driver.begin());
   EXPECT_EQ(driver.cache->prefillStarts(), (std::vector<int32_t>{0, 0, 128}));
   ASSERT_TRUE(driver.prefill());
@@ -286,13 +289,13 @@ TEST_P(ContextCacheRequestTest, CompactionKeepsResidentRowsAndCompactsPrefillSta
 /// A founder on slot 0 whose 256-token system prompt is published at prefill.
 struct JoinFixture {
   explicit JoinFixture(CoordinatorRig& rig) : driver(rig) {
-    driver.add(joined(system, {1, 2, 3}), 0);
+    driver.add(concatenated(system, {1, 2, 3}), 0);
     EXPECT_TRUE(driver.begin());
     EXPECT_TRUE(driver.prefill());
     EXPECT_TRUE(driver.decode());
   }
   std::vector<int32_t> const system = tokenRun(256, 10);
-  std::vector<int32_t> joinerPrompt() const { return joined(system, tokenRun(130, 8000)); }
+  std::vector<int32_t> joinerPrompt() const { return concatenated(system, tokenRun(130, 8000)); }
   RequestDriver driver;
 };
 
@@ -326,9 +329,10 @@ TEST_P(ContextCacheRequestTest, AJoinerReusesTheFoundersPrefixAndBindsOnlyItsRow
   EXPECT_EQ(rig.coordinator.counters().liveAdmissions, 1u);
   ASSERT_TRUE(driver.cache->finish());
   std::vector<int32_t> const prompt = fixture.joinerPrompt();
-  EXPECT_EQ(runOnce(rig, joined(std::vector<int32_t>(prompt.begin(), prompt.begin() + 384), {9}),
-                    {}, {}, {}, 2),
-            384);
+  EXPECT_EQ(
+      runOnce(rig, concatenated(std::vector<int32_t>(prompt.begin(), prompt.begin() + 384), {9}),
+              {}, {}, {}, 2),
+      384);
   rig.expectQuiescent();
 }
 
@@ -412,7 +416,7 @@ TEST_P(ContextCacheRequestTest, JoinersInheritTheRequestPolicyNotTheFirstSurvivi
   auto rgba = std::make_shared<Tensor>(Coords{2, 2, 4}, DataType::kUInt8, DeviceType::kCPU);
   std::memset(rgba->rawPointer(), 3, 16);
   std::vector<int32_t> const withImage =
-      joined(fixture.system, joined(std::vector<int32_t>(8, kImageToken), {4}));
+      concatenated(fixture.system, concatenated(std::vector<int32_t>(8, kImageToken), {4}));
   int32_t start = -1;
   ASSERT_EQ(
       driver.admit(withImage, 1, &start, {kImageToken}, {imageUtils::ImageData{rgba, 2, 2, 4}}),
@@ -474,7 +478,7 @@ TEST_P(ContextCacheRequestTest, EarlyDestructionAbandonsAPendingRequest) {
     ASSERT_TRUE(driver.begin());
     ASSERT_TRUE(driver.cache->preparePrefill());
   }  // dropped with work pending: synchronised, then released
-  EXPECT_EQ(rig.sync->calls, 1);
+  EXPECT_EQ(rig.sync.calls(), 1);
   EXPECT_FALSE(rig.coordinator.poisoned());
   rig.expectQuiescent();
   EXPECT_EQ(runOnce(rig, tokenRun(300, 1)), 0);
@@ -527,7 +531,7 @@ TEST_P(ContextCacheRequestTest, RequestsThatDisagreeWithTheirContextOrMediaThrow
   oneImage.requests[0].imageBuffers = {hostImage(1)};
   EXPECT_TRUE(throwsError(begin(oneImage, media, {kImageToken}),
                           {"buildMediaPositions", "image run 2", "only 1 given"}));
-  media.rawBatchedInputIds[0] = joined(tokenRun(4, 1), std::vector<int32_t>(3, kAudioToken));
+  media.rawBatchedInputIds[0] = concatenated(tokenRun(4, 1), std::vector<int32_t>(3, kAudioToken));
   EXPECT_TRUE(throwsError(begin(oneImage, media, {kImageToken, kAudioToken}),
                           {"buildMediaPositions", "audio run 1", "only 0 given"}));
   // Called directly, an image the host cannot read is an error (begin checks first and bypasses).

@@ -1,31 +1,20 @@
 #pragma once
 /// \file context_cache_test_support.h
-/// Shared helpers of the context_cache tests: prompt builders, a full state snapshot of a
-/// ContextCacheManager (to prove "nothing changed") and its invariant checker.
+/// Shared helpers of the context_cache tests: prompt builders and the invariant checker of a
+/// ContextCacheManager (its state snapshot is support/manager_state.h).
 
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <cstdint>
 #include <map>
-#include <numeric>
 #include <vector>
 
 #include "mkv/context_cache/context_cache_manager.h"
+#include "support/manager_state.h"
+#include "support/token_runs.h"
 
 namespace mkv::test {
-
-/// tokens start, start + 1, ..., start + n - 1.
-inline std::vector<int32_t> iotaTokens(int32_t n, int32_t start = 0) {
-  std::vector<int32_t> tokens(static_cast<std::size_t>(n));
-  std::iota(tokens.begin(), tokens.end(), start);
-  return tokens;
-}
-
-inline std::vector<int32_t> concat(std::vector<int32_t> a, std::vector<int32_t> const& b) {
-  a.insert(a.end(), b.begin(), b.end());
-  return a;
-}
 
 inline PromptView viewOf(std::vector<int32_t> const& tokens, BlockKeyExtras extras = {},
                          std::vector<MediaPosition> const* media = nullptr) {
@@ -43,46 +32,6 @@ inline LookupRequest requestOf(
   request.mode = mode;
   request.policy = policy;
   return request;
-}
-
-/// Every observable piece of manager state, comparable with ==.
-struct ManagerState {
-  std::vector<std::vector<int32_t>> active;
-  std::vector<std::vector<int32_t>> cache;
-  std::vector<std::vector<int32_t>> freeLists;
-  std::vector<std::optional<Hash128>> indexDigests;  ///< per base page
-  std::vector<RecordId> lruOrder;
-  std::vector<std::vector<PageId>> recordBasePaths;
-  std::vector<std::vector<PageId>> recordDraftPaths;
-  int32_t indexSize = 0;
-  friend bool operator==(ManagerState const&, ManagerState const&) = default;
-};
-
-inline ManagerState captureState(ContextCacheManager const& manager) {
-  ManagerState s;
-  ResourcePools const& pools = manager.pools();
-  for (ResourceType type : kAllResourceTypes) {
-    std::vector<int32_t> active;
-    std::vector<int32_t> cache;
-    for (int32_t i = 0; i < pools.capacity(type); ++i) {
-      active.push_back(pools.activeRefs({type, i}));
-      cache.push_back(pools.cacheRefs({type, i}));
-    }
-    s.active.push_back(active);
-    s.cache.push_back(cache);
-    s.freeLists.push_back(pools.freeList(type));
-  }
-  for (int32_t page = 0; page < pools.capacity(ResourceType::kBaseKvPage); ++page) {
-    s.indexDigests.push_back(manager.index().digestOf(page));
-  }
-  for (CacheRecord const& record : manager.records().lruToMru()) {
-    s.lruOrder.push_back(record.id);
-    s.recordBasePaths.push_back(record.basePagePath);
-    s.recordDraftPaths.push_back(record.specState ? record.specState->draftPagePath
-                                                  : std::vector<PageId>{});
-  }
-  s.indexSize = manager.index().size();
-  return s;
 }
 
 /// No live lease, and every resource of every pool either free or cached by a record.

@@ -9,7 +9,6 @@
 
 #include <cstdint>
 #include <memory>
-#include <numeric>
 #include <optional>
 #include <span>
 #include <vector>
@@ -21,7 +20,9 @@
 #include "mkv/kv_cache_pool.h"
 #include "mkv/kv_page_table.h"
 #include "mkv/testing/kv_oracle.h"
-#include "test_util.h"
+#include "support/sync_faults.h"
+#include "support/test_util.h"
+#include "support/token_runs.h"
 
 namespace mkv::test {
 
@@ -39,24 +40,6 @@ struct RigOptions {
   int32_t eventQueueCapacity = 0;
   bool enabled = true;
 };
-
-/// Counts synchronisations; the next `failures` calls report cudaErrorUnknown.
-struct SyncScript {
-  int32_t calls = 0;
-  int32_t failures = 0;
-};
-
-/// tokens first, first + 1, ..., first + count - 1.
-inline std::vector<int32_t> tokenRun(int32_t count, int32_t first) {
-  std::vector<int32_t> tokens(static_cast<std::size_t>(count));
-  std::iota(tokens.begin(), tokens.end(), first);
-  return tokens;
-}
-
-inline std::vector<int32_t> joined(std::vector<int32_t> a, std::vector<int32_t> const& b) {
-  a.insert(a.end(), b.begin(), b.end());
-  return a;
-}
 
 /// One sequence as the engine sees it. `tokens` is the ledger (prompt, then sampled tokens; the
 /// last sampled token has no KV yet); `digests` covers every ledger token.
@@ -107,10 +90,9 @@ class CoordinatorRig {
         pool(poolConfig(device, rigOptions)),
         table(rigOptions.maxBatch, rigOptions.maxPagesPerSeq, rigOptions.numPages,
               PageTableMode::kDense, device),
-        sync(std::make_shared<SyncScript>()),
         coordinator(cacheConfig(rigOptions), ContextCacheDeploymentProfile{},
                     ContextCachePhysicalResources{&pool, &table, nullptr, nullptr, nullptr},
-                    nullptr, scriptedSynchronizer(device, sync)),
+                    nullptr, sync.synchronizer(device)),
         oracle(pool, table) {}
   /// Drains what a failed test may have left quarantined (the coordinator would terminate).
   ~CoordinatorRig() { (void)coordinator.shutdown(); }
@@ -136,19 +118,6 @@ class CoordinatorRig {
     config.verifyTokens = o.verifyTokens;
     config.eventQueueCapacity = o.eventQueueCapacity;
     return config;
-  }
-  /// The device's real synchroniser, failing as `script` says.
-  static StreamSynchronizer scriptedSynchronizer(DeviceType device,
-                                                 std::shared_ptr<SyncScript> script) {
-    return [script, real = defaultStreamSynchronizer(device)](cudaStream_t stream) {
-      ++script->calls;
-      cudaError_t const status = real(stream);
-      if (script->failures > 0) {
-        --script->failures;
-        return cudaErrorUnknown;
-      }
-      return status;
-    };
   }
 
   ContextCacheManager const& manager() const { return coordinator.manager(); }
@@ -298,17 +267,10 @@ class CoordinatorRig {
   RigOptions options;
   KVCachePool pool;
   KVPageTable table;
-  std::shared_ptr<SyncScript> sync;
+  SyncFaults sync;  ///< the coordinator's synchroniser
   ContextCacheCoordinator coordinator;
   testing::KvOracle oracle;
 };
-
-/// Oracle seed of an identity (the KV of a prefix depends on the adapter and the tenant salt).
-inline uint64_t identitySeed(std::string const& lora, std::string const& salt) {
-  Hash128 const a = digestIdentity(lora);
-  Hash128 const s = digestIdentity(salt);
-  return a.hi ^ (a.lo * 3) ^ (s.hi * 5) ^ (s.lo * 7);
-}
 
 /// Drives one ContextCacheRequest the way a runtime does: the LLMGenerationRequest, the
 /// DecodingInferenceContext, and KV written / verified through the rig's oracle.
@@ -319,7 +281,7 @@ class RequestDriver {
     request.loraWeightsName = lora;
     request.cacheSalt = salt;
     context.loraWeightsName = std::move(lora);
-    mSeed = identitySeed(context.loraWeightsName, request.cacheSalt);
+    mSeed = testing::identitySeed(context.loraWeightsName, request.cacheSalt);
   }
 
   /// Adds a founding row (before begin).

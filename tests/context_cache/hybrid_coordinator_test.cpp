@@ -47,7 +47,7 @@ TEST_P(HybridCoordinatorTest, ACheckpointAt129IsRestoredByteExactIntoA130TokenPr
   EXPECT_EQ(rig.coordinator->counters().checkpointCaptures, 1u);
   EXPECT_EQ(rig.coordinator->counters().checkpointPublications, 1u);
 
-  Seq consumer(joined(prompt, {7}), 1);
+  Seq consumer(concatenated(prompt, {7}), 1);
   std::vector<int32_t> starts;
   Handle handle = rig.admit({&consumer}, &starts);
   EXPECT_EQ(starts, std::vector<int32_t>{129}) << "reuse may end mid-page";
@@ -138,14 +138,14 @@ TEST_P(HybridCoordinatorTest, ADecodeEndCheckpointCostsExactlyOneSynchronisation
   HybridRig rig(device());
   Seq producer(tokenRun(100, 1), 0);
   Handle handle = rig.admit({&producer});
-  int32_t const syncsBefore = rig.sync->calls;
+  int64_t const syncsBefore = rig.sync.calls();
   ASSERT_EQ(rig.prefill(handle, {&producer}), kOk);
-  EXPECT_EQ(rig.sync->calls, syncsBefore) << "the runtime's prefill sync covers the capture";
+  EXPECT_EQ(rig.sync.calls(), syncsBefore) << "the runtime's prefill sync covers the capture";
   ASSERT_EQ(rig.decode(handle, {&producer}), kOk);
   ASSERT_EQ(rig.decode(handle, {&producer}), kOk);
-  EXPECT_EQ(rig.sync->calls, syncsBefore) << "steps that complete nothing capture nothing";
+  EXPECT_EQ(rig.sync.calls(), syncsBefore) << "steps that complete nothing capture nothing";
   ASSERT_EQ(rig.decode(handle, {&producer}, {0}), kOk);
-  EXPECT_EQ(rig.sync->calls, syncsBefore + 1);
+  EXPECT_EQ(rig.sync.calls(), syncsBefore + 1);
   EXPECT_EQ(rig.coordinator->counters().captureSynchronizations, 1u);
   EXPECT_EQ(rig.coordinator->committedLength(handle, 0), 103);
   EXPECT_EQ(rig.manager().records().size(), 2u) << "prompt end (100) and decode end (103)";
@@ -153,7 +153,7 @@ TEST_P(HybridCoordinatorTest, ADecodeEndCheckpointCostsExactlyOneSynchronisation
   ASSERT_EQ(rig.coordinator->finish(handle), kOk);
 
   // The ledger (prompt + 3 accepted tokens + the lookahead without KV) continued by one token.
-  Seq consumer(joined(producer.tokens, {9}), 1);
+  Seq consumer(concatenated(producer.tokens, {9}), 1);
   std::vector<int32_t> starts;
   Handle next = rig.admit({&consumer}, &starts);
   EXPECT_EQ(starts, std::vector<int32_t>{103}) << "the longest checkpoint wins";
@@ -169,9 +169,9 @@ TEST_P(HybridCoordinatorTest, PrefillStateOnlySuppressesDecodeEndCaptures) {
   batch.commitPolicy = ContextCacheCommitPolicy::kPrefillStateOnly;
   Handle handle = rig.admit({&producer}, nullptr, &batch);
   ASSERT_EQ(rig.prefill(handle, {&producer}), kOk);
-  int32_t const syncs = rig.sync->calls;
+  int64_t const syncs = rig.sync.calls();
   ASSERT_EQ(rig.decode(handle, {&producer}, {0}), kOk);
-  EXPECT_EQ(rig.sync->calls, syncs);
+  EXPECT_EQ(rig.sync.calls(), syncs);
   EXPECT_EQ(rig.manager().records().size(), 1u) << "only the prompt end";
   ASSERT_EQ(rig.coordinator->finish(handle), kOk);
 }
@@ -188,7 +188,7 @@ TEST_P(HybridCoordinatorTest, SnapshotPressureSkipsTheCaptureButNeverTheRequest)
   CacheRecord const record = rig.manager().records().lruToMru().front();
 
   // The consumer pins the only slots (its restore source): its own capture cannot get one.
-  Seq consumer(joined(prompt, tokenRun(20, 5)), 1);
+  Seq consumer(concatenated(prompt, tokenRun(20, 5)), 1);
   std::vector<int32_t> starts;
   Handle handle = rig.admit({&consumer}, &starts);
   EXPECT_EQ(starts, std::vector<int32_t>{129});
@@ -248,7 +248,7 @@ TEST_P(HybridCoordinatorTest, AFailedCaptureSynchronisationPoisonsAndQuarantines
     Handle handle = rig.admit({&producer});
     ASSERT_EQ(rig.prefill(handle, {&producer}), kOk);
     int32_t const freeRecurrent = rig.freeSlots(kRecurrent);
-    rig.sync->failures = 1;
+    rig.sync.failNext();
     EXPECT_EQ(rig.decode(handle, {&producer}, {0}), ContextCacheStatus::kPoisoned);
     EXPECT_FALSE(handle.valid());
     EXPECT_TRUE(rig.coordinator->poisoned());

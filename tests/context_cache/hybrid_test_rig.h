@@ -38,8 +38,7 @@ class HybridRig {
  public:
   explicit HybridRig(DeviceType device, HybridRigOptions rigOptions = {})
       : options(rigOptions),
-        recurrent(recurrentConfig(device, rigOptions)),
-        sync(std::make_shared<SyncScript>()) {
+        recurrent(recurrentConfig(device, rigOptions)) {
     if (options.attention) {
       RigOptions kv;
       kv.pageSize = options.pageSize;
@@ -51,7 +50,7 @@ class HybridRig {
       oracle.emplace(*pool, *table);
     }
     coordinator.emplace(cacheConfig(), profile(), resources(), nullptr,
-                        CoordinatorRig::scriptedSynchronizer(device, sync));
+                        sync.synchronizer(device));
   }
   /// Drains what a failed test may have left quarantined (the coordinator would terminate).
   ~HybridRig() { (void)coordinator->shutdown(); }
@@ -204,7 +203,7 @@ class HybridRig {
   std::optional<KVPageTable> table;
   std::optional<testing::KvOracle> oracle;
   RecurrentStatePool recurrent;
-  std::shared_ptr<SyncScript> sync;
+  SyncFaults sync;  ///< the coordinator's synchroniser
   std::optional<ContextCacheCoordinator> coordinator;
 
  private:

@@ -19,7 +19,7 @@
 
 #include "mkv/kv_cache_runtime.h"
 #include "mkv/testing/reference_engine.h"
-#include "test_inputs.h"
+#include "support/test_inputs.h"
 
 namespace mkv::test {
 namespace {

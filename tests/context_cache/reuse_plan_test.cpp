@@ -9,7 +9,7 @@ namespace mkv {
 namespace {
 
 using test::captureState;
-using test::iotaTokens;
+using test::tokenRun;
 using test::publishCheckpointOf;
 using test::publishCold;
 using test::viewOf;
@@ -35,7 +35,7 @@ class ReusePlanTest : public ::testing::Test {
 };
 
 TEST_F(ReusePlanTest, MissAllocatesEveryInputPage) {
-  std::vector<int32_t> const tokens = iotaTokens(9);
+  std::vector<int32_t> const tokens = tokenRun(9, 0);
   ReusePlan const plan = makeVanillaReusePlan(index(), blocksOf(tokens), kUse);
   EXPECT_EQ(plan.kind, ReusePlanKind::kNoReusablePrefix);
   EXPECT_EQ(plan.reuseTokenLength, 0);
@@ -45,9 +45,9 @@ TEST_F(ReusePlanTest, MissAllocatesEveryInputPage) {
 }
 
 TEST_F(ReusePlanTest, FullBlocksReuseAndPartialTailGetsPrivatePage) {
-  std::vector<int32_t> const prompt = iotaTokens(8);
+  std::vector<int32_t> const prompt = tokenRun(8, 0);
   publishCold(mManager, prompt);
-  std::vector<int32_t> const longer = test::concat(prompt, {100, 101});
+  std::vector<int32_t> const longer = test::concatenated(prompt, {100, 101});
   ReusePlan const plan = makeVanillaReusePlan(index(), blocksOf(longer), kUse);
   EXPECT_EQ(plan.kind, ReusePlanKind::kStandard);
   EXPECT_EQ(plan.matchedTokenLength, 8);
@@ -63,7 +63,7 @@ TEST_F(ReusePlanTest, FullBlocksReuseAndPartialTailGetsPrivatePage) {
 }
 
 TEST_F(ReusePlanTest, MatchStopsBeforeAnIndexHole) {
-  std::vector<int32_t> const prompt = iotaTokens(12);
+  std::vector<int32_t> const prompt = tokenRun(12, 0);
   publishCold(mManager, prompt);
   std::vector<int32_t> holed = prompt;
   holed[5] = -1;  // block 1 differs; block 2 is identical text but chained on another parent
@@ -74,7 +74,7 @@ TEST_F(ReusePlanTest, MatchStopsBeforeAnIndexHole) {
 }
 
 TEST_F(ReusePlanTest, ExactBlockAlignedInputRewindsOneFullPage) {
-  std::vector<int32_t> const prompt = iotaTokens(8);
+  std::vector<int32_t> const prompt = tokenRun(8, 0);
   publishCold(mManager, prompt);
   ReusePlan const plan = makeVanillaReusePlan(index(), blocksOf(prompt), kUse);
   EXPECT_EQ(plan.kind, ReusePlanKind::kFullInputRewind);
@@ -82,7 +82,7 @@ TEST_F(ReusePlanTest, ExactBlockAlignedInputRewindsOneFullPage) {
   EXPECT_EQ(plan.reuseTokenLength, 4) << "the last token must be recomputed for logits";
   EXPECT_EQ(plan.basePageBindings.size(), 1U);
   EXPECT_EQ(plan.demand.baseKvPages, 1);
-  std::vector<int32_t> const onePage = iotaTokens(4);
+  std::vector<int32_t> const onePage = tokenRun(4, 0);
   ReusePlan const single = makeVanillaReusePlan(index(), blocksOf(onePage), kUse);
   EXPECT_EQ(single.kind, ReusePlanKind::kFullInputRewind);
   EXPECT_EQ(single.reuseTokenLength, 0);
@@ -90,7 +90,7 @@ TEST_F(ReusePlanTest, ExactBlockAlignedInputRewindsOneFullPage) {
 }
 
 TEST_F(ReusePlanTest, HybridPlanningRequiresOneCompleteExactCheckpoint) {
-  std::vector<int32_t> const prompt = iotaTokens(10);
+  std::vector<int32_t> const prompt = tokenRun(10, 0);
   ASSERT_EQ(publishCheckpointOf(mManager, prompt, 6).status, PublishStatus::kPublished);
   ASSERT_EQ(publishCheckpointOf(mManager, prompt, 8).status, PublishStatus::kPublished);
 
@@ -102,7 +102,7 @@ TEST_F(ReusePlanTest, HybridPlanningRequiresOneCompleteExactCheckpoint) {
   EXPECT_FALSE(longest.partialKvSnapshotBinding.has_value()) << "page-aligned checkpoint";
   EXPECT_EQ(longest.demand.baseKvPages, 1);
 
-  std::vector<int32_t> const seven = iotaTokens(7);
+  std::vector<int32_t> const seven = tokenRun(7, 0);
   ReusePlan const mid = makeHybridReusePlan(index(), records(), blocksOf(seven), true, kUse);
   EXPECT_EQ(mid.reuseTokenLength, 6);
   EXPECT_EQ(mid.matchedBlockDigests.size(), 1U);
@@ -110,7 +110,7 @@ TEST_F(ReusePlanTest, HybridPlanningRequiresOneCompleteExactCheckpoint) {
   EXPECT_EQ(mid.hybridCheckpoint->exactLength, 6);
   EXPECT_EQ(mid.demand.baseKvPages, 1);
 
-  std::vector<int32_t> const six = iotaTokens(6);
+  std::vector<int32_t> const six = tokenRun(6, 0);
   EXPECT_EQ(makeHybridReusePlan(index(), records(), blocksOf(six), true, kUse).reuseTokenLength, 0)
       << "a checkpoint equal to the input is not reused";
   std::vector<int32_t> diverged = prompt;
@@ -120,7 +120,7 @@ TEST_F(ReusePlanTest, HybridPlanningRequiresOneCompleteExactCheckpoint) {
 }
 
 TEST_F(ReusePlanTest, HybridMtpPlanningBindsBaseAndDraftAtExactCheckpoint) {
-  std::vector<int32_t> const prompt = iotaTokens(11);
+  std::vector<int32_t> const prompt = tokenRun(11, 0);
   ASSERT_EQ(publishCheckpointOf(mManager, prompt, 9, ReuseMode::kHybridMtp).status,
             PublishStatus::kPublished);
   ReusePlan const plan = makeHybridMtpReusePlan(index(), records(), blocksOf(prompt), kUse);
@@ -134,7 +134,7 @@ TEST_F(ReusePlanTest, HybridMtpPlanningBindsBaseAndDraftAtExactCheckpoint) {
   // An aligned MTP checkpoint keeps its boundary token private too: 8 -> one full block.
   ASSERT_EQ(publishCheckpointOf(mManager, prompt, 8, ReuseMode::kHybridMtp).status,
             PublishStatus::kPublished);
-  std::vector<int32_t> const nine = iotaTokens(9);
+  std::vector<int32_t> const nine = tokenRun(9, 0);
   ReusePlan const aligned = makeHybridMtpReusePlan(index(), records(), blocksOf(nine), kUse);
   EXPECT_EQ(aligned.reuseTokenLength, 8);
   EXPECT_EQ(aligned.basePageBindings.size(), 1U);
@@ -145,7 +145,7 @@ TEST_F(ReusePlanTest, HybridMtpPlanningBindsBaseAndDraftAtExactCheckpoint) {
 }
 
 TEST_F(ReusePlanTest, HybridMtpPlanningSkipsRecordWithoutDraftPath) {
-  std::vector<int32_t> const prompt = iotaTokens(11);
+  std::vector<int32_t> const prompt = tokenRun(11, 0);
   ASSERT_EQ(publishCheckpointOf(mManager, prompt, 9, ReuseMode::kHybrid).status,
             PublishStatus::kPublished);
   ReusePlan const plan = makeHybridMtpReusePlan(index(), records(), blocksOf(prompt), kUse);
@@ -156,7 +156,7 @@ TEST_F(ReusePlanTest, HybridMtpPlanningSkipsRecordWithoutDraftPath) {
 
 TEST_F(ReusePlanTest, PureRecurrentPlanningNeedsNoPages) {
   ContextCacheManager recurrent(kPage, ResourceDemand{0, 0, 2, 0}, 4);
-  std::vector<int32_t> const prompt = iotaTokens(7);
+  std::vector<int32_t> const prompt = tokenRun(7, 0);
   ASSERT_EQ(publishCheckpointOf(recurrent, prompt, 5, ReuseMode::kHybrid, false).status,
             PublishStatus::kPublished);
   ReusePlan const plan = makeHybridReusePlan(recurrent.index(), recurrent.records(),
@@ -168,12 +168,12 @@ TEST_F(ReusePlanTest, PureRecurrentPlanningNeedsNoPages) {
 }
 
 TEST_F(ReusePlanTest, PlanningDoesNotChangePoolRefsOrRecordRecency) {
-  std::vector<int32_t> const prompt = iotaTokens(12);
+  std::vector<int32_t> const prompt = tokenRun(12, 0);
   publishCold(mManager, prompt, ReuseMode::kSpec);
   publishCheckpointOf(mManager, prompt, 6);
-  publishCold(mManager, iotaTokens(8, 100));
+  publishCold(mManager, tokenRun(8, 100));
   test::ManagerState const before = captureState(mManager);
-  std::vector<int32_t> const longer = test::concat(prompt, {1});  // blocks view its tokens
+  std::vector<int32_t> const longer = test::concatenated(prompt, {1});  // blocks view its tokens
   PromptBlocks const blocks = blocksOf(longer);
   (void)makeVanillaReusePlan(index(), blocks, kUse);
   (void)makeHybridReusePlan(index(), records(), blocks, true, kUse);
@@ -186,9 +186,9 @@ TEST_F(ReusePlanTest, PlanningDoesNotChangePoolRefsOrRecordRecency) {
 }
 
 TEST_F(ReusePlanTest, SpecPlanningIgnoresBaseOnlyHits) {
-  std::vector<int32_t> const prompt = iotaTokens(12);
+  std::vector<int32_t> const prompt = tokenRun(12, 0);
   publishCold(mManager, prompt);  // vanilla producer: base-only record
-  std::vector<int32_t> const longer = test::concat(prompt, {7});
+  std::vector<int32_t> const longer = test::concatenated(prompt, {7});
   ReusePlan const plan = makeSpecReusePlan(index(), records(), blocksOf(longer), kEagle, kUse);
   EXPECT_EQ(plan.kind, ReusePlanKind::kNoReusablePrefix);
   EXPECT_EQ(plan.reuseTokenLength, 0);
@@ -202,9 +202,9 @@ TEST_F(ReusePlanTest, SpecPlanningIgnoresBaseOnlyHits) {
 }
 
 TEST_F(ReusePlanTest, SpecPlanningUsesOneCoherentPathAndOneFullPageReplay) {
-  std::vector<int32_t> const prompt = iotaTokens(12);
+  std::vector<int32_t> const prompt = tokenRun(12, 0);
   RecordId const producer = publishCold(mManager, prompt, ReuseMode::kSpec);
-  std::vector<int32_t> const longer = test::concat(prompt, {7, 8});
+  std::vector<int32_t> const longer = test::concatenated(prompt, {7, 8});
   PromptBlocks const blocks = blocksOf(longer);
   ReusePlan const plan = makeSpecReusePlan(index(), records(), blocks, kEagle, kUse);
   CacheRecord const* record = records().get(producer);
@@ -231,7 +231,7 @@ TEST_F(ReusePlanTest, SpecPlanningUsesOneCoherentPathAndOneFullPageReplay) {
 }
 
 TEST_F(ReusePlanTest, SpecPlanningExactInputRewindsOneFullPage) {
-  std::vector<int32_t> const prompt = iotaTokens(8);
+  std::vector<int32_t> const prompt = tokenRun(8, 0);
   publishCold(mManager, prompt, ReuseMode::kSpec);
   ReusePlan const plan = makeSpecReusePlan(index(), records(), blocksOf(prompt), kEagle, kUse);
   EXPECT_EQ(plan.kind, ReusePlanKind::kFullInputRewind);
@@ -244,9 +244,9 @@ TEST_F(ReusePlanTest, SpecPlanningExactInputRewindsOneFullPage) {
 }
 
 TEST_F(ReusePlanTest, CoverageRaisesOnlyThePrivateDemand) {
-  std::vector<int32_t> const prompt = iotaTokens(8);
+  std::vector<int32_t> const prompt = tokenRun(8, 0);
   publishCold(mManager, prompt);
-  ReusePlan plan = makeVanillaReusePlan(index(), blocksOf(test::concat(prompt, {1})), kUse);
+  ReusePlan plan = makeVanillaReusePlan(index(), blocksOf(test::concatenated(prompt, {1})), kUse);
   ASSERT_EQ(plan.demand.baseKvPages, 1);
   requireKvPageCoverage(plan, kPage, 9 + 1, 0);
   EXPECT_EQ(plan.demand.baseKvPages, 1) << "10 tokens still fit 3 pages";
@@ -258,7 +258,7 @@ TEST_F(ReusePlanTest, CoverageRaisesOnlyThePrivateDemand) {
 }
 
 TEST_F(ReusePlanTest, ClassifyingAPartialHitsMissTakesOneContentStepNotAWalk) {
-  std::vector<int32_t> const published = iotaTokens(6 * kPage);
+  std::vector<int32_t> const published = tokenRun(6 * kPage, 0);
   publishCold(mManager, published);
   std::vector<int32_t> query = published;
   query[4 * kPage] = -7;  // blocks 0-3 hit, block 4 differs
@@ -286,7 +286,7 @@ TEST_F(ReusePlanTest, ClassifyingAPartialHitsMissTakesOneContentStepNotAWalk) {
 }
 
 TEST_F(ReusePlanTest, RejectsBlocksOfAnotherPageSize) {
-  std::vector<int32_t> const prompt = iotaTokens(8);
+  std::vector<int32_t> const prompt = tokenRun(8, 0);
   PromptBlocks const other = hashPromptBlocks(viewOf(prompt), 2);
   EXPECT_THROW(makeVanillaReusePlan(index(), other, kUse), Error);
   EXPECT_THROW(makeSpecReusePlan(index(), records(), other, kEagle, kUse), Error);

@@ -46,7 +46,7 @@ TEST_P(SpeculativeCoordinatorTest, FirstVerificationPublishesThePairAndTheNextRe
 
   // Same 300 tokens, then another continuation: the draft row 255 depends on token 256, the
   // producer's, so the path's last page is replayed and reuse starts at 128.
-  Seq consumer(joined(tokenRun(300, 1), tokenRun(40, 9000)), 1);
+  Seq consumer(concatenated(tokenRun(300, 1), tokenRun(40, 9000)), 1);
   std::vector<int32_t> starts;
   Handle next = rig.admit({&consumer}, true, &starts);
   EXPECT_EQ(starts, std::vector<int32_t>{128});
@@ -65,9 +65,9 @@ TEST_P(SpeculativeCoordinatorTest, AnAbandonedSpeculativeRequestPublishesNothing
   {
     Handle handle = rig.admit({&producer}, true);
     ASSERT_EQ(rig.prefill(handle, {&producer}, true), kOk);
-    int32_t const syncs = rig.sync->calls;
+    int64_t const syncs = rig.sync.calls();
     handle = Handle{};  // abandoned before the first verification round
-    EXPECT_EQ(rig.sync->calls, syncs + 1) << "the draft initialisation is waited for";
+    EXPECT_EQ(rig.sync.calls(), syncs + 1) << "the draft initialisation is waited for";
   }
   EXPECT_TRUE(rig.records().empty());
   EXPECT_EQ(rig.coordinator->activeRequestCount(), 0);
@@ -79,9 +79,9 @@ TEST_P(SpeculativeCoordinatorTest, WithoutARoundThePromptEndpointIsPublishedAfte
   Seq viaFinish(tokenRun(200, 1), 0);
   Handle handle = rig.admit({&viaFinish}, true);
   ASSERT_EQ(rig.prefill(handle, {&viaFinish}, true), kOk);
-  int32_t syncs = rig.sync->calls;
+  int64_t syncs = rig.sync.calls();
   ASSERT_EQ(rig.coordinator->finish(handle), kOk);
-  EXPECT_EQ(rig.sync->calls, syncs + 1);
+  EXPECT_EQ(rig.sync.calls(), syncs + 1);
   EXPECT_EQ(rig.records().size(), 1u);
 
   Seq viaCompaction(tokenRun(200, 5000), 1);
@@ -90,9 +90,9 @@ TEST_P(SpeculativeCoordinatorTest, WithoutARoundThePromptEndpointIsPublishedAfte
   Tensor mapping({2}, DataType::kInt32, device());
   std::vector<int32_t> const drop{-1};
   rig.coordinator->beginBatchCompaction(other, drop, 0, mapping);
-  syncs = rig.sync->calls;
+  syncs = rig.sync.calls();
   ASSERT_EQ(rig.coordinator->compactBatch(other), kOk);
-  EXPECT_EQ(rig.sync->calls, syncs + 1) << "the compaction's own synchronisation";
+  EXPECT_EQ(rig.sync.calls(), syncs + 1) << "the compaction's own synchronisation";
   EXPECT_EQ(rig.records().size(), 2u);
   EXPECT_EQ(readAs<int32_t>(rig.draftTable->deviceTable())[4], kNoPage)
       << "the dropped row's draft entries are cleared";
@@ -127,7 +127,7 @@ TEST_P(SpeculativeCoordinatorTest, VanillaRequestsReuseTheBaseSideAndSpecPlansIg
   int32_t const freeDraft = rig.pools().freeCount(kDraft);
   std::vector<int32_t> const draftTable = readAs<int32_t>(rig.draftTable->deviceTable());
 
-  Seq vanilla(joined(tokenRun(300, 1), tokenRun(10, 7000)), 1);
+  Seq vanilla(concatenated(tokenRun(300, 1), tokenRun(10, 7000)), 1);
   std::vector<int32_t> starts;
   Handle plain = rig.admit({&vanilla}, false, &starts);
   EXPECT_EQ(starts, std::vector<int32_t>{256}) << "no replay: the base KV needs no successor";
@@ -242,7 +242,7 @@ TEST_P(HybridMtpCoordinatorTest, EndpointReuseRestoresThePairedStateAndTheBounda
   EXPECT_EQ(rig.records().size(), 1u) << "kPrefillStateOnly: no decode-end checkpoint";
   ASSERT_EQ(rig.coordinator->finish(handle), kOk);
 
-  Seq consumer(joined(tokenRun(129, 100), tokenRun(11, 7)), 1);
+  Seq consumer(concatenated(tokenRun(129, 100), tokenRun(11, 7)), 1);
   std::vector<int32_t> starts;
   Handle next = rig.admit({&consumer}, true, &starts);
   EXPECT_EQ(starts, std::vector<int32_t>{129});
@@ -268,7 +268,7 @@ TEST_P(HybridMtpCoordinatorTest, ThePreparedDraftLengthLeavesTheBoundaryRowToRec
   EXPECT_EQ(rig.records().front().basePagePath.size(), 1u)
       << "page-aligned: the boundary page is a full private page";
 
-  Seq consumer(joined(tokenRun(256, 100), tokenRun(30, 7)), 1);
+  Seq consumer(concatenated(tokenRun(256, 100), tokenRun(30, 7)), 1);
   std::vector<int32_t> starts;
   Handle next = rig.admit({&consumer}, true, &starts);
   EXPECT_EQ(starts, std::vector<int32_t>{256});
@@ -288,7 +288,7 @@ TEST_P(HybridMtpCoordinatorTest, AVanillaRequestRestoresOnlyTheBaseHybridState) 
   ASSERT_EQ(rig.coordinator->finish(handle), kOk);
   int32_t const freeDraft = rig.pools().freeCount(kDraft);
 
-  Seq vanilla(joined(tokenRun(129, 100), {5}), 1);
+  Seq vanilla(concatenated(tokenRun(129, 100), {5}), 1);
   std::vector<int32_t> starts;
   Handle plain = rig.admit({&vanilla}, false, &starts);
   EXPECT_EQ(starts, std::vector<int32_t>{129});
@@ -332,7 +332,7 @@ TEST_P(HybridMtpCoordinatorTest, GuardsSkipAndMisuseThrowsWithoutChangingAnythin
       [&] { rig.coordinator->restoreHybridMtpBoundaryHidden(handle, 0, restored, 0); },
       {"restoreHybridMtpBoundaryHidden", "slot 0 restored no Hybrid-MTP checkpoint (reuse 0)"}));
   int32_t const freeRecurrent = rig.pools().freeCount(ResourceType::kRecurrentSnapshot);
-  int32_t const syncs = rig.sync->calls;
+  int64_t const syncs = rig.sync.calls();
   auto publish = [&](int32_t length, Tensor const& states, int32_t row) {
     return [&, length, row] {
       (void)rig.coordinator->publishHybridMtpEndpoint(handle, 0, length, states, row);
@@ -346,7 +346,7 @@ TEST_P(HybridMtpCoordinatorTest, GuardsSkipAndMisuseThrowsWithoutChangingAnythin
       [&] { (void)rig.coordinator->publishHybridMtpEndpoint(handle, 1, 40, hidden, 39); },
       {"slot 1 outside the batch of 1"}));
   EXPECT_EQ(rig.coordinator->publishHybridMtpEndpoint(handle, 0, 0, hidden, 0), kOk);
-  EXPECT_EQ(rig.sync->calls, syncs);
+  EXPECT_EQ(rig.sync.calls(), syncs);
   EXPECT_EQ(rig.pools().freeCount(ResourceType::kRecurrentSnapshot), freeRecurrent);
   EXPECT_TRUE(rig.records().empty());
   ASSERT_EQ(rig.coordinator->finish(handle), kOk);
@@ -368,7 +368,7 @@ TEST_P(HybridMtpCoordinatorTest, AFailedEndpointSynchronisationPoisonsAndQuarant
   Seq producer(tokenRun(129, 100), 0);
   {
     Handle handle = rig.admit({&producer}, true);
-    rig.sync->failures = 1;
+    rig.sync.failNext();
     EXPECT_EQ(rig.mtpPrefill(handle, producer), ContextCacheStatus::kPoisoned);
     EXPECT_FALSE(handle.valid());
     EXPECT_EQ(rig.coordinator->quarantinedRequestCount(), 1);
@@ -409,7 +409,7 @@ TEST_P(HybridMtpCoordinatorTest, ABaseOnlyCheckpointAndAnEndpointOfOneLengthCoex
   ASSERT_EQ(rig.coordinator->finish(handle), kOk);
   EXPECT_EQ(rig.coordinator->counters().hybridMtpPublications, 1u);
   ASSERT_EQ(rig.records().size(), 2u);
-  Seq consumer(joined(tokenRun(129, 100), tokenRun(11, 7)), 0);
+  Seq consumer(concatenated(tokenRun(129, 100), tokenRun(11, 7)), 0);
   std::vector<int32_t> starts;
   Handle next = rig.admit({&consumer}, true, &starts);
   EXPECT_EQ(starts, std::vector<int32_t>{129});
@@ -438,7 +438,7 @@ TEST_P(HybridMtpCoordinatorTest, AnEndpointDoesNotBlockABaseOnlyCheckpointOfOneL
   ASSERT_EQ(rig.prefill(plain, {&vanilla}, false), kOk);
   ASSERT_EQ(rig.coordinator->finish(plain), kOk);
   EXPECT_EQ(rig.records().size(), 2u);
-  Seq consumer(joined(tokenRun(256, 100), {5}), 0);
+  Seq consumer(concatenated(tokenRun(256, 100), {5}), 0);
   std::vector<int32_t> starts;
   Handle next = rig.admit({&consumer}, false, &starts);
   EXPECT_EQ(starts, std::vector<int32_t>{256});
@@ -454,18 +454,18 @@ TEST_P(HybridMtpCoordinatorTest, AnEndpointBelowTheRestoredLengthThrowsAndChange
   ASSERT_EQ(rig.mtpPrefill(handle, producer), kOk);
   ASSERT_EQ(rig.coordinator->finish(handle), kOk);
 
-  Seq consumer(joined(tokenRun(129, 100), tokenRun(71, 7)), 1);
+  Seq consumer(concatenated(tokenRun(129, 100), tokenRun(71, 7)), 1);
   std::vector<int32_t> starts;
   Handle next = rig.admit({&consumer}, true, &starts);
   ASSERT_EQ(starts, std::vector<int32_t>{129});
   rig.coordinator->preparePrefill(next);
   Tensor hidden = rig.hiddenStates(consumer, 129, 200);
   int32_t const freeRecurrent = rig.pools().freeCount(ResourceType::kRecurrentSnapshot);
-  int32_t const syncs = rig.sync->calls;
+  int64_t const syncs = rig.sync.calls();
   EXPECT_TRUE(throwsError(
       [&] { (void)rig.coordinator->publishHybridMtpEndpoint(next, 0, 100, hidden, 0); },
       {"publishHybridMtpEndpoint", "residentStateLength 100", "129"}));
-  EXPECT_EQ(rig.sync->calls, syncs);
+  EXPECT_EQ(rig.sync.calls(), syncs);
   EXPECT_EQ(rig.pools().freeCount(ResourceType::kRecurrentSnapshot), freeRecurrent);
   EXPECT_EQ(rig.records().size(), 1u);
   EXPECT_EQ(rig.coordinator->counters().hybridMtpPublications, 1u);

@@ -66,8 +66,7 @@ class SpecRig {
         pool(CoordinatorRig::poolConfig(deviceType, kvOptions(rigOptions, rigOptions.numPages))),
         table(rigOptions.maxBatch, rigOptions.maxPagesPerSeq, rigOptions.numPages,
               PageTableMode::kDense, deviceType),
-        oracle(pool, table),
-        sync(std::make_shared<SyncScript>()) {
+        oracle(pool, table) {
     if (options.contract.pagedSpecState) {
       draftPool.emplace(
           CoordinatorRig::poolConfig(device, kvOptions(rigOptions, rigOptions.numDraftPages)));
@@ -82,7 +81,7 @@ class SpecRig {
       recurrentOracle.emplace(*recurrent);
     }
     coordinator.emplace(cacheConfig(), profile(), resources(), nullptr,
-                        CoordinatorRig::scriptedSynchronizer(device, sync));
+                        sync.synchronizer(device));
   }
   ~SpecRig() { (void)coordinator->shutdown(); }
   SpecRig(SpecRig const&) = delete;
@@ -322,7 +321,7 @@ class SpecRig {
   std::optional<testing::KvOracle> draftOracle;
   std::optional<RecurrentStatePool> recurrent;
   std::optional<testing::RecurrentOracle> recurrentOracle;
-  std::shared_ptr<SyncScript> sync;
+  SyncFaults sync;  ///< the coordinator's synchroniser
   std::optional<ContextCacheCoordinator> coordinator;
 };
 

@@ -6,7 +6,7 @@
 #include <random>
 #include <utility>
 
-#include "test_util.h"
+#include "support/test_util.h"
 
 namespace mkv {
 namespace {

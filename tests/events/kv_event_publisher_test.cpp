@@ -13,8 +13,8 @@
 #define MSGPACK_NO_BOOST
 #include <msgpack.hpp>
 
-#include "prometheus_text_parser.h"
-#include "test_util.h"
+#include "support/prometheus_text_parser.h"
+#include "support/test_util.h"
 
 namespace mkv {
 namespace {

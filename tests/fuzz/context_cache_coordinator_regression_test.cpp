@@ -12,8 +12,11 @@
 #include "mkv/context_cache/context_cache_coordinator.h"
 #include "mkv/error.h"
 #include "mkv/kv_cache_runtime.h"
+#include "support/sync_faults.h"
+#include "support/token_runs.h"
 
 namespace mkv {
+using test::tokenRun;
 namespace {
 
 constexpr int32_t kPage = 16;
@@ -34,10 +37,7 @@ struct Rig {
     config.numPages = pages;
     config.contextReuse = true;
     config.deviceType = DeviceType::kCPU;
-    config.synchronizer = [calls = syncCalls](cudaStream_t) {
-      ++*calls;
-      return cudaSuccess;
-    };
+    config.synchronizer = syncs.synchronizer();
     runtime = KVCacheRuntime::create(config);
   }
   ~Rig() { (void)runtime->shutdown(); }
@@ -80,15 +80,9 @@ struct Rig {
     return stale;
   }
 
-  std::shared_ptr<int64_t> syncCalls = std::make_shared<int64_t>(0);
+  test::SyncFaults syncs;  ///< counts the synchronisations (none fails)
   std::unique_ptr<KVCacheRuntime> runtime;
 };
-
-std::vector<int32_t> tokens(int32_t count, int32_t first = 100) {
-  std::vector<int32_t> out(static_cast<std::size_t>(count));
-  std::iota(out.begin(), out.end(), first);
-  return out;
-}
 
 int32_t const kToken = 7;
 
@@ -98,7 +92,7 @@ int32_t const kToken = 7;
 TEST(ContextCacheCoordinatorRegressionTest, FinalizePrefillDuringADecodeStepThrows) {
   Rig rig;
   ContextCacheCoordinator& coordinator = rig.coordinator();
-  Handle handle = rig.admit({tokens(20)}, DecodingTokenStateContract::kFullyCommitted);
+  Handle handle = rig.admit({tokenRun(20, 100)}, DecodingTokenStateContract::kFullyCommitted);
   coordinator.preparePrefill(handle);
   std::vector<ContextCacheSequenceAdvance> const prefill{{nullptr, 0, 20}};
   ASSERT_EQ(coordinator.finalizePrefillPublication(handle, prefill), ContextCacheStatus::kOk);
@@ -108,9 +102,9 @@ TEST(ContextCacheCoordinatorRegressionTest, FinalizePrefillDuringADecodeStepThro
   std::vector<ContextCacheSequenceAdvance> const step{{&kToken, 1, 21}};
   EXPECT_EQ(coordinator.completeDecodeStep(handle, step, {}), ContextCacheStatus::kOk);
   ASSERT_EQ(coordinator.prepareDecodeStep(handle, kVanilla), ContextCacheStatus::kOk);
-  int64_t const before = *rig.syncCalls;
+  int64_t const before = rig.syncs.calls();
   EXPECT_EQ(coordinator.finish(handle), ContextCacheStatus::kOk);
-  EXPECT_EQ(*rig.syncCalls, before + 1);
+  EXPECT_EQ(rig.syncs.calls(), before + 1);
 }
 
 /// Found by the fuzzer: with a reused prefix one token shorter than the prompt, a vanilla decode
@@ -120,7 +114,7 @@ TEST(ContextCacheCoordinatorRegressionTest, CompleteDecodeStepDuringAPrefillThro
   Rig rig;
   ContextCacheCoordinator& coordinator = rig.coordinator();
   {  // publish the first page of the prompt
-    Handle first = rig.admit({tokens(kPage)});
+    Handle first = rig.admit({tokenRun(kPage, 100)});
     coordinator.preparePrefill(first);
     std::vector<ContextCacheSequenceAdvance> const prefill{{&kToken, 1, kPage}};
     ASSERT_EQ(coordinator.finalizePrefillPublication(first, prefill), ContextCacheStatus::kOk);
@@ -128,8 +122,8 @@ TEST(ContextCacheCoordinatorRegressionTest, CompleteDecodeStepDuringAPrefillThro
     rig.runtime->residentSlots().release({0, 1});
   }
   std::vector<int32_t> starts;
-  Handle handle = rig.admit({tokens(kPage + 1)}, DecodingTokenStateContract::kCommittedPlusLookahead,
-                            &starts);
+  Handle handle = rig.admit({tokenRun(kPage + 1, 100)},
+                            DecodingTokenStateContract::kCommittedPlusLookahead, &starts);
   ASSERT_EQ(starts, std::vector<int32_t>{kPage});  // the page is reused, one token to compute
   coordinator.preparePrefill(handle);
   std::vector<ContextCacheSequenceAdvance> const decodeLike{{&kToken, 1, kPage + 1}};
@@ -144,7 +138,7 @@ TEST(ContextCacheCoordinatorRegressionTest, CompleteDecodeStepDuringAPrefillThro
 TEST(ContextCacheCoordinatorRegressionTest, PrefillCapturesOutsideThePrefillThrow) {
   Rig rig;
   ContextCacheCoordinator& coordinator = rig.coordinator();
-  Handle handle = rig.admit({tokens(20), tokens(5, 300)});
+  Handle handle = rig.admit({tokenRun(20, 100), tokenRun(5, 300)});
   EXPECT_THROW(coordinator.enqueuePrefillCaptures(handle), Error);  // before preparePrefill
   coordinator.preparePrefill(handle);
   EXPECT_NO_THROW(coordinator.enqueuePrefillCaptures(handle));
@@ -168,12 +162,12 @@ TEST(ContextCacheCoordinatorRegressionTest, PrefillCapturesOutsideThePrefillThro
 TEST(ContextCacheCoordinatorRegressionTest, RetractDuringADecodeStepThrowsAndKeepsThePages) {
   Rig rig;
   ContextCacheCoordinator& coordinator = rig.coordinator();
-  Handle handle = rig.admit({tokens(20)});
+  Handle handle = rig.admit({tokenRun(20, 100)});
   coordinator.preparePrefill(handle);
   std::vector<ContextCacheSequenceAdvance> const prefill{{&kToken, 1, 20}};
   ASSERT_EQ(coordinator.finalizePrefillPublication(handle, prefill), ContextCacheStatus::kOk);
   ContextCacheSequenceAdmission joiner;
-  joiner.tokenIds = tokens(30, 500);
+  joiner.tokenIds = tokenRun(30, 500);
   joiner.resident = *rig.runtime->residentSlots().acquire();
   ASSERT_EQ(coordinator.admitSequence(handle, joiner, kVanilla).status, ContextCacheStatus::kOk);
   ASSERT_EQ(coordinator.prepareDecodeStep(handle, kVanilla), ContextCacheStatus::kOk);
@@ -214,12 +208,12 @@ TEST(ContextCacheCoordinatorRegressionTest, RetractDuringADecodeStepThrowsAndKee
 TEST(ContextCacheCoordinatorRegressionTest, InFlightAdmissionIntoAFullyCommittedRequestThrows) {
   Rig rig;
   ContextCacheCoordinator& coordinator = rig.coordinator();
-  Handle handle = rig.admit({tokens(20)}, DecodingTokenStateContract::kFullyCommitted);
+  Handle handle = rig.admit({tokenRun(20, 100)}, DecodingTokenStateContract::kFullyCommitted);
   coordinator.preparePrefill(handle);
   std::vector<ContextCacheSequenceAdvance> const prefill{{nullptr, 0, 20}};
   ASSERT_EQ(coordinator.finalizePrefillPublication(handle, prefill), ContextCacheStatus::kOk);
   ContextCacheSequenceAdmission joiner;
-  joiner.tokenIds = tokens(10, 500);
+  joiner.tokenIds = tokenRun(10, 500);
   joiner.resident = *rig.runtime->residentSlots().acquire();
   int32_t const freeBefore =
       coordinator.manager().pools().freeCount(ResourceType::kBaseKvPage);
@@ -236,7 +230,7 @@ TEST(ContextCacheCoordinatorRegressionTest, InFlightAdmissionIntoAFullyCommitted
 TEST(ContextCacheCoordinatorRegressionTest, GrowthRefusedAtTheRowWidthUploadsEarlierGrowth) {
   Rig rig(/*pagesPerRow=*/2);
   ContextCacheCoordinator& coordinator = rig.coordinator();
-  Handle handle = rig.admit({tokens(15), tokens(31, 300)});
+  Handle handle = rig.admit({tokenRun(15, 100), tokenRun(31, 300)});
   coordinator.preparePrefill(handle);
   std::vector<ContextCacheSequenceAdvance> const prefill{{&kToken, 1, 15}, {&kToken, 1, 31}};
   ASSERT_EQ(coordinator.finalizePrefillPublication(handle, prefill), ContextCacheStatus::kOk);

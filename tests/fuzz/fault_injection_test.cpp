@@ -47,6 +47,9 @@
 #include "mkv/logging.h"
 #include "mkv/managed_kv_cache_request.h"
 #include "mkv/testing/reference_engine.h"
+#include "support/backend_snapshot.h"
+#include "support/sync_faults.h"
+#include "support/token_runs.h"
 
 // AddressSanitizer replaces operator new itself (GCC defines __SANITIZE_ADDRESS__, clang reports
 // it through __has_feature).
@@ -94,20 +97,12 @@ void operator delete[](void* p, std::size_t) noexcept { ::operator delete(p); }
 namespace mkv::fuzz {
 namespace {
 
+using test::concatenated;
+using test::tokenRun;
+
 constexpr int32_t kPage = 16;
 constexpr cudaStream_t kStream = nullptr;
 constexpr DecodingKvHeadroom kVanilla{1, 0};
-
-std::vector<int32_t> tokens(int32_t count, int32_t first) {
-  std::vector<int32_t> result(static_cast<std::size_t>(count));
-  std::iota(result.begin(), result.end(), first);
-  return result;
-}
-
-std::vector<int32_t> concat(std::vector<int32_t> a, std::vector<int32_t> const& b) {
-  a.insert(a.end(), b.begin(), b.end());
-  return a;
-}
 
 /// Runs `call` as a call into the library under test: the armed allocation may fail inside.
 template <typename Call>
@@ -118,40 +113,7 @@ decltype(auto) library(Call&& call) {
 
 // ---------------------------------------------------------------- the rig
 
-/// Everything a failed call must leave as it was.
-struct State {
-  bool poisoned = false;
-  int32_t activeRequests = 0;
-  int32_t quarantined = 0;
-  int32_t freePages = 0;
-  int32_t liveLeases = 0;
-  std::optional<test::ManagerState> manager;
-  std::vector<uint64_t> counters;
-  std::vector<int32_t> tables;   // host rows, device mirrors and dirty flags
-  std::vector<int32_t> lengths;  // active batch and KV lengths of every pool
-  std::vector<int64_t> request;  // what the backend reports about the script's request
-  friend bool operator==(State const&, State const&) = default;
-};
-
-std::string differences(State const& a, State const& b) {
-  std::string fields;
-  auto note = [&](bool same, char const* name) {
-    if (!same) {
-      fields += fields.empty() ? name : std::string(", ") + name;
-    }
-  };
-  note(a.poisoned == b.poisoned, "poison");
-  note(a.activeRequests == b.activeRequests, "active requests");
-  note(a.quarantined == b.quarantined, "quarantine");
-  note(a.freePages == b.freePages, "free pages");
-  note(a.liveLeases == b.liveLeases, "leases");
-  note(a.manager == b.manager, "manager state (refcounts, free rings, index, records)");
-  note(a.counters == b.counters, "counters");
-  note(a.tables == b.tables, "page tables");
-  note(a.lengths == b.lengths, "KV lengths");
-  note(a.request == b.request, "request views");
-  return fields;
-}
+using State = test::BackendSnapshot;
 
 /// One runtime on host tensors and what an engine keeps about the request a script drives:
 /// its rows (execution order) in `context`, the backend request, a joiner being admitted.
@@ -159,13 +121,7 @@ struct Rig {
   explicit Rig(KVCacheRuntimeConfig config) {
     config.deviceType = DeviceType::kCPU;
     config.stream = kStream;
-    config.synchronizer = [failing = failingSyncs](cudaStream_t) {
-      if (*failing > 0) {
-        --*failing;
-        return cudaErrorUnknown;
-      }
-      return cudaSuccess;
-    };
+    config.synchronizer = syncs.synchronizer();
     runtime = KVCacheRuntime::create(config);
     coordinator = runtime->contextCache();
     swa = runtime->swaPageManager();
@@ -175,7 +131,7 @@ struct Rig {
 
   /// Abandons what is left and drains (best effort; finishAndCheck() is the checked path).
   ~Rig() {
-    *failingSyncs = 0;
+    syncs.disarm();
     facade.reset();
     coordinatorRequest = ContextCacheCoordinator::RequestHandle();
     swaRequest = BoundedSwaKVPageManager::RequestHandle();
@@ -347,90 +303,16 @@ struct Rig {
   // ------------------------------------------------------------ observation
 
   State capture() const {
-    State s;
-    for (KVPageTable const* table : {runtime->fullPageTable(), runtime->swaPageTable()}) {
-      if (table == nullptr) {
-        continue;
-      }
-      for (CacheSlot slot = 0; slot < table->maxBatch(); ++slot) {
-        std::span<int32_t const> const row = table->hostRow(slot);
-        s.tables.insert(s.tables.end(), row.begin(), row.end());
-      }
-      auto const* device = table->deviceTable().dataPointer<int32_t>();
-      s.tables.insert(s.tables.end(), device, device + table->deviceTable().numel());
-      s.tables.push_back(table->dirty() ? 1 : 0);
-    }
-    for (KVCachePool const* pool : {runtime->fullPool(), runtime->swaPool()}) {
-      if (pool == nullptr) {
-        continue;
-      }
-      s.lengths.push_back(pool->activeBatchSize());
-      auto const* lengths = static_cast<int32_t const*>(pool->kvLengths().rawPointer());
-      s.lengths.insert(s.lengths.end(), lengths, lengths + pool->maxBatchSize());
-    }
+    State s = test::captureBackend(*runtime);
     if (facade) {
       if (std::vector<int32_t> const* starts = facade->prefillStarts()) {
-        s.request.insert(s.request.end(), starts->begin(), starts->end());
+        s.requests.insert(s.requests.end(), starts->begin(), starts->end());
       }
     }
     if (coordinator != nullptr) {
-      ContextCacheCoordinator const& c = *coordinator;
-      s.poisoned = c.poisoned();
-      s.activeRequests = c.activeRequestCount();
-      s.quarantined = c.quarantinedRequestCount();
-      s.freePages = c.manager().pools().freeCount(ResourceType::kBaseKvPage);
-      s.liveLeases = c.manager().liveLeaseCount();
-      s.manager = test::captureState(c.manager());
-      ContextCacheCoordinatorCounters const& k = c.counters();
-      ContextCacheMetrics const m = c.metrics();
-      s.counters = {k.requests,          k.refusedRequests,       k.prefillPublications,
-                    k.decodePublications, k.liveAdmissions,       k.liveAdmissionRefusals,
-                    k.retractedAdmissions, k.pageGrowths,         k.growthFailures,
-                    k.synchronizations,  k.quarantinedRequests,   m.admittedSequences,
-                    m.lookups,           m.hits,                  m.bypasses,
-                    m.failedAcquisitions, m.publishedRecords,     m.existingRecordsTouched,
-                    m.evictedRecords};
-      if (coordinatorRequest.valid()) {
-        int32_t const batch = c.batchSize(coordinatorRequest);
-        s.request.push_back(batch);
-        for (int32_t i = 0; i < batch; ++i) {
-          s.request.push_back(c.committedLength(coordinatorRequest, i));
-          s.request.push_back(c.reuseTokenLength(coordinatorRequest, i));
-          for (PageId page : c.basePages(coordinatorRequest, i)) {
-            s.request.push_back(page);
-          }
-          s.request.push_back(-1);
-        }
-      }
-      return s;
-    }
-    s.poisoned = swa->poisoned();
-    s.activeRequests = swa->activeRequestCount();
-    s.quarantined = swa->quarantinedPageCount();
-    s.freePages = swa->freePageCount();
-    if (swaRequest.valid()) {
-      int32_t const batch = swa->batchSize(swaRequest);
-      s.request.push_back(batch);
-      for (int32_t i = 0; i < batch; ++i) {
-        SwaSequenceState const& state = swa->state(swaRequest, i);
-        s.request.push_back(state.endpoint);
-        s.request.push_back(state.pendingEndpoint.value_or(-1));
-        for (SwaPageBinding const& binding : state.bindings) {
-          s.request.push_back(binding.logicalPage);
-          s.request.push_back(binding.page);
-        }
-        s.request.push_back(-1);
-        s.request.insert(s.request.end(), state.reservedPages.begin(), state.reservedPages.end());
-        s.request.push_back(-2);
-        for (SwaPageBinding const& binding : state.pendingRetire) {
-          s.request.push_back(binding.page);
-        }
-        s.request.push_back(-3);
-        for (SwaPageBinding const& binding : state.newBindings) {
-          s.request.push_back(binding.page);
-        }
-        s.request.push_back(-4);
-      }
+      test::appendRequestView(*coordinator, coordinatorRequest, s.requests);
+    } else {
+      test::appendRequestView(*swa, swaRequest, s.requests);
     }
     return s;
   }
@@ -471,7 +353,7 @@ struct Rig {
   /// Ends everything a script left (abandon, drain), then checks that every page, row and
   /// resident is back.
   void finishAndCheck(std::string const& where) {
-    *failingSyncs = 0;
+    syncs.disarm();
     {
       LibraryCall const scope;  // allocation faults are disarmed here; counted only
       facade.reset();
@@ -513,19 +395,20 @@ struct Rig {
   /// read is checked by the KV oracle; with context reuse a second request reuses the first.
   void expectCleanLifecycle(std::string const& where) {
     testing::ReferenceEngine engine(*runtime);
-    std::vector<int32_t> const shared = tokens(40, 20000);
+    std::vector<int32_t> const shared = tokenRun(40, 20000);
     testing::EngineRequest first;
-    first.sequences.push_back({concat(shared, tokens(3, 21000)), 20, {}, {}, {}, -1, 0});
-    first.sequences.push_back({tokens(23, 22000), 6, {}, {}, {}, -1, 1});
+    first.sequences.push_back({concatenated(shared, tokenRun(3, 21000)), 20, {}, {}, {}, -1, 0});
+    first.sequences.push_back({tokenRun(23, 22000), 6, {}, {}, {}, -1, 1});
     std::deque<testing::EngineSequence> joiners;
-    joiners.push_back({concat(shared, tokens(5, 23000)), 4, {}, {}, {}, -1, 2});
+    joiners.push_back({concatenated(shared, tokenRun(5, 23000)), 4, {}, {}, {}, -1, 2});
     bool const reuse = runtime->backend() == KVCacheBackend::kContextReuse;
     try {
       testing::RequestOutcome const outcome = engine.run(first, reuse ? &joiners : nullptr);
       EXPECT_TRUE(outcome.admitted && !outcome.failed) << where << ": clean lifecycle refused";
       if (reuse) {
         testing::EngineRequest second;
-        second.sequences.push_back({concat(shared, tokens(9, 24000)), 3, {}, {}, {}, -1, 3});
+        second.sequences.push_back(
+            {concatenated(shared, tokenRun(9, 24000)), 3, {}, {}, {}, -1, 3});
         testing::RequestOutcome const again = engine.run(second);
         EXPECT_TRUE(again.admitted && !again.failed) << where << ": second request refused";
         EXPECT_EQ(again.sequences.at(0).prefillStart, 32) << where << ": no reuse afterwards";
@@ -538,7 +421,7 @@ struct Rig {
     EXPECT_TRUE(runtime->shutdown()) << where;
   }
 
-  std::shared_ptr<int32_t> failingSyncs = std::make_shared<int32_t>(0);
+  test::SyncFaults syncs;
   std::unique_ptr<KVCacheRuntime> runtime;
   ContextCacheCoordinator* coordinator = nullptr;
   BoundedSwaKVPageManager* swa = nullptr;
@@ -596,7 +479,7 @@ State guaranteed(State state, Guarantee guarantee) {
   if (guarantee == Guarantee::kAdmission) {
     kept.tables = std::move(state.tables);
     kept.lengths = std::move(state.lengths);
-    kept.request = std::move(state.request);
+    kept.requests = std::move(state.requests);
     if (state.manager) {
       kept.manager = test::ManagerState{};
       kept.manager->active = std::move(state.manager->active);
@@ -737,12 +620,12 @@ KVCacheRuntimeConfig swaConfig() {
 // Prompts of the context-reuse scripts (14 pages in the pool): P1 shares P0's first two blocks,
 // both grow a page at the second decode step, the joiner J reuses two blocks, and the batch
 // Q0 + Q1 only fits after an eviction.
-std::vector<int32_t> const kP0 = tokens(47, 1000);
-std::vector<int32_t> const kP1 = concat(tokens(32, 1000), tokens(15, 5000));
-std::vector<int32_t> const kJ = concat(tokens(40, 1000), tokens(2, 6000));
-std::vector<int32_t> const kK = tokens(20, 7000);
-std::vector<int32_t> const kQ0 = tokens(110, 9000);
-std::vector<int32_t> const kQ1 = tokens(70, 9500);
+std::vector<int32_t> const kP0 = tokenRun(47, 1000);
+std::vector<int32_t> const kP1 = concatenated(tokenRun(32, 1000), tokenRun(15, 5000));
+std::vector<int32_t> const kJ = concatenated(tokenRun(40, 1000), tokenRun(2, 6000));
+std::vector<int32_t> const kK = tokenRun(20, 7000);
+std::vector<int32_t> const kQ0 = tokenRun(110, 9000);
+std::vector<int32_t> const kQ1 = tokenRun(70, 9500);
 constexpr int32_t kJoinerLookahead = 31000;
 
 /// The decode step in which row 1 was cancelled before it (no token) and row 0 ends with its
@@ -769,7 +652,7 @@ Step newRows(std::vector<std::vector<int32_t>> prompts) {
 }
 
 Step failNextSync() {
-  return engineStep("the next synchronisation fails", [](Rig& rig) { *rig.failingSyncs = 1; });
+  return engineStep("the next synchronisation fails", [](Rig& rig) { rig.syncs.failNext(); });
 }
 
 // ---------------------------------------------------------------- ContextCacheCoordinator
@@ -946,7 +829,7 @@ int64_t swaFinish(Rig& rig) {
 std::vector<Step> swaScript() {
   // Row 0 maps a new page at its first decode step (32 -> 33), row 1 retires one (51 -> 52).
   return {
-      newRows({tokens(32, 1), tokens(51, 1)}),
+      newRows({tokenRun(32, 1), tokenRun(51, 1)}),
       {"beginRequest", swaBegin},
       {"preparePrefill", swaPreparePrefill},
       {"completePrefill", swaCompletePrefill},
@@ -972,7 +855,7 @@ std::vector<Step> swaScript() {
       {"prepareDecodeStep", swaPrepareDecode},
       {"completeDecodeStep", swaCompleteDecode},
       {"finish", swaFinish},
-      newRows({tokens(10, 1), tokens(40, 1)}),
+      newRows({tokenRun(10, 1), tokenRun(40, 1)}),
       {"beginRequest (to abandon)", swaBegin},
       {"preparePrefill (to abandon)", swaPreparePrefill},
       {"abandon: the handle is destroyed",
@@ -981,12 +864,12 @@ std::vector<Step> swaScript() {
          rig.releaseRows();
          return done();
        }},
-      newRows({tokens(10, 1)}),
+      newRows({tokenRun(10, 1)}),
       {"beginRequest (to quarantine)", swaBegin},
       {"preparePrefill (to quarantine)", swaPreparePrefill},
       failNextSync(),
       {"finish (synchronisation fails: quarantined)", swaFinish},
-      newRows({tokens(5, 1)}),
+      newRows({tokenRun(5, 1)}),
       {"beginRequest (poisoned)", swaBegin},
       {"shutdown (drains)",
        [](Rig& rig) { return code(library([&] { return rig.swa->shutdown(); })); }},
@@ -1004,7 +887,7 @@ KVCacheRuntimeConfig longSwaConfig() {
 
 std::vector<Step> longSwaScript() {
   std::vector<Step> steps = {
-      newRows({tokens(32, 1), tokens(32, 1)}),
+      newRows({tokenRun(32, 1), tokenRun(32, 1)}),
       {"beginRequest", swaBegin},
       {"preparePrefill", swaPreparePrefill},
       {"completePrefill", swaCompletePrefill},
@@ -1069,7 +952,7 @@ std::vector<Step> facadeScript(bool reuse) {
     return static_cast<int64_t>(finished);
   };
   std::vector<Step> steps = {
-      reuse ? newRows({kP0, kP1}) : newRows({tokens(32, 1), tokens(51, 1)}),
+      reuse ? newRows({kP0, kP1}) : newRows({tokenRun(32, 1), tokenRun(51, 1)}),
       {"begin", begin, admission},
       preparePrefill,
       call("prepareSwaPrefill",
@@ -1140,7 +1023,7 @@ std::vector<Step> facadeScript(bool reuse) {
       engineStep("decode", [](Rig& rig) { rig.sample(); }),
       completeDecode,
       {"finish", finish},
-      reuse ? newRows({kQ0, kQ1}) : newRows({tokens(10, 1), tokens(40, 1)}),
+      reuse ? newRows({kQ0, kQ1}) : newRows({tokenRun(10, 1), tokenRun(40, 1)}),
       {"begin (to abandon)", begin, admission},
       preparePrefill,
       call("prepareSwaPrefill",
@@ -1153,7 +1036,7 @@ std::vector<Step> facadeScript(bool reuse) {
          rig.releaseRows();
          return done();
        }},
-      reuse ? newRows({kP0}) : newRows({tokens(10, 1)}),
+      reuse ? newRows({kP0}) : newRows({tokenRun(10, 1)}),
       {"begin (to quarantine)", begin, admission},
       preparePrefill,
       call("prepareSwaPrefill",
@@ -1162,7 +1045,7 @@ std::vector<Step> facadeScript(bool reuse) {
            }),
       failNextSync(),
       {"finish (synchronisation fails: quarantined)", finish},
-      newRows({tokens(5, 1)}),
+      newRows({tokenRun(5, 1)}),
       {"begin (poisoned)", begin},
       {"KVCacheRuntime::shutdown (drains)",
        [](Rig& rig) { return static_cast<int64_t>(library([&] { return rig.runtime->shutdown(); })); }},

@@ -12,7 +12,7 @@
 #include <vector>
 
 #include "fuzz/lifecycle_driver.h"
-#include "test_inputs.h"
+#include "support/test_inputs.h"
 
 namespace mkv::fuzz {
 namespace {

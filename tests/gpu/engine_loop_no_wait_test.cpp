@@ -23,20 +23,16 @@
 #include "mkv/kv_cache_runtime.h"
 #include "mkv/managed_kv_cache_request.h"
 #include "mkv/tensor.h"
+#include "support/token_runs.h"
 
 namespace mkv::gputest {
+using test::tokenRun;
 namespace {
 
 constexpr DecodingKvHeadroom kVanilla{1, 0};
 constexpr DecodingKvHeadroom kSpeculative{4, 4};
 constexpr int32_t kPage = 128;
 constexpr std::chrono::milliseconds kBusyFor{1000};
-
-std::vector<int32_t> tokenRun(int32_t count, int32_t first) {
-  std::vector<int32_t> tokens(static_cast<std::size_t>(count));
-  std::iota(tokens.begin(), tokens.end(), first);
-  return tokens;
-}
 
 KVCacheRuntimeConfig baseConfig(cudaStream_t stream) {
   KVCacheRuntimeConfig config;

@@ -8,7 +8,7 @@
 #include <string>
 
 #include "mkv/stream.h"
-#include "test_util.h"
+#include "support/test_util.h"
 
 namespace mkv::gputest {
 

@@ -11,7 +11,7 @@
 #include "gpu/gpu_parity.h"
 #include "kernel_params.h"
 #include "mkv/kernels.h"
-#include "test_util.h"
+#include "support/test_util.h"
 
 namespace mkv::gputest {
 namespace {

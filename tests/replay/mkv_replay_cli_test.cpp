@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "replay_plot.h"
-#include "test_inputs.h"
+#include "support/test_inputs.h"
 
 namespace mkv::replay {
 namespace {

@@ -15,7 +15,7 @@
 
 #include "multi_turn_workload.h"
 #include "replay_report.h"
-#include "test_inputs.h"
+#include "support/test_inputs.h"
 #include "trace.h"
 
 namespace mkv::replay {

@@ -13,7 +13,7 @@
 #include <tuple>
 #include <vector>
 
-#include "test_util.h"
+#include "support/test_util.h"
 
 namespace mkv {
 

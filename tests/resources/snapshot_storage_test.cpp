@@ -7,7 +7,7 @@
 #include <random>
 #include <vector>
 
-#include "test_util.h"
+#include "support/test_util.h"
 
 namespace mkv {
 namespace {

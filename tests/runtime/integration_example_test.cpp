@@ -17,8 +17,9 @@
 
 #include "mkv/error.h"
 #include "mkv/stream.h"
-#include "test_inputs.h"
-#include "test_util.h"
+#include "support/sync_faults.h"
+#include "support/test_inputs.h"
+#include "support/test_util.h"
 
 namespace {
 
@@ -96,13 +97,10 @@ TEST_P(IntegrationExampleTest, ARowThatCannotGrowAbortsTheRequestAndReturnsItsRe
 
 TEST_P(IntegrationExampleTest, AFailedSynchronisationAbortsTheRequestUntilShutdown) {
   mkv::KVCacheRuntimeConfig config = exampleConfig(device());
-  int calls = 0;
   // The stream really is waited for; the first wait is then reported as failed.
-  config.synchronizer = [&calls, wait = mkv::defaultStreamSynchronizer(device())](
-                            cudaStream_t stream) {
-    cudaError_t const status = wait(stream);
-    return ++calls == 1 ? cudaErrorUnknown : status;
-  };
+  mkv::test::SyncFaults faults;
+  faults.failCall(1);
+  config.synchronizer = faults.synchronizer(device());
   auto runtime = mkv::KVCacheRuntime::create(config);
   example::Engine engine(*runtime);
   std::vector<int32_t> prompt(100);
@@ -116,7 +114,7 @@ TEST_P(IntegrationExampleTest, AFailedSynchronisationAbortsTheRequestUntilShutdo
   } catch (std::runtime_error const& error) {
     EXPECT_STREQ(error.what(), "completeBatchCompaction failed, request aborted (backend poisoned)");
   }
-  EXPECT_EQ(calls, 1);
+  EXPECT_EQ(faults.calls(), 1);
   // Both rows are quarantined: the engine parks their residents until the drain.
   EXPECT_EQ(engine.parkedResidents(), 2u);
   EXPECT_EQ(runtime->residentSlots().available(), runtime->residentSlots().capacity() - 2);
@@ -125,7 +123,7 @@ TEST_P(IntegrationExampleTest, AFailedSynchronisationAbortsTheRequestUntilShutdo
       << "no admission while poisoned";
   EXPECT_EQ(runtime->residentSlots().available(), runtime->residentSlots().capacity() - 2);
   EXPECT_TRUE(engine.shutdown());
-  EXPECT_EQ(calls, 2) << "the quarantine drained";
+  EXPECT_EQ(faults.calls(), 2) << "the quarantine drained";
   EXPECT_EQ(engine.parkedResidents(), 0u);
   EXPECT_EQ(runtime->residentSlots().available(), runtime->residentSlots().capacity());
   EXPECT_EQ(engine.serve({{prompt, 2}, {prompt, 5}}), (std::vector<int32_t>{64, 64}));

@@ -20,16 +20,12 @@
 #include "mkv/managed_kv_cache_request.h"
 #include "mkv/testing/reference_engine.h"
 #include "runtime_test_rig.h"
-#include "test_util.h"
+#include "support/test_util.h"
+#include "support/token_runs.h"
 
 namespace mkv {
+using test::tokenRun;
 namespace {
-
-std::vector<int32_t> tokenRun(int32_t count, int32_t first) {
-  std::vector<int32_t> tokens(static_cast<std::size_t>(count));
-  std::iota(tokens.begin(), tokens.end(), first);
-  return tokens;
-}
 
 /// 4 rows of 256 tokens in pages of 16: 16 pages a row, a full pool of 64 pages by default.
 KVCacheRuntimeConfig baseConfig(DeviceType device = DeviceType::kCPU) {

@@ -19,7 +19,7 @@
 #include "mkv/managed_kv_cache_request.h"
 #include "mkv/testing/kv_oracle.h"
 #include "runtime_test_rig.h"
-#include "test_util.h"
+#include "support/test_util.h"
 
 namespace mkv::runtime_test {
 namespace {
@@ -242,11 +242,6 @@ class SpecDriver {
   std::optional<testing::RecurrentOracle> mRecurrent;
 };
 
-std::vector<int32_t> joined(std::vector<int32_t> a, std::vector<int32_t> const& b) {
-  a.insert(a.end(), b.begin(), b.end());
-  return a;
-}
-
 std::vector<CacheRecord> records(RuntimeRig& rig) {
   auto const& lru = rig.runtime().contextCache()->manager().records().lruToMru();
   return {lru.begin(), lru.end()};
@@ -283,7 +278,7 @@ TEST_P(SpeculativeFacadeTest, PairedReuseWithAFullPageReplayAndBaseOnlyVanillaRe
   // depends on token 32, which differs, so the path's last page is replayed (the draft oracle
   // would catch a reused row 31).
   {
-    SpecDriver consumer(rig, joined(tokenRun(32, 1), tokenRun(38, 7000)), true);
+    SpecDriver consumer(rig, concatenated(tokenRun(32, 1), tokenRun(38, 7000)), true);
     ASSERT_TRUE(consumer.begin());
     EXPECT_EQ(consumer.start, kPageTokens);
     EXPECT_EQ(runtime.contextCache()->manager().metrics().specFullPageReplays, 1u);
@@ -302,7 +297,7 @@ TEST_P(SpeculativeFacadeTest, PairedReuseWithAFullPageReplayAndBaseOnlyVanillaRe
   std::vector<int32_t> const draftTable =
       test::readAs<int32_t>(runtime.draftPageTable()->deviceTable());
   {
-    SpecDriver vanilla(rig, joined(shared, tokenRun(5, 9000)), false);
+    SpecDriver vanilla(rig, concatenated(shared, tokenRun(5, 9000)), false);
     ASSERT_TRUE(vanilla.begin());
     EXPECT_EQ(vanilla.start, 2 * kPageTokens);
     ASSERT_TRUE(vanilla.prefill());
@@ -352,7 +347,7 @@ TEST_P(SpeculativeFacadeTest, WithoutARoundThePromptEndpointIsPublishedOnceFinis
   }
   // A consumer diverging at token 48: three paired blocks match, the last page is replayed, and
   // the oracles check the reused base and draft rows [0, 32) before its prefill.
-  SpecDriver consumer(rig, joined(tokenRun(48, 11), tokenRun(9, 4000)), true);
+  SpecDriver consumer(rig, concatenated(tokenRun(48, 11), tokenRun(9, 4000)), true);
   ASSERT_TRUE(consumer.begin());
   EXPECT_EQ(consumer.start, 2 * kPageTokens);
   ASSERT_TRUE(consumer.prefill());
@@ -509,7 +504,7 @@ TEST_P(HybridMtpFacadeTest, EndpointThenByteExactBoundaryHiddenRestoreIntoAGiven
   ASSERT_EQ(records(rig).size(), 1u);
 
   {
-    SpecDriver consumer(rig, joined(shared, tokenRun(20, 5000)), true);
+    SpecDriver consumer(rig, concatenated(shared, tokenRun(20, 5000)), true);
     ASSERT_TRUE(consumer.begin(kPrefillOnly));
     EXPECT_EQ(consumer.start, 40) << "the exact endpoint, mid-page";
     ASSERT_TRUE(consumer.managed->preparePrefill());
@@ -604,7 +599,7 @@ TEST_P(HybridMtpFacadeTest, ACaptureThatThrowsLeavesTheRequestAndItsPinsAsTheyWe
     ASSERT_TRUE(mtpPrefill(producer, 40, device()));
     ASSERT_TRUE(producer.managed->finish());
   }
-  SpecDriver consumer(rig, joined(shared, tokenRun(20, 5000)), true);
+  SpecDriver consumer(rig, concatenated(shared, tokenRun(20, 5000)), true);
   ASSERT_TRUE(consumer.begin(kPrefillOnly));
   ASSERT_EQ(consumer.start, 40);
   ASSERT_TRUE(consumer.managed->preparePrefill());

@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "runtime_test_rig.h"
-#include "test_util.h"
+#include "support/test_util.h"
 
 namespace mkv::runtime_test {
 namespace {

@@ -5,7 +5,7 @@
 #include <span>
 #include <utility>
 
-#include "test_util.h"
+#include "support/test_util.h"
 
 namespace mkv::runtime_test {
 
@@ -55,26 +55,6 @@ KVCacheRuntimeConfig configFor(Backend backend, DeviceType device) {
     config.model.slidingWindowTokens = kWindowTokens;
   }
   return config;
-}
-
-std::vector<int32_t> tokenRun(int32_t count, int32_t first) {
-  std::vector<int32_t> tokens(static_cast<std::size_t>(count));
-  std::iota(tokens.begin(), tokens.end(), first);
-  return tokens;
-}
-
-// ---------------------------------------------------------------- SyncFaults
-
-StreamSynchronizer SyncFaults::synchronizer(DeviceType device) const {
-  return [state = mState, wait = defaultStreamSynchronizer(device)](cudaStream_t stream) {
-    cudaError_t const status = wait(stream);  // device work really finishes first
-    ++state->calls;
-    if (state->calls == state->failAt) {
-      ++state->failures;
-      return cudaErrorUnknown;
-    }
-    return status;
-  };
 }
 
 // ---------------------------------------------------------------- RuntimeRig

@@ -19,6 +19,8 @@
 #include "mkv/managed_kv_cache_request.h"
 #include "mkv/stream.h"
 #include "mkv/testing/kv_oracle.h"
+#include "support/sync_faults.h"
+#include "support/token_runs.h"
 
 namespace mkv::runtime_test {
 
@@ -65,29 +67,10 @@ class RuntimeCaseTest : public ::testing::TestWithParam<RuntimeCase> {
 /// 1 full layer (identity-mapped) and 1 sliding layer with W = 24 in 4 x (2M + 1) = 28 pages.
 KVCacheRuntimeConfig configFor(Backend backend, DeviceType device);
 
-/// tokens first, first + 1, ..., first + count - 1.
-std::vector<int32_t> tokenRun(int32_t count, int32_t first);
+using test::concatenated;
+using test::tokenRun;
 
-/// Counts the backend's stream synchronisations and fails chosen ones (cudaErrorUnknown). Copies
-/// share one state, so the test keeps this while the runtime owns the std::function.
-class SyncFaults {
- public:
-  StreamSynchronizer synchronizer(DeviceType device) const;
-  /// The `call`-th synchronisation since construction (1-based) fails, once.
-  void failCall(int64_t call) { mState->failAt = call; }
-  void failNext() { failCall(mState->calls + 1); }
-  void disarm() { mState->failAt = 0; }
-  int64_t calls() const { return mState->calls; }
-  int64_t failures() const { return mState->failures; }
-
- private:
-  struct State {
-    int64_t calls = 0;
-    int64_t failures = 0;
-    int64_t failAt = 0;
-  };
-  std::shared_ptr<State> mState = std::make_shared<State>();
-};
+using test::SyncFaults;
 
 /// What a rejected call must leave exactly as it was: the observable state of the runtime and
 /// its backend, compared field by field (RuntimeRig::expectUnchanged). Page tables are taken

@@ -15,9 +15,12 @@
 #include "mkv/kv_cache_runtime.h"
 #include "mkv/testing/reference_engine.h"
 #include "runtime_test_rig.h"
-#include "test_util.h"
+#include "support/test_util.h"
+#include "support/token_runs.h"
 
 namespace mkv {
+using test::concatenated;
+using test::tokenRun;
 namespace {
 
 using runtime_test::Backend;
@@ -47,17 +50,6 @@ KVCacheRuntimeConfig smallConfig(bool reuse, DeviceType device) {
   return config;
 }
 
-std::vector<int32_t> tokens(int32_t count, int32_t first) {
-  std::vector<int32_t> result(static_cast<std::size_t>(count));
-  std::iota(result.begin(), result.end(), first);
-  return result;
-}
-
-std::vector<int32_t> joined(std::vector<int32_t> a, std::vector<int32_t> const& b) {
-  a.insert(a.end(), b.begin(), b.end());
-  return a;
-}
-
 /// Runs one single-sequence request; returns its reused tokens.
 int32_t runOnce(ReferenceEngine& engine, EngineRequest request) {
   auto const outcome = engine.run(request);
@@ -81,7 +73,7 @@ TEST_P(ScenarioTest, MultiTurnChatReusesThePreviousTurn) {
   auto runtime = KVCacheRuntime::create(smallConfig(true, device()));
   ASSERT_EQ(runtime->backend(), KVCacheBackend::kContextReuse);
   ReferenceEngine engine(*runtime);
-  std::vector<int32_t> history = tokens(40, 100);
+  std::vector<int32_t> history = tokenRun(40, 100);
   int32_t previousLength = 0;
   for (int turn = 0; turn < 4; ++turn) {
     EngineRequest request;
@@ -96,7 +88,7 @@ TEST_P(ScenarioTest, MultiTurnChatReusesThePreviousTurn) {
     EXPECT_EQ(sequence.reason, FinishReason::kLength);
     previousLength = static_cast<int32_t>(history.size() + sequence.generated.size()) - 1;
     history.insert(history.end(), sequence.generated.begin(), sequence.generated.end());
-    auto const user = tokens(13, 500 + 20 * turn);
+    auto const user = tokenRun(13, 500 + 20 * turn);
     history.insert(history.end(), user.begin(), user.end());
   }
   EXPECT_EQ(engine.stats().oracleMismatches, 0);
@@ -122,7 +114,7 @@ TEST_P(ScenarioTest, HybridMultiTurnChatResumesFromTheExactEndOfThePreviousTurn)
   auto runtime = KVCacheRuntime::create(hybridConfig(8, 8, device()));
   ASSERT_EQ(runtime->contextCache()->profile().baseStateKind, BaseStateKind::kHybrid);
   ReferenceEngine engine(*runtime);
-  std::vector<int32_t> history = tokens(40, 100);
+  std::vector<int32_t> history = tokenRun(40, 100);
   int32_t previousLength = 0;
   for (int turn = 0; turn < 4; ++turn) {
     EngineRequest request;
@@ -136,7 +128,7 @@ TEST_P(ScenarioTest, HybridMultiTurnChatResumesFromTheExactEndOfThePreviousTurn)
     EXPECT_EQ(sequence.prefillStart, previousLength) << "turn " << turn;
     previousLength = static_cast<int32_t>(history.size() + sequence.generated.size()) - 1;
     history.insert(history.end(), sequence.generated.begin(), sequence.generated.end());
-    auto const user = tokens(13, 500 + 20 * turn);
+    auto const user = tokenRun(13, 500 + 20 * turn);
     history.insert(history.end(), user.begin(), user.end());
   }
   EXPECT_EQ(engine.stats().oracleMismatches, 0);
@@ -158,7 +150,7 @@ TEST_P(ScenarioTest, RandomHybridWorkloadsNeverCorruptKvOrRecurrentState) {
   ReferenceEngine engine(*runtime, options);
   std::mt19937 rng(2024);
   auto below = [&rng](int32_t n) { return static_cast<int32_t>(rng() % static_cast<uint32_t>(n)); };
-  std::vector<std::vector<int32_t>> histories{tokens(20, 1), tokens(45, 300), tokens(9, 900)};
+  std::vector<std::vector<int32_t>> histories{tokenRun(20, 1), tokenRun(45, 300), tokenRun(9, 900)};
   int64_t admitted = 0;
   for (int request = 0; request < 60; ++request) {
     EngineRequest engineRequest;
@@ -169,7 +161,7 @@ TEST_P(ScenarioTest, RandomHybridWorkloadsNeverCorruptKvOrRecurrentState) {
       auto const size = static_cast<int32_t>(history.size());
       int32_t const kept = below(2) == 0 ? size : 1 + below(size);
       std::vector<int32_t> prompt(history.begin(), history.begin() + kept);
-      std::vector<int32_t> const more = tokens(1 + below(20), 2000 + 37 * request + row);
+      std::vector<int32_t> const more = tokenRun(1 + below(20), 2000 + 37 * request + row);
       prompt.insert(prompt.end(), more.begin(), more.end());
       prompt.resize(std::min<std::size_t>(prompt.size(), 200));
       EngineSequence sequence{prompt, 1 + below(8), {}, {}, {}, -1, request};
@@ -216,7 +208,7 @@ TEST_P(ScenarioTest, RandomHybridWorkloadsNeverCorruptKvOrRecurrentState) {
 TEST_P(ScenarioTest, JoinsReuseASharedSystemPrompt) {
   auto runtime = KVCacheRuntime::create(smallConfig(true, device()));
   ReferenceEngine engine(*runtime);
-  std::vector<int32_t> system = tokens(64, 7);
+  std::vector<int32_t> system = tokenRun(64, 7);
   EngineRequest request;
   auto first = system;
   first.push_back(9000);
@@ -249,8 +241,8 @@ TEST_P(ScenarioTest, BoundedSwaDecodesFarBeyondTheWindowWithConstantPages) {
   ASSERT_EQ(runtime->backend(), KVCacheBackend::kBoundedSwa);
   ReferenceEngine engine(*runtime);
   EngineRequest request;
-  request.sequences.push_back(EngineSequence{tokens(100, 3), 200, {}, {}, {}, -1, 0});
-  request.sequences.push_back(EngineSequence{tokens(33, 5), 170, {}, {}, {}, 50, 1});
+  request.sequences.push_back(EngineSequence{tokenRun(100, 3), 200, {}, {}, {}, -1, 0});
+  request.sequences.push_back(EngineSequence{tokenRun(33, 5), 170, {}, {}, {}, 50, 1});
   auto const outcome = engine.run(request);
   ASSERT_TRUE(outcome.admitted);
   EXPECT_FALSE(outcome.failed);
@@ -265,13 +257,15 @@ TEST_P(ScenarioTest, BoundedSwaDecodesFarBeyondTheWindowWithConstantPages) {
 TEST_P(ScenarioTest, TheLoraAdapterIsPartOfTheReuseIdentity) {
   auto runtime = KVCacheRuntime::create(smallConfig(true, device()));
   ReferenceEngine engine(*runtime);                    // its oracle keys KV on the adapter too
-  std::vector<int32_t> const system = tokens(64, 10);  // 4 pages
-  EXPECT_EQ(runOnce(engine, single(joined(system, {1}), "adapter-a")), 0);
-  EXPECT_EQ(runOnce(engine, single(joined(system, {2}), "adapter-b")), 0) << "another adapter";
-  EXPECT_EQ(runOnce(engine, single(joined(system, {3}))), 0) << "the base model is another one";
-  EXPECT_EQ(runOnce(engine, single(joined(system, {4}), "adapter-a")), 64);
-  EXPECT_EQ(runOnce(engine, single(joined(system, {5}), "adapter-b")), 64);
-  EXPECT_EQ(runOnce(engine, single(joined(system, {6}))), 64);
+  std::vector<int32_t> const system = tokenRun(64, 10);  // 4 pages
+  EXPECT_EQ(runOnce(engine, single(concatenated(system, {1}), "adapter-a")), 0);
+  EXPECT_EQ(runOnce(engine, single(concatenated(system, {2}), "adapter-b")), 0)
+      << "another adapter";
+  EXPECT_EQ(runOnce(engine, single(concatenated(system, {3}))), 0)
+      << "the base model is another one";
+  EXPECT_EQ(runOnce(engine, single(concatenated(system, {4}), "adapter-a")), 64);
+  EXPECT_EQ(runOnce(engine, single(concatenated(system, {5}), "adapter-b")), 64);
+  EXPECT_EQ(runOnce(engine, single(concatenated(system, {6}))), 64);
   ContextCacheMetrics const metrics = runtime->contextCache()->metrics();
   EXPECT_EQ(metrics.missCount(MissReason::kLoraMismatch), 2u);
   EXPECT_EQ(engine.stats().reusedTokens, 3 * 64);
@@ -291,8 +285,8 @@ TEST_P(ScenarioTest, HostImagePixelsArePartOfTheReuseIdentity) {
     return imageUtils::ImageData{pixels, 4, 4, 3};
   };
   // 40 text tokens, an image run at [40, 60), 40 text tokens: pages 0 and 1 are text only.
-  std::vector<int32_t> const prompt =
-      joined(joined(tokens(40, 10), std::vector<int32_t>(20, kImageToken)), tokens(40, 200));
+  std::vector<int32_t> const prompt = concatenated(
+      concatenated(tokenRun(40, 10), std::vector<int32_t>(20, kImageToken)), tokenRun(40, 200));
   auto withImage = [&](imageUtils::ImageData const& pixels) {
     EngineRequest request = single(prompt);
     request.mediaTokenIds = {kImageToken};
@@ -328,14 +322,14 @@ TEST_P(ScenarioTest, HostImagePixelsArePartOfTheReuseIdentity) {
 TEST_P(ScenarioTest, ARetractedJoinLeavesNoTraceAndTheRowJoinsAgain) {
   RuntimeRig rig(configFor(Backend::kContextReuse, device()));
   FacadeDriver driver(rig);
-  std::vector<int32_t> const system = tokens(32, 10);  // 2 pages, published by the prefill
-  driver.add(joined(system, tokens(9, 100)));
+  std::vector<int32_t> const system = tokenRun(32, 10);  // 2 pages, published by the prefill
+  driver.add(concatenated(system, tokenRun(9, 100)));
   ASSERT_TRUE(driver.begin());
   ASSERT_TRUE(driver.prefill());
   ASSERT_TRUE(driver.decode());
   KVPageTable const& table = *rig.runtime().fullPageTable();
   CacheSlot const founder = driver.rows[0].resident.slot;
-  std::vector<int32_t> const joiner = joined(system, tokens(5, 400));  // 37 tokens
+  std::vector<int32_t> const joiner = concatenated(system, tokenRun(5, 400));  // 37 tokens
 
   BackendState const before = rig.observe();
   ASSERT_EQ(driver.admit(joiner), AdmitStatus::kAdmitted);
@@ -370,10 +364,10 @@ TEST_P(ScenarioTest, RetractingAFinalisedJoinThrowsAndChangesNothing) {
   RuntimeRig rig(configFor(Backend::kContextReuse, device()));
   {
     FacadeDriver driver(rig);
-    driver.add(tokens(20, 10));
+    driver.add(tokenRun(20, 10));
     ASSERT_TRUE(driver.begin());
     ASSERT_TRUE(driver.prefill());
-    ASSERT_EQ(driver.admit(tokens(20, 500)), AdmitStatus::kAdmitted);
+    ASSERT_EQ(driver.admit(tokenRun(20, 500)), AdmitStatus::kAdmitted);
     ASSERT_TRUE(driver.seatNewest());
     // Only a never-finalised admission can be undone: retracting a seated row is misuse the
     // facade detects before any side effect, so it throws and changes nothing (no poison).
@@ -397,10 +391,10 @@ TEST_P(ScenarioTest, CancelledRowsAreCompactedAwayAndOnlyFinishedOnesPublish) {
   ReferenceEngine engine(*runtime);
   // 30-token prompts: the prefill publishes one full page, decode fills a second one.
   EngineRequest request;
-  request.sequences.push_back(EngineSequence{tokens(30, 100), 12, {}, {}, {}, -1, 0});
-  request.sequences.push_back(EngineSequence{tokens(30, 200), 12, {}, {}, {}, 2, 1});
-  request.sequences.push_back(EngineSequence{tokens(30, 300), 5, {}, {}, {}, -1, 2});
-  request.sequences.push_back(EngineSequence{tokens(30, 400), 12, {}, {}, {}, 6, 3});
+  request.sequences.push_back(EngineSequence{tokenRun(30, 100), 12, {}, {}, {}, -1, 0});
+  request.sequences.push_back(EngineSequence{tokenRun(30, 200), 12, {}, {}, {}, 2, 1});
+  request.sequences.push_back(EngineSequence{tokenRun(30, 300), 5, {}, {}, {}, -1, 2});
+  request.sequences.push_back(EngineSequence{tokenRun(30, 400), 12, {}, {}, {}, 6, 3});
   auto const outcome = engine.run(request);
   ASSERT_TRUE(outcome.admitted);
   EXPECT_FALSE(outcome.failed);
@@ -423,7 +417,8 @@ TEST_P(ScenarioTest, CancelledRowsAreCompactedAwayAndOnlyFinishedOnesPublish) {
   int32_t const reused[] = {32, 16, 32, 16};
   for (std::size_t i = 0; i < 4; ++i) {
     auto const& sequence = outcome.sequences[i];
-    EXPECT_EQ(runOnce(engine, single(joined(sequence.prompt, sequence.generated))), reused[i]) << i;
+    EXPECT_EQ(runOnce(engine, single(concatenated(sequence.prompt, sequence.generated))), reused[i])
+        << i;
   }
   EXPECT_EQ(engine.stats().oracleMismatches, 0);
   EXPECT_TRUE(runtime->shutdown());
@@ -441,9 +436,9 @@ TEST_P(CompactionScenarioTest, ACancelledRowLeavesAndTheSurvivorsKeepTheirRows) 
   KVPageTable const& table =
       bounded ? *rig.runtime().swaPageTable() : *rig.runtime().fullPageTable();
   FacadeDriver driver(rig);
-  driver.add(tokens(40, 100));
-  driver.add(tokens(23, 300));
-  driver.add(tokens(37, 500));
+  driver.add(tokenRun(40, 100));
+  driver.add(tokenRun(23, 300));
+  driver.add(tokenRun(37, 500));
   ASSERT_TRUE(driver.begin());
   ASSERT_TRUE(driver.prefill());
   for (int step = 0; step < 2; ++step) {

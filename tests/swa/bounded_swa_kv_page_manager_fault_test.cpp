@@ -70,7 +70,7 @@ TEST_P(BoundedSwaFaultTest, FailedFinishSynchronisationQuarantinesUntilShutdown)
   std::vector<int32_t> const row0 = hostRow(rig.table(), 0);
   rig.faults().failNext();
   EXPECT_EQ(manager.finish(handle), SwaKVCacheStatus::kPoisoned);
-  EXPECT_EQ(rig.faults().failed(), 1);
+  EXPECT_EQ(rig.faults().failures(), 1);
   EXPECT_FALSE(handle.valid());
   EXPECT_EQ(handle.id(), 0u);
   EXPECT_EQ(manager.activeRequestCount(), 0);
@@ -117,7 +117,7 @@ TEST_P(BoundedSwaFaultTest, FailedAbandonmentSynchronisationQuarantinesUntilShut
     held = heldPages(manager, {&handle});
     rig.faults().failNext();
   }  // dropped with a staged decode step
-  EXPECT_EQ(rig.faults().failed(), 1);
+  EXPECT_EQ(rig.faults().failures(), 1);
   EXPECT_EQ(held, 8);
   EXPECT_EQ(manager.activeRequestCount(), 0);
   EXPECT_EQ(manager.freePageCount(), 21 - held);

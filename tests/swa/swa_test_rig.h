@@ -27,51 +27,11 @@
 #include "mkv/tensor.h"
 #include "mkv/testing/kv_oracle.h"
 #include "mkv/types.h"
+#include "support/sync_faults.h"
 
 namespace mkv::swa_test {
 
-/// A StreamSynchronizer whose calls can be made to fail or throw. Copies share one state, so
-/// the test keeps the injector while the manager owns the std::function.
-class FaultInjector {
- public:
-  StreamSynchronizer synchronizer() const {
-    return [state = mState](cudaStream_t) -> cudaError_t {
-      ++state->calls;
-      if (state->throwsLeft > 0) {
-        --state->throwsLeft;
-        throw std::runtime_error("injected synchronizer exception");
-      }
-      if (state->failuresLeft > 0) {
-        --state->failuresLeft;
-        ++state->failed;
-        return cudaErrorUnknown;
-      }
-      return cudaSuccess;
-    };
-  }
-  /// The next `count` calls return cudaErrorUnknown.
-  void failNext(int32_t count = 1) { mState->failuresLeft = count; }
-  /// The next call throws instead of returning.
-  void throwNext() { mState->throwsLeft = 1; }
-  /// Disarms pending failures; returns how many were still armed.
-  int32_t disarm() {
-    int32_t const left = mState->failuresLeft + mState->throwsLeft;
-    mState->failuresLeft = 0;
-    mState->throwsLeft = 0;
-    return left;
-  }
-  int64_t calls() const { return mState->calls; }
-  int64_t failed() const { return mState->failed; }
-
- private:
-  struct State {
-    int64_t calls = 0;
-    int64_t failed = 0;
-    int32_t failuresLeft = 0;
-    int32_t throwsLeft = 0;
-  };
-  std::shared_ptr<State> mState = std::make_shared<State>();
-};
+using test::SyncFaults;
 
 struct RigConfig {
   DeviceType device = DeviceType::kCPU;
@@ -156,14 +116,14 @@ class SwaRig {
   KVCachePool* fullPool() { return mFullPool.get(); }
   KVPageTable& table() { return *mTable; }
   RecurrentStatePool* recurrent() { return mRecurrent.get(); }
-  FaultInjector& faults() { return mFaults; }
+  SyncFaults& faults() { return mFaults; }
   testing::KvOracle& oracle() { return *mOracle; }
   Tensor& mapping() { return mMapping; }
   int32_t M() const { return BoundedSwaKVPageManager::windowPages(mConfig.window, mConfig.pageSize); }
 
  private:
   RigConfig mConfig;
-  FaultInjector mFaults;
+  SyncFaults mFaults;
   std::unique_ptr<KVCachePool> mPool;
   std::unique_ptr<KVCachePool> mFullPool;
   std::unique_ptr<KVPageTable> mTable;

@@ -23,20 +23,16 @@
 #include "mkv/kv_cache_pool.h"
 #include "mkv/kv_page_table.h"
 #include "mkv/recurrent_state_pool.h"
-#include "test_util.h"
+#include "support/test_util.h"
+#include "support/token_runs.h"
 
 namespace mkv {
+using test::tokenRun;
 namespace {
 
 using testing::KvOracle;
 using testing::OracleReport;
 using testing::PrefixDigests;
-
-std::vector<int32_t> tokenRange(int32_t count, int32_t first) {
-  std::vector<int32_t> tokens(static_cast<std::size_t>(count));
-  std::iota(tokens.begin(), tokens.end(), first);
-  return tokens;
-}
 
 PrefixDigests digestsOf(std::vector<int32_t> const& tokens, uint64_t seed = 0) {
   PrefixDigests digests(seed);
@@ -53,7 +49,7 @@ std::vector<uint8_t> expectedRow(uint64_t digest, int32_t layer, int32_t half, s
 // ---------------------------------------------------------------- PrefixDigests
 
 TEST(PrefixDigestsTest, EqualPrefixesUnderEqualSeedsGiveEqualDigests) {
-  auto const tokens = tokenRange(50, 7);
+  auto const tokens = tokenRun(50, 7);
   PrefixDigests const whole = digestsOf(tokens, 3);
   PrefixDigests pieces(3);
   pieces.extendTokens(std::span<int32_t const>(tokens).first(20));
@@ -73,7 +69,7 @@ TEST(PrefixDigestsTest, EqualPrefixesUnderEqualSeedsGiveEqualDigests) {
 }
 
 TEST(PrefixDigestsTest, AnEarlierDifferenceChangesEveryLaterDigestAndNoEarlierOne) {
-  auto const tokens = tokenRange(40, 100);
+  auto const tokens = tokenRun(40, 100);
   PrefixDigests const base = digestsOf(tokens);
   for (int32_t changed : {0, 17, 39}) {
     auto other = tokens;
@@ -95,7 +91,7 @@ TEST(PrefixDigestsTest, AnEarlierDifferenceChangesEveryLaterDigestAndNoEarlierOn
 }
 
 TEST(PrefixDigestsTest, TruncateThenExtendReproducesTheChain) {
-  auto const tokens = tokenRange(30, 1);
+  auto const tokens = tokenRun(30, 1);
   PrefixDigests const base = digestsOf(tokens);
   PrefixDigests digests = digestsOf(tokens);
   digests.truncate(12);
@@ -116,7 +112,7 @@ constexpr std::size_t kElementBytes = 2;
 constexpr std::size_t kTokenBytes = kHeads * kHeadDim * kElementBytes;
 
 TEST(KvOracleExpectedRowTest, BytesDifferByLayerHalfHeadDimAndPrefix) {
-  PrefixDigests const digests = digestsOf(tokenRange(64, 5));
+  PrefixDigests const digests = digestsOf(tokenRun(64, 5));
   std::set<std::vector<uint8_t>> rows;
   for (int64_t p = 0; p < digests.size(); ++p) {
     for (int32_t layer = 0; layer < 3; ++layer) {
@@ -232,7 +228,7 @@ class KvOracleTest : public test::DeviceTest {
 TEST_P(KvOracleTest, WriteLaysOutEachPositionAtItsPageRowLayerAndHalf) {
   std::vector<PageId> const pages = {5, 2, 7};
   mapRow(0, pages);
-  PrefixDigests const digests = digestsOf(tokenRange(40, 11));
+  PrefixDigests const digests = digestsOf(tokenRun(40, 11));
   mOracle->write(0, digests, 0, 40);
   std::vector<bool> written(static_cast<std::size_t>(kNumPages * kPageSize), false);
   for (int32_t layer = 0; layer < kLayers; ++layer) {
@@ -267,8 +263,8 @@ TEST_P(KvOracleTest, WriteLaysOutEachPositionAtItsPageRowLayerAndHalf) {
 TEST_P(KvOracleTest, VerifyPassesOnCorrectData) {
   mapRow(0, {3, 0, 6});
   mapRow(1, {1, 4});
-  PrefixDigests const first = digestsOf(tokenRange(48, 1));
-  PrefixDigests const second = digestsOf(tokenRange(20, 900), 5);
+  PrefixDigests const first = digestsOf(tokenRun(48, 1));
+  PrefixDigests const second = digestsOf(tokenRun(20, 900), 5);
   mOracle->write(0, first, 0, 48);
   mOracle->write(1, second, 0, 20);
   OracleReport const report = mOracle->verify(0, first, 0, 48);
@@ -294,7 +290,7 @@ TEST_P(KvOracleTest, AFlippedByteAnywhereIsReportedAtItsPosition) {
   std::vector<PageId> const pages = {6, 1, 3};
   mapRow(0, pages);
   int32_t const length = 2 * kPageSize + 9;
-  PrefixDigests const digests = digestsOf(tokenRange(length, 300));
+  PrefixDigests const digests = digestsOf(tokenRun(length, 300));
   mOracle->write(0, digests, 0, length);
   std::mt19937_64 random(7);
   int64_t cases = 0;
@@ -335,7 +331,7 @@ TEST_P(KvOracleTest, AFlippedByteAnywhereIsReportedAtItsPosition) {
 }
 
 TEST_P(KvOracleTest, APageRecycledToAnotherPrefixIsDetected) {
-  auto const tokens = tokenRange(3 * kPageSize, 40);
+  auto const tokens = tokenRun(3 * kPageSize, 40);
   PrefixDigests const owner = digestsOf(tokens);
   // Other prefixes whose KV could land in the recycled page: one differing token at position 0
   // only (the page's own positions carry the same tokens), and the same tokens under another seed.
@@ -373,7 +369,7 @@ TEST_P(KvOracleTest, PositionsOutsideTheVisibleRangeAreNotRead) {
   mapRow(0, {kNoPage, kNoPage, 4, 6, 1});
   int32_t const begin = 40;
   int32_t const end = 70;
-  PrefixDigests const digests = digestsOf(tokenRange(end + 20, 1000));
+  PrefixDigests const digests = digestsOf(tokenRun(end + 20, 1000));
   mOracle->write(0, digests, begin, end);
   // Garbage in every row of the mapped pages outside [begin, end), every layer and half.
   std::vector<uint8_t> const garbage(kTokenBytes, 0xA5);
@@ -402,14 +398,14 @@ TEST_P(KvOracleTest, PositionsOutsideTheVisibleRangeAreNotRead) {
   EXPECT_NE(all.firstMismatch.find("slot 0 position 0: no page mapped"), std::string::npos)
       << all.firstMismatch;
   // Past the table width there is no entry at all.
-  PrefixDigests const longer = digestsOf(tokenRange(kMaxPagesPerSeq * kPageSize + 1, 1));
+  PrefixDigests const longer = digestsOf(tokenRun(kMaxPagesPerSeq * kPageSize + 1, 1));
   EXPECT_EQ(mOracle->verify(0, longer, kMaxPagesPerSeq * kPageSize, kMaxPagesPerSeq * kPageSize + 1)
                 .mismatches,
             1);
 }
 
 TEST_P(KvOracleTest, TheDeviceMirrorIsWhatIsResolved) {
-  PrefixDigests const digests = digestsOf(tokenRange(2 * kPageSize, 3));
+  PrefixDigests const digests = digestsOf(tokenRun(2 * kPageSize, 3));
   mTable->setRow(1, std::vector<PageId>{2, 5});  // host row only: no upload
   EXPECT_TRUE(test::throwsError([&] { mOracle->write(1, digests, 0, 1); },
                                 {"KvOracle::write", "position 0 of slot 1 maps to no page"}));
@@ -424,7 +420,7 @@ TEST_P(KvOracleTest, TheDeviceMirrorIsWhatIsResolved) {
 
 TEST_P(KvOracleTest, RejectsRangesBeyondTheDigestsAndMismatchedResources) {
   mapRow(0, {0});
-  PrefixDigests const digests = digestsOf(tokenRange(10, 1));
+  PrefixDigests const digests = digestsOf(tokenRun(10, 1));
   EXPECT_TRUE(test::throwsError([&] { mOracle->write(0, digests, 0, 11); },
                                 {"KvOracle::write", "[0, 11)", "10 known positions"}));
   EXPECT_TRUE(test::throwsError([&] { (void)mOracle->verify(0, digests, 5, 4); },
@@ -464,7 +460,7 @@ class RecurrentOracleTest : public test::DeviceTest {
 };
 
 TEST_P(RecurrentOracleTest, TheStateIsAFunctionOfTheWholePrefixAndZeroBeforeAnyToken) {
-  PrefixDigests const digests = digestsOf(tokenRange(30, 5));
+  PrefixDigests const digests = digestsOf(tokenRun(30, 5));
   EXPECT_TRUE(mOracle->verify(1, digests, 0).ok()) << "a fresh pool holds the empty state";
   mOracle->write(1, digests, 17);
   OracleReport const report = mOracle->verify(1, digests, 17);
@@ -472,7 +468,7 @@ TEST_P(RecurrentOracleTest, TheStateIsAFunctionOfTheWholePrefixAndZeroBeforeAnyT
   EXPECT_EQ(report.positionsChecked, 1);
   EXPECT_FALSE(mOracle->verify(1, digests, 16).ok()) << "one token short";
   EXPECT_FALSE(mOracle->verify(1, digests, 0).ok());
-  std::vector<int32_t> branch = tokenRange(16, 5);
+  std::vector<int32_t> branch = tokenRun(16, 5);
   branch.push_back(999);
   PrefixDigests const other = digestsOf(branch);
   EXPECT_FALSE(mOracle->verify(1, other, 17).ok()) << "another last token";
@@ -495,7 +491,7 @@ TEST_P(RecurrentOracleTest, TheStateIsAFunctionOfTheWholePrefixAndZeroBeforeAnyT
 }
 
 TEST_P(RecurrentOracleTest, AFlippedByteInAnyLayerOrKindIsReported) {
-  PrefixDigests const digests = digestsOf(tokenRange(9, 40));
+  PrefixDigests const digests = digestsOf(tokenRun(9, 40));
   for (int32_t layer = 0; layer < 2; ++layer) {
     for (bool conv : {false, true}) {
       mOracle->write(2, digests, 9);

@@ -18,9 +18,12 @@
 
 #include "mkv/kv_cache_runtime.h"
 #include "mkv/stream.h"
-#include "test_util.h"
+#include "support/test_util.h"
+#include "support/token_runs.h"
 
 namespace mkv {
+using test::concatenated;
+using test::tokenRun;
 namespace {
 
 using testing::EngineRequest;
@@ -76,17 +79,6 @@ KVCacheRuntimeConfig configOf(Shape shape, DeviceType device) {
   return config;
 }
 
-std::vector<int32_t> tokens(int32_t count, int32_t first) {
-  std::vector<int32_t> result(static_cast<std::size_t>(count));
-  std::iota(result.begin(), result.end(), first);
-  return result;
-}
-
-std::vector<int32_t> joined(std::vector<int32_t> a, std::vector<int32_t> const& b) {
-  a.insert(a.end(), b.begin(), b.end());
-  return a;
-}
-
 EngineSequence sequence(std::vector<int32_t> prompt, int32_t maxNew, int32_t cancelAt = -1) {
   EngineSequence s;
   s.prompt = std::move(prompt);
@@ -104,25 +96,25 @@ struct Workload {
 };
 
 Workload workloadOf(Shape shape) {
-  std::vector<int32_t> const system = tokens(70, 100);
+  std::vector<int32_t> const system = tokenRun(70, 100);
   Workload w;
   EngineRequest first;
-  first.sequences = {sequence(joined(system, tokens(5, 900)), 9),
-                     sequence(joined(system, tokens(9, 950)), 6)};
+  first.sequences = {sequence(concatenated(system, tokenRun(5, 900)), 9),
+                     sequence(concatenated(system, tokenRun(9, 950)), 6)};
   w.requests.push_back(first);
   w.joins.emplace_back();
   EngineRequest second;
-  second.sequences = {sequence(joined(system, tokens(20, 3000)), 7),
-                      sequence(joined(system, tokens(3, 3100)), 8, 3)};
+  second.sequences = {sequence(concatenated(system, tokenRun(20, 3000)), 7),
+                      sequence(concatenated(system, tokenRun(3, 3100)), 8, 3)};
   w.requests.push_back(second);
   w.joins.emplace_back();
   EngineRequest third;
-  third.sequences = {sequence(joined(system, tokens(33, 5000)), 12)};
+  third.sequences = {sequence(concatenated(system, tokenRun(33, 5000)), 12)};
   w.requests.push_back(third);
   w.joins.emplace_back();
   if (shape != Shape::kSwa) {
-    w.joins.back().push_back(sequence(joined(system, tokens(11, 7000)), 5));
-    w.joins.back().push_back(sequence(tokens(50, 8000), 4));
+    w.joins.back().push_back(sequence(concatenated(system, tokenRun(11, 7000)), 5));
+    w.joins.back().push_back(sequence(tokenRun(50, 8000), 4));
   }
   return w;
 }
@@ -221,7 +213,7 @@ TEST_P(ReferenceEngineTest, ACorruptedKvByteIsReportedWithItsCoordinatesAtEveryS
   };
   ReferenceEngine engine(*runtime, options);
   EngineRequest request;
-  request.sequences = {sequence(tokens(30, 100), 6)};
+  request.sequences = {sequence(tokenRun(30, 100), 6)};
   RequestOutcome const outcome = engine.run(request);
   ASSERT_TRUE(outcome.admitted);
   ASSERT_EQ(outcome.decodeSteps, 5);  // steps 3, 4 and 5 read the corrupted position
@@ -249,7 +241,7 @@ TEST_P(ReferenceEngineTest, AMismatchThrowsWhenTheStepCompletesWithThrowOnMismat
   };
   ReferenceEngine engine(*runtime, options);
   EngineRequest request;
-  request.sequences = {sequence(tokens(30, 100), 6)};
+  request.sequences = {sequence(tokenRun(30, 100), 6)};
   // Position 30 (the first decoded token) was written at step 1: step 2 reads it.
   EXPECT_TRUE(test::throwsError(
       [&] { engine.run(request); },
@@ -277,7 +269,7 @@ TEST_P(ReferenceEngineTest, ACorruptedRecurrentByteIsReportedWhenTheNextExecutio
   };
   ReferenceEngine engine(*runtime, options);
   EngineRequest request;
-  request.sequences = {sequence(tokens(30, 100), 6)};
+  request.sequences = {sequence(tokenRun(30, 100), 6)};
   ASSERT_TRUE(engine.run(request).admitted);
   // Step 3 resumes from the state after 30 + 2 tokens and rewrites it: one mismatch.
   EXPECT_EQ(engine.stats().oracleMismatches, 1);
@@ -294,13 +286,13 @@ TEST_P(ReferenceEngineTest, VerifyNoneWritesButChecksNothing) {
   options.verify = VerifyMode::kNone;
   ReferenceEngine engine(*runtime, options);
   EngineRequest request;
-  request.sequences = {sequence(tokens(30, 100), 4)};
+  request.sequences = {sequence(tokenRun(30, 100), 4)};
   ASSERT_TRUE(engine.run(request).admitted);
   EXPECT_EQ(engine.stats().oracleChecks, 0);
   EXPECT_EQ(engine.stats().lengthChecks, 0);
   // What it wrote is still the oracle's bytes: a verifying engine reuses them without complaint.
   ReferenceEngine checker(*runtime);
-  request.sequences[0].prompt = joined(tokens(30, 100), tokens(20, 600));
+  request.sequences[0].prompt = concatenated(tokenRun(30, 100), tokenRun(20, 600));
   RequestOutcome const outcome = checker.run(request);
   EXPECT_EQ(outcome.sequences.at(0).prefillStart, 16);
   EXPECT_EQ(checker.stats().oracleMismatches, 0) << checker.stats().firstMismatch;

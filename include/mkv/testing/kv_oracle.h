@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "mkv/kv_cache_pool.h"
@@ -39,6 +40,12 @@ class PrefixDigests {
   uint64_t mSeed;
   std::vector<uint64_t> mDigests;
 };
+
+/// The seed of PrefixDigests for one identity: the KV of a prefix depends on the LoRA adapter and
+/// the cache salt as well as on its tokens. Equal names give equal seeds; different ones give
+/// unrelated seeds, so a prefix reused across identities reads wrong bytes. The reference engine
+/// and the test suites seed their sequences with it.
+uint64_t identitySeed(std::string_view loraWeightsName, std::string_view cacheSalt) noexcept;
 
 /// Result of a verification: positions compared, how many held wrong bytes, and a description
 /// of the first mismatch (layer, half, position, page, expected vs found first differing byte).

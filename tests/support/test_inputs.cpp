@@ -1,4 +1,4 @@
-#include "test_inputs.h"
+#include "support/test_inputs.h"
 
 #include <cstdlib>
 #include <string>

@@ -1,4 +1,4 @@
-#include "prometheus_text_parser.h"
+#include "support/prometheus_text_parser.h"
 
 #include <cerrno>
 #include <cstdint>

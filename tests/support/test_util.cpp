@@ -1,4 +1,4 @@
-#include "test_util.h"
+#include "support/test_util.h"
 
 #include "core/device.h"
 

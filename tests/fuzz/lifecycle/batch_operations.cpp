@@ -1,0 +1,454 @@
+/// \file batch_operations.cpp
+/// Operations that change a request's batch: compaction (beginBatchCompaction then
+/// completeBatchCompaction) and in-flight admission (admitSequence, then
+/// finalizeSequenceAdmission or retractSequenceAdmission), valid and with corrupted arguments.
+/// In-flight admission is the coordinator's; the SWA facade only answers its backstops.
+
+#include <algorithm>
+
+#include "fuzz/lifecycle/lifecycle.h"
+
+namespace mkv::fuzz::lifecycle {
+
+// ---------------------------------------------------------------- compaction
+
+void Lifecycle::beginCompaction(Req& req) {
+  int32_t survivors = 0;
+  CompactionCall call = planCompaction(req, survivors);
+  issueBeginCompaction(req, call);
+}
+
+/// A mapping for another batch, a wrong new size, survivors out of order, a bad entry, or a
+/// device mapping of the wrong type or size.
+void Lifecycle::badBeginCompaction(Req& req) {
+  int32_t survivors = 0;
+  CompactionCall call = planCompaction(req, survivors);
+  corruptCompaction(call, survivors);
+  issueBeginCompaction(req, call);
+}
+
+/// Rows that stopped leave the batch, or (one time in four) rows the input picks.
+Lifecycle::CompactionCall Lifecycle::planCompaction(Req const& req, int32_t& survivors) {
+  CompactionCall call;
+  call.mapping.assign(req.rows.size(), -1);
+  survivors = 0;
+  bool const randomDrop = mIn.oneIn(4);
+  for (std::size_t i = 0; i < req.rows.size(); ++i) {
+    bool const dropped =
+        randomDrop ? mIn.oneIn(3) : req.rows[i].reason != FinishReason::kNotFinished;
+    if (!dropped) {
+      call.mapping[i] = survivors++;
+    }
+  }
+  call.newSize = survivors;
+  call.device = &mMapping;
+  return call;
+}
+
+void Lifecycle::corruptCompaction(CompactionCall& call, int32_t survivors) {
+  std::vector<int32_t>& mapping = call.mapping;
+  call.badArguments = true;
+  switch (mIn.below(6)) {
+    case 0: mapping.push_back(-1); break;
+    case 1: call.newSize += 1; break;
+    case 2:
+      if (survivors >= 2) {  // survivors out of order
+        auto first = std::find(mapping.begin(), mapping.end(), 0);
+        auto second = std::find(mapping.begin(), mapping.end(), 1);
+        std::iter_swap(first, second);
+      } else if (!mapping.empty()) {
+        mapping[0] = static_cast<int32_t>(mapping.size());
+      } else {
+        call.newSize = -1;
+      }
+      break;
+    case 3:
+      if (!mapping.empty()) {
+        mapping[0] = -2;
+      } else {
+        call.newSize = -1;
+      }
+      break;
+    case 4: call.device = &mWrongTypeMapping; break;
+    default: call.device = &mEmptyMapping; break;
+  }
+}
+
+void Lifecycle::issueBeginCompaction(Req& req, CompactionCall& call) {
+  std::string const what = "beginBatchCompaction on " + describe(req);
+  bool const valid = req.stage == Stage::kIdle && !req.rows.empty();
+  auto begin = [&] {
+    if (req.via == Via::kFacade) {
+      return req.facade->beginBatchCompaction(call.mapping, call.newSize, *call.device);
+    }
+    if (coordinatorBackend()) {
+      mCoordinator->beginBatchCompaction(req.coordinator, call.mapping, call.newSize,
+                                         *call.device);
+    } else {
+      mSwa->beginBatchCompaction(req.swa, call.mapping, call.newSize, *call.device);
+    }
+    return true;
+  };
+  if (!valid || call.badArguments) {
+    reject(what, begin);
+    return;
+  }
+  expect(accept(what, begin), what + " returned false");
+  req.mapping = call.mapping;
+  req.newBatchSize = call.newSize;
+  req.stage = Stage::kCompaction;
+  trace(fmt::format("{}: keep {} of {}", what, call.newSize, call.mapping.size()));
+}
+
+void Lifecycle::completeCompaction(Req& req) { issueCompleteCompaction(req, req.mapping, false); }
+
+/// The facade's keep mapping must be the one given to beginBatchCompaction; the backends take
+/// none.
+void Lifecycle::badCompleteCompaction(Req& req) {
+  std::vector<int32_t> keep = req.mapping;
+  if (req.via != Via::kFacade) {
+    issueCompleteCompaction(req, keep, false);
+    return;
+  }
+  if (keep.empty()) {
+    keep.push_back(0);
+  } else {
+    keep.back() = keep.back() == -1 ? static_cast<int32_t>(keep.size()) : -1;
+  }
+  issueCompleteCompaction(req, keep, true);
+}
+
+void Lifecycle::issueCompleteCompaction(Req& req, std::vector<int32_t> const& keep,
+                                        bool badArguments) {
+  std::string const what = "completeBatchCompaction on " + describe(req);
+  auto complete = [&] {
+    if (req.via == Via::kFacade) {
+      return req.facade->completeBatchCompaction(keep);
+    }
+    if (coordinatorBackend()) {
+      return mCoordinator->compactBatch(req.coordinator) == ContextCacheStatus::kOk;
+    }
+    return mSwa->compactBatch(req.swa) == SwaKVCacheStatus::kOk;
+  };
+  if (req.stage != Stage::kCompaction || badArguments) {
+    reject(what, complete);
+    return;
+  }
+  int64_t const calls = syncCalls();
+  int64_t const failures = syncFailures();
+  bool const compacted = accept(what, complete);
+  bool const failed = synchronised(what, calls, failures, 1);
+  expectf(compacted == !failed, "{}: returned {} after a {} synchronisation", what, compacted,
+          failed ? "failed" : "successful");
+  if (failed) {
+    // Dropped rows were cleared before the synchronisation; their pages stay quarantined.
+    for (std::size_t i = 0; i < req.rows.size(); ++i) {
+      req.rows[i].bound = req.rows[i].bound && req.mapping[i] >= 0;
+    }
+    quarantine(req);
+    req.stage = Stage::kGone;
+    trace(what + ": synchronisation failed, request quarantined");
+    return;
+  }
+  std::vector<Row> survivors;
+  for (std::size_t i = 0; i < req.rows.size(); ++i) {
+    if (req.mapping[i] >= 0) {
+      survivors.push_back(std::move(req.rows[i]));
+    } else {
+      mRuntime->residentSlots().release(req.rows[i].resident);
+    }
+  }
+  req.rows = std::move(survivors);
+  req.mapping.clear();
+  req.stage = req.rows.empty() ? Stage::kFinishing : Stage::kIdle;
+  ++mStats.compactions;
+  trace(what);
+}
+
+// ---------------------------------------------------------------- in-flight admission
+
+void Lifecycle::admit(Req& req) {
+  if (swaAdmitBackstop(req)) {
+    return;
+  }
+  if (std::optional<AdmitCall> call = planAdmit(req)) {
+    issueAdmit(req, *call);
+  }
+}
+
+void Lifecycle::badAdmit(Req& req) {
+  if (swaAdmitBackstop(req)) {
+    return;
+  }
+  if (std::optional<AdmitCall> call = planAdmit(req)) {
+    corruptAdmit(req, *call);
+    issueAdmit(req, *call);
+  }
+}
+
+/// On the SWA backend the facade's admitSequence fails without a change (nothing to corrupt);
+/// true when the backend is the SWA manager.
+bool Lifecycle::swaAdmitBackstop(Req& req) {
+  if (coordinatorBackend()) {
+    return false;
+  }
+  if (req.via == Via::kFacade) {
+    std::string const what = "admitSequence on " + describe(req);
+    int32_t start = -7;
+    ResidentRef const resident{0, 1};
+    auto const status = unchanged(what, [&] {
+      return req.facade->admitSequence({1, 2, 3}, req.lora, kVanilla, start, resident, kStream);
+    });
+    expect(status == ContextCacheRequest::AdmitSequenceStatus::kFailed && start == -7,
+           what + ": the SWA backend admitted in flight");
+  }
+  return true;
+}
+
+/// A joiner on a fresh resident (none free: nothing to do).
+std::optional<Lifecycle::AdmitCall> Lifecycle::planAdmit(Req& req) {
+  AdmitCall call;
+  call.valid = req.stage == Stage::kIdle && !req.rows.empty() &&
+               static_cast<int32_t>(req.rows.size()) < mMaxBatch &&
+               req.contract == DecodingTokenStateContract::kCommittedPlusLookahead;
+  std::optional<ResidentRef> const fresh = mRuntime->residentSlots().acquire();
+  if (!fresh) {
+    return std::nullopt;
+  }
+  Row& row = call.row;
+  row.resident = *fresh;
+  row.prompt = makePrompt(promptLength());
+  row.digests = testing::PrefixDigests(req.seed);
+  row.digests.extendTokens(row.prompt);
+  row.joined = false;
+  call.admission.tokenIds = row.prompt;
+  call.admission.keyExtras = BlockKeyExtras{digestIdentity(req.lora), digestIdentity(req.salt)};
+  call.admission.resident = row.resident;
+  call.tokens = row.prompt;
+  call.resident = row.resident;
+  return call;
+}
+
+/// An empty or too long prompt, a stale or out-of-range resident, a wrong headroom, a foreign
+/// stream, or a resident another row holds.
+void Lifecycle::corruptAdmit(Req& req, AdmitCall& call) {
+  call.badArguments = true;
+  std::vector<ResidentRef> const busy = busyResidents();
+  switch (mIn.below(6)) {
+    case 0: call.tokens.clear(); break;
+    case 1: call.tokens.resize(static_cast<std::size_t>(mWidth * kPage), 9); break;
+    case 2: call.resident.epoch = 0; break;
+    case 3: call.headroom = DecodingKvHeadroom{0, 0}; break;
+    case 4:
+      if (req.via == Via::kFacade) {
+        call.stream = foreignStream();
+      } else {
+        call.resident.slot = mMaxBatch;
+      }
+      break;
+    default:
+      if (busy.empty()) {
+        call.resident.slot = -1;
+      } else {
+        call.resident = busy.front();
+        call.busyResident = true;
+      }
+      break;
+  }
+  call.admission.tokenIds = call.tokens;
+  call.admission.resident = call.resident;
+}
+
+void Lifecycle::issueAdmit(Req& req, AdmitCall& call) {
+  std::string const what = "admitSequence on " + describe(req);
+  auto release = [&]() { mRuntime->residentSlots().release(call.row.resident); };
+  int32_t start = -1;
+  try {
+    // A busy resident is reported as poisoned on a poisoned coordinator (after the other checks).
+    if (!call.valid || (call.badArguments && !(call.busyResident && mPoisoned))) {
+      if (req.via == Via::kFacade) {
+        reject(what, [&] {
+          return req.facade->admitSequence(call.tokens, req.lora, call.headroom, start,
+                                           call.resident, call.stream);
+        });
+      } else {
+        reject(what, [&] {
+          return mCoordinator->admitSequence(req.coordinator, call.admission, call.headroom);
+        });
+      }
+      release();
+      return;
+    }
+    if (!admitOutcome(req, call, start, what)) {
+      release();
+      return;
+    }
+  } catch (...) {
+    release();
+    throw;
+  }
+  joined(req, std::move(call.row), start, what);
+}
+
+/// Makes the admission; true when admitted. A refusal must be documented (poison, capacity),
+/// must not happen when the free pages hold the prompt, and changes nothing but counters.
+bool Lifecycle::admitOutcome(Req& req, AdmitCall& call, int32_t& start, std::string const& what) {
+  using AdmitStatus = ContextCacheRequest::AdmitSequenceStatus;
+  BackendSnapshot const before = snapshot();
+  bool const must = ceilPages(int64_t{static_cast<int32_t>(call.row.prompt.size())} + 1) <=
+                    mCoordinator->manager().pools().freeCount(ResourceType::kBaseKvPage);
+  bool admitted = false;
+  bool capacity = false;
+  if (req.via == Via::kFacade) {
+    auto const status = accept(what, [&] {
+      return req.facade->admitSequence(call.tokens, req.lora, call.headroom, start, call.resident,
+                                       call.stream);
+    });
+    admitted = status == AdmitStatus::kAdmitted;
+    capacity = status == AdmitStatus::kNoCapacity;
+    expect(!mPoisoned || status == AdmitStatus::kFailed,
+           what + ": a poisoned coordinator did not fail the admission");
+  } else {
+    auto const result = accept(what, [&] {
+      return mCoordinator->admitSequence(req.coordinator, call.admission, call.headroom);
+    });
+    admitted = result.status == ContextCacheStatus::kOk;
+    capacity = result.insufficientCapacity;
+    start = result.prefillStart;
+    expect(!mPoisoned || result.status == ContextCacheStatus::kPoisoned,
+           what + ": a poisoned coordinator did not report kPoisoned");
+    expect(!capacity || result.status == ContextCacheStatus::kRequestFailed,
+           what + ": insufficient capacity with another status");
+  }
+  if (!admitted) {
+    expect(mPoisoned || capacity, what + ": failed for no documented reason");
+    expect(mPoisoned || !must, what + ": refused although the free pages hold the prompt");
+    expectRefusalChangedNothing(what, before);
+    ++mStats.refusals;
+    trace(what + ": refused");
+    return false;
+  }
+  expect(!call.busyResident && !call.badArguments, what + ": admitted an invalid sequence");
+  return true;
+}
+
+/// The runtime seats the joiner: its KV-length row, its prefill and its lookahead token.
+void Lifecycle::joined(Req& req, Row row, int32_t start, std::string const& what) {
+  auto const length = static_cast<int32_t>(row.prompt.size());
+  expectf(start >= 0 && start < length && start % kPage == 0,
+          "{}: joiner starts at {} for {} tokens", what, start, length);
+  row.start = start;
+  row.bound = true;
+  req.rows.push_back(std::move(row));
+  setActiveBatch(static_cast<int32_t>(req.rows.size()));
+  executePrefill(req.rows.back(), static_cast<int32_t>(req.rows.size()) - 1);
+  sampleInto(req.rows.back());
+  ++mStats.joins;
+  trace(fmt::format("{}: joined at row {} from {}", what, req.rows.size() - 1, start));
+}
+
+void Lifecycle::finalize(Req& req) {
+  if (!finalizeModelled(req)) {
+    return;
+  }
+  auto const rows = static_cast<int32_t>(req.rows.size());
+  bool const unjoined = rows > 0 && !req.rows.back().joined;
+  int32_t const slot = unjoined ? rows - 1 : (mIn.oneIn(2) ? rows : std::max(0, rows - 1));
+  issueFinalize(req, slot, false);
+}
+
+/// A row past the batch or one already joined, or the joiner's length off by one.
+void Lifecycle::badFinalize(Req& req) {
+  if (!finalizeModelled(req)) {
+    return;
+  }
+  auto const rows = static_cast<int32_t>(req.rows.size());
+  int32_t const slot = mIn.oneIn(2) ? rows : std::max(0, rows - 1);
+  issueFinalize(req, slot, true);
+}
+
+/// False when the call is not modelled here: the SWA facade's backstop (answered here), and
+/// finalisation during a decode step or compaction (allowed by the coordinator).
+bool Lifecycle::finalizeModelled(Req& req) {
+  if (!coordinatorBackend()) {
+    if (req.via == Via::kFacade) {
+      std::string const what = "finalizeSequenceAdmission on " + describe(req);
+      int32_t const token = 1;
+      expect(!unchanged(what, [&] { return req.facade->finalizeSequenceAdmission(0, token, 1); }),
+             what + ": the SWA backend finalised an admission");
+    }
+    return false;
+  }
+  return req.stage != Stage::kDecode && req.stage != Stage::kCompaction;
+}
+
+void Lifecycle::issueFinalize(Req& req, int32_t slot, bool corruptLength) {
+  std::string const what = "finalizeSequenceAdmission on " + describe(req);
+  auto const rows = static_cast<int32_t>(req.rows.size());
+  bool const unjoined = slot < rows && !req.rows[static_cast<std::size_t>(slot)].joined;
+  bool const valid = req.stage == Stage::kIdle && unjoined;
+  Row const* row = valid ? &req.rows[static_cast<std::size_t>(slot)] : nullptr;
+  int32_t const lookahead = row != nullptr ? row->generated.back() : 1;
+  int32_t length = row != nullptr ? static_cast<int32_t>(row->prompt.size()) : 1;
+  bool badLength = false;
+  if (valid && corruptLength && mIn.oneIn(2)) {
+    length += 1;
+    badLength = true;
+  }
+  auto call = [&] {
+    if (req.via == Via::kFacade) {
+      return req.facade->finalizeSequenceAdmission(slot, lookahead, length);
+    }
+    ContextCacheSequenceAdvance const advance{&lookahead, 1, length};
+    return mCoordinator->finalizeSequenceAdmission(req.coordinator, slot, advance) ==
+           ContextCacheStatus::kOk;
+  };
+  if (!valid || (badLength && !mPoisoned)) {
+    reject(what, call);
+    return;
+  }
+  if (mPoisoned) {
+    expect(!unchanged(what, call), what + ": finalised on a poisoned coordinator");
+    ++mStats.refusals;
+    return;
+  }
+  expect(accept(what, call), what + " returned false");
+  req.rows[static_cast<std::size_t>(slot)].joined = true;
+  trace(fmt::format("{}: row {}", what, slot));
+}
+
+void Lifecycle::retract(Req& req) {
+  std::string const what = "retractSequenceAdmission on " + describe(req);
+  if (!coordinatorBackend()) {
+    if (req.via == Via::kFacade) {
+      expect(unchanged(what, [&] { return req.facade->retractSequenceAdmission(); }),
+             what + ": the SWA backstop returned false");
+    }
+    return;
+  }
+  auto call = [&] {
+    if (req.via == Via::kFacade) {
+      return req.facade->retractSequenceAdmission();
+    }
+    return mCoordinator->retractSequenceAdmission(req.coordinator);
+  };
+  bool const possible = req.stage != Stage::kGone && req.rows.size() > 1 &&
+                        !req.rows.back().joined &&
+                        (req.stage == Stage::kIdle || req.stage == Stage::kFinishing);
+  if (!possible) {
+    // Misuse detectable before any side effect: it throws and changes nothing (no poison).
+    reject(what, call);
+    trace(what + ": refused");
+    return;
+  }
+  expect(accept(what, call), what + " returned false");
+  mRuntime->residentSlots().release(req.rows.back().resident);
+  req.rows.pop_back();
+  if (mLengthOwner == req.serial) {
+    setActiveBatch(static_cast<int32_t>(req.rows.size()));  // the runtime un-seats the joiner
+  }
+  ++mStats.retractions;
+  trace(what);
+}
+
+}  // namespace mkv::fuzz::lifecycle

@@ -1,0 +1,457 @@
+/// \file lifecycle.cpp
+/// The lifecycle's frame: set-up from the input, the operation loop (which operation on which
+/// request), teardown, and the helpers every operation family uses.
+
+#include "fuzz/lifecycle/lifecycle.h"
+
+namespace mkv::fuzz::lifecycle {
+
+char const* toString(Stage stage) {
+  switch (stage) {
+    case Stage::kAdmitted: return "admitted";
+    case Stage::kPrefill: return "prefill";
+    case Stage::kIdle: return "idle";
+    case Stage::kDecode: return "decode";
+    case Stage::kCompaction: return "compaction";
+    case Stage::kFinishing: return "finishing";
+    case Stage::kGone: return "gone";
+  }
+  return "?";
+}
+
+Operation operationOf(Family family, bool corrupt) {
+  switch (family) {
+    case Family::kBegin: return corrupt ? Operation::kBadBegin : Operation::kBegin;
+    case Family::kPreparePrefill:
+      return corrupt ? Operation::kBadPreparePrefill : Operation::kPreparePrefill;
+    case Family::kCaptures: return Operation::kCaptures;
+    case Family::kCompletePrefill:
+      return corrupt ? Operation::kBadCompletePrefill : Operation::kCompletePrefill;
+    case Family::kPrepareDecode:
+      return corrupt ? Operation::kBadPrepareDecode : Operation::kPrepareDecode;
+    case Family::kCompleteDecode:
+      return corrupt ? Operation::kBadCompleteDecode : Operation::kCompleteDecode;
+    case Family::kBeginCompaction:
+      return corrupt ? Operation::kBadBeginCompaction : Operation::kBeginCompaction;
+    case Family::kCompleteCompaction:
+      return corrupt ? Operation::kBadCompleteCompaction : Operation::kCompleteCompaction;
+    case Family::kAdmit: return corrupt ? Operation::kBadAdmit : Operation::kAdmit;
+    case Family::kFinalize: return corrupt ? Operation::kBadFinalize : Operation::kFinalize;
+    case Family::kRetract: return Operation::kRetract;
+    case Family::kFinish: return Operation::kFinish;
+    case Family::kDrop: return Operation::kDrop;
+    case Family::kShutdown: return Operation::kShutdown;
+    case Family::kFailSync: return Operation::kFailSync;
+    case Family::kObserve: return Operation::kObserve;
+    case Family::kStaleHandle:
+    case Family::kCount: break;
+  }
+  return Operation::kStaleHandle;
+}
+
+Lifecycle::Lifecycle(std::span<uint8_t const> data, LifecycleOptions const& options)
+    : mIn(data), mOptions(options) {
+  mSync.failCall(options.syncFaults.failAt, options.syncFaults.persistent);
+}
+
+LifecycleResult Lifecycle::run() {
+  LifecycleResult result;
+  try {
+    if (!setUp()) {
+      result.stats = mStats;
+      return result;
+    }
+    while (!mIn.exhausted() && mStats.operations < mOptions.maxOperations) {
+      ++mStats.operations;
+      operation();
+      checkAll();
+    }
+    tearDown();
+  } catch (Violation const& violation) {
+    result.ok = false;
+    result.failure = violation.what;
+  } catch (std::exception const& error) {
+    result.ok = false;
+    result.failure = std::string("the driver failed outside a library call: ") + error.what();
+  }
+  if (!result.ok) {
+    result.failure += "\nlast operations:\n";
+    for (std::string const& line : mTrace) {
+      result.failure += "  " + line + "\n";
+    }
+    abandonEverything();
+  }
+  result.stats = mStats;
+  return result;
+}
+
+// ---------------------------------------------------------------- set-up and teardown
+
+/// The runtime the set-up bytes describe: batch, backend (context reuse, bounded SWA, full
+/// storage) and its geometry, pools and cache settings.
+KVCacheRuntimeConfig Lifecycle::configFromInput() {
+  KVCacheRuntimeConfig config;
+  config.tokensPerPage = kPage;
+  config.maxBatchSize = 1 + mIn.below(4);
+  config.deviceType = DeviceType::kCPU;
+  config.stream = kStream;
+  config.model.numKVHeads = 1;
+  config.model.headDim = 4;
+  config.model.kvDataType = DataType::kFloat16;
+  config.synchronizer = mSync.synchronizer();
+  int32_t const mode = mIn.below(3);
+  if (mode == 1) {  // bounded SWA
+    config.model.numSlidingWindowLayers = 1;
+    config.model.numFullAttentionLayers = mIn.below(2);
+    config.model.slidingWindowTokens = 1 + mIn.below(3 * kPage);
+    int32_t const admission = BoundedSwaKVPageManager::admissionPagesPerSequence(
+        config.model.slidingWindowTokens, kPage);
+    int32_t const width = admission + 1 + mIn.below(4);
+    config.maxSequenceLength = width * kPage - mIn.below(kPage);
+    if (mIn.oneIn(2)) {
+      config.numSwaPages = config.maxBatchSize * admission + mIn.below(2 * admission);
+    }
+  } else {  // context reuse (0) or full storage (2)
+    config.model.numFullAttentionLayers = 1 + mIn.below(2);
+    int32_t const width = 2 + mIn.below(5);
+    config.maxSequenceLength = width * kPage - mIn.below(kPage);
+    config.numPages = 2 + mIn.below(config.maxBatchSize * width + 2);
+    config.contextReuse = mode == 0;
+    config.contextCache.maxRecords = mIn.below(6);
+    config.contextCache.verifyTokens = mIn.below(4) != 0;
+    config.contextCache.eventQueueCapacity = 4 * mIn.below(2);
+  }
+  if (mode != 0 && mIn.oneIn(3)) {
+    config.model.numRecurrentLayers = 1;
+    config.model.recurrentStateBytes = 16;
+    config.model.recurrentConvBytes = 8;
+  }
+  return config;
+}
+
+/// False when the runtime could not be created (allocation fault).
+bool Lifecycle::setUp() {
+  KVCacheRuntimeConfig const config = configFromInput();
+  try {
+    LibraryCall scope;
+    ++mStats.libraryCalls;
+    mRuntime = KVCacheRuntime::create(config);
+  } catch (std::bad_alloc const&) {
+    ++mStats.badAllocs;  // create failed as a whole: nothing to check
+    return false;
+  }
+  bindRuntime(config);
+  trace(fmt::format("set-up: {} backend, batch {}, {} pages a row, pool {} pages{}",
+                    toString(mRuntime->backend()), mMaxBatch, mWidth, poolPages(),
+                    mSwa != nullptr ? fmt::format(", window {}", mWindow) : std::string()));
+  checkAll();
+  return true;
+}
+
+/// The backend, its oracles and KV-length pools, and the driver's geometry.
+void Lifecycle::bindRuntime(KVCacheRuntimeConfig const& config) {
+  mCoordinator = mRuntime->contextCache();
+  mSwa = mRuntime->swaPageManager();
+  mWidth = mRuntime->maxPagesPerSequence();
+  mMaxBatch = config.maxBatchSize;
+  if (mSwa != nullptr) {
+    mWindow = config.model.slidingWindowTokens;
+    mWindowPages = BoundedSwaKVPageManager::windowPages(mWindow, kPage);
+    mSwaOracle =
+        std::make_unique<testing::KvOracle>(*mRuntime->swaPool(), *mRuntime->swaPageTable());
+    mLengthPools.push_back(mRuntime->swaPool());
+  }
+  if (mRuntime->fullPool() != nullptr) {
+    mFullOracle =
+        std::make_unique<testing::KvOracle>(*mRuntime->fullPool(), *mRuntime->fullPageTable());
+    mLengthPools.push_back(mRuntime->fullPool());
+  }
+  mMapping = Tensor({mMaxBatch}, DataType::kInt32, DeviceType::kCPU);
+  mWrongTypeMapping = Tensor({mMaxBatch}, DataType::kFloat32, DeviceType::kCPU);
+}
+
+/// Ends every request, shuts the backend down without faults and checks that every page is
+/// back and every row is clear.
+void Lifecycle::tearDown() {
+  mSync.disarm();
+  while (!mRequests.empty()) {
+    drop(0);
+    checkAll();
+  }
+  shutdown(false);
+  checkAll();
+  checkEverythingReturned();
+  mRuntime.reset();
+}
+
+void Lifecycle::checkEverythingReturned() {
+  expect(mQuarantine.empty(), "teardown: the quarantine was not drained");
+  expect(!backendPoisoned(), "teardown: the backend is still poisoned after shutdown");
+  if (mCoordinator != nullptr) {
+    ResourcePools const& pools = mCoordinator->manager().pools();
+    expect(mCoordinator->manager().liveLeaseCount() == 0, "teardown: leases are still live");
+    for (PageId page = 0; page < pools.capacity(ResourceType::kBaseKvPage); ++page) {
+      expectf(pools.activeRefs({ResourceType::kBaseKvPage, page}) == 0,
+              "teardown: page {} is still pinned", page);
+    }
+  } else {
+    expectf(mSwa->freePageCount() == mSwa->totalPageCount(), "teardown: {} of {} SWA pages free",
+            mSwa->freePageCount(), mSwa->totalPageCount());
+  }
+  for (CacheSlot slot = 0; slot < mainTable()->maxBatch(); ++slot) {
+    expectf(mainTable()->liveEntryCount(slot) == 0, "teardown: row {} still maps pages", slot);
+  }
+  expect(mRuntime->residentSlots().available() == mMaxBatch, "teardown: residents still held");
+}
+
+/// After a violation: drops what can be dropped without checks so that nothing terminates.
+void Lifecycle::abandonEverything() noexcept {
+  try {
+    mSync.disarm();
+    mRequests.clear();
+    if (mRuntime) {
+      (void)mRuntime->shutdown();
+    }
+    mRuntime.reset();
+  } catch (...) {
+  }
+}
+
+// ---------------------------------------------------------------- the operation loop
+
+/// The call that moves a request on.
+Family Lifecycle::naturalNext(Req const& req) {
+  switch (req.stage) {
+    case Stage::kAdmitted: return Family::kPreparePrefill;
+    case Stage::kPrefill: return mIn.oneIn(4) ? Family::kCaptures : Family::kCompletePrefill;
+    case Stage::kIdle: {
+      bool stopped = false;
+      for (Row const& row : req.rows) {
+        stopped = stopped || row.reason != FinishReason::kNotFinished;
+      }
+      if (!req.rows.empty() && !req.rows.back().joined) {
+        return mIn.oneIn(4) ? Family::kRetract : Family::kFinalize;
+      }
+      if (stopped || mIn.oneIn(16)) {
+        return Family::kBeginCompaction;
+      }
+      if (coordinatorBackend() && mIn.oneIn(6)) {
+        return Family::kAdmit;
+      }
+      return mIn.oneIn(40) ? Family::kFinish : Family::kPrepareDecode;
+    }
+    case Stage::kDecode: return Family::kCompleteDecode;
+    case Stage::kCompaction: return Family::kCompleteCompaction;
+    case Stage::kFinishing: return Family::kFinish;
+    case Stage::kGone: return mIn.oneIn(2) ? Family::kFinish : Family::kDrop;
+  }
+  return Family::kFinish;
+}
+
+/// The request an operation acts on: the input picks one; a request that cannot prefill while
+/// another executes usually yields to the executing one.
+std::size_t Lifecycle::pickTarget() {
+  auto target = static_cast<std::size_t>(mIn.below(static_cast<int32_t>(mRequests.size())));
+  if (mRequests[target]->stage == Stage::kAdmitted &&
+      prefillBlockedByAnother(*mRequests[target]) && !mIn.oneIn(4)) {
+    for (std::size_t i = 0; i < mRequests.size(); ++i) {
+      if (executing(mRequests[i]->stage)) {
+        return i;
+      }
+    }
+  }
+  return target;
+}
+
+/// One operation: a selector byte picks the family (a begin, the target's natural next call,
+/// or any family on any request), then one byte in eight corrupts the call's arguments.
+void Lifecycle::operation() {
+  uint8_t const selector = mIn.byte();
+  Family family = Family::kBegin;
+  std::size_t target = 0;
+  if (!mRequests.empty() && selector >= 20) {
+    if (selector < 210) {
+      target = pickTarget();
+      family = naturalNext(*mRequests[target]);
+    } else {
+      family = static_cast<Family>(mIn.below(static_cast<int32_t>(Family::kCount)));
+      target = static_cast<std::size_t>(mIn.below(static_cast<int32_t>(mRequests.size())));
+    }
+  }
+  if (family == Family::kBegin && static_cast<int32_t>(mRequests.size()) >= kMaxLiveRequests + 2) {
+    family = Family::kDrop;  // keep the set of requests small
+  } else if (family == Family::kBegin && !mQuarantine.empty() && mRequests.empty() &&
+             mIn.oneIn(2)) {
+    family = Family::kShutdown;  // quarantined pages and residents return only at shutdown
+  } else if (family == Family::kBegin && mRuntime->residentSlots().available() == 0) {
+    // Every resident is busy: a quarantined request only lets go of its rows at shutdown.
+    if (!mQuarantine.empty() && (mRequests.empty() || mIn.oneIn(2))) {
+      family = Family::kShutdown;
+    } else if (!mRequests.empty()) {
+      target = pickTarget();
+      family = naturalNext(*mRequests[target]);
+    }
+  }
+  Operation const op = operationOf(family, mIn.oneIn(8));
+  bool const onRequest = family != Family::kBegin && family != Family::kShutdown &&
+                         family != Family::kFailSync && family != Family::kStaleHandle;
+  uint64_t const serial = onRequest && target < mRequests.size() ? mRequests[target]->serial : 0;
+  try {
+    dispatch(op, target);
+  } catch (AllocationFailed const&) {
+    recoverFromAllocationFailure(serial);
+  }
+}
+
+void Lifecycle::dispatch(Operation op, std::size_t target) {
+  switch (op) {
+    case Operation::kBegin: begin(); return;
+    case Operation::kBadBegin: badBegin(); return;
+    case Operation::kShutdown: shutdown(true); return;
+    case Operation::kFailSync: armSyncFault(); return;
+    case Operation::kStaleHandle: staleHandle(); return;
+    default: break;
+  }
+  if (target < mRequests.size()) {
+    dispatchOnRequest(op, target);
+  }
+}
+
+void Lifecycle::dispatchOnRequest(Operation op, std::size_t target) {
+  Req& req = *mRequests[target];
+  switch (op) {
+    case Operation::kPreparePrefill: preparePrefill(req); return;
+    case Operation::kBadPreparePrefill: badPreparePrefill(req); return;
+    case Operation::kCaptures: captures(req); return;
+    case Operation::kCompletePrefill: completePrefill(req); return;
+    case Operation::kBadCompletePrefill: badCompletePrefill(req); return;
+    case Operation::kPrepareDecode: prepareDecode(req); return;
+    case Operation::kBadPrepareDecode: badPrepareDecode(req); return;
+    case Operation::kCompleteDecode: completeDecode(req); return;
+    case Operation::kBadCompleteDecode: badCompleteDecode(req); return;
+    case Operation::kBeginCompaction: beginCompaction(req); return;
+    case Operation::kBadBeginCompaction: badBeginCompaction(req); return;
+    case Operation::kCompleteCompaction: completeCompaction(req); return;
+    case Operation::kBadCompleteCompaction: badCompleteCompaction(req); return;
+    case Operation::kAdmit: admit(req); return;
+    case Operation::kBadAdmit: badAdmit(req); return;
+    case Operation::kFinalize: finalize(req); return;
+    case Operation::kBadFinalize: badFinalize(req); return;
+    case Operation::kRetract: retract(req); return;
+    case Operation::kFinish: finish(req); return;
+    case Operation::kDrop: drop(target); return;
+    case Operation::kObserve: observe(req); return;
+    default: return;
+  }
+}
+
+/// A library call threw std::bad_alloc: the request it was made on can no longer be trusted;
+/// drop it (abandon: release or quarantine) and let the invariants judge what is left.
+void Lifecycle::recoverFromAllocationFailure(uint64_t serial) {
+  trace("std::bad_alloc: dropping the request the call was made on");
+  mPoisoned = backendPoisoned();
+  for (std::size_t i = 0; i < mRequests.size(); ++i) {
+    if (mRequests[i]->serial == serial) {
+      drop(i);
+      break;
+    }
+  }
+  mPoisoned = backendPoisoned();
+}
+
+// ---------------------------------------------------------------- small helpers
+
+int32_t Lifecycle::poolPages() const {
+  return coordinatorBackend() ? mRuntime->fullPool()->numPages() : mSwa->totalPageCount();
+}
+
+KVPageTable* Lifecycle::mainTable() const {
+  return coordinatorBackend() ? mRuntime->fullPageTable() : mRuntime->swaPageTable();
+}
+
+bool Lifecycle::backendPoisoned() const {
+  return coordinatorBackend() ? mCoordinator->poisoned() : mSwa->poisoned();
+}
+
+int32_t Lifecycle::maxPromptTokens() const {
+  // Context reuse needs the prompt plus one headroom token in a row; SWA maps the window only.
+  return coordinatorBackend() ? mWidth * kPage - 1 : mWidth * kPage;
+}
+
+void Lifecycle::trace(std::string line) {
+  if (mOptions.trace) {
+    fmt::print(stderr, "[{}] {}\n", mStats.operations, line);
+  }
+  mTrace.push_back(std::move(line));
+  if (mTrace.size() > 24) {
+    mTrace.pop_front();
+  }
+}
+
+void Lifecycle::expectRefusalChangedNothing(std::string const& what, BackendSnapshot before) {
+  BackendSnapshot after = snapshot();
+  before.counters.clear();
+  after.counters.clear();
+  expectf(before == after, "{}: refused but changed {}", what, differences(before, after));
+}
+
+/// The synchronisations a call made: must be `expected`; returns whether one failed.
+bool Lifecycle::synchronised(std::string const& what, int64_t callsBefore, int64_t failuresBefore,
+                             int64_t expected) {
+  int64_t const made = syncCalls() - callsBefore;
+  expectf(made == expected, "{}: made {} synchronisations, expected {}", what, made, expected);
+  bool const failed = syncFailures() != failuresBefore;
+  if (failed) {
+    ++mStats.failedSynchronizations;
+  }
+  return failed;
+}
+
+Req* Lifecycle::find(uint64_t serial) {
+  for (auto& req : mRequests) {
+    if (req->serial == serial) {
+      return req.get();
+    }
+  }
+  return nullptr;
+}
+
+std::string Lifecycle::describe(Req const& req) const {
+  return fmt::format("request {} ({} {}, {} rows, {})", req.serial,
+                     req.via == Via::kFacade ? "facade" : "direct",
+                     coordinatorBackend() ? "coordinator" : "SWA", req.rows.size(),
+                     toString(req.stage));
+}
+
+/// Pages a live SWA row holds (2M + 1 until completePrefill trims it to M + 1).
+int32_t Lifecycle::swaRowPages(Req const& req) const {
+  return req.trimmed ? mWindowPages + 1 : 2 * mWindowPages + 1;
+}
+
+int32_t Lifecycle::liveRequests() const {
+  int32_t live = 0;
+  for (auto const& req : mRequests) {
+    live += req->stage != Stage::kGone ? 1 : 0;
+  }
+  return live;
+}
+
+/// Residents currently held by the driver's rows (live or quarantined).
+std::vector<ResidentRef> Lifecycle::busyResidents() const {
+  std::vector<ResidentRef> busy;
+  for (auto const& req : mRequests) {
+    if (req->stage != Stage::kGone) {
+      for (Row const& row : req->rows) {
+        busy.push_back(row.resident);
+      }
+    }
+  }
+  for (Quarantined const& q : mQuarantine) {
+    for (Row const& row : q.rows) {
+      busy.push_back(row.resident);
+    }
+  }
+  return busy;
+}
+
+}  // namespace mkv::fuzz::lifecycle

@@ -1,0 +1,167 @@
+#pragma once
+/// \file model.h
+/// What the lifecycle driver (lifecycle.h) knows about the requests it holds: the input it reads,
+/// the stage of each request, its rows as the engine sees them, and the small pure helpers the
+/// operation files share. Private to tests/fuzz/lifecycle/.
+
+#include <fmt/format.h>
+
+#include <cstdint>
+#include <optional>
+#include <span>
+#include <string>
+#include <string_view>
+#include <utility>
+#include <vector>
+
+#include "mkv/managed_kv_cache_request.h"
+#include "mkv/testing/kv_oracle.h"
+
+namespace mkv::fuzz::lifecycle {
+
+inline constexpr int32_t kPage = 16;           ///< tokens per page
+inline constexpr int32_t kMaxLiveRequests = 3;  ///< requests kept at once (plus spent ones)
+inline constexpr cudaStream_t kStream = nullptr;
+inline constexpr DecodingKvHeadroom kVanilla{1, 0};
+
+/// A stream the runtime was not created with (contract violation).
+inline cudaStream_t foreignStream() {
+  return reinterpret_cast<cudaStream_t>(static_cast<uintptr_t>(0x1000));
+}
+
+/// splitmix64: prompt tokens and the snapshot's byte digest.
+inline uint64_t mix(uint64_t x) noexcept {
+  x += 0x9E3779B97F4A7C15ULL;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
+  return x ^ (x >> 31);
+}
+
+inline int32_t ceilPages(int64_t tokens) {
+  return static_cast<int32_t>((tokens + kPage - 1) / kPage);
+}
+
+/// A violated property: ends the run with a report.
+struct Violation {
+  std::string what;
+};
+
+/// A library call threw std::bad_alloc (allocation fault injection).
+struct AllocationFailed {};
+
+[[noreturn]] inline void violate(std::string what) { throw Violation{std::move(what)}; }
+
+inline void expect(bool condition, std::string_view what) {
+  if (!condition) {
+    violate(std::string(what));
+  }
+}
+
+/// expect() with a message formatted only on failure (the checks run after every operation).
+template <typename... Args>
+void expectf(bool condition, fmt::format_string<Args...> format, Args&&... args) {
+  if (!condition) {
+    violate(fmt::format(format, std::forward<Args>(args)...));
+  }
+}
+
+/// The byte string, read front to back; past its end every byte reads 0 and the run ends.
+class Input {
+ public:
+  explicit Input(std::span<uint8_t const> data) : mData(data) {}
+  bool exhausted() const noexcept { return mNext >= mData.size(); }
+  uint8_t byte() noexcept { return mNext < mData.size() ? mData[mNext++] : uint8_t{0}; }
+  /// A value in [0, n), n in [1, 256].
+  int32_t below(int32_t n) noexcept { return n <= 1 ? 0 : byte() % n; }
+  /// True with probability about 1 / n.
+  bool oneIn(int32_t n) noexcept { return below(n) == 0; }
+
+ private:
+  std::span<uint8_t const> mData;
+  std::size_t mNext = 0;
+};
+
+/// How a request was begun: through ManagedKVCacheRequest or on the backend itself.
+enum class Via : uint8_t { kFacade, kDirect };
+
+/// Where a request is in its lifecycle, as the driver drove it.
+enum class Stage : uint8_t {
+  kAdmitted,    ///< begun; rows not bound yet
+  kPrefill,     ///< preparePrefill done: prefill work pending
+  kIdle,        ///< executing, nothing pending
+  kDecode,      ///< prepareDecodeStep done: decode work pending
+  kCompaction,  ///< beginBatchCompaction done
+  kFinishing,   ///< a step was refused or every row compacted away: only finish remains
+  kGone,        ///< finished, or quarantined by a failed compaction: the handle is invalid
+};
+
+char const* toString(Stage stage);
+
+/// A stage in which the coordinator considers the request executing.
+inline bool executing(Stage stage) {
+  return stage == Stage::kPrefill || stage == Stage::kIdle || stage == Stage::kDecode ||
+         stage == Stage::kCompaction;
+}
+
+/// Device work is pending (a finish or an abandonment synchronises).
+inline bool pendingWork(Stage stage) {
+  return stage == Stage::kPrefill || stage == Stage::kDecode || stage == Stage::kCompaction;
+}
+
+/// One sequence (execution row) as the engine sees it.
+struct Row {
+  ResidentRef resident;
+  std::vector<int32_t> prompt;
+  std::vector<int32_t> generated;  ///< sampled tokens (the digests cover prompt + generated)
+  testing::PrefixDigests digests;
+  int32_t start = 0;         ///< prefill start (reuse length)
+  int32_t materialized = 0;  ///< positions whose KV the engine wrote
+  int32_t endpoint = 0;      ///< SWA: endpoint of the window (staged one while a step is pending)
+  int32_t windowFrom = 0;    ///< SWA: endpoint whose window pages are still mapped (committed)
+  bool bound = false;        ///< the backend mapped the row
+  bool joined = true;        ///< false: admitted in flight, not finalised
+  bool decoded = false;      ///< produced a token in the pending decode step
+  FinishReason reason = FinishReason::kNotFinished;
+};
+
+/// One request the driver holds, through whichever handle it was begun with.
+struct Req {
+  uint64_t serial = 0;
+  Via via = Via::kFacade;
+  Stage stage = Stage::kAdmitted;
+  std::optional<ManagedKVCacheRequest> facade;
+  ContextCacheCoordinator::RequestHandle coordinator;
+  BoundedSwaKVPageManager::RequestHandle swa;
+  std::vector<Row> rows;
+  DecodingTokenStateContract contract = DecodingTokenStateContract::kCommittedPlusLookahead;
+  std::string lora;
+  std::string salt;
+  uint64_t seed = 0;
+  bool trimmed = false;          ///< SWA: completePrefill ran (M + 1 pages a row)
+  std::vector<int32_t> mapping;  ///< pending compaction
+  int32_t newBatchSize = 0;
+};
+
+/// Rows of a quarantined request: their pages must keep their KV until shutdown drains them.
+struct Quarantined {
+  std::vector<Row> rows;
+  int32_t swaPages = 0;
+};
+
+/// Prompt token `position` of prompt family `family` (families share prefixes).
+inline int32_t promptToken(int32_t family, int32_t position) {
+  return 100 + static_cast<int32_t>(mix(static_cast<uint64_t>(family) * 1000003u +
+                                        static_cast<uint64_t>(position)) %
+                                    20000);
+}
+
+/// The token the engine samples after a prefix of digest `digest`.
+inline int32_t sampleToken(uint64_t digest) {
+  return 30000 + static_cast<int32_t>(digest % 10000);
+}
+
+inline bool stoppedWithoutPublishing(FinishReason reason) {
+  return reason == FinishReason::kCancelled || reason == FinishReason::kError;
+}
+
+}  // namespace mkv::fuzz::lifecycle

@@ -1,0 +1,54 @@
+#pragma once
+/// \file backend_snapshot.h
+/// What a contract violation must leave unchanged on a KVCacheRuntime of host tensors (the
+/// lifecycle driver and the allocation fault test): the backend's counts and poison, the
+/// coordinator's manager state and counters, every page table (host rows, device mirror, dirty
+/// flag), every KV-length tensor, optionally a digest of every KV and recurrent byte, and what
+/// the backend reports about the requests the caller holds. Reads device memory through host
+/// pointers: host (kCPU) runtimes only.
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "mkv/kv_cache_runtime.h"
+#include "support/manager_state.h"
+
+namespace mkv::test {
+
+struct BackendSnapshot {
+  int64_t synchronizations = 0;  ///< set by the caller (SyncFaults::calls()); 0 if not compared
+  bool poisoned = false;
+  int32_t activeRequests = 0;
+  int32_t quarantined = 0;  ///< requests (coordinator) or pages (bounded SWA)
+  int32_t freePages = 0;    ///< base KV pages (coordinator) or SWA pages
+  int32_t liveLeases = 0;   ///< coordinator only
+  std::optional<ManagerState> manager;  ///< coordinator only
+  std::vector<uint64_t> counters;       ///< coordinator counters, then its cache metrics
+  std::vector<int32_t> tables;          ///< host rows, device mirrors and dirty flags
+  std::vector<int32_t> lengths;         ///< active batch and every KV length of every pool
+  uint64_t deviceBytes = 0;             ///< digest of every KV and recurrent byte, if asked
+  std::vector<int64_t> requests;        ///< appendRequestView() of the caller's requests
+  friend bool operator==(BackendSnapshot const&, BackendSnapshot const&) = default;
+};
+
+/// The runtime's backend state; `deviceBytes` also digests every KV and recurrent byte (the
+/// lifecycle driver; the fault test compares bytes through the oracle instead). Reads only.
+BackendSnapshot captureBackend(KVCacheRuntime& runtime, bool deviceBytes = false);
+
+/// Appends what the coordinator reports about `request`: batch size, then per row its committed
+/// and reuse lengths and base pages, -1 ending each row. Nothing for an invalid handle.
+void appendRequestView(ContextCacheCoordinator const& coordinator,
+                       ContextCacheCoordinator::RequestHandle const& request,
+                       std::vector<int64_t>& out);
+/// Appends what the SWA manager reports about `request`: batch size, then per row its endpoints,
+/// bindings, reserved, retiring and new pages, each list ended by a negative marker.
+void appendRequestView(BoundedSwaKVPageManager const& swa,
+                       BoundedSwaKVPageManager::RequestHandle const& request,
+                       std::vector<int64_t>& out);
+
+/// Comma-separated names of the fields that differ ("" when equal).
+std::string differences(BackendSnapshot const& a, BackendSnapshot const& b);
+
+}  // namespace mkv::test
