@@ -6,7 +6,7 @@
 #include <vector>
 
 #include "mkv/kernels.h"
-#include "test_util.h"
+#include "support/test_util.h"
 
 namespace mkv {
 namespace {
