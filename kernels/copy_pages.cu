@@ -38,7 +38,8 @@ __global__ void __launch_bounds__(kUnitBlockThreads)
     }
     int64_t const srcOffset = (int64_t{half} * launch.srcNumPages + srcId) * pageBytes + chunkStart;
     int64_t const dstOffset = (int64_t{half} * launch.dstNumPages + dstId) * pageBytes + chunkStart;
-    auto const chunkBytes = static_cast<uint32_t>(min(bytes - chunkStart, int64_t{kWarpChunkBytes}));
+    auto const chunkBytes =
+        static_cast<uint32_t>(min(bytes - chunkStart, int64_t{kWarpChunkBytes}));
     warpCopy<Width, true>(dstLayer + dstOffset, srcLayer + srcOffset, chunkBytes, lane);
   }
 }

@@ -47,7 +47,8 @@ cudaError_t copyRowsCuda(CopyRowsLaunch const& launch, cudaStream_t stream) {
   for (int32_t b = 0; b < launch.numBuffers; ++b) {
     RowCopyDesc const& buffer = launch.buffers[b];
     units = std::max(units, unitsPerRun(buffer.rowBytes) * launch.numItems);
-    bits |= addressBits(buffer.src) | addressBits(buffer.dst) | static_cast<uint64_t>(buffer.rowBytes);
+    bits |=
+        addressBits(buffer.src) | addressBits(buffer.dst) | static_cast<uint64_t>(buffer.rowBytes);
   }
   if (units <= 0 || units > kMaxUnitsPerList) {
     return cudaErrorInvalidValue;

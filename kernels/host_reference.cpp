@@ -82,8 +82,9 @@ void zeroRowsHost(ZeroRowsLaunch const& launch) {
       if (row < 0 || row >= launch.numRows[b]) {
         continue;
       }
-      std::memset(buffer.data + static_cast<std::size_t>(row) * static_cast<std::size_t>(buffer.rowBytes),
-                  0, static_cast<std::size_t>(buffer.rowBytes));
+      std::memset(
+          buffer.data + static_cast<std::size_t>(row) * static_cast<std::size_t>(buffer.rowBytes),
+          0, static_cast<std::size_t>(buffer.rowBytes));
     }
   }
 }

@@ -36,7 +36,8 @@ bool InlinePatchBatch::overlapsQueued(int32_t* base, int64_t offset, int64_t cou
   return std::any_of(mRanges.begin(), mRanges.end(), [&](Range const& range) {
     int32_t* const queuedBase = mTargets[range.target];
     auto const queuedBegin = reinterpret_cast<std::uintptr_t>(queuedBase + range.offset);
-    auto const queuedEnd = reinterpret_cast<std::uintptr_t>(queuedBase + range.offset + range.count);
+    auto const queuedEnd =
+        reinterpret_cast<std::uintptr_t>(queuedBase + range.offset + range.count);
     return begin < queuedEnd && queuedBegin < end;
   });
 }
@@ -75,8 +76,8 @@ void InlinePatchBatch::add(char const* call, Tensor& dst, int64_t offset,
     mTargetNumel[target] = dst.numel();
   }
   mDeviceType = dst.deviceType();
-  mRanges.push_back({target, static_cast<int32_t>(mValues.size()), offset,
-                     static_cast<int32_t>(count)});
+  mRanges.push_back(
+      {target, static_cast<int32_t>(mValues.size()), offset, static_cast<int32_t>(count)});
   mValues.insert(mValues.end(), values.begin(), values.end());
 }
 
@@ -87,7 +88,7 @@ void InlinePatchBatch::flush(cudaStream_t stream) {
   // The launch groups ranges by target; within a batch no two ranges overlap, so the order in
   // which they are applied does not matter.
   std::sort(mRanges.begin(), mRanges.end(),
-                   [](Range const& a, Range const& b) { return a.target < b.target; });
+            [](Range const& a, Range const& b) { return a.target < b.target; });
   detail::Int32InlinePatchLaunch launch{};
   auto const numRanges = static_cast<int32_t>(mRanges.size());
   int32_t valueStart = kHeaderPerRange * numRanges;

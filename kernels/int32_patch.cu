@@ -91,9 +91,8 @@ cudaError_t applyInt32InlinePatchCuda(Int32InlinePatchLaunch const& launch, cuda
 cudaError_t applyInt32PatchCuda(Int32PatchLaunch const& launch, cudaStream_t stream) {
   int64_t const ranges = std::max<int64_t>(launch.numRanges, 1);
   int64_t const averageValues = (launch.dstNumel + ranges - 1) / ranges;
-  int64_t const blocksX =
-      std::clamp<int64_t>((averageValues + kPatchValuesPerPass - 1) / kPatchValuesPerPass, 1,
-                          kMaxPatchBlocksX);
+  int64_t const blocksX = std::clamp<int64_t>(
+      (averageValues + kPatchValuesPerPass - 1) / kPatchValuesPerPass, 1, kMaxPatchBlocksX);
   dim3 const grid(static_cast<unsigned int>(blocksX),
                   static_cast<unsigned int>(std::min(ranges, kMaxPatchBlocksY)), 1);
   int32PatchKernel<<<grid, kPatchThreads, 0, stream>>>(launch);

@@ -24,8 +24,8 @@ void requireIndexTensor(Tensor const& t, char const* call, char const* name, Dev
   MKV_REQUIRE(t.deviceType() == device, call, "{} is on {} but the data is on {}", name,
               toString(t.deviceType()), toString(device));
   if (expectedCount >= 0) {
-    MKV_REQUIRE(t.numel() == expectedCount, call, "{} has {} entries, expected {}", name,
-                t.numel(), expectedCount);
+    MKV_REQUIRE(t.numel() == expectedCount, call, "{} has {} entries, expected {}", name, t.numel(),
+                expectedCount);
   }
   MKV_REQUIRE(t.numel() == 0 || t.rawPointer() != nullptr, call, "{} has no data", name);
 }
@@ -37,8 +37,8 @@ void requireIdsInRange(Tensor const& ids, int64_t limit, char const* call, char 
   }
   int32_t const* values = ids.dataPointer<int32_t>();
   for (int64_t i = 0; i < ids.numel(); ++i) {
-    MKV_REQUIRE(values[i] >= -1 && values[i] < limit, call,
-                "{}[{}] = {} is outside [-1, {})", name, i, values[i], limit);
+    MKV_REQUIRE(values[i] >= -1 && values[i] < limit, call, "{}[{}] = {} is outside [-1, {})", name,
+                i, values[i], limit);
   }
 }
 
@@ -52,9 +52,8 @@ template <typename Launch>
 using CudaImpl = cudaError_t (*)(Launch const&, cudaStream_t);
 
 template <typename Launch>
-void run(DeviceType device, char const* call, Launch const& launch,
-         void (*host)(Launch const&), std::type_identity_t<CudaImpl<Launch>> cuda,
-         cudaStream_t stream) {
+void run(DeviceType device, char const* call, Launch const& launch, void (*host)(Launch const&),
+         std::type_identity_t<CudaImpl<Launch>> cuda, cudaStream_t stream) {
   if (device == DeviceType::kCPU) {
     host(launch);
     return;
@@ -72,8 +71,7 @@ void requireRowBuffers(std::span<RowBuffer const> buffers, char const* call, int
   MKV_REQUIRE(buffers.size() <= static_cast<std::size_t>(kMaxRowBuffers), call,
               "{} buffers exceed the limit of {}", buffers.size(), kMaxRowBuffers);
   for (std::size_t b = 0; b < buffers.size(); ++b) {
-    MKV_REQUIRE(buffers[b].rowBytes > 0, call, "buffer {} has rowBytes {}", b,
-                buffers[b].rowBytes);
+    MKV_REQUIRE(buffers[b].rowBytes > 0, call, "buffer {} has rowBytes {}", b, buffers[b].rowBytes);
     MKV_REQUIRE(buffers[b].data != nullptr, call, "buffer {} has no data", b);
     MKV_REQUIRE(buffers[b].numRows >= minRows, call, "buffer {} has {} rows, needs {}", b,
                 buffers[b].numRows, minRows);
@@ -93,8 +91,8 @@ int64_t compactWorkspaceWords(char const* call, int64_t rows, std::span<int64_t 
     units += detail::compactUnits(rowBytes[b], 1, rows);  // each <= kMaxCompactUnits + 1
   }
   MKV_REQUIRE(units <= detail::kMaxCompactUnits, call,
-              "{} rows of these buffers need {} work units, more than the limit of {}", rows,
-              units, detail::kMaxCompactUnits);
+              "{} rows of these buffers need {} work units, more than the limit of {}", rows, units,
+              detail::kMaxCompactUnits);
   return detail::kCompactHeaderWords + units;
 }
 
@@ -120,8 +118,8 @@ void copyPages(PagedBuffers const& src, PagedBuffers const& dst, Tensor const& s
   MKV_REQUIRE(src.tokenBytes > 0 && src.tokenBytes == dst.tokenBytes, kCall,
               "tokenBytes differ or are not positive: src {}, dst {}", src.tokenBytes,
               dst.tokenBytes);
-  MKV_REQUIRE(src.numPages > 0 && dst.numPages > 0, kCall, "numPages must be positive: src {}, dst {}",
-              src.numPages, dst.numPages);
+  MKV_REQUIRE(src.numPages > 0 && dst.numPages > 0, kCall,
+              "numPages must be positive: src {}, dst {}", src.numPages, dst.numPages);
   for (int32_t l = 0; l < src.numLayers(); ++l) {
     MKV_REQUIRE(src.layerBases[static_cast<std::size_t>(l)] != nullptr &&
                     dst.layerBases[static_cast<std::size_t>(l)] != nullptr,
@@ -159,9 +157,8 @@ void copyPages(PagedBuffers const& src, PagedBuffers const& dst, Tensor const& s
   run(src.deviceType, kCall, launch, &detail::copyPagesHost, MKV_CUDA_IMPL(copyPagesCuda), stream);
 }
 
-void compactBatch(std::span<RowBuffer const> buffers, DeviceType deviceType,
-                  Tensor const& oldToNew, int32_t newBatchSize, Tensor& workspace,
-                  cudaStream_t stream) {
+void compactBatch(std::span<RowBuffer const> buffers, DeviceType deviceType, Tensor const& oldToNew,
+                  int32_t newBatchSize, Tensor& workspace, cudaStream_t stream) {
   constexpr char const* kCall = "compactBatch";
   requireIndexTensor(oldToNew, kCall, "oldToNew", deviceType, -1);
   int64_t const oldBatch = oldToNew.numel();
@@ -177,8 +174,8 @@ void compactBatch(std::span<RowBuffer const> buffers, DeviceType deviceType,
         continue;
       }
       MKV_REQUIRE(mapping[i] == nextSurvivor, kCall,
-                  "mapping is not order-preserving: oldToNew[{}] = {}, expected {}", i,
-                  mapping[i], nextSurvivor);
+                  "mapping is not order-preserving: oldToNew[{}] = {}, expected {}", i, mapping[i],
+                  nextSurvivor);
       ++nextSurvivor;
     }
   } else {
@@ -196,8 +193,8 @@ void compactBatch(std::span<RowBuffer const> buffers, DeviceType deviceType,
                 "workspace has {} bytes, needs {} for {} rows of {} buffers "
                 "(compactBatchWorkspaceBytes)",
                 workspace.sizeBytes(), bytes, oldBatch, buffers.size());
-    MKV_REQUIRE(reinterpret_cast<uintptr_t>(workspace.rawPointer()) % sizeof(uint64_t) == 0,
-                kCall, "workspace is not 8-byte aligned");
+    MKV_REQUIRE(reinterpret_cast<uintptr_t>(workspace.rawPointer()) % sizeof(uint64_t) == 0, kCall,
+                "workspace is not 8-byte aligned");
   }
   if (buffers.empty() || oldBatch == 0) {
     return;
@@ -214,11 +211,12 @@ void compactBatch(std::span<RowBuffer const> buffers, DeviceType deviceType,
   launch.numBuffers = static_cast<int32_t>(buffers.size());
   launch.oldBatch = static_cast<int32_t>(oldBatch);
   launch.newBatch = newBatchSize;
-  run(deviceType, kCall, launch, &detail::compactBatchHost, MKV_CUDA_IMPL(compactBatchCuda), stream);
+  run(deviceType, kCall, launch, &detail::compactBatchHost, MKV_CUDA_IMPL(compactBatchCuda),
+      stream);
 }
 
-void copyRows(std::span<RowBufferPair const> buffers, DeviceType deviceType,
-              Tensor const& srcRows, Tensor const& dstRows, cudaStream_t stream) {
+void copyRows(std::span<RowBufferPair const> buffers, DeviceType deviceType, Tensor const& srcRows,
+              Tensor const& dstRows, cudaStream_t stream) {
   constexpr char const* kCall = "copyRows";
   MKV_REQUIRE(buffers.size() <= static_cast<std::size_t>(kMaxRowBuffers), kCall,
               "{} buffer pairs exceed the limit of {}", buffers.size(), kMaxRowBuffers);
@@ -234,9 +232,9 @@ void copyRows(std::span<RowBufferPair const> buffers, DeviceType deviceType,
     MKV_REQUIRE(src.data != nullptr && dst.data != nullptr, kCall, "pair {} has no data", b);
     requireIdsInRange(srcRows, src.numRows, kCall, "srcRows");
     requireIdsInRange(dstRows, dst.numRows, kCall, "dstRows");
-    launch.buffers[b] = detail::RowCopyDesc{static_cast<uint8_t const*>(src.data),
-                                            static_cast<uint8_t*>(dst.data), src.rowBytes,
-                                            src.numRows, dst.numRows};
+    launch.buffers[b] =
+        detail::RowCopyDesc{static_cast<uint8_t const*>(src.data), static_cast<uint8_t*>(dst.data),
+                            src.rowBytes, src.numRows, dst.numRows};
   }
   if (buffers.empty() || srcRows.numel() == 0) {
     return;
@@ -305,16 +303,16 @@ void gatherPageTableRows(Tensor const& table, Tensor const& residentSlots, Tenso
     return;
   }
   detail::CopyRowsLaunch launch{};
-  launch.buffers[0] = detail::RowCopyDesc{static_cast<uint8_t const*>(table.rawPointer()),
-                                          static_cast<uint8_t*>(dst.rawPointer()),
-                                          2 * table.dim(2) * static_cast<int64_t>(sizeof(int32_t)),
-                                          table.dim(0), n};
+  launch.buffers[0] = detail::RowCopyDesc{
+      static_cast<uint8_t const*>(table.rawPointer()), static_cast<uint8_t*>(dst.rawPointer()),
+      2 * table.dim(2) * static_cast<int64_t>(sizeof(int32_t)), table.dim(0), n};
   launch.srcRows = residentSlots.dataPointer<int32_t>();
   launch.dstRows = nullptr;
   launch.numBuffers = 1;
   launch.numItems = static_cast<int32_t>(n);
   launch.fillSkipped = 1;
-  run(table.deviceType(), kCall, launch, &detail::copyRowsHost, MKV_CUDA_IMPL(copyRowsCuda), stream);
+  run(table.deviceType(), kCall, launch, &detail::copyRowsHost, MKV_CUDA_IMPL(copyRowsCuda),
+      stream);
 }
 
 void zeroRows(std::span<RowBuffer const> buffers, DeviceType deviceType, Tensor const& rows,
@@ -407,8 +405,8 @@ void applyInt32Patch(Tensor& dst, Tensor const& patch, int32_t numRanges, cudaSt
   launch.dstNumel = dst.numel();
   launch.patchNumel = patch.numel();
   launch.numRanges = numRanges;
-  run(dst.deviceType(), kCall, launch, &detail::applyInt32PatchHost, MKV_CUDA_IMPL(applyInt32PatchCuda),
-      stream);
+  run(dst.deviceType(), kCall, launch, &detail::applyInt32PatchHost,
+      MKV_CUDA_IMPL(applyInt32PatchCuda), stream);
 }
 
 namespace detail {

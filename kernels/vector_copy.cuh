@@ -25,15 +25,25 @@ inline constexpr int32_t kWarpChunkBytes = kWarpSize * kLoadsInFlight * 16;
 template <int Width>
 struct VecOf;
 template <>
-struct VecOf<16> { using Type = uint4; };
+struct VecOf<16> {
+  using Type = uint4;
+};
 template <>
-struct VecOf<8> { using Type = uint2; };
+struct VecOf<8> {
+  using Type = uint2;
+};
 template <>
-struct VecOf<4> { using Type = unsigned int; };
+struct VecOf<4> {
+  using Type = unsigned int;
+};
 template <>
-struct VecOf<2> { using Type = unsigned short; };
+struct VecOf<2> {
+  using Type = unsigned short;
+};
 template <>
-struct VecOf<1> { using Type = unsigned char; };
+struct VecOf<1> {
+  using Type = unsigned char;
+};
 template <int Width>
 using Vec = typename VecOf<Width>::Type;
 
@@ -123,11 +133,16 @@ __device__ __forceinline__ void warpFill(uint8_t* dst, uint8_t byte, uint32_t by
 template <typename Body>
 decltype(auto) withAccessWidth(int32_t width, Body&& body) {
   switch (width) {
-    case 16: return body(std::integral_constant<int, 16>{});
-    case 8: return body(std::integral_constant<int, 8>{});
-    case 4: return body(std::integral_constant<int, 4>{});
-    case 2: return body(std::integral_constant<int, 2>{});
-    default: return body(std::integral_constant<int, 1>{});
+    case 16:
+      return body(std::integral_constant<int, 16>{});
+    case 8:
+      return body(std::integral_constant<int, 8>{});
+    case 4:
+      return body(std::integral_constant<int, 4>{});
+    case 2:
+      return body(std::integral_constant<int, 2>{});
+    default:
+      return body(std::integral_constant<int, 1>{});
   }
 }
 

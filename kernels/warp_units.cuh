@@ -34,8 +34,8 @@ __host__ __device__ __forceinline__ int64_t unitsPerRun(int64_t bytes) {
 
 /// Grid of `lists` run lists, each of at most `maxUnits` warp units.
 inline dim3 warpUnitGrid(int64_t maxUnits, int64_t lists) {
-  int64_t const blocks = std::clamp<int64_t>((maxUnits + kWarpsPerBlock - 1) / kWarpsPerBlock, 1,
-                                             kMaxBlocksX);
+  int64_t const blocks =
+      std::clamp<int64_t>((maxUnits + kWarpsPerBlock - 1) / kWarpsPerBlock, 1, kMaxBlocksX);
   return dim3(static_cast<unsigned int>(blocks), static_cast<unsigned int>(lists), 1);
 }
 

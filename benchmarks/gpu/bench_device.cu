@@ -24,7 +24,8 @@ __global__ void fillKernel(uint8_t* dst, int64_t bytes, uint64_t seed) {
   for (int64_t i = int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < words; i += stride) {
     out[i] = splitMix(seed ^ static_cast<uint64_t>(i));
   }
-  for (int64_t i = words * 8 + int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < bytes; i += stride) {
+  for (int64_t i = words * 8 + int64_t{blockIdx.x} * blockDim.x + threadIdx.x; i < bytes;
+       i += stride) {
     dst[i] = static_cast<uint8_t>(splitMix(seed + static_cast<uint64_t>(i)));
   }
 }
@@ -75,8 +76,8 @@ uint64_t countMismatches(void const* dst, void const* ref, int64_t rowBytes, int
                                                     rows, map, counter);
   } else {
     compareKernel<<<kBlocks, kThreads, 0, stream>>>(static_cast<uint8_t const*>(dst),
-                                                    static_cast<uint8_t const*>(ref), rowBytes, rows,
-                                                    map, counter);
+                                                    static_cast<uint8_t const*>(ref), rowBytes,
+                                                    rows, map, counter);
   }
   check(cudaGetLastError(), "compareKernel");
   unsigned long long result = 0;

@@ -90,15 +90,15 @@ int main() {
   int32_t* device = nullptr;
   int32_t* pinned = nullptr;
   if (cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) != cudaSuccess ||
-      cudaMalloc(&device, 1 << 20) != cudaSuccess || cudaMallocHost(&pinned, 1 << 16) != cudaSuccess) {
+      cudaMalloc(&device, 1 << 20) != cudaSuccess ||
+      cudaMallocHost(&pinned, 1 << 16) != cudaSuccess) {
     std::fprintf(stderr, "mkv_launch_probe: no CUDA device\n");
     return 1;
   }
   std::printf("CUDA driver %d; host microseconds per call (median of %d x %d calls)\n", driver,
               kBatches, kCallsPerBatch);
-  report("kernel launch, no parameters", hostMicroseconds(stream, [&] {
-           emptyKernel<<<1, 32, 0, stream>>>();
-         }));
+  report("kernel launch, no parameters",
+         hostMicroseconds(stream, [&] { emptyKernel<<<1, 32, 0, stream>>>(); }));
   probeKernel<1>(stream, device, "kernel launch, 16 B of parameters");
   probeKernel<64>(stream, device, "kernel launch, 272 B of parameters");
   probeKernel<1000>(stream, device, "kernel launch, 4 KiB of parameters");
@@ -122,9 +122,8 @@ int main() {
   emptyKernel<<<1, 32, 0, stream>>>();
   (void)cudaStreamEndCapture(stream, &graph);
   (void)cudaGraphInstantiate(&graphExec, graph, 0);
-  report("cudaGraphLaunch, one kernel node", hostMicroseconds(stream, [&] {
-           (void)cudaGraphLaunch(graphExec, stream);
-         }));
+  report("cudaGraphLaunch, one kernel node",
+         hostMicroseconds(stream, [&] { (void)cudaGraphLaunch(graphExec, stream); }));
   cudaError_t const status = cudaStreamSynchronize(stream);
   std::printf("CUDA status: %s\n", cudaGetErrorString(status));
   return status == cudaSuccess && cudaGetLastError() == cudaSuccess ? 0 : 1;

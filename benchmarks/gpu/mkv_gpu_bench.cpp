@@ -13,9 +13,9 @@
 /// Exit status: 0 = every case ran and verified (performance misses do not fail the run);
 /// 2 = a verification found mismatching bytes; 77 = no CUDA device visible (nothing measured);
 /// 1 = usage or CUDA error.
-#include <CLI/CLI.hpp>
 #include <cuda_runtime.h>
 #include <fmt/format.h>
+#include <CLI/CLI.hpp>
 
 #include <algorithm>
 #include <cstdio>
@@ -84,7 +84,8 @@ void check(cudaError_t status, std::string_view what) {
 class DeviceBuffer {
  public:
   explicit DeviceBuffer(int64_t bytes) : mBytes(bytes) {
-    check(cudaMalloc(&mData, static_cast<std::size_t>(bytes)), fmt::format("cudaMalloc({} B)", bytes));
+    check(cudaMalloc(&mData, static_cast<std::size_t>(bytes)),
+          fmt::format("cudaMalloc({} B)", bytes));
   }
   ~DeviceBuffer() { (void)cudaFree(mData); }
   DeviceBuffer(DeviceBuffer const&) = delete;
@@ -225,12 +226,14 @@ class Bench {
     check(cudaMemsetAsync(dst, 0xFF, static_cast<std::size_t>(bytes), mStream), "poison");
   }
   void copy(void* dst, void const* src, int64_t bytes) {
-    check(cudaMemcpyAsync(dst, src, static_cast<std::size_t>(bytes), cudaMemcpyDeviceToDevice, mStream),
+    check(cudaMemcpyAsync(dst, src, static_cast<std::size_t>(bytes), cudaMemcpyDeviceToDevice,
+                          mStream),
           "cudaMemcpyAsync");
   }
 
   /// Mismatching words of `rows` rows at dst against ref rows map[r] (0xFF rows for -1).
-  uint64_t verify(void const* dst, void const* ref, int64_t rowBytes, std::vector<int64_t> const& map) {
+  uint64_t verify(void const* dst, void const* ref, int64_t rowBytes,
+                  std::vector<int64_t> const& map) {
     auto const bytes = static_cast<int64_t>(map.size() * sizeof(int64_t));
     if (bytes > mMap.size()) {
       fail("verification map too large");
@@ -263,8 +266,8 @@ class Bench {
   }
 
   void add(Row row) {
-    fmt::print("  {:<30} {:<34} {:>10.1f} us {:>6.2f} TB/s  x{:<6.3f} {:<18} {:<5} {}{}\n", row.caseName,
-               row.method, row.us, row.tbps(), row.ratio, row.target, row.status,
+    fmt::print("  {:<30} {:<34} {:>10.1f} us {:>6.2f} TB/s  x{:<6.3f} {:<18} {:<5} {}{}\n",
+               row.caseName, row.method, row.us, row.tbps(), row.ratio, row.target, row.status,
                row.mismatches == 0 ? "" : fmt::format("MISMATCHES {} ", row.mismatches), row.note);
     std::fflush(stdout);
     mRows.push_back(std::move(row));
@@ -273,8 +276,9 @@ class Bench {
   static std::string passIf(bool ok) { return ok ? "PASS" : "MISS"; }
 
   /// Row of a per-copy loop; `kernelUs` is the launcher's time for the same case.
-  Row loopRow(std::string const& name, int64_t bytes, double memcpyUs, double loopUs, double kernelUs,
-              int64_t copies, int64_t timedCopies, double minSpeedup, std::string method) {
+  Row loopRow(std::string const& name, int64_t bytes, double memcpyUs, double loopUs,
+              double kernelUs, int64_t copies, int64_t timedCopies, double minSpeedup,
+              std::string method) {
     Row row{name, std::move(method), bytes};
     row.us = loopUs;
     row.ratio = memcpyUs / loopUs;
@@ -284,7 +288,8 @@ class Bench {
     if (minSpeedup > 0) {
       row.target = fmt::format("mkv >= {:.0f}x loop", minSpeedup);
       row.status = passIf(loopUs >= minSpeedup * kernelUs);
-      row.note += fmt::format("{}mkv is {:.0f}x faster", row.note.empty() ? "" : "; ", loopUs / kernelUs);
+      row.note +=
+          fmt::format("{}mkv is {:.0f}x faster", row.note.empty() ? "" : "; ", loopUs / kernelUs);
     } else {
       row.target = "report";
       row.status = "-";
@@ -334,9 +339,8 @@ class Bench {
     PagedBuffers const dst{dstBase, DeviceType::kGPU, dstPages, tokensPerPage, kTokenBytes};
     poison(mDestination.data(), dstBytes);
     Row kernel{name, "mkv copyPages", bytes};
-    kernel.us = medianUs([&] {
-      mkv::kernels::copyPages(src, dst, srcIdTensor, dstIdTensor, nullptr, mStream);
-    });
+    kernel.us = medianUs(
+        [&] { mkv::kernels::copyPages(src, dst, srcIdTensor, dstIdTensor, nullptr, mStream); });
     kernel.mismatches = verify(mDestination.data(), mSource.data(), pageBytes, expectedMap(items));
     kernel.ratio = denominator.us / kernel.us;
     kernel.target = fmt::format(">= {:.2f}x memcpy", minRatio);
@@ -346,19 +350,23 @@ class Bench {
     int64_t const loopItems = std::min(items, kLoopCopies / 2);
     poison(mDestination.data(), dstBytes);
     double const loopUs =
-        medianUs(kLoopReps, 1, [&] {
-          for (int64_t i = 0; i < loopItems; ++i) {
-            for (int64_t half = 0; half < 2; ++half) {
-              copy(mDestination.data() + (half * dstPages + dstIds[static_cast<std::size_t>(i)]) * pageBytes,
-                   mSource.data() + (half * srcPages + srcIds[static_cast<std::size_t>(i)]) * pageBytes,
-                   pageBytes);
-            }
-          }
-        }) *
+        medianUs(kLoopReps, 1,
+                 [&] {
+                   for (int64_t i = 0; i < loopItems; ++i) {
+                     for (int64_t half = 0; half < 2; ++half) {
+                       copy(mDestination.data() +
+                                (half * dstPages + dstIds[static_cast<std::size_t>(i)]) * pageBytes,
+                            mSource.data() +
+                                (half * srcPages + srcIds[static_cast<std::size_t>(i)]) * pageBytes,
+                            pageBytes);
+                     }
+                   }
+                 }) *
         static_cast<double>(items) / static_cast<double>(loopItems);
     Row loop = loopRow(name, bytes, denominator.us, loopUs, kernel.us, 2 * items, 2 * loopItems,
                        pageBytes <= 64 * kKiB ? 20.0 : 0.0, "cudaMemcpyAsync per page");
-    loop.mismatches = verify(mDestination.data(), mSource.data(), pageBytes, expectedMap(loopItems));
+    loop.mismatches =
+        verify(mDestination.data(), mSource.data(), pageBytes, expectedMap(loopItems));
     add(loop);
   }
 
@@ -374,7 +382,8 @@ class Bench {
     int32_t const poolPages = pagesPerLayer;
     int64_t const poolBytes = 2 * int64_t{poolPages} * pageBytes;
     int64_t const bytes = int64_t{layers} * 2 * items * pageBytes;
-    std::mt19937_64 rng(static_cast<uint64_t>(layers) * 1000 + static_cast<uint64_t>(pagesPerLayer));
+    std::mt19937_64 rng(static_cast<uint64_t>(layers) * 1000 +
+                        static_cast<uint64_t>(pagesPerLayer));
     std::vector<int32_t> const srcIds = distinct(items, poolPages, rng);
     std::vector<int32_t> const dstIds = distinct(items, poolPages, rng);
     std::vector<void*> srcBases;
@@ -398,8 +407,8 @@ class Bench {
       }
       uint64_t mismatches = 0;
       for (int32_t l = 0; l < layers; ++l) {
-        mismatches += verify(dstBases[static_cast<std::size_t>(l)], srcBases[static_cast<std::size_t>(l)],
-                             pageBytes, map);
+        mismatches += verify(dstBases[static_cast<std::size_t>(l)],
+                             srcBases[static_cast<std::size_t>(l)], pageBytes, map);
       }
       return mismatches;
     };
@@ -408,7 +417,9 @@ class Bench {
     Tensor const dstIdTensor = upload(dstIds);
     PagedBuffers const src{srcBases, DeviceType::kGPU, poolPages, 16, kTokenBytes};
     PagedBuffers const dst{dstBases, DeviceType::kGPU, poolPages, 16, kTokenBytes};
-    auto launch = [&] { mkv::kernels::copyPages(src, dst, srcIdTensor, dstIdTensor, nullptr, mStream); };
+    auto launch = [&] {
+      mkv::kernels::copyPages(src, dst, srcIdTensor, dstIdTensor, nullptr, mStream);
+    };
     poison(mDestination.data(), layers * poolBytes);
     Row kernel{name, "mkv copyPages (one launch)", bytes};
     kernel.us = medianUs(launch);
@@ -440,19 +451,21 @@ class Bench {
     int64_t const loopItems = std::clamp<int64_t>(kLoopCopies / (2 * layers), 1, items);
     poison(mDestination.data(), layers * poolBytes);
     double const loopUs =
-        medianUs(kLoopReps, 1, [&] {
-          for (int64_t i = 0; i < loopItems; ++i) {
-            for (int32_t l = 0; l < layers; ++l) {
-              for (int64_t half = 0; half < 2; ++half) {
-                copy(static_cast<uint8_t*>(dstBases[static_cast<std::size_t>(l)]) +
-                         (half * poolPages + dstIds[static_cast<std::size_t>(i)]) * pageBytes,
-                     static_cast<uint8_t const*>(srcBases[static_cast<std::size_t>(l)]) +
-                         (half * poolPages + srcIds[static_cast<std::size_t>(i)]) * pageBytes,
-                     pageBytes);
+        medianUs(
+            kLoopReps, 1,
+            [&] {
+              for (int64_t i = 0; i < loopItems; ++i) {
+                for (int32_t l = 0; l < layers; ++l) {
+                  for (int64_t half = 0; half < 2; ++half) {
+                    copy(static_cast<uint8_t*>(dstBases[static_cast<std::size_t>(l)]) +
+                             (half * poolPages + dstIds[static_cast<std::size_t>(i)]) * pageBytes,
+                         static_cast<uint8_t const*>(srcBases[static_cast<std::size_t>(l)]) +
+                             (half * poolPages + srcIds[static_cast<std::size_t>(i)]) * pageBytes,
+                         pageBytes);
+                  }
+                }
               }
-            }
-          }
-        }) *
+            }) *
         static_cast<double>(items) / static_cast<double>(loopItems);
     Row loop = loopRow(name, bytes, denominator.us, loopUs, kernel.us, copies,
                        int64_t{layers} * 2 * loopItems, 10.0, "cudaMemcpyAsync per page");
@@ -503,12 +516,15 @@ class Bench {
     if (kind == RowKind::kCopyRows) {
       std::vector<RowBufferPair> const pairs{{RowBuffer{mSource.data(), rowBytes, 2 * n},
                                               RowBuffer{mDestination.data(), rowBytes, n}}};
-      kernel.us = medianUs([&] { mkv::kernels::copyRows(pairs, DeviceType::kGPU, srcTensor, dstTensor, mStream); });
+      kernel.us = medianUs(
+          [&] { mkv::kernels::copyRows(pairs, DeviceType::kGPU, srcTensor, dstTensor, mStream); });
     } else {
-      Tensor const hidden =
-          Tensor::view(mSource.data(), {2 * n, rowBytes / 2}, DataType::kBFloat16, DeviceType::kGPU);
-      Tensor slab = Tensor::view(mDestination.data(), {n, rowBytes / 2}, DataType::kBFloat16, DeviceType::kGPU);
-      kernel.us = medianUs([&] { mkv::kernels::captureHiddenRows(hidden, srcTensor, slab, dstTensor, mStream); });
+      Tensor const hidden = Tensor::view(mSource.data(), {2 * n, rowBytes / 2}, DataType::kBFloat16,
+                                         DeviceType::kGPU);
+      Tensor slab = Tensor::view(mDestination.data(), {n, rowBytes / 2}, DataType::kBFloat16,
+                                 DeviceType::kGPU);
+      kernel.us = medianUs(
+          [&] { mkv::kernels::captureHiddenRows(hidden, srcTensor, slab, dstTensor, mStream); });
     }
     kernel.mismatches = verify(mDestination.data(), mSource.data(), rowBytes, expectedMap(n));
     kernel.ratio = denominator.us / kernel.us;
@@ -519,12 +535,14 @@ class Bench {
     int64_t const loopItems = std::min(n, kLoopCopies);
     poison(mDestination.data(), bytes);
     double const loopUs =
-        medianUs(kLoopReps, 1, [&] {
-          for (int64_t i = 0; i < loopItems; ++i) {
-            copy(mDestination.data() + dstRows[static_cast<std::size_t>(i)] * rowBytes,
-                 mSource.data() + srcRows[static_cast<std::size_t>(i)] * rowBytes, rowBytes);
-          }
-        }) *
+        medianUs(kLoopReps, 1,
+                 [&] {
+                   for (int64_t i = 0; i < loopItems; ++i) {
+                     copy(mDestination.data() + dstRows[static_cast<std::size_t>(i)] * rowBytes,
+                          mSource.data() + srcRows[static_cast<std::size_t>(i)] * rowBytes,
+                          rowBytes);
+                   }
+                 }) *
         static_cast<double>(n) / static_cast<double>(loopItems);
     Row loop = loopRow(name, bytes, denominator.us, loopUs, kernel.us, n, loopItems,
                        rowBytes <= 64 * kKiB ? 20.0 : 0.0, "cudaMemcpyAsync per row");
@@ -534,8 +552,8 @@ class Bench {
 
   /// In-place forward compaction of n rows, each surviving with probability 1/2. The
   /// pristine rows live in mScratch; the compacted buffer is mDestination.
-  void compactCase(std::string const& name, int64_t rowBytes, int64_t n, bool gated, double minRatio,
-                   std::mt19937_64& rng) {
+  void compactCase(std::string const& name, int64_t rowBytes, int64_t n, bool gated,
+                   double minRatio, std::mt19937_64& rng) {
     std::vector<int32_t> oldToNew(static_cast<std::size_t>(n), -1);
     std::vector<std::pair<int64_t, int64_t>> moves;  // (old row, new row), ascending
     std::bernoulli_distribution survives(0.5);
@@ -577,7 +595,8 @@ class Bench {
     kernel.us = medianUs(launch);  // repetitions compact already compacted rows: same traffic
     restore();
     launch();
-    kernel.mismatches = verify(mDestination.data(), mScratch.data(), rowBytes, expectedMap(moves.size()));
+    kernel.mismatches =
+        verify(mDestination.data(), mScratch.data(), rowBytes, expectedMap(moves.size()));
     kernel.ratio = denominator.us / kernel.us;
     kernel.target = gated ? fmt::format(">= {:.2f}x memcpy", minRatio) : "report";
     kernel.status = gated ? passIf(kernel.ratio >= minRatio) : "-";
@@ -586,8 +605,8 @@ class Bench {
     std::size_t const loopMoves = std::min(moves.size(), static_cast<std::size_t>(kLoopCopies));
     auto loopOnce = [&] {
       for (std::size_t m = 0; m < loopMoves; ++m) {
-        copy(mDestination.data() + moves[m].second * rowBytes, mDestination.data() + moves[m].first * rowBytes,
-             rowBytes);
+        copy(mDestination.data() + moves[m].second * rowBytes,
+             mDestination.data() + moves[m].first * rowBytes, rowBytes);
       }
     };
     restore();
@@ -595,10 +614,11 @@ class Bench {
                           static_cast<double>(std::max<std::size_t>(loopMoves, 1));
     restore();
     loopOnce();
-    Row loop = loopRow(name, bytes, denominator.us, loopUs, kernel.us, static_cast<int64_t>(moves.size()),
-                       static_cast<int64_t>(loopMoves), rowBytes <= 64 * kKiB ? 20.0 : 0.0,
-                       "cudaMemcpyAsync per row (ascending)");
-    loop.mismatches = verify(mDestination.data(), mScratch.data(), rowBytes, expectedMap(loopMoves));
+    Row loop = loopRow(name, bytes, denominator.us, loopUs, kernel.us,
+                       static_cast<int64_t>(moves.size()), static_cast<int64_t>(loopMoves),
+                       rowBytes <= 64 * kKiB ? 20.0 : 0.0, "cudaMemcpyAsync per row (ascending)");
+    loop.mismatches =
+        verify(mDestination.data(), mScratch.data(), rowBytes, expectedMap(loopMoves));
     add(loop);
   }
 
@@ -614,19 +634,20 @@ class Bench {
 };
 
 void printTable(std::vector<Row> const& rows) {
-  fmt::print("\n{:<30} {:<36} {:>10} {:>12} {:>7} {:>7} {:<18} {:<6} {}\n", "case", "method", "bytes",
-             "us (median)", "TB/s", "ratio", "target", "status", "note");
+  fmt::print("\n{:<30} {:<36} {:>10} {:>12} {:>7} {:>7} {:<18} {:<6} {}\n", "case", "method",
+             "bytes", "us (median)", "TB/s", "ratio", "target", "status", "note");
   for (Row const& r : rows) {
-    fmt::print("{:<30} {:<36} {:>10} {:>12.1f} {:>7.2f} {:>7.3f} {:<18} {:<6} {}{}\n", r.caseName, r.method,
-               humanBytes(r.bytes), r.us, r.tbps(), r.ratio, r.target, r.status,
+    fmt::print("{:<30} {:<36} {:>10} {:>12.1f} {:>7.2f} {:>7.3f} {:<18} {:<6} {}{}\n", r.caseName,
+               r.method, humanBytes(r.bytes), r.us, r.tbps(), r.ratio, r.target, r.status,
                r.mismatches == 0 ? "" : fmt::format("MISMATCHES {} ", r.mismatches), r.note);
   }
   auto const count = [&](std::string_view s) {
     return std::count_if(rows.begin(), rows.end(), [&](Row const& r) { return r.status == s; });
   };
   fmt::print("\n{} PASS, {} MISS, {} reported only; {} rows with mismatches\n", count("PASS"),
-             count("MISS"), count("-"),
-             std::count_if(rows.begin(), rows.end(), [](Row const& r) { return r.mismatches != 0; }));
+             count("MISS"), count("-"), std::count_if(rows.begin(), rows.end(), [](Row const& r) {
+               return r.mismatches != 0;
+             }));
 }
 
 void writeCsv(std::string const& path, std::vector<Row> const& rows) {
@@ -688,11 +709,12 @@ int main(int argc, char** argv) {
   int runtime = 0;
   check(cudaDriverGetVersion(&driver), "cudaDriverGetVersion");
   check(cudaRuntimeGetVersion(&runtime), "cudaRuntimeGetVersion");
-  fmt::print("mkv_gpu_bench (commit {}) on {}: {} SMs, {} MiB L2, {} GiB, driver {}, runtime {}; "
-             "median of {} reps after {} warm-ups\n",
-             MKV_BENCH_COMMIT, prop.name, prop.multiProcessorCount, prop.l2CacheSize / kMiB,
-             static_cast<int64_t>(prop.totalGlobalMem) / kGiB, driver, runtime, options.reps,
-             options.warmups);
+  fmt::print(
+      "mkv_gpu_bench (commit {}) on {}: {} SMs, {} MiB L2, {} GiB, driver {}, runtime {}; "
+      "median of {} reps after {} warm-ups\n",
+      MKV_BENCH_COMMIT, prop.name, prop.multiProcessorCount, prop.l2CacheSize / kMiB,
+      static_cast<int64_t>(prop.totalGlobalMem) / kGiB, driver, runtime, options.reps,
+      options.warmups);
   std::vector<Row> rows;
   bool mismatch = false;
   {

@@ -13,8 +13,12 @@ namespace {
 void BM_SwaDecodeStep(benchmark::State& state) {
   runDecodeSteps<SwaDecodeRig>(state, static_cast<int32_t>(state.range(0)), /*facade=*/false);
 }
-BENCHMARK(BM_SwaDecodeStep)->ArgName("batch")->Arg(64)->Arg(256)->Arg(1024)->Unit(
-    benchmark::kMicrosecond);
+BENCHMARK(BM_SwaDecodeStep)
+    ->ArgName("batch")
+    ->Arg(64)
+    ->Arg(256)
+    ->Arg(1024)
+    ->Unit(benchmark::kMicrosecond);
 
 }  // namespace
 }  // namespace mkv::bench

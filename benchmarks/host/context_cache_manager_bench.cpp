@@ -47,8 +47,7 @@ class ManagerRig {
   ManagerRig(int32_t page, int32_t hitPercent, bool verify)
       : mPage(page),
         mHitBlocks(kPromptTokens / page * hitPercent / 100),
-        mManager(page,
-                 ResourceDemand{(kRecordLimit + 4) * (kPromptTokens / page + 1), 0, 0, 0},
+        mManager(page, ResourceDemand{(kRecordLimit + 4) * (kPromptTokens / page + 1), 0, 0, 0},
                  kRecordLimit, managerOptions(verify)),
         mCached(randomTokens(kPromptTokens, 11)),
         mQuery(mCached) {

@@ -64,8 +64,7 @@ class SwaDecodeRig {
   static constexpr int32_t kPage = 16;
   static constexpr int32_t kMaxSequence = 32768;
 
-  SwaDecodeRig(int32_t batch, bool facade, DeviceType device = DeviceType::kCPU)
-      : mFacade(facade) {
+  SwaDecodeRig(int32_t batch, bool facade, DeviceType device = DeviceType::kCPU) : mFacade(facade) {
     KVCacheRuntimeConfig config = benchRuntimeConfig(batch, kMaxSequence, kPage, device);
     config.model.numSlidingWindowLayers = 1;
     config.model.slidingWindowTokens = kWindow;
@@ -213,8 +212,7 @@ class ReuseDecodeRig {
         advance = {&kDecodeToken, 1, committed};
       }
       ok = coordinator.prepareDecodeStep(*mHandle, kDecodeHeadroom) == ContextCacheStatus::kOk;
-      ok = coordinator.completeDecodeStep(*mHandle, mAdvances, {}) == ContextCacheStatus::kOk &&
-           ok;
+      ok = coordinator.completeDecodeStep(*mHandle, mAdvances, {}) == ContextCacheStatus::kOk && ok;
     }
     bool const grows = mGrowth == Growth::kEvery16th && mSteps > 0 && mSteps % kPage == 0;
     uint64_t const grown = coordinator.counters().pageGrowths - growthsBefore;

@@ -23,8 +23,7 @@ constexpr int32_t kPagesPerRecord = 8;
 /// Pools, records and a planner of `records` disjoint records; built once per size.
 struct FullCache {
   explicit FullCache(int32_t records)
-      : pools(ResourceDemand{records * kPagesPerRecord, 0, 0, 0}),
-        planner(pools.capacities()) {
+      : pools(ResourceDemand{records * kPagesPerRecord, 0, 0, 0}), planner(pools.capacities()) {
     for (int32_t r = 0; r < records; ++r) {
       CacheRecord record;
       if (!pools.allocate(ResourceDemand{kPagesPerRecord, 0, 0, 0},

@@ -26,8 +26,12 @@ BENCHMARK(BM_FacadeReuseDecodeStep)
 void BM_FacadeSwaDecodeStep(benchmark::State& state) {
   runDecodeSteps<SwaDecodeRig>(state, static_cast<int32_t>(state.range(0)), /*facade=*/true);
 }
-BENCHMARK(BM_FacadeSwaDecodeStep)->ArgName("batch")->Arg(64)->Arg(256)->Arg(1024)->Unit(
-    benchmark::kMicrosecond);
+BENCHMARK(BM_FacadeSwaDecodeStep)
+    ->ArgName("batch")
+    ->Arg(64)
+    ->Arg(256)
+    ->Arg(1024)
+    ->Unit(benchmark::kMicrosecond);
 
 }  // namespace
 }  // namespace mkv::bench

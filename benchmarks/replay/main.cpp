@@ -5,10 +5,10 @@
 // Exit codes: 0 success, 1 internal error (a library or tool bug), 2 bad input (usage, trace,
 // impossible configuration, unwritable output), 3 the KV oracle found corrupted KV.
 
-#include <CLI/CLI.hpp>
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
 #include <unistd.h>
+#include <CLI/CLI.hpp>
 
 #include <charconv>
 #include <cstdio>
@@ -162,9 +162,10 @@ CliOptions parseArguments(int argc, char** argv) {
          });
   auto* window = option("--window", "W", "swa: sliding window in tokens (default 4096)",
                         int32(1, kInt32Max / 4, c.windowTokens));
-  auto* fullLayers =
-      option("--full-layers", "N", "swa: N full-attention layers besides the sliding ones "
-             "(default 0)", int32(0, 256, c.fullLayers));
+  auto* fullLayers = option("--full-layers", "N",
+                            "swa: N full-attention layers besides the sliding ones "
+                            "(default 0)",
+                            int32(0, 256, c.fullLayers));
   option("--page-size", "N", "tokens per page, power of two in [16, 1024] (default 128)",
          int32(16, 1024, c.pageSize));
   auto pool = [&](PoolSizing sizing) {
@@ -176,9 +177,9 @@ CliOptions parseArguments(int argc, char** argv) {
   auto* poolPages = option("--pool-pages", "N",
                            "pool size in pages (default: unbounded, sized from the workload)",
                            pool(PoolSizing::kPages));
-  auto* poolTokens = option("--pool-tokens", "N",
-                            "pool size in tokens, rounded down to whole pages",
-                            pool(PoolSizing::kTokens));
+  auto* poolTokens =
+      option("--pool-tokens", "N", "pool size in tokens, rounded down to whole pages",
+             pool(PoolSizing::kTokens));
   option("--max-batch", "N",
          "sequences executing at once (default 1); reuse/full: in-flight joins, swa: batches of "
          "N consecutive requests",
@@ -202,11 +203,11 @@ CliOptions parseArguments(int argc, char** argv) {
          });
   option("--verify", "V", "KV oracle: all, sample (default), none",
          [&](std::string_view flag, std::string_view value) {
-           c.verify = parseChoice<mkv::testing::VerifyMode>(
-               flag, value,
-               {{"all", mkv::testing::VerifyMode::kAll},
-                {"sample", mkv::testing::VerifyMode::kSample},
-                {"none", mkv::testing::VerifyMode::kNone}});
+           c.verify =
+               parseChoice<mkv::testing::VerifyMode>(flag, value,
+                                                     {{"all", mkv::testing::VerifyMode::kAll},
+                                                      {"sample", mkv::testing::VerifyMode::kSample},
+                                                      {"none", mkv::testing::VerifyMode::kNone}});
          });
 
   group = "KV events (reuse mode; vLLM's ZeroMQ wire format, for KV-aware routers)";
@@ -214,20 +215,19 @@ CliOptions parseArguments(int argc, char** argv) {
          "publish each engine step's KV events on a ZeroMQ PUB socket: bound for a wildcard "
          "(tcp://*:5557), connected otherwise",
          [&](std::string_view, std::string const& value) { options.kvEvents.endpoint = value; });
-  auto* replay = option("--kv-events-replay", "ENDPOINT",
-                        "bind a ROUTER socket that replays buffered batches on request",
-                        [&](std::string_view, std::string const& value) {
-                          options.kvEvents.replayEndpoint = value;
-                        });
-  auto* encoding = option(
-      "--kv-events-encoding", "E",
-      "map (default: events as tagged maps) or array (positional; what llm-d decodes)",
-      [&](std::string_view flag, std::string_view value) {
-        options.kvEvents.encoding = parseChoice<mkv::KvEventEncoding>(
-            flag, value,
-            {{"map", mkv::KvEventEncoding::kTaggedMap},
-             {"array", mkv::KvEventEncoding::kPositionalArray}});
-      });
+  auto* replay = option(
+      "--kv-events-replay", "ENDPOINT",
+      "bind a ROUTER socket that replays buffered batches on request",
+      [&](std::string_view, std::string const& value) { options.kvEvents.replayEndpoint = value; });
+  auto* encoding =
+      option("--kv-events-encoding", "E",
+             "map (default: events as tagged maps) or array (positional; what llm-d decodes)",
+             [&](std::string_view flag, std::string_view value) {
+               options.kvEvents.encoding = parseChoice<mkv::KvEventEncoding>(
+                   flag, value,
+                   {{"map", mkv::KvEventEncoding::kTaggedMap},
+                    {"array", mkv::KvEventEncoding::kPositionalArray}});
+             });
   auto* hold = app.add_flag("--kv-events-hold", options.kvEventsHold,
                             "start the replay after a line on standard input (subscribers "
                             "connect first), and after it keep the sockets open until standard "
@@ -242,13 +242,13 @@ CliOptions parseArguments(int argc, char** argv) {
   app.add_flag("--quiet", options.quiet, "no summary table and no progress bar")->group("output");
   option("--log-level", "L", "the library's own log lines: off (default), error, warn, info, debug",
          [&](std::string_view flag, std::string_view value) {
-           options.logLevel = parseChoice<spdlog::level::level_enum>(
-               flag, value,
-               {{"off", spdlog::level::off},
-                {"error", spdlog::level::err},
-                {"warn", spdlog::level::warn},
-                {"info", spdlog::level::info},
-                {"debug", spdlog::level::debug}});
+           options.logLevel =
+               parseChoice<spdlog::level::level_enum>(flag, value,
+                                                      {{"off", spdlog::level::off},
+                                                       {"error", spdlog::level::err},
+                                                       {"warn", spdlog::level::warn},
+                                                       {"info", spdlog::level::info},
+                                                       {"debug", spdlog::level::debug}});
          });
   bool help = false;
   app.add_flag("-h,--help", help, "this text")->group("output");
@@ -271,8 +271,7 @@ CliOptions parseArguments(int argc, char** argv) {
     if (arg.substr(0, 2) != "--") {
       throw UsageError(fmt::format("unexpected argument '{}' (options start with --)", arg));
     }
-    throw UsageError(
-        fmt::format("unknown option '{}' (see --help)", arg.substr(0, arg.find('='))));
+    throw UsageError(fmt::format("unknown option '{}' (see --help)", arg.substr(0, arg.find('='))));
   }
   if (poolPages->count() > 0 && poolTokens->count() > 0) {
     throw UsageError("give the pool size once: --pool-pages or --pool-tokens");

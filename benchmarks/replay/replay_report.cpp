@@ -36,20 +36,28 @@ std::string bytes(int64_t value) {
 
 std::string_view verifyName(testing::VerifyMode mode) {
   switch (mode) {
-    case testing::VerifyMode::kAll: return "all";
-    case testing::VerifyMode::kSample: return "sample";
-    case testing::VerifyMode::kNone: return "none";
+    case testing::VerifyMode::kAll:
+      return "all";
+    case testing::VerifyMode::kSample:
+      return "sample";
+    case testing::VerifyMode::kNone:
+      return "none";
   }
   return "unknown";
 }
 
 std::string_view dtypeName(DataType type) {
   switch (type) {
-    case DataType::kFloat16: return "fp16";
-    case DataType::kBFloat16: return "bf16";
-    case DataType::kFloat32: return "fp32";
-    case DataType::kFp8E4M3: return "fp8";
-    default: return mkv::toString(type);
+    case DataType::kFloat16:
+      return "fp16";
+    case DataType::kBFloat16:
+      return "bf16";
+    case DataType::kFloat32:
+      return "fp32";
+    case DataType::kFp8E4M3:
+      return "fp8";
+    default:
+      return mkv::toString(type);
   }
 }
 
@@ -59,7 +67,8 @@ std::string poolSizingText(ReplayResult const& r) {
       return r.config.mode == ReplayMode::kReuse
                  ? "unbounded: sized from the workload so that nothing is evicted"
                  : "unbounded: every sequence of a full batch fits";
-    case PoolSizing::kPages: return fmt::format("--pool-pages {}", r.config.poolAmount);
+    case PoolSizing::kPages:
+      return fmt::format("--pool-pages {}", r.config.poolAmount);
     case PoolSizing::kTokens:
       return fmt::format("--pool-tokens {}, rounded down to whole pages", r.config.poolAmount);
   }
@@ -68,9 +77,12 @@ std::string poolSizingText(ReplayResult const& r) {
 
 std::string_view poolSizingKey(PoolSizing sizing) {
   switch (sizing) {
-    case PoolSizing::kUnbounded: return "unbounded";
-    case PoolSizing::kPages: return "pages";
-    case PoolSizing::kTokens: return "tokens";
+    case PoolSizing::kUnbounded:
+      return "unbounded";
+    case PoolSizing::kPages:
+      return "pages";
+    case PoolSizing::kTokens:
+      return "tokens";
   }
   return "unknown";
 }

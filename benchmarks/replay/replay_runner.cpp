@@ -60,7 +60,8 @@ void validate(ReplayConfig const& c) {
                             c.pageSize));
   }
   if (c.kvEvents != nullptr && c.mode != ReplayMode::kReuse) {
-    configError(fmt::format("KV events exist in reuse mode only, not in {} mode", toString(c.mode)));
+    configError(
+        fmt::format("KV events exist in reuse mode only, not in {} mode", toString(c.mode)));
   }
   if (c.device == DeviceType::kGPU && !cudaDeviceAvailable()) {
     configError(MKV_WITH_CUDA ? "--device cuda: no CUDA device is visible"
@@ -204,10 +205,10 @@ class Runner {
       // Events of one step: each running sequence stores at most its `width` blocks; evictions
       // remove the blocks of pages freed for the step's admissions (at most a batch of
       // sequences, plus the rest of the last record evicted) and of pages still leased.
-      rc.contextCache.eventQueueCapacity = static_cast<int32_t>(
-          std::min<int64_t>({std::numeric_limits<int32_t>::max() / 4, 2 * pages,
-                             4 * int64_t{batch} * width}) +
-          1024);
+      rc.contextCache.eventQueueCapacity =
+          static_cast<int32_t>(std::min<int64_t>({std::numeric_limits<int32_t>::max() / 4,
+                                                  2 * pages, 4 * int64_t{batch} * width}) +
+                               1024);
     }
     rc.maxBatchSize = batch;
     mResult.maxBatch = batch;
@@ -548,9 +549,12 @@ class Runner {
 
 std::string_view toString(ReplayMode mode) noexcept {
   switch (mode) {
-    case ReplayMode::kReuse: return "reuse";
-    case ReplayMode::kSwa: return "swa";
-    case ReplayMode::kFull: return "full";
+    case ReplayMode::kReuse:
+      return "reuse";
+    case ReplayMode::kSwa:
+      return "swa";
+    case ReplayMode::kFull:
+      return "full";
   }
   return "unknown";
 }

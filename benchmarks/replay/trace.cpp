@@ -157,12 +157,18 @@ class LineReader {
 
   static std::string_view describe(od::json_type type) noexcept {
     switch (type) {
-      case od::json_type::object: return "an object";
-      case od::json_type::array: return "an array";
-      case od::json_type::number: return "a number";
-      case od::json_type::string: return "a string";
-      case od::json_type::boolean: return "a boolean";
-      case od::json_type::null: return "null";
+      case od::json_type::object:
+        return "an object";
+      case od::json_type::array:
+        return "an array";
+      case od::json_type::number:
+        return "a number";
+      case od::json_type::string:
+        return "a string";
+      case od::json_type::boolean:
+        return "a boolean";
+      case od::json_type::null:
+        return "null";
     }
     return "unknown";
   }
@@ -190,12 +196,13 @@ class LineReader {
                          int64_t max) {
     switch (number.get_number_type()) {
       case od::number_type::floating_point_number:
-        throw TraceLineError(fmt::format("{} must be an integer, got {}", label(key, index),
-                                         number.get_double()));
+        throw TraceLineError(
+            fmt::format("{} must be an integer, got {}", label(key, index), number.get_double()));
       case od::number_type::unsigned_integer:  // at least 2^63
         throw TraceLineError(fmt::format("{} is {}, outside [{}, {}]", label(key, index),
                                          number.get_uint64(), min, max));
-      case od::number_type::signed_integer: break;
+      case od::number_type::signed_integer:
+        break;
     }
     int64_t const value = number.get_int64();
     if (value < min || value > max) {
@@ -269,9 +276,9 @@ class LineReader {
     }
     if (type != od::json_type::number ||
         number.get_number_type() == od::number_type::floating_point_number) {
-      throw TraceLineError(fmt::format("\"id\" must be a string or an integer, got {}",
-                                       type == od::json_type::number ? "a fraction or an exponent"
-                                                                     : describe(type)));
+      throw TraceLineError(fmt::format(
+          "\"id\" must be a string or an integer, got {}",
+          type == od::json_type::number ? "a fraction or an exponent" : describe(type)));
     }
     return number.is_int64() ? std::to_string(number.get_int64())
                              : std::to_string(number.get_uint64());
@@ -366,8 +373,8 @@ TraceRecord readRecord(LineReader& reader, TraceFormat const requested) {
   record.format = format;
   auto require = [format](bool present, std::string_view key) {
     if (!present) {
-      throw TraceLineError(fmt::format("missing \"{}\" (required in the {} format)", key,
-                                       toString(format)));
+      throw TraceLineError(
+          fmt::format("missing \"{}\" (required in the {} format)", key, toString(format)));
     }
   };
   if (format == TraceFormat::kMooncake) {
@@ -417,9 +424,12 @@ struct DigestEqual {
 
 std::string_view toString(TraceFormat format) noexcept {
   switch (format) {
-    case TraceFormat::kAuto: return "auto";
-    case TraceFormat::kMooncake: return "mooncake";
-    case TraceFormat::kTokens: return "tokens";
+    case TraceFormat::kAuto:
+      return "auto";
+    case TraceFormat::kMooncake:
+      return "mooncake";
+    case TraceFormat::kTokens:
+      return "tokens";
   }
   return "unknown";
 }

@@ -83,9 +83,8 @@ void copyPages(PagedBuffers const& src, PagedBuffers const& dst, Tensor const& s
 /// must use different workspaces. kCPU ignores `workspace` (an empty Tensor will do).
 /// Requires: oldToNew int32 `[oldBatch]` on `deviceType`; every buffer has >= oldBatch rows;
 /// 0 <= newBatchSize <= oldBatch.
-void compactBatch(std::span<RowBuffer const> buffers, DeviceType deviceType,
-                  Tensor const& oldToNew, int32_t newBatchSize, Tensor& workspace,
-                  cudaStream_t stream);
+void compactBatch(std::span<RowBuffer const> buffers, DeviceType deviceType, Tensor const& oldToNew,
+                  int32_t newBatchSize, Tensor& workspace, cudaStream_t stream);
 
 /// Bytes of the compactBatch workspace for up to `maxOldBatch` rows of buffers whose row widths
 /// are `rowBytes` (one entry per buffer), whatever the buffers' alignment. A workspace of this
@@ -106,18 +105,18 @@ struct RowBufferPair {
 /// One launch for all pairs and items (recurrent snapshot capture / restore of every layer).
 /// srcRows and dstRows int32 `[n]` on `deviceType`; -1 in either skips the item. Destination
 /// rows must be distinct within a pair and must not be source rows of the same pair.
-void copyRows(std::span<RowBufferPair const> buffers, DeviceType deviceType,
-              Tensor const& srcRows, Tensor const& dstRows, cudaStream_t stream);
+void copyRows(std::span<RowBufferPair const> buffers, DeviceType deviceType, Tensor const& srcRows,
+              Tensor const& dstRows, cudaStream_t stream);
 
 /// slab[slots[i], :] = hidden[rows[i], :] (boundary hidden-state capture).
 /// hidden `[tokens, width]` and slab `[slots, width]` have the same dtype and width; rows and
 /// slots int32 `[n]`; -1 in either skips the item.
-void captureHiddenRows(Tensor const& hidden, Tensor const& rows, Tensor& slab,
-                       Tensor const& slots, cudaStream_t stream);
+void captureHiddenRows(Tensor const& hidden, Tensor const& rows, Tensor& slab, Tensor const& slots,
+                       cudaStream_t stream);
 
 /// hidden[rows[i], :] = slab[slots[i], :] (boundary hidden-state restore). Same rules.
-void restoreHiddenRows(Tensor const& slab, Tensor const& slots, Tensor& hidden,
-                       Tensor const& rows, cudaStream_t stream);
+void restoreHiddenRows(Tensor const& slab, Tensor const& slots, Tensor& hidden, Tensor const& rows,
+                       cudaStream_t stream);
 
 /// dst[i, :, :] = table[residentSlots[i], :, :] for i < n, building the active-step page table
 /// in execution order from resident rows. A slot of -1 yields a row of -1.

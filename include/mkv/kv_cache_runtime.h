@@ -21,15 +21,15 @@ namespace mkv {
 
 /// The attention and recurrent geometry of the model the engine runs.
 struct KVCacheModelConfig {
-  int32_t numFullAttentionLayers = 0;     ///< layers attending to every position
-  int32_t numSlidingWindowLayers = 0;     ///< layers attending to the last slidingWindowTokens
-  int32_t slidingWindowTokens = 0;        ///< W; required when there are sliding layers
+  int32_t numFullAttentionLayers = 0;  ///< layers attending to every position
+  int32_t numSlidingWindowLayers = 0;  ///< layers attending to the last slidingWindowTokens
+  int32_t slidingWindowTokens = 0;     ///< W; required when there are sliding layers
   int32_t numKVHeads = 8;
   int32_t headDim = 128;
   DataType kvDataType = DataType::kFloat16;
-  int32_t numRecurrentLayers = 0;         ///< Mamba / linear-attention layers
-  int64_t recurrentStateBytes = 0;        ///< per layer and slot; > 0 with recurrent layers
-  int64_t recurrentConvBytes = 0;         ///< per layer and slot; > 0 with recurrent layers
+  int32_t numRecurrentLayers = 0;   ///< Mamba / linear-attention layers
+  int64_t recurrentStateBytes = 0;  ///< per layer and slot; > 0 with recurrent layers
+  int64_t recurrentConvBytes = 0;   ///< per layer and slot; > 0 with recurrent layers
 };
 
 /// The draft model of a speculative deployment (docs/context_cache.md, "Speculative paired reuse"
@@ -62,9 +62,9 @@ struct KVCacheSpeculativeConfig {
 
 struct KVCacheRuntimeConfig {
   KVCacheModelConfig model;
-  int32_t maxBatchSize = 1;        ///< resident slots = page-table rows
-  int32_t maxSequenceLength = 0;   ///< tokens of prompt + generation per sequence
-  int32_t tokensPerPage = 128;     ///< power of two in [16, 1024]
+  int32_t maxBatchSize = 1;       ///< resident slots = page-table rows
+  int32_t maxSequenceLength = 0;  ///< tokens of prompt + generation per sequence
+  int32_t tokensPerPage = 128;    ///< power of two in [16, 1024]
   /// Pages of the full pool; 0 = maxBatchSize * ceil(maxSequenceLength / tokensPerPage).
   /// Either pool holds at most int32 max / 2 pages (V ids are K ids + numPages).
   int32_t numPages = 0;
@@ -81,7 +81,7 @@ struct KVCacheRuntimeConfig {
   /// full-storage backends decode vanilla only). nullopt: speculative requests are refused.
   std::optional<KVCacheSpeculativeConfig> speculative;
   DeviceType deviceType = DeviceType::kGPU;
-  cudaStream_t stream = nullptr;  ///< the engine's stream; never owned
+  cudaStream_t stream = nullptr;    ///< the engine's stream; never owned
   StreamSynchronizer synchronizer;  ///< empty = defaultStreamSynchronizer(deviceType)
 };
 

@@ -142,8 +142,8 @@ class KVPageTable {
   int32_t mNumPages;
   PageTableMode mMode;
   DeviceType mDeviceType;
-  std::vector<int32_t> mHost;             // [maxBatch, 2, maxPagesPerSeq]
-  std::vector<int32_t> mLiveCount;        // per slot
+  std::vector<int32_t> mHost;       // [maxBatch, 2, maxPagesPerSeq]
+  std::vector<int32_t> mLiveCount;  // per slot
   // Per slot [mLiveBegin, mLiveEnd): the first and one past the last live K entry (empty range:
   // begin == end). Every entry outside it is empty, except entries that are dirty. Keeps the row
   // checks of an upload and the sparse duplicate check of setEntry O(live range), not O(width).
@@ -156,8 +156,8 @@ class KVPageTable {
   // pass finds a repeated page in O(live entries) without sorting them.
   mutable std::vector<uint32_t> mPageSeen;
   mutable uint32_t mSeenGeneration = 0;
-  std::vector<int32_t> mPatch;            // host image of a staged patch (preallocated)
-  kernels::InlinePatchBatch mOwnWrites;   // inline patches of upload / uploadDirty(stream)
+  std::vector<int32_t> mPatch;           // host image of a staged patch (preallocated)
+  kernels::InlinePatchBatch mOwnWrites;  // inline patches of upload / uploadDirty(stream)
   Tensor mDevice;
   std::unique_ptr<detail::Int32Staging> mStaging;
   PageTableUploadStats mLastUpload;

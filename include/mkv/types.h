@@ -74,14 +74,22 @@ enum class DeviceType { kCPU, kGPU };
 /// Bytes of one element of `type`.
 constexpr std::size_t dataTypeSize(DataType type) noexcept {
   switch (type) {
-    case DataType::kFloat32: return 4;
-    case DataType::kFloat16: return 2;
-    case DataType::kBFloat16: return 2;
-    case DataType::kFp8E4M3: return 1;
-    case DataType::kInt8: return 1;
-    case DataType::kUInt8: return 1;
-    case DataType::kInt32: return 4;
-    case DataType::kInt64: return 8;
+    case DataType::kFloat32:
+      return 4;
+    case DataType::kFloat16:
+      return 2;
+    case DataType::kBFloat16:
+      return 2;
+    case DataType::kFp8E4M3:
+      return 1;
+    case DataType::kInt8:
+      return 1;
+    case DataType::kUInt8:
+      return 1;
+    case DataType::kInt32:
+      return 4;
+    case DataType::kInt64:
+      return 8;
   }
   return 0;
 }

@@ -60,17 +60,17 @@ std::string toPrometheus(ContextCacheMetrics const& m, std::string_view prefix) 
   w.counter("evicted_records_total", "Records evicted (capacity pressure or record limit).",
             m.evictedRecords);
   perType(w, "reclaimed_resources_total", "counter",
-            "Resources returned to a free list by eviction.",
-            [&m](ResourceType t) { return m.reclaimed(t); });
+          "Resources returned to a free list by eviction.",
+          [&m](ResourceType t) { return m.reclaimed(t); });
   w.counter("verification_rejects_total",
             "Digest hits refused by token verification (digest collisions).",
             m.verificationRejects);
   w.counter("dropped_events_total", "KV events overwritten in the full event queue.",
             m.droppedEvents);
   perType(w, "pool_free", "gauge", "Free slots per resource pool.",
-            [&m](ResourceType t) { return m.freeResources[t]; });
+          [&m](ResourceType t) { return m.freeResources[t]; });
   perType(w, "pool_capacity", "gauge", "Capacity per resource pool.",
-            [&m](ResourceType t) { return m.capacities[t]; });
+          [&m](ResourceType t) { return m.capacities[t]; });
   w.gauge("records", "Published records currently stored.", m.records);
   w.gauge("indexed_blocks", "Blocks currently reusable through the block index.", m.indexedBlocks);
   w.gauge("live_leases", "Request leases currently held.", m.liveLeases);

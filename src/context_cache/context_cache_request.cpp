@@ -92,8 +92,8 @@ Vector compacted(Vector const& values, std::vector<int32_t> const& mapping, int3
 ContextCacheRequest::ContextCacheRequest(ContextCacheCoordinator& coordinator,
                                          ContextCacheCoordinator::RequestHandle handle,
                                          std::vector<int32_t> prefillStarts,
-                                         DecodingTokenStateContract contract,
-                                         std::string cacheSalt, cudaStream_t stream)
+                                         DecodingTokenStateContract contract, std::string cacheSalt,
+                                         cudaStream_t stream)
     : mCoordinator(&coordinator),
       mHandle(std::move(handle)),
       mPrefillStarts(std::move(prefillStarts)),
@@ -109,9 +109,9 @@ std::optional<ContextCacheRequest> ContextCacheRequest::begin(
     DecodingTokenStateContract tokenStateContract, ContextCacheCommitPolicy commitPolicy) {
   constexpr char const* kCall = "ContextCacheRequest::begin";
   auto const batch = context.rawBatchedInputIds.size();
-  MKV_REQUIRE(context.activeBatchSize > 0 &&
-                  batch == static_cast<std::size_t>(context.activeBatchSize),
-              kCall, "activeBatchSize {} but {} prompts", context.activeBatchSize, batch);
+  MKV_REQUIRE(
+      context.activeBatchSize > 0 && batch == static_cast<std::size_t>(context.activeBatchSize),
+      kCall, "activeBatchSize {} but {} prompts", context.activeBatchSize, batch);
   MKV_REQUIRE(context.residentRefs.size() == batch, kCall, "{} residents for {} prompts",
               context.residentRefs.size(), batch);
   MKV_REQUIRE(request.requests.empty() || request.requests.size() == batch, kCall,
@@ -154,9 +154,9 @@ std::optional<ContextCacheRequest> ContextCacheRequest::begin(
     sequence.lookupPolicy = override;
     ContextCacheLookupPolicy const effective = override.value_or(batchPolicy);
     if (effective == ContextCacheLookupPolicy::kUseCache && !request.requests.empty()) {
-      sequence.media = buildMediaPositions(sequence.tokenIds, mediaTokenIds,
-                                           request.requests[i].imageBuffers,
-                                           request.requests[i].audioBuffers);
+      sequence.media =
+          buildMediaPositions(sequence.tokenIds, mediaTokenIds, request.requests[i].imageBuffers,
+                              request.requests[i].audioBuffers);
     }
   }
   auto begun = coordinator.beginRequest(admission, headroom, context.stream);
@@ -200,10 +200,10 @@ bool ContextCacheRequest::completePrefill(DecodingInferenceContext const& contex
                                           std::vector<int32_t> const& commonStateLengths) {
   constexpr char const* kCall = "ContextCacheRequest::completePrefill";
   auto const batch = static_cast<std::size_t>(mCoordinator->batchSize(mHandle));
-  MKV_REQUIRE(context.generatedTokenIds.size() == batch &&
-                  context.rawBatchedInputIds.size() == batch,
-              kCall, "context has {} prompts / {} generated lists for a batch of {}",
-              context.rawBatchedInputIds.size(), context.generatedTokenIds.size(), batch);
+  MKV_REQUIRE(
+      context.generatedTokenIds.size() == batch && context.rawBatchedInputIds.size() == batch,
+      kCall, "context has {} prompts / {} generated lists for a batch of {}",
+      context.rawBatchedInputIds.size(), context.generatedTokenIds.size(), batch);
   std::vector<ContextCacheSequenceAdvance> advances(batch);
   for (std::size_t i = 0; i < batch; ++i) {
     auto const& generated = context.generatedTokenIds[i];
@@ -263,8 +263,8 @@ bool ContextCacheRequest::completeDecodeStep(DecodingInferenceContext const& con
   for (std::size_t i = 0; i < batch; ++i) {
     auto const& generated = context.generatedTokenIds[i];
     FinishReason const reason = context.finishReasons[i];
-    MKV_REQUIRE(generated.size() >= before[i], kCall, "row {} lost generated tokens ({} -> {})",
-                i, before[i], generated.size());
+    MKV_REQUIRE(generated.size() >= before[i], kCall, "row {} lost generated tokens ({} -> {})", i,
+                before[i], generated.size());
     std::size_t const accepted = generated.size() - before[i];
     if (mUnfinalized[i] != 0) {
       MKV_REQUIRE(accepted == 0, kCall, "row {} is an unfinalised admission but gained tokens", i);

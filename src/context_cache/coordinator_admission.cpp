@@ -8,8 +8,8 @@
 #include "context_cache/coordinator_request.h"
 #include "context_cache/coordinator_validation.h"
 #include "core/check.h"
-#include "resources/backend_requests.h"
 #include "mkv/context_cache/context_cache_coordinator.h"
+#include "resources/backend_requests.h"
 
 namespace mkv {
 

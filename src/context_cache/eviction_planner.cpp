@@ -84,7 +84,8 @@ EvictionPlan EvictionPlanner::plan(ResourceDemand const& demand, ResourcePools c
   }
   for (std::size_t i = 0; i < protectedRecords.size(); ++i) {
     RecordId const id = protectedRecords[i];
-    if (std::find(protectedRecords.begin(), protectedRecords.begin() + static_cast<std::ptrdiff_t>(i),
+    if (std::find(protectedRecords.begin(),
+                  protectedRecords.begin() + static_cast<std::ptrdiff_t>(i),
                   id) != protectedRecords.begin() + static_cast<std::ptrdiff_t>(i)) {
       continue;  // visited already
     }

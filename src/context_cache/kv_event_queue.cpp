@@ -49,8 +49,12 @@ void KvEventQueue::pushStored(BlockStored const& event, std::span<int32_t const>
   std::size_t const index = claimSlot();
   bool const keep = mTokensPerBlock > 0 && event.tokenCount <= mTokensPerBlock &&
                     tokens.size() == static_cast<std::size_t>(event.tokenCount);
-  mRing[index] = Slot{true,       event.digest,     event.parent,
-                      event.extras, event.page,     event.tokenCount,
+  mRing[index] = Slot{true,
+                      event.digest,
+                      event.parent,
+                      event.extras,
+                      event.page,
+                      event.tokenCount,
                       keep ? event.tokenCount : 0};
   if (keep) {
     std::copy(tokens.begin(), tokens.end(),

@@ -31,11 +31,11 @@ template <typename... Args>
 
 }  // namespace mkv::detail
 
-#define MKV_REQUIRE(cond, call, ...)                          \
-  do {                                                        \
-    if (!(cond)) [[unlikely]] {                               \
-      ::mkv::detail::throwContract(call, __VA_ARGS__);        \
-    }                                                         \
+#define MKV_REQUIRE(cond, call, ...)                   \
+  do {                                                 \
+    if (!(cond)) [[unlikely]] {                        \
+      ::mkv::detail::throwContract(call, __VA_ARGS__); \
+    }                                                  \
   } while (false)
 
 #define MKV_ASSERT(cond, ...)                                         \

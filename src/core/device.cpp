@@ -22,12 +22,18 @@ std::string_view cudaErrorName(cudaError_t status) noexcept {
   return cudaGetErrorName(status);
 #else
   switch (status) {
-    case cudaSuccess: return "cudaSuccess";
-    case cudaErrorInvalidValue: return "cudaErrorInvalidValue";
-    case cudaErrorMemoryAllocation: return "cudaErrorMemoryAllocation";
-    case cudaErrorNoDevice: return "cudaErrorNoDevice";
-    case cudaErrorNotSupported: return "cudaErrorNotSupported";
-    case cudaErrorUnknown: return "cudaErrorUnknown";
+    case cudaSuccess:
+      return "cudaSuccess";
+    case cudaErrorInvalidValue:
+      return "cudaErrorInvalidValue";
+    case cudaErrorMemoryAllocation:
+      return "cudaErrorMemoryAllocation";
+    case cudaErrorNoDevice:
+      return "cudaErrorNoDevice";
+    case cudaErrorNotSupported:
+      return "cudaErrorNotSupported";
+    case cudaErrorUnknown:
+      return "cudaErrorUnknown";
   }
   return "cudaError(unknown)";
 #endif
@@ -152,7 +158,8 @@ Event::~Event() {
 }
 
 Event::Event(Event&& other) noexcept
-    : mEvent(std::exchange(other.mEvent, nullptr)), mRecorded(std::exchange(other.mRecorded, false)) {}
+    : mEvent(std::exchange(other.mEvent, nullptr)),
+      mRecorded(std::exchange(other.mRecorded, false)) {}
 
 Event& Event::operator=(Event&& other) noexcept {
   if (this != &other) {
@@ -243,9 +250,8 @@ Tensor Int32Staging::Batch::add(std::span<int32_t const> values) {
   if (count > 0) {
     std::memcpy(host, values.data(), values.size_bytes());
   }
-  int32_t* target = mOwner.mDeviceType == DeviceType::kGPU
-                        ? mOwner.mDevice.dataPointer<int32_t>() + mUsed
-                        : host;
+  int32_t* target =
+      mOwner.mDeviceType == DeviceType::kGPU ? mOwner.mDevice.dataPointer<int32_t>() + mUsed : host;
   mUsed += count;
   return Tensor::view(target, {count}, DataType::kInt32, mOwner.mDeviceType);
 }
@@ -263,9 +269,9 @@ Int32UploadRegions::Int32UploadRegions(int32_t regions, int64_t capacity, Device
   MKV_REQUIRE(regions > 0 && capacity > 0, "Int32UploadRegions",
               "regions and capacity must be positive, got {} and {}", regions, capacity);
   if (deviceType == DeviceType::kGPU) {
-    mHost = HostBuffer(static_cast<std::size_t>(regions) * static_cast<std::size_t>(capacity) *
-                           sizeof(int32_t),
-                       deviceType);
+    mHost = HostBuffer(
+        static_cast<std::size_t>(regions) * static_cast<std::size_t>(capacity) * sizeof(int32_t),
+        deviceType);
   }
   mEvents.reserve(static_cast<std::size_t>(regions));
   for (int32_t r = 0; r < regions; ++r) {

@@ -120,8 +120,8 @@ Tensor Tensor::view(void* data, Coords const& shape, DataType dataType, DeviceTy
   int64_t const needed = tensor.sizeBytes();
   tensor.mCapacityBytes = capacityBytes < 0 ? needed : capacityBytes;
   MKV_REQUIRE(tensor.mCapacityBytes >= needed, "Tensor::view",
-              "capacity {} bytes is smaller than shape {} of {} ({} bytes)",
-              tensor.mCapacityBytes, shape.toString(), toString(dataType), needed);
+              "capacity {} bytes is smaller than shape {} of {} ({} bytes)", tensor.mCapacityBytes,
+              shape.toString(), toString(dataType), needed);
   MKV_REQUIRE(data != nullptr || tensor.mCapacityBytes == 0, "Tensor::view",
               "null data for shape {} with {} bytes of capacity", shape.toString(),
               tensor.mCapacityBytes);

@@ -4,14 +4,22 @@ namespace mkv {
 
 std::string_view toString(DataType type) noexcept {
   switch (type) {
-    case DataType::kFloat32: return "float32";
-    case DataType::kFloat16: return "float16";
-    case DataType::kBFloat16: return "bfloat16";
-    case DataType::kFp8E4M3: return "fp8e4m3";
-    case DataType::kInt8: return "int8";
-    case DataType::kUInt8: return "uint8";
-    case DataType::kInt32: return "int32";
-    case DataType::kInt64: return "int64";
+    case DataType::kFloat32:
+      return "float32";
+    case DataType::kFloat16:
+      return "float16";
+    case DataType::kBFloat16:
+      return "bfloat16";
+    case DataType::kFp8E4M3:
+      return "fp8e4m3";
+    case DataType::kInt8:
+      return "int8";
+    case DataType::kUInt8:
+      return "uint8";
+    case DataType::kInt32:
+      return "int32";
+    case DataType::kInt64:
+      return "int64";
   }
   return "unknown";
 }
@@ -22,21 +30,30 @@ std::string_view toString(DeviceType type) noexcept {
 
 std::string_view toString(FinishReason reason) noexcept {
   switch (reason) {
-    case FinishReason::kNotFinished: return "not-finished";
-    case FinishReason::kEndOfSequence: return "end-of-sequence";
-    case FinishReason::kStopString: return "stop-string";
-    case FinishReason::kLength: return "length";
-    case FinishReason::kCancelled: return "cancelled";
-    case FinishReason::kError: return "error";
+    case FinishReason::kNotFinished:
+      return "not-finished";
+    case FinishReason::kEndOfSequence:
+      return "end-of-sequence";
+    case FinishReason::kStopString:
+      return "stop-string";
+    case FinishReason::kLength:
+      return "length";
+    case FinishReason::kCancelled:
+      return "cancelled";
+    case FinishReason::kError:
+      return "error";
   }
   return "unknown";
 }
 
 std::string_view toString(ResidentRowState state) noexcept {
   switch (state) {
-    case ResidentRowState::kFree: return "free";
-    case ResidentRowState::kActive: return "active";
-    case ResidentRowState::kQuarantined: return "quarantined";
+    case ResidentRowState::kFree:
+      return "free";
+    case ResidentRowState::kActive:
+      return "active";
+    case ResidentRowState::kQuarantined:
+      return "quarantined";
   }
   return "unknown";
 }
@@ -45,9 +62,12 @@ namespace {
 template <typename Status>
 std::string_view statusName(Status status) noexcept {
   switch (status) {
-    case Status::kOk: return "ok";
-    case Status::kRequestFailed: return "request-failed";
-    case Status::kPoisoned: return "poisoned";
+    case Status::kOk:
+      return "ok";
+    case Status::kRequestFailed:
+      return "request-failed";
+    case Status::kPoisoned:
+      return "poisoned";
   }
   return "unknown";
 }

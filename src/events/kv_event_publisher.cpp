@@ -1,8 +1,8 @@
 #include "mkv/events/kv_event_publisher.h"
 
+#include <spdlog/spdlog.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
-#include <spdlog/spdlog.h>
 #include <zmq.h>
 
 #include <array>
@@ -17,10 +17,10 @@
 #include <utility>
 
 #include "core/check.h"
-#include "mkv/logging.h"
 #include "core/prometheus_text.h"
 #include "events/batch_queue.h"
 #include "events/kv_event_wire.h"
+#include "mkv/logging.h"
 
 namespace mkv {
 
@@ -142,8 +142,8 @@ struct KvEventPublisher::Impl {
     setInt(pub, ZMQ_SNDHWM, config.sendHighWaterMark);
     setInt(pub, ZMQ_LINGER, kLingerMilliseconds);
     bool const bind = bindsEndpoint(config.endpoint);
-    int const rc = bind ? zmq_bind(pub, config.endpoint.c_str())
-                        : zmq_connect(pub, config.endpoint.c_str());
+    int const rc =
+        bind ? zmq_bind(pub, config.endpoint.c_str()) : zmq_connect(pub, config.endpoint.c_str());
     MKV_REQUIRE(rc == 0, kCreate, "cannot {} the PUB socket to endpoint '{}': {}",
                 bind ? "bind" : "connect", config.endpoint, zmq_strerror(zmq_errno()));
     endpoint = bind ? lastEndpoint(pub) : config.endpoint;
@@ -155,8 +155,8 @@ struct KvEventPublisher::Impl {
       setInt(replay, ZMQ_SNDHWM, 0);
       setInt(replay, ZMQ_LINGER, 0);
       MKV_REQUIRE(zmq_bind(replay, config.replayEndpoint.c_str()) == 0, kCreate,
-                  "cannot bind the replay socket to replayEndpoint '{}': {}",
-                  config.replayEndpoint, zmq_strerror(zmq_errno()));
+                  "cannot bind the replay socket to replayEndpoint '{}': {}", config.replayEndpoint,
+                  zmq_strerror(zmq_errno()));
       replayEndpoint = lastEndpoint(replay);
     }
   }
@@ -172,7 +172,7 @@ struct KvEventPublisher::Impl {
     std::array<char, 8> const sequence = bigEndian(batch.sequence);
     if (!sendFrames(pub, {config.topic, {sequence.data(), sequence.size()}, payload})) {
       logger()->warn("KvEventPublisher: sending batch {} failed: {}", batch.sequence,
-                       zmq_strerror(zmq_errno()));
+                     zmq_strerror(zmq_errno()));
     }
     if (replay != nullptr) {
       if (replayBuffer.size() == static_cast<std::size_t>(config.replayBufferBatches)) {
@@ -189,7 +189,7 @@ struct KvEventPublisher::Impl {
     if (request.size() != 3 || !request[1].empty() || request[2].size() != 8) {
       if (!request.empty()) {
         logger()->warn("KvEventPublisher: ignored a malformed replay request of {} frames",
-                         request.size());
+                       request.size());
       }
       return;
     }

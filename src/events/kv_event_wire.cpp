@@ -67,7 +67,8 @@ void packMedium(Packer& p, std::string const& medium) {
 /// Writes the map key when the encoding is the tagged map (nothing in the positional one).
 class Fields {
  public:
-  Fields(Packer& p, KvEventEncoding encoding) : mP(p), mMap(encoding == KvEventEncoding::kTaggedMap) {}
+  Fields(Packer& p, KvEventEncoding encoding)
+      : mP(p), mMap(encoding == KvEventEncoding::kTaggedMap) {}
 
   void begin(std::string_view type, uint32_t fields) {
     if (mMap) {

@@ -159,8 +159,7 @@ bool KVPageTable::rowLooksValid(CacheSlot slot, int32_t first, int32_t last) con
   return !bad && live == recorded;
 }
 
-bool KVPageTable::checkRow(CacheSlot slot, std::string* error, int32_t first,
-                           int32_t last) const {
+bool KVPageTable::checkRow(CacheSlot slot, std::string* error, int32_t first, int32_t last) const {
   if (rowLooksValid(slot, first, last)) {
     return true;
   }

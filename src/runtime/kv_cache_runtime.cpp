@@ -11,9 +11,12 @@ namespace mkv {
 
 std::string_view toString(KVCacheBackend backend) noexcept {
   switch (backend) {
-    case KVCacheBackend::kContextReuse: return "context-reuse";
-    case KVCacheBackend::kBoundedSwa: return "bounded-swa";
-    case KVCacheBackend::kFullStorage: return "full-storage";
+    case KVCacheBackend::kContextReuse:
+      return "context-reuse";
+    case KVCacheBackend::kBoundedSwa:
+      return "bounded-swa";
+    case KVCacheBackend::kFullStorage:
+      return "full-storage";
   }
   return "unknown";
 }
@@ -36,8 +39,8 @@ void validateSpeculative(KVCacheRuntimeConfig const& config, KVCacheSpeculativeC
   if (spec.pagedDraft) {
     MKV_REQUIRE(spec.numDraftLayers > 0, kCall,
                 "a paged draft needs speculative.numDraftLayers > 0, got {}", spec.numDraftLayers);
-    MKV_REQUIRE(spec.numDraftKVHeads > 0, kCall,
-                "speculative.numDraftKVHeads must be > 0, got {}", spec.numDraftKVHeads);
+    MKV_REQUIRE(spec.numDraftKVHeads > 0, kCall, "speculative.numDraftKVHeads must be > 0, got {}",
+                spec.numDraftKVHeads);
     MKV_REQUIRE(spec.draftHeadDim > 0, kCall, "speculative.draftHeadDim must be > 0, got {}",
                 spec.draftHeadDim);
     MKV_REQUIRE(spec.numDraftPages >= 0 && spec.numDraftPages <= maxPages, kCall,
@@ -124,7 +127,8 @@ std::unique_ptr<KVCacheRuntime> KVCacheRuntime::create(KVCacheRuntimeConfig cons
   int64_t const fullDefault = int64_t{config.maxBatchSize} * width;
   MKV_REQUIRE(config.numPages > 0 || fullDefault <= std::numeric_limits<int32_t>::max() / 2, kCall,
               "default full pool of {} pages overflows int32", fullDefault);
-  int32_t const fullPages = config.numPages > 0 ? config.numPages : static_cast<int32_t>(fullDefault);
+  int32_t const fullPages =
+      config.numPages > 0 ? config.numPages : static_cast<int32_t>(fullDefault);
   StreamSynchronizer const synchronizer =
       config.synchronizer ? config.synchronizer : defaultStreamSynchronizer(config.deviceType);
 
@@ -206,7 +210,8 @@ std::unique_ptr<KVCacheRuntime> KVCacheRuntime::create(KVCacheRuntimeConfig cons
 
   runtime->mBackend =
       config.contextReuse ? KVCacheBackend::kContextReuse : KVCacheBackend::kFullStorage;
-  runtime->mFullPool = makePool(model.numFullAttentionLayers + model.numSlidingWindowLayers, fullPages);
+  runtime->mFullPool =
+      makePool(model.numFullAttentionLayers + model.numSlidingWindowLayers, fullPages);
   runtime->mFullTable = std::make_unique<KVPageTable>(config.maxBatchSize, width, fullPages,
                                                       PageTableMode::kDense, config.deviceType);
   ContextCacheConfig cache = config.contextCache;
@@ -229,8 +234,8 @@ std::unique_ptr<KVCacheRuntime> KVCacheRuntime::create(KVCacheRuntimeConfig cons
     profile.boundaryHiddenType = spec.boundaryHiddenType;
     if (spec.pagedDraft) {
       int32_t const draftPages = spec.numDraftPages > 0 ? spec.numDraftPages : fullPages;
-      runtime->mDraftPool = makePoolOf(spec.numDraftLayers, spec.numDraftKVHeads,
-                                       spec.draftHeadDim, spec.draftKvDataType, draftPages);
+      runtime->mDraftPool = makePoolOf(spec.numDraftLayers, spec.numDraftKVHeads, spec.draftHeadDim,
+                                       spec.draftKvDataType, draftPages);
       runtime->mDraftTable = std::make_unique<KVPageTable>(
           config.maxBatchSize, width, draftPages, PageTableMode::kDense, config.deviceType);
       resources.draftPool = runtime->mDraftPool.get();
@@ -242,9 +247,7 @@ std::unique_ptr<KVCacheRuntime> KVCacheRuntime::create(KVCacheRuntimeConfig cons
   return runtime;
 }
 
-KVCachePool& KVCacheRuntime::lengthPool() noexcept {
-  return mFullPool ? *mFullPool : *mSwaPool;
-}
+KVCachePool& KVCacheRuntime::lengthPool() noexcept { return mFullPool ? *mFullPool : *mSwaPool; }
 
 int64_t KVCacheRuntime::kvBytes() const noexcept {
   int64_t bytes = 0;

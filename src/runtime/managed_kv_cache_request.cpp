@@ -48,7 +48,8 @@ bool swaStatus(SwaKVCacheStatus status, BoundedSwaKVPageManager const& manager,
     return true;
   }
   logger()->error("ManagedKVCacheRequest::{} failed on the bounded-SWA backend: {}{}", operation,
-                  toString(status), manager.poisoned() ? " (backend poisoned)" : " (request failed)");
+                  toString(status),
+                  manager.poisoned() ? " (backend poisoned)" : " (request failed)");
   return false;
 }
 
@@ -101,12 +102,12 @@ std::optional<ManagedKVCacheRequest> ManagedKVCacheRequest::begin(
               headroom.baseExtraTokens, headroom.draftExtraTokens);
   MKV_REQUIRE(tokenStateContract == DecodingTokenStateContract::kCommittedPlusLookahead, kCall,
               "the bounded-SWA backend needs the committed-plus-lookahead contract");
-  MKV_REQUIRE(context.activeBatchSize > 0 &&
-                  context.rawBatchedInputIds.size() ==
-                      static_cast<std::size_t>(context.activeBatchSize) &&
-                  context.residentRefs.size() == context.rawBatchedInputIds.size(),
-              kCall, "activeBatchSize {} with {} prompts and {} residents", context.activeBatchSize,
-              context.rawBatchedInputIds.size(), context.residentRefs.size());
+  MKV_REQUIRE(
+      context.activeBatchSize > 0 &&
+          context.rawBatchedInputIds.size() == static_cast<std::size_t>(context.activeBatchSize) &&
+          context.residentRefs.size() == context.rawBatchedInputIds.size(),
+      kCall, "activeBatchSize {} with {} prompts and {} residents", context.activeBatchSize,
+      context.rawBatchedInputIds.size(), context.residentRefs.size());
   auto begun = asFacadeCall(
       kCall, [&] { return swaPageManager->beginRequest(context.residentRefs, context.stream); });
   if (!swaStatus(begun.status, *swaPageManager, "begin")) {
@@ -170,9 +171,8 @@ bool ManagedKVCacheRequest::restoreHybridMtpBoundaryHidden(int32_t slot, Tensor&
 
 bool ManagedKVCacheRequest::preparePrefill() {
   ContextCacheRequest* backend = context();
-  return backend == nullptr ||
-         asFacadeCall("ManagedKVCacheRequest::preparePrefill",
-                      [&] { return backend->preparePrefill(); });
+  return backend == nullptr || asFacadeCall("ManagedKVCacheRequest::preparePrefill",
+                                            [&] { return backend->preparePrefill(); });
 }
 
 bool ManagedKVCacheRequest::prepareSwaPrefill(std::vector<int32_t> const& effectiveInputLengths) {
@@ -180,17 +180,15 @@ bool ManagedKVCacheRequest::prepareSwaPrefill(std::vector<int32_t> const& effect
     return true;
   }
   SwaBackend& backend = swa("prepareSwaPrefill");
-  asFacadeCall("ManagedKVCacheRequest::prepareSwaPrefill", [&] {
-    backend.manager->preparePrefill(backend.handle, effectiveInputLengths);
-  });
+  asFacadeCall("ManagedKVCacheRequest::prepareSwaPrefill",
+               [&] { backend.manager->preparePrefill(backend.handle, effectiveInputLengths); });
   return true;
 }
 
 bool ManagedKVCacheRequest::enqueuePrefillCaptures() {
   ContextCacheRequest* backend = context();
-  return backend == nullptr ||
-         asFacadeCall("ManagedKVCacheRequest::enqueuePrefillCaptures",
-                      [&] { return backend->enqueuePrefillCaptures(); });
+  return backend == nullptr || asFacadeCall("ManagedKVCacheRequest::enqueuePrefillCaptures",
+                                            [&] { return backend->enqueuePrefillCaptures(); });
 }
 
 bool ManagedKVCacheRequest::completePrefill(DecodingInferenceContext const& context_,

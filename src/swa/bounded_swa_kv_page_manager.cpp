@@ -94,8 +94,7 @@ int32_t BoundedSwaKVPageManager::decodePagesPerSequence(int32_t windowTokens,
 }
 
 BoundedSwaKVPageManager::BoundedSwaKVPageManager(BoundedSwaConfig const& config,
-                                                 BoundedSwaResources resources,
-                                                 cudaStream_t stream,
+                                                 BoundedSwaResources resources, cudaStream_t stream,
                                                  StreamSynchronizer synchronizer)
     : mWindow(config.windowTokens),
       mPageSize(0),
@@ -150,8 +149,8 @@ BoundedSwaKVPageManager::BoundedSwaKVPageManager(BoundedSwaConfig const& config,
     mFreePages.push_back(page);  // pop_back hands out the lowest id first
   }
   mResidentBusy.assign(static_cast<std::size_t>(table.maxBatch()), 0);
-  mMappingUploads = std::make_unique<detail::Int32UploadRegions>(
-      table.maxBatch(), table.maxBatch(), pool.deviceType());
+  mMappingUploads = std::make_unique<detail::Int32UploadRegions>(table.maxBatch(), table.maxBatch(),
+                                                                 pool.deviceType());
 }
 
 BoundedSwaKVPageManager::~BoundedSwaKVPageManager() {
@@ -211,7 +210,8 @@ BoundedSwaKVPageManager::Request& BoundedSwaKVPageManager::request(RequestHandle
 }
 
 int32_t BoundedSwaKVPageManager::batchSize(RequestHandle const& handle) const {
-  return static_cast<int32_t>(request(handle, "BoundedSwaKVPageManager::batchSize").sequences.size());
+  return static_cast<int32_t>(
+      request(handle, "BoundedSwaKVPageManager::batchSize").sequences.size());
 }
 
 SwaSequenceState const& BoundedSwaKVPageManager::state(RequestHandle const& handle,
@@ -293,12 +293,13 @@ void BoundedSwaKVPageManager::appendBindings(SwaSequenceState& state, int32_t ne
     return;  // most decode steps: the endpoint moves inside its last page, nothing maps
   }
   int32_t const newBegin = retainedBeginFor(newEndpoint, mWindow, mPageShift);
-  int32_t const firstUnbound = state.bindings.empty() ? newBegin : state.bindings.back().logicalPage + 1;
+  int32_t const firstUnbound =
+      state.bindings.empty() ? newBegin : state.bindings.back().logicalPage + 1;
   int32_t const mapFrom = std::max(newBegin, firstUnbound);
   int32_t const toMap = std::max(0, newEnd - mapFrom);
   MKV_ASSERT(toMap <= static_cast<int32_t>(state.reservedPages.size()),
-             "{}: slot {} needs {} pages but holds {} in reserve", call, state.resident.slot,
-             toMap, state.reservedPages.size());
+             "{}: slot {} needs {} pages but holds {} in reserve", call, state.resident.slot, toMap,
+             state.reservedPages.size());
   MKV_ASSERT(state.newBindings.empty(), "{}: slot {} has bindings of an earlier transition", call,
              state.resident.slot);
   for (int32_t logical = mapFrom; logical < newEnd; ++logical) {
@@ -377,8 +378,8 @@ void BoundedSwaKVPageManager::preparePrefill(RequestHandle& handle,
   Request& req = request(handle, kCall);
   MKV_REQUIRE(req.phase == Phase::kAdmitted && req.pending == Pending::kNone, kCall,
               "prefill was already prepared for this request");
-  MKV_REQUIRE(inputLengths.size() == req.sequences.size(), kCall,
-              "{} lengths for a batch of {}", inputLengths.size(), req.sequences.size());
+  MKV_REQUIRE(inputLengths.size() == req.sequences.size(), kCall, "{} lengths for a batch of {}",
+              inputLengths.size(), req.sequences.size());
   int64_t const maxTokens = int64_t{mResources.swaPageTable->maxPagesPerSeq()} * mPageSize;
   for (std::size_t i = 0; i < inputLengths.size(); ++i) {
     MKV_REQUIRE(inputLengths[i] > 0 && inputLengths[i] <= maxTokens, kCall,
@@ -386,8 +387,7 @@ void BoundedSwaKVPageManager::preparePrefill(RequestHandle& handle,
   }
   // The KV-length tensors are execution-ordered for one batch: resetting them for this request
   // would overwrite the lengths another active request's kernels read.
-  MKV_REQUIRE(mResources.lengthPools.empty() || mLengthOwner == 0 || mLengthOwner == req.id,
-              kCall,
+  MKV_REQUIRE(mResources.lengthPools.empty() || mLengthOwner == 0 || mLengthOwner == req.id, kCall,
               "the KV-length pools follow request {}, still active; request {} cannot reset them",
               mLengthOwner, req.id);
   // Whatever can fail comes first and is undone on failure: the request stays admitted.

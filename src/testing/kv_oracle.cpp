@@ -73,7 +73,8 @@ std::vector<int32_t> KvOracle::deviceRow(CacheSlot slot) const {
               mTable.maxBatch());
   auto const width = static_cast<std::size_t>(2 * mTable.maxPagesPerSeq());
   std::vector<int32_t> row(width);
-  auto const* base = mTable.deviceTable().dataPointer<int32_t>() + width * static_cast<std::size_t>(slot);
+  auto const* base =
+      mTable.deviceTable().dataPointer<int32_t>() + width * static_cast<std::size_t>(slot);
   detail::copyBytes(row.data(), DeviceType::kCPU, base, mTable.deviceType(),
                     width * sizeof(int32_t), nullptr);
   if (mTable.deviceType() == DeviceType::kGPU) {

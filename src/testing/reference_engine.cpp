@@ -59,8 +59,8 @@ ReferenceEngine::ReferenceEngine(KVCacheRuntime& runtime, ReferenceEngineOptions
   mSteps = std::make_unique<oracle::OracleStepper>(runtime, mRecurrent);
   mMarks = std::make_unique<oracle::StreamMarks>(runtime.config().deviceType);
   mLengthValues.resize(static_cast<std::size_t>(runtime.config().maxBatchSize));
-  mDeviceMapping = Tensor({runtime.config().maxBatchSize}, DataType::kInt32,
-                          runtime.config().deviceType);
+  mDeviceMapping =
+      Tensor({runtime.config().maxBatchSize}, DataType::kInt32, runtime.config().deviceType);
 }
 
 ReferenceEngine::~ReferenceEngine() = default;
@@ -77,8 +77,8 @@ uint64_t ReferenceEngine::identitySeed(EngineRequest const& request) const {
   return testing::identitySeed(request.loraWeightsName, request.cacheSalt);
 }
 
-std::vector<uint64_t> ReferenceEngine::positionKeys(EngineSequence const& sequence,
-                                                    std::vector<int32_t> const& mediaTokenIds) const {
+std::vector<uint64_t> ReferenceEngine::positionKeys(
+    EngineSequence const& sequence, std::vector<int32_t> const& mediaTokenIds) const {
   std::vector<uint64_t> keys(sequence.prompt.size());
   std::vector<MediaPosition> media;
   bool readable = true;
@@ -91,8 +91,9 @@ std::vector<uint64_t> ReferenceEngine::positionKeys(EngineSequence const& sequen
   for (std::size_t i = 0; i < keys.size(); ++i) {
     keys[i] = static_cast<uint32_t>(sequence.prompt[i]);
     if (!media.empty() && !media[i].content.isZero()) {
-      keys[i] = mix(keys[i] ^ mix(media[i].content.hi ^ mix(media[i].content.lo +
-                                                            static_cast<uint64_t>(media[i].offset))));
+      keys[i] =
+          mix(keys[i] ^ mix(media[i].content.hi ^
+                            mix(media[i].content.lo + static_cast<uint64_t>(media[i].offset))));
     }
   }
   return keys;
@@ -117,7 +118,9 @@ int64_t ReferenceEngine::pagesInUse() const {
   return swa->totalPageCount() - swa->freePageCount();
 }
 
-void ReferenceEngine::notePages() { mStats.peakPagesInUse = std::max(mStats.peakPagesInUse, pagesInUse()); }
+void ReferenceEngine::notePages() {
+  mStats.peakPagesInUse = std::max(mStats.peakPagesInUse, pagesInUse());
+}
 
 void ReferenceEngine::verifyRow(Run& run, Row& row, bool full) {
   (void)run;
@@ -297,8 +300,8 @@ RequestOutcome ReferenceEngine::run(EngineRequest const& request,
     row.resident = *resident;
     row.promptKeys = positionKeys(sequence, request.mediaTokenIds);
     row.outcome = run.outcome.sequences.size();
-    run.outcome.sequences.push_back(SequenceOutcome{sequence.tag, sequence.prompt, {},
-                                                    FinishReason::kNotFinished, 0, false});
+    run.outcome.sequences.push_back(
+        SequenceOutcome{sequence.tag, sequence.prompt, {}, FinishReason::kNotFinished, 0, false});
     run.rows.push_back(std::move(row));
   }
   auto releaseAll = [&]() {
@@ -351,8 +354,8 @@ RequestOutcome ReferenceEngine::run(EngineRequest const& request,
   std::vector<int32_t> const* starts = managed.prefillStarts();
   for (std::size_t i = 0; i < run.rows.size(); ++i) {
     int32_t const start = starts != nullptr ? (*starts)[i] : 0;
-    context.effectivePrefillLengths.push_back(
-        static_cast<int32_t>(run.rows[i].spec.prompt.size()) - start);
+    context.effectivePrefillLengths.push_back(static_cast<int32_t>(run.rows[i].spec.prompt.size()) -
+                                              start);
     run.rows[i].prefillStart = start;
     run.outcome.sequences[run.rows[i].outcome].prefillStart = start;
   }
@@ -449,9 +452,9 @@ RequestOutcome ReferenceEngine::run(EngineRequest const& request,
       EngineSequence const& spec = joinQueue->front();
       int32_t prefillStart = 0;
       auto const start = std::chrono::steady_clock::now();
-      auto const status = managed.admitSequence(spec.prompt, request.loraWeightsName, headroom,
-                                                prefillStart, *resident, stream,
-                                                request.mediaTokenIds, spec.images, spec.audios);
+      auto const status =
+          managed.admitSequence(spec.prompt, request.loraWeightsName, headroom, prefillStart,
+                                *resident, stream, request.mediaTokenIds, spec.images, spec.audios);
       libraryNanos += nanosSince(start);
       if (status != ContextCacheRequest::AdmitSequenceStatus::kAdmitted) {
         mRuntime.residentSlots().release(*resident);
@@ -465,8 +468,8 @@ RequestOutcome ReferenceEngine::run(EngineRequest const& request,
       row.resident = *resident;
       row.promptKeys = positionKeys(spec, request.mediaTokenIds);
       row.outcome = run.outcome.sequences.size();
-      run.outcome.sequences.push_back(
-          SequenceOutcome{spec.tag, spec.prompt, {}, FinishReason::kNotFinished, prefillStart, true});
+      run.outcome.sequences.push_back(SequenceOutcome{
+          spec.tag, spec.prompt, {}, FinishReason::kNotFinished, prefillStart, true});
       joinQueue->pop_front();
       auto const index = run.rows.size();
       run.rows.push_back(std::move(row));

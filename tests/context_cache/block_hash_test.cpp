@@ -209,7 +209,8 @@ TEST(BlockHashTest, ContentKeysAreComputedOnDemandAndDoNotDependOnTheOrderAsked)
   EXPECT_NE(fresh.contentKey(3), fresh.contentKey(2));
   // contentKeyAfter takes one step of the same chain from a parent content key given from outside.
   for (int32_t b = 1; b < 5; ++b) {
-    EXPECT_EQ(fresh.contentKeyAfter(fresh.contentKey(b - 1), b), fresh.contentKey(b)) << "block " << b;
+    EXPECT_EQ(fresh.contentKeyAfter(fresh.contentKey(b - 1), b), fresh.contentKey(b))
+        << "block " << b;
   }
   EXPECT_THROW(static_cast<void>(lazy.contentKey(5)), Error);
   EXPECT_THROW(static_cast<void>(lazy.contentKey(-1)), Error);

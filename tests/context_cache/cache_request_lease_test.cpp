@@ -12,8 +12,8 @@ namespace mkv {
 namespace {
 
 using test::admit;
-using test::tokenRun;
 using test::requestOf;
+using test::tokenRun;
 
 constexpr int32_t kPage = 4;
 

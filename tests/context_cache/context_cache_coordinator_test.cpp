@@ -204,10 +204,10 @@ TEST_P(ContextCacheCoordinatorTest, EvictsLruUnderPressureKeepingSharedAncestors
   std::vector<int32_t> const a = concatenated(concatenated(s, tokenRun(128, 2000)), {1});
   std::vector<int32_t> const b = concatenated(concatenated(s, tokenRun(128, 3000)), {1});
   std::vector<int32_t> const c = tokenRun(128, 4000);
-  publish(rig, a);               // R_A = [S, A]
-  publish(rig, b);               // R_B = [S, B], shares S
+  publish(rig, a);                     // R_A = [S, A]
+  publish(rig, b);                     // R_B = [S, B], shares S
   publish(rig, concatenated(c, {1}));  // R_C = [C]
-  publish(rig, a);               // duplicate: R_A becomes MRU; LRU order is now B, C, A
+  publish(rig, a);                     // duplicate: R_A becomes MRU; LRU order is now B, C, A
   ASSERT_EQ(rig.freePages(), 4);
   auto recordOf = [&](std::vector<int32_t> const& tokens, int32_t blocks) -> RecordId {
     CacheRecord const* record = rig.manager().records().find(
@@ -789,7 +789,8 @@ TEST_P(ContextCacheCoordinatorTest, EventsReportEveryStoredAndRemovedBlock) {
 
 INSTANTIATE_TEST_SUITE_P(Devices, ContextCacheCoordinatorTest, allDeviceTypes(), deviceName);
 
-TEST(ContextCacheCoordinatorConstructionTest, RejectsUnsupportedDeploymentsAndInconsistentResources) {
+TEST(ContextCacheCoordinatorConstructionTest,
+     RejectsUnsupportedDeploymentsAndInconsistentResources) {
   RigOptions const options;
   KVCachePool pool(CoordinatorRig::poolConfig(DeviceType::kCPU, options));
   KVPageTable table(options.maxBatch, options.maxPagesPerSeq, options.numPages,
@@ -808,7 +809,8 @@ TEST(ContextCacheCoordinatorConstructionTest, RejectsUnsupportedDeploymentsAndIn
   recurrentConfig.deviceType = DeviceType::kCPU;
   RecurrentStatePool recurrent(recurrentConfig);
   ContextCachePhysicalResources const valid{&pool, &table, nullptr, nullptr, nullptr};
-  auto construct = [](ContextCacheConfig const& config, ContextCacheDeploymentProfile const& profile,
+  auto construct = [](ContextCacheConfig const& config,
+                      ContextCacheDeploymentProfile const& profile,
                       ContextCachePhysicalResources const& resources) {
     return [=] { ContextCacheCoordinator coordinator(config, profile, resources, nullptr); };
   };
@@ -841,14 +843,15 @@ TEST(ContextCacheCoordinatorConstructionTest, RejectsUnsupportedDeploymentsAndIn
                           {"addresses 17 pages but the pool has 16"}));
   EXPECT_TRUE(throwsError(construct(config, attention, {&pool, &taller, nullptr, nullptr, nullptr}),
                           {"pool KV lengths hold 3 rows but the table has 4"}));
-  EXPECT_TRUE(throwsError(construct(config, attention, {&pool, &table, nullptr, nullptr, &recurrent}),
-                          {"recurrent pool has 2 slots but the table has 3 rows"}));
+  EXPECT_TRUE(
+      throwsError(construct(config, attention, {&pool, &table, nullptr, nullptr, &recurrent}),
+                  {"recurrent pool has 2 slots but the table has 3 rows"}));
   if (cudaDeviceAvailable()) {
     KVPageTable gpuTable(options.maxBatch, options.maxPagesPerSeq, options.numPages,
                          PageTableMode::kDense, DeviceType::kGPU);
-    EXPECT_TRUE(throwsError(
-        construct(config, attention, {&pool, &gpuTable, nullptr, nullptr, nullptr}),
-        {"table on gpu but pool on cpu"}));
+    EXPECT_TRUE(
+        throwsError(construct(config, attention, {&pool, &gpuTable, nullptr, nullptr, nullptr}),
+                    {"table on gpu but pool on cpu"}));
   }
 }
 

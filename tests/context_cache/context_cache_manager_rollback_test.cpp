@@ -46,9 +46,9 @@ using test::admit;
 using test::captureState;
 using test::concatenated;
 using test::expectManagerInvariants;
-using test::tokenRun;
 using test::publishCold;
 using test::requestOf;
+using test::tokenRun;
 using test::viewOf;
 
 constexpr int32_t kPage = 4;

@@ -12,11 +12,11 @@ using test::admit;
 using test::captureState;
 using test::concatenated;
 using test::expectManagerInvariants;
-using test::tokenRun;
 using test::publishCheckpointOf;
 using test::publishCold;
 using test::publishTokens;
 using test::requestOf;
+using test::tokenRun;
 using test::viewOf;
 
 constexpr int32_t kPage = 4;
@@ -50,7 +50,7 @@ TEST(ContextCacheManagerTest, AcquirePinsHitsBeforeEvictionAndAllocatesPrivatePa
   ContextCacheManager m(kPage, {3, 0, 0, 0}, 8);
   std::vector<int32_t> const a = tokenRun(8, 0);
   RecordId const ra = publishCold(m, a);  // pages 0, 1
-  publishCold(m, tokenRun(4, 100));     // page 2
+  publishCold(m, tokenRun(4, 100));       // page 2
   ASSERT_EQ(m.pools().freeCount(ResourceType::kBaseKvPage), 0);
 
   AdmissionResult admitted = m.acquireWithFallback(requestOf(concatenated(a, {1, 2})));
@@ -361,9 +361,9 @@ TEST(ContextCacheManagerTest, BlockHitDoesNotTouchOwningRecordRecency) {
 TEST(ContextCacheManagerTest, EvictionMetricsCountOnlyResourcesReturnedToFreeLists) {
   ContextCacheManager m(kPage, {4, 0, 0, 0}, 8);
   std::vector<int32_t> const a = tokenRun(8, 0);
-  publishCold(m, a);                                            // pages 0, 1
+  publishCold(m, a);                                                  // pages 0, 1
   CacheRequestLease pin = admit(m, requestOf(concatenated(a, {1})));  // pins 0, 1; takes page 2
-  publishCold(m, tokenRun(4, 40));                            // page 3
+  publishCold(m, tokenRun(4, 40));                                    // page 3
   // One more page: both records go (LRU prefix), but only page 3 returns (0, 1 are pinned).
   AdmissionResult const big = m.acquireWithFallback(requestOf(tokenRun(4, 80)));
   ASSERT_TRUE(big.lease);
@@ -872,13 +872,12 @@ TEST_F(MissReasonTest, TheNearestCachedIdentityNamesTheReason) {
   publishCold(mManager, mPrompt, ReuseMode::kVanilla, {none, digestIdentity("tenant-b")});
   publishCold(mManager, mPrompt, ReuseMode::kVanilla, {none, none});
   auto classify = [&](BlockKeyExtras extras) {
-    return admitAndClassify(requestOf(mPrompt, ReuseMode::kVanilla,
-                                      ContextCacheLookupPolicy::kUseCache, extras));
+    return admitAndClassify(
+        requestOf(mPrompt, ReuseMode::kVanilla, ContextCacheLookupPolicy::kUseCache, extras));
   };
   EXPECT_EQ(classify({digestIdentity("x"), tenantA}), MissReason::kLoraMismatch);
   EXPECT_EQ(classify({none, digestIdentity("tenant-c")}), MissReason::kSaltMismatch);
-  EXPECT_EQ(classify({digestIdentity("x"), digestIdentity("tenant-c")}),
-            MissReason::kSaltMismatch)
+  EXPECT_EQ(classify({digestIdentity("x"), digestIdentity("tenant-c")}), MissReason::kSaltMismatch)
       << "every cached identity differs in salt and adapter: the first field";
   EXPECT_EQ(mManager.metrics().missCount(MissReason::kLoraMismatch), 1U);
   EXPECT_EQ(mManager.metrics().missCount(MissReason::kSaltMismatch), 2U);
@@ -1001,7 +1000,8 @@ TEST(ContextCacheManagerBatchTest, ABatchThatFitsOnlyWhenAdmittedTogetherIsAdmit
     BatchRig sequential;
     AdmissionResult first = sequential.manager.acquireWithFallback(requestOf(cold));
     ASSERT_TRUE(first.lease);
-    AdmissionResult second = sequential.manager.acquireWithFallback(requestOf(sequential.aPlusThree));
+    AdmissionResult second =
+        sequential.manager.acquireWithFallback(requestOf(sequential.aPlusThree));
     EXPECT_FALSE(second.lease) << "the hazard acquireBatch exists for";
     EXPECT_EQ(sequential.manager.records().size(), 0U);
   }

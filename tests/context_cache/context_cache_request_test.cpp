@@ -349,9 +349,9 @@ TEST_P(ContextCacheRequestTest, RetractingAnAdmissionUnwindsItAndTheRowStaysUsab
   EXPECT_EQ(driver.cache->prefillStarts(), std::vector<int32_t>{0});
   EXPECT_EQ(rig.coordinator.counters().retractedAdmissions, 1u);
   // The founder cannot be retracted: misuse, detected before any side effect.
-  EXPECT_TRUE(throwsError([&] { (void)driver.cache->retractSequenceAdmission(); },
-                                {"ContextCacheCoordinator::retractSequenceAdmission",
-                                 "has 1 sequence(s)"}));
+  EXPECT_TRUE(
+      throwsError([&] { (void)driver.cache->retractSequenceAdmission(); },
+                  {"ContextCacheCoordinator::retractSequenceAdmission", "has 1 sequence(s)"}));
   EXPECT_FALSE(rig.coordinator.poisoned());
   EXPECT_EQ(driver.cache->prefillStarts(), std::vector<int32_t>{0});
   ASSERT_TRUE(driver.decode());
@@ -516,8 +516,8 @@ TEST_P(ContextCacheRequestTest, RequestsThatDisagreeWithTheirContextOrMediaThrow
   EXPECT_TRUE(throwsError(begin(driver.request, noResidents), {"0 residents for 1 prompts"}));
   LLMGenerationRequest twoInputs = driver.request;
   twoInputs.requests.emplace_back();
-  EXPECT_TRUE(throwsError(begin(twoInputs, driver.context),
-                          {"2 per-sequence inputs for 1 prompts"}));
+  EXPECT_TRUE(
+      throwsError(begin(twoInputs, driver.context), {"2 per-sequence inputs for 1 prompts"}));
   LLMGenerationRequest otherAdapter = driver.request;
   otherAdapter.loraWeightsName = "other";
   EXPECT_TRUE(throwsError(begin(otherAdapter, driver.context),

@@ -136,9 +136,7 @@ class CoordinatorRig {
     return pools().cacheRefs({ResourceType::kBaseKvPage, page});
   }
 
-  ContextCacheSequenceAdmission admissionOf(Seq const& seq) const {
-    return promptAdmissionOf(seq);
-  }
+  ContextCacheSequenceAdmission admissionOf(Seq const& seq) const { return promptAdmissionOf(seq); }
   ContextCacheBatchAdmission batchOf(std::vector<Seq*> const& seqs) const {
     return promptBatchOf(seqs);
   }

@@ -37,8 +37,7 @@ struct HybridRigOptions {
 class HybridRig {
  public:
   explicit HybridRig(DeviceType device, HybridRigOptions rigOptions = {})
-      : options(rigOptions),
-        recurrent(recurrentConfig(device, rigOptions)) {
+      : options(rigOptions), recurrent(recurrentConfig(device, rigOptions)) {
     if (options.attention) {
       RigOptions kv;
       kv.pageSize = options.pageSize;
@@ -49,8 +48,7 @@ class HybridRig {
                     PageTableMode::kDense, device);
       oracle.emplace(*pool, *table);
     }
-    coordinator.emplace(cacheConfig(), profile(), resources(), nullptr,
-                        sync.synchronizer(device));
+    coordinator.emplace(cacheConfig(), profile(), resources(), nullptr, sync.synchronizer(device));
   }
   /// Drains what a failed test may have left quarantined (the coordinator would terminate).
   ~HybridRig() { (void)coordinator->shutdown(); }

@@ -53,8 +53,10 @@ TEST(KvEventQueueTest, KeepsEachStoredBlocksTokensInItsSlot) {
   EXPECT_EQ(queue.droppedCount(), 1U);
 
   // Tokens that do not fit the slot, or disagree with the token count, are not kept.
-  queue.pushStored(BlockStored{Hash128{0, 4}, kBlockChainRoot, 3, 5}, std::vector<int32_t>{1, 2, 3, 4, 5});
-  queue.pushStored(BlockStored{Hash128{0, 5}, kBlockChainRoot, 4, 4}, std::vector<int32_t>{1, 2, 3});
+  queue.pushStored(BlockStored{Hash128{0, 4}, kBlockChainRoot, 3, 5},
+                   std::vector<int32_t>{1, 2, 3, 4, 5});
+  queue.pushStored(BlockStored{Hash128{0, 5}, kBlockChainRoot, 4, 4},
+                   std::vector<int32_t>{1, 2, 3});
   for (KvEvent const& event : queue.drain()) {
     EXPECT_TRUE(std::get<BlockStored>(event).tokens.empty());
   }

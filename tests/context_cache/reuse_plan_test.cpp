@@ -9,9 +9,9 @@ namespace mkv {
 namespace {
 
 using test::captureState;
-using test::tokenRun;
 using test::publishCheckpointOf;
 using test::publishCold;
+using test::tokenRun;
 using test::viewOf;
 
 constexpr int32_t kPage = 4;

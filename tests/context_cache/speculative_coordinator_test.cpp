@@ -118,7 +118,8 @@ TEST_P(SpeculativeCoordinatorTest, DecodeEndPublicationStopsAtTheCommonBaseAndDr
   rig.expectQuiescent();
 }
 
-TEST_P(SpeculativeCoordinatorTest, VanillaRequestsReuseTheBaseSideAndSpecPlansIgnoreBaseOnlyRecords) {
+TEST_P(SpeculativeCoordinatorTest,
+       VanillaRequestsReuseTheBaseSideAndSpecPlansIgnoreBaseOnlyRecords) {
   SpecRig rig(device());
   Seq producer(tokenRun(300, 1), 0);
   Handle handle = rig.admit({&producer}, true);
@@ -182,10 +183,15 @@ TEST_P(SpeculativeCoordinatorTest, MisusedProgressOrHeadroomThrowsAndChangesNoth
   SpecRig rig(device());
   Seq seq(tokenRun(100, 1), 0);
   ContextCacheBatchAdmission const batch = rig.batchOf({&seq}, true);
-  EXPECT_TRUE(throwsError([&] { (void)rig.coordinator->beginRequest(batch, {4, 0}, nullptr); },
-                          {"beginRequest", "draftExtraTokens must be > 0", "got 0"}));
   EXPECT_TRUE(throwsError(
-      [&] { (void)rig.coordinator->beginRequest(rig.batchOf({&seq}, false), {4, 4}, nullptr); },
+      [&] {
+        (void)rig.coordinator->beginRequest(batch, {4, 0}, nullptr);
+      },
+      {"beginRequest", "draftExtraTokens must be > 0", "got 0"}));
+  EXPECT_TRUE(throwsError(
+      [&] {
+        (void)rig.coordinator->beginRequest(rig.batchOf({&seq}, false), {4, 4}, nullptr);
+      },
       {"draftExtraTokens 4 given, but the request has no paged draft state"}));
   EXPECT_EQ(rig.manager().liveLeaseCount(), 0);
 
@@ -196,11 +202,15 @@ TEST_P(SpeculativeCoordinatorTest, MisusedProgressOrHeadroomThrowsAndChangesNoth
   rig.executeDraft(seq, 0, 0, 100);
   ContextCacheSequenceAdvance const advance{&seq.tokens.back(), 1, 100};
   EXPECT_TRUE(throwsError(
-      [&] { (void)rig.coordinator->finalizePrefillPublication(handle, {&advance, 1}); },
+      [&] {
+        (void)rig.coordinator->finalizePrefillPublication(handle, {&advance, 1});
+      },
       {"finalizePrefillPublication", "0 common state lengths for a batch of 1", "required"}));
   std::vector<int32_t> const wrong{99};
   EXPECT_TRUE(throwsError(
-      [&] { (void)rig.coordinator->finalizePrefillPublication(handle, {&advance, 1}, wrong); },
+      [&] {
+        (void)rig.coordinator->finalizePrefillPublication(handle, {&advance, 1}, wrong);
+      },
       {"row 0: the common state length after prefill is the prompt's 100, got 99"}));
   std::vector<int32_t> const common{100};
   ASSERT_EQ(rig.coordinator->finalizePrefillPublication(handle, {&advance, 1}, common), kOk);
@@ -209,11 +219,15 @@ TEST_P(SpeculativeCoordinatorTest, MisusedProgressOrHeadroomThrowsAndChangesNoth
   ContextCacheSequenceAdvance const two{tokens.data(), 2, 102};
   std::vector<int32_t> const beyond{103};
   EXPECT_TRUE(throwsError(
-      [&] { (void)rig.coordinator->completeDecodeStep(handle, {&two, 1}, {}, beyond); },
+      [&] {
+        (void)rig.coordinator->completeDecodeStep(handle, {&two, 1}, {}, beyond);
+      },
       {"completeDecodeStep", "row 0: common state length 103 outside [100, committed 102]"}));
   ContextCacheSequenceAdvance const skewed{tokens.data(), 2, 103};
   EXPECT_TRUE(throwsError(
-      [&] { (void)rig.coordinator->completeDecodeStep(handle, {&skewed, 1}, {}, common); },
+      [&] {
+        (void)rig.coordinator->completeDecodeStep(handle, {&skewed, 1}, {}, common);
+      },
       {"a speculative step commits the previous 100 + accepted 2"}));
   EXPECT_EQ(rig.coordinator->committedLength(handle, 0), 100) << "nothing applied";
   EXPECT_EQ(rig.coordinator->commonLength(handle, 0), 100);
@@ -296,8 +310,9 @@ TEST_P(HybridMtpCoordinatorTest, AVanillaRequestRestoresOnlyTheBaseHybridState) 
   EXPECT_EQ(rig.pools().freeCount(kDraft), freeDraft);
   ASSERT_EQ(rig.prefill(plain, {&vanilla}, false), kOk);  // verifies base and recurrent state
   Tensor hidden({1, rig.options.hiddenWidth}, DataType::kFloat16, device());
-  EXPECT_TRUE(throwsError([&] { (void)rig.coordinator->publishHybridMtpEndpoint(plain, 0, 1, hidden, 0); },
-                          {"publishHybridMtpEndpoint", "is not speculative"}));
+  EXPECT_TRUE(
+      throwsError([&] { (void)rig.coordinator->publishHybridMtpEndpoint(plain, 0, 1, hidden, 0); },
+                  {"publishHybridMtpEndpoint", "is not speculative"}));
   ASSERT_EQ(rig.coordinator->finish(plain), kOk);
   rig.expectQuiescent();
 }
@@ -338,7 +353,8 @@ TEST_P(HybridMtpCoordinatorTest, GuardsSkipAndMisuseThrowsWithoutChangingAnythin
       (void)rig.coordinator->publishHybridMtpEndpoint(handle, 0, length, states, row);
     };
   };
-  EXPECT_TRUE(throwsError(publish(41, hidden, 39), {"residentStateLength 41 outside [0, prompt 40]"}));
+  EXPECT_TRUE(
+      throwsError(publish(41, hidden, 39), {"residentStateLength 41 outside [0, prompt 40]"}));
   EXPECT_TRUE(throwsError(publish(-1, hidden, 39), {"residentStateLength -1"}));
   EXPECT_TRUE(throwsError(publish(40, hidden, 40), {"hidden row 40 outside [0, 40)"}));
   EXPECT_TRUE(throwsError(publish(40, narrow, 39), {"must be [rows, 8] of"}));
@@ -462,9 +478,9 @@ TEST_P(HybridMtpCoordinatorTest, AnEndpointBelowTheRestoredLengthThrowsAndChange
   Tensor hidden = rig.hiddenStates(consumer, 129, 200);
   int32_t const freeRecurrent = rig.pools().freeCount(ResourceType::kRecurrentSnapshot);
   int64_t const syncs = rig.sync.calls();
-  EXPECT_TRUE(throwsError(
-      [&] { (void)rig.coordinator->publishHybridMtpEndpoint(next, 0, 100, hidden, 0); },
-      {"publishHybridMtpEndpoint", "residentStateLength 100", "129"}));
+  EXPECT_TRUE(
+      throwsError([&] { (void)rig.coordinator->publishHybridMtpEndpoint(next, 0, 100, hidden, 0); },
+                  {"publishHybridMtpEndpoint", "residentStateLength 100", "129"}));
   EXPECT_EQ(rig.sync.calls(), syncs);
   EXPECT_EQ(rig.pools().freeCount(ResourceType::kRecurrentSnapshot), freeRecurrent);
   EXPECT_EQ(rig.records().size(), 1u);
@@ -482,10 +498,8 @@ TEST(SpeculativeCoordinatorConstructionTest, ValidatesProfilesAgainstDraftResour
   KVCachePool pool(CoordinatorRig::poolConfig(DeviceType::kCPU, SpecRig::kvOptions(o, 16)));
   KVCachePool draft(CoordinatorRig::poolConfig(DeviceType::kCPU, SpecRig::kvOptions(o, 8)));
   KVPageTable table(o.maxBatch, o.maxPagesPerSeq, 16, PageTableMode::kDense, DeviceType::kCPU);
-  KVPageTable draftTable(o.maxBatch, o.maxPagesPerSeq, 8, PageTableMode::kDense,
-                         DeviceType::kCPU);
-  KVPageTable wrongPages(o.maxBatch, o.maxPagesPerSeq, 9, PageTableMode::kDense,
-                         DeviceType::kCPU);
+  KVPageTable draftTable(o.maxBatch, o.maxPagesPerSeq, 8, PageTableMode::kDense, DeviceType::kCPU);
+  KVPageTable wrongPages(o.maxBatch, o.maxPagesPerSeq, 9, PageTableMode::kDense, DeviceType::kCPU);
   KVPageTable moreRows(o.maxBatch + 1, o.maxPagesPerSeq, 8, PageTableMode::kDense,
                        DeviceType::kCPU);
   RigOptions smallPages = SpecRig::kvOptions(o, 8);
@@ -552,9 +566,8 @@ TEST(SpeculativeCoordinatorConstructionTest, ValidatesProfilesAgainstDraftResour
                           {"a Hybrid-MTP deployment needs an own-KV draft"}));
   bad = mtp;
   bad.boundaryHiddenWidth = 0;
-  EXPECT_TRUE(
-      throwsError(construct(config, bad, {&pool, &table, &draft, &draftTable, &recurrent}),
-                  {"a Hybrid-MTP deployment needs boundaryHiddenWidth > 0, got 0"}));
+  EXPECT_TRUE(throwsError(construct(config, bad, {&pool, &table, &draft, &draftTable, &recurrent}),
+                          {"a Hybrid-MTP deployment needs boundaryHiddenWidth > 0, got 0"}));
   bad = eagle;
   bad.boundaryHiddenWidth = 8;
   EXPECT_TRUE(throwsError(construct(config, bad, {&pool, &table, &draft, &draftTable, nullptr}),

@@ -80,8 +80,7 @@ class SpecRig {
       recurrent.emplace(HybridRig::recurrentConfig(device, hybrid));
       recurrentOracle.emplace(*recurrent);
     }
-    coordinator.emplace(cacheConfig(), profile(), resources(), nullptr,
-                        sync.synchronizer(device));
+    coordinator.emplace(cacheConfig(), profile(), resources(), nullptr, sync.synchronizer(device));
   }
   ~SpecRig() { (void)coordinator->shutdown(); }
   SpecRig(SpecRig const&) = delete;
@@ -142,8 +141,8 @@ class SpecRig {
   /// Admits and expects kOk (an empty handle otherwise).
   ContextCacheCoordinator::RequestHandle admit(std::vector<Seq*> const& seqs, bool speculative,
                                                std::vector<int32_t>* starts = nullptr) {
-    auto result = coordinator->beginRequest(batchOf(seqs, speculative), headroomOf(speculative),
-                                            nullptr);
+    auto result =
+        coordinator->beginRequest(batchOf(seqs, speculative), headroomOf(speculative), nullptr);
     EXPECT_EQ(result.status, ContextCacheStatus::kOk);
     if (!result.admission) {
       return {};
@@ -233,7 +232,8 @@ class SpecRig {
     }
     coordinator->enqueuePrefillCaptures(handle);
     return coordinator->finalizePrefillPublication(
-        handle, advances, speculative ? std::span<int32_t const>(common) : std::span<int32_t const>{});
+        handle, advances,
+        speculative ? std::span<int32_t const>(common) : std::span<int32_t const>{});
   }
 
   /// The Hybrid-MTP prefill of one row: restore the boundary hidden row on a hit, base and draft

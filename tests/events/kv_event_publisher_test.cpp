@@ -83,7 +83,8 @@ std::string bigEndian(uint64_t value) {
 }
 
 /// Every (sequence, payload) a replay request from `start` returns, up to the end marker.
-std::vector<std::pair<int64_t, std::string>> replayFrom(Context& context, std::string const& endpoint,
+std::vector<std::pair<int64_t, std::string>> replayFrom(Context& context,
+                                                        std::string const& endpoint,
                                                         uint64_t start) {
   Socket dealer(context, ZMQ_DEALER);
   EXPECT_EQ(zmq_connect(dealer.raw, endpoint.c_str()), 0);
@@ -150,7 +151,8 @@ WireEvent decodeEvent(msgpack::object const& o, KvEventEncoding encoding) {
     std::vector<std::string> const names =
         e.type == "BlockStored"
             ? std::vector<std::string>{"block_hashes", "parent_block_hash", "token_ids",
-                                       "block_size", "lora_id", "medium", "lora_name", "extra_keys"}
+                                       "block_size",   "lora_id",           "medium",
+                                       "lora_name",    "extra_keys"}
             : std::vector<std::string>{"block_hashes", "medium"};
     EXPECT_LE(o.via.array.size - 1, names.size());
     for (uint32_t i = 1; i < o.via.array.size; ++i) {
@@ -233,8 +235,8 @@ TEST(KvEventPublisherTest, CreateRejectsInvalidSettingsNamingTheValue) {
   EXPECT_TRUE(throwsError(create([](auto& c) { c.endpoint.clear(); }), {kCall, "endpoint"}));
   EXPECT_TRUE(throwsError(create([](auto& c) { c.dataParallelRank = -1; }),
                           {kCall, "dataParallelRank", "-1"}));
-  EXPECT_TRUE(throwsError(create([](auto& c) { c.queueCapacity = 0; }),
-                          {kCall, "queueCapacity", "0"}));
+  EXPECT_TRUE(
+      throwsError(create([](auto& c) { c.queueCapacity = 0; }), {kCall, "queueCapacity", "0"}));
   EXPECT_TRUE(throwsError(create([](auto& c) { c.replayBufferBatches = 0; }),
                           {kCall, "replayBufferBatches", "0"}));
   EXPECT_TRUE(throwsError(create([](auto& c) { c.sendHighWaterMark = -5; }),
@@ -270,10 +272,11 @@ TEST_P(KvEventWireTest, ReplayReturnsBufferedBatchesInVllmsLayoutThenTheEndMarke
   Hash128 const c{13, 103};
   Hash128 const d{14, 104};
   Hash128 const image{5, 6};
-  ASSERT_TRUE(publisher->publish({stored(a, kBlockChainRoot, 1), stored(b, a, 5),
-                                  stored(c, kBlockChainRoot, 9)}));
+  ASSERT_TRUE(publisher->publish(
+      {stored(a, kBlockChainRoot, 1), stored(b, a, 5), stored(c, kBlockChainRoot, 9)}));
   ASSERT_TRUE(publisher->publish({}));  // an empty step: no batch, no sequence number
-  ASSERT_TRUE(publisher->publish({BlockRemoved{a, 0}, BlockRemoved{b, 0}, stored(d, c, 20, image)}));
+  ASSERT_TRUE(
+      publisher->publish({BlockRemoved{a, 0}, BlockRemoved{b, 0}, stored(d, c, 20, image)}));
   ASSERT_TRUE(publisher->publish({BlockRemoved{c, 0}}));
   publisher->flush();
   EXPECT_EQ(publisher->batchesPublished(), 3U);

@@ -47,10 +47,10 @@ struct Rig {
   ContextCacheCoordinator& coordinator() { return *runtime->contextCache(); }
   KVPageTable& table() { return *runtime->fullPageTable(); }
 
-  Handle admit(std::vector<std::vector<int32_t>> const& prompts,
-               DecodingTokenStateContract contract =
-                   DecodingTokenStateContract::kCommittedPlusLookahead,
-               std::vector<int32_t>* starts = nullptr) {
+  Handle admit(
+      std::vector<std::vector<int32_t>> const& prompts,
+      DecodingTokenStateContract contract = DecodingTokenStateContract::kCommittedPlusLookahead,
+      std::vector<int32_t>* starts = nullptr) {
     ContextCacheBatchAdmission admission;
     admission.tokenStateContract = contract;
     for (auto const& prompt : prompts) {
@@ -178,8 +178,9 @@ TEST(ContextCacheCoordinatorRegressionTest, RetractDuringADecodeStepThrowsAndKee
     (void)coordinator.retractSequenceAdmission(handle);
     ADD_FAILURE() << "retracting during a decode step did not throw";
   } catch (Error const& error) {
-    EXPECT_NE(std::string(error.what()).find("retractSequenceAdmission: request 1 has pending work"),
-              std::string::npos)
+    EXPECT_NE(
+        std::string(error.what()).find("retractSequenceAdmission: request 1 has pending work"),
+        std::string::npos)
         << error.what();
   }
   EXPECT_FALSE(coordinator.poisoned()) << "misuse throws; it does not poison";
@@ -215,8 +216,7 @@ TEST(ContextCacheCoordinatorRegressionTest, InFlightAdmissionIntoAFullyCommitted
   ContextCacheSequenceAdmission joiner;
   joiner.tokenIds = tokenRun(10, 500);
   joiner.resident = *rig.runtime->residentSlots().acquire();
-  int32_t const freeBefore =
-      coordinator.manager().pools().freeCount(ResourceType::kBaseKvPage);
+  int32_t const freeBefore = coordinator.manager().pools().freeCount(ResourceType::kBaseKvPage);
   EXPECT_THROW((void)coordinator.admitSequence(handle, joiner, kVanilla), Error);
   EXPECT_EQ(coordinator.batchSize(handle), 1);
   EXPECT_EQ(coordinator.manager().pools().freeCount(ResourceType::kBaseKvPage), freeBefore);

@@ -278,10 +278,9 @@ struct Rig {
         continue;
       }
       auto const& generated = context.generatedTokenIds[i];
-      advances.push_back({&generated.back(), 1,
-                          static_cast<int32_t>(context.rawBatchedInputIds[i].size() +
-                                               generated.size()) -
-                              1});
+      advances.push_back(
+          {&generated.back(), 1,
+           static_cast<int32_t>(context.rawBatchedInputIds[i].size() + generated.size()) - 1});
     }
     return advances;
   }
@@ -332,9 +331,9 @@ struct Rig {
           CacheSlot const slot = context.residentRefs.at(static_cast<std::size_t>(i)).slot;
           std::span<PageId const> const pages = coordinator->basePages(coordinatorRequest, i);
           auto const live = static_cast<std::size_t>(table.liveEntryCount(slot));
-          EXPECT_TRUE(live == 0 || (live == pages.size() &&
-                                    std::equal(pages.begin(), pages.end(),
-                                               table.hostRow(slot).begin())))
+          EXPECT_TRUE(live == 0 ||
+                      (live == pages.size() &&
+                       std::equal(pages.begin(), pages.end(), table.hostRow(slot).begin())))
               << where << ": row " << slot << " maps other pages than its lease";
         }
       }
@@ -371,8 +370,8 @@ struct Rig {
       joinerResident.reset();
     }
     EXPECT_EQ(runtime->residentSlots().available(), runtime->residentSlots().capacity()) << where;
-    KVPageTable const& table = coordinator != nullptr ? *runtime->fullPageTable()
-                                                      : *runtime->swaPageTable();
+    KVPageTable const& table =
+        coordinator != nullptr ? *runtime->fullPageTable() : *runtime->swaPageTable();
     for (CacheSlot slot = 0; slot < table.maxBatch(); ++slot) {
       EXPECT_EQ(table.liveEntryCount(slot), 0) << where << ": row " << slot << " still maps pages";
     }
@@ -509,7 +508,8 @@ struct FaultSummary {
 
 /// Fails every allocation of every library step of `steps`, one run per allocation (see the
 /// file comment). Stops at the first run that broke a property.
-FaultSummary failEveryAllocation(KVCacheRuntimeConfig const& config, std::vector<Step> const& steps) {
+FaultSummary failEveryAllocation(KVCacheRuntimeConfig const& config,
+                                 std::vector<Step> const& steps) {
   FaultSummary summary;
   std::vector<int64_t> expected;
   std::vector<int64_t> allocations;
@@ -616,7 +616,6 @@ KVCacheRuntimeConfig swaConfig() {
   return config;
 }
 
-
 // Prompts of the context-reuse scripts (14 pages in the pool): P1 shares P0's first two blocks,
 // both grow a page at the second decode step, the joiner J reuses two blocks, and the batch
 // Q0 + Q1 only fits after an eviction.
@@ -681,8 +680,9 @@ std::vector<Step> coordinatorScript() {
     ContextCacheSequenceAdmission admission;
     admission.tokenIds = rig.joinerPrompt;
     admission.resident = *rig.joinerResident;
-    auto const result = library(
-        [&] { return rig.coordinator->admitSequence(rig.coordinatorRequest, admission, kVanilla); });
+    auto const result = library([&] {
+      return rig.coordinator->admitSequence(rig.coordinatorRequest, admission, kVanilla);
+    });
     if (result.status == ContextCacheStatus::kOk) {
       rig.prefillStart = result.prefillStart;
       rig.joinerAdmitted();
@@ -743,7 +743,10 @@ std::vector<Step> coordinatorScript() {
          }
          return code(status);
        }},
-      engineStep("drop rows 0 and 1", [](Rig& rig) { rig.setMapping({-1, -1, 0}); }),
+      engineStep("drop rows 0 and 1",
+                 [](Rig& rig) {
+                   rig.setMapping({-1, -1, 0});
+                 }),
       {"beginBatchCompaction",
        [](Rig& rig) {
          library([&] {
@@ -835,7 +838,10 @@ std::vector<Step> swaScript() {
       {"completePrefill", swaCompletePrefill},
       {"prepareDecodeStep (maps and stages a retirement)", swaPrepareDecode},
       {"completeDecodeStep (retires)", swaCompleteDecode},
-      engineStep("drop row 0", [](Rig& rig) { rig.setMapping({-1, 0}); }),
+      engineStep("drop row 0",
+                 [](Rig& rig) {
+                   rig.setMapping({-1, 0});
+                 }),
       {"beginBatchCompaction",
        [](Rig& rig) {
          library([&] {
@@ -925,9 +931,8 @@ std::vector<Step> facadeScript(bool reuse) {
                   return static_cast<int64_t>(library([&] { return method(*rig.facade, rig); }));
                 }};
   };
-  auto preparePrefill = call("preparePrefill", [](ManagedKVCacheRequest& f, Rig&) {
-    return f.preparePrefill();
-  });
+  auto preparePrefill =
+      call("preparePrefill", [](ManagedKVCacheRequest& f, Rig&) { return f.preparePrefill(); });
   auto prepareDecode = call("prepareDecodeStep", [](ManagedKVCacheRequest& f, Rig& rig) {
     return f.prepareDecodeStep(rig.context, kVanilla);
   });
@@ -970,11 +975,12 @@ std::vector<Step> facadeScript(bool reuse) {
       {"prepareDecodeStep (page growth)", prepareDecode.run, Guarantee::kGrowth},
       engineStep("row 0 ends, row 1 cancelled", endRows),
       completeDecode,
-      engineStep("joiner J", [](Rig& rig) {
-        if (rig.coordinator != nullptr) {
-          rig.newJoiner(kJ);
-        }
-      }),
+      engineStep("joiner J",
+                 [](Rig& rig) {
+                   if (rig.coordinator != nullptr) {
+                     rig.newJoiner(kJ);
+                   }
+                 }),
       {"admitSequence", admit, admission},
       {"finalizeSequenceAdmission",
        [](Rig& rig) {
@@ -990,26 +996,29 @@ std::vector<Step> facadeScript(bool reuse) {
          return static_cast<int64_t>(finalized);
        }},
       engineStep("drop the ended rows",
-                 [](Rig& rig) { rig.setMapping(rig.coordinator != nullptr
-                                                   ? std::vector<int32_t>{-1, -1, 0}
-                                                   : std::vector<int32_t>{-1, 0}); }),
+                 [](Rig& rig) {
+                   rig.setMapping(rig.coordinator != nullptr ? std::vector<int32_t>{-1, -1, 0}
+                                                             : std::vector<int32_t>{-1, 0});
+                 }),
       call("beginBatchCompaction",
            [](ManagedKVCacheRequest& f, Rig& rig) {
              return f.beginBatchCompaction(rig.mapping, rig.newBatchSize, rig.deviceMapping);
            }),
       {"completeBatchCompaction",
        [](Rig& rig) {
-         bool const compacted = library([&] { return rig.facade->completeBatchCompaction(rig.mapping); });
+         bool const compacted =
+             library([&] { return rig.facade->completeBatchCompaction(rig.mapping); });
          if (compacted) {
            rig.applyMapping();
          }
          return static_cast<int64_t>(compacted);
        }},
-      engineStep("joiner K", [](Rig& rig) {
-        if (rig.coordinator != nullptr) {
-          rig.newJoiner(kK);
-        }
-      }),
+      engineStep("joiner K",
+                 [](Rig& rig) {
+                   if (rig.coordinator != nullptr) {
+                     rig.newJoiner(kK);
+                   }
+                 }),
       {"admitSequence (to retract)", admit, admission},
       {"retractSequenceAdmission",
        [](Rig& rig) {
@@ -1048,7 +1057,9 @@ std::vector<Step> facadeScript(bool reuse) {
       newRows({tokenRun(5, 1)}),
       {"begin (poisoned)", begin},
       {"KVCacheRuntime::shutdown (drains)",
-       [](Rig& rig) { return static_cast<int64_t>(library([&] { return rig.runtime->shutdown(); })); }},
+       [](Rig& rig) {
+         return static_cast<int64_t>(library([&] { return rig.runtime->shutdown(); }));
+       }},
   };
   return steps;
 }
@@ -1150,10 +1161,10 @@ TEST_F(AllocationFaultTest, AHybridMtpEndpointThatRunsOutOfHostMemoryKeepsTheHit
   {  // The producer publishes the endpoint at 40.
     DecodingInferenceContext context =
         contextOf(std::vector<int32_t>(prompt.begin(), prompt.begin() + 40), resident);
-    auto producer = ManagedKVCacheRequest::begin(
-        &coordinator, nullptr, request, context, true, kHeadroom,
-        DecodingTokenStateContract::kCommittedPlusLookahead,
-        ContextCacheCommitPolicy::kPrefillStateOnly);
+    auto producer =
+        ManagedKVCacheRequest::begin(&coordinator, nullptr, request, context, true, kHeadroom,
+                                     DecodingTokenStateContract::kCommittedPlusLookahead,
+                                     ContextCacheCommitPolicy::kPrefillStateOnly);
     ASSERT_TRUE(producer.has_value());
     ASSERT_TRUE(producer->preparePrefill());
     Tensor hidden({40, 8}, DataType::kFloat16, DeviceType::kCPU);
@@ -1163,10 +1174,10 @@ TEST_F(AllocationFaultTest, AHybridMtpEndpointThatRunsOutOfHostMemoryKeepsTheHit
     ASSERT_TRUE(producer->finish());
   }
   DecodingInferenceContext context = contextOf(prompt, resident);
-  auto consumer = ManagedKVCacheRequest::begin(&coordinator, nullptr, request, context, true,
-                                               kHeadroom,
-                                               DecodingTokenStateContract::kCommittedPlusLookahead,
-                                               ContextCacheCommitPolicy::kPrefillStateOnly);
+  auto consumer =
+      ManagedKVCacheRequest::begin(&coordinator, nullptr, request, context, true, kHeadroom,
+                                   DecodingTokenStateContract::kCommittedPlusLookahead,
+                                   ContextCacheCommitPolicy::kPrefillStateOnly);
   ASSERT_TRUE(consumer.has_value());
   ASSERT_EQ(consumer->reuseTokenLength(0), 40);
   ASSERT_TRUE(consumer->preparePrefill());

@@ -49,20 +49,20 @@ struct LifecycleOptions {
 struct LifecycleStats {
   int64_t operations = 0;
   int64_t libraryCalls = 0;
-  int64_t rejectedCalls = 0;   ///< invalid calls that threw mkv::Error and changed nothing
-  int64_t refusals = 0;        ///< nullopt / kRequestFailed / kNoCapacity / false outcomes
-  int64_t requests = 0;        ///< admitted requests
+  int64_t rejectedCalls = 0;  ///< invalid calls that threw mkv::Error and changed nothing
+  int64_t refusals = 0;       ///< nullopt / kRequestFailed / kNoCapacity / false outcomes
+  int64_t requests = 0;       ///< admitted requests
   int64_t prefills = 0;
   int64_t decodeSteps = 0;
   int64_t compactions = 0;
   int64_t joins = 0;
   int64_t retractions = 0;
-  int64_t drops = 0;           ///< requests abandoned by destroying their handle
+  int64_t drops = 0;  ///< requests abandoned by destroying their handle
   int64_t failedSynchronizations = 0;
-  int64_t quarantines = 0;     ///< requests that went to quarantine
+  int64_t quarantines = 0;  ///< requests that went to quarantine
   int64_t shutdowns = 0;
-  int64_t badAllocs = 0;       ///< library calls that threw std::bad_alloc (allocation faults)
-  int64_t oraclePositions = 0; ///< KV positions verified
+  int64_t badAllocs = 0;        ///< library calls that threw std::bad_alloc (allocation faults)
+  int64_t oraclePositions = 0;  ///< KV positions verified
 
   LifecycleStats& operator+=(LifecycleStats const& other);
 };

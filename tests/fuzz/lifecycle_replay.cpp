@@ -35,9 +35,10 @@ int main(int argc, char** argv) {
   std::vector<std::string> files;
   std::vector<uint64_t> seeds;  // FIRST LAST
   std::size_t bytes = 1500;
-  CLI::App app("Runs the lifecycle driver on files (a libFuzzer crash, a corpus entry) or on the "
-               "seeded inputs of lifecycle_fuzz_test.cpp.",
-               "mkv_lifecycle_replay");
+  CLI::App app(
+      "Runs the lifecycle driver on files (a libFuzzer crash, a corpus entry) or on the "
+      "seeded inputs of lifecycle_fuzz_test.cpp.",
+      "mkv_lifecycle_replay");
   app.add_flag("--trace", options.trace, "print every operation");
   auto* seedOption = app.add_option("--seeds", seeds, "the seeded inputs FIRST to LAST")
                          ->type_name("FIRST LAST")
@@ -68,18 +69,18 @@ int main(int argc, char** argv) {
     ok = report(file, result) && ok;
     total += result.stats;
   }
-  for (uint64_t seed = seeds.empty() ? 1 : seeds[0]; !seeds.empty() && seed <= seeds[1];
-       ++seed) {
+  for (uint64_t seed = seeds.empty() ? 1 : seeds[0]; !seeds.empty() && seed <= seeds[1]; ++seed) {
     mkv::fuzz::LifecycleResult const result =
         mkv::fuzz::runLifecycle(mkv::fuzz::seededInput(seed, bytes), options);
     ok = report("seed " + std::to_string(seed), result) && ok;
     total += result.stats;
   }
-  std::printf("%lld operations, %lld library calls, %lld rejected, %lld refusals, %lld decode "
-              "steps, %lld failed synchronisations, %s\n",
-              static_cast<long long>(total.operations), static_cast<long long>(total.libraryCalls),
-              static_cast<long long>(total.rejectedCalls), static_cast<long long>(total.refusals),
-              static_cast<long long>(total.decodeSteps),
-              static_cast<long long>(total.failedSynchronizations), ok ? "all passed" : "FAILED");
+  std::printf(
+      "%lld operations, %lld library calls, %lld rejected, %lld refusals, %lld decode "
+      "steps, %lld failed synchronisations, %s\n",
+      static_cast<long long>(total.operations), static_cast<long long>(total.libraryCalls),
+      static_cast<long long>(total.rejectedCalls), static_cast<long long>(total.refusals),
+      static_cast<long long>(total.decodeSteps),
+      static_cast<long long>(total.failedSynchronizations), ok ? "all passed" : "FAILED");
   return ok ? 0 : 1;
 }

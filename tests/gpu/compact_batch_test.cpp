@@ -105,8 +105,8 @@ struct MappingCase {
 };
 
 void PrintTo(MappingCase const& c, std::ostream* os) {
-  static constexpr char const* kNames[] = {"random half", "all but row 0", "every other",
-                                           "last quarter", "all", "none"};
+  static constexpr char const* kNames[] = {"random half",  "all but row 0", "every other",
+                                           "last quarter", "all",           "none"};
   *os << kNames[static_cast<int>(c.survivors)] << " of " << c.oldBatch << " rows";
 }
 
@@ -118,12 +118,24 @@ int32_t makeMapping(MappingCase const& c, std::vector<int32_t>& oldToNew, std::m
   for (int32_t i = 0; i < c.oldBatch; ++i) {
     bool keep = false;
     switch (c.survivors) {
-      case Survivors::kRandomHalf: keep = half(rng); break;
-      case Survivors::kAllButRowZero: keep = i != 0; break;
-      case Survivors::kEveryOther: keep = i % 2 == 1; break;
-      case Survivors::kLastQuarter: keep = i >= c.oldBatch - c.oldBatch / 4; break;
-      case Survivors::kAll: keep = true; break;
-      case Survivors::kNone: keep = false; break;
+      case Survivors::kRandomHalf:
+        keep = half(rng);
+        break;
+      case Survivors::kAllButRowZero:
+        keep = i != 0;
+        break;
+      case Survivors::kEveryOther:
+        keep = i % 2 == 1;
+        break;
+      case Survivors::kLastQuarter:
+        keep = i >= c.oldBatch - c.oldBatch / 4;
+        break;
+      case Survivors::kAll:
+        keep = true;
+        break;
+      case Survivors::kNone:
+        keep = false;
+        break;
     }
     if (keep) {
       oldToNew[static_cast<std::size_t>(i)] = next++;
@@ -144,8 +156,8 @@ TEST_P(CompactBatchMappingTest, MatchesHostTwinAtEveryAccessWidth) {
   // 16-byte accesses, and the byte path (odd widths; 2050 B rows have a partial second chunk).
   std::vector<std::vector<int64_t>> const widthSets =
       large ? std::vector<std::vector<int64_t>>{{4, 100, 2048}, {16, 2048}}
-            : std::vector<std::vector<int64_t>>{{4, 100, 2048, 65536}, {16, 2048, 65536},
-                                                {1, 17, 2050}};
+            : std::vector<std::vector<int64_t>>{
+                  {4, 100, 2048, 65536}, {16, 2048, 65536}, {1, 17, 2050}};
   for (std::vector<int64_t> const& widths : widthSets) {
     SCOPED_TRACE(::testing::Message() << widths.size() << " buffers, widest " << widths.back());
     compactAndCheck(widths, c.oldBatch, oldToNew, survivors);
@@ -194,8 +206,7 @@ TEST_P(CompactBatchGpuTest, RandomOrderPreservingMappingsMatchHostTwin) {
 
 INSTANTIATE_TEST_SUITE_P(
     Mappings, CompactBatchGpuTest,
-    ::testing::Values(RandomCase{1, 1.0, 0, {4, 2048}},
-                      RandomCase{7, 0.5, 0, {4, 16, 2048}},
+    ::testing::Values(RandomCase{1, 1.0, 0, {4, 2048}}, RandomCase{7, 0.5, 0, {4, 16, 2048}},
                       RandomCase{256, 0.5, 0, {4, 8, 2048, 8192}},     // KV lengths + state rows
                       RandomCase{256, 0.5, 0, {65536, 4}},             // wide rows: many chunks
                       RandomCase{256, 0.9, 0, {8192, 16384}},          // mostly kept: short waits
@@ -246,9 +257,9 @@ TEST_F(CompactBatchInPlaceTest, TheGenerationWrapClearsEveryFlag) {
   EXPECT_EQ(std::vector<uint32_t>(cleared.begin(), cleared.begin() + kCompactHeaderWords),
             (std::vector<uint32_t>{0, 0, 0, 0}))
       << "ticket 0, generation 0, finished 0";
-  EXPECT_TRUE(std::all_of(cleared.begin() + kCompactHeaderWords, cleared.end(),
-                          [](uint32_t flag) { return flag == 0; }))
-      << "every flag, also those of units this launch did not have, is cleared";
+  EXPECT_TRUE(std::all_of(cleared.begin() + kCompactHeaderWords, cleared.end(), [](uint32_t flag) {
+    return flag == 0;
+  })) << "every flag, also those of units this launch did not have, is cleared";
   compactAndCheck(widths, oldBatch, oldToNew, oldBatch - 1);
   EXPECT_EQ(header()[1], 1u);
 }

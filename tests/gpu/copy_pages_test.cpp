@@ -96,7 +96,8 @@ class CopyPagesGpuTest : public GpuTest, public ::testing::WithParamInterface<Pa
                                          src.bytes().cpuBytes().end());
     for (DeviceType device : {DeviceType::kCPU, DeviceType::kGPU}) {
       kernels::copyPages(src.buffers(device), dst.buffers(device), srcIdTensor.on(device),
-                         dstIdTensor.on(device), counts != nullptr ? &countTensor.on(device) : nullptr,
+                         dstIdTensor.on(device),
+                         counts != nullptr ? &countTensor.on(device) : nullptr,
                          device == DeviceType::kGPU ? stream() : nullptr);
     }
     synchronize();
@@ -112,8 +113,8 @@ class CopyPagesGpuTest : public GpuTest, public ::testing::WithParamInterface<Pa
       if (srcIds[i] < 0 || dstIds[i] < 0) {
         continue;
       }
-      int64_t const bytes = (counts != nullptr ? (*counts)[i] : GetParam().tokensPerPage) *
-                            GetParam().tokenBytes;
+      int64_t const bytes =
+          (counts != nullptr ? (*counts)[i] : GetParam().tokensPerPage) * GetParam().tokenBytes;
       for (int32_t l = 0; l < layers; ++l) {
         for (int32_t half = 0; half < 2; ++half) {
           int64_t const at = dst.pageOffset(l, half, dstIds[i]);
@@ -181,13 +182,13 @@ TEST_P(CopyPagesGpuTest, CopyInsideOnePoolMatchesHostTwin) {
 
 INSTANTIATE_TEST_SUITE_P(
     Geometries, CopyPagesGpuTest,
-    ::testing::Values(PageGeometry{1, 8, 16, 2048, 0},      // 32 KiB K/V pages (8 heads x 128 x bf16)
-                      PageGeometry{2, 4, 64, 4096, 4},      // 256 KiB pages, 4-byte aligned bases
-                      PageGeometry{3, 16, 4, 96, 0},        // 384 B pages: one warp per page
-                      PageGeometry{4, 5, 8, 2056, 0},       // tokenBytes 8-byte aligned only
-                      PageGeometry{2, 3, 5, 6146, 2},       // 30 KiB pages, ragged last chunk
-                      PageGeometry{2, 6, 3, 17, 0},         // odd token rows: byte accesses
-                      PageGeometry{2, 5, 1, 1, 1},          // 1-byte pages at odd addresses
+    ::testing::Values(PageGeometry{1, 8, 16, 2048, 0},  // 32 KiB K/V pages (8 heads x 128 x bf16)
+                      PageGeometry{2, 4, 64, 4096, 4},  // 256 KiB pages, 4-byte aligned bases
+                      PageGeometry{3, 16, 4, 96, 0},    // 384 B pages: one warp per page
+                      PageGeometry{4, 5, 8, 2056, 0},   // tokenBytes 8-byte aligned only
+                      PageGeometry{2, 3, 5, 6146, 2},   // 30 KiB pages, ragged last chunk
+                      PageGeometry{2, 6, 3, 17, 0},     // odd token rows: byte accesses
+                      PageGeometry{2, 5, 1, 1, 1},      // 1-byte pages at odd addresses
                       PageGeometry{kernels::kMaxLayers, 3, 2, 64, 0}));  // every layer slot
 
 class CopyPagesKernelTest : public GpuTest {

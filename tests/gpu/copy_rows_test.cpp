@@ -119,7 +119,8 @@ TEST_F(RowLaunchersGpuTest, HiddenRowCaptureAndRestoreMatchHostTwin) {
     MirroredInt32 const r(rows);
     MirroredInt32 const sl(slotIds);
     for (DeviceType device : {DeviceType::kCPU, DeviceType::kGPU}) {
-      Tensor const h = Tensor::view(hidden.on(device), {tokens, width}, DataType::kBFloat16, device);
+      Tensor const h =
+          Tensor::view(hidden.on(device), {tokens, width}, DataType::kBFloat16, device);
       Tensor s = Tensor::view(slab.on(device), {slots, width}, DataType::kBFloat16, device);
       kernels::captureHiddenRows(h, r.on(device), s, sl.on(device),
                                  device == DeviceType::kGPU ? stream() : nullptr);
@@ -146,16 +147,20 @@ TEST_F(RowLaunchersGpuTest, PageTableGatherFillsEmptySlotsWithMinusOne) {
   int64_t const rowInts = 2 * maxPages;
   int64_t const capacityRows = 32;
   MirroredBytes table(test::randomBytes(static_cast<std::size_t>(maxBatch * rowInts * 4), mRng));
-  MirroredBytes out(std::vector<uint8_t>(static_cast<std::size_t>(capacityRows * rowInts * 4), 0x33));
+  MirroredBytes out(
+      std::vector<uint8_t>(static_cast<std::size_t>(capacityRows * rowInts * 4), 0x33));
   std::vector<int32_t> slots = distinctIds(20, static_cast<int32_t>(maxBatch), mRng);
   slots[3] = -1;
   slots[19] = -1;
   slots[7] = slots[6];  // one resident may appear twice
   MirroredInt32 const s(slots);
   for (DeviceType device : {DeviceType::kCPU, DeviceType::kGPU}) {
-    Tensor const t = Tensor::view(table.on(device), {maxBatch, 2, maxPages}, DataType::kInt32, device);
-    Tensor dst = Tensor::view(out.on(device), {capacityRows, 2, maxPages}, DataType::kInt32, device);
-    kernels::gatherPageTableRows(t, s.on(device), dst, device == DeviceType::kGPU ? stream() : nullptr);
+    Tensor const t =
+        Tensor::view(table.on(device), {maxBatch, 2, maxPages}, DataType::kInt32, device);
+    Tensor dst =
+        Tensor::view(out.on(device), {capacityRows, 2, maxPages}, DataType::kInt32, device);
+    kernels::gatherPageTableRows(t, s.on(device), dst,
+                                 device == DeviceType::kGPU ? stream() : nullptr);
     EXPECT_EQ(dst.dim(0), 20);
   }
   synchronize();

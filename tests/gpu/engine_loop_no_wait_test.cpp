@@ -193,9 +193,7 @@ class LoopEngine {
     mPrompts.erase(mPrompts.begin() + at);
     mContext.activeBatchSize = static_cast<int32_t>(mPrompts.size());
   }
-  int32_t promptLength(std::size_t row) const {
-    return static_cast<int32_t>(mPrompts[row].size());
-  }
+  int32_t promptLength(std::size_t row) const { return static_cast<int32_t>(mPrompts[row].size()); }
   /// Positions with KV: the prompt and every sampled token but the last (the lookahead).
   int32_t materialized(std::size_t row) const {
     return promptLength(row) + static_cast<int32_t>(mContext.generatedTokenIds[row].size()) - 1;

@@ -170,7 +170,8 @@ TEST_F(GraphCaptureGpuTest, CopyRowsAndHiddenCapture) {
       [&](DeviceType device, cudaStream_t s) {
         Tensor const hidden = Tensor::view(src.on(device), {32, 4096}, DataType::kBFloat16, device);
         Tensor slots = Tensor::view(slab.on(device), {16, 4096}, DataType::kBFloat16, device);
-        kernels::captureHiddenRows(hidden, from.on(device), slots, to.on(device), onDevice(device, s));
+        kernels::captureHiddenRows(hidden, from.on(device), slots, to.on(device),
+                                   onDevice(device, s));
       },
       {&slab});
 }

@@ -58,12 +58,14 @@ class Int32PatchGpuTest : public GpuTest {
   }
 
   void patchAndCheck(std::vector<int32_t> const& patch, int32_t numRanges, int32_t dstNumel) {
-    std::vector<uint8_t> const initial = test::randomBytes(static_cast<std::size_t>(dstNumel) * 4, mRng);
+    std::vector<uint8_t> const initial =
+        test::randomBytes(static_cast<std::size_t>(dstNumel) * 4, mRng);
     MirroredBytes dst(initial);
     MirroredInt32 const p(patch);
     for (DeviceType device : {DeviceType::kCPU, DeviceType::kGPU}) {
       Tensor d = Tensor::view(dst.on(device), {dstNumel}, DataType::kInt32, device);
-      kernels::applyInt32Patch(d, p.on(device), numRanges, device == DeviceType::kGPU ? stream() : nullptr);
+      kernels::applyInt32Patch(d, p.on(device), numRanges,
+                               device == DeviceType::kGPU ? stream() : nullptr);
     }
     synchronize();
     EXPECT_TRUE(sameBytes(dst));
@@ -91,9 +93,9 @@ TEST_F(Int32PatchGpuTest, OneLargeRangeAndEmptyRangesMatchHostTwin) {
 TEST_F(Int32PatchGpuTest, RangesOutsideDstOrPatchAreSkippedLikeTheHostTwin) {
   // The launcher rejects these for host patches; the kernel must skip them like the twin.
   std::vector<int32_t> patch{
-      -2, 4, 12,   // starts before dst: the first two writes are skipped
-      30, 5, 16,   // runs past the end of dst (32 entries)
-      10, 3, 40,   // values beyond the patch: skipped
+      -2, 4,  12,  // starts before dst: the first two writes are skipped
+      30, 5,  16,  // runs past the end of dst (32 entries)
+      10, 3,  40,  // values beyond the patch: skipped
       20, -1, 12,  // negative count: nothing
   };
   for (int32_t v = 0; v < 9; ++v) {

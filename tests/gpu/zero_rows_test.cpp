@@ -21,7 +21,8 @@ class ZeroRowsGpuTest : public GpuTest {
                     std::vector<int32_t> const& rows) {
     std::vector<MirroredBytes> buffers;
     for (std::size_t b = 0; b < widths.size(); ++b) {
-      buffers.emplace_back(test::randomBytes(static_cast<std::size_t>(widths[b] * numRows[b]), mRng));
+      buffers.emplace_back(
+          test::randomBytes(static_cast<std::size_t>(widths[b] * numRows[b]), mRng));
     }
     MirroredInt32 const r(rows);
     for (DeviceType device : {DeviceType::kCPU, DeviceType::kGPU}) {
@@ -29,7 +30,8 @@ class ZeroRowsGpuTest : public GpuTest {
       for (std::size_t b = 0; b < buffers.size(); ++b) {
         list.push_back(RowBuffer{buffers[b].on(device), widths[b], numRows[b]});
       }
-      kernels::zeroRows(list, device, r.on(device), device == DeviceType::kGPU ? stream() : nullptr);
+      kernels::zeroRows(list, device, r.on(device),
+                        device == DeviceType::kGPU ? stream() : nullptr);
     }
     synchronize();
     for (std::size_t b = 0; b < buffers.size(); ++b) {

@@ -47,9 +47,9 @@ Tensor workspaceFor(std::vector<int64_t> const& rowBytes, int64_t rows, DeviceTy
   if (device != DeviceType::kGPU) {
     return Tensor();
   }
-  return Tensor({kernels::compactBatchWorkspaceBytes(rows, rowBytes) /
-                 static_cast<int64_t>(sizeof(int32_t))},
-                DataType::kInt32, device);
+  return Tensor(
+      {kernels::compactBatchWorkspaceBytes(rows, rowBytes) / static_cast<int64_t>(sizeof(int32_t))},
+      DataType::kInt32, device);
 }
 
 class CompactBatchTest : public test::DeviceTest {
@@ -168,8 +168,8 @@ TEST_P(CompactBatchTest, RejectsInvalidBuffersAndSizes) {
     kernels::compactBatch(buffers, device(), mapping, newBatch, workspace, nullptr);
   };
   std::vector<kernels::RowBuffer> tooFew{{rows.tensor.rawPointer(), 8, 3}};
-  EXPECT_TRUE(throwsError([&] { compact(tooFew, 4); },
-                          {"compactBatch", "buffer 0 has 3 rows, needs 4"}));
+  EXPECT_TRUE(
+      throwsError([&] { compact(tooFew, 4); }, {"compactBatch", "buffer 0 has 3 rows, needs 4"}));
   std::vector<kernels::RowBuffer> zeroWidth{{rows.tensor.rawPointer(), 0, 4}};
   EXPECT_TRUE(throwsError([&] { compact(zeroWidth, 4); }, {"compactBatch", "rowBytes 0"}));
   std::vector<kernels::RowBuffer> null{{nullptr, 8, 4}};
@@ -178,8 +178,8 @@ TEST_P(CompactBatchTest, RejectsInvalidBuffersAndSizes) {
                                           rows.buffer());
   EXPECT_TRUE(throwsError([&] { compact(tooMany, 4); }, {"compactBatch", "257 buffers"}));
   std::vector<kernels::RowBuffer> ok{rows.buffer()};
-  EXPECT_TRUE(throwsError([&] { compact(ok, 5); },
-                          {"compactBatch", "newBatchSize 5 is outside [0, 4]"}));
+  EXPECT_TRUE(
+      throwsError([&] { compact(ok, 5); }, {"compactBatch", "newBatchSize 5 is outside [0, 4]"}));
   EXPECT_EQ(test::readBytes(rows.tensor), rows.expected);
 }
 
@@ -298,8 +298,11 @@ TEST(CompactBatchWorkspaceTest, RejectsBadSizesAndMoreThanTheUnitLimit) {
   using kernels::compactBatchWorkspaceBytes;
   EXPECT_TRUE(throwsError([] { (void)compactBatchWorkspaceBytes(-1, std::vector<int64_t>{4}); },
                           {"compactBatchWorkspaceBytes", "maxOldBatch -1 is negative"}));
-  EXPECT_TRUE(throwsError([] { (void)compactBatchWorkspaceBytes(4, std::vector<int64_t>{8, 0}); },
-                          {"compactBatchWorkspaceBytes", "buffer 1 has rowBytes 0"}));
+  EXPECT_TRUE(throwsError(
+      [] {
+        (void)compactBatchWorkspaceBytes(4, std::vector<int64_t>{8, 0});
+      },
+      {"compactBatchWorkspaceBytes", "buffer 1 has rowBytes 0"}));
   std::vector<int64_t> const tooMany(static_cast<std::size_t>(kernels::kMaxRowBuffers) + 1, 4);
   EXPECT_TRUE(throwsError([&] { (void)compactBatchWorkspaceBytes(4, tooMany); },
                           {"compactBatchWorkspaceBytes", "257 buffers"}));

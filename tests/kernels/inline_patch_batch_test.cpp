@@ -47,8 +47,8 @@ TEST_P(InlinePatchBatchTest, WritesSeveralTensorsInOneLaunchAndNothingElse) {
 TEST_P(InlinePatchBatchTest, AnOverlappingWriteLandsAfterTheOneBeforeIt) {
   Tensor table = test::int32Tensor(std::vector<int32_t>(16, -1), device());
   // A second tensor viewing the upper half of the same memory: overlap is found by address.
-  Tensor upperHalf = Tensor::view(table.dataPointer<int32_t>() + 8, {8}, DataType::kInt32,
-                                  device());
+  Tensor upperHalf =
+      Tensor::view(table.dataPointer<int32_t>() + 8, {8}, DataType::kInt32, device());
   kernels::InlinePatchBatch batch;
   batch.add(kCall, table, 6, std::vector<int32_t>{1, 1, 1, 1}, nullptr);  // entries 6..9
   batch.add(kCall, table, 8, std::vector<int32_t>{2}, nullptr);           // overlaps: flushes
@@ -103,8 +103,11 @@ TEST_P(InlinePatchBatchTest, RejectsABadWriteAndKeepsWhatWasQueued) {
   batch.add(kCall, table, 0, std::vector<int32_t>{9}, nullptr);
   EXPECT_TRUE(throwsError([&] { batch.add(kCall, floats, 0, std::vector<int32_t>{1}, nullptr); },
                           {kCall, "must be int32"}));
-  EXPECT_TRUE(throwsError([&] { batch.add(kCall, table, 6, std::vector<int32_t>{1, 2, 3}, nullptr); },
-                          {kCall, "[6, 9)", "8 entries"}));
+  EXPECT_TRUE(throwsError(
+      [&] {
+        batch.add(kCall, table, 6, std::vector<int32_t>{1, 2, 3}, nullptr);
+      },
+      {kCall, "[6, 9)", "8 entries"}));
   EXPECT_TRUE(throwsError([&] { batch.add(kCall, table, -1, std::vector<int32_t>{1}, nullptr); },
                           {kCall, "[-1, 0)"}));
   std::vector<int32_t> const tooMany(static_cast<std::size_t>(kernels::kMaxInlinePatchValues), 1);

@@ -1,9 +1,9 @@
 // The mkv-replay executable: exit codes, the one-line messages for bad input, the output files,
 // the plot, and silence on a non-terminal stderr.
 #include <gtest/gtest.h>
-#include <nlohmann/json.hpp>
 #include <sys/wait.h>
 #include <unistd.h>
+#include <nlohmann/json.hpp>
 
 #include <cstdlib>
 #include <filesystem>
@@ -151,13 +151,34 @@ TEST_F(MkvReplayCliTest, HelpExitsZeroAndListsEveryOption) {
     EXPECT_NE(result.out.find("usage: mkv-replay"), std::string::npos) << result.out;
     EXPECT_TRUE(result.err.empty()) << result.err;
     // Every option of docs/replay.md's table, each described on its own line.
-    for (char const* option :
-         {"--trace FILE", "--format F", "--limit N", "--max-output N", "--seed N", "--mode M",
-          "--window W", "--full-layers N", "--page-size N", "--pool-pages N", "--pool-tokens N",
-          "--max-batch N", "--layers N", "--kv-heads N", "--head-dim N", "--dtype T",
-          "--device D", "--verify V", "--kv-events ENDPOINT", "--kv-events-replay ENDPOINT",
-          "--kv-events-encoding E", "--kv-events-hold", "--json FILE", "--csv FILE",
-          "--plot FILE.png", "--quiet", "--log-level L", "-h,--help"}) {
+    for (char const* option : {"--trace FILE",
+                               "--format F",
+                               "--limit N",
+                               "--max-output N",
+                               "--seed N",
+                               "--mode M",
+                               "--window W",
+                               "--full-layers N",
+                               "--page-size N",
+                               "--pool-pages N",
+                               "--pool-tokens N",
+                               "--max-batch N",
+                               "--layers N",
+                               "--kv-heads N",
+                               "--head-dim N",
+                               "--dtype T",
+                               "--device D",
+                               "--verify V",
+                               "--kv-events ENDPOINT",
+                               "--kv-events-replay ENDPOINT",
+                               "--kv-events-encoding E",
+                               "--kv-events-hold",
+                               "--json FILE",
+                               "--csv FILE",
+                               "--plot FILE.png",
+                               "--quiet",
+                               "--log-level L",
+                               "-h,--help"}) {
       EXPECT_NE(result.out.find(std::string("\n  ") + option), std::string::npos) << option;
     }
     EXPECT_NE(result.out.find("exit codes: 0 ok, 1 internal error, 2 bad input, 3 KV corruption"),

@@ -496,8 +496,7 @@ TEST(ReplayReportTest, JsonKeepsStringsExactlyAndNonFiniteFiguresAsNull) {
   EXPECT_EQ(json.at("workload"), result.workload);
   EXPECT_TRUE(json.at("hit_rate").is_null());
   // One top-level key per line.
-  EXPECT_EQ(static_cast<std::size_t>(std::count(text.begin(), text.end(), '\n')),
-            json.size() + 2);
+  EXPECT_EQ(static_cast<std::size_t>(std::count(text.begin(), text.end(), '\n')), json.size() + 2);
 }
 
 }  // namespace

@@ -6,9 +6,9 @@
 #include <gtest/gtest.h>
 
 #include <set>
-#include <string_view>
 #include <sstream>
 #include <string>
+#include <string_view>
 
 namespace mkv::replay {
 namespace {

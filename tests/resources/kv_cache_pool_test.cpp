@@ -156,8 +156,9 @@ TEST_P(KVCachePoolTest, ResetIntoABatchSetsTheBatchNowAndTheLengthsAtTheFlush) {
   EXPECT_EQ(allLengths(pool)[1], 4) << "queued, not launched";
   batch.flush(nullptr);
   EXPECT_EQ(lengths(pool), reuse);
-  EXPECT_TRUE(throwsError([&] { pool.resetForNewSequences(std::vector<int32_t>{-1}, batch, nullptr); },
-                          {"KVCachePool::resetForNewSequences", "-1"}));
+  EXPECT_TRUE(
+      throwsError([&] { pool.resetForNewSequences(std::vector<int32_t>{-1}, batch, nullptr); },
+                  {"KVCachePool::resetForNewSequences", "-1"}));
   EXPECT_TRUE(batch.empty());
   EXPECT_EQ(pool.activeBatchSize(), 3);
 }

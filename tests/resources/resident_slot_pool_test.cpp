@@ -145,14 +145,20 @@ TEST(ResidentSlotPoolTest, RequireHeldNamesTheCallTheSlotAndBothEpochsOfAStaleRe
   ResidentRef const second = pool.acquire().value();
   ASSERT_EQ(second.slot, first.slot);
   EXPECT_EQ(pool.epoch(second.slot), 2u);
-  EXPECT_TRUE(test::throwsError([&] { pool.requireHeld("Caller::call", first); },
-                                {"Caller::call", "has epoch 1", "current epoch is 2",
-                                 "released and acquired again"}));
+  EXPECT_TRUE(test::throwsError(
+      [&] { pool.requireHeld("Caller::call", first); },
+      {"Caller::call", "has epoch 1", "current epoch is 2", "released and acquired again"}));
   EXPECT_NO_THROW(pool.requireHeld("Caller::call", second));
-  EXPECT_TRUE(test::throwsError([&] { pool.requireHeld("Caller::call", ResidentRef{1, 1}); },
-                                {"Caller::call", "resident slot 1 (epoch 1) is not held"}));
-  EXPECT_TRUE(test::throwsError([&] { pool.requireHeld("Caller::call", ResidentRef{2, 1}); },
-                                {"Caller::call", "slot 2 outside the resident pool's [0, 2)"}));
+  EXPECT_TRUE(test::throwsError(
+      [&] {
+        pool.requireHeld("Caller::call", ResidentRef{1, 1});
+      },
+      {"Caller::call", "resident slot 1 (epoch 1) is not held"}));
+  EXPECT_TRUE(test::throwsError(
+      [&] {
+        pool.requireHeld("Caller::call", ResidentRef{2, 1});
+      },
+      {"Caller::call", "slot 2 outside the resident pool's [0, 2)"}));
   EXPECT_EQ(pool.epoch(2), 0u);
   EXPECT_EQ(pool.available(), 1) << "the checks change nothing";
 }

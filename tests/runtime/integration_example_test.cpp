@@ -112,7 +112,8 @@ TEST_P(IntegrationExampleTest, AFailedSynchronisationAbortsTheRequestUntilShutdo
   } catch (mkv::Error const& error) {
     ADD_FAILURE() << "a contract violation: " << error.what();
   } catch (std::runtime_error const& error) {
-    EXPECT_STREQ(error.what(), "completeBatchCompaction failed, request aborted (backend poisoned)");
+    EXPECT_STREQ(error.what(),
+                 "completeBatchCompaction failed, request aborted (backend poisoned)");
   }
   EXPECT_EQ(faults.calls(), 1);
   // Both rows are quarantined: the engine parks their residents until the drain.
@@ -140,10 +141,11 @@ struct LengthRecorder {
 std::unique_ptr<mkv::KVCacheRuntime> recordingRuntime(mkv::DeviceType device,
                                                       std::shared_ptr<LengthRecorder> recorder) {
   mkv::KVCacheRuntimeConfig config = exampleConfig(device);
-  config.synchronizer = [recorder, wait = mkv::defaultStreamSynchronizer(device)](
-                            cudaStream_t stream) {
+  config.synchronizer = [recorder,
+                         wait = mkv::defaultStreamSynchronizer(device)](cudaStream_t stream) {
     cudaError_t const status = wait(stream);
-    recorder->seen.push_back(mkv::test::readAs<int32_t>(recorder->runtime->fullPool()->kvLengths()));
+    recorder->seen.push_back(
+        mkv::test::readAs<int32_t>(recorder->runtime->fullPool()->kvLengths()));
     return status;
   };
   auto runtime = mkv::KVCacheRuntime::create(config);

@@ -219,8 +219,7 @@ INSTANTIATE_TEST_SUITE_P(SupportMatrix, KVCacheRuntimeMatrixTest,
 /// The tests that create a runtime, on each device.
 class KVCacheRuntimeTest : public test::DeviceTest {};
 
-INSTANTIATE_TEST_SUITE_P(Devices, KVCacheRuntimeTest, test::allDeviceTypes(),
-                         test::deviceName);
+INSTANTIATE_TEST_SUITE_P(Devices, KVCacheRuntimeTest, test::allDeviceTypes(), test::deviceName);
 
 TEST(KVCacheRuntimeConfigTest, BackendNames) {
   EXPECT_EQ(toString(KVCacheBackend::kContextReuse), "context-reuse");
@@ -238,7 +237,8 @@ TEST_P(KVCacheRuntimeTest, MixedBoundedModelMapsFullLayersByIdentityAndRunsBothP
   for (CacheSlot slot = 0; slot < 4; ++slot) {
     for (int32_t page = 0; page < 16; ++page) {
       EXPECT_EQ(full.entry(slot, page), slot * 16 + page) << "slot " << slot;
-      std::size_t const k = (static_cast<std::size_t>(slot) * 2) * 16 + static_cast<std::size_t>(page);
+      std::size_t const k =
+          (static_cast<std::size_t>(slot) * 2) * 16 + static_cast<std::size_t>(page);
       EXPECT_EQ(uploaded[k], slot * 16 + page) << "K, slot " << slot;
       EXPECT_EQ(uploaded[k + 16], slot * 16 + page + 64) << "V, slot " << slot;
     }
@@ -588,8 +588,8 @@ TEST_P(KVCacheRuntimeTest, ShutdownReportsActiveRequestsAndSucceedsOnceTheyEnded
     context.residentRefs = {*runtime->residentSlots().acquire()};
     context.finishReasons = {FinishReason::kNotFinished};
     auto request = ManagedKVCacheRequest::begin(
-        runtime->contextCache(), runtime->swaPageManager(), LLMGenerationRequest{}, context,
-        false, DecodingKvHeadroom{1, 0}, DecodingTokenStateContract::kCommittedPlusLookahead,
+        runtime->contextCache(), runtime->swaPageManager(), LLMGenerationRequest{}, context, false,
+        DecodingKvHeadroom{1, 0}, DecodingTokenStateContract::kCommittedPlusLookahead,
         ContextCacheCommitPolicy::kIncludingGeneratedTokens);
     ASSERT_TRUE(request.has_value());
     EXPECT_FALSE(runtime->shutdown()) << "a request is still active";

@@ -380,9 +380,9 @@ TEST_P(SpeculativeFacadeTest, ARowCancelledBeforeTheFirstRoundPublishesNoPromptE
                                            runtime.residentSlots().acquire().value()};
   {
     DecodingInferenceContext context = contextOf(residents);
-    std::optional<ManagedKVCacheRequest> managed = ManagedKVCacheRequest::begin(
-        runtime.contextCache(), nullptr, request, context, true, kSpecHeadroom, kLookahead,
-        kCommitAll);
+    std::optional<ManagedKVCacheRequest> managed =
+        ManagedKVCacheRequest::begin(runtime.contextCache(), nullptr, request, context, true,
+                                     kSpecHeadroom, kLookahead, kCommitAll);
     ASSERT_TRUE(managed.has_value());
     ASSERT_TRUE(managed->preparePrefill());
     ASSERT_TRUE(managed->enqueuePrefillCaptures());
@@ -413,8 +413,9 @@ TEST_P(SpeculativeFacadeTest, SpeculativeRequestsNeedASpeculativeReuseRuntime) {
   ASSERT_EQ(plain.runtime().draftPool(), nullptr);
   SpecDriver onPlain(plain, tokenRun(20, 1), true);
   BackendState const before = plain.observe();
-  EXPECT_TRUE(test::throwsError([&] { (void)onPlain.begin(); },
-                                {"ManagedKVCacheRequest::begin", "speculative request on a non-speculative"}));
+  EXPECT_TRUE(test::throwsError(
+      [&] { (void)onPlain.begin(); },
+      {"ManagedKVCacheRequest::begin", "speculative request on a non-speculative"}));
   plain.expectUnchanged(before);
 
   RuntimeRig swa(configFor(Backend::kBoundedSwa, device()));
@@ -546,9 +547,9 @@ TEST_P(HybridMtpFacadeTest, MisuseThrowsAndAFailedEndpointSyncReturnsFalse) {
     a.context.finishReasons.push_back(FinishReason::kNotFinished);
     a.request.requests.emplace_back();
     BackendState const before = rig.observe();
-    EXPECT_TRUE(
-        test::throwsError([&] { (void)a.begin(kPrefillOnly); },
-                          {"ManagedKVCacheRequest::begin", "a Hybrid-MTP request has one sequence, got 2"}));
+    EXPECT_TRUE(test::throwsError(
+        [&] { (void)a.begin(kPrefillOnly); },
+        {"ManagedKVCacheRequest::begin", "a Hybrid-MTP request has one sequence, got 2"}));
     rig.expectUnchanged(before);
   }
   SpecDriver wrongPolicy(rig, tokenRun(30, 1), true);

@@ -232,13 +232,14 @@ TEST_P(ManagedKVCacheRequestTest, CallsOutOfOrderThrowAndChangeNothing) {
   ASSERT_TRUE(driver.begin());
   facade = &driver.facade();
   // Admitted, nothing prepared.
-  expectRejected(rig, "completePrefill before preparePrefill", completePrefill,
-                 {pick("ManagedKVCacheRequest::completePrefill", "ManagedKVCacheRequest::completePrefill"),
-                  "no prepared prefill"});
-  expectRejected(rig, "prepareDecodeStep before prefill", prepareDecode,
-                 {pick("ManagedKVCacheRequest::prepareDecodeStep",
-                       "ManagedKVCacheRequest::prepareDecodeStep"),
-                  pick("needs an executing request", "needs a completed prefill")});
+  expectRejected(
+      rig, "completePrefill before preparePrefill", completePrefill,
+      {pick("ManagedKVCacheRequest::completePrefill", "ManagedKVCacheRequest::completePrefill"),
+       "no prepared prefill"});
+  expectRejected(
+      rig, "prepareDecodeStep before prefill", prepareDecode,
+      {pick("ManagedKVCacheRequest::prepareDecodeStep", "ManagedKVCacheRequest::prepareDecodeStep"),
+       pick("needs an executing request", "needs a completed prefill")});
   expectRejected(rig, "completeDecodeStep before prefill", completeDecode,
                  {pick("ManagedKVCacheRequest::completeDecodeStep",
                        "ManagedKVCacheRequest::completeDecodeStep"),
@@ -269,8 +270,9 @@ TEST_P(ManagedKVCacheRequestTest, CallsOutOfOrderThrowAndChangeNothing) {
   ASSERT_TRUE(driver.completePrefill());
 
   // Prefill completed, no step prepared.
-  expectRejected(rig, "completePrefill twice", completePrefill,
-                 {pick("ManagedKVCacheRequest::completePrefill", "ManagedKVCacheRequest::completePrefill")});
+  expectRejected(
+      rig, "completePrefill twice", completePrefill,
+      {pick("ManagedKVCacheRequest::completePrefill", "ManagedKVCacheRequest::completePrefill")});
   expectRejected(rig, "completeDecodeStep without a prepared step", completeDecode,
                  {"completeDecodeStep", pick("no decode step was prepared", "no prepared")});
   expectRejected(rig, "completeBatchCompaction without beginBatchCompaction", completeCompaction,
@@ -329,13 +331,17 @@ TEST_P(ManagedKVCacheRequestTest, ALengthTensorThatDisagreesWithTheBatchFailsThe
   KVCachePool& lengths = rig.runtime().lengthPool();
   lengths.setActiveBatchSize(1);  // an engine that shrank its tensor too early
   expectRejected(rig, "beginBatchCompaction over a tensor of 1 row",
-                 [&] { (void)driver.facade().beginBatchCompaction({-1, 0}, 1, driver.deviceMapping); },
+                 [&] {
+                   (void)driver.facade().beginBatchCompaction({-1, 0}, 1, driver.deviceMapping);
+                 },
                  {"beginBatchCompaction", "active batch is 1", "has 2 rows"});
   lengths.setActiveBatchSize(2);
   ASSERT_TRUE(driver.facade().beginBatchCompaction({-1, 0}, 1, driver.deviceMapping));
   lengths.setActiveBatchSize(3);  // resized between begin and complete
   expectRejected(rig, "completeBatchCompaction over a tensor of 3 rows",
-                 [&] { (void)driver.facade().completeBatchCompaction({-1, 0}); },
+                 [&] {
+                   (void)driver.facade().completeBatchCompaction({-1, 0});
+                 },
                  {"completeBatchCompaction", "active batch is 3", "has 2 rows"});
   lengths.setActiveBatchSize(2);
   ASSERT_TRUE(driver.facade().completeBatchCompaction({-1, 0}));
@@ -362,12 +368,12 @@ TEST_P(ManagedKVCacheRequestDispatchTest, AJoinerTheLengthTensorWasNotGrownForFa
   ASSERT_TRUE(driver.completeDecode());
   KVCachePool& lengths = *rig.runtime().fullPool();
   lengths.setActiveBatchSize(2);  // as if the engine had never grown it for the joiner
-  expectRejected(rig, "beginBatchCompaction",
-                 [&] {
-                   (void)driver.facade().beginBatchCompaction({0, -1, 1}, 2, driver.deviceMapping);
-                 },
-                 {"ManagedKVCacheRequest::beginBatchCompaction", "active batch is 2",
-                  "has 3 rows"});
+  expectRejected(
+      rig, "beginBatchCompaction",
+      [&] {
+        (void)driver.facade().beginBatchCompaction({0, -1, 1}, 2, driver.deviceMapping);
+      },
+      {"ManagedKVCacheRequest::beginBatchCompaction", "active batch is 2", "has 3 rows"});
   lengths.setActiveBatchSize(3);
   ASSERT_TRUE(driver.compact({0, -1, 1}));
   driver.verify();
@@ -390,7 +396,9 @@ TEST_P(ManagedKVCacheRequestTest, ACompactionWhoseDeviceMappingChangedThrowsBefo
   ASSERT_TRUE(driver.facade().beginBatchCompaction({0, -1}, 1, driver.deviceMapping));
   ASSERT_TRUE(driver.deviceMapping.reshape({1}));  // the engine reuses its tensor too early
   expectRejected(rig, "completeBatchCompaction over a reshaped mapping",
-                 [&] { (void)driver.facade().completeBatchCompaction({0, -1}); },
+                 [&] {
+                   (void)driver.facade().completeBatchCompaction({0, -1});
+                 },
                  {"ManagedKVCacheRequest::completeBatchCompaction",
                   "deviceMapping was reshaped or replaced", "1 entries", "expected 2"});
   ASSERT_TRUE(driver.deviceMapping.reshape({2}));
@@ -494,11 +502,11 @@ TEST_P(ManagedKVCacheRequestTest, SizesThatDisagreeWithTheBatchThrowAndChangeNot
       {pick("ManagedKVCacheRequest::prepareDecodeStep", "ManagedKVCacheRequest::prepareDecodeStep"),
        "for a batch of 3"});
   ASSERT_TRUE(driver.prepareDecode());
-  expectRejected(
-      rig, "completeDecodeStep for four rows",
-      withRows(4, [&] { (void)facade.completeDecodeStep(context, {}); }),
-      {pick("ManagedKVCacheRequest::completeDecodeStep", "ManagedKVCacheRequest::completeDecodeStep"),
-       pick("the batch changed size", "for a batch of 3")});
+  expectRejected(rig, "completeDecodeStep for four rows",
+                 withRows(4, [&] { (void)facade.completeDecodeStep(context, {}); }),
+                 {pick("ManagedKVCacheRequest::completeDecodeStep",
+                       "ManagedKVCacheRequest::completeDecodeStep"),
+                  pick("the batch changed size", "for a batch of 3")});
   driver.finishRow(1);
   ASSERT_TRUE(driver.completeDecode());
 

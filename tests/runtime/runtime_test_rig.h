@@ -1,10 +1,11 @@
 #pragma once
 /// \file runtime_test_rig.h
 /// Shared pieces of the runtime suites: the (backend, device) parameter of TEST_P suites, small
-/// KVCacheRuntime configurations for both backends on either device, a stream synchroniser whose calls can be made to fail (fault model, SPEC §12), observers of the
-/// backend's pages and tables, and FacadeDriver, which runs one request through
-/// ManagedKVCacheRequest call by call as an engine would, writing KV for every executed position
-/// and checking with the KV oracle what attention reads.
+/// KVCacheRuntime configurations for both backends on either device, a stream synchroniser whose
+/// calls can be made to fail (fault model, SPEC §12), observers of the backend's pages and tables,
+/// and FacadeDriver, which runs one request through ManagedKVCacheRequest call by call as an engine
+/// would, writing KV for every executed position and checking with the KV oracle what attention
+/// reads.
 
 #include <gtest/gtest.h>
 
@@ -35,11 +36,11 @@ void PrintTo(Backend backend, std::ostream* out);
 
 /// Skips the calling test (GTEST_SKIP) on kGPU without a CUDA device or in a build without CUDA.
 /// A macro: GTEST_SKIP returns from the function that expands it.
-#define MKV_SKIP_WITHOUT_DEVICE(device)                                              \
-  do {                                                                              \
-    if ((device) == ::mkv::DeviceType::kGPU && !::mkv::cudaDeviceAvailable()) {     \
-      GTEST_SKIP() << "no CUDA device (or a build without CUDA)";                   \
-    }                                                                               \
+#define MKV_SKIP_WITHOUT_DEVICE(device)                                         \
+  do {                                                                          \
+    if ((device) == ::mkv::DeviceType::kGPU && !::mkv::cudaDeviceAvailable()) { \
+      GTEST_SKIP() << "no CUDA device (or a build without CUDA)";               \
+    }                                                                           \
   } while (false)
 
 /// Parameter of the suites that run on both backends and both devices.
@@ -83,16 +84,16 @@ struct BackendState {
   int32_t quarantinedRequests = 0;
   bool poisoned = false;
   int32_t availableResidents = 0;
-  std::vector<int32_t> fullTable;        ///< every host row of the full pool's table
-  std::vector<int32_t> swaTable;         ///< every host row of the SWA table (bounded SWA)
-  std::vector<int32_t> draftTable;       ///< every host row of the draft table (paged draft)
-  std::vector<int32_t> deviceTables;     ///< the device copies of those tables, read back
-  std::vector<int32_t> kvLengths;        ///< active batch and active rows of every length tensor
-  std::vector<int32_t> pageRefs;         ///< context reuse: active and cache refs of every page
-  std::vector<int32_t> freeRing;         ///< context reuse: the base pool's free ring, in order
-  std::vector<uint64_t> records;         ///< context reuse: record ids, LRU to MRU
-  std::vector<int32_t> snapshotRefs;     ///< context reuse: active and cache refs of every
-                                         ///< draft page and snapshot slot, then free counts
+  std::vector<int32_t> fullTable;     ///< every host row of the full pool's table
+  std::vector<int32_t> swaTable;      ///< every host row of the SWA table (bounded SWA)
+  std::vector<int32_t> draftTable;    ///< every host row of the draft table (paged draft)
+  std::vector<int32_t> deviceTables;  ///< the device copies of those tables, read back
+  std::vector<int32_t> kvLengths;     ///< active batch and active rows of every length tensor
+  std::vector<int32_t> pageRefs;      ///< context reuse: active and cache refs of every page
+  std::vector<int32_t> freeRing;      ///< context reuse: the base pool's free ring, in order
+  std::vector<uint64_t> records;      ///< context reuse: record ids, LRU to MRU
+  std::vector<int32_t> snapshotRefs;  ///< context reuse: active and cache refs of every
+                                      ///< draft page and snapshot slot, then free counts
   int32_t liveLeases = 0;
   int64_t synchronizations = 0;
 };

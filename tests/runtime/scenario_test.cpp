@@ -96,8 +96,7 @@ TEST_P(ScenarioTest, MultiTurnChatReusesThePreviousTurn) {
   EXPECT_TRUE(runtime->shutdown());
 }
 
-KVCacheRuntimeConfig hybridConfig(int32_t recurrentSlots, int32_t partialSlots,
-                                  DeviceType device) {
+KVCacheRuntimeConfig hybridConfig(int32_t recurrentSlots, int32_t partialSlots, DeviceType device) {
   KVCacheRuntimeConfig config = smallConfig(true, device);
   config.maxBatchSize = 3;
   config.maxSequenceLength = 256;
@@ -256,7 +255,7 @@ TEST_P(ScenarioTest, BoundedSwaDecodesFarBeyondTheWindowWithConstantPages) {
 
 TEST_P(ScenarioTest, TheLoraAdapterIsPartOfTheReuseIdentity) {
   auto runtime = KVCacheRuntime::create(smallConfig(true, device()));
-  ReferenceEngine engine(*runtime);                    // its oracle keys KV on the adapter too
+  ReferenceEngine engine(*runtime);                      // its oracle keys KV on the adapter too
   std::vector<int32_t> const system = tokenRun(64, 10);  // 4 pages
   EXPECT_EQ(runOnce(engine, single(concatenated(system, {1}), "adapter-a")), 0);
   EXPECT_EQ(runOnce(engine, single(concatenated(system, {2}), "adapter-b")), 0)
@@ -373,8 +372,8 @@ TEST_P(ScenarioTest, RetractingAFinalisedJoinThrowsAndChangesNothing) {
     // facade detects before any side effect, so it throws and changes nothing (no poison).
     BackendState const before = rig.observe();
     EXPECT_TRUE(test::throwsError([&] { (void)driver.facade().retractSequenceAdmission(); },
-                                  {"ManagedKVCacheRequest::retractSequenceAdmission",
-                                   "row 1", "not an unfinalised in-flight admission"}));
+                                  {"ManagedKVCacheRequest::retractSequenceAdmission", "row 1",
+                                   "not an unfinalised in-flight admission"}));
     rig.expectUnchanged(before);
     EXPECT_FALSE(rig.poisoned());
     EXPECT_EQ(driver.rows.size(), 2u);

@@ -76,12 +76,24 @@ void captureCoordinator(ContextCacheCoordinator const& c, BackendSnapshot& s) {
   s.manager = captureState(c.manager());
   ContextCacheCoordinatorCounters const& k = c.counters();
   ContextCacheMetrics const m = c.metrics();
-  s.counters = {k.requests,           k.refusedRequests,       k.prefillPublications,
-                k.decodePublications, k.liveAdmissions,        k.liveAdmissionRefusals,
-                k.retractedAdmissions, k.pageGrowths,          k.growthFailures,
-                k.synchronizations,   k.quarantinedRequests,   m.admittedSequences,
-                m.lookups,            m.hits,                  m.bypasses,
-                m.failedAcquisitions, m.publishedRecords,      m.existingRecordsTouched,
+  s.counters = {k.requests,
+                k.refusedRequests,
+                k.prefillPublications,
+                k.decodePublications,
+                k.liveAdmissions,
+                k.liveAdmissionRefusals,
+                k.retractedAdmissions,
+                k.pageGrowths,
+                k.growthFailures,
+                k.synchronizations,
+                k.quarantinedRequests,
+                m.admittedSequences,
+                m.lookups,
+                m.hits,
+                m.bypasses,
+                m.failedAcquisitions,
+                m.publishedRecords,
+                m.existingRecordsTouched,
                 m.evictedRecords};
 }
 

@@ -21,9 +21,9 @@ struct BackendSnapshot {
   int64_t synchronizations = 0;  ///< set by the caller (SyncFaults::calls()); 0 if not compared
   bool poisoned = false;
   int32_t activeRequests = 0;
-  int32_t quarantined = 0;  ///< requests (coordinator) or pages (bounded SWA)
-  int32_t freePages = 0;    ///< base KV pages (coordinator) or SWA pages
-  int32_t liveLeases = 0;   ///< coordinator only
+  int32_t quarantined = 0;              ///< requests (coordinator) or pages (bounded SWA)
+  int32_t freePages = 0;                ///< base KV pages (coordinator) or SWA pages
+  int32_t liveLeases = 0;               ///< coordinator only
   std::optional<ManagerState> manager;  ///< coordinator only
   std::vector<uint64_t> counters;       ///< coordinator counters, then its cache metrics
   std::vector<int32_t> tables;          ///< host rows, device mirrors and dirty flags

@@ -13,9 +13,9 @@
 namespace mkv::test {
 
 struct ManagerState {
-  std::vector<std::vector<int32_t>> active;  ///< active references, per resource type and id
-  std::vector<std::vector<int32_t>> cache;   ///< cache references, per resource type and id
-  std::vector<std::vector<int32_t>> freeLists;       ///< free rings in order, per resource type
+  std::vector<std::vector<int32_t>> active;     ///< active references, per resource type and id
+  std::vector<std::vector<int32_t>> cache;      ///< cache references, per resource type and id
+  std::vector<std::vector<int32_t>> freeLists;  ///< free rings in order, per resource type
   std::vector<std::optional<Hash128>> indexDigests;  ///< per base page
   std::vector<RecordId> lruOrder;
   std::vector<std::vector<PageId>> recordBasePaths;

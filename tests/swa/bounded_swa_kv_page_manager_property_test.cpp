@@ -46,7 +46,14 @@ int64_t stepsOf(DeviceType device, Geometry const& geometry) {
   return device == DeviceType::kCPU ? geometry.cpuSteps : kGpuSteps;
 }
 
-enum class Stage { kAdmitted, kPrefillStaged, kDecoding, kDecodeStaged, kCompactionStaged, kFinishing };
+enum class Stage {
+  kAdmitted,
+  kPrefillStaged,
+  kDecoding,
+  kDecodeStaged,
+  kCompactionStaged,
+  kFinishing
+};
 
 bool pendingWork(Stage stage) {
   return stage == Stage::kPrefillStaged || stage == Stage::kDecodeStaged ||
@@ -89,8 +96,8 @@ class PropertyRun {
     // Room for about three admitted sequences at once: admission pressure is real.
     config.numPages = 2 * (2 * m + 1) + 2 * (m + 1) + 1;
     // A few windows wide: long prompts and long-lived sequences reach the table width.
-    config.maxPagesPerSeq = retainedEnd(6 * geometry.window + 8 * geometry.pageSize,
-                                        geometry.pageSize);
+    config.maxPagesPerSeq =
+        retainedEnd(6 * geometry.window + 8 * geometry.pageSize, geometry.pageSize);
     config.withLengthPools = false;  // concurrent batches cannot share one KV-length tensor
     mRig = std::make_unique<SwaRig>(config);
     mAdmission = 2 * m + 1;
@@ -110,8 +117,7 @@ class PropertyRun {
   bool step(int64_t index) {
     mStep = index;
     double const r = uniform();
-    bool const slotsLeft =
-        std::find(mSlotBusy.begin(), mSlotBusy.end(), false) != mSlotBusy.end();
+    bool const slotsLeft = std::find(mSlotBusy.begin(), mSlotBusy.end(), false) != mSlotBusy.end();
     if (mPoisoned && !mTriedPoisonedAdmission) {
       mTriedPoisonedAdmission = true;
       admitWhilePoisoned();
@@ -268,7 +274,9 @@ class PropertyRun {
       return;
     }
     switch (request.stage) {
-      case Stage::kAdmitted: prefill(request); break;
+      case Stage::kAdmitted:
+        prefill(request);
+        break;
       case Stage::kPrefillStaged:
         manager().completePrefill(request.handle);
         request.stage = Stage::kDecoding;
@@ -284,8 +292,12 @@ class PropertyRun {
         manager().completeDecodeStep(request.handle);
         request.stage = Stage::kDecoding;
         break;
-      case Stage::kCompactionStaged: compact(which); break;
-      case Stage::kFinishing: finishRequest(which, true); break;
+      case Stage::kCompactionStaged:
+        compact(which);
+        break;
+      case Stage::kFinishing:
+        finishRequest(which, true);
+        break;
     }
   }
 
@@ -446,8 +458,8 @@ class PropertyRun {
   void shutdownRandom() {
     bool const draining = !mQuarantine.empty();
     // The first drain of every run fails, so even a short run covers a failing shutdown.
-    bool const armed = draining && mCoverage.failedShutdowns == 0 ? maybeArmFailure(1.0)
-                                                                  : maybeArmFailure(0.3);
+    bool const armed =
+        draining && mCoverage.failedShutdowns == 0 ? maybeArmFailure(1.0) : maybeArmFailure(0.3);
     SwaKVCacheStatus const status = manager().shutdown();
     expectFailureConsumed(armed, draining);
     if (draining && armed) {
@@ -484,12 +496,24 @@ class PropertyRun {
     bool threw = false;
     try {
       switch (request.stage) {
-        case Stage::kAdmitted: manager().completeDecodeStep(request.handle); break;
-        case Stage::kPrefillStaged: manager().completeDecodeStep(request.handle); break;
-        case Stage::kDecoding: manager().completePrefill(request.handle); break;
-        case Stage::kDecodeStaged: (void)manager().prepareDecodeStep(request.handle); break;
-        case Stage::kCompactionStaged: manager().completeDecodeStep(request.handle); break;
-        case Stage::kFinishing: (void)manager().prepareDecodeStep(request.handle); break;
+        case Stage::kAdmitted:
+          manager().completeDecodeStep(request.handle);
+          break;
+        case Stage::kPrefillStaged:
+          manager().completeDecodeStep(request.handle);
+          break;
+        case Stage::kDecoding:
+          manager().completePrefill(request.handle);
+          break;
+        case Stage::kDecodeStaged:
+          (void)manager().prepareDecodeStep(request.handle);
+          break;
+        case Stage::kCompactionStaged:
+          manager().completeDecodeStep(request.handle);
+          break;
+        case Stage::kFinishing:
+          (void)manager().prepareDecodeStep(request.handle);
+          break;
       }
     } catch (Error const&) {
       threw = true;
@@ -501,8 +525,8 @@ class PropertyRun {
   }
 
   static uint8_t pattern(CacheSlot slot, std::size_t buffer, int64_t byte) {
-    return static_cast<uint8_t>((static_cast<int64_t>(slot) * 41 +
-                                 static_cast<int64_t>(buffer) * 7 + byte) % 251 + 1);
+    return static_cast<uint8_t>(
+        (static_cast<int64_t>(slot) * 41 + static_cast<int64_t>(buffer) * 7 + byte) % 251 + 1);
   }
   void fillRecurrent(std::vector<int32_t> const& slots) {
     auto const buffers = mRig->recurrent()->rowBuffers();
@@ -600,8 +624,7 @@ class PropertyRun {
   Coverage mCoverage;
 };
 
-class BoundedSwaPropertyTest
-    : public ::testing::TestWithParam<std::tuple<DeviceType, Geometry>> {
+class BoundedSwaPropertyTest : public ::testing::TestWithParam<std::tuple<DeviceType, Geometry>> {
  protected:
   void SetUp() override {
     if (std::get<0>(GetParam()) == DeviceType::kGPU && !cudaDeviceAvailable()) {
@@ -663,27 +686,24 @@ TEST_P(BoundedSwaPropertyTest, RandomOperationSequencesKeepWindowsExactAndPagesA
   }
 }
 
-std::string propertyName(
-    ::testing::TestParamInfo<std::tuple<DeviceType, Geometry>> const& info) {
+std::string propertyName(::testing::TestParamInfo<std::tuple<DeviceType, Geometry>> const& info) {
   Geometry const& g = std::get<1>(info.param);
   DeviceType const device = std::get<0>(info.param);
-  return std::string(device == DeviceType::kCPU ? "Cpu" : "Gpu") + "_W" +
-         std::to_string(g.window) + "_P" + std::to_string(g.pageSize) + "_Steps" +
-         std::to_string(stepsOf(device, g));
+  return std::string(device == DeviceType::kCPU ? "Cpu" : "Gpu") + "_W" + std::to_string(g.window) +
+         "_P" + std::to_string(g.pageSize) + "_Steps" + std::to_string(stepsOf(device, g));
 }
 
 // W mod P = 5, 0, 1, 7 and 8. W = 17 (W = 1 mod P: a decode step can map a page and retire one
 // at once) runs the long sequence, 10^5 steps on the host, about 10 s of CPU time in a Debug +
 // ASan build; the others run 25,000 steps each.
-INSTANTIATE_TEST_SUITE_P(
-    Random, BoundedSwaPropertyTest,
-    ::testing::Combine(::testing::Values(DeviceType::kCPU, DeviceType::kGPU),
-                       ::testing::Values(Geometry{5, 16, 0x5eed0001, 25000},
-                                         Geometry{16, 16, 0x5eed0002, 25000},
-                                         Geometry{17, 16, 0x5eed0005, 100000},
-                                         Geometry{23, 16, 0x5eed0003, 25000},
-                                         Geometry{40, 16, 0x5eed0004, 25000})),
-    propertyName);
+INSTANTIATE_TEST_SUITE_P(Random, BoundedSwaPropertyTest,
+                         ::testing::Combine(::testing::Values(DeviceType::kCPU, DeviceType::kGPU),
+                                            ::testing::Values(Geometry{5, 16, 0x5eed0001, 25000},
+                                                              Geometry{16, 16, 0x5eed0002, 25000},
+                                                              Geometry{17, 16, 0x5eed0005, 100000},
+                                                              Geometry{23, 16, 0x5eed0003, 25000},
+                                                              Geometry{40, 16, 0x5eed0004, 25000})),
+                         propertyName);
 
 }  // namespace
 }  // namespace mkv::swa_test

@@ -25,9 +25,9 @@ TEST(BoundedSwaBudgetTest, WindowAdmissionAndDecodeBudgets) {
     int32_t window, pageSize, windowPages;
   };
   // M = ceil(W / P) + 1, admission 2M + 1, decode M + 1.
-  for (Case const c : {Case{1024, 128, 9}, Case{129, 128, 3}, Case{128, 128, 2},
-                       Case{127, 128, 2}, Case{64, 128, 2}, Case{256, 128, 3}, Case{1, 16, 2},
-                       Case{16, 16, 2}, Case{17, 16, 3}, Case{4096, 1024, 5}}) {
+  for (Case const c : {Case{1024, 128, 9}, Case{129, 128, 3}, Case{128, 128, 2}, Case{127, 128, 2},
+                       Case{64, 128, 2}, Case{256, 128, 3}, Case{1, 16, 2}, Case{16, 16, 2},
+                       Case{17, 16, 3}, Case{4096, 1024, 5}}) {
     SCOPED_TRACE(::testing::Message() << "W " << c.window << " P " << c.pageSize);
     EXPECT_EQ(BoundedSwaKVPageManager::windowPages(c.window, c.pageSize), c.windowPages);
     EXPECT_EQ(BoundedSwaKVPageManager::admissionPagesPerSequence(c.window, c.pageSize),
@@ -225,8 +225,11 @@ TEST_P(BoundedSwaAdmissionTest, ResidentHeldByAnotherActiveRequestIsRejected) {
   ASSERT_TRUE(first.valid());
   manager.preparePrefill(first, std::vector<int32_t>{300});
   std::vector<int32_t> const rowBefore = hostRow(rig.table(), 1);
-  expectContractError([&] { (void)manager.beginRequest(residentsFor({0, 1}), SwaRig::stream()); },
-                      {"beginRequest", "slot 1", "another active request"});
+  expectContractError(
+      [&] {
+        (void)manager.beginRequest(residentsFor({0, 1}), SwaRig::stream());
+      },
+      {"beginRequest", "slot 1", "another active request"});
   EXPECT_EQ(manager.freePageCount(), 14);
   EXPECT_EQ(manager.activeRequestCount(), 1);
   EXPECT_EQ(hostRow(rig.table(), 1), rowBefore);
@@ -351,8 +354,14 @@ TEST_P(BoundedSwaPrefillTest, MapsOnlyTheAbsoluteRetainedRangeAcrossGeometries) 
   int32_t cases = 0;
   for (int32_t const pageSize : {16, 128}) {
     for (int32_t const window : {64, 128, 256, 129, 1024}) {
-      std::set<int32_t> lengths{1,          pageSize - 1, pageSize,   pageSize + 1,
-                                window - 1, window,       window + 1, 3 * pageSize + 1,
+      std::set<int32_t> lengths{1,
+                                pageSize - 1,
+                                pageSize,
+                                pageSize + 1,
+                                window - 1,
+                                window,
+                                window + 1,
+                                3 * pageSize + 1,
                                 2 * window + pageSize / 2};
       for (int32_t const length : lengths) {
         SCOPED_TRACE(::testing::Message()
@@ -428,10 +437,16 @@ TEST_P(BoundedSwaPrefillTest, PrefillContractViolationsThrowAndChangeNothing) {
   std::string const prepare = "BoundedSwaKVPageManager::preparePrefill";
   expectContractError([&] { manager.preparePrefill(handle, std::vector<int32_t>{10}); },
                       {prepare, "1 lengths for a batch of 2"});
-  expectContractError([&] { manager.preparePrefill(handle, std::vector<int32_t>{10, 0}); },
-                      {prepare, "length 0 of row 1"});
-  expectContractError([&] { manager.preparePrefill(handle, std::vector<int32_t>{1025, 10}); },
-                      {prepare, "length 1025 of row 0", "1024"});
+  expectContractError(
+      [&] {
+        manager.preparePrefill(handle, std::vector<int32_t>{10, 0});
+      },
+      {prepare, "length 0 of row 1"});
+  expectContractError(
+      [&] {
+        manager.preparePrefill(handle, std::vector<int32_t>{1025, 10});
+      },
+      {prepare, "length 1025 of row 0", "1024"});
   expectContractError([&] { manager.completePrefill(handle); }, {"completePrefill"});
   expectContractError([&] { (void)manager.prepareDecodeStep(handle); }, {"prepareDecodeStep"});
   expectContractError([&] { manager.completeDecodeStep(handle); }, {"completeDecodeStep"});
@@ -441,8 +456,11 @@ TEST_P(BoundedSwaPrefillTest, PrefillContractViolationsThrowAndChangeNothing) {
   EXPECT_EQ(hostRow(rig.table(), 2), emptyRow(rig.table()));
 
   manager.preparePrefill(handle, std::vector<int32_t>{1024, 1});
-  expectContractError([&] { manager.preparePrefill(handle, std::vector<int32_t>{5, 5}); },
-                      {prepare});
+  expectContractError(
+      [&] {
+        manager.preparePrefill(handle, std::vector<int32_t>{5, 5});
+      },
+      {prepare});
   // A staged prefill is not a decode step: completing it as one would skip the trim to M + 1.
   expectContractError([&] { manager.completeDecodeStep(handle); }, {"completeDecodeStep"});
   EXPECT_EQ(manager.state(handle, 0).endpoint, 0);
@@ -494,8 +512,7 @@ class DecodeChecker {
       int32_t const e = state.endpoint;
       ASSERT_TRUE(state.pendingEndpoint.has_value());
       ASSERT_EQ(*state.pendingEndpoint, e + 1);
-      int32_t const mapped =
-          retainedEnd(e + 1, pageSize) > retainedEnd(e, pageSize) ? 1 : 0;
+      int32_t const mapped = retainedEnd(e + 1, pageSize) > retainedEnd(e, pageSize) ? 1 : 0;
       int32_t const retired =
           retainedBegin(e + 1, window, pageSize) > retainedBegin(e, window, pageSize) ? 1 : 0;
       ASSERT_EQ(static_cast<int32_t>(state.newBindings.size()), mapped) << "e " << e;
@@ -600,9 +617,9 @@ TEST_P(BoundedSwaDecodeTest, RotationUsesConstantPatchesAndRecyclesRetiredPages)
   struct Geometry {
     int32_t window, pageSize;
   };
-  for (Geometry const g : {Geometry{129, 128}, Geometry{128, 128}, Geometry{256, 128},
-                           Geometry{64, 128}, Geometry{1024, 128}, Geometry{64, 16},
-                           Geometry{16, 16}, Geometry{129, 16}}) {
+  for (Geometry const g :
+       {Geometry{129, 128}, Geometry{128, 128}, Geometry{256, 128}, Geometry{64, 128},
+        Geometry{1024, 128}, Geometry{64, 16}, Geometry{16, 16}, Geometry{129, 16}}) {
     SCOPED_TRACE(::testing::Message() << "W " << g.window << " P " << g.pageSize);
     int32_t const steps = 4 * g.window + 3;
     std::vector<int32_t> const lengths{384, 384 + g.pageSize / 2 + 1};
@@ -630,7 +647,8 @@ TEST_P(BoundedSwaDecodeTest, RotationUsesConstantPatchesAndRecyclesRetiredPages)
       ASSERT_EQ(manager.freePageCount(), freeInDecode) << "step " << s;
     }
     for (int32_t row = 0; row < 2; ++row) {
-      EXPECT_EQ(manager.state(handle, row).endpoint, lengths[static_cast<std::size_t>(row)] + steps);
+      EXPECT_EQ(manager.state(handle, row).endpoint,
+                lengths[static_cast<std::size_t>(row)] + steps);
     }
     // Exactly one map per page boundary the end crosses and one retirement per boundary the
     // begin crosses; every retirement but a sequence's last is followed by a map reusing it.
@@ -902,8 +920,8 @@ TEST_P(BoundedSwaCompactionTest, MalformedMappingsThrowAndChangeNothing) {
                                    tensor != nullptr ? *tensor : rig.mapping());
     };
   };
-  expectContractError(compaction({1, 0, -1}, 2, nullptr), {call, "not order-preserving",
-                                                            "oldToNew[0] = 1"});
+  expectContractError(compaction({1, 0, -1}, 2, nullptr),
+                      {call, "not order-preserving", "oldToNew[0] = 1"});
   expectContractError(compaction({0, 0, -1}, 2, nullptr), {call, "oldToNew[1] = 0"});
   expectContractError(compaction({0, 1}, 2, nullptr), {call, "2 entries for a batch of 3"});
   expectContractError(compaction({0, -1, 2}, 2, nullptr), {call, "oldToNew[2] = 2"});

@@ -119,7 +119,9 @@ class SwaRig {
   SyncFaults& faults() { return mFaults; }
   testing::KvOracle& oracle() { return *mOracle; }
   Tensor& mapping() { return mMapping; }
-  int32_t M() const { return BoundedSwaKVPageManager::windowPages(mConfig.window, mConfig.pageSize); }
+  int32_t M() const {
+    return BoundedSwaKVPageManager::windowPages(mConfig.window, mConfig.pageSize);
+  }
 
  private:
   RigConfig mConfig;

@@ -213,8 +213,7 @@ class KvOracleTest : public test::DeviceTest {
   }
 
   /// Flips bits of one byte of one token row; flipping again restores it.
-  void flip(int32_t layer, int32_t half, PageId page, int32_t row, std::size_t byte,
-            uint8_t mask) {
+  void flip(int32_t layer, int32_t half, PageId page, int32_t row, std::size_t byte, uint8_t mask) {
     auto bytes = readToken(layer, half, page, row);
     bytes[byte] ^= mask;
     writeToken(layer, half, page, row, bytes);
@@ -349,9 +348,9 @@ TEST_P(KvOracleTest, APageRecycledToAnotherPrefixIsDetected) {
     OracleReport const report = mOracle->verify(0, owner, 0, 3 * kPageSize);
     EXPECT_EQ(report.positionsChecked, 3 * kPageSize);
     EXPECT_EQ(report.mismatches, kPageSize);
-    EXPECT_NE(report.firstMismatch.find(fmt::format("position {} (page 1, row 0) layer 0 K",
-                                                    kPageSize)),
-              std::string::npos)
+    EXPECT_NE(
+        report.firstMismatch.find(fmt::format("position {} (page 1, row 0) layer 0 K", kPageSize)),
+        std::string::npos)
         << report.firstMismatch;
     mTable->clearRow(1);
   }

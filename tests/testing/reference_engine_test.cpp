@@ -349,7 +349,8 @@ void expectSameRun(RunResult const& cpu, RunResult const& gpu) {
   ASSERT_EQ(cpu.bytes.size(), gpu.bytes.size());
   for (std::size_t i = 0; i < cpu.bytes.size(); ++i) {
     ASSERT_EQ(cpu.bytes[i].size(), gpu.bytes[i].size()) << "buffer " << i;
-    auto const differs = std::mismatch(cpu.bytes[i].begin(), cpu.bytes[i].end(), gpu.bytes[i].begin());
+    auto const differs =
+        std::mismatch(cpu.bytes[i].begin(), cpu.bytes[i].end(), gpu.bytes[i].begin());
     EXPECT_TRUE(differs.first == cpu.bytes[i].end())
         << "buffer " << i << " (KV layers of the full pool, then of the SWA pool, then recurrent "
         << "state and conv rows) differs first at byte " << (differs.first - cpu.bytes[i].begin())

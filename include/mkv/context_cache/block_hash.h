@@ -117,9 +117,7 @@ struct PromptBlocks {
   /// `parentContentKey` is ignored for block 0. Throws mkv::Error when `block` is out of range.
   Hash128 contentKeyAfter(Hash128 parentContentKey, int32_t block) const;
   /// How many content keys have been computed so far (observability for tests and benchmarks).
-  int32_t contentKeysComputed() const noexcept {
-    return static_cast<int32_t>(mContentKeys.size());
-  }
+  int32_t contentKeysComputed() const noexcept { return static_cast<int32_t>(mContentKeys.size()); }
 
  private:
   mutable std::vector<Hash128> mContentKeys;  ///< content chain memo, a prefix of the blocks

@@ -42,8 +42,8 @@ struct ContextCacheConfig {
   /// false: lookups and publication are off and the coordinator is a plain paged allocator over
   /// the full pool (the runtime's full-storage mode). Every sequence is treated as kBypass.
   bool enabled = true;
-  int32_t maxRecords = 1024;  ///< published records kept (LRU beyond); 0 keeps none
-  bool verifyTokens = true;   ///< verify tokens on every index match (SPEC §8.1)
+  int32_t maxRecords = 1024;       ///< published records kept (LRU beyond); 0 keeps none
+  bool verifyTokens = true;        ///< verify tokens on every index match (SPEC §8.1)
   int32_t eventQueueCapacity = 0;  ///< BlockStored / BlockRemoved events kept; 0 = off
   /// Hybrid / pure-recurrent deployments: device bytes of recurrent snapshot slots. Slots =
   /// budget / SnapshotStorage::recurrentBytesPerSlot (plus the boundary hidden row for
@@ -118,7 +118,8 @@ struct ContextCacheSequenceAdmission {
 struct ContextCacheBatchAdmission {
   std::vector<ContextCacheSequenceAdmission> sequences;
   bool speculativeRequest = false;
-  DecodingTokenStateContract tokenStateContract = DecodingTokenStateContract::kCommittedPlusLookahead;
+  DecodingTokenStateContract tokenStateContract =
+      DecodingTokenStateContract::kCommittedPlusLookahead;
   ContextCacheLookupPolicy lookupPolicy = ContextCacheLookupPolicy::kUseCache;
   ContextCacheCommitPolicy commitPolicy = ContextCacheCommitPolicy::kIncludingGeneratedTokens;
   int32_t replayTailLength = 0;
@@ -152,9 +153,9 @@ struct ContextCacheCoordinatorCounters {
   uint64_t liveAdmissions = 0;         ///< in-flight sequences admitted
   uint64_t liveAdmissionRefusals = 0;  ///< in-flight admissions refused for capacity
   uint64_t retractedAdmissions = 0;
-  uint64_t pageGrowths = 0;            ///< decode steps that grew a sequence's pages
-  uint64_t growthFailures = 0;         ///< growth refused: the request was failed
-  uint64_t synchronizations = 0;       ///< stream synchronisations made by the coordinator
+  uint64_t pageGrowths = 0;       ///< decode steps that grew a sequence's pages
+  uint64_t growthFailures = 0;    ///< growth refused: the request was failed
+  uint64_t synchronizations = 0;  ///< stream synchronisations made by the coordinator
   uint64_t quarantinedRequests = 0;
   uint64_t checkpointRestores = 0;      ///< sequences that started from a restored checkpoint
   uint64_t checkpointCaptures = 0;      ///< checkpoint captures enqueued (prefill or decode end)
@@ -164,9 +165,9 @@ struct ContextCacheCoordinatorCounters {
   uint64_t captureSynchronizations = 0;  ///< synchronisations made for decode-end captures
   /// Speculative requests: paired (base + draft) publication attempts at the common length.
   uint64_t specPairPublications = 0;
-  uint64_t hybridMtpPublications = 0;  ///< Hybrid-MTP endpoints committed as records
+  uint64_t hybridMtpPublications = 0;   ///< Hybrid-MTP endpoints committed as records
   uint64_t boundaryHiddenRestores = 0;  ///< boundary hidden rows copied back (Hybrid-MTP hits)
-  uint64_t planningNanoseconds = 0;    ///< host time spent in lookup + acquire
+  uint64_t planningNanoseconds = 0;     ///< host time spent in lookup + acquire
 };
 
 /// Context reuse over full paged KV: lookups at admission, page rows for execution, growth per
@@ -342,8 +343,8 @@ class ContextCacheCoordinator {
   /// `destinationRow` of `baseHiddenStates` (stream-ordered, no synchronisation). Throws,
   /// changing nothing, on another deployment, when the row restored no Hybrid-MTP checkpoint
   /// (or its pins were released), or for a tensor / row that does not fit.
-  void restoreHybridMtpBoundaryHidden(RequestHandle& handle, int32_t slot,
-                                      Tensor& baseHiddenStates, int32_t destinationRow);
+  void restoreHybridMtpBoundaryHidden(RequestHandle& handle, int32_t slot, Tensor& baseHiddenStates,
+                                      int32_t destinationRow);
 
   /// In-flight admission is offered for attention-only, non-speculative deployments (a joiner
   /// cannot restore a checkpoint into a running batch).

@@ -20,11 +20,11 @@ namespace mkv {
 /// hand-made plan counts nothing but evictions.
 struct ContextCacheMetrics {
   // Admission.
-  uint64_t admittedSequences = 0;    ///< sequences that got a lease
-  uint64_t lookups = 0;              ///< kUseCache admissions (bypasses are not lookups)
-  uint64_t hits = 0;                 ///< admitted lookups whose plan matched > 0 tokens
-  uint64_t matchedTokens = 0;        ///< sum of matched tokens of admitted plans
-  uint64_t reusedTokens = 0;         ///< sum of reused tokens (execution skipped)
+  uint64_t admittedSequences = 0;  ///< sequences that got a lease
+  uint64_t lookups = 0;            ///< kUseCache admissions (bypasses are not lookups)
+  uint64_t hits = 0;               ///< admitted lookups whose plan matched > 0 tokens
+  uint64_t matchedTokens = 0;      ///< sum of matched tokens of admitted plans
+  uint64_t reusedTokens = 0;       ///< sum of reused tokens (execution skipped)
   /// Prompt tokens of every lookup, admitted or not (vLLM's prefix_cache_queries: a lookup
   /// refused for capacity and retried later counts again).
   uint64_t queriedTokens = 0;
@@ -76,8 +76,8 @@ struct ContextCacheMetrics {
 /// `reason` label, reclaimed resources and pool occupancy with a `type` label. The token-counted
 /// prefix-cache pair dashboards built for vLLM read comes first under vLLM's names:
 /// `<prefix>prefix_cache_queries_total` (queriedTokens) and `<prefix>prefix_cache_hits_total`
-/// (reusedTokens: bypasses reuse nothing); with prefix "vllm:" they are vLLM's own series. `prefix` must be a valid
-/// metric-name prefix ([a-zA-Z_:][a-zA-Z0-9_:]*, may be empty); throws otherwise.
+/// (reusedTokens: bypasses reuse nothing); with prefix "vllm:" they are vLLM's own series. `prefix`
+/// must be a valid metric-name prefix ([a-zA-Z_:][a-zA-Z0-9_:]*, may be empty); throws otherwise.
 std::string toPrometheus(ContextCacheMetrics const& metrics,
                          std::string_view prefix = "managedkv_");
 

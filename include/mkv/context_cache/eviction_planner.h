@@ -22,11 +22,11 @@ struct EvictionPlan {
 };
 
 /// Simulates evicting records LRU -> MRU (protected records, e.g. the requests' own hits, are moved
-/// to the very end, in the order given) and returns the shortest victim prefix after which the free slots cover the
-/// whole demand in all four pools together. Per visited record it decrements a simulated cache
-/// count of each of its resources; a resource counts as reclaimed when that count reaches zero and
-/// no lease pins it (active == 0). Shared ancestors therefore free only once every record using
-/// them is a victim, and pinned resources never count.
+/// to the very end, in the order given) and returns the shortest victim prefix after which the free
+/// slots cover the whole demand in all four pools together. Per visited record it decrements a
+/// simulated cache count of each of its resources; a resource counts as reclaimed when that count
+/// reaches zero and no lease pins it (active == 0). Shared ancestors therefore free only once every
+/// record using them is a victim, and pinned resources never count.
 ///
 /// Cost: O(1) when the free slots already cover the demand or when it cannot be met even by
 /// evicting everything (ResourcePools::reclaimableCount); otherwise linear in the resources of the

@@ -71,8 +71,8 @@ struct SequenceOutcome {
 };
 
 struct RequestOutcome {
-  bool admitted = false;        ///< false: the backend refused the founding batch (no capacity)
-  bool failed = false;          ///< a lifecycle call returned false (request failed / poisoned)
+  bool admitted = false;  ///< false: the backend refused the founding batch (no capacity)
+  bool failed = false;    ///< a lifecycle call returned false (request failed / poisoned)
   std::vector<SequenceOutcome> sequences;  ///< founders, then joiners, in admission order
   int64_t decodeSteps = 0;
 };
@@ -96,9 +96,9 @@ struct EngineStats {
   int64_t oracleChecks = 0;      ///< positions verified
   int64_t oracleMismatches = 0;  ///< positions with wrong bytes
   std::string firstMismatch;
-  int64_t lengthChecks = 0;      ///< device KV-length rows verified
-  int64_t recurrentChecks = 0;   ///< recurrent states verified (checkpoint deployments)
-  int64_t peakPagesInUse = 0;    ///< max pages not free, over all pools
+  int64_t lengthChecks = 0;                  ///< device KV-length rows verified
+  int64_t recurrentChecks = 0;               ///< recurrent states verified (checkpoint deployments)
+  int64_t peakPagesInUse = 0;                ///< max pages not free, over all pools
   std::vector<int64_t> stepHostNanoseconds;  ///< library time per decode step (facade calls)
   /// GPU pools only: stream time of the library's work per decode step, measured with CUDA
   /// events recorded right before and after prepareDecodeStep and completeDecodeStep (the

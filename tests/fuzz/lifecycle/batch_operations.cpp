@@ -49,8 +49,12 @@ void Lifecycle::corruptCompaction(CompactionCall& call, int32_t survivors) {
   std::vector<int32_t>& mapping = call.mapping;
   call.badArguments = true;
   switch (mIn.below(6)) {
-    case 0: mapping.push_back(-1); break;
-    case 1: call.newSize += 1; break;
+    case 0:
+      mapping.push_back(-1);
+      break;
+    case 1:
+      call.newSize += 1;
+      break;
     case 2:
       if (survivors >= 2) {  // survivors out of order
         auto first = std::find(mapping.begin(), mapping.end(), 0);
@@ -69,8 +73,12 @@ void Lifecycle::corruptCompaction(CompactionCall& call, int32_t survivors) {
         call.newSize = -1;
       }
       break;
-    case 4: call.device = &mWrongTypeMapping; break;
-    default: call.device = &mEmptyMapping; break;
+    case 4:
+      call.device = &mWrongTypeMapping;
+      break;
+    default:
+      call.device = &mEmptyMapping;
+      break;
   }
 }
 
@@ -82,8 +90,7 @@ void Lifecycle::issueBeginCompaction(Req& req, CompactionCall& call) {
       return req.facade->beginBatchCompaction(call.mapping, call.newSize, *call.device);
     }
     if (coordinatorBackend()) {
-      mCoordinator->beginBatchCompaction(req.coordinator, call.mapping, call.newSize,
-                                         *call.device);
+      mCoordinator->beginBatchCompaction(req.coordinator, call.mapping, call.newSize, *call.device);
     } else {
       mSwa->beginBatchCompaction(req.swa, call.mapping, call.newSize, *call.device);
     }
@@ -235,10 +242,18 @@ void Lifecycle::corruptAdmit(Req& req, AdmitCall& call) {
   call.badArguments = true;
   std::vector<ResidentRef> const busy = busyResidents();
   switch (mIn.below(6)) {
-    case 0: call.tokens.clear(); break;
-    case 1: call.tokens.resize(static_cast<std::size_t>(mWidth * kPage), 9); break;
-    case 2: call.resident.epoch = 0; break;
-    case 3: call.headroom = DecodingKvHeadroom{0, 0}; break;
+    case 0:
+      call.tokens.clear();
+      break;
+    case 1:
+      call.tokens.resize(static_cast<std::size_t>(mWidth * kPage), 9);
+      break;
+    case 2:
+      call.resident.epoch = 0;
+      break;
+    case 3:
+      call.headroom = DecodingKvHeadroom{0, 0};
+      break;
     case 4:
       if (req.via == Via::kFacade) {
         call.stream = foreignStream();

@@ -256,8 +256,8 @@ std::optional<bool> Lifecycle::mustAdmit(std::vector<int32_t> const& promptLengt
 void Lifecycle::badBegin() {
   withBeginPlan([&](BeginPlan& plan) {
     int32_t const variant = mIn.below(12);
-    auto const what = fmt::format("bad begin #{} ({})", variant,
-                                  plan.via == Via::kFacade ? "facade" : "direct");
+    auto const what =
+        fmt::format("bad begin #{} ({})", variant, plan.via == Via::kFacade ? "facade" : "direct");
     if (variant == 11) {
       beginOnBusyResident(plan, what);
     } else if (plan.via == Via::kFacade) {
@@ -304,8 +304,7 @@ void Lifecycle::beginOnBusyResident(BeginPlan const& plan, std::string const& wh
       facade                 ? !accept(what, facadeCall).has_value()
       : coordinatorBackend() ? accept(what, coordinatorCall).status == ContextCacheStatus::kPoisoned
                              : accept(what, swaCall).status == SwaKVCacheStatus::kPoisoned;
-  expect(poisonedStatus,
-         what + ": busy resident on a poisoned backend not reported as poisoned");
+  expect(poisonedStatus, what + ": busy resident on a poisoned backend not reported as poisoned");
   expectRefusalChangedNothing(what, before);
   ++mStats.refusals;
 }
@@ -320,14 +319,31 @@ void Lifecycle::badFacadeBegin(BeginPlan const& plan, int32_t variant, std::stri
   ContextCacheCoordinator* coordinator = mCoordinator;
   BoundedSwaKVPageManager* swa = mSwa;
   switch (variant) {
-    case 0: coordinator = nullptr; swa = nullptr; break;  // no backend
-    case 1: context.activeBatchSize += 1; break;           // sizes disagree
-    case 2: context.residentRefs.pop_back(); break;        // residents disagree
-    case 3: speculative = true; break;                     // not a speculative deployment
-    case 4: headroom = mIn.oneIn(2) ? DecodingKvHeadroom{0, 0} : DecodingKvHeadroom{1, 2}; break;
-    case 5: context.stream = foreignStream(); break;
-    case 6: context.residentRefs[0].epoch = 0; break;
-    case 7: context.residentRefs[0].slot = mIn.oneIn(2) ? -1 : mMaxBatch; break;
+    case 0:
+      coordinator = nullptr;
+      swa = nullptr;
+      break;  // no backend
+    case 1:
+      context.activeBatchSize += 1;
+      break;  // sizes disagree
+    case 2:
+      context.residentRefs.pop_back();
+      break;  // residents disagree
+    case 3:
+      speculative = true;
+      break;  // not a speculative deployment
+    case 4:
+      headroom = mIn.oneIn(2) ? DecodingKvHeadroom{0, 0} : DecodingKvHeadroom{1, 2};
+      break;
+    case 5:
+      context.stream = foreignStream();
+      break;
+    case 6:
+      context.residentRefs[0].epoch = 0;
+      break;
+    case 7:
+      context.residentRefs[0].slot = mIn.oneIn(2) ? -1 : mMaxBatch;
+      break;
     case 8:
       if (context.residentRefs.size() < 2) {
         context.residentRefs[0].slot = mMaxBatch + 3;
@@ -365,21 +381,41 @@ void Lifecycle::badCoordinatorBegin(BeginPlan const& plan, int32_t variant,
   cudaStream_t stream = kStream;
   ContextCacheSequenceAdmission& first = admission.sequences[0];
   switch (variant) {
-    case 0: admission.sequences.clear(); break;
+    case 0:
+      admission.sequences.clear();
+      break;
     case 1:
       while (static_cast<int32_t>(admission.sequences.size()) <= mMaxBatch) {
         admission.sequences.push_back(admission.sequences.back());
       }
       break;
-    case 2: admission.commitPolicy = static_cast<ContextCacheCommitPolicy>(5); break;
-    case 3: admission.speculativeRequest = true; break;
-    case 4: headroom = mIn.oneIn(2) ? DecodingKvHeadroom{0, 0} : DecodingKvHeadroom{1, 2}; break;
-    case 5: stream = foreignStream(); break;
-    case 6: first.resident.epoch = 0; break;
-    case 7: first.resident.slot = mIn.oneIn(2) ? -1 : mMaxBatch; break;
-    case 8: first.tokenIds.clear(); break;
-    case 9: first.tokenIds.resize(static_cast<std::size_t>(mWidth * kPage), 7); break;
-    default: first.media.resize(first.tokenIds.size() + 1); break;
+    case 2:
+      admission.commitPolicy = static_cast<ContextCacheCommitPolicy>(5);
+      break;
+    case 3:
+      admission.speculativeRequest = true;
+      break;
+    case 4:
+      headroom = mIn.oneIn(2) ? DecodingKvHeadroom{0, 0} : DecodingKvHeadroom{1, 2};
+      break;
+    case 5:
+      stream = foreignStream();
+      break;
+    case 6:
+      first.resident.epoch = 0;
+      break;
+    case 7:
+      first.resident.slot = mIn.oneIn(2) ? -1 : mMaxBatch;
+      break;
+    case 8:
+      first.tokenIds.clear();
+      break;
+    case 9:
+      first.tokenIds.resize(static_cast<std::size_t>(mWidth * kPage), 7);
+      break;
+    default:
+      first.media.resize(first.tokenIds.size() + 1);
+      break;
   }
   reject(what, [&] { return mCoordinator->beginRequest(admission, headroom, stream); });
 }
@@ -392,15 +428,23 @@ void Lifecycle::badSwaBegin(BeginPlan const& plan, int32_t variant, std::string 
   }
   cudaStream_t stream = kStream;
   switch (variant % 6) {
-    case 0: residents.clear(); break;
+    case 0:
+      residents.clear();
+      break;
     case 1:
       while (static_cast<int32_t>(residents.size()) <= mMaxBatch) {
         residents.push_back(ResidentRef{static_cast<CacheSlot>(residents.size()), 1});
       }
       break;
-    case 2: stream = foreignStream(); break;
-    case 3: residents.at(0).epoch = 0; break;
-    case 4: residents.at(0).slot = mIn.oneIn(2) ? -1 : mMaxBatch; break;
+    case 2:
+      stream = foreignStream();
+      break;
+    case 3:
+      residents.at(0).epoch = 0;
+      break;
+    case 4:
+      residents.at(0).slot = mIn.oneIn(2) ? -1 : mMaxBatch;
+      break;
     default:
       if (residents.size() < 2) {
         residents.at(0).slot = -5;

@@ -40,8 +40,7 @@ void Lifecycle::checkCoordinatorPages() {
       ++recordRefs[static_cast<std::size_t>(page)];
       std::optional<Hash128> const digest = m.index().digestOf(page);
       expectf(digest.has_value() && *digest == record.logicalBlockDigests[b],
-              "record {} block {} on page {} is not indexed under its digest", record.id, b,
-              page);
+              "record {} block {} on page {} is not indexed under its digest", record.id, b, page);
     }
   }
   int32_t used = 0;

@@ -49,8 +49,7 @@ void Lifecycle::finish(Req& req) {
   }
   if (req.stage == Stage::kGone) {
     bool const finished = unchanged(what, call);
-    expectf(finished == !mPoisoned,
-           "{}: finish of an ended request returned {}", what, finished);
+    expectf(finished == !mPoisoned, "{}: finish of an ended request returned {}", what, finished);
     return;
   }
   int64_t const calls = syncCalls();
@@ -62,9 +61,8 @@ void Lifecycle::finish(Req& req) {
   } else {
     released(req);
   }
-  expectf(finished == !mPoisoned,
-         "{}: returned {} with the backend {}", what, finished,
-                     mPoisoned ? "poisoned" : "healthy");
+  expectf(finished == !mPoisoned, "{}: returned {} with the backend {}", what, finished,
+          mPoisoned ? "poisoned" : "healthy");
   req.stage = Stage::kGone;
   trace(what + (failed ? ": synchronisation failed, quarantined" : ""));
 }
@@ -133,8 +131,7 @@ void Lifecycle::shutdown(bool fromInput) {
   mQuarantine.clear();
   mPoisoned = false;
   bool const idle = liveRequests() == 0;
-  expectf(ok == idle, "{}: returned {} with {} live requests", what, ok,
-                                 liveRequests());
+  expectf(ok == idle, "{}: returned {} with {} live requests", what, ok, liveRequests());
   expect(!direct || ok || requestFailed, what + ": neither kOk nor kRequestFailed");
   trace(what);
 }

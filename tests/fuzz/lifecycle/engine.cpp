@@ -23,10 +23,14 @@ std::vector<int32_t> Lifecycle::makePrompt(int32_t tokens) {
 int32_t Lifecycle::promptLength() {
   int32_t const limit = maxPromptTokens();
   switch (mIn.below(4)) {
-    case 0: return 1 + mIn.below(std::min(limit, kPage));
-    case 1: return std::min(limit, kPage * (1 + mIn.below(mWidth)));  // page aligned
-    case 2: return limit - mIn.below(3);                                // near the row width
-    default: return 1 + mIn.below(std::min(limit, 255));
+    case 0:
+      return 1 + mIn.below(std::min(limit, kPage));
+    case 1:
+      return std::min(limit, kPage * (1 + mIn.below(mWidth)));  // page aligned
+    case 2:
+      return limit - mIn.below(3);  // near the row width
+    default:
+      return 1 + mIn.below(std::min(limit, 255));
   }
 }
 
@@ -67,8 +71,8 @@ void Lifecycle::executePrefill(Row& row, int32_t rowIndex) {
       testing::OracleReport const reused =
           mFullOracle->verify(row.resident.slot, row.digests, 0, row.start);
       mStats.oraclePositions += reused.positionsChecked;
-      expectf(reused.ok(), "reused prefix of slot {} ({} tokens): {}", row.resident.slot,
-              row.start, reused.firstMismatch);
+      expectf(reused.ok(), "reused prefix of slot {} ({} tokens): {}", row.resident.slot, row.start,
+              reused.firstMismatch);
     }
     mFullOracle->write(row.resident.slot, row.digests, row.start, length);
   } else {

@@ -84,8 +84,8 @@ void Lifecycle::checkTables() {
   for (CacheSlot slot = 0; slot < table.maxBatch(); ++slot) {
     Row const* row = rowOf(slot);
     if (row == nullptr) {
-      expectf(table.liveEntryCount(slot) == 0,
-              "row {} maps pages but no bound sequence holds it", slot);
+      expectf(table.liveEntryCount(slot) == 0, "row {} maps pages but no bound sequence holds it",
+              slot);
     } else if (coordinatorBackend()) {
       checkDenseRow(table, slot, *row, lastRow, seen);
     } else {
@@ -136,8 +136,7 @@ void Lifecycle::checkDenseRow(KVPageTable const& table, CacheSlot slot, Row cons
       table.hostRow(slot).first(static_cast<std::size_t>(table.liveEntryCount(slot)));
   for (std::size_t p = 0; p < live.size(); ++p) {
     auto const page = static_cast<std::size_t>(live[p]);
-    expectf(lastRow[page] != slot, "dense row {} maps page {} twice (entry {})", slot, live[p],
-            p);
+    expectf(lastRow[page] != slot, "dense row {} maps page {} twice (entry {})", slot, live[p], p);
     lastRow[page] = slot;
     ++seen[page];
   }

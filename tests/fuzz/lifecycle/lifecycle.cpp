@@ -8,23 +8,32 @@ namespace mkv::fuzz::lifecycle {
 
 char const* toString(Stage stage) {
   switch (stage) {
-    case Stage::kAdmitted: return "admitted";
-    case Stage::kPrefill: return "prefill";
-    case Stage::kIdle: return "idle";
-    case Stage::kDecode: return "decode";
-    case Stage::kCompaction: return "compaction";
-    case Stage::kFinishing: return "finishing";
-    case Stage::kGone: return "gone";
+    case Stage::kAdmitted:
+      return "admitted";
+    case Stage::kPrefill:
+      return "prefill";
+    case Stage::kIdle:
+      return "idle";
+    case Stage::kDecode:
+      return "decode";
+    case Stage::kCompaction:
+      return "compaction";
+    case Stage::kFinishing:
+      return "finishing";
+    case Stage::kGone:
+      return "gone";
   }
   return "?";
 }
 
 Operation operationOf(Family family, bool corrupt) {
   switch (family) {
-    case Family::kBegin: return corrupt ? Operation::kBadBegin : Operation::kBegin;
+    case Family::kBegin:
+      return corrupt ? Operation::kBadBegin : Operation::kBegin;
     case Family::kPreparePrefill:
       return corrupt ? Operation::kBadPreparePrefill : Operation::kPreparePrefill;
-    case Family::kCaptures: return Operation::kCaptures;
+    case Family::kCaptures:
+      return Operation::kCaptures;
     case Family::kCompletePrefill:
       return corrupt ? Operation::kBadCompletePrefill : Operation::kCompletePrefill;
     case Family::kPrepareDecode:
@@ -35,16 +44,25 @@ Operation operationOf(Family family, bool corrupt) {
       return corrupt ? Operation::kBadBeginCompaction : Operation::kBeginCompaction;
     case Family::kCompleteCompaction:
       return corrupt ? Operation::kBadCompleteCompaction : Operation::kCompleteCompaction;
-    case Family::kAdmit: return corrupt ? Operation::kBadAdmit : Operation::kAdmit;
-    case Family::kFinalize: return corrupt ? Operation::kBadFinalize : Operation::kFinalize;
-    case Family::kRetract: return Operation::kRetract;
-    case Family::kFinish: return Operation::kFinish;
-    case Family::kDrop: return Operation::kDrop;
-    case Family::kShutdown: return Operation::kShutdown;
-    case Family::kFailSync: return Operation::kFailSync;
-    case Family::kObserve: return Operation::kObserve;
+    case Family::kAdmit:
+      return corrupt ? Operation::kBadAdmit : Operation::kAdmit;
+    case Family::kFinalize:
+      return corrupt ? Operation::kBadFinalize : Operation::kFinalize;
+    case Family::kRetract:
+      return Operation::kRetract;
+    case Family::kFinish:
+      return Operation::kFinish;
+    case Family::kDrop:
+      return Operation::kDrop;
+    case Family::kShutdown:
+      return Operation::kShutdown;
+    case Family::kFailSync:
+      return Operation::kFailSync;
+    case Family::kObserve:
+      return Operation::kObserve;
     case Family::kStaleHandle:
-    case Family::kCount: break;
+    case Family::kCount:
+      break;
   }
   return Operation::kStaleHandle;
 }
@@ -104,8 +122,8 @@ KVCacheRuntimeConfig Lifecycle::configFromInput() {
     config.model.numSlidingWindowLayers = 1;
     config.model.numFullAttentionLayers = mIn.below(2);
     config.model.slidingWindowTokens = 1 + mIn.below(3 * kPage);
-    int32_t const admission = BoundedSwaKVPageManager::admissionPagesPerSequence(
-        config.model.slidingWindowTokens, kPage);
+    int32_t const admission =
+        BoundedSwaKVPageManager::admissionPagesPerSequence(config.model.slidingWindowTokens, kPage);
     int32_t const width = admission + 1 + mIn.below(4);
     config.maxSequenceLength = width * kPage - mIn.below(kPage);
     if (mIn.oneIn(2)) {
@@ -222,8 +240,10 @@ void Lifecycle::abandonEverything() noexcept {
 /// The call that moves a request on.
 Family Lifecycle::naturalNext(Req const& req) {
   switch (req.stage) {
-    case Stage::kAdmitted: return Family::kPreparePrefill;
-    case Stage::kPrefill: return mIn.oneIn(4) ? Family::kCaptures : Family::kCompletePrefill;
+    case Stage::kAdmitted:
+      return Family::kPreparePrefill;
+    case Stage::kPrefill:
+      return mIn.oneIn(4) ? Family::kCaptures : Family::kCompletePrefill;
     case Stage::kIdle: {
       bool stopped = false;
       for (Row const& row : req.rows) {
@@ -240,10 +260,14 @@ Family Lifecycle::naturalNext(Req const& req) {
       }
       return mIn.oneIn(40) ? Family::kFinish : Family::kPrepareDecode;
     }
-    case Stage::kDecode: return Family::kCompleteDecode;
-    case Stage::kCompaction: return Family::kCompleteCompaction;
-    case Stage::kFinishing: return Family::kFinish;
-    case Stage::kGone: return mIn.oneIn(2) ? Family::kFinish : Family::kDrop;
+    case Stage::kDecode:
+      return Family::kCompleteDecode;
+    case Stage::kCompaction:
+      return Family::kCompleteCompaction;
+    case Stage::kFinishing:
+      return Family::kFinish;
+    case Stage::kGone:
+      return mIn.oneIn(2) ? Family::kFinish : Family::kDrop;
   }
   return Family::kFinish;
 }
@@ -252,8 +276,8 @@ Family Lifecycle::naturalNext(Req const& req) {
 /// another executes usually yields to the executing one.
 std::size_t Lifecycle::pickTarget() {
   auto target = static_cast<std::size_t>(mIn.below(static_cast<int32_t>(mRequests.size())));
-  if (mRequests[target]->stage == Stage::kAdmitted &&
-      prefillBlockedByAnother(*mRequests[target]) && !mIn.oneIn(4)) {
+  if (mRequests[target]->stage == Stage::kAdmitted && prefillBlockedByAnother(*mRequests[target]) &&
+      !mIn.oneIn(4)) {
     for (std::size_t i = 0; i < mRequests.size(); ++i) {
       if (executing(mRequests[i]->stage)) {
         return i;
@@ -305,12 +329,23 @@ void Lifecycle::operation() {
 
 void Lifecycle::dispatch(Operation op, std::size_t target) {
   switch (op) {
-    case Operation::kBegin: begin(); return;
-    case Operation::kBadBegin: badBegin(); return;
-    case Operation::kShutdown: shutdown(true); return;
-    case Operation::kFailSync: armSyncFault(); return;
-    case Operation::kStaleHandle: staleHandle(); return;
-    default: break;
+    case Operation::kBegin:
+      begin();
+      return;
+    case Operation::kBadBegin:
+      badBegin();
+      return;
+    case Operation::kShutdown:
+      shutdown(true);
+      return;
+    case Operation::kFailSync:
+      armSyncFault();
+      return;
+    case Operation::kStaleHandle:
+      staleHandle();
+      return;
+    default:
+      break;
   }
   if (target < mRequests.size()) {
     dispatchOnRequest(op, target);
@@ -320,28 +355,71 @@ void Lifecycle::dispatch(Operation op, std::size_t target) {
 void Lifecycle::dispatchOnRequest(Operation op, std::size_t target) {
   Req& req = *mRequests[target];
   switch (op) {
-    case Operation::kPreparePrefill: preparePrefill(req); return;
-    case Operation::kBadPreparePrefill: badPreparePrefill(req); return;
-    case Operation::kCaptures: captures(req); return;
-    case Operation::kCompletePrefill: completePrefill(req); return;
-    case Operation::kBadCompletePrefill: badCompletePrefill(req); return;
-    case Operation::kPrepareDecode: prepareDecode(req); return;
-    case Operation::kBadPrepareDecode: badPrepareDecode(req); return;
-    case Operation::kCompleteDecode: completeDecode(req); return;
-    case Operation::kBadCompleteDecode: badCompleteDecode(req); return;
-    case Operation::kBeginCompaction: beginCompaction(req); return;
-    case Operation::kBadBeginCompaction: badBeginCompaction(req); return;
-    case Operation::kCompleteCompaction: completeCompaction(req); return;
-    case Operation::kBadCompleteCompaction: badCompleteCompaction(req); return;
-    case Operation::kAdmit: admit(req); return;
-    case Operation::kBadAdmit: badAdmit(req); return;
-    case Operation::kFinalize: finalize(req); return;
-    case Operation::kBadFinalize: badFinalize(req); return;
-    case Operation::kRetract: retract(req); return;
-    case Operation::kFinish: finish(req); return;
-    case Operation::kDrop: drop(target); return;
-    case Operation::kObserve: observe(req); return;
-    default: return;
+    case Operation::kPreparePrefill:
+      preparePrefill(req);
+      return;
+    case Operation::kBadPreparePrefill:
+      badPreparePrefill(req);
+      return;
+    case Operation::kCaptures:
+      captures(req);
+      return;
+    case Operation::kCompletePrefill:
+      completePrefill(req);
+      return;
+    case Operation::kBadCompletePrefill:
+      badCompletePrefill(req);
+      return;
+    case Operation::kPrepareDecode:
+      prepareDecode(req);
+      return;
+    case Operation::kBadPrepareDecode:
+      badPrepareDecode(req);
+      return;
+    case Operation::kCompleteDecode:
+      completeDecode(req);
+      return;
+    case Operation::kBadCompleteDecode:
+      badCompleteDecode(req);
+      return;
+    case Operation::kBeginCompaction:
+      beginCompaction(req);
+      return;
+    case Operation::kBadBeginCompaction:
+      badBeginCompaction(req);
+      return;
+    case Operation::kCompleteCompaction:
+      completeCompaction(req);
+      return;
+    case Operation::kBadCompleteCompaction:
+      badCompleteCompaction(req);
+      return;
+    case Operation::kAdmit:
+      admit(req);
+      return;
+    case Operation::kBadAdmit:
+      badAdmit(req);
+      return;
+    case Operation::kFinalize:
+      finalize(req);
+      return;
+    case Operation::kBadFinalize:
+      badFinalize(req);
+      return;
+    case Operation::kRetract:
+      retract(req);
+      return;
+    case Operation::kFinish:
+      finish(req);
+      return;
+    case Operation::kDrop:
+      drop(target);
+      return;
+    case Operation::kObserve:
+      observe(req);
+      return;
+    default:
+      return;
   }
 }
 
@@ -417,10 +495,9 @@ Req* Lifecycle::find(uint64_t serial) {
 }
 
 std::string Lifecycle::describe(Req const& req) const {
-  return fmt::format("request {} ({} {}, {} rows, {})", req.serial,
-                     req.via == Via::kFacade ? "facade" : "direct",
-                     coordinatorBackend() ? "coordinator" : "SWA", req.rows.size(),
-                     toString(req.stage));
+  return fmt::format(
+      "request {} ({} {}, {} rows, {})", req.serial, req.via == Via::kFacade ? "facade" : "direct",
+      coordinatorBackend() ? "coordinator" : "SWA", req.rows.size(), toString(req.stage));
 }
 
 /// Pages a live SWA row holds (2M + 1 until completePrefill trims it to M + 1).

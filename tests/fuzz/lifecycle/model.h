@@ -19,7 +19,7 @@
 
 namespace mkv::fuzz::lifecycle {
 
-inline constexpr int32_t kPage = 16;           ///< tokens per page
+inline constexpr int32_t kPage = 16;            ///< tokens per page
 inline constexpr int32_t kMaxLiveRequests = 3;  ///< requests kept at once (plus spent ones)
 inline constexpr cudaStream_t kStream = nullptr;
 inline constexpr DecodingKvHeadroom kVanilla{1, 0};
@@ -150,15 +150,13 @@ struct Quarantined {
 
 /// Prompt token `position` of prompt family `family` (families share prefixes).
 inline int32_t promptToken(int32_t family, int32_t position) {
-  return 100 + static_cast<int32_t>(mix(static_cast<uint64_t>(family) * 1000003u +
-                                        static_cast<uint64_t>(position)) %
-                                    20000);
+  return 100 + static_cast<int32_t>(
+                   mix(static_cast<uint64_t>(family) * 1000003u + static_cast<uint64_t>(position)) %
+                   20000);
 }
 
 /// The token the engine samples after a prefix of digest `digest`.
-inline int32_t sampleToken(uint64_t digest) {
-  return 30000 + static_cast<int32_t>(digest % 10000);
-}
+inline int32_t sampleToken(uint64_t digest) { return 30000 + static_cast<int32_t>(digest % 10000); }
 
 inline bool stoppedWithoutPublishing(FinishReason reason) {
   return reason == FinishReason::kCancelled || reason == FinishReason::kError;

@@ -64,15 +64,13 @@ void Lifecycle::observeFacade(Req& req, int32_t slot, bool inBatch, std::string 
 
 /// The coordinator's view of a live request: batch size, committed and reuse lengths, and the
 /// lease pages the row maps.
-void Lifecycle::observeCoordinator(Req& req, int32_t slot, bool inBatch,
-                                   std::string const& what) {
+void Lifecycle::observeCoordinator(Req& req, int32_t slot, bool inBatch, std::string const& what) {
   ContextCacheCoordinator::RequestHandle const& handle = req.coordinator;
   expect(unchanged(what, [&] { return mCoordinator->batchSize(handle); }) ==
              static_cast<int32_t>(req.rows.size()),
          what + ": batchSize");
   if (!inBatch) {
-    reject(what + " committedLength",
-           [&] { return mCoordinator->committedLength(handle, slot); });
+    reject(what + " committedLength", [&] { return mCoordinator->committedLength(handle, slot); });
     reject(what + " basePages", [&] { return mCoordinator->basePages(handle, slot); });
     return;
   }
@@ -81,11 +79,9 @@ void Lifecycle::observeCoordinator(Req& req, int32_t slot, bool inBatch,
       !row.joined || req.stage == Stage::kAdmitted || req.stage == Stage::kPrefill
           ? row.start
           : row.materialized - (row.decoded ? 1 : 0);
-  expectf(unchanged(what, [&] { return mCoordinator->committedLength(handle, slot); }) ==
-              committed,
+  expectf(unchanged(what, [&] { return mCoordinator->committedLength(handle, slot); }) == committed,
           "{}: committedLength of row {} is not {}", what, slot, committed);
-  expect(mCoordinator->reuseTokenLength(handle, slot) == row.start,
-         what + ": reuseTokenLength");
+  expect(mCoordinator->reuseTokenLength(handle, slot) == row.start, what + ": reuseTokenLength");
   if (!row.bound) {
     return;
   }
@@ -106,14 +102,14 @@ void Lifecycle::observeSwa(Req& req, int32_t slot, bool inBatch, std::string con
     reject(what + " state", [&] { return mSwa->state(handle, slot); });
     return;
   }
-  SwaSequenceState const& state = unchanged(
-      what, [&]() -> SwaSequenceState const& { return mSwa->state(handle, slot); });
+  SwaSequenceState const& state =
+      unchanged(what, [&]() -> SwaSequenceState const& { return mSwa->state(handle, slot); });
   Row const& row = req.rows[static_cast<std::size_t>(slot)];
   if (row.bound) {
     int32_t const from = std::max(0, row.endpoint - mWindow) / kPage;
     expectf(state.retainedBegin == from && state.retainedEnd == ceilPages(row.endpoint),
-            "{}: retained [{}, {}) for endpoint {}", what, state.retainedBegin,
-            state.retainedEnd, row.endpoint);
+            "{}: retained [{}, {}) for endpoint {}", what, state.retainedBegin, state.retainedEnd,
+            row.endpoint);
   }
 }
 
@@ -126,8 +122,8 @@ void Lifecycle::staleHandle() {
     reject(what + " prepareDecodeStep",
            [&] { return mCoordinator->prepareDecodeStep(stale, kVanilla); });
     reject(what + " retract", [&] { return mCoordinator->retractSequenceAdmission(stale); });
-    ContextCacheStatus const status = unchanged(what + " finish",
-                                                [&] { return mCoordinator->finish(stale); });
+    ContextCacheStatus const status =
+        unchanged(what + " finish", [&] { return mCoordinator->finish(stale); });
     expect(status == (mPoisoned ? ContextCacheStatus::kPoisoned : ContextCacheStatus::kOk),
            what + ": finish of an invalid handle");
     return;

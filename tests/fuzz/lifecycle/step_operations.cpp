@@ -47,9 +47,15 @@ void Lifecycle::badPreparePrefill(Req& req) {
     return;
   }
   switch (mIn.below(3)) {
-    case 0: lengths.push_back(1); break;
-    case 1: lengths[0] = 0; break;
-    default: lengths[0] = mWidth * kPage + 1; break;
+    case 0:
+      lengths.push_back(1);
+      break;
+    case 1:
+      lengths[0] = 0;
+      break;
+    default:
+      lengths[0] = mWidth * kPage + 1;
+      break;
   }
   issuePreparePrefill(req, lengths, true);
 }
@@ -100,9 +106,9 @@ bool Lifecycle::issueFacadePreparePrefill(Req& req, std::vector<int32_t> const& 
       return false;
     }
     expect(accept(what, [&] { return facade.preparePrefill(); }), what + " returned false");
-    expect(unchanged(what + " (prepareSwaPrefill)",
-                     [&] { return facade.prepareSwaPrefill(lengths); }),
-           "prepareSwaPrefill on the coordinator returned false");
+    expect(
+        unchanged(what + " (prepareSwaPrefill)", [&] { return facade.prepareSwaPrefill(lengths); }),
+        "prepareSwaPrefill on the coordinator returned false");
     return true;
   }
   expect(unchanged(what, [&] { return facade.preparePrefill(); }),
@@ -111,8 +117,7 @@ bool Lifecycle::issueFacadePreparePrefill(Req& req, std::vector<int32_t> const& 
     reject(what + " (prepareSwaPrefill)", [&] { return facade.prepareSwaPrefill(lengths); });
     return false;
   }
-  expect(accept(what, [&] { return facade.prepareSwaPrefill(lengths); }),
-         what + " returned false");
+  expect(accept(what, [&] { return facade.prepareSwaPrefill(lengths); }), what + " returned false");
   return true;
 }
 
@@ -172,8 +177,7 @@ Lifecycle::CompletePrefillCall Lifecycle::planCompletePrefill(Req& req) {
   for (Row const& row : call.sampled) {
     auto const length = static_cast<int32_t>(row.prompt.size());
     if (lookahead) {
-      call.advances.push_back(
-          {row.generated.empty() ? nullptr : &row.generated.back(), 1, length});
+      call.advances.push_back({row.generated.empty() ? nullptr : &row.generated.back(), 1, length});
     } else {
       call.advances.push_back({nullptr, 0, length});
     }
@@ -181,8 +185,7 @@ Lifecycle::CompletePrefillCall Lifecycle::planCompletePrefill(Req& req) {
   return call;
 }
 
-void Lifecycle::corruptCompletePrefill(Req const& req, CompletePrefillCall& call,
-                                       int32_t variant) {
+void Lifecycle::corruptCompletePrefill(Req const& req, CompletePrefillCall& call, int32_t variant) {
   DecodingInferenceContext& context = call.context;
   if (variant == 0) {
     call.common.push_back(1);  // common state lengths are for speculative requests
@@ -202,10 +205,17 @@ void Lifecycle::corruptCompletePrefill(Req const& req, CompletePrefillCall& call
   }
   call.badArguments = true;
   switch (variant) {
-    case 0: break;  // common lengths given
-    case 1: call.advances.pop_back(); break;
-    case 2: call.advances[0].committedStateLength -= 1; break;
-    default: call.advances[0].acceptedTokenCount += 1; break;
+    case 0:
+      break;  // common lengths given
+    case 1:
+      call.advances.pop_back();
+      break;
+    case 2:
+      call.advances[0].committedStateLength -= 1;
+      break;
+    default:
+      call.advances[0].acceptedTokenCount += 1;
+      break;
   }
   if (variant != 0) {
     call.common.clear();
@@ -423,9 +433,15 @@ void Lifecycle::corruptCompleteDecode(Req const& req, CompleteDecodeCall& call) 
   }
   std::vector<ContextCacheSequenceAdvance>& advances = call.advances;
   switch (variant) {
-    case 0: advances.pop_back(); break;
-    case 1: call.completed.push_back(static_cast<int32_t>(call.rows.size())); break;
-    case 2: call.common.push_back(1); break;
+    case 0:
+      advances.pop_back();
+      break;
+    case 1:
+      call.completed.push_back(static_cast<int32_t>(call.rows.size()));
+      break;
+    case 2:
+      call.common.push_back(1);
+      break;
     case 3:
       if (!call.completed.empty()) {
         call.completed.push_back(call.completed.front());
