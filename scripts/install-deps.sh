@@ -6,7 +6,7 @@ set -euo pipefail
 packages=(cmake ninja-build g++ git pkg-config libgtest-dev libgmock-dev libbenchmark-dev
           libfmt-dev libspdlog-dev libxxhash-dev libssl-dev gnuplot-nox
           libzmq3-dev libmsgpack-cxx-dev python3 python3-zmq python3-msgpack
-          libcli11-dev libsimdjson-dev nlohmann-json3-dev)
+          libcli11-dev libsimdjson-dev nlohmann-json3-dev clang-format-14)
 missing=()
 for package in "${packages[@]}"; do
   dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q "install ok installed" ||
