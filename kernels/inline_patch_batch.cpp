@@ -108,10 +108,11 @@ void InlinePatchBatch::flush(cudaStream_t stream) {
   launch.numTargets = mNumTargets;
   launch.numRanges = numRanges;
   launch.patchNumel = valueStart;
-  DeviceType const device = mDeviceType;
+  // A launch that fails throws here and keeps the queue: the writes are retried by the next
+  // flush, so a table that counts them as uploaded still reaches the device.
+  detail::runInt32InlinePatch(mDeviceType, "InlinePatchBatch::flush", launch, stream);
   discard();
   ++mLaunches;
-  detail::runInt32InlinePatch(device, "InlinePatchBatch::flush", launch, stream);
 }
 
 void InlinePatchBatch::discard() noexcept {

@@ -6,9 +6,9 @@ Reads the JSON of
       --benchmark_repetitions=N --benchmark_report_aggregates_only=true --benchmark_format=json
 and prints, for every benchmark that ran on both devices, the CPU and GPU medians (and the
 per-phase counters of BM_RequestLifecycle) with the GPU / CPU ratio against the 1.5x target.
-Exit status: 0 when every pair is within the target, 1 when one misses (a measurement, not a
+Exit status: 0 when every pair is within the target, 3 when one misses (a measurement, not a
 failure: run_on_device.sh reports the misses), 2 when a benchmark row failed, 77 when no GPU row
-ran.
+ran (and 1, Python's own, when the script itself fails).
 """
 import json
 import re
@@ -76,7 +76,7 @@ def main(path):
             print(f"{key:<52} {label:<11} {cpu[metric]:>10.3g} {gpu[metric]:>10.3g} "
                   f"{ratio:>7.2f}x{mark}")
     print(f"target: GPU within {TARGET}x of the CPU twin; {missed} miss(es)")
-    return 1 if missed else 0
+    return 3 if missed else 0
 
 
 if __name__ == "__main__":

@@ -132,7 +132,7 @@ if [[ -x $HOST_BENCH ]]; then
   if [[ $RC == 0 ]]; then
     python3 "$SCRIPT_DIR/engine_loop_ratios.py" "$OUT/engine_loop.json" >"$OUT/engine_loop_ratios.txt" 2>&1
     case $? in
-      0 | 1) status=PASS ;;  # 1: a row misses the 1.5x target; the detail says how many
+      0 | 3) status=PASS ;;  # 3: a row misses the 1.5x target; the detail says how many
       77) status=SKIP ;;
       *) status=FAIL ;;
     esac

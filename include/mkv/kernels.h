@@ -164,18 +164,23 @@ class InlinePatchBatch {
            cudaStream_t stream);
   /// Applies every queued write in one launch on `stream` (the host twin, synchronously, for
   /// kCPU tensors) and empties the batch. Nothing to do when empty. Throws mkv::Error when the
-  /// launch fails (the batch is emptied all the same).
+  /// launch fails, keeping the queue, so the next flush retries the writes (the tables that
+  /// queued them count them as uploaded).
   void flush(cudaStream_t stream);
   /// Drops every queued write unapplied.
   void discard() noexcept;
   /// Calls `queue()` (which adds writes), then flush(stream): also when `queue` throws half-way
-  /// (then rethrows), so that whatever it queued reaches the device like the writes before it.
+  /// (then rethrows what `queue` threw), so that whatever it queued reaches the device like the
+  /// writes before it; a flush that fails there keeps its queue for the next one.
   template <typename Queue>
   void flushAfter(cudaStream_t stream, Queue&& queue) {
     try {
       queue();
     } catch (...) {
-      flush(stream);
+      try {
+        flush(stream);
+      } catch (...) {  // the queue is kept; the error to report is the first one
+      }
       throw;
     }
     flush(stream);

@@ -54,8 +54,6 @@ KVCachePool::KVCachePool(KVCachePoolConfig const& config) : mConfig(config) {
   MKV_ASSERT(viewed, "an empty view always fits");
   mLengthUploads =
       std::make_unique<detail::Int32UploadRegions>(1, config.maxBatchSize, config.deviceType);
-  // Length writes never allocate: a std::bad_alloc there would come after a backend's page-table
-  // upload and leave a throwing call with changed state.
   if (config.deviceType == DeviceType::kGPU) {
     int64_t const lengthBytes = sizeof(int32_t);
     int64_t const workspaceBytes =
