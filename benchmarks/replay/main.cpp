@@ -144,6 +144,12 @@ CliOptions parseArguments(int argc, char** argv) {
          });
   option("--max-output", "N", "cap the tokens sampled per request at N",
          int32(1, kMaxTraceTokens, c.maxOutputTokens));
+  auto* resetEvery = option(
+      "--reset-cache-every", "N",
+      "reuse: clear the prefix cache after every N requests (between runs; AllBlocksCleared)",
+      [&](std::string_view flag, std::string_view value) {
+        c.resetCacheEvery = parseInteger(flag, value, 1, std::numeric_limits<int64_t>::max());
+      });
   option("--seed", "N", "workload and sampling seed (default 1)",
          [&](std::string_view flag, std::string_view value) {
            c.seed = static_cast<uint64_t>(
@@ -283,6 +289,9 @@ CliOptions parseArguments(int argc, char** argv) {
       replay->count() + encoding->count() + hold->count() > 0) {
     throw UsageError(
         "--kv-events-replay, --kv-events-encoding and --kv-events-hold need --kv-events");
+  }
+  if (resetEvery->count() > 0 && c.mode != ReplayMode::kReuse) {
+    throw UsageError("--reset-cache-every applies to --mode reuse only");
   }
   if (!options.kvEvents.endpoint.empty() && c.mode != ReplayMode::kReuse) {
     throw UsageError("--kv-events applies to --mode reuse only");

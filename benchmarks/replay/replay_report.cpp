@@ -179,6 +179,9 @@ std::string formatSummary(ReplayResult const& r) {
     line("evicted records",
          fmt::format("{}  (published {}, forced-cold retries {})", grouped(r.evictedRecords),
                      grouped(r.publishedRecords), r.forcedColdRetries));
+    if (r.cacheResets > 0) {
+      line("prefix cache resets", grouped(r.cacheResets));
+    }
     std::string misses;
     for (std::size_t i = 0; i < r.missesByReason.size(); ++i) {
       if (r.missesByReason[i] > 0) {
@@ -243,6 +246,7 @@ std::string formatJson(ReplayResult const& r) {
       {"decode_steps", r.decodeSteps},
       {"published_records", r.publishedRecords},
       {"evicted_records", r.evictedRecords},
+      {"cache_resets", r.cacheResets},
       {"forced_cold_retries", r.forcedColdRetries},
       {"misses_by_reason", misses},
       {"peak_pages_in_use", r.peakPagesInUse},

@@ -378,7 +378,22 @@ class Runner {
       }
       processOutcome(outcome);
       reportProgress();
+      resetCacheWhenDue();
     }
+  }
+
+  /// --reset-cache-every: between runs nothing is active, so the reset cannot be refused; its
+  /// AllBlocksCleared event goes out as a batch of its own.
+  void resetCacheWhenDue() {
+    int64_t const every = mConfig.resetCacheEvery;
+    if (every <= 0 || static_cast<int64_t>(mHanded) / every <= mResets) {
+      return;
+    }
+    if (!mRuntime->contextCache()->resetPrefixCache()) {
+      throw std::logic_error("the prefix cache refused a reset between two runs");
+    }
+    mResets = static_cast<int64_t>(mHanded) / every;
+    publishEvents();
   }
 
   void processOutcome(RequestOutcome const& outcome) {
@@ -492,6 +507,7 @@ class Runner {
     if (ContextCacheCoordinator const* coordinator = mRuntime->contextCache()) {
       ContextCacheMetrics const metrics = coordinator->metrics();
       r.evictedRecords = static_cast<int64_t>(metrics.evictedRecords);
+      r.cacheResets = static_cast<int64_t>(metrics.prefixCacheResets);
       r.forcedColdRetries = static_cast<int64_t>(metrics.forcedColdRetries);
       r.publishedRecords = static_cast<int64_t>(metrics.publishedRecords);
       for (std::size_t i = 0; i < r.missesByReason.size(); ++i) {
@@ -530,6 +546,7 @@ class Runner {
   std::deque<Pending> mStaged;  // materialised, in replay order (retries first)
   std::size_t mNextIndex = 0;   // next request to materialise
   std::size_t mHanded = 0;      // requests handed to the engine
+  int64_t mResets = 0;          // prefix cache resets so far (--reset-cache-every)
   int64_t mCompleted = 0;
   int64_t mCompletedPrompt = 0;
   int64_t mCompletedReused = 0;

@@ -53,6 +53,9 @@ struct ReplayConfig {
   DeviceType device = DeviceType::kCPU;
   testing::VerifyMode verify = testing::VerifyMode::kSample;
   uint64_t seed = 1;
+  /// kReuse: reset the prefix cache (ContextCacheCoordinator::resetPrefixCache) each time another
+  /// `resetCacheEvery` requests were handed to the engine, between two runs; 0 = never.
+  int64_t resetCacheEvery = 0;
   /// kReuse: each engine step's KV events go to this publisher as one batch (not owned).
   KvEventPublisher* kvEvents = nullptr;
 };
@@ -114,6 +117,7 @@ struct ReplayResult {
   int64_t decodeSteps = 0;
   double hitRate = 0.0;  ///< reused / prompt tokens
   int64_t evictedRecords = 0;
+  int64_t cacheResets = 0;  ///< prefix cache resets (--reset-cache-every)
   int64_t forcedColdRetries = 0;
   int64_t publishedRecords = 0;
   std::array<int64_t, kMissReasonCount> missesByReason{};

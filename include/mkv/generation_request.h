@@ -28,7 +28,9 @@ struct LLMGenerationRequest {
   ContextCacheCommitPolicy contextCacheCommitPolicy =
       ContextCacheCommitPolicy::kIncludingGeneratedTokens;
   /// Tokens at the end of the prompt (a chat template's generation prompt) that the next turn
-  /// will not reproduce; Hybrid-MTP endpoint publication stops before them. 0 = none.
+  /// will not reproduce; Hybrid-MTP endpoint publication stops before them
+  /// (publishHybridMtpEndpoint throws for a length inside the tail). 0 = none; other deployments
+  /// refuse a non-zero tail at begin; negative values (the reference's "derive") are refused.
   int32_t contextCacheReplayTailLength = 0;
   /// LoRA adapter of the request; empty = base model. Must equal the context's.
   std::string loraWeightsName;

@@ -672,6 +672,13 @@ ContextCacheStatus ContextCacheCoordinator::shutdown() noexcept {
   return mActive.empty() ? ContextCacheStatus::kOk : ContextCacheStatus::kRequestFailed;
 }
 
+bool ContextCacheCoordinator::resetPrefixCache() noexcept {
+  if (mPoisoned || !mActive.empty() || !mQuarantine.empty()) {
+    return false;
+  }
+  return mManager->resetPrefixCache();
+}
+
 // ---------------------------------------------------------------- observability
 
 bool ContextCacheCoordinator::supportsLiveSequenceAdmission() const noexcept {

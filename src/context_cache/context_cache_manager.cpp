@@ -533,18 +533,24 @@ void ContextCacheManager::retireHybridSnapshotReservation(CacheRequestLease& lea
 // Eviction and release
 
 void ContextCacheManager::evictRecord(RecordId id) noexcept {
+  mMetrics.evictedRecords += static_cast<uint64_t>(dropRecord(id, true));
+}
+
+int32_t ContextCacheManager::dropRecord(RecordId id, bool announce) noexcept {
   CacheRecord const* record = mRecords.get(id);
   if (record == nullptr) {
-    return;
+    return 0;
   }
   ++mStateVersion;
-  record->forEachResource([this](ResourceId resource) {
+  record->forEachResource([&](ResourceId resource) {
     bool const freed = mPools.dropCache(resource);
     // A page without cache references is no longer reusable, even while a lease still pins it.
     if (resource.type == ResourceType::kBaseKvPage && mPools.cacheRefs(resource) == 0) {
       if (std::optional<Hash128> const digest = mIndex.digestOf(resource.index)) {
         mIndex.erasePage(resource.index);
-        mEvents.push(BlockRemoved{*digest, resource.index});
+        if (announce) {
+          mEvents.push(BlockRemoved{*digest, resource.index});
+        }
       }
     }
     if (freed) {
@@ -552,7 +558,21 @@ void ContextCacheManager::evictRecord(RecordId id) noexcept {
     }
   });
   mRecords.erase(id);
-  ++mMetrics.evictedRecords;
+  return 1;
+}
+
+bool ContextCacheManager::resetPrefixCache() noexcept {
+  if (mLiveLeases > 0) {
+    return false;
+  }
+  while (!mRecords.empty()) {
+    mMetrics.resetRecords +=
+        static_cast<uint64_t>(dropRecord(mRecords.lruToMru().front().id, false));
+  }
+  MKV_ASSERT(mIndex.size() == 0, "{} blocks indexed after dropping every record", mIndex.size());
+  mEvents.push(AllBlocksCleared{});
+  ++mMetrics.prefixCacheResets;
+  return true;
 }
 
 void ContextCacheManager::enforceRecordLimit() noexcept {

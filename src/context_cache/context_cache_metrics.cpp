@@ -59,8 +59,11 @@ std::string toPrometheus(ContextCacheMetrics const& m, std::string_view prefix) 
             m.rejectedPublications);
   w.counter("evicted_records_total", "Records evicted (capacity pressure or record limit).",
             m.evictedRecords);
+  w.counter("prefix_cache_resets_total", "Prefix cache resets (every record dropped at once).",
+            m.prefixCacheResets);
+  w.counter("reset_records_total", "Records dropped by prefix cache resets.", m.resetRecords);
   perType(w, "reclaimed_resources_total", "counter",
-          "Resources returned to a free list by eviction.",
+          "Resources returned to a free list by eviction or reset.",
           [&m](ResourceType t) { return m.reclaimed(t); });
   w.counter("verification_rejects_total",
             "Digest hits refused by token verification (digest collisions).",

@@ -76,6 +76,7 @@ std::unique_ptr<ContextCacheCoordinator::Request> ContextCacheCoordinator::newRe
   created->id = mNextRequestId;
   created->contract = admission.tokenStateContract;
   created->commitPolicy = admission.commitPolicy;
+  created->replayTailLength = admission.replayTailLength;
   created->batchPolicy = admission.lookupPolicy;
   created->speculative = admission.speculativeRequest;
   created->sequences.reserve(static_cast<std::size_t>(mMaxBatch));

@@ -176,6 +176,11 @@ ContextCacheStatus ContextCacheCoordinator::publishHybridMtpEndpoint(RequestHand
   MKV_REQUIRE(residentStateLength >= 0 && residentStateLength <= sequence.promptLength, kCall,
               "slot {}: residentStateLength {} outside [0, prompt {}]", slot, residentStateLength,
               sequence.promptLength);
+  MKV_REQUIRE(residentStateLength <= sequence.promptLength - req.replayTailLength, kCall,
+              "slot {}: residentStateLength {} reaches into the replay tail ({} of the prompt's {} "
+              "tokens): publish at most {}",
+              slot, residentStateLength, req.replayTailLength, sequence.promptLength,
+              sequence.promptLength - req.replayTailLength);
   MKV_REQUIRE(residentStateLength == 0 || residentStateLength >= sequence.reuseTokenLength, kCall,
               "slot {}: residentStateLength {} below the restored reuse length {}", slot,
               residentStateLength, sequence.reuseTokenLength);

@@ -84,6 +84,8 @@ struct CoordinatorRequest {
   DecodingTokenStateContract contract = DecodingTokenStateContract::kCommittedPlusLookahead;
   ContextCacheCommitPolicy commitPolicy = ContextCacheCommitPolicy::kIncludingGeneratedTokens;
   ContextCacheLookupPolicy batchPolicy = ContextCacheLookupPolicy::kUseCache;
+  /// Prompt tokens the next turn will not reproduce (Hybrid-MTP only): never published.
+  int32_t replayTailLength = 0;
   std::vector<Sequence> sequences;
   // The compaction begun (meaningful in kCompacting only; the mapping keeps its capacity).
   std::vector<int32_t> mapping;

@@ -39,7 +39,8 @@ void validateBatchShape(char const* call, ContextCacheBatchAdmission const& admi
   std::size_t const batch = admission.sequences.size();
   MKV_REQUIRE(batch > 0 && batch <= static_cast<std::size_t>(limits.maxBatch), call,
               "batch of {} sequences outside [1, {}]", batch, limits.maxBatch);
-  if (admission.speculativeRequest && limits.hybridMtpDeployment) {
+  bool const hybridMtp = admission.speculativeRequest && limits.hybridMtpDeployment;
+  if (hybridMtp) {
     // The runtime's Hybrid-MTP prefill publishes one endpoint of one sequence, and the draft KV
     // lags the base by the accepted span, so a decode-end checkpoint would hold short draft state.
     MKV_REQUIRE(batch == 1, call, "a Hybrid-MTP request has one sequence, got {}", batch);
@@ -47,6 +48,20 @@ void validateBatchShape(char const* call, ContextCacheBatchAdmission const& admi
                 "a Hybrid-MTP request needs commit policy kPrefillStateOnly, got {}",
                 static_cast<int>(admission.commitPolicy));
   }
+  // The replay tail bounds the Hybrid-MTP endpoint (publishHybridMtpEndpoint); the other
+  // publications are of whole pages at fixed points, which a volatile tail does not move.
+  MKV_REQUIRE(admission.replayTailLength >= 0, call,
+              "replay tail length {} is negative (deriving it from the chat template is the "
+              "runtime's job: pass the token count)",
+              admission.replayTailLength);
+  MKV_REQUIRE(admission.replayTailLength == 0 || hybridMtp, call,
+              "a replay tail ({} tokens) applies to Hybrid-MTP requests only",
+              admission.replayTailLength);
+  MKV_REQUIRE(
+      admission.replayTailLength == 0 || static_cast<std::size_t>(admission.replayTailLength) <
+                                             admission.sequences.front().tokenIds.size(),
+      call, "replay tail of {} tokens leaves nothing of a {}-token prompt",
+      admission.replayTailLength, admission.sequences.front().tokenIds.size());
 }
 
 /// The prompt of sequence `i`: not empty, within int32 positions, and within a row (base, and

@@ -35,11 +35,14 @@ void KvEventQueue::push(KvEvent const& event) noexcept {
   if (mRing.empty()) {
     return;
   }
-  auto const& removed = std::get<BlockRemoved>(event);
   Slot& slot = mRing[claimSlot()];
   slot = Slot{};
-  slot.digest = removed.digest;
-  slot.page = removed.page;
+  if (auto const* removed = std::get_if<BlockRemoved>(&event)) {
+    slot.digest = removed->digest;
+    slot.page = removed->page;
+  } else {
+    slot.kind = Kind::kAllCleared;
+  }
 }
 
 void KvEventQueue::pushStored(BlockStored const& event, std::span<int32_t const> tokens) noexcept {
@@ -49,7 +52,7 @@ void KvEventQueue::pushStored(BlockStored const& event, std::span<int32_t const>
   std::size_t const index = claimSlot();
   bool const keep = mTokensPerBlock > 0 && event.tokenCount <= mTokensPerBlock &&
                     tokens.size() == static_cast<std::size_t>(event.tokenCount);
-  mRing[index] = Slot{true,
+  mRing[index] = Slot{Kind::kStored,
                       event.digest,
                       event.parent,
                       event.extras,
@@ -69,8 +72,12 @@ std::vector<KvEvent> KvEventQueue::drain() {
   for (int32_t k = 0; k < mSize; ++k) {
     auto const index = static_cast<std::size_t>((mHead + k) % cap);
     Slot const& slot = mRing[index];
-    if (!slot.stored) {
+    if (slot.kind == Kind::kRemoved) {
       out.emplace_back(BlockRemoved{slot.digest, slot.page});
+      continue;
+    }
+    if (slot.kind == Kind::kAllCleared) {
+      out.emplace_back(AllBlocksCleared{});
       continue;
     }
     auto const first = mTokens.begin() + static_cast<std::ptrdiff_t>(index) * mTokensPerBlock;

@@ -18,18 +18,19 @@ namespace {
 
 using Packer = msgpack::packer<msgpack::sbuffer>;
 
-/// [begin, end) of the input events that become one wire event.
+/// [begin, end) of the input events that become one wire event: a chain of BlockStored, a run of
+/// BlockRemoved, or consecutive AllBlocksCleared (one event on the wire).
 struct Run {
   std::size_t begin = 0;
   std::size_t end = 0;
-  bool stored = false;
+  std::size_t alternative = 0;  ///< KvEvent's index() of every event in the run
 };
 
 std::vector<Run> runsOf(std::span<KvEvent const> events) {
   std::vector<Run> runs;
   for (std::size_t i = 0; i < events.size();) {
-    Run run{i, i + 1, std::holds_alternative<BlockStored>(events[i])};
-    if (run.stored) {
+    Run run{i, i + 1, events[i].index()};
+    if (std::holds_alternative<BlockStored>(events[i])) {
       auto const* previous = &std::get<BlockStored>(events[i]);
       while (run.end < events.size()) {
         auto const* next = std::get_if<BlockStored>(&events[run.end]);
@@ -41,7 +42,7 @@ std::vector<Run> runsOf(std::span<KvEvent const> events) {
         ++run.end;
       }
     } else {
-      while (run.end < events.size() && std::holds_alternative<BlockRemoved>(events[run.end])) {
+      while (run.end < events.size() && events[run.end].index() == run.alternative) {
         ++run.end;
       }
     }
@@ -146,6 +147,8 @@ void packRemoved(Fields& f, std::span<KvEvent const> run, KvEventPublisherConfig
   packMedium(f["medium"], config.medium);
 }
 
+void packCleared(Fields& f) { f.begin("AllBlocksCleared", 0); }
+
 }  // namespace
 
 std::string encodeBatch(double timestamp, std::span<KvEvent const> events,
@@ -159,10 +162,12 @@ std::string encodeBatch(double timestamp, std::span<KvEvent const> events,
   Fields fields(p, config.encoding);
   for (Run const& run : runs) {
     std::span<KvEvent const> const slice = events.subspan(run.begin, run.end - run.begin);
-    if (run.stored) {
+    if (std::holds_alternative<BlockStored>(slice.front())) {
       packStored(fields, slice, config);
-    } else {
+    } else if (std::holds_alternative<BlockRemoved>(slice.front())) {
       packRemoved(fields, slice, config);
+    } else {
+      packCleared(fields);
     }
   }
   p.pack_int32(config.dataParallelRank);

@@ -787,6 +787,51 @@ TEST_P(ContextCacheCoordinatorTest, EventsReportEveryStoredAndRemovedBlock) {
   rig.expectQuiescent();
 }
 
+TEST_P(ContextCacheCoordinatorTest, ResetPrefixCacheWaitsForEveryRequestThenClearsTheCache) {
+  RigOptions options;
+  options.eventQueueCapacity = 16;
+  CoordinatorRig rig(device(), options);
+  std::vector<int32_t> const prompt = tokenRun(300, 100);
+  publish(rig, prompt);
+  Seq warm(concatenated(prompt, {7}), 0);
+  Handle running = rig.admit({&warm});
+  rig.coordinator.drainEvents();
+  EXPECT_FALSE(rig.coordinator.resetPrefixCache()) << "a request is active";
+  EXPECT_EQ(rig.manager().index().size(), 2);
+  ASSERT_EQ(rig.prefill(running, {&warm}), kOk);
+  ASSERT_EQ(rig.coordinator.finish(running), kOk);
+  {
+    Seq abandoned(tokenRun(200, 9000), 1);
+    Handle handle = rig.admit({&abandoned});
+    rig.coordinator.preparePrefill(handle);
+    rig.sync.failNext();
+  }  // abandoned with pending work, its synchronisation fails: quarantined, poisoned
+  ASSERT_TRUE(rig.coordinator.poisoned());
+  EXPECT_FALSE(rig.coordinator.resetPrefixCache()) << "poisoned, a request in quarantine";
+  ASSERT_EQ(rig.coordinator.shutdown(), kOk);
+  rig.coordinator.drainEvents();
+  EXPECT_EQ(rig.coordinator.metrics().prefixCacheResets, 0u);
+
+  ASSERT_TRUE(rig.coordinator.resetPrefixCache());
+  std::vector<KvEvent> const events = rig.coordinator.drainEvents();
+  ASSERT_EQ(events.size(), 1u);
+  EXPECT_TRUE(std::holds_alternative<AllBlocksCleared>(events[0]));
+  EXPECT_EQ(rig.freePages(), rig.options.numPages);
+  EXPECT_EQ(rig.manager().index().size(), 0);
+  EXPECT_TRUE(rig.records().empty());
+  std::string const text = rig.coordinator.toPrometheus();
+  EXPECT_NE(text.find("managedkv_prefix_cache_resets_total 1\n"), std::string::npos) << text;
+
+  Seq again(concatenated(prompt, {8}), 0);
+  std::vector<int32_t> starts;
+  Handle after = rig.admit({&again}, &starts);
+  EXPECT_EQ(starts, std::vector<int32_t>{0}) << "nothing to reuse after the reset";
+  ASSERT_EQ(rig.prefill(after, {&again}), kOk);
+  EXPECT_TRUE(rig.verify(again).ok());
+  ASSERT_EQ(rig.coordinator.finish(after), kOk);
+  rig.expectQuiescent();
+}
+
 INSTANTIATE_TEST_SUITE_P(Devices, ContextCacheCoordinatorTest, allDeviceTypes(), deviceName);
 
 TEST(ContextCacheCoordinatorConstructionTest,

@@ -951,6 +951,57 @@ TEST(ContextCacheManagerTest, EventQueueReportsStoredAndRemovedBlocks) {
   EXPECT_EQ(m.metrics().droppedEvents, 3U) << "2 + 1 + 1 + 2 = 6 events, 3 kept";
 }
 
+TEST(ContextCacheManagerTest, ResetPrefixCacheDropsEveryRecordAtOnceAndAnnouncesOneClear) {
+  ContextCacheManagerOptions options;
+  options.eventQueueCapacity = 16;
+  ContextCacheManager m(kPage, {8, 0, 2, 2}, 8, options);
+  std::vector<int32_t> const a = tokenRun(8, 0);
+  publishCold(m, a);
+  publishCold(m, concatenated(a, tokenRun(4, 50)));  // shares a's two pages
+  LookupRequest const hybrid = requestOf(tokenRun(6, 100), ReuseMode::kHybrid);
+  CacheRequestLease producer = admit(m, hybrid);
+  std::optional<SnapshotReservation> const reservation = m.reserveHybridSnapshots(producer, true);
+  ASSERT_TRUE(reservation.has_value());
+  ASSERT_EQ(
+      m.publishHybrid(producer, hashPromptBlocks(viewOf(tokenRun(6, 100)), kPage), 6, *reservation)
+          .status,
+      PublishStatus::kPublished);
+  m.retireHybridSnapshotReservation(producer, *reservation);
+
+  // A live lease refuses the reset and nothing changes.
+  m.drainEvents();
+  test::ManagerState const before = captureState(m);
+  uint64_t const evictedBefore = m.metrics().evictedRecords;
+  EXPECT_FALSE(m.resetPrefixCache());
+  EXPECT_EQ(captureState(m), before);
+  EXPECT_TRUE(m.drainEvents().empty());
+  EXPECT_EQ(m.metrics().prefixCacheResets, 0U);
+
+  producer.release();
+  ASSERT_TRUE(m.resetPrefixCache());
+  EXPECT_TRUE(m.records().empty());
+  EXPECT_EQ(m.index().size(), 0);
+  for (ResourceType type : kAllResourceTypes) {
+    EXPECT_EQ(m.pools().freeCount(type), m.pools().capacities()[type]) << toString(type);
+  }
+  std::vector<KvEvent> const events = m.drainEvents();
+  ASSERT_EQ(events.size(), 1U) << "one clear instead of a BlockRemoved per block";
+  EXPECT_TRUE(std::holds_alternative<AllBlocksCleared>(events[0]));
+  ContextCacheMetrics const metrics = m.metrics();
+  EXPECT_EQ(metrics.prefixCacheResets, 1U);
+  EXPECT_EQ(metrics.resetRecords, 3U);
+  EXPECT_EQ(metrics.evictedRecords, evictedBefore) << "a reset is not an eviction";
+  expectManagerInvariants(m);
+
+  // The cache works as before: a miss now, a hit after the next publication.
+  EXPECT_EQ(m.lookup(requestOf(concatenated(a, {1}))).plan.reuseTokenLength, 0);
+  publishCold(m, a);
+  EXPECT_EQ(m.lookup(requestOf(concatenated(a, {1}))).plan.reuseTokenLength, 8);
+  EXPECT_TRUE(m.resetPrefixCache());
+  EXPECT_TRUE(m.resetPrefixCache()) << "an empty cache resets too (one more clear)";
+  EXPECT_EQ(m.drainEvents().size(), 4U) << "2 stored blocks, 2 clears";
+}
+
 TEST(ContextCacheManagerTest, EventsAreOffByDefault) {
   ContextCacheManager m(kPage, {8, 0, 0, 0}, 8);
   publishCold(m, tokenRun(8, 0));

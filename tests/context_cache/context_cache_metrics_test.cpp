@@ -83,6 +83,8 @@ TEST(ContextCacheMetricsTest, PrometheusExpositionParsesAndCarriesEveryCounter) 
   m.records = 9;
   m.droppedEvents = 4;
   m.queriedTokens = 2048;
+  m.prefixCacheResets = 3;
+  m.resetRecords = 11;
   std::string const text = toPrometheus(m);
   ASSERT_FALSE(text.empty());
   EXPECT_EQ(text.back(), '\n');
@@ -99,6 +101,8 @@ TEST(ContextCacheMetricsTest, PrometheusExpositionParsesAndCarriesEveryCounter) 
   EXPECT_EQ(e.samples.at("managedkv_dropped_events_total"), 4);
   EXPECT_EQ(e.samples.at("managedkv_prefix_cache_queries_total"), 2048);
   EXPECT_EQ(e.samples.at("managedkv_prefix_cache_hits_total"), 1024);
+  EXPECT_EQ(e.samples.at("managedkv_prefix_cache_resets_total"), 3);
+  EXPECT_EQ(e.samples.at("managedkv_reset_records_total"), 11);
 
   int misses = 0;
   for (auto const& [name, value] : e.samples) {
@@ -111,7 +115,7 @@ TEST(ContextCacheMetricsTest, PrometheusExpositionParsesAndCarriesEveryCounter) 
     bool const total = name.size() > 6 && name.compare(name.size() - 6, 6, "_total") == 0;
     EXPECT_EQ(family.type == "counter", total) << name << ": counters and only they end in _total";
   }
-  // Every counter of the struct appears: 18 scalar counters + misses + reclaimed, and vLLM's
+  // Every counter of the struct appears: 20 scalar counters + misses + reclaimed, and vLLM's
   // token-counted pair (queriedTokens, reusedTokens) under vLLM's names.
   std::set<std::string> counters;
   for (auto const& [name, family] : e.families) {
@@ -119,7 +123,7 @@ TEST(ContextCacheMetricsTest, PrometheusExpositionParsesAndCarriesEveryCounter) 
       counters.insert(name);
     }
   }
-  EXPECT_EQ(counters.size(), 21U);
+  EXPECT_EQ(counters.size(), 23U);
 }
 
 TEST(ContextCacheMetricsTest, PrefixCacheQueriesAndHitsAreCountedInTokens) {

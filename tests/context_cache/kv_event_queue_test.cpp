@@ -22,6 +22,24 @@ TEST(KvEventQueueTest, DrainsInOrderAndEmpties) {
   EXPECT_TRUE(queue.drain().empty());
 }
 
+TEST(KvEventQueueTest, AllBlocksClearedKeepsItsPlaceAndCountsAsOneEvent) {
+  KvEventQueue queue(3, 4);
+  std::vector<int32_t> const tokens{1, 2, 3, 4};
+  queue.pushStored(BlockStored{Hash128{0, 1}, kBlockChainRoot, 0, 4}, tokens);
+  queue.push(AllBlocksCleared{});
+  queue.push(BlockRemoved{Hash128{0, 2}, 5});
+  queue.push(AllBlocksCleared{});  // overwrites the stored block
+  EXPECT_EQ(queue.droppedCount(), 1U);
+  std::vector<KvEvent> const events = queue.drain();
+  ASSERT_EQ(events.size(), 3U);
+  EXPECT_TRUE(std::holds_alternative<AllBlocksCleared>(events[0]));
+  EXPECT_EQ(std::get<BlockRemoved>(events[1]), (BlockRemoved{Hash128{0, 2}, 5}));
+  EXPECT_TRUE(std::holds_alternative<AllBlocksCleared>(events[2]));
+  queue.pushStored(BlockStored{Hash128{0, 3}, kBlockChainRoot, 1, 4}, tokens);
+  EXPECT_EQ(std::get<BlockStored>(queue.drain().at(0)).tokens, tokens)
+      << "a slot a clear used keeps a stored block's tokens again";
+}
+
 TEST(KvEventQueueTest, OverflowDropsTheOldestAndCounts) {
   KvEventQueue queue(2);
   for (int32_t page = 0; page < 5; ++page) {

@@ -489,6 +489,65 @@ TEST_P(HybridMtpCoordinatorTest, AnEndpointBelowTheRestoredLengthThrowsAndChange
   rig.expectQuiescent();
 }
 
+TEST_P(HybridMtpCoordinatorTest, TheReplayTailIsNeverPublished) {
+  SpecRig rig(device(), mtp());
+  std::vector<int32_t> const turn = tokenRun(89, 100);
+  Seq producer(concatenated(turn, tokenRun(40, 9000)), 0);  // 40 generation-prompt tokens
+  auto begin = [&](ContextCacheBatchAdmission const& batch) {
+    return [&rig, batch] {
+      (void)rig.coordinator->beginRequest(batch, rig.headroomOf(batch.speculativeRequest),
+                                          nullptr);
+    };
+  };
+  ContextCacheBatchAdmission batch = rig.batchOf({&producer}, true);
+  batch.replayTailLength = -1;
+  EXPECT_TRUE(throwsError(begin(batch), {"beginRequest", "replay tail length -1 is negative"}));
+  batch.replayTailLength = 129;
+  EXPECT_TRUE(throwsError(begin(batch), {"replay tail of 129 tokens leaves nothing"}));
+  ContextCacheBatchAdmission plain = rig.batchOf({&producer}, false);
+  plain.replayTailLength = 40;
+  EXPECT_TRUE(throwsError(begin(plain), {"applies to Hybrid-MTP requests only"}));
+  EXPECT_EQ(rig.manager().liveLeaseCount(), 0);
+
+  batch.replayTailLength = 40;
+  auto begun = rig.coordinator->beginRequest(batch, SpecRig::kSpecHeadroom, nullptr);
+  ASSERT_EQ(begun.status, kOk);
+  Handle handle = std::move(begun.admission->request);
+  rig.coordinator->preparePrefill(handle);
+  Tensor hidden = rig.hiddenStates(producer, 0, 129);
+  int64_t const syncs = rig.sync.calls();
+  EXPECT_TRUE(throwsError(
+      [&] { (void)rig.coordinator->publishHybridMtpEndpoint(handle, 0, 90, hidden, 89); },
+      {"publishHybridMtpEndpoint", "residentStateLength 90 reaches into the replay tail",
+       "publish at most 89"}));
+  EXPECT_EQ(rig.sync.calls(), syncs);
+  EXPECT_TRUE(rig.records().empty());
+  ASSERT_EQ(rig.coordinator->finish(handle), kOk);
+
+  // The runtime's split prefill: the stable predecessor, its endpoint, then the tail.
+  auto retried = rig.coordinator->beginRequest(batch, SpecRig::kSpecHeadroom, nullptr);
+  ASSERT_EQ(retried.status, kOk);
+  Handle again = std::move(retried.admission->request);
+  rig.coordinator->preparePrefill(again);
+  rig.executeBase(producer, 0, 0, 89);
+  rig.executeDraft(producer, 0, 0, 88);
+  ASSERT_EQ(rig.coordinator->publishHybridMtpEndpoint(again, 0, 89, hidden, 88), kOk);
+  rig.executeBase(producer, 0, 89, 129);
+  rig.executeDraft(producer, 0, 88, 128);
+  producer.sample();
+  ContextCacheSequenceAdvance const advance{&producer.tokens.back(), 1, 129};
+  ASSERT_EQ(rig.coordinator->finalizePrefillPublication(again, {&advance, 1}), kOk);
+  ASSERT_EQ(rig.coordinator->finish(again), kOk);
+  EXPECT_EQ(rig.records().size(), 1u) << "one endpoint, at the predecessor's 89 tokens";
+  Seq next(concatenated(turn, tokenRun(60, 20000)), 1);  // the next turn: another continuation
+  std::vector<int32_t> starts;
+  Handle consumer = rig.admit({&next}, true, &starts);
+  EXPECT_EQ(starts, std::vector<int32_t>{89});
+  ASSERT_EQ(rig.mtpPrefill(consumer, next), kOk);
+  ASSERT_EQ(rig.coordinator->finish(consumer), kOk);
+  rig.expectQuiescent();
+}
+
 INSTANTIATE_TEST_SUITE_P(Devices, HybridMtpCoordinatorTest, allDeviceTypes(), deviceName);
 
 // ------------------------------------------------------------------------------- profiles

@@ -119,6 +119,7 @@ struct WireEvent {
   std::optional<std::string> medium;
   bool loraNil = true;
   std::optional<std::vector<std::optional<std::string>>> extraKeys;  ///< first key of each block
+  std::size_t fieldCount = 0;  ///< fields besides the type (the tag or the class name)
 };
 
 std::string text(msgpack::object const& o) {
@@ -145,9 +146,11 @@ WireEvent decodeEvent(msgpack::object const& o, KvEventEncoding encoding) {
       fields[text(o.via.map.ptr[i].key)] = o.via.map.ptr[i].val;
     }
     e.type = text(fields.at("type"));
+    e.fieldCount = fields.size() - 1;
   } else {
     EXPECT_EQ(o.type, msgpack::type::ARRAY);
     e.type = text(o.via.array.ptr[0]);
+    e.fieldCount = o.via.array.size - 1;
     std::vector<std::string> const names =
         e.type == "BlockStored"
             ? std::vector<std::string>{"block_hashes", "parent_block_hash", "token_ids",
@@ -158,6 +161,9 @@ WireEvent decodeEvent(msgpack::object const& o, KvEventEncoding encoding) {
     for (uint32_t i = 1; i < o.via.array.size; ++i) {
       fields[names[i - 1]] = o.via.array.ptr[i];
     }
+  }
+  if (e.type == "AllBlocksCleared") {
+    return e;
   }
   e.hashes = integers(fields.at("block_hashes"));
   e.medium = fields.at("medium").is_nil() ? std::nullopt : std::optional(text(fields.at("medium")));
@@ -335,6 +341,30 @@ TEST_P(KvEventWireTest, ChainedStoresShareOneEventAndOthersStartTheirOwn) {
   EXPECT_FALSE(batch.events[0].extraKeys.has_value()) << "token-only blocks carry no extra keys";
   EXPECT_EQ(batch.events[1].hashes, (std::vector<uint64_t>{203}));
   EXPECT_FALSE(batch.events[1].parent.has_value());
+}
+
+TEST_P(KvEventWireTest, AllBlocksClearedIsAFieldlessEventBetweenTheOthers) {
+  auto publisher = KvEventPublisher::create(loopbackConfig(GetParam()));
+  Hash128 const a{1, 301};
+  Hash128 const b{2, 302};
+  ASSERT_TRUE(publisher->publish({BlockRemoved{a, 0}, AllBlocksCleared{}, AllBlocksCleared{},
+                                  stored(b, kBlockChainRoot, 1), BlockRemoved{b, 0}}));
+  publisher->flush();
+  Context context;
+  std::vector<std::pair<int64_t, std::string>> const batches =
+      replayFrom(context, publisher->replayEndpoint(), 0);
+  ASSERT_EQ(batches.size(), 1U);
+  WireBatch const batch = decodeBatch(batches[0].second, GetParam());
+  std::vector<std::string> types;
+  for (WireEvent const& event : batch.events) {
+    types.push_back(event.type);
+  }
+  EXPECT_EQ(types, (std::vector<std::string>{"BlockRemoved", "AllBlocksCleared", "BlockStored",
+                                             "BlockRemoved"}))
+      << "consecutive clears are one event; the order of the others is kept";
+  EXPECT_EQ(batch.events[1].fieldCount, 0U)
+      << "vLLM's AllBlocksCleared has no fields: {\"type\": ...} or [\"AllBlocksCleared\"]";
+  EXPECT_EQ(batch.events[2].hashes, (std::vector<uint64_t>{302}));
 }
 
 INSTANTIATE_TEST_SUITE_P(Encodings, KvEventWireTest,

@@ -5,9 +5,10 @@ Runs mkv-replay with --kv-events on an ephemeral loopback port, subscribes with 
 every batch with the msgpack package and rebuilds the cache's block set from the events alone,
 checking on the way what routers such as Dynamo's and llm-d's rely on (3 frames, big-endian
 sequence numbers without a gap, [timestamp, [events], rank] payloads, unique unsigned 64-bit
-block hashes, known parents, block_size tokens per block). The set must equal the index that
+block hashes, known parents, block_size tokens per block). The replay clears its prefix cache
+once on the way (--reset-cache-every: one AllBlocksCleared). The set must equal the index that
 mkv-replay reports at the end (--json), first from the live stream, then again after a resync
-through the replay socket from a mid-stream sequence number. Batches the subscriber missed
+through the replay socket from a sequence number before the clear. Batches the subscriber missed
 before its subscription reached the publisher (ZeroMQ's slow joiner) are fetched through the
 replay socket, so the outcome does not depend on timing.
 
@@ -33,6 +34,7 @@ import zmq.utils.monitor
 
 PAGE_SIZE = 64
 LIMIT = 60
+RESET_EVERY = 40  # one prefix cache reset (AllBlocksCleared) after request 40 of 60
 DEADLINE_S = 60.0  # everything below is bounded by this
 END_SEQUENCE = -1
 
@@ -84,8 +86,9 @@ def is_u64(value):
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**64
 
 
-def apply_batch(blocks, sequence, payload, encoding):
-    """Applies one batch to `blocks` (block hash -> its token ids) as a router would."""
+def apply_batch(blocks, clears, sequence, payload, encoding):
+    """Applies one batch to `blocks` (block hash -> its token ids) as a router would; appends
+    the batch's sequence number to `clears` for each AllBlocksCleared."""
     batch = msgpack.unpackb(payload, raw=False, strict_map_key=False)
     check(isinstance(batch, list) and len(batch) == 3,
           f"batch {sequence} is not [timestamp, events, rank]")
@@ -118,13 +121,16 @@ def apply_batch(blocks, sequence, payload, encoding):
                 check(h in blocks, f"batch {sequence}: removed block {h} was not stored")
                 del blocks[h]
         else:
+            check(not f, f"batch {sequence}: AllBlocksCleared has fields {sorted(f)}")
             blocks.clear()
+            clears.append(sequence)
 
 
-def rebuild(payloads, count, encoding):
+def rebuild(payloads, count, encoding, clears=None):
     blocks = {}
+    clears = [] if clears is None else clears
     for sequence in range(count):
-        apply_batch(blocks, sequence, payloads[sequence], encoding)
+        apply_batch(blocks, clears, sequence, payloads[sequence], encoding)
     return blocks
 
 
@@ -176,7 +182,7 @@ def run(mkv_replay, trace, encoding, mode, passed):
             # in-flight joins; the oracle off (what is checked here is the event stream).
             [mkv_replay, "--quiet", "--trace", trace, "--limit", str(LIMIT), "--page-size",
              str(PAGE_SIZE), "--pool-pages", "1000", "--max-batch", "2", "--max-output", "4",
-             "--verify", "none", "--json", json_path,
+             "--verify", "none", "--json", json_path, "--reset-cache-every", str(RESET_EVERY),
              "--kv-events", publish_to, "--kv-events-replay", "tcp://127.0.0.1:*",
              "--kv-events-encoding", encoding, "--kv-events-hold"],
             stdin=subprocess.PIPE, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
@@ -237,13 +243,16 @@ def run(mkv_replay, trace, encoding, mode, passed):
             check(report["failed_requests"] == 0 and report["joins"] > 0,
                   "the workload should run every request, some joining in flight")
             check(index, "the index is empty at the end")
-            blocks = rebuild(payloads, count, encoding)
+            clears = []
+            blocks = rebuild(payloads, count, encoding, clears)
+            check(report["cache_resets"] == 1 and len(clears) == 1,
+                  f"{report['cache_resets']} resets, {len(clears)} AllBlocksCleared events")
             check(set(blocks) == index,
                   f"rebuilt {len(blocks)} blocks, the index holds {len(index)} "
                   f"({len(set(blocks) ^ index)} differ)")
             passed.append(f"block set rebuilt from events equals the index ({len(index)} blocks)")
 
-            middle = count // 2
+            middle = clears[0] - 1  # the resync replays the clear too
             resent = replay_from(context, endpoints.group(2), middle, deadline)
             check([s for s, _ in resent] == list(range(middle, count)),
                   f"replay from {middle} returned sequences {[s for s, _ in resent][:5]}...")

@@ -219,6 +219,9 @@ TEST_F(MkvReplayCliTest, BadOptionsAreOneLineAndExitTwo) {
                  "--kv-events-replay, --kv-events-encoding and --kv-events-hold need --kv-events");
   expectBadInput({"--kv-events", "tcp://127.0.0.1:*", "--mode", "full"},
                  "--kv-events applies to --mode reuse only");
+  expectBadInput({"--reset-cache-every", "5", "--mode", "swa"},
+                 "--reset-cache-every applies to --mode reuse only");
+  expectBadInput({"--reset-cache-every", "0"}, "--reset-cache-every 0 is outside [1, ");
   expectBadInput({"--kv-events", "tcp://127.0.0.1:*", "--kv-events-encoding", "json"},
                  "--kv-events-encoding expects one of map, array, got 'json'");
   expectBadInput({"--kv-events", "nonsense://x"},

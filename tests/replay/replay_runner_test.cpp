@@ -156,6 +156,26 @@ TEST(ReplayRunnerTest, TinyTraceReusesExactlyTheHandComputedTokens) {
   EXPECT_LE(result.peakPagesInUse, result.poolPages);
 }
 
+TEST(ReplayRunnerTest, ResetCacheEveryClearsTheCacheBetweenRuns) {
+  MKV_TEST_INPUT_OR_SKIP(kTiny, "tests/replay/tiny_mooncake.jsonl");
+  // As above, with the cache cleared after requests 2 and 4: request 3 [1, 9] finds nothing
+  // (block 1 was cleared: an `evicted` miss) and request 4 [1, 2] only request 3's block 1
+  // (block 2 was cleared: another `evicted` miss).
+  TraceSource source = traceSource(kTiny);
+  ReplayConfig config;
+  config.resetCacheEvery = 2;
+  ReplayResult const result = runReplay(source, config);
+  ASSERT_EQ(result.records.size(), 4u);
+  std::vector<int64_t> const reused = {0, 1024, 0, 512};
+  for (std::size_t i = 0; i < 4; ++i) {
+    EXPECT_EQ(result.records[i].reusedTokens, reused[i]) << i;
+  }
+  EXPECT_EQ(result.cacheResets, 2);
+  EXPECT_EQ(result.evictedRecords, 0) << "a reset is not an eviction";
+  EXPECT_EQ(missCount(result, MissReason::kEvicted), 2);
+  EXPECT_EQ(result.oracleMismatches, 0);
+}
+
 TEST(ReplayRunnerTest, MooncakeFirst500ReuseMatchesAnIndependentLongestPrefixModel) {
   MKV_TEST_INPUT_OR_SKIP(kMooncake500, "tests/data/mooncake_first500.jsonl");
   TraceSource trace = traceSource(kMooncake500);

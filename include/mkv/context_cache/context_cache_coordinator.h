@@ -122,6 +122,9 @@ struct ContextCacheBatchAdmission {
       DecodingTokenStateContract::kCommittedPlusLookahead;
   ContextCacheLookupPolicy lookupPolicy = ContextCacheLookupPolicy::kUseCache;
   ContextCacheCommitPolicy commitPolicy = ContextCacheCommitPolicy::kIncludingGeneratedTokens;
+  /// Hybrid-MTP requests only (0 elsewhere): the last prompt tokens the next turn will not
+  /// reproduce (a chat template's generation prompt); publishHybridMtpEndpoint refuses a length
+  /// that reaches into them. In [0, prompt length).
   int32_t replayTailLength = 0;
 };
 
@@ -316,6 +319,12 @@ class ContextCacheCoordinator {
   /// Drains quarantined requests; clears the poison when every drain succeeded.
   /// kRequestFailed when requests are still active.
   ContextCacheStatus shutdown() noexcept;
+  /// Clears the prefix cache between requests (ContextCacheManager::resetPrefixCache): every
+  /// record dropped, its pages and snapshot slots free, one AllBlocksCleared KV event. Host
+  /// bookkeeping only: no device work, no synchronisation (no row references a cached page
+  /// while no request lives). Returns false and changes nothing while a request is active or
+  /// quarantined, or the coordinator is poisoned (shutdown() first).
+  bool resetPrefixCache() noexcept;
 
   /// Hybrid-MTP (speculative request on a Hybrid-MTP deployment), between preparePrefill and
   /// finalizePrefillPublication: publishes the exact checkpoint of row `slot` at

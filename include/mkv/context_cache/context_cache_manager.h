@@ -192,6 +192,16 @@ class ContextCacheManager {
   PublishResult publishHybridMtp(CacheRequestLease& lease, PromptBlocks const& blocks,
                                  int32_t exactLength, SnapshotReservation const& reservation);
 
+  // --- Reset ------------------------------------------------------------------------------------
+
+  /// Drops every record at once, the operator's "clear the prefix cache" (vLLM's
+  /// reset_prefix_cache): every cached page and snapshot slot returns to its free ring, the index
+  /// empties, and one AllBlocksCleared event is queued instead of a BlockRemoved per block.
+  /// Records dropped here count in `resetRecords`, not as evictions; the eviction history of
+  /// MissReason::kEvicted is kept. Returns false and changes nothing while any lease is live (a
+  /// running request's pins and hits would outlive their records).
+  bool resetPrefixCache() noexcept;
+
   // --- Observers ------------------------------------------------------------------------------
 
   /// All queued KV events, oldest first (see KvEventQueue).
@@ -235,6 +245,9 @@ class ContextCacheManager {
   bool allocateWithEviction(ResourceDemand const& demand, RecordId protectedRecord,
                             std::array<std::vector<int32_t>*, kResourceTypeCount> const& targets);
   void evictRecord(RecordId id) noexcept;
+  /// Drops record `id`'s cache references and erases it; `announce`: queue a BlockRemoved for
+  /// each page that lost its last cache reference. Returns the number of records dropped (0, 1).
+  int32_t dropRecord(RecordId id, bool announce) noexcept;
   void enforceRecordLimit() noexcept;
   void releaseLease(CacheRequestLease& lease) noexcept;
   void checkBoundPrefix(char const* call, CacheRequestLease const& lease,

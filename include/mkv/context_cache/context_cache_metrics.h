@@ -45,7 +45,10 @@ struct ContextCacheMetrics {
 
   // Eviction and verification.
   uint64_t evictedRecords = 0;
-  /// Resources returned to a free ring by an eviction (not by a lease release), per type.
+  uint64_t prefixCacheResets = 0;  ///< successful ContextCacheManager::resetPrefixCache calls
+  uint64_t resetRecords = 0;       ///< records those resets dropped (not counted as evictions)
+  /// Resources returned to a free ring by an eviction or a reset (not by a lease release), per
+  /// type.
   std::array<uint64_t, kResourceTypeCount> reclaimedResources{};
   uint64_t verificationRejects = 0;  ///< digest hits refused by token verification
   uint64_t droppedEvents = 0;        ///< KV events overwritten in the full event queue

@@ -37,7 +37,13 @@ struct BlockRemoved {
   friend bool operator==(BlockRemoved const&, BlockRemoved const&) = default;
 };
 
-using KvEvent = std::variant<BlockStored, BlockRemoved>;
+/// Every block stopped being reusable at once: the cache dropped all its records
+/// (ContextCacheManager::resetPrefixCache). Replaces the per-block BlockRemoved events.
+struct AllBlocksCleared {
+  friend bool operator==(AllBlocksCleared const&, AllBlocksCleared const&) = default;
+};
+
+using KvEvent = std::variant<BlockStored, BlockRemoved, AllBlocksCleared>;
 
 /// A fixed ring of events, and of `tokensPerBlock` token ids per event, allocated at construction:
 /// pushing never allocates and never fails. When full, the oldest event is overwritten and
@@ -63,9 +69,10 @@ class KvEventQueue {
   uint64_t droppedCount() const noexcept { return mDropped; }
 
  private:
+  enum class Kind : uint8_t { kStored, kRemoved, kAllCleared };
   /// One queued event without its token ids (those live in mTokens at the slot's offset).
   struct Slot {
-    bool stored = false;
+    Kind kind = Kind::kRemoved;
     Hash128 digest;
     Hash128 parent;
     Hash128 extras;
