@@ -495,8 +495,7 @@ TEST_P(HybridMtpCoordinatorTest, TheReplayTailIsNeverPublished) {
   Seq producer(concatenated(turn, tokenRun(40, 9000)), 0);  // 40 generation-prompt tokens
   auto begin = [&](ContextCacheBatchAdmission const& batch) {
     return [&rig, batch] {
-      (void)rig.coordinator->beginRequest(batch, rig.headroomOf(batch.speculativeRequest),
-                                          nullptr);
+      (void)rig.coordinator->beginRequest(batch, rig.headroomOf(batch.speculativeRequest), nullptr);
     };
   };
   ContextCacheBatchAdmission batch = rig.batchOf({&producer}, true);
