@@ -37,11 +37,12 @@ struct RowBufferDesc {
 /// kCompactThreads threads holding kCompactVectorsPerThread vectors each: a tile of
 /// 2^kCompactTileVectorsLog2 vectors (32 KiB at 16-byte width). Plain constexpr functions, so
 /// the launcher (unit bound, workspace size) and the kernel (decoding a unit) share them.
-/// Chosen from kernels.md §3.4 (16-byte accesses, >= 4 loads in flight per thread, ~16-32 KiB
-/// per CTA). Measured on the H200 (2026-12-03, docs/benchmarks.md G5): 0.75 / 0.77 / 0.80 / 0.83
-/// x memcpy at n = 32768 rows of 2 / 8 / 16 / 64 KiB (the previous column-chunk kernel: 0.15 to
-/// 0.74), 8.8-13.0 us at n = 256; the ticket atomic and flag wait on each CTA's critical path
-/// keep it below copyRows (0.89-0.94). Not tuned further yet (tile size, pipelining).
+/// Chosen from the design's copy measurements (16-byte accesses, >= 4 loads in flight per thread,
+/// ~16-32 KiB per CTA: docs/benchmarks.md, "The measurements behind the kernels"). Measured on the
+/// H200 (2026-12-03, docs/benchmarks.md G5): 0.75 / 0.77 / 0.80 / 0.83 x memcpy at n = 32768 rows
+/// of 2 / 8 / 16 / 64 KiB (the previous column-chunk kernel: 0.15 to 0.74), 8.8-13.0 us at
+/// n = 256; the ticket atomic and flag wait on each CTA's critical path keep it below copyRows
+/// (0.89-0.94). Not tuned further yet (tile size, pipelining).
 inline constexpr int32_t kCompactThreads = 256;
 inline constexpr int32_t kCompactVectorsPerThread = 8;
 inline constexpr int32_t kCompactTileVectorsLog2 = 11;

@@ -2,8 +2,8 @@
 /// \file vector_copy.cuh
 /// Private device helpers of the data-movement kernels: the widest access width a byte run
 /// allows, and warp-cooperative copy / fill of one byte run with several independent loads in
-/// flight per lane. Measurements behind the constants: docs/benchmarks.md and
-/// ../shared/reference/kernels.md §3.
+/// flight per lane. Measurements behind the constants: docs/benchmarks.md, "The measurements
+/// behind the kernels" and "Results (H200)".
 
 #include <cstdint>
 #include <type_traits>
@@ -11,11 +11,12 @@
 namespace mkv::kernels::detail {
 
 inline constexpr int32_t kWarpSize = 32;
-/// Independent vector loads each lane issues before its first store. kernels.md §3.4: 16-byte
-/// accesses with >= 4 loads in flight per thread reached 0.95 x memcpy on an H200 (tile kernel,
-/// 2026-12-02). Measured with these kernels on an H200 (docs/benchmarks.md, 2026-12-02): page
-/// gather 0.94-0.95 x memcpy, scatter-gather 0.91-0.92, sequential 0.97, 2-64 KiB row gather
-/// 0.90-0.94 at n = 32768 (40 registers at 16 B, no spills).
+/// Independent vector loads each lane issues before its first store. 16-byte accesses with >= 4
+/// loads in flight per thread reached 0.95 x memcpy on an H200 (the design's tile kernel,
+/// 2026-12-02; docs/benchmarks.md, "The measurements behind the kernels"). Measured with these
+/// kernels on an H200 (docs/benchmarks.md, 2026-12-02): page gather 0.94-0.95 x memcpy,
+/// scatter-gather 0.91-0.92, sequential 0.97, 2-64 KiB row gather 0.90-0.94 at n = 32768 (40
+/// registers at 16 B, no spills).
 inline constexpr int32_t kLoadsInFlight = 4;
 /// Bytes one warp moves per work unit at full width: 32 lanes x 4 loads x 16 B. Rows up to this
 /// size get one warp each; larger rows and pages are split into units of this size.

@@ -2,10 +2,11 @@
 /// \file warp_units.cuh
 /// Work decomposition shared by the copy kernels. A copy of many byte runs (pages, rows) is cut
 /// into warp units: one unit is one warp copying at most kWarpChunkBytes of one run. Runs up to
-/// that size get one warp each (the "warp per row" regime of kernels.md §3.4); a larger page is
-/// split into consecutive units, so the 8 warps of a CTA cover 16 KiB of it (the "tile per CTA"
-/// regime). grid.y selects the run list (layer and half, or buffer); grid.x walks the units of
-/// that list, with a grid-stride loop so any size fits the launch limits.
+/// that size get one warp each (the "warp per row" regime of docs/benchmarks.md, "The measurements
+/// behind the kernels"); a larger page is split into consecutive units, so the 8 warps of a CTA
+/// cover 16 KiB of it (the "tile per CTA" regime). grid.y selects the run list (layer and half, or
+/// buffer); grid.x walks the units of that list, with a grid-stride loop so any size fits the
+/// launch limits.
 
 #include <algorithm>
 #include <cstdint>
@@ -15,9 +16,10 @@
 namespace mkv::kernels::detail {
 
 /// Warps per CTA: 8 x 32 threads x 4 loads x 16 B = 16 KiB of a large page per CTA, the tile
-/// that reached 0.95 x memcpy on an H200 in kernels.md §3.1. Re-measured with copyPages on an
-/// H200 (docs/benchmarks.md, 2026-12-02): the same 0.94-0.95 for 32-256 KiB pages, and a
-/// 32-layer x 64-page decode step in 40.7 us.
+/// that reached 0.95 x memcpy on an H200 in the design's measurements (docs/benchmarks.md, "The
+/// measurements behind the kernels"). Re-measured with copyPages on an H200 (docs/benchmarks.md,
+/// 2026-12-02): the same 0.94-0.95 for 32-256 KiB pages, and a 32-layer x 64-page decode step in
+/// 40.7 us.
 inline constexpr int32_t kWarpsPerBlock = 8;
 inline constexpr int32_t kUnitBlockThreads = kWarpsPerBlock * kWarpSize;
 /// grid.x never exceeds this; larger unit counts loop (grid stride).

@@ -1,5 +1,5 @@
 /// mkv_gpu_bench: CUDA-event benchmark of the managedkv data-movement kernels, cases G1-G5 of
-/// ../shared/reference/kernels.md §5 (method and results: docs/benchmarks.md).
+/// docs/benchmarks.md, "What is measured" (method and results there too).
 ///
 /// Per case, in one run and on one non-blocking stream, it times
 ///   1. a contiguous cudaMemcpyAsync of the same byte count (the denominator of "ratio"),
@@ -55,10 +55,11 @@ constexpr int64_t kMiB = 1024 * kKiB;
 constexpr int64_t kGiB = 1024 * kMiB;
 /// K or V page row of one token: 8 KV heads x 128 dims x 2 B (bf16).
 constexpr int64_t kTokenBytes = 8 * 128 * 2;
-/// Bytes one G1-G3 call moves (kernels.md §1: >= 256 MiB so HBM, not L2, is measured).
+/// Bytes one G1-G3 call moves (>= 256 MiB so HBM, not L2, is measured: docs/benchmarks.md, "The
+/// measurements behind the kernels").
 constexpr int64_t kBandwidthBytes = kGiB;
 /// Per-copy loops are subsampled beyond this many cudaMemcpyAsync calls per repetition
-/// (~4 us each on the H200, kernels.md §3).
+/// (~4 us each on the H200: docs/benchmarks.md, "The measurements behind the kernels").
 constexpr int64_t kLoopCopies = 4096;
 constexpr int kLoopReps = 3;
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU half in one go (docs/benchmarks.md, ../shared/design/GPU.md):
+# The GPU half in one go (docs/benchmarks.md, "How to run it"):
 #   1. mkv_gpu_tests (every launcher on the GPU vs its host twin, graph capture),
 #   1b. the engine loop's host cost with GPU tensors next to the CPU twin (mkv_host_bench's
 #      BM_RequestLifecycle / BM_Engine*DecodeStep rows, ratios by engine_loop_ratios.py),

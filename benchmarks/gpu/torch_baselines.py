@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""PyTorch baselines for the shapes of mkv_gpu_bench (kernels.md section 5, G1-G6).
+"""PyTorch baselines for the shapes of mkv_gpu_bench (G1-G6 of docs/benchmarks.md).
 
 Per case, in one process on one stream: torch ``copy_`` of the same bytes (the denominator),
 then ``index_select(out=)`` where the case is a gather, ``index_copy_`` with a gathered

@@ -1,5 +1,6 @@
-// Block digest throughput of a 32k-token prompt (SPEC §13: <= 1 ns per token incl. chaining),
-// side by side with the schemes of peer systems, every one chained parent -> block:
+// Block digest throughput of a 32k-token prompt (target: <= 1 ns per token incl. chaining,
+// docs/benchmarks.md, "What is measured, and how"), side by side with the schemes of peer
+// systems, every one chained parent -> block:
 //   * managedkv: hashPromptBlocks (keys, token and media digests: what a lookup hashes),
 //     hashPromptBlocks + every content key (what a cold publication adds: the token-only chain,
 //     computed on demand) and hashFullBlocks (keys only), chained XXH3-128;
@@ -8,7 +9,7 @@
 //   * FNV-1a-128, byte-wise: state = (state ^ byte) * prime mod 2^128 over the parent digest bytes
 //     then the token bytes, little-endian (the reference engine's scheme).
 // Token verification does not enter a digest; its cost shows in the lookup benchmarks
-// (context_cache_manager_bench.cpp). Ratios: docs/benchmarks.md ("Host").
+// (context_cache_manager_bench.cpp). Ratios: docs/benchmarks.md, "What is measured, and how".
 
 #include <benchmark/benchmark.h>
 #include <openssl/evp.h>

@@ -1,6 +1,7 @@
-// Bounded-SWA decode bookkeeping per sequence and step (SPEC §13: O(1), <= 100 ns per sequence
-// per step): BoundedSwaKVPageManager::prepareDecodeStep + completeDecodeStep for the whole batch
-// on CPU tensors, including the page-table patch upload (its host twin). Rig: decode_step_rigs.h.
+// Bounded-SWA decode bookkeeping per sequence and step (target: O(1), <= 100 ns per sequence per
+// step, docs/benchmarks.md, "What is measured, and how"): prepareDecodeStep + completeDecodeStep
+// of BoundedSwaKVPageManager for the whole batch on CPU tensors, including the page-table patch
+// upload (its host twin). Rig: decode_step_rigs.h.
 // The same step through the ManagedKVCacheRequest facade: managed_kv_cache_request_bench.cpp.
 
 #include <benchmark/benchmark.h>

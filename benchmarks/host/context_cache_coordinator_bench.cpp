@@ -1,7 +1,8 @@
 // ContextCacheCoordinator on CPU tensors:
 //   * BM_CoordinatorDecodeStep: prepareDecodeStep + completeDecodeStep per sequence and step
-//     (SPEC §13: <= 200 ns without page growth); growth:0 no row ever grows, growth:1 every row
-//     grows by one page every 16th step (rig: decode_step_rigs.h);
+//     (target: <= 200 ns without page growth, docs/benchmarks.md, "What is measured, and how");
+//     growth:0 no row ever grows, growth:1 every row grows by one page every 16th step (rig:
+//     decode_step_rigs.h);
 //   * BM_CoordinatorBeginRequest: beginRequest + finish of a batch of four 32k-token prompts with
 //     95 % of their blocks cached and fewer free pages than a cold admission would need, so that
 //     the batch feasibility check (batchMayFit) looks every prompt up before the acquisitions.

@@ -1,6 +1,6 @@
-// Admission of a 32k-token prompt through ContextCacheManager (SPEC §13: lookup + acquire
-// <= 50 µs with token verification on), cold and with 50 % / 95 % of its blocks cached, token
-// verification on and off:
+// Admission of a 32k-token prompt through ContextCacheManager (target: lookup + acquire
+// <= 50 µs with token verification on, docs/benchmarks.md, "What is measured, and how"), cold
+// and with 50 % / 95 % of its blocks cached, token verification on and off:
 //   * BM_Lookup: hashing and planning only (pure);
 //   * BM_LookupAcquire: acquireWithFallback, the coordinator's one call per sequence (lookup,
 //     pins, private pages, metrics), and the lease's release (a few µs of it);

@@ -1,4 +1,5 @@
-// EvictionPlanner::plan over a full cache (SPEC §13: linear in the victims, not in the records).
+// EvictionPlanner::plan over a full cache: linear in the victims, not in the records
+// (docs/context_cache.md, "Eviction").
 // Every record holds kPagesPerRecord pages of its own, cached and unpinned; no page is free, so a
 // demand of v * kPagesPerRecord pages needs exactly the v least recently used records. The grid
 // varies the records (10^4, 10^5) at a fixed number of victims and the victims at a fixed number

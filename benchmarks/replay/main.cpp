@@ -1,6 +1,6 @@
 // mkv-replay: replays a request trace (or an embedded multi-turn workload) through
 // KVCacheRuntime + ManagedKVCacheRequest + the reference engine and reports reuse, pages, oracle
-// checks and host time (SPEC §14, docs/replay.md).
+// checks and host time (docs/replay.md).
 //
 // Exit codes: 0 success, 1 internal error (a library or tool bug), 2 bad input (usage, trace,
 // impossible configuration, unwritable output), 3 the KV oracle found corrupted KV.

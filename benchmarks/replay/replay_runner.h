@@ -1,7 +1,7 @@
 #pragma once
 /// \file replay_runner.h
 /// Replays a RequestSource through KVCacheRuntime + ManagedKVCacheRequest + the reference engine
-/// (SPEC §14) and collects what docs/replay.md describes.
+/// and collects what docs/replay.md describes.
 
 #include <array>
 #include <cstdint>

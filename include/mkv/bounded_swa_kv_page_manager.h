@@ -1,8 +1,8 @@
 #pragma once
 /// \file bounded_swa_kv_page_manager.h
 /// Sliding-window layers keep only their last W tokens, in a bounded set of rotating pages per
-/// sequence (SPEC §7). Architecture and a worked page budget: docs/architecture.md ("Bounded
-/// SWA").
+/// sequence. Window arithmetic, page budget, state machine and a worked example:
+/// docs/architecture.md, "Bounded SWA".
 
 #include <cstdint>
 #include <deque>

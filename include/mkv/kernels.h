@@ -1,6 +1,6 @@
 #pragma once
 /// \file kernels.h
-/// Data-movement launchers (SPEC §10). Every launcher
+/// Data-movement launchers. Every launcher
 ///   1. validates its arguments first and throws mkv::Error naming the launcher and the bad
 ///      value (unsupported shape, mismatched geometry, wrong dtype, mixed devices, too many
 ///      layers/buffers, ids out of range when they are host-readable);

@@ -1,6 +1,7 @@
 #pragma once
 /// \file kv_cache_runtime.h
-/// Owns the physical KV resources of one engine and exactly one KV backend (SPEC §9).
+/// Owns the physical KV resources of one engine and exactly one KV backend (the support matrix:
+/// docs/architecture.md, "Backend selection (KVCacheRuntime)").
 
 #include <cstdint>
 #include <memory>

@@ -1,7 +1,7 @@
 #pragma once
 /// \file media.h
 /// Media payloads a request may carry. Context reuse keys every position of a media run on
-/// a digest of the item's content (SPEC §8.1).
+/// a digest of the item's content (docs/context_cache.md, "Keys").
 
 #include <cstdint>
 #include <memory>

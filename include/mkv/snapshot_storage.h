@@ -1,7 +1,8 @@
 #pragma once
 /// \file snapshot_storage.h
 /// Device slabs for hybrid checkpoints: recurrent rows, partial KV pages and boundary hidden
-/// rows, with stream-ordered capture and restore (SPEC §6).
+/// rows, with stream-ordered capture and restore (docs/context_cache.md, "Hybrid and
+/// pure-recurrent checkpoints").
 
 #include <cstdint>
 #include <memory>

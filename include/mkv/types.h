@@ -1,6 +1,6 @@
 #pragma once
 /// \file types.h
-/// Value types shared by every layer (SPEC §4). Plain data, no behaviour beyond comparisons.
+/// Value types shared by every layer. Plain data, no behaviour beyond comparisons.
 
 #include <cstddef>
 #include <cstdint>

@@ -124,7 +124,7 @@ std::optional<ContextCacheRequest> ContextCacheRequest::begin(
   if (!mediaTokenIds.empty()) {
     for (auto const& sequence : request.requests) {
       if (!imagesHostReadable(sequence.imageBuffers)) {
-        batchPolicy = ContextCacheLookupPolicy::kBypass;  // SPEC §8.1: bypass, do not fail
+        batchPolicy = ContextCacheLookupPolicy::kBypass;  // bypass, do not fail
       }
     }
   }

@@ -27,7 +27,8 @@ constexpr char const* kCall = "KVCacheRuntime::create";
 
 int32_t ceilDiv(int64_t a, int64_t b) { return static_cast<int32_t>((a + b - 1) / b); }
 
-/// The support matrix of SPEC §9 and the draft of the speculative reuse contract.
+/// The support matrix (docs/architecture.md, "Backend selection (KVCacheRuntime)") and the draft
+/// of the speculative reuse contract.
 void validateSpeculative(KVCacheRuntimeConfig const& config, KVCacheSpeculativeConfig const& spec,
                          int32_t maxPages) {
   MKV_REQUIRE(config.contextReuse, kCall,

@@ -1,10 +1,10 @@
 #pragma once
 /// \file oracle_step.h
-/// The step kernels of the reference engine (SPEC §11): the KV (and recurrent) writes of a whole
-/// engine step in one launch, the oracle verification of every position the step's attention
-/// reads in one launch, and a snapshot of the KV-length rows in one launch, each with a host twin
-/// that does the same work on CPU tensors with bit-identical results. Plain C++ (compiles with
-/// g++ and nvcc). Private to the testing library: not installed.
+/// The step kernels of the reference engine (docs/integration.md, "Checking your own wiring"):
+/// the KV (and recurrent) writes of a whole engine step in one launch, the oracle verification of
+/// every position the step's attention reads in one launch, and a snapshot of the KV-length rows
+/// in one launch, each with a host twin that does the same work on CPU tensors with bit-identical
+/// results. Plain C++ (compiles with g++ and nvcc). Private to the testing library: not installed.
 ///
 /// A step is described by a *plan*: one contiguous byte buffer (OracleStepHeader, the length
 /// snapshot area, then the staged ranges, write ranges, verify ranges, recurrent items and the

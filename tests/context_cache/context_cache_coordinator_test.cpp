@@ -1,6 +1,7 @@
-// ContextCacheCoordinator (SPEC §8.3, upstream §2.3 / §6.2): prefix reuse over full paged KV on a
-// vanilla attention-only deployment. Every reuse is checked byte-wise by the KV oracle; every
-// test runs on host tensors and again on the GPU when a device is present.
+// ContextCacheCoordinator (docs/architecture.md, "Context reuse"; docs/context_cache.md): prefix
+// reuse over full paged KV on a vanilla attention-only deployment. Every reuse is checked
+// byte-wise by the KV oracle; every test runs on host tensors and again on the GPU when a device
+// is present.
 #include <gtest/gtest.h>
 
 #include <algorithm>

@@ -1,7 +1,8 @@
-// ContextCacheRequest (upstream §2.2 / §6.3): the translation of the runtime's request view
-// (LLMGenerationRequest + DecodingInferenceContext) into coordinator calls: identity keys (LoRA,
-// salt, images), lookup policies, publication at decode end, compaction of the prefill starts
-// and in-flight admission. KV is written and verified by the oracle throughout.
+// ContextCacheRequest (docs/architecture.md, "One request's path through the layers, from `begin`
+// to `finish`"): the translation of the runtime's request view (LLMGenerationRequest +
+// DecodingInferenceContext) into coordinator calls: identity keys (LoRA, salt, images), lookup
+// policies, publication at decode end, compaction of the prefill starts and in-flight admission.
+// KV is written and verified by the oracle throughout.
 #include <gtest/gtest.h>
 
 #include <algorithm>

@@ -1,8 +1,9 @@
-// ContextCacheCoordinator on checkpoint deployments (SPEC §8.2-8.3, upstream §3.7 / §6.4):
-// hybrid (attention + recurrent) and pure-recurrent models reuse exact checkpoints — recurrent
-// rows plus the valid rows of a partially filled last KV page — captured at the prompt end and at
-// decode end, restored in preparePrefill. The KV and the recurrent state of every execution are
-// written and verified by the oracles, so a restore is correct only if it is byte-exact.
+// ContextCacheCoordinator on checkpoint deployments (docs/context_cache.md, "Hybrid and
+// pure-recurrent checkpoints"): hybrid (attention + recurrent) and pure-recurrent models reuse
+// exact checkpoints — recurrent rows plus the valid rows of a partially filled last KV page —
+// captured at the prompt end and at decode end, restored in preparePrefill. The KV and the
+// recurrent state of every execution are written and verified by the oracles, so a restore is
+// correct only if it is byte-exact.
 #include <gtest/gtest.h>
 
 #include <cstring>

@@ -1,8 +1,8 @@
-// ContextCacheCoordinator on speculative deployments (SPEC §8.2-8.3, upstream §3.3, §3.8-3.10,
-// §6.5-6.6): EAGLE-style paired base + draft reuse with a full-page replay, and Hybrid-MTP
-// endpoints with the boundary token private. The base KV, the draft KV and the recurrent rows of
-// every execution are written and verified by the oracles, so reuse is correct only when it is
-// byte-exact for the consumer's own prefix.
+// ContextCacheCoordinator on speculative deployments (docs/context_cache.md, "Speculative paired
+// reuse" and "Hybrid-MTP endpoints"): EAGLE-style paired base + draft reuse with a full-page
+// replay, and Hybrid-MTP endpoints with the boundary token private. The base KV, the draft KV and
+// the recurrent rows of every execution are written and verified by the oracles, so reuse is
+// correct only when it is byte-exact for the consumer's own prefix.
 #include <gtest/gtest.h>
 
 #include <vector>

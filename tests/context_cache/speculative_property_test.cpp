@@ -1,8 +1,8 @@
-// Random speculative and Hybrid-MTP workloads (SPEC §8, §11): seeded sequences of requests over
-// prompts that share prefixes, mixing speculative and vanilla requests, decode rounds with random
-// acceptance and draft lag, cancellation, compaction, finish and abandonment. Every execution
-// verifies what it resumes from (base KV, draft KV, recurrent rows, boundary hidden rows) against
-// the oracles, and every request leaves the pools quiescent.
+// Random speculative and Hybrid-MTP workloads: seeded sequences of requests over prompts that
+// share prefixes, mixing speculative and vanilla requests, decode rounds with random acceptance
+// and draft lag, cancellation, compaction, finish and abandonment. Every execution verifies what
+// it resumes from (base KV, draft KV, recurrent rows, boundary hidden rows) against the oracles,
+// and every request leaves the pools quiescent.
 #include <gtest/gtest.h>
 
 #include <random>

@@ -1,8 +1,8 @@
-// KVCacheRuntime (SPEC §9): the support matrix that picks exactly one backend and sizes its pools,
-// supportsSeatedAdmission() per backend, and config validation (mkv::Error naming the call and
-// the offending value, before anything is allocated). Tests that create a runtime run on host
-// tensors and on GPU tensors (the kGPU instances skip without a CUDA device); config validation
-// stays on the host.
+// KVCacheRuntime (docs/architecture.md, "Backend selection (KVCacheRuntime)"): the support matrix
+// that picks exactly one backend and sizes its pools, supportsSeatedAdmission() per backend, and
+// config validation (mkv::Error naming the call and the offending value, before anything is
+// allocated). Tests that create a runtime run on host tensors and on GPU tensors (the kGPU
+// instances skip without a CUDA device); config validation stays on the host.
 #include "mkv/kv_cache_runtime.h"
 
 #include <gtest/gtest.h>

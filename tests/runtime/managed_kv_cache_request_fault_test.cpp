@@ -1,9 +1,10 @@
-// ManagedKVCacheRequest under the fault model of SPEC §12, on both backends: a scripted lifecycle
-// whose synchronisation points are made to fail one at a time. Each failure must surface as the
-// documented result (false from the call that synchronised; poison after an abandonment), keep
-// the request's pages quarantined, refuse admission while poisoned, and after shutdown() leave
-// every page accounted for and the runtime serving requests again. On host tensors and on GPU
-// tensors (the synchroniser then really waits for the stream before failing).
+// ManagedKVCacheRequest under the fault model (docs/errors.md, "Poison and quarantine"), on both
+// backends: a scripted lifecycle whose synchronisation points are made to fail one at a time.
+// Each failure must surface as the documented result (false from the call that synchronised;
+// poison after an abandonment), keep the request's pages quarantined, refuse admission while
+// poisoned, and after shutdown() leave every page accounted for and the runtime serving requests
+// again. On host tensors and on GPU tensors (the synchroniser then really waits for the stream
+// before failing).
 #include <gtest/gtest.h>
 
 #include <string>

@@ -1,10 +1,11 @@
-// ManagedKVCacheRequest on speculative runtimes (SPEC §8.2-8.3, §9; docs/context_cache.md,
-// "Speculative paired reuse" and "Hybrid-MTP endpoints"): KVCacheRuntime builds the draft pool and
-// draft page table from KVCacheRuntimeConfig::speculative, and an engine drives EAGLE-style paired
-// reuse and Hybrid-MTP endpoints through the facade only. The base KV, the draft KV, the recurrent
-// rows and the boundary hidden rows of every execution are written and verified by the oracles, so
-// reuse passes only when it is byte-exact for the consumer's own prefix. Every test runs on host
-// tensors and on GPU tensors (the kGPU instances skip without a CUDA device).
+// ManagedKVCacheRequest on speculative runtimes (docs/context_cache.md, "Speculative deployments
+// from `KVCacheRuntime`", "Speculative paired reuse" and "Hybrid-MTP endpoints"): KVCacheRuntime
+// builds the draft pool and draft page table from KVCacheRuntimeConfig::speculative, and an
+// engine drives EAGLE-style paired reuse and Hybrid-MTP endpoints through the facade only. The
+// base KV, the draft KV, the recurrent rows and the boundary hidden rows of every execution are
+// written and verified by the oracles, so reuse passes only when it is byte-exact for the
+// consumer's own prefix. Every test runs on host tensors and on GPU tensors (the kGPU instances
+// skip without a CUDA device).
 #include <gtest/gtest.h>
 
 #include <algorithm>

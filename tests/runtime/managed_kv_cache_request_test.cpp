@@ -1,8 +1,9 @@
-// ManagedKVCacheRequest (SPEC §9): the dispatch table of each backend, and the contract: misuse
-// throws mkv::Error naming the call and changes nothing (free and held pages, page-table rows,
-// KV lengths, residents, poison, synchronisations), after which the request carries on as if
-// nothing had happened and the KV oracle still passes. Every test runs on host tensors and on GPU
-// tensors (the kGPU instances skip without a CUDA device).
+// ManagedKVCacheRequest: the dispatch table of each backend (docs/architecture.md, "One request's
+// path through the layers, from `begin` to `finish`"; docs/errors.md, "ManagedKVCacheRequest"),
+// and the contract: misuse throws mkv::Error naming the call and changes nothing (free and held
+// pages, page-table rows, KV lengths, residents, poison, synchronisations), after which the
+// request carries on as if nothing had happened and the KV oracle still passes. Every test runs
+// on host tensors and on GPU tensors (the kGPU instances skip without a CUDA device).
 #include "mkv/managed_kv_cache_request.h"
 
 #include <fmt/format.h>

@@ -2,10 +2,10 @@
 /// \file runtime_test_rig.h
 /// Shared pieces of the runtime suites: the (backend, device) parameter of TEST_P suites, small
 /// KVCacheRuntime configurations for both backends on either device, a stream synchroniser whose
-/// calls can be made to fail (fault model, SPEC §12), observers of the backend's pages and tables,
-/// and FacadeDriver, which runs one request through ManagedKVCacheRequest call by call as an engine
-/// would, writing KV for every executed position and checking with the KV oracle what attention
-/// reads.
+/// calls can be made to fail (the fault model: docs/errors.md, "Poison and quarantine"), observers
+/// of the backend's pages and tables, and FacadeDriver, which runs one request through
+/// ManagedKVCacheRequest call by call as an engine would, writing KV for every executed position
+/// and checking with the KV oracle what attention reads.
 
 #include <gtest/gtest.h>
 

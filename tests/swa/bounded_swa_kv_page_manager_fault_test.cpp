@@ -1,6 +1,6 @@
-/// BoundedSwaKVPageManager under the fault model of SPEC §12: every synchronisation point
-/// (finish, compaction, abandonment, shutdown) with injected failures. A failure poisons the
-/// manager and quarantines the request's pages until shutdown() drains them.
+/// BoundedSwaKVPageManager under the fault model (docs/errors.md, "Poison and quarantine"): every
+/// synchronisation point (finish, compaction, abandonment, shutdown) with injected failures. A
+/// failure poisons the manager and quarantines the request's pages until shutdown() drains them.
 
 #include <gtest/gtest.h>
 

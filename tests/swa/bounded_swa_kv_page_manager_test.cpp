@@ -1,6 +1,7 @@
 /// BoundedSwaKVPageManager: budget, admission, window mapping, decode rotation, compaction and
-/// the request-handle lifecycle (SPEC §7). Faults: bounded_swa_kv_page_manager_fault_test.cpp;
-/// random operation sequences with the KV oracle: bounded_swa_kv_page_manager_property_test.cpp.
+/// the request-handle lifecycle (docs/architecture.md, "Bounded SWA"). Faults:
+/// bounded_swa_kv_page_manager_fault_test.cpp; random operation sequences with the KV oracle:
+/// bounded_swa_kv_page_manager_property_test.cpp.
 
 #include "mkv/bounded_swa_kv_page_manager.h"
 

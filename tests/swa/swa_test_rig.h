@@ -224,7 +224,8 @@ inline std::vector<int32_t> emptyRow(KVPageTable const& table) {
   return std::vector<int32_t>(2 * static_cast<std::size_t>(table.maxPagesPerSeq()), kNoPage);
 }
 
-/// Retained logical pages of endpoint e (SPEC §7): [floor(max(0, e - W) / P), ceil(e / P)).
+/// Retained logical pages of endpoint e: [floor(max(0, e - W) / P), ceil(e / P))
+/// (docs/architecture.md, "Bounded SWA").
 inline int32_t retainedBegin(int64_t endpoint, int32_t window, int32_t pageSize) {
   return static_cast<int32_t>(std::max<int64_t>(0, endpoint - window) / pageSize);
 }

@@ -1,8 +1,8 @@
-// The KV oracle of the testing kit (SPEC §11): prefix digests, the expected bytes of a token row,
-// and KvOracle's write / verify through the device mirror of a page table. Every other suite that
-// trusts the oracle to catch a wrong page relies on what is pinned here: a wrong byte anywhere in
-// a visible position is reported at that position, KV of another prefix never passes, and
-// positions outside the verified range are never read.
+// The KV oracle of the testing kit (docs/integration.md, "Checking your own wiring"): prefix
+// digests, the expected bytes of a token row, and KvOracle's write / verify through the device
+// mirror of a page table. Every other suite that trusts the oracle to catch a wrong page relies on
+// what is pinned here: a wrong byte anywhere in a visible position is reported at that position,
+// KV of another prefix never passes, and positions outside the verified range are never read.
 #include "mkv/testing/kv_oracle.h"
 
 #include <fmt/format.h>

@@ -1,6 +1,6 @@
 #pragma once
 /// \file block_hash.h
-/// Chained XXH3-128 block keys for context reuse (SPEC §8.1).
+/// Chained XXH3-128 block keys for context reuse (docs/context_cache.md, "Keys").
 ///
 /// A *block* is one full page of tokens. Block i of a prompt is keyed by
 ///   key_i = XXH3-128(parent key, XXH3-128(token ids of the block), digest of the block's media
@@ -149,7 +149,7 @@ Hash128 digestBytes(std::span<std::byte const> bytes) noexcept;
 /// Identity digest of a name (LoRA adapter, cache salt): zero for the empty name ("none").
 Hash128 digestIdentity(std::string_view name) noexcept;
 /// Content digest of a host-readable packed RGB image, or nullopt when the host cannot read the
-/// pixels (the request then goes on bypass rather than failing, SPEC §8.1).
+/// pixels (the request then goes on bypass rather than failing: docs/context_cache.md, "Keys").
 std::optional<Hash128> digestImage(imageUtils::ImageData const& image) noexcept;
 /// Content digest of an audio clip: over the PCM samples when present, else over the mel path.
 Hash128 digestAudio(audioUtils::AudioData const& audio) noexcept;

@@ -1,6 +1,7 @@
 #pragma once
 /// \file block_index.h
-/// Block digest -> canonical base page, with token verification (SPEC §8.1, §8.2).
+/// Block digest -> canonical base page (the first producer's), with token verification
+/// (docs/context_cache.md, "Keys" and "Publication points").
 ///
 /// Thread-safety: single writer; const members may run concurrently with each other only.
 

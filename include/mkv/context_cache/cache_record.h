@@ -1,6 +1,7 @@
 #pragma once
 /// \file cache_record.h
-/// A published, reusable prefix state: the endpoint of a chained prefix path (SPEC §8.2).
+/// A published, reusable prefix state: the endpoint of a chained prefix path
+/// (docs/context_cache.md, "Eviction").
 ///
 /// Thread-safety: plain value type.
 
@@ -29,8 +30,9 @@ struct RecordKey {
 
 /// Key of a hybrid checkpoint: exact-prefix digest, exact token length and whether it is a
 /// Hybrid-MTP checkpoint (paired draft state, boundary token private). A base-only checkpoint and
-/// a Hybrid-MTP one of the same prefix and length are different records: neither plan kind can
-/// use the other's (SPEC §8.3), so one must not block the other's publication.
+/// a Hybrid-MTP one of the same prefix and length are different records: a Hybrid-MTP plan never
+/// uses a base-only one, and a plain plan only an unaligned Hybrid-MTP one (docs/context_cache.md,
+/// "Hybrid-MTP endpoints"), so one must not block the other's publication.
 struct HybridKey {
   Hash128 exactDigest;
   int32_t exactLength = 0;

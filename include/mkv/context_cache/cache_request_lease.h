@@ -1,6 +1,7 @@
 #pragma once
 /// \file cache_request_lease.h
-/// One request sequence's hold on context-cache resources (SPEC §8.2).
+/// One request sequence's hold on context-cache resources (docs/context_cache.md, "Refcounts and
+/// pools").
 ///
 /// Thread-safety: a lease is used on its manager's single writer thread. A lease must not outlive
 /// its manager (the manager terminates the process if destroyed while leases are live).

@@ -1,6 +1,6 @@
 #pragma once
 /// \file context_cache_coordinator.h
-/// Stream-aware lifecycle of context reuse over full paged KV (SPEC §8.3). Drives the CUDA-free
+/// Stream-aware lifecycle of context reuse over full paged KV. Drives the CUDA-free
 /// ContextCacheManager and the physical resources (page tables, KV lengths, snapshots).
 /// Call order, statuses and publication points: docs/lifecycle.md and docs/context_cache.md.
 
@@ -43,7 +43,7 @@ struct ContextCacheConfig {
   /// the full pool (the runtime's full-storage mode). Every sequence is treated as kBypass.
   bool enabled = true;
   int32_t maxRecords = 1024;       ///< published records kept (LRU beyond); 0 keeps none
-  bool verifyTokens = true;        ///< verify tokens on every index match (SPEC §8.1)
+  bool verifyTokens = true;        ///< verify tokens on each hit (docs/context_cache.md, "Keys")
   int32_t eventQueueCapacity = 0;  ///< BlockStored / BlockRemoved events kept; 0 = off
   /// Hybrid / pure-recurrent deployments: device bytes of recurrent snapshot slots. Slots =
   /// budget / SnapshotStorage::recurrentBytesPerSlot (plus the boundary hidden row for

@@ -1,7 +1,8 @@
 #pragma once
 /// \file context_cache_manager.h
 /// CUDA-free bookkeeping of context reuse: pools, block index, records, leases, eviction and
-/// transactional publication (SPEC §8.2, §8.4). ContextCacheCoordinator drives it.
+/// transactional publication, metrics and events (docs/context_cache.md, "Refcounts and pools" to
+/// "Publication points", and "Observability"). ContextCacheCoordinator drives it.
 ///
 /// Thread-safety: single writer. Every call, including lease release and destruction, must come
 /// from the one thread that owns the manager (the engine thread); there is no internal locking.
@@ -26,8 +27,8 @@
 namespace mkv {
 
 struct ContextCacheManagerOptions {
-  /// Verify tokens, parent, media and extras on every index hit (SPEC §8.1). Costs one flat int32
-  /// array of base capacity x page size and a memcmp per matched block.
+  /// Verify tokens, parent, media and extras on every index hit (docs/context_cache.md, "Keys").
+  /// Costs one flat int32 array of base capacity x page size and a memcmp per matched block.
   bool verifyTokens = true;
   /// Capacity of the KV event queue; 0 disables events.
   int32_t eventQueueCapacity = 0;

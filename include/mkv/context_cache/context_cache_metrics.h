@@ -1,6 +1,7 @@
 #pragma once
 /// \file context_cache_metrics.h
-/// Counters of context reuse and their Prometheus rendering (SPEC §8.4).
+/// Counters of context reuse and their Prometheus rendering (docs/context_cache.md,
+/// "Observability").
 ///
 /// Thread-safety: plain value type; toPrometheus is pure.
 

@@ -1,6 +1,7 @@
 #pragma once
 /// \file eviction_planner.h
-/// Side-effect-free choice of LRU victims that frees a demand across all pools (SPEC §8.2).
+/// Side-effect-free choice of LRU victims that frees a demand across all pools
+/// (docs/context_cache.md, "Eviction").
 ///
 /// Thread-safety: single writer (plan() uses the planner's scratch arrays).
 

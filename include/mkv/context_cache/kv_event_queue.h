@@ -1,7 +1,8 @@
 #pragma once
 /// \file kv_event_queue.h
-/// Bounded queue of block-index events for KV-aware routers (SPEC §8.4). The wire publisher
-/// (mkv/events/kv_event_publisher.h) sends what the engine drains from it.
+/// Bounded queue of block-index events for KV-aware routers (docs/context_cache.md,
+/// "Observability"). The wire publisher (mkv/events/kv_event_publisher.h) sends what the engine
+/// drains from it.
 ///
 /// Thread-safety: single writer; drain() is called by the same thread that mutates the manager.
 

@@ -1,6 +1,7 @@
 #pragma once
 /// \file resource_pools.h
-/// The four typed id pools of context reuse with active and cache reference counts (SPEC §8.2).
+/// The four typed id pools of context reuse with active and cache reference counts
+/// (docs/context_cache.md, "Refcounts and pools").
 ///
 /// Thread-safety: single writer (the engine thread); no internal synchronisation.
 

@@ -1,6 +1,7 @@
 #pragma once
 /// \file reuse_plan.h
-/// ReusePlan and the pure planner functions of context reuse (SPEC §8.2; upstream §3.3).
+/// ReusePlan and the pure planner functions of context reuse (docs/context_cache.md, "Lookup and
+/// acquire").
 ///
 /// Every planner reads the block index and the record store through const references and changes
 /// nothing (no refcount, no LRU order, no metric). A plan is consumed by

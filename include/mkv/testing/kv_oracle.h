@@ -1,7 +1,8 @@
 #pragma once
 /// \file kv_oracle.h
-/// The KV oracle of the testing kit (SPEC §11): deterministic KV contents that depend on the
-/// whole prefix, written and verified through the page table.
+/// The KV oracle of the testing kit (docs/integration.md, "Checking your own wiring"):
+/// deterministic KV contents that depend on the whole prefix, written and verified through the
+/// page table.
 
 #include <cstdint>
 #include <span>

@@ -1,8 +1,9 @@
 #pragma once
 /// \file reference_engine.h
 /// A model-free engine loop that drives ManagedKVCacheRequest exactly as a runtime would, with
-/// the KV oracle checking every byte attention would read (SPEC §11). Used by the scenario
-/// tests, the benchmarks and mkv-replay; integrators can use it to check their own wiring.
+/// the KV oracle checking every byte attention would read. Used by the scenario tests, the
+/// benchmarks and mkv-replay; integrators can use it to check their own wiring
+/// (docs/integration.md, "Checking your own wiring").
 
 #include <cstdint>
 #include <deque>
