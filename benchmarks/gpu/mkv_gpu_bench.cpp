@@ -667,7 +667,8 @@ void writeCsv(std::string const& path, std::vector<Row> const& rows) {
 Options parse(int argc, char** argv) {
   Options options;
   CLI::App app(
-      "Times memcpy / managedkv kernels / per-copy loops on the cases G1-G5 of docs/benchmarks.md,\n"
+      "Times memcpy / managedkv kernels / per-copy loops on the cases G1-G5 of "
+      "docs/benchmarks.md,\n"
       "verifying every method bitwise on the device.",
       "mkv_gpu_bench");
   app.footer(
