@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "mkv/bounded_swa_kv_page_manager.h"
+#include "mkv/bounded_swa_request.h"
 #include "mkv/context_cache/context_cache_coordinator.h"
 #include "mkv/context_cache/context_cache_request.h"
 #include "mkv/cuda_types.h"
@@ -37,10 +38,11 @@ namespace mkv {
 class ManagedKVCacheRequest {
  public:
   /// Starts a request on exactly one backend (throws unless exactly one pointer is non-null).
-  /// Context reuse: forwards to ContextCacheRequest::begin. Bounded SWA: throws unless the
+  /// Forwards to ContextCacheRequest::begin or BoundedSwaRequest::begin (which throws unless the
   /// request is not speculative, headroom is {1, 0}, the contract is kCommittedPlusLookahead and
-  /// the context holds activeBatchSize > 0 prompts and residents; admits the residents.
-  /// nullopt on a failed admission.
+  /// the context holds activeBatchSize > 0 prompts and residents). nullopt on a failed
+  /// admission. Every later call forwards to that adapter, its contract errors renamed to the
+  /// facade's call.
   static std::optional<ManagedKVCacheRequest> begin(
       ContextCacheCoordinator* contextCache, BoundedSwaKVPageManager* swaPageManager,
       LLMGenerationRequest const& request, DecodingInferenceContext const& context,
@@ -114,19 +116,11 @@ class ManagedKVCacheRequest {
   bool retractSequenceAdmission();
 
  private:
-  struct SwaBackend {
-    BoundedSwaKVPageManager* manager;
-    BoundedSwaKVPageManager::RequestHandle handle;
-    std::vector<int32_t> pendingMapping;  ///< of beginBatchCompaction, until it completes
-  };
-  explicit ManagedKVCacheRequest(ContextCacheRequest backend);
-  explicit ManagedKVCacheRequest(SwaBackend backend);
+  /// The one adapter the request runs on; every lifecycle call is one std::visit over it.
+  using Backend = std::variant<ContextCacheRequest, BoundedSwaRequest>;
+  explicit ManagedKVCacheRequest(Backend backend);
 
-  ContextCacheRequest* context() noexcept;
-  ContextCacheRequest const* context() const noexcept;
-  SwaBackend& swa(char const* call);
-
-  std::variant<ContextCacheRequest, SwaBackend> mBackend;
+  Backend mBackend;
 };
 
 }  // namespace mkv

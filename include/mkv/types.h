@@ -66,6 +66,11 @@ enum class SwaKVCacheStatus : uint8_t { kOk, kRequestFailed, kPoisoned };
 /// Expected outcomes of ContextCacheCoordinator calls (contract violations throw instead).
 enum class ContextCacheStatus : uint8_t { kOk, kRequestFailed, kPoisoned };
 
+/// Outcome of an in-flight admission (ContextCacheRequest / BoundedSwaRequest::admitSequence):
+/// kNoCapacity is transient pool pressure (retry at a later step boundary); kFailed a poisoned
+/// backend or one without in-flight admission.
+enum class AdmitSequenceStatus : uint8_t { kAdmitted, kNoCapacity, kFailed };
+
 /// Element types of Tensor.
 enum class DataType { kFloat32, kFloat16, kBFloat16, kFp8E4M3, kInt8, kUInt8, kInt32, kInt64 };
 /// Where a Tensor's bytes live. kGPU means device memory from cudaMalloc (never managed memory).

@@ -33,8 +33,9 @@ std::vector<MediaPosition> buildMediaPositions(std::vector<int32_t> const& token
 /// request abandons it (see ContextCacheCoordinator::RequestHandle).
 class ContextCacheRequest {
  public:
-  /// kNoCapacity: transient pool pressure, retry at a later step boundary.
-  enum class AdmitSequenceStatus : uint8_t { kAdmitted, kNoCapacity, kFailed };
+  /// kNoCapacity: transient pool pressure, retry at a later step boundary (the enum is shared
+  /// with BoundedSwaRequest, so the facade returns one type for both backends).
+  using AdmitSequenceStatus = mkv::AdmitSequenceStatus;
 
   /// Builds the batch admission (prompts, LoRA and salt identity, per-position media digests,
   /// lookup policies) and admits it. nullopt when the coordinator refuses (capacity / poisoned).
@@ -59,6 +60,8 @@ class ContextCacheRequest {
   int32_t reuseTokenLength(int32_t slot) const;
 
   bool preparePrefill();
+  /// Bounded-SWA windows only: a no-op here, true.
+  bool prepareSwaPrefill(std::vector<int32_t> const& /*effectiveInputLengths*/) { return true; }
   bool enqueuePrefillCaptures();
   /// Prefill advances from the context: the whole prompt, plus the one sampled lookahead token
   /// under kCommittedPlusLookahead (generatedTokenIds[row].size() must be 1, else 0).

@@ -1,0 +1,169 @@
+#include "mkv/bounded_swa_request.h"
+
+#include <fmt/ranges.h>
+#include <spdlog/spdlog.h>
+
+#include <utility>
+
+#include "core/check.h"
+#include "mkv/logging.h"
+
+namespace mkv {
+namespace {
+
+constexpr DecodingKvHeadroom kVanillaHeadroom{1, 0};
+
+void requireVanillaHeadroom(char const* call, DecodingKvHeadroom const& headroom) {
+  MKV_REQUIRE(headroom == kVanillaHeadroom, call,
+              "the bounded-SWA backend needs headroom {{1, 0}}, got {{{}, {}}}",
+              headroom.baseExtraTokens, headroom.draftExtraTokens);
+}
+
+/// True for kOk; otherwise logs the failed `operation` once and returns false. Worded as the
+/// facade's call: ManagedKVCacheRequest is the adapter's caller, and operators read its names.
+bool swaStatus(SwaKVCacheStatus status, BoundedSwaKVPageManager const& manager,
+               char const* operation) {
+  if (status == SwaKVCacheStatus::kOk) {
+    return true;
+  }
+  logger()->error("ManagedKVCacheRequest::{} failed on the bounded-SWA backend: {}{}", operation,
+                  toString(status),
+                  manager.poisoned() ? " (backend poisoned)" : " (request failed)");
+  return false;
+}
+
+}  // namespace
+
+BoundedSwaRequest::BoundedSwaRequest(BoundedSwaKVPageManager& manager,
+                                     BoundedSwaKVPageManager::RequestHandle handle)
+    : mManager(&manager), mHandle(std::move(handle)) {}
+
+std::optional<BoundedSwaRequest> BoundedSwaRequest::begin(
+    BoundedSwaKVPageManager& manager, LLMGenerationRequest const& /*request*/,
+    DecodingInferenceContext const& context, bool speculativeRequest,
+    DecodingKvHeadroom const& headroom, std::vector<int32_t> const& /*mediaTokenIds*/,
+    DecodingTokenStateContract tokenStateContract, ContextCacheCommitPolicy /*commitPolicy*/) {
+  constexpr char const* kCall = "BoundedSwaRequest::begin";
+  MKV_REQUIRE(!speculativeRequest, kCall, "the bounded-SWA backend does not decode speculatively");
+  requireVanillaHeadroom(kCall, headroom);
+  MKV_REQUIRE(tokenStateContract == DecodingTokenStateContract::kCommittedPlusLookahead, kCall,
+              "the bounded-SWA backend needs the committed-plus-lookahead contract");
+  MKV_REQUIRE(
+      context.activeBatchSize > 0 &&
+          context.rawBatchedInputIds.size() == static_cast<std::size_t>(context.activeBatchSize) &&
+          context.residentRefs.size() == context.rawBatchedInputIds.size(),
+      kCall, "activeBatchSize {} with {} prompts and {} residents", context.activeBatchSize,
+      context.rawBatchedInputIds.size(), context.residentRefs.size());
+  auto begun = manager.beginRequest(context.residentRefs, context.stream);
+  if (begun.status != SwaKVCacheStatus::kOk) {
+    swaStatus(begun.status, manager, "begin");
+    return std::nullopt;
+  }
+  return BoundedSwaRequest(manager, std::move(*begun.request));
+}
+
+void BoundedSwaRequest::requireContextRows(char const* call,
+                                           DecodingInferenceContext const& context) const {
+  // The manager reads no context, but a context whose rows disagree with the batch is the engine
+  // bug the context-reuse backend rejects; reject it on both backends alike.
+  if (!mHandle.valid()) {
+    return;  // the manager reports the invalid handle itself
+  }
+  auto const batch = static_cast<std::size_t>(mManager->batchSize(mHandle));
+  MKV_REQUIRE(
+      context.rawBatchedInputIds.size() == batch && context.generatedTokenIds.size() == batch, call,
+      "context has {} prompts / {} generated lists for a batch of {}",
+      context.rawBatchedInputIds.size(), context.generatedTokenIds.size(), batch);
+}
+
+int32_t BoundedSwaRequest::reuseTokenLength(int32_t slot) const {
+  detail::throwContract("BoundedSwaRequest::reuseTokenLength",
+                        "slot {}: the bounded-SWA backend has no context reuse", slot);
+}
+
+bool BoundedSwaRequest::prepareSwaPrefill(std::vector<int32_t> const& effectiveInputLengths) {
+  mManager->preparePrefill(mHandle, effectiveInputLengths);
+  return true;
+}
+
+bool BoundedSwaRequest::completePrefill(DecodingInferenceContext const& context,
+                                        std::vector<int32_t> const& /*commonStateLengths*/) {
+  requireContextRows("BoundedSwaRequest::completePrefill", context);
+  mManager->completePrefill(mHandle);
+  return true;
+}
+
+bool BoundedSwaRequest::prepareDecodeStep(DecodingInferenceContext const& context,
+                                          DecodingKvHeadroom const& headroom) {
+  constexpr char const* kCall = "BoundedSwaRequest::prepareDecodeStep";
+  requireVanillaHeadroom(kCall, headroom);
+  requireContextRows(kCall, context);
+  return swaStatus(mManager->prepareDecodeStep(mHandle), *mManager, "prepareDecodeStep");
+}
+
+bool BoundedSwaRequest::completeDecodeStep(DecodingInferenceContext const& context,
+                                           std::vector<int32_t> const& /*commonStateLengths*/) {
+  requireContextRows("BoundedSwaRequest::completeDecodeStep", context);
+  mManager->completeDecodeStep(mHandle);
+  return true;
+}
+
+bool BoundedSwaRequest::beginBatchCompaction(std::vector<int32_t> const& oldToNew,
+                                             int32_t newBatchSize, Tensor& deviceBatchMapping) {
+  std::vector<int32_t> pending = oldToNew;  // copied first: nothing fails after the manager's call
+  mManager->beginBatchCompaction(mHandle, oldToNew, newBatchSize, deviceBatchMapping);
+  mPendingMapping = std::move(pending);
+  return true;
+}
+
+bool BoundedSwaRequest::completeBatchCompaction(std::vector<int32_t> const& keepMapping) {
+  constexpr char const* kCall = "BoundedSwaRequest::completeBatchCompaction";
+  MKV_REQUIRE(!mPendingMapping.empty(), kCall,
+              "no batch compaction was begun (keepMapping [{}]; call beginBatchCompaction first)",
+              fmt::join(keepMapping, ", "));
+  MKV_REQUIRE(keepMapping == mPendingMapping, kCall,
+              "keepMapping [{}] differs from the mapping [{}] given to beginBatchCompaction",
+              fmt::join(keepMapping, ", "), fmt::join(mPendingMapping, ", "));
+  SwaKVCacheStatus const status = mManager->compactBatch(mHandle);
+  mPendingMapping.clear();
+  return swaStatus(status, *mManager, "completeBatchCompaction");
+}
+
+bool BoundedSwaRequest::finish() {
+  return swaStatus(mManager->finish(mHandle), *mManager, "finish");
+}
+
+AdmitSequenceStatus BoundedSwaRequest::admitSequence(
+    std::vector<int32_t> const& /*tokenIds*/, std::string const& /*loraWeightsName*/,
+    DecodingKvHeadroom const& /*headroom*/, int32_t& /*prefillStart*/, ResidentRef /*resident*/,
+    cudaStream_t /*stream*/, std::vector<int32_t> const& /*mediaTokenIds*/,
+    std::vector<imageUtils::ImageData> const& /*imageBuffers*/,
+    std::vector<audioUtils::AudioData> const& /*audioBuffers*/) {
+  logger()->error(
+      "ManagedKVCacheRequest::admitSequence: the bounded-SWA backend has no in-flight admission");
+  return AdmitSequenceStatus::kFailed;
+}
+
+bool BoundedSwaRequest::finalizeSequenceAdmission(int32_t /*slot*/,
+                                                  int32_t const& /*lookaheadToken*/,
+                                                  int32_t /*fullInputLength*/) {
+  logger()->error(
+      "ManagedKVCacheRequest::finalizeSequenceAdmission: the bounded-SWA backend has no "
+      "in-flight admission");
+  return false;
+}
+
+bool BoundedSwaRequest::publishHybridMtpEndpoint(int32_t slot, int32_t /*residentStateLength*/,
+                                                 Tensor const& /*baseHiddenStates*/,
+                                                 int32_t /*boundaryHiddenRow*/) {
+  detail::throwContract("BoundedSwaRequest::publishHybridMtpEndpoint",
+                        "slot {}: the bounded-SWA backend has no context reuse", slot);
+}
+
+bool BoundedSwaRequest::restoreHybridMtpBoundaryHidden(int32_t slot, Tensor& /*baseHiddenStates*/,
+                                                       int32_t /*destinationRow*/) {
+  detail::throwContract("BoundedSwaRequest::restoreHybridMtpBoundaryHidden",
+                        "slot {}: the bounded-SWA backend has no context reuse", slot);
+}
+
+}  // namespace mkv
