@@ -105,5 +105,58 @@ TEST(LifecycleFuzzTest, CorpusInputsPass) {
   EXPECT_GT(files, 0);
 }
 
+/// The runtimes of a recurrent or draft model (hybrid checkpoints, EAGLE-style speculative
+/// reuse, Hybrid-MTP), forced by the runtime byte (the second: 0xC0 + k picks runtime k % 3 of
+/// them) on seeded inputs, until each has run many lifecycles; every operation checked as above,
+/// plus the recurrent rows, the draft KV, snapshot slots and boundary hidden rows.
+TEST(LifecycleFuzzTest, HybridSpeculativeAndMtpRuntimesKeepEveryInvariant) {
+  constexpr uint64_t kSeeds = 900;
+  LifecycleStats total;
+  for (uint64_t seed = 1; seed <= kSeeds; ++seed) {
+    std::vector<uint8_t> input = seededInput(seed + 1'000'000, 1500);
+    input[1] = static_cast<uint8_t>(0xC0 + seed % 3 + 3 * (input[1] % 21));
+    LifecycleResult const result = runLifecycle(input);
+    ASSERT_TRUE(result.ok) << "seed " << seed << " (runtime byte " << int{input[1]}
+                           << "): " << result.failure;
+    total += result.stats;
+  }
+  EXPECT_EQ(total.hybridLifecycles + total.speculativeLifecycles + total.mtpLifecycles,
+            static_cast<int64_t>(kSeeds));
+  EXPECT_GE(total.hybridLifecycles, 300);
+  EXPECT_GE(total.speculativeLifecycles, 300);
+  EXPECT_GE(total.mtpLifecycles, 300);
+  EXPECT_GT(total.rejectedCalls, total.operations / 20);
+  EXPECT_GT(total.recurrentChecks, 10'000);
+  EXPECT_GT(total.checkpointsRestored, 100);
+  EXPECT_GT(total.checkpointsPublished, 100);
+  EXPECT_GT(total.draftOraclePositions, 100'000);
+  EXPECT_GT(total.pairedReuses, 100);
+  EXPECT_GT(total.verificationRounds, 1000);
+  EXPECT_GT(total.acceptedTokens, total.verificationRounds);  // rounds accept several tokens
+  EXPECT_GT(total.mtpEndpoints, 100);
+  EXPECT_GT(total.boundaryHiddenRestores, 50);
+  EXPECT_GT(total.failedSynchronizations, 100);
+  EXPECT_GT(total.quarantines, 100);
+  EXPECT_GT(total.compactions, 100);
+  std::printf(
+      "operations %lld, rejected %lld, lifecycles hybrid %lld / speculative %lld / Hybrid-MTP "
+      "%lld, recurrent checks %lld, checkpoints restored %lld / published %lld, draft oracle "
+      "positions %lld, paired reuses %lld, verification rounds %lld (%lld tokens accepted), "
+      "Hybrid-MTP endpoints %lld, boundary hidden restores %lld, failed syncs %lld, quarantines "
+      "%lld\n",
+      static_cast<long long>(total.operations), static_cast<long long>(total.rejectedCalls),
+      static_cast<long long>(total.hybridLifecycles),
+      static_cast<long long>(total.speculativeLifecycles),
+      static_cast<long long>(total.mtpLifecycles), static_cast<long long>(total.recurrentChecks),
+      static_cast<long long>(total.checkpointsRestored),
+      static_cast<long long>(total.checkpointsPublished),
+      static_cast<long long>(total.draftOraclePositions),
+      static_cast<long long>(total.pairedReuses), static_cast<long long>(total.verificationRounds),
+      static_cast<long long>(total.acceptedTokens), static_cast<long long>(total.mtpEndpoints),
+      static_cast<long long>(total.boundaryHiddenRestores),
+      static_cast<long long>(total.failedSynchronizations),
+      static_cast<long long>(total.quarantines));
+}
+
 }  // namespace
 }  // namespace mkv::fuzz

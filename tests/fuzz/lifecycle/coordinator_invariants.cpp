@@ -20,6 +20,63 @@ void Lifecycle::checkCoordinator() {
   checkCoordinatorPages();
   checkFreeRing();
   checkCoordinatorLeases();
+  checkSnapshotResources();
+}
+
+/// Draft pages and snapshot slots (recurrent, partial KV) are conserved like base pages: each
+/// one's cache references are the records listing it, it is free, pinned or cached, the
+/// reclaimable count agrees, and the free ring holds each free one once.
+void Lifecycle::checkSnapshotResources() {
+  ContextCacheManager const& m = mCoordinator->manager();
+  std::vector<std::vector<int32_t>> refs(kAllResourceTypes.size());
+  for (ResourceType type : kAllResourceTypes) {
+    refs[static_cast<std::size_t>(type)].assign(static_cast<std::size_t>(m.pools().capacity(type)),
+                                                0);
+  }
+  for (CacheRecord const& record : m.records().lruToMru()) {
+    record.forEachResource([&](ResourceId const& id) {
+      std::vector<int32_t>& counts = refs[static_cast<std::size_t>(id.type)];
+      expectf(id.index >= 0 && id.index < static_cast<int32_t>(counts.size()),
+              "record {} lists {} {}", record.id, toString(id.type), id.index);
+      ++counts[static_cast<std::size_t>(id.index)];
+    });
+  }
+  for (ResourceType type : kAllResourceTypes) {
+    if (type != ResourceType::kBaseKvPage) {  // base pages: checkCoordinatorPages
+      checkResourceConservation(type, refs[static_cast<std::size_t>(type)]);
+    }
+  }
+}
+
+void Lifecycle::checkResourceConservation(ResourceType type,
+                                          std::vector<int32_t> const& recordRefs) {
+  ResourcePools const& pools = mCoordinator->manager().pools();
+  int32_t const capacity = pools.capacity(type);
+  int32_t used = 0;
+  int32_t reclaimable = 0;
+  for (int32_t id = 0; id < capacity; ++id) {
+    int32_t const active = pools.activeRefs({type, id});
+    int32_t const cache = pools.cacheRefs({type, id});
+    used += active > 0 || cache > 0 ? 1 : 0;
+    reclaimable += cache > 0 && active == 0 ? 1 : 0;
+    expectf(cache == recordRefs[static_cast<std::size_t>(id)],
+            "{} {} has {} cache references but {} records list it", toString(type), id, cache,
+            recordRefs[static_cast<std::size_t>(id)]);
+  }
+  expectf(pools.freeCount(type) + used == capacity, "{} conservation: {} free + {} held != {}",
+          toString(type), pools.freeCount(type), used, capacity);
+  expectf(pools.reclaimableCount(type) == reclaimable, "{}: {} reclaimable, the pool says {}",
+          toString(type), reclaimable, pools.reclaimableCount(type));
+  std::vector<int32_t> const ring = pools.freeList(type);
+  expectf(static_cast<int32_t>(ring.size()) == pools.freeCount(type), "{} free ring size",
+          toString(type));
+  std::vector<uint8_t> inRing(static_cast<std::size_t>(capacity), 0);
+  for (int32_t id : ring) {
+    expectf(id >= 0 && id < capacity && inRing[static_cast<std::size_t>(id)]++ == 0,
+            "{} free ring holds {} twice or out of range", toString(type), id);
+    expectf(pools.activeRefs({type, id}) == 0 && pools.cacheRefs({type, id}) == 0,
+            "free {} {} has references", toString(type), id);
+  }
 }
 
 /// Every record's pages are indexed under its digests; every page's cache references are the
