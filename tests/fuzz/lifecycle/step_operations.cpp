@@ -279,7 +279,10 @@ void Lifecycle::publishEndpoint(Req& req, int32_t slot, int32_t length, Tensor c
   if (captured || after.snapshotPressureSkips != before.snapshotPressureSkips) {
     req.pinsReleased = true;
   }
-  req.endpointPublished = req.endpointPublished || captured;
+  // Published once committed: a commit that ran out of host memory skips the publication, and
+  // the row may capture its endpoint again.
+  req.endpointPublished =
+      req.endpointPublished || after.hybridMtpPublications != before.hybridMtpPublications;
   mStats.mtpEndpoints +=
       static_cast<int64_t>(after.hybridMtpPublications - before.hybridMtpPublications);
   trace(fmt::format("{}: {}", what, captured ? "captured" : "nothing to publish"));
