@@ -38,6 +38,7 @@ LifecycleStats& LifecycleStats::operator+=(LifecycleStats const& other) {
   recurrentChecks += other.recurrentChecks;
   checkpointsRestored += other.checkpointsRestored;
   checkpointsPublished += other.checkpointsPublished;
+  checkpointSlabChecks += other.checkpointSlabChecks;
   draftOraclePositions += other.draftOraclePositions;
   pairedReuses += other.pairedReuses;
   verificationRounds += other.verificationRounds;

@@ -129,6 +129,7 @@ TEST(LifecycleFuzzTest, HybridSpeculativeAndMtpRuntimesKeepEveryInvariant) {
   EXPECT_GT(total.recurrentChecks, 10'000);
   EXPECT_GT(total.checkpointsRestored, 100);
   EXPECT_GT(total.checkpointsPublished, 100);
+  EXPECT_GT(total.checkpointSlabChecks, 10'000);
   EXPECT_GT(total.draftOraclePositions, 100'000);
   EXPECT_GT(total.pairedReuses, 100);
   EXPECT_GT(total.verificationRounds, 1000);
@@ -140,8 +141,9 @@ TEST(LifecycleFuzzTest, HybridSpeculativeAndMtpRuntimesKeepEveryInvariant) {
   EXPECT_GT(total.compactions, 100);
   std::printf(
       "operations %lld, rejected %lld, lifecycles hybrid %lld / speculative %lld / Hybrid-MTP "
-      "%lld, recurrent checks %lld, checkpoints restored %lld / published %lld, draft oracle "
-      "positions %lld, paired reuses %lld, verification rounds %lld (%lld tokens accepted), "
+      "%lld, recurrent checks %lld, checkpoints restored %lld / published %lld / slabs checked "
+      "%lld, draft "
+      "oracle positions %lld, paired reuses %lld, verification rounds %lld (%lld tokens accepted), "
       "Hybrid-MTP endpoints %lld, boundary hidden restores %lld, failed syncs %lld, quarantines "
       "%lld\n",
       static_cast<long long>(total.operations), static_cast<long long>(total.rejectedCalls),
@@ -150,6 +152,7 @@ TEST(LifecycleFuzzTest, HybridSpeculativeAndMtpRuntimesKeepEveryInvariant) {
       static_cast<long long>(total.mtpLifecycles), static_cast<long long>(total.recurrentChecks),
       static_cast<long long>(total.checkpointsRestored),
       static_cast<long long>(total.checkpointsPublished),
+      static_cast<long long>(total.checkpointSlabChecks),
       static_cast<long long>(total.draftOraclePositions),
       static_cast<long long>(total.pairedReuses), static_cast<long long>(total.verificationRounds),
       static_cast<long long>(total.acceptedTokens), static_cast<long long>(total.mtpEndpoints),

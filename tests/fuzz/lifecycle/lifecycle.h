@@ -278,6 +278,9 @@ class Lifecycle {
   void checkPinnedPages(KVPageTable const& table, std::vector<int32_t> const& seen);
   void checkDraftTable();
   void checkSnapshotResources();
+  void noteCheckpoint(Req const& req, Row const& row, int32_t length, bool mtp);
+  void checkCheckpoints();
+  void checkCheckpoint(CacheRecord const& record, CheckpointPrefix const& prefix);
   void checkResourceConservation(ResourceType type, std::vector<int32_t> const& recordRefs);
   void checkLengths();
 
@@ -402,6 +405,7 @@ class Lifecycle {
 
   std::vector<std::unique_ptr<Req>> mRequests;
   std::vector<Quarantined> mQuarantine;
+  std::vector<CheckpointPrefix> mCheckpointLedger;  ///< every prefix a capture may have been for
   uint64_t mNextSerial = 1;
   uint64_t mLengthOwner = 0;  // serial of the request whose batch the KV-length tensors hold
   bool mPoisoned = false;

@@ -194,6 +194,16 @@ struct Req {
   Tensor hidden;                   ///< Hybrid-MTP: the base hidden rows of the prefill
 };
 
+/// A prefix a checkpoint may have been captured for (the driver's checkpoint ledger): its key as
+/// the coordinator files it (HybridKey), and the digests of the state it must hold.
+struct CheckpointPrefix {
+  Hash128 exactDigest;
+  int32_t length = 0;
+  bool mtp = false;
+  testing::PrefixDigests digests;  ///< the base prefix (positions [0, length))
+  testing::PrefixDigests draft;    ///< the draft's (Hybrid-MTP)
+};
+
 /// Rows of a quarantined request: their pages must keep their KV until shutdown drains them.
 struct Quarantined {
   std::vector<Row> rows;

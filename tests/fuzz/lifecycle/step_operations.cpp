@@ -259,6 +259,7 @@ void Lifecycle::publishEndpoint(Req& req, int32_t slot, int32_t length, Tensor c
     reject(what, call);
     return;
   }
+  noteCheckpoint(req, req.rows.front(), length, true);
   ContextCacheCoordinatorCounters const before = mCoordinator->counters();
   int64_t const calls = syncCalls();
   int64_t const failures = syncFailures();
@@ -446,6 +447,9 @@ void Lifecycle::issueCompletePrefill(Req& req, CompletePrefillCall& call) {
   for (std::size_t i = 0; i < req.rows.size(); ++i) {
     Row& row = req.rows[i];
     row.common = static_cast<int32_t>(row.prompt.size());
+    if (checkpointDeployment() && !req.mtp) {  // the prompt-end captures were committed
+      noteCheckpoint(req, row, row.common, false);
+    }
     if (row.paired && !req.mtp) {
       executeDraft(row, static_cast<int32_t>(i), static_cast<int32_t>(row.prompt.size()));
     }
@@ -754,6 +758,9 @@ void Lifecycle::issueCompleteDecode(Req& req, CompleteDecodeCall& call) {
   }
   for (std::size_t i = 0; i < req.rows.size(); ++i) {
     Row& row = req.rows[i];
+    if (checkpointDeployment() && row.decoded && !req.mtp) {  // decode-end captures
+      noteCheckpoint(req, row, row.materialized, false);
+    }
     if (req.speculative && row.decoded) {
       row.common = call.common.empty() ? row.materialized : call.common[i];
       mStats.acceptedTokens += std::max(1, row.accepted);
