@@ -39,6 +39,7 @@ LifecycleStats& LifecycleStats::operator+=(LifecycleStats const& other) {
   checkpointsRestored += other.checkpointsRestored;
   checkpointsPublished += other.checkpointsPublished;
   checkpointSlabChecks += other.checkpointSlabChecks;
+  snapshotPressureSkips += other.snapshotPressureSkips;
   draftOraclePositions += other.draftOraclePositions;
   pairedReuses += other.pairedReuses;
   verificationRounds += other.verificationRounds;

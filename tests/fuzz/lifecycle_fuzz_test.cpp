@@ -130,6 +130,7 @@ TEST(LifecycleFuzzTest, HybridSpeculativeAndMtpRuntimesKeepEveryInvariant) {
   EXPECT_GT(total.checkpointsRestored, 100);
   EXPECT_GT(total.checkpointsPublished, 100);
   EXPECT_GT(total.checkpointSlabChecks, 10'000);
+  EXPECT_GT(total.snapshotPressureSkips, 10);
   EXPECT_GT(total.draftOraclePositions, 100'000);
   EXPECT_GT(total.pairedReuses, 100);
   EXPECT_GT(total.verificationRounds, 1000);
@@ -142,8 +143,8 @@ TEST(LifecycleFuzzTest, HybridSpeculativeAndMtpRuntimesKeepEveryInvariant) {
   std::printf(
       "operations %lld, rejected %lld, lifecycles hybrid %lld / speculative %lld / Hybrid-MTP "
       "%lld, recurrent checks %lld, checkpoints restored %lld / published %lld / slabs checked "
-      "%lld, draft "
-      "oracle positions %lld, paired reuses %lld, verification rounds %lld (%lld tokens accepted), "
+      "%lld, pressure skips %lld, draft oracle positions %lld, paired reuses %lld, verification "
+      "rounds %lld (%lld tokens accepted), "
       "Hybrid-MTP endpoints %lld, boundary hidden restores %lld, failed syncs %lld, quarantines "
       "%lld\n",
       static_cast<long long>(total.operations), static_cast<long long>(total.rejectedCalls),
@@ -153,6 +154,7 @@ TEST(LifecycleFuzzTest, HybridSpeculativeAndMtpRuntimesKeepEveryInvariant) {
       static_cast<long long>(total.checkpointsRestored),
       static_cast<long long>(total.checkpointsPublished),
       static_cast<long long>(total.checkpointSlabChecks),
+      static_cast<long long>(total.snapshotPressureSkips),
       static_cast<long long>(total.draftOraclePositions),
       static_cast<long long>(total.pairedReuses), static_cast<long long>(total.verificationRounds),
       static_cast<long long>(total.acceptedTokens), static_cast<long long>(total.mtpEndpoints),

@@ -266,6 +266,10 @@ void Lifecycle::tearDown() {
   shutdown(false);
   checkAll();
   checkEverythingReturned();
+  if (mCoordinator != nullptr) {
+    mStats.snapshotPressureSkips +=
+        static_cast<int64_t>(mCoordinator->counters().snapshotPressureSkips);
+  }
   mRuntime.reset();
 }
 
