@@ -67,11 +67,16 @@ TEST(LifecycleFuzzTest, SeededLifecyclesKeepEveryInvariant) {
 /// k-th synchronisation fails (once, or from then on until teardown), for every k up to kPoints.
 /// Every failed synchronisation must poison and quarantine as documented, with the invariants and
 /// the KV oracle holding throughout, and shutdown must bring every page back.
+/// Seeds 13-24 force the runtimes of a recurrent or draft model (runtime byte 0xC0 + seed % 3),
+/// whose capture, endpoint and draft-initialisation synchronisations fail too.
 TEST(LifecycleFuzzTest, EverySynchronisationPointMayFail) {
   constexpr int64_t kPoints = 8;
   LifecycleStats total;
-  for (uint64_t seed = 1; seed <= 12; ++seed) {
-    std::vector<uint8_t> const input = seededInput(seed, 400);
+  for (uint64_t seed = 1; seed <= 24; ++seed) {
+    std::vector<uint8_t> input = seededInput(seed, 400);
+    if (seed > 12) {
+      input[1] = static_cast<uint8_t>(0xC0 + seed % 3);
+    }
     for (int64_t failAt = 1; failAt <= kPoints; ++failAt) {
       for (bool persistent : {false, true}) {
         LifecycleOptions options;
@@ -87,6 +92,9 @@ TEST(LifecycleFuzzTest, EverySynchronisationPointMayFail) {
   EXPECT_GT(total.failedSynchronizations, 100);
   EXPECT_GT(total.quarantines, 50);
   EXPECT_GT(total.shutdowns, 50);
+  EXPECT_GE(total.hybridLifecycles, 4 * kPoints * 2);
+  EXPECT_GE(total.speculativeLifecycles, 4 * kPoints * 2);
+  EXPECT_GE(total.mtpLifecycles, 4 * kPoints * 2);
 }
 
 /// Every file of the libFuzzer seed corpus (and every regression input added there) passes.
