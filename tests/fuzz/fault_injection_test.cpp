@@ -1257,5 +1257,36 @@ TEST_F(AllocationFaultTest, LifecycleFuzzerSurvivesAllocationFaults) {
   EXPECT_GT(total.badAllocs, kSeeds * kPoints / 2);
 }
 
+// The same on the runtimes of a recurrent or draft model (the runtime byte 0xC0 + k picks hybrid
+// checkpoints, speculative reuse and Hybrid-MTP in turn): captures, restores, paired growth,
+// verification rounds and endpoint publications each fail somewhere without a trace.
+TEST_F(AllocationFaultTest,
+       LifecycleFuzzerOnHybridSpeculativeAndMtpRuntimesSurvivesAllocationFaults) {
+  constexpr int32_t kSeeds = 24;
+  constexpr int32_t kPoints = 5;
+  LifecycleStats total;
+  for (uint64_t seed = 1; seed <= kSeeds; ++seed) {
+    std::vector<uint8_t> input = seededInput(seed + 2'000'000, 600);
+    input[1] = static_cast<uint8_t>(0xC0 + seed % 3);
+    armAllocationFault(0);
+    LifecycleResult const clean = runLifecycle(input);
+    ASSERT_TRUE(clean.ok) << "seed " << seed << ": " << clean.failure;
+    int64_t const allocations = countedAllocations();
+    for (int32_t point = 1; point <= kPoints; ++point) {
+      int64_t const k = 1 + allocations * point / (kPoints + 1);
+      armAllocationFault(k);
+      LifecycleResult const result = runLifecycle(input);
+      armAllocationFault(0);
+      ASSERT_TRUE(result.ok) << "seed " << seed << ", allocation " << k << ": " << result.failure;
+      total += result.stats;
+    }
+  }
+  // (A fault inside KVCacheRuntime::create ends a lifecycle before its runtime counts.)
+  EXPECT_GT(total.hybridLifecycles, kSeeds / 3 * kPoints / 2);
+  EXPECT_GT(total.speculativeLifecycles, kSeeds / 3 * kPoints / 2);
+  EXPECT_GT(total.mtpLifecycles, kSeeds / 3 * kPoints / 2);
+  EXPECT_GT(total.badAllocs, kSeeds * kPoints / 2);
+}
+
 }  // namespace
 }  // namespace mkv::fuzz

@@ -32,6 +32,20 @@ LifecycleStats& LifecycleStats::operator+=(LifecycleStats const& other) {
   shutdowns += other.shutdowns;
   badAllocs += other.badAllocs;
   oraclePositions += other.oraclePositions;
+  hybridLifecycles += other.hybridLifecycles;
+  speculativeLifecycles += other.speculativeLifecycles;
+  mtpLifecycles += other.mtpLifecycles;
+  recurrentChecks += other.recurrentChecks;
+  checkpointsRestored += other.checkpointsRestored;
+  checkpointsPublished += other.checkpointsPublished;
+  checkpointSlabChecks += other.checkpointSlabChecks;
+  snapshotPressureSkips += other.snapshotPressureSkips;
+  draftOraclePositions += other.draftOraclePositions;
+  pairedReuses += other.pairedReuses;
+  verificationRounds += other.verificationRounds;
+  acceptedTokens += other.acceptedTokens;
+  mtpEndpoints += other.mtpEndpoints;
+  boundaryHiddenRestores += other.boundaryHiddenRestores;
   return *this;
 }
 

@@ -1,7 +1,8 @@
 #pragma once
 /// \file lifecycle_driver.h
 /// A lifecycle fuzzer driven by a byte string. The bytes choose a runtime (context reuse, full
-/// storage or bounded SWA, small pools on the CPU), then a sequence of operations: requests
+/// storage or bounded SWA, hybrid checkpoint reuse, EAGLE-style speculative reuse or
+/// Hybrid-MTP, small pools on the CPU), then a sequence of operations: requests
 /// begun through ManagedKVCacheRequest or directly on the ContextCacheCoordinator /
 /// BoundedSwaKVPageManager, their lifecycle steps, in-flight joins, compactions, drops,
 /// injected synchronisation failures, shutdowns, and invalid calls of every kind (wrong order,
@@ -63,6 +64,21 @@ struct LifecycleStats {
   int64_t shutdowns = 0;
   int64_t badAllocs = 0;        ///< library calls that threw std::bad_alloc (allocation faults)
   int64_t oraclePositions = 0;  ///< KV positions verified
+  // The runtimes with a recurrent or a draft model (hybrid checkpoints, speculative, Hybrid-MTP).
+  int64_t hybridLifecycles = 0;        ///< lifecycles on a hybrid checkpoint runtime
+  int64_t speculativeLifecycles = 0;   ///< lifecycles on a speculative (EAGLE-style) runtime
+  int64_t mtpLifecycles = 0;           ///< lifecycles on a Hybrid-MTP runtime
+  int64_t recurrentChecks = 0;         ///< recurrent rows verified against the prefix they hold
+  int64_t checkpointsRestored = 0;     ///< rows that resumed from a checkpoint, verified
+  int64_t checkpointsPublished = 0;    ///< checkpoints committed (prefill and decode end)
+  int64_t checkpointSlabChecks = 0;    ///< checkpoint records whose slabs were compared
+  int64_t snapshotPressureSkips = 0;   ///< captures skipped for want of a snapshot slot
+  int64_t draftOraclePositions = 0;    ///< draft KV positions verified
+  int64_t pairedReuses = 0;            ///< speculative rows that resumed on reused base + draft KV
+  int64_t verificationRounds = 0;      ///< speculative decode steps completed
+  int64_t acceptedTokens = 0;          ///< tokens accepted by those rounds
+  int64_t mtpEndpoints = 0;            ///< Hybrid-MTP endpoints committed
+  int64_t boundaryHiddenRestores = 0;  ///< boundary hidden rows restored and verified
 
   LifecycleStats& operator+=(LifecycleStats const& other);
 };

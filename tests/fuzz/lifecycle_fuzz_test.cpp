@@ -17,6 +17,21 @@
 namespace mkv::fuzz {
 namespace {
 
+// Under AddressSanitizer (GCC defines __SANITIZE_ADDRESS__, clang reports it through
+// __has_feature) the runtimes of a recurrent or draft model run a third of their seeds, so the
+// sanitised trees stay within their per-test time limit.
+#if defined(__SANITIZE_ADDRESS__)
+constexpr bool kSanitized = true;
+#elif defined(__has_feature)
+#if __has_feature(address_sanitizer)
+constexpr bool kSanitized = true;
+#else
+constexpr bool kSanitized = false;
+#endif
+#else
+constexpr bool kSanitized = false;
+#endif
+
 std::vector<uint8_t> readFile(std::filesystem::path const& path) {
   std::ifstream file(path, std::ios::binary);
   return {std::istreambuf_iterator<char>(file), std::istreambuf_iterator<char>()};
@@ -67,11 +82,16 @@ TEST(LifecycleFuzzTest, SeededLifecyclesKeepEveryInvariant) {
 /// k-th synchronisation fails (once, or from then on until teardown), for every k up to kPoints.
 /// Every failed synchronisation must poison and quarantine as documented, with the invariants and
 /// the KV oracle holding throughout, and shutdown must bring every page back.
+/// Seeds 13-24 force the runtimes of a recurrent or draft model (runtime byte 0xC0 + seed % 3),
+/// whose capture, endpoint and draft-initialisation synchronisations fail too.
 TEST(LifecycleFuzzTest, EverySynchronisationPointMayFail) {
   constexpr int64_t kPoints = 8;
   LifecycleStats total;
-  for (uint64_t seed = 1; seed <= 12; ++seed) {
-    std::vector<uint8_t> const input = seededInput(seed, 400);
+  for (uint64_t seed = 1; seed <= 24; ++seed) {
+    std::vector<uint8_t> input = seededInput(seed, 400);
+    if (seed > 12) {
+      input[1] = static_cast<uint8_t>(0xC0 + seed % 3);
+    }
     for (int64_t failAt = 1; failAt <= kPoints; ++failAt) {
       for (bool persistent : {false, true}) {
         LifecycleOptions options;
@@ -87,6 +107,9 @@ TEST(LifecycleFuzzTest, EverySynchronisationPointMayFail) {
   EXPECT_GT(total.failedSynchronizations, 100);
   EXPECT_GT(total.quarantines, 50);
   EXPECT_GT(total.shutdowns, 50);
+  EXPECT_GE(total.hybridLifecycles, 4 * kPoints * 2);
+  EXPECT_GE(total.speculativeLifecycles, 4 * kPoints * 2);
+  EXPECT_GE(total.mtpLifecycles, 4 * kPoints * 2);
 }
 
 /// Every file of the libFuzzer seed corpus (and every regression input added there) passes.
@@ -103,6 +126,65 @@ TEST(LifecycleFuzzTest, CorpusInputsPass) {
     ++files;
   }
   EXPECT_GT(files, 0);
+}
+
+/// The runtimes of a recurrent or draft model (hybrid checkpoints, EAGLE-style speculative
+/// reuse, Hybrid-MTP), forced by the runtime byte (the second: 0xC0 + k picks runtime k % 3 of
+/// them) on seeded inputs, until each has run many lifecycles; every operation checked as above,
+/// plus the recurrent rows, the draft KV, snapshot slots and boundary hidden rows.
+TEST(LifecycleFuzzTest, HybridSpeculativeAndMtpRuntimesKeepEveryInvariant) {
+  constexpr uint64_t kSeeds = kSanitized ? 300 : 900;
+  constexpr int64_t kScale = static_cast<int64_t>(kSeeds / 300);  // thresholds per 300 seeds
+  LifecycleStats total;
+  for (uint64_t seed = 1; seed <= kSeeds; ++seed) {
+    std::vector<uint8_t> input = seededInput(seed + 1'000'000, 1500);
+    input[1] = static_cast<uint8_t>(0xC0 + seed % 3 + 3 * (input[1] % 21));
+    LifecycleResult const result = runLifecycle(input);
+    ASSERT_TRUE(result.ok) << "seed " << seed << " (runtime byte " << int{input[1]}
+                           << "): " << result.failure;
+    total += result.stats;
+  }
+  EXPECT_EQ(total.hybridLifecycles + total.speculativeLifecycles + total.mtpLifecycles,
+            static_cast<int64_t>(kSeeds));
+  EXPECT_EQ(total.hybridLifecycles, static_cast<int64_t>(kSeeds / 3));
+  EXPECT_EQ(total.speculativeLifecycles, static_cast<int64_t>(kSeeds / 3));
+  EXPECT_EQ(total.mtpLifecycles, static_cast<int64_t>(kSeeds / 3));
+  EXPECT_GT(total.rejectedCalls, total.operations / 20);
+  EXPECT_GT(total.recurrentChecks, 10'000 * kScale);
+  EXPECT_GT(total.checkpointsRestored, 50 * kScale);
+  EXPECT_GT(total.checkpointsPublished, 300 * kScale);
+  EXPECT_GT(total.checkpointSlabChecks, 10'000 * kScale);
+  EXPECT_GT(total.snapshotPressureSkips, 10 * kScale);
+  EXPECT_GT(total.draftOraclePositions, 100'000 * kScale);
+  EXPECT_GT(total.pairedReuses, 30 * kScale);
+  EXPECT_GT(total.verificationRounds, 1000 * kScale);
+  EXPECT_GT(total.acceptedTokens, total.verificationRounds);  // rounds accept several tokens
+  EXPECT_GT(total.mtpEndpoints, 100 * kScale);
+  EXPECT_GT(total.boundaryHiddenRestores, 12 * kScale);
+  EXPECT_GT(total.failedSynchronizations, 100 * kScale);
+  EXPECT_GT(total.quarantines, 100 * kScale);
+  EXPECT_GT(total.compactions, 100 * kScale);
+  std::printf(
+      "operations %lld, rejected %lld, lifecycles hybrid %lld / speculative %lld / Hybrid-MTP "
+      "%lld, recurrent checks %lld, checkpoints restored %lld / published %lld / slabs checked "
+      "%lld, pressure skips %lld, draft oracle positions %lld, paired reuses %lld, verification "
+      "rounds %lld (%lld tokens accepted), "
+      "Hybrid-MTP endpoints %lld, boundary hidden restores %lld, failed syncs %lld, quarantines "
+      "%lld\n",
+      static_cast<long long>(total.operations), static_cast<long long>(total.rejectedCalls),
+      static_cast<long long>(total.hybridLifecycles),
+      static_cast<long long>(total.speculativeLifecycles),
+      static_cast<long long>(total.mtpLifecycles), static_cast<long long>(total.recurrentChecks),
+      static_cast<long long>(total.checkpointsRestored),
+      static_cast<long long>(total.checkpointsPublished),
+      static_cast<long long>(total.checkpointSlabChecks),
+      static_cast<long long>(total.snapshotPressureSkips),
+      static_cast<long long>(total.draftOraclePositions),
+      static_cast<long long>(total.pairedReuses), static_cast<long long>(total.verificationRounds),
+      static_cast<long long>(total.acceptedTokens), static_cast<long long>(total.mtpEndpoints),
+      static_cast<long long>(total.boundaryHiddenRestores),
+      static_cast<long long>(total.failedSynchronizations),
+      static_cast<long long>(total.quarantines));
 }
 
 }  // namespace

@@ -28,7 +28,8 @@ uint64_t digestBytes(uint64_t digest, void const* data, std::size_t bytes) {
 }
 
 void captureTables(KVCacheRuntime& runtime, BackendSnapshot& s) {
-  for (KVPageTable const* table : {runtime.fullPageTable(), runtime.swaPageTable()}) {
+  for (KVPageTable const* table :
+       {runtime.fullPageTable(), runtime.swaPageTable(), runtime.draftPageTable()}) {
     if (table == nullptr) {
       continue;
     }
@@ -44,7 +45,7 @@ void captureTables(KVCacheRuntime& runtime, BackendSnapshot& s) {
 
 void capturePools(KVCacheRuntime& runtime, bool deviceBytes, BackendSnapshot& s) {
   uint64_t bytes = 0;
-  for (KVCachePool const* pool : {runtime.fullPool(), runtime.swaPool()}) {
+  for (KVCachePool const* pool : {runtime.fullPool(), runtime.swaPool(), runtime.draftPool()}) {
     if (pool == nullptr) {
       continue;
     }
@@ -62,6 +63,35 @@ void capturePools(KVCacheRuntime& runtime, bool deviceBytes, BackendSnapshot& s)
     for (Tensor const* buffer : {&recurrent->state(layer), &recurrent->conv(layer)}) {
       bytes =
           digestBytes(bytes, buffer->rawPointer(), static_cast<std::size_t>(buffer->sizeBytes()));
+    }
+  }
+  // The checkpoint slabs of hybrid deployments: recurrent rows, partial pages, hidden rows.
+  ContextCacheCoordinator const* coordinator = runtime.contextCache();
+  SnapshotStorage const* snapshots = coordinator != nullptr ? coordinator->snapshots() : nullptr;
+  if (deviceBytes && snapshots != nullptr) {
+    auto digest = [&](Tensor const& slab) {
+      bytes = digestBytes(bytes, slab.rawPointer(), static_cast<std::size_t>(slab.sizeBytes()));
+    };
+    SnapshotStorageConfig const& config = snapshots->config();
+    for (int32_t layer = 0;
+         recurrent != nullptr && config.recurrentSlots > 0 && layer < recurrent->numLayers();
+         ++layer) {
+      digest(snapshots->recurrentStateSlab(layer));
+      digest(snapshots->recurrentConvSlab(layer));
+    }
+    KVCachePool const* base = runtime.fullPool();
+    for (int32_t layer = 0;
+         base != nullptr && config.partialKvSlots > 0 && layer < base->numLayers(); ++layer) {
+      digest(snapshots->partialKvSlab(layer));
+    }
+    KVCachePool const* draft = runtime.draftPool();
+    for (int32_t layer = 0;
+         snapshots->hasDraft() && config.partialKvSlots > 0 && layer < draft->numLayers();
+         ++layer) {
+      digest(snapshots->partialKvSlab(layer, true));
+    }
+    if (snapshots->hasBoundaryHidden()) {
+      digest(snapshots->boundaryHiddenSlab());
     }
   }
   s.deviceBytes = bytes;
@@ -87,6 +117,14 @@ void captureCoordinator(ContextCacheCoordinator const& c, BackendSnapshot& s) {
                 k.growthFailures,
                 k.synchronizations,
                 k.quarantinedRequests,
+                k.checkpointRestores,
+                k.checkpointCaptures,
+                k.checkpointPublications,
+                k.snapshotPressureSkips,
+                k.captureSynchronizations,
+                k.specPairPublications,
+                k.hybridMtpPublications,
+                k.boundaryHiddenRestores,
                 m.admittedSequences,
                 m.lookups,
                 m.hits,
@@ -130,6 +168,11 @@ void appendRequestView(ContextCacheCoordinator const& coordinator,
       out.push_back(page);
     }
     out.push_back(-1);
+    out.push_back(coordinator.commonLength(request, i));
+    for (PageId page : coordinator.draftPages(request, i)) {
+      out.push_back(page);
+    }
+    out.push_back(-2);
   }
 }
 

@@ -3,7 +3,8 @@
 /// What a contract violation must leave unchanged on a KVCacheRuntime of host tensors (the
 /// lifecycle driver and the allocation fault test): the backend's counts and poison, the
 /// coordinator's manager state and counters, every page table (host rows, device mirror, dirty
-/// flag), every KV-length tensor, optionally a digest of every KV and recurrent byte, and what
+/// flag; the draft table of speculative runtimes included), every KV-length tensor (the draft
+/// pool's included), optionally a digest of every KV, recurrent and checkpoint-slab byte, and what
 /// the backend reports about the requests the caller holds. Reads device memory through host
 /// pointers: host (kCPU) runtimes only.
 
@@ -26,10 +27,12 @@ struct BackendSnapshot {
   int32_t liveLeases = 0;               ///< coordinator only
   std::optional<ManagerState> manager;  ///< coordinator only
   std::vector<uint64_t> counters;       ///< coordinator counters, then its cache metrics
-  std::vector<int32_t> tables;          ///< host rows, device mirrors and dirty flags
+  std::vector<int32_t> tables;          ///< host rows, device mirrors and dirty flags (+ draft)
   std::vector<int32_t> lengths;         ///< active batch and every KV length of every pool
-  uint64_t deviceBytes = 0;             ///< digest of every KV and recurrent byte, if asked
-  std::vector<int64_t> requests;        ///< appendRequestView() of the caller's requests
+  /// Digest of every KV byte (base, SWA, draft pools), recurrent row and checkpoint slab (recurrent
+  /// rows, partial pages, boundary hidden rows), if asked.
+  uint64_t deviceBytes = 0;
+  std::vector<int64_t> requests;  ///< appendRequestView() of the caller's requests
   friend bool operator==(BackendSnapshot const&, BackendSnapshot const&) = default;
 };
 
@@ -38,7 +41,8 @@ struct BackendSnapshot {
 BackendSnapshot captureBackend(KVCacheRuntime& runtime, bool deviceBytes = false);
 
 /// Appends what the coordinator reports about `request`: batch size, then per row its committed
-/// and reuse lengths and base pages, -1 ending each row. Nothing for an invalid handle.
+/// and reuse lengths and base pages, -1, its common length and draft pages, -2. Nothing for an
+/// invalid handle.
 void appendRequestView(ContextCacheCoordinator const& coordinator,
                        ContextCacheCoordinator::RequestHandle const& request,
                        std::vector<int64_t>& out);

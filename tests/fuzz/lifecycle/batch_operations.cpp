@@ -167,6 +167,7 @@ void Lifecycle::issueCompleteCompaction(Req& req, std::vector<int32_t> const& ke
   }
   req.rows = std::move(survivors);
   req.mapping.clear();
+  req.draftInitPending = false;  // the synchronisation covered it (prompt endpoints published)
   req.stage = req.rows.empty() ? Stage::kFinishing : Stage::kIdle;
   ++mStats.compactions;
   trace(what);
@@ -215,8 +216,8 @@ bool Lifecycle::swaAdmitBackstop(Req& req) {
 /// A joiner on a fresh resident (none free: nothing to do).
 std::optional<Lifecycle::AdmitCall> Lifecycle::planAdmit(Req& req) {
   AdmitCall call;
-  call.valid = req.stage == Stage::kIdle && !req.rows.empty() &&
-               static_cast<int32_t>(req.rows.size()) < mMaxBatch &&
+  call.valid = mRuntime->supportsSeatedAdmission() && req.stage == Stage::kIdle &&
+               !req.rows.empty() && static_cast<int32_t>(req.rows.size()) < mMaxBatch &&
                req.contract == DecodingTokenStateContract::kCommittedPlusLookahead;
   std::optional<ResidentRef> const fresh = mRuntime->residentSlots().acquire();
   if (!fresh) {
@@ -356,7 +357,7 @@ void Lifecycle::joined(Req& req, Row row, int32_t start, std::string const& what
   row.bound = true;
   req.rows.push_back(std::move(row));
   setActiveBatch(static_cast<int32_t>(req.rows.size()));
-  executePrefill(req.rows.back(), static_cast<int32_t>(req.rows.size()) - 1);
+  executePrefill(req, req.rows.back(), static_cast<int32_t>(req.rows.size()) - 1);
   sampleInto(req.rows.back());
   ++mStats.joins;
   trace(fmt::format("{}: joined at row {} from {}", what, req.rows.size() - 1, start));

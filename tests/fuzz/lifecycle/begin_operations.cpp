@@ -15,7 +15,10 @@ std::optional<Lifecycle::BeginPlan> Lifecycle::planBegin() {
   if (available == 0) {
     return std::nullopt;
   }
-  int32_t const batch = 1 + mIn.below(available);
+  // Speculative runtimes: two requests in three are speculative (Hybrid-MTP ones have one row).
+  plan.speculative = speculativeDeployment() && !mIn.oneIn(3);
+  bool const mtp = plan.speculative && mKind == Runtime::kHybridMtp;
+  int32_t const batch = mtp ? 1 : 1 + mIn.below(available);
   plan.lora = mIn.oneIn(4) ? "adapter" : "";
   plan.salt = mIn.oneIn(4) ? "tenant" : "";
   if (coordinatorBackend()) {
@@ -29,13 +32,26 @@ std::optional<Lifecycle::BeginPlan> Lifecycle::planBegin() {
       plan.lookup = ContextCacheLookupPolicy::kBypass;
     }
   }
+  if (plan.speculative) {
+    // The engine's verification rounds accept up to headroom.baseExtraTokens tokens; the draft
+    // needs at least as much. Speculative engines sample a lookahead token after the prefill.
+    plan.contract = DecodingTokenStateContract::kCommittedPlusLookahead;
+    int32_t const base = 1 + mIn.below(3);
+    plan.headroom = {base, pairs(plan) ? base + mIn.below(2) : 0};
+    if (mtp) {
+      plan.commit = ContextCacheCommitPolicy::kPrefillStateOnly;
+    }
+  }
+  mPromptHeadroom = std::max(plan.headroom.baseExtraTokens, plan.headroom.draftExtraTokens);
   plan.seed = testing::identitySeed(plan.lora, plan.salt);
   for (int32_t i = 0; i < batch; ++i) {
     Row row;
     row.resident = *mRuntime->residentSlots().acquire();
     row.prompt = makePrompt(promptLength());
     row.digests = testing::PrefixDigests(plan.seed);
-    row.digests.extendTokens(row.prompt);
+    row.paired = pairs(plan);
+    row.draft = testing::PrefixDigests(plan.seed ^ kDraftSeed);
+    appendTokens(row, row.prompt, mDraftLookahead);
     plan.rows.push_back(std::move(row));
     std::optional<ContextCacheLookupPolicy> policy;
     if (mIn.oneIn(6)) {
@@ -44,6 +60,7 @@ std::optional<Lifecycle::BeginPlan> Lifecycle::planBegin() {
     }
     plan.rowPolicies.push_back(policy);
   }
+  mPromptHeadroom = 1;
   return plan;
 }
 
@@ -74,7 +91,7 @@ void Lifecycle::begin() {
     for (Row const& row : plan.rows) {
       lengths.push_back(static_cast<int32_t>(row.prompt.size()));
     }
-    std::optional<bool> const must = mustAdmit(lengths);
+    std::optional<bool> const must = mustAdmit(lengths, plan.headroom, pairs(plan));
     BackendSnapshot const before = snapshot();
     std::string const what = fmt::format(
         "begin ({}, {} rows)", plan.via == Via::kFacade ? "facade" : "direct", plan.rows.size());
@@ -85,6 +102,12 @@ void Lifecycle::begin() {
     req->lora = plan.lora;
     req->salt = plan.salt;
     req->seed = plan.seed;
+    req->speculative = plan.speculative;
+    req->paired = pairs(plan);
+    req->mtp = plan.speculative && mKind == Runtime::kHybridMtp;
+    req->headroom = plan.headroom;
+    req->bypass =
+        plan.rowPolicies.front().value_or(plan.lookup) == ContextCacheLookupPolicy::kBypass;
     std::optional<std::vector<int32_t>> const starts =
         plan.via == Via::kFacade ? beginThroughFacade(plan, *req, what)
         : coordinatorBackend()   ? beginOnCoordinator(plan, *req, what)
@@ -106,8 +129,8 @@ std::optional<std::vector<int32_t>> Lifecycle::beginThroughFacade(BeginPlan cons
   LLMGenerationRequest const generation = generationOf(plan);
   DecodingInferenceContext const context = contextOf(plan);
   std::optional<ManagedKVCacheRequest> begun = accept(what, [&] {
-    return ManagedKVCacheRequest::begin(mCoordinator, mSwa, generation, context, false, kVanilla,
-                                        plan.contract, plan.commit);
+    return ManagedKVCacheRequest::begin(mCoordinator, mSwa, generation, context, plan.speculative,
+                                        plan.headroom, plan.contract, plan.commit);
   });
   if (!begun) {
     return std::nullopt;
@@ -121,7 +144,7 @@ std::optional<std::vector<int32_t>> Lifecycle::beginOnCoordinator(BeginPlan cons
                                                                   std::string const& what) {
   ContextCacheBatchAdmission const admission = admissionOf(plan);
   auto result =
-      accept(what, [&] { return mCoordinator->beginRequest(admission, kVanilla, kStream); });
+      accept(what, [&] { return mCoordinator->beginRequest(admission, plan.headroom, kStream); });
   expect((result.status == ContextCacheStatus::kOk) == result.admission.has_value(),
          what + ": status and admission disagree");
   if (!result.admission) {
@@ -162,8 +185,10 @@ void Lifecycle::admitted(BeginPlan& plan, std::unique_ptr<Req> req,
     Row& row = plan.rows[i];
     row.start = starts[i];
     auto const length = static_cast<int32_t>(row.prompt.size());
-    expectf(row.start >= 0 && row.start < length && row.start % kPage == 0,
-            "{}: row {} starts at {} for {} tokens", what, i, row.start, length);
+    // Checkpoint runtimes resume from exact checkpoints, which may end mid-page.
+    expectf(
+        row.start >= 0 && row.start < length && (checkpointDeployment() || row.start % kPage == 0),
+        "{}: row {} starts at {} for {} tokens", what, i, row.start, length);
     bool const reusable =
         mRuntime->backend() == KVCacheBackend::kContextReuse &&
         plan.rowPolicies[i].value_or(plan.lookup) == ContextCacheLookupPolicy::kUseCache;
@@ -210,6 +235,7 @@ DecodingInferenceContext Lifecycle::contextOf(BeginPlan const& plan) const {
 
 ContextCacheBatchAdmission Lifecycle::admissionOf(BeginPlan const& plan) const {
   ContextCacheBatchAdmission admission;
+  admission.speculativeRequest = plan.speculative;
   admission.tokenStateContract = plan.contract;
   admission.commitPolicy = plan.commit;
   admission.lookupPolicy = plan.lookup;
@@ -234,14 +260,20 @@ std::vector<ResidentRef> Lifecycle::residentsOf(BeginPlan const& plan) const {
 }
 
 /// Whether the backend must admit the batch: the pools certainly hold it (coordinator: its cold
-/// demand fits the free pages; SWA: exactly when (2M + 1) pages a row are free).
-std::optional<bool> Lifecycle::mustAdmit(std::vector<int32_t> const& promptLengths) const {
+/// demand, base and paired draft, fits the free pages; SWA: exactly when (2M + 1) pages a row
+/// are free).
+std::optional<bool> Lifecycle::mustAdmit(std::vector<int32_t> const& promptLengths,
+                                         DecodingKvHeadroom const& headroom, bool paired) const {
   if (coordinatorBackend()) {
     int64_t cold = 0;
+    int64_t draft = 0;
     for (int32_t length : promptLengths) {
-      cold += ceilPages(int64_t{length} + 1);
+      cold += ceilPages(int64_t{length} + headroom.baseExtraTokens);
+      draft += paired ? ceilPages(int64_t{length} + headroom.draftExtraTokens) : 0;
     }
-    if (cold <= mCoordinator->manager().pools().freeCount(ResourceType::kBaseKvPage)) {
+    ResourcePools const& pools = mCoordinator->manager().pools();
+    if (cold <= pools.freeCount(ResourceType::kBaseKvPage) &&
+        draft <= pools.freeCount(ResourceType::kDraftKvPage)) {
       return true;
     }
     return std::nullopt;  // depends on reuse and eviction
@@ -277,6 +309,8 @@ void Lifecycle::beginOnBusyResident(BeginPlan const& plan, std::string const& wh
     return;
   }
   BeginPlan busyPlan = plan;
+  busyPlan.speculative = false;  // a vanilla request, valid but for the resident
+  busyPlan.headroom = kVanilla;
   busyPlan.rows[0].resident =
       busy[static_cast<std::size_t>(mIn.below(static_cast<int32_t>(busy.size())))];
   auto facadeCall = [&] {
@@ -313,8 +347,9 @@ void Lifecycle::badFacadeBegin(BeginPlan const& plan, int32_t variant, std::stri
   bool const swaFacade = !coordinatorBackend();
   LLMGenerationRequest generation = generationOf(plan);
   DecodingInferenceContext context = contextOf(plan);
-  DecodingKvHeadroom headroom = kVanilla;
-  bool speculative = false;
+  DecodingKvHeadroom headroom = plan.headroom;
+  bool speculative = plan.speculative;
+  ContextCacheCommitPolicy commit = plan.commit;
   DecodingTokenStateContract contract = plan.contract;
   ContextCacheCoordinator* coordinator = mCoordinator;
   BoundedSwaKVPageManager* swa = mSwa;
@@ -330,10 +365,17 @@ void Lifecycle::badFacadeBegin(BeginPlan const& plan, int32_t variant, std::stri
       context.residentRefs.pop_back();
       break;  // residents disagree
     case 3:
-      speculative = true;
-      break;  // not a speculative deployment
+      if (!speculativeDeployment()) {
+        speculative = true;  // not a speculative deployment
+      } else if (plan.speculative && mKind == Runtime::kHybridMtp && mIn.oneIn(2)) {
+        commit = ContextCacheCommitPolicy::kIncludingGeneratedTokens;  // Hybrid-MTP: prefill only
+      } else {
+        headroom.draftExtraTokens = pairs(plan) ? 0 : 1;  // draft headroom iff paired
+      }
+      break;
     case 4:
-      headroom = mIn.oneIn(2) ? DecodingKvHeadroom{0, 0} : DecodingKvHeadroom{1, 2};
+      headroom = mIn.oneIn(2) ? DecodingKvHeadroom{0, plan.headroom.draftExtraTokens}
+                              : DecodingKvHeadroom{1, pairs(plan) ? 0 : 2};
       break;
     case 5:
       context.stream = foreignStream();
@@ -370,14 +412,14 @@ void Lifecycle::badFacadeBegin(BeginPlan const& plan, int32_t variant, std::stri
   }
   reject(what, [&] {
     return ManagedKVCacheRequest::begin(coordinator, swa, generation, context, speculative,
-                                        headroom, contract, plan.commit);
+                                        headroom, contract, commit);
   });
 }
 
 void Lifecycle::badCoordinatorBegin(BeginPlan const& plan, int32_t variant,
                                     std::string const& what) {
   ContextCacheBatchAdmission admission = admissionOf(plan);
-  DecodingKvHeadroom headroom = kVanilla;
+  DecodingKvHeadroom headroom = plan.headroom;
   cudaStream_t stream = kStream;
   ContextCacheSequenceAdmission& first = admission.sequences[0];
   switch (variant) {
@@ -393,10 +435,17 @@ void Lifecycle::badCoordinatorBegin(BeginPlan const& plan, int32_t variant,
       admission.commitPolicy = static_cast<ContextCacheCommitPolicy>(5);
       break;
     case 3:
-      admission.speculativeRequest = true;
+      if (!speculativeDeployment()) {
+        admission.speculativeRequest = true;  // not a speculative deployment
+      } else if (plan.speculative && mKind == Runtime::kHybridMtp && mIn.oneIn(2)) {
+        admission.commitPolicy = ContextCacheCommitPolicy::kIncludingGeneratedTokens;
+      } else {
+        headroom.draftExtraTokens = pairs(plan) ? 0 : 1;  // draft headroom iff paired
+      }
       break;
     case 4:
-      headroom = mIn.oneIn(2) ? DecodingKvHeadroom{0, 0} : DecodingKvHeadroom{1, 2};
+      headroom = mIn.oneIn(2) ? DecodingKvHeadroom{0, plan.headroom.draftExtraTokens}
+                              : DecodingKvHeadroom{1, pairs(plan) ? 0 : 2};
       break;
     case 5:
       stream = foreignStream();

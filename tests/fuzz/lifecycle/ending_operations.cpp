@@ -55,7 +55,7 @@ void Lifecycle::finish(Req& req) {
   int64_t const calls = syncCalls();
   int64_t const failures = syncFailures();
   bool const finished = accept(what, call);
-  bool const failed = synchronised(what, calls, failures, pendingWork(req.stage) ? 1 : 0);
+  bool const failed = synchronised(what, calls, failures, endingSyncs(req));
   if (failed) {
     quarantine(req);
   } else {
@@ -73,7 +73,7 @@ void Lifecycle::drop(std::size_t index) {
   std::string const what = "drop " + describe(req);
   int64_t const calls = syncCalls();
   int64_t const failures = syncFailures();
-  bool const pending = req.stage != Stage::kGone && pendingWork(req.stage);
+  int64_t const syncs = endingSyncs(req);  // pending work, or an EAGLE draft initialisation
   {
     LibraryCall scope;  // destructors are noexcept: a std::bad_alloc here terminates
     ++mStats.libraryCalls;
@@ -82,7 +82,7 @@ void Lifecycle::drop(std::size_t index) {
     req.swa = BoundedSwaKVPageManager::RequestHandle();
   }
   if (req.stage != Stage::kGone) {
-    if (synchronised(what, calls, failures, pending ? 1 : 0)) {
+    if (synchronised(what, calls, failures, syncs)) {
       quarantine(req);
     } else {
       released(req);

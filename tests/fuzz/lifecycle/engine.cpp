@@ -9,7 +9,9 @@
 namespace mkv::fuzz::lifecycle {
 
 std::vector<int32_t> Lifecycle::makePrompt(int32_t tokens) {
-  int32_t const family = mIn.below(4);
+  // Fewer families on the runtimes with checkpoints or a draft: more prompts extend another's,
+  // so exact checkpoints and paired paths are reused more often.
+  int32_t const family = mIn.below(mKind >= Runtime::kHybrid ? 2 : 4);
   std::vector<int32_t> prompt(static_cast<std::size_t>(tokens));
   for (int32_t i = 0; i < tokens; ++i) {
     prompt[static_cast<std::size_t>(i)] = promptToken(family, i);
@@ -56,6 +58,10 @@ void Lifecycle::writeLength(int32_t rowIndex, int32_t length) {
   }
 }
 
+void Lifecycle::writeDraftLength(int32_t rowIndex, int32_t length) {
+  mRuntime->draftPool()->writeLengths(rowIndex, std::span<int32_t const>(&length, 1), kStream);
+}
+
 void Lifecycle::setActiveBatch(int32_t batch) {
   for (KVCachePool* pool : mLengthPools) {
     pool->setActiveBatchSize(batch);
@@ -63,18 +69,20 @@ void Lifecycle::setActiveBatch(int32_t batch) {
 }
 
 /// The engine's prefill of one bound row: the reused prefix must already hold this prefix's
-/// KV; the rest is written (SWA: only the retained window; full identity layers: all of it).
-void Lifecycle::executePrefill(Row& row, int32_t rowIndex) {
+/// KV (and on checkpoint runtimes the recurrent rows of exactly that prefix; on paired ones the
+/// draft KV); the rest is written (SWA: only the retained window; full identity layers: all of
+/// it), and the recurrent rows are advanced to the prompt's end.
+void Lifecycle::executePrefill(Req& req, Row& row, int32_t rowIndex) {
   auto const length = static_cast<int32_t>(row.prompt.size());
   if (coordinatorBackend()) {
-    if (row.start > 0) {
-      testing::OracleReport const reused =
-          mFullOracle->verify(row.resident.slot, row.digests, 0, row.start);
-      mStats.oraclePositions += reused.positionsChecked;
-      expectf(reused.ok(), "reused prefix of slot {} ({} tokens): {}", row.resident.slot, row.start,
-              reused.firstMismatch);
-    }
+    verifyResumed(req, row, rowIndex);
     mFullOracle->write(row.resident.slot, row.digests, row.start, length);
+    if (mRecurrentOracle) {
+      mRecurrentOracle->write(row.resident.slot, row.digests, length);
+    }
+    if (row.paired && req.mtp) {
+      executeDraft(row, rowIndex, length - 1);  // up to the boundary token's row
+    }
   } else {
     mSwaOracle->write(row.resident.slot, row.digests, std::max(0, length - mWindow), length);
     if (mFullOracle) {
@@ -85,29 +93,100 @@ void Lifecycle::executePrefill(Row& row, int32_t rowIndex) {
   writeLength(rowIndex, length);
 }
 
+/// What preparePrefill left for a row to resume from: the reused KV, the recurrent rows of the
+/// reused prefix (zero for a row that reuses nothing), and for a paired row the reused draft KV
+/// (Hybrid-MTP: all but the boundary token's row) and the draft KV length the backend set.
+void Lifecycle::verifyResumed(Req const& req, Row& row, int32_t rowIndex) {
+  if (row.start > 0) {
+    testing::OracleReport const reused =
+        mFullOracle->verify(row.resident.slot, row.digests, 0, row.start);
+    mStats.oraclePositions += reused.positionsChecked;
+    expectf(reused.ok(), "reused prefix of slot {} ({} tokens): {}", row.resident.slot, row.start,
+            reused.firstMismatch);
+  }
+  if (mRecurrentOracle) {
+    testing::OracleReport const state =
+        mRecurrentOracle->verify(row.resident.slot, row.digests, row.start);
+    ++mStats.recurrentChecks;
+    expectf(state.ok(), "recurrent rows of slot {} restored for {} tokens: {}", row.resident.slot,
+            row.start, state.firstMismatch);
+    mStats.checkpointsRestored += row.start > 0 ? 1 : 0;
+  }
+  if (!row.paired) {
+    return;
+  }
+  int32_t const draftStart = req.mtp ? std::max(0, row.start - 1) : row.start;
+  row.drafted = draftStart;
+  KVCachePool const& draftPool = *mRuntime->draftPool();
+  auto const* lengths = static_cast<int32_t const*>(draftPool.kvLengths().rawPointer());
+  expectf(draftPool.activeBatchSize() == static_cast<int32_t>(req.rows.size()) &&
+              lengths[rowIndex] == draftStart,
+          "draft KV length of row {} is {} (batch {}), expected {}", rowIndex, lengths[rowIndex],
+          draftPool.activeBatchSize(), draftStart);
+  if (draftStart > 0) {
+    testing::OracleReport const reused =
+        mDraftOracle->verify(row.resident.slot, row.draft, 0, draftStart);
+    mStats.draftOraclePositions += reused.positionsChecked;
+    expectf(reused.ok(), "reused draft prefix of slot {} ({} rows): {}", row.resident.slot,
+            draftStart, reused.firstMismatch);
+    ++mStats.pairedReuses;
+  }
+}
+
+/// The draft model writes its rows [drafted, to) (each needs the token after it) and its KV length.
+void Lifecycle::executeDraft(Row& row, int32_t rowIndex, int32_t to) {
+  if (to > row.drafted) {
+    mDraftOracle->write(row.resident.slot, row.draft, row.drafted, to);
+    row.drafted = to;
+  }
+  writeDraftLength(rowIndex, row.drafted);
+}
+
+/// Hybrid-MTP: the base hidden rows of the prefill's positions [start, prompt), each a function
+/// of its prefix, as the engine's base model leaves them for the draft.
+void Lifecycle::writeHiddenStates(Req& req) {
+  Row const& row = req.rows.front();
+  auto const length = static_cast<int32_t>(row.prompt.size());
+  req.hidden = Tensor({length - row.start, kHiddenWidth}, DataType::kFloat16, DeviceType::kCPU);
+  auto* bytes = static_cast<uint8_t*>(req.hidden.rawPointer());
+  std::size_t const rowBytes = static_cast<std::size_t>(kHiddenWidth) * 2;
+  for (int32_t p = row.start; p < length; ++p) {
+    testing::KvOracle::expectedRow(
+        row.digests.at(p), 7, 0,
+        std::span<uint8_t>(bytes + static_cast<std::size_t>(p - row.start) * rowBytes, rowBytes));
+  }
+}
+
 void Lifecycle::sampleInto(Row& row) {
   int32_t const token = sampleToken(row.digests.at(row.digests.size() - 1));
   row.generated.push_back(token);
-  row.digests.extendTokens(std::span<int32_t const>(&token, 1));
+  appendTokens(row, std::span<int32_t const>(&token, 1), mDraftLookahead);
 }
 
-/// The engine's decode of one running row: writes the KV of position `materialized`.
+/// The engine's decode of one running row: writes the KV of the `accepted` positions from
+/// `materialized` on (one for a vanilla step, the accepted span of a verification round) and
+/// advances the recurrent rows.
 void Lifecycle::executeDecode(Req& req, Row& row, int32_t rowIndex) {
-  if (req.contract == DecodingTokenStateContract::kFullyCommitted) {
-    sampleInto(row);  // every listed token has KV: the sampled token is written in the step
+  for (int32_t k = 0; k < std::max(1, row.accepted); ++k) {
+    if (req.contract == DecodingTokenStateContract::kFullyCommitted) {
+      sampleInto(row);  // every listed token has KV: the sampled token is written in the step
+    }
+    int32_t const position = row.materialized;
+    if (mFullOracle) {
+      mFullOracle->write(row.resident.slot, row.digests, position, position + 1);
+    }
+    if (mSwaOracle) {
+      mSwaOracle->write(row.resident.slot, row.digests, position, position + 1);
+    }
+    row.materialized = position + 1;
+    if (req.contract == DecodingTokenStateContract::kCommittedPlusLookahead) {
+      sampleInto(row);
+    }
   }
-  int32_t const position = row.materialized;
-  if (mFullOracle) {
-    mFullOracle->write(row.resident.slot, row.digests, position, position + 1);
+  if (mRecurrentOracle) {
+    mRecurrentOracle->write(row.resident.slot, row.digests, row.materialized);
   }
-  if (mSwaOracle) {
-    mSwaOracle->write(row.resident.slot, row.digests, position, position + 1);
-  }
-  row.materialized = position + 1;
   writeLength(rowIndex, row.materialized);
-  if (req.contract == DecodingTokenStateContract::kCommittedPlusLookahead) {
-    sampleInto(row);
-  }
   row.decoded = true;
 }
 
@@ -130,6 +209,19 @@ void Lifecycle::verifyRow(Row const& row) {
   }
   mStats.oraclePositions += report.positionsChecked;
   expectf(report.ok(), "KV oracle, slot {}: {}", row.resident.slot, report.firstMismatch);
+  if (mRecurrentOracle) {
+    testing::OracleReport const state =
+        mRecurrentOracle->verify(row.resident.slot, row.digests, row.materialized);
+    ++mStats.recurrentChecks;
+    expectf(state.ok(), "recurrent oracle, slot {} after {} tokens: {}", row.resident.slot,
+            row.materialized, state.firstMismatch);
+  }
+  if (row.paired && row.drafted > 0) {
+    testing::OracleReport const draft =
+        mDraftOracle->verify(row.resident.slot, row.draft, 0, row.drafted);
+    mStats.draftOraclePositions += draft.positionsChecked;
+    expectf(draft.ok(), "draft KV oracle, slot {}: {}", row.resident.slot, draft.firstMismatch);
+  }
 }
 
 }  // namespace mkv::fuzz::lifecycle

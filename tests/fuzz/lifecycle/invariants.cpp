@@ -94,14 +94,54 @@ void Lifecycle::checkTables() {
   }
   if (coordinatorBackend()) {
     checkPinnedPages(table, seen);
+    checkDraftTable();
   } else {
     checkSwaMirror(table);
   }
 }
 
+/// Draft rows obey the base rows' rules: a paired row maps at least the pages of its written
+/// draft positions, none twice, each pinned by the row's lease; every other row is empty.
+void Lifecycle::checkDraftTable() {
+  KVPageTable const* table = mRuntime->draftPageTable();
+  if (table == nullptr) {
+    return;
+  }
+  std::vector<int32_t> seen(static_cast<std::size_t>(table->numPages()), 0);
+  std::vector<CacheSlot> lastRow(static_cast<std::size_t>(table->numPages()), -1);
+  for (CacheSlot slot = 0; slot < table->maxBatch(); ++slot) {
+    Row const* row = rowOf(slot);
+    if (row == nullptr || !row->paired) {
+      expectf(table->liveEntryCount(slot) == 0,
+              "draft row {} maps pages but no paired row holds it", slot);
+      continue;
+    }
+    expectf(table->liveEntryCount(slot) >= ceilPages(row->drafted),
+            "draft row {} maps {} pages for {} written draft positions", slot,
+            table->liveEntryCount(slot), row->drafted);
+    std::span<int32_t const> const live =
+        table->hostRow(slot).first(static_cast<std::size_t>(table->liveEntryCount(slot)));
+    for (std::size_t p = 0; p < live.size(); ++p) {
+      auto const page = static_cast<std::size_t>(live[p]);
+      expectf(lastRow[page] != slot, "draft row {} maps page {} twice (entry {})", slot, live[p],
+              p);
+      lastRow[page] = slot;
+      ++seen[page];
+    }
+  }
+  ResourcePools const& pools = mCoordinator->manager().pools();
+  for (PageId page = 0; page < table->numPages(); ++page) {
+    int32_t const pins = pools.activeRefs({ResourceType::kDraftKvPage, page});
+    expectf(pins >= seen[static_cast<std::size_t>(page)],
+            "draft page {} is mapped by {} rows but pinned {} times", page,
+            seen[static_cast<std::size_t>(page)], pins);
+  }
+}
+
 /// Page-table invariants, and device mirrors equal to the host rows after every library call.
 void Lifecycle::checkMirrors() {
-  for (KVPageTable const* table : {mRuntime->fullPageTable(), mRuntime->swaPageTable()}) {
+  for (KVPageTable const* table :
+       {mRuntime->fullPageTable(), mRuntime->swaPageTable(), mRuntime->draftPageTable()}) {
     if (table == nullptr) {
       continue;
     }
@@ -197,6 +237,17 @@ void Lifecycle::checkLengths() {
     for (std::size_t i = 0; i < owner->rows.size(); ++i) {
       expectf(lengths[i] == owner->rows[i].materialized, "KV length of row {} is {}, expected {}",
               i, lengths[i], owner->rows[i].materialized);
+    }
+  }
+  if (owner->paired) {  // the draft pool's lengths: the draft positions each row wrote
+    KVCachePool const& pool = *mRuntime->draftPool();
+    expectf(pool.activeBatchSize() == static_cast<int32_t>(owner->rows.size()),
+            "draft KV-length tensor has {} rows, {} has {}", pool.activeBatchSize(),
+            describe(*owner), owner->rows.size());
+    auto const* lengths = static_cast<int32_t const*>(pool.kvLengths().rawPointer());
+    for (std::size_t i = 0; i < owner->rows.size(); ++i) {
+      expectf(lengths[i] == owner->rows[i].drafted, "draft KV length of row {} is {}, expected {}",
+              i, lengths[i], owner->rows[i].drafted);
     }
   }
 }

@@ -33,7 +33,7 @@ Operation operationOf(Family family, bool corrupt) {
     case Family::kPreparePrefill:
       return corrupt ? Operation::kBadPreparePrefill : Operation::kPreparePrefill;
     case Family::kCaptures:
-      return Operation::kCaptures;
+      return corrupt ? Operation::kBadCaptures : Operation::kCaptures;
     case Family::kCompletePrefill:
       return corrupt ? Operation::kBadCompletePrefill : Operation::kCompletePrefill;
     case Family::kPrepareDecode:
@@ -105,9 +105,12 @@ LifecycleResult Lifecycle::run() {
 
 // ---------------------------------------------------------------- set-up and teardown
 
-/// The runtime the set-up bytes describe: batch, backend (context reuse, bounded SWA, full
-/// storage) and its geometry, pools and cache settings.
+/// The runtime the set-up bytes describe: batch, backend and its geometry, pools and cache
+/// settings. The second byte picks the runtime: below kNewRuntimes, byte % 3 (context reuse,
+/// bounded SWA, full storage: the choice of the first corpus, unchanged); from kNewRuntimes on,
+/// (byte - kNewRuntimes) % 3 picks hybrid checkpoints, speculative reuse or Hybrid-MTP.
 KVCacheRuntimeConfig Lifecycle::configFromInput() {
+  constexpr uint8_t kNewRuntimes = 0xC0;
   KVCacheRuntimeConfig config;
   config.tokensPerPage = kPage;
   config.maxBatchSize = 1 + mIn.below(4);
@@ -117,8 +120,10 @@ KVCacheRuntimeConfig Lifecycle::configFromInput() {
   config.model.headDim = 4;
   config.model.kvDataType = DataType::kFloat16;
   config.synchronizer = mSync.synchronizer();
-  int32_t const mode = mIn.below(3);
-  if (mode == 1) {  // bounded SWA
+  uint8_t const runtimeByte = mIn.byte();
+  mKind = runtimeByte < kNewRuntimes ? static_cast<Runtime>(runtimeByte % 3)
+                                     : static_cast<Runtime>(3 + (runtimeByte - kNewRuntimes) % 3);
+  if (mKind == Runtime::kBoundedSwa) {
     config.model.numSlidingWindowLayers = 1;
     config.model.numFullAttentionLayers = mIn.below(2);
     config.model.slidingWindowTokens = 1 + mIn.below(3 * kPage);
@@ -129,20 +134,55 @@ KVCacheRuntimeConfig Lifecycle::configFromInput() {
     if (mIn.oneIn(2)) {
       config.numSwaPages = config.maxBatchSize * admission + mIn.below(2 * admission);
     }
-  } else {  // context reuse (0) or full storage (2)
+  } else {  // context reuse (and the runtimes built on it) or full storage
     config.model.numFullAttentionLayers = 1 + mIn.below(2);
     int32_t const width = 2 + mIn.below(5);
     config.maxSequenceLength = width * kPage - mIn.below(kPage);
     config.numPages = 2 + mIn.below(config.maxBatchSize * width + 2);
-    config.contextReuse = mode == 0;
+    config.contextReuse = mKind != Runtime::kFullStorage;
     config.contextCache.maxRecords = mIn.below(6);
+    if (mKind >= Runtime::kHybrid) {  // keep records more often: reuse is what these runtimes add
+      config.contextCache.maxRecords =
+          config.contextCache.maxRecords == 0 ? 0 : 2 + config.contextCache.maxRecords;
+    }
     config.contextCache.verifyTokens = mIn.below(4) != 0;
     config.contextCache.eventQueueCapacity = 4 * mIn.below(2);
   }
-  if (mode != 0 && mIn.oneIn(3)) {
+  if ((mKind == Runtime::kBoundedSwa || mKind == Runtime::kFullStorage) && mIn.oneIn(3)) {
     config.model.numRecurrentLayers = 1;
     config.model.recurrentStateBytes = 16;
     config.model.recurrentConvBytes = 8;
+  }
+  if (mKind == Runtime::kSpeculative || mKind == Runtime::kHybridMtp) {
+    KVCacheSpeculativeConfig spec;
+    // Hybrid-MTP needs a paged draft; an EAGLE-style runtime may have a draft reading the base KV
+    // ({not paged, 0}) or an own-KV draft with (EAGLE, MTP: 1) or without (DFlash-like: 0) replay.
+    spec.pagedDraft = mKind == Runtime::kHybridMtp || !mIn.oneIn(4);
+    spec.futureDependencyTokens = spec.pagedDraft && !mIn.oneIn(3) ? 1 : 0;
+    spec.numDraftLayers = spec.pagedDraft ? 1 : 0;
+    spec.numDraftKVHeads = 1;
+    spec.draftHeadDim = 4;
+    if (spec.pagedDraft && mIn.oneIn(3)) {  // a draft pool smaller than the base pool
+      spec.numDraftPages = 2 + mIn.below(config.numPages);
+    }
+    if (mKind == Runtime::kHybridMtp) {
+      spec.boundaryHiddenWidth = kHiddenWidth;
+    }
+    config.speculative = spec;
+  }
+  if (mKind == Runtime::kHybrid || mKind == Runtime::kHybridMtp) {
+    config.model.numRecurrentLayers = 1 + mIn.below(2);
+    config.model.recurrentStateBytes = 16;
+    config.model.recurrentConvBytes = 8;
+    // 1-4 snapshot slots of each kind, charged as the coordinator charges them: recurrent rows
+    // (plus a boundary hidden row for Hybrid-MTP), one page of every base (and draft) layer.
+    int64_t const hidden = mKind == Runtime::kHybridMtp ? kHiddenWidth * 2 : 0;
+    int64_t const recurrentSlot = config.model.numRecurrentLayers * (16 + 8) + hidden;
+    int64_t const pageBytes = 2 * kPage * config.model.numKVHeads * config.model.headDim * 2;
+    int32_t const layers =
+        config.model.numFullAttentionLayers + (mKind == Runtime::kHybridMtp ? 1 : 0);
+    config.contextCache.recurrentSnapshotPoolBytes = (1 + mIn.below(4)) * recurrentSlot;
+    config.contextCache.partialKvSnapshotPoolBytes = (1 + mIn.below(4)) * layers * pageBytes;
   }
   return config;
 }
@@ -159,8 +199,27 @@ bool Lifecycle::setUp() {
     return false;
   }
   bindRuntime(config);
-  trace(fmt::format("set-up: {} backend, batch {}, {} pages a row, pool {} pages{}",
-                    toString(mRuntime->backend()), mMaxBatch, mWidth, poolPages(),
+  switch (mKind) {
+    case Runtime::kHybrid:
+      ++mStats.hybridLifecycles;
+      break;
+    case Runtime::kSpeculative:
+      ++mStats.speculativeLifecycles;
+      break;
+    case Runtime::kHybridMtp:
+      ++mStats.mtpLifecycles;
+      break;
+    default:
+      break;
+  }
+  trace(fmt::format("set-up: {} backend{}, batch {}, {} pages a row, pool {} pages{}",
+                    toString(mRuntime->backend()),
+                    mKind == Runtime::kHybrid        ? " (hybrid checkpoints)"
+                    : mKind == Runtime::kSpeculative ? (mDraftOracle ? " (speculative, paged draft)"
+                                                                     : " (speculative, shared KV)")
+                    : mKind == Runtime::kHybridMtp   ? " (Hybrid-MTP)"
+                                                     : "",
+                    mMaxBatch, mWidth, poolPages(),
                     mSwa != nullptr ? fmt::format(", window {}", mWindow) : std::string()));
   checkAll();
   return true;
@@ -184,6 +243,14 @@ void Lifecycle::bindRuntime(KVCacheRuntimeConfig const& config) {
         std::make_unique<testing::KvOracle>(*mRuntime->fullPool(), *mRuntime->fullPageTable());
     mLengthPools.push_back(mRuntime->fullPool());
   }
+  if (mRuntime->draftPool() != nullptr) {
+    mDraftLookahead = std::min(1, config.speculative->futureDependencyTokens);
+    mDraftOracle =
+        std::make_unique<testing::KvOracle>(*mRuntime->draftPool(), *mRuntime->draftPageTable());
+  }
+  if (mCoordinator != nullptr && mCoordinator->profile().usesCheckpointReuse()) {
+    mRecurrentOracle = std::make_unique<testing::RecurrentOracle>(*mRuntime->recurrentState());
+  }
   mMapping = Tensor({mMaxBatch}, DataType::kInt32, DeviceType::kCPU);
   mWrongTypeMapping = Tensor({mMaxBatch}, DataType::kFloat32, DeviceType::kCPU);
 }
@@ -199,6 +266,10 @@ void Lifecycle::tearDown() {
   shutdown(false);
   checkAll();
   checkEverythingReturned();
+  if (mCoordinator != nullptr) {
+    mStats.snapshotPressureSkips +=
+        static_cast<int64_t>(mCoordinator->counters().snapshotPressureSkips);
+  }
   mRuntime.reset();
 }
 
@@ -208,9 +279,12 @@ void Lifecycle::checkEverythingReturned() {
   if (mCoordinator != nullptr) {
     ResourcePools const& pools = mCoordinator->manager().pools();
     expect(mCoordinator->manager().liveLeaseCount() == 0, "teardown: leases are still live");
-    for (PageId page = 0; page < pools.capacity(ResourceType::kBaseKvPage); ++page) {
-      expectf(pools.activeRefs({ResourceType::kBaseKvPage, page}) == 0,
-              "teardown: page {} is still pinned", page);
+    // Every page, draft page and snapshot slot is free or held by a record only.
+    for (ResourceType type : kAllResourceTypes) {
+      for (int32_t id = 0; id < pools.capacity(type); ++id) {
+        expectf(pools.activeRefs({type, id}) == 0, "teardown: {} {} is still pinned",
+                toString(type), id);
+      }
     }
   } else {
     expectf(mSwa->freePageCount() == mSwa->totalPageCount(), "teardown: {} of {} SWA pages free",
@@ -218,6 +292,9 @@ void Lifecycle::checkEverythingReturned() {
   }
   for (CacheSlot slot = 0; slot < mainTable()->maxBatch(); ++slot) {
     expectf(mainTable()->liveEntryCount(slot) == 0, "teardown: row {} still maps pages", slot);
+    KVPageTable const* draft = mRuntime->draftPageTable();
+    expectf(draft == nullptr || draft->liveEntryCount(slot) == 0,
+            "teardown: draft row {} still maps pages", slot);
   }
   expect(mRuntime->residentSlots().available() == mMaxBatch, "teardown: residents still held");
 }
@@ -243,6 +320,12 @@ Family Lifecycle::naturalNext(Req const& req) {
     case Stage::kAdmitted:
       return Family::kPreparePrefill;
     case Stage::kPrefill:
+      if (req.mtp && !req.endpointPublished) {  // the endpoint (and a restore) come first
+        return mIn.oneIn(4) ? Family::kCompletePrefill : Family::kCaptures;
+      }
+      if (mKind == Runtime::kHybrid || mKind == Runtime::kHybridMtp) {  // captures half the time
+        return mIn.oneIn(2) ? Family::kCaptures : Family::kCompletePrefill;
+      }
       return mIn.oneIn(4) ? Family::kCaptures : Family::kCompletePrefill;
     case Stage::kIdle: {
       bool stopped = false;
@@ -255,7 +338,8 @@ Family Lifecycle::naturalNext(Req const& req) {
       if (stopped || mIn.oneIn(16)) {
         return Family::kBeginCompaction;
       }
-      if (coordinatorBackend() && mIn.oneIn(6)) {
+      // Runtimes without in-flight admission are asked rarely (the call must be rejected).
+      if (coordinatorBackend() && mIn.oneIn(mRuntime->supportsSeatedAdmission() ? 6 : 24)) {
         return Family::kAdmit;
       }
       return mIn.oneIn(40) ? Family::kFinish : Family::kPrepareDecode;
@@ -364,6 +448,9 @@ void Lifecycle::dispatchOnRequest(Operation op, std::size_t target) {
     case Operation::kCaptures:
       captures(req);
       return;
+    case Operation::kBadCaptures:
+      badCaptures(req);
+      return;
     case Operation::kCompletePrefill:
       completePrefill(req);
       return;
@@ -452,8 +539,8 @@ bool Lifecycle::backendPoisoned() const {
 }
 
 int32_t Lifecycle::maxPromptTokens() const {
-  // Context reuse needs the prompt plus one headroom token in a row; SWA maps the window only.
-  return coordinatorBackend() ? mWidth * kPage - 1 : mWidth * kPage;
+  // Context reuse needs the prompt plus its headroom tokens in a row; SWA maps the window only.
+  return coordinatorBackend() ? mWidth * kPage - mPromptHeadroom : mWidth * kPage;
 }
 
 void Lifecycle::trace(std::string line) {
@@ -495,9 +582,11 @@ Req* Lifecycle::find(uint64_t serial) {
 }
 
 std::string Lifecycle::describe(Req const& req) const {
-  return fmt::format(
-      "request {} ({} {}, {} rows, {})", req.serial, req.via == Via::kFacade ? "facade" : "direct",
-      coordinatorBackend() ? "coordinator" : "SWA", req.rows.size(), toString(req.stage));
+  return fmt::format("request {} ({} {}{}, {} rows, {})", req.serial,
+                     req.via == Via::kFacade ? "facade" : "direct",
+                     coordinatorBackend() ? "coordinator" : "SWA",
+                     req.mtp ? ", Hybrid-MTP" : (req.speculative ? ", speculative" : ""),
+                     req.rows.size(), toString(req.stage));
 }
 
 /// Pages a live SWA row holds (2M + 1 until completePrefill trims it to M + 1).

@@ -77,6 +77,7 @@ enum class Operation : uint8_t {
   kPreparePrefill,
   kBadPreparePrefill,
   kCaptures,
+  kBadCaptures,
   kCompletePrefill,
   kBadCompletePrefill,
   kPrepareDecode,
@@ -103,6 +104,16 @@ enum class Operation : uint8_t {
 /// The operation of `family`, in its corrupted form when `corrupt` and the family has one.
 Operation operationOf(Family family, bool corrupt);
 
+/// The runtimes the set-up bytes choose from (configFromInput).
+enum class Runtime : uint8_t {
+  kContextReuse,
+  kBoundedSwa,
+  kFullStorage,
+  kHybrid,       ///< context reuse + recurrent layers: exact checkpoints
+  kSpeculative,  ///< context reuse + a draft model (paged or reading the base KV): paired reuse
+  kHybridMtp,    ///< context reuse + recurrent layers + an MTP draft: Hybrid-MTP endpoints
+};
+
 class Lifecycle {
  public:
   Lifecycle(std::span<uint8_t const> data, LifecycleOptions const& options);
@@ -121,6 +132,8 @@ class Lifecycle {
     std::vector<std::optional<ContextCacheLookupPolicy>> rowPolicies;
     Via via = Via::kFacade;
     uint64_t seed = 0;
+    bool speculative = false;
+    DecodingKvHeadroom headroom = kVanilla;
   };
   /// The arguments of a decode step and whether they break the contract.
   struct DecodeCall {
@@ -184,6 +197,19 @@ class Lifecycle {
 
   // lifecycle.cpp: small helpers
   bool coordinatorBackend() const noexcept { return mCoordinator != nullptr; }
+  /// Hybrid checkpoint reuse (hybrid and Hybrid-MTP runtimes).
+  bool checkpointDeployment() const noexcept { return mRecurrentOracle != nullptr; }
+  bool speculativeDeployment() const noexcept {
+    return mKind == Runtime::kSpeculative || mKind == Runtime::kHybridMtp;
+  }
+  /// Whether the request binds draft rows, and whether this row keeps draft digests.
+  bool pairs(BeginPlan const& plan) const noexcept {
+    return plan.speculative && mRuntime->draftPool() != nullptr;
+  }
+  /// Synchronisations an ending (finish, abandonment) of the request makes.
+  static int64_t endingSyncs(Req const& req) {
+    return req.stage != Stage::kGone && (pendingWork(req.stage) || req.draftInitPending) ? 1 : 0;
+  }
   int32_t poolPages() const;
   KVPageTable* mainTable() const;
   bool backendPoisoned() const;
@@ -219,8 +245,12 @@ class Lifecycle {
   // engine.cpp: the engine side (KV written through the oracles, KV lengths, sampling)
   DecodingInferenceContext contextOf(Req const& req) const;
   void writeLength(int32_t rowIndex, int32_t length);
+  void writeDraftLength(int32_t rowIndex, int32_t length);
   void setActiveBatch(int32_t batch);
-  void executePrefill(Row& row, int32_t rowIndex);
+  void executePrefill(Req& req, Row& row, int32_t rowIndex);
+  void verifyResumed(Req const& req, Row& row, int32_t rowIndex);
+  void executeDraft(Row& row, int32_t rowIndex, int32_t to);
+  void writeHiddenStates(Req& req);
   void sampleInto(Row& row);
   void executeDecode(Req& req, Row& row, int32_t rowIndex);
   void verifyRow(Row const& row);
@@ -246,6 +276,12 @@ class Lifecycle {
                    std::vector<int32_t>& seen);
   void checkSwaMirror(KVPageTable const& table);
   void checkPinnedPages(KVPageTable const& table, std::vector<int32_t> const& seen);
+  void checkDraftTable();
+  void checkSnapshotResources();
+  void noteCheckpoint(Req const& req, Row const& row, int32_t length, bool mtp);
+  void checkCheckpoints();
+  void checkCheckpoint(CacheRecord const& record, CheckpointPrefix const& prefix);
+  void checkResourceConservation(ResourceType type, std::vector<int32_t> const& recordRefs);
   void checkLengths();
 
   // begin_operations.cpp
@@ -258,7 +294,8 @@ class Lifecycle {
   DecodingInferenceContext contextOf(BeginPlan const& plan) const;
   ContextCacheBatchAdmission admissionOf(BeginPlan const& plan) const;
   std::vector<ResidentRef> residentsOf(BeginPlan const& plan) const;
-  std::optional<bool> mustAdmit(std::vector<int32_t> const& promptLengths) const;
+  std::optional<bool> mustAdmit(std::vector<int32_t> const& promptLengths,
+                                DecodingKvHeadroom const& headroom, bool paired) const;
   std::optional<std::vector<int32_t>> beginThroughFacade(BeginPlan const& plan, Req& req,
                                                          std::string const& what);
   std::optional<std::vector<int32_t>> beginOnCoordinator(BeginPlan const& plan, Req& req,
@@ -281,12 +318,17 @@ class Lifecycle {
   bool issueFacadePreparePrefill(Req& req, std::vector<int32_t> const& lengths, bool valid,
                                  std::string const& what);
   void captures(Req& req);
+  void badCaptures(Req& req);
+  void publishEndpoint(Req& req, int32_t slot, int32_t length, Tensor const& hidden, int32_t row,
+                       bool valid);
+  void restoreBoundaryHidden(Req& req, int32_t slot, Tensor& hidden, int32_t row, bool valid);
+  bool restorable(Req const& req) const;
   void completePrefill(Req& req);
   void badCompletePrefill(Req& req);
   CompletePrefillCall planCompletePrefill(Req& req);
   void corruptCompletePrefill(Req const& req, CompletePrefillCall& call, int32_t variant);
   void issueCompletePrefill(Req& req, CompletePrefillCall& call);
-  bool decodeFits(Req const& req, int32_t baseExtra) const;
+  bool decodeFits(Req const& req, DecodingKvHeadroom const& headroom) const;
   int32_t mappedPages(Row const& row) const;
   void prepareDecode(Req& req);
   void badPrepareDecode(Req& req);
@@ -347,6 +389,10 @@ class Lifecycle {
   BoundedSwaKVPageManager* mSwa = nullptr;
   std::unique_ptr<testing::KvOracle> mFullOracle;
   std::unique_ptr<testing::KvOracle> mSwaOracle;
+  std::unique_ptr<testing::KvOracle> mDraftOracle;             ///< paged draft runtimes
+  std::unique_ptr<testing::RecurrentOracle> mRecurrentOracle;  ///< checkpoint runtimes
+  Runtime mKind = Runtime::kContextReuse;
+  int32_t mDraftLookahead = 0;  ///< tokens a draft row depends on past its position (0 or 1)
   std::vector<KVCachePool*> mLengthPools;
   Tensor mMapping;
   Tensor mWrongTypeMapping;
@@ -355,9 +401,11 @@ class Lifecycle {
   int32_t mMaxBatch = 0;
   int32_t mWindow = 0;
   int32_t mWindowPages = 0;
+  int32_t mPromptHeadroom = 1;  ///< base headroom the planned batch needs in its row
 
   std::vector<std::unique_ptr<Req>> mRequests;
   std::vector<Quarantined> mQuarantine;
+  std::vector<CheckpointPrefix> mCheckpointLedger;  ///< every prefix a capture may have been for
   uint64_t mNextSerial = 1;
   uint64_t mLengthOwner = 0;  // serial of the request whose batch the KV-length tensors hold
   bool mPoisoned = false;

@@ -23,6 +23,10 @@ inline constexpr int32_t kPage = 16;            ///< tokens per page
 inline constexpr int32_t kMaxLiveRequests = 3;  ///< requests kept at once (plus spent ones)
 inline constexpr cudaStream_t kStream = nullptr;
 inline constexpr DecodingKvHeadroom kVanilla{1, 0};
+/// Elements of a Hybrid-MTP boundary hidden row (fp16).
+inline constexpr int64_t kHiddenWidth = 8;
+/// The seed mixed into a row's identity seed for its draft digests.
+inline constexpr uint64_t kDraftSeed = 0xd7af7;
 
 /// A stream the runtime was not created with (contract violation).
 inline cudaStream_t foreignStream() {
@@ -121,8 +125,43 @@ struct Row {
   bool bound = false;        ///< the backend mapped the row
   bool joined = true;        ///< false: admitted in flight, not finalised
   bool decoded = false;      ///< produced a token in the pending decode step
+  int32_t accepted = 0;      ///< tokens the pending step accepted (speculative rounds: 1 or more)
   FinishReason reason = FinishReason::kNotFinished;
+  /// Draft model (speculative requests with a paged draft): entry p covers the tokens [0, p + 1]
+  /// when the draft row of position p depends on the next token (EAGLE's and MTP's do), else
+  /// [0, p] (appendTokens).
+  testing::PrefixDigests draft;
+  bool paired = false;  ///< keeps draft digests and a draft row
+  int32_t drafted = 0;  ///< draft positions the engine wrote (the draft KV length)
+  int32_t common = 0;   ///< the last common (base and draft) length the backend was given
 };
+
+/// Appends tokens to a row's ledger (prompt + generated): its digests and, for a paired row, its
+/// draft digests. A draft whose rows depend on the next token (`draftLookahead`: EAGLE, MTP) keys
+/// draft entry p by token p + 1 (entry 0 by tokens 0 and 1, as the speculative facade suite's
+/// draft ledger); one without (DFlash-like) by token p, under the draft's own seed.
+inline void appendTokens(Row& row, std::span<int32_t const> tokens, int32_t draftLookahead) {
+  int64_t const before = row.digests.size();
+  row.digests.extendTokens(tokens);
+  if (!row.paired) {
+    return;
+  }
+  if (draftLookahead == 0) {
+    row.draft.extendTokens(tokens);
+    return;
+  }
+  for (std::size_t i = 0; i < tokens.size(); ++i) {
+    int64_t const position = before + static_cast<int64_t>(i);
+    if (position == 0) {
+      continue;  // draft entry p needs token p + 1
+    }
+    uint64_t key = static_cast<uint32_t>(tokens[i]);
+    if (position == 1) {
+      key |= static_cast<uint64_t>(static_cast<uint32_t>(row.prompt.front())) << 32;
+    }
+    row.draft.extend(std::span<uint64_t const>(&key, 1));
+  }
+}
 
 /// One request the driver holds, through whichever handle it was begun with.
 struct Req {
@@ -140,6 +179,29 @@ struct Req {
   bool trimmed = false;          ///< SWA: completePrefill ran (M + 1 pages a row)
   std::vector<int32_t> mapping;  ///< pending compaction
   int32_t newBatchSize = 0;
+  // Speculative requests (KVCacheRuntimeConfig::speculative deployments).
+  bool speculative = false;                ///< begun as a speculative request
+  bool paired = false;                     ///< binds base and draft rows (a paged draft)
+  bool mtp = false;                        ///< a speculative request on a Hybrid-MTP deployment
+  DecodingKvHeadroom headroom = kVanilla;  ///< of every decode step
+  /// EAGLE: the prompt endpoint waits for the draft initialisation (completePrefill until the
+  /// first round, compaction or finish): abandoning or finishing synchronises.
+  bool draftInitPending = false;
+  bool endpointPublished = false;  ///< Hybrid-MTP: publishHybridMtpEndpoint made its capture
+  bool pinsReleased = false;       ///< Hybrid-MTP: the restored checkpoint's pins are gone
+  bool hiddenRestored = false;     ///< Hybrid-MTP: the boundary hidden row was restored
+  bool bypass = false;             ///< Hybrid-MTP: the one row looks nothing up
+  Tensor hidden;                   ///< Hybrid-MTP: the base hidden rows of the prefill
+};
+
+/// A prefix a checkpoint may have been captured for (the driver's checkpoint ledger): its key as
+/// the coordinator files it (HybridKey), and the digests of the state it must hold.
+struct CheckpointPrefix {
+  Hash128 exactDigest;
+  int32_t length = 0;
+  bool mtp = false;
+  testing::PrefixDigests digests;  ///< the base prefix (positions [0, length))
+  testing::PrefixDigests draft;    ///< the draft's (Hybrid-MTP)
 };
 
 /// Rows of a quarantined request: their pages must keep their KV until shutdown drains them.

@@ -78,7 +78,7 @@ void Lifecycle::observeCoordinator(Req& req, int32_t slot, bool inBatch, std::st
   int32_t const committed =
       !row.joined || req.stage == Stage::kAdmitted || req.stage == Stage::kPrefill
           ? row.start
-          : row.materialized - (row.decoded ? 1 : 0);
+          : row.materialized - (row.decoded ? std::max(1, row.accepted) : 0);
   expectf(unchanged(what, [&] { return mCoordinator->committedLength(handle, slot); }) == committed,
           "{}: committedLength of row {} is not {}", what, slot, committed);
   expect(mCoordinator->reuseTokenLength(handle, slot) == row.start, what + ": reuseTokenLength");
@@ -92,6 +92,18 @@ void Lifecycle::observeCoordinator(Req& req, int32_t slot, bool inBatch, std::st
   for (std::size_t p = 0; p < pages.size(); ++p) {
     expect(table.entry(row.resident.slot, static_cast<int32_t>(p)) == pages[p],
            what + ": lease page and row entry disagree");
+  }
+  std::span<PageId const> const draft = mCoordinator->draftPages(handle, slot);
+  if (!row.paired) {
+    expect(draft.empty(), what + ": a row without a paired draft holds draft pages");
+    return;
+  }
+  KVPageTable const& draftTable = *mRuntime->draftPageTable();
+  expect(static_cast<int32_t>(draft.size()) == draftTable.liveEntryCount(row.resident.slot),
+         what + ": lease draft pages and draft row disagree");
+  for (std::size_t p = 0; p < draft.size(); ++p) {
+    expect(draftTable.entry(row.resident.slot, static_cast<int32_t>(p)) == draft[p],
+           what + ": lease draft page and draft row entry disagree");
   }
 }
 

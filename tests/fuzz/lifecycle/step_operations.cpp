@@ -5,6 +5,7 @@
 /// the model's decision in both forms.
 
 #include <algorithm>
+#include <cstring>
 
 #include "fuzz/lifecycle/lifecycle.h"
 
@@ -88,10 +89,13 @@ void Lifecycle::issuePreparePrefill(Req& req, std::vector<int32_t> const& length
     row.bound = true;
     row.endpoint = static_cast<int32_t>(row.prompt.size());
     row.windowFrom = row.endpoint;
-    executePrefill(row, static_cast<int32_t>(i));
+    executePrefill(req, row, static_cast<int32_t>(i));
+  }
+  if (req.mtp) {
+    writeHiddenStates(req);
   }
   ++mStats.prefills;
-  trace(what);
+  trace(fmt::format("{}: starts at {}", what, req.rows.empty() ? 0 : req.rows.front().start));
 }
 
 /// preparePrefill then prepareSwaPrefill through the facade; false when the call was rejected.
@@ -121,6 +125,10 @@ bool Lifecycle::issueFacadePreparePrefill(Req& req, std::vector<int32_t> const& 
   return true;
 }
 
+/// enqueuePrefillCaptures: nothing to capture on attention-only runtimes and for a Hybrid-MTP
+/// request (which publishes through its endpoint); checkpoint runtimes stage the captures of
+/// the prompt ends (committed by completePrefill, no synchronisation). A Hybrid-MTP request
+/// instead restores its boundary hidden row or publishes its endpoint.
 void Lifecycle::captures(Req& req) {
   std::string const what = "enqueuePrefillCaptures on " + describe(req);
   bool const valid = req.stage == Stage::kPrefill;
@@ -129,6 +137,18 @@ void Lifecycle::captures(Req& req) {
       expect(unchanged(what, [&] { return req.facade->enqueuePrefillCaptures(); }),
              what + " returned false");
     }
+    return;
+  }
+  if (req.mtp && valid && !mIn.oneIn(5)) {
+    // The boundary hidden row is restored before the endpoint (which releases the hit's pins).
+    if (restorable(req) && (!req.hiddenRestored || mIn.oneIn(4)) && !mIn.oneIn(8)) {
+      Tensor hidden({3, kHiddenWidth}, DataType::kFloat16, DeviceType::kCPU);
+      restoreBoundaryHidden(req, 0, hidden, mIn.below(3), true);
+      return;
+    }
+    Row const& row = req.rows.front();
+    auto const length = static_cast<int32_t>(row.prompt.size());
+    publishEndpoint(req, 0, length, req.hidden, length - 1 - row.start, true);
     return;
   }
   auto call = [&] {
@@ -142,7 +162,165 @@ void Lifecycle::captures(Req& req) {
     reject(what, call);
     return;
   }
-  expect(unchanged(what, call), what + " returned false");  // attention only: nothing to capture
+  if (!checkpointDeployment() || req.mtp) {
+    expect(unchanged(what, call), what + " returned false");  // nothing to capture
+    return;
+  }
+  uint64_t const staged = mCoordinator->counters().checkpointCaptures;
+  int64_t const calls = syncCalls();
+  int64_t const failures = syncFailures();
+  expect(accept(what, call), what + " returned false");
+  (void)synchronised(what, calls, failures, 0);  // committed by completePrefill
+  trace(fmt::format("{}: {} captures staged", what,
+                    mCoordinator->counters().checkpointCaptures - staged));
+}
+
+/// A Hybrid-MTP call with one argument wrong (a length beyond the prompt, negative or below the
+/// reuse, a slot outside the batch, a hidden tensor of another width, a row outside it, a
+/// restore where the row has no restored checkpoint), or one the request or deployment does not
+/// offer; on the runtimes of the first corpus, the valid captures (the input format of those
+/// runtimes is unchanged).
+void Lifecycle::badCaptures(Req& req) {
+  if (!coordinatorBackend() || mKind < Runtime::kHybrid) {
+    captures(req);
+    return;
+  }
+  Row const* row = req.rows.empty() ? nullptr : &req.rows.front();
+  int32_t const length = row != nullptr ? static_cast<int32_t>(row->prompt.size()) : 1;
+  int32_t const start = row != nullptr ? row->start : 0;
+  // Before the prefill there are no hidden rows: any tensor (the call is invalid for its stage).
+  Tensor const& hidden = req.hidden.rank() == 2 ? req.hidden : mMapping;
+  auto const hiddenRows = static_cast<int32_t>(hidden.rank() == 2 ? hidden.dim(0) : 1);
+  int32_t const hiddenRow = std::max(0, length - 1 - start);
+  if (!req.mtp) {  // a vanilla request, or a deployment that is not Hybrid-MTP
+    Tensor scratch({1, kHiddenWidth}, DataType::kFloat16, DeviceType::kCPU);
+    if (mIn.oneIn(2)) {
+      publishEndpoint(req, 0, length, scratch, 0, false);
+    } else {
+      restoreBoundaryHidden(req, 0, scratch, 0, false);
+    }
+    return;
+  }
+  switch (mIn.below(7)) {
+    case 0:
+      publishEndpoint(req, 0, length + 1, hidden, hiddenRow, false);
+      return;
+    case 1:
+      publishEndpoint(req, 0, -1, hidden, hiddenRow, false);
+      return;
+    case 2:
+      if (start > 1) {
+        publishEndpoint(req, 0, 1 + mIn.below(start - 1), hidden, hiddenRow, false);
+      } else {
+        publishEndpoint(req, 0, length + 2, hidden, hiddenRow, false);
+      }
+      return;
+    case 3:
+      publishEndpoint(req, 1, length, hidden, hiddenRow, false);
+      return;
+    case 4: {
+      Tensor narrow({hiddenRows, kHiddenWidth / 2}, DataType::kFloat16, DeviceType::kCPU);
+      publishEndpoint(req, 0, length, narrow, 0, false);
+      return;
+    }
+    case 5:
+      publishEndpoint(req, 0, length, hidden, hiddenRows, false);
+      return;
+    default: {
+      Tensor scratch({3, kHiddenWidth}, DataType::kFloat16, DeviceType::kCPU);
+      restoreBoundaryHidden(req, 0, scratch, restorable(req) ? 3 : mIn.below(3), false);
+      return;
+    }
+  }
+}
+
+/// Hybrid-MTP: the row restored a checkpoint whose pins it still holds (the endpoint's capture or
+/// a reservation under pressure releases them; completePrefill does).
+bool Lifecycle::restorable(Req const& req) const {
+  return req.mtp && req.stage == Stage::kPrefill && !req.rows.empty() &&
+         req.rows.front().start > 0 && !req.pinsReleased;
+}
+
+/// publishHybridMtpEndpoint: a valid call returns true and makes at most one synchronisation;
+/// when that fails the request is quarantined (false). An endpoint already cached, a second one
+/// of the row, a bypass row or snapshot pressure publish nothing.
+void Lifecycle::publishEndpoint(Req& req, int32_t slot, int32_t length, Tensor const& hidden,
+                                int32_t row, bool valid) {
+  std::string const what = fmt::format("publishHybridMtpEndpoint({}, {}, row {}) on {}", slot,
+                                       length, row, describe(req));
+  auto call = [&] {
+    if (req.via == Via::kFacade) {
+      return req.facade->publishHybridMtpEndpoint(slot, length, hidden, row);
+    }
+    return mCoordinator->publishHybridMtpEndpoint(req.coordinator, slot, length, hidden, row) ==
+           ContextCacheStatus::kOk;
+  };
+  if (!valid || req.stage != Stage::kPrefill) {
+    reject(what, call);
+    return;
+  }
+  noteCheckpoint(req, req.rows.front(), length, true);
+  ContextCacheCoordinatorCounters const before = mCoordinator->counters();
+  int64_t const calls = syncCalls();
+  int64_t const failures = syncFailures();
+  bool const published = accept(what, call);
+  ContextCacheCoordinatorCounters const& after = mCoordinator->counters();
+  bool const captured = after.checkpointCaptures != before.checkpointCaptures;
+  bool const failed = synchronised(what, calls, failures, captured ? 1 : 0);
+  expectf(!(captured && req.endpointPublished), "{}: the row's endpoint was captured twice", what);
+  if (failed) {
+    expect(!published, what + ": returned true after a failed synchronisation");
+    quarantine(req);
+    req.stage = Stage::kGone;
+    trace(what + ": synchronisation failed, request quarantined");
+    return;
+  }
+  expect(published, what + " returned false");
+  expect(!captured || !req.bypass, what + ": a bypass row captured an endpoint");
+  if (captured || after.snapshotPressureSkips != before.snapshotPressureSkips) {
+    req.pinsReleased = true;
+  }
+  // Published once committed: a commit that ran out of host memory skips the publication, and
+  // the row may capture its endpoint again.
+  req.endpointPublished =
+      req.endpointPublished || after.hybridMtpPublications != before.hybridMtpPublications;
+  mStats.mtpEndpoints +=
+      static_cast<int64_t>(after.hybridMtpPublications - before.hybridMtpPublications);
+  trace(fmt::format("{}: {}", what, captured ? "captured" : "nothing to publish"));
+}
+
+/// restoreHybridMtpBoundaryHidden into row `row` of `hidden`: the restored row must be the base
+/// hidden row of the boundary token (the last of the reused prefix), bit for bit, and the other
+/// rows untouched.
+void Lifecycle::restoreBoundaryHidden(Req& req, int32_t slot, Tensor& hidden, int32_t row,
+                                      bool valid) {
+  std::string const what =
+      fmt::format("restoreHybridMtpBoundaryHidden({}, row {}) on {}", slot, row, describe(req));
+  auto call = [&] {
+    if (req.via == Via::kFacade) {
+      return req.facade->restoreHybridMtpBoundaryHidden(slot, hidden, row);
+    }
+    mCoordinator->restoreHybridMtpBoundaryHidden(req.coordinator, slot, hidden, row);
+    return true;
+  };
+  if (!valid || !restorable(req)) {
+    reject(what, call);
+    return;
+  }
+  std::size_t const rowBytes = static_cast<std::size_t>(kHiddenWidth) * 2;
+  std::vector<uint8_t> expected(static_cast<std::size_t>(hidden.sizeBytes()), 0xa5);
+  std::memcpy(hidden.rawPointer(), expected.data(), expected.size());
+  expect(accept(what, call), what + " returned false");
+  Row const& restored = req.rows.front();
+  testing::KvOracle::expectedRow(
+      restored.digests.at(restored.start - 1), 7, 0,
+      std::span<uint8_t>(expected.data() + static_cast<std::size_t>(row) * rowBytes, rowBytes));
+  expectf(std::memcmp(hidden.rawPointer(), expected.data(), expected.size()) == 0,
+          "{}: the restored boundary hidden row is not the one of the {}-token prefix", what,
+          restored.start);
+  ++mStats.boundaryHiddenRestores;
+  req.hiddenRestored = true;
+  trace(what);
 }
 
 void Lifecycle::completePrefill(Req& req) {
@@ -182,12 +360,21 @@ Lifecycle::CompletePrefillCall Lifecycle::planCompletePrefill(Req& req) {
       call.advances.push_back({nullptr, 0, length});
     }
   }
+  // A speculative request gives its common (base and draft) lengths, the prompts; required when
+  // it pairs a paged draft outside Hybrid-MTP, optional otherwise.
+  if (req.speculative && ((req.paired && !req.mtp) || mIn.oneIn(2))) {
+    for (Row const& row : call.sampled) {
+      call.common.push_back(static_cast<int32_t>(row.prompt.size()));
+    }
+  }
   return call;
 }
 
 void Lifecycle::corruptCompletePrefill(Req const& req, CompletePrefillCall& call, int32_t variant) {
   DecodingInferenceContext& context = call.context;
-  if (variant == 0) {
+  if (variant == 0 && req.speculative) {
+    call.common.resize(call.sampled.size() + 1, 1);  // common lengths for another batch
+  } else if (variant == 0) {
     call.common.push_back(1);  // common state lengths are for speculative requests
   } else if (variant == 1 && !context.generatedTokenIds.empty()) {
     context.generatedTokenIds[0].push_back(5);  // two tokens after a prefill
@@ -239,27 +426,60 @@ void Lifecycle::issueCompletePrefill(Req& req, CompletePrefillCall& call) {
     reject(what, complete);
     return;
   }
+  uint64_t const published =
+      coordinatorBackend() ? mCoordinator->counters().checkpointPublications : 0;
+  int64_t const calls = syncCalls();
+  int64_t const failures = syncFailures();
   expect(accept(what, complete), what + " returned false");
+  if (coordinatorBackend()) {
+    (void)synchronised(what, calls, failures, 0);  // the runtime synchronised before the call
+  }
   req.rows = std::move(call.sampled);
   req.stage = Stage::kIdle;
   req.trimmed = true;
+  if (coordinatorBackend()) {
+    mStats.checkpointsPublished +=
+        static_cast<int64_t>(mCoordinator->counters().checkpointPublications - published);
+  }
+  // An EAGLE-style speculative request: the draft initialises after the call, and its prompt
+  // endpoint waits for it (the first round, a compaction or finish synchronises it).
+  req.draftInitPending = req.speculative && !req.mtp;
+  for (std::size_t i = 0; i < req.rows.size(); ++i) {
+    Row& row = req.rows[i];
+    row.common = static_cast<int32_t>(row.prompt.size());
+    if (checkpointDeployment() && !req.mtp) {  // the prompt-end captures were committed
+      noteCheckpoint(req, row, row.common, false);
+    }
+    if (row.paired && !req.mtp) {
+      executeDraft(row, static_cast<int32_t>(i), static_cast<int32_t>(row.prompt.size()));
+    }
+  }
   trace(what);
 }
 
 // ---------------------------------------------------------------- decode
 
 /// Whether prepareDecodeStep must succeed: no row passes the row width and (coordinator) the
-/// growth fits the free plus reclaimable pages.
-bool Lifecycle::decodeFits(Req const& req, int32_t baseExtra) const {
+/// growth of base and paired draft rows fits the free plus reclaimable pages of each pool.
+bool Lifecycle::decodeFits(Req const& req, DecodingKvHeadroom const& headroom) const {
   int64_t growth = 0;
+  int64_t draftGrowth = 0;
   for (Row const& row : req.rows) {
     if (coordinatorBackend()) {
       int32_t const committed = row.joined ? row.materialized : row.start;
-      int32_t const required = ceilPages(int64_t{committed} + baseExtra);
+      int32_t const required = ceilPages(int64_t{committed} + headroom.baseExtraTokens);
       if (required > mWidth) {
         return false;
       }
       growth += std::max(0, required - mappedPages(row));
+      if (row.paired) {
+        int32_t const draft = ceilPages(int64_t{committed} + headroom.draftExtraTokens);
+        if (draft > mWidth) {
+          return false;
+        }
+        draftGrowth +=
+            std::max(0, draft - mRuntime->draftPageTable()->liveEntryCount(row.resident.slot));
+      }
     } else if (ceilPages(int64_t{row.endpoint} + 1) > mWidth) {
       return false;
     }
@@ -269,7 +489,9 @@ bool Lifecycle::decodeFits(Req const& req, int32_t baseExtra) const {
   }
   ResourcePools const& pools = mCoordinator->manager().pools();
   return growth <= pools.freeCount(ResourceType::kBaseKvPage) +
-                       pools.reclaimableCount(ResourceType::kBaseKvPage);
+                       pools.reclaimableCount(ResourceType::kBaseKvPage) &&
+         draftGrowth <= pools.freeCount(ResourceType::kDraftKvPage) +
+                            pools.reclaimableCount(ResourceType::kDraftKvPage);
 }
 
 int32_t Lifecycle::mappedPages(Row const& row) const {
@@ -288,7 +510,9 @@ void Lifecycle::badPrepareDecode(Req& req) {
   DecodeCall call = planDecode(req, valid);
   call.badArguments = true;
   if (mIn.oneIn(2)) {
-    call.headroom = mIn.oneIn(2) ? DecodingKvHeadroom{0, 0} : DecodingKvHeadroom{1, 3};
+    // No base headroom, or a draft headroom that disagrees with the request's pairing.
+    call.headroom = mIn.oneIn(2) ? DecodingKvHeadroom{0, req.headroom.draftExtraTokens}
+                                 : DecodingKvHeadroom{1, req.paired ? 0 : 3};
   } else if (req.via == Via::kFacade && coordinatorBackend()) {
     call.context.generatedTokenIds.emplace_back();
   } else {
@@ -309,6 +533,15 @@ Lifecycle::DecodeCall Lifecycle::planDecode(Req& req, bool valid) {
   }
   if (coordinatorBackend() && mIn.oneIn(4)) {
     call.headroom.baseExtraTokens = 2;
+  }
+  if (req.speculative) {
+    // A verification round: each running row accepts 1 to baseExtraTokens tokens.
+    call.headroom = req.headroom;
+    for (Row& row : req.rows) {
+      if (valid) {  // an invalid call leaves the pending step's counts alone
+        row.accepted = 1 + mIn.below(req.headroom.baseExtraTokens);
+      }
+    }
   }
   call.context = contextOf(req);
   return call;
@@ -337,7 +570,7 @@ void Lifecycle::issueDecode(Req& req, DecodeCall& call, bool valid) {
     reject(what, prepare);
     return;
   }
-  bool const fits = decodeFits(req, call.headroom.baseExtraTokens);
+  bool const fits = decodeFits(req, call.headroom);
   bool const prepared = accept(what, prepare);
   expectf(prepared == fits, "{}: returned {}, expected {}", what, prepared, fits);
   if (!prepared) {
@@ -356,6 +589,10 @@ void Lifecycle::issueDecode(Req& req, DecodeCall& call, bool valid) {
     }
     if (row.reason == FinishReason::kNotFinished && row.joined) {
       executeDecode(req, row, static_cast<int32_t>(i));
+      if (row.paired) {  // the draft catches up, possibly lagging a token or two
+        executeDraft(row, static_cast<int32_t>(i),
+                     std::max(row.drafted, row.materialized - mIn.below(3)));
+      }
     }
   }
   ++mStats.decodeSteps;
@@ -406,9 +643,20 @@ Lifecycle::CompleteDecodeCall Lifecycle::planCompleteDecode(Req& req) {
   std::swap(call.rows, req.rows);
   for (Row const& row : call.rows) {
     if (row.decoded) {
-      call.advances.push_back({&row.generated.back(), 1, row.materialized});
+      int32_t const accepted = std::max(1, row.accepted);
+      call.advances.push_back(
+          {&row.generated[row.generated.size() - static_cast<std::size_t>(accepted)], accepted,
+           row.materialized});
     } else {
       call.advances.push_back({nullptr, 0, kHoldCommittedStateLength});
+    }
+  }
+  // Common lengths: the draft's on an EAGLE-style paired request (required); optional otherwise,
+  // where the draft reads the base KV or (Hybrid-MTP) they are derived from the committed ones.
+  if (req.speculative && ((req.paired && !req.mtp) || mIn.oneIn(2))) {
+    for (Row const& row : call.rows) {
+      int32_t const common = req.paired && !req.mtp ? row.drafted : row.materialized;
+      call.common.push_back(row.decoded ? common : row.common);
     }
   }
   return call;
@@ -424,7 +672,9 @@ void Lifecycle::corruptCompleteDecode(Req const& req, CompleteDecodeCall& call) 
   }
   call.badArguments = true;
   if (req.via == Via::kFacade) {
-    if (variant <= 2) {
+    if (variant <= 2 && req.speculative) {
+      call.common.resize(call.rows.size() + 1, 1);  // common lengths for another batch
+    } else if (variant <= 2) {
       call.common.push_back(1);
     } else {
       call.context.finishReasons.pop_back();
@@ -440,7 +690,11 @@ void Lifecycle::corruptCompleteDecode(Req const& req, CompleteDecodeCall& call) 
       call.completed.push_back(static_cast<int32_t>(call.rows.size()));
       break;
     case 2:
-      call.common.push_back(1);
+      if (req.speculative) {
+        call.common.resize(call.rows.size() + 1, 1);
+      } else {
+        call.common.push_back(1);
+      }
       break;
     case 3:
       if (!call.completed.empty()) {
@@ -476,11 +730,48 @@ void Lifecycle::issueCompleteDecode(Req& req, CompleteDecodeCall& call) {
     reject(what, complete);
     return;
   }
-  expect(accept(what, complete), what + " returned false");
+  ContextCacheCoordinatorCounters const before =
+      coordinatorBackend() ? mCoordinator->counters() : ContextCacheCoordinatorCounters{};
+  int64_t const calls = syncCalls();
+  int64_t const failures = syncFailures();
+  bool const completed = accept(what, complete);
+  // Checkpoint runtimes capture the rows that finished normally and synchronise once.
+  uint64_t const captureSyncs =
+      coordinatorBackend()
+          ? mCoordinator->counters().captureSynchronizations - before.captureSynchronizations
+          : 0;
+  expectf(captureSyncs == 0 || checkpointDeployment(), "{}: capture synchronisation", what);
+  bool const failed = coordinatorBackend() &&
+                      synchronised(what, calls, failures, static_cast<int64_t>(captureSyncs));
   req.rows = std::move(call.rows);
-  for (Row& row : req.rows) {
+  if (failed) {
+    expect(!completed, what + ": returned true after a failed capture synchronisation");
+    quarantine(req);
+    req.stage = Stage::kGone;
+    trace(what + ": capture synchronisation failed, request quarantined");
+    return;
+  }
+  expect(completed, what + " returned false");
+  if (coordinatorBackend()) {
+    mStats.checkpointsPublished += static_cast<int64_t>(
+        mCoordinator->counters().checkpointPublications - before.checkpointPublications);
+  }
+  for (std::size_t i = 0; i < req.rows.size(); ++i) {
+    Row& row = req.rows[i];
+    if (checkpointDeployment() && row.decoded && !req.mtp) {  // decode-end captures
+      noteCheckpoint(req, row, row.materialized, false);
+    }
+    if (req.speculative && row.decoded) {
+      row.common = call.common.empty() ? row.materialized : call.common[i];
+      mStats.acceptedTokens += std::max(1, row.accepted);
+    }
     row.decoded = false;
+    row.accepted = 0;
     row.windowFrom = row.endpoint;
+  }
+  if (req.speculative) {
+    ++mStats.verificationRounds;
+    req.draftInitPending = false;  // the round's synchronisation covered the initialisation
   }
   req.stage = Stage::kIdle;
   trace(what);
