@@ -825,6 +825,10 @@ TEST(ContextCacheCoordinatorConstructionTest,
   config.eventQueueCapacity = -2;
   EXPECT_TRUE(throwsError(construct(config, attention, valid), {"eventQueueCapacity", "-2"}));
   config = ContextCacheConfig{};
+  config.evictionPolicy = static_cast<EvictionPolicyKind>(7);
+  EXPECT_TRUE(throwsError(construct(config, attention, valid),
+                          {"ContextCacheCoordinator", "eviction policy 7 out of range"}));
+  config = ContextCacheConfig{};
   ContextCacheDeploymentProfile hybrid;
   hybrid.baseStateKind = BaseStateKind::kHybrid;
   EXPECT_TRUE(throwsError(construct(config, hybrid, valid),
