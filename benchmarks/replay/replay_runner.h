@@ -12,6 +12,7 @@
 #include <string_view>
 #include <vector>
 
+#include "mkv/context_cache/eviction_policy.h"
 #include "mkv/context_cache/reuse_plan.h"
 #include "mkv/events/kv_event_publisher.h"
 #include "mkv/kv_cache_runtime.h"
@@ -53,6 +54,8 @@ struct ReplayConfig {
   DeviceType device = DeviceType::kCPU;
   testing::VerifyMode verify = testing::VerifyMode::kSample;
   uint64_t seed = 1;
+  /// kReuse: the context cache's victim order within a retention priority.
+  EvictionPolicyKind eviction = EvictionPolicyKind::kLru;
   /// kReuse: each engine step's KV events go to this publisher as one batch (not owned).
   KvEventPublisher* kvEvents = nullptr;
 };
