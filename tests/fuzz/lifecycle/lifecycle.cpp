@@ -136,7 +136,12 @@ KVCacheRuntimeConfig Lifecycle::configFromInput() {
     config.numPages = 2 + mIn.below(config.maxBatchSize * width + 2);
     config.contextReuse = mode == 0;
     config.contextCache.maxRecords = mIn.below(6);
-    config.contextCache.verifyTokens = mIn.below(4) != 0;
+    // One byte: verification as before (byte % 4, what old corpus inputs meant), the eviction
+    // policy from the next bit (byte % 8 >= 4).
+    int32_t const cacheByte = mIn.below(8);
+    config.contextCache.verifyTokens = cacheByte % 4 != 0;
+    config.contextCache.evictionPolicy =
+        cacheByte >= 4 ? EvictionPolicyKind::kS3Fifo : EvictionPolicyKind::kLru;
     config.contextCache.eventQueueCapacity = 4 * mIn.below(2);
   }
   if (mode != 0 && mIn.oneIn(3)) {
