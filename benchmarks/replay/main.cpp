@@ -182,7 +182,7 @@ CliOptions parseArguments(int argc, char** argv) {
              pool(PoolSizing::kTokens));
   auto* eviction = option(
       "--eviction", "P",
-      "reuse: victim order of cached records, lru (default) or s3fifo (docs/context_cache.md)",
+      "reuse: victim order of cached records, s3fifo (default) or lru (docs/context_cache.md)",
       [&](std::string_view flag, std::string_view value) {
         c.eviction = parseChoice<mkv::EvictionPolicyKind>(
             flag, value,

@@ -55,7 +55,7 @@ struct ReplayConfig {
   testing::VerifyMode verify = testing::VerifyMode::kSample;
   uint64_t seed = 1;
   /// kReuse: the context cache's victim order within a retention priority.
-  EvictionPolicyKind eviction = EvictionPolicyKind::kLru;
+  EvictionPolicyKind eviction = EvictionPolicyKind::kS3Fifo;
   /// kReuse: each engine step's KV events go to this publisher as one batch (not owned).
   KvEventPublisher* kvEvents = nullptr;
 };

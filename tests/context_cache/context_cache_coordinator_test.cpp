@@ -199,6 +199,7 @@ TEST_P(ContextCacheCoordinatorTest, EvictsLruUnderPressureKeepingSharedAncestors
   RigOptions options;
   options.numPages = 8;
   options.eventQueueCapacity = 64;
+  options.evictionPolicy = EvictionPolicyKind::kLru;  // the order this test pins
   CoordinatorRig rig(device(), options);
   std::vector<int32_t> const s = tokenRun(128, 1000);
   std::vector<int32_t> const a = concatenated(concatenated(s, tokenRun(128, 2000)), {1});

@@ -54,9 +54,10 @@ struct ContextCacheConfig {
   /// filled last page, every layer, K and V). Slots = budget / partialKvBytesPerSlot; an enabled
   /// hybrid deployment needs at least one. Ignored without attention.
   int64_t partialKvSnapshotPoolBytes = 0;
-  /// Victim order of published records within a retention priority: kLru (default) or kS3Fifo
-  /// (docs/context_cache.md, "Eviction").
-  EvictionPolicyKind evictionPolicy = EvictionPolicyKind::kLru;
+  /// Victim order of published records within a retention priority: kS3Fifo (default: it reuses
+  /// more than kLru in every replay measured, docs/benchmarks.md) or kLru (docs/context_cache.md,
+  /// "Eviction").
+  EvictionPolicyKind evictionPolicy = EvictionPolicyKind::kS3Fifo;
   /// Clock of retention durations (RetentionRange::duration units); empty = steady-clock
   /// milliseconds. Called on the engine thread; must not throw.
   std::function<int64_t()> retentionClock;

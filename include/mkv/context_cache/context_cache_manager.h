@@ -39,7 +39,7 @@ struct ContextCacheManagerOptions {
   /// Digests remembered after eviction for MissReason::kEvicted; -1 = the base page capacity.
   int32_t evictedDigestHistory = -1;
   /// The victim order within a retention priority (docs/context_cache.md, "Eviction").
-  EvictionPolicyKind evictionPolicy = EvictionPolicyKind::kLru;
+  EvictionPolicyKind evictionPolicy = EvictionPolicyKind::kS3Fifo;
   /// Time of retention durations (RetentionRange::duration), read when a record with a duration
   /// is published and before evicting while such a record is stored; must not go backwards (a
   /// smaller value counts as the largest seen). Empty: std::chrono::steady_clock milliseconds.

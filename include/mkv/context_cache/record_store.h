@@ -41,7 +41,7 @@ class RecordStore {
   using LruList = std::list<CacheRecord>;
 
   /// `policy` orders the victims; `ghostCapacity`: keys S3-FIFO remembers after eviction.
-  explicit RecordStore(EvictionPolicyKind policy = EvictionPolicyKind::kLru,
+  explicit RecordStore(EvictionPolicyKind policy = EvictionPolicyKind::kS3Fifo,
                        int32_t ghostCapacity = 1024);
 
   struct InsertResult {
