@@ -3,10 +3,11 @@
 /// The victim order of published records: retention priorities first, then a pluggable policy
 /// (LRU, S3-FIFO) within a priority. docs/context_cache.md, "Eviction", has the design.
 ///
-/// Thread-safety: single writer (walkVictims() uses the policy's scratch).
+/// Thread-safety: single writer; walkVictims() only reads (no scratch), like the other const calls.
 
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <span>
 #include <string_view>
 #include <type_traits>
