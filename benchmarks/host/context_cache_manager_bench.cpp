@@ -6,7 +6,9 @@
 //     pins, private pages, metrics), and the lease's release (a few µs of it);
 //   * BM_LookupAcquirePublish: lookup, acquire and publication of the whole prompt in the steady
 //     state of a full record store: every iteration's prompt has its own suffix, so each
-//     publication indexes the new blocks and evicts the least recently used record.
+//     publication indexes the new blocks and evicts the first victim of the record store; at
+//     page 128 with verification, under each eviction policy (BM_LookupAcquirePublishByPolicy,
+//     `policy` 0 = LRU, 1 = S3-FIFO).
 
 #include <benchmark/benchmark.h>
 
@@ -34,9 +36,21 @@ void managerCases(benchmark::internal::Benchmark* b) {
   b->Unit(benchmark::kMicrosecond);
 }
 
-ContextCacheManagerOptions managerOptions(bool verify) {
+/// BM_LookupAcquirePublishByPolicy's grid: page 128, verification on, each policy.
+void publishCases(benchmark::internal::Benchmark* b) {
+  b->ArgNames({"page", "hit", "verify", "policy"});
+  for (int64_t policy : {0, 1}) {
+    for (int64_t hit : {0, 50, 95}) {
+      b->Args({128, hit, 1, policy});
+    }
+  }
+  b->Unit(benchmark::kMicrosecond);
+}
+
+ContextCacheManagerOptions managerOptions(bool verify, EvictionPolicyKind policy) {
   ContextCacheManagerOptions options;
   options.verifyTokens = verify;
+  options.evictionPolicy = policy;
   return options;
 }
 
@@ -44,11 +58,11 @@ ContextCacheManagerOptions managerOptions(bool verify) {
 /// first `hit` percent of blocks with it and differs from there on.
 class ManagerRig {
  public:
-  ManagerRig(int32_t page, int32_t hitPercent, bool verify)
+  ManagerRig(int32_t page, int32_t hitPercent, bool verify, EvictionPolicyKind policy)
       : mPage(page),
         mHitBlocks(kPromptTokens / page * hitPercent / 100),
         mManager(page, ResourceDemand{(kRecordLimit + 4) * (kPromptTokens / page + 1), 0, 0, 0},
-                 kRecordLimit, managerOptions(verify)),
+                 kRecordLimit, managerOptions(verify, policy)),
         mCached(randomTokens(kPromptTokens, 11)),
         mQuery(mCached) {
     LookupRequest cached = requestOf(mCached);
@@ -80,9 +94,10 @@ class ManagerRig {
   std::vector<int32_t> mQuery;
 };
 
-ManagerRig makeRig(benchmark::State const& state) {
+ManagerRig makeRig(benchmark::State const& state,
+                   EvictionPolicyKind policy = EvictionPolicyKind::kLru) {
   return ManagerRig(static_cast<int32_t>(state.range(0)), static_cast<int32_t>(state.range(1)),
-                    state.range(2) != 0);
+                    state.range(2) != 0, policy);
 }
 
 void BM_Lookup(benchmark::State& state) {
@@ -113,8 +128,8 @@ void BM_LookupAcquire(benchmark::State& state) {
 }
 BENCHMARK(BM_LookupAcquire)->Apply(managerCases);
 
-void BM_LookupAcquirePublish(benchmark::State& state) {
-  ManagerRig rig = makeRig(state);
+void lookupAcquirePublish(benchmark::State& state, EvictionPolicyKind policy) {
+  ManagerRig rig = makeRig(state, policy);
   ContextCacheManager& manager = rig.manager();
   int64_t serial = 1;
   for (auto _ : state) {
@@ -136,7 +151,16 @@ void BM_LookupAcquirePublish(benchmark::State& state) {
   state.counters["records"] = static_cast<double>(manager.records().size());
   setTokenCounters(state, kPromptTokens);
 }
+void BM_LookupAcquirePublish(benchmark::State& state) {
+  lookupAcquirePublish(state, EvictionPolicyKind::kLru);
+}
 BENCHMARK(BM_LookupAcquirePublish)->Apply(managerCases);
+
+void BM_LookupAcquirePublishByPolicy(benchmark::State& state) {
+  lookupAcquirePublish(
+      state, state.range(3) != 0 ? EvictionPolicyKind::kS3Fifo : EvictionPolicyKind::kLru);
+}
+BENCHMARK(BM_LookupAcquirePublishByPolicy)->Apply(publishCases);
 
 }  // namespace
 }  // namespace mkv::bench

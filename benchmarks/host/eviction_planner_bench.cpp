@@ -3,7 +3,8 @@
 // Every record holds kPagesPerRecord pages of its own, cached and unpinned; no page is free, so a
 // demand of v * kPagesPerRecord pages needs exactly the v least recently used records. The grid
 // varies the records (10^4, 10^5) at a fixed number of victims and the victims at a fixed number
-// of records: the time per plan should follow the victims column only.
+// of records: the time per plan should follow the victims column only. `policy` 0 is LRU, 1 is
+// S3-FIFO (records never hit: its walk reads the small queue, then the main one).
 
 #include <benchmark/benchmark.h>
 
@@ -11,6 +12,7 @@
 #include <map>
 #include <memory>
 #include <stdexcept>
+#include <utility>
 #include <vector>
 
 #include "host_bench_support.h"
@@ -23,8 +25,10 @@ constexpr int32_t kPagesPerRecord = 8;
 
 /// Pools, records and a planner of `records` disjoint records; built once per size.
 struct FullCache {
-  explicit FullCache(int32_t records)
-      : pools(ResourceDemand{records * kPagesPerRecord, 0, 0, 0}), planner(pools.capacities()) {
+  FullCache(int32_t records, EvictionPolicyKind policy)
+      : pools(ResourceDemand{records * kPagesPerRecord, 0, 0, 0}),
+        store(policy),
+        planner(pools.capacities()) {
     for (int32_t r = 0; r < records; ++r) {
       CacheRecord record;
       if (!pools.allocate(ResourceDemand{kPagesPerRecord, 0, 0, 0},
@@ -49,11 +53,11 @@ struct FullCache {
   EvictionPlanner planner;
 };
 
-FullCache& fullCache(int32_t records) {
-  static std::map<int32_t, std::unique_ptr<FullCache>> caches;
-  std::unique_ptr<FullCache>& cache = caches[records];
+FullCache& fullCache(int32_t records, EvictionPolicyKind policy) {
+  static std::map<std::pair<int32_t, EvictionPolicyKind>, std::unique_ptr<FullCache>> caches;
+  std::unique_ptr<FullCache>& cache = caches[{records, policy}];
   if (!cache) {
-    cache = std::make_unique<FullCache>(records);
+    cache = std::make_unique<FullCache>(records, policy);
   }
   return *cache;
 }
@@ -61,7 +65,8 @@ FullCache& fullCache(int32_t records) {
 void BM_EvictionPlan(benchmark::State& state) {
   auto const records = static_cast<int32_t>(state.range(0));
   auto const victims = static_cast<int32_t>(state.range(1));
-  FullCache& cache = fullCache(records);
+  auto const policy = static_cast<EvictionPolicyKind>(state.range(2));
+  FullCache& cache = fullCache(records, policy);
   ResourceDemand const demand{victims * kPagesPerRecord, 0, 0, 0};
   for (auto _ : state) {
     EvictionPlan plan = cache.planner.plan(demand, cache.pools, cache.store);
@@ -75,16 +80,22 @@ void BM_EvictionPlan(benchmark::State& state) {
   state.counters["victims"] = static_cast<double>(victims);
   state.counters["ns_per_victim"] = secondsPer(static_cast<double>(victims));
 }
-BENCHMARK(BM_EvictionPlan)
-    ->ArgNames({"records", "victims"})
-    ->Args({10000, 10})
-    ->Args({100000, 10})
-    ->Args({10000, 100})
-    ->Args({100000, 100})
-    ->Args({10000, 1000})
-    ->Args({100000, 1000})
-    ->Args({100000, 10000})
-    ->Unit(benchmark::kMicrosecond);
+void planCases(benchmark::internal::Benchmark* b) {
+  b->ArgNames({"records", "victims", "policy"});
+  for (int64_t policy : {0, 1}) {
+    for (auto [records, victims] : {std::pair<int64_t, int64_t>{10000, 10},
+                                    {100000, 10},
+                                    {10000, 100},
+                                    {100000, 100},
+                                    {10000, 1000},
+                                    {100000, 1000},
+                                    {100000, 10000}}) {
+      b->Args({records, victims, policy});
+    }
+  }
+  b->Unit(benchmark::kMicrosecond);
+}
+BENCHMARK(BM_EvictionPlan)->Apply(planCases);
 
 }  // namespace
 }  // namespace mkv::bench

@@ -186,6 +186,14 @@ CliOptions parseArguments(int argc, char** argv) {
   auto* poolTokens =
       option("--pool-tokens", "N", "pool size in tokens, rounded down to whole pages",
              pool(PoolSizing::kTokens));
+  auto* eviction = option(
+      "--eviction", "P",
+      "reuse: victim order of cached records, s3fifo (default) or lru (docs/context_cache.md)",
+      [&](std::string_view flag, std::string_view value) {
+        c.eviction = parseChoice<mkv::EvictionPolicyKind>(
+            flag, value,
+            {{"lru", mkv::EvictionPolicyKind::kLru}, {"s3fifo", mkv::EvictionPolicyKind::kS3Fifo}});
+      });
   option("--max-batch", "N",
          "sequences executing at once (default 1); reuse/full: in-flight joins, swa: batches of "
          "N consecutive requests",
@@ -295,6 +303,9 @@ CliOptions parseArguments(int argc, char** argv) {
   }
   if (!options.kvEvents.endpoint.empty() && c.mode != ReplayMode::kReuse) {
     throw UsageError("--kv-events applies to --mode reuse only");
+  }
+  if (c.mode != ReplayMode::kReuse && eviction->count() > 0) {
+    throw UsageError("--eviction applies to --mode reuse only");
   }
   if (c.mode != ReplayMode::kSwa && window->count() + fullLayers->count() > 0) {
     throw UsageError(fmt::format("{} applies to --mode swa only",

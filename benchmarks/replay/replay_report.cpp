@@ -156,6 +156,9 @@ std::string formatSummary(ReplayResult const& r) {
     batch += fmt::format(", output capped at {} tokens", c.maxOutputTokens);
   }
   line("max batch", batch);
+  if (c.mode == ReplayMode::kReuse) {
+    line("eviction", fmt::format("{} (victim order of cached records)", mkv::toString(c.eviction)));
+  }
   out += "\n";
   line("requests",
        fmt::format("{}  (failed {}, retried {}, in-flight joins {})", grouped(r.requests),
@@ -232,6 +235,7 @@ std::string formatJson(ReplayResult const& r) {
       {"pool_sizing", poolSizingKey(c.poolSizing)},
       {"pool_pages", r.poolPages},
       {"pool_tokens", r.poolPages * c.pageSize},
+      {"eviction", mkv::toString(c.eviction)},
       {"max_batch", r.maxBatch},
       {"max_output", c.maxOutputTokens},
       {"requests", r.requests},

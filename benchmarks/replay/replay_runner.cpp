@@ -148,6 +148,7 @@ class Runner {
     rc.maxSequenceLength = static_cast<int32_t>(longest);
     rc.deviceType = c.device;
     rc.contextCache.verifyTokens = true;
+    rc.contextCache.evictionPolicy = c.eviction;
     // Records are limited by pages, never by count: a request publishes at most twice.
     rc.contextCache.maxRecords = static_cast<int32_t>(std::min<int64_t>(
         std::numeric_limits<int32_t>::max(), std::max<int64_t>(1024, 2 * mResult.requests + 16)));

@@ -12,6 +12,7 @@
 #include <string_view>
 #include <vector>
 
+#include "mkv/context_cache/eviction_policy.h"
 #include "mkv/context_cache/reuse_plan.h"
 #include "mkv/events/kv_event_publisher.h"
 #include "mkv/kv_cache_runtime.h"
@@ -56,6 +57,8 @@ struct ReplayConfig {
   /// kReuse: reset the prefix cache (ContextCacheCoordinator::resetPrefixCache) each time another
   /// `resetCacheEvery` requests were handed to the engine, between two runs; 0 = never.
   int64_t resetCacheEvery = 0;
+  /// kReuse: the context cache's victim order within a retention priority.
+  EvictionPolicyKind eviction = EvictionPolicyKind::kS3Fifo;
   /// kReuse: each engine step's KV events go to this publisher as one batch (not owned).
   KvEventPublisher* kvEvents = nullptr;
 };

@@ -36,6 +36,12 @@ struct LLMGenerationRequest {
   std::string loraWeightsName;
   /// Tenant isolation: requests with different salts never share cached state.
   std::string cacheSalt;
+  /// Retention priorities of the prefixes every sequence of the request (and every sequence it
+  /// admits in flight) publishes: ascending, disjoint token ranges of prompt + generated tokens,
+  /// each with a priority (0..100, higher is evicted later; kDefaultRetentionPriority outside
+  /// them) and an optional duration (ContextCacheConfig::retentionClock units) after which it
+  /// falls back to the default. A record takes the range of its last token. Context reuse only.
+  std::vector<RetentionRange> contextCacheRetention;
 };
 
 /// The runtime's per-request view, read by ManagedKVCacheRequest at every lifecycle call.

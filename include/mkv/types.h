@@ -4,6 +4,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <optional>
 #include <string_view>
 
 namespace mkv {
@@ -52,6 +53,26 @@ enum class ContextCacheCommitPolicy : uint8_t { kIncludingGeneratedTokens, kPref
 enum class ContextCacheLookupPolicy : uint8_t { kUseCache, kBypass };
 
 /// Why a sequence stopped. Cancelled and errored sequences are never published.
+/// Retention priorities of cached prefixes (docs/context_cache.md, "Retention priorities"):
+/// higher is evicted later; records outside every range, and records whose range's duration ran
+/// out, have the default.
+inline constexpr int32_t kMinRetentionPriority = 0;
+inline constexpr int32_t kMaxRetentionPriority = 100;
+inline constexpr int32_t kDefaultRetentionPriority = 35;
+
+/// Tokens [tokenStart, tokenEnd) of a sequence (prompt then generated tokens) and the retention
+/// priority of the cached prefixes that end in them. A record published by the sequence takes
+/// the range of its last token.
+struct RetentionRange {
+  int32_t tokenStart = 0;
+  std::optional<int32_t> tokenEnd;  ///< one past the last token; nullopt = to the sequence's end
+  int32_t priority = kDefaultRetentionPriority;  ///< 0 (evicted first) .. 100
+  /// Clock units (ContextCacheConfig::retentionClock) after which the priority falls back to the
+  /// default; nullopt = for the record's whole life.
+  std::optional<int64_t> duration;
+  friend bool operator==(RetentionRange const&, RetentionRange const&) = default;
+};
+
 enum class FinishReason : uint8_t {
   kNotFinished,
   kEndOfSequence,

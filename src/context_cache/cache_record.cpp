@@ -46,6 +46,10 @@ void CacheRecord::validate() const {
   bool negative = false;
   forEachResource([&negative](ResourceId resource) { negative = negative || resource.index < 0; });
   MKV_REQUIRE(!negative, kCall, "negative resource id in record");
+  MKV_REQUIRE(
+      retentionPriority >= kMinRetentionPriority && retentionPriority <= kMaxRetentionPriority,
+      kCall, "retention priority {} outside [{}, {}]", retentionPriority, kMinRetentionPriority,
+      kMaxRetentionPriority);
 }
 
 }  // namespace mkv

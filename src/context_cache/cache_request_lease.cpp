@@ -31,6 +31,8 @@ void CacheRequestLease::takeFrom(CacheRequestLease& other) noexcept {
   mHitRecurrent = std::exchange(other.mHitRecurrent, std::nullopt);
   mHitPartial = std::exchange(other.mHitPartial, std::nullopt);
   mReservations = std::exchange(other.mReservations, {});
+  mRetention = std::exchange(other.mRetention, {});
+  mEvictedPrefix = std::exchange(other.mEvictedPrefix, false);
 }
 
 void CacheRequestLease::release() noexcept {
@@ -51,6 +53,8 @@ void CacheRequestLease::release() noexcept {
   mHitRecurrent.reset();
   mHitPartial.reset();
   mReservations = {};
+  mRetention = {};
+  mEvictedPrefix = false;
 }
 
 }  // namespace mkv

@@ -71,6 +71,8 @@ ContextCacheCoordinator::ContextCacheCoordinator(ContextCacheConfig const& confi
   options.verifyTokens = config.verifyTokens;
   options.eventQueueCapacity = config.eventQueueCapacity;
   options.specContract = profile.speculative;
+  options.evictionPolicy = config.evictionPolicy;
+  options.retentionClock = config.retentionClock;
   mManager = std::make_unique<ContextCacheManager>(layout.blockTokens, layout.capacities,
                                                    config.enabled ? config.maxRecords : 0, options);
   if (profile.usesCheckpointReuse()) {

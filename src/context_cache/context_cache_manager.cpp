@@ -3,6 +3,7 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <chrono>
 #include <exception>
 #include <limits>
 
@@ -24,6 +25,9 @@ int32_t validatedPageSize(int32_t pageSize, ResourceDemand const& capacities, in
   MKV_REQUIRE(maxRecords >= 0, kCall, "maxRecords must be non-negative, got {}", maxRecords);
   MKV_REQUIRE(options.eventQueueCapacity >= 0, kCall,
               "event queue capacity must be non-negative, got {}", options.eventQueueCapacity);
+  MKV_REQUIRE(options.evictionPolicy == EvictionPolicyKind::kLru ||
+                  options.evictionPolicy == EvictionPolicyKind::kS3Fifo,
+              kCall, "eviction policy {} out of range", static_cast<int>(options.evictionPolicy));
   MKV_REQUIRE(options.evictedDigestHistory >= -1, kCall,
               "evicted digest history must be >= -1, got {}", options.evictedDigestHistory);
   MKV_REQUIRE(!options.specContract || options.specContract->futureDependencyTokens >= 0, kCall,
@@ -31,6 +35,9 @@ int32_t validatedPageSize(int32_t pageSize, ResourceDemand const& capacities, in
               options.specContract ? options.specContract->futureDependencyTokens : 0);
   return pageSize;
 }
+
+/// Record keys the S3-FIFO ghost remembers: as many as records are kept (at most 64k).
+int32_t ghostCapacityOf(int32_t maxRecords) { return std::min(maxRecords, 1 << 16); }
 
 int32_t historyOf(ContextCacheManagerOptions const& options, ResourceDemand const& capacities) {
   return options.evictedDigestHistory < 0 ? std::max(0, capacities.baseKvPages)
@@ -50,6 +57,7 @@ ContextCacheManager::ContextCacheManager(int32_t pageSize, ResourceDemand capaci
       mPools(capacities),
       mIndex(capacities.baseKvPages, pageSize, mOptions.verifyTokens,
              historyOf(mOptions, capacities)),
+      mRecords(mOptions.evictionPolicy, ghostCapacityOf(maxRecords)),
       mEvictionPlanner(capacities),
       mEvents(mOptions.eventQueueCapacity, mPageSize) {}
 
@@ -97,6 +105,7 @@ void ContextCacheManager::checkRequest(char const* call, LookupRequest const& re
   MKV_REQUIRE(n + std::max(request.baseExtraTokens, request.draftExtraTokens) <=
                   std::numeric_limits<int32_t>::max(),
               call, "input {} + extra tokens overflows int32", n);
+  requireValidRetention(call, request.retention);
 }
 
 void ContextCacheManager::applyCoverage(ReusePlan& plan, LookupRequest const& request) const {
@@ -221,6 +230,7 @@ bool ContextCacheManager::allocateWithEviction(
     }
   }
   if (!mPools.canAllocate(demand)) {
+    expireRetention();
     EvictionPlan const plan = mEvictionPlanner.plan(demand, mPools, mRecords, protectedRecord);
     if (!plan.feasible) {
       return false;
@@ -288,6 +298,7 @@ AcquireResult ContextCacheManager::acquirePlan(ReusePlan const& plan, bool fresh
 }
 
 AdmissionResult ContextCacheManager::acquireWithFallback(LookupRequest const& request) {
+  checkRequest("ContextCacheManager::acquireWithFallback", request);  // errors name this call
   return admit(request, lookup(request));
 }
 
@@ -348,8 +359,14 @@ std::vector<AdmissionResult> ContextCacheManager::acquireBatch(
   bool fits = mPools.canAllocate(total);
   EvictionPlan eviction;
   if (!fits) {
+    expireRetention();
     eviction = mEvictionPlanner.plan(total, mPools, mRecords, hits);
     fits = eviction.feasible;
+  }
+  // The leases' copies of the retention ranges, made before anything is evicted.
+  std::vector<std::vector<RetentionRange>> retention(requests.size());
+  for (std::size_t i = 0; i < requests.size(); ++i) {
+    retention[i].assign(requests[i].retention.begin(), requests[i].retention.end());
   }
   std::vector<AdmissionResult> admitted(requests.size());
   if (!fits) {
@@ -378,6 +395,7 @@ std::vector<AdmissionResult> ContextCacheManager::acquireBatch(
       mRecords.touch(lease.mHitRecord);
     }
     int32_t const verificationRejects = looked[i].plan.verificationRejects;
+    adoptRequest(lease, std::move(retention[i]), looked[i].missReason);
     admitted[i].lease = std::move(lease);
     admitted[i].outcome = AdmissionOutcome::kAcquired;
     admitted[i].plan = std::move(looked[i].plan);
@@ -390,6 +408,7 @@ AdmissionResult ContextCacheManager::admit(LookupRequest const& request, LookupR
   int32_t const verificationRejects = looked.plan.verificationRejects;
   std::optional<MissReason> const blockMiss = looked.missReason;
   bool const useCache = request.policy == ContextCacheLookupPolicy::kUseCache;
+  std::vector<RetentionRange> retention(request.retention.begin(), request.retention.end());
   AdmissionResult result;
   AcquireResult acquired = acquirePlan(looked.plan, /*fresh=*/true);
   if (acquired.lease) {
@@ -406,9 +425,20 @@ AdmissionResult ContextCacheManager::admit(LookupRequest const& request, LookupR
     result.outcome = AdmissionOutcome::kInsufficientCapacity;
     result.plan = std::move(looked.plan);
   }
+  if (acquired.lease) {
+    adoptRequest(*acquired.lease, std::move(retention),
+                 result.outcome == AdmissionOutcome::kAcquired ? blockMiss : std::nullopt);
+  }
   result.lease = std::move(acquired.lease);
   countAdmission(request, verificationRejects, blockMiss, result);
   return result;
+}
+
+void ContextCacheManager::adoptRequest(CacheRequestLease& lease,
+                                       std::vector<RetentionRange> retention,
+                                       std::optional<MissReason> blockMiss) noexcept {
+  lease.mRetention = std::move(retention);
+  lease.mEvictedPrefix = blockMiss == MissReason::kEvicted;
 }
 
 void ContextCacheManager::countAdmission(LookupRequest const& request, int32_t verificationRejects,
@@ -557,7 +587,7 @@ int32_t ContextCacheManager::dropRecord(RecordId id, bool announce) noexcept {
       ++mMetrics.reclaimed(resource.type);
     }
   });
-  mRecords.erase(id);
+  mRecords.evict(id);  // the policy learns of it (S3-FIFO's ghost)
   return 1;
 }
 
@@ -576,8 +606,44 @@ bool ContextCacheManager::resetPrefixCache() noexcept {
 }
 
 void ContextCacheManager::enforceRecordLimit() noexcept {
+  if (mRecords.size() > static_cast<std::size_t>(mMaxRecords)) {
+    expireRetention();
+  }
   while (mRecords.size() > static_cast<std::size_t>(mMaxRecords)) {
-    evictRecord(mRecords.lruToMru().front().id);
+    evictRecord(mRecords.firstVictim());
+  }
+}
+
+int64_t ContextCacheManager::retentionNow() noexcept {
+  int64_t now = 0;
+  if (mOptions.retentionClock) {
+    now = mOptions.retentionClock();
+  } else {
+    now = std::chrono::duration_cast<std::chrono::milliseconds>(
+              std::chrono::steady_clock::now().time_since_epoch())
+              .count();
+  }
+  mRetentionNow = std::max(mRetentionNow, now);
+  return mRetentionNow;
+}
+
+void ContextCacheManager::expireRetention() noexcept {
+  if (std::optional<int64_t> const next = mRecords.nextRetentionExpiry()) {
+    if (*next <= retentionNow()) {
+      mRecords.expireRetention(mRetentionNow);
+    }
+  }
+}
+
+void ContextCacheManager::applyRetention(CacheRecord& record, CacheRequestLease const& lease,
+                                         int64_t lastToken) {
+  RetentionChoice const choice = retentionOf(lease.mRetention, lastToken);
+  record.retentionPriority = choice.priority;
+  if (choice.duration && choice.priority != kDefaultRetentionPriority) {
+    int64_t const now = retentionNow();
+    record.retentionExpiry = now > std::numeric_limits<int64_t>::max() - *choice.duration
+                                 ? std::numeric_limits<int64_t>::max()
+                                 : now + *choice.duration;
   }
 }
 

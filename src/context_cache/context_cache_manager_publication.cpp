@@ -136,7 +136,9 @@ ContextCacheManager::Projection ContextCacheManager::project(char const* call,
   return projection;
 }
 
-PublishResult ContextCacheManager::commitNewRecord(CacheRecord record, PromptBlocks const& blocks,
+PublishResult ContextCacheManager::commitNewRecord(CacheRecord record,
+                                                   CacheRequestLease const& lease,
+                                                   PromptBlocks const& blocks,
                                                    Projection const& projection) {
   // Everything that can throw happens before commit(); after it only noexcept steps remain.
   PublishResult result{PublishStatus::kPublished, kNoRecord, record.basePagePath,
@@ -148,7 +150,8 @@ PublishResult ContextCacheManager::commitNewRecord(CacheRecord record, PromptBlo
   for (int32_t b : projection.newMappings) {
     transaction.index(blocks, b, projection.canonical[static_cast<std::size_t>(b)]);
   }
-  RecordStore::InsertResult const inserted = mRecords.insert(std::move(record));
+  RecordStore::InsertResult const inserted = mRecords.insert(
+      std::move(record), RecordInsertHint{!lease.mBoundDigests.empty(), lease.mEvictedPrefix});
   MKV_ASSERT(inserted.inserted, "record key already present after the duplicate check");
   transaction.setRecord(inserted.record->id);
   transaction.commit();
@@ -247,7 +250,8 @@ PublishResult ContextCacheManager::publish(CacheRequestLease& lease, PromptBlock
   if (pairedDraft(lease.mode())) {
     record.specState = SpecState{firstOf(lease.draftPages(), published)};
   }
-  return commitNewRecord(std::move(record), blocks, projection);
+  applyRetention(record, lease, int64_t{published} * mPageSize - 1);
+  return commitNewRecord(std::move(record), lease, blocks, projection);
 }
 
 int32_t ContextCacheManager::checkCheckpoint(char const* call, CacheRequestLease const& lease,
@@ -330,7 +334,8 @@ PublishResult ContextCacheManager::publishCheckpoint(char const* call, CacheRequ
         blocks.prompt.tokens.subspan(covered, static_cast<std::size_t>(exactLength) - covered);
     record.verificationTokens.assign(tail.begin(), tail.end());
   }
-  return commitNewRecord(std::move(record), blocks, projection);
+  applyRetention(record, lease, int64_t{exactLength} - 1);
+  return commitNewRecord(std::move(record), lease, blocks, projection);
 }
 
 PublishResult ContextCacheManager::publishHybrid(CacheRequestLease& lease,

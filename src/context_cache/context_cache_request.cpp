@@ -93,12 +93,13 @@ ContextCacheRequest::ContextCacheRequest(ContextCacheCoordinator& coordinator,
                                          ContextCacheCoordinator::RequestHandle handle,
                                          std::vector<int32_t> prefillStarts,
                                          DecodingTokenStateContract contract, std::string cacheSalt,
-                                         cudaStream_t stream)
+                                         std::vector<RetentionRange> retention, cudaStream_t stream)
     : mCoordinator(&coordinator),
       mHandle(std::move(handle)),
       mPrefillStarts(std::move(prefillStarts)),
       mContract(contract),
       mCacheSalt(std::move(cacheSalt)),
+      mRetention(std::move(retention)),
       mStream(stream),
       mUnfinalized(mPrefillStarts.size(), 0) {}
 
@@ -144,6 +145,7 @@ std::optional<ContextCacheRequest> ContextCacheRequest::begin(
     sequence.tokenIds = context.rawBatchedInputIds[i];
     sequence.keyExtras = extras;
     sequence.resident = context.residentRefs[i];
+    sequence.retention = request.contextCacheRetention;
     std::optional<ContextCacheLookupPolicy> override;
     if (!request.requests.empty()) {
       override = request.requests[i].contextCacheLookupPolicy;
@@ -167,7 +169,7 @@ std::optional<ContextCacheRequest> ContextCacheRequest::begin(
   }
   return ContextCacheRequest(coordinator, std::move(begun.admission->request),
                              std::move(begun.admission->prefillStarts), tokenStateContract,
-                             request.cacheSalt, context.stream);
+                             request.cacheSalt, request.contextCacheRetention, context.stream);
 }
 
 bool ContextCacheRequest::check(ContextCacheStatus status, char const* operation) const {
@@ -354,6 +356,7 @@ ContextCacheRequest::AdmitSequenceStatus ContextCacheRequest::admitSequence(
   admission.tokenIds = tokenIds;
   admission.keyExtras = BlockKeyExtras{digestIdentity(loraWeightsName), digestIdentity(mCacheSalt)};
   admission.resident = resident;
+  admission.retention = mRetention;
   if (!mediaTokenIds.empty() && !imagesHostReadable(imageBuffers)) {
     admission.lookupPolicy = ContextCacheLookupPolicy::kBypass;
   } else {

@@ -45,6 +45,7 @@ LookupRequest ContextCacheCoordinator::lookupOf(ContextCacheSequenceAdmission co
   lookup.hasAttention = hasKv();
   lookup.policy = mConfig.enabled ? policy : ContextCacheLookupPolicy::kBypass;
   lookup.baseExtraTokens = headroom.baseExtraTokens;
+  lookup.retention = sequence.retention;
   return lookup;
 }
 

@@ -13,6 +13,9 @@ constexpr char const* kCall = "ContextCacheCoordinator";
 void validateProfile(ContextCacheConfig const& config, ContextCacheDeploymentProfile const& profile,
                      ContextCachePhysicalResources const& resources) {
   MKV_REQUIRE(config.maxRecords >= 0, kCall, "maxRecords must be >= 0, got {}", config.maxRecords);
+  MKV_REQUIRE(config.evictionPolicy == EvictionPolicyKind::kLru ||
+                  config.evictionPolicy == EvictionPolicyKind::kS3Fifo,
+              kCall, "eviction policy {} out of range", static_cast<int>(config.evictionPolicy));
   MKV_REQUIRE(config.eventQueueCapacity >= 0, kCall, "eventQueueCapacity must be >= 0, got {}",
               config.eventQueueCapacity);
   MKV_REQUIRE(config.recurrentSnapshotPoolBytes >= 0 && config.partialKvSnapshotPoolBytes >= 0,

@@ -3,6 +3,7 @@
 #include <limits>
 
 #include "core/check.h"
+#include "mkv/context_cache/eviction_policy.h"
 #include "resources/backend_requests.h"
 
 namespace mkv::detail {
@@ -113,6 +114,7 @@ void validateBatchAdmission(char const* call, ContextCacheBatchAdmission const& 
                   "sequence {} lookup policy {} out of range", i,
                   static_cast<int>(*sequence.lookupPolicy));
     }
+    requireValidRetention(call, sequence.retention);
   }
 }
 
@@ -133,6 +135,7 @@ void validateJoiner(char const* call, ContextCacheSequenceAdmission const& admis
   MKV_REQUIRE(admission.media.empty() || admission.media.size() == admission.tokenIds.size(), call,
               "{} media positions for {} tokens", admission.media.size(),
               admission.tokenIds.size());
+  requireValidRetention(call, admission.retention);
 }
 
 void validatePrefillAdvance(char const* call, std::size_t row, int32_t ledger,

@@ -76,11 +76,10 @@ EvictionPlan EvictionPlanner::plan(ResourceDemand const& demand, ResourcePools c
     return std::find(protectedRecords.begin(), protectedRecords.end(), id) !=
            protectedRecords.end();
   };
-  for (CacheRecord const& record : records.lruToMru()) {
-    if (!isProtected(record.id) && visit(record)) {
-      result.feasible = true;
-      return result;
-    }
+  if (records.forEachVictim(
+          [&](CacheRecord const& record) { return !isProtected(record.id) && visit(record); })) {
+    result.feasible = true;
+    return result;
   }
   for (std::size_t i = 0; i < protectedRecords.size(); ++i) {
     RecordId const id = protectedRecords[i];

@@ -33,7 +33,10 @@ void RecordStore::unindexSpecPath(RecordId id, std::span<Hash128 const> digests)
   }
 }
 
-RecordStore::InsertResult RecordStore::insert(CacheRecord record) {
+RecordStore::RecordStore(EvictionPolicyKind policy, int32_t ghostCapacity)
+    : mPolicy(makeEvictionPolicy(policy, ghostCapacity)) {}
+
+RecordStore::InsertResult RecordStore::insert(CacheRecord record, RecordInsertHint hint) {
   record.validate();
   std::optional<HybridKey> const hybridKey = record.hybridKey();
   if (hybridKey) {
@@ -46,39 +49,76 @@ RecordStore::InsertResult RecordStore::insert(CacheRecord record) {
     return {get(it->second), false};
   }
 
+  // A slot for the policy, its tables grown geometrically (nothing changed if that throws).
+  if (mFreeSlots.empty()) {
+    std::size_t const slots = mBySlot.size() + 1;
+    if (slots > mBySlot.capacity()) {
+      std::size_t const grown = std::max<std::size_t>(16, 2 * mBySlot.capacity());
+      mFreeSlots.reserve(grown);
+      mPolicy->reserveSlots(static_cast<int32_t>(grown));
+      mBySlot.reserve(grown);
+    }
+    mPolicy->reserveSlots(static_cast<int32_t>(slots));
+  }
+
   record.id = mNextId;
   LruList node;
   node.push_back(std::move(record));  // may throw: nothing changed yet
   auto const nodeIt = node.begin();
-  CacheRecord const& stored = *nodeIt;
+  CacheRecord& stored = *nodeIt;
   bool const specIndexed = stored.specState.has_value() && !hybridKey;
 
   // Each allocating step is undone if a later one throws.
-  mById.emplace(stored.id, nodeIt);
+  mById.emplace(stored.id, Entry{nodeIt, kNoRecordSlot});
   try {
-    if (hybridKey) {
-      mByHybridKey.emplace(*hybridKey, stored.id);
-      try {
-        ++mHybridLengths[hybridKey->exactLength];
-      } catch (...) {
-        mByHybridKey.erase(*hybridKey);
-        throw;
-      }
-    } else {
-      mByKey.emplace(stored.key, stored.id);
-      try {
-        if (specIndexed) {
-          indexSpecPath(stored);
+    if (stored.retentionExpiry) {
+      mExpiries.emplace(*stored.retentionExpiry, stored.id);
+    }
+    try {
+      if (hybridKey) {
+        mByHybridKey.emplace(*hybridKey, stored.id);
+        try {
+          ++mHybridLengths[hybridKey->exactLength];
+        } catch (...) {
+          mByHybridKey.erase(*hybridKey);
+          throw;
         }
-      } catch (...) {
-        mByKey.erase(stored.key);
-        throw;
+      } else {
+        mByKey.emplace(stored.key, stored.id);
+        try {
+          if (specIndexed) {
+            indexSpecPath(stored);
+          }
+        } catch (...) {
+          mByKey.erase(stored.key);
+          throw;
+        }
       }
+    } catch (...) {
+      if (stored.retentionExpiry) {
+        mExpiries.erase({*stored.retentionExpiry, stored.id});
+      }
+      throw;
     }
   } catch (...) {
     mById.erase(stored.id);
     throw;
   }
+  // Nothing below throws: the slot tables were reserved above.
+  RecordSlot slot = kNoRecordSlot;
+  if (!mFreeSlots.empty()) {
+    slot = mFreeSlots.back();
+    mFreeSlots.pop_back();
+    mBySlot[static_cast<std::size_t>(slot)] = &stored;
+  } else {
+    slot = static_cast<RecordSlot>(mBySlot.size());
+    mBySlot.push_back(&stored);
+  }
+  mById.find(stored.id)->second.slot = slot;
+  int32_t weight = 0;
+  stored.forEachResource([&weight](ResourceId) { ++weight; });
+  mPolicy->onInsert(PolicyInsert{slot, stored.key.terminal, std::max(1, weight),
+                                 stored.retentionPriority, hint.reused, hint.evictedPrefix});
   mLru.splice(mLru.end(), node);
   ++mNextId;
   return {&stored, true};
@@ -86,7 +126,7 @@ RecordStore::InsertResult RecordStore::insert(CacheRecord record) {
 
 CacheRecord const* RecordStore::get(RecordId id) const noexcept {
   auto const it = mById.find(id);
-  return it == mById.end() ? nullptr : &*it->second;
+  return it == mById.end() ? nullptr : &*it->second.record;
 }
 
 CacheRecord const* RecordStore::find(RecordKey const& key) const noexcept {
@@ -135,7 +175,7 @@ std::vector<int32_t> RecordStore::hybridCheckpointLengths(int32_t below) const {
 void RecordStore::setSpecState(RecordId id, SpecState state) {
   auto const it = mById.find(id);
   MKV_REQUIRE(it != mById.end(), "RecordStore::setSpecState", "unknown record {}", id);
-  CacheRecord& record = *it->second;
+  CacheRecord& record = *it->second.record;
   MKV_REQUIRE(!record.isHybrid(), "RecordStore::setSpecState", "record {} is a hybrid checkpoint",
               id);
   MKV_REQUIRE(state.draftPagePath.size() == record.basePagePath.size(), "RecordStore::setSpecState",
@@ -148,21 +188,67 @@ void RecordStore::setSpecState(RecordId id, SpecState state) {
     indexSpecPath(record);
     record.specState = std::move(state);
   }
-  mLru.splice(mLru.end(), mLru, it->second);
+  mLru.splice(mLru.end(), mLru, it->second.record);
+  mPolicy->onHit(it->second.slot);
 }
 
 void RecordStore::touch(RecordId id) {
   auto const it = mById.find(id);
   MKV_REQUIRE(it != mById.end(), "RecordStore::touch", "unknown record {}", id);
-  mLru.splice(mLru.end(), mLru, it->second);
+  mLru.splice(mLru.end(), mLru, it->second.record);
+  mPolicy->onHit(it->second.slot);
 }
 
-void RecordStore::erase(RecordId id) noexcept {
+void RecordStore::erase(RecordId id) noexcept { remove(id, /*evicted=*/false); }
+
+void RecordStore::evict(RecordId id) noexcept { remove(id, /*evicted=*/true); }
+
+int32_t RecordStore::expireRetention(int64_t now) noexcept {
+  int32_t expired = 0;
+  while (!mExpiries.empty() && mExpiries.begin()->first <= now) {
+    RecordId const id = mExpiries.begin()->second;
+    mExpiries.erase(mExpiries.begin());
+    Entry const& entry = mById.find(id)->second;
+    CacheRecord& record = *entry.record;
+    record.retentionExpiry.reset();
+    if (record.retentionPriority != kDefaultRetentionPriority) {
+      record.retentionPriority = kDefaultRetentionPriority;
+      mPolicy->onPriorityChange(entry.slot, kDefaultRetentionPriority);
+    }
+    ++expired;
+  }
+  return expired;
+}
+
+std::optional<int64_t> RecordStore::nextRetentionExpiry() const noexcept {
+  return mExpiries.empty() ? std::nullopt : std::optional(mExpiries.begin()->first);
+}
+
+RecordId RecordStore::firstVictim() const {
+  RecordId first = kNoRecord;
+  forEachVictim([&first](CacheRecord const& record) {
+    first = record.id;
+    return true;
+  });
+  return first;
+}
+
+std::vector<RecordId> RecordStore::victimOrder() const {
+  std::vector<RecordId> order;
+  order.reserve(mLru.size());
+  forEachVictim([&order](CacheRecord const& record) {
+    order.push_back(record.id);
+    return false;
+  });
+  return order;
+}
+
+void RecordStore::remove(RecordId id, bool evicted) noexcept {
   auto const it = mById.find(id);
   if (it == mById.end()) {
     return;
   }
-  CacheRecord const& record = *it->second;
+  CacheRecord const& record = *it->second.record;
   if (std::optional<HybridKey> const hybridKey = record.hybridKey()) {
     mByHybridKey.erase(*hybridKey);
     auto const length = mHybridLengths.find(hybridKey->exactLength);
@@ -175,7 +261,14 @@ void RecordStore::erase(RecordId id) noexcept {
     }
     mByKey.erase(record.key);
   }
-  mLru.erase(it->second);
+  if (record.retentionExpiry) {
+    mExpiries.erase({*record.retentionExpiry, id});
+  }
+  RecordSlot const slot = it->second.slot;
+  mPolicy->onErase(slot, evicted);
+  mBySlot[static_cast<std::size_t>(slot)] = nullptr;
+  mFreeSlots.push_back(slot);  // capacity reserved with the slot
+  mLru.erase(it->second.record);
   mById.erase(it);
 }
 

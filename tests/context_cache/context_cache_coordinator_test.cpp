@@ -200,6 +200,7 @@ TEST_P(ContextCacheCoordinatorTest, EvictsLruUnderPressureKeepingSharedAncestors
   RigOptions options;
   options.numPages = 8;
   options.eventQueueCapacity = 64;
+  options.evictionPolicy = EvictionPolicyKind::kLru;  // the order this test pins
   CoordinatorRig rig(device(), options);
   std::vector<int32_t> const s = tokenRun(128, 1000);
   std::vector<int32_t> const a = concatenated(concatenated(s, tokenRun(128, 2000)), {1});
@@ -870,6 +871,10 @@ TEST(ContextCacheCoordinatorConstructionTest,
   config = ContextCacheConfig{};
   config.eventQueueCapacity = -2;
   EXPECT_TRUE(throwsError(construct(config, attention, valid), {"eventQueueCapacity", "-2"}));
+  config = ContextCacheConfig{};
+  config.evictionPolicy = static_cast<EvictionPolicyKind>(7);
+  EXPECT_TRUE(throwsError(construct(config, attention, valid),
+                          {"ContextCacheCoordinator", "eviction policy 7 out of range"}));
   config = ContextCacheConfig{};
   ContextCacheDeploymentProfile hybrid;
   hybrid.baseStateKind = BaseStateKind::kHybrid;

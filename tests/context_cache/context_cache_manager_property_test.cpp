@@ -112,6 +112,9 @@ TEST_P(ContextCacheManagerPropertyTest, RandomOperationsKeepInvariantsAndMatchTh
   ContextCacheManagerOptions options;
   options.verifyTokens = config.verifyTokens;
   options.eventQueueCapacity = 16;
+  // The model keeps an LRU list; S3-FIFO's random operations are the lifecycle fuzzer's and the
+  // coordinator property test's (the default policy), against invariants.
+  options.evictionPolicy = EvictionPolicyKind::kLru;
   ContextCacheManager manager(kPage, ResourceDemand{config.basePages, 0, 0, 0}, config.maxRecords,
                               options);
   NaiveModel model;

@@ -39,6 +39,7 @@ struct RigOptions {
   bool verifyTokens = true;
   int32_t eventQueueCapacity = 0;
   bool enabled = true;
+  EvictionPolicyKind evictionPolicy = ContextCacheConfig{}.evictionPolicy;
 };
 
 /// One sequence as the engine sees it. `tokens` is the ledger (prompt, then sampled tokens; the
@@ -117,6 +118,7 @@ class CoordinatorRig {
     config.maxRecords = o.maxRecords;
     config.verifyTokens = o.verifyTokens;
     config.eventQueueCapacity = o.eventQueueCapacity;
+    config.evictionPolicy = o.evictionPolicy;
     return config;
   }
 

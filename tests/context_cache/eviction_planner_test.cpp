@@ -2,6 +2,8 @@
 
 #include <gtest/gtest.h>
 
+#include <string>
+
 #include "mkv/error.h"
 
 namespace mkv {
@@ -9,9 +11,15 @@ namespace {
 
 using Targets = std::array<std::vector<int32_t>*, kResourceTypeCount>;
 
+std::string policyName(::testing::TestParamInfo<EvictionPolicyKind> const& param) {
+  return std::string(toString(param.param));
+}
+
 /// Pools and records wired by hand: every slot allocated up front, records take cache refs,
-/// then the allocation's active ref is dropped unless the test pins it.
-class EvictionPlannerTest : public ::testing::Test {
+/// then the allocation's active ref is dropped unless the test pins it. Every test runs with each
+/// eviction policy: records inserted once and never touched are in insertion order under both
+/// (S3-FIFO keeps them in its small queue), so the exactness contracts read the same.
+class EvictionPlannerTest : public ::testing::TestWithParam<EvictionPolicyKind> {
  protected:
   static constexpr ResourceDemand kCapacity{4, 2, 0, 0};
 
@@ -21,8 +29,10 @@ class EvictionPlannerTest : public ::testing::Test {
     EXPECT_TRUE(mPools.allocate(kCapacity, Targets{&base, &draft, nullptr, nullptr}));
   }
 
-  RecordId addRecord(std::vector<PageId> basePath, std::vector<PageId> draftPath = {}) {
+  RecordId addRecord(std::vector<PageId> basePath, std::vector<PageId> draftPath = {},
+                     int32_t priority = kDefaultRetentionPriority) {
     CacheRecord r;
+    r.retentionPriority = priority;
     for (std::size_t b = 0; b < basePath.size(); ++b) {
       r.logicalBlockDigests.push_back(Hash128{mNextTag, b});
     }
@@ -50,12 +60,12 @@ class EvictionPlannerTest : public ::testing::Test {
   }
 
   ResourcePools mPools{kCapacity};
-  RecordStore mRecords;
+  RecordStore mRecords{GetParam()};
   EvictionPlanner mPlanner{kCapacity};
   uint64_t mNextTag = 1;
 };
 
-TEST_F(EvictionPlannerTest, FreeCapacityReturnsEmptyFeasiblePlan) {
+TEST_P(EvictionPlannerTest, FreeCapacityReturnsEmptyFeasiblePlan) {
   RecordId const r = addRecord({0});
   settle();
   ASSERT_EQ(mPools.freeCount(ResourceType::kBaseKvPage), 3);
@@ -65,20 +75,20 @@ TEST_F(EvictionPlannerTest, FreeCapacityReturnsEmptyFeasiblePlan) {
   EXPECT_NE(mRecords.get(r), nullptr);
 }
 
-TEST_F(EvictionPlannerTest, SelectsRecordsFromLruToMru) {
+TEST_P(EvictionPlannerTest, SelectsRecordsInVictimOrder) {
   RecordId const a = addRecord({0});
   RecordId const b = addRecord({1});
   RecordId const c = addRecord({2});
   addRecord({3});
   settle();
-  mRecords.touch(a);  // LRU order: b, c, d, a
+  mRecords.touch(a);  // order b, c, d, a (S3-FIFO: the hit promotes a to the main queue)
   EvictionPlan const plan = mPlanner.plan({2, 0, 0, 0}, mPools, mRecords);
   EXPECT_TRUE(plan.feasible);
   EXPECT_EQ(plan.victims, (std::vector<RecordId>{b, c}));
   EXPECT_EQ(plan.reclaimed, (ResourceDemand{2, 0, 0, 0}));
 }
 
-TEST_F(EvictionPlannerTest, SharedAncestorRequiresMultipleVictims) {
+TEST_P(EvictionPlannerTest, SharedAncestorRequiresMultipleVictims) {
   RecordId const a = addRecord({0, 1});
   RecordId const b = addRecord({0, 2});
   addRecord({3});
@@ -89,7 +99,7 @@ TEST_F(EvictionPlannerTest, SharedAncestorRequiresMultipleVictims) {
   EXPECT_EQ(plan.reclaimed.baseKvPages, 3);
 }
 
-TEST_F(EvictionPlannerTest, ActiveReferencePreventsReclaim) {
+TEST_P(EvictionPlannerTest, ActiveReferencePreventsReclaim) {
   RecordId const a = addRecord({0});
   RecordId const b = addRecord({1});
   settle(/*pinned=*/{0});  // pages 2 and 3 are free
@@ -100,7 +110,7 @@ TEST_F(EvictionPlannerTest, ActiveReferencePreventsReclaim) {
   EXPECT_FALSE(mPlanner.plan({4, 0, 0, 0}, mPools, mRecords).feasible);
 }
 
-TEST_F(EvictionPlannerTest, InfeasiblePlanReturnsNoVictimsAndMutatesNothing) {
+TEST_P(EvictionPlannerTest, InfeasiblePlanReturnsNoVictimsAndMutatesNothing) {
   addRecord({0, 1});
   addRecord({2});
   settle(/*pinned=*/{3});
@@ -119,7 +129,7 @@ TEST_F(EvictionPlannerTest, InfeasiblePlanReturnsNoVictimsAndMutatesNothing) {
   EXPECT_EQ(mPlanner.plan({3, 0, 0, 0}, mPools, mRecords).victims.size(), 2U);
 }
 
-TEST_F(EvictionPlannerTest, DemandAcrossTypesMustBeSatisfiedTogether) {
+TEST_P(EvictionPlannerTest, DemandAcrossTypesMustBeSatisfiedTogether) {
   RecordId const a = addRecord({0});
   RecordId const b = addRecord({1}, {0});
   RecordId const c = addRecord({2, 3}, {1, 1});  // a draft page referenced twice
@@ -131,7 +141,7 @@ TEST_F(EvictionPlannerTest, DemandAcrossTypesMustBeSatisfiedTogether) {
   EXPECT_EQ(both.reclaimed, (ResourceDemand{4, 2, 0, 0}));
 }
 
-TEST_F(EvictionPlannerTest, ProtectedRecordIsVisitedLast) {
+TEST_P(EvictionPlannerTest, ProtectedRecordIsVisitedLast) {
   RecordId const a = addRecord({0});
   RecordId const b = addRecord({1});
   settle();
@@ -140,7 +150,7 @@ TEST_F(EvictionPlannerTest, ProtectedRecordIsVisitedLast) {
             (std::vector<RecordId>{b, a}));
 }
 
-TEST_F(EvictionPlannerTest, SeveralProtectedRecordsAreVisitedLastInTheOrderGiven) {
+TEST_P(EvictionPlannerTest, SeveralProtectedRecordsAreVisitedLastInTheOrderGiven) {
   RecordId const a = addRecord({0});
   RecordId const b = addRecord({1});
   RecordId const c = addRecord({2});
@@ -155,12 +165,31 @@ TEST_F(EvictionPlannerTest, SeveralProtectedRecordsAreVisitedLastInTheOrderGiven
             (std::vector<RecordId>{a, b}));
 }
 
-TEST_F(EvictionPlannerTest, RejectsForeignPoolsAndNegativeDemand) {
+TEST_P(EvictionPlannerTest, LowerRetentionPrioritiesAreVisitedFirst) {
+  RecordId const high = addRecord({0}, {}, 90);
+  RecordId const a = addRecord({1});
+  RecordId const low = addRecord({2}, {}, 0);
+  RecordId const b = addRecord({3});
+  settle();
+  EXPECT_EQ(mPlanner.plan({2, 0, 0, 0}, mPools, mRecords).victims, (std::vector<RecordId>{low, a}));
+  EXPECT_EQ(mPlanner.plan({4, 0, 0, 0}, mPools, mRecords).victims,
+            (std::vector<RecordId>{low, a, b, high}))
+      << "the high-priority record, the oldest, is the last victim";
+  EXPECT_EQ(mPlanner.plan({4, 0, 0, 0}, mPools, mRecords, a).victims,
+            (std::vector<RecordId>{low, b, high, a}))
+      << "a protected record still comes after every priority";
+}
+
+TEST_P(EvictionPlannerTest, RejectsForeignPoolsAndNegativeDemand) {
   ResourcePools other({5, 2, 0, 0});
   EXPECT_THROW(mPlanner.plan({1, 0, 0, 0}, other, mRecords), Error);
   EXPECT_THROW(mPlanner.plan({-1, 0, 0, 0}, mPools, mRecords), Error);
   EXPECT_THROW(EvictionPlanner({-1, 0, 0, 0}), Error);
 }
+
+INSTANTIATE_TEST_SUITE_P(EveryPolicy, EvictionPlannerTest,
+                         ::testing::Values(EvictionPolicyKind::kLru, EvictionPolicyKind::kS3Fifo),
+                         policyName);
 
 }  // namespace
 }  // namespace mkv

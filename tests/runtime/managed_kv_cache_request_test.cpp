@@ -592,6 +592,33 @@ TEST_P(ManagedKVCacheRequestDispatchTest, ContextReuseBackend) {
   finishCleanly(rig, driver);
 }
 
+TEST_P(ManagedKVCacheRequestDispatchTest, RetentionRangesReachTheRecordsAndInvalidOnesThrow) {
+  RuntimeRig rig(configFor(Backend::kContextReuse, device()));
+  FacadeDriver driver(rig);
+  driver.add(tokenRun(40, 5));
+  driver.request.contextCacheRetention = {RetentionRange{0, std::nullopt, 101, std::nullopt}};
+  expectRejected(rig, "begin with priority 101", [&] { (void)driver.begin(); },
+                 {"ManagedKVCacheRequest::begin", "priority 101 outside [0, 100]"});
+  driver.request.contextCacheRetention = {RetentionRange{0, 32, 90, std::nullopt}};
+  ASSERT_TRUE(driver.begin());
+  ASSERT_TRUE(driver.prefill());
+  // The prompt's two full blocks end at token 31, inside the range.
+  auto const& records = rig.runtime().contextCache()->manager().records().lruToMru();
+  ASSERT_EQ(records.size(), 1U);
+  EXPECT_EQ(records.front().retentionPriority, 90);
+  for (int step = 0; step < 8; ++step) {
+    ASSERT_TRUE(driver.decode());
+  }
+  ASSERT_TRUE(driver.prepareDecode());
+  driver.finishRow(0);
+  ASSERT_TRUE(driver.completeDecode());
+  EXPECT_TRUE(driver.finish());
+  // Prompt + generated tokens: three full blocks, the last token (47) outside the range.
+  ASSERT_EQ(records.size(), 2U);
+  EXPECT_EQ(records.back().key.fullBlockCount, 3);
+  EXPECT_EQ(records.back().retentionPriority, kDefaultRetentionPriority);
+}
+
 TEST_P(ManagedKVCacheRequestDispatchTest, BoundedSwaBackend) {
   RuntimeRig rig(configFor(Backend::kBoundedSwa, device()));
   EXPECT_FALSE(rig.runtime().supportsSeatedAdmission());

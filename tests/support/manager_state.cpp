@@ -21,10 +21,12 @@ ManagerState captureState(ContextCacheManager const& manager) {
   }
   for (CacheRecord const& record : manager.records().lruToMru()) {
     s.lruOrder.push_back(record.id);
+    s.recordPriorities.push_back(record.retentionPriority);
     s.recordBasePaths.push_back(record.basePagePath);
     s.recordDraftPaths.push_back(record.specState ? record.specState->draftPagePath
                                                   : std::vector<PageId>{});
   }
+  s.victimOrder = manager.records().victimOrder();
   s.indexSize = manager.index().size();
   return s;
 }

@@ -18,6 +18,8 @@ struct ManagerState {
   std::vector<std::vector<int32_t>> freeLists;  ///< free rings in order, per resource type
   std::vector<std::optional<Hash128>> indexDigests;  ///< per base page
   std::vector<RecordId> lruOrder;
+  std::vector<RecordId> victimOrder;      ///< RecordStore::victimOrder (priority, then the policy)
+  std::vector<int32_t> recordPriorities;  ///< in lruOrder
   std::vector<std::vector<PageId>> recordBasePaths;
   std::vector<std::vector<PageId>> recordDraftPaths;
   int32_t indexSize = 0;

@@ -75,6 +75,11 @@ struct CacheRecord {
   /// With token verification on, the checkpoint tokens its base pages do not cover (the partial
   /// tail; every token for pure-recurrent checkpoints), compared on every hybrid match.
   std::vector<int32_t> verificationTokens;
+  /// Retention priority (kMinRetentionPriority..kMaxRetentionPriority; higher is evicted later)
+  /// and, when it is not for the record's whole life, the retention clock's time at which it
+  /// falls back to kDefaultRetentionPriority.
+  int32_t retentionPriority = kDefaultRetentionPriority;
+  std::optional<int64_t> retentionExpiry;
 
   bool isHybrid() const noexcept { return exactCheckpointLength.has_value(); }
   /// {key.terminal, *exactCheckpointLength, specState set} for hybrid records.
@@ -104,7 +109,7 @@ struct CacheRecord {
   /// the last logical digest; logical digests count == key.fullBlockCount; the base path has one
   /// page per block, or is empty for a hybrid checkpoint without attention; a spec path has one
   /// draft page per block; snapshot slots only on hybrid records, which need a recurrent slot and
-  /// a positive exact length; ids non-negative.
+  /// a positive exact length; ids non-negative; the retention priority in range.
   void validate() const;
 };
 

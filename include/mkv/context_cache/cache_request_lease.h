@@ -97,6 +97,8 @@ class CacheRequestLease {
   std::optional<SnapshotSlot> mHitRecurrent;
   std::optional<SnapshotSlot> mHitPartial;
   std::vector<SnapshotReservation> mReservations;
+  std::vector<RetentionRange> mRetention;  ///< the admitted request's, for its publications
+  bool mEvictedPrefix = false;             ///< its lookup stopped at a recently evicted block
 };
 
 }  // namespace mkv

@@ -16,6 +16,7 @@
 #include "mkv/context_cache/block_hash.h"
 #include "mkv/context_cache/context_cache_manager.h"
 #include "mkv/context_cache/context_cache_metrics.h"
+#include "mkv/context_cache/eviction_policy.h"
 #include "mkv/context_cache/kv_event_queue.h"
 #include "mkv/context_cache/reuse_plan.h"
 #include "mkv/cuda_types.h"
@@ -42,8 +43,8 @@ struct ContextCacheConfig {
   /// false: lookups and publication are off and the coordinator is a plain paged allocator over
   /// the full pool (the runtime's full-storage mode). Every sequence is treated as kBypass.
   bool enabled = true;
-  int32_t maxRecords = 1024;       ///< published records kept (LRU beyond); 0 keeps none
-  bool verifyTokens = true;        ///< verify tokens on each hit (docs/context_cache.md, "Keys")
+  int32_t maxRecords = 1024;  ///< published records kept (evicted beyond); 0 keeps none
+  bool verifyTokens = true;  ///< verify tokens on every index match (docs/context_cache.md, "Keys")
   int32_t eventQueueCapacity = 0;  ///< BlockStored / BlockRemoved events kept; 0 = off
   /// Hybrid / pure-recurrent deployments: device bytes of recurrent snapshot slots. Slots =
   /// budget / SnapshotStorage::recurrentBytesPerSlot (plus the boundary hidden row for
@@ -53,6 +54,13 @@ struct ContextCacheConfig {
   /// filled last page, every layer, K and V). Slots = budget / partialKvBytesPerSlot; an enabled
   /// hybrid deployment needs at least one. Ignored without attention.
   int64_t partialKvSnapshotPoolBytes = 0;
+  /// Victim order of published records within a retention priority: kS3Fifo (default: it reuses
+  /// more than kLru in every replay measured, docs/benchmarks.md) or kLru (docs/context_cache.md,
+  /// "Eviction").
+  EvictionPolicyKind evictionPolicy = EvictionPolicyKind::kS3Fifo;
+  /// Clock of retention durations (RetentionRange::duration units); empty = steady-clock
+  /// milliseconds. Called on the engine thread; must not throw.
+  std::function<int64_t()> retentionClock;
 };
 
 /// What kind of model state the base model carries.
@@ -112,6 +120,8 @@ struct ContextCacheSequenceAdmission {
   ResidentRef resident;
   /// Overrides the batch policy for this sequence when set.
   std::optional<ContextCacheLookupPolicy> lookupPolicy;
+  /// Retention priorities of the records this sequence publishes (requireValidRetention).
+  std::vector<RetentionRange> retention;
 };
 
 /// A batch admission (one runtime request).

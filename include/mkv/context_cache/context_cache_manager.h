@@ -9,6 +9,8 @@
 /// Leases must not outlive the manager.
 
 #include <cstdint>
+#include <functional>
+#include <limits>
 #include <optional>
 #include <span>
 #include <vector>
@@ -18,6 +20,7 @@
 #include "mkv/context_cache/cache_request_lease.h"
 #include "mkv/context_cache/context_cache_metrics.h"
 #include "mkv/context_cache/eviction_planner.h"
+#include "mkv/context_cache/eviction_policy.h"
 #include "mkv/context_cache/kv_event_queue.h"
 #include "mkv/context_cache/record_store.h"
 #include "mkv/context_cache/resource_pools.h"
@@ -36,6 +39,12 @@ struct ContextCacheManagerOptions {
   std::optional<SpecReuseContract> specContract;
   /// Digests remembered after eviction for MissReason::kEvicted; -1 = the base page capacity.
   int32_t evictedDigestHistory = -1;
+  /// The victim order within a retention priority (docs/context_cache.md, "Eviction").
+  EvictionPolicyKind evictionPolicy = EvictionPolicyKind::kS3Fifo;
+  /// Time of retention durations (RetentionRange::duration), read when a record with a duration
+  /// is published and before evicting while such a record is stored; must not go backwards (a
+  /// smaller value counts as the largest seen). Empty: std::chrono::steady_clock milliseconds.
+  std::function<int64_t()> retentionClock;
 };
 
 /// What the coordinator knows about one sequence at admission.
@@ -46,6 +55,9 @@ struct LookupRequest {
   bool hasAttention = true;      ///< kHybrid only: false for pure-recurrent models
   int32_t baseExtraTokens = 0;   ///< decoding headroom: base pages must cover input + this
   int32_t draftExtraTokens = 0;  ///< paired draft pages must cover input + this
+  /// Retention priorities of the records the sequence publishes (not owned; copied into the
+  /// lease at admission): requireValidRetention's rules.
+  std::span<RetentionRange const> retention;
 };
 
 /// Result of ContextCacheManager::lookup (pure).
@@ -250,13 +262,22 @@ class ContextCacheManager {
   /// each page that lost its last cache reference. Returns the number of records dropped (0, 1).
   int32_t dropRecord(RecordId id, bool announce) noexcept;
   void enforceRecordLimit() noexcept;
+  /// Records whose retention duration ran out fall back to the default priority (before a
+  /// victim order is read).
+  void expireRetention() noexcept;
+  int64_t retentionNow() noexcept;
+  /// The record's retention priority and expiry, by the lease's ranges and its last token.
+  void applyRetention(CacheRecord& record, CacheRequestLease const& lease, int64_t lastToken);
+  /// Hands the admitted lease the request's retention ranges and its ghost hint.
+  static void adoptRequest(CacheRequestLease& lease, std::vector<RetentionRange> retention,
+                           std::optional<MissReason> blockMiss) noexcept;
   void releaseLease(CacheRequestLease& lease) noexcept;
   void checkBoundPrefix(char const* call, CacheRequestLease const& lease,
                         PromptBlocks const& blocks, int32_t count) const;
   Projection project(char const* call, std::span<PageId const> producerPages,
                      PromptBlocks const& blocks, int32_t count) const;
-  PublishResult commitNewRecord(CacheRecord record, PromptBlocks const& blocks,
-                                Projection const& projection);
+  PublishResult commitNewRecord(CacheRecord record, CacheRequestLease const& lease,
+                                PromptBlocks const& blocks, Projection const& projection);
   /// publish's checks of the lease against the first `count` blocks.
   void checkPublication(char const* call, CacheRequestLease const& lease,
                         PromptBlocks const& blocks, int32_t count) const;
@@ -284,6 +305,7 @@ class ContextCacheManager {
   int32_t mLiveLeases = 0;
   /// Bumped by every change of the index or the records (what plans are made of).
   uint64_t mStateVersion = 0;
+  int64_t mRetentionNow = std::numeric_limits<int64_t>::min();  ///< the clock's largest value
 };
 
 }  // namespace mkv

@@ -109,7 +109,8 @@ class ContextCacheRequest {
   ContextCacheRequest(ContextCacheCoordinator& coordinator,
                       ContextCacheCoordinator::RequestHandle handle,
                       std::vector<int32_t> prefillStarts, DecodingTokenStateContract contract,
-                      std::string cacheSalt, cudaStream_t stream);
+                      std::string cacheSalt, std::vector<RetentionRange> retention,
+                      cudaStream_t stream);
   bool check(ContextCacheStatus status, char const* operation) const;
 
   ContextCacheCoordinator* mCoordinator;
@@ -117,6 +118,7 @@ class ContextCacheRequest {
   std::vector<int32_t> mPrefillStarts;
   DecodingTokenStateContract mContract;
   std::string mCacheSalt;
+  std::vector<RetentionRange> mRetention;  ///< the request's, for every sequence and joiner
   cudaStream_t mStream;
   /// Per execution row: 1 while an in-flight admission is not finalised.
   std::vector<uint8_t> mUnfinalized;

@@ -1,7 +1,7 @@
 #pragma once
 /// \file eviction_planner.h
-/// Side-effect-free choice of LRU victims that frees a demand across all pools
-/// (docs/context_cache.md, "Eviction").
+/// Side-effect-free choice of victims, in the records' victim order, that frees a demand across
+/// all pools (docs/context_cache.md, "Eviction").
 ///
 /// Thread-safety: single writer (plan() uses the planner's scratch arrays).
 
@@ -18,11 +18,12 @@ namespace mkv {
 /// Outcome of EvictionPlanner::plan.
 struct EvictionPlan {
   bool feasible = false;
-  std::vector<RecordId> victims;  ///< evict in this order (LRU first); empty when infeasible
+  std::vector<RecordId> victims;  ///< evict in this order; empty when infeasible
   ResourceDemand reclaimed;       ///< slots the victims return to the free rings, per type
 };
 
-/// Simulates evicting records LRU -> MRU (protected records, e.g. the requests' own hits, are moved
+/// Simulates evicting records in the store's victim order (RecordStore::forEachVictim: retention
+/// priority, then the eviction policy; protected records, e.g. the requests' own hits, are moved
 /// to the very end, in the order given) and returns the shortest victim prefix after which the free
 /// slots cover the whole demand in all four pools together. Per visited record it decrements a
 /// simulated cache count of each of its resources; a resource counts as reclaimed when that count

@@ -145,7 +145,12 @@ KVCacheRuntimeConfig Lifecycle::configFromInput() {
       config.contextCache.maxRecords =
           config.contextCache.maxRecords == 0 ? 0 : 2 + config.contextCache.maxRecords;
     }
-    config.contextCache.verifyTokens = mIn.below(4) != 0;
+    // One byte: verification as before (byte % 4, what old corpus inputs meant), the eviction
+    // policy from the next bit (byte % 8 >= 4).
+    int32_t const cacheByte = mIn.below(8);
+    config.contextCache.verifyTokens = cacheByte % 4 != 0;
+    config.contextCache.evictionPolicy =
+        cacheByte >= 4 ? EvictionPolicyKind::kS3Fifo : EvictionPolicyKind::kLru;
     config.contextCache.eventQueueCapacity = 4 * mIn.below(2);
   }
   if ((mKind == Runtime::kBoundedSwa || mKind == Runtime::kFullStorage) && mIn.oneIn(3)) {
