@@ -957,13 +957,14 @@ TEST(ContextCacheManagerTest, ResetPrefixCacheDropsEveryRecordAtOnceAndAnnounces
   ContextCacheManager m(kPage, {8, 0, 2, 2}, 8, options);
   std::vector<int32_t> const a = tokenRun(8, 0);
   publishCold(m, a);
-  publishCold(m, concatenated(a, tokenRun(4, 50)));  // shares a's two pages
-  LookupRequest const hybrid = requestOf(tokenRun(6, 100), ReuseMode::kHybrid);
+  publishCold(m, concatenated(a, tokenRun(4, 50)));            // shares a's two pages
+  std::vector<int32_t> const checkpointed = tokenRun(6, 100);  // outlives the request's view
+  LookupRequest const hybrid = requestOf(checkpointed, ReuseMode::kHybrid);
   CacheRequestLease producer = admit(m, hybrid);
   std::optional<SnapshotReservation> const reservation = m.reserveHybridSnapshots(producer, true);
   ASSERT_TRUE(reservation.has_value());
   ASSERT_EQ(
-      m.publishHybrid(producer, hashPromptBlocks(viewOf(tokenRun(6, 100)), kPage), 6, *reservation)
+      m.publishHybrid(producer, hashPromptBlocks(viewOf(checkpointed), kPage), 6, *reservation)
           .status,
       PublishStatus::kPublished);
   m.retireHybridSnapshotReservation(producer, *reservation);
