@@ -62,8 +62,10 @@ struct LifecycleStats {
   int64_t failedSynchronizations = 0;
   int64_t quarantines = 0;  ///< requests that went to quarantine
   int64_t shutdowns = 0;
-  int64_t badAllocs = 0;        ///< library calls that threw std::bad_alloc (allocation faults)
-  int64_t oraclePositions = 0;  ///< KV positions verified
+  int64_t cacheResets = 0;        ///< successful resetPrefixCache calls (context-reuse backends)
+  int64_t cacheResetRecords = 0;  ///< records those resets dropped
+  int64_t badAllocs = 0;          ///< library calls that threw std::bad_alloc (allocation faults)
+  int64_t oraclePositions = 0;    ///< KV positions verified
   // The runtimes with a recurrent or a draft model (hybrid checkpoints, speculative, Hybrid-MTP).
   int64_t hybridLifecycles = 0;        ///< lifecycles on a hybrid checkpoint runtime
   int64_t speculativeLifecycles = 0;   ///< lifecycles on a speculative (EAGLE-style) runtime

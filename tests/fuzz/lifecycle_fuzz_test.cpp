@@ -61,13 +61,16 @@ TEST(LifecycleFuzzTest, SeededLifecyclesKeepEveryInvariant) {
   EXPECT_GT(total.failedSynchronizations, 100);
   EXPECT_GT(total.quarantines, 100);
   EXPECT_GT(total.shutdowns, 100);
+  EXPECT_GT(total.cacheResets, 100);
+  EXPECT_GT(total.cacheResetRecords, 100);
   EXPECT_GT(total.drops, 100);
   EXPECT_GT(total.oraclePositions, 1'000'000);
   RecordProperty("operations", std::to_string(total.operations));
   std::printf(
       "operations %lld, library calls %lld, rejected %lld, refusals %lld, requests %lld, "
       "prefills %lld, decode steps %lld, compactions %lld, joins %lld, retractions %lld, "
-      "failed syncs %lld, quarantines %lld, shutdowns %lld, oracle positions %lld\n",
+      "failed syncs %lld, quarantines %lld, shutdowns %lld, cache resets %lld, "
+      "oracle positions %lld\n",
       static_cast<long long>(total.operations), static_cast<long long>(total.libraryCalls),
       static_cast<long long>(total.rejectedCalls), static_cast<long long>(total.refusals),
       static_cast<long long>(total.requests), static_cast<long long>(total.prefills),
@@ -75,7 +78,7 @@ TEST(LifecycleFuzzTest, SeededLifecyclesKeepEveryInvariant) {
       static_cast<long long>(total.joins), static_cast<long long>(total.retractions),
       static_cast<long long>(total.failedSynchronizations),
       static_cast<long long>(total.quarantines), static_cast<long long>(total.shutdowns),
-      static_cast<long long>(total.oraclePositions));
+      static_cast<long long>(total.cacheResets), static_cast<long long>(total.oraclePositions));
 }
 
 /// Synchronisation faults at fixed points instead of where the input asks: for each seed the

@@ -93,9 +93,17 @@ void Lifecycle::drop(std::size_t index) {
   mRequests.erase(mRequests.begin() + static_cast<std::ptrdiff_t>(index));
 }
 
-/// `fromInput`: the input picks the runtime's or the backend's shutdown (teardown: runtime).
+/// `fromInput`: the input picks the runtime's or the backend's shutdown (teardown: runtime) or,
+/// on a context-reuse backend, clearing the prefix cache instead. One input byte either way: its
+/// parity picks the shutdown as before, so a byte of 3 mod 4 is the only one whose meaning
+/// changed when the reset joined.
 void Lifecycle::shutdown(bool fromInput) {
-  bool const direct = fromInput && mIn.oneIn(2);
+  int32_t const choice = fromInput ? mIn.below(4) : 1;
+  if (choice == 3 && coordinatorBackend()) {
+    resetPrefixCache();
+    return;
+  }
+  bool const direct = choice % 2 == 0;
   std::string const what = direct ? "backend shutdown" : "runtime shutdown";
   int64_t const calls = syncCalls();
   int64_t const failures = syncFailures();
@@ -134,6 +142,42 @@ void Lifecycle::shutdown(bool fromInput) {
   expectf(ok == idle, "{}: returned {} with {} live requests", what, ok, liveRequests());
   expect(!direct || ok || requestFailed, what + ": neither kOk nor kRequestFailed");
   trace(what);
+}
+
+/// ContextCacheCoordinator::resetPrefixCache: refused, changing nothing, while a request is
+/// active or quarantined or the coordinator is poisoned; otherwise every record goes, the index
+/// empties and the counters say so. Host bookkeeping only: never synchronises.
+void Lifecycle::resetPrefixCache() {
+  std::string const what = "reset prefix cache";
+  ContextCacheMetrics const before = mCoordinator->metrics();
+  int64_t const calls = syncCalls();
+  bool cleared = false;
+  {
+    LibraryCall scope;
+    ++mStats.libraryCalls;
+    cleared = mCoordinator->resetPrefixCache();
+  }
+  expectf(syncCalls() == calls, "{}: synchronised {} times", what, syncCalls() - calls);
+  bool const allowed = liveRequests() == 0 && mQuarantine.empty() && !mPoisoned;
+  expectf(cleared == allowed, "{}: returned {} with {} live and {} quarantined requests{}", what,
+          cleared, liveRequests(), mQuarantine.size(), mPoisoned ? ", poisoned" : "");
+  ContextCacheMetrics const after = mCoordinator->metrics();
+  if (!cleared) {
+    expect(after.records == before.records && after.indexedBlocks == before.indexedBlocks &&
+               after.prefixCacheResets == before.prefixCacheResets,
+           what + ": a refused reset changed the cache");
+    trace(what + ": refused");
+    return;
+  }
+  expectf(after.records == 0 && after.indexedBlocks == 0,
+          "{}: {} records and {} indexed blocks remain", what, after.records, after.indexedBlocks);
+  expect(after.prefixCacheResets == before.prefixCacheResets + 1 &&
+             after.resetRecords == before.resetRecords + static_cast<uint64_t>(before.records) &&
+             after.evictedRecords == before.evictedRecords,
+         what + ": the reset counters disagree with the records dropped");
+  ++mStats.cacheResets;
+  mStats.cacheResetRecords += before.records;
+  trace(fmt::format("{}: {} records dropped", what, before.records));
 }
 
 void Lifecycle::armSyncFault() {

@@ -272,6 +272,9 @@ void Lifecycle::tearDown() {
   checkAll();
   checkEverythingReturned();
   if (mCoordinator != nullptr) {
+    resetPrefixCache();  // idle and drained: must succeed, and then every resource is free
+    checkAll();
+    checkCacheEmpty();
     mStats.snapshotPressureSkips +=
         static_cast<int64_t>(mCoordinator->counters().snapshotPressureSkips);
   }
@@ -302,6 +305,15 @@ void Lifecycle::checkEverythingReturned() {
             "teardown: draft row {} still maps pages", slot);
   }
   expect(mRuntime->residentSlots().available() == mMaxBatch, "teardown: residents still held");
+}
+
+/// After a reset of an idle coordinator: no record holds anything, every resource is free.
+void Lifecycle::checkCacheEmpty() {
+  ResourcePools const& pools = mCoordinator->manager().pools();
+  for (ResourceType type : kAllResourceTypes) {
+    expectf(pools.freeCount(type) == pools.capacity(type), "reset: {} of {} {} free",
+            pools.freeCount(type), pools.capacity(type), toString(type));
+  }
 }
 
 /// After a violation: drops what can be dropped without checks so that nothing terminates.

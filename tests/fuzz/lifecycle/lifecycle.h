@@ -369,6 +369,8 @@ class Lifecycle {
   void finish(Req& req);
   void drop(std::size_t index);
   void shutdown(bool fromInput);
+  void resetPrefixCache();
+  void checkCacheEmpty();
   void armSyncFault();
 
   // observe_operations.cpp: observers and calls on invalid handles
