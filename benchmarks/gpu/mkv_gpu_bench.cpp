@@ -1,5 +1,5 @@
-/// mkv_gpu_bench: CUDA-event benchmark of the managedkv data-movement kernels, cases G1-G5 of
-/// docs/benchmarks.md, "What is measured" (method and results there too).
+/// mkv_gpu_bench: CUDA-event benchmark of the managedkv data-movement kernels, cases G1-G5 and G7
+/// of docs/benchmarks.md, "What is measured" (method and results there too).
 ///
 /// Per case, in one run and on one non-blocking stream, it times
 ///   1. a contiguous cudaMemcpyAsync of the same byte count (the denominator of "ratio"),
@@ -23,6 +23,7 @@
 #include <cstring>
 #include <fstream>
 #include <functional>
+#include <memory>
 #include <numeric>
 #include <random>
 #include <span>
@@ -61,6 +62,8 @@ constexpr int64_t kBandwidthBytes = kGiB;
 /// Per-copy loops are subsampled beyond this many cudaMemcpyAsync calls per repetition
 /// (~4 us each on the H200: docs/benchmarks.md, "The measurements behind the kernels").
 constexpr int64_t kLoopCopies = 4096;
+/// Bytes one G7 call moves between the GPU and pinned host memory (about 5 ms over PCIe 5).
+constexpr int64_t kTierBytes = 256 * kMiB;
 constexpr int kLoopReps = 3;
 
 struct Options {
@@ -96,6 +99,28 @@ class DeviceBuffer {
 
  private:
   void* mData = nullptr;
+  int64_t mBytes;
+};
+
+/// Owning pinned host allocation, mapped into the device's address space: what a host KV tier
+/// would hold (issue #18). `device()` is the address kernels use.
+class PinnedBuffer {
+ public:
+  explicit PinnedBuffer(int64_t bytes) : mBytes(bytes) {
+    check(cudaHostAlloc(&mHost, static_cast<std::size_t>(bytes), cudaHostAllocMapped),
+          fmt::format("cudaHostAlloc({} B)", bytes));
+    check(cudaHostGetDevicePointer(&mDevice, mHost, 0), "cudaHostGetDevicePointer");
+  }
+  ~PinnedBuffer() { (void)cudaFreeHost(mHost); }
+  PinnedBuffer(PinnedBuffer const&) = delete;
+  PinnedBuffer& operator=(PinnedBuffer const&) = delete;
+  uint8_t* host() const { return static_cast<uint8_t*>(mHost); }
+  uint8_t* device() const { return static_cast<uint8_t*>(mDevice); }
+  int64_t size() const { return mBytes; }
+
+ private:
+  void* mHost = nullptr;
+  void* mDevice = nullptr;
   int64_t mBytes;
 };
 
@@ -182,6 +207,11 @@ class Bench {
         rowCase(RowKind::kCopyRows, rowKiB * kKiB, n);
         rowCase(RowKind::kCompactBatch, rowKiB * kKiB, n);
         rowCase(RowKind::kHiddenCapture, rowKiB * kKiB, n);
+      }
+    }
+    for (bool const offload : {true, false}) {
+      for (int64_t const pageKiB : {32, 256}) {
+        tierCase(offload, pageKiB * kKiB);
       }
     }
   }
@@ -369,6 +399,124 @@ class Bench {
     loop.mismatches =
         verify(mDestination.data(), mSource.data(), pageBytes, expectedMap(loopItems));
     add(loop);
+  }
+
+  /// G7: pages between the GPU pool and a pool in pinned host memory (a host KV tier), through
+  /// PCIe: offload gathers random GPU pages into consecutive host pages, onboard scatters
+  /// consecutive host pages into random GPU pages. The kernel reads or writes host memory through
+  /// its mapped address; the denominator is one contiguous cudaMemcpyAsync of the same bytes in
+  /// the same direction (the copy engines). Reported, not gated.
+  void tierCase(bool offload, int64_t pageBytes) {
+    std::string const name = fmt::format(
+        "G7 {} {}KiB", offload ? "offload GPU->host" : "onboard host->GPU", pageBytes / kKiB);
+    if (!selected(name)) {
+      return;
+    }
+    int64_t const items = kTierBytes / (2 * pageBytes);
+    auto const tokensPerPage = static_cast<int32_t>(pageBytes / kTokenBytes);
+    auto const gpuPages = static_cast<int32_t>(2 * items);
+    auto const hostPages = static_cast<int32_t>(items);
+    std::mt19937_64 rng(static_cast<uint64_t>(pageBytes) * 37 + (offload ? 1 : 2));
+    std::vector<int32_t> const gpuIds = distinct(items, gpuPages, rng);
+    std::vector<int32_t> const hostIds = sequence(items);
+    int64_t const bytes = 2 * items * pageBytes;
+    PinnedBuffer& host = pinned();
+    mkv::bench::fillRandom(host.device(), bytes, 0x5EED0003, mStream);
+    // GPU side: the source pool (offload) or the destination pool (onboard, poisoned).
+    uint8_t* const gpu = offload ? mSource.data() : mDestination.data();
+    int64_t const gpuBytes = 2 * int64_t{gpuPages} * pageBytes;
+    fmt::print("{}: {} items x K+V pages of {}, {} moved\n", name, items, humanBytes(pageBytes),
+               humanBytes(bytes));
+
+    Row denominator{name,
+                    offload ? "cudaMemcpyAsync D2H contiguous"
+                            : "cudaMemcpyAsync H2D "
+                              "contiguous",
+                    bytes};
+    denominator.us = medianUs([&] {
+      check(cudaMemcpyAsync(offload ? host.host() : gpu, offload ? gpu : host.host(),
+                            static_cast<std::size_t>(bytes),
+                            offload ? cudaMemcpyDeviceToHost : cudaMemcpyHostToDevice, mStream),
+            "cudaMemcpyAsync across tiers");
+    });
+    denominator.mismatches =
+        verify(offload ? host.device() : gpu, offload ? gpu : host.device(), bytes, {0});
+    denominator.ratio = 1.0;
+    denominator.target = "denominator";
+    denominator.status = "-";
+    add(denominator);
+
+    // Row r of the destination pool against the source pool: page ids per half.
+    auto expectedMap = [&](int64_t usedItems) {
+      int32_t const dstPages = offload ? hostPages : gpuPages;
+      int32_t const srcPages = offload ? gpuPages : hostPages;
+      std::vector<int64_t> map(static_cast<std::size_t>(2 * dstPages), -1);
+      for (int64_t i = 0; i < usedItems; ++i) {
+        auto const u = static_cast<std::size_t>(i);
+        int32_t const srcId = offload ? gpuIds[u] : hostIds[u];
+        int32_t const dstId = offload ? hostIds[u] : gpuIds[u];
+        for (int64_t half = 0; half < 2; ++half) {
+          map[static_cast<std::size_t>(half * dstPages + dstId)] = half * srcPages + srcId;
+        }
+      }
+      return map;
+    };
+    std::vector<void*> const gpuBase{gpu};
+    std::vector<void*> const hostBase{host.device()};
+    PagedBuffers const gpuPool{gpuBase, DeviceType::kGPU, gpuPages, tokensPerPage, kTokenBytes};
+    PagedBuffers const hostPool{hostBase, DeviceType::kGPU, hostPages, tokensPerPage, kTokenBytes};
+    Tensor const gpuIdTensor = upload(gpuIds);
+    Tensor const hostIdTensor = upload(hostIds);
+    uint8_t* const dstData = offload ? host.device() : gpu;
+    uint8_t const* const srcData = offload ? gpu : host.device();
+    int64_t const dstBytes = offload ? bytes : gpuBytes;
+    poison(dstData, dstBytes);
+    Row kernel{name, "mkv copyPages", bytes};
+    kernel.us = medianUs([&] {
+      mkv::kernels::copyPages(offload ? gpuPool : hostPool, offload ? hostPool : gpuPool,
+                              offload ? gpuIdTensor : hostIdTensor,
+                              offload ? hostIdTensor : gpuIdTensor, nullptr, mStream);
+    });
+    kernel.mismatches = verify(dstData, srcData, pageBytes, expectedMap(items));
+    kernel.ratio = denominator.us / kernel.us;
+    kernel.target = "report";
+    kernel.status = "-";
+    add(kernel);
+
+    int64_t const loopItems = std::min(items, kLoopCopies / 2);
+    poison(dstData, dstBytes);
+    auto pageAt = [&](uint8_t* base, int32_t pages, int64_t half, int32_t id) {
+      return base + (half * pages + id) * pageBytes;
+    };
+    double const loopUs =
+        medianUs(
+            kLoopReps, 1,
+            [&] {
+              for (int64_t i = 0; i < loopItems; ++i) {
+                auto const u = static_cast<std::size_t>(i);
+                for (int64_t half = 0; half < 2; ++half) {
+                  uint8_t* const g = pageAt(gpu, gpuPages, half, gpuIds[u]);
+                  uint8_t* const h = pageAt(host.host(), hostPages, half, hostIds[u]);
+                  check(cudaMemcpyAsync(
+                            offload ? h : g, offload ? g : h, static_cast<std::size_t>(pageBytes),
+                            offload ? cudaMemcpyDeviceToHost : cudaMemcpyHostToDevice, mStream),
+                        "cudaMemcpyAsync per page across tiers");
+                }
+              }
+            }) *
+        static_cast<double>(items) / static_cast<double>(loopItems);
+    Row loop = loopRow(name, bytes, denominator.us, loopUs, kernel.us, 2 * items, 2 * loopItems,
+                       0.0, "cudaMemcpyAsync per page");
+    loop.mismatches = verify(dstData, srcData, pageBytes, expectedMap(loopItems));
+    add(loop);
+  }
+
+  /// The pinned host pool of the G7 cases, allocated at their first use.
+  PinnedBuffer& pinned() {
+    if (!mPinned) {
+      mPinned = std::make_unique<PinnedBuffer>(kTierBytes);
+    }
+    return *mPinned;
   }
 
   /// G4: one decode step over every layer; separate per-layer pools, random ids.
@@ -624,10 +772,11 @@ class Bench {
   }
 
   Options mOptions;
-  DeviceBuffer mSource;       // random; source pools and rows
-  DeviceBuffer mDestination;  // destinations, poisoned before every method
-  DeviceBuffer mScratch;      // random; pristine rows of the compaction cases
-  DeviceBuffer mMap;          // verification maps
+  DeviceBuffer mSource;                   // random; source pools and rows
+  DeviceBuffer mDestination;              // destinations, poisoned before every method
+  DeviceBuffer mScratch;                  // random; pristine rows of the compaction cases
+  DeviceBuffer mMap;                      // verification maps
+  std::unique_ptr<PinnedBuffer> mPinned;  // the host pool of the G7 cases
   cudaStream_t mStream = nullptr;
   cudaEvent_t mStart = nullptr;
   cudaEvent_t mStop = nullptr;

@@ -4,7 +4,7 @@
 #   1b. the engine loop's host cost with GPU tensors next to the CPU twin (mkv_host_bench's
 #      BM_RequestLifecycle / BM_Engine*DecodeStep rows, ratios by engine_loop_ratios.py),
 #   1c. mkv_launch_probe (the host cost of a kernel launch, a copy, a stream write, a graph),
-#   2. mkv_gpu_bench (cases G1-G5, CSV),
+#   2. mkv_gpu_bench (cases G1-G5 and G7, CSV),
 #   3. torch_baselines.py (same shapes in PyTorch, and the G6 comparison with 2.),
 #   4. compute-sanitizer memcheck and racecheck over a short selection of mkv_gpu_tests,
 #   5. the other test suites of the build folder (CPU suites and their GPU instantiations),
