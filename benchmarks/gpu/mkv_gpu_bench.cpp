@@ -209,6 +209,10 @@ class Bench {
         rowCase(RowKind::kHiddenCapture, rowKiB * kKiB, n);
       }
     }
+    // 2 KiB rows at n = 32768 move 64 MiB, where a launch's fixed costs weigh a few percent; the
+    // same rows over 256 MiB separate those costs from the kernel's streaming rate.
+    rowCase(RowKind::kCopyRows, 2 * kKiB, 131072);
+    rowCase(RowKind::kHiddenCapture, 2 * kKiB, 131072);
     for (bool const offload : {true, false}) {
       for (int64_t const pageKiB : {32, 256}) {
         tierCase(offload, pageKiB * kKiB);
