@@ -72,6 +72,7 @@ ReferenceEngine::ReferenceEngine(KVCacheRuntime& runtime, ReferenceEngineOptions
   mMarks = std::make_unique<oracle::StreamMarks>(runtime.config().deviceType);
   mLengthValues.resize(static_cast<std::size_t>(runtime.config().maxBatchSize));
   mDraftLengthValues.resize(static_cast<std::size_t>(runtime.config().maxBatchSize));
+  mCommonLengths.reserve(static_cast<std::size_t>(runtime.config().maxBatchSize));
   mDeviceMapping =
       Tensor({runtime.config().maxBatchSize}, DataType::kInt32, runtime.config().deviceType);
 }
@@ -321,6 +322,13 @@ uint64_t ReferenceEngine::draftRowDigest(uint64_t nextPrefixDigest) const noexce
   return mix(nextPrefixDigest ^ 0xD4AF7D4AF7D4AF70ULL);
 }
 
+void ReferenceEngine::commonLengths(Run& run, bool speculative) {
+  mCommonLengths.clear();
+  for (std::size_t i = 0; speculative && i < run.rows.size(); ++i) {
+    mCommonLengths.push_back(run.rows[i].draftMaterialized);
+  }
+}
+
 void ReferenceEngine::verifyDraft(Row& row, int32_t begin, int32_t end, bool full) {
   if (mOptions.verify == VerifyMode::kNone || begin >= end) {
     return;
@@ -549,12 +557,9 @@ RequestOutcome ReferenceEngine::run(EngineRequest const& request,
       sampleAfter(run.rows[i], i);
     }
     // Speculative rows: base and draft both hold the prompt (the draft initialisation ran).
-    std::vector<int32_t> common;
-    for (std::size_t i = 0; speculative && i < run.rows.size(); ++i) {
-      common.push_back(run.rows[i].draftMaterialized);
-    }
+    commonLengths(run, speculative);
     t0 = std::chrono::steady_clock::now();
-    ok = ok && managed.completePrefill(context, common);
+    ok = ok && managed.completePrefill(context, mCommonLengths);
     libraryNanos += nanosSince(t0);
     checkLengths(run);
     finishStep(run);
@@ -746,7 +751,6 @@ RequestOutcome ReferenceEngine::run(EngineRequest const& request,
     }
     mSteps->submit(stream);
     writeLengths(run, 0, batch, running);
-    std::vector<int32_t> common;  // speculative: what base and draft both hold, per row
     for (std::size_t i = 0; i < batch; ++i) {
       if (!running(i)) {
         continue;
@@ -761,12 +765,10 @@ RequestOutcome ReferenceEngine::run(EngineRequest const& request,
         appendToken(row, i, token);
       }
     }
-    for (std::size_t i = 0; speculative && i < batch; ++i) {
-      common.push_back(run.rows[i].draftMaterialized);
-    }
+    commonLengths(run, speculative);
     mMarks->mark(2, stream);
     start = std::chrono::steady_clock::now();
-    ok = managed.completeDecodeStep(context, common);
+    ok = managed.completeDecodeStep(context, mCommonLengths);
     stepNanos += nanosSince(start);
     mMarks->mark(3, stream);
     mStats.stepHostNanoseconds.push_back(stepNanos);

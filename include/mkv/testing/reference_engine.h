@@ -208,6 +208,8 @@ class ReferenceEngine {
   /// One verification round of `row` (decode step); stages its tokens in row.pendingTokens.
   void executeRound(Row& row, std::vector<int32_t> const& generated);
   void verifyDraft(Row& row, int32_t begin, int32_t end, bool full);
+  /// mCommonLengths: each row's common base-and-draft length (speculative), else empty.
+  void commonLengths(Run& run, bool speculative);
 
   KVCacheRuntime& mRuntime;
   ReferenceEngineOptions mOptions;
@@ -220,6 +222,7 @@ class ReferenceEngine {
   std::vector<int32_t> mLengthValues;
   std::vector<int32_t> mDraftLengthValues;
   std::vector<uint64_t> mDraftDigests;  // scratch: the draft rows' digests of one execution
+  std::vector<int32_t> mCommonLengths;  // scratch: what completePrefill / completeDecodeStep get
   Tensor mDeviceMapping;
   EngineStats mStats;
   uint64_t mRandom;
