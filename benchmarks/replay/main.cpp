@@ -224,6 +224,25 @@ CliOptions parseArguments(int argc, char** argv) {
                                                       {"none", mkv::testing::VerifyMode::kNone}});
          });
 
+  group = "speculative decoding (reuse mode; docs/replay.md, \"Speculative decoding\")";
+  option("--speculative", "S",
+         "none (default), eagle (draft head with paged KV: paired base + draft reuse), mtp "
+         "(an MTP draft with paged KV, or reading the base KV with --draft-layers 0)",
+         [&](std::string_view flag, std::string_view value) {
+           c.speculative = parseChoice<SpeculativeKind>(flag, value,
+                                                        {{"none", SpeculativeKind::kNone},
+                                                         {"eagle", SpeculativeKind::kEagle},
+                                                         {"mtp", SpeculativeKind::kMtp}});
+         });
+  auto* draftLayers =
+      option("--draft-layers", "N",
+             "attention layers of the draft, with the base's heads, head dim and dtype (default "
+             "1); mtp: 0 = the draft reads the base KV",
+             int32(0, 256, c.draftLayers));
+  auto* specWidth = option(
+      "--spec-width", "K", "draft tokens proposed per verification round, in [1, 64] (default 3)",
+      int32(1, mkv::testing::ReferenceEngine::kMaxSpeculativeWidth, c.specWidth));
+
   group = "KV events (reuse mode; vLLM's ZeroMQ wire format, for KV-aware routers)";
   option("--kv-events", "ENDPOINT",
          "publish each engine step's KV events on a ZeroMQ PUB socket: bound for a wildcard "
@@ -306,6 +325,21 @@ CliOptions parseArguments(int argc, char** argv) {
   }
   if (c.mode != ReplayMode::kReuse && eviction->count() > 0) {
     throw UsageError("--eviction applies to --mode reuse only");
+  }
+  if (c.speculative == SpeculativeKind::kNone && draftLayers->count() + specWidth->count() > 0) {
+    throw UsageError(fmt::format("{} needs --speculative eagle or mtp",
+                                 draftLayers->count() > 0 ? "--draft-layers" : "--spec-width"));
+  }
+  if (c.speculative != SpeculativeKind::kNone && c.mode != ReplayMode::kReuse) {
+    throw UsageError(
+        fmt::format("--speculative applies to --mode reuse only (the {} backend "
+                    "decodes vanilla only)",
+                    c.mode == ReplayMode::kSwa ? "bounded-SWA" : "full-storage"));
+  }
+  if (c.speculative == SpeculativeKind::kEagle && c.draftLayers == 0) {
+    throw UsageError(
+        "--speculative eagle needs --draft-layers >= 1 (an EAGLE head owns paged KV; a draft "
+        "reading the base KV is --speculative mtp --draft-layers 0)");
   }
   if (c.mode != ReplayMode::kSwa && window->count() + fullLayers->count() > 0) {
     throw UsageError(fmt::format("{} applies to --mode swa only",

@@ -119,6 +119,58 @@ double requestsPerSecond(ReplayResult const& r) {
   return r.wallSeconds > 0.0 ? static_cast<double>(r.requests) / r.wallSeconds : 0.0;
 }
 
+double ratio(int64_t part, int64_t whole) {
+  return whole > 0 ? static_cast<double>(part) / static_cast<double>(whole) : 0.0;
+}
+
+/// The summary lines of a speculative replay.
+template <typename Line>
+void speculativeSummary(ReplayResult const& r, Line const& line) {
+  ReplayConfig const& c = r.config;
+  std::string draft = r.draftBytesPerPage > 0
+                          ? fmt::format("{} layer{} with paged KV, {} per page", c.draftLayers,
+                                        c.draftLayers == 1 ? "" : "s", bytes(r.draftBytesPerPage))
+                          : std::string("reads the base KV (no draft pool)");
+  line("speculative", fmt::format("{}, {} draft tokens per round; draft {}",
+                                  toString(c.speculative), c.specWidth, draft));
+  line("verification rounds",
+       fmt::format("{}  (proposed {}, accepted {} = {:.2f}%)", grouped(r.specRounds),
+                   grouped(r.proposedTokens), grouped(r.acceptedTokens),
+                   100.0 * ratio(r.acceptedTokens, r.proposedTokens)));
+  if (r.draftBytesPerPage > 0) {
+    line("draft reuse",
+         fmt::format("{} tokens = {} pages  (last-page replays {}, paired publications {}, peak "
+                     "draft pages {})",
+                     grouped(r.draftReusedTokens), grouped(r.draftReusedPages),
+                     grouped(r.specFullPageReplays), grouped(r.specPairPublications),
+                     grouped(r.peakDraftPagesInUse)));
+  }
+}
+
+nlohmann::ordered_json speculativeJson(ReplayResult const& r) {
+  ReplayConfig const& c = r.config;
+  return {
+      {"kind", toString(c.speculative)},
+      {"draft_layers", c.draftLayers},
+      {"paged_draft", r.draftBytesPerPage > 0},
+      {"width", c.specWidth},
+      {"draft_bytes_per_page", r.draftBytesPerPage},
+      {"rounds", r.specRounds},
+      {"proposed_tokens", r.proposedTokens},
+      {"accepted_tokens", r.acceptedTokens},
+      {"acceptance_rate", ratio(r.acceptedTokens, r.proposedTokens)},
+      {"draft_reused_tokens", r.draftReusedTokens},
+      {"draft_reused_pages", r.draftReusedPages},
+      {"full_page_replays", r.specFullPageReplays},
+      {"pair_publications", r.specPairPublications},
+      {"peak_draft_pages_in_use", r.peakDraftPagesInUse},
+      {"base_oracle_checks", r.oracleChecks - r.draftOracleChecks},
+      {"base_oracle_mismatches", r.oracleMismatches - r.draftOracleMismatches},
+      {"draft_oracle_checks", r.draftOracleChecks},
+      {"draft_oracle_mismatches", r.draftOracleMismatches},
+  };
+}
+
 }  // namespace
 
 std::string formatSummary(ReplayResult const& r) {
@@ -169,6 +221,9 @@ std::string formatSummary(ReplayResult const& r) {
   line("prefill tokens computed", grouped(r.prefillTokensComputed));
   line("generated tokens",
        fmt::format("{}  ({} decode steps)", grouped(r.generatedTokens), grouped(r.decodeSteps)));
+  if (c.speculative != SpeculativeKind::kNone) {
+    speculativeSummary(r, line);
+  }
   line(
       "peak pages in use",
       fmt::format("{} of {} ({:.1f}%), peak KV {}", grouped(r.peakPagesInUse), grouped(r.poolPages),
@@ -194,8 +249,15 @@ std::string formatSummary(ReplayResult const& r) {
     }
     line("misses by reason", misses.empty() ? "none" : misses);
   }
-  line("oracle", fmt::format("{} positions checked, {} mismatches", grouped(r.oracleChecks),
-                             grouped(r.oracleMismatches)));
+  std::string oracle = fmt::format("{} positions checked, {} mismatches", grouped(r.oracleChecks),
+                                   grouped(r.oracleMismatches));
+  if (r.draftBytesPerPage > 0) {
+    oracle +=
+        fmt::format(" (base {} / {}, draft {} / {})", grouped(r.oracleChecks - r.draftOracleChecks),
+                    grouped(r.oracleMismatches - r.draftOracleMismatches),
+                    grouped(r.draftOracleChecks), grouped(r.draftOracleMismatches));
+  }
+  line("oracle", oracle);
   if (!r.firstMismatch.empty()) {
     line("first mismatch", r.firstMismatch);
   }
@@ -274,6 +336,9 @@ std::string formatJson(ReplayResult const& r) {
     json["kv_events"] = {{"batches_published", events->batchesPublished()},
                          {"batches_dropped", events->batchesDropped()},
                          {"indexed_block_hashes", r.indexedBlockHashes}};
+  }
+  if (c.speculative != SpeculativeKind::kNone) {
+    json["speculative"] = speculativeJson(r);
   }
   json["wall_s"] = std::round(r.wallSeconds * 1000.0) / 1000.0;
   // One top-level key per line, nested values on the line of their key; bytes that are not

@@ -28,6 +28,29 @@ int64_t ceilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 [[noreturn]] void configError(std::string message) { throw ReplayConfigError(std::move(message)); }
 
+void validateSpeculative(ReplayConfig const& c) {
+  if (c.speculative == SpeculativeKind::kNone) {
+    return;
+  }
+  if (c.mode != ReplayMode::kReuse) {
+    configError(fmt::format("speculative decoding needs context reuse (--mode reuse), not {} mode",
+                            toString(c.mode)));
+  }
+  if (c.specWidth < 1 || c.specWidth > ReferenceEngine::kMaxSpeculativeWidth) {
+    configError(fmt::format("speculative width {} must be in [1, {}]", c.specWidth,
+                            ReferenceEngine::kMaxSpeculativeWidth));
+  }
+  if (c.draftLayers < 0 || c.draftLayers > kernels::kMaxLayers) {
+    configError(
+        fmt::format("draft layers {} must be in [0, {}]", c.draftLayers, kernels::kMaxLayers));
+  }
+  if (c.speculative == SpeculativeKind::kEagle && c.draftLayers < 1) {
+    configError(
+        "an EAGLE draft owns paged KV: draft layers must be >= 1 (0 is an MTP draft "
+        "reading the base KV)");
+  }
+}
+
 void validate(ReplayConfig const& c) {
   if (c.pageSize < 16 || c.pageSize > 1024 || (c.pageSize & (c.pageSize - 1)) != 0) {
     configError(fmt::format("page size {} is not a power of two in [16, 1024]", c.pageSize));
@@ -63,6 +86,7 @@ void validate(ReplayConfig const& c) {
     configError(
         fmt::format("KV events exist in reuse mode only, not in {} mode", toString(c.mode)));
   }
+  validateSpeculative(c);
   if (c.device == DeviceType::kGPU && !cudaDeviceAvailable()) {
     configError(MKV_WITH_CUDA ? "--device cuda: no CUDA device is visible"
                               : "--device cuda: this build has no CUDA (configure with "
@@ -135,7 +159,9 @@ class Runner {
  private:
   void createRuntime() {
     ReplayConfig const& c = mConfig;
-    int64_t const longest = mSource.longestSequenceTokens(c.maxOutputTokens) + 2;
+    // A verification round writes K positions past the lookahead.
+    int64_t const longest = mSource.longestSequenceTokens(c.maxOutputTokens) + 2 +
+                            (c.speculative != SpeculativeKind::kNone ? c.specWidth : 0);
     if (longest > std::numeric_limits<int32_t>::max() / 2) {
       configError(fmt::format("a sequence of {} tokens is too long", longest));
     }
@@ -202,6 +228,18 @@ class Runner {
     if (c.mode != ReplayMode::kSwa) {
       rc.numPages = static_cast<int32_t>(pages);
     }
+    if (c.speculative != SpeculativeKind::kNone) {
+      // EAGLE and MTP drafts: a draft row depends on the token after it (one-token future
+      // dependency); the draft pool has as many pages as the base pool.
+      KVCacheSpeculativeConfig draft;
+      draft.pagedDraft = c.draftLayers > 0;
+      draft.futureDependencyTokens = draft.pagedDraft ? 1 : 0;
+      draft.numDraftLayers = c.draftLayers;
+      draft.numDraftKVHeads = c.kvHeads;
+      draft.draftHeadDim = c.headDim;
+      draft.draftKvDataType = c.dtype;
+      rc.speculative = draft;
+    }
     if (c.kvEvents != nullptr) {
       // Events of one step: each running sequence stores at most its `width` blocks; evictions
       // remove the blocks of pages freed for the step's admissions (at most a batch of
@@ -230,15 +268,22 @@ class Runner {
     if (c.mode == ReplayMode::kSwa && mRuntime->fullPool() != nullptr) {
       mResult.staticKvBytes = mRuntime->fullPool()->totalBytes();
     }
+    if (KVCachePool const* draft = mRuntime->draftPool()) {
+      mResult.draftBytesPerPage = draft->totalBytes() / draft->numPages();
+    }
 
     testing::ReferenceEngineOptions options;
     options.verify = c.verify;
     options.seed = c.seed;
     options.throwOnMismatch = false;
     options.onStep = [this](int64_t) { onStep(); };
+    options.speculativeWidth = c.speculative != SpeculativeKind::kNone ? c.specWidth : 0;
     mEngine = std::make_unique<ReferenceEngine>(*mRuntime, std::move(options));
     mJoins = c.mode != ReplayMode::kSwa && batch > 1 && mRuntime->supportsSeatedAdmission();
-    mFoundersPerRun = c.mode == ReplayMode::kSwa ? static_cast<std::size_t>(batch) : 1;
+    // Without in-flight admission (bounded SWA, speculative deployments) a run starts with a
+    // batch of up to maxBatch consecutive requests.
+    bool const batches = c.mode == ReplayMode::kSwa || !mRuntime->supportsSeatedAdmission();
+    mFoundersPerRun = batches ? static_cast<std::size_t>(batch) : 1;
   }
 
   /// Materialises the next request when the source has it ready.
@@ -414,7 +459,11 @@ class Runner {
         start = it != mJoinStep.end() ? it->second : steps;
       }
       std::size_t const sampled = sequence.generated.size();
-      std::size_t const count = std::min(sampled > 0 ? sampled - 1 : 0, steps - start);
+      // A verification round commits several tokens: count the steps themselves.
+      std::size_t const taken = mConfig.speculative != SpeculativeKind::kNone
+                                    ? static_cast<std::size_t>(sequence.decodeSteps)
+                                    : (sampled > 0 ? sampled - 1 : 0);
+      std::size_t const count = std::min(taken, steps - start);
       // Released by the compaction after its last step (before the next one).
       std::size_t const end = start + count;
       active[start] += 1;
@@ -497,7 +546,16 @@ class Runner {
     r.oracleMismatches = stats.oracleMismatches;
     r.firstMismatch = stats.firstMismatch;
     r.peakPagesInUse = stats.peakPagesInUse;
-    r.peakKvBytes = r.peakPagesInUse * r.bytesPerPage + r.staticKvBytes;
+    r.peakDraftPagesInUse = stats.peakDraftPagesInUse;
+    r.peakKvBytes = r.peakPagesInUse * r.bytesPerPage + r.staticKvBytes +
+                    r.peakDraftPagesInUse * r.draftBytesPerPage;
+    r.specRounds = stats.speculativeRounds;
+    r.proposedTokens = stats.proposedTokens;
+    r.acceptedTokens = stats.acceptedTokens;
+    r.draftReusedTokens = stats.draftReusedTokens;
+    r.draftReusedPages = stats.draftReusedTokens / mConfig.pageSize;
+    r.draftOracleChecks = stats.draftOracleChecks;
+    r.draftOracleMismatches = stats.draftOracleMismatches;
     r.hostNsPerStepP50 = percentile(stats.stepHostNanoseconds, 0.50);
     r.hostNsPerStepP99 = percentile(stats.stepHostNanoseconds, 0.99);
     r.hostNsPerStepMean = mean(stats.stepHostNanoseconds);
@@ -515,6 +573,8 @@ class Runner {
         r.missesByReason[i] = static_cast<int64_t>(metrics.misses[i]);
       }
       r.droppedEvents = static_cast<int64_t>(metrics.droppedEvents);
+      r.specFullPageReplays = static_cast<int64_t>(metrics.specFullPageReplays);
+      r.specPairPublications = static_cast<int64_t>(coordinator->counters().specPairPublications);
       if (mConfig.kvEvents != nullptr) {
         BlockIndex const& index = coordinator->manager().index();
         for (PageId page = 0; page < index.pageCapacity(); ++page) {
@@ -573,6 +633,18 @@ std::string_view toString(ReplayMode mode) noexcept {
       return "swa";
     case ReplayMode::kFull:
       return "full";
+  }
+  return "unknown";
+}
+
+std::string_view toString(SpeculativeKind kind) noexcept {
+  switch (kind) {
+    case SpeculativeKind::kNone:
+      return "none";
+    case SpeculativeKind::kEagle:
+      return "eagle";
+    case SpeculativeKind::kMtp:
+      return "mtp";
   }
   return "unknown";
 }

@@ -29,6 +29,14 @@ enum class ReplayMode : uint8_t {
 };
 std::string_view toString(ReplayMode mode) noexcept;
 
+/// Speculative decoding of a reuse replay (docs/replay.md, "Speculative decoding").
+enum class SpeculativeKind : uint8_t {
+  kNone,   ///< vanilla decoding, one token per step
+  kEagle,  ///< an EAGLE-style draft head with paged KV of its own: paired base + draft reuse
+  kMtp,    ///< an MTP draft on an attention-only model: paged KV of its own, or none
+};
+std::string_view toString(SpeculativeKind kind) noexcept;
+
 /// How the pool size was chosen.
 enum class PoolSizing : uint8_t {
   kUnbounded,  ///< computed from the workload so that nothing is ever evicted
@@ -61,6 +69,12 @@ struct ReplayConfig {
   EvictionPolicyKind eviction = EvictionPolicyKind::kS3Fifo;
   /// kReuse: each engine step's KV events go to this publisher as one batch (not owned).
   KvEventPublisher* kvEvents = nullptr;
+  // Speculative decoding (kReuse only).
+  SpeculativeKind speculative = SpeculativeKind::kNone;
+  /// Attention layers of the draft (same heads, head dim and dtype as the base); 0 = an MTP
+  /// draft that reads the base KV and owns no pool (kMtp only).
+  int32_t draftLayers = 1;
+  int32_t specWidth = 3;  ///< K: draft tokens proposed per verification round
 };
 
 /// A configuration that cannot be replayed (an impossible pool, a bad geometry): mkv-replay
@@ -145,6 +159,19 @@ struct ReplayResult {
   /// end of the replay (what a subscriber rebuilds from the events), ascending.
   std::vector<uint64_t> indexedBlockHashes;
   int64_t droppedEvents = 0;  ///< events the full in-process queue overwrote before publication
+
+  // Speculative decoding (ReplayConfig::speculative); 0 otherwise.
+  int64_t draftBytesPerPage = 0;      ///< K and V of every draft layer (0: no draft pool)
+  int64_t peakDraftPagesInUse = 0;    ///< most draft pages not free at once
+  int64_t specRounds = 0;             ///< verification rounds, counted per running sequence
+  int64_t proposedTokens = 0;         ///< draft tokens proposed: specWidth per round
+  int64_t acceptedTokens = 0;         ///< of them accepted by the base and committed
+  int64_t draftReusedTokens = 0;      ///< draft KV positions taken from the cache (paired paths)
+  int64_t draftReusedPages = 0;       ///< the same in pages (paired paths are whole pages)
+  int64_t specFullPageReplays = 0;    ///< admissions whose paired path's last page was replayed
+  int64_t specPairPublications = 0;   ///< paired base + draft publication attempts
+  int64_t draftOracleChecks = 0;      ///< of oracleChecks, draft KV positions
+  int64_t draftOracleMismatches = 0;  ///< of oracleMismatches, draft KV positions
 
   std::vector<RequestRecord> records;   ///< by request index
   std::vector<TimelinePoint> timeline;  ///< by completion

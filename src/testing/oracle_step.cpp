@@ -33,16 +33,18 @@ void oracleVerifyHost(OracleGeometry const& geometry, uint8_t* plan) {
     uint64_t const key = verifyUnitShare(geometry, plan, header, flat, 0, 1, &pageKey);
     if (key != kNoKey) {
       ++result.kvMismatches;
+      result.draftMismatches += isDraftPosition(plan, header, flat) ? 1U : 0U;
       result.kvKey = minKey(result.kvKey, key);
       result.kvPageKey = minKey(result.kvPageKey, pageKey);
     }
   }
 }
 
-void oracleLengthsHost(OracleGeometry const& geometry, uint8_t* plan, int32_t const rows[2]) {
+void oracleLengthsHost(OracleGeometry const& geometry, uint8_t* plan,
+                       int32_t const rows[kOraclePools]) {
   auto const& header = *reinterpret_cast<OracleStepHeader const*>(plan);
   auto* snapshot = reinterpret_cast<int32_t*>(plan + header.lengthsOffset);
-  for (int32_t pool = 0; pool < 2; ++pool) {
+  for (int32_t pool = 0; pool < kOraclePools; ++pool) {
     for (int32_t row = 0; row < rows[pool]; ++row) {
       snapshot[pool * geometry.storeRows + row] = geometry.pools[pool].kvLengths[row];
     }

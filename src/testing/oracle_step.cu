@@ -73,6 +73,9 @@ __global__ void __launch_bounds__(kThreads)
     uint64_t const key = blockMin(share, &shared);
     if (tid == 0 && key != kNoKey) {
       atomicAdd(&header.result.kvMismatches, 1ULL);
+      if (isDraftPosition(plan, header, flat)) {
+        atomicAdd(&header.result.draftMismatches, 1ULL);
+      }
       atomicMin(&header.result.kvKey, static_cast<unsigned long long>(key));
       atomicMin(&header.result.kvPageKey, static_cast<unsigned long long>(pageKey));
     }
@@ -81,11 +84,13 @@ __global__ void __launch_bounds__(kThreads)
 
 __global__ void __launch_bounds__(kThreads)
     oracleLengthsKernel(OracleGeometry const* __restrict__ geometryPtr, int32_t* snapshot,
-                        int32_t rowsFull, int32_t rowsSwa) {
+                        int32_t rowsFull, int32_t rowsSwa, int32_t rowsDraft) {
   OracleGeometry const& geometry = *geometryPtr;
-  for (int32_t i = threadIdx.x; i < rowsFull + rowsSwa; i += blockDim.x) {
-    int32_t const pool = i < rowsFull ? 0 : 1;
-    int32_t const row = i < rowsFull ? i : i - rowsFull;
+  for (int32_t i = threadIdx.x; i < rowsFull + rowsSwa + rowsDraft; i += blockDim.x) {
+    int32_t const pool = i < rowsFull ? 0 : i < rowsFull + rowsSwa ? 1 : kOracleDraftPool;
+    int32_t const row = i < rowsFull             ? i
+                        : i < rowsFull + rowsSwa ? i - rowsFull
+                                                 : i - rowsFull - rowsSwa;
     snapshot[pool * geometry.storeRows + row] = geometry.pools[pool].kvLengths[row];
   }
 }
@@ -112,12 +117,13 @@ cudaError_t oracleVerifyCuda(OracleGeometry const* geometry, uint8_t* plan,
 }
 
 cudaError_t oracleLengthsCuda(OracleGeometry const* geometry, uint8_t* plan, int64_t lengthsOffset,
-                              int32_t rowsFull, int32_t rowsSwa, cudaStream_t stream) {
-  if (rowsFull + rowsSwa == 0) {
+                              int32_t rowsFull, int32_t rowsSwa, int32_t rowsDraft,
+                              cudaStream_t stream) {
+  if (rowsFull + rowsSwa + rowsDraft == 0) {
     return cudaSuccess;
   }
   oracleLengthsKernel<<<1, kThreads, 0, stream>>>(
-      geometry, reinterpret_cast<int32_t*>(plan + lengthsOffset), rowsFull, rowsSwa);
+      geometry, reinterpret_cast<int32_t*>(plan + lengthsOffset), rowsFull, rowsSwa, rowsDraft);
   return cudaGetLastError();
 }
 

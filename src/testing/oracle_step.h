@@ -31,6 +31,12 @@ inline constexpr int64_t kOracleMaxTokenBytes = int64_t{1} << 16;
 inline constexpr int64_t kOracleMaxFlat = int64_t{1} << 30;  ///< positions per list and step
 inline constexpr int32_t kOracleMaxItems = 1 << 16;          ///< recurrent items per step
 inline constexpr uint64_t kNoKey = ~uint64_t{0};
+/// KV pools the kernels address: 0 full attention, 1 sliding window, 2 the draft model's (a
+/// speculative deployment with a paged draft). The draft pool keeps its digests in a plane of
+/// the digest store of its own (OracleGeometry::draftPlaneRow), since a draft row's bytes are a
+/// function of another prefix than the base row at the same position.
+inline constexpr int32_t kOraclePools = 3;
+inline constexpr int32_t kOracleDraftPool = 2;
 
 /// One paged KV pool as the kernels address it (see kernels::PagedBuffers).
 struct OraclePoolGeometry {
@@ -59,12 +65,14 @@ struct OracleRecurrentGeometry {
 
 /// Everything fixed for an engine's lifetime; lives on the pools' device.
 struct OracleGeometry {
-  OraclePoolGeometry pools[2];  ///< 0: full-attention pool, 1: sliding-window pool
+  OraclePoolGeometry pools[kOraclePools];  ///< full, sliding window, draft (kOraclePools)
   OracleRecurrentGeometry recurrent;
-  uint64_t* digestStore;  ///< [storeRows, storePitch]: digest of every staged position per slot
+  /// [storeRows (+ storeRows with a draft pool), storePitch]: the digest of every staged position
+  /// per slot; the draft pool's plane starts at row draftPlaneRow.
+  uint64_t* digestStore;
   int64_t storePitch;
   int32_t storeRows;
-  int32_t reserved;
+  int32_t draftPlaneRow;  ///< storeRows with a draft pool, else 0
 };
 
 /// What the kernels report; uploaded as {0, kNoKey, ...} with every plan.
@@ -75,14 +83,16 @@ struct OracleResult {
   unsigned long long writeFaultKey;
   unsigned long long recurrentMismatches;  ///< verified recurrent items with a wrong byte
   unsigned long long recurrentKey;
-  unsigned long long reserved[2];
+  unsigned long long draftMismatches;  ///< of kvMismatches, those in the draft pool
+  unsigned long long reserved;
 };
 
 enum OracleRangeKind : int32_t { kOracleAttention = 0, kOracleReusedPrefix = 1 };
 
 /// Positions [begin, begin + count) of resident row `slot`. Stores copy their digests from the
-/// plan's digest area (digestIndex = index of position `begin` there) into the digest store;
-/// writes take their digests from the same area; verifies read the digest store.
+/// plan's digest area (digestIndex = index of position `begin` there) into the digest store (the
+/// plane of `pool`: the draft pool's, or the base pools' shared one); writes take their digests
+/// from the same area; verifies read the digest store's plane of their pool.
 struct OracleRange {
   int32_t pool;
   int32_t slot;
@@ -124,7 +134,7 @@ struct OracleStepHeader {
   int64_t writesOffset;
   int64_t verifiesOffset;
   int64_t recurrentOffset;
-  int64_t lengthsOffset;  ///< int32 [2, storeRows]: the KV-length rows of both pools, snapshotted
+  int64_t lengthsOffset;  ///< int32 [kOraclePools, storeRows]: the KV-length rows, snapshotted
   int64_t digestsOffset;
 };
 
@@ -141,7 +151,8 @@ inline int64_t oracleWriteUnits(OracleStepHeader const& header) {
 void oracleWriteHost(OracleGeometry const& geometry, uint8_t* plan);
 void oracleVerifyHost(OracleGeometry const& geometry, uint8_t* plan);
 /// Copies rows [0, rows[p]) of pool p's KV-length tensor into the plan's length snapshot.
-void oracleLengthsHost(OracleGeometry const& geometry, uint8_t* plan, int32_t const rows[2]);
+void oracleLengthsHost(OracleGeometry const& geometry, uint8_t* plan,
+                       int32_t const rows[kOraclePools]);
 
 /// CUDA launches on `stream` (device pointers; `header` is the host copy of the plan's header,
 /// for the grid size). Defined only in a build with CUDA.
@@ -150,6 +161,7 @@ cudaError_t oracleWriteCuda(OracleGeometry const* geometry, uint8_t* plan,
 cudaError_t oracleVerifyCuda(OracleGeometry const* geometry, uint8_t* plan,
                              OracleStepHeader const& header, cudaStream_t stream);
 cudaError_t oracleLengthsCuda(OracleGeometry const* geometry, uint8_t* plan, int64_t lengthsOffset,
-                              int32_t rowsFull, int32_t rowsSwa, cudaStream_t stream);
+                              int32_t rowsFull, int32_t rowsSwa, int32_t rowsDraft,
+                              cudaStream_t stream);
 
 }  // namespace mkv::testing::oracle

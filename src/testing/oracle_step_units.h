@@ -82,6 +82,18 @@ MKV_ORACLE_FN T const* planArray(uint8_t const* plan, int64_t offset) {
   return reinterpret_cast<T const*>(plan + offset);
 }
 
+/// Row of the digest store holding the digests `pool` reads for resident `slot`.
+MKV_ORACLE_FN int64_t digestRow(OracleGeometry const& geometry, int32_t pool, int32_t slot) {
+  return static_cast<int64_t>(slot) + (pool == kOracleDraftPool ? geometry.draftPlaneRow : 0);
+}
+
+/// Whether verify-list position `flat` lies in the draft pool.
+MKV_ORACLE_FN bool isDraftPosition(uint8_t const* plan, OracleStepHeader const& header,
+                                   int64_t flat) {
+  OracleRange const* ranges = planArray<OracleRange>(plan, header.verifiesOffset);
+  return ranges[findRange(ranges, header.numVerifies, flat)].pool == kOracleDraftPool;
+}
+
 /// Page-table entry of `position` of row `slot` (-1 past the table's width).
 MKV_ORACLE_FN int32_t pageEntry(OraclePoolGeometry const& pool, int32_t slot, int64_t position) {
   int64_t const logical = position / pool.tokensPerPage;
@@ -136,8 +148,8 @@ MKV_ORACLE_FN void storeUnitShare(OracleGeometry const& geometry, uint8_t const*
   for (int64_t flat = first + tid; flat < last; flat += threads) {
     OracleRange const& range = ranges[findRange(ranges, header.numStores, flat)];
     int64_t const offset = flat - range.firstFlat;
-    geometry.digestStore[static_cast<int64_t>(range.slot) * geometry.storePitch + range.begin +
-                         offset] = digests[range.digestIndex + offset];
+    geometry.digestStore[digestRow(geometry, range.pool, range.slot) * geometry.storePitch +
+                         range.begin + offset] = digests[range.digestIndex + offset];
   }
 }
 
@@ -196,7 +208,8 @@ MKV_ORACLE_FN uint64_t verifyUnitShare(OracleGeometry const& geometry, uint8_t c
     return tid == 0 ? flatKey : kNoKey;
   }
   uint64_t const digest =
-      geometry.digestStore[static_cast<int64_t>(range.slot) * geometry.storePitch + position];
+      geometry.digestStore[digestRow(geometry, range.pool, range.slot) * geometry.storePitch +
+                           position];
   int64_t const words = (pool.tokenBytes + 7) / 8;
   uint64_t key = kNoKey;
   for (int32_t lh = 0; lh < 2 * pool.numLayers; ++lh) {

@@ -50,9 +50,10 @@ OracleStepper::OracleStepper(KVCacheRuntime& runtime, bool recurrent)
     : mDevice(runtime.config().deviceType), mDone(runtime.config().deviceType) {
   int32_t const rows = runtime.config().maxBatchSize;
   int64_t pitch = 0;
-  KVCachePool* pools[2] = {runtime.fullPool(), runtime.swaPool()};
-  KVPageTable const* tables[2] = {runtime.fullPageTable(), runtime.swaPageTable()};
-  for (int32_t p = 0; p < 2; ++p) {
+  KVCachePool* pools[kOraclePools] = {runtime.fullPool(), runtime.swaPool(), runtime.draftPool()};
+  KVPageTable const* tables[kOraclePools] = {runtime.fullPageTable(), runtime.swaPageTable(),
+                                             runtime.draftPageTable()};
+  for (int32_t p = 0; p < kOraclePools; ++p) {
     if (pools[p] == nullptr) {
       continue;
     }
@@ -79,28 +80,33 @@ OracleStepper::OracleStepper(KVCacheRuntime& runtime, bool recurrent)
   MKV_REQUIRE(int64_t{rows} < kOracleMaxItems, kCall,
               "{} resident slots exceed the {} the oracle addresses", rows, kOracleMaxItems);
   pitch = std::max<int64_t>(pitch, 1);
-  mDigestStore = Tensor({rows, pitch}, DataType::kInt64, mDevice);
+  int32_t const planes = hasDraft() ? 2 : 1;
+  mDigestStore = Tensor({int64_t{planes} * rows, pitch}, DataType::kInt64, mDevice);
   mGeometry.digestStore = mDigestStore.dataPointer<uint64_t>();
   mGeometry.storePitch = pitch;
   mGeometry.storeRows = rows;
+  mGeometry.draftPlaneRow = hasDraft() ? rows : 0;
 
-  // Capacities of one step: per row one staged range, two writes (full, SWA), one reused-prefix
-  // check plus up to three checks per pool, one recurrent execution; every position of every row.
+  // Capacities of one step: per row and plane one staged range; per row one write per pool;
+  // per row and pool one reused-prefix check plus up to three checks; one recurrent execution;
+  // every position of every row and plane.
   auto const r = static_cast<std::size_t>(rows);
-  mMaxRanges = 8 * r;
-  mMaxDigests = r * static_cast<std::size_t>(pitch);
-  mResultBytes = align8(sizeof(OracleStepHeader) + 2 * r * sizeof(int32_t));
-  mStagingBytes = mResultBytes + (r + 2 * r + mMaxRanges) * sizeof(OracleRange) +
+  auto const p = static_cast<std::size_t>(planes);
+  mMaxRanges = 4 * r * kOraclePools;
+  mMaxDigests = p * r * static_cast<std::size_t>(pitch);
+  mResultBytes = align8(sizeof(OracleStepHeader) + kOraclePools * r * sizeof(int32_t));
+  mStagingBytes = mResultBytes + (p * r + kOraclePools * r + mMaxRanges) * sizeof(OracleRange) +
                   r * sizeof(OracleRecurrentItem) + mMaxDigests * sizeof(uint64_t);
   mStaging = ::mkv::detail::HostBuffer(mStagingBytes, mDevice);
   std::memset(mStaging.data(), 0, mStagingBytes);
-  mStores.reserve(r);
-  mWrites.reserve(2 * r);
+  mStores.reserve(p * r);
+  mWrites.reserve(kOraclePools * r);
   mVerifies.reserve(mMaxRanges);
   mRecurrent.reserve(r);
   mDigests.reserve(mMaxDigests);
-  mLengths[0].reserve(r);
-  mLengths[1].reserve(r);
+  for (auto& lengths : mLengths) {
+    lengths.reserve(r);
+  }
   if (mDevice == DeviceType::kGPU) {
     mPlanDevice = Tensor({static_cast<int64_t>(mStagingBytes)}, DataType::kUInt8, mDevice);
     mGeometryDevice =
@@ -145,20 +151,26 @@ void OracleStepper::begin() {
   mFindings.recurrentChecks = 0;
   mFindings.recurrentMismatches = 0;
   mFindings.recurrentFirst.clear();
-  mFindings.lengths[0] = nullptr;
-  mFindings.lengths[1] = nullptr;
+  mFindings.draftChecked = 0;
+  mFindings.draftMismatches = 0;
+  for (auto& lengths : mFindings.lengths) {
+    lengths = nullptr;
+  }
 }
 
-int64_t OracleStepper::stage(int32_t slot, int32_t begin, std::span<uint64_t const> digests) {
+int64_t OracleStepper::stage(int32_t slot, int32_t begin, std::span<uint64_t const> digests,
+                             int32_t pool) {
   auto const count = static_cast<int64_t>(digests.size());
   MKV_REQUIRE(slot >= 0 && slot < mGeometry.storeRows && begin >= 0 &&
                   begin + count <= mGeometry.storePitch,
               kCall, "positions [{}, {}) of slot {} are outside the oracle's {} x {}", begin,
               begin + count, slot, mGeometry.storeRows, mGeometry.storePitch);
+  MKV_REQUIRE(pool >= 0 && pool < kOraclePools && (pool != kDraft || hasDraft()), kCall,
+              "digests staged for pool {}, which the runtime does not have", pool);
   requireCapacity(mStores.size() + 1, mStores.capacity(), "staged ranges");
   requireCapacity(mDigests.size() + digests.size(), mMaxDigests, "staged digests");
   auto const index = static_cast<int64_t>(mDigests.size());
-  mStores.push_back(OracleRange{0, slot, begin, static_cast<int32_t>(count), kOracleAttention, 0,
+  mStores.push_back(OracleRange{pool, slot, begin, static_cast<int32_t>(count), kOracleAttention, 0,
                                 index, mHeader.storePositions});
   mHeader.storePositions += count;
   mDigests.insert(mDigests.end(), digests.begin(), digests.end());
@@ -192,6 +204,7 @@ void OracleStepper::verify(int32_t pool, int32_t slot, int32_t begin, int32_t en
   mVerifies.push_back(
       OracleRange{pool, slot, begin, end - begin, kind, 0, -1, mHeader.verifyPositions});
   mHeader.verifyPositions += end - begin;
+  mFindings.draftChecked += pool == kDraft ? end - begin : 0;
   MKV_REQUIRE(mHeader.verifyPositions <= kOracleMaxFlat, kCall,
               "a step checks {} positions, more than the {} the oracle addresses",
               mHeader.verifyPositions, kOracleMaxFlat);
@@ -219,7 +232,7 @@ std::size_t OracleStepper::pack() {
     }
     offset += align8(bytes);
   };
-  mHeader.result = OracleResult{0, kNoKey, kNoKey, kNoKey, 0, kNoKey, {0, 0}};
+  mHeader.result = OracleResult{0, kNoKey, kNoKey, kNoKey, 0, kNoKey, 0, 0};
   mHeader.numStores = static_cast<int64_t>(mStores.size());
   mHeader.numWrites = static_cast<int64_t>(mWrites.size());
   mHeader.numVerifies = static_cast<int64_t>(mVerifies.size());
@@ -261,15 +274,17 @@ void OracleStepper::submit(cudaStream_t stream) {
 #endif
 }
 
-void OracleStepper::snapshotLengths(int32_t rowsFull, int32_t rowsSwa, cudaStream_t stream) {
-  int32_t const rows[2] = {mGeometry.pools[0].present != 0 ? rowsFull : 0,
-                           mGeometry.pools[1].present != 0 ? rowsSwa : 0};
-  MKV_REQUIRE(rows[0] >= 0 && rows[0] <= mGeometry.storeRows && rows[1] >= 0 &&
-                  rows[1] <= mGeometry.storeRows,
-              kCall, "length rows {} / {} outside [0, {}]", rows[0], rows[1], mGeometry.storeRows);
+void OracleStepper::snapshotLengths(int32_t rowsFull, int32_t rowsSwa, int32_t rowsDraft,
+                                    cudaStream_t stream) {
+  int32_t const rows[kOraclePools] = {mGeometry.pools[0].present != 0 ? rowsFull : 0,
+                                      mGeometry.pools[1].present != 0 ? rowsSwa : 0,
+                                      mGeometry.pools[kDraft].present != 0 ? rowsDraft : 0};
+  for (int32_t p = 0; p < kOraclePools; ++p) {
+    MKV_REQUIRE(rows[p] >= 0 && rows[p] <= mGeometry.storeRows, kCall,
+                "length rows {} of pool {} outside [0, {}]", rows[p], p, mGeometry.storeRows);
+    mSnapshotRows[p] = rows[p];
+  }
   mSnapshot = true;
-  mSnapshotRows[0] = rows[0];
-  mSnapshotRows[1] = rows[1];
   auto* plan = static_cast<uint8_t*>(mStaging.data());
   if (mDevice == DeviceType::kCPU) {
     reinterpret_cast<OracleStepHeader*>(plan)->lengthsOffset = sizeof(OracleStepHeader);
@@ -281,17 +296,17 @@ void OracleStepper::snapshotLengths(int32_t rowsFull, int32_t rowsSwa, cudaStrea
   ::mkv::detail::checkCuda(
       oracleLengthsCuda(static_cast<OracleGeometry const*>(mGeometryDevice.rawPointer()),
                         mPlanDevice.dataPointer<uint8_t>(), sizeof(OracleStepHeader), rows[0],
-                        rows[1], stream),
+                        rows[1], rows[kDraft], stream),
       "ReferenceEngine length snapshot launch");
 #else
   (void)stream;
 #endif
 }
 
-uint64_t OracleStepper::storedDigest(int32_t slot, int64_t position) const {
+uint64_t OracleStepper::storedDigest(int32_t pool, int32_t slot, int64_t position) const {
   uint64_t value = 0;
-  auto const* source =
-      mDigestStore.dataPointer<uint64_t>() + slot * mGeometry.storePitch + position;
+  auto const* source = mDigestStore.dataPointer<uint64_t>() +
+                       digestRow(mGeometry, pool, slot) * mGeometry.storePitch + position;
   ::mkv::detail::copyBytes(&value, DeviceType::kCPU, source, mDevice, sizeof(value), nullptr);
   if (mDevice == DeviceType::kGPU) {
     ::mkv::detail::synchronizeDevice();  // mismatch reporting only, never on the step path
@@ -309,14 +324,17 @@ std::string OracleStepper::describeKv(OracleResult const& result) const {
   OracleRange const& range =
       mVerifies[static_cast<std::size_t>(findRange(mVerifies.data(), mHeader.numVerifies, flat))];
   int64_t const position = range.begin + (flat - range.firstFlat);
-  std::string const prefix = range.kind == kOracleReusedPrefix ? "reused prefix: " : "";
+  std::string prefix = range.kind == kOracleReusedPrefix ? "reused prefix: " : "";
+  if (range.pool == kDraft) {
+    prefix = "draft " + prefix;
+  }
   if (code == 0) {
     return fmt::format("{}slot {} position {}: no page mapped (entry {})", prefix, range.slot,
                        position, entry);
   }
   int32_t const layer = (code - 1) / 2;
   int32_t const half = (code - 1) % 2;
-  uint64_t const digest = storedDigest(range.slot, position);
+  uint64_t const digest = storedDigest(range.pool, range.slot, position);
   return fmt::format(
       "{}slot {} position {} (page {}, row {}) layer {} {}: byte {} is {:#04x}, expected {:#04x}",
       prefix, range.slot, position, entry, position % mGeometry.pools[range.pool].tokensPerPage,
@@ -364,6 +382,7 @@ StepFindings const& OracleStepper::complete(cudaStream_t stream, char const* cal
     }
     mFindings.positionsChecked = mHeader.verifyPositions;
     mFindings.kvMismatches = static_cast<int64_t>(result.kvMismatches);
+    mFindings.draftMismatches = static_cast<int64_t>(result.draftMismatches);
     if (result.kvMismatches > 0) {
       mFindings.kvFirst = describeKv(result);
     }
@@ -377,7 +396,7 @@ StepFindings const& OracleStepper::complete(cudaStream_t stream, char const* cal
   }
   if (mSnapshot) {
     auto const* snapshot = reinterpret_cast<int32_t const*>(plan + sizeof(OracleStepHeader));
-    for (int32_t p = 0; p < 2; ++p) {
+    for (int32_t p = 0; p < kOraclePools; ++p) {
       mLengths[p].assign(snapshot + p * mGeometry.storeRows,
                          snapshot + p * mGeometry.storeRows + mSnapshotRows[p]);
       mFindings.lengths[p] = &mLengths[p];

@@ -28,14 +28,19 @@ struct StepFindings {
   std::string kvFirst;           ///< the first, as KvOracle::verify describes it
   int64_t recurrentChecks = 0;
   int64_t recurrentMismatches = 0;
-  std::string recurrentFirst;  ///< as RecurrentOracle::verify describes it
-  std::vector<int32_t> const* lengths[2] = {nullptr, nullptr};  ///< snapshot rows, if taken
+  std::string recurrentFirst;   ///< as RecurrentOracle::verify describes it
+  int64_t draftChecked = 0;     ///< of positionsChecked, those in the draft pool
+  int64_t draftMismatches = 0;  ///< of kvMismatches, those in the draft pool
+  /// Snapshot rows of the full, sliding-window and draft pools, if taken.
+  std::vector<int32_t> const* lengths[kOraclePools] = {nullptr, nullptr, nullptr};
 };
 
 class OracleStepper {
  public:
   static constexpr int32_t kFull = 0;
   static constexpr int32_t kSwa = 1;
+  /// The draft model's pool (runtime.draftPool()); its digests live in a plane of their own.
+  static constexpr int32_t kDraft = kOracleDraftPool;
 
   /// `recurrent`: also execute the runtime's recurrent state pool.
   OracleStepper(KVCacheRuntime& runtime, bool recurrent);
@@ -46,8 +51,12 @@ class OracleStepper {
   /// Starts a step (waits first if a previous step was submitted and never completed).
   void begin();
   /// Stages the digests of positions [begin, begin + digests.size()) of `slot` (they enter the
-  /// digest store at submit); returns the staged index of position `begin` for `write`.
-  int64_t stage(int32_t slot, int32_t begin, std::span<uint64_t const> digests);
+  /// digest store at submit, in the plane `pool` reads: the draft pool's, or the base pools'
+  /// shared one); returns the staged index of position `begin` for `write`.
+  int64_t stage(int32_t slot, int32_t begin, std::span<uint64_t const> digests,
+                int32_t pool = kFull);
+  /// Whether the runtime has a draft pool the oracle addresses.
+  bool hasDraft() const noexcept { return mGeometry.pools[kDraft].present != 0; }
   /// Writes positions [begin, end) of `slot` in `pool`, from staged digests starting at `index`.
   void write(int32_t pool, int32_t slot, int32_t begin, int32_t end, int64_t index);
   /// Verifies positions [begin, end) of `slot` in `pool` (their digests staged now or earlier).
@@ -58,7 +67,7 @@ class OracleStepper {
   /// One upload, one write launch, one verify launch (kCPU: the twins, in place).
   void submit(cudaStream_t stream);
   /// One launch copying KV-length rows [0, rows[p]) of each present pool into the plan.
-  void snapshotLengths(int32_t rowsFull, int32_t rowsSwa, cudaStream_t stream);
+  void snapshotLengths(int32_t rowsFull, int32_t rowsSwa, int32_t rowsDraft, cudaStream_t stream);
   /// One copy back and one wait on `stream`; throws mkv::Error naming `call` when a write found
   /// a position without a page. The returned reference is valid until the next `begin`.
   StepFindings const& complete(cudaStream_t stream, char const* call);
@@ -68,14 +77,14 @@ class OracleStepper {
  private:
   std::string describeKv(OracleResult const& result) const;
   std::string describeRecurrent(OracleResult const& result) const;
-  uint64_t storedDigest(int32_t slot, int64_t position) const;
+  uint64_t storedDigest(int32_t pool, int32_t slot, int64_t position) const;
   std::size_t pack();  // returns the plan bytes
   void requireCapacity(std::size_t used, std::size_t capacity, char const* what) const;
 
   DeviceType mDevice;
   OracleGeometry mGeometry{};
   Tensor mGeometryDevice;  // kGPU: a copy of mGeometry
-  Tensor mDigestStore;     // int64 [storeRows, storePitch]
+  Tensor mDigestStore;     // int64 [storeRows (x 2 with a draft pool), storePitch]
   Tensor mPlanDevice;      // kGPU: the uploaded plan
   ::mkv::detail::HostBuffer mStaging;
   ::mkv::detail::Event mDone;
@@ -93,8 +102,8 @@ class OracleStepper {
   bool mSubmitted = false;
   bool mSnapshot = false;
   bool mPending = false;  // work on the stream not yet waited for
-  int32_t mSnapshotRows[2] = {0, 0};
-  std::vector<int32_t> mLengths[2];
+  int32_t mSnapshotRows[kOraclePools] = {0, 0, 0};
+  std::vector<int32_t> mLengths[kOraclePools];
   StepFindings mFindings;
 };
 

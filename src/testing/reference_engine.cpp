@@ -33,7 +33,9 @@ struct ReferenceEngine::Row {
   PrefixDigests digests;
   std::vector<uint64_t> promptKeys;
   int32_t prefillStart = 0;
-  int32_t materialized = 0;  // positions with KV
+  int32_t materialized = 0;            // positions with KV
+  int32_t draftMaterialized = 0;       // draft rows with KV of the committed prefix (speculative)
+  std::vector<int32_t> pendingTokens;  // a round's tokens, appended once it is submitted
   int32_t steps = 0;
   FinishReason reason = FinishReason::kNotFinished;
 };
@@ -56,9 +58,21 @@ ReferenceEngine::ReferenceEngine(KVCacheRuntime& runtime, ReferenceEngineOptions
   ContextCacheCoordinator const* coordinator = runtime.contextCache();
   mRecurrent = runtime.recurrentState() != nullptr && coordinator != nullptr &&
                coordinator->profile().usesCheckpointReuse();
+  mSpecWidth = mOptions.speculativeWidth;
+  MKV_REQUIRE(mSpecWidth >= 0 && mSpecWidth <= kMaxSpeculativeWidth, "ReferenceEngine",
+              "speculativeWidth {} outside [0, {}]", mSpecWidth, kMaxSpeculativeWidth);
+  MKV_REQUIRE(mSpecWidth == 0 || runtime.config().speculative.has_value(), "ReferenceEngine",
+              "speculativeWidth {} needs a runtime built with KVCacheRuntimeConfig::speculative",
+              mSpecWidth);
+  MKV_REQUIRE(mSpecWidth == 0 || runtime.config().model.numRecurrentLayers == 0, "ReferenceEngine",
+              "speculativeWidth {} on a model with {} recurrent layers: the reference engine does "
+              "not drive Hybrid-MTP requests",
+              mSpecWidth, runtime.config().model.numRecurrentLayers);
   mSteps = std::make_unique<oracle::OracleStepper>(runtime, mRecurrent);
   mMarks = std::make_unique<oracle::StreamMarks>(runtime.config().deviceType);
   mLengthValues.resize(static_cast<std::size_t>(runtime.config().maxBatchSize));
+  mDraftLengthValues.resize(static_cast<std::size_t>(runtime.config().maxBatchSize));
+  mCommonLengths.reserve(static_cast<std::size_t>(runtime.config().maxBatchSize));
   mDeviceMapping =
       Tensor({runtime.config().maxBatchSize}, DataType::kInt32, runtime.config().deviceType);
 }
@@ -120,6 +134,12 @@ int64_t ReferenceEngine::pagesInUse() const {
 
 void ReferenceEngine::notePages() {
   mStats.peakPagesInUse = std::max(mStats.peakPagesInUse, pagesInUse());
+  if (mRuntime.draftPool() != nullptr) {
+    ResourcePools const& pools = mRuntime.contextCache()->manager().pools();
+    mStats.peakDraftPagesInUse = std::max<int64_t>(
+        mStats.peakDraftPagesInUse,
+        pools.capacity(ResourceType::kDraftKvPage) - pools.freeCount(ResourceType::kDraftKvPage));
+  }
 }
 
 void ReferenceEngine::verifyRow(Run& run, Row& row, bool full) {
@@ -162,7 +182,7 @@ void ReferenceEngine::checkLengths(Run& run) {
     return;
   }
   auto const rows = static_cast<int32_t>(run.rows.size());
-  mSteps->snapshotLengths(rows, rows, mRuntime.config().stream);
+  mSteps->snapshotLengths(rows, rows, pairsDraft() ? rows : 0, mRuntime.config().stream);
 }
 
 void ReferenceEngine::finishStep(Run& run) {
@@ -174,12 +194,15 @@ void ReferenceEngine::finishStep(Run& run) {
     mStats.oracleMismatches += found.recurrentMismatches;
     report("recurrent state: " + found.recurrentFirst);
   }
+  mStats.draftOracleChecks += found.draftChecked;
+  mStats.draftOracleMismatches += found.draftMismatches;
   if (found.kvMismatches > 0) {
     mStats.oracleMismatches += found.kvMismatches;
     report(found.kvFirst);
   }
-  KVCachePool const* pools[2] = {mRuntime.fullPool(), mRuntime.swaPool()};
-  for (int32_t p = 0; p < 2; ++p) {
+  KVCachePool const* pools[oracle::kOraclePools] = {mRuntime.fullPool(), mRuntime.swaPool(),
+                                                    mRuntime.draftPool()};
+  for (int32_t p = 0; p < oracle::kOraclePools; ++p) {
     if (pools[p] == nullptr || found.lengths[p] == nullptr) {
       continue;
     }
@@ -190,11 +213,14 @@ void ReferenceEngine::finishStep(Run& run) {
       continue;
     }
     std::vector<int32_t> const& lengths = *found.lengths[p];
+    bool const draft = p == oracle::OracleStepper::kDraft;
     for (std::size_t i = 0; i < rows; ++i) {
       ++mStats.lengthChecks;
-      if (lengths[i] != run.rows[i].materialized) {
-        report(fmt::format("KV length of row {} (slot {}) is {}, expected {}", i,
-                           run.rows[i].resident.slot, lengths[i], run.rows[i].materialized));
+      int32_t const expected = draft ? run.rows[i].draftMaterialized : run.rows[i].materialized;
+      if (lengths[i] != expected) {
+        report(fmt::format("{}KV length of row {} (slot {}) is {}, expected {}",
+                           draft ? "draft " : "", i, run.rows[i].resident.slot, lengths[i],
+                           expected));
       }
     }
   }
@@ -228,6 +254,14 @@ void ReferenceEngine::writeLengths(Run& run, std::size_t first, std::size_t last
       if (pool != nullptr) {
         pool->writeLengths(static_cast<int32_t>(i), values, stream);
       }
+    }
+    if (pairsDraft()) {  // the draft's own lengths, after its steps
+      for (std::size_t k = i; k < j; ++k) {
+        mDraftLengthValues[k] = run.rows[k].draftMaterialized;
+      }
+      mRuntime.draftPool()->writeLengths(
+          static_cast<int32_t>(i), std::span<int32_t const>(mDraftLengthValues.data() + i, j - i),
+          stream);
     }
     i = j;
   }
@@ -272,6 +306,135 @@ void ReferenceEngine::executePrefill(Run& run, Row& row, int32_t start) {
   mStats.reusedTokens += start;
   mStats.prefillTokensComputed += promptLength - start;
   verifyRow(run, row, /*full=*/false);
+  if (pairsDraft()) {
+    executeDraftPrefill(row, start);
+  } else {
+    row.draftMaterialized = promptLength;  // no draft KV: the draft reads the base's
+  }
+}
+
+// ---------------------------------------------------------------- speculative
+
+bool ReferenceEngine::pairsDraft() const noexcept { return mSpecWidth > 0 && mSteps->hasDraft(); }
+
+uint64_t ReferenceEngine::draftRowDigest(uint64_t nextPrefixDigest) const noexcept {
+  // A draft row is never the base row of any prefix: a salted digest of the prefix one longer.
+  return mix(nextPrefixDigest ^ 0xD4AF7D4AF7D4AF70ULL);
+}
+
+void ReferenceEngine::commonLengths(Run& run, bool speculative) {
+  mCommonLengths.clear();
+  for (std::size_t i = 0; speculative && i < run.rows.size(); ++i) {
+    mCommonLengths.push_back(run.rows[i].draftMaterialized);
+  }
+}
+
+void ReferenceEngine::verifyDraft(Row& row, int32_t begin, int32_t end, bool full) {
+  if (mOptions.verify == VerifyMode::kNone || begin >= end) {
+    return;
+  }
+  int32_t const slot = row.resident.slot;
+  if (full || mOptions.verify == VerifyMode::kAll) {
+    mSteps->verify(oracle::OracleStepper::kDraft, slot, begin, end, oracle::kOracleAttention);
+    return;
+  }
+  mSteps->verify(oracle::OracleStepper::kDraft, slot, end - 1, end, oracle::kOracleAttention);
+  for (int i = 0; i < 2; ++i) {
+    mRandom = mix(mRandom + 0x9E37);
+    auto const p = begin + static_cast<int32_t>(mRandom % static_cast<uint64_t>(end - begin));
+    mSteps->verify(oracle::OracleStepper::kDraft, slot, p, p + 1, oracle::kOracleAttention);
+  }
+}
+
+void ReferenceEngine::executeDraftPrefill(Row& row, int32_t start) {
+  // Draft row p depends on token p + 1: the last prompt row needs the lookahead token, which the
+  // engine samples from the base's last prompt row (the same token sampleAfter appends).
+  auto const promptLength = static_cast<int32_t>(row.spec.prompt.size());
+  uint64_t const lookahead = static_cast<uint32_t>(sampleToken(row.digests.at(promptLength - 1)));
+  row.digests.extend(std::span<uint64_t const>(&lookahead, 1));
+  mDraftDigests.resize(static_cast<std::size_t>(promptLength));
+  for (int32_t p = 0; p < promptLength; ++p) {
+    mDraftDigests[static_cast<std::size_t>(p)] = draftRowDigest(row.digests.at(p + 1));
+  }
+  row.digests.truncate(promptLength);
+  int32_t const slot = row.resident.slot;
+  int64_t const staged = mSteps->stage(slot, 0, mDraftDigests, oracle::OracleStepper::kDraft);
+  // The paired path's draft rows must be exactly this prefix's (the replayed last page of the
+  // path is not among them: its last row depends on a token the producer may not share).
+  if (start > 0 && mOptions.verify != VerifyMode::kNone) {
+    mSteps->verify(oracle::OracleStepper::kDraft, row.resident.slot, 0, start,
+                   oracle::kOracleReusedPrefix);
+  }
+  mSteps->write(oracle::OracleStepper::kDraft, slot, start, promptLength, staged + start);
+  row.draftMaterialized = promptLength;
+  mStats.draftReusedTokens += start;
+  verifyDraft(row, 0, promptLength, /*full=*/false);
+}
+
+void ReferenceEngine::executeRound(Row& row, std::vector<int32_t> const& generated) {
+  int32_t const width = mSpecWidth;
+  int32_t const m = row.materialized;  // base length; the lookahead token sits at m
+  int32_t const slot = row.resident.slot;
+  // The proposals: the first `accepted` are the base's own tokens, the next one differs from it,
+  // the rest follow the (wrong) proposed prefix. The digests become the proposed prefix's.
+  uint64_t const lookahead = static_cast<uint32_t>(generated.back());
+  row.digests.extend(std::span<uint64_t const>(&lookahead, 1));
+  auto const accepted = static_cast<int32_t>(mix(row.digests.at(m) ^ mix(mOptions.seed + 0xACCE)) %
+                                             static_cast<uint64_t>(width + 1));
+  row.pendingTokens.clear();
+  // A running row has sampled fewer than maxNewTokens tokens.
+  std::size_t const room = static_cast<std::size_t>(row.spec.maxNewTokens) - generated.size();
+  bool done = false;
+  auto take = [&](int32_t token) {
+    if (!done && row.pendingTokens.size() < room) {
+      row.pendingTokens.push_back(token);
+      done = token == kEndOfSequence || row.pendingTokens.size() >= room;
+    }
+  };
+  for (int32_t j = 1; j <= width; ++j) {
+    int32_t const own = sampleToken(row.digests.at(m + j - 1));
+    int32_t proposal = own;
+    if (j == accepted + 1) {
+      proposal = own == kEndOfSequence ? 1000 : 1000 + (own - 1000 + 1) % 30000;
+    }
+    if (j <= accepted) {
+      take(proposal);
+    }
+    uint64_t const key = static_cast<uint32_t>(proposal);
+    row.digests.extend(std::span<uint64_t const>(&key, 1));
+  }
+  take(sampleToken(row.digests.at(m + accepted)));  // the bonus token (the base's own)
+  auto const n = static_cast<int32_t>(row.pendingTokens.size());
+  // The base verifies the lookahead and every proposal: positions [m, m + K].
+  int64_t const staged =
+      mSteps->stage(slot, m, row.digests.values().subspan(static_cast<std::size_t>(m)));
+  mSteps->write(oracle::OracleStepper::kFull, slot, m, m + width + 1, staged);
+  // The draft catches up from its length and runs its proposal steps: rows [D, m + K - 1).
+  int32_t const draftFrom = row.draftMaterialized;
+  if (pairsDraft()) {
+    int32_t const draftEnd = m + width - 1;
+    mDraftDigests.resize(static_cast<std::size_t>(std::max(0, draftEnd - draftFrom)));
+    for (int32_t p = draftFrom; p < draftEnd; ++p) {
+      mDraftDigests[static_cast<std::size_t>(p - draftFrom)] =
+          draftRowDigest(row.digests.at(p + 1));
+    }
+    int64_t const draftStaged =
+        mSteps->stage(slot, draftFrom, mDraftDigests, oracle::OracleStepper::kDraft);
+    mSteps->write(oracle::OracleStepper::kDraft, slot, draftFrom, draftEnd, draftStaged);
+    row.draftMaterialized = std::min({draftEnd, m + accepted, m + n});
+  } else {
+    row.draftMaterialized = m + n;  // the draft reads the base's KV
+  }
+  // Commit: the lookahead and the accepted proposals have KV; the last taken token is the new
+  // lookahead.
+  row.digests.truncate(m + n);
+  row.materialized = m + n;
+  ++mStats.speculativeRounds;
+  mStats.proposedTokens += width;
+  mStats.acceptedTokens += std::min(accepted, n);
+  if (pairsDraft()) {
+    verifyDraft(row, 0, row.draftMaterialized, /*full=*/false);
+  }
 }
 
 RequestOutcome ReferenceEngine::run(EngineRequest const& request,
@@ -332,11 +495,14 @@ RequestOutcome ReferenceEngine::run(EngineRequest const& request,
   }
   context.activeBatchSize = static_cast<int32_t>(run.rows.size());
 
-  DecodingKvHeadroom const headroom{1, 0};
+  bool const speculative = mSpecWidth > 0;
+  DecodingKvHeadroom const headroom =
+      speculative ? DecodingKvHeadroom{mSpecWidth + 1, pairsDraft() ? mSpecWidth : 0}
+                  : DecodingKvHeadroom{1, 0};
   auto const beginStart = std::chrono::steady_clock::now();
   std::optional<ManagedKVCacheRequest> begun = ManagedKVCacheRequest::begin(
-      mRuntime.contextCache(), mRuntime.swaPageManager(), run.generation, context, false, headroom,
-      DecodingTokenStateContract::kCommittedPlusLookahead, request.commitPolicy,
+      mRuntime.contextCache(), mRuntime.swaPageManager(), run.generation, context, speculative,
+      headroom, DecodingTokenStateContract::kCommittedPlusLookahead, request.commitPolicy,
       request.mediaTokenIds);
   int64_t libraryNanos = nanosSince(beginStart);
   if (!begun) {
@@ -362,8 +528,7 @@ RequestOutcome ReferenceEngine::run(EngineRequest const& request,
   auto t0 = std::chrono::steady_clock::now();
   bool ok = managed.preparePrefill() && managed.prepareSwaPrefill(context.effectivePrefillLengths);
   libraryNanos += nanosSince(t0);
-  auto sampleAfter = [&](Row& row, std::size_t index) {
-    int32_t const token = sampleToken(row.digests.at(row.materialized - 1));
+  auto appendToken = [&](Row& row, std::size_t index, int32_t token) {
     context.generatedTokenIds[index].push_back(token);
     run.outcome.sequences[row.outcome].generated.push_back(token);
     ++mStats.generatedTokens;
@@ -374,6 +539,9 @@ RequestOutcome ReferenceEngine::run(EngineRequest const& request,
       row.reason = FinishReason::kLength;
     }
     context.finishReasons[index] = row.reason;
+  };
+  auto sampleAfter = [&](Row& row, std::size_t index) {
+    appendToken(row, index, sampleToken(row.digests.at(row.materialized - 1)));
   };
   if (ok) {
     mSteps->begin();
@@ -388,8 +556,10 @@ RequestOutcome ReferenceEngine::run(EngineRequest const& request,
     for (std::size_t i = 0; i < run.rows.size(); ++i) {
       sampleAfter(run.rows[i], i);
     }
+    // Speculative rows: base and draft both hold the prompt (the draft initialisation ran).
+    commonLengths(run, speculative);
     t0 = std::chrono::steady_clock::now();
-    ok = ok && managed.completePrefill(context, {});
+    ok = ok && managed.completePrefill(context, mCommonLengths);
     libraryNanos += nanosSince(t0);
     checkLengths(run);
     finishStep(run);
@@ -422,6 +592,7 @@ RequestOutcome ReferenceEngine::run(EngineRequest const& request,
     for (std::size_t i = 0; i < run.rows.size(); ++i) {
       if (mapping[i] < 0) {
         run.outcome.sequences[run.rows[i].outcome].reason = run.rows[i].reason;
+        run.outcome.sequences[run.rows[i].outcome].decodeSteps = run.rows[i].steps;
         mRuntime.residentSlots().release(run.rows[i].resident);
         continue;
       }
@@ -555,6 +726,11 @@ RequestOutcome ReferenceEngine::run(EngineRequest const& request,
       if (!running(i)) {
         continue;
       }
+      if (speculative) {
+        executeRound(row, context.generatedTokenIds[i]);
+        verifyRow(run, row, /*full=*/false);
+        continue;
+      }
       int32_t const position = row.materialized;
       uint64_t const key = static_cast<uint32_t>(context.generatedTokenIds[i].back());
       row.digests.extend(std::span<uint64_t const>(&key, 1));
@@ -576,14 +752,23 @@ RequestOutcome ReferenceEngine::run(EngineRequest const& request,
     mSteps->submit(stream);
     writeLengths(run, 0, batch, running);
     for (std::size_t i = 0; i < batch; ++i) {
-      if (running(i)) {
-        ++run.rows[i].steps;
-        sampleAfter(run.rows[i], i);
+      if (!running(i)) {
+        continue;
+      }
+      Row& row = run.rows[i];
+      ++row.steps;
+      if (!speculative) {
+        sampleAfter(row, i);
+        continue;
+      }
+      for (int32_t token : row.pendingTokens) {
+        appendToken(row, i, token);
       }
     }
+    commonLengths(run, speculative);
     mMarks->mark(2, stream);
     start = std::chrono::steady_clock::now();
-    ok = managed.completeDecodeStep(context, {});
+    ok = managed.completeDecodeStep(context, mCommonLengths);
     stepNanos += nanosSince(start);
     mMarks->mark(3, stream);
     mStats.stepHostNanoseconds.push_back(stepNanos);
@@ -602,6 +787,7 @@ RequestOutcome ReferenceEngine::run(EngineRequest const& request,
   (void)libraryNanos;
   run.outcome.failed = !ok;
   for (auto const& row : run.rows) {
+    run.outcome.sequences[row.outcome].decodeSteps = row.steps;
     run.outcome.sequences[row.outcome].reason =
         row.reason == FinishReason::kNotFinished ? FinishReason::kError : row.reason;
   }

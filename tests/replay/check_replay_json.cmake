@@ -2,16 +2,29 @@
 # hand (blocks of 512 tokens, pages of 128): request 1 [1, 2] reuses 0; 2 [1, 2, 3] reuses 1024;
 # 3 [1, 9] reuses 512; 4 repeats 1 and, fully matched and page-aligned, recomputes its last
 # page: 896. Prompt tokens 1024 + 1500 + 700 + 1024 = 4248, reused 2432.
-# Usage: cmake -DMKV_REPLAY=<exe> -DTRACE=<jsonl> -DOUT=<json> -P check_replay_json.cmake
-execute_process(COMMAND ${MKV_REPLAY} --trace ${TRACE} --json ${OUT} --quiet
-                RESULT_VARIABLE rc ERROR_VARIABLE err)
+# With -DSPECULATIVE=eagle (an EAGLE draft, every position checked): every paired path's last
+# page is replayed, so request 2 reuses 896, request 3 384 and request 4 896 (its last page is
+# recomputed anyway): 2176 reused, base and draft, 3 last-page replays, 10 generated tokens.
+# Usage: cmake -DMKV_REPLAY=<exe> -DTRACE=<jsonl> -DOUT=<json> [-DSPECULATIVE=eagle]
+#        -P check_replay_json.cmake
+set(args --trace ${TRACE} --json ${OUT} --quiet)
+set(expectations requests=4 prompt_tokens=4248 generated_tokens=10 evicted_records=0
+                 failed_requests=0 joins=0 oracle_mismatches=0 page_size=128
+                 swa_pages_per_sequence_prefill=0)
+if(DEFINED SPECULATIVE)
+  list(APPEND args --speculative ${SPECULATIVE} --verify all)
+  list(APPEND expectations reused_tokens=2176 prefill_tokens_computed=2072)
+  set(expected_hit 0.512241)
+else()
+  list(APPEND expectations reused_tokens=2432 prefill_tokens_computed=1816 decode_steps=6)
+  set(expected_hit 0.572504)
+endif()
+execute_process(COMMAND ${MKV_REPLAY} ${args} RESULT_VARIABLE rc ERROR_VARIABLE err)
 if(NOT rc EQUAL 0)
   message(FATAL_ERROR "mkv-replay exited with ${rc}: ${err}")
 endif()
 file(READ ${OUT} json)
-foreach(expectation requests=4 prompt_tokens=4248 reused_tokens=2432 prefill_tokens_computed=1816
-                    generated_tokens=10 decode_steps=6 evicted_records=0 failed_requests=0 joins=0
-                    oracle_mismatches=0 page_size=128 swa_pages_per_sequence_prefill=0)
+foreach(expectation ${expectations})
   string(REPLACE "=" ";" pair ${expectation})
   list(GET pair 0 key)
   list(GET pair 1 expected)
@@ -22,8 +35,25 @@ foreach(expectation requests=4 prompt_tokens=4248 reused_tokens=2432 prefill_tok
 endforeach()
 string(JSON hit GET "${json}" hit_rate)
 string(SUBSTRING "${hit}" 0 8 hit)
-if(NOT hit STREQUAL "0.572504")
-  message(FATAL_ERROR "hit_rate is ${hit}, expected 2432 / 4248 = 0.572504...")
+if(NOT hit STREQUAL expected_hit)
+  message(FATAL_ERROR "hit_rate is ${hit}, expected ${expected_hit}...")
+endif()
+if(DEFINED SPECULATIVE)
+  foreach(expectation draft_reused_tokens=2176 draft_reused_pages=17 full_page_replays=3
+                      draft_oracle_mismatches=0 base_oracle_mismatches=0)
+    string(REPLACE "=" ";" pair ${expectation})
+    list(GET pair 0 key)
+    list(GET pair 1 expected)
+    string(JSON value GET "${json}" speculative ${key})
+    if(NOT value EQUAL expected)
+      message(FATAL_ERROR "speculative.${key} is ${value}, expected ${expected}\n${json}")
+    endif()
+  endforeach()
+  string(JSON checks GET "${json}" speculative draft_oracle_checks)
+  if(checks LESS_EQUAL 2176)
+    message(FATAL_ERROR "speculative.draft_oracle_checks is ${checks}: the reused draft rows "
+                        "and more must be checked")
+  endif()
 endif()
 string(JSON misses GET "${json}" misses_by_reason no_prefix)
 if(NOT misses EQUAL 3)

@@ -169,6 +169,9 @@ TEST_F(MkvReplayCliTest, HelpExitsZeroAndListsEveryOption) {
                                "--dtype T",
                                "--device D",
                                "--verify V",
+                               "--speculative S",
+                               "--draft-layers N",
+                               "--spec-width K",
                                "--kv-events ENDPOINT",
                                "--kv-events-replay ENDPOINT",
                                "--kv-events-encoding E",
@@ -230,6 +233,50 @@ TEST_F(MkvReplayCliTest, BadOptionsAreOneLineAndExitTwo) {
   if (MKV_WITH_CUDA == 0) {
     expectBadInput({"--device", "cuda"}, "--device cuda: this build has no CUDA");
   }
+  // Speculative decoding: reuse mode only, an EAGLE head owns KV, its options need it.
+  expectBadInput({"--speculative", "medusa"},
+                 "--speculative expects one of none, eagle, mtp, got 'medusa'");
+  expectBadInput({"--speculative", "eagle", "--mode", "swa"},
+                 "--speculative applies to --mode reuse only (the bounded-SWA backend decodes "
+                 "vanilla only)");
+  expectBadInput({"--speculative", "mtp", "--mode", "full"},
+                 "--speculative applies to --mode reuse only (the full-storage backend decodes "
+                 "vanilla only)");
+  expectBadInput({"--speculative", "eagle", "--draft-layers", "0"},
+                 "--speculative eagle needs --draft-layers >= 1");
+  expectBadInput({"--spec-width", "2"}, "--spec-width needs --speculative eagle or mtp");
+  expectBadInput({"--draft-layers", "2", "--speculative", "none"},
+                 "--draft-layers needs --speculative eagle or mtp");
+  expectBadInput({"--speculative", "eagle", "--spec-width", "0"},
+                 "--spec-width 0 is outside [1, 64]");
+  expectBadInput({"--speculative", "mtp", "--draft-layers", "257"},
+                 "--draft-layers 257 is outside [0, 256]");
+}
+
+TEST_F(MkvReplayCliTest, SpeculativeReplaysReportDraftReuseAndBothOracles) {
+  MKV_TEST_INPUT_OR_SKIP(tinyPath, "tests/replay/tiny_mooncake.jsonl");
+  std::string const json = (mDir / "eagle.json").string();
+  CliResult const eagle = run({"--trace", tinyPath.string(), "--speculative", "eagle",
+                               "--spec-width", "4", "--draft-layers", "2", "--json", json});
+  ASSERT_EQ(eagle.exitCode, 0) << eagle.err;
+  EXPECT_NE(eagle.out.find("  speculative               eagle, 4 draft tokens per round; draft 2 "
+                           "layers with paged KV, 8.0 KiB per page\n"),
+            std::string::npos)
+      << eagle.out;
+  nlohmann::json const figures = nlohmann::json::parse(slurp(json));
+  EXPECT_EQ(figures.at("reused_tokens"), 2176);
+  nlohmann::json const& spec = figures.at("speculative");
+  EXPECT_EQ(spec.at("draft_layers"), 2);
+  EXPECT_EQ(spec.at("draft_bytes_per_page"), 8192);
+  EXPECT_EQ(spec.at("draft_reused_tokens"), 2176);
+  EXPECT_EQ(spec.at("draft_oracle_mismatches"), 0);
+  EXPECT_GT(spec.at("draft_oracle_checks").get<int64_t>(), 0);
+  CliResult const mtp = run({"--trace", tinyPath.string(), "--speculative", "mtp", "--draft-layers",
+                             "0", "--quiet", "--json", json});
+  ASSERT_EQ(mtp.exitCode, 0) << mtp.err;
+  nlohmann::json const shared = nlohmann::json::parse(slurp(json)).at("speculative");
+  EXPECT_EQ(shared.at("paged_draft"), false);
+  EXPECT_EQ(shared.at("draft_oracle_checks"), 0);
 }
 
 TEST_F(MkvReplayCliTest, BadTracesNameTheFileAndLineAndExitTwo) {

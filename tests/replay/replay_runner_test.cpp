@@ -442,6 +442,147 @@ TEST(ReplayRunnerTest, OutputCapAndLimit) {
   EXPECT_EQ(result.records[1].maxNewTokens, 1);
 }
 
+// ---------------------------------------------------------------- speculative decoding
+
+ReplayConfig eagle(int32_t width = 3) {
+  ReplayConfig config;
+  config.speculative = SpeculativeKind::kEagle;
+  config.specWidth = width;
+  config.verify = testing::VerifyMode::kAll;
+  return config;
+}
+
+TEST(ReplayRunnerTest, EagleTinyTraceReusesPairedPathsLessTheirReplayedLastPage) {
+  MKV_TEST_INPUT_OR_SKIP(kTiny, "tests/replay/tiny_mooncake.jsonl");
+  // As in the vanilla test, but a paired path's last page is recomputed (its last draft row
+  // depends on the token after it): request 2 matches 8 pages and reuses 7 (896), request 3
+  // matches 4 and reuses 3 (384), request 4 matches all 8 of its page-aligned prompt and
+  // recomputes the last one, as vanilla does (896).
+  TraceSource source = traceSource(kTiny);
+  ReplayResult const result = runReplay(source, eagle());
+  std::vector<int64_t> const reused = {0, 896, 384, 896};
+  for (std::size_t i = 0; i < 4; ++i) {
+    EXPECT_EQ(result.records[i].reusedTokens, reused[i]) << i;
+    EXPECT_EQ(result.records[i].reason, FinishReason::kLength) << i;
+  }
+  EXPECT_EQ(result.reusedTokens, 2176);
+  EXPECT_EQ(result.draftReusedTokens, 2176);
+  EXPECT_EQ(result.draftReusedPages, 17);
+  EXPECT_EQ(result.specFullPageReplays, 3);
+  EXPECT_EQ(result.generatedTokens, 4 + 3 + 2 + 1);  // the tokens vanilla decoding samples
+  EXPECT_EQ(result.proposedTokens, 3 * result.specRounds);
+  EXPECT_LE(result.acceptedTokens, result.proposedTokens);
+  EXPECT_LE(result.decodeSteps, 3 + 2 + 1);  // a round commits at least one token
+  EXPECT_EQ(result.oracleMismatches, 0) << result.firstMismatch;
+  EXPECT_GT(result.draftOracleChecks, 2176);  // every reused draft position, and more
+  EXPECT_GT(result.oracleChecks, result.draftOracleChecks);
+  EXPECT_EQ(result.draftBytesPerPage, result.bytesPerPage);  // one draft layer like the base's
+  EXPECT_EQ(result.peakKvBytes, result.peakPagesInUse * result.bytesPerPage +
+                                    result.peakDraftPagesInUse * result.draftBytesPerPage);
+  EXPECT_GT(result.specPairPublications, 0);
+}
+
+TEST(ReplayRunnerTest, EagleBatchesUnderPressureSampleWhatVanillaSamplesWithoutMismatches) {
+  // The embedded workload (prompts include earlier replies) in batches of 4 with a pool small
+  // enough to evict: a speculative engine commits exactly the base model's tokens, so every
+  // prompt and reply equals the vanilla run's, in fewer decode steps.
+  MultiTurnWorkload vanillaWorkload;
+  RecordingSource vanilla(vanillaWorkload);
+  ReplayConfig config = eagle(4);
+  config.maxBatch = 4;
+  config.poolSizing = PoolSizing::kPages;
+  config.poolAmount = 150;
+  ReplayConfig plain = config;
+  plain.speculative = SpeculativeKind::kNone;
+  ReplayResult const base = runReplay(vanilla, plain);
+  MultiTurnWorkload speculativeWorkload;
+  RecordingSource speculative(speculativeWorkload);
+  ReplayResult const result = runReplay(speculative, config);
+  EXPECT_EQ(result.failedRequests, 0);
+  EXPECT_EQ(result.oracleMismatches, 0) << result.firstMismatch;
+  EXPECT_EQ(result.joins, 0);  // speculative runtimes admit no sequence in flight
+  EXPECT_GT(result.evictedRecords, 0);
+  EXPECT_GT(result.draftReusedTokens, 0);
+  EXPECT_EQ(result.draftReusedTokens, result.reusedTokens);
+  EXPECT_GT(result.acceptedTokens, 0);
+  EXPECT_LT(result.decodeSteps, base.decodeSteps);
+  EXPECT_EQ(speculative.prompts, vanilla.prompts);
+  EXPECT_EQ(speculative.generated, vanilla.generated);
+  EXPECT_LE(result.peakPagesInUse, 150);
+  EXPECT_LE(result.peakDraftPagesInUse, 150);
+}
+
+TEST(ReplayRunnerTest, MtpWithoutDraftKvChecksTheBaseOnly) {
+  MKV_TEST_INPUT_OR_SKIP(kTiny, "tests/replay/tiny_mooncake.jsonl");
+  TraceSource source = traceSource(kTiny);
+  ReplayConfig config = eagle(2);
+  config.speculative = SpeculativeKind::kMtp;
+  config.draftLayers = 0;
+  ReplayResult const result = runReplay(source, config);
+  // No draft state to pair: base paths reused as vanilla reuses them.
+  EXPECT_EQ(result.reusedTokens, 2432);
+  EXPECT_EQ(result.draftBytesPerPage, 0);
+  EXPECT_EQ(result.draftReusedTokens, 0);
+  EXPECT_EQ(result.draftOracleChecks, 0);
+  EXPECT_EQ(result.oracleMismatches, 0) << result.firstMismatch;
+  EXPECT_EQ(result.proposedTokens, 2 * result.specRounds);
+}
+
+TEST(ReplayRunnerTest, SpeculativeConfigurationsThatCannotRunThrowConfigErrors) {
+  MKV_TEST_INPUT_OR_SKIP(kTiny, "tests/replay/tiny_mooncake.jsonl");
+  auto fails = [&](auto mutate, std::string const& message) {
+    TraceSource source = traceSource(kTiny);
+    ReplayConfig config = eagle();
+    mutate(config);
+    try {
+      runReplay(source, config);
+      ADD_FAILURE() << "no ReplayConfigError: " << message;
+    } catch (ReplayConfigError const& error) {
+      EXPECT_EQ(std::string(error.what()), message);
+    }
+  };
+  fails([](ReplayConfig& c) { c.mode = ReplayMode::kFull; },
+        "speculative decoding needs context reuse (--mode reuse), not full mode");
+  fails([](ReplayConfig& c) { c.specWidth = 0; }, "speculative width 0 must be in [1, 64]");
+  fails([](ReplayConfig& c) { c.draftLayers = 0; },
+        "an EAGLE draft owns paged KV: draft layers must be >= 1 (0 is an MTP draft reading the "
+        "base KV)");
+}
+
+TEST(ReplayReportTest, SpeculativeFiguresInTheSummaryAndJson) {
+  MKV_TEST_INPUT_OR_SKIP(kTiny, "tests/replay/tiny_mooncake.jsonl");
+  TraceSource source = traceSource(kTiny);
+  ReplayResult const result = runReplay(source, eagle());
+  nlohmann::json const json = nlohmann::json::parse(formatJson(result));
+  nlohmann::json const& spec = json.at("speculative");
+  EXPECT_EQ(spec.at("kind"), "eagle");
+  EXPECT_EQ(spec.at("width"), 3);
+  EXPECT_EQ(spec.at("paged_draft"), true);
+  EXPECT_EQ(spec.at("draft_reused_tokens"), 2176);
+  EXPECT_EQ(spec.at("draft_reused_pages"), 17);
+  EXPECT_EQ(spec.at("rounds"), result.specRounds);
+  EXPECT_EQ(spec.at("proposed_tokens"), result.proposedTokens);
+  EXPECT_EQ(spec.at("accepted_tokens"), result.acceptedTokens);
+  EXPECT_EQ(spec.at("draft_oracle_checks"), result.draftOracleChecks);
+  EXPECT_EQ(spec.at("base_oracle_checks"), result.oracleChecks - result.draftOracleChecks);
+  EXPECT_EQ(spec.at("draft_oracle_mismatches"), 0);
+  EXPECT_EQ(spec.at("base_oracle_mismatches"), 0);
+  std::string const summary = formatSummary(result);
+  EXPECT_NE(summary.find("  speculative               eagle, 3 draft tokens per round; draft 1 "
+                         "layer with paged KV, 4.0 KiB per page\n"),
+            std::string::npos)
+      << summary;
+  EXPECT_NE(summary.find("  draft reuse               2,176 tokens = 17 pages  (last-page "
+                         "replays 3,"),
+            std::string::npos)
+      << summary;
+  // A vanilla replay has no speculative figures.
+  TraceSource again = traceSource(kTiny);
+  ReplayResult const vanilla = runReplay(again, ReplayConfig{});
+  EXPECT_FALSE(nlohmann::json::parse(formatJson(vanilla)).contains("speculative"));
+  EXPECT_EQ(formatSummary(vanilla).find("speculative"), std::string::npos);
+}
+
 TEST(ReplayReportTest, JsonHasEveryFigureAndCsvOneRowPerRequest) {
   MKV_TEST_INPUT_OR_SKIP(kTiny, "tests/replay/tiny_mooncake.jsonl");
   TraceSource source = traceSource(kTiny);

@@ -34,7 +34,7 @@ using testing::ReferenceEngineOptions;
 using testing::RequestOutcome;
 using testing::VerifyMode;
 
-enum class Shape { kReuse, kSwa, kHybrid };
+enum class Shape { kReuse, kSwa, kHybrid, kEagle };
 
 std::string shapeName(Shape shape) {
   switch (shape) {
@@ -44,6 +44,8 @@ std::string shapeName(Shape shape) {
       return "swa";
     case Shape::kHybrid:
       return "hybrid";
+    case Shape::kEagle:
+      return "eagle";
   }
   return "?";
 }
@@ -69,6 +71,14 @@ KVCacheRuntimeConfig configOf(Shape shape, DeviceType device) {
   }
   config.model.numFullAttentionLayers = 2;
   config.contextReuse = true;
+  if (shape == Shape::kEagle) {
+    // A one-layer draft head of another row size (1 head x 5 x fp16 = 10 bytes).
+    KVCacheSpeculativeConfig draft;
+    draft.numDraftLayers = 1;
+    draft.numDraftKVHeads = 1;
+    draft.draftHeadDim = 5;
+    config.speculative = draft;
+  }
   if (shape == Shape::kHybrid) {
     config.model.numRecurrentLayers = 2;
     config.model.recurrentStateBytes = 20;
@@ -137,11 +147,13 @@ struct RunResult {
 
 using Corruption = std::function<void(KVCacheRuntime&, int64_t)>;
 
+constexpr int32_t kSpecWidth = 3;
+
 RunResult runWorkload(Shape shape, DeviceType device, Corruption const& corrupt = {}) {
   auto runtime = KVCacheRuntime::create(configOf(shape, device));
   // Poison every KV byte: the bytes the engine never writes must stay as they were.
   uint32_t seed = 1;
-  for (KVCachePool* pool : {runtime->fullPool(), runtime->swaPool()}) {
+  for (KVCachePool* pool : {runtime->fullPool(), runtime->swaPool(), runtime->draftPool()}) {
     for (int32_t l = 0; pool != nullptr && l < pool->numLayers(); ++l) {
       test::writeBytes(pool->layer(l), poisonFor(pool->layer(l), seed++));
     }
@@ -150,6 +162,7 @@ RunResult runWorkload(Shape shape, DeviceType device, Corruption const& corrupt 
   options.verify = VerifyMode::kAll;
   options.eosEvery = 7;
   options.throwOnMismatch = false;
+  options.speculativeWidth = shape == Shape::kEagle ? kSpecWidth : 0;
   KVCacheRuntime* raw = runtime.get();
   if (corrupt) {
     options.onStep = [raw, &corrupt](int64_t step) { corrupt(*raw, step); };
@@ -161,7 +174,7 @@ RunResult runWorkload(Shape shape, DeviceType device, Corruption const& corrupt 
     result.outcomes.push_back(engine.run(workload.requests[r], &workload.joins[r]));
   }
   result.stats = engine.stats();
-  for (KVCachePool* pool : {runtime->fullPool(), runtime->swaPool()}) {
+  for (KVCachePool* pool : {runtime->fullPool(), runtime->swaPool(), runtime->draftPool()}) {
     for (int32_t l = 0; pool != nullptr && l < pool->numLayers(); ++l) {
       result.bytes.push_back(test::readBytes(pool->layer(l)));
     }
@@ -299,6 +312,128 @@ TEST_P(ReferenceEngineTest, VerifyNoneWritesButChecksNothing) {
   EXPECT_TRUE(runtime->shutdown());
 }
 
+// ---------------------------------------------------------------- speculative decoding
+
+ReferenceEngineOptions speculativeOptions() {
+  ReferenceEngineOptions options;
+  options.verify = VerifyMode::kAll;
+  options.throwOnMismatch = false;
+  options.speculativeWidth = kSpecWidth;
+  return options;
+}
+
+TEST_P(ReferenceEngineTest, SpeculativeRoundsCommitTheBaseTokensAndReuseThePairedPath) {
+  auto runtime = KVCacheRuntime::create(configOf(Shape::kEagle, device()));
+  ReferenceEngine engine(*runtime, speculativeOptions());
+  EngineRequest first;
+  first.sequences = {sequence(tokenRun(70, 100), 12)};
+  EngineRequest second;
+  second.sequences = {sequence(concatenated(tokenRun(70, 100), tokenRun(20, 600)), 6)};
+  RequestOutcome const a = engine.run(first);
+  RequestOutcome const b = engine.run(second);
+  ASSERT_TRUE(a.admitted && b.admitted);
+  EngineStats const& stats = engine.stats();
+  EXPECT_EQ(stats.oracleMismatches, 0) << stats.firstMismatch;
+  // The second prompt shares 70 tokens = 4 full pages with the first; the reuse contract
+  // replays the last page of every paired path (its last draft row depends on the next token),
+  // so 3 pages of base and draft KV are reused.
+  EXPECT_EQ(b.sequences.at(0).prefillStart, 3 * kPageTokens);
+  EXPECT_EQ(stats.draftReusedTokens, 3 * kPageTokens);
+  EXPECT_EQ(stats.proposedTokens, kSpecWidth * stats.speculativeRounds);
+  EXPECT_EQ(stats.speculativeRounds, stats.decodeSteps);  // one row per run
+  EXPECT_LT(stats.decodeSteps, 11 + 5);                   // fewer rounds than vanilla decode steps
+  EXPECT_GT(stats.draftOracleChecks, 0);
+  EXPECT_GT(stats.lengthChecks, 0);
+  // The same tokens as vanilla decoding of the same prompts.
+  auto vanillaRuntime = KVCacheRuntime::create(configOf(Shape::kReuse, device()));
+  ReferenceEngine vanilla(*vanillaRuntime);
+  EXPECT_EQ(vanilla.run(first).sequences.at(0).generated, a.sequences.at(0).generated);
+  EXPECT_EQ(vanilla.run(second).sequences.at(0).generated, b.sequences.at(0).generated);
+  EXPECT_TRUE(runtime->shutdown());
+}
+
+TEST_P(ReferenceEngineTest, TheSpeculativeWorkloadWithCancellationsAndEndOfSequenceRunsClean) {
+  // The parity workload on an EAGLE runtime: batches of two (one to be cancelled at round 3,
+  // which commits its 8 tokens before), end-of-sequence tokens inside accepted spans, queued
+  // joiners the runtime never admits.
+  RunResult const run = runWorkload(Shape::kEagle, device());
+  EngineStats const& stats = run.stats;
+  EXPECT_EQ(stats.oracleMismatches, 0) << stats.firstMismatch;
+  EXPECT_EQ(stats.joins, 0);
+  EXPECT_GT(stats.draftReusedTokens, 0);
+  EXPECT_EQ(stats.draftReusedTokens, stats.reusedTokens);
+  EXPECT_GT(stats.draftOracleChecks, 0);
+  EXPECT_GT(stats.acceptedTokens, 0);
+}
+
+TEST_P(ReferenceEngineTest, ARowCancelledBetweenRoundsHoldsWhileTheOtherRowCompletes) {
+  auto runtime = KVCacheRuntime::create(configOf(Shape::kEagle, device()));
+  ReferenceEngine engine(*runtime, speculativeOptions());
+  EngineRequest request;
+  request.sequences = {sequence(tokenRun(40, 100), 30, /*cancelAt=*/1),
+                       sequence(tokenRun(35, 300), 20)};
+  RequestOutcome const outcome = engine.run(request);
+  ASSERT_TRUE(outcome.admitted);
+  EXPECT_FALSE(outcome.failed);
+  EXPECT_EQ(outcome.sequences.at(0).reason, FinishReason::kCancelled);
+  EXPECT_EQ(outcome.sequences.at(0).decodeSteps, 1);
+  EXPECT_EQ(outcome.sequences.at(1).reason, FinishReason::kLength);
+  EXPECT_EQ(outcome.sequences.at(1).generated.size(), 20U);
+  EXPECT_EQ(engine.stats().oracleMismatches, 0) << engine.stats().firstMismatch;
+  EXPECT_TRUE(runtime->shutdown());
+}
+
+TEST_P(ReferenceEngineTest, ACorruptedDraftByteIsReportedAsADraftMismatchAtEveryLaterRound) {
+  auto runtime = KVCacheRuntime::create(configOf(Shape::kEagle, device()));
+  ReferenceEngineOptions options = speculativeOptions();
+  KVCacheRuntime* raw = runtime.get();
+  uint8_t was = 0;
+  uint8_t now = 0;
+  int32_t page = -1;
+  options.onStep = [&](int64_t step) {
+    if (step != 1) {
+      return;
+    }
+    // Draft row 5 of slot 0, layer 0, V half, byte 7.
+    KVCachePool& pool = *raw->draftPool();
+    page = raw->draftPageTable()->hostRow(0)[0];
+    ASSERT_GE(page, 0);
+    std::vector<uint8_t> bytes = test::readBytes(pool.layer(0));
+    auto const offset = static_cast<std::size_t>(
+        pool.pageBytes() * pool.numPages() + page * pool.pageBytes() + 5 * pool.tokenBytes() + 7);
+    was = bytes[offset];
+    bytes[offset] = static_cast<uint8_t>(was ^ 0x24);
+    now = bytes[offset];
+    test::writeBytes(pool.layer(0), bytes);
+  };
+  ReferenceEngine engine(*runtime, options);
+  EngineRequest request;
+  request.sequences = {sequence(tokenRun(30, 100), 14)};
+  RequestOutcome const outcome = engine.run(request);
+  ASSERT_TRUE(outcome.admitted);
+  ASSERT_GE(outcome.decodeSteps, 3);
+  EngineStats const& stats = engine.stats();
+  // Every round after the first reads draft row 5; the base is intact.
+  EXPECT_EQ(stats.draftOracleMismatches, outcome.decodeSteps - 1);
+  EXPECT_EQ(stats.oracleMismatches, stats.draftOracleMismatches);
+  EXPECT_EQ(stats.firstMismatch,
+            fmt::format("draft slot 0 position 5 (page {}, row 5) layer 0 V: byte 7 is {:#04x}, "
+                        "expected {:#04x}",
+                        page, now, was));
+}
+
+TEST_P(ReferenceEngineTest, SpeculativeWidthNeedsASpeculativeRuntime) {
+  auto runtime = KVCacheRuntime::create(configOf(Shape::kReuse, device()));
+  EXPECT_TRUE(test::throwsError([&] { ReferenceEngine engine(*runtime, speculativeOptions()); },
+                                {"speculativeWidth 3 needs a runtime built with "
+                                 "KVCacheRuntimeConfig::speculative"}));
+  auto speculative = KVCacheRuntime::create(configOf(Shape::kEagle, device()));
+  ReferenceEngineOptions options = speculativeOptions();
+  options.speculativeWidth = ReferenceEngine::kMaxSpeculativeWidth + 1;
+  EXPECT_TRUE(test::throwsError([&] { ReferenceEngine engine(*speculative, options); },
+                                {"speculativeWidth 65 outside [0, 64]"}));
+}
+
 // ---------------------------------------------------------------- CPU vs GPU
 
 class ReferenceEngineParityTest : public ::testing::TestWithParam<Shape> {
@@ -311,7 +446,8 @@ class ReferenceEngineParityTest : public ::testing::TestWithParam<Shape> {
 };
 
 INSTANTIATE_TEST_SUITE_P(Shapes, ReferenceEngineParityTest,
-                         ::testing::Values(Shape::kReuse, Shape::kSwa, Shape::kHybrid),
+                         ::testing::Values(Shape::kReuse, Shape::kSwa, Shape::kHybrid,
+                                           Shape::kEagle),
                          [](::testing::TestParamInfo<Shape> const& shape) {
                            return shapeName(shape.param) + "_gpu";
                          });
@@ -334,6 +470,13 @@ void expectSameRun(RunResult const& cpu, RunResult const& gpu) {
   EXPECT_EQ(a.lengthChecks, b.lengthChecks);
   EXPECT_EQ(a.recurrentChecks, b.recurrentChecks);
   EXPECT_EQ(a.peakPagesInUse, b.peakPagesInUse);
+  EXPECT_EQ(a.speculativeRounds, b.speculativeRounds);
+  EXPECT_EQ(a.proposedTokens, b.proposedTokens);
+  EXPECT_EQ(a.acceptedTokens, b.acceptedTokens);
+  EXPECT_EQ(a.draftReusedTokens, b.draftReusedTokens);
+  EXPECT_EQ(a.draftOracleChecks, b.draftOracleChecks);
+  EXPECT_EQ(a.draftOracleMismatches, b.draftOracleMismatches);
+  EXPECT_EQ(a.peakDraftPagesInUse, b.peakDraftPagesInUse);
   EXPECT_TRUE(a.stepGpuNanoseconds.empty());
   EXPECT_EQ(b.stepGpuNanoseconds.size(), static_cast<std::size_t>(b.decodeSteps));
   ASSERT_EQ(cpu.outcomes.size(), gpu.outcomes.size());
@@ -352,9 +495,10 @@ void expectSameRun(RunResult const& cpu, RunResult const& gpu) {
     auto const differs =
         std::mismatch(cpu.bytes[i].begin(), cpu.bytes[i].end(), gpu.bytes[i].begin());
     EXPECT_TRUE(differs.first == cpu.bytes[i].end())
-        << "buffer " << i << " (KV layers of the full pool, then of the SWA pool, then recurrent "
-        << "state and conv rows) differs first at byte " << (differs.first - cpu.bytes[i].begin())
-        << ": cpu " << int{*differs.first} << ", gpu " << int{*differs.second};
+        << "buffer " << i << " (KV layers of the full pool, then of the SWA and draft pools, then "
+        << "recurrent state and conv rows) differs first at byte "
+        << (differs.first - cpu.bytes[i].begin()) << ": cpu " << int{*differs.first} << ", gpu "
+        << int{*differs.second};
   }
 }
 
@@ -365,6 +509,11 @@ TEST_P(ReferenceEngineParityTest, TheSameWorkloadGivesTheSameFiguresAndBytesOnBo
   EXPECT_GT(cpu.stats.oracleChecks, 0);
   if (GetParam() == Shape::kReuse) {
     EXPECT_GT(cpu.stats.reusedTokens, 0);  // the second request reuses the shared prefix
+  }
+  if (GetParam() == Shape::kEagle) {  // a paired hit, rounds and draft checks
+    EXPECT_GT(cpu.stats.draftReusedTokens, 0);
+    EXPECT_GT(cpu.stats.speculativeRounds, 0);
+    EXPECT_GT(cpu.stats.draftOracleChecks, 0);
   }
   expectSameRun(cpu, gpu);
 }

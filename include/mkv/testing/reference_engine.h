@@ -60,6 +60,12 @@ struct ReferenceEngineOptions {
   bool throwOnMismatch = true;
   /// Called after every decode step with the step index (tests inject faults here).
   std::function<void(int64_t)> onStep;
+  /// Speculative decoding: 0 = vanilla (one token per decode step). K > 0 needs a runtime built
+  /// with KVCacheRuntimeConfig::speculative on an attention-only model (EAGLE-style, or MTP):
+  /// every request is then a speculative request with headroom {K + 1, K} (paged draft) or
+  /// {K + 1, 0}, and every decode step a verification round in which the draft proposes K tokens
+  /// and the base verifies them; how many are accepted is drawn from the seed and the prefix.
+  int32_t speculativeWidth = 0;
 };
 
 struct SequenceOutcome {
@@ -69,6 +75,7 @@ struct SequenceOutcome {
   FinishReason reason = FinishReason::kNotFinished;
   int32_t prefillStart = 0;  ///< reused tokens
   bool joinedInFlight = false;
+  int32_t decodeSteps = 0;  ///< decode steps (verification rounds) the sequence took part in
 };
 
 struct RequestOutcome {
@@ -105,6 +112,15 @@ struct EngineStats {
   /// events recorded right before and after prepareDecodeStep and completeDecodeStep (the
   /// engine's own write and verify launches are outside). Empty with CPU pools.
   std::vector<int64_t> stepGpuNanoseconds;
+  // Speculative decoding (ReferenceEngineOptions::speculativeWidth > 0); every decode step is a
+  // verification round.
+  int64_t speculativeRounds = 0;      ///< rows x rounds: one per running row and round
+  int64_t proposedTokens = 0;         ///< draft tokens proposed (K per running row and round)
+  int64_t acceptedTokens = 0;         ///< of them accepted by the base and committed
+  int64_t draftReusedTokens = 0;      ///< draft KV positions taken from the cache (paired paths)
+  int64_t peakDraftPagesInUse = 0;    ///< max draft pages not free (speculative deployments)
+  int64_t draftOracleChecks = 0;      ///< of oracleChecks, draft KV positions
+  int64_t draftOracleMismatches = 0;  ///< of oracleMismatches, draft KV positions
 };
 
 /// Drives requests through a KVCacheRuntime. Executes no model: for every executed position it
@@ -115,6 +131,21 @@ struct EngineStats {
 /// state (the RecurrentOracle's bytes) and, before every execution, checks that the row holds
 /// the state of exactly the positions it resumes from (zero for a fresh sequence, the restored
 /// checkpoint after reuse).
+///
+/// Speculative decoding (speculativeWidth K > 0, EAGLE-style or MTP draft on an attention-only
+/// model): the draft's KV row at position p depends on the prefix up to p + 1 (the token after
+/// it), so its bytes are the KvOracle's bytes of a digest distinct from the base row's at p + 1
+/// (draftRowDigest); the engine writes them through the draft page table and checks them as it
+/// checks the base. The prefill writes the base rows from the reuse point; the draft
+/// initialisation writes draft rows [reuse, prompt) once the lookahead token is sampled (the
+/// reused draft rows are checked first). A round with base length m (lookahead at m) and draft
+/// length D: the draft writes rows [D, m + K - 1) with its proposals d1..dK as the following
+/// tokens, the base writes positions [m, m + K] (lookahead, d1..dK); a (0..K, from the seed and
+/// the prefix) proposals are accepted, the others differ from the base's tokens, and the rows
+/// commit the accepted ones plus the base's bonus token (fewer when the sequence finishes
+/// first). Base length becomes m + n, draft length min(m + K - 1, m + a, m + n), and that is
+/// the common length the round passes to completeDecodeStep. Rejected positions are written
+/// (as an engine writes them) but never verified.
 ///
 /// Works at engine speed on either device: an engine step (the founding batch's prefill, one
 /// joiner's prefill, one decode step of the whole batch) stages its digests and ranges in a
@@ -143,6 +174,8 @@ class ReferenceEngine {
   int32_t endOfSequenceToken() const noexcept { return kEndOfSequence; }
 
   static constexpr int32_t kEndOfSequence = 2;
+  /// Largest ReferenceEngineOptions::speculativeWidth.
+  static constexpr int32_t kMaxSpeculativeWidth = 64;
 
  private:
   struct Row;
@@ -167,6 +200,16 @@ class ReferenceEngine {
   void executeRecurrent(Row& row, int32_t from, int32_t to);
   void notePages();
   void report(std::string const& what);
+  // Speculative decoding (reference_engine.cpp, "speculative").
+  bool pairsDraft() const noexcept;
+  uint64_t draftRowDigest(uint64_t nextPrefixDigest) const noexcept;
+  /// The draft initialisation after the prefill: draft rows [start, prompt) of `row`.
+  void executeDraftPrefill(Row& row, int32_t start);
+  /// One verification round of `row` (decode step); stages its tokens in row.pendingTokens.
+  void executeRound(Row& row, std::vector<int32_t> const& generated);
+  void verifyDraft(Row& row, int32_t begin, int32_t end, bool full);
+  /// mCommonLengths: each row's common base-and-draft length (speculative), else empty.
+  void commonLengths(Run& run, bool speculative);
 
   KVCacheRuntime& mRuntime;
   ReferenceEngineOptions mOptions;
@@ -175,7 +218,11 @@ class ReferenceEngine {
   bool mHasFull = false;
   bool mHasSwa = false;
   bool mRecurrent = false;
+  int32_t mSpecWidth = 0;
   std::vector<int32_t> mLengthValues;
+  std::vector<int32_t> mDraftLengthValues;
+  std::vector<uint64_t> mDraftDigests;  // scratch: the draft rows' digests of one execution
+  std::vector<int32_t> mCommonLengths;  // scratch: what completePrefill / completeDecodeStep get
   Tensor mDeviceMapping;
   EngineStats mStats;
   uint64_t mRandom;
