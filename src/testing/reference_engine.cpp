@@ -172,6 +172,7 @@ void ReferenceEngine::finishStep(Run& run) {
   mStats.recurrentChecks += found.recurrentChecks;
   if (found.recurrentMismatches > 0) {
     mStats.oracleMismatches += found.recurrentMismatches;
+    mStats.recurrentMismatches += found.recurrentMismatches;
     report("recurrent state: " + found.recurrentFirst);
   }
   if (found.kvMismatches > 0) {
