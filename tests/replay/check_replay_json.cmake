@@ -2,7 +2,37 @@
 # hand (blocks of 512 tokens, pages of 128): request 1 [1, 2] reuses 0; 2 [1, 2, 3] reuses 1024;
 # 3 [1, 9] reuses 512; 4 repeats 1 and, fully matched and page-aligned, recomputes its last
 # page: 896. Prompt tokens 1024 + 1500 + 700 + 1024 = 4248, reused 2432.
-# Usage: cmake -DMKV_REPLAY=<exe> -DTRACE=<jsonl> -DOUT=<json> -P check_replay_json.cmake
+# With -DHYBRID=ON the same trace replays a hybrid model (--recurrent-layers 2: exact checkpoints):
+# request 2 restores request 1's 1024-token prompt checkpoint; requests 3 ([1, 9]) and 4 (request
+# 1 again: no checkpoint strictly shorter than its prompt) reuse nothing: 1024 reused against the
+# attention-only 2432, one restore, 0 recurrent mismatches.
+# Usage: cmake -DMKV_REPLAY=<exe> -DTRACE=<jsonl> -DOUT=<json> [-DHYBRID=ON] -P check_replay_json.cmake
+if(HYBRID)
+  execute_process(COMMAND ${MKV_REPLAY} --trace ${TRACE} --json ${OUT} --quiet --recurrent-layers 2
+                  RESULT_VARIABLE rc ERROR_VARIABLE err)
+  if(NOT rc EQUAL 0)
+    message(FATAL_ERROR "mkv-replay exited with ${rc}: ${err}")
+  endif()
+  file(READ ${OUT} json)
+  foreach(expectation reused_tokens=1024 prompt_tokens=4248 oracle_mismatches=0 recurrent_layers=2
+                      hybrid.checkpoints_restored=1 hybrid.checkpoints_published=6
+                      hybrid.snapshot_pressure_skips=0 hybrid.recurrent_mismatches=0
+                      hybrid.recurrent_snapshot_slots=10 hybrid.attention_only_reused_tokens=2432)
+    string(REPLACE "=" ";" pair ${expectation})
+    list(GET pair 0 key)
+    list(GET pair 1 expected)
+    string(REPLACE "." ";" path ${key})
+    string(JSON value GET "${json}" ${path})
+    if(NOT value EQUAL expected)
+      message(FATAL_ERROR "${key} is ${value}, expected ${expected}\n${json}")
+    endif()
+  endforeach()
+  string(JSON checks GET "${json}" hybrid recurrent_checks)
+  if(NOT checks GREATER 0)
+    message(FATAL_ERROR "hybrid.recurrent_checks is ${checks}, expected > 0")
+  endif()
+  return()
+endif()
 execute_process(COMMAND ${MKV_REPLAY} --trace ${TRACE} --json ${OUT} --quiet
                 RESULT_VARIABLE rc ERROR_VARIABLE err)
 if(NOT rc EQUAL 0)
