@@ -3,7 +3,8 @@
 // checks and host time (docs/replay.md).
 //
 // Exit codes: 0 success, 1 internal error (a library or tool bug), 2 bad input (usage, trace,
-// impossible configuration, unwritable output), 3 the KV oracle found corrupted KV.
+// impossible configuration, unwritable output), 3 the KV oracle found corrupted KV (or the
+// recurrent oracle a corrupted recurrent state).
 
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
@@ -468,8 +469,15 @@ int run(int argc, char** argv) {
     }
   }
   if (result.oracleMismatches > 0) {
-    fmt::print(stderr, "mkv-replay: the KV oracle found {} corrupted positions; first: {}\n",
-               result.oracleMismatches, result.firstMismatch);
+    if (result.hybrid.recurrentMismatches > 0) {
+      fmt::print(stderr,
+                 "mkv-replay: the oracles found {} corrupted positions and recurrent states ({} "
+                 "recurrent); first: {}\n",
+                 result.oracleMismatches, result.hybrid.recurrentMismatches, result.firstMismatch);
+    } else {
+      fmt::print(stderr, "mkv-replay: the KV oracle found {} corrupted positions; first: {}\n",
+                 result.oracleMismatches, result.firstMismatch);
+    }
     return kExitCorruption;
   }
   return code;
