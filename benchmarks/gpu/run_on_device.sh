@@ -10,9 +10,9 @@
 #   5. the other test suites of the build folder (CPU suites and their GPU instantiations),
 #      mkv_runtime_tests first, while time is left,
 #   6. mkv-replay on GPU and on CPU tensors at a model-sized geometry (32 layers x 8 KV heads x
-#      head dim 128, page 128: 16 MiB per page), reuse and swa modes, on the embedded workload
-#      (also with an EAGLE draft) and the first requests of the bundled Mooncake sample: the
-#      figures of both devices must be
+#      head dim 128, page 128: 16 MiB per page), reuse, hybrid reuse (+ 9 recurrent layers) and
+#      swa modes, on the embedded workload (also with an EAGLE draft) and the first requests of
+#      the bundled Mooncake sample: the figures of both devices must be
 #      identical; wall times, requests/s and library host / GPU ns per step are in replay_*.json,
 # with every log under $OUT (default ./out), and a short summary table printed last.
 ##
@@ -280,6 +280,9 @@ elif [[ $(gtest_status 0 "$OUT/gpu_tests.log") == SKIP ]]; then
   record "mkv-replay" SKIP 0 "no device"
 else
   replay_case embedded_reuse --pool-tokens 32768
+  # Hybrid checkpoints: 96 snapshot slots (1.5 GiB of partial pages) keep every restore.
+  replay_case embedded_hybrid --pool-tokens 32768 --recurrent-layers 9 --snapshot-slots 96 \
+    --no-attention-only
   replay_case embedded_swa --mode swa --window 1024 --full-layers 1 --max-batch 4
   # An EAGLE deployment: paired base + draft reuse, the draft's KV checked by its own oracle.
   replay_case embedded_eagle --pool-tokens 32768 --speculative eagle --draft-layers 1

@@ -3,7 +3,8 @@
 // checks and host time (docs/replay.md).
 //
 // Exit codes: 0 success, 1 internal error (a library or tool bug), 2 bad input (usage, trace,
-// impossible configuration, unwritable output), 3 the KV oracle found corrupted KV.
+// impossible configuration, unwritable output), 3 the KV oracle found corrupted KV (or the
+// recurrent oracle a corrupted recurrent state).
 
 #include <fmt/format.h>
 #include <spdlog/spdlog.h>
@@ -63,6 +64,7 @@ struct CliOptions {
   spdlog::level::level_enum logLevel = spdlog::level::off;
   mkv::KvEventPublisherConfig kvEvents;  ///< endpoint empty: no publisher
   bool kvEventsHold = false;
+  bool attentionOnlyBaseline = true;  ///< hybrid: replay the trace attention-only as well
   bool quiet = false;
   std::string help;  ///< the usage text when --help was given
 };
@@ -242,6 +244,32 @@ CliOptions parseArguments(int argc, char** argv) {
   auto* specWidth = option(
       "--spec-width", "K", "draft tokens proposed per verification round, in [1, 64] (default 3)",
       int32(1, mkv::testing::ReferenceEngine::kMaxSpeculativeWidth, c.specWidth));
+  group = "hybrid model (reuse mode: exact checkpoints of the recurrent layers)";
+  option("--recurrent-layers", "N",
+         "Mamba / linear-attention layers besides the attention ones (default 0: attention-only)",
+         int32(0, 128, c.recurrentLayers));
+  auto bytes = [](int64_t& target) {
+    return [&target](std::string_view flag, std::string_view value) {
+      target = parseInteger(flag, value, 1, int64_t{1} << 30);
+    };
+  };
+  auto* stateBytes = option("--recurrent-state-bytes", "B",
+                            "recurrent state bytes per layer and sequence (default 64)",
+                            bytes(c.recurrentStateBytes));
+  auto* convBytes = option("--recurrent-conv-bytes", "B",
+                           "recurrent conv bytes per layer and sequence (default 16)",
+                           bytes(c.recurrentConvBytes));
+  auto* snapshotSlots =
+      option("--snapshot-slots", "N",
+             "snapshot budget in checkpoints (default: unbounded, every capture finds a slot)",
+             [&](std::string_view flag, std::string_view value) {
+               c.snapshotSlots = parseInteger(flag, value, 1, kInt32Max / 2);
+             });
+  bool noBaseline = false;
+  auto* noBaselineFlag =
+      app.add_flag("--no-attention-only", noBaseline,
+                   "skip the second, attention-only replay of the trace (the reuse comparison)")
+          ->group(std::string(group));
 
   group = "KV events (reuse mode; vLLM's ZeroMQ wire format, for KV-aware routers)";
   option("--kv-events", "ENDPOINT",
@@ -341,6 +369,20 @@ CliOptions parseArguments(int argc, char** argv) {
         "--speculative eagle needs --draft-layers >= 1 (an EAGLE head owns paged KV; a draft "
         "reading the base KV is --speculative mtp --draft-layers 0)");
   }
+  if (c.recurrentLayers > 0 && c.mode != ReplayMode::kReuse) {
+    throw UsageError("--recurrent-layers applies to --mode reuse only");
+  }
+  if (c.recurrentLayers == 0 &&
+      stateBytes->count() + convBytes->count() + snapshotSlots->count() + noBaselineFlag->count() >
+          0) {
+    throw UsageError(
+        "--recurrent-state-bytes, --recurrent-conv-bytes, --snapshot-slots and "
+        "--no-attention-only need --recurrent-layers N > 0");
+  }
+  if (c.speculative != SpeculativeKind::kNone && c.recurrentLayers > 0) {
+    throw UsageError("--speculative with --recurrent-layers (Hybrid-MTP) is not replayed yet");
+  }
+  options.attentionOnlyBaseline = !noBaseline;
   if (c.mode != ReplayMode::kSwa && window->count() + fullLayers->count() > 0) {
     throw UsageError(fmt::format("{} applies to --mode swa only",
                                  window->count() > 0 ? "--window" : "--full-layers"));
@@ -383,6 +425,9 @@ int run(int argc, char** argv) {
   mkv::logger()->set_level(options.logLevel);
   ReplayConfig config = options.config;
   std::unique_ptr<RequestSource> source;
+  // Hybrid: a second, fresh copy of the workload for the attention-only replay.
+  std::unique_ptr<RequestSource> attentionOnly;
+  bool const baseline = config.recurrentLayers > 0 && options.attentionOnlyBaseline;
   if (options.trace) {
     TraceFormat const format = options.format.value_or(TraceFormat::kAuto);
     std::vector<TraceRecord> records = loadTrace(*options.trace, format, config.limit);
@@ -391,11 +436,17 @@ int run(int argc, char** argv) {
     }
     std::string description = fmt::format("trace {} ({} requests, format {})", *options.trace,
                                           records.size(), toString(format));
+    if (baseline) {
+      attentionOnly = std::make_unique<TraceSource>(records, description);
+    }
     source = std::make_unique<TraceSource>(std::move(records), std::move(description));
   } else {
     MultiTurnWorkloadConfig workload;
     workload.seed = config.seed;
     source = std::make_unique<MultiTurnWorkload>(workload);
+    if (baseline) {
+      attentionOnly = std::make_unique<MultiTurnWorkload>(workload);
+    }
   }
   auto const json = openOutput(options.json);
   auto const csv = openOutput(options.csv);
@@ -422,7 +473,8 @@ int run(int argc, char** argv) {
 
   ProgressBar bar(stderr, !options.quiet && ::isatty(STDERR_FILENO) != 0);
   ReplayResult const result = runReplay(
-      *source, config, [&bar](std::size_t done, std::size_t total) { bar.update(done, total); });
+      *source, config, [&bar](std::size_t done, std::size_t total) { bar.update(done, total); },
+      attentionOnly.get());
   bar.clear();
   if (events) {
     events->flush();
@@ -453,8 +505,15 @@ int run(int argc, char** argv) {
     }
   }
   if (result.oracleMismatches > 0) {
-    fmt::print(stderr, "mkv-replay: the KV oracle found {} corrupted positions; first: {}\n",
-               result.oracleMismatches, result.firstMismatch);
+    if (result.hybrid.recurrentMismatches > 0) {
+      fmt::print(stderr,
+                 "mkv-replay: the oracles found {} corrupted positions and recurrent states ({} "
+                 "recurrent); first: {}\n",
+                 result.oracleMismatches, result.hybrid.recurrentMismatches, result.firstMismatch);
+    } else {
+      fmt::print(stderr, "mkv-replay: the KV oracle found {} corrupted positions; first: {}\n",
+                 result.oracleMismatches, result.firstMismatch);
+    }
     return kExitCorruption;
   }
   return code;

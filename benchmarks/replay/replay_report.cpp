@@ -115,6 +115,37 @@ std::string number(double value) {
   return fmt::format("{}", value);
 }
 
+double ratio(int64_t part, int64_t whole) {
+  return whole > 0 ? static_cast<double>(part) / static_cast<double>(whole) : 0.0;
+}
+
+/// Hybrid checkpoint reuse: the summary's lines after the oracle's.
+void hybridSummary(ReplayResult const& r, std::string& out) {
+  ReplayResult::Hybrid const& h = r.hybrid;
+  auto line = [&out](std::string_view label, std::string const& value) {
+    out += fmt::format("  {:<26}{}\n", label, value);
+  };
+  line("snapshot budget",
+       fmt::format("{} checkpoints ({} recurrent + {} partial-KV slots), {} ({})",
+                   grouped(h.recurrentSnapshotSlots), grouped(h.recurrentSnapshotSlots),
+                   grouped(h.partialKvSnapshotSlots), bytes(h.snapshotBytes),
+                   r.config.snapshotSlots > 0
+                       ? fmt::format("--snapshot-slots {}", r.config.snapshotSlots)
+                       : std::string("unbounded: every capture finds a slot")));
+  line("checkpoints",
+       fmt::format("published {}, restored {}, skipped for snapshot pressure {} (captures {})",
+                   grouped(h.checkpointsPublished), grouped(h.checkpointsRestored),
+                   grouped(h.snapshotPressureSkips), grouped(h.checkpointCaptures)));
+  if (h.attentionOnlyRun) {
+    line("attention-only reuse",
+         fmt::format("{}  (hit rate {:.2f}%; the hybrid model reuses {:.1f}% of it)",
+                     grouped(h.attentionOnlyReusedTokens), 100.0 * h.attentionOnlyHitRate,
+                     100.0 * ratio(r.reusedTokens, h.attentionOnlyReusedTokens)));
+  }
+  line("recurrent oracle", fmt::format("{} states checked, {} mismatches",
+                                       grouped(h.recurrentChecks), grouped(h.recurrentMismatches)));
+}
+
 double requestsPerSecond(ReplayResult const& r) {
   return r.wallSeconds > 0.0 ? static_cast<double>(r.requests) / r.wallSeconds : 0.0;
 }
@@ -194,6 +225,11 @@ std::string formatSummary(ReplayResult const& r) {
       model += fmt::format(", + {} full layer{}", c.fullLayers, c.fullLayers == 1 ? "" : "s");
     }
   }
+  if (c.recurrentLayers > 0) {
+    model +=
+        fmt::format(", + {} recurrent layer{} ({} B state + {} B conv each)", c.recurrentLayers,
+                    c.recurrentLayers == 1 ? "" : "s", c.recurrentStateBytes, c.recurrentConvBytes);
+  }
   line("model", model);
   line("page", fmt::format("{} tokens, {} per page (K+V, all layers of the pool)", c.pageSize,
                            bytes(r.bytesPerPage)));
@@ -260,6 +296,9 @@ std::string formatSummary(ReplayResult const& r) {
   line("oracle", oracle);
   if (!r.firstMismatch.empty()) {
     line("first mismatch", r.firstMismatch);
+  }
+  if (c.recurrentLayers > 0) {
+    hybridSummary(r, out);
   }
   line("host ns per decode step",
        fmt::format("p50 {}, p99 {}, mean {}", grouped(r.hostNsPerStepP50),
@@ -332,6 +371,34 @@ std::string formatJson(ReplayResult const& r) {
       {"requests_per_s", std::round(requestsPerSecond(r) * 10.0) / 10.0},
       {"dropped_events", r.droppedEvents},
   };
+  json["recurrent_layers"] = c.recurrentLayers;
+  if (c.recurrentLayers > 0) {
+    ReplayResult::Hybrid const& h = r.hybrid;
+    nlohmann::ordered_json hybrid = {
+        {"recurrent_state_bytes", c.recurrentStateBytes},
+        {"recurrent_conv_bytes", c.recurrentConvBytes},
+        {"snapshot_sizing", c.snapshotSlots > 0 ? "slots" : "unbounded"},
+        {"recurrent_snapshot_slots", h.recurrentSnapshotSlots},
+        {"partial_kv_snapshot_slots", h.partialKvSnapshotSlots},
+        {"snapshot_bytes", h.snapshotBytes},
+        {"checkpoint_captures", h.checkpointCaptures},
+        {"checkpoints_published", h.checkpointsPublished},
+        {"checkpoints_restored", h.checkpointsRestored},
+        {"snapshot_pressure_skips", h.snapshotPressureSkips},
+        {"recurrent_checks", h.recurrentChecks},
+        {"recurrent_mismatches", h.recurrentMismatches},
+    };
+    if (h.attentionOnlyRun) {
+      hybrid["attention_only_reused_tokens"] = h.attentionOnlyReusedTokens;
+      hybrid["attention_only_hit_rate"] = h.attentionOnlyHitRate;
+      hybrid["reuse_vs_attention_only"] = ratio(r.reusedTokens, h.attentionOnlyReusedTokens);
+    } else {
+      hybrid["attention_only_reused_tokens"] = nullptr;
+      hybrid["attention_only_hit_rate"] = nullptr;
+      hybrid["reuse_vs_attention_only"] = nullptr;
+    }
+    json["hybrid"] = hybrid;
+  }
   if (KvEventPublisher const* events = c.kvEvents) {
     json["kv_events"] = {{"batches_published", events->batchesPublished()},
                          {"batches_dropped", events->batchesDropped()},

@@ -22,7 +22,9 @@ using testing::RequestOutcome;
 using testing::SequenceOutcome;
 
 constexpr int32_t kMaxBatch = 4096;
-constexpr int32_t kMaxGeometry = 4096;  // KV heads, head dim
+constexpr int32_t kMaxGeometry = 4096;           // KV heads, head dim
+constexpr int32_t kMaxRecurrentLayers = 128;     // the recurrent oracle addresses this many
+constexpr int64_t kMaxRecurrentBytes = 1 << 30;  // state or conv bytes per layer and sequence
 
 int64_t ceilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -48,6 +50,29 @@ void validateSpeculative(ReplayConfig const& c) {
     configError(
         "an EAGLE draft owns paged KV: draft layers must be >= 1 (0 is an MTP draft "
         "reading the base KV)");
+  }
+}
+
+void validateHybrid(ReplayConfig const& c) {
+  if (c.recurrentLayers < 0 || c.recurrentLayers > kMaxRecurrentLayers) {
+    configError(fmt::format("recurrent layers {} must be in [0, {}]", c.recurrentLayers,
+                            kMaxRecurrentLayers));
+  }
+  if (c.recurrentLayers > 0 && c.mode != ReplayMode::kReuse) {
+    configError(fmt::format(
+        "recurrent layers exist in reuse mode only (hybrid checkpoint reuse), not in {} mode",
+        toString(c.mode)));
+  }
+  if (c.recurrentStateBytes < 1 || c.recurrentStateBytes > kMaxRecurrentBytes ||
+      c.recurrentConvBytes < 1 || c.recurrentConvBytes > kMaxRecurrentBytes) {
+    configError(fmt::format("recurrent state bytes {} and conv bytes {} must be in [1, {}]",
+                            c.recurrentStateBytes, c.recurrentConvBytes, kMaxRecurrentBytes));
+  }
+  if (c.snapshotSlots < 0) {
+    configError(fmt::format("snapshot slots {} must be >= 1 (0 = unbounded)", c.snapshotSlots));
+  }
+  if (c.snapshotSlots > 0 && c.recurrentLayers == 0) {
+    configError("snapshot slots exist with recurrent layers only");
   }
 }
 
@@ -87,6 +112,11 @@ void validate(ReplayConfig const& c) {
         fmt::format("KV events exist in reuse mode only, not in {} mode", toString(c.mode)));
   }
   validateSpeculative(c);
+  validateHybrid(c);
+  if (c.speculative != SpeculativeKind::kNone && c.recurrentLayers > 0) {
+    configError(
+        "speculative decoding on a model with recurrent layers (Hybrid-MTP) is not replayed yet");
+  }
   if (c.device == DeviceType::kGPU && !cudaDeviceAvailable()) {
     configError(MKV_WITH_CUDA ? "--device cuda: no CUDA device is visible"
                               : "--device cuda: this build has no CUDA (configure with "
@@ -190,6 +220,7 @@ class Runner {
       case ReplayMode::kReuse:
         rc.model.numFullAttentionLayers = c.layers;
         rc.contextReuse = true;
+        configureHybrid(rc);
         pages = explicitPages > 0
                     ? explicitPages
                     : mSource.cachedPagesBound(c.pageSize, c.maxOutputTokens) + batch * width;
@@ -280,10 +311,38 @@ class Runner {
     options.speculativeWidth = c.speculative != SpeculativeKind::kNone ? c.specWidth : 0;
     mEngine = std::make_unique<ReferenceEngine>(*mRuntime, std::move(options));
     mJoins = c.mode != ReplayMode::kSwa && batch > 1 && mRuntime->supportsSeatedAdmission();
-    // Without in-flight admission (bounded SWA, speculative deployments) a run starts with a
-    // batch of up to maxBatch consecutive requests.
-    bool const batches = c.mode == ReplayMode::kSwa || !mRuntime->supportsSeatedAdmission();
+    // Without in-flight admission, bounded SWA and speculative runs start with a batch of up to
+    // maxBatch consecutive requests; hybrid checkpoint runs take one request at a time
+    // (docs/replay.md, "Hybrid models").
+    bool const batches = c.mode == ReplayMode::kSwa || c.speculative != SpeculativeKind::kNone;
     mFoundersPerRun = batches ? static_cast<std::size_t>(batch) : 1;
+  }
+
+  /// Hybrid checkpoint reuse: the recurrent layers and the snapshot budget, in checkpoints (one
+  /// recurrent and one partial-KV slot each).
+  void configureHybrid(KVCacheRuntimeConfig& rc) const {
+    ReplayConfig const& c = mConfig;
+    if (c.recurrentLayers == 0) {
+      return;
+    }
+    rc.model.numRecurrentLayers = c.recurrentLayers;
+    rc.model.recurrentStateBytes = c.recurrentStateBytes;
+    rc.model.recurrentConvBytes = c.recurrentConvBytes;
+    // Unbounded: a request captures at most twice (prompt end, decode end), so every capture of
+    // the replay finds a slot even if nothing is ever evicted.
+    int64_t const slots = c.snapshotSlots > 0 ? c.snapshotSlots : 2 * mResult.requests + 2;
+    int64_t const recurrentBytes =
+        int64_t{c.recurrentLayers} * (c.recurrentStateBytes + c.recurrentConvBytes);
+    int64_t const partialBytes = int64_t{c.layers} * 2 * c.pageSize * c.kvHeads * c.headDim *
+                                 static_cast<int64_t>(dataTypeSize(c.dtype));
+    int64_t const limit = std::numeric_limits<int64_t>::max() / 4;
+    if (slots > std::numeric_limits<int32_t>::max() / 2 || slots > limit / recurrentBytes ||
+        slots > limit / partialBytes) {
+      configError(fmt::format("{} snapshot slots of {} + {} bytes are too many", slots,
+                              recurrentBytes, partialBytes));
+    }
+    rc.contextCache.recurrentSnapshotPoolBytes = slots * recurrentBytes;
+    rc.contextCache.partialKvSnapshotPoolBytes = slots * partialBytes;
   }
 
   /// Materialises the next request when the source has it ready.
@@ -424,6 +483,9 @@ class Runner {
       }
       processOutcome(outcome);
       reportProgress();
+      if (mConfig.betweenRuns) {
+        mConfig.betweenRuns(*mRuntime);
+      }
       resetCacheWhenDue();
     }
   }
@@ -575,6 +637,7 @@ class Runner {
       r.droppedEvents = static_cast<int64_t>(metrics.droppedEvents);
       r.specFullPageReplays = static_cast<int64_t>(metrics.specFullPageReplays);
       r.specPairPublications = static_cast<int64_t>(coordinator->counters().specPairPublications);
+      summarizeHybrid(*coordinator);
       if (mConfig.kvEvents != nullptr) {
         BlockIndex const& index = coordinator->manager().index();
         for (PageId page = 0; page < index.pageCapacity(); ++page) {
@@ -592,6 +655,26 @@ class Runner {
     if (!mRuntime->shutdown()) {
       throw std::runtime_error("the runtime's shutdown did not drain its quarantine");
     }
+  }
+
+  void summarizeHybrid(ContextCacheCoordinator const& coordinator) {
+    if (mConfig.recurrentLayers == 0) {
+      return;
+    }
+    testing::EngineStats const& stats = mEngine->stats();
+    ContextCacheCoordinatorCounters const& counters = coordinator.counters();
+    ReplayResult::Hybrid& h = mResult.hybrid;
+    if (SnapshotStorage const* snapshots = coordinator.snapshots()) {
+      h.recurrentSnapshotSlots = snapshots->config().recurrentSlots;
+      h.partialKvSnapshotSlots = snapshots->config().partialKvSlots;
+      h.snapshotBytes = snapshots->totalBytes();
+    }
+    h.checkpointCaptures = static_cast<int64_t>(counters.checkpointCaptures);
+    h.checkpointsPublished = static_cast<int64_t>(counters.checkpointPublications);
+    h.checkpointsRestored = static_cast<int64_t>(counters.checkpointRestores);
+    h.snapshotPressureSkips = static_cast<int64_t>(counters.snapshotPressureSkips);
+    h.recurrentChecks = stats.recurrentChecks;
+    h.recurrentMismatches = stats.recurrentMismatches;
   }
 
   RequestSource& mSource;
@@ -650,8 +733,23 @@ std::string_view toString(SpeculativeKind kind) noexcept {
 }
 
 ReplayResult runReplay(RequestSource& source, ReplayConfig const& config,
-                       ProgressCallback const& progress) {
-  return Runner(source, config, progress).run();
+                       ProgressCallback const& progress, RequestSource* attentionOnly) {
+  ReplayResult result = Runner(source, config, progress).run();
+  if (config.recurrentLayers > 0 && attentionOnly != nullptr) {
+    // The same attention layers, pool and trace with block reuse; reuse does not depend on the
+    // oracle, so it is off here.
+    ReplayConfig shadow = config;
+    shadow.recurrentLayers = 0;
+    shadow.snapshotSlots = 0;
+    shadow.verify = testing::VerifyMode::kNone;
+    shadow.kvEvents = nullptr;
+    shadow.betweenRuns = nullptr;
+    ReplayResult const plain = Runner(*attentionOnly, shadow, {}).run();
+    result.hybrid.attentionOnlyRun = true;
+    result.hybrid.attentionOnlyReusedTokens = plain.reusedTokens;
+    result.hybrid.attentionOnlyHitRate = plain.hitRate;
+  }
+  return result;
 }
 
 }  // namespace mkv::replay

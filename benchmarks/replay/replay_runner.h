@@ -75,6 +75,16 @@ struct ReplayConfig {
   /// draft that reads the base KV and owns no pool (kMtp only).
   int32_t draftLayers = 1;
   int32_t specWidth = 3;  ///< K: draft tokens proposed per verification round
+
+  // Hybrid checkpoint reuse (kReuse with recurrentLayers > 0; docs/replay.md, "Hybrid models").
+  int32_t recurrentLayers = 0;       ///< Mamba / linear-attention layers besides `layers`
+  int64_t recurrentStateBytes = 64;  ///< per recurrent layer and sequence
+  int64_t recurrentConvBytes = 16;   ///< per recurrent layer and sequence
+  /// Snapshot budget in checkpoints: recurrent slots and as many partial-KV slots; 0 = unbounded
+  /// (sized from the workload: every capture finds a slot).
+  int64_t snapshotSlots = 0;
+  /// Tests: called after every run of the engine (between runs; fault injection).
+  std::function<void(KVCacheRuntime&)> betweenRuns;
 };
 
 /// A configuration that cannot be replayed (an impossible pool, a bad geometry): mkv-replay
@@ -172,6 +182,23 @@ struct ReplayResult {
   int64_t specPairPublications = 0;   ///< paired base + draft publication attempts
   int64_t draftOracleChecks = 0;      ///< of oracleChecks, draft KV positions
   int64_t draftOracleMismatches = 0;  ///< of oracleMismatches, draft KV positions
+  /// Hybrid checkpoint reuse (recurrentLayers > 0); zero otherwise.
+  struct Hybrid {
+    int64_t recurrentSnapshotSlots = 0;
+    int64_t partialKvSnapshotSlots = 0;
+    int64_t snapshotBytes = 0;          ///< every slab of the coordinator's snapshot storage
+    int64_t checkpointCaptures = 0;     ///< captures enqueued (prefill end, decode end)
+    int64_t checkpointsPublished = 0;   ///< captured checkpoints committed as records
+    int64_t checkpointsRestored = 0;    ///< sequences that started from a restored checkpoint
+    int64_t snapshotPressureSkips = 0;  ///< captures skipped: no snapshot slot could be had
+    int64_t recurrentChecks = 0;        ///< recurrent states the oracle verified
+    int64_t recurrentMismatches = 0;    ///< of those, with a wrong byte (in oracleMismatches too)
+    /// The same trace replayed by the attention layers alone (block reuse), when runReplay got an
+    /// attention-only source.
+    bool attentionOnlyRun = false;
+    int64_t attentionOnlyReusedTokens = 0;
+    double attentionOnlyHitRate = 0.0;
+  } hybrid;
 
   std::vector<RequestRecord> records;   ///< by request index
   std::vector<TimelinePoint> timeline;  ///< by completion
@@ -182,7 +209,11 @@ using ProgressCallback = std::function<void(std::size_t, std::size_t)>;
 
 /// Runs the replay. Throws ReplayConfigError for a configuration that cannot run, mkv::Error for
 /// library contract violations (a bug), and std::exception from the source.
+/// With recurrent layers and `attentionOnly` (a second, fresh copy of `source`), the same trace
+/// is then replayed once more with the attention layers alone and no oracle (the figures of
+/// ReplayResult::Hybrid::attentionOnly*); it is ignored without recurrent layers.
 ReplayResult runReplay(RequestSource& source, ReplayConfig const& config,
-                       ProgressCallback const& progress = {});
+                       ProgressCallback const& progress = {},
+                       RequestSource* attentionOnly = nullptr);
 
 }  // namespace mkv::replay

@@ -192,6 +192,7 @@ void ReferenceEngine::finishStep(Run& run) {
   mStats.recurrentChecks += found.recurrentChecks;
   if (found.recurrentMismatches > 0) {
     mStats.oracleMismatches += found.recurrentMismatches;
+    mStats.recurrentMismatches += found.recurrentMismatches;
     report("recurrent state: " + found.recurrentFirst);
   }
   mStats.draftOracleChecks += found.draftChecked;

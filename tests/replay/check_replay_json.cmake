@@ -5,8 +5,38 @@
 # With -DSPECULATIVE=eagle (an EAGLE draft, every position checked): every paired path's last
 # page is replayed, so request 2 reuses 896, request 3 384 and request 4 896 (its last page is
 # recomputed anyway): 2176 reused, base and draft, 3 last-page replays, 10 generated tokens.
-# Usage: cmake -DMKV_REPLAY=<exe> -DTRACE=<jsonl> -DOUT=<json> [-DSPECULATIVE=eagle]
+# With -DHYBRID=ON the same trace replays a hybrid model (--recurrent-layers 2: exact checkpoints):
+# request 2 restores request 1's 1024-token prompt checkpoint; requests 3 ([1, 9]) and 4 (request
+# 1 again: no checkpoint strictly shorter than its prompt) reuse nothing: 1024 reused against the
+# attention-only 2432, one restore, 0 recurrent mismatches.
+# Usage: cmake -DMKV_REPLAY=<exe> -DTRACE=<jsonl> -DOUT=<json> [-DSPECULATIVE=eagle | -DHYBRID=ON]
 #        -P check_replay_json.cmake
+if(HYBRID)
+  execute_process(COMMAND ${MKV_REPLAY} --trace ${TRACE} --json ${OUT} --quiet --recurrent-layers 2
+                  RESULT_VARIABLE rc ERROR_VARIABLE err)
+  if(NOT rc EQUAL 0)
+    message(FATAL_ERROR "mkv-replay exited with ${rc}: ${err}")
+  endif()
+  file(READ ${OUT} json)
+  foreach(expectation reused_tokens=1024 prompt_tokens=4248 oracle_mismatches=0 recurrent_layers=2
+                      hybrid.checkpoints_restored=1 hybrid.checkpoints_published=6
+                      hybrid.snapshot_pressure_skips=0 hybrid.recurrent_mismatches=0
+                      hybrid.recurrent_snapshot_slots=10 hybrid.attention_only_reused_tokens=2432)
+    string(REPLACE "=" ";" pair ${expectation})
+    list(GET pair 0 key)
+    list(GET pair 1 expected)
+    string(REPLACE "." ";" path ${key})
+    string(JSON value GET "${json}" ${path})
+    if(NOT value EQUAL expected)
+      message(FATAL_ERROR "${key} is ${value}, expected ${expected}\n${json}")
+    endif()
+  endforeach()
+  string(JSON checks GET "${json}" hybrid recurrent_checks)
+  if(NOT checks GREATER 0)
+    message(FATAL_ERROR "hybrid.recurrent_checks is ${checks}, expected > 0")
+  endif()
+  return()
+endif()
 set(args --trace ${TRACE} --json ${OUT} --quiet)
 set(expectations requests=4 prompt_tokens=4248 generated_tokens=10 evicted_records=0
                  failed_requests=0 joins=0 oracle_mismatches=0 page_size=128

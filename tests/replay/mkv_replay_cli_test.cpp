@@ -172,6 +172,11 @@ TEST_F(MkvReplayCliTest, HelpExitsZeroAndListsEveryOption) {
                                "--speculative S",
                                "--draft-layers N",
                                "--spec-width K",
+                               "--recurrent-layers N",
+                               "--recurrent-state-bytes B",
+                               "--recurrent-conv-bytes B",
+                               "--snapshot-slots N",
+                               "--no-attention-only",
                                "--kv-events ENDPOINT",
                                "--kv-events-replay ENDPOINT",
                                "--kv-events-encoding E",
@@ -251,6 +256,24 @@ TEST_F(MkvReplayCliTest, BadOptionsAreOneLineAndExitTwo) {
                  "--spec-width 0 is outside [1, 64]");
   expectBadInput({"--speculative", "mtp", "--draft-layers", "257"},
                  "--draft-layers 257 is outside [0, 256]");
+  // Hybrid models: reuse mode only, and the recurrent options need recurrent layers.
+  expectBadInput({"--recurrent-layers", "2", "--mode", "swa"},
+                 "--recurrent-layers applies to --mode reuse only");
+  expectBadInput({"--recurrent-layers", "2", "--mode", "full"},
+                 "--recurrent-layers applies to --mode reuse only");
+  expectBadInput({"--recurrent-layers", "129"}, "--recurrent-layers 129 is outside [0, 128]");
+  expectBadInput({"--recurrent-layers", "2", "--recurrent-state-bytes", "0"},
+                 "--recurrent-state-bytes 0 is outside [1, 1073741824]");
+  expectBadInput({"--recurrent-layers", "2", "--snapshot-slots", "0"},
+                 "--snapshot-slots 0 is outside [1, ");
+  char const* const needsLayers =
+      "--recurrent-state-bytes, --recurrent-conv-bytes, --snapshot-slots and --no-attention-only "
+      "need --recurrent-layers N > 0";
+  expectBadInput({"--snapshot-slots", "4"}, needsLayers);
+  expectBadInput({"--recurrent-conv-bytes", "4"}, needsLayers);
+  expectBadInput({"--recurrent-layers", "0", "--no-attention-only"}, needsLayers);
+  expectBadInput({"--recurrent-layers", "2", "--speculative", "mtp"},
+                 "--speculative with --recurrent-layers (Hybrid-MTP) is not replayed yet");
 }
 
 TEST_F(MkvReplayCliTest, SpeculativeReplaysReportDraftReuseAndBothOracles) {
@@ -277,6 +300,57 @@ TEST_F(MkvReplayCliTest, SpeculativeReplaysReportDraftReuseAndBothOracles) {
   nlohmann::json const shared = nlohmann::json::parse(slurp(json)).at("speculative");
   EXPECT_EQ(shared.at("paged_draft"), false);
   EXPECT_EQ(shared.at("draft_oracle_checks"), 0);
+}
+
+TEST_F(MkvReplayCliTest, HybridTraceReportsCheckpointsAgainstAttentionOnlyReuse) {
+  MKV_TEST_INPUT_OR_SKIP(tinyPath, "tests/replay/tiny_mooncake.jsonl");
+  std::string const json = (mDir / "hybrid.json").string();
+  CliResult const result = run({"--trace", tinyPath.string(), "--recurrent-layers", "2", "--json",
+                                json, "--recurrent-state-bytes", "24"});
+  ASSERT_EQ(result.exitCode, 0) << result.err;
+  // Request 2 restores request 1's 1024-token prompt checkpoint; request 3 ([1, 9]) and request
+  // 4 (request 1 again: no checkpoint strictly shorter than its prompt) reuse nothing, where
+  // attention-only reuse binds 512 and 896 tokens of whole pages.
+  EXPECT_NE(result.out.find("checkpoints               published 6, restored 1, skipped for "
+                            "snapshot pressure 0 (captures 6)"),
+            std::string::npos)
+      << result.out;
+  EXPECT_NE(result.out.find("attention-only reuse      2,432  (hit rate 57.25%; the hybrid model "
+                            "reuses 42.1% of it)"),
+            std::string::npos)
+      << result.out;
+  nlohmann::json const figures = nlohmann::json::parse(slurp(json));
+  EXPECT_EQ(figures.at("recurrent_layers"), 2);
+  EXPECT_EQ(figures.at("reused_tokens"), 1024);
+  EXPECT_EQ(figures.at("oracle_mismatches"), 0);
+  nlohmann::json const& hybrid = figures.at("hybrid");
+  EXPECT_EQ(hybrid.at("recurrent_state_bytes"), 24);
+  EXPECT_EQ(hybrid.at("recurrent_conv_bytes"), 16);
+  EXPECT_EQ(hybrid.at("snapshot_sizing"), "unbounded");
+  EXPECT_EQ(hybrid.at("recurrent_snapshot_slots"), 2 * 4 + 2);
+  EXPECT_EQ(hybrid.at("checkpoints_restored"), 1);
+  EXPECT_EQ(hybrid.at("snapshot_pressure_skips"), 0);
+  EXPECT_EQ(hybrid.at("recurrent_mismatches"), 0);
+  EXPECT_GT(hybrid.at("recurrent_checks").get<int64_t>(), 0);
+  EXPECT_EQ(hybrid.at("attention_only_reused_tokens"), 2432);
+  EXPECT_NEAR(hybrid.at("reuse_vs_attention_only").get<double>(), 1024.0 / 2432.0, 1e-12);
+  // A bounded budget, and no attention-only replay.
+  CliResult const bounded =
+      run({"--trace", tinyPath.string(), "--recurrent-layers", "2", "--snapshot-slots", "1",
+           "--no-attention-only", "--quiet", "--json", json});
+  ASSERT_EQ(bounded.exitCode, 0) << bounded.err;
+  nlohmann::json const one = nlohmann::json::parse(slurp(json)).at("hybrid");
+  EXPECT_EQ(one.at("snapshot_sizing"), "slots");
+  EXPECT_EQ(one.at("recurrent_snapshot_slots"), 1);
+  EXPECT_EQ(one.at("partial_kv_snapshot_slots"), 1);
+  EXPECT_TRUE(one.at("attention_only_reused_tokens").is_null());
+  EXPECT_TRUE(one.at("reuse_vs_attention_only").is_null());
+  // Attention-only replays have no hybrid figures.
+  CliResult const plain = run({"--trace", tinyPath.string(), "--quiet", "--json", json});
+  ASSERT_EQ(plain.exitCode, 0) << plain.err;
+  nlohmann::json const attention = nlohmann::json::parse(slurp(json));
+  EXPECT_EQ(attention.at("recurrent_layers"), 0);
+  EXPECT_FALSE(attention.contains("hybrid"));
 }
 
 TEST_F(MkvReplayCliTest, BadTracesNameTheFileAndLineAndExitTwo) {

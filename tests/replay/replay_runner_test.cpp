@@ -16,6 +16,7 @@
 #include "multi_turn_workload.h"
 #include "replay_report.h"
 #include "support/test_inputs.h"
+#include "support/test_util.h"
 #include "trace.h"
 
 namespace mkv::replay {
@@ -294,6 +295,30 @@ TEST(ReplayRunnerTest, ImpossibleConfigurationsThrowConfigErrors) {
   });
   fails([](ReplayConfig& c) { c.fullLayers = 1; });  // not swa
   fails([](ReplayConfig& c) { c.maxBatch = 0; });
+  // Hybrid checkpoint reuse exists in reuse mode only, with sensible recurrent geometry.
+  fails([](ReplayConfig& c) {
+    c.mode = ReplayMode::kSwa;
+    c.recurrentLayers = 2;
+  });
+  fails([](ReplayConfig& c) {
+    c.mode = ReplayMode::kFull;
+    c.recurrentLayers = 2;
+  });
+  fails([](ReplayConfig& c) { c.recurrentLayers = 129; });
+  fails([](ReplayConfig& c) { c.recurrentLayers = -1; });
+  fails([](ReplayConfig& c) {
+    c.recurrentLayers = 2;
+    c.recurrentStateBytes = 0;
+  });
+  fails([](ReplayConfig& c) {
+    c.recurrentLayers = 2;
+    c.recurrentConvBytes = (int64_t{1} << 30) + 1;
+  });
+  fails([](ReplayConfig& c) { c.snapshotSlots = 4; });  // without recurrent layers
+  fails([](ReplayConfig& c) {
+    c.recurrentLayers = 2;
+    c.snapshotSlots = -1;
+  });
   if (!cudaDeviceAvailable()) {
     fails([](ReplayConfig& c) { c.device = DeviceType::kGPU; });
   }
@@ -374,6 +399,151 @@ TEST(ReplayRunnerTest, EmbeddedWorkloadReusesEachPreviousTurnIncludingItsReply) 
   EXPECT_EQ(second.reusedTokens, result.reusedTokens);
   EXPECT_EQ(second.promptTokens, result.promptTokens);
   EXPECT_EQ(second.generatedTokens, result.generatedTokens);
+}
+
+/// The hybrid replays of the embedded workload: every device (the GPU instance skips without one).
+class HybridReplayTest : public test::DeviceTest {};
+INSTANTIATE_TEST_SUITE_P(Devices, HybridReplayTest, test::allDeviceTypes(), test::deviceName);
+
+ReplayConfig hybridConfig(DeviceType device) {
+  ReplayConfig config;
+  config.layers = 3;
+  config.recurrentLayers = 9;
+  config.recurrentStateBytes = 40;  // not a multiple of the oracle's 8-byte words
+  config.recurrentConvBytes = 12;
+  config.device = device;
+  return config;
+}
+
+TEST_P(HybridReplayTest, EachTurnRestoresThePreviousTurnsExactCheckpointAndTheOraclesAgree) {
+  MultiTurnWorkload workload;
+  RecordingSource source(workload);
+  MultiTurnWorkload shadowWorkload;
+  RecordingSource shadow(shadowWorkload);
+  ReplayResult const result = runReplay(source, hybridConfig(device()), {}, &shadow);
+  ASSERT_EQ(result.requests, 120);
+  EXPECT_EQ(result.failedRequests, 0);
+  EXPECT_EQ(result.oracleMismatches, 0) << result.firstMismatch;
+  ReplayResult::Hybrid const& h = result.hybrid;
+  EXPECT_EQ(h.recurrentMismatches, 0);
+  constexpr std::size_t kConversations = 24;
+  int64_t expectedReuse = 0;
+  int64_t expectedAttentionOnly = 0;
+  for (std::size_t i = 0; i < 120; ++i) {
+    if (i < kConversations) {
+      // No checkpoint ends inside a first turn (the shared system prompt is never a prompt of
+      // its own), where attention-only reuse binds its 2 whole pages.
+      EXPECT_EQ(result.records[i].reusedTokens, 0) << i;
+      expectedAttentionOnly += i % 2 == 0 && i > 0 ? 256 : 0;
+      continue;
+    }
+    // The previous turn's decode-end checkpoint: every token of it with KV, mid-page.
+    std::size_t const previous = i - kConversations;
+    auto const withKv = static_cast<int64_t>(source.prompts[previous].size() +
+                                             source.generated[previous].size() - 1);
+    EXPECT_EQ(result.records[i].reusedTokens, withKv) << i;
+    expectedReuse += withKv;
+    expectedAttentionOnly += withKv / 128 * 128;
+  }
+  EXPECT_EQ(result.reusedTokens, expectedReuse);
+  // The shadow replayed the same requests (same prompts and replies) attention-only.
+  EXPECT_EQ(shadow.prompts, source.prompts);
+  EXPECT_TRUE(h.attentionOnlyRun);
+  EXPECT_EQ(h.attentionOnlyReusedTokens, expectedAttentionOnly);
+  EXPECT_GT(result.reusedTokens, h.attentionOnlyReusedTokens);
+  // 96 turns restored a checkpoint; the prompt end and the decode end of every request were
+  // captured and published; the unbounded budget never refused a capture.
+  EXPECT_EQ(h.checkpointsRestored, 96);
+  EXPECT_EQ(h.checkpointCaptures, 240);
+  EXPECT_EQ(h.checkpointsPublished, 240);
+  EXPECT_EQ(h.snapshotPressureSkips, 0);
+  EXPECT_EQ(h.recurrentSnapshotSlots, 2 * 120 + 2);
+  EXPECT_EQ(h.partialKvSnapshotSlots, 2 * 120 + 2);
+  EXPECT_EQ(h.snapshotBytes, 242 * (9 * (40 + 12) + 3 * 2 * 128 * 8 * 2));
+  // Every execution (each prefill, each decode step) verified the row it resumed from.
+  EXPECT_EQ(h.recurrentChecks, 120 + result.decodeSteps);
+}
+
+/// Six requests, each prompt the previous one plus 37 tokens (100, 137, ... 285), one token each.
+TraceSource chainedPrompts() {
+  std::vector<TraceRecord> records;
+  std::string prompt;
+  int32_t length = 0;
+  for (int request = 0; request < 6; ++request) {
+    for (int32_t end = 100 + 37 * request; length < end; ++length) {
+      prompt.append(length > 0 ? ", " : "").append(std::to_string(1000 + (length * 7919) % 30000));
+    }
+    records.push_back(parseTraceLine("{\"prompt\": [" + prompt + "], \"max_new_tokens\": 1}",
+                                     TraceFormat::kAuto));
+  }
+  return TraceSource(std::move(records), "chained prompts");
+}
+
+TEST_P(HybridReplayTest, ASnapshotBudgetOfOneSkipsCapturesWhileItsCheckpointIsRestored) {
+  ReplayConfig config = hybridConfig(device());
+  config.verify = testing::VerifyMode::kAll;
+  // Unbounded: each request restores the previous prompt's checkpoint.
+  TraceSource unbounded = chainedPrompts();
+  ReplayResult const all = runReplay(unbounded, config);
+  EXPECT_EQ(all.oracleMismatches, 0) << all.firstMismatch;
+  EXPECT_EQ(all.reusedTokens, 100 + 137 + 174 + 211 + 248);
+  EXPECT_EQ(all.hybrid.checkpointsRestored, 5);
+  EXPECT_EQ(all.hybrid.snapshotPressureSkips, 0);
+  // One slot: request 1 restores the 100-token checkpoint, which stays pinned while the request
+  // runs, so its own capture finds no slot; every later request restores the same checkpoint.
+  config.snapshotSlots = 1;
+  TraceSource one = chainedPrompts();
+  ReplayResult const result = runReplay(one, config);
+  EXPECT_EQ(result.failedRequests, 0);
+  EXPECT_EQ(result.oracleMismatches, 0) << result.firstMismatch;
+  ReplayResult::Hybrid const& h = result.hybrid;
+  EXPECT_EQ(h.recurrentSnapshotSlots, 1);
+  EXPECT_EQ(h.partialKvSnapshotSlots, 1);
+  EXPECT_EQ(result.reusedTokens, 5 * 100);
+  EXPECT_EQ(h.checkpointsRestored, 5);
+  EXPECT_EQ(h.snapshotPressureSkips, 5);
+  EXPECT_EQ(h.checkpointsPublished, 1);
+  EXPECT_EQ(h.recurrentMismatches, 0);
+  EXPECT_FALSE(h.attentionOnlyRun);  // no attention-only source given
+}
+
+/// Overwrites every byte of a snapshot slab (all slots) with 0xA5 after every run.
+void scribble(Tensor const& slab) {
+  Tensor& writable = const_cast<Tensor&>(slab);  // fault injection
+  std::vector<uint8_t> const bytes(test::readBytes(writable).size(), 0xA5);
+  test::writeBytes(writable, bytes);
+}
+
+TEST_P(HybridReplayTest, ACorruptedCheckpointIsCaughtAtEveryRestore) {
+  // Recurrent state: every restored row is wrong, and each restore is one recurrent mismatch.
+  ReplayConfig config = hybridConfig(device());
+  config.limit = 60;
+  config.betweenRuns = [](KVCacheRuntime& runtime) {
+    scribble(runtime.contextCache()->snapshots()->recurrentStateSlab(4));
+  };
+  MultiTurnWorkload workload;
+  ReplayResult const result = runReplay(workload, config);
+  ReplayResult::Hybrid const& h = result.hybrid;
+  EXPECT_EQ(h.checkpointsRestored, 36);
+  EXPECT_EQ(h.recurrentMismatches, h.checkpointsRestored);
+  EXPECT_EQ(result.oracleMismatches, h.recurrentMismatches);
+  EXPECT_TRUE(result.firstMismatch.starts_with("recurrent state: slot 0 recurrent state after "))
+      << result.firstMismatch;
+  EXPECT_NE(result.firstMismatch.find("layer 4 state row: byte "), std::string::npos)
+      << result.firstMismatch;
+  EXPECT_NE(result.firstMismatch.find(" is 0xa5, expected "), std::string::npos)
+      << result.firstMismatch;
+
+  // The partial last page: the KV oracle finds the restored rows wrong, the recurrent one not.
+  config.betweenRuns = [](KVCacheRuntime& runtime) {
+    scribble(runtime.contextCache()->snapshots()->partialKvSlab(1));
+  };
+  MultiTurnWorkload again;
+  ReplayResult const kv = runReplay(again, config);
+  EXPECT_EQ(kv.hybrid.checkpointsRestored, 36);
+  EXPECT_EQ(kv.hybrid.recurrentMismatches, 0);
+  EXPECT_GT(kv.oracleMismatches, 0);
+  EXPECT_NE(kv.firstMismatch.find("layer 1"), std::string::npos) << kv.firstMismatch;
 }
 
 TEST(ReplayRunnerTest, InFlightJoinsKeepKvCorrect) {
@@ -547,6 +717,8 @@ TEST(ReplayRunnerTest, SpeculativeConfigurationsThatCannotRunThrowConfigErrors) 
   fails([](ReplayConfig& c) { c.draftLayers = 0; },
         "an EAGLE draft owns paged KV: draft layers must be >= 1 (0 is an MTP draft reading the "
         "base KV)");
+  fails([](ReplayConfig& c) { c.recurrentLayers = 2; },
+        "speculative decoding on a model with recurrent layers (Hybrid-MTP) is not replayed yet");
 }
 
 TEST(ReplayReportTest, SpeculativeFiguresInTheSummaryAndJson) {

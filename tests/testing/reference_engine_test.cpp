@@ -291,6 +291,7 @@ TEST_P(ReferenceEngineTest, ACorruptedRecurrentByteIsReportedWhenTheNextExecutio
                         "row: byte 17 is {:#04x}, expected {:#04x}",
                         now, was));
   EXPECT_EQ(engine.stats().recurrentChecks, 1 + 5);  // the prefill and every decode step
+  EXPECT_EQ(engine.stats().recurrentMismatches, 1);
 }
 
 TEST_P(ReferenceEngineTest, VerifyNoneWritesButChecksNothing) {

@@ -104,8 +104,10 @@ struct EngineStats {
   int64_t oracleChecks = 0;      ///< positions verified
   int64_t oracleMismatches = 0;  ///< positions with wrong bytes
   std::string firstMismatch;
-  int64_t lengthChecks = 0;                  ///< device KV-length rows verified
-  int64_t recurrentChecks = 0;               ///< recurrent states verified (checkpoint deployments)
+  int64_t lengthChecks = 0;     ///< device KV-length rows verified
+  int64_t recurrentChecks = 0;  ///< recurrent states verified (checkpoint deployments)
+  /// Of oracleMismatches: recurrent states with a wrong byte (one per verified execution).
+  int64_t recurrentMismatches = 0;
   int64_t peakPagesInUse = 0;                ///< max pages not free, over all pools
   std::vector<int64_t> stepHostNanoseconds;  ///< library time per decode step (facade calls)
   /// GPU pools only: stream time of the library's work per decode step, measured with CUDA
