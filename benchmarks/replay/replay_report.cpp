@@ -150,10 +150,6 @@ double requestsPerSecond(ReplayResult const& r) {
   return r.wallSeconds > 0.0 ? static_cast<double>(r.requests) / r.wallSeconds : 0.0;
 }
 
-double ratio(int64_t part, int64_t whole) {
-  return whole > 0 ? static_cast<double>(part) / static_cast<double>(whole) : 0.0;
-}
-
 /// The summary lines of a speculative replay.
 template <typename Line>
 void speculativeSummary(ReplayResult const& r, Line const& line) {
