@@ -65,13 +65,8 @@ ReferenceEngine::ReferenceEngine(KVCacheRuntime& runtime, ReferenceEngineOptions
               "speculativeWidth {} needs a runtime built with KVCacheRuntimeConfig::speculative",
               mSpecWidth);
   // On a model with recurrent layers a speculative runtime is a Hybrid-MTP deployment (the
-  // runtime refuses any other), with the boundary hidden row the engine keeps.
+  // runtime builds no other), with the boundary hidden row the engine keeps.
   mHybridMtp = mSpecWidth > 0 && coordinator != nullptr && coordinator->profile().isHybridMtp();
-  MKV_REQUIRE(mSpecWidth == 0 || runtime.config().model.numRecurrentLayers == 0 || mHybridMtp,
-              "ReferenceEngine",
-              "speculativeWidth {} on a model with {} recurrent layers needs a Hybrid-MTP "
-              "deployment (context reuse and a paged draft)",
-              mSpecWidth, runtime.config().model.numRecurrentLayers);
   if (mHybridMtp) {
     KVCacheSpeculativeConfig const& draft = *runtime.config().speculative;
     mHidden = Tensor({1, draft.boundaryHiddenWidth}, draft.boundaryHiddenType,
