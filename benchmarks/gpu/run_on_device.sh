@@ -11,7 +11,8 @@
 #      mkv_runtime_tests first, while time is left,
 #   6. mkv-replay on GPU and on CPU tensors at a model-sized geometry (32 layers x 8 KV heads x
 #      head dim 128, page 128: 16 MiB per page), reuse, hybrid reuse (+ 9 recurrent layers) and
-#      swa modes, on the embedded workload (also with an EAGLE draft) and the first requests of
+#      swa modes, on the embedded workload (also with an EAGLE draft, and Hybrid-MTP: the hybrid
+#      model with an MTP draft) and the first requests of
 #      the bundled Mooncake sample: the figures of both devices must be
 #      identical; wall times, requests/s and library host / GPU ns per step are in replay_*.json,
 # with every log under $OUT (default ./out), and a short summary table printed last.
@@ -286,6 +287,9 @@ else
   replay_case embedded_swa --mode swa --window 1024 --full-layers 1 --max-batch 4
   # An EAGLE deployment: paired base + draft reuse, the draft's KV checked by its own oracle.
   replay_case embedded_eagle --pool-tokens 32768 --speculative eagle --draft-layers 1
+  # Hybrid-MTP: prompt endpoints with their boundary hidden rows, checked by the hidden-row oracle.
+  replay_case embedded_hybrid_mtp --pool-tokens 32768 --recurrent-layers 9 --snapshot-slots 96 \
+    --speculative mtp --draft-layers 1 --no-attention-only
   if [[ -f $TRACE ]]; then
     replay_case mooncake_reuse --trace "$TRACE" --limit "$LIMIT" --pool-tokens 131072
     replay_case mooncake_swa --trace "$TRACE" --limit "$LIMIT" --mode swa --window 4096 --full-layers 1 --max-batch 4

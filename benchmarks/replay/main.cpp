@@ -229,7 +229,8 @@ CliOptions parseArguments(int argc, char** argv) {
   group = "speculative decoding (reuse mode; docs/replay.md, \"Speculative decoding\")";
   option("--speculative", "S",
          "none (default), eagle (draft head with paged KV: paired base + draft reuse), mtp "
-         "(an MTP draft with paged KV, or reading the base KV with --draft-layers 0)",
+         "(an MTP draft with paged KV, or reading the base KV with --draft-layers 0; with "
+         "--recurrent-layers, Hybrid-MTP)",
          [&](std::string_view flag, std::string_view value) {
            c.speculative = parseChoice<SpeculativeKind>(flag, value,
                                                         {{"none", SpeculativeKind::kNone},
@@ -244,6 +245,13 @@ CliOptions parseArguments(int argc, char** argv) {
   auto* specWidth = option(
       "--spec-width", "K", "draft tokens proposed per verification round, in [1, 64] (default 3)",
       int32(1, mkv::testing::ReferenceEngine::kMaxSpeculativeWidth, c.specWidth));
+  auto* hiddenWidth = option(
+      "--boundary-hidden-width", "N",
+      "Hybrid-MTP (mtp with --recurrent-layers): fp16 elements of the base hidden row kept with "
+      "each prompt endpoint, in [1, 32768] (default 16)",
+      [&c](std::string_view flag, std::string_view value) {
+        c.boundaryHiddenWidth = parseInteger(flag, value, 1, int64_t{1} << 15);
+      });
   group = "hybrid model (reuse mode: exact checkpoints of the recurrent layers)";
   option("--recurrent-layers", "N",
          "Mamba / linear-attention layers besides the attention ones (default 0: attention-only)",
@@ -379,8 +387,20 @@ CliOptions parseArguments(int argc, char** argv) {
         "--recurrent-state-bytes, --recurrent-conv-bytes, --snapshot-slots and "
         "--no-attention-only need --recurrent-layers N > 0");
   }
-  if (c.speculative != SpeculativeKind::kNone && c.recurrentLayers > 0) {
-    throw UsageError("--speculative with --recurrent-layers (Hybrid-MTP) is not replayed yet");
+  if (c.speculative == SpeculativeKind::kEagle && c.recurrentLayers > 0) {
+    throw UsageError(
+        "--speculative eagle with --recurrent-layers: the speculative hybrid deployment is "
+        "Hybrid-MTP (--speculative mtp)");
+  }
+  bool const hybridMtp = c.speculative == SpeculativeKind::kMtp && c.recurrentLayers > 0;
+  if (hybridMtp && c.draftLayers == 0) {
+    throw UsageError(
+        "--speculative mtp with --recurrent-layers (Hybrid-MTP) needs --draft-layers >= 1 (the "
+        "draft owns paged KV)");
+  }
+  if (!hybridMtp && hiddenWidth->count() > 0) {
+    throw UsageError(
+        "--boundary-hidden-width needs --speculative mtp with --recurrent-layers N > 0");
   }
   options.attentionOnlyBaseline = !noBaseline;
   if (c.mode != ReplayMode::kSwa && window->count() + fullLayers->count() > 0) {

@@ -144,6 +144,15 @@ void hybridSummary(ReplayResult const& r, std::string& out) {
   }
   line("recurrent oracle", fmt::format("{} states checked, {} mismatches",
                                        grouped(h.recurrentChecks), grouped(h.recurrentMismatches)));
+  if (h.hybridMtp) {
+    line("Hybrid-MTP",
+         fmt::format("endpoints published {}, boundary hidden rows restored {} ({} fp16 a row)",
+                     grouped(h.mtpEndpointsPublished), grouped(h.boundaryHiddenRestores),
+                     grouped(r.config.boundaryHiddenWidth)));
+    line("hidden-row oracle",
+         fmt::format("{} rows checked, {} mismatches", grouped(h.boundaryHiddenChecks),
+                     grouped(h.boundaryHiddenMismatches)));
+  }
 }
 
 double requestsPerSecond(ReplayResult const& r) {
@@ -158,8 +167,9 @@ void speculativeSummary(ReplayResult const& r, Line const& line) {
                           ? fmt::format("{} layer{} with paged KV, {} per page", c.draftLayers,
                                         c.draftLayers == 1 ? "" : "s", bytes(r.draftBytesPerPage))
                           : std::string("reads the base KV (no draft pool)");
-  line("speculative", fmt::format("{}, {} draft tokens per round; draft {}",
-                                  toString(c.speculative), c.specWidth, draft));
+  line("speculative",
+       fmt::format("{}{}, {} draft tokens per round; draft {}", toString(c.speculative),
+                   r.hybrid.hybridMtp ? " (Hybrid-MTP)" : "", c.specWidth, draft));
   line("verification rounds",
        fmt::format("{}  (proposed {}, accepted {} = {:.2f}%)", grouped(r.specRounds),
                    grouped(r.proposedTokens), grouped(r.acceptedTokens),
@@ -178,6 +188,7 @@ nlohmann::ordered_json speculativeJson(ReplayResult const& r) {
   ReplayConfig const& c = r.config;
   return {
       {"kind", toString(c.speculative)},
+      {"hybrid_mtp", r.hybrid.hybridMtp},  // its figures are in the "hybrid" object
       {"draft_layers", c.draftLayers},
       {"paged_draft", r.draftBytesPerPage > 0},
       {"width", c.specWidth},
@@ -383,7 +394,15 @@ std::string formatJson(ReplayResult const& r) {
         {"snapshot_pressure_skips", h.snapshotPressureSkips},
         {"recurrent_checks", h.recurrentChecks},
         {"recurrent_mismatches", h.recurrentMismatches},
+        {"hybrid_mtp", h.hybridMtp},
     };
+    if (h.hybridMtp) {
+      hybrid["boundary_hidden_width"] = c.boundaryHiddenWidth;
+      hybrid["mtp_endpoints_published"] = h.mtpEndpointsPublished;
+      hybrid["boundary_hidden_restores"] = h.boundaryHiddenRestores;
+      hybrid["boundary_hidden_checks"] = h.boundaryHiddenChecks;
+      hybrid["boundary_hidden_mismatches"] = h.boundaryHiddenMismatches;
+    }
     if (h.attentionOnlyRun) {
       hybrid["attention_only_reused_tokens"] = h.attentionOnlyReusedTokens;
       hybrid["attention_only_hit_rate"] = h.attentionOnlyHitRate;

@@ -25,6 +25,7 @@ constexpr int32_t kMaxBatch = 4096;
 constexpr int32_t kMaxGeometry = 4096;           // KV heads, head dim
 constexpr int32_t kMaxRecurrentLayers = 128;     // the recurrent oracle addresses this many
 constexpr int64_t kMaxRecurrentBytes = 1 << 30;  // state or conv bytes per layer and sequence
+constexpr int64_t kMaxHiddenWidth = 1 << 15;     // fp16 elements: the oracle's 64 KiB rows
 
 int64_t ceilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
@@ -76,6 +77,30 @@ void validateHybrid(ReplayConfig const& c) {
   }
 }
 
+/// Speculative decoding on a model with recurrent layers is Hybrid-MTP, the coordinator's only
+/// speculative hybrid deployment: an MTP draft with paged KV and a boundary hidden row.
+void validateHybridMtp(ReplayConfig const& c) {
+  if (c.speculative == SpeculativeKind::kNone || c.recurrentLayers == 0) {
+    return;
+  }
+  if (c.speculative == SpeculativeKind::kEagle) {
+    configError(
+        "an EAGLE draft on a model with recurrent layers is not offered: the speculative hybrid "
+        "deployment is Hybrid-MTP (speculative mtp)");
+  }
+  if (c.draftLayers < 1) {
+    configError("Hybrid-MTP needs an MTP draft with paged KV: draft layers must be >= 1, got 0");
+  }
+  if (c.boundaryHiddenWidth < 1 || c.boundaryHiddenWidth > kMaxHiddenWidth) {
+    configError(fmt::format("boundary hidden width {} must be in [1, {}]", c.boundaryHiddenWidth,
+                            kMaxHiddenWidth));
+  }
+}
+
+bool isHybridMtp(ReplayConfig const& c) {
+  return c.speculative == SpeculativeKind::kMtp && c.recurrentLayers > 0;
+}
+
 void validate(ReplayConfig const& c) {
   if (c.pageSize < 16 || c.pageSize > 1024 || (c.pageSize & (c.pageSize - 1)) != 0) {
     configError(fmt::format("page size {} is not a power of two in [16, 1024]", c.pageSize));
@@ -113,10 +138,7 @@ void validate(ReplayConfig const& c) {
   }
   validateSpeculative(c);
   validateHybrid(c);
-  if (c.speculative != SpeculativeKind::kNone && c.recurrentLayers > 0) {
-    configError(
-        "speculative decoding on a model with recurrent layers (Hybrid-MTP) is not replayed yet");
-  }
+  validateHybridMtp(c);
   if (c.device == DeviceType::kGPU && !cudaDeviceAvailable()) {
     configError(MKV_WITH_CUDA ? "--device cuda: no CUDA device is visible"
                               : "--device cuda: this build has no CUDA (configure with "
@@ -269,6 +291,10 @@ class Runner {
       draft.numDraftKVHeads = c.kvHeads;
       draft.draftHeadDim = c.headDim;
       draft.draftKvDataType = c.dtype;
+      if (isHybridMtp(c)) {
+        draft.boundaryHiddenWidth = c.boundaryHiddenWidth;
+        draft.boundaryHiddenType = DataType::kFloat16;
+      }
       rc.speculative = draft;
     }
     if (c.kvEvents != nullptr) {
@@ -313,8 +339,10 @@ class Runner {
     mJoins = c.mode != ReplayMode::kSwa && batch > 1 && mRuntime->supportsSeatedAdmission();
     // Without in-flight admission, bounded SWA and speculative runs start with a batch of up to
     // maxBatch consecutive requests; hybrid checkpoint runs take one request at a time
-    // (docs/replay.md, "Hybrid models").
-    bool const batches = c.mode == ReplayMode::kSwa || c.speculative != SpeculativeKind::kNone;
+    // (docs/replay.md, "Hybrid models"), and so do Hybrid-MTP runs (a Hybrid-MTP request has
+    // exactly one sequence).
+    bool const batches = c.mode == ReplayMode::kSwa ||
+                         (c.speculative != SpeculativeKind::kNone && c.recurrentLayers == 0);
     mFoundersPerRun = batches ? static_cast<std::size_t>(batch) : 1;
   }
 
@@ -331,9 +359,14 @@ class Runner {
     // Unbounded: a request captures at most twice (prompt end, decode end), so every capture of
     // the replay finds a slot even if nothing is ever evicted.
     int64_t const slots = c.snapshotSlots > 0 ? c.snapshotSlots : 2 * mResult.requests + 2;
+    // Hybrid-MTP: a recurrent slot also keeps the boundary hidden row (fp16), a partial-KV slot
+    // the draft's boundary page besides the base's.
+    bool const mtp = isHybridMtp(c);
     int64_t const recurrentBytes =
-        int64_t{c.recurrentLayers} * (c.recurrentStateBytes + c.recurrentConvBytes);
-    int64_t const partialBytes = int64_t{c.layers} * 2 * c.pageSize * c.kvHeads * c.headDim *
+        int64_t{c.recurrentLayers} * (c.recurrentStateBytes + c.recurrentConvBytes) +
+        (mtp ? c.boundaryHiddenWidth * 2 : 0);
+    int64_t const partialBytes = int64_t{c.layers + (mtp ? c.draftLayers : 0)} * 2 * c.pageSize *
+                                 c.kvHeads * c.headDim *
                                  static_cast<int64_t>(dataTypeSize(c.dtype));
     int64_t const limit = std::numeric_limits<int64_t>::max() / 4;
     if (slots > std::numeric_limits<int32_t>::max() / 2 || slots > limit / recurrentBytes ||
@@ -444,6 +477,10 @@ class Runner {
       EngineRequest request;
       request.cacheSalt = mRunSalt;
       request.loraWeightsName = mRunLora;
+      if (isHybridMtp(mConfig)) {
+        // Hybrid-MTP publishes prompt endpoints only: reuse comes from them alone.
+        request.commitPolicy = ContextCacheCommitPolicy::kPrefillStateOnly;
+      }
       while (request.sequences.size() < (alone ? 1 : mFoundersPerRun)) {
         Pending* next = peekStaged();
         if (next == nullptr || !sameIdentity(*next)) {
@@ -675,6 +712,11 @@ class Runner {
     h.snapshotPressureSkips = static_cast<int64_t>(counters.snapshotPressureSkips);
     h.recurrentChecks = stats.recurrentChecks;
     h.recurrentMismatches = stats.recurrentMismatches;
+    h.hybridMtp = isHybridMtp(mConfig);
+    h.mtpEndpointsPublished = static_cast<int64_t>(counters.hybridMtpPublications);
+    h.boundaryHiddenRestores = static_cast<int64_t>(counters.boundaryHiddenRestores);
+    h.boundaryHiddenChecks = stats.hiddenChecks;
+    h.boundaryHiddenMismatches = stats.hiddenMismatches;
   }
 
   RequestSource& mSource;

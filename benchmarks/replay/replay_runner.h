@@ -33,7 +33,9 @@ std::string_view toString(ReplayMode mode) noexcept;
 enum class SpeculativeKind : uint8_t {
   kNone,   ///< vanilla decoding, one token per step
   kEagle,  ///< an EAGLE-style draft head with paged KV of its own: paired base + draft reuse
-  kMtp,    ///< an MTP draft on an attention-only model: paged KV of its own, or none
+  /// An MTP draft: paged KV of its own, or none, on an attention-only model; with recurrent
+  /// layers, Hybrid-MTP (paged draft KV, a boundary hidden row kept with each prompt endpoint).
+  kMtp,
 };
 std::string_view toString(SpeculativeKind kind) noexcept;
 
@@ -83,6 +85,9 @@ struct ReplayConfig {
   /// Snapshot budget in checkpoints: recurrent slots and as many partial-KV slots; 0 = unbounded
   /// (sized from the workload: every capture finds a slot).
   int64_t snapshotSlots = 0;
+  /// Hybrid-MTP (kMtp with recurrent layers): fp16 elements of the base hidden row kept with
+  /// each prompt endpoint (docs/replay.md, "Hybrid-MTP").
+  int64_t boundaryHiddenWidth = 16;
   /// Tests: called after every run of the engine (between runs; fault injection).
   std::function<void(KVCacheRuntime&)> betweenRuns;
 };
@@ -193,6 +198,13 @@ struct ReplayResult {
     int64_t snapshotPressureSkips = 0;  ///< captures skipped: no snapshot slot could be had
     int64_t recurrentChecks = 0;        ///< recurrent states the oracle verified
     int64_t recurrentMismatches = 0;    ///< of those, with a wrong byte (in oracleMismatches too)
+    /// Hybrid-MTP (speculative kMtp): prompt endpoints committed with their boundary hidden row,
+    /// boundary hidden rows copied back at a hit, and those the hidden-row oracle verified.
+    bool hybridMtp = false;
+    int64_t mtpEndpointsPublished = 0;
+    int64_t boundaryHiddenRestores = 0;
+    int64_t boundaryHiddenChecks = 0;
+    int64_t boundaryHiddenMismatches = 0;  ///< in oracleMismatches too
     /// The same trace replayed by the attention layers alone (block reuse), when runReplay got an
     /// attention-only source.
     bool attentionOnlyRun = false;

@@ -18,7 +18,13 @@ void oracleWriteHost(OracleGeometry const& geometry, uint8_t* plan) {
   }
   for (int64_t item = 0; item < header.numRecurrent; ++item) {
     uint64_t const key = recurrentUnitShare(geometry, plan, header, item, 0, 1);
-    if (key != kNoKey) {
+    if (key == kNoKey) {
+      continue;
+    }
+    if (isHiddenItem(plan, header, item)) {
+      ++result.hiddenMismatches;
+      result.hiddenKey = minKey(result.hiddenKey, key);
+    } else {
       ++result.recurrentMismatches;
       result.recurrentKey = minKey(result.recurrentKey, key);
     }

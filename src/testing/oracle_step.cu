@@ -1,8 +1,8 @@
 /// The step kernels of the reference engine on the GPU (design: oracle_step.h). One CTA per
 /// work unit (a position of every layer and both halves, a chunk of staged digests, a
-/// recurrent item), grid-stride over the units; the threads of a CTA split each row word by
-/// word exactly like the host twin's single thread, and reduce their findings to the unit's
-/// minimum key before one thread publishes it with global atomics.
+/// recurrent item or boundary hidden row), grid-stride over the units; the threads of a CTA split
+/// each row word by word exactly like the host twin's single thread, and reduce their findings to
+/// the unit's minimum key before one thread publishes it with global atomics.
 #include "testing/oracle_step.h"
 #include "testing/oracle_step_units.h"
 
@@ -52,7 +52,10 @@ __global__ void __launch_bounds__(kThreads)
       int64_t const item = unit - header.writePositions - storeChunks;
       uint64_t const key =
           blockMin(recurrentUnitShare(geometry, plan, header, item, tid, threads), &shared);
-      if (tid == 0 && key != kNoKey) {
+      if (tid == 0 && key != kNoKey && isHiddenItem(plan, header, item)) {
+        atomicAdd(&header.result.hiddenMismatches, 1ULL);
+        atomicMin(&header.result.hiddenKey, static_cast<unsigned long long>(key));
+      } else if (tid == 0 && key != kNoKey) {
         atomicAdd(&header.result.recurrentMismatches, 1ULL);
         atomicMin(&header.result.recurrentKey, static_cast<unsigned long long>(key));
       }

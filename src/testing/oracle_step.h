@@ -16,7 +16,8 @@
 /// sequential host loop would report first, so the GPU and the twin agree on it:
 ///   KV mismatch   flat(30) | code(10) | byte(16) | found(8), code = 0 (no page) or 1 + 2*layer +
 ///   half KV page       flat(32) | page entry as uint32 (32) write fault   flat(32) | page entry as
-///   uint32 (32) recurrent     item(16) | 2*layer + conv(8) | byte(32) | found(8)
+///   uint32 (32) recurrent     item(16) | 2*layer + conv(8) | byte(32) | found(8) (a boundary
+///   hidden item: the same with 0 for the layer byte)
 /// where `flat` is the position's index in the step's verify (or write) list, in list order.
 
 #include <cstdint>
@@ -64,9 +65,23 @@ struct OracleRecurrentGeometry {
 };
 
 /// Everything fixed for an engine's lifetime; lives on the pools' device.
+/// Hybrid-MTP: the engine's boundary hidden rows ([numRows, rowBytes / element size] of the
+/// boundary hidden type, allocated once by the engine). Row (digest) has the bytes of the row
+/// (digest, layer 0, half kOracleHiddenHalf): a row-seed no KV or recurrent row uses.
+struct OracleHiddenGeometry {
+  uint8_t* rows;
+  int64_t rowBytes;
+  int32_t numRows;  ///< 0: no hidden rows
+  int32_t reserved;
+};
+
+/// The oracle half of a boundary hidden row (0, 1: K and V; 2, 3: recurrent state and conv).
+inline constexpr int32_t kOracleHiddenHalf = 4;
+
 struct OracleGeometry {
   OraclePoolGeometry pools[kOraclePools];  ///< full, sliding window, draft (kOraclePools)
   OracleRecurrentGeometry recurrent;
+  OracleHiddenGeometry hidden;
   /// [storeRows (+ storeRows with a draft pool), storePitch]: the digest of every staged position
   /// per slot; the draft pool's plane starts at row draftPlaneRow.
   uint64_t* digestStore;
@@ -83,8 +98,9 @@ struct OracleResult {
   unsigned long long writeFaultKey;
   unsigned long long recurrentMismatches;  ///< verified recurrent items with a wrong byte
   unsigned long long recurrentKey;
-  unsigned long long draftMismatches;  ///< of kvMismatches, those in the draft pool
-  unsigned long long reserved;
+  unsigned long long draftMismatches;   ///< of kvMismatches, those in the draft pool
+  unsigned long long hiddenMismatches;  ///< verified boundary hidden rows with a wrong byte
+  unsigned long long hiddenKey;         ///< as recurrentKey, of the hidden items
 };
 
 enum OracleRangeKind : int32_t { kOracleAttention = 0, kOracleReusedPrefix = 1 };
@@ -108,10 +124,15 @@ enum OracleRecurrentFlags : int32_t {
   kOracleRecurrentVerify = 1,  ///< compare with the state after fromLength tokens first
   kOracleRecurrentFromZero = 2,
   kOracleRecurrentToZero = 4,
+  /// A boundary hidden row (Hybrid-MTP): `slot` is the row of OracleGeometry::hidden; it is
+  /// compared with the row of fromDigest (with kOracleRecurrentVerify), then written as the
+  /// row of toDigest.
+  kOracleRecurrentHidden = 8,
 };
 
 /// A recurrent execution of resident `slot` from fromLength to toLength tokens: verify the rows
-/// hold the state after fromLength (optional), then write the state after toLength.
+/// hold the state after fromLength (optional), then write the state after toLength. With
+/// kOracleRecurrentHidden, the same for one boundary hidden row.
 struct OracleRecurrentItem {
   int32_t slot;
   int32_t flags;

@@ -153,6 +153,43 @@ MKV_ORACLE_FN void storeUnitShare(OracleGeometry const& geometry, uint8_t const*
   }
 }
 
+/// Whether recurrent-list item `item` is a boundary hidden row.
+MKV_ORACLE_FN bool isHiddenItem(uint8_t const* plan, OracleStepHeader const& header, int64_t item) {
+  return (planArray<OracleRecurrentItem>(plan, header.recurrentOffset)[item].flags &
+          kOracleRecurrentHidden) != 0;
+}
+
+/// A boundary hidden item: compares the row with the row of fromDigest (when verified), then
+/// writes the row of toDigest, word by word. Returns the minimum mismatch key of this thread's
+/// words.
+MKV_ORACLE_FN uint64_t hiddenUnitShare(OracleGeometry const& geometry,
+                                       OracleRecurrentItem const& it, int64_t item, int32_t tid,
+                                       int32_t threads) {
+  OracleHiddenGeometry const& hidden = geometry.hidden;
+  int64_t const bytes = hidden.rowBytes;
+  uint8_t* row = hidden.rows + bytes * it.slot;
+  uint64_t const fromSeed = oracle::rowSeed(it.fromDigest, 0, kOracleHiddenHalf);
+  uint64_t const toSeed = oracle::rowSeed(it.toDigest, 0, kOracleHiddenHalf);
+  uint64_t key = kNoKey;
+  int64_t const words = (bytes + 7) / 8;
+  for (int64_t w = tid; w < words; w += threads) {
+    int64_t const n = bytes - 8 * w < 8 ? bytes - 8 * w : 8;
+    uint8_t* p = row + 8 * w;
+    if ((it.flags & kOracleRecurrentVerify) != 0) {
+      uint64_t const want = oracle::rowWord(fromSeed, w) & byteMask(n);
+      uint64_t const found = loadWord(p, n);
+      if (found != want) {
+        int32_t const b = firstSetByte(found ^ want);
+        key =
+            minKey(key, (static_cast<uint64_t>(item) << 48) |
+                            (static_cast<uint64_t>(8 * w + b) << 8) | ((found >> (8 * b)) & 0xFF));
+      }
+    }
+    storeWord(p, n, oracle::rowWord(toSeed, w));
+  }
+  return key;
+}
+
 /// Recurrent item `item`: compares every state and conv row with the state after fromLength
 /// (when verified), then writes the state after toLength, word by word. Returns the minimum
 /// mismatch key of this thread's words.
@@ -161,6 +198,9 @@ MKV_ORACLE_FN uint64_t recurrentUnitShare(OracleGeometry const& geometry, uint8_
                                           int32_t threads) {
   OracleRecurrentItem const& it =
       planArray<OracleRecurrentItem>(plan, header.recurrentOffset)[item];
+  if ((it.flags & kOracleRecurrentHidden) != 0) {
+    return hiddenUnitShare(geometry, it, item, tid, threads);
+  }
   OracleRecurrentGeometry const& rec = geometry.recurrent;
   uint64_t key = kNoKey;
   for (int32_t lk = 0; lk < 2 * rec.numLayers; ++lk) {

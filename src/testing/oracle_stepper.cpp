@@ -46,7 +46,7 @@ void fillPool(OraclePoolGeometry& geometry, KVCachePool& pool, KVPageTable const
 
 }  // namespace
 
-OracleStepper::OracleStepper(KVCacheRuntime& runtime, bool recurrent)
+OracleStepper::OracleStepper(KVCacheRuntime& runtime, bool recurrent, Tensor* hidden)
     : mDevice(runtime.config().deviceType), mDone(runtime.config().deviceType) {
   int32_t const rows = runtime.config().maxBatchSize;
   int64_t pitch = 0;
@@ -77,6 +77,15 @@ OracleStepper::OracleStepper(KVCacheRuntime& runtime, bool recurrent)
     g.numLayers = state.numLayers();
     g.numSlots = state.numSlots();
   }
+  if (hidden != nullptr) {
+    MKV_REQUIRE(hidden->rank() == 2 && hidden->deviceType() == mDevice && hidden->dim(0) > 0 &&
+                    hidden->sizeBytes() / hidden->dim(0) <= kOracleMaxTokenBytes,
+                kCall, "boundary hidden rows of {} bytes on the wrong device or too wide",
+                hidden->sizeBytes());
+    mGeometry.hidden.rows = static_cast<uint8_t*>(hidden->rawPointer());
+    mGeometry.hidden.rowBytes = hidden->sizeBytes() / hidden->dim(0);
+    mGeometry.hidden.numRows = static_cast<int32_t>(hidden->dim(0));
+  }
   MKV_REQUIRE(int64_t{rows} < kOracleMaxItems, kCall,
               "{} resident slots exceed the {} the oracle addresses", rows, kOracleMaxItems);
   pitch = std::max<int64_t>(pitch, 1);
@@ -96,13 +105,13 @@ OracleStepper::OracleStepper(KVCacheRuntime& runtime, bool recurrent)
   mMaxDigests = p * r * static_cast<std::size_t>(pitch);
   mResultBytes = align8(sizeof(OracleStepHeader) + kOraclePools * r * sizeof(int32_t));
   mStagingBytes = mResultBytes + (p * r + kOraclePools * r + mMaxRanges) * sizeof(OracleRange) +
-                  r * sizeof(OracleRecurrentItem) + mMaxDigests * sizeof(uint64_t);
+                  (r + 1) * sizeof(OracleRecurrentItem) + mMaxDigests * sizeof(uint64_t);
   mStaging = ::mkv::detail::HostBuffer(mStagingBytes, mDevice);
   std::memset(mStaging.data(), 0, mStagingBytes);
   mStores.reserve(p * r);
   mWrites.reserve(kOraclePools * r);
   mVerifies.reserve(mMaxRanges);
-  mRecurrent.reserve(r);
+  mRecurrent.reserve(r + 1);  // one execution per row, one boundary hidden row
   mDigests.reserve(mMaxDigests);
   for (auto& lengths : mLengths) {
     lengths.reserve(r);
@@ -153,6 +162,9 @@ void OracleStepper::begin() {
   mFindings.recurrentFirst.clear();
   mFindings.draftChecked = 0;
   mFindings.draftMismatches = 0;
+  mFindings.hiddenChecks = 0;
+  mFindings.hiddenMismatches = 0;
+  mFindings.hiddenFirst.clear();
   for (auto& lengths : mFindings.lengths) {
     lengths = nullptr;
   }
@@ -221,6 +233,15 @@ void OracleStepper::recurrent(int32_t slot, bool verify, int32_t from, uint64_t 
   mRecurrent.push_back(OracleRecurrentItem{slot, flags, from, to, fromDigest, toDigest});
 }
 
+void OracleStepper::hidden(int32_t row, bool verify, int32_t from, uint64_t fromDigest, int32_t to,
+                           uint64_t toDigest) {
+  MKV_REQUIRE(row >= 0 && row < mGeometry.hidden.numRows, kCall,
+              "boundary hidden row {} outside the engine's {}", row, mGeometry.hidden.numRows);
+  requireCapacity(mRecurrent.size() + 1, mRecurrent.capacity(), "recurrent executions");
+  int32_t const flags = kOracleRecurrentHidden | (verify ? kOracleRecurrentVerify : 0);
+  mRecurrent.push_back(OracleRecurrentItem{row, flags, from, to, fromDigest, toDigest});
+}
+
 std::size_t OracleStepper::pack() {
   auto* base = static_cast<uint8_t*>(mStaging.data());
   std::size_t offset = mResultBytes;
@@ -232,7 +253,7 @@ std::size_t OracleStepper::pack() {
     }
     offset += align8(bytes);
   };
-  mHeader.result = OracleResult{0, kNoKey, kNoKey, kNoKey, 0, kNoKey, 0, 0};
+  mHeader.result = OracleResult{0, kNoKey, kNoKey, kNoKey, 0, kNoKey, 0, 0, kNoKey};
   mHeader.numStores = static_cast<int64_t>(mStores.size());
   mHeader.numWrites = static_cast<int64_t>(mWrites.size());
   mHeader.numVerifies = static_cast<int64_t>(mVerifies.size());
@@ -359,6 +380,18 @@ std::string OracleStepper::describeRecurrent(OracleResult const& result) const {
       it.slot, it.fromLength, layer, conv ? "conv" : "state", byte, found, expected);
 }
 
+std::string OracleStepper::describeHidden(OracleResult const& result) const {
+  uint64_t const key = result.hiddenKey;
+  auto const item = static_cast<std::size_t>(key >> 48);
+  auto const byte = static_cast<int64_t>((key >> 8) & 0xFFFFFFFFULL);
+  auto const found = static_cast<uint8_t>(key & 0xFF);
+  OracleRecurrentItem const& it = mRecurrent[item];
+  return fmt::format(
+      "row {} should hold the base hidden row of the {}-token prefix: byte {} is {:#04x}, "
+      "expected {:#04x}",
+      it.slot, it.fromLength, byte, found, expectedByte(it.fromDigest, 0, kOracleHiddenHalf, byte));
+}
+
 StepFindings const& OracleStepper::complete(cudaStream_t stream, char const* call) {
   auto* plan = static_cast<uint8_t*>(mStaging.data());
   if (mDevice == DeviceType::kGPU && (mSubmitted || mSnapshot)) {
@@ -386,9 +419,16 @@ StepFindings const& OracleStepper::complete(cudaStream_t stream, char const* cal
     if (result.kvMismatches > 0) {
       mFindings.kvFirst = describeKv(result);
     }
-    mFindings.recurrentChecks = static_cast<int64_t>(std::count_if(
-        mRecurrent.begin(), mRecurrent.end(),
-        [](OracleRecurrentItem const& it) { return (it.flags & kOracleRecurrentVerify) != 0; }));
+    for (OracleRecurrentItem const& it : mRecurrent) {
+      if ((it.flags & kOracleRecurrentVerify) != 0) {
+        ++((it.flags & kOracleRecurrentHidden) != 0 ? mFindings.hiddenChecks
+                                                    : mFindings.recurrentChecks);
+      }
+    }
+    mFindings.hiddenMismatches = static_cast<int64_t>(result.hiddenMismatches);
+    if (result.hiddenMismatches > 0) {
+      mFindings.hiddenFirst = describeHidden(result);
+    }
     mFindings.recurrentMismatches = static_cast<int64_t>(result.recurrentMismatches);
     if (result.recurrentMismatches > 0) {
       mFindings.recurrentFirst = describeRecurrent(result);

@@ -31,6 +31,9 @@ struct StepFindings {
   std::string recurrentFirst;   ///< as RecurrentOracle::verify describes it
   int64_t draftChecked = 0;     ///< of positionsChecked, those in the draft pool
   int64_t draftMismatches = 0;  ///< of kvMismatches, those in the draft pool
+  int64_t hiddenChecks = 0;     ///< boundary hidden rows verified (Hybrid-MTP)
+  int64_t hiddenMismatches = 0;
+  std::string hiddenFirst;  ///< the first, as describeHidden describes it
   /// Snapshot rows of the full, sliding-window and draft pools, if taken.
   std::vector<int32_t> const* lengths[kOraclePools] = {nullptr, nullptr, nullptr};
 };
@@ -42,8 +45,10 @@ class OracleStepper {
   /// The draft model's pool (runtime.draftPool()); its digests live in a plane of their own.
   static constexpr int32_t kDraft = kOracleDraftPool;
 
-  /// `recurrent`: also execute the runtime's recurrent state pool.
-  OracleStepper(KVCacheRuntime& runtime, bool recurrent);
+  /// `recurrent`: also execute the runtime's recurrent state pool. `hidden` (Hybrid-MTP): the
+  /// engine's boundary hidden rows [rows, width], on the runtime's device; must outlive the
+  /// stepper.
+  OracleStepper(KVCacheRuntime& runtime, bool recurrent, Tensor* hidden = nullptr);
   ~OracleStepper();
   OracleStepper(OracleStepper const&) = delete;
   OracleStepper& operator=(OracleStepper const&) = delete;
@@ -64,6 +69,10 @@ class OracleStepper {
   /// A recurrent execution (see OracleRecurrentItem); digests are ignored for length 0.
   void recurrent(int32_t slot, bool verify, int32_t from, uint64_t fromDigest, int32_t to,
                  uint64_t toDigest);
+  /// Boundary hidden row `row` (Hybrid-MTP): verify it holds the row of the `from`-token prefix
+  /// (digest fromDigest), then write the row of the `to`-token prefix (digest toDigest).
+  void hidden(int32_t row, bool verify, int32_t from, uint64_t fromDigest, int32_t to,
+              uint64_t toDigest);
   /// One upload, one write launch, one verify launch (kCPU: the twins, in place).
   void submit(cudaStream_t stream);
   /// One launch copying KV-length rows [0, rows[p]) of each present pool into the plan.
@@ -77,6 +86,7 @@ class OracleStepper {
  private:
   std::string describeKv(OracleResult const& result) const;
   std::string describeRecurrent(OracleResult const& result) const;
+  std::string describeHidden(OracleResult const& result) const;
   uint64_t storedDigest(int32_t pool, int32_t slot, int64_t position) const;
   std::size_t pack();  // returns the plan bytes
   void requireCapacity(std::size_t used, std::size_t capacity, char const* what) const;

@@ -64,11 +64,16 @@ ReferenceEngine::ReferenceEngine(KVCacheRuntime& runtime, ReferenceEngineOptions
   MKV_REQUIRE(mSpecWidth == 0 || runtime.config().speculative.has_value(), "ReferenceEngine",
               "speculativeWidth {} needs a runtime built with KVCacheRuntimeConfig::speculative",
               mSpecWidth);
-  MKV_REQUIRE(mSpecWidth == 0 || runtime.config().model.numRecurrentLayers == 0, "ReferenceEngine",
-              "speculativeWidth {} on a model with {} recurrent layers: the reference engine does "
-              "not drive Hybrid-MTP requests",
-              mSpecWidth, runtime.config().model.numRecurrentLayers);
-  mSteps = std::make_unique<oracle::OracleStepper>(runtime, mRecurrent);
+  // On a model with recurrent layers a speculative runtime is a Hybrid-MTP deployment (the
+  // runtime builds no other), with the boundary hidden row the engine keeps.
+  mHybridMtp = mSpecWidth > 0 && coordinator != nullptr && coordinator->profile().isHybridMtp();
+  if (mHybridMtp) {
+    KVCacheSpeculativeConfig const& draft = *runtime.config().speculative;
+    mHidden = Tensor({1, draft.boundaryHiddenWidth}, draft.boundaryHiddenType,
+                     runtime.config().deviceType);
+  }
+  mSteps =
+      std::make_unique<oracle::OracleStepper>(runtime, mRecurrent, mHybridMtp ? &mHidden : nullptr);
   mMarks = std::make_unique<oracle::StreamMarks>(runtime.config().deviceType);
   mLengthValues.resize(static_cast<std::size_t>(runtime.config().maxBatchSize));
   mDraftLengthValues.resize(static_cast<std::size_t>(runtime.config().maxBatchSize));
@@ -195,6 +200,12 @@ void ReferenceEngine::finishStep(Run& run) {
     mStats.recurrentMismatches += found.recurrentMismatches;
     report("recurrent state: " + found.recurrentFirst);
   }
+  mStats.hiddenChecks += found.hiddenChecks;
+  if (found.hiddenMismatches > 0) {
+    mStats.oracleMismatches += found.hiddenMismatches;
+    mStats.hiddenMismatches += found.hiddenMismatches;
+    report("boundary hidden " + found.hiddenFirst);
+  }
   mStats.draftOracleChecks += found.draftChecked;
   mStats.draftOracleMismatches += found.draftMismatches;
   if (found.kvMismatches > 0) {
@@ -302,6 +313,13 @@ void ReferenceEngine::executePrefill(Run& run, Row& row, int32_t start) {
     mSteps->write(oracle::OracleStepper::kSwa, slot, from, promptLength, staged + from);
   }
   executeRecurrent(row, start, promptLength);
+  if (mHybridMtp) {
+    // The restored boundary hidden row (prefill from a hit) is the R-token prefix's; the
+    // endpoint publishes the whole prompt's.
+    mSteps->hidden(0, start > 0 && mOptions.verify != VerifyMode::kNone, start,
+                   start > 0 ? row.digests.at(start - 1) : 0, promptLength,
+                   row.digests.at(promptLength - 1));
+  }
   row.materialized = promptLength;
   mStats.promptTokens += promptLength;
   mStats.reusedTokens += start;
@@ -325,7 +343,8 @@ uint64_t ReferenceEngine::draftRowDigest(uint64_t nextPrefixDigest) const noexce
 
 void ReferenceEngine::commonLengths(Run& run, bool speculative) {
   mCommonLengths.clear();
-  for (std::size_t i = 0; speculative && i < run.rows.size(); ++i) {
+  // Hybrid-MTP: the library derives the common lengths from the committed ones.
+  for (std::size_t i = 0; speculative && !mHybridMtp && i < run.rows.size(); ++i) {
     mCommonLengths.push_back(run.rows[i].draftMaterialized);
   }
 }
@@ -360,15 +379,18 @@ void ReferenceEngine::executeDraftPrefill(Row& row, int32_t start) {
   row.digests.truncate(promptLength);
   int32_t const slot = row.resident.slot;
   int64_t const staged = mSteps->stage(slot, 0, mDraftDigests, oracle::OracleStepper::kDraft);
+  // Hybrid-MTP: the draft row of the boundary token (R - 1) depends on token R, which the
+  // producer of the checkpoint may not share; the library resumes the draft one row earlier.
+  int32_t const reused = mHybridMtp ? std::max(0, start - 1) : start;
   // The paired path's draft rows must be exactly this prefix's (the replayed last page of the
   // path is not among them: its last row depends on a token the producer may not share).
-  if (start > 0 && mOptions.verify != VerifyMode::kNone) {
-    mSteps->verify(oracle::OracleStepper::kDraft, row.resident.slot, 0, start,
+  if (reused > 0 && mOptions.verify != VerifyMode::kNone) {
+    mSteps->verify(oracle::OracleStepper::kDraft, row.resident.slot, 0, reused,
                    oracle::kOracleReusedPrefix);
   }
-  mSteps->write(oracle::OracleStepper::kDraft, slot, start, promptLength, staged + start);
+  mSteps->write(oracle::OracleStepper::kDraft, slot, reused, promptLength, staged + reused);
   row.draftMaterialized = promptLength;
-  mStats.draftReusedTokens += start;
+  mStats.draftReusedTokens += reused;
   verifyDraft(row, 0, promptLength, /*full=*/false);
 }
 
@@ -429,6 +451,7 @@ void ReferenceEngine::executeRound(Row& row, std::vector<int32_t> const& generat
   // Commit: the lookahead and the accepted proposals have KV; the last taken token is the new
   // lookahead.
   row.digests.truncate(m + n);
+  executeRecurrent(row, m, m + n);  // the recurrent layers run over the committed tokens
   row.materialized = m + n;
   ++mStats.speculativeRounds;
   mStats.proposedTokens += width;
@@ -544,6 +567,14 @@ RequestOutcome ReferenceEngine::run(EngineRequest const& request,
   auto sampleAfter = [&](Row& row, std::size_t index) {
     appendToken(row, index, sampleToken(row.digests.at(row.materialized - 1)));
   };
+  if (ok && mHybridMtp && run.rows.front().prefillStart > 0) {
+    // The checkpoint's boundary hidden row, stream-ordered before the step's check of it (and
+    // before the endpoint, which releases the hit's pins).
+    t0 = std::chrono::steady_clock::now();
+    ok = managed.restoreHybridMtpBoundaryHidden(0, mHidden, 0);
+    libraryNanos += nanosSince(t0);
+    ++mStats.hiddenRestores;
+  }
   if (ok) {
     mSteps->begin();
     for (std::size_t i = 0; i < run.rows.size(); ++i) {
@@ -553,6 +584,13 @@ RequestOutcome ReferenceEngine::run(EngineRequest const& request,
     writeLengths(run, 0, run.rows.size(), [](std::size_t) { return true; });
     t0 = std::chrono::steady_clock::now();
     ok = managed.enqueuePrefillCaptures();
+    if (ok && mHybridMtp) {
+      // The whole prompt's endpoint with its boundary hidden row (written by the step): the
+      // base and draft rows it captures are in the submitted plan, stream-ordered before it.
+      ok = managed.publishHybridMtpEndpoint(
+          0, static_cast<int32_t>(run.rows.front().spec.prompt.size()), mHidden, 0);
+      ++mStats.hiddenEndpoints;
+    }
     libraryNanos += nanosSince(t0);
     for (std::size_t i = 0; i < run.rows.size(); ++i) {
       sampleAfter(run.rows[i], i);

@@ -172,6 +172,7 @@ TEST_F(MkvReplayCliTest, HelpExitsZeroAndListsEveryOption) {
                                "--speculative S",
                                "--draft-layers N",
                                "--spec-width K",
+                               "--boundary-hidden-width N",
                                "--recurrent-layers N",
                                "--recurrent-state-bytes B",
                                "--recurrent-conv-bytes B",
@@ -272,8 +273,68 @@ TEST_F(MkvReplayCliTest, BadOptionsAreOneLineAndExitTwo) {
   expectBadInput({"--snapshot-slots", "4"}, needsLayers);
   expectBadInput({"--recurrent-conv-bytes", "4"}, needsLayers);
   expectBadInput({"--recurrent-layers", "0", "--no-attention-only"}, needsLayers);
-  expectBadInput({"--recurrent-layers", "2", "--speculative", "mtp"},
-                 "--speculative with --recurrent-layers (Hybrid-MTP) is not replayed yet");
+  // Hybrid-MTP: an MTP draft with paged KV; the hidden width needs it.
+  expectBadInput({"--recurrent-layers", "2", "--speculative", "eagle"},
+                 "--speculative eagle with --recurrent-layers: the speculative hybrid deployment "
+                 "is Hybrid-MTP (--speculative mtp)");
+  expectBadInput({"--recurrent-layers", "2", "--speculative", "mtp", "--draft-layers", "0"},
+                 "--speculative mtp with --recurrent-layers (Hybrid-MTP) needs --draft-layers >= 1 "
+                 "(the draft owns paged KV)");
+  char const* const needsHybridMtp =
+      "--boundary-hidden-width needs --speculative mtp with --recurrent-layers N > 0";
+  expectBadInput({"--boundary-hidden-width", "8"}, needsHybridMtp);
+  expectBadInput({"--boundary-hidden-width", "8", "--speculative", "mtp"}, needsHybridMtp);
+  expectBadInput({"--boundary-hidden-width", "8", "--recurrent-layers", "2"}, needsHybridMtp);
+  expectBadInput(
+      {"--recurrent-layers", "2", "--speculative", "mtp", "--boundary-hidden-width", "0"},
+      "--boundary-hidden-width 0 is outside [1, 32768]");
+}
+
+TEST_F(MkvReplayCliTest, HybridMtpReportsEndpointsRestoresAndTheHiddenRowOracle) {
+  MKV_TEST_INPUT_OR_SKIP(tinyPath, "tests/replay/tiny_mooncake.jsonl");
+  std::string const json = (mDir / "mtp.json").string();
+  CliResult const result =
+      run({"--trace", tinyPath.string(), "--speculative", "mtp", "--recurrent-layers", "2",
+           "--boundary-hidden-width", "24", "--verify", "all", "--json", json});
+  ASSERT_EQ(result.exitCode, 0) << result.err;
+  // Request 2 resumes at request 1's 1024-token prompt endpoint; request 4 (request 1 again)
+  // finds its own prompt's endpoint published and reuses nothing (no endpoint strictly shorter).
+  EXPECT_NE(result.out.find("  speculative               mtp (Hybrid-MTP), 3 draft tokens per "
+                            "round; draft 1 layer with paged KV, 4.0 KiB per page\n"),
+            std::string::npos)
+      << result.out;
+  EXPECT_NE(result.out.find("  Hybrid-MTP                endpoints published 3, boundary hidden "
+                            "rows restored 1 (24 fp16 a row)\n"),
+            std::string::npos)
+      << result.out;
+  EXPECT_NE(result.out.find("  hidden-row oracle         1 rows checked, 0 mismatches\n"),
+            std::string::npos)
+      << result.out;
+  nlohmann::json const figures = nlohmann::json::parse(slurp(json));
+  EXPECT_EQ(figures.at("reused_tokens"), 1024);
+  EXPECT_EQ(figures.at("oracle_mismatches"), 0);
+  nlohmann::json const& spec = figures.at("speculative");
+  EXPECT_EQ(spec.at("kind"), "mtp");
+  EXPECT_EQ(spec.at("hybrid_mtp"), true);
+  EXPECT_EQ(spec.at("draft_reused_tokens"), 1023);
+  EXPECT_EQ(spec.at("draft_oracle_mismatches"), 0);
+  nlohmann::json const& hybrid = figures.at("hybrid");
+  EXPECT_EQ(hybrid.at("hybrid_mtp"), true);
+  EXPECT_EQ(hybrid.at("boundary_hidden_width"), 24);
+  EXPECT_EQ(hybrid.at("mtp_endpoints_published"), 3);
+  EXPECT_EQ(hybrid.at("boundary_hidden_restores"), 1);
+  EXPECT_EQ(hybrid.at("boundary_hidden_checks"), 1);
+  EXPECT_EQ(hybrid.at("boundary_hidden_mismatches"), 0);
+  EXPECT_EQ(hybrid.at("recurrent_mismatches"), 0);
+  // 10 slots of 2 x (64 + 16) + 24 x 2 bytes and of a base and a draft page (4 KiB each).
+  EXPECT_EQ(hybrid.at("snapshot_bytes"), 10 * (2 * (64 + 16) + 24 * 2 + 2 * 4096));
+  // A hybrid replay without a draft has no Hybrid-MTP figures.
+  CliResult const plain =
+      run({"--trace", tinyPath.string(), "--recurrent-layers", "2", "--quiet", "--json", json});
+  ASSERT_EQ(plain.exitCode, 0) << plain.err;
+  nlohmann::json const vanilla = nlohmann::json::parse(slurp(json)).at("hybrid");
+  EXPECT_EQ(vanilla.at("hybrid_mtp"), false);
+  EXPECT_FALSE(vanilla.contains("mtp_endpoints_published"));
 }
 
 TEST_F(MkvReplayCliTest, SpeculativeReplaysReportDraftReuseAndBothOracles) {

@@ -546,6 +546,81 @@ TEST_P(HybridReplayTest, ACorruptedCheckpointIsCaughtAtEveryRestore) {
   EXPECT_NE(kv.firstMismatch.find("layer 1"), std::string::npos) << kv.firstMismatch;
 }
 
+/// Hybrid-MTP replays (an MTP draft with paged KV on the hybrid model): every device.
+class HybridMtpReplayTest : public test::DeviceTest {};
+INSTANTIATE_TEST_SUITE_P(Devices, HybridMtpReplayTest, test::allDeviceTypes(), test::deviceName);
+
+ReplayConfig hybridMtpConfig(DeviceType device) {
+  ReplayConfig config = hybridConfig(device);
+  config.speculative = SpeculativeKind::kMtp;
+  config.specWidth = 3;
+  config.boundaryHiddenWidth = 13;  // 26 bytes: not a multiple of the oracle's 8-byte words
+  config.verify = testing::VerifyMode::kAll;
+  return config;
+}
+
+TEST_P(HybridMtpReplayTest, EachTurnRestoresThePreviousPromptsEndpointAndEveryOracleAgrees) {
+  MultiTurnWorkload workload;
+  RecordingSource source(workload);
+  ReplayConfig config = hybridMtpConfig(device());
+  config.maxBatch = 4;  // Hybrid-MTP requests have one sequence: still one request at a time
+  ReplayResult const result = runReplay(source, config);
+  ASSERT_EQ(result.requests, 120);
+  EXPECT_EQ(result.failedRequests, 0);
+  EXPECT_EQ(result.oracleMismatches, 0) << result.firstMismatch;
+  EXPECT_EQ(result.draftOracleMismatches, 0);
+  EXPECT_GT(result.draftOracleChecks, 0);
+  ReplayResult::Hybrid const& h = result.hybrid;
+  EXPECT_TRUE(h.hybridMtp);
+  EXPECT_EQ(h.recurrentMismatches, 0);
+  EXPECT_EQ(h.boundaryHiddenMismatches, 0);
+  constexpr std::size_t kConversations = 24;
+  int64_t expectedReuse = 0;
+  for (std::size_t i = 0; i < 120; ++i) {
+    // Only prompt endpoints are published (kPrefillStateOnly): a later turn resumes exactly at
+    // the end of the previous turn's prompt, never inside its reply; a first turn reuses nothing.
+    int64_t const expected =
+        i < kConversations ? 0 : static_cast<int64_t>(source.prompts[i - kConversations].size());
+    EXPECT_EQ(result.records[i].reusedTokens, expected) << i;
+    expectedReuse += expected;
+  }
+  EXPECT_EQ(result.reusedTokens, expectedReuse);
+  // The draft resumes one row before the boundary token at every hit.
+  EXPECT_EQ(result.draftReusedTokens, expectedReuse - 96);
+  EXPECT_EQ(h.checkpointsRestored, 96);
+  EXPECT_EQ(h.mtpEndpointsPublished, 120);
+  EXPECT_EQ(h.boundaryHiddenRestores, 96);
+  EXPECT_EQ(h.boundaryHiddenChecks, 96);
+  EXPECT_EQ(h.snapshotPressureSkips, 0);
+  // A recurrent slot keeps the rows and the hidden row; a partial-KV slot a base and a draft page.
+  EXPECT_EQ(h.snapshotBytes, 242 * (9 * (40 + 12) + 13 * 2 + (3 + 1) * 2 * 128 * 8 * 2));
+  // Every execution (each prefill, each verification round) verified the row it resumed from.
+  EXPECT_EQ(h.recurrentChecks, 120 + result.decodeSteps);
+  EXPECT_EQ(result.specRounds, result.decodeSteps);
+}
+
+TEST_P(HybridMtpReplayTest, ACorruptedBoundaryHiddenRowIsCaughtAtEveryRestore) {
+  ReplayConfig config = hybridMtpConfig(device());
+  config.limit = 60;
+  config.betweenRuns = [](KVCacheRuntime& runtime) {
+    scribble(runtime.contextCache()->snapshots()->boundaryHiddenSlab());
+  };
+  MultiTurnWorkload workload;
+  ReplayResult const result = runReplay(workload, config);
+  ReplayResult::Hybrid const& h = result.hybrid;
+  EXPECT_EQ(h.boundaryHiddenRestores, 36);
+  EXPECT_EQ(h.boundaryHiddenChecks, 36);
+  EXPECT_EQ(h.boundaryHiddenMismatches, 36);
+  EXPECT_EQ(h.recurrentMismatches, 0);
+  EXPECT_EQ(result.oracleMismatches, h.boundaryHiddenMismatches);
+  EXPECT_TRUE(result.firstMismatch.starts_with(
+      "boundary hidden row 0 should hold the base hidden row of the "))
+      << result.firstMismatch;
+  EXPECT_NE(result.firstMismatch.find("-token prefix: byte 0 is 0xa5, expected "),
+            std::string::npos)
+      << result.firstMismatch;
+}
+
 TEST(ReplayRunnerTest, InFlightJoinsKeepKvCorrect) {
   MultiTurnWorkload workload;
   ReplayConfig config;
@@ -718,7 +793,22 @@ TEST(ReplayRunnerTest, SpeculativeConfigurationsThatCannotRunThrowConfigErrors) 
         "an EAGLE draft owns paged KV: draft layers must be >= 1 (0 is an MTP draft reading the "
         "base KV)");
   fails([](ReplayConfig& c) { c.recurrentLayers = 2; },
-        "speculative decoding on a model with recurrent layers (Hybrid-MTP) is not replayed yet");
+        "an EAGLE draft on a model with recurrent layers is not offered: the speculative hybrid "
+        "deployment is Hybrid-MTP (speculative mtp)");
+  fails(
+      [](ReplayConfig& c) {
+        c.speculative = SpeculativeKind::kMtp;
+        c.recurrentLayers = 2;
+        c.draftLayers = 0;
+      },
+      "Hybrid-MTP needs an MTP draft with paged KV: draft layers must be >= 1, got 0");
+  fails(
+      [](ReplayConfig& c) {
+        c.speculative = SpeculativeKind::kMtp;
+        c.recurrentLayers = 2;
+        c.boundaryHiddenWidth = 0;
+      },
+      "boundary hidden width 0 must be in [1, 32768]");
 }
 
 TEST(ReplayReportTest, SpeculativeFiguresInTheSummaryAndJson) {

@@ -34,7 +34,7 @@ using testing::ReferenceEngineOptions;
 using testing::RequestOutcome;
 using testing::VerifyMode;
 
-enum class Shape { kReuse, kSwa, kHybrid, kEagle };
+enum class Shape { kReuse, kSwa, kHybrid, kEagle, kHybridMtp };
 
 std::string shapeName(Shape shape) {
   switch (shape) {
@@ -46,6 +46,8 @@ std::string shapeName(Shape shape) {
       return "hybrid";
     case Shape::kEagle:
       return "eagle";
+    case Shape::kHybridMtp:
+      return "hybrid_mtp";
   }
   return "?";
 }
@@ -71,7 +73,7 @@ KVCacheRuntimeConfig configOf(Shape shape, DeviceType device) {
   }
   config.model.numFullAttentionLayers = 2;
   config.contextReuse = true;
-  if (shape == Shape::kEagle) {
+  if (shape == Shape::kEagle || shape == Shape::kHybridMtp) {
     // A one-layer draft head of another row size (1 head x 5 x fp16 = 10 bytes).
     KVCacheSpeculativeConfig draft;
     draft.numDraftLayers = 1;
@@ -85,6 +87,17 @@ KVCacheRuntimeConfig configOf(Shape shape, DeviceType device) {
     config.model.recurrentConvBytes = 12;
     config.contextCache.recurrentSnapshotPoolBytes = 8 * 2 * (20 + 12);
     config.contextCache.partialKvSnapshotPoolBytes = 8 * 2 * 2 * kPageTokens * 12;
+  }
+  if (shape == Shape::kHybridMtp) {
+    // The hybrid geometry with an MTP draft: boundary hidden rows of 7 fp16 (14 bytes); a
+    // recurrent slot keeps one, a partial-KV slot a draft page (10-byte rows) too.
+    config.model.numRecurrentLayers = 2;
+    config.model.recurrentStateBytes = 20;
+    config.model.recurrentConvBytes = 12;
+    config.speculative->boundaryHiddenWidth = 7;
+    config.contextCache.recurrentSnapshotPoolBytes = 8 * (2 * (20 + 12) + 7 * 2);
+    config.contextCache.partialKvSnapshotPoolBytes =
+        8 * (2 * 2 * kPageTokens * 12 + 2 * kPageTokens * 10);
   }
   return config;
 }
@@ -108,6 +121,20 @@ struct Workload {
 Workload workloadOf(Shape shape) {
   std::vector<int32_t> const system = tokenRun(70, 100);
   Workload w;
+  if (shape == Shape::kHybridMtp) {
+    // One sequence a request, prompt endpoints only: each prompt extends the previous one, so
+    // the second and third requests resume at its endpoint (mid-page: 75 and 98 tokens).
+    std::vector<int32_t> const one = concatenated(system, tokenRun(5, 900));
+    std::vector<int32_t> const two = concatenated(one, tokenRun(23, 950));
+    for (auto const& prompt : {one, two, concatenated(two, tokenRun(17, 3000))}) {
+      EngineRequest request;
+      request.commitPolicy = ContextCacheCommitPolicy::kPrefillStateOnly;
+      request.sequences = {sequence(prompt, 9)};
+      w.requests.push_back(request);
+      w.joins.emplace_back();
+    }
+    return w;
+  }
   EngineRequest first;
   first.sequences = {sequence(concatenated(system, tokenRun(5, 900)), 9),
                      sequence(concatenated(system, tokenRun(9, 950)), 6)};
@@ -162,7 +189,7 @@ RunResult runWorkload(Shape shape, DeviceType device, Corruption const& corrupt 
   options.verify = VerifyMode::kAll;
   options.eosEvery = 7;
   options.throwOnMismatch = false;
-  options.speculativeWidth = shape == Shape::kEagle ? kSpecWidth : 0;
+  options.speculativeWidth = shape == Shape::kEagle || shape == Shape::kHybridMtp ? kSpecWidth : 0;
   KVCacheRuntime* raw = runtime.get();
   if (corrupt) {
     options.onStep = [raw, &corrupt](int64_t step) { corrupt(*raw, step); };
@@ -423,6 +450,28 @@ TEST_P(ReferenceEngineTest, ACorruptedDraftByteIsReportedAsADraftMismatchAtEvery
                         page, now, was));
 }
 
+// Hybrid-MTP: each request resumes at the previous prompt's endpoint; the engine restores the
+// boundary hidden row and the hidden-row oracle checks it, with the draft from one row earlier.
+TEST_P(ReferenceEngineTest, HybridMtpRestoresAndChecksTheBoundaryHiddenRowOfEachEndpoint) {
+  RunResult const run = runWorkload(Shape::kHybridMtp, device());
+  EngineStats const& stats = run.stats;
+  EXPECT_EQ(stats.oracleMismatches, 0) << stats.firstMismatch;
+  ASSERT_EQ(run.outcomes.size(), 3u);
+  EXPECT_EQ(run.outcomes[0].sequences.at(0).prefillStart, 0);
+  EXPECT_EQ(run.outcomes[1].sequences.at(0).prefillStart, 75);
+  EXPECT_EQ(run.outcomes[2].sequences.at(0).prefillStart, 98);
+  EXPECT_EQ(stats.reusedTokens, 75 + 98);
+  EXPECT_EQ(stats.draftReusedTokens, 74 + 97);
+  EXPECT_EQ(stats.hiddenEndpoints, 3);
+  EXPECT_EQ(stats.hiddenRestores, 2);
+  EXPECT_EQ(stats.hiddenChecks, 2);
+  EXPECT_EQ(stats.hiddenMismatches, 0);
+  EXPECT_GT(stats.speculativeRounds, 0);
+  EXPECT_GT(stats.draftOracleChecks, 0);
+  // Every execution (three prefills, every round) verified the recurrent row it resumed from.
+  EXPECT_EQ(stats.recurrentChecks, 3 + stats.decodeSteps);
+}
+
 TEST_P(ReferenceEngineTest, SpeculativeWidthNeedsASpeculativeRuntime) {
   auto runtime = KVCacheRuntime::create(configOf(Shape::kReuse, device()));
   EXPECT_TRUE(test::throwsError([&] { ReferenceEngine engine(*runtime, speculativeOptions()); },
@@ -448,7 +497,7 @@ class ReferenceEngineParityTest : public ::testing::TestWithParam<Shape> {
 
 INSTANTIATE_TEST_SUITE_P(Shapes, ReferenceEngineParityTest,
                          ::testing::Values(Shape::kReuse, Shape::kSwa, Shape::kHybrid,
-                                           Shape::kEagle),
+                                           Shape::kEagle, Shape::kHybridMtp),
                          [](::testing::TestParamInfo<Shape> const& shape) {
                            return shapeName(shape.param) + "_gpu";
                          });
@@ -478,6 +527,10 @@ void expectSameRun(RunResult const& cpu, RunResult const& gpu) {
   EXPECT_EQ(a.draftOracleChecks, b.draftOracleChecks);
   EXPECT_EQ(a.draftOracleMismatches, b.draftOracleMismatches);
   EXPECT_EQ(a.peakDraftPagesInUse, b.peakDraftPagesInUse);
+  EXPECT_EQ(a.hiddenRestores, b.hiddenRestores);
+  EXPECT_EQ(a.hiddenEndpoints, b.hiddenEndpoints);
+  EXPECT_EQ(a.hiddenChecks, b.hiddenChecks);
+  EXPECT_EQ(a.hiddenMismatches, b.hiddenMismatches);
   EXPECT_TRUE(a.stepGpuNanoseconds.empty());
   EXPECT_EQ(b.stepGpuNanoseconds.size(), static_cast<std::size_t>(b.decodeSteps));
   ASSERT_EQ(cpu.outcomes.size(), gpu.outcomes.size());
@@ -515,6 +568,10 @@ TEST_P(ReferenceEngineParityTest, TheSameWorkloadGivesTheSameFiguresAndBytesOnBo
     EXPECT_GT(cpu.stats.draftReusedTokens, 0);
     EXPECT_GT(cpu.stats.speculativeRounds, 0);
     EXPECT_GT(cpu.stats.draftOracleChecks, 0);
+  }
+  if (GetParam() == Shape::kHybridMtp) {  // two restored boundary hidden rows, both checked
+    EXPECT_EQ(cpu.stats.hiddenChecks, 2);
+    EXPECT_EQ(cpu.stats.hiddenMismatches, 0);
   }
   expectSameRun(cpu, gpu);
 }

@@ -61,10 +61,12 @@ struct ReferenceEngineOptions {
   /// Called after every decode step with the step index (tests inject faults here).
   std::function<void(int64_t)> onStep;
   /// Speculative decoding: 0 = vanilla (one token per decode step). K > 0 needs a runtime built
-  /// with KVCacheRuntimeConfig::speculative on an attention-only model (EAGLE-style, or MTP):
-  /// every request is then a speculative request with headroom {K + 1, K} (paged draft) or
-  /// {K + 1, 0}, and every decode step a verification round in which the draft proposes K tokens
-  /// and the base verifies them; how many are accepted is drawn from the seed and the prefix.
+  /// with KVCacheRuntimeConfig::speculative: on an attention-only model EAGLE-style or MTP, on a
+  /// model with recurrent layers and context reuse Hybrid-MTP (requests of one sequence under
+  /// ContextCacheCommitPolicy::kPrefillStateOnly). Every request is then a speculative request
+  /// with headroom {K + 1, K} (paged draft) or {K + 1, 0}, and every decode step a verification
+  /// round in which the draft proposes K tokens and the base verifies them; how many are
+  /// accepted is drawn from the seed and the prefix.
   int32_t speculativeWidth = 0;
 };
 
@@ -123,6 +125,12 @@ struct EngineStats {
   int64_t peakDraftPagesInUse = 0;    ///< max draft pages not free (speculative deployments)
   int64_t draftOracleChecks = 0;      ///< of oracleChecks, draft KV positions
   int64_t draftOracleMismatches = 0;  ///< of oracleMismatches, draft KV positions
+  // Hybrid-MTP (speculative decoding on a model with recurrent layers).
+  int64_t hiddenRestores = 0;   ///< restoreHybridMtpBoundaryHidden calls (prefills from a hit)
+  int64_t hiddenEndpoints = 0;  ///< publishHybridMtpEndpoint calls (one per prefill)
+  int64_t hiddenChecks = 0;     ///< restored boundary hidden rows verified
+  /// Of oracleMismatches: restored boundary hidden rows with a wrong byte.
+  int64_t hiddenMismatches = 0;
 };
 
 /// Drives requests through a KVCacheRuntime. Executes no model: for every executed position it
@@ -148,6 +156,18 @@ struct EngineStats {
 /// first). Base length becomes m + n, draft length min(m + K - 1, m + a, m + n), and that is
 /// the common length the round passes to completeDecodeStep. Rejected positions are written
 /// (as an engine writes them) but never verified.
+///
+/// Hybrid-MTP (speculativeWidth K > 0 on a model with recurrent layers and context reuse; a
+/// paged draft, requests of one sequence committing their prefill state only): the engine owns
+/// one boundary hidden row [1, boundaryHiddenWidth], whose bytes for a prefix are the oracle's
+/// row of a row-seed of their own (oracle_step.h, kOracleHiddenHalf). A prefill from a hit of R
+/// tokens restores the checkpoint's row into it (restoreHybridMtpBoundaryHidden) and checks it
+/// holds the row of the R-token prefix (the base hidden state at token R - 1, which the MTP
+/// head combines with token R); the draft resumes at R - 1 (its reused rows [0, R - 1) are
+/// checked). The prefill then writes the row of the whole prompt (length L) and publishes the
+/// endpoint at L (publishHybridMtpEndpoint, row 0) before completePrefill. Rounds run the
+/// recurrent layers over the committed tokens (the state is checked as after m tokens, then
+/// written as after m + n).
 ///
 /// Works at engine speed on either device: an engine step (the founding batch's prefill, one
 /// joiner's prefill, one decode step of the whole batch) stages its digests and ranges in a
@@ -220,7 +240,9 @@ class ReferenceEngine {
   bool mHasFull = false;
   bool mHasSwa = false;
   bool mRecurrent = false;
+  bool mHybridMtp = false;  // speculative on a Hybrid-MTP deployment
   int32_t mSpecWidth = 0;
+  Tensor mHidden;  // Hybrid-MTP: the boundary hidden row [1, width], allocated once
   std::vector<int32_t> mLengthValues;
   std::vector<int32_t> mDraftLengthValues;
   std::vector<uint64_t> mDraftDigests;  // scratch: the draft rows' digests of one execution
