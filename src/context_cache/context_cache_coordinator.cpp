@@ -547,13 +547,9 @@ ContextCacheStatus ContextCacheCoordinator::compactBatch(RequestHandle& handle) 
     rows().requireLengthBatch(kCall, static_cast<int32_t>(req.sequences.size()), pairsDraft(req));
   }
   // The device mapping is read only to compact the length tensors.
-  MKV_REQUIRE(!hasKv() || (req.deviceMapping->numel() == static_cast<int64_t>(req.mapping.size()) &&
-                           req.deviceMapping->deviceType() == mDevice),
-              kCall,
-              "deviceMapping was reshaped or replaced since beginBatchCompaction: {} entries on "
-              "{}, expected {} on {}",
-              req.deviceMapping->numel(), toString(req.deviceMapping->deviceType()),
-              req.mapping.size(), toString(mDevice));
+  if (hasKv()) {
+    detail::requireDeviceMappingUnchanged(kCall, *req.deviceMapping, mDevice, req.mapping.size());
+  }
   // Allocations first: nothing below allocates, so a std::bad_alloc changes nothing.
   std::vector<CacheSlot> dropped;
   dropped.reserve(req.mapping.size());

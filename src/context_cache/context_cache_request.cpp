@@ -8,6 +8,7 @@
 
 #include "core/check.h"
 #include "mkv/logging.h"
+#include "resources/backend_requests.h"
 
 namespace mkv {
 
@@ -312,13 +313,8 @@ bool ContextCacheRequest::beginBatchCompaction(std::vector<int32_t> const& oldTo
 }
 
 bool ContextCacheRequest::completeBatchCompaction(std::vector<int32_t> const& keepMapping) {
-  constexpr char const* kCall = "ContextCacheRequest::completeBatchCompaction";
-  MKV_REQUIRE(!mPendingMapping.empty(), kCall,
-              "no batch compaction was begun (keepMapping [{}]; call beginBatchCompaction first)",
-              fmt::join(keepMapping, ", "));
-  MKV_REQUIRE(keepMapping == mPendingMapping, kCall,
-              "keepMapping [{}] differs from the mapping [{}] given to beginBatchCompaction",
-              fmt::join(keepMapping, ", "), fmt::join(mPendingMapping, ", "));
+  detail::requireBegunMapping("ContextCacheRequest::completeBatchCompaction", mPendingMapping,
+                              keepMapping);
   int32_t newSize = 0;
   for (int32_t destination : keepMapping) {
     newSize += destination >= 0 ? 1 : 0;

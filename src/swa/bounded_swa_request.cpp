@@ -7,6 +7,7 @@
 
 #include "core/check.h"
 #include "mkv/logging.h"
+#include "resources/backend_requests.h"
 
 namespace mkv {
 namespace {
@@ -117,13 +118,8 @@ bool BoundedSwaRequest::beginBatchCompaction(std::vector<int32_t> const& oldToNe
 }
 
 bool BoundedSwaRequest::completeBatchCompaction(std::vector<int32_t> const& keepMapping) {
-  constexpr char const* kCall = "BoundedSwaRequest::completeBatchCompaction";
-  MKV_REQUIRE(!mPendingMapping.empty(), kCall,
-              "no batch compaction was begun (keepMapping [{}]; call beginBatchCompaction first)",
-              fmt::join(keepMapping, ", "));
-  MKV_REQUIRE(keepMapping == mPendingMapping, kCall,
-              "keepMapping [{}] differs from the mapping [{}] given to beginBatchCompaction",
-              fmt::join(keepMapping, ", "), fmt::join(mPendingMapping, ", "));
+  detail::requireBegunMapping("BoundedSwaRequest::completeBatchCompaction", mPendingMapping,
+                              keepMapping);
   SwaKVCacheStatus const status = mManager->compactBatch(mHandle);
   mPendingMapping.clear();
   return swaStatus(status, *mManager, "completeBatchCompaction");
