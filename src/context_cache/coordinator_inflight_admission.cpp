@@ -48,7 +48,7 @@ ContextCacheCoordinator::AdmitSequenceResult ContextCacheCoordinator::admitSeque
   LookupRequest const lookup =
       lookupOf(admission, admission.lookupPolicy.value_or(req.batchPolicy), headroom, false);
   auto const start = std::chrono::steady_clock::now();
-  mkv::AdmissionResult acquired = mManager->acquireWithFallback(lookup);
+  mkv::AdmissionResult acquired = mManager->admit(lookup);
   countPlanning(start);
   if (!acquired.lease) {
     ++mCounters.liveAdmissionRefusals;

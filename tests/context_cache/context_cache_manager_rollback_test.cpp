@@ -182,8 +182,7 @@ TEST_F(ContextCacheManagerRollbackTest, AcquireWithEvictionAndGrowthRollBack) {
   std::vector<int32_t> const prompt = concatenated(a, tokenRun(6, 300));
   EXPECT_GT(failEveryAllocation(m,
                                 [&] {
-                                  AdmissionResult admitted =
-                                      m.acquireWithFallback(requestOf(prompt));
+                                  AdmissionResult admitted = m.admit(requestOf(prompt));
                                   lease = std::move(admitted.lease);
                                 }),
             0);

@@ -110,9 +110,9 @@ inline void expectManagerInvariants(ContextCacheManager const& manager) {
 
 namespace mkv::test {
 
-/// acquireWithFallback that must succeed.
+/// admit that must succeed.
 inline CacheRequestLease admit(ContextCacheManager& manager, LookupRequest const& request) {
-  AdmissionResult result = manager.acquireWithFallback(request);
+  AdmissionResult result = manager.admit(request);
   EXPECT_TRUE(result.lease.has_value()) << "admission refused";
   return result.lease ? std::move(*result.lease) : CacheRequestLease{};
 }

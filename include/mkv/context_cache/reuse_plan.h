@@ -113,7 +113,7 @@ struct ReusePlan {
   int32_t indexedPrefixBlocks = 0;
   int32_t verificationRejects = 0;
 
-  /// True when the plan reuses anything (its acquisition may be retried cold on capacity).
+  /// True when the plan reuses anything (binds cached pages or rewinds a full input).
   bool isCacheDerived() const noexcept {
     return reuseTokenLength > 0 || kind == ReusePlanKind::kFullInputRewind;
   }
