@@ -121,7 +121,6 @@ struct ReplayResult {
   double hitRate = 0.0;  ///< reused / prompt tokens
   int64_t evictedRecords = 0;
   int64_t cacheResets = 0;  ///< prefix cache resets (--reset-cache-every)
-  int64_t forcedColdRetries = 0;
   int64_t publishedRecords = 0;
   std::array<int64_t, kMissReasonCount> missesByReason{};
   int64_t peakPagesInUse = 0;
