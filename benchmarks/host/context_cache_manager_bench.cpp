@@ -15,8 +15,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "context_cache/context_cache_manager.h"
 #include "host_bench_support.h"
-#include "mkv/context_cache/context_cache_manager.h"
 
 namespace mkv::bench {
 namespace {

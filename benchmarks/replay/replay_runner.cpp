@@ -9,6 +9,7 @@
 #include <memory>
 #include <unordered_map>
 
+#include "context_cache/context_cache_manager.h"
 #include "mkv/kernels.h"
 #include "mkv/stream.h"
 

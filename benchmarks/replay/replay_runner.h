@@ -12,8 +12,7 @@
 #include <string_view>
 #include <vector>
 
-#include "mkv/context_cache/eviction_policy.h"
-#include "mkv/context_cache/reuse_plan.h"
+#include "mkv/context_cache/context_cache_types.h"
 #include "mkv/events/kv_event_publisher.h"
 #include "mkv/kv_cache_runtime.h"
 #include "mkv/testing/reference_engine.h"

@@ -683,6 +683,10 @@ bool ContextCacheCoordinator::supportsLiveSequenceAdmission() const noexcept {
   return mProfile.baseStateKind == BaseStateKind::kAttentionOnly && !mProfile.isSpeculative();
 }
 
+ContextCacheMetrics ContextCacheCoordinator::metrics() const { return mManager->metrics(); }
+
+std::vector<KvEvent> ContextCacheCoordinator::drainEvents() { return mManager->drainEvents(); }
+
 std::string ContextCacheCoordinator::toPrometheus(std::string_view prefix) const {
   std::string text = mkv::toPrometheus(mManager->metrics(), prefix);
   auto counter = [&](char const* name, char const* help, uint64_t value) {

@@ -6,6 +6,7 @@
 #include <limits>
 #include <utility>
 
+#include "context_cache/block_hash.h"
 #include "core/check.h"
 #include "mkv/logging.h"
 #include "resources/backend_requests.h"

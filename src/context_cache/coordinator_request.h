@@ -11,6 +11,7 @@
 #include <utility>
 #include <vector>
 
+#include "context_cache/context_cache_manager.h"
 #include "core/check.h"
 #include "mkv/context_cache/context_cache_coordinator.h"
 

@@ -2,8 +2,8 @@
 
 #include <limits>
 
+#include "context_cache/eviction_policy.h"
 #include "core/check.h"
-#include "mkv/context_cache/eviction_policy.h"
 #include "resources/backend_requests.h"
 
 namespace mkv::detail {

@@ -8,8 +8,8 @@
 #include <map>
 #include <random>
 
+#include "context_cache/context_cache_manager.h"
 #include "context_cache_test_support.h"
-#include "mkv/context_cache/context_cache_manager.h"
 
 namespace mkv {
 namespace {

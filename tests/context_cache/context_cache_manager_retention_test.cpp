@@ -7,8 +7,8 @@
 #include <variant>
 #include <vector>
 
+#include "context_cache/context_cache_manager.h"
 #include "context_cache_test_support.h"
-#include "mkv/context_cache/context_cache_manager.h"
 #include "mkv/error.h"
 
 namespace mkv {

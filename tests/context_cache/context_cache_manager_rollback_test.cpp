@@ -9,8 +9,8 @@
 #include <functional>
 #include <new>
 
+#include "context_cache/context_cache_manager.h"
 #include "context_cache_test_support.h"
-#include "mkv/context_cache/context_cache_manager.h"
 
 #if defined(__SANITIZE_ADDRESS__)
 #define MKV_TEST_ALLOCATION_INJECTION 0  // sanitizers own operator new

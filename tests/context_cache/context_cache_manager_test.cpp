@@ -1,4 +1,4 @@
-#include "mkv/context_cache/context_cache_manager.h"
+#include "context_cache/context_cache_manager.h"
 
 #include <gtest/gtest.h>
 

@@ -10,7 +10,7 @@
 #include <map>
 #include <vector>
 
-#include "mkv/context_cache/context_cache_manager.h"
+#include "context_cache/context_cache_manager.h"
 #include "support/manager_state.h"
 #include "support/token_runs.h"
 

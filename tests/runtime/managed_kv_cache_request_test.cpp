@@ -14,6 +14,7 @@
 #include <utility>
 #include <vector>
 
+#include "context_cache/context_cache_manager.h"
 #include "runtime_test_rig.h"
 #include "support/test_util.h"
 

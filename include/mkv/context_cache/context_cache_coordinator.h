@@ -13,12 +13,9 @@
 #include <string>
 #include <vector>
 
-#include "mkv/context_cache/block_hash.h"
-#include "mkv/context_cache/context_cache_manager.h"
 #include "mkv/context_cache/context_cache_metrics.h"
-#include "mkv/context_cache/eviction_policy.h"
-#include "mkv/context_cache/kv_event_queue.h"
-#include "mkv/context_cache/reuse_plan.h"
+#include "mkv/context_cache/context_cache_types.h"
+#include "mkv/context_cache/kv_events.h"
 #include "mkv/cuda_types.h"
 #include "mkv/kv_cache_pool.h"
 #include "mkv/kv_page_table.h"
@@ -30,6 +27,13 @@
 #include "mkv/types.h"
 
 namespace mkv {
+// The manager and its value types are internal (src/context_cache/context_cache_manager.h); the
+// coordinator holds the manager by pointer and names these only in private declarations.
+class ContextCacheManager;
+struct AdmissionResult;
+struct LookupRequest;
+struct PromptBlocks;
+struct SnapshotReservation;
 namespace detail {
 class Int32UploadRegions;
 class PagedRows;
@@ -409,10 +413,12 @@ class ContextCacheCoordinator {
   std::span<PageId const> draftPages(RequestHandle const& handle, int32_t slot) const;
   /// Common (base and draft) materialised length of row `slot`; speculative requests.
   int32_t commonLength(RequestHandle const& handle, int32_t slot) const;
+  /// The manager (an internal class: src/context_cache/context_cache_manager.h, which tests and
+  /// tools inside the tree include to inspect it).
   ContextCacheManager const& manager() const noexcept { return *mManager; }
-  ContextCacheMetrics metrics() const { return mManager->metrics(); }
+  ContextCacheMetrics metrics() const;
   ContextCacheCoordinatorCounters const& counters() const noexcept { return mCounters; }
-  std::vector<KvEvent> drainEvents() { return mManager->drainEvents(); }
+  std::vector<KvEvent> drainEvents();
   /// Manager metrics and coordinator counters in the Prometheus text format.
   std::string toPrometheus(std::string_view prefix = "managedkv_") const;
   ContextCacheConfig const& config() const noexcept { return mConfig; }

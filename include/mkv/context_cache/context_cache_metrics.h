@@ -10,8 +10,7 @@
 #include <string>
 #include <string_view>
 
-#include "mkv/context_cache/resource_pools.h"
-#include "mkv/context_cache/reuse_plan.h"
+#include "mkv/context_cache/context_cache_types.h"
 
 namespace mkv {
 

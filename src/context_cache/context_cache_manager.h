@@ -15,16 +15,16 @@
 #include <span>
 #include <vector>
 
-#include "mkv/context_cache/block_hash.h"
-#include "mkv/context_cache/block_index.h"
-#include "mkv/context_cache/cache_request_lease.h"
+#include "context_cache/block_hash.h"
+#include "context_cache/block_index.h"
+#include "context_cache/cache_request_lease.h"
+#include "context_cache/eviction_planner.h"
+#include "context_cache/eviction_policy.h"
+#include "context_cache/kv_event_queue.h"
+#include "context_cache/record_store.h"
+#include "context_cache/resource_pools.h"
+#include "context_cache/reuse_plan.h"
 #include "mkv/context_cache/context_cache_metrics.h"
-#include "mkv/context_cache/eviction_planner.h"
-#include "mkv/context_cache/eviction_policy.h"
-#include "mkv/context_cache/kv_event_queue.h"
-#include "mkv/context_cache/record_store.h"
-#include "mkv/context_cache/resource_pools.h"
-#include "mkv/context_cache/reuse_plan.h"
 #include "mkv/types.h"
 
 namespace mkv {

@@ -16,8 +16,8 @@
 #include <utility>
 #include <vector>
 
-#include "mkv/context_cache/cache_record.h"
-#include "mkv/context_cache/eviction_policy.h"
+#include "context_cache/cache_record.h"
+#include "context_cache/eviction_policy.h"
 
 namespace mkv {
 
