@@ -77,9 +77,9 @@ void BoundedSwaRequest::requireContextRows(char const* call,
       context.rawBatchedInputIds.size(), context.generatedTokenIds.size(), batch);
 }
 
-int32_t BoundedSwaRequest::reuseTokenLength(int32_t slot) const {
+int32_t BoundedSwaRequest::reuseTokenLength(ExecutionRow row) const {
   detail::throwContract("BoundedSwaRequest::reuseTokenLength",
-                        "slot {}: the bounded-SWA backend has no context reuse", slot);
+                        "row {}: the bounded-SWA backend has no context reuse", row);
 }
 
 bool BoundedSwaRequest::prepareSwaPrefill(std::vector<int32_t> const& effectiveInputLengths) {
@@ -140,7 +140,7 @@ AdmitSequenceStatus BoundedSwaRequest::admitSequence(
   return AdmitSequenceStatus::kFailed;
 }
 
-bool BoundedSwaRequest::finalizeSequenceAdmission(int32_t /*slot*/,
+bool BoundedSwaRequest::finalizeSequenceAdmission(int32_t /*row*/,
                                                   int32_t const& /*lookaheadToken*/,
                                                   int32_t /*fullInputLength*/) {
   logger()->error(
@@ -149,17 +149,18 @@ bool BoundedSwaRequest::finalizeSequenceAdmission(int32_t /*slot*/,
   return false;
 }
 
-bool BoundedSwaRequest::publishHybridMtpEndpoint(int32_t slot, int32_t /*residentStateLength*/,
+bool BoundedSwaRequest::publishHybridMtpEndpoint(ExecutionRow row, int32_t /*residentStateLength*/,
                                                  Tensor const& /*baseHiddenStates*/,
                                                  int32_t /*boundaryHiddenRow*/) {
   detail::throwContract("BoundedSwaRequest::publishHybridMtpEndpoint",
-                        "slot {}: the bounded-SWA backend has no context reuse", slot);
+                        "row {}: the bounded-SWA backend has no context reuse", row);
 }
 
-bool BoundedSwaRequest::restoreHybridMtpBoundaryHidden(int32_t slot, Tensor& /*baseHiddenStates*/,
+bool BoundedSwaRequest::restoreHybridMtpBoundaryHidden(ExecutionRow row,
+                                                       Tensor& /*baseHiddenStates*/,
                                                        int32_t /*destinationRow*/) {
   detail::throwContract("BoundedSwaRequest::restoreHybridMtpBoundaryHidden",
-                        "slot {}: the bounded-SWA backend has no context reuse", slot);
+                        "row {}: the bounded-SWA backend has no context reuse", row);
 }
 
 }  // namespace mkv
