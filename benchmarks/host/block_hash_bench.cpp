@@ -21,8 +21,8 @@
 #include <span>
 #include <vector>
 
+#include "context_cache/block_hash.h"
 #include "host_bench_support.h"
-#include "mkv/context_cache/block_hash.h"
 
 namespace mkv::bench {
 namespace {

@@ -2,7 +2,7 @@
 // <= 50 µs with token verification on, docs/benchmarks.md, "What is measured, and how"), cold
 // and with 50 % / 95 % of its blocks cached, token verification on and off:
 //   * BM_Lookup: hashing and planning only (pure);
-//   * BM_LookupAcquire: acquireWithFallback, the coordinator's one call per sequence (lookup,
+//   * BM_LookupAcquire: admit, the coordinator's one call per sequence (lookup,
 //     pins, private pages, metrics), and the lease's release (a few µs of it);
 //   * BM_LookupAcquirePublish: lookup, acquire and publication of the whole prompt in the steady
 //     state of a full record store: every iteration's prompt has its own suffix, so each
@@ -15,8 +15,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "context_cache/context_cache_manager.h"
 #include "host_bench_support.h"
-#include "mkv/context_cache/context_cache_manager.h"
 
 namespace mkv::bench {
 namespace {
@@ -66,7 +66,7 @@ class ManagerRig {
         mCached(randomTokens(kPromptTokens, 11)),
         mQuery(mCached) {
     LookupRequest cached = requestOf(mCached);
-    AdmissionResult admitted = mManager.acquireWithFallback(cached);
+    AdmissionResult admitted = mManager.admit(cached);
     mManager.publish(*admitted.lease, hashPromptBlocks(cached.prompt, page), kPromptTokens);
     makeUnique(0);
   }
@@ -118,7 +118,7 @@ void BM_LookupAcquire(benchmark::State& state) {
   ManagerRig rig = makeRig(state);
   LookupRequest const request = rig.query();
   for (auto _ : state) {
-    AdmissionResult admitted = rig.manager().acquireWithFallback(request);
+    AdmissionResult admitted = rig.manager().admit(request);
     if (!admitted.lease || admitted.plan.reuseTokenLength != rig.hitTokens()) {
       state.SkipWithError("admission failed or reused an unexpected length");
       break;

@@ -15,8 +15,8 @@
 #include <utility>
 #include <vector>
 
+#include "context_cache/eviction_planner.h"
 #include "host_bench_support.h"
-#include "mkv/context_cache/eviction_planner.h"
 
 namespace mkv::bench {
 namespace {

@@ -278,8 +278,7 @@ std::string formatSummary(ReplayResult const& r) {
                      r.swaPagesPerSequenceDecode));
   } else {
     line("evicted records",
-         fmt::format("{}  (published {}, forced-cold retries {})", grouped(r.evictedRecords),
-                     grouped(r.publishedRecords), r.forcedColdRetries));
+         fmt::format("{}  (published {})", grouped(r.evictedRecords), grouped(r.publishedRecords)));
     if (r.cacheResets > 0) {
       line("prefix cache resets", grouped(r.cacheResets));
     }
@@ -359,7 +358,6 @@ std::string formatJson(ReplayResult const& r) {
       {"published_records", r.publishedRecords},
       {"evicted_records", r.evictedRecords},
       {"cache_resets", r.cacheResets},
-      {"forced_cold_retries", r.forcedColdRetries},
       {"misses_by_reason", misses},
       {"peak_pages_in_use", r.peakPagesInUse},
       {"peak_kv_bytes", r.peakKvBytes},

@@ -9,6 +9,7 @@
 #include <memory>
 #include <unordered_map>
 
+#include "context_cache/context_cache_manager.h"
 #include "mkv/kernels.h"
 #include "mkv/stream.h"
 
@@ -666,7 +667,6 @@ class Runner {
       ContextCacheMetrics const metrics = coordinator->metrics();
       r.evictedRecords = static_cast<int64_t>(metrics.evictedRecords);
       r.cacheResets = static_cast<int64_t>(metrics.prefixCacheResets);
-      r.forcedColdRetries = static_cast<int64_t>(metrics.forcedColdRetries);
       r.publishedRecords = static_cast<int64_t>(metrics.publishedRecords);
       for (std::size_t i = 0; i < r.missesByReason.size(); ++i) {
         r.missesByReason[i] = static_cast<int64_t>(metrics.misses[i]);

@@ -12,8 +12,7 @@
 #include <string_view>
 #include <vector>
 
-#include "mkv/context_cache/eviction_policy.h"
-#include "mkv/context_cache/reuse_plan.h"
+#include "mkv/context_cache/context_cache_types.h"
 #include "mkv/events/kv_event_publisher.h"
 #include "mkv/kv_cache_runtime.h"
 #include "mkv/testing/reference_engine.h"
@@ -150,7 +149,6 @@ struct ReplayResult {
   double hitRate = 0.0;  ///< reused / prompt tokens
   int64_t evictedRecords = 0;
   int64_t cacheResets = 0;  ///< prefix cache resets (--reset-cache-every)
-  int64_t forcedColdRetries = 0;
   int64_t publishedRecords = 0;
   std::array<int64_t, kMissReasonCount> missesByReason{};
   int64_t peakPagesInUse = 0;

@@ -49,7 +49,7 @@ class BoundedSwaRequest {
   /// nullptr: nothing is reused, every row executes from position 0.
   std::vector<int32_t> const* prefillStarts() const noexcept { return nullptr; }
   /// Throws: the bounded-SWA backend has no context reuse.
-  int32_t reuseTokenLength(int32_t slot) const;
+  int32_t reuseTokenLength(ExecutionRow row) const;
 
   /// No-op (the windows are mapped by prepareSwaPrefill), true.
   bool preparePrefill() { return true; }
@@ -90,16 +90,16 @@ class BoundedSwaRequest {
                                     std::vector<imageUtils::ImageData> const& imageBuffers = {},
                                     std::vector<audioUtils::AudioData> const& audioBuffers = {});
   /// No in-flight admission: false and one log line.
-  bool finalizeSequenceAdmission(int32_t slot, int32_t const& lookaheadToken,
+  bool finalizeSequenceAdmission(ExecutionRow row, int32_t const& lookaheadToken,
                                  int32_t fullInputLength);
   /// Nothing was admitted, so nothing to undo: true.
   bool retractSequenceAdmission() { return true; }
 
   /// Throws: Hybrid-MTP needs context reuse.
-  bool publishHybridMtpEndpoint(int32_t slot, int32_t residentStateLength,
+  bool publishHybridMtpEndpoint(ExecutionRow row, int32_t residentStateLength,
                                 Tensor const& baseHiddenStates, int32_t boundaryHiddenRow);
   /// Throws: Hybrid-MTP needs context reuse.
-  bool restoreHybridMtpBoundaryHidden(int32_t slot, Tensor& baseHiddenStates,
+  bool restoreHybridMtpBoundaryHidden(ExecutionRow row, Tensor& baseHiddenStates,
                                       int32_t destinationRow);
 
   bool poisoned() const noexcept { return mManager->poisoned(); }

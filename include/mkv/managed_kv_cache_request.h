@@ -61,13 +61,13 @@ class ManagedKVCacheRequest {
   /// Per execution row, the reuse length (execution starts there); nullptr for bounded SWA.
   std::vector<int32_t> const* prefillStarts() const noexcept;
   /// Reuse length of one row. Context backend only (throws for bounded SWA).
-  int32_t reuseTokenLength(int32_t slot) const;
+  int32_t reuseTokenLength(ExecutionRow row) const;
 
   /// Hybrid-MTP endpoint publication. Context backend only.
-  bool publishHybridMtpEndpoint(int32_t slot, int32_t residentStateLength,
+  bool publishHybridMtpEndpoint(ExecutionRow row, int32_t residentStateLength,
                                 Tensor const& baseHiddenStates, int32_t boundaryHiddenRow);
   /// Copies the checkpoint's boundary hidden row into `destinationRow`. Context backend only.
-  bool restoreHybridMtpBoundaryHidden(int32_t slot, Tensor& baseHiddenStates,
+  bool restoreHybridMtpBoundaryHidden(ExecutionRow row, Tensor& baseHiddenStates,
                                       int32_t destinationRow);
 
   /// Binds rows and restores state before prefill (bounded SWA: no-op, true).
@@ -107,7 +107,7 @@ class ManagedKVCacheRequest {
       cudaStream_t stream, std::vector<int32_t> const& mediaTokenIds = {},
       std::vector<imageUtils::ImageData> const& imageBuffers = {},
       std::vector<audioUtils::AudioData> const& audioBuffers = {});
-  bool finalizeSequenceAdmission(int32_t slot, int32_t const& lookaheadToken,
+  bool finalizeSequenceAdmission(ExecutionRow row, int32_t const& lookaheadToken,
                                  int32_t fullInputLength);
   /// Undoes the newest in-flight admission that was not finalised. Throws mkv::Error, changing
   /// nothing, when none can be undone (the newest row joined or is the only one, work is

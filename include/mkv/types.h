@@ -12,8 +12,12 @@ namespace mkv {
 /// Physical page id inside one page pool (a KV pool has its own id space; a reduced SWA pool
 /// has another). Live page-table entries are in [0, numPages); kNoPage marks an empty entry.
 using PageId = int32_t;
-/// Resident row index: page-table row == recurrent-state row == slot.
+/// Resident slot: a stable physical row (page-table row == recurrent-state row), handed out by
+/// ResidentSlotPool. "Slot" names only this index kind at the public boundaries.
 using CacheSlot = int32_t;
+/// Execution row: a sequence's position in its request's current batch (the order of the
+/// engine's per-step tensors). Compaction renumbers execution rows; a resident slot never moves.
+using ExecutionRow = int32_t;
 /// Sentinel for an unused page-table entry.
 inline constexpr PageId kNoPage = -1;
 

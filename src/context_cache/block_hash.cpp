@@ -1,4 +1,4 @@
-#include "mkv/context_cache/block_hash.h"
+#include "context_cache/block_hash.h"
 
 #include <algorithm>
 #include <array>

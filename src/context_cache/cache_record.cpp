@@ -1,4 +1,4 @@
-#include "mkv/context_cache/cache_record.h"
+#include "context_cache/cache_record.h"
 
 #include "core/check.h"
 

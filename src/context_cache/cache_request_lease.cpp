@@ -1,8 +1,8 @@
-#include "mkv/context_cache/cache_request_lease.h"
+#include "context_cache/cache_request_lease.h"
 
 #include <utility>
 
-#include "mkv/context_cache/context_cache_manager.h"
+#include "context_cache/context_cache_manager.h"
 
 namespace mkv {
 

@@ -202,31 +202,33 @@ int32_t ContextCacheCoordinator::batchSize(RequestHandle const& handle) const {
       request(handle, "ContextCacheCoordinator::batchSize").sequences.size());
 }
 
-int32_t ContextCacheCoordinator::reuseTokenLength(RequestHandle const& handle, int32_t slot) const {
+int32_t ContextCacheCoordinator::reuseTokenLength(RequestHandle const& handle,
+                                                  ExecutionRow row) const {
   constexpr char const* kCall = "ContextCacheCoordinator::reuseTokenLength";
-  return sequenceAt(request(handle, kCall), slot, kCall).reuseTokenLength;
+  return sequenceAt(request(handle, kCall), row, kCall).reuseTokenLength;
 }
 
-int32_t ContextCacheCoordinator::committedLength(RequestHandle const& handle, int32_t slot) const {
+int32_t ContextCacheCoordinator::committedLength(RequestHandle const& handle,
+                                                 ExecutionRow row) const {
   constexpr char const* kCall = "ContextCacheCoordinator::committedLength";
-  return sequenceAt(request(handle, kCall), slot, kCall).committed;
+  return sequenceAt(request(handle, kCall), row, kCall).committed;
 }
 
 std::span<PageId const> ContextCacheCoordinator::basePages(RequestHandle const& handle,
-                                                           int32_t slot) const {
+                                                           ExecutionRow row) const {
   constexpr char const* kCall = "ContextCacheCoordinator::basePages";
-  return sequenceAt(request(handle, kCall), slot, kCall).lease.basePages();
+  return sequenceAt(request(handle, kCall), row, kCall).lease.basePages();
 }
 
 std::span<PageId const> ContextCacheCoordinator::draftPages(RequestHandle const& handle,
-                                                            int32_t slot) const {
+                                                            ExecutionRow row) const {
   constexpr char const* kCall = "ContextCacheCoordinator::draftPages";
-  return sequenceAt(request(handle, kCall), slot, kCall).lease.draftPages();
+  return sequenceAt(request(handle, kCall), row, kCall).lease.draftPages();
 }
 
-int32_t ContextCacheCoordinator::commonLength(RequestHandle const& handle, int32_t slot) const {
+int32_t ContextCacheCoordinator::commonLength(RequestHandle const& handle, ExecutionRow row) const {
   constexpr char const* kCall = "ContextCacheCoordinator::commonLength";
-  return sequenceAt(request(handle, kCall), slot, kCall).common;
+  return sequenceAt(request(handle, kCall), row, kCall).common;
 }
 
 ResidentRowState ContextCacheCoordinator::residentRowState(CacheSlot slot) const noexcept {
@@ -475,7 +477,7 @@ ContextCacheStatus ContextCacheCoordinator::growPages(Request& req,
 
 ContextCacheStatus ContextCacheCoordinator::completeDecodeStep(
     RequestHandle& handle, std::span<ContextCacheSequenceAdvance const> advances,
-    std::span<int32_t const> completedSlots, std::span<int32_t const> commonStateLengths) {
+    std::span<ExecutionRow const> completedRows, std::span<int32_t const> commonStateLengths) {
   constexpr char const* kCall = "ContextCacheCoordinator::completeDecodeStep";
   Request& req = request(handle, kCall);
   MKV_REQUIRE(req.stage == RequestStage::kDecoding, kCall, "no prepared decode step to complete");
@@ -484,7 +486,7 @@ ContextCacheStatus ContextCacheCoordinator::completeDecodeStep(
   detail::validateCommonLengths(kCall, req.speculative, req.sequences.size(), commonStateLengths,
                                 pairsDraft(req) && !isHybridMtp(req));
   std::vector<uint8_t> const completed =
-      detail::validateDecodeCompletion(kCall, req, advances, completedSlots, commonStateLengths);
+      detail::validateDecodeCompletion(kCall, req, advances, completedRows, commonStateLengths);
   detail::applyAdvances(req, advances);
   for (std::size_t i = 0; i < advances.size() && req.speculative; ++i) {
     if (!isHold(advances[i])) {
@@ -547,13 +549,9 @@ ContextCacheStatus ContextCacheCoordinator::compactBatch(RequestHandle& handle) 
     rows().requireLengthBatch(kCall, static_cast<int32_t>(req.sequences.size()), pairsDraft(req));
   }
   // The device mapping is read only to compact the length tensors.
-  MKV_REQUIRE(!hasKv() || (req.deviceMapping->numel() == static_cast<int64_t>(req.mapping.size()) &&
-                           req.deviceMapping->deviceType() == mDevice),
-              kCall,
-              "deviceMapping was reshaped or replaced since beginBatchCompaction: {} entries on "
-              "{}, expected {} on {}",
-              req.deviceMapping->numel(), toString(req.deviceMapping->deviceType()),
-              req.mapping.size(), toString(mDevice));
+  if (hasKv()) {
+    detail::requireDeviceMappingUnchanged(kCall, *req.deviceMapping, mDevice, req.mapping.size());
+  }
   // Allocations first: nothing below allocates, so a std::bad_alloc changes nothing.
   std::vector<CacheSlot> dropped;
   dropped.reserve(req.mapping.size());
@@ -686,6 +684,10 @@ bool ContextCacheCoordinator::resetPrefixCache() noexcept {
 bool ContextCacheCoordinator::supportsLiveSequenceAdmission() const noexcept {
   return mProfile.baseStateKind == BaseStateKind::kAttentionOnly && !mProfile.isSpeculative();
 }
+
+ContextCacheMetrics ContextCacheCoordinator::metrics() const { return mManager->metrics(); }
+
+std::vector<KvEvent> ContextCacheCoordinator::drainEvents() { return mManager->drainEvents(); }
 
 std::string ContextCacheCoordinator::toPrometheus(std::string_view prefix) const {
   std::string text = mkv::toPrometheus(mManager->metrics(), prefix);

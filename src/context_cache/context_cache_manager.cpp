@@ -1,4 +1,4 @@
-#include "mkv/context_cache/context_cache_manager.h"
+#include "context_cache/context_cache_manager.h"
 
 #include <spdlog/spdlog.h>
 
@@ -297,14 +297,13 @@ AcquireResult ContextCacheManager::acquirePlan(ReusePlan const& plan, bool fresh
   return {std::move(lease), AcquireStatus::kAcquired};
 }
 
-AdmissionResult ContextCacheManager::acquireWithFallback(LookupRequest const& request) {
-  checkRequest("ContextCacheManager::acquireWithFallback", request);  // errors name this call
-  return admit(request, lookup(request));
+AdmissionResult ContextCacheManager::admit(LookupRequest const& request) {
+  checkRequest("ContextCacheManager::admit", request);  // errors name this call
+  return acquireLooked(request, lookup(request));
 }
 
-AdmissionResult ContextCacheManager::acquireWithFallback(LookupRequest const& request,
-                                                         LookupResult looked) {
-  constexpr char const* kCall = "ContextCacheManager::acquireWithFallback";
+AdmissionResult ContextCacheManager::admit(LookupRequest const& request, LookupResult looked) {
+  constexpr char const* kCall = "ContextCacheManager::admit";
   checkRequest(kCall, request);
   MKV_REQUIRE(looked.blocks.pageSize == mPageSize &&
                   looked.blocks.prompt.tokens.data() == request.prompt.tokens.data() &&
@@ -314,7 +313,7 @@ AdmissionResult ContextCacheManager::acquireWithFallback(LookupRequest const& re
   if (looked.stateVersion != mStateVersion) {
     planLookup(request, looked);  // records or index changed since: re-plan, no re-hash
   }
-  return admit(request, std::move(looked));
+  return acquireLooked(request, std::move(looked));
 }
 
 void ContextCacheManager::checkBatch(char const* call, std::span<LookupRequest const> requests,
@@ -404,30 +403,18 @@ std::vector<AdmissionResult> ContextCacheManager::acquireBatch(
   return admitted;
 }
 
-AdmissionResult ContextCacheManager::admit(LookupRequest const& request, LookupResult looked) {
+AdmissionResult ContextCacheManager::acquireLooked(LookupRequest const& request,
+                                                   LookupResult looked) {
   int32_t const verificationRejects = looked.plan.verificationRejects;
   std::optional<MissReason> const blockMiss = looked.missReason;
-  bool const useCache = request.policy == ContextCacheLookupPolicy::kUseCache;
   std::vector<RetentionRange> retention(request.retention.begin(), request.retention.end());
   AdmissionResult result;
   AcquireResult acquired = acquirePlan(looked.plan, /*fresh=*/true);
+  result.outcome =
+      acquired.lease ? AdmissionOutcome::kAcquired : AdmissionOutcome::kInsufficientCapacity;
+  result.plan = std::move(looked.plan);
   if (acquired.lease) {
-    result.outcome = AdmissionOutcome::kAcquired;
-    result.plan = std::move(looked.plan);
-  } else if (useCache && looked.plan.isCacheDerived()) {
-    ReusePlan cold = coldPlanOf(request);
-    acquired = acquire(cold);
-    ++mMetrics.forcedColdRetries;
-    result.outcome =
-        acquired.lease ? AdmissionOutcome::kAcquiredCold : AdmissionOutcome::kInsufficientCapacity;
-    result.plan = std::move(cold);
-  } else {
-    result.outcome = AdmissionOutcome::kInsufficientCapacity;
-    result.plan = std::move(looked.plan);
-  }
-  if (acquired.lease) {
-    adoptRequest(*acquired.lease, std::move(retention),
-                 result.outcome == AdmissionOutcome::kAcquired ? blockMiss : std::nullopt);
+    adoptRequest(*acquired.lease, std::move(retention), blockMiss);
   }
   result.lease = std::move(acquired.lease);
   countAdmission(request, verificationRejects, blockMiss, result);

@@ -5,8 +5,8 @@
 #include <algorithm>
 #include <unordered_map>
 
+#include "context_cache/context_cache_manager.h"
 #include "core/check.h"
-#include "mkv/context_cache/context_cache_manager.h"
 
 namespace mkv {
 namespace {

@@ -33,9 +33,6 @@ std::string toPrometheus(ContextCacheMetrics const& m, std::string_view prefix) 
   w.counter("reused_tokens_total", "Prompt tokens whose computation the cache skipped.",
             m.reusedTokens);
   w.counter("bypasses_total", "Admissions on lookup bypass.", m.bypasses);
-  w.counter("forced_cold_retries_total",
-            "Cache-derived admissions that failed for capacity and were retried cold.",
-            m.forcedColdRetries);
   w.counter("full_input_rewinds_total",
             "Admissions whose whole page-aligned input matched and whose last page is recomputed.",
             m.fullInputRewinds);

@@ -6,8 +6,10 @@
 #include <limits>
 #include <utility>
 
+#include "context_cache/block_hash.h"
 #include "core/check.h"
 #include "mkv/logging.h"
+#include "resources/backend_requests.h"
 
 namespace mkv {
 
@@ -181,11 +183,11 @@ bool ContextCacheRequest::check(ContextCacheStatus status, char const* operation
   return false;
 }
 
-int32_t ContextCacheRequest::reuseTokenLength(int32_t slot) const {
-  MKV_REQUIRE(slot >= 0 && static_cast<std::size_t>(slot) < mPrefillStarts.size(),
-              "ContextCacheRequest::reuseTokenLength", "slot {} outside the batch of {}", slot,
+int32_t ContextCacheRequest::reuseTokenLength(ExecutionRow row) const {
+  MKV_REQUIRE(row >= 0 && static_cast<std::size_t>(row) < mPrefillStarts.size(),
+              "ContextCacheRequest::reuseTokenLength", "row {} outside the batch of {}", row,
               mPrefillStarts.size());
-  return mPrefillStarts[static_cast<std::size_t>(slot)];
+  return mPrefillStarts[static_cast<std::size_t>(row)];
 }
 
 bool ContextCacheRequest::preparePrefill() {
@@ -312,13 +314,8 @@ bool ContextCacheRequest::beginBatchCompaction(std::vector<int32_t> const& oldTo
 }
 
 bool ContextCacheRequest::completeBatchCompaction(std::vector<int32_t> const& keepMapping) {
-  constexpr char const* kCall = "ContextCacheRequest::completeBatchCompaction";
-  MKV_REQUIRE(!mPendingMapping.empty(), kCall,
-              "no batch compaction was begun (keepMapping [{}]; call beginBatchCompaction first)",
-              fmt::join(keepMapping, ", "));
-  MKV_REQUIRE(keepMapping == mPendingMapping, kCall,
-              "keepMapping [{}] differs from the mapping [{}] given to beginBatchCompaction",
-              fmt::join(keepMapping, ", "), fmt::join(mPendingMapping, ", "));
+  detail::requireBegunMapping("ContextCacheRequest::completeBatchCompaction", mPendingMapping,
+                              keepMapping);
   int32_t newSize = 0;
   for (int32_t destination : keepMapping) {
     newSize += destination >= 0 ? 1 : 0;
@@ -379,14 +376,14 @@ ContextCacheRequest::AdmitSequenceStatus ContextCacheRequest::admitSequence(
   return AdmitSequenceStatus::kFailed;
 }
 
-bool ContextCacheRequest::finalizeSequenceAdmission(int32_t slot, int32_t const& lookaheadToken,
+bool ContextCacheRequest::finalizeSequenceAdmission(ExecutionRow row, int32_t const& lookaheadToken,
                                                     int32_t fullInputLength) {
   ContextCacheSequenceAdvance const advance{&lookaheadToken, 1, fullInputLength};
-  if (!check(mCoordinator->finalizeSequenceAdmission(mHandle, slot, advance),
+  if (!check(mCoordinator->finalizeSequenceAdmission(mHandle, row, advance),
              "finalizeSequenceAdmission")) {
     return false;
   }
-  mUnfinalized[static_cast<std::size_t>(slot)] = 0;
+  mUnfinalized[static_cast<std::size_t>(row)] = 0;
   return true;
 }
 
@@ -399,17 +396,17 @@ bool ContextCacheRequest::retractSequenceAdmission() {
   return retracted;
 }
 
-bool ContextCacheRequest::publishHybridMtpEndpoint(int32_t slot, int32_t residentStateLength,
+bool ContextCacheRequest::publishHybridMtpEndpoint(ExecutionRow row, int32_t residentStateLength,
                                                    Tensor const& baseHiddenStates,
                                                    int32_t boundaryHiddenRow) {
-  return check(mCoordinator->publishHybridMtpEndpoint(mHandle, slot, residentStateLength,
+  return check(mCoordinator->publishHybridMtpEndpoint(mHandle, row, residentStateLength,
                                                       baseHiddenStates, boundaryHiddenRow),
                "publishHybridMtpEndpoint");
 }
 
-bool ContextCacheRequest::restoreHybridMtpBoundaryHidden(int32_t slot, Tensor& baseHiddenStates,
+bool ContextCacheRequest::restoreHybridMtpBoundaryHidden(ExecutionRow row, Tensor& baseHiddenStates,
                                                          int32_t destinationRow) {
-  mCoordinator->restoreHybridMtpBoundaryHidden(mHandle, slot, baseHiddenStates, destinationRow);
+  mCoordinator->restoreHybridMtpBoundaryHidden(mHandle, row, baseHiddenStates, destinationRow);
   return true;
 }
 

@@ -57,7 +57,7 @@ std::vector<mkv::AdmissionResult> ContextCacheCoordinator::acquireAll(
     std::span<LookupRequest const> lookups) {
   std::vector<mkv::AdmissionResult> acquired;
   if (lookups.size() == 1) {
-    acquired.push_back(mManager->acquireWithFallback(lookups[0]));
+    acquired.push_back(mManager->admit(lookups[0]));
     if (!acquired[0].lease) {
       acquired.clear();
     }

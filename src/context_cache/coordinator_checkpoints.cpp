@@ -160,29 +160,29 @@ void ContextCacheCoordinator::commitCaptures(Request& req) {
 // ---------------------------------------------------------------- Hybrid-MTP
 
 ContextCacheStatus ContextCacheCoordinator::publishHybridMtpEndpoint(RequestHandle& handle,
-                                                                     int32_t slot,
+                                                                     ExecutionRow row,
                                                                      int32_t residentStateLength,
                                                                      Tensor const& baseHiddenStates,
                                                                      int32_t boundaryHiddenRow) {
   constexpr char const* kCall = "ContextCacheCoordinator::publishHybridMtpEndpoint";
   Request& req = request(handle, kCall);
-  MKV_REQUIRE(mProfile.isHybridMtp(), kCall,
-              "the deployment is not Hybrid-MTP (slot {}, length {})", slot, residentStateLength);
-  MKV_REQUIRE(req.speculative, kCall, "request {} is not speculative (slot {}, length {})", req.id,
-              slot, residentStateLength);
+  MKV_REQUIRE(mProfile.isHybridMtp(), kCall, "the deployment is not Hybrid-MTP (row {}, length {})",
+              row, residentStateLength);
+  MKV_REQUIRE(req.speculative, kCall, "request {} is not speculative (row {}, length {})", req.id,
+              row, residentStateLength);
   MKV_REQUIRE(req.stage == RequestStage::kPrefilling, kCall,
               "an endpoint is published between preparePrefill and finalizePrefillPublication");
-  Request::Sequence& sequence = sequenceAt(req, slot, kCall);
+  Request::Sequence& sequence = sequenceAt(req, row, kCall);
   MKV_REQUIRE(residentStateLength >= 0 && residentStateLength <= sequence.promptLength, kCall,
-              "slot {}: residentStateLength {} outside [0, prompt {}]", slot, residentStateLength,
+              "row {}: residentStateLength {} outside [0, prompt {}]", row, residentStateLength,
               sequence.promptLength);
   MKV_REQUIRE(residentStateLength <= sequence.promptLength - req.replayTailLength, kCall,
-              "slot {}: residentStateLength {} reaches into the replay tail ({} of the prompt's {} "
+              "row {}: residentStateLength {} reaches into the replay tail ({} of the prompt's {} "
               "tokens): publish at most {}",
-              slot, residentStateLength, req.replayTailLength, sequence.promptLength,
+              row, residentStateLength, req.replayTailLength, sequence.promptLength,
               sequence.promptLength - req.replayTailLength);
   MKV_REQUIRE(residentStateLength == 0 || residentStateLength >= sequence.reuseTokenLength, kCall,
-              "slot {}: residentStateLength {} below the restored reuse length {}", slot,
+              "row {}: residentStateLength {} below the restored reuse length {}", row,
               residentStateLength, sequence.reuseTokenLength);
   detail::validateHiddenRow(kCall, mProfile, mDevice, baseHiddenStates, boundaryHiddenRow);
   if (sequence.policy == ContextCacheLookupPolicy::kBypass || residentStateLength == 0 ||
@@ -193,7 +193,7 @@ ContextCacheStatus ContextCacheCoordinator::publishHybridMtpEndpoint(RequestHand
       hashPromptBlocks(prefixOf(sequence, residentStateLength), mManager->pageSize());
   if (mManager->records().findHybrid(HybridKey{exactPrefixDigest(blocks, residentStateLength),
                                                residentStateLength, true}) != nullptr) {
-    // Cached already (a base-only checkpoint of this length does not count): no copy, no slot.
+    // Cached already (a base-only checkpoint of this length does not count): no copy, no row.
     return ContextCacheStatus::kOk;
   }
   std::optional<SnapshotReservation> const reservation =
@@ -205,7 +205,7 @@ ContextCacheStatus ContextCacheCoordinator::publishHybridMtpEndpoint(RequestHand
   if (!synchronize()) {
     return quarantineHandle(handle, req.id);  // the reserved slots stay leased
   }
-  commitEndpoint(req, sequence, slot, blocks, residentStateLength, *reservation);
+  commitEndpoint(req, sequence, row, blocks, residentStateLength, *reservation);
   return ContextCacheStatus::kOk;
 }
 
@@ -261,7 +261,7 @@ void ContextCacheCoordinator::captureEndpoint(Request::Sequence& sequence,
 }
 
 void ContextCacheCoordinator::commitEndpoint(Request const& req, Request::Sequence& sequence,
-                                             int32_t slot, PromptBlocks const& blocks,
+                                             ExecutionRow row, PromptBlocks const& blocks,
                                              int32_t residentStateLength,
                                              SnapshotReservation const& reservation) {
   try {
@@ -275,25 +275,26 @@ void ContextCacheCoordinator::commitEndpoint(Request const& req, Request::Sequen
     logger()->warn(
         "ContextCacheCoordinator: out of host memory; the Hybrid-MTP endpoint of {} tokens of "
         "request {} row {} was not published",
-        residentStateLength, req.id, slot);
+        residentStateLength, req.id, row);
   }
   mManager->retireHybridSnapshotReservation(sequence.lease, reservation);
 }
 
-void ContextCacheCoordinator::restoreHybridMtpBoundaryHidden(RequestHandle& handle, int32_t slot,
+void ContextCacheCoordinator::restoreHybridMtpBoundaryHidden(RequestHandle& handle,
+                                                             ExecutionRow row,
                                                              Tensor& baseHiddenStates,
                                                              int32_t destinationRow) {
   constexpr char const* kCall = "ContextCacheCoordinator::restoreHybridMtpBoundaryHidden";
   Request& req = request(handle, kCall);
-  MKV_REQUIRE(mProfile.isHybridMtp(), kCall, "the deployment is not Hybrid-MTP (slot {}, row {})",
-              slot, destinationRow);
+  MKV_REQUIRE(mProfile.isHybridMtp(), kCall,
+              "the deployment is not Hybrid-MTP (row {}, destination row {})", row, destinationRow);
   MKV_REQUIRE(req.stage == RequestStage::kPrefilling, kCall,
               "the boundary hidden row is restored between preparePrefill and the endpoint's "
               "publication");
-  Request::Sequence const& sequence = sequenceAt(req, slot, kCall);
+  Request::Sequence const& sequence = sequenceAt(req, row, kCall);
   std::optional<SnapshotSlot> const recurrent = sequence.lease.recurrentSnapshotSlot();
   MKV_REQUIRE(sequence.lease.mode() == ReuseMode::kHybridMtp && recurrent.has_value(), kCall,
-              "slot {} restored no Hybrid-MTP checkpoint (reuse {}){}", slot,
+              "row {} restored no Hybrid-MTP checkpoint (reuse {}){}", row,
               sequence.reuseTokenLength,
               sequence.lease.mode() == ReuseMode::kHybridMtp && sequence.reuseTokenLength > 0
                   ? ", or its pins were released by the endpoint's publication"

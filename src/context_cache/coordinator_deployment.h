@@ -6,8 +6,8 @@
 
 #include <cstdint>
 
+#include "context_cache/resource_pools.h"
 #include "mkv/context_cache/context_cache_coordinator.h"
-#include "mkv/context_cache/resource_pools.h"
 #include "mkv/snapshot_storage.h"
 
 namespace mkv::detail {

@@ -48,7 +48,7 @@ ContextCacheCoordinator::AdmitSequenceResult ContextCacheCoordinator::admitSeque
   LookupRequest const lookup =
       lookupOf(admission, admission.lookupPolicy.value_or(req.batchPolicy), headroom, false);
   auto const start = std::chrono::steady_clock::now();
-  mkv::AdmissionResult acquired = mManager->acquireWithFallback(lookup);
+  mkv::AdmissionResult acquired = mManager->admit(lookup);
   countPlanning(start);
   if (!acquired.lease) {
     ++mCounters.liveAdmissionRefusals;
@@ -78,27 +78,27 @@ ContextCacheCoordinator::AdmitSequenceResult ContextCacheCoordinator::admitSeque
 }
 
 ContextCacheStatus ContextCacheCoordinator::finalizeSequenceAdmission(
-    RequestHandle& handle, int32_t slot, ContextCacheSequenceAdvance const& advance) {
+    RequestHandle& handle, ExecutionRow row, ContextCacheSequenceAdvance const& advance) {
   constexpr char const* kCall = "ContextCacheCoordinator::finalizeSequenceAdmission";
   Request& req = request(handle, kCall);
   MKV_REQUIRE(isExecuting(req.stage), kCall, "the request is not executing");
-  auto& sequence = detail::sequenceAt(req, slot, kCall);
-  MKV_REQUIRE(!sequence.joined, kCall, "slot {} is not an unfinalised in-flight admission", slot);
+  auto& sequence = detail::sequenceAt(req, row, kCall);
+  MKV_REQUIRE(!sequence.joined, kCall, "row {} is not an unfinalised in-flight admission", row);
   if (mPoisoned) {
     return ContextCacheStatus::kPoisoned;
   }
   MKV_REQUIRE(advance.acceptedTokenCount == 1 && advance.acceptedTokenIds != nullptr &&
                   advance.committedStateLength == static_cast<int32_t>(sequence.tokens.size()),
               kCall,
-              "slot {}: finalising accepts the 1 lookahead token and commits the {} prompt "
+              "row {}: finalising accepts the 1 lookahead token and commits the {} prompt "
               "tokens, got {} / {}",
-              slot, sequence.tokens.size(), advance.acceptedTokenCount,
+              row, sequence.tokens.size(), advance.acceptedTokenCount,
               advance.committedStateLength);
   detail::reserveAdvance(sequence, advance);
   detail::applyAdvance(sequence, advance);
   sequence.joined = true;
   ++mCounters.prefillPublications;
-  publishReady(req, static_cast<std::size_t>(slot), sequence.committed);
+  publishReady(req, static_cast<std::size_t>(row), sequence.committed);
   return ContextCacheStatus::kOk;
 }
 

@@ -11,6 +11,7 @@
 #include <utility>
 #include <vector>
 
+#include "context_cache/context_cache_manager.h"
 #include "core/check.h"
 #include "mkv/context_cache/context_cache_coordinator.h"
 
@@ -109,10 +110,10 @@ inline bool isHold(ContextCacheSequenceAdvance const& advance) {
 
 /// Execution row `slot` of a request; throws (naming `call`) outside the batch.
 template <typename Req>
-auto& sequenceAt(Req& req, int32_t slot, char const* call) {
-  MKV_REQUIRE(slot >= 0 && static_cast<std::size_t>(slot) < req.sequences.size(), call,
-              "slot {} outside the batch of {}", slot, req.sequences.size());
-  return req.sequences[static_cast<std::size_t>(slot)];
+auto& sequenceAt(Req& req, ExecutionRow row, char const* call) {
+  MKV_REQUIRE(row >= 0 && static_cast<std::size_t>(row) < req.sequences.size(), call,
+              "row {} outside the batch of {}", row, req.sequences.size());
+  return req.sequences[static_cast<std::size_t>(row)];
 }
 
 /// The first `length` ledger tokens of a sequence as the cache hashes them.

@@ -2,8 +2,8 @@
 
 #include <limits>
 
+#include "context_cache/eviction_policy.h"
 #include "core/check.h"
-#include "mkv/context_cache/eviction_policy.h"
 #include "resources/backend_requests.h"
 
 namespace mkv::detail {
@@ -212,7 +212,7 @@ void validateDecodeAdvance(char const* call, std::size_t i, CoordinatorRequest c
 
 std::vector<uint8_t> validateDecodeCompletion(char const* call, CoordinatorRequest const& req,
                                               std::span<ContextCacheSequenceAdvance const> advances,
-                                              std::span<int32_t const> completedSlots,
+                                              std::span<ExecutionRow const> completedRows,
                                               std::span<int32_t const> commonStateLengths) {
   for (std::size_t i = 0; i < advances.size(); ++i) {
     if (!isHold(advances[i])) {
@@ -227,14 +227,14 @@ std::vector<uint8_t> validateDecodeCompletion(char const* call, CoordinatorReque
                 req.sequences[i].common, advances[i].committedStateLength);
   }
   std::vector<uint8_t> completed(req.sequences.size(), 0);
-  for (int32_t slot : completedSlots) {
-    MKV_REQUIRE(slot >= 0 && static_cast<std::size_t>(slot) < req.sequences.size(), call,
-                "completed slot {} outside the batch of {}", slot, req.sequences.size());
-    MKV_REQUIRE(completed[static_cast<std::size_t>(slot)] == 0, call,
-                "completed slot {} listed twice", slot);
-    MKV_REQUIRE(req.sequences[static_cast<std::size_t>(slot)].joined, call,
-                "completed slot {} was never finalised", slot);
-    completed[static_cast<std::size_t>(slot)] = 1;
+  for (ExecutionRow row : completedRows) {
+    MKV_REQUIRE(row >= 0 && static_cast<std::size_t>(row) < req.sequences.size(), call,
+                "completed row {} outside the batch of {}", row, req.sequences.size());
+    MKV_REQUIRE(completed[static_cast<std::size_t>(row)] == 0, call,
+                "completed row {} listed twice", row);
+    MKV_REQUIRE(req.sequences[static_cast<std::size_t>(row)].joined, call,
+                "completed row {} was never finalised", row);
+    completed[static_cast<std::size_t>(row)] = 1;
   }
   return completed;
 }

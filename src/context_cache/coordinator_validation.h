@@ -59,7 +59,7 @@ void validateCommonLengths(char const* call, bool speculative, std::size_t batch
 /// request; returns one flag per row, 1 for a completed slot.
 std::vector<uint8_t> validateDecodeCompletion(char const* call, CoordinatorRequest const& req,
                                               std::span<ContextCacheSequenceAdvance const> advances,
-                                              std::span<int32_t const> completedSlots,
+                                              std::span<ExecutionRow const> completedRows,
                                               std::span<int32_t const> commonStateLengths);
 
 /// A Hybrid-MTP hidden-state tensor ([rows, boundaryHiddenWidth] of boundaryHiddenType on

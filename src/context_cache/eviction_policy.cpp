@@ -1,9 +1,9 @@
-#include "mkv/context_cache/eviction_policy.h"
+#include "context_cache/eviction_policy.h"
 
+#include "context_cache/lru_eviction_policy.h"
+#include "context_cache/s3fifo_eviction_policy.h"
+#include "context_cache/slot_list.h"
 #include "core/check.h"
-#include "mkv/context_cache/lru_eviction_policy.h"
-#include "mkv/context_cache/s3fifo_eviction_policy.h"
-#include "mkv/context_cache/slot_list.h"
 
 namespace mkv {
 

@@ -1,4 +1,4 @@
-#include "mkv/context_cache/kv_event_queue.h"
+#include "context_cache/kv_event_queue.h"
 
 #include <algorithm>
 

@@ -1,4 +1,4 @@
-#include "mkv/context_cache/recent_digest_set.h"
+#include "context_cache/recent_digest_set.h"
 
 #include <bit>
 

@@ -1,4 +1,4 @@
-#include "mkv/context_cache/record_store.h"
+#include "context_cache/record_store.h"
 
 #include <algorithm>
 
@@ -36,39 +36,23 @@ void RecordStore::unindexSpecPath(RecordId id, std::span<Hash128 const> digests)
 RecordStore::RecordStore(EvictionPolicyKind policy, int32_t ghostCapacity)
     : mPolicy(makeEvictionPolicy(policy, ghostCapacity)) {}
 
-RecordStore::InsertResult RecordStore::insert(CacheRecord record, RecordInsertHint hint) {
-  record.validate();
-  std::optional<HybridKey> const hybridKey = record.hybridKey();
-  if (hybridKey) {
-    if (auto const it = mByHybridKey.find(*hybridKey); it != mByHybridKey.end()) {
-      touch(it->second);
-      return {get(it->second), false};
-    }
-  } else if (auto const it = mByKey.find(record.key); it != mByKey.end()) {
-    touch(it->second);
-    return {get(it->second), false};
+void RecordStore::reserveSlot() {
+  if (!mFreeSlots.empty()) {
+    return;
   }
-
-  // A slot for the policy, its tables grown geometrically (nothing changed if that throws).
-  if (mFreeSlots.empty()) {
-    std::size_t const slots = mBySlot.size() + 1;
-    if (slots > mBySlot.capacity()) {
-      std::size_t const grown = std::max<std::size_t>(16, 2 * mBySlot.capacity());
-      mFreeSlots.reserve(grown);
-      mPolicy->reserveSlots(static_cast<int32_t>(grown));
-      mBySlot.reserve(grown);
-    }
-    mPolicy->reserveSlots(static_cast<int32_t>(slots));
+  std::size_t const slots = mBySlot.size() + 1;
+  if (slots > mBySlot.capacity()) {
+    std::size_t const grown = std::max<std::size_t>(16, 2 * mBySlot.capacity());
+    mFreeSlots.reserve(grown);
+    mPolicy->reserveSlots(static_cast<int32_t>(grown));
+    mBySlot.reserve(grown);
   }
+  mPolicy->reserveSlots(static_cast<int32_t>(slots));
+}
 
-  record.id = mNextId;
-  LruList node;
-  node.push_back(std::move(record));  // may throw: nothing changed yet
-  auto const nodeIt = node.begin();
-  CacheRecord& stored = *nodeIt;
+void RecordStore::indexRecord(LruList::iterator nodeIt, std::optional<HybridKey> const& hybridKey) {
+  CacheRecord const& stored = *nodeIt;
   bool const specIndexed = stored.specState.has_value() && !hybridKey;
-
-  // Each allocating step is undone if a later one throws.
   mById.emplace(stored.id, Entry{nodeIt, kNoRecordSlot});
   try {
     if (stored.retentionExpiry) {
@@ -104,7 +88,9 @@ RecordStore::InsertResult RecordStore::insert(CacheRecord record, RecordInsertHi
     mById.erase(stored.id);
     throw;
   }
-  // Nothing below throws: the slot tables were reserved above.
+}
+
+void RecordStore::assignSlot(CacheRecord& stored, RecordInsertHint hint) {
   RecordSlot slot = kNoRecordSlot;
   if (!mFreeSlots.empty()) {
     slot = mFreeSlots.back();
@@ -119,6 +105,28 @@ RecordStore::InsertResult RecordStore::insert(CacheRecord record, RecordInsertHi
   stored.forEachResource([&weight](ResourceId) { ++weight; });
   mPolicy->onInsert(PolicyInsert{slot, stored.key.terminal, std::max(1, weight),
                                  stored.retentionPriority, hint.reused, hint.evictedPrefix});
+}
+
+RecordStore::InsertResult RecordStore::insert(CacheRecord record, RecordInsertHint hint) {
+  record.validate();
+  std::optional<HybridKey> const hybridKey = record.hybridKey();
+  if (hybridKey) {
+    if (auto const it = mByHybridKey.find(*hybridKey); it != mByHybridKey.end()) {
+      touch(it->second);
+      return {get(it->second), false};
+    }
+  } else if (auto const it = mByKey.find(record.key); it != mByKey.end()) {
+    touch(it->second);
+    return {get(it->second), false};
+  }
+
+  reserveSlot();
+  record.id = mNextId;
+  LruList node;
+  node.push_back(std::move(record));  // may throw: nothing changed yet
+  indexRecord(node.begin(), hybridKey);
+  CacheRecord& stored = node.front();
+  assignSlot(stored, hint);  // nothing below throws
   mLru.splice(mLru.end(), node);
   ++mNextId;
   return {&stored, true};

@@ -1,4 +1,4 @@
-#include "mkv/context_cache/resource_pools.h"
+#include "context_cache/resource_pools.h"
 
 #include "core/check.h"
 

@@ -1,4 +1,4 @@
-#include "mkv/context_cache/reuse_plan.h"
+#include "context_cache/reuse_plan.h"
 
 #include <algorithm>
 

@@ -1,4 +1,4 @@
-#include "mkv/context_cache/s3fifo_eviction_policy.h"
+#include "context_cache/s3fifo_eviction_policy.h"
 
 #include <algorithm>
 

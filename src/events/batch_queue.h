@@ -11,7 +11,7 @@
 #include <optional>
 #include <vector>
 
-#include "mkv/context_cache/kv_event_queue.h"
+#include "context_cache/kv_event_queue.h"
 
 namespace mkv::events {
 

@@ -5,7 +5,7 @@
 #include <span>
 #include <string>
 
-#include "mkv/context_cache/kv_event_queue.h"
+#include "context_cache/kv_event_queue.h"
 #include "mkv/events/kv_event_publisher.h"
 
 namespace mkv::events {

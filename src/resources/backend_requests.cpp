@@ -1,6 +1,9 @@
 #include "resources/backend_requests.h"
 
+#include <fmt/ranges.h>
 #include <spdlog/spdlog.h>
+
+#include <algorithm>
 
 #include "core/check.h"
 #include "core/device.h"
@@ -37,6 +40,27 @@ void validateDeviceMapping(char const* call, Tensor const& deviceMapping, Device
   auto const bytes = static_cast<int64_t>(entries * sizeof(int32_t));
   MKV_REQUIRE(deviceMapping.capacityBytes() >= bytes, call,
               "deviceMapping holds {} bytes, needs {}", deviceMapping.capacityBytes(), bytes);
+}
+
+void requireDeviceMappingUnchanged(char const* call, Tensor const& deviceMapping, DeviceType device,
+                                   std::size_t entries) {
+  MKV_REQUIRE(deviceMapping.numel() == static_cast<int64_t>(entries) &&
+                  deviceMapping.deviceType() == device,
+              call,
+              "deviceMapping was reshaped or replaced since beginBatchCompaction: {} entries on "
+              "{}, expected {} on {}",
+              deviceMapping.numel(), toString(deviceMapping.deviceType()), entries,
+              toString(device));
+}
+
+void requireBegunMapping(char const* call, std::span<int32_t const> begun,
+                         std::span<int32_t const> keepMapping) {
+  MKV_REQUIRE(!begun.empty(), call,
+              "no batch compaction was begun (keepMapping [{}]; call beginBatchCompaction first)",
+              fmt::join(keepMapping, ", "));
+  MKV_REQUIRE(std::ranges::equal(keepMapping, begun), call,
+              "keepMapping [{}] differs from the mapping [{}] given to beginBatchCompaction",
+              fmt::join(keepMapping, ", "), fmt::join(begun, ", "));
 }
 
 void validateResident(char const* call, std::size_t index, ResidentRef ref, int32_t rows,

@@ -25,6 +25,16 @@ void validateCompactionMapping(char const* call, std::span<int32_t const> oldToN
 void validateDeviceMapping(char const* call, Tensor const& deviceMapping, DeviceType device,
                            std::size_t entries);
 
+/// At a compaction's end: `deviceMapping`, shaped by the begin, still holds `entries` values on
+/// `device` (the engine neither reshaped nor replaced it since the begin).
+void requireDeviceMappingUnchanged(char const* call, Tensor const& deviceMapping, DeviceType device,
+                                   std::size_t entries);
+
+/// A request adapter's completeBatchCompaction: a compaction was begun (`begun`, the mapping
+/// given to beginBatchCompaction, is not empty) and `keepMapping` is that same mapping.
+void requireBegunMapping(char const* call, std::span<int32_t const> begun,
+                         std::span<int32_t const> keepMapping);
+
 /// Resident `index` of a batch admission: slot in [0, `rows`), epoch not 0, held by
 /// `residentSlots` with that epoch (when set), and not listed before (`seen`, one flag per row).
 void validateResident(char const* call, std::size_t index, ResidentRef ref, int32_t rows,

@@ -2,6 +2,7 @@
 
 #include <bit>
 #include <limits>
+#include <optional>
 #include <vector>
 
 #include "core/check.h"
@@ -109,6 +110,110 @@ void validate(KVCacheRuntimeConfig const& config) {
   }
 }
 
+/// The pools' sizes, checked: `width` pages per sequence (a page-table row), the full pool's
+/// pages (`fullDefault` = maxBatchSize x width when numPages is 0), and whether the deployment
+/// gets the bounded-SWA backend with its `swaPages` (admission minimum or numSwaPages).
+struct PoolSizes {
+  int32_t width = 0;
+  int64_t fullDefault = 0;
+  int32_t fullPages = 0;
+  bool bounded = false;
+  int32_t swaPages = 0;
+};
+
+PoolSizes sizePools(KVCacheRuntimeConfig const& config) {
+  KVCacheModelConfig const& model = config.model;
+  PoolSizes sizes;
+  sizes.width = ceilDiv(config.maxSequenceLength, config.tokensPerPage);
+  sizes.fullDefault = int64_t{config.maxBatchSize} * sizes.width;
+  MKV_REQUIRE(config.numPages > 0 || sizes.fullDefault <= std::numeric_limits<int32_t>::max() / 2,
+              kCall, "default full pool of {} pages overflows int32", sizes.fullDefault);
+  sizes.fullPages = config.numPages > 0 ? config.numPages : static_cast<int32_t>(sizes.fullDefault);
+  if (!config.contextReuse && model.numSlidingWindowLayers > 0) {
+    int32_t const perSequence = BoundedSwaKVPageManager::admissionPagesPerSequence(
+        model.slidingWindowTokens, config.tokensPerPage);
+    int64_t const minimum = int64_t{config.maxBatchSize} * perSequence;
+    sizes.bounded = minimum < sizes.fullPages;
+    MKV_REQUIRE(!sizes.bounded || config.numSwaPages == 0 || config.numSwaPages >= minimum, kCall,
+                "numSwaPages {} is below the bounded-SWA admission minimum maxBatchSize {} x "
+                "(2M + 1) {} = {} (0 selects the minimum)",
+                config.numSwaPages, config.maxBatchSize, perSequence, minimum);
+    sizes.swaPages = static_cast<int32_t>(std::max<int64_t>(minimum, config.numSwaPages));
+  }
+  if (sizes.bounded && model.numFullAttentionLayers > 0) {
+    MKV_REQUIRE(sizes.fullPages >= sizes.fullDefault, kCall,
+                "bounded SWA keeps full layers identity-mapped: numPages {} must cover "
+                "maxBatchSize x pages per sequence = {}",
+                sizes.fullPages, sizes.fullDefault);
+  }
+  return sizes;
+}
+
+/// A KV pool of `layers` x `pages` with the model's heads, head size and type unless given.
+std::unique_ptr<KVCachePool> makeKvPool(KVCacheRuntimeConfig const& config, int32_t layers,
+                                        int32_t pages, int32_t heads = 0, int32_t headDim = 0,
+                                        std::optional<DataType> type = std::nullopt) {
+  KVCachePoolConfig pool;
+  pool.numLayers = layers;
+  pool.numKVHeads = heads > 0 ? heads : config.model.numKVHeads;
+  pool.headDim = headDim > 0 ? headDim : config.model.headDim;
+  pool.tokensPerPage = config.tokensPerPage;
+  pool.numPages = pages;
+  pool.maxBatchSize = config.maxBatchSize;
+  pool.dataType = type.value_or(config.model.kvDataType);
+  pool.deviceType = config.deviceType;
+  return std::make_unique<KVCachePool>(pool);
+}
+
+/// The recurrent rows of a model with recurrent layers (one per resident slot), else null.
+std::unique_ptr<RecurrentStatePool> makeRecurrentPool(KVCacheRuntimeConfig const& config) {
+  KVCacheModelConfig const& model = config.model;
+  if (model.numRecurrentLayers == 0) {
+    return nullptr;
+  }
+  RecurrentStatePoolConfig recurrent;
+  recurrent.numLayers = model.numRecurrentLayers;
+  recurrent.numSlots = config.maxBatchSize;
+  recurrent.stateBytesPerSlot = model.recurrentStateBytes;
+  recurrent.convBytesPerSlot = model.recurrentConvBytes;
+  recurrent.deviceType = config.deviceType;
+  return std::make_unique<RecurrentStatePool>(recurrent);
+}
+
+/// The full layers' table of a bounded-SWA deployment: resident slot s owns pages
+/// [s x width, (s + 1) x width), uploaded once.
+std::unique_ptr<KVPageTable> makeIdentityTable(KVCacheRuntimeConfig const& config,
+                                               PoolSizes const& sizes) {
+  auto table = std::make_unique<KVPageTable>(config.maxBatchSize, sizes.width, sizes.fullPages,
+                                             PageTableMode::kDense, config.deviceType);
+  std::vector<PageId> row(static_cast<std::size_t>(sizes.width));
+  for (CacheSlot slot = 0; slot < config.maxBatchSize; ++slot) {
+    for (int32_t p = 0; p < sizes.width; ++p) {
+      row[static_cast<std::size_t>(p)] = slot * sizes.width + p;
+    }
+    table->setRow(slot, row);
+  }
+  table->upload(config.stream);
+  return table;
+}
+
+/// What the coordinator serves: checkpoint reuse for a hybrid model with reuse on (snapshot
+/// budgets in config.contextCache; without reuse the recurrent rows are only zeroed when
+/// compaction drops them), and the speculative contract.
+ContextCacheDeploymentProfile deploymentProfile(KVCacheRuntimeConfig const& config) {
+  ContextCacheDeploymentProfile profile;
+  if (config.contextReuse && config.model.numRecurrentLayers > 0) {
+    profile.baseStateKind = BaseStateKind::kHybrid;
+  }
+  if (config.speculative) {
+    KVCacheSpeculativeConfig const& spec = *config.speculative;
+    profile.speculative = SpecReuseContract{spec.pagedDraft, spec.futureDependencyTokens};
+    profile.boundaryHiddenWidth = spec.boundaryHiddenWidth;
+    profile.boundaryHiddenType = spec.boundaryHiddenType;
+  }
+  return profile;
+}
+
 }  // namespace
 
 KVCacheRuntime::KVCacheRuntime(KVCacheRuntimeConfig const& config) : mConfig(config) {}
@@ -117,90 +222,32 @@ KVCacheRuntime::~KVCacheRuntime() = default;
 
 std::unique_ptr<KVCacheRuntime> KVCacheRuntime::create(KVCacheRuntimeConfig const& config) {
   validate(config);
+  PoolSizes const sizes = sizePools(config);  // the last checks: nothing is allocated before
   KVCacheModelConfig const& model = config.model;
   if (config.deviceType == DeviceType::kGPU) {
     kernels::loadKernels();  // no lazy kernel load (which may wait for other streams) later
   }
   std::unique_ptr<KVCacheRuntime> runtime(new KVCacheRuntime(config));
-  int32_t const pageSize = config.tokensPerPage;
-  runtime->mMaxPagesPerSequence = ceilDiv(config.maxSequenceLength, pageSize);
-  int32_t const width = runtime->mMaxPagesPerSequence;
-  int64_t const fullDefault = int64_t{config.maxBatchSize} * width;
-  MKV_REQUIRE(config.numPages > 0 || fullDefault <= std::numeric_limits<int32_t>::max() / 2, kCall,
-              "default full pool of {} pages overflows int32", fullDefault);
-  int32_t const fullPages =
-      config.numPages > 0 ? config.numPages : static_cast<int32_t>(fullDefault);
+  runtime->mMaxPagesPerSequence = sizes.width;
   StreamSynchronizer const synchronizer =
       config.synchronizer ? config.synchronizer : defaultStreamSynchronizer(config.deviceType);
-
-  bool bounded = false;
-  int32_t swaPages = 0;
-  if (!config.contextReuse && model.numSlidingWindowLayers > 0) {
-    int32_t const perSequence =
-        BoundedSwaKVPageManager::admissionPagesPerSequence(model.slidingWindowTokens, pageSize);
-    int64_t const minimum = int64_t{config.maxBatchSize} * perSequence;
-    bounded = minimum < fullPages;
-    MKV_REQUIRE(!bounded || config.numSwaPages == 0 || config.numSwaPages >= minimum, kCall,
-                "numSwaPages {} is below the bounded-SWA admission minimum maxBatchSize {} x "
-                "(2M + 1) {} = {} (0 selects the minimum)",
-                config.numSwaPages, config.maxBatchSize, perSequence, minimum);
-    swaPages = static_cast<int32_t>(std::max<int64_t>(minimum, config.numSwaPages));
-  }
-
-  auto makePoolOf = [&](int32_t layers, int32_t heads, int32_t headDim, DataType type,
-                        int32_t pages) {
-    KVCachePoolConfig pool;
-    pool.numLayers = layers;
-    pool.numKVHeads = heads;
-    pool.headDim = headDim;
-    pool.tokensPerPage = pageSize;
-    pool.numPages = pages;
-    pool.maxBatchSize = config.maxBatchSize;
-    pool.dataType = type;
-    pool.deviceType = config.deviceType;
-    return std::make_unique<KVCachePool>(pool);
-  };
-  auto makePool = [&](int32_t layers, int32_t pages) {
-    return makePoolOf(layers, model.numKVHeads, model.headDim, model.kvDataType, pages);
-  };
-
-  if (model.numRecurrentLayers > 0) {
-    RecurrentStatePoolConfig recurrent;
-    recurrent.numLayers = model.numRecurrentLayers;
-    recurrent.numSlots = config.maxBatchSize;
-    recurrent.stateBytesPerSlot = model.recurrentStateBytes;
-    recurrent.convBytesPerSlot = model.recurrentConvBytes;
-    recurrent.deviceType = config.deviceType;
-    runtime->mRecurrent = std::make_unique<RecurrentStatePool>(recurrent);
-  }
+  runtime->mRecurrent = makeRecurrentPool(config);
   runtime->mResidentSlots.reset(config.maxBatchSize);
 
-  if (bounded) {
+  if (sizes.bounded) {
     runtime->mBackend = KVCacheBackend::kBoundedSwa;
-    runtime->mSwaPool = makePool(model.numSlidingWindowLayers, swaPages);
-    runtime->mSwaTable = std::make_unique<KVPageTable>(
-        config.maxBatchSize, width, swaPages, PageTableMode::kSparseWindow, config.deviceType);
+    runtime->mSwaPool = makeKvPool(config, model.numSlidingWindowLayers, sizes.swaPages);
+    runtime->mSwaTable =
+        std::make_unique<KVPageTable>(config.maxBatchSize, sizes.width, sizes.swaPages,
+                                      PageTableMode::kSparseWindow, config.deviceType);
     BoundedSwaResources resources;
     resources.swaPool = runtime->mSwaPool.get();
     resources.swaPageTable = runtime->mSwaTable.get();
     resources.recurrent = runtime->mRecurrent.get();
     resources.residentSlots = &runtime->mResidentSlots;
-    if (model.numFullAttentionLayers > 0) {
-      MKV_REQUIRE(fullPages >= fullDefault, kCall,
-                  "bounded SWA keeps full layers identity-mapped: numPages {} must cover "
-                  "maxBatchSize x pages per sequence = {}",
-                  fullPages, fullDefault);
-      runtime->mFullPool = makePool(model.numFullAttentionLayers, fullPages);
-      runtime->mFullTable = std::make_unique<KVPageTable>(config.maxBatchSize, width, fullPages,
-                                                          PageTableMode::kDense, config.deviceType);
-      std::vector<PageId> row(static_cast<std::size_t>(width));
-      for (int32_t slot = 0; slot < config.maxBatchSize; ++slot) {
-        for (int32_t p = 0; p < width; ++p) {
-          row[static_cast<std::size_t>(p)] = slot * width + p;
-        }
-        runtime->mFullTable->setRow(slot, row);
-      }
-      runtime->mFullTable->upload(config.stream);
+    if (model.numFullAttentionLayers > 0) {  // identity-mapped full layers
+      runtime->mFullPool = makeKvPool(config, model.numFullAttentionLayers, sizes.fullPages);
+      runtime->mFullTable = makeIdentityTable(config, sizes);
       resources.lengthPools.push_back(runtime->mFullPool.get());
     }
     resources.lengthPools.push_back(runtime->mSwaPool.get());
@@ -211,10 +258,10 @@ std::unique_ptr<KVCacheRuntime> KVCacheRuntime::create(KVCacheRuntimeConfig cons
 
   runtime->mBackend =
       config.contextReuse ? KVCacheBackend::kContextReuse : KVCacheBackend::kFullStorage;
-  runtime->mFullPool =
-      makePool(model.numFullAttentionLayers + model.numSlidingWindowLayers, fullPages);
-  runtime->mFullTable = std::make_unique<KVPageTable>(config.maxBatchSize, width, fullPages,
-                                                      PageTableMode::kDense, config.deviceType);
+  runtime->mFullPool = makeKvPool(
+      config, model.numFullAttentionLayers + model.numSlidingWindowLayers, sizes.fullPages);
+  runtime->mFullTable = std::make_unique<KVPageTable>(
+      config.maxBatchSize, sizes.width, sizes.fullPages, PageTableMode::kDense, config.deviceType);
   ContextCacheConfig cache = config.contextCache;
   cache.enabled = config.contextReuse;
   ContextCachePhysicalResources resources;
@@ -222,29 +269,18 @@ std::unique_ptr<KVCacheRuntime> KVCacheRuntime::create(KVCacheRuntimeConfig cons
   resources.basePageTable = runtime->mFullTable.get();
   resources.recurrent = runtime->mRecurrent.get();
   resources.residentSlots = &runtime->mResidentSlots;
-  // Reuse for a hybrid model is checkpoint reuse (snapshot budgets in config.contextCache);
-  // without reuse the recurrent rows are only zeroed when compaction drops them.
-  ContextCacheDeploymentProfile profile;
-  if (config.contextReuse && model.numRecurrentLayers > 0) {
-    profile.baseStateKind = BaseStateKind::kHybrid;
-  }
-  if (config.speculative) {  // validated: reuse is on
+  if (config.speculative && config.speculative->pagedDraft) {  // validated: reuse is on
     KVCacheSpeculativeConfig const& spec = *config.speculative;
-    profile.speculative = SpecReuseContract{spec.pagedDraft, spec.futureDependencyTokens};
-    profile.boundaryHiddenWidth = spec.boundaryHiddenWidth;
-    profile.boundaryHiddenType = spec.boundaryHiddenType;
-    if (spec.pagedDraft) {
-      int32_t const draftPages = spec.numDraftPages > 0 ? spec.numDraftPages : fullPages;
-      runtime->mDraftPool = makePoolOf(spec.numDraftLayers, spec.numDraftKVHeads, spec.draftHeadDim,
-                                       spec.draftKvDataType, draftPages);
-      runtime->mDraftTable = std::make_unique<KVPageTable>(
-          config.maxBatchSize, width, draftPages, PageTableMode::kDense, config.deviceType);
-      resources.draftPool = runtime->mDraftPool.get();
-      resources.draftPageTable = runtime->mDraftTable.get();
-    }
+    int32_t const draftPages = spec.numDraftPages > 0 ? spec.numDraftPages : sizes.fullPages;
+    runtime->mDraftPool = makeKvPool(config, spec.numDraftLayers, draftPages, spec.numDraftKVHeads,
+                                     spec.draftHeadDim, spec.draftKvDataType);
+    runtime->mDraftTable = std::make_unique<KVPageTable>(
+        config.maxBatchSize, sizes.width, draftPages, PageTableMode::kDense, config.deviceType);
+    resources.draftPool = runtime->mDraftPool.get();
+    resources.draftPageTable = runtime->mDraftTable.get();
   }
-  runtime->mCoordinator = std::make_unique<ContextCacheCoordinator>(cache, profile, resources,
-                                                                    config.stream, synchronizer);
+  runtime->mCoordinator = std::make_unique<ContextCacheCoordinator>(
+      cache, deploymentProfile(config), resources, config.stream, synchronizer);
   return runtime;
 }
 

@@ -94,25 +94,26 @@ std::vector<int32_t> const* ManagedKVCacheRequest::prefillStarts() const noexcep
                     mBackend);
 }
 
-int32_t ManagedKVCacheRequest::reuseTokenLength(int32_t slot) const {
+int32_t ManagedKVCacheRequest::reuseTokenLength(ExecutionRow row) const {
   return dispatch("ManagedKVCacheRequest::reuseTokenLength", mBackend,
-                  [&](auto const& backend) { return backend.reuseTokenLength(slot); });
+                  [&](auto const& backend) { return backend.reuseTokenLength(row); });
 }
 
-bool ManagedKVCacheRequest::publishHybridMtpEndpoint(int32_t slot, int32_t residentStateLength,
+bool ManagedKVCacheRequest::publishHybridMtpEndpoint(ExecutionRow row, int32_t residentStateLength,
                                                      Tensor const& baseHiddenStates,
                                                      int32_t boundaryHiddenRow) {
   return dispatch("ManagedKVCacheRequest::publishHybridMtpEndpoint", mBackend, [&](auto& backend) {
-    return backend.publishHybridMtpEndpoint(slot, residentStateLength, baseHiddenStates,
+    return backend.publishHybridMtpEndpoint(row, residentStateLength, baseHiddenStates,
                                             boundaryHiddenRow);
   });
 }
 
-bool ManagedKVCacheRequest::restoreHybridMtpBoundaryHidden(int32_t slot, Tensor& baseHiddenStates,
+bool ManagedKVCacheRequest::restoreHybridMtpBoundaryHidden(ExecutionRow row,
+                                                           Tensor& baseHiddenStates,
                                                            int32_t destinationRow) {
   return dispatch(
       "ManagedKVCacheRequest::restoreHybridMtpBoundaryHidden", mBackend, [&](auto& backend) {
-        return backend.restoreHybridMtpBoundaryHidden(slot, baseHiddenStates, destinationRow);
+        return backend.restoreHybridMtpBoundaryHidden(row, baseHiddenStates, destinationRow);
       });
 }
 
@@ -180,10 +181,11 @@ ContextCacheRequest::AdmitSequenceStatus ManagedKVCacheRequest::admitSequence(
   });
 }
 
-bool ManagedKVCacheRequest::finalizeSequenceAdmission(int32_t slot, int32_t const& lookaheadToken,
+bool ManagedKVCacheRequest::finalizeSequenceAdmission(ExecutionRow row,
+                                                      int32_t const& lookaheadToken,
                                                       int32_t fullInputLength) {
   return dispatch("ManagedKVCacheRequest::finalizeSequenceAdmission", mBackend, [&](auto& backend) {
-    return backend.finalizeSequenceAdmission(slot, lookaheadToken, fullInputLength);
+    return backend.finalizeSequenceAdmission(row, lookaheadToken, fullInputLength);
   });
 }
 

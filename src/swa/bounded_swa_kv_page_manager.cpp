@@ -520,14 +520,10 @@ SwaKVCacheStatus BoundedSwaKVPageManager::compactBatch(RequestHandle& handle) {
   MKV_REQUIRE(req.pending == Pending::kCompaction, kCall, "no batch compaction was begun");
   requireLengthBatch(kCall, req);  // the engine may have resized a tensor since the begin
   // The device mapping is read only to compact the length pools.
-  MKV_REQUIRE(mResources.lengthPools.empty() ||
-                  (req.deviceMapping->numel() == static_cast<int64_t>(req.mapping.size()) &&
-                   req.deviceMapping->deviceType() == mResources.swaPool->deviceType()),
-              kCall,
-              "deviceMapping was reshaped or replaced since beginBatchCompaction: {} entries on "
-              "{}, expected {} on {}",
-              req.deviceMapping->numel(), toString(req.deviceMapping->deviceType()),
-              req.mapping.size(), toString(mResources.swaPool->deviceType()));
+  if (!mResources.lengthPools.empty()) {
+    detail::requireDeviceMappingUnchanged(kCall, *req.deviceMapping,
+                                          mResources.swaPool->deviceType(), req.mapping.size());
+  }
   // The only allocation comes first, so a std::bad_alloc changes nothing.
   std::vector<CacheSlot> dropped;
   dropped.reserve(req.mapping.size());

@@ -7,6 +7,7 @@
 
 #include "core/check.h"
 #include "mkv/logging.h"
+#include "resources/backend_requests.h"
 
 namespace mkv {
 namespace {
@@ -76,9 +77,9 @@ void BoundedSwaRequest::requireContextRows(char const* call,
       context.rawBatchedInputIds.size(), context.generatedTokenIds.size(), batch);
 }
 
-int32_t BoundedSwaRequest::reuseTokenLength(int32_t slot) const {
+int32_t BoundedSwaRequest::reuseTokenLength(ExecutionRow row) const {
   detail::throwContract("BoundedSwaRequest::reuseTokenLength",
-                        "slot {}: the bounded-SWA backend has no context reuse", slot);
+                        "row {}: the bounded-SWA backend has no context reuse", row);
 }
 
 bool BoundedSwaRequest::prepareSwaPrefill(std::vector<int32_t> const& effectiveInputLengths) {
@@ -117,13 +118,8 @@ bool BoundedSwaRequest::beginBatchCompaction(std::vector<int32_t> const& oldToNe
 }
 
 bool BoundedSwaRequest::completeBatchCompaction(std::vector<int32_t> const& keepMapping) {
-  constexpr char const* kCall = "BoundedSwaRequest::completeBatchCompaction";
-  MKV_REQUIRE(!mPendingMapping.empty(), kCall,
-              "no batch compaction was begun (keepMapping [{}]; call beginBatchCompaction first)",
-              fmt::join(keepMapping, ", "));
-  MKV_REQUIRE(keepMapping == mPendingMapping, kCall,
-              "keepMapping [{}] differs from the mapping [{}] given to beginBatchCompaction",
-              fmt::join(keepMapping, ", "), fmt::join(mPendingMapping, ", "));
+  detail::requireBegunMapping("BoundedSwaRequest::completeBatchCompaction", mPendingMapping,
+                              keepMapping);
   SwaKVCacheStatus const status = mManager->compactBatch(mHandle);
   mPendingMapping.clear();
   return swaStatus(status, *mManager, "completeBatchCompaction");
@@ -144,7 +140,7 @@ AdmitSequenceStatus BoundedSwaRequest::admitSequence(
   return AdmitSequenceStatus::kFailed;
 }
 
-bool BoundedSwaRequest::finalizeSequenceAdmission(int32_t /*slot*/,
+bool BoundedSwaRequest::finalizeSequenceAdmission(int32_t /*row*/,
                                                   int32_t const& /*lookaheadToken*/,
                                                   int32_t /*fullInputLength*/) {
   logger()->error(
@@ -153,17 +149,18 @@ bool BoundedSwaRequest::finalizeSequenceAdmission(int32_t /*slot*/,
   return false;
 }
 
-bool BoundedSwaRequest::publishHybridMtpEndpoint(int32_t slot, int32_t /*residentStateLength*/,
+bool BoundedSwaRequest::publishHybridMtpEndpoint(ExecutionRow row, int32_t /*residentStateLength*/,
                                                  Tensor const& /*baseHiddenStates*/,
                                                  int32_t /*boundaryHiddenRow*/) {
   detail::throwContract("BoundedSwaRequest::publishHybridMtpEndpoint",
-                        "slot {}: the bounded-SWA backend has no context reuse", slot);
+                        "row {}: the bounded-SWA backend has no context reuse", row);
 }
 
-bool BoundedSwaRequest::restoreHybridMtpBoundaryHidden(int32_t slot, Tensor& /*baseHiddenStates*/,
+bool BoundedSwaRequest::restoreHybridMtpBoundaryHidden(ExecutionRow row,
+                                                       Tensor& /*baseHiddenStates*/,
                                                        int32_t /*destinationRow*/) {
   detail::throwContract("BoundedSwaRequest::restoreHybridMtpBoundaryHidden",
-                        "slot {}: the bounded-SWA backend has no context reuse", slot);
+                        "row {}: the bounded-SWA backend has no context reuse", row);
 }
 
 }  // namespace mkv

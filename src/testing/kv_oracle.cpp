@@ -5,9 +5,9 @@
 #include <algorithm>
 #include <cstring>
 
+#include "context_cache/block_hash.h"
 #include "core/check.h"
 #include "core/device.h"
-#include "mkv/context_cache/block_hash.h"
 #include "testing/oracle_bytes.h"
 
 namespace mkv::testing {

@@ -5,9 +5,10 @@
 #include <algorithm>
 #include <chrono>
 
+#include "context_cache/block_hash.h"
+#include "context_cache/context_cache_manager.h"
 #include "core/check.h"
 #include "core/device.h"
-#include "mkv/context_cache/block_hash.h"
 #include "mkv/context_cache/context_cache_request.h"
 #include "mkv/managed_kv_cache_request.h"
 #include "testing/oracle_bytes.h"

@@ -1,4 +1,4 @@
-#include "mkv/context_cache/block_index.h"
+#include "context_cache/block_index.h"
 
 #include <gtest/gtest.h>
 

@@ -1,11 +1,11 @@
-#include "mkv/context_cache/cache_request_lease.h"
+#include "context_cache/cache_request_lease.h"
 
 #include <gtest/gtest.h>
 
 #include <type_traits>
 
+#include "context_cache/context_cache_manager.h"
 #include "context_cache_test_support.h"
-#include "mkv/context_cache/context_cache_manager.h"
 #include "mkv/error.h"
 
 namespace mkv {

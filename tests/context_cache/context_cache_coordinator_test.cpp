@@ -117,7 +117,7 @@ void publishUnderForeignKeys(CoordinatorRig& rig, std::vector<int32_t> const& co
   lookup.prompt = PromptView{content, {}, {}};
   lookup.policy = ContextCacheLookupPolicy::kBypass;
   lookup.baseExtraTokens = 1;
-  AdmissionResult acquired = manager.acquireWithFallback(lookup);
+  AdmissionResult acquired = manager.admit(lookup);
   ASSERT_TRUE(acquired.lease.has_value());
   CacheSlot const slot = rig.options.maxBatch - 1;
   rig.table.setRow(slot, acquired.lease->basePages());

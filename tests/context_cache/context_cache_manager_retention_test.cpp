@@ -7,8 +7,8 @@
 #include <variant>
 #include <vector>
 
+#include "context_cache/context_cache_manager.h"
 #include "context_cache_test_support.h"
-#include "mkv/context_cache/context_cache_manager.h"
 #include "mkv/error.h"
 
 namespace mkv {
@@ -177,12 +177,11 @@ TEST(ManagerRetentionErrorsTest, InvalidRetentionThrowsNamingTheCallAndTheValueA
     LookupRequest request = requestOf(tokens);
     request.retention = c.ranges;
     try {
-      m.acquireWithFallback(request);
+      m.admit(request);
       ADD_FAILURE() << "no error for " << c.what;
     } catch (Error const& error) {
       std::string const message = error.what();
-      EXPECT_NE(message.find("ContextCacheManager::acquireWithFallback"), std::string::npos)
-          << message;
+      EXPECT_NE(message.find("ContextCacheManager::admit"), std::string::npos) << message;
       EXPECT_NE(message.find(c.what), std::string::npos) << message;
     }
     EXPECT_THROW(m.lookup(request), Error);

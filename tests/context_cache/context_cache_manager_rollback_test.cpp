@@ -9,8 +9,8 @@
 #include <functional>
 #include <new>
 
+#include "context_cache/context_cache_manager.h"
 #include "context_cache_test_support.h"
-#include "mkv/context_cache/context_cache_manager.h"
 
 #if defined(__SANITIZE_ADDRESS__)
 #define MKV_TEST_ALLOCATION_INJECTION 0  // sanitizers own operator new
@@ -182,8 +182,7 @@ TEST_F(ContextCacheManagerRollbackTest, AcquireWithEvictionAndGrowthRollBack) {
   std::vector<int32_t> const prompt = concatenated(a, tokenRun(6, 300));
   EXPECT_GT(failEveryAllocation(m,
                                 [&] {
-                                  AdmissionResult admitted =
-                                      m.acquireWithFallback(requestOf(prompt));
+                                  AdmissionResult admitted = m.admit(requestOf(prompt));
                                   lease = std::move(admitted.lease);
                                 }),
             0);

@@ -1,4 +1,4 @@
-#include "mkv/context_cache/context_cache_manager.h"
+#include "context_cache/context_cache_manager.h"
 
 #include <gtest/gtest.h>
 
@@ -53,7 +53,7 @@ TEST(ContextCacheManagerTest, AcquirePinsHitsBeforeEvictionAndAllocatesPrivatePa
   publishCold(m, tokenRun(4, 100));       // page 2
   ASSERT_EQ(m.pools().freeCount(ResourceType::kBaseKvPage), 0);
 
-  AdmissionResult admitted = m.acquireWithFallback(requestOf(concatenated(a, {1, 2})));
+  AdmissionResult admitted = m.admit(requestOf(concatenated(a, {1, 2})));
   ASSERT_TRUE(admitted.lease);
   EXPECT_EQ(admitted.outcome, AdmissionOutcome::kAcquired);
   EXPECT_EQ(admitted.plan.reuseTokenLength, 8);
@@ -72,7 +72,7 @@ TEST(ContextCacheManagerTest, BypassAcquireBuildsAForcedColdPlan) {
   std::vector<int32_t> const a = tokenRun(8, 0);
   publishCold(m, a);
   AdmissionResult bypass =
-      m.acquireWithFallback(requestOf(a, ReuseMode::kVanilla, ContextCacheLookupPolicy::kBypass));
+      m.admit(requestOf(a, ReuseMode::kVanilla, ContextCacheLookupPolicy::kBypass));
   ASSERT_TRUE(bypass.lease);
   EXPECT_EQ(bypass.plan.kind, ReusePlanKind::kNoReusablePrefix);
   EXPECT_EQ(bypass.lease->boundBasePageCount(), 0);
@@ -102,30 +102,29 @@ TEST(ContextCacheManagerTest, InfeasibleAcquireRollsBackPinsWithoutEviction) {
   expectManagerInvariants(m);
 }
 
-TEST(ContextCacheManagerTest, CapacityFailureOfACacheDerivedPlanRetriesColdOnce) {
+TEST(ContextCacheManagerTest, CapacityFailureOfACacheDerivedPlanIsRefusedWithoutAColdRetry) {
   ContextCacheManager m(kPage, {4, 0, 0, 0}, 8);
   std::vector<int32_t> const a = tokenRun(12, 0);
   publishCold(m, a);  // pages 0..2, page 3 free
   std::vector<int32_t> const tokens = concatenated(a, tokenRun(2, 300));
   LookupRequest request = requestOf(tokens);
   request.baseExtraTokens = 3;  // 17 tokens -> 5 pages: 3 bound + 2 private > 4
-  AdmissionResult const refused = m.acquireWithFallback(request);
+  AdmissionResult const refused = m.admit(request);
   EXPECT_EQ(refused.outcome, AdmissionOutcome::kInsufficientCapacity);
   EXPECT_FALSE(refused.lease);
-  EXPECT_EQ(refused.plan.kind, ReusePlanKind::kNoReusablePrefix) << "the cold plan was tried last";
+  EXPECT_TRUE(refused.plan.isCacheDerived()) << "the looked-up plan, not a cold retry's";
+  EXPECT_EQ(refused.plan.matchedTokenLength, 12);
   EXPECT_EQ(refused.missReason, MissReason::kCapacity);
   ContextCacheMetrics metrics = m.metrics();
-  EXPECT_EQ(metrics.forcedColdRetries, 1U);
   EXPECT_EQ(metrics.failedAcquisitions, 1U);
   EXPECT_EQ(metrics.missCount(MissReason::kCapacity), 1U);
   EXPECT_EQ(metrics.evictedRecords, 0U) << "neither attempt evicted anything";
   EXPECT_EQ(m.records().size(), 1U);
 
   // A cold plan that fails is not retried.
-  AdmissionResult const cold = m.acquireWithFallback(requestOf(tokenRun(20, 700)));
+  AdmissionResult const cold = m.admit(requestOf(tokenRun(20, 700)));
   EXPECT_EQ(cold.outcome, AdmissionOutcome::kInsufficientCapacity);
   metrics = m.metrics();
-  EXPECT_EQ(metrics.forcedColdRetries, 1U);
   EXPECT_EQ(metrics.failedAcquisitions, 2U);
   EXPECT_EQ(metrics.missCount(MissReason::kCapacity), 2U);
   expectManagerInvariants(m);
@@ -186,7 +185,7 @@ TEST(ContextCacheManagerTest, RejectsMalformedRequests) {
   EXPECT_THROW(m.lookup(draftHeadroom), Error);
   LookupRequest negative = requestOf(tokenRun(4, 0));
   negative.baseExtraTokens = -1;
-  EXPECT_THROW(m.acquireWithFallback(negative), Error);
+  EXPECT_THROW(m.admit(negative), Error);
   EXPECT_EQ(m.metrics().lookups, 0U);
   EXPECT_THROW(ContextCacheManager(0, {1, 0, 0, 0}, 1), Error);
   EXPECT_THROW(ContextCacheManager(kPage, {-1, 0, 0, 0}, 1), Error);
@@ -365,7 +364,7 @@ TEST(ContextCacheManagerTest, EvictionMetricsCountOnlyResourcesReturnedToFreeLis
   CacheRequestLease pin = admit(m, requestOf(concatenated(a, {1})));  // pins 0, 1; takes page 2
   publishCold(m, tokenRun(4, 40));                                    // page 3
   // One more page: both records go (LRU prefix), but only page 3 returns (0, 1 are pinned).
-  AdmissionResult const big = m.acquireWithFallback(requestOf(tokenRun(4, 80)));
+  AdmissionResult const big = m.admit(requestOf(tokenRun(4, 80)));
   ASSERT_TRUE(big.lease);
   ContextCacheMetrics const metrics = m.metrics();
   EXPECT_EQ(metrics.evictedRecords, 2U);
@@ -429,7 +428,7 @@ TEST(ContextCacheManagerTest, HybridCheckpointPublishesAndAcquiresAllStateAtomic
   producer.release();
 
   AdmissionResult consumer =
-      m.acquireWithFallback(requestOf(concatenated(tokenRun(6, 0), {1, 2}), ReuseMode::kHybrid));
+      m.admit(requestOf(concatenated(tokenRun(6, 0), {1, 2}), ReuseMode::kHybrid));
   ASSERT_TRUE(consumer.lease);
   EXPECT_EQ(consumer.plan.reuseTokenLength, 6);
   EXPECT_EQ(consumer.lease->recurrentSnapshotSlot(), reservation->recurrentSlot);
@@ -464,7 +463,7 @@ TEST(ContextCacheManagerTest, HybridMtpCheckpointPublishesAndAcquiresPairedBaseA
   m.retireHybridSnapshotReservation(producer, *reservation);
   producer.release();
 
-  AdmissionResult consumer = m.acquireWithFallback(requestOf(a, ReuseMode::kHybridMtp));
+  AdmissionResult consumer = m.admit(requestOf(a, ReuseMode::kHybridMtp));
   ASSERT_TRUE(consumer.lease);
   EXPECT_EQ(consumer.plan.reuseTokenLength, 8);
   EXPECT_EQ(consumer.lease->boundBasePageCount(), 1);
@@ -485,7 +484,7 @@ TEST(ContextCacheManagerTest, PureRecurrentCheckpointNeedsNoBaseOrPartialPage) {
   std::vector<int32_t> const tokens = concatenated(a, {9});
   LookupRequest request = requestOf(tokens, ReuseMode::kHybrid);
   request.hasAttention = false;
-  AdmissionResult consumer = m.acquireWithFallback(request);
+  AdmissionResult consumer = m.admit(request);
   ASSERT_TRUE(consumer.lease);
   EXPECT_EQ(consumer.plan.reuseTokenLength, 3);
   EXPECT_TRUE(consumer.lease->basePages().empty());
@@ -539,7 +538,7 @@ TEST_F(SpecManagerTest, SpecAcquirePublishesPairedStateAndReplaysOneFullPage) {
   ASSERT_TRUE(record && record->specState);
   EXPECT_EQ(record->specState->draftPagePath.size(), 3U);
 
-  AdmissionResult consumer = mManager.acquireWithFallback(specRequest(concatenated(a, {1})));
+  AdmissionResult consumer = mManager.admit(specRequest(concatenated(a, {1})));
   ASSERT_TRUE(consumer.lease);
   EXPECT_EQ(consumer.plan.reuseTokenLength, 8);
   EXPECT_EQ(consumer.plan.specReplayMode, SpecReplayMode::kFullPage);
@@ -555,7 +554,7 @@ TEST_F(SpecManagerTest, SpecAcquirePublishesPairedStateAndReplaysOneFullPage) {
 TEST_F(SpecManagerTest, BaseOnlyHitAllocatesColdPairedState) {
   std::vector<int32_t> const a = tokenRun(8, 0);
   publishCold(mManager, a);  // vanilla on a spec deployment: base only
-  AdmissionResult consumer = mManager.acquireWithFallback(specRequest(concatenated(a, {1})));
+  AdmissionResult consumer = mManager.admit(specRequest(concatenated(a, {1})));
   ASSERT_TRUE(consumer.lease);
   EXPECT_EQ(consumer.plan.reuseTokenLength, 0);
   EXPECT_EQ(consumer.lease->boundBasePageCount(), 0);
@@ -568,7 +567,7 @@ TEST_F(SpecManagerTest, VanillaPublicationPreservesPairedRecordForLaterSpecReuse
   RecordId const paired = publishCold(mManager, a, ReuseMode::kSpec);
   EXPECT_EQ(publishCold(mManager, a), paired) << "vanilla duplicate touches the paired record";
   ASSERT_TRUE(mManager.records().get(paired)->specState);
-  AdmissionResult vanilla = mManager.acquireWithFallback(requestOf(concatenated(a, {1})));
+  AdmissionResult vanilla = mManager.admit(requestOf(concatenated(a, {1})));
   ASSERT_TRUE(vanilla.lease);
   EXPECT_EQ(vanilla.plan.reuseTokenLength, 8) << "vanilla uses the base side without replay";
   EXPECT_TRUE(vanilla.lease->draftPages().empty());
@@ -606,7 +605,7 @@ TEST_F(SpecManagerTest, EvictingUpgradedSpecRecordReleasesDraftIndexAndReference
   }
   ASSERT_EQ(mManager.pools().freeCount(ResourceType::kDraftKvPage), 6);
   // Need all 8 base pages: the record must go, with its draft pages and spec-path entries.
-  AdmissionResult big = mManager.acquireWithFallback(requestOf(tokenRun(32, 100)));
+  AdmissionResult big = mManager.admit(requestOf(tokenRun(32, 100)));
   ASSERT_TRUE(big.lease);
   EXPECT_EQ(mManager.records().get(base), nullptr);
   EXPECT_EQ(mManager.pools().freeCount(ResourceType::kDraftKvPage), 8);
@@ -687,7 +686,7 @@ TEST_F(SpecManagerTest, SpecHitIsTreatedAsMruDuringPressureEviction) {
   std::vector<int32_t> const tokens = concatenated(a, tokenRun(4, 300));
   LookupRequest request = specRequest(tokens);
   request.baseExtraTokens = 4;  // 16 tokens: 4 pages, 1 bound + 3 private
-  AdmissionResult admitted = m.acquireWithFallback(request);
+  AdmissionResult admitted = m.admit(request);
   ASSERT_TRUE(admitted.lease);
   EXPECT_EQ(admitted.outcome, AdmissionOutcome::kAcquired);
   EXPECT_EQ(m.records().get(other), nullptr) << "the other record went first";
@@ -735,7 +734,7 @@ TEST(ContextCacheManagerTest, ForgedCollisionIsNeverReused) {
   ASSERT_EQ(m.publish(producer, forged, 8).status, PublishStatus::kPublished);
   producer.release();
 
-  AdmissionResult consumer = m.acquireWithFallback(requestOf(concatenated(victim, {1})));
+  AdmissionResult consumer = m.admit(requestOf(concatenated(victim, {1})));
   ASSERT_TRUE(consumer.lease);
   EXPECT_EQ(consumer.plan.reuseTokenLength, 0) << "another prompt's KV must never be handed out";
   EXPECT_EQ(m.metrics().verificationRejects, 1U);
@@ -810,7 +809,7 @@ class MissReasonTest : public ::testing::Test {
  protected:
   ContextCacheManager mManager{kPage, ResourceDemand{16, 0, 0, 0}, 8};
   std::optional<MissReason> admitAndClassify(LookupRequest const& request) {
-    AdmissionResult result = mManager.acquireWithFallback(request);
+    AdmissionResult result = mManager.admit(request);
     EXPECT_TRUE(result.lease);
     return result.missReason;
   }
@@ -840,7 +839,7 @@ TEST_F(MissReasonTest, Evicted) {
   ContextCacheManager small(kPage, ResourceDemand{2, 0, 0, 0}, 1);
   publishCold(small, mPrompt);
   publishCold(small, tokenRun(4, 50));  // record limit evicts mPrompt's record
-  AdmissionResult result = small.acquireWithFallback(requestOf(mPrompt));
+  AdmissionResult result = small.admit(requestOf(mPrompt));
   EXPECT_EQ(result.missReason, MissReason::kEvicted);
   EXPECT_EQ(small.metrics().missCount(MissReason::kEvicted), 1U);
 }
@@ -898,7 +897,7 @@ TEST_F(MissReasonTest, MediaMismatch) {
   imageBLonger.emplace_back();
   LookupRequest request = requestOf(longer);
   request.prompt = viewOf(longer, {}, &imageBLonger);
-  AdmissionResult result = mManager.acquireWithFallback(request);
+  AdmissionResult result = mManager.admit(request);
   ASSERT_TRUE(result.lease);
   EXPECT_EQ(result.plan.reuseTokenLength, 4) << "the text block before the image is shared";
   EXPECT_EQ(result.missReason, MissReason::kMediaMismatch);
@@ -908,7 +907,7 @@ TEST_F(MissReasonTest, Capacity) {
   ContextCacheManager small(kPage, ResourceDemand{2, 0, 0, 0}, 8);
   CacheRequestLease holder = admit(
       small, requestOf(tokenRun(8, 0), ReuseMode::kVanilla, ContextCacheLookupPolicy::kBypass));
-  AdmissionResult result = small.acquireWithFallback(requestOf(mPrompt));
+  AdmissionResult result = small.admit(requestOf(mPrompt));
   EXPECT_FALSE(result.lease);
   EXPECT_EQ(result.missReason, MissReason::kCapacity);
   EXPECT_EQ(small.metrics().missCount(MissReason::kCapacity), 1U);
@@ -1050,10 +1049,9 @@ TEST(ContextCacheManagerBatchTest, ABatchThatFitsOnlyWhenAdmittedTogetherIsAdmit
     // One by one, the cold sequence evicts A's record (LRU) and B's for its 4 pages; A's blocks
     // leave the index, so the second sequence now needs 3 pages and 1 is left.
     BatchRig sequential;
-    AdmissionResult first = sequential.manager.acquireWithFallback(requestOf(cold));
+    AdmissionResult first = sequential.manager.admit(requestOf(cold));
     ASSERT_TRUE(first.lease);
-    AdmissionResult second =
-        sequential.manager.acquireWithFallback(requestOf(sequential.aPlusThree));
+    AdmissionResult second = sequential.manager.admit(requestOf(sequential.aPlusThree));
     EXPECT_FALSE(second.lease) << "the hazard acquireBatch exists for";
     EXPECT_EQ(sequential.manager.records().size(), 0U);
   }

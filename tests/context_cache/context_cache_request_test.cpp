@@ -9,6 +9,7 @@
 #include <cstring>
 #include <string>
 
+#include "context_cache/context_cache_manager.h"
 #include "coordinator_test_rig.h"
 
 namespace mkv::test {

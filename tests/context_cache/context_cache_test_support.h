@@ -10,7 +10,7 @@
 #include <map>
 #include <vector>
 
-#include "mkv/context_cache/context_cache_manager.h"
+#include "context_cache/context_cache_manager.h"
 #include "support/manager_state.h"
 #include "support/token_runs.h"
 
@@ -110,9 +110,9 @@ inline void expectManagerInvariants(ContextCacheManager const& manager) {
 
 namespace mkv::test {
 
-/// acquireWithFallback that must succeed.
+/// admit that must succeed.
 inline CacheRequestLease admit(ContextCacheManager& manager, LookupRequest const& request) {
-  AdmissionResult result = manager.acquireWithFallback(request);
+  AdmissionResult result = manager.admit(request);
   EXPECT_TRUE(result.lease.has_value()) << "admission refused";
   return result.lease ? std::move(*result.lease) : CacheRequestLease{};
 }

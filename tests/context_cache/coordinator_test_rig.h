@@ -13,6 +13,7 @@
 #include <span>
 #include <vector>
 
+#include "context_cache/context_cache_manager.h"
 #include "core/device.h"
 #include "mkv/context_cache/context_cache_coordinator.h"
 #include "mkv/context_cache/context_cache_request.h"

@@ -1,4 +1,4 @@
-#include "mkv/context_cache/eviction_planner.h"
+#include "context_cache/eviction_planner.h"
 
 #include <gtest/gtest.h>
 

@@ -1,4 +1,4 @@
-#include "mkv/context_cache/lru_eviction_policy.h"
+#include "context_cache/lru_eviction_policy.h"
 
 #include <gtest/gtest.h>
 

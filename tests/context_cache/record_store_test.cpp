@@ -1,4 +1,4 @@
-#include "mkv/context_cache/record_store.h"
+#include "context_cache/record_store.h"
 
 #include <gtest/gtest.h>
 

@@ -1,11 +1,11 @@
-#include "mkv/context_cache/s3fifo_eviction_policy.h"
+#include "context_cache/s3fifo_eviction_policy.h"
 
 #include <gtest/gtest.h>
 
 #include <algorithm>
 #include <vector>
 
-#include "mkv/context_cache/lru_eviction_policy.h"
+#include "context_cache/lru_eviction_policy.h"
 
 namespace mkv {
 namespace {

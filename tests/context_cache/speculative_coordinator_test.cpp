@@ -345,7 +345,7 @@ TEST_P(HybridMtpCoordinatorTest, GuardsSkipAndMisuseThrowsWithoutChangingAnythin
   Tensor restored({1, rig.options.hiddenWidth}, DataType::kFloat16, device());
   EXPECT_TRUE(throwsError(
       [&] { rig.coordinator->restoreHybridMtpBoundaryHidden(handle, 0, restored, 0); },
-      {"restoreHybridMtpBoundaryHidden", "slot 0 restored no Hybrid-MTP checkpoint (reuse 0)"}));
+      {"restoreHybridMtpBoundaryHidden", "row 0 restored no Hybrid-MTP checkpoint (reuse 0)"}));
   int32_t const freeRecurrent = rig.pools().freeCount(ResourceType::kRecurrentSnapshot);
   int64_t const syncs = rig.sync.calls();
   auto publish = [&](int32_t length, Tensor const& states, int32_t row) {
@@ -360,7 +360,7 @@ TEST_P(HybridMtpCoordinatorTest, GuardsSkipAndMisuseThrowsWithoutChangingAnythin
   EXPECT_TRUE(throwsError(publish(40, narrow, 39), {"must be [rows, 8] of"}));
   EXPECT_TRUE(throwsError(
       [&] { (void)rig.coordinator->publishHybridMtpEndpoint(handle, 1, 40, hidden, 39); },
-      {"slot 1 outside the batch of 1"}));
+      {"row 1 outside the batch of 1"}));
   EXPECT_EQ(rig.coordinator->publishHybridMtpEndpoint(handle, 0, 0, hidden, 0), kOk);
   EXPECT_EQ(rig.sync.calls(), syncs);
   EXPECT_EQ(rig.pools().freeCount(ResourceType::kRecurrentSnapshot), freeRecurrent);
@@ -402,10 +402,11 @@ TEST_P(HybridMtpCoordinatorTest, TheEndpointApiRefusesOtherDeployments) {
   Tensor hidden({40, 8}, DataType::kFloat16, device());
   EXPECT_TRUE(throwsError(
       [&] { (void)rig.coordinator->publishHybridMtpEndpoint(handle, 0, 40, hidden, 39); },
-      {"publishHybridMtpEndpoint", "the deployment is not Hybrid-MTP (slot 0, length 40)"}));
-  EXPECT_TRUE(throwsError(
-      [&] { rig.coordinator->restoreHybridMtpBoundaryHidden(handle, 0, hidden, 0); },
-      {"restoreHybridMtpBoundaryHidden", "the deployment is not Hybrid-MTP (slot 0, row 0)"}));
+      {"publishHybridMtpEndpoint", "the deployment is not Hybrid-MTP (row 0, length 40)"}));
+  EXPECT_TRUE(
+      throwsError([&] { rig.coordinator->restoreHybridMtpBoundaryHidden(handle, 0, hidden, 0); },
+                  {"restoreHybridMtpBoundaryHidden",
+                   "the deployment is not Hybrid-MTP (row 0, destination row 0)"}));
   ASSERT_EQ(rig.coordinator->finish(handle), kOk);
 }
 

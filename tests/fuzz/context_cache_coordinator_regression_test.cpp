@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "context_cache/context_cache_manager.h"
 #include "mkv/context_cache/context_cache_coordinator.h"
 #include "mkv/error.h"
 #include "mkv/kv_cache_runtime.h"

@@ -879,7 +879,6 @@ TEST(ReplayReportTest, JsonHasEveryFigureAndCsvOneRowPerRequest) {
                           "device",
                           "page_size",
                           "pool_tokens",
-                          "forced_cold_retries",
                           "failed_requests",
                           "joins"}) {
     EXPECT_TRUE(json.contains(key)) << key;

@@ -16,6 +16,7 @@
 #include <tuple>
 #include <vector>
 
+#include "context_cache/context_cache_manager.h"
 #include "mkv/error.h"
 #include "mkv/managed_kv_cache_request.h"
 #include "mkv/testing/reference_engine.h"

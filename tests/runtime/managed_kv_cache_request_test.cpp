@@ -14,6 +14,7 @@
 #include <utility>
 #include <vector>
 
+#include "context_cache/context_cache_manager.h"
 #include "runtime_test_rig.h"
 #include "support/test_util.h"
 
@@ -425,7 +426,7 @@ TEST_P(ManagedKVCacheRequestDispatchTest, TheJoinCallsThrowBeforeTheyChangeAnyth
   expectRejected(rig, "finalizeSequenceAdmission of a founder",
                  [&] { (void)driver.facade().finalizeSequenceAdmission(0, lookahead, 40); },
                  {"ManagedKVCacheRequest::finalizeSequenceAdmission",
-                  "slot 0 is not an unfinalised in-flight admission"});
+                  "row 0 is not an unfinalised in-flight admission"});
   expectRejected(rig, "finalizeSequenceAdmission with the wrong prompt length",
                  [&] { (void)driver.facade().finalizeSequenceAdmission(1, lookahead, 19); },
                  {"ManagedKVCacheRequest::finalizeSequenceAdmission", "commits the 20 prompt"});
@@ -549,7 +550,7 @@ TEST_P(ManagedKVCacheRequestTest, SizesThatDisagreeWithTheBatchThrowAndChangeNot
   if (reuse()) {
     expectRejected(rig, "reuseTokenLength beyond the batch",
                    [&] { (void)facade.reuseTokenLength(2); },
-                   {"ManagedKVCacheRequest::reuseTokenLength", "slot 2 outside the batch of 2"});
+                   {"ManagedKVCacheRequest::reuseTokenLength", "row 2 outside the batch of 2"});
   }
   driver.compactView({0, -1, 1});  // the survivors carry on
   driver.verify();
@@ -630,11 +631,11 @@ TEST_P(ManagedKVCacheRequestDispatchTest, BoundedSwaBackend) {
   EXPECT_FALSE(facade.hasContextReuse());
   EXPECT_EQ(facade.prefillStarts(), nullptr);
   expectRejected(rig, "reuseTokenLength", [&] { (void)facade.reuseTokenLength(0); },
-                 {"ManagedKVCacheRequest::reuseTokenLength", "slot 0", "no context reuse"});
+                 {"ManagedKVCacheRequest::reuseTokenLength", "row 0", "no context reuse"});
   Tensor hidden({4, 8}, DataType::kFloat16, device());
   expectRejected(rig, "publishHybridMtpEndpoint",
                  [&] { (void)facade.publishHybridMtpEndpoint(1, 23, hidden, 0); },
-                 {"ManagedKVCacheRequest::publishHybridMtpEndpoint", "slot 1", "no context reuse"});
+                 {"ManagedKVCacheRequest::publishHybridMtpEndpoint", "row 1", "no context reuse"});
   expectRejected(rig, "restoreHybridMtpBoundaryHidden",
                  [&] { (void)facade.restoreHybridMtpBoundaryHidden(0, hidden, 2); },
                  {"ManagedKVCacheRequest::restoreHybridMtpBoundaryHidden", "no context reuse"});

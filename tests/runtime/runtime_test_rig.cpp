@@ -5,6 +5,7 @@
 #include <span>
 #include <utility>
 
+#include "context_cache/context_cache_manager.h"
 #include "support/test_util.h"
 
 namespace mkv::runtime_test {

@@ -12,6 +12,7 @@
 #include <span>
 #include <string>
 
+#include "context_cache/context_cache_manager.h"
 #include "mkv/kv_cache_runtime.h"
 #include "mkv/testing/reference_engine.h"
 #include "runtime_test_rig.h"

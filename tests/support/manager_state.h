@@ -8,7 +8,7 @@
 #include <optional>
 #include <vector>
 
-#include "mkv/context_cache/context_cache_manager.h"
+#include "context_cache/context_cache_manager.h"
 
 namespace mkv::test {
 

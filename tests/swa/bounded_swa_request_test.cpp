@@ -238,13 +238,12 @@ TEST(BoundedSwaRequestTest, CallsTheBackendDoesNotOfferThrowOrAnswerWithoutChang
 
   Tensor hidden({2, 4}, DataType::kFloat16, DeviceType::kCPU);
   expectContractError([&] { (void)request->reuseTokenLength(3); },
-                      {"BoundedSwaRequest::reuseTokenLength: slot 3: ", "no context reuse"});
-  expectContractError(
-      [&] { request->publishHybridMtpEndpoint(1, 40, hidden, 0); },
-      {"BoundedSwaRequest::publishHybridMtpEndpoint: slot 1: ", "no context reuse"});
+                      {"BoundedSwaRequest::reuseTokenLength: row 3: ", "no context reuse"});
+  expectContractError([&] { request->publishHybridMtpEndpoint(1, 40, hidden, 0); },
+                      {"BoundedSwaRequest::publishHybridMtpEndpoint: row 1: ", "no context reuse"});
   expectContractError(
       [&] { request->restoreHybridMtpBoundaryHidden(0, hidden, 1); },
-      {"BoundedSwaRequest::restoreHybridMtpBoundaryHidden: slot 0: ", "no context reuse"});
+      {"BoundedSwaRequest::restoreHybridMtpBoundaryHidden: row 0: ", "no context reuse"});
   int32_t prefillStart = -7;
   EXPECT_EQ(request->admitSequence(test::tokenRun(8, 1), "", kVanilla, prefillStart,
                                    ResidentRef{2, 1}, nullptr),

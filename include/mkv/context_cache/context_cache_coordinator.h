@@ -13,12 +13,9 @@
 #include <string>
 #include <vector>
 
-#include "mkv/context_cache/block_hash.h"
-#include "mkv/context_cache/context_cache_manager.h"
 #include "mkv/context_cache/context_cache_metrics.h"
-#include "mkv/context_cache/eviction_policy.h"
-#include "mkv/context_cache/kv_event_queue.h"
-#include "mkv/context_cache/reuse_plan.h"
+#include "mkv/context_cache/context_cache_types.h"
+#include "mkv/context_cache/kv_events.h"
 #include "mkv/cuda_types.h"
 #include "mkv/kv_cache_pool.h"
 #include "mkv/kv_page_table.h"
@@ -30,6 +27,13 @@
 #include "mkv/types.h"
 
 namespace mkv {
+// The manager and its value types are internal (src/context_cache/context_cache_manager.h); the
+// coordinator holds the manager by pointer and names these only in private declarations.
+class ContextCacheManager;
+struct AdmissionResult;
+struct LookupRequest;
+struct PromptBlocks;
+struct SnapshotReservation;
 namespace detail {
 class Int32UploadRegions;
 class PagedRows;
@@ -298,7 +302,7 @@ class ContextCacheCoordinator {
   /// kRequestFailed (request finishing) when a sequence cannot grow.
   ContextCacheStatus prepareDecodeStep(RequestHandle& handle, DecodingKvHeadroom const& headroom);
   /// After the runtime's decode synchronisation: applies advances and publishes the full blocks
-  /// of `completedSlots` (finished, not cancelled or errored) at decode end. Speculative
+  /// of `completedRows` (finished, not cancelled or errored) at decode end. Speculative
   /// requests accept any positive number of tokens per row (committed = previous + accepted) and
   /// publish paired base + draft paths at the common length (one per row; required when the
   /// request pairs a paged draft on a deployment other than Hybrid-MTP, derived from the
@@ -309,7 +313,7 @@ class ContextCacheCoordinator {
   /// and the handle invalidated.
   ContextCacheStatus completeDecodeStep(RequestHandle& handle,
                                         std::span<ContextCacheSequenceAdvance const> advances,
-                                        std::span<int32_t const> completedSlots,
+                                        std::span<ExecutionRow const> completedRows,
                                         std::span<int32_t const> commonStateLengths = {});
   /// Validates an order-preserving mapping and copies it into `deviceMapping` (int32, reshaped
   /// to [oldBatch], on the pool's device). Throws, changing nothing, as well when a KV-length
@@ -337,7 +341,7 @@ class ContextCacheCoordinator {
   bool resetPrefixCache() noexcept;
 
   /// Hybrid-MTP (speculative request on a Hybrid-MTP deployment), between preparePrefill and
-  /// finalizePrefillPublication: publishes the exact checkpoint of row `slot` at
+  /// finalizePrefillPublication: publishes the exact checkpoint of row `row` at
   /// `residentStateLength` tokens with the boundary token (the last one) kept private. Captures
   /// the recurrent rows, the valid rows of the paired base and draft boundary pages (page
   /// (length - 1) / tokensPerPage) and row `boundaryHiddenRow` of `baseHiddenStates`
@@ -353,17 +357,17 @@ class ContextCacheCoordinator {
   /// released and the reservation retried. A std::bad_alloc of the first reservation or a capture
   /// that throws (its reservation is retired first) leaves the request as it was, pins included,
   /// unless the pins had been released for the retry under pressure.
-  ContextCacheStatus publishHybridMtpEndpoint(RequestHandle& handle, int32_t slot,
+  ContextCacheStatus publishHybridMtpEndpoint(RequestHandle& handle, ExecutionRow row,
                                               int32_t residentStateLength,
                                               Tensor const& baseHiddenStates,
                                               int32_t boundaryHiddenRow);
   /// Hybrid-MTP, between preparePrefill and publishHybridMtpEndpoint / finalisation: enqueues
-  /// the copy of the boundary hidden row of row `slot`'s restored checkpoint into row
+  /// the copy of the boundary hidden row of row `row`'s restored checkpoint into row
   /// `destinationRow` of `baseHiddenStates` (stream-ordered, no synchronisation). Throws,
   /// changing nothing, on another deployment, when the row restored no Hybrid-MTP checkpoint
   /// (or its pins were released), or for a tensor / row that does not fit.
-  void restoreHybridMtpBoundaryHidden(RequestHandle& handle, int32_t slot, Tensor& baseHiddenStates,
-                                      int32_t destinationRow);
+  void restoreHybridMtpBoundaryHidden(RequestHandle& handle, ExecutionRow row,
+                                      Tensor& baseHiddenStates, int32_t destinationRow);
 
   /// In-flight admission is offered for attention-only, non-speculative deployments (a joiner
   /// cannot restore a checkpoint into a running batch).
@@ -379,14 +383,14 @@ class ContextCacheCoordinator {
                                     DecodingKvHeadroom const& headroom);
   /// After the joiner's prefill: exactly one accepted token (the lookahead) with committed ==
   /// prompt length; publishes the joiner's prompt blocks.
-  ContextCacheStatus finalizeSequenceAdmission(RequestHandle& handle, int32_t slot,
+  ContextCacheStatus finalizeSequenceAdmission(RequestHandle& handle, ExecutionRow row,
                                                ContextCacheSequenceAdvance const& advance);
   /// Undoes the newest admission that never joined (lease released, row cleared) while no work is
   /// pending. Throws mkv::Error, changing nothing, when that is impossible: an invalid handle,
   /// pending work (a decode step or compaction), the newest sequence joined, or it is the only
   /// one. false (poisoned) only when clearing the row failed on the device.
   bool retractSequenceAdmission(RequestHandle& handle);
-  /// Who holds resident row `slot` in this coordinator: kFree (no request: the runtime may release
+  /// Who holds resident row `row` in this coordinator: kFree (no request: the runtime may release
   /// and reuse it), kActive (a live request), kQuarantined (a request quarantined by a failed
   /// synchronisation: the row and its pages may still be read by device work; free after
   /// shutdown() drains the quarantine). Out-of-range slots are kFree.
@@ -399,20 +403,22 @@ class ContextCacheCoordinator {
     return static_cast<int32_t>(mQuarantine.size());
   }
   int32_t batchSize(RequestHandle const& handle) const;
-  /// Reuse length of execution row `slot`.
-  int32_t reuseTokenLength(RequestHandle const& handle, int32_t slot) const;
-  /// Tokens with materialised KV of execution row `slot`.
-  int32_t committedLength(RequestHandle const& handle, int32_t slot) const;
-  /// Base pages held by execution row `slot`, in logical order.
-  std::span<PageId const> basePages(RequestHandle const& handle, int32_t slot) const;
-  /// Draft pages held by execution row `slot` (empty unless the request pairs a paged draft).
-  std::span<PageId const> draftPages(RequestHandle const& handle, int32_t slot) const;
-  /// Common (base and draft) materialised length of row `slot`; speculative requests.
-  int32_t commonLength(RequestHandle const& handle, int32_t slot) const;
+  /// Reuse length of execution row `row`.
+  int32_t reuseTokenLength(RequestHandle const& handle, ExecutionRow row) const;
+  /// Tokens with materialised KV of execution row `row`.
+  int32_t committedLength(RequestHandle const& handle, ExecutionRow row) const;
+  /// Base pages held by execution row `row`, in logical order.
+  std::span<PageId const> basePages(RequestHandle const& handle, ExecutionRow row) const;
+  /// Draft pages held by execution row `row` (empty unless the request pairs a paged draft).
+  std::span<PageId const> draftPages(RequestHandle const& handle, ExecutionRow row) const;
+  /// Common (base and draft) materialised length of row `row`; speculative requests.
+  int32_t commonLength(RequestHandle const& handle, ExecutionRow row) const;
+  /// The manager (an internal class: src/context_cache/context_cache_manager.h, which tests and
+  /// tools inside the tree include to inspect it).
   ContextCacheManager const& manager() const noexcept { return *mManager; }
-  ContextCacheMetrics metrics() const { return mManager->metrics(); }
+  ContextCacheMetrics metrics() const;
   ContextCacheCoordinatorCounters const& counters() const noexcept { return mCounters; }
-  std::vector<KvEvent> drainEvents() { return mManager->drainEvents(); }
+  std::vector<KvEvent> drainEvents();
   /// Manager metrics and coordinator counters in the Prometheus text format.
   std::string toPrometheus(std::string_view prefix = "managedkv_") const;
   ContextCacheConfig const& config() const noexcept { return mConfig; }
@@ -517,7 +523,7 @@ class ContextCacheCoordinator {
                        int32_t residentStateLength, Tensor const& baseHiddenStates,
                        int32_t boundaryHiddenRow);
   /// Commits a captured endpoint as a record, after its synchronisation.
-  void commitEndpoint(Request const& request, Sequence& sequence, int32_t slot,
+  void commitEndpoint(Request const& request, Sequence& sequence, ExecutionRow row,
                       PromptBlocks const& blocks, int32_t residentStateLength,
                       SnapshotReservation const& reservation);
 

@@ -10,14 +10,13 @@
 #include <string>
 #include <string_view>
 
-#include "mkv/context_cache/resource_pools.h"
-#include "mkv/context_cache/reuse_plan.h"
+#include "mkv/context_cache/context_cache_types.h"
 
 namespace mkv {
 
 /// Cumulative counters of one ContextCacheManager plus a snapshot of its occupancy (gauges),
 /// returned by ContextCacheManager::metrics(). "Admission" counters are counted by
-/// acquireWithFallback only (the coordinator's per-sequence entry point); acquire() on a
+/// admit only (the coordinator's per-sequence entry point); acquire() on a
 /// hand-made plan counts nothing but evictions.
 struct ContextCacheMetrics {
   // Admission.
@@ -30,12 +29,11 @@ struct ContextCacheMetrics {
   /// refused for capacity and retried later counts again).
   uint64_t queriedTokens = 0;
   uint64_t bypasses = 0;             ///< kBypass admissions
-  uint64_t forcedColdRetries = 0;    ///< cache-derived plan failed for capacity, retried cold
   uint64_t fullInputRewinds = 0;     ///< admitted plans of kind kFullInputRewind
   uint64_t specFullPageReplays = 0;  ///< admitted spec plans with SpecReplayMode::kFullPage
   uint64_t failedAcquisitions = 0;   ///< admissions that got no lease (insufficient capacity)
   /// Lookups that did not reuse all their full blocks, by reason (one reason per lookup; kCapacity
-  /// when the admission was forced cold or failed).
+  /// when the admission was refused for capacity).
   std::array<uint64_t, kMissReasonCount> misses{};
 
   // Publication.

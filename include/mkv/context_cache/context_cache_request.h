@@ -57,7 +57,7 @@ class ContextCacheRequest {
 
   /// Reuse length per execution row (execution starts here), compacted with the batch.
   std::vector<int32_t> const& prefillStarts() const noexcept { return mPrefillStarts; }
-  int32_t reuseTokenLength(int32_t slot) const;
+  int32_t reuseTokenLength(ExecutionRow row) const;
 
   bool preparePrefill();
   /// Bounded-SWA windows only: a no-op here, true.
@@ -87,7 +87,7 @@ class ContextCacheRequest {
                                     std::vector<int32_t> const& mediaTokenIds = {},
                                     std::vector<imageUtils::ImageData> const& imageBuffers = {},
                                     std::vector<audioUtils::AudioData> const& audioBuffers = {});
-  bool finalizeSequenceAdmission(int32_t slot, int32_t const& lookaheadToken,
+  bool finalizeSequenceAdmission(ExecutionRow row, int32_t const& lookaheadToken,
                                  int32_t fullInputLength);
   /// Undoes the newest in-flight admission that was not finalised (see the coordinator's);
   /// throws mkv::Error, changing nothing, when there is none to undo or work is pending.
@@ -96,11 +96,11 @@ class ContextCacheRequest {
   /// Hybrid-MTP endpoint publication (ContextCacheCoordinator::publishHybridMtpEndpoint): false
   /// when the capture synchronisation failed (poisoned). Throws on deployments that are not
   /// Hybrid-MTP and for misuse.
-  bool publishHybridMtpEndpoint(int32_t slot, int32_t residentStateLength,
+  bool publishHybridMtpEndpoint(ExecutionRow row, int32_t residentStateLength,
                                 Tensor const& baseHiddenStates, int32_t boundaryHiddenRow);
   /// Hybrid-MTP boundary hidden restore (ContextCacheCoordinator::restoreHybridMtpBoundaryHidden);
   /// throws on deployments that are not Hybrid-MTP and for misuse.
-  bool restoreHybridMtpBoundaryHidden(int32_t slot, Tensor& baseHiddenStates,
+  bool restoreHybridMtpBoundaryHidden(ExecutionRow row, Tensor& baseHiddenStates,
                                       int32_t destinationRow);
 
   bool poisoned() const noexcept { return mCoordinator->poisoned(); }

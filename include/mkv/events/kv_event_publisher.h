@@ -19,7 +19,7 @@
 #include <string_view>
 #include <vector>
 
-#include "mkv/context_cache/kv_event_queue.h"
+#include "mkv/context_cache/kv_events.h"
 
 namespace mkv {
 

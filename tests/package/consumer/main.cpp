@@ -105,6 +105,10 @@ void byHand() {
   expect(publisher->batchesPublished() == 1, "one batch published");
   // The first 32 tokens (two pages) are shared and were published at prefill.
   expect(serveOne(*runtime, prompt(40, 2), 3) == 2 * kPageSize, "a warm prompt reuses two pages");
+  // The cache's metrics are public value types (the manager behind them is not installed).
+  mkv::ContextCacheMetrics const metrics = runtime->contextCache()->metrics();
+  expect(metrics.admittedSequences == 2 && metrics.hits == 1, "metrics: two admitted, one hit");
+  expect(metrics.missCount(mkv::MissReason::kNoPrefix) == 1, "metrics: the cold prompt's miss");
   expect(runtime->residentSlots().available() == runtime->residentSlots().capacity(),
          "every resident slot is released");
   expect(runtime->shutdown(), "KVCacheRuntime::shutdown");

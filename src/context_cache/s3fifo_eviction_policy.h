@@ -8,9 +8,9 @@
 #include <cstdint>
 #include <vector>
 
-#include "mkv/context_cache/eviction_policy.h"
-#include "mkv/context_cache/recent_digest_set.h"
-#include "mkv/context_cache/slot_list.h"
+#include "context_cache/eviction_policy.h"
+#include "context_cache/recent_digest_set.h"
+#include "context_cache/slot_list.h"
 
 namespace mkv {
 

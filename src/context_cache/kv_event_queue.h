@@ -11,40 +11,10 @@
 #include <variant>
 #include <vector>
 
-#include "mkv/context_cache/block_hash.h"
+#include "mkv/context_cache/kv_events.h"
 #include "mkv/types.h"
 
 namespace mkv {
-
-/// A block became reusable: `digest` is now indexed on `page` (base KV pool id).
-struct BlockStored {
-  Hash128 digest;
-  Hash128 parent;  ///< previous block's digest, kBlockChainRoot for a first block
-  PageId page = kNoPage;
-  int32_t tokenCount = 0;
-  /// The block's token ids (`tokenCount` of them) when the queue keeps tokens, else empty. Routers
-  /// re-hash them to match prompts against the block.
-  std::vector<int32_t> tokens{};
-  /// PromptBlocks::extrasDigest of the block: zero when its key depends on its token ids and its
-  /// parent alone; otherwise an identity of its media, adapter and (block 0) salt.
-  Hash128 extras{};
-  friend bool operator==(BlockStored const&, BlockStored const&) = default;
-};
-
-/// A block stopped being reusable (its page lost its last cache reference).
-struct BlockRemoved {
-  Hash128 digest;
-  PageId page = kNoPage;
-  friend bool operator==(BlockRemoved const&, BlockRemoved const&) = default;
-};
-
-/// Every block stopped being reusable at once: the cache dropped all its records
-/// (ContextCacheManager::resetPrefixCache). Replaces the per-block BlockRemoved events.
-struct AllBlocksCleared {
-  friend bool operator==(AllBlocksCleared const&, AllBlocksCleared const&) = default;
-};
-
-using KvEvent = std::variant<BlockStored, BlockRemoved, AllBlocksCleared>;
 
 /// A fixed ring of events, and of `tokensPerBlock` token ids per event, allocated at construction:
 /// pushing never allocates and never fails. When full, the oldest event is overwritten and

@@ -11,10 +11,10 @@
 #include <span>
 #include <vector>
 
-#include "mkv/context_cache/block_hash.h"
-#include "mkv/context_cache/cache_record.h"
-#include "mkv/context_cache/resource_pools.h"
-#include "mkv/context_cache/reuse_plan.h"
+#include "context_cache/block_hash.h"
+#include "context_cache/cache_record.h"
+#include "context_cache/resource_pools.h"
+#include "context_cache/reuse_plan.h"
 #include "mkv/types.h"
 
 namespace mkv {

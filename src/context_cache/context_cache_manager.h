@@ -15,16 +15,16 @@
 #include <span>
 #include <vector>
 
-#include "mkv/context_cache/block_hash.h"
-#include "mkv/context_cache/block_index.h"
-#include "mkv/context_cache/cache_request_lease.h"
+#include "context_cache/block_hash.h"
+#include "context_cache/block_index.h"
+#include "context_cache/cache_request_lease.h"
+#include "context_cache/eviction_planner.h"
+#include "context_cache/eviction_policy.h"
+#include "context_cache/kv_event_queue.h"
+#include "context_cache/record_store.h"
+#include "context_cache/resource_pools.h"
+#include "context_cache/reuse_plan.h"
 #include "mkv/context_cache/context_cache_metrics.h"
-#include "mkv/context_cache/eviction_planner.h"
-#include "mkv/context_cache/eviction_policy.h"
-#include "mkv/context_cache/kv_event_queue.h"
-#include "mkv/context_cache/record_store.h"
-#include "mkv/context_cache/resource_pools.h"
-#include "mkv/context_cache/reuse_plan.h"
 #include "mkv/types.h"
 
 namespace mkv {
@@ -65,7 +65,7 @@ struct LookupResult {
   PromptBlocks blocks;  ///< digests of the prompt (refers to the request's tokens)
   ReusePlan plan;
   std::optional<MissReason> missReason;  ///< block-based reason; never kCapacity
-  /// The manager state the plan was made against (opaque; see acquireWithFallback).
+  /// The manager state the plan was made against (opaque; see admit).
   uint64_t stateVersion = 0;
 };
 
@@ -77,13 +77,12 @@ struct AcquireResult {
 
 enum class AdmissionOutcome : uint8_t {
   kAcquired,              ///< the looked-up plan was acquired
-  kAcquiredCold,          ///< it failed for capacity; the cold retry was acquired (forced cold)
-  kInsufficientCapacity,  ///< no lease
+  kInsufficientCapacity,  ///< no lease: the plan did not fit even after eviction
 };
 struct AdmissionResult {
   std::optional<CacheRequestLease> lease;
   AdmissionOutcome outcome = AdmissionOutcome::kInsufficientCapacity;
-  ReusePlan plan;  ///< the plan acquired (the cold plan when forced cold) or last attempted
+  ReusePlan plan;                        ///< the looked-up plan, acquired or refused
   std::optional<MissReason> missReason;  ///< as counted in the metrics
 };
 
@@ -136,23 +135,22 @@ class ContextCacheManager {
   /// leave record recency alone). Infeasible: no lease and nothing changed. Throws for a plan
   /// whose bindings no longer match the index or records (plans are consumed right after lookup).
   AcquireResult acquire(ReusePlan const& plan);
-  /// The coordinator's one call per sequence: lookup, acquire, and when a cache-derived plan fails
-  /// for capacity one cold retry (forced cold). Counts every admission metric.
-  /// Note: because acquire pins the hit before planning eviction and the planner's feasibility
-  /// test is exact, the cold plan needs exactly the pages the hit pinned on top of the same
-  /// private demand, so the retry cannot succeed where the cache-derived plan failed; it is kept
-  /// as the coordinator contract (and counted), and the property test asserts kAcquiredCold never
-  /// occurs. It would matter again if acquisition ever became approximate.
-  AdmissionResult acquireWithFallback(LookupRequest const& request);
+  /// The coordinator's one call per sequence: lookup, then acquire the plan, counting every
+  /// admission metric (a refusal counts one failed acquisition and, for a kUseCache lookup, one
+  /// kCapacity miss). A cache-derived plan that does not fit is not retried cold: acquire pins the
+  /// hit before planning eviction and the planner's feasibility test is exact, so the cold plan
+  /// needs the pinned pages on top of the same private demand and cannot fit either
+  /// (ContextCacheManagerPropertyTest checks the admissions against a model).
+  AdmissionResult admit(LookupRequest const& request);
   /// The same admission for a request this manager already looked up: `looked` must be
   /// lookup(request)'s result (same tokens, same page size). Its digests are reused, never
   /// recomputed; its plan is used as is while the index and records are unchanged since the
   /// lookup, and rebuilt from the digests when an eviction or publication changed them in
   /// between (e.g. an earlier sequence of the same batch evicted records). Same outcome and
-  /// metrics as acquireWithFallback(request) at this moment.
-  AdmissionResult acquireWithFallback(LookupRequest const& request, LookupResult looked);
+  /// metrics as admit(request) at this moment.
+  AdmissionResult admit(LookupRequest const& request, LookupResult looked);
   /// All-or-nothing admission of several sequences (one coordinator request): `looked[i]` must be
-  /// lookup(requests[i])'s result, as for acquireWithFallback. Every plan's hits are pinned
+  /// lookup(requests[i])'s result, as for admit. Every plan's hits are pinned
   /// first, then records are evicted once for the batch's whole private demand (exact: the
   /// planner sees every pin), then each plan's demand is allocated. Sequence by sequence
   /// admission is not all-or-nothing: an earlier sequence's eviction can drop a later sequence's
@@ -160,7 +158,6 @@ class ContextCacheManager {
   /// then the later one needs more pages than planned, after records are already gone. Returns
   /// one acquired result per request, or an empty vector when the batch does not fit: then no pin
   /// stays, nothing is evicted or allocated, and each kUseCache sequence counts a kCapacity miss.
-  /// No forced-cold retry (it cannot succeed where the cache-derived plan failed; see above).
   std::vector<AdmissionResult> acquireBatch(std::span<LookupRequest const> requests,
                                             std::vector<LookupResult> looked);
 
@@ -248,7 +245,8 @@ class ContextCacheManager {
   AcquireResult acquirePlan(ReusePlan const& plan, bool fresh);
   /// acquirePlan's first half: a live lease holding the plan's pins (checked plan), no allocation.
   CacheRequestLease pinPlan(ReusePlan const& plan);
-  AdmissionResult admit(LookupRequest const& request, LookupResult looked);
+  /// admit's second half: acquires the (current) looked-up plan and counts the admission.
+  AdmissionResult acquireLooked(LookupRequest const& request, LookupResult looked);
   /// admit's metrics of one finished admission attempt.
   void countAdmission(LookupRequest const& request, int32_t verificationRejects,
                       std::optional<MissReason> blockMiss, AdmissionResult& result);

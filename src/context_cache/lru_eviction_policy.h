@@ -8,8 +8,8 @@
 #include <cstdint>
 #include <vector>
 
-#include "mkv/context_cache/eviction_policy.h"
-#include "mkv/context_cache/slot_list.h"
+#include "context_cache/eviction_policy.h"
+#include "context_cache/slot_list.h"
 
 namespace mkv {
 

@@ -10,54 +10,10 @@
 #include <string_view>
 #include <vector>
 
+#include "mkv/context_cache/context_cache_types.h"
 #include "mkv/types.h"
 
 namespace mkv {
-
-/// The kinds of resource a context-cache lease or record can hold. kBaseKvPage ids are PageIds of
-/// the base KVCachePool, kDraftKvPage ids PageIds of the draft pool; snapshot ids are slots of
-/// SnapshotStorage's recurrent and partial-KV slabs.
-enum class ResourceType : uint8_t {
-  kBaseKvPage,
-  kDraftKvPage,
-  kRecurrentSnapshot,
-  kPartialKvSnapshot
-};
-inline constexpr int32_t kResourceTypeCount = 4;
-inline constexpr std::array<ResourceType, kResourceTypeCount> kAllResourceTypes{
-    ResourceType::kBaseKvPage, ResourceType::kDraftKvPage, ResourceType::kRecurrentSnapshot,
-    ResourceType::kPartialKvSnapshot};
-
-/// "base_kv_page", "draft_kv_page", "recurrent_snapshot", "partial_kv_snapshot".
-std::string_view toString(ResourceType type) noexcept;
-
-/// A slot of snapshot storage (recurrent or partial-KV). Distinct alias from PageId on purpose.
-using SnapshotSlot = int32_t;
-
-/// One slot of one pool.
-struct ResourceId {
-  ResourceType type = ResourceType::kBaseKvPage;
-  int32_t index = -1;
-  friend bool operator==(ResourceId const&, ResourceId const&) = default;
-};
-
-/// A count per resource type (a demand, a capacity, a free count).
-struct ResourceDemand {
-  int32_t baseKvPages = 0;
-  int32_t draftKvPages = 0;
-  int32_t recurrentSnapshotSlots = 0;
-  int32_t partialKvSnapshotSlots = 0;
-
-  int32_t& operator[](ResourceType type) noexcept;
-  int32_t operator[](ResourceType type) const noexcept;
-  /// Sum over the four types.
-  int64_t total() const noexcept;
-  /// True when every count of *this is >= the same count of `other`.
-  bool covers(ResourceDemand const& other) const noexcept;
-  bool isZero() const noexcept { return total() == 0 && !hasNegative(); }
-  bool hasNegative() const noexcept;
-  friend bool operator==(ResourceDemand const&, ResourceDemand const&) = default;
-};
 
 /// Four fixed pools of ids [0, capacity). Each slot has an *active* refcount (in-flight lease
 /// pins) and a *cache* refcount (published records). A slot is free exactly when both are zero,

@@ -10,8 +10,8 @@
 #include <span>
 #include <vector>
 
-#include "mkv/context_cache/record_store.h"
-#include "mkv/context_cache/resource_pools.h"
+#include "context_cache/record_store.h"
+#include "context_cache/resource_pools.h"
 
 namespace mkv {
 

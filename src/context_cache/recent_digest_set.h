@@ -9,7 +9,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "mkv/context_cache/block_hash.h"
+#include "context_cache/block_hash.h"
 
 namespace mkv {
 

@@ -9,7 +9,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "mkv/context_cache/eviction_policy.h"
+#include "context_cache/eviction_policy.h"
 
 namespace mkv {
 

@@ -15,55 +15,21 @@
 #include <string_view>
 #include <vector>
 
-#include "mkv/context_cache/block_hash.h"
-#include "mkv/context_cache/block_index.h"
-#include "mkv/context_cache/cache_record.h"
-#include "mkv/context_cache/record_store.h"
-#include "mkv/context_cache/resource_pools.h"
+#include "context_cache/block_hash.h"
+#include "context_cache/block_index.h"
+#include "context_cache/cache_record.h"
+#include "context_cache/record_store.h"
+#include "context_cache/resource_pools.h"
 #include "mkv/types.h"
 
 namespace mkv {
 
-/// Which kind of state a request reuses and produces.
-enum class ReuseMode : uint8_t {
-  kVanilla,    ///< attention KV, whole blocks
-  kHybrid,     ///< exact checkpoints: recurrent snapshot (+ partial KV page); pure recurrent too
-  kHybridMtp,  ///< hybrid + MTP draft: paired base/draft paths, boundary token kept private
-  kSpec,       ///< speculative (EAGLE-style): paired base + draft paths, replayed last page(s)
-};
 enum class ReusePlanKind : uint8_t {
   kStandard,          ///< reuses a prefix
   kNoReusablePrefix,  ///< cold: reuses nothing (miss or bypass)
   kFullInputRewind,   ///< the whole page-aligned input matched; its last page is recomputed
 };
 enum class SpecReplayMode : uint8_t { kNone, kFullPage };
-
-/// Why a lookup did not reuse all of its full blocks (see classifyMiss; kCapacity is assigned by
-/// the manager when a cache-derived plan fails for capacity).
-enum class MissReason : uint8_t {
-  kNoPrefix,
-  kShorterThanOnePage,
-  kEvicted,
-  kSaltMismatch,
-  kLoraMismatch,
-  kMediaMismatch,
-  kCapacity,
-};
-inline constexpr int32_t kMissReasonCount = 7;
-/// "no_prefix", "shorter_than_one_page", "evicted", "salt_mismatch", "lora_mismatch",
-/// "media_mismatch", "capacity".
-std::string_view toString(MissReason reason) noexcept;
-std::string_view toString(ReuseMode mode) noexcept;
-
-/// Per-deployment speculative reuse contract. pagedSpecState: the draft model owns paged KV (so a
-/// reusable state is a paired base+draft path). futureDependencyTokens: draft KV at a position
-/// depends on that many later base tokens, so the last ceil(n / page) reused pages are replayed.
-/// EAGLE and MTP: {true, 1}; DFlash / JetSpec / DSpark: {true, 0}; Gemma4 MTP: {false, 0}.
-struct SpecReuseContract {
-  bool pagedSpecState = true;
-  int32_t futureDependencyTokens = 1;
-  friend bool operator==(SpecReuseContract const&, SpecReuseContract const&) = default;
-};
 
 /// A replayed spec plan bound a shorter path than it matched; the publication of the consumer must
 /// cover at least pathBlockCount blocks and its block pathBlockCount - 1 must have this digest.
@@ -113,7 +79,7 @@ struct ReusePlan {
   int32_t indexedPrefixBlocks = 0;
   int32_t verificationRejects = 0;
 
-  /// True when the plan reuses anything (its acquisition may be retried cold on capacity).
+  /// True when the plan reuses anything (binds cached pages or rewinds a full input).
   bool isCacheDerived() const noexcept {
     return reuseTokenLength > 0 || kind == ReusePlanKind::kFullInputRewind;
   }

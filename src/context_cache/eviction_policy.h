@@ -13,16 +13,10 @@
 #include <type_traits>
 #include <utility>
 
-#include "mkv/context_cache/block_hash.h"
+#include "context_cache/block_hash.h"
 #include "mkv/types.h"
 
 namespace mkv {
-
-enum class EvictionPolicyKind : uint8_t {
-  kLru,     ///< least recently published or hit first
-  kS3Fifo,  ///< small FIFO for new records, main FIFO with a frequency counter, ghost of evictions
-};
-std::string_view toString(EvictionPolicyKind kind) noexcept;
 
 /// Dense index of a record in its store (RecordStore hands them out and reuses them).
 using RecordSlot = int32_t;

@@ -9,8 +9,8 @@
 #include <optional>
 #include <vector>
 
-#include "mkv/context_cache/block_hash.h"
-#include "mkv/context_cache/resource_pools.h"
+#include "context_cache/block_hash.h"
+#include "context_cache/resource_pools.h"
 #include "mkv/types.h"
 
 namespace mkv {

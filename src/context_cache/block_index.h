@@ -10,8 +10,8 @@
 #include <unordered_map>
 #include <vector>
 
-#include "mkv/context_cache/block_hash.h"
-#include "mkv/context_cache/recent_digest_set.h"
+#include "context_cache/block_hash.h"
+#include "context_cache/recent_digest_set.h"
 #include "mkv/types.h"
 
 namespace mkv {

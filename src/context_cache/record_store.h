@@ -16,8 +16,8 @@
 #include <utility>
 #include <vector>
 
-#include "mkv/context_cache/cache_record.h"
-#include "mkv/context_cache/eviction_policy.h"
+#include "context_cache/cache_record.h"
+#include "context_cache/eviction_policy.h"
 
 namespace mkv {
 
@@ -119,6 +119,15 @@ class RecordStore {
   };
 
   void indexSpecPath(CacheRecord const& record);
+  /// insert's first step: room for one more policy slot (tables grown geometrically); throws
+  /// with nothing changed.
+  void reserveSlot();
+  /// insert's second step: the record at `nodeIt` (its id set, in a detached node) in the id,
+  /// expiry and key (hybrid or spec path) indexes; each step is undone if a later one throws.
+  void indexRecord(LruList::iterator nodeIt, std::optional<HybridKey> const& hybridKey);
+  /// insert's last step (cannot fail: the tables were reserved): a slot for `stored` and its
+  /// announcement to the eviction policy.
+  void assignSlot(CacheRecord& stored, RecordInsertHint hint);
   void unindexSpecPath(RecordId id, std::span<Hash128 const> digests) noexcept;
   void remove(RecordId id, bool evicted) noexcept;
 

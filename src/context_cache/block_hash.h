@@ -25,50 +25,10 @@
 #include <string_view>
 #include <vector>
 
+#include "mkv/context_cache/context_cache_types.h"
 #include "mkv/media.h"
 
 namespace mkv {
-
-/// A 128-bit digest. The all-zero value means "none" (no adapter, no salt, not a media position).
-struct Hash128 {
-  uint64_t hi = 0;
-  uint64_t lo = 0;
-
-  constexpr bool isZero() const noexcept { return hi == 0 && lo == 0; }
-  friend constexpr bool operator==(Hash128, Hash128) noexcept = default;
-  friend constexpr auto operator<=>(Hash128, Hash128) noexcept = default;
-};
-
-/// Hasher for unordered containers. Digests are uniformly distributed already; folding both
-/// halves keeps hand-made test digests (e.g. {0, k}) well spread too.
-struct Hash128Hasher {
-  std::size_t operator()(Hash128 h) const noexcept {
-    return static_cast<std::size_t>(h.lo ^ (h.hi * 0x9E3779B97F4A7C15ULL));
-  }
-};
-
-/// 32 lowercase hex digits, `hi` first.
-std::string toString(Hash128 h);
-
-/// Parent of block 0 in both chains, and the exact-prefix digest of the empty prefix.
-inline constexpr Hash128 kBlockChainRoot{0x9E3779B97F4A7C15ULL, 0xC2B2AE3D27D4EB4FULL};
-
-/// Request-wide key inputs. Zero members mean "none". `salt` partitions tenants: it enters the
-/// first block's key, and through the chain every later key, so different salts never share.
-struct BlockKeyExtras {
-  Hash128 adapter;  ///< LoRA adapter identity, e.g. digestIdentity(loraWeightsName)
-  Hash128 salt;     ///< cache salt, e.g. digestIdentity(cacheSalt)
-  friend bool operator==(BlockKeyExtras const&, BlockKeyExtras const&) = default;
-};
-
-/// Media identity of one token position. `content` is the digest of the image / audio item the
-/// position belongs to (zero: not a media position); `offset` is the position's index inside that
-/// item's placeholder run (0 for the item's first placeholder token).
-struct MediaPosition {
-  Hash128 content;
-  int32_t offset = 0;
-  friend bool operator==(MediaPosition const&, MediaPosition const&) = default;
-};
 
 /// A token sequence as the cache sees it. Nothing is owned. `media` is empty for text-only prompts
 /// or holds exactly one entry per token.
@@ -155,6 +115,3 @@ std::optional<Hash128> digestImage(imageUtils::ImageData const& image) noexcept;
 Hash128 digestAudio(audioUtils::AudioData const& audio) noexcept;
 
 }  // namespace mkv
-
-template <>
-struct std::hash<mkv::Hash128> : mkv::Hash128Hasher {};

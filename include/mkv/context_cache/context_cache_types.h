@@ -1,0 +1,150 @@
+#pragma once
+/// \file context_cache_types.h
+/// The value types of context reuse that the public API names: digests and key inputs
+/// (docs/context_cache.md, "Keys"), the reuse modes and miss reasons, the speculative reuse
+/// contract, the eviction policy choice and the typed resource counts of ContextCacheMetrics.
+/// The cache's machinery (hashing, index, records, planners, the manager) is internal (src/).
+///
+/// Thread-safety: plain value types.
+
+#include <array>
+#include <compare>
+#include <cstddef>
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <string_view>
+
+namespace mkv {
+
+/// A 128-bit digest. The all-zero value means "none" (no adapter, no salt, not a media position).
+struct Hash128 {
+  uint64_t hi = 0;
+  uint64_t lo = 0;
+
+  constexpr bool isZero() const noexcept { return hi == 0 && lo == 0; }
+  friend constexpr bool operator==(Hash128, Hash128) noexcept = default;
+  friend constexpr auto operator<=>(Hash128, Hash128) noexcept = default;
+};
+
+/// Hasher for unordered containers. Digests are uniformly distributed already; folding both
+/// halves keeps hand-made test digests (e.g. {0, k}) well spread too.
+struct Hash128Hasher {
+  std::size_t operator()(Hash128 h) const noexcept {
+    return static_cast<std::size_t>(h.lo ^ (h.hi * 0x9E3779B97F4A7C15ULL));
+  }
+};
+
+/// 32 lowercase hex digits, `hi` first.
+std::string toString(Hash128 h);
+
+/// Parent of block 0 in both chains, and the exact-prefix digest of the empty prefix.
+inline constexpr Hash128 kBlockChainRoot{0x9E3779B97F4A7C15ULL, 0xC2B2AE3D27D4EB4FULL};
+
+/// Request-wide key inputs. Zero members mean "none". `salt` partitions tenants: it enters the
+/// first block's key, and through the chain every later key, so different salts never share.
+struct BlockKeyExtras {
+  Hash128 adapter;  ///< LoRA adapter identity, e.g. digestIdentity(loraWeightsName)
+  Hash128 salt;     ///< cache salt, e.g. digestIdentity(cacheSalt)
+  friend bool operator==(BlockKeyExtras const&, BlockKeyExtras const&) = default;
+};
+
+/// Media identity of one token position. `content` is the digest of the image / audio item the
+/// position belongs to (zero: not a media position); `offset` is the position's index inside that
+/// item's placeholder run (0 for the item's first placeholder token).
+struct MediaPosition {
+  Hash128 content;
+  int32_t offset = 0;
+  friend bool operator==(MediaPosition const&, MediaPosition const&) = default;
+};
+
+/// Which kind of state a request reuses and produces.
+enum class ReuseMode : uint8_t {
+  kVanilla,    ///< attention KV, whole blocks
+  kHybrid,     ///< exact checkpoints: recurrent snapshot (+ partial KV page); pure recurrent too
+  kHybridMtp,  ///< hybrid + MTP draft: paired base/draft paths, boundary token kept private
+  kSpec,       ///< speculative (EAGLE-style): paired base + draft paths, replayed last page(s)
+};
+
+/// Why a lookup did not reuse all of its full blocks (see classifyMiss; kCapacity is assigned by
+/// the manager when a cache-derived plan fails for capacity).
+enum class MissReason : uint8_t {
+  kNoPrefix,
+  kShorterThanOnePage,
+  kEvicted,
+  kSaltMismatch,
+  kLoraMismatch,
+  kMediaMismatch,
+  kCapacity,
+};
+inline constexpr int32_t kMissReasonCount = 7;
+/// "no_prefix", "shorter_than_one_page", "evicted", "salt_mismatch", "lora_mismatch",
+/// "media_mismatch", "capacity".
+std::string_view toString(MissReason reason) noexcept;
+std::string_view toString(ReuseMode mode) noexcept;
+
+/// Per-deployment speculative reuse contract. pagedSpecState: the draft model owns paged KV (so a
+/// reusable state is a paired base+draft path). futureDependencyTokens: draft KV at a position
+/// depends on that many later base tokens, so the last ceil(n / page) reused pages are replayed.
+/// EAGLE and MTP: {true, 1}; DFlash / JetSpec / DSpark: {true, 0}; Gemma4 MTP: {false, 0}.
+struct SpecReuseContract {
+  bool pagedSpecState = true;
+  int32_t futureDependencyTokens = 1;
+  friend bool operator==(SpecReuseContract const&, SpecReuseContract const&) = default;
+};
+
+enum class EvictionPolicyKind : uint8_t {
+  kLru,     ///< least recently published or hit first
+  kS3Fifo,  ///< small FIFO for new records, main FIFO with a frequency counter, ghost of evictions
+};
+std::string_view toString(EvictionPolicyKind kind) noexcept;
+
+/// The kinds of resource a context-cache lease or record can hold. kBaseKvPage ids are PageIds of
+/// the base KVCachePool, kDraftKvPage ids PageIds of the draft pool; snapshot ids are slots of
+/// SnapshotStorage's recurrent and partial-KV slabs.
+enum class ResourceType : uint8_t {
+  kBaseKvPage,
+  kDraftKvPage,
+  kRecurrentSnapshot,
+  kPartialKvSnapshot
+};
+inline constexpr int32_t kResourceTypeCount = 4;
+inline constexpr std::array<ResourceType, kResourceTypeCount> kAllResourceTypes{
+    ResourceType::kBaseKvPage, ResourceType::kDraftKvPage, ResourceType::kRecurrentSnapshot,
+    ResourceType::kPartialKvSnapshot};
+
+/// "base_kv_page", "draft_kv_page", "recurrent_snapshot", "partial_kv_snapshot".
+std::string_view toString(ResourceType type) noexcept;
+
+/// A slot of snapshot storage (recurrent or partial-KV). Distinct alias from PageId on purpose.
+using SnapshotSlot = int32_t;
+
+/// One slot of one pool.
+struct ResourceId {
+  ResourceType type = ResourceType::kBaseKvPage;
+  int32_t index = -1;
+  friend bool operator==(ResourceId const&, ResourceId const&) = default;
+};
+
+/// A count per resource type (a demand, a capacity, a free count).
+struct ResourceDemand {
+  int32_t baseKvPages = 0;
+  int32_t draftKvPages = 0;
+  int32_t recurrentSnapshotSlots = 0;
+  int32_t partialKvSnapshotSlots = 0;
+
+  int32_t& operator[](ResourceType type) noexcept;
+  int32_t operator[](ResourceType type) const noexcept;
+  /// Sum over the four types.
+  int64_t total() const noexcept;
+  /// True when every count of *this is >= the same count of `other`.
+  bool covers(ResourceDemand const& other) const noexcept;
+  bool isZero() const noexcept { return total() == 0 && !hasNegative(); }
+  bool hasNegative() const noexcept;
+  friend bool operator==(ResourceDemand const&, ResourceDemand const&) = default;
+};
+
+}  // namespace mkv
+
+template <>
+struct std::hash<mkv::Hash128> : mkv::Hash128Hasher {};
