@@ -340,26 +340,13 @@ std::vector<AdmissionResult> ContextCacheManager::acquireBatch(
     std::span<LookupRequest const> requests, std::vector<LookupResult> looked) {
   checkBatch("ContextCacheManager::acquireBatch", requests, looked);
   // 1. Every hit pinned while every plan is still current (nothing is evicted before the last).
-  std::vector<CacheRequestLease> leases;
-  leases.reserve(requests.size());
-  ResourceDemand total;
-  std::vector<RecordId> hits;  // the batch's own hit records: evicted last, as acquirePlan's hit
-  hits.reserve(looked.size());
-  for (LookupResult const& result : looked) {
-    leases.push_back(pinPlan(result.plan));
-    if (leases.back().mHitRecord != kNoRecord) {
-      hits.push_back(leases.back().mHitRecord);
-    }
-    for (ResourceType type : kAllResourceTypes) {
-      total[type] += result.plan.demand[type];
-    }
-  }
+  BatchPins pins = pinBatch(looked);
   // 2. One exact eviction plan for the whole private demand, with every pin in place.
-  bool fits = mPools.canAllocate(total);
+  bool fits = mPools.canAllocate(pins.total);
   EvictionPlan eviction;
   if (!fits) {
     expireRetention();
-    eviction = mEvictionPlanner.plan(total, mPools, mRecords, hits);
+    eviction = mEvictionPlanner.plan(pins.total, mPools, mRecords, pins.hits);
     fits = eviction.feasible;
   }
   // The leases' copies of the retention ranges, made before anything is evicted.
@@ -367,19 +354,48 @@ std::vector<AdmissionResult> ContextCacheManager::acquireBatch(
   for (std::size_t i = 0; i < requests.size(); ++i) {
     retention[i].assign(requests[i].retention.begin(), requests[i].retention.end());
   }
-  std::vector<AdmissionResult> admitted(requests.size());
   if (!fits) {
-    leases.clear();  // drops every pin: pinned pages are cached, so no free ring moves
-    for (std::size_t i = 0; i < requests.size(); ++i) {
-      int32_t const verificationRejects = looked[i].plan.verificationRejects;
-      admitted[i].plan = std::move(looked[i].plan);
-      countAdmission(requests[i], verificationRejects, looked[i].missReason, admitted[i]);
-    }
+    pins.leases.clear();  // drops every pin: pinned pages are cached, so no free ring moves
+    countRefusedBatch(requests, looked);
     return {};
   }
   // 3. Evict, then allocate each plan's demand from the free rings (cannot fail any more: the
   // leases reserved room for their pages when pinned).
-  for (RecordId victim : eviction.victims) {
+  return grantBatch(requests, looked, pins.leases, eviction.victims, retention);
+}
+
+ContextCacheManager::BatchPins ContextCacheManager::pinBatch(
+    std::vector<LookupResult> const& looked) {
+  BatchPins pins;
+  pins.leases.reserve(looked.size());
+  pins.hits.reserve(looked.size());
+  for (LookupResult const& result : looked) {
+    pins.leases.push_back(pinPlan(result.plan));
+    if (pins.leases.back().mHitRecord != kNoRecord) {
+      pins.hits.push_back(pins.leases.back().mHitRecord);
+    }
+    for (ResourceType type : kAllResourceTypes) {
+      pins.total[type] += result.plan.demand[type];
+    }
+  }
+  return pins;
+}
+
+void ContextCacheManager::countRefusedBatch(std::span<LookupRequest const> requests,
+                                            std::vector<LookupResult>& looked) {
+  std::vector<AdmissionResult> refused(requests.size());
+  for (std::size_t i = 0; i < requests.size(); ++i) {
+    int32_t const verificationRejects = looked[i].plan.verificationRejects;
+    refused[i].plan = std::move(looked[i].plan);
+    countAdmission(requests[i], verificationRejects, looked[i].missReason, refused[i]);
+  }
+}
+
+std::vector<AdmissionResult> ContextCacheManager::grantBatch(
+    std::span<LookupRequest const> requests, std::vector<LookupResult>& looked,
+    std::vector<CacheRequestLease>& leases, std::vector<RecordId> const& victims,
+    std::vector<std::vector<RetentionRange>>& retention) {
+  for (RecordId victim : victims) {
     evictRecord(victim);
   }
   for (std::size_t i = 0; i < requests.size(); ++i) {
@@ -388,6 +404,7 @@ std::vector<AdmissionResult> ContextCacheManager::acquireBatch(
         looked[i].plan.demand, {&lease.mBasePages, &lease.mDraftPages, nullptr, nullptr});
     MKV_ASSERT(allocated, "batch eviction was feasible but allocation for sequence {} failed", i);
   }
+  std::vector<AdmissionResult> admitted(requests.size());
   for (std::size_t i = 0; i < requests.size(); ++i) {
     CacheRequestLease& lease = leases[i];
     if (lease.mHitRecord != kNoRecord && mRecords.get(lease.mHitRecord) != nullptr) {

@@ -243,6 +243,26 @@ class ContextCacheManager {
   void checkBatch(char const* call, std::span<LookupRequest const> requests,
                   std::vector<LookupResult>& looked) const;
   AcquireResult acquirePlan(ReusePlan const& plan, bool fresh);
+  /// acquireBatch's pins: one lease per plan holding its pins (pinPlan, in batch order), the
+  /// batch's own hit records (evicted last) and the plans' summed private demand.
+  struct BatchPins {
+    std::vector<CacheRequestLease> leases;
+    std::vector<RecordId> hits;
+    ResourceDemand total;
+  };
+  BatchPins pinBatch(std::vector<LookupResult> const& looked);
+  /// acquireBatch's refusal (its pins already dropped): counts each request's admission as
+  /// refused for capacity, moving the plans out of `looked`.
+  void countRefusedBatch(std::span<LookupRequest const> requests,
+                         std::vector<LookupResult>& looked);
+  /// acquireBatch's grant: evicts `victims`, allocates each plan's demand into its lease (cannot
+  /// fail: the eviction plan was feasible), then hands each request its lease and retention
+  /// ranges and counts the admission. Moves out of `looked`, `leases` and `retention`.
+  std::vector<AdmissionResult> grantBatch(std::span<LookupRequest const> requests,
+                                          std::vector<LookupResult>& looked,
+                                          std::vector<CacheRequestLease>& leases,
+                                          std::vector<RecordId> const& victims,
+                                          std::vector<std::vector<RetentionRange>>& retention);
   /// acquirePlan's first half: a live lease holding the plan's pins (checked plan), no allocation.
   CacheRequestLease pinPlan(ReusePlan const& plan);
   /// admit's second half: acquires the (current) looked-up plan and counts the admission.

@@ -15,10 +15,8 @@ void perType(detail::PrometheusWriter& w, std::string_view name, std::string_vie
   }
 }
 
-}  // namespace
-
-std::string toPrometheus(ContextCacheMetrics const& m, std::string_view prefix) {
-  detail::PrometheusWriter w("toPrometheus", prefix);
+/// The admission counters: lookups, hits, reused tokens, bypasses, rewinds, refusals.
+void writeAdmissionCounters(detail::PrometheusWriter& w, ContextCacheMetrics const& m) {
   w.counter("prefix_cache_queries_total",
             "Prompt tokens looked up in the prefix cache (vLLM's prefix_cache_queries).",
             m.queriedTokens);
@@ -40,11 +38,19 @@ std::string toPrometheus(ContextCacheMetrics const& m, std::string_view prefix) 
             m.specFullPageReplays);
   w.counter("failed_acquisitions_total", "Admissions refused for insufficient capacity.",
             m.failedAcquisitions);
+}
+
+/// misses_total, one sample per MissReason in enum order.
+void writeMisses(detail::PrometheusWriter& w, ContextCacheMetrics const& m) {
   w.header("misses_total", "counter", "Lookups that did not reuse all their full blocks.");
   for (int32_t r = 0; r < kMissReasonCount; ++r) {
     auto const reason = static_cast<MissReason>(r);
     w.sample("misses_total", "reason", toString(reason), m.missCount(reason));
   }
+}
+
+/// The record counters: publications, evictions, resets, reclaimed resources, rejects, events.
+void writeRecordCounters(detail::PrometheusWriter& w, ContextCacheMetrics const& m) {
   w.counter("published_records_total", "New records published.", m.publishedRecords);
   w.counter("existing_records_touched_total",
             "Publications of an already published prefix (first producer kept).",
@@ -67,6 +73,10 @@ std::string toPrometheus(ContextCacheMetrics const& m, std::string_view prefix) 
             m.verificationRejects);
   w.counter("dropped_events_total", "KV events overwritten in the full event queue.",
             m.droppedEvents);
+}
+
+/// The gauges: per-pool free slots and capacity, records, indexed blocks, live leases.
+void writeGauges(detail::PrometheusWriter& w, ContextCacheMetrics const& m) {
   perType(w, "pool_free", "gauge", "Free slots per resource pool.",
           [&m](ResourceType t) { return m.freeResources[t]; });
   perType(w, "pool_capacity", "gauge", "Capacity per resource pool.",
@@ -74,6 +84,16 @@ std::string toPrometheus(ContextCacheMetrics const& m, std::string_view prefix) 
   w.gauge("records", "Published records currently stored.", m.records);
   w.gauge("indexed_blocks", "Blocks currently reusable through the block index.", m.indexedBlocks);
   w.gauge("live_leases", "Request leases currently held.", m.liveLeases);
+}
+
+}  // namespace
+
+std::string toPrometheus(ContextCacheMetrics const& m, std::string_view prefix) {
+  detail::PrometheusWriter w("toPrometheus", prefix);
+  writeAdmissionCounters(w, m);
+  writeMisses(w, m);
+  writeRecordCounters(w, m);
+  writeGauges(w, m);
   return w.take();
 }
 

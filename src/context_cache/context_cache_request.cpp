@@ -89,6 +89,75 @@ Vector compacted(Vector const& values, std::vector<int32_t> const& mapping, int3
   return result;
 }
 
+/// ContextCacheRequest::begin's checks of the engine's batch: as many prompts as
+/// activeBatchSize (positive), one resident per prompt, per-sequence inputs absent or one per
+/// prompt, and a request LoRA that is none or the context's. Throws naming begin.
+void validateBeginInputs(LLMGenerationRequest const& request,
+                         DecodingInferenceContext const& context) {
+  constexpr char const* kCall = "ContextCacheRequest::begin";
+  auto const batch = context.rawBatchedInputIds.size();
+  MKV_REQUIRE(
+      context.activeBatchSize > 0 && batch == static_cast<std::size_t>(context.activeBatchSize),
+      kCall, "activeBatchSize {} but {} prompts", context.activeBatchSize, batch);
+  MKV_REQUIRE(context.residentRefs.size() == batch, kCall, "{} residents for {} prompts",
+              context.residentRefs.size(), batch);
+  MKV_REQUIRE(request.requests.empty() || request.requests.size() == batch, kCall,
+              "{} per-sequence inputs for {} prompts", request.requests.size(), batch);
+  MKV_REQUIRE(request.loraWeightsName.empty() || request.loraWeightsName == context.loraWeightsName,
+              kCall, "request LoRA '{}' differs from the context's '{}'", request.loraWeightsName,
+              context.loraWeightsName);
+}
+
+/// The batch's lookup policy: the request's, or kBypass when the model takes media and some
+/// sequence's images are not host-readable (their digests cannot be computed: bypass, not fail).
+ContextCacheLookupPolicy batchLookupPolicy(LLMGenerationRequest const& request,
+                                           std::vector<int32_t> const& mediaTokenIds) {
+  ContextCacheLookupPolicy batchPolicy = request.contextCacheLookupPolicy;
+  if (!mediaTokenIds.empty()) {
+    for (auto const& sequence : request.requests) {
+      if (!imagesHostReadable(sequence.imageBuffers)) {
+        batchPolicy = ContextCacheLookupPolicy::kBypass;  // bypass, do not fail
+      }
+    }
+  }
+  return batchPolicy;
+}
+
+/// One admission sequence per prompt, in batch order: tokens, key extras (LoRA, salt), resident,
+/// retention, the per-sequence policy override (forced to kBypass when the batch policy is), and
+/// the media positions of sequences that use the cache. Throws what buildMediaPositions throws.
+std::vector<ContextCacheSequenceAdmission> admissionSequences(
+    LLMGenerationRequest const& request, DecodingInferenceContext const& context,
+    std::vector<int32_t> const& mediaTokenIds, ContextCacheLookupPolicy batchPolicy) {
+  bool const forcedBypass = batchPolicy == ContextCacheLookupPolicy::kBypass;
+  BlockKeyExtras const extras{digestIdentity(context.loraWeightsName),
+                              digestIdentity(request.cacheSalt)};
+  auto const batch = context.rawBatchedInputIds.size();
+  std::vector<ContextCacheSequenceAdmission> sequences(batch);
+  for (std::size_t i = 0; i < batch; ++i) {
+    auto& sequence = sequences[i];
+    sequence.tokenIds = context.rawBatchedInputIds[i];
+    sequence.keyExtras = extras;
+    sequence.resident = context.residentRefs[i];
+    sequence.retention = request.contextCacheRetention;
+    std::optional<ContextCacheLookupPolicy> override;
+    if (!request.requests.empty()) {
+      override = request.requests[i].contextCacheLookupPolicy;
+    }
+    if (forcedBypass) {
+      override = ContextCacheLookupPolicy::kBypass;
+    }
+    sequence.lookupPolicy = override;
+    ContextCacheLookupPolicy const effective = override.value_or(batchPolicy);
+    if (effective == ContextCacheLookupPolicy::kUseCache && !request.requests.empty()) {
+      sequence.media =
+          buildMediaPositions(sequence.tokenIds, mediaTokenIds, request.requests[i].imageBuffers,
+                              request.requests[i].audioBuffers);
+    }
+  }
+  return sequences;
+}
+
 }  // namespace
 
 ContextCacheRequest::ContextCacheRequest(ContextCacheCoordinator& coordinator,
@@ -110,59 +179,14 @@ std::optional<ContextCacheRequest> ContextCacheRequest::begin(
     DecodingInferenceContext const& context, bool speculativeRequest,
     DecodingKvHeadroom const& headroom, std::vector<int32_t> const& mediaTokenIds,
     DecodingTokenStateContract tokenStateContract, ContextCacheCommitPolicy commitPolicy) {
-  constexpr char const* kCall = "ContextCacheRequest::begin";
-  auto const batch = context.rawBatchedInputIds.size();
-  MKV_REQUIRE(
-      context.activeBatchSize > 0 && batch == static_cast<std::size_t>(context.activeBatchSize),
-      kCall, "activeBatchSize {} but {} prompts", context.activeBatchSize, batch);
-  MKV_REQUIRE(context.residentRefs.size() == batch, kCall, "{} residents for {} prompts",
-              context.residentRefs.size(), batch);
-  MKV_REQUIRE(request.requests.empty() || request.requests.size() == batch, kCall,
-              "{} per-sequence inputs for {} prompts", request.requests.size(), batch);
-  MKV_REQUIRE(request.loraWeightsName.empty() || request.loraWeightsName == context.loraWeightsName,
-              kCall, "request LoRA '{}' differs from the context's '{}'", request.loraWeightsName,
-              context.loraWeightsName);
-
-  ContextCacheLookupPolicy batchPolicy = request.contextCacheLookupPolicy;
-  if (!mediaTokenIds.empty()) {
-    for (auto const& sequence : request.requests) {
-      if (!imagesHostReadable(sequence.imageBuffers)) {
-        batchPolicy = ContextCacheLookupPolicy::kBypass;  // bypass, do not fail
-      }
-    }
-  }
-  bool const forcedBypass = batchPolicy == ContextCacheLookupPolicy::kBypass;
-  BlockKeyExtras const extras{digestIdentity(context.loraWeightsName),
-                              digestIdentity(request.cacheSalt)};
-
+  validateBeginInputs(request, context);
   ContextCacheBatchAdmission admission;
   admission.speculativeRequest = speculativeRequest;
   admission.tokenStateContract = tokenStateContract;
-  admission.lookupPolicy = batchPolicy;
+  admission.lookupPolicy = batchLookupPolicy(request, mediaTokenIds);
   admission.commitPolicy = commitPolicy;
   admission.replayTailLength = request.contextCacheReplayTailLength;
-  admission.sequences.resize(batch);
-  for (std::size_t i = 0; i < batch; ++i) {
-    auto& sequence = admission.sequences[i];
-    sequence.tokenIds = context.rawBatchedInputIds[i];
-    sequence.keyExtras = extras;
-    sequence.resident = context.residentRefs[i];
-    sequence.retention = request.contextCacheRetention;
-    std::optional<ContextCacheLookupPolicy> override;
-    if (!request.requests.empty()) {
-      override = request.requests[i].contextCacheLookupPolicy;
-    }
-    if (forcedBypass) {
-      override = ContextCacheLookupPolicy::kBypass;
-    }
-    sequence.lookupPolicy = override;
-    ContextCacheLookupPolicy const effective = override.value_or(batchPolicy);
-    if (effective == ContextCacheLookupPolicy::kUseCache && !request.requests.empty()) {
-      sequence.media =
-          buildMediaPositions(sequence.tokenIds, mediaTokenIds, request.requests[i].imageBuffers,
-                              request.requests[i].audioBuffers);
-    }
-  }
+  admission.sequences = admissionSequences(request, context, mediaTokenIds, admission.lookupPolicy);
   auto begun = coordinator.beginRequest(admission, headroom, context.stream);
   if (begun.status != ContextCacheStatus::kOk) {
     logger()->warn("ContextCacheRequest::begin: admission refused ({}{})", toString(begun.status),

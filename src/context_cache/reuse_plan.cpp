@@ -62,7 +62,86 @@ std::vector<T> firstOf(std::vector<T> const& v, int32_t n) {
   return std::vector<T>(v.begin(), v.begin() + n);
 }
 
-// Shared search of makeHybridReusePlan / makeHybridMtpReusePlan.
+/// One checkpoint length the hybrid search tries: `full` whole pages, a partial-KV snapshot when
+/// `needsPartial`, keyed by the digest of the prompt's first `length` tokens.
+struct HybridCandidate {
+  int32_t length;
+  int32_t full;
+  bool needsPartial;
+  Hash128 digest;
+};
+
+/// Whether `record` (may be null) is a checkpoint of exactly `candidate` for `blocks`: its full
+/// blocks are the prompt's, it holds the snapshots and the base (and for MTP the draft) page path
+/// the plan kind restores.
+bool usableCheckpoint(CacheRecord const* record, PromptBlocks const& blocks,
+                      HybridCandidate const& candidate, bool hasAttention, bool mtp) {
+  int32_t const full = candidate.full;
+  return record != nullptr && record->key.fullBlockCount == full &&
+         std::equal(record->logicalBlockDigests.begin(), record->logicalBlockDigests.end(),
+                    blocks.keys.begin()) &&
+         record->recurrentSnapshotSlot &&
+         record->partialKvSnapshotSlot.has_value() == candidate.needsPartial &&
+         record->basePagePath.size() == static_cast<std::size_t>(hasAttention ? full : 0) &&
+         (!mtp || (record->specState &&
+                   record->specState->draftPagePath.size() == static_cast<std::size_t>(full)));
+}
+
+/// The usable checkpoint of `candidate`, or null. A Hybrid-MTP plan uses Hybrid-MTP checkpoints
+/// only; a plain plan prefers a base-only one and otherwise restores the base side of a
+/// Hybrid-MTP checkpoint (unaligned lengths only).
+CacheRecord const* findCheckpoint(RecordStore const& records, PromptBlocks const& blocks,
+                                  HybridCandidate const& candidate, bool hasAttention, bool mtp) {
+  CacheRecord const* record =
+      records.findHybrid(HybridKey{candidate.digest, candidate.length, mtp});
+  if (!usableCheckpoint(record, blocks, candidate, hasAttention, mtp) && !mtp) {
+    record = records.findHybrid(HybridKey{candidate.digest, candidate.length, true});
+  }
+  return usableCheckpoint(record, blocks, candidate, hasAttention, mtp) ? record : nullptr;
+}
+
+/// For an index that verifies tokens: whether the index still holds `record`'s base pages for the
+/// prompt's blocks and its verification tokens equal the prompt's tokens past them, up to
+/// `length`.
+bool checkpointTokensMatch(BlockIndex const& index, PromptBlocks const& blocks,
+                           CacheRecord const& record, int32_t length) {
+  bool verified = true;
+  for (int32_t b = 0; verified && b < static_cast<int32_t>(record.basePagePath.size()); ++b) {
+    verified = index.holds(record.basePagePath[static_cast<std::size_t>(b)], blocks, b,
+                           /*ancestorsVerified=*/true);
+  }
+  auto const covered = record.basePagePath.size() * static_cast<std::size_t>(blocks.pageSize);
+  auto const tail =
+      blocks.prompt.tokens.subspan(covered, static_cast<std::size_t>(length) - covered);
+  return verified && std::equal(tail.begin(), tail.end(), record.verificationTokens.begin(),
+                                record.verificationTokens.end());
+}
+
+/// Turns the cold `plan` into a standard plan restoring `record`, the checkpoint of `candidate`:
+/// bindings, snapshots and the demand of the pages past the checkpoint's full ones.
+void bindCheckpoint(ReusePlan& plan, PromptBlocks const& blocks, CacheRecord const& record,
+                    HybridCandidate const& candidate, bool hasAttention, bool mtp) {
+  int32_t const full = candidate.full;
+  plan.kind = ReusePlanKind::kStandard;
+  plan.matchedTokenLength = candidate.length;
+  plan.reuseTokenLength = candidate.length;
+  plan.matchedBlockDigests = firstOf(blocks.keys, full);
+  plan.basePageBindings = record.basePagePath;
+  plan.hybridRecord = record.id;
+  plan.hybridCheckpoint = HybridCheckpoint{candidate.digest, candidate.length};
+  plan.recurrentSnapshotBinding = record.recurrentSnapshotSlot;
+  plan.partialKvSnapshotBinding = record.partialKvSnapshotSlot;
+  int32_t const pages = pagesFor(blocks.tokenCount(), blocks.pageSize);
+  plan.demand.baseKvPages = hasAttention ? pages - full : 0;
+  if (mtp) {
+    plan.specRecord = record.id;
+    plan.draftPageBindings = record.specState->draftPagePath;
+    plan.demand.draftKvPages = pages - full;
+  }
+}
+
+// Shared search of makeHybridReusePlan / makeHybridMtpReusePlan: the checkpoint lengths the
+// store offers, in its order; the first usable (and, where the index verifies, matching) wins.
 ReusePlan planHybrid(BlockIndex const& index, RecordStore const& records,
                      PromptBlocks const& blocks, bool hasAttention, bool mtp,
                      ContextCacheLookupPolicy policy) {
@@ -81,61 +160,18 @@ ReusePlan planHybrid(BlockIndex const& index, RecordStore const& records,
     if (length <= 0) {
       continue;
     }
-    int32_t const full = mtp ? (length - 1) / page : length / page;
-    bool const needsPartial = mtp || (hasAttention && length % page != 0);
-    Hash128 const digest = exactPrefixDigest(blocks, length);
-    auto const usable = [&](CacheRecord const* candidate) {
-      return candidate != nullptr && candidate->key.fullBlockCount == full &&
-             std::equal(candidate->logicalBlockDigests.begin(),
-                        candidate->logicalBlockDigests.end(), blocks.keys.begin()) &&
-             candidate->recurrentSnapshotSlot &&
-             candidate->partialKvSnapshotSlot.has_value() == needsPartial &&
-             candidate->basePagePath.size() == static_cast<std::size_t>(hasAttention ? full : 0) &&
-             (!mtp || (candidate->specState && candidate->specState->draftPagePath.size() ==
-                                                   static_cast<std::size_t>(full)));
-    };
-    // A Hybrid-MTP plan uses Hybrid-MTP checkpoints only; a plain plan prefers a base-only one
-    // and otherwise restores the base side of a Hybrid-MTP checkpoint (unaligned lengths only).
-    CacheRecord const* record = records.findHybrid(HybridKey{digest, length, mtp});
-    if (!usable(record) && !mtp) {
-      record = records.findHybrid(HybridKey{digest, length, true});
-    }
-    if (!usable(record)) {
+    HybridCandidate const candidate{length, mtp ? (length - 1) / page : length / page,
+                                    mtp || (hasAttention && length % page != 0),
+                                    exactPrefixDigest(blocks, length)};
+    CacheRecord const* record = findCheckpoint(records, blocks, candidate, hasAttention, mtp);
+    if (record == nullptr) {
       continue;
     }
-    if (index.verifiesTokens()) {
-      bool verified = true;
-      for (int32_t b = 0; verified && b < static_cast<int32_t>(record->basePagePath.size()); ++b) {
-        verified = index.holds(record->basePagePath[static_cast<std::size_t>(b)], blocks, b,
-                               /*ancestorsVerified=*/true);
-      }
-      auto const covered = record->basePagePath.size() * static_cast<std::size_t>(page);
-      auto const tail =
-          blocks.prompt.tokens.subspan(covered, static_cast<std::size_t>(length) - covered);
-      verified =
-          verified && std::equal(tail.begin(), tail.end(), record->verificationTokens.begin(),
-                                 record->verificationTokens.end());
-      if (!verified) {
-        ++plan.verificationRejects;
-        continue;
-      }
+    if (index.verifiesTokens() && !checkpointTokensMatch(index, blocks, *record, length)) {
+      ++plan.verificationRejects;
+      continue;
     }
-    plan.kind = ReusePlanKind::kStandard;
-    plan.matchedTokenLength = length;
-    plan.reuseTokenLength = length;
-    plan.matchedBlockDigests = firstOf(blocks.keys, full);
-    plan.basePageBindings = record->basePagePath;
-    plan.hybridRecord = record->id;
-    plan.hybridCheckpoint = HybridCheckpoint{digest, length};
-    plan.recurrentSnapshotBinding = record->recurrentSnapshotSlot;
-    plan.partialKvSnapshotBinding = record->partialKvSnapshotSlot;
-    int32_t const pages = pagesFor(n, page);
-    plan.demand.baseKvPages = hasAttention ? pages - full : 0;
-    if (mtp) {
-      plan.specRecord = record->id;
-      plan.draftPageBindings = record->specState->draftPagePath;
-      plan.demand.draftKvPages = pages - full;
-    }
+    bindCheckpoint(plan, blocks, *record, candidate, hasAttention, mtp);
     return plan;
   }
   return plan;

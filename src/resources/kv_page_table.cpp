@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <limits>
+#include <span>
+#include <string>
 #include <utility>
 
 #include "core/check.h"
@@ -30,6 +32,103 @@ bool findDuplicate(std::vector<int32_t>& values, int32_t* duplicate) {
   }
   *duplicate = *it;
   return true;
+}
+
+/// The dirty set of one upload and how it groups into ranges. `sorted` holds the flat indices of
+/// the dirty K entries in ascending order; a row holds 2 * width entries (K, then V).
+struct DirtyRuns {
+  std::span<int64_t const> sorted;
+  int64_t width;     // maxPagesPerSeq
+  bool rowGranular;  // runs of adjacent rows (whole rows), else runs of adjacent K entries
+
+  int64_t rowWidth() const { return 2 * width; }
+
+  /// Calls visit(offset, count) once per run, in ascending order: adjacent dirty rows (row
+  /// granular) or adjacent dirty K entries (entry granular).
+  template <typename Visit>
+  void forEachRun(Visit&& visit) const {
+    std::size_t i = 0;
+    while (i < sorted.size()) {
+      if (rowGranular) {
+        int64_t const first = sorted[i] / rowWidth();
+        int64_t last = first;
+        while (i < sorted.size() && sorted[i] / rowWidth() <= last + 1) {
+          last = sorted[i] / rowWidth();
+          ++i;
+        }
+        visit(first * rowWidth(), (last - first + 1) * rowWidth());
+      } else {
+        int64_t const first = sorted[i];
+        int64_t count = 1;
+        ++i;
+        while (i < sorted.size() && sorted[i] == first + count) {
+          ++count;
+          ++i;
+        }
+        visit(first, count);
+      }
+    }
+  }
+
+  /// Calls visit(offset, count) once per uploaded range, in upload order: each run, followed by
+  /// its V twin when entry granular.
+  template <typename Visit>
+  void forEachRange(Visit&& visit) const {
+    forEachRun([&](int64_t offset, int64_t count) {
+      visit(offset, count);
+      if (!rowGranular) {
+        visit(offset + width, count);
+      }
+    });
+  }
+};
+
+/// Calls visit(row, firstDirty, lastDirty) once per row with dirty entries, rows ascending:
+/// the row's first and last dirty K entry (the row's entries are adjacent in the sorted set).
+template <typename Visit>
+void forEachDirtyRow(DirtyRuns const& runs, Visit&& visit) {
+  std::span<int64_t const> const sorted = runs.sorted;
+  int64_t const rowWidth = runs.rowWidth();
+  for (std::size_t i = 0; i < sorted.size();) {
+    int64_t const row = sorted[i] / rowWidth;
+    auto const firstDirty = static_cast<int32_t>(sorted[i] % rowWidth);
+    while (i + 1 < sorted.size() && sorted[i + 1] / rowWidth == row) {
+      ++i;
+    }
+    auto const lastDirty = static_cast<int32_t>(sorted[i] % rowWidth);
+    ++i;
+    visit(row, firstDirty, lastDirty);
+  }
+}
+
+/// host[offset, offset + count) as a span.
+std::span<int32_t const> hostValues(std::vector<int32_t> const& host, int64_t offset,
+                                    int64_t count) {
+  return std::span<int32_t const>(host).subspan(static_cast<std::size_t>(offset),
+                                                static_cast<std::size_t>(count));
+}
+
+/// Replaces `patch` with the staged image of the upload: one (offset, count, value offset)
+/// header triple per range, in upload order, then the ranges' values copied from `host`.
+void buildStagedPatch(std::vector<int32_t>& patch, std::vector<int32_t> const& host,
+                      DirtyRuns const& runs, int64_t numRanges) {
+  patch.assign(static_cast<std::size_t>(3 * numRanges), 0);
+  std::size_t header = 0;
+  runs.forEachRange([&](int64_t offset, int64_t count) {
+    patch[header++] = static_cast<int32_t>(offset);
+    patch[header++] = static_cast<int32_t>(count);
+    patch[header++] = static_cast<int32_t>(patch.size());
+    auto const begin = host.begin() + offset;
+    patch.insert(patch.end(), begin, begin + count);
+  });
+}
+
+/// Clears the per-K-entry dirty flag ([maxBatch, width]) of every entry in the dirty set.
+void clearDirtyFlags(std::vector<uint8_t>& flags, DirtyRuns const& runs) {
+  for (int64_t flat : runs.sorted) {
+    int64_t const slot = flat / runs.rowWidth();
+    flags[static_cast<std::size_t>(slot * runs.width + flat % runs.rowWidth())] = 0;
+  }
 }
 
 }  // namespace
@@ -380,19 +479,8 @@ bool KVPageTable::uploadRanges(bool rowGranular, kernels::InlinePatchBatch* batc
   if (!std::is_sorted(mDirtyEntries.begin(), mDirtyEntries.end())) {
     std::sort(mDirtyEntries.begin(), mDirtyEntries.end());
   }
-  std::vector<int64_t> const& sortedEntries = mDirtyEntries;
-  int64_t const width = mMaxPagesPerSeq;
-  int64_t const rowWidth = 2 * width;
-  for (std::size_t i = 0; i < sortedEntries.size();) {
-    int64_t const row = sortedEntries[i] / rowWidth;
-    // The row's dirty entries are adjacent in the sorted set; together with its live range they
-    // cover every entry that may be non-empty.
-    auto const firstDirty = static_cast<int32_t>(sortedEntries[i] % rowWidth);
-    while (i + 1 < sortedEntries.size() && sortedEntries[i + 1] / rowWidth == row) {
-      ++i;
-    }
-    auto const lastDirty = static_cast<int32_t>(sortedEntries[i] % rowWidth);
-    ++i;
+  DirtyRuns const runs{mDirtyEntries, mMaxPagesPerSeq, rowGranular};
+  forEachDirtyRow(runs, [&](int64_t row, int32_t firstDirty, int32_t lastDirty) {
     auto const r = static_cast<std::size_t>(row);
     bool const anyLive = mLiveBegin[r] < mLiveEnd[r];
     int32_t const first = anyLive ? std::min(mLiveBegin[r], firstDirty) : firstDirty;
@@ -401,54 +489,20 @@ bool KVPageTable::uploadRanges(bool rowGranular, kernels::InlinePatchBatch* batc
     if (!checkRow(static_cast<CacheSlot>(row), &error, first, last)) {
       detail::throwContract(call, "broken table, nothing uploaded: {}", error);
     }
-  }
-
-  // Runs of the upload: adjacent rows (row granular) or adjacent K entries (entry granular).
-  // visit(offset, count) is called once per run, in ascending order.
-  auto forEachRun = [&](auto&& visit) {
-    std::size_t i = 0;
-    while (i < sortedEntries.size()) {
-      if (rowGranular) {
-        int64_t const first = sortedEntries[i] / rowWidth;
-        int64_t last = first;
-        while (i < sortedEntries.size() && sortedEntries[i] / rowWidth <= last + 1) {
-          last = sortedEntries[i] / rowWidth;
-          ++i;
-        }
-        visit(first * rowWidth, (last - first + 1) * rowWidth);
-      } else {
-        int64_t const first = sortedEntries[i];
-        int64_t count = 1;
-        ++i;
-        while (i < sortedEntries.size() && sortedEntries[i] == first + count) {
-          ++count;
-          ++i;
-        }
-        visit(first, count);
-      }
-    }
-  };
-  int64_t runs = 0;
-  int64_t runValues = 0;
-  forEachRun([&](int64_t, int64_t count) {
-    ++runs;
-    runValues += count;
   });
-  int64_t const numRanges = rowGranular ? runs : 2 * runs;
-  int64_t const values = rowGranular ? runValues : 2 * runValues;
+
+  int64_t numRanges = 0;
+  int64_t values = 0;
+  runs.forEachRange([&](int64_t, int64_t count) {
+    ++numRanges;
+    values += count;
+  });
   if (values + 3 * numRanges <= kernels::kMaxInlinePatchValues) {
     // The common case (a request's rows, a decode step's growth): the values ride in the
     // parameters of one launch, the caller's batch or the table's own.
     kernels::InlinePatchBatch& writes = batch != nullptr ? *batch : mOwnWrites;
-    auto const hostValues = [&](int64_t offset, int64_t count) {
-      return std::span<int32_t const>(mHost).subspan(static_cast<std::size_t>(offset),
-                                                     static_cast<std::size_t>(count));
-    };
-    forEachRun([&](int64_t offset, int64_t count) {
-      writes.add(call, mDevice, offset, hostValues(offset, count), stream);
-      if (!rowGranular) {
-        writes.add(call, mDevice, offset + width, hostValues(offset + width, count), stream);
-      }
+    runs.forEachRange([&](int64_t offset, int64_t count) {
+      writes.add(call, mDevice, offset, hostValues(mHost, offset, count), stream);
     });
     if (batch == nullptr) {
       mOwnWrites.flush(stream);
@@ -458,31 +512,14 @@ bool KVPageTable::uploadRanges(bool rowGranular, kernels::InlinePatchBatch* batc
       batch->flush(stream);  // what the caller queued before stays ahead of this upload
     }
     // A large upload (a whole table, a big batch): the patch goes through pinned staging.
-    mPatch.assign(static_cast<std::size_t>(3 * numRanges), 0);
-    std::size_t header = 0;
-    auto appendRange = [&](int64_t offset, int64_t count) {
-      mPatch[header++] = static_cast<int32_t>(offset);
-      mPatch[header++] = static_cast<int32_t>(count);
-      mPatch[header++] = static_cast<int32_t>(mPatch.size());
-      auto const begin = mHost.begin() + offset;
-      mPatch.insert(mPatch.end(), begin, begin + count);
-    };
-    forEachRun([&](int64_t offset, int64_t count) {
-      appendRange(offset, count);
-      if (!rowGranular) {
-        appendRange(offset + width, count);
-      }
-    });
+    buildStagedPatch(mPatch, mHost, runs, numRanges);
     detail::Int32Staging::Batch staged = mStaging->begin(stream);
     Tensor const patch = staged.add(mPatch);
     staged.submit();
     kernels::applyInt32Patch(mDevice, patch, static_cast<int32_t>(numRanges), stream);
   }
 
-  for (int64_t flat : sortedEntries) {
-    int64_t const slot = flat / rowWidth;
-    mEntryDirtyFlag[static_cast<std::size_t>(slot * width + flat % rowWidth)] = 0;
-  }
+  clearDirtyFlags(mEntryDirtyFlag, runs);
   mDirtyEntries.clear();
   mLastUpload.entries = values;
   mLastUpload.ranges = numRanges;

@@ -25,11 +25,11 @@ kernels::PagedBuffers slabBuffers(KVCachePool const& pool, std::vector<void*> co
                                pool.tokenBytes()};
 }
 
-}  // namespace
-
-SnapshotStorage::SnapshotStorage(SnapshotStorageConfig const& config, RecurrentStatePool* recurrent,
-                                 KVCachePool* baseKv, KVCachePool* draftKv)
-    : mConfig(config), mRecurrent(recurrent), mBaseKv(baseKv), mDraftKv(draftKv) {
+/// The constructor's contract checks, in order: non-negative sizes, the pools each part needs,
+/// one device for every pool (`device`, the storage's), and byte totals that fit int64.
+void validateStorageConfig(SnapshotStorageConfig const& config, RecurrentStatePool const* recurrent,
+                           KVCachePool const* baseKv, KVCachePool const* draftKv,
+                           DeviceType device) {
   MKV_REQUIRE(config.recurrentSlots >= 0, kCtor, "recurrentSlots must be >= 0, got {}",
               config.recurrentSlots);
   MKV_REQUIRE(config.partialKvSlots >= 0, kCtor, "partialKvSlots must be >= 0, got {}",
@@ -46,7 +46,6 @@ SnapshotStorage::SnapshotStorage(SnapshotStorageConfig const& config, RecurrentS
   MKV_REQUIRE(config.boundaryHiddenWidth == 0 || recurrent != nullptr || baseKv != nullptr, kCtor,
               "boundaryHiddenWidth {} given without any pool to take the device from",
               config.boundaryHiddenWidth);
-  DeviceType const device = deviceType();
   MKV_REQUIRE((recurrent == nullptr || recurrent->deviceType() == device) &&
                   (baseKv == nullptr || baseKv->deviceType() == device) &&
                   (draftKv == nullptr || draftKv->deviceType() == device),
@@ -56,49 +55,78 @@ SnapshotStorage::SnapshotStorage(SnapshotStorageConfig const& config, RecurrentS
               draftKv != nullptr ? toString(draftKv->deviceType()) : "none");
   constexpr int64_t kMaxBytes = std::numeric_limits<int64_t>::max();
   for (KVCachePool const* pool : {baseKv, draftKv}) {
-    MKV_REQUIRE(pool == nullptr || config.partialKvSlots == 0 ||
-                    partialKvBytesPerSlot(*pool) <= kMaxBytes / config.partialKvSlots,
-                kCtor, "{} partial-KV slots overflow int64 bytes", config.partialKvSlots);
+    MKV_REQUIRE(
+        pool == nullptr || config.partialKvSlots == 0 ||
+            SnapshotStorage::partialKvBytesPerSlot(*pool) <= kMaxBytes / config.partialKvSlots,
+        kCtor, "{} partial-KV slots overflow int64 bytes", config.partialKvSlots);
   }
-  MKV_REQUIRE(recurrent == nullptr || config.recurrentSlots == 0 ||
-                  recurrentBytesPerSlot(*recurrent) <= kMaxBytes / config.recurrentSlots,
-              kCtor, "{} recurrent slots overflow int64 bytes", config.recurrentSlots);
+  MKV_REQUIRE(
+      recurrent == nullptr || config.recurrentSlots == 0 ||
+          SnapshotStorage::recurrentBytesPerSlot(*recurrent) <= kMaxBytes / config.recurrentSlots,
+      kCtor, "{} recurrent slots overflow int64 bytes", config.recurrentSlots);
   MKV_REQUIRE(config.boundaryHiddenWidth <=
                   kMaxBytes / static_cast<int64_t>(dataTypeSize(config.boundaryHiddenType)) /
                       std::max<int64_t>(config.recurrentSlots, 1),
               kCtor, "boundary hidden slab of {} x {} overflows int64 bytes", config.recurrentSlots,
               config.boundaryHiddenWidth);
+}
 
+/// One state slab and one conv slab per recurrent layer (`slots` rows of the layer's row bytes,
+/// uint8 on `device`), allocated layer by layer, state before conv.
+void allocateRecurrentSlabs(RecurrentStatePool const& recurrent, int32_t slots, DeviceType device,
+                            std::vector<Tensor>& stateSlabs, std::vector<Tensor>& convSlabs) {
+  auto const layers = static_cast<std::size_t>(recurrent.numLayers());
+  stateSlabs.reserve(layers);
+  convSlabs.reserve(layers);
+  for (int32_t l = 0; l < recurrent.numLayers(); ++l) {
+    Tensor const& state = recurrent.state(l);
+    Tensor const& conv = recurrent.conv(l);
+    stateSlabs.emplace_back(Coords{slots, state.dim(1)}, DataType::kUInt8, device);
+    convSlabs.emplace_back(Coords{slots, conv.dim(1)}, DataType::kUInt8, device);
+  }
+}
+
+/// Pairs each pool row buffer with its slab: `capture` copies pool -> slab, `restore` slab ->
+/// pool, in the order of rowBuffers() (state(l), conv(l) alternating, as the slabs).
+void pairRecurrentRows(RecurrentStatePool const& recurrent, int32_t slots,
+                       std::vector<Tensor>& stateSlabs, std::vector<Tensor>& convSlabs,
+                       std::vector<kernels::RowBufferPair>& capture,
+                       std::vector<kernels::RowBufferPair>& restore) {
+  for (kernels::RowBuffer const& pool : recurrent.rowBuffers()) {
+    std::size_t const index = capture.size();
+    Tensor& slab = index % 2 == 0 ? stateSlabs[index / 2] : convSlabs[index / 2];
+    kernels::RowBuffer const slabRows{slab.rawPointer(), pool.rowBytes, slots};
+    capture.push_back({pool, slabRows});
+    restore.push_back({slabRows, pool});
+  }
+}
+
+/// Appends one partial-KV slab of `slots` pages per layer of `pool` to `slabs`, and its base
+/// pointer to `bases`.
+void allocatePartialSlabs(KVCachePool const& pool, int32_t slots, std::vector<Tensor>& slabs,
+                          std::vector<void*>& bases) {
+  for (int32_t l = 0; l < pool.numLayers(); ++l) {
+    slabs.push_back(makePartialSlab(pool, slots));
+    bases.push_back(slabs.back().rawPointer());
+  }
+}
+
+}  // namespace
+
+SnapshotStorage::SnapshotStorage(SnapshotStorageConfig const& config, RecurrentStatePool* recurrent,
+                                 KVCachePool* baseKv, KVCachePool* draftKv)
+    : mConfig(config), mRecurrent(recurrent), mBaseKv(baseKv), mDraftKv(draftKv) {
+  DeviceType const device = deviceType();
+  validateStorageConfig(config, recurrent, baseKv, draftKv, device);
   if (recurrent != nullptr && config.recurrentSlots > 0) {
-    auto const layers = static_cast<std::size_t>(recurrent->numLayers());
-    mStateSlabs.reserve(layers);
-    mConvSlabs.reserve(layers);
-    for (int32_t l = 0; l < recurrent->numLayers(); ++l) {
-      Tensor const& state = recurrent->state(l);
-      Tensor const& conv = recurrent->conv(l);
-      mStateSlabs.emplace_back(Coords{config.recurrentSlots, state.dim(1)}, DataType::kUInt8,
-                               device);
-      mConvSlabs.emplace_back(Coords{config.recurrentSlots, conv.dim(1)}, DataType::kUInt8, device);
-    }
-    for (kernels::RowBuffer const& pool : recurrent->rowBuffers()) {
-      // rowBuffers() alternates state(l), conv(l); the slabs follow the same order.
-      std::size_t const index = mCapturePairs.size();
-      Tensor& slab = index % 2 == 0 ? mStateSlabs[index / 2] : mConvSlabs[index / 2];
-      kernels::RowBuffer const slabRows{slab.rawPointer(), pool.rowBytes, config.recurrentSlots};
-      mCapturePairs.push_back({pool, slabRows});
-      mRestorePairs.push_back({slabRows, pool});
-    }
+    allocateRecurrentSlabs(*recurrent, config.recurrentSlots, device, mStateSlabs, mConvSlabs);
+    pairRecurrentRows(*recurrent, config.recurrentSlots, mStateSlabs, mConvSlabs, mCapturePairs,
+                      mRestorePairs);
   }
   if (baseKv != nullptr && config.partialKvSlots > 0) {
-    for (int32_t l = 0; l < baseKv->numLayers(); ++l) {
-      mPartialBase.push_back(makePartialSlab(*baseKv, config.partialKvSlots));
-      mPartialBaseBases.push_back(mPartialBase.back().rawPointer());
-    }
+    allocatePartialSlabs(*baseKv, config.partialKvSlots, mPartialBase, mPartialBaseBases);
     if (draftKv != nullptr) {
-      for (int32_t l = 0; l < draftKv->numLayers(); ++l) {
-        mPartialDraft.push_back(makePartialSlab(*draftKv, config.partialKvSlots));
-        mPartialDraftBases.push_back(mPartialDraft.back().rawPointer());
-      }
+      allocatePartialSlabs(*draftKv, config.partialKvSlots, mPartialDraft, mPartialDraftBases);
     }
   }
   if (config.boundaryHiddenWidth > 0) {
