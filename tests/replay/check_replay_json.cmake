@@ -11,17 +11,20 @@
 # attention-only 2432, one restore, 0 recurrent mismatches.
 # Usage: cmake -DMKV_REPLAY=<exe> -DTRACE=<jsonl> -DOUT=<json> [-DSPECULATIVE=eagle | -DHYBRID=ON]
 #        -P check_replay_json.cmake
-if(HYBRID)
-  execute_process(COMMAND ${MKV_REPLAY} --trace ${TRACE} --json ${OUT} --quiet --recurrent-layers 2
+# Runs mkv-replay with the arguments given and reads its --json output into `json`.
+function(run_replay)
+  execute_process(COMMAND ${MKV_REPLAY} --trace ${TRACE} --json ${OUT} --quiet ${ARGN}
                   RESULT_VARIABLE rc ERROR_VARIABLE err)
   if(NOT rc EQUAL 0)
     message(FATAL_ERROR "mkv-replay exited with ${rc}: ${err}")
   endif()
-  file(READ ${OUT} json)
-  foreach(expectation reused_tokens=1024 prompt_tokens=4248 oracle_mismatches=0 recurrent_layers=2
-                      hybrid.checkpoints_restored=1 hybrid.checkpoints_published=6
-                      hybrid.snapshot_pressure_skips=0 hybrid.recurrent_mismatches=0
-                      hybrid.recurrent_snapshot_slots=10 hybrid.attention_only_reused_tokens=2432)
+  file(READ ${OUT} contents)
+  set(json "${contents}" PARENT_SCOPE)
+endfunction()
+
+# Each argument is key=value, the key a dotted path into `json` (hybrid.checkpoints_restored).
+function(expect_json)
+  foreach(expectation ${ARGN})
     string(REPLACE "=" ";" pair ${expectation})
     list(GET pair 0 key)
     list(GET pair 1 expected)
@@ -31,63 +34,44 @@ if(HYBRID)
       message(FATAL_ERROR "${key} is ${value}, expected ${expected}\n${json}")
     endif()
   endforeach()
+endfunction()
+
+if(HYBRID)
+  run_replay(--recurrent-layers 2)
+  expect_json(reused_tokens=1024 prompt_tokens=4248 oracle_mismatches=0 recurrent_layers=2
+              hybrid.checkpoints_restored=1 hybrid.checkpoints_published=6
+              hybrid.snapshot_pressure_skips=0 hybrid.recurrent_mismatches=0
+              hybrid.recurrent_snapshot_slots=10 hybrid.attention_only_reused_tokens=2432)
   string(JSON checks GET "${json}" hybrid recurrent_checks)
   if(NOT checks GREATER 0)
     message(FATAL_ERROR "hybrid.recurrent_checks is ${checks}, expected > 0")
   endif()
   return()
 endif()
-set(args --trace ${TRACE} --json ${OUT} --quiet)
-set(expectations requests=4 prompt_tokens=4248 generated_tokens=10 evicted_records=0
-                 failed_requests=0 joins=0 oracle_mismatches=0 page_size=128
-                 swa_pages_per_sequence_prefill=0)
 if(DEFINED SPECULATIVE)
-  list(APPEND args --speculative ${SPECULATIVE} --verify all)
-  list(APPEND expectations reused_tokens=2176 prefill_tokens_computed=2072)
+  run_replay(--speculative ${SPECULATIVE} --verify all)
+  expect_json(reused_tokens=2176 prefill_tokens_computed=2072
+              speculative.draft_reused_tokens=2176 speculative.draft_reused_pages=17
+              speculative.full_page_replays=3 speculative.draft_oracle_mismatches=0
+              speculative.base_oracle_mismatches=0)
   set(expected_hit 0.512241)
-else()
-  list(APPEND expectations reused_tokens=2432 prefill_tokens_computed=1816 decode_steps=6)
-  set(expected_hit 0.572504)
-endif()
-execute_process(COMMAND ${MKV_REPLAY} ${args} RESULT_VARIABLE rc ERROR_VARIABLE err)
-if(NOT rc EQUAL 0)
-  message(FATAL_ERROR "mkv-replay exited with ${rc}: ${err}")
-endif()
-file(READ ${OUT} json)
-foreach(expectation ${expectations})
-  string(REPLACE "=" ";" pair ${expectation})
-  list(GET pair 0 key)
-  list(GET pair 1 expected)
-  string(JSON value GET "${json}" ${key})
-  if(NOT value EQUAL expected)
-    message(FATAL_ERROR "${key} is ${value}, expected ${expected}\n${json}")
-  endif()
-endforeach()
-string(JSON hit GET "${json}" hit_rate)
-string(SUBSTRING "${hit}" 0 8 hit)
-if(NOT hit STREQUAL expected_hit)
-  message(FATAL_ERROR "hit_rate is ${hit}, expected ${expected_hit}...")
-endif()
-if(DEFINED SPECULATIVE)
-  foreach(expectation draft_reused_tokens=2176 draft_reused_pages=17 full_page_replays=3
-                      draft_oracle_mismatches=0 base_oracle_mismatches=0)
-    string(REPLACE "=" ";" pair ${expectation})
-    list(GET pair 0 key)
-    list(GET pair 1 expected)
-    string(JSON value GET "${json}" speculative ${key})
-    if(NOT value EQUAL expected)
-      message(FATAL_ERROR "speculative.${key} is ${value}, expected ${expected}\n${json}")
-    endif()
-  endforeach()
   string(JSON checks GET "${json}" speculative draft_oracle_checks)
   if(checks LESS_EQUAL 2176)
     message(FATAL_ERROR "speculative.draft_oracle_checks is ${checks}: the reused draft rows "
                         "and more must be checked")
   endif()
+else()
+  run_replay()
+  expect_json(reused_tokens=2432 prefill_tokens_computed=1816 decode_steps=6)
+  set(expected_hit 0.572504)
 endif()
-string(JSON misses GET "${json}" misses_by_reason no_prefix)
-if(NOT misses EQUAL 3)
-  message(FATAL_ERROR "misses_by_reason.no_prefix is ${misses}, expected 3")
+expect_json(requests=4 prompt_tokens=4248 generated_tokens=10 evicted_records=0 failed_requests=0
+            joins=0 oracle_mismatches=0 page_size=128 swa_pages_per_sequence_prefill=0
+            misses_by_reason.no_prefix=3)
+string(JSON hit GET "${json}" hit_rate)
+string(SUBSTRING "${hit}" 0 8 hit)
+if(NOT hit STREQUAL expected_hit)
+  message(FATAL_ERROR "hit_rate is ${hit}, expected ${expected_hit}...")
 endif()
 string(JSON mode GET "${json}" mode)
 string(JSON backend GET "${json}" backend)
