@@ -40,6 +40,7 @@ void KvEventQueue::push(KvEvent const& event) noexcept {
   if (auto const* removed = std::get_if<BlockRemoved>(&event)) {
     slot.digest = removed->digest;
     slot.page = removed->page;
+    slot.medium = removed->medium;
   } else {
     slot.kind = Kind::kAllCleared;
   }
@@ -58,7 +59,8 @@ void KvEventQueue::pushStored(BlockStored const& event, std::span<int32_t const>
                       event.extras,
                       event.page,
                       event.tokenCount,
-                      keep ? event.tokenCount : 0};
+                      keep ? event.tokenCount : 0,
+                      event.medium};
   if (keep) {
     std::copy(tokens.begin(), tokens.end(),
               mTokens.begin() + static_cast<std::ptrdiff_t>(index) * mTokensPerBlock);
@@ -73,7 +75,7 @@ std::vector<KvEvent> KvEventQueue::drain() {
     auto const index = static_cast<std::size_t>((mHead + k) % cap);
     Slot const& slot = mRing[index];
     if (slot.kind == Kind::kRemoved) {
-      out.emplace_back(BlockRemoved{slot.digest, slot.page});
+      out.emplace_back(BlockRemoved{slot.digest, slot.page, slot.medium});
       continue;
     }
     if (slot.kind == Kind::kAllCleared) {
@@ -82,8 +84,8 @@ std::vector<KvEvent> KvEventQueue::drain() {
     }
     auto const first = mTokens.begin() + static_cast<std::ptrdiff_t>(index) * mTokensPerBlock;
     out.emplace_back(BlockStored{slot.digest, slot.parent, slot.page, slot.tokenCount,
-                                 std::vector<int32_t>(first, first + slot.keptTokens),
-                                 slot.extras});
+                                 std::vector<int32_t>(first, first + slot.keptTokens), slot.extras,
+                                 slot.medium});
   }
   mHead = 0;
   mSize = 0;

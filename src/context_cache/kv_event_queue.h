@@ -50,6 +50,7 @@ class KvEventQueue {
     PageId page = kNoPage;
     int32_t tokenCount = 0;
     int32_t keptTokens = 0;
+    KvMedium medium = KvMedium::kGpu;
   };
   /// The slot the next event goes to (overwriting the oldest when full).
   std::size_t claimSlot() noexcept;

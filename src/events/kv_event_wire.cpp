@@ -35,10 +35,18 @@ std::vector<Run> runsOf(std::span<KvEvent const> events) {
       while (run.end < events.size()) {
         auto const* next = std::get_if<BlockStored>(&events[run.end]);
         if (next == nullptr || next->parent != previous->digest ||
-            next->tokenCount != previous->tokenCount) {
+            next->tokenCount != previous->tokenCount || next->medium != previous->medium) {
           break;
         }
         previous = next;
+        ++run.end;
+      }
+    } else if (auto const* removed = std::get_if<BlockRemoved>(&events[i])) {
+      while (run.end < events.size()) {
+        auto const* next = std::get_if<BlockRemoved>(&events[run.end]);
+        if (next == nullptr || next->medium != removed->medium) {
+          break;
+        }
         ++run.end;
       }
     } else {
@@ -57,7 +65,9 @@ void packString(Packer& p, std::string_view s) {
   p.pack_str_body(s.data(), static_cast<uint32_t>(s.size()));
 }
 
-void packMedium(Packer& p, std::string const& medium) {
+/// The `medium` label of an event: the GPU's from the config, the host tier's "CPU".
+void packMedium(Packer& p, KvMedium kind, KvEventPublisherConfig const& config) {
+  std::string const& medium = kind == KvMedium::kCpu ? config.hostMedium : config.medium;
   if (medium.empty()) {
     p.pack_nil();
   } else {
@@ -122,7 +132,7 @@ void packStored(Fields& f, std::span<KvEvent const> run, KvEventPublisherConfig 
   }
   f["block_size"].pack_int32(first.tokenCount);
   f["lora_id"].pack_nil();
-  packMedium(f["medium"], config.medium);
+  packMedium(f["medium"], first.medium, config);
   f["lora_name"].pack_nil();
   if (extras) {
     f["extra_keys"].pack_array(static_cast<uint32_t>(run.size()));
@@ -144,7 +154,7 @@ void packRemoved(Fields& f, std::span<KvEvent const> run, KvEventPublisherConfig
   for (KvEvent const& e : run) {
     f.elements().pack_uint64(std::get<BlockRemoved>(e).digest.lo);
   }
-  packMedium(f["medium"], config.medium);
+  packMedium(f["medium"], std::get<BlockRemoved>(run.front()).medium, config);
 }
 
 void packCleared(Fields& f) { f.begin("AllBlocksCleared", 0); }

@@ -14,7 +14,12 @@
 
 namespace mkv {
 
-/// A block became reusable: `digest` is now indexed on `page` (base KV pool id).
+/// Where a block's KV lives: the GPU cache (the base KV pool) or the host tier (pinned host
+/// memory; docs/context_cache.md, "Host tier"). vLLM's events name it `medium`.
+enum class KvMedium : uint8_t { kGpu, kCpu };
+
+/// A block became reusable: `digest` is now indexed on `page` (a page of `medium`: a base KV pool
+/// id, or a host tier page).
 struct BlockStored {
   Hash128 digest;
   Hash128 parent;  ///< previous block's digest, kBlockChainRoot for a first block
@@ -26,13 +31,16 @@ struct BlockStored {
   /// PromptBlocks::extrasDigest of the block: zero when its key depends on its token ids and its
   /// parent alone; otherwise an identity of its media, adapter and (block 0) salt.
   Hash128 extras{};
+  KvMedium medium = KvMedium::kGpu;
   friend bool operator==(BlockStored const&, BlockStored const&) = default;
 };
 
-/// A block stopped being reusable (its page lost its last cache reference).
+/// A block stopped being reusable in `medium`: on the GPU, its page lost its last cache reference
+/// (an offloaded block is then stored in the host tier); in the host tier, it was evicted for good.
 struct BlockRemoved {
   Hash128 digest;
   PageId page = kNoPage;
+  KvMedium medium = KvMedium::kGpu;
   friend bool operator==(BlockRemoved const&, BlockRemoved const&) = default;
 };
 

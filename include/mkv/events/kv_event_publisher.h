@@ -41,7 +41,9 @@ struct KvEventPublisherConfig {
   std::string topic;  ///< first frame of every message (may be empty)
   KvEventEncoding encoding = KvEventEncoding::kTaggedMap;
   int32_t dataParallelRank = 0;  ///< third element of every batch, >= 0
-  std::string medium = "GPU";    ///< `medium` of every event; empty: nil
+  std::string medium = "GPU";  ///< `medium` of the GPU cache's events (KvMedium::kGpu); empty: nil
+  /// `medium` of the host tier's events (KvMedium::kCpu); empty: nil.
+  std::string hostMedium = "CPU";
   int32_t queueCapacity = 1024;  ///< batches waiting for the worker, > 0
   /// Last batches kept for replay requests, > 0 when there is a replay socket.
   int32_t replayBufferBatches = 10000;
