@@ -140,9 +140,12 @@ std::span<MediaPosition const> PromptBlocks::blockMedia(int32_t block) const noe
 }
 
 Hash128 PromptBlocks::extrasDigest(int32_t block) const noexcept {
-  std::array<Hash128, 3> const parts{mediaDigests[static_cast<std::size_t>(block)],
-                                     prompt.extras.adapter,
-                                     block == 0 ? prompt.extras.salt : Hash128{}};
+  return extrasDigestOf(mediaDigests[static_cast<std::size_t>(block)], prompt.extras.adapter,
+                        block == 0 ? prompt.extras.salt : Hash128{});
+}
+
+Hash128 extrasDigestOf(Hash128 media, Hash128 adapter, Hash128 firstBlockSalt) noexcept {
+  std::array<Hash128, 3> const parts{media, adapter, firstBlockSalt};
   if (std::all_of(parts.begin(), parts.end(), [](Hash128 h) { return h.isZero(); })) {
     return {};
   }

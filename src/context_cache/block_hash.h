@@ -106,6 +106,9 @@ Hash128 hashBlock(Hash128 parent, std::span<int32_t const> tokens,
 
 /// Digest of opaque bytes: image pixels, PCM samples, a mel path, an adapter name, a salt.
 Hash128 digestBytes(std::span<std::byte const> bytes) noexcept;
+/// The extras digest of a block (PromptBlocks::extrasDigest) from its parts: zero when all three
+/// are zero, else one digest of them. `firstBlockSalt` is the salt for block 0, zero otherwise.
+Hash128 extrasDigestOf(Hash128 media, Hash128 adapter, Hash128 firstBlockSalt) noexcept;
 /// Identity digest of a name (LoRA adapter, cache salt): zero for the empty name ("none").
 Hash128 digestIdentity(std::string_view name) noexcept;
 /// Content digest of a host-readable packed RGB image, or nullopt when the host cannot read the

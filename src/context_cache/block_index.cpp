@@ -71,6 +71,24 @@ BlockProvenance const& BlockIndex::provenanceOf(PageId page) const {
   return e.provenance;
 }
 
+std::span<int32_t const> BlockIndex::tokensOf(PageId page) const {
+  checkPage("BlockIndex::tokensOf", page);
+  MKV_REQUIRE(mEntries[static_cast<std::size_t>(page)].indexed, "BlockIndex::tokensOf",
+              "page {} is not indexed", page);
+  if (!mVerifyTokens) {
+    return {};
+  }
+  return std::span<int32_t const>(mTokens).subspan(
+      static_cast<std::size_t>(page) * static_cast<std::size_t>(mPageSize),
+      static_cast<std::size_t>(mPageSize));
+}
+
+Hash128 BlockIndex::extrasOf(PageId page) const {
+  BlockProvenance const& kept = provenanceOf(page);
+  bool const firstBlock = mEntries[static_cast<std::size_t>(page)].parent == kBlockChainRoot;
+  return extrasDigestOf(kept.media, kept.adapter, firstBlock ? kept.salt : Hash128{});
+}
+
 std::vector<BlockProvenance> BlockIndex::provenanceByContent(Hash128 contentKey) const {
   std::vector<BlockProvenance> out;
   auto const [first, last] = mByContent.equal_range(contentKey);
@@ -125,21 +143,24 @@ bool BlockIndex::verified(Entry const& e, PageId page, PromptBlocks const& block
          std::equal(expected.begin(), expected.end(), media->second.begin(), media->second.end());
 }
 
-BlockIndex::PrefixMatch BlockIndex::longestPrefix(PromptBlocks const& blocks,
-                                                  int32_t maxBlocks) const {
+BlockIndex::PrefixMatch BlockIndex::longestPrefix(PromptBlocks const& blocks, int32_t maxBlocks,
+                                                  int32_t firstBlock) const {
   MKV_REQUIRE(blocks.pageSize == mPageSize, "BlockIndex::longestPrefix",
               "blocks hashed with page size {}, index uses {}", blocks.pageSize, mPageSize);
+  MKV_REQUIRE(firstBlock >= 0, "BlockIndex::longestPrefix", "first block {} is negative",
+              firstBlock);
   PrefixMatch match;
   int32_t const limit = std::clamp(maxBlocks, 0, blocks.fullBlockCount());
-  match.pages.reserve(static_cast<std::size_t>(limit));
-  for (int32_t b = 0; b < limit; ++b) {
+  match.pages.reserve(static_cast<std::size_t>(std::max(0, limit - firstBlock)));
+  for (int32_t b = firstBlock; b < limit; ++b) {
     auto const it = mByDigest.find(blocks.keys[static_cast<std::size_t>(b)]);
     if (it == mByDigest.end()) {
       break;
     }
     // An indexed digest names an indexed entry of a valid page: holds() minus its checks.
     PageId const page = it->second;
-    // Blocks [0, b) were verified by this loop: their tokens already imply equal content.
+    // Blocks [0, b) were verified by this loop (or, before firstBlock, by the caller): their
+    // tokens already imply equal content.
     if (!verified(mEntries[static_cast<std::size_t>(page)], page, blocks, b,
                   /*ancestorsVerified=*/true)) {
       match.verificationRejected = true;
@@ -187,6 +208,48 @@ PageId BlockIndex::insert(Hash128 digest, PageId page, PromptBlocks const& block
   e = Entry{true, digest, blocks.parentOf(block), provenance};
   if (mVerifyTokens) {
     std::span<int32_t const> const tokens = blocks.blockTokens(block);
+    std::copy(tokens.begin(), tokens.end(),
+              mTokens.begin() + static_cast<std::ptrdiff_t>(page) * mPageSize);
+  }
+  return page;
+}
+
+PageId BlockIndex::insertCopy(BlockIndex const& source, PageId sourcePage, PageId page) {
+  constexpr char const* kCall = "BlockIndex::insertCopy";
+  checkPage(kCall, page);
+  source.checkPage(kCall, sourcePage);
+  MKV_REQUIRE(source.mPageSize == mPageSize && source.mVerifyTokens == mVerifyTokens, kCall,
+              "source index has page size {} and verification {}, this one {} and {}",
+              source.mPageSize, source.mVerifyTokens, mPageSize, mVerifyTokens);
+  Entry const& from = source.mEntries[static_cast<std::size_t>(sourcePage)];
+  MKV_REQUIRE(from.indexed, kCall, "source page {} is not indexed", sourcePage);
+  if (std::optional<PageId> const existing = find(from.digest)) {
+    return *existing;
+  }
+  Entry& e = mEntries[static_cast<std::size_t>(page)];
+  MKV_REQUIRE(!e.indexed, kCall,
+              "page {} is already indexed under digest {}; cannot index it under {}", page,
+              toString(e.digest), toString(from.digest));
+  auto const media = source.mMedia.find(sourcePage);
+  // Allocating steps first, each undone if a later one throws; then the non-throwing writes.
+  auto const digestIt = mByDigest.emplace(from.digest, page).first;
+  try {
+    auto const contentIt = mByContent.emplace(from.provenance.contentKey, page);
+    try {
+      if (media != source.mMedia.end()) {
+        mMedia.insert_or_assign(page, media->second);
+      }
+    } catch (...) {
+      mByContent.erase(contentIt);
+      throw;
+    }
+  } catch (...) {
+    mByDigest.erase(digestIt);
+    throw;
+  }
+  e = from;
+  if (mVerifyTokens) {
+    std::span<int32_t const> const tokens = source.tokensOf(sourcePage);
     std::copy(tokens.begin(), tokens.end(),
               mTokens.begin() + static_cast<std::ptrdiff_t>(page) * mPageSize);
   }

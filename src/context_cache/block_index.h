@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <span>
 #include <unordered_map>
 #include <vector>
 
@@ -49,9 +50,12 @@ class BlockIndex {
     bool verificationRejected = false;  ///< the walk stopped at a digest hit whose content differs
   };
 
-  /// Longest run of blocks [0, k) of `blocks`, k <= maxBlocks, whose keys are indexed (and, with
-  /// verification, whose content matches). Stops at the first miss; O(k); no side effects.
-  PrefixMatch longestPrefix(PromptBlocks const& blocks, int32_t maxBlocks) const;
+  /// Longest run of blocks [firstBlock, firstBlock + k) of `blocks`, firstBlock + k <= maxBlocks,
+  /// whose keys are indexed (and, with verification, whose content matches; blocks before
+  /// `firstBlock` count as verified by the caller, e.g. in another tier's index). Stops at the
+  /// first miss; O(k); no side effects. `pages[i]` is the page of block firstBlock + i.
+  PrefixMatch longestPrefix(PromptBlocks const& blocks, int32_t maxBlocks,
+                            int32_t firstBlock = 0) const;
   /// True when `page` is indexed under blocks.keys[block] and, with verification on, holds exactly
   /// that block's tokens, parent, media positions, salt and adapter, and the same token-only
   /// content chain. `ancestorsVerified`: the caller has just verified blocks [0, block) of the
@@ -66,6 +70,12 @@ class BlockIndex {
   /// changed) when `page` is already indexed under another digest, or arguments are out of range.
   /// Strong exception guarantee.
   PageId insert(Hash128 digest, PageId page, PromptBlocks const& blocks, int32_t block);
+  /// Indexes on `page` the block `source` (an index of the same page size and verification
+  /// setting, e.g. the other tier's) holds on `sourcePage`: digest, parent, provenance, token ids
+  /// and media positions. An already indexed digest is left alone and its page returned;
+  /// otherwise returns `page`. Throws (nothing changed) for pages out of range, a source page that
+  /// is not indexed, a different geometry, or `page` indexed under another digest.
+  PageId insertCopy(BlockIndex const& source, PageId sourcePage, PageId page);
   /// Removes the entry of `page` (if any); an eviction also remembers its digest as recently
   /// evicted (a rolled-back insertion does not). Returns whether an entry was removed.
   bool erasePage(PageId page, bool rememberEviction = true) noexcept;
@@ -76,6 +86,10 @@ class BlockIndex {
   /// Parent digest and provenance recorded for an indexed page (throws if not indexed).
   Hash128 parentOf(PageId page) const;
   BlockProvenance const& provenanceOf(PageId page) const;
+  /// Token ids kept for an indexed page (empty when verification is off; throws if not indexed).
+  std::span<int32_t const> tokensOf(PageId page) const;
+  /// PromptBlocks::extrasDigest of the block indexed on `page` (throws if not indexed).
+  Hash128 extrasOf(PageId page) const;
   /// Provenance of every indexed block whose token-only chain digest is `contentKey`.
   std::vector<BlockProvenance> provenanceByContent(Hash128 contentKey) const;
   bool wasRecentlyEvicted(Hash128 digest) const noexcept { return mEvicted.contains(digest); }

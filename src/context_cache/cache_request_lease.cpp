@@ -33,6 +33,7 @@ void CacheRequestLease::takeFrom(CacheRequestLease& other) noexcept {
   mReservations = std::exchange(other.mReservations, {});
   mRetention = std::exchange(other.mRetention, {});
   mEvictedPrefix = std::exchange(other.mEvictedPrefix, false);
+  mHostPins = std::exchange(other.mHostPins, {});
 }
 
 void CacheRequestLease::release() noexcept {
@@ -55,6 +56,7 @@ void CacheRequestLease::release() noexcept {
   mReservations = {};
   mRetention = {};
   mEvictedPrefix = false;
+  mHostPins = {};
 }
 
 }  // namespace mkv

@@ -99,6 +99,8 @@ class CacheRequestLease {
   std::vector<SnapshotReservation> mReservations;
   std::vector<RetentionRange> mRetention;  ///< the admitted request's, for its publications
   bool mEvictedPrefix = false;             ///< its lookup stopped at a recently evicted block
+  /// Host tier pages of the plan pinned between the pins and the onboarding (inside one acquire).
+  std::vector<PageId> mHostPins;
 };
 
 }  // namespace mkv

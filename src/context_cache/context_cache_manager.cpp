@@ -28,6 +28,9 @@ int32_t validatedPageSize(int32_t pageSize, ResourceDemand const& capacities, in
   MKV_REQUIRE(options.evictionPolicy == EvictionPolicyKind::kLru ||
                   options.evictionPolicy == EvictionPolicyKind::kS3Fifo,
               kCall, "eviction policy {} out of range", static_cast<int>(options.evictionPolicy));
+  MKV_REQUIRE(options.hostTierPages >= 0 && options.hostTierBytesPerPage >= 0, kCall,
+              "host tier of {} pages of {} bytes: must be non-negative", options.hostTierPages,
+              options.hostTierBytesPerPage);
   MKV_REQUIRE(options.evictedDigestHistory >= -1, kCall,
               "evicted digest history must be >= -1, got {}", options.evictedDigestHistory);
   MKV_REQUIRE(!options.specContract || options.specContract->futureDependencyTokens >= 0, kCall,
@@ -59,7 +62,12 @@ ContextCacheManager::ContextCacheManager(int32_t pageSize, ResourceDemand capaci
              historyOf(mOptions, capacities)),
       mRecords(mOptions.evictionPolicy, ghostCapacityOf(maxRecords)),
       mEvictionPlanner(capacities),
-      mEvents(mOptions.eventQueueCapacity, mPageSize) {}
+      mEvents(mOptions.eventQueueCapacity, mPageSize) {
+  if (mOptions.hostTierPages > 0) {
+    mHostTier =
+        std::make_unique<HostBlockTier>(mOptions.hostTierPages, mPageSize, mOptions.verifyTokens);
+  }
+}
 
 ContextCacheManager::~ContextCacheManager() {
   if (mLiveLeases != 0) {
@@ -146,6 +154,7 @@ void ContextCacheManager::checkPlan(ReusePlan const& plan, bool fresh) const {
                 "stale plan: block {} is no longer indexed on page {}", b,
                 plan.basePageBindings[b]);
   }
+  checkHostPlan(kCall, plan, fresh);
   if (plan.specRecord != kNoRecord) {
     CacheRecord const* record = mRecords.get(plan.specRecord);
     MKV_REQUIRE(record != nullptr && record->specState &&
@@ -186,7 +195,7 @@ LookupResult ContextCacheManager::lookup(LookupRequest const& request) const {
 void ContextCacheManager::planLookup(LookupRequest const& request, LookupResult& result) const {
   switch (request.mode) {
     case ReuseMode::kVanilla:
-      result.plan = makeVanillaReusePlan(mIndex, result.blocks, request.policy);
+      result.plan = makeVanillaReusePlan(mIndex, result.blocks, request.policy, mHostTier.get());
       break;
     case ReuseMode::kHybrid:
       result.plan = makeHybridReusePlan(mIndex, mRecords, result.blocks, request.hasAttention,
@@ -281,6 +290,7 @@ CacheRequestLease ContextCacheManager::pinPlan(ReusePlan const& plan) {
   }
   lease.mBoundBasePages = static_cast<int32_t>(lease.mBasePages.size());
   lease.mBoundDraftPages = static_cast<int32_t>(lease.mDraftPages.size());
+  pinHostPages(lease, plan);
   return lease;
 }
 
@@ -291,6 +301,7 @@ AcquireResult ContextCacheManager::acquirePlan(ReusePlan const& plan, bool fresh
                             {&lease.mBasePages, &lease.mDraftPages, nullptr, nullptr})) {
     return {std::nullopt, AcquireStatus::kInsufficientCapacity};  // the lease drops its pins
   }
+  queueOnboarding(lease, plan);
   if (lease.mHitRecord != kNoRecord && mRecords.get(lease.mHitRecord) != nullptr) {
     mRecords.touch(lease.mHitRecord);
   }
@@ -403,6 +414,7 @@ std::vector<AdmissionResult> ContextCacheManager::grantBatch(
     bool const allocated = mPools.allocate(
         looked[i].plan.demand, {&lease.mBasePages, &lease.mDraftPages, nullptr, nullptr});
     MKV_ASSERT(allocated, "batch eviction was feasible but allocation for sequence {} failed", i);
+    queueOnboarding(lease, looked[i].plan);
   }
   std::vector<AdmissionResult> admitted(requests.size());
   for (std::size_t i = 0; i < requests.size(); ++i) {
@@ -473,6 +485,7 @@ void ContextCacheManager::countAdmission(LookupRequest const& request, int32_t v
   }
   mMetrics.matchedTokens += static_cast<uint64_t>(plan.matchedTokenLength);
   mMetrics.reusedTokens += static_cast<uint64_t>(plan.reuseTokenLength);
+  mMetrics.hostTierHitTokens += plan.hostOnboardPages.size() * static_cast<uint64_t>(mPageSize);
   if (plan.kind == ReusePlanKind::kFullInputRewind) {
     ++mMetrics.fullInputRewinds;
   }
@@ -581,10 +594,11 @@ int32_t ContextCacheManager::dropRecord(RecordId id, bool announce) noexcept {
     // A page without cache references is no longer reusable, even while a lease still pins it.
     if (resource.type == ResourceType::kBaseKvPage && mPools.cacheRefs(resource) == 0) {
       if (std::optional<Hash128> const digest = mIndex.digestOf(resource.index)) {
-        mIndex.erasePage(resource.index);
         if (announce) {
           mEvents.push(BlockRemoved{*digest, resource.index});
+          offloadEvicted(resource.index, *digest);  // reads the entry: before it is erased
         }
+        mIndex.erasePage(resource.index);
       }
     }
     if (freed) {
@@ -604,6 +618,9 @@ bool ContextCacheManager::resetPrefixCache() noexcept {
         static_cast<uint64_t>(dropRecord(mRecords.lruToMru().front().id, false));
   }
   MKV_ASSERT(mIndex.size() == 0, "{} blocks indexed after dropping every record", mIndex.size());
+  if (mHostTier) {
+    mMetrics.hostTierResetPages += static_cast<uint64_t>(mHostTier->clear());
+  }
   mEvents.push(AllBlocksCleared{});
   ++mMetrics.prefixCacheResets;
   return true;
@@ -658,6 +675,9 @@ void ContextCacheManager::releaseLease(CacheRequestLease& lease) noexcept {
   for (PageId page : lease.mDraftPages) {
     mPools.dropActive({ResourceType::kDraftKvPage, page});
   }
+  for (PageId page : lease.mHostPins) {
+    mHostTier->unpin(page);
+  }
   if (lease.mHitRecurrent) {
     mPools.dropActive({ResourceType::kRecurrentSnapshot, *lease.mHitRecurrent});
   }
@@ -684,6 +704,10 @@ ContextCacheMetrics ContextCacheManager::metrics() const {
   m.records = static_cast<int64_t>(mRecords.size());
   m.indexedBlocks = mIndex.size();
   m.liveLeases = mLiveLeases;
+  if (mHostTier) {
+    m.hostTierCapacityPages = mHostTier->capacity();
+    m.hostTierBlocks = mHostTier->size();
+  }
   return m;
 }
 

@@ -11,8 +11,10 @@
 #include <cstdint>
 #include <functional>
 #include <limits>
+#include <memory>
 #include <optional>
 #include <span>
+#include <utility>
 #include <vector>
 
 #include "context_cache/block_hash.h"
@@ -20,6 +22,7 @@
 #include "context_cache/cache_request_lease.h"
 #include "context_cache/eviction_planner.h"
 #include "context_cache/eviction_policy.h"
+#include "context_cache/host_block_tier.h"
 #include "context_cache/kv_event_queue.h"
 #include "context_cache/record_store.h"
 #include "context_cache/resource_pools.h"
@@ -45,6 +48,12 @@ struct ContextCacheManagerOptions {
   /// is published and before evicting while such a record is stored; must not go backwards (a
   /// smaller value counts as the largest seen). Empty: std::chrono::steady_clock milliseconds.
   std::function<int64_t()> retentionClock;
+  /// Pages of the host tier (docs/context_cache.md, "Host tier"); 0 = none. Evicted blocks are
+  /// kept there and vanilla lookups continue into it; the coordinator moves the bytes
+  /// (takeHostTransfers).
+  int32_t hostTierPages = 0;
+  /// Bytes one page moves between the tiers (all layers, K and V), for the byte counters only.
+  int64_t hostTierBytesPerPage = 0;
 };
 
 /// What the coordinator knows about one sequence at admission.
@@ -212,6 +221,19 @@ class ContextCacheManager {
   /// running request's pins and hits would outlive their records).
   bool resetPrefixCache() noexcept;
 
+  // --- Host tier -----------------------------------------------------------------------------
+
+  /// The page moves decided since the last call (offloads of evicted blocks, onboardings of
+  /// admitted plans), in the order they must run; empty without a host tier. The caller enqueues
+  /// them before any work that writes a page allocated since (the coordinator does so right after
+  /// each call that may evict or allocate).
+  HostTransfers takeHostTransfers() noexcept { return std::exchange(mHostTransfers, {}); }
+  /// After a failed launch of `offloads` (taken from takeHostTransfers): the host tier forgets
+  /// those blocks (their bytes may never have arrived) and announces their removal.
+  void forgetHostBlocks(std::span<HostTransfer const> offloads) noexcept;
+  /// The host tier's bookkeeping, or null without one.
+  HostBlockTier const* hostTier() const noexcept { return mHostTier.get(); }
+
   // --- Observers ------------------------------------------------------------------------------
 
   /// All queued KV events, oldest first (see KvEventQueue).
@@ -279,6 +301,16 @@ class ContextCacheManager {
   /// Drops record `id`'s cache references and erases it; `announce`: queue a BlockRemoved for
   /// each page that lost its last cache reference. Returns the number of records dropped (0, 1).
   int32_t dropRecord(RecordId id, bool announce) noexcept;
+  /// Host tier: keeps the evicted block on `gpuPage` (still indexed) in the host tier, queueing
+  /// its offload and its events; an allocation failure drops it (logged and counted).
+  void offloadEvicted(PageId gpuPage, Hash128 digest) noexcept;
+  /// Host tier: pins the plan's host pages in the lease (released at onboarding or with it).
+  void pinHostPages(CacheRequestLease& lease, ReusePlan const& plan);
+  /// Host tier: queues the onboarding of the plan's host pages into the lease's first private base
+  /// pages (just allocated) and drops the lease's host pins.
+  void queueOnboarding(CacheRequestLease& lease, ReusePlan const& plan);
+  /// checkPlan's host-tier part.
+  void checkHostPlan(char const* call, ReusePlan const& plan, bool fresh) const;
   void enforceRecordLimit() noexcept;
   /// Records whose retention duration ran out fall back to the default priority (before a
   /// victim order is read).
@@ -319,6 +351,8 @@ class ContextCacheManager {
   RecordStore mRecords;
   EvictionPlanner mEvictionPlanner;
   KvEventQueue mEvents;
+  std::unique_ptr<HostBlockTier> mHostTier;  ///< null without a host tier
+  HostTransfers mHostTransfers;              ///< decided, not yet taken by the coordinator
   ContextCacheMetrics mMetrics;
   int32_t mLiveLeases = 0;
   /// Bumped by every change of the index or the records (what plans are made of).

@@ -75,6 +75,28 @@ void writeRecordCounters(detail::PrometheusWriter& w, ContextCacheMetrics const&
             m.droppedEvents);
 }
 
+/// The host tier's counters: pages and bytes moved each way, hits, drops.
+void writeHostTierCounters(detail::PrometheusWriter& w, ContextCacheMetrics const& m) {
+  w.counter("host_tier_offloaded_pages_total", "Evicted GPU pages copied to the host tier.",
+            m.offloadedPages);
+  w.counter("host_tier_onboarded_pages_total", "Host tier pages copied back into GPU pages.",
+            m.onboardedPages);
+  w.counter("host_tier_offloaded_bytes_total", "Bytes copied from the GPU to the host tier.",
+            m.offloadedBytes);
+  w.counter("host_tier_onboarded_bytes_total", "Bytes copied from the host tier to the GPU.",
+            m.onboardedBytes);
+  w.counter("host_tier_hit_tokens_total",
+            "Reused prompt tokens that came from the host tier (part of reused_tokens_total).",
+            m.hostTierHitTokens);
+  w.counter("host_tier_dropped_pages_total", "Blocks the full host tier dropped for good.",
+            m.hostTierDroppedPages);
+  w.counter("host_tier_offload_failures_total",
+            "Evicted blocks the host tier could not keep (allocation failure).",
+            m.hostTierOffloadFailures);
+  w.counter("host_tier_reset_pages_total", "Host tier blocks dropped by prefix cache resets.",
+            m.hostTierResetPages);
+}
+
 /// The gauges: per-pool free slots and capacity, records, indexed blocks, live leases.
 void writeGauges(detail::PrometheusWriter& w, ContextCacheMetrics const& m) {
   perType(w, "pool_free", "gauge", "Free slots per resource pool.",
@@ -84,6 +106,8 @@ void writeGauges(detail::PrometheusWriter& w, ContextCacheMetrics const& m) {
   w.gauge("records", "Published records currently stored.", m.records);
   w.gauge("indexed_blocks", "Blocks currently reusable through the block index.", m.indexedBlocks);
   w.gauge("live_leases", "Request leases currently held.", m.liveLeases);
+  w.gauge("host_tier_capacity_pages", "Pages of the host tier (0: none).", m.hostTierCapacityPages);
+  w.gauge("host_tier_blocks", "Blocks the host tier holds.", m.hostTierBlocks);
 }
 
 }  // namespace
@@ -93,6 +117,7 @@ std::string toPrometheus(ContextCacheMetrics const& m, std::string_view prefix) 
   writeAdmissionCounters(w, m);
   writeMisses(w, m);
   writeRecordCounters(w, m);
+  writeHostTierCounters(w, m);
   writeGauges(w, m);
   return w.take();
 }

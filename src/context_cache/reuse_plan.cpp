@@ -195,7 +195,7 @@ ReusePlan makeColdReusePlan(ReuseMode mode, int32_t inputTokens, int32_t pageSiz
 }
 
 ReusePlan makeVanillaReusePlan(BlockIndex const& index, PromptBlocks const& blocks,
-                               ContextCacheLookupPolicy policy) {
+                               ContextCacheLookupPolicy policy, HostBlockTier const* hostTier) {
   checkPolicy("makeVanillaReusePlan", policy);
   checkBlocks("makeVanillaReusePlan", index, blocks);
   int32_t const n = blocks.tokenCount();
@@ -204,21 +204,31 @@ ReusePlan makeVanillaReusePlan(BlockIndex const& index, PromptBlocks const& bloc
   if (policy == ContextCacheLookupPolicy::kBypass || n == 0) {
     return plan;
   }
-  BlockIndex::PrefixMatch match = index.longestPrefix(blocks, blocks.fullBlockCount());
-  auto const matched = static_cast<int32_t>(match.pages.size());
+  int32_t const full = blocks.fullBlockCount();
+  BlockIndex::PrefixMatch match = index.longestPrefix(blocks, full);
+  auto const onGpu = static_cast<int32_t>(match.pages.size());
+  // A block whose digest is on the GPU with other content ends reuse in both tiers.
+  std::vector<PageId> onHost = hostTier != nullptr && !match.verificationRejected
+                                   ? hostTier->longestRun(blocks, onGpu, full)
+                                   : std::vector<PageId>{};
+  int32_t const matched = onGpu + static_cast<int32_t>(onHost.size());
   plan.indexedPrefixBlocks = matched;
   plan.verificationRejects = match.verificationRejected ? 1 : 0;
   if (matched == 0) {
     return plan;
   }
   bool const fullInput = matched * page == n;
-  int32_t const bound = fullInput ? matched - 1 : matched;
+  int32_t const reused = fullInput ? matched - 1 : matched;
+  int32_t const bound = std::min(onGpu, reused);
   match.pages.resize(static_cast<std::size_t>(bound));
+  onHost.resize(static_cast<std::size_t>(reused - bound));
   plan.kind = fullInput ? ReusePlanKind::kFullInputRewind : ReusePlanKind::kStandard;
   plan.matchedTokenLength = matched * page;
-  plan.reuseTokenLength = bound * page;
+  plan.reuseTokenLength = reused * page;
   plan.matchedBlockDigests = firstOf(blocks.keys, bound);
   plan.basePageBindings = std::move(match.pages);
+  plan.hostOnboardDigests.assign(blocks.keys.begin() + bound, blocks.keys.begin() + reused);
+  plan.hostOnboardPages = std::move(onHost);
   plan.demand.baseKvPages = pagesFor(n, page) - bound;
   return plan;
 }

@@ -18,6 +18,7 @@
 #include "context_cache/block_hash.h"
 #include "context_cache/block_index.h"
 #include "context_cache/cache_record.h"
+#include "context_cache/host_block_tier.h"
 #include "context_cache/record_store.h"
 #include "context_cache/resource_pools.h"
 #include "mkv/types.h"
@@ -71,11 +72,17 @@ struct ReusePlan {
   std::optional<SnapshotSlot> recurrentSnapshotBinding;  ///< restore source
   std::optional<SnapshotSlot> partialKvSnapshotBinding;  ///< restore source (partial page)
 
+  /// Host tier (vanilla plans only): host pages of the blocks right after the bound prefix, which
+  /// the lease's first private base pages receive before the prefill (onboarding), and their
+  /// keys. Their tokens count in matchedTokenLength and reuseTokenLength; their pages in demand.
+  std::vector<PageId> hostOnboardPages;
+  std::vector<Hash128> hostOnboardDigests;
+
   /// Private resources to allocate at acquire (snapshot reservations come later).
   ResourceDemand demand;
 
-  /// Diagnostics of the lookup: leading blocks found in the block index (verified), and how many
-  /// digest hits verification refused while planning.
+  /// Diagnostics of the lookup: leading blocks found in the block index or, after it, in the host
+  /// tier (verified), and how many digest hits verification refused while planning.
   int32_t indexedPrefixBlocks = 0;
   int32_t verificationRejects = 0;
 
@@ -90,11 +97,14 @@ struct ReusePlan {
 ReusePlan makeColdReusePlan(ReuseMode mode, int32_t inputTokens, int32_t pageSize,
                             bool hasAttention, bool pairedDraft);
 
-/// Page-aligned longest verified prefix. A fully matched page-aligned input drops its last page
-/// (kFullInputRewind) so the last token is recomputed for logits. Demand = pages - bound.
-/// kBypass gives the cold plan.
+/// Page-aligned longest verified prefix: blocks in `index`, then (with a host tier, when the GPU
+/// run ended at a plain miss) the blocks right after them that `hostTier` holds, to be onboarded.
+/// A fully matched page-aligned input drops its last page (kFullInputRewind) so the last token is
+/// recomputed for logits. Demand = pages - bound (onboarded blocks need fresh pages). kBypass
+/// gives the cold plan.
 ReusePlan makeVanillaReusePlan(BlockIndex const& index, PromptBlocks const& blocks,
-                               ContextCacheLookupPolicy policy);
+                               ContextCacheLookupPolicy policy,
+                               HostBlockTier const* hostTier = nullptr);
 
 /// Longest stored exact checkpoint strictly shorter than the input whose logical blocks equal the
 /// input's, with a recurrent snapshot, a partial-KV snapshot iff attention and length % page != 0,

@@ -7,15 +7,18 @@ list(APPEND MKV_LIBRARY_SOURCES
   ${CMAKE_CURRENT_LIST_DIR}/coordinator_admission.cpp
   ${CMAKE_CURRENT_LIST_DIR}/coordinator_checkpoints.cpp
   ${CMAKE_CURRENT_LIST_DIR}/coordinator_deployment.cpp
+  ${CMAKE_CURRENT_LIST_DIR}/coordinator_host_tier.cpp
   ${CMAKE_CURRENT_LIST_DIR}/coordinator_inflight_admission.cpp
   ${CMAKE_CURRENT_LIST_DIR}/coordinator_paged_rows.cpp
   ${CMAKE_CURRENT_LIST_DIR}/coordinator_validation.cpp
   ${CMAKE_CURRENT_LIST_DIR}/context_cache_manager.cpp
+  ${CMAKE_CURRENT_LIST_DIR}/context_cache_manager_host_tier.cpp
   ${CMAKE_CURRENT_LIST_DIR}/context_cache_manager_publication.cpp
   ${CMAKE_CURRENT_LIST_DIR}/context_cache_request.cpp
   ${CMAKE_CURRENT_LIST_DIR}/context_cache_metrics.cpp
   ${CMAKE_CURRENT_LIST_DIR}/eviction_planner.cpp
   ${CMAKE_CURRENT_LIST_DIR}/eviction_policy.cpp
+  ${CMAKE_CURRENT_LIST_DIR}/host_block_tier.cpp
   ${CMAKE_CURRENT_LIST_DIR}/kv_event_queue.cpp
   ${CMAKE_CURRENT_LIST_DIR}/lru_eviction_policy.cpp
   ${CMAKE_CURRENT_LIST_DIR}/recent_digest_set.cpp

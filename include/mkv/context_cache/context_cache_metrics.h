@@ -52,12 +52,27 @@ struct ContextCacheMetrics {
   uint64_t verificationRejects = 0;  ///< digest hits refused by token verification
   uint64_t droppedEvents = 0;        ///< KV events overwritten in the full event queue
 
+  // Host tier (docs/context_cache.md, "Host tier"); all zero without one.
+  uint64_t offloadedPages = 0;  ///< evicted GPU pages copied to the host tier
+  uint64_t onboardedPages = 0;  ///< host pages copied into fresh GPU pages of admitted plans
+  uint64_t offloadedBytes = 0;  ///< bytes of those offloads (all layers, K and V)
+  uint64_t onboardedBytes = 0;  ///< bytes of those onboardings
+  /// Reused tokens of admitted plans that came from the host tier (part of reusedTokens; the rest
+  /// were hits on the GPU).
+  uint64_t hostTierHitTokens = 0;
+  uint64_t hostTierDroppedPages = 0;  ///< blocks the full host tier dropped for good (its LRU)
+  uint64_t hostTierOffloadFailures =
+      0;                            ///< evicted blocks not kept: a host-index allocation failed
+  uint64_t hostTierResetPages = 0;  ///< host blocks dropped by prefix cache resets
+
   // Gauges: occupancy when metrics() was called.
   ResourceDemand freeResources;
   ResourceDemand capacities;
   int64_t records = 0;
   int64_t indexedBlocks = 0;
   int64_t liveLeases = 0;
+  int64_t hostTierCapacityPages = 0;  ///< pages of the host tier (0: none)
+  int64_t hostTierBlocks = 0;         ///< blocks it holds
 
   uint64_t& missCount(MissReason reason) noexcept {
     return misses[static_cast<std::size_t>(reason)];
