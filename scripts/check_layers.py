@@ -34,7 +34,7 @@ PUBLIC_HEADERS = {
     "cuda_types.h": "core", "stream.h": "core", "media.h": "core",
     "generation_request.h": "core",
     "kernels.h": "kernels",
-    "kv_cache_pool.h": "resources", "kv_page_table.h": "resources",
+    "kv_cache_pool.h": "resources", "kv_page_table.h": "resources", "host_kv_tier.h": "resources",
     "resident_slot_pool.h": "resources", "recurrent_state_pool.h": "resources",
     "snapshot_storage.h": "resources",
     "bounded_swa_kv_page_manager.h": "swa", "bounded_swa_request.h": "swa",

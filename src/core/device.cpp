@@ -98,6 +98,28 @@ void freePinnedHost(void* pointer) noexcept {
 #endif
 }
 
+void* allocateMappedHost(std::size_t bytes, void*& devicePointer) {
+#if MKV_WITH_CUDA
+  void* pointer = nullptr;
+  devicePointer = nullptr;
+  if (bytes == 0) {
+    return nullptr;
+  }
+  checkCuda(cudaHostAlloc(&pointer, bytes, cudaHostAllocMapped),
+            fmt::format("cudaHostAlloc({} bytes, mapped)", bytes));
+  cudaError_t const mapped = cudaHostGetDevicePointer(&devicePointer, pointer, 0);
+  if (mapped != cudaSuccess) {
+    (void)cudaFreeHost(pointer);
+    checkCuda(mapped, "cudaHostGetDevicePointer");
+  }
+  return pointer;
+#else
+  (void)bytes;
+  (void)devicePointer;
+  throwNoCuda("allocateMappedHost");
+#endif
+}
+
 void copyBytes(void* dst, DeviceType dstType, void const* src, DeviceType srcType,
                std::size_t bytes, cudaStream_t stream) {
   if (bytes == 0) {
@@ -187,6 +209,62 @@ void Event::synchronize() {
     checkCuda(cudaEventSynchronize(static_cast<cudaEvent_t>(mEvent)), "cudaEventSynchronize");
   }
 #endif
+}
+
+bool Event::query() const {
+#if MKV_WITH_CUDA
+  if (mEvent == nullptr || !mRecorded) {
+    return true;
+  }
+  cudaError_t const status = cudaEventQuery(static_cast<cudaEvent_t>(mEvent));
+  if (status == cudaErrorNotReady) {
+    return false;
+  }
+  checkCuda(status, "cudaEventQuery");
+#endif
+  return true;
+}
+
+void Event::orderBefore(cudaStream_t stream) const {
+#if MKV_WITH_CUDA
+  if (mEvent != nullptr && mRecorded) {
+    checkCuda(cudaStreamWaitEvent(stream, static_cast<cudaEvent_t>(mEvent), 0),
+              "cudaStreamWaitEvent");
+  }
+#else
+  (void)stream;
+#endif
+}
+
+OwnedStream::OwnedStream(DeviceType deviceType) {
+  if (deviceType == DeviceType::kGPU) {
+#if MKV_WITH_CUDA
+    checkCuda(cudaStreamCreateWithFlags(&mStream, cudaStreamNonBlocking), "cudaStreamCreate");
+#else
+    throwNoCuda("OwnedStream");
+#endif
+  }
+}
+
+OwnedStream::~OwnedStream() {
+#if MKV_WITH_CUDA
+  if (mStream != nullptr) {
+    (void)cudaStreamSynchronize(mStream);
+    (void)cudaStreamDestroy(mStream);
+  }
+#endif
+}
+
+OwnedStream::OwnedStream(OwnedStream&& other) noexcept
+    : mStream(std::exchange(other.mStream, nullptr)) {}
+
+cudaError_t OwnedStream::synchronize() const noexcept {
+#if MKV_WITH_CUDA
+  if (mStream != nullptr) {
+    return cudaStreamSynchronize(mStream);
+  }
+#endif
+  return cudaSuccess;
 }
 
 HostBuffer::HostBuffer(std::size_t bytes, DeviceType forDevice)
