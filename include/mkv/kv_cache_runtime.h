@@ -11,6 +11,7 @@
 #include "mkv/bounded_swa_kv_page_manager.h"
 #include "mkv/context_cache/context_cache_coordinator.h"
 #include "mkv/cuda_types.h"
+#include "mkv/host_kv_tier.h"
 #include "mkv/kv_cache_pool.h"
 #include "mkv/kv_page_table.h"
 #include "mkv/recurrent_state_pool.h"
@@ -78,6 +79,11 @@ struct KVCacheRuntimeConfig {
   bool contextReuse = false;
   /// Settings of the coordinator (its `enabled` is set from contextReuse).
   ContextCacheConfig contextCache;
+  /// Tokens of the host tier: a second KV pool in pinned host memory (plain host memory for
+  /// kCPU) that keeps the blocks the GPU cache evicts, and from which lookups onboard them
+  /// (docs/context_cache.md, "Host tier"). A multiple of tokensPerPage; 0 = none. Needs
+  /// contextReuse on an attention-only model without `speculative`.
+  int64_t hostPoolTokens = 0;
   /// Speculative decoding with a draft model (needs contextReuse: the bounded-SWA and
   /// full-storage backends decode vanilla only). nullopt: speculative requests are refused.
   std::optional<KVCacheSpeculativeConfig> speculative;
@@ -136,6 +142,8 @@ class KVCacheRuntime {
   KVCachePool* draftPool() noexcept { return mDraftPool.get(); }
   KVPageTable* draftPageTable() noexcept { return mDraftTable.get(); }
   RecurrentStatePool* recurrentState() noexcept { return mRecurrent.get(); }
+  /// The host tier of the full pool (hostPoolTokens > 0), else null.
+  HostKvTier* hostTier() noexcept { return mHostTier.get(); }
   ResidentSlotPool& residentSlots() noexcept { return mResidentSlots; }
   /// The pool whose KV-length tensor the backend maintains (full pool, else the SWA pool).
   KVCachePool& lengthPool() noexcept;
@@ -166,6 +174,7 @@ class KVCacheRuntime {
   std::unique_ptr<KVPageTable> mSwaTable;
   std::unique_ptr<KVCachePool> mDraftPool;
   std::unique_ptr<KVPageTable> mDraftTable;
+  std::unique_ptr<HostKvTier> mHostTier;
   std::unique_ptr<RecurrentStatePool> mRecurrent;
   ResidentSlotPool mResidentSlots;
   // Backends last: they are destroyed before the resources they borrow.

@@ -16,6 +16,7 @@
 #include "context_cache/coordinator_validation.h"
 #include "core/check.h"
 #include "core/device.h"
+#include "mkv/host_kv_tier.h"
 #include "mkv/logging.h"
 #include "resources/backend_requests.h"
 
@@ -73,6 +74,10 @@ ContextCacheCoordinator::ContextCacheCoordinator(ContextCacheConfig const& confi
   options.specContract = profile.speculative;
   options.evictionPolicy = config.evictionPolicy;
   options.retentionClock = config.retentionClock;
+  if (resources.hostTier != nullptr) {
+    options.hostTierPages = resources.hostTier->numPages();
+    options.hostTierBytesPerPage = resources.hostTier->bytesPerPage();
+  }
   mManager = std::make_unique<ContextCacheManager>(layout.blockTokens, layout.capacities,
                                                    config.enabled ? config.maxRecords : 0, options);
   if (profile.usesCheckpointReuse()) {
@@ -364,6 +369,7 @@ void ContextCacheCoordinator::publishReady(Request& req, std::size_t row, int32_
     PublishResult const published = mManager->publish(sequence.lease, digests, length);
     sequence.publishedBlocks =
         std::max(sequence.publishedBlocks, published.publishedFullBlockCount);
+    moveHostTierPages("ContextCacheCoordinator: publication");  // the record limit may evict
   } catch (std::bad_alloc const&) {
     logger()->warn(
         "ContextCacheCoordinator: out of host memory; {} blocks of request {} row {} "
@@ -412,8 +418,11 @@ ContextCacheStatus ContextCacheCoordinator::prepareDecodeStep(RequestHandle& han
   MKV_REQUIRE(req.stage == RequestStage::kSettled, kCall,
               "a decode step needs an executing request with no pending work");
   detail::validateHeadroom(kCall, headroom, pairsDraft(req));
-  if (hasKv() && growPages(req, headroom) != ContextCacheStatus::kOk) {
-    return ContextCacheStatus::kRequestFailed;
+  if (hasKv()) {
+    ContextCacheStatus const grown = growPages(req, headroom);
+    if (grown != ContextCacheStatus::kOk) {
+      return grown == ContextCacheStatus::kPoisoned ? grown : ContextCacheStatus::kRequestFailed;
+    }
   }
   req.stage = RequestStage::kDecoding;  // pure recurrent: no pages to grow
   return ContextCacheStatus::kOk;
@@ -465,6 +474,12 @@ ContextCacheStatus ContextCacheCoordinator::growPages(Request& req,
     }
     if (!grown) {
       return fail();
+    }
+    if (!moveHostTierPages("ContextCacheCoordinator::prepareDecodeStep")) {
+      table.mapGrown(sequence, static_cast<std::size_t>(heldBase),
+                     static_cast<std::size_t>(heldDraft), paired);
+      table.upload(paired);
+      return ContextCacheStatus::kPoisoned;
     }
     table.mapGrown(sequence, static_cast<std::size_t>(heldBase),
                    static_cast<std::size_t>(heldDraft), paired);
@@ -643,6 +658,11 @@ ContextCacheStatus ContextCacheCoordinator::finish(RequestHandle& handle) {
 }
 
 ContextCacheStatus ContextCacheCoordinator::shutdown() noexcept {
+  // A failed host-tier launch poisons: its other copies may still run.
+  if (mPoisoned && mResources.hostTier != nullptr &&
+      mResources.hostTier->synchronize() != cudaSuccess) {
+    return ContextCacheStatus::kPoisoned;
+  }
   if (!mQuarantine.empty()) {
     if (!synchronize()) {
       return ContextCacheStatus::kPoisoned;

@@ -136,6 +136,11 @@ ContextCacheCoordinator::BeginRequestResult ContextCacheCoordinator::beginReques
     result.status = ContextCacheStatus::kRequestFailed;
     return result;
   }
+  if (!moveHostTierPages(kCall)) {  // poisoned; the leases (onboarding destinations) are released
+    countPlanning(start);
+    result.status = ContextCacheStatus::kPoisoned;
+    return result;
+  }
   addSequences(*created, admission, lookups, acquired);
   countPlanning(start);
   AdmissionResult admitted;

@@ -3,6 +3,7 @@
 #include <limits>
 
 #include "core/check.h"
+#include "mkv/host_kv_tier.h"
 
 namespace mkv::detail {
 namespace {
@@ -153,6 +154,33 @@ void layOutSnapshots(ContextCacheConfig const& config, ContextCacheDeploymentPro
   layout.capacities.partialKvSnapshotSlots = snapshots.partialKvSlots;
 }
 
+/// The host tier: attention-only, non-speculative reuse, on the base pool's device and geometry.
+void validateHostTier(ContextCacheConfig const& config,
+                      ContextCacheDeploymentProfile const& profile,
+                      ContextCachePhysicalResources const& resources) {
+  HostKvTier const* tier = resources.hostTier;
+  if (tier == nullptr) {
+    return;
+  }
+  MKV_REQUIRE(config.enabled, kCall, "a host tier needs context reuse enabled");
+  MKV_REQUIRE(profile.baseStateKind == BaseStateKind::kAttentionOnly && !profile.isSpeculative(),
+              kCall,
+              "a host tier is supported on attention-only, non-speculative deployments only "
+              "(this one is {}{})",
+              profile.hasAttention() ? "hybrid" : "pure recurrent",
+              profile.isSpeculative() ? ", speculative" : "");
+  kernels::PagedBuffers const host = tier->pagedBuffers();
+  kernels::PagedBuffers const gpu = resources.basePool->pagedBuffers();
+  MKV_REQUIRE(
+      host.deviceType == gpu.deviceType && host.numLayers() == gpu.numLayers() &&
+          host.tokensPerPage == gpu.tokensPerPage && host.tokenBytes == gpu.tokenBytes,
+      kCall,
+      "the host tier's geometry ({} layers, {} tokens per page, {} bytes per token) differs "
+      "from the base pool's ({}, {}, {})",
+      host.numLayers(), host.tokensPerPage, host.tokenBytes, gpu.numLayers(), gpu.tokensPerPage,
+      gpu.tokenBytes);
+}
+
 }  // namespace
 
 DeploymentLayout validateDeployment(ContextCacheConfig const& config,
@@ -170,6 +198,7 @@ DeploymentLayout validateDeployment(ContextCacheConfig const& config,
   if (profile.usesCheckpointReuse()) {
     layOutSnapshots(config, profile, resources, layout);
   }
+  validateHostTier(config, profile, resources);
   return layout;
 }
 

@@ -49,7 +49,12 @@ ContextCacheCoordinator::AdmitSequenceResult ContextCacheCoordinator::admitSeque
       lookupOf(admission, admission.lookupPolicy.value_or(req.batchPolicy), headroom, false);
   auto const start = std::chrono::steady_clock::now();
   mkv::AdmissionResult acquired = mManager->admit(lookup);
+  bool const moved = moveHostTierPages(kCall);
   countPlanning(start);
+  if (!moved) {  // poisoned; the lease (an onboarding destination) is released
+    result.status = ContextCacheStatus::kPoisoned;
+    return result;
+  }
   if (!acquired.lease) {
     ++mCounters.liveAdmissionRefusals;
     result.status = ContextCacheStatus::kRequestFailed;

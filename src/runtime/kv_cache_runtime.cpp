@@ -72,6 +72,23 @@ void validateSpeculative(KVCacheRuntimeConfig const& config, KVCacheSpeculativeC
   }
 }
 
+/// hostPoolTokens: whole pages, at most a pool's page limit, on a deployment the tier serves.
+void validateHostPool(KVCacheRuntimeConfig const& config, int32_t maxPages) {
+  int64_t const tokens = config.hostPoolTokens;
+  if (tokens == 0) {
+    return;
+  }
+  MKV_REQUIRE(
+      tokens > 0 && tokens % config.tokensPerPage == 0 && tokens / config.tokensPerPage <= maxPages,
+      kCall, "hostPoolTokens must be a multiple of tokensPerPage ({}) in [0, {}], got {}",
+      config.tokensPerPage, int64_t{maxPages} * config.tokensPerPage, tokens);
+  MKV_REQUIRE(
+      config.contextReuse && config.model.numRecurrentLayers == 0 && !config.speculative, kCall,
+      "hostPoolTokens {} needs contextReuse on an attention-only model without "
+      "speculative decoding (contextReuse {}, recurrent layers {}, speculative {})",
+      tokens, config.contextReuse, config.model.numRecurrentLayers, config.speculative.has_value());
+}
+
 void validate(KVCacheRuntimeConfig const& config) {
   KVCacheModelConfig const& model = config.model;
   MKV_REQUIRE(model.numFullAttentionLayers >= 0 && model.numSlidingWindowLayers >= 0 &&
@@ -108,6 +125,7 @@ void validate(KVCacheRuntimeConfig const& config) {
   if (config.speculative) {
     validateSpeculative(config, *config.speculative, kMaxPages);
   }
+  validateHostPool(config, kMaxPages);
 }
 
 /// The pools' sizes, checked: `width` pages per sequence (a page-table row), the full pool's
@@ -278,6 +296,12 @@ std::unique_ptr<KVCacheRuntime> KVCacheRuntime::create(KVCacheRuntimeConfig cons
         config.maxBatchSize, sizes.width, draftPages, PageTableMode::kDense, config.deviceType);
     resources.draftPool = runtime->mDraftPool.get();
     resources.draftPageTable = runtime->mDraftTable.get();
+  }
+  if (config.hostPoolTokens > 0) {  // validated: reuse on, attention only, not speculative
+    HostKvTierConfig tier;
+    tier.numPages = static_cast<int32_t>(config.hostPoolTokens / config.tokensPerPage);
+    runtime->mHostTier = std::make_unique<HostKvTier>(tier, *runtime->mFullPool);
+    resources.hostTier = runtime->mHostTier.get();
   }
   runtime->mCoordinator = std::make_unique<ContextCacheCoordinator>(
       cache, deploymentProfile(config), resources, config.stream, synchronizer);

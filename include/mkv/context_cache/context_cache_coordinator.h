@@ -30,6 +30,8 @@ namespace mkv {
 // The manager and its value types are internal (src/context_cache/context_cache_manager.h); the
 // coordinator holds the manager by pointer and names these only in private declarations.
 class ContextCacheManager;
+class HostKvTier;
+struct HostPageCopy;
 struct AdmissionResult;
 struct LookupRequest;
 struct PromptBlocks;
@@ -114,6 +116,10 @@ struct ContextCachePhysicalResources {
   /// admitSequence refuse a ResidentRef that is not held with its current epoch (a stale ref of
   /// a released and reused row): ResidentSlotPool::requireHeld.
   ResidentSlotPool const* residentSlots = nullptr;
+  /// Host tier of the base pool (KVCacheRuntime creates it from `hostPoolTokens`), or null:
+  /// evicted blocks are copied there and lookups continue into it (docs/context_cache.md, "Host
+  /// tier"). Attention-only, non-speculative deployments with reuse on only.
+  HostKvTier* hostTier = nullptr;
 };
 
 /// One sequence of an admission.
@@ -185,6 +191,8 @@ struct ContextCacheCoordinatorCounters {
   uint64_t hybridMtpPublications = 0;   ///< Hybrid-MTP endpoints committed as records
   uint64_t boundaryHiddenRestores = 0;  ///< boundary hidden rows copied back (Hybrid-MTP hits)
   uint64_t planningNanoseconds = 0;     ///< host time spent in lookup + acquire
+  /// Host tier: batches of page moves enqueued (offloads and onboardings of one manager call).
+  uint64_t hostTierTransfers = 0;
 };
 
 /// Context reuse over full paged KV: lookups at admission, page rows for execution, growth per
@@ -467,6 +475,12 @@ class ContextCacheCoordinator {
     }
   }
   void countPlanning(std::chrono::steady_clock::time_point start) noexcept;
+  /// Host tier (coordinator_host_tier.cpp): enqueues the page moves of the manager's last calls
+  /// on the tier's stream and orders the request stream after them, so nothing writes an evicted
+  /// page before its offload read it and no prefill reads an onboarded page before it arrived.
+  /// Called right after every manager call that may evict or allocate. False (poisoned, the
+  /// offloaded blocks forgotten) when a launch failed; no-op without a host tier.
+  bool moveHostTierPages(char const* call) noexcept;
 
   // Batch admission.
   detail::AdmissionLimits admissionLimits() const noexcept;
@@ -534,6 +548,9 @@ class ContextCacheCoordinator {
   StreamSynchronizer mSynchronizer;
   std::unique_ptr<ContextCacheManager> mManager;
   std::unique_ptr<SnapshotStorage> mSnapshots;
+  /// moveHostTierPages' scratch (reused: no allocation once they reached their size).
+  std::vector<HostPageCopy> mOffloadCopies;
+  std::vector<HostPageCopy> mOnboardCopies;
   int32_t mMaxBatch = 0;
   DeviceType mDevice = DeviceType::kCPU;
   std::vector<std::unique_ptr<Request>> mActive;
