@@ -196,6 +196,13 @@ CliOptions parseArguments(int argc, char** argv) {
             flag, value,
             {{"lru", mkv::EvictionPolicyKind::kLru}, {"s3fifo", mkv::EvictionPolicyKind::kS3Fifo}});
       });
+  auto* hostPool =
+      option("--host-pool-tokens", "N",
+             "reuse: a host tier of N tokens (pinned host memory) that keeps evicted blocks "
+             "(docs/context_cache.md, \"Host tier\")",
+             [&](std::string_view flag, std::string_view value) {
+               c.hostPoolTokens = parseInteger(flag, value, 1, std::numeric_limits<int64_t>::max());
+             });
   option("--max-batch", "N",
          "sequences executing at once (default 1); reuse/full: in-flight joins, swa: batches of "
          "N consecutive requests",
@@ -361,6 +368,12 @@ CliOptions parseArguments(int argc, char** argv) {
   }
   if (c.mode != ReplayMode::kReuse && eviction->count() > 0) {
     throw UsageError("--eviction applies to --mode reuse only");
+  }
+  if (hostPool->count() > 0 && (c.mode != ReplayMode::kReuse ||
+                                c.speculative != SpeculativeKind::kNone || c.recurrentLayers > 0)) {
+    throw UsageError(
+        "--host-pool-tokens applies to --mode reuse on an attention-only model without "
+        "--speculative");
   }
   if (c.speculative == SpeculativeKind::kNone && draftLayers->count() + specWidth->count() > 0) {
     throw UsageError(fmt::format("{} needs --speculative eagle or mtp",

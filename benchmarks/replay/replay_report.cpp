@@ -282,6 +282,16 @@ std::string formatSummary(ReplayResult const& r) {
     if (r.cacheResets > 0) {
       line("prefix cache resets", grouped(r.cacheResets));
     }
+    if (r.hostTier.pages > 0) {
+      ReplayResult::HostTier const& h = r.hostTier;
+      line(
+          "host tier",
+          fmt::format("{} pages ({}): {} tokens reused from it; {} pages offloaded ({}), {} "
+                      "onboarded ({}), {} dropped",
+                      grouped(h.pages), bytes(h.bytes), grouped(h.hitTokens),
+                      grouped(h.offloadedPages), bytes(h.offloadedBytes), grouped(h.onboardedPages),
+                      bytes(h.onboardedBytes), grouped(h.droppedPages)));
+    }
     std::string misses;
     for (std::size_t i = 0; i < r.missesByReason.size(); ++i) {
       if (r.missesByReason[i] > 0) {
@@ -376,6 +386,24 @@ std::string formatJson(ReplayResult const& r) {
       {"requests_per_s", std::round(requestsPerSecond(r) * 10.0) / 10.0},
       {"dropped_events", r.droppedEvents},
   };
+  if (r.hostTier.pages > 0) {
+    ReplayResult::HostTier const& h = r.hostTier;
+    double const perRequest = r.requests > 0 ? 1.0 / static_cast<double>(r.requests) : 0.0;
+    json["host_tier"] = {
+        {"pages", h.pages},
+        {"tokens", h.pages * c.pageSize},
+        {"bytes", h.bytes},
+        {"hit_tokens", h.hitTokens},
+        {"offloaded_pages", h.offloadedPages},
+        {"onboarded_pages", h.onboardedPages},
+        {"offloaded_bytes", h.offloadedBytes},
+        {"onboarded_bytes", h.onboardedBytes},
+        {"bytes_moved_per_request",
+         std::round(static_cast<double>(h.offloadedBytes + h.onboardedBytes) * perRequest)},
+        {"dropped_pages", h.droppedPages},
+        {"transfers", h.transfers},
+    };
+  }
   json["recurrent_layers"] = c.recurrentLayers;
   if (c.recurrentLayers > 0) {
     ReplayResult::Hybrid const& h = r.hybrid;

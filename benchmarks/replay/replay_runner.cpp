@@ -302,10 +302,19 @@ class Runner {
       // Events of one step: each running sequence stores at most its `width` blocks; evictions
       // remove the blocks of pages freed for the step's admissions (at most a batch of
       // sequences, plus the rest of the last record evicted) and of pages still leased.
-      rc.contextCache.eventQueueCapacity =
-          static_cast<int32_t>(std::min<int64_t>({std::numeric_limits<int32_t>::max() / 4,
-                                                  2 * pages, 4 * int64_t{batch} * width}) +
-                               1024);
+      // A host tier adds a store on the host for each removal, and the host tier's own drops.
+      int64_t const perPage = c.hostPoolTokens > 0 ? 3 : 1;
+      rc.contextCache.eventQueueCapacity = static_cast<int32_t>(
+          std::min<int64_t>({std::numeric_limits<int32_t>::max() / 4, 2 * perPage * pages,
+                             4 * perPage * int64_t{batch} * width}) +
+          1024);
+    }
+    if (c.hostPoolTokens > 0) {
+      rc.hostPoolTokens = c.hostPoolTokens / c.pageSize * c.pageSize;
+      if (rc.hostPoolTokens == 0) {
+        configError(fmt::format("a host tier of {} tokens holds no page of {} tokens",
+                                c.hostPoolTokens, c.pageSize));
+      }
     }
     rc.maxBatchSize = batch;
     mResult.maxBatch = batch;
@@ -667,6 +676,7 @@ class Runner {
       ContextCacheMetrics const metrics = coordinator->metrics();
       r.evictedRecords = static_cast<int64_t>(metrics.evictedRecords);
       r.cacheResets = static_cast<int64_t>(metrics.prefixCacheResets);
+      summarizeHostTier(metrics, coordinator->counters());
       r.publishedRecords = static_cast<int64_t>(metrics.publishedRecords);
       for (std::size_t i = 0; i < r.missesByReason.size(); ++i) {
         r.missesByReason[i] = static_cast<int64_t>(metrics.misses[i]);
@@ -692,6 +702,20 @@ class Runner {
     if (!mRuntime->shutdown()) {
       throw std::runtime_error("the runtime's shutdown did not drain its quarantine");
     }
+  }
+
+  void summarizeHostTier(ContextCacheMetrics const& metrics,
+                         ContextCacheCoordinatorCounters const& counters) {
+    ReplayResult::HostTier& h = mResult.hostTier;
+    h.pages = metrics.hostTierCapacityPages;
+    h.bytes = mRuntime->hostTier() != nullptr ? h.pages * mRuntime->hostTier()->bytesPerPage() : 0;
+    h.offloadedPages = static_cast<int64_t>(metrics.offloadedPages);
+    h.onboardedPages = static_cast<int64_t>(metrics.onboardedPages);
+    h.offloadedBytes = static_cast<int64_t>(metrics.offloadedBytes);
+    h.onboardedBytes = static_cast<int64_t>(metrics.onboardedBytes);
+    h.hitTokens = static_cast<int64_t>(metrics.hostTierHitTokens);
+    h.droppedPages = static_cast<int64_t>(metrics.hostTierDroppedPages);
+    h.transfers = static_cast<int64_t>(counters.hostTierTransfers);
   }
 
   void summarizeHybrid(ContextCacheCoordinator const& coordinator) {

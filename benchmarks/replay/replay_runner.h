@@ -68,6 +68,9 @@ struct ReplayConfig {
   int64_t resetCacheEvery = 0;
   /// kReuse: the context cache's victim order within a retention priority.
   EvictionPolicyKind eviction = EvictionPolicyKind::kS3Fifo;
+  /// kReuse: tokens of the host tier (KVCacheRuntimeConfig::hostPoolTokens), rounded down to
+  /// whole pages; 0 = none (docs/context_cache.md, "Host tier").
+  int64_t hostPoolTokens = 0;
   /// kReuse: each engine step's KV events go to this publisher as one batch (not owned).
   KvEventPublisher* kvEvents = nullptr;
   // Speculative decoding (kReuse only).
@@ -149,6 +152,18 @@ struct ReplayResult {
   double hitRate = 0.0;  ///< reused / prompt tokens
   int64_t evictedRecords = 0;
   int64_t cacheResets = 0;  ///< prefix cache resets (--reset-cache-every)
+  /// The host tier's figures (--host-pool-tokens; all zero without one).
+  struct HostTier {
+    int64_t pages = 0;           ///< capacity
+    int64_t bytes = 0;           ///< capacity in bytes (pinned host memory on the GPU)
+    int64_t offloadedPages = 0;  ///< evicted GPU pages copied to the host
+    int64_t onboardedPages = 0;  ///< host pages copied back into GPU pages
+    int64_t offloadedBytes = 0;
+    int64_t onboardedBytes = 0;
+    int64_t hitTokens = 0;     ///< reused tokens that came from the host tier
+    int64_t droppedPages = 0;  ///< blocks the full host tier dropped for good
+    int64_t transfers = 0;     ///< copy batches enqueued
+  } hostTier;
   int64_t publishedRecords = 0;
   std::array<int64_t, kMissReasonCount> missesByReason{};
   int64_t peakPagesInUse = 0;
