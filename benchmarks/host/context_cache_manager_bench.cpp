@@ -162,5 +162,95 @@ void BM_LookupAcquirePublishByPolicy(benchmark::State& state) {
 }
 BENCHMARK(BM_LookupAcquirePublishByPolicy)->Apply(publishCases);
 
+/// The host tier's lookup cost: the cached 32k prompt was evicted from a GPU pool that holds one
+/// prompt into a host tier, so the query's `hit` percent of blocks are all on the host (page 128,
+/// verification on). Next to BM_Lookup / BM_LookupAcquire with the same page and hit, where the
+/// blocks are on the GPU: the same walk, in the host tier's index instead.
+class HostTierRig {
+ public:
+  explicit HostTierRig(int32_t hitPercent)
+      : mHitBlocks(kPromptTokens / kPage * hitPercent / 100),
+        mManager(kPage, ResourceDemand{kPromptTokens / kPage + 2, 0, 0, 0}, kRecordLimit,
+                 options()),
+        mCached(randomTokens(kPromptTokens, 11)),
+        mQuery(mCached) {
+    publish(mCached);
+    publish(randomTokens(kPromptTokens, 12));  // evicts the first prompt to the host tier
+    (void)mManager.takeHostTransfers();
+    mQuery[static_cast<std::size_t>(mHitBlocks * kPage)] = uniqueToken(0);
+  }
+
+  LookupRequest query() const {
+    LookupRequest request;
+    request.prompt = PromptView{mQuery, {}, {}};
+    request.baseExtraTokens = 1;
+    return request;
+  }
+  ContextCacheManager& manager() noexcept { return mManager; }
+  int32_t hitTokens() const noexcept { return mHitBlocks * kPage; }
+
+ private:
+  static constexpr int32_t kPage = 128;
+  static ContextCacheManagerOptions options() {
+    ContextCacheManagerOptions o = managerOptions(true, EvictionPolicyKind::kLru);
+    o.hostTierPages = 2 * (kPromptTokens / kPage + 2);
+    return o;
+  }
+  void publish(std::vector<int32_t> const& tokens) {
+    LookupRequest request;
+    request.prompt = PromptView{tokens, {}, {}};
+    request.policy = ContextCacheLookupPolicy::kBypass;
+    AdmissionResult admitted = mManager.admit(request);
+    mManager.publish(*admitted.lease, hashPromptBlocks(request.prompt, kPage), kPromptTokens);
+  }
+
+  int32_t mHitBlocks;
+  ContextCacheManager mManager;
+  std::vector<int32_t> mCached;
+  std::vector<int32_t> mQuery;
+};
+
+void hostTierCases(benchmark::internal::Benchmark* b) {
+  b->ArgNames({"hit"});
+  for (int64_t hit : {50, 95}) {
+    b->Args({hit});
+  }
+  b->Unit(benchmark::kMicrosecond);
+}
+
+void BM_LookupFromHostTier(benchmark::State& state) {
+  HostTierRig rig(static_cast<int32_t>(state.range(0)));
+  LookupRequest const request = rig.query();
+  for (auto _ : state) {
+    LookupResult result = rig.manager().lookup(request);
+    benchmark::DoNotOptimize(result.plan.reuseTokenLength);
+  }
+  LookupResult const check = rig.manager().lookup(request);
+  if (check.plan.reuseTokenLength != rig.hitTokens() ||
+      check.plan.hostOnboardPages.size() * 128 != static_cast<std::size_t>(rig.hitTokens())) {
+    state.SkipWithError("the hit is not all on the host tier");
+  }
+  setTokenCounters(state, kPromptTokens);
+}
+BENCHMARK(BM_LookupFromHostTier)->Apply(hostTierCases);
+
+/// admit with onboarding: lookup, the host pins, private pages, the onboarding list; the lease's
+/// release and the (discarded) transfer list every iteration.
+void BM_LookupAcquireFromHostTier(benchmark::State& state) {
+  HostTierRig rig(static_cast<int32_t>(state.range(0)));
+  LookupRequest const request = rig.query();
+  for (auto _ : state) {
+    AdmissionResult admitted = rig.manager().admit(request);
+    if (!admitted.lease || admitted.plan.hostOnboardPages.empty()) {
+      state.SkipWithError("admission failed or onboarded nothing");
+      break;
+    }
+    HostTransfers const moves = rig.manager().takeHostTransfers();
+    benchmark::DoNotOptimize(moves.onboards.size());
+  }
+  setTokenCounters(state, kPromptTokens);
+}
+BENCHMARK(BM_LookupAcquireFromHostTier)->Apply(hostTierCases);
+
 }  // namespace
 }  // namespace mkv::bench

@@ -85,6 +85,10 @@ TEST(ContextCacheMetricsTest, PrometheusExpositionParsesAndCarriesEveryCounter) 
   m.queriedTokens = 2048;
   m.prefixCacheResets = 3;
   m.resetRecords = 11;
+  m.offloadedPages = 12;
+  m.onboardedBytes = 4096;
+  m.hostTierHitTokens = 256;
+  m.hostTierCapacityPages = 64;
   std::string const text = toPrometheus(m);
   ASSERT_FALSE(text.empty());
   EXPECT_EQ(text.back(), '\n');
@@ -103,6 +107,11 @@ TEST(ContextCacheMetricsTest, PrometheusExpositionParsesAndCarriesEveryCounter) 
   EXPECT_EQ(e.samples.at("managedkv_prefix_cache_hits_total"), 1024);
   EXPECT_EQ(e.samples.at("managedkv_prefix_cache_resets_total"), 3);
   EXPECT_EQ(e.samples.at("managedkv_reset_records_total"), 11);
+  EXPECT_EQ(e.samples.at("managedkv_host_tier_offloaded_pages_total"), 12);
+  EXPECT_EQ(e.samples.at("managedkv_host_tier_onboarded_bytes_total"), 4096);
+  EXPECT_EQ(e.samples.at("managedkv_host_tier_hit_tokens_total"), 256);
+  EXPECT_EQ(e.samples.at("managedkv_host_tier_capacity_pages"), 64);
+  EXPECT_EQ(e.samples.at("managedkv_host_tier_blocks"), 0);
 
   int misses = 0;
   for (auto const& [name, value] : e.samples) {
@@ -115,15 +124,15 @@ TEST(ContextCacheMetricsTest, PrometheusExpositionParsesAndCarriesEveryCounter) 
     bool const total = name.size() > 6 && name.compare(name.size() - 6, 6, "_total") == 0;
     EXPECT_EQ(family.type == "counter", total) << name << ": counters and only they end in _total";
   }
-  // Every counter of the struct appears: 19 scalar counters + misses + reclaimed, and vLLM's
-  // token-counted pair (queriedTokens, reusedTokens) under vLLM's names.
+  // Every counter of the struct appears: 19 scalar counters + misses + reclaimed, vLLM's
+  // token-counted pair (queriedTokens, reusedTokens) under vLLM's names, and the host tier's 8.
   std::set<std::string> counters;
   for (auto const& [name, family] : e.families) {
     if (family.type == "counter") {
       counters.insert(name);
     }
   }
-  EXPECT_EQ(counters.size(), 22U);
+  EXPECT_EQ(counters.size(), 30U);
 }
 
 TEST(ContextCacheMetricsTest, PrefixCacheQueriesAndHitsAreCountedInTokens) {

@@ -290,6 +290,43 @@ TEST_F(EngineLoopNoWaitTest, ReuseWithPublicationAndHit) {
   expectOtherStreamStillBusy();
 }
 
+// The host tier: the second request's admission evicts the first prompt, whose pages are copied
+// to pinned host memory on the tier's stream; the third onboards them again. Neither waits on the
+// host, and the engine's stream waits only for the tier's copies.
+TEST_F(EngineLoopNoWaitTest, HostTierOffloadAndOnboarding) {
+  KVCacheRuntimeConfig config = baseConfig(stream());
+  config.model.numFullAttentionLayers = 2;
+  config.contextReuse = true;
+  config.maxSequenceLength = 2304;  // 18 pages a row
+  config.numPages = 20;             // one 2048-token prompt at a time
+  config.hostPoolTokens = 40 * kPage;
+  auto runtime = KVCacheRuntime::create(config);
+  ASSERT_NE(runtime->hostTier(), nullptr);
+  LoopEngine first(*runtime, stream());
+  LoopEngine other(*runtime, stream());
+  LoopEngine again(*runtime, stream());
+  first.add(tokenRun(2048, 10));
+  other.add(tokenRun(2048, 50000));
+  again.add(tokenRun(2048, 10));
+  occupyOtherStream();
+  ASSERT_NO_FATAL_FAILURE(first.begin());
+  ASSERT_NO_FATAL_FAILURE(first.prefill());
+  ASSERT_NO_FATAL_FAILURE(first.decode(2));
+  ASSERT_NO_FATAL_FAILURE(first.finish());
+  ASSERT_NO_FATAL_FAILURE(other.begin());  // evicts the first prompt: offload
+  ASSERT_NO_FATAL_FAILURE(other.prefill());
+  ASSERT_NO_FATAL_FAILURE(other.finish());
+  ASSERT_NO_FATAL_FAILURE(again.begin());  // onboards it
+  EXPECT_GE(again.prefillStart(0), 2048 - kPage);
+  ASSERT_NO_FATAL_FAILURE(again.prefill());
+  ASSERT_NO_FATAL_FAILURE(again.decode(2));
+  ASSERT_NO_FATAL_FAILURE(again.finish());
+  expectOtherStreamStillBusy();
+  ContextCacheMetrics const metrics = runtime->contextCache()->metrics();
+  EXPECT_GE(metrics.offloadedPages, 15U);
+  EXPECT_GE(metrics.onboardedPages, 15U);
+}
+
 TEST_F(EngineLoopNoWaitTest, FullStorageWithCompaction) {
   KVCacheRuntimeConfig config = baseConfig(stream());
   config.model.numFullAttentionLayers = 2;

@@ -231,6 +231,16 @@ TEST_F(MkvReplayCliTest, BadOptionsAreOneLineAndExitTwo) {
   expectBadInput({"--reset-cache-every", "5", "--mode", "swa"},
                  "--reset-cache-every applies to --mode reuse only");
   expectBadInput({"--reset-cache-every", "0"}, "--reset-cache-every 0 is outside [1, ");
+  // The host tier: reuse mode on an attention-only, non-speculative model, whole pages.
+  char const* const hostTierOnly =
+      "--host-pool-tokens applies to --mode reuse on an attention-only model without "
+      "--speculative";
+  expectBadInput({"--host-pool-tokens", "4096", "--mode", "swa"}, hostTierOnly);
+  expectBadInput({"--host-pool-tokens", "4096", "--recurrent-layers", "2"}, hostTierOnly);
+  expectBadInput({"--host-pool-tokens", "4096", "--speculative", "eagle"}, hostTierOnly);
+  expectBadInput({"--host-pool-tokens", "0"}, "--host-pool-tokens 0 is outside [1, ");
+  expectBadInput({"--host-pool-tokens", "100"},
+                 "a host tier of 100 tokens holds no page of 128 tokens");
   expectBadInput({"--kv-events", "tcp://127.0.0.1:*", "--kv-events-encoding", "json"},
                  "--kv-events-encoding expects one of map, array, got 'json'");
   expectBadInput({"--kv-events", "nonsense://x"},

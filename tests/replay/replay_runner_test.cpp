@@ -546,6 +546,69 @@ TEST_P(HybridReplayTest, ACorruptedCheckpointIsCaughtAtEveryRestore) {
   EXPECT_NE(kv.firstMismatch.find("layer 1"), std::string::npos) << kv.firstMismatch;
 }
 
+/// Host tier replays of the embedded workload on a GPU pool too small to keep it: every device.
+class HostTierReplayTest : public test::DeviceTest {};
+INSTANTIATE_TEST_SUITE_P(Devices, HostTierReplayTest, test::allDeviceTypes(), test::deviceName);
+
+ReplayConfig smallPoolConfig(DeviceType device) {
+  ReplayConfig config;
+  config.layers = 2;
+  config.device = device;
+  config.poolSizing = PoolSizing::kPages;
+  config.poolAmount = 40;  // the workload publishes about 280 pages
+  config.eviction = EvictionPolicyKind::kLru;
+  return config;
+}
+
+TEST_P(HostTierReplayTest, ASmallPoolWithAHostTierReusesWhatAnUnboundedPoolDoes) {
+  ReplayConfig unbounded = smallPoolConfig(device());
+  unbounded.poolSizing = PoolSizing::kUnbounded;
+  MultiTurnWorkload unboundedWorkload;
+  ReplayResult const reference = runReplay(unboundedWorkload, unbounded);
+  ASSERT_EQ(reference.evictedRecords, 0);
+
+  MultiTurnWorkload gpuOnlyWorkload;
+  ReplayResult const gpuOnly = runReplay(gpuOnlyWorkload, smallPoolConfig(device()));
+  ASSERT_GT(gpuOnly.evictedRecords, 0);
+  ASSERT_LT(gpuOnly.reusedTokens, reference.reusedTokens) << "the small pool must lose reuse";
+
+  ReplayConfig tiered = smallPoolConfig(device());
+  tiered.hostPoolTokens = 400 * 128;  // never full: nothing is dropped
+  MultiTurnWorkload tieredWorkload;
+  ReplayResult const result = runReplay(tieredWorkload, tiered);
+  EXPECT_EQ(result.oracleMismatches, 0) << result.firstMismatch;
+  EXPECT_GT(result.evictedRecords, 0);
+  ASSERT_EQ(result.records.size(), reference.records.size());
+  for (std::size_t i = 0; i < result.records.size(); ++i) {
+    EXPECT_EQ(result.records[i].reusedTokens, reference.records[i].reusedTokens) << "request " << i;
+  }
+  ReplayResult::HostTier const& h = result.hostTier;
+  EXPECT_EQ(h.pages, 400);
+  EXPECT_GT(h.onboardedPages, 0);
+  EXPECT_GT(h.offloadedPages, 0);
+  EXPECT_EQ(h.droppedPages, 0);
+  EXPECT_EQ(h.hitTokens, h.onboardedPages * 128);
+  EXPECT_EQ(h.offloadedBytes, h.offloadedPages * result.bytesPerPage);
+  EXPECT_EQ(result.reusedTokens, reference.reusedTokens);
+}
+
+TEST_P(HostTierReplayTest, ACorruptedHostTierIsCaughtByTheKvOracle) {
+  ReplayConfig config = smallPoolConfig(device());
+  config.hostPoolTokens = 400 * 128;
+  config.betweenRuns = [](KVCacheRuntime& runtime) {
+    HostKvTier const& tier = *runtime.hostTier();
+    for (PageId page = 0; page < tier.numPages(); ++page) {
+      auto* bytes = static_cast<unsigned char*>(const_cast<void*>(tier.hostPage(1, 0, page)));
+      bytes[0] ^= 0x5A;  // fault injection: K of layer 1, first token, first byte
+    }
+  };
+  MultiTurnWorkload workload;
+  ReplayResult const result = runReplay(workload, config);
+  EXPECT_GT(result.hostTier.onboardedPages, 0);
+  EXPECT_GT(result.oracleMismatches, 0);
+  EXPECT_NE(result.firstMismatch.find("layer 1"), std::string::npos) << result.firstMismatch;
+}
+
 /// Hybrid-MTP replays (an MTP draft with paged KV on the hybrid model): every device.
 class HybridMtpReplayTest : public test::DeviceTest {};
 INSTANTIATE_TEST_SUITE_P(Devices, HybridMtpReplayTest, test::allDeviceTypes(), test::deviceName);

@@ -433,6 +433,34 @@ std::vector<InvalidCase> invalidCases() {
                s.numDraftLayers = 0;
              }),
        {"Hybrid-MTP", "needs speculative.pagedDraft"}},
+      {"host_pool_without_reuse",
+       [](auto& c) { c.hostPoolTokens = 64; },
+       {"hostPoolTokens 64 needs contextReuse", "contextReuse false"}},
+      {"host_pool_of_part_of_a_page",
+       [](auto& c) {
+         c.contextReuse = true;
+         c.hostPoolTokens = 40;
+       },
+       {"hostPoolTokens must be a multiple of tokensPerPage (16)", "got 40"}},
+      {"negative_host_pool",
+       [](auto& c) {
+         c.contextReuse = true;
+         c.hostPoolTokens = -16;
+       },
+       {"hostPoolTokens", "got -16"}},
+      {"host_pool_on_a_hybrid_model",
+       [recurrent](auto& c) {
+         recurrent(16, 8)(c);
+         c.contextReuse = true;
+         c.hostPoolTokens = 64;
+       },
+       {"attention-only model", "recurrent layers 1"}},
+      {"host_pool_with_speculative_decoding",
+       [draft](auto& c) {
+         draft(false, [](KVCacheSpeculativeConfig&) {})(c);
+         c.hostPoolTokens = 64;
+       },
+       {"speculative decoding", "speculative true"}},
       {"hybrid_mtp_boundary_hidden_type_out_of_range",
        draft(true, [](auto& s) { s.boundaryHiddenType = static_cast<DataType>(99); }),
        {"speculative.boundaryHiddenType 99 out of range"}},
@@ -566,6 +594,19 @@ TEST(KVCacheRuntimeConfigTest, AFieldAResourceValidatesIsRejectedUnderThatResour
     EXPECT_NE(message.find("ContextCacheCoordinator"), std::string::npos) << message;
     EXPECT_NE(message.find("maxRecords must be >= 0, got -1"), std::string::npos) << message;
   }
+}
+
+TEST_P(KVCacheRuntimeTest, AHostPoolGivesTheReuseBackendAHostTierOfThatManyPages) {
+  KVCacheRuntimeConfig config = baseConfig(device());
+  config.contextReuse = true;
+  config.hostPoolTokens = 96;
+  auto runtime = KVCacheRuntime::create(config);
+  ASSERT_NE(runtime->hostTier(), nullptr);
+  EXPECT_EQ(runtime->hostTier()->numPages(), 6);
+  EXPECT_EQ(runtime->hostTier()->bytesPerPage(), 2 * runtime->fullPool()->pageBytes() * 2);
+  EXPECT_EQ(runtime->contextCache()->metrics().hostTierCapacityPages, 6);
+  config.hostPoolTokens = 0;
+  EXPECT_EQ(KVCacheRuntime::create(config)->hostTier(), nullptr);
 }
 
 TEST_P(KVCacheRuntimeTest, ShutdownReportsActiveRequestsAndSucceedsOnceTheyEnded) {
