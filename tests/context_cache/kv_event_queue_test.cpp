@@ -94,3 +94,24 @@ TEST(KvEventQueueTest, ZeroCapacityDisablesWithoutCountingDrops) {
 
 }  // namespace
 }  // namespace mkv
+
+namespace mkv {
+namespace {
+
+TEST(KvEventQueueTest, TheMediumOfEveryEventSurvivesTheQueue) {
+  KvEventQueue queue(4, 2);
+  BlockStored stored{Hash128{1, 1}, kBlockChainRoot, 3, 2, {}, {}, KvMedium::kCpu};
+  std::vector<int32_t> const tokens{5, 6};
+  queue.pushStored(stored, tokens);
+  queue.push(BlockRemoved{Hash128{1, 1}, 3, KvMedium::kCpu});
+  queue.push(BlockRemoved{Hash128{2, 2}, 4});
+  std::vector<KvEvent> const events = queue.drain();
+  ASSERT_EQ(events.size(), 3U);
+  stored.tokens = tokens;
+  EXPECT_EQ(std::get<BlockStored>(events[0]), stored);
+  EXPECT_EQ(std::get<BlockRemoved>(events[1]).medium, KvMedium::kCpu);
+  EXPECT_EQ(std::get<BlockRemoved>(events[2]).medium, KvMedium::kGpu);
+}
+
+}  // namespace
+}  // namespace mkv

@@ -367,6 +367,33 @@ TEST_P(KvEventWireTest, AllBlocksClearedIsAFieldlessEventBetweenTheOthers) {
   EXPECT_EQ(batch.events[2].hashes, (std::vector<uint64_t>{302}));
 }
 
+TEST_P(KvEventWireTest, TheHostTiersEventsCarryItsMediumAndStartTheirOwnEvents) {
+  KvEventPublisherConfig config = loopbackConfig(GetParam());
+  config.hostMedium = "cpu_tier";
+  auto publisher = KvEventPublisher::create(config);
+  Hash128 const a{1, 401};
+  Hash128 const b{2, 402};
+  BlockStored onHost = stored(b, a, 5);
+  onHost.medium = KvMedium::kCpu;
+  // An offload: removed from the GPU, then stored on the host; then the host drops block a.
+  ASSERT_TRUE(publisher->publish({stored(a, kBlockChainRoot, 1), onHost, BlockRemoved{a, 0},
+                                  BlockRemoved{b, 7, KvMedium::kCpu}}));
+  publisher->flush();
+  Context context;
+  std::vector<std::pair<int64_t, std::string>> const batches =
+      replayFrom(context, publisher->replayEndpoint(), 0);
+  ASSERT_EQ(batches.size(), 1U);
+  WireBatch const batch = decodeBatch(batches[0].second, GetParam());
+  ASSERT_EQ(batch.events.size(), 4U) << "a chain or a removal run ends where the medium changes";
+  EXPECT_EQ(batch.events[0].medium, "GPU");
+  EXPECT_EQ(batch.events[1].type, "BlockStored");
+  EXPECT_EQ(batch.events[1].medium, "cpu_tier");
+  EXPECT_EQ(batch.events[1].parent, 401U);
+  EXPECT_EQ(batch.events[2].medium, "GPU");
+  EXPECT_EQ(batch.events[3].hashes, (std::vector<uint64_t>{402}));
+  EXPECT_EQ(batch.events[3].medium, "cpu_tier");
+}
+
 INSTANTIATE_TEST_SUITE_P(Encodings, KvEventWireTest,
                          ::testing::Values(KvEventEncoding::kTaggedMap,
                                            KvEventEncoding::kPositionalArray),
