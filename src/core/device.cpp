@@ -98,6 +98,29 @@ void freePinnedHost(void* pointer) noexcept {
 #endif
 }
 
+void* allocateMappedHost(std::size_t bytes, void*& devicePointer) {
+  devicePointer = nullptr;
+#if MKV_WITH_CUDA
+  if (bytes == 0) {
+    return nullptr;
+  }
+  void* pointer = nullptr;
+  checkCuda(cudaHostAlloc(&pointer, bytes, cudaHostAllocMapped),
+            fmt::format("cudaHostAlloc({} bytes, cudaHostAllocMapped)", bytes));
+  void* mapped = nullptr;
+  cudaError_t const status = cudaHostGetDevicePointer(&mapped, pointer, 0);
+  if (status != cudaSuccess) {
+    (void)cudaFreeHost(pointer);
+    checkCuda(status, "cudaHostGetDevicePointer");
+  }
+  devicePointer = mapped;
+  return pointer;
+#else
+  (void)bytes;
+  throwNoCuda("allocateMappedHost");
+#endif
+}
+
 void copyBytes(void* dst, DeviceType dstType, void const* src, DeviceType srcType,
                std::size_t bytes, cudaStream_t stream) {
   if (bytes == 0) {
@@ -187,6 +210,65 @@ void Event::synchronize() {
     checkCuda(cudaEventSynchronize(static_cast<cudaEvent_t>(mEvent)), "cudaEventSynchronize");
   }
 #endif
+}
+
+bool Event::query() const {
+#if MKV_WITH_CUDA
+  if (mEvent == nullptr || !mRecorded) {
+    return true;
+  }
+  cudaError_t const status = cudaEventQuery(static_cast<cudaEvent_t>(mEvent));
+  if (status == cudaErrorNotReady) {
+    return false;
+  }
+  checkCuda(status, "cudaEventQuery");
+  return true;
+#else
+  return true;
+#endif
+}
+
+void Event::orderBefore(cudaStream_t stream) const {
+#if MKV_WITH_CUDA
+  if (mEvent != nullptr && mRecorded) {
+    checkCuda(cudaStreamWaitEvent(stream, static_cast<cudaEvent_t>(mEvent), 0),
+              "cudaStreamWaitEvent");
+  }
+#else
+  (void)stream;
+#endif
+}
+
+OwnedStream::OwnedStream(DeviceType deviceType) {
+  if (deviceType == DeviceType::kGPU) {
+#if MKV_WITH_CUDA
+    cudaStream_t stream = nullptr;
+    checkCuda(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
+    mStream = stream;
+#else
+    throwNoCuda("OwnedStream");
+#endif
+  }
+}
+
+OwnedStream::~OwnedStream() {
+#if MKV_WITH_CUDA
+  if (mStream != nullptr) {
+    (void)cudaStreamDestroy(mStream);
+  }
+#endif
+}
+
+OwnedStream::OwnedStream(OwnedStream&& other) noexcept
+    : mStream(std::exchange(other.mStream, nullptr)) {}
+
+cudaError_t OwnedStream::synchronize() const noexcept {
+#if MKV_WITH_CUDA
+  if (mStream != nullptr) {
+    return cudaStreamSynchronize(mStream);
+  }
+#endif
+  return cudaSuccess;
 }
 
 HostBuffer::HostBuffer(std::size_t bytes, DeviceType forDevice)
