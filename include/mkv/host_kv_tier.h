@@ -1,8 +1,8 @@
 #pragma once
 /// \file host_kv_tier.h
-/// The bytes of the host tier: a KV pool in pinned host memory beside a GPU pool, and the copies
-/// between them on a stream of its own (docs/architecture.md, "The host tier's copies";
-/// docs/context_cache.md, "Host tier" for what the context cache keeps there).
+/// The host tier's memory and copies: a second paged KV pool in host memory with the geometry of
+/// a GPU pool, and the batched, stream-ordered copies between the two (docs/architecture.md,
+/// "The host tier's copies"). Which pages go where is the context cache's bookkeeping.
 
 #include <cstdint>
 #include <functional>
@@ -24,88 +24,118 @@ class Event;
 class OwnedStream;
 }  // namespace detail
 
-/// One page copied between the tiers, every layer, K and V.
+/// One page, every layer, K and V: page `from` of the source pool to page `to` of the other.
 struct HostPageCopy {
   PageId from = kNoPage;
   PageId to = kNoPage;
 };
 
-/// Test seam of the fault model (docs/errors.md, "Poison and quarantine"): called before the CUDA
-/// work of each operation with its name ("offload", "onboard", "order", "synchronize"); a status
-/// other than cudaSuccess makes that operation fail as the CUDA call would (mkv::Error, or the
-/// status from synchronize), before it enqueues anything. Empty: no faults.
+/// Test seam of the fault model (docs/errors.md, "Poison and quarantine"): called before each
+/// CUDA step of the tier with its name ("offload", "onboard", "order"); a status other than
+/// cudaSuccess makes that step throw mkv::Error as a real CUDA failure there would. Called on
+/// kCPU tiers too, so the host twin exercises the same failure paths. Empty = no faults.
 using HostTierFaults = std::function<cudaError_t(std::string_view operation)>;
 
 struct HostKvTierConfig {
-  int32_t numPages = 0;  ///< host pages (each holds one page of every layer, K and V)
+  int32_t numPages = 0;  ///< host pages (each holds one GPU page: every layer, K and V)
   HostTierFaults faults;
 };
 
-/// A host pool of `numPages` pages with the layer geometry of a GPU pool, and the copies between
-/// the two. With a kGPU pool the host pages are pinned and mapped into the device's address space
-/// (cudaHostAllocMapped), and every copy is one copyPages launch on the tier's own non-blocking
-/// stream, the kernel reading or writing host memory through its mapped address; the stream, an
-/// event and the page-id buffer are created here, so no copy allocates. With a kCPU pool the pages
-/// are plain host memory and copies run synchronously (the host twin).
+/// Owns the host pool and moves pages between it and a GPU pool.
 ///
-/// Thread-safety: one writer (the engine thread).
+/// Memory: per layer `[2, numPages, tokensPerPage, numKVHeads, headDim]` of the GPU pool's
+/// geometry, in one allocation made at construction and zero-filled. For a kGPU pool it is pinned
+/// host memory mapped into the device (cudaHostAllocMapped), which the copy kernel reads and
+/// writes through its device address; the tier also creates one non-blocking stream (the tier
+/// stream), two events and a device id buffer there. Nothing is allocated afterwards. For a kCPU
+/// pool it is plain host memory and every copy runs synchronously (the host twin).
+///
+/// Ordering: every copy of the tier runs on the tier stream, in the order transfer() was called.
+/// transfer() orders the tier stream after the caller's stream first (the KV an offload reads was
+/// written there); orderBefore() orders a caller's stream after every transfer so far (the KV an
+/// onboard wrote is read there, and a GPU page an offload read may be rewritten there). Neither
+/// waits on the host. Thread-safety: one caller (the engine thread).
 class HostKvTier {
  public:
-  /// Throws mkv::Error for numPages <= 0 or more than int32 max / 2, or when an allocation fails.
-  /// `gpuPool` is borrowed and must outlive this.
+  /// A host pool of config.numPages pages with the layer geometry of `gpuPool` (borrowed, must
+  /// outlive this). Throws mkv::Error naming "HostKvTier" for numPages <= 0, a size beyond
+  /// int64, or a failed allocation.
   HostKvTier(HostKvTierConfig config, KVCachePool& gpuPool);
-  /// Waits for the tier's stream before freeing the host pages.
+  /// Waits for the tier stream (the copies may still read or write the host pool), then frees.
   ~HostKvTier();
   HostKvTier(HostKvTier const&) = delete;
   HostKvTier& operator=(HostKvTier const&) = delete;
 
   int32_t numPages() const noexcept { return mNumPages; }
-  /// Bytes of one page over every layer, K and V: what one offload or onboarding moves.
+  DeviceType deviceType() const noexcept;
+  /// Bytes of one page over every layer, K and V (what one offload or onboard of a page moves).
   int64_t bytesPerPage() const noexcept;
-  /// Bytes of the whole host pool.
-  int64_t totalBytes() const noexcept { return bytesPerPage() * mNumPages; }
-  DeviceType deviceType() const noexcept { return mDevice; }
+  /// Bytes of the whole host pool: numPages() * bytesPerPage().
+  int64_t totalBytes() const noexcept;
 
-  /// Enqueues on the tier's stream, in this order: one copy GPU pool -> host pool of `offloads`
-  /// (from = GPU page, to = host page), then one copy host pool -> GPU pool of `onboards` (from =
-  /// host page, to = GPU page), then records the tier's event. Page ids travel in kernel
-  /// parameters (an inline patch into the id buffer), so the host never waits. Validates first:
-  /// ids in range, at most the GPU pool's page count per list, destinations distinct within each
-  /// list; mkv::Error naming `call` and the value, nothing enqueued. A failed launch throws
-  /// mkv::Error (the caller poisons; copies enqueued before it may still run).
+  /// Moves pages; `offloads` go GPU pool -> host pool (from = GPU page, to = host page),
+  /// `onboards` host pool -> GPU pool (from = host page, to = GPU page).
+  /// Validates first: every id in range of its pool, the destinations of each list distinct;
+  /// otherwise throws mkv::Error naming `call` and the value, and enqueues nothing.
+  /// Then, on the tier stream: waits (on the device) for the work enqueued on `producer` so far,
+  /// writes the page ids into the tier's device id buffer (inline patch launches: the ids travel
+  /// in the launch parameters), launches one copyPages for the offloads, then one for the
+  /// onboards, and records the tier event. So an onboard reading a host page that an offload of
+  /// the same call writes reads the new bytes, and an onboard writing a GPU page that an offload
+  /// of the same call reads writes it after the read. An empty list launches nothing; two empty
+  /// lists do nothing at all. kCPU: the same copies, synchronously.
+  /// A failed CUDA step throws mkv::Error (the caller poisons): a failure before the offload
+  /// launch leaves nothing enqueued; one at the onboard launch leaves the offloads enqueued and
+  /// recorded by the tier event.
   void transfer(char const* call, std::span<HostPageCopy const> offloads,
-                std::span<HostPageCopy const> onboards);
-  /// Orders `stream` after every transfer enqueued so far: a device-side wait on the tier's event,
-  /// skipped when the event has completed. The host never waits. kCPU: nothing to order.
+                std::span<HostPageCopy const> onboards, cudaStream_t producer);
+  /// Orders `stream` after every transfer enqueued so far: cudaStreamWaitEvent on the tier event
+  /// unless cudaEventQuery says it has completed (the host never waits). kCPU: nothing to order
+  /// (the fault seam is still consulted). Throws mkv::Error naming `call` on a CUDA failure.
   void orderBefore(char const* call, cudaStream_t stream);
-  /// Blocks until every enqueued transfer has finished (shutdown and tests); the CUDA status.
+  /// Host wait for every enqueued transfer (shutdown and tests only); returns the CUDA status of
+  /// the tier stream (kCPU: cudaSuccess).
   cudaError_t synchronize() noexcept;
 
-  /// Descriptor of the host pool for the copy kernels: device-visible (mapped) addresses.
+  /// Descriptor of the host pool for the copy kernels: for a kGPU pool the layer bases are the
+  /// device addresses of the mapped memory and deviceType is kGPU.
   kernels::PagedBuffers pagedBuffers() const noexcept;
-  /// Host address of page `page` of half `half` (0 = K, 1 = V) of layer `layer`, for tests and
-  /// the oracle. Throws mkv::Error for an index out of range.
+  /// Host address of layer `layer`, half `half` (0 = K, 1 = V), host page `page`: the
+  /// tokensPerPage token rows of that page, for tests and the oracle. Throws for an index out of
+  /// range.
   void const* hostPage(int32_t layer, int32_t half, PageId page) const;
 
- private:
-  void checkCopies(char const* call, std::span<HostPageCopy const> copies, bool offload);
-  void launch(std::span<HostPageCopy const> copies, bool offload);
-  void fault(char const* call, std::string_view operation) const;
+  /// Copies enqueued so far (page copies, each covering every layer, K and V), and launches.
+  int64_t pagesOffloaded() const noexcept { return mPagesOffloaded; }
+  int64_t pagesOnboarded() const noexcept { return mPagesOnboarded; }
+  int64_t launches() const noexcept;
 
-  HostKvTierConfig mConfig;
-  KVCachePool& mGpu;
-  DeviceType mDevice;
+ private:
+  void validate(char const* call, std::span<HostPageCopy const> copies, bool offload);
+  void fault(char const* call, std::string_view operation) const;
+  void launch(std::span<HostPageCopy const> copies, bool offload);
+
   int32_t mNumPages;
-  void* mHost = nullptr;        ///< host address of layer 0
-  void* mDeviceView = nullptr;  ///< the address kernels use (== mHost for kCPU)
-  std::vector<void*> mLayerBases;
-  std::unique_ptr<detail::OwnedStream> mStream;
-  std::unique_ptr<detail::Event> mDone;
-  Tensor mIds;  ///< int32 [2 * GPU pool pages]: source ids, then destination ids
+  HostTierFaults mFaults;
+  KVCachePool& mGpu;
+  int64_t mLayerBytes = 0;         ///< bytes of one layer of the host pool (both halves)
+  void* mHost = nullptr;           ///< host address of the allocation
+  void* mMapped = nullptr;         ///< the address kernels use (== mHost on kCPU)
+  std::vector<void*> mLayerBases;  ///< per layer, the addresses kernels use
+  /// Device ids: [offload from: numPages][offload to: numPages][onboard from: gpu pages]
+  /// [onboard to: gpu pages], written by inline patches on the tier stream.
+  Tensor mIds;
   kernels::InlinePatchBatch mIdWrites;
-  std::vector<int32_t> mSourceIds;       ///< scratch, reserved at construction
-  std::vector<int32_t> mDestinationIds;  ///< scratch, reserved at construction
-  std::vector<uint8_t> mSeen;            ///< destination marks of checkCopies
+  std::vector<int32_t> mScratch;     ///< ids of one chunk on the host (reserved at construction)
+  std::vector<uint32_t> mHostMarks;  ///< duplicate-destination check, by generation
+  std::vector<uint32_t> mGpuMarks;
+  uint32_t mGeneration = 0;
+  std::unique_ptr<detail::OwnedStream> mStream;
+  std::unique_ptr<detail::Event> mProducerDone;  ///< recorded on the producer's stream
+  std::unique_ptr<detail::Event> mTierDone;      ///< recorded on the tier stream
+  int64_t mPagesOffloaded = 0;
+  int64_t mPagesOnboarded = 0;
+  int64_t mCopyLaunches = 0;
 };
 
 }  // namespace mkv

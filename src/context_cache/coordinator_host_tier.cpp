@@ -35,7 +35,7 @@ bool ContextCacheCoordinator::moveHostTierPages(char const* call) noexcept {
     if (!moves.empty()) {
       copiesOf(moves.offloads, true, mOffloadCopies);
       copiesOf(moves.onboards, false, mOnboardCopies);
-      mResources.hostTier->transfer(call, mOffloadCopies, mOnboardCopies);
+      mResources.hostTier->transfer(call, mOffloadCopies, mOnboardCopies, mStream);
       ++mCounters.hostTierTransfers;
     }
     mResources.hostTier->orderBefore(call, mStream);

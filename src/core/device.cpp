@@ -99,23 +99,24 @@ void freePinnedHost(void* pointer) noexcept {
 }
 
 void* allocateMappedHost(std::size_t bytes, void*& devicePointer) {
-#if MKV_WITH_CUDA
-  void* pointer = nullptr;
   devicePointer = nullptr;
+#if MKV_WITH_CUDA
   if (bytes == 0) {
     return nullptr;
   }
+  void* pointer = nullptr;
   checkCuda(cudaHostAlloc(&pointer, bytes, cudaHostAllocMapped),
-            fmt::format("cudaHostAlloc({} bytes, mapped)", bytes));
-  cudaError_t const mapped = cudaHostGetDevicePointer(&devicePointer, pointer, 0);
-  if (mapped != cudaSuccess) {
+            fmt::format("cudaHostAlloc({} bytes, cudaHostAllocMapped)", bytes));
+  void* mapped = nullptr;
+  cudaError_t const status = cudaHostGetDevicePointer(&mapped, pointer, 0);
+  if (status != cudaSuccess) {
     (void)cudaFreeHost(pointer);
-    checkCuda(mapped, "cudaHostGetDevicePointer");
+    checkCuda(status, "cudaHostGetDevicePointer");
   }
+  devicePointer = mapped;
   return pointer;
 #else
   (void)bytes;
-  (void)devicePointer;
   throwNoCuda("allocateMappedHost");
 #endif
 }
@@ -221,8 +222,10 @@ bool Event::query() const {
     return false;
   }
   checkCuda(status, "cudaEventQuery");
-#endif
   return true;
+#else
+  return true;
+#endif
 }
 
 void Event::orderBefore(cudaStream_t stream) const {
@@ -239,7 +242,9 @@ void Event::orderBefore(cudaStream_t stream) const {
 OwnedStream::OwnedStream(DeviceType deviceType) {
   if (deviceType == DeviceType::kGPU) {
 #if MKV_WITH_CUDA
-    checkCuda(cudaStreamCreateWithFlags(&mStream, cudaStreamNonBlocking), "cudaStreamCreate");
+    cudaStream_t stream = nullptr;
+    checkCuda(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
+    mStream = stream;
 #else
     throwNoCuda("OwnedStream");
 #endif
@@ -249,7 +254,6 @@ OwnedStream::OwnedStream(DeviceType deviceType) {
 OwnedStream::~OwnedStream() {
 #if MKV_WITH_CUDA
   if (mStream != nullptr) {
-    (void)cudaStreamSynchronize(mStream);
     (void)cudaStreamDestroy(mStream);
   }
 #endif

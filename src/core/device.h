@@ -25,8 +25,10 @@ void* allocateDevice(std::size_t bytes);
 void freeDevice(void* pointer) noexcept;
 void* allocatePinnedHost(std::size_t bytes);
 void freePinnedHost(void* pointer) noexcept;
-/// Pinned host memory mapped into the device's address space (cudaHostAllocMapped); returns the
-/// host address and sets `devicePointer` to the address kernels use. Free with freePinnedHost.
+/// Pinned host memory mapped into the device's address space (cudaHostAlloc with
+/// cudaHostAllocMapped): returns the host address and sets `devicePointer` to the address kernels
+/// use for the same bytes (cudaHostGetDevicePointer). Free with freePinnedHost. Nothing is
+/// returned for 0 bytes.
 void* allocateMappedHost(std::size_t bytes, void*& devicePointer);
 
 /// Stream-ordered copy. Host-to-host copies run synchronously with memcpy; any copy that
@@ -51,10 +53,11 @@ class Event {
   void record(cudaStream_t stream);
   /// Blocks until the last recorded point has been reached (no-op if never recorded).
   void synchronize();
-  /// True when the last recorded point has been reached, or nothing was recorded (never waits).
+  /// True when the last recorded point has been reached, or nothing was recorded, or the event is
+  /// inert (cudaEventQuery; never waits). Throws mkv::Error for a CUDA failure.
   bool query() const;
   /// Makes `stream` wait, on the device, for the last recorded point (cudaStreamWaitEvent); the
-  /// host does not wait. No-op if never recorded.
+  /// host does not wait. No-op if never recorded or inert.
   void orderBefore(cudaStream_t stream) const;
 
  private:
@@ -62,8 +65,9 @@ class Event {
   bool mRecorded = false;
 };
 
-/// A non-blocking CUDA stream owned by the library (created once, destroyed with its owner); for
-/// kCPU it is the null handle and nothing is created. Move-only.
+/// A non-blocking CUDA stream owned by its creator (cudaStreamCreateWithFlags with
+/// cudaStreamNonBlocking, destroyed with the object). For kCPU nothing is created and get() is
+/// the null handle. Move-only.
 class OwnedStream {
  public:
   explicit OwnedStream(DeviceType deviceType);
@@ -74,7 +78,8 @@ class OwnedStream {
   OwnedStream& operator=(OwnedStream const&) = delete;
 
   cudaStream_t get() const noexcept { return mStream; }
-  /// Blocks until all work on the stream has finished; returns its CUDA status (kCPU: success).
+  /// Blocks until all work on the stream has finished and returns its CUDA status
+  /// (cudaStreamSynchronize; kCPU: cudaSuccess).
   cudaError_t synchronize() const noexcept;
 
  private:

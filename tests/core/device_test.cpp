@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <array>
+#include <cstring>
 #include <utility>
 #include <vector>
 
@@ -37,6 +38,11 @@ TEST(DeviceTest, HostOnlyBuildRefusesDeviceMemory) {
 #else
   EXPECT_TRUE(throwsError([] { (void)detail::allocateDevice(64); }, {"without CUDA"}));
   EXPECT_TRUE(throwsError([] { (void)detail::allocatePinnedHost(64); }, {"without CUDA"}));
+  void* mapped = nullptr;
+  EXPECT_TRUE(throwsError([&] { (void)detail::allocateMappedHost(64, mapped); },
+                          {"allocateMappedHost", "without CUDA"}));
+  EXPECT_TRUE(throwsError([] { detail::OwnedStream stream(DeviceType::kGPU); },
+                          {"OwnedStream", "without CUDA"}));
   std::array<uint8_t, 4> host{};
   EXPECT_TRUE(throwsError(
       [&] {
@@ -158,6 +164,55 @@ TEST_P(Int32UploadRegionsDeviceTest, RejectsABadRegionOrTooManyValuesWithoutWrit
 }
 
 INSTANTIATE_TEST_SUITE_P(Devices, Int32UploadRegionsDeviceTest, test::allDeviceTypes(),
+                         test::deviceName);
+
+class StreamAndEventDeviceTest : public test::DeviceTest {};
+
+TEST_P(StreamAndEventDeviceTest, AnEventOnAnOwnedStreamCompletesAndOrdersAnotherStream) {
+  detail::OwnedStream first(device());
+  detail::OwnedStream second(device());
+  EXPECT_EQ(first.get() == nullptr, device() == DeviceType::kCPU);
+  detail::Event event(device());
+  EXPECT_TRUE(event.query());       // never recorded
+  event.orderBefore(second.get());  // never recorded: nothing to wait for
+  Tensor source({8}, DataType::kInt32, device());
+  Tensor target({8}, DataType::kInt32, device());
+  std::vector<int32_t> const values{1, 2, 3, 4, 5, 6, 7, 8};
+  test::writeBytes(source, std::vector<uint8_t>(reinterpret_cast<uint8_t const*>(values.data()),
+                                                reinterpret_cast<uint8_t const*>(values.data()) +
+                                                    values.size() * sizeof(int32_t)));
+  detail::fillBytes(target.rawPointer(), device(), 0, 32, first.get());
+  event.record(first.get());
+  event.orderBefore(second.get());
+  detail::copyBytes(target.rawPointer(), device(), source.rawPointer(), device(), 32, second.get());
+  EXPECT_EQ(second.synchronize(), cudaSuccess);
+  EXPECT_TRUE(event.query());  // `second` waited for it, so it has completed
+  EXPECT_EQ(first.synchronize(), cudaSuccess);
+  EXPECT_EQ(test::readAs<int32_t>(target), values);
+  detail::OwnedStream moved(std::move(first));
+  EXPECT_EQ(first.get(), nullptr);  // NOLINT(bugprone-use-after-move): the moved-from state
+  EXPECT_EQ(moved.synchronize(), cudaSuccess);
+}
+
+TEST_P(StreamAndEventDeviceTest, MappedHostMemoryIsReachableThroughItsDevicePointer) {
+  if (device() == DeviceType::kCPU) {
+    GTEST_SKIP() << "mapped host memory is a GPU allocation";
+  }
+  void* mapped = nullptr;
+  void* host = detail::allocateMappedHost(64, mapped);
+  ASSERT_NE(host, nullptr);
+  ASSERT_NE(mapped, nullptr);
+  std::memset(host, 0x3C, 64);
+  Tensor target({64}, DataType::kUInt8, device());
+  detail::copyBytes(target.rawPointer(), device(), mapped, device(), 64, nullptr);
+  EXPECT_EQ(test::readBytes(target), std::vector<uint8_t>(64, 0x3C));
+  detail::freePinnedHost(host);
+  void* none = &target;
+  EXPECT_EQ(detail::allocateMappedHost(0, none), nullptr);
+  EXPECT_EQ(none, nullptr);
+}
+
+INSTANTIATE_TEST_SUITE_P(Devices, StreamAndEventDeviceTest, test::allDeviceTypes(),
                          test::deviceName);
 
 }  // namespace
