@@ -217,6 +217,22 @@ if [[ -n $SANITIZER && -x $TESTING_TESTS && $(gtest_status 0 "$OUT/gpu_tests.log
   record "compute-sanitizer engine" "$status" "$SECONDS_TAKEN" "rc $RC; $(gtest_detail "$OUT/sanitizer_memcheck_engine.log"); ${summary_line:-no summary}"
 fi
 
+# ... and over the host tier: its copy kernels read and write pinned host memory through mapped
+#     addresses (the coordinator's lifecycles with offload and onboarding, and the tier itself).
+for host_suite in context_cache resources; do
+  HOST_TIER_TESTS=$BUILD/tests/$host_suite/mkv_${host_suite}_tests
+  if [[ -n $SANITIZER && -x $HOST_TIER_TESTS && $(gtest_status 0 "$OUT/gpu_tests.log") != SKIP ]]; then
+    run_step "compute-sanitizer memcheck host tier $host_suite" \
+      "$OUT/sanitizer_memcheck_host_tier_$host_suite.log" 120 \
+      "$SANITIZER" --tool memcheck --error-exitcode 3 --print-limit 20 "$HOST_TIER_TESTS" \
+      --gtest_filter='*HostTier*gpu:*HostKvTier*gpu'
+    summary_line=$(grep -E 'ERROR SUMMARY' "$OUT/sanitizer_memcheck_host_tier_$host_suite.log" | tail -1)
+    [[ $RC == 0 ]] && status=PASS || status=FAIL
+    record "sanitizer host tier $host_suite" "$status" "$SECONDS_TAKEN" \
+      "rc $RC; $(gtest_detail "$OUT/sanitizer_memcheck_host_tier_$host_suite.log"); ${summary_line:-no summary}"
+  fi
+done
+
 # 5. The other test suites of the build folder, while the budget lasts: the runtime's end-to-end
 #    scenarios (facade, faults, reference engine, on CPU and GPU tensors) first.
 SUITES=()
@@ -285,6 +301,9 @@ else
   replay_case embedded_hybrid --pool-tokens 32768 --recurrent-layers 9 --snapshot-slots 96 \
     --no-attention-only
   replay_case embedded_swa --mode swa --window 1024 --full-layers 1 --max-batch 4
+  # The host tier: a 40-page GPU pool (640 MiB) that evicts, and 300 pages (4.7 GiB) of pinned
+  # host memory that keep what it evicts; the lookups onboard them back.
+  replay_case embedded_host_tier --pool-pages 40 --host-pool-tokens 38400 --eviction lru
   # An EAGLE deployment: paired base + draft reuse, the draft's KV checked by its own oracle.
   replay_case embedded_eagle --pool-tokens 32768 --speculative eagle --draft-layers 1
   # Hybrid-MTP: prompt endpoints with their boundary hidden rows, checked by the hidden-row oracle.

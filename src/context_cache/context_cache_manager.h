@@ -224,9 +224,12 @@ class ContextCacheManager {
   // --- Host tier -----------------------------------------------------------------------------
 
   /// The page moves decided since the last call (offloads of evicted blocks, onboardings of
-  /// admitted plans), in the order they must run; empty without a host tier. The caller enqueues
-  /// them before any work that writes a page allocated since (the coordinator does so right after
-  /// each call that may evict or allocate).
+  /// admitted plans), in the order they must run; empty without a host tier. Take them after every
+  /// call that may evict or allocate (acquire, admit, acquireBatch, the grow calls, publish) and
+  /// enqueue them before any work that writes a page allocated since, as the coordinator does:
+  /// within one call the offloads must run before the onboardings, and the moves of two calls are
+  /// ordered only by the order in which they were taken (a host page an onboarding of one call
+  /// reads may be the destination of an offload of a later call).
   HostTransfers takeHostTransfers() noexcept { return std::exchange(mHostTransfers, {}); }
   /// After a failed launch of `offloads` (taken from takeHostTransfers): the host tier forgets
   /// those blocks (their bytes may never have arrived) and announces their removal.

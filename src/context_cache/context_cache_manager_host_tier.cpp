@@ -28,6 +28,10 @@ void ContextCacheManager::offloadEvicted(PageId gpuPage, Hash128 digest) noexcep
   }
   for (HostBlockDropped const& gone : dropped) {
     mEvents.push(BlockRemoved{gone.digest, gone.page, KvMedium::kCpu});
+    // A block stored earlier in the same batch and dropped again: its copy is not needed, and its
+    // page is the destination of the copy queued below.
+    std::erase_if(mHostTransfers.offloads,
+                  [&gone](HostTransfer const& pending) { return pending.hostPage == gone.page; });
   }
   mMetrics.hostTierDroppedPages += dropped.size();
   if (hostPage == kNoPage) {

@@ -146,11 +146,17 @@ KVCacheRuntimeConfig Lifecycle::configFromInput() {
           config.contextCache.maxRecords == 0 ? 0 : 2 + config.contextCache.maxRecords;
     }
     // One byte: verification as before (byte % 4, what old corpus inputs meant), the eviction
-    // policy from the next bit (byte % 8 >= 4).
-    int32_t const cacheByte = mIn.below(8);
+    // policy from the next bit (byte % 8 >= 4), and on a plain context-reuse runtime a host tier
+    // of 1, 3, 5 or 7 pages (bits 6-7) when bits 4-5 are both set (docs/context_cache.md, "Host
+    // tier"): small, so that it drops blocks too.
+    uint8_t const rawCacheByte = mIn.byte();
+    int32_t const cacheByte = rawCacheByte % 8;
     config.contextCache.verifyTokens = cacheByte % 4 != 0;
     config.contextCache.evictionPolicy =
         cacheByte >= 4 ? EvictionPolicyKind::kS3Fifo : EvictionPolicyKind::kLru;
+    if (mKind == Runtime::kContextReuse && (rawCacheByte & 0x30) == 0x30) {
+      config.hostPoolTokens = int64_t{kPage} * (1 + 2 * (rawCacheByte >> 6));
+    }
     config.contextCache.eventQueueCapacity = 4 * mIn.below(2);
   }
   if ((mKind == Runtime::kBoundedSwa || mKind == Runtime::kFullStorage) && mIn.oneIn(3)) {
