@@ -1,5 +1,5 @@
-/// mkv_gpu_bench: CUDA-event benchmark of the managedkv data-movement kernels, cases G1-G5 and G7
-/// of docs/benchmarks.md, "What is measured" (method and results there too).
+/// mkv_gpu_bench: CUDA-event benchmark of the managedkv data-movement kernels, cases G1-G5, G7 and
+/// G8 of docs/benchmarks.md, "What is measured" (method and results there too).
 ///
 /// Per case, in one run and on one non-blocking stream, it times
 ///   1. a contiguous cudaMemcpyAsync of the same byte count (the denominator of "ratio"),
@@ -33,7 +33,9 @@
 #include <vector>
 
 #include "bench_device.h"
+#include "mkv/host_kv_tier.h"
 #include "mkv/kernels.h"
+#include "mkv/kv_cache_pool.h"
 #include "mkv/tensor.h"
 
 #ifndef MKV_BENCH_COMMIT
@@ -216,6 +218,11 @@ class Bench {
     for (bool const offload : {true, false}) {
       for (int64_t const pageKiB : {32, 256}) {
         tierCase(offload, pageKiB * kKiB);
+      }
+    }
+    for (bool const offload : {true, false}) {
+      for (int64_t const pageKiB : {32, 256}) {
+        hostTierCase(offload, pageKiB * kKiB);
       }
     }
   }
@@ -513,6 +520,85 @@ class Bench {
                        0.0, "cudaMemcpyAsync per page");
     loop.mismatches = verify(dstData, srcData, pageBytes, expectedMap(loopItems));
     add(loop);
+  }
+
+  /// G8: the G7 copies through mkv::HostKvTier, the library's host tier: one transfer() of every
+  /// page (ids in inline patch launches on the tier stream, which waits for this stream first,
+  /// then one copyPages launch) and orderBefore() of this stream, so the events bracket the whole
+  /// tier round. Denominator: one contiguous cudaMemcpyAsync of the same bytes, same direction.
+  void hostTierCase(bool offload, int64_t pageBytes) {
+    std::string const name =
+        fmt::format("G8 HostKvTier {} {}KiB", offload ? "offload" : "onboard", pageBytes / kKiB);
+    if (!selected(name)) {
+      return;
+    }
+    int64_t const items = kTierBytes / (2 * pageBytes);
+    auto const tokensPerPage = static_cast<int32_t>(pageBytes / kTokenBytes);
+    auto const gpuPages = static_cast<int32_t>(2 * items);
+    auto const hostPages = static_cast<int32_t>(items);
+    mkv::KVCachePool gpuPool(mkv::KVCachePoolConfig{1, 8, 128, tokensPerPage, gpuPages, 1,
+                                                    DataType::kBFloat16, DeviceType::kGPU});
+    mkv::HostKvTier tier(mkv::HostKvTierConfig{hostPages, {}}, gpuPool);
+    void* const gpu = gpuPool.layer(0).rawPointer();
+    void* const hostMapped = tier.pagedBuffers().layerBases[0];
+    void* const hostAddress = const_cast<void*>(tier.hostPage(0, 0, 0));
+    int64_t const bytes = 2 * items * pageBytes;
+    int64_t const gpuBytes = 2 * int64_t{gpuPages} * pageBytes;
+    mkv::bench::fillRandom(gpu, gpuBytes, 0x5EED0004, mStream);
+    mkv::bench::fillRandom(hostMapped, bytes, 0x5EED0005, mStream);
+    std::mt19937_64 rng(static_cast<uint64_t>(pageBytes) * 41 + (offload ? 1 : 2));
+    std::vector<int32_t> const gpuIds = distinct(items, gpuPages, rng);
+    std::vector<mkv::HostPageCopy> copies;
+    for (int64_t i = 0; i < items; ++i) {
+      int32_t const g = gpuIds[static_cast<std::size_t>(i)];
+      auto const h = static_cast<int32_t>(i);
+      copies.push_back(offload ? mkv::HostPageCopy{g, h} : mkv::HostPageCopy{h, g});
+    }
+    fmt::print("{}: {} items x K+V pages of {}, {} moved\n", name, items, humanBytes(pageBytes),
+               humanBytes(bytes));
+
+    Row denominator{
+        name, offload ? "cudaMemcpyAsync D2H contiguous" : "cudaMemcpyAsync H2D contiguous", bytes};
+    denominator.us = medianUs([&] {
+      check(cudaMemcpyAsync(offload ? hostAddress : gpu, offload ? gpu : hostAddress,
+                            static_cast<std::size_t>(bytes),
+                            offload ? cudaMemcpyDeviceToHost : cudaMemcpyHostToDevice, mStream),
+            "cudaMemcpyAsync across tiers");
+    });
+    denominator.mismatches =
+        verify(offload ? hostMapped : gpu, offload ? gpu : hostMapped, bytes, {0});
+    denominator.ratio = 1.0;
+    denominator.target = "denominator";
+    denominator.status = "-";
+    add(denominator);
+
+    void* const dstData = offload ? hostMapped : gpu;
+    void const* const srcData = offload ? gpu : hostMapped;
+    poison(dstData, offload ? bytes : gpuBytes);
+    std::span<mkv::HostPageCopy const> const none;
+    Row transfer{name, "HostKvTier::transfer + orderBefore", bytes};
+    transfer.us = medianUs([&] {
+      tier.transfer("G8", offload ? std::span<mkv::HostPageCopy const>(copies) : none,
+                    offload ? none : std::span<mkv::HostPageCopy const>(copies), mStream);
+      tier.orderBefore("G8", mStream);
+    });
+    // Row r of the destination pool against the source pool, per half.
+    int32_t const dstPages = offload ? hostPages : gpuPages;
+    int32_t const srcPages = offload ? gpuPages : hostPages;
+    std::vector<int64_t> map(static_cast<std::size_t>(2 * dstPages), -1);
+    for (mkv::HostPageCopy const& copy : copies) {
+      for (int64_t half = 0; half < 2; ++half) {
+        map[static_cast<std::size_t>(half * dstPages + copy.to)] = half * srcPages + copy.from;
+      }
+    }
+    transfer.mismatches = verify(dstData, srcData, pageBytes, map);
+    transfer.ratio = denominator.us / transfer.us;
+    transfer.target = "report";
+    transfer.status = "-";
+    transfer.note =
+        fmt::format("{} launches per call", tier.launches() / (mOptions.reps + mOptions.warmups));
+    add(transfer);
+    check(tier.synchronize(), "HostKvTier::synchronize");
   }
 
   /// The pinned host pool of the G7 cases, allocated at their first use.

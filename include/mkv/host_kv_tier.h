@@ -52,9 +52,10 @@ struct HostKvTierConfig {
 ///
 /// Ordering: every copy of the tier runs on the tier stream, in the order transfer() was called.
 /// transfer() orders the tier stream after the caller's stream first (the KV an offload reads was
-/// written there); orderBefore() orders a caller's stream after every transfer so far (the KV an
-/// onboard wrote is read there, and a GPU page an offload read may be rewritten there). Neither
-/// waits on the host. Thread-safety: one caller (the engine thread).
+/// written there, and a GPU page an onboard overwrites may still be read there); orderBefore()
+/// orders a caller's stream after every transfer so far (the KV an onboard wrote is read there, and
+/// a GPU page an offload read may be rewritten there). Neither waits on the host. Thread-safety:
+/// one caller (the engine thread).
 class HostKvTier {
  public:
   /// A host pool of config.numPages pages with the layer geometry of `gpuPool` (borrowed, must
