@@ -1,5 +1,6 @@
-// ContextCacheCoordinator: the request registry (handles, quarantine, synchronisation,
-// abandonment), construction, prefill, decode, compaction, finish and shutdown. Batch admission,
+// ContextCacheCoordinator: handles and this backend's side of the shared request registry
+// (src/resources/request_registry.h: synchronisation, clearing rows, freeing residents),
+// construction, prefill, decode, compaction, finish and shutdown. Batch admission,
 // checkpoints and in-flight admission are the other parts (see the class's private section).
 
 #include "mkv/context_cache/context_cache_coordinator.h"
