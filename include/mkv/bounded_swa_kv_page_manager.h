@@ -23,6 +23,8 @@
 namespace mkv {
 namespace detail {
 class Int32UploadRegions;
+template <class Request>
+class RequestRegistry;
 }  // namespace detail
 
 /// One mapped page of a sliding window: absolute logical page -> physical page of the SWA pool.
@@ -198,10 +200,12 @@ class BoundedSwaKVPageManager {
   /// drain's synchronisation failed (the quarantine is kept).
   SwaKVCacheStatus shutdown() noexcept;
 
-  bool poisoned() const noexcept { return mPoisoned; }
+  bool poisoned() const noexcept;
   int32_t freePageCount() const noexcept { return static_cast<int32_t>(mFreePages.size()); }
   int32_t totalPageCount() const noexcept;
   int32_t quarantinedPageCount() const noexcept;
+  /// Requests quarantined by failed synchronisations, until shutdown() drains them.
+  int32_t quarantinedRequestCount() const noexcept;
   int32_t activeRequestCount() const noexcept;
   int32_t windowTokens() const noexcept { return mWindow; }
   int32_t tokensPerPage() const noexcept { return mPageSize; }
@@ -232,8 +236,13 @@ class BoundedSwaKVPageManager {
   void mapNewBindings(SwaSequenceState const& state);
   void retire(SwaSequenceState& state);
   void releaseSequence(SwaSequenceState& state) noexcept;
-  void quarantine(std::unique_ptr<Request> request) noexcept;
-  std::unique_ptr<Request> detach(uint64_t id) noexcept;
+  using Requests = std::span<std::unique_ptr<Request> const>;
+  /// Clears the rows of `requests` and uploads them (throws what the page table throws).
+  void clearRows(Requests requests);
+  /// Gives a request's pages and resident rows back (after its rows were cleared).
+  void releaseRequest(Request& request) noexcept;
+  /// After a failed synchronisation: invalidates `handle` and quarantines its request.
+  SwaKVCacheStatus quarantineHandle(RequestHandle& handle, uint64_t id) noexcept;
   void abandon(uint64_t id) noexcept;
   bool synchronize() noexcept;
 
@@ -252,11 +261,10 @@ class BoundedSwaKVPageManager {
   std::unique_ptr<detail::Int32UploadRegions> mMappingUploads;
   /// Table rows and KV lengths a call writes, applied by one launch at the call's end.
   kernels::InlinePatchBatch mDeviceWrites;
-  std::vector<std::unique_ptr<Request>> mActive;
-  std::vector<std::unique_ptr<Request>> mQuarantine;
-  uint64_t mNextRequestId = 1;
-  uint64_t mLengthOwner = 0;  // request whose batch the length pools hold (0: none)
-  bool mPoisoned = false;
+  /// Live and quarantined requests, ids, poison (src/resources/request_registry.h; held by
+  /// pointer so that this public header names no internal one).
+  std::unique_ptr<detail::RequestRegistry<Request>> mRequests;
+  uint64_t mLengthOwner = 0;  // last request to reset the length pools; owns them while live
 };
 
 }  // namespace mkv

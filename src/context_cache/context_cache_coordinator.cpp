@@ -1,5 +1,6 @@
-// ContextCacheCoordinator: the request registry (handles, quarantine, synchronisation,
-// abandonment), construction, prefill, decode, compaction, finish and shutdown. Batch admission,
+// ContextCacheCoordinator: handles and this backend's side of the shared request registry
+// (src/resources/request_registry.h: synchronisation, clearing rows, freeing residents),
+// construction, prefill, decode, compaction, finish and shutdown. Batch admission,
 // checkpoints and in-flight admission are the other parts (see the class's private section).
 
 #include "mkv/context_cache/context_cache_coordinator.h"
@@ -19,6 +20,7 @@
 #include "mkv/host_kv_tier.h"
 #include "mkv/logging.h"
 #include "resources/backend_requests.h"
+#include "resources/request_registry.h"
 
 namespace mkv {
 
@@ -61,7 +63,8 @@ ContextCacheCoordinator::ContextCacheCoordinator(ContextCacheConfig const& confi
       mProfile(profile),
       mResources(resources),
       mStream(stream),
-      mSynchronizer(std::move(synchronizer)) {
+      mSynchronizer(std::move(synchronizer)),
+      mRequests(std::make_unique<detail::RequestRegistry<Request>>("ContextCacheCoordinator")) {
   detail::DeploymentLayout const layout = detail::validateDeployment(config, profile, resources);
   mMaxBatch = layout.maxBatch;
   mDevice = layout.device;
@@ -89,14 +92,8 @@ ContextCacheCoordinator::ContextCacheCoordinator(ContextCacheConfig const& confi
   mMappingUploads = std::make_unique<detail::Int32UploadRegions>(mMaxBatch, mMaxBatch, mDevice);
 }
 
-ContextCacheCoordinator::~ContextCacheCoordinator() {
-  if (!mActive.empty() || !mQuarantine.empty()) {
-    logger()->critical(
-        "ContextCacheCoordinator destroyed with {} active and {} quarantined requests",
-        mActive.size(), mQuarantine.size());
-    std::terminate();
-  }
-}
+// The registry's destructor terminates when requests are still active or quarantined.
+ContextCacheCoordinator::~ContextCacheCoordinator() = default;
 
 // ---------------------------------------------------------------- request registry
 
@@ -104,60 +101,64 @@ ContextCacheCoordinator::Request& ContextCacheCoordinator::request(RequestHandle
                                                                    char const* call) const {
   MKV_REQUIRE(handle.mCoordinator == this, call, "the request handle is {}",
               handle.mCoordinator == nullptr ? "invalid" : "from another coordinator");
-  for (auto const& active : mActive) {
-    if (active->id == handle.mId) {
-      return *active;
-    }
+  Request* const live = mRequests->find(handle.mId);
+  if (live == nullptr) {
+    detail::throwContract(call, "request {} is not active", handle.mId);
   }
-  detail::throwContract(call, "request {} is not active", handle.mId);
-}
-
-std::unique_ptr<ContextCacheCoordinator::Request> ContextCacheCoordinator::detach(
-    uint64_t id) noexcept {
-  for (auto it = mActive.begin(); it != mActive.end(); ++it) {
-    if ((*it)->id == id) {
-      std::unique_ptr<Request> detached = std::move(*it);
-      mActive.erase(it);
-      return detached;
-    }
-  }
-  return nullptr;
-}
-
-void ContextCacheCoordinator::quarantine(std::unique_ptr<Request> req) noexcept {
-  if (req == nullptr) {
-    return;
-  }
-  mPoisoned = true;
-  ++mCounters.quarantinedRequests;
-  mQuarantine.push_back(std::move(req));  // capacity reserved at admission
+  return *live;
 }
 
 ContextCacheStatus ContextCacheCoordinator::quarantineHandle(RequestHandle& handle,
                                                              uint64_t id) noexcept {
   handle.mCoordinator = nullptr;
   handle.mId = 0;
-  quarantine(detach(id));  // its pages and slots stay leased while device work may run
+  mRequests->quarantine(id);  // its pages and slots stay leased while device work may run
+  countQuarantines();
   return ContextCacheStatus::kPoisoned;
+}
+
+void ContextCacheCoordinator::countQuarantines() noexcept {
+  mCounters.quarantinedRequests = mRequests->quarantinedTotal();
 }
 
 bool ContextCacheCoordinator::synchronize() noexcept {
   ++mCounters.synchronizations;
   if (!detail::synchronizeStream(mSynchronizer, mStream, "ContextCacheCoordinator")) {
-    mPoisoned = true;
+    poison();
     return false;
   }
   return true;
+}
+
+bool ContextCacheCoordinator::poisoned() const noexcept { return mRequests->poisoned(); }
+
+void ContextCacheCoordinator::poison() noexcept { mRequests->poison(); }
+
+int32_t ContextCacheCoordinator::activeRequestCount() const noexcept {
+  return static_cast<int32_t>(mRequests->active().size());
+}
+
+int32_t ContextCacheCoordinator::quarantinedRequestCount() const noexcept {
+  return static_cast<int32_t>(mRequests->quarantined().size());
 }
 
 detail::PagedRows ContextCacheCoordinator::rows() const noexcept {
   return detail::PagedRows(mResources, mDeviceWrites, mStream);
 }
 
-void ContextCacheCoordinator::releaseRows(Request& req) {
-  if (hasKv()) {
-    rows().release(req, pairsDraft(req));
+void ContextCacheCoordinator::clearRows(Requests requests) {
+  if (!hasKv()) {
+    return;
   }
+  detail::PagedRows const table = rows();
+  bool paired = false;
+  for (auto const& req : requests) {
+    paired = paired || pairsDraft(*req);
+    for (auto const& sequence : req->sequences) {
+      table.clearRow(sequence.resident.slot, pairsDraft(*req));
+    }
+  }
+  table.upload(paired);
 }
 
 void ContextCacheCoordinator::releaseResidents(Request const& req) noexcept {
@@ -167,23 +168,11 @@ void ContextCacheCoordinator::releaseResidents(Request const& req) noexcept {
 }
 
 void ContextCacheCoordinator::abandon(uint64_t id) noexcept {
-  std::unique_ptr<Request> abandoned = detach(id);
-  if (abandoned == nullptr) {
-    return;
-  }
   // An abandoned request publishes nothing, not even a frozen speculative prompt endpoint.
-  if (abandoned->needsSynchronization() && !synchronize()) {
-    quarantine(std::move(abandoned));
-    return;
-  }
-  try {
-    releaseRows(*abandoned);
-  } catch (std::exception const& error) {
-    logger()->error("ContextCacheCoordinator: abandoning a request failed: {}", error.what());
-    quarantine(std::move(abandoned));
-    return;
-  }
-  releaseResidents(*abandoned);
+  mRequests->abandon(
+      id, [this] { return synchronize(); }, [this](Requests requests) { clearRows(requests); },
+      [this](Request& req) { releaseResidents(req); });
+  countQuarantines();
 }
 
 bool ContextCacheCoordinator::pairsDraft(Request const& req) const noexcept {
@@ -241,14 +230,8 @@ ResidentRowState ContextCacheCoordinator::residentRowState(CacheSlot slot) const
       mResidentBusy[static_cast<std::size_t>(slot)] == 0) {
     return ResidentRowState::kFree;
   }
-  for (auto const& quarantined : mQuarantine) {
-    for (auto const& sequence : quarantined->sequences) {
-      if (sequence.resident.slot == slot) {
-        return ResidentRowState::kQuarantined;
-      }
-    }
-  }
-  return ResidentRowState::kActive;
+  return mRequests->quarantineHolds(slot) ? ResidentRowState::kQuarantined
+                                          : ResidentRowState::kActive;
 }
 
 // ---------------------------------------------------------------- prefill
@@ -258,7 +241,7 @@ void ContextCacheCoordinator::preparePrefill(RequestHandle& handle) {
   Request& req = request(handle, kCall);
   MKV_REQUIRE(req.stage == RequestStage::kAdmitted, kCall,
               "prefill was already prepared for this request");
-  for (auto const& other : mActive) {
+  for (auto const& other : mRequests->active()) {
     MKV_REQUIRE(other.get() == &req ||
                     (!isExecuting(other->stage) && other->stage != RequestStage::kPrefilling),
                 kCall, "request {} is executing; only one request may execute at a time",
@@ -624,19 +607,20 @@ void ContextCacheCoordinator::settleCompaction(Request& req,
 
 ContextCacheStatus ContextCacheCoordinator::finish(RequestHandle& handle) {
   if (!handle.valid()) {
-    return mPoisoned ? ContextCacheStatus::kPoisoned : ContextCacheStatus::kOk;
+    return poisoned() ? ContextCacheStatus::kPoisoned : ContextCacheStatus::kOk;
   }
-  Request& req = request(handle, "ContextCacheCoordinator::finish");
-  uint64_t const id = req.id;
-  if (req.needsSynchronization() && !synchronize()) {
-    return quarantineHandle(handle, id);
-  }
+  uint64_t const id = request(handle, "ContextCacheCoordinator::finish").id;
   handle.mCoordinator = nullptr;
   handle.mId = 0;
-  // Detached first: a publication that throws must not strand the request in mActive (shutdown
-  // could not recover its rows and leases any more). The publication is best effort here.
-  std::unique_ptr<Request> finished = detach(id);
-  if (finished->draftInitPending) {
+  // Detached first: a publication that throws must not strand the request among the live ones
+  // (shutdown could not recover its rows and leases any more).
+  std::unique_ptr<Request> finished =
+      mRequests->detachSettled(id, [this] { return synchronize(); });
+  if (finished == nullptr) {
+    countQuarantines();
+    return ContextCacheStatus::kPoisoned;
+  }
+  if (finished->draftInitPending) {  // best effort here
     try {
       publishFrozenPrefill(*finished);
     } catch (std::exception const& error) {
@@ -646,54 +630,31 @@ ContextCacheStatus ContextCacheCoordinator::finish(RequestHandle& handle) {
           id, error.what());
     }
   }
-  try {
-    releaseRows(*finished);
-  } catch (std::exception const& error) {
-    logger()->error("ContextCacheCoordinator::finish: clearing rows failed: {}", error.what());
-    quarantine(std::move(finished));
-    return ContextCacheStatus::kPoisoned;
-  }
-  releaseResidents(*finished);
-  return mPoisoned ? ContextCacheStatus::kPoisoned : ContextCacheStatus::kOk;
+  bool const released = mRequests->release(
+      std::move(finished), "finish", [this](Requests requests) { clearRows(requests); },
+      [this](Request& req) { releaseResidents(req); });
+  countQuarantines();
+  return !released || poisoned() ? ContextCacheStatus::kPoisoned : ContextCacheStatus::kOk;
 }
 
 ContextCacheStatus ContextCacheCoordinator::shutdown() noexcept {
   // A failed host-tier launch poisons: its other copies may still run.
-  if (mPoisoned && mResources.hostTier != nullptr &&
+  if (poisoned() && mResources.hostTier != nullptr &&
       mResources.hostTier->synchronize() != cudaSuccess) {
     return ContextCacheStatus::kPoisoned;
   }
-  if (!mQuarantine.empty()) {
-    if (!synchronize()) {
-      return ContextCacheStatus::kPoisoned;
-    }
-    try {
-      if (hasKv()) {
-        detail::PagedRows const table = rows();
-        bool paired = false;
-        for (auto& quarantined : mQuarantine) {
-          paired = paired || pairsDraft(*quarantined);
-          for (auto const& sequence : quarantined->sequences) {
-            table.clearRow(sequence.resident.slot, pairsDraft(*quarantined));
-          }
-        }
-        table.upload(paired);
-      }
-    } catch (std::exception const& error) {
-      logger()->error("ContextCacheCoordinator::shutdown: clearing rows failed: {}", error.what());
-      return ContextCacheStatus::kPoisoned;
-    }
-    for (auto& quarantined : mQuarantine) {
-      releaseResidents(*quarantined);
-    }
-    mQuarantine.clear();  // leases released
+  // Leases of the quarantined requests are released with them.
+  if (!mRequests->drainQuarantine(
+          "shutdown", [this] { return synchronize(); },
+          [this](Requests requests) { clearRows(requests); },
+          [this](Request& req) { releaseResidents(req); })) {
+    return ContextCacheStatus::kPoisoned;
   }
-  mPoisoned = false;
-  return mActive.empty() ? ContextCacheStatus::kOk : ContextCacheStatus::kRequestFailed;
+  return mRequests->active().empty() ? ContextCacheStatus::kOk : ContextCacheStatus::kRequestFailed;
 }
 
 bool ContextCacheCoordinator::resetPrefixCache() noexcept {
-  if (mPoisoned || !mActive.empty() || !mQuarantine.empty()) {
+  if (poisoned() || !mRequests->active().empty() || !mRequests->quarantined().empty()) {
     return false;
   }
   return mManager->resetPrefixCache();

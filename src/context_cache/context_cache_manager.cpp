@@ -125,29 +125,7 @@ void ContextCacheManager::applyCoverage(ReusePlan& plan, LookupRequest const& re
 
 void ContextCacheManager::checkPlan(ReusePlan const& plan, bool fresh) const {
   constexpr char const* kCall = "ContextCacheManager::acquire";
-  MKV_REQUIRE(static_cast<uint8_t>(plan.mode) <= static_cast<uint8_t>(ReuseMode::kSpec), kCall,
-              "reuse mode {} out of range", static_cast<int>(plan.mode));
-  MKV_REQUIRE(plan.mode != ReuseMode::kSpec || mOptions.specContract.has_value(), kCall,
-              "spec plan on a manager without a spec reuse contract");
-  MKV_REQUIRE(plan.hybridHasAttention || plan.mode == ReuseMode::kHybrid, kCall,
-              "only hybrid plans may be pure recurrent");
-  MKV_REQUIRE(!plan.demand.hasNegative() && plan.demand.recurrentSnapshotSlots == 0 &&
-                  plan.demand.partialKvSnapshotSlots == 0,
-              kCall,
-              "demand base {}, draft {}, recurrent {}, partial {}: negative, or snapshots "
-              "(reserve those with reserveHybridSnapshots)",
-              plan.demand.baseKvPages, plan.demand.draftKvPages, plan.demand.recurrentSnapshotSlots,
-              plan.demand.partialKvSnapshotSlots);
-  MKV_REQUIRE(plan.hybridHasAttention || plan.demand.baseKvPages == 0, kCall,
-              "pure-recurrent plan demands {} base pages", plan.demand.baseKvPages);
-  MKV_REQUIRE(
-      (plan.draftPageBindings.empty() && plan.demand.draftKvPages == 0) || pairedDraft(plan.mode),
-      kCall, "draft pages for a {} plan without paired draft state", toString(plan.mode));
-  bool const pureRecurrent = !plan.hybridHasAttention;
-  MKV_REQUIRE(pureRecurrent ? plan.basePageBindings.empty()
-                            : plan.basePageBindings.size() == plan.matchedBlockDigests.size(),
-              kCall, "{} base bindings for {} matched blocks", plan.basePageBindings.size(),
-              plan.matchedBlockDigests.size());
+  checkPlanShape(kCall, plan);
   for (std::size_t b = 0; !fresh && b < plan.basePageBindings.size(); ++b) {
     std::optional<PageId> const page = mIndex.find(plan.matchedBlockDigests[b]);
     MKV_REQUIRE(page == plan.basePageBindings[b], kCall,
@@ -155,16 +133,48 @@ void ContextCacheManager::checkPlan(ReusePlan const& plan, bool fresh) const {
                 plan.basePageBindings[b]);
   }
   checkHostPlan(kCall, plan, fresh);
+  checkPlanRecords(kCall, plan);
+  MKV_REQUIRE(!plan.specReplayDependency || plan.mode == ReuseMode::kSpec, kCall,
+              "replay dependency on a {} plan", toString(plan.mode));
+}
+
+void ContextCacheManager::checkPlanShape(char const* call, ReusePlan const& plan) const {
+  MKV_REQUIRE(static_cast<uint8_t>(plan.mode) <= static_cast<uint8_t>(ReuseMode::kSpec), call,
+              "reuse mode {} out of range", static_cast<int>(plan.mode));
+  MKV_REQUIRE(plan.mode != ReuseMode::kSpec || mOptions.specContract.has_value(), call,
+              "spec plan on a manager without a spec reuse contract");
+  MKV_REQUIRE(plan.hybridHasAttention || plan.mode == ReuseMode::kHybrid, call,
+              "only hybrid plans may be pure recurrent");
+  MKV_REQUIRE(!plan.demand.hasNegative() && plan.demand.recurrentSnapshotSlots == 0 &&
+                  plan.demand.partialKvSnapshotSlots == 0,
+              call,
+              "demand base {}, draft {}, recurrent {}, partial {}: negative, or snapshots "
+              "(reserve those with reserveHybridSnapshots)",
+              plan.demand.baseKvPages, plan.demand.draftKvPages, plan.demand.recurrentSnapshotSlots,
+              plan.demand.partialKvSnapshotSlots);
+  MKV_REQUIRE(plan.hybridHasAttention || plan.demand.baseKvPages == 0, call,
+              "pure-recurrent plan demands {} base pages", plan.demand.baseKvPages);
+  MKV_REQUIRE(
+      (plan.draftPageBindings.empty() && plan.demand.draftKvPages == 0) || pairedDraft(plan.mode),
+      call, "draft pages for a {} plan without paired draft state", toString(plan.mode));
+  bool const pureRecurrent = !plan.hybridHasAttention;
+  MKV_REQUIRE(pureRecurrent ? plan.basePageBindings.empty()
+                            : plan.basePageBindings.size() == plan.matchedBlockDigests.size(),
+              call, "{} base bindings for {} matched blocks", plan.basePageBindings.size(),
+              plan.matchedBlockDigests.size());
+}
+
+void ContextCacheManager::checkPlanRecords(char const* call, ReusePlan const& plan) const {
   if (plan.specRecord != kNoRecord) {
     CacheRecord const* record = mRecords.get(plan.specRecord);
     MKV_REQUIRE(record != nullptr && record->specState &&
                     record->specState->draftPagePath.size() >= plan.draftPageBindings.size() &&
                     std::equal(plan.draftPageBindings.begin(), plan.draftPageBindings.end(),
                                record->specState->draftPagePath.begin()),
-                kCall, "stale plan: spec record {} no longer holds the bound draft path",
+                call, "stale plan: spec record {} no longer holds the bound draft path",
                 plan.specRecord);
   } else {
-    MKV_REQUIRE(plan.draftPageBindings.empty(), kCall, "draft bindings without a spec record");
+    MKV_REQUIRE(plan.draftPageBindings.empty(), call, "draft bindings without a spec record");
   }
   if (plan.hybridRecord != kNoRecord) {
     CacheRecord const* record = mRecords.get(plan.hybridRecord);
@@ -172,14 +182,12 @@ void ContextCacheManager::checkPlan(ReusePlan const& plan, bool fresh) const {
                     record->recurrentSnapshotSlot == plan.recurrentSnapshotBinding &&
                     record->partialKvSnapshotSlot == plan.partialKvSnapshotBinding &&
                     record->basePagePath == plan.basePageBindings,
-                kCall, "stale plan: hybrid record {} no longer holds the bound state",
+                call, "stale plan: hybrid record {} no longer holds the bound state",
                 plan.hybridRecord);
   } else {
-    MKV_REQUIRE(!plan.recurrentSnapshotBinding && !plan.partialKvSnapshotBinding, kCall,
+    MKV_REQUIRE(!plan.recurrentSnapshotBinding && !plan.partialKvSnapshotBinding, call,
                 "snapshot bindings without a hybrid record");
   }
-  MKV_REQUIRE(!plan.specReplayDependency || plan.mode == ReuseMode::kSpec, kCall,
-              "replay dependency on a {} plan", toString(plan.mode));
 }
 
 // ---------------------------------------------------------------------------------------------

@@ -314,6 +314,10 @@ class ContextCacheManager {
   void queueOnboarding(CacheRequestLease& lease, ReusePlan const& plan);
   /// checkPlan's host-tier part.
   void checkHostPlan(char const* call, ReusePlan const& plan, bool fresh) const;
+  /// checkPlan's parts: the plan's mode, demand and binding counts; the records it binds (spec
+  /// draft path, hybrid snapshots) still hold what it bound.
+  void checkPlanShape(char const* call, ReusePlan const& plan) const;
+  void checkPlanRecords(char const* call, ReusePlan const& plan) const;
   void enforceRecordLimit() noexcept;
   /// Records whose retention duration ran out fall back to the default priority (before a
   /// victim order is read).

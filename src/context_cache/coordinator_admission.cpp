@@ -10,6 +10,7 @@
 #include "core/check.h"
 #include "mkv/context_cache/context_cache_coordinator.h"
 #include "resources/backend_requests.h"
+#include "resources/request_registry.h"
 
 namespace mkv {
 
@@ -74,7 +75,7 @@ std::vector<mkv::AdmissionResult> ContextCacheCoordinator::acquireAll(
 std::unique_ptr<ContextCacheCoordinator::Request> ContextCacheCoordinator::newRequest(
     ContextCacheBatchAdmission const& admission) const {
   auto created = std::make_unique<Request>();
-  created->id = mNextRequestId;
+  created->id = mRequests->nextId();
   created->contract = admission.tokenStateContract;
   created->commitPolicy = admission.commitPolicy;
   created->replayTailLength = admission.replayTailLength;
@@ -106,7 +107,7 @@ ContextCacheCoordinator::BeginRequestResult ContextCacheCoordinator::beginReques
   BeginRequestResult result;
   // Poisoned first: a quarantined request still holds its residents, and the runtime may have
   // handed one of those slots out again; that is the poisoned outcome, not a contract error.
-  if (mPoisoned) {
+  if (poisoned()) {
     result.status = ContextCacheStatus::kPoisoned;
     return result;
   }
@@ -145,17 +146,14 @@ ContextCacheCoordinator::BeginRequestResult ContextCacheCoordinator::beginReques
   countPlanning(start);
   AdmissionResult admitted;
   admitted.prefillStarts.reserve(created->sequences.size());
-  mActive.reserve(mActive.size() + 1);
-  mQuarantine.reserve(mQuarantine.size() + mActive.size() + 1);
+  mRequests->reserveAdmission();
   // Nothing below throws: publish the request.
-  ++mNextRequestId;
   ++mCounters.requests;
   for (auto const& sequence : created->sequences) {
     admitted.prefillStarts.push_back(sequence.reuseTokenLength);
     mResidentBusy[static_cast<std::size_t>(sequence.resident.slot)] = 1;
   }
-  mActive.push_back(std::move(created));
-  admitted.request = RequestHandle(this, mActive.back()->id);
+  admitted.request = RequestHandle(this, mRequests->publish(std::move(created)));
   result.status = ContextCacheStatus::kOk;
   result.admission = std::move(admitted);
   return result;

@@ -47,7 +47,7 @@ bool ContextCacheCoordinator::moveHostTierPages(char const* call) noexcept {
   // The offloaded blocks' bytes may never have arrived: the host tier forgets them. Onboarded
   // pages belong to the caller's leases, which the caller releases or quarantines.
   mManager->forgetHostBlocks(moves.offloads);
-  mPoisoned = true;
+  poison();
   return false;
 }
 

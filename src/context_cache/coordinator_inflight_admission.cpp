@@ -37,7 +37,7 @@ ContextCacheCoordinator::AdmitSequenceResult ContextCacheCoordinator::admitSeque
   detail::validateJoiner(kCall, admission, headroom, table.maxBatch(), table.baseRowPages(),
                          mManager->pageSize(), mResources.residentSlots);
   AdmitSequenceResult result;
-  if (mPoisoned) {  // before the busy check, as in beginRequest
+  if (poisoned()) {  // before the busy check, as in beginRequest
     result.status = ContextCacheStatus::kPoisoned;
     return result;
   }
@@ -71,7 +71,7 @@ ContextCacheCoordinator::AdmitSequenceResult ContextCacheCoordinator::admitSeque
     try {
       table.clearRow(ref.slot, false);
     } catch (...) {
-      mPoisoned = true;
+      poison();
     }
     throw;
   }
@@ -89,7 +89,7 @@ ContextCacheStatus ContextCacheCoordinator::finalizeSequenceAdmission(
   MKV_REQUIRE(isExecuting(req.stage), kCall, "the request is not executing");
   auto& sequence = detail::sequenceAt(req, row, kCall);
   MKV_REQUIRE(!sequence.joined, kCall, "row {} is not an unfinalised in-flight admission", row);
-  if (mPoisoned) {
+  if (poisoned()) {
     return ContextCacheStatus::kPoisoned;
   }
   MKV_REQUIRE(advance.acceptedTokenCount == 1 && advance.acceptedTokenIds != nullptr &&
@@ -132,7 +132,7 @@ bool ContextCacheCoordinator::retractSequenceAdmission(RequestHandle& handle) {
   } catch (std::exception const& error) {
     logger()->error("ContextCacheCoordinator::retractSequenceAdmission: {}; poisoned",
                     error.what());
-    mPoisoned = true;
+    poison();
     return false;
   }
   return true;

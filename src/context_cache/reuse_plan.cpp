@@ -248,6 +248,63 @@ ReusePlan makeHybridMtpReusePlan(BlockIndex const& index, RecordStore const& rec
   return planHybrid(index, records, blocks, true, true, policy);
 }
 
+namespace {
+
+/// The longest path a speculative request may reuse within the `baseMatched` indexed blocks: the
+/// base prefix itself without paged draft state, else the longest recorded spec path (and the
+/// record that produced it).
+struct SpecPath {
+  int32_t blocks = 0;
+  CacheRecord const* producer = nullptr;
+};
+
+SpecPath longestSpecPath(RecordStore const& records, PromptBlocks const& blocks,
+                         SpecReuseContract const& contract, int32_t baseMatched) {
+  if (!contract.pagedSpecState) {
+    return SpecPath{baseMatched, nullptr};
+  }
+  std::optional<RecordStore::SpecPathMatch> const path =
+      records.findLongestSpecPath(blocks.keys, baseMatched);
+  return path ? SpecPath{path->blockCount, path->record} : SpecPath{};
+}
+
+/// Fills `plan` for a non-empty spec path: rewinds the replayed pages (or the last one of a full
+/// input), binds the base pages before the rewind and, with a producer, its draft pages.
+void planSpecPath(ReusePlan& plan, PromptBlocks const& blocks, SpecReuseContract const& contract,
+                  SpecPath const& path, std::vector<PageId> basePages) {
+  int32_t const n = blocks.tokenCount();
+  int32_t const page = blocks.pageSize;
+  int32_t const replayPages = pagesFor(contract.futureDependencyTokens, page);
+  bool const fullInput = path.blocks * page == n;
+  int32_t const rewind = std::min(path.blocks, std::max(replayPages, fullInput ? 1 : 0));
+  int32_t const bound = path.blocks - rewind;
+  if (replayPages > 0 && path.blocks > replayPages) {
+    plan.specReplayDependency =
+        SpecReplayDependency{path.blocks, blocks.keys[static_cast<std::size_t>(path.blocks - 1)]};
+  }
+  plan.kind = fullInput   ? ReusePlanKind::kFullInputRewind
+              : bound > 0 ? ReusePlanKind::kStandard
+                          : ReusePlanKind::kNoReusablePrefix;
+  plan.matchedTokenLength = path.blocks * page;
+  plan.reuseTokenLength = bound * page;
+  plan.specReplayMode =
+      replayPages > 0 && bound > 0 ? SpecReplayMode::kFullPage : SpecReplayMode::kNone;
+  basePages.resize(static_cast<std::size_t>(bound));
+  plan.matchedBlockDigests = firstOf(blocks.keys, bound);
+  if (path.producer != nullptr && bound > 0) {
+    MKV_ASSERT(std::equal(basePages.begin(), basePages.end(), path.producer->basePagePath.begin()),
+               "spec record {} base path is not the canonical path", path.producer->id);
+    plan.specRecord = path.producer->id;
+    plan.draftPageBindings = firstOf(path.producer->specState->draftPagePath, bound);
+  }
+  plan.basePageBindings = std::move(basePages);
+  int32_t const pages = pagesFor(n, page);
+  plan.demand.baseKvPages = pages - bound;
+  plan.demand.draftKvPages = contract.pagedSpecState ? pages - bound : 0;
+}
+
+}  // namespace
+
 ReusePlan makeSpecReusePlan(BlockIndex const& index, RecordStore const& records,
                             PromptBlocks const& blocks, SpecReuseContract const& contract,
                             ContextCacheLookupPolicy policy) {
@@ -256,8 +313,8 @@ ReusePlan makeSpecReusePlan(BlockIndex const& index, RecordStore const& records,
   MKV_REQUIRE(contract.futureDependencyTokens >= 0, "makeSpecReusePlan",
               "negative future dependency {}", contract.futureDependencyTokens);
   int32_t const n = blocks.tokenCount();
-  int32_t const page = blocks.pageSize;
-  ReusePlan plan = makeColdReusePlan(ReuseMode::kSpec, n, page, true, contract.pagedSpecState);
+  ReusePlan plan =
+      makeColdReusePlan(ReuseMode::kSpec, n, blocks.pageSize, true, contract.pagedSpecState);
   if (policy == ContextCacheLookupPolicy::kBypass || n == 0) {
     return plan;
   }
@@ -265,45 +322,10 @@ ReusePlan makeSpecReusePlan(BlockIndex const& index, RecordStore const& records,
   auto const baseMatched = static_cast<int32_t>(match.pages.size());
   plan.indexedPrefixBlocks = baseMatched;
   plan.verificationRejects = match.verificationRejected ? 1 : 0;
-
-  int32_t pathBlocks = baseMatched;
-  CacheRecord const* producer = nullptr;
-  if (contract.pagedSpecState) {
-    std::optional<RecordStore::SpecPathMatch> const path =
-        records.findLongestSpecPath(blocks.keys, baseMatched);
-    pathBlocks = path ? path->blockCount : 0;
-    producer = path ? path->record : nullptr;
+  SpecPath const path = longestSpecPath(records, blocks, contract, baseMatched);
+  if (path.blocks > 0) {
+    planSpecPath(plan, blocks, contract, path, std::move(match.pages));
   }
-  if (pathBlocks == 0) {
-    return plan;
-  }
-  int32_t const replayPages = pagesFor(contract.futureDependencyTokens, page);
-  bool const fullInput = pathBlocks * page == n;
-  int32_t const rewind = std::min(pathBlocks, std::max(replayPages, fullInput ? 1 : 0));
-  int32_t const bound = pathBlocks - rewind;
-  if (replayPages > 0 && pathBlocks > replayPages) {
-    plan.specReplayDependency =
-        SpecReplayDependency{pathBlocks, blocks.keys[static_cast<std::size_t>(pathBlocks - 1)]};
-  }
-  plan.kind = fullInput   ? ReusePlanKind::kFullInputRewind
-              : bound > 0 ? ReusePlanKind::kStandard
-                          : ReusePlanKind::kNoReusablePrefix;
-  plan.matchedTokenLength = pathBlocks * page;
-  plan.reuseTokenLength = bound * page;
-  plan.specReplayMode =
-      replayPages > 0 && bound > 0 ? SpecReplayMode::kFullPage : SpecReplayMode::kNone;
-  match.pages.resize(static_cast<std::size_t>(bound));
-  plan.matchedBlockDigests = firstOf(blocks.keys, bound);
-  if (producer != nullptr && bound > 0) {
-    MKV_ASSERT(std::equal(match.pages.begin(), match.pages.end(), producer->basePagePath.begin()),
-               "spec record {} base path is not the canonical path", producer->id);
-    plan.specRecord = producer->id;
-    plan.draftPageBindings = firstOf(producer->specState->draftPagePath, bound);
-  }
-  plan.basePageBindings = std::move(match.pages);
-  int32_t const pages = pagesFor(n, page);
-  plan.demand.baseKvPages = pages - bound;
-  plan.demand.draftKvPages = contract.pagedSpecState ? pages - bound : 0;
   return plan;
 }
 
@@ -319,6 +341,49 @@ void requireKvPageCoverage(ReusePlan& plan, int32_t pageSize, int32_t baseTokens
   raise(plan.demand.baseKvPages, plan.basePageBindings.size(), baseTokens);
   raise(plan.demand.draftKvPages, plan.draftPageBindings.size(), draftTokens);
 }
+
+namespace {
+
+/// The content key of block `first` (the first one not indexed) under our prompt. Blocks
+/// [0, first) matched the index (token by token with verification on), so the indexed entry of
+/// block first - 1 holds our content key there: one chain step instead of a walk.
+Hash128 contentKeyOfBlock(BlockIndex const& index, PromptBlocks const& blocks, int32_t first) {
+  auto const b = static_cast<std::size_t>(first);
+  std::optional<PageId> const parentPage =
+      first == 0 ? std::nullopt : index.find(blocks.keys[b - 1]);
+  return parentPage ? blocks.contentKeyAfter(index.provenanceOf(*parentPage).contentKey, first)
+                    : blocks.contentKey(first);
+}
+
+/// The nearest cached identity names the culprit: of the provenances `others` that differ from
+/// ours, the one matching the most of (salt, adapter, media); its first differing field, in that
+/// order, is the reason (ties between provenances go to the reason first in that order). Nullopt
+/// when every provenance is ours.
+std::optional<MissReason> nearestIdentityMismatch(std::vector<BlockProvenance> const& others,
+                                                  BlockKeyExtras const& ours,
+                                                  Hash128 const& ourMedia) {
+  std::optional<MissReason> nearest;
+  int32_t nearestMatches = -1;
+  for (BlockProvenance const& p : others) {
+    bool const salt = p.salt == ours.salt;
+    bool const adapter = p.adapter == ours.adapter;
+    bool const media = p.media == ourMedia;
+    int32_t const matches = int32_t{salt} + int32_t{adapter} + int32_t{media};
+    if (matches == 3) {
+      continue;  // the same identity: not what kept this block out
+    }
+    MissReason const reason = !salt      ? MissReason::kSaltMismatch
+                              : !adapter ? MissReason::kLoraMismatch
+                                         : MissReason::kMediaMismatch;
+    if (matches > nearestMatches || (matches == nearestMatches && reason < *nearest)) {
+      nearest = reason;
+      nearestMatches = matches;
+    }
+  }
+  return nearest;
+}
+
+}  // namespace
 
 std::optional<MissReason> classifyMiss(BlockIndex const& index, PromptBlocks const& blocks,
                                        ReusePlan const& plan) {
@@ -339,41 +404,10 @@ std::optional<MissReason> classifyMiss(BlockIndex const& index, PromptBlocks con
   if (index.wasRecentlyEvicted(blocks.keys[b])) {
     return MissReason::kEvicted;
   }
-  // Blocks [0, first) matched the index (token by token with verification on), so the indexed
-  // entry of block first - 1 holds our content key there: one chain step instead of a walk.
-  std::optional<PageId> const parentPage =
-      first == 0 ? std::nullopt : index.find(blocks.keys[b - 1]);
-  Hash128 const contentKey =
-      parentPage ? blocks.contentKeyAfter(index.provenanceOf(*parentPage).contentKey, first)
-                 : blocks.contentKey(first);
-  std::vector<BlockProvenance> const others = index.provenanceByContent(contentKey);
-  // The nearest cached identity names the culprit: of the provenances that differ from ours,
-  // the one matching the most of (salt, adapter, media); its first differing field, in that
-  // order, is the reason (ties between provenances go to the reason first in that order).
-  BlockKeyExtras const& ours = blocks.prompt.extras;
-  Hash128 const& ourMedia = blocks.mediaDigests[b];
-  std::optional<MissReason> nearest;
-  int32_t nearestMatches = -1;
-  for (BlockProvenance const& p : others) {
-    bool const salt = p.salt == ours.salt;
-    bool const adapter = p.adapter == ours.adapter;
-    bool const media = p.media == ourMedia;
-    int32_t const matches = int32_t{salt} + int32_t{adapter} + int32_t{media};
-    if (matches == 3) {
-      continue;  // the same identity: not what kept this block out
-    }
-    MissReason const reason = !salt      ? MissReason::kSaltMismatch
-                              : !adapter ? MissReason::kLoraMismatch
-                                         : MissReason::kMediaMismatch;
-    if (matches > nearestMatches || (matches == nearestMatches && reason < *nearest)) {
-      nearest = reason;
-      nearestMatches = matches;
-    }
-  }
-  if (nearest) {
-    return *nearest;
-  }
-  return MissReason::kNoPrefix;
+  std::vector<BlockProvenance> const others =
+      index.provenanceByContent(contentKeyOfBlock(index, blocks, first));
+  return nearestIdentityMismatch(others, blocks.prompt.extras, blocks.mediaDigests[b])
+      .value_or(MissReason::kNoPrefix);
 }
 
 }  // namespace mkv

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <optional>
 #include <span>
 #include <string>
 #include <utility>
@@ -258,6 +259,34 @@ bool KVPageTable::rowLooksValid(CacheSlot slot, int32_t first, int32_t last) con
   return !bad && live == recorded;
 }
 
+namespace {
+
+/// Why entry `i` of row `slot` (K page `k`, V page `v`) breaks the table's rules, or nullopt: an
+/// empty entry has both halves empty; a live one a K page in [0, numPages) and V = K + numPages,
+/// and it may not come after an empty entry of a dense row (`afterEmptyInDenseRow`).
+std::optional<std::string> entryError(CacheSlot slot, std::size_t i, int32_t k, int32_t v,
+                                      int32_t numPages, bool afterEmptyInDenseRow) {
+  if (k == kNoPage) {
+    if (v != kNoPage) {
+      return fmt::format("row {} entry {}: K is empty but V is {}", slot, i, v);
+    }
+    return std::nullopt;
+  }
+  if (k < 0 || k >= numPages) {
+    return fmt::format("row {} entry {}: K page {} is outside [0, {})", slot, i, k, numPages);
+  }
+  if (v != k + numPages) {
+    return fmt::format("row {} entry {}: V page is {}, expected {} (K {} + numPages {})", slot, i,
+                       v, k + numPages, k, numPages);
+  }
+  if (afterEmptyInDenseRow) {
+    return fmt::format("row {} entry {}: live entry after an empty one in a dense table", slot, i);
+  }
+  return std::nullopt;
+}
+
+}  // namespace
+
 bool KVPageTable::checkRow(CacheSlot slot, std::string* error, int32_t first, int32_t last) const {
   if (rowLooksValid(slot, first, last)) {
     return true;
@@ -277,25 +306,14 @@ bool KVPageTable::checkRow(CacheSlot slot, std::string* error, int32_t first, in
   mScratch.clear();
   for (auto i = static_cast<std::size_t>(first); i < static_cast<std::size_t>(last); ++i) {
     int32_t const k = row[i];
-    int32_t const v = row[width + i];
+    std::optional<std::string> message = entryError(slot, i, k, row[width + i], mNumPages,
+                                                    mMode == PageTableMode::kDense && seenEmpty);
+    if (message) {
+      return fail(std::move(*message));
+    }
     if (k == kNoPage) {
-      if (v != kNoPage) {
-        return fail(fmt::format("row {} entry {}: K is empty but V is {}", slot, i, v));
-      }
       seenEmpty = true;
       continue;
-    }
-    if (k < 0 || k >= mNumPages) {
-      return fail(
-          fmt::format("row {} entry {}: K page {} is outside [0, {})", slot, i, k, mNumPages));
-    }
-    if (v != k + mNumPages) {
-      return fail(fmt::format("row {} entry {}: V page is {}, expected {} (K {} + numPages {})",
-                              slot, i, v, k + mNumPages, k, mNumPages));
-    }
-    if (mMode == PageTableMode::kDense && seenEmpty) {
-      return fail(
-          fmt::format("row {} entry {}: live entry after an empty one in a dense table", slot, i));
     }
     ++live;
     if (mMode == PageTableMode::kSparseWindow) {

@@ -12,6 +12,7 @@
 #include "core/device.h"
 #include "mkv/logging.h"
 #include "resources/backend_requests.h"
+#include "resources/request_registry.h"
 
 namespace mkv {
 
@@ -32,6 +33,8 @@ struct BoundedSwaKVPageManager::Request {
   std::vector<int32_t> mapping;  // pending compaction (old -> new), empty when none
   int32_t newBatchSize = -1;
   Tensor* deviceMapping = nullptr;
+  /// Device work is enqueued and not known complete: a finish or abandonment synchronises.
+  bool needsSynchronization() const noexcept { return pending != Pending::kNone; }
 };
 
 namespace {
@@ -103,7 +106,8 @@ BoundedSwaKVPageManager::BoundedSwaKVPageManager(BoundedSwaConfig const& config,
       mDecodePages(0),
       mResources(std::move(resources)),
       mStream(stream),
-      mSynchronizer(std::move(synchronizer)) {
+      mSynchronizer(std::move(synchronizer)),
+      mRequests(std::make_unique<detail::RequestRegistry<Request>>("BoundedSwaKVPageManager")) {
   constexpr char const* kCall = "BoundedSwaKVPageManager";
   MKV_REQUIRE(mResources.swaPool != nullptr && mResources.swaPageTable != nullptr, kCall,
               "swaPool and swaPageTable are required");
@@ -153,14 +157,8 @@ BoundedSwaKVPageManager::BoundedSwaKVPageManager(BoundedSwaConfig const& config,
                                                                  pool.deviceType());
 }
 
-BoundedSwaKVPageManager::~BoundedSwaKVPageManager() {
-  if (!mActive.empty() || !mQuarantine.empty()) {
-    logger()->critical(
-        "BoundedSwaKVPageManager destroyed with {} active and {} quarantined requests",
-        mActive.size(), mQuarantine.size());
-    std::terminate();
-  }
-}
+// The registry's destructor terminates when requests are still active or quarantined.
+BoundedSwaKVPageManager::~BoundedSwaKVPageManager() = default;
 
 // ---------------------------------------------------------------- observers
 
@@ -168,9 +166,15 @@ int32_t BoundedSwaKVPageManager::totalPageCount() const noexcept {
   return mResources.swaPool->numPages();
 }
 
+bool BoundedSwaKVPageManager::poisoned() const noexcept { return mRequests->poisoned(); }
+
+int32_t BoundedSwaKVPageManager::quarantinedRequestCount() const noexcept {
+  return static_cast<int32_t>(mRequests->quarantined().size());
+}
+
 int32_t BoundedSwaKVPageManager::quarantinedPageCount() const noexcept {
   int32_t count = 0;
-  for (auto const& request : mQuarantine) {
+  for (auto const& request : mRequests->quarantined()) {
     for (auto const& state : request->sequences) {
       count += state.heldPages();
     }
@@ -183,30 +187,23 @@ ResidentRowState BoundedSwaKVPageManager::residentRowState(CacheSlot slot) const
       mResidentBusy[static_cast<std::size_t>(slot)] == 0) {
     return ResidentRowState::kFree;
   }
-  for (auto const& quarantined : mQuarantine) {
-    for (SwaSequenceState const& state : quarantined->sequences) {
-      if (state.resident.slot == slot) {
-        return ResidentRowState::kQuarantined;
-      }
-    }
-  }
-  return ResidentRowState::kActive;
+  return mRequests->quarantineHolds(slot) ? ResidentRowState::kQuarantined
+                                          : ResidentRowState::kActive;
 }
 
 int32_t BoundedSwaKVPageManager::activeRequestCount() const noexcept {
-  return static_cast<int32_t>(mActive.size());
+  return static_cast<int32_t>(mRequests->active().size());
 }
 
 BoundedSwaKVPageManager::Request& BoundedSwaKVPageManager::request(RequestHandle const& handle,
                                                                    char const* call) const {
   MKV_REQUIRE(handle.mManager == this, call, "the request handle is {}",
               handle.mManager == nullptr ? "invalid" : "from another manager");
-  for (auto const& active : mActive) {
-    if (active->id == handle.mId) {
-      return *active;
-    }
+  Request* const live = mRequests->find(handle.mId);
+  if (live == nullptr) {
+    detail::throwContract(call, "request {} is not active", handle.mId);
   }
-  detail::throwContract(call, "request {} is not active", handle.mId);
+  return *live;
 }
 
 int32_t BoundedSwaKVPageManager::batchSize(RequestHandle const& handle) const {
@@ -240,7 +237,7 @@ BoundedSwaKVPageManager::BeginRequestResult BoundedSwaKVPageManager::beginReques
   BeginRequestResult result;
   // Poisoned first: a quarantined request still holds its residents, and the runtime may have
   // handed one of those slots out again; that is the poisoned outcome, not a contract error.
-  if (mPoisoned) {
+  if (mRequests->poisoned()) {
     result.status = SwaKVCacheStatus::kPoisoned;
     return result;
   }
@@ -253,7 +250,7 @@ BoundedSwaKVPageManager::BeginRequestResult BoundedSwaKVPageManager::beginReques
     return result;
   }
   auto created = std::make_unique<Request>();
-  created->id = mNextRequestId;
+  created->id = mRequests->nextId();
   created->sequences.resize(residents.size());
   // A sequence never holds more than 2M + 1 pages, so with these capacities no transition,
   // completion or release allocates (only bindings, a deque, may).
@@ -264,8 +261,7 @@ BoundedSwaKVPageManager::BeginRequestResult BoundedSwaKVPageManager::beginReques
     state.newBindings.reserve(static_cast<std::size_t>(mAdmissionPages));
     state.pendingRetire.reserve(static_cast<std::size_t>(mAdmissionPages));
   }
-  mActive.reserve(mActive.size() + 1);
-  mQuarantine.reserve(mQuarantine.size() + mActive.size() + 1);  // noexcept paths never allocate
+  mRequests->reserveAdmission();  // publish and a later quarantine never allocate
   // Nothing below throws: take the pages and publish the request.
   for (auto& state : created->sequences) {
     for (int32_t p = 0; p < mAdmissionPages; ++p) {
@@ -274,10 +270,9 @@ BoundedSwaKVPageManager::BeginRequestResult BoundedSwaKVPageManager::beginReques
     }
     mResidentBusy[static_cast<std::size_t>(state.resident.slot)] = 1;
   }
-  ++mNextRequestId;
-  mActive.push_back(std::move(created));
+  uint64_t const id = mRequests->publish(std::move(created));
   result.status = SwaKVCacheStatus::kOk;
-  result.request = RequestHandle(this, mActive.back()->id);
+  result.request = RequestHandle(this, id);
   return result;
 }
 
@@ -387,9 +382,11 @@ void BoundedSwaKVPageManager::preparePrefill(RequestHandle& handle,
   }
   // The KV-length tensors are execution-ordered for one batch: resetting them for this request
   // would overwrite the lengths another active request's kernels read.
-  MKV_REQUIRE(mResources.lengthPools.empty() || mLengthOwner == 0 || mLengthOwner == req.id, kCall,
+  // A request that left (finished, abandoned, quarantined) no longer owns them.
+  uint64_t const owner = mRequests->find(mLengthOwner) != nullptr ? mLengthOwner : 0;
+  MKV_REQUIRE(mResources.lengthPools.empty() || owner == 0 || owner == req.id, kCall,
               "the KV-length pools follow request {}, still active; request {} cannot reset them",
-              mLengthOwner, req.id);
+              owner, req.id);
   // Whatever can fail comes first and is undone on failure: the request stays admitted.
   std::vector<int32_t> const zeros(req.sequences.size(), 0);
   try {
@@ -541,11 +538,7 @@ SwaKVCacheStatus BoundedSwaKVPageManager::compactBatch(RequestHandle& handle) {
     lengths->compactLengths(*req.deviceMapping, req.newBatchSize, mStream);
   }
   if (!synchronize()) {
-    // Invalidated as every other path does (finish; the coordinator's): no manager, no id.
-    handle.mManager = nullptr;
-    handle.mId = 0;
-    quarantine(detach(req.id));
-    return SwaKVCacheStatus::kPoisoned;
+    return quarantineHandle(handle, req.id);
   }
   // Compacted in place by move assignment: moving a SwaSequenceState into new storage would
   // allocate (libstdc++'s std::deque move constructor does), assigning it does not.
@@ -573,69 +566,37 @@ SwaKVCacheStatus BoundedSwaKVPageManager::compactBatch(RequestHandle& handle) {
 
 SwaKVCacheStatus BoundedSwaKVPageManager::finish(RequestHandle& handle) {
   if (!handle.valid()) {
-    return mPoisoned ? SwaKVCacheStatus::kPoisoned : SwaKVCacheStatus::kOk;
+    return poisoned() ? SwaKVCacheStatus::kPoisoned : SwaKVCacheStatus::kOk;
   }
-  Request& req = request(handle, "BoundedSwaKVPageManager::finish");
-  uint64_t const id = req.id;
+  uint64_t const id = request(handle, "BoundedSwaKVPageManager::finish").id;
   handle.mManager = nullptr;
   handle.mId = 0;
-  if (req.pending != Pending::kNone && !synchronize()) {
-    quarantine(detach(id));
-    return SwaKVCacheStatus::kPoisoned;
+  std::unique_ptr<Request> finished =
+      mRequests->detachSettled(id, [this] { return synchronize(); });
+  if (finished == nullptr ||
+      !mRequests->release(
+          std::move(finished), "finish", [this](Requests requests) { clearRows(requests); },
+          [this](Request& req) { releaseRequest(req); })) {
+    return SwaKVCacheStatus::kPoisoned;  // quarantined
   }
-  std::unique_ptr<Request> finished = detach(id);
-  try {
-    for (SwaSequenceState const& state : finished->sequences) {
-      mResources.swaPageTable->clearRow(state.resident.slot);
-    }
-    mResources.swaPageTable->uploadDirty(mStream);
-  } catch (std::exception const& error) {
-    logger()->error("BoundedSwaKVPageManager::finish: clearing rows failed: {}", error.what());
-    quarantine(std::move(finished));
-    return SwaKVCacheStatus::kPoisoned;
-  }
-  for (SwaSequenceState& state : finished->sequences) {
-    releaseSequence(state);
-  }
-  return mPoisoned ? SwaKVCacheStatus::kPoisoned : SwaKVCacheStatus::kOk;
+  return poisoned() ? SwaKVCacheStatus::kPoisoned : SwaKVCacheStatus::kOk;
 }
 
 SwaKVCacheStatus BoundedSwaKVPageManager::shutdown() noexcept {
-  if (!mQuarantine.empty()) {
-    if (!synchronize()) {
-      return SwaKVCacheStatus::kPoisoned;
-    }
-    bool cleared = true;
-    try {
-      for (auto const& request : mQuarantine) {
-        for (SwaSequenceState const& state : request->sequences) {
-          mResources.swaPageTable->clearRow(state.resident.slot);
-        }
-      }
-      mResources.swaPageTable->uploadDirty(mStream);
-    } catch (std::exception const& error) {
-      logger()->error("BoundedSwaKVPageManager::shutdown: clearing rows failed: {}", error.what());
-      cleared = false;
-    }
-    if (!cleared) {
-      return SwaKVCacheStatus::kPoisoned;
-    }
-    for (auto& request : mQuarantine) {
-      for (SwaSequenceState& state : request->sequences) {
-        releaseSequence(state);
-      }
-    }
-    mQuarantine.clear();
+  if (!mRequests->drainQuarantine(
+          "shutdown", [this] { return synchronize(); },
+          [this](Requests requests) { clearRows(requests); },
+          [this](Request& req) { releaseRequest(req); })) {
+    return SwaKVCacheStatus::kPoisoned;
   }
-  mPoisoned = false;
-  return mActive.empty() ? SwaKVCacheStatus::kOk : SwaKVCacheStatus::kRequestFailed;
+  return mRequests->active().empty() ? SwaKVCacheStatus::kOk : SwaKVCacheStatus::kRequestFailed;
 }
 
 // ---------------------------------------------------------------- internals
 
 bool BoundedSwaKVPageManager::synchronize() noexcept {
   if (!detail::synchronizeStream(mSynchronizer, mStream, "BoundedSwaKVPageManager")) {
-    mPoisoned = true;
+    mRequests->poison();
     return false;
   }
   return true;
@@ -658,52 +619,33 @@ void BoundedSwaKVPageManager::releaseSequence(SwaSequenceState& state) noexcept 
   mResidentBusy[static_cast<std::size_t>(state.resident.slot)] = 0;
 }
 
-std::unique_ptr<BoundedSwaKVPageManager::Request> BoundedSwaKVPageManager::detach(
-    uint64_t id) noexcept {
-  for (auto it = mActive.begin(); it != mActive.end(); ++it) {
-    if ((*it)->id == id) {
-      std::unique_ptr<Request> detached = std::move(*it);
-      mActive.erase(it);
-      if (mLengthOwner == id) {
-        mLengthOwner = 0;
-      }
-      return detached;
+void BoundedSwaKVPageManager::clearRows(Requests requests) {
+  for (auto const& req : requests) {
+    for (SwaSequenceState const& state : req->sequences) {
+      mResources.swaPageTable->clearRow(state.resident.slot);
     }
   }
-  return nullptr;
+  mResources.swaPageTable->uploadDirty(mStream);
 }
 
-void BoundedSwaKVPageManager::quarantine(std::unique_ptr<Request> request) noexcept {
-  if (request == nullptr) {
-    return;
+void BoundedSwaKVPageManager::releaseRequest(Request& req) noexcept {
+  for (SwaSequenceState& state : req.sequences) {
+    releaseSequence(state);
   }
-  mPoisoned = true;
-  // Capacity was reserved at admission for every request that can be quarantined.
-  mQuarantine.push_back(std::move(request));
+}
+
+SwaKVCacheStatus BoundedSwaKVPageManager::quarantineHandle(RequestHandle& handle,
+                                                           uint64_t id) noexcept {
+  handle.mManager = nullptr;
+  handle.mId = 0;
+  mRequests->quarantine(id);  // its pages stay held while device work may touch them
+  return SwaKVCacheStatus::kPoisoned;
 }
 
 void BoundedSwaKVPageManager::abandon(uint64_t id) noexcept {
-  std::unique_ptr<Request> abandoned = detach(id);
-  if (abandoned == nullptr) {
-    return;
-  }
-  if (abandoned->pending != Pending::kNone && !synchronize()) {
-    quarantine(std::move(abandoned));
-    return;
-  }
-  try {
-    for (SwaSequenceState const& state : abandoned->sequences) {
-      mResources.swaPageTable->clearRow(state.resident.slot);
-    }
-    mResources.swaPageTable->uploadDirty(mStream);
-  } catch (std::exception const& error) {
-    logger()->error("BoundedSwaKVPageManager: abandoning a request failed: {}", error.what());
-    quarantine(std::move(abandoned));
-    return;
-  }
-  for (SwaSequenceState& state : abandoned->sequences) {
-    releaseSequence(state);
-  }
+  mRequests->abandon(
+      id, [this] { return synchronize(); }, [this](Requests requests) { clearRows(requests); },
+      [this](Request& req) { releaseRequest(req); });
 }
 
 }  // namespace mkv

@@ -653,6 +653,41 @@ TEST_P(ContextCacheCoordinatorTest, ShutdownDrainsEveryQuarantinedRequest) {
   rig.expectQuiescent();
 }
 
+// The shared registry's abandonment (src/resources/request_registry.h): replacing a live handle
+// abandons its request; a failed synchronisation quarantines it (counted), the handle is reset,
+// and shutdown() recovers every page.
+TEST_P(ContextCacheCoordinatorTest,
+       ReplacingAHandleWhoseSynchronisationFailsQuarantinesAndResetsIt) {
+  CoordinatorRig rig(device());
+  Seq a(tokenRun(200, 100), 0);
+  Seq b(tokenRun(300, 5000), 1);
+  Handle handle = rig.admit({&a, &b});
+  ASSERT_EQ(rig.prefill(handle, {&a, &b}), kOk);
+  ASSERT_EQ(rig.coordinator.prepareDecodeStep(handle, kVanilla), kOk);  // work pending
+  std::vector<PageId> const mirrored = rig.mirroredPages(1);
+  rig.sync.failNext();
+  handle = Handle{};
+  EXPECT_EQ(rig.sync.failures(), 1);
+  EXPECT_FALSE(handle.valid());
+  EXPECT_EQ(handle.id(), 0u);
+  EXPECT_TRUE(rig.coordinator.poisoned());
+  EXPECT_EQ(rig.coordinator.activeRequestCount(), 0);
+  EXPECT_EQ(rig.coordinator.quarantinedRequestCount(), 1);
+  EXPECT_EQ(rig.coordinator.counters().quarantinedRequests, 1u);
+  EXPECT_EQ(rig.coordinator.residentRowState(0), ResidentRowState::kQuarantined);
+  EXPECT_EQ(rig.coordinator.residentRowState(1), ResidentRowState::kQuarantined);
+  EXPECT_EQ(rig.mirroredPages(1), mirrored) << "kernels may still read the rows";
+  EXPECT_GT(rig.manager().liveLeaseCount(), 0) << "quarantined pages stay leased";
+  EXPECT_EQ(rig.coordinator.shutdown(), kOk);
+  EXPECT_FALSE(rig.coordinator.poisoned());
+  EXPECT_EQ(rig.coordinator.quarantinedRequestCount(), 0);
+  EXPECT_EQ(rig.coordinator.counters().quarantinedRequests, 1u) << "drained ones stay counted";
+  EXPECT_EQ(rig.coordinator.residentRowState(0), ResidentRowState::kFree);
+  EXPECT_EQ(rig.manager().liveLeaseCount(), 0);
+  EXPECT_TRUE(rig.mirroredPages(1).empty());
+  rig.expectQuiescent();
+}
+
 TEST_P(ContextCacheCoordinatorTest, ConcurrentRequestsOverlapButOnlyOneExecutes) {
   CoordinatorRig rig(device());
   Seq a(tokenRun(200, 100), 0);

@@ -126,6 +126,32 @@ TEST_P(BoundedSwaFaultTest, FailedAbandonmentSynchronisationQuarantinesUntilShut
   expectShutdownRecovers(rig);
 }
 
+// The shared registry's abandonment (src/resources/request_registry.h): replacing a live handle
+// abandons its request; a failed synchronisation quarantines it (counted as a request, its rows
+// still mapped), the handle is reset, and shutdown() recovers every page.
+TEST_P(BoundedSwaFaultTest, ReplacingAHandleWhoseSynchronisationFailsQuarantinesAndResetsIt) {
+  SwaRig rig(rigConfig());
+  BoundedSwaKVPageManager& manager = rig.manager();
+  Handle handle = decodingRequest(rig, {0, 1});
+  int32_t const held = heldPages(manager, {&handle});
+  std::vector<int32_t> const row1 = hostRow(rig.table(), 1);
+  rig.faults().failNext();
+  handle = Handle{};
+  EXPECT_EQ(rig.faults().failures(), 1);
+  EXPECT_FALSE(handle.valid());
+  EXPECT_EQ(handle.id(), 0u);
+  EXPECT_EQ(manager.activeRequestCount(), 0);
+  EXPECT_EQ(manager.quarantinedRequestCount(), 1);
+  EXPECT_EQ(manager.residentRowState(0), ResidentRowState::kQuarantined);
+  EXPECT_EQ(manager.residentRowState(1), ResidentRowState::kQuarantined);
+  EXPECT_EQ(hostRow(rig.table(), 1), row1) << "kernels may still read the rows";
+  expectPagesAccountedFor(manager, {});
+  expectQuarantined(rig, held);
+  expectShutdownRecovers(rig);
+  EXPECT_EQ(manager.quarantinedRequestCount(), 0);
+  EXPECT_EQ(manager.residentRowState(0), ResidentRowState::kFree);
+}
+
 TEST_P(BoundedSwaFaultTest, FailedPrefillAbandonmentQuarantinesTheAdmissionBudget) {
   SwaRig rig(rigConfig());
   BoundedSwaKVPageManager& manager = rig.manager();

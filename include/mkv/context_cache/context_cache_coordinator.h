@@ -39,6 +39,8 @@ struct SnapshotReservation;
 namespace detail {
 class Int32UploadRegions;
 class PagedRows;
+template <class Request>
+class RequestRegistry;
 struct AdmissionLimits;
 struct CoordinatorRequest;
 struct CoordinatorSequence;
@@ -405,11 +407,9 @@ class ContextCacheCoordinator {
   ResidentRowState residentRowState(CacheSlot slot) const noexcept;
 
   // Observers.
-  bool poisoned() const noexcept { return mPoisoned; }
-  int32_t activeRequestCount() const noexcept { return static_cast<int32_t>(mActive.size()); }
-  int32_t quarantinedRequestCount() const noexcept {
-    return static_cast<int32_t>(mQuarantine.size());
-  }
+  bool poisoned() const noexcept;
+  int32_t activeRequestCount() const noexcept;
+  int32_t quarantinedRequestCount() const noexcept;
   int32_t batchSize(RequestHandle const& handle) const;
   /// Reuse length of execution row `row`.
   int32_t reuseTokenLength(RequestHandle const& handle, ExecutionRow row) const;
@@ -450,16 +450,19 @@ class ContextCacheCoordinator {
   // (coordinator_validation.h), the deployment validation (coordinator_deployment.h) and the
   // paged rows (coordinator_paged_rows.h).
 
-  // Request registry.
+  // Request registry (src/resources/request_registry.h, shared with the bounded-SWA backend).
+  using Requests = std::span<std::unique_ptr<Request> const>;
   Request& request(RequestHandle const& handle, char const* call) const;
-  std::unique_ptr<Request> detach(uint64_t id) noexcept;
-  void quarantine(std::unique_ptr<Request> request) noexcept;
   /// After a failed synchronisation: invalidates `handle` and quarantines its request.
   ContextCacheStatus quarantineHandle(RequestHandle& handle, uint64_t id) noexcept;
+  /// Copies the registry's quarantine count into the counters (after a call that may quarantine).
+  void countQuarantines() noexcept;
+  /// Refuses admissions until shutdown() (a failed launch, copy or row update).
+  void poison() noexcept;
   bool synchronize() noexcept;
   void abandon(uint64_t id) noexcept;
-  /// Clears the request's rows (and uploads); throws what the page tables throw.
-  void releaseRows(Request& request);
+  /// Clears the rows of `requests` (and uploads once); throws what the page tables throw.
+  void clearRows(Requests requests);
   /// Marks the request's resident rows free.
   void releaseResidents(Request const& request) noexcept;
   detail::PagedRows rows() const noexcept;
@@ -553,8 +556,8 @@ class ContextCacheCoordinator {
   std::vector<HostPageCopy> mOnboardCopies;
   int32_t mMaxBatch = 0;
   DeviceType mDevice = DeviceType::kCPU;
-  std::vector<std::unique_ptr<Request>> mActive;
-  std::vector<std::unique_ptr<Request>> mQuarantine;
+  /// Live and quarantined requests, ids, poison (held by pointer: an internal header's type).
+  std::unique_ptr<detail::RequestRegistry<Request>> mRequests;
   std::vector<uint8_t> mResidentBusy;
   /// Compaction-mapping staging, one region per resident slot (created once, see device.h).
   std::unique_ptr<detail::Int32UploadRegions> mMappingUploads;
@@ -562,8 +565,6 @@ class ContextCacheCoordinator {
   /// scratch of the const rows() view, empty between calls).
   mutable kernels::InlinePatchBatch mDeviceWrites;
   ContextCacheCoordinatorCounters mCounters;
-  uint64_t mNextRequestId = 1;
-  bool mPoisoned = false;
   std::function<void(CoordinatorFaultSite)> mFaultHook;
 };
 
