@@ -164,6 +164,10 @@ class KVCacheRuntime {
 
  private:
   explicit KVCacheRuntime(KVCacheRuntimeConfig const& config);
+  /// create's parts: the draft pool and table of a paged draft (`fullPages` pages by default, rows
+  /// of `width` pages), and the host tier of the full pool (hostPoolTokens > 0).
+  void createDraft(int32_t fullPages, int32_t width);
+  void createHostTier();
 
   KVCacheRuntimeConfig mConfig;
   KVCacheBackend mBackend = KVCacheBackend::kFullStorage;

@@ -287,25 +287,35 @@ std::unique_ptr<KVCacheRuntime> KVCacheRuntime::create(KVCacheRuntimeConfig cons
   resources.basePageTable = runtime->mFullTable.get();
   resources.recurrent = runtime->mRecurrent.get();
   resources.residentSlots = &runtime->mResidentSlots;
-  if (config.speculative && config.speculative->pagedDraft) {  // validated: reuse is on
-    KVCacheSpeculativeConfig const& spec = *config.speculative;
-    int32_t const draftPages = spec.numDraftPages > 0 ? spec.numDraftPages : sizes.fullPages;
-    runtime->mDraftPool = makeKvPool(config, spec.numDraftLayers, draftPages, spec.numDraftKVHeads,
-                                     spec.draftHeadDim, spec.draftKvDataType);
-    runtime->mDraftTable = std::make_unique<KVPageTable>(
-        config.maxBatchSize, sizes.width, draftPages, PageTableMode::kDense, config.deviceType);
-    resources.draftPool = runtime->mDraftPool.get();
-    resources.draftPageTable = runtime->mDraftTable.get();
-  }
-  if (config.hostPoolTokens > 0) {  // validated: reuse on, attention only, not speculative
-    HostKvTierConfig tier;
-    tier.numPages = static_cast<int32_t>(config.hostPoolTokens / config.tokensPerPage);
-    runtime->mHostTier = std::make_unique<HostKvTier>(tier, *runtime->mFullPool);
-    resources.hostTier = runtime->mHostTier.get();
-  }
+  runtime->createDraft(sizes.fullPages, sizes.width);
+  resources.draftPool = runtime->mDraftPool.get();
+  resources.draftPageTable = runtime->mDraftTable.get();
+  runtime->createHostTier();
+  resources.hostTier = runtime->mHostTier.get();
   runtime->mCoordinator = std::make_unique<ContextCacheCoordinator>(
       cache, deploymentProfile(config), resources, config.stream, synchronizer);
   return runtime;
+}
+
+void KVCacheRuntime::createDraft(int32_t fullPages, int32_t width) {
+  if (!mConfig.speculative || !mConfig.speculative->pagedDraft) {
+    return;  // validated: a draft needs reuse on
+  }
+  KVCacheSpeculativeConfig const& spec = *mConfig.speculative;
+  int32_t const draftPages = spec.numDraftPages > 0 ? spec.numDraftPages : fullPages;
+  mDraftPool = makeKvPool(mConfig, spec.numDraftLayers, draftPages, spec.numDraftKVHeads,
+                          spec.draftHeadDim, spec.draftKvDataType);
+  mDraftTable = std::make_unique<KVPageTable>(mConfig.maxBatchSize, width, draftPages,
+                                              PageTableMode::kDense, mConfig.deviceType);
+}
+
+void KVCacheRuntime::createHostTier() {
+  if (mConfig.hostPoolTokens == 0) {
+    return;  // validated: reuse on, attention only, not speculative
+  }
+  HostKvTierConfig tier;
+  tier.numPages = static_cast<int32_t>(mConfig.hostPoolTokens / mConfig.tokensPerPage);
+  mHostTier = std::make_unique<HostKvTier>(tier, *mFullPool);
 }
 
 KVCachePool& KVCacheRuntime::lengthPool() noexcept { return mFullPool ? *mFullPool : *mSwaPool; }

@@ -222,13 +222,19 @@ class ReferenceEngine {
   void executeRecurrent(Row& row, int32_t from, int32_t to);
   void notePages();
   void report(std::string const& what);
-  // Speculative decoding (reference_engine.cpp, "speculative").
+  // Speculative decoding (reference_engine_speculative.cpp).
   bool pairsDraft() const noexcept;
   uint64_t draftRowDigest(uint64_t nextPrefixDigest) const noexcept;
   /// The draft initialisation after the prefill: draft rows [start, prompt) of `row`.
   void executeDraftPrefill(Row& row, int32_t start);
   /// One verification round of `row` (decode step); stages its tokens in row.pendingTokens.
   void executeRound(Row& row, std::vector<int32_t> const& generated);
+  /// executeRound's proposals: fills row.pendingTokens with the tokens the round commits, extends
+  /// row.digests over the proposed prefix and returns how many proposals the base accepts.
+  int32_t proposeRound(Row& row, std::vector<int32_t> const& generated);
+  /// executeRound's draft half: the draft catches up and runs its proposal steps (a draft reading
+  /// the base KV only follows the base); `committed` tokens are committed this round.
+  void runDraftSteps(Row& row, int32_t accepted, int32_t committed);
   void verifyDraft(Row& row, int32_t begin, int32_t end, bool full);
   /// mCommonLengths: each row's common base-and-draft length (speculative), else empty.
   void commonLengths(Run& run, bool speculative);
