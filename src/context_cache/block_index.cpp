@@ -188,23 +188,9 @@ PageId BlockIndex::insert(Hash128 digest, PageId page, PromptBlocks const& block
   std::span<MediaPosition const> const media = blocks.blockMedia(block);
   bool const keepMedia = mVerifyTokens && !provenance.media.isZero();
 
-  // Allocating steps first, each undone if a later one throws; then the non-throwing writes.
-  auto const digestIt = mByDigest.emplace(digest, page).first;
-  std::unordered_multimap<Hash128, PageId, Hash128Hasher>::iterator contentIt;
-  try {
-    contentIt = mByContent.emplace(provenance.contentKey, page);
-    try {
-      if (keepMedia) {
-        mMedia.insert_or_assign(page, std::vector<MediaPosition>(media.begin(), media.end()));
-      }
-    } catch (...) {
-      mByContent.erase(contentIt);
-      throw;
-    }
-  } catch (...) {
-    mByDigest.erase(digestIt);
-    throw;
-  }
+  indexMaps(digest, provenance.contentKey, page,
+            keepMedia ? std::optional(std::vector<MediaPosition>(media.begin(), media.end()))
+                      : std::nullopt);
   e = Entry{true, digest, blocks.parentOf(block), provenance};
   if (mVerifyTokens) {
     std::span<int32_t const> const tokens = blocks.blockTokens(block);
@@ -231,13 +217,26 @@ PageId BlockIndex::insertCopy(BlockIndex const& source, PageId sourcePage, PageI
               "page {} is already indexed under digest {}; cannot index it under {}", page,
               toString(e.digest), toString(from.digest));
   auto const media = source.mMedia.find(sourcePage);
-  // Allocating steps first, each undone if a later one throws; then the non-throwing writes.
-  auto const digestIt = mByDigest.emplace(from.digest, page).first;
+  indexMaps(from.digest, from.provenance.contentKey, page,
+            media != source.mMedia.end() ? std::optional(media->second) : std::nullopt);
+  e = from;
+  if (mVerifyTokens) {
+    std::span<int32_t const> const tokens = source.tokensOf(sourcePage);
+    std::copy(tokens.begin(), tokens.end(),
+              mTokens.begin() + static_cast<std::ptrdiff_t>(page) * mPageSize);
+  }
+  return page;
+}
+
+void BlockIndex::indexMaps(Hash128 digest, Hash128 contentKey, PageId page,
+                           std::optional<std::vector<MediaPosition>> media) {
+  // Each allocating step is undone if a later one throws.
+  auto const digestIt = mByDigest.emplace(digest, page).first;
   try {
-    auto const contentIt = mByContent.emplace(from.provenance.contentKey, page);
+    auto const contentIt = mByContent.emplace(contentKey, page);
     try {
-      if (media != source.mMedia.end()) {
-        mMedia.insert_or_assign(page, media->second);
+      if (media) {
+        mMedia.insert_or_assign(page, std::move(*media));
       }
     } catch (...) {
       mByContent.erase(contentIt);
@@ -247,13 +246,6 @@ PageId BlockIndex::insertCopy(BlockIndex const& source, PageId sourcePage, PageI
     mByDigest.erase(digestIt);
     throw;
   }
-  e = from;
-  if (mVerifyTokens) {
-    std::span<int32_t const> const tokens = source.tokensOf(sourcePage);
-    std::copy(tokens.begin(), tokens.end(),
-              mTokens.begin() + static_cast<std::ptrdiff_t>(page) * mPageSize);
-  }
-  return page;
 }
 
 bool BlockIndex::erasePage(PageId page, bool rememberEviction) noexcept {

@@ -108,6 +108,11 @@ class BlockIndex {
   };
 
   void checkPage(char const* call, PageId page) const;
+  /// The allocating steps of an insertion (insert, insertCopy), all or nothing: `digest` and
+  /// `contentKey` filed under `page`, and its media positions when given. The entry itself and
+  /// the token ids are written by the caller afterwards (they cannot throw).
+  void indexMaps(Hash128 digest, Hash128 contentKey, PageId page,
+                 std::optional<std::vector<MediaPosition>> media);
   /// holds() without its argument checks: `e` is the entry of `page`, indexed under the block's
   /// key; compares what verification compares (no-op true when verification is off).
   bool verified(Entry const& e, PageId page, PromptBlocks const& blocks, int32_t block,
