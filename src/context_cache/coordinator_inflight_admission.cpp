@@ -21,19 +21,9 @@ ContextCacheCoordinator::AdmitSequenceResult ContextCacheCoordinator::admitSeque
     DecodingKvHeadroom const& headroom) {
   constexpr char const* kCall = "ContextCacheCoordinator::admitSequence";
   Request& req = request(handle, kCall);
-  MKV_REQUIRE(supportsLiveSequenceAdmission(), kCall,
-              "in-flight admission needs an attention-only, non-speculative deployment");
-  MKV_REQUIRE(req.stage == RequestStage::kSettled, kCall,
-              "admission needs an executing request with no pending work or compaction");
-  MKV_REQUIRE(!req.sequences.empty(), kCall, "the request has no founding sequence");
-  // A joiner is finalised with its lookahead token (committed == prompt): the fully committed
-  // contract, where every listed token has KV, could never advance it.
-  MKV_REQUIRE(req.contract == DecodingTokenStateContract::kCommittedPlusLookahead, kCall,
-              "in-flight admission needs the committed-plus-lookahead contract");
-  detail::validateHeadroom(kCall, headroom, false);
   detail::PagedRows const table = rows();
-  MKV_REQUIRE(req.sequences.size() < static_cast<std::size_t>(table.maxBatch()), kCall,
-              "the batch is full ({} sequences)", req.sequences.size());
+  detail::validateJoinedRequest(kCall, req, supportsLiveSequenceAdmission(), table.maxBatch());
+  detail::validateHeadroom(kCall, headroom, false);
   detail::validateJoiner(kCall, admission, headroom, table.maxBatch(), table.baseRowPages(),
                          mManager->pageSize(), mResources.residentSlots);
   AdmitSequenceResult result;

@@ -118,6 +118,21 @@ void validateBatchAdmission(char const* call, ContextCacheBatchAdmission const& 
   }
 }
 
+void validateJoinedRequest(char const* call, CoordinatorRequest const& request, bool liveAdmission,
+                           int32_t maxBatch) {
+  MKV_REQUIRE(liveAdmission, call,
+              "in-flight admission needs an attention-only, non-speculative deployment");
+  MKV_REQUIRE(request.stage == RequestStage::kSettled, call,
+              "admission needs an executing request with no pending work or compaction");
+  MKV_REQUIRE(!request.sequences.empty(), call, "the request has no founding sequence");
+  // A joiner is finalised with its lookahead token (committed == prompt): the fully committed
+  // contract, where every listed token has KV, could never advance it.
+  MKV_REQUIRE(request.contract == DecodingTokenStateContract::kCommittedPlusLookahead, call,
+              "in-flight admission needs the committed-plus-lookahead contract");
+  MKV_REQUIRE(request.sequences.size() < static_cast<std::size_t>(maxBatch), call,
+              "the batch is full ({} sequences)", request.sequences.size());
+}
+
 void validateJoiner(char const* call, ContextCacheSequenceAdmission const& admission,
                     DecodingKvHeadroom const& headroom, int32_t maxBatch, int32_t rowPages,
                     int32_t pageSize, ResidentSlotPool const* residentSlots) {

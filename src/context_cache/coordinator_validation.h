@@ -38,6 +38,12 @@ struct AdmissionLimits {
 void validateBatchAdmission(char const* call, ContextCacheBatchAdmission const& admission,
                             DecodingKvHeadroom const& headroom, AdmissionLimits const& limits);
 
+/// admitSequence's checks of the request a joiner joins: the deployment admits in flight
+/// (`liveAdmission`), the request executes with no pending work, has a founding sequence, uses
+/// the committed-plus-lookahead contract and its batch of at most `maxBatch` rows is not full.
+void validateJoinedRequest(char const* call, CoordinatorRequest const& request, bool liveAdmission,
+                           int32_t maxBatch);
+
 /// admitSequence's checks of a joiner against a base table of `maxBatch` rows of `rowPages`
 /// pages, after the request's own (its batch is not full).
 void validateJoiner(char const* call, ContextCacheSequenceAdmission const& admission,
