@@ -44,6 +44,32 @@ void fillPool(OraclePoolGeometry& geometry, KVCachePool& pool, KVPageTable const
   geometry.present = 1;
 }
 
+/// The recurrent layers' state and conv rows the oracle reads and writes.
+void fillRecurrent(OracleRecurrentGeometry& g, RecurrentStatePool& state) {
+  MKV_REQUIRE(state.numLayers() <= kOracleMaxRecurrentLayers, kCall,
+              "{} recurrent layers exceed the {} the oracle addresses", state.numLayers(),
+              kOracleMaxRecurrentLayers);
+  for (int32_t l = 0; l < state.numLayers(); ++l) {
+    g.state[l] = static_cast<uint8_t*>(state.state(l).rawPointer());
+    g.conv[l] = static_cast<uint8_t*>(state.conv(l).rawPointer());
+  }
+  g.stateBytes = state.state(0).dim(1);
+  g.convBytes = state.conv(0).dim(1);
+  g.numLayers = state.numLayers();
+  g.numSlots = state.numSlots();
+}
+
+/// The Hybrid-MTP boundary hidden rows the engine keeps (`[rows, width]` on `device`).
+void fillHidden(OracleHiddenGeometry& g, Tensor& hidden, DeviceType device) {
+  MKV_REQUIRE(hidden.rank() == 2 && hidden.deviceType() == device && hidden.dim(0) > 0 &&
+                  hidden.sizeBytes() / hidden.dim(0) <= kOracleMaxTokenBytes,
+              kCall, "boundary hidden rows of {} bytes on the wrong device or too wide",
+              hidden.sizeBytes());
+  g.rows = static_cast<uint8_t*>(hidden.rawPointer());
+  g.rowBytes = hidden.sizeBytes() / hidden.dim(0);
+  g.numRows = static_cast<int32_t>(hidden.dim(0));
+}
+
 }  // namespace
 
 OracleStepper::OracleStepper(KVCacheRuntime& runtime, bool recurrent, Tensor* hidden)
@@ -63,28 +89,10 @@ OracleStepper::OracleStepper(KVCacheRuntime& runtime, bool recurrent, Tensor* hi
     pitch = std::max(pitch, int64_t{tables[p]->maxPagesPerSeq()} * pools[p]->tokensPerPage());
   }
   if (recurrent && runtime.recurrentState() != nullptr) {
-    RecurrentStatePool& state = *runtime.recurrentState();
-    MKV_REQUIRE(state.numLayers() <= kOracleMaxRecurrentLayers, kCall,
-                "{} recurrent layers exceed the {} the oracle addresses", state.numLayers(),
-                kOracleMaxRecurrentLayers);
-    OracleRecurrentGeometry& g = mGeometry.recurrent;
-    for (int32_t l = 0; l < state.numLayers(); ++l) {
-      g.state[l] = static_cast<uint8_t*>(state.state(l).rawPointer());
-      g.conv[l] = static_cast<uint8_t*>(state.conv(l).rawPointer());
-    }
-    g.stateBytes = state.state(0).dim(1);
-    g.convBytes = state.conv(0).dim(1);
-    g.numLayers = state.numLayers();
-    g.numSlots = state.numSlots();
+    fillRecurrent(mGeometry.recurrent, *runtime.recurrentState());
   }
   if (hidden != nullptr) {
-    MKV_REQUIRE(hidden->rank() == 2 && hidden->deviceType() == mDevice && hidden->dim(0) > 0 &&
-                    hidden->sizeBytes() / hidden->dim(0) <= kOracleMaxTokenBytes,
-                kCall, "boundary hidden rows of {} bytes on the wrong device or too wide",
-                hidden->sizeBytes());
-    mGeometry.hidden.rows = static_cast<uint8_t*>(hidden->rawPointer());
-    mGeometry.hidden.rowBytes = hidden->sizeBytes() / hidden->dim(0);
-    mGeometry.hidden.numRows = static_cast<int32_t>(hidden->dim(0));
+    fillHidden(mGeometry.hidden, *hidden, mDevice);
   }
   MKV_REQUIRE(int64_t{rows} < kOracleMaxItems, kCall,
               "{} resident slots exceed the {} the oracle addresses", rows, kOracleMaxItems);
