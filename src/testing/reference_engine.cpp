@@ -26,6 +26,8 @@ int64_t nanosSince(std::chrono::steady_clock::time_point start) {
       .count();
 }
 
+constexpr char const* kRunCall = "ReferenceEngine::run";
+
 }  // namespace
 
 ReferenceEngine::ReferenceEngine(KVCacheRuntime& runtime, ReferenceEngineOptions options)
@@ -312,23 +314,29 @@ void ReferenceEngine::executePrefill(Run& run, Row& row, int32_t start) {
 
 RequestOutcome ReferenceEngine::run(EngineRequest const& request,
                                     std::deque<EngineSequence>* joinQueue) {
-  constexpr char const* kCall = "ReferenceEngine::run";
-  MKV_REQUIRE(!request.sequences.empty(), kCall, "a request needs at least one sequence");
-  cudaStream_t const stream = mRuntime.config().stream;
+  MKV_REQUIRE(!request.sequences.empty(), kRunCall, "a request needs at least one sequence");
   Run run;
   run.request = &request;
+  run.joinQueue = joinQueue;
   run.seed = identitySeed(request);
   ++mStats.requests;
+  acquireResidents(run);
+  buildContext(run);
+  if (!beginRequest(run)) {
+    return run.outcome;
+  }
+  bool const ok = prefill(run) && decodeLoop(run);
+  return finishRun(run, ok);
+}
 
-  // Residents for the founding batch.
+void ReferenceEngine::acquireResidents(Run& run) {
+  EngineRequest const& request = *run.request;
   for (auto const& sequence : request.sequences) {
-    MKV_REQUIRE(!sequence.prompt.empty(), kCall, "empty prompt");
+    MKV_REQUIRE(!sequence.prompt.empty(), kRunCall, "empty prompt");
     std::optional<ResidentRef> resident = mRuntime.residentSlots().acquire();
     if (!resident) {
-      for (auto const& row : run.rows) {
-        mRuntime.residentSlots().release(row.resident);
-      }
-      detail::throwContract(kCall, "batch of {} exceeds the runtime's {} resident slots",
+      releaseAll(run);
+      detail::throwContract(kRunCall, "batch of {} exceeds the runtime's {} resident slots",
                             request.sequences.size(), mRuntime.residentSlots().capacity());
     }
     Row row;
@@ -340,20 +348,23 @@ RequestOutcome ReferenceEngine::run(EngineRequest const& request,
         SequenceOutcome{sequence.tag, sequence.prompt, {}, FinishReason::kNotFinished, 0, false});
     run.rows.push_back(std::move(row));
   }
-  auto releaseAll = [&]() {
-    for (auto const& row : run.rows) {
-      mRuntime.residentSlots().release(row.resident);
-    }
-    run.rows.clear();
-  };
+}
 
-  // Context and generation request.
+void ReferenceEngine::releaseAll(Run& run) {
+  for (auto const& row : run.rows) {
+    mRuntime.residentSlots().release(row.resident);
+  }
+  run.rows.clear();
+}
+
+void ReferenceEngine::buildContext(Run& run) {
+  EngineRequest const& request = *run.request;
   run.generation.contextCacheLookupPolicy = request.lookupPolicy;
   run.generation.contextCacheCommitPolicy = request.commitPolicy;
   run.generation.loraWeightsName = request.loraWeightsName;
   run.generation.cacheSalt = request.cacheSalt;
   DecodingInferenceContext& context = run.context;
-  context.stream = stream;
+  context.stream = mRuntime.config().stream;
   context.loraWeightsName = request.loraWeightsName;
   for (auto const& row : run.rows) {
     LLMGenerationRequest::Sequence sequence;
@@ -367,29 +378,34 @@ RequestOutcome ReferenceEngine::run(EngineRequest const& request,
     context.generatedTokenIds.emplace_back();
   }
   context.activeBatchSize = static_cast<int32_t>(run.rows.size());
+}
 
-  bool const speculative = mSpecWidth > 0;
-  DecodingKvHeadroom const headroom =
-      speculative ? DecodingKvHeadroom{mSpecWidth + 1, pairsDraft() ? mSpecWidth : 0}
-                  : DecodingKvHeadroom{1, 0};
+bool ReferenceEngine::beginRequest(Run& run) {
+  EngineRequest const& request = *run.request;
+  run.speculative = mSpecWidth > 0;
+  run.headroom = run.speculative ? DecodingKvHeadroom{mSpecWidth + 1, pairsDraft() ? mSpecWidth : 0}
+                                 : DecodingKvHeadroom{1, 0};
   auto const beginStart = std::chrono::steady_clock::now();
   std::optional<ManagedKVCacheRequest> begun = ManagedKVCacheRequest::begin(
-      mRuntime.contextCache(), mRuntime.swaPageManager(), run.generation, context, speculative,
-      headroom, DecodingTokenStateContract::kCommittedPlusLookahead, request.commitPolicy,
-      request.mediaTokenIds);
-  int64_t libraryNanos = nanosSince(beginStart);
+      mRuntime.contextCache(), mRuntime.swaPageManager(), run.generation, run.context,
+      run.speculative, run.headroom, DecodingTokenStateContract::kCommittedPlusLookahead,
+      request.commitPolicy, request.mediaTokenIds);
+  run.libraryNanos = nanosSince(beginStart);
   if (!begun) {
-    releaseAll();
+    releaseAll(run);
     run.outcome.admitted = false;
-    return run.outcome;
+    return false;
   }
   run.managed.emplace(std::move(*begun));
   run.outcome.admitted = true;
   mStats.sequences += static_cast<int64_t>(run.rows.size());
-  ManagedKVCacheRequest& managed = *run.managed;
   notePages();
+  return true;
+}
 
-  // ---- prefill
+bool ReferenceEngine::prefill(Run& run) {
+  ManagedKVCacheRequest& managed = *run.managed;
+  DecodingInferenceContext& context = run.context;
   std::vector<int32_t> const* starts = managed.prefillStarts();
   for (std::size_t i = 0; i < run.rows.size(); ++i) {
     int32_t const start = starts != nullptr ? (*starts)[i] : 0;
@@ -400,289 +416,331 @@ RequestOutcome ReferenceEngine::run(EngineRequest const& request,
   }
   auto t0 = std::chrono::steady_clock::now();
   bool ok = managed.preparePrefill() && managed.prepareSwaPrefill(context.effectivePrefillLengths);
-  libraryNanos += nanosSince(t0);
-  auto appendToken = [&](Row& row, std::size_t index, int32_t token) {
-    context.generatedTokenIds[index].push_back(token);
-    run.outcome.sequences[row.outcome].generated.push_back(token);
-    ++mStats.generatedTokens;
-    auto const generated = static_cast<int32_t>(context.generatedTokenIds[index].size());
-    if (token == kEndOfSequence) {
-      row.reason = FinishReason::kEndOfSequence;
-    } else if (generated >= row.spec.maxNewTokens) {
-      row.reason = FinishReason::kLength;
-    }
-    context.finishReasons[index] = row.reason;
-  };
-  auto sampleAfter = [&](Row& row, std::size_t index) {
-    appendToken(row, index, sampleToken(row.digests.at(row.materialized - 1)));
-  };
+  run.libraryNanos += nanosSince(t0);
   if (ok && mHybridMtp && run.rows.front().prefillStart > 0) {
     // The checkpoint's boundary hidden row, stream-ordered before the step's check of it (and
     // before the endpoint, which releases the hit's pins).
     t0 = std::chrono::steady_clock::now();
     ok = managed.restoreHybridMtpBoundaryHidden(0, mHidden, 0);
-    libraryNanos += nanosSince(t0);
+    run.libraryNanos += nanosSince(t0);
     ++mStats.hiddenRestores;
   }
   if (ok) {
-    mSteps->begin();
-    for (std::size_t i = 0; i < run.rows.size(); ++i) {
-      executePrefill(run, run.rows[i], run.rows[i].prefillStart);
-    }
-    mSteps->submit(stream);
-    writeLengths(run, 0, run.rows.size(), [](std::size_t) { return true; });
-    t0 = std::chrono::steady_clock::now();
-    ok = managed.enqueuePrefillCaptures();
-    if (ok && mHybridMtp) {
-      // The whole prompt's endpoint with its boundary hidden row (written by the step): the
-      // base and draft rows it captures are in the submitted plan, stream-ordered before it.
-      ok = managed.publishHybridMtpEndpoint(
-          0, static_cast<int32_t>(run.rows.front().spec.prompt.size()), mHidden, 0);
-      ++mStats.hiddenEndpoints;
-    }
-    libraryNanos += nanosSince(t0);
-    for (std::size_t i = 0; i < run.rows.size(); ++i) {
-      sampleAfter(run.rows[i], i);
-    }
-    // Speculative rows: base and draft both hold the prompt (the draft initialisation ran).
-    commonLengths(run, speculative);
-    t0 = std::chrono::steady_clock::now();
-    ok = ok && managed.completePrefill(context, mCommonLengths);
-    libraryNanos += nanosSince(t0);
-    checkLengths(run);
-    finishStep(run);
+    ok = prefillStep(run);
   }
   notePages();
+  return ok;
+}
 
-  // ---- decode loop
-  auto compactFinished = [&]() -> bool {
-    std::vector<int32_t> mapping(run.rows.size(), -1);
-    int32_t survivors = 0;
-    for (std::size_t i = 0; i < run.rows.size(); ++i) {
-      if (run.rows[i].reason == FinishReason::kNotFinished) {
-        mapping[i] = survivors++;
-      }
-    }
-    if (survivors == static_cast<int32_t>(run.rows.size())) {
-      return true;
-    }
-    auto const start = std::chrono::steady_clock::now();
-    bool const compacted = managed.beginBatchCompaction(mapping, survivors, mDeviceMapping) &&
-                           managed.completeBatchCompaction(mapping);
-    libraryNanos += nanosSince(start);
-    if (!compacted) {
-      return false;
-    }
-    std::vector<Row> kept;
-    DecodingInferenceContext next;
-    next.stream = context.stream;
-    next.loraWeightsName = context.loraWeightsName;
-    for (std::size_t i = 0; i < run.rows.size(); ++i) {
-      if (mapping[i] < 0) {
-        run.outcome.sequences[run.rows[i].outcome].reason = run.rows[i].reason;
-        run.outcome.sequences[run.rows[i].outcome].decodeSteps = run.rows[i].steps;
-        mRuntime.residentSlots().release(run.rows[i].resident);
-        continue;
-      }
-      next.rawBatchedInputIds.push_back(std::move(context.rawBatchedInputIds[i]));
-      next.effectivePrefillLengths.push_back(context.effectivePrefillLengths[i]);
-      next.generatedTokenIds.push_back(std::move(context.generatedTokenIds[i]));
-      next.residentRefs.push_back(context.residentRefs[i]);
-      next.finishReasons.push_back(context.finishReasons[i]);
-      kept.push_back(std::move(run.rows[i]));
-    }
-    next.activeBatchSize = static_cast<int32_t>(kept.size());
-    context = std::move(next);
-    run.rows = std::move(kept);
-    lengthStep(run);
-    return true;
-  };
+bool ReferenceEngine::prefillStep(Run& run) {
+  ManagedKVCacheRequest& managed = *run.managed;
+  mSteps->begin();
+  for (std::size_t i = 0; i < run.rows.size(); ++i) {
+    executePrefill(run, run.rows[i], run.rows[i].prefillStart);
+  }
+  mSteps->submit(mRuntime.config().stream);
+  writeLengths(run, 0, run.rows.size(), [](std::size_t) { return true; });
+  auto t0 = std::chrono::steady_clock::now();
+  bool ok = managed.enqueuePrefillCaptures();
+  if (ok && mHybridMtp) {
+    // The whole prompt's endpoint with its boundary hidden row (written by the step): the
+    // base and draft rows it captures are in the submitted plan, stream-ordered before it.
+    ok = managed.publishHybridMtpEndpoint(
+        0, static_cast<int32_t>(run.rows.front().spec.prompt.size()), mHidden, 0);
+    ++mStats.hiddenEndpoints;
+  }
+  run.libraryNanos += nanosSince(t0);
+  for (std::size_t i = 0; i < run.rows.size(); ++i) {
+    sampleAfter(run, run.rows[i], i);
+  }
+  // Speculative rows: base and draft both hold the prompt (the draft initialisation ran).
+  commonLengths(run, run.speculative);
+  t0 = std::chrono::steady_clock::now();
+  ok = ok && managed.completePrefill(run.context, mCommonLengths);
+  run.libraryNanos += nanosSince(t0);
+  checkLengths(run);
+  finishStep(run);
+  return ok;
+}
 
-  auto tryJoins = [&]() -> bool {
-    if (joinQueue == nullptr || !mRuntime.supportsSeatedAdmission()) {
-      return true;
-    }
-    while (!joinQueue->empty() &&
-           run.rows.size() < static_cast<std::size_t>(mRuntime.config().maxBatchSize)) {
-      std::optional<ResidentRef> resident = mRuntime.residentSlots().acquire();
-      if (!resident) {
-        return true;
-      }
-      EngineSequence const& spec = joinQueue->front();
-      int32_t prefillStart = 0;
-      auto const start = std::chrono::steady_clock::now();
-      auto const status =
-          managed.admitSequence(spec.prompt, request.loraWeightsName, headroom, prefillStart,
-                                *resident, stream, request.mediaTokenIds, spec.images, spec.audios);
-      libraryNanos += nanosSince(start);
-      if (status != ContextCacheRequest::AdmitSequenceStatus::kAdmitted) {
-        mRuntime.residentSlots().release(*resident);
-        ++mStats.joinRefusals;
-        return status == ContextCacheRequest::AdmitSequenceStatus::kNoCapacity;
-      }
-      ++mStats.joins;
-      ++mStats.sequences;
-      Row row;
-      row.spec = spec;
-      row.resident = *resident;
-      row.promptKeys = positionKeys(spec, request.mediaTokenIds);
-      row.outcome = run.outcome.sequences.size();
-      run.outcome.sequences.push_back(SequenceOutcome{
-          spec.tag, spec.prompt, {}, FinishReason::kNotFinished, prefillStart, true});
-      joinQueue->pop_front();
-      auto const index = run.rows.size();
-      run.rows.push_back(std::move(row));
-      context.rawBatchedInputIds.push_back(run.rows[index].spec.prompt);
-      context.effectivePrefillLengths.push_back(
-          static_cast<int32_t>(run.rows[index].spec.prompt.size()) - prefillStart);
-      context.generatedTokenIds.emplace_back();
-      context.residentRefs.push_back(*resident);
-      context.finishReasons.push_back(FinishReason::kNotFinished);
-      context.activeBatchSize = static_cast<int32_t>(run.rows.size());
-      // Seat the joiner: its KV-length row, its prefill, its lookahead token.
-      for (KVCachePool* pool : {mRuntime.fullPool(), mRuntime.swaPool()}) {
-        if (pool != nullptr) {
-          pool->setActiveBatchSize(context.activeBatchSize);
-        }
-      }
-      mSteps->begin();
-      executePrefill(run, run.rows[index], prefillStart);
-      mSteps->submit(stream);
-      writeLengths(run, index, index + 1, [](std::size_t) { return true; });
-      sampleAfter(run.rows[index], index);
-      int32_t const lookahead = context.generatedTokenIds[index].back();
-      auto const finalizeStart = std::chrono::steady_clock::now();
-      bool const finalized = managed.finalizeSequenceAdmission(
-          static_cast<int32_t>(index), lookahead,
-          static_cast<int32_t>(run.rows[index].spec.prompt.size()));
-      libraryNanos += nanosSince(finalizeStart);
-      if (!finalized) {
-        finishStep(run);
-        return false;
-      }
-      checkLengths(run);
-      finishStep(run);
-      notePages();
-    }
-    return true;
-  };
+void ReferenceEngine::appendToken(Run& run, Row& row, std::size_t index, int32_t token) {
+  DecodingInferenceContext& context = run.context;
+  context.generatedTokenIds[index].push_back(token);
+  run.outcome.sequences[row.outcome].generated.push_back(token);
+  ++mStats.generatedTokens;
+  auto const generated = static_cast<int32_t>(context.generatedTokenIds[index].size());
+  if (token == kEndOfSequence) {
+    row.reason = FinishReason::kEndOfSequence;
+  } else if (generated >= row.spec.maxNewTokens) {
+    row.reason = FinishReason::kLength;
+  }
+  context.finishReasons[index] = row.reason;
+}
 
+void ReferenceEngine::sampleAfter(Run& run, Row& row, std::size_t index) {
+  appendToken(run, row, index, sampleToken(row.digests.at(row.materialized - 1)));
+}
+
+bool ReferenceEngine::decodeLoop(Run& run) {
+  bool ok = true;
   while (ok) {
-    ok = compactFinished();
+    ok = compactFinished(run);
     if (!ok || run.rows.empty()) {
       break;
     }
     // A joiner can finish on its lookahead token: compact it away before the next step (a row
     // that finished without a new token may only be cancelled or errored).
-    ok = tryJoins() && compactFinished();
+    ok = tryJoins(run) && compactFinished(run);
     if (!ok || run.rows.empty()) {
       break;
     }
-    bool anyRunning = false;
-    for (std::size_t i = 0; i < run.rows.size(); ++i) {
-      Row& row = run.rows[i];
-      if (row.reason == FinishReason::kNotFinished && row.spec.cancelAtStep >= 0 &&
-          row.steps >= row.spec.cancelAtStep) {
-        row.reason = FinishReason::kCancelled;
-        context.finishReasons[i] = row.reason;
-      }
-      anyRunning = anyRunning || row.reason == FinishReason::kNotFinished;
-    }
-    if (!anyRunning) {
+    if (!cancelDue(run)) {
       continue;  // compact the cancelled rows away
     }
-    int64_t stepNanos = 0;
-    mMarks->mark(0, stream);
-    auto start = std::chrono::steady_clock::now();
-    ok = managed.prepareDecodeStep(context, headroom);
-    stepNanos += nanosSince(start);
-    mMarks->mark(1, stream);
-    if (!ok) {
-      for (std::size_t i = 0; i < run.rows.size(); ++i) {
-        if (run.rows[i].reason == FinishReason::kNotFinished) {
-          run.rows[i].reason = FinishReason::kError;
-        }
-      }
-      break;
-    }
-    notePages();
-    mSteps->begin();
-    std::size_t const batch = run.rows.size();
-    auto running = [&](std::size_t i) { return run.rows[i].reason == FinishReason::kNotFinished; };
-    for (std::size_t i = 0; i < batch; ++i) {
-      Row& row = run.rows[i];
-      if (!running(i)) {
-        continue;
-      }
-      if (speculative) {
-        executeRound(row, context.generatedTokenIds[i]);
-        verifyRow(run, row, /*full=*/false);
-        continue;
-      }
-      int32_t const position = row.materialized;
-      uint64_t const key = static_cast<uint32_t>(context.generatedTokenIds[i].back());
-      row.digests.extend(std::span<uint64_t const>(&key, 1));
-      int64_t const staged =
-          mSteps->stage(row.resident.slot, position,
-                        row.digests.values().subspan(static_cast<std::size_t>(position), 1));
-      if (mHasFull) {
-        mSteps->write(oracle::OracleStepper::kFull, row.resident.slot, position, position + 1,
-                      staged);
-      }
-      if (mRuntime.backend() == KVCacheBackend::kBoundedSwa && mHasSwa) {
-        mSteps->write(oracle::OracleStepper::kSwa, row.resident.slot, position, position + 1,
-                      staged);
-      }
-      executeRecurrent(row, position, position + 1);
-      row.materialized = position + 1;
-      verifyRow(run, row, /*full=*/false);
-    }
-    mSteps->submit(stream);
-    writeLengths(run, 0, batch, running);
-    for (std::size_t i = 0; i < batch; ++i) {
-      if (!running(i)) {
-        continue;
-      }
-      Row& row = run.rows[i];
-      ++row.steps;
-      if (!speculative) {
-        sampleAfter(row, i);
-        continue;
-      }
-      for (int32_t token : row.pendingTokens) {
-        appendToken(row, i, token);
-      }
-    }
-    commonLengths(run, speculative);
-    mMarks->mark(2, stream);
-    start = std::chrono::steady_clock::now();
-    ok = managed.completeDecodeStep(context, mCommonLengths);
-    stepNanos += nanosSince(start);
-    mMarks->mark(3, stream);
-    mStats.stepHostNanoseconds.push_back(stepNanos);
-    libraryNanos += stepNanos;
-    ++mStats.decodeSteps;
-    ++run.outcome.decodeSteps;
-    checkLengths(run);
-    finishStep(run);
-    if (mMarks->enabled()) {
-      mStats.stepGpuNanoseconds.push_back(mMarks->elapsedNanos(0, 1) + mMarks->elapsedNanos(2, 3));
-    }
-    if (mOptions.onStep) {
-      mOptions.onStep(mStats.decodeSteps);
+    ok = decodeStep(run);
+  }
+  return ok;
+}
+
+bool ReferenceEngine::compactFinished(Run& run) {
+  std::vector<int32_t> mapping(run.rows.size(), -1);
+  int32_t survivors = 0;
+  for (std::size_t i = 0; i < run.rows.size(); ++i) {
+    if (run.rows[i].reason == FinishReason::kNotFinished) {
+      mapping[i] = survivors++;
     }
   }
-  (void)libraryNanos;
+  if (survivors == static_cast<int32_t>(run.rows.size())) {
+    return true;
+  }
+  auto const start = std::chrono::steady_clock::now();
+  bool const compacted = run.managed->beginBatchCompaction(mapping, survivors, mDeviceMapping) &&
+                         run.managed->completeBatchCompaction(mapping);
+  run.libraryNanos += nanosSince(start);
+  if (!compacted) {
+    return false;
+  }
+  DecodingInferenceContext& context = run.context;
+  std::vector<Row> kept;
+  DecodingInferenceContext next;
+  next.stream = context.stream;
+  next.loraWeightsName = context.loraWeightsName;
+  for (std::size_t i = 0; i < run.rows.size(); ++i) {
+    if (mapping[i] < 0) {
+      run.outcome.sequences[run.rows[i].outcome].reason = run.rows[i].reason;
+      run.outcome.sequences[run.rows[i].outcome].decodeSteps = run.rows[i].steps;
+      mRuntime.residentSlots().release(run.rows[i].resident);
+      continue;
+    }
+    next.rawBatchedInputIds.push_back(std::move(context.rawBatchedInputIds[i]));
+    next.effectivePrefillLengths.push_back(context.effectivePrefillLengths[i]);
+    next.generatedTokenIds.push_back(std::move(context.generatedTokenIds[i]));
+    next.residentRefs.push_back(context.residentRefs[i]);
+    next.finishReasons.push_back(context.finishReasons[i]);
+    kept.push_back(std::move(run.rows[i]));
+  }
+  next.activeBatchSize = static_cast<int32_t>(kept.size());
+  context = std::move(next);
+  run.rows = std::move(kept);
+  lengthStep(run);
+  return true;
+}
+
+bool ReferenceEngine::tryJoins(Run& run) {
+  std::deque<EngineSequence>* joinQueue = run.joinQueue;
+  if (joinQueue == nullptr || !mRuntime.supportsSeatedAdmission()) {
+    return true;
+  }
+  EngineRequest const& request = *run.request;
+  while (!joinQueue->empty() &&
+         run.rows.size() < static_cast<std::size_t>(mRuntime.config().maxBatchSize)) {
+    std::optional<ResidentRef> resident = mRuntime.residentSlots().acquire();
+    if (!resident) {
+      return true;
+    }
+    EngineSequence const& spec = joinQueue->front();
+    int32_t prefillStart = 0;
+    auto const start = std::chrono::steady_clock::now();
+    auto const status = run.managed->admitSequence(
+        spec.prompt, request.loraWeightsName, run.headroom, prefillStart, *resident,
+        mRuntime.config().stream, request.mediaTokenIds, spec.images, spec.audios);
+    run.libraryNanos += nanosSince(start);
+    if (status != ContextCacheRequest::AdmitSequenceStatus::kAdmitted) {
+      mRuntime.residentSlots().release(*resident);
+      ++mStats.joinRefusals;
+      return status == ContextCacheRequest::AdmitSequenceStatus::kNoCapacity;
+    }
+    if (!seatJoiner(run, *resident, prefillStart)) {
+      return false;
+    }
+  }
+  return true;
+}
+
+bool ReferenceEngine::seatJoiner(Run& run, ResidentRef resident, int32_t prefillStart) {
+  DecodingInferenceContext& context = run.context;
+  ++mStats.joins;
+  ++mStats.sequences;
+  EngineSequence const& spec = run.joinQueue->front();
+  Row row;
+  row.spec = spec;
+  row.resident = resident;
+  row.promptKeys = positionKeys(spec, run.request->mediaTokenIds);
+  row.outcome = run.outcome.sequences.size();
+  run.outcome.sequences.push_back(
+      SequenceOutcome{spec.tag, spec.prompt, {}, FinishReason::kNotFinished, prefillStart, true});
+  run.joinQueue->pop_front();
+  auto const index = run.rows.size();
+  run.rows.push_back(std::move(row));
+  context.rawBatchedInputIds.push_back(run.rows[index].spec.prompt);
+  context.effectivePrefillLengths.push_back(
+      static_cast<int32_t>(run.rows[index].spec.prompt.size()) - prefillStart);
+  context.generatedTokenIds.emplace_back();
+  context.residentRefs.push_back(resident);
+  context.finishReasons.push_back(FinishReason::kNotFinished);
+  context.activeBatchSize = static_cast<int32_t>(run.rows.size());
+  // Seat the joiner: its KV-length row, its prefill, its lookahead token.
+  for (KVCachePool* pool : {mRuntime.fullPool(), mRuntime.swaPool()}) {
+    if (pool != nullptr) {
+      pool->setActiveBatchSize(context.activeBatchSize);
+    }
+  }
+  mSteps->begin();
+  executePrefill(run, run.rows[index], prefillStart);
+  mSteps->submit(mRuntime.config().stream);
+  writeLengths(run, index, index + 1, [](std::size_t) { return true; });
+  sampleAfter(run, run.rows[index], index);
+  int32_t const lookahead = context.generatedTokenIds[index].back();
+  auto const finalizeStart = std::chrono::steady_clock::now();
+  bool const finalized = run.managed->finalizeSequenceAdmission(
+      static_cast<int32_t>(index), lookahead,
+      static_cast<int32_t>(run.rows[index].spec.prompt.size()));
+  run.libraryNanos += nanosSince(finalizeStart);
+  if (!finalized) {
+    finishStep(run);
+    return false;
+  }
+  checkLengths(run);
+  finishStep(run);
+  notePages();
+  return true;
+}
+
+bool ReferenceEngine::cancelDue(Run& run) {
+  bool anyRunning = false;
+  for (std::size_t i = 0; i < run.rows.size(); ++i) {
+    Row& row = run.rows[i];
+    if (row.reason == FinishReason::kNotFinished && row.spec.cancelAtStep >= 0 &&
+        row.steps >= row.spec.cancelAtStep) {
+      row.reason = FinishReason::kCancelled;
+      run.context.finishReasons[i] = row.reason;
+    }
+    anyRunning = anyRunning || row.reason == FinishReason::kNotFinished;
+  }
+  return anyRunning;
+}
+
+bool ReferenceEngine::decodeStep(Run& run) {
+  cudaStream_t const stream = mRuntime.config().stream;
+  int64_t stepNanos = 0;
+  mMarks->mark(0, stream);
+  auto start = std::chrono::steady_clock::now();
+  bool ok = run.managed->prepareDecodeStep(run.context, run.headroom);
+  stepNanos += nanosSince(start);
+  mMarks->mark(1, stream);
+  if (!ok) {
+    for (Row& row : run.rows) {
+      if (row.reason == FinishReason::kNotFinished) {
+        row.reason = FinishReason::kError;
+      }
+    }
+    return false;
+  }
+  notePages();
+  std::size_t const batch = run.rows.size();
+  auto running = [&](std::size_t i) { return run.rows[i].reason == FinishReason::kNotFinished; };
+  mSteps->begin();
+  for (std::size_t i = 0; i < batch; ++i) {
+    if (running(i)) {
+      stageDecodeRow(run, i);
+    }
+  }
+  mSteps->submit(stream);
+  writeLengths(run, 0, batch, running);
+  collectTokens(run, batch);
+  commonLengths(run, run.speculative);
+  mMarks->mark(2, stream);
+  start = std::chrono::steady_clock::now();
+  ok = run.managed->completeDecodeStep(run.context, mCommonLengths);
+  stepNanos += nanosSince(start);
+  mMarks->mark(3, stream);
+  mStats.stepHostNanoseconds.push_back(stepNanos);
+  run.libraryNanos += stepNanos;
+  ++mStats.decodeSteps;
+  ++run.outcome.decodeSteps;
+  checkLengths(run);
+  finishStep(run);
+  if (mMarks->enabled()) {
+    mStats.stepGpuNanoseconds.push_back(mMarks->elapsedNanos(0, 1) + mMarks->elapsedNanos(2, 3));
+  }
+  if (mOptions.onStep) {
+    mOptions.onStep(mStats.decodeSteps);
+  }
+  return ok;
+}
+
+void ReferenceEngine::stageDecodeRow(Run& run, std::size_t i) {
+  Row& row = run.rows[i];
+  if (run.speculative) {
+    executeRound(row, run.context.generatedTokenIds[i]);
+    verifyRow(run, row, /*full=*/false);
+    return;
+  }
+  int32_t const position = row.materialized;
+  uint64_t const key = static_cast<uint32_t>(run.context.generatedTokenIds[i].back());
+  row.digests.extend(std::span<uint64_t const>(&key, 1));
+  int64_t const staged =
+      mSteps->stage(row.resident.slot, position,
+                    row.digests.values().subspan(static_cast<std::size_t>(position), 1));
+  if (mHasFull) {
+    mSteps->write(oracle::OracleStepper::kFull, row.resident.slot, position, position + 1, staged);
+  }
+  if (mRuntime.backend() == KVCacheBackend::kBoundedSwa && mHasSwa) {
+    mSteps->write(oracle::OracleStepper::kSwa, row.resident.slot, position, position + 1, staged);
+  }
+  executeRecurrent(row, position, position + 1);
+  row.materialized = position + 1;
+  verifyRow(run, row, /*full=*/false);
+}
+
+void ReferenceEngine::collectTokens(Run& run, std::size_t batch) {
+  for (std::size_t i = 0; i < batch; ++i) {
+    Row& row = run.rows[i];
+    if (row.reason != FinishReason::kNotFinished) {
+      continue;
+    }
+    ++row.steps;
+    if (!run.speculative) {
+      sampleAfter(run, row, i);
+      continue;
+    }
+    for (int32_t token : row.pendingTokens) {
+      appendToken(run, row, i, token);
+    }
+  }
+}
+
+RequestOutcome ReferenceEngine::finishRun(Run& run, bool ok) {
   run.outcome.failed = !ok;
   for (auto const& row : run.rows) {
     run.outcome.sequences[row.outcome].decodeSteps = row.steps;
     run.outcome.sequences[row.outcome].reason =
         row.reason == FinishReason::kNotFinished ? FinishReason::kError : row.reason;
   }
-  bool const finished = managed.finish();
+  bool const finished = run.managed->finish();
   run.outcome.failed = run.outcome.failed || !finished;
   run.managed.reset();
-  releaseAll();
+  releaseAll(run);
   return run.outcome;
 }
 

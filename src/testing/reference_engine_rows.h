@@ -6,6 +6,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <deque>
 #include <optional>
 #include <vector>
 
@@ -31,12 +32,16 @@ struct ReferenceEngine::Row {
 
 struct ReferenceEngine::Run {
   EngineRequest const* request = nullptr;
+  std::deque<EngineSequence>* joinQueue = nullptr;  // run's join queue (may be null)
   LLMGenerationRequest generation;
   DecodingInferenceContext context;
   std::optional<ManagedKVCacheRequest> managed;
   std::vector<Row> rows;
   RequestOutcome outcome;
   uint64_t seed = 0;
+  bool speculative = false;
+  DecodingKvHeadroom headroom{1, 0};  // set by beginRequest
+  int64_t libraryNanos = 0;           // host time in library calls (kept, not reported)
 };
 
 }  // namespace mkv::testing

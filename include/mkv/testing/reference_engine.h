@@ -206,6 +206,44 @@ class ReferenceEngine {
   uint64_t identitySeed(EngineRequest const& request) const;
   std::vector<uint64_t> positionKeys(EngineSequence const& sequence,
                                      std::vector<int32_t> const& mediaTokenIds) const;
+  // run's phases, in order (each takes the request's state).
+  /// Acquires a resident slot per founding sequence and seeds its row and outcome; throws (with
+  /// every slot given back) when the batch exceeds the slots.
+  void acquireResidents(Run& run);
+  /// Gives back every row's resident slot and drops the rows.
+  void releaseAll(Run& run);
+  /// Fills run.generation and run.context from the request and its founding rows.
+  void buildContext(Run& run);
+  /// ManagedKVCacheRequest::begin; false (slots given back, outcome not admitted) when refused.
+  bool beginRequest(Run& run);
+  /// The founding batch's prefill (prepare, Hybrid-MTP restore, then prefillStep); false on
+  /// failure.
+  bool prefill(Run& run);
+  /// The prefill step: writes, captures and lookahead tokens, then completePrefill.
+  bool prefillStep(Run& run);
+  /// Decode steps with compaction and joins until no row is left or a call fails (false).
+  bool decodeLoop(Run& run);
+  /// Compacts finished rows out of the batch (with a length step); false when compaction fails.
+  bool compactFinished(Run& run);
+  /// Admits queued sequences while slots and pools allow; false when an admission fails.
+  bool tryJoins(Run& run);
+  /// Seats the admitted front of the join queue: row, prefill, lookahead, finalize; false on
+  /// failure.
+  bool seatJoiner(Run& run, ResidentRef resident, int32_t prefillStart);
+  /// Cancels rows whose cancelAtStep is due; true while a row still runs.
+  bool cancelDue(Run& run);
+  /// One decode step of the running rows; false (after the step's checks) when a call fails.
+  bool decodeStep(Run& run);
+  /// Stages row `i`'s decode step (a verification round when speculative).
+  void stageDecodeRow(Run& run, std::size_t i);
+  /// Appends the step's tokens of the first `batch` running rows (and counts their step).
+  void collectTokens(Run& run, std::size_t batch);
+  /// Appends `token` to row `index` and sets its finish reason.
+  void appendToken(Run& run, Row& row, std::size_t index, int32_t token);
+  /// Samples and appends the token after row's materialized prefix.
+  void sampleAfter(Run& run, Row& row, std::size_t index);
+  /// Settles every row's outcome, finishes the managed request and gives back the slots.
+  RequestOutcome finishRun(Run& run, bool ok);
   void executePrefill(Run& run, Row& row, int32_t start);
   void verifyRow(Run& run, Row& row, bool full);
   /// Snapshots the device KV-length rows (checked by finishStep).
