@@ -1,16 +1,20 @@
 #pragma once
 /// \file reference_engine_rows.h
 /// The reference engine's per-sequence and per-request state, shared by its parts
-/// (reference_engine.cpp: the request loop; reference_engine_speculative.cpp: verification rounds
-/// and the draft). Internal to the testing kit.
+/// (reference_engine.cpp: the request loop; reference_engine_decode.cpp: its decode loop;
+/// reference_engine_speculative.cpp: verification rounds and the draft). Internal to the testing
+/// kit.
 
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <deque>
 #include <optional>
+#include <span>
 #include <vector>
 
 #include "mkv/generation_request.h"
+#include "mkv/kv_cache_pool.h"
 #include "mkv/managed_kv_cache_request.h"
 #include "mkv/testing/reference_engine.h"
 
@@ -43,5 +47,45 @@ struct ReferenceEngine::Run {
   DecodingKvHeadroom headroom{1, 0};  // set by beginRequest
   int64_t libraryNanos = 0;           // host time in library calls (kept, not reported)
 };
+
+/// Nanoseconds since `start` (the engine's host time in library calls).
+inline int64_t nanosSince(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() -
+                                                              start)
+      .count();
+}
+
+// Defined here: the request loop and the decode loop (reference_engine_decode.cpp) both call it.
+template <typename Include>
+void ReferenceEngine::writeLengths(Run& run, std::size_t first, std::size_t last, Include include) {
+  cudaStream_t const stream = mRuntime.config().stream;
+  std::size_t i = first;
+  while (i < last) {
+    if (!include(i)) {
+      ++i;
+      continue;
+    }
+    std::size_t j = i;
+    while (j < last && include(j)) {
+      mLengthValues[j] = run.rows[j].materialized;
+      ++j;
+    }
+    std::span<int32_t const> const values(mLengthValues.data() + i, j - i);
+    for (KVCachePool* pool : {mRuntime.fullPool(), mRuntime.swaPool()}) {
+      if (pool != nullptr) {
+        pool->writeLengths(static_cast<int32_t>(i), values, stream);
+      }
+    }
+    if (pairsDraft()) {  // the draft's own lengths, after its steps
+      for (std::size_t k = i; k < j; ++k) {
+        mDraftLengthValues[k] = run.rows[k].draftMaterialized;
+      }
+      mRuntime.draftPool()->writeLengths(
+          static_cast<int32_t>(i), std::span<int32_t const>(mDraftLengthValues.data() + i, j - i),
+          stream);
+    }
+    i = j;
+  }
+}
 
 }  // namespace mkv::testing

@@ -1,0 +1,266 @@
+/// \file reference_engine_decode.cpp
+/// The reference engine's decode loop (ReferenceEngine::run's last phase before finishRun): steps,
+/// compaction of finished rows and in-flight joins.
+
+#include <chrono>
+#include <span>
+
+#include "core/check.h"
+#include "mkv/context_cache/context_cache_request.h"
+#include "mkv/managed_kv_cache_request.h"
+#include "mkv/testing/reference_engine.h"
+#include "testing/oracle_stepper.h"
+#include "testing/reference_engine_rows.h"
+
+namespace mkv::testing {
+
+bool ReferenceEngine::decodeLoop(Run& run) {
+  bool ok = true;
+  while (ok) {
+    ok = compactFinished(run);
+    if (!ok || run.rows.empty()) {
+      break;
+    }
+    // A joiner can finish on its lookahead token: compact it away before the next step (a row
+    // that finished without a new token may only be cancelled or errored).
+    ok = tryJoins(run) && compactFinished(run);
+    if (!ok || run.rows.empty()) {
+      break;
+    }
+    if (!cancelDue(run)) {
+      continue;  // compact the cancelled rows away
+    }
+    ok = decodeStep(run);
+  }
+  return ok;
+}
+
+bool ReferenceEngine::compactFinished(Run& run) {
+  std::vector<int32_t> mapping(run.rows.size(), -1);
+  int32_t survivors = 0;
+  for (std::size_t i = 0; i < run.rows.size(); ++i) {
+    if (run.rows[i].reason == FinishReason::kNotFinished) {
+      mapping[i] = survivors++;
+    }
+  }
+  if (survivors == static_cast<int32_t>(run.rows.size())) {
+    return true;
+  }
+  auto const start = std::chrono::steady_clock::now();
+  bool const compacted = run.managed->beginBatchCompaction(mapping, survivors, mDeviceMapping) &&
+                         run.managed->completeBatchCompaction(mapping);
+  run.libraryNanos += nanosSince(start);
+  if (!compacted) {
+    return false;
+  }
+  DecodingInferenceContext& context = run.context;
+  std::vector<Row> kept;
+  DecodingInferenceContext next;
+  next.stream = context.stream;
+  next.loraWeightsName = context.loraWeightsName;
+  for (std::size_t i = 0; i < run.rows.size(); ++i) {
+    if (mapping[i] < 0) {
+      run.outcome.sequences[run.rows[i].outcome].reason = run.rows[i].reason;
+      run.outcome.sequences[run.rows[i].outcome].decodeSteps = run.rows[i].steps;
+      mRuntime.residentSlots().release(run.rows[i].resident);
+      continue;
+    }
+    next.rawBatchedInputIds.push_back(std::move(context.rawBatchedInputIds[i]));
+    next.effectivePrefillLengths.push_back(context.effectivePrefillLengths[i]);
+    next.generatedTokenIds.push_back(std::move(context.generatedTokenIds[i]));
+    next.residentRefs.push_back(context.residentRefs[i]);
+    next.finishReasons.push_back(context.finishReasons[i]);
+    kept.push_back(std::move(run.rows[i]));
+  }
+  next.activeBatchSize = static_cast<int32_t>(kept.size());
+  context = std::move(next);
+  run.rows = std::move(kept);
+  lengthStep(run);
+  return true;
+}
+
+bool ReferenceEngine::tryJoins(Run& run) {
+  std::deque<EngineSequence>* joinQueue = run.joinQueue;
+  if (joinQueue == nullptr || !mRuntime.supportsSeatedAdmission()) {
+    return true;
+  }
+  EngineRequest const& request = *run.request;
+  while (!joinQueue->empty() &&
+         run.rows.size() < static_cast<std::size_t>(mRuntime.config().maxBatchSize)) {
+    std::optional<ResidentRef> resident = mRuntime.residentSlots().acquire();
+    if (!resident) {
+      return true;
+    }
+    EngineSequence const& spec = joinQueue->front();
+    int32_t prefillStart = 0;
+    auto const start = std::chrono::steady_clock::now();
+    auto const status = run.managed->admitSequence(
+        spec.prompt, request.loraWeightsName, run.headroom, prefillStart, *resident,
+        mRuntime.config().stream, request.mediaTokenIds, spec.images, spec.audios);
+    run.libraryNanos += nanosSince(start);
+    if (status != ContextCacheRequest::AdmitSequenceStatus::kAdmitted) {
+      mRuntime.residentSlots().release(*resident);
+      ++mStats.joinRefusals;
+      return status == ContextCacheRequest::AdmitSequenceStatus::kNoCapacity;
+    }
+    if (!seatJoiner(run, *resident, prefillStart)) {
+      return false;
+    }
+  }
+  return true;
+}
+
+bool ReferenceEngine::seatJoiner(Run& run, ResidentRef resident, int32_t prefillStart) {
+  DecodingInferenceContext& context = run.context;
+  ++mStats.joins;
+  ++mStats.sequences;
+  EngineSequence const& spec = run.joinQueue->front();
+  Row row;
+  row.spec = spec;
+  row.resident = resident;
+  row.promptKeys = positionKeys(spec, run.request->mediaTokenIds);
+  row.outcome = run.outcome.sequences.size();
+  run.outcome.sequences.push_back(
+      SequenceOutcome{spec.tag, spec.prompt, {}, FinishReason::kNotFinished, prefillStart, true});
+  run.joinQueue->pop_front();
+  auto const index = run.rows.size();
+  run.rows.push_back(std::move(row));
+  context.rawBatchedInputIds.push_back(run.rows[index].spec.prompt);
+  context.effectivePrefillLengths.push_back(
+      static_cast<int32_t>(run.rows[index].spec.prompt.size()) - prefillStart);
+  context.generatedTokenIds.emplace_back();
+  context.residentRefs.push_back(resident);
+  context.finishReasons.push_back(FinishReason::kNotFinished);
+  context.activeBatchSize = static_cast<int32_t>(run.rows.size());
+  // Seat the joiner: its KV-length row, its prefill, its lookahead token.
+  for (KVCachePool* pool : {mRuntime.fullPool(), mRuntime.swaPool()}) {
+    if (pool != nullptr) {
+      pool->setActiveBatchSize(context.activeBatchSize);
+    }
+  }
+  mSteps->begin();
+  executePrefill(run, run.rows[index], prefillStart);
+  mSteps->submit(mRuntime.config().stream);
+  writeLengths(run, index, index + 1, [](std::size_t) { return true; });
+  sampleAfter(run, run.rows[index], index);
+  int32_t const lookahead = context.generatedTokenIds[index].back();
+  auto const finalizeStart = std::chrono::steady_clock::now();
+  bool const finalized = run.managed->finalizeSequenceAdmission(
+      static_cast<int32_t>(index), lookahead,
+      static_cast<int32_t>(run.rows[index].spec.prompt.size()));
+  run.libraryNanos += nanosSince(finalizeStart);
+  if (!finalized) {
+    finishStep(run);
+    return false;
+  }
+  checkLengths(run);
+  finishStep(run);
+  notePages();
+  return true;
+}
+
+bool ReferenceEngine::cancelDue(Run& run) {
+  bool anyRunning = false;
+  for (std::size_t i = 0; i < run.rows.size(); ++i) {
+    Row& row = run.rows[i];
+    if (row.reason == FinishReason::kNotFinished && row.spec.cancelAtStep >= 0 &&
+        row.steps >= row.spec.cancelAtStep) {
+      row.reason = FinishReason::kCancelled;
+      run.context.finishReasons[i] = row.reason;
+    }
+    anyRunning = anyRunning || row.reason == FinishReason::kNotFinished;
+  }
+  return anyRunning;
+}
+
+bool ReferenceEngine::decodeStep(Run& run) {
+  cudaStream_t const stream = mRuntime.config().stream;
+  int64_t stepNanos = 0;
+  mMarks->mark(0, stream);
+  auto start = std::chrono::steady_clock::now();
+  bool ok = run.managed->prepareDecodeStep(run.context, run.headroom);
+  stepNanos += nanosSince(start);
+  mMarks->mark(1, stream);
+  if (!ok) {
+    for (Row& row : run.rows) {
+      if (row.reason == FinishReason::kNotFinished) {
+        row.reason = FinishReason::kError;
+      }
+    }
+    return false;
+  }
+  notePages();
+  std::size_t const batch = run.rows.size();
+  auto running = [&](std::size_t i) { return run.rows[i].reason == FinishReason::kNotFinished; };
+  mSteps->begin();
+  for (std::size_t i = 0; i < batch; ++i) {
+    if (running(i)) {
+      stageDecodeRow(run, i);
+    }
+  }
+  mSteps->submit(stream);
+  writeLengths(run, 0, batch, running);
+  collectTokens(run, batch);
+  commonLengths(run, run.speculative);
+  mMarks->mark(2, stream);
+  start = std::chrono::steady_clock::now();
+  ok = run.managed->completeDecodeStep(run.context, mCommonLengths);
+  stepNanos += nanosSince(start);
+  mMarks->mark(3, stream);
+  mStats.stepHostNanoseconds.push_back(stepNanos);
+  run.libraryNanos += stepNanos;
+  ++mStats.decodeSteps;
+  ++run.outcome.decodeSteps;
+  checkLengths(run);
+  finishStep(run);
+  if (mMarks->enabled()) {
+    mStats.stepGpuNanoseconds.push_back(mMarks->elapsedNanos(0, 1) + mMarks->elapsedNanos(2, 3));
+  }
+  if (mOptions.onStep) {
+    mOptions.onStep(mStats.decodeSteps);
+  }
+  return ok;
+}
+
+void ReferenceEngine::stageDecodeRow(Run& run, std::size_t i) {
+  Row& row = run.rows[i];
+  if (run.speculative) {
+    executeRound(row, run.context.generatedTokenIds[i]);
+    verifyRow(run, row, /*full=*/false);
+    return;
+  }
+  int32_t const position = row.materialized;
+  uint64_t const key = static_cast<uint32_t>(run.context.generatedTokenIds[i].back());
+  row.digests.extend(std::span<uint64_t const>(&key, 1));
+  int64_t const staged =
+      mSteps->stage(row.resident.slot, position,
+                    row.digests.values().subspan(static_cast<std::size_t>(position), 1));
+  if (mHasFull) {
+    mSteps->write(oracle::OracleStepper::kFull, row.resident.slot, position, position + 1, staged);
+  }
+  if (mRuntime.backend() == KVCacheBackend::kBoundedSwa && mHasSwa) {
+    mSteps->write(oracle::OracleStepper::kSwa, row.resident.slot, position, position + 1, staged);
+  }
+  executeRecurrent(row, position, position + 1);
+  row.materialized = position + 1;
+  verifyRow(run, row, /*full=*/false);
+}
+
+void ReferenceEngine::collectTokens(Run& run, std::size_t batch) {
+  for (std::size_t i = 0; i < batch; ++i) {
+    Row& row = run.rows[i];
+    if (row.reason != FinishReason::kNotFinished) {
+      continue;
+    }
+    ++row.steps;
+    if (!run.speculative) {
+      sampleAfter(run, row, i);
+      continue;
+    }
+    for (int32_t token : row.pendingTokens) {
+      appendToken(run, row, i, token);
+    }
+  }
+}
+
+}  // namespace mkv::testing
