@@ -1,0 +1,96 @@
+#pragma once
+/// \file window_block_cache.h
+/// CUDA-free bookkeeping of the sliding-window pool of the composed backend (sliding layers plus
+/// context reuse): which pages are free, which are held by running windows, and which keep a
+/// prompt block's sliding-layer KV after it left every window, keyed and verified like the
+/// full-layer index (docs/architecture.md, "Sliding windows with context reuse").
+///
+/// Thread-safety: single writer (the engine thread).
+
+#include <cstdint>
+#include <vector>
+
+#include "context_cache/block_hash.h"
+#include "context_cache/block_index.h"
+#include "context_cache/slot_list.h"
+#include "mkv/swa_page_source.h"
+#include "mkv/types.h"
+
+namespace mkv {
+
+/// Pages [0, capacity) of the sliding pool. A page is free, held (holder count > 0: the
+/// sequences whose window maps it) or cached: indexed under a prompt block's digest with no
+/// holder, in least recently released order, and dropped for good (unindexed, handed out) when
+/// allocate() needs a page and no free one is left. A cached page that a new window maps is
+/// held again (and leaves the order) until released.
+///
+/// The hit rule of the composed backend: a prefix of k blocks (page-aligned at k * P tokens) is
+/// reusable by the sliding layers when the blocks of the window before it, [max(0, k -
+/// windowBlocks()), k) with windowBlocks() = ceil(W / P), are all cached here; the full layers'
+/// own prefix is the coordinator's business.
+class WindowBlockCache final : public SwaPageSource {
+ public:
+  /// Throws mkv::Error unless capacity > 0, pageSize > 0 and windowTokens > 0.
+  WindowBlockCache(int32_t capacity, int32_t pageSize, int32_t windowTokens, bool verifyTokens);
+
+  /// ceil(W / P): the blocks a page-aligned hit needs before it.
+  int32_t windowBlocks() const noexcept { return mWindowBlocks; }
+  int32_t windowTokens() const noexcept { return mWindowTokens; }
+
+  /// The largest k <= maxBlocks such that every block of [max(0, k - windowBlocks()), k) of
+  /// `blocks` is indexed here and (with verification) holds exactly that block
+  /// (BlockIndex::holds with the ancestors counted as verified: the caller verified blocks
+  /// [0, maxBlocks) of the same prompt in the full-layer index). 0 always qualifies. O(maxBlocks),
+  /// no side effects. Throws if `blocks` was hashed with another page size or maxBlocks is
+  /// outside [0, blocks.keys.size()].
+  int32_t longestWindowedPrefix(PromptBlocks const& blocks, int32_t maxBlocks) const;
+  /// The pages of blocks [max(0, endBlock - windowBlocks()), endBlock) of `blocks`, ascending
+  /// block order. Throws (naming `call`) unless each is indexed here and verified as above.
+  std::vector<PageId> windowPages(char const* call, PromptBlocks const& blocks,
+                                  int32_t endBlock) const;
+
+  /// Indexes block `block` of `blocks` on `page`, which must be held (its bytes complete: after
+  /// the completion point of the prefill that wrote them). First committer wins: returns false,
+  /// and leaves `page` unindexed, when the block's digest is already indexed on another page;
+  /// true when it is now indexed on `page` (also when it already was). Throws (nothing changed)
+  /// for a page out of range or not held, a page indexed under another digest, or a block out of
+  /// range. Strong exception guarantee.
+  bool publish(PageId page, PromptBlocks const& blocks, int32_t block);
+  /// Drops every cached block (a cache reset): pages nobody holds become free, held pages stay
+  /// held and unindexed. Returns how many blocks were dropped (their digests are appended to the
+  /// dropped list, see takeDropped).
+  int32_t clear() noexcept;
+  /// The digests of the blocks dropped since the last call (by allocate and clear), oldest
+  /// first, for the KV events and metrics; the list is then empty.
+  std::vector<Hash128> takeDropped() noexcept;
+
+  // SwaPageSource.
+  int32_t totalPages() const noexcept override { return mIndex.pageCapacity(); }
+  int32_t availablePages() const noexcept override;
+  bool allocate(int32_t count, std::vector<PageId>& out) override;
+  void hold(PageId page) override;
+  void release(PageId page) noexcept override;
+
+  int32_t freePages() const noexcept { return static_cast<int32_t>(mFree.size()); }
+  /// Pages with at least one holder.
+  int32_t heldPages() const noexcept { return mHeldPages; }
+  /// Indexed pages (cached blocks), held or not.
+  int32_t cachedBlocks() const noexcept { return mIndex.size(); }
+  /// Indexed pages nobody holds (evictable).
+  int32_t evictablePages() const noexcept { return mRecency.count; }
+  int32_t holders(PageId page) const;
+  BlockIndex const& index() const noexcept { return mIndex; }
+
+ private:
+  int32_t mWindowTokens;
+  int32_t mWindowBlocks;
+  BlockIndex mIndex;
+  SlotLinks mLinks;   ///< the release order of cached pages nobody holds
+  SlotList mRecency;  ///< oldest = next to drop
+  std::vector<PageId> mFree;
+  std::vector<int32_t> mHolders;
+  int32_t mHeldPages = 0;
+  std::vector<Hash128> mDropped;
+};
+
+}  // namespace mkv
