@@ -42,6 +42,7 @@ PUBLIC_HEADERS = {
     "context_cache/": "context_cache",
     "events/": "events",
     "managed_kv_cache_request.h": "runtime", "kv_cache_runtime.h": "runtime",
+    "sliding_reuse_request.h": "runtime",
     "testing/": "testing",
 }
 

@@ -21,6 +21,8 @@
 
 namespace mkv {
 
+class WindowBlockCache;  // src/context_cache/window_block_cache.h (internal)
+
 /// The attention and recurrent geometry of the model the engine runs.
 struct KVCacheModelConfig {
   int32_t numFullAttentionLayers = 0;  ///< layers attending to every position
@@ -70,8 +72,11 @@ struct KVCacheRuntimeConfig {
   /// Pages of the full pool; 0 = maxBatchSize * ceil(maxSequenceLength / tokensPerPage).
   /// Either pool holds at most int32 max / 2 pages (V ids are K ids + numPages).
   int32_t numPages = 0;
-  /// Pages of the bounded SWA pool; 0 = maxBatchSize * (2M + 1), the admission minimum (a
-  /// smaller positive count is an error when bounded SWA is chosen).
+  /// Pages of the sliding layers' pool. Bounded SWA: 0 = maxBatchSize * (2M + 1), the admission
+  /// minimum (a smaller positive count is an error). Sliding-window reuse: 0 = as many as the full
+  /// pool; at least one sequence's largest prefill, ceil(maxSequenceLength / P) + 1 + ceil(W / P)
+  /// (a smaller positive count is an error); its pages beyond the running windows cache prompt
+  /// blocks.
   int32_t numSwaPages = 0;
   /// Context (prefix) reuse on: full paged KV + ContextCacheCoordinator. For a model with
   /// recurrent layers this is hybrid checkpoint reuse, which needs the snapshot budgets of
@@ -96,12 +101,21 @@ enum class KVCacheBackend : uint8_t {
   kContextReuse,  ///< full paged KV, prefix reuse (ContextCacheCoordinator)
   kBoundedSwa,    ///< sliding layers in bounded rotating pages (BoundedSwaKVPageManager)
   kFullStorage,   ///< full paged KV without reuse (the coordinator with lookups off)
+  /// full layers with prefix reuse (ContextCacheCoordinator), sliding layers in bounded windows
+  /// whose prompt blocks stay cached (BoundedSwaKVPageManager over a WindowBlockCache)
+  kSlidingWindowReuse,
 };
 std::string_view toString(KVCacheBackend backend) noexcept;
 
 /// Creates and owns the pools, page tables, resident slots and exactly one backend, chosen by the
 /// support matrix:
-/// * contextReuse on -> kContextReuse: every attention layer in the full pool (hybrid models:
+/// * contextReuse on, an attention-only model with full and sliding layers, no speculative
+///   decoding, no host tier, and a decode window (M + 1 pages) shorter than a sequence's row ->
+///   kSlidingWindowReuse: full layers in the full pool with prefix reuse, sliding layers in their
+///   own pool (numSwaPages; 0 = as many pages as the full pool) whose complete prompt blocks stay
+///   cached after they leave the window (docs/architecture.md, "Sliding windows with context
+///   reuse");
+/// * otherwise contextReuse on -> kContextReuse: every attention layer in the full pool (hybrid models:
 ///   exact checkpoints of the recurrent rows and the partial last page); with `speculative`, the
 ///   draft pool and draft page table too (EAGLE-style paired reuse, or Hybrid-MTP);
 /// * reuse off, sliding layers present and maxBatchSize * (2M + 1) strictly fewer than the full
@@ -118,23 +132,28 @@ class KVCacheRuntime {
   KVCacheRuntime& operator=(KVCacheRuntime const&) = delete;
 
   KVCacheBackend backend() const noexcept { return mBackend; }
-  /// Non-null for kContextReuse and kFullStorage.
+  /// Non-null for kContextReuse, kFullStorage and kSlidingWindowReuse (its full layers).
   ContextCacheCoordinator* contextCache() noexcept { return mCoordinator.get(); }
-  /// Non-null for kBoundedSwa.
+  /// Non-null for kBoundedSwa and kSlidingWindowReuse (its sliding layers).
   BoundedSwaKVPageManager* swaPageManager() noexcept { return mSwaManager.get(); }
-  /// Whether a running batch may admit sequences in flight: false for bounded SWA, for speculative
+  /// The sliding pool's free pages and cached window blocks (kSlidingWindowReuse), else null.
+  WindowBlockCache* windowBlockCache() noexcept { return mWindowCache.get(); }
+  /// Whether a running batch may admit sequences in flight: false for bounded SWA and sliding-window
+  /// reuse, for speculative
   /// deployments and for hybrid checkpoint reuse (a joiner cannot restore a checkpoint or pair a
   /// draft in a running batch).
   bool supportsSeatedAdmission() const noexcept {
-    return mCoordinator != nullptr && mCoordinator->supportsLiveSequenceAdmission();
+    return mCoordinator != nullptr && mSwaManager == nullptr &&
+           mCoordinator->supportsLiveSequenceAdmission();
   }
 
   KVCacheRuntimeConfig const& config() const noexcept { return mConfig; }
-  /// Pool of the full-attention layers (and of every attention layer unless kBoundedSwa);
+  /// Pool of the full-attention layers (and of every attention layer unless kBoundedSwa or
+  /// kSlidingWindowReuse);
   /// null when the model has no such layers.
   KVCachePool* fullPool() noexcept { return mFullPool.get(); }
   KVPageTable* fullPageTable() noexcept { return mFullTable.get(); }
-  /// Reduced pool and sparse-window table of the sliding layers (kBoundedSwa only).
+  /// Pool and sparse-window table of the sliding layers (kBoundedSwa, kSlidingWindowReuse).
   KVCachePool* swaPool() noexcept { return mSwaPool.get(); }
   KVPageTable* swaPageTable() noexcept { return mSwaTable.get(); }
   /// Draft KV pool and its dense page table (speculative deployments with a paged draft), else
@@ -168,6 +187,9 @@ class KVCacheRuntime {
   /// of `width` pages), and the host tier of the full pool (hostPoolTokens > 0).
   void createDraft(int32_t fullPages, int32_t width);
   void createHostTier();
+  /// create's kSlidingWindowReuse: both pools and tables, the window cache, both backends.
+  void createSlidingReuse(int32_t fullPages, int32_t width, int32_t swaPages,
+                          StreamSynchronizer const& synchronizer);
 
   KVCacheRuntimeConfig mConfig;
   KVCacheBackend mBackend = KVCacheBackend::kFullStorage;
@@ -181,6 +203,7 @@ class KVCacheRuntime {
   std::unique_ptr<HostKvTier> mHostTier;
   std::unique_ptr<RecurrentStatePool> mRecurrent;
   ResidentSlotPool mResidentSlots;
+  std::unique_ptr<WindowBlockCache> mWindowCache;  // kSlidingWindowReuse: the sliding pool's pages
   // Backends last: they are destroyed before the resources they borrow.
   std::unique_ptr<ContextCacheCoordinator> mCoordinator;
   std::unique_ptr<BoundedSwaKVPageManager> mSwaManager;

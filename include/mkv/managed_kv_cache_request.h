@@ -18,6 +18,7 @@
 #include "mkv/cuda_types.h"
 #include "mkv/generation_request.h"
 #include "mkv/media.h"
+#include "mkv/sliding_reuse_request.h"
 #include "mkv/tensor.h"
 #include "mkv/types.h"
 
@@ -25,10 +26,11 @@ namespace mkv {
 
 /// One runtime request facade over orthogonal execution paging and context-reuse clients.
 ///
-/// The support matrix selects exactly one backend: bounded SWA when reuse is off (and bounded
-/// pages are fewer than full pages), or context reuse with full KV storage (KVCacheRuntime
-/// makes the choice). Keeping the lifecycle prefill -> decode -> compaction -> finish behind this
-/// facade lets a later adapter compose both without moving SWA rotation into the coordinator.
+/// The support matrix selects one backend: bounded SWA when reuse is off (and bounded pages are
+/// fewer than full pages), context reuse with full KV storage, or, with reuse on and sliding
+/// layers, sliding-window reuse: SlidingReuseRequest composes the two without moving SWA rotation
+/// into the coordinator (KVCacheRuntime makes the choice; docs/architecture.md, "Sliding windows
+/// with context reuse").
 ///
 /// Return values: `false` / `nullopt` for an expected backend failure (no capacity, poisoned,
 /// request failed), each logged once with the operation and whether the backend is poisoned.
@@ -37,8 +39,10 @@ namespace mkv {
 /// Thread-safety: single writer (the engine thread).
 class ManagedKVCacheRequest {
  public:
-  /// Starts a request on exactly one backend (throws unless exactly one pointer is non-null).
-  /// Forwards to ContextCacheRequest::begin or BoundedSwaRequest::begin (which throws unless the
+  /// Starts a request on the backend the pointers name: the context cache alone, the SWA manager
+  /// alone, or both (the sliding-window reuse backend: KVCacheRuntime hands out both exactly
+  /// then; throws when both are null). Forwards to ContextCacheRequest::begin,
+  /// BoundedSwaRequest::begin or SlidingReuseRequest::begin (which throws unless the
   /// request is not speculative, headroom is {1, 0}, the contract is kCommittedPlusLookahead and
   /// the context holds activeBatchSize > 0 prompts and residents). nullopt on a failed
   /// admission. Every later call forwards to that adapter, its contract errors renamed to the
@@ -56,7 +60,7 @@ class ManagedKVCacheRequest {
   ManagedKVCacheRequest& operator=(ManagedKVCacheRequest const&) = delete;
   ~ManagedKVCacheRequest() = default;
 
-  /// True iff the context-reuse backend is held.
+  /// True iff a backend with context reuse is held (context reuse or sliding-window reuse).
   bool hasContextReuse() const noexcept;
   /// Per execution row, the reuse length (execution starts there); nullptr for bounded SWA.
   std::vector<int32_t> const* prefillStarts() const noexcept;
@@ -117,7 +121,7 @@ class ManagedKVCacheRequest {
 
  private:
   /// The one adapter the request runs on; every lifecycle call is one std::visit over it.
-  using Backend = std::variant<ContextCacheRequest, BoundedSwaRequest>;
+  using Backend = std::variant<ContextCacheRequest, BoundedSwaRequest, SlidingReuseRequest>;
   explicit ManagedKVCacheRequest(Backend backend);
 
   Backend mBackend;

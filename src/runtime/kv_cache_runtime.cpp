@@ -5,6 +5,7 @@
 #include <optional>
 #include <vector>
 
+#include "context_cache/window_block_cache.h"
 #include "core/check.h"
 #include "mkv/kernels.h"
 
@@ -18,6 +19,8 @@ std::string_view toString(KVCacheBackend backend) noexcept {
       return "bounded-swa";
     case KVCacheBackend::kFullStorage:
       return "full-storage";
+    case KVCacheBackend::kSlidingWindowReuse:
+      return "sliding-window-reuse";
   }
   return "unknown";
 }
@@ -136,8 +139,37 @@ struct PoolSizes {
   int64_t fullDefault = 0;
   int32_t fullPages = 0;
   bool bounded = false;
+  bool slidingReuse = false;  ///< the sliding-window reuse backend (swaPages: its sliding pool)
   int32_t swaPages = 0;
 };
+
+/// Whether reuse on this model gets the sliding-window reuse backend: vanilla attention-only
+/// reuse (no recurrent layers, no speculative decoding, no host tier) of a model with full and
+/// sliding layers whose decode window, M + 1 pages, is shorter than a sequence's page row. The
+/// other reuse deployments keep every attention layer in the full pool.
+bool usesSlidingReuse(KVCacheRuntimeConfig const& config, int32_t width) {
+  KVCacheModelConfig const& model = config.model;
+  return config.contextReuse && model.numSlidingWindowLayers > 0 &&
+         model.numFullAttentionLayers > 0 && model.numRecurrentLayers == 0 &&
+         !config.speculative && config.hostPoolTokens == 0 &&
+         BoundedSwaKVPageManager::decodePagesPerSequence(model.slidingWindowTokens,
+                                                         config.tokensPerPage) < width;
+}
+
+/// The sliding pool of the sliding-window reuse backend: numSwaPages, or as many pages as the
+/// full pool; at least one sequence's largest prefill (a whole row, one spare and the reused
+/// window before it).
+int32_t slidingReusePages(KVCacheRuntimeConfig const& config, PoolSizes const& sizes) {
+  int32_t const windowBlocks = ceilDiv(config.model.slidingWindowTokens, config.tokensPerPage);
+  int64_t const minimum = int64_t{sizes.width} + 1 + windowBlocks;
+  MKV_REQUIRE(config.numSwaPages == 0 || config.numSwaPages >= minimum, kCall,
+              "numSwaPages {} is below one sequence's sliding-window reuse prefill: pages per "
+              "sequence {} + 1 spare + window {} = {} (0 selects as many as the full pool)",
+              config.numSwaPages, sizes.width, windowBlocks, minimum);
+  int64_t const pages = config.numSwaPages > 0 ? config.numSwaPages : sizes.fullPages;
+  return static_cast<int32_t>(std::min<int64_t>(std::max(pages, minimum),
+                                                std::numeric_limits<int32_t>::max() / 2));
+}
 
 PoolSizes sizePools(KVCacheRuntimeConfig const& config) {
   KVCacheModelConfig const& model = config.model;
@@ -157,6 +189,10 @@ PoolSizes sizePools(KVCacheRuntimeConfig const& config) {
                 "(2M + 1) {} = {} (0 selects the minimum)",
                 config.numSwaPages, config.maxBatchSize, perSequence, minimum);
     sizes.swaPages = static_cast<int32_t>(std::max<int64_t>(minimum, config.numSwaPages));
+  }
+  if (usesSlidingReuse(config, sizes.width)) {
+    sizes.slidingReuse = true;
+    sizes.swaPages = slidingReusePages(config, sizes);
   }
   if (sizes.bounded && model.numFullAttentionLayers > 0) {
     MKV_REQUIRE(sizes.fullPages >= sizes.fullDefault, kCall,
@@ -274,6 +310,10 @@ std::unique_ptr<KVCacheRuntime> KVCacheRuntime::create(KVCacheRuntimeConfig cons
     return runtime;
   }
 
+  if (sizes.slidingReuse) {
+    runtime->createSlidingReuse(sizes.fullPages, sizes.width, sizes.swaPages, synchronizer);
+    return runtime;
+  }
   runtime->mBackend =
       config.contextReuse ? KVCacheBackend::kContextReuse : KVCacheBackend::kFullStorage;
   runtime->mFullPool = makeKvPool(
@@ -295,6 +335,38 @@ std::unique_ptr<KVCacheRuntime> KVCacheRuntime::create(KVCacheRuntimeConfig cons
   runtime->mCoordinator = std::make_unique<ContextCacheCoordinator>(
       cache, deploymentProfile(config), resources, config.stream, synchronizer);
   return runtime;
+}
+
+void KVCacheRuntime::createSlidingReuse(int32_t fullPages, int32_t width, int32_t swaPages,
+                                        StreamSynchronizer const& synchronizer) {
+  KVCacheModelConfig const& model = mConfig.model;
+  mBackend = KVCacheBackend::kSlidingWindowReuse;
+  mFullPool = makeKvPool(mConfig, model.numFullAttentionLayers, fullPages);
+  mFullTable = std::make_unique<KVPageTable>(mConfig.maxBatchSize, width, fullPages,
+                                             PageTableMode::kDense, mConfig.deviceType);
+  mSwaPool = makeKvPool(mConfig, model.numSlidingWindowLayers, swaPages);
+  mSwaTable = std::make_unique<KVPageTable>(mConfig.maxBatchSize, width, swaPages,
+                                            PageTableMode::kSparseWindow, mConfig.deviceType);
+  mWindowCache =
+      std::make_unique<WindowBlockCache>(swaPages, mConfig.tokensPerPage,
+                                         model.slidingWindowTokens, mConfig.contextCache.verifyTokens);
+  ContextCacheConfig cache = mConfig.contextCache;
+  cache.enabled = true;
+  ContextCachePhysicalResources resources;
+  resources.basePool = mFullPool.get();
+  resources.basePageTable = mFullTable.get();
+  resources.residentSlots = &mResidentSlots;
+  resources.windowCache = mWindowCache.get();
+  mCoordinator = std::make_unique<ContextCacheCoordinator>(cache, deploymentProfile(mConfig),
+                                                           resources, mConfig.stream, synchronizer);
+  BoundedSwaResources swa;
+  swa.swaPool = mSwaPool.get();
+  swa.swaPageTable = mSwaTable.get();
+  swa.residentSlots = &mResidentSlots;
+  swa.pageSource = mWindowCache.get();
+  swa.lengthPools.push_back(mSwaPool.get());  // the full pool's lengths are the coordinator's
+  mSwaManager = std::make_unique<BoundedSwaKVPageManager>(
+      BoundedSwaConfig{model.slidingWindowTokens}, swa, mConfig.stream, synchronizer);
 }
 
 void KVCacheRuntime::createDraft(int32_t fullPages, int32_t width) {
@@ -335,14 +407,29 @@ int64_t KVCacheRuntime::kvBytes() const noexcept {
 }
 
 bool KVCacheRuntime::shutdown() noexcept {
+  bool ok = true;
   if (mCoordinator) {
-    return mCoordinator->shutdown() == ContextCacheStatus::kOk;
+    ok = mCoordinator->shutdown() == ContextCacheStatus::kOk;
   }
-  return mSwaManager->shutdown() == SwaKVCacheStatus::kOk;
+  if (mSwaManager) {
+    ok = mSwaManager->shutdown() == SwaKVCacheStatus::kOk && ok;
+  }
+  return ok;
 }
 
 ResidentRowState KVCacheRuntime::residentRowState(CacheSlot slot) const noexcept {
-  return mCoordinator ? mCoordinator->residentRowState(slot) : mSwaManager->residentRowState(slot);
+  // The sliding-window reuse backend holds a row in both halves: quarantined by either is
+  // quarantined, held by either is active.
+  ResidentRowState const full =
+      mCoordinator ? mCoordinator->residentRowState(slot) : ResidentRowState::kFree;
+  ResidentRowState const sliding =
+      mSwaManager ? mSwaManager->residentRowState(slot) : ResidentRowState::kFree;
+  if (full == ResidentRowState::kQuarantined || sliding == ResidentRowState::kQuarantined) {
+    return ResidentRowState::kQuarantined;
+  }
+  return full == ResidentRowState::kActive || sliding == ResidentRowState::kActive
+             ? ResidentRowState::kActive
+             : ResidentRowState::kFree;
 }
 
 }  // namespace mkv

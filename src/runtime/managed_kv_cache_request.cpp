@@ -64,9 +64,8 @@ std::optional<ManagedKVCacheRequest> ManagedKVCacheRequest::begin(
     DecodingTokenStateContract tokenStateContract, ContextCacheCommitPolicy commitPolicy,
     std::vector<int32_t> const& mediaTokenIds) {
   constexpr char const* kCall = "ManagedKVCacheRequest::begin";
-  MKV_REQUIRE((contextCache == nullptr) != (swaPageManager == nullptr), kCall,
-              "exactly one backend must be given (context cache {}, SWA manager {})",
-              contextCache != nullptr ? "set" : "null", swaPageManager != nullptr ? "set" : "null");
+  MKV_REQUIRE(contextCache != nullptr || swaPageManager != nullptr, kCall,
+              "a backend must be given (context cache and SWA manager are both null)");
   auto const held = [](auto adapter) -> std::optional<ManagedKVCacheRequest> {
     if (!adapter) {
       return std::nullopt;
@@ -74,6 +73,11 @@ std::optional<ManagedKVCacheRequest> ManagedKVCacheRequest::begin(
     return ManagedKVCacheRequest(Backend(std::move(*adapter)));
   };
   return asFacadeCall(kCall, [&] {
+    if (contextCache != nullptr && swaPageManager != nullptr) {
+      return held(SlidingReuseRequest::begin(*contextCache, *swaPageManager, request, context,
+                                             speculativeRequest, headroom, mediaTokenIds,
+                                             tokenStateContract, commitPolicy));
+    }
     if (contextCache != nullptr) {
       return held(ContextCacheRequest::begin(*contextCache, request, context, speculativeRequest,
                                              headroom, mediaTokenIds, tokenStateContract,
@@ -86,7 +90,7 @@ std::optional<ManagedKVCacheRequest> ManagedKVCacheRequest::begin(
 }
 
 bool ManagedKVCacheRequest::hasContextReuse() const noexcept {
-  return std::holds_alternative<ContextCacheRequest>(mBackend);
+  return !std::holds_alternative<BoundedSwaRequest>(mBackend);
 }
 
 std::vector<int32_t> const* ManagedKVCacheRequest::prefillStarts() const noexcept {

@@ -7,6 +7,7 @@
 
 #include "context_cache/block_hash.h"
 #include "context_cache/context_cache_manager.h"
+#include "context_cache/window_block_cache.h"
 #include "core/check.h"
 #include "core/device.h"
 #include "mkv/context_cache/context_cache_request.h"
@@ -105,7 +106,12 @@ int64_t ReferenceEngine::pagesInUse() const {
   auto& runtime = const_cast<KVCacheRuntime&>(mRuntime);
   if (ContextCacheCoordinator* coordinator = runtime.contextCache()) {
     ResourcePools const& pools = coordinator->manager().pools();
-    return pools.capacity(ResourceType::kBaseKvPage) - pools.freeCount(ResourceType::kBaseKvPage);
+    int64_t used =
+        pools.capacity(ResourceType::kBaseKvPage) - pools.freeCount(ResourceType::kBaseKvPage);
+    if (WindowBlockCache const* window = runtime.windowBlockCache()) {
+      used += window->totalPages() - window->freePages();  // held or cached sliding pages
+    }
+    return used;
   }
   BoundedSwaKVPageManager* swa = runtime.swaPageManager();
   return swa->totalPageCount() - swa->freePageCount();
@@ -147,11 +153,10 @@ void ReferenceEngine::verifyRow(Run& run, Row& row, bool full) {
       check(pool, p, p + 1);
     }
   };
-  bool const bounded = mRuntime.backend() == KVCacheBackend::kBoundedSwa;
   if (mHasFull) {
     sampled(oracle::OracleStepper::kFull, 0, end);
   }
-  if (bounded && mHasSwa) {
+  if (mHasSwa) {  // bounded SWA or sliding-window reuse: the sliding layers read their window
     sampled(oracle::OracleStepper::kSwa, std::max(0, end - window), end);
   }
 }
@@ -246,12 +251,19 @@ void ReferenceEngine::executePrefill(Run& run, Row& row, int32_t start) {
   if (start > 0 && mOptions.verify != VerifyMode::kNone && mHasFull) {
     mSteps->verify(oracle::OracleStepper::kFull, slot, 0, start, oracle::kOracleReusedPrefix);
   }
+  // Sliding-window reuse: the reused window before the start must be this prefix's too.
+  if (start > 0 && mOptions.verify != VerifyMode::kNone && mHasSwa) {
+    mSteps->verify(oracle::OracleStepper::kSwa, slot, std::max(0, start - window), start,
+                   oracle::kOracleReusedPrefix);
+  }
   if (mHasFull) {
     int32_t const from = bounded ? 0 : start;
     mSteps->write(oracle::OracleStepper::kFull, slot, from, promptLength, staged + from);
   }
-  if (bounded && mHasSwa) {
-    int32_t const from = std::max(0, promptLength - window);
+  if (mHasSwa) {
+    // Bounded SWA keeps only the last window; sliding-window reuse writes every executed
+    // position (its complete prompt blocks are published for later hits).
+    int32_t const from = bounded ? std::max(0, promptLength - window) : start;
     mSteps->write(oracle::OracleStepper::kSwa, slot, from, promptLength, staged + from);
   }
   executeRecurrent(row, start, promptLength);

@@ -238,7 +238,7 @@ void ReferenceEngine::stageDecodeRow(Run& run, std::size_t i) {
   if (mHasFull) {
     mSteps->write(oracle::OracleStepper::kFull, row.resident.slot, position, position + 1, staged);
   }
-  if (mRuntime.backend() == KVCacheBackend::kBoundedSwa && mHasSwa) {
+  if (mHasSwa) {
     mSteps->write(oracle::OracleStepper::kSwa, row.resident.slot, position, position + 1, staged);
   }
   executeRecurrent(row, position, position + 1);

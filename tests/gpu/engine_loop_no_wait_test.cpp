@@ -366,6 +366,37 @@ TEST_F(EngineLoopNoWaitTest, BoundedSwaWithCompaction) {
   expectOtherStreamStillBusy();
 }
 
+// Sliding-window reuse: the second request reuses the first prompt's full layers and maps the
+// cached window before its start; both prefills publish window blocks, decode rotates the window
+// and a compaction drops a row.
+TEST_F(EngineLoopNoWaitTest, SlidingWindowReuseWithHitAndCompaction) {
+  KVCacheRuntimeConfig config = baseConfig(stream());
+  config.model.numFullAttentionLayers = 1;
+  config.model.numSlidingWindowLayers = 2;
+  config.model.slidingWindowTokens = 256;
+  config.contextReuse = true;
+  auto runtime = KVCacheRuntime::create(config);
+  ASSERT_EQ(runtime->backend(), KVCacheBackend::kSlidingWindowReuse);
+  LoopEngine first(*runtime, stream());
+  LoopEngine second(*runtime, stream());
+  first.add(tokenRun(2048, 10));
+  second.add(tokenRun(2048, 10));
+  second.add(tokenRun(900, 7000));
+  occupyOtherStream();
+  ASSERT_NO_FATAL_FAILURE(first.begin());
+  ASSERT_NO_FATAL_FAILURE(first.prefill());
+  ASSERT_NO_FATAL_FAILURE(first.decode(4));
+  ASSERT_NO_FATAL_FAILURE(first.finish());
+  ASSERT_NO_FATAL_FAILURE(second.begin());
+  EXPECT_GE(second.prefillStart(0), 2048 - kPage);  // full layers and window both cached
+  ASSERT_NO_FATAL_FAILURE(second.prefill());
+  ASSERT_NO_FATAL_FAILURE(second.decode(130));  // crosses page boundaries: windows rotate
+  ASSERT_NO_FATAL_FAILURE(second.dropRow(1));
+  ASSERT_NO_FATAL_FAILURE(second.decode(2));
+  ASSERT_NO_FATAL_FAILURE(second.finish());
+  expectOtherStreamStillBusy();
+}
+
 TEST_F(EngineLoopNoWaitTest, InFlightJoinAndRetract) {
   KVCacheRuntimeConfig config = baseConfig(stream());
   config.model.numFullAttentionLayers = 2;

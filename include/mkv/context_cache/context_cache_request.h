@@ -104,6 +104,9 @@ class ContextCacheRequest {
                                       int32_t destinationRow);
 
   bool poisoned() const noexcept { return mCoordinator->poisoned(); }
+  /// The coordinator's handle: invalid (id 0) once finished or quarantined.
+  ContextCacheCoordinator::RequestHandle const& handle() const noexcept { return mHandle; }
+  ContextCacheCoordinator& coordinator() const noexcept { return *mCoordinator; }
 
  private:
   ContextCacheRequest(ContextCacheCoordinator& coordinator,

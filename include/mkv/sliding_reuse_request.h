@@ -1,0 +1,120 @@
+#pragma once
+/// \file sliding_reuse_request.h
+/// One request on the composed backend (sliding-window layers with context reuse): the
+/// full-attention layers through ContextCacheRequest, the sliding layers through a
+/// BoundedSwaKVPageManager in cached mode, with the same lifecycle calls as the two other
+/// adapters so that ManagedKVCacheRequest dispatches to it the same way. The design:
+/// docs/architecture.md, "Sliding windows with context reuse".
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "mkv/bounded_swa_kv_page_manager.h"
+#include "mkv/context_cache/context_cache_coordinator.h"
+#include "mkv/context_cache/context_cache_request.h"
+#include "mkv/cuda_types.h"
+#include "mkv/generation_request.h"
+#include "mkv/media.h"
+#include "mkv/tensor.h"
+#include "mkv/types.h"
+
+namespace mkv {
+
+/// The two halves of one request: the coordinator's (full layers: prefix reuse capped by the
+/// window rule) and the SWA manager's (sliding layers: the reused window mapped from the cache,
+/// the prompt's sliding KV published at completePrefill, bounded rotation in decode). Move-only.
+/// Every bool method returns false for an expected failure of either half (each logs it once),
+/// and throws mkv::Error, changing nothing, for misuse, including the calls this backend does not
+/// offer (in-flight admission, Hybrid-MTP). Destroying a live request abandons both halves.
+/// Thread-safety: single writer.
+class SlidingReuseRequest {
+ public:
+  /// Admits the batch on the coordinator (its window cache set: every plan is capped by the hit
+  /// rule), then on the SWA manager with each row's reuse start and the cached window pages
+  /// before it. Throws unless the request is not speculative, headroom is {1, 0} and the
+  /// contract is kCommittedPlusLookahead (and whatever ContextCacheRequest::begin throws for).
+  /// nullopt when either half refuses (no capacity, poisoned); a refusal of the SWA half gives the
+  /// coordinator's leases back unpublished.
+  static std::optional<SlidingReuseRequest> begin(
+      ContextCacheCoordinator& coordinator, BoundedSwaKVPageManager& manager,
+      LLMGenerationRequest const& request, DecodingInferenceContext const& context,
+      bool speculativeRequest, DecodingKvHeadroom const& headroom,
+      std::vector<int32_t> const& mediaTokenIds = {},
+      DecodingTokenStateContract tokenStateContract =
+          DecodingTokenStateContract::kCommittedPlusLookahead,
+      ContextCacheCommitPolicy commitPolicy = ContextCacheCommitPolicy::kIncludingGeneratedTokens);
+
+  SlidingReuseRequest(SlidingReuseRequest&&) noexcept = default;
+  SlidingReuseRequest& operator=(SlidingReuseRequest&&) = delete;
+  SlidingReuseRequest(SlidingReuseRequest const&) = delete;
+  SlidingReuseRequest& operator=(SlidingReuseRequest const&) = delete;
+  ~SlidingReuseRequest() = default;
+
+  /// Reuse length per execution row (both halves start there).
+  std::vector<int32_t> const& prefillStarts() const noexcept { return mFull.prefillStarts(); }
+  int32_t reuseTokenLength(ExecutionRow row) const { return mFull.reuseTokenLength(row); }
+
+  /// Binds the full layers' rows (the coordinator's preparePrefill).
+  bool preparePrefill() { return mFull.preparePrefill(); }
+  /// Maps each row's sliding pages for its executed prefill (`effectiveInputLengths[i]` tokens
+  /// from its start: the window before the start, then the executed prompt pages).
+  bool prepareSwaPrefill(std::vector<int32_t> const& effectiveInputLengths);
+  /// No checkpoints on this backend: the coordinator's no-op, true.
+  bool enqueuePrefillCaptures() { return mFull.enqueuePrefillCaptures(); }
+  /// After the runtime's prefill synchronisation: publishes every complete prompt block's
+  /// sliding page into the window cache, then completes both halves (the full layers publish
+  /// their blocks; the sliding layers retire what left the window and keep at most M + 1 pages).
+  bool completePrefill(DecodingInferenceContext const& context,
+                       std::vector<int32_t> const& commonStateLengths);
+  /// Grows the full layers' pages and maps the next window page (headroom {1, 0} only).
+  bool prepareDecodeStep(DecodingInferenceContext const& context,
+                         DecodingKvHeadroom const& headroom);
+  bool completeDecodeStep(DecodingInferenceContext const& context,
+                          std::vector<int32_t> const& commonStateLengths);
+  bool beginBatchCompaction(std::vector<int32_t> const& oldToNew, int32_t newBatchSize,
+                            Tensor& deviceBatchMapping);
+  bool completeBatchCompaction(std::vector<int32_t> const& keepMapping);
+  /// Finishes both halves (each synchronises its pending work and releases); false when either
+  /// failed.
+  bool finish();
+
+  /// No in-flight admission on this backend yet: kFailed and one log line.
+  AdmitSequenceStatus admitSequence(std::vector<int32_t> const& tokenIds,
+                                    std::string const& loraWeightsName,
+                                    DecodingKvHeadroom const& headroom, int32_t& prefillStart,
+                                    ResidentRef resident, cudaStream_t stream,
+                                    std::vector<int32_t> const& mediaTokenIds = {},
+                                    std::vector<imageUtils::ImageData> const& imageBuffers = {},
+                                    std::vector<audioUtils::AudioData> const& audioBuffers = {});
+  /// No in-flight admission: false and one log line.
+  bool finalizeSequenceAdmission(ExecutionRow row, int32_t const& lookaheadToken,
+                                 int32_t fullInputLength);
+  /// Nothing was admitted in flight, so nothing to undo: true.
+  bool retractSequenceAdmission() { return true; }
+  /// Throw: Hybrid-MTP needs recurrent layers, which this backend refuses.
+  bool publishHybridMtpEndpoint(ExecutionRow row, int32_t residentStateLength,
+                                Tensor const& baseHiddenStates, int32_t boundaryHiddenRow);
+  bool restoreHybridMtpBoundaryHidden(ExecutionRow row, Tensor& baseHiddenStates,
+                                      int32_t destinationRow);
+
+  bool poisoned() const noexcept;
+
+ private:
+  SlidingReuseRequest(ContextCacheRequest full, BoundedSwaKVPageManager& manager,
+                      BoundedSwaKVPageManager::RequestHandle handle, std::vector<int32_t> prompts);
+  /// Publishes the sliding pages of each row's complete prompt blocks it executed.
+  void publishWindowBlocks();
+  bool swaStatus(SwaKVCacheStatus status, char const* operation) const;
+
+  ContextCacheRequest mFull;
+  BoundedSwaKVPageManager* mManager;
+  BoundedSwaKVPageManager::RequestHandle mHandle;
+  std::vector<int32_t> mPromptTokens;  ///< per execution row, compacted with the batch
+  std::vector<int32_t> mSwaLengths;    ///< scratch of prepareSwaPrefill
+  std::vector<PageId> mBlockPages;     ///< scratch of publishWindowBlocks
+  std::vector<int32_t> mPendingMapping;
+};
+
+}  // namespace mkv

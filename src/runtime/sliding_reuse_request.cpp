@@ -1,0 +1,230 @@
+#include "mkv/sliding_reuse_request.h"
+
+#include <spdlog/spdlog.h>
+
+#include <utility>
+
+#include "core/check.h"
+#include "mkv/logging.h"
+#include "resources/backend_requests.h"
+
+namespace mkv {
+namespace {
+
+constexpr DecodingKvHeadroom kVanillaHeadroom{1, 0};
+
+void requireVanillaRequest(char const* call, bool speculativeRequest,
+                           DecodingKvHeadroom const& headroom,
+                           DecodingTokenStateContract tokenStateContract) {
+  MKV_REQUIRE(!speculativeRequest, call,
+              "the sliding-window reuse backend does not decode speculatively");
+  MKV_REQUIRE(headroom == kVanillaHeadroom, call,
+              "the sliding-window reuse backend needs headroom {{1, 0}}, got {{{}, {}}}",
+              headroom.baseExtraTokens, headroom.draftExtraTokens);
+  MKV_REQUIRE(tokenStateContract == DecodingTokenStateContract::kCommittedPlusLookahead, call,
+              "the sliding-window reuse backend needs the committed-plus-lookahead contract");
+}
+
+/// The SWA half's admission of each row: its prompt, its reuse start and the cached window
+/// pages before the start (held by the manager from now on).
+std::vector<SwaReuseStart> swaStarts(ContextCacheCoordinator const& coordinator,
+                                     ContextCacheRequest const& full,
+                                     std::vector<int32_t> const& prompts) {
+  std::vector<SwaReuseStart> starts(prompts.size());
+  for (std::size_t row = 0; row < prompts.size(); ++row) {
+    starts[row].promptTokens = prompts[row];
+    starts[row].startTokens = full.prefillStarts()[row];
+    starts[row].windowPages =
+        coordinator.reusedWindowPages(full.handle(), static_cast<ExecutionRow>(row));
+  }
+  return starts;
+}
+
+}  // namespace
+
+SlidingReuseRequest::SlidingReuseRequest(ContextCacheRequest full, BoundedSwaKVPageManager& manager,
+                                         BoundedSwaKVPageManager::RequestHandle handle,
+                                         std::vector<int32_t> prompts)
+    : mFull(std::move(full)),
+      mManager(&manager),
+      mHandle(std::move(handle)),
+      mPromptTokens(std::move(prompts)) {}
+
+std::optional<SlidingReuseRequest> SlidingReuseRequest::begin(
+    ContextCacheCoordinator& coordinator, BoundedSwaKVPageManager& manager,
+    LLMGenerationRequest const& request, DecodingInferenceContext const& context,
+    bool speculativeRequest, DecodingKvHeadroom const& headroom,
+    std::vector<int32_t> const& mediaTokenIds, DecodingTokenStateContract tokenStateContract,
+    ContextCacheCommitPolicy commitPolicy) {
+  requireVanillaRequest("SlidingReuseRequest::begin", speculativeRequest, headroom,
+                        tokenStateContract);
+  std::optional<ContextCacheRequest> full =
+      ContextCacheRequest::begin(coordinator, request, context, speculativeRequest, headroom,
+                                 mediaTokenIds, tokenStateContract, commitPolicy);
+  if (!full) {
+    return std::nullopt;
+  }
+  std::vector<int32_t> prompts;
+  prompts.reserve(context.rawBatchedInputIds.size());
+  for (auto const& prompt : context.rawBatchedInputIds) {
+    prompts.push_back(static_cast<int32_t>(prompt.size()));
+  }
+  std::vector<SwaReuseStart> const starts = swaStarts(coordinator, *full, prompts);
+  auto begun = manager.beginRequest(context.residentRefs, context.stream, starts);
+  if (begun.status != SwaKVCacheStatus::kOk) {
+    logger()->error(
+        "ManagedKVCacheRequest::begin failed on the sliding pool of the sliding-window reuse "
+        "backend: {}{}",
+        toString(begun.status), manager.poisoned() ? " (backend poisoned)" : " (no capacity)");
+    return std::nullopt;  // `full` is abandoned: its leases go back unpublished
+  }
+  return SlidingReuseRequest(std::move(*full), manager, std::move(*begun.request),
+                             std::move(prompts));
+}
+
+bool SlidingReuseRequest::swaStatus(SwaKVCacheStatus status, char const* operation) const {
+  if (status == SwaKVCacheStatus::kOk) {
+    return true;
+  }
+  logger()->error("ManagedKVCacheRequest::{} failed on the sliding pool: {}{}", operation,
+                  toString(status),
+                  mManager->poisoned() ? " (backend poisoned)" : " (request failed)");
+  return false;
+}
+
+bool SlidingReuseRequest::poisoned() const noexcept {
+  return mFull.poisoned() || mManager->poisoned();
+}
+
+bool SlidingReuseRequest::prepareSwaPrefill(std::vector<int32_t> const& effectiveInputLengths) {
+  constexpr char const* kCall = "SlidingReuseRequest::prepareSwaPrefill";
+  std::vector<int32_t> const& starts = mFull.prefillStarts();
+  MKV_REQUIRE(effectiveInputLengths.size() == starts.size(), kCall,
+              "{} lengths for a batch of {}", effectiveInputLengths.size(), starts.size());
+  mSwaLengths.clear();
+  for (std::size_t row = 0; row < starts.size(); ++row) {
+    // The manager maps up to the endpoint the prefill reaches: start + executed tokens.
+    mSwaLengths.push_back(starts[row] + effectiveInputLengths[row]);
+  }
+  mManager->preparePrefill(mHandle, mSwaLengths);
+  return true;
+}
+
+void SlidingReuseRequest::publishWindowBlocks() {
+  int32_t const pageSize = mManager->tokensPerPage();
+  std::vector<int32_t> const& starts = mFull.prefillStarts();
+  ContextCacheCoordinator::RequestHandle const& handle = mFull.handle();
+  for (std::size_t row = 0; row < mPromptTokens.size(); ++row) {
+    int32_t const firstBlock = starts[row] / pageSize;
+    int32_t const endBlock = mPromptTokens[row] / pageSize;  // complete prompt blocks only
+    mBlockPages.clear();
+    for (SwaPageBinding const& binding :
+         mManager->state(mHandle, static_cast<int32_t>(row)).bindings) {
+      if (binding.logicalPage >= firstBlock && binding.logicalPage < endBlock) {
+        mBlockPages.push_back(binding.page);
+      }
+    }
+    MKV_ASSERT(mBlockPages.size() == static_cast<std::size_t>(std::max(0, endBlock - firstBlock)),
+               "row {}: {} sliding pages mapped for prompt blocks [{}, {})", row,
+               mBlockPages.size(), firstBlock, endBlock);
+    mFull.coordinator().publishWindowBlocks(handle, static_cast<ExecutionRow>(row), firstBlock,
+                                            mBlockPages);
+  }
+}
+
+bool SlidingReuseRequest::completePrefill(DecodingInferenceContext const& context,
+                                          std::vector<int32_t> const& commonStateLengths) {
+  publishWindowBlocks();
+  bool const fullOk = mFull.completePrefill(context, commonStateLengths);
+  mManager->completePrefill(mHandle);
+  return fullOk;
+}
+
+bool SlidingReuseRequest::prepareDecodeStep(DecodingInferenceContext const& context,
+                                            DecodingKvHeadroom const& headroom) {
+  requireVanillaRequest("SlidingReuseRequest::prepareDecodeStep", false, headroom,
+                        DecodingTokenStateContract::kCommittedPlusLookahead);
+  if (!mFull.prepareDecodeStep(context, headroom)) {
+    return false;
+  }
+  return swaStatus(mManager->prepareDecodeStep(mHandle), "prepareDecodeStep");
+}
+
+bool SlidingReuseRequest::completeDecodeStep(DecodingInferenceContext const& context,
+                                             std::vector<int32_t> const& commonStateLengths) {
+  bool const fullOk = mFull.completeDecodeStep(context, commonStateLengths);
+  mManager->completeDecodeStep(mHandle);
+  return fullOk;
+}
+
+bool SlidingReuseRequest::beginBatchCompaction(std::vector<int32_t> const& oldToNew,
+                                               int32_t newBatchSize, Tensor& deviceBatchMapping) {
+  std::vector<int32_t> pending = oldToNew;  // copied first: nothing fails after the calls
+  // The SWA half validates first (it also checks its length pools' batch); the coordinator
+  // checks the same mapping against the same batch, so neither can refuse after the other
+  // accepted. Both copy the same mapping into deviceBatchMapping.
+  mManager->beginBatchCompaction(mHandle, oldToNew, newBatchSize, deviceBatchMapping);
+  mFull.beginBatchCompaction(oldToNew, newBatchSize, deviceBatchMapping);
+  mPendingMapping = std::move(pending);
+  return true;
+}
+
+bool SlidingReuseRequest::completeBatchCompaction(std::vector<int32_t> const& keepMapping) {
+  detail::requireBegunMapping("SlidingReuseRequest::completeBatchCompaction", mPendingMapping,
+                              keepMapping);
+  bool const fullOk = mFull.completeBatchCompaction(keepMapping);
+  bool const swaOk = swaStatus(mManager->compactBatch(mHandle), "completeBatchCompaction");
+  std::vector<int32_t> kept;
+  for (std::size_t row = 0; row < mPendingMapping.size(); ++row) {
+    if (mPendingMapping[row] >= 0) {
+      kept.push_back(mPromptTokens[row]);  // order-preserving: the k-th survivor goes to k
+    }
+  }
+  mPromptTokens = std::move(kept);
+  mPendingMapping.clear();
+  return fullOk && swaOk;
+}
+
+bool SlidingReuseRequest::finish() {
+  bool const fullOk = mFull.finish();
+  bool const swaOk = swaStatus(mManager->finish(mHandle), "finish");
+  return fullOk && swaOk;
+}
+
+AdmitSequenceStatus SlidingReuseRequest::admitSequence(
+    std::vector<int32_t> const& /*tokenIds*/, std::string const& /*loraWeightsName*/,
+    DecodingKvHeadroom const& /*headroom*/, int32_t& /*prefillStart*/, ResidentRef /*resident*/,
+    cudaStream_t /*stream*/, std::vector<int32_t> const& /*mediaTokenIds*/,
+    std::vector<imageUtils::ImageData> const& /*imageBuffers*/,
+    std::vector<audioUtils::AudioData> const& /*audioBuffers*/) {
+  logger()->error(
+      "ManagedKVCacheRequest::admitSequence: the sliding-window reuse backend has no in-flight "
+      "admission");
+  return AdmitSequenceStatus::kFailed;
+}
+
+bool SlidingReuseRequest::finalizeSequenceAdmission(ExecutionRow /*row*/,
+                                                    int32_t const& /*lookaheadToken*/,
+                                                    int32_t /*fullInputLength*/) {
+  logger()->error(
+      "ManagedKVCacheRequest::finalizeSequenceAdmission: the sliding-window reuse backend has "
+      "no in-flight admission");
+  return false;
+}
+
+bool SlidingReuseRequest::publishHybridMtpEndpoint(ExecutionRow row,
+                                                   int32_t /*residentStateLength*/,
+                                                   Tensor const& /*baseHiddenStates*/,
+                                                   int32_t /*boundaryHiddenRow*/) {
+  detail::throwContract("SlidingReuseRequest::publishHybridMtpEndpoint",
+                        "row {}: the sliding-window reuse backend has no recurrent layers", row);
+}
+
+bool SlidingReuseRequest::restoreHybridMtpBoundaryHidden(ExecutionRow row,
+                                                         Tensor& /*baseHiddenStates*/,
+                                                         int32_t /*destinationRow*/) {
+  detail::throwContract("SlidingReuseRequest::restoreHybridMtpBoundaryHidden",
+                        "row {}: the sliding-window reuse backend has no recurrent layers", row);
+}
+
+}  // namespace mkv

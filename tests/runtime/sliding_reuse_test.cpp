@@ -1,0 +1,262 @@
+// The sliding-window reuse backend end to end (KVCacheRuntime + ManagedKVCacheRequest driven by
+// the reference engine, the KV oracle checking every position attention reads, the reused
+// window included): the runtime's choice, hits with their window, the window rule capping a
+// hit, the decode bound, page accounting and a failed synchronisation. docs/architecture.md,
+// "Sliding windows with context reuse". Host and GPU tensors (kGPU skips without a device).
+#include <gtest/gtest.h>
+
+#include <memory>
+#include <vector>
+
+#include "context_cache/window_block_cache.h"
+#include "mkv/bounded_swa_kv_page_manager.h"
+#include "mkv/kv_cache_runtime.h"
+#include "mkv/managed_kv_cache_request.h"
+#include "mkv/testing/reference_engine.h"
+#include "runtime_test_rig.h"
+#include "support/sync_faults.h"
+#include "support/test_util.h"
+#include "support/token_runs.h"
+
+namespace mkv {
+using test::concatenated;
+using test::tokenRun;
+namespace {
+
+using testing::EngineRequest;
+using testing::EngineSequence;
+using testing::ReferenceEngine;
+using testing::ReferenceEngineOptions;
+
+constexpr int32_t kPage = 16;
+constexpr int32_t kWindow = 64;  // 4 pages: M = 5, a decoding sequence keeps at most 6
+
+/// One full-attention and two sliding layers, reuse on: the sliding-window reuse backend.
+KVCacheRuntimeConfig slidingConfig(DeviceType device, int32_t swaPages = 0) {
+  KVCacheRuntimeConfig config;
+  config.model.numFullAttentionLayers = 1;
+  config.model.numSlidingWindowLayers = 2;
+  config.model.slidingWindowTokens = kWindow;
+  config.model.numKVHeads = 1;
+  config.model.headDim = 4;
+  config.maxBatchSize = 4;
+  config.maxSequenceLength = 1024;
+  config.tokensPerPage = kPage;
+  config.numSwaPages = swaPages;
+  config.contextReuse = true;
+  config.deviceType = device;
+  return config;
+}
+
+EngineRequest single(std::vector<int32_t> prompt, int32_t newTokens = 3) {
+  EngineRequest request;
+  request.sequences.push_back(EngineSequence{std::move(prompt), newTokens, {}, {}, {}, -1, 0});
+  return request;
+}
+
+int32_t runOnce(ReferenceEngine& engine, EngineRequest const& request) {
+  auto const outcome = engine.run(request);
+  EXPECT_TRUE(outcome.admitted);
+  EXPECT_FALSE(outcome.failed);
+  return outcome.admitted ? outcome.sequences.at(0).prefillStart : -1;
+}
+
+/// Every page of both pools is free or cached, none held, and the sliding pool adds up.
+void expectNothingHeld(KVCacheRuntime& runtime) {
+  WindowBlockCache const& window = *runtime.windowBlockCache();
+  EXPECT_EQ(window.heldPages(), 0);
+  EXPECT_EQ(window.freePages() + window.evictablePages(), window.totalPages());
+  EXPECT_EQ(window.cachedBlocks(), window.evictablePages());
+  EXPECT_EQ(runtime.contextCache()->activeRequestCount(), 0);
+  EXPECT_EQ(runtime.swaPageManager()->activeRequestCount(), 0);
+}
+
+class SlidingReuseTest : public test::DeviceTest {};
+INSTANTIATE_TEST_SUITE_P(Devices, SlidingReuseTest, test::allDeviceTypes(), test::deviceName);
+
+TEST_P(SlidingReuseTest, TheRuntimeComposesBothBackendsForReuseWithSlidingLayers) {
+  auto runtime = KVCacheRuntime::create(slidingConfig(device()));
+  EXPECT_EQ(runtime->backend(), KVCacheBackend::kSlidingWindowReuse);
+  EXPECT_EQ(toString(runtime->backend()), "sliding-window-reuse");
+  ASSERT_NE(runtime->contextCache(), nullptr);
+  ASSERT_NE(runtime->swaPageManager(), nullptr);
+  ASSERT_NE(runtime->windowBlockCache(), nullptr);
+  EXPECT_EQ(runtime->fullPool()->numLayers(), 1);
+  EXPECT_EQ(runtime->swaPool()->numLayers(), 2);
+  EXPECT_EQ(runtime->swaPool()->numPages(), runtime->fullPool()->numPages());  // the default
+  EXPECT_EQ(runtime->windowBlockCache()->windowBlocks(), kWindow / kPage);
+  EXPECT_FALSE(runtime->supportsSeatedAdmission());
+}
+
+TEST_P(SlidingReuseTest, OtherReuseDeploymentsKeepEveryAttentionLayerInTheFullPool) {
+  KVCacheRuntimeConfig config = slidingConfig(device());
+  config.model.numFullAttentionLayers = 0;  // no full layer: nothing to compose with
+  auto runtime = KVCacheRuntime::create(config);
+  EXPECT_EQ(runtime->backend(), KVCacheBackend::kContextReuse);
+  EXPECT_EQ(runtime->fullPool()->numLayers(), 2);
+  config = slidingConfig(device());
+  config.maxSequenceLength = 64;  // the decode window (6 pages) is not shorter than a row (4)
+  EXPECT_EQ(KVCacheRuntime::create(config)->backend(), KVCacheBackend::kContextReuse);
+}
+
+TEST_P(SlidingReuseTest, ATooSmallSlidingPoolIsAConfigurationError) {
+  // One sequence's largest prefill: 64 pages per row + 1 spare + 4 window pages = 69.
+  EXPECT_NO_THROW(KVCacheRuntime::create(slidingConfig(device(), 69)));
+  EXPECT_TRUE(test::throwsError([&] { KVCacheRuntime::create(slidingConfig(device(), 68)); },
+                                {"KVCacheRuntime::create: numSwaPages 68 is below one sequence's "
+                                 "sliding-window reuse prefill",
+                                 "= 69"}));
+}
+
+TEST_P(SlidingReuseTest, ASharedPrefixIsReusedWithTheWindowBeforeIt) {
+  auto runtime = KVCacheRuntime::create(slidingConfig(device()));
+  ReferenceEngine engine(*runtime);  // verify kAll, throws on the first oracle mismatch
+  std::vector<int32_t> const shared = tokenRun(0, 256);
+  EXPECT_EQ(runOnce(engine, single(concatenated(shared, tokenRun(5000, 44)))), 0);
+  // 16 shared blocks; the window before them (blocks 12..15) was published by the first prompt.
+  EXPECT_EQ(runOnce(engine, single(concatenated(shared, tokenRun(9000, 30)))), 256);
+  // A prefix that ends mid-way reuses its whole blocks, its window included.
+  EXPECT_EQ(runOnce(engine, single(concatenated(tokenRun(0, 100), tokenRun(7000, 20)))), 96);
+  EXPECT_EQ(engine.stats().oracleMismatches, 0);
+  EXPECT_GT(engine.stats().oracleChecks, 0);
+  ContextCacheMetrics const metrics = runtime->contextCache()->metrics();
+  EXPECT_EQ(metrics.missCount(MissReason::kWindowEvicted), 0u);
+  expectNothingHeld(*runtime);
+  EXPECT_TRUE(runtime->shutdown());
+}
+
+TEST_P(SlidingReuseTest, AnEvictedWindowCapsTheHitAndNamesTheReason) {
+  // The smallest sliding pool (69 pages) beside a full pool that keeps everything.
+  auto runtime = KVCacheRuntime::create(slidingConfig(device(), 69));
+  ReferenceEngine engine(*runtime);
+  std::vector<int32_t> const shared = tokenRun(0, 256);
+  EXPECT_EQ(runOnce(engine, single(concatenated(shared, tokenRun(5000, 44)))), 0);
+  // An unrelated 1000-token prompt needs 64 sliding pages: the oldest cached blocks of the first
+  // prompt (its first ones) are dropped; the full layers keep all of them.
+  EXPECT_EQ(runOnce(engine, single(tokenRun(20000, 1000), 1)), 0);
+  int32_t const start = runOnce(engine, single(concatenated(shared, tokenRun(9000, 30))));
+  EXPECT_LT(start, 256);
+  EXPECT_EQ(start % kPage, 0);
+  ContextCacheMetrics const metrics = runtime->contextCache()->metrics();
+  EXPECT_EQ(metrics.missCount(MissReason::kWindowEvicted), 1u);
+  EXPECT_EQ(engine.stats().oracleMismatches, 0);
+  expectNothingHeld(*runtime);
+}
+
+TEST_P(SlidingReuseTest, ADecodingSequenceHoldsAtMostMPlusOneSlidingPages) {
+  auto runtime = KVCacheRuntime::create(slidingConfig(device()));
+  WindowBlockCache const& window = *runtime->windowBlockCache();
+  int32_t const perSequence = BoundedSwaKVPageManager::decodePagesPerSequence(kWindow, kPage);
+  int32_t peakHeld = 0;
+  ReferenceEngineOptions options;
+  options.onStep = [&](int64_t) { peakHeld = std::max(peakHeld, window.heldPages()); };
+  ReferenceEngine engine(*runtime, options);
+  EngineRequest request;
+  for (int i = 0; i < 3; ++i) {
+    request.sequences.push_back(
+        EngineSequence{tokenRun(1000 * (i + 1), 300 + 37 * i), 70, {}, {}, {}, -1, i});
+  }
+  auto const outcome = engine.run(request);
+  ASSERT_TRUE(outcome.admitted);
+  EXPECT_FALSE(outcome.failed);
+  EXPECT_GT(peakHeld, 0);
+  EXPECT_LE(peakHeld, 3 * perSequence);
+  EXPECT_EQ(engine.stats().oracleMismatches, 0);
+  expectNothingHeld(*runtime);
+}
+
+TEST_P(SlidingReuseTest, AFailedSynchronisationPoisonsAndShutdownRecoversEveryPage) {
+  test::SyncFaults faults;
+  KVCacheRuntimeConfig config = slidingConfig(device());
+  config.synchronizer = faults.synchronizer(device());
+  auto runtime = KVCacheRuntime::create(config);
+  ReferenceEngineOptions options;
+  options.throwOnMismatch = false;
+  options.onStep = [&](int64_t step) {
+    if (step == 2) {
+      faults.failNext();  // the next synchronisation of either half fails
+    }
+  };
+  ReferenceEngine engine(*runtime, options);
+  auto const outcome = engine.run(single(tokenRun(0, 200), 20));
+  ASSERT_TRUE(outcome.admitted);
+  EXPECT_TRUE(outcome.failed);
+  EXPECT_TRUE(runtime->contextCache()->poisoned() || runtime->swaPageManager()->poisoned());
+  EXPECT_TRUE(runtime->shutdown());
+  EXPECT_FALSE(runtime->contextCache()->poisoned());
+  EXPECT_FALSE(runtime->swaPageManager()->poisoned());
+  expectNothingHeld(*runtime);
+}
+
+
+// ---------------------------------------------------------------- the facade, call by call
+
+TEST(SlidingReuseFacadeTest, MisuseThrowsAndChangesNothing) {
+  runtime_test::RuntimeRig rig(slidingConfig(DeviceType::kCPU));
+  KVCacheRuntime& runtime = rig.runtime();
+  runtime_test::FacadeDriver driver(rig);
+  driver.add(tokenRun(0, 100));
+  auto const beginWith = [&](bool speculative, DecodingKvHeadroom headroom) {
+    return ManagedKVCacheRequest::begin(runtime.contextCache(), runtime.swaPageManager(),
+                                        driver.request, driver.context, speculative, headroom,
+                                        DecodingTokenStateContract::kCommittedPlusLookahead,
+                                        ContextCacheCommitPolicy::kIncludingGeneratedTokens);
+  };
+  EXPECT_TRUE(test::throwsError([&] { beginWith(true, {1, 0}); },
+                                {"ManagedKVCacheRequest::begin: the sliding-window reuse backend "
+                                 "does not decode speculatively"}));
+  EXPECT_TRUE(test::throwsError([&] { beginWith(false, {2, 0}); },
+                                {"ManagedKVCacheRequest::begin: the sliding-window reuse backend "
+                                 "needs headroom {1, 0}, got {2, 0}"}));
+  EXPECT_EQ(runtime.contextCache()->activeRequestCount(), 0);
+  EXPECT_EQ(runtime.windowBlockCache()->heldPages(), 0);
+
+  ASSERT_TRUE(driver.begin());
+  ManagedKVCacheRequest& facade = driver.facade();
+  EXPECT_TRUE(facade.hasContextReuse());
+  ASSERT_NE(facade.prefillStarts(), nullptr);
+  int32_t start = -1;
+  EXPECT_EQ(facade.admitSequence(tokenRun(500, 40), "", {1, 0}, start, ResidentRef{3, 1},
+                                 runtime.config().stream),
+            AdmitSequenceStatus::kFailed);
+  EXPECT_EQ(start, -1);
+  EXPECT_FALSE(facade.finalizeSequenceAdmission(0, 7, 101));
+  EXPECT_TRUE(facade.retractSequenceAdmission());
+  Tensor hidden;
+  EXPECT_TRUE(test::throwsError(
+      [&] { facade.publishHybridMtpEndpoint(0, 100, hidden, 0); },
+      {"ManagedKVCacheRequest::publishHybridMtpEndpoint: row 0: the sliding-window reuse "
+       "backend has no recurrent layers"}));
+  EXPECT_TRUE(test::throwsError([&] { facade.restoreHybridMtpBoundaryHidden(0, hidden, 0); },
+                                {"ManagedKVCacheRequest::restoreHybridMtpBoundaryHidden"}));
+  EXPECT_TRUE(driver.prefill());
+  EXPECT_TRUE(driver.decode());
+  driver.verify();
+  EXPECT_TRUE(driver.finish());
+  expectNothingHeld(runtime);
+}
+
+TEST(SlidingReuseFacadeTest, ARefusalOfTheSlidingPoolGivesTheLeasesBack) {
+  // 69 sliding pages: one 1000-token prompt (64 pages + 1 spare) fits, two do not; the full pool
+  // (4 x 64 pages) holds both.
+  runtime_test::RuntimeRig rig(slidingConfig(DeviceType::kCPU, 69));
+  KVCacheRuntime& runtime = rig.runtime();
+  {
+    runtime_test::FacadeDriver driver(rig);
+    driver.add(tokenRun(0, 1000));
+    driver.add(tokenRun(3000, 1000));
+    EXPECT_FALSE(driver.begin());
+  }
+  EXPECT_EQ(runtime.contextCache()->activeRequestCount(), 0);
+  EXPECT_EQ(runtime.swaPageManager()->activeRequestCount(), 0);
+  expectNothingHeld(runtime);
+  runtime_test::FacadeDriver driver(rig);
+  driver.add(tokenRun(0, 1000));
+  ASSERT_TRUE(driver.begin());
+  EXPECT_TRUE(driver.prefill());
+  EXPECT_TRUE(driver.finish());
+  expectNothingHeld(runtime);
+}
+
+}  // namespace
+}  // namespace mkv
