@@ -26,4 +26,5 @@ list(APPEND MKV_LIBRARY_SOURCES
   ${CMAKE_CURRENT_LIST_DIR}/resource_pools.cpp
   ${CMAKE_CURRENT_LIST_DIR}/reuse_plan.cpp
   ${CMAKE_CURRENT_LIST_DIR}/s3fifo_eviction_policy.cpp
+  ${CMAKE_CURRENT_LIST_DIR}/window_block_cache.cpp
 )
