@@ -20,9 +20,10 @@ WindowBlockCache& windowOf(WindowBlockCache* window, char const* call) {
   return *window;
 }
 
-/// Every page may take its block (held, in range, uncached or caching that very block) and
-/// none is given twice: publishing them all cannot fail a contract half-way.
-void checkWindowPages(char const* call, WindowBlockCache const& window, PromptBlocks const& blocks,
+/// Every page may take its block (held, in range, uncached or caching that very block: checked
+/// when `blocks` is given) and none is given twice: publishing them all cannot fail a contract
+/// half-way.
+void checkWindowPages(char const* call, WindowBlockCache const& window, PromptBlocks const* blocks,
                       int32_t firstBlock, std::span<PageId const> pages) {
   for (std::size_t i = 0; i < pages.size(); ++i) {
     PageId const page = pages[i];
@@ -31,7 +32,7 @@ void checkWindowPages(char const* call, WindowBlockCache const& window, PromptBl
     MKV_REQUIRE(window.holders(page) > 0, call, "sliding page {} is not held", page);
     std::optional<Hash128> const digest = window.index().digestOf(page);
     auto const block = static_cast<std::size_t>(firstBlock) + i;
-    MKV_REQUIRE(!digest || *digest == blocks.keys[block], call,
+    MKV_REQUIRE(!digest || blocks == nullptr || *digest == blocks->keys[block], call,
                 "sliding page {} already caches another block than block {}", page, block);
     MKV_REQUIRE(std::find(pages.begin(), pages.begin() + static_cast<std::ptrdiff_t>(i), page) ==
                     pages.begin() + static_cast<std::ptrdiff_t>(i),
@@ -57,12 +58,13 @@ int32_t ContextCacheCoordinator::publishWindowBlocks(RequestHandle const& handle
   MKV_REQUIRE(firstBlock >= 0 && firstBlock + count <= promptBlocks, kCall,
               "blocks [{}, {}) are not full blocks of row {}'s prompt ({} full blocks)", firstBlock,
               firstBlock + count, row, promptBlocks);
-  if (sequence.policy == ContextCacheLookupPolicy::kBypass || pages.empty()) {
+  if (sequence.policy == ContextCacheLookupPolicy::kBypass) {
+    checkWindowPages(kCall, window, nullptr, firstBlock, pages);
     return 0;
   }
   auto const end = static_cast<int32_t>(firstBlock + count);
   PromptBlocks const blocks = hashPromptBlocks(detail::prefixOf(sequence, end * page), page);
-  checkWindowPages(kCall, window, blocks, firstBlock, pages);
+  checkWindowPages(kCall, window, &blocks, firstBlock, pages);
   int32_t published = 0;
   for (std::size_t i = 0; i < pages.size(); ++i) {
     published += window.publish(pages[i], blocks, firstBlock + static_cast<int32_t>(i)) ? 1 : 0;

@@ -254,6 +254,11 @@ TEST_F(WindowCoordinatorTest, ABypassRowPublishesNothing) {
   ASSERT_TRUE(mWindow.allocate(2, pages));
   EXPECT_EQ(mCoordinator.publishWindowBlocks(handle, 0, 0, pages), 0);
   EXPECT_EQ(mWindow.cachedBlocks(), 0);
+  std::vector<PageId> const unheld{pages[0], 9};
+  EXPECT_TRUE(
+      throwsError([&] { mCoordinator.publishWindowBlocks(handle, 0, 0, unheld); },
+                  {"ContextCacheCoordinator::publishWindowBlocks", "sliding page 9 is not held"}))
+      << "a bypass row's pages are checked all the same";
   EXPECT_TRUE(mCoordinator.reusedWindowPages(handle, 0).empty());
   EXPECT_EQ(mCoordinator.finish(handle), ContextCacheStatus::kOk);
   for (PageId page : pages) {
