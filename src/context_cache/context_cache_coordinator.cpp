@@ -81,6 +81,7 @@ ContextCacheCoordinator::ContextCacheCoordinator(ContextCacheConfig const& confi
     options.hostTierPages = resources.hostTier->numPages();
     options.hostTierBytesPerPage = resources.hostTier->bytesPerPage();
   }
+  options.windowCache = resources.windowCache;
   mManager = std::make_unique<ContextCacheManager>(layout.blockTokens, layout.capacities,
                                                    config.enabled ? config.maxRecords : 0, options);
   if (profile.usesCheckpointReuse()) {

@@ -31,6 +31,12 @@ int32_t validatedPageSize(int32_t pageSize, ResourceDemand const& capacities, in
   MKV_REQUIRE(options.hostTierPages >= 0 && options.hostTierBytesPerPage >= 0, kCall,
               "host tier of {} pages of {} bytes: must be non-negative", options.hostTierPages,
               options.hostTierBytesPerPage);
+  MKV_REQUIRE(
+      options.windowCache == nullptr ||
+          (options.hostTierPages == 0 && options.windowCache->index().pageSize() == pageSize),
+      kCall, "a window cache of page size {} beside page size {} and {} host tier pages",
+      options.windowCache ? options.windowCache->index().pageSize() : 0, pageSize,
+      options.hostTierPages);
   MKV_REQUIRE(options.evictedDigestHistory >= -1, kCall,
               "evicted digest history must be >= -1, got {}", options.evictedDigestHistory);
   MKV_REQUIRE(!options.specContract || options.specContract->futureDependencyTokens >= 0, kCall,
@@ -203,7 +209,10 @@ LookupResult ContextCacheManager::lookup(LookupRequest const& request) const {
 void ContextCacheManager::planLookup(LookupRequest const& request, LookupResult& result) const {
   switch (request.mode) {
     case ReuseMode::kVanilla:
-      result.plan = makeVanillaReusePlan(mIndex, result.blocks, request.policy, mHostTier.get());
+      result.plan =
+          mOptions.windowCache != nullptr
+              ? makeWindowedReusePlan(mIndex, *mOptions.windowCache, result.blocks, request.policy)
+              : makeVanillaReusePlan(mIndex, result.blocks, request.policy, mHostTier.get());
       break;
     case ReuseMode::kHybrid:
       result.plan = makeHybridReusePlan(mIndex, mRecords, result.blocks, request.hasAttention,
@@ -494,6 +503,7 @@ void ContextCacheManager::countAdmission(LookupRequest const& request, int32_t v
   mMetrics.matchedTokens += static_cast<uint64_t>(plan.matchedTokenLength);
   mMetrics.reusedTokens += static_cast<uint64_t>(plan.reuseTokenLength);
   mMetrics.hostTierHitTokens += plan.hostOnboardPages.size() * static_cast<uint64_t>(mPageSize);
+  mMetrics.windowLimitedTokens += static_cast<uint64_t>(plan.windowLimitedTokens);
   if (plan.kind == ReusePlanKind::kFullInputRewind) {
     ++mMetrics.fullInputRewinds;
   }

@@ -27,6 +27,7 @@
 #include "context_cache/record_store.h"
 #include "context_cache/resource_pools.h"
 #include "context_cache/reuse_plan.h"
+#include "context_cache/window_block_cache.h"
 #include "mkv/context_cache/context_cache_metrics.h"
 #include "mkv/types.h"
 
@@ -54,6 +55,10 @@ struct ContextCacheManagerOptions {
   int32_t hostTierPages = 0;
   /// Bytes one page moves between the tiers (all layers, K and V), for the byte counters only.
   int64_t hostTierBytesPerPage = 0;
+  /// The sliding pool of the composed backend (not owned; must outlive the manager), or null.
+  /// When set, vanilla lookups apply the window rule (makeWindowedReusePlan); needs the same page
+  /// size and no host tier.
+  WindowBlockCache const* windowCache = nullptr;
 };
 
 /// What the coordinator knows about one sequence at admission.

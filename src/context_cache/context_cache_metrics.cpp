@@ -38,6 +38,10 @@ void writeAdmissionCounters(detail::PrometheusWriter& w, ContextCacheMetrics con
             m.specFullPageReplays);
   w.counter("failed_acquisitions_total", "Admissions refused for insufficient capacity.",
             m.failedAcquisitions);
+  w.counter("window_limited_tokens_total",
+            "Prompt tokens the full layers could reuse that the window rule took away (the "
+            "sliding layers' window was no longer cached).",
+            m.windowLimitedTokens);
 }
 
 /// misses_total, one sample per MissReason in enum order.

@@ -2,6 +2,7 @@
 
 #include <limits>
 
+#include "context_cache/window_block_cache.h"
 #include "core/check.h"
 #include "mkv/host_kv_tier.h"
 
@@ -181,11 +182,38 @@ void validateHostTier(ContextCacheConfig const& config,
       gpu.tokenBytes);
 }
 
+/// The window cache of the composed backend: vanilla attention-only reuse, no host tier, the
+/// base pool's page size.
+void validateWindowCache(ContextCacheConfig const& config,
+                         ContextCacheDeploymentProfile const& profile,
+                         ContextCachePhysicalResources const& resources) {
+  WindowBlockCache const* window = resources.windowCache;
+  if (window == nullptr) {
+    return;
+  }
+  MKV_REQUIRE(config.enabled, kCall, "resources.windowCache needs context reuse enabled");
+  MKV_REQUIRE(profile.baseStateKind == BaseStateKind::kAttentionOnly && !profile.isSpeculative(),
+              kCall,
+              "resources.windowCache is supported on attention-only, non-speculative deployments "
+              "only (this one is {}{})",
+              profile.usesCheckpointReuse() ? (profile.hasAttention() ? "hybrid" : "pure recurrent")
+                                            : "attention-only",
+              profile.isSpeculative() ? ", speculative" : "");
+  MKV_REQUIRE(resources.hostTier == nullptr, kCall,
+              "resources.windowCache cannot be combined with resources.hostTier");
+  // Checked first (before the base pool's own checks, which refuse a missing pool).
+  MKV_REQUIRE(resources.basePool == nullptr ||
+                  window->index().pageSize() == resources.basePool->tokensPerPage(),
+              kCall, "resources.windowCache has pages of {} tokens but the base pool {}",
+              window->index().pageSize(), resources.basePool->tokensPerPage());
+}
+
 }  // namespace
 
 DeploymentLayout validateDeployment(ContextCacheConfig const& config,
                                     ContextCacheDeploymentProfile const& profile,
                                     ContextCachePhysicalResources const& resources) {
+  validateWindowCache(config, profile, resources);
   validateProfile(config, profile, resources);
   DeploymentLayout layout;
   validateBase(profile, resources, layout);

@@ -29,7 +29,8 @@ struct DeploymentLayout {
 /// that contradicts itself (see ContextCacheDeploymentProfile) or resources that do not fit it:
 /// missing or extra pools and tables, tables that are not dense or address another pool, pools
 /// on different devices, fewer rows than the base table, draft pages of another size, snapshot
-/// budgets that hold no slot (reuse enabled) or more than int32 slots.
+/// budgets that hold no slot (reuse enabled) or more than int32 slots, a window cache beside
+/// anything but vanilla attention-only reuse without a host tier, or of another page size.
 DeploymentLayout validateDeployment(ContextCacheConfig const& config,
                                     ContextCacheDeploymentProfile const& profile,
                                     ContextCachePhysicalResources const& resources);

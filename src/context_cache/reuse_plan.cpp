@@ -22,6 +22,8 @@ std::string_view toString(MissReason reason) noexcept {
       return "media_mismatch";
     case MissReason::kCapacity:
       return "capacity";
+    case MissReason::kWindowEvicted:
+      return "window_evicted";
   }
   return "unknown";
 }
@@ -195,16 +197,18 @@ ReusePlan makeColdReusePlan(ReuseMode mode, int32_t inputTokens, int32_t pageSiz
 }
 
 ReusePlan makeVanillaReusePlan(BlockIndex const& index, PromptBlocks const& blocks,
-                               ContextCacheLookupPolicy policy, HostBlockTier const* hostTier) {
+                               ContextCacheLookupPolicy policy, HostBlockTier const* hostTier,
+                               int32_t maxBlocks) {
   checkPolicy("makeVanillaReusePlan", policy);
   checkBlocks("makeVanillaReusePlan", index, blocks);
+  MKV_REQUIRE(maxBlocks >= 0, "makeVanillaReusePlan", "negative block limit {}", maxBlocks);
   int32_t const n = blocks.tokenCount();
   int32_t const page = blocks.pageSize;
   ReusePlan plan = makeColdReusePlan(ReuseMode::kVanilla, n, page, true, false);
   if (policy == ContextCacheLookupPolicy::kBypass || n == 0) {
     return plan;
   }
-  int32_t const full = blocks.fullBlockCount();
+  int32_t const full = std::min(blocks.fullBlockCount(), maxBlocks);
   BlockIndex::PrefixMatch match = index.longestPrefix(blocks, full);
   auto const onGpu = static_cast<int32_t>(match.pages.size());
   // A block whose digest is on the GPU with other content ends reuse in both tiers.
@@ -230,6 +234,24 @@ ReusePlan makeVanillaReusePlan(BlockIndex const& index, PromptBlocks const& bloc
   plan.hostOnboardDigests.assign(blocks.keys.begin() + bound, blocks.keys.begin() + reused);
   plan.hostOnboardPages = std::move(onHost);
   plan.demand.baseKvPages = pagesFor(n, page) - bound;
+  return plan;
+}
+
+ReusePlan makeWindowedReusePlan(BlockIndex const& index, WindowBlockCache const& window,
+                                PromptBlocks const& blocks, ContextCacheLookupPolicy policy) {
+  ReusePlan plan = makeVanillaReusePlan(index, blocks, policy);
+  auto const bound = static_cast<int32_t>(plan.basePageBindings.size());
+  int32_t const reusable = window.longestWindowedPrefix(blocks, bound);
+  if (reusable == bound) {
+    return plan;
+  }
+  int32_t const indexed = plan.indexedPrefixBlocks;
+  int32_t const rejects = plan.verificationRejects;
+  plan = makeVanillaReusePlan(index, blocks, policy, nullptr, reusable);
+  // The diagnostics describe the full layers' lookup, not the capped one.
+  plan.indexedPrefixBlocks = indexed;
+  plan.verificationRejects = rejects;
+  plan.windowLimitedTokens = (bound - reusable) * blocks.pageSize;
   return plan;
 }
 
@@ -388,6 +410,9 @@ std::optional<MissReason> nearestIdentityMismatch(std::vector<BlockProvenance> c
 std::optional<MissReason> classifyMiss(BlockIndex const& index, PromptBlocks const& blocks,
                                        ReusePlan const& plan) {
   checkBlocks("classifyMiss", index, blocks);
+  if (plan.windowLimitedTokens > 0) {
+    return MissReason::kWindowEvicted;
+  }
   int32_t const full = blocks.fullBlockCount();
   if (full == 0) {
     return plan.reuseTokenLength > 0 ? std::nullopt

@@ -11,6 +11,7 @@
 /// the same index and store, never with a writer.
 
 #include <cstdint>
+#include <limits>
 #include <optional>
 #include <string_view>
 #include <vector>
@@ -21,6 +22,7 @@
 #include "context_cache/host_block_tier.h"
 #include "context_cache/record_store.h"
 #include "context_cache/resource_pools.h"
+#include "context_cache/window_block_cache.h"
 #include "mkv/types.h"
 
 namespace mkv {
@@ -85,6 +87,10 @@ struct ReusePlan {
   /// tier (verified), and how many digest hits verification refused while planning.
   int32_t indexedPrefixBlocks = 0;
   int32_t verificationRejects = 0;
+  /// Window rule (vanilla plans with a WindowBlockCache): tokens the full layers could reuse that
+  /// the plan does not, because the sliding layers' window before them is not cached (0: not
+  /// capped). Such a lookup's miss reason is MissReason::kWindowEvicted.
+  int32_t windowLimitedTokens = 0;
 
   /// True when the plan reuses anything (binds cached pages or rewinds a full input).
   bool isCacheDerived() const noexcept {
@@ -98,13 +104,23 @@ ReusePlan makeColdReusePlan(ReuseMode mode, int32_t inputTokens, int32_t pageSiz
                             bool hasAttention, bool pairedDraft);
 
 /// Page-aligned longest verified prefix: blocks in `index`, then (with a host tier, when the GPU
-/// run ended at a plain miss) the blocks right after them that `hostTier` holds, to be onboarded.
-/// A fully matched page-aligned input drops its last page (kFullInputRewind) so the last token is
-/// recomputed for logits. Demand = pages - bound (onboarded blocks need fresh pages). kBypass
-/// gives the cold plan.
+/// run ended at a plain miss) the blocks right after them that `hostTier` holds, to be onboarded;
+/// at most `maxBlocks` blocks are looked at (>= 0; the window rule's cap). A fully matched
+/// page-aligned input drops its last page (kFullInputRewind) so the last token is recomputed for
+/// logits. Demand = pages - bound (onboarded blocks need fresh pages). kBypass gives the cold
+/// plan.
 ReusePlan makeVanillaReusePlan(BlockIndex const& index, PromptBlocks const& blocks,
                                ContextCacheLookupPolicy policy,
-                               HostBlockTier const* hostTier = nullptr);
+                               HostBlockTier const* hostTier = nullptr,
+                               int32_t maxBlocks = std::numeric_limits<int32_t>::max());
+
+/// The vanilla plan under the window rule of the composed backend (docs/context_cache.md,
+/// "Window rule"): when the plan of `index` binds k blocks (a kFullInputRewind plan binds the
+/// n - 1 it keeps), the reusable prefix is k' = window.longestWindowedPrefix(blocks, k); k' < k
+/// re-plans with at most k' blocks (k' = 0: the cold plan) and records the tokens taken away in
+/// windowLimitedTokens. No host tier (the coordinator refuses one beside a window cache).
+ReusePlan makeWindowedReusePlan(BlockIndex const& index, WindowBlockCache const& window,
+                                PromptBlocks const& blocks, ContextCacheLookupPolicy policy);
 
 /// Longest stored exact checkpoint strictly shorter than the input whose logical blocks equal the
 /// input's, with a recurrent snapshot, a partial-KV snapshot iff attention and length % page != 0,
@@ -134,6 +150,7 @@ void requireKvPageCoverage(ReusePlan& plan, int32_t pageSize, int32_t baseTokens
                            int32_t draftTokens);
 
 /// Why a kUseCache lookup with this plan did not reuse all full blocks, or nullopt when it did:
+/// kWindowEvicted when the window rule capped the plan (windowLimitedTokens > 0); else
 /// kShorterThanOnePage when the input has no full block (and nothing was reused); else, looking at
 /// the first block missing from the index: kEvicted when its key was evicted recently; salt / LoRA
 /// / media mismatch when the same token content is indexed under another identity: of those

@@ -11,6 +11,7 @@ list(APPEND MKV_LIBRARY_SOURCES
   ${CMAKE_CURRENT_LIST_DIR}/coordinator_inflight_admission.cpp
   ${CMAKE_CURRENT_LIST_DIR}/coordinator_paged_rows.cpp
   ${CMAKE_CURRENT_LIST_DIR}/coordinator_validation.cpp
+  ${CMAKE_CURRENT_LIST_DIR}/coordinator_window.cpp
   ${CMAKE_CURRENT_LIST_DIR}/context_cache_manager.cpp
   ${CMAKE_CURRENT_LIST_DIR}/context_cache_manager_host_tier.cpp
   ${CMAKE_CURRENT_LIST_DIR}/context_cache_manager_publication.cpp
@@ -26,4 +27,5 @@ list(APPEND MKV_LIBRARY_SOURCES
   ${CMAKE_CURRENT_LIST_DIR}/resource_pools.cpp
   ${CMAKE_CURRENT_LIST_DIR}/reuse_plan.cpp
   ${CMAKE_CURRENT_LIST_DIR}/s3fifo_eviction_policy.cpp
+  ${CMAKE_CURRENT_LIST_DIR}/window_block_cache.cpp
 )

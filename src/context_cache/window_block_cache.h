@@ -82,12 +82,17 @@ class WindowBlockCache final : public SwaPageSource {
   BlockIndex const& index() const noexcept { return mIndex; }
 
  private:
+  void checkPage(char const* call, PageId page) const;
+  void checkBlocks(char const* call, PromptBlocks const& blocks) const;
+  /// Block `block` of `blocks` is indexed here and verified (ancestors counted as verified).
+  bool cachesBlock(PromptBlocks const& blocks, int32_t block) const;
+
   int32_t mWindowTokens;
   int32_t mWindowBlocks;
   BlockIndex mIndex;
-  SlotLinks mLinks;   ///< the release order of cached pages nobody holds
-  SlotList mRecency;  ///< oldest = next to drop
-  std::vector<PageId> mFree;
+  SlotLinks mLinks;           ///< the release order of cached pages nobody holds
+  SlotList mRecency;          ///< oldest = next to drop
+  std::vector<PageId> mFree;  ///< a min-heap: the lowest free id is handed out first
   std::vector<int32_t> mHolders;
   int32_t mHeldPages = 0;
   std::vector<Hash128> mDropped;

@@ -4,6 +4,7 @@
 
 #include "context_cache_test_support.h"
 #include "mkv/error.h"
+#include "support/test_util.h"
 
 namespace mkv {
 namespace {
@@ -1129,6 +1130,27 @@ TEST(ContextCacheManagerBatchTest, RejectsMismatchedLookupsWithoutChangingAnythi
   swapped.push_back(rig.manager.lookup(requests[0]));
   EXPECT_THROW(rig.manager.acquireBatch(requests, std::move(swapped)), Error);
   EXPECT_EQ(captureState(rig.manager), before);
+}
+
+TEST(ContextCacheManagerTest, AWindowCacheNeedsThePageSizeAndNoHostTier) {
+  WindowBlockCache const window(4, kPage, 6, true);
+  WindowBlockCache const wide(4, 2 * kPage, 6, true);
+  ContextCacheManagerOptions options;
+  options.windowCache = &window;
+  EXPECT_NO_THROW(ContextCacheManager(kPage, ResourceDemand{8, 0, 0, 0}, 4, options));
+  options.hostTierPages = 2;
+  EXPECT_TRUE(test::throwsError(
+      [&] {
+        ContextCacheManager(kPage, ResourceDemand{8, 0, 0, 0}, 4, options);
+      },
+      {"ContextCacheManager", "window cache", "2 host tier pages"}));
+  options.hostTierPages = 0;
+  options.windowCache = &wide;
+  EXPECT_TRUE(test::throwsError(
+      [&] {
+        ContextCacheManager(kPage, ResourceDemand{8, 0, 0, 0}, 4, options);
+      },
+      {"ContextCacheManager", "window cache of page size 8 beside page size 4"}));
 }
 
 }  // namespace

@@ -89,6 +89,8 @@ TEST(ContextCacheMetricsTest, PrometheusExpositionParsesAndCarriesEveryCounter) 
   m.onboardedBytes = 4096;
   m.hostTierHitTokens = 256;
   m.hostTierCapacityPages = 64;
+  m.windowLimitedTokens = 48;
+  m.missCount(MissReason::kWindowEvicted) = 6;
   std::string const text = toPrometheus(m);
   ASSERT_FALSE(text.empty());
   EXPECT_EQ(text.back(), '\n');
@@ -112,6 +114,8 @@ TEST(ContextCacheMetricsTest, PrometheusExpositionParsesAndCarriesEveryCounter) 
   EXPECT_EQ(e.samples.at("managedkv_host_tier_hit_tokens_total"), 256);
   EXPECT_EQ(e.samples.at("managedkv_host_tier_capacity_pages"), 64);
   EXPECT_EQ(e.samples.at("managedkv_host_tier_blocks"), 0);
+  EXPECT_EQ(e.samples.at("managedkv_window_limited_tokens_total"), 48);
+  EXPECT_EQ(e.samples.at("managedkv_misses_total{reason=\"window_evicted\"}"), 6);
 
   int misses = 0;
   for (auto const& [name, value] : e.samples) {
@@ -124,15 +128,16 @@ TEST(ContextCacheMetricsTest, PrometheusExpositionParsesAndCarriesEveryCounter) 
     bool const total = name.size() > 6 && name.compare(name.size() - 6, 6, "_total") == 0;
     EXPECT_EQ(family.type == "counter", total) << name << ": counters and only they end in _total";
   }
-  // Every counter of the struct appears: 19 scalar counters + misses + reclaimed, vLLM's
-  // token-counted pair (queriedTokens, reusedTokens) under vLLM's names, and the host tier's 8.
+  // Every counter of the struct appears: 20 scalar counters (windowLimitedTokens among them) +
+  // misses + reclaimed, vLLM's token-counted pair (queriedTokens, reusedTokens) under vLLM's
+  // names, and the host tier's 8.
   std::set<std::string> counters;
   for (auto const& [name, family] : e.families) {
     if (family.type == "counter") {
       counters.insert(name);
     }
   }
-  EXPECT_EQ(counters.size(), 30U);
+  EXPECT_EQ(counters.size(), 31U);
 }
 
 TEST(ContextCacheMetricsTest, PrefixCacheQueriesAndHitsAreCountedInTokens) {

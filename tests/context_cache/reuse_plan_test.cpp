@@ -89,6 +89,74 @@ TEST_F(ReusePlanTest, ExactBlockAlignedInputRewindsOneFullPage) {
   EXPECT_TRUE(single.isCacheDerived());
 }
 
+TEST_F(ReusePlanTest, ABlockLimitCapsTheVanillaPlan) {
+  std::vector<int32_t> const prompt = tokenRun(8, 0);
+  publishCold(mManager, prompt);
+  PromptBlocks const blocks = blocksOf(prompt);
+  ReusePlan const capped = makeVanillaReusePlan(index(), blocks, kUse, nullptr, 1);
+  EXPECT_EQ(capped.kind, ReusePlanKind::kStandard) << "the input is not fully matched any more";
+  EXPECT_EQ(capped.reuseTokenLength, 4);
+  EXPECT_EQ(capped.demand.baseKvPages, 1);
+  ReusePlan const none = makeVanillaReusePlan(index(), blocks, kUse, nullptr, 0);
+  EXPECT_EQ(none.kind, ReusePlanKind::kNoReusablePrefix);
+  EXPECT_EQ(none.demand.baseKvPages, 2);
+  EXPECT_THROW(makeVanillaReusePlan(index(), blocks, kUse, nullptr, -1), Error);
+}
+
+/// Caches blocks `cached` of `blocks` in `window` (each on a fresh page, released).
+void cacheWindowBlocks(WindowBlockCache& window, PromptBlocks const& blocks,
+                       std::vector<int32_t> const& cached) {
+  for (int32_t block : cached) {
+    std::vector<PageId> page;
+    ASSERT_TRUE(window.allocate(1, page));
+    ASSERT_TRUE(window.publish(page[0], blocks, block));
+    window.release(page[0]);
+  }
+}
+
+TEST_F(ReusePlanTest, TheWindowRuleCapsAtTheLongestPrefixWithItsWindowCached) {
+  std::vector<int32_t> const prompt = tokenRun(5 * kPage + 1, 0);
+  publishCold(mManager, prompt);
+  PromptBlocks const blocks = blocksOf(prompt);
+  WindowBlockCache window(8, kPage, /*windowTokens=*/2 * kPage, true);
+  cacheWindowBlocks(window, blocks, {0, 1, 2, 4});
+  // The full layers bind 5 blocks; k = 5 needs {3, 4}, k = 4 {2, 3}: k = 3 ({1, 2}).
+  ReusePlan const plan = makeWindowedReusePlan(index(), window, blocks, kUse);
+  EXPECT_EQ(plan.reuseTokenLength, 3 * kPage);
+  EXPECT_EQ(plan.basePageBindings.size(), 3U);
+  EXPECT_EQ(plan.matchedBlockDigests.size(), 3U);
+  EXPECT_EQ(plan.demand.baseKvPages, 3);
+  EXPECT_EQ(plan.windowLimitedTokens, 2 * kPage);
+  EXPECT_EQ(plan.indexedPrefixBlocks, 5) << "the full layers' lookup";
+  EXPECT_EQ(classifyMiss(index(), blocks, plan), MissReason::kWindowEvicted);
+  cacheWindowBlocks(window, blocks, {3});
+  ReusePlan const full = makeWindowedReusePlan(index(), window, blocks, kUse);
+  EXPECT_EQ(full.reuseTokenLength, 5 * kPage);
+  EXPECT_EQ(full.windowLimitedTokens, 0);
+  EXPECT_EQ(classifyMiss(index(), blocks, full), std::nullopt);
+  ReusePlan const bypass =
+      makeWindowedReusePlan(index(), window, blocks, ContextCacheLookupPolicy::kBypass);
+  EXPECT_EQ(bypass.kind, ReusePlanKind::kNoReusablePrefix);
+  EXPECT_EQ(bypass.windowLimitedTokens, 0);
+}
+
+TEST_F(ReusePlanTest, TheWindowRuleCountsTheRewoundInputByItsBoundBlocks) {
+  std::vector<int32_t> const prompt = tokenRun(3 * kPage, 0);
+  publishCold(mManager, prompt);
+  PromptBlocks const blocks = blocksOf(prompt);
+  WindowBlockCache window(8, kPage, /*windowTokens=*/1, true);
+  cacheWindowBlocks(window, blocks, {1});  // the window of the 2 bound blocks
+  ReusePlan const plan = makeWindowedReusePlan(index(), window, blocks, kUse);
+  EXPECT_EQ(plan.kind, ReusePlanKind::kFullInputRewind) << "block 2 is recomputed anyway";
+  EXPECT_EQ(plan.reuseTokenLength, 2 * kPage);
+  EXPECT_EQ(plan.windowLimitedTokens, 0);
+  WindowBlockCache empty(8, kPage, 1, true);
+  ReusePlan const cold = makeWindowedReusePlan(index(), empty, blocks, kUse);
+  EXPECT_EQ(cold.kind, ReusePlanKind::kNoReusablePrefix);
+  EXPECT_EQ(cold.windowLimitedTokens, 2 * kPage);
+  EXPECT_EQ(cold.demand.baseKvPages, 3);
+}
+
 TEST_F(ReusePlanTest, HybridPlanningRequiresOneCompleteExactCheckpoint) {
   std::vector<int32_t> const prompt = tokenRun(10, 0);
   ASSERT_EQ(publishCheckpointOf(mManager, prompt, 6).status, PublishStatus::kPublished);

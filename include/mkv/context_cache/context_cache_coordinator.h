@@ -31,6 +31,7 @@ namespace mkv {
 // coordinator holds the manager by pointer and names these only in private declarations.
 class ContextCacheManager;
 class HostKvTier;
+class WindowBlockCache;
 struct HostPageCopy;
 struct AdmissionResult;
 struct LookupRequest;
@@ -122,6 +123,13 @@ struct ContextCachePhysicalResources {
   /// evicted blocks are copied there and lookups continue into it (docs/context_cache.md, "Host
   /// tier"). Attention-only, non-speculative deployments with reuse on only.
   HostKvTier* hostTier = nullptr;
+  /// The sliding pool of the composed backend (sliding layers with context reuse; the runtime
+  /// owns it), or null. When set, every vanilla lookup applies the window rule
+  /// (docs/context_cache.md, "Window rule"): a prefix is reused only as far as the sliding
+  /// layers' window before it is cached there. Vanilla attention-only reuse only: refused with
+  /// reuse disabled, a hybrid or speculative profile or a host tier, and unless its page size is
+  /// the base pool's.
+  WindowBlockCache* windowCache = nullptr;
 };
 
 /// One sequence of an admission.
@@ -379,6 +387,27 @@ class ContextCacheCoordinator {
   void restoreHybridMtpBoundaryHidden(RequestHandle& handle, ExecutionRow row,
                                       Tensor& baseHiddenStates, int32_t destinationRow);
 
+  /// Composed backend (resources.windowCache set): publishes blocks [firstBlock, firstBlock +
+  /// pages.size()) of row `row`'s prompt, block firstBlock + i on the sliding page `pages[i]`
+  /// (held by the caller, its sliding-layer KV complete), through WindowBlockCache::publish.
+  /// Returns how many are now cached on the given pages (first committer wins: a block already
+  /// cached on another page is not counted). A bypass row publishes nothing and returns 0.
+  /// Throws, changing nothing, for an invalid handle, a row outside the batch or before its
+  /// prefill completed (finalizePrefillPublication, or finalizeSequenceAdmission for a joiner),
+  /// no window cache, blocks that are not full blocks of the prompt, a page twice, or a page
+  /// the cache refuses (out of range, not held, caching another block). Out of host memory, the
+  /// blocks published before stay published.
+  int32_t publishWindowBlocks(RequestHandle const& handle, ExecutionRow row, int32_t firstBlock,
+                              std::span<PageId const> pages);
+  /// Composed backend: the sliding pages of the window before row `row`'s prefill start
+  /// (WindowBlockCache::windowPages of its prompt blocks before reuseTokenLength / page), in
+  /// block order; empty when it reuses nothing. The caller holds them (hold) before the cache
+  /// allocates again. Throws for an invalid handle or row, no window cache, or a window block no
+  /// longer cached.
+  std::vector<PageId> reusedWindowPages(RequestHandle const& handle, ExecutionRow row) const;
+  /// The sliding pool of the composed backend, or null.
+  WindowBlockCache* windowCache() const noexcept { return mResources.windowCache; }
+
   /// In-flight admission is offered for attention-only, non-speculative deployments (a joiner
   /// cannot restore a checkpoint into a running batch).
   bool supportsLiveSequenceAdmission() const noexcept;
@@ -445,7 +474,8 @@ class ContextCacheCoordinator {
   // The parts of the coordinator, one file each (docs/architecture.md, "Context reuse"): the
   // request registry, prefill, decode and compaction (context_cache_coordinator.cpp), batch
   // admission (coordinator_admission.cpp), checkpoints and Hybrid-MTP
-  // (coordinator_checkpoints.cpp), in-flight admission (coordinator_inflight_admission.cpp);
+  // (coordinator_checkpoints.cpp), in-flight admission (coordinator_inflight_admission.cpp),
+  // the composed backend's sliding pages (coordinator_window.cpp);
   // beside them the request state (coordinator_request.h), the pure contract checks
   // (coordinator_validation.h), the deployment validation (coordinator_deployment.h) and the
   // paged rows (coordinator_paged_rows.h).

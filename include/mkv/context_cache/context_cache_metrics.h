@@ -32,6 +32,9 @@ struct ContextCacheMetrics {
   uint64_t fullInputRewinds = 0;     ///< admitted plans of kind kFullInputRewind
   uint64_t specFullPageReplays = 0;  ///< admitted spec plans with SpecReplayMode::kFullPage
   uint64_t failedAcquisitions = 0;   ///< admissions that got no lease (insufficient capacity)
+  /// Window rule (composed backend): prompt tokens of admitted lookups that the full layers could
+  /// have reused but whose sliding-layer window was no longer cached (MissReason::kWindowEvicted).
+  uint64_t windowLimitedTokens = 0;
   /// Lookups that did not reuse all their full blocks, by reason (one reason per lookup; kCapacity
   /// when the admission was refused for capacity).
   std::array<uint64_t, kMissReasonCount> misses{};

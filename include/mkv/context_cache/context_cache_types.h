@@ -76,10 +76,14 @@ enum class MissReason : uint8_t {
   kLoraMismatch,
   kMediaMismatch,
   kCapacity,
+  /// Composed backend (sliding layers with context reuse): the full layers had a longer prefix,
+  /// but the sliding layers' window before it is no longer cached (docs/context_cache.md,
+  /// "Window rule").
+  kWindowEvicted,
 };
-inline constexpr int32_t kMissReasonCount = 7;
+inline constexpr int32_t kMissReasonCount = 8;
 /// "no_prefix", "shorter_than_one_page", "evicted", "salt_mismatch", "lora_mismatch",
-/// "media_mismatch", "capacity".
+/// "media_mismatch", "capacity", "window_evicted".
 std::string_view toString(MissReason reason) noexcept;
 std::string_view toString(ReuseMode mode) noexcept;
 

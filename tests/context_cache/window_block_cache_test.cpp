@@ -1,0 +1,476 @@
+#include "context_cache/window_block_cache.h"
+
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <deque>
+#include <map>
+#include <optional>
+#include <random>
+#include <vector>
+
+#include "context_cache_test_support.h"
+#include "mkv/error.h"
+#include "support/test_util.h"
+
+namespace mkv {
+namespace {
+
+using test::throwsError;
+using test::tokenRun;
+using test::viewOf;
+
+constexpr int32_t kPage = 4;
+
+/// Everything a caller can observe of a cache: counts, holders and the digest of every page.
+struct CacheState {
+  int32_t free = 0;
+  int32_t held = 0;
+  int32_t cached = 0;
+  int32_t evictable = 0;
+  std::vector<int32_t> holders;
+  std::vector<std::optional<Hash128>> digests;
+  friend bool operator==(CacheState const&, CacheState const&) = default;
+};
+
+CacheState stateOf(WindowBlockCache const& cache) {
+  CacheState state{
+      cache.freePages(), cache.heldPages(), cache.cachedBlocks(), cache.evictablePages(), {}, {}};
+  for (PageId page = 0; page < cache.totalPages(); ++page) {
+    state.holders.push_back(cache.holders(page));
+    state.digests.push_back(cache.index().digestOf(page));
+  }
+  return state;
+}
+
+/// Pages the cache hands out, one allocate(count) call (asserting it succeeds).
+std::vector<PageId> allocated(WindowBlockCache& cache, int32_t count) {
+  std::vector<PageId> pages;
+  EXPECT_TRUE(cache.allocate(count, pages));
+  return pages;
+}
+
+class WindowBlockCacheTest : public ::testing::Test {
+ protected:
+  // 6 blocks; a window of 6 tokens spans ceil(6 / 4) = 2 blocks.
+  std::vector<int32_t> mTokens = tokenRun(6 * kPage + 1, 0);
+  std::vector<int32_t> mOther = tokenRun(6 * kPage, 900);
+  PromptBlocks mBlocks = hashPromptBlocks(viewOf(mTokens), kPage);
+  PromptBlocks mOtherBlocks = hashPromptBlocks(viewOf(mOther), kPage);
+  WindowBlockCache mCache{8, kPage, /*windowTokens=*/6, /*verifyTokens=*/true};
+
+  /// Allocates a page, publishes block `block` of `blocks` on it and releases it (cached).
+  PageId cacheBlock(PromptBlocks const& blocks, int32_t block) {
+    PageId const page = allocated(mCache, 1).at(0);
+    EXPECT_TRUE(mCache.publish(page, blocks, block));
+    mCache.release(page);
+    return page;
+  }
+};
+
+TEST_F(WindowBlockCacheTest, ConstructorRefusesEmptyGeometry) {
+  EXPECT_TRUE(throwsError([] { WindowBlockCache(0, kPage, 6, true); },
+                          {"WindowBlockCache", "capacity", "0"}));
+  EXPECT_TRUE(throwsError([] { WindowBlockCache(8, -1, 6, true); },
+                          {"WindowBlockCache", "page size", "-1"}));
+  EXPECT_TRUE(throwsError([] { WindowBlockCache(8, kPage, 0, true); },
+                          {"WindowBlockCache", "window", "0"}));
+  EXPECT_EQ(WindowBlockCache(8, kPage, 4, true).windowBlocks(), 1);
+  EXPECT_EQ(WindowBlockCache(8, kPage, 5, true).windowBlocks(), 2);
+  EXPECT_EQ(mCache.windowTokens(), 6);
+  EXPECT_EQ(mCache.windowBlocks(), 2);
+}
+
+TEST_F(WindowBlockCacheTest, AllocateHandsOutFreePagesLowestFirstAllOrNothing) {
+  EXPECT_EQ(allocated(mCache, 3), (std::vector<PageId>{0, 1, 2}));
+  mCache.release(1);
+  mCache.release(0);
+  EXPECT_EQ(allocated(mCache, 1), (std::vector<PageId>{0})) << "lowest free id, not last freed";
+  std::vector<PageId> out{42};
+  CacheState const before = stateOf(mCache);
+  EXPECT_FALSE(mCache.allocate(8, out)) << "only 6 are available";
+  EXPECT_EQ(out, (std::vector<PageId>{42}));
+  EXPECT_EQ(stateOf(mCache), before);
+  EXPECT_TRUE(throwsError([&] { mCache.allocate(-2, out); }, {"WindowBlockCache::allocate", "-2"}));
+  EXPECT_EQ(stateOf(mCache), before);
+  EXPECT_TRUE(mCache.allocate(0, out));
+  EXPECT_EQ(out, (std::vector<PageId>{42}));
+  EXPECT_EQ(mCache.availablePages(), 6);
+  EXPECT_EQ(mCache.heldPages(), 2);
+}
+
+TEST_F(WindowBlockCacheTest, HoldCountsHoldersAndRefusesFreePages) {
+  PageId const page = allocated(mCache, 1).at(0);
+  mCache.hold(page);
+  EXPECT_EQ(mCache.holders(page), 2);
+  EXPECT_EQ(mCache.heldPages(), 1);
+  mCache.release(page);
+  EXPECT_EQ(mCache.holders(page), 1);
+  mCache.release(page);
+  EXPECT_EQ(mCache.freePages(), 8) << "an unpublished page nobody holds is free";
+  CacheState const before = stateOf(mCache);
+  EXPECT_TRUE(throwsError([&] { mCache.hold(page); }, {"WindowBlockCache::hold", "page 0"}));
+  EXPECT_TRUE(throwsError([&] { mCache.hold(8); }, {"WindowBlockCache::hold", "page 8"}));
+  EXPECT_TRUE(throwsError([&] { (void)mCache.holders(-1); }, {"WindowBlockCache::holders", "-1"}));
+  EXPECT_EQ(stateOf(mCache), before);
+}
+
+TEST(WindowBlockCacheDeathTest, ReleasingAPageNobodyHoldsTerminates) {
+  WindowBlockCache cache(4, kPage, 6, true);
+  EXPECT_DEATH(cache.release(3), "no holder");
+}
+
+TEST_F(WindowBlockCacheTest, PublishedPagesStayCachedAndHoldableAfterRelease) {
+  PageId const page = cacheBlock(mBlocks, 0);
+  EXPECT_EQ(mCache.cachedBlocks(), 1);
+  EXPECT_EQ(mCache.evictablePages(), 1);
+  EXPECT_EQ(mCache.freePages(), 7);
+  EXPECT_EQ(mCache.availablePages(), 8);
+  mCache.hold(page);  // a window maps the reused block
+  EXPECT_EQ(mCache.evictablePages(), 0);
+  EXPECT_EQ(mCache.heldPages(), 1);
+  EXPECT_EQ(mCache.availablePages(), 7);
+  mCache.release(page);
+  EXPECT_EQ(mCache.evictablePages(), 1);
+  EXPECT_EQ(mCache.index().digestOf(page), mBlocks.keys[0]);
+}
+
+TEST_F(WindowBlockCacheTest, PublishContracts) {
+  PageId const page = allocated(mCache, 1).at(0);
+  ASSERT_TRUE(mCache.publish(page, mBlocks, 1));
+  EXPECT_TRUE(mCache.publish(page, mBlocks, 1)) << "already indexed there";
+  CacheState const before = stateOf(mCache);
+  EXPECT_TRUE(throwsError([&] { mCache.publish(page, mBlocks, 2); },
+                          {"WindowBlockCache::publish", "page 0 already caches"}));
+  EXPECT_TRUE(throwsError([&] { mCache.publish(5, mBlocks, 2); },
+                          {"WindowBlockCache::publish", "page 5 is not held"}));
+  EXPECT_TRUE(
+      throwsError([&] { mCache.publish(9, mBlocks, 2); }, {"WindowBlockCache::publish", "page 9"}));
+  EXPECT_TRUE(throwsError([&] { mCache.publish(page, mBlocks, 6); },
+                          {"WindowBlockCache::publish", "block 6"}));
+  std::vector<int32_t> const tokens = tokenRun(2 * 8, 0);
+  PromptBlocks const wide = hashPromptBlocks(viewOf(tokens), 8);
+  EXPECT_TRUE(throwsError([&] { mCache.publish(page, wide, 0); },
+                          {"WindowBlockCache::publish", "page size 8"}));
+  EXPECT_EQ(stateOf(mCache), before);
+}
+
+TEST_F(WindowBlockCacheTest, FirstCommitterWins) {
+  std::vector<PageId> const pages = allocated(mCache, 2);
+  ASSERT_TRUE(mCache.publish(pages[0], mBlocks, 0));
+  EXPECT_FALSE(mCache.publish(pages[1], mBlocks, 0));
+  EXPECT_FALSE(mCache.index().digestOf(pages[1]).has_value());
+  EXPECT_EQ(mCache.index().find(mBlocks.keys[0]), pages[0]);
+  mCache.release(pages[1]);
+  EXPECT_EQ(mCache.freePages(), 7) << "the loser's page is free again";
+}
+
+TEST_F(WindowBlockCacheTest, AllocateDropsTheLeastRecentlyReleasedCachedPage) {
+  std::vector<PageId> const pages = allocated(mCache, 8);
+  for (int32_t b = 0; b < 6; ++b) {
+    ASSERT_TRUE(mCache.publish(pages[static_cast<std::size_t>(b)], mBlocks, b));
+  }
+  for (PageId page : {3, 0, 5}) {
+    mCache.release(page);
+  }
+  mCache.release(6);  // unpublished: free, handed out before any cached page
+  EXPECT_EQ(allocated(mCache, 1), (std::vector<PageId>{6}));
+  EXPECT_TRUE(mCache.takeDropped().empty());
+  EXPECT_EQ(allocated(mCache, 2), (std::vector<PageId>{3, 0}));
+  EXPECT_EQ(mCache.takeDropped(), (std::vector<Hash128>{mBlocks.keys[3], mBlocks.keys[0]}));
+  EXPECT_TRUE(mCache.takeDropped().empty()) << "the list empties when taken";
+  EXPECT_FALSE(mCache.index().find(mBlocks.keys[3]).has_value());
+  EXPECT_EQ(mCache.holders(3), 1);
+  mCache.hold(5);  // held again: leaves the release order
+  std::vector<PageId> out;
+  EXPECT_FALSE(mCache.allocate(1, out));
+  mCache.release(5);
+  EXPECT_EQ(allocated(mCache, 1), (std::vector<PageId>{5}));
+  EXPECT_EQ(mCache.takeDropped(), (std::vector<Hash128>{mBlocks.keys[5]}));
+}
+
+TEST_F(WindowBlockCacheTest, ClearDropsCachedBlocksAndKeepsHeldPagesHeld) {
+  PageId const cached = cacheBlock(mBlocks, 0);
+  PageId const held = allocated(mCache, 1).at(0);
+  ASSERT_TRUE(mCache.publish(held, mBlocks, 1));
+  PageId const plain = allocated(mCache, 1).at(0);
+  EXPECT_EQ(mCache.clear(), 2);
+  EXPECT_EQ(mCache.cachedBlocks(), 0);
+  EXPECT_EQ(mCache.evictablePages(), 0);
+  EXPECT_EQ(mCache.holders(held), 1);
+  EXPECT_EQ(mCache.holders(plain), 1);
+  EXPECT_EQ(mCache.holders(cached), 0);
+  EXPECT_EQ(mCache.freePages(), 6);
+  std::vector<Hash128> dropped = mCache.takeDropped();
+  std::sort(dropped.begin(), dropped.end());
+  std::vector<Hash128> expected{mBlocks.keys[0], mBlocks.keys[1]};
+  std::sort(expected.begin(), expected.end());
+  EXPECT_EQ(dropped, expected);
+  mCache.release(held);
+  EXPECT_EQ(mCache.freePages(), 7) << "an unindexed page nobody holds is free";
+  EXPECT_EQ(mCache.clear(), 0);
+}
+
+class WindowedPrefixTest : public WindowBlockCacheTest {};
+
+TEST_F(WindowedPrefixTest, NeedsTheWindowBeforeThePrefixEnd) {
+  EXPECT_EQ(mCache.longestWindowedPrefix(mBlocks, 6), 0) << "0 always qualifies";
+  for (int32_t b : {1, 2, 4, 5}) {
+    cacheBlock(mBlocks, b);
+  }
+  // Blocks 0 and 3 missing: k = 3 needs {1, 2}; k = 6 needs {4, 5}; k = 4 needs {2, 3}.
+  EXPECT_EQ(mCache.longestWindowedPrefix(mBlocks, 6), 6);
+  EXPECT_EQ(mCache.longestWindowedPrefix(mBlocks, 5), 3) << "k = 5 needs block 3";
+  EXPECT_EQ(mCache.longestWindowedPrefix(mBlocks, 2), 0) << "k = 2 needs block 0";
+  EXPECT_EQ(mCache.longestWindowedPrefix(mBlocks, 0), 0);
+  EXPECT_EQ(mCache.windowPages("test", mBlocks, 6), (std::vector<PageId>{2, 3}));
+  EXPECT_TRUE(mCache.windowPages("test", mBlocks, 0).empty());
+  EXPECT_TRUE(throwsError([&] { (void)mCache.windowPages("Caller::call", mBlocks, 5); },
+                          {"Caller::call", "block 3"}));
+}
+
+TEST_F(WindowedPrefixTest, WindowLongerThanThePrefixNeedsEveryBlock) {
+  WindowBlockCache cache(8, kPage, /*windowTokens=*/100, true);  // 25 blocks
+  std::vector<PageId> pages;
+  ASSERT_TRUE(cache.allocate(3, pages));
+  for (int32_t b : {0, 1, 2}) {
+    ASSERT_TRUE(cache.publish(pages[static_cast<std::size_t>(b)], mBlocks, b));
+  }
+  EXPECT_EQ(cache.longestWindowedPrefix(mBlocks, 6), 3);
+  EXPECT_EQ(cache.windowPages("test", mBlocks, 3), pages);
+  cache.release(pages[0]);
+  EXPECT_EQ(cache.longestWindowedPrefix(mBlocks, 6), 3) << "released, still cached";
+  std::vector<PageId> more;
+  ASSERT_TRUE(cache.allocate(6, more));  // 5 free, then drops block 0
+  EXPECT_EQ(cache.longestWindowedPrefix(mBlocks, 6), 0);
+}
+
+TEST_F(WindowedPrefixTest, WindowShorterThanAPageNeedsOneBlock) {
+  WindowBlockCache cache(8, kPage, /*windowTokens=*/1, true);
+  std::vector<PageId> pages;
+  ASSERT_TRUE(cache.allocate(1, pages));
+  ASSERT_TRUE(cache.publish(pages[0], mBlocks, 4));
+  EXPECT_EQ(cache.windowBlocks(), 1);
+  EXPECT_EQ(cache.longestWindowedPrefix(mBlocks, 6), 5);
+  EXPECT_EQ(cache.longestWindowedPrefix(mBlocks, 4), 0);
+  EXPECT_EQ(cache.windowPages("test", mBlocks, 5), pages);
+}
+
+TEST_F(WindowedPrefixTest, VerificationRejectsABlockWithOtherTokens) {
+  PageId const page = allocated(mCache, 1).at(0);
+  // Another prompt's block 1 under our block 1's digest: a collision in the sliding index.
+  ASSERT_EQ(const_cast<BlockIndex&>(mCache.index()).insert(mBlocks.keys[1], page, mOtherBlocks, 1),
+            page);
+  cacheBlock(mBlocks, 0);
+  EXPECT_EQ(mCache.longestWindowedPrefix(mBlocks, 2), 1);
+  EXPECT_TRUE(throwsError([&] { (void)mCache.windowPages("Caller::call", mBlocks, 2); },
+                          {"Caller::call", "block 1"}));
+  WindowBlockCache unverified(8, kPage, 6, /*verifyTokens=*/false);
+  std::vector<PageId> pages;
+  ASSERT_TRUE(unverified.allocate(2, pages));
+  ASSERT_EQ(const_cast<BlockIndex&>(unverified.index())
+                .insert(mBlocks.keys[1], pages[1], mOtherBlocks, 1),
+            pages[1]);
+  ASSERT_TRUE(unverified.publish(pages[0], mBlocks, 0));
+  EXPECT_EQ(unverified.longestWindowedPrefix(mBlocks, 2), 2) << "without verification, trusted";
+}
+
+TEST_F(WindowedPrefixTest, ArgumentContracts) {
+  EXPECT_TRUE(throwsError([&] { (void)mCache.longestWindowedPrefix(mBlocks, 7); },
+                          {"WindowBlockCache::longestWindowedPrefix", "maxBlocks 7"}));
+  EXPECT_TRUE(throwsError([&] { (void)mCache.longestWindowedPrefix(mBlocks, -1); },
+                          {"WindowBlockCache::longestWindowedPrefix", "-1"}));
+  std::vector<int32_t> const tokens = tokenRun(16, 0);
+  PromptBlocks const wide = hashPromptBlocks(viewOf(tokens), 8);
+  EXPECT_TRUE(throwsError([&] { (void)mCache.longestWindowedPrefix(wide, 1); },
+                          {"WindowBlockCache::longestWindowedPrefix", "page size 8"}));
+  EXPECT_TRUE(throwsError([&] { (void)mCache.windowPages("Caller::call", mBlocks, 7); },
+                          {"Caller::call", "7"}));
+}
+
+// ---------------------------------------------------------------------------------------------
+// Property test: random operations against a model of the pool.
+
+/// The model: holders and digest (block number) per page, the release order of cached pages
+/// nobody holds, and the dropped digests in order.
+struct PoolModel {
+  std::vector<int32_t> holders;
+  std::vector<int32_t> block;  ///< -1: unindexed
+  std::deque<PageId> released;
+  std::vector<int32_t> dropped;
+
+  explicit PoolModel(int32_t capacity)
+      : holders(static_cast<std::size_t>(capacity), 0),
+        block(static_cast<std::size_t>(capacity), -1) {}
+
+  std::vector<PageId> freePages() const {
+    std::vector<PageId> pages;
+    for (PageId p = 0; p < static_cast<PageId>(holders.size()); ++p) {
+      if (holders[static_cast<std::size_t>(p)] == 0 && block[static_cast<std::size_t>(p)] < 0) {
+        pages.push_back(p);
+      }
+    }
+    return pages;
+  }
+  std::optional<PageId> pageOf(int32_t b) const {
+    auto const it = std::find(block.begin(), block.end(), b);
+    return it == block.end() ? std::nullopt : std::optional<PageId>(it - block.begin());
+  }
+  void drop(PageId page) {
+    dropped.push_back(block[static_cast<std::size_t>(page)]);
+    block[static_cast<std::size_t>(page)] = -1;
+  }
+  std::vector<PageId> allocate(int32_t count) {
+    std::vector<PageId> pages = freePages();
+    if (static_cast<int32_t>(pages.size() + released.size()) < count) {
+      return {};
+    }
+    pages.resize(std::min(pages.size(), static_cast<std::size_t>(count)));
+    while (static_cast<int32_t>(pages.size()) < count) {
+      pages.push_back(released.front());
+      released.pop_front();
+      drop(pages.back());
+    }
+    for (PageId p : pages) {
+      holders[static_cast<std::size_t>(p)] = 1;
+    }
+    return pages;
+  }
+  void hold(PageId page) {
+    if (holders[static_cast<std::size_t>(page)]++ == 0) {
+      released.erase(std::find(released.begin(), released.end(), page));
+    }
+  }
+  void release(PageId page) {
+    if (--holders[static_cast<std::size_t>(page)] == 0 &&
+        block[static_cast<std::size_t>(page)] >= 0) {
+      released.push_back(page);
+    }
+  }
+  void clear() {
+    for (PageId p = 0; p < static_cast<PageId>(block.size()); ++p) {
+      if (block[static_cast<std::size_t>(p)] >= 0) {
+        drop(p);
+      }
+    }
+    released.clear();
+  }
+};
+
+void expectMatchesModel(WindowBlockCache const& cache, PoolModel const& model,
+                        PromptBlocks const& blocks) {
+  int32_t held = 0;
+  int32_t cached = 0;
+  int32_t evictable = 0;
+  for (PageId p = 0; p < cache.totalPages(); ++p) {
+    auto const i = static_cast<std::size_t>(p);
+    ASSERT_EQ(cache.holders(p), model.holders[i]) << "page " << p;
+    std::optional<Hash128> const expected =
+        model.block[i] < 0 ? std::nullopt
+                           : std::optional(blocks.keys[static_cast<std::size_t>(model.block[i])]);
+    ASSERT_EQ(cache.index().digestOf(p), expected) << "page " << p;
+    held += model.holders[i] > 0 ? 1 : 0;
+    cached += model.block[i] >= 0 ? 1 : 0;
+    evictable += model.holders[i] == 0 && model.block[i] >= 0 ? 1 : 0;
+  }
+  // Free + (held or cached) partition the pool; evictable == cached with no holder.
+  ASSERT_EQ(cache.heldPages(), held);
+  ASSERT_EQ(cache.cachedBlocks(), cached);
+  ASSERT_EQ(cache.evictablePages(), evictable);
+  ASSERT_EQ(cache.freePages(), static_cast<int32_t>(model.freePages().size()));
+  ASSERT_EQ(cache.freePages() + held + evictable, cache.totalPages());
+  ASSERT_EQ(cache.availablePages(), cache.freePages() + evictable);
+  ASSERT_EQ(static_cast<int32_t>(model.released.size()), evictable);
+}
+
+TEST(WindowBlockCachePropertyTest, RandomOperationsMatchTheModel) {
+  constexpr int32_t kCapacity = 10;
+  std::vector<int32_t> const tokens = tokenRun(16 * kPage, 0);
+  PromptBlocks const blocks = hashPromptBlocks(viewOf(tokens), kPage);
+  for (uint64_t seed = 1; seed <= 20; ++seed) {
+    std::mt19937_64 rng(seed);
+    WindowBlockCache cache(kCapacity, kPage, /*windowTokens=*/9, true);
+    PoolModel model(kCapacity);
+    std::vector<PageId> holdings;  // one entry per holder we own
+    bool clearedSinceTake = false;
+    auto pick = [&rng](auto const& v) {
+      return v[std::uniform_int_distribution<std::size_t>(0, v.size() - 1)(rng)];
+    };
+    for (int step = 0; step < 400; ++step) {
+      int const op = std::uniform_int_distribution<int>(0, 99)(rng);
+      SCOPED_TRACE(::testing::Message() << "seed " << seed << " step " << step << " op " << op);
+      if (op < 30) {
+        int32_t const count = std::uniform_int_distribution<int32_t>(0, 4)(rng);
+        std::vector<PageId> const expected = model.allocate(count);
+        std::vector<PageId> got;
+        bool const ok = cache.allocate(count, got);
+        ASSERT_EQ(ok, count == 0 || !expected.empty());
+        ASSERT_EQ(got, expected);
+        holdings.insert(holdings.end(), got.begin(), got.end());
+      } else if (op < 40) {
+        std::vector<PageId> const free = model.freePages();
+        std::vector<PageId> holdable;
+        for (PageId p = 0; p < kCapacity; ++p) {
+          if (model.holders[static_cast<std::size_t>(p)] > 0 ||
+              model.block[static_cast<std::size_t>(p)] >= 0) {
+            holdable.push_back(p);
+          }
+        }
+        if (op % 2 == 0 && !free.empty()) {
+          ASSERT_THROW(cache.hold(pick(free)), Error);  // a free page: refused, nothing changed
+        } else if (!holdable.empty()) {
+          PageId const page = pick(holdable);
+          model.hold(page);
+          cache.hold(page);
+          holdings.push_back(page);
+        }
+      } else if (op < 70 && !holdings.empty()) {
+        std::size_t const i =
+            std::uniform_int_distribution<std::size_t>(0, holdings.size() - 1)(rng);
+        PageId const page = holdings[i];
+        holdings.erase(holdings.begin() + static_cast<std::ptrdiff_t>(i));
+        model.release(page);
+        cache.release(page);
+      } else if (op < 95 && !holdings.empty()) {
+        PageId const page = pick(holdings);
+        int32_t const b = std::uniform_int_distribution<int32_t>(0, 15)(rng);
+        int32_t const current = model.block[static_cast<std::size_t>(page)];
+        if (current >= 0 && current != b) {
+          ASSERT_THROW(cache.publish(page, blocks, b), Error);
+        } else {
+          std::optional<PageId> const owner = model.pageOf(b);
+          bool const wins = !owner || *owner == page;
+          ASSERT_EQ(cache.publish(page, blocks, b), wins);
+          if (wins) {
+            model.block[static_cast<std::size_t>(page)] = b;
+          }
+        }
+      } else if (op >= 95) {
+        int32_t const before = static_cast<int32_t>(model.dropped.size());
+        model.clear();
+        clearedSinceTake = true;
+        ASSERT_EQ(cache.clear(), static_cast<int32_t>(model.dropped.size()) - before);
+      }
+      ASSERT_NO_FATAL_FAILURE(expectMatchesModel(cache, model, blocks));
+      if (op % 7 == 0) {
+        std::vector<Hash128> dropped = cache.takeDropped();
+        std::vector<Hash128> expected;
+        for (int32_t b : model.dropped) {
+          expected.push_back(blocks.keys[static_cast<std::size_t>(b)]);
+        }
+        model.dropped.clear();
+        // allocate() drops in release order; clear() in page order (the model's too, but only
+        // the set is its contract): across a clear, compare as multisets.
+        if (clearedSinceTake) {
+          std::sort(dropped.begin(), dropped.end());
+          std::sort(expected.begin(), expected.end());
+          clearedSinceTake = false;
+        }
+        ASSERT_EQ(dropped, expected);
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace mkv
