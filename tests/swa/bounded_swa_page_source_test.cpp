@@ -13,6 +13,7 @@
 #include <memory>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "mkv/bounded_swa_kv_page_manager.h"
@@ -568,6 +569,314 @@ TEST_P(BoundedSwaPageSourceTest, AFailedSynchronisationKeepsTheHoldsUntilShutdow
 
 INSTANTIATE_TEST_SUITE_P(Devices, BoundedSwaPageSourceTest,
                          ::testing::Values(DeviceType::kCPU, DeviceType::kGPU), deviceName);
+
+// ------------------------------------------------------------------- random lifecycles
+
+struct CachedGeometry {
+  int32_t window;
+  int32_t pageSize;
+  uint64_t seed;
+};
+
+/// Random lifecycles of concurrent cached-mode requests (admission at random reused starts over
+/// the published pages, prefill with random publication, decode, compaction, finish,
+/// abandonment, failed synchronisations and shutdowns); after every call the manager's held
+/// pages and the source's holder counts agree, and admission is refused exactly when the
+/// source cannot cover the batch once its window pages are held.
+class CachedLifecycleRun {
+ public:
+  CachedLifecycleRun(DeviceType device, CachedGeometry const& geometry)
+      : mSource(kPages), mRandom(geometry.seed) {
+    RigConfig config;
+    config.device = device;
+    config.window = geometry.window;
+    config.pageSize = geometry.pageSize;
+    config.maxBatch = kSlots;
+    config.numPages = kPages;
+    config.maxPagesPerSeq = 24;
+    config.withLengthPools = false;  // concurrent requests
+    config.pageSource = &mSource;
+    mRig = std::make_unique<SwaRig>(config);
+    mSlotBusy.assign(kSlots, false);
+  }
+  ~CachedLifecycleRun() { mLive.clear(); }
+  CachedLifecycleRun(CachedLifecycleRun const&) = delete;
+  CachedLifecycleRun& operator=(CachedLifecycleRun const&) = delete;
+
+  void step() {
+    double const r = uniform();
+    bool const slotsLeft = std::count(mSlotBusy.begin(), mSlotBusy.end(), false) > 0;
+    if (manager().poisoned() && (mLive.empty() || r < 0.2)) {
+      shutdown();
+    } else if (mLive.empty() || (slotsLeft && r < 0.3)) {
+      admit();
+    } else {
+      act(pick(mLive.size()));
+    }
+    check();
+  }
+  void drain() {
+    mRig->faults().disarm();
+    mLive.clear();  // abandoned: synchronised, released
+    EXPECT_EQ(manager().shutdown(), SwaKVCacheStatus::kOk);
+    check();
+    EXPECT_EQ(mSource.totalHolds(), 0);
+    EXPECT_EQ(mSource.availablePages(), kPages);
+  }
+  int64_t admitted = 0, refused = 0, reusedStarts = 0, decodeSteps = 0, quarantines = 0;
+
+ private:
+  static constexpr int32_t kPages = 24;
+  static constexpr int32_t kSlots = 4;
+  enum class Stage { kAdmitted, kPrefilling, kDecoding, kFinishing };
+  struct Live {
+    Handle handle;
+    Stage stage = Stage::kAdmitted;
+    std::vector<int32_t> prompts;
+  };
+
+  BoundedSwaKVPageManager& manager() { return mRig->manager(); }
+  double uniform() { return std::uniform_real_distribution<double>(0.0, 1.0)(mRandom); }
+  std::size_t pick(std::size_t n) {
+    return std::uniform_int_distribution<std::size_t>(0, n - 1)(mRandom);
+  }
+  int32_t page() const { return mRig->config().pageSize; }
+
+  /// A random start for a prompt of `prompt` tokens over the published pages, or 0.
+  SwaReuseStart randomStart(int32_t prompt) {
+    SwaReuseStart start{prompt, 0, {}};
+    std::vector<PageId> published;
+    for (PageId p = 0; p < kPages; ++p) {
+      if (mSource.published(p)) published.push_back(p);
+    }
+    auto const startPage =
+        static_cast<int32_t>(pick(static_cast<std::size_t>((prompt - 1) / page() + 1)));
+    int32_t const s = startPage * page();
+    int32_t const first = static_cast<int32_t>(std::max(0, s - mRig->config().window) / page());
+    auto const need = static_cast<std::size_t>(startPage - first);
+    if (s == 0 || need > published.size()) return start;
+    std::shuffle(published.begin(), published.end(), mRandom);
+    start.startTokens = s;
+    start.windowPages.assign(published.begin(),
+                             published.begin() + static_cast<std::ptrdiff_t>(need));
+    return start;
+  }
+
+  void admit() {
+    std::vector<int32_t> slots;
+    for (int32_t slot = 0; slot < kSlots; ++slot) {
+      if (!mSlotBusy[static_cast<std::size_t>(slot)] && uniform() < 0.6) slots.push_back(slot);
+    }
+    if (slots.empty()) return;
+    std::vector<SwaReuseStart> starts;
+    int64_t privatePages = 0;
+    std::vector<PageId> toHold;
+    for (std::size_t i = 0; i < slots.size(); ++i) {
+      int32_t const prompt = 1 + static_cast<int32_t>(pick(static_cast<std::size_t>(8 * page())));
+      starts.push_back(randomStart(prompt));
+      privatePages += (prompt + page() - 1) / page() - starts.back().startTokens / page() + 1;
+      toHold.insert(toHold.end(), starts.back().windowPages.begin(),
+                    starts.back().windowPages.end());
+    }
+    std::sort(toHold.begin(), toHold.end());
+    toHold.erase(std::unique(toHold.begin(), toHold.end()), toHold.end());
+    int64_t const unheldWindow = std::count_if(toHold.begin(), toHold.end(),
+                                               [&](PageId p) { return mSource.holders(p) == 0; });
+    bool const fits = privatePages <= mSource.availablePages() - unheldWindow;
+    std::vector<int32_t> const before = mSource.snapshot();
+    auto result = manager().beginRequest(residentsFor(slots), SwaRig::stream(), starts);
+    if (manager().poisoned()) {
+      EXPECT_EQ(result.status, SwaKVCacheStatus::kPoisoned);
+      return;
+    }
+    EXPECT_EQ(result.status, fits ? SwaKVCacheStatus::kOk : SwaKVCacheStatus::kRequestFailed);
+    if (!result.request.has_value()) {
+      ++refused;
+      EXPECT_EQ(mSource.snapshot(), before);
+      return;
+    }
+    ++admitted;
+    for (SwaReuseStart const& start : starts) reusedStarts += start.startTokens > 0 ? 1 : 0;
+    for (int32_t slot : slots) mSlotBusy[static_cast<std::size_t>(slot)] = true;
+    Live live{std::move(*result.request), Stage::kAdmitted, {}};
+    for (SwaReuseStart const& start : starts) live.prompts.push_back(start.promptTokens);
+    mLive.push_back(std::make_unique<Live>(std::move(live)));
+  }
+
+  void act(std::size_t index) {
+    Live& live = *mLive[index];
+    double const r = uniform();
+    if (r < 0.08 || live.stage == Stage::kFinishing) {
+      finish(index);
+    } else if (r < 0.12) {
+      freeSlots(live);
+      mLive.erase(mLive.begin() + static_cast<std::ptrdiff_t>(index));  // abandoned
+    } else if (live.stage == Stage::kAdmitted) {
+      manager().preparePrefill(live.handle, live.prompts);
+      live.stage = Stage::kPrefilling;
+    } else if (live.stage == Stage::kPrefilling) {
+      publishPromptBlocks(live);
+      manager().completePrefill(live.handle);
+      live.stage = Stage::kDecoding;
+    } else if (r < 0.2 && manager().batchSize(live.handle) > 1) {
+      compact(index);
+    } else {
+      decode(live);
+    }
+  }
+
+  /// What the composed adapter does before completePrefill: publishes complete prompt blocks.
+  void publishPromptBlocks(Live& live) {
+    for (int32_t row = 0; row < manager().batchSize(live.handle); ++row) {
+      SwaSequenceState const& state = manager().state(live.handle, row);
+      for (SwaPageBinding const& binding : state.bindings) {
+        bool const complete = (binding.logicalPage + 1) * page() <= *state.pendingEndpoint;
+        if (complete && uniform() < 0.5) mSource.publish(binding.page);
+      }
+    }
+  }
+
+  void decode(Live& live) {
+    SwaKVCacheStatus const status = manager().prepareDecodeStep(live.handle);
+    if (status != SwaKVCacheStatus::kOk) {
+      EXPECT_EQ(status, SwaKVCacheStatus::kRequestFailed);
+      live.stage = Stage::kFinishing;
+      return;
+    }
+    check();
+    manager().completeDecodeStep(live.handle);
+    ++decodeSteps;
+  }
+
+  void compact(std::size_t index) {
+    Live& live = *mLive[index];
+    auto const batch = static_cast<std::size_t>(manager().batchSize(live.handle));
+    std::vector<int32_t> mapping(batch, -1);
+    int32_t kept = 0;
+    std::vector<CacheSlot> dropped;
+    for (std::size_t i = 0; i < batch; ++i) {
+      if (uniform() < 0.6) {
+        mapping[i] = kept++;
+      } else {
+        dropped.push_back(manager().state(live.handle, static_cast<int32_t>(i)).resident.slot);
+      }
+    }
+    manager().beginBatchCompaction(live.handle, mapping, kept, mRig->mapping());
+    bool const fail = uniform() < 0.15;
+    if (fail) mRig->faults().failNext();
+    SwaKVCacheStatus const status = manager().compactBatch(live.handle);
+    mRig->faults().disarm();
+    if (fail) {
+      EXPECT_EQ(status, SwaKVCacheStatus::kPoisoned);
+      ++quarantines;
+      mLive.erase(mLive.begin() + static_cast<std::ptrdiff_t>(index));  // slots stay busy
+      return;
+    }
+    EXPECT_EQ(status, SwaKVCacheStatus::kOk);
+    for (CacheSlot slot : dropped) {
+      EXPECT_EQ(manager().residentRowState(slot), ResidentRowState::kFree);
+      mSlotBusy[static_cast<std::size_t>(slot)] = false;
+    }
+    if (kept == 0) live.stage = Stage::kFinishing;
+  }
+
+  void finish(std::size_t index) {
+    Live& live = *mLive[index];
+    bool const fail = live.stage == Stage::kPrefilling && uniform() < 0.3;
+    std::vector<CacheSlot> slots;
+    for (int32_t row = 0; row < manager().batchSize(live.handle); ++row) {
+      slots.push_back(manager().state(live.handle, row).resident.slot);
+    }
+    if (fail) mRig->faults().failNext();
+    SwaKVCacheStatus const status = manager().finish(live.handle);
+    mRig->faults().disarm();
+    if (fail) {
+      EXPECT_EQ(status, SwaKVCacheStatus::kPoisoned);
+      ++quarantines;
+    } else {
+      EXPECT_EQ(status, manager().poisoned() ? SwaKVCacheStatus::kPoisoned : SwaKVCacheStatus::kOk);
+      for (CacheSlot slot : slots) mSlotBusy[static_cast<std::size_t>(slot)] = false;
+    }
+    mLive.erase(mLive.begin() + static_cast<std::ptrdiff_t>(index));
+  }
+
+  void shutdown() {
+    SwaKVCacheStatus const status = manager().shutdown();
+    EXPECT_EQ(status, mLive.empty() ? SwaKVCacheStatus::kOk : SwaKVCacheStatus::kRequestFailed);
+    EXPECT_EQ(manager().quarantinedPageCount(), 0);
+    refreshSlots();
+  }
+
+  void freeSlots(Live const& live) {
+    for (int32_t row = 0; row < manager().batchSize(live.handle); ++row) {
+      mSlotBusy[static_cast<std::size_t>(manager().state(live.handle, row).resident.slot)] = false;
+    }
+  }
+  /// After shutdown: the quarantined requests' rows are free again.
+  void refreshSlots() {
+    for (int32_t slot = 0; slot < kSlots; ++slot) {
+      mSlotBusy[static_cast<std::size_t>(slot)] =
+          manager().residentRowState(slot) != ResidentRowState::kFree;
+    }
+  }
+
+  void check() {
+    std::vector<Handle const*> handles;
+    for (auto const& live : mLive) {
+      handles.push_back(&live->handle);
+      if (live->stage != Stage::kDecoding) continue;
+      for (int32_t row = 0; row < manager().batchSize(live->handle); ++row) {
+        EXPECT_LE(manager().state(live->handle, row).heldPages(),
+                  manager().decodePagesPerSequence());
+      }
+    }
+    expectSourceAgrees(mSource, manager(), handles);
+  }
+
+  TestPageSource mSource;
+  std::unique_ptr<SwaRig> mRig;
+  std::mt19937_64 mRandom;
+  std::vector<std::unique_ptr<Live>> mLive;
+  std::vector<bool> mSlotBusy;
+};
+
+class BoundedSwaPageSourcePropertyTest
+    : public ::testing::TestWithParam<std::tuple<DeviceType, CachedGeometry>> {};
+
+TEST_P(BoundedSwaPageSourcePropertyTest, RandomLifecyclesKeepTheSourceAndTheManagerInAgreement) {
+  auto const [device, geometry] = GetParam();
+  if (device == DeviceType::kGPU && !cudaDeviceAvailable()) {
+    GTEST_SKIP() << "no CUDA device";
+  }
+  CachedLifecycleRun run(device, geometry);
+  int64_t const steps = device == DeviceType::kCPU ? 4000 : 800;
+  for (int64_t i = 0; i < steps && !HasFailure(); ++i) {
+    run.step();
+  }
+  run.drain();
+  RecordProperty("coverage", "admitted " + std::to_string(run.admitted) + ", refused " +
+                                 std::to_string(run.refused) + ", reused starts " +
+                                 std::to_string(run.reusedStarts) + ", decode steps " +
+                                 std::to_string(run.decodeSteps) + ", quarantines " +
+                                 std::to_string(run.quarantines));
+  // Every path was taken.
+  EXPECT_GT(run.admitted, 20);
+  EXPECT_GT(run.refused, 0);
+  EXPECT_GT(run.reusedStarts, 10);
+  EXPECT_GT(run.decodeSteps, 200);
+  EXPECT_GT(run.quarantines, 0);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Random, BoundedSwaPageSourcePropertyTest,
+    ::testing::Combine(::testing::Values(DeviceType::kCPU, DeviceType::kGPU),
+                       ::testing::Values(CachedGeometry{40, 16, 7}, CachedGeometry{17, 16, 11},
+                                         CachedGeometry{64, 16, 23})),
+    [](auto const& testInfo) {
+      auto const& geometry = std::get<1>(testInfo.param);
+      return std::string(std::get<0>(testInfo.param) == DeviceType::kCPU ? "Cpu" : "Gpu") + "_W" +
+             std::to_string(geometry.window) + "_P" + std::to_string(geometry.pageSize);
+    });
 
 }  // namespace
 }  // namespace mkv::swa_test
