@@ -12,7 +12,6 @@
 
 #include "core/check.h"
 #include "mkv/bounded_swa_kv_page_manager.h"
-#include "resources/request_registry.h"
 #include "swa/bounded_swa_kv_page_manager_internal.h"
 
 namespace mkv {
