@@ -2,7 +2,8 @@
 /// \file bounded_swa_kv_page_manager.h
 /// Sliding-window layers keep only their last W tokens, in a bounded set of rotating pages per
 /// sequence. Window arithmetic, page budget, state machine and a worked example:
-/// docs/architecture.md, "Bounded SWA".
+/// docs/architecture.md, "Bounded SWA"; the cached mode (pages from a SwaPageSource, prefill
+/// from a reused prefix): "Sliding windows with context reuse".
 
 #include <cstdint>
 #include <deque>
@@ -17,6 +18,7 @@
 #include "mkv/recurrent_state_pool.h"
 #include "mkv/resident_slot_pool.h"
 #include "mkv/stream.h"
+#include "mkv/swa_page_source.h"
 #include "mkv/tensor.h"
 #include "mkv/types.h"
 
@@ -37,14 +39,19 @@ struct SwaPageBinding {
 /// Observable state of one sequence (execution row) of a request.
 struct SwaSequenceState {
   ResidentRef resident;
-  /// Tokens whose KV exists (committed endpoint e). A staged transition is `pendingEndpoint`.
+  /// Tokens whose KV exists (committed endpoint e; in cached mode the reused start from
+  /// admission to completePrefill). A staged transition is `pendingEndpoint`.
   int32_t endpoint = 0;
   std::optional<int32_t> pendingEndpoint;
   /// Retained logical pages [retainedBegin, retainedEnd) for the endpoint (pending one when a
   /// transition is staged): [floor(max(0, e - W) / P), ceil(e / P)).
   int32_t retainedBegin = 0;
   int32_t retainedEnd = 0;
-  /// Mapped pages, ascending logical page.
+  /// Mapped pages, ascending logical page. In cached mode they hold, from admission, the reused
+  /// window pages (mapped by preparePrefill) and, from preparePrefill to completePrefill, every
+  /// page the prefill writes as well: [floor(max(0, start - W) / P), ceil(L / P)), including
+  /// the pages below retainedBegin that completePrefill retires (the complete prompt blocks a
+  /// cache publishes before completePrefill).
   std::deque<SwaPageBinding> bindings;
   /// Pages held by the sequence but unmapped (its private reserve).
   std::vector<PageId> reservedPages;
@@ -63,10 +70,27 @@ struct BoundedSwaConfig {
   int32_t windowTokens = 0;  ///< W: attention window of the sliding layers, in tokens
 };
 
+/// Where a sequence of a cached-mode manager starts (BoundedSwaKVPageManager::beginRequest with
+/// starts): one per resident.
+struct SwaReuseStart {
+  /// L: the prompt length the prefill executes through (preparePrefill's length, exactly).
+  int32_t promptTokens = 0;
+  /// s: tokens reused from the cache, a multiple of P in [0, promptTokens).
+  int32_t startTokens = 0;
+  /// The page source's pages of logical pages [floor(max(0, s - W) / P), s / P), ascending
+  /// (exactly that many, each cached or held in the source): the reused window before s.
+  std::vector<PageId> windowPages;
+};
+
 /// Borrowed physical resources the manager drives. All must outlive the manager.
 struct BoundedSwaResources {
-  /// Reduced pool of the sliding-window layers; its page ids are this manager's to hand out.
+  /// Reduced pool of the sliding-window layers. Without a page source its page ids are this
+  /// manager's to hand out.
   KVCachePool* swaPool = nullptr;
+  /// Cached mode: the owner of swaPool's pages (free pages and cached window blocks; not owned,
+  /// totalPages() == swaPool's pages). The manager then keeps no free list: it takes every page
+  /// there (allocate, hold) and gives every one back there (release).
+  SwaPageSource* pageSource = nullptr;
   /// Sparse-window page table over swaPool's ids, one row per resident slot.
   KVPageTable* swaPageTable = nullptr;
   /// Pools whose KV-length tensors follow the request: reset to 0 at preparePrefill and
@@ -99,6 +123,16 @@ struct BoundedSwaResources {
 /// Faults: a failed stream synchronisation (finish, compaction, abandonment) poisons the
 /// manager and quarantines the request's pages (never reused while a kernel might touch
 /// them); beginRequest then returns kPoisoned until shutdown() drains the quarantine.
+///
+/// Cached mode (resources.pageSource set; docs/architecture.md, "Sliding windows with context
+/// reuse"): a sequence starts at a reused page-aligned prefix s with the held window pages
+/// before it, and reserves ceil(L / P) - s / P + 1 private pages (its prompt's executed pages
+/// plus one spare), so that its prefill writes the sliding KV of every executed prompt
+/// position. completePrefill retires every page outside the window of L to the source
+/// (pageSource->release: a published or shared page stays cached there) and keeps one spare:
+/// a decoding sequence still holds at most M + 1 pages. Decode retires to the source and takes
+/// its next spare there; finish, compaction, abandonment and shutdown's drain release every
+/// held page to the source.
 ///
 /// Limits: vanilla one-token decode only (headroom {1,0}, kCommittedPlusLookahead, not
 /// speculative), no in-flight admission. All calls use the construction stream.
@@ -161,23 +195,46 @@ class BoundedSwaKVPageManager {
   /// kPoisoned when poisoned; kRequestFailed (nothing changed) when the free pages do not cover
   /// the batch. Throws for a foreign stream, an empty or oversized batch, residents out of
   /// range, with epoch 0, repeated, stale (resources.residentSlots does not hold them with that
-  /// epoch), or already held by another active request.
+  /// epoch), or already held by another active request, and in cached mode.
   BeginRequestResult beginRequest(std::span<ResidentRef const> residents, cudaStream_t stream);
+  /// Cached mode: admits a batch whose sequence i starts at starts[i] (see SwaReuseStart). Each
+  /// sequence holds its window pages (pageSource->hold) and reserves ceil(L / P) - s / P + 1
+  /// private pages (pageSource->allocate), all or nothing for the batch: every window page is
+  /// held first, then the private pages are allocated in one call; when that fails the holds are
+  /// released and the result is kRequestFailed with nothing changed. kPoisoned as above. Throws
+  /// (nothing changed) for what the other overload throws for, without a page source, for a
+  /// start count other than the batch, L outside (0, maxPagesPerSeq * P], s not a multiple of P
+  /// in [0, L), a window page count other than s / P - floor(max(0, s - W) / P), a window page
+  /// outside the pool or repeated in one sequence, and for what pageSource->hold throws for.
+  BeginRequestResult beginRequest(std::span<ResidentRef const> residents, cudaStream_t stream,
+                                  std::span<SwaReuseStart const> starts);
 
   /// Maps each sequence's retained window for its executed prefill length and uploads the
   /// table patch; resets the length pools to 0 for the batch. Call after embeddings and token
   /// pruning fixed the lengths. Throws for a wrong phase, a length count that differs from the
   /// batch, a length outside (0, maxPagesPerSeq * P], or length pools that still follow
   /// another active request.
+  /// Cached mode: each length must be the sequence's promptTokens (throws otherwise); maps
+  /// logical pages [floor(max(0, s - W) / P), ceil(L / P)) (the held window pages, then private
+  /// pages from the reserve) in one table upload and sets the length pools' rows to s.
   void preparePrefill(RequestHandle& handle, std::span<int32_t const> inputLengths);
   /// Commits the prefill transition, retires pages that left the window, and trims each
   /// sequence to M + 1 held pages. No synchronisation: call after the runtime's completion point.
+  /// Cached mode: every mapped page outside [floor(max(0, L - W) / P), ceil(L / P)) goes to
+  /// pageSource->release; the sequence keeps one spare and releases the rest of its reserve.
   void completePrefill(RequestHandle& handle);
   /// Stages endpoint + 1 for every sequence (at most one new page mapped and one page staged
   /// for retirement each) and uploads the patch. kRequestFailed (the request is finishing)
-  /// when a sequence would pass the table width.
+  /// when a sequence would pass the table width, or (cached mode) needs a page, has no spare
+  /// and the page source has no page for it.
   SwaKVCacheStatus prepareDecodeStep(RequestHandle& handle);
   /// Commits the step and retires pages that left the window.
+  /// Cached mode: a retired page goes to pageSource->release and the sequence takes its next
+  /// spare with pageSource->allocate(1). That cannot fail when the release made the page
+  /// available; it can when another window still holds the page (a shared reused block) and
+  /// the source has nothing else: the sequence then has no spare, and the next
+  /// prepareDecodeStep that needs a page for it tries again and returns kRequestFailed when
+  /// the source still has none.
   void completeDecodeStep(RequestHandle& handle);
 
   /// Validates an order-preserving oldToNew mapping (size == batch; entries -1 or in
@@ -188,10 +245,12 @@ class BoundedSwaKVPageManager {
   void beginBatchCompaction(RequestHandle& handle, std::span<int32_t const> oldToNew,
                             int32_t newBatchSize, Tensor& deviceMapping);
   /// Clears dropped residents' rows, zeroes their recurrent rows, compacts the KV lengths with
-  /// one kernel, synchronises, then returns the dropped pages to the free list. A failed
+  /// one kernel, synchronises, then returns the dropped pages to the free list (cached mode:
+  /// releases them to the page source). A failed
   /// synchronisation: kPoisoned, the request is quarantined and the handle becomes invalid.
   SwaKVCacheStatus compactBatch(RequestHandle& handle);
-  /// Synchronises pending work, clears every row and releases all pages. An invalid handle
+  /// Synchronises pending work, clears every row and releases all pages (cached mode: to the
+  /// page source; quarantined requests keep theirs until shutdown). An invalid handle
   /// (already finished, or quarantined by a failed compaction) is a no-op. kPoisoned when the
   /// synchronisation fails (request quarantined) or the manager is poisoned, else kOk.
   SwaKVCacheStatus finish(RequestHandle& handle);
@@ -201,7 +260,12 @@ class BoundedSwaKVPageManager {
   SwaKVCacheStatus shutdown() noexcept;
 
   bool poisoned() const noexcept;
-  int32_t freePageCount() const noexcept { return static_cast<int32_t>(mFreePages.size()); }
+  /// Pages an admission can take now: the free list, or (cached mode) the page source's
+  /// availablePages().
+  int32_t freePageCount() const noexcept {
+    return mResources.pageSource != nullptr ? mResources.pageSource->availablePages()
+                                            : static_cast<int32_t>(mFreePages.size());
+  }
   int32_t totalPageCount() const noexcept;
   int32_t quarantinedPageCount() const noexcept;
   /// Requests quarantined by failed synchronisations, until shutdown() drains them.
@@ -209,7 +273,7 @@ class BoundedSwaKVPageManager {
   int32_t activeRequestCount() const noexcept;
   int32_t windowTokens() const noexcept { return mWindow; }
   int32_t tokensPerPage() const noexcept { return mPageSize; }
-  /// 2M + 1 (admission / prefill budget per sequence).
+  /// 2M + 1 (admission / prefill budget per sequence; cached mode: ceil(L / P) - s / P + 1).
   int32_t privatePagesPerSequence() const noexcept { return mAdmissionPages; }
   /// M + 1 (decode budget per sequence).
   int32_t decodePagesPerSequence() const noexcept { return mDecodePages; }
@@ -225,6 +289,36 @@ class BoundedSwaKVPageManager {
   enum class Phase : uint8_t { kAdmitted, kExecuting, kFinishing };
   enum class Pending : uint8_t;
   Request& request(RequestHandle const& handle, char const* call) const;
+  // Admission, in the order beginRequest calls them: the checks that throw, the poisoned
+  // outcome (false) and the busy check, the request with its capacities (the last allocation;
+  // pagesPerSequence bounds what each sequence ever holds), then publication (never throws).
+  void validateResidents(char const* call, std::span<ResidentRef const> residents,
+                         cudaStream_t stream) const;
+  bool residentsAvailable(char const* call, std::span<ResidentRef const> residents) const;
+  std::unique_ptr<Request> newRequest(std::span<ResidentRef const> residents,
+                                      std::span<int32_t const> pagesPerSequence);
+  BeginRequestResult publishRequest(std::unique_ptr<Request> created) noexcept;
+  /// Throws (naming `call`) unless preparePrefill may run with these lengths.
+  void requirePrefillInputs(char const* call, Request const& req,
+                            std::span<int32_t const> inputLengths) const;
+  // Cached mode (bounded_swa_cached_mode.cpp).
+  /// Throws unless `start` is valid for row `row`; returns its private pages ceil(L/P) - s/P + 1.
+  int32_t validateReuseStart(char const* call, std::size_t row, SwaReuseStart const& start) const;
+  /// Holds every window page of `created` in the source; on a throw releases those it held.
+  void holdWindowPages(Request const& created);
+  /// Releases the first `count` window pages of `created`, in holdWindowPages' order.
+  void releaseWindowPages(Request const& created, std::size_t count) noexcept;
+  /// preparePrefill's halves for one sequence: the private pages of logical pages
+  /// [s / P, ceil(L / P)) (may throw: a deque block), then the staging (maps every binding).
+  void appendPromptBindings(SwaSequenceState& state, int32_t promptTokens);
+  void stagePrompt(SwaSequenceState& state, int32_t promptTokens);
+  /// completePrefill of one sequence: retires to the source, keeps one spare.
+  void completeCachedPrefill(SwaSequenceState& state);
+  /// Cached mode: appends one page from the source to the reserve; false when it has none
+  /// (and always without a source).
+  bool takeSpare(SwaSequenceState& state);
+  /// To the page source, or (uncached) to the free list.
+  void releasePage(PageId page) noexcept;
   // A transition to a new endpoint in two halves, so that a batch stages all or nothing: the
   // first appends the bindings to map (pages from the sequence's reserve) and is the only one that
   // can throw (a deque block); the second never throws and stages the pages leaving the window.

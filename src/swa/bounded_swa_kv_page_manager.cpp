@@ -13,45 +13,13 @@
 #include "mkv/logging.h"
 #include "resources/backend_requests.h"
 #include "resources/request_registry.h"
+#include "swa/bounded_swa_kv_page_manager_internal.h"
 
 namespace mkv {
 
-/// Device work a request has enqueued and not yet seen complete; it names the only call that
-/// may complete it.
-enum class BoundedSwaKVPageManager::Pending : uint8_t {
-  kNone,
-  kPrefill,     // preparePrefill -> completePrefill
-  kDecode,      // prepareDecodeStep -> completeDecodeStep
-  kCompaction,  // beginBatchCompaction -> compactBatch
-};
-
-struct BoundedSwaKVPageManager::Request {
-  uint64_t id = 0;
-  Phase phase = Phase::kAdmitted;
-  Pending pending = Pending::kNone;
-  std::vector<SwaSequenceState> sequences;
-  std::vector<int32_t> mapping;  // pending compaction (old -> new), empty when none
-  int32_t newBatchSize = -1;
-  Tensor* deviceMapping = nullptr;
-  /// Device work is enqueued and not known complete: a finish or abandonment synchronises.
-  bool needsSynchronization() const noexcept { return pending != Pending::kNone; }
-};
-
-namespace {
-
-int32_t ceilDiv(int64_t a, int64_t b) { return static_cast<int32_t>((a + b - 1) / b); }
-
-// The pool's page size is a power of two: the per-step page arithmetic shifts instead of
-// dividing (three 64-bit divisions per sequence and step otherwise).
-int32_t pagesCovering(int32_t tokens, int32_t pageShift) {
-  return static_cast<int32_t>((int64_t{tokens} + (int64_t{1} << pageShift) - 1) >> pageShift);
-}
-
-int32_t retainedBeginFor(int32_t endpoint, int32_t window, int32_t pageShift) {
-  return static_cast<int32_t>(std::max<int64_t>(0, int64_t{endpoint} - window) >> pageShift);
-}
-
-}  // namespace
+using swa_detail::ceilDiv;
+using swa_detail::pagesCovering;
+using swa_detail::retainedBeginFor;
 
 // ---------------------------------------------------------------- RequestHandle
 
@@ -148,9 +116,15 @@ BoundedSwaKVPageManager::BoundedSwaKVPageManager(BoundedSwaConfig const& config,
   if (!mSynchronizer) {
     mSynchronizer = defaultStreamSynchronizer(pool.deviceType());
   }
-  mFreePages.reserve(static_cast<std::size_t>(pool.numPages()));
-  for (PageId page = pool.numPages() - 1; page >= 0; --page) {
-    mFreePages.push_back(page);  // pop_back hands out the lowest id first
+  if (mResources.pageSource != nullptr) {
+    MKV_REQUIRE(mResources.pageSource->totalPages() == pool.numPages(), kCall,
+                "the page source has {} pages but the SWA pool has {}",
+                mResources.pageSource->totalPages(), pool.numPages());
+  } else {
+    mFreePages.reserve(static_cast<std::size_t>(pool.numPages()));
+    for (PageId page = pool.numPages() - 1; page >= 0; --page) {
+      mFreePages.push_back(page);  // pop_back hands out the lowest id first
+    }
   }
   mResidentBusy.assign(static_cast<std::size_t>(table.maxBatch()), 0);
   mMappingUploads = std::make_unique<detail::Int32UploadRegions>(table.maxBatch(), table.maxBatch(),
@@ -222,58 +196,92 @@ SwaSequenceState const& BoundedSwaKVPageManager::state(RequestHandle const& hand
 
 // ---------------------------------------------------------------- admission
 
-BoundedSwaKVPageManager::BeginRequestResult BoundedSwaKVPageManager::beginRequest(
-    std::span<ResidentRef const> residents, cudaStream_t stream) {
-  constexpr char const* kCall = "BoundedSwaKVPageManager::beginRequest";
-  MKV_REQUIRE(stream == mStream, kCall, "stream {} differs from the construction stream {}",
+void BoundedSwaKVPageManager::validateResidents(char const* call,
+                                                std::span<ResidentRef const> residents,
+                                                cudaStream_t stream) const {
+  MKV_REQUIRE(stream == mStream, call, "stream {} differs from the construction stream {}",
               fmt::ptr(stream), fmt::ptr(mStream));
   int32_t const maxBatch = mResources.swaPageTable->maxBatch();
-  MKV_REQUIRE(!residents.empty() && residents.size() <= static_cast<std::size_t>(maxBatch), kCall,
+  MKV_REQUIRE(!residents.empty() && residents.size() <= static_cast<std::size_t>(maxBatch), call,
               "batch of {} residents outside [1, {}]", residents.size(), maxBatch);
   std::vector<uint8_t> seen(static_cast<std::size_t>(maxBatch), 0);
   for (std::size_t i = 0; i < residents.size(); ++i) {
-    detail::validateResident(kCall, i, residents[i], maxBatch, mResources.residentSlots, seen);
+    detail::validateResident(call, i, residents[i], maxBatch, mResources.residentSlots, seen);
   }
-  BeginRequestResult result;
+}
+
+bool BoundedSwaKVPageManager::residentsAvailable(char const* call,
+                                                 std::span<ResidentRef const> residents) const {
   // Poisoned first: a quarantined request still holds its residents, and the runtime may have
   // handed one of those slots out again; that is the poisoned outcome, not a contract error.
   if (mRequests->poisoned()) {
-    result.status = SwaKVCacheStatus::kPoisoned;
-    return result;
+    return false;
   }
   for (ResidentRef const ref : residents) {
-    detail::requireResidentFree(kCall, ref.slot, mResidentBusy);
+    detail::requireResidentFree(call, ref.slot, mResidentBusy);
+  }
+  return true;
+}
+
+std::unique_ptr<BoundedSwaKVPageManager::Request> BoundedSwaKVPageManager::newRequest(
+    std::span<ResidentRef const> residents, std::span<int32_t const> pagesPerSequence) {
+  auto created = std::make_unique<Request>();
+  created->id = mRequests->nextId();
+  created->sequences.resize(residents.size());
+  // A sequence never holds more than its admission pages, so with these capacities no
+  // transition, completion or release allocates (only bindings, a deque, may).
+  for (std::size_t i = 0; i < residents.size(); ++i) {
+    SwaSequenceState& state = created->sequences[i];
+    auto const pages = static_cast<std::size_t>(pagesPerSequence[i]);
+    state.resident = residents[i];
+    state.reservedPages.reserve(pages);
+    state.newBindings.reserve(pages);
+    state.pendingRetire.reserve(pages);
+  }
+  mRequests->reserveAdmission();  // publish and a later quarantine never allocate
+  return created;
+}
+
+BoundedSwaKVPageManager::BeginRequestResult BoundedSwaKVPageManager::publishRequest(
+    std::unique_ptr<Request> created) noexcept {
+  for (SwaSequenceState const& state : created->sequences) {
+    mResidentBusy[static_cast<std::size_t>(state.resident.slot)] = 1;
+  }
+  uint64_t const id = mRequests->publish(std::move(created));
+  BeginRequestResult result;
+  result.status = SwaKVCacheStatus::kOk;
+  result.request = RequestHandle(this, id);
+  return result;
+}
+
+BoundedSwaKVPageManager::BeginRequestResult BoundedSwaKVPageManager::beginRequest(
+    std::span<ResidentRef const> residents, cudaStream_t stream) {
+  constexpr char const* kCall = "BoundedSwaKVPageManager::beginRequest";
+  MKV_REQUIRE(mResources.pageSource == nullptr, kCall,
+              "the manager takes its pages from a page source: admit the {} residents with one "
+              "SwaReuseStart each",
+              residents.size());
+  validateResidents(kCall, residents, stream);
+  BeginRequestResult result;
+  if (!residentsAvailable(kCall, residents)) {
+    result.status = SwaKVCacheStatus::kPoisoned;
+    return result;
   }
   auto const needed = static_cast<std::size_t>(mAdmissionPages) * residents.size();
   if (needed > mFreePages.size()) {
     result.status = SwaKVCacheStatus::kRequestFailed;
     return result;
   }
-  auto created = std::make_unique<Request>();
-  created->id = mRequests->nextId();
-  created->sequences.resize(residents.size());
-  // A sequence never holds more than 2M + 1 pages, so with these capacities no transition,
-  // completion or release allocates (only bindings, a deque, may).
-  for (std::size_t i = 0; i < residents.size(); ++i) {
-    SwaSequenceState& state = created->sequences[i];
-    state.resident = residents[i];
-    state.reservedPages.reserve(static_cast<std::size_t>(mAdmissionPages));
-    state.newBindings.reserve(static_cast<std::size_t>(mAdmissionPages));
-    state.pendingRetire.reserve(static_cast<std::size_t>(mAdmissionPages));
-  }
-  mRequests->reserveAdmission();  // publish and a later quarantine never allocate
+  std::vector<int32_t> const pages(residents.size(), mAdmissionPages);
+  std::unique_ptr<Request> created = newRequest(residents, pages);
   // Nothing below throws: take the pages and publish the request.
   for (auto& state : created->sequences) {
     for (int32_t p = 0; p < mAdmissionPages; ++p) {
       state.reservedPages.push_back(mFreePages.back());
       mFreePages.pop_back();
     }
-    mResidentBusy[static_cast<std::size_t>(state.resident.slot)] = 1;
   }
-  uint64_t const id = mRequests->publish(std::move(created));
-  result.status = SwaKVCacheStatus::kOk;
-  result.request = RequestHandle(this, id);
-  return result;
+  return publishRequest(std::move(created));
 }
 
 // ---------------------------------------------------------------- window transitions
@@ -340,10 +348,7 @@ bool BoundedSwaKVPageManager::stageDecode(SwaSequenceState& state) {
     return false;
   }
   bool const needsPage = newEnd > state.retainedEnd;
-  if (needsPage && state.reservedPages.empty()) {
-    return false;
-  }
-  return true;
+  return !needsPage || !state.reservedPages.empty() || takeSpare(state);
 }
 
 void BoundedSwaKVPageManager::mapNewBindings(SwaSequenceState const& state) {
@@ -357,41 +362,65 @@ void BoundedSwaKVPageManager::retire(SwaSequenceState& state) {
              state.resident.slot);
   for (SwaPageBinding const& binding : state.pendingRetire) {
     mResources.swaPageTable->clearEntry(state.resident.slot, binding.logicalPage);
-    state.reservedPages.push_back(binding.page);
+    if (mResources.pageSource != nullptr) {
+      mResources.pageSource->release(binding.page);  // completion point passed
+    } else {
+      state.reservedPages.push_back(binding.page);
+    }
   }
   state.pendingRetire.clear();
   state.newBindings.clear();
   state.endpoint = *state.pendingEndpoint;
   state.pendingEndpoint.reset();
+  if (state.reservedPages.empty()) {
+    (void)takeSpare(state);  // cached mode; on failure the next step that needs a page retries
+  }
 }
 
 // ---------------------------------------------------------------- lifecycle
 
-void BoundedSwaKVPageManager::preparePrefill(RequestHandle& handle,
-                                             std::span<int32_t const> inputLengths) {
-  constexpr char const* kCall = "BoundedSwaKVPageManager::preparePrefill";
-  Request& req = request(handle, kCall);
-  MKV_REQUIRE(req.phase == Phase::kAdmitted && req.pending == Pending::kNone, kCall,
+void BoundedSwaKVPageManager::requirePrefillInputs(char const* call, Request const& req,
+                                                   std::span<int32_t const> inputLengths) const {
+  MKV_REQUIRE(req.phase == Phase::kAdmitted && req.pending == Pending::kNone, call,
               "prefill was already prepared for this request");
-  MKV_REQUIRE(inputLengths.size() == req.sequences.size(), kCall, "{} lengths for a batch of {}",
+  MKV_REQUIRE(inputLengths.size() == req.sequences.size(), call, "{} lengths for a batch of {}",
               inputLengths.size(), req.sequences.size());
   int64_t const maxTokens = int64_t{mResources.swaPageTable->maxPagesPerSeq()} * mPageSize;
   for (std::size_t i = 0; i < inputLengths.size(); ++i) {
-    MKV_REQUIRE(inputLengths[i] > 0 && inputLengths[i] <= maxTokens, kCall,
+    MKV_REQUIRE(inputLengths[i] > 0 && inputLengths[i] <= maxTokens, call,
                 "length {} of row {} outside (0, {}]", inputLengths[i], i, maxTokens);
+  }
+  for (std::size_t i = 0; i < req.promptTokens.size(); ++i) {  // cached mode
+    MKV_REQUIRE(inputLengths[i] == req.promptTokens[i], call,
+                "length {} of row {} differs from its admitted promptTokens {}", inputLengths[i], i,
+                req.promptTokens[i]);
   }
   // The KV-length tensors are execution-ordered for one batch: resetting them for this request
   // would overwrite the lengths another active request's kernels read.
   // A request that left (finished, abandoned, quarantined) no longer owns them.
   uint64_t const owner = mRequests->find(mLengthOwner) != nullptr ? mLengthOwner : 0;
-  MKV_REQUIRE(mResources.lengthPools.empty() || owner == 0 || owner == req.id, kCall,
+  MKV_REQUIRE(mResources.lengthPools.empty() || owner == 0 || owner == req.id, call,
               "the KV-length pools follow request {}, still active; request {} cannot reset them",
               owner, req.id);
+}
+
+void BoundedSwaKVPageManager::preparePrefill(RequestHandle& handle,
+                                             std::span<int32_t const> inputLengths) {
+  constexpr char const* kCall = "BoundedSwaKVPageManager::preparePrefill";
+  Request& req = request(handle, kCall);
+  requirePrefillInputs(kCall, req, inputLengths);
+  bool const cached = mResources.pageSource != nullptr;
   // Whatever can fail comes first and is undone on failure: the request stays admitted.
-  std::vector<int32_t> const zeros(req.sequences.size(), 0);
+  // The length rows start at the tokens whose KV exists: 0, or a cached sequence's start.
+  std::vector<int32_t> startLengths(req.sequences.size());
   try {
     for (std::size_t i = 0; i < inputLengths.size(); ++i) {
-      appendBindings(req.sequences[i], inputLengths[i], kCall);
+      startLengths[i] = req.sequences[i].endpoint;
+      if (cached) {
+        appendPromptBindings(req.sequences[i], inputLengths[i]);
+      } else {
+        appendBindings(req.sequences[i], inputLengths[i], kCall);
+      }
     }
   } catch (...) {
     for (SwaSequenceState& state : req.sequences) {
@@ -402,15 +431,19 @@ void BoundedSwaKVPageManager::preparePrefill(RequestHandle& handle,
   for (std::size_t i = 0; i < inputLengths.size(); ++i) {
     SwaSequenceState& state = req.sequences[i];
     mResources.swaPageTable->clearRow(state.resident.slot);
-    commitWindow(state, inputLengths[i]);
-    mapNewBindings(state);
+    if (cached) {
+      stagePrompt(state, inputLengths[i]);
+    } else {
+      commitWindow(state, inputLengths[i]);
+      mapNewBindings(state);
+    }
   }
   // The rows and every pool's lengths in one launch (a launch costs the engine thread 4-5 µs:
   // docs/benchmarks.md, "What one launch costs the engine thread").
   mDeviceWrites.flushAfter(mStream, [&] {
     mResources.swaPageTable->uploadDirty(mDeviceWrites, mStream);
     for (KVCachePool* lengths : mResources.lengthPools) {
-      lengths->resetForNewSequences(zeros, mDeviceWrites, mStream);
+      lengths->resetForNewSequences(startLengths, mDeviceWrites, mStream);
     }
   });
   if (!mResources.lengthPools.empty()) {
@@ -425,14 +458,19 @@ void BoundedSwaKVPageManager::completePrefill(RequestHandle& handle) {
   Request& req = request(handle, kCall);
   MKV_REQUIRE(req.pending == Pending::kPrefill, kCall, "no prepared prefill to complete");
   for (SwaSequenceState& state : req.sequences) {
-    retire(state);
-    // Beyond the reference: decode needs at most M + 1 held pages; return the surplus.
-    while (state.heldPages() > mDecodePages && !state.reservedPages.empty()) {
-      mFreePages.push_back(state.reservedPages.back());
-      state.reservedPages.pop_back();
+    if (mResources.pageSource != nullptr) {
+      completeCachedPrefill(state);
+    } else {
+      retire(state);
+      // Beyond the reference: decode needs at most M + 1 held pages; return the surplus.
+      while (state.heldPages() > mDecodePages && !state.reservedPages.empty()) {
+        mFreePages.push_back(state.reservedPages.back());
+        state.reservedPages.pop_back();
+      }
     }
-    MKV_ASSERT(!state.reservedPages.empty(), "slot {} has no replacement page after prefill",
-               state.resident.slot);
+    MKV_ASSERT(!state.reservedPages.empty() && state.heldPages() <= mDecodePages,
+               "slot {} holds {} pages after prefill ({} spare), the decode budget is {}",
+               state.resident.slot, state.heldPages(), state.reservedPages.size(), mDecodePages);
   }
   req.pending = Pending::kNone;
 }
@@ -602,15 +640,23 @@ bool BoundedSwaKVPageManager::synchronize() noexcept {
   return true;
 }
 
+void BoundedSwaKVPageManager::releasePage(PageId page) noexcept {
+  if (mResources.pageSource != nullptr) {
+    mResources.pageSource->release(page);
+  } else {
+    mFreePages.push_back(page);  // within the capacity reserved at construction
+  }
+}
+
 void BoundedSwaKVPageManager::releaseSequence(SwaSequenceState& state) noexcept {
   for (SwaPageBinding const& binding : state.bindings) {
-    mFreePages.push_back(binding.page);
+    releasePage(binding.page);
   }
   for (SwaPageBinding const& binding : state.pendingRetire) {
-    mFreePages.push_back(binding.page);
+    releasePage(binding.page);
   }
   for (PageId page : state.reservedPages) {
-    mFreePages.push_back(page);
+    releasePage(page);
   }
   state.bindings.clear();
   state.pendingRetire.clear();

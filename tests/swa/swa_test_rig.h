@@ -48,6 +48,8 @@ struct RigConfig {
   bool withRecurrent = true;
   /// The SWA pool and a second (full-attention) pool follow the request's KV lengths.
   bool withLengthPools = true;
+  /// Cached mode (BoundedSwaResources::pageSource); it must outlive the rig.
+  SwaPageSource* pageSource = nullptr;
 };
 
 /// Everything a BoundedSwaKVPageManager drives, owned in construction order.
@@ -72,6 +74,7 @@ class SwaRig {
     BoundedSwaResources resources;
     resources.swaPool = mPool.get();
     resources.swaPageTable = mTable.get();
+    resources.pageSource = config.pageSource;
     if (config.withLengthPools) {
       KVCachePoolConfig fullConfig = poolConfig;
       fullConfig.numPages = 1;
