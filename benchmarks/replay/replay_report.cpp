@@ -127,7 +127,7 @@ double ratio(int64_t part, int64_t whole) {
 std::string kvPoolsText(ReplayResult const& r) {
   std::string out;
   for (KvPoolUsage const& pool : r.pools) {
-    out += fmt::format("{}{} {} pages x {}", out.empty() ? "" : ", ", pool.name,
+    out += fmt::format("{}{} {} pages x {}", out.empty() ? "" : ", ", toString(pool.kind),
                        grouped(pool.pages), bytes(pool.bytesPerPage));
   }
   out += fmt::format(" = {}", bytes(r.kvBytes));
@@ -140,7 +140,7 @@ std::string kvPoolsText(ReplayResult const& r) {
 nlohmann::ordered_json kvPoolsJson(ReplayResult const& r) {
   nlohmann::ordered_json pools = nlohmann::ordered_json::array();
   for (KvPoolUsage const& pool : r.pools) {
-    pools.push_back({{"name", pool.name},
+    pools.push_back({{"name", toString(pool.kind)},
                      {"pages", pool.pages},
                      {"bytes_per_page", pool.bytesPerPage},
                      {"bytes", pool.pages * pool.bytesPerPage},

@@ -448,15 +448,15 @@ class Runner {
 
   /// Every device KV pool of the runtime, in the order full, swa, draft, and their bytes in all.
   void describePools() {
-    auto add = [this](std::string_view name, KVCachePool const* pool) {
+    auto add = [this](KvPoolKind kind, KVCachePool const* pool) {
       if (pool != nullptr) {
-        mResult.pools.push_back(KvPoolUsage{std::string(name), pool->numPages(),
-                                            KVCachePool::bytesPerPage(pool->config())});
+        mResult.pools.push_back(
+            KvPoolUsage{kind, pool->numPages(), KVCachePool::bytesPerPage(pool->config())});
       }
     };
-    add("full", mRuntime->fullPool());
-    add("swa", mRuntime->swaPool());
-    add("draft", mRuntime->draftPool());
+    add(KvPoolKind::kFull, mRuntime->fullPool());
+    add(KvPoolKind::kSwa, mRuntime->swaPool());
+    add(KvPoolKind::kDraft, mRuntime->draftPool());
     mResult.kvBytes = mRuntime->kvBytes();
   }
 
@@ -468,9 +468,9 @@ class Runner {
     bool const bounded = r.backend == KVCacheBackend::kBoundedSwa;
     r.peakKvBytes = 0;
     for (KvPoolUsage& pool : r.pools) {
-      if (pool.name == "draft") {
+      if (pool.kind == KvPoolKind::kDraft) {
         pool.peakPagesInUse = stats.peakDraftPagesInUse;
-      } else if (pool.name == "full" && bounded) {
+      } else if (pool.kind == KvPoolKind::kFull && bounded) {
         pool.peakPagesInUse = pool.pages;
       } else {
         pool.peakPagesInUse = stats.peakPagesInUse;
@@ -905,6 +905,18 @@ std::string_view toString(ReplayMode mode) noexcept {
       return "swa";
     case ReplayMode::kFull:
       return "full";
+  }
+  return "unknown";
+}
+
+std::string_view toString(KvPoolKind kind) noexcept {
+  switch (kind) {
+    case KvPoolKind::kFull:
+      return "full";
+    case KvPoolKind::kSwa:
+      return "swa";
+    case KvPoolKind::kDraft:
+      return "draft";
   }
   return "unknown";
 }

@@ -104,9 +104,17 @@ class ReplayConfigError : public std::invalid_argument {
   using std::invalid_argument::invalid_argument;
 };
 
+/// The device KV pools a runtime may have.
+enum class KvPoolKind : uint8_t {
+  kFull,   ///< the full-attention layers (every attention layer outside bounded SWA)
+  kSwa,    ///< the sliding layers' bounded pool
+  kDraft,  ///< the paged draft's
+};
+std::string_view toString(KvPoolKind kind) noexcept;  ///< "full", "swa", "draft"
+
 /// One device KV pool of the runtime (K and V of every layer it stores).
 struct KvPoolUsage {
-  std::string name;  ///< "full", "swa" (the sliding layers' pool) or "draft"
+  KvPoolKind kind = KvPoolKind::kFull;
   int64_t pages = 0;
   int64_t bytesPerPage = 0;
   int64_t peakPagesInUse = 0;  ///< most pages not free at once (an identity-mapped pool: all)

@@ -244,7 +244,7 @@ TEST(ReplayRunnerTest, SwaKeepsTheBoundedBudget) {
   EXPECT_GT(result.oracleChecks, 0);
   // Without full layers the SWA pool is the only KV pool.
   ASSERT_EQ(result.pools.size(), 1u);
-  EXPECT_EQ(result.pools[0].name, "swa");
+  EXPECT_EQ(result.pools[0].kind, KvPoolKind::kSwa);
   EXPECT_EQ(result.pools[0].pages, result.poolPages);
   EXPECT_EQ(result.pools[0].peakPagesInUse, result.peakPagesInUse);
   EXPECT_EQ(result.kvBytes, result.poolPages * result.bytesPerPage);
@@ -267,10 +267,10 @@ TEST(ReplayRunnerTest, SwaWithFullLayersCountsTheIdentityMappedPool) {
   ASSERT_EQ(result.pools.size(), 2u);
   KvPoolUsage const& full = result.pools[0];
   KvPoolUsage const& swa = result.pools[1];
-  EXPECT_EQ(full.name, "full");
+  EXPECT_EQ(full.kind, KvPoolKind::kFull);
   EXPECT_EQ(full.pages, 12);
   EXPECT_EQ(full.peakPagesInUse, full.pages);
-  EXPECT_EQ(swa.name, "swa");
+  EXPECT_EQ(swa.kind, KvPoolKind::kSwa);
   EXPECT_EQ(swa.pages, result.poolPages);
   EXPECT_EQ(result.kvBytes, full.pages * full.bytesPerPage + swa.pages * swa.bytesPerPage);
   EXPECT_EQ(result.peakKvBytes,
@@ -313,7 +313,7 @@ TEST(ReplayRunnerTest, AKvBudgetBuysWholeFullPagesInReuseAndFullMode) {
     EXPECT_EQ(result.bytesPerPage, page);
     EXPECT_EQ(result.poolPages, 20);
     ASSERT_EQ(result.pools.size(), 1u);
-    EXPECT_EQ(result.pools[0].name, "full");
+    EXPECT_EQ(result.pools[0].kind, KvPoolKind::kFull);
     EXPECT_EQ(result.pools[0].pages, 20);
     EXPECT_EQ(result.pools[0].bytesPerPage, page);
     EXPECT_EQ(result.kvBytes, 20 * page);
@@ -339,10 +339,10 @@ TEST(ReplayRunnerTest, AKvBudgetPairsEveryFullPageWithItsDraftPage) {
   TraceSource source = traceSource(kTiny);
   ReplayResult const result = runReplay(source, config);
   ASSERT_EQ(result.pools.size(), 2u);
-  EXPECT_EQ(result.pools[0].name, "full");
+  EXPECT_EQ(result.pools[0].kind, KvPoolKind::kFull);
   EXPECT_EQ(result.pools[0].pages, 30);
   EXPECT_EQ(result.pools[0].bytesPerPage, 4096);
-  EXPECT_EQ(result.pools[1].name, "draft");
+  EXPECT_EQ(result.pools[1].kind, KvPoolKind::kDraft);
   EXPECT_EQ(result.pools[1].pages, 30);
   EXPECT_EQ(result.pools[1].bytesPerPage, 8192);
   EXPECT_EQ(result.pools[1].peakPagesInUse, result.peakDraftPagesInUse);
@@ -396,9 +396,9 @@ TEST(ReplayRunnerTest, ASwaKvBudgetChargesTheIdentityMappedPoolFirstAndBuysSlidi
   ReplayResult const result = runReplay(source, config);
   EXPECT_EQ(result.maxBatch, 2);
   ASSERT_EQ(result.pools.size(), 2u);
-  EXPECT_EQ(result.pools[0].name, "full");
+  EXPECT_EQ(result.pools[0].kind, KvPoolKind::kFull);
   EXPECT_EQ(result.pools[0].pages, 24);
-  EXPECT_EQ(result.pools[1].name, "swa");
+  EXPECT_EQ(result.pools[1].kind, KvPoolKind::kSwa);
   EXPECT_EQ(result.pools[1].pages, 17);
   EXPECT_EQ(result.poolPages, 17);
   EXPECT_EQ(result.kvBytes, 41 * 4096);
