@@ -188,6 +188,12 @@ CliOptions parseArguments(int argc, char** argv) {
   auto* poolTokens =
       option("--pool-tokens", "N", "pool size in tokens, rounded down to whole pages",
              pool(PoolSizing::kTokens));
+  auto* budget = option(
+      "--kv-budget-bytes", "B",
+      "device bytes for every KV pool (K and V of every layer: full, sliding, draft), split by "
+      "the mode (docs/replay.md, \"KV budget\"); the host tier, recurrent state and snapshots "
+      "are not KV and not in B",
+      pool(PoolSizing::kBudgetBytes));
   auto* eviction = option(
       "--eviction", "P",
       "reuse: victim order of cached records, s3fifo (default) or lru (docs/context_cache.md)",
@@ -349,8 +355,8 @@ CliOptions parseArguments(int argc, char** argv) {
     }
     throw UsageError(fmt::format("unknown option '{}' (see --help)", arg.substr(0, arg.find('='))));
   }
-  if (poolPages->count() > 0 && poolTokens->count() > 0) {
-    throw UsageError("give the pool size once: --pool-pages or --pool-tokens");
+  if ((poolPages->count() > 0) + (poolTokens->count() > 0) + (budget->count() > 0) > 1) {
+    throw UsageError("give the pool size once: --pool-pages, --pool-tokens or --kv-budget-bytes");
   }
   if (options.format && !options.trace) {
     throw UsageError("--format applies to --trace only");

@@ -71,6 +71,8 @@ std::string poolSizingText(ReplayResult const& r) {
       return fmt::format("--pool-pages {}", r.config.poolAmount);
     case PoolSizing::kTokens:
       return fmt::format("--pool-tokens {}, rounded down to whole pages", r.config.poolAmount);
+    case PoolSizing::kBudgetBytes:
+      return fmt::format("--kv-budget-bytes {}, split between the KV pools", r.config.poolAmount);
   }
   return "";
 }
@@ -83,6 +85,8 @@ std::string_view poolSizingKey(PoolSizing sizing) {
       return "pages";
     case PoolSizing::kTokens:
       return "tokens";
+    case PoolSizing::kBudgetBytes:
+      return "budget";
   }
   return "unknown";
 }
@@ -117,6 +121,32 @@ std::string number(double value) {
 
 double ratio(int64_t part, int64_t whole) {
   return whole > 0 ? static_cast<double>(part) / static_cast<double>(whole) : 0.0;
+}
+
+/// Every device KV pool: pages x bytes per page each, and their bytes in all (of the budget).
+std::string kvPoolsText(ReplayResult const& r) {
+  std::string out;
+  for (KvPoolUsage const& pool : r.pools) {
+    out += fmt::format("{}{} {} pages x {}", out.empty() ? "" : ", ", toString(pool.kind),
+                       grouped(pool.pages), bytes(pool.bytesPerPage));
+  }
+  out += fmt::format(" = {}", bytes(r.kvBytes));
+  if (r.config.poolSizing == PoolSizing::kBudgetBytes) {
+    out += fmt::format(" of a {} budget", bytes(r.config.poolAmount));
+  }
+  return out;
+}
+
+nlohmann::ordered_json kvPoolsJson(ReplayResult const& r) {
+  nlohmann::ordered_json pools = nlohmann::ordered_json::array();
+  for (KvPoolUsage const& pool : r.pools) {
+    pools.push_back({{"name", toString(pool.kind)},
+                     {"pages", pool.pages},
+                     {"bytes_per_page", pool.bytesPerPage},
+                     {"bytes", pool.pages * pool.bytesPerPage},
+                     {"peak_pages_in_use", pool.peakPagesInUse}});
+  }
+  return pools;
 }
 
 /// Hybrid checkpoint reuse: the summary's lines after the oracle's.
@@ -243,6 +273,7 @@ std::string formatSummary(ReplayResult const& r) {
   line("pool", fmt::format("{} pages = {} tokens, {} ({})", grouped(r.poolPages),
                            grouped(r.poolPages * c.pageSize), bytes(r.poolPages * r.bytesPerPage),
                            poolSizingText(r)));
+  line("KV pools", kvPoolsText(r));
   std::string batch = fmt::format("{}", r.maxBatch);
   if (r.maxBatch != c.maxBatch) {
     batch += fmt::format(" (--max-batch {} limited by the pool)", c.maxBatch);
@@ -274,8 +305,10 @@ std::string formatSummary(ReplayResult const& r) {
                   bytes(r.peakKvBytes)));
   if (r.backend == KVCacheBackend::kBoundedSwa) {
     line("SWA pages per sequence",
-         fmt::format("{} at prefill (2M + 1), {} in decode (M + 1)", r.swaPagesPerSequencePrefill,
-                     r.swaPagesPerSequenceDecode));
+         fmt::format("{} at prefill (2M + 1), {} in decode (M + 1); measured in decode: at most "
+                     "{} per running row",
+                     r.swaPagesPerSequencePrefill, r.swaPagesPerSequenceDecode,
+                     r.swaPeakPagesPerDecodingRow));
   } else {
     line("evicted records",
          fmt::format("{}  (published {})", grouped(r.evictedRecords), grouped(r.publishedRecords)));
@@ -352,6 +385,11 @@ std::string formatJson(ReplayResult const& r) {
       {"pool_sizing", poolSizingKey(c.poolSizing)},
       {"pool_pages", r.poolPages},
       {"pool_tokens", r.poolPages * c.pageSize},
+      {"kv_budget_bytes", c.poolSizing == PoolSizing::kBudgetBytes
+                              ? nlohmann::ordered_json(c.poolAmount)
+                              : nlohmann::ordered_json(nullptr)},
+      {"pools", kvPoolsJson(r)},
+      {"kv_bytes", r.kvBytes},
       {"eviction", mkv::toString(c.eviction)},
       {"max_batch", r.maxBatch},
       {"max_output", c.maxOutputTokens},
@@ -371,8 +409,12 @@ std::string formatJson(ReplayResult const& r) {
       {"misses_by_reason", misses},
       {"peak_pages_in_use", r.peakPagesInUse},
       {"peak_kv_bytes", r.peakKvBytes},
-      {"swa_pages_per_sequence_prefill", r.swaPagesPerSequencePrefill},
-      {"swa_pages_per_sequence_decode", r.swaPagesPerSequenceDecode},
+      {"swa_pages_per_sequence",
+       r.backend == KVCacheBackend::kBoundedSwa
+           ? nlohmann::ordered_json{{"prefill", r.swaPagesPerSequencePrefill},
+                                    {"decode", r.swaPagesPerSequenceDecode},
+                                    {"decode_peak_per_row", r.swaPeakPagesPerDecodingRow}}
+           : nlohmann::ordered_json(nullptr)},
       {"oracle_checks", r.oracleChecks},
       {"oracle_mismatches", r.oracleMismatches},
       {"first_mismatch", r.firstMismatch},

@@ -102,6 +102,88 @@ bool isHybridMtp(ReplayConfig const& c) {
   return c.speculative == SpeculativeKind::kMtp && c.recurrentLayers > 0;
 }
 
+/// a x b + c, or int64 max when that overflows (a budget's cost only has to compare right).
+int64_t saturatingMulAdd(int64_t a, int64_t b, int64_t c) {
+  int64_t product = 0;
+  int64_t sum = 0;
+  if (__builtin_mul_overflow(a, b, &product) || __builtin_add_overflow(product, c, &sum)) {
+    return std::numeric_limits<int64_t>::max();
+  }
+  return sum;
+}
+
+/// Bytes of one page of a pool of `layers` attention layers in the replay's geometry (K and V of
+/// each; a draft has the base's heads, head dim and dtype), by KVCachePool's own arithmetic.
+int64_t poolPageBytes(ReplayConfig const& c, int32_t layers) {
+  if (layers == 0) {
+    return 0;
+  }
+  KVCachePoolConfig pool;
+  pool.numLayers = layers;
+  pool.numKVHeads = c.kvHeads;
+  pool.headDim = c.headDim;
+  pool.tokensPerPage = c.pageSize;
+  pool.dataType = c.dtype;
+  return KVCachePool::bytesPerPage(pool);
+}
+
+/// Bounded SWA keeps the full layers in an identity-mapped pool of `batch` rows of `width` pages,
+/// never smaller than the batch's bounded-SWA admission budget (so that the runtime picks bounded
+/// SWA; no pool is allocated without full layers).
+int64_t identityPoolPages(int64_t batch, int64_t width, int32_t perSequence) {
+  return std::max(batch * width, batch * perSequence + 1);
+}
+
+/// --kv-budget-bytes in reuse and full mode: the full pool's pages, each paired with a draft page
+/// when the draft owns paged KV (the draft pool has as many pages as the full pool).
+int64_t budgetFullPages(ReplayConfig const& c) {
+  int64_t const base = poolPageBytes(c, c.layers);
+  int64_t const draft =
+      c.speculative != SpeculativeKind::kNone ? poolPageBytes(c, c.draftLayers) : 0;
+  if (c.poolAmount < base + draft) {
+    configError(fmt::format(
+        "--kv-budget-bytes {} is below the minimum of {} bytes: one page of the full pool ({} "
+        "bytes){}",
+        c.poolAmount, base + draft, base,
+        draft > 0 ? fmt::format(" and its paired draft page ({} bytes)", draft) : ""));
+  }
+  return c.poolAmount / (base + draft);
+}
+
+/// --kv-budget-bytes in swa mode: the largest batch (up to maxBatch) whose identity-mapped full
+/// pool and bounded-SWA admission budgets fit, and the sliding pages the rest buys.
+struct SwaBudget {
+  int32_t batch = 0;
+  int64_t swaPages = 0;
+};
+
+SwaBudget budgetSwa(ReplayConfig const& c, int64_t width, int32_t perSequence) {
+  int64_t const swaPage = poolPageBytes(c, c.layers);
+  int64_t const fullPage = poolPageBytes(c, c.fullLayers);
+  auto fixed = [&](int64_t batch) {
+    return saturatingMulAdd(fullPage, identityPoolPages(batch, width, perSequence), 0);
+  };
+  auto cost = [&](int64_t batch) {
+    return saturatingMulAdd(batch * perSequence, swaPage, fixed(batch));
+  };
+  if (c.poolAmount < cost(1)) {
+    configError(fmt::format(
+        "--kv-budget-bytes {} is below the minimum of {} bytes: one sequence's bounded-SWA budget "
+        "(2M + 1 = {} pages of {} bytes){}",
+        c.poolAmount, cost(1), perSequence, swaPage,
+        fullPage > 0 ? fmt::format(" and the full layers' identity-mapped pool of one row ({} "
+                                   "pages of {} bytes)",
+                                   identityPoolPages(1, width, perSequence), fullPage)
+                     : ""));
+  }
+  SwaBudget budget{1, 0};
+  while (budget.batch < c.maxBatch && cost(budget.batch + 1) <= c.poolAmount) {
+    ++budget.batch;
+  }
+  budget.swaPages = (c.poolAmount - fixed(budget.batch)) / swaPage;
+  return budget;
+}
+
 void validate(ReplayConfig const& c) {
   if (c.pageSize < 16 || c.pageSize > 1024 || (c.pageSize & (c.pageSize - 1)) != 0) {
     configError(fmt::format("page size {} is not a power of two in [16, 1024]", c.pageSize));
@@ -236,6 +318,8 @@ class Runner {
       explicitPages = c.poolAmount;
     } else if (c.poolSizing == PoolSizing::kTokens) {
       explicitPages = c.poolAmount / c.pageSize;
+    } else if (c.poolSizing == PoolSizing::kBudgetBytes && c.mode != ReplayMode::kSwa) {
+      explicitPages = budgetFullPages(c);
     }
     int64_t pages = 0;
     int32_t batch = c.maxBatch;
@@ -258,6 +342,11 @@ class Runner {
         rc.model.slidingWindowTokens = c.windowTokens;
         int32_t const perSequence =
             BoundedSwaKVPageManager::admissionPagesPerSequence(c.windowTokens, c.pageSize);
+        if (c.poolSizing == PoolSizing::kBudgetBytes) {
+          SwaBudget const budget = budgetSwa(c, width, perSequence);
+          explicitPages = budget.swaPages;
+          batch = budget.batch;
+        }
         pages = explicitPages > 0 ? explicitPages : int64_t{batch} * perSequence;
         if (pages < perSequence) {
           configError(fmt::format(
@@ -270,8 +359,7 @@ class Runner {
             static_cast<int32_t>(std::min<int64_t>(pages, std::numeric_limits<int32_t>::max()));
         // The full layers' identity-mapped pool; never fewer pages than bounded SWA holds, so
         // the runtime always picks bounded SWA in this mode.
-        rc.numPages = static_cast<int32_t>(
-            std::max<int64_t>(int64_t{batch} * width, int64_t{batch} * perSequence + 1));
+        rc.numPages = static_cast<int32_t>(identityPoolPages(batch, width, perSequence));
         break;
       }
     }
@@ -331,12 +419,14 @@ class Runner {
     KVCachePool const& pool =
         c.mode == ReplayMode::kSwa ? *mRuntime->swaPool() : *mRuntime->fullPool();
     mResult.poolPages = pool.numPages();
-    mResult.bytesPerPage = pool.totalBytes() / pool.numPages();
-    if (c.mode == ReplayMode::kSwa && mRuntime->fullPool() != nullptr) {
-      mResult.staticKvBytes = mRuntime->fullPool()->totalBytes();
-    }
+    mResult.bytesPerPage = KVCachePool::bytesPerPage(pool.config());
     if (KVCachePool const* draft = mRuntime->draftPool()) {
-      mResult.draftBytesPerPage = draft->totalBytes() / draft->numPages();
+      mResult.draftBytesPerPage = KVCachePool::bytesPerPage(draft->config());
+    }
+    describePools();
+    if (c.poolSizing == PoolSizing::kBudgetBytes && mResult.kvBytes > c.poolAmount) {
+      throw std::logic_error(fmt::format("the KV pools take {} bytes of a budget of {}",
+                                         mResult.kvBytes, c.poolAmount));
     }
 
     testing::ReferenceEngineOptions options;
@@ -354,6 +444,39 @@ class Runner {
     bool const batches = c.mode == ReplayMode::kSwa ||
                          (c.speculative != SpeculativeKind::kNone && c.recurrentLayers == 0);
     mFoundersPerRun = batches ? static_cast<std::size_t>(batch) : 1;
+  }
+
+  /// Every device KV pool of the runtime, in the order full, swa, draft, and their bytes in all.
+  void describePools() {
+    auto add = [this](KvPoolKind kind, KVCachePool const* pool) {
+      if (pool != nullptr) {
+        mResult.pools.push_back(
+            KvPoolUsage{kind, pool->numPages(), KVCachePool::bytesPerPage(pool->config())});
+      }
+    };
+    add(KvPoolKind::kFull, mRuntime->fullPool());
+    add(KvPoolKind::kSwa, mRuntime->swaPool());
+    add(KvPoolKind::kDraft, mRuntime->draftPool());
+    mResult.kvBytes = mRuntime->kvBytes();
+  }
+
+  /// The peak pages of each pool: the managed pool's (the full pool, or the SWA pool of bounded
+  /// SWA) and the draft pool's from the engine; bounded SWA's identity-mapped full pool belongs to
+  /// its rows whole.
+  void summarizePools(testing::EngineStats const& stats) {
+    ReplayResult& r = mResult;
+    bool const bounded = r.backend == KVCacheBackend::kBoundedSwa;
+    r.peakKvBytes = 0;
+    for (KvPoolUsage& pool : r.pools) {
+      if (pool.kind == KvPoolKind::kDraft) {
+        pool.peakPagesInUse = stats.peakDraftPagesInUse;
+      } else if (pool.kind == KvPoolKind::kFull && bounded) {
+        pool.peakPagesInUse = pool.pages;
+      } else {
+        pool.peakPagesInUse = stats.peakPagesInUse;
+      }
+      r.peakKvBytes += pool.peakPagesInUse * pool.bytesPerPage;
+    }
   }
 
   /// Hybrid checkpoint reuse: the recurrent layers and the snapshot budget, in checkpoints (one
@@ -656,8 +779,7 @@ class Runner {
     r.firstMismatch = stats.firstMismatch;
     r.peakPagesInUse = stats.peakPagesInUse;
     r.peakDraftPagesInUse = stats.peakDraftPagesInUse;
-    r.peakKvBytes = r.peakPagesInUse * r.bytesPerPage + r.staticKvBytes +
-                    r.peakDraftPagesInUse * r.draftBytesPerPage;
+    summarizePools(stats);
     r.specRounds = stats.speculativeRounds;
     r.proposedTokens = stats.proposedTokens;
     r.acceptedTokens = stats.acceptedTokens;
@@ -698,6 +820,7 @@ class Runner {
     if (BoundedSwaKVPageManager const* swa = mRuntime->swaPageManager()) {
       r.swaPagesPerSequencePrefill = swa->privatePagesPerSequence();
       r.swaPagesPerSequenceDecode = swa->decodePagesPerSequence();
+      r.swaPeakPagesPerDecodingRow = stats.peakSwaPagesPerDecodingRow;
     }
     if (!mRuntime->shutdown()) {
       throw std::runtime_error("the runtime's shutdown did not drain its quarantine");
@@ -782,6 +905,18 @@ std::string_view toString(ReplayMode mode) noexcept {
       return "swa";
     case ReplayMode::kFull:
       return "full";
+  }
+  return "unknown";
+}
+
+std::string_view toString(KvPoolKind kind) noexcept {
+  switch (kind) {
+    case KvPoolKind::kFull:
+      return "full";
+    case KvPoolKind::kSwa:
+      return "swa";
+    case KvPoolKind::kDraft:
+      return "draft";
   }
   return "unknown";
 }

@@ -43,6 +43,9 @@ enum class PoolSizing : uint8_t {
   kUnbounded,  ///< computed from the workload so that nothing is ever evicted
   kPages,      ///< --pool-pages
   kTokens,     ///< --pool-tokens, rounded down to whole pages
+  /// --kv-budget-bytes: every device KV pool from one byte budget, split by the mode
+  /// (docs/replay.md, "KV budget"); the host tier, recurrent state and snapshots are not in it.
+  kBudgetBytes,
 };
 
 /// Replay settings; defaults are mkv-replay's (docs/replay.md).
@@ -56,7 +59,7 @@ struct ReplayConfig {
   DataType dtype = DataType::kFloat16;
   int32_t pageSize = 128;
   PoolSizing poolSizing = PoolSizing::kUnbounded;
-  int64_t poolAmount = 0;       ///< pages (kPages) or tokens (kTokens)
+  int64_t poolAmount = 0;       ///< pages (kPages), tokens (kTokens) or bytes (kBudgetBytes)
   int32_t maxBatch = 1;         ///< sequences executing at once
   int32_t maxOutputTokens = 0;  ///< cap on sampled tokens per request; 0 = none
   std::size_t limit = 0;        ///< replay the first `limit` requests; 0 = all
@@ -101,6 +104,22 @@ class ReplayConfigError : public std::invalid_argument {
   using std::invalid_argument::invalid_argument;
 };
 
+/// The device KV pools a runtime may have.
+enum class KvPoolKind : uint8_t {
+  kFull,   ///< the full-attention layers (every attention layer outside bounded SWA)
+  kSwa,    ///< the sliding layers' bounded pool
+  kDraft,  ///< the paged draft's
+};
+std::string_view toString(KvPoolKind kind) noexcept;  ///< "full", "swa", "draft"
+
+/// One device KV pool of the runtime (K and V of every layer it stores).
+struct KvPoolUsage {
+  KvPoolKind kind = KvPoolKind::kFull;
+  int64_t pages = 0;
+  int64_t bytesPerPage = 0;
+  int64_t peakPagesInUse = 0;  ///< most pages not free at once (an identity-mapped pool: all)
+};
+
 /// The outcome of one request (its last attempt).
 struct RequestRecord {
   std::size_t index = 0;
@@ -132,11 +151,12 @@ struct ReplayResult {
   ReplayConfig config;
   std::string workload;  ///< RequestSource::describe()
   KVCacheBackend backend = KVCacheBackend::kContextReuse;
-  int32_t maxBatch = 1;           ///< effective (kSwa: limited by the pool)
-  int64_t maxSequenceTokens = 0;  ///< page-table width in tokens
-  int64_t poolPages = 0;          ///< pages of the managed pool (SWA pool in kSwa)
-  int64_t bytesPerPage = 0;       ///< K and V of every layer of that pool
-  int64_t staticKvBytes = 0;      ///< kSwa with full layers: the identity-mapped full pool
+  int32_t maxBatch = 1;            ///< effective (kSwa: limited by the pool)
+  int64_t maxSequenceTokens = 0;   ///< page-table width in tokens
+  int64_t poolPages = 0;           ///< pages of the managed pool (SWA pool in kSwa)
+  int64_t bytesPerPage = 0;        ///< K and V of every layer of that pool
+  std::vector<KvPoolUsage> pools;  ///< every device KV pool: full, swa, draft (those that exist)
+  int64_t kvBytes = 0;             ///< KVCacheRuntime::kvBytes(): the pools' bytes in all
 
   int64_t requests = 0;
   int64_t failedRequests = 0;
@@ -167,9 +187,12 @@ struct ReplayResult {
   int64_t publishedRecords = 0;
   std::array<int64_t, kMissReasonCount> missesByReason{};
   int64_t peakPagesInUse = 0;
-  int64_t peakKvBytes = 0;
+  int64_t peakKvBytes = 0;  ///< each pool's peak pages x its bytes per page, summed
   int32_t swaPagesPerSequencePrefill = 0;
   int32_t swaPagesPerSequenceDecode = 0;
+  /// Measured: the most SWA pages in use per running row at a decode step, rounded up
+  /// (EngineStats::peakSwaPagesPerDecodingRow; exact per sequence with maxBatch 1).
+  int64_t swaPeakPagesPerDecodingRow = 0;
   int64_t oracleChecks = 0;
   int64_t oracleMismatches = 0;
   std::string firstMismatch;

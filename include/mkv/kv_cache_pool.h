@@ -59,8 +59,12 @@ class KVCachePool {
   int64_t tokenBytes() const noexcept;
   /// Bytes of one page of one half of one layer.
   int64_t pageBytes() const noexcept { return tokenBytes() * mConfig.tokensPerPage; }
-  /// Bytes of all layers' K and V storage.
+  /// Bytes of all layers' K and V storage: numPages x bytesPerPage(config()).
   int64_t totalBytes() const noexcept;
+  /// Bytes one page id addresses in a pool of `config`'s geometry: K and V of every layer
+  /// (numPages and the device are not read). For sizing a pool from a byte budget before it is
+  /// built; the geometry is not validated (the constructor does that).
+  static int64_t bytesPerPage(KVCachePoolConfig const& config) noexcept;
 
   /// Layer l's buffer `[2, numPages, tokensPerPage, numKVHeads, headDim]`.
   Tensor& layer(int32_t l);

@@ -71,7 +71,12 @@ int64_t KVCachePool::tokenBytes() const noexcept {
 }
 
 int64_t KVCachePool::totalBytes() const noexcept {
-  return int64_t{mConfig.numLayers} * 2 * mConfig.numPages * pageBytes();
+  return mConfig.numPages * bytesPerPage(mConfig);
+}
+
+int64_t KVCachePool::bytesPerPage(KVCachePoolConfig const& config) noexcept {
+  return int64_t{config.numLayers} * 2 * config.tokensPerPage * config.numKVHeads * config.headDim *
+         static_cast<int64_t>(dataTypeSize(config.dataType));
 }
 
 Tensor& KVCachePool::layer(int32_t l) {

@@ -127,6 +127,17 @@ void ReferenceEngine::notePages() {
   }
 }
 
+void ReferenceEngine::noteDecodePages() {
+  notePages();
+  BoundedSwaKVPageManager const* swa = mRuntime.swaPageManager();
+  int64_t const rows = swa != nullptr ? mRuntime.swaPool()->activeBatchSize() : 0;
+  if (rows > 0) {
+    int64_t const held = swa->totalPageCount() - swa->freePageCount();
+    mStats.peakSwaPagesPerDecodingRow =
+        std::max(mStats.peakSwaPagesPerDecodingRow, (held + rows - 1) / rows);
+  }
+}
+
 void ReferenceEngine::verifyRow(Run& run, Row& row, bool full) {
   (void)run;
   if (mOptions.verify == VerifyMode::kNone) {

@@ -189,7 +189,7 @@ bool ReferenceEngine::decodeStep(Run& run) {
     }
     return false;
   }
-  notePages();
+  noteDecodePages();
   std::size_t const batch = run.rows.size();
   auto running = [&](std::size_t i) { return run.rows[i].reason == FinishReason::kNotFinished; };
   mSteps->begin();

@@ -9,8 +9,10 @@
 # request 2 restores request 1's 1024-token prompt checkpoint; requests 3 ([1, 9]) and 4 (request
 # 1 again: no checkpoint strictly shorter than its prompt) reuse nothing: 1024 reused against the
 # attention-only 2432, one restore, 0 recurrent mismatches.
-# Usage: cmake -DMKV_REPLAY=<exe> -DTRACE=<jsonl> -DOUT=<json> [-DSPECULATIVE=eagle | -DHYBRID=ON]
-#        -P check_replay_json.cmake
+# With -DBUDGET=ON the vanilla replay runs on --kv-budget-bytes 65636: 16 pages of 4 KiB (100 bytes
+# left over) hold the whole trace, so the figures are the same, and the JSON lists the one pool.
+# Usage: cmake -DMKV_REPLAY=<exe> -DTRACE=<jsonl> -DOUT=<json>
+#        [-DSPECULATIVE=eagle | -DHYBRID=ON | -DBUDGET=ON] -P check_replay_json.cmake
 # Runs mkv-replay with the arguments given and reads its --json output into `json`.
 function(run_replay)
   execute_process(COMMAND ${MKV_REPLAY} --trace ${TRACE} --json ${OUT} --quiet ${ARGN}
@@ -60,14 +62,32 @@ if(DEFINED SPECULATIVE)
     message(FATAL_ERROR "speculative.draft_oracle_checks is ${checks}: the reused draft rows "
                         "and more must be checked")
   endif()
+elseif(BUDGET)
+  run_replay(--kv-budget-bytes 65636)
+  expect_json(reused_tokens=2432 prefill_tokens_computed=1816 decode_steps=6
+              kv_budget_bytes=65636 pool_pages=16 kv_bytes=65536 pools.0.pages=16
+              pools.0.bytes_per_page=4096 pools.0.bytes=65536)
+  string(JSON pools LENGTH "${json}" pools)
+  string(JSON name GET "${json}" pools 0 name)
+  string(JSON peak GET "${json}" pools 0 peak_pages_in_use)
+  string(JSON peak_kv GET "${json}" peak_kv_bytes)
+  math(EXPR expected_peak_kv "${peak} * 4096")
+  if(NOT pools EQUAL 1 OR NOT name STREQUAL "full" OR NOT peak_kv EQUAL expected_peak_kv)
+    message(FATAL_ERROR "pools: ${pools} (${name}), peak_kv_bytes ${peak_kv}, expected "
+                        "${expected_peak_kv}\n${json}")
+  endif()
+  set(expected_hit 0.572504)
 else()
   run_replay()
   expect_json(reused_tokens=2432 prefill_tokens_computed=1816 decode_steps=6)
   set(expected_hit 0.572504)
 endif()
 expect_json(requests=4 prompt_tokens=4248 generated_tokens=10 evicted_records=0 failed_requests=0
-            joins=0 oracle_mismatches=0 page_size=128 swa_pages_per_sequence_prefill=0
-            misses_by_reason.no_prefix=3)
+            joins=0 oracle_mismatches=0 page_size=128 misses_by_reason.no_prefix=3)
+string(JSON swa_type TYPE "${json}" swa_pages_per_sequence)
+if(NOT swa_type STREQUAL "NULL")
+  message(FATAL_ERROR "swa_pages_per_sequence is ${swa_type}, expected null outside bounded SWA")
+endif()
 string(JSON hit GET "${json}" hit_rate)
 string(SUBSTRING "${hit}" 0 8 hit)
 if(NOT hit STREQUAL expected_hit)

@@ -135,13 +135,43 @@ TEST_F(MkvReplayCliTest, TokensTraceQuietAndEveryMode) {
       run({"--trace", tokens, "--mode", "swa", "--window", "128", "--json", json, "--quiet"});
   ASSERT_EQ(swa.exitCode, 0) << swa.err;
   nlohmann::json const swaFigures = nlohmann::json::parse(slurp(json));
-  EXPECT_EQ(swaFigures.at("swa_pages_per_sequence_prefill"), 5);
-  EXPECT_EQ(swaFigures.at("swa_pages_per_sequence_decode"), 3);
+  EXPECT_EQ(swaFigures.at("swa_pages_per_sequence").at("prefill"), 5);
+  EXPECT_EQ(swaFigures.at("swa_pages_per_sequence").at("decode"), 3);
   EXPECT_EQ(swaFigures.at("backend"), "bounded-swa");
   CliResult const full = run({"--trace", tokens, "--mode", "full", "--dtype", "fp32", "--layers",
                               "2", "--verify", "all", "--json", json, "--quiet"});
   ASSERT_EQ(full.exitCode, 0) << full.err;
   EXPECT_EQ(nlohmann::json::parse(slurp(json)).at("reused_tokens"), 0);
+}
+
+TEST_F(MkvReplayCliTest, AKvBudgetSizesThePoolsAndTheJsonListsThem) {
+  MKV_TEST_INPUT_OR_SKIP(tinyPath, "tests/replay/tiny_mooncake.jsonl");
+  std::string const json = (mDir / "budget.json").string();
+  // 16 pages of 4 KiB and 100 bytes left over: the hand-computed reuse of the tiny trace.
+  CliResult const result =
+      run({"--trace", tinyPath.string(), "--kv-budget-bytes", "65636", "--quiet", "--json", json});
+  ASSERT_EQ(result.exitCode, 0) << result.err;
+  nlohmann::json const figures = nlohmann::json::parse(slurp(json));
+  EXPECT_EQ(figures.at("kv_budget_bytes"), 65636);
+  EXPECT_EQ(figures.at("pool_sizing"), "budget");
+  EXPECT_EQ(figures.at("pool_pages"), 16);
+  EXPECT_EQ(figures.at("kv_bytes"), 65536);
+  EXPECT_EQ(figures.at("pools").size(), 1u);
+  EXPECT_EQ(figures.at("pools")[0].at("pages"), 16);
+  EXPECT_EQ(figures.at("reused_tokens"), 2432);
+  EXPECT_EQ(figures.at("evicted_records"), 0);
+  // swa, 2 sliding layers (8 KiB a page), W = 128 (2M + 1 = 5 pages): 5 sequences' pages limit
+  // --max-batch 8 to 5.
+  CliResult const swa = run({"--trace", tinyPath.string(), "--mode", "swa", "--window", "128",
+                             "--layers", "2", "--max-batch", "8", "--kv-budget-bytes",
+                             std::to_string(5 * 5 * 8192), "--quiet", "--json", json});
+  ASSERT_EQ(swa.exitCode, 0) << swa.err;
+  nlohmann::json const bounded = nlohmann::json::parse(slurp(json));
+  EXPECT_EQ(bounded.at("max_batch"), 5);
+  EXPECT_EQ(bounded.at("pools")[0].at("name"), "swa");
+  EXPECT_EQ(bounded.at("pools")[0].at("pages"), 25);
+  EXPECT_EQ(bounded.at("pools")[0].at("bytes_per_page"), 8192);
+  EXPECT_EQ(bounded.at("swa_pages_per_sequence").at("decode_peak_per_row"), 3);
 }
 
 TEST_F(MkvReplayCliTest, HelpExitsZeroAndListsEveryOption) {
@@ -162,6 +192,7 @@ TEST_F(MkvReplayCliTest, HelpExitsZeroAndListsEveryOption) {
                                "--page-size N",
                                "--pool-pages N",
                                "--pool-tokens N",
+                               "--kv-budget-bytes B",
                                "--max-batch N",
                                "--layers N",
                                "--kv-heads N",
@@ -218,6 +249,20 @@ TEST_F(MkvReplayCliTest, BadOptionsAreOneLineAndExitTwo) {
   expectBadInput({"--window", "64"}, "--window applies to --mode swa only");
   expectBadInput({"--format", "tokens"}, "--format applies to --trace only");
   expectBadInput({"--pool-pages", "4", "--pool-tokens", "4096"}, "give the pool size once");
+  char const* const once =
+      "give the pool size once: --pool-pages, --pool-tokens or --kv-budget-bytes";
+  expectBadInput({"--kv-budget-bytes", "65536", "--pool-pages", "4"}, once);
+  expectBadInput({"--pool-tokens", "4096", "--kv-budget-bytes", "65536"}, once);
+  expectBadInput({"--kv-budget-bytes", "-1"}, "--kv-budget-bytes -1 is outside [0, ");
+  expectBadInput({"--kv-budget-bytes", "4095"},
+                 "--kv-budget-bytes 4095 is below the minimum of 4096 bytes: one page of the full "
+                 "pool (4096 bytes)");
+  expectBadInput({"--kv-budget-bytes", "8191", "--speculative", "eagle"},
+                 "--kv-budget-bytes 8191 is below the minimum of 8192 bytes: one page of the full "
+                 "pool (4096 bytes) and its paired draft page (4096 bytes)");
+  expectBadInput({"--mode", "swa", "--kv-budget-bytes", "65536"},
+                 "--kv-budget-bytes 65536 is below the minimum of 274432 bytes: one sequence's "
+                 "bounded-SWA budget (2M + 1 = 67 pages of 4096 bytes)");
   expectBadInput({"--pool-pages", "0"}, "a pool of 0 pages is smaller than 1 page");
   expectBadInput({"--pool-tokens", "100"}, "a pool of 100 tokens is smaller than 1 page of 128");
   expectBadInput({"--mode", "swa", "--pool-pages", "3"},

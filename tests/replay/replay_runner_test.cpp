@@ -242,7 +242,15 @@ TEST(ReplayRunnerTest, SwaKeepsTheBoundedBudget) {
   EXPECT_EQ(result.failedRequests, 0);
   EXPECT_EQ(result.oracleMismatches, 0);
   EXPECT_GT(result.oracleChecks, 0);
-  EXPECT_EQ(result.staticKvBytes, 0);
+  // Without full layers the SWA pool is the only KV pool.
+  ASSERT_EQ(result.pools.size(), 1u);
+  EXPECT_EQ(result.pools[0].kind, KvPoolKind::kSwa);
+  EXPECT_EQ(result.pools[0].pages, result.poolPages);
+  EXPECT_EQ(result.pools[0].peakPagesInUse, result.peakPagesInUse);
+  EXPECT_EQ(result.kvBytes, result.poolPages * result.bytesPerPage);
+  EXPECT_EQ(result.peakKvBytes, result.peakPagesInUse * result.bytesPerPage);
+  // Measured: every decoding sequence (prompts of 700 tokens and more) holds exactly M + 1.
+  EXPECT_EQ(result.swaPeakPagesPerDecodingRow, m + 1);
 }
 
 TEST(ReplayRunnerTest, SwaWithFullLayersCountsTheIdentityMappedPool) {
@@ -254,9 +262,166 @@ TEST(ReplayRunnerTest, SwaWithFullLayersCountsTheIdentityMappedPool) {
   config.fullLayers = 1;
   ReplayResult const result = runReplay(source, config);
   EXPECT_EQ(result.backend, KVCacheBackend::kBoundedSwa);
-  EXPECT_GT(result.staticKvBytes, 0);
-  EXPECT_EQ(result.peakKvBytes, result.peakPagesInUse * result.bytesPerPage + result.staticKvBytes);
+  // The full layers' pool is identity-mapped (one row of 12 pages for the 1505-token sequence):
+  // its rows own it whole, so it counts whole in the peak.
+  ASSERT_EQ(result.pools.size(), 2u);
+  KvPoolUsage const& full = result.pools[0];
+  KvPoolUsage const& swa = result.pools[1];
+  EXPECT_EQ(full.kind, KvPoolKind::kFull);
+  EXPECT_EQ(full.pages, 12);
+  EXPECT_EQ(full.peakPagesInUse, full.pages);
+  EXPECT_EQ(swa.kind, KvPoolKind::kSwa);
+  EXPECT_EQ(swa.pages, result.poolPages);
+  EXPECT_EQ(result.kvBytes, full.pages * full.bytesPerPage + swa.pages * swa.bytesPerPage);
+  EXPECT_EQ(result.peakKvBytes,
+            full.pages * full.bytesPerPage + result.peakPagesInUse * result.bytesPerPage);
   EXPECT_EQ(result.oracleMismatches, 0);
+}
+
+/// --kv-budget-bytes on the tiny trace (the longest sequence: 1500 + 3 + 2 tokens = 12 pages).
+ReplayConfig budgetConfig(ReplayMode mode, int64_t bytes) {
+  ReplayConfig config;
+  config.mode = mode;
+  config.poolSizing = PoolSizing::kBudgetBytes;
+  config.poolAmount = bytes;
+  return config;
+}
+
+/// Runs `config` on `trace` and returns the ReplayConfigError's message ("" if none).
+std::string budgetError(std::filesystem::path const& trace, ReplayConfig const& config) {
+  TraceSource source = traceSource(trace);
+  try {
+    runReplay(source, config);
+  } catch (ReplayConfigError const& error) {
+    return error.what();
+  }
+  return "";
+}
+
+TEST(ReplayRunnerTest, AKvBudgetBuysWholeFullPagesInReuseAndFullMode) {
+  MKV_TEST_INPUT_OR_SKIP(kTiny, "tests/replay/tiny_mooncake.jsonl");
+  // 2 layers x 2 KV heads x head dim 16, fp32: 2 x 2 x 128 x 2 x 16 x 4 = 64 KiB a page.
+  int64_t const page = 2 * 2 * 128 * 2 * 16 * 4;
+  for (ReplayMode mode : {ReplayMode::kReuse, ReplayMode::kFull}) {
+    ReplayConfig config = budgetConfig(mode, 20 * page + page - 1);
+    config.layers = 2;
+    config.kvHeads = 2;
+    config.headDim = 16;
+    config.dtype = DataType::kFloat32;
+    TraceSource source = traceSource(kTiny);
+    ReplayResult const result = runReplay(source, config);
+    EXPECT_EQ(result.bytesPerPage, page);
+    EXPECT_EQ(result.poolPages, 20);
+    ASSERT_EQ(result.pools.size(), 1u);
+    EXPECT_EQ(result.pools[0].kind, KvPoolKind::kFull);
+    EXPECT_EQ(result.pools[0].pages, 20);
+    EXPECT_EQ(result.pools[0].bytesPerPage, page);
+    EXPECT_EQ(result.kvBytes, 20 * page);
+    EXPECT_EQ(result.peakKvBytes, result.peakPagesInUse * page);
+    EXPECT_EQ(result.failedRequests, 0);
+    EXPECT_EQ(result.oracleMismatches, 0);
+    if (mode == ReplayMode::kReuse) {
+      EXPECT_EQ(result.reusedTokens, 2432);  // 20 pages hold the whole tiny trace
+    }
+    config.poolAmount = page - 1;
+    EXPECT_EQ(budgetError(kTiny, config),
+              "--kv-budget-bytes 65535 is below the minimum of 65536 bytes: one page of the full "
+              "pool (65536 bytes)");
+  }
+}
+
+TEST(ReplayRunnerTest, AKvBudgetPairsEveryFullPageWithItsDraftPage) {
+  MKV_TEST_INPUT_OR_SKIP(kTiny, "tests/replay/tiny_mooncake.jsonl");
+  // Base: 1 layer, 4 KiB a page; an EAGLE draft of 2 layers: 8 KiB a page; a pair 12 KiB.
+  ReplayConfig config = budgetConfig(ReplayMode::kReuse, 30 * 12288 + 12287);
+  config.speculative = SpeculativeKind::kEagle;
+  config.draftLayers = 2;
+  TraceSource source = traceSource(kTiny);
+  ReplayResult const result = runReplay(source, config);
+  ASSERT_EQ(result.pools.size(), 2u);
+  EXPECT_EQ(result.pools[0].kind, KvPoolKind::kFull);
+  EXPECT_EQ(result.pools[0].pages, 30);
+  EXPECT_EQ(result.pools[0].bytesPerPage, 4096);
+  EXPECT_EQ(result.pools[1].kind, KvPoolKind::kDraft);
+  EXPECT_EQ(result.pools[1].pages, 30);
+  EXPECT_EQ(result.pools[1].bytesPerPage, 8192);
+  EXPECT_EQ(result.pools[1].peakPagesInUse, result.peakDraftPagesInUse);
+  EXPECT_EQ(result.kvBytes, 30 * 12288);
+  EXPECT_EQ(result.peakKvBytes, result.peakPagesInUse * 4096 + result.peakDraftPagesInUse * 8192);
+  EXPECT_GT(result.peakDraftPagesInUse, 0);
+  EXPECT_EQ(result.oracleMismatches, 0) << result.firstMismatch;
+  config.poolAmount = 12287;
+  EXPECT_EQ(budgetError(kTiny, config),
+            "--kv-budget-bytes 12287 is below the minimum of 12288 bytes: one page of the full "
+            "pool (4096 bytes) and its paired draft page (8192 bytes)");
+  // An MTP draft reading the base KV owns no pool: the budget buys base pages only.
+  config.speculative = SpeculativeKind::kMtp;
+  config.draftLayers = 0;
+  config.poolAmount = 30 * 4096;
+  TraceSource again = traceSource(kTiny);
+  ReplayResult const mtp = runReplay(again, config);
+  ASSERT_EQ(mtp.pools.size(), 1u);
+  EXPECT_EQ(mtp.pools[0].pages, 30);
+}
+
+TEST(ReplayRunnerTest, AKvBudgetLeavesTheHostTierRecurrentStateAndSnapshotsOut) {
+  MKV_TEST_INPUT_OR_SKIP(kTiny, "tests/replay/tiny_mooncake.jsonl");
+  ReplayConfig tiered = budgetConfig(ReplayMode::kReuse, 16 * 4096);
+  tiered.hostPoolTokens = 64 * 128;
+  TraceSource source = traceSource(kTiny);
+  ReplayResult const host = runReplay(source, tiered);
+  EXPECT_EQ(host.poolPages, 16);
+  EXPECT_EQ(host.kvBytes, 16 * 4096);
+  EXPECT_EQ(host.hostTier.bytes, 64 * 4096);  // beside the budget
+  ReplayConfig hybrid = budgetConfig(ReplayMode::kReuse, 16 * 4096);
+  hybrid.recurrentLayers = 2;
+  TraceSource again = traceSource(kTiny);
+  ReplayResult const recurrent = runReplay(again, hybrid);
+  EXPECT_EQ(recurrent.poolPages, 16);
+  EXPECT_EQ(recurrent.kvBytes, 16 * 4096);
+  EXPECT_GT(recurrent.hybrid.snapshotBytes, 0);  // beside the budget
+  EXPECT_EQ(recurrent.oracleMismatches, 0) << recurrent.firstMismatch;
+}
+
+TEST(ReplayRunnerTest, ASwaKvBudgetChargesTheIdentityMappedPoolFirstAndBuysSlidingPages) {
+  MKV_TEST_INPUT_OR_SKIP(kTiny, "tests/replay/tiny_mooncake.jsonl");
+  // W = 256: 2M + 1 = 7 sliding pages a sequence; the full layer's identity-mapped pool takes
+  // 12 pages a row; every page is 4 KiB, so a row costs 19 pages. 41 pages' worth and a few
+  // bytes: 2 rows (3 would need 57), 24 identity-mapped pages, the other 17 sliding.
+  ReplayConfig config = budgetConfig(ReplayMode::kSwa, 41 * 4096 + 100);
+  config.windowTokens = 256;
+  config.fullLayers = 1;
+  config.maxBatch = 4;
+  TraceSource source = traceSource(kTiny);
+  ReplayResult const result = runReplay(source, config);
+  EXPECT_EQ(result.maxBatch, 2);
+  ASSERT_EQ(result.pools.size(), 2u);
+  EXPECT_EQ(result.pools[0].kind, KvPoolKind::kFull);
+  EXPECT_EQ(result.pools[0].pages, 24);
+  EXPECT_EQ(result.pools[1].kind, KvPoolKind::kSwa);
+  EXPECT_EQ(result.pools[1].pages, 17);
+  EXPECT_EQ(result.poolPages, 17);
+  EXPECT_EQ(result.kvBytes, 41 * 4096);
+  EXPECT_EQ(result.failedRequests, 0);
+  EXPECT_EQ(result.oracleMismatches, 0);
+  config.poolAmount = 19 * 4096 - 1;
+  EXPECT_EQ(budgetError(kTiny, config),
+            "--kv-budget-bytes 77823 is below the minimum of 77824 bytes: one sequence's "
+            "bounded-SWA budget (2M + 1 = 7 pages of 4096 bytes) and the full layers' "
+            "identity-mapped pool of one row (12 pages of 4096 bytes)");
+  // Without full layers the whole budget buys sliding pages, and they limit the batch.
+  ReplayConfig sliding = budgetConfig(ReplayMode::kSwa, 20 * 4096 + 4095);
+  sliding.windowTokens = 256;
+  sliding.maxBatch = 4;
+  TraceSource again = traceSource(kTiny);
+  ReplayResult const bounded = runReplay(again, sliding);
+  EXPECT_EQ(bounded.maxBatch, 2);  // 20 / 7
+  ASSERT_EQ(bounded.pools.size(), 1u);
+  EXPECT_EQ(bounded.pools[0].pages, 20);
+  sliding.poolAmount = 7 * 4096 - 1;
+  EXPECT_EQ(budgetError(kTiny, sliding),
+            "--kv-budget-bytes 28671 is below the minimum of 28672 bytes: one sequence's "
+            "bounded-SWA budget (2M + 1 = 7 pages of 4096 bytes)");
 }
 
 TEST(ReplayRunnerTest, SwaPoolBelowOneSequenceIsAConfigErrorAndASmallPoolLimitsTheBatch) {
@@ -924,8 +1089,10 @@ TEST(ReplayReportTest, JsonHasEveryFigureAndCsvOneRowPerRequest) {
                           "pool_pages",
                           "peak_pages_in_use",
                           "peak_kv_bytes",
-                          "swa_pages_per_sequence_prefill",
-                          "swa_pages_per_sequence_decode",
+                          "swa_pages_per_sequence",
+                          "kv_budget_bytes",
+                          "pools",
+                          "kv_bytes",
                           "oracle_checks",
                           "oracle_mismatches",
                           "host_ns_per_step_p50",
@@ -959,6 +1126,13 @@ TEST(ReplayReportTest, JsonHasEveryFigureAndCsvOneRowPerRequest) {
   EXPECT_EQ(json.at("misses_by_reason").at("no_prefix"), 3);
   EXPECT_EQ(json.at("misses_by_reason").size(), result.missesByReason.size());
   EXPECT_FALSE(json.contains("kv_events"));  // no publisher
+  EXPECT_TRUE(json.at("kv_budget_bytes").is_null());
+  EXPECT_TRUE(json.at("swa_pages_per_sequence").is_null());  // not bounded SWA
+  ASSERT_EQ(json.at("pools").size(), 1u);
+  EXPECT_EQ(json.at("pools")[0].at("name"), "full");
+  EXPECT_EQ(json.at("pools")[0].at("pages"), result.poolPages);
+  EXPECT_EQ(json.at("pools")[0].at("bytes"), result.poolPages * 4096);
+  EXPECT_EQ(json.at("kv_bytes"), result.poolPages * 4096);
 
   std::string const csv = formatCsv(result);
   EXPECT_EQ(std::count(csv.begin(), csv.end(), '\n'), 5);
@@ -969,6 +1143,52 @@ TEST(ReplayReportTest, JsonHasEveryFigureAndCsvOneRowPerRequest) {
 
   std::string const summary = formatSummary(result);
   EXPECT_NE(summary.find("reused tokens             2,432  (hit rate 57.25%)"), std::string::npos)
+      << summary;
+}
+
+TEST(ReplayReportTest, AKvBudgetReportsEveryPoolItsBytesAndThePeak) {
+  MKV_TEST_INPUT_OR_SKIP(kTiny, "tests/replay/tiny_mooncake.jsonl");
+  ReplayConfig config;
+  config.mode = ReplayMode::kSwa;
+  config.windowTokens = 256;
+  config.fullLayers = 1;
+  config.maxBatch = 4;
+  config.poolSizing = PoolSizing::kBudgetBytes;
+  config.poolAmount = 41 * 4096 + 100;  // 2 rows: 24 identity-mapped pages, 17 sliding ones
+  TraceSource source = traceSource(kTiny);
+  ReplayResult const result = runReplay(source, config);
+  nlohmann::json const json = nlohmann::json::parse(formatJson(result));
+  EXPECT_EQ(json.at("pool_sizing"), "budget");
+  EXPECT_EQ(json.at("kv_budget_bytes"), 41 * 4096 + 100);
+  EXPECT_EQ(json.at("backend"), "bounded-swa");
+  EXPECT_EQ(json.at("kv_bytes"), 41 * 4096);
+  nlohmann::json const& pools = json.at("pools");
+  ASSERT_EQ(pools.size(), 2u);
+  EXPECT_EQ(pools[0], nlohmann::json({{"name", "full"},
+                                      {"pages", 24},
+                                      {"bytes_per_page", 4096},
+                                      {"bytes", 24 * 4096},
+                                      {"peak_pages_in_use", 24}}));
+  EXPECT_EQ(pools[1].at("name"), "swa");
+  EXPECT_EQ(pools[1].at("pages"), 17);
+  EXPECT_EQ(pools[1].at("bytes"), 17 * 4096);
+  int64_t const swaPeak = pools[1].at("peak_pages_in_use").get<int64_t>();
+  EXPECT_GT(swaPeak, 0);
+  EXPECT_LE(swaPeak, 2 * 7);
+  EXPECT_EQ(json.at("peak_kv_bytes"), (24 + swaPeak) * 4096);
+  EXPECT_EQ(json.at("swa_pages_per_sequence"),
+            nlohmann::json({{"prefill", 7}, {"decode", 4}, {"decode_peak_per_row", 4}}));
+  std::string const summary = formatSummary(result);
+  EXPECT_NE(summary.find("  KV pools                  full 24 pages x 4.0 KiB, swa 17 pages x 4.0 "
+                         "KiB = 164.0 KiB of a 164.1 KiB budget\n"),
+            std::string::npos)
+      << summary;
+  EXPECT_NE(summary.find("(--kv-budget-bytes 168036, split between the KV pools)"),
+            std::string::npos)
+      << summary;
+  EXPECT_NE(summary.find("  SWA pages per sequence    7 at prefill (2M + 1), 4 in decode (M + 1); "
+                         "measured in decode: at most 4 per running row\n"),
+            std::string::npos)
       << summary;
 }
 

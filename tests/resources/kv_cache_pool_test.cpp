@@ -69,6 +69,19 @@ TEST(KVCachePoolConfigTest, RejectsEveryInvalidFieldByName) {
   EXPECT_NO_THROW(KVCachePool{largestPage});
 }
 
+TEST(KVCachePoolConfigTest, BytesPerPageIsEveryLayersKAndVOfOnePageId) {
+  KVCachePoolConfig config;
+  config.numLayers = 5;
+  config.numKVHeads = 8;
+  config.headDim = 128;
+  config.tokensPerPage = 128;
+  config.dataType = DataType::kBFloat16;
+  EXPECT_EQ(KVCachePool::bytesPerPage(config), int64_t{5} * 2 * 128 * 8 * 128 * 2);  // 2.5 MiB
+  config.dataType = DataType::kFp8E4M3;
+  config.numPages = 7;  // not read
+  EXPECT_EQ(KVCachePool::bytesPerPage(config), int64_t{5} * 2 * 128 * 8 * 128);
+}
+
 class KVCachePoolTest : public test::DeviceTest {
  protected:
   KVCachePool make() const { return KVCachePool(smallConfig(device())); }
@@ -88,6 +101,9 @@ TEST_P(KVCachePoolTest, ReportsExactSizes) {
   EXPECT_EQ(pool.tokenBytes(), 2 * 8 * 2);
   EXPECT_EQ(pool.pageBytes(), 32 * 16);
   EXPECT_EQ(pool.totalBytes(), 3 * 2 * 5 * 512);
+  // One page id: K and V of every layer, known from the config before a pool is built.
+  EXPECT_EQ(KVCachePool::bytesPerPage(pool.config()), 3 * 2 * 512);
+  EXPECT_EQ(KVCachePool::bytesPerPage(pool.config()) * pool.numPages(), pool.totalBytes());
   EXPECT_EQ(pool.numLayers(), 3);
   EXPECT_EQ(pool.numPages(), 5);
   EXPECT_EQ(pool.tokensPerPage(), 16);

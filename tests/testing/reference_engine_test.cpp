@@ -520,6 +520,7 @@ void expectSameRun(RunResult const& cpu, RunResult const& gpu) {
   EXPECT_EQ(a.lengthChecks, b.lengthChecks);
   EXPECT_EQ(a.recurrentChecks, b.recurrentChecks);
   EXPECT_EQ(a.peakPagesInUse, b.peakPagesInUse);
+  EXPECT_EQ(a.peakSwaPagesPerDecodingRow, b.peakSwaPagesPerDecodingRow);
   EXPECT_EQ(a.speculativeRounds, b.speculativeRounds);
   EXPECT_EQ(a.proposedTokens, b.proposedTokens);
   EXPECT_EQ(a.acceptedTokens, b.acceptedTokens);

@@ -110,7 +110,11 @@ struct EngineStats {
   int64_t recurrentChecks = 0;  ///< recurrent states verified (checkpoint deployments)
   /// Of oracleMismatches: recurrent states with a wrong byte (one per verified execution).
   int64_t recurrentMismatches = 0;
-  int64_t peakPagesInUse = 0;                ///< max pages not free, over all pools
+  int64_t peakPagesInUse = 0;  ///< max pages not free, over all pools
+  /// Bounded SWA: the most SWA pages in use per row of the running batch at a decode step (right
+  /// after prepareDecodeStep, pages leaving the window still held), rounded up; with one row,
+  /// the pages one decoding sequence holds. 0 on the other backends.
+  int64_t peakSwaPagesPerDecodingRow = 0;
   std::vector<int64_t> stepHostNanoseconds;  ///< library time per decode step (facade calls)
   /// GPU pools only: stream time of the library's work per decode step, measured with CUDA
   /// events recorded right before and after prepareDecodeStep and completeDecodeStep (the
@@ -259,6 +263,8 @@ class ReferenceEngine {
   /// Recurrent state: verify the row resumes from `from` tokens, then write the state after `to`.
   void executeRecurrent(Row& row, int32_t from, int32_t to);
   void notePages();
+  /// Decode steps: notePages and, on bounded SWA, peakSwaPagesPerDecodingRow.
+  void noteDecodePages();
   void report(std::string const& what);
   // Speculative decoding (reference_engine_speculative.cpp).
   bool pairsDraft() const noexcept;
