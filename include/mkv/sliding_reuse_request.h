@@ -63,9 +63,10 @@ class SlidingReuseRequest {
   bool prepareSwaPrefill(std::vector<int32_t> const& effectiveInputLengths);
   /// No checkpoints on this backend: the coordinator's no-op, true.
   bool enqueuePrefillCaptures() { return mFull.enqueuePrefillCaptures(); }
-  /// After the runtime's prefill synchronisation: publishes every complete prompt block's
-  /// sliding page into the window cache, then completes both halves (the full layers publish
-  /// their blocks; the sliding layers retire what left the window and keep at most M + 1 pages).
+  /// After the runtime's prefill synchronisation: completes the full layers' half (which
+  /// publishes their blocks), publishes every complete prompt block's sliding page into the
+  /// window cache, then completes the sliding half (it retires what left the window, a published
+  /// page staying cached, and keeps at most M + 1 pages).
   bool completePrefill(DecodingInferenceContext const& context,
                        std::vector<int32_t> const& commonStateLengths);
   /// Grows the full layers' pages and maps the next window page (headroom {1, 0} only).

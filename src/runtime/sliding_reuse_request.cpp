@@ -134,8 +134,13 @@ void SlidingReuseRequest::publishWindowBlocks() {
 
 bool SlidingReuseRequest::completePrefill(DecodingInferenceContext const& context,
                                           std::vector<int32_t> const& commonStateLengths) {
-  publishWindowBlocks();
+  // The coordinator publishes the full layers' blocks and marks the prefill complete; then the
+  // sliding pages of the same blocks are published, before the SWA half retires the ones that
+  // left the window (a published page stays cached).
   bool const fullOk = mFull.completePrefill(context, commonStateLengths);
+  if (fullOk) {
+    publishWindowBlocks();
+  }
   mManager->completePrefill(mHandle);
   return fullOk;
 }

@@ -102,8 +102,10 @@ std::vector<MatrixCase> matrixCases() {
   KVCacheRuntimeConfig const slidingOnly = withWindow(baseConfig(), 0, 2);
   cases.push_back(
       {"reuse_full_attention", reuse(baseConfig()), KVCacheBackend::kContextReuse, 2, 64, 0, 0});
-  // Reuse wins over bounded SWA even where the window would fit: sliding layers in the full pool.
-  cases.push_back({"reuse_mixed", reuse(mixed), KVCacheBackend::kContextReuse, 5, 64, 0, 0});
+  // Reuse on a mixed model: full layers with reuse, sliding layers in their own pool of as many
+  // pages as the full pool (sliding-window reuse).
+  cases.push_back(
+      {"reuse_mixed", reuse(mixed), KVCacheBackend::kSlidingWindowReuse, 2, 64, 3, 64});
   cases.push_back(
       {"reuse_sliding_only", reuse(slidingOnly), KVCacheBackend::kContextReuse, 2, 64, 0, 0});
   cases.push_back(
@@ -126,10 +128,11 @@ std::vector<MatrixCase> matrixCases() {
   KVCacheRuntimeConfig wide = mixed;
   wide.model.slidingWindowTokens = 300;
   cases.push_back({"window_wider_than_rows", wide, KVCacheBackend::kFullStorage, 5, 64, 0, 0});
-  // numSwaPages only sizes a bounded pool; below the minimum it is ignored elsewhere.
-  KVCacheRuntimeConfig ignored = reuse(mixed);
-  ignored.numSwaPages = 3;
-  cases.push_back({"reuse_ignores_swa_pages", ignored, KVCacheBackend::kContextReuse, 5, 64, 0, 0});
+  // numSwaPages sizes the sliding pool of sliding-window reuse too.
+  KVCacheRuntimeConfig slidingPages = reuse(mixed);
+  slidingPages.numSwaPages = 40;
+  cases.push_back({"reuse_mixed_explicit_swa_pages", slidingPages,
+                   KVCacheBackend::kSlidingWindowReuse, 2, 64, 3, 40});
   return cases;
 }
 
@@ -153,13 +156,15 @@ TEST_P(KVCacheRuntimeMatrixTest, ChoosesOneBackendAndSizesItsPools) {
   auto runtime = KVCacheRuntime::create(config);
   ASSERT_EQ(runtime->backend(), c.backend) << toString(runtime->backend());
   bool const bounded = c.backend == KVCacheBackend::kBoundedSwa;
-  // Exactly one backend.
+  bool const composed = c.backend == KVCacheBackend::kSlidingWindowReuse;
+  // One backend, or both halves of sliding-window reuse.
   EXPECT_EQ(runtime->contextCache() != nullptr, !bounded);
-  EXPECT_EQ(runtime->swaPageManager() != nullptr, bounded);
-  EXPECT_EQ(runtime->supportsSeatedAdmission(), !bounded);
+  EXPECT_EQ(runtime->swaPageManager() != nullptr, bounded || composed);
+  EXPECT_EQ(runtime->windowBlockCache() != nullptr, composed);
+  EXPECT_EQ(runtime->supportsSeatedAdmission(), !bounded && !composed);
   if (!bounded) {
     EXPECT_EQ(runtime->contextCache()->config().enabled,
-              c.backend == KVCacheBackend::kContextReuse);
+              c.backend == KVCacheBackend::kContextReuse || composed);
     EXPECT_EQ(runtime->contextCache()->supportsLiveSequenceAdmission(), true);
   }
   EXPECT_EQ(runtime->maxPagesPerSequence(), 16);
@@ -373,6 +378,13 @@ std::vector<InvalidCase> invalidCases() {
          c.numSwaPages = kBoundedMinimum - 1;
        },
        {"numSwaPages 27 is below", "= 28"}},
+      {"sliding_reuse_pages_below_one_prefill",
+       [](auto& c) {
+         c = withWindow(c, 2, 3);
+         c.contextReuse = true;
+         c.numSwaPages = 18;  // a row of 16 pages + 1 spare + 2 window pages = 19
+       },
+       {"numSwaPages 18 is below one sequence's sliding-window reuse prefill", "= 19"}},
       {"bounded_mixed_full_pool_too_small",
        [](auto& c) {
          c = withWindow(c, 1, 1);

@@ -111,12 +111,12 @@ TEST_P(SlidingReuseTest, ATooSmallSlidingPoolIsAConfigurationError) {
 TEST_P(SlidingReuseTest, ASharedPrefixIsReusedWithTheWindowBeforeIt) {
   auto runtime = KVCacheRuntime::create(slidingConfig(device()));
   ReferenceEngine engine(*runtime);  // verify kAll, throws on the first oracle mismatch
-  std::vector<int32_t> const shared = tokenRun(0, 256);
-  EXPECT_EQ(runOnce(engine, single(concatenated(shared, tokenRun(5000, 44)))), 0);
+  std::vector<int32_t> const shared = tokenRun(256, 0);
+  EXPECT_EQ(runOnce(engine, single(concatenated(shared, tokenRun(44, 5000)))), 0);
   // 16 shared blocks; the window before them (blocks 12..15) was published by the first prompt.
-  EXPECT_EQ(runOnce(engine, single(concatenated(shared, tokenRun(9000, 30)))), 256);
+  EXPECT_EQ(runOnce(engine, single(concatenated(shared, tokenRun(30, 9000)))), 256);
   // A prefix that ends mid-way reuses its whole blocks, its window included.
-  EXPECT_EQ(runOnce(engine, single(concatenated(tokenRun(0, 100), tokenRun(7000, 20)))), 96);
+  EXPECT_EQ(runOnce(engine, single(concatenated(tokenRun(100, 0), tokenRun(20, 7000)))), 96);
   EXPECT_EQ(engine.stats().oracleMismatches, 0);
   EXPECT_GT(engine.stats().oracleChecks, 0);
   ContextCacheMetrics const metrics = runtime->contextCache()->metrics();
@@ -125,16 +125,36 @@ TEST_P(SlidingReuseTest, ASharedPrefixIsReusedWithTheWindowBeforeIt) {
   EXPECT_TRUE(runtime->shutdown());
 }
 
+TEST_P(SlidingReuseTest, ACorruptedCachedWindowIsCaughtByTheOracle) {
+  auto runtime = KVCacheRuntime::create(slidingConfig(device()));
+  ReferenceEngineOptions options;
+  options.throwOnMismatch = false;
+  ReferenceEngine engine(*runtime, options);
+  std::vector<int32_t> const shared = tokenRun(256, 0);
+  EXPECT_EQ(runOnce(engine, single(concatenated(shared, tokenRun(44, 5000)))), 0);
+  EXPECT_EQ(engine.stats().oracleMismatches, 0);
+  // Every sliding page of the second layer, the cached window blocks included, loses its bytes;
+  // the full layers stay intact, so only the reused window can be wrong.
+  test::fillConstant(runtime->swaPool()->layer(1), 0x5A);
+  EXPECT_EQ(runOnce(engine, single(concatenated(shared, tokenRun(30, 9000)))), 256);
+  EXPECT_GT(engine.stats().oracleMismatches, 0);
+  // The first reused window position, start - W = 192, of the corrupted sliding layer.
+  EXPECT_NE(engine.stats().firstMismatch.find("reused prefix: slot 0 position 192"),
+            std::string::npos)
+      << engine.stats().firstMismatch;
+  EXPECT_NE(engine.stats().firstMismatch.find("layer 1"), std::string::npos);
+}
+
 TEST_P(SlidingReuseTest, AnEvictedWindowCapsTheHitAndNamesTheReason) {
   // The smallest sliding pool (69 pages) beside a full pool that keeps everything.
   auto runtime = KVCacheRuntime::create(slidingConfig(device(), 69));
   ReferenceEngine engine(*runtime);
-  std::vector<int32_t> const shared = tokenRun(0, 256);
-  EXPECT_EQ(runOnce(engine, single(concatenated(shared, tokenRun(5000, 44)))), 0);
+  std::vector<int32_t> const shared = tokenRun(256, 0);
+  EXPECT_EQ(runOnce(engine, single(concatenated(shared, tokenRun(44, 5000)))), 0);
   // An unrelated 1000-token prompt needs 64 sliding pages: the oldest cached blocks of the first
   // prompt (its first ones) are dropped; the full layers keep all of them.
-  EXPECT_EQ(runOnce(engine, single(tokenRun(20000, 1000), 1)), 0);
-  int32_t const start = runOnce(engine, single(concatenated(shared, tokenRun(9000, 30))));
+  EXPECT_EQ(runOnce(engine, single(tokenRun(1000, 20000), 1)), 0);
+  int32_t const start = runOnce(engine, single(concatenated(shared, tokenRun(30, 9000))));
   EXPECT_LT(start, 256);
   EXPECT_EQ(start % kPage, 0);
   ContextCacheMetrics const metrics = runtime->contextCache()->metrics();
@@ -154,7 +174,7 @@ TEST_P(SlidingReuseTest, ADecodingSequenceHoldsAtMostMPlusOneSlidingPages) {
   EngineRequest request;
   for (int i = 0; i < 3; ++i) {
     request.sequences.push_back(
-        EngineSequence{tokenRun(1000 * (i + 1), 300 + 37 * i), 70, {}, {}, {}, -1, i});
+        EngineSequence{tokenRun(300 + 37 * i, 1000 * (i + 1)), 70, {}, {}, {}, -1, i});
   }
   auto const outcome = engine.run(request);
   ASSERT_TRUE(outcome.admitted);
@@ -178,7 +198,7 @@ TEST_P(SlidingReuseTest, AFailedSynchronisationPoisonsAndShutdownRecoversEveryPa
     }
   };
   ReferenceEngine engine(*runtime, options);
-  auto const outcome = engine.run(single(tokenRun(0, 200), 20));
+  auto const outcome = engine.run(single(tokenRun(200, 0), 20));
   ASSERT_TRUE(outcome.admitted);
   EXPECT_TRUE(outcome.failed);
   EXPECT_TRUE(runtime->contextCache()->poisoned() || runtime->swaPageManager()->poisoned());
@@ -195,7 +215,7 @@ TEST(SlidingReuseFacadeTest, MisuseThrowsAndChangesNothing) {
   runtime_test::RuntimeRig rig(slidingConfig(DeviceType::kCPU));
   KVCacheRuntime& runtime = rig.runtime();
   runtime_test::FacadeDriver driver(rig);
-  driver.add(tokenRun(0, 100));
+  driver.add(tokenRun(100, 0));
   auto const beginWith = [&](bool speculative, DecodingKvHeadroom headroom) {
     return ManagedKVCacheRequest::begin(runtime.contextCache(), runtime.swaPageManager(),
                                         driver.request, driver.context, speculative, headroom,
@@ -216,7 +236,7 @@ TEST(SlidingReuseFacadeTest, MisuseThrowsAndChangesNothing) {
   EXPECT_TRUE(facade.hasContextReuse());
   ASSERT_NE(facade.prefillStarts(), nullptr);
   int32_t start = -1;
-  EXPECT_EQ(facade.admitSequence(tokenRun(500, 40), "", {1, 0}, start, ResidentRef{3, 1},
+  EXPECT_EQ(facade.admitSequence(tokenRun(40, 500), "", {1, 0}, start, ResidentRef{3, 1},
                                  runtime.config().stream),
             AdmitSequenceStatus::kFailed);
   EXPECT_EQ(start, -1);
@@ -243,15 +263,15 @@ TEST(SlidingReuseFacadeTest, ARefusalOfTheSlidingPoolGivesTheLeasesBack) {
   KVCacheRuntime& runtime = rig.runtime();
   {
     runtime_test::FacadeDriver driver(rig);
-    driver.add(tokenRun(0, 1000));
-    driver.add(tokenRun(3000, 1000));
+    driver.add(tokenRun(1000, 0));
+    driver.add(tokenRun(1000, 3000));
     EXPECT_FALSE(driver.begin());
   }
   EXPECT_EQ(runtime.contextCache()->activeRequestCount(), 0);
   EXPECT_EQ(runtime.swaPageManager()->activeRequestCount(), 0);
   expectNothingHeld(runtime);
   runtime_test::FacadeDriver driver(rig);
-  driver.add(tokenRun(0, 1000));
+  driver.add(tokenRun(1000, 0));
   ASSERT_TRUE(driver.begin());
   EXPECT_TRUE(driver.prefill());
   EXPECT_TRUE(driver.finish());
