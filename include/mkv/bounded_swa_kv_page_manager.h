@@ -273,7 +273,8 @@ class BoundedSwaKVPageManager {
   int32_t activeRequestCount() const noexcept;
   int32_t windowTokens() const noexcept { return mWindow; }
   int32_t tokensPerPage() const noexcept { return mPageSize; }
-  /// 2M + 1 (admission / prefill budget per sequence; cached mode: ceil(L / P) - s / P + 1).
+  /// 2M + 1 (admission / prefill budget per sequence; a cached-mode sequence reserves
+  /// ceil(L / P) - s / P + 1 private pages instead, besides its held window pages).
   int32_t privatePagesPerSequence() const noexcept { return mAdmissionPages; }
   /// M + 1 (decode budget per sequence).
   int32_t decodePagesPerSequence() const noexcept { return mDecodePages; }
