@@ -13,6 +13,7 @@
 
 #include <charconv>
 #include <cstdio>
+#include <cstdlib>
 #include <exception>
 #include <fstream>
 #include <limits>
@@ -168,12 +169,29 @@ CliOptions parseArguments(int argc, char** argv) {
                                              {"swa", ReplayMode::kSwa},
                                              {"full", ReplayMode::kFull}});
          });
-  auto* window = option("--window", "W", "swa: sliding window in tokens (default 4096)",
+  auto* window = option("--window", "W",
+                        "sliding window in tokens (default 4096): in swa mode the window of the "
+                        "bounded layers; in reuse mode it makes the --layers sliding and selects "
+                        "sliding-window reuse (needs --full-layers >= 1)",
                         int32(1, kInt32Max / 4, c.windowTokens));
   auto* fullLayers = option("--full-layers", "N",
-                            "swa: N full-attention layers besides the sliding ones "
-                            "(default 0)",
+                            "swa, or reuse with --window: N full-attention layers besides the "
+                            "sliding ones (default 0)",
                             int32(0, 256, c.fullLayers));
+  auto* slidingShare = option(
+      "--sliding-budget-share", "F",
+      "reuse with --window and --kv-budget-bytes: the share of the budget that buys sliding pages, "
+      "in (0, 1) (default 0.25; the rest buys full-pool pages)",
+      [&](std::string_view flag, std::string_view value) {
+        std::string const number(value);
+        char* end = nullptr;
+        double const share = std::strtod(number.c_str(), &end);
+        if (number.empty() || end != number.c_str() + number.size() ||
+            !(share > 0.0 && share < 1.0)) {
+          throw UsageError(fmt::format("{} {}: expected a number in (0, 1)", flag, value));
+        }
+        c.slidingBudgetShare = share;
+      });
   option("--page-size", "N", "tokens per page, power of two in [16, 1024] (default 128)",
          int32(16, 1024, c.pageSize));
   auto pool = [&](PoolSizing sizing) {
@@ -422,9 +440,17 @@ CliOptions parseArguments(int argc, char** argv) {
         "--boundary-hidden-width needs --speculative mtp with --recurrent-layers N > 0");
   }
   options.attentionOnlyBaseline = !noBaseline;
-  if (c.mode != ReplayMode::kSwa && window->count() + fullLayers->count() > 0) {
-    throw UsageError(fmt::format("{} applies to --mode swa only",
+  c.slidingReuse = c.mode == ReplayMode::kReuse && window->count() > 0;
+  if (c.mode == ReplayMode::kFull && window->count() + fullLayers->count() > 0) {
+    throw UsageError(fmt::format("{} applies to --mode swa and reuse only",
                                  window->count() > 0 ? "--window" : "--full-layers"));
+  }
+  if (c.mode == ReplayMode::kReuse && fullLayers->count() > 0 && !c.slidingReuse) {
+    throw UsageError("--full-layers in reuse mode needs --window (sliding-window reuse)");
+  }
+  if (slidingShare->count() > 0 &&
+      !(c.slidingReuse && c.poolSizing == PoolSizing::kBudgetBytes)) {
+    throw UsageError("--sliding-budget-share needs --mode reuse with --window and --kv-budget-bytes");
   }
   return options;
 }

@@ -303,6 +303,13 @@ std::string formatSummary(ReplayResult const& r) {
       fmt::format("{} of {} ({:.1f}%), peak KV {}", grouped(r.peakPagesInUse), grouped(r.poolPages),
                   100.0 * static_cast<double>(r.peakPagesInUse) / static_cast<double>(r.poolPages),
                   bytes(r.peakKvBytes)));
+  if (r.backend == KVCacheBackend::kSlidingWindowReuse) {
+    line("SWA pages per sequence",
+         fmt::format("at most {} per row at prefill (window + executed prompt pages, measured), "
+                     "{} in decode (M + 1); measured in decode: at most {} per running row",
+                     r.swaPagesPerSequencePrefill, r.swaPagesPerSequenceDecode,
+                     r.swaPeakPagesPerDecodingRow));
+  }
   if (r.backend == KVCacheBackend::kBoundedSwa) {
     line("SWA pages per sequence",
          fmt::format("{} at prefill (2M + 1), {} in decode (M + 1); measured in decode: at most "
@@ -410,7 +417,8 @@ std::string formatJson(ReplayResult const& r) {
       {"peak_pages_in_use", r.peakPagesInUse},
       {"peak_kv_bytes", r.peakKvBytes},
       {"swa_pages_per_sequence",
-       r.backend == KVCacheBackend::kBoundedSwa
+       r.backend == KVCacheBackend::kBoundedSwa ||
+               r.backend == KVCacheBackend::kSlidingWindowReuse
            ? nlohmann::ordered_json{{"prefill", r.swaPagesPerSequencePrefill},
                                     {"decode", r.swaPagesPerSequenceDecode},
                                     {"decode_peak_per_row", r.swaPeakPagesPerDecodingRow}}

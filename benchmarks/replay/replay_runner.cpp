@@ -150,6 +150,31 @@ int64_t budgetFullPages(ReplayConfig const& c) {
   return c.poolAmount / (base + draft);
 }
 
+/// --kv-budget-bytes with sliding-window reuse: slidingBudgetShare of the budget buys sliding
+/// pages, the rest full-pool pages (each pool at least one sequence's row, the sliding pool one
+/// sequence's largest prefill: a row, a spare and the window before it).
+struct SlidingReuseBudget {
+  int64_t fullPages = 0;
+  int64_t swaPages = 0;
+};
+
+SlidingReuseBudget budgetSlidingReuse(ReplayConfig const& c, int64_t width) {
+  int64_t const fullPage = poolPageBytes(c, c.fullLayers);
+  int64_t const swaPage = poolPageBytes(c, c.layers);
+  int64_t const swaMinimum = width + 1 + ceilDiv(c.windowTokens, c.pageSize);
+  auto const swaBytes = static_cast<int64_t>(static_cast<double>(c.poolAmount) *
+                                             c.slidingBudgetShare);
+  SlidingReuseBudget budget{(c.poolAmount - swaBytes) / fullPage, swaBytes / swaPage};
+  if (budget.fullPages < width || budget.swaPages < swaMinimum) {
+    configError(fmt::format(
+        "--kv-budget-bytes {} buys {} full pages and {} sliding pages (sliding share {}); one "
+        "sequence needs {} full pages ({} bytes each) and {} sliding pages ({} bytes each)",
+        c.poolAmount, budget.fullPages, budget.swaPages, c.slidingBudgetShare, width, fullPage,
+        swaMinimum, swaPage));
+  }
+  return budget;
+}
+
 /// --kv-budget-bytes in swa mode: the largest batch (up to maxBatch) whose identity-mapped full
 /// pool and bounded-SWA admission budgets fit, and the sliding pages the rest buys.
 struct SwaBudget {
@@ -184,6 +209,30 @@ SwaBudget budgetSwa(ReplayConfig const& c, int64_t width, int32_t perSequence) {
   return budget;
 }
 
+/// Sliding-window reuse serves attention-only vanilla reuse with at least one full layer.
+void validateSlidingReuse(ReplayConfig const& c) {
+  if (!c.slidingReuse) {
+    return;
+  }
+  if (c.mode != ReplayMode::kReuse) {
+    configError(fmt::format("sliding-window reuse is reuse mode, not {} mode", toString(c.mode)));
+  }
+  if (c.fullLayers < 1) {
+    configError("sliding-window reuse needs --full-layers >= 1 beside the sliding layers");
+  }
+  if (c.windowTokens < 1) {
+    configError(fmt::format("window {} must be >= 1 token", c.windowTokens));
+  }
+  if (c.recurrentLayers > 0 || c.speculative != SpeculativeKind::kNone || c.hostPoolTokens > 0) {
+    configError(
+        "sliding-window reuse serves attention-only vanilla reuse: no --recurrent-layers, "
+        "--speculative or --host-pool-tokens");
+  }
+  if (!(c.slidingBudgetShare > 0.0 && c.slidingBudgetShare < 1.0)) {
+    configError(fmt::format("sliding budget share {} must be in (0, 1)", c.slidingBudgetShare));
+  }
+}
+
 void validate(ReplayConfig const& c) {
   if (c.pageSize < 16 || c.pageSize > 1024 || (c.pageSize & (c.pageSize - 1)) != 0) {
     configError(fmt::format("page size {} is not a power of two in [16, 1024]", c.pageSize));
@@ -192,9 +241,11 @@ void validate(ReplayConfig const& c) {
     configError(fmt::format("layers {} (+ {} full layers) must be >= 1 and at most {} in all",
                             c.layers, c.fullLayers, kernels::kMaxLayers));
   }
-  if (c.fullLayers > 0 && c.mode != ReplayMode::kSwa) {
-    configError("full layers besides sliding ones exist only in swa mode");
+  if (c.fullLayers > 0 && c.mode != ReplayMode::kSwa && !c.slidingReuse) {
+    configError("full layers besides sliding ones exist only with sliding layers (swa mode, or "
+                "--window in reuse mode)");
   }
+  validateSlidingReuse(c);
   if (c.kvHeads < 1 || c.kvHeads > kMaxGeometry || c.headDim < 1 || c.headDim > kMaxGeometry) {
     configError(fmt::format("KV heads {} and head dim {} must be in [1, {}]", c.kvHeads, c.headDim,
                             kMaxGeometry));
@@ -318,6 +369,11 @@ class Runner {
       explicitPages = c.poolAmount;
     } else if (c.poolSizing == PoolSizing::kTokens) {
       explicitPages = c.poolAmount / c.pageSize;
+    } else if (c.poolSizing == PoolSizing::kBudgetBytes && c.slidingReuse) {
+      SlidingReuseBudget const budget = budgetSlidingReuse(c, width);
+      explicitPages = budget.fullPages;
+      rc.numSwaPages = static_cast<int32_t>(
+          std::min<int64_t>(budget.swaPages, std::numeric_limits<int32_t>::max() / 2));
     } else if (c.poolSizing == PoolSizing::kBudgetBytes && c.mode != ReplayMode::kSwa) {
       explicitPages = budgetFullPages(c);
     }
@@ -325,7 +381,13 @@ class Runner {
     int32_t batch = c.maxBatch;
     switch (c.mode) {
       case ReplayMode::kReuse:
-        rc.model.numFullAttentionLayers = c.layers;
+        if (c.slidingReuse) {
+          rc.model.numSlidingWindowLayers = c.layers;
+          rc.model.numFullAttentionLayers = c.fullLayers;
+          rc.model.slidingWindowTokens = c.windowTokens;
+        } else {
+          rc.model.numFullAttentionLayers = c.layers;
+        }
         rc.contextReuse = true;
         configureHybrid(rc);
         pages = explicitPages > 0
@@ -408,9 +470,11 @@ class Runner {
     mResult.maxBatch = batch;
     mResult.maxSequenceTokens = width * c.pageSize;
     mRuntime = KVCacheRuntime::create(rc);
-    KVCacheBackend const expected = c.mode == ReplayMode::kReuse ? KVCacheBackend::kContextReuse
-                                    : c.mode == ReplayMode::kSwa ? KVCacheBackend::kBoundedSwa
-                                                                 : KVCacheBackend::kFullStorage;
+    KVCacheBackend const expected =
+        c.slidingReuse                 ? KVCacheBackend::kSlidingWindowReuse
+        : c.mode == ReplayMode::kReuse ? KVCacheBackend::kContextReuse
+        : c.mode == ReplayMode::kSwa   ? KVCacheBackend::kBoundedSwa
+                                       : KVCacheBackend::kFullStorage;
     if (mRuntime->backend() != expected) {
       throw std::logic_error(fmt::format("the runtime chose the {} backend for {} mode",
                                          mkv::toString(mRuntime->backend()), toString(c.mode)));
@@ -472,6 +536,8 @@ class Runner {
         pool.peakPagesInUse = stats.peakDraftPagesInUse;
       } else if (pool.kind == KvPoolKind::kFull && bounded) {
         pool.peakPagesInUse = pool.pages;
+      } else if (pool.kind == KvPoolKind::kSwa && !bounded) {
+        pool.peakPagesInUse = stats.peakSwaPagesInUse;  // sliding-window reuse
       } else {
         pool.peakPagesInUse = stats.peakPagesInUse;
       }
@@ -818,7 +884,11 @@ class Runner {
       }
     }
     if (BoundedSwaKVPageManager const* swa = mRuntime->swaPageManager()) {
-      r.swaPagesPerSequencePrefill = swa->privatePagesPerSequence();
+      // Sliding-window reuse: the prefill holds the reused window and every executed prompt page
+      // (measured); bounded SWA reserves 2M + 1. Both keep M + 1 in decode.
+      r.swaPagesPerSequencePrefill = r.backend == KVCacheBackend::kBoundedSwa
+                                         ? swa->privatePagesPerSequence()
+                                         : static_cast<int32_t>(stats.peakSwaPagesPerPrefillRow);
       r.swaPagesPerSequenceDecode = swa->decodePagesPerSequence();
       r.swaPeakPagesPerDecodingRow = stats.peakSwaPagesPerDecodingRow;
     }

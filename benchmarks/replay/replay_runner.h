@@ -51,9 +51,15 @@ enum class PoolSizing : uint8_t {
 /// Replay settings; defaults are mkv-replay's (docs/replay.md).
 struct ReplayConfig {
   ReplayMode mode = ReplayMode::kReuse;
-  int32_t windowTokens = 4096;  ///< W of the sliding layers (kSwa)
-  int32_t fullLayers = 0;       ///< kSwa: full-attention layers besides the sliding ones
-  int32_t layers = 1;           ///< attention layers (sliding ones in kSwa)
+  int32_t windowTokens = 4096;  ///< W of the sliding layers (kSwa, slidingReuse)
+  int32_t fullLayers = 0;       ///< kSwa, slidingReuse: full-attention layers besides the sliding
+  int32_t layers = 1;           ///< attention layers (sliding ones in kSwa and slidingReuse)
+  /// kReuse: the `layers` are sliding (window windowTokens) beside `fullLayers` >= 1 full ones,
+  /// served by the sliding-window reuse backend (mkv-replay --window in reuse mode).
+  bool slidingReuse = false;
+  /// slidingReuse with --kv-budget-bytes: the share of the budget that buys sliding pages (the
+  /// rest buys full-pool pages); docs/replay.md, "KV budget".
+  double slidingBudgetShare = 0.25;
   int32_t kvHeads = 1;
   int32_t headDim = 8;
   DataType dtype = DataType::kFloat16;

@@ -106,12 +106,7 @@ int64_t ReferenceEngine::pagesInUse() const {
   auto& runtime = const_cast<KVCacheRuntime&>(mRuntime);
   if (ContextCacheCoordinator* coordinator = runtime.contextCache()) {
     ResourcePools const& pools = coordinator->manager().pools();
-    int64_t used =
-        pools.capacity(ResourceType::kBaseKvPage) - pools.freeCount(ResourceType::kBaseKvPage);
-    if (WindowBlockCache const* window = runtime.windowBlockCache()) {
-      used += window->totalPages() - window->freePages();  // held or cached sliding pages
-    }
-    return used;
+    return pools.capacity(ResourceType::kBaseKvPage) - pools.freeCount(ResourceType::kBaseKvPage);
   }
   BoundedSwaKVPageManager* swa = runtime.swaPageManager();
   return swa->totalPageCount() - swa->freePageCount();
@@ -119,6 +114,10 @@ int64_t ReferenceEngine::pagesInUse() const {
 
 void ReferenceEngine::notePages() {
   mStats.peakPagesInUse = std::max(mStats.peakPagesInUse, pagesInUse());
+  if (WindowBlockCache const* window = const_cast<KVCacheRuntime&>(mRuntime).windowBlockCache()) {
+    mStats.peakSwaPagesInUse = std::max<int64_t>(mStats.peakSwaPagesInUse,
+                                                 window->totalPages() - window->freePages());
+  }
   if (mRuntime.draftPool() != nullptr) {
     ResourcePools const& pools = mRuntime.contextCache()->manager().pools();
     mStats.peakDraftPagesInUse = std::max<int64_t>(
@@ -129,13 +128,20 @@ void ReferenceEngine::notePages() {
 
 void ReferenceEngine::noteDecodePages() {
   notePages();
-  BoundedSwaKVPageManager const* swa = mRuntime.swaPageManager();
-  int64_t const rows = swa != nullptr ? mRuntime.swaPool()->activeBatchSize() : 0;
-  if (rows > 0) {
-    int64_t const held = swa->totalPageCount() - swa->freePageCount();
-    mStats.peakSwaPagesPerDecodingRow =
-        std::max(mStats.peakSwaPagesPerDecodingRow, (held + rows - 1) / rows);
+  mStats.peakSwaPagesPerDecodingRow =
+      std::max(mStats.peakSwaPagesPerDecodingRow, swaPagesPerRow());
+}
+
+int64_t ReferenceEngine::swaPagesPerRow() const {
+  auto& runtime = const_cast<KVCacheRuntime&>(mRuntime);
+  BoundedSwaKVPageManager const* swa = runtime.swaPageManager();
+  int64_t const rows = swa != nullptr ? runtime.swaPool()->activeBatchSize() : 0;
+  if (rows == 0) {
+    return 0;
   }
+  // Pages the running windows hold (with a page source, free counts its evictable pages too).
+  int64_t const held = swa->totalPageCount() - swa->freePageCount();
+  return (held + rows - 1) / rows;
 }
 
 void ReferenceEngine::verifyRow(Run& run, Row& row, bool full) {
@@ -402,6 +408,8 @@ bool ReferenceEngine::prefill(Run& run) {
   auto t0 = std::chrono::steady_clock::now();
   bool ok = managed.preparePrefill() && managed.prepareSwaPrefill(context.effectivePrefillLengths);
   run.libraryNanos += nanosSince(t0);
+  mStats.peakSwaPagesPerPrefillRow =
+      std::max(mStats.peakSwaPagesPerPrefillRow, ok ? swaPagesPerRow() : 0);
   if (ok && mHybridMtp && run.rows.front().prefillStart > 0) {
     // The checkpoint's boundary hidden row, stream-ordered before the step's check of it (and
     // before the endpoint, which releases the hit's pins).

@@ -110,11 +110,18 @@ struct EngineStats {
   int64_t recurrentChecks = 0;  ///< recurrent states verified (checkpoint deployments)
   /// Of oracleMismatches: recurrent states with a wrong byte (one per verified execution).
   int64_t recurrentMismatches = 0;
-  int64_t peakPagesInUse = 0;  ///< max pages not free, over all pools
-  /// Bounded SWA: the most SWA pages in use per row of the running batch at a decode step (right
-  /// after prepareDecodeStep, pages leaving the window still held), rounded up; with one row,
-  /// the pages one decoding sequence holds. 0 on the other backends.
+  /// Max pages not free of the pool the backend manages: the full pool (context reuse, full
+  /// storage, sliding-window reuse) or the SWA pool (bounded SWA).
+  int64_t peakPagesInUse = 0;
+  /// Bounded SWA and sliding-window reuse: the most SWA pages the running windows hold per row of
+  /// the batch at a decode step (right after prepareDecodeStep, pages leaving the window still
+  /// held), rounded up; with one row, the pages one decoding sequence holds. 0 elsewhere.
   int64_t peakSwaPagesPerDecodingRow = 0;
+  /// The same right after a prefill's prepareSwaPrefill (sliding-window reuse: the reused window
+  /// and every executed prompt page; bounded SWA: 2M + 1).
+  int64_t peakSwaPagesPerPrefillRow = 0;
+  /// Sliding-window reuse: max sliding pages not free (held by windows or caching blocks).
+  int64_t peakSwaPagesInUse = 0;
   std::vector<int64_t> stepHostNanoseconds;  ///< library time per decode step (facade calls)
   /// GPU pools only: stream time of the library's work per decode step, measured with CUDA
   /// events recorded right before and after prepareDecodeStep and completeDecodeStep (the
@@ -265,6 +272,8 @@ class ReferenceEngine {
   void notePages();
   /// Decode steps: notePages and, on bounded SWA, peakSwaPagesPerDecodingRow.
   void noteDecodePages();
+  /// SWA pages the running windows hold per row of the batch, rounded up (0 without SWA rows).
+  int64_t swaPagesPerRow() const;
   void report(std::string const& what);
   // Speculative decoding (reference_engine_speculative.cpp).
   bool pairsDraft() const noexcept;
