@@ -50,6 +50,7 @@ WindowBlockCache::WindowBlockCache(int32_t capacity, int32_t pageSize, int32_t w
   auto const pages = static_cast<std::size_t>(capacity);
   mLinks.resize(pages);
   mHolders.assign(pages, 0);
+  mWasRead.assign(pages, 0);
   mFree.reserve(pages);
   for (PageId page = 0; page < capacity; ++page) {
     mFree.push_back(page);  // ascending ids are already a min-heap
@@ -150,9 +151,10 @@ int32_t WindowBlockCache::clear() noexcept {
     }
     mIndex.erasePage(page, /*rememberEviction=*/false);
     if (mHolders[static_cast<std::size_t>(page)] == 0) {
-      mRecency.unlink(mLinks, page);
+      unlinkCached(page);
       pushFree(mFree, page);
     }
+    mWasRead[static_cast<std::size_t>(page)] = 0;
     ++cleared;
   }
   return cleared;
@@ -177,8 +179,9 @@ bool WindowBlockCache::allocate(int32_t count, std::vector<PageId>& out) {
     if (!mFree.empty()) {
       page = popFree(mFree);
     } else {
-      page = mRecency.oldest;
-      mRecency.unlink(mLinks, page);
+      page = mUnread.empty() ? mRead.oldest : mUnread.oldest;
+      unlinkCached(page);
+      mWasRead[static_cast<std::size_t>(page)] = 0;
       mDropped.push_back(*mIndex.digestOf(page));  // reserved
       mIndex.erasePage(page, /*rememberEviction=*/false);
     }
@@ -196,8 +199,11 @@ void WindowBlockCache::hold(PageId page) {
   MKV_REQUIRE(holders > 0 || mIndex.digestOf(page).has_value(), kCall,
               "page {} is free: only a cached or held page can gain a holder", page);
   if (holders++ == 0) {
-    mRecency.unlink(mLinks, page);  // a cached page nobody held leaves the release order
+    unlinkCached(page);  // a cached page nobody held leaves the release order
     ++mHeldPages;
+  }
+  if (mIndex.digestOf(page)) {
+    mWasRead[static_cast<std::size_t>(page)] = 1;  // a window maps a cached block: a hit reads it
   }
 }
 
@@ -215,10 +221,15 @@ void WindowBlockCache::release(PageId page) noexcept {
   }
   --mHeldPages;
   if (mIndex.digestOf(page)) {
-    mRecency.pushNewest(mLinks, page);
+    (mWasRead[static_cast<std::size_t>(page)] != 0 ? mRead : mUnread).pushNewest(mLinks, page);
   } else {
+    mWasRead[static_cast<std::size_t>(page)] = 0;
     pushFree(mFree, page);
   }
+}
+
+void WindowBlockCache::unlinkCached(PageId page) noexcept {
+  (mWasRead[static_cast<std::size_t>(page)] != 0 ? mRead : mUnread).unlink(mLinks, page);
 }
 
 int32_t WindowBlockCache::holders(PageId page) const {

@@ -20,9 +20,10 @@ namespace mkv {
 
 /// Pages [0, capacity) of the sliding pool. A page is free, held (holder count > 0: the
 /// sequences whose window maps it) or cached: indexed under a prompt block's digest with no
-/// holder, in least recently released order, and dropped for good (unindexed, handed out) when
-/// allocate() needs a page and no free one is left. A cached page that a new window maps is
-/// held again (and leaves the order) until released.
+/// holder, and dropped for good (unindexed, handed out) when allocate() needs a page and no free
+/// one is left. A cached page that a new window maps is held again (and leaves the order) until
+/// released; from then on it is a *read* block. The victim order: unread blocks, least recently
+/// released first, then read ones, least recently released first.
 ///
 /// The hit rule of the composed backend: a prefix of k blocks (page-aligned at k * P tokens) is
 /// reusable by the sliding layers when the blocks of the window before it, [max(0, k -
@@ -77,11 +78,15 @@ class WindowBlockCache final : public SwaPageSource {
   /// Indexed pages (cached blocks), held or not.
   int32_t cachedBlocks() const noexcept { return mIndex.size(); }
   /// Indexed pages nobody holds (evictable).
-  int32_t evictablePages() const noexcept { return mRecency.count; }
+  int32_t evictablePages() const noexcept { return mUnread.count + mRead.count; }
+  /// Of them, the blocks a hit's window has mapped since they were published (dropped last).
+  int32_t evictableReadPages() const noexcept { return mRead.count; }
   int32_t holders(PageId page) const;
   BlockIndex const& index() const noexcept { return mIndex; }
 
  private:
+  /// Takes a cached page nobody holds out of its release order.
+  void unlinkCached(PageId page) noexcept;
   void checkPage(char const* call, PageId page) const;
   void checkBlocks(char const* call, PromptBlocks const& blocks) const;
   /// Block `block` of `blocks` is indexed here and verified (ancestors counted as verified).
@@ -91,7 +96,13 @@ class WindowBlockCache final : public SwaPageSource {
   int32_t mWindowBlocks;
   BlockIndex mIndex;
   SlotLinks mLinks;           ///< the release order of cached pages nobody holds
-  SlotList mRecency;          ///< oldest = next to drop
+  /// Cached pages nobody holds, in two release orders: blocks no hit has read since they were
+  /// published (dropped first, oldest first) and blocks a hit's window mapped (then, oldest
+  /// first). A prefill publishes every prompt block, most of which no later hit reads; the
+  /// windows hits do read must not be flushed by the next long prompt.
+  SlotList mUnread;
+  SlotList mRead;
+  std::vector<uint8_t> mWasRead;  ///< per page: a hit's window mapped its block
   std::vector<PageId> mFree;  ///< a min-heap: the lowest free id is handed out first
   std::vector<int32_t> mHolders;
   int32_t mHeldPages = 0;

@@ -189,6 +189,28 @@ TEST_F(WindowBlockCacheTest, AllocateDropsTheLeastRecentlyReleasedCachedPage) {
   EXPECT_EQ(mCache.takeDropped(), (std::vector<Hash128>{mBlocks.keys[5]}));
 }
 
+TEST_F(WindowBlockCacheTest, BlocksAHitReadAreDroppedAfterEveryUnreadOne) {
+  std::vector<PageId> const pages = allocated(mCache, 8);  // the whole pool: nothing free
+  for (int32_t b = 0; b < 3; ++b) {
+    ASSERT_TRUE(mCache.publish(pages[static_cast<std::size_t>(b)], mBlocks, b));
+  }
+  mCache.release(pages[0]);
+  mCache.hold(pages[0]);  // a hit's window maps block 0: it is read
+  mCache.release(pages[0]);
+  mCache.release(pages[1]);  // released later than block 0, but never read
+  mCache.release(pages[2]);
+  EXPECT_EQ(mCache.evictablePages(), 3);
+  EXPECT_EQ(mCache.evictableReadPages(), 1);
+  // Least recent release alone would drop block 0 first; unread blocks go before it.
+  EXPECT_EQ(allocated(mCache, 2), (std::vector<PageId>{pages[1], pages[2]}));
+  EXPECT_EQ(allocated(mCache, 1), (std::vector<PageId>{pages[0]}));
+  EXPECT_EQ(mCache.takeDropped(),
+            (std::vector<Hash128>{mBlocks.keys[1], mBlocks.keys[2], mBlocks.keys[0]}));
+  // A page dropped and published again starts unread.
+  mCache.release(pages[0]);
+  EXPECT_EQ(mCache.evictableReadPages(), 0);
+}
+
 TEST_F(WindowBlockCacheTest, ClearDropsCachedBlocksAndKeepsHeldPagesHeld) {
   PageId const cached = cacheBlock(mBlocks, 0);
   PageId const held = allocated(mCache, 1).at(0);
@@ -291,17 +313,26 @@ TEST_F(WindowedPrefixTest, ArgumentContracts) {
 // ---------------------------------------------------------------------------------------------
 // Property test: random operations against a model of the pool.
 
-/// The model: holders and digest (block number) per page, the release order of cached pages
-/// nobody holds, and the dropped digests in order.
+/// The model: holders, digest (block number) and whether a window read it, per page; the release
+/// orders of cached pages nobody holds (unread ones drop first, then read ones); and the dropped
+/// digests in order.
 struct PoolModel {
   std::vector<int32_t> holders;
   std::vector<int32_t> block;  ///< -1: unindexed
-  std::deque<PageId> released;
+  std::vector<uint8_t> read;   ///< a hold on the indexed page (a hit's window) since publication
+  std::deque<PageId> released;      ///< unread, oldest first
+  std::deque<PageId> releasedRead;  ///< read, oldest first
   std::vector<int32_t> dropped;
 
   explicit PoolModel(int32_t capacity)
       : holders(static_cast<std::size_t>(capacity), 0),
-        block(static_cast<std::size_t>(capacity), -1) {}
+        block(static_cast<std::size_t>(capacity), -1),
+        read(static_cast<std::size_t>(capacity), 0) {}
+
+  std::size_t evictable() const { return released.size() + releasedRead.size(); }
+  std::deque<PageId>& orderOf(PageId page) {
+    return read[static_cast<std::size_t>(page)] != 0 ? releasedRead : released;
+  }
 
   std::vector<PageId> freePages() const {
     std::vector<PageId> pages;
@@ -319,16 +350,18 @@ struct PoolModel {
   void drop(PageId page) {
     dropped.push_back(block[static_cast<std::size_t>(page)]);
     block[static_cast<std::size_t>(page)] = -1;
+    read[static_cast<std::size_t>(page)] = 0;
   }
   std::vector<PageId> allocate(int32_t count) {
     std::vector<PageId> pages = freePages();
-    if (static_cast<int32_t>(pages.size() + released.size()) < count) {
+    if (static_cast<int32_t>(pages.size() + evictable()) < count) {
       return {};
     }
     pages.resize(std::min(pages.size(), static_cast<std::size_t>(count)));
     while (static_cast<int32_t>(pages.size()) < count) {
-      pages.push_back(released.front());
-      released.pop_front();
+      std::deque<PageId>& order = released.empty() ? releasedRead : released;
+      pages.push_back(order.front());
+      order.pop_front();
       drop(pages.back());
     }
     for (PageId p : pages) {
@@ -337,14 +370,19 @@ struct PoolModel {
     return pages;
   }
   void hold(PageId page) {
-    if (holders[static_cast<std::size_t>(page)]++ == 0) {
-      released.erase(std::find(released.begin(), released.end(), page));
+    auto const i = static_cast<std::size_t>(page);
+    if (holders[i]++ == 0) {
+      std::deque<PageId>& order = orderOf(page);
+      order.erase(std::find(order.begin(), order.end(), page));
+    }
+    if (block[i] >= 0) {
+      read[i] = 1;
     }
   }
   void release(PageId page) {
     if (--holders[static_cast<std::size_t>(page)] == 0 &&
         block[static_cast<std::size_t>(page)] >= 0) {
-      released.push_back(page);
+      orderOf(page).push_back(page);
     }
   }
   void clear() {
@@ -354,6 +392,7 @@ struct PoolModel {
       }
     }
     released.clear();
+    releasedRead.clear();
   }
 };
 
@@ -380,7 +419,8 @@ void expectMatchesModel(WindowBlockCache const& cache, PoolModel const& model,
   ASSERT_EQ(cache.freePages(), static_cast<int32_t>(model.freePages().size()));
   ASSERT_EQ(cache.freePages() + held + evictable, cache.totalPages());
   ASSERT_EQ(cache.availablePages(), cache.freePages() + evictable);
-  ASSERT_EQ(static_cast<int32_t>(model.released.size()), evictable);
+  ASSERT_EQ(static_cast<int32_t>(model.evictable()), evictable);
+  ASSERT_EQ(cache.evictableReadPages(), static_cast<int32_t>(model.releasedRead.size()));
 }
 
 TEST(WindowBlockCachePropertyTest, RandomOperationsMatchTheModel) {
