@@ -448,9 +448,9 @@ CliOptions parseArguments(int argc, char** argv) {
   if (c.mode == ReplayMode::kReuse && fullLayers->count() > 0 && !c.slidingReuse) {
     throw UsageError("--full-layers in reuse mode needs --window (sliding-window reuse)");
   }
-  if (slidingShare->count() > 0 &&
-      !(c.slidingReuse && c.poolSizing == PoolSizing::kBudgetBytes)) {
-    throw UsageError("--sliding-budget-share needs --mode reuse with --window and --kv-budget-bytes");
+  if (slidingShare->count() > 0 && !(c.slidingReuse && c.poolSizing == PoolSizing::kBudgetBytes)) {
+    throw UsageError(
+        "--sliding-budget-share needs --mode reuse with --window and --kv-budget-bytes");
   }
   return options;
 }

@@ -417,8 +417,7 @@ std::string formatJson(ReplayResult const& r) {
       {"peak_pages_in_use", r.peakPagesInUse},
       {"peak_kv_bytes", r.peakKvBytes},
       {"swa_pages_per_sequence",
-       r.backend == KVCacheBackend::kBoundedSwa ||
-               r.backend == KVCacheBackend::kSlidingWindowReuse
+       r.backend == KVCacheBackend::kBoundedSwa || r.backend == KVCacheBackend::kSlidingWindowReuse
            ? nlohmann::ordered_json{{"prefill", r.swaPagesPerSequencePrefill},
                                     {"decode", r.swaPagesPerSequenceDecode},
                                     {"decode_peak_per_row", r.swaPeakPagesPerDecodingRow}}

@@ -162,8 +162,8 @@ SlidingReuseBudget budgetSlidingReuse(ReplayConfig const& c, int64_t width) {
   int64_t const fullPage = poolPageBytes(c, c.fullLayers);
   int64_t const swaPage = poolPageBytes(c, c.layers);
   int64_t const swaMinimum = width + 1 + ceilDiv(c.windowTokens, c.pageSize);
-  auto const swaBytes = static_cast<int64_t>(static_cast<double>(c.poolAmount) *
-                                             c.slidingBudgetShare);
+  auto const swaBytes =
+      static_cast<int64_t>(static_cast<double>(c.poolAmount) * c.slidingBudgetShare);
   SlidingReuseBudget budget{(c.poolAmount - swaBytes) / fullPage, swaBytes / swaPage};
   if (budget.fullPages < width || budget.swaPages < swaMinimum) {
     configError(fmt::format(
@@ -242,8 +242,9 @@ void validate(ReplayConfig const& c) {
                             c.layers, c.fullLayers, kernels::kMaxLayers));
   }
   if (c.fullLayers > 0 && c.mode != ReplayMode::kSwa && !c.slidingReuse) {
-    configError("full layers besides sliding ones exist only with sliding layers (swa mode, or "
-                "--window in reuse mode)");
+    configError(
+        "full layers besides sliding ones exist only with sliding layers (swa mode, or "
+        "--window in reuse mode)");
   }
   validateSlidingReuse(c);
   if (c.kvHeads < 1 || c.kvHeads > kMaxGeometry || c.headDim < 1 || c.headDim > kMaxGeometry) {
@@ -470,11 +471,10 @@ class Runner {
     mResult.maxBatch = batch;
     mResult.maxSequenceTokens = width * c.pageSize;
     mRuntime = KVCacheRuntime::create(rc);
-    KVCacheBackend const expected =
-        c.slidingReuse                 ? KVCacheBackend::kSlidingWindowReuse
-        : c.mode == ReplayMode::kReuse ? KVCacheBackend::kContextReuse
-        : c.mode == ReplayMode::kSwa   ? KVCacheBackend::kBoundedSwa
-                                       : KVCacheBackend::kFullStorage;
+    KVCacheBackend const expected = c.slidingReuse ? KVCacheBackend::kSlidingWindowReuse
+                                    : c.mode == ReplayMode::kReuse ? KVCacheBackend::kContextReuse
+                                    : c.mode == ReplayMode::kSwa   ? KVCacheBackend::kBoundedSwa
+                                                                   : KVCacheBackend::kFullStorage;
     if (mRuntime->backend() != expected) {
       throw std::logic_error(fmt::format("the runtime chose the {} backend for {} mode",
                                          mkv::toString(mRuntime->backend()), toString(c.mode)));

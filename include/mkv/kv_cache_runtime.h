@@ -115,7 +115,8 @@ std::string_view toString(KVCacheBackend backend) noexcept;
 ///   own pool (numSwaPages; 0 = as many pages as the full pool) whose complete prompt blocks stay
 ///   cached after they leave the window (docs/architecture.md, "Sliding windows with context
 ///   reuse");
-/// * otherwise contextReuse on -> kContextReuse: every attention layer in the full pool (hybrid models:
+/// * otherwise contextReuse on -> kContextReuse: every attention layer in the full pool (hybrid
+/// models:
 ///   exact checkpoints of the recurrent rows and the partial last page); with `speculative`, the
 ///   draft pool and draft page table too (EAGLE-style paired reuse, or Hybrid-MTP);
 /// * reuse off, sliding layers present and maxBatchSize * (2M + 1) strictly fewer than the full
@@ -138,10 +139,9 @@ class KVCacheRuntime {
   BoundedSwaKVPageManager* swaPageManager() noexcept { return mSwaManager.get(); }
   /// The sliding pool's free pages and cached window blocks (kSlidingWindowReuse), else null.
   WindowBlockCache* windowBlockCache() noexcept { return mWindowCache.get(); }
-  /// Whether a running batch may admit sequences in flight: false for bounded SWA and sliding-window
-  /// reuse, for speculative
-  /// deployments and for hybrid checkpoint reuse (a joiner cannot restore a checkpoint or pair a
-  /// draft in a running batch).
+  /// Whether a running batch may admit sequences in flight: false for bounded SWA and
+  /// sliding-window reuse, for speculative deployments and for hybrid checkpoint reuse (a joiner
+  /// cannot restore a checkpoint or pair a draft in a running batch).
   bool supportsSeatedAdmission() const noexcept {
     return mCoordinator != nullptr && mSwaManager == nullptr &&
            mCoordinator->supportsLiveSequenceAdmission();

@@ -133,7 +133,9 @@ bool WindowBlockCache::publish(PageId page, PromptBlocks const& blocks, int32_t 
 
 int32_t WindowBlockCache::clear() noexcept {
   try {
-    mDropped.reserve(mDropped.size() + static_cast<std::size_t>(mIndex.size()));
+    if (mRecordDropped) {
+      mDropped.reserve(mDropped.size() + static_cast<std::size_t>(mIndex.size()));
+    }
   } catch (std::bad_alloc const&) {
     // The blocks are dropped all the same; only their digests go unreported (logged below).
   }
@@ -143,9 +145,10 @@ int32_t WindowBlockCache::clear() noexcept {
     if (!digest) {
       continue;
     }
-    if (mDropped.size() < mDropped.capacity()) {
+    ++mDroppedBlocks;
+    if (mRecordDropped && mDropped.size() < mDropped.capacity()) {
       mDropped.push_back(*digest);  // no allocation
-    } else {
+    } else if (mRecordDropped) {
       logger()->error("WindowBlockCache::clear: no room to record dropped block {}",
                       toString(*digest));
     }
@@ -173,7 +176,9 @@ bool WindowBlockCache::allocate(int32_t count, std::vector<PageId>& out) {
   }
   auto const fromCache = static_cast<std::size_t>(std::max(0, count - freePages()));
   out.reserve(out.size() + static_cast<std::size_t>(count));  // may throw: nothing changed yet
-  mDropped.reserve(mDropped.size() + fromCache);
+  if (mRecordDropped && mDropped.capacity() < mDropped.size() + fromCache) {
+    mDropped.reserve(std::max(mDropped.size() + fromCache, 2 * mDropped.capacity()));
+  }
   for (int32_t i = 0; i < count; ++i) {
     PageId page = kNoPage;
     if (!mFree.empty()) {
@@ -182,7 +187,10 @@ bool WindowBlockCache::allocate(int32_t count, std::vector<PageId>& out) {
       page = mUnread.empty() ? mRead.oldest : mUnread.oldest;
       unlinkCached(page);
       mWasRead[static_cast<std::size_t>(page)] = 0;
-      mDropped.push_back(*mIndex.digestOf(page));  // reserved
+      ++mDroppedBlocks;
+      if (mRecordDropped) {
+        mDropped.push_back(*mIndex.digestOf(page));  // reserved
+      }
       mIndex.erasePage(page, /*rememberEviction=*/false);
     }
     mHolders[static_cast<std::size_t>(page)] = 1;

@@ -62,8 +62,12 @@ class WindowBlockCache final : public SwaPageSource {
   /// dropped list, see takeDropped).
   int32_t clear() noexcept;
   /// The digests of the blocks dropped since the last call (by allocate and clear), oldest
-  /// first, for the KV events and metrics; the list is then empty.
+  /// first, for KV events; the list is then empty. Kept only while recordDroppedDigests(true)
+  /// is set (off by default: a list nobody takes would grow for ever).
   std::vector<Hash128> takeDropped() noexcept;
+  void recordDroppedDigests(bool record) noexcept { mRecordDropped = record; }
+  /// Blocks dropped since construction (by allocate and clear), recorded or not.
+  int64_t droppedBlocks() const noexcept { return mDroppedBlocks; }
 
   // SwaPageSource.
   int32_t totalPages() const noexcept override { return mIndex.pageCapacity(); }
@@ -95,7 +99,7 @@ class WindowBlockCache final : public SwaPageSource {
   int32_t mWindowTokens;
   int32_t mWindowBlocks;
   BlockIndex mIndex;
-  SlotLinks mLinks;           ///< the release order of cached pages nobody holds
+  SlotLinks mLinks;  ///< the release order of cached pages nobody holds
   /// Cached pages nobody holds, in two release orders: blocks no hit has read since they were
   /// published (dropped first, oldest first) and blocks a hit's window mapped (then, oldest
   /// first). A prefill publishes every prompt block, most of which no later hit reads; the
@@ -103,10 +107,12 @@ class WindowBlockCache final : public SwaPageSource {
   SlotList mUnread;
   SlotList mRead;
   std::vector<uint8_t> mWasRead;  ///< per page: a hit's window mapped its block
-  std::vector<PageId> mFree;  ///< a min-heap: the lowest free id is handed out first
+  std::vector<PageId> mFree;      ///< a min-heap: the lowest free id is handed out first
   std::vector<int32_t> mHolders;
   int32_t mHeldPages = 0;
   std::vector<Hash128> mDropped;
+  bool mRecordDropped = false;
+  int64_t mDroppedBlocks = 0;
 };
 
 }  // namespace mkv

@@ -150,8 +150,8 @@ struct PoolSizes {
 bool usesSlidingReuse(KVCacheRuntimeConfig const& config, int32_t width) {
   KVCacheModelConfig const& model = config.model;
   return config.contextReuse && model.numSlidingWindowLayers > 0 &&
-         model.numFullAttentionLayers > 0 && model.numRecurrentLayers == 0 &&
-         !config.speculative && config.hostPoolTokens == 0 &&
+         model.numFullAttentionLayers > 0 && model.numRecurrentLayers == 0 && !config.speculative &&
+         config.hostPoolTokens == 0 &&
          BoundedSwaKVPageManager::decodePagesPerSequence(model.slidingWindowTokens,
                                                          config.tokensPerPage) < width;
 }
@@ -167,8 +167,8 @@ int32_t slidingReusePages(KVCacheRuntimeConfig const& config, PoolSizes const& s
               "sequence {} + 1 spare + window {} = {} (0 selects as many as the full pool)",
               config.numSwaPages, sizes.width, windowBlocks, minimum);
   int64_t const pages = config.numSwaPages > 0 ? config.numSwaPages : sizes.fullPages;
-  return static_cast<int32_t>(std::min<int64_t>(std::max(pages, minimum),
-                                                std::numeric_limits<int32_t>::max() / 2));
+  return static_cast<int32_t>(
+      std::min<int64_t>(std::max(pages, minimum), std::numeric_limits<int32_t>::max() / 2));
 }
 
 PoolSizes sizePools(KVCacheRuntimeConfig const& config) {
@@ -348,8 +348,8 @@ void KVCacheRuntime::createSlidingReuse(int32_t fullPages, int32_t width, int32_
   mSwaTable = std::make_unique<KVPageTable>(mConfig.maxBatchSize, width, swaPages,
                                             PageTableMode::kSparseWindow, mConfig.deviceType);
   mWindowCache =
-      std::make_unique<WindowBlockCache>(swaPages, mConfig.tokensPerPage,
-                                         model.slidingWindowTokens, mConfig.contextCache.verifyTokens);
+      std::make_unique<WindowBlockCache>(swaPages, mConfig.tokensPerPage, model.slidingWindowTokens,
+                                         mConfig.contextCache.verifyTokens);
   ContextCacheConfig cache = mConfig.contextCache;
   cache.enabled = true;
   ContextCachePhysicalResources resources;

@@ -99,8 +99,8 @@ bool SlidingReuseRequest::poisoned() const noexcept {
 bool SlidingReuseRequest::prepareSwaPrefill(std::vector<int32_t> const& effectiveInputLengths) {
   constexpr char const* kCall = "SlidingReuseRequest::prepareSwaPrefill";
   std::vector<int32_t> const& starts = mFull.prefillStarts();
-  MKV_REQUIRE(effectiveInputLengths.size() == starts.size(), kCall,
-              "{} lengths for a batch of {}", effectiveInputLengths.size(), starts.size());
+  MKV_REQUIRE(effectiveInputLengths.size() == starts.size(), kCall, "{} lengths for a batch of {}",
+              effectiveInputLengths.size(), starts.size());
   mSwaLengths.clear();
   for (std::size_t row = 0; row < starts.size(); ++row) {
     // The manager maps up to the endpoint the prefill reaches: start + executed tokens.

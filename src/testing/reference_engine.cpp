@@ -115,8 +115,8 @@ int64_t ReferenceEngine::pagesInUse() const {
 void ReferenceEngine::notePages() {
   mStats.peakPagesInUse = std::max(mStats.peakPagesInUse, pagesInUse());
   if (WindowBlockCache const* window = const_cast<KVCacheRuntime&>(mRuntime).windowBlockCache()) {
-    mStats.peakSwaPagesInUse = std::max<int64_t>(mStats.peakSwaPagesInUse,
-                                                 window->totalPages() - window->freePages());
+    mStats.peakSwaPagesInUse =
+        std::max<int64_t>(mStats.peakSwaPagesInUse, window->totalPages() - window->freePages());
   }
   if (mRuntime.draftPool() != nullptr) {
     ResourcePools const& pools = mRuntime.contextCache()->manager().pools();
@@ -128,8 +128,7 @@ void ReferenceEngine::notePages() {
 
 void ReferenceEngine::noteDecodePages() {
   notePages();
-  mStats.peakSwaPagesPerDecodingRow =
-      std::max(mStats.peakSwaPagesPerDecodingRow, swaPagesPerRow());
+  mStats.peakSwaPagesPerDecodingRow = std::max(mStats.peakSwaPagesPerDecodingRow, swaPagesPerRow());
 }
 
 int64_t ReferenceEngine::swaPagesPerRow() const {

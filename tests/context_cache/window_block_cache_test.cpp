@@ -59,6 +59,8 @@ class WindowBlockCacheTest : public ::testing::Test {
   PromptBlocks mOtherBlocks = hashPromptBlocks(viewOf(mOther), kPage);
   WindowBlockCache mCache{8, kPage, /*windowTokens=*/6, /*verifyTokens=*/true};
 
+  WindowBlockCacheTest() { mCache.recordDroppedDigests(true); }
+
   /// Allocates a page, publishes block `block` of `blocks` on it and releases it (cached).
   PageId cacheBlock(PromptBlocks const& blocks, int32_t block) {
     PageId const page = allocated(mCache, 1).at(0);
@@ -211,6 +213,22 @@ TEST_F(WindowBlockCacheTest, BlocksAHitReadAreDroppedAfterEveryUnreadOne) {
   EXPECT_EQ(mCache.evictableReadPages(), 0);
 }
 
+TEST_F(WindowBlockCacheTest, DroppedDigestsAreKeptOnlyWhileRecordingButAlwaysCounted) {
+  WindowBlockCache cache(2, kPage, /*windowTokens=*/6, true);  // not recording
+  std::vector<PageId> const pages = allocated(cache, 2);
+  ASSERT_TRUE(cache.publish(pages[0], mBlocks, 0));
+  ASSERT_TRUE(cache.publish(pages[1], mBlocks, 1));
+  cache.release(pages[0]);
+  cache.release(pages[1]);
+  EXPECT_EQ(allocated(cache, 1), (std::vector<PageId>{pages[0]}));
+  EXPECT_EQ(cache.droppedBlocks(), 1);
+  EXPECT_TRUE(cache.takeDropped().empty());
+  cache.recordDroppedDigests(true);
+  EXPECT_EQ(cache.clear(), 1);
+  EXPECT_EQ(cache.droppedBlocks(), 2);
+  EXPECT_EQ(cache.takeDropped(), (std::vector<Hash128>{mBlocks.keys[1]}));
+}
+
 TEST_F(WindowBlockCacheTest, ClearDropsCachedBlocksAndKeepsHeldPagesHeld) {
   PageId const cached = cacheBlock(mBlocks, 0);
   PageId const held = allocated(mCache, 1).at(0);
@@ -318,9 +336,9 @@ TEST_F(WindowedPrefixTest, ArgumentContracts) {
 /// digests in order.
 struct PoolModel {
   std::vector<int32_t> holders;
-  std::vector<int32_t> block;  ///< -1: unindexed
-  std::vector<uint8_t> read;   ///< a hold on the indexed page (a hit's window) since publication
-  std::deque<PageId> released;      ///< unread, oldest first
+  std::vector<int32_t> block;   ///< -1: unindexed
+  std::vector<uint8_t> read;    ///< a hold on the indexed page (a hit's window) since publication
+  std::deque<PageId> released;  ///< unread, oldest first
   std::deque<PageId> releasedRead;  ///< read, oldest first
   std::vector<int32_t> dropped;
 
@@ -430,6 +448,7 @@ TEST(WindowBlockCachePropertyTest, RandomOperationsMatchTheModel) {
   for (uint64_t seed = 1; seed <= 20; ++seed) {
     std::mt19937_64 rng(seed);
     WindowBlockCache cache(kCapacity, kPage, /*windowTokens=*/9, true);
+    cache.recordDroppedDigests(true);
     PoolModel model(kCapacity);
     std::vector<PageId> holdings;  // one entry per holder we own
     bool clearedSinceTake = false;

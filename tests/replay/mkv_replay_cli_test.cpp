@@ -246,7 +246,19 @@ TEST_F(MkvReplayCliTest, BadOptionsAreOneLineAndExitTwo) {
   expectBadInput({"--mode", "turbo"}, "--mode expects one of reuse, swa, full, got 'turbo'");
   expectBadInput({"--verify"}, "--verify needs a value");
   expectBadInput({"--dtype", "int4"}, "--dtype expects one of fp16, bf16, fp32, fp8");
-  expectBadInput({"--window", "64"}, "--window applies to --mode swa only");
+  expectBadInput({"--window", "64"},
+                 "sliding-window reuse needs --full-layers >= 1 beside the sliding layers");
+  expectBadInput({"--mode", "full", "--window", "64"},
+                 "--window applies to --mode swa and reuse only");
+  expectBadInput({"--full-layers", "1"},
+                 "--full-layers in reuse mode needs --window (sliding-window reuse)");
+  expectBadInput({"--window", "64", "--full-layers", "1", "--speculative", "eagle"},
+                 "sliding-window reuse serves attention-only vanilla reuse");
+  expectBadInput({"--window", "64", "--full-layers", "1", "--sliding-budget-share", "0.5"},
+                 "--sliding-budget-share needs --mode reuse with --window and --kv-budget-bytes");
+  expectBadInput({"--window", "64", "--full-layers", "1", "--kv-budget-bytes", "1000000",
+                  "--sliding-budget-share", "1.5"},
+                 "--sliding-budget-share 1.5: expected a number in (0, 1)");
   expectBadInput({"--format", "tokens"}, "--format applies to --trace only");
   expectBadInput({"--pool-pages", "4", "--pool-tokens", "4096"}, "give the pool size once");
   char const* const once =

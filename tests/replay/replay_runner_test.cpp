@@ -507,6 +507,66 @@ TEST(ReplayRunnerTest, BoundedPoolEvictsAndStaysCorrect) {
   EXPECT_EQ(result.oracleMismatches, 0);
 }
 
+/// Sliding-window reuse on the first 60 Mooncake requests: 2 sliding layers (W = 512) beside 1
+/// full layer, page 128.
+ReplayConfig slidingReuseConfig() {
+  ReplayConfig config;
+  config.slidingReuse = true;
+  config.layers = 2;
+  config.fullLayers = 1;
+  config.windowTokens = 512;
+  config.verify = testing::VerifyMode::kAll;
+  return config;
+}
+
+TEST(ReplayRunnerTest, SlidingWindowReuseReusesWhatFullLayersDoWhenNothingIsEvicted) {
+  MKV_TEST_INPUT_OR_SKIP(kMooncake500, "tests/data/mooncake_first500.jsonl");
+  TraceSource plain = traceSource(kMooncake500, 60);
+  ReplayConfig reuse;
+  reuse.layers = 3;
+  ReplayResult const reference = runReplay(plain, reuse);
+  TraceSource composed = traceSource(kMooncake500, 60);
+  ReplayResult const result = runReplay(composed, slidingReuseConfig());
+  EXPECT_EQ(result.backend, KVCacheBackend::kSlidingWindowReuse);
+  ASSERT_EQ(result.records.size(), reference.records.size());
+  for (std::size_t i = 0; i < result.records.size(); ++i) {
+    EXPECT_EQ(result.records[i].reusedTokens, reference.records[i].reusedTokens) << "request " << i;
+  }
+  EXPECT_GT(result.reusedTokens, 0);
+  EXPECT_EQ(result.oracleMismatches, 0) << result.firstMismatch;
+  EXPECT_GT(result.oracleChecks, reference.oracleChecks);  // the sliding layers' windows too
+  EXPECT_EQ(result.missesByReason[static_cast<std::size_t>(MissReason::kWindowEvicted)], 0);
+  // A decoding sequence holds at most M + 1 = ceil(512 / 128) + 2 = 6 sliding pages.
+  EXPECT_EQ(result.swaPagesPerSequenceDecode, 6);
+  EXPECT_LE(result.swaPeakPagesPerDecodingRow, 6);
+  EXPECT_GT(result.swaPagesPerSequencePrefill, 6);  // every executed prompt page
+  ASSERT_EQ(result.pools.size(), 2u);
+  EXPECT_EQ(result.pools[1].kind, KvPoolKind::kSwa);
+}
+
+TEST(ReplayRunnerTest, SlidingWindowReuseSplitsAKvBudgetAndStaysCorrectWhenWindowsAreDropped) {
+  MKV_TEST_INPUT_OR_SKIP(kMooncake500, "tests/data/mooncake_first500.jsonl");
+  ReplayConfig config = slidingReuseConfig();
+  config.poolSizing = PoolSizing::kBudgetBytes;
+  config.poolAmount = int64_t{48} << 20;
+  config.slidingBudgetShare = 0.25;
+  TraceSource trace = traceSource(kMooncake500, 60);
+  ReplayResult const result = runReplay(trace, config);
+  ASSERT_EQ(result.pools.size(), 2u);
+  KvPoolUsage const& full = result.pools[0];
+  KvPoolUsage const& sliding = result.pools[1];
+  // A quarter of the budget buys sliding pages (2 layers), the rest full pages (1 layer).
+  EXPECT_EQ(sliding.pages, (config.poolAmount / 4) / sliding.bytesPerPage);
+  EXPECT_EQ(full.pages, (config.poolAmount - config.poolAmount / 4) / full.bytesPerPage);
+  EXPECT_LE(result.kvBytes, config.poolAmount);
+  EXPECT_GT(result.missesByReason[static_cast<std::size_t>(MissReason::kWindowEvicted)], 0);
+  EXPECT_EQ(result.failedRequests, 0);
+  EXPECT_EQ(result.oracleMismatches, 0) << result.firstMismatch;
+  config.slidingBudgetShare = 0.001;  // not even one sequence's prefill of sliding pages
+  TraceSource again = traceSource(kMooncake500, 60);
+  EXPECT_THROW(runReplay(again, config), ReplayConfigError);
+}
+
 TEST(ReplayRunnerTest, ARequestLargerThanTheEmptyPoolFailsAndIsSkipped) {
   MKV_TEST_INPUT_OR_SKIP(kTiny, "tests/replay/tiny_mooncake.jsonl");
   TraceSource source = traceSource(kTiny);

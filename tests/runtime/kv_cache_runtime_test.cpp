@@ -104,8 +104,7 @@ std::vector<MatrixCase> matrixCases() {
       {"reuse_full_attention", reuse(baseConfig()), KVCacheBackend::kContextReuse, 2, 64, 0, 0});
   // Reuse on a mixed model: full layers with reuse, sliding layers in their own pool of as many
   // pages as the full pool (sliding-window reuse).
-  cases.push_back(
-      {"reuse_mixed", reuse(mixed), KVCacheBackend::kSlidingWindowReuse, 2, 64, 3, 64});
+  cases.push_back({"reuse_mixed", reuse(mixed), KVCacheBackend::kSlidingWindowReuse, 2, 64, 3, 64});
   cases.push_back(
       {"reuse_sliding_only", reuse(slidingOnly), KVCacheBackend::kContextReuse, 2, 64, 0, 0});
   cases.push_back(

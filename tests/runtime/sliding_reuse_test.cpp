@@ -208,7 +208,6 @@ TEST_P(SlidingReuseTest, AFailedSynchronisationPoisonsAndShutdownRecoversEveryPa
   expectNothingHeld(*runtime);
 }
 
-
 // ---------------------------------------------------------------- the facade, call by call
 
 TEST(SlidingReuseFacadeTest, MisuseThrowsAndChangesNothing) {
@@ -222,12 +221,18 @@ TEST(SlidingReuseFacadeTest, MisuseThrowsAndChangesNothing) {
                                         DecodingTokenStateContract::kCommittedPlusLookahead,
                                         ContextCacheCommitPolicy::kIncludingGeneratedTokens);
   };
-  EXPECT_TRUE(test::throwsError([&] { beginWith(true, {1, 0}); },
-                                {"ManagedKVCacheRequest::begin: the sliding-window reuse backend "
-                                 "does not decode speculatively"}));
-  EXPECT_TRUE(test::throwsError([&] { beginWith(false, {2, 0}); },
-                                {"ManagedKVCacheRequest::begin: the sliding-window reuse backend "
-                                 "needs headroom {1, 0}, got {2, 0}"}));
+  EXPECT_TRUE(test::throwsError(
+      [&] {
+        beginWith(true, {1, 0});
+      },
+      {"ManagedKVCacheRequest::begin: the sliding-window reuse backend "
+       "does not decode speculatively"}));
+  EXPECT_TRUE(test::throwsError(
+      [&] {
+        beginWith(false, {2, 0});
+      },
+      {"ManagedKVCacheRequest::begin: the sliding-window reuse backend "
+       "needs headroom {1, 0}, got {2, 0}"}));
   EXPECT_EQ(runtime.contextCache()->activeRequestCount(), 0);
   EXPECT_EQ(runtime.windowBlockCache()->heldPages(), 0);
 
