@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <memory>
+#include <random>
 #include <vector>
 
 #include "context_cache/window_block_cache.h"
@@ -206,6 +207,58 @@ TEST_P(SlidingReuseTest, AFailedSynchronisationPoisonsAndShutdownRecoversEveryPa
   EXPECT_FALSE(runtime->contextCache()->poisoned());
   EXPECT_FALSE(runtime->swaPageManager()->poisoned());
   expectNothingHeld(*runtime);
+}
+
+/// Random requests over a few shared prefixes on a small sliding pool (windows are dropped and
+/// reused all the time): batches of 1-3 sequences, random lengths, cancellations and, now and
+/// then, a failed synchronisation. The oracle checks every position attention reads at every
+/// step (the reused windows included); after every request nothing is held, and after a poison
+/// shutdown recovers every page of both pools.
+TEST_P(SlidingReuseTest, RandomRequestsKeepEveryByteAndEveryPage) {
+  for (uint64_t seed = 1; seed <= 6; ++seed) {
+    SCOPED_TRACE(::testing::Message() << "seed " << seed);
+    std::mt19937_64 rng(seed);
+    test::SyncFaults faults;
+    KVCacheRuntimeConfig config = slidingConfig(device(), 69 + static_cast<int32_t>(seed) * 7);
+    config.numPages = 80 + static_cast<int32_t>(seed) * 16;  // the full pool evicts too
+    config.synchronizer = faults.synchronizer(device());
+    auto runtime = KVCacheRuntime::create(config);
+    ReferenceEngineOptions options;
+    options.throwOnMismatch = false;
+    options.seed = seed;
+    options.onStep = [&](int64_t) {
+      if (std::uniform_int_distribution<int>(0, 199)(rng) == 0) {
+        faults.failNext();
+      }
+    };
+    ReferenceEngine engine(*runtime, options);
+    std::vector<std::vector<int32_t>> const prefixes = {tokenRun(160, 0), tokenRun(90, 3000),
+                                                        tokenRun(300, 6000)};
+    auto draw = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
+    int64_t reused = 0;
+    for (int r = 0; r < 40; ++r) {
+      EngineRequest request;
+      int const sequences = draw(1, 3);
+      for (int i = 0; i < sequences; ++i) {
+        std::vector<int32_t> prompt = prefixes[static_cast<std::size_t>(draw(0, 2))];
+        prompt.resize(static_cast<std::size_t>(draw(1, static_cast<int>(prompt.size()))));
+        prompt = concatenated(prompt, tokenRun(draw(1, 120), 10000 + 200 * r + 50 * i));
+        int32_t const cancelAt = draw(0, 3) == 0 ? draw(0, 20) : -1;
+        request.sequences.push_back(
+            EngineSequence{std::move(prompt), draw(1, 60), {}, {}, {}, cancelAt, i});
+      }
+      auto const outcome = engine.run(request);
+      for (auto const& sequence : outcome.sequences) {
+        reused += sequence.prefillStart;
+      }
+      ASSERT_EQ(engine.stats().oracleMismatches, 0) << engine.stats().firstMismatch;
+      if (runtime->contextCache()->poisoned() || runtime->swaPageManager()->poisoned()) {
+        ASSERT_TRUE(runtime->shutdown());
+      }
+      expectNothingHeld(*runtime);
+    }
+    EXPECT_GT(reused, 0);
+  }
 }
 
 // ---------------------------------------------------------------- the facade, call by call
