@@ -233,6 +233,19 @@ for host_suite in context_cache resources; do
   fi
 done
 
+# ... and over sliding-window reuse on GPU tensors (both halves' tables, the reused windows, the
+#     window cache's pages under the oracle's step kernels).
+RUNTIME_TESTS=$BUILD/tests/runtime/mkv_runtime_tests
+if [[ -n $SANITIZER && -x $RUNTIME_TESTS && $(gtest_status 0 "$OUT/gpu_tests.log") != SKIP ]]; then
+  run_step "compute-sanitizer memcheck sliding reuse" "$OUT/sanitizer_memcheck_sliding_reuse.log" \
+    120 "$SANITIZER" --tool memcheck --error-exitcode 3 --print-limit 20 "$RUNTIME_TESTS" \
+    --gtest_filter='*SlidingReuseTest*gpu'
+  summary_line=$(grep -E 'ERROR SUMMARY' "$OUT/sanitizer_memcheck_sliding_reuse.log" | tail -1)
+  [[ $RC == 0 ]] && status=PASS || status=FAIL
+  record "sanitizer sliding reuse" "$status" "$SECONDS_TAKEN" \
+    "rc $RC; $(gtest_detail "$OUT/sanitizer_memcheck_sliding_reuse.log"); ${summary_line:-no summary}"
+fi
+
 # 5. The other test suites of the build folder, while the budget lasts: the runtime's end-to-end
 #    scenarios (facade, faults, reference engine, on CPU and GPU tensors) first.
 SUITES=()
@@ -304,6 +317,9 @@ else
   # The host tier: a 40-page GPU pool (640 MiB) that evicts, and 300 pages (4.7 GiB) of pinned
   # host memory that keep what it evicts; the lookups onboard them back.
   replay_case embedded_host_tier --pool-pages 40 --host-pool-tokens 38400 --eviction lru
+  # Sliding-window reuse: the 32 layers sliding (W = 1024) beside 4 full ones, 6 GiB of KV split
+  # 70 / 30 between the sliding pool (16 MiB pages) and the full pool (2 MiB pages).
+  replay_case embedded_sliding_reuse --window 1024 --full-layers 4 --kv-budget-bytes 6442450944
   # An EAGLE deployment: paired base + draft reuse, the draft's KV checked by its own oracle.
   replay_case embedded_eagle --pool-tokens 32768 --speculative eagle --draft-layers 1
   # Hybrid-MTP: prompt endpoints with their boundary hidden rows, checked by the hidden-row oracle.
@@ -312,6 +328,8 @@ else
   if [[ -f $TRACE ]]; then
     replay_case mooncake_reuse --trace "$TRACE" --limit "$LIMIT" --pool-tokens 131072
     replay_case mooncake_swa --trace "$TRACE" --limit "$LIMIT" --mode swa --window 4096 --full-layers 1 --max-batch 4
+    replay_case mooncake_sliding_reuse --trace "$TRACE" --limit "$LIMIT" --window 4096 \
+      --full-layers 4 --kv-budget-bytes 17179869184
   else
     record "mkv-replay mooncake" FAIL 0 "$TRACE missing (the bundle's test_inputs)"
   fi
