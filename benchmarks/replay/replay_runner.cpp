@@ -10,6 +10,7 @@
 #include <unordered_map>
 
 #include "context_cache/context_cache_manager.h"
+#include "mkv/bounded_swa_kv_page_manager.h"
 #include "mkv/kernels.h"
 #include "mkv/stream.h"
 
@@ -344,6 +345,25 @@ class Runner {
   }
 
  private:
+  /// The runtime serves sliding layers from a bounded pool only when the decode window, M + 1
+  /// pages, is shorter than a sequence's row; otherwise it keeps them in the full pool, which
+  /// is plain reuse, not what --window asked for.
+  void requireWindowBelowRow(int64_t width) const {
+    ReplayConfig const& c = mConfig;
+    if (!c.slidingReuse) {
+      return;
+    }
+    int32_t const windowPages =
+        BoundedSwaKVPageManager::decodePagesPerSequence(c.windowTokens, c.pageSize);
+    if (windowPages >= width) {
+      configError(fmt::format(
+          "--window {}: its {} decode pages (M + 1) cover a whole sequence of this workload "
+          "({} pages of {} tokens), so sliding layers would keep every page; the runtime serves "
+          "that as plain reuse. Choose a window whose M + 1 pages are fewer than {}",
+          c.windowTokens, windowPages, width, c.pageSize, width));
+    }
+  }
+
   void createRuntime() {
     ReplayConfig const& c = mConfig;
     // A verification round writes K positions past the lookahead.
@@ -353,6 +373,7 @@ class Runner {
       configError(fmt::format("a sequence of {} tokens is too long", longest));
     }
     int64_t const width = ceilDiv(longest, c.pageSize);
+    requireWindowBelowRow(width);
     KVCacheRuntimeConfig rc;
     rc.model.numKVHeads = c.kvHeads;
     rc.model.headDim = c.headDim;

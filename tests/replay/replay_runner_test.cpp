@@ -567,6 +567,29 @@ TEST(ReplayRunnerTest, SlidingWindowReuseSplitsAKvBudgetAndStaysCorrectWhenWindo
   EXPECT_THROW(runReplay(again, config), ReplayConfigError);
 }
 
+TEST(ReplayRunnerTest, SlidingWindowReuseRefusesAWindowThatCoversWholeSequences) {
+  // The embedded workload's longest sequence fits in 10 pages of 128 tokens; a window of 1024
+  // tokens needs M + 1 = 10 decode pages, so it bounds nothing and the runtime would serve
+  // plain reuse.
+  ReplayConfig config = slidingReuseConfig();
+  config.windowTokens = 1024;
+  MultiTurnWorkload workload;
+  RecordingSource source(workload);
+  try {
+    runReplay(source, config);
+    ADD_FAILURE() << "no ReplayConfigError for --window 1024";
+  } catch (ReplayConfigError const& error) {
+    EXPECT_NE(std::string(error.what()).find("--window 1024"), std::string::npos) << error.what();
+    EXPECT_NE(std::string(error.what()).find("plain reuse"), std::string::npos) << error.what();
+  }
+  config.windowTokens = 512;  // M + 1 = 6 pages: bounded, the composed backend
+  MultiTurnWorkload again;
+  RecordingSource bounded(again);
+  ReplayResult const result = runReplay(bounded, config);
+  EXPECT_EQ(result.backend, KVCacheBackend::kSlidingWindowReuse);
+  EXPECT_EQ(result.oracleMismatches, 0) << result.firstMismatch;
+}
+
 TEST(ReplayRunnerTest, ARequestLargerThanTheEmptyPoolFailsAndIsSkipped) {
   MKV_TEST_INPUT_OR_SKIP(kTiny, "tests/replay/tiny_mooncake.jsonl");
   TraceSource source = traceSource(kTiny);
