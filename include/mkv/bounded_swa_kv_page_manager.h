@@ -59,6 +59,9 @@ struct SwaSequenceState {
   std::vector<SwaPageBinding> newBindings;
   /// Pages that left the window; still mapped and held until the completion call.
   std::vector<SwaPageBinding> pendingRetire;
+  /// Cached mode: admitted in flight (admitSequence) and not finalised yet; decode steps skip
+  /// the sequence until finalizeSequenceAdmission commits its prefill.
+  bool joining = false;
   /// bindings + reserved + pendingRetire (pendingRetire pages are not in bindings).
   int32_t heldPages() const noexcept {
     return static_cast<int32_t>(bindings.size() + reservedPages.size() + pendingRetire.size());
@@ -134,8 +137,15 @@ struct BoundedSwaResources {
 /// its next spare there; finish, compaction, abandonment and shutdown's drain release every
 /// held page to the source.
 ///
+/// In-flight admission (cached mode only): a sequence joins an executing request at the end of
+/// its batch with its own reuse start (admitSequence maps its prefill at once), is finalised
+/// after the engine ran that prefill (finalizeSequenceAdmission: the same retirement as
+/// completePrefill) or retracted before (retractSequenceAdmission). Decode steps skip it until
+/// it is finalised. The manager never touches the length pools for a joiner: the engine seats
+/// it (active batch, its length row), as with the context-reuse coordinator.
+///
 /// Limits: vanilla one-token decode only (headroom {1,0}, kCommittedPlusLookahead, not
-/// speculative), no in-flight admission. All calls use the construction stream.
+/// speculative). All calls use the construction stream.
 /// Thread-safety: single writer (the engine thread); no call may run concurrently with another.
 class BoundedSwaKVPageManager {
   struct Request;
@@ -223,10 +233,30 @@ class BoundedSwaKVPageManager {
   /// Cached mode: every mapped page outside [floor(max(0, L - W) / P), ceil(L / P)) goes to
   /// pageSource->release; the sequence keeps one spare and releases the rest of its reserve.
   void completePrefill(RequestHandle& handle);
+  /// Cached mode: one sequence joins the executing request `handle` (no pending work) as its
+  /// last row, starting at `start` (see SwaReuseStart): it holds the window pages, reserves
+  /// ceil(L / P) - s / P + 1 private pages from the source, and its row maps logical pages
+  /// [floor(max(0, s - W) / P), ceil(L / P)) in one table upload, ready for the engine's
+  /// prefill of the row. kPoisoned when poisoned; kRequestFailed (nothing changed) when the
+  /// source has too few pages. Throws (nothing changed) without a page source, for a request
+  /// that is not executing or has pending work, a full batch, a resident that is invalid,
+  /// stale or already held, and a start beginRequest would refuse.
+  SwaKVCacheStatus admitSequence(RequestHandle& handle, ResidentRef resident,
+                                 SwaReuseStart const& start);
+  /// After the engine's completion point for the joiner's prefill: commits row `row` at its
+  /// prompt length as completePrefill does (pages outside the window go to the source, one
+  /// spare kept); decode steps include it from now on. Throws unless `row` is an unfinalised
+  /// joiner and no work is pending.
+  void finalizeSequenceAdmission(RequestHandle& handle, int32_t row);
+  /// Undoes the newest admission that was not finalised: clears its row (one table upload) and
+  /// gives its pages back to the source. Throws (nothing changed) when the newest row is not an
+  /// unfinalised joiner or work is pending.
+  void retractSequenceAdmission(RequestHandle& handle);
+
   /// Stages endpoint + 1 for every sequence (at most one new page mapped and one page staged
-  /// for retirement each) and uploads the patch. kRequestFailed (the request is finishing)
-  /// when a sequence would pass the table width, or (cached mode) needs a page, has no spare
-  /// and the page source has no page for it.
+  /// for retirement each; an unfinalised joiner holds) and uploads the patch. kRequestFailed (the
+  /// request is finishing) when a sequence would pass the table width, or (cached mode) needs a
+  /// page, has no spare and the page source has no page for it.
   SwaKVCacheStatus prepareDecodeStep(RequestHandle& handle);
   /// Commits the step and retires pages that left the window.
   /// Cached mode: a retired page goes to pageSource->release and the sequence takes its next
@@ -315,6 +345,12 @@ class BoundedSwaKVPageManager {
   void stagePrompt(SwaSequenceState& state, int32_t promptTokens);
   /// completePrefill of one sequence: retires to the source, keeps one spare.
   void completeCachedPrefill(SwaSequenceState& state);
+  /// In-flight admission (bounded_swa_inflight_admission.cpp): the checks that throw, then the
+  /// joiner's pages (false: the source has too few, nothing taken). validateJoiner returns the
+  /// joiner's private pages, ceil(L / P) - s / P + 1.
+  int32_t validateJoiner(char const* call, Request const& req, ResidentRef resident,
+                         SwaReuseStart const& start) const;
+  bool takeJoinerPages(SwaSequenceState& state, SwaReuseStart const& start, int32_t privatePages);
   /// Cached mode: appends one page from the source to the reserve; false when it has none
   /// (and always without a source).
   bool takeSpare(SwaSequenceState& state);

@@ -139,12 +139,12 @@ class KVCacheRuntime {
   BoundedSwaKVPageManager* swaPageManager() noexcept { return mSwaManager.get(); }
   /// The sliding pool's free pages and cached window blocks (kSlidingWindowReuse), else null.
   WindowBlockCache* windowBlockCache() noexcept { return mWindowCache.get(); }
-  /// Whether a running batch may admit sequences in flight: false for bounded SWA and
-  /// sliding-window reuse, for speculative deployments and for hybrid checkpoint reuse (a joiner
-  /// cannot restore a checkpoint or pair a draft in a running batch).
+  /// Whether a running batch may admit sequences in flight: true for context reuse and
+  /// sliding-window reuse; false for bounded SWA (no cache to start a joiner's window from), for
+  /// speculative deployments and for hybrid checkpoint reuse (a joiner cannot restore a
+  /// checkpoint or pair a draft in a running batch).
   bool supportsSeatedAdmission() const noexcept {
-    return mCoordinator != nullptr && mSwaManager == nullptr &&
-           mCoordinator->supportsLiveSequenceAdmission();
+    return mCoordinator != nullptr && mCoordinator->supportsLiveSequenceAdmission();
   }
 
   KVCacheRuntimeConfig const& config() const noexcept { return mConfig; }

@@ -99,10 +99,11 @@ class ManagedKVCacheRequest {
   /// Ends the request (synchronises pending work, releases everything).
   bool finish();
 
-  /// In-flight admission, context-reuse backend only.
+  /// In-flight admission, context-reuse and sliding-window reuse backends (the latter admits
+  /// the joiner's sliding window on its SWA half too: SlidingReuseRequest::admitSequence).
   ///
-  /// The bounded-SWA backend has no live-slot admission (its per-slot window state cannot join
-  /// a running batch), and KVCacheRuntime::supportsSeatedAdmission() refuses such deployments
+  /// The bounded-SWA backend has no live-slot admission (no cache its window state could start
+  /// from), and KVCacheRuntime::supportsSeatedAdmission() refuses such deployments
   /// before an engine that would call these is ever constructed; the kFailed / false returns
   /// here are the backstop.
   ContextCacheRequest::AdmitSequenceStatus admitSequence(

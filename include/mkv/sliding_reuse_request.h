@@ -27,7 +27,7 @@ namespace mkv {
 /// the prompt's sliding KV published at completePrefill, bounded rotation in decode). Move-only.
 /// Every bool method returns false for an expected failure of either half (each logs it once),
 /// and throws mkv::Error, changing nothing, for misuse, including the calls this backend does not
-/// offer (in-flight admission, Hybrid-MTP). Destroying a live request abandons both halves.
+/// offer (Hybrid-MTP). Destroying a live request abandons both halves.
 /// Thread-safety: single writer.
 class SlidingReuseRequest {
  public:
@@ -81,7 +81,12 @@ class SlidingReuseRequest {
   /// failed.
   bool finish();
 
-  /// No in-flight admission on this backend yet: kFailed and one log line.
+  /// In-flight admission: the coordinator admits the joiner (its full layers' rows, the reuse
+  /// start capped by the window rule), then the SWA manager with that start and the cached
+  /// window pages before it. kAdmitted with `prefillStart` set; kNoCapacity when either half
+  /// has too few pages (a refusal of the SWA half retracts the coordinator's admission); kFailed
+  /// when poisoned. Throws what ContextCacheRequest::admitSequence throws for and for headroom
+  /// other than {1, 0}.
   AdmitSequenceStatus admitSequence(std::vector<int32_t> const& tokenIds,
                                     std::string const& loraWeightsName,
                                     DecodingKvHeadroom const& headroom, int32_t& prefillStart,
@@ -89,11 +94,14 @@ class SlidingReuseRequest {
                                     std::vector<int32_t> const& mediaTokenIds = {},
                                     std::vector<imageUtils::ImageData> const& imageBuffers = {},
                                     std::vector<audioUtils::AudioData> const& audioBuffers = {});
-  /// No in-flight admission: false and one log line.
+  /// After the joiner's prefill: finalises the coordinator's row (its full blocks published),
+  /// publishes the row's complete prompt blocks' sliding pages, then retires its window as
+  /// completePrefill does. False (poisoned) when the coordinator's half fails.
   bool finalizeSequenceAdmission(ExecutionRow row, int32_t const& lookaheadToken,
                                  int32_t fullInputLength);
-  /// Nothing was admitted in flight, so nothing to undo: true.
-  bool retractSequenceAdmission() { return true; }
+  /// Undoes the newest unfinalised joiner on both halves. Throws (nothing changed) as
+  /// ContextCacheRequest::retractSequenceAdmission does; false when the backend is poisoned.
+  bool retractSequenceAdmission();
   /// Throw: Hybrid-MTP needs recurrent layers, which this backend refuses.
   bool publishHybridMtpEndpoint(ExecutionRow row, int32_t residentStateLength,
                                 Tensor const& baseHiddenStates, int32_t boundaryHiddenRow);
@@ -105,8 +113,8 @@ class SlidingReuseRequest {
  private:
   SlidingReuseRequest(ContextCacheRequest full, BoundedSwaKVPageManager& manager,
                       BoundedSwaKVPageManager::RequestHandle handle, std::vector<int32_t> prompts);
-  /// Publishes the sliding pages of each row's complete prompt blocks it executed.
-  void publishWindowBlocks();
+  /// Publishes the sliding pages of row `row`'s complete prompt blocks it executed.
+  void publishWindowBlocks(std::size_t row);
   bool swaStatus(SwaKVCacheStatus status, char const* operation) const;
 
   ContextCacheRequest mFull;

@@ -110,26 +110,22 @@ bool SlidingReuseRequest::prepareSwaPrefill(std::vector<int32_t> const& effectiv
   return true;
 }
 
-void SlidingReuseRequest::publishWindowBlocks() {
+void SlidingReuseRequest::publishWindowBlocks(std::size_t row) {
   int32_t const pageSize = mManager->tokensPerPage();
-  std::vector<int32_t> const& starts = mFull.prefillStarts();
-  ContextCacheCoordinator::RequestHandle const& handle = mFull.handle();
-  for (std::size_t row = 0; row < mPromptTokens.size(); ++row) {
-    int32_t const firstBlock = starts[row] / pageSize;
-    int32_t const endBlock = mPromptTokens[row] / pageSize;  // complete prompt blocks only
-    mBlockPages.clear();
-    for (SwaPageBinding const& binding :
-         mManager->state(mHandle, static_cast<int32_t>(row)).bindings) {
-      if (binding.logicalPage >= firstBlock && binding.logicalPage < endBlock) {
-        mBlockPages.push_back(binding.page);
-      }
+  int32_t const firstBlock = mFull.prefillStarts()[row] / pageSize;
+  int32_t const endBlock = mPromptTokens[row] / pageSize;  // complete prompt blocks only
+  mBlockPages.clear();
+  for (SwaPageBinding const& binding :
+       mManager->state(mHandle, static_cast<int32_t>(row)).bindings) {
+    if (binding.logicalPage >= firstBlock && binding.logicalPage < endBlock) {
+      mBlockPages.push_back(binding.page);
     }
-    MKV_ASSERT(mBlockPages.size() == static_cast<std::size_t>(std::max(0, endBlock - firstBlock)),
-               "row {}: {} sliding pages mapped for prompt blocks [{}, {})", row,
-               mBlockPages.size(), firstBlock, endBlock);
-    mFull.coordinator().publishWindowBlocks(handle, static_cast<ExecutionRow>(row), firstBlock,
-                                            mBlockPages);
   }
+  MKV_ASSERT(mBlockPages.size() == static_cast<std::size_t>(std::max(0, endBlock - firstBlock)),
+             "row {}: {} sliding pages mapped for prompt blocks [{}, {})", row, mBlockPages.size(),
+             firstBlock, endBlock);
+  mFull.coordinator().publishWindowBlocks(mFull.handle(), static_cast<ExecutionRow>(row),
+                                          firstBlock, mBlockPages);
 }
 
 bool SlidingReuseRequest::completePrefill(DecodingInferenceContext const& context,
@@ -139,7 +135,9 @@ bool SlidingReuseRequest::completePrefill(DecodingInferenceContext const& contex
   // left the window (a published page stays cached).
   bool const fullOk = mFull.completePrefill(context, commonStateLengths);
   if (fullOk) {
-    publishWindowBlocks();
+    for (std::size_t row = 0; row < mPromptTokens.size(); ++row) {
+      publishWindowBlocks(row);
+    }
   }
   mManager->completePrefill(mHandle);
   return fullOk;
@@ -197,24 +195,67 @@ bool SlidingReuseRequest::finish() {
 }
 
 AdmitSequenceStatus SlidingReuseRequest::admitSequence(
-    std::vector<int32_t> const& /*tokenIds*/, std::string const& /*loraWeightsName*/,
-    DecodingKvHeadroom const& /*headroom*/, int32_t& /*prefillStart*/, ResidentRef /*resident*/,
-    cudaStream_t /*stream*/, std::vector<int32_t> const& /*mediaTokenIds*/,
-    std::vector<imageUtils::ImageData> const& /*imageBuffers*/,
-    std::vector<audioUtils::AudioData> const& /*audioBuffers*/) {
-  logger()->error(
-      "ManagedKVCacheRequest::admitSequence: the sliding-window reuse backend has no in-flight "
-      "admission");
-  return AdmitSequenceStatus::kFailed;
+    std::vector<int32_t> const& tokenIds, std::string const& loraWeightsName,
+    DecodingKvHeadroom const& headroom, int32_t& prefillStart, ResidentRef resident,
+    cudaStream_t stream, std::vector<int32_t> const& mediaTokenIds,
+    std::vector<imageUtils::ImageData> const& imageBuffers,
+    std::vector<audioUtils::AudioData> const& audioBuffers) {
+  requireVanillaRequest("SlidingReuseRequest::admitSequence", false, headroom,
+                        DecodingTokenStateContract::kCommittedPlusLookahead);
+  mPromptTokens.reserve(mPromptTokens.size() + 1);  // nothing after the admissions allocates
+  int32_t start = 0;
+  AdmitSequenceStatus const status =
+      mFull.admitSequence(tokenIds, loraWeightsName, headroom, start, resident, stream,
+                          mediaTokenIds, imageBuffers, audioBuffers);
+  if (status != AdmitSequenceStatus::kAdmitted) {
+    return status;
+  }
+  auto const row = static_cast<ExecutionRow>(mFull.prefillStarts().size() - 1);
+  SwaReuseStart swaStart;
+  swaStart.promptTokens = static_cast<int32_t>(tokenIds.size());
+  swaStart.startTokens = start;
+  SwaKVCacheStatus swa = SwaKVCacheStatus::kRequestFailed;
+  try {
+    swaStart.windowPages = mFull.coordinator().reusedWindowPages(mFull.handle(), row);
+    swa = mManager->admitSequence(mHandle, resident, swaStart);
+  } catch (...) {
+    (void)mFull.retractSequenceAdmission();  // the halves stay in step; the error goes on
+    throw;
+  }
+  if (swa != SwaKVCacheStatus::kOk) {
+    (void)swaStatus(swa, "admitSequence");
+    bool const retracted = mFull.retractSequenceAdmission();
+    return swa == SwaKVCacheStatus::kRequestFailed && retracted ? AdmitSequenceStatus::kNoCapacity
+                                                                : AdmitSequenceStatus::kFailed;
+  }
+  mPromptTokens.push_back(swaStart.promptTokens);
+  prefillStart = start;
+  return AdmitSequenceStatus::kAdmitted;
 }
 
-bool SlidingReuseRequest::finalizeSequenceAdmission(ExecutionRow /*row*/,
-                                                    int32_t const& /*lookaheadToken*/,
-                                                    int32_t /*fullInputLength*/) {
-  logger()->error(
-      "ManagedKVCacheRequest::finalizeSequenceAdmission: the sliding-window reuse backend has "
-      "no in-flight admission");
-  return false;
+bool SlidingReuseRequest::finalizeSequenceAdmission(ExecutionRow row, int32_t const& lookaheadToken,
+                                                    int32_t fullInputLength) {
+  constexpr char const* kCall = "SlidingReuseRequest::finalizeSequenceAdmission";
+  MKV_REQUIRE(row >= 0 && static_cast<std::size_t>(row) < mPromptTokens.size() &&
+                  mManager->state(mHandle, row).joining,
+              kCall, "row {} is not an unfinalised in-flight admission", row);
+  // As completePrefill: the full half publishes its blocks, then the sliding pages of the same
+  // blocks are published before the SWA half retires what left the window.
+  if (!mFull.finalizeSequenceAdmission(row, lookaheadToken, fullInputLength)) {
+    return false;  // poisoned; finish releases the SWA half's joiner
+  }
+  publishWindowBlocks(static_cast<std::size_t>(row));
+  mManager->finalizeSequenceAdmission(mHandle, row);
+  return true;
+}
+
+bool SlidingReuseRequest::retractSequenceAdmission() {
+  // The coordinator checks first (it throws, changing nothing, when no joiner can be undone);
+  // the SWA half's newest row is then the same unfinalised joiner.
+  bool const retracted = mFull.retractSequenceAdmission();
+  mManager->retractSequenceAdmission(mHandle);
+  mPromptTokens.pop_back();
+  return retracted;
 }
 
 bool SlidingReuseRequest::publishHybridMtpEndpoint(ExecutionRow row,

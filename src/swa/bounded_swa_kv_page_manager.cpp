@@ -18,6 +18,7 @@
 namespace mkv {
 
 using swa_detail::ceilDiv;
+using swa_detail::dropAppendedBindings;
 using swa_detail::pagesCovering;
 using swa_detail::retainedBeginFor;
 
@@ -227,6 +228,9 @@ std::unique_ptr<BoundedSwaKVPageManager::Request> BoundedSwaKVPageManager::newRe
     std::span<ResidentRef const> residents, std::span<int32_t const> pagesPerSequence) {
   auto created = std::make_unique<Request>();
   created->id = mRequests->nextId();
+  if (mResources.pageSource != nullptr) {  // in-flight joiners never move the rows
+    created->sequences.reserve(static_cast<std::size_t>(mResources.swaPageTable->maxBatch()));
+  }
   created->sequences.resize(residents.size());
   // A sequence never holds more than its admission pages, so with these capacities no
   // transition, completion or release allocates (only bindings, a deque, may).
@@ -324,19 +328,6 @@ void BoundedSwaKVPageManager::commitWindow(SwaSequenceState& state,
   state.retainedBegin = newBegin;
   state.retainedEnd = pagesCovering(newEndpoint, mPageShift);
 }
-
-namespace {
-
-/// Undoes appendBindings (the appended bindings are exactly newBindings) without allocating.
-void dropAppendedBindings(SwaSequenceState& state) noexcept {
-  for (auto it = state.newBindings.rbegin(); it != state.newBindings.rend(); ++it) {
-    state.bindings.pop_back();
-    state.reservedPages.push_back(it->page);  // back where it came from, within capacity
-  }
-  state.newBindings.clear();
-}
-
-}  // namespace
 
 bool BoundedSwaKVPageManager::stageDecode(SwaSequenceState& state) {
   if (state.endpoint == std::numeric_limits<int32_t>::max()) {
@@ -480,25 +471,32 @@ SwaKVCacheStatus BoundedSwaKVPageManager::prepareDecodeStep(RequestHandle& handl
   Request& req = request(handle, kCall);
   MKV_REQUIRE(req.phase == Phase::kExecuting && req.pending == Pending::kNone, kCall,
               "a decode step needs a completed prefill or step and no pending work");
+  // An unfinalised joiner holds: its prefill is staged, not its next token.
   for (SwaSequenceState& state : req.sequences) {
-    if (!stageDecode(state)) {
+    if (!state.joining && !stageDecode(state)) {
       req.phase = Phase::kFinishing;
       return SwaKVCacheStatus::kRequestFailed;
     }
   }
   try {
     for (SwaSequenceState& state : req.sequences) {
-      appendBindings(state, state.endpoint + 1, kCall);
+      if (!state.joining) {
+        appendBindings(state, state.endpoint + 1, kCall);
+      }
     }
   } catch (...) {
     for (SwaSequenceState& state : req.sequences) {
-      dropAppendedBindings(state);
+      if (!state.joining) {
+        dropAppendedBindings(state);
+      }
     }
     throw;
   }
   for (SwaSequenceState& state : req.sequences) {
-    commitWindow(state, state.endpoint + 1);
-    mapNewBindings(state);
+    if (!state.joining) {
+      commitWindow(state, state.endpoint + 1);
+      mapNewBindings(state);
+    }
   }
   mResources.swaPageTable->uploadDirty(mStream);
   req.pending = Pending::kDecode;
@@ -510,7 +508,9 @@ void BoundedSwaKVPageManager::completeDecodeStep(RequestHandle& handle) {
   Request& req = request(handle, kCall);
   MKV_REQUIRE(req.pending == Pending::kDecode, kCall, "no prepared decode step to complete");
   for (SwaSequenceState& state : req.sequences) {
-    retire(state);
+    if (!state.joining) {
+      retire(state);
+    }
   }
   req.pending = Pending::kNone;
 }

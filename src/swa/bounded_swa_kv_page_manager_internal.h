@@ -50,5 +50,14 @@ inline int32_t retainedBeginFor(int32_t endpoint, int32_t window, int32_t pageSh
   return static_cast<int32_t>(std::max<int64_t>(0, int64_t{endpoint} - window) >> pageShift);
 }
 
+/// Undoes appendBindings (the appended bindings are exactly newBindings) without allocating.
+inline void dropAppendedBindings(SwaSequenceState& state) noexcept {
+  for (auto it = state.newBindings.rbegin(); it != state.newBindings.rend(); ++it) {
+    state.bindings.pop_back();
+    state.reservedPages.push_back(it->page);  // back where it came from, within capacity
+  }
+  state.newBindings.clear();
+}
+
 }  // namespace swa_detail
 }  // namespace mkv

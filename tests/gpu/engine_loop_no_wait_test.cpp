@@ -26,6 +26,7 @@
 #include "support/token_runs.h"
 
 namespace mkv::gputest {
+using test::concatenated;
 using test::tokenRun;
 namespace {
 
@@ -149,7 +150,12 @@ class LoopEngine {
     appendRow(std::move(prompt), resident);
     std::size_t const row = mPrompts.size() - 1;
     mContext.effectivePrefillLengths.push_back(promptLength(row) - start);
-    mRuntime.lengthPool().setActiveBatchSize(static_cast<int32_t>(mPrompts.size()));
+    // Every KV-length tensor grows for the joiner (sliding-window reuse: the SWA pool's too).
+    for (KVCachePool* pool : {mRuntime.fullPool(), mRuntime.swaPool()}) {
+      if (pool != nullptr) {
+        pool->setActiveBatchSize(static_cast<int32_t>(mPrompts.size()));
+      }
+    }
     writeLength(row, promptLength(row));
     mContext.generatedTokenIds[row].push_back(sampled(row));
     ASSERT_TRUE(mManaged->finalizeSequenceAdmission(
@@ -369,7 +375,7 @@ TEST_F(EngineLoopNoWaitTest, BoundedSwaWithCompaction) {
 // Sliding-window reuse: the second request reuses the first prompt's full layers and maps the
 // cached window before its start; both prefills publish window blocks, decode rotates the window
 // and a compaction drops a row.
-TEST_F(EngineLoopNoWaitTest, SlidingWindowReuseWithHitAndCompaction) {
+TEST_F(EngineLoopNoWaitTest, SlidingWindowReuseWithHitJoinRetractAndCompaction) {
   KVCacheRuntimeConfig config = baseConfig(stream());
   config.model.numFullAttentionLayers = 1;
   config.model.numSlidingWindowLayers = 2;
@@ -391,6 +397,11 @@ TEST_F(EngineLoopNoWaitTest, SlidingWindowReuseWithHitAndCompaction) {
   EXPECT_GE(second.prefillStart(0), 2048 - kPage);  // full layers and window both cached
   ASSERT_NO_FATAL_FAILURE(second.prefill());
   ASSERT_NO_FATAL_FAILURE(second.decode(130));  // crosses page boundaries: windows rotate
+  // A joiner hitting the shared prompt with its window, then one taken back before its prefill.
+  ASSERT_NO_FATAL_FAILURE(second.join(concatenated(tokenRun(2048, 10), tokenRun(300, 9000))));
+  EXPECT_GE(second.prefillStart(2), 2048 - kPage);
+  ASSERT_NO_FATAL_FAILURE(second.decode(2));
+  ASSERT_NO_FATAL_FAILURE(second.admitAndRetract(tokenRun(400, 12000)));
   ASSERT_NO_FATAL_FAILURE(second.dropRow(1));
   ASSERT_NO_FATAL_FAILURE(second.decode(2));
   ASSERT_NO_FATAL_FAILURE(second.finish());

@@ -160,7 +160,7 @@ TEST_P(KVCacheRuntimeMatrixTest, ChoosesOneBackendAndSizesItsPools) {
   EXPECT_EQ(runtime->contextCache() != nullptr, !bounded);
   EXPECT_EQ(runtime->swaPageManager() != nullptr, bounded || composed);
   EXPECT_EQ(runtime->windowBlockCache() != nullptr, composed);
-  EXPECT_EQ(runtime->supportsSeatedAdmission(), !bounded && !composed);
+  EXPECT_EQ(runtime->supportsSeatedAdmission(), !bounded);
   if (!bounded) {
     EXPECT_EQ(runtime->contextCache()->config().enabled,
               c.backend == KVCacheBackend::kContextReuse || composed);

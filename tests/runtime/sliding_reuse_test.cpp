@@ -5,6 +5,7 @@
 // "Sliding windows with context reuse". Host and GPU tensors (kGPU skips without a device).
 #include <gtest/gtest.h>
 
+#include <deque>
 #include <memory>
 #include <random>
 #include <vector>
@@ -86,7 +87,7 @@ TEST_P(SlidingReuseTest, TheRuntimeComposesBothBackendsForReuseWithSlidingLayers
   EXPECT_EQ(runtime->swaPool()->numLayers(), 2);
   EXPECT_EQ(runtime->swaPool()->numPages(), runtime->fullPool()->numPages());  // the default
   EXPECT_EQ(runtime->windowBlockCache()->windowBlocks(), kWindow / kPage);
-  EXPECT_FALSE(runtime->supportsSeatedAdmission());
+  EXPECT_TRUE(runtime->supportsSeatedAdmission());
 }
 
 TEST_P(SlidingReuseTest, OtherReuseDeploymentsKeepEveryAttentionLayerInTheFullPool) {
@@ -186,6 +187,55 @@ TEST_P(SlidingReuseTest, ADecodingSequenceHoldsAtMostMPlusOneSlidingPages) {
   expectNothingHeld(*runtime);
 }
 
+TEST_P(SlidingReuseTest, InFlightJoinersStartFromTheirCachedWindowAndPublishTheirOwn) {
+  auto runtime = KVCacheRuntime::create(slidingConfig(device()));
+  ReferenceEngine engine(*runtime);  // verify kAll, throws on the first oracle mismatch
+  std::vector<int32_t> const shared = tokenRun(200, 0);
+  EXPECT_EQ(runOnce(engine, single(shared)), 0);  // publishes 12 blocks with their windows
+  std::vector<int32_t> const fresh = tokenRun(150, 5000);
+  std::deque<EngineSequence> joiners;
+  joiners.push_back(EngineSequence{concatenated(shared, tokenRun(40, 900)), 5, {}, {}, {}, -1, 1});
+  joiners.push_back(EngineSequence{fresh, 5, {}, {}, {}, -1, 2});
+  auto const outcome = engine.run(single(tokenRun(60, 7000), 12), &joiners);
+  ASSERT_TRUE(outcome.admitted);
+  EXPECT_FALSE(outcome.failed);
+  ASSERT_EQ(outcome.sequences.size(), 3u);
+  EXPECT_TRUE(outcome.sequences[1].joinedInFlight);
+  EXPECT_TRUE(outcome.sequences[2].joinedInFlight);
+  // The first joiner reads the 12 shared blocks' full KV and the window before block 12 (blocks
+  // 8..11) from the cache; the oracle checked both.
+  EXPECT_EQ(outcome.sequences[1].prefillStart, 192);
+  EXPECT_EQ(outcome.sequences[2].prefillStart, 0);
+  EXPECT_EQ(engine.stats().joins, 2);
+  EXPECT_EQ(engine.stats().oracleMismatches, 0);
+  expectNothingHeld(*runtime);
+  // The second joiner published its 9 blocks with their sliding pages when it was finalised.
+  EXPECT_EQ(runOnce(engine, single(concatenated(fresh, tokenRun(20, 8000)))), 144);
+  expectNothingHeld(*runtime);
+}
+
+TEST_P(SlidingReuseTest, AJoinerTheSlidingPoolCannotHoldIsRefusedAndTheBatchRunsOn) {
+  // 69 sliding pages: the founder keeps at most 6 once decoding, a 1000-token joiner needs 64
+  // private pages; the full pool holds both.
+  auto runtime = KVCacheRuntime::create(slidingConfig(device(), 69));
+  ReferenceEngine engine(*runtime);
+  std::deque<EngineSequence> joiners;
+  joiners.push_back(EngineSequence{tokenRun(1000, 3000), 3, {}, {}, {}, -1, 1});
+  auto const outcome = engine.run(single(tokenRun(100, 0), 6), &joiners);
+  ASSERT_TRUE(outcome.admitted);
+  EXPECT_FALSE(outcome.failed);
+  EXPECT_EQ(outcome.sequences.size(), 1u);
+  EXPECT_EQ(joiners.size(), 1u);  // still queued: refused for capacity, not failed
+  EXPECT_GT(engine.stats().joinRefusals, 0);
+  EXPECT_EQ(engine.stats().joins, 0);
+  // The full half had room: each refusal of the sliding half retracted its admission.
+  ContextCacheCoordinatorCounters const& counters = runtime->contextCache()->counters();
+  EXPECT_EQ(counters.liveAdmissionRefusals, 0u);
+  EXPECT_EQ(counters.retractedAdmissions, counters.liveAdmissions);
+  EXPECT_EQ(counters.retractedAdmissions, static_cast<uint64_t>(engine.stats().joinRefusals));
+  expectNothingHeld(*runtime);
+}
+
 TEST_P(SlidingReuseTest, AFailedSynchronisationPoisonsAndShutdownRecoversEveryPage) {
   test::SyncFaults faults;
   KVCacheRuntimeConfig config = slidingConfig(device());
@@ -236,6 +286,7 @@ TEST_P(SlidingReuseTest, RandomRequestsKeepEveryByteAndEveryPage) {
                                                         tokenRun(300, 6000)};
     auto draw = [&](int lo, int hi) { return std::uniform_int_distribution<int>(lo, hi)(rng); };
     int64_t reused = 0;
+    int64_t joined = 0;
     for (int r = 0; r < 40; ++r) {
       EngineRequest request;
       int const sequences = draw(1, 3);
@@ -247,9 +298,17 @@ TEST_P(SlidingReuseTest, RandomRequestsKeepEveryByteAndEveryPage) {
         request.sequences.push_back(
             EngineSequence{std::move(prompt), draw(1, 60), {}, {}, {}, cancelAt, i});
       }
-      auto const outcome = engine.run(request);
+      std::deque<EngineSequence> joiners;
+      for (int j = draw(0, 2); j > 0; --j) {
+        std::vector<int32_t> prompt = prefixes[static_cast<std::size_t>(draw(0, 2))];
+        prompt.resize(static_cast<std::size_t>(draw(1, static_cast<int>(prompt.size()))));
+        prompt = concatenated(prompt, tokenRun(draw(1, 80), 50000 + 200 * r + 50 * j));
+        joiners.push_back(EngineSequence{std::move(prompt), draw(1, 30), {}, {}, {}, -1, 10 + j});
+      }
+      auto const outcome = engine.run(request, &joiners);
       for (auto const& sequence : outcome.sequences) {
         reused += sequence.prefillStart;
+        joined += sequence.joinedInFlight ? 1 : 0;
       }
       ASSERT_EQ(engine.stats().oracleMismatches, 0) << engine.stats().firstMismatch;
       if (runtime->contextCache()->poisoned() || runtime->swaPageManager()->poisoned()) {
@@ -258,6 +317,7 @@ TEST_P(SlidingReuseTest, RandomRequestsKeepEveryByteAndEveryPage) {
       expectNothingHeld(*runtime);
     }
     EXPECT_GT(reused, 0);
+    EXPECT_GT(joined, 0);
   }
 }
 
@@ -293,13 +353,8 @@ TEST(SlidingReuseFacadeTest, MisuseThrowsAndChangesNothing) {
   ManagedKVCacheRequest& facade = driver.facade();
   EXPECT_TRUE(facade.hasContextReuse());
   ASSERT_NE(facade.prefillStarts(), nullptr);
-  int32_t start = -1;
-  EXPECT_EQ(facade.admitSequence(tokenRun(40, 500), "", {1, 0}, start, ResidentRef{3, 1},
-                                 runtime.config().stream),
-            AdmitSequenceStatus::kFailed);
-  EXPECT_EQ(start, -1);
-  EXPECT_FALSE(facade.finalizeSequenceAdmission(0, 7, 101));
-  EXPECT_TRUE(facade.retractSequenceAdmission());
+  EXPECT_TRUE(test::throwsError([&] { (void)driver.admit(tokenRun(40, 500)); },
+                                {"ManagedKVCacheRequest::admitSequence", "no pending work"}));
   Tensor hidden;
   EXPECT_TRUE(test::throwsError(
       [&] { facade.publishHybridMtpEndpoint(0, 100, hidden, 0); },
@@ -310,6 +365,44 @@ TEST(SlidingReuseFacadeTest, MisuseThrowsAndChangesNothing) {
   EXPECT_TRUE(driver.prefill());
   EXPECT_TRUE(driver.decode());
   driver.verify();
+  EXPECT_TRUE(driver.finish());
+  expectNothingHeld(runtime);
+}
+
+TEST(SlidingReuseFacadeTest, AJoinerIsAdmittedRetractedAndSeatedOnBothHalves) {
+  runtime_test::RuntimeRig rig(slidingConfig(DeviceType::kCPU));
+  KVCacheRuntime& runtime = rig.runtime();
+  WindowBlockCache const& window = *runtime.windowBlockCache();
+  ContextCacheCoordinatorCounters const& counters = runtime.contextCache()->counters();
+  runtime_test::FacadeDriver driver(rig);
+  driver.add(tokenRun(100, 0));
+  ASSERT_TRUE(driver.begin());
+  ASSERT_TRUE(driver.prefill());
+  EXPECT_TRUE(
+      test::throwsError([&] { (void)driver.facade().retractSequenceAdmission(); },
+                        {"ManagedKVCacheRequest::retractSequenceAdmission", "has 1 sequence(s)"}));
+  int32_t const founderPages = window.heldPages();
+  // A 40-token joiner from scratch: ceil(40 / 16) pages and one spare on the sliding half.
+  ASSERT_EQ(driver.admit(tokenRun(40, 500)), AdmitSequenceStatus::kAdmitted);
+  EXPECT_EQ(window.heldPages(), founderPages + 4);
+  EXPECT_EQ(runtime.swaPageManager()->residentRowState(driver.rows[1].resident.slot),
+            ResidentRowState::kActive);
+  ASSERT_TRUE(driver.retractNewest());
+  EXPECT_EQ(window.heldPages(), founderPages);
+  EXPECT_EQ(counters.retractedAdmissions, 1u);
+  // Admitted again; the founder decodes while the joiner is not seated (it holds on both halves).
+  ASSERT_EQ(driver.admit(tokenRun(40, 500)), AdmitSequenceStatus::kAdmitted);
+  ASSERT_TRUE(driver.decode());
+  EXPECT_TRUE(test::throwsError(
+      [&] { (void)driver.facade().finalizeSequenceAdmission(0, 7, 100); },
+      {"ManagedKVCacheRequest::finalizeSequenceAdmission", "row 0 is not an unfinalised"}));
+  ASSERT_TRUE(driver.seatNewest());
+  int32_t const perSequence = BoundedSwaKVPageManager::decodePagesPerSequence(kWindow, kPage);
+  for (int step = 0; step < 20; ++step) {
+    ASSERT_TRUE(driver.decode());
+    EXPECT_LE(window.heldPages(), 2 * perSequence);
+    driver.verify();
+  }
   EXPECT_TRUE(driver.finish());
   expectNothingHeld(runtime);
 }

@@ -427,6 +427,110 @@ TEST_P(BoundedSwaPageSourceTest, PrefillFromAStartMapsEveryPromptPageAndRetiresO
   EXPECT_TRUE(source.violations.empty());
 }
 
+// In-flight admission: a joiner of an executing request has its prefill mapped at once, decode
+// steps skip it until it is finalised (the same retirement as completePrefill), and a
+// retraction gives every page back; misuse changes nothing.
+TEST_P(BoundedSwaPageSourceTest, AJoinerIsMappedSkippedByDecodeThenRetractedOrFinalised) {
+  TestPageSource source(kPool);
+  SwaRig rig(cachedConfig(source));
+  BoundedSwaKVPageManager& manager = rig.manager();
+  std::vector<PageId> const cached = source.makeCached(3);
+  Handle handle = admitCached(rig, {0}, {{50, 0, {}}});
+  ResidentRef const joiner = residentsFor({2}).front();
+  SwaReuseStart const start{100, 64, cached};
+  expectContractError([&] { (void)manager.admitSequence(handle, joiner, start); },
+                      {"BoundedSwaKVPageManager::admitSequence", "no pending work"});
+  manager.preparePrefill(handle, std::vector<int32_t>{50});
+  manager.completePrefill(handle);
+  std::vector<int32_t> const before = source.snapshot();
+  expectContractError(
+      [&] { (void)manager.admitSequence(handle, residentsFor({0}).front(), start); },
+      {"admitSequence", "resident slot 0 is held by another active request"});
+  expectContractError(
+      [&] {
+        (void)manager.admitSequence(handle, joiner, {100, 60, cached});
+      },
+      {"admitSequence", "startTokens 60 of row 1"});
+  EXPECT_EQ(source.snapshot(), before);
+  EXPECT_EQ(manager.batchSize(handle), 1);
+
+  SwaSequenceState const& founder = manager.state(handle, 0);
+  ASSERT_EQ(manager.admitSequence(handle, joiner, start), SwaKVCacheStatus::kOk);
+  ASSERT_EQ(manager.batchSize(handle), 2);
+  SwaSequenceState const& state = manager.state(handle, 1);
+  EXPECT_TRUE(state.joining);
+  ASSERT_EQ(state.bindings.size(), 6u);  // logical pages [1, 7): the window, then 4, 5, 6
+  EXPECT_EQ(state.bindings[0].page, cached[0]);
+  EXPECT_EQ(state.reservedPages.size(), 1u);
+  EXPECT_EQ(state.pendingEndpoint, 100);
+  EXPECT_EQ(manager.residentRowState(2), ResidentRowState::kActive);
+  expectRowsMirrorBindings(rig, handle);
+  expectSourceAgrees(source, manager, {&handle});
+  // The founder decodes; the joiner's staged prefill stays as it is.
+  ASSERT_EQ(manager.prepareDecodeStep(handle), SwaKVCacheStatus::kOk);
+  expectContractError([&] { manager.finalizeSequenceAdmission(handle, 1); },
+                      {"finalizeSequenceAdmission", "work is pending"});
+  expectContractError([&] { manager.retractSequenceAdmission(handle); },
+                      {"retractSequenceAdmission", "pending work"});
+  manager.completeDecodeStep(handle);
+  EXPECT_EQ(founder.endpoint, 51);
+  EXPECT_EQ(state.pendingEndpoint, 100);
+  EXPECT_EQ(state.bindings.size(), 6u);
+
+  manager.retractSequenceAdmission(handle);
+  EXPECT_EQ(manager.batchSize(handle), 1);
+  EXPECT_EQ(hostRow(rig.table(), 2), emptyRow(rig.table()));
+  EXPECT_EQ(deviceRow(rig.table(), 2), emptyRow(rig.table()));
+  EXPECT_EQ(manager.residentRowState(2), ResidentRowState::kFree);
+  EXPECT_EQ(source.holders(cached[0]), 0);
+  expectSourceAgrees(source, manager, {&handle});
+  expectContractError([&] { manager.retractSequenceAdmission(handle); },
+                      {"retractSequenceAdmission", "not an unfinalised in-flight admission"});
+
+  ASSERT_EQ(manager.admitSequence(handle, joiner, start), SwaKVCacheStatus::kOk);
+  expectContractError([&] { manager.finalizeSequenceAdmission(handle, 0); },
+                      {"finalizeSequenceAdmission", "row 0 is not an unfinalised"});
+  manager.finalizeSequenceAdmission(handle, 1);
+  SwaSequenceState const& seated = manager.state(handle, 1);
+  EXPECT_FALSE(seated.joining);
+  EXPECT_EQ(seated.endpoint, 100);
+  EXPECT_EQ(seated.bindings.front().logicalPage, 3);  // pages 1 and 2 left the window of 100
+  EXPECT_EQ(seated.heldPages(), manager.decodePagesPerSequence());
+  expectSourceAgrees(source, manager, {&handle});
+  for (int32_t step = 0; step < 30; ++step) {
+    ASSERT_EQ(manager.prepareDecodeStep(handle), SwaKVCacheStatus::kOk) << "step " << step;
+    manager.completeDecodeStep(handle);
+    EXPECT_LE(seated.heldPages(), manager.decodePagesPerSequence());
+    expectSourceAgrees(source, manager, {&handle});
+  }
+  EXPECT_EQ(seated.endpoint, 130);
+  EXPECT_EQ(founder.endpoint, 81);
+  EXPECT_EQ(manager.finish(handle), SwaKVCacheStatus::kOk);
+  EXPECT_EQ(source.totalHolds(), 0);
+  EXPECT_TRUE(source.violations.empty());
+}
+
+TEST_P(BoundedSwaPageSourceTest, AJoinerTheSourceCannotHoldIsRefusedWithNothingChanged) {
+  // 12 pages: the founder keeps M + 1 = 5 once decoding; a 100-token joiner from scratch needs
+  // 7 + 1 private pages, one more than the source has left.
+  TestPageSource source(12);
+  SwaRig rig(cachedConfig(source));
+  BoundedSwaKVPageManager& manager = rig.manager();
+  Handle handle = admitCached(rig, {0}, {{50, 0, {}}});
+  manager.preparePrefill(handle, std::vector<int32_t>{50});
+  manager.completePrefill(handle);
+  std::vector<int32_t> const before = source.snapshot();
+  EXPECT_EQ(manager.admitSequence(handle, residentsFor({1}).front(), {100, 0, {}}),
+            SwaKVCacheStatus::kRequestFailed);
+  EXPECT_EQ(source.snapshot(), before);
+  EXPECT_EQ(manager.batchSize(handle), 1);
+  EXPECT_EQ(manager.residentRowState(1), ResidentRowState::kFree);
+  EXPECT_EQ(manager.admitSequence(handle, residentsFor({1}).front(), {90, 0, {}}),
+            SwaKVCacheStatus::kOk);  // 6 + 1 pages fit
+  EXPECT_EQ(manager.finish(handle), SwaKVCacheStatus::kOk);
+  EXPECT_EQ(source.totalHolds(), 0);
+}
+
 // A retired page that another window still holds frees nothing: the replacement spare may then
 // be missing, and the next step that needs a page tries again (kRequestFailed when the source
 // still has none).
