@@ -72,6 +72,10 @@ class SlidingReuseRequest {
   /// Grows the full layers' pages and maps the next window page (headroom {1, 0} only).
   bool prepareDecodeStep(DecodingInferenceContext const& context,
                          DecodingKvHeadroom const& headroom);
+  /// Completes the full layers' step (a row that completes publishes its generated blocks under
+  /// kIncludingGeneratedTokens), publishes the complete blocks of each completing row's final
+  /// window past its prompt (what a follow-up turn reading prompt + reply needs before its hit
+  /// point), then the SWA half's step (retirement).
   bool completeDecodeStep(DecodingInferenceContext const& context,
                           std::vector<int32_t> const& commonStateLengths);
   bool beginBatchCompaction(std::vector<int32_t> const& oldToNew, int32_t newBatchSize,
@@ -112,9 +116,13 @@ class SlidingReuseRequest {
 
  private:
   SlidingReuseRequest(ContextCacheRequest full, BoundedSwaKVPageManager& manager,
-                      BoundedSwaKVPageManager::RequestHandle handle, std::vector<int32_t> prompts);
+                      BoundedSwaKVPageManager::RequestHandle handle, std::vector<int32_t> prompts,
+                      ContextCacheCommitPolicy commitPolicy);
   /// Publishes the sliding pages of row `row`'s complete prompt blocks it executed.
   void publishWindowBlocks(std::size_t row);
+  /// Publishes the sliding pages of row `row`'s complete blocks past its prompt that are still
+  /// mapped (its window after the step being completed, and the page leaving it).
+  void publishGeneratedWindow(std::size_t row);
   bool swaStatus(SwaKVCacheStatus status, char const* operation) const;
 
   ContextCacheRequest mFull;
@@ -124,6 +132,7 @@ class SlidingReuseRequest {
   std::vector<int32_t> mSwaLengths;    ///< scratch of prepareSwaPrefill
   std::vector<PageId> mBlockPages;     ///< scratch of publishWindowBlocks
   std::vector<int32_t> mPendingMapping;
+  ContextCacheCommitPolicy mCommitPolicy;
 };
 
 }  // namespace mkv

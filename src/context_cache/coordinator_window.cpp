@@ -1,6 +1,6 @@
 // ContextCacheCoordinator: the composed backend's sliding pool (resources.windowCache). The
 // window rule itself is applied by every vanilla lookup of the manager (makeWindowedReusePlan);
-// here the sliding pages of a row's prompt blocks are published and the cached window before a
+// here the sliding pages of a row's committed blocks are published and the cached window before a
 // row's prefill start is found (docs/context_cache.md, "Window rule").
 
 #include <algorithm>
@@ -53,11 +53,13 @@ int32_t ContextCacheCoordinator::publishWindowBlocks(RequestHandle const& handle
                   sequence.joined,
               kCall, "row {} of request {} has not completed its prefill", row, req.id);
   int32_t const page = mManager->pageSize();
-  int32_t const promptBlocks = sequence.promptLength / page;
+  // The full layers publish generated blocks under the same policy (publishCompleted).
+  bool const generated = req.commitPolicy == ContextCacheCommitPolicy::kIncludingGeneratedTokens;
+  int32_t const fullBlocks = (generated ? sequence.committed : sequence.promptLength) / page;
   auto const count = static_cast<int64_t>(pages.size());
-  MKV_REQUIRE(firstBlock >= 0 && firstBlock + count <= promptBlocks, kCall,
-              "blocks [{}, {}) are not full blocks of row {}'s prompt ({} full blocks)", firstBlock,
-              firstBlock + count, row, promptBlocks);
+  MKV_REQUIRE(firstBlock >= 0 && firstBlock + count <= fullBlocks, kCall,
+              "blocks [{}, {}) are not full blocks of row {}'s {} ({} full blocks)", firstBlock,
+              firstBlock + count, row, generated ? "committed tokens" : "prompt", fullBlocks);
   if (sequence.policy == ContextCacheLookupPolicy::kBypass) {
     checkWindowPages(kCall, window, nullptr, firstBlock, pages);
     return 0;

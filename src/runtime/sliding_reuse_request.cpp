@@ -44,11 +44,13 @@ std::vector<SwaReuseStart> swaStarts(ContextCacheCoordinator const& coordinator,
 
 SlidingReuseRequest::SlidingReuseRequest(ContextCacheRequest full, BoundedSwaKVPageManager& manager,
                                          BoundedSwaKVPageManager::RequestHandle handle,
-                                         std::vector<int32_t> prompts)
+                                         std::vector<int32_t> prompts,
+                                         ContextCacheCommitPolicy commitPolicy)
     : mFull(std::move(full)),
       mManager(&manager),
       mHandle(std::move(handle)),
-      mPromptTokens(std::move(prompts)) {}
+      mPromptTokens(std::move(prompts)),
+      mCommitPolicy(commitPolicy) {}
 
 std::optional<SlidingReuseRequest> SlidingReuseRequest::begin(
     ContextCacheCoordinator& coordinator, BoundedSwaKVPageManager& manager,
@@ -79,7 +81,7 @@ std::optional<SlidingReuseRequest> SlidingReuseRequest::begin(
     return std::nullopt;  // `full` is abandoned: its leases go back unpublished
   }
   return SlidingReuseRequest(std::move(*full), manager, std::move(*begun.request),
-                             std::move(prompts));
+                             std::move(prompts), commitPolicy);
 }
 
 bool SlidingReuseRequest::swaStatus(SwaKVCacheStatus status, char const* operation) const {
@@ -128,6 +130,36 @@ void SlidingReuseRequest::publishWindowBlocks(std::size_t row) {
                                           firstBlock, mBlockPages);
 }
 
+void SlidingReuseRequest::publishGeneratedWindow(std::size_t row) {
+  int32_t const pageSize = mManager->tokensPerPage();
+  SwaSequenceState const& state = mManager->state(mHandle, static_cast<int32_t>(row));
+  // Tokens whose sliding KV exists once the step completes: the coordinator's committed count.
+  int32_t const endBlock = state.pendingEndpoint.value_or(state.endpoint) / pageSize;
+  int32_t const promptBlocks = mPromptTokens[row] / pageSize;
+  int32_t firstBlock = -1;
+  mBlockPages.clear();
+  auto const take = [&](SwaPageBinding const& binding) {
+    if (binding.logicalPage >= promptBlocks && binding.logicalPage < endBlock) {
+      firstBlock = firstBlock < 0 ? binding.logicalPage : firstBlock;
+      mBlockPages.push_back(binding.page);
+    }
+  };
+  for (SwaPageBinding const& binding : state.pendingRetire) {  // left the window this step
+    take(binding);
+  }
+  for (SwaPageBinding const& binding : state.bindings) {
+    take(binding);
+  }
+  if (mBlockPages.empty()) {
+    return;
+  }
+  MKV_ASSERT(static_cast<int32_t>(mBlockPages.size()) == endBlock - firstBlock,
+             "row {}: {} sliding pages mapped for blocks [{}, {})", row, mBlockPages.size(),
+             firstBlock, endBlock);
+  mFull.coordinator().publishWindowBlocks(mFull.handle(), static_cast<ExecutionRow>(row),
+                                          firstBlock, mBlockPages);
+}
+
 bool SlidingReuseRequest::completePrefill(DecodingInferenceContext const& context,
                                           std::vector<int32_t> const& commonStateLengths) {
   // The coordinator publishes the full layers' blocks and marks the prefill complete; then the
@@ -156,6 +188,17 @@ bool SlidingReuseRequest::prepareDecodeStep(DecodingInferenceContext const& cont
 bool SlidingReuseRequest::completeDecodeStep(DecodingInferenceContext const& context,
                                              std::vector<int32_t> const& commonStateLengths) {
   bool const fullOk = mFull.completeDecodeStep(context, commonStateLengths);
+  if (fullOk && mCommitPolicy == ContextCacheCommitPolicy::kIncludingGeneratedTokens) {
+    // The rows the full half just published (ContextCacheRequest: a normal completion).
+    for (std::size_t row = 0; row < context.finishReasons.size(); ++row) {
+      FinishReason const reason = context.finishReasons[row];
+      if (reason != FinishReason::kNotFinished && reason != FinishReason::kCancelled &&
+          reason != FinishReason::kError &&
+          !mManager->state(mHandle, static_cast<int32_t>(row)).joining) {
+        publishGeneratedWindow(row);
+      }
+    }
+  }
   mManager->completeDecodeStep(mHandle);
   return fullOk;
 }

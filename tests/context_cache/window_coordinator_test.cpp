@@ -246,6 +246,47 @@ TEST_F(WindowCoordinatorTest, PublishWindowBlocksContracts) {
   }
 }
 
+/// Decode steps of row 0 past its prompt: `steps` tokens committed, one per step.
+void decodeSteps(ContextCacheCoordinator& coordinator,
+                 ContextCacheCoordinator::RequestHandle& handle, int32_t committed, int32_t steps) {
+  for (int32_t step = 0; step < steps; ++step) {
+    ASSERT_EQ(coordinator.prepareDecodeStep(handle, test::kVanilla), ContextCacheStatus::kOk);
+    int32_t const token = 100 + step;
+    ContextCacheSequenceAdvance const advance{&token, 1, committed + step + 1};
+    ASSERT_EQ(coordinator.completeDecodeStep(handle, {&advance, 1}, {}, {}),
+              ContextCacheStatus::kOk);
+  }
+}
+
+TEST_F(WindowCoordinatorTest, GeneratedBlocksArePublishedUnderTheRequestsCommitPolicy) {
+  constexpr char const* kCall = "ContextCacheCoordinator::publishWindowBlocks";
+  for (ContextCacheCommitPolicy policy : {ContextCacheCommitPolicy::kIncludingGeneratedTokens,
+                                          ContextCacheCommitPolicy::kPrefillStateOnly}) {
+    SCOPED_TRACE(static_cast<int>(policy));
+    ContextCacheBatchAdmission batch;
+    batch.sequences.push_back(admissionOf(mPrompt, 0));
+    batch.commitPolicy = policy;
+    auto result = mCoordinator.beginRequest(batch, test::kVanilla, nullptr);
+    ASSERT_EQ(result.status, ContextCacheStatus::kOk);
+    Handle handle = std::move(result.admission->request);
+    prefill(handle, mPrompt);  // 97 tokens committed: 6 full blocks
+    ASSERT_NO_FATAL_FAILURE(decodeSteps(mCoordinator, handle, 6 * kPage + 1, kPage));
+    // 113 tokens committed: block 6 (the prompt's last token and 15 generated ones) is full.
+    std::vector<PageId> page;
+    ASSERT_TRUE(mWindow.allocate(1, page));
+    if (policy == ContextCacheCommitPolicy::kIncludingGeneratedTokens) {
+      EXPECT_EQ(mCoordinator.publishWindowBlocks(handle, 0, 6, page), 1);
+      EXPECT_TRUE(throwsError([&] { mCoordinator.publishWindowBlocks(handle, 0, 7, page); },
+                              {kCall, "blocks [7, 8)", "committed tokens (7 full blocks)"}));
+    } else {
+      EXPECT_TRUE(throwsError([&] { mCoordinator.publishWindowBlocks(handle, 0, 6, page); },
+                              {kCall, "blocks [6, 7)", "prompt (6 full blocks)"}));
+    }
+    EXPECT_EQ(mCoordinator.finish(handle), ContextCacheStatus::kOk);
+    mWindow.release(page[0]);
+  }
+}
+
 TEST_F(WindowCoordinatorTest, ABypassRowPublishesNothing) {
   int32_t start = -1;
   Handle handle = admit(mPrompt, 0, start, ContextCacheLookupPolicy::kBypass);

@@ -187,6 +187,26 @@ TEST_P(SlidingReuseTest, ADecodingSequenceHoldsAtMostMPlusOneSlidingPages) {
   expectNothingHeld(*runtime);
 }
 
+TEST_P(SlidingReuseTest, AFollowUpTurnReusesThePreviousReplyWithTheWindowBeforeIt) {
+  auto runtime = KVCacheRuntime::create(slidingConfig(device()));
+  ReferenceEngine engine(*runtime);  // verify kAll, throws on the first oracle mismatch
+  std::vector<int32_t> const first = tokenRun(150, 0);
+  auto const outcome = engine.run(single(first, 60));
+  ASSERT_TRUE(outcome.admitted);
+  ASSERT_EQ(outcome.sequences.at(0).reason, FinishReason::kLength);
+  std::vector<int32_t> const& reply = outcome.sequences[0].generated;
+  ASSERT_EQ(reply.size(), 60u);
+  // 150 + 59 tokens have KV (the last sampled one does not): 13 full blocks. The full layers
+  // published them at the row's completion, and the sliding pages of its final window (blocks
+  // 9..12, all past the prompt's 9 full blocks) were published beside them.
+  std::vector<int32_t> const followUp =
+      concatenated(concatenated(first, reply), tokenRun(30, 9000));
+  EXPECT_EQ(runOnce(engine, single(followUp)), 13 * kPage);
+  EXPECT_EQ(runtime->contextCache()->metrics().missCount(MissReason::kWindowEvicted), 0u);
+  EXPECT_EQ(engine.stats().oracleMismatches, 0);
+  expectNothingHeld(*runtime);
+}
+
 TEST_P(SlidingReuseTest, InFlightJoinersStartFromTheirCachedWindowAndPublishTheirOwn) {
   auto runtime = KVCacheRuntime::create(slidingConfig(device()));
   ReferenceEngine engine(*runtime);  // verify kAll, throws on the first oracle mismatch

@@ -388,13 +388,16 @@ class ContextCacheCoordinator {
                                       Tensor& baseHiddenStates, int32_t destinationRow);
 
   /// Composed backend (resources.windowCache set): publishes blocks [firstBlock, firstBlock +
-  /// pages.size()) of row `row`'s prompt, block firstBlock + i on the sliding page `pages[i]`
-  /// (held by the caller, its sliding-layer KV complete), through WindowBlockCache::publish.
+  /// pages.size()) of row `row`'s committed tokens, block firstBlock + i on the sliding page
+  /// `pages[i]` (held by the caller, its sliding-layer KV complete), through
+  /// WindowBlockCache::publish. Blocks past the prompt (generated tokens) only under
+  /// ContextCacheCommitPolicy::kIncludingGeneratedTokens, as the full layers' own publication.
   /// Returns how many are now cached on the given pages (first committer wins: a block already
   /// cached on another page is not counted). A bypass row publishes nothing and returns 0.
   /// Throws, changing nothing, for an invalid handle, a row outside the batch or before its
   /// prefill completed (finalizePrefillPublication, or finalizeSequenceAdmission for a joiner),
-  /// no window cache, blocks that are not full blocks of the prompt, a page twice, or a page
+  /// no window cache, blocks that are not full blocks of the committed tokens (of the prompt
+  /// under kPrefillStateOnly), a page twice, or a page
   /// the cache refuses (out of range, not held, caching another block). Out of host memory, the
   /// blocks published before stay published.
   int32_t publishWindowBlocks(RequestHandle const& handle, ExecutionRow row, int32_t firstBlock,
