@@ -15,6 +15,7 @@
 #include "context_cache/coordinator_paged_rows.h"
 #include "context_cache/coordinator_request.h"
 #include "context_cache/coordinator_validation.h"
+#include "context_cache/window_block_cache.h"
 #include "core/check.h"
 #include "core/device.h"
 #include "mkv/host_kv_tier.h"
@@ -718,6 +719,9 @@ std::string ContextCacheCoordinator::toPrometheus(std::string_view prefix) const
           mCounters.hybridMtpPublications);
   counter("coordinator_boundary_hidden_restores", "Boundary hidden rows restored (Hybrid-MTP).",
           mCounters.boundaryHiddenRestores);
+  if (mResources.windowCache != nullptr) {
+    text += mResources.windowCache->toPrometheus(prefix);
+  }
   return text;
 }
 

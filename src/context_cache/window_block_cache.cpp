@@ -10,6 +10,7 @@
 #include <utility>
 
 #include "core/check.h"
+#include "core/prometheus_text.h"
 #include "mkv/logging.h"
 
 namespace mkv {
@@ -128,7 +129,26 @@ bool WindowBlockCache::publish(PageId page, PromptBlocks const& blocks, int32_t 
     return false;  // first committer wins
   }
   mIndex.insert(digest, page, blocks, block);  // strong guarantee
+  ++mPublishedBlocks;
   return true;
+}
+
+std::string WindowBlockCache::toPrometheus(std::string_view prefix) const {
+  detail::PrometheusWriter w("WindowBlockCache::toPrometheus", prefix);
+  w.gauge("sliding_pool_pages", "Pages of the sliding-window layers' pool.", totalPages());
+  w.gauge("sliding_pool_free_pages", "Sliding pages neither held nor caching a block.",
+          freePages());
+  w.gauge("sliding_pool_held_pages", "Sliding pages held by running windows.", heldPages());
+  w.gauge("sliding_window_cached_blocks", "Blocks whose sliding KV is cached (held or not).",
+          cachedBlocks());
+  w.gauge("sliding_window_read_blocks",
+          "Cached blocks nobody holds that a hit's window has read (dropped last).",
+          evictableReadPages());
+  w.counter("sliding_window_published_blocks_total", "Blocks whose sliding KV was published.",
+            mPublishedBlocks);
+  w.counter("sliding_window_dropped_blocks_total",
+            "Cached sliding blocks dropped to free their page.", mDroppedBlocks);
+  return w.take();
 }
 
 int32_t WindowBlockCache::clear() noexcept {

@@ -8,6 +8,8 @@
 /// Thread-safety: single writer (the engine thread).
 
 #include <cstdint>
+#include <string>
+#include <string_view>
 #include <vector>
 
 #include "context_cache/block_hash.h"
@@ -68,6 +70,12 @@ class WindowBlockCache final : public SwaPageSource {
   void recordDroppedDigests(bool record) noexcept { mRecordDropped = record; }
   /// Blocks dropped since construction (by allocate and clear), recorded or not.
   int64_t droppedBlocks() const noexcept { return mDroppedBlocks; }
+  /// Blocks newly indexed by publish since construction.
+  int64_t publishedBlocks() const noexcept { return mPublishedBlocks; }
+  /// The sliding pool in the Prometheus text format, names starting `prefix` + "sliding_":
+  /// gauges of its pages (total, free, held), cached blocks and the read tier, counters of
+  /// published and dropped blocks. Throws for a prefix that is not a metric-name prefix.
+  std::string toPrometheus(std::string_view prefix) const;
 
   // SwaPageSource.
   int32_t totalPages() const noexcept override { return mIndex.pageCapacity(); }
@@ -113,6 +121,7 @@ class WindowBlockCache final : public SwaPageSource {
   std::vector<Hash128> mDropped;
   bool mRecordDropped = false;
   int64_t mDroppedBlocks = 0;
+  int64_t mPublishedBlocks = 0;
 };
 
 }  // namespace mkv

@@ -287,6 +287,19 @@ TEST_F(WindowCoordinatorTest, GeneratedBlocksArePublishedUnderTheRequestsCommitP
   }
 }
 
+TEST_F(WindowCoordinatorTest, ThePrometheusTextCarriesTheSlidingPool) {
+  publishPrompt({5, 4, 3, 2, 1, 0});
+  std::string const text = mCoordinator.toPrometheus("engine_");
+  for (std::string const line :
+       {"engine_sliding_pool_pages 16\n", "engine_sliding_pool_free_pages 10\n",
+        "engine_sliding_pool_held_pages 0\n", "engine_sliding_window_cached_blocks 6\n",
+        "engine_sliding_window_read_blocks 0\n", "engine_sliding_window_published_blocks_total 6\n",
+        "engine_sliding_window_dropped_blocks_total 0\n",
+        "# TYPE engine_sliding_window_dropped_blocks_total counter\n"}) {
+    EXPECT_NE(text.find(line), std::string::npos) << line << text;
+  }
+}
+
 TEST_F(WindowCoordinatorTest, ABypassRowPublishesNothing) {
   int32_t start = -1;
   Handle handle = admit(mPrompt, 0, start, ContextCacheLookupPolicy::kBypass);
