@@ -317,8 +317,10 @@ else
   # The host tier: a 40-page GPU pool (640 MiB) that evicts, and 300 pages (4.7 GiB) of pinned
   # host memory that keep what it evicts; the lookups onboard them back.
   replay_case embedded_host_tier --pool-pages 40 --host-pool-tokens 38400 --eviction lru
-  # Sliding-window reuse: the 32 layers sliding (W = 1024) beside 4 full ones, 6 GiB of KV split
-  # 70 / 30 between the sliding pool (16 MiB pages) and the full pool (2 MiB pages).
+
+  # Sliding-window reuse: the 32 layers sliding (W = 512) beside 4 full ones, 6 GiB of KV split
+  # 70 / 30 between the sliding pool (16 MiB pages) and the full pool (2 MiB pages); joins in
+  # flight at batch 4.
   replay_case embedded_sliding_reuse --window 512 --full-layers 4 --max-batch 4 --kv-budget-bytes 6442450944
   # An EAGLE deployment: paired base + draft reuse, the draft's KV checked by its own oracle.
   replay_case embedded_eagle --pool-tokens 32768 --speculative eagle --draft-layers 1
