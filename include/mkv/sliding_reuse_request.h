@@ -118,10 +118,14 @@ class SlidingReuseRequest {
   SlidingReuseRequest(ContextCacheRequest full, BoundedSwaKVPageManager& manager,
                       BoundedSwaKVPageManager::RequestHandle handle, std::vector<int32_t> prompts,
                       ContextCacheCommitPolicy commitPolicy);
-  /// Publishes the sliding pages of row `row`'s complete prompt blocks it executed.
-  void publishWindowBlocks(std::size_t row);
-  /// Publishes the sliding pages of row `row`'s complete blocks past its prompt that are still
-  /// mapped (its window after the step being completed, and the page leaving it).
+  /// Publishes the sliding pages row `row` still maps for blocks [firstBlock, endBlock) (pages
+  /// leaving the window included), which must be a contiguous tail of the range; returns the
+  /// first block published (endBlock when none is mapped).
+  int32_t publishMappedBlocks(std::size_t row, int32_t firstBlock, int32_t endBlock);
+  /// The complete prompt blocks row `row`'s prefill executed (all of them still mapped).
+  void publishPromptBlocks(std::size_t row);
+  /// Row `row`'s complete blocks past its prompt that are still mapped (its window after the
+  /// step being completed, and the page leaving it).
   void publishGeneratedWindow(std::size_t row);
   bool swaStatus(SwaKVCacheStatus status, char const* operation) const;
 
@@ -130,7 +134,7 @@ class SlidingReuseRequest {
   BoundedSwaKVPageManager::RequestHandle mHandle;
   std::vector<int32_t> mPromptTokens;  ///< per execution row, compacted with the batch
   std::vector<int32_t> mSwaLengths;    ///< scratch of prepareSwaPrefill
-  std::vector<PageId> mBlockPages;     ///< scratch of publishWindowBlocks
+  std::vector<PageId> mBlockPages;     ///< scratch of publishMappedBlocks
   std::vector<int32_t> mPendingMapping;
   ContextCacheCommitPolicy mCommitPolicy;
 };

@@ -2,6 +2,7 @@
 
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
 #include <utility>
 
 #include "core/check.h"
@@ -112,22 +113,40 @@ bool SlidingReuseRequest::prepareSwaPrefill(std::vector<int32_t> const& effectiv
   return true;
 }
 
-void SlidingReuseRequest::publishWindowBlocks(std::size_t row) {
-  int32_t const pageSize = mManager->tokensPerPage();
-  int32_t const firstBlock = mFull.prefillStarts()[row] / pageSize;
-  int32_t const endBlock = mPromptTokens[row] / pageSize;  // complete prompt blocks only
+int32_t SlidingReuseRequest::publishMappedBlocks(std::size_t row, int32_t firstBlock,
+                                                 int32_t endBlock) {
+  SwaSequenceState const& state = mManager->state(mHandle, static_cast<int32_t>(row));
+  int32_t mappedFrom = endBlock;
   mBlockPages.clear();
-  for (SwaPageBinding const& binding :
-       mManager->state(mHandle, static_cast<int32_t>(row)).bindings) {
+  auto const take = [&](SwaPageBinding const& binding) {
     if (binding.logicalPage >= firstBlock && binding.logicalPage < endBlock) {
+      mappedFrom = std::min(mappedFrom, binding.logicalPage);
       mBlockPages.push_back(binding.page);
     }
+  };
+  for (SwaPageBinding const& binding : state.pendingRetire) {  // leaving the window now
+    take(binding);
   }
-  MKV_ASSERT(mBlockPages.size() == static_cast<std::size_t>(std::max(0, endBlock - firstBlock)),
-             "row {}: {} sliding pages mapped for prompt blocks [{}, {})", row, mBlockPages.size(),
-             firstBlock, endBlock);
-  mFull.coordinator().publishWindowBlocks(mFull.handle(), static_cast<ExecutionRow>(row),
-                                          firstBlock, mBlockPages);
+  for (SwaPageBinding const& binding : state.bindings) {
+    take(binding);
+  }
+  MKV_ASSERT(static_cast<int32_t>(mBlockPages.size()) == endBlock - mappedFrom,
+             "row {}: {} sliding pages mapped for blocks [{}, {})", row, mBlockPages.size(),
+             mappedFrom, endBlock);
+  if (!mBlockPages.empty()) {
+    mFull.coordinator().publishWindowBlocks(mFull.handle(), static_cast<ExecutionRow>(row),
+                                            mappedFrom, mBlockPages);
+  }
+  return mappedFrom;
+}
+
+void SlidingReuseRequest::publishPromptBlocks(std::size_t row) {
+  int32_t const pageSize = mManager->tokensPerPage();
+  int32_t const startBlock = mFull.prefillStarts()[row] / pageSize;
+  // Every complete prompt block the prefill executed is still mapped.
+  int32_t const mappedFrom = publishMappedBlocks(row, startBlock, mPromptTokens[row] / pageSize);
+  MKV_ASSERT(mappedFrom == startBlock, "row {}: prompt blocks from {} mapped, not from {}", row,
+             mappedFrom, startBlock);
 }
 
 void SlidingReuseRequest::publishGeneratedWindow(std::size_t row) {
@@ -135,29 +154,7 @@ void SlidingReuseRequest::publishGeneratedWindow(std::size_t row) {
   SwaSequenceState const& state = mManager->state(mHandle, static_cast<int32_t>(row));
   // Tokens whose sliding KV exists once the step completes: the coordinator's committed count.
   int32_t const endBlock = state.pendingEndpoint.value_or(state.endpoint) / pageSize;
-  int32_t const promptBlocks = mPromptTokens[row] / pageSize;
-  int32_t firstBlock = -1;
-  mBlockPages.clear();
-  auto const take = [&](SwaPageBinding const& binding) {
-    if (binding.logicalPage >= promptBlocks && binding.logicalPage < endBlock) {
-      firstBlock = firstBlock < 0 ? binding.logicalPage : firstBlock;
-      mBlockPages.push_back(binding.page);
-    }
-  };
-  for (SwaPageBinding const& binding : state.pendingRetire) {  // left the window this step
-    take(binding);
-  }
-  for (SwaPageBinding const& binding : state.bindings) {
-    take(binding);
-  }
-  if (mBlockPages.empty()) {
-    return;
-  }
-  MKV_ASSERT(static_cast<int32_t>(mBlockPages.size()) == endBlock - firstBlock,
-             "row {}: {} sliding pages mapped for blocks [{}, {})", row, mBlockPages.size(),
-             firstBlock, endBlock);
-  mFull.coordinator().publishWindowBlocks(mFull.handle(), static_cast<ExecutionRow>(row),
-                                          firstBlock, mBlockPages);
+  (void)publishMappedBlocks(row, mPromptTokens[row] / pageSize, endBlock);
 }
 
 bool SlidingReuseRequest::completePrefill(DecodingInferenceContext const& context,
@@ -168,7 +165,7 @@ bool SlidingReuseRequest::completePrefill(DecodingInferenceContext const& contex
   bool const fullOk = mFull.completePrefill(context, commonStateLengths);
   if (fullOk) {
     for (std::size_t row = 0; row < mPromptTokens.size(); ++row) {
-      publishWindowBlocks(row);
+      publishPromptBlocks(row);
     }
   }
   mManager->completePrefill(mHandle);
@@ -287,7 +284,7 @@ bool SlidingReuseRequest::finalizeSequenceAdmission(ExecutionRow row, int32_t co
   if (!mFull.finalizeSequenceAdmission(row, lookaheadToken, fullInputLength)) {
     return false;  // poisoned; finish releases the SWA half's joiner
   }
-  publishWindowBlocks(static_cast<std::size_t>(row));
+  publishPromptBlocks(static_cast<std::size_t>(row));
   mManager->finalizeSequenceAdmission(mHandle, row);
   return true;
 }
