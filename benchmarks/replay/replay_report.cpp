@@ -493,6 +493,9 @@ std::string formatJson(ReplayResult const& r) {
     json["kv_events"] = {{"batches_published", events->batchesPublished()},
                          {"batches_dropped", events->batchesDropped()},
                          {"indexed_block_hashes", r.indexedBlockHashes}};
+    if (r.backend == KVCacheBackend::kSlidingWindowReuse) {
+      json["kv_events"]["indexed_window_block_hashes"] = r.indexedWindowBlockHashes;
+    }
   }
   if (c.speculative != SpeculativeKind::kNone) {
     json["speculative"] = speculativeJson(r);

@@ -474,8 +474,9 @@ class Runner {
       // Events of one step: each running sequence stores at most its `width` blocks; evictions
       // remove the blocks of pages freed for the step's admissions (at most a batch of
       // sequences, plus the rest of the last record evicted) and of pages still leased.
-      // A host tier adds a store on the host for each removal, and the host tier's own drops.
-      int64_t const perPage = c.hostPoolTokens > 0 ? 3 : 1;
+      // A host tier adds a store on the host for each removal, and the host tier's own drops;
+      // sliding-window reuse the same stores and drops again in its sliding pool (group 1).
+      int64_t const perPage = c.hostPoolTokens > 0 ? 3 : (c.slidingReuse ? 2 : 1);
       rc.contextCache.eventQueueCapacity = static_cast<int32_t>(
           std::min<int64_t>({std::numeric_limits<int32_t>::max() / 4, 2 * perPage * pages,
                              4 * perPage * int64_t{batch} * width}) +
@@ -902,6 +903,15 @@ class Runner {
           }
         }
         std::sort(r.indexedBlockHashes.begin(), r.indexedBlockHashes.end());
+        if (WindowBlockCache const* window = coordinator->windowCache()) {
+          BlockIndex const& windows = window->index();
+          for (PageId page = 0; page < windows.pageCapacity(); ++page) {
+            if (std::optional<Hash128> const digest = windows.digestOf(page)) {
+              r.indexedWindowBlockHashes.push_back(digest->lo);
+            }
+          }
+          std::sort(r.indexedWindowBlockHashes.begin(), r.indexedWindowBlockHashes.end());
+        }
       }
     }
     if (BoundedSwaKVPageManager const* swa = mRuntime->swaPageManager()) {

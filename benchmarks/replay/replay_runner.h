@@ -215,6 +215,8 @@ struct ReplayResult {
   /// With ReplayConfig::kvEvents: the low 64 bits of every block the cache's index holds at the
   /// end of the replay (what a subscriber rebuilds from the events), ascending.
   std::vector<uint64_t> indexedBlockHashes;
+  /// The same for the sliding pool's window cache (the composed backend's group 1), ascending.
+  std::vector<uint64_t> indexedWindowBlockHashes;
   int64_t droppedEvents = 0;  ///< events the full in-process queue overwrote before publication
 
   // Speculative decoding (ReplayConfig::speculative); 0 otherwise.

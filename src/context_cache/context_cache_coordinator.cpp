@@ -92,10 +92,22 @@ ContextCacheCoordinator::ContextCacheCoordinator(ContextCacheConfig const& confi
   }
   mResidentBusy.assign(static_cast<std::size_t>(mMaxBatch), 0);
   mMappingUploads = std::make_unique<detail::Int32UploadRegions>(mMaxBatch, mMaxBatch, mDevice);
+  if (resources.windowCache != nullptr && config.eventQueueCapacity > 0) {
+    // The sliding pool's blocks are group 1 of the same event stream (docs/context_cache.md,
+    // "KV events on the wire").
+    resources.windowCache->announceTo(
+        &mManager->eventQueue(),
+        KvCacheGroup{1, KvCacheSpecKind::kSlidingWindow, resources.windowCache->windowTokens()});
+  }
 }
 
 // The registry's destructor terminates when requests are still active or quarantined.
-ContextCacheCoordinator::~ContextCacheCoordinator() = default;
+ContextCacheCoordinator::~ContextCacheCoordinator() {
+  WindowBlockCache* const window = mResources.windowCache;
+  if (window != nullptr && window->announcedTo() == &mManager->eventQueue()) {
+    window->announceTo(nullptr, {});  // the queue dies with the manager
+  }
+}
 
 // ---------------------------------------------------------------- request registry
 
@@ -659,7 +671,15 @@ bool ContextCacheCoordinator::resetPrefixCache() noexcept {
   if (poisoned() || !mRequests->active().empty() || !mRequests->quarantined().empty()) {
     return false;
   }
-  return mManager->resetPrefixCache();
+  if (!mManager->resetPrefixCache()) {
+    return false;
+  }
+  if (mResources.windowCache != nullptr) {
+    // Its AllBlocksCleared covers the sliding pool too; no window may outlive the reset (a
+    // reset after new weights must not let a hit read the old sliding KV).
+    mResources.windowCache->clear();
+  }
+  return true;
 }
 
 // ---------------------------------------------------------------- observability

@@ -613,7 +613,7 @@ int32_t ContextCacheManager::dropRecord(RecordId id, bool announce) noexcept {
     if (resource.type == ResourceType::kBaseKvPage && mPools.cacheRefs(resource) == 0) {
       if (std::optional<Hash128> const digest = mIndex.digestOf(resource.index)) {
         if (announce) {
-          mEvents.push(BlockRemoved{*digest, resource.index});
+          mEvents.push(BlockRemoved{*digest, resource.index, KvMedium::kGpu, eventGroup()});
           offloadEvicted(resource.index, *digest);  // reads the entry: before it is erased
         }
         mIndex.erasePage(resource.index);
@@ -625,6 +625,13 @@ int32_t ContextCacheManager::dropRecord(RecordId id, bool announce) noexcept {
   });
   mRecords.evict(id);  // the policy learns of it (S3-FIFO's ghost)
   return 1;
+}
+
+KvCacheGroup ContextCacheManager::eventGroup() const noexcept {
+  if (mOptions.windowCache == nullptr) {
+    return {};
+  }
+  return KvCacheGroup{0, KvCacheSpecKind::kFullAttention, 0};
 }
 
 bool ContextCacheManager::resetPrefixCache() noexcept {

@@ -246,6 +246,12 @@ class ContextCacheManager {
 
   /// All queued KV events, oldest first (see KvEventQueue).
   std::vector<KvEvent> drainEvents() { return mEvents.drain(); }
+  /// The queue drainEvents() empties, for the composed backend's sliding pool to announce its
+  /// blocks into (WindowBlockCache::announceTo), so both groups' events keep one order.
+  KvEventQueue& eventQueue() noexcept { return mEvents; }
+  /// The group this manager's block events carry: full attention (group 0) when it serves the
+  /// composed backend (options.windowCache set), otherwise unspecified.
+  KvCacheGroup eventGroup() const noexcept;
   /// Counters plus current occupancy.
   ContextCacheMetrics metrics() const;
   ResourcePools const& pools() const noexcept { return mPools; }

@@ -165,7 +165,9 @@ PublishResult ContextCacheManager::commitNewRecord(CacheRecord record,
                                    projection.canonical[block],
                                    mPageSize,
                                    {},
-                                   blocks.extrasDigest(b)},
+                                   blocks.extrasDigest(b),
+                                   KvMedium::kGpu,
+                                   eventGroup()},
                        blocks.blockTokens(b));
   }
   enforceRecordLimit();

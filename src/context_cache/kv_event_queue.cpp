@@ -41,6 +41,7 @@ void KvEventQueue::push(KvEvent const& event) noexcept {
     slot.digest = removed->digest;
     slot.page = removed->page;
     slot.medium = removed->medium;
+    slot.group = removed->group;
   } else {
     slot.kind = Kind::kAllCleared;
   }
@@ -60,7 +61,8 @@ void KvEventQueue::pushStored(BlockStored const& event, std::span<int32_t const>
                       event.page,
                       event.tokenCount,
                       keep ? event.tokenCount : 0,
-                      event.medium};
+                      event.medium,
+                      event.group};
   if (keep) {
     std::copy(tokens.begin(), tokens.end(),
               mTokens.begin() + static_cast<std::ptrdiff_t>(index) * mTokensPerBlock);
@@ -75,7 +77,7 @@ std::vector<KvEvent> KvEventQueue::drain() {
     auto const index = static_cast<std::size_t>((mHead + k) % cap);
     Slot const& slot = mRing[index];
     if (slot.kind == Kind::kRemoved) {
-      out.emplace_back(BlockRemoved{slot.digest, slot.page, slot.medium});
+      out.emplace_back(BlockRemoved{slot.digest, slot.page, slot.medium, slot.group});
       continue;
     }
     if (slot.kind == Kind::kAllCleared) {
@@ -85,7 +87,7 @@ std::vector<KvEvent> KvEventQueue::drain() {
     auto const first = mTokens.begin() + static_cast<std::ptrdiff_t>(index) * mTokensPerBlock;
     out.emplace_back(BlockStored{slot.digest, slot.parent, slot.page, slot.tokenCount,
                                  std::vector<int32_t>(first, first + slot.keptTokens), slot.extras,
-                                 slot.medium});
+                                 slot.medium, slot.group});
   }
   mHead = 0;
   mSize = 0;

@@ -51,6 +51,7 @@ class KvEventQueue {
     int32_t tokenCount = 0;
     int32_t keptTokens = 0;
     KvMedium medium = KvMedium::kGpu;
+    KvCacheGroup group{};
   };
   /// The slot the next event goes to (overwriting the oldest when full).
   std::size_t claimSlot() noexcept;

@@ -5,9 +5,7 @@
 #include <algorithm>
 #include <exception>
 #include <functional>
-#include <new>
 #include <optional>
-#include <utility>
 
 #include "core/check.h"
 #include "core/prometheus_text.h"
@@ -130,6 +128,17 @@ bool WindowBlockCache::publish(PageId page, PromptBlocks const& blocks, int32_t 
   }
   mIndex.insert(digest, page, blocks, block);  // strong guarantee
   ++mPublishedBlocks;
+  if (mEvents != nullptr) {
+    mEvents->pushStored(BlockStored{digest,
+                                    blocks.parentOf(block),
+                                    page,
+                                    mIndex.pageSize(),
+                                    {},
+                                    blocks.extrasDigest(block),
+                                    KvMedium::kGpu,
+                                    mEventGroup},
+                        blocks.blockTokens(block));
+  }
   return true;
 }
 
@@ -152,26 +161,12 @@ std::string WindowBlockCache::toPrometheus(std::string_view prefix) const {
 }
 
 int32_t WindowBlockCache::clear() noexcept {
-  try {
-    if (mRecordDropped) {
-      mDropped.reserve(mDropped.size() + static_cast<std::size_t>(mIndex.size()));
-    }
-  } catch (std::bad_alloc const&) {
-    // The blocks are dropped all the same; only their digests go unreported (logged below).
-  }
   int32_t cleared = 0;
   for (PageId page = 0; page < totalPages(); ++page) {
-    std::optional<Hash128> const digest = mIndex.digestOf(page);
-    if (!digest) {
+    if (!mIndex.digestOf(page)) {
       continue;
     }
     ++mDroppedBlocks;
-    if (mRecordDropped && mDropped.size() < mDropped.capacity()) {
-      mDropped.push_back(*digest);  // no allocation
-    } else if (mRecordDropped) {
-      logger()->error("WindowBlockCache::clear: no room to record dropped block {}",
-                      toString(*digest));
-    }
     mIndex.erasePage(page, /*rememberEviction=*/false);
     if (mHolders[static_cast<std::size_t>(page)] == 0) {
       unlinkCached(page);
@@ -183,10 +178,6 @@ int32_t WindowBlockCache::clear() noexcept {
   return cleared;
 }
 
-std::vector<Hash128> WindowBlockCache::takeDropped() noexcept {
-  return std::exchange(mDropped, {});
-}
-
 int32_t WindowBlockCache::availablePages() const noexcept { return freePages() + evictablePages(); }
 
 bool WindowBlockCache::allocate(int32_t count, std::vector<PageId>& out) {
@@ -194,11 +185,7 @@ bool WindowBlockCache::allocate(int32_t count, std::vector<PageId>& out) {
   if (count > availablePages()) {
     return false;
   }
-  auto const fromCache = static_cast<std::size_t>(std::max(0, count - freePages()));
   out.reserve(out.size() + static_cast<std::size_t>(count));  // may throw: nothing changed yet
-  if (mRecordDropped && mDropped.capacity() < mDropped.size() + fromCache) {
-    mDropped.reserve(std::max(mDropped.size() + fromCache, 2 * mDropped.capacity()));
-  }
   for (int32_t i = 0; i < count; ++i) {
     PageId page = kNoPage;
     if (!mFree.empty()) {
@@ -208,8 +195,8 @@ bool WindowBlockCache::allocate(int32_t count, std::vector<PageId>& out) {
       unlinkCached(page);
       mWasRead[static_cast<std::size_t>(page)] = 0;
       ++mDroppedBlocks;
-      if (mRecordDropped) {
-        mDropped.push_back(*mIndex.digestOf(page));  // reserved
+      if (mEvents != nullptr) {
+        mEvents->push(BlockRemoved{*mIndex.digestOf(page), page, KvMedium::kGpu, mEventGroup});
       }
       mIndex.erasePage(page, /*rememberEviction=*/false);
     }

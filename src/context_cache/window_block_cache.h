@@ -14,6 +14,7 @@
 
 #include "context_cache/block_hash.h"
 #include "context_cache/block_index.h"
+#include "context_cache/kv_event_queue.h"
 #include "context_cache/slot_list.h"
 #include "mkv/swa_page_source.h"
 #include "mkv/types.h"
@@ -60,15 +61,20 @@ class WindowBlockCache final : public SwaPageSource {
   /// range. Strong exception guarantee.
   bool publish(PageId page, PromptBlocks const& blocks, int32_t block);
   /// Drops every cached block (a cache reset): pages nobody holds become free, held pages stay
-  /// held and unindexed. Returns how many blocks were dropped (their digests are appended to the
-  /// dropped list, see takeDropped).
+  /// held and unindexed. Returns how many blocks were dropped. Announces nothing: the reset that
+  /// calls it sends one AllBlocksCleared for both pools.
   int32_t clear() noexcept;
-  /// The digests of the blocks dropped since the last call (by allocate and clear), oldest
-  /// first, for KV events; the list is then empty. Kept only while recordDroppedDigests(true)
-  /// is set (off by default: a list nobody takes would grow for ever).
-  std::vector<Hash128> takeDropped() noexcept;
-  void recordDroppedDigests(bool record) noexcept { mRecordDropped = record; }
-  /// Blocks dropped since construction (by allocate and clear), recorded or not.
+  /// From now on, queues a KV event tagged `group` into `queue` (not owned; must outlive this
+  /// cache or be replaced first) for every block publish() newly indexes (BlockStored with its
+  /// parent, token ids and extras) and every cached block allocate() drops (BlockRemoved), at the
+  /// moment it happens, so a block dropped and published again within one drain ends stored.
+  /// Null stops the events.
+  void announceTo(KvEventQueue* queue, KvCacheGroup group) noexcept {
+    mEvents = queue;
+    mEventGroup = group;
+  }
+  KvEventQueue const* announcedTo() const noexcept { return mEvents; }
+  /// Blocks dropped since construction (by allocate and clear).
   int64_t droppedBlocks() const noexcept { return mDroppedBlocks; }
   /// Blocks newly indexed by publish since construction.
   int64_t publishedBlocks() const noexcept { return mPublishedBlocks; }
@@ -118,8 +124,8 @@ class WindowBlockCache final : public SwaPageSource {
   std::vector<PageId> mFree;      ///< a min-heap: the lowest free id is handed out first
   std::vector<int32_t> mHolders;
   int32_t mHeldPages = 0;
-  std::vector<Hash128> mDropped;
-  bool mRecordDropped = false;
+  KvEventQueue* mEvents = nullptr;  ///< where publications and drops are announced, or null
+  KvCacheGroup mEventGroup{};
   int64_t mDroppedBlocks = 0;
   int64_t mPublishedBlocks = 0;
 };

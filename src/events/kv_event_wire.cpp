@@ -35,7 +35,8 @@ std::vector<Run> runsOf(std::span<KvEvent const> events) {
       while (run.end < events.size()) {
         auto const* next = std::get_if<BlockStored>(&events[run.end]);
         if (next == nullptr || next->parent != previous->digest ||
-            next->tokenCount != previous->tokenCount || next->medium != previous->medium) {
+            next->tokenCount != previous->tokenCount || next->medium != previous->medium ||
+            next->group != previous->group) {
           break;
         }
         previous = next;
@@ -44,7 +45,7 @@ std::vector<Run> runsOf(std::span<KvEvent const> events) {
     } else if (auto const* removed = std::get_if<BlockRemoved>(&events[i])) {
       while (run.end < events.size()) {
         auto const* next = std::get_if<BlockRemoved>(&events[run.end]);
-        if (next == nullptr || next->medium != removed->medium) {
+        if (next == nullptr || next->medium != removed->medium || next->group != removed->group) {
           break;
         }
         ++run.end;
@@ -73,6 +74,11 @@ void packMedium(Packer& p, KvMedium kind, KvEventPublisherConfig const& config) 
   } else {
     packString(p, medium);
   }
+}
+
+/// vLLM's name of a group's attention kind.
+std::string_view specKindName(KvCacheSpecKind kind) {
+  return kind == KvCacheSpecKind::kSlidingWindow ? "sliding_window" : "full_attention";
 }
 
 /// Writes the map key when the encoding is the tagged map (nothing in the positional one).
@@ -105,12 +111,39 @@ class Fields {
   bool mMap;
 };
 
+/// `extra_keys`: one entry per block, nil or [hex of its extras digest].
+void packExtraKeys(Fields& f, std::span<KvEvent const> run) {
+  f["extra_keys"].pack_array(static_cast<uint32_t>(run.size()));
+  for (KvEvent const& e : run) {
+    Hash128 const h = std::get<BlockStored>(e).extras;
+    if (h.isZero()) {
+      f.elements().pack_nil();
+    } else {
+      f.elements().pack_array(1);
+      packString(f.elements(), toString(h));
+    }
+  }
+}
+
+/// `group_idx`, `kv_cache_spec_kind` and `kv_cache_spec_sliding_window` (nil for full attention).
+void packGroupSpec(Fields& f, KvCacheGroup const& group) {
+  f["group_idx"].pack_int32(group.index);
+  packString(f["kv_cache_spec_kind"], specKindName(group.kind));
+  if (group.kind == KvCacheSpecKind::kSlidingWindow) {
+    f["kv_cache_spec_sliding_window"].pack_int32(group.slidingWindowTokens);
+  } else {
+    f["kv_cache_spec_sliding_window"].pack_nil();
+  }
+}
+
 void packStored(Fields& f, std::span<KvEvent const> run, KvEventPublisherConfig const& config) {
   auto const& first = std::get<BlockStored>(run.front());
   bool const extras = std::any_of(run.begin(), run.end(), [](KvEvent const& e) {
     return !std::get<BlockStored>(e).extras.isZero();
   });
-  f.begin("BlockStored", extras ? 8 : 7);
+  // A grouped event carries every field up to the group's (extra_keys nil when it has none).
+  bool const grouped = first.group.specified();
+  f.begin("BlockStored", grouped ? 11 : (extras ? 8 : 7));
   f["block_hashes"].pack_array(static_cast<uint32_t>(run.size()));
   for (KvEvent const& e : run) {
     f.elements().pack_uint64(std::get<BlockStored>(e).digest.lo);
@@ -135,26 +168,26 @@ void packStored(Fields& f, std::span<KvEvent const> run, KvEventPublisherConfig 
   packMedium(f["medium"], first.medium, config);
   f["lora_name"].pack_nil();
   if (extras) {
-    f["extra_keys"].pack_array(static_cast<uint32_t>(run.size()));
-    for (KvEvent const& e : run) {
-      Hash128 const h = std::get<BlockStored>(e).extras;
-      if (h.isZero()) {
-        f.elements().pack_nil();
-      } else {
-        f.elements().pack_array(1);
-        packString(f.elements(), toString(h));
-      }
-    }
+    packExtraKeys(f, run);
+  } else if (grouped) {
+    f["extra_keys"].pack_nil();
+  }
+  if (grouped) {
+    packGroupSpec(f, first.group);
   }
 }
 
 void packRemoved(Fields& f, std::span<KvEvent const> run, KvEventPublisherConfig const& config) {
-  f.begin("BlockRemoved", 2);
+  KvCacheGroup const& group = std::get<BlockRemoved>(run.front()).group;
+  f.begin("BlockRemoved", group.specified() ? 3 : 2);
   f["block_hashes"].pack_array(static_cast<uint32_t>(run.size()));
   for (KvEvent const& e : run) {
     f.elements().pack_uint64(std::get<BlockRemoved>(e).digest.lo);
   }
   packMedium(f["medium"], std::get<BlockRemoved>(run.front()).medium, config);
+  if (group.specified()) {
+    f["group_idx"].pack_int32(group.index);
+  }
 }
 
 void packCleared(Fields& f) { f.begin("AllBlocksCleared", 0); }

@@ -113,5 +113,21 @@ TEST(KvEventQueueTest, TheMediumOfEveryEventSurvivesTheQueue) {
   EXPECT_EQ(std::get<BlockRemoved>(events[2]).medium, KvMedium::kGpu);
 }
 
+TEST(KvEventQueueTest, TheGroupOfEveryEventSurvivesTheQueue) {
+  KvEventQueue queue(4, 2);
+  KvCacheGroup const sliding{1, KvCacheSpecKind::kSlidingWindow, 1024};
+  BlockStored stored{Hash128{1, 1}, kBlockChainRoot, 3, 2, {}, {}, KvMedium::kGpu, sliding};
+  std::vector<int32_t> const tokens{5, 6};
+  queue.pushStored(stored, tokens);
+  queue.push(BlockRemoved{Hash128{1, 1}, 3, KvMedium::kGpu, sliding});
+  queue.push(BlockRemoved{Hash128{2, 2}, 4});
+  std::vector<KvEvent> const events = queue.drain();
+  ASSERT_EQ(events.size(), 3U);
+  stored.tokens = tokens;
+  EXPECT_EQ(std::get<BlockStored>(events[0]), stored);
+  EXPECT_EQ(std::get<BlockRemoved>(events[1]).group, sliding);
+  EXPECT_FALSE(std::get<BlockRemoved>(events[2]).group.specified());
+}
+
 }  // namespace
 }  // namespace mkv

@@ -7,6 +7,8 @@
 #include <map>
 #include <optional>
 #include <random>
+#include <utility>
+#include <variant>
 #include <vector>
 
 #include "context_cache_test_support.h"
@@ -21,6 +23,19 @@ using test::tokenRun;
 using test::viewOf;
 
 constexpr int32_t kPage = 4;
+constexpr KvCacheGroup kSlidingGroup{1, KvCacheSpecKind::kSlidingWindow, 6};
+
+/// The digests of the BlockRemoved events among `events`, in order (each of the sliding group).
+std::vector<Hash128> removedDigests(std::vector<KvEvent> const& events) {
+  std::vector<Hash128> digests;
+  for (KvEvent const& event : events) {
+    if (auto const* removed = std::get_if<BlockRemoved>(&event)) {
+      EXPECT_EQ(removed->group, kSlidingGroup);
+      digests.push_back(removed->digest);
+    }
+  }
+  return digests;
+}
 
 /// Everything a caller can observe of a cache: counts, holders and the digest of every page.
 struct CacheState {
@@ -58,8 +73,12 @@ class WindowBlockCacheTest : public ::testing::Test {
   PromptBlocks mBlocks = hashPromptBlocks(viewOf(mTokens), kPage);
   PromptBlocks mOtherBlocks = hashPromptBlocks(viewOf(mOther), kPage);
   WindowBlockCache mCache{8, kPage, /*windowTokens=*/6, /*verifyTokens=*/true};
+  KvEventQueue mEvents{64, kPage};
 
-  WindowBlockCacheTest() { mCache.recordDroppedDigests(true); }
+  WindowBlockCacheTest() { mCache.announceTo(&mEvents, kSlidingGroup); }
+
+  /// The digests of the blocks dropped since the last call, from the queued events.
+  std::vector<Hash128> takeDropped() { return removedDigests(mEvents.drain()); }
 
   /// Allocates a page, publishes block `block` of `blocks` on it and releases it (cached).
   PageId cacheBlock(PromptBlocks const& blocks, int32_t block) {
@@ -177,10 +196,10 @@ TEST_F(WindowBlockCacheTest, AllocateDropsTheLeastRecentlyReleasedCachedPage) {
   }
   mCache.release(6);  // unpublished: free, handed out before any cached page
   EXPECT_EQ(allocated(mCache, 1), (std::vector<PageId>{6}));
-  EXPECT_TRUE(mCache.takeDropped().empty());
+  EXPECT_TRUE(takeDropped().empty());
   EXPECT_EQ(allocated(mCache, 2), (std::vector<PageId>{3, 0}));
-  EXPECT_EQ(mCache.takeDropped(), (std::vector<Hash128>{mBlocks.keys[3], mBlocks.keys[0]}));
-  EXPECT_TRUE(mCache.takeDropped().empty()) << "the list empties when taken";
+  EXPECT_EQ(takeDropped(), (std::vector<Hash128>{mBlocks.keys[3], mBlocks.keys[0]}));
+  EXPECT_TRUE(takeDropped().empty()) << "the list empties when taken";
   EXPECT_FALSE(mCache.index().find(mBlocks.keys[3]).has_value());
   EXPECT_EQ(mCache.holders(3), 1);
   mCache.hold(5);  // held again: leaves the release order
@@ -188,7 +207,7 @@ TEST_F(WindowBlockCacheTest, AllocateDropsTheLeastRecentlyReleasedCachedPage) {
   EXPECT_FALSE(mCache.allocate(1, out));
   mCache.release(5);
   EXPECT_EQ(allocated(mCache, 1), (std::vector<PageId>{5}));
-  EXPECT_EQ(mCache.takeDropped(), (std::vector<Hash128>{mBlocks.keys[5]}));
+  EXPECT_EQ(takeDropped(), (std::vector<Hash128>{mBlocks.keys[5]}));
 }
 
 TEST_F(WindowBlockCacheTest, BlocksAHitReadAreDroppedAfterEveryUnreadOne) {
@@ -206,27 +225,54 @@ TEST_F(WindowBlockCacheTest, BlocksAHitReadAreDroppedAfterEveryUnreadOne) {
   // Least recent release alone would drop block 0 first; unread blocks go before it.
   EXPECT_EQ(allocated(mCache, 2), (std::vector<PageId>{pages[1], pages[2]}));
   EXPECT_EQ(allocated(mCache, 1), (std::vector<PageId>{pages[0]}));
-  EXPECT_EQ(mCache.takeDropped(),
+  EXPECT_EQ(takeDropped(),
             (std::vector<Hash128>{mBlocks.keys[1], mBlocks.keys[2], mBlocks.keys[0]}));
   // A page dropped and published again starts unread.
   mCache.release(pages[0]);
   EXPECT_EQ(mCache.evictableReadPages(), 0);
 }
 
-TEST_F(WindowBlockCacheTest, DroppedDigestsAreKeptOnlyWhileRecordingButAlwaysCounted) {
-  WindowBlockCache cache(2, kPage, /*windowTokens=*/6, true);  // not recording
-  std::vector<PageId> const pages = allocated(cache, 2);
-  ASSERT_TRUE(cache.publish(pages[0], mBlocks, 0));
-  ASSERT_TRUE(cache.publish(pages[1], mBlocks, 1));
-  cache.release(pages[0]);
-  cache.release(pages[1]);
-  EXPECT_EQ(allocated(cache, 1), (std::vector<PageId>{pages[0]}));
-  EXPECT_EQ(cache.droppedBlocks(), 1);
-  EXPECT_TRUE(cache.takeDropped().empty());
-  cache.recordDroppedDigests(true);
-  EXPECT_EQ(cache.clear(), 1);
-  EXPECT_EQ(cache.droppedBlocks(), 2);
-  EXPECT_EQ(cache.takeDropped(), (std::vector<Hash128>{mBlocks.keys[1]}));
+TEST_F(WindowBlockCacheTest, PublicationsAndDropsAreAnnouncedWhenTheyHappen) {
+  PageId const first = allocated(mCache, 1).at(0);
+  ASSERT_TRUE(mCache.publish(first, mBlocks, 0));
+  ASSERT_TRUE(mCache.publish(first, mBlocks, 0)) << "already indexed there: no second event";
+  PageId const second = allocated(mCache, 1).at(0);
+  ASSERT_TRUE(mCache.publish(second, mBlocks, 1));
+  EXPECT_FALSE(mCache.publish(allocated(mCache, 1).at(0), mBlocks, 1)) << "first committer wins";
+  std::vector<KvEvent> const events = mEvents.drain();
+  ASSERT_EQ(events.size(), 2U);
+  auto const& stored = std::get<BlockStored>(events[1]);
+  EXPECT_EQ(stored.digest, mBlocks.keys[1]);
+  EXPECT_EQ(stored.parent, mBlocks.keys[0]);
+  EXPECT_EQ(stored.page, second);
+  EXPECT_EQ(stored.tokenCount, kPage);
+  EXPECT_EQ(stored.tokens, std::vector<int32_t>(mTokens.begin() + kPage, mTokens.begin() + 8));
+  EXPECT_EQ(stored.medium, KvMedium::kGpu);
+  EXPECT_EQ(stored.group, kSlidingGroup);
+  EXPECT_EQ(std::get<BlockStored>(events[0]).parent, kBlockChainRoot);
+
+  // Dropped and published again before the next drain: removed, then stored, in that order.
+  mCache.release(first);
+  std::vector<PageId> const rest = allocated(mCache, 5);  // every free page
+  ASSERT_EQ(allocated(mCache, 1), (std::vector<PageId>{first}));
+  ASSERT_TRUE(mCache.publish(first, mBlocks, 0));
+  std::vector<KvEvent> const again = mEvents.drain();
+  ASSERT_EQ(again.size(), 2U);
+  EXPECT_EQ(std::get<BlockRemoved>(again[0]),
+            (BlockRemoved{mBlocks.keys[0], first, KvMedium::kGpu, kSlidingGroup}));
+  EXPECT_EQ(std::get<BlockStored>(again[1]).digest, mBlocks.keys[0]);
+
+  // A cache that announces nowhere still counts its drops; a clear announces nothing.
+  mCache.announceTo(nullptr, {});
+  EXPECT_EQ(mCache.announcedTo(), nullptr);
+  mCache.release(second);
+  EXPECT_EQ(allocated(mCache, 1), (std::vector<PageId>{second}));
+  EXPECT_EQ(mCache.droppedBlocks(), 2);
+  mCache.announceTo(&mEvents, kSlidingGroup);
+  EXPECT_EQ(mCache.clear(), 1);
+  EXPECT_EQ(mCache.droppedBlocks(), 3);
+  EXPECT_EQ(mEvents.size(), 0);
+  (void)rest;
 }
 
 TEST_F(WindowBlockCacheTest, ClearDropsCachedBlocksAndKeepsHeldPagesHeld) {
@@ -241,11 +287,8 @@ TEST_F(WindowBlockCacheTest, ClearDropsCachedBlocksAndKeepsHeldPagesHeld) {
   EXPECT_EQ(mCache.holders(plain), 1);
   EXPECT_EQ(mCache.holders(cached), 0);
   EXPECT_EQ(mCache.freePages(), 6);
-  std::vector<Hash128> dropped = mCache.takeDropped();
-  std::sort(dropped.begin(), dropped.end());
-  std::vector<Hash128> expected{mBlocks.keys[0], mBlocks.keys[1]};
-  std::sort(expected.begin(), expected.end());
-  EXPECT_EQ(dropped, expected);
+  EXPECT_EQ(mCache.droppedBlocks(), 2);
+  EXPECT_TRUE(takeDropped().empty()) << "the reset's AllBlocksCleared covers a clear";
   mCache.release(held);
   EXPECT_EQ(mCache.freePages(), 7) << "an unindexed page nobody holds is free";
   EXPECT_EQ(mCache.clear(), 0);
@@ -332,15 +375,16 @@ TEST_F(WindowedPrefixTest, ArgumentContracts) {
 // Property test: random operations against a model of the pool.
 
 /// The model: holders, digest (block number) and whether a window read it, per page; the release
-/// orders of cached pages nobody holds (unread ones drop first, then read ones); and the dropped
-/// digests in order.
+/// orders of cached pages nobody holds (unread ones drop first, then read ones); and the events
+/// the cache must have announced, in order.
 struct PoolModel {
   std::vector<int32_t> holders;
   std::vector<int32_t> block;   ///< -1: unindexed
   std::vector<uint8_t> read;    ///< a hold on the indexed page (a hit's window) since publication
   std::deque<PageId> released;  ///< unread, oldest first
   std::deque<PageId> releasedRead;  ///< read, oldest first
-  std::vector<int32_t> dropped;
+  /// (stored?, block): a publication that indexed a block, or an allocation that dropped one.
+  std::vector<std::pair<bool, int32_t>> events;
 
   explicit PoolModel(int32_t capacity)
       : holders(static_cast<std::size_t>(capacity), 0),
@@ -365,8 +409,10 @@ struct PoolModel {
     auto const it = std::find(block.begin(), block.end(), b);
     return it == block.end() ? std::nullopt : std::optional<PageId>(it - block.begin());
   }
-  void drop(PageId page) {
-    dropped.push_back(block[static_cast<std::size_t>(page)]);
+  void drop(PageId page, bool announced) {
+    if (announced) {
+      events.emplace_back(false, block[static_cast<std::size_t>(page)]);
+    }
     block[static_cast<std::size_t>(page)] = -1;
     read[static_cast<std::size_t>(page)] = 0;
   }
@@ -380,7 +426,7 @@ struct PoolModel {
       std::deque<PageId>& order = released.empty() ? releasedRead : released;
       pages.push_back(order.front());
       order.pop_front();
-      drop(pages.back());
+      drop(pages.back(), /*announced=*/true);
     }
     for (PageId p : pages) {
       holders[static_cast<std::size_t>(p)] = 1;
@@ -406,7 +452,7 @@ struct PoolModel {
   void clear() {
     for (PageId p = 0; p < static_cast<PageId>(block.size()); ++p) {
       if (block[static_cast<std::size_t>(p)] >= 0) {
-        drop(p);
+        drop(p, /*announced=*/false);
       }
     }
     released.clear();
@@ -448,10 +494,10 @@ TEST(WindowBlockCachePropertyTest, RandomOperationsMatchTheModel) {
   for (uint64_t seed = 1; seed <= 20; ++seed) {
     std::mt19937_64 rng(seed);
     WindowBlockCache cache(kCapacity, kPage, /*windowTokens=*/9, true);
-    cache.recordDroppedDigests(true);
+    KvEventQueue queue(4096, kPage);
+    cache.announceTo(&queue, kSlidingGroup);
     PoolModel model(kCapacity);
     std::vector<PageId> holdings;  // one entry per holder we own
-    bool clearedSinceTake = false;
     auto pick = [&rng](auto const& v) {
       return v[std::uniform_int_distribution<std::size_t>(0, v.size() - 1)(rng)];
     };
@@ -500,32 +546,29 @@ TEST(WindowBlockCachePropertyTest, RandomOperationsMatchTheModel) {
           std::optional<PageId> const owner = model.pageOf(b);
           bool const wins = !owner || *owner == page;
           ASSERT_EQ(cache.publish(page, blocks, b), wins);
+          if (wins && current < 0) {
+            model.events.emplace_back(true, b);
+          }
           if (wins) {
             model.block[static_cast<std::size_t>(page)] = b;
           }
         }
       } else if (op >= 95) {
-        int32_t const before = static_cast<int32_t>(model.dropped.size());
+        int32_t const cached = cache.cachedBlocks();
         model.clear();
-        clearedSinceTake = true;
-        ASSERT_EQ(cache.clear(), static_cast<int32_t>(model.dropped.size()) - before);
+        ASSERT_EQ(cache.clear(), cached);
       }
       ASSERT_NO_FATAL_FAILURE(expectMatchesModel(cache, model, blocks));
       if (op % 7 == 0) {
-        std::vector<Hash128> dropped = cache.takeDropped();
-        std::vector<Hash128> expected;
-        for (int32_t b : model.dropped) {
-          expected.push_back(blocks.keys[static_cast<std::size_t>(b)]);
+        std::vector<std::pair<bool, int32_t>> got;
+        for (KvEvent const& event : queue.drain()) {
+          auto const* stored = std::get_if<BlockStored>(&event);
+          Hash128 const digest = stored ? stored->digest : std::get<BlockRemoved>(event).digest;
+          auto const it = std::find(blocks.keys.begin(), blocks.keys.end(), digest);
+          got.emplace_back(stored != nullptr, static_cast<int32_t>(it - blocks.keys.begin()));
         }
-        model.dropped.clear();
-        // allocate() drops in release order; clear() in page order (the model's too, but only
-        // the set is its contract): across a clear, compare as multisets.
-        if (clearedSinceTake) {
-          std::sort(dropped.begin(), dropped.end());
-          std::sort(expected.begin(), expected.end());
-          clearedSinceTake = false;
-        }
-        ASSERT_EQ(dropped, expected);
+        ASSERT_EQ(got, model.events);
+        model.events.clear();
       }
     }
   }

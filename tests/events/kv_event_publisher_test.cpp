@@ -119,7 +119,11 @@ struct WireEvent {
   std::optional<std::string> medium;
   bool loraNil = true;
   std::optional<std::vector<std::optional<std::string>>> extraKeys;  ///< first key of each block
-  std::size_t fieldCount = 0;  ///< fields besides the type (the tag or the class name)
+  bool extraKeysNil = false;  ///< the extra_keys field is present and nil
+  std::optional<int64_t> groupIdx;
+  std::optional<std::string> specKind;
+  std::optional<int64_t> slidingWindow;  ///< unset when absent or nil
+  std::size_t fieldCount = 0;            ///< fields besides the type (the tag or the class name)
 };
 
 std::string text(msgpack::object const& o) {
@@ -152,11 +156,18 @@ WireEvent decodeEvent(msgpack::object const& o, KvEventEncoding encoding) {
     e.type = text(o.via.array.ptr[0]);
     e.fieldCount = o.via.array.size - 1;
     std::vector<std::string> const names =
-        e.type == "BlockStored"
-            ? std::vector<std::string>{"block_hashes", "parent_block_hash", "token_ids",
-                                       "block_size",   "lora_id",           "medium",
-                                       "lora_name",    "extra_keys"}
-            : std::vector<std::string>{"block_hashes", "medium"};
+        e.type == "BlockStored" ? std::vector<std::string>{"block_hashes",
+                                                           "parent_block_hash",
+                                                           "token_ids",
+                                                           "block_size",
+                                                           "lora_id",
+                                                           "medium",
+                                                           "lora_name",
+                                                           "extra_keys",
+                                                           "group_idx",
+                                                           "kv_cache_spec_kind",
+                                                           "kv_cache_spec_sliding_window"}
+                                : std::vector<std::string>{"block_hashes", "medium", "group_idx"};
     EXPECT_LE(o.via.array.size - 1, names.size());
     for (uint32_t i = 1; i < o.via.array.size; ++i) {
       fields[names[i - 1]] = o.via.array.ptr[i];
@@ -167,8 +178,18 @@ WireEvent decodeEvent(msgpack::object const& o, KvEventEncoding encoding) {
   }
   e.hashes = integers(fields.at("block_hashes"));
   e.medium = fields.at("medium").is_nil() ? std::nullopt : std::optional(text(fields.at("medium")));
+  if (auto const it = fields.find("group_idx"); it != fields.end()) {
+    e.groupIdx = it->second.as<int64_t>();
+  }
   if (e.type != "BlockStored") {
     return e;
+  }
+  if (auto const it = fields.find("kv_cache_spec_kind"); it != fields.end()) {
+    e.specKind = text(it->second);
+  }
+  if (auto const it = fields.find("kv_cache_spec_sliding_window");
+      it != fields.end() && !it->second.is_nil()) {
+    e.slidingWindow = it->second.as<int64_t>();
   }
   msgpack::object const& parent = fields.at("parent_block_hash");
   if (!parent.is_nil()) {
@@ -177,7 +198,9 @@ WireEvent decodeEvent(msgpack::object const& o, KvEventEncoding encoding) {
   e.tokens = integers(fields.at("token_ids"));
   e.blockSize = fields.at("block_size").as<int64_t>();
   e.loraNil = fields.at("lora_id").is_nil() && fields.at("lora_name").is_nil();
-  if (auto const it = fields.find("extra_keys"); it != fields.end()) {
+  if (auto const it = fields.find("extra_keys"); it != fields.end() && it->second.is_nil()) {
+    e.extraKeysNil = true;
+  } else if (it != fields.end()) {
     e.extraKeys.emplace();
     for (uint32_t i = 0; i < it->second.via.array.size; ++i) {
       msgpack::object const& keys = it->second.via.array.ptr[i];
@@ -392,6 +415,63 @@ TEST_P(KvEventWireTest, TheHostTiersEventsCarryItsMediumAndStartTheirOwnEvents) 
   EXPECT_EQ(batch.events[2].medium, "GPU");
   EXPECT_EQ(batch.events[3].hashes, (std::vector<uint64_t>{402}));
   EXPECT_EQ(batch.events[3].medium, "cpu_tier");
+}
+
+TEST_P(KvEventWireTest, GroupedEventsCarryVllmsGroupFieldsAndStartTheirOwnEvents) {
+  auto publisher = KvEventPublisher::create(loopbackConfig(GetParam()));
+  KvCacheGroup const full{0, KvCacheSpecKind::kFullAttention, 0};
+  KvCacheGroup const sliding{1, KvCacheSpecKind::kSlidingWindow, 4096};
+  Hash128 const a{1, 501};
+  Hash128 const b{2, 502};
+  auto inGroup = [](BlockStored event, KvCacheGroup group) {
+    event.group = group;
+    return event;
+  };
+  // The composed backend publishes a prompt's blocks in both pools, then a window page is taken
+  // back; a block with extras keeps its extra keys before the group fields.
+  ASSERT_TRUE(publisher->publish(
+      {inGroup(stored(a, kBlockChainRoot, 1), full), inGroup(stored(b, a, 5, {7, 8}), full),
+       inGroup(stored(a, kBlockChainRoot, 1), sliding), inGroup(stored(b, a, 5), sliding),
+       BlockRemoved{a, 3, KvMedium::kGpu, sliding}, BlockRemoved{b, 9, KvMedium::kGpu, full}}));
+  publisher->flush();
+  Context context;
+  std::vector<std::pair<int64_t, std::string>> const batches =
+      replayFrom(context, publisher->replayEndpoint(), 0);
+  ASSERT_EQ(batches.size(), 1U);
+  WireBatch const batch = decodeBatch(batches[0].second, GetParam());
+  ASSERT_EQ(batch.events.size(), 4U) << "a chain or a removal run ends where the group changes";
+  WireEvent const& fullChain = batch.events[0];
+  EXPECT_EQ(fullChain.hashes, (std::vector<uint64_t>{501, 502}));
+  EXPECT_EQ(fullChain.fieldCount, 11U) << "every field up to kv_cache_spec_sliding_window";
+  EXPECT_EQ(fullChain.groupIdx, 0);
+  EXPECT_EQ(fullChain.specKind, "full_attention");
+  EXPECT_FALSE(fullChain.slidingWindow.has_value()) << "nil for full attention";
+  ASSERT_TRUE(fullChain.extraKeys.has_value());
+  EXPECT_EQ(*fullChain.extraKeys,
+            (std::vector<std::optional<std::string>>{std::nullopt, toString(Hash128{7, 8})}));
+  WireEvent const& slidingChain = batch.events[1];
+  EXPECT_EQ(slidingChain.hashes, (std::vector<uint64_t>{501, 502}));
+  EXPECT_EQ(slidingChain.tokens, (std::vector<uint64_t>{1, 2, 3, 4, 5, 6, 7, 8}));
+  EXPECT_EQ(slidingChain.groupIdx, 1);
+  EXPECT_EQ(slidingChain.specKind, "sliding_window");
+  EXPECT_EQ(slidingChain.slidingWindow, 4096);
+  EXPECT_TRUE(slidingChain.extraKeysNil) << "no extras: extra_keys is nil before the group";
+  EXPECT_EQ(batch.events[2].type, "BlockRemoved");
+  EXPECT_EQ(batch.events[2].fieldCount, 3U);
+  EXPECT_EQ(batch.events[2].groupIdx, 1);
+  EXPECT_EQ(batch.events[3].hashes, (std::vector<uint64_t>{502}));
+  EXPECT_EQ(batch.events[3].groupIdx, 0);
+
+  // An ungrouped deployment's events keep the short layout.
+  ASSERT_TRUE(publisher->publish({stored(a, kBlockChainRoot, 1), BlockRemoved{a, 0}}));
+  publisher->flush();
+  WireBatch const plain =
+      decodeBatch(replayFrom(context, publisher->replayEndpoint(), 1).at(0).second, GetParam());
+  ASSERT_EQ(plain.events.size(), 2U);
+  EXPECT_EQ(plain.events[0].fieldCount, 7U);
+  EXPECT_FALSE(plain.events[0].groupIdx.has_value());
+  EXPECT_EQ(plain.events[1].fieldCount, 2U);
+  EXPECT_FALSE(plain.events[1].groupIdx.has_value());
 }
 
 INSTANTIATE_TEST_SUITE_P(Encodings, KvEventWireTest,

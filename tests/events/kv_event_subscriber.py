@@ -14,9 +14,12 @@ replay socket, so the outcome does not depend on timing.
 
 With MODE connect (default: bind) the subscriber binds its SUB socket on an ephemeral loopback
 port first and mkv-replay's publisher connects to it (an endpoint without a wildcard), the way a
-deployment whose router listens is wired.
+deployment whose router listens is wired. MODE sliding runs the composed backend (sliding layers
+with context reuse, --window): every event carries vLLM's group fields, and the subscriber keeps
+one block set per group, the full layers' (group 0) and the sliding pool's windows (group 1),
+each of which must equal the index mkv-replay reports for that pool.
 
-usage: kv_event_subscriber.py MKV_REPLAY TRACE ENCODING (map|array) [MODE (bind|connect)]
+usage: kv_event_subscriber.py MKV_REPLAY TRACE ENCODING (map|array) [MODE (bind|connect|sliding)]
 Prints 'N passed, 0 failed' and exits 0 on success; exits 1 naming the first failed check.
 """
 
@@ -37,11 +40,13 @@ LIMIT = 60
 RESET_EVERY = 40  # one prefix cache reset (AllBlocksCleared) after request 40 of 60
 DEADLINE_S = 60.0  # everything below is bounded by this
 END_SEQUENCE = -1
+WINDOW = 512  # MODE sliding: the sliding layers' window in tokens (8 pages)
 
 FIELDS = {  # positional layout of the older vLLM encoding, after the class name
     "BlockStored": ["block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id",
-                    "medium", "lora_name", "extra_keys"],
-    "BlockRemoved": ["block_hashes", "medium"],
+                    "medium", "lora_name", "extra_keys", "group_idx", "kv_cache_spec_kind",
+                    "kv_cache_spec_sliding_window"],
+    "BlockRemoved": ["block_hashes", "medium", "group_idx"],
     "AllBlocksCleared": [],
 }
 
@@ -86,9 +91,24 @@ def is_u64(value):
     return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < 2**64
 
 
-def apply_batch(blocks, clears, sequence, payload, encoding):
-    """Applies one batch to `blocks` (block hash -> its token ids) as a router would; appends
-    the batch's sequence number to `clears` for each AllBlocksCleared."""
+def group_of(kind, f, sequence, grouped):
+    """The event's KV cache group (0 without group fields), checking its spec fields."""
+    if not grouped:
+        check("group_idx" not in f, f"batch {sequence}: a group on a single-pool deployment")
+        return 0
+    group = f.get("group_idx")
+    check(group in (0, 1), f"batch {sequence}: group_idx {group!r}")
+    if kind == "BlockStored":
+        spec = ("full_attention", None) if group == 0 else ("sliding_window", WINDOW)
+        got = (f.get("kv_cache_spec_kind"), f.get("kv_cache_spec_sliding_window"))
+        check(got == spec, f"batch {sequence}: group {group} has the spec {got}")
+    return group
+
+
+def apply_batch(blocks, stats, sequence, payload, encoding, grouped):
+    """Applies one batch to `blocks` ((group, block hash) -> its token ids) as a router would;
+    counts in `stats` the removals per group and appends to stats["clears"] the batch's sequence
+    number for each AllBlocksCleared."""
     batch = msgpack.unpackb(payload, raw=False, strict_map_key=False)
     check(isinstance(batch, list) and len(batch) == 3,
           f"batch {sequence} is not [timestamp, events, rank]")
@@ -99,6 +119,7 @@ def apply_batch(blocks, clears, sequence, payload, encoding):
     for raw in events:
         kind, f = decode_event(raw, encoding)
         if kind == "BlockStored":
+            group = group_of(kind, f, sequence, grouped)
             hashes, parent, tokens = f["block_hashes"], f["parent_block_hash"], f["token_ids"]
             check(hashes and all(is_u64(h) for h in hashes), f"batch {sequence}: block hashes")
             check(f["block_size"] == PAGE_SIZE, f"batch {sequence}: block_size {f['block_size']}")
@@ -110,28 +131,36 @@ def apply_batch(blocks, clears, sequence, payload, encoding):
             # Routers drop a stored event that repeats a hash or whose parent they do not know.
             check(len(set(hashes)) == len(hashes) and parent not in hashes,
                   f"batch {sequence}: repeated block hash")
-            check(parent is None or (is_u64(parent) and parent in blocks),
+            # The full layers' index holds whole paths; the sliding pool holds windows, whose
+            # first block's parent may have been dropped (docs/context_cache.md).
+            check(parent is None or group == 1 or (is_u64(parent) and (0, parent) in blocks),
                   f"batch {sequence}: parent {parent} is not a stored block")
             for i, h in enumerate(hashes):
-                check(h not in blocks, f"batch {sequence}: block {h} stored twice")
-                blocks[h] = tokens[i * PAGE_SIZE:(i + 1) * PAGE_SIZE]
+                check((group, h) not in blocks, f"batch {sequence}: block {h} stored twice")
+                blocks[(group, h)] = tokens[i * PAGE_SIZE:(i + 1) * PAGE_SIZE]
         elif kind == "BlockRemoved":
+            group = group_of(kind, f, sequence, grouped)
             check(f.get("medium") == "GPU", f"batch {sequence}: medium {f.get('medium')!r}")
             for h in f["block_hashes"]:
-                check(h in blocks, f"batch {sequence}: removed block {h} was not stored")
-                del blocks[h]
+                check((group, h) in blocks, f"batch {sequence}: removed block {h} was not stored")
+                del blocks[(group, h)]
+                stats[group] = stats.get(group, 0) + 1
         else:
             check(not f, f"batch {sequence}: AllBlocksCleared has fields {sorted(f)}")
             blocks.clear()
-            clears.append(sequence)
+            stats.setdefault("clears", []).append(sequence)
 
 
-def rebuild(payloads, count, encoding, clears=None):
+def rebuild(payloads, count, encoding, grouped, stats=None):
     blocks = {}
-    clears = [] if clears is None else clears
+    stats = {} if stats is None else stats
     for sequence in range(count):
-        apply_batch(blocks, clears, sequence, payloads[sequence], encoding)
+        apply_batch(blocks, stats, sequence, payloads[sequence], encoding, grouped)
     return blocks
+
+
+def hashes_of(blocks, group):
+    return {h for g, h in blocks if g == group}
 
 
 def replay_from(context, endpoint, start, deadline):
@@ -175,6 +204,9 @@ def run(mkv_replay, trace, encoding, mode, passed):
     publish_to = "tcp://127.0.0.1:*"
     if mode == "connect":
         publish_to = f"tcp://127.0.0.1:{sub.bind_to_random_port('tcp://127.0.0.1')}"
+    grouped = mode == "sliding"
+    # The composed backend: one full layer beside the sliding ones (--layers' default).
+    sliding_flags = ["--window", str(WINDOW), "--full-layers", "1"] if grouped else []
     with tempfile.TemporaryDirectory() as scratch:
         json_path = os.path.join(scratch, "replay.json")
         process = subprocess.Popen(
@@ -184,7 +216,7 @@ def run(mkv_replay, trace, encoding, mode, passed):
              str(PAGE_SIZE), "--pool-pages", "1000", "--max-batch", "2", "--max-output", "4",
              "--verify", "none", "--json", json_path, "--reset-cache-every", str(RESET_EVERY),
              "--kv-events", publish_to, "--kv-events-replay", "tcp://127.0.0.1:*",
-             "--kv-events-encoding", encoding, "--kv-events-hold"],
+             "--kv-events-encoding", encoding, "--kv-events-hold"] + sliding_flags,
             stdin=subprocess.PIPE, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
         try:
             endpoints = read_line(process.stderr, r"kv events on (\S+), replay on (\S+)", deadline)
@@ -243,14 +275,28 @@ def run(mkv_replay, trace, encoding, mode, passed):
             check(report["failed_requests"] == 0 and report["joins"] > 0,
                   "the workload should run every request, some joining in flight")
             check(index, "the index is empty at the end")
-            clears = []
-            blocks = rebuild(payloads, count, encoding, clears)
+            stats = {}
+            blocks = rebuild(payloads, count, encoding, grouped, stats)
+            clears = stats.get("clears", [])
             check(report["cache_resets"] == 1 and len(clears) == 1,
                   f"{report['cache_resets']} resets, {len(clears)} AllBlocksCleared events")
-            check(set(blocks) == index,
-                  f"rebuilt {len(blocks)} blocks, the index holds {len(index)} "
-                  f"({len(set(blocks) ^ index)} differ)")
+            check(hashes_of(blocks, 0) == index,
+                  f"rebuilt {len(hashes_of(blocks, 0))} blocks, the index holds {len(index)} "
+                  f"({len(hashes_of(blocks, 0) ^ index)} differ)")
             passed.append(f"block set rebuilt from events equals the index ({len(index)} blocks)")
+            windows = set()
+            if grouped:
+                check(report["backend"] == "sliding-window-reuse", f"backend {report['backend']}")
+                windows = set(report["kv_events"]["indexed_window_block_hashes"])
+                check(windows and stats.get(1, 0) > 0,
+                      "the sliding pool cached nothing or dropped nothing: group 1 is not exercised")
+                check(hashes_of(blocks, 1) == windows,
+                      f"rebuilt {len(hashes_of(blocks, 1))} window blocks, the sliding pool "
+                      f"holds {len(windows)} ({len(hashes_of(blocks, 1) ^ windows)} differ)")
+                passed.append(f"window block set rebuilt from group 1 equals the sliding pool's "
+                              f"({len(windows)} blocks, {stats[1]} removals)")
+            else:
+                check(set(g for g, _ in blocks) <= {0}, "a single-pool run has groups")
 
             middle = clears[0] - 1  # the resync replays the clear too
             resent = replay_from(context, endpoints.group(2), middle, deadline)
@@ -259,8 +305,9 @@ def run(mkv_replay, trace, encoding, mode, passed):
             check(all(payloads[s] == p for s, p in resent), "a replayed batch differs from the live one")
             resynced = {s: payloads[s] for s in range(middle)}
             resynced.update(dict(resent))
-            check(set(rebuild(resynced, count, encoding)) == index,
-                  "the block set after a resync differs from the index")
+            again = rebuild(resynced, count, encoding, grouped)
+            check(hashes_of(again, 0) == index and hashes_of(again, 1) == windows,
+                  "the block sets after a resync differ from the indexes")
             passed.append(f"resync from sequence {middle} through the replay socket")
 
             process.stdin.close()
@@ -276,7 +323,7 @@ def run(mkv_replay, trace, encoding, mode, passed):
 
 def main():
     if (len(sys.argv) not in (4, 5) or sys.argv[3] not in ("map", "array")
-            or sys.argv[4:] not in ([], ["bind"], ["connect"])):
+            or sys.argv[4:] not in ([], ["bind"], ["connect"], ["sliding"])):
         print(__doc__)
         return 2
     passed = []

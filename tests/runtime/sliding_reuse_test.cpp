@@ -7,9 +7,13 @@
 
 #include <deque>
 #include <memory>
+#include <optional>
 #include <random>
+#include <set>
+#include <variant>
 #include <vector>
 
+#include "context_cache/context_cache_manager.h"
 #include "context_cache/window_block_cache.h"
 #include "mkv/bounded_swa_kv_page_manager.h"
 #include "mkv/kv_cache_runtime.h"
@@ -162,6 +166,85 @@ TEST_P(SlidingReuseTest, AnEvictedWindowCapsTheHitAndNamesTheReason) {
   ContextCacheMetrics const metrics = runtime->contextCache()->metrics();
   EXPECT_EQ(metrics.missCount(MissReason::kWindowEvicted), 1u);
   EXPECT_EQ(engine.stats().oracleMismatches, 0);
+  expectNothingHeld(*runtime);
+}
+
+/// A router's view of the KV events: the blocks of each group, built from the events alone.
+struct RouterView {
+  std::set<Hash128> full;     ///< group 0
+  std::set<Hash128> sliding;  ///< group 1
+  int32_t clears = 0;
+
+  void apply(std::vector<KvEvent> const& events) {
+    for (KvEvent const& event : events) {
+      if (auto const* stored = std::get_if<BlockStored>(&event)) {
+        ASSERT_EQ(stored->tokens.size(), static_cast<std::size_t>(kPage));
+        EXPECT_TRUE(blocksOf(stored->group).insert(stored->digest).second) << "stored twice";
+      } else if (auto const* removed = std::get_if<BlockRemoved>(&event)) {
+        EXPECT_EQ(blocksOf(removed->group).erase(removed->digest), 1U) << "never stored";
+      } else {
+        full.clear();
+        sliding.clear();
+        ++clears;
+      }
+    }
+  }
+  std::set<Hash128>& blocksOf(KvCacheGroup const& group) {
+    if (group.index == 1) {
+      EXPECT_EQ(group, (KvCacheGroup{1, KvCacheSpecKind::kSlidingWindow, kWindow}));
+      return sliding;
+    }
+    EXPECT_EQ(group, (KvCacheGroup{0, KvCacheSpecKind::kFullAttention, 0}));
+    return full;
+  }
+};
+
+std::set<Hash128> indexedDigests(BlockIndex const& index) {
+  std::set<Hash128> digests;
+  for (PageId page = 0; page < index.pageCapacity(); ++page) {
+    if (std::optional<Hash128> const digest = index.digestOf(page)) {
+      digests.insert(*digest);
+    }
+  }
+  return digests;
+}
+
+TEST_P(SlidingReuseTest, KvEventsOfBothPoolsRebuildBothIndexesAndAResetClearsBoth) {
+  KVCacheRuntimeConfig config = slidingConfig(device(), 69);  // drops windows as it goes
+  config.contextCache.eventQueueCapacity = 4096;
+  auto runtime = KVCacheRuntime::create(config);
+  ReferenceEngine engine(*runtime);
+  WindowBlockCache const& window = *runtime->windowBlockCache();
+  RouterView router;
+  std::vector<int32_t> const shared = tokenRun(256, 0);
+  for (int32_t i = 0; i < 6; ++i) {
+    std::vector<int32_t> const prompt =
+        i % 2 == 0 ? concatenated(shared, tokenRun(40 + 16 * i, 5000 + 1000 * i))
+                   : tokenRun(600 + 50 * i, 20000 + 3000 * i);
+    runOnce(engine, single(prompt));
+    ASSERT_NO_FATAL_FAILURE(router.apply(runtime->contextCache()->drainEvents()));
+    EXPECT_EQ(router.full, indexedDigests(runtime->contextCache()->manager().index()))
+        << "request " << i;
+    EXPECT_EQ(router.sliding, indexedDigests(window.index())) << "request " << i;
+  }
+  EXPECT_GT(window.droppedBlocks(), 0) << "the sliding pool must have dropped windows";
+  EXPECT_EQ(engine.stats().oracleMismatches, 0);
+  ContextCacheMetrics const metrics = runtime->contextCache()->metrics();
+  EXPECT_EQ(metrics.droppedEvents, 0U);
+
+  ASSERT_GT(window.cachedBlocks(), 0);
+  ASSERT_TRUE(runtime->contextCache()->resetPrefixCache());
+  EXPECT_EQ(window.cachedBlocks(), 0) << "no window outlives a reset";
+  EXPECT_EQ(window.freePages(), window.totalPages());
+  std::vector<KvEvent> const cleared = runtime->contextCache()->drainEvents();
+  ASSERT_EQ(cleared.size(), 1U) << "one AllBlocksCleared covers both pools";
+  router.apply(cleared);
+  EXPECT_EQ(router.clears, 1);
+  // After the reset the same prompt misses in both pools and publishes both again.
+  EXPECT_EQ(runOnce(engine, single(concatenated(shared, tokenRun(40, 5000)))), 0);
+  router.apply(runtime->contextCache()->drainEvents());
+  EXPECT_EQ(router.sliding, indexedDigests(window.index()));
+  EXPECT_FALSE(router.sliding.empty());
   expectNothingHeld(*runtime);
 }
 

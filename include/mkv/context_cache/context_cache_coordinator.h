@@ -352,7 +352,8 @@ class ContextCacheCoordinator {
   /// kRequestFailed when requests are still active.
   ContextCacheStatus shutdown() noexcept;
   /// Clears the prefix cache between requests (ContextCacheManager::resetPrefixCache): every
-  /// record dropped, its pages and snapshot slots free, one AllBlocksCleared KV event. Host
+  /// record dropped, its pages and snapshot slots free, the composed backend's sliding pool
+  /// emptied of cached windows (WindowBlockCache::clear), one AllBlocksCleared KV event. Host
   /// bookkeeping only: no device work, no synchronisation (no row references a cached page
   /// while no request lives). Returns false and changes nothing while a request is active or
   /// quarantined, or the coordinator is poisoned (shutdown() first).
@@ -458,6 +459,9 @@ class ContextCacheCoordinator {
   ContextCacheManager const& manager() const noexcept { return *mManager; }
   ContextCacheMetrics metrics() const;
   ContextCacheCoordinatorCounters const& counters() const noexcept { return mCounters; }
+  /// The queued KV events, oldest first (config.eventQueueCapacity > 0). On the composed
+  /// backend they hold both pools in one order: the full layers' blocks as group 0
+  /// (full attention), the sliding pool's window blocks as group 1 (sliding window W).
   std::vector<KvEvent> drainEvents();
   /// Manager metrics and coordinator counters in the Prometheus text format.
   std::string toPrometheus(std::string_view prefix = "managedkv_") const;

@@ -18,8 +18,27 @@ namespace mkv {
 /// memory; docs/context_cache.md, "Host tier"). vLLM's events name it `medium`.
 enum class KvMedium : uint8_t { kGpu, kCpu };
 
+/// What the layers of a KV cache group attend to (vLLM's `kv_cache_spec_kind`).
+enum class KvCacheSpecKind : uint8_t {
+  kUnspecified,    ///< a deployment with one group: the events carry no group fields
+  kFullAttention,  ///< "full_attention": every earlier token
+  kSlidingWindow,  ///< "sliding_window": the last `slidingWindowTokens` tokens
+};
+
+/// The KV cache group a block event belongs to (vLLM's `group_idx` with its spec). Set on the
+/// events of the composed backend (sliding layers with context reuse), whose blocks live in two
+/// pools: group 0 the full-attention layers' pages, group 1 the sliding layers' window cache.
+/// Left unspecified elsewhere (one pool: the wire carries no group fields).
+struct KvCacheGroup {
+  int32_t index = 0;
+  KvCacheSpecKind kind = KvCacheSpecKind::kUnspecified;
+  int32_t slidingWindowTokens = 0;  ///< kSlidingWindow: the window W; else 0
+  bool specified() const noexcept { return kind != KvCacheSpecKind::kUnspecified; }
+  friend bool operator==(KvCacheGroup const&, KvCacheGroup const&) = default;
+};
+
 /// A block became reusable: `digest` is now indexed on `page` (a page of `medium`: a base KV pool
-/// id, or a host tier page).
+/// id, or a host tier page; of the sliding pool for group 1 of the composed backend).
 struct BlockStored {
   Hash128 digest;
   Hash128 parent;  ///< previous block's digest, kBlockChainRoot for a first block
@@ -32,20 +51,24 @@ struct BlockStored {
   /// parent alone; otherwise an identity of its media, adapter and (block 0) salt.
   Hash128 extras{};
   KvMedium medium = KvMedium::kGpu;
+  KvCacheGroup group{};
   friend bool operator==(BlockStored const&, BlockStored const&) = default;
 };
 
 /// A block stopped being reusable in `medium`: on the GPU, its page lost its last cache reference
-/// (an offloaded block is then stored in the host tier); in the host tier, it was evicted for good.
+/// (an offloaded block is then stored in the host tier); in the host tier, it was evicted for good;
+/// in the composed backend's sliding pool (group 1), its window page was taken for another window.
 struct BlockRemoved {
   Hash128 digest;
   PageId page = kNoPage;
   KvMedium medium = KvMedium::kGpu;
+  KvCacheGroup group{};
   friend bool operator==(BlockRemoved const&, BlockRemoved const&) = default;
 };
 
 /// Every block stopped being reusable at once: the cache dropped all its records
-/// (ContextCacheManager::resetPrefixCache). Replaces the per-block BlockRemoved events.
+/// (ContextCacheManager::resetPrefixCache), in every group and medium. Replaces the per-block
+/// BlockRemoved events.
 struct AllBlocksCleared {
   friend bool operator==(AllBlocksCleared const&, AllBlocksCleared const&) = default;
 };
