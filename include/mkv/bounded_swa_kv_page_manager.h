@@ -25,6 +25,7 @@
 namespace mkv {
 namespace detail {
 class Int32UploadRegions;
+class SharedSynchronizer;
 template <class Request>
 class RequestRegistry;
 }  // namespace detail
@@ -103,6 +104,10 @@ struct BoundedSwaResources {
   std::vector<KVCachePool*> lengthPools;
   /// Recurrent rows of hybrid models; rows of dropped residents are zeroed at compaction.
   RecurrentStatePool* recurrent = nullptr;
+  /// Sliding-window reuse: the synchronisation this manager shares with the coordinator (not
+  /// owned; KVCacheRuntime sets it and builds both backends with its view()). The composed
+  /// request opens a scope on it around each completion point, so both halves wait once.
+  detail::SharedSynchronizer* sharedSynchronizer = nullptr;
   /// The runtime's resident rows (KVCacheRuntime sets it). When set, beginRequest refuses a
   /// ResidentRef that is not held with its current epoch (ResidentSlotPool::requireHeld).
   ResidentSlotPool const* residentSlots = nullptr;
@@ -290,6 +295,10 @@ class BoundedSwaKVPageManager {
   SwaKVCacheStatus shutdown() noexcept;
 
   bool poisoned() const noexcept;
+  /// resources.sharedSynchronizer (null but on the sliding-window reuse backend).
+  detail::SharedSynchronizer* sharedSynchronizer() const noexcept {
+    return mResources.sharedSynchronizer;
+  }
   /// Pages an admission can take now: the free list, or (cached mode) the page source's
   /// availablePages().
   int32_t freePageCount() const noexcept {

@@ -22,6 +22,9 @@
 namespace mkv {
 
 class WindowBlockCache;  // src/context_cache/window_block_cache.h (internal)
+namespace detail {
+class SharedSynchronizer;  // src/resources/shared_synchronizer.h (internal)
+}  // namespace detail
 
 /// The attention and recurrent geometry of the model the engine runs.
 struct KVCacheModelConfig {
@@ -204,6 +207,8 @@ class KVCacheRuntime {
   std::unique_ptr<RecurrentStatePool> mRecurrent;
   ResidentSlotPool mResidentSlots;
   std::unique_ptr<WindowBlockCache> mWindowCache;  // kSlidingWindowReuse: the sliding pool's pages
+  // kSlidingWindowReuse: the one synchronisation of both halves per completion point.
+  std::unique_ptr<detail::SharedSynchronizer> mSharedSync;
   // Backends last: they are destroyed before the resources they borrow.
   std::unique_ptr<ContextCacheCoordinator> mCoordinator;
   std::unique_ptr<BoundedSwaKVPageManager> mSwaManager;

@@ -27,7 +27,9 @@ namespace mkv {
 /// the prompt's sliding KV published at completePrefill, bounded rotation in decode). Move-only.
 /// Every bool method returns false for an expected failure of either half (each logs it once),
 /// and throws mkv::Error, changing nothing, for misuse, including the calls this backend does not
-/// offer (Hybrid-MTP). Destroying a live request abandons both halves.
+/// offer (Hybrid-MTP). Destroying a live request abandons both halves. Each completion point
+/// (compaction, finish, abandonment) synchronises the stream once for both halves through the
+/// runtime's shared synchroniser: a failure there quarantines both, releasing nothing.
 /// Thread-safety: single writer.
 class SlidingReuseRequest {
  public:
@@ -50,7 +52,8 @@ class SlidingReuseRequest {
   SlidingReuseRequest& operator=(SlidingReuseRequest&&) = delete;
   SlidingReuseRequest(SlidingReuseRequest const&) = delete;
   SlidingReuseRequest& operator=(SlidingReuseRequest const&) = delete;
-  ~SlidingReuseRequest() = default;
+  /// Abandons a live request's two halves, which synchronise once between them.
+  ~SlidingReuseRequest();
 
   /// Reuse length per execution row (both halves start there).
   std::vector<int32_t> const& prefillStarts() const noexcept { return mFull.prefillStarts(); }
@@ -81,8 +84,8 @@ class SlidingReuseRequest {
   bool beginBatchCompaction(std::vector<int32_t> const& oldToNew, int32_t newBatchSize,
                             Tensor& deviceBatchMapping);
   bool completeBatchCompaction(std::vector<int32_t> const& keepMapping);
-  /// Finishes both halves (each synchronises its pending work and releases); false when either
-  /// failed.
+  /// Finishes both halves (they synchronise pending work once between them, then each
+  /// releases); false when either failed.
   bool finish();
 
   /// In-flight admission: the coordinator admits the joiner (its full layers' rows, the reuse

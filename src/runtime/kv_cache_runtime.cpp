@@ -8,6 +8,7 @@
 #include "context_cache/window_block_cache.h"
 #include "core/check.h"
 #include "mkv/kernels.h"
+#include "resources/shared_synchronizer.h"
 
 namespace mkv {
 
@@ -350,6 +351,8 @@ void KVCacheRuntime::createSlidingReuse(int32_t fullPages, int32_t width, int32_
   mWindowCache =
       std::make_unique<WindowBlockCache>(swaPages, mConfig.tokensPerPage, model.slidingWindowTokens,
                                          mConfig.contextCache.verifyTokens);
+  // Both halves complete together: each completion point of the composed request waits once.
+  mSharedSync = std::make_unique<detail::SharedSynchronizer>(synchronizer);
   ContextCacheConfig cache = mConfig.contextCache;
   cache.enabled = true;
   ContextCachePhysicalResources resources;
@@ -357,16 +360,17 @@ void KVCacheRuntime::createSlidingReuse(int32_t fullPages, int32_t width, int32_
   resources.basePageTable = mFullTable.get();
   resources.residentSlots = &mResidentSlots;
   resources.windowCache = mWindowCache.get();
-  mCoordinator = std::make_unique<ContextCacheCoordinator>(cache, deploymentProfile(mConfig),
-                                                           resources, mConfig.stream, synchronizer);
+  mCoordinator = std::make_unique<ContextCacheCoordinator>(
+      cache, deploymentProfile(mConfig), resources, mConfig.stream, mSharedSync->view());
   BoundedSwaResources swa;
   swa.swaPool = mSwaPool.get();
   swa.swaPageTable = mSwaTable.get();
   swa.residentSlots = &mResidentSlots;
   swa.pageSource = mWindowCache.get();
   swa.lengthPools.push_back(mSwaPool.get());  // the full pool's lengths are the coordinator's
+  swa.sharedSynchronizer = mSharedSync.get();
   mSwaManager = std::make_unique<BoundedSwaKVPageManager>(
-      BoundedSwaConfig{model.slidingWindowTokens}, swa, mConfig.stream, synchronizer);
+      BoundedSwaConfig{model.slidingWindowTokens}, swa, mConfig.stream, mSharedSync->view());
 }
 
 void KVCacheRuntime::createDraft(int32_t fullPages, int32_t width) {
@@ -407,6 +411,7 @@ int64_t KVCacheRuntime::kvBytes() const noexcept {
 }
 
 bool KVCacheRuntime::shutdown() noexcept {
+  detail::SharedSynchronizer::Scope const once(mSharedSync.get());  // the composed backend
   bool ok = true;
   if (mCoordinator) {
     ok = mCoordinator->shutdown() == ContextCacheStatus::kOk;

@@ -8,6 +8,7 @@
 #include "core/check.h"
 #include "mkv/logging.h"
 #include "resources/backend_requests.h"
+#include "resources/shared_synchronizer.h"
 
 namespace mkv {
 namespace {
@@ -52,6 +53,13 @@ SlidingReuseRequest::SlidingReuseRequest(ContextCacheRequest full, BoundedSwaKVP
       mHandle(std::move(handle)),
       mPromptTokens(std::move(prompts)),
       mCommitPolicy(commitPolicy) {}
+
+SlidingReuseRequest::~SlidingReuseRequest() {
+  detail::SharedSynchronizer::Scope const once(mManager->sharedSynchronizer());
+  // Abandoned inside the scope, in the members' order of destruction: the SWA half first.
+  ContextCacheRequest const full = std::move(mFull);
+  BoundedSwaKVPageManager::RequestHandle const sliding = std::move(mHandle);
+}
 
 std::optional<SlidingReuseRequest> SlidingReuseRequest::begin(
     ContextCacheCoordinator& coordinator, BoundedSwaKVPageManager& manager,
@@ -215,6 +223,7 @@ bool SlidingReuseRequest::beginBatchCompaction(std::vector<int32_t> const& oldTo
 bool SlidingReuseRequest::completeBatchCompaction(std::vector<int32_t> const& keepMapping) {
   detail::requireBegunMapping("SlidingReuseRequest::completeBatchCompaction", mPendingMapping,
                               keepMapping);
+  detail::SharedSynchronizer::Scope const once(mManager->sharedSynchronizer());
   bool const fullOk = mFull.completeBatchCompaction(keepMapping);
   bool const swaOk = swaStatus(mManager->compactBatch(mHandle), "completeBatchCompaction");
   std::vector<int32_t> kept;
@@ -229,6 +238,7 @@ bool SlidingReuseRequest::completeBatchCompaction(std::vector<int32_t> const& ke
 }
 
 bool SlidingReuseRequest::finish() {
+  detail::SharedSynchronizer::Scope const once(mManager->sharedSynchronizer());
   bool const fullOk = mFull.finish();
   bool const swaOk = swaStatus(mManager->finish(mHandle), "finish");
   return fullOk && swaOk;

@@ -1,5 +1,7 @@
-// ManagedKVCacheRequest under the fault model (docs/errors.md, "Poison and quarantine"), on both
-// backends: a scripted lifecycle whose synchronisation points are made to fail one at a time.
+// ManagedKVCacheRequest under the fault model (docs/errors.md, "Poison and quarantine"), on every
+// backend (context reuse, bounded SWA, and both composed: sliding-window reuse, whose halves share
+// each completion point's one synchronisation): a scripted lifecycle whose synchronisation points
+// are made to fail one at a time.
 // Each failure must surface as the documented result (false from the call that synchronised;
 // poison after an abandonment), keep the request's pages quarantined, refuse admission while
 // poisoned, and after shutdown() leave every page accounted for and the runtime serving requests
@@ -20,7 +22,7 @@ namespace {
 class ManagedKVCacheRequestFaultTest : public RuntimeCaseTest {};
 
 INSTANTIATE_TEST_SUITE_P(Backends, ManagedKVCacheRequestFaultTest,
-                         ::testing::ValuesIn(allRuntimeCases()), runtimeCaseName);
+                         ::testing::ValuesIn(everyBackendCase()), runtimeCaseName);
 
 /// Whether the armed synchronisation failed during `call`; the call's pages must then be held
 /// exactly as before it (quarantined, not released).
@@ -104,6 +106,7 @@ TEST_P(ManagedKVCacheRequestFaultTest, EverySynchronisationFailingOnceQuarantine
     EXPECT_EQ(clean.faults().calls(), syncs) << "nothing quarantined: shutdown does not wait";
     clean.expectIdle();
   }
+  // Sliding-window reuse completes each point on both halves with one synchronisation.
   ASSERT_EQ(syncs, 4);
   std::vector<std::string> failedAt;
   for (int64_t k = 1; k <= syncs; ++k) {

@@ -6,16 +6,44 @@
 #include <utility>
 
 #include "context_cache/context_cache_manager.h"
+#include "context_cache/window_block_cache.h"
+#include "mkv/bounded_swa_kv_page_manager.h"
 #include "support/test_util.h"
 
 namespace mkv::runtime_test {
 
+namespace {
+
+char const* shortName(Backend backend) {
+  switch (backend) {
+    case Backend::kContextReuse:
+      return "reuse";
+    case Backend::kBoundedSwa:
+      return "swa";
+    case Backend::kSlidingWindowReuse:
+      return "slidingreuse";
+  }
+  return "?";
+}
+
+}  // namespace
+
 std::string backendName(::testing::TestParamInfo<Backend> const& info) {
-  return info.param == Backend::kContextReuse ? "reuse" : "swa";
+  return shortName(info.param);
 }
 
 void PrintTo(Backend backend, std::ostream* out) {
-  *out << (backend == Backend::kContextReuse ? "context reuse" : "bounded SWA");
+  switch (backend) {
+    case Backend::kContextReuse:
+      *out << "context reuse";
+      return;
+    case Backend::kBoundedSwa:
+      *out << "bounded SWA";
+      return;
+    case Backend::kSlidingWindowReuse:
+      *out << "sliding-window reuse";
+      return;
+  }
 }
 
 void PrintTo(RuntimeCase const& runtimeCase, std::ostream* out) {
@@ -24,7 +52,7 @@ void PrintTo(RuntimeCase const& runtimeCase, std::ostream* out) {
 }
 
 std::string runtimeCaseName(::testing::TestParamInfo<RuntimeCase> const& info) {
-  return std::string(info.param.backend == Backend::kContextReuse ? "reuse_" : "swa_") +
+  return std::string(shortName(info.param.backend)) + "_" +
          std::string(toString(info.param.device));
 }
 
@@ -34,6 +62,14 @@ std::vector<RuntimeCase> allRuntimeCases() {
     for (Backend backend : {Backend::kContextReuse, Backend::kBoundedSwa}) {
       cases.push_back({backend, device});
     }
+  }
+  return cases;
+}
+
+std::vector<RuntimeCase> everyBackendCase() {
+  std::vector<RuntimeCase> cases = allRuntimeCases();
+  for (DeviceType device : {DeviceType::kCPU, DeviceType::kGPU}) {
+    cases.push_back({Backend::kSlidingWindowReuse, device});
   }
   return cases;
 }
@@ -49,12 +85,12 @@ KVCacheRuntimeConfig configFor(Backend backend, DeviceType device) {
   config.deviceType = device;
   if (backend == Backend::kContextReuse) {
     config.model.numFullAttentionLayers = 2;
-    config.contextReuse = true;
   } else {
     config.model.numFullAttentionLayers = 1;
     config.model.numSlidingWindowLayers = 1;
     config.model.slidingWindowTokens = kWindowTokens;
   }
+  config.contextReuse = backend != Backend::kBoundedSwa;
   return config;
 }
 
@@ -96,14 +132,18 @@ int32_t RuntimeRig::heldPages() const {
   for (int32_t page = 0; page < totalPages(); ++page) {
     held += pools.activeRefs(ResourceId{ResourceType::kBaseKvPage, page}) > 0 ? 1 : 0;
   }
+  if (WindowBlockCache const* window = mRuntime->windowBlockCache()) {
+    held += window->heldPages();
+  }
   return held;
 }
 
 bool RuntimeRig::poisoned() const {
+  BoundedSwaKVPageManager const* swa = mRuntime->swaPageManager();
   if (ContextCacheCoordinator const* coordinator = mRuntime->contextCache()) {
-    return coordinator->poisoned();
+    return coordinator->poisoned() || (swa != nullptr && swa->poisoned());
   }
-  return mRuntime->swaPageManager()->poisoned();
+  return swa->poisoned();
 }
 
 int32_t RuntimeRig::activeRequests() const {
@@ -181,6 +221,17 @@ BackendState RuntimeRig::observe() const {
   } else {
     state.quarantinedRequests = runtime.swaPageManager()->quarantinedPageCount();
   }
+  if (WindowBlockCache* window = runtime.windowBlockCache()) {
+    for (PageId page = 0; page < window->totalPages(); ++page) {
+      state.windowPages.push_back(window->holders(page));
+      std::optional<Hash128> const digest = window->index().digestOf(page);
+      state.windowPages.push_back(digest ? static_cast<int64_t>(digest->lo) : 0);
+    }
+    state.windowPages.push_back(window->freePages());
+    state.windowPages.push_back(window->evictablePages());
+    state.windowPages.push_back(window->evictableReadPages());
+    state.windowPages.push_back(runtime.swaPageManager()->quarantinedPageCount());
+  }
   state.synchronizations = mFaults.calls();
   return state;
 }
@@ -210,6 +261,7 @@ void RuntimeRig::expectUnchanged(BackendState const& before, bool ringOrder) con
   EXPECT_EQ(now.records, before.records);
   EXPECT_EQ(now.snapshotRefs, before.snapshotRefs) << "draft pages and snapshot slots";
   EXPECT_EQ(now.liveLeases, before.liveLeases);
+  EXPECT_EQ(now.windowPages, before.windowPages) << "the sliding pool's pages";
   EXPECT_EQ(now.synchronizations, before.synchronizations);
 }
 
@@ -231,6 +283,16 @@ void RuntimeRig::expectIdle() const {
         << "evicting the records would free every cached page";
     for (CacheSlot slot = 0; slot < runtime.config().maxBatchSize; ++slot) {
       EXPECT_EQ(runtime.fullPageTable()->liveEntryCount(slot), 0) << "slot " << slot;
+    }
+    if (WindowBlockCache const* window = runtime.windowBlockCache()) {
+      EXPECT_EQ(runtime.swaPageManager()->quarantinedPageCount(), 0);
+      EXPECT_EQ(runtime.swaPageManager()->activeRequestCount(), 0);
+      EXPECT_EQ(window->heldPages(), 0);
+      EXPECT_EQ(window->freePages() + window->evictablePages(), window->totalPages())
+          << "every sliding page is free or caches a window block";
+      for (CacheSlot slot = 0; slot < runtime.config().maxBatchSize; ++slot) {
+        EXPECT_EQ(runtime.swaPageTable()->liveEntryCount(slot), 0) << "sliding slot " << slot;
+      }
     }
   } else {
     BoundedSwaKVPageManager const& manager = *runtime.swaPageManager();
@@ -345,7 +407,10 @@ void FacadeDriver::executeRowPrefill(std::size_t row) {
     mFullOracle->write(r.resident.slot, r.digests, mRig.boundedSwa() ? 0 : r.prefillStart, length);
   }
   if (mSwaOracle) {
-    mSwaOracle->write(r.resident.slot, r.digests, std::max(0, length - kWindowTokens), length);
+    // Bounded SWA maps the last window only; sliding-window reuse every executed position (its
+    // prompt blocks are published for later hits).
+    int32_t const from = mRig.slidingReuse() ? r.prefillStart : std::max(0, length - kWindowTokens);
+    mSwaOracle->write(r.resident.slot, r.digests, from, length);
   }
   r.materialized = length;
   writeLength(row);

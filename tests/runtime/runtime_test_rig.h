@@ -29,8 +29,9 @@ inline constexpr DecodingKvHeadroom kVanilla{1, 0};
 inline constexpr int32_t kPageTokens = 16;
 inline constexpr int32_t kWindowTokens = 24;  ///< SWA runtime: M = ceil(24 / 16) + 1 = 3
 
-/// The two backends a runtime can hand to ManagedKVCacheRequest::begin.
-enum class Backend : uint8_t { kContextReuse, kBoundedSwa };
+/// The backends a runtime can hand to ManagedKVCacheRequest::begin: context reuse alone, bounded
+/// SWA alone, and both composed (sliding layers with context reuse).
+enum class Backend : uint8_t { kContextReuse, kBoundedSwa, kSlidingWindowReuse };
 std::string backendName(::testing::TestParamInfo<Backend> const& info);
 void PrintTo(Backend backend, std::ostream* out);
 
@@ -51,8 +52,12 @@ struct RuntimeCase {
 void PrintTo(RuntimeCase const& runtimeCase, std::ostream* out);
 /// "reuse_cpu", "swa_gpu", ...
 std::string runtimeCaseName(::testing::TestParamInfo<RuntimeCase> const& info);
-/// Every backend on every device (for ::testing::ValuesIn).
+/// Context reuse and bounded SWA on every device (for ::testing::ValuesIn): the suites whose
+/// expected messages name one backend's checks.
 std::vector<RuntimeCase> allRuntimeCases();
+/// allRuntimeCases plus the composed backend on every device: the suites that hold for any
+/// backend (the fault model, compaction).
+std::vector<RuntimeCase> everyBackendCase();
 
 /// Fixture base of TEST_P suites over RuntimeCase; the kGPU cases skip without a CUDA device.
 class RuntimeCaseTest : public ::testing::TestWithParam<RuntimeCase> {
@@ -60,12 +65,13 @@ class RuntimeCaseTest : public ::testing::TestWithParam<RuntimeCase> {
   void SetUp() override { MKV_SKIP_WITHOUT_DEVICE(device()); }
   Backend backend() const { return GetParam().backend; }
   DeviceType device() const { return GetParam().device; }
-  bool reuse() const { return backend() == Backend::kContextReuse; }
+  bool reuse() const { return backend() != Backend::kBoundedSwa; }
 };
 
 /// Runtimes with 4 resident rows, pages of 16 tokens and 8-byte token rows, on `device`.
 /// kContextReuse: 2 full-attention layers, 64 pages (16 a row). kBoundedSwa: a Gemma-style model,
 /// 1 full layer (identity-mapped) and 1 sliding layer with W = 24 in 4 x (2M + 1) = 28 pages.
+/// kSlidingWindowReuse: the same two layers with reuse on, 64 pages in each pool.
 KVCacheRuntimeConfig configFor(Backend backend, DeviceType device);
 
 using test::concatenated;
@@ -94,6 +100,9 @@ struct BackendState {
   std::vector<uint64_t> records;      ///< context reuse: record ids, LRU to MRU
   std::vector<int32_t> snapshotRefs;  ///< context reuse: active and cache refs of every
                                       ///< draft page and snapshot slot, then free counts
+  /// Sliding-window reuse: the holders and the cached digest (low bits, 0 for none) of every
+  /// page of the sliding pool, then its free, evictable and read-tier counts.
+  std::vector<int64_t> windowPages;
   int32_t liveLeases = 0;
   int64_t synchronizations = 0;
 };
@@ -111,10 +120,12 @@ class RuntimeRig {
   KVCacheRuntime& runtime() { return *mRuntime; }
   SyncFaults& faults() { return mFaults; }
   bool boundedSwa() const { return mRuntime->backend() == KVCacheBackend::kBoundedSwa; }
+  bool slidingReuse() const { return mRuntime->backend() == KVCacheBackend::kSlidingWindowReuse; }
   /// The backend's page pool: base KV pages (coordinator) or SWA pages.
   int32_t freePages() const;
   int32_t totalPages() const;
-  /// Pages that a request holds or quarantines (neither free nor only cached by a record).
+  /// Pages that a request holds or quarantines (neither free nor only cached by a record); with
+  /// sliding-window reuse, those of both pools.
   int32_t heldPages() const;
   bool poisoned() const;
   int32_t activeRequests() const;

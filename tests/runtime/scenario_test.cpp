@@ -427,7 +427,7 @@ TEST_P(ScenarioTest, CancelledRowsAreCompactedAwayAndOnlyFinishedOnesPublish) {
 class CompactionScenarioTest : public RuntimeCaseTest {};
 
 INSTANTIATE_TEST_SUITE_P(Backends, CompactionScenarioTest,
-                         ::testing::ValuesIn(runtime_test::allRuntimeCases()),
+                         ::testing::ValuesIn(runtime_test::everyBackendCase()),
                          runtime_test::runtimeCaseName);
 
 TEST_P(CompactionScenarioTest, ACancelledRowLeavesAndTheSurvivorsKeepTheirRows) {
@@ -456,8 +456,13 @@ TEST_P(CompactionScenarioTest, ACancelledRowLeavesAndTheSurvivorsKeepTheirRows) 
   CacheSlot const survivors[] = {driver.rows[0].resident.slot, driver.rows[2].resident.slot};
   std::vector<int32_t> const rowsBefore[] = {rowOf(survivors[0]), rowOf(survivors[1])};
   int32_t const droppedPages = table.liveEntryCount(dropped);
+  // Sliding-window reuse: the dropped row's window pages in the sliding pool (no other row
+  // shares them: the prompts differ).
+  KVPageTable const* slidingTable = rig.slidingReuse() ? rig.runtime().swaPageTable() : nullptr;
+  int32_t const droppedWindow = slidingTable ? slidingTable->liveEntryCount(dropped) : 0;
   int32_t const held = rig.heldPages();
   ASSERT_GT(droppedPages, 0);
+  ASSERT_EQ(droppedWindow > 0, rig.slidingReuse());
 
   ASSERT_TRUE(driver.compact({0, -1, 1}));
   EXPECT_EQ(table.liveEntryCount(dropped), 0) << "the dropped row is cleared";
@@ -468,8 +473,13 @@ TEST_P(CompactionScenarioTest, ACancelledRowLeavesAndTheSurvivorsKeepTheirRows) 
     // Every sequence decodes in M + 1 pages: the mapped window plus its reserve.
     EXPECT_EQ(held - rig.heldPages(), rig.runtime().swaPageManager()->decodePagesPerSequence());
   } else {
-    EXPECT_EQ(held - rig.heldPages(), droppedPages);
+    // Sliding-window reuse also gives back the dropped row's mapped window pages and its spare.
+    int32_t const droppedSliding = rig.slidingReuse() ? droppedWindow + 1 : 0;
+    EXPECT_EQ(held - rig.heldPages(), droppedPages + droppedSliding);
     EXPECT_EQ(*driver.facade().prefillStarts(), (std::vector<int32_t>{0, 0}));
+  }
+  if (slidingTable != nullptr) {
+    EXPECT_EQ(slidingTable->liveEntryCount(dropped), 0) << "the dropped row's window is cleared";
   }
   EXPECT_EQ(driver.context.activeBatchSize, 2);
   driver.verify();                         // KV and the compacted KV lengths
