@@ -284,6 +284,12 @@ class BoundedSwaKVPageManager {
   /// releases them to the page source). A failed
   /// synchronisation: kPoisoned, the request is quarantined and the handle becomes invalid.
   SwaKVCacheStatus compactBatch(RequestHandle& handle);
+  /// Every check of beginBatchCompaction / compactBatch, without their effects (throws naming
+  /// `call`): for a composed request, whose two halves must both accept before either changes.
+  void checkBeginBatchCompaction(RequestHandle const& handle, std::span<int32_t const> oldToNew,
+                                 int32_t newBatchSize, Tensor const& deviceMapping,
+                                 char const* call) const;
+  void checkCompactBatch(RequestHandle const& handle, char const* call) const;
   /// Synchronises pending work, clears every row and releases all pages (cached mode: to the
   /// page source; quarantined requests keep theirs until shutdown). An invalid handle
   /// (already finished, or quarantined by a failed compaction) is a no-op. kPoisoned when the

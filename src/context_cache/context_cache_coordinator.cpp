@@ -527,19 +527,28 @@ ContextCacheStatus ContextCacheCoordinator::completeDecodeStep(
 
 // ---------------------------------------------------------------- compaction
 
+void ContextCacheCoordinator::checkBeginBatchCompaction(RequestHandle const& handle,
+                                                        std::span<int32_t const> oldToNew,
+                                                        int32_t newBatchSize,
+                                                        Tensor const& deviceMapping,
+                                                        char const* call) const {
+  Request const& req = request(handle, call);
+  MKV_REQUIRE(req.stage == RequestStage::kSettled, call,
+              "compaction needs an executing request with no pending work");
+  detail::validateCompactionMapping(call, oldToNew, req.sequences.size(), newBatchSize);
+  if (hasKv()) {
+    rows().requireLengthBatch(call, static_cast<int32_t>(req.sequences.size()), pairsDraft(req));
+  }
+  detail::validateDeviceMapping(call, deviceMapping, mDevice, oldToNew.size());
+}
+
 void ContextCacheCoordinator::beginBatchCompaction(RequestHandle& handle,
                                                    std::span<int32_t const> oldToNew,
                                                    int32_t newBatchSize, Tensor& deviceMapping) {
   constexpr char const* kCall = "ContextCacheCoordinator::beginBatchCompaction";
+  checkBeginBatchCompaction(handle, oldToNew, newBatchSize, deviceMapping, kCall);
   Request& req = request(handle, kCall);
-  MKV_REQUIRE(req.stage == RequestStage::kSettled, kCall,
-              "compaction needs an executing request with no pending work");
   auto const oldBatch = static_cast<int32_t>(req.sequences.size());
-  detail::validateCompactionMapping(kCall, oldToNew, req.sequences.size(), newBatchSize);
-  if (hasKv()) {
-    rows().requireLengthBatch(kCall, oldBatch, pairsDraft(req));
-  }
-  detail::validateDeviceMapping(kCall, deviceMapping, mDevice, oldToNew.size());
   bool const reshaped = deviceMapping.reshape({oldBatch});
   MKV_ASSERT(reshaped, "deviceMapping reshape failed after the capacity check");
   if (!oldToNew.empty()) {
@@ -553,17 +562,21 @@ void ContextCacheCoordinator::beginBatchCompaction(RequestHandle& handle,
   req.stage = RequestStage::kCompacting;
 }
 
+void ContextCacheCoordinator::checkCompactBatch(RequestHandle const& handle,
+                                                char const* call) const {
+  Request const& req = request(handle, call);
+  MKV_REQUIRE(req.stage == RequestStage::kCompacting, call, "no batch compaction was begun");
+  if (hasKv()) {  // the engine may have resized the tensor since the begin
+    rows().requireLengthBatch(call, static_cast<int32_t>(req.sequences.size()), pairsDraft(req));
+    // The device mapping is read only to compact the length tensors.
+    detail::requireDeviceMappingUnchanged(call, *req.deviceMapping, mDevice, req.mapping.size());
+  }
+}
+
 ContextCacheStatus ContextCacheCoordinator::compactBatch(RequestHandle& handle) {
   constexpr char const* kCall = "ContextCacheCoordinator::compactBatch";
+  checkCompactBatch(handle, kCall);
   Request& req = request(handle, kCall);
-  MKV_REQUIRE(req.stage == RequestStage::kCompacting, kCall, "no batch compaction was begun");
-  if (hasKv()) {  // the engine may have resized the tensor since the begin
-    rows().requireLengthBatch(kCall, static_cast<int32_t>(req.sequences.size()), pairsDraft(req));
-  }
-  // The device mapping is read only to compact the length tensors.
-  if (hasKv()) {
-    detail::requireDeviceMappingUnchanged(kCall, *req.deviceMapping, mDevice, req.mapping.size());
-  }
   // Allocations first: nothing below allocates, so a std::bad_alloc changes nothing.
   std::vector<CacheSlot> dropped;
   dropped.reserve(req.mapping.size());

@@ -210,10 +210,14 @@ bool SlidingReuseRequest::completeDecodeStep(DecodingInferenceContext const& con
 
 bool SlidingReuseRequest::beginBatchCompaction(std::vector<int32_t> const& oldToNew,
                                                int32_t newBatchSize, Tensor& deviceBatchMapping) {
+  constexpr char const* kCall = "SlidingReuseRequest::beginBatchCompaction";
   std::vector<int32_t> pending = oldToNew;  // copied first: nothing fails after the calls
-  // The SWA half validates first (it also checks its length pools' batch); the coordinator
-  // checks the same mapping against the same batch, so neither can refuse after the other
-  // accepted. Both copy the same mapping into deviceBatchMapping.
+  // Each half compacts its own length tensor (the sliding pool's, the full pool's): both halves
+  // check everything before either begins, then both copy the same mapping into
+  // deviceBatchMapping.
+  mManager->checkBeginBatchCompaction(mHandle, oldToNew, newBatchSize, deviceBatchMapping, kCall);
+  mFull.coordinator().checkBeginBatchCompaction(mFull.handle(), oldToNew, newBatchSize,
+                                                deviceBatchMapping, kCall);
   mManager->beginBatchCompaction(mHandle, oldToNew, newBatchSize, deviceBatchMapping);
   mFull.beginBatchCompaction(oldToNew, newBatchSize, deviceBatchMapping);
   mPendingMapping = std::move(pending);
@@ -221,8 +225,11 @@ bool SlidingReuseRequest::beginBatchCompaction(std::vector<int32_t> const& oldTo
 }
 
 bool SlidingReuseRequest::completeBatchCompaction(std::vector<int32_t> const& keepMapping) {
-  detail::requireBegunMapping("SlidingReuseRequest::completeBatchCompaction", mPendingMapping,
-                              keepMapping);
+  constexpr char const* kCall = "SlidingReuseRequest::completeBatchCompaction";
+  detail::requireBegunMapping(kCall, mPendingMapping, keepMapping);
+  // As at the begin: the engine may have resized either half's length tensor since.
+  mManager->checkCompactBatch(mHandle, kCall);
+  mFull.coordinator().checkCompactBatch(mFull.handle(), kCall);
   detail::SharedSynchronizer::Scope const once(mManager->sharedSynchronizer());
   bool const fullOk = mFull.completeBatchCompaction(keepMapping);
   bool const swaOk = swaStatus(mManager->compactBatch(mHandle), "completeBatchCompaction");

@@ -524,18 +524,27 @@ void BoundedSwaKVPageManager::requireLengthBatch(char const* call, Request const
   }
 }
 
+void BoundedSwaKVPageManager::checkBeginBatchCompaction(RequestHandle const& handle,
+                                                        std::span<int32_t const> oldToNew,
+                                                        int32_t newBatchSize,
+                                                        Tensor const& deviceMapping,
+                                                        char const* call) const {
+  Request const& req = request(handle, call);
+  MKV_REQUIRE(req.phase == Phase::kExecuting && req.pending == Pending::kNone, call,
+              "compaction needs an executing request with no pending work");
+  detail::validateCompactionMapping(call, oldToNew, req.sequences.size(), newBatchSize);
+  requireLengthBatch(call, req);
+  detail::validateDeviceMapping(call, deviceMapping, mResources.swaPool->deviceType(),
+                                oldToNew.size());
+}
+
 void BoundedSwaKVPageManager::beginBatchCompaction(RequestHandle& handle,
                                                    std::span<int32_t const> oldToNew,
                                                    int32_t newBatchSize, Tensor& deviceMapping) {
-  constexpr char const* kCall = "BoundedSwaKVPageManager::beginBatchCompaction";
-  Request& req = request(handle, kCall);
-  MKV_REQUIRE(req.phase == Phase::kExecuting && req.pending == Pending::kNone, kCall,
-              "compaction needs an executing request with no pending work");
+  checkBeginBatchCompaction(handle, oldToNew, newBatchSize, deviceMapping,
+                            "BoundedSwaKVPageManager::beginBatchCompaction");
+  Request& req = request(handle, "BoundedSwaKVPageManager::beginBatchCompaction");
   auto const oldBatch = static_cast<int32_t>(req.sequences.size());
-  detail::validateCompactionMapping(kCall, oldToNew, req.sequences.size(), newBatchSize);
-  requireLengthBatch(kCall, req);
-  detail::validateDeviceMapping(kCall, deviceMapping, mResources.swaPool->deviceType(),
-                                oldToNew.size());
   bool const reshaped = deviceMapping.reshape({oldBatch});
   MKV_ASSERT(reshaped, "deviceMapping reshape failed after the capacity check");
   if (!oldToNew.empty()) {
@@ -549,16 +558,22 @@ void BoundedSwaKVPageManager::beginBatchCompaction(RequestHandle& handle,
   req.pending = Pending::kCompaction;
 }
 
-SwaKVCacheStatus BoundedSwaKVPageManager::compactBatch(RequestHandle& handle) {
-  constexpr char const* kCall = "BoundedSwaKVPageManager::compactBatch";
-  Request& req = request(handle, kCall);
-  MKV_REQUIRE(req.pending == Pending::kCompaction, kCall, "no batch compaction was begun");
-  requireLengthBatch(kCall, req);  // the engine may have resized a tensor since the begin
+void BoundedSwaKVPageManager::checkCompactBatch(RequestHandle const& handle,
+                                                char const* call) const {
+  Request const& req = request(handle, call);
+  MKV_REQUIRE(req.pending == Pending::kCompaction, call, "no batch compaction was begun");
+  requireLengthBatch(call, req);  // the engine may have resized a tensor since the begin
   // The device mapping is read only to compact the length pools.
   if (!mResources.lengthPools.empty()) {
-    detail::requireDeviceMappingUnchanged(kCall, *req.deviceMapping,
+    detail::requireDeviceMappingUnchanged(call, *req.deviceMapping,
                                           mResources.swaPool->deviceType(), req.mapping.size());
   }
+}
+
+SwaKVCacheStatus BoundedSwaKVPageManager::compactBatch(RequestHandle& handle) {
+  constexpr char const* kCall = "BoundedSwaKVPageManager::compactBatch";
+  checkCompactBatch(handle, kCall);
+  Request& req = request(handle, kCall);
   // The only allocation comes first, so a std::bad_alloc changes nothing.
   std::vector<CacheSlot> dropped;
   dropped.reserve(req.mapping.size());

@@ -58,14 +58,19 @@ void finishCleanly(RuntimeRig& rig, FacadeDriver& driver) {
 
 class ManagedKVCacheRequestTest : public RuntimeCaseTest {
  protected:
-  /// The fragment the backend's own message holds.
-  std::string_view pick(std::string_view reuseText, std::string_view swaText) const {
+  /// The fragment the backend's own message holds (sliding-window reuse: the coordinator's,
+  /// unless its SWA half checks first and says `slidingText`).
+  std::string_view pick(std::string_view reuseText, std::string_view swaText,
+                        std::string_view slidingText = {}) const {
+    if (backend() == Backend::kSlidingWindowReuse && !slidingText.empty()) {
+      return slidingText;
+    }
     return reuse() ? reuseText : swaText;
   }
 };
 
 INSTANTIATE_TEST_SUITE_P(Backends, ManagedKVCacheRequestTest,
-                         ::testing::ValuesIn(allRuntimeCases()), runtimeCaseName);
+                         ::testing::ValuesIn(everyBackendCase()), runtimeCaseName);
 
 /// The tests bound to one backend, on each device.
 class ManagedKVCacheRequestBeginTest : public test::DeviceTest {};
@@ -289,8 +294,9 @@ TEST_P(ManagedKVCacheRequestTest, CallsOutOfOrderThrowAndChangeNothing) {
   ASSERT_TRUE(driver.prepareDecode());
   expectRejected(rig, "prepareDecodeStep twice", prepareDecode,
                  {"prepareDecodeStep", pick("already prepared", "no pending work")});
-  expectRejected(rig, "beginBatchCompaction during a step", beginCompaction,
-                 {"beginBatchCompaction", pick("still prepared", "no pending work")});
+  expectRejected(
+      rig, "beginBatchCompaction during a step", beginCompaction,
+      {"beginBatchCompaction", pick("still prepared", "no pending work", "no pending work")});
   if (reuse()) {
     expectRejected(rig, "finish during a step", [&] { (void)facade->finish(); },
                    {"ManagedKVCacheRequest::finish", "a decode step is still prepared"});
@@ -340,7 +346,26 @@ TEST_P(ManagedKVCacheRequestTest, ALengthTensorThatDisagreesWithTheBatchFailsThe
                  },
                  {"beginBatchCompaction", "active batch is 1", "has 2 rows"});
   lengths.setActiveBatchSize(2);
-  ASSERT_TRUE(driver.facade().beginBatchCompaction({-1, 0}, 1, driver.deviceMapping));
+  if (KVCachePool* sliding = rig.slidingReuse() ? rig.runtime().swaPool() : nullptr) {
+    // The other half's tensor: both halves check before either begins or completes.
+    sliding->setActiveBatchSize(1);
+    expectRejected(rig, "beginBatchCompaction over a sliding tensor of 1 row",
+                   [&] {
+                     (void)driver.facade().beginBatchCompaction({-1, 0}, 1, driver.deviceMapping);
+                   },
+                   {"beginBatchCompaction", "active batch is 1", "has 2 rows"});
+    sliding->setActiveBatchSize(2);
+    ASSERT_TRUE(driver.facade().beginBatchCompaction({-1, 0}, 1, driver.deviceMapping));
+    sliding->setActiveBatchSize(3);
+    expectRejected(rig, "completeBatchCompaction over a sliding tensor of 3 rows",
+                   [&] {
+                     (void)driver.facade().completeBatchCompaction({-1, 0});
+                   },
+                   {"completeBatchCompaction", "active batch is 3", "has 2 rows"});
+    sliding->setActiveBatchSize(2);
+  } else {
+    ASSERT_TRUE(driver.facade().beginBatchCompaction({-1, 0}, 1, driver.deviceMapping));
+  }
   lengths.setActiveBatchSize(3);  // resized between begin and complete
   expectRejected(rig, "completeBatchCompaction over a tensor of 3 rows",
                  [&] {

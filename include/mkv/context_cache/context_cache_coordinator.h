@@ -344,6 +344,12 @@ class ContextCacheCoordinator {
   /// synchronises, then releases the dropped leases. kPoisoned on a failed synchronisation
   /// (request quarantined, handle invalidated).
   ContextCacheStatus compactBatch(RequestHandle& handle);
+  /// Every check of beginBatchCompaction / compactBatch, without their effects (throws naming
+  /// `call`): for a composed request, whose two halves must both accept before either changes.
+  void checkBeginBatchCompaction(RequestHandle const& handle, std::span<int32_t const> oldToNew,
+                                 int32_t newBatchSize, Tensor const& deviceMapping,
+                                 char const* call) const;
+  void checkCompactBatch(RequestHandle const& handle, char const* call) const;
   /// Synchronises pending work and releases every lease. kPoisoned when the synchronisation fails
   /// (request quarantined) or the coordinator is poisoned, else kOk. An invalid handle (finished,
   /// or quarantined by compactBatch) changes nothing and reports the same way.
