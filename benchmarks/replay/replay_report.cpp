@@ -309,6 +309,12 @@ std::string formatSummary(ReplayResult const& r) {
                      "{} in decode (M + 1); measured in decode: at most {} per running row",
                      r.swaPagesPerSequencePrefill, r.swaPagesPerSequenceDecode,
                      r.swaPeakPagesPerDecodingRow));
+    ReplayResult::WindowCache const& w = r.windowCache;
+    line("sliding window cache",
+         fmt::format("{} blocks published, {} dropped; at the end {} cached, {} of them read by "
+                     "a hit's window",
+                     grouped(w.publishedBlocks), grouped(w.droppedBlocks), grouped(w.cachedBlocks),
+                     grouped(w.readBlocks)));
   }
   if (r.backend == KVCacheBackend::kBoundedSwa) {
     line("SWA pages per sequence",
@@ -421,6 +427,13 @@ std::string formatJson(ReplayResult const& r) {
            ? nlohmann::ordered_json{{"prefill", r.swaPagesPerSequencePrefill},
                                     {"decode", r.swaPagesPerSequenceDecode},
                                     {"decode_peak_per_row", r.swaPeakPagesPerDecodingRow}}
+           : nlohmann::ordered_json(nullptr)},
+      {"sliding_window_cache",
+       r.backend == KVCacheBackend::kSlidingWindowReuse
+           ? nlohmann::ordered_json{{"published_blocks", r.windowCache.publishedBlocks},
+                                    {"dropped_blocks", r.windowCache.droppedBlocks},
+                                    {"cached_blocks", r.windowCache.cachedBlocks},
+                                    {"read_blocks", r.windowCache.readBlocks}}
            : nlohmann::ordered_json(nullptr)},
       {"oracle_checks", r.oracleChecks},
       {"oracle_mismatches", r.oracleMismatches},

@@ -922,6 +922,10 @@ class Runner {
                                          : static_cast<int32_t>(stats.peakSwaPagesPerPrefillRow);
       r.swaPagesPerSequenceDecode = swa->decodePagesPerSequence();
       r.swaPeakPagesPerDecodingRow = stats.peakSwaPagesPerDecodingRow;
+      if (WindowBlockCache const* window = mRuntime->windowBlockCache()) {
+        r.windowCache = {window->publishedBlocks(), window->droppedBlocks(), window->cachedBlocks(),
+                         window->evictableReadPages()};
+      }
     }
     if (!mRuntime->shutdown()) {
       throw std::runtime_error("the runtime's shutdown did not drain its quarantine");

@@ -199,6 +199,13 @@ struct ReplayResult {
   /// Measured: the most SWA pages in use per running row at a decode step, rounded up
   /// (EngineStats::peakSwaPagesPerDecodingRow; exact per sequence with maxBatch 1).
   int64_t swaPeakPagesPerDecodingRow = 0;
+  /// Sliding-window reuse: the sliding pool's window cache (WindowBlockCache) at the end.
+  struct WindowCache {
+    int64_t publishedBlocks = 0;  ///< blocks whose sliding KV was published
+    int64_t droppedBlocks = 0;    ///< cached blocks dropped to free their page
+    int64_t cachedBlocks = 0;     ///< blocks cached at the end
+    int64_t readBlocks = 0;       ///< of them, blocks a hit's window read (dropped last)
+  } windowCache;
   int64_t oracleChecks = 0;
   int64_t oracleMismatches = 0;
   std::string firstMismatch;

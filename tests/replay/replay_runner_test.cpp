@@ -562,6 +562,19 @@ TEST(ReplayRunnerTest, SlidingWindowReuseSplitsAKvBudgetAndStaysCorrectWhenWindo
   EXPECT_GT(result.missesByReason[static_cast<std::size_t>(MissReason::kWindowEvicted)], 0);
   EXPECT_EQ(result.failedRequests, 0);
   EXPECT_EQ(result.oracleMismatches, 0) << result.firstMismatch;
+  // The window cache dropped blocks to make room; what is cached at the end fits its pool.
+  ReplayResult::WindowCache const& window = result.windowCache;
+  EXPECT_GT(window.droppedBlocks, 0);
+  EXPECT_EQ(window.publishedBlocks - window.droppedBlocks, window.cachedBlocks);
+  EXPECT_LE(window.cachedBlocks, sliding.pages);
+  EXPECT_LE(window.readBlocks, window.cachedBlocks);
+  nlohmann::json const json = nlohmann::json::parse(formatJson(result));
+  EXPECT_EQ(json.at("sliding_window_cache"),
+            nlohmann::json({{"published_blocks", window.publishedBlocks},
+                            {"dropped_blocks", window.droppedBlocks},
+                            {"cached_blocks", window.cachedBlocks},
+                            {"read_blocks", window.readBlocks}}));
+  EXPECT_NE(formatSummary(result).find("  sliding window cache      "), std::string::npos);
   config.slidingBudgetShare = 0.001;  // not even one sequence's prefill of sliding pages
   TraceSource again = traceSource(kMooncake500, 60);
   EXPECT_THROW(runReplay(again, config), ReplayConfigError);
@@ -1173,6 +1186,7 @@ TEST(ReplayReportTest, JsonHasEveryFigureAndCsvOneRowPerRequest) {
                           "peak_pages_in_use",
                           "peak_kv_bytes",
                           "swa_pages_per_sequence",
+                          "sliding_window_cache",
                           "kv_budget_bytes",
                           "pools",
                           "kv_bytes",
@@ -1211,6 +1225,7 @@ TEST(ReplayReportTest, JsonHasEveryFigureAndCsvOneRowPerRequest) {
   EXPECT_FALSE(json.contains("kv_events"));  // no publisher
   EXPECT_TRUE(json.at("kv_budget_bytes").is_null());
   EXPECT_TRUE(json.at("swa_pages_per_sequence").is_null());  // not bounded SWA
+  EXPECT_TRUE(json.at("sliding_window_cache").is_null());
   ASSERT_EQ(json.at("pools").size(), 1u);
   EXPECT_EQ(json.at("pools")[0].at("name"), "full");
   EXPECT_EQ(json.at("pools")[0].at("pages"), result.poolPages);
