@@ -233,6 +233,20 @@ WireBatch decodeBatch(std::string const& payload, KvEventEncoding encoding) {
   return batch;
 }
 
+/// Waits until `publisher` has sent every accepted batch, then returns those its replay socket
+/// holds from sequence `start` on, decoded: (sequence number, batch).
+std::vector<std::pair<int64_t, WireBatch>> sentBatches(KvEventPublisher& publisher,
+                                                       KvEventEncoding encoding,
+                                                       uint64_t start = 0) {
+  publisher.flush();
+  Context context;
+  std::vector<std::pair<int64_t, WireBatch>> batches;
+  for (auto const& [sequence, payload] : replayFrom(context, publisher.replayEndpoint(), start)) {
+    batches.emplace_back(sequence, decodeBatch(payload, encoding));
+  }
+  return batches;
+}
+
 // ------------------------------------------------------------------ the tests
 
 BlockStored stored(Hash128 digest, Hash128 parent, int32_t firstToken, Hash128 extras = {}) {
@@ -350,13 +364,10 @@ TEST_P(KvEventWireTest, ChainedStoresShareOneEventAndOthersStartTheirOwn) {
   Hash128 const c{3, 203};
   ASSERT_TRUE(publisher->publish(
       {stored(a, kBlockChainRoot, 1), stored(b, a, 5), stored(c, kBlockChainRoot, 9)}));
-  publisher->flush();
-  Context context;
-  std::vector<std::pair<int64_t, std::string>> const batches =
-      replayFrom(context, publisher->replayEndpoint(), 0);
+  auto const batches = sentBatches(*publisher, GetParam());
   ASSERT_EQ(batches.size(), 1U);
   EXPECT_EQ(batches[0].first, 0) << "sequence numbers start at 0";
-  WireBatch const batch = decodeBatch(batches[0].second, GetParam());
+  WireBatch const& batch = batches[0].second;
   ASSERT_EQ(batch.events.size(), 2U);
   EXPECT_EQ(batch.events[0].hashes, (std::vector<uint64_t>{201, 202}));
   EXPECT_FALSE(batch.events[0].parent.has_value()) << "a first block's parent is nil";
@@ -372,12 +383,9 @@ TEST_P(KvEventWireTest, AllBlocksClearedIsAFieldlessEventBetweenTheOthers) {
   Hash128 const b{2, 302};
   ASSERT_TRUE(publisher->publish({BlockRemoved{a, 0}, AllBlocksCleared{}, AllBlocksCleared{},
                                   stored(b, kBlockChainRoot, 1), BlockRemoved{b, 0}}));
-  publisher->flush();
-  Context context;
-  std::vector<std::pair<int64_t, std::string>> const batches =
-      replayFrom(context, publisher->replayEndpoint(), 0);
+  auto const batches = sentBatches(*publisher, GetParam());
   ASSERT_EQ(batches.size(), 1U);
-  WireBatch const batch = decodeBatch(batches[0].second, GetParam());
+  WireBatch const& batch = batches[0].second;
   std::vector<std::string> types;
   for (WireEvent const& event : batch.events) {
     types.push_back(event.type);
@@ -401,12 +409,9 @@ TEST_P(KvEventWireTest, TheHostTiersEventsCarryItsMediumAndStartTheirOwnEvents) 
   // An offload: removed from the GPU, then stored on the host; then the host drops block a.
   ASSERT_TRUE(publisher->publish({stored(a, kBlockChainRoot, 1), onHost, BlockRemoved{a, 0},
                                   BlockRemoved{b, 7, KvMedium::kCpu}}));
-  publisher->flush();
-  Context context;
-  std::vector<std::pair<int64_t, std::string>> const batches =
-      replayFrom(context, publisher->replayEndpoint(), 0);
+  auto const batches = sentBatches(*publisher, GetParam());
   ASSERT_EQ(batches.size(), 1U);
-  WireBatch const batch = decodeBatch(batches[0].second, GetParam());
+  WireBatch const& batch = batches[0].second;
   ASSERT_EQ(batch.events.size(), 4U) << "a chain or a removal run ends where the medium changes";
   EXPECT_EQ(batch.events[0].medium, "GPU");
   EXPECT_EQ(batch.events[1].type, "BlockStored");
@@ -433,12 +438,9 @@ TEST_P(KvEventWireTest, GroupedEventsCarryVllmsGroupFieldsAndStartTheirOwnEvents
       {inGroup(stored(a, kBlockChainRoot, 1), full), inGroup(stored(b, a, 5, {7, 8}), full),
        inGroup(stored(a, kBlockChainRoot, 1), sliding), inGroup(stored(b, a, 5), sliding),
        BlockRemoved{a, 3, KvMedium::kGpu, sliding}, BlockRemoved{b, 9, KvMedium::kGpu, full}}));
-  publisher->flush();
-  Context context;
-  std::vector<std::pair<int64_t, std::string>> const batches =
-      replayFrom(context, publisher->replayEndpoint(), 0);
+  auto const batches = sentBatches(*publisher, GetParam());
   ASSERT_EQ(batches.size(), 1U);
-  WireBatch const batch = decodeBatch(batches[0].second, GetParam());
+  WireBatch const& batch = batches[0].second;
   ASSERT_EQ(batch.events.size(), 4U) << "a chain or a removal run ends where the group changes";
   WireEvent const& fullChain = batch.events[0];
   EXPECT_EQ(fullChain.hashes, (std::vector<uint64_t>{501, 502}));
@@ -464,9 +466,9 @@ TEST_P(KvEventWireTest, GroupedEventsCarryVllmsGroupFieldsAndStartTheirOwnEvents
 
   // An ungrouped deployment's events keep the short layout.
   ASSERT_TRUE(publisher->publish({stored(a, kBlockChainRoot, 1), BlockRemoved{a, 0}}));
-  publisher->flush();
-  WireBatch const plain =
-      decodeBatch(replayFrom(context, publisher->replayEndpoint(), 1).at(0).second, GetParam());
+  auto const later = sentBatches(*publisher, GetParam(), 1);
+  ASSERT_EQ(later.size(), 1U);
+  WireBatch const& plain = later[0].second;
   ASSERT_EQ(plain.events.size(), 2U);
   EXPECT_EQ(plain.events[0].fieldCount, 7U);
   EXPECT_FALSE(plain.events[0].groupIdx.has_value());
