@@ -95,9 +95,8 @@ ContextCacheCoordinator::ContextCacheCoordinator(ContextCacheConfig const& confi
   if (resources.windowCache != nullptr && config.eventQueueCapacity > 0) {
     // The sliding pool's blocks are group 1 of the same event stream (docs/context_cache.md,
     // "KV events on the wire").
-    resources.windowCache->announceTo(
-        &mManager->eventQueue(),
-        KvCacheGroup{1, KvCacheSpecKind::kSlidingWindow, resources.windowCache->windowTokens()});
+    resources.windowCache->announceTo(&mManager->eventQueue(),
+                                      slidingWindowGroup(resources.windowCache->windowTokens()));
   }
 }
 

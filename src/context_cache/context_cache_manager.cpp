@@ -628,10 +628,7 @@ int32_t ContextCacheManager::dropRecord(RecordId id, bool announce) noexcept {
 }
 
 KvCacheGroup ContextCacheManager::eventGroup() const noexcept {
-  if (mOptions.windowCache == nullptr) {
-    return {};
-  }
-  return KvCacheGroup{0, KvCacheSpecKind::kFullAttention, 0};
+  return mOptions.windowCache != nullptr ? kFullAttentionGroup : KvCacheGroup{};
 }
 
 bool ContextCacheManager::resetPrefixCache() noexcept {

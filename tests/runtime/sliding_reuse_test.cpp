@@ -191,10 +191,10 @@ struct RouterView {
   }
   std::set<Hash128>& blocksOf(KvCacheGroup const& group) {
     if (group.index == 1) {
-      EXPECT_EQ(group, (KvCacheGroup{1, KvCacheSpecKind::kSlidingWindow, kWindow}));
+      EXPECT_EQ(group, slidingWindowGroup(kWindow));
       return sliding;
     }
-    EXPECT_EQ(group, (KvCacheGroup{0, KvCacheSpecKind::kFullAttention, 0}));
+    EXPECT_EQ(group, kFullAttentionGroup);
     return full;
   }
 };

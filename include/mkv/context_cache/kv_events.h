@@ -37,6 +37,13 @@ struct KvCacheGroup {
   friend bool operator==(KvCacheGroup const&, KvCacheGroup const&) = default;
 };
 
+/// The composed backend's two groups: its full-attention layers' blocks, and the windows of its
+/// sliding layers (W = `windowTokens`).
+inline constexpr KvCacheGroup kFullAttentionGroup{0, KvCacheSpecKind::kFullAttention, 0};
+constexpr KvCacheGroup slidingWindowGroup(int32_t windowTokens) noexcept {
+  return {1, KvCacheSpecKind::kSlidingWindow, windowTokens};
+}
+
 /// A block became reusable: `digest` is now indexed on `page` (a page of `medium`: a base KV pool
 /// id, or a host tier page; of the sliding pool for group 1 of the composed backend).
 struct BlockStored {
