@@ -53,6 +53,10 @@ struct CoordinatorSequence {
   ContextCacheLookupPolicy policy = ContextCacheLookupPolicy::kUseCache;
   int32_t promptLength = 0;
   int32_t reuseTokenLength = 0;
+  // Composed backend: prompt tokens the full layers matched beyond reuseTokenLength, refused
+  // because the sliding layers' window before them was not cached (the plan's
+  // windowLimitedTokens). Their end is a point where a hit happened: its window is kept.
+  int32_t windowLimitedTokens = 0;
   int32_t committed = 0;        // tokens with materialised KV
   int32_t publishedBlocks = 0;  // full blocks already published
   bool joined = true;           // false: admitted in flight, not finalised yet
@@ -141,6 +145,7 @@ inline CoordinatorSequence admittedSequence(ContextCacheSequenceAdmission const&
   state.policy = policy;
   state.promptLength = static_cast<int32_t>(admission.tokenIds.size());
   state.reuseTokenLength = acquired.plan.reuseTokenLength;
+  state.windowLimitedTokens = acquired.plan.windowLimitedTokens;
   state.committed = acquired.plan.reuseTokenLength;
   return state;
 }

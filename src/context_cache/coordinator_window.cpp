@@ -71,6 +71,12 @@ int32_t ContextCacheCoordinator::publishWindowBlocks(RequestHandle const& handle
   for (std::size_t i = 0; i < pages.size(); ++i) {
     published += window.publish(pages[i], blocks, firstBlock + static_cast<int32_t>(i)) ? 1 : 0;
   }
+  // A lookup of this row found the full layers' prefix up to hitEnd but not the window before it:
+  // keep the window this prefill recomputed there for the next hit at that point.
+  int32_t const hitEnd = (sequence.reuseTokenLength + sequence.windowLimitedTokens) / page;
+  if (sequence.windowLimitedTokens > 0 && hitEnd > firstBlock && hitEnd <= end) {
+    (void)window.keepWindowBefore(blocks, hitEnd);
+  }
   return published;
 }
 

@@ -142,6 +142,31 @@ bool WindowBlockCache::publish(PageId page, PromptBlocks const& blocks, int32_t 
   return true;
 }
 
+int32_t WindowBlockCache::keepWindowBefore(PromptBlocks const& blocks, int32_t endBlock) {
+  constexpr char const* kCall = "WindowBlockCache::keepWindowBefore";
+  checkBlocks(kCall, blocks);
+  MKV_REQUIRE(endBlock >= 0 && endBlock <= blocks.fullBlockCount(), kCall,
+              "window end block {} outside [0, {}]", endBlock, blocks.fullBlockCount());
+  int32_t marked = 0;
+  for (int32_t block = std::max(0, endBlock - mWindowBlocks); block < endBlock; ++block) {
+    if (!cachesBlock(blocks, block)) {
+      continue;
+    }
+    PageId const page = *mIndex.find(blocks.keys[static_cast<std::size_t>(block)]);
+    auto const slot = static_cast<std::size_t>(page);
+    if (mWasRead[slot] != 0) {
+      continue;
+    }
+    if (mHolders[slot] == 0) {  // cached, nobody holds it: move it between the release orders
+      mUnread.unlink(mLinks, page);
+      mRead.pushNewest(mLinks, page);
+    }
+    mWasRead[slot] = 1;
+    ++marked;
+  }
+  return marked;
+}
+
 std::string WindowBlockCache::toPrometheus(std::string_view prefix) const {
   detail::PrometheusWriter w("WindowBlockCache::toPrometheus", prefix);
   w.gauge("sliding_pool_pages", "Pages of the sliding-window layers' pool.", totalPages());

@@ -25,8 +25,9 @@ namespace mkv {
 /// sequences whose window maps it) or cached: indexed under a prompt block's digest with no
 /// holder, and dropped for good (unindexed, handed out) when allocate() needs a page and no free
 /// one is left. A cached page that a new window maps is held again (and leaves the order) until
-/// released; from then on it is a *read* block. The victim order: unread blocks, least recently
-/// released first, then read ones, least recently released first.
+/// released; from then on it is a *read* block, as are the blocks keepWindowBefore() marks. The
+/// victim order: unread blocks, least recently released first, then read ones, least recently
+/// released first.
 ///
 /// The hit rule of the composed backend: a prefix of k blocks (page-aligned at k * P tokens) is
 /// reusable by the sliding layers when the blocks of the window before it, [max(0, k -
@@ -60,6 +61,14 @@ class WindowBlockCache final : public SwaPageSource {
   /// for a page out of range or not held, a page indexed under another digest, or a block out of
   /// range. Strong exception guarantee.
   bool publish(PageId page, PromptBlocks const& blocks, int32_t block);
+  /// Moves the cached blocks of the window before block `endBlock` of `blocks`, [max(0, endBlock -
+  /// windowBlocks()), endBlock), to the read tier as if a hit had read them: a held block joins
+  /// it at its release, one nobody holds becomes its newest. For a point where a lookup found the
+  /// full layers' prefix but not its window: hits recur at such points, and the window that miss
+  /// recomputed is what the next hit there needs. Blocks not cached (or failing verification)
+  /// are skipped. Returns how many blocks were newly marked. Throws (nothing changed) for blocks
+  /// hashed with another page size or endBlock outside [0, blocks.fullBlockCount()].
+  int32_t keepWindowBefore(PromptBlocks const& blocks, int32_t endBlock);
   /// Drops every cached block (a cache reset): pages nobody holds become free, held pages stay
   /// held and unindexed. Returns how many blocks were dropped. Announces nothing: the reset that
   /// calls it sends one AllBlocksCleared for both pools.
@@ -120,8 +129,9 @@ class WindowBlockCache final : public SwaPageSource {
   /// windows hits do read must not be flushed by the next long prompt.
   SlotList mUnread;
   SlotList mRead;
-  std::vector<uint8_t> mWasRead;  ///< per page: a hit's window mapped its block
-  std::vector<PageId> mFree;      ///< a min-heap: the lowest free id is handed out first
+  std::vector<uint8_t>
+      mWasRead;               ///< per page: a hit's window mapped its block, or a lookup wanted it
+  std::vector<PageId> mFree;  ///< a min-heap: the lowest free id is handed out first
   std::vector<int32_t> mHolders;
   int32_t mHeldPages = 0;
   KvEventQueue* mEvents = nullptr;  ///< where publications and drops are announced, or null

@@ -232,6 +232,47 @@ TEST_F(WindowBlockCacheTest, BlocksAHitReadAreDroppedAfterEveryUnreadOne) {
   EXPECT_EQ(mCache.evictableReadPages(), 0);
 }
 
+TEST_F(WindowBlockCacheTest, KeepWindowBeforeMovesTheWindowToTheReadTier) {
+  std::vector<PageId> const pages = allocated(mCache, 8);  // the whole pool: nothing free
+  for (int32_t b = 0; b < 4; ++b) {
+    ASSERT_TRUE(mCache.publish(pages[static_cast<std::size_t>(b)], mBlocks, b));
+  }
+  mCache.release(pages[0]);  // cached, nobody holds it
+  mCache.release(pages[1]);
+  // The window before block 3 is blocks [1, 3) (2 blocks): block 1 is cached and released,
+  // block 2 still held by the prefill that recomputed it.
+  EXPECT_EQ(mCache.keepWindowBefore(mBlocks, 3), 2);
+  EXPECT_EQ(mCache.evictableReadPages(), 1) << "block 1 moved between the orders";
+  EXPECT_EQ(mCache.keepWindowBefore(mBlocks, 3), 0) << "already kept";
+  mCache.release(pages[2]);  // joins the read tier at its release
+  mCache.release(pages[3]);  // block 3 is outside the window: unread
+  EXPECT_EQ(mCache.evictableReadPages(), 2);
+  // Unread blocks 0 and 3 go first (least recently released first), then the kept window.
+  EXPECT_EQ(allocated(mCache, 4), (std::vector<PageId>{pages[0], pages[3], pages[1], pages[2]}));
+  EXPECT_EQ(takeDropped(), (std::vector<Hash128>{mBlocks.keys[0], mBlocks.keys[3], mBlocks.keys[1],
+                                                 mBlocks.keys[2]}));
+}
+
+TEST_F(WindowBlockCacheTest, KeepWindowBeforeSkipsBlocksNotCachedAndChecksItsArguments) {
+  PageId const page = cacheBlock(mOtherBlocks, 1);  // another prompt's block 1
+  CacheState const before = stateOf(mCache);
+  EXPECT_EQ(mCache.keepWindowBefore(mBlocks, 2), 0) << "neither block of the window is cached";
+  EXPECT_EQ(mCache.keepWindowBefore(mBlocks, 0), 0) << "an empty window";
+  EXPECT_TRUE(throwsError([&] { (void)mCache.keepWindowBefore(mBlocks, 7); },
+                          {"WindowBlockCache::keepWindowBefore", "window end block 7"}));
+  EXPECT_TRUE(throwsError([&] { (void)mCache.keepWindowBefore(mBlocks, -1); },
+                          {"WindowBlockCache::keepWindowBefore", "-1"}));
+  std::vector<int32_t> const tokens = tokenRun(16, 0);
+  PromptBlocks const wide = hashPromptBlocks(viewOf(tokens), 8);
+  EXPECT_TRUE(throwsError([&] { (void)mCache.keepWindowBefore(wide, 1); },
+                          {"WindowBlockCache::keepWindowBefore", "page size 8"}));
+  EXPECT_EQ(stateOf(mCache), before);
+  EXPECT_EQ(mCache.evictableReadPages(), 0);
+  EXPECT_EQ(mCache.keepWindowBefore(mOtherBlocks, 2), 1);
+  EXPECT_EQ(mCache.evictableReadPages(), 1);
+  EXPECT_EQ(mCache.holders(page), 0);
+}
+
 TEST_F(WindowBlockCacheTest, PublicationsAndDropsAreAnnouncedWhenTheyHappen) {
   PageId const first = allocated(mCache, 1).at(0);
   ASSERT_TRUE(mCache.publish(first, mBlocks, 0));
@@ -374,7 +415,8 @@ TEST_F(WindowedPrefixTest, ArgumentContracts) {
 // ---------------------------------------------------------------------------------------------
 // Property test: random operations against a model of the pool.
 
-/// The model: holders, digest (block number) and whether a window read it, per page; the release
+/// The model: holders, digest (block number) and whether a window read it (or keepWindowBefore
+/// kept it), per page; the release
 /// orders of cached pages nobody holds (unread ones drop first, then read ones); and the events
 /// the cache must have announced, in order.
 struct PoolModel {
@@ -448,6 +490,23 @@ struct PoolModel {
         block[static_cast<std::size_t>(page)] >= 0) {
       orderOf(page).push_back(page);
     }
+  }
+  /// keepWindowBefore(blocks, end) with a window of `window` blocks; returns the blocks marked.
+  int32_t keepWindowBefore(int32_t end, int32_t window) {
+    int32_t marked = 0;
+    for (int32_t b = std::max(0, end - window); b < end; ++b) {
+      std::optional<PageId> const page = pageOf(b);
+      if (!page || read[static_cast<std::size_t>(*page)] != 0) {
+        continue;
+      }
+      if (holders[static_cast<std::size_t>(*page)] == 0) {
+        released.erase(std::find(released.begin(), released.end(), *page));
+        releasedRead.push_back(*page);
+      }
+      read[static_cast<std::size_t>(*page)] = 1;
+      ++marked;
+    }
+    return marked;
   }
   void clear() {
     for (PageId p = 0; p < static_cast<PageId>(block.size()); ++p) {
@@ -536,7 +595,10 @@ TEST(WindowBlockCachePropertyTest, RandomOperationsMatchTheModel) {
         holdings.erase(holdings.begin() + static_cast<std::ptrdiff_t>(i));
         model.release(page);
         cache.release(page);
-      } else if (op < 95 && !holdings.empty()) {
+      } else if (op >= 90 && op < 95) {
+        int32_t const end = std::uniform_int_distribution<int32_t>(0, 16)(rng);
+        ASSERT_EQ(cache.keepWindowBefore(blocks, end), model.keepWindowBefore(end, 3));
+      } else if (op < 90 && !holdings.empty()) {
         PageId const page = pick(holdings);
         int32_t const b = std::uniform_int_distribution<int32_t>(0, 15)(rng);
         int32_t const current = model.block[static_cast<std::size_t>(page)];

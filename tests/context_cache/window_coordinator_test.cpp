@@ -146,6 +146,40 @@ TEST_F(WindowCoordinatorTest, TheWindowRuleCapsAHitWhoseWindowWasDropped) {
   EXPECT_EQ(mCoordinator.finish(handle), ContextCacheStatus::kOk);
 }
 
+TEST_F(WindowCoordinatorTest, TheWindowACappedHitRecomputedIsKeptForTheNextHitThere) {
+  publishPrompt({4, 0, 1, 2, 3, 5});
+  dropOldestWindowBlocks(1);  // block 4: a hit at block 6 is capped at block 4
+  int32_t start = -1;
+  Handle second = admit(mPrompt, 1, start);
+  ASSERT_EQ(start, 4 * kPage);
+  std::vector<PageId> const reused = mCoordinator.reusedWindowPages(second, 0);  // blocks 2, 3
+  for (PageId page : reused) {
+    mWindow.hold(page);  // the composed request maps the reused window
+  }
+  prefill(second, mPrompt);
+  std::vector<PageId> computed;  // blocks 4 and 5, recomputed
+  ASSERT_TRUE(mWindow.allocate(2, computed));
+  EXPECT_EQ(mCoordinator.publishWindowBlocks(second, 0, 4, computed), 1)
+      << "block 5 is still cached on the first request's page";
+  for (PageId page : computed) {
+    mWindow.release(page);
+  }
+  for (PageId page : reused) {
+    mWindow.release(page);
+  }
+  EXPECT_EQ(mCoordinator.finish(second), ContextCacheStatus::kOk);
+  // The window before the point the lookup wanted (blocks 4 and 5) is kept with the window the
+  // hit read (blocks 2 and 3); only blocks 0 and 1 are unread.
+  EXPECT_EQ(mWindow.evictablePages(), 6);
+  EXPECT_EQ(mWindow.evictableReadPages(), 4);
+  dropOldestWindowBlocks(2);
+  Handle third = admit(mPrompt, 2, start);
+  EXPECT_EQ(start, 6 * kPage) << "the next hit at block 6 finds its window";
+  EXPECT_EQ(mCoordinator.reusedWindowPages(third, 0).size(), 2U);
+  EXPECT_EQ(windowMisses(), 1U);
+  EXPECT_EQ(mCoordinator.finish(third), ContextCacheStatus::kOk);
+}
+
 TEST_F(WindowCoordinatorTest, ACappedFullInputRewindBecomesAStandardPlan) {
   std::vector<int32_t> const aligned(mPrompt.begin(), mPrompt.begin() + 6 * kPage);
   int32_t start = -1;
