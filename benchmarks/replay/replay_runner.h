@@ -59,7 +59,7 @@ struct ReplayConfig {
   bool slidingReuse = false;
   /// slidingReuse with --kv-budget-bytes: the share of the budget that buys sliding pages (the
   /// rest buys full-pool pages); docs/replay.md, "KV budget".
-  double slidingBudgetShare = 0.7;
+  double slidingBudgetShare = 0.5;
   int32_t kvHeads = 1;
   int32_t headDim = 8;
   DataType dtype = DataType::kFloat16;
