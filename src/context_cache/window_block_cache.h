@@ -129,9 +129,8 @@ class WindowBlockCache final : public SwaPageSource {
   /// windows hits do read must not be flushed by the next long prompt.
   SlotList mUnread;
   SlotList mRead;
-  std::vector<uint8_t>
-      mWasRead;               ///< per page: a hit's window mapped its block, or a lookup wanted it
-  std::vector<PageId> mFree;  ///< a min-heap: the lowest free id is handed out first
+  std::vector<uint8_t> mWasRead;  ///< per page: a hit's window mapped it, or a lookup wanted it
+  std::vector<PageId> mFree;      ///< a min-heap: the lowest free id is handed out first
   std::vector<int32_t> mHolders;
   int32_t mHeldPages = 0;
   KvEventQueue* mEvents = nullptr;  ///< where publications and drops are announced, or null
