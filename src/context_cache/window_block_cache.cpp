@@ -164,6 +164,7 @@ int32_t WindowBlockCache::keepWindowBefore(PromptBlocks const& blocks, int32_t e
     mWasRead[slot] = 1;
     ++marked;
   }
+  mKeptBlocks += marked;
   return marked;
 }
 
@@ -180,6 +181,9 @@ std::string WindowBlockCache::toPrometheus(std::string_view prefix) const {
           evictableReadPages());
   w.counter("sliding_window_published_blocks_total", "Blocks whose sliding KV was published.",
             mPublishedBlocks);
+  w.counter("sliding_window_kept_blocks_total",
+            "Cached sliding blocks kept in the read tier for the point a capped lookup wanted.",
+            mKeptBlocks);
   w.counter("sliding_window_dropped_blocks_total",
             "Cached sliding blocks dropped to free their page.", mDroppedBlocks);
   return w.take();

@@ -87,9 +87,11 @@ class WindowBlockCache final : public SwaPageSource {
   int64_t droppedBlocks() const noexcept { return mDroppedBlocks; }
   /// Blocks newly indexed by publish since construction.
   int64_t publishedBlocks() const noexcept { return mPublishedBlocks; }
+  /// Blocks keepWindowBefore moved to the read tier since construction.
+  int64_t keptBlocks() const noexcept { return mKeptBlocks; }
   /// The sliding pool in the Prometheus text format, names starting `prefix` + "sliding_":
   /// gauges of its pages (total, free, held), cached blocks and the read tier, counters of
-  /// published and dropped blocks. Throws for a prefix that is not a metric-name prefix.
+  /// published, kept and dropped blocks. Throws for a prefix that is not a metric-name prefix.
   std::string toPrometheus(std::string_view prefix) const;
 
   // SwaPageSource.
@@ -137,6 +139,7 @@ class WindowBlockCache final : public SwaPageSource {
   KvCacheGroup mEventGroup{};
   int64_t mDroppedBlocks = 0;
   int64_t mPublishedBlocks = 0;
+  int64_t mKeptBlocks = 0;
 };
 
 }  // namespace mkv

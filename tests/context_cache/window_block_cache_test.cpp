@@ -244,6 +244,7 @@ TEST_F(WindowBlockCacheTest, KeepWindowBeforeMovesTheWindowToTheReadTier) {
   EXPECT_EQ(mCache.keepWindowBefore(mBlocks, 3), 2);
   EXPECT_EQ(mCache.evictableReadPages(), 1) << "block 1 moved between the orders";
   EXPECT_EQ(mCache.keepWindowBefore(mBlocks, 3), 0) << "already kept";
+  EXPECT_EQ(mCache.keptBlocks(), 2);
   mCache.release(pages[2]);  // joins the read tier at its release
   mCache.release(pages[3]);  // block 3 is outside the window: unread
   EXPECT_EQ(mCache.evictableReadPages(), 2);
@@ -427,6 +428,7 @@ struct PoolModel {
   std::deque<PageId> releasedRead;  ///< read, oldest first
   /// (stored?, block): a publication that indexed a block, or an allocation that dropped one.
   std::vector<std::pair<bool, int32_t>> events;
+  int64_t kept = 0;  ///< blocks keepWindowBefore marked, over the run
 
   explicit PoolModel(int32_t capacity)
       : holders(static_cast<std::size_t>(capacity), 0),
@@ -506,6 +508,7 @@ struct PoolModel {
       read[static_cast<std::size_t>(*page)] = 1;
       ++marked;
     }
+    kept += marked;
     return marked;
   }
   void clear() {
@@ -544,6 +547,7 @@ void expectMatchesModel(WindowBlockCache const& cache, PoolModel const& model,
   ASSERT_EQ(cache.availablePages(), cache.freePages() + evictable);
   ASSERT_EQ(static_cast<int32_t>(model.evictable()), evictable);
   ASSERT_EQ(cache.evictableReadPages(), static_cast<int32_t>(model.releasedRead.size()));
+  ASSERT_EQ(cache.keptBlocks(), model.kept);
 }
 
 TEST(WindowBlockCachePropertyTest, RandomOperationsMatchTheModel) {

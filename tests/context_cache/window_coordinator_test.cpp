@@ -329,6 +329,7 @@ TEST_F(WindowCoordinatorTest, ThePrometheusTextCarriesTheSlidingPool) {
         "engine_sliding_pool_held_pages 0\n", "engine_sliding_window_cached_blocks 6\n",
         "engine_sliding_window_read_blocks 0\n", "engine_sliding_window_published_blocks_total 6\n",
         "engine_sliding_window_dropped_blocks_total 0\n",
+        "engine_sliding_window_kept_blocks_total 0\n",
         "# TYPE engine_sliding_window_dropped_blocks_total counter\n"}) {
     EXPECT_NE(text.find(line), std::string::npos) << line << text;
   }

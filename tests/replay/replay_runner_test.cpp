@@ -568,12 +568,15 @@ TEST(ReplayRunnerTest, SlidingWindowReuseSplitsAKvBudgetAndStaysCorrectWhenWindo
   EXPECT_EQ(window.publishedBlocks - window.droppedBlocks, window.cachedBlocks);
   EXPECT_LE(window.cachedBlocks, sliding.pages);
   EXPECT_LE(window.readBlocks, window.cachedBlocks);
+  EXPECT_GT(window.keptBlocks, 0) << "capped hits recomputed windows that are kept";
+  EXPECT_LE(window.keptBlocks, window.publishedBlocks);
   nlohmann::json const json = nlohmann::json::parse(formatJson(result));
   EXPECT_EQ(json.at("sliding_window_cache"),
             nlohmann::json({{"published_blocks", window.publishedBlocks},
                             {"dropped_blocks", window.droppedBlocks},
                             {"cached_blocks", window.cachedBlocks},
-                            {"read_blocks", window.readBlocks}}));
+                            {"read_blocks", window.readBlocks},
+                            {"kept_blocks", window.keptBlocks}}));
   EXPECT_NE(formatSummary(result).find("  sliding window cache      "), std::string::npos);
   config.slidingBudgetShare = 0.001;  // not even one sequence's prefill of sliding pages
   TraceSource again = traceSource(kMooncake500, 60);
