@@ -311,10 +311,10 @@ std::string formatSummary(ReplayResult const& r) {
                      r.swaPeakPagesPerDecodingRow));
     ReplayResult::WindowCache const& w = r.windowCache;
     line("sliding window cache",
-         fmt::format("{} blocks published, {} dropped; at the end {} cached, {} of them read by "
-                     "a hit's window",
-                     grouped(w.publishedBlocks), grouped(w.droppedBlocks), grouped(w.cachedBlocks),
-                     grouped(w.readBlocks)));
+         fmt::format("{} blocks published, {} dropped, {} kept for capped hits' points; at the "
+                     "end {} cached, {} of them in the read tier",
+                     grouped(w.publishedBlocks), grouped(w.droppedBlocks), grouped(w.keptBlocks),
+                     grouped(w.cachedBlocks), grouped(w.readBlocks)));
   }
   if (r.backend == KVCacheBackend::kBoundedSwa) {
     line("SWA pages per sequence",
@@ -433,7 +433,8 @@ std::string formatJson(ReplayResult const& r) {
            ? nlohmann::ordered_json{{"published_blocks", r.windowCache.publishedBlocks},
                                     {"dropped_blocks", r.windowCache.droppedBlocks},
                                     {"cached_blocks", r.windowCache.cachedBlocks},
-                                    {"read_blocks", r.windowCache.readBlocks}}
+                                    {"read_blocks", r.windowCache.readBlocks},
+                                    {"kept_blocks", r.windowCache.keptBlocks}}
            : nlohmann::ordered_json(nullptr)},
       {"oracle_checks", r.oracleChecks},
       {"oracle_mismatches", r.oracleMismatches},

@@ -924,7 +924,7 @@ class Runner {
       r.swaPeakPagesPerDecodingRow = stats.peakSwaPagesPerDecodingRow;
       if (WindowBlockCache const* window = mRuntime->windowBlockCache()) {
         r.windowCache = {window->publishedBlocks(), window->droppedBlocks(), window->cachedBlocks(),
-                         window->evictableReadPages()};
+                         window->evictableReadPages(), window->keptBlocks()};
       }
     }
     if (!mRuntime->shutdown()) {

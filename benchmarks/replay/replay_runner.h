@@ -59,7 +59,7 @@ struct ReplayConfig {
   bool slidingReuse = false;
   /// slidingReuse with --kv-budget-bytes: the share of the budget that buys sliding pages (the
   /// rest buys full-pool pages); docs/replay.md, "KV budget".
-  double slidingBudgetShare = 0.5;
+  double slidingBudgetShare = 0.45;
   int32_t kvHeads = 1;
   int32_t headDim = 8;
   DataType dtype = DataType::kFloat16;
@@ -205,6 +205,7 @@ struct ReplayResult {
     int64_t droppedBlocks = 0;    ///< cached blocks dropped to free their page
     int64_t cachedBlocks = 0;     ///< blocks cached at the end
     int64_t readBlocks = 0;       ///< of them, blocks a hit's window read (dropped last)
+    int64_t keptBlocks = 0;  ///< blocks kept in the read tier for a point a capped lookup wanted
   } windowCache;
   int64_t oracleChecks = 0;
   int64_t oracleMismatches = 0;
