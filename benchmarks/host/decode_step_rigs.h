@@ -290,6 +290,98 @@ class ReuseDecodeRig {
   std::optional<ManagedKVCacheRequest> mManaged;
 };
 
+/// Sliding-window reuse (the composed backend) through the facade, with ReuseDecodeRig's full
+/// half exactly (page 16, verification on, rows of 16k tokens, a 512-token prompt per row,
+/// decode headroom only: every 16th step grows every row by one full page) plus one sliding layer
+/// of W = 1024 tokens (M = 65): the same steps map a sliding page and, once the window is full,
+/// retire one. Both pools hold every row at full length, so no step drops a cached block. Against
+/// BM_FacadeReuseDecodeStep with growth the ratio is what the sliding half adds to a step.
+class SlidingReuseDecodeRig {
+ public:
+  static constexpr int32_t kPage = 16;
+  static constexpr int32_t kWindow = 1024;
+  static constexpr int32_t kPrompt = 512;
+  static constexpr int32_t kMaxSequence = 16384;
+
+  SlidingReuseDecodeRig(int32_t batch, DeviceType device = DeviceType::kCPU) {
+    KVCacheRuntimeConfig config = benchRuntimeConfig(batch, kMaxSequence, kPage, device);
+    config.model.numFullAttentionLayers = 1;
+    config.model.numSlidingWindowLayers = 1;
+    config.model.slidingWindowTokens = kWindow;
+    config.contextReuse = true;
+    config.numPages = batch * (kMaxSequence / kPage + 8);
+    mRuntime = KVCacheRuntime::create(config);
+    if (mRuntime->backend() != KVCacheBackend::kSlidingWindowReuse) {
+      throw std::runtime_error("SlidingReuseDecodeRig: the runtime did not select sliding reuse");
+    }
+    mResidents = acquireResidents(*mRuntime, batch);
+    for (int32_t i = 0; i < batch; ++i) {
+      mPrompts.push_back(randomTokens(kPrompt, 100 + static_cast<uint64_t>(i)));
+    }
+    start();
+  }
+  ~SlidingReuseDecodeRig() { stop(); }
+  SlidingReuseDecodeRig(SlidingReuseDecodeRig const&) = delete;
+  SlidingReuseDecodeRig& operator=(SlidingReuseDecodeRig const&) = delete;
+
+  void step() {
+    if (kPrompt + mSteps + kPage + 2 > kMaxSequence) {
+      stop();
+      start();
+    }
+    bool ok = mManaged->prepareDecodeStep(mContext, kDecodeHeadroom);
+    for (auto& generated : mContext.generatedTokenIds) {
+      generated.push_back(kDecodeToken);
+    }
+    ok = mManaged->completeDecodeStep(mContext, {}) && ok;
+    if (!ok) {
+      throw std::runtime_error("SlidingReuseDecodeRig: a decode step failed");
+    }
+    ++mSteps;
+  }
+
+ private:
+  void start() {
+    mSteps = 0;
+    mContext = engineContext(mPrompts, mResidents);
+    mContext.stream = mRuntime->config().stream;
+    auto begun = ManagedKVCacheRequest::begin(
+        mRuntime->contextCache(), mRuntime->swaPageManager(), LLMGenerationRequest{}, mContext,
+        false, kDecodeHeadroom, DecodingTokenStateContract::kCommittedPlusLookahead,
+        ContextCacheCommitPolicy::kIncludingGeneratedTokens);
+    if (!begun) {
+      throw std::runtime_error("SlidingReuseDecodeRig: admission failed");
+    }
+    mManaged = std::make_unique<ManagedKVCacheRequest>(std::move(*begun));
+    std::vector<int32_t> executed;
+    for (int32_t start : *mManaged->prefillStarts()) {
+      executed.push_back(kPrompt - start);  // a later cycle reuses its prompts' blocks
+    }
+    if (!mManaged->preparePrefill() || !mManaged->prepareSwaPrefill(executed)) {
+      throw std::runtime_error("SlidingReuseDecodeRig: prefill preparation failed");
+    }
+    for (auto& generated : mContext.generatedTokenIds) {
+      generated.push_back(kDecodeToken);  // the lookahead token sampled by prefill
+    }
+    mManaged->completePrefill(mContext, {});
+  }
+  void stop() {
+    if (mManaged) {
+      mManaged->finish();
+      mManaged.reset();
+    }
+  }
+
+  std::unique_ptr<KVCacheRuntime> mRuntime;
+  std::vector<std::vector<int32_t>> mPrompts;
+  int64_t mSteps = 0;
+  std::vector<ResidentRef> mResidents;
+  DecodingInferenceContext mContext;
+  // A pointer, not std::optional: g++ 12 -O3 warns (maybe-uninitialized) inside the optional's
+  // variant when this rig is inlined into the benchmark loop.
+  std::unique_ptr<ManagedKVCacheRequest> mManaged;
+};
+
 /// Runs one rig step per iteration; a failure (exception) skips the benchmark with its message.
 template <typename Rig, typename... Args>
 void runDecodeSteps(benchmark::State& state, int32_t batch, Args&&... args) {

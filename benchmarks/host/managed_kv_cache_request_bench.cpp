@@ -3,6 +3,8 @@
 // Compare with the same rigs driving the backends directly, in the same run:
 // BM_CoordinatorDecodeStep (context_cache_coordinator_bench.cpp) and BM_SwaDecodeStep
 // (bounded_swa_kv_page_manager_bench.cpp); the difference is the facade's overhead.
+// BM_FacadeSlidingReuseDecodeStep is the composed backend with BM_FacadeReuseDecodeStep's full
+// half (growth on) plus a sliding layer: their ratio is what the sliding half adds to a step.
 
 #include <benchmark/benchmark.h>
 
@@ -20,7 +22,7 @@ void BM_FacadeReuseDecodeStep(benchmark::State& state) {
 }
 BENCHMARK(BM_FacadeReuseDecodeStep)
     ->ArgNames({"batch", "growth"})
-    ->ArgsProduct({{64, 256, 1024}, {0, 1}})
+    ->ArgsProduct({{4, 64, 256, 1024}, {0, 1}})
     ->Unit(benchmark::kMicrosecond);
 
 void BM_FacadeSwaDecodeStep(benchmark::State& state) {
@@ -28,6 +30,17 @@ void BM_FacadeSwaDecodeStep(benchmark::State& state) {
 }
 BENCHMARK(BM_FacadeSwaDecodeStep)
     ->ArgName("batch")
+    ->Arg(64)
+    ->Arg(256)
+    ->Arg(1024)
+    ->Unit(benchmark::kMicrosecond);
+
+void BM_FacadeSlidingReuseDecodeStep(benchmark::State& state) {
+  runDecodeSteps<SlidingReuseDecodeRig>(state, static_cast<int32_t>(state.range(0)));
+}
+BENCHMARK(BM_FacadeSlidingReuseDecodeStep)
+    ->ArgName("batch")
+    ->Arg(4)
     ->Arg(64)
     ->Arg(256)
     ->Arg(1024)
