@@ -294,7 +294,8 @@ class ReuseDecodeRig {
 /// half exactly (page 16, verification on, rows of 16k tokens, a 512-token prompt per row,
 /// decode headroom only: every 16th step grows every row by one full page) plus one sliding layer
 /// of W = 1024 tokens (M = 65): the same steps map a sliding page and, once the window is full,
-/// retire one. Both pools hold every row at full length, so no step drops a cached block. Against
+/// retire one. The full pool holds every row at full length, the sliding pool every row's window
+/// and prompt blocks, so no step drops a cached block. Against
 /// BM_FacadeReuseDecodeStep with growth the ratio is what the sliding half adds to a step.
 class SlidingReuseDecodeRig {
  public:
@@ -310,6 +311,10 @@ class SlidingReuseDecodeRig {
     config.model.slidingWindowTokens = kWindow;
     config.contextReuse = true;
     config.numPages = batch * (kMaxSequence / kPage + 8);
+    // The sliding pool a deployment would size: each row's decode window (M + 1) and its cached
+    // prompt blocks, with a margin, but at least the one-sequence minimum the runtime requires.
+    int32_t const perRow = kWindow / kPage + 2 + kPrompt / kPage + 8;
+    config.numSwaPages = std::max(batch * perRow, kMaxSequence / kPage + 1 + kWindow / kPage);
     mRuntime = KVCacheRuntime::create(config);
     if (mRuntime->backend() != KVCacheBackend::kSlidingWindowReuse) {
       throw std::runtime_error("SlidingReuseDecodeRig: the runtime did not select sliding reuse");
