@@ -665,6 +665,38 @@ TEST_P(KVPageTableTest, ChecksDetectBrokenRowsAndUploadsRefuseThem) {
   }
 }
 
+// A sparse row's upload check finds a repeated page through a small set on the stack for ranges
+// of up to 128 entries and through a page-indexed array beyond: both sides of the boundary, rows
+// whose pages collide in the small set's hash, and a repeat at either end of the range.
+TEST_P(KVPageTableTest, SparseUploadsFindARepeatedPageInShortAndLongRows) {
+  constexpr int32_t kWide = 320;
+  constexpr int32_t kManyPages = 128 * 256 + 1;
+  for (int32_t const length : {2, 127, 128, 129, 300}) {
+    for (int32_t const stride : {1, 256}) {  // 256: ids that all share their low byte
+      SCOPED_TRACE(::testing::Message() << "length " << length << " stride " << stride);
+      KVPageTable table(1, kWide, kManyPages, Mode::kSparseWindow, device());
+      std::vector<int32_t> pages;
+      for (int32_t i = 0; i < length; ++i) {
+        pages.push_back((i * stride) % kManyPages);
+      }
+      table.setRow(0, pages);
+      ASSERT_TRUE(table.upload(nullptr)) << "distinct pages are a valid row";
+      for (int32_t const at : {length - 1, 0}) {
+        int32_t const other = at == 0 ? length - 1 : 0;
+        KVPageTable broken(1, kWide, kManyPages, Mode::kSparseWindow, device());
+        broken.setRow(0, pages);
+        ASSERT_TRUE(broken.upload(nullptr));
+        int32_t const repeated = pages[static_cast<std::size_t>(other)];
+        KVPageTableTestPeer::poke(broken, 0, 0, at, repeated);
+        KVPageTableTestPeer::poke(broken, 0, 1, at, repeated + kManyPages);
+        std::string const fragment = fmt::format("page {} is live more than once", repeated);
+        EXPECT_TRUE(throwsError([&] { broken.uploadDirty(nullptr); },
+                                {"KVPageTable::uploadDirty", "broken table", fragment}));
+      }
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Devices, KVPageTableTest, test::allDeviceTypes(), test::deviceName);
 
 // ---------------------------------------------------------------- property test
