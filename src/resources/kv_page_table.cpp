@@ -1,7 +1,6 @@
 #include "mkv/kv_page_table.h"
 
 #include <algorithm>
-#include <array>
 #include <limits>
 #include <optional>
 #include <span>
@@ -215,47 +214,6 @@ void KVPageTable::validateRowPages(char const* call, CacheSlot slot,
   }
 }
 
-namespace {
-
-/// Sparse ranges up to this many entries (a sliding window's row) find a repeated page in a small
-/// open-addressing set on the stack instead of the page-indexed generation array: the set stays
-/// in L1, while the array (4 bytes a page of the pool) is touched at random.
-constexpr int32_t kShortSparseRange = 128;
-constexpr uint32_t kShortSetSlots = 256;  // a power of two, twice the range: short probe runs
-
-/// rowLooksValid's sparse pass over [first, last) (at most kShortSparseRange entries).
-bool shortSparseRowLooksValid(int32_t const* k, int32_t const* v, int32_t first, int32_t last,
-                              int32_t recorded, int32_t numPages) {
-  std::array<int32_t, kShortSetSlots> set;
-  set.fill(kNoPage);
-  bool bad = false;
-  int32_t live = 0;
-  for (int32_t i = first; i < last; ++i) {
-    int32_t const kPage = k[i];
-    int32_t const vPage = v[i];
-    if (kPage == kNoPage) {
-      bad |= vPage != kNoPage;
-      continue;
-    }
-    if (kPage < 0 || kPage >= numPages || vPage != kPage + numPages) {
-      return false;
-    }
-    // Fibonacci hashing of the page id; linear probing.
-    uint32_t slot = (static_cast<uint32_t>(kPage) * 0x9E3779B1U) >> 24U;
-    while (set[slot] != kNoPage) {
-      if (set[slot] == kPage) {
-        return false;  // live twice in this row
-      }
-      slot = (slot + 1) & (kShortSetSlots - 1);
-    }
-    set[slot] = kPage;
-    ++live;
-  }
-  return !bad && live == recorded;
-}
-
-}  // namespace
-
 bool KVPageTable::rowLooksValid(CacheSlot slot, int32_t first, int32_t last) const {
   auto const width = static_cast<std::size_t>(mMaxPagesPerSeq);
   int32_t const* const k = mHost.data() + static_cast<std::size_t>(slot) * 2 * width;
@@ -275,9 +233,6 @@ bool KVPageTable::rowLooksValid(CacheSlot slot, int32_t first, int32_t last) con
                           : (kPage != kNoPage || vPage != kNoPage);
     }
     return !bad;
-  }
-  if (last - first <= kShortSparseRange) {
-    return shortSparseRowLooksValid(k, v, first, last, recorded, mNumPages);
   }
   if (++mSeenGeneration == 0) {  // wrapped: forget every earlier pass
     std::fill(mPageSeen.begin(), mPageSeen.end(), 0U);

@@ -665,9 +665,8 @@ TEST_P(KVPageTableTest, ChecksDetectBrokenRowsAndUploadsRefuseThem) {
   }
 }
 
-// A sparse row's upload check finds a repeated page through a small set on the stack for ranges
-// of up to 128 entries and through a page-indexed array beyond: both sides of the boundary, rows
-// whose pages collide in the small set's hash, and a repeat at either end of the range.
+// A sparse row's upload check finds a repeated page in rows of 2 to 300 live entries, with page
+// ids spread out or sharing their low byte, the repeat at either end of the row.
 TEST_P(KVPageTableTest, SparseUploadsFindARepeatedPageInShortAndLongRows) {
   constexpr int32_t kWide = 320;
   constexpr int32_t kManyPages = 128 * 256 + 1;
