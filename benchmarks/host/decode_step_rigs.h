@@ -55,6 +55,16 @@ inline DecodingInferenceContext engineContext(std::vector<std::vector<int32_t>> 
   return context;
 }
 
+/// One decode step through the facade as ReferenceEngine drives it: prepare, the token sampled for
+/// every row appended to the context, complete. False when either call reports a failure.
+inline bool facadeDecodeStep(ManagedKVCacheRequest& managed, DecodingInferenceContext& context) {
+  bool const prepared = managed.prepareDecodeStep(context, kDecodeHeadroom);
+  for (auto& generated : context.generatedTokenIds) {
+    generated.push_back(kDecodeToken);
+  }
+  return managed.completeDecodeStep(context, {}) && prepared;
+}
+
 /// Bounded SWA, Gemma-3-like window: W = 1024 tokens, page 16 (M = 65), sequences up to 32k
 /// tokens (2048 logical pages per table row). Prompt lengths are spread over [2048, 4096) so that
 /// in every step about 1/16 of the rows map a page and 1/16 retire one, as in a real batch.
@@ -91,11 +101,7 @@ class SwaDecodeRig {
     }
     bool ok = true;
     if (mFacade) {
-      ok = mManaged->prepareDecodeStep(mContext, kDecodeHeadroom);
-      for (auto& generated : mContext.generatedTokenIds) {
-        generated.push_back(kDecodeToken);
-      }
-      ok = mManaged->completeDecodeStep(mContext, {}) && ok;
+      ok = facadeDecodeStep(*mManaged, mContext);
     } else {
       BoundedSwaKVPageManager& manager = *mRuntime->swaPageManager();
       ok = manager.prepareDecodeStep(*mHandle) == SwaKVCacheStatus::kOk;
@@ -201,11 +207,7 @@ class ReuseDecodeRig {
     uint64_t const growthsBefore = coordinator.counters().pageGrowths;
     bool ok = true;
     if (mFacade) {
-      ok = mManaged->prepareDecodeStep(mContext, kDecodeHeadroom);
-      for (auto& generated : mContext.generatedTokenIds) {
-        generated.push_back(kDecodeToken);
-      }
-      ok = mManaged->completeDecodeStep(mContext, {}) && ok;
+      ok = facadeDecodeStep(*mManaged, mContext);
     } else {
       int32_t const committed = kPrompt + static_cast<int32_t>(mSteps) + 1;
       for (ContextCacheSequenceAdvance& advance : mAdvances) {
@@ -334,12 +336,7 @@ class SlidingReuseDecodeRig {
       stop();
       start();
     }
-    bool ok = mManaged->prepareDecodeStep(mContext, kDecodeHeadroom);
-    for (auto& generated : mContext.generatedTokenIds) {
-      generated.push_back(kDecodeToken);
-    }
-    ok = mManaged->completeDecodeStep(mContext, {}) && ok;
-    if (!ok) {
+    if (!facadeDecodeStep(*mManaged, mContext)) {
       throw std::runtime_error("SlidingReuseDecodeRig: a decode step failed");
     }
     ++mSteps;
