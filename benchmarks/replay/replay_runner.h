@@ -204,8 +204,8 @@ struct ReplayResult {
     int64_t publishedBlocks = 0;  ///< blocks whose sliding KV was published
     int64_t droppedBlocks = 0;    ///< cached blocks dropped to free their page
     int64_t cachedBlocks = 0;     ///< blocks cached at the end
-    int64_t readBlocks = 0;       ///< of them, blocks a hit's window read (dropped last)
-    int64_t keptBlocks = 0;  ///< blocks kept in the read tier for a point a capped lookup wanted
+    int64_t readBlocks = 0;       ///< of them, read by a hit's window or kept (dropped last)
+    int64_t keptBlocks = 0;       ///< blocks moved to the read tier for a capped lookup's point
   } windowCache;
   int64_t oracleChecks = 0;
   int64_t oracleMismatches = 0;
