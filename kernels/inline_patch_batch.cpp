@@ -6,6 +6,7 @@
 #include "core/check.h"
 #include "kernel_params.h"
 #include "mkv/kernels.h"
+#include "patch_ring.h"
 
 namespace mkv::kernels {
 namespace {
@@ -19,6 +20,16 @@ InlinePatchBatch::InlinePatchBatch() {
   mRanges.reserve(static_cast<std::size_t>(kMaxInlinePatchValues / (kHeaderPerRange + 1)));
   mValues.reserve(static_cast<std::size_t>(kMaxInlinePatchValues));
 }
+
+InlinePatchBatch::InlinePatchBatch(DeviceType deviceType) : InlinePatchBatch() {
+  if (deviceType == DeviceType::kGPU) {
+    mRing = std::make_unique<detail::PatchRing>();
+  }
+}
+
+InlinePatchBatch::~InlinePatchBatch() = default;
+InlinePatchBatch::InlinePatchBatch(InlinePatchBatch&& other) noexcept = default;
+InlinePatchBatch& InlinePatchBatch::operator=(InlinePatchBatch&& other) noexcept = default;
 
 int32_t InlinePatchBatch::findTarget(int32_t* base) const {
   for (int32_t t = 0; t < mNumTargets; ++t) {
@@ -81,15 +92,11 @@ void InlinePatchBatch::add(char const* call, Tensor& dst, int64_t offset,
   mValues.insert(mValues.end(), values.begin(), values.end());
 }
 
-void InlinePatchBatch::flush(cudaStream_t stream) {
-  if (empty()) {
-    return;
-  }
+void InlinePatchBatch::fillLaunch(detail::Int32InlinePatchLaunch& launch) {
   // The launch groups ranges by target; within a batch no two ranges overlap, so the order in
   // which they are applied does not matter.
   std::sort(mRanges.begin(), mRanges.end(),
             [](Range const& a, Range const& b) { return a.target < b.target; });
-  detail::Int32InlinePatchLaunch launch{};
   auto const numRanges = static_cast<int32_t>(mRanges.size());
   int32_t valueStart = kHeaderPerRange * numRanges;
   for (int32_t r = 0; r < numRanges; ++r) {
@@ -99,18 +106,38 @@ void InlinePatchBatch::flush(cudaStream_t stream) {
     launch.patch[kHeaderPerRange * r + 2] = valueStart;
     std::copy_n(mValues.begin() + range.valueStart, range.count, launch.patch + valueStart);
     valueStart += range.count;
-    launch.targetRangeEnd[range.target] = r + 1;
   }
   for (int32_t t = 0; t < mNumTargets; ++t) {
     launch.dst[t] = mTargets[t];
     launch.dstNumel[t] = mTargetNumel[t];
+    launch.targetRangeEnd[t] = 0;
+  }
+  for (int32_t r = 0; r < numRanges; ++r) {
+    launch.targetRangeEnd[mRanges[static_cast<std::size_t>(r)].target] = r + 1;
   }
   launch.numTargets = mNumTargets;
   launch.numRanges = numRanges;
   launch.patchNumel = valueStart;
+}
+
+void InlinePatchBatch::flush(cudaStream_t stream) {
+  constexpr char const* kCall = "InlinePatchBatch::flush";
+  if (empty()) {
+    return;
+  }
   // A launch that fails throws here and keeps the queue: the writes are retried by the next
   // flush, so a table that counts them as uploaded still reaches the device.
-  detail::runInt32InlinePatch(mDeviceType, "InlinePatchBatch::flush", launch, stream);
+  detail::Int32InlinePatchLaunch* const slot =
+      mRing != nullptr && mDeviceType == DeviceType::kGPU ? mRing->acquire(stream) : nullptr;
+  if (slot != nullptr) {
+    fillLaunch(*slot);
+    mRing->launch(kCall, stream);
+    ++mRingLaunches;
+  } else {
+    detail::Int32InlinePatchLaunch launch{};
+    fillLaunch(launch);
+    detail::runInt32InlinePatch(mDeviceType, kCall, launch, stream);
+  }
   discard();
   ++mLaunches;
 }

@@ -158,6 +158,19 @@ struct Int32InlinePatchLaunch {
   int32_t patch[kMaxInlinePatchValues];
 };
 static_assert(sizeof(Int32InlinePatchLaunch) <= 4096, "kernel parameters are limited to 4 KiB");
+static_assert(sizeof(Int32InlinePatchLaunch) % 16 == 0, "ring slots are read as 16-byte vectors");
+
+/// The parameters of the graph that applies inline patches from a ring (kernels/patch_ring.h):
+/// `slots` are numSlots Int32InlinePatchLaunch in mapped pinned host memory, `executions` a
+/// mapped host word counting the graph's executions so far. Execution e reads slot
+/// e % numSlots into shared memory, then stores e + 1 into `executions` (the host reuses a slot
+/// once the count has passed it) and applies the patch. numSlots is a power of two, so the
+/// slot sequence survives the 32-bit counter wrapping.
+struct Int32RingPatchLaunch {
+  Int32InlinePatchLaunch const* slots;
+  uint32_t* executions;
+  uint32_t numSlots;
+};
 
 // Host reference twins: synchronous, same semantics bit for bit.
 void copyPagesHost(CopyPagesLaunch const& launch);
@@ -179,6 +192,15 @@ cudaError_t copyRowsCuda(CopyRowsLaunch const& launch, cudaStream_t stream);
 cudaError_t zeroRowsCuda(ZeroRowsLaunch const& launch, cudaStream_t stream);
 cudaError_t applyInt32PatchCuda(Int32PatchLaunch const& launch, cudaStream_t stream);
 cudaError_t applyInt32InlinePatchCuda(Int32InlinePatchLaunch const& launch, cudaStream_t stream);
+/// Builds and instantiates the one-kernel graph of `ring` on the current device; `*graphExec`
+/// receives the cudaGraphExec_t. destroyInt32RingPatchGraph releases it (null: nothing).
+cudaError_t createInt32RingPatchGraph(Int32RingPatchLaunch const& ring, void** graphExec);
+void destroyInt32RingPatchGraph(void* graphExec) noexcept;
+/// One cudaGraphLaunch of a graph made by createInt32RingPatchGraph. Launches of one graph run
+/// in launch order, whatever their streams (CUDA's rule for one executable graph).
+cudaError_t launchInt32RingPatchGraph(void* graphExec, cudaStream_t stream);
+/// Whether `stream` is capturing a graph now (cudaStreamIsCapturing).
+cudaError_t streamIsCapturing(cudaStream_t stream, bool* capturing);
 // Each loads every instantiation of its file's kernels on the current device (loadKernels()).
 cudaError_t loadCopyPagesKernels();
 cudaError_t loadCompactBatchKernels();

@@ -3,6 +3,7 @@ list(APPEND MKV_LIBRARY_SOURCES
   ${CMAKE_CURRENT_LIST_DIR}/launchers.cpp
   ${CMAKE_CURRENT_LIST_DIR}/host_reference.cpp
   ${CMAKE_CURRENT_LIST_DIR}/inline_patch_batch.cpp
+  ${CMAKE_CURRENT_LIST_DIR}/patch_ring.cpp
 )
 if(MKV_WITH_CUDA)
   list(APPEND MKV_LIBRARY_SOURCES

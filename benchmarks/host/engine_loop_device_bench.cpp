@@ -206,6 +206,41 @@ BENCHMARK(BM_InlinePatchLaunch)
     ->ArgsProduct({{4, 64, 384, 1000}, {0, 1}})
     ->Unit(benchmark::kMicrosecond);
 
+/// The engine thread's cost of one InlinePatchBatch flush of `values` entries (add, then flush),
+/// with the batch's ring (a graph launch reading a mapped host slot, as the backends' batches
+/// do on the GPU) or without (the inline kernel launch of BM_InlinePatchLaunch), side by side in
+/// one run. The stream is drained outside the timing every 32 flushes, so a slot is always free
+/// (counter ring_share: the flushes that went through the ring).
+void BM_InlinePatchBatchFlush(benchmark::State& state) {
+  DeviceType const device = deviceArg(state, 2);
+  if (skipWithoutDevice(state, device)) {
+    return;
+  }
+  auto const values = static_cast<std::size_t>(state.range(0));
+  bool const withRing = state.range(1) != 0;
+  cudaStream_t const stream = benchStream(device);
+  Tensor table({4096}, DataType::kInt32, device);
+  std::vector<int32_t> const row(values, 7);
+  kernels::InlinePatchBatch batch =
+      withRing ? kernels::InlinePatchBatch(device) : kernels::InlinePatchBatch();
+  for (auto _ : state) {
+    batch.add("BM_InlinePatchBatchFlush", table, 0, row, stream);
+    batch.flush(stream);
+    if (batch.launches() % 32 == 0) {
+      state.PauseTiming();
+      drain(stream);
+      state.ResumeTiming();
+    }
+  }
+  drain(stream);
+  state.counters["ring_share"] =
+      static_cast<double>(batch.ringLaunches()) / static_cast<double>(batch.launches());
+}
+BENCHMARK(BM_InlinePatchBatchFlush)
+    ->ArgNames({"values", "ring", "gpu"})
+    ->ArgsProduct({{4, 64, 384, 997}, {0, 1}, {0, 1}})
+    ->Unit(benchmark::kMicrosecond);
+
 void BM_EngineReuseDecodeStep(benchmark::State& state) {
   DeviceType const device = deviceArg(state, 1);
   if (skipWithoutDevice(state, device)) {

@@ -15,6 +15,7 @@
 /// staging them, and CPU launches throw for them.
 
 #include <cstdint>
+#include <memory>
 #include <span>
 #include <vector>
 
@@ -23,6 +24,11 @@
 #include "mkv/types.h"
 
 namespace mkv::kernels {
+
+namespace detail {
+struct Int32InlinePatchLaunch;
+class PatchRing;
+}  // namespace detail
 
 /// Most layers one copyPages call addresses (the per-layer pointer table travels in the
 /// kernel's parameters, so no descriptor upload is needed).
@@ -154,7 +160,20 @@ void applyInt32InlinePatch(Tensor& dst, std::span<int32_t const> patch, int32_t 
 /// Reserves its storage at construction: add() and flush() never allocate. Not thread-safe.
 class InlinePatchBatch {
  public:
+  /// GPU flushes launch the inline kernel (4-5 µs of host time each on the H200).
   InlinePatchBatch();
+  /// For kGPU, also creates a ring of patch slots in mapped pinned memory and a one-kernel graph
+  /// that reads them, on the current device: a GPU flush then writes its patch into a free slot
+  /// and launches the graph (about half the host cost of a kernel launch), and launches the
+  /// inline kernel only when every slot is still to be read or the stream is capturing a graph.
+  /// The graph's launches run in launch order, whatever their streams: give the batch one
+  /// stream. Allocates and synchronises the device: construct with the owner. kCPU: as above.
+  explicit InlinePatchBatch(DeviceType deviceType);
+  ~InlinePatchBatch();
+  InlinePatchBatch(InlinePatchBatch&& other) noexcept;
+  InlinePatchBatch& operator=(InlinePatchBatch&& other) noexcept;
+  InlinePatchBatch(InlinePatchBatch const&) = delete;
+  InlinePatchBatch& operator=(InlinePatchBatch const&) = delete;
 
   /// Queues dst[offset + j] = values[j] for every j < values.size(). dst must be int32 and of the
   /// same device as the writes already queued; [offset, offset + values.size()) must lie inside
@@ -189,6 +208,8 @@ class InlinePatchBatch {
   bool empty() const noexcept { return mRanges.empty(); }
   /// Launches (host-twin applications on kCPU) made so far.
   int64_t launches() const noexcept { return mLaunches; }
+  /// Of those, the ones made through the ring (graph launches).
+  int64_t ringLaunches() const noexcept { return mRingLaunches; }
 
  private:
   struct Range {
@@ -201,6 +222,8 @@ class InlinePatchBatch {
   bool overlapsQueued(int32_t* base, int64_t offset, int64_t count) const;
   /// Index of dst among the queued targets, or -1.
   int32_t findTarget(int32_t* base) const;
+  /// Writes the queued ranges, grouped by target, into `launch` (every field a kernel reads).
+  void fillLaunch(detail::Int32InlinePatchLaunch& launch);
 
   int32_t* mTargets[kMaxInlinePatchTargets] = {};
   int64_t mTargetNumel[kMaxInlinePatchTargets] = {};
@@ -209,6 +232,8 @@ class InlinePatchBatch {
   std::vector<Range> mRanges;
   std::vector<int32_t> mValues;
   int64_t mLaunches = 0;
+  int64_t mRingLaunches = 0;
+  std::unique_ptr<detail::PatchRing> mRing;  // kGPU batches made with a device type
 };
 
 /// Loads every kernel of the library on the current CUDA device now. CUDA's lazy loading would

@@ -69,6 +69,7 @@ ContextCacheCoordinator::ContextCacheCoordinator(ContextCacheConfig const& confi
   detail::DeploymentLayout const layout = detail::validateDeployment(config, profile, resources);
   mMaxBatch = layout.maxBatch;
   mDevice = layout.device;
+  mDeviceWrites = kernels::InlinePatchBatch(mDevice);
   if (!mSynchronizer) {
     mSynchronizer = defaultStreamSynchronizer(mDevice);
   }

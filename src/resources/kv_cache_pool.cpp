@@ -54,6 +54,7 @@ KVCachePool::KVCachePool(KVCachePoolConfig const& config) : mConfig(config) {
   MKV_ASSERT(viewed, "an empty view always fits");
   mLengthUploads =
       std::make_unique<detail::Int32UploadRegions>(1, config.maxBatchSize, config.deviceType);
+  mLengthWrites = kernels::InlinePatchBatch(config.deviceType);
   if (config.deviceType == DeviceType::kGPU) {
     int64_t const lengthBytes = sizeof(int32_t);
     int64_t const workspaceBytes =

@@ -171,6 +171,7 @@ KVPageTable::KVPageTable(int32_t maxBatch, int32_t maxPagesPerSeq, int32_t numPa
     detail::synchronizeDevice();
   }
   mStaging = std::make_unique<detail::Int32Staging>(capacity, deviceType);
+  mOwnWrites = kernels::InlinePatchBatch(deviceType);
 }
 
 KVPageTable::~KVPageTable() = default;

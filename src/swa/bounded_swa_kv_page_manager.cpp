@@ -128,6 +128,7 @@ BoundedSwaKVPageManager::BoundedSwaKVPageManager(BoundedSwaConfig const& config,
     }
   }
   mResidentBusy.assign(static_cast<std::size_t>(table.maxBatch()), 0);
+  mDeviceWrites = kernels::InlinePatchBatch(pool.deviceType());
   mMappingUploads = std::make_unique<detail::Int32UploadRegions>(table.maxBatch(), table.maxBatch(),
                                                                  pool.deviceType());
 }

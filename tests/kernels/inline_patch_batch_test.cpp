@@ -1,5 +1,7 @@
 // kernels::InlinePatchBatch: writes to several tensors in one launch, with the effect of
-// applying them one by one in the order they were added.
+// applying them one by one in the order they were added. Every batch here but one is made for
+// its device, so on the GPU it launches through its ring (tests/gpu/patch_ring_test.cpp covers
+// the ring's own cases: wrapping, a full ring, stream capture).
 #include <gtest/gtest.h>
 
 #include <random>
@@ -24,7 +26,7 @@ TEST_P(InlinePatchBatchTest, WritesSeveralTensorsInOneLaunchAndNothingElse) {
   Tensor table = test::int32Tensor(tableModel, device());
   Tensor lengths = test::int32Tensor(lengthModel, device());
   Tensor draft = test::int32Tensor(draftModel, device());
-  kernels::InlinePatchBatch batch;
+  kernels::InlinePatchBatch batch(device());
   std::vector<int32_t> const row{3, 4, 5};
   std::vector<int32_t> const rowLengths{128, 7};
   batch.add(kCall, table, 2, row, nullptr);
@@ -49,7 +51,7 @@ TEST_P(InlinePatchBatchTest, AnOverlappingWriteLandsAfterTheOneBeforeIt) {
   // A second tensor viewing the upper half of the same memory: overlap is found by address.
   Tensor upperHalf =
       Tensor::view(table.dataPointer<int32_t>() + 8, {8}, DataType::kInt32, device());
-  kernels::InlinePatchBatch batch;
+  kernels::InlinePatchBatch batch(device());
   batch.add(kCall, table, 6, std::vector<int32_t>{1, 1, 1, 1}, nullptr);  // entries 6..9
   batch.add(kCall, table, 8, std::vector<int32_t>{2}, nullptr);           // overlaps: flushes
   EXPECT_EQ(batch.launches(), 1);
@@ -69,7 +71,7 @@ TEST_P(InlinePatchBatchTest, AnOverlappingWriteLandsAfterTheOneBeforeIt) {
 
 TEST_P(InlinePatchBatchTest, FlushesFirstWhenTheValuesOrTheTargetsAreFull) {
   Tensor big = test::int32Tensor(std::vector<int32_t>(2000, 0), device());
-  kernels::InlinePatchBatch batch;
+  kernels::InlinePatchBatch batch(device());
   std::vector<int32_t> const block(600, 5);
   batch.add(kCall, big, 0, block, nullptr);
   EXPECT_EQ(batch.launches(), 0);
@@ -99,7 +101,7 @@ TEST_P(InlinePatchBatchTest, FlushesFirstWhenTheValuesOrTheTargetsAreFull) {
 TEST_P(InlinePatchBatchTest, RejectsABadWriteAndKeepsWhatWasQueued) {
   Tensor table = test::int32Tensor(std::vector<int32_t>(8, -1), device());
   Tensor floats({8}, DataType::kFloat32, device());
-  kernels::InlinePatchBatch batch;
+  kernels::InlinePatchBatch batch(device());
   batch.add(kCall, table, 0, std::vector<int32_t>{9}, nullptr);
   EXPECT_TRUE(throwsError([&] { batch.add(kCall, floats, 0, std::vector<int32_t>{1}, nullptr); },
                           {kCall, "must be int32"}));
@@ -129,7 +131,7 @@ TEST_P(InlinePatchBatchTest, RejectsABadWriteAndKeepsWhatWasQueued) {
 
 TEST_P(InlinePatchBatchTest, FlushAfterAppliesWhatWasQueuedWhenTheQueueingThrows) {
   Tensor table = test::int32Tensor(std::vector<int32_t>(4, 0), device());
-  kernels::InlinePatchBatch batch;
+  kernels::InlinePatchBatch batch(device());
   EXPECT_THROW(batch.flushAfter(nullptr,
                                 [&] {
                                   batch.add(kCall, table, 0, std::vector<int32_t>{7}, nullptr);
@@ -146,34 +148,43 @@ TEST_P(InlinePatchBatchTest, FlushAfterAppliesWhatWasQueuedWhenTheQueueingThrows
 }
 
 TEST_P(InlinePatchBatchTest, RandomWritesMatchApplyingThemOneByOne) {
-  std::mt19937_64 rng(20261203);
-  constexpr int32_t kTensors = 6;
-  constexpr int32_t kSize = 300;
-  std::vector<std::vector<int32_t>> models(kTensors, std::vector<int32_t>(kSize, 0));
-  std::vector<Tensor> tensors;
-  for (auto const& model : models) {
-    tensors.push_back(test::int32Tensor(model, device()));
-  }
-  kernels::InlinePatchBatch batch;
-  for (int32_t op = 0; op < 2000; ++op) {
-    auto const t = static_cast<std::size_t>(rng() % kTensors);
-    auto const count = static_cast<int32_t>(1 + rng() % 40);
-    auto const offset = static_cast<int32_t>(rng() % static_cast<uint64_t>(kSize - count + 1));
-    std::vector<int32_t> values(static_cast<std::size_t>(count));
-    for (int32_t& value : values) {
-      value = static_cast<int32_t>(rng() % 1000);
+  // With and without a ring: on the GPU the ring's graph launches and the inline launches it
+  // hands over to when the GPU lags must interleave in order.
+  for (bool const withRing : {false, true}) {
+    SCOPED_TRACE(withRing ? "with a ring" : "inline launches only");
+    std::mt19937_64 rng(20261203);
+    constexpr int32_t kTensors = 6;
+    constexpr int32_t kSize = 300;
+    std::vector<std::vector<int32_t>> models(kTensors, std::vector<int32_t>(kSize, 0));
+    std::vector<Tensor> tensors;
+    for (auto const& model : models) {
+      tensors.push_back(test::int32Tensor(model, device()));
     }
-    batch.add(kCall, tensors[t], offset, values, nullptr);
-    std::copy(values.begin(), values.end(), models[t].begin() + offset);
-    if (rng() % 16 == 0) {
-      batch.flush(nullptr);
+    kernels::InlinePatchBatch batch =
+        withRing ? kernels::InlinePatchBatch(device()) : kernels::InlinePatchBatch();
+    for (int32_t op = 0; op < 2000; ++op) {
+      auto const t = static_cast<std::size_t>(rng() % kTensors);
+      auto const count = static_cast<int32_t>(1 + rng() % 40);
+      auto const offset = static_cast<int32_t>(rng() % static_cast<uint64_t>(kSize - count + 1));
+      std::vector<int32_t> values(static_cast<std::size_t>(count));
+      for (int32_t& value : values) {
+        value = static_cast<int32_t>(rng() % 1000);
+      }
+      batch.add(kCall, tensors[t], offset, values, nullptr);
+      std::copy(values.begin(), values.end(), models[t].begin() + offset);
+      if (rng() % 16 == 0) {
+        batch.flush(nullptr);
+      }
+    }
+    batch.flush(nullptr);
+    for (std::size_t t = 0; t < models.size(); ++t) {
+      EXPECT_EQ(test::readAs<int32_t>(tensors[t]), models[t]) << "tensor " << t;
+    }
+    EXPECT_LT(batch.launches(), 2000) << "disjoint writes share launches";
+    if (!withRing || device() == DeviceType::kCPU) {
+      EXPECT_EQ(batch.ringLaunches(), 0);
     }
   }
-  batch.flush(nullptr);
-  for (std::size_t t = 0; t < models.size(); ++t) {
-    EXPECT_EQ(test::readAs<int32_t>(tensors[t]), models[t]) << "tensor " << t;
-  }
-  EXPECT_LT(batch.launches(), 2000) << "disjoint writes share launches";
 }
 
 INSTANTIATE_TEST_SUITE_P(Devices, InlinePatchBatchTest, test::allDeviceTypes(), test::deviceName);

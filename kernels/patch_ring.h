@@ -1,0 +1,55 @@
+#pragma once
+/// \file patch_ring.h
+/// The GPU path of InlinePatchBatch::flush that costs the engine thread about half a kernel
+/// launch: the patch is written into a slot of mapped pinned host memory and one pre-built
+/// graph is launched (cudaGraphLaunch), whose kernel reads the slot. On the H200 a graph launch
+/// costs the host 1.9-2.3 µs against 4.3-4.8 µs for a kernel launch (docs/benchmarks.md, "What
+/// one launch costs the engine thread"). Private to the library: not installed.
+///
+/// Slots are reused in order. The kernel counts its executions in a mapped host word as soon as
+/// it has read its slot, so the host knows which slots are free without a CUDA call, and never
+/// waits: when every slot is still to be read (the GPU is that many flushes behind), or when the
+/// stream is capturing a graph (a replay must carry the patch by value, not read a slot that
+/// has been rewritten since), acquire() returns null and the caller launches the inline kernel.
+
+#include <cstdint>
+
+#include "kernel_params.h"
+
+namespace mkv::kernels::detail {
+
+class PatchRing {
+ public:
+  /// Slots of the ring (256 KiB of pinned memory): room for the flushes of a step or two
+  /// queued behind the engine's work on the stream.
+  static constexpr uint32_t kSlots = 64;
+
+  /// Allocates the slots and the execution word in mapped pinned memory and instantiates the
+  /// graph on the current device: construction time only (both synchronise the device).
+  /// Throws mkv::Error on a CUDA failure or in a build without CUDA.
+  PatchRing();
+  /// Frees the graph and the memory; cudaFreeHost synchronises the device, so no execution
+  /// still reads a slot when it goes (destruction time only, like construction).
+  ~PatchRing();
+  PatchRing(PatchRing const&) = delete;
+  PatchRing& operator=(PatchRing const&) = delete;
+
+  /// The slot the next launch will read, to be filled by the caller, or null when no slot is
+  /// free or `stream` is capturing. Never waits. Throws mkv::Error when the capture query fails.
+  Int32InlinePatchLaunch* acquire(cudaStream_t stream);
+  /// Launches the graph on `stream` for the slot acquire() returned last. Throws mkv::Error
+  /// naming `call` when the launch fails; the slot stays free then.
+  void launch(char const* call, cudaStream_t stream);
+
+  /// Graph launches so far (the slots handed out and launched).
+  uint32_t launches() const noexcept { return mIssued; }
+
+ private:
+  void* mHost = nullptr;            // execution word, then the slots (one allocation)
+  uint32_t* mExecutions = nullptr;  // host address of the word the kernel counts in
+  Int32InlinePatchLaunch* mSlots = nullptr;
+  void* mGraphExec = nullptr;
+  uint32_t mIssued = 0;  // wraps with the kernel's 32-bit count: kSlots is a power of two
+};
+
+}  // namespace mkv::kernels::detail
