@@ -33,8 +33,8 @@ OUT=${OUT:-./out}
 SCRIPT_DIR=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 # Whole-script budget in seconds: the device tool stops a command after 600 s.
 BUDGET=${MKV_DEVICE_BUDGET_S:-540}
-SANITIZER_FILTER=${MKV_SANITIZER_FILTER:-'Geometries/CopyPagesGpuTest.*/0:Geometries/CopyPagesGpuTest.*/5:Geometries/CopyPagesGpuTest.*/6:Mappings/CompactBatchGpuTest.*/2:Mappings/CompactBatchGpuTest.*/5:Mappings/CompactBatchMappingTest.*/10:CompactBatchInPlaceTest.*:Widths/*:RowLaunchersGpuTest.*:ZeroRowsGpuTest.*:Int32PatchGpuTest.*:GraphCaptureGpuTest.*:CopyPagesKernelTest.*'}
-RACECHECK_FILTER=${MKV_RACECHECK_FILTER:-'Mappings/CompactBatchGpuTest.*/2:Mappings/CompactBatchGpuTest.*/7:Mappings/CompactBatchMappingTest.*/10:GraphCaptureGpuTest.CompactBatchReplaysOnFreshData'}
+SANITIZER_FILTER=${MKV_SANITIZER_FILTER:-'Geometries/CopyPagesGpuTest.*/0:Geometries/CopyPagesGpuTest.*/5:Geometries/CopyPagesGpuTest.*/6:Mappings/CompactBatchGpuTest.*/2:Mappings/CompactBatchGpuTest.*/5:Mappings/CompactBatchMappingTest.*/10:CompactBatchInPlaceTest.*:Widths/*:RowLaunchersGpuTest.*:ZeroRowsGpuTest.*:Int32PatchGpuTest.*:GraphCaptureGpuTest.*:CopyPagesKernelTest.*:PatchRingTest.FlushesLandInOrder*:PatchRingTest.ACaptured*'}
+RACECHECK_FILTER=${MKV_RACECHECK_FILTER:-'Mappings/CompactBatchGpuTest.*/2:Mappings/CompactBatchGpuTest.*/7:Mappings/CompactBatchMappingTest.*/10:GraphCaptureGpuTest.CompactBatchReplaysOnFreshData:PatchRingTest.FlushesLandInOrder*'}
 
 mkdir -p "$OUT"
 if [[ -d $BUILD/test_inputs ]]; then
