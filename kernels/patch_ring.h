@@ -20,9 +20,11 @@ namespace mkv::kernels::detail {
 
 class PatchRing {
  public:
-  /// Slots of the ring (256 KiB of pinned memory): room for the flushes of a step or two
-  /// queued behind the engine's work on the stream.
-  static constexpr uint32_t kSlots = 64;
+  /// Slots of the ring (512 KiB of pinned memory). An engine that prepares step N + 1 while the
+  /// GPU runs step N has the flushes of a whole step waiting in the ring: a decode step makes one
+  /// per batch, a request two or three (its prefill, its first decode step, finish), so 128 slots
+  /// hold a step that begins and ends some 40 requests; flushes beyond that launch inline.
+  static constexpr uint32_t kSlots = 128;
 
   /// Allocates the slots and the execution word in mapped pinned memory and instantiates the
   /// graph on the current device: construction time only (both synchronise the device).

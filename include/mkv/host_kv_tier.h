@@ -79,15 +79,15 @@ class HostKvTier {
   /// Validates first: every id in range of its pool, the destinations of each list distinct;
   /// otherwise throws mkv::Error naming `call` and the value, and enqueues nothing.
   /// Then, on the tier stream: waits (on the device) for the work enqueued on `producer` so far,
-  /// writes the page ids into the tier's device id buffer (inline patch launches: the ids travel
-  /// in the launch parameters), launches one copyPages for the offloads, then one for the
-  /// onboards, and records the tier event. So an onboard reading a host page that an offload of
-  /// the same call writes reads the new bytes, and an onboard writing a GPU page that an offload
-  /// of the same call reads writes it after the read. An empty list launches nothing; two empty
-  /// lists do nothing at all. kCPU: the same copies, synchronously.
-  /// A failed CUDA step throws mkv::Error (the caller poisons): a failure before the offload
-  /// launch leaves nothing enqueued; one at the onboard launch leaves the offloads enqueued and
-  /// recorded by the tier event.
+  /// writes the page ids into the tier's device id buffer (InlinePatchBatch flushes: the ids travel
+  /// in a slot of its ring or in the launch parameters), launches one copyPages for the offloads,
+  /// then one for the onboards, and records the tier event. So an onboard reading a host page that
+  /// an offload of the same call writes reads the new bytes, and an onboard writing a GPU page that
+  /// an offload of the same call reads writes it after the read. An empty list launches nothing;
+  /// two empty lists do nothing at all. kCPU: the same copies, synchronously. A failed CUDA step
+  /// throws mkv::Error (the caller poisons): a failure before the offload launch leaves nothing
+  /// enqueued; one at the onboard launch leaves the offloads enqueued and recorded by the tier
+  /// event.
   void transfer(char const* call, std::span<HostPageCopy const> offloads,
                 std::span<HostPageCopy const> onboards, cudaStream_t producer);
   /// Orders `stream` after every transfer enqueued so far: cudaStreamWaitEvent on the tier event

@@ -156,7 +156,9 @@ void applyInt32InlinePatch(Tensor& dst, std::span<int32_t const> patch, int32_t 
 /// H200, docs/benchmarks.md). The effect is always that of applying the writes one by one in the
 /// order they were added: add() first flushes what is queued when the new range would overlap a
 /// queued one, or when it does not fit (values or targets). The owner flushes at the end of the
-/// call that queued the writes; writes queued but not flushed are not on the device.
+/// call that queued the writes; writes queued but not flushed are not on the device. A batch made
+/// for the GPU launches through a ring of mapped slots and a pre-built graph where it can (see
+/// the constructor and kernels/patch_ring.h).
 /// Reserves its storage at construction: add() and flush() never allocate. Not thread-safe.
 class InlinePatchBatch {
  public:

@@ -44,6 +44,7 @@ HostKvTier::HostKvTier(HostKvTierConfig config, KVCachePool& gpuPool)
   mStream = std::make_unique<detail::OwnedStream>(device);
   mProducerDone = std::make_unique<detail::Event>(device);
   mTierDone = std::make_unique<detail::Event>(device);
+  mIdWrites = kernels::InlinePatchBatch(device);  // flushes on the tier stream only
   // The host memory last: nothing after it throws, so the destructor always frees it.
   auto const bytes = static_cast<std::size_t>(total);
   if (device == DeviceType::kGPU) {
