@@ -112,6 +112,7 @@ __global__ void __launch_bounds__(kPatchThreads)
   __syncthreads();
   if (threadIdx.x == 0) {
     // Every load of the slot has completed (its values are in shared memory): free it.
+    __threadfence_system();
     *static_cast<uint32_t volatile*>(ring.executions) = execution + 1;
   }
   int32_t const warp = static_cast<int32_t>(threadIdx.x) / 32;
@@ -173,6 +174,8 @@ cudaError_t streamIsCapturing(cudaStream_t stream, bool* capturing) {
   *capturing = status != cudaStreamCaptureStatusNone;
   return result;
 }
+
+cudaError_t synchronizeRingDevice() { return cudaDeviceSynchronize(); }
 
 cudaError_t applyInt32PatchCuda(Int32PatchLaunch const& launch, cudaStream_t stream) {
   int64_t const ranges = std::max<int64_t>(launch.numRanges, 1);

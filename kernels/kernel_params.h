@@ -201,6 +201,8 @@ void destroyInt32RingPatchGraph(void* graphExec) noexcept;
 cudaError_t launchInt32RingPatchGraph(void* graphExec, cudaStream_t stream);
 /// Whether `stream` is capturing a graph now (cudaStreamIsCapturing).
 cudaError_t streamIsCapturing(cudaStream_t stream, bool* capturing);
+/// cudaDeviceSynchronize (a PatchRing's destruction with launches still pending).
+cudaError_t synchronizeRingDevice();
 // Each loads every instantiation of its file's kernels on the current device (loadKernels()).
 cudaError_t loadCopyPagesKernels();
 cudaError_t loadCompactBatchKernels();

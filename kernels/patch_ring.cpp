@@ -16,13 +16,13 @@ constexpr std::size_t kHeaderBytes = sizeof(Int32InlinePatchLaunch);
 
 }  // namespace
 
-PatchRing::PatchRing() {
+PatchRing::PatchRing(uint32_t firstExecution) : mIssued(firstExecution) {
   constexpr char const* kCall = "PatchRing";
   void* device = nullptr;
   mHost = mkv::detail::allocateMappedHost(kHeaderBytes + kSlots * sizeof(Int32InlinePatchLaunch),
                                           device);
   mExecutions = static_cast<uint32_t*>(mHost);
-  *mExecutions = 0;
+  *mExecutions = firstExecution;
   mSlots = reinterpret_cast<Int32InlinePatchLaunch*>(static_cast<char*>(mHost) + kHeaderBytes);
   Int32RingPatchLaunch ring{};
   ring.executions = static_cast<uint32_t*>(device);
@@ -42,8 +42,16 @@ PatchRing::PatchRing() {
 }
 
 PatchRing::~PatchRing() {
+  uint32_t const executed = std::atomic_ref<uint32_t>(*mExecutions).load(std::memory_order_acquire);
 #if MKV_WITH_CUDA
+  if (executed != mIssued) {
+    // A launch may still read its slot: wait for the device (the ring's stream may be gone
+    // already). An error there (a failed context) ends every launch: not reported again.
+    (void)synchronizeRingDevice();
+  }
   destroyInt32RingPatchGraph(mGraphExec);
+#else
+  (void)executed;
 #endif
   mkv::detail::freePinnedHost(mHost);
 }
@@ -57,7 +65,7 @@ Int32InlinePatchLaunch* PatchRing::acquire(cudaStream_t stream) {
 #endif
   // Acquire: the slot's earlier contents were read before the kernel counted its execution.
   uint32_t const executed = std::atomic_ref<uint32_t>(*mExecutions).load(std::memory_order_acquire);
-  if (capturing || mIssued - executed >= kSlots) {
+  if (capturing || (mBound && stream != mStream) || mIssued - executed >= kSlots) {
     return nullptr;
   }
   return mSlots + (mIssued & (kSlots - 1));
@@ -73,6 +81,8 @@ void PatchRing::launch(char const* call, cudaStream_t stream) {
 #endif
   mkv::detail::checkCuda(status, call);
   ++mIssued;
+  mStream = stream;
+  mBound = true;
 }
 
 }  // namespace mkv::kernels::detail

@@ -28,16 +28,20 @@ class PatchRing {
 
   /// Allocates the slots and the execution word in mapped pinned memory and instantiates the
   /// graph on the current device: construction time only (both synchronise the device).
+  /// `firstExecution` starts the count elsewhere than 0 (tests of the 32-bit wrap).
   /// Throws mkv::Error on a CUDA failure or in a build without CUDA.
-  PatchRing();
-  /// Frees the graph and the memory; cudaFreeHost synchronises the device, so no execution
-  /// still reads a slot when it goes (destruction time only, like construction).
+  explicit PatchRing(uint32_t firstExecution = 0);
+  /// Waits for the device when a launch may still read a slot (destruction time only, like
+  /// construction), then frees the graph and the memory.
   ~PatchRing();
   PatchRing(PatchRing const&) = delete;
   PatchRing& operator=(PatchRing const&) = delete;
 
   /// The slot the next launch will read, to be filled by the caller, or null when no slot is
-  /// free or `stream` is capturing. Never waits. Throws mkv::Error when the capture query fails.
+  /// free, `stream` is capturing, or `stream` is not the ring's stream (the first one launched
+  /// on: launches of one graph are ordered behind each other whatever their streams, so a launch
+  /// on a second stream would wait on the device for the first stream's work). Never waits.
+  /// Throws mkv::Error when the capture query fails.
   Int32InlinePatchLaunch* acquire(cudaStream_t stream);
   /// Launches the graph on `stream` for the slot acquire() returned last. Throws mkv::Error
   /// naming `call` when the launch fails; the slot stays free then.
@@ -50,8 +54,10 @@ class PatchRing {
   void* mHost = nullptr;            // execution word, then the slots (one allocation)
   uint32_t* mExecutions = nullptr;  // host address of the word the kernel counts in
   Int32InlinePatchLaunch* mSlots = nullptr;
-  void* mGraphExec = nullptr;
-  uint32_t mIssued = 0;  // wraps with the kernel's 32-bit count: kSlots is a power of two
+  [[maybe_unused]] void* mGraphExec = nullptr;  // cudaGraphExec_t; unused without CUDA
+  uint32_t mIssued = 0;            // wraps with the kernel's 32-bit count: kSlots is a power of two
+  cudaStream_t mStream = nullptr;  // the stream of every graph launch, once there was one
+  bool mBound = false;             // whether mStream is set
 };
 
 }  // namespace mkv::kernels::detail

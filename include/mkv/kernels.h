@@ -168,8 +168,9 @@ class InlinePatchBatch {
   /// that reads them, on the current device: a GPU flush then writes its patch into a free slot
   /// and launches the graph (about half the host cost of a kernel launch), and launches the
   /// inline kernel only when every slot is still to be read or the stream is capturing a graph.
-  /// The graph's launches run in launch order, whatever their streams: give the batch one
-  /// stream. Allocates and synchronises the device: construct with the owner. kCPU: as above.
+  /// The ring serves the first stream it launches on (a graph's launches are ordered behind each
+  /// other whatever their streams); flushes on another stream launch inline. Allocates and
+  /// synchronises the device: construct with the owner. kCPU: as above.
   explicit InlinePatchBatch(DeviceType deviceType);
   ~InlinePatchBatch();
   InlinePatchBatch(InlinePatchBatch&& other) noexcept;

@@ -1,7 +1,8 @@
 /// InlinePatchBatch's ring on the GPU (kernels/patch_ring.h): flushes launched as a graph that
-/// reads mapped host slots land in launch order across many wraps of the ring; a ring the GPU has
-/// not read yet hands over to inline launches without waiting; a stream that captures a graph
-/// gets the patch by value.
+/// reads mapped host slots land in launch order across many wraps of the ring and of its 32-bit
+/// count, mixed with inline launches when the host outruns the GPU; a ring the GPU has not read
+/// yet hands over to inline launches without waiting; a second stream and a stream that
+/// captures a graph get inline launches (the latter the patch by value).
 #include <gtest/gtest.h>
 
 #include <chrono>
@@ -23,20 +24,34 @@ namespace {
 constexpr char const* kCall = "PatchRingTest";
 constexpr auto kSlots = static_cast<int32_t>(kernels::detail::PatchRing::kSlots);
 
+constexpr int32_t kLogEntries = 8 * kSlots;
+
 class PatchRingTest : public GpuTest {
  protected:
-  /// Flush `step`: entry step % 8 of `table` = step, and a range of lengths that later flushes
-  /// overwrite, so a flush applied out of order leaves a wrong value behind.
+  void SetUp() override {
+    GpuTest::SetUp();
+    if (!IsSkipped()) {
+      mLog = test::int32Tensor(mLogModel, DeviceType::kGPU);
+    }
+  }
+
+  /// Flush `step`: entry step % 8 of `table` = step and a range of lengths that later flushes
+  /// overwrite (a flush applied out of order leaves a wrong value behind), and log entry `step`
+  /// = step (a flush lost, or read from a slot rewritten before the GPU read it, leaves a hole).
   void queueStep(kernels::InlinePatchBatch& batch, Tensor& table, Tensor& lengths, int32_t step,
                  cudaStream_t stream) {
     batch.add(kCall, table, step % 8, std::vector<int32_t>{step}, stream);
     batch.add(kCall, lengths, 0, std::vector<int32_t>(4, step), stream);
+    batch.add(kCall, mLog, step, std::vector<int32_t>{step}, stream);
     mTableModel[static_cast<std::size_t>(step % 8)] = step;
     mLengthModel.assign(4, step);
+    mLogModel[static_cast<std::size_t>(step)] = step;
   }
 
   std::vector<int32_t> mTableModel = std::vector<int32_t>(8, -1);
   std::vector<int32_t> mLengthModel = std::vector<int32_t>(4, 0);
+  std::vector<int32_t> mLogModel = std::vector<int32_t>(kLogEntries, -1);
+  Tensor mLog;  // [kLogEntries] on the GPU, made in SetUp
 };
 
 TEST_F(PatchRingTest, FlushesLandInOrderOverManyWrapsOfTheRing) {
@@ -56,6 +71,71 @@ TEST_F(PatchRingTest, FlushesLandInOrderOverManyWrapsOfTheRing) {
   EXPECT_EQ(batch.ringLaunches(), steps) << "every flush went through the ring";
   EXPECT_EQ(test::readAs<int32_t>(table), mTableModel);
   EXPECT_EQ(test::readAs<int32_t>(lengths), mLengthModel);
+  EXPECT_EQ(test::readAs<int32_t>(mLog), mLogModel);
+}
+
+TEST_F(PatchRingTest, FlushesAsFastAsTheHostCanLandInOrder) {
+  // No synchronisation: the ring fills whenever the GPU lags, and those flushes launch inline.
+  Tensor table = test::int32Tensor(mTableModel, DeviceType::kGPU);
+  Tensor lengths = test::int32Tensor(mLengthModel, DeviceType::kGPU);
+  kernels::InlinePatchBatch batch(DeviceType::kGPU);
+  for (int32_t step = 0; step < kLogEntries; ++step) {
+    queueStep(batch, table, lengths, step, stream());
+    batch.flush(stream());
+  }
+  synchronize();
+  EXPECT_EQ(batch.launches(), kLogEntries);
+  EXPECT_GT(batch.ringLaunches(), 0);
+  EXPECT_EQ(test::readAs<int32_t>(table), mTableModel);
+  EXPECT_EQ(test::readAs<int32_t>(lengths), mLengthModel);
+  EXPECT_EQ(test::readAs<int32_t>(mLog), mLogModel);
+}
+
+TEST_F(PatchRingTest, TheExecutionCountWrapsAt32Bits) {
+  // The ring alone, its count starting 100 executions before 2^32.
+  kernels::detail::PatchRing ring(0xFFFFFFFFu - 100u);
+  for (int32_t step = 0; step < 3 * kSlots; ++step) {
+    kernels::detail::Int32InlinePatchLaunch* slot = ring.acquire(stream());
+    if (slot == nullptr) {
+      synchronize();  // the GPU has read every slot once the stream is idle
+      slot = ring.acquire(stream());
+    }
+    ASSERT_NE(slot, nullptr) << "step " << step;
+    slot->dst[0] = mLog.dataPointer<int32_t>();
+    slot->dstNumel[0] = kLogEntries;
+    slot->targetRangeEnd[0] = 1;
+    slot->numTargets = 1;
+    slot->numRanges = 1;
+    slot->patch[0] = step;  // offset
+    slot->patch[1] = 1;     // count
+    slot->patch[2] = 3;     // valueStart
+    slot->patch[3] = step;
+    slot->patchNumel = 4;
+    ring.launch(kCall, stream());
+    mLogModel[static_cast<std::size_t>(step)] = step;
+  }
+  synchronize();
+  EXPECT_EQ(ring.launches(), 0xFFFFFFFFu - 100u + 3u * kernels::detail::PatchRing::kSlots);
+  EXPECT_EQ(test::readAs<int32_t>(mLog), mLogModel);
+}
+
+TEST_F(PatchRingTest, AFlushOnASecondStreamLaunchesInline) {
+  BusyStream other;
+  Tensor table = test::int32Tensor(mTableModel, DeviceType::kGPU);
+  Tensor lengths = test::int32Tensor(mLengthModel, DeviceType::kGPU);
+  kernels::InlinePatchBatch batch(DeviceType::kGPU);
+  queueStep(batch, table, lengths, 0, stream());
+  batch.flush(stream());
+  EXPECT_EQ(batch.ringLaunches(), 1);
+  synchronize();
+  // A graph launch on `other` would be ordered behind the one on stream(): the ring is bound.
+  queueStep(batch, table, lengths, 1, other.stream());
+  batch.flush(other.stream());
+  EXPECT_EQ(batch.ringLaunches(), 1);
+  EXPECT_EQ(batch.launches(), 2);
+  other.drain();
+  EXPECT_EQ(test::readAs<int32_t>(table), mTableModel);
+  EXPECT_EQ(test::readAs<int32_t>(mLog), mLogModel);
 }
 
 TEST_F(PatchRingTest, AFullRingHandsOverToInlineLaunchesWithoutWaiting) {
@@ -77,12 +157,14 @@ TEST_F(PatchRingTest, AFullRingHandsOverToInlineLaunchesWithoutWaiting) {
   busy.drain();
   EXPECT_EQ(test::readAs<int32_t>(table), mTableModel);
   EXPECT_EQ(test::readAs<int32_t>(lengths), mLengthModel);
-  // Once the GPU has read them, the slots serve flushes again.
-  queueStep(batch, table, lengths, steps, stream());
-  batch.flush(stream());
-  synchronize();
+  EXPECT_EQ(test::readAs<int32_t>(mLog), mLogModel);
+  // Once the GPU has read them, the slots serve flushes again (on the ring's stream).
+  queueStep(batch, table, lengths, steps, busy.stream());
+  batch.flush(busy.stream());
+  busy.drain();
   EXPECT_EQ(batch.ringLaunches(), kSlots + 1);
   EXPECT_EQ(test::readAs<int32_t>(table), mTableModel);
+  EXPECT_EQ(test::readAs<int32_t>(mLog), mLogModel);
 }
 
 #if MKV_WITH_CUDA
@@ -102,6 +184,7 @@ TEST_F(PatchRingTest, ACapturedFlushCarriesItsPatchByValue) {
     batch.flush(stream());
   }
   synchronize();
+  EXPECT_EQ(batch.ringLaunches(), kSlots) << "the flushes after the capture used the ring";
   cudaGraphExec_t exec = nullptr;
   cudaOk(cudaGraphInstantiate(&exec, graph, 0), "instantiate");
   cudaOk(cudaGraphLaunch(exec, stream()), "replay");
