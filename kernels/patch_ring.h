@@ -8,9 +8,10 @@
 ///
 /// Slots are reused in order. The kernel counts its executions in a mapped host word as soon as
 /// it has read its slot, so the host knows which slots are free without a CUDA call, and never
-/// waits: when every slot is still to be read (the GPU is that many flushes behind), or when the
+/// waits: when every slot is still to be read (the GPU is that many flushes behind), when the
 /// stream is capturing a graph (a replay must carry the patch by value, not read a slot that
-/// has been rewritten since), acquire() returns null and the caller launches the inline kernel.
+/// has been rewritten since), or when the stream is not the ring's, acquire() returns null and
+/// the caller launches the inline kernel.
 
 #include <cstdint>
 
@@ -47,7 +48,7 @@ class PatchRing {
   /// naming `call` when the launch fails; the slot stays free then.
   void launch(char const* call, cudaStream_t stream);
 
-  /// Graph launches so far (the slots handed out and launched).
+  /// Graph launches so far, counted from `firstExecution` (modulo 2^32).
   uint32_t launches() const noexcept { return mIssued; }
 
  private:
