@@ -31,17 +31,18 @@ class PatchRingTest : public GpuTest {
   void SetUp() override {
     GpuTest::SetUp();
     if (!IsSkipped()) {
+      mTable = test::int32Tensor(mTableModel, DeviceType::kGPU);
+      mLengths = test::int32Tensor(mLengthModel, DeviceType::kGPU);
       mLog = test::int32Tensor(mLogModel, DeviceType::kGPU);
     }
   }
 
-  /// Flush `step`: entry step % 8 of `table` = step and a range of lengths that later flushes
+  /// Flush `step`: entry step % 8 of the table = step and a range of lengths that later flushes
   /// overwrite (a flush applied out of order leaves a wrong value behind), and log entry `step`
   /// = step (a flush lost, or read from a slot rewritten before the GPU read it, leaves a hole).
-  void queueStep(kernels::InlinePatchBatch& batch, Tensor& table, Tensor& lengths, int32_t step,
-                 cudaStream_t stream) {
-    batch.add(kCall, table, step % 8, std::vector<int32_t>{step}, stream);
-    batch.add(kCall, lengths, 0, std::vector<int32_t>(4, step), stream);
+  void queueStep(kernels::InlinePatchBatch& batch, int32_t step, cudaStream_t stream) {
+    batch.add(kCall, mTable, step % 8, std::vector<int32_t>{step}, stream);
+    batch.add(kCall, mLengths, 0, std::vector<int32_t>(4, step), stream);
     batch.add(kCall, mLog, step, std::vector<int32_t>{step}, stream);
     mTableModel[static_cast<std::size_t>(step % 8)] = step;
     mLengthModel.assign(4, step);
@@ -51,16 +52,17 @@ class PatchRingTest : public GpuTest {
   std::vector<int32_t> mTableModel = std::vector<int32_t>(8, -1);
   std::vector<int32_t> mLengthModel = std::vector<int32_t>(4, 0);
   std::vector<int32_t> mLogModel = std::vector<int32_t>(kLogEntries, -1);
-  Tensor mLog;  // [kLogEntries] on the GPU, made in SetUp
+  // On the GPU, made in SetUp: a table of 8 entries, 4 lengths, a log of kLogEntries.
+  Tensor mTable;
+  Tensor mLengths;
+  Tensor mLog;
 };
 
 TEST_F(PatchRingTest, FlushesLandInOrderOverManyWrapsOfTheRing) {
-  Tensor table = test::int32Tensor(mTableModel, DeviceType::kGPU);
-  Tensor lengths = test::int32Tensor(mLengthModel, DeviceType::kGPU);
   kernels::InlinePatchBatch batch(DeviceType::kGPU);
   int32_t const steps = 5 * kSlots + 3;
   for (int32_t step = 0; step < steps; ++step) {
-    queueStep(batch, table, lengths, step, stream());
+    queueStep(batch, step, stream());
     batch.flush(stream());
     if (step % (kSlots / 2) == 0) {
       synchronize();  // the GPU keeps up: every flush finds a free slot
@@ -69,25 +71,23 @@ TEST_F(PatchRingTest, FlushesLandInOrderOverManyWrapsOfTheRing) {
   synchronize();
   EXPECT_EQ(batch.launches(), steps);
   EXPECT_EQ(batch.ringLaunches(), steps) << "every flush went through the ring";
-  EXPECT_EQ(test::readAs<int32_t>(table), mTableModel);
-  EXPECT_EQ(test::readAs<int32_t>(lengths), mLengthModel);
+  EXPECT_EQ(test::readAs<int32_t>(mTable), mTableModel);
+  EXPECT_EQ(test::readAs<int32_t>(mLengths), mLengthModel);
   EXPECT_EQ(test::readAs<int32_t>(mLog), mLogModel);
 }
 
 TEST_F(PatchRingTest, FlushesAsFastAsTheHostCanLandInOrder) {
   // No synchronisation: the ring fills whenever the GPU lags, and those flushes launch inline.
-  Tensor table = test::int32Tensor(mTableModel, DeviceType::kGPU);
-  Tensor lengths = test::int32Tensor(mLengthModel, DeviceType::kGPU);
   kernels::InlinePatchBatch batch(DeviceType::kGPU);
   for (int32_t step = 0; step < kLogEntries; ++step) {
-    queueStep(batch, table, lengths, step, stream());
+    queueStep(batch, step, stream());
     batch.flush(stream());
   }
   synchronize();
   EXPECT_EQ(batch.launches(), kLogEntries);
   EXPECT_GT(batch.ringLaunches(), 0);
-  EXPECT_EQ(test::readAs<int32_t>(table), mTableModel);
-  EXPECT_EQ(test::readAs<int32_t>(lengths), mLengthModel);
+  EXPECT_EQ(test::readAs<int32_t>(mTable), mTableModel);
+  EXPECT_EQ(test::readAs<int32_t>(mLengths), mLengthModel);
   EXPECT_EQ(test::readAs<int32_t>(mLog), mLogModel);
 }
 
@@ -121,66 +121,60 @@ TEST_F(PatchRingTest, TheExecutionCountWrapsAt32Bits) {
 
 TEST_F(PatchRingTest, AFlushOnASecondStreamLaunchesInline) {
   BusyStream other;
-  Tensor table = test::int32Tensor(mTableModel, DeviceType::kGPU);
-  Tensor lengths = test::int32Tensor(mLengthModel, DeviceType::kGPU);
   kernels::InlinePatchBatch batch(DeviceType::kGPU);
-  queueStep(batch, table, lengths, 0, stream());
+  queueStep(batch, 0, stream());
   batch.flush(stream());
   EXPECT_EQ(batch.ringLaunches(), 1);
   synchronize();
   // A graph launch on `other` would be ordered behind the one on stream(): the ring is bound.
-  queueStep(batch, table, lengths, 1, other.stream());
+  queueStep(batch, 1, other.stream());
   batch.flush(other.stream());
   EXPECT_EQ(batch.ringLaunches(), 1);
   EXPECT_EQ(batch.launches(), 2);
   other.drain();
-  EXPECT_EQ(test::readAs<int32_t>(table), mTableModel);
+  EXPECT_EQ(test::readAs<int32_t>(mTable), mTableModel);
   EXPECT_EQ(test::readAs<int32_t>(mLog), mLogModel);
 }
 
 TEST_F(PatchRingTest, AFullRingHandsOverToInlineLaunchesWithoutWaiting) {
   BusyStream busy;
-  Tensor table = test::int32Tensor(mTableModel, DeviceType::kGPU);
-  Tensor lengths = test::int32Tensor(mLengthModel, DeviceType::kGPU);
   kernels::InlinePatchBatch batch(DeviceType::kGPU);
   busy.occupy(std::chrono::milliseconds(500));
   // The flushes queue behind the spinning kernel on its own stream: no slot is read before it
   // ends, so the ring fills and the rest launch inline, in order.
   int32_t const steps = kSlots + 40;
   for (int32_t step = 0; step < steps; ++step) {
-    queueStep(batch, table, lengths, step, busy.stream());
+    queueStep(batch, step, busy.stream());
     batch.flush(busy.stream());
   }
   EXPECT_EQ(busy.query(), cudaErrorNotReady) << "a flush waited for the GPU";
   EXPECT_EQ(batch.ringLaunches(), kSlots);
   EXPECT_EQ(batch.launches(), steps);
   busy.drain();
-  EXPECT_EQ(test::readAs<int32_t>(table), mTableModel);
-  EXPECT_EQ(test::readAs<int32_t>(lengths), mLengthModel);
+  EXPECT_EQ(test::readAs<int32_t>(mTable), mTableModel);
+  EXPECT_EQ(test::readAs<int32_t>(mLengths), mLengthModel);
   EXPECT_EQ(test::readAs<int32_t>(mLog), mLogModel);
   // Once the GPU has read them, the slots serve flushes again (on the ring's stream).
-  queueStep(batch, table, lengths, steps, busy.stream());
+  queueStep(batch, steps, busy.stream());
   batch.flush(busy.stream());
   busy.drain();
   EXPECT_EQ(batch.ringLaunches(), kSlots + 1);
-  EXPECT_EQ(test::readAs<int32_t>(table), mTableModel);
+  EXPECT_EQ(test::readAs<int32_t>(mTable), mTableModel);
   EXPECT_EQ(test::readAs<int32_t>(mLog), mLogModel);
 }
 
 #if MKV_WITH_CUDA
 TEST_F(PatchRingTest, ACapturedFlushCarriesItsPatchByValue) {
-  Tensor table = test::int32Tensor(mTableModel, DeviceType::kGPU);
-  Tensor lengths = test::int32Tensor(mLengthModel, DeviceType::kGPU);
   kernels::InlinePatchBatch batch(DeviceType::kGPU);
   cudaOk(cudaStreamBeginCapture(stream(), cudaStreamCaptureModeThreadLocal), "begin capture");
-  queueStep(batch, table, lengths, 5, stream());
+  queueStep(batch, 5, stream());
   batch.flush(stream());
   cudaGraph_t graph = nullptr;
   cudaOk(cudaStreamEndCapture(stream(), &graph), "end capture");
   EXPECT_EQ(batch.ringLaunches(), 0) << "a replay must not read a slot rewritten since";
   // Later flushes through the ring rewrite the slots; the graph still writes what it captured.
   for (int32_t step = 8; step < 8 + kSlots; ++step) {
-    queueStep(batch, table, lengths, step, stream());
+    queueStep(batch, step, stream());
     batch.flush(stream());
   }
   synchronize();
@@ -191,8 +185,8 @@ TEST_F(PatchRingTest, ACapturedFlushCarriesItsPatchByValue) {
   synchronize();
   std::vector<int32_t> expected = mTableModel;
   expected[5] = 5;
-  EXPECT_EQ(test::readAs<int32_t>(table), expected);
-  EXPECT_EQ(test::readAs<int32_t>(lengths), std::vector<int32_t>(4, 5));
+  EXPECT_EQ(test::readAs<int32_t>(mTable), expected);
+  EXPECT_EQ(test::readAs<int32_t>(mLengths), std::vector<int32_t>(4, 5));
   cudaOk(cudaGraphExecDestroy(exec), "destroy exec");
   cudaOk(cudaGraphDestroy(graph), "destroy graph");
 }
