@@ -24,6 +24,7 @@
 
 namespace mkv {
 namespace detail {
+class DeviceWriteQueue;
 class Int32UploadRegions;
 class SharedSynchronizer;
 template <class Request>
@@ -108,6 +109,10 @@ struct BoundedSwaResources {
   /// owned; KVCacheRuntime sets it and builds both backends with its view()). The composed
   /// request opens a scope on it around each completion point, so both halves wait once.
   detail::SharedSynchronizer* sharedSynchronizer = nullptr;
+  /// Where the table rows and KV lengths this manager writes wait for the device (not owned;
+  /// KVCacheRuntime sets it, one for every backend of the runtime; the manager adds swaPageTable
+  /// to its tables). Null: the manager owns one that applies them at the end of each call.
+  detail::DeviceWriteQueue* deviceWrites = nullptr;
   /// The runtime's resident rows (KVCacheRuntime sets it). When set, beginRequest refuses a
   /// ResidentRef that is not held with its current epoch (ResidentSlotPool::requireHeld).
   ResidentSlotPool const* residentSlots = nullptr;
@@ -405,8 +410,9 @@ class BoundedSwaKVPageManager {
   std::vector<uint8_t> mResidentBusy;
   /// Compaction-mapping staging, one region per resident slot (created once, see device.h).
   std::unique_ptr<detail::Int32UploadRegions> mMappingUploads;
-  /// Table rows and KV lengths a call writes, applied by one launch at the call's end.
-  kernels::InlinePatchBatch mDeviceWrites;
+  /// resources.deviceWrites, or mOwnedWrites (kEachCall) when that was null.
+  std::unique_ptr<detail::DeviceWriteQueue> mOwnedWrites;
+  detail::DeviceWriteQueue* mWrites = nullptr;
   /// Live and quarantined requests, ids, poison (src/resources/request_registry.h; held by
   /// pointer so that this public header names no internal one).
   std::unique_ptr<detail::RequestRegistry<Request>> mRequests;

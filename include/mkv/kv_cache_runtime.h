@@ -23,6 +23,7 @@ namespace mkv {
 
 class WindowBlockCache;  // src/context_cache/window_block_cache.h (internal)
 namespace detail {
+class DeviceWriteQueue;    // src/resources/device_write_queue.h (internal)
 class SharedSynchronizer;  // src/resources/shared_synchronizer.h (internal)
 }  // namespace detail
 
@@ -96,6 +97,11 @@ struct KVCacheRuntimeConfig {
   /// full-storage backends decode vanilla only). nullopt: speculative requests are refused.
   std::optional<KVCacheSpeculativeConfig> speculative;
   DeviceType deviceType = DeviceType::kGPU;
+  /// When the page-table rows and KV lengths the lifecycle calls write reach the device: at the
+  /// end of each call (one launch per writing call), or kEngineStep: only at the engine's
+  /// flushDeviceWrites(), once per step (one launch per step, none in a request's calls;
+  /// docs/architecture.md, "Device writes at the engine step").
+  DeviceWriteTiming deviceWrites = DeviceWriteTiming::kEachCall;
   cudaStream_t stream = nullptr;    ///< the engine's stream; never owned
   StreamSynchronizer synchronizer;  ///< empty = defaultStreamSynchronizer(deviceType)
 };
@@ -175,6 +181,19 @@ class KVCacheRuntime {
   /// Device bytes of every KV pool (full, SWA and draft).
   int64_t kvBytes() const noexcept;
 
+  /// Applies every page-table row and KV length that the lifecycle calls left waiting, in call
+  /// order and in one launch on config().stream (a large table upload adds a staged copy). With
+  /// DeviceWriteTiming::kEngineStep the engine calls it once per step: after the step's lifecycle
+  /// calls, before the first launch that reads the tables or lengths, and before it writes a
+  /// table or a length tensor itself. Never waits; nothing waits with kEachCall. Throws
+  /// mkv::Error naming this call when the launch fails; the writes stay queued for the next call.
+  void flushDeviceWrites();
+  /// Whether writes wait for flushDeviceWrites() (never with kEachCall).
+  bool deviceWritesPending() const noexcept;
+  /// Launches the backends' table and length writes made so far (flushes that found writes, and
+  /// with kEngineStep a length write that overlapped a waiting one); staged copies not counted.
+  int64_t deviceWriteLaunches() const noexcept;
+
   /// Drains the backend's quarantine (see the backends' shutdown()).
   bool shutdown() noexcept;
   /// Whether the engine may release resident row `slot` to residentSlots() and reuse it: kFree
@@ -209,6 +228,8 @@ class KVCacheRuntime {
   std::unique_ptr<WindowBlockCache> mWindowCache;  // kSlidingWindowReuse: the sliding pool's pages
   // kSlidingWindowReuse: the one synchronisation of both halves per completion point.
   std::unique_ptr<detail::SharedSynchronizer> mSharedSync;
+  // The backends' table and length writes until they reach the device (one queue for both).
+  std::unique_ptr<detail::DeviceWriteQueue> mDeviceWrites;
   // Backends last: they are destroyed before the resources they borrow.
   std::unique_ptr<ContextCacheCoordinator> mCoordinator;
   std::unique_ptr<BoundedSwaKVPageManager> mSwaManager;

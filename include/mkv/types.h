@@ -96,6 +96,16 @@ enum class ContextCacheStatus : uint8_t { kOk, kRequestFailed, kPoisoned };
 /// backend or one without in-flight admission.
 enum class AdmitSequenceStatus : uint8_t { kAdmitted, kNoCapacity, kFailed };
 
+/// When the page-table and KV-length writes of the lifecycle calls reach the device
+/// (KVCacheRuntimeConfig::deviceWrites; docs/architecture.md, "Device writes at the engine step").
+enum class DeviceWriteTiming : uint8_t {
+  /// Every call that writes ends with them applied on its stream: one launch per writing call.
+  kEachCall,
+  /// They wait, in call order, until the engine's KVCacheRuntime::flushDeviceWrites(): one launch
+  /// per engine step, none in a request's calls.
+  kEngineStep,
+};
+
 /// Element types of Tensor.
 enum class DataType { kFloat32, kFloat16, kBFloat16, kFp8E4M3, kInt8, kUInt8, kInt32, kInt64 };
 /// Where a Tensor's bytes live. kGPU means device memory from cudaMalloc (never managed memory).
@@ -130,5 +140,6 @@ std::string_view toString(FinishReason reason) noexcept;
 std::string_view toString(ResidentRowState state) noexcept;
 std::string_view toString(SwaKVCacheStatus status) noexcept;
 std::string_view toString(ContextCacheStatus status) noexcept;
+std::string_view toString(DeviceWriteTiming timing) noexcept;
 
 }  // namespace mkv

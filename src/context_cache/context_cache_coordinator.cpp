@@ -21,6 +21,7 @@
 #include "mkv/host_kv_tier.h"
 #include "mkv/logging.h"
 #include "resources/backend_requests.h"
+#include "resources/device_write_queue.h"
 #include "resources/request_registry.h"
 
 namespace mkv {
@@ -69,7 +70,14 @@ ContextCacheCoordinator::ContextCacheCoordinator(ContextCacheConfig const& confi
   detail::DeploymentLayout const layout = detail::validateDeployment(config, profile, resources);
   mMaxBatch = layout.maxBatch;
   mDevice = layout.device;
-  mDeviceWrites = kernels::InlinePatchBatch(mDevice);
+  mWrites = mResources.deviceWrites;
+  if (mWrites == nullptr) {
+    mOwnedWrites =
+        std::make_unique<detail::DeviceWriteQueue>(mDevice, DeviceWriteTiming::kEachCall);
+    mWrites = mOwnedWrites.get();
+  }
+  mWrites->watch(mResources.basePageTable);
+  mWrites->watch(mResources.draftPageTable);
   if (!mSynchronizer) {
     mSynchronizer = defaultStreamSynchronizer(mDevice);
   }
@@ -157,7 +165,7 @@ int32_t ContextCacheCoordinator::quarantinedRequestCount() const noexcept {
 }
 
 detail::PagedRows ContextCacheCoordinator::rows() const noexcept {
-  return detail::PagedRows(mResources, mDeviceWrites, mStream);
+  return detail::PagedRows(mResources, *mWrites, mStream);
 }
 
 void ContextCacheCoordinator::clearRows(Requests requests) {
@@ -165,14 +173,12 @@ void ContextCacheCoordinator::clearRows(Requests requests) {
     return;
   }
   detail::PagedRows const table = rows();
-  bool paired = false;
   for (auto const& req : requests) {
-    paired = paired || pairsDraft(*req);
     for (auto const& sequence : req->sequences) {
       table.clearRow(sequence.resident.slot, pairsDraft(*req));
     }
   }
-  table.upload(paired);
+  table.upload();
 }
 
 void ContextCacheCoordinator::releaseResidents(Request const& req) noexcept {
@@ -437,7 +443,7 @@ ContextCacheStatus ContextCacheCoordinator::growPages(Request& req,
     req.stage = RequestStage::kFinishing;
     ++mCounters.growthFailures;
     if (grew) {
-      table.upload(paired);
+      table.upload();
     }
     return ContextCacheStatus::kRequestFailed;
   };
@@ -465,7 +471,7 @@ ContextCacheStatus ContextCacheCoordinator::growPages(Request& req,
                   : mManager->growBasePages(sequence.lease, growBase);
     } catch (...) {
       if (grew) {  // the failed growth changed nothing
-        table.upload(paired);
+        table.upload();
       }
       throw;
     }
@@ -475,7 +481,7 @@ ContextCacheStatus ContextCacheCoordinator::growPages(Request& req,
     if (!moveHostTierPages("ContextCacheCoordinator::prepareDecodeStep")) {
       table.mapGrown(sequence, static_cast<std::size_t>(heldBase),
                      static_cast<std::size_t>(heldDraft), paired);
-      table.upload(paired);
+      table.upload();
       return ContextCacheStatus::kPoisoned;
     }
     table.mapGrown(sequence, static_cast<std::size_t>(heldBase),
@@ -483,7 +489,7 @@ ContextCacheStatus ContextCacheCoordinator::growPages(Request& req,
     ++mCounters.pageGrowths;
     grew = true;
   }
-  table.upload(paired);
+  table.upload();
   return ContextCacheStatus::kOk;
 }
 
@@ -606,7 +612,7 @@ void ContextCacheCoordinator::enqueueCompaction(Request& req, std::span<CacheSlo
     for (CacheSlot slot : dropped) {
       table.clearRow(slot, paired);
     }
-    table.upload(paired);
+    table.upload();
     table.compactLengths(*req.deviceMapping, req.newBatchSize, paired);
   }
   if (mResources.recurrent != nullptr && !dropped.empty()) {

@@ -118,7 +118,7 @@ bool ContextCacheCoordinator::retractSequenceAdmission(RequestHandle& handle) {
   ++mCounters.retractedAdmissions;
   try {
     rows().clearRow(slot, false);
-    rows().upload(false);
+    rows().upload();
   } catch (std::exception const& error) {
     logger()->error("ContextCacheCoordinator::retractSequenceAdmission: {}; poisoned",
                     error.what());

@@ -27,11 +27,10 @@ void PagedRows::bindPrefill(CoordinatorRequest const& req, bool paired, bool mtp
   if (paired) {
     mResources.draftPageTable->setRows(draftRows);
   }
-  mWrites.flushAfter(mStream, [&] {
-    queueUploads(paired);
-    mResources.basePool->resetForNewSequences(lengths, mWrites, mStream);
+  mWrites.settleAfter(mStream, [&] {
+    mResources.basePool->resetForNewSequences(lengths, mWrites.lengths(), mStream);
     if (paired) {
-      mResources.draftPool->resetForNewSequences(draftLengths, mWrites, mStream);
+      mResources.draftPool->resetForNewSequences(draftLengths, mWrites.lengths(), mStream);
     }
   });
 }
@@ -52,7 +51,7 @@ void PagedRows::mapGrown(CoordinatorRequest::Sequence const& sequence, std::size
 
 void PagedRows::bindJoiner(CacheSlot slot, std::span<PageId const> pages) const {
   mResources.basePageTable->setRow(slot, pages);
-  mResources.basePageTable->uploadDirty(mStream);
+  mWrites.settle(mStream);
 }
 
 void PagedRows::clearRow(CacheSlot slot, bool paired) const {
@@ -66,22 +65,14 @@ void PagedRows::release(CoordinatorRequest const& req, bool paired) const {
   for (auto const& sequence : req.sequences) {
     clearRow(sequence.resident.slot, paired);
   }
-  upload(paired);
+  upload();
 }
 
-void PagedRows::upload(bool paired) const {
-  mWrites.flushAfter(mStream, [&] { queueUploads(paired); });
-}
-
-void PagedRows::queueUploads(bool paired) const {
-  mResources.basePageTable->uploadDirty(mWrites, mStream);
-  if (paired) {
-    mResources.draftPageTable->uploadDirty(mWrites, mStream);
-  }
-}
+void PagedRows::upload() const { mWrites.settle(mStream); }
 
 void PagedRows::compactLengths(Tensor const& deviceMapping, int32_t newBatchSize,
                                bool paired) const {
+  mWrites.flush(mStream);
   mResources.basePool->compactLengths(deviceMapping, newBatchSize, mStream);
   if (paired) {
     mResources.draftPool->compactLengths(deviceMapping, newBatchSize, mStream);

@@ -9,39 +9,43 @@
 
 #include "context_cache/coordinator_request.h"
 #include "mkv/context_cache/context_cache_coordinator.h"
+#include "resources/device_write_queue.h"
 
 namespace mkv::detail {
 
 /// A view of the coordinator's tables and pools (borrowed; cheap to copy). Every method that
-/// writes a table marks rows dirty; upload() sends them, on the coordinator's stream. Only for
+/// writes a table marks rows dirty; upload() settles them with the KV lengths queued beside them,
+/// on the coordinator's stream: now, or at the engine's step (DeviceWriteQueue). Only for
 /// deployments with attention (pure-recurrent deployments have no rows).
 class PagedRows {
  public:
-  /// `writes` gathers the table rows and KV lengths of one call for one launch (the
-  /// coordinator's; see kernels::InlinePatchBatch).
-  PagedRows(ContextCachePhysicalResources const& resources, kernels::InlinePatchBatch& writes,
+  /// `writes` holds the table rows and KV lengths until they reach the device (the runtime's
+  /// queue, or the coordinator's own; it watches the base and draft tables).
+  PagedRows(ContextCachePhysicalResources const& resources, DeviceWriteQueue& writes,
             cudaStream_t stream) noexcept
       : mResources(resources), mWrites(writes), mStream(stream) {}
 
   /// preparePrefill: binds each sequence's lease pages to its resident row (base, and draft when
-  /// `paired`), uploads them and resets the batch's KV lengths to the reuse lengths, all in one
-  /// launch (a launch costs the engine thread 4-5 µs: docs/benchmarks.md). A
-  /// Hybrid-MTP (`mtp`) draft length stops before the hit's boundary token (recomputed).
+  /// `paired`) and resets the batch's KV lengths to the reuse lengths, then settles them: one
+  /// launch now, or none until the engine's step (a launch costs the engine thread 1-5 µs:
+  /// docs/benchmarks.md). A Hybrid-MTP (`mtp`) draft length stops before the hit's boundary
+  /// token (recomputed).
   void bindPrefill(CoordinatorRequest const& req, bool paired, bool mtp) const;
   /// Maps the pages `sequence`'s lease holds beyond `heldBase` base and `heldDraft` draft pages
   /// into its row (draft only when `paired`); no upload.
   void mapGrown(CoordinatorRequest::Sequence const& sequence, std::size_t heldBase,
                 std::size_t heldDraft, bool paired) const;
-  /// Binds a joiner's pages to row `slot` of the base table and uploads it.
+  /// Binds a joiner's pages to row `slot` of the base table and settles it.
   void bindJoiner(CacheSlot slot, std::span<PageId const> pages) const;
   /// Clears row `slot` (base, and draft when `paired`); no upload.
   void clearRow(CacheSlot slot, bool paired) const;
-  /// Clears every row of `req` and uploads.
+  /// Clears every row of `req` and settles them.
   void release(CoordinatorRequest const& req, bool paired) const;
-  /// Uploads the dirty rows of the base table and, when `paired`, of the draft table (one
-  /// launch).
-  void upload(bool paired) const;
-  /// Compacts the KV lengths (base, and draft when `paired`) with the device mapping.
+  /// Settles the dirty rows of the base and draft tables (DeviceWriteQueue::settle: one launch
+  /// now, or none until the engine's step).
+  void upload() const;
+  /// Compacts the KV lengths (base, and draft when `paired`) with the device mapping, after
+  /// applying every write that waits (the compaction reads the lengths on the device).
   void compactLengths(Tensor const& deviceMapping, int32_t newBatchSize, bool paired) const;
   /// Throws (naming `call`) unless the KV-length tensors a compaction compacts (base, and draft
   /// when `paired`) hold exactly `rows` rows.
@@ -52,11 +56,8 @@ class PagedRows {
   int32_t maxBatch() const noexcept { return mResources.basePageTable->maxBatch(); }
 
  private:
-  /// upload(), queued in mWrites for the caller to flush.
-  void queueUploads(bool paired) const;
-
   ContextCachePhysicalResources const& mResources;
-  kernels::InlinePatchBatch& mWrites;
+  DeviceWriteQueue& mWrites;
   cudaStream_t mStream;
 };
 

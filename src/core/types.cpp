@@ -76,4 +76,14 @@ std::string_view statusName(Status status) noexcept {
 std::string_view toString(SwaKVCacheStatus status) noexcept { return statusName(status); }
 std::string_view toString(ContextCacheStatus status) noexcept { return statusName(status); }
 
+std::string_view toString(DeviceWriteTiming timing) noexcept {
+  switch (timing) {
+    case DeviceWriteTiming::kEachCall:
+      return "each-call";
+    case DeviceWriteTiming::kEngineStep:
+      return "engine-step";
+  }
+  return "unknown";
+}
+
 }  // namespace mkv

@@ -1,5 +1,6 @@
 list(APPEND MKV_LIBRARY_SOURCES
   ${CMAKE_CURRENT_LIST_DIR}/backend_requests.cpp
+  ${CMAKE_CURRENT_LIST_DIR}/device_write_queue.cpp
   ${CMAKE_CURRENT_LIST_DIR}/host_kv_tier.cpp
   ${CMAKE_CURRENT_LIST_DIR}/kv_cache_pool.cpp
   ${CMAKE_CURRENT_LIST_DIR}/kv_page_table.cpp

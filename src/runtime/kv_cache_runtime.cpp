@@ -8,6 +8,7 @@
 #include "context_cache/window_block_cache.h"
 #include "core/check.h"
 #include "mkv/kernels.h"
+#include "resources/device_write_queue.h"
 #include "resources/shared_synchronizer.h"
 
 namespace mkv {
@@ -288,6 +289,8 @@ std::unique_ptr<KVCacheRuntime> KVCacheRuntime::create(KVCacheRuntimeConfig cons
       config.synchronizer ? config.synchronizer : defaultStreamSynchronizer(config.deviceType);
   runtime->mRecurrent = makeRecurrentPool(config);
   runtime->mResidentSlots.reset(config.maxBatchSize);
+  runtime->mDeviceWrites =
+      std::make_unique<detail::DeviceWriteQueue>(config.deviceType, config.deviceWrites);
 
   if (sizes.bounded) {
     runtime->mBackend = KVCacheBackend::kBoundedSwa;
@@ -300,6 +303,7 @@ std::unique_ptr<KVCacheRuntime> KVCacheRuntime::create(KVCacheRuntimeConfig cons
     resources.swaPageTable = runtime->mSwaTable.get();
     resources.recurrent = runtime->mRecurrent.get();
     resources.residentSlots = &runtime->mResidentSlots;
+    resources.deviceWrites = runtime->mDeviceWrites.get();
     if (model.numFullAttentionLayers > 0) {  // identity-mapped full layers
       runtime->mFullPool = makeKvPool(config, model.numFullAttentionLayers, sizes.fullPages);
       runtime->mFullTable = makeIdentityTable(config, sizes);
@@ -328,6 +332,7 @@ std::unique_ptr<KVCacheRuntime> KVCacheRuntime::create(KVCacheRuntimeConfig cons
   resources.basePageTable = runtime->mFullTable.get();
   resources.recurrent = runtime->mRecurrent.get();
   resources.residentSlots = &runtime->mResidentSlots;
+  resources.deviceWrites = runtime->mDeviceWrites.get();
   runtime->createDraft(sizes.fullPages, sizes.width);
   resources.draftPool = runtime->mDraftPool.get();
   resources.draftPageTable = runtime->mDraftTable.get();
@@ -360,6 +365,7 @@ void KVCacheRuntime::createSlidingReuse(int32_t fullPages, int32_t width, int32_
   resources.basePageTable = mFullTable.get();
   resources.residentSlots = &mResidentSlots;
   resources.windowCache = mWindowCache.get();
+  resources.deviceWrites = mDeviceWrites.get();
   mCoordinator = std::make_unique<ContextCacheCoordinator>(
       cache, deploymentProfile(mConfig), resources, mConfig.stream, mSharedSync->view());
   BoundedSwaResources swa;
@@ -369,6 +375,7 @@ void KVCacheRuntime::createSlidingReuse(int32_t fullPages, int32_t width, int32_
   swa.pageSource = mWindowCache.get();
   swa.lengthPools.push_back(mSwaPool.get());  // the full pool's lengths are the coordinator's
   swa.sharedSynchronizer = mSharedSync.get();
+  swa.deviceWrites = mDeviceWrites.get();
   mSwaManager = std::make_unique<BoundedSwaKVPageManager>(
       BoundedSwaConfig{model.slidingWindowTokens}, swa, mConfig.stream, mSharedSync->view());
 }
@@ -409,6 +416,18 @@ int64_t KVCacheRuntime::kvBytes() const noexcept {
   }
   return bytes;
 }
+
+void KVCacheRuntime::flushDeviceWrites() {
+  try {
+    mDeviceWrites->flush(mConfig.stream);
+  } catch (Error const& error) {
+    detail::throwContract("KVCacheRuntime::flushDeviceWrites", "{}", error.what());
+  }
+}
+
+bool KVCacheRuntime::deviceWritesPending() const noexcept { return mDeviceWrites->pending(); }
+
+int64_t KVCacheRuntime::deviceWriteLaunches() const noexcept { return mDeviceWrites->launches(); }
 
 bool KVCacheRuntime::shutdown() noexcept {
   detail::SharedSynchronizer::Scope const once(mSharedSync.get());  // the composed backend

@@ -9,6 +9,7 @@
 #include "core/check.h"
 #include "mkv/bounded_swa_kv_page_manager.h"
 #include "resources/backend_requests.h"
+#include "resources/device_write_queue.h"
 #include "resources/request_registry.h"
 #include "swa/bounded_swa_kv_page_manager_internal.h"
 
@@ -107,7 +108,7 @@ SwaKVCacheStatus BoundedSwaKVPageManager::admitSequence(RequestHandle& handle, R
   stagePrompt(state, start.promptTokens);
   state.joining = true;
   mResidentBusy[static_cast<std::size_t>(resident.slot)] = 1;
-  mResources.swaPageTable->uploadDirty(mStream);
+  mWrites->settle(mStream);
   return SwaKVCacheStatus::kOk;
 }
 
@@ -137,7 +138,7 @@ void BoundedSwaKVPageManager::retractSequenceAdmission(RequestHandle& handle) {
               req.id);
   SwaSequenceState& state = req.sequences.back();
   mResources.swaPageTable->clearRow(state.resident.slot);
-  mResources.swaPageTable->uploadDirty(mStream);
+  mWrites->settle(mStream);
   // Stream order: any later write into these pages is enqueued after the joiner's prefill.
   releaseSequence(state);
   req.sequences.pop_back();

@@ -12,6 +12,7 @@
 #include "core/device.h"
 #include "mkv/logging.h"
 #include "resources/backend_requests.h"
+#include "resources/device_write_queue.h"
 #include "resources/request_registry.h"
 #include "swa/bounded_swa_kv_page_manager_internal.h"
 
@@ -128,7 +129,13 @@ BoundedSwaKVPageManager::BoundedSwaKVPageManager(BoundedSwaConfig const& config,
     }
   }
   mResidentBusy.assign(static_cast<std::size_t>(table.maxBatch()), 0);
-  mDeviceWrites = kernels::InlinePatchBatch(pool.deviceType());
+  mWrites = mResources.deviceWrites;
+  if (mWrites == nullptr) {
+    mOwnedWrites =
+        std::make_unique<detail::DeviceWriteQueue>(pool.deviceType(), DeviceWriteTiming::kEachCall);
+    mWrites = mOwnedWrites.get();
+  }
+  mWrites->watch(mResources.swaPageTable);
   mMappingUploads = std::make_unique<detail::Int32UploadRegions>(table.maxBatch(), table.maxBatch(),
                                                                  pool.deviceType());
 }
@@ -430,12 +437,11 @@ void BoundedSwaKVPageManager::preparePrefill(RequestHandle& handle,
       mapNewBindings(state);
     }
   }
-  // The rows and every pool's lengths in one launch (a launch costs the engine thread 4-5 µs:
-  // docs/benchmarks.md, "What one launch costs the engine thread").
-  mDeviceWrites.flushAfter(mStream, [&] {
-    mResources.swaPageTable->uploadDirty(mDeviceWrites, mStream);
+  // The rows and every pool's lengths in one launch, now or at the engine's step (a launch
+  // costs the engine thread 1-5 µs: docs/benchmarks.md, "What one launch costs the engine thread").
+  mWrites->settleAfter(mStream, [&] {
     for (KVCachePool* lengths : mResources.lengthPools) {
-      lengths->resetForNewSequences(startLengths, mDeviceWrites, mStream);
+      lengths->resetForNewSequences(startLengths, mWrites->lengths(), mStream);
     }
   });
   if (!mResources.lengthPools.empty()) {
@@ -499,7 +505,7 @@ SwaKVCacheStatus BoundedSwaKVPageManager::prepareDecodeStep(RequestHandle& handl
       mapNewBindings(state);
     }
   }
-  mResources.swaPageTable->uploadDirty(mStream);
+  mWrites->settle(mStream);
   req.pending = Pending::kDecode;
   return SwaKVCacheStatus::kOk;
 }
@@ -584,7 +590,12 @@ SwaKVCacheStatus BoundedSwaKVPageManager::compactBatch(RequestHandle& handle) {
       mResources.swaPageTable->clearRow(req.sequences[i].resident.slot);
     }
   }
-  mResources.swaPageTable->uploadDirty(mStream);
+  // The length compaction below reads the lengths on the device: what waits goes first.
+  if (mResources.lengthPools.empty()) {
+    mWrites->settle(mStream);
+  } else {
+    mWrites->flush(mStream);
+  }
   if (mResources.recurrent != nullptr && !dropped.empty()) {
     mResources.recurrent->clearResidentSlots(dropped, mStream);
   }
@@ -687,7 +698,7 @@ void BoundedSwaKVPageManager::clearRows(Requests requests) {
       mResources.swaPageTable->clearRow(state.resident.slot);
     }
   }
-  mResources.swaPageTable->uploadDirty(mStream);
+  mWrites->settle(mStream);
 }
 
 void BoundedSwaKVPageManager::releaseRequest(Request& req) noexcept {

@@ -177,10 +177,17 @@ void ReferenceEngine::verifyRow(Run& run, Row& row, bool full) {
   }
 }
 
+void ReferenceEngine::flushWrites(Run& run) {
+  auto const start = std::chrono::steady_clock::now();
+  mRuntime.flushDeviceWrites();
+  run.libraryNanos += nanosSince(start);
+}
+
 void ReferenceEngine::checkLengths(Run& run) {
   if (mOptions.verify == VerifyMode::kNone) {
     return;
   }
+  flushWrites(run);
   auto const rows = static_cast<int32_t>(run.rows.size());
   mSteps->snapshotLengths(rows, rows, pairsDraft() ? rows : 0, mRuntime.config().stream);
 }
@@ -430,6 +437,7 @@ bool ReferenceEngine::prefillStep(Run& run) {
   for (std::size_t i = 0; i < run.rows.size(); ++i) {
     executePrefill(run, run.rows[i], run.rows[i].prefillStart);
   }
+  flushWrites(run);
   mSteps->submit(mRuntime.config().stream);
   writeLengths(run, 0, run.rows.size(), [](std::size_t) { return true; });
   auto t0 = std::chrono::steady_clock::now();

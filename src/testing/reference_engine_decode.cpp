@@ -140,6 +140,7 @@ bool ReferenceEngine::seatJoiner(Run& run, ResidentRef resident, int32_t prefill
   }
   mSteps->begin();
   executePrefill(run, run.rows[index], prefillStart);
+  flushWrites(run);
   mSteps->submit(mRuntime.config().stream);
   writeLengths(run, index, index + 1, [](std::size_t) { return true; });
   sampleAfter(run, run.rows[index], index);
@@ -179,6 +180,7 @@ bool ReferenceEngine::decodeStep(Run& run) {
   mMarks->mark(0, stream);
   auto start = std::chrono::steady_clock::now();
   bool ok = run.managed->prepareDecodeStep(run.context, run.headroom);
+  mRuntime.flushDeviceWrites();  // the step's rows and lengths (kEngineStep), before its launches
   stepNanos += nanosSince(start);
   mMarks->mark(1, stream);
   if (!ok) {

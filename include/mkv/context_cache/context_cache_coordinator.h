@@ -38,6 +38,7 @@ struct LookupRequest;
 struct PromptBlocks;
 struct SnapshotReservation;
 namespace detail {
+class DeviceWriteQueue;
 class Int32UploadRegions;
 class PagedRows;
 template <class Request>
@@ -130,6 +131,11 @@ struct ContextCachePhysicalResources {
   /// reuse disabled, a hybrid or speculative profile or a host tier, and unless its page size is
   /// the base pool's.
   WindowBlockCache* windowCache = nullptr;
+  /// Where the table rows and KV lengths the coordinator writes wait for the device (not owned;
+  /// KVCacheRuntime sets it, one for every backend of the runtime; the coordinator adds the base
+  /// and draft tables to its tables). Null: the coordinator owns one that applies them at the end
+  /// of each call.
+  detail::DeviceWriteQueue* deviceWrites = nullptr;
 };
 
 /// One sequence of an admission.
@@ -604,9 +610,9 @@ class ContextCacheCoordinator {
   std::vector<uint8_t> mResidentBusy;
   /// Compaction-mapping staging, one region per resident slot (created once, see device.h).
   std::unique_ptr<detail::Int32UploadRegions> mMappingUploads;
-  /// Table rows and KV lengths a call writes, applied by one launch at the call's end (mutable:
-  /// scratch of the const rows() view, empty between calls).
-  mutable kernels::InlinePatchBatch mDeviceWrites;
+  /// resources.deviceWrites, or mOwnedWrites (kEachCall) when that was null.
+  std::unique_ptr<detail::DeviceWriteQueue> mOwnedWrites;
+  detail::DeviceWriteQueue* mWrites = nullptr;
   ContextCacheCoordinatorCounters mCounters;
   std::function<void(CoordinatorFaultSite)> mFaultHook;
 };

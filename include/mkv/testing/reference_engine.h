@@ -259,6 +259,9 @@ class ReferenceEngine {
   void verifyRow(Run& run, Row& row, bool full);
   /// Snapshots the device KV-length rows (checked by finishStep).
   void checkLengths(Run& run);
+  /// KVCacheRuntime::flushDeviceWrites, timed as library time: what an engine calls before the
+  /// launches of a step that read the tables and lengths (a no-op with kEachCall).
+  void flushWrites(Run& run);
   /// The step's completion point: collects and reports its findings.
   void finishStep(Run& run);
   /// A step that only checks the KV lengths (after a compaction).

@@ -1,0 +1,37 @@
+#include "resources/device_write_queue.h"
+
+#include <algorithm>
+
+namespace mkv::detail {
+
+DeviceWriteQueue::DeviceWriteQueue(DeviceType device, DeviceWriteTiming timing)
+    : mTiming(timing), mBatch(device) {}
+
+void DeviceWriteQueue::watch(KVPageTable* table) {
+  if (table != nullptr && std::find(mTables.begin(), mTables.end(), table) == mTables.end()) {
+    mTables.push_back(table);
+  }
+}
+
+void DeviceWriteQueue::settle(cudaStream_t stream) {
+  if (mTiming == DeviceWriteTiming::kEachCall) {
+    flush(stream);
+  }
+}
+
+void DeviceWriteQueue::flush(cudaStream_t stream) {
+  mBatch.flushAfter(stream, [&] {
+    for (KVPageTable* table : mTables) {
+      if (table->dirty()) {  // a clean table's upload would still reset its lastUpload()
+        table->uploadDirty(mBatch, stream);
+      }
+    }
+  });
+}
+
+bool DeviceWriteQueue::pending() const noexcept {
+  return !mBatch.empty() || std::any_of(mTables.begin(), mTables.end(),
+                                        [](KVPageTable const* table) { return table->dirty(); });
+}
+
+}  // namespace mkv::detail

@@ -1,0 +1,75 @@
+#pragma once
+/// \file device_write_queue.h
+/// The page-table and KV-length writes of the backends' lifecycle calls, and the moment they
+/// reach the device (docs/architecture.md, "Device writes at the engine step"). Not installed.
+///
+/// Thread-safety: single writer (the engine thread).
+
+#include <cstdint>
+#include <vector>
+
+#include "mkv/cuda_types.h"
+#include "mkv/kernels.h"
+#include "mkv/kv_page_table.h"
+#include "mkv/types.h"
+
+namespace mkv::detail {
+
+/// Table rows are written on the host, where each KVPageTable keeps its changed entries dirty;
+/// KV lengths are queued in one InlinePatchBatch. A flush uploads the dirty entries of every
+/// watched table into that batch and applies it: one launch when the patch fits inline. When a
+/// flush happens is the timing's: at the end of every call that wrote (settle, kEachCall) or only
+/// when the engine asks once per step (kEngineStep; KVCacheRuntime::flushDeviceWrites).
+///
+/// Order: a table entry written twice before a flush reaches the device with its last value (the
+/// host row is the truth), and a length write that overlaps one still queued flushes the queue
+/// first (InlinePatchBatch::add), so the device sees the writes in the order they were made. Every
+/// backend of a runtime shares one queue for that reason: the composed backend's two halves write
+/// the same length tensor.
+class DeviceWriteQueue {
+ public:
+  DeviceWriteQueue(DeviceType device, DeviceWriteTiming timing);
+
+  /// Adds `table` to the tables every flush uploads (borrowed: it must outlive the queue's
+  /// flushes). Null and a table already watched are ignored.
+  void watch(KVPageTable* table);
+  /// Where KV-length writes queue (KVCachePool::resetForNewSequences).
+  kernels::InlinePatchBatch& lengths() noexcept { return mBatch; }
+  DeviceWriteTiming timing() const noexcept { return mTiming; }
+
+  /// Ends a lifecycle call that wrote: flush(stream) with kEachCall; nothing with kEngineStep.
+  void settle(cudaStream_t stream);
+  /// Calls `write()`, then settle(stream): also when `write` throws half-way (then rethrows what it
+  /// threw), so what it wrote reaches the device like the writes before it.
+  template <typename Write>
+  void settleAfter(cudaStream_t stream, Write&& write) {
+    try {
+      write();
+    } catch (...) {
+      try {
+        settle(stream);
+      } catch (...) {  // the writes stay queued; the error to report is the first one
+      }
+      throw;
+    }
+    settle(stream);
+  }
+  /// Uploads the dirty entries of every watched table and applies every queued write on `stream`,
+  /// in one launch when they fit inline (a large table upload adds a staged copy). Needed before
+  /// any launch that reads or writes what the queue may hold (the KV-length compaction), and by
+  /// the engine once per step with kEngineStep. Never waits. Throws mkv::Error when a launch fails;
+  /// what was not applied stays queued for the next flush.
+  void flush(cudaStream_t stream);
+  /// Whether writes wait for a flush: a watched table is dirty or lengths are queued.
+  bool pending() const noexcept;
+  /// Launches of the length batch so far (each flush that found writes makes one; a length write
+  /// overlapping a queued one makes one more).
+  int64_t launches() const noexcept { return mBatch.launches(); }
+
+ private:
+  DeviceWriteTiming mTiming;
+  kernels::InlinePatchBatch mBatch;
+  std::vector<KVPageTable*> mTables;
+};
+
+}  // namespace mkv::detail

@@ -1,0 +1,408 @@
+// DeviceWriteTiming::kEngineStep (docs/architecture.md, "Device writes at the engine step"): the
+// page-table rows and KV lengths of the lifecycle calls wait on the host until the engine's
+// KVCacheRuntime::flushDeviceWrites. Two kinds of proof, on host tensors and on GPU tensors (the
+// kGPU instances skip without a CUDA device):
+// * call by call: a request's calls launch nothing and leave the device copies as they were; one
+//   flush makes them equal to the host rows and lengths in one launch; a row cleared and bound
+//   again before a flush reaches the device with its last value;
+// * end to end: one workload per deployment (reuse with hits, compaction and joiners, bounded SWA,
+//   sliding-window reuse, EAGLE-style speculative decoding, hybrid checkpoints, a host tier) run by
+//   the reference engine with the oracle checking every position attention reads, once per
+//   timing: the same outcomes and figures, no mismatch, no more launches at the engine step.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <optional>
+#include <ostream>
+#include <string>
+#include <vector>
+
+#include "mkv/kv_cache_runtime.h"
+#include "mkv/managed_kv_cache_request.h"
+#include "mkv/testing/reference_engine.h"
+#include "runtime_test_rig.h"
+#include "support/test_util.h"
+#include "support/token_runs.h"
+
+namespace mkv {
+namespace {
+
+using runtime_test::Backend;
+using runtime_test::configFor;
+using runtime_test::kVanilla;
+using runtime_test::RuntimeCase;
+using runtime_test::RuntimeCaseTest;
+using test::concatenated;
+using test::tokenRun;
+using testing::EngineRequest;
+using testing::EngineSequence;
+using testing::EngineStats;
+using testing::ReferenceEngine;
+using testing::RequestOutcome;
+
+// ---------------------------------------------------------------- call by call
+
+/// Every table row of the runtime (K and V ids) on the host, and the device copies read back.
+struct Rows {
+  std::vector<int32_t> host;
+  std::vector<int32_t> device;
+};
+
+Rows tableRows(KVCacheRuntime& runtime) {
+  Rows rows;
+  for (KVPageTable const* table :
+       {runtime.fullPageTable(), runtime.swaPageTable(), runtime.draftPageTable()}) {
+    if (table == nullptr) {
+      continue;
+    }
+    std::vector<int32_t> const device = test::readAs<int32_t>(table->deviceTable());
+    rows.device.insert(rows.device.end(), device.begin(), device.end());
+    for (CacheSlot slot = 0; slot < table->maxBatch(); ++slot) {
+      std::span<int32_t const> const host = table->hostRow(slot);
+      rows.host.insert(rows.host.end(), host.begin(), host.end());
+    }
+  }
+  return rows;
+}
+
+/// The active rows of the length tensor the backend resets at a prefill.
+std::vector<int32_t> deviceLengths(KVCacheRuntime& runtime) {
+  return test::readAs<int32_t>(runtime.lengthPool().kvLengths());
+}
+
+/// One single-sequence request driven call by call, as an engine's scheduler would.
+class CallByCall {
+ public:
+  CallByCall(KVCacheRuntime& runtime, std::vector<int32_t> prompt) : mRuntime(runtime) {
+    mContext.stream = runtime.config().stream;
+    mContext.activeBatchSize = 1;
+    mContext.finishReasons = {FinishReason::kNotFinished};
+    mContext.rawBatchedInputIds = {std::move(prompt)};
+    mContext.generatedTokenIds = {{}};
+    mContext.residentRefs = {runtime.residentSlots().acquire().value()};
+  }
+  ~CallByCall() {
+    mManaged.reset();
+    (void)mRuntime.residentSlots().release(mContext.residentRefs[0]);
+  }
+  CallByCall(CallByCall const&) = delete;
+  CallByCall& operator=(CallByCall const&) = delete;
+
+  CacheSlot slot() const { return mContext.residentRefs[0].slot; }
+
+  /// begin, then the prefill's prepare calls (the engine would launch its forward next).
+  void beginAndPreparePrefill() {
+    std::optional<ManagedKVCacheRequest> begun = ManagedKVCacheRequest::begin(
+        mRuntime.contextCache(), mRuntime.swaPageManager(), LLMGenerationRequest{}, mContext, false,
+        kVanilla, DecodingTokenStateContract::kCommittedPlusLookahead,
+        ContextCacheCommitPolicy::kIncludingGeneratedTokens);
+    ASSERT_TRUE(begun.has_value());
+    mManaged.emplace(std::move(*begun));
+    std::vector<int32_t> const* starts = mManaged->prefillStarts();
+    int32_t const reused = starts != nullptr ? starts->at(0) : 0;
+    mContext.effectivePrefillLengths = {
+        static_cast<int32_t>(mContext.rawBatchedInputIds[0].size()) - reused};
+    ASSERT_TRUE(mManaged->preparePrefill());
+    ASSERT_TRUE(mManaged->prepareSwaPrefill(mContext.effectivePrefillLengths));
+    ASSERT_TRUE(mManaged->enqueuePrefillCaptures());
+  }
+  void completePrefillAndFinish() {
+    mContext.generatedTokenIds[0].push_back(7);  // the engine samples
+    ASSERT_TRUE(mManaged->completePrefill(mContext, {}));
+    ASSERT_TRUE(mManaged->finish());
+  }
+
+ private:
+  KVCacheRuntime& mRuntime;
+  DecodingInferenceContext mContext;
+  std::optional<ManagedKVCacheRequest> mManaged;
+};
+
+KVCacheRuntimeConfig engineStepConfig(Backend backend, DeviceType device) {
+  KVCacheRuntimeConfig config = configFor(backend, device);
+  config.deviceWrites = DeviceWriteTiming::kEngineStep;
+  return config;
+}
+
+class DeviceWriteTimingTest : public RuntimeCaseTest {};
+
+INSTANTIATE_TEST_SUITE_P(Backends, DeviceWriteTimingTest,
+                         ::testing::ValuesIn(runtime_test::everyBackendCase()),
+                         runtime_test::runtimeCaseName);
+
+TEST_P(DeviceWriteTimingTest, ARequestsCallsLaunchNothingAndOneFlushAppliesThemAll) {
+  auto runtime = KVCacheRuntime::create(engineStepConfig(backend(), device()));
+  Rows const idle = tableRows(*runtime);
+  int64_t const launches = runtime->deviceWriteLaunches();
+  {
+    CallByCall request(*runtime, tokenRun(40, 100));
+    request.beginAndPreparePrefill();
+    EXPECT_EQ(runtime->deviceWriteLaunches(), launches) << "a lifecycle call launched";
+    EXPECT_TRUE(runtime->deviceWritesPending());
+    Rows const waiting = tableRows(*runtime);
+    EXPECT_EQ(waiting.device, idle.device) << "the device rows changed before the flush";
+    EXPECT_NE(waiting.host, idle.host) << "the prefill bound no page";
+    runtime->flushDeviceWrites();
+    EXPECT_EQ(runtime->deviceWriteLaunches(), launches + 1) << "one launch for the whole step";
+    EXPECT_FALSE(runtime->deviceWritesPending());
+    Rows const flushed = tableRows(*runtime);
+    EXPECT_EQ(flushed.device, flushed.host);
+    EXPECT_EQ(deviceLengths(*runtime), std::vector<int32_t>{0}) << "the prefill's reset length";
+    request.completePrefillAndFinish();
+    EXPECT_EQ(runtime->deviceWriteLaunches(), launches + 1) << "finish launched";
+    EXPECT_TRUE(runtime->deviceWritesPending()) << "finish cleared no row";
+  }
+  runtime->flushDeviceWrites();
+  Rows const cleared = tableRows(*runtime);
+  EXPECT_EQ(cleared.device, cleared.host);
+  EXPECT_EQ(cleared.host, idle.host) << "finish left a row bound";
+  EXPECT_TRUE(runtime->shutdown());
+}
+
+TEST_P(DeviceWriteTimingTest, ARowClearedAndBoundAgainBeforeAFlushArrivesWithItsLastValue) {
+  auto runtime = KVCacheRuntime::create(engineStepConfig(backend(), device()));
+  CacheSlot firstSlot = -1;
+  {
+    CallByCall first(*runtime, tokenRun(40, 100));
+    first.beginAndPreparePrefill();
+    runtime->flushDeviceWrites();
+    first.completePrefillAndFinish();  // clears its row: waits
+    firstSlot = first.slot();
+  }
+  int64_t const launches = runtime->deviceWriteLaunches();
+  CallByCall second(*runtime, tokenRun(56, 900));  // another prompt on the same resident row
+  ASSERT_EQ(second.slot(), firstSlot);
+  second.beginAndPreparePrefill();
+  runtime->flushDeviceWrites();
+  EXPECT_EQ(runtime->deviceWriteLaunches(), launches + 1)
+      << "the clear and the new binding of one row need one launch";
+  Rows const rows = tableRows(*runtime);
+  EXPECT_EQ(rows.device, rows.host);
+  second.completePrefillAndFinish();
+  runtime->flushDeviceWrites();
+  EXPECT_TRUE(runtime->shutdown());
+}
+
+TEST_P(DeviceWriteTimingTest, EachCallTimingLeavesNothingWaiting) {
+  auto runtime = KVCacheRuntime::create(configFor(backend(), device()));
+  ASSERT_EQ(runtime->config().deviceWrites, DeviceWriteTiming::kEachCall);
+  CallByCall request(*runtime, tokenRun(40, 100));
+  request.beginAndPreparePrefill();
+  EXPECT_FALSE(runtime->deviceWritesPending());
+  Rows const rows = tableRows(*runtime);
+  EXPECT_EQ(rows.device, rows.host);
+  int64_t const launches = runtime->deviceWriteLaunches();
+  runtime->flushDeviceWrites();  // nothing to do
+  EXPECT_EQ(runtime->deviceWriteLaunches(), launches);
+  request.completePrefillAndFinish();
+  EXPECT_FALSE(runtime->deviceWritesPending());
+}
+
+// ---------------------------------------------------------------- end to end
+
+/// The deployments of the end-to-end workload.
+enum class Deployment : uint8_t { kReuse, kBoundedSwa, kSlidingReuse, kEagle, kHybrid, kHostTier };
+
+struct WorkloadCase {
+  Deployment deployment;
+  DeviceType device;
+};
+
+char const* deploymentName(Deployment deployment) {
+  switch (deployment) {
+    case Deployment::kReuse:
+      return "reuse";
+    case Deployment::kBoundedSwa:
+      return "swa";
+    case Deployment::kSlidingReuse:
+      return "sliding";
+    case Deployment::kEagle:
+      return "eagle";
+    case Deployment::kHybrid:
+      return "hybrid";
+    case Deployment::kHostTier:
+      return "hosttier";
+  }
+  return "unknown";
+}
+
+void PrintTo(WorkloadCase const& workload, std::ostream* out) {
+  *out << deploymentName(workload.deployment) << " on " << toString(workload.device);
+}
+
+std::vector<WorkloadCase> everyWorkloadCase() {
+  std::vector<WorkloadCase> cases;
+  for (DeviceType device : {DeviceType::kCPU, DeviceType::kGPU}) {
+    for (Deployment deployment :
+         {Deployment::kReuse, Deployment::kBoundedSwa, Deployment::kSlidingReuse,
+          Deployment::kEagle, Deployment::kHybrid, Deployment::kHostTier}) {
+      cases.push_back({deployment, device});
+    }
+  }
+  return cases;
+}
+
+KVCacheRuntimeConfig workloadConfig(Deployment deployment, DeviceType device,
+                                    DeviceWriteTiming timing) {
+  KVCacheRuntimeConfig config;
+  switch (deployment) {
+    case Deployment::kReuse:
+      config = configFor(Backend::kContextReuse, device);
+      break;
+    case Deployment::kBoundedSwa:
+      config = configFor(Backend::kBoundedSwa, device);
+      break;
+    case Deployment::kSlidingReuse:
+      config = configFor(Backend::kSlidingWindowReuse, device);
+      break;
+    case Deployment::kEagle: {
+      config = configFor(Backend::kContextReuse, device);
+      KVCacheSpeculativeConfig spec;
+      spec.numDraftLayers = 1;
+      spec.numDraftKVHeads = 1;
+      spec.draftHeadDim = 4;
+      config.speculative = spec;
+      break;
+    }
+    case Deployment::kHybrid:
+      config = configFor(Backend::kContextReuse, device);
+      config.model.numRecurrentLayers = 2;
+      config.model.recurrentStateBytes = 24;
+      config.model.recurrentConvBytes = 8;
+      config.contextCache.recurrentSnapshotPoolBytes = 8 * 2 * (24 + 8);
+      // 2 layers x K and V x 16 tokens x 1 head x 4 x fp16 per partial page.
+      config.contextCache.partialKvSnapshotPoolBytes = 8 * 2 * 2 * 16 * 4 * 2;
+      break;
+    case Deployment::kHostTier:
+      config = configFor(Backend::kContextReuse, device);
+      config.numPages = 20;  // small: the churn below evicts to the host tier and onboards back
+      config.contextCache.evictionPolicy = EvictionPolicyKind::kLru;
+      config.hostPoolTokens = 64 * runtime_test::kPageTokens;
+      break;
+  }
+  config.deviceWrites = timing;
+  return config;
+}
+
+/// Everything one run of the workload yields that does not depend on the timing.
+struct WorkloadResult {
+  std::vector<RequestOutcome> outcomes;
+  EngineStats stats;
+  int64_t launches = 0;
+  int64_t pagesOnboarded = 0;  ///< from the host tier (kHostTier)
+};
+
+/// A batch of three sequences with a shared prefix (one cancelled, so the batch compacts) and two
+/// joiners where the backend seats them, then a multi-turn continuation (a hit), then churn with
+/// distinct prompts that fills the pool and evicts, then the first prompt again.
+WorkloadResult runWorkload(Deployment deployment, DeviceType device, DeviceWriteTiming timing) {
+  auto runtime = KVCacheRuntime::create(workloadConfig(deployment, device, timing));
+  testing::ReferenceEngineOptions options;
+  options.speculativeWidth = deployment == Deployment::kEagle ? 2 : 0;
+  ReferenceEngine engine(*runtime, options);
+  WorkloadResult result;
+  std::vector<int32_t> const shared = tokenRun(37, 100);
+  EngineRequest batch;
+  batch.sequences.push_back(
+      EngineSequence{concatenated(shared, tokenRun(5, 300)), 9, {}, {}, {}, -1, 0});
+  batch.sequences.push_back(
+      EngineSequence{concatenated(shared, tokenRun(21, 400)), 12, {}, {}, {}, 2, 1});
+  batch.sequences.push_back(EngineSequence{tokenRun(19, 500), 6, {}, {}, {}, -1, 2});
+  std::deque<EngineSequence> joiners;
+  joiners.push_back(EngineSequence{concatenated(shared, tokenRun(3, 600)), 4, {}, {}, {}, -1, 3});
+  joiners.push_back(EngineSequence{tokenRun(30, 700), 5, {}, {}, {}, -1, 4});
+  result.outcomes.push_back(engine.run(batch, &joiners));
+  std::vector<int32_t> history = batch.sequences[0].prompt;
+  std::vector<int32_t> const& generated = result.outcomes.back().sequences.at(0).generated;
+  history.insert(history.end(), generated.begin(), generated.end());
+  EngineRequest turn;
+  turn.sequences.push_back(
+      EngineSequence{concatenated(history, tokenRun(11, 800)), 5, {}, {}, {}, -1, 5});
+  result.outcomes.push_back(engine.run(turn));
+  for (int32_t i = 0; i < 6; ++i) {
+    EngineRequest churn;
+    churn.sequences.push_back(
+        EngineSequence{tokenRun(50 + 7 * i, 1000 + 100 * i), 4, {}, {}, {}, -1, 6 + i});
+    result.outcomes.push_back(engine.run(churn));
+  }
+  result.outcomes.push_back(engine.run(turn));
+  result.stats = engine.stats();
+  result.launches = runtime->deviceWriteLaunches();
+  if (runtime->hostTier() != nullptr) {
+    result.pagesOnboarded = runtime->hostTier()->pagesOnboarded();
+  }
+  EXPECT_TRUE(runtime->shutdown());
+  return result;
+}
+
+void expectSameOutcomes(std::vector<RequestOutcome> const& each,
+                        std::vector<RequestOutcome> const& step) {
+  ASSERT_EQ(each.size(), step.size());
+  for (std::size_t r = 0; r < each.size(); ++r) {
+    EXPECT_EQ(each[r].admitted, step[r].admitted) << "request " << r;
+    EXPECT_EQ(each[r].failed, step[r].failed) << "request " << r;
+    EXPECT_EQ(each[r].decodeSteps, step[r].decodeSteps) << "request " << r;
+    ASSERT_EQ(each[r].sequences.size(), step[r].sequences.size()) << "request " << r;
+    for (std::size_t s = 0; s < each[r].sequences.size(); ++s) {
+      testing::SequenceOutcome const& a = each[r].sequences[s];
+      testing::SequenceOutcome const& b = step[r].sequences[s];
+      EXPECT_EQ(a.generated, b.generated) << "request " << r << " sequence " << s;
+      EXPECT_EQ(a.prefillStart, b.prefillStart) << "request " << r << " sequence " << s;
+      EXPECT_EQ(a.reason, b.reason) << "request " << r << " sequence " << s;
+      EXPECT_EQ(a.joinedInFlight, b.joinedInFlight) << "request " << r << " sequence " << s;
+    }
+  }
+}
+
+class EngineStepWorkloadTest : public ::testing::TestWithParam<WorkloadCase> {
+ protected:
+  void SetUp() override { MKV_SKIP_WITHOUT_DEVICE(GetParam().device); }
+};
+
+std::string workloadCaseName(::testing::TestParamInfo<WorkloadCase> const& info) {
+  return std::string(deploymentName(info.param.deployment)) + "_" +
+         std::string(toString(info.param.device));
+}
+
+INSTANTIATE_TEST_SUITE_P(Deployments, EngineStepWorkloadTest,
+                         ::testing::ValuesIn(everyWorkloadCase()), workloadCaseName);
+
+TEST_P(EngineStepWorkloadTest, TheOracleAgreesAndEveryFigureMatchesWritesAtEachCall) {
+  WorkloadCase const workload = GetParam();
+  WorkloadResult const each =
+      runWorkload(workload.deployment, workload.device, DeviceWriteTiming::kEachCall);
+  WorkloadResult const step =
+      runWorkload(workload.deployment, workload.device, DeviceWriteTiming::kEngineStep);
+  expectSameOutcomes(each.outcomes, step.outcomes);
+  EXPECT_EQ(step.stats.oracleMismatches, 0) << step.stats.firstMismatch;
+  EXPECT_GT(step.stats.oracleChecks, 0);
+  EXPECT_EQ(step.stats.oracleChecks, each.stats.oracleChecks);
+  EXPECT_EQ(step.stats.lengthChecks, each.stats.lengthChecks);
+  EXPECT_EQ(step.stats.recurrentChecks, each.stats.recurrentChecks);
+  EXPECT_EQ(step.stats.draftOracleChecks, each.stats.draftOracleChecks);
+  EXPECT_EQ(step.stats.reusedTokens, each.stats.reusedTokens);
+  EXPECT_EQ(step.stats.joins, each.stats.joins);
+  EXPECT_EQ(step.stats.decodeSteps, each.stats.decodeSteps);
+  EXPECT_EQ(step.stats.peakPagesInUse, each.stats.peakPagesInUse);
+  if (workload.deployment != Deployment::kBoundedSwa) {
+    EXPECT_GT(step.stats.reusedTokens, 0) << "the workload reused nothing";
+  }
+  if (workload.deployment == Deployment::kReuse ||
+      workload.deployment == Deployment::kSlidingReuse) {
+    EXPECT_EQ(step.stats.joins, 2) << "the joiners were not seated";
+  }
+  if (workload.deployment == Deployment::kHostTier) {
+    EXPECT_GT(step.pagesOnboarded, 0) << "nothing came back from the host tier";
+    EXPECT_EQ(step.pagesOnboarded, each.pagesOnboarded);
+  }
+  // The reference engine launches at most once per step with either timing (a batch's finished
+  // rows leave by compaction, which applies its writes at once): no more launches, none fewer
+  // either. What an engine step saves is shown call by call above.
+  EXPECT_GT(step.launches, 0);
+  EXPECT_LE(step.launches, each.launches);
+}
+
+}  // namespace
+}  // namespace mkv
