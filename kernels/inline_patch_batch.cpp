@@ -1,7 +1,10 @@
 /// kernels::InlinePatchBatch: int32 writes to a few tensors, applied by one inline patch launch.
 #include <algorithm>
+#include <cstddef>
 #include <cstdint>
 #include <limits>
+#include <span>
+#include <vector>
 
 #include "core/check.h"
 #include "kernel_params.h"
@@ -13,6 +16,28 @@ namespace {
 
 /// The header entries (offset, count, valueStart) each range adds to the launch's patch.
 constexpr int32_t kHeaderPerRange = 3;
+
+/// When the entries [first, first + values.size()) lie inside a queued range (of InlinePatchBatch's
+/// `ranges` over `targets`), overwrites that range's queued values there and returns true; else
+/// changes nothing. Compared as addresses, like overlapsQueued. Queued ranges never overlap each
+/// other, so a range inside one of them meets no other: overwriting values not yet applied gives
+/// what applying both writes in order would.
+template <typename Ranges>
+bool replaceInside(Ranges const& ranges, int32_t* const* targets, std::vector<int32_t>& queued,
+                   int32_t const* first, std::span<int32_t const> values) {
+  auto const begin = reinterpret_cast<std::uintptr_t>(first);
+  auto const end = begin + values.size() * sizeof(int32_t);
+  for (auto const& range : ranges) {
+    auto const queuedBegin = reinterpret_cast<std::uintptr_t>(targets[range.target] + range.offset);
+    auto const queuedEnd = queuedBegin + static_cast<std::size_t>(range.count) * sizeof(int32_t);
+    if (queuedBegin <= begin && end <= queuedEnd) {
+      auto const skip = static_cast<std::ptrdiff_t>((begin - queuedBegin) / sizeof(int32_t));
+      std::copy(values.begin(), values.end(), queued.begin() + range.valueStart + skip);
+      return true;
+    }
+  }
+  return false;
+}
 
 }  // namespace
 
@@ -73,6 +98,9 @@ void InlinePatchBatch::add(char const* call, Tensor& dst, int64_t offset,
     return;
   }
   int32_t* const base = dst.dataPointer<int32_t>();
+  if (replaceInside(mRanges, mTargets, mValues, base + offset, values)) {
+    return;
+  }
   int64_t const queuedEntries =
       static_cast<int64_t>(mValues.size()) + kHeaderPerRange * static_cast<int64_t>(mRanges.size());
   bool const full = queuedEntries + kHeaderPerRange + count > kMaxInlinePatchValues ||

@@ -5,7 +5,8 @@ Reads the JSON of
   mkv_host_bench --benchmark_filter='BM_RequestLifecycle|BM_Engine|BM_InlinePatch' \
       --benchmark_repetitions=N --benchmark_report_aggregates_only=true --benchmark_format=json
 and prints, for every benchmark that ran on both devices, the CPU and GPU medians (and the
-per-phase counters of BM_RequestLifecycle) with the GPU / CPU ratio against the 1.5x target.
+per-phase counters of BM_RequestLifecycle, and its step_flush_us: the engine's flush of a step,
+outside the request's time) with the GPU / CPU ratio against the 1.5x target.
 Exit status: 0 when every pair is within the target, 3 when one misses (a measurement, not a
 failure: run_on_device.sh reports the misses), 2 when a benchmark row failed, 77 when no GPU row
 ran (and 1, Python's own, when the script itself fails).
@@ -38,7 +39,7 @@ def medians(report):
         key = name.replace(device.group(0), "")
         # Wall time: what the engine thread loses (a blocked wait costs it too).
         values = {"time": bench["real_time"], "unit": bench["time_unit"]}
-        for counter in ("begin_us", "prefill_us", "finish_us"):
+        for counter in ("begin_us", "prefill_us", "finish_us", "step_flush_us"):
             if counter in bench:
                 values[counter] = bench[counter]
         rows.setdefault(key, {})["gpu" if device.group(1) == "1" else "cpu"] = values
@@ -63,7 +64,8 @@ def main(path):
     print(f"{'benchmark':<52} {'metric':<11} {'cpu':>10} {'gpu':>10} {'gpu/cpu':>8}")
     for key in sorted(pairs):
         cpu, gpu = pairs[key]["cpu"], pairs[key]["gpu"]
-        metrics = ["time"] + [m for m in ("begin_us", "prefill_us", "finish_us") if m in cpu]
+        metrics = ["time"] + [m for m in ("begin_us", "prefill_us", "finish_us", "step_flush_us")
+                             if m in cpu]
         for metric in metrics:
             ratio = gpu[metric] / cpu[metric] if cpu[metric] else float("inf")
             mark = ""

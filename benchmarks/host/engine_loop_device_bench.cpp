@@ -6,7 +6,8 @@
 // without a CUDA device.
 //
 // BM_RequestLifecycle times the library calls only (manual time, one steady_clock read around each
-// phase, ~85 ns each and the same on both devices); the decode-step rows time whole iterations
+// phase, ~85 ns each and the same on both devices), with the runtime's device writes at each call
+// or at the engine step (DeviceWriteTiming); the decode-step rows time whole iterations
 // (decode_step_rigs.h), as the other decode-step benchmarks do.
 
 #include <benchmark/benchmark.h>
@@ -52,19 +53,27 @@ struct PhaseNanoseconds {
   /// preparePrefill, prepareSwaPrefill, enqueuePrefillCaptures and completePrefill.
   int64_t prefill = 0;
   int64_t finish = 0;
+  /// kEngineStep: the engine's flushDeviceWrites before its prefill forward, made by the last
+  /// request of a step. A step's cost, paid once whatever the number of requests in it: reported
+  /// beside the request (per request), not in its time.
+  int64_t stepFlush = 0;
   int64_t total() const { return begin + prefill + finish; }
 };
 
 /// One sequence per request, a 2048-token prompt, pages of 128 tokens. Context reuse: every
 /// prompt is new (a unique first token), so each request misses, publishes 16 blocks and, once
-/// the pool is full, evicts old records. Bounded SWA: W = 1024 (M = 9).
+/// the pool is full, evicts old records. Bounded SWA: W = 1024 (M = 9). With kEngineStep the
+/// engine flushes the step's writes after the prepare calls of the step's last request, before
+/// its forward; a finish's cleared row waits for the next flush.
 class LifecycleRig {
  public:
   static constexpr int32_t kPrompt = 2048;
   static constexpr int32_t kPage = 128;
 
-  LifecycleRig(bool reuse, DeviceType device) : mPrompt(randomTokens(kPrompt, 7)) {
+  LifecycleRig(bool reuse, DeviceType device, DeviceWriteTiming timing)
+      : mPrompt(randomTokens(kPrompt, 7)) {
     KVCacheRuntimeConfig config = benchRuntimeConfig(4, 4096, kPage, device);
+    config.deviceWrites = timing;
     config.model.numFullAttentionLayers = 1;
     if (reuse) {
       config.contextReuse = true;
@@ -79,7 +88,8 @@ class LifecycleRig {
     mContext.finishReasons = {FinishReason::kNotFinished};
   }
 
-  PhaseNanoseconds serve(int64_t serial) {
+  /// One request; `flush`: the step's last, after whose prepare calls the engine flushes.
+  PhaseNanoseconds serve(int64_t serial, bool flush) {
     mPrompt[0] = uniqueToken(serial);
     mContext.rawBatchedInputIds = {mPrompt};
     mContext.generatedTokenIds = {{}};
@@ -100,6 +110,11 @@ class LifecycleRig {
     ok = ok && managed->prepareSwaPrefill(mContext.effectivePrefillLengths);
     ok = ok && managed->enqueuePrefillCaptures();
     phases.prefill = elapsed(start);
+    if (flush) {
+      start = Clock::now();
+      mRuntime->flushDeviceWrites();  // the engine's, before its forward (nothing with kEachCall)
+      phases.stepFlush = elapsed(start);
+    }
     mContext.generatedTokenIds[0].push_back(kDecodeToken);  // the engine samples
     start = Clock::now();
     ok = ok && managed->completePrefill(mContext, {});
@@ -130,19 +145,24 @@ class LifecycleRig {
 };
 
 void BM_RequestLifecycle(benchmark::State& state) {
-  DeviceType const device = deviceArg(state, 1);
+  DeviceType const device = deviceArg(state, 3);
   if (skipWithoutDevice(state, device)) {
     return;
   }
+  DeviceWriteTiming const timing =
+      state.range(1) != 0 ? DeviceWriteTiming::kEngineStep : DeviceWriteTiming::kEachCall;
+  int64_t const perStep = state.range(2);
   PhaseNanoseconds sum;
   try {
-    LifecycleRig rig(state.range(0) == 0, device);
+    LifecycleRig rig(state.range(0) == 0, device, timing);
     int64_t serial = 0;
     for (auto _ : state) {
-      PhaseNanoseconds const phases = rig.serve(serial++);
+      bool const lastOfStep = (serial + 1) % perStep == 0;
+      PhaseNanoseconds const phases = rig.serve(serial++, lastOfStep);
       sum.begin += phases.begin;
       sum.prefill += phases.prefill;
       sum.finish += phases.finish;
+      sum.stepFlush += phases.stepFlush;
       state.SetIterationTime(static_cast<double>(phases.total()) * 1e-9);
     }
   } catch (std::exception const& error) {
@@ -156,10 +176,14 @@ void BM_RequestLifecycle(benchmark::State& state) {
   state.counters["begin_us"] = perRequestMicroseconds(sum.begin);
   state.counters["prefill_us"] = perRequestMicroseconds(sum.prefill);
   state.counters["finish_us"] = perRequestMicroseconds(sum.finish);
+  state.counters["step_flush_us"] = perRequestMicroseconds(sum.stepFlush);
 }
+// step: device writes at the engine step; per_step: requests that begin in one step (the flush
+// is paid once for all of them).
 BENCHMARK(BM_RequestLifecycle)
-    ->ArgNames({"swa", "gpu"})
-    ->ArgsProduct({{0, 1}, {0, 1}})
+    ->ArgNames({"swa", "step", "per_step", "gpu"})
+    ->ArgsProduct({{0, 1}, {0}, {1}, {0, 1}})
+    ->ArgsProduct({{0, 1}, {1}, {1, 8}, {0, 1}})
     ->UseManualTime()
     ->Unit(benchmark::kMicrosecond);
 

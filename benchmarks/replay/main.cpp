@@ -249,6 +249,15 @@ CliOptions parseArguments(int argc, char** argv) {
            c.device = parseChoice<mkv::DeviceType>(
                flag, value, {{"cpu", mkv::DeviceType::kCPU}, {"cuda", mkv::DeviceType::kGPU}});
          });
+  option("--device-writes", "W",
+         "each-call (default) or engine-step: the library's table and length writes reach the "
+         "device at the end of each call, or at the engine's one flush per step",
+         [&](std::string_view flag, std::string_view value) {
+           c.deviceWrites = parseChoice<mkv::DeviceWriteTiming>(
+               flag, value,
+               {{"each-call", mkv::DeviceWriteTiming::kEachCall},
+                {"engine-step", mkv::DeviceWriteTiming::kEngineStep}});
+         });
   option("--verify", "V", "KV oracle: all, sample (default), none",
          [&](std::string_view flag, std::string_view value) {
            c.verify =

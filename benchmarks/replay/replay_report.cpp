@@ -249,8 +249,9 @@ std::string formatSummary(ReplayResult const& r) {
   };
   out += fmt::format("mkv-replay: {}\n", r.workload);
   std::string mode = fmt::format(
-      "{} (backend {}), {} tensors, verify {}, seed {}", toString(c.mode), mkv::toString(r.backend),
-      c.device == DeviceType::kGPU ? "cuda" : "cpu", verifyName(c.verify), c.seed);
+      "{} (backend {}), {} tensors, device writes {}, verify {}, seed {}", toString(c.mode),
+      mkv::toString(r.backend), c.device == DeviceType::kGPU ? "cuda" : "cpu",
+      mkv::toString(c.deviceWrites), verifyName(c.verify), c.seed);
   line("mode", mode);
   std::string model =
       fmt::format("{} {}layer{} x {} KV head{} x head dim {}, {}", c.layers,
@@ -385,6 +386,7 @@ std::string formatJson(ReplayResult const& r) {
       {"mode", toString(c.mode)},
       {"backend", mkv::toString(r.backend)},
       {"device", c.device == DeviceType::kGPU ? "cuda" : "cpu"},
+      {"device_writes", mkv::toString(c.deviceWrites)},
       {"verify", verifyName(c.verify)},
       {"seed", c.seed},
       {"layers", c.layers},

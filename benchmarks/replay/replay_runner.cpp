@@ -381,6 +381,7 @@ class Runner {
     rc.tokensPerPage = c.pageSize;
     rc.maxSequenceLength = static_cast<int32_t>(longest);
     rc.deviceType = c.device;
+    rc.deviceWrites = c.deviceWrites;
     rc.contextCache.verifyTokens = true;
     rc.contextCache.evictionPolicy = c.eviction;
     // Records are limited by pages, never by count: a request publishes at most twice.

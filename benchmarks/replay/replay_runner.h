@@ -70,6 +70,9 @@ struct ReplayConfig {
   int32_t maxOutputTokens = 0;  ///< cap on sampled tokens per request; 0 = none
   std::size_t limit = 0;        ///< replay the first `limit` requests; 0 = all
   DeviceType device = DeviceType::kCPU;
+  /// --device-writes: when the library's table and length writes reach the device
+  /// (KVCacheRuntimeConfig::deviceWrites; the reference engine flushes once per step).
+  DeviceWriteTiming deviceWrites = DeviceWriteTiming::kEachCall;
   testing::VerifyMode verify = testing::VerifyMode::kSample;
   uint64_t seed = 1;
   /// kReuse: reset the prefix cache (ContextCacheCoordinator::resetPrefixCache) each time another

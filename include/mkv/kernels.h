@@ -154,8 +154,9 @@ void applyInt32InlinePatch(Tensor& dst, std::span<int32_t const> patch, int32_t 
 /// applied by one applyInt32InlinePatch-style launch: a facade call's page-table rows and KV
 /// lengths cost one launch instead of one each (a launch costs the engine thread 4-5 µs on an
 /// H200, docs/benchmarks.md). The effect is always that of applying the writes one by one in the
-/// order they were added: add() first flushes what is queued when the new range would overlap a
-/// queued one, or when it does not fit (values or targets). The owner flushes at the end of the
+/// order they were added: queued ranges never overlap, so a new range inside a queued one replaces
+/// its values in place; add() first flushes what is queued when the new range overlaps a queued
+/// one otherwise, or when it does not fit (values or targets). The owner flushes at the end of the
 /// call that queued the writes; writes queued but not flushed are not on the device. A batch made
 /// for the GPU launches through a ring of mapped slots and a pre-built graph where it can (see
 /// the constructor and kernels/patch_ring.h).

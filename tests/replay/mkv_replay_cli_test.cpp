@@ -144,6 +144,45 @@ TEST_F(MkvReplayCliTest, TokensTraceQuietAndEveryMode) {
   EXPECT_EQ(nlohmann::json::parse(slurp(json)).at("reused_tokens"), 0);
 }
 
+TEST_F(MkvReplayCliTest, EngineStepDeviceWritesGiveTheSameFiguresInEveryMode) {
+  MKV_TEST_INPUT_OR_SKIP(tinyPath, "tests/replay/tiny_mooncake.jsonl");
+  std::string const tiny = tinyPath.string();
+  std::string const json = (mDir / "w.json").string();
+  // Every figure but the timings: the timing moves launches, never a byte attention reads.
+  auto figures = [&](std::vector<std::string> args, std::string const& writes) {
+    for (std::string extra :
+         {"--trace", tiny.c_str(), "--verify", "all", "--quiet", "--json", json.c_str()}) {
+      args.push_back(extra);
+    }
+    args.push_back("--device-writes");
+    args.push_back(writes);
+    CliResult const result = run(args);
+    EXPECT_EQ(result.exitCode, 0) << result.err;
+    nlohmann::json report = nlohmann::json::parse(slurp(json));
+    EXPECT_EQ(report.at("device_writes"), writes);
+    EXPECT_EQ(report.at("oracle_mismatches"), 0);
+    for (char const* timing :
+         {"device_writes", "wall_s", "requests_per_s", "host_ns_per_step_p50",
+          "host_ns_per_step_p99", "host_ns_per_step_mean", "gpu_ns_per_step_p50",
+          "gpu_ns_per_step_p99", "gpu_ns_per_step_mean"}) {
+      report.erase(timing);
+    }
+    return report;
+  };
+  std::vector<std::vector<std::string>> const modes = {
+      {"--mode", "reuse", "--max-batch", "3"},
+      {"--mode", "swa", "--window", "128", "--full-layers", "1", "--max-batch", "2"},
+      {"--mode", "reuse", "--window", "128", "--full-layers", "1", "--max-batch", "2"},
+      {"--mode", "reuse", "--recurrent-layers", "2"},
+      {"--mode", "reuse", "--speculative", "eagle", "--spec-width", "2"}};
+  for (std::vector<std::string> const& mode : modes) {
+    nlohmann::json const each = figures(mode, "each-call");
+    nlohmann::json const step = figures(mode, "engine-step");
+    EXPECT_EQ(each, step) << mode.at(1) << " " << mode.at(2);
+    EXPECT_GT(step.at("oracle_checks").get<int64_t>(), 0);
+  }
+}
+
 TEST_F(MkvReplayCliTest, AKvBudgetSizesThePoolsAndTheJsonListsThem) {
   MKV_TEST_INPUT_OR_SKIP(tinyPath, "tests/replay/tiny_mooncake.jsonl");
   std::string const json = (mDir / "budget.json").string();
@@ -199,6 +238,7 @@ TEST_F(MkvReplayCliTest, HelpExitsZeroAndListsEveryOption) {
                                "--head-dim N",
                                "--dtype T",
                                "--device D",
+                               "--device-writes W",
                                "--verify V",
                                "--speculative S",
                                "--draft-layers N",

@@ -1207,6 +1207,7 @@ TEST(ReplayReportTest, JsonHasEveryFigureAndCsvOneRowPerRequest) {
                           "mode",
                           "backend",
                           "device",
+                          "device_writes",
                           "page_size",
                           "pool_tokens",
                           "failed_requests",
