@@ -6,12 +6,14 @@
 #   1c. mkv_launch_probe (the host cost of a kernel launch, a copy, a stream write, a graph),
 #   2. mkv_gpu_bench (cases G1-G5 and G7, CSV),
 #   3. torch_baselines.py (same shapes in PyTorch, and the G6 comparison with 2.),
-#   4. compute-sanitizer memcheck and racecheck over a short selection of mkv_gpu_tests,
+#   4. compute-sanitizer memcheck and racecheck over a short selection of mkv_gpu_tests (memcheck
+#      also over the reference engine's kernels, the engine-step device writes and the host tier),
 #   5. the other test suites of the build folder (CPU suites and their GPU instantiations),
 #      mkv_runtime_tests first, while time is left,
 #   6. mkv-replay on GPU and on CPU tensors at a model-sized geometry (32 layers x 8 KV heads x
 #      head dim 128, page 128: 16 MiB per page), reuse, hybrid reuse (+ 9 recurrent layers) and
-#      swa modes, on the embedded workload (also with an EAGLE draft, and Hybrid-MTP: the hybrid
+#      swa modes, on the embedded workload (reuse and swa also with the device writes at the
+#      engine step, with an EAGLE draft, and Hybrid-MTP: the hybrid
 #      model with an MTP draft) and the first requests of
 #      the bundled Mooncake sample: the figures of both devices must be
 #      identical; wall times, requests/s and library host / GPU ns per step are in replay_*.json,
@@ -217,6 +219,17 @@ if [[ -n $SANITIZER && -x $TESTING_TESTS && $(gtest_status 0 "$OUT/gpu_tests.log
   record "compute-sanitizer engine" "$status" "$SECONDS_TAKEN" "rc $RC; $(gtest_detail "$OUT/sanitizer_memcheck_engine.log"); ${summary_line:-no summary}"
 fi
 
+# ... and over the runtime's writes at the engine step (tests/runtime/device_write_timing_test.cpp).
+RUNTIME_TESTS=$BUILD/tests/runtime/mkv_runtime_tests
+if [[ -n $SANITIZER && -x $RUNTIME_TESTS && $(gtest_status 0 "$OUT/gpu_tests.log") != SKIP ]]; then
+  run_step "compute-sanitizer memcheck engine step" "$OUT/sanitizer_memcheck_engine_step.log" 120 \
+    "$SANITIZER" --tool memcheck --error-exitcode 3 --print-limit 20 "$RUNTIME_TESTS" \
+    --gtest_filter='*DeviceWriteTimingTest*_gpu:*EngineStepWorkloadTest*_gpu'
+  summary_line=$(grep -E 'ERROR SUMMARY' "$OUT/sanitizer_memcheck_engine_step.log" | tail -1)
+  [[ $RC == 0 ]] && status=PASS || status=FAIL
+  record "compute-sanitizer engine step" "$status" "$SECONDS_TAKEN" "rc $RC; $(gtest_detail "$OUT/sanitizer_memcheck_engine_step.log"); ${summary_line:-no summary}"
+fi
+
 # ... and over the host tier: its copy kernels read and write pinned host memory through mapped
 #     addresses (the coordinator's lifecycles with offload and onboarding, and the tier itself).
 for host_suite in context_cache resources; do
@@ -314,6 +327,10 @@ else
   replay_case embedded_hybrid --pool-tokens 32768 --recurrent-layers 9 --snapshot-slots 96 \
     --no-attention-only
   replay_case embedded_swa --mode swa --window 1024 --full-layers 1 --max-batch 4
+  # The same two with the library's device writes at the engine step (one flush per step).
+  replay_case embedded_reuse_engine_step --pool-tokens 32768 --device-writes engine-step
+  replay_case embedded_swa_engine_step --mode swa --window 1024 --full-layers 1 --max-batch 4 \
+    --device-writes engine-step
   # The host tier: a 40-page GPU pool (640 MiB) that evicts, and 300 pages (4.7 GiB) of pinned
   # host memory that keep what it evicts; the lookups onboard them back.
   replay_case embedded_host_tier --pool-pages 40 --host-pool-tokens 38400 --eviction lru

@@ -152,14 +152,13 @@ void applyInt32InlinePatch(Tensor& dst, std::span<int32_t const> patch, int32_t 
 
 /// Int32 writes to up to kMaxInlinePatchTargets tensors of one device, gathered on the host and
 /// applied by one applyInt32InlinePatch-style launch: a facade call's page-table rows and KV
-/// lengths cost one launch instead of one each (a launch costs the engine thread 4-5 µs on an
-/// H200, docs/benchmarks.md). The effect is always that of applying the writes one by one in the
-/// order they were added: queued ranges never overlap, so a new range inside a queued one replaces
-/// its values in place; add() first flushes what is queued when the new range overlaps a queued
-/// one otherwise, or when it does not fit (values or targets). The owner flushes at the end of the
-/// call that queued the writes; writes queued but not flushed are not on the device. A batch made
-/// for the GPU launches through a ring of mapped slots and a pre-built graph where it can (see
-/// the constructor and kernels/patch_ring.h).
+/// lengths cost one launch (4-5 µs of the engine thread on an H200, docs/benchmarks.md). The
+/// effect is that of applying the writes one by one in order: queued ranges never overlap, so a
+/// range inside a queued one replaces its values; add() flushes first on any other overlap, or
+/// when it does not fit (values or targets). The owner flushes at the end of the call that queued
+/// the writes; writes queued but not flushed are not on the device. A batch made for the GPU
+/// launches through a ring of mapped slots and a pre-built graph where it can (see the
+/// constructor and kernels/patch_ring.h).
 /// Reserves its storage at construction: add() and flush() never allocate. Not thread-safe.
 class InlinePatchBatch {
  public:
