@@ -129,8 +129,9 @@ fi
 
 # 1b. Engine loop: host cost per request and per decode step, GPU tensors vs the CPU twin.
 if [[ -x $HOST_BENCH ]]; then
-  run_step "engine loop bench" "$OUT/engine_loop.log" 150 "$HOST_BENCH" \
+  run_step "engine loop bench" "$OUT/engine_loop.log" 240 "$HOST_BENCH" \
     --benchmark_filter='BM_RequestLifecycle|BM_Engine|BM_InlinePatch' --benchmark_repetitions=5 \
+    --benchmark_min_time=0.2 \
     --benchmark_report_aggregates_only=true --benchmark_out="$OUT/engine_loop.json" \
     --benchmark_out_format=json
   if [[ $RC == 0 ]]; then
