@@ -209,56 +209,35 @@ for tool in memcheck racecheck; do
   [[ $RC == 0 ]] && status=PASS || status=FAIL
   record "compute-sanitizer $tool" "$status" "$SECONDS_TAKEN" "rc $RC; $(gtest_detail "$OUT/sanitizer_$tool.log"); ${summary_line:-no summary}"
 done
-# ... and over the reference engine's step kernels (tests/testing: CPU vs GPU parity runs).
-TESTING_TESTS=$BUILD/tests/testing/mkv_testing_tests
-if [[ -n $SANITIZER && -x $TESTING_TESTS && $(gtest_status 0 "$OUT/gpu_tests.log") != SKIP ]]; then
-  run_step "compute-sanitizer memcheck engine" "$OUT/sanitizer_memcheck_engine.log" 120 \
-    "$SANITIZER" --tool memcheck --error-exitcode 3 --print-limit 20 "$TESTING_TESTS" \
-    --gtest_filter='Shapes/ReferenceEngineParityTest.*'
-  summary_line=$(grep -E 'ERROR SUMMARY' "$OUT/sanitizer_memcheck_engine.log" | tail -1)
+# memcheck_suite LABEL LOG BINARY FILTER: compute-sanitizer memcheck over the tests of BINARY that
+# FILTER selects, with its output in $OUT/LOG.log, recorded as LABEL; nothing without the
+# sanitizer, the binary or a device.
+memcheck_suite() {
+  local label=$1 log=$OUT/$2.log binary=$3 filter=$4 summary_line status
+  [[ -n $SANITIZER && -x $binary && $(gtest_status 0 "$OUT/gpu_tests.log") != SKIP ]] || return 0
+  run_step "$label" "$log" 120 "$SANITIZER" --tool memcheck --error-exitcode 3 --print-limit 20 \
+    "$binary" --gtest_filter="$filter"
+  summary_line=$(grep -E 'ERROR SUMMARY' "$log" | tail -1)
   [[ $RC == 0 ]] && status=PASS || status=FAIL
-  record "compute-sanitizer engine" "$status" "$SECONDS_TAKEN" "rc $RC; $(gtest_detail "$OUT/sanitizer_memcheck_engine.log"); ${summary_line:-no summary}"
-fi
-
-# ... and over the runtime's writes at the engine step (tests/runtime/device_write_timing_test.cpp).
+  record "$label" "$status" "$SECONDS_TAKEN" "rc $RC; $(gtest_detail "$log"); ${summary_line:-no summary}"
+}
 RUNTIME_TESTS=$BUILD/tests/runtime/mkv_runtime_tests
-if [[ -n $SANITIZER && -x $RUNTIME_TESTS && $(gtest_status 0 "$OUT/gpu_tests.log") != SKIP ]]; then
-  run_step "compute-sanitizer memcheck engine step" "$OUT/sanitizer_memcheck_engine_step.log" 120 \
-    "$SANITIZER" --tool memcheck --error-exitcode 3 --print-limit 20 "$RUNTIME_TESTS" \
-    --gtest_filter='*DeviceWriteTimingTest*_gpu:*EngineStepWorkloadTest*_gpu'
-  summary_line=$(grep -E 'ERROR SUMMARY' "$OUT/sanitizer_memcheck_engine_step.log" | tail -1)
-  [[ $RC == 0 ]] && status=PASS || status=FAIL
-  record "compute-sanitizer engine step" "$status" "$SECONDS_TAKEN" "rc $RC; $(gtest_detail "$OUT/sanitizer_memcheck_engine_step.log"); ${summary_line:-no summary}"
-fi
-
-# ... and over the host tier: its copy kernels read and write pinned host memory through mapped
-#     addresses (the coordinator's lifecycles with offload and onboarding, and the tier itself).
+# ... over the reference engine's step kernels (tests/testing: CPU vs GPU parity runs),
+memcheck_suite "compute-sanitizer engine" sanitizer_memcheck_engine \
+  "$BUILD/tests/testing/mkv_testing_tests" 'Shapes/ReferenceEngineParityTest.*'
+# ... over the runtime's writes at the engine step (tests/runtime/device_write_timing_test.cpp),
+memcheck_suite "compute-sanitizer engine step" sanitizer_memcheck_engine_step "$RUNTIME_TESTS" \
+  '*DeviceWriteTimingTest*_gpu:*EngineStepWorkloadTest*_gpu'
+# ... over the host tier: its copy kernels read and write pinned host memory through mapped
+#     addresses (the coordinator's lifecycles with offload and onboarding, and the tier itself),
 for host_suite in context_cache resources; do
-  HOST_TIER_TESTS=$BUILD/tests/$host_suite/mkv_${host_suite}_tests
-  if [[ -n $SANITIZER && -x $HOST_TIER_TESTS && $(gtest_status 0 "$OUT/gpu_tests.log") != SKIP ]]; then
-    run_step "compute-sanitizer memcheck host tier $host_suite" \
-      "$OUT/sanitizer_memcheck_host_tier_$host_suite.log" 120 \
-      "$SANITIZER" --tool memcheck --error-exitcode 3 --print-limit 20 "$HOST_TIER_TESTS" \
-      --gtest_filter='*HostTier*gpu:*HostKvTier*gpu'
-    summary_line=$(grep -E 'ERROR SUMMARY' "$OUT/sanitizer_memcheck_host_tier_$host_suite.log" | tail -1)
-    [[ $RC == 0 ]] && status=PASS || status=FAIL
-    record "sanitizer host tier $host_suite" "$status" "$SECONDS_TAKEN" \
-      "rc $RC; $(gtest_detail "$OUT/sanitizer_memcheck_host_tier_$host_suite.log"); ${summary_line:-no summary}"
-  fi
+  memcheck_suite "sanitizer host tier $host_suite" "sanitizer_memcheck_host_tier_$host_suite" \
+    "$BUILD/tests/$host_suite/mkv_${host_suite}_tests" '*HostTier*gpu:*HostKvTier*gpu'
 done
-
 # ... and over sliding-window reuse on GPU tensors (both halves' tables, the reused windows, the
 #     window cache's pages under the oracle's step kernels).
-RUNTIME_TESTS=$BUILD/tests/runtime/mkv_runtime_tests
-if [[ -n $SANITIZER && -x $RUNTIME_TESTS && $(gtest_status 0 "$OUT/gpu_tests.log") != SKIP ]]; then
-  run_step "compute-sanitizer memcheck sliding reuse" "$OUT/sanitizer_memcheck_sliding_reuse.log" \
-    120 "$SANITIZER" --tool memcheck --error-exitcode 3 --print-limit 20 "$RUNTIME_TESTS" \
-    --gtest_filter='*SlidingReuseTest*gpu'
-  summary_line=$(grep -E 'ERROR SUMMARY' "$OUT/sanitizer_memcheck_sliding_reuse.log" | tail -1)
-  [[ $RC == 0 ]] && status=PASS || status=FAIL
-  record "sanitizer sliding reuse" "$status" "$SECONDS_TAKEN" \
-    "rc $RC; $(gtest_detail "$OUT/sanitizer_memcheck_sliding_reuse.log"); ${summary_line:-no summary}"
-fi
+memcheck_suite "sanitizer sliding reuse" sanitizer_memcheck_sliding_reuse "$RUNTIME_TESTS" \
+  '*SlidingReuseTest*gpu'
 
 # 5. The other test suites of the build folder, while the budget lasts: the runtime's end-to-end
 #    scenarios (facade, faults, reference engine, on CPU and GPU tensors) first.

@@ -190,8 +190,8 @@ class KVCacheRuntime {
   void flushDeviceWrites();
   /// Whether writes wait for flushDeviceWrites() (never with kEachCall).
   bool deviceWritesPending() const noexcept;
-  /// Launches the backends' table and length writes made so far (flushes that found writes, and
-  /// with kEngineStep a length write that overlapped a waiting one); staged copies not counted.
+  /// Launches of the backends' table and length writes so far: flushes that found writes, and a
+  /// length write partly overlapping a waiting one (staged large table uploads not counted).
   int64_t deviceWriteLaunches() const noexcept;
 
   /// Drains the backend's quarantine (see the backends' shutdown()).

@@ -20,13 +20,15 @@ void DeviceWriteQueue::settle(cudaStream_t stream) {
 }
 
 void DeviceWriteQueue::flush(cudaStream_t stream) {
-  mBatch.flushAfter(stream, [&] {
-    for (KVPageTable* table : mTables) {
-      if (table->dirty()) {  // a clean table's upload would still reset its lastUpload()
-        table->uploadDirty(mBatch, stream);
-      }
+  mBatch.flushAfter(stream, [&] { queueTables(stream); });
+}
+
+void DeviceWriteQueue::queueTables(cudaStream_t stream) {
+  for (KVPageTable* table : mTables) {
+    if (table->dirty()) {  // a clean table's upload would still reset its lastUpload()
+      table->uploadDirty(mBatch, stream);
     }
-  });
+  }
 }
 
 bool DeviceWriteQueue::pending() const noexcept {

@@ -22,10 +22,11 @@ namespace mkv::detail {
 /// when the engine asks once per step (kEngineStep; KVCacheRuntime::flushDeviceWrites).
 ///
 /// Order: a table entry written twice before a flush reaches the device with its last value (the
-/// host row is the truth), and a length write that overlaps one still queued flushes the queue
-/// first (InlinePatchBatch::add), so the device sees the writes in the order they were made. Every
-/// backend of a runtime shares one queue for that reason: the composed backend's two halves write
-/// the same length tensor.
+/// host row is the truth); a length write inside one still queued replaces its values, and one
+/// that overlaps a queued write otherwise flushes the queue first (InlinePatchBatch::add), so the
+/// device sees the writes as if made one by one. Every backend of a runtime shares one queue, so
+/// that an engine step's writes, both halves' of a sliding-window reuse request included, take
+/// one launch.
 class DeviceWriteQueue {
  public:
   DeviceWriteQueue(DeviceType device, DeviceWriteTiming timing);
@@ -35,24 +36,22 @@ class DeviceWriteQueue {
   void watch(KVPageTable* table);
   /// Where KV-length writes queue (KVCachePool::resetForNewSequences).
   kernels::InlinePatchBatch& lengths() noexcept { return mBatch; }
-  DeviceWriteTiming timing() const noexcept { return mTiming; }
 
   /// Ends a lifecycle call that wrote: flush(stream) with kEachCall; nothing with kEngineStep.
   void settle(cudaStream_t stream);
-  /// Calls `write()`, then settle(stream): also when `write` throws half-way (then rethrows what it
-  /// threw), so what it wrote reaches the device like the writes before it.
+  /// Calls `write()`, then settle(stream); with kEachCall also when `write` throws half-way (then
+  /// rethrows what it threw), so what it wrote reaches the device like the writes before it
+  /// (InlinePatchBatch::flushAfter).
   template <typename Write>
   void settleAfter(cudaStream_t stream, Write&& write) {
-    try {
+    if (mTiming == DeviceWriteTiming::kEngineStep) {
       write();
-    } catch (...) {
-      try {
-        settle(stream);
-      } catch (...) {  // the writes stay queued; the error to report is the first one
-      }
-      throw;
+      return;
     }
-    settle(stream);
+    mBatch.flushAfter(stream, [&] {
+      queueTables(stream);
+      write();
+    });
   }
   /// Uploads the dirty entries of every watched table and applies every queued write on `stream`,
   /// in one launch when they fit inline (a large table upload adds a staged copy). Needed before
@@ -63,10 +62,13 @@ class DeviceWriteQueue {
   /// Whether writes wait for a flush: a watched table is dirty or lengths are queued.
   bool pending() const noexcept;
   /// Launches of the length batch so far (each flush that found writes makes one; a length write
-  /// overlapping a queued one makes one more).
+  /// overlapping a queued one only partly makes one more).
   int64_t launches() const noexcept { return mBatch.launches(); }
 
  private:
+  /// Queues the dirty entries of every watched table in mBatch.
+  void queueTables(cudaStream_t stream);
+
   DeviceWriteTiming mTiming;
   kernels::InlinePatchBatch mBatch;
   std::vector<KVPageTable*> mTables;
