@@ -184,8 +184,8 @@ class KVCacheRuntime {
   /// Applies every page-table row and KV length that the lifecycle calls left waiting, in call
   /// order and in one launch on config().stream (a large table upload adds a staged copy). With
   /// DeviceWriteTiming::kEngineStep the engine calls it once per step: after the step's lifecycle
-  /// calls, before the first launch that reads the tables or lengths, and before it writes a
-  /// table or a length tensor itself. Never waits; nothing waits with kEachCall. Throws
+  /// calls, before the first launch that reads the tables or lengths, and before it gathers rows
+  /// or writes a length tensor itself. Never waits; nothing waits with kEachCall. Throws
   /// mkv::Error naming this call when the launch fails; the writes stay queued for the next call.
   void flushDeviceWrites();
   /// Whether writes wait for flushDeviceWrites() (never with kEachCall).
