@@ -30,7 +30,7 @@ bool replaceInside(Ranges const& ranges, int32_t* const* targets, std::vector<in
   for (auto const& range : ranges) {
     auto const queuedBegin = reinterpret_cast<std::uintptr_t>(targets[range.target] + range.offset);
     auto const queuedEnd = queuedBegin + static_cast<std::size_t>(range.count) * sizeof(int32_t);
-    if (queuedBegin <= begin && end <= queuedEnd) {
+    if (queuedBegin <= begin && end <= queuedEnd && (begin - queuedBegin) % sizeof(int32_t) == 0) {
       auto const skip = static_cast<std::ptrdiff_t>((begin - queuedBegin) / sizeof(int32_t));
       std::copy(values.begin(), values.end(), queued.begin() + range.valueStart + skip);
       return true;

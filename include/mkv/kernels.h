@@ -155,11 +155,11 @@ void applyInt32InlinePatch(Tensor& dst, std::span<int32_t const> patch, int32_t 
 /// lengths cost one launch (4-5 µs of the engine thread on an H200, docs/benchmarks.md). The
 /// effect is that of applying the writes one by one in order: queued ranges never overlap, so a
 /// range inside a queued one replaces its values; add() flushes first on any other overlap, or
-/// when it does not fit (values or targets). The owner flushes at the end of the call that queued
-/// the writes; writes queued but not flushed are not on the device. A batch made for the GPU
-/// launches through a ring of mapped slots and a pre-built graph where it can (see the
-/// constructor and kernels/patch_ring.h).
-/// Reserves its storage at construction: add() and flush() never allocate. Not thread-safe.
+/// when it does not fit (values or targets). The owner decides when to flush (at the end of the
+/// call, or at the engine's step); writes queued but not flushed are not on the device. A batch
+/// made for the GPU launches through a ring of mapped slots and a pre-built graph where it can (see
+/// the constructor and kernels/patch_ring.h). Reserves its storage at construction: add() and
+/// flush() never allocate. Not thread-safe.
 class InlinePatchBatch {
  public:
   /// GPU flushes launch the inline kernel (4-5 µs of host time each on the H200).

@@ -182,13 +182,15 @@ class KVCacheRuntime {
   int64_t kvBytes() const noexcept;
 
   /// Applies every page-table row and KV length that the lifecycle calls left waiting, in call
-  /// order and in one launch on config().stream (a large table upload adds a staged copy). With
-  /// DeviceWriteTiming::kEngineStep the engine calls it once per step: after the step's lifecycle
-  /// calls, before the first launch that reads the tables or lengths, and before it gathers rows
-  /// or writes a length tensor itself. Never waits; nothing waits with kEachCall. Throws
-  /// mkv::Error naming this call when the launch fails; the writes stay queued for the next call.
+  /// order and in one launch on config().stream. With DeviceWriteTiming::kEngineStep the engine
+  /// calls it once per step: after the step's lifecycle calls, before the first launch that reads
+  /// the tables or lengths, and before it gathers rows or writes a length tensor itself. Does not
+  /// wait, but for a table upload beyond the inline limit (over 1,000 entries), which adds a staged
+  /// copy and first waits for the previous copy from that table's staging (docs/architecture.md).
+  /// Throws mkv::Error naming this call when a launch fails; the writes stay queued. Such an error
+  /// belongs to no request: the engine decides whether to retry or to shut the runtime down.
   void flushDeviceWrites();
-  /// Whether writes wait for flushDeviceWrites() (never with kEachCall).
+  /// Whether writes wait for flushDeviceWrites() (with kEachCall only after a failed flush).
   bool deviceWritesPending() const noexcept;
   /// Launches of the backends' table and length writes so far: flushes that found writes, and a
   /// length write partly overlapping a waiting one (staged large table uploads not counted).

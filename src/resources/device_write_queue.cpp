@@ -1,6 +1,7 @@
 #include "resources/device_write_queue.h"
 
 #include <algorithm>
+#include <exception>
 
 namespace mkv::detail {
 
@@ -24,10 +25,22 @@ void DeviceWriteQueue::flush(cudaStream_t stream) {
 }
 
 void DeviceWriteQueue::queueTables(cudaStream_t stream) {
+  // One table's broken row (an internal invariant) must not hold back the others' rows.
+  std::exception_ptr first;
   for (KVPageTable* table : mTables) {
-    if (table->dirty()) {  // a clean table's upload would still reset its lastUpload()
-      table->uploadDirty(mBatch, stream);
+    if (!table->dirty()) {
+      continue;  // a clean table's upload would still reset its lastUpload()
     }
+    try {
+      table->uploadDirty(mBatch, stream);
+    } catch (...) {
+      if (!first) {
+        first = std::current_exception();
+      }
+    }
+  }
+  if (first) {
+    std::rethrow_exception(first);
   }
 }
 

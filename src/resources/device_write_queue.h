@@ -54,10 +54,11 @@ class DeviceWriteQueue {
     });
   }
   /// Uploads the dirty entries of every watched table and applies every queued write on `stream`,
-  /// in one launch when they fit inline (a large table upload adds a staged copy). Needed before
-  /// any launch that reads or writes what the queue may hold (the KV-length compaction), and by
-  /// the engine once per step with kEngineStep. Never waits. Throws mkv::Error when a launch fails;
-  /// what was not applied stays queued for the next flush.
+  /// in one launch when they fit inline (a table upload beyond the inline limit adds a staged
+  /// copy, which first waits for the previous copy from that table's staging). Needed before any
+  /// launch that reads or writes what the queue may hold (the KV-length compaction), and by the
+  /// engine once per step with kEngineStep. Throws mkv::Error when a launch fails or a table's row
+  /// is broken (after queueing the other tables); what was not applied stays queued.
   void flush(cudaStream_t stream);
   /// Whether writes wait for a flush: a watched table is dirty or lengths are queued.
   bool pending() const noexcept;
@@ -66,7 +67,8 @@ class DeviceWriteQueue {
   int64_t launches() const noexcept { return mBatch.launches(); }
 
  private:
-  /// Queues the dirty entries of every watched table in mBatch.
+  /// Queues the dirty entries of every watched table in mBatch; rethrows the first table's error
+  /// after trying the others.
   void queueTables(cudaStream_t stream);
 
   DeviceWriteTiming mTiming;

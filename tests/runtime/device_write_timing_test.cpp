@@ -135,6 +135,10 @@ INSTANTIATE_TEST_SUITE_P(Backends, DeviceWriteTimingTest,
 TEST_P(DeviceWriteTimingTest, ARequestsCallsLaunchNothingAndOneFlushAppliesThemAll) {
   auto runtime = KVCacheRuntime::create(engineStepConfig(backend(), device()));
   Rows const idle = tableRows(*runtime);
+  // A length the engine wrote before: the prefill's reset (to 0) must not reach it before the flush.
+  KVCachePool& lengths = runtime->lengthPool();
+  lengths.setActiveBatchSize(1);
+  lengths.writeLengths(0, std::vector<int32_t>{77}, runtime->config().stream);
   int64_t const launches = runtime->deviceWriteLaunches();
   {
     CallByCall request(*runtime, tokenRun(40, 100));
@@ -144,6 +148,7 @@ TEST_P(DeviceWriteTimingTest, ARequestsCallsLaunchNothingAndOneFlushAppliesThemA
     Rows const waiting = tableRows(*runtime);
     EXPECT_EQ(waiting.device, idle.device) << "the device rows changed before the flush";
     EXPECT_NE(waiting.host, idle.host) << "the prefill bound no page";
+    EXPECT_EQ(deviceLengths(*runtime), std::vector<int32_t>{77}) << "a length arrived early";
     runtime->flushDeviceWrites();
     EXPECT_EQ(runtime->deviceWriteLaunches(), launches + 1) << "one launch for the whole step";
     EXPECT_FALSE(runtime->deviceWritesPending());
@@ -397,11 +402,16 @@ TEST_P(EngineStepWorkloadTest, TheOracleAgreesAndEveryFigureMatchesWritesAtEachC
     EXPECT_GT(step.pagesOnboarded, 0) << "nothing came back from the host tier";
     EXPECT_EQ(step.pagesOnboarded, each.pagesOnboarded);
   }
-  // The reference engine launches at most once per step with either timing (a batch's finished
-  // rows leave by compaction, which applies its writes at once): no more launches, none fewer
-  // either. What an engine step saves is shown call by call above.
+  // The reference engine's steps each make one writing call per backend (a batch's finished rows
+  // leave by compaction, which applies its writes at once), so one backend launches as often with
+  // either timing; the composed backend's two halves share the step's launch. What an engine step
+  // saves on single requests is shown call by call above.
   EXPECT_GT(step.launches, 0);
-  EXPECT_LE(step.launches, each.launches);
+  if (workload.deployment == Deployment::kSlidingReuse) {
+    EXPECT_LT(step.launches, each.launches);
+  } else {
+    EXPECT_EQ(step.launches, each.launches);
+  }
 }
 
 }  // namespace
