@@ -135,7 +135,8 @@ INSTANTIATE_TEST_SUITE_P(Backends, DeviceWriteTimingTest,
 TEST_P(DeviceWriteTimingTest, ARequestsCallsLaunchNothingAndOneFlushAppliesThemAll) {
   auto runtime = KVCacheRuntime::create(engineStepConfig(backend(), device()));
   Rows const idle = tableRows(*runtime);
-  // A length the engine wrote before: the prefill's reset (to 0) must not reach it before the flush.
+  // A length the engine wrote before: the prefill's reset (to 0) must not reach it before the
+  // flush.
   KVCachePool& lengths = runtime->lengthPool();
   lengths.setActiveBatchSize(1);
   lengths.writeLengths(0, std::vector<int32_t>{77}, runtime->config().stream);
