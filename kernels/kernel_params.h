@@ -41,8 +41,9 @@ struct RowBufferDesc {
 /// ~16-32 KiB per CTA: docs/benchmarks.md, "The measurements behind the kernels"). Measured on the
 /// H200 (2026-12-03, docs/benchmarks.md G5): 0.75 / 0.77 / 0.80 / 0.83 x memcpy at n = 32768 rows
 /// of 2 / 8 / 16 / 64 KiB (the previous column-chunk kernel: 0.15 to 0.74), 8.8-13.0 us at
-/// n = 256; the ticket atomic and flag wait on each CTA's critical path keep it below copyRows
-/// (0.89-0.94). Not tuned further yet (tile size, pipelining).
+/// n = 256; the release fence and the waits of the ordering keep it below copyRows (0.89-0.94).
+/// Larger tiles and persistent CTAs were measured and lost (docs/benchmarks.md, "compactBatch:
+/// what the ordering costs").
 inline constexpr int32_t kCompactThreads = 256;
 inline constexpr int32_t kCompactVectorsPerThread = 8;
 inline constexpr int32_t kCompactTileVectorsLog2 = 11;
