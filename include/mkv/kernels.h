@@ -15,8 +15,10 @@
 /// staging them, and CPU launches throw for them.
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <span>
+#include <utility>
 #include <vector>
 
 #include "mkv/cuda_types.h"
@@ -160,6 +162,11 @@ void applyInt32InlinePatch(Tensor& dst, std::span<int32_t const> patch, int32_t 
 /// made for the GPU launches through a ring of mapped slots and a pre-built graph where it can (see
 /// the constructor and kernels/patch_ring.h). Reserves its storage at construction: add() and
 /// flush() never allocate. Not thread-safe.
+/// Test seam of the fault model (docs/errors.md, "Device writes that fail"): consulted before each
+/// flush that has writes to apply, kCPU batches too, so the host twin takes the same failure path;
+/// a status other than cudaSuccess fails that flush as a failed launch would. Empty = no faults.
+using LaunchFaults = std::function<cudaError_t()>;
+
 class InlinePatchBatch {
  public:
   /// GPU flushes launch the inline kernel (4-5 µs of host time each on the H200).
@@ -191,6 +198,8 @@ class InlinePatchBatch {
   void flush(cudaStream_t stream);
   /// Drops every queued write unapplied.
   void discard() noexcept;
+  /// Installs the fault seam (LaunchFaults) every later flush consults first.
+  void setLaunchFaults(LaunchFaults faults) { mLaunchFaults = std::move(faults); }
   /// Calls `queue()` (which adds writes), then flush(stream): also when `queue` throws half-way
   /// (then rethrows what `queue` threw), so that whatever it queued reaches the device like the
   /// writes before it; a flush that fails there keeps its queue for the next one.
@@ -237,6 +246,7 @@ class InlinePatchBatch {
   int64_t mLaunches = 0;
   int64_t mRingLaunches = 0;
   std::unique_ptr<detail::PatchRing> mRing;  // kGPU batches made with a device type
+  LaunchFaults mLaunchFaults;
 };
 
 /// Loads every kernel of the library on the current CUDA device now. CUDA's lazy loading would

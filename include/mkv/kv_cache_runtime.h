@@ -12,6 +12,7 @@
 #include "mkv/context_cache/context_cache_coordinator.h"
 #include "mkv/cuda_types.h"
 #include "mkv/host_kv_tier.h"
+#include "mkv/kernels.h"
 #include "mkv/kv_cache_pool.h"
 #include "mkv/kv_page_table.h"
 #include "mkv/recurrent_state_pool.h"
@@ -104,6 +105,9 @@ struct KVCacheRuntimeConfig {
   DeviceWriteTiming deviceWrites = DeviceWriteTiming::kEachCall;
   cudaStream_t stream = nullptr;    ///< the engine's stream; never owned
   StreamSynchronizer synchronizer;  ///< empty = defaultStreamSynchronizer(deviceType)
+  /// Test seam: consulted before each launch of the backends' table and length writes (the
+  /// runtime's write queue; kernels::LaunchFaults). Empty = no faults.
+  kernels::LaunchFaults deviceWriteFaults;
 };
 
 enum class KVCacheBackend : uint8_t {

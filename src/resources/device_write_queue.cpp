@@ -2,11 +2,15 @@
 
 #include <algorithm>
 #include <exception>
+#include <utility>
 
 namespace mkv::detail {
 
-DeviceWriteQueue::DeviceWriteQueue(DeviceType device, DeviceWriteTiming timing)
-    : mTiming(timing), mBatch(device) {}
+DeviceWriteQueue::DeviceWriteQueue(DeviceType device, DeviceWriteTiming timing,
+                                   kernels::LaunchFaults faults)
+    : mTiming(timing), mBatch(device) {
+  mBatch.setLaunchFaults(std::move(faults));
+}
 
 void DeviceWriteQueue::watch(KVPageTable* table) {
   if (table != nullptr && std::find(mTables.begin(), mTables.end(), table) == mTables.end()) {

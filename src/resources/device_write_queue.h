@@ -29,7 +29,8 @@ namespace mkv::detail {
 /// one launch.
 class DeviceWriteQueue {
  public:
-  DeviceWriteQueue(DeviceType device, DeviceWriteTiming timing);
+  /// `faults`: the fault seam every flush consults (kernels::LaunchFaults; empty = none).
+  DeviceWriteQueue(DeviceType device, DeviceWriteTiming timing, kernels::LaunchFaults faults = {});
 
   /// Adds `table` to the tables every flush uploads (borrowed: it must outlive the queue's
   /// flushes). Null and a table already watched are ignored.

@@ -289,8 +289,8 @@ std::unique_ptr<KVCacheRuntime> KVCacheRuntime::create(KVCacheRuntimeConfig cons
       config.synchronizer ? config.synchronizer : defaultStreamSynchronizer(config.deviceType);
   runtime->mRecurrent = makeRecurrentPool(config);
   runtime->mResidentSlots.reset(config.maxBatchSize);
-  runtime->mDeviceWrites =
-      std::make_unique<detail::DeviceWriteQueue>(config.deviceType, config.deviceWrites);
+  runtime->mDeviceWrites = std::make_unique<detail::DeviceWriteQueue>(
+      config.deviceType, config.deviceWrites, config.deviceWriteFaults);
 
   if (sizes.bounded) {
     runtime->mBackend = KVCacheBackend::kBoundedSwa;

@@ -28,7 +28,8 @@ std::string renamed(char const* call, std::string_view message) {
 }
 
 /// Runs a backend call on behalf of the facade call `call`; an mkv::Error it throws is rethrown
-/// naming `call` (the backend validated before it changed anything, so nothing changed).
+/// naming `call` (a contract error: the backend validated before it changed anything; a device
+/// write that failed keeps the call's host changes, docs/errors.md "Device writes that fail").
 template <typename Function>
 decltype(auto) asFacadeCall(char const* call, Function&& function) {
   try {

@@ -149,6 +149,31 @@ TEST_P(InlinePatchBatchTest, FlushAfterAppliesWhatWasQueuedWhenTheQueueingThrows
   EXPECT_EQ(test::readAs<int32_t>(table), (std::vector<int32_t>{7, 0, 0, 0}));
 }
 
+TEST_P(InlinePatchBatchTest, AFailedLaunchThrowsAndKeepsTheQueueForTheNextFlush) {
+  Tensor table = test::int32Tensor(std::vector<int32_t>(4, 0), device());
+  kernels::InlinePatchBatch batch(device());
+  int32_t asked = 0;
+  cudaError_t status = cudaErrorUnknown;
+  batch.setLaunchFaults([&] {
+    ++asked;
+    return status;
+  });
+  batch.flush(nullptr);
+  EXPECT_EQ(asked, 0) << "an empty batch has nothing to launch";
+  batch.add(kCall, table, 1, std::vector<int32_t>{5, 6}, nullptr);
+  EXPECT_TRUE(
+      throwsError([&] { batch.flush(nullptr); }, {"InlinePatchBatch::flush", "cudaErrorUnknown"}));
+  EXPECT_EQ(asked, 1);
+  EXPECT_FALSE(batch.empty()) << "the failed flush dropped its writes";
+  EXPECT_EQ(batch.launches(), 0);
+  EXPECT_EQ(test::readAs<int32_t>(table), (std::vector<int32_t>{0, 0, 0, 0}));
+  status = cudaSuccess;
+  batch.add(kCall, table, 3, std::vector<int32_t>{7}, nullptr);
+  batch.flush(nullptr);
+  EXPECT_EQ(batch.launches(), 1) << "the kept and the new write in one launch";
+  EXPECT_EQ(test::readAs<int32_t>(table), (std::vector<int32_t>{0, 5, 6, 7}));
+}
+
 TEST_P(InlinePatchBatchTest, RandomWritesMatchApplyingThemOneByOne) {
   // With and without a ring: on the GPU the ring's graph launches and the inline launches it
   // hands over to when the GPU lags must interleave in order.

@@ -19,6 +19,7 @@
 #include <string>
 #include <vector>
 
+#include "device_write_support.h"
 #include "mkv/kv_cache_runtime.h"
 #include "mkv/managed_kv_cache_request.h"
 #include "mkv/testing/reference_engine.h"
@@ -30,10 +31,15 @@ namespace mkv {
 namespace {
 
 using runtime_test::Backend;
+using runtime_test::CallByCall;
 using runtime_test::configFor;
+using runtime_test::deviceLengths;
+using runtime_test::engineStepConfig;
 using runtime_test::kVanilla;
+using runtime_test::Rows;
 using runtime_test::RuntimeCase;
 using runtime_test::RuntimeCaseTest;
+using runtime_test::tableRows;
 using test::concatenated;
 using test::tokenRun;
 using testing::EngineRequest;
@@ -43,88 +49,6 @@ using testing::ReferenceEngine;
 using testing::RequestOutcome;
 
 // ---------------------------------------------------------------- call by call
-
-/// Every table row of the runtime (K and V ids) on the host, and the device copies read back.
-struct Rows {
-  std::vector<int32_t> host;
-  std::vector<int32_t> device;
-};
-
-Rows tableRows(KVCacheRuntime& runtime) {
-  Rows rows;
-  for (KVPageTable const* table :
-       {runtime.fullPageTable(), runtime.swaPageTable(), runtime.draftPageTable()}) {
-    if (table == nullptr) {
-      continue;
-    }
-    std::vector<int32_t> const device = test::readAs<int32_t>(table->deviceTable());
-    rows.device.insert(rows.device.end(), device.begin(), device.end());
-    for (CacheSlot slot = 0; slot < table->maxBatch(); ++slot) {
-      std::span<int32_t const> const host = table->hostRow(slot);
-      rows.host.insert(rows.host.end(), host.begin(), host.end());
-    }
-  }
-  return rows;
-}
-
-/// The active rows of the length tensor the backend resets at a prefill.
-std::vector<int32_t> deviceLengths(KVCacheRuntime& runtime) {
-  return test::readAs<int32_t>(runtime.lengthPool().kvLengths());
-}
-
-/// One single-sequence request driven call by call, as an engine's scheduler would.
-class CallByCall {
- public:
-  CallByCall(KVCacheRuntime& runtime, std::vector<int32_t> prompt) : mRuntime(runtime) {
-    mContext.stream = runtime.config().stream;
-    mContext.activeBatchSize = 1;
-    mContext.finishReasons = {FinishReason::kNotFinished};
-    mContext.rawBatchedInputIds = {std::move(prompt)};
-    mContext.generatedTokenIds = {{}};
-    mContext.residentRefs = {runtime.residentSlots().acquire().value()};
-  }
-  ~CallByCall() {
-    mManaged.reset();
-    (void)mRuntime.residentSlots().release(mContext.residentRefs[0]);
-  }
-  CallByCall(CallByCall const&) = delete;
-  CallByCall& operator=(CallByCall const&) = delete;
-
-  CacheSlot slot() const { return mContext.residentRefs[0].slot; }
-
-  /// begin, then the prefill's prepare calls (the engine would launch its forward next).
-  void beginAndPreparePrefill() {
-    std::optional<ManagedKVCacheRequest> begun = ManagedKVCacheRequest::begin(
-        mRuntime.contextCache(), mRuntime.swaPageManager(), LLMGenerationRequest{}, mContext, false,
-        kVanilla, DecodingTokenStateContract::kCommittedPlusLookahead,
-        ContextCacheCommitPolicy::kIncludingGeneratedTokens);
-    ASSERT_TRUE(begun.has_value());
-    mManaged.emplace(std::move(*begun));
-    std::vector<int32_t> const* starts = mManaged->prefillStarts();
-    int32_t const reused = starts != nullptr ? starts->at(0) : 0;
-    mContext.effectivePrefillLengths = {
-        static_cast<int32_t>(mContext.rawBatchedInputIds[0].size()) - reused};
-    ASSERT_TRUE(mManaged->preparePrefill());
-    ASSERT_TRUE(mManaged->prepareSwaPrefill(mContext.effectivePrefillLengths));
-    ASSERT_TRUE(mManaged->enqueuePrefillCaptures());
-  }
-  void completePrefillAndFinish() {
-    mContext.generatedTokenIds[0].push_back(7);  // the engine samples
-    ASSERT_TRUE(mManaged->completePrefill(mContext, {}));
-    ASSERT_TRUE(mManaged->finish());
-  }
-
- private:
-  KVCacheRuntime& mRuntime;
-  DecodingInferenceContext mContext;
-  std::optional<ManagedKVCacheRequest> mManaged;
-};
-
-KVCacheRuntimeConfig engineStepConfig(Backend backend, DeviceType device) {
-  KVCacheRuntimeConfig config = configFor(backend, device);
-  config.deviceWrites = DeviceWriteTiming::kEngineStep;
-  return config;
-}
 
 class DeviceWriteTimingTest : public RuntimeCaseTest {};
 
