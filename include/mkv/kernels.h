@@ -152,6 +152,11 @@ void applyInt32Patch(Tensor& dst, Tensor const& patch, int32_t numRanges, cudaSt
 void applyInt32InlinePatch(Tensor& dst, std::span<int32_t const> patch, int32_t numRanges,
                            cudaStream_t stream);
 
+/// Test seam of the fault model (docs/errors.md, "Device writes that fail"): consulted before each
+/// flush that has writes to apply, kCPU batches too, so the host twin takes the same failure path;
+/// a status other than cudaSuccess fails that flush as a failed launch would. Empty = no faults.
+using LaunchFaults = std::function<cudaError_t()>;
+
 /// Int32 writes to up to kMaxInlinePatchTargets tensors of one device, gathered on the host and
 /// applied by one applyInt32InlinePatch-style launch: a facade call's page-table rows and KV
 /// lengths cost one launch (4-5 µs of the engine thread on an H200, docs/benchmarks.md). The
@@ -162,11 +167,6 @@ void applyInt32InlinePatch(Tensor& dst, std::span<int32_t const> patch, int32_t 
 /// made for the GPU launches through a ring of mapped slots and a pre-built graph where it can (see
 /// the constructor and kernels/patch_ring.h). Reserves its storage at construction: add() and
 /// flush() never allocate. Not thread-safe.
-/// Test seam of the fault model (docs/errors.md, "Device writes that fail"): consulted before each
-/// flush that has writes to apply, kCPU batches too, so the host twin takes the same failure path;
-/// a status other than cudaSuccess fails that flush as a failed launch would. Empty = no faults.
-using LaunchFaults = std::function<cudaError_t()>;
-
 class InlinePatchBatch {
  public:
   /// GPU flushes launch the inline kernel (4-5 µs of host time each on the H200).

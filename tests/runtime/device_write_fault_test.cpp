@@ -29,8 +29,9 @@ namespace {
 using runtime_test::Backend;
 using runtime_test::CallByCall;
 using runtime_test::configFor;
-using runtime_test::deviceLengths;
 using runtime_test::engineStepConfig;
+using runtime_test::expectPrefillFlushed;
+using runtime_test::expectPrefillWaiting;
 using runtime_test::FacadeDriver;
 using runtime_test::kVanilla;
 using runtime_test::Rows;
@@ -38,6 +39,7 @@ using runtime_test::RuntimeCase;
 using runtime_test::RuntimeCaseTest;
 using runtime_test::RuntimeRig;
 using runtime_test::tableRows;
+using runtime_test::writeEngineLength;
 using AdmitStatus = ContextCacheRequest::AdmitSequenceStatus;
 using test::throwsError;
 using test::tokenRun;
@@ -86,9 +88,7 @@ INSTANTIATE_TEST_SUITE_P(Backends, DeviceWriteFaultTest,
 TEST_P(DeviceWriteFaultTest, AFailedFlushKeepsEveryWriteForTheNextOne) {
   auto runtime = makeRuntime(engineStepConfig(backend(), device()));
   Rows const idle = tableRows(*runtime);
-  KVCachePool& lengths = runtime->lengthPool();
-  lengths.setActiveBatchSize(1);
-  lengths.writeLengths(0, std::vector<int32_t>{77}, runtime->config().stream);
+  writeEngineLength(*runtime);
   CallByCall request(*runtime, tokenRun(40, 100));
   request.beginAndPreparePrefill();
   int64_t const launches = runtime->deviceWriteLaunches();
@@ -98,18 +98,9 @@ TEST_P(DeviceWriteFaultTest, AFailedFlushKeepsEveryWriteForTheNextOne) {
       [&] { runtime->flushDeviceWrites(); },
       {"KVCacheRuntime::flushDeviceWrites", "InlinePatchBatch::flush", "cudaErrorUnknown"}));
   EXPECT_EQ(mFaults.pending(), 0) << "the flush did not reach its launch";
-  EXPECT_TRUE(runtime->deviceWritesPending()) << "the failed flush dropped its writes";
-  EXPECT_EQ(runtime->deviceWriteLaunches(), launches) << "a failed launch was counted";
-  Rows const failed = tableRows(*runtime);
-  EXPECT_EQ(failed.device, idle.device) << "the failed flush changed a device row";
-  EXPECT_EQ(deviceLengths(*runtime), std::vector<int32_t>{77}) << "a length arrived";
-
+  expectPrefillWaiting(*runtime, idle, launches);
   runtime->flushDeviceWrites();
-  EXPECT_EQ(runtime->deviceWriteLaunches(), launches + 1) << "the retry took more than one launch";
-  EXPECT_FALSE(runtime->deviceWritesPending());
-  Rows const flushed = tableRows(*runtime);
-  EXPECT_EQ(flushed.device, flushed.host);
-  EXPECT_EQ(deviceLengths(*runtime), std::vector<int32_t>{0}) << "the prefill's reset length";
+  expectPrefillFlushed(*runtime, launches);
   request.completePrefillAndFinish();
   runtime->flushDeviceWrites();
   Rows const cleared = tableRows(*runtime);

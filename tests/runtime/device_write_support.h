@@ -99,4 +99,35 @@ inline KVCacheRuntimeConfig engineStepConfig(Backend backend, DeviceType device)
   return config;
 }
 
+/// The KV length the suites' engine writes to row 0 before a request's prefill resets it.
+inline constexpr int32_t kEngineLength = 77;
+
+/// Sets the length tensor's active batch to one row holding kEngineLength, as an engine would.
+inline void writeEngineLength(KVCacheRuntime& runtime) {
+  KVCachePool& lengths = runtime.lengthPool();
+  lengths.setActiveBatchSize(1);
+  lengths.writeLengths(0, std::vector<int32_t>{kEngineLength}, runtime.config().stream);
+}
+
+/// A prefill's writes still waiting: `launches` launches so far, the device rows as `idle` left
+/// them, the engine's length not reset yet.
+inline void expectPrefillWaiting(KVCacheRuntime& runtime, Rows const& idle, int64_t launches) {
+  EXPECT_EQ(runtime.deviceWriteLaunches(), launches) << "a launch was made or counted";
+  EXPECT_TRUE(runtime.deviceWritesPending());
+  Rows const waiting = tableRows(runtime);
+  EXPECT_EQ(waiting.device, idle.device) << "the device rows changed before a flush";
+  EXPECT_NE(waiting.host, idle.host) << "the prefill bound no page";
+  EXPECT_EQ(deviceLengths(runtime), std::vector<int32_t>{kEngineLength}) << "a length arrived";
+}
+
+/// A prefill's writes flushed in one launch after `launches`: the device rows equal the host's
+/// and the prefill's reset length arrived.
+inline void expectPrefillFlushed(KVCacheRuntime& runtime, int64_t launches) {
+  EXPECT_EQ(runtime.deviceWriteLaunches(), launches + 1) << "not one launch for the step";
+  EXPECT_FALSE(runtime.deviceWritesPending());
+  Rows const flushed = tableRows(runtime);
+  EXPECT_EQ(flushed.device, flushed.host);
+  EXPECT_EQ(deviceLengths(runtime), std::vector<int32_t>{0}) << "the prefill's reset length";
+}
+
 }  // namespace mkv::runtime_test

@@ -33,13 +33,15 @@ namespace {
 using runtime_test::Backend;
 using runtime_test::CallByCall;
 using runtime_test::configFor;
-using runtime_test::deviceLengths;
 using runtime_test::engineStepConfig;
+using runtime_test::expectPrefillFlushed;
+using runtime_test::expectPrefillWaiting;
 using runtime_test::kVanilla;
 using runtime_test::Rows;
 using runtime_test::RuntimeCase;
 using runtime_test::RuntimeCaseTest;
 using runtime_test::tableRows;
+using runtime_test::writeEngineLength;
 using test::concatenated;
 using test::tokenRun;
 using testing::EngineRequest;
@@ -61,25 +63,14 @@ TEST_P(DeviceWriteTimingTest, ARequestsCallsLaunchNothingAndOneFlushAppliesThemA
   Rows const idle = tableRows(*runtime);
   // A length the engine wrote before: the prefill's reset (to 0) must not reach it before the
   // flush.
-  KVCachePool& lengths = runtime->lengthPool();
-  lengths.setActiveBatchSize(1);
-  lengths.writeLengths(0, std::vector<int32_t>{77}, runtime->config().stream);
+  writeEngineLength(*runtime);
   int64_t const launches = runtime->deviceWriteLaunches();
   {
     CallByCall request(*runtime, tokenRun(40, 100));
     request.beginAndPreparePrefill();
-    EXPECT_EQ(runtime->deviceWriteLaunches(), launches) << "a lifecycle call launched";
-    EXPECT_TRUE(runtime->deviceWritesPending());
-    Rows const waiting = tableRows(*runtime);
-    EXPECT_EQ(waiting.device, idle.device) << "the device rows changed before the flush";
-    EXPECT_NE(waiting.host, idle.host) << "the prefill bound no page";
-    EXPECT_EQ(deviceLengths(*runtime), std::vector<int32_t>{77}) << "a length arrived early";
+    expectPrefillWaiting(*runtime, idle, launches);
     runtime->flushDeviceWrites();
-    EXPECT_EQ(runtime->deviceWriteLaunches(), launches + 1) << "one launch for the whole step";
-    EXPECT_FALSE(runtime->deviceWritesPending());
-    Rows const flushed = tableRows(*runtime);
-    EXPECT_EQ(flushed.device, flushed.host);
-    EXPECT_EQ(deviceLengths(*runtime), std::vector<int32_t>{0}) << "the prefill's reset length";
+    expectPrefillFlushed(*runtime, launches);
     request.completePrefillAndFinish();
     EXPECT_EQ(runtime->deviceWriteLaunches(), launches + 1) << "finish launched";
     EXPECT_TRUE(runtime->deviceWritesPending()) << "finish cleared no row";
