@@ -51,7 +51,6 @@ class LaunchFaults {
  public:
   kernels::LaunchFaults seam() const {
     return [state = mState]() {
-      ++state->calls;
       if (state->failuresLeft > 0) {
         --state->failuresLeft;
         return cudaErrorUnknown;
@@ -60,12 +59,10 @@ class LaunchFaults {
     };
   }
   void failNext(int32_t count = 1) { mState->failuresLeft = count; }
-  int64_t calls() const { return mState->calls; }
   int32_t pending() const { return mState->failuresLeft; }
 
  private:
   struct State {
-    int64_t calls = 0;
     int32_t failuresLeft = 0;
   };
   std::shared_ptr<State> mState = std::make_shared<State>();
