@@ -225,9 +225,10 @@ RUNTIME_TESTS=$BUILD/tests/runtime/mkv_runtime_tests
 # ... over the reference engine's step kernels (tests/testing: CPU vs GPU parity runs),
 memcheck_suite "compute-sanitizer engine" sanitizer_memcheck_engine \
   "$BUILD/tests/testing/mkv_testing_tests" 'Shapes/ReferenceEngineParityTest.*'
-# ... over the runtime's writes at the engine step (tests/runtime/device_write_timing_test.cpp),
+# ... over the runtime's writes at the engine step and the flushes that fail
+#     (tests/runtime/device_write_timing_test.cpp, device_write_fault_test.cpp),
 memcheck_suite "compute-sanitizer engine step" sanitizer_memcheck_engine_step "$RUNTIME_TESTS" \
-  '*DeviceWriteTimingTest*_gpu:*EngineStepWorkloadTest*_gpu'
+  '*DeviceWriteTimingTest*_gpu:*EngineStepWorkloadTest*_gpu:*DeviceWriteFaultTest*_gpu:*RetractionFaultTest*_gpu'
 # ... over the host tier: its copy kernels read and write pinned host memory through mapped
 #     addresses (the coordinator's lifecycles with offload and onboarding, and the tier itself),
 for host_suite in context_cache resources; do
