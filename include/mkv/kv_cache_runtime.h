@@ -196,8 +196,9 @@ class KVCacheRuntime {
   void flushDeviceWrites();
   /// Whether writes wait for flushDeviceWrites() (with kEachCall only after a failed flush).
   bool deviceWritesPending() const noexcept;
-  /// Launches of the backends' table and length writes so far: flushes that found writes, and a
-  /// length write partly overlapping a waiting one (staged large table uploads not counted).
+  /// Launches of the backends' table and length writes so far: flushes that found writes, a
+  /// length write partly overlapping a waiting one, and each table upload beyond the inline limit
+  /// (one launch after its staged copy).
   int64_t deviceWriteLaunches() const noexcept;
 
   /// Drains the backend's quarantine (see the backends' shutdown()).

@@ -31,6 +31,9 @@ enum class PageTableMode : uint8_t {
 struct PageTableUploadStats {
   int64_t entries = 0;  ///< int32 entries copied (K and V entries both count)
   int64_t ranges = 0;   ///< coalesced contiguous runs copied
+  /// Uploads beyond the inline limit: each one staged copy and one launch of its own (0 or 1 for
+  /// lastUploadStats()).
+  int64_t staged = 0;
 };
 
 /// Page table `[maxBatch, 2, maxPagesPerSeq]` int32: per resident row the K page ids of its

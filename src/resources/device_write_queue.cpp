@@ -37,6 +37,7 @@ void DeviceWriteQueue::queueTables(cudaStream_t stream) {
     }
     try {
       table->uploadDirty(mBatch, stream);
+      mStagedUploads += table->lastUploadStats().staged;
     } catch (...) {
       if (!first) {
         first = std::current_exception();

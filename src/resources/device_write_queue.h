@@ -63,9 +63,10 @@ class DeviceWriteQueue {
   void flush(cudaStream_t stream);
   /// Whether writes wait for a flush: a watched table is dirty or lengths are queued.
   bool pending() const noexcept;
-  /// Launches of the length batch so far (each flush that found writes makes one; a length write
-  /// overlapping a queued one only partly makes one more).
-  int64_t launches() const noexcept { return mBatch.launches(); }
+  /// Launches of the queue's flushes so far: the length batch's (each flush that found writes
+  /// makes one; a length write overlapping a queued one only partly makes one more) and one per
+  /// table upload beyond the inline limit (its own launch, after a staged copy).
+  int64_t launches() const noexcept { return mBatch.launches() + mStagedUploads; }
 
  private:
   /// Queues the dirty entries of every watched table in mBatch; rethrows the first table's error
@@ -75,6 +76,7 @@ class DeviceWriteQueue {
   DeviceWriteTiming mTiming;
   kernels::InlinePatchBatch mBatch;
   std::vector<KVPageTable*> mTables;
+  int64_t mStagedUploads = 0;  // table uploads of the flushes that went through staging
 };
 
 }  // namespace mkv::detail

@@ -516,7 +516,8 @@ bool KVPageTable::uploadRanges(bool rowGranular, kernels::InlinePatchBatch* batc
     ++numRanges;
     values += count;
   });
-  if (values + 3 * numRanges <= kernels::kMaxInlinePatchValues) {
+  bool const inlinePatch = values + 3 * numRanges <= kernels::kMaxInlinePatchValues;
+  if (inlinePatch) {
     // The common case (a request's rows, a decode step's growth): the values ride in the
     // parameters of one launch, the caller's batch or the table's own.
     kernels::InlinePatchBatch& writes = batch != nullptr ? *batch : mOwnWrites;
@@ -542,8 +543,10 @@ bool KVPageTable::uploadRanges(bool rowGranular, kernels::InlinePatchBatch* batc
   mDirtyEntries.clear();
   mLastUpload.entries = values;
   mLastUpload.ranges = numRanges;
+  mLastUpload.staged = inlinePatch ? 0 : 1;
   mTotalUpload.entries += mLastUpload.entries;
   mTotalUpload.ranges += mLastUpload.ranges;
+  mTotalUpload.staged += mLastUpload.staged;
   return true;
 }
 

@@ -149,6 +149,7 @@ TEST_P(KVPageTableTest, UploadDirtyIntoABatchLandsWithTheBatchsOneLaunch) {
   EXPECT_TRUE(table.uploadDirty(batch, nullptr));
   EXPECT_FALSE(table.dirty());
   EXPECT_EQ(table.lastUploadStats().entries, 8);  // K and V of four entries
+  EXPECT_EQ(table.lastUploadStats().staged, 0);
   EXPECT_EQ(mirror(table), before) << "queued, not launched";
   batch.flush(nullptr);
   EXPECT_EQ(batch.launches(), 1);
@@ -169,6 +170,8 @@ TEST_P(KVPageTableTest, AnUploadBeyondTheInlineLimitFlushesTheBatchFirst) {
     table.setRow(slot, pages);
   }
   EXPECT_TRUE(table.uploadDirty(batch, nullptr));  // 2,048 entries: staged
+  EXPECT_EQ(table.lastUploadStats().staged, 1) << "its own copy and launch";
+  EXPECT_EQ(table.totalUploadStats().staged, 1);
   EXPECT_EQ(batch.launches(), 1);
   EXPECT_TRUE(batch.empty());
   EXPECT_EQ(test::readAs<int32_t>(marker), (std::vector<int32_t>{1}));

@@ -106,6 +106,47 @@ TEST_P(DeviceWriteTimingTest, ARowClearedAndBoundAgainBeforeAFlushArrivesWithIts
   EXPECT_TRUE(runtime->shutdown());
 }
 
+/// Staged uploads of every table of the runtime so far.
+int64_t stagedUploads(KVCacheRuntime& runtime) {
+  int64_t staged = 0;
+  for (KVPageTable const* table :
+       {runtime.fullPageTable(), runtime.swaPageTable(), runtime.draftPageTable()}) {
+    staged += table != nullptr ? table->totalUploadStats().staged : 0;
+  }
+  return staged;
+}
+
+// A row wider than the inline limit (kernels::kMaxInlinePatchValues) is uploaded through staging,
+// with a launch of its own: deviceWriteLaunches() counts it like the batch's.
+TEST_P(DeviceWriteTimingTest, AFlushCountsTheLaunchOfARowUploadedThroughStaging) {
+  constexpr int32_t kPages = 520;  // K and V ids: 1,040 entries
+  KVCacheRuntimeConfig config = engineStepConfig(backend(), device());
+  config.maxSequenceLength = kPages * runtime_test::kPageTokens;
+  auto runtime = KVCacheRuntime::create(config);
+  int64_t const launches = runtime->deviceWriteLaunches();
+  int64_t const staged = stagedUploads(*runtime);
+  CallByCall request(*runtime, tokenRun(config.maxSequenceLength - 8, 100));
+  request.beginAndPreparePrefill();
+  EXPECT_EQ(runtime->deviceWriteLaunches(), launches);
+  runtime->flushDeviceWrites();
+  Rows const rows = tableRows(*runtime);
+  EXPECT_EQ(rows.device, rows.host);
+  // Bounded SWA: the full layers' table is the static identity written at create and the
+  // window's rows are short: one batch launch. Context reuse stages the prompt's dense row after
+  // the lengths queued before it have gone (one launch), then launches it (a second). Sliding-
+  // window reuse stages a row of each table, the sliding one holding the prompt's blocks until
+  // the prefill completes: the lengths' launch and one per staged row.
+  int64_t const expectStaged = backend() == Backend::kBoundedSwa     ? 0
+                               : backend() == Backend::kContextReuse ? 1
+                                                                     : 2;
+  int64_t const expectLaunches = 1 + expectStaged;
+  EXPECT_EQ(stagedUploads(*runtime) - staged, expectStaged);
+  EXPECT_EQ(runtime->deviceWriteLaunches() - launches, expectLaunches);
+  request.completePrefillAndFinish();
+  runtime->flushDeviceWrites();
+  EXPECT_TRUE(runtime->shutdown());
+}
+
 TEST_P(DeviceWriteTimingTest, EachCallTimingLeavesNothingWaiting) {
   auto runtime = KVCacheRuntime::create(configFor(backend(), device()));
   ASSERT_EQ(runtime->config().deviceWrites, DeviceWriteTiming::kEachCall);
