@@ -86,7 +86,8 @@ class KVCachePool {
   void resetForNewSequences(std::span<int32_t const> lengths, kernels::InlinePatchBatch& batch,
                             cudaStream_t stream);
   /// Overwrites the lengths of rows [firstRow, firstRow + lengths.size()) of the active batch
-  /// (engine commits after an execution; seating an in-flight joiner). Stream-ordered.
+  /// (engine commits after an execution; seating an in-flight joiner). Stream-ordered, after the
+  /// writes of orderWritesAfter's batch.
   void writeLengths(int32_t firstRow, std::span<int32_t const> lengths, cudaStream_t stream);
   /// Changes the active batch size without touching lengths (rows beyond the old size keep
   /// whatever they held). Throws outside [0, maxBatchSize].
@@ -96,6 +97,14 @@ class KVCachePool {
   /// The kernel orders itself through a workspace the pool allocated at construction, so the
   /// compactions of one pool must be ordered (one stream), like its other length writes.
   void compactLengths(Tensor const& oldToNew, int32_t newBatchSize, cudaStream_t stream);
+
+  /// Orders the pool's own length writes (writeLengths, resetForNewSequences without a batch,
+  /// compactLengths) after the writes `queued` holds: each first flushes `queued` on its stream
+  /// when it is not empty, so the device sees the lengths in call order even while lifecycle calls
+  /// leave theirs for the engine step (DeviceWriteTiming::kEngineStep). Null: nothing to order
+  /// after. Set by the runtime's write queue, which resets it before `queued` is destroyed.
+  void orderWritesAfter(kernels::InlinePatchBatch* queued) noexcept { mQueuedWrites = queued; }
+  kernels::InlinePatchBatch const* writesOrderedAfter() const noexcept { return mQueuedWrites; }
 
  private:
   KVCachePoolConfig mConfig;
@@ -112,10 +121,14 @@ class KVCachePool {
   /// one copy from pinned staging.
   void uploadLengths(int32_t firstRow, std::span<int32_t const> lengths,
                      kernels::InlinePatchBatch* batch, cudaStream_t stream);
+  /// Flushes mQueuedWrites when it holds writes. A failed launch throws mkv::Error naming `call`;
+  /// the queued writes stay queued and the pool is unchanged.
+  void flushQueuedWrites(char const* call, cudaStream_t stream);
 
   /// Staging of length writes beyond the inline limit: one pinned region, copied into mKvLengths.
   std::unique_ptr<detail::Int32UploadRegions> mLengthUploads;
   kernels::InlinePatchBatch mLengthWrites;  ///< inline length writes of the pool's own calls
+  kernels::InlinePatchBatch* mQueuedWrites = nullptr;  ///< orderWritesAfter's batch (borrowed)
   Tensor mCompactWorkspace;  ///< kernels::compactBatch's workspace (GPU pools; empty on kCPU)
 };
 

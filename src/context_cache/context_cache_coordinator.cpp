@@ -78,6 +78,8 @@ ContextCacheCoordinator::ContextCacheCoordinator(ContextCacheConfig const& confi
   }
   mWrites->watch(mResources.basePageTable);
   mWrites->watch(mResources.draftPageTable);
+  mWrites->watch(mResources.basePool);
+  mWrites->watch(mResources.draftPool);
   if (!mSynchronizer) {
     mSynchronizer = defaultStreamSynchronizer(mDevice);
   }

@@ -12,6 +12,21 @@ DeviceWriteQueue::DeviceWriteQueue(DeviceType device, DeviceWriteTiming timing,
   mBatch.setLaunchFaults(std::move(faults));
 }
 
+DeviceWriteQueue::~DeviceWriteQueue() {
+  for (KVCachePool* pool : mPools) {
+    if (pool->writesOrderedAfter() == &mBatch) {
+      pool->orderWritesAfter(nullptr);
+    }
+  }
+}
+
+void DeviceWriteQueue::watch(KVCachePool* pool) {
+  if (pool != nullptr && std::find(mPools.begin(), mPools.end(), pool) == mPools.end()) {
+    mPools.push_back(pool);
+    pool->orderWritesAfter(&mBatch);
+  }
+}
+
 void DeviceWriteQueue::watch(KVPageTable* table) {
   if (table != nullptr && std::find(mTables.begin(), mTables.end(), table) == mTables.end()) {
     mTables.push_back(table);

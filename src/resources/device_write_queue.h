@@ -10,6 +10,7 @@
 
 #include "mkv/cuda_types.h"
 #include "mkv/kernels.h"
+#include "mkv/kv_cache_pool.h"
 #include "mkv/kv_page_table.h"
 #include "mkv/types.h"
 
@@ -31,10 +32,19 @@ class DeviceWriteQueue {
  public:
   /// `faults`: the fault seam every flush consults (kernels::LaunchFaults; empty = none).
   DeviceWriteQueue(DeviceType device, DeviceWriteTiming timing, kernels::LaunchFaults faults = {});
+  /// Detaches the watched pools (KVCachePool::orderWritesAfter(nullptr)).
+  ~DeviceWriteQueue();
+  DeviceWriteQueue(DeviceWriteQueue const&) = delete;
+  DeviceWriteQueue& operator=(DeviceWriteQueue const&) = delete;
 
   /// Adds `table` to the tables every flush uploads (borrowed: it must outlive the queue's
   /// flushes). Null and a table already watched are ignored.
   void watch(KVPageTable* table);
+  /// Orders `pool`'s own length writes after the lengths this queue holds, until the queue is
+  /// destroyed (KVCachePool::orderWritesAfter): an engine's KVCachePool::writeLengths before the
+  /// step's flush lands after the lifecycle calls' resets. Null and a pool already watched are
+  /// ignored.
+  void watch(KVCachePool* pool);
   /// Where KV-length writes queue (KVCachePool::resetForNewSequences).
   kernels::InlinePatchBatch& lengths() noexcept { return mBatch; }
 
@@ -76,6 +86,7 @@ class DeviceWriteQueue {
   DeviceWriteTiming mTiming;
   kernels::InlinePatchBatch mBatch;
   std::vector<KVPageTable*> mTables;
+  std::vector<KVCachePool*> mPools;
   int64_t mStagedUploads = 0;  // table uploads of the flushes that went through staging
 };
 

@@ -120,6 +120,9 @@ void KVCachePool::resetLengths(std::span<int32_t const> lengths, kernels::Inline
   MKV_REQUIRE(lengths.size() <= static_cast<std::size_t>(mConfig.maxBatchSize), kCall,
               "{} sequences exceed maxBatchSize {}", lengths.size(), mConfig.maxBatchSize);
   validateLengths(kCall, lengths);
+  if (batch != mQueuedWrites) {
+    flushQueuedWrites(kCall, stream);
+  }
   uploadLengths(0, lengths, batch, stream);
   setActiveBatchSize(static_cast<int32_t>(lengths.size()));
 }
@@ -132,7 +135,19 @@ void KVCachePool::writeLengths(int32_t firstRow, std::span<int32_t const> length
       kCall, "rows [{}, {}) are outside the active batch of {}", firstRow,
       int64_t{firstRow} + static_cast<int64_t>(lengths.size()), mActiveBatchSize);
   validateLengths(kCall, lengths);
+  flushQueuedWrites(kCall, stream);
   uploadLengths(firstRow, lengths, nullptr, stream);
+}
+
+void KVCachePool::flushQueuedWrites(char const* call, cudaStream_t stream) {
+  if (mQueuedWrites == nullptr || mQueuedWrites->empty()) {
+    return;
+  }
+  try {
+    mQueuedWrites->flush(stream);
+  } catch (Error const& error) {
+    detail::throwContract(call, "the queued writes it must follow: {}", error.what());
+  }
 }
 
 void KVCachePool::uploadLengths(int32_t firstRow, std::span<int32_t const> lengths,
@@ -178,6 +193,7 @@ void KVCachePool::compactLengths(Tensor const& oldToNew, int32_t newBatchSize,
   MKV_REQUIRE(oldToNew.deviceType() == mConfig.deviceType, kCall,
               "mapping is on {} but the pool is on {}", toString(oldToNew.deviceType()),
               toString(mConfig.deviceType));
+  flushQueuedWrites(kCall, stream);
   kernels::RowBuffer const lengths{mKvLengths.rawPointer(), sizeof(int32_t), mConfig.maxBatchSize};
   try {
     kernels::compactBatch(std::span<kernels::RowBuffer const>(&lengths, 1), mConfig.deviceType,

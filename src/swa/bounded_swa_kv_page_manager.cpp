@@ -136,6 +136,9 @@ BoundedSwaKVPageManager::BoundedSwaKVPageManager(BoundedSwaConfig const& config,
     mWrites = mOwnedWrites.get();
   }
   mWrites->watch(mResources.swaPageTable);
+  for (KVCachePool* lengths : mResources.lengthPools) {
+    mWrites->watch(lengths);
+  }
   mMappingUploads = std::make_unique<detail::Int32UploadRegions>(table.maxBatch(), table.maxBatch(),
                                                                  pool.deviceType());
 }

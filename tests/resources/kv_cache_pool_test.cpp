@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "resources/device_write_queue.h"
 #include "support/test_util.h"
 
 namespace mkv {
@@ -209,6 +210,80 @@ TEST_P(KVCachePoolTest, WriteLengthsOverwritesARangeOfTheActiveBatch) {
   EXPECT_TRUE(throwsError([&] { pool.writeLengths(0, negative, nullptr); },
                           {"KVCachePool::writeLengths", "lengths[0] = -5"}));
   EXPECT_EQ(lengths(pool), (std::vector<int32_t>{1, 20, 30, 4}));
+}
+
+/// Queues `value` for row `row` of the pool's length tensor in `batch`, as a lifecycle call of the
+/// engine step does.
+void queueLength(kernels::InlinePatchBatch& batch, KVCachePool& pool, int64_t row, int32_t value) {
+  Tensor every = Tensor::viewOf(pool.kvLengths());
+  ASSERT_TRUE(every.reshape({pool.maxBatchSize()}));
+  batch.add("test", every, row, std::vector<int32_t>{value}, nullptr);
+}
+
+TEST_P(KVCachePoolTest, WritesOrderedAfterABatchFlushItFirst) {
+  KVCachePool pool = make();
+  pool.resetForNewSequences(std::vector<int32_t>{1, 2, 3, 4}, nullptr);
+  kernels::InlinePatchBatch queued(device());
+  pool.orderWritesAfter(&queued);
+  queueLength(queued, pool, 1, 50);
+  queueLength(queued, pool, 2, 60);
+  pool.writeLengths(1, std::vector<int32_t>{21}, nullptr);
+  EXPECT_TRUE(queued.empty());
+  EXPECT_EQ(queued.launches(), 1);
+  EXPECT_EQ(lengths(pool), (std::vector<int32_t>{1, 21, 60, 4})) << "the later write wins";
+  queueLength(queued, pool, 3, 70);
+  pool.resetForNewSequences(std::vector<int32_t>{5, 6}, nullptr);
+  EXPECT_EQ(allLengths(pool), (std::vector<int32_t>{5, 6, 60, 70}));
+  queueLength(queued, pool, 0, 80);
+  pool.resetForNewSequences(std::vector<int32_t>{9}, queued, nullptr);  // joins it: no flush
+  EXPECT_EQ(queued.launches(), 2);
+  queued.flush(nullptr);
+  EXPECT_EQ(lengths(pool), (std::vector<int32_t>{9}));
+  pool.setActiveBatchSize(2);
+  queueLength(queued, pool, 1, 11);
+  pool.compactLengths(test::int32Tensor({-1, 0}, device()), 1, nullptr);
+  EXPECT_EQ(lengths(pool), (std::vector<int32_t>{11})) << "compacted after the queued write";
+  pool.orderWritesAfter(nullptr);
+  queueLength(queued, pool, 0, 90);
+  pool.writeLengths(0, std::vector<int32_t>{10}, nullptr);
+  EXPECT_FALSE(queued.empty()) << "no longer ordered after it";
+  queued.discard();
+}
+
+TEST_P(KVCachePoolTest, AFailedFlushOfTheWritesItFollowsThrowsNamingTheCallAndWritesNothing) {
+  KVCachePool pool = make();
+  pool.resetForNewSequences(std::vector<int32_t>{1, 2}, nullptr);
+  kernels::InlinePatchBatch queued(device());
+  queued.setLaunchFaults([] { return cudaErrorUnknown; });
+  pool.orderWritesAfter(&queued);
+  queueLength(queued, pool, 0, 50);
+  EXPECT_TRUE(throwsError([&] { pool.writeLengths(1, std::vector<int32_t>{7}, nullptr); },
+                          {"KVCachePool::writeLengths", "cudaErrorUnknown"}));
+  EXPECT_TRUE(throwsError([&] { pool.resetForNewSequences(std::vector<int32_t>{7}, nullptr); },
+                          {"KVCachePool::resetForNewSequences", "cudaErrorUnknown"}));
+  EXPECT_EQ(pool.activeBatchSize(), 2);
+  EXPECT_EQ(lengths(pool), (std::vector<int32_t>{1, 2}));
+  EXPECT_FALSE(queued.empty()) << "the queued write is kept for the next flush";
+  queued.setLaunchFaults({});
+  pool.writeLengths(1, std::vector<int32_t>{7}, nullptr);
+  EXPECT_EQ(lengths(pool), (std::vector<int32_t>{50, 7}));
+}
+
+TEST_P(KVCachePoolTest, AWriteQueueOrdersThePoolUntilItIsDestroyed) {
+  KVCachePool pool = make();
+  {
+    detail::DeviceWriteQueue queue(device(), DeviceWriteTiming::kEngineStep);
+    queue.watch(&pool);
+    queue.watch(&pool);
+    EXPECT_EQ(pool.writesOrderedAfter(), &queue.lengths());
+    pool.resetForNewSequences(std::vector<int32_t>{2, 2}, queue.lengths(), nullptr);
+    pool.writeLengths(1, std::vector<int32_t>{5}, nullptr);
+    EXPECT_FALSE(queue.pending());
+    EXPECT_EQ(queue.launches(), 1);
+  }
+  EXPECT_EQ(pool.writesOrderedAfter(), nullptr) << "a dangling batch";
+  pool.writeLengths(0, std::vector<int32_t>{3}, nullptr);
+  EXPECT_EQ(lengths(pool), (std::vector<int32_t>{3, 5}));
 }
 
 TEST_P(KVCachePoolTest, SetActiveBatchSizeChangesTheViewButNotTheLengths) {

@@ -33,6 +33,7 @@ namespace {
 using runtime_test::Backend;
 using runtime_test::CallByCall;
 using runtime_test::configFor;
+using runtime_test::deviceLengths;
 using runtime_test::engineStepConfig;
 using runtime_test::expectPrefillFlushed;
 using runtime_test::expectPrefillWaiting;
@@ -102,6 +103,30 @@ TEST_P(DeviceWriteTimingTest, ARowClearedAndBoundAgainBeforeAFlushArrivesWithIts
   Rows const rows = tableRows(*runtime);
   EXPECT_EQ(rows.device, rows.host);
   second.completePrefillAndFinish();
+  runtime->flushDeviceWrites();
+  EXPECT_TRUE(runtime->shutdown());
+}
+
+// The engine commits a row's length (KVCachePool::writeLengths) after a prefill queued its reset
+// and before the step's flush: the device ends with the engine's value, as if every write had
+// reached it in call order.
+TEST_P(DeviceWriteTimingTest, AnEngineLengthWrittenBeforeTheFlushLandsAfterTheQueuedReset) {
+  auto runtime = KVCacheRuntime::create(engineStepConfig(backend(), device()));
+  Rows const idle = tableRows(*runtime);
+  writeEngineLength(*runtime);
+  int64_t const launches = runtime->deviceWriteLaunches();
+  CallByCall request(*runtime, tokenRun(40, 100));
+  request.beginAndPreparePrefill();
+  expectPrefillWaiting(*runtime, idle, launches);
+  std::vector<int32_t> const committed{40};  // after the prefill's forward
+  runtime->lengthPool().writeLengths(0, committed, runtime->config().stream);
+  EXPECT_EQ(deviceLengths(*runtime), committed);
+  EXPECT_EQ(runtime->deviceWriteLaunches(), launches + 1) << "the queued reset did not go first";
+  runtime->flushDeviceWrites();
+  EXPECT_EQ(deviceLengths(*runtime), committed) << "the reset overwrote the engine's length";
+  Rows const rows = tableRows(*runtime);
+  EXPECT_EQ(rows.device, rows.host);
+  request.completePrefillAndFinish();
   runtime->flushDeviceWrites();
   EXPECT_TRUE(runtime->shutdown());
 }
