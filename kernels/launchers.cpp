@@ -157,8 +157,8 @@ void copyPages(PagedBuffers const& src, PagedBuffers const& dst, Tensor const& s
   run(src.deviceType, kCall, launch, &detail::copyPagesHost, MKV_CUDA_IMPL(copyPagesCuda), stream);
 }
 
-void compactBatch(std::span<RowBuffer const> buffers, DeviceType deviceType, Tensor const& oldToNew,
-                  int32_t newBatchSize, Tensor& workspace, cudaStream_t stream) {
+void checkCompactBatch(std::span<RowBuffer const> buffers, DeviceType deviceType,
+                       Tensor const& oldToNew, int32_t newBatchSize, Tensor const& workspace) {
   constexpr char const* kCall = "compactBatch";
   requireIndexTensor(oldToNew, kCall, "oldToNew", deviceType, -1);
   int64_t const oldBatch = oldToNew.numel();
@@ -196,6 +196,13 @@ void compactBatch(std::span<RowBuffer const> buffers, DeviceType deviceType, Ten
     MKV_REQUIRE(reinterpret_cast<uintptr_t>(workspace.rawPointer()) % sizeof(uint64_t) == 0, kCall,
                 "workspace is not 8-byte aligned");
   }
+}
+
+void compactBatch(std::span<RowBuffer const> buffers, DeviceType deviceType, Tensor const& oldToNew,
+                  int32_t newBatchSize, Tensor& workspace, cudaStream_t stream) {
+  constexpr char const* kCall = "compactBatch";
+  checkCompactBatch(buffers, deviceType, oldToNew, newBatchSize, workspace);
+  int64_t const oldBatch = oldToNew.numel();
   if (buffers.empty() || oldBatch == 0) {
     return;
   }

@@ -19,21 +19,35 @@ fi
 mapfile -t files < <(find src include kernels tests benchmarks examples -type f \
   \( -name '*.h' -o -name '*.hpp' -o -name '*.cpp' -o -name '*.cu' -o -name '*.cuh' \) \
   2>/dev/null | sort)
+if ((${#files[@]} == 0)); then
+  echo "check_format.sh: no C++ or CUDA sources under $root" >&2
+  exit 2
+fi
 if (( fix )); then
   "$formatter" -i "${files[@]}"
   exit 0
 fi
-# One clang-format process for every file (a process per file took 30 s on 2 cores, this about 2);
-# its diagnostics name each file that is not formatted.
+# One clang-format process for every file (a process per file took 30 s on 2 cores, this about 2).
+# Each violation is a diagnostic naming its file, followed by the source line and a caret line;
+# whatever else it printed (a broken .clang-format, a file it cannot read) is shown as it is.
+violation=': error: code should be clang-formatted \[-Wclang-format-violations\]$'
 diagnostics=$("$formatter" --dry-run -Werror "${files[@]}" 2>&1) && status=0 || status=$?
-mapfile -t unformatted < <(grep -oE '^[^:]+:[0-9]+:[0-9]+: error' <<<"$diagnostics" | cut -d: -f1 |
-  sort -u)
+mapfile -t unformatted < <(grep -E "$violation" <<<"$diagnostics" | cut -d: -f1 | sort -u)
+other=$(awk -v violation="$violation" '
+  { line[NR] = $0 }
+  END {
+    for (i = 1; i <= NR; i++) {
+      if (line[i] ~ violation) { if (line[i + 2] ~ /^ *\^/) i += 2; continue }
+      if (line[i] != "") print line[i]
+    }
+  }' <<<"$diagnostics")
 for file in "${unformatted[@]}"; do
   echo "not formatted: $file"
 done
 echo "${#files[@]} files checked, ${#unformatted[@]} not formatted"
-if ((status != 0 && ${#unformatted[@]} == 0)); then
-  echo "check_format.sh: $formatter failed without naming a file:" >&2
-  echo "$diagnostics" >&2
+if [[ -n $other ]] || ((status != 0 && ${#unformatted[@]} == 0)); then
+  echo "check_format.sh: $formatter failed beyond formatting (status $status):" >&2
+  echo "$other" >&2
+  exit 2
 fi
 ((status == 0))

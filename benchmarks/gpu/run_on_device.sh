@@ -209,13 +209,13 @@ for tool in memcheck racecheck; do
   [[ $RC == 0 ]] && status=PASS || status=FAIL
   record "compute-sanitizer $tool" "$status" "$SECONDS_TAKEN" "rc $RC; $(gtest_detail "$OUT/sanitizer_$tool.log"); ${summary_line:-no summary}"
 done
-# memcheck_suite LABEL LOG BINARY FILTER: compute-sanitizer memcheck over the tests of BINARY that
-# FILTER selects, with its output in $OUT/LOG.log, recorded as LABEL; nothing without the
-# sanitizer, the binary or a device.
+# memcheck_suite LABEL LOG BINARY FILTER [LIMIT_S]: compute-sanitizer memcheck over the tests of
+# BINARY that FILTER selects, with its output in $OUT/LOG.log, recorded as LABEL, stopped after
+# LIMIT_S seconds (default 120); nothing without the sanitizer, the binary or a device.
 memcheck_suite() {
-  local label=$1 log=$OUT/$2.log binary=$3 filter=$4 summary_line status
+  local label=$1 log=$OUT/$2.log binary=$3 filter=$4 limit=${5:-120} summary_line status
   [[ -n $SANITIZER && -x $binary && $(gtest_status 0 "$OUT/gpu_tests.log") != SKIP ]] || return 0
-  run_step "$label" "$log" 120 "$SANITIZER" --tool memcheck --error-exitcode 3 --print-limit 20 \
+  run_step "$label" "$log" "$limit" "$SANITIZER" --tool memcheck --error-exitcode 3 --print-limit 20 \
     "$binary" --gtest_filter="$filter"
   summary_line=$(grep -E 'ERROR SUMMARY' "$log" | tail -1)
   [[ $RC == 0 ]] && status=PASS || status=FAIL
@@ -228,7 +228,8 @@ memcheck_suite "compute-sanitizer engine" sanitizer_memcheck_engine \
 # ... over the runtime's writes at the engine step and the flushes that fail
 #     (tests/runtime/device_write_timing_test.cpp, device_write_fault_test.cpp),
 memcheck_suite "compute-sanitizer engine step" sanitizer_memcheck_engine_step "$RUNTIME_TESTS" \
-  '*DeviceWriteTimingTest*_gpu:*EngineStepWorkloadTest*_gpu:*DeviceWriteFaultTest*_gpu:*RetractionFaultTest*_gpu'
+  '*DeviceWriteTimingTest*_gpu:*EngineStepWorkloadTest*_gpu:*DeviceWriteFaultTest*_gpu:*RetractionFaultTest*_gpu' \
+  180
 # ... over the host tier: its copy kernels read and write pinned host memory through mapped
 #     addresses (the coordinator's lifecycles with offload and onboarding, and the tier itself),
 for host_suite in context_cache resources; do

@@ -93,6 +93,10 @@ void copyPages(PagedBuffers const& src, PagedBuffers const& dst, Tensor const& s
 /// 0 <= newBatchSize <= oldBatch.
 void compactBatch(std::span<RowBuffer const> buffers, DeviceType deviceType, Tensor const& oldToNew,
                   int32_t newBatchSize, Tensor& workspace, cudaStream_t stream);
+/// Throws the mkv::Error compactBatch would throw for these arguments, and does nothing else:
+/// for a caller that must validate before it changes anything (KVCachePool::compactLengths).
+void checkCompactBatch(std::span<RowBuffer const> buffers, DeviceType deviceType,
+                       Tensor const& oldToNew, int32_t newBatchSize, Tensor const& workspace);
 
 /// Bytes of the compactBatch workspace for up to `maxOldBatch` rows of buffers whose row widths
 /// are `rowBytes` (one entry per buffer), whatever the buffers' alignment. A workspace of this

@@ -87,7 +87,7 @@ class KVCachePool {
                             cudaStream_t stream);
   /// Overwrites the lengths of rows [firstRow, firstRow + lengths.size()) of the active batch
   /// (engine commits after an execution; seating an in-flight joiner). Stream-ordered, after the
-  /// writes of orderWritesAfter's batch.
+  /// writes of orderWritesAfter's batch (a failed flush of those throws, nothing written).
   void writeLengths(int32_t firstRow, std::span<int32_t const> lengths, cudaStream_t stream);
   /// Changes the active batch size without touching lengths (rows beyond the old size keep
   /// whatever they held). Throws outside [0, maxBatchSize].
@@ -99,10 +99,13 @@ class KVCachePool {
   void compactLengths(Tensor const& oldToNew, int32_t newBatchSize, cudaStream_t stream);
 
   /// Orders the pool's own length writes (writeLengths, resetForNewSequences without a batch,
-  /// compactLengths) after the writes `queued` holds: each first flushes `queued` on its stream
-  /// when it is not empty, so the device sees the lengths in call order even while lifecycle calls
-  /// leave theirs for the engine step (DeviceWriteTiming::kEngineStep). Null: nothing to order
-  /// after. Set by the runtime's write queue, which resets it before `queued` is destroyed.
+  /// compactLengths) after the writes `queued` holds: each, once its arguments are valid, first
+  /// flushes `queued` on its stream when it is not empty (one more launch), so the device sees the
+  /// lengths in call order even while lifecycle calls leave theirs for the engine step
+  /// (DeviceWriteTiming::kEngineStep). When that flush fails the call throws mkv::Error naming
+  /// itself and the CUDA error, changes nothing and leaves `queued` as it was. Null: nothing to
+  /// order after. Set by the write queue of the runtime or of a backend (DeviceWriteQueue::watch),
+  /// which resets it when it is destroyed.
   void orderWritesAfter(kernels::InlinePatchBatch* queued) noexcept { mQueuedWrites = queued; }
   kernels::InlinePatchBatch const* writesOrderedAfter() const noexcept { return mQueuedWrites; }
 

@@ -199,8 +199,9 @@ class KVCacheRuntime {
   /// Whether writes wait for flushDeviceWrites() (with kEachCall only after a failed flush).
   bool deviceWritesPending() const noexcept;
   /// Launches of the backends' table and length writes so far: flushes that found writes, a
-  /// length write partly overlapping a waiting one, and each table upload beyond the inline limit
-  /// (one launch after its staged copy).
+  /// length write partly overlapping a waiting one, each table upload beyond the inline limit
+  /// (one launch after its staged copy), and a KVCachePool write that first flushed the waiting
+  /// lengths (KVCachePool::orderWritesAfter).
   int64_t deviceWriteLaunches() const noexcept;
 
   /// Drains the backend's quarantine (see the backends' shutdown()).

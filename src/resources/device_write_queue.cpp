@@ -4,6 +4,9 @@
 #include <exception>
 #include <utility>
 
+#include "core/check.h"
+#include "mkv/kv_cache_pool.h"
+
 namespace mkv::detail {
 
 DeviceWriteQueue::DeviceWriteQueue(DeviceType device, DeviceWriteTiming timing,
@@ -21,10 +24,13 @@ DeviceWriteQueue::~DeviceWriteQueue() {
 }
 
 void DeviceWriteQueue::watch(KVCachePool* pool) {
-  if (pool != nullptr && std::find(mPools.begin(), mPools.end(), pool) == mPools.end()) {
-    mPools.push_back(pool);
-    pool->orderWritesAfter(&mBatch);
+  if (pool == nullptr || std::find(mPools.begin(), mPools.end(), pool) != mPools.end()) {
+    return;
   }
+  MKV_REQUIRE(pool->writesOrderedAfter() == nullptr, "DeviceWriteQueue::watch",
+              "the pool's length writes already follow another write queue");
+  mPools.push_back(pool);
+  pool->orderWritesAfter(&mBatch);
 }
 
 void DeviceWriteQueue::watch(KVPageTable* table) {

@@ -10,9 +10,12 @@
 
 #include "mkv/cuda_types.h"
 #include "mkv/kernels.h"
-#include "mkv/kv_cache_pool.h"
 #include "mkv/kv_page_table.h"
 #include "mkv/types.h"
+
+namespace mkv {
+class KVCachePool;
+}  // namespace mkv
 
 namespace mkv::detail {
 
@@ -42,8 +45,9 @@ class DeviceWriteQueue {
   void watch(KVPageTable* table);
   /// Orders `pool`'s own length writes after the lengths this queue holds, until the queue is
   /// destroyed (KVCachePool::orderWritesAfter): an engine's KVCachePool::writeLengths before the
-  /// step's flush lands after the lifecycle calls' resets. Null and a pool already watched are
-  /// ignored.
+  /// step's flush lands after the lifecycle calls' resets. Borrowed: the pool must outlive the
+  /// queue. Null and a pool already watched are ignored; a pool another queue orders throws
+  /// mkv::Error (one queue per pool), changing nothing.
   void watch(KVCachePool* pool);
   /// Where KV-length writes queue (KVCachePool::resetForNewSequences).
   kernels::InlinePatchBatch& lengths() noexcept { return mBatch; }

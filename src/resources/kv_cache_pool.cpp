@@ -135,6 +135,9 @@ void KVCachePool::writeLengths(int32_t firstRow, std::span<int32_t const> length
       kCall, "rows [{}, {}) are outside the active batch of {}", firstRow,
       int64_t{firstRow} + static_cast<int64_t>(lengths.size()), mActiveBatchSize);
   validateLengths(kCall, lengths);
+  if (lengths.empty()) {
+    return;
+  }
   flushQueuedWrites(kCall, stream);
   uploadLengths(firstRow, lengths, nullptr, stream);
 }
@@ -193,11 +196,17 @@ void KVCachePool::compactLengths(Tensor const& oldToNew, int32_t newBatchSize,
   MKV_REQUIRE(oldToNew.deviceType() == mConfig.deviceType, kCall,
               "mapping is on {} but the pool is on {}", toString(oldToNew.deviceType()),
               toString(mConfig.deviceType));
-  flushQueuedWrites(kCall, stream);
   kernels::RowBuffer const lengths{mKvLengths.rawPointer(), sizeof(int32_t), mConfig.maxBatchSize};
+  std::span<kernels::RowBuffer const> const rows(&lengths, 1);
+  try {  // every check first: the flush below changes the queue
+    kernels::checkCompactBatch(rows, mConfig.deviceType, oldToNew, newBatchSize, mCompactWorkspace);
+  } catch (Error const& error) {
+    detail::throwContract(kCall, "{}", error.what());
+  }
+  flushQueuedWrites(kCall, stream);
   try {
-    kernels::compactBatch(std::span<kernels::RowBuffer const>(&lengths, 1), mConfig.deviceType,
-                          oldToNew, newBatchSize, mCompactWorkspace, stream);
+    kernels::compactBatch(rows, mConfig.deviceType, oldToNew, newBatchSize, mCompactWorkspace,
+                          stream);
   } catch (Error const& error) {
     detail::throwContract(kCall, "{}", error.what());
   }

@@ -261,6 +261,13 @@ TEST_P(KVCachePoolTest, AFailedFlushOfTheWritesItFollowsThrowsNamingTheCallAndWr
                           {"KVCachePool::writeLengths", "cudaErrorUnknown"}));
   EXPECT_TRUE(throwsError([&] { pool.resetForNewSequences(std::vector<int32_t>{7}, nullptr); },
                           {"KVCachePool::resetForNewSequences", "cudaErrorUnknown"}));
+  Tensor const keepBoth = test::int32Tensor({0, 1}, device());
+  EXPECT_TRUE(throwsError([&] { pool.compactLengths(keepBoth, 2, nullptr); },
+                          {"KVCachePool::compactLengths", "cudaErrorUnknown"}));
+  Tensor const wrongType({2}, DataType::kInt64, device());  // rejected before any flush
+  EXPECT_TRUE(throwsError([&] { pool.compactLengths(wrongType, 2, nullptr); },
+                          {"KVCachePool::compactLengths", "oldToNew"}));
+  EXPECT_EQ(queued.launches(), 0);
   EXPECT_EQ(pool.activeBatchSize(), 2);
   EXPECT_EQ(lengths(pool), (std::vector<int32_t>{1, 2}));
   EXPECT_FALSE(queued.empty()) << "the queued write is kept for the next flush";
@@ -274,8 +281,14 @@ TEST_P(KVCachePoolTest, AWriteQueueOrdersThePoolUntilItIsDestroyed) {
   {
     detail::DeviceWriteQueue queue(device(), DeviceWriteTiming::kEngineStep);
     queue.watch(&pool);
-    queue.watch(&pool);
+    queue.watch(&pool);  // ignored
     EXPECT_EQ(pool.writesOrderedAfter(), &queue.lengths());
+    {
+      detail::DeviceWriteQueue other(device(), DeviceWriteTiming::kEngineStep);
+      EXPECT_TRUE(throwsError([&] { other.watch(&pool); },
+                              {"DeviceWriteQueue::watch", "another write queue"}));
+    }
+    EXPECT_EQ(pool.writesOrderedAfter(), &queue.lengths()) << "the refused queue detached it";
     pool.resetForNewSequences(std::vector<int32_t>{2, 2}, queue.lengths(), nullptr);
     pool.writeLengths(1, std::vector<int32_t>{5}, nullptr);
     EXPECT_FALSE(queue.pending());
