@@ -7,6 +7,7 @@
 #include <gtest/gtest.h>
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <vector>
 
@@ -107,6 +108,23 @@ inline void writeEngineLength(KVCacheRuntime& runtime) {
   KVCachePool& lengths = runtime.lengthPool();
   lengths.setActiveBatchSize(1);
   lengths.writeLengths(0, std::vector<int32_t>{kEngineLength}, runtime.config().stream);
+}
+
+/// A runtime with writes at the engine step, as a prefill finds it: kEngineLength in length row 0,
+/// the table rows before any request (`idle`) and the launches made so far.
+struct EngineStepStart {
+  std::unique_ptr<KVCacheRuntime> runtime;
+  Rows idle;
+  int64_t launches = 0;
+};
+
+inline EngineStepStart startEngineStep(Backend backend, DeviceType device) {
+  EngineStepStart start;
+  start.runtime = KVCacheRuntime::create(engineStepConfig(backend, device));
+  start.idle = tableRows(*start.runtime);
+  writeEngineLength(*start.runtime);
+  start.launches = start.runtime->deviceWriteLaunches();
+  return start;
 }
 
 /// A prefill's writes still waiting: `launches` launches so far, the device rows as `idle` left

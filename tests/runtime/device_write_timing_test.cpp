@@ -41,8 +41,8 @@ using runtime_test::kVanilla;
 using runtime_test::Rows;
 using runtime_test::RuntimeCase;
 using runtime_test::RuntimeCaseTest;
+using runtime_test::startEngineStep;
 using runtime_test::tableRows;
-using runtime_test::writeEngineLength;
 using test::concatenated;
 using test::tokenRun;
 using testing::EngineRequest;
@@ -60,12 +60,9 @@ INSTANTIATE_TEST_SUITE_P(Backends, DeviceWriteTimingTest,
                          runtime_test::runtimeCaseName);
 
 TEST_P(DeviceWriteTimingTest, ARequestsCallsLaunchNothingAndOneFlushAppliesThemAll) {
-  auto runtime = KVCacheRuntime::create(engineStepConfig(backend(), device()));
-  Rows const idle = tableRows(*runtime);
   // A length the engine wrote before: the prefill's reset (to 0) must not reach it before the
   // flush.
-  writeEngineLength(*runtime);
-  int64_t const launches = runtime->deviceWriteLaunches();
+  auto [runtime, idle, launches] = startEngineStep(backend(), device());
   {
     CallByCall request(*runtime, tokenRun(40, 100));
     request.beginAndPreparePrefill();
@@ -111,10 +108,7 @@ TEST_P(DeviceWriteTimingTest, ARowClearedAndBoundAgainBeforeAFlushArrivesWithIts
 // and before the step's flush: the device ends with the engine's value, as if every write had
 // reached it in call order.
 TEST_P(DeviceWriteTimingTest, AnEngineLengthWrittenBeforeTheFlushLandsAfterTheQueuedReset) {
-  auto runtime = KVCacheRuntime::create(engineStepConfig(backend(), device()));
-  Rows const idle = tableRows(*runtime);
-  writeEngineLength(*runtime);
-  int64_t const launches = runtime->deviceWriteLaunches();
+  auto [runtime, idle, launches] = startEngineStep(backend(), device());
   CallByCall request(*runtime, tokenRun(40, 100));
   request.beginAndPreparePrefill();
   expectPrefillWaiting(*runtime, idle, launches);
