@@ -188,11 +188,11 @@ class KVCacheRuntime {
   /// Applies every page-table row and KV length that the lifecycle calls left waiting, in call
   /// order and in one launch on config().stream. With DeviceWriteTiming::kEngineStep the engine
   /// calls it once per step: after the step's lifecycle calls, before the first launch that reads
-  /// the tables or lengths, and before it gathers rows or writes a length tensor itself (a
-  /// KVCachePool write before it still lands after the queued lengths: KVCachePool::
-  /// orderWritesAfter). Does not
-  /// wait, but for a table upload beyond the inline limit (over 1,000 entries), which adds a staged
-  /// copy and first waits for the previous copy from that table's staging (docs/architecture.md).
+  /// the tables or lengths, and before it gathers rows or writes a length tensor with kernels of
+  /// its own (a KVCachePool write made before it still lands after the queued lengths:
+  /// KVCachePool::orderWritesAfter). Does not wait, but for a table upload beyond the inline limit
+  /// (over 1,000 entries), which adds a staged copy and first waits for the previous copy from that
+  /// table's staging (docs/architecture.md).
   /// Throws mkv::Error naming this call when a launch fails; the writes stay queued. Such an error
   /// belongs to no request: the engine decides whether to retry or to shut the runtime down.
   void flushDeviceWrites();
