@@ -81,13 +81,16 @@ class ManagedKVCacheRequest {
   bool prepareSwaPrefill(std::vector<int32_t> const& effectiveInputLengths);
   /// Stages hybrid checkpoint captures at the prompt end (bounded SWA: no-op, true).
   bool enqueuePrefillCaptures();
-  /// After the runtime's prefill synchronisation.
+  /// After the runtime's prefill synchronisation. With DeviceWriteTiming::kEngineStep, throws
+  /// mkv::Error, changing nothing, when the rows and lengths the prepare calls wrote never reached
+  /// the device (no KVCacheRuntime::flushDeviceWrites() returned in between).
   bool completePrefill(DecodingInferenceContext const& context,
                        std::vector<int32_t> const& commonStateLengths);
   /// Before each decode execution. Bounded SWA throws unless headroom is {1, 0}.
   bool prepareDecodeStep(DecodingInferenceContext const& context,
                          DecodingKvHeadroom const& headroom);
-  /// After the runtime's decode synchronisation.
+  /// After the runtime's decode synchronisation. Throws like completePrefill when the step's
+  /// writes never reached the device.
   bool completeDecodeStep(DecodingInferenceContext const& context,
                           std::vector<int32_t> const& commonStateLengths);
   /// Order-preserving compaction: validates `oldToNew` and copies it into deviceBatchMapping.

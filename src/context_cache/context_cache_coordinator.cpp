@@ -285,6 +285,7 @@ void ContextCacheCoordinator::preparePrefill(RequestHandle& handle) {
     restoreCheckpoints(req, cold);
   }
   req.stage = RequestStage::kPrefilling;
+  req.writesMark = mWrites->awaitingFlush();
 }
 
 ContextCacheStatus ContextCacheCoordinator::finalizePrefillPublication(
@@ -293,6 +294,7 @@ ContextCacheStatus ContextCacheCoordinator::finalizePrefillPublication(
   constexpr char const* kCall = "ContextCacheCoordinator::finalizePrefillPublication";
   Request& req = request(handle, kCall);
   MKV_REQUIRE(req.stage == RequestStage::kPrefilling, kCall, "no prepared prefill to finalise");
+  mWrites->requireReachedDevice(kCall, req.writesMark);
   MKV_REQUIRE(advances.size() == req.sequences.size(), kCall, "{} advances for a batch of {}",
               advances.size(), req.sequences.size());
   detail::validateCommonLengths(kCall, req.speculative, req.sequences.size(), commonStateLengths,
@@ -430,6 +432,7 @@ ContextCacheStatus ContextCacheCoordinator::prepareDecodeStep(RequestHandle& han
     }
   }
   req.stage = RequestStage::kDecoding;  // pure recurrent: no pages to grow
+  req.writesMark = mWrites->awaitingFlush();
   return ContextCacheStatus::kOk;
 }
 
@@ -501,6 +504,7 @@ ContextCacheStatus ContextCacheCoordinator::completeDecodeStep(
   constexpr char const* kCall = "ContextCacheCoordinator::completeDecodeStep";
   Request& req = request(handle, kCall);
   MKV_REQUIRE(req.stage == RequestStage::kDecoding, kCall, "no prepared decode step to complete");
+  mWrites->requireReachedDevice(kCall, req.writesMark);
   MKV_REQUIRE(advances.size() == req.sequences.size(), kCall, "{} advances for a batch of {}",
               advances.size(), req.sequences.size());
   detail::validateCommonLengths(kCall, req.speculative, req.sequences.size(), commonStateLengths,

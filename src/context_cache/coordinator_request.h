@@ -80,6 +80,9 @@ struct CoordinatorRequest {
 
   uint64_t id = 0;
   RequestStage stage = RequestStage::kAdmitted;
+  /// DeviceWriteQueue::awaitingFlush() at the end of the prepared prefill or decode step (-1:
+  /// nothing waited), checked by the call that completes it.
+  int64_t writesMark = -1;
   bool speculative = false;
   // A speculative request's draft initialisation (enqueued by the runtime after the prefill) is
   // not known complete: the frozen prompt endpoints wait for the first verification round or a

@@ -47,6 +47,7 @@ void DeviceWriteQueue::settle(cudaStream_t stream) {
 
 void DeviceWriteQueue::flush(cudaStream_t stream) {
   mBatch.flushAfter(stream, [&] { queueTables(stream); });
+  ++mFlushes;
 }
 
 void DeviceWriteQueue::queueTables(cudaStream_t stream) {
@@ -68,6 +69,13 @@ void DeviceWriteQueue::queueTables(cudaStream_t stream) {
   if (first) {
     std::rethrow_exception(first);
   }
+}
+
+void DeviceWriteQueue::requireReachedDevice(char const* call, int64_t mark) const {
+  MKV_REQUIRE(mark == kNothingWaiting || mFlushes != mark, call,
+              "the table rows and KV lengths its prepare call wrote never reached the device: "
+              "with DeviceWriteTiming::kEngineStep call KVCacheRuntime::flushDeviceWrites() after "
+              "the step's lifecycle calls and before the forward");
 }
 
 bool DeviceWriteQueue::pending() const noexcept {

@@ -67,6 +67,7 @@ class DeviceWriteQueue {
       queueTables(stream);
       write();
     });
+    ++mFlushes;
   }
   /// Uploads the dirty entries of every watched table and applies every queued write on `stream`,
   /// in one launch when they fit inline (a table upload beyond the inline limit adds a staged
@@ -77,6 +78,17 @@ class DeviceWriteQueue {
   void flush(cudaStream_t stream);
   /// Whether writes wait for a flush: a watched table is dirty or lengths are queued.
   bool pending() const noexcept;
+
+  /// The read rule of the engine step, checked at the completion points: a call that prepares
+  /// device work (a prefill, a decode step) ends with `mark = awaitingFlush()`, and the call that
+  /// completes that work calls requireReachedDevice(call, mark) before it changes anything.
+  /// kNothingWaiting when nothing waits (always so with kEachCall after a successful call).
+  static constexpr int64_t kNothingWaiting = -1;
+  int64_t awaitingFlush() const noexcept { return pending() ? mFlushes : kNothingWaiting; }
+  /// Throws mkv::Error naming `call` when writes waited at `mark` and no flush has returned since:
+  /// the engine ran the prepared work's forward while the rows and lengths it reads were still on
+  /// the host (DeviceWriteTiming::kEngineStep without KVCacheRuntime::flushDeviceWrites()).
+  void requireReachedDevice(char const* call, int64_t mark) const;
   /// Launches of the queue's flushes so far: the length batch's (each flush that found writes
   /// makes one; a length write overlapping a queued one only partly makes one more) and one per
   /// table upload beyond the inline limit (its own launch, after a staged copy).
@@ -92,6 +104,7 @@ class DeviceWriteQueue {
   std::vector<KVPageTable*> mTables;
   std::vector<KVCachePool*> mPools;
   int64_t mStagedUploads = 0;  // table uploads of the flushes that went through staging
+  int64_t mFlushes = 0;        // flushes (settle's included) that returned normally
 };
 
 }  // namespace mkv::detail

@@ -452,12 +452,14 @@ void BoundedSwaKVPageManager::preparePrefill(RequestHandle& handle,
   }
   req.phase = Phase::kExecuting;
   req.pending = Pending::kPrefill;
+  req.writesMark = mWrites->awaitingFlush();
 }
 
 void BoundedSwaKVPageManager::completePrefill(RequestHandle& handle) {
   constexpr char const* kCall = "BoundedSwaKVPageManager::completePrefill";
   Request& req = request(handle, kCall);
   MKV_REQUIRE(req.pending == Pending::kPrefill, kCall, "no prepared prefill to complete");
+  mWrites->requireReachedDevice(kCall, req.writesMark);
   for (SwaSequenceState& state : req.sequences) {
     if (mResources.pageSource != nullptr) {
       completeCachedPrefill(state);
@@ -510,6 +512,7 @@ SwaKVCacheStatus BoundedSwaKVPageManager::prepareDecodeStep(RequestHandle& handl
   }
   mWrites->settle(mStream);
   req.pending = Pending::kDecode;
+  req.writesMark = mWrites->awaitingFlush();
   return SwaKVCacheStatus::kOk;
 }
 
@@ -517,6 +520,7 @@ void BoundedSwaKVPageManager::completeDecodeStep(RequestHandle& handle) {
   constexpr char const* kCall = "BoundedSwaKVPageManager::completeDecodeStep";
   Request& req = request(handle, kCall);
   MKV_REQUIRE(req.pending == Pending::kDecode, kCall, "no prepared decode step to complete");
+  mWrites->requireReachedDevice(kCall, req.writesMark);
   for (SwaSequenceState& state : req.sequences) {
     if (!state.joining) {
       retire(state);

@@ -25,6 +25,9 @@ struct BoundedSwaKVPageManager::Request {
   uint64_t id = 0;
   Phase phase = Phase::kAdmitted;
   Pending pending = Pending::kNone;
+  /// DeviceWriteQueue::awaitingFlush() at the end of the prepare call of `pending` (-1: nothing
+  /// waited), checked by its completion.
+  int64_t writesMark = -1;
   std::vector<SwaSequenceState> sequences;
   /// Cached mode: each sequence's admitted promptTokens, which preparePrefill must be given
   /// (read before any compaction, so it keeps the admission's row order). Empty otherwise.

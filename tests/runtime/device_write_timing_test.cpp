@@ -13,6 +13,7 @@
 
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <ostream>
@@ -31,19 +32,23 @@ namespace mkv {
 namespace {
 
 using runtime_test::Backend;
+using runtime_test::BackendState;
 using runtime_test::CallByCall;
 using runtime_test::configFor;
 using runtime_test::deviceLengths;
 using runtime_test::engineStepConfig;
 using runtime_test::expectPrefillFlushed;
 using runtime_test::expectPrefillWaiting;
+using runtime_test::FacadeDriver;
 using runtime_test::kVanilla;
 using runtime_test::Rows;
 using runtime_test::RuntimeCase;
 using runtime_test::RuntimeCaseTest;
+using runtime_test::RuntimeRig;
 using runtime_test::startEngineStep;
 using runtime_test::tableRows;
 using test::concatenated;
+using test::throwsError;
 using test::tokenRun;
 using testing::EngineRequest;
 using testing::EngineSequence;
@@ -123,6 +128,58 @@ TEST_P(DeviceWriteTimingTest, AnEngineLengthWrittenBeforeTheFlushLandsAfterTheQu
   request.completePrefillAndFinish();
   runtime->flushDeviceWrites();
   EXPECT_TRUE(runtime->shutdown());
+}
+
+/// The prepared work's writes wait on the host and the engine, which forgot to flush, sampled a
+/// token: `complete()` must throw naming `call` and change nothing. After the flush and `execute()`
+/// (the forward, run again: its KV writes and its sampled token) it must succeed.
+void expectRefusedUntilFlushed(RuntimeRig& rig, FacadeDriver& driver, char const* call,
+                               std::function<void()> const& execute,
+                               std::function<bool()> const& complete) {
+  ASSERT_TRUE(rig.runtime().deviceWritesPending());
+  BackendState const before = rig.observe();
+  std::vector<int32_t>& sampled = driver.context.generatedTokenIds.at(0);
+  sampled.push_back(1);
+  EXPECT_TRUE(throwsError(complete, {call, "never reached the device", "flushDeviceWrites"}));
+  sampled.pop_back();
+  rig.expectUnchanged(before);
+  EXPECT_TRUE(rig.runtime().deviceWritesPending());
+  rig.runtime().flushDeviceWrites();
+  execute();
+  EXPECT_TRUE(complete());
+}
+
+// The engine step's read rule, enforced at the completion points: a prefill or decode step
+// completed while the rows and lengths its prepare call wrote still wait on the host (no
+// flushDeviceWrites() between the two calls, so its forward read stale rows) is refused, naming
+// the call; nothing changes, and after the flush and the forward the completion succeeds.
+TEST_P(DeviceWriteTimingTest, ACompletionWhoseWritesNeverReachedTheDeviceIsRefusedUntilAFlush) {
+  RuntimeRig rig(engineStepConfig(backend(), device()));
+  FacadeDriver driver(rig);
+  driver.add(tokenRun(40, 100));
+  ASSERT_TRUE(driver.begin());
+  ASSERT_TRUE(driver.preparePrefill());
+  expectRefusedUntilFlushed(
+      rig, driver, "ManagedKVCacheRequest::completePrefill", [&] { driver.executePrefill(); },
+      [&] { return driver.completePrefill(); });
+  // Decode until a step maps a page: its rows wait for the flush the engine forgets.
+  bool mapped = false;
+  for (int32_t step = 0; step < 2 * runtime_test::kPageTokens && !mapped; ++step) {
+    ASSERT_TRUE(driver.facade().prepareDecodeStep(driver.context, kVanilla));
+    mapped = rig.runtime().deviceWritesPending();
+    if (mapped) {
+      expectRefusedUntilFlushed(
+          rig, driver, "ManagedKVCacheRequest::completeDecodeStep", [&] { driver.executeDecode(); },
+          [&] { return driver.completeDecode(); });
+    } else {
+      driver.executeDecode();  // nothing waits: no flush needed
+      ASSERT_TRUE(driver.completeDecode());
+    }
+  }
+  EXPECT_TRUE(mapped) << "no decode step mapped a page";
+  driver.verify();
+  ASSERT_TRUE(driver.finish());
+  rig.runtime().flushDeviceWrites();
 }
 
 /// Staged uploads of every table of the runtime so far.

@@ -437,6 +437,11 @@ bool FacadeDriver::prepareDecode() {
   if (!facade().prepareDecodeStep(context, kVanilla)) {
     return false;
   }
+  executeDecode();
+  return true;
+}
+
+void FacadeDriver::executeDecode() {
   for (std::size_t i = 0; i < rows.size(); ++i) {
     Row& r = rows[i];
     if (!r.seated || context.finishReasons[i] != FinishReason::kNotFinished) {
@@ -452,7 +457,6 @@ bool FacadeDriver::prepareDecode() {
     writeLength(i);
     sample(i);
   }
-  return true;
 }
 
 bool FacadeDriver::completeDecode() { return facade().completeDecodeStep(context, {}); }

@@ -175,8 +175,9 @@ class FacadeDriver {
   bool completePrefill();
   bool prefill();
   /// prepareDecodeStep; then the engine writes the KV of each running row's last token and
-  /// samples the next one.
+  /// samples the next one (executeDecode).
   bool prepareDecode();
+  void executeDecode();
   bool completeDecode();
   bool decode();
   /// Stops a row before the next step (no token): kCancelled.
