@@ -242,6 +242,7 @@ class BoundedSwaKVPageManager {
   /// sequence to M + 1 held pages. No synchronisation: call after the runtime's completion point.
   /// Cached mode: every mapped page outside [floor(max(0, L - W) / P), ceil(L / P)) goes to
   /// pageSource->release; the sequence keeps one spare and releases the rest of its reserve.
+  /// Throws, changing nothing, without a prepared prefill or as checkPreparedWritesOnDevice.
   void completePrefill(RequestHandle& handle);
   /// Cached mode: one sequence joins the executing request `handle` (no pending work) as its
   /// last row, starting at `start` (see SwaReuseStart): it holds the window pages, reserves
@@ -274,7 +275,8 @@ class BoundedSwaKVPageManager {
   /// available; it can when another window still holds the page (a shared reused block) and
   /// the source has nothing else: the sequence then has no spare, and the next
   /// prepareDecodeStep that needs a page for it tries again and returns kRequestFailed when
-  /// the source still has none.
+  /// the source still has none. Throws, changing nothing, without a prepared step or as
+  /// checkPreparedWritesOnDevice.
   void completeDecodeStep(RequestHandle& handle);
 
   /// Validates an order-preserving oldToNew mapping (size == batch; entries -1 or in
@@ -295,6 +297,11 @@ class BoundedSwaKVPageManager {
                                  int32_t newBatchSize, Tensor const& deviceMapping,
                                  char const* call) const;
   void checkCompactBatch(RequestHandle const& handle, char const* call) const;
+  /// With DeviceWriteTiming::kEngineStep: throws mkv::Error naming `call` when the rows and
+  /// lengths of the prepared prefill or decode step never reached the device (no flush returned
+  /// since its prepare call); nothing without such work. completePrefill / completeDecodeStep
+  /// check it; a composed request checks it before its other half changes anything.
+  void checkPreparedWritesOnDevice(RequestHandle const& handle, char const* call) const;
   /// Synchronises pending work, clears every row and releases all pages (cached mode: to the
   /// page source; quarantined requests keep theirs until shutdown). An invalid handle
   /// (already finished, or quarantined by a failed compaction) is a no-op. kPoisoned when the

@@ -83,7 +83,8 @@ class ManagedKVCacheRequest {
   bool enqueuePrefillCaptures();
   /// After the runtime's prefill synchronisation. With DeviceWriteTiming::kEngineStep, throws
   /// mkv::Error, changing nothing, when the rows and lengths the prepare calls wrote never reached
-  /// the device (no KVCacheRuntime::flushDeviceWrites() returned in between).
+  /// the device (no KVCacheRuntime::flushDeviceWrites() returned in between): the engine's forward
+  /// read stale rows, an engine bug this detects but cannot undo (docs/errors.md).
   bool completePrefill(DecodingInferenceContext const& context,
                        std::vector<int32_t> const& commonStateLengths);
   /// Before each decode execution. Bounded SWA throws unless headroom is {1, 0}.

@@ -72,7 +72,9 @@ void DeviceWriteQueue::queueTables(cudaStream_t stream) {
 }
 
 void DeviceWriteQueue::requireReachedDevice(char const* call, int64_t mark) const {
-  MKV_REQUIRE(mark == kNothingWaiting || mFlushes != mark, call,
+  // Nothing leaves the queue unapplied: an empty queue means the writes of `mark` reached the
+  // device, also through a partial flush that is not counted (a pool's own length write).
+  MKV_REQUIRE(mark == kNothingWaiting || mFlushes != mark || !pending(), call,
               "the table rows and KV lengths its prepare call wrote never reached the device: "
               "with DeviceWriteTiming::kEngineStep call KVCacheRuntime::flushDeviceWrites() after "
               "the step's lifecycle calls and before the forward");

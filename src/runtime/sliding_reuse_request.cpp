@@ -169,7 +169,9 @@ bool SlidingReuseRequest::completePrefill(DecodingInferenceContext const& contex
                                           std::vector<int32_t> const& commonStateLengths) {
   // The coordinator publishes the full layers' blocks and marks the prefill complete; then the
   // sliding pages of the same blocks are published, before the SWA half retires the ones that
-  // left the window (a published page stays cached).
+  // left the window (a published page stays cached). The SWA half's checks come first: neither
+  // half changes unless both accept.
+  mManager->checkPreparedWritesOnDevice(mHandle, "SlidingReuseRequest::completePrefill");
   bool const fullOk = mFull.completePrefill(context, commonStateLengths);
   if (fullOk) {
     for (std::size_t row = 0; row < mPromptTokens.size(); ++row) {
@@ -192,6 +194,7 @@ bool SlidingReuseRequest::prepareDecodeStep(DecodingInferenceContext const& cont
 
 bool SlidingReuseRequest::completeDecodeStep(DecodingInferenceContext const& context,
                                              std::vector<int32_t> const& commonStateLengths) {
+  mManager->checkPreparedWritesOnDevice(mHandle, "SlidingReuseRequest::completeDecodeStep");
   bool const fullOk = mFull.completeDecodeStep(context, commonStateLengths);
   if (fullOk && mCommitPolicy == ContextCacheCommitPolicy::kIncludingGeneratedTokens) {
     // The rows the full half just published (ContextCacheRequest: a normal completion).

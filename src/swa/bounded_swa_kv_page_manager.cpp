@@ -459,7 +459,7 @@ void BoundedSwaKVPageManager::completePrefill(RequestHandle& handle) {
   constexpr char const* kCall = "BoundedSwaKVPageManager::completePrefill";
   Request& req = request(handle, kCall);
   MKV_REQUIRE(req.pending == Pending::kPrefill, kCall, "no prepared prefill to complete");
-  mWrites->requireReachedDevice(kCall, req.writesMark);
+  checkPreparedWritesOnDevice(handle, kCall);
   for (SwaSequenceState& state : req.sequences) {
     if (mResources.pageSource != nullptr) {
       completeCachedPrefill(state);
@@ -520,7 +520,7 @@ void BoundedSwaKVPageManager::completeDecodeStep(RequestHandle& handle) {
   constexpr char const* kCall = "BoundedSwaKVPageManager::completeDecodeStep";
   Request& req = request(handle, kCall);
   MKV_REQUIRE(req.pending == Pending::kDecode, kCall, "no prepared decode step to complete");
-  mWrites->requireReachedDevice(kCall, req.writesMark);
+  checkPreparedWritesOnDevice(handle, kCall);
   for (SwaSequenceState& state : req.sequences) {
     if (!state.joining) {
       retire(state);
@@ -581,6 +581,14 @@ void BoundedSwaKVPageManager::checkCompactBatch(RequestHandle const& handle,
   if (!mResources.lengthPools.empty()) {
     detail::requireDeviceMappingUnchanged(call, *req.deviceMapping,
                                           mResources.swaPool->deviceType(), req.mapping.size());
+  }
+}
+
+void BoundedSwaKVPageManager::checkPreparedWritesOnDevice(RequestHandle const& handle,
+                                                          char const* call) const {
+  Request const& req = request(handle, call);
+  if (req.pending == Pending::kPrefill || req.pending == Pending::kDecode) {
+    mWrites->requireReachedDevice(call, req.writesMark);
   }
 }
 

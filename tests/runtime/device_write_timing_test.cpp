@@ -162,7 +162,8 @@ TEST_P(DeviceWriteTimingTest, ACompletionWhoseWritesNeverReachedTheDeviceIsRefus
   expectRefusedUntilFlushed(
       rig, driver, "ManagedKVCacheRequest::completePrefill", [&] { driver.executePrefill(); },
       [&] { return driver.completePrefill(); });
-  // Decode until a step maps a page: its rows wait for the flush the engine forgets.
+  // Decode until a step writes a row (a page mapped, or on the sliding backends a page that left
+  // the window cleared): those writes wait for the flush the engine forgets.
   bool mapped = false;
   for (int32_t step = 0; step < 2 * runtime_test::kPageTokens && !mapped; ++step) {
     ASSERT_TRUE(driver.facade().prepareDecodeStep(driver.context, kVanilla));
@@ -177,6 +178,33 @@ TEST_P(DeviceWriteTimingTest, ACompletionWhoseWritesNeverReachedTheDeviceIsRefus
     }
   }
   EXPECT_TRUE(mapped) << "no decode step mapped a page";
+  driver.verify();
+  ASSERT_TRUE(driver.finish());
+  rig.runtime().flushDeviceWrites();
+}
+
+// A flush between the prefill's two prepare calls carries only the first one's writes. With
+// sliding-window reuse the second (the sliding half's rows) still waits: the completion is
+// refused before either half changes (the full half's own writes did reach the device).
+TEST_P(DeviceWriteTimingTest, AFlushBeforeTheLastPrepareCallDoesNotCountForIt) {
+  RuntimeRig rig(engineStepConfig(backend(), device()));
+  FacadeDriver driver(rig);
+  driver.add(tokenRun(40, 100));
+  ASSERT_TRUE(driver.begin());
+  ASSERT_TRUE(driver.facade().preparePrefill());
+  rig.runtime().flushDeviceWrites();
+  ASSERT_TRUE(driver.facade().prepareSwaPrefill(driver.context.effectivePrefillLengths));
+  bool const swaWrites = backend() != Backend::kContextReuse;
+  EXPECT_EQ(rig.runtime().deviceWritesPending(), swaWrites);
+  if (swaWrites) {
+    expectRefusedUntilFlushed(
+        rig, driver, "ManagedKVCacheRequest::completePrefill", [&] { driver.executePrefill(); },
+        [&] { return driver.completePrefill(); });
+  } else {
+    driver.executePrefill();
+    ASSERT_TRUE(driver.completePrefill());
+  }
+  rig.runtime().flushDeviceWrites();
   driver.verify();
   ASSERT_TRUE(driver.finish());
   rig.runtime().flushDeviceWrites();

@@ -318,7 +318,8 @@ class ContextCacheCoordinator {
   /// that round advances (a row it holds, cancelled or errored, publishes nothing), or, when no
   /// round follows, after the synchronisation of compactBatch / finish; never on abandonment.
   /// Throws unless a prefill is prepared (before preparePrefill, after finalisation, during a
-  /// decode step).
+  /// decode step), and with DeviceWriteTiming::kEngineStep when the rows and lengths preparePrefill
+  /// wrote never reached the device (no flush returned since: docs/errors.md).
   ContextCacheStatus finalizePrefillPublication(
       RequestHandle& handle, std::span<ContextCacheSequenceAdvance const> advances,
       std::span<int32_t const> commonStateLengths = {});
@@ -334,7 +335,8 @@ class ContextCacheCoordinator {
   /// rows are ignored). Checkpoint
   /// deployments capture the completed slots' state at their committed length instead, make one
   /// capture synchronisation and commit; when it fails: kPoisoned, the request is quarantined
-  /// and the handle invalidated.
+  /// and the handle invalidated. Throws, changing nothing, when the step's grown rows never
+  /// reached the device (as finalizePrefillPublication).
   ContextCacheStatus completeDecodeStep(RequestHandle& handle,
                                         std::span<ContextCacheSequenceAdvance const> advances,
                                         std::span<ExecutionRow const> completedRows,
