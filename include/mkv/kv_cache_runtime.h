@@ -196,7 +196,9 @@ class KVCacheRuntime {
   /// Throws mkv::Error naming this call when a launch fails; the writes stay queued. Such an error
   /// belongs to no request: the engine decides whether to retry or to shut the runtime down.
   void flushDeviceWrites();
-  /// Whether writes wait for flushDeviceWrites() (with kEachCall only after a failed flush).
+  /// Whether writes wait for flushDeviceWrites(). With kEachCall: after a failed flush, or the
+  /// entries a bounded-SWA completion cleared (pages that left a window, read by nothing), which
+  /// the next writing call's flush carries.
   bool deviceWritesPending() const noexcept;
   /// Launches of the backends' table and length writes so far: flushes that found writes, a
   /// length write partly overlapping a waiting one, each table upload beyond the inline limit

@@ -82,7 +82,8 @@ class DeviceWriteQueue {
   /// The read rule of the engine step, checked at the completion points: a call that prepares
   /// device work (a prefill, a decode step) ends with `mark = awaitingFlush()`, and the call that
   /// completes that work calls requireReachedDevice(call, mark) before it changes anything.
-  /// kNothingWaiting when nothing waits (always so with kEachCall after a successful call).
+  /// kNothingWaiting when nothing waits (always so with kEachCall after a prepare call, which
+  /// flushes).
   static constexpr int64_t kNothingWaiting = -1;
   int64_t awaitingFlush() const noexcept { return pending() ? mFlushes : kNothingWaiting; }
   /// Throws mkv::Error naming `call` when writes waited at `mark` and no flush has returned since:
