@@ -259,10 +259,14 @@ class BoundedSwaKVPageManager {
   /// spare kept); decode steps include it from now on. Throws unless `row` is an unfinalised
   /// joiner and no work is pending.
   void finalizeSequenceAdmission(RequestHandle& handle, int32_t row);
+  /// What retractSequenceAdmission would undo: true when `handle`'s request is live, no work is
+  /// pending and its newest row is an unfinalised joiner.
+  bool hasRetractableAdmission(RequestHandle const& handle) const noexcept;
   /// Undoes the newest admission that was not finalised: clears its row (one table upload) and
-  /// gives its pages back to the source. Throws (nothing changed) when the newest row is not an
-  /// unfinalised joiner or work is pending.
-  void retractSequenceAdmission(RequestHandle& handle);
+  /// gives its pages back to the source; true when it did. Never throws: false, changing nothing,
+  /// when hasRetractableAdmission is false; false and poisoned when the row clear failed on the
+  /// device (the joiner is undone all the same, as the coordinator's retraction does).
+  bool retractSequenceAdmission(RequestHandle& handle) noexcept;
 
   /// Stages endpoint + 1 for every sequence (at most one new page mapped and one page staged
   /// for retirement each; an unfinalised joiner holds) and uploads the patch. kRequestFailed (the

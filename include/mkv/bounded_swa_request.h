@@ -92,8 +92,8 @@ class BoundedSwaRequest {
   /// No in-flight admission: false and one log line.
   bool finalizeSequenceAdmission(ExecutionRow row, int32_t const& lookaheadToken,
                                  int32_t fullInputLength);
-  /// Nothing was admitted, so nothing to undo: true.
-  bool retractSequenceAdmission() { return true; }
+  /// Nothing was admitted, so nothing to undo: false, as on every backend.
+  bool retractSequenceAdmission() noexcept { return false; }
 
   /// Throws: Hybrid-MTP needs context reuse.
   bool publishHybridMtpEndpoint(ExecutionRow row, int32_t residentStateLength,

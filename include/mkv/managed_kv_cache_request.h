@@ -118,11 +118,13 @@ class ManagedKVCacheRequest {
       std::vector<audioUtils::AudioData> const& audioBuffers = {});
   bool finalizeSequenceAdmission(ExecutionRow row, int32_t const& lookaheadToken,
                                  int32_t fullInputLength);
-  /// Undoes the newest in-flight admission that was not finalised. Throws mkv::Error, changing
-  /// nothing, when none can be undone (the newest row joined or is the only one, work is
-  /// pending, the request finished); false (backend poisoned) only when clearing the row failed
-  /// on the device. Bounded SWA: nothing was admitted, true.
-  bool retractSequenceAdmission();
+  /// Undoes the newest in-flight admission that was not finalised: true when it did. Never
+  /// throws (the seed's contract: an engine calls it while unwinding a failed join). With
+  /// nothing to undo (the newest row joined or is the only one, work is pending, the request
+  /// finished; always on bounded SWA) it returns false and changes nothing. It also returns
+  /// false when the joiner was undone but clearing its row failed on the device: the backend is
+  /// then poisoned (runtime->contextCache()->poisoned()), and the request should be finished.
+  bool retractSequenceAdmission() noexcept;
 
  private:
   /// The one adapter the request runs on; every lifecycle call is one std::visit over it.

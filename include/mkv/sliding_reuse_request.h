@@ -106,9 +106,10 @@ class SlidingReuseRequest {
   /// completePrefill does. False (poisoned) when the coordinator's half fails.
   bool finalizeSequenceAdmission(ExecutionRow row, int32_t const& lookaheadToken,
                                  int32_t fullInputLength);
-  /// Undoes the newest unfinalised joiner on both halves. Throws (nothing changed) as
-  /// ContextCacheRequest::retractSequenceAdmission does; false when the backend is poisoned.
-  bool retractSequenceAdmission();
+  /// Undoes the newest unfinalised joiner on both halves: true when it did. Never throws: false,
+  /// changing nothing, when there is none to undo or work is pending; false and poisoned when a
+  /// half's row clear failed on the device (both halves undo the joiner all the same).
+  bool retractSequenceAdmission() noexcept;
   /// Throw: Hybrid-MTP needs recurrent layers, which this backend refuses.
   bool publishHybridMtpEndpoint(ExecutionRow row, int32_t residentStateLength,
                                 Tensor const& baseHiddenStates, int32_t boundaryHiddenRow);

@@ -411,7 +411,7 @@ bool ContextCacheRequest::finalizeSequenceAdmission(ExecutionRow row, int32_t co
   return true;
 }
 
-bool ContextCacheRequest::retractSequenceAdmission() {
+bool ContextCacheRequest::retractSequenceAdmission() noexcept {
   bool const retracted = mCoordinator->retractSequenceAdmission(mHandle);
   if (retracted) {
     mPrefillStarts.pop_back();

@@ -13,6 +13,7 @@
 #include "core/check.h"
 #include "mkv/context_cache/context_cache_coordinator.h"
 #include "mkv/logging.h"
+#include "resources/request_registry.h"
 
 namespace mkv {
 
@@ -97,21 +98,15 @@ ContextCacheStatus ContextCacheCoordinator::finalizeSequenceAdmission(
   return ContextCacheStatus::kOk;
 }
 
-bool ContextCacheCoordinator::retractSequenceAdmission(RequestHandle& handle) {
-  constexpr char const* kCall = "ContextCacheCoordinator::retractSequenceAdmission";
-  Request& req = request(handle, kCall);
-  // Pending device work (a decode step, a compaction) may still read the row's pages.
-  MKV_REQUIRE(!hasPendingWork(req.stage), kCall,
-              "request {} has pending work (a decode step or compaction): retract between steps",
-              req.id);
-  MKV_REQUIRE(req.sequences.size() > 1, kCall,
-              "request {} has {} sequence(s): only an in-flight joiner beside the batch can be "
-              "retracted",
-              req.id, req.sequences.size());
-  MKV_REQUIRE(!req.sequences.back().joined, kCall,
-              "the newest sequence (row {}) of request {} is not an unfinalised in-flight "
-              "admission",
-              req.sequences.size() - 1, req.id);
+bool ContextCacheCoordinator::retractSequenceAdmission(RequestHandle& handle) noexcept {
+  Request* const live = handle.mCoordinator == this ? mRequests->find(handle.mId) : nullptr;
+  // Nothing to undo: pending device work (a decode step, a compaction) may still read the
+  // row's pages, the newest row joined, or it is the batch's only row.
+  if (live == nullptr || hasPendingWork(live->stage) || live->sequences.size() < 2 ||
+      live->sequences.back().joined) {
+    return false;
+  }
+  Request& req = *live;
   CacheSlot const slot = req.sequences.back().resident.slot;
   req.sequences.pop_back();  // lease released
   mResidentBusy[static_cast<std::size_t>(slot)] = 0;

@@ -194,9 +194,10 @@ bool ManagedKVCacheRequest::finalizeSequenceAdmission(ExecutionRow row,
   });
 }
 
-bool ManagedKVCacheRequest::retractSequenceAdmission() {
-  return dispatch("ManagedKVCacheRequest::retractSequenceAdmission", mBackend,
-                  [](auto& backend) { return backend.retractSequenceAdmission(); });
+bool ManagedKVCacheRequest::retractSequenceAdmission() noexcept {
+  // Every adapter's retraction is noexcept, so no facade-call wrapper is needed (or allowed).
+  return std::visit([](auto& backend) noexcept { return backend.retractSequenceAdmission(); },
+                    mBackend);
 }
 
 }  // namespace mkv

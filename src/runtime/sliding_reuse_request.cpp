@@ -309,13 +309,16 @@ bool SlidingReuseRequest::finalizeSequenceAdmission(ExecutionRow row, int32_t co
   return true;
 }
 
-bool SlidingReuseRequest::retractSequenceAdmission() {
-  // The coordinator checks first (it throws, changing nothing, when no joiner can be undone);
-  // the SWA half's newest row is then the same unfinalised joiner.
-  bool const retracted = mFull.retractSequenceAdmission();
-  mManager->retractSequenceAdmission(mHandle);
+bool SlidingReuseRequest::retractSequenceAdmission() noexcept {
+  // The halves hold the same unfinalised joiner (admitted, finalised and stepped together), so
+  // the SWA half's check answers for both; with nothing to undo neither half is touched.
+  if (!mManager->hasRetractableAdmission(mHandle)) {
+    return false;
+  }
+  bool const full = mFull.retractSequenceAdmission();
+  bool const swa = mManager->retractSequenceAdmission(mHandle);
   mPromptTokens.pop_back();
-  return retracted;
+  return full && swa;
 }
 
 bool SlidingReuseRequest::publishHybridMtpEndpoint(ExecutionRow row,

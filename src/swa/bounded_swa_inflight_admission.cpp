@@ -128,20 +128,33 @@ void BoundedSwaKVPageManager::finalizeSequenceAdmission(RequestHandle& handle, i
              state.resident.slot, state.heldPages(), mDecodePages);
 }
 
-void BoundedSwaKVPageManager::retractSequenceAdmission(RequestHandle& handle) {
-  constexpr char const* kCall = "BoundedSwaKVPageManager::retractSequenceAdmission";
-  Request& req = request(handle, kCall);
-  MKV_REQUIRE(req.pending == Pending::kNone, kCall,
-              "request {} has pending work: retract between steps", req.id);
-  MKV_REQUIRE(!req.sequences.empty() && req.sequences.back().joining, kCall,
-              "the newest sequence of request {} is not an unfinalised in-flight admission",
-              req.id);
+bool BoundedSwaKVPageManager::hasRetractableAdmission(RequestHandle const& handle) const noexcept {
+  Request const* const req = handle.mManager == this ? mRequests->find(handle.mId) : nullptr;
+  return req != nullptr && req->pending == Pending::kNone && !req->sequences.empty() &&
+         req->sequences.back().joining;
+}
+
+bool BoundedSwaKVPageManager::retractSequenceAdmission(RequestHandle& handle) noexcept {
+  if (!hasRetractableAdmission(handle)) {
+    return false;
+  }
+  Request& req = *mRequests->find(handle.mId);
   SwaSequenceState& state = req.sequences.back();
-  mResources.swaPageTable->clearRow(state.resident.slot);
-  mWrites->settle(mStream);
+  bool cleared = true;
+  try {
+    mResources.swaPageTable->clearRow(state.resident.slot);
+    mWrites->settle(mStream);
+  } catch (std::exception const& error) {
+    // The clear stays queued and reaches the device with the next flush.
+    logger()->error("BoundedSwaKVPageManager::retractSequenceAdmission: {}; poisoned",
+                    error.what());
+    mRequests->poison();
+    cleared = false;
+  }
   // Stream order: any later write into these pages is enqueued after the joiner's prefill.
   releaseSequence(state);
   req.sequences.pop_back();
+  return cleared;
 }
 
 }  // namespace mkv

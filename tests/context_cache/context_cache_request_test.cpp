@@ -350,10 +350,10 @@ TEST_P(ContextCacheRequestTest, RetractingAnAdmissionUnwindsItAndTheRowStaysUsab
   EXPECT_TRUE(rig.mirroredPages(1).empty());
   EXPECT_EQ(driver.cache->prefillStarts(), std::vector<int32_t>{0});
   EXPECT_EQ(rig.coordinator.counters().retractedAdmissions, 1u);
-  // The founder cannot be retracted: misuse, detected before any side effect.
-  EXPECT_TRUE(
-      throwsError([&] { (void)driver.cache->retractSequenceAdmission(); },
-                  {"ContextCacheCoordinator::retractSequenceAdmission", "has 1 sequence(s)"}));
+  // The founder cannot be retracted: nothing to undo, false, nothing changed.
+  EXPECT_FALSE(driver.cache->retractSequenceAdmission());
+  EXPECT_EQ(rig.freePages(), free);
+  EXPECT_EQ(rig.coordinator.counters().retractedAdmissions, 1u);
   EXPECT_FALSE(rig.coordinator.poisoned());
   EXPECT_EQ(driver.cache->prefillStarts(), std::vector<int32_t>{0});
   ASSERT_TRUE(driver.decode());

@@ -251,7 +251,7 @@ TEST(BoundedSwaRequestTest, CallsTheBackendDoesNotOfferThrowOrAnswerWithoutChang
   EXPECT_EQ(prefillStart, -7);
   int32_t const lookahead = 5;
   EXPECT_FALSE(request->finalizeSequenceAdmission(1, lookahead, 20));
-  EXPECT_TRUE(request->retractSequenceAdmission());
+  EXPECT_FALSE(request->retractSequenceAdmission());  // nothing was admitted: nothing to undo
   EXPECT_TRUE(request->preparePrefill());
   EXPECT_TRUE(request->enqueuePrefillCaptures());
   EXPECT_EQ(request->prefillStarts(), nullptr);

@@ -4,6 +4,7 @@
 /// ContextCacheManager and the physical resources (page tables, KV lengths, snapshots).
 /// Call order, statuses and publication points: docs/lifecycle.md and docs/context_cache.md.
 
+#include <array>
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -11,6 +12,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "mkv/context_cache/context_cache_metrics.h"
@@ -210,6 +212,68 @@ struct ContextCacheCoordinatorCounters {
   /// Host tier: batches of page moves enqueued (offloads and onboardings of one manager call).
   uint64_t hostTierTransfers = 0;
 };
+
+/// One counter of ContextCacheCoordinatorCounters as every export names it: the Prometheus
+/// series `<prefix><name>_total`, the JSON key `<name>`, and its help text.
+struct CoordinatorCounterField {
+  std::string_view name;
+  std::string_view help;
+  uint64_t ContextCacheCoordinatorCounters::*value;
+  /// A duration (host nanoseconds) rather than a count of events: it differs from run to run of
+  /// the same workload, so reports that compare runs keep it apart (mkv-replay's JSON:
+  /// `coordinator_timings` beside `coordinator_counters`).
+  bool timing = false;
+};
+
+/// Every counter of ContextCacheCoordinatorCounters, in declaration order: the one list the
+/// exports (toPrometheus, mkv-replay's JSON) iterate. A test checks that it covers every field.
+inline constexpr auto kCoordinatorCounterFields = std::to_array<CoordinatorCounterField>({
+    {"coordinator_requests", "Requests admitted by beginRequest.",
+     &ContextCacheCoordinatorCounters::requests},
+    {"coordinator_refused_requests", "Requests refused for capacity.",
+     &ContextCacheCoordinatorCounters::refusedRequests},
+    {"coordinator_prefill_publications", "Publication attempts at prefill end.",
+     &ContextCacheCoordinatorCounters::prefillPublications},
+    {"coordinator_decode_publications", "Publication attempts at decode end.",
+     &ContextCacheCoordinatorCounters::decodePublications},
+    {"coordinator_live_admissions", "Sequences admitted into a running batch.",
+     &ContextCacheCoordinatorCounters::liveAdmissions},
+    {"coordinator_live_admission_refusals", "In-flight admissions refused for capacity.",
+     &ContextCacheCoordinatorCounters::liveAdmissionRefusals},
+    {"coordinator_retracted_admissions", "In-flight admissions retracted.",
+     &ContextCacheCoordinatorCounters::retractedAdmissions},
+    {"coordinator_page_growths", "Decode steps that grew a sequence's pages.",
+     &ContextCacheCoordinatorCounters::pageGrowths},
+    {"coordinator_growth_failures", "Page growths refused (request failed).",
+     &ContextCacheCoordinatorCounters::growthFailures},
+    {"coordinator_synchronizations", "Stream synchronisations made by the coordinator.",
+     &ContextCacheCoordinatorCounters::synchronizations},
+    {"coordinator_quarantined_requests", "Requests quarantined after a failed sync.",
+     &ContextCacheCoordinatorCounters::quarantinedRequests},
+    {"coordinator_checkpoint_restores", "Sequences started from a restored checkpoint.",
+     &ContextCacheCoordinatorCounters::checkpointRestores},
+    {"coordinator_checkpoint_captures", "Checkpoint captures enqueued.",
+     &ContextCacheCoordinatorCounters::checkpointCaptures},
+    {"coordinator_checkpoint_publications", "Captured checkpoints committed as records.",
+     &ContextCacheCoordinatorCounters::checkpointPublications},
+    {"coordinator_snapshot_pressure_skips", "Checkpoint captures skipped for want of a slot.",
+     &ContextCacheCoordinatorCounters::snapshotPressureSkips},
+    {"coordinator_capture_synchronizations",
+     "Stream synchronisations made for decode-end captures.",
+     &ContextCacheCoordinatorCounters::captureSynchronizations},
+    {"coordinator_spec_pair_publications",
+     "Speculative publication attempts at the common base and draft length.",
+     &ContextCacheCoordinatorCounters::specPairPublications},
+    {"coordinator_hybrid_mtp_publications", "Hybrid-MTP endpoints committed as records.",
+     &ContextCacheCoordinatorCounters::hybridMtpPublications},
+    {"coordinator_boundary_hidden_restores", "Boundary hidden rows restored (Hybrid-MTP).",
+     &ContextCacheCoordinatorCounters::boundaryHiddenRestores},
+    {"coordinator_planning_nanoseconds", "Host nanoseconds spent in lookup and acquire.",
+     &ContextCacheCoordinatorCounters::planningNanoseconds, true},
+    {"coordinator_host_tier_transfers",
+     "Host tier batches of page moves enqueued (offloads and onboardings of one call).",
+     &ContextCacheCoordinatorCounters::hostTierTransfers},
+});
 
 /// Context reuse over full paged KV: lookups at admission, page rows for execution, growth per
 /// decode step, publication at the runtime's existing completion points, compaction that never
@@ -443,10 +507,11 @@ class ContextCacheCoordinator {
   ContextCacheStatus finalizeSequenceAdmission(RequestHandle& handle, ExecutionRow row,
                                                ContextCacheSequenceAdvance const& advance);
   /// Undoes the newest admission that never joined (lease released, row cleared) while no work is
-  /// pending. Throws mkv::Error, changing nothing, when that is impossible: an invalid handle,
-  /// pending work (a decode step or compaction), the newest sequence joined, or it is the only
-  /// one. false (poisoned) only when clearing the row failed on the device.
-  bool retractSequenceAdmission(RequestHandle& handle);
+  /// pending; true when it did. Never throws (an engine calls it while unwinding a failed join):
+  /// with nothing to undo (an invalid or finished handle, pending work, the newest sequence
+  /// joined or the only one) it returns false and changes nothing. It also returns false, after
+  /// undoing the admission, when clearing the row failed on the device: then poisoned() is true.
+  bool retractSequenceAdmission(RequestHandle& handle) noexcept;
   /// Who holds resident row `row` in this coordinator: kFree (no request: the runtime may release
   /// and reuse it), kActive (a live request), kQuarantined (a request quarantined by a failed
   /// synchronisation: the row and its pages may still be read by device work; free after

@@ -89,9 +89,10 @@ class ContextCacheRequest {
                                     std::vector<audioUtils::AudioData> const& audioBuffers = {});
   bool finalizeSequenceAdmission(ExecutionRow row, int32_t const& lookaheadToken,
                                  int32_t fullInputLength);
-  /// Undoes the newest in-flight admission that was not finalised (see the coordinator's);
-  /// throws mkv::Error, changing nothing, when there is none to undo or work is pending.
-  bool retractSequenceAdmission();
+  /// Undoes the newest in-flight admission that was not finalised (see the coordinator's): true
+  /// when it did; false, changing nothing, when there is none to undo or work is pending; false
+  /// and poisoned when the row clear failed on the device. Never throws.
+  bool retractSequenceAdmission() noexcept;
 
   /// Hybrid-MTP endpoint publication (ContextCacheCoordinator::publishHybridMtpEndpoint): false
   /// when the capture synchronisation failed (poisoned). Throws on deployments that are not

@@ -437,8 +437,8 @@ void Lifecycle::retract(Req& req) {
   std::string const what = "retractSequenceAdmission on " + describe(req);
   if (!coordinatorBackend()) {
     if (req.via == Via::kFacade) {
-      expect(unchanged(what, [&] { return req.facade->retractSequenceAdmission(); }),
-             what + ": the SWA backstop returned false");
+      expect(!unchanged(what, [&] { return req.facade->retractSequenceAdmission(); }),
+             what + ": bounded SWA admitted nothing, yet the retraction returned true");
     }
     return;
   }
@@ -452,9 +452,9 @@ void Lifecycle::retract(Req& req) {
                         !req.rows.back().joined &&
                         (req.stage == Stage::kIdle || req.stage == Stage::kFinishing);
   if (!possible) {
-    // Misuse detectable before any side effect: it throws and changes nothing (no poison).
-    reject(what, call);
-    trace(what + ": refused");
+    // Nothing to undo: the noexcept retraction returns false and changes nothing (no poison).
+    expect(!unchanged(what, call), what + " returned true with nothing to undo");
+    trace(what + ": nothing to undo");
     return;
   }
   expect(accept(what, call), what + " returned false");

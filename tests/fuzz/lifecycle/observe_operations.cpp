@@ -133,7 +133,9 @@ void Lifecycle::staleHandle() {
     reject(what + " preparePrefill", [&] { mCoordinator->preparePrefill(stale); });
     reject(what + " prepareDecodeStep",
            [&] { return mCoordinator->prepareDecodeStep(stale, kVanilla); });
-    reject(what + " retract", [&] { return mCoordinator->retractSequenceAdmission(stale); });
+    expect(!unchanged(what + " retract",
+                      [&] { return mCoordinator->retractSequenceAdmission(stale); }),
+           what + ": retract of an invalid handle returned true");
     ContextCacheStatus const status =
         unchanged(what + " finish", [&] { return mCoordinator->finish(stale); });
     expect(status == (mPoisoned ? ContextCacheStatus::kPoisoned : ContextCacheStatus::kOk),
