@@ -516,6 +516,16 @@ std::string formatJson(ReplayResult const& r) {
   if (c.speculative != SpeculativeKind::kNone) {
     json["speculative"] = speculativeJson(r);
   }
+  if (r.coordinatorCounters) {
+    nlohmann::ordered_json counters = nlohmann::ordered_json::object();
+    nlohmann::ordered_json timings = nlohmann::ordered_json::object();
+    for (CoordinatorCounterField const& counter : kCoordinatorCounterFields) {
+      (counter.timing ? timings : counters)[std::string(counter.name)] =
+          (*r.coordinatorCounters).*counter.value;
+    }
+    json["coordinator_counters"] = counters;
+    json["coordinator_timings"] = timings;
+  }
   json["wall_s"] = std::round(r.wallSeconds * 1000.0) / 1000.0;
   // One top-level key per line, nested values on the line of their key; bytes that are not
   // UTF-8 (a trace path's, in `workload`) become U+FFFD.

@@ -166,6 +166,9 @@ struct ReplayResult {
   int64_t bytesPerPage = 0;        ///< K and V of every layer of that pool
   std::vector<KvPoolUsage> pools;  ///< every device KV pool: full, swa, draft (those that exist)
   int64_t kvBytes = 0;             ///< KVCacheRuntime::kvBytes(): the pools' bytes in all
+  /// The coordinator's counters at the end (absent on bounded SWA), exported whole to the JSON
+  /// under kCoordinatorCounterFields' names.
+  std::optional<ContextCacheCoordinatorCounters> coordinatorCounters;
 
   int64_t requests = 0;
   int64_t failedRequests = 0;

@@ -719,51 +719,10 @@ std::vector<KvEvent> ContextCacheCoordinator::drainEvents() { return mManager->d
 
 std::string ContextCacheCoordinator::toPrometheus(std::string_view prefix) const {
   std::string text = mkv::toPrometheus(mManager->metrics(), prefix);
-  auto counter = [&](char const* name, char const* help, uint64_t value) {
+  for (CoordinatorCounterField const& counter : kCoordinatorCounterFields) {
     text += fmt::format("# HELP {0}{1}_total {2}\n# TYPE {0}{1}_total counter\n{0}{1}_total {3}\n",
-                        prefix, name, help, value);
-  };
-  counter("coordinator_requests", "Requests admitted by beginRequest.", mCounters.requests);
-  counter("coordinator_refused_requests", "Requests refused for capacity.",
-          mCounters.refusedRequests);
-  counter("coordinator_prefill_publications", "Publication attempts at prefill end.",
-          mCounters.prefillPublications);
-  counter("coordinator_decode_publications", "Publication attempts at decode end.",
-          mCounters.decodePublications);
-  counter("coordinator_live_admissions", "Sequences admitted into a running batch.",
-          mCounters.liveAdmissions);
-  counter("coordinator_live_admission_refusals", "In-flight admissions refused for capacity.",
-          mCounters.liveAdmissionRefusals);
-  counter("coordinator_retracted_admissions", "In-flight admissions retracted.",
-          mCounters.retractedAdmissions);
-  counter("coordinator_page_growths", "Decode steps that grew a sequence's pages.",
-          mCounters.pageGrowths);
-  counter("coordinator_growth_failures", "Page growths refused (request failed).",
-          mCounters.growthFailures);
-  counter("coordinator_synchronizations", "Stream synchronisations made by the coordinator.",
-          mCounters.synchronizations);
-  counter("coordinator_quarantined_requests", "Requests quarantined after a failed sync.",
-          mCounters.quarantinedRequests);
-  counter("coordinator_planning_nanoseconds", "Host nanoseconds spent in lookup and acquire.",
-          mCounters.planningNanoseconds);
-  counter("coordinator_checkpoint_restores", "Sequences started from a restored checkpoint.",
-          mCounters.checkpointRestores);
-  counter("coordinator_checkpoint_captures", "Checkpoint captures enqueued.",
-          mCounters.checkpointCaptures);
-  counter("coordinator_checkpoint_publications", "Captured checkpoints committed as records.",
-          mCounters.checkpointPublications);
-  counter("coordinator_snapshot_pressure_skips", "Checkpoint captures skipped for want of a slot.",
-          mCounters.snapshotPressureSkips);
-  counter("coordinator_capture_synchronizations",
-          "Stream synchronisations made for decode-end captures.",
-          mCounters.captureSynchronizations);
-  counter("coordinator_spec_pair_publications",
-          "Speculative publication attempts at the common base and draft length.",
-          mCounters.specPairPublications);
-  counter("coordinator_hybrid_mtp_publications", "Hybrid-MTP endpoints committed as records.",
-          mCounters.hybridMtpPublications);
-  counter("coordinator_boundary_hidden_restores", "Boundary hidden rows restored (Hybrid-MTP).",
-          mCounters.boundaryHiddenRestores);
+                        prefix, counter.name, counter.help, mCounters.*counter.value);
+  }
   if (mResources.windowCache != nullptr) {
     text += mResources.windowCache->toPrometheus(prefix);
   }

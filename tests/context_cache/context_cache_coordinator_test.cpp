@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <set>
 #include <string>
 #include <variant>
 
@@ -774,7 +775,30 @@ TEST_P(ContextCacheCoordinatorTest, MetricsAndPrometheusIncludeTheCoordinatorCou
   }
   EXPECT_NE(rig.coordinator.toPrometheus("engine_").find("engine_coordinator_requests_total 2"),
             std::string::npos);
+  // Every counter is exported, from its one entry in kCoordinatorCounterFields, with its value.
+  for (CoordinatorCounterField const& counter : kCoordinatorCounterFields) {
+    std::string const series = "managedkv_" + std::string(counter.name) + "_total";
+    ASSERT_EQ(parsed.text->samples.count(series), 1u) << "not exported: " << series;
+    EXPECT_EQ(parsed.text->samples.at(series), static_cast<double>(counters.*counter.value))
+        << series;
+  }
   rig.expectQuiescent();
+}
+
+TEST(CoordinatorCounterFieldsTest, ListEveryCounterOnceUnderADistinctName) {
+  // Every field of the struct is a uint64_t counter, so the list covers them all exactly when
+  // it has one entry per field and no field twice (a field added without an entry fails here).
+  EXPECT_EQ(sizeof(ContextCacheCoordinatorCounters),
+            kCoordinatorCounterFields.size() * sizeof(uint64_t));
+  ContextCacheCoordinatorCounters counters;
+  std::set<std::string_view> names;
+  uint64_t mark = 1;
+  for (CoordinatorCounterField const& counter : kCoordinatorCounterFields) {
+    EXPECT_TRUE(names.insert(counter.name).second) << "named twice: " << counter.name;
+    EXPECT_FALSE(counter.help.empty()) << counter.name;
+    EXPECT_EQ(counters.*counter.value, 0u) << "listed twice: " << counter.name;
+    counters.*counter.value = mark++;
+  }
 }
 
 TEST_P(ContextCacheCoordinatorTest, EventsReportEveryStoredAndRemovedBlock) {
