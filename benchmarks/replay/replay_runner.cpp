@@ -493,6 +493,7 @@ class Runner {
     rc.maxBatchSize = batch;
     mResult.maxBatch = batch;
     mResult.maxSequenceTokens = width * c.pageSize;
+    requireMemoryFor(rc);
     mRuntime = KVCacheRuntime::create(rc);
     KVCacheBackend const expected = c.slidingReuse ? KVCacheBackend::kSlidingWindowReuse
                                     : c.mode == ReplayMode::kReuse ? KVCacheBackend::kContextReuse
@@ -531,6 +532,35 @@ class Runner {
     bool const batches = c.mode == ReplayMode::kSwa ||
                          (c.speculative != SpeculativeKind::kNone && c.recurrentLayers == 0);
     mFoundersPerRun = batches ? static_cast<std::size_t>(batch) : 1;
+  }
+
+  /// Refuses the run (bad input, exit 2) before anything is allocated when its KV pools exceed
+  /// the memory the device has available: the message names the bytes and the flags that size
+  /// the pools, with the pool that would fit.
+  void requireMemoryFor(KVCacheRuntimeConfig const& rc) const {
+    ReplayConfig const& c = mConfig;
+    int64_t const needed = KVCacheRuntime::kvBytesFor(rc);
+    int64_t const available = KVCacheRuntime::availableMemoryBytes(rc.deviceType);
+    if (available < 0 || needed <= available) {
+      return;
+    }
+    constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+    std::string const sizing = c.poolSizing == PoolSizing::kUnbounded
+                                   ? " (the default pool: nothing is ever evicted)"
+                                   : "";
+    std::string advice = "pass --kv-budget-bytes B (or a smaller --max-batch)";
+    if (c.mode != ReplayMode::kSwa) {
+      // Nine tenths of what is available, in whole pages of the pools' proportions.
+      auto const fitting = static_cast<int64_t>(0.9 * static_cast<double>(available) /
+                                                static_cast<double>(needed) * rc.numPages);
+      advice = fmt::format("pass --pool-tokens N (about {} fit) or --kv-budget-bytes B",
+                           fitting * c.pageSize);
+    }
+    configError(fmt::format(
+        "the KV pools of this run need {} bytes ({:.1f} GiB){} and the {} has {} bytes "
+        "({:.1f} GiB) available: {}",
+        needed, static_cast<double>(needed) / kGiB, sizing, mkv::toString(rc.deviceType), available,
+        static_cast<double>(available) / kGiB, advice));
   }
 
   /// Every device KV pool of the runtime, in the order full, swa, draft, and their bytes in all.
@@ -888,6 +918,7 @@ class Runner {
       r.evictedRecords = static_cast<int64_t>(metrics.evictedRecords);
       r.cacheResets = static_cast<int64_t>(metrics.prefixCacheResets);
       summarizeHostTier(metrics, coordinator->counters());
+      r.coordinatorCounters = coordinator->counters();
       r.publishedRecords = static_cast<int64_t>(metrics.publishedRecords);
       for (std::size_t i = 0; i < r.missesByReason.size(); ++i) {
         r.missesByReason[i] = static_cast<int64_t>(metrics.misses[i]);

@@ -139,8 +139,17 @@ std::string_view toString(KVCacheBackend backend) noexcept;
 /// Thread-safety: single writer (the engine thread).
 class KVCacheRuntime {
  public:
-  /// Validates the config (throws mkv::Error naming the field) and allocates everything.
+  /// Validates the config (throws mkv::Error naming the field) and allocates everything. Before
+  /// allocating, throws mkv::Error naming the bytes when the KV pools (kvBytesFor) exceed the
+  /// memory the device has available (availableMemoryBytes): no pool is half-allocated.
   static std::unique_ptr<KVCacheRuntime> create(KVCacheRuntimeConfig const& config);
+  /// The bytes kvBytes() will report for a runtime created from `config` (every KV pool: full,
+  /// SWA, draft), without allocating; validates `config` as create does. For sizing numPages
+  /// from a byte budget: bytes per page of a pool are KVCachePool::bytesPerPage.
+  static int64_t kvBytesFor(KVCacheRuntimeConfig const& config);
+  /// Bytes an allocation on `device` can take now: kGPU the current device's free memory
+  /// (cudaMemGetInfo), kCPU the host's available memory; -1 when unknown.
+  static int64_t availableMemoryBytes(DeviceType device);
   ~KVCacheRuntime();
   KVCacheRuntime(KVCacheRuntime const&) = delete;
   KVCacheRuntime& operator=(KVCacheRuntime const&) = delete;

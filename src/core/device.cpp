@@ -1,6 +1,10 @@
 #include "core/device.h"
 
+#include <unistd.h>
+
 #include <cstring>
+#include <fstream>
+#include <string>
 #include <utility>
 
 #include "core/check.h"
@@ -152,6 +156,31 @@ void fillBytes(void* dst, DeviceType type, int value, std::size_t bytes, cudaStr
   (void)stream;
   throwNoCuda("fillBytes");
 #endif
+}
+
+int64_t availableMemoryBytes(DeviceType type) {
+  if (type == DeviceType::kGPU) {
+#if MKV_WITH_CUDA
+    std::size_t free = 0;
+    std::size_t total = 0;
+    checkCuda(cudaMemGetInfo(&free, &total), "cudaMemGetInfo");
+    return static_cast<int64_t>(free);
+#else
+    throwNoCuda("availableMemoryBytes(kGPU)");
+#endif
+  }
+  std::ifstream meminfo("/proc/meminfo");
+  std::string key;
+  int64_t kib = 0;
+  std::string unit;
+  while (meminfo >> key >> kib >> unit) {
+    if (key == "MemAvailable:") {
+      return kib * 1024;
+    }
+  }
+  long const pages = sysconf(_SC_AVPHYS_PAGES);
+  long const pageSize = sysconf(_SC_PAGESIZE);
+  return pages > 0 && pageSize > 0 ? int64_t{pages} * pageSize : -1;
 }
 
 void synchronizeDevice() {

@@ -39,6 +39,10 @@ void copyBytes(void* dst, DeviceType dstType, void const* src, DeviceType srcTyp
 void fillBytes(void* dst, DeviceType type, int value, std::size_t bytes, cudaStream_t stream);
 /// Waits for all work on the current device (construction-time initialisation only).
 void synchronizeDevice();
+/// Bytes a new allocation of `type` can take now: kGPU the current device's free memory
+/// (cudaMemGetInfo), kCPU the host's available memory (MemAvailable of /proc/meminfo, else the
+/// free physical pages). -1 when unknown.
+int64_t availableMemoryBytes(DeviceType type);
 
 /// A CUDA event used to know when staged host memory may be rewritten. For kCPU it is inert.
 class Event {

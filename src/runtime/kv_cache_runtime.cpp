@@ -7,6 +7,7 @@
 
 #include "context_cache/window_block_cache.h"
 #include "core/check.h"
+#include "core/device.h"
 #include "mkv/kernels.h"
 #include "resources/device_write_queue.h"
 #include "resources/shared_synchronizer.h"
@@ -205,10 +206,11 @@ PoolSizes sizePools(KVCacheRuntimeConfig const& config) {
   return sizes;
 }
 
-/// A KV pool of `layers` x `pages` with the model's heads, head size and type unless given.
-std::unique_ptr<KVCachePool> makeKvPool(KVCacheRuntimeConfig const& config, int32_t layers,
-                                        int32_t pages, int32_t heads = 0, int32_t headDim = 0,
-                                        std::optional<DataType> type = std::nullopt) {
+/// The config of a KV pool of `layers` x `pages` with the model's heads, head size and type
+/// unless given.
+KVCachePoolConfig kvPoolConfig(KVCacheRuntimeConfig const& config, int32_t layers, int32_t pages,
+                               int32_t heads = 0, int32_t headDim = 0,
+                               std::optional<DataType> type = std::nullopt) {
   KVCachePoolConfig pool;
   pool.numLayers = layers;
   pool.numKVHeads = heads > 0 ? heads : config.model.numKVHeads;
@@ -218,7 +220,67 @@ std::unique_ptr<KVCachePool> makeKvPool(KVCacheRuntimeConfig const& config, int3
   pool.maxBatchSize = config.maxBatchSize;
   pool.dataType = type.value_or(config.model.kvDataType);
   pool.deviceType = config.deviceType;
-  return std::make_unique<KVCachePool>(pool);
+  return pool;
+}
+
+/// The pool pair of the draft layers (a paged speculative draft), else nullopt.
+std::optional<KVCachePoolConfig> draftPoolConfig(KVCacheRuntimeConfig const& config,
+                                                 int32_t fullPages) {
+  if (!config.speculative || !config.speculative->pagedDraft) {
+    return std::nullopt;  // validated: a draft needs reuse on
+  }
+  KVCacheSpeculativeConfig const& spec = *config.speculative;
+  int32_t const draftPages = spec.numDraftPages > 0 ? spec.numDraftPages : fullPages;
+  return kvPoolConfig(config, spec.numDraftLayers, draftPages, spec.numDraftKVHeads,
+                      spec.draftHeadDim, spec.draftKvDataType);
+}
+
+/// Every KV pool create() allocates for `sizes`, in the order full, SWA, draft (a pool with no
+/// layers is left out).
+std::vector<KVCachePoolConfig> kvPoolConfigs(KVCacheRuntimeConfig const& config,
+                                             PoolSizes const& sizes) {
+  KVCacheModelConfig const& model = config.model;
+  std::vector<KVCachePoolConfig> pools;
+  if (sizes.bounded || sizes.slidingReuse) {
+    if (model.numFullAttentionLayers > 0) {
+      pools.push_back(kvPoolConfig(config, model.numFullAttentionLayers, sizes.fullPages));
+    }
+    pools.push_back(kvPoolConfig(config, model.numSlidingWindowLayers, sizes.swaPages));
+    return pools;
+  }
+  pools.push_back(kvPoolConfig(config, model.numFullAttentionLayers + model.numSlidingWindowLayers,
+                               sizes.fullPages));
+  if (std::optional<KVCachePoolConfig> draft = draftPoolConfig(config, sizes.fullPages)) {
+    pools.push_back(*draft);
+  }
+  return pools;
+}
+
+/// The device bytes of every KV pool create() allocates for `sizes`.
+int64_t kvPoolBytes(KVCacheRuntimeConfig const& config, PoolSizes const& sizes) {
+  int64_t bytes = 0;
+  for (KVCachePoolConfig const& pool : kvPoolConfigs(config, sizes)) {
+    bytes += int64_t{pool.numPages} * KVCachePool::bytesPerPage(pool);
+  }
+  return bytes;
+}
+
+/// Throws, before anything is allocated, when the KV pools exceed what `config.deviceType` has
+/// available: the message names the bytes, so that the caller can size numPages down.
+void requireMemoryFor(KVCacheRuntimeConfig const& config, PoolSizes const& sizes) {
+  int64_t const needed = kvPoolBytes(config, sizes);
+  int64_t const available = KVCacheRuntime::availableMemoryBytes(config.deviceType);
+  MKV_REQUIRE(available < 0 || needed <= available, "KVCacheRuntime::create",
+              "the KV pools need {} bytes ({:.1f} GiB: {} full pages, {} SWA pages) and the {} has "
+              "{} bytes ({:.1f} GiB) available: lower numPages, numSwaPages or maxBatchSize",
+              needed, static_cast<double>(needed) / double(1 << 30), sizes.fullPages,
+              sizes.swaPages, toString(config.deviceType), available,
+              static_cast<double>(available) / double(1 << 30));
+}
+
+std::unique_ptr<KVCachePool> makeKvPool(KVCacheRuntimeConfig const& config, int32_t layers,
+                                        int32_t pages) {
+  return std::make_unique<KVCachePool>(kvPoolConfig(config, layers, pages));
 }
 
 /// The recurrent rows of a model with recurrent layers (one per resident slot), else null.
@@ -279,6 +341,7 @@ KVCacheRuntime::~KVCacheRuntime() = default;
 std::unique_ptr<KVCacheRuntime> KVCacheRuntime::create(KVCacheRuntimeConfig const& config) {
   validate(config);
   PoolSizes const sizes = sizePools(config);  // the last checks: nothing is allocated before
+  requireMemoryFor(config, sizes);
   KVCacheModelConfig const& model = config.model;
   if (config.deviceType == DeviceType::kGPU) {
     kernels::loadKernels();  // no lazy kernel load (which may wait for other streams) later
@@ -381,14 +444,12 @@ void KVCacheRuntime::createSlidingReuse(int32_t fullPages, int32_t width, int32_
 }
 
 void KVCacheRuntime::createDraft(int32_t fullPages, int32_t width) {
-  if (!mConfig.speculative || !mConfig.speculative->pagedDraft) {
-    return;  // validated: a draft needs reuse on
+  std::optional<KVCachePoolConfig> const draft = draftPoolConfig(mConfig, fullPages);
+  if (!draft) {
+    return;
   }
-  KVCacheSpeculativeConfig const& spec = *mConfig.speculative;
-  int32_t const draftPages = spec.numDraftPages > 0 ? spec.numDraftPages : fullPages;
-  mDraftPool = makeKvPool(mConfig, spec.numDraftLayers, draftPages, spec.numDraftKVHeads,
-                          spec.draftHeadDim, spec.draftKvDataType);
-  mDraftTable = std::make_unique<KVPageTable>(mConfig.maxBatchSize, width, draftPages,
+  mDraftPool = std::make_unique<KVCachePool>(*draft);
+  mDraftTable = std::make_unique<KVPageTable>(mConfig.maxBatchSize, width, draft->numPages,
                                               PageTableMode::kDense, mConfig.deviceType);
 }
 
@@ -402,6 +463,15 @@ void KVCacheRuntime::createHostTier() {
 }
 
 KVCachePool& KVCacheRuntime::lengthPool() noexcept { return mFullPool ? *mFullPool : *mSwaPool; }
+
+int64_t KVCacheRuntime::kvBytesFor(KVCacheRuntimeConfig const& config) {
+  validate(config);
+  return kvPoolBytes(config, sizePools(config));
+}
+
+int64_t KVCacheRuntime::availableMemoryBytes(DeviceType device) {
+  return detail::availableMemoryBytes(device);
+}
 
 int64_t KVCacheRuntime::kvBytes() const noexcept {
   int64_t bytes = 0;

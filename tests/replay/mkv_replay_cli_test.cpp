@@ -12,6 +12,7 @@
 #include <string>
 #include <vector>
 
+#include "mkv/context_cache/context_cache_coordinator.h"
 #include "replay_plot.h"
 #include "support/test_inputs.h"
 
@@ -111,6 +112,15 @@ TEST_F(MkvReplayCliTest, TraceToJsonAndCsvWithTheHandComputedFigures) {
   EXPECT_NEAR(figures.at("hit_rate").get<double>(), 2432.0 / 4248.0, 1e-12);
   EXPECT_EQ(figures.at("oracle_mismatches"), 0);
   EXPECT_EQ(figures.at("pool_sizing"), "unbounded");
+  // Every coordinator counter, under its one exported name.
+  nlohmann::json const& counters = figures.at("coordinator_counters");
+  nlohmann::json const& timings = figures.at("coordinator_timings");
+  EXPECT_EQ(counters.size() + timings.size(), kCoordinatorCounterFields.size());
+  for (CoordinatorCounterField const& counter : kCoordinatorCounterFields) {
+    EXPECT_TRUE((counter.timing ? timings : counters).contains(std::string(counter.name)))
+        << counter.name;
+  }
+  EXPECT_GE(counters.at("coordinator_requests").get<int64_t>(), 1);
   std::string const rows = slurp(csv);
   EXPECT_EQ(std::count(rows.begin(), rows.end(), '\n'), 5);
 }
@@ -164,7 +174,7 @@ TEST_F(MkvReplayCliTest, EngineStepDeviceWritesGiveTheSameFiguresInEveryMode) {
     for (char const* timing :
          {"device_writes", "wall_s", "requests_per_s", "host_ns_per_step_p50",
           "host_ns_per_step_p99", "host_ns_per_step_mean", "gpu_ns_per_step_p50",
-          "gpu_ns_per_step_p99", "gpu_ns_per_step_mean"}) {
+          "gpu_ns_per_step_p99", "gpu_ns_per_step_mean", "coordinator_timings"}) {
       report.erase(timing);
     }
     return report;
@@ -273,6 +283,23 @@ TEST_F(MkvReplayCliTest, AnOptionGivenTwiceTakesItsLastValue) {
                                 "--page-size=256", "--quiet", "--json", json});
   ASSERT_EQ(result.exitCode, 0) << result.err;
   EXPECT_EQ(nlohmann::json::parse(slurp(json)).at("page_size"), 256);
+}
+
+TEST_F(MkvReplayCliTest, PoolsLargerThanTheDeviceAreRefusedBeforeAllocating) {
+  // 32 layers x 8 KV heads x head dim 128, fp16, pages of 128 tokens: 16 MiB a page, so a
+  // million pages (15,625 GiB) exceed any machine's memory. Before this check the run died in the
+  // allocation ("internal error", exit 1) or was killed by the OOM killer.
+  std::vector<std::string> const model = {"--layers",   "32",  "--kv-heads",  "8",
+                                          "--head-dim", "128", "--page-size", "128"};
+  for (char const* mode : {"reuse", "full"}) {
+    SCOPED_TRACE(mode);
+    std::vector<std::string> args = model;
+    args.insert(args.end(), {"--mode", mode, "--pool-pages", "1000000"});
+    expectBadInput(args, "the KV pools of this run need 16777216000000 bytes (15625.0 GiB)");
+    CliResult const result = run(args);
+    EXPECT_NE(result.err.find("pass --pool-tokens N (about "), std::string::npos) << result.err;
+    EXPECT_NE(result.err.find("the cpu has "), std::string::npos) << result.err;
+  }
 }
 
 TEST_F(MkvReplayCliTest, BadOptionsAreOneLineAndExitTwo) {

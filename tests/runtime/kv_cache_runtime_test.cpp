@@ -201,6 +201,7 @@ TEST_P(KVCacheRuntimeMatrixTest, ChoosesOneBackendAndSizesItsPools) {
     EXPECT_EQ(runtime->swaPageTable(), nullptr);
   }
   EXPECT_EQ(runtime->kvBytes(), bytes);
+  EXPECT_EQ(KVCacheRuntime::kvBytesFor(config), bytes) << "the bytes planned before allocating";
   EXPECT_EQ(runtime->recurrentState(), nullptr);
   EXPECT_EQ(runtime->residentSlots().capacity(), 4);
   for (KVCachePool const* pool : {runtime->fullPool(), runtime->swaPool()}) {
@@ -225,6 +226,26 @@ INSTANTIATE_TEST_SUITE_P(SupportMatrix, KVCacheRuntimeMatrixTest,
 class KVCacheRuntimeTest : public test::DeviceTest {};
 
 INSTANTIATE_TEST_SUITE_P(Devices, KVCacheRuntimeTest, test::allDeviceTypes(), test::deviceName);
+
+TEST_P(KVCacheRuntimeTest, PoolsLargerThanTheDeviceIsAvailableAreRefusedBeforeAllocating) {
+  KVCacheRuntimeConfig config = baseConfig(device());
+  config.model.numKVHeads = 64;
+  config.model.headDim = 256;
+  config.tokensPerPage = 1024;
+  config.maxSequenceLength = 16 * 1024;
+  // 2 layers x 2 x 1024 tokens x 64 heads x 256 x 2 bytes = 128 MiB a page: a million pages
+  // (122 TiB) exceed any device's memory.
+  config.numPages = 1'000'000;
+  int64_t const needed = int64_t{1'000'000} * 128 * 1024 * 1024;
+  ASSERT_EQ(KVCacheRuntime::kvBytesFor(config), needed);
+  int64_t const available = KVCacheRuntime::availableMemoryBytes(device());
+  ASSERT_GT(available, 0);
+  ASSERT_LT(available, needed);
+  EXPECT_TRUE(
+      test::throwsError([&] { (void)KVCacheRuntime::create(config); },
+                        {"KVCacheRuntime::create", "the KV pools need 134217728000000 bytes",
+                         "available: lower numPages"}));
+}
 
 TEST(KVCacheRuntimeConfigTest, BackendNames) {
   EXPECT_EQ(toString(KVCacheBackend::kContextReuse), "context-reuse");
@@ -554,6 +575,7 @@ TEST_P(KVCacheRuntimeTest, SpeculativeReuseOwnsTheDraftPoolAndTableAndPassesTheC
   EXPECT_EQ(runtime->draftPageTable()->maxBatch(), 4);
   EXPECT_EQ(runtime->draftPageTable()->maxPagesPerSeq(), 16);
   EXPECT_EQ(runtime->kvBytes(), runtime->fullPool()->totalBytes() + draft->totalBytes());
+  EXPECT_EQ(KVCacheRuntime::kvBytesFor(config), runtime->kvBytes());
   ContextCacheCoordinator const& coordinator = *runtime->contextCache();
   EXPECT_EQ(coordinator.profile().speculative, (SpecReuseContract{true, 1}));
   EXPECT_EQ(coordinator.profile().baseStateKind, BaseStateKind::kAttentionOnly);
