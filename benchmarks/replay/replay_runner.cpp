@@ -545,9 +545,8 @@ class Runner {
       return;
     }
     constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
-    std::string const sizing = c.poolSizing == PoolSizing::kUnbounded
-                                   ? " (the default pool: nothing is ever evicted)"
-                                   : "";
+    std::string const sizing =
+        c.poolSizing == PoolSizing::kUnbounded ? "; the default pool: nothing is ever evicted" : "";
     std::string advice = "pass --kv-budget-bytes B (or a smaller --max-batch)";
     if (c.mode != ReplayMode::kSwa) {
       // Nine tenths of what is available, in whole pages of the pools' proportions.
@@ -557,7 +556,7 @@ class Runner {
                            fitting * c.pageSize);
     }
     configError(fmt::format(
-        "the KV pools of this run need {} bytes ({:.1f} GiB){} and the {} has {} bytes "
+        "the KV pools of this run need {} bytes ({:.1f} GiB{}) and the {} has {} bytes "
         "({:.1f} GiB) available: {}",
         needed, static_cast<double>(needed) / kGiB, sizing, mkv::toString(rc.deviceType), available,
         static_cast<double>(available) / kGiB, advice));
