@@ -8,7 +8,7 @@
 //     state of a full record store: every iteration's prompt has its own suffix, so each
 //     publication indexes the new blocks and evicts the first victim of the record store; at
 //     page 128 with verification, under each eviction policy (BM_LookupAcquirePublishByPolicy,
-//     `policy` 0 = LRU, 1 = S3-FIFO).
+//     `policy` 0 = LRU, 1 = S3-FIFO, 2 = loop-aware).
 
 #include <benchmark/benchmark.h>
 
@@ -39,7 +39,7 @@ void managerCases(benchmark::internal::Benchmark* b) {
 /// BM_LookupAcquirePublishByPolicy's grid: page 128, verification on, each policy.
 void publishCases(benchmark::internal::Benchmark* b) {
   b->ArgNames({"page", "hit", "verify", "policy"});
-  for (int64_t policy : {0, 1}) {
+  for (int64_t policy : {0, 1, 2}) {
     for (int64_t hit : {0, 50, 95}) {
       b->Args({128, hit, 1, policy});
     }
@@ -157,8 +157,9 @@ void BM_LookupAcquirePublish(benchmark::State& state) {
 BENCHMARK(BM_LookupAcquirePublish)->Apply(managerCases);
 
 void BM_LookupAcquirePublishByPolicy(benchmark::State& state) {
-  lookupAcquirePublish(
-      state, state.range(3) != 0 ? EvictionPolicyKind::kS3Fifo : EvictionPolicyKind::kLru);
+  constexpr EvictionPolicyKind kPolicies[] = {EvictionPolicyKind::kLru, EvictionPolicyKind::kS3Fifo,
+                                              EvictionPolicyKind::kLoopAware};
+  lookupAcquirePublish(state, kPolicies[state.range(3)]);
 }
 BENCHMARK(BM_LookupAcquirePublishByPolicy)->Apply(publishCases);
 

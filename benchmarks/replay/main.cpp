@@ -213,14 +213,17 @@ CliOptions parseArguments(int argc, char** argv) {
       "the mode (docs/replay.md, \"KV budget\"); the host tier, recurrent state and snapshots "
       "are not KV and not in B",
       pool(PoolSizing::kBudgetBytes));
-  auto* eviction = option(
-      "--eviction", "P",
-      "reuse: victim order of cached records, s3fifo (default) or lru (docs/context_cache.md)",
-      [&](std::string_view flag, std::string_view value) {
-        c.eviction = parseChoice<mkv::EvictionPolicyKind>(
-            flag, value,
-            {{"lru", mkv::EvictionPolicyKind::kLru}, {"s3fifo", mkv::EvictionPolicyKind::kS3Fifo}});
-      });
+  auto* eviction =
+      option("--eviction", "P",
+             "reuse: victim order of cached records, s3fifo (default), lru or loopaware "
+             "(docs/context_cache.md)",
+             [&](std::string_view flag, std::string_view value) {
+               c.eviction = parseChoice<mkv::EvictionPolicyKind>(
+                   flag, value,
+                   {{"lru", mkv::EvictionPolicyKind::kLru},
+                    {"s3fifo", mkv::EvictionPolicyKind::kS3Fifo},
+                    {"loopaware", mkv::EvictionPolicyKind::kLoopAware}});
+             });
   auto* hostPool =
       option("--host-pool-tokens", "N",
              "reuse: a host tier of N tokens (pinned host memory) that keeps evicted blocks "

@@ -26,7 +26,8 @@ int32_t validatedPageSize(int32_t pageSize, ResourceDemand const& capacities, in
   MKV_REQUIRE(options.eventQueueCapacity >= 0, kCall,
               "event queue capacity must be non-negative, got {}", options.eventQueueCapacity);
   MKV_REQUIRE(options.evictionPolicy == EvictionPolicyKind::kLru ||
-                  options.evictionPolicy == EvictionPolicyKind::kS3Fifo,
+                  options.evictionPolicy == EvictionPolicyKind::kS3Fifo ||
+                  options.evictionPolicy == EvictionPolicyKind::kLoopAware,
               kCall, "eviction policy {} out of range", static_cast<int>(options.evictionPolicy));
   MKV_REQUIRE(options.hostTierPages >= 0 && options.hostTierBytesPerPage >= 0, kCall,
               "host tier of {} pages of {} bytes: must be non-negative", options.hostTierPages,

@@ -16,7 +16,8 @@ void validateProfile(ContextCacheConfig const& config, ContextCacheDeploymentPro
                      ContextCachePhysicalResources const& resources) {
   MKV_REQUIRE(config.maxRecords >= 0, kCall, "maxRecords must be >= 0, got {}", config.maxRecords);
   MKV_REQUIRE(config.evictionPolicy == EvictionPolicyKind::kLru ||
-                  config.evictionPolicy == EvictionPolicyKind::kS3Fifo,
+                  config.evictionPolicy == EvictionPolicyKind::kS3Fifo ||
+                  config.evictionPolicy == EvictionPolicyKind::kLoopAware,
               kCall, "eviction policy {} out of range", static_cast<int>(config.evictionPolicy));
   MKV_REQUIRE(config.eventQueueCapacity >= 0, kCall, "eventQueueCapacity must be >= 0, got {}",
               config.eventQueueCapacity);

@@ -1,5 +1,6 @@
 #include "context_cache/eviction_policy.h"
 
+#include "context_cache/loop_aware_eviction_policy.h"
 #include "context_cache/lru_eviction_policy.h"
 #include "context_cache/s3fifo_eviction_policy.h"
 #include "context_cache/slot_list.h"
@@ -13,6 +14,8 @@ std::string_view toString(EvictionPolicyKind kind) noexcept {
       return "lru";
     case EvictionPolicyKind::kS3Fifo:
       return "s3fifo";
+    case EvictionPolicyKind::kLoopAware:
+      return "loopaware";
   }
   return "unknown";
 }
@@ -25,6 +28,8 @@ std::unique_ptr<EvictionPolicy> makeEvictionPolicy(EvictionPolicyKind kind, int3
       return std::make_unique<LruEvictionPolicy>();
     case EvictionPolicyKind::kS3Fifo:
       return std::make_unique<S3FifoEvictionPolicy>(ghostCapacity);
+    case EvictionPolicyKind::kLoopAware:
+      return std::make_unique<LoopAwareEvictionPolicy>(ghostCapacity);
   }
   MKV_REQUIRE(false, kCall, "eviction policy {} out of range", static_cast<int>(kind));
   return nullptr;

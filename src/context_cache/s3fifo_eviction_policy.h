@@ -52,6 +52,13 @@ class S3FifoEvictionPolicy final : public EvictionPolicy {
   bool inMainQueue(RecordSlot slot) const noexcept { return mSlots[index(slot)].inMain; }
   uint8_t frequency(RecordSlot slot) const noexcept { return mSlots[index(slot)].frequency; }
   bool ghostContains(Hash128 key) const noexcept { return mGhost.contains(key); }
+  /// Whether the main queue of `priority` holds less than its share (100 - kSmallQueuePercent %)
+  /// of the priority's weight (LoopAwareEvictionPolicy fills it before keeping records out).
+  bool mainQueueBelowShare(int32_t priority) const noexcept {
+    Level const& level = mLevels[static_cast<std::size_t>(priority)];
+    return level.mainWeight * 100 <
+           (level.smallWeight + level.mainWeight) * (100 - int64_t{kSmallQueuePercent});
+  }
 
  private:
   struct SlotState {

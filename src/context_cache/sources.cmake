@@ -21,6 +21,7 @@ list(APPEND MKV_LIBRARY_SOURCES
   ${CMAKE_CURRENT_LIST_DIR}/eviction_policy.cpp
   ${CMAKE_CURRENT_LIST_DIR}/host_block_tier.cpp
   ${CMAKE_CURRENT_LIST_DIR}/kv_event_queue.cpp
+  ${CMAKE_CURRENT_LIST_DIR}/loop_aware_eviction_policy.cpp
   ${CMAKE_CURRENT_LIST_DIR}/lru_eviction_policy.cpp
   ${CMAKE_CURRENT_LIST_DIR}/recent_digest_set.cpp
   ${CMAKE_CURRENT_LIST_DIR}/record_store.cpp

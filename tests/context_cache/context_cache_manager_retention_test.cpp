@@ -152,7 +152,8 @@ TEST_P(ManagerRetentionTest, EvictionMetricsAndEventsDoNotDependOnThePolicy) {
 }
 
 INSTANTIATE_TEST_SUITE_P(EveryPolicy, ManagerRetentionTest,
-                         ::testing::Values(EvictionPolicyKind::kLru, EvictionPolicyKind::kS3Fifo),
+                         ::testing::Values(EvictionPolicyKind::kLru, EvictionPolicyKind::kS3Fifo,
+                                           EvictionPolicyKind::kLoopAware),
                          policyName);
 
 TEST(ManagerRetentionErrorsTest, InvalidRetentionThrowsNamingTheCallAndTheValueAndChangesNothing) {

@@ -188,7 +188,8 @@ TEST_P(EvictionPlannerTest, RejectsForeignPoolsAndNegativeDemand) {
 }
 
 INSTANTIATE_TEST_SUITE_P(EveryPolicy, EvictionPlannerTest,
-                         ::testing::Values(EvictionPolicyKind::kLru, EvictionPolicyKind::kS3Fifo),
+                         ::testing::Values(EvictionPolicyKind::kLru, EvictionPolicyKind::kS3Fifo,
+                                           EvictionPolicyKind::kLoopAware),
                          policyName);
 
 }  // namespace

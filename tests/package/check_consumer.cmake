@@ -63,7 +63,8 @@ message(STATUS "exported targets: no empty LINK_ONLY entry, no repeated include 
 # internals stay in src/ and are not installed, and context_cache/ holds exactly the coordinator,
 # its request adapter, metrics, value types and events.
 set(internal_headers block_hash block_index cache_record cache_request_lease context_cache_manager
-    eviction_planner eviction_policy kv_event_queue lru_eviction_policy recent_digest_set
+    eviction_planner eviction_policy kv_event_queue loop_aware_eviction_policy lru_eviction_policy
+    recent_digest_set
     record_store resource_pools reuse_plan s3fifo_eviction_policy slot_list)
 foreach(name IN LISTS internal_headers)
   file(GLOB_RECURSE installed_internal ${prefix}/include/${name}.h ${prefix}/include/*/${name}.h

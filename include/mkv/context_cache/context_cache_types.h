@@ -100,6 +100,9 @@ struct SpecReuseContract {
 enum class EvictionPolicyKind : uint8_t {
   kLru,     ///< least recently published or hit first
   kS3Fifo,  ///< small FIFO for new records, main FIFO with a frequency counter, ghost of evictions
+  /// S3-FIFO whose admission resists loops: while returns to evicted prefixes outnumber hits, a
+  /// record returning to an evicted prefix enters the small queue, not the main one
+  kLoopAware,
 };
 std::string_view toString(EvictionPolicyKind kind) noexcept;
 

@@ -152,8 +152,9 @@ KVCacheRuntimeConfig Lifecycle::configFromInput() {
     uint8_t const rawCacheByte = mIn.byte();
     int32_t const cacheByte = rawCacheByte % 8;
     config.contextCache.verifyTokens = cacheByte % 4 != 0;
-    config.contextCache.evictionPolicy =
-        cacheByte >= 4 ? EvictionPolicyKind::kS3Fifo : EvictionPolicyKind::kLru;
+    config.contextCache.evictionPolicy = cacheByte >= 6   ? EvictionPolicyKind::kLoopAware
+                                         : cacheByte >= 4 ? EvictionPolicyKind::kS3Fifo
+                                                          : EvictionPolicyKind::kLru;
     if (mKind == Runtime::kContextReuse && (rawCacheByte & 0x30) == 0x30) {
       config.hostPoolTokens = int64_t{kPage} * (1 + 2 * (rawCacheByte >> 6));
     }
