@@ -120,6 +120,31 @@ enum class KVCacheBackend : uint8_t {
 };
 std::string_view toString(KVCacheBackend backend) noexcept;
 
+/// Occupancy of one pool of pages (KVCacheRuntime::capacity()).
+struct PagePoolUsage {
+  int32_t totalPages = 0;
+  int32_t freePages = 0;         ///< allocatable without evicting anything
+  int32_t reclaimablePages = 0;  ///< held only by cached blocks no request runs on: eviction frees
+  int32_t leasedPages = 0;       ///< held by running or quarantined requests (the rest)
+  /// leasedPages / totalPages in [0, 1]: the share eviction cannot give back (vLLM's
+  /// kv_cache_usage_perc, where cached blocks nobody runs on count as free). 0 without pages.
+  double usage() const noexcept {
+    return totalPages > 0 ? static_cast<double>(leasedPages) / totalPages : 0.0;
+  }
+};
+
+/// Page occupancy of every pool a runtime has; a pool the deployment lacks is nullopt.
+struct KVCacheCapacity {
+  /// The full-attention pool of context reuse, full storage and sliding-window reuse (bounded
+  /// SWA's identity-mapped full pool belongs to its rows whole and is not reported).
+  std::optional<PagePoolUsage> base;
+  std::optional<PagePoolUsage> draft;     ///< a paged speculative draft's pool
+  std::optional<PagePoolUsage> sliding;   ///< the sliding layers' pool (bounded SWA, sliding reuse)
+  std::optional<PagePoolUsage> hostTier;  ///< host tier pages (the blocks it keeps: reclaimable)
+  /// What a scheduler reads: the base pool's usage, else the sliding pool's.
+  double usage() const noexcept { return base ? base->usage() : sliding ? sliding->usage() : 0.0; }
+};
+
 /// Creates and owns the pools, page tables, resident slots and exactly one backend, chosen by the
 /// support matrix:
 /// * contextReuse on, an attention-only model with full and sliding layers, no speculative
@@ -193,6 +218,22 @@ class KVCacheRuntime {
   int32_t maxPagesPerSequence() const noexcept { return mMaxPagesPerSequence; }
   /// Device bytes of every KV pool (full, SWA and draft).
   int64_t kvBytes() const noexcept;
+
+  /// Page occupancy of every pool now (free, reclaimable by eviction, leased), O(1) per pool;
+  /// changes nothing. Exported with the metrics: `pool_free`, `pool_reclaimable`, `pool_leased`,
+  /// `kv_usage_ratio` and, under vLLM's name, `kv_cache_usage_perc` (context reuse backends).
+  KVCacheCapacity capacity() const;
+  /// What admitting the text prompt `promptTokens` with `loraWeightsName` and `cacheSalt` (as
+  /// ManagedKVCacheRequest::begin keys it) and `headroom` would take now: reusable tokens, pages
+  /// to allocate, and whether they fit with or without eviction. Changes nothing. Context reuse
+  /// backends answer through ContextCacheCoordinator::estimateAdmission (on sliding-window reuse
+  /// the sliding pool's pages are not estimated); bounded SWA reuses nothing and reports its
+  /// per-sequence page budget (2M + 1 sliding pages) in `slidingPages`. Throws mkv::Error naming
+  /// this call for an empty prompt or a negative headroom.
+  AdmissionEstimate estimateAdmission(std::vector<int32_t> const& promptTokens,
+                                      std::string_view loraWeightsName = {},
+                                      std::string_view cacheSalt = {},
+                                      DecodingKvHeadroom const& headroom = {1, 0}) const;
 
   /// Applies every page-table row and KV length that the lifecycle calls left waiting, in call
   /// order and in one launch on config().stream. With DeviceWriteTiming::kEngineStep the engine

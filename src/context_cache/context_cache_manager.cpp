@@ -723,6 +723,9 @@ ContextCacheMetrics ContextCacheManager::metrics() const {
   ContextCacheMetrics m = mMetrics;
   m.droppedEvents = mEvents.droppedCount();
   m.freeResources = mPools.freeCounts();
+  for (ResourceType type : kAllResourceTypes) {
+    m.reclaimableResources[type] = mPools.reclaimableCount(type);
+  }
   m.capacities = mPools.capacities();
   m.records = static_cast<int64_t>(mRecords.size());
   m.indexedBlocks = mIndex.size();

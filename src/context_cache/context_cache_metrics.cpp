@@ -107,6 +107,19 @@ void writeGauges(detail::PrometheusWriter& w, ContextCacheMetrics const& m) {
           [&m](ResourceType t) { return m.freeResources[t]; });
   perType(w, "pool_capacity", "gauge", "Capacity per resource pool.",
           [&m](ResourceType t) { return m.capacities[t]; });
+  perType(w, "pool_reclaimable", "gauge",
+          "Slots per resource pool held only by cached records: what eviction frees.",
+          [&m](ResourceType t) { return m.reclaimableResources[t]; });
+  perType(w, "pool_leased", "gauge",
+          "Slots per resource pool held by leases (capacity - free - reclaimable).",
+          [&m](ResourceType t) { return m.leased(t); });
+  w.gauge("kv_usage_ratio",
+          "Share of base KV pages held by running requests (leased / capacity, in [0, 1]).",
+          m.baseUsage());
+  w.gauge("kv_cache_usage_perc",
+          "vLLM's name for kv_usage_ratio: the same fraction in [0, 1] (cached pages nobody runs "
+          "on count as free).",
+          m.baseUsage());
   w.gauge("records", "Published records currently stored.", m.records);
   w.gauge("indexed_blocks", "Blocks currently reusable through the block index.", m.indexedBlocks);
   w.gauge("live_leases", "Request leases currently held.", m.liveLeases);

@@ -50,6 +50,52 @@ LookupRequest ContextCacheCoordinator::lookupOf(ContextCacheSequenceAdmission co
   return lookup;
 }
 
+AdmissionEstimate ContextCacheCoordinator::estimateAdmission(
+    ContextCacheSequenceAdmission const& sequence, DecodingKvHeadroom const& headroom,
+    bool speculativeRequest) const {
+  constexpr char const* kCall = "ContextCacheCoordinator::estimateAdmission";
+  MKV_REQUIRE(!sequence.tokenIds.empty(), kCall, "the prompt is empty");
+  MKV_REQUIRE(!speculativeRequest || mProfile.isSpeculative(), kCall,
+              "a speculative estimate on a deployment without speculative decoding");
+  LookupRequest const lookup =
+      lookupOf(sequence, sequence.lookupPolicy.value_or(ContextCacheLookupPolicy::kUseCache),
+               headroom, speculativeRequest);
+  LookupResult looked;
+  try {
+    looked = mManager->lookup(lookup);
+  } catch (Error const& error) {
+    detail::throwContract(kCall, "{}", error.what());
+  }
+  ReusePlan const& plan = looked.plan;
+  AdmissionEstimate estimate;
+  estimate.promptTokens = static_cast<int32_t>(sequence.tokenIds.size());
+  estimate.reusableTokens = plan.reuseTokenLength;
+  estimate.hostTierTokens =
+      static_cast<int32_t>(plan.hostOnboardPages.size()) * mManager->pageSize();
+  estimate.demand = plan.demand;
+  estimate.missReason = looked.missReason;
+  ResourcePools const& pools = mManager->pools();
+  auto countPinned = [&](ResourceType type, std::span<int32_t const> ids) {
+    for (int32_t id : ids) {
+      ResourceId const resource{type, id};
+      if (pools.activeRefs(resource) == 0 && pools.cacheRefs(resource) > 0) {
+        ++estimate.pinnedReclaimable[type];
+      }
+    }
+  };
+  countPinned(ResourceType::kBaseKvPage, plan.basePageBindings);
+  countPinned(ResourceType::kDraftKvPage, plan.draftPageBindings);
+  ResourceDemand const free = pools.freeCounts();
+  estimate.fitsWithoutEviction = free.covers(plan.demand);
+  estimate.fitsAfterEviction = true;
+  for (ResourceType type : kAllResourceTypes) {
+    int32_t const evictable = pools.reclaimableCount(type) - estimate.pinnedReclaimable[type];
+    estimate.fitsAfterEviction =
+        estimate.fitsAfterEviction && plan.demand[type] <= free[type] + evictable;
+  }
+  return estimate;
+}
+
 // A refused request changes nothing: one sequence's acquire is all-or-nothing itself; several
 // are admitted together (pins first, one eviction for the whole batch, then allocation),
 // because an earlier sequence's eviction could otherwise cost a later one its hits after

@@ -5,6 +5,8 @@
 #include <optional>
 #include <vector>
 
+#include "context_cache/block_hash.h"
+#include "context_cache/context_cache_manager.h"
 #include "context_cache/window_block_cache.h"
 #include "core/check.h"
 #include "core/device.h"
@@ -471,6 +473,63 @@ int64_t KVCacheRuntime::kvBytesFor(KVCacheRuntimeConfig const& config) {
 
 int64_t KVCacheRuntime::availableMemoryBytes(DeviceType device) {
   return detail::availableMemoryBytes(device);
+}
+
+namespace {
+PagePoolUsage poolUsage(int32_t total, int32_t free, int32_t reclaimable) noexcept {
+  return PagePoolUsage{total, free, reclaimable, total - free - reclaimable};
+}
+}  // namespace
+
+KVCacheCapacity KVCacheRuntime::capacity() const {
+  KVCacheCapacity capacity;
+  if (mCoordinator) {
+    ResourcePools const& pools = mCoordinator->manager().pools();
+    auto usageOf = [&pools](ResourceType type) {
+      return poolUsage(pools.capacity(type), pools.freeCount(type), pools.reclaimableCount(type));
+    };
+    capacity.base = usageOf(ResourceType::kBaseKvPage);
+    if (mDraftPool) {
+      capacity.draft = usageOf(ResourceType::kDraftKvPage);
+    }
+    if (mHostTier) {
+      ContextCacheMetrics const metrics = mCoordinator->metrics();
+      auto const total = static_cast<int32_t>(metrics.hostTierCapacityPages);
+      auto const blocks = static_cast<int32_t>(metrics.hostTierBlocks);
+      capacity.hostTier = poolUsage(total, total - blocks, blocks);
+    }
+  }
+  if (mWindowCache) {
+    capacity.sliding = poolUsage(mWindowCache->totalPages(), mWindowCache->freePages(),
+                                 mWindowCache->evictablePages());
+  } else if (mSwaManager) {
+    capacity.sliding = poolUsage(mSwaManager->totalPageCount(), mSwaManager->freePageCount(), 0);
+  }
+  return capacity;
+}
+
+AdmissionEstimate KVCacheRuntime::estimateAdmission(std::vector<int32_t> const& promptTokens,
+                                                    std::string_view loraWeightsName,
+                                                    std::string_view cacheSalt,
+                                                    DecodingKvHeadroom const& headroom) const {
+  constexpr char const* kCall = "KVCacheRuntime::estimateAdmission";
+  MKV_REQUIRE(!promptTokens.empty(), kCall, "the prompt is empty");
+  MKV_REQUIRE(headroom.baseExtraTokens >= 0 && headroom.draftExtraTokens >= 0, kCall,
+              "headroom {{{}, {}}} is negative", headroom.baseExtraTokens,
+              headroom.draftExtraTokens);
+  if (mCoordinator) {
+    ContextCacheSequenceAdmission sequence;
+    sequence.tokenIds = promptTokens;
+    sequence.keyExtras = BlockKeyExtras{digestIdentity(loraWeightsName), digestIdentity(cacheSalt)};
+    return mCoordinator->estimateAdmission(sequence, headroom);
+  }
+  AdmissionEstimate estimate;  // bounded SWA: no reuse, one window budget of sliding pages
+  estimate.promptTokens = static_cast<int32_t>(promptTokens.size());
+  estimate.slidingPages = BoundedSwaKVPageManager::admissionPagesPerSequence(
+      mConfig.model.slidingWindowTokens, mConfig.tokensPerPage);
+  estimate.fitsWithoutEviction = mSwaManager->freePageCount() >= estimate.slidingPages;
+  estimate.fitsAfterEviction = estimate.fitsWithoutEviction;
+  return estimate;
 }
 
 int64_t KVCacheRuntime::kvBytes() const noexcept {

@@ -2,6 +2,7 @@
 // reuse over full paged KV on a vanilla attention-only deployment. Every reuse is checked
 // byte-wise by the KV oracle; every test runs on host tensors and again on the GPU when a device
 // is present.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -775,6 +776,19 @@ TEST_P(ContextCacheCoordinatorTest, MetricsAndPrometheusIncludeTheCoordinatorCou
   }
   EXPECT_NE(rig.coordinator.toPrometheus("engine_").find("engine_coordinator_requests_total 2"),
             std::string::npos);
+  // Occupancy: the base pool's leased share (0: nothing runs) under our name and vLLM's, and the
+  // pages only cached records hold.
+  EXPECT_EQ(parsed.text->samples.at("managedkv_kv_usage_ratio"), 0.0);
+  EXPECT_EQ(parsed.text->samples.at("managedkv_kv_cache_usage_perc"), 0.0);
+  EXPECT_EQ(metrics.reclaimableResources.baseKvPages,
+            rig.coordinator.manager().pools().reclaimableCount(ResourceType::kBaseKvPage));
+  EXPECT_GT(metrics.reclaimableResources.baseKvPages, 0) << "the published blocks stay cached";
+  EXPECT_EQ(metrics.leased(ResourceType::kBaseKvPage), 0);
+  EXPECT_NE(text.find(fmt::format("managedkv_pool_reclaimable{{type=\"base_kv_page\"}} {}\n",
+                                  metrics.reclaimableResources.baseKvPages)),
+            std::string::npos)
+      << text;
+  EXPECT_NE(text.find("managedkv_pool_leased{type=\"base_kv_page\"} 0\n"), std::string::npos);
   // Every counter is exported, from its one entry in kCoordinatorCounterFields, with its value.
   for (CoordinatorCounterField const& counter : kCoordinatorCounterFields) {
     std::string const series = "managedkv_" + std::string(counter.name) + "_total";

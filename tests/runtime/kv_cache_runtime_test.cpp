@@ -576,6 +576,10 @@ TEST_P(KVCacheRuntimeTest, SpeculativeReuseOwnsTheDraftPoolAndTableAndPassesTheC
   EXPECT_EQ(runtime->draftPageTable()->maxPagesPerSeq(), 16);
   EXPECT_EQ(runtime->kvBytes(), runtime->fullPool()->totalBytes() + draft->totalBytes());
   EXPECT_EQ(KVCacheRuntime::kvBytesFor(config), runtime->kvBytes());
+  std::optional<PagePoolUsage> const draftPages = runtime->capacity().draft;
+  ASSERT_TRUE(draftPages.has_value()) << "capacity() reports the draft pool";
+  EXPECT_EQ(draftPages->totalPages, 64);
+  EXPECT_EQ(draftPages->freePages, 64);
   ContextCacheCoordinator const& coordinator = *runtime->contextCache();
   EXPECT_EQ(coordinator.profile().speculative, (SpecReuseContract{true, 1}));
   EXPECT_EQ(coordinator.profile().baseStateKind, BaseStateKind::kAttentionOnly);
@@ -638,6 +642,11 @@ TEST_P(KVCacheRuntimeTest, AHostPoolGivesTheReuseBackendAHostTierOfThatManyPages
   EXPECT_EQ(runtime->hostTier()->numPages(), 6);
   EXPECT_EQ(runtime->hostTier()->bytesPerPage(), 2 * runtime->fullPool()->pageBytes() * 2);
   EXPECT_EQ(runtime->contextCache()->metrics().hostTierCapacityPages, 6);
+  std::optional<PagePoolUsage> const host = runtime->capacity().hostTier;
+  ASSERT_TRUE(host.has_value()) << "capacity() reports the host tier";
+  EXPECT_EQ(host->totalPages, 6);
+  EXPECT_EQ(host->freePages, 6);
+  EXPECT_EQ(host->reclaimablePages + host->leasedPages, 0);
   config.hostPoolTokens = 0;
   EXPECT_EQ(KVCacheRuntime::create(config)->hostTier(), nullptr);
 }

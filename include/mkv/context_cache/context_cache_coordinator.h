@@ -152,6 +152,31 @@ struct ContextCacheSequenceAdmission {
   std::vector<RetentionRange> retention;
 };
 
+/// What admitting one sequence would take now (ContextCacheCoordinator::estimateAdmission): the
+/// question a scheduler asks before it admits, as vLLM's scheduler and KV connectors do.
+struct AdmissionEstimate {
+  int32_t promptTokens = 0;
+  /// Prompt tokens whose state admission would bind (GPU hits and host-tier onboarding):
+  /// execution would start here.
+  int32_t reusableTokens = 0;
+  int32_t hostTierTokens = 0;  ///< of reusableTokens, those onboarded from the host tier
+  /// Resources admission would allocate privately (the prompt and the headroom beyond the
+  /// reused prefix, onboarding targets included; snapshot slots of a checkpoint restore).
+  ResourceDemand demand;
+  /// Reused resources that are reclaimable now (cached, no lease): admission pins them, so they
+  /// no longer count towards what eviction can free.
+  ResourceDemand pinnedReclaimable;
+  /// Every pool has the demand free now: admission would evict nothing.
+  bool fitsWithoutEviction = false;
+  /// Every pool covers the demand with its free slots plus what evicting every unpinned cached
+  /// record would free: admission would succeed (capacity-wise) at this moment.
+  bool fitsAfterEviction = false;
+  /// Why the lookup reused less than the whole prompt (no_prefix, evicted, ...), if it did.
+  std::optional<MissReason> missReason;
+  /// Bounded SWA only (KVCacheRuntime::estimateAdmission): the sliding pages a sequence reserves.
+  int32_t slidingPages = 0;
+};
+
 /// A batch admission (one runtime request).
 struct ContextCacheBatchAdmission {
   std::vector<ContextCacheSequenceAdmission> sequences;
@@ -538,6 +563,14 @@ class ContextCacheCoordinator {
   ContextCacheManager const& manager() const noexcept { return *mManager; }
   ContextCacheMetrics metrics() const;
   ContextCacheCoordinatorCounters const& counters() const noexcept { return mCounters; }
+  /// What admitting `sequence` (its tokens, key extras, media and lookup policy; the resident
+  /// and retention are not read) with `headroom` would take now, as a vanilla request or, with
+  /// `speculativeRequest`, a speculative one. Changes nothing: no lease, no pin, no recency, no
+  /// metric. Throws mkv::Error naming this call for a prompt admission would refuse (empty, a
+  /// media vector of another length, negative headroom, speculative on a deployment without).
+  AdmissionEstimate estimateAdmission(ContextCacheSequenceAdmission const& sequence,
+                                      DecodingKvHeadroom const& headroom,
+                                      bool speculativeRequest = false) const;
   /// The queued KV events, oldest first (config.eventQueueCapacity > 0). On the composed
   /// backend they hold both pools in one order: the full layers' blocks as group 0
   /// (full attention), the sliding pool's window blocks as group 1 (sliding window W).

@@ -70,6 +70,8 @@ struct ContextCacheMetrics {
 
   // Gauges: occupancy when metrics() was called.
   ResourceDemand freeResources;
+  /// Slots held only by cached records (no lease): what evicting every record would free.
+  ResourceDemand reclaimableResources;
   ResourceDemand capacities;
   int64_t records = 0;
   int64_t indexedBlocks = 0;
@@ -88,6 +90,17 @@ struct ContextCacheMetrics {
   }
   uint64_t reclaimed(ResourceType type) const noexcept {
     return reclaimedResources[static_cast<std::size_t>(type)];
+  }
+  /// Slots of `type` held by leases (running or quarantined requests): capacity - free -
+  /// reclaimable.
+  int32_t leased(ResourceType type) const noexcept {
+    return capacities[type] - freeResources[type] - reclaimableResources[type];
+  }
+  /// The base pool's leased share, leased / capacity in [0, 1]: what vLLM exports as
+  /// kv_cache_usage_perc (cached pages nobody runs on count as free, as in vLLM). 0 without pages.
+  double baseUsage() const noexcept {
+    int32_t const total = capacities[ResourceType::kBaseKvPage];
+    return total > 0 ? static_cast<double>(leased(ResourceType::kBaseKvPage)) / total : 0.0;
   }
 };
 

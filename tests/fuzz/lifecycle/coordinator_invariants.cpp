@@ -244,6 +244,22 @@ void Lifecycle::checkCoordinatorPages() {
           reclaimable, pools.reclaimableCount(kBase));
   expectf(m.index().size() == indexed, "the index holds {} digests on {} pages", m.index().size(),
           indexed);
+  // The public capacity query agrees with the page accounting counted here page by page.
+  KVCacheCapacity const query = mRuntime->capacity();
+  expect(query.base.has_value(), "capacity() reports no base pool");
+  if (query.base) {
+    expectf(query.base->totalPages == capacity && query.base->freePages == capacity - used &&
+                query.base->reclaimablePages == reclaimable &&
+                query.base->leasedPages == used - reclaimable,
+            "capacity() says {} total, {} free, {} reclaimable, {} leased; the pages say {}, {}, "
+            "{}, {}",
+            query.base->totalPages, query.base->freePages, query.base->reclaimablePages,
+            query.base->leasedPages, capacity, capacity - used, reclaimable, used - reclaimable);
+  }
+  ContextCacheMetrics const metrics = mCoordinator->metrics();
+  expectf(metrics.leased(kBase) == used - reclaimable && metrics.baseUsage() == query.usage(),
+          "metrics say {} leased pages (usage {}), the pages {} (usage {})", metrics.leased(kBase),
+          metrics.baseUsage(), used - reclaimable, query.usage());
 }
 
 /// The free ring holds each free page once, and free pages have no references.

@@ -29,6 +29,16 @@ void Lifecycle::checkSwaManager() {
   expectf(s.freePageCount() + held + quarantined == s.totalPageCount(),
           "SWA page conservation: {} free + {} held + {} quarantined != {}", s.freePageCount(),
           held, quarantined, s.totalPageCount());
+  // The public capacity query agrees: bounded SWA keeps no cache, so nothing is reclaimable.
+  std::optional<PagePoolUsage> const sliding = mRuntime->capacity().sliding;
+  expect(sliding.has_value(), "capacity() reports no sliding pool");
+  if (sliding) {
+    expectf(sliding->totalPages == s.totalPageCount() && sliding->freePages == s.freePageCount() &&
+                sliding->reclaimablePages == 0 && sliding->leasedPages == held + quarantined,
+            "capacity() says {} total, {} free, {} leased; the rows hold {} of {}",
+            sliding->totalPages, sliding->freePages, sliding->leasedPages, held + quarantined,
+            s.totalPageCount());
+  }
 }
 
 /// The rows of a live request: their residents, endpoints and the pages they hold.
