@@ -40,7 +40,8 @@ struct RowBufferDesc {
 /// Chosen from the design's copy measurements (16-byte accesses, >= 4 loads in flight per thread,
 /// ~16-32 KiB per CTA: docs/benchmarks.md, "The measurements behind the kernels"). Measured on the
 /// H200 (2026-12-03, docs/benchmarks.md G5): 0.75 / 0.77 / 0.80 / 0.83 x memcpy at n = 32768 rows
-/// of 2 / 8 / 16 / 64 KiB (the previous column-chunk kernel: 0.15 to 0.74), 8.8-13.0 us at
+/// of 2 / 8 / 16 / 64 KiB (the previous column-chunk kernel: 0.15 to 0.74, in
+/// docs/benchmarks-history.md), 8.8-13.0 us at
 /// n = 256; the release fence and the waits of the ordering keep it below copyRows (0.89-0.94).
 /// Larger tiles and persistent CTAs were measured and lost (docs/benchmarks.md, "compactBatch:
 /// what the ordering costs").

@@ -14,9 +14,9 @@ inline constexpr int32_t kWarpSize = 32;
 /// Independent vector loads each lane issues before its first store. 16-byte accesses with >= 4
 /// loads in flight per thread reached 0.95 x memcpy on an H200 (the design's tile kernel,
 /// 2026-12-02; docs/benchmarks.md, "The measurements behind the kernels"). Measured with these
-/// kernels on an H200 (docs/benchmarks.md, 2026-12-02): page gather 0.94-0.95 x memcpy,
-/// scatter-gather 0.91-0.92, sequential 0.97, 2-64 KiB row gather 0.90-0.94 at n = 32768 (40
-/// registers at 16 B, no spills).
+/// kernels on an H200 (docs/benchmarks.md, "Results (H200)", 2026-12-03): page gather 0.94-0.95 x
+/// memcpy, scatter-gather 0.91-0.92, sequential 0.97, 2-64 KiB row gather 0.892-0.944 at
+/// n = 32768 (40 registers at 16 B, no spills).
 inline constexpr int32_t kLoadsInFlight = 4;
 /// Bytes one warp moves per work unit at full width: 32 lanes x 4 loads x 16 B. Rows up to this
 /// size get one warp each; larger rows and pages are split into units of this size.

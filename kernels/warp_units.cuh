@@ -18,8 +18,8 @@ namespace mkv::kernels::detail {
 /// Warps per CTA: 8 x 32 threads x 4 loads x 16 B = 16 KiB of a large page per CTA, the tile
 /// that reached 0.95 x memcpy on an H200 in the design's measurements (docs/benchmarks.md, "The
 /// measurements behind the kernels"). Re-measured with copyPages on an H200 (docs/benchmarks.md,
-/// 2026-12-02): the same 0.94-0.95 for 32-256 KiB pages, and a 32-layer x 64-page decode step in
-/// 40.7 us.
+/// "Results (H200)", 2026-12-03): 0.943-0.952 for 32-256 KiB pages, and a 32-layer x 64-page
+/// decode step in 39.8 us.
 inline constexpr int32_t kWarpsPerBlock = 8;
 inline constexpr int32_t kUnitBlockThreads = kWarpsPerBlock * kWarpSize;
 /// grid.x never exceeds this; larger unit counts loop (grid stride).

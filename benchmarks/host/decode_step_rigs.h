@@ -7,7 +7,8 @@
 /// decode step of the whole batch, including the engine's minimal share (building the advances,
 /// or appending the sampled tokens to the context the facade reads). When the rows approach the
 /// table width, step() first finishes the request and admits the batch again; that restart is
-/// inside the measurement but amortised over thousands of steps (< 1 %, see docs/benchmarks.md).
+/// inside the measurement but amortised over thousands of steps (one restart per table width of
+/// steps).
 
 #include <algorithm>
 #include <cstdint>

@@ -30,7 +30,8 @@ struct LLMGenerationRequest {
   /// Tokens at the end of the prompt (a chat template's generation prompt) that the next turn
   /// will not reproduce; Hybrid-MTP endpoint publication stops before them
   /// (publishHybridMtpEndpoint throws for a length inside the tail). 0 = none; other deployments
-  /// refuse a non-zero tail at begin; negative values (the reference's "derive") are refused.
+  /// refuse a non-zero tail at begin; negative values (the upstream engine's "derive from the chat
+  /// template") are refused.
   int32_t contextCacheReplayTailLength = 0;
   /// LoRA adapter of the request; empty = base model. Must equal the context's.
   std::string loraWeightsName;
@@ -45,9 +46,11 @@ struct LLMGenerationRequest {
 };
 
 /// The runtime's per-request view, read by ManagedKVCacheRequest at every lifecycle call.
-/// All per-row vectors are in execution-row order and have `activeBatchSize` entries.
+/// Per-row vectors are in execution-row order; a vector a call reads has one entry per row the
+/// request holds then (joiners included). Which call reads which field: docs/lifecycle.md.
 struct DecodingInferenceContext {
-  /// Stream every enqueued KV operation of this request goes to. The library never owns it.
+  /// Must be the runtime's config().stream (begin throws otherwise): every request's work goes
+  /// to that one stream. The library never owns it.
   cudaStream_t stream = nullptr;
   /// Number of execution rows (sequences) in the current batch.
   int32_t activeBatchSize = 0;

@@ -103,7 +103,9 @@ struct KVCacheRuntimeConfig {
   /// flushDeviceWrites(), once per step (one launch per step, none in a request's calls;
   /// docs/architecture.md, "Device writes at the engine step").
   DeviceWriteTiming deviceWrites = DeviceWriteTiming::kEachCall;
-  cudaStream_t stream = nullptr;    ///< the engine's stream; never owned
+  /// The engine's stream, never owned. nullptr is the legacy default stream, which serialises
+  /// with every blocking stream: pass a non-blocking one.
+  cudaStream_t stream = nullptr;
   StreamSynchronizer synchronizer;  ///< empty = defaultStreamSynchronizer(deviceType)
   /// Test seam: consulted before each launch of the backends' table and length writes (the
   /// runtime's write queue; kernels::LaunchFaults). Empty = no faults.
@@ -195,9 +197,9 @@ class KVCacheRuntime {
   }
 
   KVCacheRuntimeConfig const& config() const noexcept { return mConfig; }
-  /// Pool of the full-attention layers (and of every attention layer unless kBoundedSwa or
-  /// kSlidingWindowReuse);
-  /// null when the model has no such layers.
+  /// Pool of the full-attention layers; on kContextReuse / kFullStorage also of the sliding
+  /// layers, at layer indices [numFull, numFull + numSliding) (full KV, full page table). Null
+  /// only on kBoundedSwa of a model without full-attention layers.
   KVCachePool* fullPool() noexcept { return mFullPool.get(); }
   KVPageTable* fullPageTable() noexcept { return mFullTable.get(); }
   /// Pool and sparse-window table of the sliding layers (kBoundedSwa, kSlidingWindowReuse).
@@ -211,10 +213,11 @@ class KVCacheRuntime {
   /// The host tier of the full pool (hostPoolTokens > 0), else null.
   HostKvTier* hostTier() noexcept { return mHostTier.get(); }
   ResidentSlotPool& residentSlots() noexcept { return mResidentSlots; }
-  /// The pool whose KV-length tensor the backend maintains (full pool, else the SWA pool).
+  /// The full pool when there is one, else the SWA pool. Where both exist (kBoundedSwa with full
+  /// layers, kSlidingWindowReuse) the library writes both length tensors and the engine keeps
+  /// both; this returns only the full pool.
   KVCachePool& lengthPool() noexcept;
-  /// Window layers: full-pool layer indices [0, numFull) are full attention; in the full pool of
-  /// kContextReuse / kFullStorage, sliding layers follow at [numFull, numFull + numSliding).
+  /// Page-table width: pages per sequence, ceil(maxSequenceLength / tokensPerPage).
   int32_t maxPagesPerSequence() const noexcept { return mMaxPagesPerSequence; }
   /// Device bytes of every KV pool (full, SWA and draft).
   int64_t kvBytes() const noexcept;

@@ -1,9 +1,11 @@
 #pragma once
 /// \file managed_kv_cache_request.h
-/// One runtime request facade over the two KV backends. What each call does on each backend:
-/// docs/architecture.md, "One request's path through the layers, from `begin` to `finish`", and
-/// docs/errors.md, "ManagedKVCacheRequest". The API is exactly the one of the reference engine's
-/// ManagedKVCacheRequest. The engine loop, call by call: docs/lifecycle.md.
+/// One runtime request facade over the KV backends (three adapters: context reuse, bounded SWA,
+/// sliding-window reuse). What each call does on each backend: docs/architecture.md, "One
+/// request's path through the layers, from `begin` to `finish`", and docs/errors.md,
+/// "ManagedKVCacheRequest". The API is the upstream engine's ManagedKVCacheRequest (the seed's
+/// reference page, signatures included); "the reference engine" in these docs is
+/// mkv::testing::ReferenceEngine. The engine loop, call by call: docs/lifecycle.md.
 
 #include <cstdint>
 #include <optional>
