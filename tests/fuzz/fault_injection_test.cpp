@@ -1288,5 +1288,32 @@ TEST_F(AllocationFaultTest,
   EXPECT_GT(total.badAllocs, kSeeds * kPoints / 2);
 }
 
+// The same with engine-step device writes on every runtime kind in turn (the engine's flushes and
+// the refused completions of a forgotten flush fail somewhere too).
+TEST_F(AllocationFaultTest, LifecycleFuzzerWithEngineStepWritesSurvivesAllocationFaults) {
+  constexpr int32_t kSeeds = 20;
+  constexpr int32_t kPoints = 5;
+  LifecycleStats total;
+  for (uint64_t seed = 1; seed <= kSeeds; ++seed) {
+    std::vector<uint8_t> input = seededInput(seed + 4'000'000, 600);
+    forceRuntime(input, static_cast<int32_t>(seed % 6));
+    forceEngineStep(input, true);
+    armAllocationFault(0);
+    LifecycleResult const clean = runLifecycle(input);
+    ASSERT_TRUE(clean.ok) << "seed " << seed << ": " << clean.failure;
+    int64_t const allocations = countedAllocations();
+    for (int32_t point = 1; point <= kPoints; ++point) {
+      int64_t const k = 1 + allocations * point / (kPoints + 1);
+      armAllocationFault(k);
+      LifecycleResult const result = runLifecycle(input);
+      armAllocationFault(0);
+      ASSERT_TRUE(result.ok) << "seed " << seed << ", allocation " << k << ": " << result.failure;
+      total += result.stats;
+    }
+  }
+  EXPECT_GT(total.engineStepLifecycles, kSeeds * kPoints / 2);
+  EXPECT_GT(total.badAllocs, kSeeds * kPoints / 2);
+}
+
 }  // namespace
 }  // namespace mkv::fuzz

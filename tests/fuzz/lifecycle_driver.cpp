@@ -7,6 +7,7 @@
 #include <spdlog/sinks/null_sink.h>
 #include <spdlog/spdlog.h>
 
+#include <iterator>
 #include <memory>
 #include <random>
 
@@ -48,6 +49,15 @@ LifecycleStats& LifecycleStats::operator+=(LifecycleStats const& other) {
   acceptedTokens += other.acceptedTokens;
   mtpEndpoints += other.mtpEndpoints;
   boundaryHiddenRestores += other.boundaryHiddenRestores;
+  slidingReuseLifecycles += other.slidingReuseLifecycles;
+  slidingWindowReuses += other.slidingWindowReuses;
+  engineStepLifecycles += other.engineStepLifecycles;
+  deviceFlushes += other.deviceFlushes;
+  forgottenFlushes += other.forgottenFlushes;
+  for (std::size_t i = 0; i < std::size(runtimeOperations); ++i) {
+    runtimeOperations[i] += other.runtimeOperations[i];
+  }
+  engineStepOperations += other.engineStepOperations;
   return *this;
 }
 
@@ -76,6 +86,23 @@ std::vector<uint8_t> seededInput(uint64_t seed, std::size_t bytes) {
     byte = static_cast<uint8_t>(rng());
   }
   return input;
+}
+
+void forceRuntime(std::vector<uint8_t>& input, int32_t kind) {
+  if (kind < 3) {  // context reuse, bounded SWA, full storage: byte % 3 below 0xC0
+    input.at(1) = static_cast<uint8_t>(3 * (input.at(1) % 64) + kind);
+    input.at(2) = kind == 1 ? static_cast<uint8_t>(input.at(2) & ~0x08) : input.at(2);
+  } else if (kind < 6) {  // 0xC0 + k picks runtime 3 + k % 3
+    input.at(1) = static_cast<uint8_t>(0xC0 + (kind - 3) + 3 * (input.at(1) % 21));
+  } else {  // sliding-window reuse: bounded SWA's byte, bits 0 and 3 of the next one
+    input.at(1) = static_cast<uint8_t>(3 * (input.at(1) % 64) + 1);
+    input.at(2) = static_cast<uint8_t>(input.at(2) | 0x09);
+  }
+}
+
+void forceEngineStep(std::vector<uint8_t>& input, bool engineStep) {
+  input.at(0) = engineStep ? static_cast<uint8_t>(input.at(0) | 0xC0)
+                           : static_cast<uint8_t>(input.at(0) & 0x3F);
 }
 
 LifecycleResult runLifecycle(std::span<uint8_t const> data, LifecycleOptions const& options) {

@@ -81,8 +81,23 @@ struct LifecycleStats {
   int64_t acceptedTokens = 0;          ///< tokens accepted by those rounds
   int64_t mtpEndpoints = 0;            ///< Hybrid-MTP endpoints committed
   int64_t boundaryHiddenRestores = 0;  ///< boundary hidden rows restored and verified
+  // Sliding-window reuse and engine-step device writes.
+  int64_t slidingReuseLifecycles = 0;  ///< lifecycles on a sliding-window reuse runtime
+  int64_t slidingWindowReuses = 0;     ///< sliding-reuse rows resumed on a reused window, verified
+  int64_t engineStepLifecycles = 0;    ///< lifecycles with DeviceWriteTiming::kEngineStep
+  int64_t deviceFlushes = 0;           ///< the engine's flushDeviceWrites() calls
+  int64_t forgottenFlushes = 0;        ///< completions refused because the step's flush was missing
+  /// Operations per runtime kind (tests/fuzz/lifecycle/lifecycle.h, Runtime; kRuntimeNames).
+  int64_t runtimeOperations[7] = {};
+  int64_t engineStepOperations = 0;  ///< operations of engine-step lifecycles
 
   LifecycleStats& operator+=(LifecycleStats const& other);
+};
+
+/// The runtime kinds of LifecycleStats::runtimeOperations, in its order.
+inline constexpr char const* kRuntimeNames[7] = {
+    "context reuse", "bounded SWA", "full storage",         "hybrid checkpoints",
+    "speculative",   "Hybrid-MTP",  "sliding-window reuse",
 };
 
 struct LifecycleResult {
@@ -94,6 +109,13 @@ struct LifecycleResult {
 /// The input of seed `seed`: `bytes` bytes of std::mt19937_64(seed). The seeded gtest, the
 /// allocation fault test and `mkv_lifecycle_replay --seeds` run these inputs.
 std::vector<uint8_t> seededInput(uint64_t seed, std::size_t bytes);
+
+/// Rewrites the set-up bytes of `input` (at least three bytes) so that it runs runtime kind
+/// `kind` (an index of kRuntimeNames), keeping what else those bytes choose: the runtime byte, and
+/// for bounded SWA and sliding-window reuse the full-layer byte's bits 0 and 3.
+void forceRuntime(std::vector<uint8_t>& input, int32_t kind);
+/// Sets (or clears) the first byte's bits 6 and 7, which select engine-step device writes.
+void forceEngineStep(std::vector<uint8_t>& input, bool engineStep);
 
 /// Runs one lifecycle. Never throws; a violated property is reported in the result.
 LifecycleResult runLifecycle(std::span<uint8_t const> data, LifecycleOptions const& options = {});

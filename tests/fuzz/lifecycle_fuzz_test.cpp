@@ -86,13 +86,17 @@ TEST(LifecycleFuzzTest, SeededLifecyclesKeepEveryInvariant) {
 /// Every failed synchronisation must poison and quarantine as documented, with the invariants and
 /// the KV oracle holding throughout, and shutdown must bring every page back.
 /// Seeds 13-24 force the runtimes of a recurrent or draft model (runtime byte 0xC0 + seed % 3),
-/// whose capture, endpoint and draft-initialisation synchronisations fail too.
+/// whose capture, endpoint and draft-initialisation synchronisations fail too; seeds 25-30
+/// engine-step device writes on runtime kind seed % 6.
 TEST(LifecycleFuzzTest, EverySynchronisationPointMayFail) {
   constexpr int64_t kPoints = 8;
   LifecycleStats total;
-  for (uint64_t seed = 1; seed <= 24; ++seed) {
+  for (uint64_t seed = 1; seed <= 30; ++seed) {
     std::vector<uint8_t> input = seededInput(seed, 400);
-    if (seed > 12) {
+    if (seed > 24) {
+      forceRuntime(input, static_cast<int32_t>(seed % 6));
+      forceEngineStep(input, true);
+    } else if (seed > 12) {
       input[1] = static_cast<uint8_t>(0xC0 + seed % 3);
     }
     for (int64_t failAt = 1; failAt <= kPoints; ++failAt) {
@@ -113,6 +117,7 @@ TEST(LifecycleFuzzTest, EverySynchronisationPointMayFail) {
   EXPECT_GE(total.hybridLifecycles, 4 * kPoints * 2);
   EXPECT_GE(total.speculativeLifecycles, 4 * kPoints * 2);
   EXPECT_GE(total.mtpLifecycles, 4 * kPoints * 2);
+  EXPECT_GE(total.engineStepLifecycles, 6 * kPoints * 2);
 }
 
 /// Every file of the libFuzzer seed corpus (and every regression input added there) passes.
@@ -186,6 +191,47 @@ TEST(LifecycleFuzzTest, HybridSpeculativeAndMtpRuntimesKeepEveryInvariant) {
       static_cast<long long>(total.pairedReuses), static_cast<long long>(total.verificationRounds),
       static_cast<long long>(total.acceptedTokens), static_cast<long long>(total.mtpEndpoints),
       static_cast<long long>(total.boundaryHiddenRestores),
+      static_cast<long long>(total.failedSynchronizations),
+      static_cast<long long>(total.quarantines));
+}
+
+/// Engine-step device writes (forced: bits 6 and 7 of the first byte) on seeded inputs, each
+/// runtime kind in turn. Every operation checked as above, plus the engine's flushes (nothing
+/// waits after one, every device row is its host row) and the completions refused for a
+/// forgotten flush.
+TEST(LifecycleFuzzTest, EngineStepWritesKeepEveryInvariant) {
+  constexpr uint64_t kSeeds = kSanitized ? 120 : 360;
+  constexpr int64_t kScale = static_cast<int64_t>(kSeeds / 120);  // thresholds per 120 seeds
+  LifecycleStats total;
+  for (uint64_t seed = 1; seed <= kSeeds; ++seed) {
+    std::vector<uint8_t> input = seededInput(seed + 3'000'000, 1500);
+    forceRuntime(input, static_cast<int32_t>(seed % 6));
+    forceEngineStep(input, true);
+    LifecycleResult const result = runLifecycle(input);
+    ASSERT_TRUE(result.ok) << "seed " << seed << " (set-up bytes " << int{input[0]} << ", "
+                           << int{input[1]} << ", " << int{input[2]} << "): " << result.failure;
+    total += result.stats;
+  }
+  EXPECT_EQ(total.engineStepLifecycles, static_cast<int64_t>(kSeeds));
+  EXPECT_GT(total.rejectedCalls, total.operations / 20);
+  EXPECT_GT(total.deviceFlushes, 1000 * kScale);
+  EXPECT_GT(total.forgottenFlushes, 20 * kScale);
+  EXPECT_GT(total.joins, 10 * kScale);
+  EXPECT_GT(total.compactions, 30 * kScale);
+  EXPECT_GT(total.failedSynchronizations, 30 * kScale);
+  EXPECT_GT(total.quarantines, 30 * kScale);
+  EXPECT_GT(total.cacheResets, 10 * kScale);
+  for (std::size_t k = 0; k < 6; ++k) {
+    EXPECT_GT(total.runtimeOperations[k], 0) << kRuntimeNames[k];
+  }
+  std::printf(
+      "operations %lld (engine-step %lld), rejected %lld, engine flushes %lld, completions refused "
+      "for a forgotten flush "
+      "%lld, joins %lld, compactions %lld, failed syncs %lld, quarantines %lld\n",
+      static_cast<long long>(total.operations), static_cast<long long>(total.engineStepOperations),
+      static_cast<long long>(total.rejectedCalls), static_cast<long long>(total.deviceFlushes),
+      static_cast<long long>(total.forgottenFlushes), static_cast<long long>(total.joins),
+      static_cast<long long>(total.compactions),
       static_cast<long long>(total.failedSynchronizations),
       static_cast<long long>(total.quarantines));
 }

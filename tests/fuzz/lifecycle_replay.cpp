@@ -2,7 +2,7 @@
 /// on the seeded inputs of lifecycle_fuzz_test.cpp, optionally printing every operation.
 ///
 ///   mkv_lifecycle_replay [--trace] FILE...
-///   mkv_lifecycle_replay [--trace] --seeds FIRST LAST [--bytes N]
+///   mkv_lifecycle_replay [--trace] --seeds FIRST LAST [--bytes N] [--runtime K] [--engine-step]
 ///
 /// Exit status 1 when a lifecycle violated a property (its report is printed), 2 for a bad
 /// command line (CLI11's message on stderr).
@@ -47,6 +47,16 @@ int main(int argc, char** argv) {
       ->check(CLI::PositiveNumber)
       ->capture_default_str()
       ->needs(seedOption);
+  int32_t runtime = -1;
+  bool engineStep = false;
+  app.add_option(
+         "--runtime", runtime,
+         "force runtime kind K of the seeded inputs (0 context reuse, 1 bounded SWA, 2 full "
+         "storage, 3 hybrid, 4 speculative, 5 Hybrid-MTP, 6 sliding-window reuse)")
+      ->check(CLI::Range(0, 6))
+      ->needs(seedOption);
+  app.add_flag("--engine-step", engineStep, "force engine-step device writes on the seeded inputs")
+      ->needs(seedOption);
   app.add_option("files", files, "inputs to replay")->type_name("FILE")->check(CLI::ExistingFile);
   try {
     app.parse(argc, argv);
@@ -70,8 +80,14 @@ int main(int argc, char** argv) {
     total += result.stats;
   }
   for (uint64_t seed = seeds.empty() ? 1 : seeds[0]; !seeds.empty() && seed <= seeds[1]; ++seed) {
-    mkv::fuzz::LifecycleResult const result =
-        mkv::fuzz::runLifecycle(mkv::fuzz::seededInput(seed, bytes), options);
+    std::vector<uint8_t> input = mkv::fuzz::seededInput(seed, bytes);
+    if (runtime >= 0 && input.size() >= 3) {
+      mkv::fuzz::forceRuntime(input, runtime);
+    }
+    if (engineStep) {
+      mkv::fuzz::forceEngineStep(input, true);
+    }
+    mkv::fuzz::LifecycleResult const result = mkv::fuzz::runLifecycle(input, options);
     ok = report("seed " + std::to_string(seed), result) && ok;
     total += result.stats;
   }
@@ -82,5 +98,19 @@ int main(int argc, char** argv) {
       static_cast<long long>(total.rejectedCalls), static_cast<long long>(total.refusals),
       static_cast<long long>(total.decodeSteps),
       static_cast<long long>(total.failedSynchronizations), ok ? "all passed" : "FAILED");
+  std::printf("operations per runtime:");
+  for (std::size_t k = 0; k < std::size(total.runtimeOperations); ++k) {
+    std::printf("%s %s %lld", k == 0 ? "" : ",", mkv::fuzz::kRuntimeNames[k],
+                static_cast<long long>(total.runtimeOperations[k]));
+  }
+  std::printf(
+      "; engine-step operations %lld (%lld lifecycles, %lld flushes, %lld completions refused "
+      "for a forgotten flush); sliding-window reuse: %lld lifecycles, %lld reused windows "
+      "verified\n",
+      static_cast<long long>(total.engineStepOperations),
+      static_cast<long long>(total.engineStepLifecycles),
+      static_cast<long long>(total.deviceFlushes), static_cast<long long>(total.forgottenFlushes),
+      static_cast<long long>(total.slidingReuseLifecycles),
+      static_cast<long long>(total.slidingWindowReuses));
   return ok ? 0 : 1;
 }

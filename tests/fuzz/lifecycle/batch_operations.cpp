@@ -311,8 +311,11 @@ void Lifecycle::issueAdmit(Req& req, AdmitCall& call) {
 bool Lifecycle::admitOutcome(Req& req, AdmitCall& call, int32_t& start, std::string const& what) {
   using AdmitStatus = ContextCacheRequest::AdmitSequenceStatus;
   BackendSnapshot const before = snapshot();
-  bool const must = ceilPages(int64_t{static_cast<int32_t>(call.row.prompt.size())} + 1) <=
-                    mCoordinator->manager().pools().freeCount(ResourceType::kBaseKvPage);
+  int32_t const pages = ceilPages(int64_t{static_cast<int32_t>(call.row.prompt.size())} + 1);
+  bool must = pages <= mCoordinator->manager().pools().freeCount(ResourceType::kBaseKvPage);
+  if (slidingReuse()) {  // the sliding half: the prompt's pages and a spare, from free pages
+    must = must && pages + 1 <= mRuntime->windowBlockCache()->freePages();
+  }
   bool admitted = false;
   bool capacity = false;
   if (req.via == Via::kFacade) {
@@ -355,8 +358,11 @@ void Lifecycle::joined(Req& req, Row row, int32_t start, std::string const& what
           "{}: joiner starts at {} for {} tokens", what, start, length);
   row.start = start;
   row.bound = true;
+  row.endpoint = length;  // sliding-window reuse: the window before the start and every page
+  row.windowFrom = start;
   req.rows.push_back(std::move(row));
   setActiveBatch(static_cast<int32_t>(req.rows.size()));
+  flushForStep();  // the joiner's rows and length, before its prefill's forward
   executePrefill(req, req.rows.back(), static_cast<int32_t>(req.rows.size()) - 1);
   sampleInto(req.rows.back());
   ++mStats.joins;
@@ -429,7 +435,9 @@ void Lifecycle::issueFinalize(Req& req, int32_t slot, bool corruptLength) {
     return;
   }
   expect(accept(what, call), what + " returned false");
-  req.rows[static_cast<std::size_t>(slot)].joined = true;
+  Row& joiner = req.rows[static_cast<std::size_t>(slot)];
+  joiner.joined = true;
+  joiner.windowFrom = joiner.endpoint;  // sliding-window reuse: the joiner's window is retired
   trace(fmt::format("{}: row {}", what, slot));
 }
 

@@ -10,7 +10,8 @@ namespace mkv::fuzz::lifecycle {
 /// policies. Empty when no resident is free (the runtime keeps the request queued).
 std::optional<Lifecycle::BeginPlan> Lifecycle::planBegin() {
   BeginPlan plan;
-  plan.via = mIn.oneIn(3) ? Via::kDirect : Via::kFacade;
+  // Sliding-window reuse has no direct form: one facade request drives both halves.
+  plan.via = mIn.oneIn(3) && !slidingReuse() ? Via::kDirect : Via::kFacade;
   int32_t const available = mRuntime->residentSlots().available();
   if (available == 0) {
     return std::nullopt;
@@ -22,7 +23,7 @@ std::optional<Lifecycle::BeginPlan> Lifecycle::planBegin() {
   plan.lora = mIn.oneIn(4) ? "adapter" : "";
   plan.salt = mIn.oneIn(4) ? "tenant" : "";
   if (coordinatorBackend()) {
-    if (mIn.oneIn(5)) {
+    if (mIn.oneIn(5) && !slidingReuse()) {  // sliding reuse: the lookahead contract only
       plan.contract = DecodingTokenStateContract::kFullyCommitted;
     }
     if (mIn.oneIn(5)) {
@@ -190,7 +191,8 @@ void Lifecycle::admitted(BeginPlan& plan, std::unique_ptr<Req> req,
         row.start >= 0 && row.start < length && (checkpointDeployment() || row.start % kPage == 0),
         "{}: row {} starts at {} for {} tokens", what, i, row.start, length);
     bool const reusable =
-        mRuntime->backend() == KVCacheBackend::kContextReuse &&
+        (mRuntime->backend() == KVCacheBackend::kContextReuse ||
+         mRuntime->backend() == KVCacheBackend::kSlidingWindowReuse) &&
         plan.rowPolicies[i].value_or(plan.lookup) == ContextCacheLookupPolicy::kUseCache;
     expectf(row.start == 0 || reusable, "{}: row {} reuses {} tokens on bypass", what, i,
             row.start);
@@ -272,8 +274,14 @@ std::optional<bool> Lifecycle::mustAdmit(std::vector<int32_t> const& promptLengt
       draft += paired ? ceilPages(int64_t{length} + headroom.draftExtraTokens) : 0;
     }
     ResourcePools const& pools = mCoordinator->manager().pools();
+    // Sliding-window reuse: each row's prompt pages and a spare from the free sliding pages.
+    int64_t sliding = 0;
+    for (int32_t length : promptLengths) {
+      sliding += slidingReuse() ? ceilPages(length) + 1 : 0;
+    }
     if (cold <= pools.freeCount(ResourceType::kBaseKvPage) &&
-        draft <= pools.freeCount(ResourceType::kDraftKvPage)) {
+        draft <= pools.freeCount(ResourceType::kDraftKvPage) &&
+        (!slidingReuse() || sliding <= mRuntime->windowBlockCache()->freePages())) {
       return true;
     }
     return std::nullopt;  // depends on reuse and eviction
@@ -394,7 +402,7 @@ void Lifecycle::badFacadeBegin(BeginPlan const& plan, int32_t variant, std::stri
       }
       break;
     case 9:
-      if (swaFacade) {
+      if (swaFacade || slidingReuse()) {
         contract = DecodingTokenStateContract::kFullyCommitted;  // SWA: lookahead contract only
       } else {
         context.rawBatchedInputIds[0].clear();  // empty prompt

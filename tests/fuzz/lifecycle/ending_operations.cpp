@@ -103,7 +103,8 @@ void Lifecycle::shutdown(bool fromInput) {
     resetPrefixCache();
     return;
   }
-  bool const direct = choice % 2 == 0;
+  // Sliding-window reuse: the runtime's shutdown drains both halves under one synchronisation.
+  bool const direct = choice % 2 == 0 && !slidingReuse();
   std::string const what = direct ? "backend shutdown" : "runtime shutdown";
   int64_t const calls = syncCalls();
   int64_t const failures = syncFailures();

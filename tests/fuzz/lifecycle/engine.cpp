@@ -9,8 +9,8 @@
 namespace mkv::fuzz::lifecycle {
 
 std::vector<int32_t> Lifecycle::makePrompt(int32_t tokens) {
-  // Fewer families on the runtimes with checkpoints or a draft: more prompts extend another's,
-  // so exact checkpoints and paired paths are reused more often.
+  // Fewer families on the runtimes with checkpoints, a draft or a window cache: more prompts
+  // extend another's, so exact checkpoints, paired paths and cached windows are reused more often.
   int32_t const family = mIn.below(mKind >= Runtime::kHybrid ? 2 : 4);
   std::vector<int32_t> prompt(static_cast<std::size_t>(tokens));
   for (int32_t i = 0; i < tokens; ++i) {
@@ -76,7 +76,10 @@ void Lifecycle::executePrefill(Req& req, Row& row, int32_t rowIndex) {
   auto const length = static_cast<int32_t>(row.prompt.size());
   if (coordinatorBackend()) {
     verifyResumed(req, row, rowIndex);
-    mFullOracle->write(row.resident.slot, row.digests, row.start, length);
+    oracleWrite(*mFullOracle, row.resident.slot, row.digests, row.start, length);
+    if (slidingReuse()) {  // every executed position: complete prompt blocks are published
+      oracleWrite(*mSwaOracle, row.resident.slot, row.digests, row.start, length);
+    }
     if (mRecurrentOracle) {
       mRecurrentOracle->write(row.resident.slot, row.digests, length);
     }
@@ -103,6 +106,15 @@ void Lifecycle::verifyResumed(Req const& req, Row& row, int32_t rowIndex) {
     mStats.oraclePositions += reused.positionsChecked;
     expectf(reused.ok(), "reused prefix of slot {} ({} tokens): {}", row.resident.slot, row.start,
             reused.firstMismatch);
+  }
+  if (slidingReuse() && row.start > 0) {  // the reused window before the start, mapped from the
+                                          // window cache, must be this prefix's too
+    testing::OracleReport const window = mSwaOracle->verify(
+        row.resident.slot, row.digests, std::max(0, row.start - mWindow), row.start);
+    mStats.oraclePositions += window.positionsChecked;
+    expectf(window.ok(), "reused sliding window of slot {} (before {}): {}", row.resident.slot,
+            row.start, window.firstMismatch);
+    ++mStats.slidingWindowReuses;
   }
   if (mRecurrentOracle) {
     testing::OracleReport const state =
@@ -136,7 +148,7 @@ void Lifecycle::verifyResumed(Req const& req, Row& row, int32_t rowIndex) {
 /// The draft model writes its rows [drafted, to) (each needs the token after it) and its KV length.
 void Lifecycle::executeDraft(Row& row, int32_t rowIndex, int32_t to) {
   if (to > row.drafted) {
-    mDraftOracle->write(row.resident.slot, row.draft, row.drafted, to);
+    oracleWrite(*mDraftOracle, row.resident.slot, row.draft, row.drafted, to);
     row.drafted = to;
   }
   writeDraftLength(rowIndex, row.drafted);
@@ -173,10 +185,10 @@ void Lifecycle::executeDecode(Req& req, Row& row, int32_t rowIndex) {
     }
     int32_t const position = row.materialized;
     if (mFullOracle) {
-      mFullOracle->write(row.resident.slot, row.digests, position, position + 1);
+      oracleWrite(*mFullOracle, row.resident.slot, row.digests, position, position + 1);
     }
     if (mSwaOracle) {
-      mSwaOracle->write(row.resident.slot, row.digests, position, position + 1);
+      oracleWrite(*mSwaOracle, row.resident.slot, row.digests, position, position + 1);
     }
     row.materialized = position + 1;
     if (req.contract == DecodingTokenStateContract::kCommittedPlusLookahead) {
@@ -190,6 +202,21 @@ void Lifecycle::executeDecode(Req& req, Row& row, int32_t rowIndex) {
   row.decoded = true;
 }
 
+/// The engine's KV writes of one row through the device rows. When the step's flush was
+/// forgotten (mStaleRows) a position whose device entry is still empty cannot be written (the
+/// oracle throws mkv::Error); the step's writes are made again after the flush.
+void Lifecycle::oracleWrite(testing::KvOracle& oracle, CacheSlot slot,
+                            testing::PrefixDigests const& digests, int32_t begin, int32_t end) {
+  if (!mStaleRows) {
+    oracle.write(slot, digests, begin, end);
+    return;
+  }
+  try {
+    oracle.write(slot, digests, begin, end);
+  } catch (Error const&) {
+  }
+}
+
 void Lifecycle::verifyRow(Row const& row) {
   if (!row.bound) {
     return;
@@ -197,6 +224,10 @@ void Lifecycle::verifyRow(Row const& row) {
   testing::OracleReport report;
   if (coordinatorBackend()) {
     report = mFullOracle->verify(row.resident.slot, row.digests, 0, row.materialized);
+    if (report.ok() && slidingReuse()) {  // the sliding half: the window, as on bounded SWA
+      int32_t const windowBegin = std::min(std::max(0, row.endpoint - mWindow), row.materialized);
+      report = mSwaOracle->verify(row.resident.slot, row.digests, windowBegin, row.materialized);
+    }
   } else {
     // The window of the endpoint the backend keeps, clipped to what is materialised: with a
     // window of 1 and a sampled token listed but not yet written, the window starts past the

@@ -53,6 +53,9 @@ void Lifecycle::checkBackend() {
   } else {
     checkSwaManager();
   }
+  if (slidingReuse()) {
+    checkWindowCache();
+  }
 }
 
 /// The bound row of `slot` (live or quarantined), or null.
@@ -98,6 +101,9 @@ void Lifecycle::checkTables() {
   } else {
     checkSwaMirror(table);
   }
+  if (slidingReuse()) {
+    checkSlidingTable();
+  }
 }
 
 /// Draft rows obey the base rows' rules: a paired row maps at least the pages of its written
@@ -138,8 +144,11 @@ void Lifecycle::checkDraftTable() {
   }
 }
 
-/// Page-table invariants, and device mirrors equal to the host rows after every library call.
+/// Page-table invariants, and device mirrors equal to the host rows after every library call
+/// (engine-step writes: while writes wait for the engine's flush, the device keeps the rows of
+/// the last flush; flushForStep checks them right after each flush).
 void Lifecycle::checkMirrors() {
+  bool const waiting = mEngineStep && mRuntime->deviceWritesPending();
   for (KVPageTable const* table :
        {mRuntime->fullPageTable(), mRuntime->swaPageTable(), mRuntime->draftPageTable()}) {
     if (table == nullptr) {
@@ -147,6 +156,9 @@ void Lifecycle::checkMirrors() {
     }
     std::string error;
     expect(table->checkInvariants(&error), "page-table invariants: " + error);
+    if (waiting) {
+      continue;
+    }
     // The SWA manager clears retired entries on the host at completion and uploads them with
     // the next patch (one upload per step): only such entries may lag on the device.
     bool const lagAllowed = table == mRuntime->swaPageTable();
@@ -201,6 +213,9 @@ void Lifecycle::checkSwaRow(KVPageTable const& table, CacheSlot slot, Row const&
 
 /// What kernels read: the SWA device mirror never maps a page twice either.
 void Lifecycle::checkSwaMirror(KVPageTable const& table) {
+  if (mEngineStep && mRuntime->deviceWritesPending()) {
+    return;  // a finished row's old entries stay on the device until the next flush
+  }
   std::vector<uint8_t> mapped(static_cast<std::size_t>(table.numPages()), 0);
   auto const* device = table.deviceTable().dataPointer<int32_t>();
   for (int64_t i = 0; i < table.deviceTable().numel(); ++i) {

@@ -31,6 +31,7 @@
 #include <utility>
 #include <vector>
 
+#include "context_cache/window_block_cache.h"
 #include "fuzz/allocation_faults.h"
 #include "fuzz/lifecycle/model.h"
 #include "fuzz/lifecycle_driver.h"
@@ -112,6 +113,9 @@ enum class Runtime : uint8_t {
   kHybrid,       ///< context reuse + recurrent layers: exact checkpoints
   kSpeculative,  ///< context reuse + a draft model (paged or reading the base KV): paired reuse
   kHybridMtp,    ///< context reuse + recurrent layers + an MTP draft: Hybrid-MTP endpoints
+  /// full + sliding layers with reuse (KVCacheBackend::kSlidingWindowReuse): the coordinator for
+  /// the full layers, the SWA manager over a WindowBlockCache for the sliding ones
+  kSlidingReuse,
 };
 
 class Lifecycle {
@@ -184,6 +188,7 @@ class Lifecycle {
   // lifecycle.cpp: set-up, teardown, the operation loop
   bool setUp();
   KVCacheRuntimeConfig configFromInput();
+  void slidingReuseConfig(KVCacheRuntimeConfig& config, int32_t width);
   void bindRuntime(KVCacheRuntimeConfig const& config);
   void tearDown();
   void checkEverythingReturned();
@@ -197,6 +202,10 @@ class Lifecycle {
 
   // lifecycle.cpp: small helpers
   bool coordinatorBackend() const noexcept { return mCoordinator != nullptr; }
+  /// The composed backend: both mCoordinator and mSwa, one facade request over both halves.
+  bool slidingReuse() const noexcept { return mKind == Runtime::kSlidingReuse; }
+  /// The runtimes whose SWA rows move a window (bounded SWA, the sliding half of sliding reuse).
+  bool windowRows() const noexcept { return mSwa != nullptr; }
   /// Hybrid checkpoint reuse (hybrid and Hybrid-MTP runtimes).
   bool checkpointDeployment() const noexcept { return mRecurrentOracle != nullptr; }
   bool speculativeDeployment() const noexcept {
@@ -254,6 +263,13 @@ class Lifecycle {
   void sampleInto(Row& row);
   void executeDecode(Req& req, Row& row, int32_t rowIndex);
   void verifyRow(Row const& row);
+  void oracleWrite(testing::KvOracle& oracle, CacheSlot slot, testing::PrefixDigests const& digests,
+                   int32_t begin, int32_t end);
+  bool forgetFlush();
+  void flushForStep();
+  void checkFlushed();
+  void refusedPrefillCompletion(Req& req);
+  void refusedDecodeCompletion(Req& req);
   std::vector<int32_t> makePrompt(int32_t tokens);
   int32_t promptLength();
 
@@ -275,6 +291,8 @@ class Lifecycle {
   void checkSwaRow(KVPageTable const& table, CacheSlot slot, Row const& row,
                    std::vector<int32_t>& seen);
   void checkSwaMirror(KVPageTable const& table);
+  void checkWindowCache();
+  void checkSlidingTable();
   void checkPinnedPages(KVPageTable const& table, std::vector<int32_t> const& seen);
   void checkDraftTable();
   void checkSnapshotResources();
@@ -404,6 +422,12 @@ class Lifecycle {
   int32_t mWindow = 0;
   int32_t mWindowPages = 0;
   int32_t mPromptHeadroom = 1;  ///< base headroom the planned batch needs in its row
+  /// DeviceWriteTiming::kEngineStep: table rows and KV lengths reach the device only at the
+  /// engine's flushDeviceWrites() (flushForStep), once per step before its forward.
+  bool mEngineStep = false;
+  /// A step's flush was forgotten: the engine's KV writes go through stale device rows and may
+  /// miss (an empty entry); they are made again after the flush.
+  bool mStaleRows = false;
 
   std::vector<std::unique_ptr<Req>> mRequests;
   std::vector<Quarantined> mQuarantine;

@@ -13,22 +13,26 @@ namespace mkv::fuzz::lifecycle {
 
 // ---------------------------------------------------------------- prefill
 
+/// The SWA prefill lengths: the prompts (bounded SWA), or the tokens each row executes from its
+/// reuse start (sliding-window reuse: prepareSwaPrefill's effective input lengths).
 std::vector<int32_t> Lifecycle::swaPrefillLengths(Req const& req) const {
   std::vector<int32_t> lengths;
   for (Row const& row : req.rows) {
-    lengths.push_back(static_cast<int32_t>(row.prompt.size()));
+    lengths.push_back(static_cast<int32_t>(row.prompt.size()) - (slidingReuse() ? row.start : 0));
   }
   return lengths;
 }
 
 /// Another request may not prefill now: the coordinator executes one request at a time, and
-/// the SWA length pools follow their owner until it finishes.
+/// the SWA length pools follow their owner until it finishes (sliding-window reuse: both).
 bool Lifecycle::prefillBlockedByAnother(Req const& req) {
   for (auto const& other : mRequests) {
     if (other.get() == &req) {
       continue;
     }
-    if (coordinatorBackend() ? executing(other->stage) : other->serial == mLengthOwner) {
+    bool const executes = coordinatorBackend() && executing(other->stage);
+    bool const ownsLengths = windowRows() && other->serial == mLengthOwner;
+    if (executes || ownsLengths) {
       return true;
     }
   }
@@ -84,12 +88,20 @@ void Lifecycle::issuePreparePrefill(Req& req, std::vector<int32_t> const& length
   }
   req.stage = Stage::kPrefill;
   mLengthOwner = req.serial;
-  for (std::size_t i = 0; i < req.rows.size(); ++i) {
-    Row& row = req.rows[i];
+  for (Row& row : req.rows) {
     row.bound = true;
     row.endpoint = static_cast<int32_t>(row.prompt.size());
-    row.windowFrom = row.endpoint;
-    executePrefill(req, row, static_cast<int32_t>(i));
+    // Sliding-window reuse maps the window before the start and every executed page.
+    row.windowFrom = slidingReuse() ? row.start : row.endpoint;
+  }
+  // Engine-step writes: the engine flushes before the prefill's forward (having forgotten it, it
+  // learns so from the completion, which must refuse and change nothing).
+  if (forgetFlush()) {
+    refusedPrefillCompletion(req);
+  }
+  flushForStep();
+  for (std::size_t i = 0; i < req.rows.size(); ++i) {
+    executePrefill(req, req.rows[i], static_cast<int32_t>(i));
   }
   if (req.mtp) {
     writeHiddenStates(req);
@@ -103,6 +115,23 @@ void Lifecycle::issuePreparePrefill(Req& req, std::vector<int32_t> const& length
 bool Lifecycle::issueFacadePreparePrefill(Req& req, std::vector<int32_t> const& lengths,
                                           bool validLengths, std::string const& what) {
   ManagedKVCacheRequest& facade = *req.facade;
+  if (slidingReuse()) {
+    // Both halves: the coordinator binds the full rows, prepareSwaPrefill maps the windows. An
+    // engine whose lengths were wrong is told so and calls again with the right ones.
+    bool const valid = req.stage == Stage::kAdmitted && !prefillBlockedByAnother(req);
+    if (!valid) {
+      reject(what, [&] { return facade.preparePrefill(); });
+      return false;
+    }
+    expect(accept(what, [&] { return facade.preparePrefill(); }), what + " returned false");
+    std::vector<int32_t> const right = swaPrefillLengths(req);
+    if (lengths != right) {
+      reject(what + " (prepareSwaPrefill)", [&] { return facade.prepareSwaPrefill(lengths); });
+    }
+    expect(accept(what + " (prepareSwaPrefill)", [&] { return facade.prepareSwaPrefill(right); }),
+           what + " (prepareSwaPrefill) returned false");
+    return true;
+  }
   if (coordinatorBackend()) {
     bool const valid = req.stage == Stage::kAdmitted && !prefillBlockedByAnother(req);
     if (!valid) {
@@ -328,6 +357,24 @@ void Lifecycle::completePrefill(Req& req) {
   issueCompletePrefill(req, call);
 }
 
+/// The engine forgot the prefill's flush: the completion (valid otherwise) must throw
+/// mkv::Error and change nothing (docs/architecture.md, "Device writes at the engine step").
+void Lifecycle::refusedPrefillCompletion(Req& req) {
+  CompletePrefillCall call = planCompletePrefill(req);
+  ++mStats.forgottenFlushes;
+  reject("completePrefill without the step's flush on " + describe(req), [&] {
+    if (req.via == Via::kFacade) {
+      return req.facade->completePrefill(call.context, call.common);
+    }
+    if (coordinatorBackend()) {
+      return mCoordinator->finalizePrefillPublication(req.coordinator, call.advances,
+                                                      call.common) == ContextCacheStatus::kOk;
+    }
+    mSwa->completePrefill(req.swa);
+    return true;
+  });
+}
+
 /// Common state lengths given, two tokens after a prefill, more rows than the batch, or (on the
 /// coordinator directly) advances for another batch or with wrong lengths.
 void Lifecycle::badCompletePrefill(Req& req) {
@@ -437,6 +484,9 @@ void Lifecycle::issueCompletePrefill(Req& req, CompletePrefillCall& call) {
   req.rows = std::move(call.sampled);
   req.stage = Stage::kIdle;
   req.trimmed = true;
+  for (Row& row : req.rows) {
+    row.windowFrom = row.endpoint;  // the SWA rows keep the prompt end's window
+  }
   if (coordinatorBackend()) {
     mStats.checkpointsPublished +=
         static_cast<int64_t>(mCoordinator->counters().checkpointPublications - published);
@@ -470,6 +520,9 @@ bool Lifecycle::decodeFits(Req const& req, DecodingKvHeadroom const& headroom) c
       int32_t const required = ceilPages(int64_t{committed} + headroom.baseExtraTokens);
       if (required > mWidth) {
         return false;
+      }
+      if (slidingReuse() && row.joined && ceilPages(int64_t{row.endpoint} + 1) > mWidth) {
+        return false;  // the sliding half's window would pass the row (a stopped row moves too)
       }
       growth += std::max(0, required - mappedPages(row));
       if (row.paired) {
@@ -531,7 +584,7 @@ Lifecycle::DecodeCall Lifecycle::planDecode(Req& req, bool valid) {
       row.reason = FinishReason::kCancelled;
     }
   }
-  if (coordinatorBackend() && mIn.oneIn(4)) {
+  if (coordinatorBackend() && mIn.oneIn(4) && !slidingReuse()) {  // sliding reuse: {1, 0} only
     call.headroom.baseExtraTokens = 2;
   }
   if (req.speculative) {
@@ -549,8 +602,9 @@ Lifecycle::DecodeCall Lifecycle::planDecode(Req& req, bool valid) {
 
 void Lifecycle::issueDecode(Req& req, DecodeCall& call, bool valid) {
   std::string const what = "prepareDecodeStep on " + describe(req);
-  if (!coordinatorBackend() && call.headroom != kVanilla && req.via == Via::kFacade) {
-    call.badArguments = true;  // the SWA facade needs {1, 0}
+  if ((!coordinatorBackend() || slidingReuse()) && call.headroom != kVanilla &&
+      req.via == Via::kFacade) {
+    call.badArguments = true;  // the SWA and sliding-reuse facades need {1, 0}
   }
   auto prepare = [&]() -> bool {
     if (req.via == Via::kFacade) {
@@ -571,8 +625,17 @@ void Lifecycle::issueDecode(Req& req, DecodeCall& call, bool valid) {
     return;
   }
   bool const fits = decodeFits(req, call.headroom);
+  // Sliding-window reuse: a row whose retired page stayed held elsewhere went on without a spare
+  // and may find no page now (pool pressure: the request finishes).
+  bool slidingPressure = false;
+  if (slidingReuse()) {
+    WindowBlockCache const& window = *mRuntime->windowBlockCache();
+    slidingPressure =
+        window.freePages() + window.evictablePages() < static_cast<int32_t>(req.rows.size());
+  }
   bool const prepared = accept(what, prepare);
-  expectf(prepared == fits, "{}: returned {}, expected {}", what, prepared, fits);
+  expectf(prepared == fits || (!prepared && slidingPressure), "{}: returned {}, expected {}", what,
+          prepared, fits);
   if (!prepared) {
     ++mStats.refusals;
     req.stage = Stage::kFinishing;
@@ -580,18 +643,49 @@ void Lifecycle::issueDecode(Req& req, DecodeCall& call, bool valid) {
     return;
   }
   req.stage = Stage::kDecode;
+  for (Row& row : req.rows) {
+    row.decoded = false;
+    if (windowRows() && row.joined) {  // the manager moves every sequence's window but a
+      row.windowFrom = row.endpoint;   // joiner's that is not finalised
+      ++row.endpoint;
+    }
+  }
+  // Engine-step writes: the flush before the step's forward. A forgotten one: the forward's
+  // writes miss where a device row is still empty, the completion must refuse, then the engine
+  // flushes and makes the step's writes again.
+  bool const forgot = forgetFlush();
+  if (!forgot) {
+    flushForStep();
+  }
+  std::vector<std::pair<int32_t, int32_t>> written;  // per row: materialised and drafted before
+  mStaleRows = forgot;
   for (std::size_t i = 0; i < req.rows.size(); ++i) {
     Row& row = req.rows[i];
-    row.decoded = false;
-    if (!coordinatorBackend()) {
-      row.windowFrom = row.endpoint;
-      ++row.endpoint;  // the manager moves every sequence's window
-    }
+    written.emplace_back(row.materialized, row.drafted);
     if (row.reason == FinishReason::kNotFinished && row.joined) {
       executeDecode(req, row, static_cast<int32_t>(i));
       if (row.paired) {  // the draft catches up, possibly lagging a token or two
         executeDraft(row, static_cast<int32_t>(i),
                      std::max(row.drafted, row.materialized - mIn.below(3)));
+      }
+    }
+  }
+  mStaleRows = false;
+  if (forgot) {
+    if (mRuntime->deviceWritesPending()) {
+      refusedDecodeCompletion(req);
+    }
+    flushForStep();
+    for (std::size_t i = 0; i < req.rows.size(); ++i) {
+      Row const& row = req.rows[i];
+      auto const [materialized, drafted] = written[i];
+      for (testing::KvOracle* oracle : {mFullOracle.get(), mSwaOracle.get()}) {
+        if (oracle != nullptr && row.materialized > materialized) {
+          oracle->write(row.resident.slot, row.digests, materialized, row.materialized);
+        }
+      }
+      if (row.paired && row.drafted > drafted) {
+        mDraftOracle->write(row.resident.slot, row.draft, drafted, row.drafted);
       }
     }
   }
@@ -602,6 +696,23 @@ void Lifecycle::issueDecode(Req& req, DecodeCall& call, bool valid) {
 void Lifecycle::completeDecode(Req& req) {
   CompleteDecodeCall call = planCompleteDecode(req);
   issueCompleteDecode(req, call);
+}
+
+/// The engine forgot the decode step's flush: the completion must throw and change nothing.
+void Lifecycle::refusedDecodeCompletion(Req& req) {
+  CompleteDecodeCall call = planCompleteDecode(req);
+  ++mStats.forgottenFlushes;
+  reject("completeDecodeStep without the step's flush on " + describe(req), [&] {
+    if (req.via == Via::kFacade) {
+      return req.facade->completeDecodeStep(call.context, call.common);
+    }
+    if (coordinatorBackend()) {
+      return mCoordinator->completeDecodeStep(req.coordinator, call.advances, call.completed,
+                                              call.common) == ContextCacheStatus::kOk;
+    }
+    mSwa->completeDecodeStep(req.swa);
+    return true;
+  });
 }
 
 void Lifecycle::badCompleteDecode(Req& req) {
