@@ -273,6 +273,10 @@ class BoundedSwaKVPageManager {
   /// request is finishing) when a sequence would pass the table width, or (cached mode) needs a
   /// page, has no spare and the page source has no page for it.
   SwaKVCacheStatus prepareDecodeStep(RequestHandle& handle);
+  /// Why the request of `handle` failed: kPoisoned (row -1) while the manager is poisoned; else
+  /// the row a decode step could not grow (kTableFull, kNoCapacity); kNone when nothing failed
+  /// or the handle is not live.
+  RowFailure lastFailure(RequestHandle const& handle) const noexcept;
   /// Commits the step and retires pages that left the window.
   /// Cached mode: a retired page goes to pageSource->release and the sequence takes its next
   /// spare with pageSource->allocate(1). That cannot fail when the release made the page
@@ -394,7 +398,9 @@ class BoundedSwaKVPageManager {
   /// Throws (naming `call`) unless every length pool's active batch is the request's row count.
   void requireLengthBatch(char const* call, Request const& req) const;
   void commitWindow(SwaSequenceState& state, int32_t newEndpoint) const noexcept;
-  bool stageDecode(SwaSequenceState& state);
+  /// Makes room for one more token of `state`: kNone, or why it cannot (kTableFull past the
+  /// table width, kNoCapacity when cached mode finds no spare page).
+  RowFailureReason stageDecode(SwaSequenceState& state);
   void mapNewBindings(SwaSequenceState const& state);
   void retire(SwaSequenceState& state);
   void releaseSequence(SwaSequenceState& state) noexcept;

@@ -94,6 +94,8 @@ class BoundedSwaRequest {
                                  int32_t fullInputLength);
   /// Nothing was admitted, so nothing to undo: false, as on every backend.
   bool retractSequenceAdmission() noexcept { return false; }
+  /// Why a call failed (BoundedSwaKVPageManager::lastFailure).
+  RowFailure lastFailure() const noexcept { return mManager->lastFailure(mHandle); }
 
   /// Throws: Hybrid-MTP needs context reuse.
   bool publishHybridMtpEndpoint(ExecutionRow row, int32_t residentStateLength,

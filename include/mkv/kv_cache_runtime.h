@@ -167,15 +167,18 @@ struct KVCacheCapacity {
 class KVCacheRuntime {
  public:
   /// Validates the config (throws mkv::Error naming the field) and allocates everything. Before
-  /// allocating, throws mkv::Error naming the bytes when the KV pools (kvBytesFor) exceed the
-  /// memory the device has available (availableMemoryBytes): no pool is half-allocated.
+  /// allocating, throws mkv::Error naming the bytes when the KV pools (kvBytesFor), the bulk of
+  /// a runtime's memory, exceed what the device has available (availableMemoryBytes). The
+  /// smaller allocations (tables, lengths, recurrent rows, snapshots, a host tier) are not in
+  /// that check and can still fail in their own allocation.
   static std::unique_ptr<KVCacheRuntime> create(KVCacheRuntimeConfig const& config);
   /// The bytes kvBytes() will report for a runtime created from `config` (every KV pool: full,
   /// SWA, draft), without allocating; validates `config` as create does. For sizing numPages
   /// from a byte budget: bytes per page of a pool are KVCachePool::bytesPerPage.
   static int64_t kvBytesFor(KVCacheRuntimeConfig const& config);
   /// Bytes an allocation on `device` can take now: kGPU the current device's free memory
-  /// (cudaMemGetInfo), kCPU the host's available memory; -1 when unknown.
+  /// (cudaMemGetInfo), kCPU the host's available memory (MemAvailable, capped by a cgroup v2
+  /// memory limit); -1 when unknown.
   static int64_t availableMemoryBytes(DeviceType device);
   ~KVCacheRuntime();
   KVCacheRuntime(KVCacheRuntime const&) = delete;
@@ -232,7 +235,8 @@ class KVCacheRuntime {
   /// backends answer through ContextCacheCoordinator::estimateAdmission (on sliding-window reuse
   /// the sliding pool's pages are not estimated); bounded SWA reuses nothing and reports its
   /// per-sequence page budget (2M + 1 sliding pages) in `slidingPages`. Throws mkv::Error naming
-  /// this call for an empty prompt or a negative headroom.
+  /// this call for an empty prompt, a headroom begin refuses (baseExtraTokens <= 0), or what
+  /// ContextCacheCoordinator::estimateAdmission refuses (a prompt too long for a row).
   AdmissionEstimate estimateAdmission(std::vector<int32_t> const& promptTokens,
                                       std::string_view loraWeightsName = {},
                                       std::string_view cacheSalt = {},

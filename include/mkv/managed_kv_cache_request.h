@@ -125,8 +125,14 @@ class ManagedKVCacheRequest {
   /// nothing to undo (the newest row joined or is the only one, work is pending, the request
   /// finished; always on bounded SWA) it returns false and changes nothing. It also returns
   /// false when the joiner was undone but clearing its row failed on the device: the backend is
-  /// then poisoned (runtime->contextCache()->poisoned()), and the request should be finished.
+  /// then poisoned (lastFailure() says kPoisoned), and the request should be finished.
   bool retractSequenceAdmission() noexcept;
+  /// Why the last call that answered false failed, before finish(): the row that could not get
+  /// its next pages and why (kNoCapacity: the pool had none even after eviction, so preempting
+  /// another request may help; kTableFull: the row reached maxPagesPerSequence() pages), or
+  /// kPoisoned (row -1: the backend must be drained, see docs/errors.md). kNone when no call
+  /// failed, and after finish(). An addition beside the reference page's API.
+  RowFailure lastFailure() const noexcept;
 
  private:
   /// The one adapter the request runs on; every lifecycle call is one std::visit over it.

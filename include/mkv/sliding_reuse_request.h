@@ -110,6 +110,8 @@ class SlidingReuseRequest {
   /// changing nothing, when there is none to undo or work is pending; false and poisoned when a
   /// half's row clear failed on the device (both halves undo the joiner all the same).
   bool retractSequenceAdmission() noexcept;
+  /// Why a call failed: the full half's reason, else the sliding half's.
+  RowFailure lastFailure() const noexcept;
   /// Throw: Hybrid-MTP needs recurrent layers, which this backend refuses.
   bool publishHybridMtpEndpoint(ExecutionRow row, int32_t residentStateLength,
                                 Tensor const& baseHiddenStates, int32_t boundaryHiddenRow);

@@ -91,6 +91,24 @@ enum class SwaKVCacheStatus : uint8_t { kOk, kRequestFailed, kPoisoned };
 /// Expected outcomes of ContextCacheCoordinator calls (contract violations throw instead).
 enum class ContextCacheStatus : uint8_t { kOk, kRequestFailed, kPoisoned };
 
+/// Why a lifecycle call answered false (ManagedKVCacheRequest::lastFailure()): what a scheduler
+/// needs to tell "free pages and retry" from "this sequence cannot grow here" from "the backend
+/// is down".
+enum class RowFailureReason : uint8_t {
+  kNone,        ///< no call of the request failed
+  kNoCapacity,  ///< a row needed a page the pool could not give, even after eviction
+  kTableFull,   ///< a row would pass its page-table width (maxPagesPerSequence() pages)
+  kPoisoned,    ///< the backend is poisoned (a failed synchronisation or device write)
+};
+
+/// The row that made a request fail and why; row -1 where no one row is to blame (kNone,
+/// kPoisoned).
+struct RowFailure {
+  RowFailureReason reason = RowFailureReason::kNone;
+  ExecutionRow row = -1;
+  friend bool operator==(RowFailure const&, RowFailure const&) = default;
+};
+
 /// Outcome of an in-flight admission (ContextCacheRequest / BoundedSwaRequest::admitSequence):
 /// kNoCapacity is transient pool pressure (retry at a later step boundary); kFailed a poisoned
 /// backend or one without in-flight admission.
@@ -141,5 +159,7 @@ std::string_view toString(ResidentRowState state) noexcept;
 std::string_view toString(SwaKVCacheStatus status) noexcept;
 std::string_view toString(ContextCacheStatus status) noexcept;
 std::string_view toString(DeviceWriteTiming timing) noexcept;
+/// "none", "no-capacity", "table-full", "poisoned".
+std::string_view toString(RowFailureReason reason) noexcept;
 
 }  // namespace mkv

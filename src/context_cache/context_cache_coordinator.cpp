@@ -444,8 +444,9 @@ ContextCacheStatus ContextCacheCoordinator::growPages(Request& req,
   bool grew = false;
   // Rows grown before a failing one keep their pages (mapped and uploaded, so host and device
   // agree), and a retry of the step does not grow them again.
-  auto fail = [&]() {
+  auto fail = [&](RowFailureReason reason, ExecutionRow row) {
     req.stage = RequestStage::kFinishing;
+    req.failure = RowFailure{reason, row};
     ++mCounters.growthFailures;
     if (grew) {
       table.upload();
@@ -453,13 +454,14 @@ ContextCacheStatus ContextCacheCoordinator::growPages(Request& req,
     return ContextCacheStatus::kRequestFailed;
   };
   for (auto& sequence : req.sequences) {
+    auto const row = static_cast<ExecutionRow>(&sequence - req.sequences.data());
     int64_t const base =
         detail::pagesFor(int64_t{sequence.committed} + headroom.baseExtraTokens, pageSize);
     int64_t const draft =
         paired ? detail::pagesFor(int64_t{sequence.committed} + headroom.draftExtraTokens, pageSize)
                : 0;
     if (base > table.baseRowPages() || (paired && draft > table.draftRowPages())) {
-      return fail();
+      return fail(RowFailureReason::kTableFull, row);
     }
     auto const heldBase = static_cast<int32_t>(sequence.lease.basePages().size());
     auto const heldDraft = static_cast<int32_t>(sequence.lease.draftPages().size());
@@ -481,7 +483,7 @@ ContextCacheStatus ContextCacheCoordinator::growPages(Request& req,
       throw;
     }
     if (!grown) {
-      return fail();
+      return fail(RowFailureReason::kNoCapacity, row);
     }
     if (!moveHostTierPages("ContextCacheCoordinator::prepareDecodeStep")) {
       table.mapGrown(sequence, static_cast<std::size_t>(heldBase),
@@ -496,6 +498,14 @@ ContextCacheStatus ContextCacheCoordinator::growPages(Request& req,
   }
   table.upload();
   return ContextCacheStatus::kOk;
+}
+
+RowFailure ContextCacheCoordinator::lastFailure(RequestHandle const& handle) const noexcept {
+  if (poisoned()) {
+    return RowFailure{RowFailureReason::kPoisoned, -1};
+  }
+  Request const* const live = handle.mCoordinator == this ? mRequests->find(handle.mId) : nullptr;
+  return live != nullptr ? live->failure : RowFailure{};
 }
 
 ContextCacheStatus ContextCacheCoordinator::completeDecodeStep(

@@ -412,12 +412,15 @@ bool ContextCacheRequest::finalizeSequenceAdmission(ExecutionRow row, int32_t co
 }
 
 bool ContextCacheRequest::retractSequenceAdmission() noexcept {
-  bool const retracted = mCoordinator->retractSequenceAdmission(mHandle);
-  if (retracted) {
-    mPrefillStarts.pop_back();
-    mUnfinalized.pop_back();
+  if (!mCoordinator->hasRetractableAdmission(mHandle)) {
+    return false;
   }
-  return retracted;
+  // The coordinator undoes the admission even when the row clear fails (false, poisoned): this
+  // request's rows follow it either way.
+  bool const cleared = mCoordinator->retractSequenceAdmission(mHandle);
+  mPrefillStarts.pop_back();
+  mUnfinalized.pop_back();
+  return cleared;
 }
 
 bool ContextCacheRequest::publishHybridMtpEndpoint(ExecutionRow row, int32_t residentStateLength,

@@ -54,9 +54,12 @@ AdmissionEstimate ContextCacheCoordinator::estimateAdmission(
     ContextCacheSequenceAdmission const& sequence, DecodingKvHeadroom const& headroom,
     bool speculativeRequest) const {
   constexpr char const* kCall = "ContextCacheCoordinator::estimateAdmission";
-  MKV_REQUIRE(!sequence.tokenIds.empty(), kCall, "the prompt is empty");
   MKV_REQUIRE(!speculativeRequest || mProfile.isSpeculative(), kCall,
               "a speculative estimate on a deployment without speculative decoding");
+  detail::AdmissionLimits const limits = admissionLimits();
+  bool const paired = speculativeRequest && limits.pagedDraft;
+  detail::validateHeadroom(kCall, headroom, paired);
+  detail::validateSequence(kCall, 0, sequence, headroom, limits, paired);
   LookupRequest const lookup =
       lookupOf(sequence, sequence.lookupPolicy.value_or(ContextCacheLookupPolicy::kUseCache),
                headroom, speculativeRequest);
@@ -85,6 +88,15 @@ AdmissionEstimate ContextCacheCoordinator::estimateAdmission(
   };
   countPinned(ResourceType::kBaseKvPage, plan.basePageBindings);
   countPinned(ResourceType::kDraftKvPage, plan.draftPageBindings);
+  if (plan.recurrentSnapshotBinding) {  // a checkpoint restore pins its snapshot slots too
+    countPinned(ResourceType::kRecurrentSnapshot, std::span(&*plan.recurrentSnapshotBinding, 1));
+  }
+  if (plan.partialKvSnapshotBinding) {
+    countPinned(ResourceType::kPartialKvSnapshot, std::span(&*plan.partialKvSnapshotBinding, 1));
+  }
+  if (poisoned()) {  // begin would answer kPoisoned: nothing fits
+    return estimate;
+  }
   ResourceDemand const free = pools.freeCounts();
   estimate.fitsWithoutEviction = free.covers(plan.demand);
   estimate.fitsAfterEviction = true;

@@ -98,12 +98,17 @@ ContextCacheStatus ContextCacheCoordinator::finalizeSequenceAdmission(
   return ContextCacheStatus::kOk;
 }
 
+bool ContextCacheCoordinator::hasRetractableAdmission(RequestHandle const& handle) const noexcept {
+  Request const* const live = handle.mCoordinator == this ? mRequests->find(handle.mId) : nullptr;
+  // Not when pending device work (a decode step, a compaction) may still read the row's pages,
+  // the newest row joined, or it is the batch's only row.
+  return live != nullptr && !hasPendingWork(live->stage) && live->sequences.size() >= 2 &&
+         !live->sequences.back().joined;
+}
+
 bool ContextCacheCoordinator::retractSequenceAdmission(RequestHandle& handle) noexcept {
   Request* const live = handle.mCoordinator == this ? mRequests->find(handle.mId) : nullptr;
-  // Nothing to undo: pending device work (a decode step, a compaction) may still read the
-  // row's pages, the newest row joined, or it is the batch's only row.
-  if (live == nullptr || hasPendingWork(live->stage) || live->sequences.size() < 2 ||
-      live->sequences.back().joined) {
+  if (live == nullptr || !hasRetractableAdmission(handle)) {
     return false;
   }
   Request& req = *live;

@@ -95,6 +95,8 @@ struct CoordinatorRequest {
   /// Prompt tokens the next turn will not reproduce (Hybrid-MTP only): never published.
   int32_t replayTailLength = 0;
   std::vector<Sequence> sequences;
+  /// The row whose page growth failed the request, and why (kNone until one does).
+  RowFailure failure;
   // The compaction begun (meaningful in kCompacting only; the mapping keeps its capacity).
   std::vector<int32_t> mapping;
   int32_t newBatchSize = -1;

@@ -97,6 +97,21 @@ void validatePrompt(char const* call, std::size_t i, ContextCacheSequenceAdmissi
 
 }  // namespace
 
+void validateSequence(char const* call, std::size_t i,
+                      ContextCacheSequenceAdmission const& sequence,
+                      DecodingKvHeadroom const& headroom, AdmissionLimits const& limits,
+                      bool paired) {
+  validatePrompt(call, i, sequence, headroom, limits, paired);
+  MKV_REQUIRE(sequence.media.empty() || sequence.media.size() == sequence.tokenIds.size(), call,
+              "sequence {} has {} media positions for {} tokens", i, sequence.media.size(),
+              sequence.tokenIds.size());
+  if (sequence.lookupPolicy) {
+    MKV_REQUIRE(static_cast<uint8_t>(*sequence.lookupPolicy) <= 1, call,
+                "sequence {} lookup policy {} out of range", i,
+                static_cast<int>(*sequence.lookupPolicy));
+  }
+}
+
 void validateBatchAdmission(char const* call, ContextCacheBatchAdmission const& admission,
                             DecodingKvHeadroom const& headroom, AdmissionLimits const& limits) {
   validateBatchShape(call, admission, headroom, limits);
@@ -105,15 +120,7 @@ void validateBatchAdmission(char const* call, ContextCacheBatchAdmission const& 
   for (std::size_t i = 0; i < admission.sequences.size(); ++i) {
     auto const& sequence = admission.sequences[i];
     validateResident(call, i, sequence.resident, limits.maxBatch, limits.residentSlots, seen);
-    validatePrompt(call, i, sequence, headroom, limits, paired);
-    MKV_REQUIRE(sequence.media.empty() || sequence.media.size() == sequence.tokenIds.size(), call,
-                "sequence {} has {} media positions for {} tokens", i, sequence.media.size(),
-                sequence.tokenIds.size());
-    if (sequence.lookupPolicy) {
-      MKV_REQUIRE(static_cast<uint8_t>(*sequence.lookupPolicy) <= 1, call,
-                  "sequence {} lookup policy {} out of range", i,
-                  static_cast<int>(*sequence.lookupPolicy));
-    }
+    validateSequence(call, i, sequence, headroom, limits, paired);
     requireValidRetention(call, sequence.retention);
   }
 }

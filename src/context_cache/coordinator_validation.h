@@ -38,6 +38,14 @@ struct AdmissionLimits {
 void validateBatchAdmission(char const* call, ContextCacheBatchAdmission const& admission,
                             DecodingKvHeadroom const& headroom, AdmissionLimits const& limits);
 
+/// One sequence's checks of an admission, its resident and retention aside: the prompt (empty,
+/// int32 positions, row width with headroom for base and paired draft), the media and the
+/// lookup policy; `i` names it in the message.
+void validateSequence(char const* call, std::size_t i,
+                      ContextCacheSequenceAdmission const& sequence,
+                      DecodingKvHeadroom const& headroom, AdmissionLimits const& limits,
+                      bool paired);
+
 /// admitSequence's checks of the request a joiner joins: the deployment admits in flight
 /// (`liveAdmission`), the request executes with no pending work, has a founding sequence, uses
 /// the committed-plus-lookahead contract and its batch of at most `maxBatch` rows is not full.

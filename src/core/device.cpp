@@ -2,6 +2,9 @@
 
 #include <unistd.h>
 
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <fstream>
 #include <string>
@@ -158,29 +161,53 @@ void fillBytes(void* dst, DeviceType type, int value, std::size_t bytes, cudaStr
 #endif
 }
 
+namespace {
+/// MemAvailable of /proc/meminfo in bytes, -1 when it cannot be read.
+int64_t memAvailableBytes() {
+  std::ifstream meminfo("/proc/meminfo");
+  std::string line;
+  while (std::getline(meminfo, line)) {
+    long long kib = 0;
+    if (std::sscanf(line.c_str(), "MemAvailable: %lld kB", &kib) == 1) {
+      return static_cast<int64_t>(kib) * 1024;
+    }
+  }
+  return -1;
+}
+
+/// What the cgroup v2 memory limit of this process leaves (memory.max - memory.current), -1
+/// without a limit or when it cannot be read.
+int64_t cgroupHeadroomBytes() {
+  std::ifstream maxFile("/sys/fs/cgroup/memory.max");
+  std::ifstream currentFile("/sys/fs/cgroup/memory.current");
+  std::string max;
+  long long current = 0;
+  if (!(maxFile >> max) || max == "max" || !(currentFile >> current)) {
+    return -1;
+  }
+  long long const limit = std::atoll(max.c_str());
+  return limit > 0 ? std::max<int64_t>(0, limit - current) : -1;
+}
+}  // namespace
+
 int64_t availableMemoryBytes(DeviceType type) {
   if (type == DeviceType::kGPU) {
 #if MKV_WITH_CUDA
     std::size_t free = 0;
     std::size_t total = 0;
-    checkCuda(cudaMemGetInfo(&free, &total), "cudaMemGetInfo");
-    return static_cast<int64_t>(free);
+    return cudaMemGetInfo(&free, &total) == cudaSuccess ? static_cast<int64_t>(free) : -1;
 #else
     throwNoCuda("availableMemoryBytes(kGPU)");
 #endif
   }
-  std::ifstream meminfo("/proc/meminfo");
-  std::string key;
-  int64_t kib = 0;
-  std::string unit;
-  while (meminfo >> key >> kib >> unit) {
-    if (key == "MemAvailable:") {
-      return kib * 1024;
-    }
+  int64_t available = memAvailableBytes();
+  if (available < 0) {
+    long const pages = sysconf(_SC_AVPHYS_PAGES);
+    long const pageSize = sysconf(_SC_PAGESIZE);
+    available = pages > 0 && pageSize > 0 ? int64_t{pages} * pageSize : -1;
   }
-  long const pages = sysconf(_SC_AVPHYS_PAGES);
-  long const pageSize = sysconf(_SC_PAGESIZE);
-  return pages > 0 && pageSize > 0 ? int64_t{pages} * pageSize : -1;
+  int64_t const cgroup = cgroupHeadroomBytes();
+  return cgroup >= 0 && (available < 0 || cgroup < available) ? cgroup : available;
 }
 
 void synchronizeDevice() {

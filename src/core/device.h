@@ -41,7 +41,7 @@ void fillBytes(void* dst, DeviceType type, int value, std::size_t bytes, cudaStr
 void synchronizeDevice();
 /// Bytes a new allocation of `type` can take now: kGPU the current device's free memory
 /// (cudaMemGetInfo), kCPU the host's available memory (MemAvailable of /proc/meminfo, else the
-/// free physical pages). -1 when unknown.
+/// free physical pages), capped by what a cgroup v2 memory limit leaves. -1 when unknown.
 int64_t availableMemoryBytes(DeviceType type);
 
 /// A CUDA event used to know when staged host memory may be rewritten. For kCPU it is inert.

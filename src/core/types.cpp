@@ -76,6 +76,20 @@ std::string_view statusName(Status status) noexcept {
 std::string_view toString(SwaKVCacheStatus status) noexcept { return statusName(status); }
 std::string_view toString(ContextCacheStatus status) noexcept { return statusName(status); }
 
+std::string_view toString(RowFailureReason reason) noexcept {
+  switch (reason) {
+    case RowFailureReason::kNone:
+      return "none";
+    case RowFailureReason::kNoCapacity:
+      return "no-capacity";
+    case RowFailureReason::kTableFull:
+      return "table-full";
+    case RowFailureReason::kPoisoned:
+      return "poisoned";
+  }
+  return "unknown";
+}
+
 std::string_view toString(DeviceWriteTiming timing) noexcept {
   switch (timing) {
     case DeviceWriteTiming::kEachCall:

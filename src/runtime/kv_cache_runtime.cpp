@@ -7,6 +7,7 @@
 
 #include "context_cache/block_hash.h"
 #include "context_cache/context_cache_manager.h"
+#include "context_cache/coordinator_validation.h"
 #include "context_cache/window_block_cache.h"
 #include "core/check.h"
 #include "core/device.h"
@@ -258,11 +259,17 @@ std::vector<KVCachePoolConfig> kvPoolConfigs(KVCacheRuntimeConfig const& config,
   return pools;
 }
 
-/// The device bytes of every KV pool create() allocates for `sizes`.
+/// The device bytes of every KV pool create() allocates for `sizes`; INT64_MAX when they would
+/// not fit in int64 (an absurd geometry that the pools' own checks refuse later).
 int64_t kvPoolBytes(KVCacheRuntimeConfig const& config, PoolSizes const& sizes) {
   int64_t bytes = 0;
   for (KVCachePoolConfig const& pool : kvPoolConfigs(config, sizes)) {
-    bytes += int64_t{pool.numPages} * KVCachePool::bytesPerPage(pool);
+    int64_t poolBytes = 0;
+    if (__builtin_mul_overflow(int64_t{pool.numPages}, KVCachePool::bytesPerPage(pool),
+                               &poolBytes) ||
+        __builtin_add_overflow(bytes, poolBytes, &bytes)) {
+      return std::numeric_limits<int64_t>::max();
+    }
   }
   return bytes;
 }
@@ -514,20 +521,23 @@ AdmissionEstimate KVCacheRuntime::estimateAdmission(std::vector<int32_t> const& 
                                                     DecodingKvHeadroom const& headroom) const {
   constexpr char const* kCall = "KVCacheRuntime::estimateAdmission";
   MKV_REQUIRE(!promptTokens.empty(), kCall, "the prompt is empty");
-  MKV_REQUIRE(headroom.baseExtraTokens >= 0 && headroom.draftExtraTokens >= 0, kCall,
-              "headroom {{{}, {}}} is negative", headroom.baseExtraTokens,
-              headroom.draftExtraTokens);
+  detail::validateHeadroom(kCall, headroom, false);
   if (mCoordinator) {
     ContextCacheSequenceAdmission sequence;
     sequence.tokenIds = promptTokens;
     sequence.keyExtras = BlockKeyExtras{digestIdentity(loraWeightsName), digestIdentity(cacheSalt)};
-    return mCoordinator->estimateAdmission(sequence, headroom);
+    try {
+      return mCoordinator->estimateAdmission(sequence, headroom);
+    } catch (Error const& error) {  // the coordinator's check, named under the caller's call
+      detail::throwContract(kCall, "{}", error.what());
+    }
   }
   AdmissionEstimate estimate;  // bounded SWA: no reuse, one window budget of sliding pages
   estimate.promptTokens = static_cast<int32_t>(promptTokens.size());
   estimate.slidingPages = BoundedSwaKVPageManager::admissionPagesPerSequence(
       mConfig.model.slidingWindowTokens, mConfig.tokensPerPage);
-  estimate.fitsWithoutEviction = mSwaManager->freePageCount() >= estimate.slidingPages;
+  estimate.fitsWithoutEviction =
+      !mSwaManager->poisoned() && mSwaManager->freePageCount() >= estimate.slidingPages;
   estimate.fitsAfterEviction = estimate.fitsWithoutEviction;
   return estimate;
 }

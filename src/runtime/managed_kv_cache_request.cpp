@@ -194,6 +194,17 @@ bool ManagedKVCacheRequest::finalizeSequenceAdmission(ExecutionRow row,
   });
 }
 
+// The facade's retraction is noexcept by the seed's contract, so every adapter's must be too:
+// a throwing one would terminate the engine while it unwinds a failed join.
+static_assert(noexcept(std::declval<ContextCacheRequest&>().retractSequenceAdmission()) && noexcept(
+    std::declval<BoundedSwaRequest&>()
+        .retractSequenceAdmission()) && noexcept(std::declval<SlidingReuseRequest&>()
+                                                     .retractSequenceAdmission()));
+
+RowFailure ManagedKVCacheRequest::lastFailure() const noexcept {
+  return std::visit([](auto const& backend) noexcept { return backend.lastFailure(); }, mBackend);
+}
+
 bool ManagedKVCacheRequest::retractSequenceAdmission() noexcept {
   // Every adapter's retraction is noexcept, so no facade-call wrapper is needed (or allowed).
   return std::visit([](auto& backend) noexcept { return backend.retractSequenceAdmission(); },

@@ -309,10 +309,17 @@ bool SlidingReuseRequest::finalizeSequenceAdmission(ExecutionRow row, int32_t co
   return true;
 }
 
+RowFailure SlidingReuseRequest::lastFailure() const noexcept {
+  RowFailure const full = mFull.lastFailure();
+  return full.reason != RowFailureReason::kNone ? full : mManager->lastFailure(mHandle);
+}
+
 bool SlidingReuseRequest::retractSequenceAdmission() noexcept {
-  // The halves hold the same unfinalised joiner (admitted, finalised and stepped together), so
-  // the SWA half's check answers for both; with nothing to undo neither half is touched.
-  if (!mManager->hasRetractableAdmission(mHandle)) {
+  // Both halves must hold the same undoable joiner; they can disagree after a call that failed
+  // on one half (a decode step the SWA half refused, a quarantined half): then nothing is
+  // undone on either, and the engine finishes the request.
+  if (!mManager->hasRetractableAdmission(mHandle) ||
+      !mFull.coordinator().hasRetractableAdmission(mFull.handle())) {
     return false;
   }
   bool const full = mFull.retractSequenceAdmission();

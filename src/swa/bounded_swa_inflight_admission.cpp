@@ -135,10 +135,11 @@ bool BoundedSwaKVPageManager::hasRetractableAdmission(RequestHandle const& handl
 }
 
 bool BoundedSwaKVPageManager::retractSequenceAdmission(RequestHandle& handle) noexcept {
-  if (!hasRetractableAdmission(handle)) {
+  Request* const live = handle.mManager == this ? mRequests->find(handle.mId) : nullptr;
+  if (live == nullptr || !hasRetractableAdmission(handle)) {
     return false;
   }
-  Request& req = *mRequests->find(handle.mId);
+  Request& req = *live;
   SwaSequenceState& state = req.sequences.back();
   bool cleared = true;
   try {

@@ -340,17 +340,19 @@ void BoundedSwaKVPageManager::commitWindow(SwaSequenceState& state,
   state.retainedEnd = pagesCovering(newEndpoint, mPageShift);
 }
 
-bool BoundedSwaKVPageManager::stageDecode(SwaSequenceState& state) {
+RowFailureReason BoundedSwaKVPageManager::stageDecode(SwaSequenceState& state) {
   if (state.endpoint == std::numeric_limits<int32_t>::max()) {
-    return false;
+    return RowFailureReason::kTableFull;
   }
   int32_t const next = state.endpoint + 1;
   int32_t const newEnd = pagesCovering(next, mPageShift);
   if (newEnd > mResources.swaPageTable->maxPagesPerSeq()) {
-    return false;
+    return RowFailureReason::kTableFull;
   }
   bool const needsPage = newEnd > state.retainedEnd;
-  return !needsPage || !state.reservedPages.empty() || takeSpare(state);
+  return !needsPage || !state.reservedPages.empty() || takeSpare(state)
+             ? RowFailureReason::kNone
+             : RowFailureReason::kNoCapacity;
 }
 
 void BoundedSwaKVPageManager::mapNewBindings(SwaSequenceState const& state) {
@@ -478,6 +480,14 @@ void BoundedSwaKVPageManager::completePrefill(RequestHandle& handle) {
   req.pending = Pending::kNone;
 }
 
+RowFailure BoundedSwaKVPageManager::lastFailure(RequestHandle const& handle) const noexcept {
+  if (poisoned()) {
+    return RowFailure{RowFailureReason::kPoisoned, -1};
+  }
+  Request const* const live = handle.mManager == this ? mRequests->find(handle.mId) : nullptr;
+  return live != nullptr ? live->failure : RowFailure{};
+}
+
 SwaKVCacheStatus BoundedSwaKVPageManager::prepareDecodeStep(RequestHandle& handle) {
   constexpr char const* kCall = "BoundedSwaKVPageManager::prepareDecodeStep";
   Request& req = request(handle, kCall);
@@ -485,8 +495,10 @@ SwaKVCacheStatus BoundedSwaKVPageManager::prepareDecodeStep(RequestHandle& handl
               "a decode step needs a completed prefill or step and no pending work");
   // An unfinalised joiner holds: its prefill is staged, not its next token.
   for (SwaSequenceState& state : req.sequences) {
-    if (!state.joining && !stageDecode(state)) {
+    RowFailureReason const failed = state.joining ? RowFailureReason::kNone : stageDecode(state);
+    if (failed != RowFailureReason::kNone) {
       req.phase = Phase::kFinishing;
+      req.failure = RowFailure{failed, static_cast<ExecutionRow>(&state - req.sequences.data())};
       return SwaKVCacheStatus::kRequestFailed;
     }
   }

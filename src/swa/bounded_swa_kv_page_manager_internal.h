@@ -29,6 +29,8 @@ struct BoundedSwaKVPageManager::Request {
   /// waited), checked by its completion.
   int64_t writesMark = -1;
   std::vector<SwaSequenceState> sequences;
+  /// The row a decode step could not grow, and why (kNone until one fails).
+  RowFailure failure;
   /// Cached mode: each sequence's admitted promptTokens, which preparePrefill must be given
   /// (read before any compaction, so it keeps the admission's row order). Empty otherwise.
   std::vector<int32_t> promptTokens;

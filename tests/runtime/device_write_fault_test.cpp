@@ -191,6 +191,10 @@ TEST_P(RetractionFaultTest, ARetractionWhoseRowClearFailsPoisonsAndShutdownClear
     EXPECT_FALSE(driver.facade().retractSequenceAdmission());
     EXPECT_EQ(faults.pending(), 0) << "the retraction launched nothing";
     EXPECT_TRUE(rig.poisoned());
+    EXPECT_EQ(driver.facade().lastFailure(), (RowFailure{RowFailureReason::kPoisoned, -1}));
+    ASSERT_NE(driver.facade().prefillStarts(), nullptr);
+    EXPECT_EQ(driver.facade().prefillStarts()->size(), 1u)
+        << "the joiner was undone: the request's rows follow the backend's";
     EXPECT_EQ(table.liveEntryCount(slot), 0) << "the host row is cleared";
     // The clear stays queued (the composed backend's sliding half already retries it in the
     // same call): the next flush takes it to the device.

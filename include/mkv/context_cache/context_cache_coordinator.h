@@ -160,13 +160,16 @@ struct AdmissionEstimate {
   /// execution would start here.
   int32_t reusableTokens = 0;
   int32_t hostTierTokens = 0;  ///< of reusableTokens, those onboarded from the host tier
-  /// Resources admission would allocate privately (the prompt and the headroom beyond the
-  /// reused prefix, onboarding targets included; snapshot slots of a checkpoint restore).
+  /// Resources admission would allocate privately: base (and paired draft) pages for the prompt
+  /// and the headroom beyond the reused prefix, onboarding targets included. Snapshot slots are
+  /// reserved later, at a capture, and are not in it.
   ResourceDemand demand;
-  /// Reused resources that are reclaimable now (cached, no lease): admission pins them, so they
-  /// no longer count towards what eviction can free.
+  /// Reused resources that are reclaimable now (cached, no lease): the pages, and a checkpoint
+  /// restore's snapshot slots, that admission pins, so they no longer count towards what
+  /// eviction can free.
   ResourceDemand pinnedReclaimable;
-  /// Every pool has the demand free now: admission would evict nothing.
+  /// Every pool has the demand free now: admission would evict nothing. Both fit flags are false
+  /// while the coordinator is poisoned (begin would answer kPoisoned).
   bool fitsWithoutEviction = false;
   /// Every pool covers the demand with its free slots plus what evicting every unpinned cached
   /// record would free: admission would succeed (capacity-wise) at this moment.
@@ -537,6 +540,14 @@ class ContextCacheCoordinator {
   /// joined or the only one) it returns false and changes nothing. It also returns false, after
   /// undoing the admission, when clearing the row failed on the device: then poisoned() is true.
   bool retractSequenceAdmission(RequestHandle& handle) noexcept;
+  /// What retractSequenceAdmission would undo: true when `handle`'s request is live, no work is
+  /// pending and its newest sequence is an in-flight admission that never joined, beside others.
+  bool hasRetractableAdmission(RequestHandle const& handle) const noexcept;
+  /// Why the request of `handle` failed: kPoisoned (row -1) while the coordinator is poisoned;
+  /// else the row whose page growth failed a decode step (kTableFull: it would pass the table
+  /// width; kNoCapacity: no page even after eviction); kNone when nothing failed or the handle
+  /// is not live.
+  RowFailure lastFailure(RequestHandle const& handle) const noexcept;
   /// Who holds resident row `row` in this coordinator: kFree (no request: the runtime may release
   /// and reuse it), kActive (a live request), kQuarantined (a request quarantined by a failed
   /// synchronisation: the row and its pages may still be read by device work; free after
@@ -566,8 +577,9 @@ class ContextCacheCoordinator {
   /// What admitting `sequence` (its tokens, key extras, media and lookup policy; the resident
   /// and retention are not read) with `headroom` would take now, as a vanilla request or, with
   /// `speculativeRequest`, a speculative one. Changes nothing: no lease, no pin, no recency, no
-  /// metric. Throws mkv::Error naming this call for a prompt admission would refuse (empty, a
-  /// media vector of another length, negative headroom, speculative on a deployment without).
+  /// metric. Throws mkv::Error naming this call for what admission would refuse: an empty prompt
+  /// or one whose pages with headroom pass the row width, media of another length, a headroom
+  /// beginRequest refuses, a speculative estimate on a deployment without speculative decoding.
   AdmissionEstimate estimateAdmission(ContextCacheSequenceAdmission const& sequence,
                                       DecodingKvHeadroom const& headroom,
                                       bool speculativeRequest = false) const;

@@ -93,6 +93,8 @@ class ContextCacheRequest {
   /// when it did; false, changing nothing, when there is none to undo or work is pending; false
   /// and poisoned when the row clear failed on the device. Never throws.
   bool retractSequenceAdmission() noexcept;
+  /// Why a call failed (ContextCacheCoordinator::lastFailure).
+  RowFailure lastFailure() const noexcept { return mCoordinator->lastFailure(mHandle); }
 
   /// Hybrid-MTP endpoint publication (ContextCacheCoordinator::publishHybridMtpEndpoint): false
   /// when the capture synchronisation failed (poisoned). Throws on deployments that are not
