@@ -8,18 +8,12 @@
 
 #include "context_cache/lru_eviction_policy.h"
 #include "context_cache/s3fifo_eviction_policy.h"
+#include "support/victim_order.h"
 
 namespace mkv {
 namespace {
 
-std::vector<RecordSlot> victimOrder(EvictionPolicy const& policy) {
-  std::vector<RecordSlot> order;
-  policy.walkVictims([&order](RecordSlot slot) {
-    order.push_back(slot);
-    return false;
-  });
-  return order;
-}
+using test::victimOrder;
 
 Hash128 keyOf(RecordSlot slot, uint64_t generation = 0) {
   return Hash128{0xabcdU + generation, static_cast<uint64_t>(slot) + 1};

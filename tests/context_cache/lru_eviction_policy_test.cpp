@@ -4,17 +4,12 @@
 
 #include <vector>
 
+#include "support/victim_order.h"
+
 namespace mkv {
 namespace {
 
-std::vector<RecordSlot> victimOrder(EvictionPolicy const& policy) {
-  std::vector<RecordSlot> order;
-  policy.walkVictims([&order](RecordSlot slot) {
-    order.push_back(slot);
-    return false;
-  });
-  return order;
-}
+using test::victimOrder;
 
 PolicyInsert insertOf(RecordSlot slot, int32_t priority = kDefaultRetentionPriority) {
   return PolicyInsert{slot, Hash128{1, static_cast<uint64_t>(slot)}, 1, priority, true, true};

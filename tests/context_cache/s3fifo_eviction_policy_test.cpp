@@ -6,18 +6,12 @@
 #include <vector>
 
 #include "context_cache/lru_eviction_policy.h"
+#include "support/victim_order.h"
 
 namespace mkv {
 namespace {
 
-std::vector<RecordSlot> victimOrder(EvictionPolicy const& policy) {
-  std::vector<RecordSlot> order;
-  policy.walkVictims([&order](RecordSlot slot) {
-    order.push_back(slot);
-    return false;
-  });
-  return order;
-}
+using test::victimOrder;
 
 Hash128 keyOf(RecordSlot slot) { return Hash128{0xabcdU, static_cast<uint64_t>(slot) + 1}; }
 

@@ -1091,6 +1091,25 @@ class AllocationFaultTest : public ::testing::Test {
     armAllocationFault(0);
     setLogger(nullptr);
   }
+
+  /// Runs the lifecycle of `input` once clean, counting its allocations, then once with one
+  /// allocation failing at each of `points` points spread evenly over them; every run must hold.
+  /// Adds the stats of the runs with a fault to `total`.
+  static void runWithAllocationFaults(std::vector<uint8_t> const& input, uint64_t seed,
+                                      int32_t points, LifecycleStats& total) {
+    armAllocationFault(0);
+    LifecycleResult const clean = runLifecycle(input);
+    ASSERT_TRUE(clean.ok) << "seed " << seed << ": " << clean.failure;
+    int64_t const allocations = countedAllocations();
+    for (int32_t point = 1; point <= points; ++point) {
+      int64_t const k = 1 + allocations * point / (points + 1);
+      armAllocationFault(k);
+      LifecycleResult const result = runLifecycle(input);
+      armAllocationFault(0);
+      ASSERT_TRUE(result.ok) << "seed " << seed << ", allocation " << k << ": " << result.failure;
+      total += result.stats;
+    }
+  }
 };
 
 TEST_F(AllocationFaultTest, ContextCacheCoordinatorCallsFailWithoutATrace) {
@@ -1238,18 +1257,7 @@ TEST_F(AllocationFaultTest, LifecycleFuzzerSurvivesAllocationFaults) {
   LifecycleStats total;
   for (uint64_t seed = 1; seed <= kSeeds; ++seed) {
     std::vector<uint8_t> const input = seededInput(seed, 600);
-    armAllocationFault(0);
-    LifecycleResult const clean = runLifecycle(input);
-    ASSERT_TRUE(clean.ok) << "seed " << seed << ": " << clean.failure;
-    int64_t const allocations = countedAllocations();
-    for (int32_t point = 1; point <= kPoints; ++point) {
-      int64_t const k = 1 + allocations * point / (kPoints + 1);
-      armAllocationFault(k);
-      LifecycleResult const result = runLifecycle(input);
-      armAllocationFault(0);
-      ASSERT_TRUE(result.ok) << "seed " << seed << ", allocation " << k << ": " << result.failure;
-      total += result.stats;
-    }
+    ASSERT_NO_FATAL_FAILURE(runWithAllocationFaults(input, seed, kPoints, total));
   }
   std::printf("lifecycles with an allocation fault: %lld operations, %lld std::bad_alloc\n",
               static_cast<long long>(total.operations), static_cast<long long>(total.badAllocs));
@@ -1268,18 +1276,7 @@ TEST_F(AllocationFaultTest,
   for (uint64_t seed = 1; seed <= kSeeds; ++seed) {
     std::vector<uint8_t> input = seededInput(seed + 2'000'000, 600);
     input[1] = static_cast<uint8_t>(0xC0 + seed % 3);
-    armAllocationFault(0);
-    LifecycleResult const clean = runLifecycle(input);
-    ASSERT_TRUE(clean.ok) << "seed " << seed << ": " << clean.failure;
-    int64_t const allocations = countedAllocations();
-    for (int32_t point = 1; point <= kPoints; ++point) {
-      int64_t const k = 1 + allocations * point / (kPoints + 1);
-      armAllocationFault(k);
-      LifecycleResult const result = runLifecycle(input);
-      armAllocationFault(0);
-      ASSERT_TRUE(result.ok) << "seed " << seed << ", allocation " << k << ": " << result.failure;
-      total += result.stats;
-    }
+    ASSERT_NO_FATAL_FAILURE(runWithAllocationFaults(input, seed, kPoints, total));
   }
   // (A fault inside KVCacheRuntime::create ends a lifecycle before its runtime counts.)
   EXPECT_GT(total.hybridLifecycles, kSeeds / 3 * kPoints / 2);
@@ -1298,18 +1295,7 @@ TEST_F(AllocationFaultTest, LifecycleFuzzerWithEngineStepWritesSurvivesAllocatio
     std::vector<uint8_t> input = seededInput(seed + 4'000'000, 600);
     forceRuntime(input, static_cast<int32_t>(seed % 6));
     forceEngineStep(input, true);
-    armAllocationFault(0);
-    LifecycleResult const clean = runLifecycle(input);
-    ASSERT_TRUE(clean.ok) << "seed " << seed << ": " << clean.failure;
-    int64_t const allocations = countedAllocations();
-    for (int32_t point = 1; point <= kPoints; ++point) {
-      int64_t const k = 1 + allocations * point / (kPoints + 1);
-      armAllocationFault(k);
-      LifecycleResult const result = runLifecycle(input);
-      armAllocationFault(0);
-      ASSERT_TRUE(result.ok) << "seed " << seed << ", allocation " << k << ": " << result.failure;
-      total += result.stats;
-    }
+    ASSERT_NO_FATAL_FAILURE(runWithAllocationFaults(input, seed, kPoints, total));
   }
   EXPECT_GT(total.engineStepLifecycles, kSeeds * kPoints / 2);
   EXPECT_GT(total.badAllocs, kSeeds * kPoints / 2);

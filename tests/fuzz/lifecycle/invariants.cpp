@@ -164,16 +164,23 @@ void Lifecycle::checkMirrors() {
     bool const lagAllowed = table == mRuntime->swaPageTable();
     expect(lagAllowed || !table->dirty(),
            "a page table is dirty after a library call (mirror not uploaded)");
-    auto const width = static_cast<std::size_t>(2 * table->maxPagesPerSeq());
-    auto const* device = table->deviceTable().dataPointer<int32_t>();
-    for (CacheSlot slot = 0; slot < table->maxBatch(); ++slot) {
-      std::span<int32_t const> const host = table->hostRow(slot);
-      int32_t const* mirror = device + width * static_cast<std::size_t>(slot);
-      for (std::size_t i = 0; i < width; ++i) {
-        expectf(host[i] == mirror[i] || (lagAllowed && host[i] == kNoPage),
-                "row {} entry {}: device mirror {} differs from the host row {}", slot, i,
-                mirror[i], host[i]);
-      }
+    checkMirrorRows(*table, lagAllowed, "");
+  }
+}
+
+/// Every entry of `table`'s device mirror equals its host row; with `clearedMayLag`, an entry the
+/// host has cleared (kNoPage) may still hold its old page on the device. `when` ends the message.
+void Lifecycle::checkMirrorRows(KVPageTable const& table, bool clearedMayLag,
+                                std::string_view when) {
+  auto const width = static_cast<std::size_t>(2 * table.maxPagesPerSeq());
+  auto const* device = table.deviceTable().dataPointer<int32_t>();
+  for (CacheSlot slot = 0; slot < table.maxBatch(); ++slot) {
+    std::span<int32_t const> const host = table.hostRow(slot);
+    int32_t const* mirror = device + width * static_cast<std::size_t>(slot);
+    for (std::size_t i = 0; i < width; ++i) {
+      expectf(host[i] == mirror[i] || (clearedMayLag && host[i] == kNoPage),
+              "row {} entry {}: device mirror {} differs from the host row {}{}", slot, i,
+              mirror[i], host[i], when);
     }
   }
 }

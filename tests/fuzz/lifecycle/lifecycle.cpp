@@ -654,17 +654,7 @@ void Lifecycle::checkFlushed() {
       continue;
     }
     expect(!table->dirty(), "a page table is dirty after flushDeviceWrites");
-    auto const width = static_cast<std::size_t>(2 * table->maxPagesPerSeq());
-    auto const* device = table->deviceTable().dataPointer<int32_t>();
-    for (CacheSlot slot = 0; slot < table->maxBatch(); ++slot) {
-      std::span<int32_t const> const host = table->hostRow(slot);
-      int32_t const* mirror = device + width * static_cast<std::size_t>(slot);
-      for (std::size_t i = 0; i < width; ++i) {
-        expectf(host[i] == mirror[i],
-                "row {} entry {}: device {} differs from the host row {} after the flush", slot, i,
-                mirror[i], host[i]);
-      }
-    }
+    checkMirrorRows(*table, /*clearedMayLag=*/false, " after the flush");
   }
 }
 

@@ -28,6 +28,7 @@
 #include <optional>
 #include <span>
 #include <string>
+#include <string_view>
 #include <utility>
 #include <vector>
 
@@ -286,6 +287,7 @@ class Lifecycle {
   Row const* rowOf(CacheSlot slot) const;
   void checkTables();
   void checkMirrors();
+  void checkMirrorRows(KVPageTable const& table, bool clearedMayLag, std::string_view when);
   void checkDenseRow(KVPageTable const& table, CacheSlot slot, Row const& row,
                      std::vector<CacheSlot>& lastRow, std::vector<int32_t>& seen);
   void checkSwaRow(KVPageTable const& table, CacheSlot slot, Row const& row,
@@ -335,6 +337,7 @@ class Lifecycle {
   void issuePreparePrefill(Req& req, std::vector<int32_t> const& lengths, bool badLengths);
   bool issueFacadePreparePrefill(Req& req, std::vector<int32_t> const& lengths, bool valid,
                                  std::string const& what);
+  bool issueFacadeCoordinatorPrepare(Req& req, std::string const& what);
   void captures(Req& req);
   void badCaptures(Req& req);
   void publishEndpoint(Req& req, int32_t slot, int32_t length, Tensor const& hidden, int32_t row,

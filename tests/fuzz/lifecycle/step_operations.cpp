@@ -118,12 +118,9 @@ bool Lifecycle::issueFacadePreparePrefill(Req& req, std::vector<int32_t> const& 
   if (slidingReuse()) {
     // Both halves: the coordinator binds the full rows, prepareSwaPrefill maps the windows. An
     // engine whose lengths were wrong is told so and calls again with the right ones.
-    bool const valid = req.stage == Stage::kAdmitted && !prefillBlockedByAnother(req);
-    if (!valid) {
-      reject(what, [&] { return facade.preparePrefill(); });
+    if (!issueFacadeCoordinatorPrepare(req, what)) {
       return false;
     }
-    expect(accept(what, [&] { return facade.preparePrefill(); }), what + " returned false");
     std::vector<int32_t> const right = swaPrefillLengths(req);
     if (lengths != right) {
       reject(what + " (prepareSwaPrefill)", [&] { return facade.prepareSwaPrefill(lengths); });
@@ -133,12 +130,9 @@ bool Lifecycle::issueFacadePreparePrefill(Req& req, std::vector<int32_t> const& 
     return true;
   }
   if (coordinatorBackend()) {
-    bool const valid = req.stage == Stage::kAdmitted && !prefillBlockedByAnother(req);
-    if (!valid) {
-      reject(what, [&] { return facade.preparePrefill(); });
+    if (!issueFacadeCoordinatorPrepare(req, what)) {
       return false;
     }
-    expect(accept(what, [&] { return facade.preparePrefill(); }), what + " returned false");
     expect(
         unchanged(what + " (prepareSwaPrefill)", [&] { return facade.prepareSwaPrefill(lengths); }),
         "prepareSwaPrefill on the coordinator returned false");
@@ -151,6 +145,19 @@ bool Lifecycle::issueFacadePreparePrefill(Req& req, std::vector<int32_t> const& 
     return false;
   }
   expect(accept(what, [&] { return facade.prepareSwaPrefill(lengths); }), what + " returned false");
+  return true;
+}
+
+/// The coordinator half of issueFacadePreparePrefill: preparePrefill through the facade, valid
+/// when the request is admitted and no other request's prefill blocks it; false when rejected.
+bool Lifecycle::issueFacadeCoordinatorPrepare(Req& req, std::string const& what) {
+  ManagedKVCacheRequest& facade = *req.facade;
+  bool const valid = req.stage == Stage::kAdmitted && !prefillBlockedByAnother(req);
+  if (!valid) {
+    reject(what, [&] { return facade.preparePrefill(); });
+    return false;
+  }
+  expect(accept(what, [&] { return facade.preparePrefill(); }), what + " returned false");
   return true;
 }
 
