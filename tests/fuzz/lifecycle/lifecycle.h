@@ -349,6 +349,7 @@ class Lifecycle {
   CompletePrefillCall planCompletePrefill(Req& req);
   void corruptCompletePrefill(Req const& req, CompletePrefillCall& call, int32_t variant);
   void issueCompletePrefill(Req& req, CompletePrefillCall& call);
+  bool callCompletePrefill(Req& req, CompletePrefillCall const& call);
   bool decodeFits(Req const& req, DecodingKvHeadroom const& headroom) const;
   int32_t mappedPages(Row const& row) const;
   void prepareDecode(Req& req);
@@ -358,6 +359,7 @@ class Lifecycle {
   void completeDecode(Req& req);
   void badCompleteDecode(Req& req);
   CompleteDecodeCall planCompleteDecode(Req& req);
+  bool callCompleteDecode(Req& req, CompleteDecodeCall const& call);
   void corruptCompleteDecode(Req const& req, CompleteDecodeCall& call);
   void issueCompleteDecode(Req& req, CompleteDecodeCall& call);
 

@@ -369,17 +369,21 @@ void Lifecycle::completePrefill(Req& req) {
 void Lifecycle::refusedPrefillCompletion(Req& req) {
   CompletePrefillCall call = planCompletePrefill(req);
   ++mStats.forgottenFlushes;
-  reject("completePrefill without the step's flush on " + describe(req), [&] {
-    if (req.via == Via::kFacade) {
-      return req.facade->completePrefill(call.context, call.common);
-    }
-    if (coordinatorBackend()) {
-      return mCoordinator->finalizePrefillPublication(req.coordinator, call.advances,
-                                                      call.common) == ContextCacheStatus::kOk;
-    }
-    mSwa->completePrefill(req.swa);
-    return true;
-  });
+  reject("completePrefill without the step's flush on " + describe(req),
+         [&] { return callCompletePrefill(req, call); });
+}
+
+/// completePrefill through the request's path: the facade, the coordinator or the SWA manager.
+bool Lifecycle::callCompletePrefill(Req& req, CompletePrefillCall const& call) {
+  if (req.via == Via::kFacade) {
+    return req.facade->completePrefill(call.context, call.common);
+  }
+  if (coordinatorBackend()) {
+    return mCoordinator->finalizePrefillPublication(req.coordinator, call.advances, call.common) ==
+           ContextCacheStatus::kOk;
+  }
+  mSwa->completePrefill(req.swa);
+  return true;
 }
 
 /// Common state lengths given, two tokens after a prefill, more rows than the batch, or (on the
@@ -465,17 +469,7 @@ void Lifecycle::corruptCompletePrefill(Req const& req, CompletePrefillCall& call
 
 void Lifecycle::issueCompletePrefill(Req& req, CompletePrefillCall& call) {
   std::string const what = "completePrefill on " + describe(req);
-  auto complete = [&] {
-    if (req.via == Via::kFacade) {
-      return req.facade->completePrefill(call.context, call.common);
-    }
-    if (coordinatorBackend()) {
-      return mCoordinator->finalizePrefillPublication(req.coordinator, call.advances,
-                                                      call.common) == ContextCacheStatus::kOk;
-    }
-    mSwa->completePrefill(req.swa);
-    return true;
-  };
+  auto complete = [&] { return callCompletePrefill(req, call); };
   if (!call.valid || call.badArguments) {
     reject(what, complete);
     return;
@@ -709,17 +703,21 @@ void Lifecycle::completeDecode(Req& req) {
 void Lifecycle::refusedDecodeCompletion(Req& req) {
   CompleteDecodeCall call = planCompleteDecode(req);
   ++mStats.forgottenFlushes;
-  reject("completeDecodeStep without the step's flush on " + describe(req), [&] {
-    if (req.via == Via::kFacade) {
-      return req.facade->completeDecodeStep(call.context, call.common);
-    }
-    if (coordinatorBackend()) {
-      return mCoordinator->completeDecodeStep(req.coordinator, call.advances, call.completed,
-                                              call.common) == ContextCacheStatus::kOk;
-    }
-    mSwa->completeDecodeStep(req.swa);
-    return true;
-  });
+  reject("completeDecodeStep without the step's flush on " + describe(req),
+         [&] { return callCompleteDecode(req, call); });
+}
+
+/// completeDecodeStep through the request's path: the facade, the coordinator or the SWA manager.
+bool Lifecycle::callCompleteDecode(Req& req, CompleteDecodeCall const& call) {
+  if (req.via == Via::kFacade) {
+    return req.facade->completeDecodeStep(call.context, call.common);
+  }
+  if (coordinatorBackend()) {
+    return mCoordinator->completeDecodeStep(req.coordinator, call.advances, call.completed,
+                                            call.common) == ContextCacheStatus::kOk;
+  }
+  mSwa->completeDecodeStep(req.swa);
+  return true;
 }
 
 void Lifecycle::badCompleteDecode(Req& req) {
@@ -833,17 +831,7 @@ void Lifecycle::corruptCompleteDecode(Req const& req, CompleteDecodeCall& call) 
 
 void Lifecycle::issueCompleteDecode(Req& req, CompleteDecodeCall& call) {
   std::string const what = "completeDecodeStep on " + describe(req);
-  auto complete = [&] {
-    if (req.via == Via::kFacade) {
-      return req.facade->completeDecodeStep(call.context, call.common);
-    }
-    if (coordinatorBackend()) {
-      return mCoordinator->completeDecodeStep(req.coordinator, call.advances, call.completed,
-                                              call.common) == ContextCacheStatus::kOk;
-    }
-    mSwa->completeDecodeStep(req.swa);
-    return true;
-  };
+  auto complete = [&] { return callCompleteDecode(req, call); };
   if (!call.valid || call.badArguments) {
     reject(what, complete);
     return;
