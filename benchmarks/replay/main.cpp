@@ -317,6 +317,11 @@ CliOptions parseArguments(int argc, char** argv) {
              [&](std::string_view flag, std::string_view value) {
                c.snapshotSlots = parseInteger(flag, value, 1, kInt32Max / 2);
              });
+  auto* checkpointInterval = option(
+      "--checkpoint-interval", "N",
+      "tokens between the reuse points a prefill keeps, a multiple of the page size (default 0: "
+      "checkpoints at prompt and decode ends only; docs/replay.md, \"Reuse points\")",
+      int32(0, kInt32Max, c.checkpointInterval));
   bool noBaseline = false;
   auto* noBaselineFlag =
       app.add_flag("--no-attention-only", noBaseline,
@@ -430,12 +435,12 @@ CliOptions parseArguments(int argc, char** argv) {
   if (c.recurrentLayers > 0 && c.mode != ReplayMode::kReuse) {
     throw UsageError("--recurrent-layers applies to --mode reuse only");
   }
-  if (c.recurrentLayers == 0 &&
-      stateBytes->count() + convBytes->count() + snapshotSlots->count() + noBaselineFlag->count() >
-          0) {
+  if (c.recurrentLayers == 0 && stateBytes->count() + convBytes->count() + snapshotSlots->count() +
+                                        checkpointInterval->count() + noBaselineFlag->count() >
+                                    0) {
     throw UsageError(
-        "--recurrent-state-bytes, --recurrent-conv-bytes, --snapshot-slots and "
-        "--no-attention-only need --recurrent-layers N > 0");
+        "--recurrent-state-bytes, --recurrent-conv-bytes, --snapshot-slots, "
+        "--checkpoint-interval and --no-attention-only need --recurrent-layers N > 0");
   }
   if (c.speculative == SpeculativeKind::kEagle && c.recurrentLayers > 0) {
     throw UsageError(

@@ -166,6 +166,13 @@ void hybridSummary(ReplayResult const& r, std::string& out) {
        fmt::format("published {}, restored {}, skipped for snapshot pressure {} (captures {})",
                    grouped(h.checkpointsPublished), grouped(h.checkpointsRestored),
                    grouped(h.snapshotPressureSkips), grouped(h.checkpointCaptures)));
+  if (r.config.checkpointInterval > 0) {
+    line("reuse points",
+         fmt::format("every {} tokens: captured {}, kept {}, hit {}, evicted {}",
+                     r.config.checkpointInterval, grouped(h.reusePointCaptures),
+                     grouped(h.reusePointsPublished), grouped(h.reusePointsRestored),
+                     grouped(h.reusePointsEvicted)));
+  }
   if (h.attentionOnlyRun) {
     line("attention-only reuse",
          fmt::format("{}  (hit rate {:.2f}%; the hybrid model reuses {:.1f}% of it)",
@@ -483,6 +490,13 @@ std::string formatJson(ReplayResult const& r) {
         {"checkpoints_published", h.checkpointsPublished},
         {"checkpoints_restored", h.checkpointsRestored},
         {"snapshot_pressure_skips", h.snapshotPressureSkips},
+        {"reuse_points",
+         {{"interval", c.checkpointInterval},
+          {"captured", h.reusePointCaptures},
+          {"written", h.reusePointsWritten},
+          {"kept", h.reusePointsPublished},
+          {"hit", h.reusePointsRestored},
+          {"evicted", h.reusePointsEvicted}}},
         {"recurrent_checks", h.recurrentChecks},
         {"recurrent_mismatches", h.recurrentMismatches},
         {"hybrid_mtp", h.hybridMtp},

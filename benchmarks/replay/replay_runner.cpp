@@ -77,6 +77,15 @@ void validateHybrid(ReplayConfig const& c) {
   if (c.snapshotSlots > 0 && c.recurrentLayers == 0) {
     configError("snapshot slots exist with recurrent layers only");
   }
+  if (c.checkpointInterval < 0 || (c.checkpointInterval > 0 && c.recurrentLayers == 0)) {
+    configError(fmt::format(
+        "checkpoint interval {}: reuse points exist with recurrent layers only (and must be >= 0)",
+        c.checkpointInterval));
+  }
+  if (c.checkpointInterval % c.pageSize != 0) {
+    configError(fmt::format("checkpoint interval {} is not a multiple of the page size {}",
+                            c.checkpointInterval, c.pageSize));
+  }
 }
 
 /// Speculative decoding on a model with recurrent layers is Hybrid-MTP, the coordinator's only
@@ -607,9 +616,17 @@ class Runner {
     rc.model.numRecurrentLayers = c.recurrentLayers;
     rc.model.recurrentStateBytes = c.recurrentStateBytes;
     rc.model.recurrentConvBytes = c.recurrentConvBytes;
-    // Unbounded: a request captures at most twice (prompt end, decode end), so every capture of
-    // the replay finds a slot even if nothing is ever evicted.
-    int64_t const slots = c.snapshotSlots > 0 ? c.snapshotSlots : 2 * mResult.requests + 2;
+    // Unbounded: a request captures at most twice (prompt end, decode end) plus its reuse points,
+    // at most one per interval of the tokens the trace can cache, so every capture of the replay
+    // finds a slot (and every checkpoint a record) even if nothing is ever evicted.
+    rc.contextCache.checkpointInterval = c.checkpointInterval;
+    int64_t const points = c.checkpointInterval > 0
+                               ? mSource.cachedPagesBound(c.pageSize, c.maxOutputTokens) *
+                                     c.pageSize / c.checkpointInterval
+                               : 0;
+    int64_t const slots = c.snapshotSlots > 0 ? c.snapshotSlots : 2 * mResult.requests + 2 + points;
+    rc.contextCache.maxRecords = static_cast<int32_t>(std::min<int64_t>(
+        std::numeric_limits<int32_t>::max(), int64_t{rc.contextCache.maxRecords} + points));
     // Hybrid-MTP: a recurrent slot also keeps the boundary hidden row (fp16), a partial-KV slot
     // the draft's boundary page besides the base's.
     bool const mtp = isHybridMtp(c);
@@ -993,6 +1010,11 @@ class Runner {
     h.checkpointsPublished = static_cast<int64_t>(counters.checkpointPublications);
     h.checkpointsRestored = static_cast<int64_t>(counters.checkpointRestores);
     h.snapshotPressureSkips = static_cast<int64_t>(counters.snapshotPressureSkips);
+    h.reusePointCaptures = static_cast<int64_t>(counters.reusePointCaptures);
+    h.reusePointsPublished = static_cast<int64_t>(counters.reusePointPublications);
+    h.reusePointsRestored = static_cast<int64_t>(counters.reusePointRestores);
+    h.reusePointsEvicted = static_cast<int64_t>(coordinator.metrics().evictedReusePoints);
+    h.reusePointsWritten = stats.reusePointsWritten;
     h.recurrentChecks = stats.recurrentChecks;
     h.recurrentMismatches = stats.recurrentMismatches;
     h.hybridMtp = isHybridMtp(mConfig);
@@ -1078,6 +1100,7 @@ ReplayResult runReplay(RequestSource& source, ReplayConfig const& config,
     ReplayConfig shadow = config;
     shadow.recurrentLayers = 0;
     shadow.snapshotSlots = 0;
+    shadow.checkpointInterval = 0;
     shadow.verify = testing::VerifyMode::kNone;
     shadow.kvEvents = nullptr;
     shadow.betweenRuns = nullptr;

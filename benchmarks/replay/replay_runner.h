@@ -99,6 +99,9 @@ struct ReplayConfig {
   /// Snapshot budget in checkpoints: recurrent slots and as many partial-KV slots; 0 = unbounded
   /// (sized from the workload: every capture finds a slot).
   int64_t snapshotSlots = 0;
+  /// Tokens between the reuse points a prefill keeps (ContextCacheConfig::checkpointInterval); a
+  /// multiple of pageSize; 0 = checkpoints at prompt and decode ends only.
+  int32_t checkpointInterval = 0;
   /// Hybrid-MTP (kMtp with recurrent layers): fp16 elements of the base hidden row kept with
   /// each prompt endpoint (docs/replay.md, "Hybrid-MTP").
   int64_t boundaryHiddenWidth = 16;
@@ -254,8 +257,15 @@ struct ReplayResult {
     int64_t checkpointsPublished = 0;   ///< captured checkpoints committed as records
     int64_t checkpointsRestored = 0;    ///< sequences that started from a restored checkpoint
     int64_t snapshotPressureSkips = 0;  ///< captures skipped: no snapshot slot could be had
-    int64_t recurrentChecks = 0;        ///< recurrent states the oracle verified
-    int64_t recurrentMismatches = 0;    ///< of those, with a wrong byte (in oracleMismatches too)
+    /// Reuse points (checkpointInterval > 0): slots handed to the engine, points committed as
+    /// records, sequences that restored one, points evicted, and the points the engine wrote.
+    int64_t reusePointCaptures = 0;
+    int64_t reusePointsPublished = 0;
+    int64_t reusePointsRestored = 0;
+    int64_t reusePointsEvicted = 0;
+    int64_t reusePointsWritten = 0;
+    int64_t recurrentChecks = 0;      ///< recurrent states the oracle verified
+    int64_t recurrentMismatches = 0;  ///< of those, with a wrong byte (in oracleMismatches too)
     /// Hybrid-MTP (speculative kMtp): prompt endpoints committed with their boundary hidden row,
     /// boundary hidden rows copied back at a hit, and those the hidden-row oracle verified.
     bool hybridMtp = false;

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -50,6 +51,8 @@ class BoundedSwaRequest {
   std::vector<int32_t> const* prefillStarts() const noexcept { return nullptr; }
   /// Throws: the bounded-SWA backend has no context reuse.
   int32_t reuseTokenLength(ExecutionRow row) const;
+  /// No checkpoints on this backend: empty.
+  std::span<ReusePointCapture const> reusePointCaptures(ExecutionRow /*row*/) const { return {}; }
 
   /// No-op (the windows are mapped by prepareSwaPrefill), true.
   bool preparePrefill() { return true; }

@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <span>
 #include <string>
 #include <variant>
 #include <vector>
@@ -81,6 +82,12 @@ class ManagedKVCacheRequest {
   /// Maps the SWA windows for the executed prefill lengths (context backend: no-op, true).
   /// Call after embeddings and any token pruning fixed the lengths.
   bool prepareSwaPrefill(std::vector<int32_t> const& effectiveInputLengths);
+  /// Between preparePrefill and completePrefill: the reuse points row `row` captures in this
+  /// prefill, each a position and the snapshot slot its recurrent state and conv rows go to
+  /// (hybrid deployments with a checkpoint interval; empty otherwise). The engine's prefill
+  /// kernels write them (docs/context_cache.md, "Reuse points"). An addition beside the
+  /// reference page's API.
+  std::span<ReusePointCapture const> reusePointCaptures(ExecutionRow row) const;
   /// Stages hybrid checkpoint captures at the prompt end (bounded SWA: no-op, true).
   bool enqueuePrefillCaptures();
   /// After the runtime's prefill synchronisation. With DeviceWriteTiming::kEngineStep, throws

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -58,6 +59,10 @@ class SlidingReuseRequest {
   /// Reuse length per execution row (both halves start there).
   std::vector<int32_t> const& prefillStarts() const noexcept { return mFull.prefillStarts(); }
   int32_t reuseTokenLength(ExecutionRow row) const { return mFull.reuseTokenLength(row); }
+  /// The full layers' (an attention-only deployment keeps no reuse points: empty).
+  std::span<ReusePointCapture const> reusePointCaptures(ExecutionRow row) const {
+    return mFull.reusePointCaptures(row);
+  }
 
   /// Binds the full layers' rows (the coordinator's preparePrefill).
   bool preparePrefill() { return mFull.preparePrefill(); }

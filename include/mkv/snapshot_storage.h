@@ -88,6 +88,11 @@ class SnapshotStorage {
   void restoreBoundaryHidden(int32_t snapshotSlot, Tensor& hidden, int32_t row,
                              cudaStream_t stream);
 
+  /// Recurrent layer `layer`'s state and conv slabs `[recurrentSlots, bytes]` (uint8): the
+  /// engine writes the reuse points it is handed (ReusePointCapture::snapshotSlot) into them;
+  /// every other row belongs to the cache. Throws for a layer outside the slabs.
+  Tensor& recurrentStateSlab(int32_t layer);
+  Tensor& recurrentConvSlab(int32_t layer);
   /// Raw slabs, for tests and diagnostics.
   Tensor const& recurrentStateSlab(int32_t layer) const;
   Tensor const& recurrentConvSlab(int32_t layer) const;

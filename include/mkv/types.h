@@ -162,4 +162,17 @@ std::string_view toString(DeviceWriteTiming timing) noexcept;
 /// "none", "no-capacity", "table-full", "poisoned".
 std::string_view toString(RowFailureReason reason) noexcept;
 
+/// A reuse point the engine captures during a prefill (hybrid and pure-recurrent deployments
+/// with ContextCacheConfig::checkpointInterval): once the prefill has run `position` prompt
+/// tokens, the sequence's recurrent state and conv rows are written into row `snapshotSlot` of
+/// every layer's snapshot slabs (SnapshotStorage::recurrentStateSlab / recurrentConvSlab), by the
+/// engine's own kernels (a chunked scan computes these states anyway), stream-ordered before the
+/// prefill's synchronisation. `position` is a multiple of the interval (so of the page size);
+/// the KV before it is the prefill's own pages. docs/context_cache.md, "Reuse points".
+struct ReusePointCapture {
+  int32_t position = 0;
+  int32_t snapshotSlot = -1;
+  friend bool operator==(ReusePointCapture const&, ReusePointCapture const&) = default;
+};
+
 }  // namespace mkv

@@ -72,6 +72,9 @@ struct CacheRecord {
   std::optional<SnapshotSlot> recurrentSnapshotSlot;
   std::optional<SnapshotSlot> partialKvSnapshotSlot;
   std::optional<int32_t> exactCheckpointLength;
+  /// A hybrid checkpoint kept at a reuse point inside a prompt (checkpointInterval), not at a
+  /// prompt or decode end.
+  bool reusePoint = false;
   /// With token verification on, the checkpoint tokens its base pages do not cover (the partial
   /// tail; every token for pure-recurrent checkpoints), compared on every hybrid match.
   std::vector<int32_t> verificationTokens;

@@ -283,6 +283,7 @@ void ContextCacheCoordinator::preparePrefill(RequestHandle& handle) {
   }
   if (mSnapshots != nullptr) {
     restoreCheckpoints(req, cold);
+    planReusePoints(req);
   }
   req.stage = RequestStage::kPrefilling;
   req.writesMark = mWrites->awaitingFlush();
@@ -319,6 +320,7 @@ ContextCacheStatus ContextCacheCoordinator::finalizePrefillPublication(
       mManager->releaseRestoredHybridSnapshots(sequence.lease);
       mCounters.prefillPublications += sequence.staged ? 1u : 0u;
     }
+    commitReusePoints(req);  // ascending: the points, then the prompt end
     commitCaptures(req);
     return ContextCacheStatus::kOk;
   }

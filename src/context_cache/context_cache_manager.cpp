@@ -599,7 +599,11 @@ void ContextCacheManager::retireHybridSnapshotReservation(CacheRequestLease& lea
 // Eviction and release
 
 void ContextCacheManager::evictRecord(RecordId id) noexcept {
-  mMetrics.evictedRecords += static_cast<uint64_t>(dropRecord(id, true));
+  CacheRecord const* record = mRecords.get(id);
+  bool const reusePoint = record != nullptr && record->reusePoint;
+  int32_t const dropped = dropRecord(id, true);
+  mMetrics.evictedRecords += static_cast<uint64_t>(dropped);
+  mMetrics.evictedReusePoints += reusePoint ? static_cast<uint64_t>(dropped) : 0U;
 }
 
 int32_t ContextCacheManager::dropRecord(RecordId id, bool announce) noexcept {

@@ -209,8 +209,10 @@ class ContextCacheManager {
   /// Publishes an exact checkpoint of a hybrid lease at `exactLength` (<= blocks' tokens): full
   /// blocks = exactLength / page, `reservation` (owned by the lease) must hold exactly a recurrent
   /// slot plus a partial slot iff attention and exactLength % page != 0. Duplicate -> touch.
+  /// `reusePoint`: a checkpoint inside a prompt (CacheRecord::reusePoint).
   PublishResult publishHybrid(CacheRequestLease& lease, PromptBlocks const& blocks,
-                              int32_t exactLength, SnapshotReservation const& reservation);
+                              int32_t exactLength, SnapshotReservation const& reservation,
+                              bool reusePoint = false);
   /// Hybrid+MTP endpoint: full blocks = (exactLength - 1) / page (the boundary token stays
   /// private), both snapshot slots mandatory, base and draft paths of those blocks.
   PublishResult publishHybridMtp(CacheRequestLease& lease, PromptBlocks const& blocks,
@@ -359,7 +361,8 @@ class ContextCacheManager {
                           SnapshotReservation const& reservation, bool mtp) const;
   PublishResult publishCheckpoint(char const* call, CacheRequestLease& lease,
                                   PromptBlocks const& blocks, int32_t exactLength,
-                                  SnapshotReservation const& reservation, bool mtp);
+                                  SnapshotReservation const& reservation, bool mtp,
+                                  bool reusePoint);
 
   int32_t mPageSize;
   int32_t mMaxRecords;

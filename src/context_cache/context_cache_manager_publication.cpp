@@ -290,7 +290,7 @@ PublishResult ContextCacheManager::publishCheckpoint(char const* call, CacheRequ
                                                      PromptBlocks const& blocks,
                                                      int32_t exactLength,
                                                      SnapshotReservation const& reservation,
-                                                     bool mtp) {
+                                                     bool mtp, bool reusePoint) {
   int32_t const full = checkCheckpoint(call, lease, blocks, exactLength, reservation, mtp);
   bool const attention = lease.hasAttention();
   Hash128 const digest = exactPrefixDigest(blocks, exactLength);
@@ -330,6 +330,7 @@ PublishResult ContextCacheManager::publishCheckpoint(char const* call, CacheRequ
   record.recurrentSnapshotSlot = reservation.recurrentSlot;
   record.partialKvSnapshotSlot = reservation.partialKvSlot;
   record.exactCheckpointLength = exactLength;
+  record.reusePoint = reusePoint;
   if (mIndex.verifiesTokens()) {
     std::size_t const covered = record.basePagePath.size() * static_cast<std::size_t>(mPageSize);
     auto const tail =
@@ -342,16 +343,17 @@ PublishResult ContextCacheManager::publishCheckpoint(char const* call, CacheRequ
 
 PublishResult ContextCacheManager::publishHybrid(CacheRequestLease& lease,
                                                  PromptBlocks const& blocks, int32_t exactLength,
-                                                 SnapshotReservation const& reservation) {
+                                                 SnapshotReservation const& reservation,
+                                                 bool reusePoint) {
   return publishCheckpoint("ContextCacheManager::publishHybrid", lease, blocks, exactLength,
-                           reservation, false);
+                           reservation, false, reusePoint);
 }
 
 PublishResult ContextCacheManager::publishHybridMtp(CacheRequestLease& lease,
                                                     PromptBlocks const& blocks, int32_t exactLength,
                                                     SnapshotReservation const& reservation) {
   return publishCheckpoint("ContextCacheManager::publishHybridMtp", lease, blocks, exactLength,
-                           reservation, true);
+                           reservation, true, false);
 }
 
 }  // namespace mkv

@@ -66,6 +66,9 @@ void writeRecordCounters(detail::PrometheusWriter& w, ContextCacheMetrics const&
             m.rejectedPublications);
   w.counter("evicted_records_total", "Records evicted (capacity pressure or record limit).",
             m.evictedRecords);
+  w.counter("evicted_reuse_points_total",
+            "Of the evicted records, checkpoints kept at reuse points inside a prompt.",
+            m.evictedReusePoints);
   w.counter("prefix_cache_resets_total", "Prefix cache resets (every record dropped at once).",
             m.prefixCacheResets);
   w.counter("reset_records_total", "Records dropped by prefix cache resets.", m.resetRecords);

@@ -4,6 +4,7 @@
 
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
 #include <new>
 
 #include "context_cache/coordinator_request.h"
@@ -27,6 +28,8 @@ void ContextCacheCoordinator::restoreCheckpoints(Request& req, std::span<CacheSl
       continue;
     }
     mSnapshots->restoreRecurrent(*recurrent, sequence.resident.slot, mStream);
+    CacheRecord const* hit = mManager->records().get(sequence.lease.hitRecord());
+    mCounters.reusePointRestores += hit != nullptr && hit->reusePoint ? 1U : 0U;
     if (std::optional<SnapshotSlot> const partial = sequence.lease.partialKvSnapshotSlot()) {
       int32_t const reuse = sequence.reuseTokenLength;
       if (sequence.lease.mode() == ReuseMode::kHybridMtp) {
@@ -155,6 +158,104 @@ void ContextCacheCoordinator::commitCaptures(Request& req) {
     // The record (if any) holds the slots now; otherwise they return to the free rings.
     mManager->retireHybridSnapshotReservation(sequence.lease, staged.reservation);
   }
+}
+
+// ---------------------------------------------------------------- reuse points
+
+void ContextCacheCoordinator::planReusePoints(Request& req) {
+  int32_t const interval = mConfig.checkpointInterval;
+  if (interval == 0 || isHybridMtp(req)) {
+    return;  // a Hybrid-MTP request publishes its endpoint only
+  }
+  int32_t const pageSize = mManager->pageSize();
+  for (std::size_t row = 0; row < req.sequences.size(); ++row) {
+    Request::Sequence& sequence = req.sequences[row];
+    int32_t const first = (sequence.reuseTokenLength / interval + 1) * interval;
+    if (sequence.policy == ContextCacheLookupPolicy::kBypass || first >= sequence.promptLength) {
+      continue;
+    }
+    try {
+      auto const points = static_cast<std::size_t>((sequence.promptLength - 1 - first) / interval);
+      sequence.reusePoints.reserve(points + 1);
+      sequence.reusePointReservations.reserve(points + 1);
+      PromptBlocks const blocks =
+          hashPromptBlocks(prefixOf(sequence, sequence.promptLength), pageSize);
+      for (int32_t position = first; position < sequence.promptLength; position += interval) {
+        // A point cached already (another conversation's, or this prompt's earlier turn) needs no
+        // copy and must not evict anything.
+        if (mManager->records().findHybrid(
+                HybridKey{exactPrefixDigest(blocks, position), position, false}) != nullptr) {
+          continue;
+        }
+        std::optional<SnapshotReservation> const reservation =
+            mManager->reserveHybridSnapshots(sequence.lease, hasKv() && position % pageSize != 0);
+        if (!reservation) {
+          uint64_t const skips = ++mCounters.snapshotPressureSkips;
+          if ((skips & (skips - 1)) == 0) {
+            logger()->warn(
+                "ContextCacheCoordinator: no snapshot slot for the reuse point at {} of request "
+                "{} row {}; its later points are skipped too ({} skips so far)",
+                position, req.id, row, skips);
+          }
+          break;
+        }
+        sequence.reusePoints.push_back(ReusePointCapture{position, reservation->recurrentSlot});
+        sequence.reusePointReservations.push_back(*reservation);  // capacity reserved: no throw
+        ++mCounters.reusePointCaptures;
+      }
+    } catch (std::bad_alloc const&) {
+      logger()->warn(
+          "ContextCacheCoordinator: out of host memory; the reuse points of request {} row {} "
+          "past {} tokens are not captured",
+          req.id, row, sequence.reusePoints.empty() ? first : sequence.reusePoints.back().position);
+    }
+  }
+}
+
+void ContextCacheCoordinator::commitReusePoints(Request& req) {
+  int32_t const pageSize = mManager->pageSize();
+  for (std::size_t row = 0; row < req.sequences.size(); ++row) {
+    Request::Sequence& sequence = req.sequences[row];
+    if (sequence.reusePoints.empty()) {
+      continue;
+    }
+    // As commitCaptures: out of host memory, the remaining points stay unpublished.
+    try {
+      PromptBlocks const blocks =
+          hashPromptBlocks(prefixOf(sequence, sequence.promptLength), pageSize);
+      for (std::size_t i = 0; i < sequence.reusePoints.size(); ++i) {
+        int32_t const position = sequence.reusePoints[i].position;
+        PublishResult const published = mManager->publishHybrid(
+            sequence.lease, blocks, position, sequence.reusePointReservations[i], true);
+        if (published.status != PublishStatus::kVerificationRejected) {
+          sequence.publishedExact = std::max(sequence.publishedExact, position);
+          ++mCounters.reusePointPublications;
+        }
+      }
+    } catch (std::bad_alloc const&) {
+      logger()->warn(
+          "ContextCacheCoordinator: out of host memory; reuse points of request {} row {} were "
+          "not published",
+          req.id, row);
+    }
+    // The records (if any) hold the slots now; the others return to the free rings.
+    for (SnapshotReservation const& reservation : sequence.reusePointReservations) {
+      mManager->retireHybridSnapshotReservation(sequence.lease, reservation);
+    }
+    sequence.reusePoints.clear();
+    sequence.reusePointReservations.clear();
+  }
+}
+
+std::span<ReusePointCapture const> ContextCacheCoordinator::reusePointCaptures(
+    RequestHandle const& handle, ExecutionRow row) const {
+  constexpr char const* kCall = "ContextCacheCoordinator::reusePointCaptures";
+  Request const& req = request(handle, kCall);
+  MKV_REQUIRE(req.stage == RequestStage::kPrefilling, kCall,
+              "reuse points are captured between preparePrefill and finalizePrefillPublication "
+              "(row {})",
+              row);
+  return sequenceAt(req, row, kCall).reusePoints;
 }
 
 // ---------------------------------------------------------------- Hybrid-MTP

@@ -27,6 +27,12 @@ void validateProfile(ContextCacheConfig const& config, ContextCacheDeploymentPro
   MKV_REQUIRE(
       static_cast<uint8_t>(profile.baseStateKind) <= static_cast<uint8_t>(BaseStateKind::kHybrid),
       kCall, "base state kind {} out of range", static_cast<int>(profile.baseStateKind));
+  MKV_REQUIRE(config.checkpointInterval >= 0, kCall, "checkpointInterval must be >= 0, got {}",
+              config.checkpointInterval);
+  MKV_REQUIRE(config.checkpointInterval == 0 || profile.usesCheckpointReuse(), kCall,
+              "checkpointInterval {} is for hybrid and pure-recurrent deployments: an "
+              "attention-only deployment reuses every page boundary already",
+              config.checkpointInterval);
   if (profile.isSpeculative()) {
     MKV_REQUIRE(profile.speculative->futureDependencyTokens >= 0, kCall,
                 "speculative futureDependencyTokens must be >= 0, got {}",
@@ -145,6 +151,11 @@ void layOutSnapshots(ContextCacheConfig const& config, ContextCacheDeploymentPro
   snapshots.recurrentSlots =
       slotsOf(config.recurrentSnapshotPoolBytes, recurrentBytes, "recurrentSnapshotPoolBytes");
   if (profile.hasAttention()) {
+    int32_t const pageSize = resources.basePool->tokensPerPage();
+    MKV_REQUIRE(config.checkpointInterval % pageSize == 0, kCall,
+                "checkpointInterval {} is not a multiple of the page size {}: a reuse point keeps "
+                "no partial page",
+                config.checkpointInterval, pageSize);
     int64_t partialBytes = SnapshotStorage::partialKvBytesPerSlot(*resources.basePool);
     if (mtp) {
       partialBytes += SnapshotStorage::partialKvBytesPerSlot(*resources.draftPool);

@@ -72,6 +72,10 @@ struct CoordinatorSequence {
     int32_t exactLength = 0;
   };
   std::optional<StagedCapture> staged;
+  // Reuse points of the prepared prefill (checkpointInterval): what the engine captures, and the
+  // lease's reservation of each, in the same order; committed by finalizePrefillPublication.
+  std::vector<ReusePointCapture> reusePoints;
+  std::vector<SnapshotReservation> reusePointReservations;
 };
 
 /// One admitted request of a ContextCacheCoordinator (its private `Request`).

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <limits>
+#include <utility>
 
 #include "core/check.h"
 #include "core/device.h"
@@ -312,6 +313,14 @@ Tensor const& SnapshotStorage::recurrentConvSlab(int32_t layer) const {
               "SnapshotStorage::recurrentConvSlab", "layer {} is outside [0, {})", layer,
               mConvSlabs.size());
   return mConvSlabs[static_cast<std::size_t>(layer)];
+}
+
+Tensor& SnapshotStorage::recurrentStateSlab(int32_t layer) {
+  return const_cast<Tensor&>(std::as_const(*this).recurrentStateSlab(layer));
+}
+
+Tensor& SnapshotStorage::recurrentConvSlab(int32_t layer) {
+  return const_cast<Tensor&>(std::as_const(*this).recurrentConvSlab(layer));
 }
 
 Tensor const& SnapshotStorage::partialKvSlab(int32_t layer, bool draft) const {

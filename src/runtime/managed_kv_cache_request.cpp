@@ -104,6 +104,12 @@ int32_t ManagedKVCacheRequest::reuseTokenLength(ExecutionRow row) const {
                   [&](auto const& backend) { return backend.reuseTokenLength(row); });
 }
 
+std::span<ReusePointCapture const> ManagedKVCacheRequest::reusePointCaptures(
+    ExecutionRow row) const {
+  return dispatch("ManagedKVCacheRequest::reusePointCaptures", mBackend,
+                  [&](auto const& backend) { return backend.reusePointCaptures(row); });
+}
+
 bool ManagedKVCacheRequest::publishHybridMtpEndpoint(ExecutionRow row, int32_t residentStateLength,
                                                      Tensor const& baseHiddenStates,
                                                      int32_t boundaryHiddenRow) {

@@ -194,25 +194,49 @@ void RecurrentOracle::expected(PrefixDigests const& digests, int64_t length, int
   }
 }
 
-void RecurrentOracle::write(CacheSlot slot, PrefixDigests const& digests, int64_t length) {
-  MKV_REQUIRE(slot >= 0 && slot < mPool.numSlots(), "RecurrentOracle::write",
-              "slot {} outside [0, {})", slot, mPool.numSlots());
-  MKV_REQUIRE(length >= 0 && length <= digests.size(), "RecurrentOracle::write",
+template <typename StateOf, typename ConvOf>
+void RecurrentOracle::writeRows(char const* call, int64_t row, PrefixDigests const& digests,
+                                int64_t length, StateOf&& stateOf, ConvOf&& convOf) {
+  MKV_REQUIRE(length >= 0 && length <= digests.size(), call,
               "length {} outside the {} known positions", length, digests.size());
   for (int32_t layer = 0; layer < mPool.numLayers(); ++layer) {
     for (bool conv : {false, true}) {
-      Tensor& rows = conv ? mPool.conv(layer) : mPool.state(layer);
+      Tensor& rows = conv ? convOf(layer) : stateOf(layer);
       auto const bytes = static_cast<std::size_t>(rows.dim(1));
-      std::vector<uint8_t> row(bytes);
-      expected(digests, length, layer, conv, row);
+      MKV_REQUIRE(rows.dim(1) == (conv ? mPool.conv(layer) : mPool.state(layer)).dim(1), call,
+                  "layer {} {} rows of {} bytes, the pool's have {}", layer,
+                  conv ? "conv" : "state", rows.dim(1),
+                  (conv ? mPool.conv(layer) : mPool.state(layer)).dim(1));
+      std::vector<uint8_t> values(bytes);
+      expected(digests, length, layer, conv, values);
       detail::copyBytes(
-          static_cast<uint8_t*>(rows.rawPointer()) + bytes * static_cast<std::size_t>(slot),
-          mPool.deviceType(), row.data(), DeviceType::kCPU, bytes, nullptr);
-      if (mPool.deviceType() == DeviceType::kGPU) {
+          static_cast<uint8_t*>(rows.rawPointer()) + bytes * static_cast<std::size_t>(row),
+          rows.deviceType(), values.data(), DeviceType::kCPU, bytes, nullptr);
+      if (rows.deviceType() == DeviceType::kGPU) {
         detail::synchronizeDevice();
       }
     }
   }
+}
+
+void RecurrentOracle::write(CacheSlot slot, PrefixDigests const& digests, int64_t length) {
+  MKV_REQUIRE(slot >= 0 && slot < mPool.numSlots(), "RecurrentOracle::write",
+              "slot {} outside [0, {})", slot, mPool.numSlots());
+  writeRows(
+      "RecurrentOracle::write", slot, digests, length,
+      [&](int32_t l) -> Tensor& { return mPool.state(l); },
+      [&](int32_t l) -> Tensor& { return mPool.conv(l); });
+}
+
+void RecurrentOracle::writeSnapshot(SnapshotStorage& snapshots, int32_t snapshotSlot,
+                                    PrefixDigests const& digests, int64_t length) {
+  MKV_REQUIRE(snapshotSlot >= 0 && snapshotSlot < snapshots.config().recurrentSlots,
+              "RecurrentOracle::writeSnapshot", "snapshot slot {} outside [0, {})", snapshotSlot,
+              snapshots.config().recurrentSlots);
+  writeRows(
+      "RecurrentOracle::writeSnapshot", snapshotSlot, digests, length,
+      [&](int32_t l) -> Tensor& { return snapshots.recurrentStateSlab(l); },
+      [&](int32_t l) -> Tensor& { return snapshots.recurrentConvSlab(l); });
 }
 
 OracleReport RecurrentOracle::verify(CacheSlot slot, PrefixDigests const& digests,

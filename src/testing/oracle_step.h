@@ -81,6 +81,9 @@ inline constexpr int32_t kOracleHiddenHalf = 4;
 struct OracleGeometry {
   OraclePoolGeometry pools[kOraclePools];  ///< full, sliding window, draft (kOraclePools)
   OracleRecurrentGeometry recurrent;
+  /// The coordinator's snapshot slabs (same layout, one row per snapshot slot): the reuse points
+  /// the engine captures during a prefill (kOracleRecurrentSnapshot items).
+  OracleRecurrentGeometry snapshots;
   OracleHiddenGeometry hidden;
   /// [storeRows (+ storeRows with a draft pool), storePitch]: the digest of every staged position
   /// per slot; the draft pool's plane starts at row draftPlaneRow.
@@ -128,6 +131,9 @@ enum OracleRecurrentFlags : int32_t {
   /// compared with the row of fromDigest (with kOracleRecurrentVerify), then written as the
   /// row of toDigest.
   kOracleRecurrentHidden = 8,
+  /// A reuse point: `slot` is a row of OracleGeometry::snapshots, written (never verified) with
+  /// the state after toLength tokens.
+  kOracleRecurrentSnapshot = 16,
 };
 
 /// A recurrent execution of resident `slot` from fromLength to toLength tokens: verify the rows

@@ -201,7 +201,8 @@ MKV_ORACLE_FN uint64_t recurrentUnitShare(OracleGeometry const& geometry, uint8_
   if ((it.flags & kOracleRecurrentHidden) != 0) {
     return hiddenUnitShare(geometry, it, item, tid, threads);
   }
-  OracleRecurrentGeometry const& rec = geometry.recurrent;
+  OracleRecurrentGeometry const& rec =
+      (it.flags & kOracleRecurrentSnapshot) != 0 ? geometry.snapshots : geometry.recurrent;
   uint64_t key = kNoKey;
   for (int32_t lk = 0; lk < 2 * rec.numLayers; ++lk) {
     int32_t const layer = lk / 2;

@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "core/check.h"
+#include "mkv/snapshot_storage.h"
 #include "testing/oracle_bytes.h"
 #include "testing/oracle_step_units.h"
 
@@ -44,19 +45,33 @@ void fillPool(OraclePoolGeometry& geometry, KVCachePool& pool, KVPageTable const
   geometry.present = 1;
 }
 
-/// The recurrent layers' state and conv rows the oracle reads and writes.
-void fillRecurrent(OracleRecurrentGeometry& g, RecurrentStatePool& state) {
-  MKV_REQUIRE(state.numLayers() <= kOracleMaxRecurrentLayers, kCall,
-              "{} recurrent layers exceed the {} the oracle addresses", state.numLayers(),
+/// The state and conv rows of `layers` recurrent layers the oracle reads and writes: the
+/// resident rows of the recurrent pool, or the snapshot slabs' rows (same row layout).
+template <typename StateOf, typename ConvOf>
+void fillRecurrent(OracleRecurrentGeometry& g, int32_t layers, StateOf&& stateOf, ConvOf&& convOf) {
+  MKV_REQUIRE(layers <= kOracleMaxRecurrentLayers, kCall,
+              "{} recurrent layers exceed the {} the oracle addresses", layers,
               kOracleMaxRecurrentLayers);
-  for (int32_t l = 0; l < state.numLayers(); ++l) {
-    g.state[l] = static_cast<uint8_t*>(state.state(l).rawPointer());
-    g.conv[l] = static_cast<uint8_t*>(state.conv(l).rawPointer());
+  for (int32_t l = 0; l < layers; ++l) {
+    g.state[l] = static_cast<uint8_t*>(stateOf(l).rawPointer());
+    g.conv[l] = static_cast<uint8_t*>(convOf(l).rawPointer());
   }
-  g.stateBytes = state.state(0).dim(1);
-  g.convBytes = state.conv(0).dim(1);
-  g.numLayers = state.numLayers();
-  g.numSlots = state.numSlots();
+  g.stateBytes = stateOf(0).dim(1);
+  g.convBytes = convOf(0).dim(1);
+  g.numLayers = layers;
+  g.numSlots = static_cast<int32_t>(stateOf(0).dim(0));
+}
+
+/// Reuse points one step can capture: every interval of every row's sequence, at most one per
+/// snapshot slot (0 without a checkpoint interval or snapshot slabs).
+std::size_t reusePointsPerStep(KVCacheRuntime const& runtime, OracleRecurrentGeometry const& g) {
+  int32_t const interval = runtime.config().contextCache.checkpointInterval;
+  if (interval <= 0 || g.numLayers == 0) {
+    return 0;
+  }
+  int64_t const perRow = runtime.config().maxSequenceLength / interval;
+  return static_cast<std::size_t>(std::min<int64_t>(
+      {int64_t{g.numSlots}, perRow * runtime.config().maxBatchSize, int64_t{kOracleMaxItems} / 2}));
 }
 
 /// The Hybrid-MTP boundary hidden rows the engine keeps (`[rows, width]` on `device`).
@@ -89,8 +104,21 @@ OracleStepper::OracleStepper(KVCacheRuntime& runtime, bool recurrent, Tensor* hi
     pitch = std::max(pitch, int64_t{tables[p]->maxPagesPerSeq()} * pools[p]->tokensPerPage());
   }
   if (recurrent && runtime.recurrentState() != nullptr) {
-    fillRecurrent(mGeometry.recurrent, *runtime.recurrentState());
+    RecurrentStatePool& state = *runtime.recurrentState();
+    fillRecurrent(
+        mGeometry.recurrent, state.numLayers(),
+        [&](int32_t l) -> Tensor& { return state.state(l); },
+        [&](int32_t l) -> Tensor& { return state.conv(l); });
+    ContextCacheCoordinator* cache = runtime.contextCache();
+    SnapshotStorage* snapshots = cache != nullptr ? cache->snapshots() : nullptr;
+    if (snapshots != nullptr && snapshots->config().recurrentSlots > 0) {
+      fillRecurrent(
+          mGeometry.snapshots, state.numLayers(),
+          [&](int32_t l) -> Tensor& { return snapshots->recurrentStateSlab(l); },
+          [&](int32_t l) -> Tensor& { return snapshots->recurrentConvSlab(l); });
+    }
   }
+  std::size_t const points = reusePointsPerStep(runtime, mGeometry.snapshots);
   if (hidden != nullptr) {
     fillHidden(mGeometry.hidden, *hidden, mDevice);
   }
@@ -113,13 +141,13 @@ OracleStepper::OracleStepper(KVCacheRuntime& runtime, bool recurrent, Tensor* hi
   mMaxDigests = p * r * static_cast<std::size_t>(pitch);
   mResultBytes = align8(sizeof(OracleStepHeader) + kOraclePools * r * sizeof(int32_t));
   mStagingBytes = mResultBytes + (p * r + kOraclePools * r + mMaxRanges) * sizeof(OracleRange) +
-                  (r + 1) * sizeof(OracleRecurrentItem) + mMaxDigests * sizeof(uint64_t);
+                  (r + 1 + points) * sizeof(OracleRecurrentItem) + mMaxDigests * sizeof(uint64_t);
   mStaging = ::mkv::detail::HostBuffer(mStagingBytes, mDevice);
   std::memset(mStaging.data(), 0, mStagingBytes);
   mStores.reserve(p * r);
   mWrites.reserve(kOraclePools * r);
   mVerifies.reserve(mMaxRanges);
-  mRecurrent.reserve(r + 1);  // one execution per row, one boundary hidden row
+  mRecurrent.reserve(r + 1 + points);  // one execution per row, a boundary hidden row, points
   mDigests.reserve(mMaxDigests);
   for (auto& lengths : mLengths) {
     lengths.reserve(r);
@@ -239,6 +267,15 @@ void OracleStepper::recurrent(int32_t slot, bool verify, int32_t from, uint64_t 
   flags |= from == 0 ? kOracleRecurrentFromZero : 0;
   flags |= to == 0 ? kOracleRecurrentToZero : 0;
   mRecurrent.push_back(OracleRecurrentItem{slot, flags, from, to, fromDigest, toDigest});
+}
+
+void OracleStepper::reusePoint(int32_t snapshotSlot, int32_t to, uint64_t toDigest) {
+  MKV_REQUIRE(to > 0 && snapshotSlot >= 0 && snapshotSlot < mGeometry.snapshots.numSlots, kCall,
+              "reuse point of {} tokens into snapshot slot {} outside the {} slots", to,
+              snapshotSlot, mGeometry.snapshots.numSlots);
+  requireCapacity(mRecurrent.size() + 1, mRecurrent.capacity(), "recurrent executions");
+  mRecurrent.push_back(
+      OracleRecurrentItem{snapshotSlot, kOracleRecurrentSnapshot, 0, to, 0, toDigest});
 }
 
 void OracleStepper::hidden(int32_t row, bool verify, int32_t from, uint64_t fromDigest, int32_t to,

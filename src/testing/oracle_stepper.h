@@ -69,6 +69,9 @@ class OracleStepper {
   /// A recurrent execution (see OracleRecurrentItem); digests are ignored for length 0.
   void recurrent(int32_t slot, bool verify, int32_t from, uint64_t fromDigest, int32_t to,
                  uint64_t toDigest);
+  /// A reuse point: writes the state after the `to`-token prefix (digest toDigest) into row
+  /// `snapshotSlot` of the coordinator's snapshot slabs, as the engine's scan would.
+  void reusePoint(int32_t snapshotSlot, int32_t to, uint64_t toDigest);
   /// Boundary hidden row `row` (Hybrid-MTP): verify it holds the row of the `from`-token prefix
   /// (digest fromDigest), then write the row of the `to`-token prefix (digest toDigest).
   void hidden(int32_t row, bool verify, int32_t from, uint64_t fromDigest, int32_t to,

@@ -261,6 +261,17 @@ void ReferenceEngine::executeRecurrent(Row& row, int32_t from, int32_t to) {
                     to > 0 ? row.digests.at(to - 1) : 0);
 }
 
+void ReferenceEngine::captureReusePoints(Run const& run, ExecutionRow index) {
+  if (!mRecurrent) {
+    return;
+  }
+  Row const& row = run.rows[static_cast<std::size_t>(index)];
+  for (ReusePointCapture const& point : run.managed->reusePointCaptures(index)) {
+    mSteps->reusePoint(point.snapshotSlot, point.position, row.digests.at(point.position - 1));
+    ++mStats.reusePointsWritten;
+  }
+}
+
 void ReferenceEngine::executePrefill(Run& run, Row& row, int32_t start) {
   auto const promptLength = static_cast<int32_t>(row.spec.prompt.size());
   row.digests = PrefixDigests(run.seed);
@@ -436,6 +447,7 @@ bool ReferenceEngine::prefillStep(Run& run) {
   mSteps->begin();
   for (std::size_t i = 0; i < run.rows.size(); ++i) {
     executePrefill(run, run.rows[i], run.rows[i].prefillStart);
+    captureReusePoints(run, static_cast<ExecutionRow>(i));
   }
   flushWrites(run);
   mSteps->submit(mRuntime.config().stream);

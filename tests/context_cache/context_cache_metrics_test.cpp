@@ -128,16 +128,16 @@ TEST(ContextCacheMetricsTest, PrometheusExpositionParsesAndCarriesEveryCounter) 
     bool const total = name.size() > 6 && name.compare(name.size() - 6, 6, "_total") == 0;
     EXPECT_EQ(family.type == "counter", total) << name << ": counters and only they end in _total";
   }
-  // Every counter of the struct appears: 20 scalar counters (windowLimitedTokens among them) +
-  // misses + reclaimed, vLLM's token-counted pair (queriedTokens, reusedTokens) under vLLM's
-  // names, and the host tier's 8.
+  // Every counter of the struct appears: 21 scalar counters (windowLimitedTokens and
+  // evictedReusePoints among them) + misses + reclaimed, vLLM's token-counted pair (queriedTokens,
+  // reusedTokens) under vLLM's names, and the host tier's 8.
   std::set<std::string> counters;
   for (auto const& [name, family] : e.families) {
     if (family.type == "counter") {
       counters.insert(name);
     }
   }
-  EXPECT_EQ(counters.size(), 31U);
+  EXPECT_EQ(counters.size(), 32U);
 }
 
 TEST(ContextCacheMetricsTest, PrefixCacheQueriesAndHitsAreCountedInTokens) {

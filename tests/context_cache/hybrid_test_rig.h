@@ -30,8 +30,9 @@ struct HybridRigOptions {
   int32_t maxBatch = 2;
   int32_t maxPagesPerSeq = 4;
   int32_t maxRecords = 16;
-  int32_t recurrentSlots = 4;  ///< snapshot budget, in slots
-  int32_t partialSlots = 4;    ///< snapshot budget, in slots
+  int32_t recurrentSlots = 4;      ///< snapshot budget, in slots
+  int32_t partialSlots = 4;        ///< snapshot budget, in slots
+  int32_t checkpointInterval = 0;  ///< ContextCacheConfig::checkpointInterval (reuse points)
 };
 
 class HybridRig {
@@ -75,6 +76,7 @@ class HybridRig {
   ContextCacheConfig cacheConfig() const {
     ContextCacheConfig config;
     config.maxRecords = options.maxRecords;
+    config.checkpointInterval = options.checkpointInterval;
     config.recurrentSnapshotPoolBytes =
         options.recurrentSlots * SnapshotStorage::recurrentBytesPerSlot(recurrent);
     if (pool) {
@@ -133,6 +135,13 @@ class HybridRig {
     for (std::size_t i = 0; i < seqs.size(); ++i) {
       executePrefill(*seqs[i], static_cast<int32_t>(i),
                      coordinator->reuseTokenLength(handle, static_cast<int32_t>(i)));
+      // The scan's states at the reuse points, into the slots the coordinator named.
+      for (ReusePointCapture const& point :
+           coordinator->reusePointCaptures(handle, static_cast<int32_t>(i))) {
+        recurrentOracle().writeSnapshot(*coordinator->snapshots(), point.snapshotSlot,
+                                        seqs[i]->digests, point.position);
+        capturedPoints.push_back(point.position);
+      }
     }
     coordinator->enqueuePrefillCaptures(handle);
     std::vector<ContextCacheSequenceAdvance> advances;
@@ -201,7 +210,8 @@ class HybridRig {
   std::optional<KVPageTable> table;
   std::optional<testing::KvOracle> oracle;
   RecurrentStatePool recurrent;
-  SyncFaults sync;  ///< the coordinator's synchroniser
+  std::vector<int32_t> capturedPoints;  ///< every reuse point prefill() wrote, in order
+  SyncFaults sync;                      ///< the coordinator's synchroniser
   std::optional<ContextCacheCoordinator> coordinator;
 
  private:

@@ -75,6 +75,8 @@ struct LifecycleStats {
   int64_t checkpointsPublished = 0;    ///< checkpoints committed (prefill and decode end)
   int64_t checkpointSlabChecks = 0;    ///< checkpoint records whose slabs were compared
   int64_t snapshotPressureSkips = 0;   ///< captures skipped for want of a snapshot slot
+  int64_t reusePointsWritten = 0;      ///< reuse points the engine captured into named slots
+  int64_t reusePointsRestored = 0;     ///< rows that resumed from a reuse point, verified
   int64_t draftOraclePositions = 0;    ///< draft KV positions verified
   int64_t pairedReuses = 0;            ///< speculative rows that resumed on reused base + draft KV
   int64_t verificationRounds = 0;      ///< speculative decode steps completed

@@ -163,6 +163,8 @@ TEST(LifecycleFuzzTest, HybridSpeculativeAndMtpRuntimesKeepEveryInvariant) {
   EXPECT_GT(total.checkpointsPublished, 300 * kScale);
   EXPECT_GT(total.checkpointSlabChecks, 10'000 * kScale);
   EXPECT_GT(total.snapshotPressureSkips, 10 * kScale);
+  EXPECT_GT(total.reusePointsWritten, 0);
+  EXPECT_GT(total.reusePointsRestored, 0);
   EXPECT_GT(total.draftOraclePositions, 100'000 * kScale);
   EXPECT_GT(total.pairedReuses, 30 * kScale);
   EXPECT_GT(total.verificationRounds, 1000 * kScale);
@@ -175,7 +177,8 @@ TEST(LifecycleFuzzTest, HybridSpeculativeAndMtpRuntimesKeepEveryInvariant) {
   std::printf(
       "operations %lld, rejected %lld, lifecycles hybrid %lld / speculative %lld / Hybrid-MTP "
       "%lld, recurrent checks %lld, checkpoints restored %lld / published %lld / slabs checked "
-      "%lld, pressure skips %lld, draft oracle positions %lld, paired reuses %lld, verification "
+      "%lld, pressure skips %lld, reuse points written %lld / restored %lld, draft oracle "
+      "positions %lld, paired reuses %lld, verification "
       "rounds %lld (%lld tokens accepted), "
       "Hybrid-MTP endpoints %lld, boundary hidden restores %lld, failed syncs %lld, quarantines "
       "%lld\n",
@@ -187,6 +190,8 @@ TEST(LifecycleFuzzTest, HybridSpeculativeAndMtpRuntimesKeepEveryInvariant) {
       static_cast<long long>(total.checkpointsPublished),
       static_cast<long long>(total.checkpointSlabChecks),
       static_cast<long long>(total.snapshotPressureSkips),
+      static_cast<long long>(total.reusePointsWritten),
+      static_cast<long long>(total.reusePointsRestored),
       static_cast<long long>(total.draftOraclePositions),
       static_cast<long long>(total.pairedReuses), static_cast<long long>(total.verificationRounds),
       static_cast<long long>(total.acceptedTokens), static_cast<long long>(total.mtpEndpoints),

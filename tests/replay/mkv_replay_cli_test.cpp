@@ -402,9 +402,12 @@ TEST_F(MkvReplayCliTest, BadOptionsAreOneLineAndExitTwo) {
   expectBadInput({"--recurrent-layers", "2", "--snapshot-slots", "0"},
                  "--snapshot-slots 0 is outside [1, ");
   char const* const needsLayers =
-      "--recurrent-state-bytes, --recurrent-conv-bytes, --snapshot-slots and --no-attention-only "
-      "need --recurrent-layers N > 0";
+      "--recurrent-state-bytes, --recurrent-conv-bytes, --snapshot-slots, --checkpoint-interval "
+      "and --no-attention-only need --recurrent-layers N > 0";
   expectBadInput({"--snapshot-slots", "4"}, needsLayers);
+  expectBadInput({"--checkpoint-interval", "512"}, needsLayers);
+  expectBadInput({"--recurrent-layers", "2", "--checkpoint-interval", "100"},
+                 "checkpoint interval 100 is not a multiple of the page size 128");
   expectBadInput({"--recurrent-conv-bytes", "4"}, needsLayers);
   expectBadInput({"--recurrent-layers", "0", "--no-attention-only"}, needsLayers);
   // Hybrid-MTP: an MTP draft with paged KV; the hidden width needs it.

@@ -9,6 +9,7 @@
 #include <limits>
 #include <map>
 #include <numeric>
+#include <set>
 #include <string>
 #include <utility>
 #include <vector>
@@ -769,6 +770,93 @@ TEST_P(HybridReplayTest, ASnapshotBudgetOfOneSkipsCapturesWhileItsCheckpointIsRe
   EXPECT_EQ(h.checkpointsPublished, 1);
   EXPECT_EQ(h.recurrentMismatches, 0);
   EXPECT_FALSE(h.attentionOnlyRun);  // no attention-only source given
+}
+
+/// The independent model of hybrid reuse with reuse points: the exact prefixes a checkpoint
+/// holds, as (length, FNV-1a of the tokens), and the plan's rule: the longest strictly shorter
+/// than the prompt.
+class ExactCheckpoints {
+ public:
+  explicit ExactCheckpoints(int32_t interval) : mInterval(interval) {}
+
+  int64_t expectedReuse(std::vector<int32_t> const& prompt) const {
+    std::vector<uint64_t> const hashes = prefixHashes(prompt);
+    for (auto it = mLengths.rbegin(); it != mLengths.rend(); ++it) {
+      if (*it < static_cast<int64_t>(prompt.size()) &&
+          mPrefixes.contains({*it, hashes[static_cast<std::size_t>(*it)]})) {
+        return *it;
+      }
+    }
+    return 0;
+  }
+  /// A request that reused `reuse` tokens and ran to completion: its reuse points past the
+  /// reuse length and short of the prompt end, the prompt end, and the decode end (every
+  /// sequence token with KV).
+  void publishRequest(std::vector<int32_t> const& prompt, std::vector<int32_t> const& generated,
+                      int64_t reuse) {
+    std::vector<int32_t> sequence = prompt;
+    sequence.insert(sequence.end(), generated.begin(), generated.end());
+    std::vector<uint64_t> const hashes = prefixHashes(sequence);
+    auto const length = static_cast<int64_t>(prompt.size());
+    for (int64_t point = (reuse / mInterval + 1) * mInterval; point < length; point += mInterval) {
+      add(point, hashes);
+    }
+    add(length, hashes);
+    add(generated.empty() ? length : static_cast<int64_t>(sequence.size()) - 1, hashes);
+  }
+
+ private:
+  static std::vector<uint64_t> prefixHashes(std::vector<int32_t> const& tokens) {
+    std::vector<uint64_t> hashes(tokens.size() + 1, 0xcbf29ce484222325ULL);
+    for (std::size_t i = 0; i < tokens.size(); ++i) {
+      hashes[i + 1] = (hashes[i] ^ static_cast<uint32_t>(tokens[i])) * 0x100000001b3ULL;
+    }
+    return hashes;
+  }
+  void add(int64_t length, std::vector<uint64_t> const& hashes) {
+    mLengths.insert(length);
+    mPrefixes.insert({length, hashes[static_cast<std::size_t>(length)]});
+  }
+  int64_t mInterval;
+  std::set<int64_t> mLengths;
+  std::set<std::pair<int64_t, uint64_t>> mPrefixes;
+};
+
+TEST_P(HybridReplayTest, ReusePointsLetAHybridModelReuseOnMooncakeWhatTheModelPredicts) {
+  MKV_TEST_INPUT_OR_SKIP(kMooncake500, "tests/data/mooncake_first500.jsonl");
+  // Mooncake prompts never extend one another: without reuse points every checkpoint lies in
+  // request-unique tokens. With them, a prompt lands on the last point its shared prefix passes.
+  ReplayConfig config = hybridConfig(device());
+  config.maxBatch = 1;
+  config.limit = 300;  // the sanitizer run of CI stays short
+  config.checkpointInterval = 1024;
+  TraceSource trace = traceSource(kMooncake500);
+  RecordingSource source(trace);
+  TraceSource shadowTrace = traceSource(kMooncake500);
+  ReplayResult const result = runReplay(source, config, {}, &shadowTrace);
+  ASSERT_EQ(result.failedRequests, 0);
+  EXPECT_EQ(result.oracleMismatches, 0) << result.firstMismatch;
+  ExactCheckpoints model(config.checkpointInterval);
+  int64_t expectedTotal = 0;
+  for (std::size_t i = 0; i < source.order.size(); ++i) {
+    ASSERT_EQ(source.order[i], i);
+    int64_t const expected = model.expectedReuse(source.prompts[i]);
+    EXPECT_EQ(result.records[i].reusedTokens, expected) << "request " << i;
+    expectedTotal += expected;
+    model.publishRequest(source.prompts[i], source.generated[i], expected);
+  }
+  EXPECT_EQ(result.reusedTokens, expectedTotal);
+  ReplayResult::Hybrid const& h = result.hybrid;
+  // Engagement: points were captured by the engine, committed and restored, each restore
+  // verified by the recurrent oracle.
+  EXPECT_GT(h.reusePointsRestored, 0);
+  EXPECT_EQ(h.reusePointsWritten, h.reusePointCaptures);
+  EXPECT_EQ(h.reusePointsPublished, h.reusePointCaptures);
+  EXPECT_GE(h.recurrentChecks, h.checkpointsRestored);
+  EXPECT_EQ(h.recurrentMismatches, 0);
+  ASSERT_TRUE(h.attentionOnlyRun);
+  EXPECT_GE(static_cast<double>(result.reusedTokens),
+            0.9 * static_cast<double>(h.attentionOnlyReusedTokens));
 }
 
 /// Overwrites every byte of a snapshot slab (all slots) with 0xA5 after every run.

@@ -66,6 +66,14 @@ struct ContextCacheConfig {
   /// filled last page, every layer, K and V). Slots = budget / partialKvBytesPerSlot; an enabled
   /// hybrid deployment needs at least one. Ignored without attention.
   int64_t partialKvSnapshotPoolBytes = 0;
+  /// Hybrid / pure-recurrent deployments: tokens between reuse points, 0 = none. A prefill then
+  /// also keeps a checkpoint at every multiple of the interval past its reuse length and short of
+  /// its prompt end, captured by the engine into the slots reusePointCaptures names, so a later
+  /// prompt that diverges inside the prompt still lands on the last point before the divergence
+  /// (checkpoints otherwise exist only at prompt and decode ends). A multiple of the page size
+  /// with attention; positive. Speculative requests of Hybrid-MTP keep their endpoints only.
+  /// Must be 0 on attention-only deployments.
+  int32_t checkpointInterval = 0;
   /// Victim order of published records within a retention priority: kS3Fifo (default: it reuses
   /// more than kLru in every replay measured, docs/benchmarks.md) or kLru (docs/context_cache.md,
   /// "Eviction").
@@ -239,6 +247,11 @@ struct ContextCacheCoordinatorCounters {
   uint64_t planningNanoseconds = 0;     ///< host time spent in lookup + acquire
   /// Host tier: batches of page moves enqueued (offloads and onboardings of one manager call).
   uint64_t hostTierTransfers = 0;
+  /// Reuse points (ContextCacheConfig::checkpointInterval): slots handed to the engine to capture
+  /// into, points committed as records, and sequences that restored one.
+  uint64_t reusePointCaptures = 0;
+  uint64_t reusePointPublications = 0;
+  uint64_t reusePointRestores = 0;
 };
 
 /// One counter of ContextCacheCoordinatorCounters as every export names it: the Prometheus
@@ -301,6 +314,12 @@ inline constexpr auto kCoordinatorCounterFields = std::to_array<CoordinatorCount
     {"coordinator_host_tier_transfers",
      "Host tier batches of page moves enqueued (offloads and onboardings of one call).",
      &ContextCacheCoordinatorCounters::hostTierTransfers},
+    {"coordinator_reuse_point_captures", "Reuse-point slots handed to the engine to capture.",
+     &ContextCacheCoordinatorCounters::reusePointCaptures},
+    {"coordinator_reuse_point_publications", "Reuse points committed as records.",
+     &ContextCacheCoordinatorCounters::reusePointPublications},
+    {"coordinator_reuse_point_restores", "Sequences started from a restored reuse point.",
+     &ContextCacheCoordinatorCounters::reusePointRestores},
 });
 
 /// Context reuse over full paged KV: lookups at admission, page rows for execution, growth per
@@ -398,6 +417,15 @@ class ContextCacheCoordinator {
   /// stages nothing more. No-op on attention-only deployments. Throws outside preparePrefill ->
   /// finalizePrefillPublication.
   void enqueuePrefillCaptures(RequestHandle& handle);
+  /// The reuse points execution row `row` captures in the prepared prefill, ascending by position
+  /// (ContextCacheConfig::checkpointInterval; empty without one, for a bypass row, a speculative
+  /// Hybrid-MTP request, positions already cached, and once slots run out: snapshotPressureSkips).
+  /// The engine writes the state after each `position` into its `snapshotSlot` before the
+  /// prefill's synchronisation; finalizePrefillPublication commits them, before the prompt end.
+  /// Valid between preparePrefill and finalizePrefillPublication; throws outside them and for a
+  /// row outside the batch.
+  std::span<ReusePointCapture const> reusePointCaptures(RequestHandle const& handle,
+                                                        ExecutionRow row) const;
   /// After the runtime's prefill synchronisation: applies one advance per sequence (the prompt
   /// plus the lookahead under kCommittedPlusLookahead) and publishes the prompt's full blocks
   /// (checkpoint deployments: commits the captures of enqueuePrefillCaptures instead).
@@ -598,8 +626,10 @@ class ContextCacheCoordinator {
   void setFaultHookForTesting(std::function<void(CoordinatorFaultSite)> hook) {
     mFaultHook = std::move(hook);
   }
-  /// Checkpoint slabs (hybrid and pure-recurrent deployments), else null.
+  /// Checkpoint slabs (hybrid and pure-recurrent deployments), else null. The engine writes the
+  /// reuse points of reusePointCaptures into them.
   SnapshotStorage const* snapshots() const noexcept { return mSnapshots.get(); }
+  SnapshotStorage* snapshots() noexcept { return mSnapshots.get(); }
 
  private:
   // The parts of the coordinator, one file each (docs/architecture.md, "Context reuse"): the
@@ -693,6 +723,10 @@ class ContextCacheCoordinator {
                       int32_t exactLength, bool partial);
   /// Publishes every staged capture (its copies are complete) and retires the reservations.
   void commitCaptures(Request& request);
+  /// preparePrefill: reserves a slot for every reuse point of each row (checkpointInterval).
+  void planReusePoints(Request& request);
+  /// finalizePrefillPublication: commits the rows' reuse points as records, ascending.
+  void commitReusePoints(Request& request);
   /// publishHybridMtpEndpoint's reservation: with the hit's pins held, then (pressure) without.
   std::optional<SnapshotReservation> reserveEndpoint(Sequence& sequence,
                                                      int32_t residentStateLength);

@@ -47,8 +47,9 @@ struct ContextCacheMetrics {
 
   // Eviction and verification.
   uint64_t evictedRecords = 0;
-  uint64_t prefixCacheResets = 0;  ///< successful ContextCacheManager::resetPrefixCache calls
-  uint64_t resetRecords = 0;       ///< records those resets dropped (not counted as evictions)
+  uint64_t evictedReusePoints = 0;  ///< of evictedRecords, checkpoints kept at reuse points
+  uint64_t prefixCacheResets = 0;   ///< successful ContextCacheManager::resetPrefixCache calls
+  uint64_t resetRecords = 0;        ///< records those resets dropped (not counted as evictions)
   /// Resources returned to a free ring by an eviction or a reset (not by a lease release), per
   /// type.
   std::array<uint64_t, kResourceTypeCount> reclaimedResources{};

@@ -5,6 +5,7 @@
 
 #include <cstdint>
 #include <optional>
+#include <span>
 #include <string>
 #include <vector>
 
@@ -63,6 +64,11 @@ class ContextCacheRequest {
   /// Bounded-SWA windows only: a no-op here, true.
   bool prepareSwaPrefill(std::vector<int32_t> const& /*effectiveInputLengths*/) { return true; }
   bool enqueuePrefillCaptures();
+  /// The reuse points row `row` captures in the prepared prefill
+  /// (ContextCacheCoordinator::reusePointCaptures).
+  std::span<ReusePointCapture const> reusePointCaptures(ExecutionRow row) const {
+    return mCoordinator->reusePointCaptures(mHandle, row);
+  }
   /// Prefill advances from the context: the whole prompt, plus the one sampled lookahead token
   /// under kCommittedPlusLookahead (generatedTokenIds[row].size() must be 1, else 0).
   bool completePrefill(DecodingInferenceContext const& context,

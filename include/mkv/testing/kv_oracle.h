@@ -13,6 +13,7 @@
 #include "mkv/kv_cache_pool.h"
 #include "mkv/kv_page_table.h"
 #include "mkv/recurrent_state_pool.h"
+#include "mkv/snapshot_storage.h"
 #include "mkv/types.h"
 
 namespace mkv::testing {
@@ -101,6 +102,11 @@ class RecurrentOracle {
   /// Sets the rows of `slot` to the state after positions [0, length) (an execution's result).
   /// Throws mkv::Error for a slot out of range or a length beyond the digests.
   void write(CacheSlot slot, PrefixDigests const& digests, int64_t length);
+  /// Sets row `snapshotSlot` of `snapshots`' recurrent slabs to the state after [0, length), as
+  /// an engine's scan captures a reuse point (ReusePointCapture). Throws mkv::Error for a slot
+  /// out of range, a length beyond the digests, or slabs of another layout than the pool's.
+  void writeSnapshot(SnapshotStorage& snapshots, int32_t snapshotSlot, PrefixDigests const& digests,
+                     int64_t length);
   /// Compares the rows of `slot` with the state after [0, length). The report counts one
   /// position (the state) and at most one mismatch, described by layer, row kind and byte.
   OracleReport verify(CacheSlot slot, PrefixDigests const& digests, int64_t length) const;
@@ -109,6 +115,10 @@ class RecurrentOracle {
   static void expectedRow(uint64_t digest, int32_t layer, bool conv, std::span<uint8_t> out);
 
  private:
+  /// Writes the state after [0, length) into row `row` of every layer's state and conv buffers.
+  template <typename StateOf, typename ConvOf>
+  void writeRows(char const* call, int64_t row, PrefixDigests const& digests, int64_t length,
+                 StateOf&& stateOf, ConvOf&& convOf);
   void expected(PrefixDigests const& digests, int64_t length, int32_t layer, bool conv,
                 std::span<uint8_t> out) const;
 

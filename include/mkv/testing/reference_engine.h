@@ -139,7 +139,10 @@ struct EngineStats {
   // Hybrid-MTP (speculative decoding on a model with recurrent layers).
   int64_t hiddenRestores = 0;   ///< restoreHybridMtpBoundaryHidden calls (prefills from a hit)
   int64_t hiddenEndpoints = 0;  ///< publishHybridMtpEndpoint calls (one per prefill)
-  int64_t hiddenChecks = 0;     ///< restored boundary hidden rows verified
+  /// Reuse points the prefills wrote into the snapshot slots the library named
+  /// (ManagedKVCacheRequest::reusePointCaptures).
+  int64_t reusePointsWritten = 0;
+  int64_t hiddenChecks = 0;  ///< restored boundary hidden rows verified
   /// Of oracleMismatches: restored boundary hidden rows with a wrong byte.
   int64_t hiddenMismatches = 0;
 };
@@ -256,6 +259,8 @@ class ReferenceEngine {
   /// Settles every row's outcome, finishes the managed request and gives back the slots.
   RequestOutcome finishRun(Run& run, bool ok);
   void executePrefill(Run& run, Row& row, int32_t start);
+  /// Writes the state after each reuse point of execution row `index` into its snapshot slot.
+  void captureReusePoints(Run const& run, ExecutionRow index);
   void verifyRow(Run& run, Row& row, bool full);
   /// Snapshots the device KV-length rows (checked by finishStep).
   void checkLengths(Run& run);

@@ -82,6 +82,7 @@ void Lifecycle::executePrefill(Req& req, Row& row, int32_t rowIndex) {
     }
     if (mRecurrentOracle) {
       mRecurrentOracle->write(row.resident.slot, row.digests, length);
+      captureReusePoints(req, row, rowIndex);
     }
     if (row.paired && req.mtp) {
       executeDraft(row, rowIndex, length - 1);  // up to the boundary token's row
@@ -94,6 +95,23 @@ void Lifecycle::executePrefill(Req& req, Row& row, int32_t rowIndex) {
   }
   row.materialized = length;
   writeLength(rowIndex, length);
+}
+
+/// The scan's states at the reuse points the backend named for the row, into their snapshot
+/// slots; each is filed for the checkpoint invariant (finalisation commits them).
+void Lifecycle::captureReusePoints(Req const& req, Row const& row, int32_t rowIndex) {
+  std::span<ReusePointCapture const> const points =
+      req.facade ? req.facade->reusePointCaptures(rowIndex)
+                 : mCoordinator->reusePointCaptures(req.coordinator, rowIndex);
+  for (ReusePointCapture const& point : points) {
+    expectf(point.position > row.start && point.position < static_cast<int32_t>(row.prompt.size()),
+            "reuse point at {} outside the prefill ({}, {})", point.position, row.start,
+            row.prompt.size());
+    mRecurrentOracle->writeSnapshot(*mCoordinator->snapshots(), point.snapshotSlot, row.digests,
+                                    point.position);
+    noteCheckpoint(req, row, point.position, false);
+    ++mStats.reusePointsWritten;
+  }
 }
 
 /// What preparePrefill left for a row to resume from: the reused KV, the recurrent rows of the

@@ -178,6 +178,10 @@ KVCacheRuntimeConfig Lifecycle::configFromInput() {
     if (mKind == Runtime::kContextReuse && (rawCacheByte & 0x30) == 0x30) {
       config.hostPoolTokens = int64_t{kPage} * (1 + 2 * (rawCacheByte >> 6));
     }
+    if (mKind == Runtime::kHybrid) {
+      // The same bits on a hybrid runtime: reuse points every 1-3 pages, or none (a quarter).
+      config.contextCache.checkpointInterval = kPage * ((rawCacheByte >> 4) & 3);
+    }
     config.contextCache.eventQueueCapacity = 4 * mIn.below(2);
   }
   if ((mKind == Runtime::kBoundedSwa || mKind == Runtime::kFullStorage) && mIn.oneIn(3)) {
@@ -333,6 +337,7 @@ void Lifecycle::tearDown() {
     checkCacheEmpty();
     mStats.snapshotPressureSkips +=
         static_cast<int64_t>(mCoordinator->counters().snapshotPressureSkips);
+    mStats.reusePointsRestored += static_cast<int64_t>(mCoordinator->counters().reusePointRestores);
   }
   mRuntime.reset();
 }

@@ -258,6 +258,7 @@ class Lifecycle {
   void writeDraftLength(int32_t rowIndex, int32_t length);
   void setActiveBatch(int32_t batch);
   void executePrefill(Req& req, Row& row, int32_t rowIndex);
+  void captureReusePoints(Req const& req, Row const& row, int32_t rowIndex);
   void verifyResumed(Req const& req, Row& row, int32_t rowIndex);
   void executeDraft(Row& row, int32_t rowIndex, int32_t to);
   void writeHiddenStates(Req& req);

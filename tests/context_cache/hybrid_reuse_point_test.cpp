@@ -1,0 +1,203 @@
+// Reuse points on checkpoint deployments (docs/context_cache.md, "Reuse points"): with a
+// checkpoint interval the coordinator names, at preparePrefill, a snapshot slot for every
+// multiple of the interval inside each prompt; the engine writes the state there (here: the
+// recurrent oracle, as a chunked scan would), finalizePrefillPublication commits them, and a
+// later prompt that diverges inside the first one restores the last point before the divergence.
+// Every restore is checked by the oracles (KV before the start, recurrent rows at the start).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <vector>
+
+#include "hybrid_test_rig.h"
+
+namespace mkv::test {
+namespace {
+
+using Handle = ContextCacheCoordinator::RequestHandle;
+constexpr ContextCacheStatus kOk = ContextCacheStatus::kOk;
+constexpr ResourceType kRecurrent = ResourceType::kRecurrentSnapshot;
+
+class HybridReusePointTest : public DeviceTest {};
+
+/// Pages of 16 tokens, a point every 32, room for 100-token prompts and a few turns.
+HybridRigOptions pointOptions(bool attention = true) {
+  HybridRigOptions o;
+  o.attention = attention;
+  o.pageSize = 16;
+  o.numPages = 48;
+  o.maxPagesPerSeq = 12;
+  o.maxRecords = 32;
+  o.recurrentSlots = 16;
+  o.partialSlots = 4;
+  o.checkpointInterval = 32;
+  return o;
+}
+
+/// Admits and prefills `seqs`, then finishes; returns the prefill starts.
+std::vector<int32_t> serve(HybridRig& rig, std::vector<Seq*> const& seqs) {
+  std::vector<int32_t> starts;
+  Handle handle = rig.admit(seqs, &starts);
+  EXPECT_EQ(rig.prefill(handle, seqs), kOk);
+  EXPECT_EQ(rig.coordinator->finish(handle), kOk);
+  return starts;
+}
+
+std::vector<int32_t> checkpointLengths(HybridRig const& rig, bool reusePoints) {
+  std::vector<int32_t> lengths;
+  for (CacheRecord const& record : rig.manager().records().lruToMru()) {
+    if (record.reusePoint == reusePoints) {
+      lengths.push_back(*record.exactCheckpointLength);
+    }
+  }
+  std::sort(lengths.begin(), lengths.end());
+  return lengths;
+}
+
+TEST_P(HybridReusePointTest, AFollowUpThatDivergesInsideThePromptRestoresTheLastPointBeforeIt) {
+  HybridRig rig(device(), pointOptions());
+  std::vector<int32_t> const first = tokenRun(100, 100);
+  Seq producer(first, 0);
+  EXPECT_EQ(serve(rig, {&producer}), std::vector<int32_t>{0});
+  EXPECT_EQ(rig.capturedPoints, (std::vector<int32_t>{32, 64, 96})) << "short of the prompt end";
+  EXPECT_EQ(checkpointLengths(rig, true), (std::vector<int32_t>{32, 64, 96}));
+  EXPECT_EQ(checkpointLengths(rig, false), std::vector<int32_t>{100}) << "the prompt end";
+  EXPECT_EQ(rig.coordinator->counters().reusePointCaptures, 3u);
+  EXPECT_EQ(rig.coordinator->counters().reusePointPublications, 3u);
+
+  // Diverges at 70: without points no checkpoint would be a prefix of it (the prompt end is not).
+  Seq follower(
+      concatenated(std::vector<int32_t>(first.begin(), first.begin() + 70), tokenRun(20, 5000)), 1);
+  rig.capturedPoints.clear();
+  EXPECT_EQ(serve(rig, {&follower}), std::vector<int32_t>{64})
+      << "the oracles checked the restored KV and recurrent rows";
+  EXPECT_EQ(rig.coordinator->counters().reusePointRestores, 1u);
+  EXPECT_EQ(rig.coordinator->counters().checkpointRestores, 1u);
+  EXPECT_TRUE(rig.capturedPoints.empty()) << "the next point, 96, is past its 90 tokens";
+  rig.expectQuiescent();
+}
+
+TEST_P(HybridReusePointTest, PointsStartPastTheReuseLengthAndSkipThePromptEnd) {
+  HybridRig rig(device(), pointOptions());
+  std::vector<int32_t> const first = tokenRun(64, 100);
+  Seq producer(first, 0);
+  serve(rig, {&producer});
+  EXPECT_EQ(rig.capturedPoints, std::vector<int32_t>{32}) << "64 is the prompt end's checkpoint";
+  EXPECT_EQ(checkpointLengths(rig, false), std::vector<int32_t>{64});
+
+  // The next turn restores the prompt end (64) and keeps points from 96 on only.
+  Seq next(concatenated(first, tokenRun(60, 7000)), 1);
+  rig.capturedPoints.clear();
+  EXPECT_EQ(serve(rig, {&next}), std::vector<int32_t>{64});
+  EXPECT_EQ(rig.capturedPoints, std::vector<int32_t>{96});
+  EXPECT_EQ(rig.coordinator->counters().reusePointRestores, 0u) << "a prompt end was restored";
+  rig.expectQuiescent();
+}
+
+TEST_P(HybridReusePointTest, TwoRowsOfOneBatchSharingAPrefixKeepOneRecordPerPoint) {
+  HybridRig rig(device(), pointOptions());
+  std::vector<int32_t> const shared = tokenRun(70, 100);
+  Seq a(concatenated(shared, tokenRun(10, 3000)), 0);
+  Seq b(concatenated(shared, tokenRun(10, 4000)), 1);
+  serve(rig, {&a, &b});
+  EXPECT_EQ(rig.capturedPoints, (std::vector<int32_t>{32, 64, 32, 64})) << "both rows capture";
+  EXPECT_EQ(checkpointLengths(rig, true), (std::vector<int32_t>{32, 64})) << "the first wins";
+  EXPECT_EQ(rig.coordinator->counters().reusePointPublications, 4u)
+      << "the second commit of each point touches the first";
+  rig.expectQuiescent();
+  EXPECT_EQ(rig.freeSlots(kRecurrent), 16 - 2 - 2) << "two points, two prompt ends";
+}
+
+TEST_P(HybridReusePointTest, SnapshotPressureStopsARowsPointsButNeverTheRequest) {
+  HybridRigOptions options = pointOptions();
+  options.recurrentSlots = 2;
+  HybridRig rig(device(), options);
+  Seq producer(tokenRun(100, 100), 0);
+  std::vector<int32_t> starts;
+  Handle handle = rig.admit({&producer}, &starts);
+  ASSERT_EQ(rig.prefill(handle, {&producer}), kOk);
+  EXPECT_EQ(rig.capturedPoints, (std::vector<int32_t>{32, 64})) << "96 found no slot";
+  EXPECT_EQ(rig.coordinator->counters().snapshotPressureSkips, 2u) << "96, then the prompt end";
+  ASSERT_EQ(rig.decode(handle, {&producer}), kOk) << "the request carries on";
+  ASSERT_EQ(rig.coordinator->finish(handle), kOk);
+  EXPECT_EQ(checkpointLengths(rig, true), (std::vector<int32_t>{32, 64}));
+  rig.expectQuiescent();
+}
+
+TEST_P(HybridReusePointTest, AnAbandonedPrefillReturnsItsPointSlots) {
+  HybridRig rig(device(), pointOptions());
+  Seq producer(tokenRun(100, 100), 0);
+  Handle handle = rig.admit({&producer});
+  rig.coordinator->preparePrefill(handle);
+  ASSERT_EQ(rig.coordinator->reusePointCaptures(handle, 0).size(), 3u);
+  EXPECT_EQ(rig.freeSlots(kRecurrent), 16 - 3);
+  ASSERT_EQ(rig.coordinator->finish(handle), kOk);
+  EXPECT_EQ(rig.freeSlots(kRecurrent), 16) << "nothing committed, every reservation returned";
+  EXPECT_EQ(rig.manager().records().size(), 0u);
+  rig.expectQuiescent();
+}
+
+TEST_P(HybridReusePointTest, APureRecurrentModelKeepsPointsAtAnyInterval) {
+  HybridRigOptions options = pointOptions(false);
+  options.checkpointInterval = 30;  // no page to align with
+  HybridRig rig(device(), options);
+  std::vector<int32_t> const first = tokenRun(100, 100);
+  Seq producer(first, 0);
+  serve(rig, {&producer});
+  EXPECT_EQ(rig.capturedPoints, (std::vector<int32_t>{30, 60, 90}));
+  Seq follower(
+      concatenated(std::vector<int32_t>(first.begin(), first.begin() + 75), tokenRun(5, 9000)), 1);
+  EXPECT_EQ(serve(rig, {&follower}), std::vector<int32_t>{60});
+  EXPECT_EQ(rig.coordinator->counters().reusePointRestores, 1u);
+  rig.expectQuiescent();
+}
+
+TEST_P(HybridReusePointTest, TheCapturesAreNamedDuringThePrefillOnly) {
+  HybridRig rig(device(), pointOptions());
+  Seq producer(tokenRun(100, 100), 0);
+  Handle handle = rig.admit({&producer});
+  EXPECT_TRUE(throwsError([&] { (void)rig.coordinator->reusePointCaptures(handle, 0); },
+                          {"ContextCacheCoordinator::reusePointCaptures",
+                           "between preparePrefill and finalizePrefillPublication"}));
+  rig.coordinator->preparePrefill(handle);
+  EXPECT_TRUE(throwsError([&] { (void)rig.coordinator->reusePointCaptures(handle, 1); },
+                          {"ContextCacheCoordinator::reusePointCaptures", "row 1 outside"}));
+  ASSERT_EQ(rig.coordinator->finish(handle), kOk);
+}
+
+INSTANTIATE_TEST_SUITE_P(Devices, HybridReusePointTest, allDeviceTypes(), deviceName);
+
+TEST(HybridReusePointConstructionTest, TheIntervalIsValidatedAgainstTheDeployment) {
+  HybridRigOptions const o = pointOptions();
+  RigOptions kv;
+  kv.maxBatch = o.maxBatch;
+  kv.pageSize = o.pageSize;
+  KVCachePool pool(CoordinatorRig::poolConfig(DeviceType::kCPU, kv));
+  KVPageTable table(o.maxBatch, o.maxPagesPerSeq, kv.numPages, PageTableMode::kDense,
+                    DeviceType::kCPU);
+  RecurrentStatePool recurrent(HybridRig::recurrentConfig(DeviceType::kCPU, o));
+  ContextCacheConfig config;
+  config.recurrentSnapshotPoolBytes = 4 * SnapshotStorage::recurrentBytesPerSlot(recurrent);
+  config.partialKvSnapshotPoolBytes = 2 * SnapshotStorage::partialKvBytesPerSlot(pool);
+  ContextCacheDeploymentProfile hybrid;
+  hybrid.baseStateKind = BaseStateKind::kHybrid;
+  auto construct = [&](int32_t interval, ContextCacheDeploymentProfile const& profile,
+                       ContextCachePhysicalResources const& resources) {
+    ContextCacheConfig c = config;
+    c.checkpointInterval = interval;
+    return [=] { ContextCacheCoordinator coordinator(c, profile, resources, nullptr); };
+  };
+  ContextCachePhysicalResources const withRecurrent{&pool, &table, nullptr, nullptr, &recurrent};
+  EXPECT_NO_THROW(construct(64, hybrid, withRecurrent)());
+  EXPECT_TRUE(throwsError(
+      construct(40, hybrid, withRecurrent),
+      {"ContextCacheCoordinator", "checkpointInterval 40 is not a multiple of the page size 16"}));
+  EXPECT_TRUE(throwsError(construct(-16, hybrid, withRecurrent),
+                          {"checkpointInterval must be >= 0, got -16"}));
+  EXPECT_TRUE(throwsError(
+      construct(64, ContextCacheDeploymentProfile{}, {&pool, &table, nullptr, nullptr, nullptr}),
+      {"checkpointInterval 64 is for hybrid and pure-recurrent deployments"}));
+}
+
+}  // namespace
+}  // namespace mkv::test
