@@ -8,6 +8,10 @@
                blocks; 4 shared 2-block system prompts; a turn appends 1-4 blocks.
   roundrobin:  60 conversations on one 2-block system prompt, 6 turns, strictly turn by turn (a
                loop over every conversation); a turn appends 1-3 blocks.
+  diverge:     explicit token prompts (mkv-replay's own JSONL): 600 requests over 120 documents of
+               2k-12k tokens, each keeping a uniformly random prefix of its document (a quarter
+               to all but one token) and adding 16-400 fresh tokens, so follow-ups diverge at any
+               position, not at block boundaries (docs/context_cache.md, "Reuse points").
 """
 import argparse
 import json
@@ -61,14 +65,30 @@ def roundrobin(seed, convs=60, turns=6):
     return out
 
 
+def diverge(seed, docs=120, requests=600):
+    rnd = random.Random(seed)
+    texts = [[rnd.randint(10, 30000) for _ in range(rnd.randint(2000, 12000))]
+             for _ in range(docs)]
+    out = []
+    for _ in range(requests):
+        text = rnd.choice(texts)
+        cut = rnd.randint(len(text) // 4, len(text) - 1)
+        tail = [rnd.randint(10, 30000) for _ in range(rnd.randint(16, 400))]
+        out.append({"prompt": text[:cut] + tail, "max_new_tokens": rnd.randint(8, 64)})
+    return out
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("shape", choices=["interleaved", "roundrobin"])
+    parser.add_argument("shape", choices=["interleaved", "roundrobin", "diverge"])
     parser.add_argument("out")
-    parser.add_argument("--seed", type=int, default=None, help="7 (interleaved), 3 (roundrobin)")
+    parser.add_argument("--seed", type=int, default=None,
+                        help="7 (interleaved), 3 (roundrobin), 11 (diverge)")
     args = parser.parse_args()
     if args.shape == "interleaved":
         rows = interleaved(7 if args.seed is None else args.seed)
+    elif args.shape == "diverge":
+        rows = diverge(11 if args.seed is None else args.seed)
     else:
         rows = roundrobin(3 if args.seed is None else args.seed)
     with open(args.out, "w") as f:
