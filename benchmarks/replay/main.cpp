@@ -235,6 +235,11 @@ CliOptions parseArguments(int argc, char** argv) {
          "sequences executing at once (default 1); reuse/full: in-flight joins, swa: batches of "
          "N consecutive requests",
          int32(1, 4096, c.maxBatch));
+  option("--max-batched-tokens", "N",
+         "a serving engine's token budget per step: decodes first, then prefill chunks of the "
+         "joiners (vLLM's policy; needs --max-batch > 1 with in-flight joins; default 0: a joiner "
+         "prefills in the step it joins)",
+         int32(1, kInt32Max, c.maxBatchedTokens));
   option("--layers", "N", "attention layers (swa: sliding layers) (default 1)",
          int32(1, 256, c.layers));
   option("--kv-heads", "N", "KV heads (default 1)", int32(1, 4096, c.kvHeads));
@@ -319,8 +324,8 @@ CliOptions parseArguments(int argc, char** argv) {
              });
   auto* checkpointInterval = option(
       "--checkpoint-interval", "N",
-      "tokens between the reuse points a prefill keeps, a multiple of the page size (default 0: "
-      "checkpoints at prompt and decode ends only; docs/replay.md, \"Reuse points\")",
+      "tokens between reuse points, a multiple of the page size: hybrid models keep a checkpoint "
+      "there, sliding-window reuse the window before it (default 0: none; docs/replay.md)",
       int32(0, kInt32Max, c.checkpointInterval));
   bool noBaseline = false;
   auto* noBaselineFlag =
@@ -435,12 +440,12 @@ CliOptions parseArguments(int argc, char** argv) {
   if (c.recurrentLayers > 0 && c.mode != ReplayMode::kReuse) {
     throw UsageError("--recurrent-layers applies to --mode reuse only");
   }
-  if (c.recurrentLayers == 0 && stateBytes->count() + convBytes->count() + snapshotSlots->count() +
-                                        checkpointInterval->count() + noBaselineFlag->count() >
-                                    0) {
+  if (c.recurrentLayers == 0 &&
+      stateBytes->count() + convBytes->count() + snapshotSlots->count() + noBaselineFlag->count() >
+          0) {
     throw UsageError(
-        "--recurrent-state-bytes, --recurrent-conv-bytes, --snapshot-slots, "
-        "--checkpoint-interval and --no-attention-only need --recurrent-layers N > 0");
+        "--recurrent-state-bytes, --recurrent-conv-bytes, --snapshot-slots and "
+        "--no-attention-only need --recurrent-layers N > 0");
   }
   if (c.speculative == SpeculativeKind::kEagle && c.recurrentLayers > 0) {
     throw UsageError(
@@ -459,6 +464,10 @@ CliOptions parseArguments(int argc, char** argv) {
   }
   options.attentionOnlyBaseline = !noBaseline;
   c.slidingReuse = c.mode == ReplayMode::kReuse && window->count() > 0;
+  if (checkpointInterval->count() > 0 && c.recurrentLayers == 0 && !c.slidingReuse) {
+    throw UsageError(
+        "--checkpoint-interval needs --recurrent-layers N > 0 or --window W (reuse mode)");
+  }
   if (c.mode == ReplayMode::kFull && window->count() + fullLayers->count() > 0) {
     throw UsageError(fmt::format("{} applies to --mode swa and reuse only",
                                  window->count() > 0 ? "--window" : "--full-layers"));

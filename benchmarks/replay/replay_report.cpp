@@ -297,6 +297,14 @@ std::string formatSummary(ReplayResult const& r) {
   line("requests",
        fmt::format("{}  (failed {}, retried {}, in-flight joins {})", grouped(r.requests),
                    r.failedRequests, r.retriedRequests, grouped(r.joins)));
+  if (r.config.maxBatchedTokens > 0) {
+    line("chunked prefill",
+         fmt::format("{} tokens a step: {} joiners in more than one chunk, {} chunks; steps to "
+                     "first token p50 {}, p99 {}",
+                     grouped(r.config.maxBatchedTokens), grouped(r.chunkedPrefills),
+                     grouped(r.prefillChunks), r.timeToFirstTokenStepsP50,
+                     r.timeToFirstTokenStepsP99));
+  }
   line("prompt tokens", grouped(r.promptTokens));
   line("reused tokens",
        fmt::format("{}  (hit rate {:.2f}%)", grouped(r.reusedTokens), 100.0 * r.hitRate));
@@ -419,6 +427,11 @@ std::string formatJson(ReplayResult const& r) {
       {"failed_requests", r.failedRequests},
       {"retried_requests", r.retriedRequests},
       {"joins", r.joins},
+      {"max_batched_tokens", c.maxBatchedTokens},
+      {"chunked_prefills", r.chunkedPrefills},
+      {"prefill_chunks", r.prefillChunks},
+      {"time_to_first_token_steps_p50", r.timeToFirstTokenStepsP50},
+      {"time_to_first_token_steps_p99", r.timeToFirstTokenStepsP99},
       {"prompt_tokens", r.promptTokens},
       {"reused_tokens", r.reusedTokens},
       {"hit_rate", r.hitRate},  // NaN and infinities are written as null

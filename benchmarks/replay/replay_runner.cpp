@@ -77,9 +77,11 @@ void validateHybrid(ReplayConfig const& c) {
   if (c.snapshotSlots > 0 && c.recurrentLayers == 0) {
     configError("snapshot slots exist with recurrent layers only");
   }
-  if (c.checkpointInterval < 0 || (c.checkpointInterval > 0 && c.recurrentLayers == 0)) {
+  if (c.checkpointInterval < 0 ||
+      (c.checkpointInterval > 0 && c.recurrentLayers == 0 && !c.slidingReuse)) {
     configError(fmt::format(
-        "checkpoint interval {}: reuse points exist with recurrent layers only (and must be >= 0)",
+        "checkpoint interval {}: reuse points exist with recurrent layers or sliding-window reuse "
+        "only (and must be >= 0)",
         c.checkpointInterval));
   }
   if (c.checkpointInterval % c.pageSize != 0) {
@@ -393,9 +395,13 @@ class Runner {
     rc.deviceWrites = c.deviceWrites;
     rc.contextCache.verifyTokens = true;
     rc.contextCache.evictionPolicy = c.eviction;
-    // Records are limited by pages, never by count: a request publishes at most twice.
-    rc.contextCache.maxRecords = static_cast<int32_t>(std::min<int64_t>(
-        std::numeric_limits<int32_t>::max(), std::max<int64_t>(1024, 2 * mResult.requests + 16)));
+    // Records are limited by pages, never by count: a request publishes at most twice, or (with
+    // a token budget) once more per prefill chunk, each ending on a distinct cached page.
+    int64_t const chunkRecords =
+        c.maxBatchedTokens > 0 ? mSource.cachedPagesBound(c.pageSize, c.maxOutputTokens) : 0;
+    rc.contextCache.maxRecords = static_cast<int32_t>(
+        std::min<int64_t>(std::numeric_limits<int32_t>::max(),
+                          std::max<int64_t>(1024, 2 * mResult.requests + 16 + chunkRecords)));
     int64_t explicitPages = 0;
     if (c.poolSizing == PoolSizing::kPages) {
       explicitPages = c.poolAmount;
@@ -421,6 +427,7 @@ class Runner {
           rc.model.numFullAttentionLayers = c.layers;
         }
         rc.contextReuse = true;
+        rc.contextCache.checkpointInterval = c.checkpointInterval;
         configureHybrid(rc);
         pages = explicitPages > 0
                     ? explicitPages
@@ -532,8 +539,16 @@ class Runner {
     options.throwOnMismatch = false;
     options.onStep = [this](int64_t) { onStep(); };
     options.speculativeWidth = c.speculative != SpeculativeKind::kNone ? c.specWidth : 0;
+    options.maxBatchedTokens = c.maxBatchedTokens;
     mEngine = std::make_unique<ReferenceEngine>(*mRuntime, std::move(options));
     mJoins = c.mode != ReplayMode::kSwa && batch > 1 && mRuntime->supportsSeatedAdmission();
+    if (c.maxBatchedTokens < 0 || (c.maxBatchedTokens > 0 && !mJoins)) {
+      configError(fmt::format(
+          "a token budget of {} per step needs in-flight joins (--max-batch > 1 on context reuse "
+          "or sliding-window reuse without recurrent layers or speculative decoding): its chunks "
+          "are joiners' prefills",
+          c.maxBatchedTokens));
+    }
     // Without in-flight admission, bounded SWA and speculative runs start with a batch of up to
     // maxBatch consecutive requests; hybrid checkpoint runs take one request at a time
     // (docs/replay.md, "Hybrid models"), and so do Hybrid-MTP runs (a Hybrid-MTP request has
@@ -901,6 +916,12 @@ class Runner {
     testing::EngineStats const& stats = mEngine->stats();
     ReplayResult& r = mResult;
     r.joins = stats.joins;
+    r.chunkedPrefills = stats.chunkedPrefills;
+    r.prefillChunks = stats.prefillChunks;
+    std::vector<int64_t> const ttft(stats.timeToFirstTokenSteps.begin(),
+                                    stats.timeToFirstTokenSteps.end());
+    r.timeToFirstTokenStepsP50 = percentile(ttft, 0.50);
+    r.timeToFirstTokenStepsP99 = percentile(ttft, 0.99);
     r.promptTokens = stats.promptTokens;
     r.reusedTokens = stats.reusedTokens;
     r.prefillTokensComputed = stats.prefillTokensComputed;

@@ -65,8 +65,11 @@ struct ReplayConfig {
   DataType dtype = DataType::kFloat16;
   int32_t pageSize = 128;
   PoolSizing poolSizing = PoolSizing::kUnbounded;
-  int64_t poolAmount = 0;       ///< pages (kPages), tokens (kTokens) or bytes (kBudgetBytes)
-  int32_t maxBatch = 1;         ///< sequences executing at once
+  int64_t poolAmount = 0;  ///< pages (kPages), tokens (kTokens) or bytes (kBudgetBytes)
+  int32_t maxBatch = 1;    ///< sequences executing at once
+  /// Per-step token budget of a serving engine (ReferenceEngineOptions::maxBatchedTokens): joiners
+  /// prefill in chunks within it, after the decodes; 0 = a joiner prefills in the step it joins.
+  int32_t maxBatchedTokens = 0;
   int32_t maxOutputTokens = 0;  ///< cap on sampled tokens per request; 0 = none
   std::size_t limit = 0;        ///< replay the first `limit` requests; 0 = all
   DeviceType device = DeviceType::kCPU;
@@ -177,6 +180,12 @@ struct ReplayResult {
   int64_t failedRequests = 0;
   int64_t retriedRequests = 0;
   int64_t joins = 0;
+  /// Chunked prefill (maxBatchedTokens > 0): joiners prefilled in more than one chunk, chunks in
+  /// all, and each joiner's decode steps from admission to its first token (p50, p99).
+  int64_t chunkedPrefills = 0;
+  int64_t prefillChunks = 0;
+  int64_t timeToFirstTokenStepsP50 = 0;
+  int64_t timeToFirstTokenStepsP99 = 0;
   /// Token figures count every admitted attempt (they differ from the per-request records only
   /// when requests were retried).
   int64_t promptTokens = 0;

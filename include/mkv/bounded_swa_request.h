@@ -92,6 +92,8 @@ class BoundedSwaRequest {
                                     std::vector<int32_t> const& mediaTokenIds = {},
                                     std::vector<imageUtils::ImageData> const& imageBuffers = {},
                                     std::vector<audioUtils::AudioData> const& audioBuffers = {});
+  /// No in-flight admission, so no joiner to prefill in chunks: false and one log line.
+  bool completePrefillChunk(ExecutionRow row, int32_t prefilledTokens);
   /// No in-flight admission: false and one log line.
   bool finalizeSequenceAdmission(ExecutionRow row, int32_t const& lookaheadToken,
                                  int32_t fullInputLength);

@@ -125,6 +125,13 @@ class ManagedKVCacheRequest {
       cudaStream_t stream, std::vector<int32_t> const& mediaTokenIds = {},
       std::vector<imageUtils::ImageData> const& imageBuffers = {},
       std::vector<audioUtils::AudioData> const& audioBuffers = {});
+  /// Chunked prefill of a joiner (an addition beside the reference page's API): the engine may
+  /// spread an admitted joiner's prefill over several steps, the joiner holding in their decode
+  /// steps; after each step that ran a chunk, this publishes the joiner's full blocks up to
+  /// `prefilledTokens` (a sequence admitted meanwhile reuses them); finalizeSequenceAdmission
+  /// follows the last chunk. False when poisoned, and on bounded SWA (no joiners). Throws for a
+  /// row that is not an unfinalised joiner or a length outside [done so far, prompt].
+  bool completePrefillChunk(ExecutionRow row, int32_t prefilledTokens);
   bool finalizeSequenceAdmission(ExecutionRow row, int32_t const& lookaheadToken,
                                  int32_t fullInputLength);
   /// Undoes the newest in-flight admission that was not finalised: true when it did. Never

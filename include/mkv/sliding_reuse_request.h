@@ -106,6 +106,12 @@ class SlidingReuseRequest {
                                     std::vector<int32_t> const& mediaTokenIds = {},
                                     std::vector<imageUtils::ImageData> const& imageBuffers = {},
                                     std::vector<audioUtils::AudioData> const& audioBuffers = {});
+  /// A chunk of a joiner's prefill completed: the full layers publish the row's full blocks so
+  /// far (ContextCacheRequest::completePrefillChunk); its sliding pages are published at
+  /// finalisation, with the whole prompt's.
+  bool completePrefillChunk(ExecutionRow row, int32_t prefilledTokens) {
+    return mFull.completePrefillChunk(row, prefilledTokens);
+  }
   /// After the joiner's prefill: finalises the coordinator's row (its full blocks published),
   /// publishes the row's complete prompt blocks' sliding pages, then retires its window as
   /// completePrefill does. False (poisoned) when the coordinator's half fails.

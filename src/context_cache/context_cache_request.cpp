@@ -400,6 +400,11 @@ ContextCacheRequest::AdmitSequenceStatus ContextCacheRequest::admitSequence(
   return AdmitSequenceStatus::kFailed;
 }
 
+bool ContextCacheRequest::completePrefillChunk(ExecutionRow row, int32_t prefilledTokens) {
+  return check(mCoordinator->completePrefillChunk(mHandle, row, prefilledTokens),
+               "completePrefillChunk");
+}
+
 bool ContextCacheRequest::finalizeSequenceAdmission(ExecutionRow row, int32_t const& lookaheadToken,
                                                     int32_t fullInputLength) {
   ContextCacheSequenceAdvance const advance{&lookaheadToken, 1, fullInputLength};

@@ -29,9 +29,11 @@ void validateProfile(ContextCacheConfig const& config, ContextCacheDeploymentPro
       kCall, "base state kind {} out of range", static_cast<int>(profile.baseStateKind));
   MKV_REQUIRE(config.checkpointInterval >= 0, kCall, "checkpointInterval must be >= 0, got {}",
               config.checkpointInterval);
-  MKV_REQUIRE(config.checkpointInterval == 0 || profile.usesCheckpointReuse(), kCall,
-              "checkpointInterval {} is for hybrid and pure-recurrent deployments: an "
-              "attention-only deployment reuses every page boundary already",
+  MKV_REQUIRE(config.checkpointInterval == 0 || profile.usesCheckpointReuse() ||
+                  resources.windowCache != nullptr,
+              kCall,
+              "checkpointInterval {} is for hybrid, pure-recurrent and sliding-window reuse "
+              "deployments: full attention reuses every page boundary already",
               config.checkpointInterval);
   if (profile.isSpeculative()) {
     MKV_REQUIRE(profile.speculative->futureDependencyTokens >= 0, kCall,

@@ -73,6 +73,29 @@ ContextCacheCoordinator::AdmitSequenceResult ContextCacheCoordinator::admitSeque
   return result;
 }
 
+ContextCacheStatus ContextCacheCoordinator::completePrefillChunk(RequestHandle& handle,
+                                                                 ExecutionRow row,
+                                                                 int32_t prefilledTokens) {
+  constexpr char const* kCall = "ContextCacheCoordinator::completePrefillChunk";
+  Request& req = request(handle, kCall);
+  MKV_REQUIRE(req.stage == RequestStage::kSettled, kCall,
+              "row {}: a chunk completes after the step that ran it (an executing request with no "
+              "pending work)",
+              row);
+  auto& sequence = detail::sequenceAt(req, row, kCall);
+  MKV_REQUIRE(!sequence.joined, kCall, "row {} is not an unfinalised in-flight admission", row);
+  MKV_REQUIRE(prefilledTokens >= sequence.committed && prefilledTokens <= sequence.promptLength,
+              kCall, "row {}: {} prefilled tokens outside [{} (done so far), {} (the prompt)]", row,
+              prefilledTokens, sequence.committed, sequence.promptLength);
+  if (poisoned()) {
+    return ContextCacheStatus::kPoisoned;
+  }
+  sequence.committed = prefilledTokens;
+  ++mCounters.prefillChunks;
+  publishReady(req, static_cast<std::size_t>(row), prefilledTokens);
+  return ContextCacheStatus::kOk;
+}
+
 ContextCacheStatus ContextCacheCoordinator::finalizeSequenceAdmission(
     RequestHandle& handle, ExecutionRow row, ContextCacheSequenceAdvance const& advance) {
   constexpr char const* kCall = "ContextCacheCoordinator::finalizeSequenceAdmission";

@@ -77,6 +77,14 @@ int32_t ContextCacheCoordinator::publishWindowBlocks(RequestHandle const& handle
   if (sequence.windowLimitedTokens > 0 && hitEnd > firstBlock && hitEnd <= end) {
     (void)window.keepWindowBefore(blocks, hitEnd);
   }
+  // Reuse points: the window before each point these blocks complete is kept, so a later prompt
+  // that diverges anywhere lands on the last point before the divergence with its window; the
+  // blocks between the windows are the first a full sliding pool drops.
+  if (int32_t const interval = mConfig.checkpointInterval / page; interval > 0) {
+    for (int32_t point = (firstBlock / interval + 1) * interval; point <= end; point += interval) {
+      (void)window.keepPointWindow(blocks, point);
+    }
+  }
   return published;
 }
 

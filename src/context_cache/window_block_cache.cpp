@@ -49,7 +49,7 @@ WindowBlockCache::WindowBlockCache(int32_t capacity, int32_t pageSize, int32_t w
   auto const pages = static_cast<std::size_t>(capacity);
   mLinks.resize(pages);
   mHolders.assign(pages, 0);
-  mWasRead.assign(pages, 0);
+  mTier.assign(pages, kUnread);
   mFree.reserve(pages);
   for (PageId page = 0; page < capacity; ++page) {
     mFree.push_back(page);  // ascending ids are already a min-heap
@@ -143,9 +143,20 @@ bool WindowBlockCache::publish(PageId page, PromptBlocks const& blocks, int32_t 
 }
 
 int32_t WindowBlockCache::keepWindowBefore(PromptBlocks const& blocks, int32_t endBlock) {
-  constexpr char const* kCall = "WindowBlockCache::keepWindowBefore";
-  checkBlocks(kCall, blocks);
-  MKV_REQUIRE(endBlock >= 0 && endBlock <= blocks.fullBlockCount(), kCall,
+  int32_t const marked =
+      raiseWindowBefore("WindowBlockCache::keepWindowBefore", blocks, endBlock, kRead);
+  mKeptBlocks += marked;
+  return marked;
+}
+
+int32_t WindowBlockCache::keepPointWindow(PromptBlocks const& blocks, int32_t endBlock) {
+  return raiseWindowBefore("WindowBlockCache::keepPointWindow", blocks, endBlock, kPointWindow);
+}
+
+int32_t WindowBlockCache::raiseWindowBefore(char const* call, PromptBlocks const& blocks,
+                                            int32_t endBlock, Tier tier) {
+  checkBlocks(call, blocks);
+  MKV_REQUIRE(endBlock >= 0 && endBlock <= blocks.fullBlockCount(), call,
               "window end block {} outside [0, {}]", endBlock, blocks.fullBlockCount());
   int32_t marked = 0;
   for (int32_t block = std::max(0, endBlock - mWindowBlocks); block < endBlock; ++block) {
@@ -154,17 +165,19 @@ int32_t WindowBlockCache::keepWindowBefore(PromptBlocks const& blocks, int32_t e
     }
     PageId const page = *mIndex.find(blocks.keys[static_cast<std::size_t>(block)]);
     auto const slot = static_cast<std::size_t>(page);
-    if (mWasRead[slot] != 0) {
+    if (mTier[slot] >= tier) {
       continue;
     }
-    if (mHolders[slot] == 0) {  // cached, nobody holds it: move it between the release orders
-      mUnread.unlink(mLinks, page);
-      mRead.pushNewest(mLinks, page);
+    bool const cached = mHolders[slot] == 0;  // in a release order: move it between orders
+    if (cached) {
+      orderOf(page).unlink(mLinks, page);
     }
-    mWasRead[slot] = 1;
+    mTier[slot] = tier;
+    if (cached) {
+      orderOf(page).pushNewest(mLinks, page);
+    }
     ++marked;
   }
-  mKeptBlocks += marked;
   return marked;
 }
 
@@ -179,6 +192,9 @@ std::string WindowBlockCache::toPrometheus(std::string_view prefix) const {
   w.gauge("sliding_window_read_blocks",
           "Cached blocks nobody holds that a hit's window has read (dropped last).",
           evictableReadPages());
+  w.gauge("sliding_window_point_blocks",
+          "Cached blocks nobody holds in the window before a reuse point, unread so far.",
+          evictablePointPages());
   w.counter("sliding_window_published_blocks_total", "Blocks whose sliding KV was published.",
             mPublishedBlocks);
   w.counter("sliding_window_kept_blocks_total",
@@ -201,7 +217,7 @@ int32_t WindowBlockCache::clear() noexcept {
       unlinkCached(page);
       pushFree(mFree, page);
     }
-    mWasRead[static_cast<std::size_t>(page)] = 0;
+    mTier[static_cast<std::size_t>(page)] = kUnread;
     ++cleared;
   }
   return cleared;
@@ -220,9 +236,11 @@ bool WindowBlockCache::allocate(int32_t count, std::vector<PageId>& out) {
     if (!mFree.empty()) {
       page = popFree(mFree);
     } else {
-      page = mUnread.empty() ? mRead.oldest : mUnread.oldest;
+      page = !mUnread.empty()         ? mUnread.oldest
+             : !mPointWindows.empty() ? mPointWindows.oldest
+                                      : mRead.oldest;
       unlinkCached(page);
-      mWasRead[static_cast<std::size_t>(page)] = 0;
+      mTier[static_cast<std::size_t>(page)] = kUnread;
       ++mDroppedBlocks;
       if (mEvents != nullptr) {
         mEvents->push(BlockRemoved{*mIndex.digestOf(page), page, KvMedium::kGpu, mEventGroup});
@@ -247,7 +265,7 @@ void WindowBlockCache::hold(PageId page) {
     ++mHeldPages;
   }
   if (mIndex.digestOf(page)) {
-    mWasRead[static_cast<std::size_t>(page)] = 1;  // a window maps a cached block: a hit reads it
+    mTier[static_cast<std::size_t>(page)] = kRead;  // a window maps a cached block: a hit reads it
   }
 }
 
@@ -265,16 +283,25 @@ void WindowBlockCache::release(PageId page) noexcept {
   }
   --mHeldPages;
   if (mIndex.digestOf(page)) {
-    (mWasRead[static_cast<std::size_t>(page)] != 0 ? mRead : mUnread).pushNewest(mLinks, page);
+    orderOf(page).pushNewest(mLinks, page);
   } else {
-    mWasRead[static_cast<std::size_t>(page)] = 0;
+    mTier[static_cast<std::size_t>(page)] = kUnread;
     pushFree(mFree, page);
   }
 }
 
-void WindowBlockCache::unlinkCached(PageId page) noexcept {
-  (mWasRead[static_cast<std::size_t>(page)] != 0 ? mRead : mUnread).unlink(mLinks, page);
+SlotList& WindowBlockCache::orderOf(PageId page) noexcept {
+  switch (mTier[static_cast<std::size_t>(page)]) {
+    case kRead:
+      return mRead;
+    case kPointWindow:
+      return mPointWindows;
+    default:
+      return mUnread;
+  }
 }
+
+void WindowBlockCache::unlinkCached(PageId page) noexcept { orderOf(page).unlink(mLinks, page); }
 
 int32_t WindowBlockCache::holders(PageId page) const {
   checkPage("WindowBlockCache::holders", page);

@@ -26,8 +26,8 @@ namespace mkv {
 /// holder, and dropped for good (unindexed, handed out) when allocate() needs a page and no free
 /// one is left. A cached page that a new window maps is held again (and leaves the order) until
 /// released; from then on it is a *read* block, as are the blocks keepWindowBefore() marks. The
-/// victim order: unread blocks, least recently released first, then read ones, least recently
-/// released first.
+/// victim order: unread blocks, least recently released first, then the windows before reuse
+/// points (keepPointWindow), then read ones, each least recently released first.
 ///
 /// The hit rule of the composed backend: a prefix of k blocks (page-aligned at k * P tokens) is
 /// reusable by the sliding layers when the blocks of the window before it, [max(0, k -
@@ -69,6 +69,11 @@ class WindowBlockCache final : public SwaPageSource {
   /// are skipped. Returns how many blocks were newly marked. Throws (nothing changed) for blocks
   /// hashed with another page size or endBlock outside [0, blocks.fullBlockCount()].
   int32_t keepWindowBefore(PromptBlocks const& blocks, int32_t endBlock);
+  /// The same for the window before a reuse point (ContextCacheConfig::checkpointInterval), into
+  /// the point tier between unread and read blocks: a window no hit has read yet is kept over
+  /// the blocks between windows, but never over the windows hits did read. A read block stays
+  /// read. Returns how many blocks newly joined the point tier (not counted in keptBlocks).
+  int32_t keepPointWindow(PromptBlocks const& blocks, int32_t endBlock);
   /// Drops every cached block (a cache reset): pages nobody holds become free, held pages stay
   /// held and unindexed. Returns how many blocks were dropped. Announces nothing: the reset that
   /// calls it sends one AllBlocksCleared for both pools.
@@ -107,13 +112,23 @@ class WindowBlockCache final : public SwaPageSource {
   /// Indexed pages (cached blocks), held or not.
   int32_t cachedBlocks() const noexcept { return mIndex.size(); }
   /// Indexed pages nobody holds (evictable).
-  int32_t evictablePages() const noexcept { return mUnread.count + mRead.count; }
+  int32_t evictablePages() const noexcept {
+    return mUnread.count + mPointWindows.count + mRead.count;
+  }
   /// Of them, the blocks a hit's window has mapped since they were published (dropped last).
   int32_t evictableReadPages() const noexcept { return mRead.count; }
+  /// Of them, the windows before reuse points no hit has read yet (dropped after unread blocks).
+  int32_t evictablePointPages() const noexcept { return mPointWindows.count; }
   int32_t holders(PageId page) const;
   BlockIndex const& index() const noexcept { return mIndex; }
 
  private:
+  /// The tier of a cached block, and its release order.
+  enum Tier : uint8_t { kUnread = 0, kPointWindow = 1, kRead = 2 };
+  SlotList& orderOf(PageId page) noexcept;
+  /// Raises the cached blocks of the window before `endBlock` to `tier` (see keepWindowBefore).
+  int32_t raiseWindowBefore(char const* call, PromptBlocks const& blocks, int32_t endBlock,
+                            Tier tier);
   /// Takes a cached page nobody holds out of its release order.
   void unlinkCached(PageId page) noexcept;
   void checkPage(char const* call, PageId page) const;
@@ -125,14 +140,15 @@ class WindowBlockCache final : public SwaPageSource {
   int32_t mWindowBlocks;
   BlockIndex mIndex;
   SlotLinks mLinks;  ///< the release order of cached pages nobody holds
-  /// Cached pages nobody holds, in two release orders: blocks no hit has read since they were
-  /// published (dropped first, oldest first) and blocks a hit's window mapped (then, oldest
-  /// first). A prefill publishes every prompt block, most of which no later hit reads; the
-  /// windows hits do read must not be flushed by the next long prompt.
+  /// Cached pages nobody holds, in three release orders: blocks no hit has read since they were
+  /// published (dropped first, oldest first), the windows before reuse points (then), and blocks
+  /// a hit's window mapped (last). A prefill publishes every prompt block, most of which no later
+  /// hit reads; the windows hits do read must not be flushed by the next long prompt.
   SlotList mUnread;
+  SlotList mPointWindows;
   SlotList mRead;
-  std::vector<uint8_t> mWasRead;  ///< per page: a hit's window mapped it, or a lookup wanted it
-  std::vector<PageId> mFree;      ///< a min-heap: the lowest free id is handed out first
+  std::vector<uint8_t> mTier;  ///< per page (a Tier): read by a hit or wanted by a lookup, etc.
+  std::vector<PageId> mFree;   ///< a min-heap: the lowest free id is handed out first
   std::vector<int32_t> mHolders;
   int32_t mHeldPages = 0;
   KvEventQueue* mEvents = nullptr;  ///< where publications and drops are announced, or null

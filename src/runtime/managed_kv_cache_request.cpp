@@ -192,6 +192,12 @@ ContextCacheRequest::AdmitSequenceStatus ManagedKVCacheRequest::admitSequence(
   });
 }
 
+bool ManagedKVCacheRequest::completePrefillChunk(ExecutionRow row, int32_t prefilledTokens) {
+  return dispatch("ManagedKVCacheRequest::completePrefillChunk", mBackend, [&](auto& backend) {
+    return backend.completePrefillChunk(row, prefilledTokens);
+  });
+}
+
 bool ManagedKVCacheRequest::finalizeSequenceAdmission(ExecutionRow row,
                                                       int32_t const& lookaheadToken,
                                                       int32_t fullInputLength) {

@@ -140,6 +140,13 @@ AdmitSequenceStatus BoundedSwaRequest::admitSequence(
   return AdmitSequenceStatus::kFailed;
 }
 
+bool BoundedSwaRequest::completePrefillChunk(ExecutionRow /*row*/, int32_t /*prefilledTokens*/) {
+  logger()->error(
+      "ManagedKVCacheRequest::completePrefillChunk: the bounded-SWA backend has no in-flight "
+      "admission");
+  return false;
+}
+
 bool BoundedSwaRequest::finalizeSequenceAdmission(int32_t /*row*/,
                                                   int32_t const& /*lookaheadToken*/,
                                                   int32_t /*fullInputLength*/) {

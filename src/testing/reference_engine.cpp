@@ -273,34 +273,56 @@ void ReferenceEngine::captureReusePoints(Run const& run, ExecutionRow index) {
 }
 
 void ReferenceEngine::executePrefill(Run& run, Row& row, int32_t start) {
-  auto const promptLength = static_cast<int32_t>(row.spec.prompt.size());
+  startPrefill(run, row, start);
+  executePrefillChunk(row, static_cast<int32_t>(row.spec.prompt.size()));
+  finishPrefill(run, row);
+}
+
+void ReferenceEngine::startPrefill(Run& run, Row& row, int32_t start) {
   row.digests = PrefixDigests(run.seed);
   row.digests.extend(row.promptKeys);
   row.prefillStart = start;
+  row.materialized = start;
+}
+
+void ReferenceEngine::executePrefillChunk(Row& row, int32_t end) {
+  int32_t const from = row.materialized;
   bool const bounded = mRuntime.backend() == KVCacheBackend::kBoundedSwa;
   int32_t const window = mRuntime.config().model.slidingWindowTokens;
   int32_t const slot = row.resident.slot;
-  int64_t const staged = mSteps->stage(slot, 0, row.digests.values());
+  bool const verify = mOptions.verify != VerifyMode::kNone;
+  // The first chunk stages the reused prefix too: its checks read those digests.
+  bool const first = from == row.prefillStart;
+  int32_t const stagedFrom = first ? 0 : from;
+  auto const stagedSpan = row.digests.values().subspan(static_cast<std::size_t>(stagedFrom),
+                                                       static_cast<std::size_t>(end - stagedFrom));
+  int64_t const positionZero = mSteps->stage(slot, stagedFrom, stagedSpan) - stagedFrom;
   // What the cache claims is already there must be exactly this prefix's KV.
-  if (start > 0 && mOptions.verify != VerifyMode::kNone && mHasFull) {
-    mSteps->verify(oracle::OracleStepper::kFull, slot, 0, start, oracle::kOracleReusedPrefix);
+  if (first && from > 0 && verify && mHasFull) {
+    mSteps->verify(oracle::OracleStepper::kFull, slot, 0, from, oracle::kOracleReusedPrefix);
   }
   // Sliding-window reuse: the reused window before the start must be this prefix's too.
-  if (start > 0 && mOptions.verify != VerifyMode::kNone && mHasSwa) {
-    mSteps->verify(oracle::OracleStepper::kSwa, slot, std::max(0, start - window), start,
+  if (first && from > 0 && verify && mHasSwa) {
+    mSteps->verify(oracle::OracleStepper::kSwa, slot, std::max(0, from - window), from,
                    oracle::kOracleReusedPrefix);
   }
   if (mHasFull) {
-    int32_t const from = bounded ? 0 : start;
-    mSteps->write(oracle::OracleStepper::kFull, slot, from, promptLength, staged + from);
+    int32_t const begin = bounded ? 0 : from;
+    mSteps->write(oracle::OracleStepper::kFull, slot, begin, end, positionZero + begin);
   }
   if (mHasSwa) {
     // Bounded SWA keeps only the last window; sliding-window reuse writes every executed
     // position (its complete prompt blocks are published for later hits).
-    int32_t const from = bounded ? std::max(0, promptLength - window) : start;
-    mSteps->write(oracle::OracleStepper::kSwa, slot, from, promptLength, staged + from);
+    int32_t const begin = bounded ? std::max(0, end - window) : from;
+    mSteps->write(oracle::OracleStepper::kSwa, slot, begin, end, positionZero + begin);
   }
-  executeRecurrent(row, start, promptLength);
+  executeRecurrent(row, from, end);
+  row.materialized = end;
+}
+
+void ReferenceEngine::finishPrefill(Run& run, Row& row) {
+  auto const promptLength = static_cast<int32_t>(row.spec.prompt.size());
+  int32_t const start = row.prefillStart;
   if (mHybridMtp) {
     // The restored boundary hidden row (prefill from a hit) is the R-token prefix's; the
     // endpoint publishes the whole prompt's.
@@ -308,7 +330,6 @@ void ReferenceEngine::executePrefill(Run& run, Row& row, int32_t start) {
                    start > 0 ? row.digests.at(start - 1) : 0, promptLength,
                    row.digests.at(promptLength - 1));
   }
-  row.materialized = promptLength;
   mStats.promptTokens += promptLength;
   mStats.reusedTokens += start;
   mStats.prefillTokensComputed += promptLength - start;

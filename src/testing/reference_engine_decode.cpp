@@ -138,6 +138,16 @@ bool ReferenceEngine::seatJoiner(Run& run, ResidentRef resident, int32_t prefill
       pool->setActiveBatchSize(context.activeBatchSize);
     }
   }
+  if (mOptions.maxBatchedTokens > 0) {
+    // Chunked: the decode steps run its prefill under their token budget (stagePrefillChunks).
+    Row& seated = run.rows[index];
+    startPrefill(run, seated, prefillStart);
+    seated.prefilling = true;
+    seated.seatedAtStep = mStats.decodeSteps;
+    writeLengths(run, index, index + 1, [](std::size_t) { return true; });  // its reuse length
+    notePages();
+    return true;
+  }
   mSteps->begin();
   executePrefill(run, run.rows[index], prefillStart);
   flushWrites(run);
@@ -195,11 +205,14 @@ bool ReferenceEngine::decodeStep(Run& run) {
   std::size_t const batch = run.rows.size();
   auto running = [&](std::size_t i) { return run.rows[i].reason == FinishReason::kNotFinished; };
   mSteps->begin();
+  int32_t decoding = 0;
   for (std::size_t i = 0; i < batch; ++i) {
-    if (running(i)) {
+    if (running(i) && !run.rows[i].prefilling) {
       stageDecodeRow(run, i);
+      ++decoding;
     }
   }
+  stagePrefillChunks(run, decoding);
   mSteps->submit(stream);
   writeLengths(run, 0, batch, running);
   collectTokens(run, batch);
@@ -221,7 +234,66 @@ bool ReferenceEngine::decodeStep(Run& run) {
   if (mOptions.onStep) {
     mOptions.onStep(mStats.decodeSteps);
   }
-  return ok;
+  return ok && completeChunks(run);
+}
+
+void ReferenceEngine::stagePrefillChunks(Run& run, int32_t decoding) {
+  if (mOptions.maxBatchedTokens == 0) {
+    return;
+  }
+  // vLLM's order: the decodes took one token each; the rest goes to prefill chunks in join
+  // order, at least one token a step.
+  int32_t budget = std::max(1, mOptions.maxBatchedTokens - decoding);
+  for (Row& row : run.rows) {
+    if (budget == 0) {
+      break;
+    }
+    if (!row.prefilling || row.reason != FinishReason::kNotFinished) {
+      continue;
+    }
+    auto const promptLength = static_cast<int32_t>(row.spec.prompt.size());
+    int32_t const end = std::min(promptLength, row.materialized + budget);
+    budget -= end - row.materialized;
+    executePrefillChunk(row, end);
+    if (end == promptLength) {
+      finishPrefill(run, row);
+    } else {
+      verifyRow(run, row, /*full=*/false);
+    }
+    row.chunkThisStep = true;
+  }
+}
+
+bool ReferenceEngine::completeChunks(Run& run) {
+  for (std::size_t i = 0; i < run.rows.size(); ++i) {
+    Row& row = run.rows[i];
+    if (!row.chunkThisStep) {
+      continue;
+    }
+    row.chunkThisStep = false;
+    ++row.chunks;
+    ++mStats.prefillChunks;
+    auto const row32 = static_cast<ExecutionRow>(i);
+    auto const promptLength = static_cast<int32_t>(row.spec.prompt.size());
+    auto const start = std::chrono::steady_clock::now();
+    bool ok = true;
+    if (row.materialized < promptLength) {
+      ok = run.managed->completePrefillChunk(row32, row.materialized);
+    } else {
+      sampleAfter(run, row, i);
+      ok = run.managed->finalizeSequenceAdmission(row32, run.context.generatedTokenIds[i].back(),
+                                                  promptLength);
+      row.prefilling = false;
+      mStats.chunkedPrefills += row.chunks > 1 ? 1 : 0;
+      mStats.timeToFirstTokenSteps.push_back(
+          static_cast<int32_t>(mStats.decodeSteps - row.seatedAtStep));
+    }
+    run.libraryNanos += nanosSince(start);
+    if (!ok) {
+      return false;
+    }
+  }
+  return true;
 }
 
 void ReferenceEngine::stageDecodeRow(Run& run, std::size_t i) {
@@ -251,8 +323,8 @@ void ReferenceEngine::stageDecodeRow(Run& run, std::size_t i) {
 void ReferenceEngine::collectTokens(Run& run, std::size_t batch) {
   for (std::size_t i = 0; i < batch; ++i) {
     Row& row = run.rows[i];
-    if (row.reason != FinishReason::kNotFinished) {
-      continue;
+    if (row.reason != FinishReason::kNotFinished || row.prefilling) {
+      continue;  // a prefilling joiner samples after its last chunk (completeChunks)
     }
     ++row.steps;
     if (!run.speculative) {

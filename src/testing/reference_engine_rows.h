@@ -32,6 +32,12 @@ struct ReferenceEngine::Row {
   std::vector<int32_t> pendingTokens;  // a round's tokens, appended once it is submitted
   int32_t steps = 0;
   FinishReason reason = FinishReason::kNotFinished;
+  // Chunked prefill of a joiner (maxBatchedTokens > 0): not finalised yet, chunks run so far, the
+  // decode step it was seated before, and whether the current step runs one of its chunks.
+  bool prefilling = false;
+  int32_t chunks = 0;
+  int64_t seatedAtStep = 0;
+  bool chunkThisStep = false;
 };
 
 struct ReferenceEngine::Run {

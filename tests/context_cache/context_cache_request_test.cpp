@@ -381,6 +381,69 @@ TEST_P(ContextCacheRequestTest, AnUnfinalizedJoinerHoldsAtZeroAdvance) {
   rig.expectQuiescent();
 }
 
+TEST_P(ContextCacheRequestTest, AChunkedJoinerPublishesEachChunksBlocksForTheNextJoiner) {
+  CoordinatorRig rig(device());
+  JoinFixture fixture(rig);
+  RequestDriver& driver = fixture.driver;
+  std::vector<int32_t> const prompt = fixture.joinerPrompt();  // 386 tokens, 256 shared
+  std::size_t const records = rig.records().size();
+  int32_t start = -1;
+  ASSERT_EQ(driver.admit(prompt, 1, &start), AdmitStatus::kAdmitted);
+  ASSERT_EQ(start, 256);
+  ASSERT_TRUE(driver.prefillChunk(1, 300));  // no block completed
+  EXPECT_EQ(rig.records().size(), records);
+  ASSERT_TRUE(driver.decode()) << "the founder decodes, the joiner holds";
+  ASSERT_TRUE(driver.prefillChunk(1, 384));  // completes block 2
+  ASSERT_EQ(rig.records().size(), records + 1);
+  EXPECT_EQ(rig.records().back().key.fullBlockCount, 3);
+  EXPECT_EQ(rig.coordinator.counters().prefillChunks, 2u);
+  // A sequence admitted meanwhile reuses the block the chunk published.
+  int32_t next = -1;
+  ASSERT_EQ(driver.admit(concatenated(std::vector<int32_t>(prompt.begin(), prompt.begin() + 384),
+                                      tokenRun(20, 9100)),
+                         2, &next),
+            AdmitStatus::kAdmitted);
+  EXPECT_EQ(next, 384);
+  ASSERT_TRUE(driver.decode());
+  ASSERT_TRUE(driver.seat(1)) << "the last chunk, [384, 386), then the lookahead";
+  ASSERT_TRUE(driver.seat(2));
+  ASSERT_TRUE(driver.decode());
+  for (std::size_t row = 0; row < 3; ++row) {
+    EXPECT_TRUE(rig.verify(driver.rows[row]).ok()) << row;
+  }
+  ASSERT_TRUE(driver.cache->finish());
+  rig.expectQuiescent();
+}
+
+TEST_P(ContextCacheRequestTest, AChunkOutsideItsPlaceThrowsAndChangesNothing) {
+  CoordinatorRig rig(device());
+  JoinFixture fixture(rig);
+  RequestDriver& driver = fixture.driver;
+  ASSERT_EQ(driver.admit(fixture.joinerPrompt(), 1), AdmitStatus::kAdmitted);
+  ASSERT_TRUE(driver.prefillChunk(1, 300));
+  std::size_t const records = rig.records().size();
+  auto chunk = [&](int32_t row, int32_t tokens) {
+    return [&driver, row, tokens] { (void)driver.cache->completePrefillChunk(row, tokens); };
+  };
+  EXPECT_TRUE(throwsError(chunk(1, 299), {"ContextCacheCoordinator::completePrefillChunk",
+                                          "row 1: 299 prefilled tokens outside [300 (done so "
+                                          "far), 386 (the prompt)]"}));
+  EXPECT_TRUE(throwsError(chunk(1, 387), {"outside [300 (done so far), 386 (the prompt)]"}));
+  EXPECT_TRUE(throwsError(chunk(0, 259), {"row 0 is not an unfinalised in-flight admission"}));
+  ASSERT_TRUE(driver.cache->prepareDecodeStep(driver.context, kVanilla));
+  EXPECT_TRUE(throwsError(chunk(1, 384), {"a chunk completes after the step that ran it"}));
+  EXPECT_EQ(rig.records().size(), records);
+  EXPECT_EQ(rig.coordinator.counters().prefillChunks, 1u);
+  rig.executeDecode(driver.rows[0], 0);  // the step goes on: the founder decodes
+  driver.context.generatedTokenIds[0].push_back(driver.rows[0].tokens.back());
+  ASSERT_TRUE(driver.cache->completeDecodeStep(driver.context, {}));
+  ASSERT_TRUE(driver.prefillChunk(1, 384));
+  ASSERT_TRUE(driver.seat(1));
+  EXPECT_TRUE(rig.verify(driver.rows[1]).ok());
+  ASSERT_TRUE(driver.cache->finish());
+  rig.expectQuiescent();
+}
+
 TEST_P(ContextCacheRequestTest, TheFounderRetiresWhileTheJoinerKeepsTheSharedPages) {
   CoordinatorRig rig(device());
   JoinFixture fixture(rig);

@@ -408,18 +408,32 @@ class RequestDriver {
       context.activeBatchSize = static_cast<int32_t>(rows.size());
       request.requests.emplace_back();
       mUnseated.push_back(true);
-      mJoinStart = prefillStart;
+      rows.back().materialized = prefillStart;  // the reused prefix has KV
     }
     if (start != nullptr) {
       *start = prefillStart;
     }
     return status;
   }
-  /// Seats the newest admitted row: its prefill, its KV length, its lookahead, then finalize.
-  bool seatNewest() {
-    std::size_t const row = rows.size() - 1;
+  /// Chunked prefill of unseated row `row`: runs its prompt positions [materialized, end) and
+  /// completes them as a chunk (completePrefillChunk); the row stays unseated.
+  bool prefillChunk(std::size_t row, int32_t end) {
+    Seq& seq = rows[row];
     mRig.pool.setActiveBatchSize(static_cast<int32_t>(rows.size()));
-    mRig.executePrefill(rows[row], static_cast<int32_t>(row), mJoinStart);
+    testing::OracleReport const reused =
+        mRig.oracle.verify(seq.resident.slot, seq.digests, 0, seq.materialized);
+    EXPECT_TRUE(reused.ok()) << "before the chunk: " << reused.firstMismatch;
+    mRig.oracle.write(seq.resident.slot, seq.digests, seq.materialized, end);
+    seq.materialized = end;
+    mRig.pool.writeLengths(static_cast<int32_t>(row), std::span<int32_t const>(&end, 1), nullptr);
+    return cache->completePrefillChunk(static_cast<int32_t>(row), end);
+  }
+  /// Seats the newest admitted row: its prefill, its KV length, its lookahead, then finalize.
+  bool seatNewest() { return seat(rows.size() - 1); }
+  /// Seats unseated row `row`: the rest of its prefill, its KV length, its lookahead, finalize.
+  bool seat(std::size_t row) {
+    mRig.pool.setActiveBatchSize(static_cast<int32_t>(rows.size()));
+    mRig.executePrefill(rows[row], static_cast<int32_t>(row), rows[row].materialized);
     int32_t const lookahead = rows[row].sample();
     context.generatedTokenIds[row].push_back(lookahead);
     mUnseated[row] = false;
@@ -478,7 +492,6 @@ class RequestDriver {
   std::vector<int32_t> mMediaTokenIds;
   DecodingTokenStateContract mContract = DecodingTokenStateContract::kCommittedPlusLookahead;
   std::vector<bool> mUnseated;  ///< per row: admitted in flight, not seated yet
-  int32_t mJoinStart = 0;
 };
 
 }  // namespace mkv::test

@@ -196,7 +196,7 @@ TEST(HybridReusePointConstructionTest, TheIntervalIsValidatedAgainstTheDeploymen
                           {"checkpointInterval must be >= 0, got -16"}));
   EXPECT_TRUE(throwsError(
       construct(64, ContextCacheDeploymentProfile{}, {&pool, &table, nullptr, nullptr, nullptr}),
-      {"checkpointInterval 64 is for hybrid and pure-recurrent deployments"}));
+      {"checkpointInterval 64 is for hybrid, pure-recurrent and sliding-window reuse"}));
 }
 
 }  // namespace

@@ -34,22 +34,29 @@ RigOptions rigOptions(bool enabled = true) {
   return options;
 }
 
-/// A CPU coordinator whose resources carry a window cache, driven by hand.
-class WindowCoordinatorTest : public ::testing::Test {
+/// A CPU coordinator whose resources carry a window cache, driven by hand; reuse points every
+/// `Interval` tokens (0: none).
+template <int32_t Interval>
+class WindowCoordinatorFixture : public ::testing::Test {
  protected:
+  static ContextCacheConfig cacheConfig(RigOptions const& options) {
+    ContextCacheConfig config = CoordinatorRig::cacheConfig(options);
+    config.checkpointInterval = Interval;
+    return config;
+  }
+
   RigOptions mOptions = rigOptions();
   KVCachePool mPool{CoordinatorRig::poolConfig(DeviceType::kCPU, mOptions)};
   KVPageTable mTable{mOptions.maxBatch, mOptions.maxPagesPerSeq, mOptions.numPages,
                      PageTableMode::kDense, DeviceType::kCPU};
   WindowBlockCache mWindow{kSlidingPages, kPage, kWindowTokens, /*verifyTokens=*/true};
   test::SyncFaults mSync;
-  ContextCacheCoordinator mCoordinator{CoordinatorRig::cacheConfig(mOptions),
-                                       ContextCacheDeploymentProfile{}, resources(), nullptr,
-                                       mSync.synchronizer(DeviceType::kCPU)};
+  ContextCacheCoordinator mCoordinator{cacheConfig(mOptions), ContextCacheDeploymentProfile{},
+                                       resources(), nullptr, mSync.synchronizer(DeviceType::kCPU)};
   // 6 full blocks and one more token.
   std::vector<int32_t> mPrompt = tokenRun(6 * kPage + 1, 0);
 
-  ~WindowCoordinatorTest() override { (void)mCoordinator.shutdown(); }
+  ~WindowCoordinatorFixture() override { (void)mCoordinator.shutdown(); }
 
   ContextCachePhysicalResources resources() {
     ContextCachePhysicalResources r{&mPool, &mTable, nullptr, nullptr, nullptr};
@@ -113,6 +120,61 @@ class WindowCoordinatorTest : public ::testing::Test {
     return mCoordinator.metrics().missCount(MissReason::kWindowEvicted);
   }
 };
+
+using WindowCoordinatorTest = WindowCoordinatorFixture<0>;
+/// Reuse points every 3 blocks: the windows before blocks 3 and 6 are kept.
+using WindowReusePointTest = WindowCoordinatorFixture<3 * kPage>;
+
+TEST_F(WindowReusePointTest, TheWindowBeforeEveryPointIsKeptAndTheBlocksBetweenGoFirst) {
+  publishPrompt({0, 1, 2, 3, 4, 5});  // released oldest first: block 0 would go first anyway
+  EXPECT_EQ(mWindow.evictablePointPages(), 4) << "blocks 1, 2 (before 3) and 4, 5 (before 6)";
+  EXPECT_EQ(mWindow.evictableReadPages(), 0) << "no hit has read them";
+  dropOldestWindowBlocks(2);  // the unread blocks 0 and 3, whatever their release order
+  EXPECT_EQ(mWindow.evictablePointPages(), 4);
+  // A prompt diverging inside block 5: the full layers match 5 blocks, whose window (blocks 3,
+  // 4) lost block 3; the hit lands on the point at block 3, whose window (1, 2) is kept.
+  std::vector<int32_t> diverging(mPrompt.begin(), mPrompt.begin() + 5 * kPage + 8);
+  diverging.insert(diverging.end(), {9001, 9002, 9003});
+  int32_t start = -1;
+  Handle handle = admit(diverging, 1, start);
+  EXPECT_EQ(start, 3 * kPage);
+  EXPECT_EQ(mCoordinator.reusedWindowPages(handle, 0).size(), 2U);
+  EXPECT_EQ(mCoordinator.finish(handle), ContextCacheStatus::kOk);
+}
+
+TEST_F(WindowReusePointTest, AWindowAHitReadOutlastsThePointWindows) {
+  publishPrompt({0, 1, 2, 3, 4, 5});
+  int32_t start = -1;
+  std::vector<int32_t> diverging(mPrompt.begin(), mPrompt.begin() + 3 * kPage + 5);
+  diverging.push_back(9001);
+  Handle handle = admit(diverging, 1, start);  // a hit at block 3 reads blocks 1 and 2
+  ASSERT_EQ(start, 3 * kPage);
+  std::vector<PageId> const reused = mCoordinator.reusedWindowPages(handle, 0);
+  for (PageId page : reused) {
+    mWindow.hold(page);
+  }
+  for (PageId page : reused) {
+    mWindow.release(page);
+  }
+  EXPECT_EQ(mCoordinator.finish(handle), ContextCacheStatus::kOk);
+  EXPECT_EQ(mWindow.evictableReadPages(), 2);
+  EXPECT_EQ(mWindow.evictablePointPages(), 2) << "blocks 4 and 5";
+  dropOldestWindowBlocks(4);  // unread blocks 0 and 3, then the point window 4, 5
+  EXPECT_EQ(mWindow.evictableReadPages(), 2) << "the window the hit read stays";
+  EXPECT_EQ(mWindow.evictablePointPages(), 0);
+}
+
+TEST_F(WindowCoordinatorTest, WithoutPointsTheReleaseOrderDecides) {
+  publishPrompt({0, 1, 2, 3, 4, 5});
+  EXPECT_EQ(mWindow.keptBlocks(), 0);
+  dropOldestWindowBlocks(2);  // blocks 0 and 1: no window before block 3 is left
+  std::vector<int32_t> diverging(mPrompt.begin(), mPrompt.begin() + 5 * kPage + 8);
+  diverging.insert(diverging.end(), {9001, 9002, 9003});
+  int32_t start = -1;
+  Handle handle = admit(diverging, 1, start);
+  EXPECT_EQ(start, 5 * kPage) << "the window before block 5 (blocks 3, 4) happens to be cached";
+  EXPECT_EQ(mCoordinator.finish(handle), ContextCacheStatus::kOk);
+}
 
 TEST_F(WindowCoordinatorTest, AFullHitWhenTheWindowIsCached) {
   publishPrompt({0, 1, 2, 3, 4, 5});
@@ -404,6 +466,11 @@ TEST(WindowDeploymentTest, OnlyVanillaAttentionReuseTakesAWindowCache) {
   };
   ContextCacheConfig const enabled = CoordinatorRig::cacheConfig(options);
   EXPECT_EQ(refusal(enabled, {}, &window, nullptr), "accepted");
+  ContextCacheConfig points = enabled;
+  points.checkpointInterval = 4 * kPage;
+  EXPECT_EQ(refusal(points, {}, &window, nullptr), "accepted") << "windows kept before points";
+  EXPECT_NE(refusal(points, {}, nullptr, nullptr).find("checkpointInterval 64 is for hybrid"),
+            std::string::npos);
   ContextCacheConfig disabled = enabled;
   disabled.enabled = false;
   EXPECT_NE(refusal(disabled, {}, &window, nullptr)

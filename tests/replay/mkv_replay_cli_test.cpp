@@ -402,10 +402,15 @@ TEST_F(MkvReplayCliTest, BadOptionsAreOneLineAndExitTwo) {
   expectBadInput({"--recurrent-layers", "2", "--snapshot-slots", "0"},
                  "--snapshot-slots 0 is outside [1, ");
   char const* const needsLayers =
-      "--recurrent-state-bytes, --recurrent-conv-bytes, --snapshot-slots, --checkpoint-interval "
-      "and --no-attention-only need --recurrent-layers N > 0";
+      "--recurrent-state-bytes, --recurrent-conv-bytes, --snapshot-slots and --no-attention-only "
+      "need --recurrent-layers N > 0";
   expectBadInput({"--snapshot-slots", "4"}, needsLayers);
-  expectBadInput({"--checkpoint-interval", "512"}, needsLayers);
+  expectBadInput({"--max-batched-tokens", "512"},
+                 "a token budget of 512 per step needs in-flight joins (--max-batch > 1");
+  expectBadInput({"--max-batched-tokens", "0", "--max-batch", "4"},
+                 "--max-batched-tokens 0 is outside [1, ");
+  expectBadInput({"--checkpoint-interval", "512"},
+                 "--checkpoint-interval needs --recurrent-layers N > 0 or --window W (reuse mode)");
   expectBadInput({"--recurrent-layers", "2", "--checkpoint-interval", "100"},
                  "checkpoint interval 100 is not a multiple of the page size 128");
   expectBadInput({"--recurrent-conv-bytes", "4"}, needsLayers);

@@ -772,6 +772,33 @@ TEST_P(HybridReplayTest, ASnapshotBudgetOfOneSkipsCapturesWhileItsCheckpointIsRe
   EXPECT_FALSE(h.attentionOnlyRun);  // no attention-only source given
 }
 
+TEST(ReplayRunnerTest, ATokenBudgetPrefillsJoinersInChunksAndKeepsTheReuse) {
+  MKV_TEST_INPUT_OR_SKIP(kMooncake500, "tests/data/mooncake_first500.jsonl");
+  ReplayConfig config;
+  config.maxBatch = 16;
+  config.poolSizing = PoolSizing::kTokens;
+  config.poolAmount = 1'000'000;  // small enough to evict
+  TraceSource whole = traceSource(kMooncake500);
+  ReplayResult const unchunked = runReplay(whole, config);
+  config.maxBatchedTokens = 2048;
+  TraceSource chunked = traceSource(kMooncake500);
+  ReplayResult const result = runReplay(chunked, config);
+  EXPECT_EQ(result.failedRequests, 0);
+  EXPECT_EQ(result.oracleMismatches, 0) << result.firstMismatch;
+  EXPECT_GT(result.evictedRecords, 0);
+  EXPECT_GT(result.joins, 100);
+  // Engagement: joiners longer than the budget took several chunks, each completed by the
+  // library, and waited steps for their first token.
+  EXPECT_GT(result.chunkedPrefills, 50);
+  EXPECT_GE(result.prefillChunks, 2 * result.chunkedPrefills);
+  EXPECT_GT(result.timeToFirstTokenStepsP99, 1);
+  EXPECT_EQ(unchunked.chunkedPrefills, 0);
+  EXPECT_EQ(unchunked.prefillChunks, 0);
+  EXPECT_GE(static_cast<double>(result.reusedTokens),
+            0.98 * static_cast<double>(unchunked.reusedTokens));
+  EXPECT_EQ(result.promptTokens, unchunked.promptTokens);
+}
+
 /// The independent model of hybrid reuse with reuse points: the exact prefixes a checkpoint
 /// holds, as (length, FNV-1a of the tokens), and the plan's rule: the longest strictly shorter
 /// than the prompt.

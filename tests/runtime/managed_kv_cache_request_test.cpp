@@ -449,6 +449,14 @@ TEST_P(ManagedKVCacheRequestDispatchTest, TheJoinCallsThrowBeforeTheyChangeAnyth
       rig, "retracting the only row", [&] { return driver.facade().retractSequenceAdmission(); },
       false);
   ASSERT_EQ(driver.admit(tokenRun(20, 700)), ContextCacheRequest::AdmitSequenceStatus::kAdmitted);
+  expectRejected(rig, "completePrefillChunk of a founder",
+                 [&] { (void)driver.facade().completePrefillChunk(0, 40); },
+                 {"ManagedKVCacheRequest::completePrefillChunk",
+                  "row 0 is not an unfinalised in-flight admission"});
+  expectRejected(rig, "completePrefillChunk beyond the joiner's prompt",
+                 [&] { (void)driver.facade().completePrefillChunk(1, 21); },
+                 {"ManagedKVCacheRequest::completePrefillChunk",
+                  "row 1: 21 prefilled tokens outside [0 (done so far), 20 (the prompt)]"});
   int32_t const lookahead = 4242;
   expectRejected(rig, "finalizeSequenceAdmission of a founder",
                  [&] { (void)driver.facade().finalizeSequenceAdmission(0, lookahead, 40); },
@@ -716,6 +724,8 @@ TEST_P(ManagedKVCacheRequestDispatchTest, BoundedSwaBackend) {
     rig.expectUnchanged(before);
   }
   int32_t const lookahead = driver.generated(0).back();
+  expectNoOp(
+      rig, "completePrefillChunk", [&] { return facade.completePrefillChunk(0, 20); }, false);
   expectNoOp(
       rig, "finalizeSequenceAdmission",
       [&] { return facade.finalizeSequenceAdmission(0, lookahead, 40); }, false);

@@ -66,13 +66,15 @@ struct ContextCacheConfig {
   /// filled last page, every layer, K and V). Slots = budget / partialKvBytesPerSlot; an enabled
   /// hybrid deployment needs at least one. Ignored without attention.
   int64_t partialKvSnapshotPoolBytes = 0;
-  /// Hybrid / pure-recurrent deployments: tokens between reuse points, 0 = none. A prefill then
-  /// also keeps a checkpoint at every multiple of the interval past its reuse length and short of
-  /// its prompt end, captured by the engine into the slots reusePointCaptures names, so a later
-  /// prompt that diverges inside the prompt still lands on the last point before the divergence
-  /// (checkpoints otherwise exist only at prompt and decode ends). A multiple of the page size
-  /// with attention; positive. Speculative requests of Hybrid-MTP keep their endpoints only.
-  /// Must be 0 on attention-only deployments.
+  /// Tokens between reuse points, 0 = none (docs/context_cache.md, "Reuse points"). Hybrid and
+  /// pure-recurrent deployments: a prefill also keeps a checkpoint at every multiple of the
+  /// interval past its reuse length and short of its prompt end, captured by the engine into the
+  /// slots reusePointCaptures names, so a later prompt that diverges inside the prompt still lands
+  /// on the last point before the divergence (checkpoints otherwise exist only at prompt and
+  /// decode ends); speculative requests of Hybrid-MTP keep their endpoints only. Sliding-window
+  /// reuse (a window cache): the sliding blocks of the window before every multiple of the
+  /// interval are kept (the read tier), the blocks between those windows are dropped first. A
+  /// multiple of the page size with attention. Must be 0 on other attention-only deployments.
   int32_t checkpointInterval = 0;
   /// Victim order of published records within a retention priority: kS3Fifo (default: it reuses
   /// more than kLru in every replay measured, docs/benchmarks.md) or kLru (docs/context_cache.md,
@@ -252,6 +254,7 @@ struct ContextCacheCoordinatorCounters {
   uint64_t reusePointCaptures = 0;
   uint64_t reusePointPublications = 0;
   uint64_t reusePointRestores = 0;
+  uint64_t prefillChunks = 0;  ///< chunks of in-flight admissions completed before their last
 };
 
 /// One counter of ContextCacheCoordinatorCounters as every export names it: the Prometheus
@@ -320,6 +323,8 @@ inline constexpr auto kCoordinatorCounterFields = std::to_array<CoordinatorCount
      &ContextCacheCoordinatorCounters::reusePointPublications},
     {"coordinator_reuse_point_restores", "Sequences started from a restored reuse point.",
      &ContextCacheCoordinatorCounters::reusePointRestores},
+    {"coordinator_prefill_chunks", "Prefill chunks of in-flight admissions before their last.",
+     &ContextCacheCoordinatorCounters::prefillChunks},
 });
 
 /// Context reuse over full paged KV: lookups at admission, page rows for execution, growth per
@@ -558,6 +563,15 @@ class ContextCacheCoordinator {
   AdmitSequenceResult admitSequence(RequestHandle& handle,
                                     ContextCacheSequenceAdmission const& admission,
                                     DecodingKvHeadroom const& headroom);
+  /// Chunked prefill of an in-flight admission (docs/lifecycle.md, "Chunked prefill"): the engine
+  /// ran the joiner's prompt up to `prefilledTokens` over one or more steps (the row holds in
+  /// their decode steps) and the step that ran the last chunk completed; publishes the row's full
+  /// blocks so far, so a sequence admitted meanwhile reuses them. kPoisoned on a poisoned
+  /// coordinator. Throws, changing nothing, outside an executing request with no pending work,
+  /// for a row that is not an unfinalised admission, and for `prefilledTokens` below the row's
+  /// committed length or beyond its prompt.
+  ContextCacheStatus completePrefillChunk(RequestHandle& handle, ExecutionRow row,
+                                          int32_t prefilledTokens);
   /// After the joiner's prefill: exactly one accepted token (the lookahead) with committed ==
   /// prompt length; publishes the joiner's prompt blocks.
   ContextCacheStatus finalizeSequenceAdmission(RequestHandle& handle, ExecutionRow row,

@@ -93,6 +93,9 @@ class ContextCacheRequest {
                                     std::vector<int32_t> const& mediaTokenIds = {},
                                     std::vector<imageUtils::ImageData> const& imageBuffers = {},
                                     std::vector<audioUtils::AudioData> const& audioBuffers = {});
+  /// A chunk of an in-flight admission's prefill completed
+  /// (ContextCacheCoordinator::completePrefillChunk); false when poisoned.
+  bool completePrefillChunk(ExecutionRow row, int32_t prefilledTokens);
   bool finalizeSequenceAdmission(ExecutionRow row, int32_t const& lookaheadToken,
                                  int32_t fullInputLength);
   /// Undoes the newest in-flight admission that was not finalised (see the coordinator's): true

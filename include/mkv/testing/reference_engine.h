@@ -68,6 +68,14 @@ struct ReferenceEngineOptions {
   /// round in which the draft proposes K tokens and the base verifies them; how many are
   /// accepted is drawn from the seed and the prefix.
   int32_t speculativeWidth = 0;
+  /// Chunked prefill of joiners (docs/lifecycle.md, "Chunked prefill"). 0: a joiner prefills its
+  /// whole prompt in the step it joins. N > 0: a per-step token budget spent as vLLM's scheduler
+  /// spends it: one token per decoding row first, then the rest on prefill chunks of the joiners
+  /// still prefilling, in join order (at least one token when the decodes use up the budget, so
+  /// no joiner waits for ever). A joiner holds in the decode steps of its chunks; the library
+  /// publishes its full blocks after each (completePrefillChunk), and after its last chunk it
+  /// samples its lookahead token and is finalised.
+  int32_t maxBatchedTokens = 0;
 };
 
 struct SequenceOutcome {
@@ -142,6 +150,12 @@ struct EngineStats {
   /// Reuse points the prefills wrote into the snapshot slots the library named
   /// (ManagedKVCacheRequest::reusePointCaptures).
   int64_t reusePointsWritten = 0;
+  // Chunked prefill (ReferenceEngineOptions::maxBatchedTokens > 0).
+  int64_t prefillChunks = 0;    ///< prefill chunks executed for joiners
+  int64_t chunkedPrefills = 0;  ///< joiners whose prefill took more than one chunk
+  /// Per joiner: decode steps from its admission to the step of its last chunk (0: its whole
+  /// prompt in its first step).
+  std::vector<int32_t> timeToFirstTokenSteps;
   int64_t hiddenChecks = 0;  ///< restored boundary hidden rows verified
   /// Of oracleMismatches: restored boundary hidden rows with a wrong byte.
   int64_t hiddenMismatches = 0;
@@ -258,7 +272,22 @@ class ReferenceEngine {
   void sampleAfter(Run& run, Row& row, std::size_t index);
   /// Settles every row's outcome, finishes the managed request and gives back the slots.
   RequestOutcome finishRun(Run& run, bool ok);
+  /// The whole prompt of a row from `start` in one step: startPrefill, one chunk, finishPrefill.
   void executePrefill(Run& run, Row& row, int32_t start);
+  /// A row's prefill from `start` (its reuse length) begins: its prompt digests.
+  void startPrefill(Run& run, Row& row, int32_t start);
+  /// Writes prompt positions [materialized, end) of a prefilling row into this step's plan (the
+  /// first chunk checks the reused prefix and window first) and advances its recurrent state.
+  void executePrefillChunk(Row& row, int32_t end);
+  /// After the last chunk: the Hybrid-MTP hidden row, the prefill's figures, the attention
+  /// check of the whole prompt, the draft's prefill.
+  void finishPrefill(Run& run, Row& row);
+  /// Chunked prefill: this step's chunks of the prefilling joiners, within the token budget
+  /// left after `decoding` decode rows.
+  void stagePrefillChunks(Run& run, int32_t decoding);
+  /// After the step: each chunk completed (completePrefillChunk), or, after a joiner's last,
+  /// its lookahead token sampled and the joiner finalised. False when a call failed.
+  bool completeChunks(Run& run);
   /// Writes the state after each reuse point of execution row `index` into its snapshot slot.
   void captureReusePoints(Run const& run, ExecutionRow index);
   void verifyRow(Run& run, Row& row, bool full);
