@@ -43,6 +43,7 @@ LifecycleStats& LifecycleStats::operator+=(LifecycleStats const& other) {
   checkpointsPublished += other.checkpointsPublished;
   checkpointSlabChecks += other.checkpointSlabChecks;
   snapshotPressureSkips += other.snapshotPressureSkips;
+  prefillChunks += other.prefillChunks;
   reusePointsWritten += other.reusePointsWritten;
   reusePointsRestored += other.reusePointsRestored;
   draftOraclePositions += other.draftOraclePositions;

@@ -67,15 +67,16 @@ struct LifecycleStats {
   int64_t badAllocs = 0;          ///< library calls that threw std::bad_alloc (allocation faults)
   int64_t oraclePositions = 0;    ///< KV positions verified
   // The runtimes with a recurrent or a draft model (hybrid checkpoints, speculative, Hybrid-MTP).
-  int64_t hybridLifecycles = 0;        ///< lifecycles on a hybrid checkpoint runtime
-  int64_t speculativeLifecycles = 0;   ///< lifecycles on a speculative (EAGLE-style) runtime
-  int64_t mtpLifecycles = 0;           ///< lifecycles on a Hybrid-MTP runtime
-  int64_t recurrentChecks = 0;         ///< recurrent rows verified against the prefix they hold
-  int64_t checkpointsRestored = 0;     ///< rows that resumed from a checkpoint, verified
-  int64_t checkpointsPublished = 0;    ///< checkpoints committed (prefill and decode end)
-  int64_t checkpointSlabChecks = 0;    ///< checkpoint records whose slabs were compared
-  int64_t snapshotPressureSkips = 0;   ///< captures skipped for want of a snapshot slot
-  int64_t reusePointsWritten = 0;      ///< reuse points the engine captured into named slots
+  int64_t hybridLifecycles = 0;       ///< lifecycles on a hybrid checkpoint runtime
+  int64_t speculativeLifecycles = 0;  ///< lifecycles on a speculative (EAGLE-style) runtime
+  int64_t mtpLifecycles = 0;          ///< lifecycles on a Hybrid-MTP runtime
+  int64_t recurrentChecks = 0;        ///< recurrent rows verified against the prefix they hold
+  int64_t checkpointsRestored = 0;    ///< rows that resumed from a checkpoint, verified
+  int64_t checkpointsPublished = 0;   ///< checkpoints committed (prefill and decode end)
+  int64_t checkpointSlabChecks = 0;   ///< checkpoint records whose slabs were compared
+  int64_t snapshotPressureSkips = 0;  ///< captures skipped for want of a snapshot slot
+  int64_t prefillChunks = 0;       ///< chunks of joiners' prefills completed (completePrefillChunk)
+  int64_t reusePointsWritten = 0;  ///< reuse points the engine captured into named slots
   int64_t reusePointsRestored = 0;     ///< rows that resumed from a reuse point, verified
   int64_t draftOraclePositions = 0;    ///< draft KV positions verified
   int64_t pairedReuses = 0;            ///< speculative rows that resumed on reused base + draft KV

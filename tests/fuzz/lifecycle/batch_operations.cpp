@@ -357,14 +357,20 @@ void Lifecycle::joined(Req& req, Row row, int32_t start, std::string const& what
   expectf(start >= 0 && start < length && start % kPage == 0,
           "{}: joiner starts at {} for {} tokens", what, start, length);
   row.start = start;
+  row.chunkCompleted = start;
   row.bound = true;
   row.endpoint = length;  // sliding-window reuse: the window before the start and every page
   row.windowFrom = start;
   req.rows.push_back(std::move(row));
   setActiveBatch(static_cast<int32_t>(req.rows.size()));
   flushForStep();  // the joiner's rows and length, before its prefill's forward
-  executePrefill(req, req.rows.back(), static_cast<int32_t>(req.rows.size()) - 1);
-  sampleInto(req.rows.back());
+  // Chunked prefill: half the joiners of two or more tokens run only a first chunk now.
+  int32_t const end =
+      length - start >= 2 && mIn.oneIn(2) ? start + 1 + mIn.below(length - start - 1) : length;
+  executePrefill(req, req.rows.back(), static_cast<int32_t>(req.rows.size()) - 1, end);
+  if (end == length) {
+    sampleInto(req.rows.back());
+  }
   ++mStats.joins;
   trace(fmt::format("{}: joined at row {} from {}", what, req.rows.size() - 1, start));
 }
@@ -376,7 +382,59 @@ void Lifecycle::finalize(Req& req) {
   auto const rows = static_cast<int32_t>(req.rows.size());
   bool const unjoined = rows > 0 && !req.rows.back().joined;
   int32_t const slot = unjoined ? rows - 1 : (mIn.oneIn(2) ? rows : std::max(0, rows - 1));
+  if (unjoined &&
+      req.rows.back().materialized < static_cast<int32_t>(req.rows.back().prompt.size()) &&
+      mIn.oneIn(2)) {
+    prefillChunk(req, slot);
+    return;
+  }
   issueFinalize(req, slot, false);
+}
+
+void Lifecycle::prefillChunk(Req& req, int32_t slot) {
+  std::string const what = "completePrefillChunk on " + describe(req);
+  Row& row = req.rows[static_cast<std::size_t>(slot)];
+  auto const length = static_cast<int32_t>(row.prompt.size());
+  int32_t const end = row.materialized + 1 + mIn.below(length - row.materialized);
+  auto call = [&](int32_t tokens) {
+    if (req.via == Via::kFacade) {
+      return req.facade->completePrefillChunk(slot, tokens);
+    }
+    return mCoordinator->completePrefillChunk(req.coordinator, slot, tokens) ==
+           ContextCacheStatus::kOk;
+  };
+  if (req.stage != Stage::kIdle) {  // during a step (or finishing): refused, nothing changed
+    reject(what + " during a step", [&] { return call(end); });
+    return;
+  }
+  if (mIn.oneIn(4)) {  // beyond the prompt, or below what is done
+    int32_t const bad =
+        mIn.oneIn(2) || row.chunkCompleted == 0 ? length + 1 : row.chunkCompleted - 1;
+    reject(what + " (bad length)", [&] { return call(bad); });
+    return;
+  }
+  executePrefill(req, row, slot, end);  // the chunk's forward, in the engine's step
+  if (mPoisoned) {
+    expect(!unchanged(what, [&] { return call(end); }), what + ": completed on a poisoned backend");
+    ++mStats.refusals;
+  } else {
+    expect(accept(what, [&] { return call(end); }), what + " returned false");
+    row.chunkCompleted = end;
+    ++mStats.prefillChunks;
+  }
+  if (end == length) {
+    sampleInto(row);
+  }
+  trace(fmt::format("{}: row {} to {} of {}", what, slot, end, length));
+}
+
+void Lifecycle::prefillRest(Req& req, int32_t slot) {
+  Row& row = req.rows[static_cast<std::size_t>(slot)];
+  if (row.joined || row.materialized == static_cast<int32_t>(row.prompt.size())) {
+    return;
+  }
+  executePrefill(req, row, slot);
+  sampleInto(row);
 }
 
 /// A row past the batch or one already joined, or the joiner's length off by one.
@@ -409,6 +467,9 @@ void Lifecycle::issueFinalize(Req& req, int32_t slot, bool corruptLength) {
   auto const rows = static_cast<int32_t>(req.rows.size());
   bool const unjoined = slot < rows && !req.rows[static_cast<std::size_t>(slot)].joined;
   bool const valid = req.stage == Stage::kIdle && unjoined;
+  if (valid) {
+    prefillRest(req, slot);  // a chunked joiner's last chunk runs before its finalisation
+  }
   Row const* row = valid ? &req.rows[static_cast<std::size_t>(slot)] : nullptr;
   int32_t const lookahead = row != nullptr ? row->generated.back() : 1;
   int32_t length = row != nullptr ? static_cast<int32_t>(row->prompt.size()) : 1;

@@ -72,13 +72,17 @@ void Lifecycle::setActiveBatch(int32_t batch) {
 /// KV (and on checkpoint runtimes the recurrent rows of exactly that prefix; on paired ones the
 /// draft KV); the rest is written (SWA: only the retained window; full identity layers: all of
 /// it), and the recurrent rows are advanced to the prompt's end.
-void Lifecycle::executePrefill(Req& req, Row& row, int32_t rowIndex) {
-  auto const length = static_cast<int32_t>(row.prompt.size());
+void Lifecycle::executePrefill(Req& req, Row& row, int32_t rowIndex, int32_t end) {
+  auto const length = end > 0 ? end : static_cast<int32_t>(row.prompt.size());
   if (coordinatorBackend()) {
-    verifyResumed(req, row, rowIndex);
-    oracleWrite(*mFullOracle, row.resident.slot, row.digests, row.start, length);
+    bool const first = row.materialized == 0;  // a later chunk of a joiner starts past its start
+    int32_t const from = first ? row.start : row.materialized;
+    if (first) {
+      verifyResumed(req, row, rowIndex);
+    }
+    oracleWrite(*mFullOracle, row.resident.slot, row.digests, from, length);
     if (slidingReuse()) {  // every executed position: complete prompt blocks are published
-      oracleWrite(*mSwaOracle, row.resident.slot, row.digests, row.start, length);
+      oracleWrite(*mSwaOracle, row.resident.slot, row.digests, from, length);
     }
     if (mRecurrentOracle) {
       mRecurrentOracle->write(row.resident.slot, row.digests, length);

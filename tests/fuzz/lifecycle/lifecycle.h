@@ -257,7 +257,9 @@ class Lifecycle {
   void writeLength(int32_t rowIndex, int32_t length);
   void writeDraftLength(int32_t rowIndex, int32_t length);
   void setActiveBatch(int32_t batch);
-  void executePrefill(Req& req, Row& row, int32_t rowIndex);
+  /// The prefill of positions [start or materialized, end) of a row (end 0: its whole prompt);
+  /// the first chunk checks what it resumes from.
+  void executePrefill(Req& req, Row& row, int32_t rowIndex, int32_t end = 0);
   void captureReusePoints(Req const& req, Row const& row, int32_t rowIndex);
   void verifyResumed(Req const& req, Row& row, int32_t rowIndex);
   void executeDraft(Row& row, int32_t rowIndex, int32_t to);
@@ -385,6 +387,11 @@ class Lifecycle {
   void badFinalize(Req& req);
   bool finalizeModelled(Req& req);
   void issueFinalize(Req& req, int32_t slot, bool corruptLength);
+  /// Chunked prefill of the unjoined row `slot` whose prompt is not done: one more chunk and its
+  /// completePrefillChunk (refused during a step), its lookahead sampled after the last.
+  void prefillChunk(Req& req, int32_t slot);
+  /// The rest of a chunked joiner's prefill and its lookahead, before it is finalised.
+  void prefillRest(Req& req, int32_t slot);
   void retract(Req& req);
 
   // ending_operations.cpp: finish, drop, shutdown, injected faults
