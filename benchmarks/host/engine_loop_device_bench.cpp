@@ -267,6 +267,155 @@ BENCHMARK(BM_InlinePatchBatchFlush)
     ->ArgsProduct({{4, 384}, {0, 1}, {0, 1}})
     ->Unit(benchmark::kMicrosecond);
 
+/// A serving engine's mixed step (docs/lifecycle.md, "Chunked prefill"): `batch` rows decoding
+/// (ReuseDecodeRig's geometry: page 16, 512-token prompts, a page grown every 16th step) beside one
+/// joiner of 8,192 new tokens prefilled in chunks of 512, one per step: admitSequence, 15 steps
+/// each completed with completePrefillChunk, then finalizeSequenceAdmission, and on the next step a
+/// compaction drops it (the rows and their lengths compacted, one synchronisation) before the
+/// next joiner is admitted. One iteration is one step with the engine's minimal share; the join,
+/// finalisation and compaction are amortised over the 17 steps of a joiner's cycle.
+class ChunkedStepRig {
+ public:
+  static constexpr int32_t kPage = 16;
+  static constexpr int32_t kPrompt = 512;
+  static constexpr int32_t kJoiner = 8192;
+  static constexpr int32_t kChunk = 512;
+  static constexpr int32_t kMaxSequence = 16384;
+
+  ChunkedStepRig(int32_t batch, DeviceType device) : mBatch(batch) {
+    KVCacheRuntimeConfig config = benchRuntimeConfig(batch + 1, kMaxSequence, kPage, device);
+    config.model.numFullAttentionLayers = 1;
+    config.contextReuse = true;
+    config.numPages = (batch + 1) * (kMaxSequence / kPage + 8);  // growth and joins never evict
+    mRuntime = KVCacheRuntime::create(config);
+    mResidents = acquireResidents(*mRuntime, batch + 1);
+    for (int32_t i = 0; i < batch; ++i) {
+      mPrompts.push_back(randomTokens(kPrompt, 100 + static_cast<uint64_t>(i)));
+    }
+    mMapping.emplace(Coords{batch + 1}, DataType::kInt32, device);
+    start();
+  }
+  ~ChunkedStepRig() { stop(); }
+  ChunkedStepRig(ChunkedStepRig const&) = delete;
+  ChunkedStepRig& operator=(ChunkedStepRig const&) = delete;
+
+  void step() {
+    if (kPrompt + mSteps + kPage + 2 > kMaxSequence) {
+      stop();
+      start();
+    }
+    auto const joiner = static_cast<std::size_t>(mBatch);
+    bool ok = true;
+    if (mJoinerDone == kJoiner + 1) {  // finalised last step: the engine drops it
+      std::vector<int32_t> keep(joiner + 1, -1);
+      for (int32_t i = 0; i < mBatch; ++i) {
+        keep[static_cast<std::size_t>(i)] = i;
+      }
+      ok = mManaged->beginBatchCompaction(keep, mBatch, *mMapping) &&
+           mManaged->completeBatchCompaction(keep);
+      popJoiner();
+    }
+    if (mJoinerDone == 0) {
+      ok = ok && admitJoiner();
+    }
+    ok = ok && mManaged->prepareDecodeStep(mContext, kDecodeHeadroom);
+    for (std::size_t i = 0; i < joiner; ++i) {
+      mContext.generatedTokenIds[i].push_back(kDecodeToken);
+    }
+    ok = ok && mManaged->completeDecodeStep(mContext, {});
+    mJoinerDone = std::min(kJoiner, mJoinerDone + kChunk);
+    if (mJoinerDone < kJoiner) {
+      ok = ok && mManaged->completePrefillChunk(static_cast<ExecutionRow>(joiner), mJoinerDone);
+    } else {
+      mContext.generatedTokenIds[joiner].push_back(kDecodeToken);  // its lookahead
+      ok = ok && mManaged->finalizeSequenceAdmission(static_cast<ExecutionRow>(joiner),
+                                                     kDecodeToken, kJoiner);
+      mContext.finishReasons[joiner] = FinishReason::kLength;  // done after its first token
+      mJoinerDone = kJoiner + 1;
+    }
+    if (!ok) {
+      throw std::runtime_error("ChunkedStepRig: a step failed");
+    }
+    ++mSteps;
+  }
+
+ private:
+  bool admitJoiner() {
+    std::vector<int32_t> prompt = randomTokens(kJoiner, 9000 + static_cast<uint64_t>(mJoins++));
+    int32_t start = -1;
+    auto const status = mManaged->admitSequence(prompt, "", kDecodeHeadroom, start,
+                                                mResidents.back(), mContext.stream);
+    mContext.rawBatchedInputIds.push_back(std::move(prompt));
+    mContext.residentRefs.push_back(mResidents.back());
+    mContext.generatedTokenIds.emplace_back();
+    mContext.finishReasons.push_back(FinishReason::kNotFinished);
+    mContext.activeBatchSize = mBatch + 1;
+    mRuntime->fullPool()->setActiveBatchSize(mBatch + 1);  // the engine seats it
+    mJoinerDone = start;
+    return status == ContextCacheRequest::AdmitSequenceStatus::kAdmitted;
+  }
+  void popJoiner() {
+    mContext.rawBatchedInputIds.pop_back();
+    mContext.residentRefs.pop_back();
+    mContext.generatedTokenIds.pop_back();
+    mContext.finishReasons.pop_back();
+    mContext.activeBatchSize = mBatch;
+    mJoinerDone = 0;
+  }
+  void start() {
+    mSteps = 0;
+    mJoinerDone = 0;
+    std::vector<ResidentRef> const founders(mResidents.begin(), mResidents.end() - 1);
+    mContext = engineContext(mPrompts, founders);
+    mContext.stream = mRuntime->config().stream;
+    auto begun = ManagedKVCacheRequest::begin(
+        mRuntime->contextCache(), nullptr, LLMGenerationRequest{}, mContext, false, kDecodeHeadroom,
+        DecodingTokenStateContract::kCommittedPlusLookahead,
+        ContextCacheCommitPolicy::kIncludingGeneratedTokens);
+    if (!begun) {
+      throw std::runtime_error("ChunkedStepRig: admission failed");
+    }
+    mManaged = std::make_unique<ManagedKVCacheRequest>(std::move(*begun));
+    bool ok = mManaged->preparePrefill();
+    for (auto& generated : mContext.generatedTokenIds) {
+      generated.push_back(kDecodeToken);
+    }
+    if (!(ok && mManaged->completePrefill(mContext, {}))) {
+      throw std::runtime_error("ChunkedStepRig: the prefill failed");
+    }
+  }
+  void stop() {
+    if (mManaged) {
+      mManaged->finish();
+      mManaged.reset();
+    }
+  }
+
+  int32_t mBatch;
+  std::unique_ptr<KVCacheRuntime> mRuntime;
+  std::vector<ResidentRef> mResidents;  ///< the founders', then the joiner's
+  std::vector<std::vector<int32_t>> mPrompts;
+  std::optional<Tensor> mMapping;
+  DecodingInferenceContext mContext;
+  std::unique_ptr<ManagedKVCacheRequest> mManaged;  // (an optional trips GCC 12's
+                                                    // maybe-uninitialized here)
+  int64_t mSteps = 0;
+  int64_t mJoins = 0;
+  int32_t mJoinerDone = 0;  ///< the joiner's prefilled tokens; 0: none seated; kJoiner + 1: done
+};
+
+void BM_EngineChunkedStep(benchmark::State& state) {
+  DeviceType const device = deviceArg(state, 1);
+  if (skipWithoutDevice(state, device)) {
+    return;
+  }
+  runDecodeSteps<ChunkedStepRig>(state, static_cast<int32_t>(state.range(0)), device);
+}
+BENCHMARK(BM_EngineChunkedStep)
+    ->ArgNames({"batch", "gpu"})
+    ->ArgsProduct({{64, 256}, {0, 1}})
+    ->Unit(benchmark::kMicrosecond);
+
 void BM_EngineReuseDecodeStep(benchmark::State& state) {
   DeviceType const device = deviceArg(state, 1);
   if (skipWithoutDevice(state, device)) {

@@ -85,6 +85,7 @@ class LoopEngine {
     }
     ASSERT_TRUE(mManaged->preparePrefill());
     ASSERT_TRUE(mManaged->prepareSwaPrefill(mContext.effectivePrefillLengths));
+    writeReusePoints();
     ASSERT_TRUE(mManaged->enqueuePrefillCaptures());
     std::vector<int32_t> common;  // lengths both models hold (speculative requests only)
     for (std::size_t row = 0; row < mPrompts.size(); ++row) {
@@ -162,6 +163,42 @@ class LoopEngine {
         static_cast<int32_t>(row), mContext.generatedTokenIds[row].back(), promptLength(row)));
   }
 
+  /// An in-flight join prefilled in chunks of `chunk` tokens, one per decode step of the other
+  /// rows (the joiner holds), each completed with completePrefillChunk; then finalisation.
+  void joinChunked(std::vector<int32_t> prompt, int32_t chunk) {
+    ResidentRef const resident = acquire();
+    int32_t start = -1;
+    ASSERT_EQ(mManaged->admitSequence(prompt, "", kVanilla, start, resident, mContext.stream),
+              ContextCacheRequest::AdmitSequenceStatus::kAdmitted);
+    appendRow(std::move(prompt), resident);
+    std::size_t const joiner = mPrompts.size() - 1;
+    mContext.effectivePrefillLengths.push_back(promptLength(joiner) - start);
+    for (KVCachePool* pool : {mRuntime.fullPool(), mRuntime.swaPool()}) {
+      if (pool != nullptr) {
+        pool->setActiveBatchSize(static_cast<int32_t>(mPrompts.size()));
+      }
+    }
+    int32_t done = start;
+    writeLength(joiner, done);
+    while (done < promptLength(joiner)) {
+      done = std::min(promptLength(joiner), done + chunk);
+      ASSERT_TRUE(mManaged->prepareDecodeStep(mContext, kVanilla));
+      for (std::size_t row = 0; row < joiner; ++row) {
+        writeLength(row, materialized(row) + 1);
+        mContext.generatedTokenIds[row].push_back(sampled(row));
+      }
+      writeLength(joiner, done);  // the chunk's forward, beside the decodes
+      ASSERT_TRUE(mManaged->completeDecodeStep(mContext, {}));
+      if (done < promptLength(joiner)) {
+        ASSERT_TRUE(mManaged->completePrefillChunk(static_cast<int32_t>(joiner), done));
+      }
+    }
+    mContext.generatedTokenIds[joiner].push_back(sampled(joiner));
+    ASSERT_TRUE(mManaged->finalizeSequenceAdmission(static_cast<int32_t>(joiner),
+                                                    mContext.generatedTokenIds[joiner].back(),
+                                                    promptLength(joiner)));
+  }
+
   /// An in-flight admission taken back before its prefill.
   void admitAndRetract(std::vector<int32_t> const& prompt) {
     ResidentRef const resident = acquire();
@@ -173,9 +210,36 @@ class LoopEngine {
   }
 
   void finish() { ASSERT_TRUE(mManaged->finish()); }
+  int32_t reusePointsWritten() const { return mReusePointsWritten; }
   int32_t prefillStart(std::size_t row) const { return (*mManaged->prefillStarts())[row]; }
 
  private:
+  /// The scan's states at the reuse points the library named, into their snapshot slots (a
+  /// byte pattern: this engine computes no state), on the engine's stream.
+  void writeReusePoints() {
+    ContextCacheCoordinator* cache = mRuntime.contextCache();
+    SnapshotStorage* slabs = cache != nullptr ? cache->snapshots() : nullptr;
+    if (slabs == nullptr) {
+      return;
+    }
+    for (std::size_t row = 0; row < mPrompts.size(); ++row) {
+      for (ReusePointCapture const& point :
+           mManaged->reusePointCaptures(static_cast<ExecutionRow>(row))) {
+        for (int32_t layer = 0; layer < mRuntime.recurrentState()->numLayers(); ++layer) {
+          for (Tensor* slab :
+               {&slabs->recurrentStateSlab(layer), &slabs->recurrentConvSlab(layer)}) {
+            auto const bytes = static_cast<std::size_t>(slab->dim(1));
+            ASSERT_EQ(cudaMemsetAsync(static_cast<uint8_t*>(slab->rawPointer()) +
+                                          bytes * static_cast<std::size_t>(point.snapshotSlot),
+                                      point.position & 0xFF, bytes, mContext.stream),
+                      cudaSuccess);
+          }
+        }
+        ++mReusePointsWritten;
+      }
+    }
+  }
+
   ResidentRef acquire() {
     std::optional<ResidentRef> resident = mRuntime.residentSlots().acquire();
     EXPECT_TRUE(resident.has_value());
@@ -220,6 +284,7 @@ class LoopEngine {
 
   KVCacheRuntime& mRuntime;
   bool mSpeculative;
+  int32_t mReusePointsWritten = 0;
   LLMGenerationRequest mRequest;
   DecodingInferenceContext mContext;
   std::vector<std::vector<int32_t>> mPrompts;
@@ -432,6 +497,26 @@ TEST_F(EngineLoopNoWaitTest, InFlightJoinAndRetract) {
   expectOtherStreamStillBusy();
 }
 
+TEST_F(EngineLoopNoWaitTest, ChunkedPrefillOfAJoinerBesideDecodes) {
+  KVCacheRuntimeConfig config = baseConfig(stream());
+  config.model.numFullAttentionLayers = 2;
+  config.contextReuse = true;
+  auto runtime = KVCacheRuntime::create(config);
+  LoopEngine engine(*runtime, stream());
+  engine.add(tokenRun(600, 10));
+  occupyOtherStream();
+  ASSERT_NO_FATAL_FAILURE(engine.begin());
+  ASSERT_NO_FATAL_FAILURE(engine.prefill());
+  ASSERT_NO_FATAL_FAILURE(engine.decode(1));
+  // Shares the founder's 512-token prefix; its other 1,400 tokens in chunks of 300.
+  ASSERT_NO_FATAL_FAILURE(
+      engine.joinChunked(concatenated(tokenRun(512, 10), tokenRun(1400, 4000)), 300));
+  ASSERT_NO_FATAL_FAILURE(engine.decode(2));
+  ASSERT_NO_FATAL_FAILURE(engine.finish());
+  expectOtherStreamStillBusy();
+  EXPECT_EQ(runtime->contextCache()->counters().prefillChunks, 4U) << "5 chunks, the last final";
+}
+
 TEST_F(EngineLoopNoWaitTest, SpeculativePairedReuse) {
   KVCacheRuntimeConfig config = baseConfig(stream());
   config.model.numFullAttentionLayers = 2;
@@ -473,6 +558,7 @@ TEST_F(EngineLoopNoWaitTest, HybridCheckpointCapture) {
   config.contextCache.recurrentSnapshotPoolBytes = 8 * 2 * (4096 + 512);
   // 1 layer x K and V x 128 tokens x 2 heads x 64 x fp16 per partial page.
   config.contextCache.partialKvSnapshotPoolBytes = 8 * 2 * kPage * 2 * 64 * 2;
+  config.contextCache.checkpointInterval = 2 * kPage;  // reuse points at 256, 512, 768
   auto runtime = KVCacheRuntime::create(config);
   ContextCacheCoordinator& coordinator = *runtime->contextCache();
   LoopEngine first(*runtime, stream());
@@ -487,9 +573,17 @@ TEST_F(EngineLoopNoWaitTest, HybridCheckpointCapture) {
   ASSERT_NO_FATAL_FAILURE(second.begin());
   ASSERT_NO_FATAL_FAILURE(second.prefill());
   ASSERT_NO_FATAL_FAILURE(second.finish());
+  LoopEngine third(*runtime, stream());
+  third.add(concatenated(tokenRun(600, 10), tokenRun(50, 9000)));  // diverges inside the first
+  ASSERT_NO_FATAL_FAILURE(third.begin());
+  EXPECT_EQ(third.prefillStart(0), 512) << "the reuse point before the divergence";
+  ASSERT_NO_FATAL_FAILURE(third.prefill());
+  ASSERT_NO_FATAL_FAILURE(third.finish());
   expectOtherStreamStillBusy();
+  EXPECT_EQ(first.reusePointsWritten(), 3);
   EXPECT_GE(coordinator.counters().checkpointCaptures, 1U);
-  EXPECT_GE(coordinator.counters().checkpointRestores, 1U);
+  EXPECT_GE(coordinator.counters().checkpointRestores, 2U);
+  EXPECT_EQ(coordinator.counters().reusePointRestores, 1U);
 }
 
 }  // namespace
