@@ -240,6 +240,10 @@ done
 #     window cache's pages under the oracle's step kernels).
 memcheck_suite "sanitizer sliding reuse" sanitizer_memcheck_sliding_reuse "$RUNTIME_TESTS" \
   '*SlidingReuseTest*gpu'
+# ... over reuse points (the engine's writes into the snapshot slabs, their restores) and chunked
+#     prefill of joiners (each chunk's publication), on GPU tensors.
+memcheck_suite "sanitizer reuse points, chunks" sanitizer_memcheck_points_chunks \
+  "$BUILD/tests/context_cache/mkv_context_cache_tests" '*HybridReusePointTest*gpu:*Chunk*gpu'
 
 # 5. The other test suites of the build folder, while the budget lasts: the runtime's end-to-end
 #    scenarios (facade, faults, reference engine, on CPU and GPU tensors) first.
@@ -326,11 +330,20 @@ else
   # Hybrid-MTP: prompt endpoints with their boundary hidden rows, checked by the hidden-row oracle.
   replay_case embedded_hybrid_mtp --pool-tokens 32768 --recurrent-layers 9 --snapshot-slots 96 \
     --speculative mtp --draft-layers 1 --no-attention-only
+  # Reuse points every 256 tokens (the reference engine's step kernels write the snapshot slots);
+  # chunked prefill of joiners under a token budget of 256 a step.
+  replay_case embedded_hybrid_points --pool-tokens 32768 --recurrent-layers 9 --snapshot-slots 96 \
+    --checkpoint-interval 256 --no-attention-only
+  replay_case embedded_chunked --pool-tokens 32768 --max-batch 4 --max-batched-tokens 256
   if [[ -f $TRACE ]]; then
     replay_case mooncake_reuse --trace "$TRACE" --limit "$LIMIT" --pool-tokens 131072
     replay_case mooncake_swa --trace "$TRACE" --limit "$LIMIT" --mode swa --window 4096 --full-layers 1 --max-batch 4
     replay_case mooncake_sliding_reuse --trace "$TRACE" --limit "$LIMIT" --window 4096 \
       --full-layers 4 --kv-budget-bytes 17179869184
+    replay_case mooncake_hybrid_points --trace "$TRACE" --limit "$LIMIT" --pool-tokens 131072 \
+      --recurrent-layers 9 --snapshot-slots 96 --checkpoint-interval 2048 --no-attention-only
+    replay_case mooncake_chunked --trace "$TRACE" --limit "$LIMIT" --pool-tokens 131072 \
+      --max-batch 8 --max-batched-tokens 2048
   else
     record "mkv-replay mooncake" FAIL 0 "$TRACE missing (the bundle's test_inputs)"
   fi
