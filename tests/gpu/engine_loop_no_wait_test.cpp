@@ -563,8 +563,16 @@ TEST_F(EngineLoopNoWaitTest, HybridCheckpointCapture) {
   ContextCacheCoordinator& coordinator = *runtime->contextCache();
   LoopEngine first(*runtime, stream());
   LoopEngine second(*runtime, stream());
+  LoopEngine third(*runtime, stream());  // (an engine allocates its device tensors up front)
   first.add(tokenRun(1000, 10));
   second.add(tokenRun(1100, 10));  // extends the first prompt: restores its checkpoint
+  third.add(concatenated(tokenRun(600, 10), tokenRun(50, 9000)));  // diverges inside the first
+  // This engine writes its reuse points with cudaMemsetAsync: the runtime's memset kernel is
+  // loaded now, since a lazy module load waits for the whole context (the engine's own cost,
+  // not the library's).
+  Tensor& slab = runtime->contextCache()->snapshots()->recurrentStateSlab(0);
+  ASSERT_EQ(cudaMemsetAsync(slab.rawPointer(), 0, 1, stream()), cudaSuccess);
+  ASSERT_EQ(cudaStreamSynchronize(stream()), cudaSuccess);
   occupyOtherStream();
   ASSERT_NO_FATAL_FAILURE(first.begin());
   ASSERT_NO_FATAL_FAILURE(first.prefill());
@@ -573,8 +581,6 @@ TEST_F(EngineLoopNoWaitTest, HybridCheckpointCapture) {
   ASSERT_NO_FATAL_FAILURE(second.begin());
   ASSERT_NO_FATAL_FAILURE(second.prefill());
   ASSERT_NO_FATAL_FAILURE(second.finish());
-  LoopEngine third(*runtime, stream());
-  third.add(concatenated(tokenRun(600, 10), tokenRun(50, 9000)));  // diverges inside the first
   ASSERT_NO_FATAL_FAILURE(third.begin());
   EXPECT_EQ(third.prefillStart(0), 512) << "the reuse point before the divergence";
   ASSERT_NO_FATAL_FAILURE(third.prefill());
