@@ -92,6 +92,9 @@ class BoundedSwaRequest {
                                     std::vector<int32_t> const& mediaTokenIds = {},
                                     std::vector<imageUtils::ImageData> const& imageBuffers = {},
                                     std::vector<audioUtils::AudioData> const& audioBuffers = {});
+  /// Nothing is cached for a resumption to reuse: nothing to publish, true (the engine compacts
+  /// the row away; resuming recomputes it). Throws for a row outside the batch.
+  bool preemptSequence(ExecutionRow row);
   /// No in-flight admission, so no joiner to prefill in chunks: false and one log line.
   bool completePrefillChunk(ExecutionRow row, int32_t prefilledTokens);
   /// No in-flight admission: false and one log line.

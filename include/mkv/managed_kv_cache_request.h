@@ -84,9 +84,10 @@ class ManagedKVCacheRequest {
   bool prepareSwaPrefill(std::vector<int32_t> const& effectiveInputLengths);
   /// Between preparePrefill and completePrefill: the reuse points row `row` captures in this
   /// prefill, each a position and the snapshot slot its recurrent state and conv rows go to
-  /// (hybrid deployments with a checkpoint interval; empty otherwise). The engine's prefill
-  /// kernels write them (docs/context_cache.md, "Reuse points"). An addition beside the
-  /// reference page's API.
+  /// (hybrid deployments with a checkpoint interval; empty on other deployments and always on
+  /// bounded SWA). The engine's prefill kernels write them (docs/context_cache.md, "Reuse
+  /// points"). Throws outside preparePrefill -> completePrefill on the context backends and for
+  /// a row outside the batch. An addition beside the reference page's API.
   std::span<ReusePointCapture const> reusePointCaptures(ExecutionRow row) const;
   /// Stages hybrid checkpoint captures at the prompt end (bounded SWA: no-op, true).
   bool enqueuePrefillCaptures();
@@ -125,6 +126,14 @@ class ManagedKVCacheRequest {
       cudaStream_t stream, std::vector<int32_t> const& mediaTokenIds = {},
       std::vector<imageUtils::ImageData> const& imageBuffers = {},
       std::vector<audioUtils::AudioData> const& audioBuffers = {});
+  /// Preemption, vLLM's recompute (an addition beside the reference page's API; docs/lifecycle.md,
+  /// "Preemption"): between steps, publishes row `row`'s committed state for reuse; the engine
+  /// then compacts the row away (its pages go back), and later resumes it by admitting its
+  /// prompt and tokens again, which reuses what was published. False when the backend is
+  /// poisoned. Bounded SWA keeps nothing to reuse: true, nothing published. Throws between
+  /// prepareDecodeStep and completeDecodeStep, for a row outside the batch and for an unfinalised
+  /// joiner.
+  bool preemptSequence(ExecutionRow row);
   /// Chunked prefill of a joiner (an addition beside the reference page's API): the engine may
   /// spread an admitted joiner's prefill over several steps, the joiner holding in their decode
   /// steps; after each step that ran a chunk, this publishes the joiner's full blocks up to

@@ -106,6 +106,10 @@ class SlidingReuseRequest {
                                     std::vector<int32_t> const& mediaTokenIds = {},
                                     std::vector<imageUtils::ImageData> const& imageBuffers = {},
                                     std::vector<audioUtils::AudioData> const& audioBuffers = {});
+  /// Preemption: the full half publishes the row's committed blocks
+  /// (ContextCacheRequest::preemptSequence), then the sliding pages of its complete generated
+  /// blocks still mapped (as a completing row's). False when the full half fails.
+  bool preemptSequence(ExecutionRow row);
   /// A chunk of a joiner's prefill completed: the full layers publish the row's full blocks so
   /// far (ContextCacheRequest::completePrefillChunk); its sliding pages are published at
   /// finalisation, with the whole prompt's.

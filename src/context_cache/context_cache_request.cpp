@@ -400,6 +400,10 @@ ContextCacheRequest::AdmitSequenceStatus ContextCacheRequest::admitSequence(
   return AdmitSequenceStatus::kFailed;
 }
 
+bool ContextCacheRequest::preemptSequence(ExecutionRow row) {
+  return check(mCoordinator->preemptSequence(mHandle, row), "preemptSequence");
+}
+
 bool ContextCacheRequest::completePrefillChunk(ExecutionRow row, int32_t prefilledTokens) {
   return check(mCoordinator->completePrefillChunk(mHandle, row, prefilledTokens),
                "completePrefillChunk");

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <new>
+#include <unordered_set>
 
 #include "context_cache/coordinator_request.h"
 #include "context_cache/coordinator_validation.h"
@@ -168,6 +169,19 @@ void ContextCacheCoordinator::planReusePoints(Request& req) {
     return;  // a Hybrid-MTP request publishes its endpoint only
   }
   int32_t const pageSize = mManager->pageSize();
+  // Every row's prompt end comes first (enqueuePrefillCaptures reserves it later): points take
+  // a slot only while more than one per capturing row stays free or reclaimable.
+  int32_t endsToKeep = 0;
+  for (auto const& sequence : req.sequences) {
+    endsToKeep += sequence.policy == ContextCacheLookupPolicy::kBypass ? 0 : 1;
+  }
+  ResourcePools const& pools = mManager->pools();
+  auto slotsLeft = [&pools] {
+    return pools.freeCount(ResourceType::kRecurrentSnapshot) +
+           pools.reclaimableCount(ResourceType::kRecurrentSnapshot);
+  };
+  // Rows of one batch that share a prefix plan its points once.
+  std::unordered_set<Hash128, Hash128Hasher> planned;
   for (std::size_t row = 0; row < req.sequences.size(); ++row) {
     Request::Sequence& sequence = req.sequences[row];
     int32_t const first = (sequence.reuseTokenLength / interval + 1) * interval;
@@ -181,14 +195,19 @@ void ContextCacheCoordinator::planReusePoints(Request& req) {
       PromptBlocks const blocks =
           hashPromptBlocks(prefixOf(sequence, sequence.promptLength), pageSize);
       for (int32_t position = first; position < sequence.promptLength; position += interval) {
-        // A point cached already (another conversation's, or this prompt's earlier turn) needs no
-        // copy and must not evict anything.
-        if (mManager->records().findHybrid(
-                HybridKey{exactPrefixDigest(blocks, position), position, false}) != nullptr) {
+        // A point cached already (another conversation's, or this prompt's earlier turn) or
+        // planned by an earlier row needs no copy and must not evict anything.
+        Hash128 const digest = exactPrefixDigest(blocks, position);
+        if (mManager->records().findHybrid(HybridKey{digest, position, false}) != nullptr ||
+            planned.contains(digest)) {
           continue;
         }
-        std::optional<SnapshotReservation> const reservation =
-            mManager->reserveHybridSnapshots(sequence.lease, hasKv() && position % pageSize != 0);
+        std::optional<SnapshotReservation> reservation;
+        if (slotsLeft() > endsToKeep) {
+          planned.insert(digest);  // before the reservation: a throw leaves nothing reserved
+          reservation =
+              mManager->reserveHybridSnapshots(sequence.lease, hasKv() && position % pageSize != 0);
+        }
         if (!reservation) {
           uint64_t const skips = ++mCounters.snapshotPressureSkips;
           if ((skips & (skips - 1)) == 0) {
@@ -229,8 +248,8 @@ void ContextCacheCoordinator::commitReusePoints(Request& req) {
             sequence.lease, blocks, position, sequence.reusePointReservations[i], true);
         if (published.status != PublishStatus::kVerificationRejected) {
           sequence.publishedExact = std::max(sequence.publishedExact, position);
-          ++mCounters.reusePointPublications;
         }
+        mCounters.reusePointPublications += published.status == PublishStatus::kPublished ? 1U : 0U;
       }
     } catch (std::bad_alloc const&) {
       logger()->warn(

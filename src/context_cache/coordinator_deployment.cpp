@@ -35,6 +35,13 @@ void validateProfile(ContextCacheConfig const& config, ContextCacheDeploymentPro
               "checkpointInterval {} is for hybrid, pure-recurrent and sliding-window reuse "
               "deployments: full attention reuses every page boundary already",
               config.checkpointInterval);
+  if (profile.hasAttention() && resources.basePool != nullptr) {
+    int32_t const pageSize = resources.basePool->tokensPerPage();
+    MKV_REQUIRE(config.checkpointInterval % pageSize == 0, kCall,
+                "checkpointInterval {} is not a multiple of the page size {}: a reuse point keeps "
+                "no partial page",
+                config.checkpointInterval, pageSize);
+  }
   if (profile.isSpeculative()) {
     MKV_REQUIRE(profile.speculative->futureDependencyTokens >= 0, kCall,
                 "speculative futureDependencyTokens must be >= 0, got {}",
@@ -153,11 +160,6 @@ void layOutSnapshots(ContextCacheConfig const& config, ContextCacheDeploymentPro
   snapshots.recurrentSlots =
       slotsOf(config.recurrentSnapshotPoolBytes, recurrentBytes, "recurrentSnapshotPoolBytes");
   if (profile.hasAttention()) {
-    int32_t const pageSize = resources.basePool->tokensPerPage();
-    MKV_REQUIRE(config.checkpointInterval % pageSize == 0, kCall,
-                "checkpointInterval {} is not a multiple of the page size {}: a reuse point keeps "
-                "no partial page",
-                config.checkpointInterval, pageSize);
     int64_t partialBytes = SnapshotStorage::partialKvBytesPerSlot(*resources.basePool);
     if (mtp) {
       partialBytes += SnapshotStorage::partialKvBytesPerSlot(*resources.draftPool);

@@ -67,6 +67,7 @@ ContextCacheCoordinator::AdmitSequenceResult ContextCacheCoordinator::admitSeque
     throw;
   }
   mResidentBusy[static_cast<std::size_t>(ref.slot)] = 1;
+  req.sequences.back().joinWritesMark = mWrites->awaitingFlush();
   ++mCounters.liveAdmissions;
   result.status = ContextCacheStatus::kOk;
   result.prefillStart = req.sequences.back().reuseTokenLength;
@@ -87,6 +88,8 @@ ContextCacheStatus ContextCacheCoordinator::completePrefillChunk(RequestHandle& 
   MKV_REQUIRE(prefilledTokens >= sequence.committed && prefilledTokens <= sequence.promptLength,
               kCall, "row {}: {} prefilled tokens outside [{} (done so far), {} (the prompt)]", row,
               prefilledTokens, sequence.committed, sequence.promptLength);
+  // Its chunks ran through the row admitSequence bound: that row must have reached the device.
+  mWrites->requireReachedDevice(kCall, sequence.joinWritesMark);
   if (poisoned()) {
     return ContextCacheStatus::kPoisoned;
   }
@@ -96,6 +99,31 @@ ContextCacheStatus ContextCacheCoordinator::completePrefillChunk(RequestHandle& 
   return ContextCacheStatus::kOk;
 }
 
+ContextCacheStatus ContextCacheCoordinator::preemptSequence(RequestHandle& handle,
+                                                            ExecutionRow row) {
+  constexpr char const* kCall = "ContextCacheCoordinator::preemptSequence";
+  Request& req = request(handle, kCall);
+  MKV_REQUIRE(req.stage == RequestStage::kSettled, kCall,
+              "row {}: a sequence is preempted between steps (an executing request with no "
+              "pending work)",
+              row);
+  auto const& sequence = detail::sequenceAt(req, row, kCall);
+  MKV_REQUIRE(sequence.joined, kCall,
+              "row {} is an unfinalised in-flight admission: retract it, or finish its prefill",
+              row);
+  if (poisoned()) {
+    return ContextCacheStatus::kPoisoned;
+  }
+  ++mCounters.preemptions;
+  if (req.commitPolicy != ContextCacheCommitPolicy::kIncludingGeneratedTokens ||
+      req.draftInitPending) {
+    return ContextCacheStatus::kOk;  // nothing past what is already published may be
+  }
+  std::vector<uint8_t> completed(req.sequences.size(), 0);
+  completed[static_cast<std::size_t>(row)] = 1;
+  return publishCompleted(handle, req, completed);
+}
+
 ContextCacheStatus ContextCacheCoordinator::finalizeSequenceAdmission(
     RequestHandle& handle, ExecutionRow row, ContextCacheSequenceAdvance const& advance) {
   constexpr char const* kCall = "ContextCacheCoordinator::finalizeSequenceAdmission";
@@ -103,6 +131,7 @@ ContextCacheStatus ContextCacheCoordinator::finalizeSequenceAdmission(
   MKV_REQUIRE(isExecuting(req.stage), kCall, "the request is not executing");
   auto& sequence = detail::sequenceAt(req, row, kCall);
   MKV_REQUIRE(!sequence.joined, kCall, "row {} is not an unfinalised in-flight admission", row);
+  mWrites->requireReachedDevice(kCall, sequence.joinWritesMark);
   if (poisoned()) {
     return ContextCacheStatus::kPoisoned;
   }

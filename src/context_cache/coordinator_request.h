@@ -60,6 +60,9 @@ struct CoordinatorSequence {
   int32_t committed = 0;        // tokens with materialised KV
   int32_t publishedBlocks = 0;  // full blocks already published
   bool joined = true;           // false: admitted in flight, not finalised yet
+  // An in-flight admission: DeviceWriteQueue::awaitingFlush() after its row was bound (-1:
+  // nothing waited), checked by the calls that publish what its prefill wrote through that row.
+  int64_t joinWritesMark = -1;
   // Checkpoint deployments: the longest exact checkpoint published, and the capture enqueued
   // but not committed yet (its slots are reservations of the lease).
   int32_t publishedExact = 0;

@@ -192,6 +192,11 @@ ContextCacheRequest::AdmitSequenceStatus ManagedKVCacheRequest::admitSequence(
   });
 }
 
+bool ManagedKVCacheRequest::preemptSequence(ExecutionRow row) {
+  return dispatch("ManagedKVCacheRequest::preemptSequence", mBackend,
+                  [&](auto& backend) { return backend.preemptSequence(row); });
+}
+
 bool ManagedKVCacheRequest::completePrefillChunk(ExecutionRow row, int32_t prefilledTokens) {
   return dispatch("ManagedKVCacheRequest::completePrefillChunk", mBackend, [&](auto& backend) {
     return backend.completePrefillChunk(row, prefilledTokens);

@@ -165,6 +165,16 @@ void SlidingReuseRequest::publishGeneratedWindow(std::size_t row) {
   (void)publishMappedBlocks(row, mPromptTokens[row] / pageSize, endBlock);
 }
 
+bool SlidingReuseRequest::preemptSequence(ExecutionRow row) {
+  if (!mFull.preemptSequence(row)) {
+    return false;
+  }
+  if (mCommitPolicy == ContextCacheCommitPolicy::kIncludingGeneratedTokens) {
+    publishGeneratedWindow(static_cast<std::size_t>(row));
+  }
+  return true;
+}
+
 bool SlidingReuseRequest::completePrefill(DecodingInferenceContext const& context,
                                           std::vector<int32_t> const& commonStateLengths) {
   // The coordinator publishes the full layers' blocks and marks the prefill complete; then the

@@ -140,6 +140,13 @@ AdmitSequenceStatus BoundedSwaRequest::admitSequence(
   return AdmitSequenceStatus::kFailed;
 }
 
+bool BoundedSwaRequest::preemptSequence(ExecutionRow row) {
+  int32_t const batch = mManager->batchSize(mHandle);
+  MKV_REQUIRE(row >= 0 && row < batch, "BoundedSwaRequest::preemptSequence",
+              "row {} outside the batch of {}", row, batch);
+  return true;
+}
+
 bool BoundedSwaRequest::completePrefillChunk(ExecutionRow /*row*/, int32_t /*prefilledTokens*/) {
   logger()->error(
       "ManagedKVCacheRequest::completePrefillChunk: the bounded-SWA backend has no in-flight "

@@ -444,6 +444,65 @@ TEST_P(ContextCacheRequestTest, AChunkOutsideItsPlaceThrowsAndChangesNothing) {
   rig.expectQuiescent();
 }
 
+TEST_P(ContextCacheRequestTest, APreemptedRowIsResumedFromWhatItPublished) {
+  CoordinatorRig rig(device());
+  RequestDriver driver(rig);
+  driver.add(tokenRun(100, 1), 0);
+  driver.add(tokenRun(200, 1000), 1);
+  ASSERT_TRUE(driver.begin());
+  ASSERT_TRUE(driver.prefill());
+  for (int step = 0; step < 60; ++step) {  // row 1 commits 260 tokens: two full blocks
+    ASSERT_TRUE(driver.decode());
+  }
+  std::size_t const records = rig.records().size();
+  int32_t const free = rig.freePages();
+  ASSERT_TRUE(driver.cache->preemptSequence(1));
+  ASSERT_EQ(rig.records().size(), records + 1);
+  EXPECT_EQ(rig.records().back().key.fullBlockCount, 2) << "its prompt and reply, 256 tokens";
+  EXPECT_EQ(rig.coordinator.counters().preemptions, 1u);
+  EXPECT_EQ(rig.freePages(), free) << "its pages stay until the compaction";
+  // The engine drops the row, then resumes it later: its prompt and tokens admitted again.
+  std::vector<int32_t> const resumed(driver.rows[1].tokens.begin(), driver.rows[1].tokens.end());
+  std::vector<int32_t> const mapping{0, -1};
+  Tensor deviceMapping({2}, DataType::kInt32, device());
+  ASSERT_TRUE(driver.cache->beginBatchCompaction(mapping, 1, deviceMapping));
+  ASSERT_TRUE(driver.cache->completeBatchCompaction(mapping));
+  driver.compactView(mapping);
+  ASSERT_TRUE(driver.decode());
+  int32_t start = -1;
+  ASSERT_EQ(driver.admit(resumed, 1, &start), AdmitStatus::kAdmitted);
+  EXPECT_EQ(start, 256) << "the published blocks, verified by the oracle at its seating";
+  ASSERT_TRUE(driver.seatNewest());
+  ASSERT_TRUE(driver.decode());
+  EXPECT_TRUE(rig.verify(driver.rows[1]).ok());
+  ASSERT_TRUE(driver.cache->finish());
+  rig.expectQuiescent();
+}
+
+TEST_P(ContextCacheRequestTest, APreemptionOutsideItsPlaceThrowsAndChangesNothing) {
+  CoordinatorRig rig(device());
+  JoinFixture fixture(rig);
+  RequestDriver& driver = fixture.driver;
+  ASSERT_EQ(driver.admit(fixture.joinerPrompt(), 1), AdmitStatus::kAdmitted);
+  std::size_t const records = rig.records().size();
+  EXPECT_TRUE(throwsError(
+      [&] { (void)driver.cache->preemptSequence(1); },
+      {"ContextCacheCoordinator::preemptSequence", "row 1 is an unfinalised in-flight admission"}));
+  EXPECT_TRUE(throwsError([&] { (void)driver.cache->preemptSequence(2); },
+                          {"ContextCacheCoordinator::preemptSequence", "row 2 outside"}));
+  ASSERT_TRUE(driver.cache->prepareDecodeStep(driver.context, kVanilla));
+  EXPECT_TRUE(throwsError([&] { (void)driver.cache->preemptSequence(0); },
+                          {"row 0: a sequence is preempted between steps"}));
+  EXPECT_EQ(rig.records().size(), records);
+  EXPECT_EQ(rig.coordinator.counters().preemptions, 0u);
+  rig.executeDecode(driver.rows[0], 0);
+  driver.context.generatedTokenIds[0].push_back(driver.rows[0].tokens.back());
+  ASSERT_TRUE(driver.cache->completeDecodeStep(driver.context, {}));
+  ASSERT_TRUE(driver.seat(1));
+  ASSERT_TRUE(driver.cache->finish());
+  rig.expectQuiescent();
+}
+
 TEST_P(ContextCacheRequestTest, TheFounderRetiresWhileTheJoinerKeepsTheSharedPages) {
   CoordinatorRig rig(device());
   JoinFixture fixture(rig);

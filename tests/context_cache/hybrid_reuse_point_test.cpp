@@ -100,27 +100,29 @@ TEST_P(HybridReusePointTest, TwoRowsOfOneBatchSharingAPrefixKeepOneRecordPerPoin
   Seq a(concatenated(shared, tokenRun(10, 3000)), 0);
   Seq b(concatenated(shared, tokenRun(10, 4000)), 1);
   serve(rig, {&a, &b});
-  EXPECT_EQ(rig.capturedPoints, (std::vector<int32_t>{32, 64, 32, 64})) << "both rows capture";
-  EXPECT_EQ(checkpointLengths(rig, true), (std::vector<int32_t>{32, 64})) << "the first wins";
-  EXPECT_EQ(rig.coordinator->counters().reusePointPublications, 4u)
-      << "the second commit of each point touches the first";
+  EXPECT_EQ(rig.capturedPoints, (std::vector<int32_t>{32, 64})) << "planned once, by row 0";
+  EXPECT_EQ(checkpointLengths(rig, true), (std::vector<int32_t>{32, 64}));
+  EXPECT_EQ(rig.coordinator->counters().reusePointCaptures, 2u);
+  EXPECT_EQ(rig.coordinator->counters().reusePointPublications, 2u);
   rig.expectQuiescent();
   EXPECT_EQ(rig.freeSlots(kRecurrent), 16 - 2 - 2) << "two points, two prompt ends";
 }
 
-TEST_P(HybridReusePointTest, SnapshotPressureStopsARowsPointsButNeverTheRequest) {
+TEST_P(HybridReusePointTest, PointsLeaveTheSlotsThePromptEndsNeed) {
   HybridRigOptions options = pointOptions();
-  options.recurrentSlots = 2;
+  options.recurrentSlots = 3;
   HybridRig rig(device(), options);
-  Seq producer(tokenRun(100, 100), 0);
+  Seq first(tokenRun(100, 100), 0);
+  Seq second(tokenRun(100, 5000), 1);
   std::vector<int32_t> starts;
-  Handle handle = rig.admit({&producer}, &starts);
-  ASSERT_EQ(rig.prefill(handle, {&producer}), kOk);
-  EXPECT_EQ(rig.capturedPoints, (std::vector<int32_t>{32, 64})) << "96 found no slot";
-  EXPECT_EQ(rig.coordinator->counters().snapshotPressureSkips, 2u) << "96, then the prompt end";
-  ASSERT_EQ(rig.decode(handle, {&producer}), kOk) << "the request carries on";
+  Handle handle = rig.admit({&first, &second}, &starts);
+  ASSERT_EQ(rig.prefill(handle, {&first, &second}), kOk);
+  EXPECT_EQ(rig.capturedPoints, std::vector<int32_t>{32}) << "one slot for each prompt end kept";
+  EXPECT_EQ(rig.coordinator->counters().snapshotPressureSkips, 2u) << "at 64, then row 1's 32";
+  EXPECT_EQ(checkpointLengths(rig, false), (std::vector<int32_t>{100, 100})) << "both ends";
+  ASSERT_EQ(rig.decode(handle, {&first, &second}), kOk) << "the request carries on";
   ASSERT_EQ(rig.coordinator->finish(handle), kOk);
-  EXPECT_EQ(checkpointLengths(rig, true), (std::vector<int32_t>{32, 64}));
+  EXPECT_EQ(checkpointLengths(rig, true), std::vector<int32_t>{32});
   rig.expectQuiescent();
 }
 

@@ -471,6 +471,10 @@ TEST(WindowDeploymentTest, OnlyVanillaAttentionReuseTakesAWindowCache) {
   EXPECT_EQ(refusal(points, {}, &window, nullptr), "accepted") << "windows kept before points";
   EXPECT_NE(refusal(points, {}, nullptr, nullptr).find("checkpointInterval 64 is for hybrid"),
             std::string::npos);
+  points.checkpointInterval = 40;
+  EXPECT_NE(refusal(points, {}, &window, nullptr)
+                .find("checkpointInterval 40 is not a multiple of the page size 16"),
+            std::string::npos);
   ContextCacheConfig disabled = enabled;
   disabled.enabled = false;
   EXPECT_NE(refusal(disabled, {}, &window, nullptr)

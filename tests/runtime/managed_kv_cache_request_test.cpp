@@ -727,6 +727,8 @@ TEST_P(ManagedKVCacheRequestDispatchTest, BoundedSwaBackend) {
   expectNoOp(
       rig, "completePrefillChunk", [&] { return facade.completePrefillChunk(0, 20); }, false);
   expectNoOp(
+      rig, "preemptSequence (nothing to publish)", [&] { return facade.preemptSequence(0); }, true);
+  expectNoOp(
       rig, "finalizeSequenceAdmission",
       [&] { return facade.finalizeSequenceAdmission(0, lookahead, 40); }, false);
   expectNoOp(

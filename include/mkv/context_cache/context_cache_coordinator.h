@@ -73,7 +73,8 @@ struct ContextCacheConfig {
   /// on the last point before the divergence (checkpoints otherwise exist only at prompt and
   /// decode ends); speculative requests of Hybrid-MTP keep their endpoints only. Sliding-window
   /// reuse (a window cache): the sliding blocks of the window before every multiple of the
-  /// interval are kept (the read tier), the blocks between those windows are dropped first. A
+  /// interval are kept in a tier of their own, dropped after the blocks between those windows and
+  /// before the windows hits have read (WindowBlockCache::keepPointWindow). A
   /// multiple of the page size with attention. Must be 0 on other attention-only deployments.
   int32_t checkpointInterval = 0;
   /// Victim order of published records within a retention priority: kS3Fifo (default: it reuses
@@ -250,11 +251,13 @@ struct ContextCacheCoordinatorCounters {
   /// Host tier: batches of page moves enqueued (offloads and onboardings of one manager call).
   uint64_t hostTierTransfers = 0;
   /// Reuse points (ContextCacheConfig::checkpointInterval): slots handed to the engine to capture
-  /// into, points committed as records, and sequences that restored one.
+  /// into, new records committed from them (a point another row or request committed first is
+  /// not counted), and sequences that restored one.
   uint64_t reusePointCaptures = 0;
   uint64_t reusePointPublications = 0;
   uint64_t reusePointRestores = 0;
-  uint64_t prefillChunks = 0;  ///< chunks of in-flight admissions completed before their last
+  uint64_t prefillChunks = 0;  ///< completePrefillChunk calls accepted (chunks of joiners)
+  uint64_t preemptions = 0;    ///< rows preempted (preemptSequence)
 };
 
 /// One counter of ContextCacheCoordinatorCounters as every export names it: the Prometheus
@@ -323,8 +326,10 @@ inline constexpr auto kCoordinatorCounterFields = std::to_array<CoordinatorCount
      &ContextCacheCoordinatorCounters::reusePointPublications},
     {"coordinator_reuse_point_restores", "Sequences started from a restored reuse point.",
      &ContextCacheCoordinatorCounters::reusePointRestores},
-    {"coordinator_prefill_chunks", "Prefill chunks of in-flight admissions before their last.",
+    {"coordinator_prefill_chunks", "Prefill chunks of in-flight admissions completed.",
      &ContextCacheCoordinatorCounters::prefillChunks},
+    {"coordinator_preemptions", "Rows preempted, their committed state published.",
+     &ContextCacheCoordinatorCounters::preemptions},
 });
 
 /// Context reuse over full paged KV: lookups at admission, page rows for execution, growth per
@@ -433,7 +438,8 @@ class ContextCacheCoordinator {
                                                         ExecutionRow row) const;
   /// After the runtime's prefill synchronisation: applies one advance per sequence (the prompt
   /// plus the lookahead under kCommittedPlusLookahead) and publishes the prompt's full blocks
-  /// (checkpoint deployments: commits the captures of enqueuePrefillCaptures instead).
+  /// (checkpoint deployments: commits the reuse points of reusePointCaptures, then the captures
+  /// of enqueuePrefillCaptures, instead).
   /// `commonStateLengths` (tokens whose base *and* draft state is materialised) is for
   /// speculative requests only: one per sequence, each equal to the prompt length; required when
   /// the request pairs a paged draft on a deployment other than Hybrid-MTP, derived from the
@@ -569,9 +575,22 @@ class ContextCacheCoordinator {
   /// blocks so far, so a sequence admitted meanwhile reuses them. kPoisoned on a poisoned
   /// coordinator. Throws, changing nothing, outside an executing request with no pending work,
   /// for a row that is not an unfinalised admission, and for `prefilledTokens` below the row's
-  /// committed length or beyond its prompt.
+  /// committed length or beyond its prompt, and with DeviceWriteTiming::kEngineStep when the row
+  /// admitSequence bound never reached the device (no flush returned since), as
+  /// finalizeSequenceAdmission does.
   ContextCacheStatus completePrefillChunk(RequestHandle& handle, ExecutionRow row,
                                           int32_t prefilledTokens);
+  /// Preemption, vLLM's recompute (docs/lifecycle.md, "Preemption"): between steps, publishes
+  /// execution row `row`'s committed state as a normal completion publishes it (full blocks;
+  /// on checkpoint deployments a checkpoint, one synchronisation; nothing more under
+  /// kPrefillStateOnly or while a speculative prompt endpoint is frozen), so that once the engine
+  /// has compacted the row away, admitting its prompt and tokens again reuses it. The row keeps
+  /// its pages until that compaction and must hold in any step before. kPoisoned when poisoned
+  /// (or when the checkpoint's synchronisation failed: the request is quarantined, as at decode
+  /// end). Throws, changing nothing, outside an executing request with no pending work, for a row
+  /// outside the batch, and for an unfinalised joiner (it has published nothing of its own yet:
+  /// compact it away, or retract it if it is the newest).
+  ContextCacheStatus preemptSequence(RequestHandle& handle, ExecutionRow row);
   /// After the joiner's prefill: exactly one accepted token (the lookahead) with committed ==
   /// prompt length; publishes the joiner's prompt blocks.
   ContextCacheStatus finalizeSequenceAdmission(RequestHandle& handle, ExecutionRow row,

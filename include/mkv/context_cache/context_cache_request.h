@@ -93,6 +93,8 @@ class ContextCacheRequest {
                                     std::vector<int32_t> const& mediaTokenIds = {},
                                     std::vector<imageUtils::ImageData> const& imageBuffers = {},
                                     std::vector<audioUtils::AudioData> const& audioBuffers = {});
+  /// Preemption (ContextCacheCoordinator::preemptSequence); false when poisoned or quarantined.
+  bool preemptSequence(ExecutionRow row);
   /// A chunk of an in-flight admission's prefill completed
   /// (ContextCacheCoordinator::completePrefillChunk); false when poisoned.
   bool completePrefillChunk(ExecutionRow row, int32_t prefilledTokens);
