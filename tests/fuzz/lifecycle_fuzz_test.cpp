@@ -58,6 +58,7 @@ TEST(LifecycleFuzzTest, SeededLifecyclesKeepEveryInvariant) {
   EXPECT_GT(total.compactions, 100);
   EXPECT_GT(total.joins, 50);
   EXPECT_GT(total.prefillChunks, 10);  // chunked prefill of joiners
+  EXPECT_GT(total.preemptions, 10);
   EXPECT_GT(total.retractions, 10);
   EXPECT_GT(total.failedSynchronizations, 100);
   EXPECT_GT(total.quarantines, 100);
@@ -70,14 +71,15 @@ TEST(LifecycleFuzzTest, SeededLifecyclesKeepEveryInvariant) {
   std::printf(
       "operations %lld, library calls %lld, rejected %lld, refusals %lld, requests %lld, "
       "prefills %lld, decode steps %lld, compactions %lld, joins %lld (prefill chunks %lld), "
-      "retractions %lld, failed syncs %lld, quarantines %lld, shutdowns %lld, cache resets %lld, "
+      "preemptions %lld, retractions %lld, failed syncs %lld, quarantines %lld, shutdowns %lld, "
+      "cache resets %lld, "
       "oracle positions %lld\n",
       static_cast<long long>(total.operations), static_cast<long long>(total.libraryCalls),
       static_cast<long long>(total.rejectedCalls), static_cast<long long>(total.refusals),
       static_cast<long long>(total.requests), static_cast<long long>(total.prefills),
       static_cast<long long>(total.decodeSteps), static_cast<long long>(total.compactions),
       static_cast<long long>(total.joins), static_cast<long long>(total.prefillChunks),
-      static_cast<long long>(total.retractions),
+      static_cast<long long>(total.preemptions), static_cast<long long>(total.retractions),
       static_cast<long long>(total.failedSynchronizations),
       static_cast<long long>(total.quarantines), static_cast<long long>(total.shutdowns),
       static_cast<long long>(total.cacheResets), static_cast<long long>(total.oraclePositions));

@@ -585,7 +585,8 @@ class ContextCacheCoordinator {
   /// on checkpoint deployments a checkpoint, one synchronisation; nothing more under
   /// kPrefillStateOnly or while a speculative prompt endpoint is frozen), so that once the engine
   /// has compacted the row away, admitting its prompt and tokens again reuses it. The row keeps
-  /// its pages until that compaction and must hold in any step before. kPoisoned when poisoned
+  /// its pages until that compaction; it may also go on (what it published stays valid).
+  /// kPoisoned when poisoned
   /// (or when the checkpoint's synchronisation failed: the request is quarantined, as at decode
   /// end). Throws, changing nothing, outside an executing request with no pending work, for a row
   /// outside the batch, and for an unfinalised joiner (it has published nothing of its own yet:

@@ -382,6 +382,12 @@ void Lifecycle::finalize(Req& req) {
   auto const rows = static_cast<int32_t>(req.rows.size());
   bool const unjoined = rows > 0 && !req.rows.back().joined;
   int32_t const slot = unjoined ? rows - 1 : (mIn.oneIn(2) ? rows : std::max(0, rows - 1));
+  // Preemption on the runtimes without checkpoints (a checkpoint's capture synchronises, which
+  // the fault model drives through the completion calls).
+  if (!checkpointDeployment() && mIn.oneIn(3)) {
+    preempt(req, static_cast<int32_t>(mIn.below(rows + 1)));
+    return;
+  }
   if (unjoined &&
       req.rows.back().materialized < static_cast<int32_t>(req.rows.back().prompt.size()) &&
       mIn.oneIn(2)) {
@@ -389,6 +395,30 @@ void Lifecycle::finalize(Req& req) {
     return;
   }
   issueFinalize(req, slot, false);
+}
+
+void Lifecycle::preempt(Req& req, int32_t slot) {
+  std::string const what = "preemptSequence on " + describe(req);
+  auto call = [&] {
+    if (req.via == Via::kFacade) {
+      return req.facade->preemptSequence(slot);
+    }
+    return mCoordinator->preemptSequence(req.coordinator, slot) == ContextCacheStatus::kOk;
+  };
+  bool const valid = req.stage == Stage::kIdle && slot < static_cast<int32_t>(req.rows.size()) &&
+                     req.rows[static_cast<std::size_t>(slot)].joined;
+  if (!valid) {
+    reject(what, call);
+    return;
+  }
+  if (mPoisoned && coordinatorBackend()) {
+    expect(!unchanged(what, call), what + ": preempted on a poisoned backend");
+    ++mStats.refusals;
+    return;
+  }
+  expect(accept(what, call), what + " returned false");
+  ++mStats.preemptions;
+  trace(fmt::format("{}: row {}", what, slot));
 }
 
 void Lifecycle::prefillChunk(Req& req, int32_t slot) {

@@ -384,6 +384,9 @@ class Lifecycle {
   bool admitOutcome(Req& req, AdmitCall& call, int32_t& start, std::string const& what);
   void joined(Req& req, Row row, int32_t start, std::string const& what);
   void finalize(Req& req);
+  /// preemptSequence of row `slot` (any row: refused outside a settled batch, beyond it or for
+  /// an unfinalised joiner); the row goes on (the library allows it; engines compact it away).
+  void preempt(Req& req, int32_t slot);
   void badFinalize(Req& req);
   bool finalizeModelled(Req& req);
   void issueFinalize(Req& req, int32_t slot, bool corruptLength);
