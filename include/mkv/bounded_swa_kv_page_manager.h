@@ -310,6 +310,10 @@ class BoundedSwaKVPageManager {
   /// since its prepare call); nothing without such work. completePrefill / completeDecodeStep
   /// check it; a composed request checks it before its other half changes anything.
   void checkPreparedWritesOnDevice(RequestHandle const& handle, char const* call) const;
+  /// Throws mkv::Error naming `call` when another active request owns the KV-length pools (its
+  /// preparePrefill reset them and it is not finished): this request's preparePrefill would
+  /// throw. A composed request checks it before its other half prepares anything.
+  void checkLengthPoolsFree(RequestHandle const& handle, char const* call) const;
   /// Synchronises pending work, clears every row and releases all pages (cached mode: to the
   /// page source; quarantined requests keep theirs until shutdown). An invalid handle
   /// (already finished, or quarantined by a failed compaction) is a no-op. kPoisoned when the

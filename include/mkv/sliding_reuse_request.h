@@ -64,8 +64,10 @@ class SlidingReuseRequest {
     return mFull.reusePointCaptures(row);
   }
 
-  /// Binds the full layers' rows (the coordinator's preparePrefill).
-  bool preparePrefill() { return mFull.preparePrefill(); }
+  /// Binds the full layers' rows (the coordinator's preparePrefill). Throws, changing nothing,
+  /// when another active request owns the sliding half's KV-length pools (its prepareSwaPrefill
+  /// would refuse after the full half had bound its rows).
+  bool preparePrefill();
   /// Maps each row's sliding pages for its executed prefill (`effectiveInputLengths[i]` tokens
   /// from its start: the window before the start, then the executed prompt pages).
   bool prepareSwaPrefill(std::vector<int32_t> const& effectiveInputLengths);

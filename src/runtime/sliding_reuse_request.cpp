@@ -107,6 +107,11 @@ bool SlidingReuseRequest::poisoned() const noexcept {
   return mFull.poisoned() || mManager->poisoned();
 }
 
+bool SlidingReuseRequest::preparePrefill() {
+  mManager->checkLengthPoolsFree(mHandle, "SlidingReuseRequest::preparePrefill");
+  return mFull.preparePrefill();
+}
+
 bool SlidingReuseRequest::prepareSwaPrefill(std::vector<int32_t> const& effectiveInputLengths) {
   constexpr char const* kCall = "SlidingReuseRequest::prepareSwaPrefill";
   std::vector<int32_t> const& starts = mFull.prefillStarts();

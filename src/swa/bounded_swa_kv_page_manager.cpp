@@ -408,6 +408,15 @@ void BoundedSwaKVPageManager::requirePrefillInputs(char const* call, Request con
               owner, req.id);
 }
 
+void BoundedSwaKVPageManager::checkLengthPoolsFree(RequestHandle const& handle,
+                                                   char const* call) const {
+  Request const& req = request(handle, call);
+  uint64_t const owner = mRequests->find(mLengthOwner) != nullptr ? mLengthOwner : 0;
+  MKV_REQUIRE(mResources.lengthPools.empty() || owner == 0 || owner == req.id, call,
+              "the KV-length pools follow request {}, still active; request {} cannot reset them",
+              owner, req.id);
+}
+
 void BoundedSwaKVPageManager::preparePrefill(RequestHandle& handle,
                                              std::span<int32_t const> inputLengths) {
   constexpr char const* kCall = "BoundedSwaKVPageManager::preparePrefill";

@@ -472,6 +472,32 @@ TEST(SlidingReuseFacadeTest, MisuseThrowsAndChangesNothing) {
   expectNothingHeld(runtime);
 }
 
+TEST(SlidingReuseFacadeTest, APrefillWhileAnotherRequestOwnsTheLengthsThrowsOnBothHalves) {
+  runtime_test::RuntimeRig rig(slidingConfig(DeviceType::kCPU));
+  runtime_test::FacadeDriver first(rig);
+  runtime_test::FacadeDriver second(rig);
+  first.add(tokenRun(100, 0));
+  second.add(tokenRun(60, 5000));
+  ASSERT_TRUE(first.begin());
+  ASSERT_TRUE(first.prefill());  // the sliding half's length pools follow it until it finishes
+  ASSERT_TRUE(first.decode());
+  ASSERT_TRUE(first.compact({-1}));  // emptied, not finished: the full half executes no request
+  ASSERT_TRUE(second.begin());
+  {
+    runtime_test::BackendState const before = rig.observe();
+    EXPECT_TRUE(test::throwsError(
+        [&] { (void)second.facade().preparePrefill(); },
+        {"ManagedKVCacheRequest::preparePrefill", "the KV-length pools follow request"}));
+    rig.expectUnchanged(before);  // the full half bound nothing either
+  }
+  EXPECT_TRUE(first.finish());
+  EXPECT_TRUE(second.prefill());
+  EXPECT_TRUE(second.decode());
+  second.verify();
+  EXPECT_TRUE(second.finish());
+  expectNothingHeld(rig.runtime());
+}
+
 TEST(SlidingReuseFacadeTest, AJoinerIsAdmittedRetractedAndSeatedOnBothHalves) {
   runtime_test::RuntimeRig rig(slidingConfig(DeviceType::kCPU));
   KVCacheRuntime& runtime = rig.runtime();

@@ -234,7 +234,11 @@ void Lifecycle::slidingReuseConfig(KVCacheRuntimeConfig& config, int32_t width) 
   config.numSwaPages = minimum + mIn.below(config.maxBatchSize * width + 1);
   config.numPages = 2 + mIn.below(config.maxBatchSize * width + 2);
   config.contextCache.maxRecords = mIn.below(6);
-  int32_t const cacheByte = mIn.byte() % 8;
+  uint8_t const rawCacheByte = mIn.byte();
+  int32_t const cacheByte = rawCacheByte % 8;
+  // Bits 3-4: the windows before reuse points every 1-3 blocks are kept in their own tier, or
+  // none are (a quarter).
+  config.contextCache.checkpointInterval = kPage * ((rawCacheByte >> 3) & 3);
   config.contextCache.verifyTokens = cacheByte % 4 != 0;
   config.contextCache.evictionPolicy = cacheByte >= 6   ? EvictionPolicyKind::kLoopAware
                                        : cacheByte >= 4 ? EvictionPolicyKind::kS3Fifo
