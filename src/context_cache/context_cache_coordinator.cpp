@@ -457,6 +457,9 @@ ContextCacheStatus ContextCacheCoordinator::growPages(Request& req,
   };
   for (auto& sequence : req.sequences) {
     auto const row = static_cast<ExecutionRow>(&sequence - req.sequences.data());
+    if (!sequence.joined) {
+      continue;  // an unfinalised joiner holds: its admission bound its prompt's pages
+    }
     int64_t const base =
         detail::pagesFor(int64_t{sequence.committed} + headroom.baseExtraTokens, pageSize);
     int64_t const draft =

@@ -454,7 +454,8 @@ class ContextCacheCoordinator {
   ContextCacheStatus finalizePrefillPublication(
       RequestHandle& handle, std::span<ContextCacheSequenceAdvance const> advances,
       std::span<int32_t const> commonStateLengths = {});
-  /// Grows each sequence's pages to cover committed + headroom and uploads the grown entries.
+  /// Grows each sequence's pages to cover committed + headroom and uploads the grown entries (an
+  /// unfinalised joiner holds: its admission bound its prompt's pages, and it grows none).
   /// kRequestFailed (request finishing) when a sequence cannot grow.
   ContextCacheStatus prepareDecodeStep(RequestHandle& handle, DecodingKvHeadroom const& headroom);
   /// After the runtime's decode synchronisation: applies advances and publishes the full blocks

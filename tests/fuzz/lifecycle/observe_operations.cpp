@@ -75,10 +75,11 @@ void Lifecycle::observeCoordinator(Req& req, int32_t slot, bool inBatch, std::st
     return;
   }
   Row const& row = req.rows[static_cast<std::size_t>(slot)];
-  int32_t const committed =
-      !row.joined || req.stage == Stage::kAdmitted || req.stage == Stage::kPrefill
-          ? row.start
-          : row.materialized - (row.decoded ? std::max(1, row.accepted) : 0);
+  // An unfinalised joiner: what its completed prefill chunks told the library (its start before).
+  int32_t const committed = !row.joined ? row.chunkCompleted
+                            : req.stage == Stage::kAdmitted || req.stage == Stage::kPrefill
+                                ? row.start
+                                : row.materialized - (row.decoded ? std::max(1, row.accepted) : 0);
   expectf(unchanged(what, [&] { return mCoordinator->committedLength(handle, slot); }) == committed,
           "{}: committedLength of row {} is not {}", what, slot, committed);
   expect(mCoordinator->reuseTokenLength(handle, slot) == row.start, what + ": reuseTokenLength");

@@ -517,7 +517,10 @@ bool Lifecycle::decodeFits(Req const& req, DecodingKvHeadroom const& headroom) c
   int64_t draftGrowth = 0;
   for (Row const& row : req.rows) {
     if (coordinatorBackend()) {
-      int32_t const committed = row.joined ? row.materialized : row.start;
+      if (!row.joined) {
+        continue;  // an unfinalised joiner holds: no growth
+      }
+      int32_t const committed = row.materialized;
       int32_t const required = ceilPages(int64_t{committed} + headroom.baseExtraTokens);
       if (required > mWidth) {
         return false;
