@@ -144,41 +144,18 @@ class LoopEngine {
 
   /// An in-flight join: admission, the joiner's prefill and KV length, finalisation.
   void join(std::vector<int32_t> prompt) {
-    ResidentRef const resident = acquire();
-    int32_t start = -1;
-    ASSERT_EQ(mManaged->admitSequence(prompt, "", kVanilla, start, resident, mContext.stream),
-              ContextCacheRequest::AdmitSequenceStatus::kAdmitted);
-    appendRow(std::move(prompt), resident);
-    std::size_t const row = mPrompts.size() - 1;
-    mContext.effectivePrefillLengths.push_back(promptLength(row) - start);
-    // Every KV-length tensor grows for the joiner (sliding-window reuse: the SWA pool's too).
-    for (KVCachePool* pool : {mRuntime.fullPool(), mRuntime.swaPool()}) {
-      if (pool != nullptr) {
-        pool->setActiveBatchSize(static_cast<int32_t>(mPrompts.size()));
-      }
-    }
+    std::size_t row = 0;
+    ASSERT_NO_FATAL_FAILURE(admitJoiner(std::move(prompt), row));
     writeLength(row, promptLength(row));
-    mContext.generatedTokenIds[row].push_back(sampled(row));
-    ASSERT_TRUE(mManaged->finalizeSequenceAdmission(
-        static_cast<int32_t>(row), mContext.generatedTokenIds[row].back(), promptLength(row)));
+    finalizeJoiner(row);
   }
 
   /// An in-flight join prefilled in chunks of `chunk` tokens, one per decode step of the other
   /// rows (the joiner holds), each completed with completePrefillChunk; then finalisation.
   void joinChunked(std::vector<int32_t> prompt, int32_t chunk) {
-    ResidentRef const resident = acquire();
-    int32_t start = -1;
-    ASSERT_EQ(mManaged->admitSequence(prompt, "", kVanilla, start, resident, mContext.stream),
-              ContextCacheRequest::AdmitSequenceStatus::kAdmitted);
-    appendRow(std::move(prompt), resident);
-    std::size_t const joiner = mPrompts.size() - 1;
-    mContext.effectivePrefillLengths.push_back(promptLength(joiner) - start);
-    for (KVCachePool* pool : {mRuntime.fullPool(), mRuntime.swaPool()}) {
-      if (pool != nullptr) {
-        pool->setActiveBatchSize(static_cast<int32_t>(mPrompts.size()));
-      }
-    }
-    int32_t done = start;
+    std::size_t joiner = 0;
+    ASSERT_NO_FATAL_FAILURE(admitJoiner(std::move(prompt), joiner));
+    int32_t done = promptLength(joiner) - mContext.effectivePrefillLengths[joiner];  // its start
     writeLength(joiner, done);
     while (done < promptLength(joiner)) {
       done = std::min(promptLength(joiner), done + chunk);
@@ -193,10 +170,7 @@ class LoopEngine {
         ASSERT_TRUE(mManaged->completePrefillChunk(static_cast<int32_t>(joiner), done));
       }
     }
-    mContext.generatedTokenIds[joiner].push_back(sampled(joiner));
-    ASSERT_TRUE(mManaged->finalizeSequenceAdmission(static_cast<int32_t>(joiner),
-                                                    mContext.generatedTokenIds[joiner].back(),
-                                                    promptLength(joiner)));
+    finalizeJoiner(joiner);
   }
 
   /// An in-flight admission taken back before its prefill.
@@ -214,6 +188,30 @@ class LoopEngine {
   int32_t prefillStart(std::size_t row) const { return (*mManaged->prefillStarts())[row]; }
 
  private:
+  /// admitSequence of `prompt` on a fresh resident; the joiner becomes the last row, every
+  /// KV-length tensor grows for it (sliding-window reuse: the SWA pool's too). `row` receives
+  /// its row.
+  void admitJoiner(std::vector<int32_t> prompt, std::size_t& row) {
+    ResidentRef const resident = acquire();
+    int32_t start = -1;
+    ASSERT_EQ(mManaged->admitSequence(prompt, "", kVanilla, start, resident, mContext.stream),
+              ContextCacheRequest::AdmitSequenceStatus::kAdmitted);
+    appendRow(std::move(prompt), resident);
+    row = mPrompts.size() - 1;
+    mContext.effectivePrefillLengths.push_back(promptLength(row) - start);
+    for (KVCachePool* pool : {mRuntime.fullPool(), mRuntime.swaPool()}) {
+      if (pool != nullptr) {
+        pool->setActiveBatchSize(static_cast<int32_t>(mPrompts.size()));
+      }
+    }
+  }
+  /// The joiner's lookahead token, then finalizeSequenceAdmission.
+  void finalizeJoiner(std::size_t row) {
+    mContext.generatedTokenIds[row].push_back(sampled(row));
+    ASSERT_TRUE(mManaged->finalizeSequenceAdmission(
+        static_cast<int32_t>(row), mContext.generatedTokenIds[row].back(), promptLength(row)));
+  }
+
   /// The scan's states at the reuse points the library named, into their snapshot slots (a
   /// byte pattern: this engine computes no state), on the engine's stream.
   void writeReusePoints() {
