@@ -1,7 +1,8 @@
-// ContextCacheCoordinator: handles and this backend's side of the shared request registry
-// (src/resources/request_registry.h: synchronisation, clearing rows, freeing residents),
-// construction, prefill, decode, compaction, finish and shutdown. Batch admission,
-// checkpoints and in-flight admission are the other parts (see the class's private section).
+// ContextCacheCoordinator, the request core: handles and this backend's side of the shared
+// request registry (src/resources/request_registry.h: synchronisation, clearing rows, freeing
+// residents), construction, prefill, decode, compaction, finish and shutdown. What differs
+// between kinds of request is the request's mode (request_mode.h); batch admission, in-flight
+// admission and the checkpoint calls are the other parts (see the class's private section).
 
 #include "mkv/context_cache/context_cache_coordinator.h"
 
@@ -12,13 +13,14 @@
 #include <utility>
 
 #include "context_cache/coordinator_deployment.h"
+#include "context_cache/coordinator_host_tier.h"
 #include "context_cache/coordinator_paged_rows.h"
 #include "context_cache/coordinator_request.h"
 #include "context_cache/coordinator_validation.h"
+#include "context_cache/request_mode.h"
 #include "context_cache/window_block_cache.h"
 #include "core/check.h"
 #include "core/device.h"
-#include "mkv/host_kv_tier.h"
 #include "mkv/logging.h"
 #include "resources/backend_requests.h"
 #include "resources/device_write_queue.h"
@@ -96,11 +98,19 @@ ContextCacheCoordinator::ContextCacheCoordinator(ContextCacheConfig const& confi
   options.windowCache = resources.windowCache;
   mManager = std::make_unique<ContextCacheManager>(layout.blockTokens, layout.capacities,
                                                    config.enabled ? config.maxRecords : 0, options);
-  if (profile.usesCheckpointReuse()) {
-    mSnapshots =
-        std::make_unique<SnapshotStorage>(layout.snapshots, resources.recurrent, resources.basePool,
-                                          profile.isHybridMtp() ? resources.draftPool : nullptr);
+  if (layout.checkpoints) {
+    mSnapshots = std::make_unique<SnapshotStorage>(layout.snapshots, resources.recurrent,
+                                                   resources.basePool, layout.snapshotDraftPool);
   }
+  mLimits = std::make_unique<detail::AdmissionLimits>(layout.limits);
+  mLimits->residentSlots = resources.residentSlots;
+  mHostTier = std::make_unique<detail::HostTierMover>(*mManager, resources.hostTier, mStream,
+                                                      mCounters, [this] { poison(); });
+  mParts = std::make_unique<detail::CoordinatorParts>(
+      detail::CoordinatorParts{mConfig, *mManager, mSnapshots.get(), resources.recurrent, *mWrites,
+                               mStream, mCounters, *mHostTier, mFaultHook});
+  mModes =
+      std::make_unique<detail::RequestModes>(detail::makeRequestModes(profile, resources, *mParts));
   mResidentBusy.assign(static_cast<std::size_t>(mMaxBatch), 0);
   mMappingUploads = std::make_unique<detail::Int32UploadRegions>(mMaxBatch, mMaxBatch, mDevice);
   if (resources.windowCache != nullptr && config.eventQueueCapacity > 0) {
@@ -166,21 +176,16 @@ int32_t ContextCacheCoordinator::quarantinedRequestCount() const noexcept {
   return static_cast<int32_t>(mRequests->quarantined().size());
 }
 
-detail::PagedRows ContextCacheCoordinator::rows() const noexcept {
-  return detail::PagedRows(mResources, *mWrites, mStream);
-}
-
 void ContextCacheCoordinator::clearRows(Requests requests) {
-  if (!hasKv()) {
-    return;
-  }
-  detail::PagedRows const table = rows();
   for (auto const& req : requests) {
+    detail::PagedRows const table = req->mode->rows();
     for (auto const& sequence : req->sequences) {
-      table.clearRow(sequence.resident.slot, pairsDraft(*req));
+      table.clearRow(sequence.resident.slot);
     }
   }
-  table.upload();
+  if (!requests.empty()) {
+    requests.back()->mode->rows().upload();  // one queue settles every lane's rows
+  }
 }
 
 void ContextCacheCoordinator::releaseResidents(Request const& req) noexcept {
@@ -195,14 +200,6 @@ void ContextCacheCoordinator::abandon(uint64_t id) noexcept {
       id, [this] { return synchronize(); }, [this](Requests requests) { clearRows(requests); },
       [this](Request& req) { releaseResidents(req); });
   countQuarantines();
-}
-
-bool ContextCacheCoordinator::pairsDraft(Request const& req) const noexcept {
-  return req.speculative && mProfile.ownsPagedSpecState();
-}
-
-bool ContextCacheCoordinator::isHybridMtp(Request const& req) const noexcept {
-  return req.speculative && mProfile.isHybridMtp();
 }
 
 void ContextCacheCoordinator::countPlanning(std::chrono::steady_clock::time_point start) noexcept {
@@ -269,22 +266,7 @@ void ContextCacheCoordinator::preparePrefill(RequestHandle& handle) {
                 kCall, "request {} is executing; only one request may execute at a time",
                 other->id);
   }
-  std::vector<CacheSlot> cold;  // checkpoint deployments: rows that start from the empty state
-  if (mSnapshots != nullptr) {
-    cold.reserve(req.sequences.size());
-    for (auto const& sequence : req.sequences) {
-      if (!sequence.lease.recurrentSnapshotSlot()) {
-        cold.push_back(sequence.resident.slot);
-      }
-    }
-  }
-  if (hasKv()) {
-    rows().bindPrefill(req, pairsDraft(req), isHybridMtp(req));
-  }
-  if (mSnapshots != nullptr) {
-    restoreCheckpoints(req, cold);
-    planReusePoints(req);
-  }
+  req.mode->bindPrefill(req);
   req.stage = RequestStage::kPrefilling;
   req.writesMark = mWrites->awaitingFlush();
 }
@@ -298,8 +280,7 @@ ContextCacheStatus ContextCacheCoordinator::finalizePrefillPublication(
   mWrites->requireReachedDevice(kCall, req.writesMark);
   MKV_REQUIRE(advances.size() == req.sequences.size(), kCall, "{} advances for a batch of {}",
               advances.size(), req.sequences.size());
-  detail::validateCommonLengths(kCall, req.speculative, req.sequences.size(), commonStateLengths,
-                                pairsDraft(req) && !isHybridMtp(req));
+  req.mode->validateCommonLengths(kCall, req.sequences.size(), commonStateLengths);
   for (std::size_t i = 0; i < advances.size(); ++i) {
     MKV_REQUIRE(req.sequences[i].joined, kCall, "row {} was admitted in flight", i);
     detail::validatePrefillAdvance(kCall, i, static_cast<int32_t>(req.sequences[i].tokens.size()),
@@ -315,106 +296,20 @@ ContextCacheStatus ContextCacheCoordinator::finalizePrefillPublication(
   for (auto& sequence : req.sequences) {
     sequence.common = sequence.committed;
   }
-  if (mSnapshots != nullptr) {
-    for (auto& sequence : req.sequences) {
-      mManager->releaseRestoredHybridSnapshots(sequence.lease);
-      mCounters.prefillPublications += sequence.staged ? 1u : 0u;
-    }
-    commitReusePoints(req);  // ascending: the points, then the prompt end
-    commitCaptures(req);
-    return ContextCacheStatus::kOk;
-  }
-  if (req.speculative) {
-    // The runtime enqueues the draft initialisation after this call: the prompt endpoint waits.
-    for (auto& sequence : req.sequences) {
-      sequence.frozenPrefill = sequence.committed;
-    }
-    req.draftInitPending = true;
-    return ContextCacheStatus::kOk;
-  }
-  for (std::size_t row = 0; row < req.sequences.size(); ++row) {
-    ++mCounters.prefillPublications;
-    publishReady(req, row, req.sequences[row].committed);
-  }
+  req.mode->publishPrefill(req);
   return ContextCacheStatus::kOk;
-}
-
-// ---------------------------------------------------------------- publication of full blocks
-
-void ContextCacheCoordinator::publishFrozenPrefill(Request& req) {
-  req.draftInitPending = false;
-  for (std::size_t row = 0; row < req.sequences.size(); ++row) {
-    Request::Sequence const& sequence = req.sequences[row];
-    ++mCounters.prefillPublications;
-    publishReady(req, row, std::min(sequence.frozenPrefill, sequence.common));
-  }
-}
-
-void ContextCacheCoordinator::publishReady(Request& req, std::size_t row, int32_t length) {
-  Request::Sequence& sequence = req.sequences[row];
-  if (sequence.policy == ContextCacheLookupPolicy::kBypass) {
-    return;
-  }
-  int32_t const pageSize = mManager->pageSize();
-  int32_t const blocks = length / pageSize;
-  if (blocks <= sequence.publishedBlocks) {
-    return;
-  }
-  // A replayed spec hit publishes once its state covers the path it replayed into again.
-  std::optional<SpecReplayDependency> const& dependency = sequence.lease.replayDependency();
-  if (dependency && blocks < dependency->pathBlockCount) {
-    return;
-  }
-  if (req.speculative) {
-    ++mCounters.specPairPublications;
-  }
-  injectFault(CoordinatorFaultSite::kPublication);
-  PromptView const prefix = detail::prefixOf(sequence, blocks * pageSize);
-  // Publication records what the sequence already computed; the completion it belongs to has
-  // been applied. Out of host memory, the blocks stay unpublished (the manager rolls the attempt
-  // back) and a later completion point of the sequence may publish them.
-  try {
-    PromptBlocks const digests = hashPromptBlocks(prefix, pageSize);
-    PublishResult const published = mManager->publish(sequence.lease, digests, length);
-    sequence.publishedBlocks =
-        std::max(sequence.publishedBlocks, published.publishedFullBlockCount);
-    moveHostTierPages("ContextCacheCoordinator: publication");  // the record limit may evict
-  } catch (std::bad_alloc const&) {
-    logger()->warn(
-        "ContextCacheCoordinator: out of host memory; {} blocks of request {} row {} "
-        "were not published",
-        blocks - sequence.publishedBlocks, req.id, row);
-  }
 }
 
 ContextCacheStatus ContextCacheCoordinator::publishCompleted(RequestHandle& handle, Request& req,
                                                              std::span<uint8_t const> completed) {
-  if (mSnapshots == nullptr) {
-    for (std::size_t i = 0; i < completed.size(); ++i) {
-      if (completed[i] != 0) {
-        ++mCounters.decodePublications;
-        Request::Sequence const& sequence = req.sequences[i];
-        publishReady(req, i, req.speculative ? sequence.common : sequence.committed);
-      }
-    }
-    return ContextCacheStatus::kOk;
-  }
-  bool staged = false;
-  for (std::size_t i = 0; i < completed.size(); ++i) {
-    if (completed[i] != 0 && stageCapture(req, i, req.sequences[i].committed)) {
-      ++mCounters.decodePublications;
-      staged = true;
-    }
-  }
-  if (!staged) {
+  if (!req.mode->stageCompleted(req, completed)) {
     return ContextCacheStatus::kOk;
   }
   // The copies read state the step just wrote: one synchronisation makes them terminal.
-  ++mCounters.captureSynchronizations;
   if (!synchronize()) {
     return quarantineHandle(handle, req.id);
   }
-  commitCaptures(req);
+  req.mode->commitStaged(req);
   return ContextCacheStatus::kOk;
 }
 
@@ -426,22 +321,19 @@ ContextCacheStatus ContextCacheCoordinator::prepareDecodeStep(RequestHandle& han
   Request& req = request(handle, kCall);
   MKV_REQUIRE(req.stage == RequestStage::kSettled, kCall,
               "a decode step needs an executing request with no pending work");
-  detail::validateHeadroom(kCall, headroom, pairsDraft(req));
-  if (hasKv()) {
-    ContextCacheStatus const grown = growPages(req, headroom);
-    if (grown != ContextCacheStatus::kOk) {
-      return grown == ContextCacheStatus::kPoisoned ? grown : ContextCacheStatus::kRequestFailed;
-    }
+  req.mode->rows().validateHeadroom(kCall, headroom);
+  ContextCacheStatus const grown = growPages(req, headroom);  // pure recurrent: no pages
+  if (grown != ContextCacheStatus::kOk) {
+    return grown == ContextCacheStatus::kPoisoned ? grown : ContextCacheStatus::kRequestFailed;
   }
-  req.stage = RequestStage::kDecoding;  // pure recurrent: no pages to grow
+  req.stage = RequestStage::kDecoding;
   req.writesMark = mWrites->awaitingFlush();
   return ContextCacheStatus::kOk;
 }
 
 ContextCacheStatus ContextCacheCoordinator::growPages(Request& req,
                                                       DecodingKvHeadroom const& headroom) {
-  bool const paired = pairsDraft(req);
-  detail::PagedRows const table = rows();
+  detail::PagedRows const table = req.mode->rows();
   int32_t const pageSize = mManager->pageSize();
   bool grew = false;
   // Rows grown before a failing one keep their pages (mapped and uploaded, so host and device
@@ -460,27 +352,23 @@ ContextCacheStatus ContextCacheCoordinator::growPages(Request& req,
     if (!sequence.joined) {
       continue;  // an unfinalised joiner holds: its admission bound its prompt's pages
     }
-    int64_t const base =
-        detail::pagesFor(int64_t{sequence.committed} + headroom.baseExtraTokens, pageSize);
-    int64_t const draft =
-        paired ? detail::pagesFor(int64_t{sequence.committed} + headroom.draftExtraTokens, pageSize)
-               : 0;
-    if (base > table.baseRowPages() || (paired && draft > table.draftRowPages())) {
+    detail::LanePages const needed = table.neededPages(sequence.committed, headroom, pageSize);
+    if (table.tableFull(needed)) {
       return fail(RowFailureReason::kTableFull, row);
     }
-    auto const heldBase = static_cast<int32_t>(sequence.lease.basePages().size());
-    auto const heldDraft = static_cast<int32_t>(sequence.lease.draftPages().size());
-    int32_t const growBase = std::max(0, static_cast<int32_t>(base) - heldBase);
-    int32_t const growDraft = std::max(0, static_cast<int32_t>(draft) - heldDraft);
-    if (growBase == 0 && growDraft == 0) {
+    detail::LanePages const held = table.heldPages(sequence);
+    detail::LanePages growth{};
+    bool grows = false;
+    for (std::size_t lane = 0; lane < growth.size(); ++lane) {
+      growth[lane] = std::max(0, needed[lane] - held[lane]);
+      grows = grows || growth[lane] > 0;
+    }
+    if (!grows) {
       continue;
     }
     bool grown = false;
     try {
-      ReuseMode const mode = sequence.lease.mode();
-      grown = mode == ReuseMode::kSpec || mode == ReuseMode::kHybridMtp
-                  ? mManager->growSpecPages(sequence.lease, growBase, growDraft)
-                  : mManager->growBasePages(sequence.lease, growBase);
+      grown = req.mode->growLease(sequence.lease, growth);
     } catch (...) {
       if (grew) {  // the failed growth changed nothing
         table.upload();
@@ -491,13 +379,11 @@ ContextCacheStatus ContextCacheCoordinator::growPages(Request& req,
       return fail(RowFailureReason::kNoCapacity, row);
     }
     if (!moveHostTierPages("ContextCacheCoordinator::prepareDecodeStep")) {
-      table.mapGrown(sequence, static_cast<std::size_t>(heldBase),
-                     static_cast<std::size_t>(heldDraft), paired);
+      table.mapGrown(sequence, held);
       table.upload();
       return ContextCacheStatus::kPoisoned;
     }
-    table.mapGrown(sequence, static_cast<std::size_t>(heldBase),
-                   static_cast<std::size_t>(heldDraft), paired);
+    table.mapGrown(sequence, held);
     ++mCounters.pageGrowths;
     grew = true;
   }
@@ -522,17 +408,11 @@ ContextCacheStatus ContextCacheCoordinator::completeDecodeStep(
   mWrites->requireReachedDevice(kCall, req.writesMark);
   MKV_REQUIRE(advances.size() == req.sequences.size(), kCall, "{} advances for a batch of {}",
               advances.size(), req.sequences.size());
-  detail::validateCommonLengths(kCall, req.speculative, req.sequences.size(), commonStateLengths,
-                                pairsDraft(req) && !isHybridMtp(req));
+  req.mode->validateCommonLengths(kCall, req.sequences.size(), commonStateLengths);
   std::vector<uint8_t> const completed =
       detail::validateDecodeCompletion(kCall, req, advances, completedRows, commonStateLengths);
   detail::applyAdvances(req, advances);
-  for (std::size_t i = 0; i < advances.size() && req.speculative; ++i) {
-    if (!isHold(advances[i])) {
-      Request::Sequence& sequence = req.sequences[i];
-      sequence.common = commonStateLengths.empty() ? sequence.committed : commonStateLengths[i];
-    }
-  }
+  req.mode->updateCommonLengths(req, advances, commonStateLengths);
   req.stage = RequestStage::kSettled;
   if (req.draftInitPending) {
     // The verification round read the draft state the initialisation wrote; the runtime's
@@ -544,7 +424,7 @@ ContextCacheStatus ContextCacheCoordinator::completeDecodeStep(
         req.sequences[i].frozenPrefill = 0;
       }
     }
-    publishFrozenPrefill(req);
+    req.mode->publishFrozenPrefill(req);
   }
   if (req.commitPolicy != ContextCacheCommitPolicy::kIncludingGeneratedTokens) {
     return ContextCacheStatus::kOk;
@@ -563,9 +443,7 @@ void ContextCacheCoordinator::checkBeginBatchCompaction(RequestHandle const& han
   MKV_REQUIRE(req.stage == RequestStage::kSettled, call,
               "compaction needs an executing request with no pending work");
   detail::validateCompactionMapping(call, oldToNew, req.sequences.size(), newBatchSize);
-  if (hasKv()) {
-    rows().requireLengthBatch(call, static_cast<int32_t>(req.sequences.size()), pairsDraft(req));
-  }
+  req.mode->rows().requireLengthBatch(call, static_cast<int32_t>(req.sequences.size()));
   detail::validateDeviceMapping(call, deviceMapping, mDevice, oldToNew.size());
 }
 
@@ -593,11 +471,9 @@ void ContextCacheCoordinator::checkCompactBatch(RequestHandle const& handle,
                                                 char const* call) const {
   Request const& req = request(handle, call);
   MKV_REQUIRE(req.stage == RequestStage::kCompacting, call, "no batch compaction was begun");
-  if (hasKv()) {  // the engine may have resized the tensor since the begin
-    rows().requireLengthBatch(call, static_cast<int32_t>(req.sequences.size()), pairsDraft(req));
-    // The device mapping is read only to compact the length tensors.
-    detail::requireDeviceMappingUnchanged(call, *req.deviceMapping, mDevice, req.mapping.size());
-  }
+  // The engine may have resized the length tensors or the mapping since the begin.
+  req.mode->rows().checkCompaction(call, static_cast<int32_t>(req.sequences.size()),
+                                   *req.deviceMapping, mDevice, req.mapping.size());
 }
 
 ContextCacheStatus ContextCacheCoordinator::compactBatch(RequestHandle& handle) {
@@ -620,22 +496,19 @@ ContextCacheStatus ContextCacheCoordinator::compactBatch(RequestHandle& handle) 
     return quarantineHandle(handle, req.id);
   }
   if (req.draftInitPending) {
-    publishFrozenPrefill(req);  // the synchronisation made the draft initialisation complete
+    req.mode->publishFrozenPrefill(req);  // the synchronisation completed the draft init
   }
   settleCompaction(req, survivors);
   return ContextCacheStatus::kOk;
 }
 
 void ContextCacheCoordinator::enqueueCompaction(Request& req, std::span<CacheSlot const> dropped) {
-  if (hasKv()) {
-    bool const paired = pairsDraft(req);
-    detail::PagedRows const table = rows();
-    for (CacheSlot slot : dropped) {
-      table.clearRow(slot, paired);
-    }
-    table.upload();
-    table.compactLengths(*req.deviceMapping, req.newBatchSize, paired);
+  detail::PagedRows const table = req.mode->rows();
+  for (CacheSlot slot : dropped) {
+    table.clearRow(slot);
   }
+  table.upload();
+  table.compactLengths(*req.deviceMapping, req.newBatchSize);
   if (mResources.recurrent != nullptr && !dropped.empty()) {
     mResources.recurrent->clearResidentSlots(dropped, mStream);
   }
@@ -676,7 +549,7 @@ ContextCacheStatus ContextCacheCoordinator::finish(RequestHandle& handle) {
   }
   if (finished->draftInitPending) {  // best effort here
     try {
-      publishFrozenPrefill(*finished);
+      finished->mode->publishFrozenPrefill(*finished);
     } catch (std::exception const& error) {
       logger()->error(
           "ContextCacheCoordinator::finish: publishing the frozen prompt endpoint of "
@@ -693,8 +566,7 @@ ContextCacheStatus ContextCacheCoordinator::finish(RequestHandle& handle) {
 
 ContextCacheStatus ContextCacheCoordinator::shutdown() noexcept {
   // A failed host-tier launch poisons: its other copies may still run.
-  if (poisoned() && mResources.hostTier != nullptr &&
-      mResources.hostTier->synchronize() != cudaSuccess) {
+  if (poisoned() && !mHostTier->synchronize()) {
     return ContextCacheStatus::kPoisoned;
   }
   // Leases of the quarantined requests are released with them.
@@ -725,7 +597,11 @@ bool ContextCacheCoordinator::resetPrefixCache() noexcept {
 // ---------------------------------------------------------------- observability
 
 bool ContextCacheCoordinator::supportsLiveSequenceAdmission() const noexcept {
-  return mProfile.baseStateKind == BaseStateKind::kAttentionOnly && !mProfile.isSpeculative();
+  return mModes->joinable;
+}
+
+bool ContextCacheCoordinator::moveHostTierPages(char const* call) noexcept {
+  return mHostTier->move(call);
 }
 
 ContextCacheMetrics ContextCacheCoordinator::metrics() const { return mManager->metrics(); }

@@ -7,6 +7,7 @@
 #include "context_cache/coordinator_paged_rows.h"
 #include "context_cache/coordinator_request.h"
 #include "context_cache/coordinator_validation.h"
+#include "context_cache/request_mode.h"
 #include "core/check.h"
 #include "mkv/context_cache/context_cache_coordinator.h"
 #include "resources/backend_requests.h"
@@ -14,36 +15,26 @@
 
 namespace mkv {
 
-detail::AdmissionLimits ContextCacheCoordinator::admissionLimits() const noexcept {
-  detail::AdmissionLimits limits;
-  limits.maxBatch = mMaxBatch;
-  limits.pageSize = mManager->pageSize();
-  limits.hasKv = hasKv();
-  limits.baseRowPages = hasKv() ? mResources.basePageTable->maxPagesPerSeq() : 0;
-  limits.pagedDraft = mProfile.ownsPagedSpecState();
-  limits.draftRowPages = limits.pagedDraft ? mResources.draftPageTable->maxPagesPerSeq() : 0;
-  limits.speculativeDeployment = mProfile.isSpeculative();
-  limits.hybridMtpDeployment = mProfile.isHybridMtp();
-  limits.residentSlots = mResources.residentSlots;
-  return limits;
+detail::RequestMode const& ContextCacheCoordinator::modeFor(bool speculativeRequest,
+                                                            char const* call) const {
+  detail::RequestMode const* mode =
+      speculativeRequest ? mModes->speculative.get() : mModes->plain.get();
+  MKV_REQUIRE(mode != nullptr, call,
+              "a speculative request on a deployment without speculative decoding");
+  return *mode;
 }
 
 /// The manager's view of one sequence admission (it refers to `sequence`'s tokens and media).
 LookupRequest ContextCacheCoordinator::lookupOf(ContextCacheSequenceAdmission const& sequence,
                                                 ContextCacheLookupPolicy policy,
                                                 DecodingKvHeadroom const& headroom,
-                                                bool speculative) const {
+                                                detail::RequestMode const& mode) const {
   LookupRequest lookup;
   lookup.prompt = PromptView{sequence.tokenIds, sequence.media, sequence.keyExtras};
   // A vanilla request on a speculative deployment reuses and publishes the base side only.
-  bool const checkpoints = mProfile.usesCheckpointReuse();
-  if (speculative) {
-    lookup.mode = checkpoints ? ReuseMode::kHybridMtp : ReuseMode::kSpec;
-    lookup.draftExtraTokens = mProfile.ownsPagedSpecState() ? headroom.draftExtraTokens : 0;
-  } else {
-    lookup.mode = checkpoints ? ReuseMode::kHybrid : ReuseMode::kVanilla;
-  }
-  lookup.hasAttention = hasKv();
+  lookup.mode = mode.lookupMode();
+  lookup.draftExtraTokens = mode.rows().draftHeadroom(headroom);
+  lookup.hasAttention = mLimits->hasKv;
   lookup.policy = mConfig.enabled ? policy : ContextCacheLookupPolicy::kBypass;
   lookup.baseExtraTokens = headroom.baseExtraTokens;
   lookup.retention = sequence.retention;
@@ -54,15 +45,13 @@ AdmissionEstimate ContextCacheCoordinator::estimateAdmission(
     ContextCacheSequenceAdmission const& sequence, DecodingKvHeadroom const& headroom,
     bool speculativeRequest) const {
   constexpr char const* kCall = "ContextCacheCoordinator::estimateAdmission";
-  MKV_REQUIRE(!speculativeRequest || mProfile.isSpeculative(), kCall,
-              "a speculative estimate on a deployment without speculative decoding");
-  detail::AdmissionLimits const limits = admissionLimits();
-  bool const paired = speculativeRequest && limits.pagedDraft;
-  detail::validateHeadroom(kCall, headroom, paired);
-  detail::validateSequence(kCall, 0, sequence, headroom, limits, paired);
+  detail::RequestMode const& mode = modeFor(speculativeRequest, kCall);
+  mode.rows().validateHeadroom(kCall, headroom);
+  detail::validateSequence(kCall, 0, sequence, headroom, *mLimits,
+                           mode.rows().laneCount() == detail::kMaxRowLanes);
   LookupRequest const lookup =
       lookupOf(sequence, sequence.lookupPolicy.value_or(ContextCacheLookupPolicy::kUseCache),
-               headroom, speculativeRequest);
+               headroom, mode);
   LookupResult looked;
   try {
     looked = mManager->lookup(lookup);
@@ -131,14 +120,14 @@ std::vector<mkv::AdmissionResult> ContextCacheCoordinator::acquireAll(
 }
 
 std::unique_ptr<ContextCacheCoordinator::Request> ContextCacheCoordinator::newRequest(
-    ContextCacheBatchAdmission const& admission) const {
+    ContextCacheBatchAdmission const& admission, detail::RequestMode const& mode) const {
   auto created = std::make_unique<Request>();
   created->id = mRequests->nextId();
   created->contract = admission.tokenStateContract;
   created->commitPolicy = admission.commitPolicy;
   created->replayTailLength = admission.replayTailLength;
   created->batchPolicy = admission.lookupPolicy;
-  created->speculative = admission.speculativeRequest;
+  created->mode = &mode;
   created->sequences.reserve(static_cast<std::size_t>(mMaxBatch));
   return created;
 }
@@ -161,7 +150,7 @@ ContextCacheCoordinator::BeginRequestResult ContextCacheCoordinator::beginReques
   constexpr char const* kCall = "ContextCacheCoordinator::beginRequest";
   MKV_REQUIRE(stream == mStream, kCall,
               "stream differs from the coordinator's construction stream");
-  detail::validateBatchAdmission(kCall, admission, headroom, admissionLimits());
+  detail::validateBatchAdmission(kCall, admission, headroom, *mLimits);
   BeginRequestResult result;
   // Poisoned first: a quarantined request still holds its residents, and the runtime may have
   // handed one of those slots out again; that is the poisoned outcome, not a contract error.
@@ -172,20 +161,19 @@ ContextCacheCoordinator::BeginRequestResult ContextCacheCoordinator::beginReques
   for (auto const& sequence : admission.sequences) {
     detail::requireResidentFree(kCall, sequence.resident.slot, mResidentBusy);
   }
-  std::unique_ptr<Request> created = newRequest(admission);
-  bool const speculative = admission.speculativeRequest;
-  // Media in a speculative batch: the draft's state is not keyed by media, so the whole batch
-  // bypasses the cache.
+  detail::RequestMode const& mode = modeFor(admission.speculativeRequest, kCall);
+  std::unique_ptr<Request> created = newRequest(admission, mode);
   bool const mediaBypass =
-      speculative && std::any_of(admission.sequences.begin(), admission.sequences.end(),
-                                 [](auto const& sequence) { return !sequence.media.empty(); });
+      mode.speculativeRounds() &&
+      std::any_of(admission.sequences.begin(), admission.sequences.end(),
+                  [](auto const& sequence) { return !sequence.media.empty(); });
   std::vector<LookupRequest> lookups;
   lookups.reserve(admission.sequences.size());
   for (auto const& sequence : admission.sequences) {
     ContextCacheLookupPolicy const policy =
         mediaBypass ? ContextCacheLookupPolicy::kBypass
                     : sequence.lookupPolicy.value_or(admission.lookupPolicy);
-    lookups.push_back(lookupOf(sequence, policy, headroom, speculative));
+    lookups.push_back(lookupOf(sequence, policy, headroom, mode));
   }
   auto const start = std::chrono::steady_clock::now();
   std::vector<mkv::AdmissionResult> acquired = acquireAll(lookups);

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 
+#include "context_cache/coordinator_validation.h"
 #include "context_cache/resource_pools.h"
 #include "mkv/context_cache/context_cache_coordinator.h"
 #include "mkv/snapshot_storage.h"
@@ -22,7 +23,10 @@ struct DeploymentLayout {
   DeviceType device = DeviceType::kCPU;  ///< where every pool and table lives
   int32_t blockTokens = 0;               ///< page size, or kPureRecurrentBlockTokens
   ResourceDemand capacities;             ///< slots of the manager's four typed pools
+  bool checkpoints = false;              ///< recurrent layers: snapshots, checkpoint reuse
   SnapshotStorageConfig snapshots;       ///< checkpoint deployments only (else zero slots)
+  KVCachePool* snapshotDraftPool = nullptr;  ///< Hybrid-MTP: the draft pool of endpoint pages
+  AdmissionLimits limits;                    ///< the deployment's shape for admission's checks
 };
 
 /// Throws mkv::Error (named "ContextCacheCoordinator") for an invalid configuration, a profile

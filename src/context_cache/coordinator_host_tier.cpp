@@ -1,17 +1,15 @@
-// ContextCacheCoordinator: the host tier's copies (docs/context_cache.md, "Host tier"). The
-// manager decides what moves; this part enqueues the moves right after the manager call that
-// decided them and orders the request's stream after them.
+// HostTierMover: the host tier's page moves, launched for the coordinator.
+
+#include "context_cache/coordinator_host_tier.h"
 
 #include <spdlog/spdlog.h>
 
 #include <exception>
 
 #include "context_cache/context_cache_manager.h"
-#include "mkv/context_cache/context_cache_coordinator.h"
-#include "mkv/host_kv_tier.h"
 #include "mkv/logging.h"
 
-namespace mkv {
+namespace mkv::detail {
 
 namespace {
 
@@ -26,29 +24,45 @@ void copiesOf(std::vector<HostTransfer> const& moves, bool offload,
 
 }  // namespace
 
-bool ContextCacheCoordinator::moveHostTierPages(char const* call) noexcept {
-  if (mResources.hostTier == nullptr) {
+HostTierMover::HostTierMover(ContextCacheManager& manager, HostKvTier* tier, cudaStream_t stream,
+                             ContextCacheCoordinatorCounters& counters,
+                             std::function<void()> poison)
+    : mManager(manager),
+      mTier(tier),
+      mStream(stream),
+      mCounters(counters),
+      mPoison(std::move(poison)) {
+  if (tier != nullptr) {
+    mOffloadCopies.reserve(static_cast<std::size_t>(tier->numPages()));
+    mOnboardCopies.reserve(static_cast<std::size_t>(tier->numPages()));
+  }
+}
+
+bool HostTierMover::move(char const* call) noexcept {
+  if (mTier == nullptr) {
     return true;
   }
-  HostTransfers const moves = mManager->takeHostTransfers();
+  HostTransfers const moves = mManager.takeHostTransfers();
   try {
     if (!moves.empty()) {
       copiesOf(moves.offloads, true, mOffloadCopies);
       copiesOf(moves.onboards, false, mOnboardCopies);
-      mResources.hostTier->transfer(call, mOffloadCopies, mOnboardCopies, mStream);
+      mTier->transfer(call, mOffloadCopies, mOnboardCopies, mStream);
       ++mCounters.hostTierTransfers;
     }
-    mResources.hostTier->orderBefore(call, mStream);
+    mTier->orderBefore(call, mStream);
     return true;
   } catch (std::exception const& error) {
     logger()->error("{}: moving pages between the GPU and the host tier failed: {}", call,
                     error.what());
   }
-  // The offloaded blocks' bytes may never have arrived: the host tier forgets them. Onboarded
-  // pages belong to the caller's leases, which the caller releases or quarantines.
-  mManager->forgetHostBlocks(moves.offloads);
-  poison();
+  mManager.forgetHostBlocks(moves.offloads);
+  mPoison();
   return false;
 }
 
-}  // namespace mkv
+bool HostTierMover::synchronize() noexcept {
+  return mTier == nullptr || mTier->synchronize() == cudaSuccess;
+}
+
+}  // namespace mkv::detail

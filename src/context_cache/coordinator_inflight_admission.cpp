@@ -10,6 +10,7 @@
 #include "context_cache/coordinator_paged_rows.h"
 #include "context_cache/coordinator_request.h"
 #include "context_cache/coordinator_validation.h"
+#include "context_cache/request_mode.h"
 #include "core/check.h"
 #include "mkv/context_cache/context_cache_coordinator.h"
 #include "mkv/logging.h"
@@ -22,10 +23,10 @@ ContextCacheCoordinator::AdmitSequenceResult ContextCacheCoordinator::admitSeque
     DecodingKvHeadroom const& headroom) {
   constexpr char const* kCall = "ContextCacheCoordinator::admitSequence";
   Request& req = request(handle, kCall);
-  detail::PagedRows const table = rows();
-  detail::validateJoinedRequest(kCall, req, supportsLiveSequenceAdmission(), table.maxBatch());
-  detail::validateHeadroom(kCall, headroom, false);
-  detail::validateJoiner(kCall, admission, headroom, table.maxBatch(), table.baseRowPages(),
+  detail::validateJoinedRequest(kCall, req, supportsLiveSequenceAdmission(), mMaxBatch);
+  detail::PagedRows const table = req.mode->rows();  // a block-reuse request's: the base lane
+  table.validateHeadroom(kCall, headroom);
+  detail::validateJoiner(kCall, admission, headroom, mMaxBatch, mLimits->baseRowPages,
                          mManager->pageSize(), mResources.residentSlots);
   AdmitSequenceResult result;
   if (poisoned()) {  // before the busy check, as in beginRequest
@@ -37,7 +38,7 @@ ContextCacheCoordinator::AdmitSequenceResult ContextCacheCoordinator::admitSeque
               "resident slot {} is already held", ref.slot);
   // The request's own policy: the first surviving row after a compaction is not the founder.
   LookupRequest const lookup =
-      lookupOf(admission, admission.lookupPolicy.value_or(req.batchPolicy), headroom, false);
+      lookupOf(admission, admission.lookupPolicy.value_or(req.batchPolicy), headroom, *req.mode);
   auto const start = std::chrono::steady_clock::now();
   mkv::AdmissionResult acquired = mManager->admit(lookup);
   bool const moved = moveHostTierPages(kCall);
@@ -56,11 +57,11 @@ ContextCacheCoordinator::AdmitSequenceResult ContextCacheCoordinator::admitSeque
   state.joined = false;
   req.sequences.push_back(std::move(state));
   try {
-    table.bindJoiner(ref.slot, req.sequences.back().lease.basePages());
+    table.bindJoiner(ref.slot, req.sequences.back().lease);
   } catch (...) {
     req.sequences.pop_back();
     try {
-      table.clearRow(ref.slot, false);
+      table.clearRow(ref.slot);
     } catch (...) {
       poison();
     }
@@ -95,7 +96,7 @@ ContextCacheStatus ContextCacheCoordinator::completePrefillChunk(RequestHandle& 
   }
   sequence.committed = prefilledTokens;
   ++mCounters.prefillChunks;
-  publishReady(req, static_cast<std::size_t>(row), prefilledTokens);
+  req.mode->publishBlocks(req, static_cast<std::size_t>(row), prefilledTokens);
   return ContextCacheStatus::kOk;
 }
 
@@ -146,7 +147,7 @@ ContextCacheStatus ContextCacheCoordinator::finalizeSequenceAdmission(
   detail::applyAdvance(sequence, advance);
   sequence.joined = true;
   ++mCounters.prefillPublications;
-  publishReady(req, static_cast<std::size_t>(row), sequence.committed);
+  req.mode->publishBlocks(req, static_cast<std::size_t>(row), sequence.committed);
   return ContextCacheStatus::kOk;
 }
 
@@ -169,8 +170,9 @@ bool ContextCacheCoordinator::retractSequenceAdmission(RequestHandle& handle) no
   mResidentBusy[static_cast<std::size_t>(slot)] = 0;
   ++mCounters.retractedAdmissions;
   try {
-    rows().clearRow(slot, false);
-    rows().upload();
+    detail::PagedRows const table = req.mode->rows();
+    table.clearRow(slot);
+    table.upload();
   } catch (std::exception const& error) {
     logger()->error("ContextCacheCoordinator::retractSequenceAdmission: {}; poisoned",
                     error.what());

@@ -1,93 +1,127 @@
 #include "context_cache/coordinator_paged_rows.h"
 
+#include <algorithm>
+#include <limits>
 #include <vector>
 
+#include "context_cache/coordinator_validation.h"
 #include "core/check.h"
+#include "resources/backend_requests.h"
 
 namespace mkv::detail {
 
-void PagedRows::bindPrefill(CoordinatorRequest const& req, bool paired, bool mtp) const {
+void PagedRows::bindPrefill(CoordinatorRequest const& req) const {
   std::vector<KVPageTable::RowUpdate> rows;
-  std::vector<KVPageTable::RowUpdate> draftRows;
   std::vector<int32_t> lengths;
-  std::vector<int32_t> draftLengths;
   rows.reserve(req.sequences.size());
   lengths.reserve(req.sequences.size());
-  for (auto const& sequence : req.sequences) {
-    rows.push_back({sequence.resident.slot, sequence.lease.basePages()});
-    lengths.push_back(sequence.reuseTokenLength);
-    if (paired) {
-      draftRows.push_back({sequence.resident.slot, sequence.lease.draftPages()});
-      // The draft row of a Hybrid-MTP boundary token depends on its successor: recomputed.
-      int32_t const reuse = sequence.reuseTokenLength;
-      draftLengths.push_back(mtp && reuse > 0 ? reuse - 1 : reuse);
+  std::array<std::vector<int32_t>, kMaxRowLanes> laneLengths;
+  for (std::size_t lane = 0; lane < mLanes.size(); ++lane) {
+    RowLane const& target = mLanes[lane];
+    rows.clear();
+    for (auto const& sequence : req.sequences) {
+      rows.push_back({sequence.resident.slot, (sequence.lease.*target.pages)()});
+      laneLengths[lane].push_back(std::max(0, sequence.reuseTokenLength - target.restoreLag));
     }
-  }
-  mResources.basePageTable->setRows(rows);
-  if (paired) {
-    mResources.draftPageTable->setRows(draftRows);
+    target.table->setRows(rows);
   }
   mWrites.settleAfter(mStream, [&] {
-    mResources.basePool->resetForNewSequences(lengths, mWrites.lengths(), mStream);
-    if (paired) {
-      mResources.draftPool->resetForNewSequences(draftLengths, mWrites.lengths(), mStream);
+    for (std::size_t lane = 0; lane < mLanes.size(); ++lane) {
+      mLanes[lane].pool->resetForNewSequences(laneLengths[lane], mWrites.lengths(), mStream);
     }
   });
 }
 
-void PagedRows::mapGrown(CoordinatorRequest::Sequence const& sequence, std::size_t heldBase,
-                         std::size_t heldDraft, bool paired) const {
-  std::span<PageId const> const pages = sequence.lease.basePages();
-  for (std::size_t logical = heldBase; logical < pages.size(); ++logical) {
-    mResources.basePageTable->setEntry(sequence.resident.slot, static_cast<int32_t>(logical),
-                                       pages[logical]);
+LanePages PagedRows::heldPages(CoordinatorRequest::Sequence const& sequence) const noexcept {
+  LanePages held{};
+  for (std::size_t lane = 0; lane < mLanes.size(); ++lane) {
+    held[lane] = static_cast<int32_t>((sequence.lease.*mLanes[lane].pages)().size());
   }
-  std::span<PageId const> const draftPages = sequence.lease.draftPages();
-  for (std::size_t logical = heldDraft; paired && logical < draftPages.size(); ++logical) {
-    mResources.draftPageTable->setEntry(sequence.resident.slot, static_cast<int32_t>(logical),
-                                        draftPages[logical]);
+  return held;
+}
+
+LanePages PagedRows::neededPages(int32_t committed, DecodingKvHeadroom const& headroom,
+                                 int32_t pageSize) const noexcept {
+  LanePages needed{};
+  for (std::size_t lane = 0; lane < mLanes.size(); ++lane) {
+    int64_t const tokens = int64_t{committed} + headroom.*mLanes[lane].extraTokens;
+    needed[lane] = static_cast<int32_t>(
+        std::min<int64_t>((tokens + pageSize - 1) / pageSize, std::numeric_limits<int32_t>::max()));
+  }
+  return needed;
+}
+
+bool PagedRows::tableFull(LanePages const& needed) const noexcept {
+  for (std::size_t lane = 0; lane < mLanes.size(); ++lane) {
+    if (needed[lane] > mLanes[lane].table->maxPagesPerSeq()) {
+      return true;
+    }
+  }
+  return false;
+}
+
+void PagedRows::mapGrown(CoordinatorRequest::Sequence const& sequence,
+                         LanePages const& held) const {
+  for (std::size_t lane = 0; lane < mLanes.size(); ++lane) {
+    std::span<PageId const> const pages = (sequence.lease.*mLanes[lane].pages)();
+    for (auto logical = static_cast<std::size_t>(held[lane]); logical < pages.size(); ++logical) {
+      mLanes[lane].table->setEntry(sequence.resident.slot, static_cast<int32_t>(logical),
+                                   pages[logical]);
+    }
   }
 }
 
-void PagedRows::bindJoiner(CacheSlot slot, std::span<PageId const> pages) const {
-  mResources.basePageTable->setRow(slot, pages);
-  mWrites.settle(mStream);
-}
-
-void PagedRows::clearRow(CacheSlot slot, bool paired) const {
-  mResources.basePageTable->clearRow(slot);
-  if (paired) {
-    mResources.draftPageTable->clearRow(slot);
-  }
-}
-
-void PagedRows::release(CoordinatorRequest const& req, bool paired) const {
-  for (auto const& sequence : req.sequences) {
-    clearRow(sequence.resident.slot, paired);
+void PagedRows::bindJoiner(CacheSlot slot, CacheRequestLease const& lease) const {
+  for (RowLane const& lane : mLanes) {
+    lane.table->setRow(slot, (lease.*lane.pages)());
   }
   upload();
 }
 
-void PagedRows::upload() const { mWrites.settle(mStream); }
-
-void PagedRows::compactLengths(Tensor const& deviceMapping, int32_t newBatchSize,
-                               bool paired) const {
-  mWrites.flush(mStream);
-  mResources.basePool->compactLengths(deviceMapping, newBatchSize, mStream);
-  if (paired) {
-    mResources.draftPool->compactLengths(deviceMapping, newBatchSize, mStream);
+void PagedRows::clearRow(CacheSlot slot) const {
+  for (RowLane const& lane : mLanes) {
+    lane.table->clearRow(slot);
   }
 }
 
-void PagedRows::requireLengthBatch(char const* call, int32_t rows, bool paired) const {
-  for (KVCachePool const* pool : {mResources.basePool, paired ? mResources.draftPool : nullptr}) {
-    if (pool == nullptr) {
-      continue;
-    }
-    MKV_REQUIRE(pool->activeBatchSize() == rows, call,
+void PagedRows::upload() const {
+  if (!mLanes.empty()) {
+    mWrites.settle(mStream);
+  }
+}
+
+void PagedRows::compactLengths(Tensor const& deviceMapping, int32_t newBatchSize) const {
+  if (mLanes.empty()) {
+    return;
+  }
+  mWrites.flush(mStream);
+  for (RowLane const& lane : mLanes) {
+    lane.pool->compactLengths(deviceMapping, newBatchSize, mStream);
+  }
+}
+
+void PagedRows::requireLengthBatch(char const* call, int32_t rows) const {
+  for (RowLane const& lane : mLanes) {
+    MKV_REQUIRE(lane.pool->activeBatchSize() == rows, call,
                 "the {} KV-length tensor's active batch is {} but the request has {} rows (the "
                 "engine grows it with setActiveBatchSize + writeLengths when it seats a joiner)",
-                pool == mResources.basePool ? "base" : "draft", pool->activeBatchSize(), rows);
+                lane.name, lane.pool->activeBatchSize(), rows);
+  }
+}
+
+void PagedRows::validateHeadroom(char const* call, DecodingKvHeadroom const& headroom) const {
+  detail::validateHeadroom(call, headroom, mLanes.size() == kMaxRowLanes);
+}
+
+int32_t PagedRows::draftHeadroom(DecodingKvHeadroom const& headroom) const noexcept {
+  return mLanes.size() == kMaxRowLanes ? headroom.draftExtraTokens : 0;
+}
+
+void PagedRows::checkCompaction(char const* call, int32_t rows, Tensor const& deviceMapping,
+                                DeviceType device, std::size_t mappingSize) const {
+  requireLengthBatch(call, rows);
+  if (!mLanes.empty()) {  // the device mapping is read only to compact the length tensors
+    requireDeviceMappingUnchanged(call, deviceMapping, device, mappingSize);
   }
 }
 

@@ -1,9 +1,12 @@
 #pragma once
 /// \file coordinator_paged_rows.h
-/// The paged rows of ContextCacheCoordinator's requests (not installed): the base page table and
-/// the KV lengths of the base pool, and, for requests that pair a paged draft, the draft table
-/// and draft pool beside them. One row per resident slot; a request's lease pages are its rows.
+/// The paged rows of ContextCacheCoordinator's requests (not installed). A request's rows live in
+/// one lane per page table it writes: the base table (with the base pool's KV lengths) and, for
+/// a request that pairs a paged draft, the draft table beside it. A pure-recurrent deployment
+/// has no lane, and every method below is then a no-op: the lanes are chosen once, with the
+/// request's mode (request_mode.h), never re-tested per call.
 
+#include <array>
 #include <cstdint>
 #include <span>
 
@@ -13,50 +16,74 @@
 
 namespace mkv::detail {
 
-/// A view of the coordinator's tables and pools (borrowed; cheap to copy). Every method that
-/// writes a table marks rows dirty; upload() settles them with the KV lengths queued beside them,
-/// on the coordinator's stream: now, or at the engine's step (DeviceWriteQueue). Only for
-/// deployments with attention (pure-recurrent deployments have no rows).
+/// One page table a request's rows are mapped in, and the KV pool whose lengths follow it.
+struct RowLane {
+  KVPageTable* table = nullptr;
+  KVCachePool* pool = nullptr;
+  /// The lease pages this lane maps (base or draft).
+  std::span<PageId const> (CacheRequestLease::*pages)() const noexcept = nullptr;
+  /// The decode headroom of this lane's pages.
+  int32_t DecodingKvHeadroom::*extraTokens = nullptr;
+  /// A restored row's KV length is its reuse length minus this (Hybrid-MTP's draft: 1, the hit's
+  /// boundary token is recomputed), never below 0.
+  int32_t restoreLag = 0;
+  char const* name = "base";  ///< in error messages
+};
+
+inline constexpr std::size_t kMaxRowLanes = 2;  ///< base, draft
+
+/// Pages per lane (lane order; 0 past the last lane).
+using LanePages = std::array<int32_t, kMaxRowLanes>;
+
+/// A view of one request's lanes (borrowed; cheap to copy). Every method that writes a table marks
+/// rows dirty; upload() settles them with the KV lengths queued beside them, on the coordinator's
+/// stream: now, or at the engine's step (DeviceWriteQueue).
 class PagedRows {
  public:
   /// `writes` holds the table rows and KV lengths until they reach the device (the runtime's
-  /// queue, or the coordinator's own; it watches the base and draft tables).
-  PagedRows(ContextCachePhysicalResources const& resources, DeviceWriteQueue& writes,
-            cudaStream_t stream) noexcept
-      : mResources(resources), mWrites(writes), mStream(stream) {}
+  /// queue, or the coordinator's own; it watches every lane's table).
+  PagedRows(std::span<RowLane const> lanes, DeviceWriteQueue& writes, cudaStream_t stream) noexcept
+      : mLanes(lanes), mWrites(writes), mStream(stream) {}
 
-  /// preparePrefill: binds each sequence's lease pages to its resident row (base, and draft when
-  /// `paired`) and resets the batch's KV lengths to the reuse lengths, then settles them: one
-  /// launch now, or none until the engine's step (a launch costs the engine thread 1-5 µs:
-  /// docs/benchmarks.md). A Hybrid-MTP (`mtp`) draft length stops before the hit's boundary
-  /// token (recomputed).
-  void bindPrefill(CoordinatorRequest const& req, bool paired, bool mtp) const;
-  /// Maps the pages `sequence`'s lease holds beyond `heldBase` base and `heldDraft` draft pages
-  /// into its row (draft only when `paired`); no upload.
-  void mapGrown(CoordinatorRequest::Sequence const& sequence, std::size_t heldBase,
-                std::size_t heldDraft, bool paired) const;
-  /// Binds a joiner's pages to row `slot` of the base table and settles it.
-  void bindJoiner(CacheSlot slot, std::span<PageId const> pages) const;
-  /// Clears row `slot` (base, and draft when `paired`); no upload.
-  void clearRow(CacheSlot slot, bool paired) const;
-  /// Clears every row of `req` and settles them.
-  void release(CoordinatorRequest const& req, bool paired) const;
-  /// Settles the dirty rows of the base and draft tables (DeviceWriteQueue::settle: one launch
-  /// now, or none until the engine's step).
+  /// The tables a request writes: 0 (pure recurrent), 1 (base) or 2 (base and draft).
+  std::size_t laneCount() const noexcept { return mLanes.size(); }
+
+  /// preparePrefill: binds each sequence's lease pages to its resident row in every lane and
+  /// resets the batch's KV lengths to the reuse lengths (less the lane's restore lag), then
+  /// settles them: one launch now, or none until the engine's step (a launch costs the engine
+  /// thread 1-5 µs: docs/benchmarks.md).
+  void bindPrefill(CoordinatorRequest const& req) const;
+  /// The pages `sequence`'s lease holds per lane (before a growth: what mapGrown maps past).
+  LanePages heldPages(CoordinatorRequest::Sequence const& sequence) const noexcept;
+  /// Pages per lane a row of `committed` tokens needs with `headroom`; a lane whose row cannot
+  /// hold them is named by tableFull.
+  LanePages neededPages(int32_t committed, DecodingKvHeadroom const& headroom,
+                        int32_t pageSize) const noexcept;
+  bool tableFull(LanePages const& needed) const noexcept;
+  /// Maps the pages `sequence`'s lease holds beyond `held` into its rows; no upload.
+  void mapGrown(CoordinatorRequest::Sequence const& sequence, LanePages const& held) const;
+  /// Binds a joiner's lease pages to row `slot` of every lane and settles them.
+  void bindJoiner(CacheSlot slot, CacheRequestLease const& lease) const;
+  /// Clears row `slot` of every lane; no upload.
+  void clearRow(CacheSlot slot) const;
+  /// Settles the dirty rows (and the lengths queued beside them).
   void upload() const;
-  /// Compacts the KV lengths (base, and draft when `paired`) with the device mapping, after
-  /// applying every write that waits (the compaction reads the lengths on the device).
-  void compactLengths(Tensor const& deviceMapping, int32_t newBatchSize, bool paired) const;
-  /// Throws (naming `call`) unless the KV-length tensors a compaction compacts (base, and draft
-  /// when `paired`) hold exactly `rows` rows.
-  void requireLengthBatch(char const* call, int32_t rows, bool paired) const;
-
-  int32_t baseRowPages() const noexcept { return mResources.basePageTable->maxPagesPerSeq(); }
-  int32_t draftRowPages() const noexcept { return mResources.draftPageTable->maxPagesPerSeq(); }
-  int32_t maxBatch() const noexcept { return mResources.basePageTable->maxBatch(); }
+  /// Flushes the queued writes, then compacts every lane's KV lengths through `deviceMapping`.
+  void compactLengths(Tensor const& deviceMapping, int32_t newBatchSize) const;
+  /// Throws naming `call` unless every lane's KV-length tensor has `rows` active rows.
+  void requireLengthBatch(char const* call, int32_t rows) const;
+  /// The headroom rule of these lanes: base tokens > 0; draft tokens > 0 with a draft lane, 0
+  /// without one.
+  void validateHeadroom(char const* call, DecodingKvHeadroom const& headroom) const;
+  /// The draft headroom a lookup reserves: the headroom's draft tokens with a draft lane, else 0.
+  int32_t draftHeadroom(DecodingKvHeadroom const& headroom) const noexcept;
+  /// The checks of compactBatch on these lanes: the length batch and the device mapping the
+  /// length compaction reads (nothing without lanes).
+  void checkCompaction(char const* call, int32_t rows, Tensor const& deviceMapping,
+                       DeviceType device, std::size_t mappingSize) const;
 
  private:
-  ContextCachePhysicalResources const& mResources;
+  std::span<RowLane const> mLanes;
   DeviceWriteQueue& mWrites;
   cudaStream_t mStream;
 };

@@ -90,7 +90,8 @@ struct CoordinatorRequest {
   /// DeviceWriteQueue::awaitingFlush() at the end of the prepared prefill or decode step (-1:
   /// nothing waited), checked by the call that completes it.
   int64_t writesMark = -1;
-  bool speculative = false;
+  /// The request's kind (request_mode.h), chosen at admission: owned by the coordinator.
+  RequestMode const* mode = nullptr;
   // A speculative request's draft initialisation (enqueued by the runtime after the prefill) is
   // not known complete: the frozen prompt endpoints wait for the first verification round or a
   // synchronisation of the coordinator. Independent of the stage (it spans decode steps and

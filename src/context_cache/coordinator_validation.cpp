@@ -3,6 +3,7 @@
 #include <limits>
 
 #include "context_cache/eviction_policy.h"
+#include "context_cache/request_mode.h"
 #include "core/check.h"
 #include "resources/backend_requests.h"
 
@@ -210,7 +211,7 @@ void validateDecodeAdvance(char const* call, std::size_t i, CoordinatorRequest c
                     ledger == sequence.committed,
                 call, "row {}: committed {} but ledger {} + accepted {}", i,
                 advance.committedStateLength, ledger, advance.acceptedTokenCount);
-  } else if (req.speculative) {
+  } else if (req.mode->speculativeRounds()) {
     MKV_REQUIRE(
         advance.committedStateLength == int64_t{sequence.committed} + advance.acceptedTokenCount &&
             ledger == int64_t{sequence.committed} + 1,

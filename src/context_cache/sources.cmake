@@ -1,8 +1,10 @@
 list(APPEND MKV_LIBRARY_SOURCES
   ${CMAKE_CURRENT_LIST_DIR}/block_hash.cpp
   ${CMAKE_CURRENT_LIST_DIR}/block_index.cpp
+  ${CMAKE_CURRENT_LIST_DIR}/block_reuse_mode.cpp
   ${CMAKE_CURRENT_LIST_DIR}/cache_record.cpp
   ${CMAKE_CURRENT_LIST_DIR}/cache_request_lease.cpp
+  ${CMAKE_CURRENT_LIST_DIR}/checkpoint_mode.cpp
   ${CMAKE_CURRENT_LIST_DIR}/context_cache_coordinator.cpp
   ${CMAKE_CURRENT_LIST_DIR}/coordinator_admission.cpp
   ${CMAKE_CURRENT_LIST_DIR}/coordinator_checkpoints.cpp
@@ -24,6 +26,7 @@ list(APPEND MKV_LIBRARY_SOURCES
   ${CMAKE_CURRENT_LIST_DIR}/loop_aware_eviction_policy.cpp
   ${CMAKE_CURRENT_LIST_DIR}/lru_eviction_policy.cpp
   ${CMAKE_CURRENT_LIST_DIR}/recent_digest_set.cpp
+  ${CMAKE_CURRENT_LIST_DIR}/request_mode.cpp
   ${CMAKE_CURRENT_LIST_DIR}/record_store.cpp
   ${CMAKE_CURRENT_LIST_DIR}/resource_pools.cpp
   ${CMAKE_CURRENT_LIST_DIR}/reuse_plan.cpp

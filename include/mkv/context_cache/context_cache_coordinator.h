@@ -41,13 +41,16 @@ struct PromptBlocks;
 struct SnapshotReservation;
 namespace detail {
 class DeviceWriteQueue;
+class HostTierMover;
 class Int32UploadRegions;
-class PagedRows;
+class RequestMode;
 template <class Request>
 class RequestRegistry;
 struct AdmissionLimits;
+struct CoordinatorParts;
 struct CoordinatorRequest;
 struct CoordinatorSequence;
+struct RequestModes;
 }  // namespace detail
 
 /// Context-cache settings of a runtime.
@@ -208,7 +211,7 @@ struct ContextCacheBatchAdmission {
 /// Where ContextCacheCoordinator::setFaultHookForTesting's hook is called.
 enum class CoordinatorFaultSite : uint8_t {
   kSnapshotCapture,  ///< before each snapshot capture (recurrent rows, partial page, hidden row)
-  kPublication,      ///< before each publication of full blocks (publishReady)
+  kPublication,  ///< before each publication of full blocks (a block-reuse request's publication)
 };
 
 /// `committedStateLength` of an advance that keeps a sequence where it is (cancelled slot,
@@ -667,14 +670,15 @@ class ContextCacheCoordinator {
   SnapshotStorage* snapshots() noexcept { return mSnapshots.get(); }
 
  private:
-  // The parts of the coordinator, one file each (docs/architecture.md, "Context reuse"): the
-  // request registry, prefill, decode and compaction (context_cache_coordinator.cpp), batch
-  // admission (coordinator_admission.cpp), checkpoints and Hybrid-MTP
-  // (coordinator_checkpoints.cpp), in-flight admission (coordinator_inflight_admission.cpp),
-  // the composed backend's sliding pages (coordinator_window.cpp);
-  // beside them the request state (coordinator_request.h), the pure contract checks
-  // (coordinator_validation.h), the deployment validation (coordinator_deployment.h) and the
-  // paged rows (coordinator_paged_rows.h).
+  // The request core (context_cache_coordinator.cpp: registry, prefill, decode, compaction,
+  // finish; coordinator_admission.cpp; coordinator_inflight_admission.cpp) is the same for every
+  // deployment. What differs between kinds of request is in one unit per mode (request_mode.h:
+  // block reuse, paired draft, checkpoints, Hybrid-MTP), chosen once per request at admission;
+  // beside them the request state (coordinator_request.h), the paged rows
+  // (coordinator_paged_rows.h), the host tier's moves (coordinator_host_tier.h), the pure
+  // contract checks (coordinator_validation.h), the deployment validation
+  // (coordinator_deployment.h) and the composed backend's sliding pages (coordinator_window.cpp).
+  // docs/architecture.md, "The request core".
 
   // Request registry (src/resources/request_registry.h, shared with the bounded-SWA backend).
   using Requests = std::span<std::unique_ptr<Request> const>;
@@ -691,89 +695,39 @@ class ContextCacheCoordinator {
   void clearRows(Requests requests);
   /// Marks the request's resident rows free.
   void releaseResidents(Request const& request) noexcept;
-  detail::PagedRows rows() const noexcept;
-  bool hasKv() const noexcept { return mProfile.hasAttention(); }
-  /// The request binds draft pages (speculative request, paged draft).
-  bool pairsDraft(Request const& request) const noexcept;
-  /// The request is a Hybrid-MTP request (speculative request on a Hybrid-MTP deployment).
-  bool isHybridMtp(Request const& request) const noexcept;
-  /// Calls the fault hook (tests) at `site`, if one is set.
-  void injectFault(CoordinatorFaultSite site) const {
-    if (mFaultHook) {
-      mFaultHook(site);
-    }
-  }
   void countPlanning(std::chrono::steady_clock::time_point start) noexcept;
-  /// Host tier (coordinator_host_tier.cpp): enqueues the page moves of the manager's last calls
-  /// on the tier's stream and orders the request stream after them, so nothing writes an evicted
-  /// page before its offload read it and no prefill reads an onboarded page before it arrived.
-  /// Called right after every manager call that may evict or allocate. False (poisoned, the
-  /// offloaded blocks forgotten) when a launch failed; no-op without a host tier.
+  /// Host tier: enqueues the page moves of the manager's last call (coordinator_host_tier.h).
   bool moveHostTierPages(char const* call) noexcept;
 
   // Batch admission.
-  detail::AdmissionLimits admissionLimits() const noexcept;
+  /// The mode of a plain or a speculative request (throws naming `call` when the deployment has
+  /// none for it).
+  detail::RequestMode const& modeFor(bool speculativeRequest, char const* call) const;
   /// The manager's lookup of one sequence under `policy` (kBypass when reuse is disabled).
   LookupRequest lookupOf(ContextCacheSequenceAdmission const& sequence,
                          ContextCacheLookupPolicy policy, DecodingKvHeadroom const& headroom,
-                         bool speculative) const;
+                         detail::RequestMode const& mode) const;
   /// One lease per lookup, all or nothing (empty: refused for capacity, nothing changed).
   std::vector<mkv::AdmissionResult> acquireAll(std::span<LookupRequest const> lookups);
   /// An empty request of the admission (made before anything is acquired).
-  std::unique_ptr<Request> newRequest(ContextCacheBatchAdmission const& admission) const;
+  std::unique_ptr<Request> newRequest(ContextCacheBatchAdmission const& admission,
+                                      detail::RequestMode const& mode) const;
   /// Moves the acquired leases into the request's sequences.
   void addSequences(Request& request, ContextCacheBatchAdmission const& admission,
                     std::span<LookupRequest const> lookups,
                     std::vector<mkv::AdmissionResult>& acquired) const;
 
-  // Publication of full blocks.
-  /// Publishes the full blocks of the first `length` tokens of one sequence (skipped for bypass
-  /// sequences); paired requests publish the draft path with them.
-  void publishReady(Request& request, std::size_t row, int32_t length);
-  /// Publishes the frozen prompt endpoint of every row of a speculative request whose draft
-  /// initialisation is now known complete (at most each row's common length).
-  void publishFrozenPrefill(Request& request);
-  /// completeDecodeStep's publication of the completed rows (blocks, or checkpoints with one
-  /// capture synchronisation: kPoisoned, handle invalidated, when it fails).
+  // Decode and compaction.
+  /// completeDecodeStep's publication of the completed rows (the mode's; a capture's
+  /// synchronisation: kPoisoned, handle invalidated, when it fails).
   ContextCacheStatus publishCompleted(RequestHandle& handle, Request& request,
                                       std::span<uint8_t const> completed);
-
-  // Decode and compaction.
   /// Grows each sequence's pages to cover committed + headroom and maps them (prepareDecodeStep).
   ContextCacheStatus growPages(Request& request, DecodingKvHeadroom const& headroom);
   /// compactBatch's device work: clears dropped rows, compacts lengths, zeroes recurrent rows.
   void enqueueCompaction(Request& request, std::span<CacheSlot const> dropped);
   /// compactBatch after its synchronisation: releases the dropped rows, keeps the survivors.
   void settleCompaction(Request& request, std::vector<Sequence>& survivors) noexcept;
-
-  // Checkpoints (hybrid and pure-recurrent deployments) and Hybrid-MTP.
-  /// Restores the recurrent rows and partial pages of a checkpoint request's hits and zeroes the
-  /// recurrent rows of `cold` residents.
-  void restoreCheckpoints(Request& request, std::span<CacheSlot const> cold);
-  /// Reserves slots and enqueues the capture of row `row` at `exactLength`; false when there is
-  /// nothing to capture (bypass, already published, already cached) or no slot (pressure).
-  bool stageCapture(Request& request, std::size_t row, int32_t exactLength);
-  /// Enqueues the copies of a staged capture into `reservation` (the fault hook before each).
-  void enqueueCapture(Sequence const& sequence, SnapshotReservation const& reservation,
-                      int32_t exactLength, bool partial);
-  /// Publishes every staged capture (its copies are complete) and retires the reservations.
-  void commitCaptures(Request& request);
-  /// preparePrefill: reserves a slot for every reuse point of each row (checkpointInterval).
-  void planReusePoints(Request& request);
-  /// finalizePrefillPublication: commits the rows' reuse points as records, ascending.
-  void commitReusePoints(Request& request);
-  /// publishHybridMtpEndpoint's reservation: with the hit's pins held, then (pressure) without.
-  std::optional<SnapshotReservation> reserveEndpoint(Sequence& sequence,
-                                                     int32_t residentStateLength);
-  /// Enqueues the endpoint's captures (recurrent rows, boundary pages, hidden row).
-  void captureEndpoint(Sequence& sequence, SnapshotReservation const& reservation,
-                       int32_t residentStateLength, Tensor const& baseHiddenStates,
-                       int32_t boundaryHiddenRow);
-  /// Commits a captured endpoint as a record, after its synchronisation.
-  void commitEndpoint(Request const& request, Sequence& sequence, ExecutionRow row,
-                      PromptBlocks const& blocks, int32_t residentStateLength,
-                      SnapshotReservation const& reservation);
-
   ContextCacheConfig mConfig;
   ContextCacheDeploymentProfile mProfile;
   ContextCachePhysicalResources mResources;
@@ -781,9 +735,6 @@ class ContextCacheCoordinator {
   StreamSynchronizer mSynchronizer;
   std::unique_ptr<ContextCacheManager> mManager;
   std::unique_ptr<SnapshotStorage> mSnapshots;
-  /// moveHostTierPages' scratch (reused: no allocation once they reached their size).
-  std::vector<HostPageCopy> mOffloadCopies;
-  std::vector<HostPageCopy> mOnboardCopies;
   int32_t mMaxBatch = 0;
   DeviceType mDevice = DeviceType::kCPU;
   /// Live and quarantined requests, ids, poison (held by pointer: an internal header's type).
@@ -796,6 +747,12 @@ class ContextCacheCoordinator {
   detail::DeviceWriteQueue* mWrites = nullptr;
   ContextCacheCoordinatorCounters mCounters;
   std::function<void(CoordinatorFaultSite)> mFaultHook;
+  /// What admission checks a batch against (the deployment's shape, computed once).
+  std::unique_ptr<detail::AdmissionLimits> mLimits;
+  std::unique_ptr<detail::HostTierMover> mHostTier;
+  /// What the modes work on, and the modes (made last: they borrow the members above).
+  std::unique_ptr<detail::CoordinatorParts> mParts;
+  std::unique_ptr<detail::RequestModes> mModes;
 };
 
 }  // namespace mkv

@@ -1,0 +1,92 @@
+// BlockReuseMode and PairedDraftMode: requests that reuse full KV blocks (block_reuse_mode.h).
+
+#include "context_cache/block_reuse_mode.h"
+
+#include <algorithm>
+
+namespace mkv::detail {
+
+// ---------------------------------------------------------------- BlockReuseMode
+
+BlockReuseMode::BlockReuseMode(CoordinatorParts const& parts, RowLane base)
+    : RequestMode(parts, {base}, ReuseMode::kVanilla, CommonLengths::kNone) {}
+
+void BlockReuseMode::publishPrefill(CoordinatorRequest& req) const {
+  for (std::size_t row = 0; row < req.sequences.size(); ++row) {
+    ++mParts.counters.prefillPublications;
+    publishBlocks(req, row, req.sequences[row].committed);
+  }
+}
+
+bool BlockReuseMode::growLease(CacheRequestLease& lease, LanePages const& pages) const {
+  return mParts.manager.growBasePages(lease, pages[0]);
+}
+
+bool BlockReuseMode::stageCompleted(CoordinatorRequest& req,
+                                    std::span<uint8_t const> completed) const {
+  for (std::size_t row = 0; row < completed.size(); ++row) {
+    if (completed[row] != 0) {
+      ++mParts.counters.decodePublications;
+      publishBlocks(req, row, req.sequences[row].committed);
+    }
+  }
+  return false;
+}
+
+// ---------------------------------------------------------------- PairedDraftMode
+
+PairedDraftMode::PairedDraftMode(CoordinatorParts const& parts, std::vector<RowLane> lanes,
+                                 CommonLengths commonLengths)
+    : RequestMode(parts, std::move(lanes), ReuseMode::kSpec, commonLengths) {}
+
+void PairedDraftMode::publishPrefill(CoordinatorRequest& req) const {
+  // The runtime enqueues the draft initialisation after this call: the prompt endpoint waits.
+  for (auto& sequence : req.sequences) {
+    sequence.frozenPrefill = sequence.committed;
+  }
+  req.draftInitPending = true;
+}
+
+void PairedDraftMode::publishFrozenPrefill(CoordinatorRequest& req) const {
+  req.draftInitPending = false;
+  for (std::size_t row = 0; row < req.sequences.size(); ++row) {
+    CoordinatorSequence const& sequence = req.sequences[row];
+    ++mParts.counters.prefillPublications;
+    publishBlocks(req, row, std::min(sequence.frozenPrefill, sequence.common),
+                  &mParts.counters.specPairPublications);
+  }
+}
+
+void PairedDraftMode::updateCommonLengths(CoordinatorRequest& req,
+                                          std::span<ContextCacheSequenceAdvance const> advances,
+                                          std::span<int32_t const> lengths) const {
+  advanceCommonLengths(req, advances, lengths);
+}
+
+bool PairedDraftMode::growLease(CacheRequestLease& lease, LanePages const& pages) const {
+  return mParts.manager.growSpecPages(lease, pages[0], pages[1]);
+}
+
+bool PairedDraftMode::stageCompleted(CoordinatorRequest& req,
+                                     std::span<uint8_t const> completed) const {
+  for (std::size_t row = 0; row < completed.size(); ++row) {
+    if (completed[row] != 0) {
+      ++mParts.counters.decodePublications;
+      publishBlocks(req, row, req.sequences[row].common, &mParts.counters.specPairPublications);
+    }
+  }
+  return false;
+}
+
+void advanceCommonLengths(CoordinatorRequest& req,
+                          std::span<ContextCacheSequenceAdvance const> advances,
+                          std::span<int32_t const> lengths) {
+  for (std::size_t row = 0; row < advances.size(); ++row) {
+    if (!isHold(advances[row])) {
+      CoordinatorSequence& sequence = req.sequences[row];
+      sequence.common = lengths.empty() ? sequence.committed : lengths[row];
+    }
+  }
+}
+
+}  // namespace mkv::detail

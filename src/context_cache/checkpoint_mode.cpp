@@ -1,0 +1,398 @@
+// CheckpointMode and HybridMtpMode: requests that reuse exact checkpoints (checkpoint_mode.h,
+// hybrid_mtp_mode.h). A capture reserves snapshot slots, enqueues its copies on the stream, and
+// is committed as a record only once a synchronisation (or the runtime's, at prefill end) made
+// the copies terminal.
+
+#include "context_cache/checkpoint_mode.h"
+
+#include <spdlog/spdlog.h>
+
+#include <algorithm>
+#include <new>
+#include <unordered_set>
+
+#include "context_cache/block_reuse_mode.h"
+#include "context_cache/hybrid_mtp_mode.h"
+#include "core/check.h"
+#include "mkv/logging.h"
+
+namespace mkv::detail {
+
+// ---------------------------------------------------------------- CheckpointMode
+
+CheckpointMode::CheckpointMode(CoordinatorParts const& parts, std::vector<RowLane> lanes,
+                               ReuseMode lookupMode, CommonLengths commonLengths)
+    : RequestMode(parts, std::move(lanes), lookupMode, commonLengths),
+      mSnapshotStorage(*parts.snapshots),
+      mPartialKv(rows().laneCount() > 0) {}
+
+void CheckpointMode::bindPrefill(CoordinatorRequest& req) const {
+  std::vector<CacheSlot> cold;  // rows that start from the empty state
+  cold.reserve(req.sequences.size());
+  for (auto const& sequence : req.sequences) {
+    if (!sequence.lease.recurrentSnapshotSlot()) {
+      cold.push_back(sequence.resident.slot);
+    }
+  }
+  rows().bindPrefill(req);
+  restoreCheckpoints(req, cold);
+  planReusePoints(req);
+}
+
+void CheckpointMode::restoreCheckpoints(CoordinatorRequest& req,
+                                        std::span<CacheSlot const> cold) const {
+  for (auto const& sequence : req.sequences) {
+    std::optional<SnapshotSlot> const recurrent = sequence.lease.recurrentSnapshotSlot();
+    if (!recurrent) {
+      continue;
+    }
+    mSnapshotStorage.restoreRecurrent(*recurrent, sequence.resident.slot, mParts.stream);
+    CacheRecord const* hit = mParts.manager.records().get(sequence.lease.hitRecord());
+    mParts.counters.reusePointRestores += hit != nullptr && hit->reusePoint ? 1U : 0U;
+    if (std::optional<SnapshotSlot> const partial = sequence.lease.partialKvSnapshotSlot()) {
+      restorePartialKv(sequence, *partial);
+    }
+    ++mParts.counters.checkpointRestores;
+  }
+  if (!cold.empty()) {
+    mParts.recurrent->clearResidentSlots(cold, mParts.stream);
+  }
+}
+
+void CheckpointMode::restorePartialKv(CoordinatorSequence const& sequence,
+                                      SnapshotSlot slot) const {
+  int32_t const pageSize = mParts.manager.pageSize();
+  int32_t const reuse = sequence.reuseTokenLength;
+  PageId const page = sequence.lease.basePages()[static_cast<std::size_t>(reuse / pageSize)];
+  mSnapshotStorage.restorePartialKv(slot, page, reuse % pageSize, kNoPage, mParts.stream);
+}
+
+void CheckpointMode::enqueuePrefillCaptures(CoordinatorRequest& req) const {
+  for (std::size_t row = 0; row < req.sequences.size(); ++row) {
+    stageCapture(req, row, req.sequences[row].promptLength);  // a staged row is skipped
+  }
+}
+
+void CheckpointMode::publishPrefill(CoordinatorRequest& req) const {
+  for (auto& sequence : req.sequences) {
+    mParts.manager.releaseRestoredHybridSnapshots(sequence.lease);
+    mParts.counters.prefillPublications += sequence.staged ? 1U : 0U;
+  }
+  commitReusePoints(req);  // ascending: the points, then the prompt end
+  commitStaged(req);
+}
+
+bool CheckpointMode::growLease(CacheRequestLease& lease, LanePages const& pages) const {
+  return mParts.manager.growBasePages(lease, pages[0]);
+}
+
+bool CheckpointMode::stageCompleted(CoordinatorRequest& req,
+                                    std::span<uint8_t const> completed) const {
+  bool staged = false;
+  for (std::size_t row = 0; row < completed.size(); ++row) {
+    if (completed[row] != 0 && stageCapture(req, row, req.sequences[row].committed)) {
+      ++mParts.counters.decodePublications;
+      staged = true;
+    }
+  }
+  if (staged) {
+    ++mParts.counters.captureSynchronizations;  // the copies read state the step just wrote
+  }
+  return staged;
+}
+
+void CheckpointMode::countPressureSkip(char const* what, int32_t length) const {
+  uint64_t const skips = ++mParts.counters.snapshotPressureSkips;
+  if ((skips & (skips - 1)) == 0) {  // 1, 2, 4, 8, ...: the log stays readable under pressure
+    logger()->warn(
+        "ContextCacheCoordinator: no snapshot slot for {} of {} tokens; skipped ({} skips so far)",
+        what, length, skips);
+  }
+}
+
+// Reserves the slots of row `row`'s checkpoint at `exactLength` and enqueues its copies; false
+// when the row bypasses the cache, has it published or staged already, or no slot is free.
+bool CheckpointMode::stageCapture(CoordinatorRequest& req, std::size_t row,
+                                  int32_t exactLength) const {
+  CoordinatorSequence& sequence = req.sequences[row];
+  if (sequence.policy == ContextCacheLookupPolicy::kBypass ||
+      exactLength <= sequence.publishedExact || sequence.staged) {
+    return false;
+  }
+  int32_t const pageSize = mParts.manager.pageSize();
+  bool const partial = mPartialKv && exactLength % pageSize != 0;
+  std::optional<SnapshotReservation> reservation;
+  try {
+    PromptBlocks const blocks = hashPromptBlocks(prefixOf(sequence, exactLength), pageSize);
+    Hash128 const digest = exactPrefixDigest(blocks, exactLength);
+    RecordStore const& records = mParts.manager.records();
+    if (records.findHybrid(HybridKey{digest, exactLength, false}) != nullptr ||
+        (partial && records.findHybrid(HybridKey{digest, exactLength, true}) != nullptr)) {
+      return false;
+    }
+    reservation = mParts.manager.reserveHybridSnapshots(sequence.lease, partial);
+  } catch (std::bad_alloc const&) {
+    logger()->warn(
+        "ContextCacheCoordinator: out of host memory; the checkpoint of {} tokens of "
+        "request {} row {} is not captured",
+        exactLength, req.id, row);
+    return false;
+  }
+  if (!reservation) {
+    countPressureSkip("a checkpoint", exactLength);
+    return false;
+  }
+  try {
+    enqueueCapture(sequence, *reservation, exactLength, partial);
+  } catch (...) {
+    mParts.manager.retireHybridSnapshotReservation(sequence.lease, *reservation);
+    throw;
+  }
+  sequence.staged = CoordinatorSequence::StagedCapture{*reservation, exactLength};
+  ++mParts.counters.checkpointCaptures;
+  return true;
+}
+
+void CheckpointMode::enqueueCapture(CoordinatorSequence const& sequence,
+                                    SnapshotReservation const& reservation, int32_t exactLength,
+                                    bool partial) const {
+  int32_t const pageSize = mParts.manager.pageSize();
+  mParts.injectFault(CoordinatorFaultSite::kSnapshotCapture);
+  mSnapshotStorage.captureRecurrent(reservation.recurrentSlot, sequence.resident.slot,
+                                    mParts.stream);
+  if (partial) {
+    PageId const page =
+        sequence.lease.basePages()[static_cast<std::size_t>(exactLength / pageSize)];
+    mParts.injectFault(CoordinatorFaultSite::kSnapshotCapture);
+    mSnapshotStorage.capturePartialKv(*reservation.partialKvSlot, page, exactLength % pageSize,
+                                      kNoPage, mParts.stream);
+  }
+}
+
+void CheckpointMode::commitStaged(CoordinatorRequest& req) const {
+  for (std::size_t row = 0; row < req.sequences.size(); ++row) {
+    CoordinatorSequence& sequence = req.sequences[row];
+    if (!sequence.staged) {
+      continue;
+    }
+    CoordinatorSequence::StagedCapture const staged = *sequence.staged;
+    sequence.staged.reset();
+    try {
+      PromptBlocks const blocks =
+          hashPromptBlocks(prefixOf(sequence, staged.exactLength), mParts.manager.pageSize());
+      PublishResult const published = mParts.manager.publishHybrid(
+          sequence.lease, blocks, staged.exactLength, staged.reservation);
+      if (published.status != PublishStatus::kVerificationRejected) {
+        sequence.publishedExact = staged.exactLength;
+        ++mParts.counters.checkpointPublications;
+      }
+    } catch (std::bad_alloc const&) {
+      logger()->warn(
+          "ContextCacheCoordinator: out of host memory; the checkpoint of {} tokens of "
+          "request {} row {} was not published",
+          staged.exactLength, req.id, row);
+    }
+    mParts.manager.retireHybridSnapshotReservation(sequence.lease, staged.reservation);
+  }
+}
+
+// Reserves a recurrent snapshot slot for every multiple of the interval past a row's reuse length
+// and short of its prompt end (docs/context_cache.md, "Reuse points"). Points already cached, or
+// planned by an earlier row of the batch, are skipped; points stop while no more than one slot
+// per capturing row would stay free or reclaimable, so that the prompt ends keep theirs.
+void CheckpointMode::planReusePoints(CoordinatorRequest& req) const {
+  int32_t const interval = mParts.config.checkpointInterval;
+  if (interval == 0) {
+    return;
+  }
+  int32_t const pageSize = mParts.manager.pageSize();
+  int32_t endsToKeep = 0;
+  for (auto const& sequence : req.sequences) {
+    endsToKeep += sequence.policy == ContextCacheLookupPolicy::kBypass ? 0 : 1;
+  }
+  ResourcePools const& pools = mParts.manager.pools();
+  auto slotsLeft = [&pools] {
+    return pools.freeCount(ResourceType::kRecurrentSnapshot) +
+           pools.reclaimableCount(ResourceType::kRecurrentSnapshot);
+  };
+  std::unordered_set<Hash128, Hash128Hasher> planned;
+  for (std::size_t row = 0; row < req.sequences.size(); ++row) {
+    CoordinatorSequence& sequence = req.sequences[row];
+    int32_t const first = (sequence.reuseTokenLength / interval + 1) * interval;
+    if (sequence.policy == ContextCacheLookupPolicy::kBypass || first >= sequence.promptLength) {
+      continue;
+    }
+    try {
+      auto const points = static_cast<std::size_t>((sequence.promptLength - 1 - first) / interval);
+      sequence.reusePoints.reserve(points + 1);
+      sequence.reusePointReservations.reserve(points + 1);
+      PromptBlocks const blocks =
+          hashPromptBlocks(prefixOf(sequence, sequence.promptLength), pageSize);
+      for (int32_t position = first; position < sequence.promptLength; position += interval) {
+        Hash128 const digest = exactPrefixDigest(blocks, position);
+        if (mParts.manager.records().findHybrid(HybridKey{digest, position, false}) != nullptr ||
+            planned.contains(digest)) {
+          continue;
+        }
+        std::optional<SnapshotReservation> reservation;
+        if (slotsLeft() > endsToKeep) {
+          planned.insert(digest);  // before the reservation: a throw leaves nothing reserved
+          reservation = mParts.manager.reserveHybridSnapshots(
+              sequence.lease, mPartialKv && position % pageSize != 0);
+        }
+        if (!reservation) {
+          countPressureSkip("a reuse point (and the row's later ones)", position);
+          break;
+        }
+        sequence.reusePoints.push_back(ReusePointCapture{position, reservation->recurrentSlot});
+        sequence.reusePointReservations.push_back(*reservation);  // capacity reserved: no throw
+        ++mParts.counters.reusePointCaptures;
+      }
+    } catch (std::bad_alloc const&) {
+      logger()->warn(
+          "ContextCacheCoordinator: out of host memory; the reuse points of request {} row {} "
+          "past {} tokens are not captured",
+          req.id, row, sequence.reusePoints.empty() ? first : sequence.reusePoints.back().position);
+    }
+  }
+}
+
+// Publishes the reuse points the engine captured (ascending) and retires their reservations.
+void CheckpointMode::commitReusePoints(CoordinatorRequest& req) const {
+  int32_t const pageSize = mParts.manager.pageSize();
+  for (std::size_t row = 0; row < req.sequences.size(); ++row) {
+    CoordinatorSequence& sequence = req.sequences[row];
+    if (sequence.reusePoints.empty()) {
+      continue;
+    }
+    try {
+      PromptBlocks const blocks =
+          hashPromptBlocks(prefixOf(sequence, sequence.promptLength), pageSize);
+      for (std::size_t i = 0; i < sequence.reusePoints.size(); ++i) {
+        int32_t const position = sequence.reusePoints[i].position;
+        PublishResult const published = mParts.manager.publishHybrid(
+            sequence.lease, blocks, position, sequence.reusePointReservations[i], true);
+        if (published.status != PublishStatus::kVerificationRejected) {
+          sequence.publishedExact = std::max(sequence.publishedExact, position);
+        }
+        mParts.counters.reusePointPublications +=
+            published.status == PublishStatus::kPublished ? 1U : 0U;
+      }
+    } catch (std::bad_alloc const&) {
+      logger()->warn(
+          "ContextCacheCoordinator: out of host memory; reuse points of request {} row {} were "
+          "not published",
+          req.id, row);
+    }
+    for (SnapshotReservation const& reservation : sequence.reusePointReservations) {
+      mParts.manager.retireHybridSnapshotReservation(sequence.lease, reservation);
+    }
+    sequence.reusePoints.clear();
+    sequence.reusePointReservations.clear();
+  }
+}
+
+// ---------------------------------------------------------------- HybridMtpMode
+
+HybridMtpMode::HybridMtpMode(CoordinatorParts const& parts, std::vector<RowLane> lanes)
+    : CheckpointMode(parts, std::move(lanes), ReuseMode::kHybridMtp, CommonLengths::kOptional) {}
+
+void HybridMtpMode::bindPrefill(CoordinatorRequest& req) const {
+  std::vector<CacheSlot> cold;
+  cold.reserve(req.sequences.size());
+  for (auto const& sequence : req.sequences) {
+    if (!sequence.lease.recurrentSnapshotSlot()) {
+      cold.push_back(sequence.resident.slot);
+    }
+  }
+  rows().bindPrefill(req);
+  restoreCheckpoints(req, cold);  // a Hybrid-MTP request publishes its endpoints only
+}
+
+void HybridMtpMode::restorePartialKv(CoordinatorSequence const& sequence, SnapshotSlot slot) const {
+  int32_t const pageSize = mParts.manager.pageSize();
+  int32_t const reuse = sequence.reuseTokenLength;
+  auto const index = static_cast<std::size_t>((reuse - 1) / pageSize);
+  mSnapshotStorage.restorePartialKv(slot, sequence.lease.basePages()[index],
+                                    reuse - static_cast<int32_t>(index) * pageSize,
+                                    sequence.lease.draftPages()[index], mParts.stream);
+}
+
+void HybridMtpMode::updateCommonLengths(CoordinatorRequest& req,
+                                        std::span<ContextCacheSequenceAdvance const> advances,
+                                        std::span<int32_t const> lengths) const {
+  advanceCommonLengths(req, advances, lengths);
+}
+
+bool HybridMtpMode::growLease(CacheRequestLease& lease, LanePages const& pages) const {
+  return mParts.manager.growSpecPages(lease, pages[0], pages[1]);
+}
+
+std::optional<SnapshotReservation> HybridMtpMode::reserveEndpoint(
+    CoordinatorSequence& sequence, int32_t residentStateLength) const {
+  std::optional<SnapshotReservation> reservation =
+      mParts.manager.reserveHybridSnapshots(sequence.lease, true);
+  if (!reservation) {
+    mParts.manager.releaseRestoredHybridSnapshots(sequence.lease);
+    reservation = mParts.manager.reserveHybridSnapshots(sequence.lease, true);
+  }
+  if (!reservation) {
+    countPressureSkip("a Hybrid-MTP endpoint", residentStateLength);
+  }
+  return reservation;
+}
+
+void HybridMtpMode::captureEndpoint(CoordinatorSequence& sequence,
+                                    SnapshotReservation const& reservation,
+                                    int32_t residentStateLength, Tensor const& baseHiddenStates,
+                                    int32_t boundaryHiddenRow) const {
+  int32_t const pageSize = mParts.manager.pageSize();
+  int32_t const full = (residentStateLength - 1) / pageSize;
+  auto const page = static_cast<std::size_t>(full);
+  try {
+    mParts.injectFault(CoordinatorFaultSite::kSnapshotCapture);
+    mSnapshotStorage.captureRecurrent(reservation.recurrentSlot, sequence.resident.slot,
+                                      mParts.stream);
+    mParts.injectFault(CoordinatorFaultSite::kSnapshotCapture);
+    mSnapshotStorage.capturePartialKv(*reservation.partialKvSlot, sequence.lease.basePages()[page],
+                                      residentStateLength - full * pageSize,
+                                      sequence.lease.draftPages()[page], mParts.stream);
+    mParts.injectFault(CoordinatorFaultSite::kSnapshotCapture);
+    mSnapshotStorage.captureBoundaryHidden(reservation.recurrentSlot, baseHiddenStates,
+                                           boundaryHiddenRow, mParts.stream);
+  } catch (...) {
+    mParts.manager.retireHybridSnapshotReservation(sequence.lease, reservation);
+    throw;
+  }
+  mParts.manager.releaseRestoredHybridSnapshots(sequence.lease);
+  ++mParts.counters.checkpointCaptures;
+}
+
+void HybridMtpMode::commitEndpoint(CoordinatorRequest const& req, CoordinatorSequence& sequence,
+                                   ExecutionRow row, PromptBlocks const& blocks,
+                                   int32_t residentStateLength,
+                                   SnapshotReservation const& reservation) const {
+  try {
+    PublishResult const published =
+        mParts.manager.publishHybridMtp(sequence.lease, blocks, residentStateLength, reservation);
+    if (published.status != PublishStatus::kVerificationRejected) {
+      sequence.publishedExact = residentStateLength;
+      ++mParts.counters.hybridMtpPublications;
+    }
+  } catch (std::bad_alloc const&) {
+    logger()->warn(
+        "ContextCacheCoordinator: out of host memory; the Hybrid-MTP endpoint of {} tokens of "
+        "request {} row {} was not published",
+        residentStateLength, req.id, row);
+  }
+  mParts.manager.retireHybridSnapshotReservation(sequence.lease, reservation);
+}
+
+void HybridMtpMode::restoreBoundaryHidden(CoordinatorSequence const& /*sequence*/,
+                                          SnapshotSlot slot, Tensor& baseHiddenStates,
+                                          int32_t destinationRow) const {
+  mSnapshotStorage.restoreBoundaryHidden(slot, baseHiddenStates, destinationRow, mParts.stream);
+  ++mParts.counters.boundaryHiddenRestores;
+}
+
+}  // namespace mkv::detail
