@@ -24,6 +24,7 @@
 #include "decode_step_rigs.h"
 #include "host_bench_support.h"
 #include "mkv/kernels.h"
+#include "mkv/kv_cache_pool.h"
 #include "mkv/kv_cache_runtime.h"
 #include "mkv/managed_kv_cache_request.h"
 #include "mkv/stream.h"

@@ -20,8 +20,13 @@
 
 #include "busy_stream.h"
 #include "gpu_parity.h"
+#include "mkv/context_cache/context_cache_coordinator.h"
+#include "mkv/context_cache/context_cache_metrics.h"
+#include "mkv/kv_cache_pool.h"
 #include "mkv/kv_cache_runtime.h"
 #include "mkv/managed_kv_cache_request.h"
+#include "mkv/recurrent_state_pool.h"
+#include "mkv/snapshot_storage.h"
 #include "mkv/tensor.h"
 #include "support/token_runs.h"
 

@@ -5,6 +5,8 @@
 // request carries on as if nothing had happened and the KV oracle still passes. Every test runs
 // on host tensors and on GPU tensors (the kGPU instances skip without a CUDA device).
 #include "mkv/managed_kv_cache_request.h"
+#include "mkv/bounded_swa_kv_page_manager.h"
+#include "mkv/context_cache/context_cache_coordinator.h"
 
 #include <fmt/format.h>
 #include <gtest/gtest.h>

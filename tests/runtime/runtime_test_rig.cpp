@@ -8,6 +8,7 @@
 #include "context_cache/context_cache_manager.h"
 #include "context_cache/window_block_cache.h"
 #include "mkv/bounded_swa_kv_page_manager.h"
+#include "mkv/context_cache/context_cache_coordinator.h"
 #include "support/test_util.h"
 
 namespace mkv::runtime_test {

@@ -7,6 +7,7 @@
 #include <algorithm>
 
 #include "fuzz/lifecycle/lifecycle.h"
+#include "mkv/context_cache/context_cache_coordinator.h"
 
 namespace mkv::fuzz::lifecycle {
 
