@@ -353,7 +353,7 @@ class ChunkedStepRig {
     mContext.activeBatchSize = mBatch + 1;
     mRuntime->fullPool()->setActiveBatchSize(mBatch + 1);  // the engine seats it
     mJoinerDone = start;
-    return status == ContextCacheRequest::AdmitSequenceStatus::kAdmitted;
+    return status == AdmitSequenceStatus::kAdmitted;
   }
   void popJoiner() {
     mContext.rawBatchedInputIds.pop_back();

@@ -947,7 +947,7 @@ std::vector<Step> facadeScript(bool reuse) {
     auto const status = library([&] {
       return rig.facade->admitSequence(rig.joinerPrompt, "", kVanilla, start, resident, kStream);
     });
-    if (status == ContextCacheRequest::AdmitSequenceStatus::kAdmitted) {
+    if (status == AdmitSequenceStatus::kAdmitted) {
       rig.prefillStart = start;
       rig.joinerAdmitted();
     }

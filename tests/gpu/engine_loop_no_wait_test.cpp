@@ -183,7 +183,7 @@ class LoopEngine {
     ResidentRef const resident = acquire();
     int32_t start = -1;
     ASSERT_EQ(mManaged->admitSequence(prompt, "", kVanilla, start, resident, mContext.stream),
-              ContextCacheRequest::AdmitSequenceStatus::kAdmitted);
+              AdmitSequenceStatus::kAdmitted);
     ASSERT_TRUE(mManaged->retractSequenceAdmission());
     ASSERT_TRUE(mRuntime.residentSlots().release(resident));
   }
@@ -200,7 +200,7 @@ class LoopEngine {
     ResidentRef const resident = acquire();
     int32_t start = -1;
     ASSERT_EQ(mManaged->admitSequence(prompt, "", kVanilla, start, resident, mContext.stream),
-              ContextCacheRequest::AdmitSequenceStatus::kAdmitted);
+              AdmitSequenceStatus::kAdmitted);
     appendRow(std::move(prompt), resident);
     row = mPrompts.size() - 1;
     mContext.effectivePrefillLengths.push_back(promptLength(row) - start);

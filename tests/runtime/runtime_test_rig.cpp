@@ -510,11 +510,11 @@ void FacadeDriver::compactView(std::vector<int32_t> const& oldToNew) {
   request.requests = std::move(sequences);
 }
 
-ContextCacheRequest::AdmitSequenceStatus FacadeDriver::admit(std::vector<int32_t> prompt) {
+AdmitSequenceStatus FacadeDriver::admit(std::vector<int32_t> prompt) {
   ResidentSlotPool& slots = mRig.runtime().residentSlots();
   ResidentRef const resident = slots.acquire().value();
   int32_t start = -1;
-  ContextCacheRequest::AdmitSequenceStatus status{};
+  AdmitSequenceStatus status{};
   try {
     status = facade().admitSequence(prompt, context.loraWeightsName, kVanilla, start, resident,
                                     context.stream);
@@ -522,7 +522,7 @@ ContextCacheRequest::AdmitSequenceStatus FacadeDriver::admit(std::vector<int32_t
     (void)slots.release(resident);
     throw;
   }
-  if (status != ContextCacheRequest::AdmitSequenceStatus::kAdmitted) {
+  if (status != AdmitSequenceStatus::kAdmitted) {
     (void)slots.release(resident);
     return status;
   }

@@ -37,7 +37,7 @@ using testing::EngineRequest;
 using testing::EngineSequence;
 using testing::EngineStats;
 using testing::ReferenceEngine;
-using AdmitStatus = ContextCacheRequest::AdmitSequenceStatus;
+using AdmitStatus = AdmitSequenceStatus;
 
 KVCacheRuntimeConfig smallConfig(bool reuse, DeviceType device) {
   KVCacheRuntimeConfig config;
