@@ -15,6 +15,7 @@
 
 #include "decode_step_rigs.h"
 #include "host_bench_support.h"
+#include "mkv/context_cache/context_cache_coordinator.h"
 
 namespace mkv::bench {
 namespace {

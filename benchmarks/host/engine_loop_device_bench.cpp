@@ -24,6 +24,7 @@
 #include "decode_step_rigs.h"
 #include "host_bench_support.h"
 #include "mkv/kernels.h"
+#include "mkv/kv_cache_pool.h"
 #include "mkv/kv_cache_runtime.h"
 #include "mkv/managed_kv_cache_request.h"
 #include "mkv/stream.h"
@@ -352,7 +353,7 @@ class ChunkedStepRig {
     mContext.activeBatchSize = mBatch + 1;
     mRuntime->fullPool()->setActiveBatchSize(mBatch + 1);  // the engine seats it
     mJoinerDone = start;
-    return status == ContextCacheRequest::AdmitSequenceStatus::kAdmitted;
+    return status == AdmitSequenceStatus::kAdmitted;
   }
   void popJoiner() {
     mContext.rawBatchedInputIds.pop_back();

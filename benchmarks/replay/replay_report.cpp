@@ -1,4 +1,5 @@
 #include "replay_report.h"
+#include "mkv/context_cache/context_cache_coordinator.h"
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>

@@ -11,6 +11,8 @@
 
 #include "context_cache/context_cache_manager.h"
 #include "mkv/bounded_swa_kv_page_manager.h"
+#include "mkv/context_cache/context_cache_coordinator.h"
+#include "mkv/host_kv_tier.h"
 #include "mkv/kernels.h"
 #include "mkv/stream.h"
 

@@ -12,6 +12,7 @@
 #include <string_view>
 #include <vector>
 
+#include "mkv/context_cache/context_cache_coordinator.h"
 #include "mkv/context_cache/context_cache_types.h"
 #include "mkv/events/kv_event_publisher.h"
 #include "mkv/kv_cache_runtime.h"

@@ -4,6 +4,7 @@
 // finish. The "model" is left out: where an engine would launch its kernels, this example only
 // advances the token lists and the KV lengths. Host tensors keep it runnable anywhere; set
 // deviceType = kGPU and pass the engine's stream on a GPU.
+#include <mkv/kv_cache_pool.h>
 #include <mkv/kv_cache_runtime.h>
 #include <mkv/managed_kv_cache_request.h>
 
@@ -103,8 +104,7 @@ std::vector<int32_t> Engine::serve(std::vector<Sequence> const& sequences,
   std::optional<mkv::ManagedKVCacheRequest> managed = mkv::ManagedKVCacheRequest::begin(
       mRuntime.contextCache(), mRuntime.swaPageManager(), request, context,
       /*speculativeRequest=*/false, headroom,
-      mkv::DecodingTokenStateContract::kCommittedPlusLookahead,
-      request.contextCacheCommitPolicy);
+      mkv::DecodingTokenStateContract::kCommittedPlusLookahead, request.contextCacheCommitPolicy);
   if (!managed) {
     releaseResidents(context.residentRefs);
     throw std::runtime_error("no capacity now: a real engine keeps the request queued");
@@ -129,8 +129,8 @@ std::vector<int32_t> Engine::serve(std::vector<Sequence> const& sequences,
     reused = *starts;
   }
   for (std::size_t i = 0; i < sequences.size(); ++i) {
-    context.effectivePrefillLengths.push_back(
-        static_cast<int32_t>(sequences[i].prompt.size()) - reused[i]);
+    context.effectivePrefillLengths.push_back(static_cast<int32_t>(sequences[i].prompt.size()) -
+                                              reused[i]);
   }
 
   // Prefill: bind pages, map windows, run the model from prefillStarts(), sample one token each.
@@ -218,13 +218,12 @@ std::vector<int32_t> Engine::serve(std::vector<Sequence> const& sequences,
     }
     Sequence const joiner = waiting.front();
     int32_t prefillStart = 0;
-    mkv::ContextCacheRequest::AdmitSequenceStatus const admitted = managed->admitSequence(
+    mkv::AdmitSequenceStatus const admitted = managed->admitSequence(
         joiner.prompt, context.loraWeightsName, headroom, prefillStart, *resident, context.stream);
-    if (admitted != mkv::ContextCacheRequest::AdmitSequenceStatus::kAdmitted) {
+    if (admitted != mkv::AdmitSequenceStatus::kAdmitted) {
       mRuntime.residentSlots().release(*resident);
       // kNoCapacity: transient pool pressure, the joiner waits for a later step.
-      require(admitted == mkv::ContextCacheRequest::AdmitSequenceStatus::kNoCapacity,
-              "admitSequence");
+      require(admitted == mkv::AdmitSequenceStatus::kNoCapacity, "admitSequence");
       continue;
     }
     // The joiner is the last row. Its pages are bound with prefillStart tokens of reused KV: the

@@ -7,22 +7,27 @@
 #include <memory>
 #include <optional>
 #include <string_view>
+#include <vector>
 
-#include "mkv/bounded_swa_kv_page_manager.h"
-#include "mkv/context_cache/context_cache_coordinator.h"
+#include "mkv/context_cache/context_cache_config.h"
+#include "mkv/context_cache/context_cache_types.h"
 #include "mkv/cuda_types.h"
-#include "mkv/host_kv_tier.h"
 #include "mkv/kernels.h"
-#include "mkv/kv_cache_pool.h"
-#include "mkv/kv_page_table.h"
-#include "mkv/recurrent_state_pool.h"
 #include "mkv/resident_slot_pool.h"
 #include "mkv/stream.h"
 #include "mkv/types.h"
 
 namespace mkv {
 
-class WindowBlockCache;  // src/context_cache/window_block_cache.h (internal)
+// The parts a runtime owns, held by pointer: an engine that calls into one includes its header
+// (the entry header stays narrow: docs/architecture.md, "What is public").
+class BoundedSwaKVPageManager;  // mkv/bounded_swa_kv_page_manager.h
+class ContextCacheCoordinator;  // mkv/context_cache/context_cache_coordinator.h
+class HostKvTier;               // mkv/host_kv_tier.h
+class KVCachePool;              // mkv/kv_cache_pool.h
+class KVPageTable;              // mkv/kv_page_table.h
+class RecurrentStatePool;       // mkv/recurrent_state_pool.h
+class WindowBlockCache;         // src/context_cache/window_block_cache.h (internal)
 namespace detail {
 class DeviceWriteQueue;    // src/resources/device_write_queue.h (internal)
 class SharedSynchronizer;  // src/resources/shared_synchronizer.h (internal)
@@ -195,9 +200,7 @@ class KVCacheRuntime {
   /// sliding-window reuse; false for bounded SWA (no cache to start a joiner's window from), for
   /// speculative deployments and for hybrid checkpoint reuse (a joiner cannot restore a
   /// checkpoint or pair a draft in a running batch).
-  bool supportsSeatedAdmission() const noexcept {
-    return mCoordinator != nullptr && mCoordinator->supportsLiveSequenceAdmission();
-  }
+  bool supportsSeatedAdmission() const noexcept;
 
   KVCacheRuntimeConfig const& config() const noexcept { return mConfig; }
   /// Pool of the full-attention layers; on kContextReuse / kFullStorage also of the sliding

@@ -8,24 +8,25 @@
 /// mkv::testing::ReferenceEngine. The engine loop, call by call: docs/lifecycle.md.
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <span>
 #include <string>
-#include <variant>
 #include <vector>
 
-#include "mkv/bounded_swa_kv_page_manager.h"
-#include "mkv/bounded_swa_request.h"
-#include "mkv/context_cache/context_cache_coordinator.h"
-#include "mkv/context_cache/context_cache_request.h"
 #include "mkv/cuda_types.h"
 #include "mkv/generation_request.h"
 #include "mkv/media.h"
-#include "mkv/sliding_reuse_request.h"
 #include "mkv/tensor.h"
 #include "mkv/types.h"
 
 namespace mkv {
+
+// The backends a request starts on, named by pointer only (KVCacheRuntime hands them out; an
+// engine that calls into one includes its header). The adapters the request runs on
+// (ContextCacheRequest, BoundedSwaRequest, SlidingReuseRequest) are behind the facade's Impl.
+class BoundedSwaKVPageManager;  // mkv/bounded_swa_kv_page_manager.h
+class ContextCacheCoordinator;  // mkv/context_cache/context_cache_coordinator.h
 
 /// One runtime request facade over orthogonal execution paging and context-reuse clients.
 ///
@@ -39,7 +40,8 @@ namespace mkv {
 /// request failed), each logged once with the operation and whether the backend is poisoned.
 /// Contract violations (wrong order, sizes that disagree, a call the backend does not offer)
 /// throw mkv::Error and change nothing. Destroying the facade abandons the backend request.
-/// Thread-safety: single writer (the engine thread).
+/// A moved-from facade may only be destroyed: its calls throw mkv::Error, its noexcept calls
+/// answer false, nullptr or kNone. Thread-safety: single writer (the engine thread).
 class ManagedKVCacheRequest {
  public:
   /// Starts a request on the backend the pointers name: the context cache alone, the SWA manager
@@ -57,11 +59,12 @@ class ManagedKVCacheRequest {
       DecodingTokenStateContract tokenStateContract, ContextCacheCommitPolicy commitPolicy,
       std::vector<int32_t> const& mediaTokenIds = {});
 
-  ManagedKVCacheRequest(ManagedKVCacheRequest&&) noexcept = default;
+  /// Defaulted where the adapters are complete (managed_kv_cache_request.cpp).
+  ManagedKVCacheRequest(ManagedKVCacheRequest&&) noexcept;
   ManagedKVCacheRequest& operator=(ManagedKVCacheRequest&&) = delete;
   ManagedKVCacheRequest(ManagedKVCacheRequest const&) = delete;
   ManagedKVCacheRequest& operator=(ManagedKVCacheRequest const&) = delete;
-  ~ManagedKVCacheRequest() = default;
+  ~ManagedKVCacheRequest();
 
   /// True iff a backend with context reuse is held (context reuse or sliding-window reuse).
   bool hasContextReuse() const noexcept;
@@ -119,13 +122,15 @@ class ManagedKVCacheRequest {
   /// The bounded-SWA backend has no live-slot admission (no cache its window state could start
   /// from), and KVCacheRuntime::supportsSeatedAdmission() refuses such deployments
   /// before an engine that would call these is ever constructed; the kFailed / false returns
-  /// here are the backstop.
-  ContextCacheRequest::AdmitSequenceStatus admitSequence(
-      std::vector<int32_t> const& tokenIds, std::string const& loraWeightsName,
-      DecodingKvHeadroom const& headroom, int32_t& prefillStart, ResidentRef resident,
-      cudaStream_t stream, std::vector<int32_t> const& mediaTokenIds = {},
-      std::vector<imageUtils::ImageData> const& imageBuffers = {},
-      std::vector<audioUtils::AudioData> const& audioBuffers = {});
+  /// here are the backstop. The status is mkv::AdmitSequenceStatus (types.h), the type that the
+  /// reference page's ContextCacheRequest::AdmitSequenceStatus names.
+  AdmitSequenceStatus admitSequence(std::vector<int32_t> const& tokenIds,
+                                    std::string const& loraWeightsName,
+                                    DecodingKvHeadroom const& headroom, int32_t& prefillStart,
+                                    ResidentRef resident, cudaStream_t stream,
+                                    std::vector<int32_t> const& mediaTokenIds = {},
+                                    std::vector<imageUtils::ImageData> const& imageBuffers = {},
+                                    std::vector<audioUtils::AudioData> const& audioBuffers = {});
   /// Preemption, vLLM's recompute (an addition beside the reference page's API; docs/lifecycle.md,
   /// "Preemption"): between steps, publishes row `row`'s committed state for reuse; the engine
   /// then compacts the row away (its pages go back), and later resumes it by admitting its
@@ -158,11 +163,13 @@ class ManagedKVCacheRequest {
   RowFailure lastFailure() const noexcept;
 
  private:
-  /// The one adapter the request runs on; every lifecycle call is one std::visit over it.
-  using Backend = std::variant<ContextCacheRequest, BoundedSwaRequest, SlidingReuseRequest>;
-  explicit ManagedKVCacheRequest(Backend backend);
+  /// The one adapter the request runs on (a std::variant of the three); every lifecycle call is
+  /// one std::visit over it. Held by pointer so that this header names none of the adapters
+  /// (docs/architecture.md, "What is public"); null only once moved from.
+  struct Impl;
+  explicit ManagedKVCacheRequest(std::unique_ptr<Impl> impl) noexcept;
 
-  Backend mBackend;
+  std::unique_ptr<Impl> mImpl;
 };
 
 }  // namespace mkv

@@ -11,7 +11,13 @@
 #include "context_cache/window_block_cache.h"
 #include "core/check.h"
 #include "core/device.h"
+#include "mkv/bounded_swa_kv_page_manager.h"
+#include "mkv/context_cache/context_cache_coordinator.h"
+#include "mkv/host_kv_tier.h"
 #include "mkv/kernels.h"
+#include "mkv/kv_cache_pool.h"
+#include "mkv/kv_page_table.h"
+#include "mkv/recurrent_state_pool.h"
 #include "resources/device_write_queue.h"
 #include "resources/shared_synchronizer.h"
 
@@ -469,6 +475,10 @@ void KVCacheRuntime::createHostTier() {
   HostKvTierConfig tier;
   tier.numPages = static_cast<int32_t>(mConfig.hostPoolTokens / mConfig.tokensPerPage);
   mHostTier = std::make_unique<HostKvTier>(tier, *mFullPool);
+}
+
+bool KVCacheRuntime::supportsSeatedAdmission() const noexcept {
+  return mCoordinator != nullptr && mCoordinator->supportsLiveSequenceAdmission();
 }
 
 KVCachePool& KVCacheRuntime::lengthPool() noexcept { return mFullPool ? *mFullPool : *mSwaPool; }

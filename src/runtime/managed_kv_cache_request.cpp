@@ -4,10 +4,15 @@
 
 #include <algorithm>
 #include <cctype>
+#include <memory>
 #include <string_view>
 #include <utility>
+#include <variant>
 
 #include "core/check.h"
+#include "mkv/bounded_swa_request.h"
+#include "mkv/context_cache/context_cache_request.h"
+#include "mkv/sliding_reuse_request.h"
 
 namespace mkv {
 namespace {
@@ -42,10 +47,12 @@ decltype(auto) asFacadeCall(char const* call, Function&& function) {
 /// Runs the lifecycle call `method` on whichever adapter `backend` holds, on behalf of the facade
 /// call `call` (contract errors renamed, see asFacadeCall). Both adapters offer every call with
 /// one signature.
-template <typename Backend, typename Method>
-decltype(auto) dispatch(char const* call, Backend& backend, Method&& method) {
-  return asFacadeCall(
-      call, [&]() -> decltype(auto) { return std::visit(std::forward<Method>(method), backend); });
+template <typename Impl, typename Method>
+decltype(auto) dispatch(char const* call, std::unique_ptr<Impl> const& impl, Method&& method) {
+  MKV_REQUIRE(impl != nullptr, call, "the request was moved from");
+  return asFacadeCall(call, [&]() -> decltype(auto) {
+    return std::visit(std::forward<Method>(method), impl->backend);
+  });
 }
 
 /// The facade's form of an adapter's prefill starts: a pointer, nullptr when nothing is reused.
@@ -56,7 +63,15 @@ std::vector<int32_t> const* startsOf(std::vector<int32_t> const* starts) noexcep
 
 }  // namespace
 
-ManagedKVCacheRequest::ManagedKVCacheRequest(Backend backend) : mBackend(std::move(backend)) {}
+struct ManagedKVCacheRequest::Impl {
+  using Backend = std::variant<ContextCacheRequest, BoundedSwaRequest, SlidingReuseRequest>;
+  Backend backend;
+};
+
+ManagedKVCacheRequest::ManagedKVCacheRequest(std::unique_ptr<Impl> impl) noexcept
+    : mImpl(std::move(impl)) {}
+ManagedKVCacheRequest::ManagedKVCacheRequest(ManagedKVCacheRequest&&) noexcept = default;
+ManagedKVCacheRequest::~ManagedKVCacheRequest() = default;
 
 std::optional<ManagedKVCacheRequest> ManagedKVCacheRequest::begin(
     ContextCacheCoordinator* contextCache, BoundedSwaKVPageManager* swaPageManager,
@@ -71,7 +86,7 @@ std::optional<ManagedKVCacheRequest> ManagedKVCacheRequest::begin(
     if (!adapter) {
       return std::nullopt;
     }
-    return ManagedKVCacheRequest(Backend(std::move(*adapter)));
+    return ManagedKVCacheRequest(std::make_unique<Impl>(Impl{std::move(*adapter)}));
   };
   return asFacadeCall(kCall, [&] {
     if (contextCache != nullptr && swaPageManager != nullptr) {
@@ -91,29 +106,32 @@ std::optional<ManagedKVCacheRequest> ManagedKVCacheRequest::begin(
 }
 
 bool ManagedKVCacheRequest::hasContextReuse() const noexcept {
-  return !std::holds_alternative<BoundedSwaRequest>(mBackend);
+  return mImpl != nullptr && !std::holds_alternative<BoundedSwaRequest>(mImpl->backend);
 }
 
 std::vector<int32_t> const* ManagedKVCacheRequest::prefillStarts() const noexcept {
+  if (mImpl == nullptr) {
+    return nullptr;
+  }
   return std::visit([](auto const& backend) { return startsOf(backend.prefillStarts()); },
-                    mBackend);
+                    mImpl->backend);
 }
 
 int32_t ManagedKVCacheRequest::reuseTokenLength(ExecutionRow row) const {
-  return dispatch("ManagedKVCacheRequest::reuseTokenLength", mBackend,
+  return dispatch("ManagedKVCacheRequest::reuseTokenLength", mImpl,
                   [&](auto const& backend) { return backend.reuseTokenLength(row); });
 }
 
 std::span<ReusePointCapture const> ManagedKVCacheRequest::reusePointCaptures(
     ExecutionRow row) const {
-  return dispatch("ManagedKVCacheRequest::reusePointCaptures", mBackend,
+  return dispatch("ManagedKVCacheRequest::reusePointCaptures", mImpl,
                   [&](auto const& backend) { return backend.reusePointCaptures(row); });
 }
 
 bool ManagedKVCacheRequest::publishHybridMtpEndpoint(ExecutionRow row, int32_t residentStateLength,
                                                      Tensor const& baseHiddenStates,
                                                      int32_t boundaryHiddenRow) {
-  return dispatch("ManagedKVCacheRequest::publishHybridMtpEndpoint", mBackend, [&](auto& backend) {
+  return dispatch("ManagedKVCacheRequest::publishHybridMtpEndpoint", mImpl, [&](auto& backend) {
     return backend.publishHybridMtpEndpoint(row, residentStateLength, baseHiddenStates,
                                             boundaryHiddenRow);
   });
@@ -123,82 +141,82 @@ bool ManagedKVCacheRequest::restoreHybridMtpBoundaryHidden(ExecutionRow row,
                                                            Tensor& baseHiddenStates,
                                                            int32_t destinationRow) {
   return dispatch(
-      "ManagedKVCacheRequest::restoreHybridMtpBoundaryHidden", mBackend, [&](auto& backend) {
+      "ManagedKVCacheRequest::restoreHybridMtpBoundaryHidden", mImpl, [&](auto& backend) {
         return backend.restoreHybridMtpBoundaryHidden(row, baseHiddenStates, destinationRow);
       });
 }
 
 bool ManagedKVCacheRequest::preparePrefill() {
-  return dispatch("ManagedKVCacheRequest::preparePrefill", mBackend,
+  return dispatch("ManagedKVCacheRequest::preparePrefill", mImpl,
                   [](auto& backend) { return backend.preparePrefill(); });
 }
 
 bool ManagedKVCacheRequest::prepareSwaPrefill(std::vector<int32_t> const& effectiveInputLengths) {
-  return dispatch("ManagedKVCacheRequest::prepareSwaPrefill", mBackend,
+  return dispatch("ManagedKVCacheRequest::prepareSwaPrefill", mImpl,
                   [&](auto& backend) { return backend.prepareSwaPrefill(effectiveInputLengths); });
 }
 
 bool ManagedKVCacheRequest::enqueuePrefillCaptures() {
-  return dispatch("ManagedKVCacheRequest::enqueuePrefillCaptures", mBackend,
+  return dispatch("ManagedKVCacheRequest::enqueuePrefillCaptures", mImpl,
                   [](auto& backend) { return backend.enqueuePrefillCaptures(); });
 }
 
 bool ManagedKVCacheRequest::completePrefill(DecodingInferenceContext const& context,
                                             std::vector<int32_t> const& commonStateLengths) {
-  return dispatch("ManagedKVCacheRequest::completePrefill", mBackend, [&](auto& backend) {
+  return dispatch("ManagedKVCacheRequest::completePrefill", mImpl, [&](auto& backend) {
     return backend.completePrefill(context, commonStateLengths);
   });
 }
 
 bool ManagedKVCacheRequest::prepareDecodeStep(DecodingInferenceContext const& context,
                                               DecodingKvHeadroom const& headroom) {
-  return dispatch("ManagedKVCacheRequest::prepareDecodeStep", mBackend,
+  return dispatch("ManagedKVCacheRequest::prepareDecodeStep", mImpl,
                   [&](auto& backend) { return backend.prepareDecodeStep(context, headroom); });
 }
 
 bool ManagedKVCacheRequest::completeDecodeStep(DecodingInferenceContext const& context,
                                                std::vector<int32_t> const& commonStateLengths) {
-  return dispatch("ManagedKVCacheRequest::completeDecodeStep", mBackend, [&](auto& backend) {
+  return dispatch("ManagedKVCacheRequest::completeDecodeStep", mImpl, [&](auto& backend) {
     return backend.completeDecodeStep(context, commonStateLengths);
   });
 }
 
 bool ManagedKVCacheRequest::beginBatchCompaction(std::vector<int32_t> const& oldToNew,
                                                  int32_t newBatchSize, Tensor& deviceBatchMapping) {
-  return dispatch("ManagedKVCacheRequest::beginBatchCompaction", mBackend, [&](auto& backend) {
+  return dispatch("ManagedKVCacheRequest::beginBatchCompaction", mImpl, [&](auto& backend) {
     return backend.beginBatchCompaction(oldToNew, newBatchSize, deviceBatchMapping);
   });
 }
 
 bool ManagedKVCacheRequest::completeBatchCompaction(std::vector<int32_t> const& keepMapping) {
-  return dispatch("ManagedKVCacheRequest::completeBatchCompaction", mBackend,
+  return dispatch("ManagedKVCacheRequest::completeBatchCompaction", mImpl,
                   [&](auto& backend) { return backend.completeBatchCompaction(keepMapping); });
 }
 
 bool ManagedKVCacheRequest::finish() {
-  return dispatch("ManagedKVCacheRequest::finish", mBackend,
+  return dispatch("ManagedKVCacheRequest::finish", mImpl,
                   [](auto& backend) { return backend.finish(); });
 }
 
-ContextCacheRequest::AdmitSequenceStatus ManagedKVCacheRequest::admitSequence(
+AdmitSequenceStatus ManagedKVCacheRequest::admitSequence(
     std::vector<int32_t> const& tokenIds, std::string const& loraWeightsName,
     DecodingKvHeadroom const& headroom, int32_t& prefillStart, ResidentRef resident,
     cudaStream_t stream, std::vector<int32_t> const& mediaTokenIds,
     std::vector<imageUtils::ImageData> const& imageBuffers,
     std::vector<audioUtils::AudioData> const& audioBuffers) {
-  return dispatch("ManagedKVCacheRequest::admitSequence", mBackend, [&](auto& backend) {
+  return dispatch("ManagedKVCacheRequest::admitSequence", mImpl, [&](auto& backend) {
     return backend.admitSequence(tokenIds, loraWeightsName, headroom, prefillStart, resident,
                                  stream, mediaTokenIds, imageBuffers, audioBuffers);
   });
 }
 
 bool ManagedKVCacheRequest::preemptSequence(ExecutionRow row) {
-  return dispatch("ManagedKVCacheRequest::preemptSequence", mBackend,
+  return dispatch("ManagedKVCacheRequest::preemptSequence", mImpl,
                   [&](auto& backend) { return backend.preemptSequence(row); });
 }
 
 bool ManagedKVCacheRequest::completePrefillChunk(ExecutionRow row, int32_t prefilledTokens) {
-  return dispatch("ManagedKVCacheRequest::completePrefillChunk", mBackend, [&](auto& backend) {
+  return dispatch("ManagedKVCacheRequest::completePrefillChunk", mImpl, [&](auto& backend) {
     return backend.completePrefillChunk(row, prefilledTokens);
   });
 }
@@ -206,7 +224,7 @@ bool ManagedKVCacheRequest::completePrefillChunk(ExecutionRow row, int32_t prefi
 bool ManagedKVCacheRequest::finalizeSequenceAdmission(ExecutionRow row,
                                                       int32_t const& lookaheadToken,
                                                       int32_t fullInputLength) {
-  return dispatch("ManagedKVCacheRequest::finalizeSequenceAdmission", mBackend, [&](auto& backend) {
+  return dispatch("ManagedKVCacheRequest::finalizeSequenceAdmission", mImpl, [&](auto& backend) {
     return backend.finalizeSequenceAdmission(row, lookaheadToken, fullInputLength);
   });
 }
@@ -219,13 +237,20 @@ static_assert(noexcept(std::declval<ContextCacheRequest&>().retractSequenceAdmis
                                                      .retractSequenceAdmission()));
 
 RowFailure ManagedKVCacheRequest::lastFailure() const noexcept {
-  return std::visit([](auto const& backend) noexcept { return backend.lastFailure(); }, mBackend);
+  if (mImpl == nullptr) {
+    return {};
+  }
+  return std::visit([](auto const& backend) noexcept { return backend.lastFailure(); },
+                    mImpl->backend);
 }
 
 bool ManagedKVCacheRequest::retractSequenceAdmission() noexcept {
+  if (mImpl == nullptr) {
+    return false;
+  }
   // Every adapter's retraction is noexcept, so no facade-call wrapper is needed (or allowed).
   return std::visit([](auto& backend) noexcept { return backend.retractSequenceAdmission(); },
-                    mBackend);
+                    mImpl->backend);
 }
 
 }  // namespace mkv

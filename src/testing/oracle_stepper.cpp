@@ -6,6 +6,8 @@
 #include <cstring>
 
 #include "core/check.h"
+#include "mkv/context_cache/context_cache_coordinator.h"
+#include "mkv/kv_page_table.h"
 #include "mkv/snapshot_storage.h"
 #include "testing/oracle_bytes.h"
 #include "testing/oracle_step_units.h"

@@ -10,6 +10,7 @@
 #include "context_cache/window_block_cache.h"
 #include "core/check.h"
 #include "core/device.h"
+#include "mkv/bounded_swa_kv_page_manager.h"
 #include "mkv/context_cache/context_cache_request.h"
 #include "mkv/managed_kv_cache_request.h"
 #include "testing/oracle_bytes.h"

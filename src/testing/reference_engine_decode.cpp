@@ -6,7 +6,6 @@
 #include <span>
 
 #include "core/check.h"
-#include "mkv/context_cache/context_cache_request.h"
 #include "mkv/managed_kv_cache_request.h"
 #include "mkv/testing/reference_engine.h"
 #include "testing/oracle_stepper.h"
@@ -98,10 +97,10 @@ bool ReferenceEngine::tryJoins(Run& run) {
         spec.prompt, request.loraWeightsName, run.headroom, prefillStart, *resident,
         mRuntime.config().stream, request.mediaTokenIds, spec.images, spec.audios);
     run.libraryNanos += nanosSince(start);
-    if (status != ContextCacheRequest::AdmitSequenceStatus::kAdmitted) {
+    if (status != AdmitSequenceStatus::kAdmitted) {
       mRuntime.residentSlots().release(*resident);
       ++mStats.joinRefusals;
-      return status == ContextCacheRequest::AdmitSequenceStatus::kNoCapacity;
+      return status == AdmitSequenceStatus::kNoCapacity;
     }
     if (!seatJoiner(run, *resident, prefillStart)) {
       return false;

@@ -14,6 +14,7 @@
 #include <string>
 
 #include "context_cache_test_support.h"
+#include "mkv/context_cache/context_cache_coordinator.h"
 #include "mkv/kv_cache_runtime.h"
 #include "mkv/testing/reference_engine.h"
 

@@ -17,6 +17,7 @@
 #include <unordered_set>
 #include <vector>
 
+#include "mkv/context_cache/context_cache_coordinator.h"
 #include "mkv/kv_cache_runtime.h"
 #include "mkv/testing/reference_engine.h"
 #include "support/test_inputs.h"

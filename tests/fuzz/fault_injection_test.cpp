@@ -42,6 +42,8 @@
 #include "context_cache/context_cache_test_support.h"
 #include "fuzz/allocation_faults.h"
 #include "fuzz/lifecycle_driver.h"
+#include "mkv/bounded_swa_kv_page_manager.h"
+#include "mkv/context_cache/context_cache_coordinator.h"
 #include "mkv/error.h"
 #include "mkv/kv_cache_runtime.h"
 #include "mkv/logging.h"
@@ -945,7 +947,7 @@ std::vector<Step> facadeScript(bool reuse) {
     auto const status = library([&] {
       return rig.facade->admitSequence(rig.joinerPrompt, "", kVanilla, start, resident, kStream);
     });
-    if (status == ContextCacheRequest::AdmitSequenceStatus::kAdmitted) {
+    if (status == AdmitSequenceStatus::kAdmitted) {
       rig.prefillStart = start;
       rig.joinerAdmitted();
     }

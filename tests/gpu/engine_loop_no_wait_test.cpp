@@ -20,8 +20,13 @@
 
 #include "busy_stream.h"
 #include "gpu_parity.h"
+#include "mkv/context_cache/context_cache_coordinator.h"
+#include "mkv/context_cache/context_cache_metrics.h"
+#include "mkv/kv_cache_pool.h"
 #include "mkv/kv_cache_runtime.h"
 #include "mkv/managed_kv_cache_request.h"
+#include "mkv/recurrent_state_pool.h"
+#include "mkv/snapshot_storage.h"
 #include "mkv/tensor.h"
 #include "support/token_runs.h"
 
@@ -178,7 +183,7 @@ class LoopEngine {
     ResidentRef const resident = acquire();
     int32_t start = -1;
     ASSERT_EQ(mManaged->admitSequence(prompt, "", kVanilla, start, resident, mContext.stream),
-              ContextCacheRequest::AdmitSequenceStatus::kAdmitted);
+              AdmitSequenceStatus::kAdmitted);
     ASSERT_TRUE(mManaged->retractSequenceAdmission());
     ASSERT_TRUE(mRuntime.residentSlots().release(resident));
   }
@@ -195,7 +200,7 @@ class LoopEngine {
     ResidentRef const resident = acquire();
     int32_t start = -1;
     ASSERT_EQ(mManaged->admitSequence(prompt, "", kVanilla, start, resident, mContext.stream),
-              ContextCacheRequest::AdmitSequenceStatus::kAdmitted);
+              AdmitSequenceStatus::kAdmitted);
     appendRow(std::move(prompt), resident);
     row = mPrompts.size() - 1;
     mContext.effectivePrefillLengths.push_back(promptLength(row) - start);

@@ -76,8 +76,8 @@ endforeach()
 file(GLOB context_cache_headers RELATIVE ${prefix}/include/mkv/context_cache
      ${prefix}/include/mkv/context_cache/*)
 list(SORT context_cache_headers)
-set(expected_context_cache_headers context_cache_coordinator.h context_cache_metrics.h
-    context_cache_request.h context_cache_types.h kv_events.h)
+set(expected_context_cache_headers context_cache_config.h context_cache_coordinator.h
+    context_cache_metrics.h context_cache_request.h context_cache_types.h kv_events.h)
 if(NOT context_cache_headers STREQUAL expected_context_cache_headers)
   message(FATAL_ERROR "installed mkv/context_cache/ holds ${context_cache_headers}, expected "
                       "${expected_context_cache_headers}")

@@ -14,6 +14,8 @@
 #include <utility>
 #include <vector>
 
+#include "mkv/context_cache/context_cache_coordinator.h"
+#include "mkv/host_kv_tier.h"
 #include "multi_turn_workload.h"
 #include "replay_report.h"
 #include "support/test_inputs.h"

@@ -11,6 +11,7 @@
 
 #include "context_cache/context_cache_manager.h"
 #include "context_cache/window_block_cache.h"
+#include "mkv/context_cache/context_cache_coordinator.h"
 #include "mkv/kv_cache_runtime.h"
 #include "runtime_test_rig.h"
 #include "support/test_util.h"

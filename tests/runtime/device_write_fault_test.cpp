@@ -40,7 +40,7 @@ using runtime_test::RuntimeCaseTest;
 using runtime_test::RuntimeRig;
 using runtime_test::tableRows;
 using runtime_test::writeEngineLength;
-using AdmitStatus = ContextCacheRequest::AdmitSequenceStatus;
+using AdmitStatus = AdmitSequenceStatus;
 using test::throwsError;
 using test::tokenRun;
 

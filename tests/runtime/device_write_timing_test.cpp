@@ -21,6 +21,7 @@
 #include <vector>
 
 #include "device_write_support.h"
+#include "mkv/host_kv_tier.h"
 #include "mkv/kv_cache_runtime.h"
 #include "mkv/managed_kv_cache_request.h"
 #include "mkv/testing/reference_engine.h"

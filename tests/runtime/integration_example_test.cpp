@@ -15,7 +15,9 @@
 #include <stdexcept>
 #include <string>
 
+#include "mkv/context_cache/context_cache_coordinator.h"
 #include "mkv/error.h"
+#include "mkv/kv_cache_pool.h"
 #include "mkv/stream.h"
 #include "support/sync_faults.h"
 #include "support/test_inputs.h"

@@ -17,7 +17,10 @@
 #include <vector>
 
 #include "context_cache/context_cache_manager.h"
+#include "mkv/bounded_swa_kv_page_manager.h"
+#include "mkv/context_cache/context_cache_coordinator.h"
 #include "mkv/error.h"
+#include "mkv/host_kv_tier.h"
 #include "mkv/managed_kv_cache_request.h"
 #include "mkv/testing/reference_engine.h"
 #include "runtime_test_rig.h"

@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "context_cache/context_cache_manager.h"
+#include "mkv/context_cache/context_cache_coordinator.h"
 #include "mkv/kv_cache_runtime.h"
 #include "mkv/managed_kv_cache_request.h"
 #include "mkv/testing/kv_oracle.h"

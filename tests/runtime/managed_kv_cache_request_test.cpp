@@ -5,6 +5,8 @@
 // request carries on as if nothing had happened and the KV oracle still passes. Every test runs
 // on host tensors and on GPU tensors (the kGPU instances skip without a CUDA device).
 #include "mkv/managed_kv_cache_request.h"
+#include "mkv/bounded_swa_kv_page_manager.h"
+#include "mkv/context_cache/context_cache_coordinator.h"
 
 #include <fmt/format.h>
 #include <gtest/gtest.h>
@@ -21,7 +23,7 @@
 namespace mkv::runtime_test {
 namespace {
 
-using AdmitStatus = ContextCacheRequest::AdmitSequenceStatus;
+using AdmitStatus = AdmitSequenceStatus;
 constexpr auto kLookahead = DecodingTokenStateContract::kCommittedPlusLookahead;
 constexpr auto kCommitAll = ContextCacheCommitPolicy::kIncludingGeneratedTokens;
 
@@ -208,7 +210,7 @@ TEST_P(ManagedKVCacheRequestDispatchTest, AStaleResidentIsRefusedByAdmitSequence
                   fmt::format("current epoch is {}", current.epoch)});
   EXPECT_EQ(start, -1);
   ASSERT_TRUE(slots.release(current));
-  ASSERT_EQ(driver.admit(tokenRun(20, 700)), ContextCacheRequest::AdmitSequenceStatus::kAdmitted);
+  ASSERT_EQ(driver.admit(tokenRun(20, 700)), AdmitSequenceStatus::kAdmitted);
   ASSERT_TRUE(driver.seatNewest());
   driver.verify();
   EXPECT_TRUE(driver.finish());
@@ -389,7 +391,7 @@ TEST_P(ManagedKVCacheRequestDispatchTest, AJoinerTheLengthTensorWasNotGrownForFa
   driver.add(tokenRun(23, 300));
   ASSERT_TRUE(driver.begin());
   ASSERT_TRUE(driver.prefill());
-  ASSERT_EQ(driver.admit(tokenRun(20, 700)), ContextCacheRequest::AdmitSequenceStatus::kAdmitted);
+  ASSERT_EQ(driver.admit(tokenRun(20, 700)), AdmitSequenceStatus::kAdmitted);
   ASSERT_TRUE(driver.seatNewest());
   ASSERT_TRUE(driver.decode());
   ASSERT_TRUE(driver.prepareDecode());
@@ -448,7 +450,7 @@ TEST_P(ManagedKVCacheRequestDispatchTest, TheJoinCallsThrowBeforeTheyChangeAnyth
   expectNoOp(
       rig, "retracting the only row", [&] { return driver.facade().retractSequenceAdmission(); },
       false);
-  ASSERT_EQ(driver.admit(tokenRun(20, 700)), ContextCacheRequest::AdmitSequenceStatus::kAdmitted);
+  ASSERT_EQ(driver.admit(tokenRun(20, 700)), AdmitSequenceStatus::kAdmitted);
   expectRejected(rig, "completePrefillChunk of a founder",
                  [&] { (void)driver.facade().completePrefillChunk(0, 40); },
                  {"ManagedKVCacheRequest::completePrefillChunk",
@@ -507,6 +509,30 @@ TEST_P(ManagedKVCacheRequestTest, ARetractionWithNothingToUndoReturnsFalseAndCha
   expectNoOp(rig, "retracting after finish", retract, false);
   EXPECT_FALSE(rig.poisoned());
   EXPECT_EQ(rig.activeRequests(), 0);
+}
+
+TEST_P(ManagedKVCacheRequestTest, AMovedFromFacadeRefusesEveryCallAndItsRequestRunsOn) {
+  RuntimeRig rig(configFor(backend(), device()));
+  FacadeDriver driver(rig);
+  driver.add(tokenRun(40, 5));
+  ASSERT_TRUE(driver.begin());
+  ManagedKVCacheRequest owner(std::move(*driver.managed));
+  ManagedKVCacheRequest& from = *driver.managed;
+  // The noexcept calls answer as if nothing were held; the others throw naming the call.
+  EXPECT_FALSE(from.hasContextReuse());
+  EXPECT_EQ(from.prefillStarts(), nullptr);
+  EXPECT_EQ(from.lastFailure(), RowFailure{});
+  EXPECT_FALSE(from.retractSequenceAdmission());
+  expectRejected(rig, "preparePrefill", [&] { (void)from.preparePrefill(); },
+                 {"ManagedKVCacheRequest::preparePrefill", "moved from"});
+  expectRejected(rig, "finish", [&] { (void)from.finish(); },
+                 {"ManagedKVCacheRequest::finish", "moved from"});
+  // The request itself runs on in the facade it moved to.
+  EXPECT_EQ(owner.hasContextReuse(), reuse());
+  driver.managed.emplace(std::move(owner));
+  ASSERT_TRUE(driver.prefill());
+  driver.verify();
+  finishCleanly(rig, driver);
 }
 
 TEST_P(ManagedKVCacheRequestTest, SizesThatDisagreeWithTheBatchThrowAndChangeNothing) {

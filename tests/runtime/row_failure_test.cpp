@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "mkv/context_cache/context_cache_coordinator.h"
 #include "mkv/managed_kv_cache_request.h"
 #include "runtime_test_rig.h"
 #include "support/test_util.h"

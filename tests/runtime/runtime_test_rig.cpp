@@ -8,6 +8,7 @@
 #include "context_cache/context_cache_manager.h"
 #include "context_cache/window_block_cache.h"
 #include "mkv/bounded_swa_kv_page_manager.h"
+#include "mkv/context_cache/context_cache_coordinator.h"
 #include "support/test_util.h"
 
 namespace mkv::runtime_test {
@@ -509,11 +510,11 @@ void FacadeDriver::compactView(std::vector<int32_t> const& oldToNew) {
   request.requests = std::move(sequences);
 }
 
-ContextCacheRequest::AdmitSequenceStatus FacadeDriver::admit(std::vector<int32_t> prompt) {
+AdmitSequenceStatus FacadeDriver::admit(std::vector<int32_t> prompt) {
   ResidentSlotPool& slots = mRig.runtime().residentSlots();
   ResidentRef const resident = slots.acquire().value();
   int32_t start = -1;
-  ContextCacheRequest::AdmitSequenceStatus status{};
+  AdmitSequenceStatus status{};
   try {
     status = facade().admitSequence(prompt, context.loraWeightsName, kVanilla, start, resident,
                                     context.stream);
@@ -521,7 +522,7 @@ ContextCacheRequest::AdmitSequenceStatus FacadeDriver::admit(std::vector<int32_t
     (void)slots.release(resident);
     throw;
   }
-  if (status != ContextCacheRequest::AdmitSequenceStatus::kAdmitted) {
+  if (status != AdmitSequenceStatus::kAdmitted) {
     (void)slots.release(resident);
     return status;
   }

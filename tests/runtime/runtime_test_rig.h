@@ -191,7 +191,7 @@ class FacadeDriver {
   void compactView(std::vector<int32_t> const& oldToNew);
   /// admitSequence on a fresh resident; the row joins unseated. The resident is released again
   /// unless the status is kAdmitted.
-  ContextCacheRequest::AdmitSequenceStatus admit(std::vector<int32_t> prompt);
+  AdmitSequenceStatus admit(std::vector<int32_t> prompt);
   /// The joiner's prefill, KV length and lookahead, then finalizeSequenceAdmission.
   bool seatNewest();
   /// retractSequenceAdmission; on success the newest row leaves the view.

@@ -13,6 +13,8 @@
 #include <string>
 
 #include "context_cache/context_cache_manager.h"
+#include "mkv/bounded_swa_kv_page_manager.h"
+#include "mkv/context_cache/context_cache_coordinator.h"
 #include "mkv/kv_cache_runtime.h"
 #include "mkv/testing/reference_engine.h"
 #include "runtime_test_rig.h"
@@ -35,7 +37,7 @@ using testing::EngineRequest;
 using testing::EngineSequence;
 using testing::EngineStats;
 using testing::ReferenceEngine;
-using AdmitStatus = ContextCacheRequest::AdmitSequenceStatus;
+using AdmitStatus = AdmitSequenceStatus;
 
 KVCacheRuntimeConfig smallConfig(bool reuse, DeviceType device) {
   KVCacheRuntimeConfig config;

@@ -16,6 +16,7 @@
 #include "context_cache/context_cache_manager.h"
 #include "context_cache/window_block_cache.h"
 #include "mkv/bounded_swa_kv_page_manager.h"
+#include "mkv/context_cache/context_cache_coordinator.h"
 #include "mkv/kv_cache_runtime.h"
 #include "mkv/managed_kv_cache_request.h"
 #include "mkv/testing/reference_engine.h"

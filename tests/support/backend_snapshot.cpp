@@ -1,4 +1,10 @@
 #include "support/backend_snapshot.h"
+#include "mkv/bounded_swa_kv_page_manager.h"
+#include "mkv/context_cache/context_cache_coordinator.h"
+#include "mkv/kv_cache_pool.h"
+#include "mkv/kv_page_table.h"
+#include "mkv/recurrent_state_pool.h"
+#include "mkv/snapshot_storage.h"
 
 #include <cstring>
 #include <span>

@@ -13,6 +13,8 @@
 #include <string>
 #include <vector>
 
+#include "mkv/bounded_swa_kv_page_manager.h"
+#include "mkv/context_cache/context_cache_coordinator.h"
 #include "mkv/kv_cache_runtime.h"
 #include "support/manager_state.h"
 

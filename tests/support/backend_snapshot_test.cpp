@@ -3,6 +3,10 @@
 /// runtime: the draft page table and pool and the checkpoint slabs.
 
 #include "support/backend_snapshot.h"
+#include "mkv/context_cache/context_cache_coordinator.h"
+#include "mkv/kv_cache_pool.h"
+#include "mkv/kv_page_table.h"
+#include "mkv/snapshot_storage.h"
 
 #include <gtest/gtest.h>
 

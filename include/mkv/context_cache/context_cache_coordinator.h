@@ -15,6 +15,7 @@
 #include <string_view>
 #include <vector>
 
+#include "mkv/context_cache/context_cache_config.h"
 #include "mkv/context_cache/context_cache_metrics.h"
 #include "mkv/context_cache/context_cache_types.h"
 #include "mkv/context_cache/kv_events.h"
@@ -53,77 +54,9 @@ struct CoordinatorSequence;
 struct RequestModes;
 }  // namespace detail
 
-/// Context-cache settings of a runtime.
-struct ContextCacheConfig {
-  /// false: lookups and publication are off and the coordinator is a plain paged allocator over
-  /// the full pool (the runtime's full-storage mode). Every sequence is treated as kBypass.
-  bool enabled = true;
-  int32_t maxRecords = 1024;  ///< published records kept (evicted beyond); 0 keeps none
-  bool verifyTokens = true;  ///< verify tokens on every index match (docs/context_cache.md, "Keys")
-  int32_t eventQueueCapacity = 0;  ///< BlockStored / BlockRemoved events kept; 0 = off
-  /// Hybrid / pure-recurrent deployments: device bytes of recurrent snapshot slots. Slots =
-  /// budget / SnapshotStorage::recurrentBytesPerSlot (plus the boundary hidden row for
-  /// Hybrid-MTP); an enabled checkpoint deployment needs at least one. Ignored otherwise.
-  int64_t recurrentSnapshotPoolBytes = 0;
-  /// Hybrid deployments: device bytes of partial-KV snapshot slots (the valid rows of a partially
-  /// filled last page, every layer, K and V). Slots = budget / partialKvBytesPerSlot; an enabled
-  /// hybrid deployment needs at least one. Ignored without attention.
-  int64_t partialKvSnapshotPoolBytes = 0;
-  /// Tokens between reuse points, 0 = none (docs/context_cache.md, "Reuse points"). Hybrid and
-  /// pure-recurrent deployments: a prefill also keeps a checkpoint at every multiple of the
-  /// interval past its reuse length and short of its prompt end, captured by the engine into the
-  /// slots reusePointCaptures names, so a later prompt that diverges inside the prompt still lands
-  /// on the last point before the divergence (checkpoints otherwise exist only at prompt and
-  /// decode ends); speculative requests of Hybrid-MTP keep their endpoints only. Sliding-window
-  /// reuse (a window cache): the sliding blocks of the window before every multiple of the
-  /// interval are kept in a tier of their own, dropped after the blocks between those windows and
-  /// before the windows hits have read (WindowBlockCache::keepPointWindow). A
-  /// multiple of the page size with attention. Must be 0 on other attention-only deployments.
-  int32_t checkpointInterval = 0;
-  /// Victim order of published records within a retention priority: kS3Fifo (default: it reuses
-  /// more than kLru in every replay measured, docs/benchmarks.md) or kLru (docs/context_cache.md,
-  /// "Eviction").
-  EvictionPolicyKind evictionPolicy = EvictionPolicyKind::kS3Fifo;
-  /// Clock of retention durations (RetentionRange::duration units); empty = steady-clock
-  /// milliseconds. Called on the engine thread; must not throw.
-  std::function<int64_t()> retentionClock;
-};
-
-/// What kind of model state the base model carries.
-enum class BaseStateKind : uint8_t { kAttentionOnly, kPureRecurrent, kHybrid };
-
-/// The deployment the coordinator serves, validated against the resources at construction:
-/// * attention-only: basePool + basePageTable; block reuse (a recurrent pool, if given, only has
-///   its dropped rows zeroed at compaction);
-/// * hybrid (attention + recurrent layers): basePool + basePageTable + recurrent; exact
-///   checkpoints (recurrent rows + the partial last KV page) instead of blocks;
-/// * pure recurrent: recurrent only (no KV pool, no page table); recurrent checkpoints.
-///
-/// `speculative` adds a draft model (docs/context_cache.md, "Speculative paired reuse"):
-/// * attention-only base: EAGLE-style paired reuse. A paged contract (the draft owns KV: EAGLE,
-///   MTP {paged, 1}; DFlash-like {paged, 0}) needs draftPool + draftPageTable; a shared-KV
-///   contract ({not paged, 0}) must have none;
-/// * hybrid base: Hybrid-MTP. The contract must be paged (an own-KV draft) and
-///   boundaryHiddenWidth > 0 (the base hidden row kept with each endpoint);
-/// * pure recurrent: never speculative.
-struct ContextCacheDeploymentProfile {
-  BaseStateKind baseStateKind = BaseStateKind::kAttentionOnly;
-  /// Set for speculative deployments (EAGLE {paged, 1}, MTP {paged, 1}, ...).
-  std::optional<SpecReuseContract> speculative;
-  /// Hybrid-MTP: width (elements) and type of the boundary hidden row kept with checkpoints.
-  int64_t boundaryHiddenWidth = 0;
-  DataType boundaryHiddenType = DataType::kFloat16;
-
-  bool hasAttention() const noexcept { return baseStateKind != BaseStateKind::kPureRecurrent; }
-  bool usesCheckpointReuse() const noexcept {
-    return baseStateKind != BaseStateKind::kAttentionOnly;
-  }
-  bool isSpeculative() const noexcept { return speculative.has_value(); }
-  bool ownsPagedSpecState() const noexcept { return speculative && speculative->pagedSpecState; }
-  bool isHybridMtp() const noexcept {
-    return isSpeculative() && baseStateKind == BaseStateKind::kHybrid;
-  }
-};
+// The settings the coordinator is built from (ContextCacheConfig, ContextCacheDeploymentProfile)
+// are in context_cache_config.h, AdmissionEstimate in context_cache_types.h: value types the
+// entry headers name without this one.
 
 /// Borrowed physical resources; all must outlive the coordinator.
 struct ContextCachePhysicalResources {
@@ -164,34 +97,6 @@ struct ContextCacheSequenceAdmission {
   std::optional<ContextCacheLookupPolicy> lookupPolicy;
   /// Retention priorities of the records this sequence publishes (requireValidRetention).
   std::vector<RetentionRange> retention;
-};
-
-/// What admitting one sequence would take now (ContextCacheCoordinator::estimateAdmission): the
-/// question a scheduler asks before it admits, as vLLM's scheduler and KV connectors do.
-struct AdmissionEstimate {
-  int32_t promptTokens = 0;
-  /// Prompt tokens whose state admission would bind (GPU hits and host-tier onboarding):
-  /// execution would start here.
-  int32_t reusableTokens = 0;
-  int32_t hostTierTokens = 0;  ///< of reusableTokens, those onboarded from the host tier
-  /// Resources admission would allocate privately: base (and paired draft) pages for the prompt
-  /// and the headroom beyond the reused prefix, onboarding targets included. Snapshot slots are
-  /// reserved later, at a capture, and are not in it.
-  ResourceDemand demand;
-  /// Reused resources that are reclaimable now (cached, no lease): the pages, and a checkpoint
-  /// restore's snapshot slots, that admission pins, so they no longer count towards what
-  /// eviction can free.
-  ResourceDemand pinnedReclaimable;
-  /// Every pool has the demand free now: admission would evict nothing. Both fit flags are false
-  /// while the coordinator is poisoned (begin would answer kPoisoned).
-  bool fitsWithoutEviction = false;
-  /// Every pool covers the demand with its free slots plus what evicting every unpinned cached
-  /// record would free: admission would succeed (capacity-wise) at this moment.
-  bool fitsAfterEviction = false;
-  /// Why the lookup reused less than the whole prompt (no_prefix, evicted, ...), if it did.
-  std::optional<MissReason> missReason;
-  /// Bounded SWA only (KVCacheRuntime::estimateAdmission): the sliding pages a sequence reserves.
-  int32_t slidingPages = 0;
 };
 
 /// A batch admission (one runtime request).

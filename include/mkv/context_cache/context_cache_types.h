@@ -2,7 +2,8 @@
 /// \file context_cache_types.h
 /// The value types of context reuse that the public API names: digests and key inputs
 /// (docs/context_cache.md, "Keys"), the reuse modes and miss reasons, the speculative reuse
-/// contract, the eviction policy choice and the typed resource counts of ContextCacheMetrics.
+/// contract, the eviction policy choice, the typed resource counts of ContextCacheMetrics and
+/// what an admission would take (AdmissionEstimate).
 /// The cache's machinery (hashing, index, records, planners, the manager) is internal (src/).
 ///
 /// Thread-safety: plain value types.
@@ -12,6 +13,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <string>
 #include <string_view>
 
@@ -149,6 +151,34 @@ struct ResourceDemand {
   bool isZero() const noexcept { return total() == 0 && !hasNegative(); }
   bool hasNegative() const noexcept;
   friend bool operator==(ResourceDemand const&, ResourceDemand const&) = default;
+};
+
+/// What admitting one sequence would take now (ContextCacheCoordinator::estimateAdmission): the
+/// question a scheduler asks before it admits, as vLLM's scheduler and KV connectors do.
+struct AdmissionEstimate {
+  int32_t promptTokens = 0;
+  /// Prompt tokens whose state admission would bind (GPU hits and host-tier onboarding):
+  /// execution would start here.
+  int32_t reusableTokens = 0;
+  int32_t hostTierTokens = 0;  ///< of reusableTokens, those onboarded from the host tier
+  /// Resources admission would allocate privately: base (and paired draft) pages for the prompt
+  /// and the headroom beyond the reused prefix, onboarding targets included. Snapshot slots are
+  /// reserved later, at a capture, and are not in it.
+  ResourceDemand demand;
+  /// Reused resources that are reclaimable now (cached, no lease): the pages, and a checkpoint
+  /// restore's snapshot slots, that admission pins, so they no longer count towards what
+  /// eviction can free.
+  ResourceDemand pinnedReclaimable;
+  /// Every pool has the demand free now: admission would evict nothing. Both fit flags are false
+  /// while the coordinator is poisoned (begin would answer kPoisoned).
+  bool fitsWithoutEviction = false;
+  /// Every pool covers the demand with its free slots plus what evicting every unpinned cached
+  /// record would free: admission would succeed (capacity-wise) at this moment.
+  bool fitsAfterEviction = false;
+  /// Why the lookup reused less than the whole prompt (no_prefix, evicted, ...), if it did.
+  std::optional<MissReason> missReason;
+  /// Bounded SWA only (KVCacheRuntime::estimateAdmission): the sliding pages a sequence reserves.
+  int32_t slidingPages = 0;
 };
 
 }  // namespace mkv

@@ -7,6 +7,7 @@
 #include <algorithm>
 
 #include "fuzz/lifecycle/lifecycle.h"
+#include "mkv/context_cache/context_cache_coordinator.h"
 
 namespace mkv::fuzz::lifecycle {
 
@@ -207,7 +208,7 @@ bool Lifecycle::swaAdmitBackstop(Req& req) {
     auto const status = unchanged(what, [&] {
       return req.facade->admitSequence({1, 2, 3}, req.lora, kVanilla, start, resident, kStream);
     });
-    expect(status == ContextCacheRequest::AdmitSequenceStatus::kFailed && start == -7,
+    expect(status == AdmitSequenceStatus::kFailed && start == -7,
            what + ": the SWA backend admitted in flight");
   }
   return true;
@@ -309,7 +310,7 @@ void Lifecycle::issueAdmit(Req& req, AdmitCall& call) {
 /// Makes the admission; true when admitted. A refusal must be documented (poison, capacity),
 /// must not happen when the free pages hold the prompt, and changes nothing but counters.
 bool Lifecycle::admitOutcome(Req& req, AdmitCall& call, int32_t& start, std::string const& what) {
-  using AdmitStatus = ContextCacheRequest::AdmitSequenceStatus;
+  using AdmitStatus = AdmitSequenceStatus;
   BackendSnapshot const before = snapshot();
   int32_t const pages = ceilPages(int64_t{static_cast<int32_t>(call.row.prompt.size())} + 1);
   bool must = pages <= mCoordinator->manager().pools().freeCount(ResourceType::kBaseKvPage);

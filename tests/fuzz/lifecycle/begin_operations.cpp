@@ -3,6 +3,8 @@
 /// manager (`begin`), and the same calls with one contract violation (`badBegin`).
 
 #include "fuzz/lifecycle/lifecycle.h"
+#include "mkv/bounded_swa_kv_page_manager.h"
+#include "mkv/context_cache/context_cache_coordinator.h"
 
 namespace mkv::fuzz::lifecycle {
 

@@ -4,6 +4,8 @@
 /// the injected synchronisation faults that decide whether an ending quarantines.
 
 #include "fuzz/lifecycle/lifecycle.h"
+#include "mkv/bounded_swa_kv_page_manager.h"
+#include "mkv/context_cache/context_cache_coordinator.h"
 
 namespace mkv::fuzz::lifecycle {
 

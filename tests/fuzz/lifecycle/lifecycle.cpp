@@ -3,6 +3,7 @@
 /// request), teardown, and the helpers every operation family uses.
 
 #include "fuzz/lifecycle/lifecycle.h"
+#include "mkv/bounded_swa_kv_page_manager.h"
 
 namespace mkv::fuzz::lifecycle {
 

@@ -36,6 +36,8 @@
 #include "fuzz/allocation_faults.h"
 #include "fuzz/lifecycle/model.h"
 #include "fuzz/lifecycle_driver.h"
+#include "mkv/bounded_swa_kv_page_manager.h"
+#include "mkv/context_cache/context_cache_coordinator.h"
 #include "mkv/error.h"
 #include "mkv/kv_cache_runtime.h"
 #include "mkv/managed_kv_cache_request.h"

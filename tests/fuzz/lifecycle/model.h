@@ -14,6 +14,8 @@
 #include <utility>
 #include <vector>
 
+#include "mkv/bounded_swa_kv_page_manager.h"
+#include "mkv/context_cache/context_cache_coordinator.h"
 #include "mkv/managed_kv_cache_request.h"
 #include "mkv/testing/kv_oracle.h"
 

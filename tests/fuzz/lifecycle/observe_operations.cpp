@@ -5,6 +5,8 @@
 #include <algorithm>
 
 #include "fuzz/lifecycle/lifecycle.h"
+#include "mkv/bounded_swa_kv_page_manager.h"
+#include "mkv/context_cache/context_cache_coordinator.h"
 
 namespace mkv::fuzz::lifecycle {
 

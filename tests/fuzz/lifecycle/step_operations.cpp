@@ -8,6 +8,7 @@
 #include <cstring>
 
 #include "fuzz/lifecycle/lifecycle.h"
+#include "mkv/context_cache/context_cache_coordinator.h"
 
 namespace mkv::fuzz::lifecycle {
 

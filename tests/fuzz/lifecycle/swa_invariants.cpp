@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include "fuzz/lifecycle/lifecycle.h"
+#include "mkv/bounded_swa_kv_page_manager.h"
 
 namespace mkv::fuzz::lifecycle {
 

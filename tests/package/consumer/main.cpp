@@ -15,6 +15,8 @@
 #include <vector>
 
 #if MKV_CONSUMER_HAS_TESTING
+#include <mkv/context_cache/context_cache_coordinator.h>
+#include <mkv/context_cache/context_cache_metrics.h>
 #include <mkv/testing/reference_engine.h>
 #endif
 

@@ -1,0 +1,90 @@
+#pragma once
+/// \file context_cache_config.h
+/// The settings of context reuse: the coordinator's ContextCacheConfig (also a member of
+/// KVCacheRuntimeConfig) and the deployment profile it serves. Plain value types, apart from the
+/// coordinator (context_cache_coordinator.h) so that the entry headers name them without it.
+///
+/// Thread-safety: plain value types.
+
+#include <cstdint>
+#include <functional>
+#include <optional>
+
+#include "mkv/context_cache/context_cache_types.h"
+#include "mkv/types.h"
+
+namespace mkv {
+
+/// Context-cache settings of a runtime.
+struct ContextCacheConfig {
+  /// false: lookups and publication are off and the coordinator is a plain paged allocator over
+  /// the full pool (the runtime's full-storage mode). Every sequence is treated as kBypass.
+  bool enabled = true;
+  int32_t maxRecords = 1024;  ///< published records kept (evicted beyond); 0 keeps none
+  bool verifyTokens = true;  ///< verify tokens on every index match (docs/context_cache.md, "Keys")
+  int32_t eventQueueCapacity = 0;  ///< BlockStored / BlockRemoved events kept; 0 = off
+  /// Hybrid / pure-recurrent deployments: device bytes of recurrent snapshot slots. Slots =
+  /// budget / SnapshotStorage::recurrentBytesPerSlot (plus the boundary hidden row for
+  /// Hybrid-MTP); an enabled checkpoint deployment needs at least one. Ignored otherwise.
+  int64_t recurrentSnapshotPoolBytes = 0;
+  /// Hybrid deployments: device bytes of partial-KV snapshot slots (the valid rows of a partially
+  /// filled last page, every layer, K and V). Slots = budget / partialKvBytesPerSlot; an enabled
+  /// hybrid deployment needs at least one. Ignored without attention.
+  int64_t partialKvSnapshotPoolBytes = 0;
+  /// Tokens between reuse points, 0 = none (docs/context_cache.md, "Reuse points"). Hybrid and
+  /// pure-recurrent deployments: a prefill also keeps a checkpoint at every multiple of the
+  /// interval past its reuse length and short of its prompt end, captured by the engine into the
+  /// slots reusePointCaptures names, so a later prompt that diverges inside the prompt still lands
+  /// on the last point before the divergence (checkpoints otherwise exist only at prompt and
+  /// decode ends); speculative requests of Hybrid-MTP keep their endpoints only. Sliding-window
+  /// reuse (a window cache): the sliding blocks of the window before every multiple of the
+  /// interval are kept in a tier of their own, dropped after the blocks between those windows and
+  /// before the windows hits have read (WindowBlockCache::keepPointWindow). A
+  /// multiple of the page size with attention. Must be 0 on other attention-only deployments.
+  int32_t checkpointInterval = 0;
+  /// Victim order of published records within a retention priority: kS3Fifo (default: it reuses
+  /// more than kLru in every replay measured, docs/benchmarks.md) or kLru (docs/context_cache.md,
+  /// "Eviction").
+  EvictionPolicyKind evictionPolicy = EvictionPolicyKind::kS3Fifo;
+  /// Clock of retention durations (RetentionRange::duration units); empty = steady-clock
+  /// milliseconds. Called on the engine thread; must not throw.
+  std::function<int64_t()> retentionClock;
+};
+
+/// What kind of model state the base model carries.
+enum class BaseStateKind : uint8_t { kAttentionOnly, kPureRecurrent, kHybrid };
+
+/// The deployment the coordinator serves, validated against the resources at construction:
+/// * attention-only: basePool + basePageTable; block reuse (a recurrent pool, if given, only has
+///   its dropped rows zeroed at compaction);
+/// * hybrid (attention + recurrent layers): basePool + basePageTable + recurrent; exact
+///   checkpoints (recurrent rows + the partial last KV page) instead of blocks;
+/// * pure recurrent: recurrent only (no KV pool, no page table); recurrent checkpoints.
+///
+/// `speculative` adds a draft model (docs/context_cache.md, "Speculative paired reuse"):
+/// * attention-only base: EAGLE-style paired reuse. A paged contract (the draft owns KV: EAGLE,
+///   MTP {paged, 1}; DFlash-like {paged, 0}) needs draftPool + draftPageTable; a shared-KV
+///   contract ({not paged, 0}) must have none;
+/// * hybrid base: Hybrid-MTP. The contract must be paged (an own-KV draft) and
+///   boundaryHiddenWidth > 0 (the base hidden row kept with each endpoint);
+/// * pure recurrent: never speculative.
+struct ContextCacheDeploymentProfile {
+  BaseStateKind baseStateKind = BaseStateKind::kAttentionOnly;
+  /// Set for speculative deployments (EAGLE {paged, 1}, MTP {paged, 1}, ...).
+  std::optional<SpecReuseContract> speculative;
+  /// Hybrid-MTP: width (elements) and type of the boundary hidden row kept with checkpoints.
+  int64_t boundaryHiddenWidth = 0;
+  DataType boundaryHiddenType = DataType::kFloat16;
+
+  bool hasAttention() const noexcept { return baseStateKind != BaseStateKind::kPureRecurrent; }
+  bool usesCheckpointReuse() const noexcept {
+    return baseStateKind != BaseStateKind::kAttentionOnly;
+  }
+  bool isSpeculative() const noexcept { return speculative.has_value(); }
+  bool ownsPagedSpecState() const noexcept { return speculative && speculative->pagedSpecState; }
+  bool isHybridMtp() const noexcept {
+    return isSpeculative() && baseStateKind == BaseStateKind::kHybrid;
+  }
+};
+
+}  // namespace mkv
