@@ -3,7 +3,8 @@
 /// Internal checking helpers (not installed).
 ///
 /// * MKV_REQUIRE(cond, "call", "fmt", args...) - a contract check on caller input; throws
-///   mkv::Error("call: <message>") so the message names the call and the offending value.
+///   mkv::Error("call", "<message>"): what() is "call: <message>", naming the call and the
+///   offending value.
 /// * MKV_ASSERT(cond, "fmt", args...) - an internal invariant, always on; throws
 ///   mkv::Error("internal invariant violated at file:line: ...").
 /// * MKV_DASSERT - the same, compiled out in NDEBUG builds; for hot paths only.
@@ -14,12 +15,15 @@
 
 namespace mkv::detail {
 
+/// Throws mkv::Error(message) (no call of its own: an invariant, a wrapped message).
 [[noreturn]] void throwError(std::string message);
+/// Throws mkv::Error(call, detail).
+[[noreturn]] void throwCallError(std::string call, std::string detail);
 
 template <typename... Args>
 [[noreturn]] void throwContract(char const* call, fmt::format_string<Args...> format,
                                 Args&&... args) {
-  throwError(fmt::format("{}: {}", call, fmt::format(format, std::forward<Args>(args)...)));
+  throwCallError(call, fmt::format(format, std::forward<Args>(args)...));
 }
 
 template <typename... Args>

@@ -204,7 +204,7 @@ void HostKvTier::transfer(char const* call, std::span<HostPageCopy const> offloa
     if (message.starts_with(call)) {
       throw;
     }
-    detail::throwError(fmt::format("{}: {}", call, message));
+    detail::throwCallError(call, std::string(message));
   }
 }
 
@@ -215,7 +215,7 @@ void HostKvTier::orderBefore(char const* call, cudaStream_t stream) {
       mTierDone->orderBefore(stream);
     }
   } catch (Error const& error) {
-    detail::throwError(fmt::format("{}: {}", call, error.what()));
+    detail::throwCallError(call, error.what());
   }
 }
 

@@ -3,7 +3,6 @@
 #include <fmt/format.h>
 
 #include <algorithm>
-#include <cctype>
 #include <memory>
 #include <string_view>
 #include <utility>
@@ -17,21 +16,6 @@
 namespace mkv {
 namespace {
 
-/// The message of a backend's contract error as the facade call `call` reports it: the leading
-/// "Backend::method: " (the internal call) is replaced by `call`, so the integrator reads the
-/// call it made, then the value and what was expected. Other messages (internal invariants)
-/// keep their text behind `call`.
-std::string renamed(char const* call, std::string_view message) {
-  std::size_t const colon = message.find(": ");
-  std::string_view const head = message.substr(0, colon);
-  bool const isCall =
-      colon != std::string_view::npos && !head.empty() &&
-      std::all_of(head.begin(), head.end(), [](char c) {
-        return std::isalnum(static_cast<unsigned char>(c)) != 0 || c == '_' || c == ':';
-      });
-  return fmt::format("{}: {}", call, isCall ? message.substr(colon + 2) : message);
-}
-
 /// Runs a backend call on behalf of the facade call `call`; an mkv::Error it throws is rethrown
 /// naming `call` (a contract error: the backend validated before it changed anything; a device
 /// write that failed keeps the call's host changes, docs/errors.md "Device writes that fail").
@@ -40,7 +24,9 @@ decltype(auto) asFacadeCall(char const* call, Function&& function) {
   try {
     return std::forward<Function>(function)();
   } catch (Error const& error) {
-    detail::throwError(renamed(call, error.what()));
+    // A backend's contract error names its internal call: the integrator reads the facade call
+    // it made, then the value and what was expected. An error naming no call keeps its text.
+    detail::throwCallError(call, error.call().empty() ? error.what() : error.detail());
   }
 }
 

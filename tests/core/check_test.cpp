@@ -22,6 +22,19 @@ TEST(CheckTest, RequireThrowsWithCallNameAndFormattedValues) {
   }
 }
 
+TEST(CheckTest, ARequireErrorCarriesItsCallAndDetailApart) {
+  try {
+    MKV_REQUIRE(false, "Widget::bind", "slot {} is taken", 2);
+    FAIL() << "did not throw";
+  } catch (Error const& error) {
+    EXPECT_EQ(error.call(), "Widget::bind");
+    EXPECT_EQ(error.detail(), "slot 2 is taken");
+  }
+  Error const internal("internal invariant violated at x.cpp:3: broken");
+  EXPECT_EQ(internal.call(), "");
+  EXPECT_STREQ(internal.what(), "internal invariant violated at x.cpp:3: broken");
+}
+
 TEST(CheckTest, RequireEvaluatesArgumentsOnlyOnFailure) {
   int evaluations = 0;
   auto count = [&] { return ++evaluations; };

@@ -130,7 +130,8 @@ TEST_P(DeviceWriteFaultTest, ACallWhoseWriteFailsThrowsAndTheNextFlushDeliversIt
         (void)request->preparePrefill();
         (void)request->prepareSwaPrefill(context.effectivePrefillLengths);
       },
-      {"ManagedKVCacheRequest::prepare", "Prefill: cudaErrorUnknown"}));
+      // The facade call, then the library operation whose launch failed, then the CUDA error.
+      {"ManagedKVCacheRequest::prepare", "Prefill: InlinePatchBatch::flush: cudaErrorUnknown"}));
   EXPECT_EQ(mFaults.pending(), 0);
   EXPECT_EQ(runtime->deviceWriteLaunches(), launches);
   EXPECT_TRUE(runtime->deviceWritesPending()) << "the failed call dropped its writes";

@@ -13,6 +13,7 @@
 #include <cstdint>
 #include <optional>
 #include <span>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -408,6 +409,23 @@ TEST_P(SpeculativeFacadeTest, ARowCancelledBeforeTheFirstRoundPublishesNoPromptE
   consumer.reset();
   for (ResidentRef const& resident : residents) {
     ASSERT_TRUE(runtime.residentSlots().release(resident));
+  }
+}
+
+// A backend's contract error reaches the engine as data: call() is the facade call it made, and
+// detail() names no internal call (the coordinator validated it: "ContextCacheCoordinator::...").
+TEST_P(SpeculativeFacadeTest, AContractErrorCarriesTheFacadeCallAsItsCall) {
+  RuntimeRig plain(configFor(Backend::kContextReuse, device()));
+  SpecDriver onPlain(plain, tokenRun(20, 1), true);
+  try {
+    (void)onPlain.begin();
+    FAIL() << "a speculative begin on a plain runtime did not throw";
+  } catch (Error const& error) {
+    EXPECT_EQ(error.call(), "ManagedKVCacheRequest::begin");
+    EXPECT_NE(error.detail().find("speculative request on a non-speculative"), std::string::npos)
+        << error.detail();
+    EXPECT_EQ(error.detail().find("ContextCacheCoordinator"), std::string::npos) << error.detail();
+    EXPECT_EQ(std::string(error.what()), error.call() + ": " + error.detail());
   }
 }
 
