@@ -228,6 +228,14 @@ class BoundedSwaKVPageManager {
   /// outside the pool or repeated in one sequence, and for what pageSource->hold throws for.
   BeginRequestResult beginRequest(std::span<ResidentRef const> residents, cudaStream_t stream,
                                   std::span<SwaReuseStart const> starts);
+  /// Every check of the cached-mode beginRequest, without its effects: throws (naming `call`)
+  /// where it throws, the busy check included unless poisoned (as there). Returns the private
+  /// pages the batch would allocate: beginRequest refuses for capacity exactly when they
+  /// exceed freePageCount() less the window pages nobody holds yet (holding takes them out of
+  /// what the source can allocate). For a composed request, whose other half must not admit
+  /// what this half would refuse.
+  int64_t checkBeginRequest(std::span<ResidentRef const> residents, cudaStream_t stream,
+                            std::span<SwaReuseStart const> starts, char const* call) const;
 
   /// Maps each sequence's retained window for its executed prefill length and uploads the
   /// table patch; resets the length pools to 0 for the batch. Call after embeddings and token
@@ -254,11 +262,19 @@ class BoundedSwaKVPageManager {
   /// stale or already held, and a start beginRequest would refuse.
   SwaKVCacheStatus admitSequence(RequestHandle& handle, ResidentRef resident,
                                  SwaReuseStart const& start);
+  /// Every check of admitSequence, without its effects (throws naming `call` where it throws,
+  /// the busy check included unless poisoned); returns the joiner's private pages, refused for
+  /// capacity as checkBeginRequest's.
+  int32_t checkAdmitSequence(RequestHandle const& handle, ResidentRef resident,
+                             SwaReuseStart const& start, char const* call) const;
   /// After the engine's completion point for the joiner's prefill: commits row `row` at its
   /// prompt length as completePrefill does (pages outside the window go to the source, one
   /// spare kept); decode steps include it from now on. Throws unless `row` is an unfinalised
   /// joiner and no work is pending.
   void finalizeSequenceAdmission(RequestHandle& handle, int32_t row);
+  /// Every check of finalizeSequenceAdmission, without its effects (throws naming `call`).
+  void checkFinalizeSequenceAdmission(RequestHandle const& handle, int32_t row,
+                                      char const* call) const;
   /// What retractSequenceAdmission would undo: true when `handle`'s request is live, no work is
   /// pending and its newest row is an unfinalised joiner.
   bool hasRetractableAdmission(RequestHandle const& handle) const noexcept;
