@@ -122,7 +122,9 @@ class SlidingReuseRequest {
   }
   /// After the joiner's prefill: finalises the coordinator's row (its full blocks published),
   /// publishes the row's complete prompt blocks' sliding pages, then retires its window as
-  /// completePrefill does. False (poisoned) when the coordinator's half fails.
+  /// completePrefill does. Both halves check before either changes: a throw (work pending, a
+  /// row that is no unfinalised joiner) changes nothing. False (poisoned) when the coordinator's
+  /// half fails.
   bool finalizeSequenceAdmission(ExecutionRow row, int32_t const& lookaheadToken,
                                  int32_t fullInputLength);
   /// Undoes the newest unfinalised joiner on both halves: true when it did. Never throws: false,

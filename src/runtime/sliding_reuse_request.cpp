@@ -575,8 +575,12 @@ bool SlidingReuseRequest::finalizeSequenceAdmission(ExecutionRow row, int32_t co
   MKV_REQUIRE(row >= 0 && static_cast<std::size_t>(row) < mPromptTokens.size() &&
                   mManager->state(mHandle, row).joining,
               kCall, "row {} is not an unfinalised in-flight admission", row);
-  // As completePrefill: the full half publishes its blocks, then the sliding pages of the same
-  // blocks are published before the SWA half retires what left the window.
+  // Both halves check before either changes: the sliding half here (work pending there, such as
+  // a prepared decode step, would otherwise throw after the full half had finalised), the full
+  // half in its own call. Then, as completePrefill: the full half publishes its blocks, the
+  // sliding pages of the same blocks are published, and the SWA half retires what left the
+  // window.
+  mManager->checkFinalizeSequenceAdmission(mHandle, row, kCall);
   if (!mFull.finalizeSequenceAdmission(row, lookaheadToken, fullInputLength)) {
     return false;  // poisoned; finish releases the SWA half's joiner
   }

@@ -701,5 +701,35 @@ TEST(SlidingReuseFacadeTest, AJoinerTheSlidingPoolCannotHoldChangesNothingOnEith
   expectNothingHeld(runtime);
 }
 
+// A finalisation the sliding half refuses (a decode step is prepared) throws before the full half
+// finalises anything: the joiner stays unfinalised on both halves, and is finalised between steps.
+TEST(SlidingReuseFacadeTest, AFinalisationTheSlidingHalfRefusesChangesNothingOnEitherHalf) {
+  runtime_test::RuntimeRig rig(slidingConfig(DeviceType::kCPU));
+  KVCacheRuntime& runtime = rig.runtime();
+  runtime_test::FacadeDriver driver(rig);
+  driver.add(tokenRun(100, 0));
+  ASSERT_TRUE(driver.begin());
+  ASSERT_TRUE(driver.prefill());
+  std::vector<int32_t> const joiner = tokenRun(40, 500);
+  ASSERT_EQ(driver.admit(joiner), AdmitSequenceStatus::kAdmitted);
+  ASSERT_TRUE(driver.prepareDecode());
+  {
+    runtime_test::BackendState const before = rig.observe();
+    ContextCacheCoordinatorCounters const counters = runtime.contextCache()->counters();
+    EXPECT_TRUE(
+        test::throwsError([&] { (void)driver.facade().finalizeSequenceAdmission(1, 7, 40); },
+                          {"ManagedKVCacheRequest::finalizeSequenceAdmission", "work is pending"}));
+    rig.expectUnchanged(before);
+    EXPECT_EQ(runtime.contextCache()->counters().prefillPublications, counters.prefillPublications);
+    EXPECT_EQ(runtime.contextCache()->manager().records().size(), 1u);
+  }
+  ASSERT_TRUE(driver.completeDecode());  // the step prepareDecode executed
+  ASSERT_TRUE(driver.seatNewest());      // between steps: both halves finalise
+  ASSERT_TRUE(driver.decode());
+  driver.verify();
+  ASSERT_TRUE(driver.finish());
+  expectNothingHeld(runtime);
+}
+
 }  // namespace
 }  // namespace mkv
