@@ -289,10 +289,19 @@ class BoundedSwaKVPageManager {
   /// request is finishing) when a sequence would pass the table width, or (cached mode) needs a
   /// page, has no spare and the page source has no page for it.
   SwaKVCacheStatus prepareDecodeStep(RequestHandle& handle);
+  /// What prepareDecodeStep would do now, without its effects: throws (naming `call`) where it
+  /// throws; else the row failure it would end the request with (kTableFull, kNoCapacity: the
+  /// rows that need a page and have no spare take them from the page source in row order), or
+  /// kNone when it would stage the step. For a composed request, whose other half must not
+  /// prepare a step this half refuses.
+  RowFailure checkPrepareDecodeStep(RequestHandle const& handle, char const* call) const;
   /// Why the request of `handle` failed: kPoisoned (row -1) while the manager is poisoned; else
   /// the row a decode step could not grow (kTableFull, kNoCapacity); kNone when nothing failed
   /// or the handle is not live.
   RowFailure lastFailure(RequestHandle const& handle) const noexcept;
+  /// True when `handle`'s request is live and finishing: a decode step it could not take (or a
+  /// compaction that dropped every row) ended it, and only finish or abandonment remain.
+  bool finishing(RequestHandle const& handle) const noexcept;
   /// Commits the step and retires pages that left the window.
   /// Cached mode: a retired page goes to pageSource->release and the sequence takes its next
   /// spare with pageSource->allocate(1). That cannot fail when the release made the page

@@ -117,9 +117,7 @@ class SlidingReuseRequest {
   /// A chunk of a joiner's prefill completed: the full layers publish the row's full blocks so
   /// far (ContextCacheRequest::completePrefillChunk); its sliding pages are published at
   /// finalisation, with the whole prompt's.
-  bool completePrefillChunk(ExecutionRow row, int32_t prefilledTokens) {
-    return mFull.completePrefillChunk(row, prefilledTokens);
-  }
+  bool completePrefillChunk(ExecutionRow row, int32_t prefilledTokens);
   /// After the joiner's prefill: finalises the coordinator's row (its full blocks published),
   /// publishes the row's complete prompt blocks' sliding pages, then retires its window as
   /// completePrefill does. Both halves check before either changes: a throw (work pending, a
@@ -172,6 +170,9 @@ class SlidingReuseRequest {
   /// step being completed, and the page leaving it).
   void publishGeneratedWindow(std::size_t row);
   bool swaStatus(SwaKVCacheStatus status, char const* operation) const;
+  /// Throws (naming `call`) once the sliding half is finishing (a decode step it refused leaves
+  /// the full half executing, which would accept what a finishing request refuses).
+  void requireSlidingHalfExecuting(char const* call) const;
 
   ContextCacheRequest mFull;
   BoundedSwaKVPageManager* mManager;

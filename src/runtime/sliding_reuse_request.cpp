@@ -315,6 +315,12 @@ bool SlidingReuseRequest::swaStatus(SwaKVCacheStatus status, char const* operati
   return false;
 }
 
+void SlidingReuseRequest::requireSlidingHalfExecuting(char const* call) const {
+  MKV_REQUIRE(!mManager->finishing(mHandle), call,
+              "the request is finishing (its sliding half refused a decode step or has no row "
+              "left): finish it");
+}
+
 bool SlidingReuseRequest::poisoned() const noexcept {
   return mFull.poisoned() || mManager->poisoned();
 }
@@ -382,7 +388,13 @@ void SlidingReuseRequest::publishGeneratedWindow(std::size_t row) {
   (void)publishMappedBlocks(row, mPromptTokens[row] / pageSize, endBlock);
 }
 
+bool SlidingReuseRequest::completePrefillChunk(ExecutionRow row, int32_t prefilledTokens) {
+  requireSlidingHalfExecuting("SlidingReuseRequest::completePrefillChunk");
+  return mFull.completePrefillChunk(row, prefilledTokens);
+}
+
 bool SlidingReuseRequest::preemptSequence(ExecutionRow row) {
+  requireSlidingHalfExecuting("SlidingReuseRequest::preemptSequence");
   if (!mFull.preemptSequence(row)) {
     return false;
   }
@@ -411,12 +423,31 @@ bool SlidingReuseRequest::completePrefill(DecodingInferenceContext const& contex
 
 bool SlidingReuseRequest::prepareDecodeStep(DecodingInferenceContext const& context,
                                             DecodingKvHeadroom const& headroom) {
-  requireVanillaRequest("SlidingReuseRequest::prepareDecodeStep", false, headroom,
+  constexpr char const* kCall = "SlidingReuseRequest::prepareDecodeStep";
+  requireVanillaRequest(kCall, false, headroom,
                         DecodingTokenStateContract::kCommittedPlusLookahead);
+  // A step either half refuses ends the request, which the engine then finishes: the other half
+  // must not have prepared it (ContextCacheRequest::finish refuses while its step is prepared).
+  // So the sliding half's outcome is known first (its checks and its row failure, without
+  // effects); a step it refuses is refused there alone, and one it accepts is prepared on the
+  // full half first (which refuses alone), then on the sliding half.
+  MKV_REQUIRE(context.generatedTokenIds.size() == mPromptTokens.size(), kCall,
+              "context has {} generated lists for a batch of {}", context.generatedTokenIds.size(),
+              mPromptTokens.size());
+  RowFailure const slidingFailure = mManager->checkPrepareDecodeStep(mHandle, kCall);
+  if (slidingFailure.reason != RowFailureReason::kNone) {
+    SwaKVCacheStatus const refused = mManager->prepareDecodeStep(mHandle);
+    MKV_ASSERT(refused != SwaKVCacheStatus::kOk,
+               "the sliding half staged a step its check refused (row {})", slidingFailure.row);
+    return swaStatus(refused, "prepareDecodeStep");
+  }
   if (!mFull.prepareDecodeStep(context, headroom)) {
     return false;
   }
-  return swaStatus(mManager->prepareDecodeStep(mHandle), "prepareDecodeStep");
+  SwaKVCacheStatus const staged = mManager->prepareDecodeStep(mHandle);
+  MKV_ASSERT(staged == SwaKVCacheStatus::kOk,
+             "the sliding half refused ({}) a step its check accepted", toString(staged));
+  return true;
 }
 
 bool SlidingReuseRequest::completeDecodeStep(DecodingInferenceContext const& context,
@@ -490,6 +521,7 @@ AdmitSequenceStatus SlidingReuseRequest::admitSequence(
   constexpr char const* kCall = "SlidingReuseRequest::admitSequence";
   requireVanillaRequest(kCall, false, headroom,
                         DecodingTokenStateContract::kCommittedPlusLookahead);
+  requireSlidingHalfExecuting(kCall);
   // As begin: the joiner is checked against both halves before either admits it.
   std::optional<SwaReuseStart> planned;
   if (!mFull.poisoned() && !slidingPoolHoldsCold(*mManager, std::span(&tokenIds, 1))) {
@@ -581,6 +613,7 @@ bool SlidingReuseRequest::finalizeSequenceAdmission(ExecutionRow row, int32_t co
   // sliding pages of the same blocks are published, and the SWA half retires what left the
   // window.
   mManager->checkFinalizeSequenceAdmission(mHandle, row, kCall);
+  requireSlidingHalfExecuting(kCall);
   if (!mFull.finalizeSequenceAdmission(row, lookaheadToken, fullInputLength)) {
     return false;  // poisoned; finish releases the SWA half's joiner
   }

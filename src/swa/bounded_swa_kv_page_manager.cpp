@@ -497,6 +497,41 @@ RowFailure BoundedSwaKVPageManager::lastFailure(RequestHandle const& handle) con
   return live != nullptr ? live->failure : RowFailure{};
 }
 
+RowFailure BoundedSwaKVPageManager::checkPrepareDecodeStep(RequestHandle const& handle,
+                                                           char const* call) const {
+  Request const& req = request(handle, call);
+  MKV_REQUIRE(req.phase == Phase::kExecuting && req.pending == Pending::kNone, call,
+              "a decode step needs a completed prefill or step and no pending work");
+  // As stageDecode, row by row: each row that needs a page and has no spare takes one from the
+  // page source (without one: none).
+  int64_t available =
+      mResources.pageSource != nullptr ? mResources.pageSource->availablePages() : 0;
+  for (std::size_t i = 0; i < req.sequences.size(); ++i) {
+    SwaSequenceState const& state = req.sequences[i];
+    if (state.joining) {
+      continue;
+    }
+    auto const row = static_cast<ExecutionRow>(i);
+    if (state.endpoint == std::numeric_limits<int32_t>::max() ||
+        pagesCovering(state.endpoint + 1, mPageShift) > mResources.swaPageTable->maxPagesPerSeq()) {
+      return RowFailure{RowFailureReason::kTableFull, row};
+    }
+    bool const needsPage = pagesCovering(state.endpoint + 1, mPageShift) > state.retainedEnd;
+    if (needsPage && state.reservedPages.empty()) {
+      if (available == 0) {
+        return RowFailure{RowFailureReason::kNoCapacity, row};
+      }
+      --available;
+    }
+  }
+  return RowFailure{};
+}
+
+bool BoundedSwaKVPageManager::finishing(RequestHandle const& handle) const noexcept {
+  Request const* const live = handle.mManager == this ? mRequests->find(handle.mId) : nullptr;
+  return live != nullptr && live->phase == Phase::kFinishing;
+}
+
 SwaKVCacheStatus BoundedSwaKVPageManager::prepareDecodeStep(RequestHandle& handle) {
   constexpr char const* kCall = "BoundedSwaKVPageManager::prepareDecodeStep";
   Request& req = request(handle, kCall);

@@ -731,5 +731,56 @@ TEST(SlidingReuseFacadeTest, AFinalisationTheSlidingHalfRefusesChangesNothingOnE
   expectNothingHeld(runtime);
 }
 
+// A decode step the sliding half refuses while the full half could take it (the page a row retires
+// is a reused window page another request still holds, so it brings back no spare, and the
+// sliding pool is full) ends the request on the sliding half alone: nothing is prepared on the
+// full half, so the engine can finish the request.
+TEST(SlidingReuseFacadeTest, ADecodeStepTheSlidingHalfRefusesLeavesARequestThatFinishes) {
+  runtime_test::RuntimeRig rig(slidingConfig(DeviceType::kCPU, 69));
+  KVCacheRuntime& runtime = rig.runtime();
+  WindowBlockCache const& window = *runtime.windowBlockCache();
+  std::vector<int32_t> const shared = tokenRun(128, 0);  // 8 blocks
+  {
+    runtime_test::FacadeDriver cached(rig);
+    cached.add(shared);
+    ASSERT_TRUE(cached.begin());
+    ASSERT_TRUE(cached.prefill());
+    ASSERT_TRUE(cached.finish());
+  }
+  // Both reuse the 8 blocks and hold the window before block 8 (blocks 4..7).
+  runtime_test::FacadeDriver decoding(rig);
+  decoding.add(concatenated(shared, tokenRun(8, 1000)));
+  runtime_test::FacadeDriver holding(rig);
+  holding.add(concatenated(shared, tokenRun(8, 2000)));
+  ASSERT_TRUE(decoding.begin());
+  ASSERT_TRUE(holding.begin());
+  ASSERT_EQ(decoding.rows[0].prefillStart, 128);
+  ASSERT_EQ(holding.rows[0].prefillStart, 128);
+  ASSERT_TRUE(decoding.prefill());
+  // The rest of the sliding pool: a fresh prompt, begun only.
+  runtime_test::FacadeDriver filling(rig);
+  int32_t const available = window.availablePages();
+  ASSERT_GT(available, 2);
+  filling.add(tokenRun((available - 1) * kPage, 5000));
+  ASSERT_TRUE(filling.begin());
+  ASSERT_EQ(window.availablePages(), 0);
+  // Each window page the decoding row retires is held by `holding`: no spare comes back, and
+  // the next page it needs is not there.
+  int32_t steps = 0;
+  while (steps < 64 && decoding.decode()) {
+    ++steps;
+  }
+  ASSERT_LT(steps, 64) << "the sliding half never refused a step";
+  RowFailure const failure = decoding.facade().lastFailure();
+  EXPECT_EQ(failure.reason, RowFailureReason::kNoCapacity);
+  EXPECT_EQ(failure.row, 0);
+  EXPECT_EQ(runtime.contextCache()->counters().growthFailures, 0u);  // the full half had room
+  EXPECT_FALSE(runtime.contextCache()->poisoned());
+  EXPECT_TRUE(decoding.finish());  // threw "a decode step is still prepared" before
+  EXPECT_TRUE(holding.finish());
+  EXPECT_TRUE(filling.finish());
+  expectNothingHeld(runtime);
+}
+
 }  // namespace
 }  // namespace mkv
