@@ -384,7 +384,12 @@ void SlidingReuseRequest::publishGeneratedWindow(std::size_t row) {
   int32_t const pageSize = mManager->tokensPerPage();
   SwaSequenceState const& state = mManager->state(mHandle, static_cast<int32_t>(row));
   // Tokens whose sliding KV exists once the step completes: the coordinator's committed count.
-  int32_t const endBlock = state.pendingEndpoint.value_or(state.endpoint) / pageSize;
+  // The sliding window moves on every step, a row that produced no token (cancelled) included,
+  // so its endpoint may be past that count: blocks beyond it are not the row's.
+  int32_t const committed =
+      mFull.coordinator().committedLength(mFull.handle(), static_cast<ExecutionRow>(row));
+  int32_t const endBlock =
+      std::min(state.pendingEndpoint.value_or(state.endpoint), committed) / pageSize;
   (void)publishMappedBlocks(row, mPromptTokens[row] / pageSize, endBlock);
 }
 

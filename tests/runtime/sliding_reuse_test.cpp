@@ -782,5 +782,38 @@ TEST(SlidingReuseFacadeTest, ADecodeStepTheSlidingHalfRefusesLeavesARequestThatF
   expectNothingHeld(runtime);
 }
 
+// Preemption publishes a row's committed blocks on both halves. A row cancelled in a decode step
+// produced no token, but its sliding window moved on: its sliding endpoint is one past the
+// coordinator's committed count, and only blocks within that count are published (before, the
+// block past it was asked of the coordinator, which refused it after publishing its own half).
+TEST(SlidingReuseFacadeTest, PreemptingARowCancelledInAStepPublishesItsCommittedBlocks) {
+  runtime_test::RuntimeRig rig(slidingConfig(DeviceType::kCPU));
+  KVCacheRuntime& runtime = rig.runtime();
+  std::vector<int32_t> const prompt = tokenRun(40, 0);
+  runtime_test::FacadeDriver driver(rig);
+  driver.add(prompt);
+  ASSERT_TRUE(driver.begin());
+  ASSERT_TRUE(driver.prefill());
+  for (int step = 0; step < 23; ++step) {  // committed 40 + 23 = 63: blocks 0..2 complete
+    ASSERT_TRUE(driver.decode());
+  }
+  driver.cancel(0);
+  ASSERT_TRUE(driver.decode());  // no token; the sliding window moves to 64
+  ASSERT_TRUE(driver.facade().preemptSequence(0));
+  std::vector<int32_t> committed = prompt;
+  committed.insert(committed.end(), driver.generated(0).begin(), driver.generated(0).begin() + 23);
+  ASSERT_TRUE(driver.finish());
+  // Block 2 (tokens 32..47) was published by the preemption alone, on both halves: a prompt that
+  // continues the committed tokens reuses three blocks with the window before them.
+  runtime_test::FacadeDriver next(rig);
+  next.add(concatenated(committed, tokenRun(20, 9000)));
+  ASSERT_TRUE(next.begin());
+  EXPECT_EQ(next.rows[0].prefillStart, 48);
+  ASSERT_TRUE(next.prefill());
+  next.verify();
+  ASSERT_TRUE(next.finish());
+  expectNothingHeld(runtime);
+}
+
 }  // namespace
 }  // namespace mkv
