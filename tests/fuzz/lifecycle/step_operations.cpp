@@ -876,7 +876,9 @@ void Lifecycle::issueCompleteDecode(Req& req, CompleteDecodeCall& call) {
     }
     row.decoded = false;
     row.accepted = 0;
-    row.windowFrom = row.endpoint;
+    if (row.joined) {  // an unfinalised joiner keeps its prefill's mapping until finalised
+      row.windowFrom = row.endpoint;
+    }
   }
   if (req.speculative) {
     ++mStats.verificationRounds;
