@@ -454,6 +454,9 @@ class BoundedSwaKVPageManager {
   StreamSynchronizer mSynchronizer;
   std::vector<PageId> mFreePages;
   std::vector<uint8_t> mResidentBusy;
+  /// compactBatch's dropped slots, reserved for every row at construction: a compaction
+  /// allocates nothing (a composed request compacts this half after the other one).
+  std::vector<CacheSlot> mDroppedSlots;
   /// Compaction-mapping staging, one region per resident slot (created once, see device.h).
   std::unique_ptr<detail::Int32UploadRegions> mMappingUploads;
   /// resources.deviceWrites, or mOwnedWrites (kEachCall) when that was null.

@@ -484,8 +484,11 @@ bool SlidingReuseRequest::beginBatchCompaction(std::vector<int32_t> const& oldTo
   mManager->checkBeginBatchCompaction(mHandle, oldToNew, newBatchSize, deviceBatchMapping, kCall);
   mFull.coordinator().checkBeginBatchCompaction(mFull.handle(), oldToNew, newBatchSize,
                                                 deviceBatchMapping, kCall);
-  mManager->beginBatchCompaction(mHandle, oldToNew, newBatchSize, deviceBatchMapping);
+  // The full half first: what it allocates comes before it changes anything; the sliding half
+  // allocates nothing here (its mapping's capacity is reserved at admission), so it cannot fail
+  // after the full half began.
   mFull.beginBatchCompaction(oldToNew, newBatchSize, deviceBatchMapping);
+  mManager->beginBatchCompaction(mHandle, oldToNew, newBatchSize, deviceBatchMapping);
   mPendingMapping = std::move(pending);
   return true;
 }
@@ -496,15 +499,18 @@ bool SlidingReuseRequest::completeBatchCompaction(std::vector<int32_t> const& ke
   // As at the begin: the engine may have resized either half's length tensor since.
   mManager->checkCompactBatch(mHandle, kCall);
   mFull.coordinator().checkCompactBatch(mFull.handle(), kCall);
-  detail::SharedSynchronizer::Scope const once(mManager->sharedSynchronizer());
-  bool const fullOk = mFull.completeBatchCompaction(keepMapping);
-  bool const swaOk = swaStatus(mManager->compactBatch(mHandle), "completeBatchCompaction");
+  // What this request allocates comes first; the full half allocates before it compacts, and the
+  // sliding half allocates nothing: neither can run out of host memory after the other compacted.
   std::vector<int32_t> kept;
+  kept.reserve(mPendingMapping.size());
   for (std::size_t row = 0; row < mPendingMapping.size(); ++row) {
     if (mPendingMapping[row] >= 0) {
       kept.push_back(mPromptTokens[row]);  // order-preserving: the k-th survivor goes to k
     }
   }
+  detail::SharedSynchronizer::Scope const once(mManager->sharedSynchronizer());
+  bool const fullOk = mFull.completeBatchCompaction(keepMapping);
+  bool const swaOk = swaStatus(mManager->compactBatch(mHandle), "completeBatchCompaction");
   mPromptTokens = std::move(kept);
   mPendingMapping.clear();
   return fullOk && swaOk;

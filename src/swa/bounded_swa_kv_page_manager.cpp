@@ -129,6 +129,7 @@ BoundedSwaKVPageManager::BoundedSwaKVPageManager(BoundedSwaConfig const& config,
     }
   }
   mResidentBusy.assign(static_cast<std::size_t>(table.maxBatch()), 0);
+  mDroppedSlots.reserve(static_cast<std::size_t>(table.maxBatch()));
   mWrites = mResources.deviceWrites;
   if (mWrites == nullptr) {
     mOwnedWrites =
@@ -243,6 +244,9 @@ std::unique_ptr<BoundedSwaKVPageManager::Request> BoundedSwaKVPageManager::newRe
     created->sequences.reserve(static_cast<std::size_t>(mResources.swaPageTable->maxBatch()));
   }
   created->sequences.resize(residents.size());
+  // A compaction's mapping never allocates: a composed request begins this half's compaction
+  // after the other half's, which it could not undo.
+  created->mapping.reserve(static_cast<std::size_t>(mResources.swaPageTable->maxBatch()));
   // A sequence never holds more than its admission pages, so with these capacities no
   // transition, completion or release allocates (only bindings, a deque, may).
   for (std::size_t i = 0; i < residents.size(); ++i) {
@@ -652,9 +656,9 @@ SwaKVCacheStatus BoundedSwaKVPageManager::compactBatch(RequestHandle& handle) {
   constexpr char const* kCall = "BoundedSwaKVPageManager::compactBatch";
   checkCompactBatch(handle, kCall);
   Request& req = request(handle, kCall);
-  // The only allocation comes first, so a std::bad_alloc changes nothing.
-  std::vector<CacheSlot> dropped;
-  dropped.reserve(req.mapping.size());
+  // No allocation: the dropped slots' storage is reserved for every row.
+  std::vector<CacheSlot>& dropped = mDroppedSlots;
+  dropped.clear();
   for (std::size_t i = 0; i < req.mapping.size(); ++i) {
     if (req.mapping[i] < 0) {
       dropped.push_back(req.sequences[i].resident.slot);
