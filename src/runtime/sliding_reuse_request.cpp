@@ -3,6 +3,7 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <new>
 #include <utility>
 
 #include "context_cache/block_hash.h"
@@ -347,26 +348,46 @@ bool SlidingReuseRequest::prepareSwaPrefill(std::vector<int32_t> const& effectiv
 int32_t SlidingReuseRequest::publishMappedBlocks(std::size_t row, int32_t firstBlock,
                                                  int32_t endBlock) {
   SwaSequenceState const& state = mManager->state(mHandle, static_cast<int32_t>(row));
+  auto const inRange = [&](SwaPageBinding const& binding) {
+    return binding.logicalPage >= firstBlock && binding.logicalPage < endBlock;
+  };
   int32_t mappedFrom = endBlock;
-  mBlockPages.clear();
-  auto const take = [&](SwaPageBinding const& binding) {
-    if (binding.logicalPage >= firstBlock && binding.logicalPage < endBlock) {
+  int32_t mapped = 0;
+  auto const count = [&](SwaPageBinding const& binding) {
+    if (inRange(binding)) {
       mappedFrom = std::min(mappedFrom, binding.logicalPage);
-      mBlockPages.push_back(binding.page);
+      ++mapped;
     }
   };
-  for (SwaPageBinding const& binding : state.pendingRetire) {  // leaving the window now
-    take(binding);
+  std::for_each(state.pendingRetire.begin(), state.pendingRetire.end(), count);
+  std::for_each(state.bindings.begin(), state.bindings.end(), count);
+  MKV_ASSERT(mapped == endBlock - mappedFrom, "row {}: {} sliding pages mapped for blocks [{}, {})",
+             row, mapped, mappedFrom, endBlock);
+  if (mapped == 0) {
+    return mappedFrom;
   }
-  for (SwaPageBinding const& binding : state.bindings) {
-    take(binding);
-  }
-  MKV_ASSERT(static_cast<int32_t>(mBlockPages.size()) == endBlock - mappedFrom,
-             "row {}: {} sliding pages mapped for blocks [{}, {})", row, mBlockPages.size(),
-             mappedFrom, endBlock);
-  if (!mBlockPages.empty()) {
+  try {
+    mBlockPages.clear();
+    for (SwaPageBinding const& binding : state.pendingRetire) {  // leaving the window now
+      if (inRange(binding)) {
+        mBlockPages.push_back(binding.page);
+      }
+    }
+    for (SwaPageBinding const& binding : state.bindings) {
+      if (inRange(binding)) {
+        mBlockPages.push_back(binding.page);
+      }
+    }
     mFull.coordinator().publishWindowBlocks(mFull.handle(), static_cast<ExecutionRow>(row),
                                             mappedFrom, mBlockPages);
+  } catch (std::bad_alloc const&) {
+    // As the coordinator's own publication at a completion point: the step is applied, and the
+    // blocks it could not publish (each one is published whole or not at all) stay unpublished;
+    // the sliding pool then drops or reuses their pages as any unpublished page.
+    logger()->warn(
+        "SlidingReuseRequest: publishing the sliding pages of row {}'s blocks [{}, {}) ran out "
+        "of host memory; they stay unpublished",
+        row, mappedFrom, endBlock);
   }
   return mappedFrom;
 }
