@@ -228,6 +228,14 @@ class BoundedSwaKVPageManager {
   /// outside the pool or repeated in one sequence, and for what pageSource->hold throws for.
   BeginRequestResult beginRequest(std::span<ResidentRef const> residents, cudaStream_t stream,
                                   std::span<SwaReuseStart const> starts);
+  /// Every check of the cached-mode beginRequest, without its effects: throws (naming `call`)
+  /// where it throws, the busy check included unless poisoned (as there). Returns the private
+  /// pages the batch would allocate: beginRequest refuses for capacity exactly when they
+  /// exceed freePageCount() less the window pages nobody holds yet (holding takes them out of
+  /// what the source can allocate). For a composed request, whose other half must not admit
+  /// what this half would refuse.
+  int64_t checkBeginRequest(std::span<ResidentRef const> residents, cudaStream_t stream,
+                            std::span<SwaReuseStart const> starts, char const* call) const;
 
   /// Maps each sequence's retained window for its executed prefill length and uploads the
   /// table patch; resets the length pools to 0 for the batch. Call after embeddings and token
@@ -254,11 +262,19 @@ class BoundedSwaKVPageManager {
   /// stale or already held, and a start beginRequest would refuse.
   SwaKVCacheStatus admitSequence(RequestHandle& handle, ResidentRef resident,
                                  SwaReuseStart const& start);
+  /// Every check of admitSequence, without its effects (throws naming `call` where it throws,
+  /// the busy check included unless poisoned); returns the joiner's private pages, refused for
+  /// capacity as checkBeginRequest's.
+  int32_t checkAdmitSequence(RequestHandle const& handle, ResidentRef resident,
+                             SwaReuseStart const& start, char const* call) const;
   /// After the engine's completion point for the joiner's prefill: commits row `row` at its
   /// prompt length as completePrefill does (pages outside the window go to the source, one
   /// spare kept); decode steps include it from now on. Throws unless `row` is an unfinalised
   /// joiner and no work is pending.
   void finalizeSequenceAdmission(RequestHandle& handle, int32_t row);
+  /// Every check of finalizeSequenceAdmission, without its effects (throws naming `call`).
+  void checkFinalizeSequenceAdmission(RequestHandle const& handle, int32_t row,
+                                      char const* call) const;
   /// What retractSequenceAdmission would undo: true when `handle`'s request is live, no work is
   /// pending and its newest row is an unfinalised joiner.
   bool hasRetractableAdmission(RequestHandle const& handle) const noexcept;
@@ -273,10 +289,19 @@ class BoundedSwaKVPageManager {
   /// request is finishing) when a sequence would pass the table width, or (cached mode) needs a
   /// page, has no spare and the page source has no page for it.
   SwaKVCacheStatus prepareDecodeStep(RequestHandle& handle);
+  /// What prepareDecodeStep would do now, without its effects: throws (naming `call`) where it
+  /// throws; else the row failure it would end the request with (kTableFull, kNoCapacity: the
+  /// rows that need a page and have no spare take them from the page source in row order), or
+  /// kNone when it would stage the step. For a composed request, whose other half must not
+  /// prepare a step this half refuses.
+  RowFailure checkPrepareDecodeStep(RequestHandle const& handle, char const* call) const;
   /// Why the request of `handle` failed: kPoisoned (row -1) while the manager is poisoned; else
   /// the row a decode step could not grow (kTableFull, kNoCapacity); kNone when nothing failed
   /// or the handle is not live.
   RowFailure lastFailure(RequestHandle const& handle) const noexcept;
+  /// True when `handle`'s request is live and finishing: a decode step it could not take (or a
+  /// compaction that dropped every row) ended it, and only finish or abandonment remain.
+  bool finishing(RequestHandle const& handle) const noexcept;
   /// Commits the step and retires pages that left the window.
   /// Cached mode: a retired page goes to pageSource->release and the sequence takes its next
   /// spare with pageSource->allocate(1). That cannot fail when the release made the page
@@ -429,6 +454,9 @@ class BoundedSwaKVPageManager {
   StreamSynchronizer mSynchronizer;
   std::vector<PageId> mFreePages;
   std::vector<uint8_t> mResidentBusy;
+  /// compactBatch's dropped slots, reserved for every row at construction: a compaction
+  /// allocates nothing (a composed request compacts this half after the other one).
+  std::vector<CacheSlot> mDroppedSlots;
   /// Compaction-mapping staging, one region per resident slot (created once, see device.h).
   std::unique_ptr<detail::Int32UploadRegions> mMappingUploads;
   /// resources.deviceWrites, or mOwnedWrites (kEachCall) when that was null.

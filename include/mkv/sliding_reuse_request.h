@@ -36,10 +36,12 @@ class SlidingReuseRequest {
  public:
   /// Admits the batch on the coordinator (its window cache set: every plan is capped by the hit
   /// rule), then on the SWA manager with each row's reuse start and the cached window pages
-  /// before it. Throws unless the request is not speculative, headroom is {1, 0} and the
-  /// contract is kCommittedPlusLookahead (and whatever ContextCacheRequest::begin throws for).
-  /// nullopt when either half refuses (no capacity, poisoned); a refusal of the SWA half gives the
-  /// coordinator's leases back unpublished.
+  /// before it. Both halves are checked before either admits (a dry run of the sliding half with
+  /// the starts the coordinator's lookup gives, unless the batch's cold demand fits), so a
+  /// refusal changes nothing on either. Throws unless the request is not speculative, headroom
+  /// is {1, 0} and the contract is kCommittedPlusLookahead (and whatever ContextCacheRequest::begin
+  /// and the SWA manager's beginRequest throw for). nullopt when either half refuses (no
+  /// capacity, poisoned).
   static std::optional<SlidingReuseRequest> begin(
       ContextCacheCoordinator& coordinator, BoundedSwaKVPageManager& manager,
       LLMGenerationRequest const& request, DecodingInferenceContext const& context,
@@ -97,10 +99,10 @@ class SlidingReuseRequest {
 
   /// In-flight admission: the coordinator admits the joiner (its full layers' rows, the reuse
   /// start capped by the window rule), then the SWA manager with that start and the cached
-  /// window pages before it. kAdmitted with `prefillStart` set; kNoCapacity when either half
-  /// has too few pages (a refusal of the SWA half retracts the coordinator's admission); kFailed
-  /// when poisoned. Throws what ContextCacheRequest::admitSequence throws for and for headroom
-  /// other than {1, 0}.
+  /// window pages before it, both checked first as in begin. kAdmitted with `prefillStart` set;
+  /// kNoCapacity, changing nothing, when either half has too few pages; kFailed when poisoned.
+  /// Throws what ContextCacheRequest::admitSequence and the SWA manager's admitSequence throw for
+  /// and for headroom other than {1, 0}.
   AdmitSequenceStatus admitSequence(std::vector<int32_t> const& tokenIds,
                                     std::string const& loraWeightsName,
                                     DecodingKvHeadroom const& headroom, int32_t& prefillStart,
@@ -115,12 +117,12 @@ class SlidingReuseRequest {
   /// A chunk of a joiner's prefill completed: the full layers publish the row's full blocks so
   /// far (ContextCacheRequest::completePrefillChunk); its sliding pages are published at
   /// finalisation, with the whole prompt's.
-  bool completePrefillChunk(ExecutionRow row, int32_t prefilledTokens) {
-    return mFull.completePrefillChunk(row, prefilledTokens);
-  }
+  bool completePrefillChunk(ExecutionRow row, int32_t prefilledTokens);
   /// After the joiner's prefill: finalises the coordinator's row (its full blocks published),
   /// publishes the row's complete prompt blocks' sliding pages, then retires its window as
-  /// completePrefill does. False (poisoned) when the coordinator's half fails.
+  /// completePrefill does. Both halves check before either changes: a throw (work pending, a
+  /// row that is no unfinalised joiner) changes nothing. False (poisoned) when the coordinator's
+  /// half fails.
   bool finalizeSequenceAdmission(ExecutionRow row, int32_t const& lookaheadToken,
                                  int32_t fullInputLength);
   /// Undoes the newest unfinalised joiner on both halves: true when it did. Never throws: false,
@@ -138,9 +140,26 @@ class SlidingReuseRequest {
   bool poisoned() const noexcept;
 
  private:
+  /// What the coordinator keys and looks a joiner up with (ContextCacheRequest keeps the same):
+  /// the request's lookup policy, cache salt and retention, and its stream.
+  struct JoinerIdentity {
+    ContextCacheLookupPolicy batchPolicy = ContextCacheLookupPolicy::kUseCache;
+    std::string cacheSalt;
+    std::vector<RetentionRange> retention;
+    cudaStream_t stream = nullptr;
+  };
+
   SlidingReuseRequest(ContextCacheRequest full, BoundedSwaKVPageManager& manager,
                       BoundedSwaKVPageManager::RequestHandle handle, std::vector<int32_t> prompts,
-                      ContextCacheCommitPolicy commitPolicy);
+                      ContextCacheCommitPolicy commitPolicy, JoinerIdentity joiners);
+  /// admitSequence's dry run of both halves: the joiner's start on the sliding half when both are
+  /// to admit it; nullopt (one log line) when the sliding pool cannot hold it or is poisoned.
+  /// Throws for what either half's admission throws for. Changes nothing.
+  std::optional<SwaReuseStart> planJoiner(
+      std::vector<int32_t> const& tokenIds, std::string const& loraWeightsName,
+      ResidentRef resident, cudaStream_t stream, std::vector<int32_t> const& mediaTokenIds,
+      std::vector<imageUtils::ImageData> const& imageBuffers,
+      std::vector<audioUtils::AudioData> const& audioBuffers) const;
   /// Publishes the sliding pages row `row` still maps for blocks [firstBlock, endBlock) (pages
   /// leaving the window included), which must be a contiguous tail of the range; returns the
   /// first block published (endBlock when none is mapped).
@@ -151,6 +170,9 @@ class SlidingReuseRequest {
   /// step being completed, and the page leaving it).
   void publishGeneratedWindow(std::size_t row);
   bool swaStatus(SwaKVCacheStatus status, char const* operation) const;
+  /// Throws (naming `call`) once the sliding half is finishing (a decode step it refused leaves
+  /// the full half executing, which would accept what a finishing request refuses).
+  void requireSlidingHalfExecuting(char const* call) const;
 
   ContextCacheRequest mFull;
   BoundedSwaKVPageManager* mManager;
@@ -160,6 +182,7 @@ class SlidingReuseRequest {
   std::vector<PageId> mBlockPages;     ///< scratch of publishMappedBlocks
   std::vector<int32_t> mPendingMapping;
   ContextCacheCommitPolicy mCommitPolicy;
+  JoinerIdentity mJoiners;
 };
 
 }  // namespace mkv

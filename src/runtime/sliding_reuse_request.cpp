@@ -3,8 +3,13 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <new>
 #include <utility>
 
+#include "context_cache/block_hash.h"
+#include "context_cache/context_cache_manager.h"
+#include "context_cache/eviction_policy.h"
+#include "context_cache/window_block_cache.h"
 #include "core/check.h"
 #include "mkv/logging.h"
 #include "resources/backend_requests.h"
@@ -42,17 +47,209 @@ std::vector<SwaReuseStart> swaStarts(ContextCacheCoordinator const& coordinator,
   return starts;
 }
 
+// ---------------------------------------------------------------- the admission check
+//
+// Either half's admission changes what a refusal of the other could not undo: the coordinator
+// evicts records, leases and reorders its free ring; the sliding pool drops cached window blocks
+// for pages and promotes the window pages it holds. So a batch or a joiner is checked against
+// both before either admits: the coordinator's side by its own admission, which refuses without
+// a trace; the sliding side here, first, with the reuse starts the coordinator's lookup will give
+// (estimateAdmission: the same lookup, nothing changed) and the cached window pages before them.
+// The coordinator's admission touches nothing of the sliding pool, so a batch this check lets
+// through is admitted by the sliding half.
+
+/// Pages of `tokens` tokens.
+int64_t pagesOf(std::size_t tokens, int32_t pageSize) {
+  return (static_cast<int64_t>(tokens) + pageSize - 1) / pageSize;
+}
+
+/// Whatever the reuse, a sequence of `tokens` prompt tokens takes at most ceil(L / P) + 1 pages
+/// from the sliding pool: its ceil(L / P) - s / P + 1 private pages plus at most its s / P window
+/// pages before s. True when the pool surely holds `prompts` (no dry run needed).
+template <typename Prompts>
+bool slidingPoolHoldsCold(BoundedSwaKVPageManager const& manager, Prompts const& prompts) {
+  int64_t cold = 0;
+  for (auto const& prompt : prompts) {
+    cold += pagesOf(prompt.size(), manager.tokensPerPage()) + 1;
+  }
+  return !manager.poisoned() && cold <= manager.freePageCount();
+}
+
+WindowBlockCache const& windowCacheOf(ContextCacheCoordinator const& coordinator) {
+  WindowBlockCache const* window = coordinator.manager().options().windowCache;
+  MKV_ASSERT(window != nullptr,
+             "the sliding-window reuse backend's coordinator has no window cache");
+  return *window;
+}
+
+/// Where `sequence` starts if the coordinator admits it now (its lookup, as estimateAdmission
+/// makes it: nothing changes), with the cached window pages before the start
+/// (ContextCacheCoordinator::reusedWindowPages of the admitted row).
+SwaReuseStart plannedStart(ContextCacheCoordinator const& coordinator,
+                           ContextCacheSequenceAdmission const& sequence, char const* call) {
+  AdmissionEstimate const estimate = coordinator.estimateAdmission(sequence, kVanillaHeadroom);
+  SwaReuseStart start;
+  start.promptTokens = static_cast<int32_t>(sequence.tokenIds.size());
+  start.startTokens = estimate.reusableTokens;
+  if (start.startTokens > 0) {
+    auto const length = static_cast<std::size_t>(start.startTokens);
+    std::span<MediaPosition const> media;
+    if (!sequence.media.empty()) {
+      media = std::span<MediaPosition const>(sequence.media).first(length);
+    }
+    PromptView const prefix{std::span<int32_t const>(sequence.tokenIds).first(length), media,
+                            sequence.keyExtras};
+    WindowBlockCache const& window = windowCacheOf(coordinator);
+    int32_t const page = window.index().pageSize();
+    start.windowPages =
+        window.windowPages(call, hashPromptBlocks(prefix, page), start.startTokens / page);
+  }
+  return start;
+}
+
+/// Whether the sliding pool gives `privatePages` pages once the window pages of `starts` are held
+/// (BoundedSwaKVPageManager::checkBeginRequest): a window page nobody holds yet is cached and
+/// allocatable until then; one already held costs nothing.
+bool slidingPoolHolds(ContextCacheCoordinator const& coordinator,
+                      std::span<SwaReuseStart const> starts, int64_t privatePages) {
+  WindowBlockCache const& window = windowCacheOf(coordinator);
+  std::vector<PageId> unheld;
+  for (SwaReuseStart const& start : starts) {
+    for (PageId const page : start.windowPages) {
+      if (window.holders(page) == 0 &&
+          std::find(unheld.begin(), unheld.end(), page) == unheld.end()) {
+        unheld.push_back(page);
+      }
+    }
+  }
+  return privatePages + static_cast<int64_t>(unheld.size()) <= window.availablePages();
+}
+
+bool sameStart(SwaReuseStart const& a, SwaReuseStart const& b) {
+  return a.promptTokens == b.promptTokens && a.startTokens == b.startTokens &&
+         a.windowPages == b.windowPages;
+}
+
+bool imagesHostReadable(std::vector<imageUtils::ImageData> const& images) {
+  return std::all_of(images.begin(), images.end(),
+                     [](auto const& image) { return image.data() != nullptr; });
+}
+
+// The admissions ContextCacheRequest builds (context_cache_request.cpp: begin's
+// batchLookupPolicy and admissionSequences, admitSequence's joiner), for the dry run; the
+// composed request checks after each admission that the coordinator started where the dry run
+// said.
+
+ContextCacheLookupPolicy batchLookupPolicy(LLMGenerationRequest const& request,
+                                           std::vector<int32_t> const& mediaTokenIds) {
+  ContextCacheLookupPolicy policy = request.contextCacheLookupPolicy;
+  if (!mediaTokenIds.empty()) {
+    for (auto const& sequence : request.requests) {
+      if (!imagesHostReadable(sequence.imageBuffers)) {
+        policy = ContextCacheLookupPolicy::kBypass;
+      }
+    }
+  }
+  return policy;
+}
+
+/// Row `row` of a batch admission, its lookup policy resolved (as beginRequest resolves it).
+ContextCacheSequenceAdmission founderSequence(LLMGenerationRequest const& request,
+                                              DecodingInferenceContext const& context,
+                                              std::vector<int32_t> const& mediaTokenIds,
+                                              ContextCacheLookupPolicy batchPolicy,
+                                              std::size_t row) {
+  ContextCacheSequenceAdmission sequence;
+  sequence.tokenIds = context.rawBatchedInputIds[row];
+  sequence.keyExtras =
+      BlockKeyExtras{digestIdentity(context.loraWeightsName), digestIdentity(request.cacheSalt)};
+  sequence.resident = context.residentRefs[row];
+  sequence.retention = request.contextCacheRetention;
+  ContextCacheLookupPolicy policy = batchPolicy;
+  if (batchPolicy != ContextCacheLookupPolicy::kBypass && !request.requests.empty()) {
+    policy = request.requests[row].contextCacheLookupPolicy.value_or(batchPolicy);
+  }
+  sequence.lookupPolicy = policy;
+  if (policy == ContextCacheLookupPolicy::kUseCache && !request.requests.empty()) {
+    sequence.media =
+        buildMediaPositions(sequence.tokenIds, mediaTokenIds, request.requests[row].imageBuffers,
+                            request.requests[row].audioBuffers);
+  }
+  return sequence;
+}
+
+/// What ContextCacheRequest::begin and beginRequest check before they admit that the dry run
+/// does not (estimateAdmission checks each prompt, the SWA half the residents, the stream and
+/// the batch size): a refusal must not come where they throw.
+void checkFullHalfInputs(char const* call, LLMGenerationRequest const& request,
+                         DecodingInferenceContext const& context,
+                         ContextCacheCommitPolicy commitPolicy) {
+  auto const batch = context.rawBatchedInputIds.size();
+  MKV_REQUIRE(
+      context.activeBatchSize > 0 && batch == static_cast<std::size_t>(context.activeBatchSize),
+      call, "activeBatchSize {} but {} prompts", context.activeBatchSize, batch);
+  MKV_REQUIRE(context.residentRefs.size() == batch, call, "{} residents for {} prompts",
+              context.residentRefs.size(), batch);
+  MKV_REQUIRE(request.requests.empty() || request.requests.size() == batch, call,
+              "{} per-sequence inputs for {} prompts", request.requests.size(), batch);
+  MKV_REQUIRE(request.loraWeightsName.empty() || request.loraWeightsName == context.loraWeightsName,
+              call, "request LoRA '{}' differs from the context's '{}'", request.loraWeightsName,
+              context.loraWeightsName);
+  MKV_REQUIRE(static_cast<uint8_t>(commitPolicy) <= 1 &&
+                  static_cast<uint8_t>(request.contextCacheLookupPolicy) <= 1,
+              call, "commit policy {} / lookup policy {} out of range",
+              static_cast<int>(commitPolicy), static_cast<int>(request.contextCacheLookupPolicy));
+  MKV_REQUIRE(request.contextCacheReplayTailLength == 0, call,
+              "a replay tail ({} tokens) applies to Hybrid-MTP requests only",
+              request.contextCacheReplayTailLength);
+  requireValidRetention(call, request.contextCacheRetention);
+}
+
+/// The dry run of a batch admission on both halves: the sliding half's reuse starts when both
+/// halves are to admit it; nullopt (one log line) when the sliding pool cannot hold it or is
+/// poisoned. Throws for what either half's admission throws for. Changes nothing.
+std::optional<std::vector<SwaReuseStart>> planAdmission(ContextCacheCoordinator const& coordinator,
+                                                        BoundedSwaKVPageManager const& manager,
+                                                        LLMGenerationRequest const& request,
+                                                        DecodingInferenceContext const& context,
+                                                        std::vector<int32_t> const& mediaTokenIds,
+                                                        ContextCacheCommitPolicy commitPolicy) {
+  constexpr char const* kCall = "SlidingReuseRequest::begin";
+  checkFullHalfInputs(kCall, request, context, commitPolicy);
+  ContextCacheLookupPolicy const batchPolicy = batchLookupPolicy(request, mediaTokenIds);
+  std::vector<SwaReuseStart> starts;
+  starts.reserve(context.rawBatchedInputIds.size());
+  for (std::size_t row = 0; row < context.rawBatchedInputIds.size(); ++row) {
+    starts.push_back(plannedStart(
+        coordinator, founderSequence(request, context, mediaTokenIds, batchPolicy, row), kCall));
+  }
+  int64_t const privatePages =
+      manager.checkBeginRequest(context.residentRefs, context.stream, starts, kCall);
+  if (manager.poisoned() || !slidingPoolHolds(coordinator, starts, privatePages)) {
+    logger()->error(
+        "ManagedKVCacheRequest::begin refused by the sliding pool of the sliding-window reuse "
+        "backend before either half admitted: {}",
+        manager.poisoned() ? "backend poisoned"
+                           : fmt::format("no capacity ({} pages and the window pages, {} free)",
+                                         privatePages, manager.freePageCount()));
+    return std::nullopt;
+  }
+  return starts;
+}
+
 }  // namespace
 
 SlidingReuseRequest::SlidingReuseRequest(ContextCacheRequest full, BoundedSwaKVPageManager& manager,
                                          BoundedSwaKVPageManager::RequestHandle handle,
                                          std::vector<int32_t> prompts,
-                                         ContextCacheCommitPolicy commitPolicy)
+                                         ContextCacheCommitPolicy commitPolicy,
+                                         JoinerIdentity joiners)
     : mFull(std::move(full)),
       mManager(&manager),
       mHandle(std::move(handle)),
       mPromptTokens(std::move(prompts)),
-      mCommitPolicy(commitPolicy) {}
+      mCommitPolicy(commitPolicy),
+      mJoiners(std::move(joiners)) {}
 
 SlidingReuseRequest::~SlidingReuseRequest() {
   detail::SharedSynchronizer::Scope const once(mManager->sharedSynchronizer());
@@ -69,6 +266,15 @@ std::optional<SlidingReuseRequest> SlidingReuseRequest::begin(
     ContextCacheCommitPolicy commitPolicy) {
   requireVanillaRequest("SlidingReuseRequest::begin", speculativeRequest, headroom,
                         tokenStateContract);
+  // Both halves must admit before either does (see "the admission check" above). A poisoned
+  // coordinator refuses without a trace; a batch the sliding pool surely holds needs no dry run.
+  std::optional<std::vector<SwaReuseStart>> planned;
+  if (!coordinator.poisoned() && !slidingPoolHoldsCold(manager, context.rawBatchedInputIds)) {
+    planned = planAdmission(coordinator, manager, request, context, mediaTokenIds, commitPolicy);
+    if (!planned) {
+      return std::nullopt;
+    }
+  }
   std::optional<ContextCacheRequest> full =
       ContextCacheRequest::begin(coordinator, request, context, speculativeRequest, headroom,
                                  mediaTokenIds, tokenStateContract, commitPolicy);
@@ -81,16 +287,23 @@ std::optional<SlidingReuseRequest> SlidingReuseRequest::begin(
     prompts.push_back(static_cast<int32_t>(prompt.size()));
   }
   std::vector<SwaReuseStart> const starts = swaStarts(coordinator, *full, prompts);
-  auto begun = manager.beginRequest(context.residentRefs, context.stream, starts);
-  if (begun.status != SwaKVCacheStatus::kOk) {
-    logger()->error(
-        "ManagedKVCacheRequest::begin failed on the sliding pool of the sliding-window reuse "
-        "backend: {}{}",
-        toString(begun.status), manager.poisoned() ? " (backend poisoned)" : " (no capacity)");
-    return std::nullopt;  // `full` is abandoned: its leases go back unpublished
+  for (std::size_t row = 0; planned && row < starts.size(); ++row) {
+    MKV_ASSERT(sameStart(starts[row], (*planned)[row]),
+               "row {} starts at {} with {} window pages, the admission check planned {} with {}",
+               row, starts[row].startTokens, starts[row].windowPages.size(),
+               (*planned)[row].startTokens, (*planned)[row].windowPages.size());
   }
-  return SlidingReuseRequest(std::move(*full), manager, std::move(*begun.request),
-                             std::move(prompts), commitPolicy);
+  auto begun = manager.beginRequest(context.residentRefs, context.stream, starts);
+  // The check (or the cold bound) said the sliding pool holds the batch, and the coordinator's
+  // admission changed nothing there. (A throw, std::bad_alloc, abandons `full`: its leases go
+  // back unpublished.)
+  MKV_ASSERT(begun.status == SwaKVCacheStatus::kOk,
+             "the sliding half refused ({}) a batch the admission check let through",
+             toString(begun.status));
+  return SlidingReuseRequest(
+      std::move(*full), manager, std::move(*begun.request), std::move(prompts), commitPolicy,
+      JoinerIdentity{batchLookupPolicy(request, mediaTokenIds), request.cacheSalt,
+                     request.contextCacheRetention, context.stream});
 }
 
 bool SlidingReuseRequest::swaStatus(SwaKVCacheStatus status, char const* operation) const {
@@ -101,6 +314,12 @@ bool SlidingReuseRequest::swaStatus(SwaKVCacheStatus status, char const* operati
                   toString(status),
                   mManager->poisoned() ? " (backend poisoned)" : " (request failed)");
   return false;
+}
+
+void SlidingReuseRequest::requireSlidingHalfExecuting(char const* call) const {
+  MKV_REQUIRE(!mManager->finishing(mHandle), call,
+              "the request is finishing (its sliding half refused a decode step or has no row "
+              "left): finish it");
 }
 
 bool SlidingReuseRequest::poisoned() const noexcept {
@@ -129,26 +348,46 @@ bool SlidingReuseRequest::prepareSwaPrefill(std::vector<int32_t> const& effectiv
 int32_t SlidingReuseRequest::publishMappedBlocks(std::size_t row, int32_t firstBlock,
                                                  int32_t endBlock) {
   SwaSequenceState const& state = mManager->state(mHandle, static_cast<int32_t>(row));
+  auto const inRange = [&](SwaPageBinding const& binding) {
+    return binding.logicalPage >= firstBlock && binding.logicalPage < endBlock;
+  };
   int32_t mappedFrom = endBlock;
-  mBlockPages.clear();
-  auto const take = [&](SwaPageBinding const& binding) {
-    if (binding.logicalPage >= firstBlock && binding.logicalPage < endBlock) {
+  int32_t mapped = 0;
+  auto const count = [&](SwaPageBinding const& binding) {
+    if (inRange(binding)) {
       mappedFrom = std::min(mappedFrom, binding.logicalPage);
-      mBlockPages.push_back(binding.page);
+      ++mapped;
     }
   };
-  for (SwaPageBinding const& binding : state.pendingRetire) {  // leaving the window now
-    take(binding);
+  std::for_each(state.pendingRetire.begin(), state.pendingRetire.end(), count);
+  std::for_each(state.bindings.begin(), state.bindings.end(), count);
+  MKV_ASSERT(mapped == endBlock - mappedFrom, "row {}: {} sliding pages mapped for blocks [{}, {})",
+             row, mapped, mappedFrom, endBlock);
+  if (mapped == 0) {
+    return mappedFrom;
   }
-  for (SwaPageBinding const& binding : state.bindings) {
-    take(binding);
-  }
-  MKV_ASSERT(static_cast<int32_t>(mBlockPages.size()) == endBlock - mappedFrom,
-             "row {}: {} sliding pages mapped for blocks [{}, {})", row, mBlockPages.size(),
-             mappedFrom, endBlock);
-  if (!mBlockPages.empty()) {
+  try {
+    mBlockPages.clear();
+    for (SwaPageBinding const& binding : state.pendingRetire) {  // leaving the window now
+      if (inRange(binding)) {
+        mBlockPages.push_back(binding.page);
+      }
+    }
+    for (SwaPageBinding const& binding : state.bindings) {
+      if (inRange(binding)) {
+        mBlockPages.push_back(binding.page);
+      }
+    }
     mFull.coordinator().publishWindowBlocks(mFull.handle(), static_cast<ExecutionRow>(row),
                                             mappedFrom, mBlockPages);
+  } catch (std::bad_alloc const&) {
+    // As the coordinator's own publication at a completion point: the step is applied, and the
+    // blocks it could not publish (each one is published whole or not at all) stay unpublished;
+    // the sliding pool then drops or reuses their pages as any unpublished page.
+    logger()->warn(
+        "SlidingReuseRequest: publishing the sliding pages of row {}'s blocks [{}, {}) ran out "
+        "of host memory; they stay unpublished",
+        row, mappedFrom, endBlock);
   }
   return mappedFrom;
 }
@@ -166,11 +405,22 @@ void SlidingReuseRequest::publishGeneratedWindow(std::size_t row) {
   int32_t const pageSize = mManager->tokensPerPage();
   SwaSequenceState const& state = mManager->state(mHandle, static_cast<int32_t>(row));
   // Tokens whose sliding KV exists once the step completes: the coordinator's committed count.
-  int32_t const endBlock = state.pendingEndpoint.value_or(state.endpoint) / pageSize;
+  // The sliding window moves on every step, a row that produced no token (cancelled) included,
+  // so its endpoint may be past that count: blocks beyond it are not the row's.
+  int32_t const committed =
+      mFull.coordinator().committedLength(mFull.handle(), static_cast<ExecutionRow>(row));
+  int32_t const endBlock =
+      std::min(state.pendingEndpoint.value_or(state.endpoint), committed) / pageSize;
   (void)publishMappedBlocks(row, mPromptTokens[row] / pageSize, endBlock);
 }
 
+bool SlidingReuseRequest::completePrefillChunk(ExecutionRow row, int32_t prefilledTokens) {
+  requireSlidingHalfExecuting("SlidingReuseRequest::completePrefillChunk");
+  return mFull.completePrefillChunk(row, prefilledTokens);
+}
+
 bool SlidingReuseRequest::preemptSequence(ExecutionRow row) {
+  requireSlidingHalfExecuting("SlidingReuseRequest::preemptSequence");
   if (!mFull.preemptSequence(row)) {
     return false;
   }
@@ -199,12 +449,31 @@ bool SlidingReuseRequest::completePrefill(DecodingInferenceContext const& contex
 
 bool SlidingReuseRequest::prepareDecodeStep(DecodingInferenceContext const& context,
                                             DecodingKvHeadroom const& headroom) {
-  requireVanillaRequest("SlidingReuseRequest::prepareDecodeStep", false, headroom,
+  constexpr char const* kCall = "SlidingReuseRequest::prepareDecodeStep";
+  requireVanillaRequest(kCall, false, headroom,
                         DecodingTokenStateContract::kCommittedPlusLookahead);
+  // A step either half refuses ends the request, which the engine then finishes: the other half
+  // must not have prepared it (ContextCacheRequest::finish refuses while its step is prepared).
+  // So the sliding half's outcome is known first (its checks and its row failure, without
+  // effects); a step it refuses is refused there alone, and one it accepts is prepared on the
+  // full half first (which refuses alone), then on the sliding half.
+  MKV_REQUIRE(context.generatedTokenIds.size() == mPromptTokens.size(), kCall,
+              "context has {} generated lists for a batch of {}", context.generatedTokenIds.size(),
+              mPromptTokens.size());
+  RowFailure const slidingFailure = mManager->checkPrepareDecodeStep(mHandle, kCall);
+  if (slidingFailure.reason != RowFailureReason::kNone) {
+    SwaKVCacheStatus const refused = mManager->prepareDecodeStep(mHandle);
+    MKV_ASSERT(refused != SwaKVCacheStatus::kOk,
+               "the sliding half staged a step its check refused (row {})", slidingFailure.row);
+    return swaStatus(refused, "prepareDecodeStep");
+  }
   if (!mFull.prepareDecodeStep(context, headroom)) {
     return false;
   }
-  return swaStatus(mManager->prepareDecodeStep(mHandle), "prepareDecodeStep");
+  SwaKVCacheStatus const staged = mManager->prepareDecodeStep(mHandle);
+  MKV_ASSERT(staged == SwaKVCacheStatus::kOk,
+             "the sliding half refused ({}) a step its check accepted", toString(staged));
+  return true;
 }
 
 bool SlidingReuseRequest::completeDecodeStep(DecodingInferenceContext const& context,
@@ -236,8 +505,11 @@ bool SlidingReuseRequest::beginBatchCompaction(std::vector<int32_t> const& oldTo
   mManager->checkBeginBatchCompaction(mHandle, oldToNew, newBatchSize, deviceBatchMapping, kCall);
   mFull.coordinator().checkBeginBatchCompaction(mFull.handle(), oldToNew, newBatchSize,
                                                 deviceBatchMapping, kCall);
-  mManager->beginBatchCompaction(mHandle, oldToNew, newBatchSize, deviceBatchMapping);
+  // The full half first: what it allocates comes before it changes anything; the sliding half
+  // allocates nothing here (its mapping's capacity is reserved at admission), so it cannot fail
+  // after the full half began.
   mFull.beginBatchCompaction(oldToNew, newBatchSize, deviceBatchMapping);
+  mManager->beginBatchCompaction(mHandle, oldToNew, newBatchSize, deviceBatchMapping);
   mPendingMapping = std::move(pending);
   return true;
 }
@@ -248,15 +520,18 @@ bool SlidingReuseRequest::completeBatchCompaction(std::vector<int32_t> const& ke
   // As at the begin: the engine may have resized either half's length tensor since.
   mManager->checkCompactBatch(mHandle, kCall);
   mFull.coordinator().checkCompactBatch(mFull.handle(), kCall);
-  detail::SharedSynchronizer::Scope const once(mManager->sharedSynchronizer());
-  bool const fullOk = mFull.completeBatchCompaction(keepMapping);
-  bool const swaOk = swaStatus(mManager->compactBatch(mHandle), "completeBatchCompaction");
+  // What this request allocates comes first; the full half allocates before it compacts, and the
+  // sliding half allocates nothing: neither can run out of host memory after the other compacted.
   std::vector<int32_t> kept;
+  kept.reserve(mPendingMapping.size());
   for (std::size_t row = 0; row < mPendingMapping.size(); ++row) {
     if (mPendingMapping[row] >= 0) {
       kept.push_back(mPromptTokens[row]);  // order-preserving: the k-th survivor goes to k
     }
   }
+  detail::SharedSynchronizer::Scope const once(mManager->sharedSynchronizer());
+  bool const fullOk = mFull.completeBatchCompaction(keepMapping);
+  bool const swaOk = swaStatus(mManager->compactBatch(mHandle), "completeBatchCompaction");
   mPromptTokens = std::move(kept);
   mPendingMapping.clear();
   return fullOk && swaOk;
@@ -275,8 +550,19 @@ AdmitSequenceStatus SlidingReuseRequest::admitSequence(
     cudaStream_t stream, std::vector<int32_t> const& mediaTokenIds,
     std::vector<imageUtils::ImageData> const& imageBuffers,
     std::vector<audioUtils::AudioData> const& audioBuffers) {
-  requireVanillaRequest("SlidingReuseRequest::admitSequence", false, headroom,
+  constexpr char const* kCall = "SlidingReuseRequest::admitSequence";
+  requireVanillaRequest(kCall, false, headroom,
                         DecodingTokenStateContract::kCommittedPlusLookahead);
+  requireSlidingHalfExecuting(kCall);
+  // As begin: the joiner is checked against both halves before either admits it.
+  std::optional<SwaReuseStart> planned;
+  if (!mFull.poisoned() && !slidingPoolHoldsCold(*mManager, std::span(&tokenIds, 1))) {
+    planned = planJoiner(tokenIds, loraWeightsName, resident, stream, mediaTokenIds, imageBuffers,
+                         audioBuffers);
+    if (!planned) {
+      return mManager->poisoned() ? AdmitSequenceStatus::kFailed : AdmitSequenceStatus::kNoCapacity;
+    }
+  }
   mPromptTokens.reserve(mPromptTokens.size() + 1);  // nothing after the admissions allocates
   int32_t start = 0;
   AdmitSequenceStatus const status =
@@ -292,20 +578,59 @@ AdmitSequenceStatus SlidingReuseRequest::admitSequence(
   SwaKVCacheStatus swa = SwaKVCacheStatus::kRequestFailed;
   try {
     swaStart.windowPages = mFull.coordinator().reusedWindowPages(mFull.handle(), row);
+    MKV_ASSERT(!planned || sameStart(swaStart, *planned),
+               "the joiner starts at {} with {} window pages, the admission check planned {} "
+               "with {}",
+               swaStart.startTokens, swaStart.windowPages.size(), planned->startTokens,
+               planned->windowPages.size());
     swa = mManager->admitSequence(mHandle, resident, swaStart);
+    // The check (or the cold bound) said the sliding pool holds the joiner.
+    MKV_ASSERT(swa == SwaKVCacheStatus::kOk,
+               "the sliding half refused ({}) a joiner the admission check let through",
+               toString(swa));
   } catch (...) {
     (void)mFull.retractSequenceAdmission();  // the halves stay in step; the error goes on
     throw;
   }
-  if (swa != SwaKVCacheStatus::kOk) {
-    (void)swaStatus(swa, "admitSequence");
-    bool const retracted = mFull.retractSequenceAdmission();
-    return swa == SwaKVCacheStatus::kRequestFailed && retracted ? AdmitSequenceStatus::kNoCapacity
-                                                                : AdmitSequenceStatus::kFailed;
-  }
   mPromptTokens.push_back(swaStart.promptTokens);
   prefillStart = start;
   return AdmitSequenceStatus::kAdmitted;
+}
+
+std::optional<SwaReuseStart> SlidingReuseRequest::planJoiner(
+    std::vector<int32_t> const& tokenIds, std::string const& loraWeightsName, ResidentRef resident,
+    cudaStream_t stream, std::vector<int32_t> const& mediaTokenIds,
+    std::vector<imageUtils::ImageData> const& imageBuffers,
+    std::vector<audioUtils::AudioData> const& audioBuffers) const {
+  constexpr char const* kCall = "SlidingReuseRequest::admitSequence";
+  // ContextCacheRequest::admitSequence's own checks; the coordinator's are made by
+  // estimateAdmission (the prompt) and the SWA half's (the request's state, the resident).
+  MKV_REQUIRE(stream == mJoiners.stream, kCall, "stream differs from the request's stream");
+  ContextCacheSequenceAdmission sequence;
+  sequence.tokenIds = tokenIds;
+  sequence.keyExtras =
+      BlockKeyExtras{digestIdentity(loraWeightsName), digestIdentity(mJoiners.cacheSalt)};
+  sequence.resident = resident;
+  sequence.retention = mJoiners.retention;
+  if (!mediaTokenIds.empty() && !imagesHostReadable(imageBuffers)) {
+    sequence.lookupPolicy = ContextCacheLookupPolicy::kBypass;
+  } else {
+    sequence.media = buildMediaPositions(tokenIds, mediaTokenIds, imageBuffers, audioBuffers);
+    sequence.lookupPolicy = mJoiners.batchPolicy;  // the coordinator's: the request's policy
+  }
+  SwaReuseStart start = plannedStart(mFull.coordinator(), sequence, kCall);
+  int32_t const privatePages = mManager->checkAdmitSequence(mHandle, resident, start, kCall);
+  if (mManager->poisoned() ||
+      !slidingPoolHolds(mFull.coordinator(), std::span(&start, 1), privatePages)) {
+    logger()->error(
+        "ManagedKVCacheRequest::admitSequence refused by the sliding pool before either half "
+        "admitted: {}",
+        mManager->poisoned() ? "backend poisoned"
+                             : fmt::format("no capacity ({} pages and the window pages, {} free)",
+                                           privatePages, mManager->freePageCount()));
+    return std::nullopt;
+  }
+  return start;
 }
 
 bool SlidingReuseRequest::finalizeSequenceAdmission(ExecutionRow row, int32_t const& lookaheadToken,
@@ -314,8 +639,13 @@ bool SlidingReuseRequest::finalizeSequenceAdmission(ExecutionRow row, int32_t co
   MKV_REQUIRE(row >= 0 && static_cast<std::size_t>(row) < mPromptTokens.size() &&
                   mManager->state(mHandle, row).joining,
               kCall, "row {} is not an unfinalised in-flight admission", row);
-  // As completePrefill: the full half publishes its blocks, then the sliding pages of the same
-  // blocks are published before the SWA half retires what left the window.
+  // Both halves check before either changes: the sliding half here (work pending there, such as
+  // a prepared decode step, would otherwise throw after the full half had finalised), the full
+  // half in its own call. Then, as completePrefill: the full half publishes its blocks, the
+  // sliding pages of the same blocks are published, and the SWA half retires what left the
+  // window.
+  mManager->checkFinalizeSequenceAdmission(mHandle, row, kCall);
+  requireSlidingHalfExecuting(kCall);
   if (!mFull.finalizeSequenceAdmission(row, lookaheadToken, fullInputLength)) {
     return false;  // poisoned; finish releases the SWA half's joiner
   }

@@ -46,26 +46,37 @@ int32_t BoundedSwaKVPageManager::validateReuseStart(char const* call, std::size_
   return pagesCovering(prompt, mPageShift) - end + 1;
 }
 
+int64_t BoundedSwaKVPageManager::checkBeginRequest(std::span<ResidentRef const> residents,
+                                                   cudaStream_t stream,
+                                                   std::span<SwaReuseStart const> starts,
+                                                   char const* call) const {
+  MKV_REQUIRE(mResources.pageSource != nullptr, call,
+              "{} reuse starts for a manager without a page source: admit without starts",
+              starts.size());
+  validateResidents(call, residents, stream);
+  MKV_REQUIRE(starts.size() == residents.size(), call, "{} reuse starts for a batch of {}",
+              starts.size(), residents.size());
+  int64_t privateTotal = 0;
+  for (std::size_t i = 0; i < starts.size(); ++i) {
+    privateTotal += validateReuseStart(call, i, starts[i]);
+  }
+  (void)residentsAvailable(call, residents);  // the busy check, unless poisoned
+  return privateTotal;
+}
+
 BoundedSwaKVPageManager::BeginRequestResult BoundedSwaKVPageManager::beginRequest(
     std::span<ResidentRef const> residents, cudaStream_t stream,
     std::span<SwaReuseStart const> starts) {
   constexpr char const* kCall = "BoundedSwaKVPageManager::beginRequest";
-  MKV_REQUIRE(mResources.pageSource != nullptr, kCall,
-              "{} reuse starts for a manager without a page source: admit without starts",
-              starts.size());
-  validateResidents(kCall, residents, stream);
-  MKV_REQUIRE(starts.size() == residents.size(), kCall, "{} reuse starts for a batch of {}",
-              starts.size(), residents.size());
+  int64_t const privateTotal = checkBeginRequest(residents, stream, starts, kCall);
   std::vector<int32_t> privatePages(starts.size());
   std::vector<int32_t> capacities(starts.size());
-  int64_t privateTotal = 0;
   for (std::size_t i = 0; i < starts.size(); ++i) {
-    privatePages[i] = validateReuseStart(kCall, i, starts[i]);
+    privatePages[i] = validateReuseStart(kCall, i, starts[i]);  // checked: does not throw
     capacities[i] = privatePages[i] + static_cast<int32_t>(starts[i].windowPages.size());
-    privateTotal += privatePages[i];
   }
   BeginRequestResult result;
-  if (!residentsAvailable(kCall, residents)) {
+  if (poisoned()) {
     result.status = SwaKVCacheStatus::kPoisoned;
     return result;
   }

@@ -68,17 +68,28 @@ bool BoundedSwaKVPageManager::takeJoinerPages(SwaSequenceState& state, SwaReuseS
   return true;
 }
 
+int32_t BoundedSwaKVPageManager::checkAdmitSequence(RequestHandle const& handle,
+                                                    ResidentRef resident,
+                                                    SwaReuseStart const& start,
+                                                    char const* call) const {
+  MKV_REQUIRE(mResources.pageSource != nullptr, call,
+              "in-flight admission needs a page source (cached mode)");
+  Request const& req = request(handle, call);
+  int32_t const privatePages = validateJoiner(call, req, resident, start);
+  if (!mRequests->poisoned()) {  // poisoned before the busy check, as in beginRequest
+    detail::requireResidentFree(call, resident.slot, mResidentBusy);
+  }
+  return privatePages;
+}
+
 SwaKVCacheStatus BoundedSwaKVPageManager::admitSequence(RequestHandle& handle, ResidentRef resident,
                                                         SwaReuseStart const& start) {
   constexpr char const* kCall = "BoundedSwaKVPageManager::admitSequence";
-  MKV_REQUIRE(mResources.pageSource != nullptr, kCall,
-              "in-flight admission needs a page source (cached mode)");
-  Request& req = request(handle, kCall);
-  int32_t const privatePages = validateJoiner(kCall, req, resident, start);
-  if (mRequests->poisoned()) {  // before the busy check, as in beginRequest
+  int32_t const privatePages = checkAdmitSequence(handle, resident, start, kCall);
+  if (mRequests->poisoned()) {
     return SwaKVCacheStatus::kPoisoned;
   }
-  detail::requireResidentFree(kCall, resident.slot, mResidentBusy);
+  Request& req = request(handle, kCall);
   if (privatePages > mResources.pageSource->totalPages()) {
     return SwaKVCacheStatus::kRequestFailed;  // never fits (and fits allocate's int32)
   }
@@ -112,15 +123,21 @@ SwaKVCacheStatus BoundedSwaKVPageManager::admitSequence(RequestHandle& handle, R
   return SwaKVCacheStatus::kOk;
 }
 
+void BoundedSwaKVPageManager::checkFinalizeSequenceAdmission(RequestHandle const& handle,
+                                                             int32_t row, char const* call) const {
+  Request const& req = request(handle, call);
+  MKV_REQUIRE(req.pending == Pending::kNone, call,
+              "work is pending: finalise the joiner between steps");
+  MKV_REQUIRE(row >= 0 && static_cast<std::size_t>(row) < req.sequences.size(), call,
+              "row {} outside the batch of {}", row, req.sequences.size());
+  MKV_REQUIRE(req.sequences[static_cast<std::size_t>(row)].joining, call,
+              "row {} is not an unfinalised in-flight admission", row);
+}
+
 void BoundedSwaKVPageManager::finalizeSequenceAdmission(RequestHandle& handle, int32_t row) {
   constexpr char const* kCall = "BoundedSwaKVPageManager::finalizeSequenceAdmission";
-  Request& req = request(handle, kCall);
-  MKV_REQUIRE(req.pending == Pending::kNone, kCall,
-              "work is pending: finalise the joiner between steps");
-  MKV_REQUIRE(row >= 0 && static_cast<std::size_t>(row) < req.sequences.size(), kCall,
-              "row {} outside the batch of {}", row, req.sequences.size());
-  SwaSequenceState& state = req.sequences[static_cast<std::size_t>(row)];
-  MKV_REQUIRE(state.joining, kCall, "row {} is not an unfinalised in-flight admission", row);
+  checkFinalizeSequenceAdmission(handle, row, kCall);
+  SwaSequenceState& state = request(handle, kCall).sequences[static_cast<std::size_t>(row)];
   completeCachedPrefill(state);
   state.joining = false;
   MKV_ASSERT(state.heldPages() <= mDecodePages,

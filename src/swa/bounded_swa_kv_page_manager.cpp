@@ -129,6 +129,7 @@ BoundedSwaKVPageManager::BoundedSwaKVPageManager(BoundedSwaConfig const& config,
     }
   }
   mResidentBusy.assign(static_cast<std::size_t>(table.maxBatch()), 0);
+  mDroppedSlots.reserve(static_cast<std::size_t>(table.maxBatch()));
   mWrites = mResources.deviceWrites;
   if (mWrites == nullptr) {
     mOwnedWrites =
@@ -243,6 +244,9 @@ std::unique_ptr<BoundedSwaKVPageManager::Request> BoundedSwaKVPageManager::newRe
     created->sequences.reserve(static_cast<std::size_t>(mResources.swaPageTable->maxBatch()));
   }
   created->sequences.resize(residents.size());
+  // A compaction's mapping never allocates: a composed request begins this half's compaction
+  // after the other half's, which it could not undo.
+  created->mapping.reserve(static_cast<std::size_t>(mResources.swaPageTable->maxBatch()));
   // A sequence never holds more than its admission pages, so with these capacities no
   // transition, completion or release allocates (only bindings, a deque, may).
   for (std::size_t i = 0; i < residents.size(); ++i) {
@@ -497,6 +501,41 @@ RowFailure BoundedSwaKVPageManager::lastFailure(RequestHandle const& handle) con
   return live != nullptr ? live->failure : RowFailure{};
 }
 
+RowFailure BoundedSwaKVPageManager::checkPrepareDecodeStep(RequestHandle const& handle,
+                                                           char const* call) const {
+  Request const& req = request(handle, call);
+  MKV_REQUIRE(req.phase == Phase::kExecuting && req.pending == Pending::kNone, call,
+              "a decode step needs a completed prefill or step and no pending work");
+  // As stageDecode, row by row: each row that needs a page and has no spare takes one from the
+  // page source (without one: none).
+  int64_t available =
+      mResources.pageSource != nullptr ? mResources.pageSource->availablePages() : 0;
+  for (std::size_t i = 0; i < req.sequences.size(); ++i) {
+    SwaSequenceState const& state = req.sequences[i];
+    if (state.joining) {
+      continue;
+    }
+    auto const row = static_cast<ExecutionRow>(i);
+    if (state.endpoint == std::numeric_limits<int32_t>::max() ||
+        pagesCovering(state.endpoint + 1, mPageShift) > mResources.swaPageTable->maxPagesPerSeq()) {
+      return RowFailure{RowFailureReason::kTableFull, row};
+    }
+    bool const needsPage = pagesCovering(state.endpoint + 1, mPageShift) > state.retainedEnd;
+    if (needsPage && state.reservedPages.empty()) {
+      if (available == 0) {
+        return RowFailure{RowFailureReason::kNoCapacity, row};
+      }
+      --available;
+    }
+  }
+  return RowFailure{};
+}
+
+bool BoundedSwaKVPageManager::finishing(RequestHandle const& handle) const noexcept {
+  Request const* const live = handle.mManager == this ? mRequests->find(handle.mId) : nullptr;
+  return live != nullptr && live->phase == Phase::kFinishing;
+}
+
 SwaKVCacheStatus BoundedSwaKVPageManager::prepareDecodeStep(RequestHandle& handle) {
   constexpr char const* kCall = "BoundedSwaKVPageManager::prepareDecodeStep";
   Request& req = request(handle, kCall);
@@ -617,9 +656,9 @@ SwaKVCacheStatus BoundedSwaKVPageManager::compactBatch(RequestHandle& handle) {
   constexpr char const* kCall = "BoundedSwaKVPageManager::compactBatch";
   checkCompactBatch(handle, kCall);
   Request& req = request(handle, kCall);
-  // The only allocation comes first, so a std::bad_alloc changes nothing.
-  std::vector<CacheSlot> dropped;
-  dropped.reserve(req.mapping.size());
+  // No allocation: the dropped slots' storage is reserved for every row.
+  std::vector<CacheSlot>& dropped = mDroppedSlots;
+  dropped.clear();
   for (std::size_t i = 0; i < req.mapping.size(); ++i) {
     if (req.mapping[i] < 0) {
       dropped.push_back(req.sequences[i].resident.slot);

@@ -1287,19 +1287,37 @@ TEST_F(AllocationFaultTest,
   EXPECT_GT(total.badAllocs, kSeeds * kPoints / 2);
 }
 
-// The same with engine-step device writes on every runtime kind in turn (the engine's flushes and
-// the refused completions of a forgotten flush fail somewhere too).
+// The same with engine-step device writes on each of the seven runtime kinds in turn (the engine's
+// flushes and the refused completions of a forgotten flush fail somewhere too).
 TEST_F(AllocationFaultTest, LifecycleFuzzerWithEngineStepWritesSurvivesAllocationFaults) {
-  constexpr int32_t kSeeds = 20;
+  constexpr int32_t kSeeds = 21;
   constexpr int32_t kPoints = 5;
   LifecycleStats total;
   for (uint64_t seed = 1; seed <= kSeeds; ++seed) {
     std::vector<uint8_t> input = seededInput(seed + 4'000'000, 600);
-    forceRuntime(input, static_cast<int32_t>(seed % 6));
+    forceRuntime(input, static_cast<int32_t>(seed % 7));
     forceEngineStep(input, true);
     ASSERT_NO_FATAL_FAILURE(runWithAllocationFaults(input, seed, kPoints, total));
   }
   EXPECT_GT(total.engineStepLifecycles, kSeeds * kPoints / 2);
+  EXPECT_GT(total.badAllocs, kSeeds * kPoints / 2);
+}
+
+// The same on the sliding-window reuse runtime: the composed request's calls fail in either half
+// (the dry run of an admission, the coordinator's half, the sliding half, the window blocks'
+// publication) and the request dropped after it leaves both halves and the sliding pool
+// consistent.
+TEST_F(AllocationFaultTest, LifecycleFuzzerOnSlidingWindowReuseSurvivesAllocationFaults) {
+  constexpr int32_t kSeeds = 24;
+  constexpr int32_t kPoints = 5;
+  LifecycleStats total;
+  for (uint64_t seed = 1; seed <= kSeeds; ++seed) {
+    std::vector<uint8_t> input = seededInput(seed + 6'000'000, 600);
+    forceRuntime(input, 6);
+    forceEngineStep(input, seed % 4 == 0);
+    ASSERT_NO_FATAL_FAILURE(runWithAllocationFaults(input, seed, kPoints, total));
+  }
+  EXPECT_GT(total.slidingReuseLifecycles, kSeeds * kPoints / 2);
   EXPECT_GT(total.badAllocs, kSeeds * kPoints / 2);
 }
 

@@ -67,6 +67,7 @@ TEST(LifecycleFuzzTest, SeededLifecyclesKeepEveryInvariant) {
   EXPECT_GT(total.cacheResetRecords, 100);
   EXPECT_GT(total.drops, 100);
   EXPECT_GT(total.oraclePositions, 1'000'000);
+  EXPECT_GT(total.slidingReuseLifecycles, 0);  // one bounded-SWA input in four
   RecordProperty("operations", std::to_string(total.operations));
   std::printf(
       "operations %lld, library calls %lld, rejected %lld, refusals %lld, requests %lld, "
@@ -90,15 +91,18 @@ TEST(LifecycleFuzzTest, SeededLifecyclesKeepEveryInvariant) {
 /// Every failed synchronisation must poison and quarantine as documented, with the invariants and
 /// the KV oracle holding throughout, and shutdown must bring every page back.
 /// Seeds 13-24 force the runtimes of a recurrent or draft model (runtime byte 0xC0 + seed % 3),
-/// whose capture, endpoint and draft-initialisation synchronisations fail too; seeds 25-30
-/// engine-step device writes on runtime kind seed % 6.
+/// whose capture, endpoint and draft-initialisation synchronisations fail too; seeds 25-31
+/// engine-step device writes on runtime kind seed % 7; seeds 32-37 sliding-window reuse, whose
+/// two halves share each completion point's synchronisation.
 TEST(LifecycleFuzzTest, EverySynchronisationPointMayFail) {
   constexpr int64_t kPoints = 8;
   LifecycleStats total;
-  for (uint64_t seed = 1; seed <= 30; ++seed) {
+  for (uint64_t seed = 1; seed <= 37; ++seed) {
     std::vector<uint8_t> input = seededInput(seed, 400);
-    if (seed > 24) {
-      forceRuntime(input, static_cast<int32_t>(seed % 6));
+    if (seed > 31) {
+      forceRuntime(input, 6);
+    } else if (seed > 24) {
+      forceRuntime(input, static_cast<int32_t>(seed % 7));
       forceEngineStep(input, true);
     } else if (seed > 12) {
       input[1] = static_cast<uint8_t>(0xC0 + seed % 3);
@@ -121,7 +125,8 @@ TEST(LifecycleFuzzTest, EverySynchronisationPointMayFail) {
   EXPECT_GE(total.hybridLifecycles, 4 * kPoints * 2);
   EXPECT_GE(total.speculativeLifecycles, 4 * kPoints * 2);
   EXPECT_GE(total.mtpLifecycles, 4 * kPoints * 2);
-  EXPECT_GE(total.engineStepLifecycles, 6 * kPoints * 2);
+  EXPECT_GE(total.engineStepLifecycles, 7 * kPoints * 2);
+  EXPECT_GE(total.slidingReuseLifecycles, 7 * kPoints * 2);
 }
 
 /// Every file of the libFuzzer seed corpus (and every regression input added there) passes.
@@ -204,9 +209,53 @@ TEST(LifecycleFuzzTest, HybridSpeculativeAndMtpRuntimesKeepEveryInvariant) {
       static_cast<long long>(total.quarantines));
 }
 
+/// The sliding-window reuse runtime (forceRuntime kind 6: a full-attention coordinator and a
+/// cached-mode SWA manager behind one facade request) on seeded inputs: every operation checked
+/// as above, plus both halves' accounting, the sliding rows' windows and every reused window's
+/// bytes. Its admissions, decode steps, joins and finalisations are checked on both halves before
+/// either changes; a refusal or a rejected call must leave both (and the sliding pool) as they
+/// were.
+TEST(LifecycleFuzzTest, SlidingWindowReuseKeepsEveryInvariant) {
+  constexpr uint64_t kSeeds = kSanitized ? 100 : 300;
+  constexpr int64_t kScale = static_cast<int64_t>(kSeeds / 100);  // thresholds per 100 seeds
+  LifecycleStats total;
+  for (uint64_t seed = 1; seed <= kSeeds; ++seed) {
+    std::vector<uint8_t> input = seededInput(seed + 5'000'000, 1500);
+    forceRuntime(input, 6);
+    LifecycleResult const result = runLifecycle(input);
+    ASSERT_TRUE(result.ok) << "seed " << seed << " (set-up bytes " << int{input[0]} << ", "
+                           << int{input[1]} << ", " << int{input[2]} << "): " << result.failure;
+    total += result.stats;
+  }
+  EXPECT_EQ(total.slidingReuseLifecycles, static_cast<int64_t>(kSeeds));
+  EXPECT_EQ(total.runtimeOperations[6], total.operations);
+  EXPECT_GT(total.rejectedCalls, total.operations / 20);
+  EXPECT_GT(total.refusals, 500 * kScale);
+  EXPECT_GT(total.slidingWindowReuses, 50 * kScale);
+  EXPECT_GT(total.joins, 50 * kScale);
+  EXPECT_GT(total.retractions, 10 * kScale);
+  EXPECT_GT(total.prefillChunks, 5 * kScale);
+  EXPECT_GT(total.preemptions, 10 * kScale);
+  EXPECT_GT(total.compactions, 100 * kScale);
+  EXPECT_GT(total.failedSynchronizations, 100 * kScale);
+  EXPECT_GT(total.quarantines, 50 * kScale);
+  EXPECT_GT(total.cacheResets, 10 * kScale);
+  std::printf(
+      "operations %lld, rejected %lld, refusals %lld, reused windows verified %lld, joins %lld "
+      "(prefill chunks %lld), retractions %lld, preemptions %lld, compactions %lld, failed syncs "
+      "%lld, quarantines %lld, cache resets %lld\n",
+      static_cast<long long>(total.operations), static_cast<long long>(total.rejectedCalls),
+      static_cast<long long>(total.refusals), static_cast<long long>(total.slidingWindowReuses),
+      static_cast<long long>(total.joins), static_cast<long long>(total.prefillChunks),
+      static_cast<long long>(total.retractions), static_cast<long long>(total.preemptions),
+      static_cast<long long>(total.compactions),
+      static_cast<long long>(total.failedSynchronizations),
+      static_cast<long long>(total.quarantines), static_cast<long long>(total.cacheResets));
+}
+
 /// Engine-step device writes (forced: bits 6 and 7 of the first byte) on seeded inputs, each
-/// runtime kind in turn. Every operation checked as above, plus the engine's flushes (nothing
-/// waits after one, every device row is its host row) and the completions refused for a
+/// of the seven runtime kinds in turn. Every operation checked as above, plus the engine's flushes
+/// (nothing waits after one, every device row is its host row) and the completions refused for a
 /// forgotten flush.
 TEST(LifecycleFuzzTest, EngineStepWritesKeepEveryInvariant) {
   constexpr uint64_t kSeeds = kSanitized ? 120 : 360;
@@ -214,7 +263,7 @@ TEST(LifecycleFuzzTest, EngineStepWritesKeepEveryInvariant) {
   LifecycleStats total;
   for (uint64_t seed = 1; seed <= kSeeds; ++seed) {
     std::vector<uint8_t> input = seededInput(seed + 3'000'000, 1500);
-    forceRuntime(input, static_cast<int32_t>(seed % 6));
+    forceRuntime(input, static_cast<int32_t>(seed % 7));
     forceEngineStep(input, true);
     LifecycleResult const result = runLifecycle(input);
     ASSERT_TRUE(result.ok) << "seed " << seed << " (set-up bytes " << int{input[0]} << ", "
@@ -230,7 +279,7 @@ TEST(LifecycleFuzzTest, EngineStepWritesKeepEveryInvariant) {
   EXPECT_GT(total.failedSynchronizations, 30 * kScale);
   EXPECT_GT(total.quarantines, 30 * kScale);
   EXPECT_GT(total.cacheResets, 10 * kScale);
-  for (std::size_t k = 0; k < 6; ++k) {
+  for (std::size_t k = 0; k < 7; ++k) {
     EXPECT_GT(total.runtimeOperations[k], 0) << kRuntimeNames[k];
   }
   std::printf(

@@ -332,11 +332,12 @@ TEST_P(SlidingReuseTest, AJoinerTheSlidingPoolCannotHoldIsRefusedAndTheBatchRuns
   EXPECT_EQ(joiners.size(), 1u);  // still queued: refused for capacity, not failed
   EXPECT_GT(engine.stats().joinRefusals, 0);
   EXPECT_EQ(engine.stats().joins, 0);
-  // The full half had room: each refusal of the sliding half retracted its admission.
+  // The full half had room, but the sliding half's check refused the joiner before the
+  // coordinator was asked: nothing admitted, refused or retracted there.
   ContextCacheCoordinatorCounters const& counters = runtime->contextCache()->counters();
   EXPECT_EQ(counters.liveAdmissionRefusals, 0u);
-  EXPECT_EQ(counters.retractedAdmissions, counters.liveAdmissions);
-  EXPECT_EQ(counters.retractedAdmissions, static_cast<uint64_t>(engine.stats().joinRefusals));
+  EXPECT_EQ(counters.liveAdmissions, 0u);
+  EXPECT_EQ(counters.retractedAdmissions, 0u);
   expectNothingHeld(*runtime);
 }
 
@@ -539,7 +540,7 @@ TEST(SlidingReuseFacadeTest, AJoinerIsAdmittedRetractedAndSeatedOnBothHalves) {
   expectNothingHeld(runtime);
 }
 
-TEST(SlidingReuseFacadeTest, ARefusalOfTheSlidingPoolGivesTheLeasesBack) {
+TEST(SlidingReuseFacadeTest, ARefusalOfTheSlidingPoolHoldsNothingOnEitherHalf) {
   // 69 sliding pages: one 1000-token prompt (64 pages + 1 spare) fits, two do not; the full pool
   // (4 x 64 pages) holds both.
   runtime_test::RuntimeRig rig(slidingConfig(DeviceType::kCPU, 69));
@@ -558,6 +559,260 @@ TEST(SlidingReuseFacadeTest, ARefusalOfTheSlidingPoolGivesTheLeasesBack) {
   ASSERT_TRUE(driver.begin());
   EXPECT_TRUE(driver.prefill());
   EXPECT_TRUE(driver.finish());
+  expectNothingHeld(runtime);
+}
+
+// A refused begin changes nothing on either half. Here the full half could admit the batch only
+// by evicting the cached record of an earlier prompt, and the sliding half cannot hold it: the
+// refusal must come before the coordinator evicts (or leases, or reorders its free ring).
+TEST(SlidingReuseFacadeTest, ABeginTheSlidingPoolCannotHoldChangesNothingOnEitherHalf) {
+  // 69 sliding pages hold one 1000-token prompt (63 pages + 1 spare), not two; 150 full pages hold
+  // the two only once the 62 cached blocks of the first prompt are evicted.
+  KVCacheRuntimeConfig config = slidingConfig(DeviceType::kCPU, 69);
+  config.numPages = 150;
+  runtime_test::RuntimeRig rig(config);
+  KVCacheRuntime& runtime = rig.runtime();
+  {
+    runtime_test::FacadeDriver cached(rig);
+    cached.add(tokenRun(1000, 0));
+    ASSERT_TRUE(cached.begin());
+    ASSERT_TRUE(cached.prefill());
+    ASSERT_TRUE(cached.finish());
+  }
+  ContextCacheManager const& manager = runtime.contextCache()->manager();
+  ASSERT_EQ(manager.records().size(), 1u);
+  ASSERT_LT(manager.pools().freeCount(ResourceType::kBaseKvPage), 2 * 63);
+  {
+    runtime_test::FacadeDriver driver(rig);
+    driver.add(tokenRun(1000, 5000));
+    driver.add(tokenRun(1000, 9000));
+    runtime_test::BackendState const before = rig.observe();
+    EXPECT_FALSE(driver.begin());
+    rig.expectUnchanged(before);
+  }
+  // The cached prompt is still there on both halves: a repeat reuses all but its last block.
+  runtime_test::FacadeDriver repeat(rig);
+  repeat.add(tokenRun(1000, 0));
+  ASSERT_TRUE(repeat.begin());
+  EXPECT_EQ(repeat.rows[0].prefillStart, 992);
+  ASSERT_TRUE(repeat.prefill());
+  repeat.verify();
+  ASSERT_TRUE(repeat.finish());
+  expectNothingHeld(runtime);
+}
+
+// The admission check is exact: a batch whose sliding pages are exactly what the pool can give
+// is admitted, one page more is refused with nothing changed. Window pages another request
+// already holds cost nothing (holding them again takes nothing from the pool); cached ones nobody
+// holds are taken out of what the pool can allocate.
+TEST(SlidingReuseFacadeTest, TheAdmissionCheckCountsEveryPageTheSlidingHalfWouldTake) {
+  std::vector<int32_t> const shared = tokenRun(200, 0);
+  std::vector<int32_t> const prefix(shared.begin(), shared.begin() + 192);  // 12 blocks
+  auto const prompt = [&](int32_t length, int32_t seed) {
+    return concatenated(prefix, tokenRun(length - 192, seed));
+  };
+  for (bool const windowHeld : {true, false}) {
+    SCOPED_TRACE(windowHeld ? "the window before block 12 held by another request"
+                            : "the window before block 12 cached, held by nobody");
+    runtime_test::RuntimeRig rig(slidingConfig(DeviceType::kCPU, 80));
+    KVCacheRuntime& runtime = rig.runtime();
+    WindowBlockCache const& window = *runtime.windowBlockCache();
+    {
+      runtime_test::FacadeDriver first(rig);  // caches blocks 0..11 in both pools
+      first.add(shared);
+      ASSERT_TRUE(first.begin());
+      ASSERT_TRUE(first.prefill());
+      ASSERT_TRUE(first.finish());
+    }
+    // Begun only: holds the window before block 12 (blocks 8..11) and 4 private pages (232
+    // tokens from 192: pages 12..14 and a spare).
+    runtime_test::FacadeDriver holder(rig);
+    if (windowHeld) {
+      holder.add(prompt(232, 7000));
+      ASSERT_TRUE(holder.begin());
+      ASSERT_EQ(holder.rows[0].prefillStart, 192);
+      ASSERT_EQ(window.heldPages(), 8);
+    }
+    int32_t const available = window.availablePages();
+    ASSERT_EQ(available, windowHeld ? 72 : 80);
+    // Two rows from block 12, each ceil(L / 16) - 12 + 1 private pages, sharing one window of 4
+    // pages that costs 4 more when nobody holds it: 2 x 36 = 72, or 2 x 38 + 4 = 80.
+    int32_t const length = windowHeld ? 752 : 784;
+    {
+      runtime_test::FacadeDriver tooLong(rig);
+      tooLong.add(prompt(length, 10000));
+      tooLong.add(prompt(length + 1, 20000));  // one page more
+      runtime_test::BackendState const before = rig.observe();
+      EXPECT_FALSE(tooLong.begin());
+      rig.expectUnchanged(before);
+    }
+    runtime_test::FacadeDriver exact(rig);
+    exact.add(prompt(length, 10000));
+    exact.add(prompt(length, 20000));
+    ASSERT_TRUE(exact.begin());
+    EXPECT_EQ(exact.rows[0].prefillStart, 192);
+    EXPECT_EQ(exact.rows[1].prefillStart, 192);
+    EXPECT_EQ(window.availablePages(), 0);
+    if (windowHeld) {
+      ASSERT_TRUE(holder.finish());  // the sliding half's length pools follow one request
+    }
+    ASSERT_TRUE(exact.prefill());
+    exact.verify();
+    ASSERT_TRUE(exact.finish());
+    expectNothingHeld(runtime);
+  }
+}
+
+// The same for an in-flight admission: the joiner is refused before the coordinator admits it,
+// so the records it would have evicted, the free ring and the counters are as they were.
+TEST(SlidingReuseFacadeTest, AJoinerTheSlidingPoolCannotHoldChangesNothingOnEitherHalf) {
+  // 69 sliding pages: the founder keeps 6 once decoding, a fresh 1000-token joiner needs 64; the
+  // full pool (120 pages) admits it only by evicting the 62 cached blocks of the first prompt.
+  KVCacheRuntimeConfig config = slidingConfig(DeviceType::kCPU, 69);
+  config.numPages = 120;
+  runtime_test::RuntimeRig rig(config);
+  KVCacheRuntime& runtime = rig.runtime();
+  {
+    runtime_test::FacadeDriver cached(rig);
+    cached.add(tokenRun(1000, 0));
+    ASSERT_TRUE(cached.begin());
+    ASSERT_TRUE(cached.prefill());
+    ASSERT_TRUE(cached.finish());
+  }
+  runtime_test::FacadeDriver driver(rig);
+  driver.add(tokenRun(100, 3000));
+  ASSERT_TRUE(driver.begin());
+  ASSERT_TRUE(driver.prefill());
+  ASSERT_TRUE(driver.decode());
+  ContextCacheManager const& manager = runtime.contextCache()->manager();
+  ASSERT_EQ(manager.records().size(), 2u);
+  ASSERT_LT(manager.pools().freeCount(ResourceType::kBaseKvPage), 63);
+  ContextCacheCoordinatorCounters const counters = runtime.contextCache()->counters();
+  runtime_test::BackendState const before = rig.observe();
+  EXPECT_EQ(driver.admit(tokenRun(1000, 5000)), AdmitSequenceStatus::kNoCapacity);
+  rig.expectUnchanged(before);
+  EXPECT_EQ(runtime.contextCache()->counters().liveAdmissions, counters.liveAdmissions);
+  EXPECT_EQ(runtime.contextCache()->counters().retractedAdmissions, counters.retractedAdmissions);
+  // A joiner the pool holds is admitted and seated as usual.
+  ASSERT_EQ(driver.admit(tokenRun(40, 500)), AdmitSequenceStatus::kAdmitted);
+  ASSERT_TRUE(driver.seatNewest());
+  ASSERT_TRUE(driver.decode());
+  driver.verify();
+  ASSERT_TRUE(driver.finish());
+  expectNothingHeld(runtime);
+}
+
+// A finalisation the sliding half refuses (a decode step is prepared) throws before the full half
+// finalises anything: the joiner stays unfinalised on both halves, and is finalised between steps.
+TEST(SlidingReuseFacadeTest, AFinalisationTheSlidingHalfRefusesChangesNothingOnEitherHalf) {
+  runtime_test::RuntimeRig rig(slidingConfig(DeviceType::kCPU));
+  KVCacheRuntime& runtime = rig.runtime();
+  runtime_test::FacadeDriver driver(rig);
+  driver.add(tokenRun(100, 0));
+  ASSERT_TRUE(driver.begin());
+  ASSERT_TRUE(driver.prefill());
+  std::vector<int32_t> const joiner = tokenRun(40, 500);
+  ASSERT_EQ(driver.admit(joiner), AdmitSequenceStatus::kAdmitted);
+  ASSERT_TRUE(driver.prepareDecode());
+  {
+    runtime_test::BackendState const before = rig.observe();
+    ContextCacheCoordinatorCounters const counters = runtime.contextCache()->counters();
+    EXPECT_TRUE(
+        test::throwsError([&] { (void)driver.facade().finalizeSequenceAdmission(1, 7, 40); },
+                          {"ManagedKVCacheRequest::finalizeSequenceAdmission", "work is pending"}));
+    rig.expectUnchanged(before);
+    EXPECT_EQ(runtime.contextCache()->counters().prefillPublications, counters.prefillPublications);
+    EXPECT_EQ(runtime.contextCache()->manager().records().size(), 1u);
+  }
+  ASSERT_TRUE(driver.completeDecode());  // the step prepareDecode executed
+  ASSERT_TRUE(driver.seatNewest());      // between steps: both halves finalise
+  ASSERT_TRUE(driver.decode());
+  driver.verify();
+  ASSERT_TRUE(driver.finish());
+  expectNothingHeld(runtime);
+}
+
+// A decode step the sliding half refuses while the full half could take it (the page a row retires
+// is a reused window page another request still holds, so it brings back no spare, and the
+// sliding pool is full) ends the request on the sliding half alone: nothing is prepared on the
+// full half, so the engine can finish the request.
+TEST(SlidingReuseFacadeTest, ADecodeStepTheSlidingHalfRefusesLeavesARequestThatFinishes) {
+  runtime_test::RuntimeRig rig(slidingConfig(DeviceType::kCPU, 69));
+  KVCacheRuntime& runtime = rig.runtime();
+  WindowBlockCache const& window = *runtime.windowBlockCache();
+  std::vector<int32_t> const shared = tokenRun(128, 0);  // 8 blocks
+  {
+    runtime_test::FacadeDriver cached(rig);
+    cached.add(shared);
+    ASSERT_TRUE(cached.begin());
+    ASSERT_TRUE(cached.prefill());
+    ASSERT_TRUE(cached.finish());
+  }
+  // Both reuse the 8 blocks and hold the window before block 8 (blocks 4..7).
+  runtime_test::FacadeDriver decoding(rig);
+  decoding.add(concatenated(shared, tokenRun(8, 1000)));
+  runtime_test::FacadeDriver holding(rig);
+  holding.add(concatenated(shared, tokenRun(8, 2000)));
+  ASSERT_TRUE(decoding.begin());
+  ASSERT_TRUE(holding.begin());
+  ASSERT_EQ(decoding.rows[0].prefillStart, 128);
+  ASSERT_EQ(holding.rows[0].prefillStart, 128);
+  ASSERT_TRUE(decoding.prefill());
+  // The rest of the sliding pool: a fresh prompt, begun only.
+  runtime_test::FacadeDriver filling(rig);
+  int32_t const available = window.availablePages();
+  ASSERT_GT(available, 2);
+  filling.add(tokenRun((available - 1) * kPage, 5000));
+  ASSERT_TRUE(filling.begin());
+  ASSERT_EQ(window.availablePages(), 0);
+  // Each window page the decoding row retires is held by `holding`: no spare comes back, and
+  // the next page it needs is not there.
+  int32_t steps = 0;
+  while (steps < 64 && decoding.decode()) {
+    ++steps;
+  }
+  ASSERT_LT(steps, 64) << "the sliding half never refused a step";
+  RowFailure const failure = decoding.facade().lastFailure();
+  EXPECT_EQ(failure.reason, RowFailureReason::kNoCapacity);
+  EXPECT_EQ(failure.row, 0);
+  EXPECT_EQ(runtime.contextCache()->counters().growthFailures, 0u);  // the full half had room
+  EXPECT_FALSE(runtime.contextCache()->poisoned());
+  EXPECT_TRUE(decoding.finish());  // threw "a decode step is still prepared" before
+  EXPECT_TRUE(holding.finish());
+  EXPECT_TRUE(filling.finish());
+  expectNothingHeld(runtime);
+}
+
+// Preemption publishes a row's committed blocks on both halves. A row cancelled in a decode step
+// produced no token, but its sliding window moved on: its sliding endpoint is one past the
+// coordinator's committed count, and only blocks within that count are published (before, the
+// block past it was asked of the coordinator, which refused it after publishing its own half).
+TEST(SlidingReuseFacadeTest, PreemptingARowCancelledInAStepPublishesItsCommittedBlocks) {
+  runtime_test::RuntimeRig rig(slidingConfig(DeviceType::kCPU));
+  KVCacheRuntime& runtime = rig.runtime();
+  std::vector<int32_t> const prompt = tokenRun(40, 0);
+  runtime_test::FacadeDriver driver(rig);
+  driver.add(prompt);
+  ASSERT_TRUE(driver.begin());
+  ASSERT_TRUE(driver.prefill());
+  for (int step = 0; step < 23; ++step) {  // committed 40 + 23 = 63: blocks 0..2 complete
+    ASSERT_TRUE(driver.decode());
+  }
+  driver.cancel(0);
+  ASSERT_TRUE(driver.decode());  // no token; the sliding window moves to 64
+  ASSERT_TRUE(driver.facade().preemptSequence(0));
+  std::vector<int32_t> committed = prompt;
+  committed.insert(committed.end(), driver.generated(0).begin(), driver.generated(0).begin() + 23);
+  ASSERT_TRUE(driver.finish());
+  // Block 2 (tokens 32..47) was published by the preemption alone, on both halves: a prompt that
+  // continues the committed tokens reuses three blocks with the window before them.
+  runtime_test::FacadeDriver next(rig);
+  next.add(concatenated(committed, tokenRun(20, 9000)));
+  ASSERT_TRUE(next.begin());
+  EXPECT_EQ(next.rows[0].prefillStart, 48);
+  ASSERT_TRUE(next.prefill());
+  next.verify();
+  ASSERT_TRUE(next.finish());
   expectNothingHeld(runtime);
 }
 

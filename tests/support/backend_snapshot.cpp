@@ -7,7 +7,10 @@
 #include "mkv/snapshot_storage.h"
 
 #include <cstring>
+#include <optional>
 #include <span>
+
+#include "context_cache/window_block_cache.h"
 
 namespace mkv::test {
 namespace {
@@ -141,6 +144,19 @@ void captureCoordinator(ContextCacheCoordinator const& c, BackendSnapshot& s) {
                 m.evictedRecords};
 }
 
+void captureSlidingHalf(BoundedSwaKVPageManager const& swa, WindowBlockCache const& window,
+                        BackendSnapshot& s) {
+  s.sliding = {swa.poisoned() ? 1 : 0, swa.activeRequestCount(), swa.quarantinedPageCount()};
+  for (PageId page = 0; page < window.totalPages(); ++page) {
+    s.sliding.push_back(window.holders(page));
+    std::optional<Hash128> const digest = window.index().digestOf(page);
+    s.sliding.push_back(digest ? static_cast<int64_t>(digest->lo) : 0);
+  }
+  s.sliding.insert(s.sliding.end(),
+                   {window.freePages(), window.cachedBlocks(), window.evictablePages(),
+                    window.evictablePointPages(), window.evictableReadPages()});
+}
+
 }  // namespace
 
 BackendSnapshot captureBackend(KVCacheRuntime& runtime, bool deviceBytes) {
@@ -149,6 +165,9 @@ BackendSnapshot captureBackend(KVCacheRuntime& runtime, bool deviceBytes) {
   capturePools(runtime, deviceBytes, s);
   if (ContextCacheCoordinator const* coordinator = runtime.contextCache()) {
     captureCoordinator(*coordinator, s);
+    if (WindowBlockCache const* window = runtime.windowBlockCache()) {
+      captureSlidingHalf(*runtime.swaPageManager(), *window, s);
+    }
     return s;
   }
   BoundedSwaKVPageManager const& swa = *runtime.swaPageManager();
@@ -231,6 +250,7 @@ std::string differences(BackendSnapshot const& a, BackendSnapshot const& b) {
   note(a.lengths == b.lengths, "KV lengths");
   note(a.deviceBytes == b.deviceBytes, "device bytes");
   note(a.requests == b.requests, "request views");
+  note(a.sliding == b.sliding, "sliding half and pool");
   return fields;
 }
 

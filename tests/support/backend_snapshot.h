@@ -35,6 +35,10 @@ struct BackendSnapshot {
   /// rows, partial pages, boundary hidden rows), if asked.
   uint64_t deviceBytes = 0;
   std::vector<int64_t> requests;  ///< appendRequestView() of the caller's requests
+  /// Sliding-window reuse: the SWA half's poison, active requests and quarantined pages, then
+  /// the sliding pool (WindowBlockCache) page by page (holders, the cached digest's low bits or
+  /// 0) and its free, cached, evictable, point-window and read-tier counts.
+  std::vector<int64_t> sliding;
   friend bool operator==(BackendSnapshot const&, BackendSnapshot const&) = default;
 };
 

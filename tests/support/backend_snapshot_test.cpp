@@ -1,6 +1,7 @@
 /// BackendSnapshot's difference report (the capture itself is exercised by the lifecycle driver
 /// and the allocation fault test on every rejected call), and what it sees of a Hybrid-MTP
-/// runtime: the draft page table and pool and the checkpoint slabs.
+/// runtime (the draft page table and pool and the checkpoint slabs) and of a sliding-window reuse
+/// runtime (its sliding half and pool).
 
 #include "support/backend_snapshot.h"
 #include "mkv/context_cache/context_cache_coordinator.h"
@@ -14,6 +15,9 @@
 #include <memory>
 #include <span>
 #include <string>
+#include <vector>
+
+#include "context_cache/window_block_cache.h"
 
 namespace mkv::test {
 namespace {
@@ -95,6 +99,32 @@ TEST(BackendSnapshotTest, SeesTheDraftTableAndPoolAndTheCheckpointSlabs) {
   EXPECT_EQ(flip(slabs.partialKvSlab(0)), "device bytes");
   EXPECT_EQ(flip(slabs.partialKvSlab(0, true)), "device bytes");
   EXPECT_EQ(flip(slabs.boundaryHiddenSlab()), "device bytes");
+  EXPECT_EQ(differences(before, captureBackend(*runtime, true)), "");
+}
+
+// Refusals and rejected calls of the sliding-window reuse runtime must leave its sliding half
+// and pool as they were: the snapshot sees the sliding pool's pages, holders and cached blocks.
+TEST(BackendSnapshotTest, SeesTheSlidingHalfAndPool) {
+  KVCacheRuntimeConfig config;
+  config.deviceType = DeviceType::kCPU;
+  config.tokensPerPage = 16;
+  config.maxBatchSize = 2;
+  config.maxSequenceLength = 64;
+  config.model.numFullAttentionLayers = 1;
+  config.model.numSlidingWindowLayers = 1;
+  config.model.slidingWindowTokens = 16;
+  config.model.numKVHeads = 1;
+  config.model.headDim = 4;
+  config.contextReuse = true;
+  std::unique_ptr<KVCacheRuntime> runtime = KVCacheRuntime::create(config);
+  ASSERT_EQ(runtime->backend(), KVCacheBackend::kSlidingWindowReuse);
+  WindowBlockCache& window = *runtime->windowBlockCache();
+  BackendSnapshot const before = captureBackend(*runtime, true);
+  EXPECT_FALSE(before.sliding.empty());
+  std::vector<PageId> taken;
+  ASSERT_TRUE(window.allocate(1, taken));  // one page held
+  EXPECT_EQ(differences(before, captureBackend(*runtime, true)), "sliding half and pool");
+  window.release(taken[0]);
   EXPECT_EQ(differences(before, captureBackend(*runtime, true)), "");
 }
 

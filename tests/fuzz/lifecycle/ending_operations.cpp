@@ -75,13 +75,16 @@ void Lifecycle::drop(std::size_t index) {
   std::string const what = "drop " + describe(req);
   int64_t const calls = syncCalls();
   int64_t const failures = syncFailures();
-  int64_t const syncs = endingSyncs(req);  // pending work, or an EAGLE draft initialisation
+  int64_t syncs = endingSyncs(req);  // pending work, or an EAGLE draft initialisation
   {
     LibraryCall scope;  // destructors are noexcept: a std::bad_alloc here terminates
     ++mStats.libraryCalls;
     req.facade.reset();
     req.coordinator = ContextCacheCoordinator::RequestHandle();
     req.swa = BoundedSwaKVPageManager::RequestHandle();
+  }
+  if (req.stepMaybePrepared && syncCalls() - calls == 1) {
+    syncs = 1;  // the full half's step had been prepared
   }
   if (req.stage != Stage::kGone) {
     if (synchronised(what, calls, failures, syncs)) {

@@ -120,9 +120,6 @@ KVCacheRuntimeConfig Lifecycle::configFromInput() {
   constexpr uint8_t kNewRuntimes = 0xC0;
   constexpr uint8_t kEngineStepBits = 0xC0;
   constexpr uint8_t kSlidingReuseBits = 0x09;
-  // Not selected yet: two of its lifecycle rules are not modelled right (docs/reliability.md,
-  // "Sliding-window reuse in the driver"); the driver's code for it is in place.
-  constexpr bool kSlidingReuseSelectable = false;
   KVCacheRuntimeConfig config;
   config.tokensPerPage = kPage;
   uint8_t const batchByte = mIn.byte();
@@ -142,7 +139,7 @@ KVCacheRuntimeConfig Lifecycle::configFromInput() {
     config.model.numSlidingWindowLayers = 1;
     uint8_t const fullByte = mIn.byte();
     config.model.numFullAttentionLayers = fullByte % 2;
-    if (kSlidingReuseSelectable && (fullByte & kSlidingReuseBits) == kSlidingReuseBits) {
+    if ((fullByte & kSlidingReuseBits) == kSlidingReuseBits) {
       mKind = Runtime::kSlidingReuse;  // bit 0 set: one full layer, as before
     }
     config.model.slidingWindowTokens = 1 + mIn.below(3 * kPage);

@@ -196,7 +196,10 @@ struct Req {
   bool pinsReleased = false;       ///< Hybrid-MTP: the restored checkpoint's pins are gone
   bool hiddenRestored = false;     ///< Hybrid-MTP: the boundary hidden row was restored
   bool bypass = false;             ///< Hybrid-MTP: the one row looks nothing up
-  Tensor hidden;                   ///< Hybrid-MTP: the base hidden rows of the prefill
+  /// Sliding-window reuse: a prepareDecodeStep ran out of host memory, which may have left the
+  /// full half's step prepared (errors.md, "Out of host memory"): dropping the request may wait.
+  bool stepMaybePrepared = false;
+  Tensor hidden;  ///< Hybrid-MTP: the base hidden rows of the prefill
 };
 
 /// A prefix a checkpoint may have been captured for (the driver's checkpoint ledger): its key as

@@ -122,11 +122,30 @@ bool Lifecycle::issueFacadePreparePrefill(Req& req, std::vector<int32_t> const& 
     if (!issueFacadeCoordinatorPrepare(req, what)) {
       return false;
     }
+    // The full half's prefill is launched: device work is pending from here on, also when
+    // prepareSwaPrefill runs out of host memory and the request is dropped.
+    req.stage = Stage::kPrefill;
     std::vector<int32_t> const right = swaPrefillLengths(req);
+    // prepareSwaPrefill changes nothing when it runs out of host memory: the engine calls it
+    // again (dropping the request would leave the full half prepared without its sliding half).
+    auto retried = [&](auto&& call) {
+      try {
+        return call();
+      } catch (AllocationFailed const&) {
+        trace(what + " (prepareSwaPrefill): std::bad_alloc, called again");
+        return call();
+      }
+    };
     if (lengths != right) {
-      reject(what + " (prepareSwaPrefill)", [&] { return facade.prepareSwaPrefill(lengths); });
+      retried([&] {
+        reject(what + " (prepareSwaPrefill)", [&] { return facade.prepareSwaPrefill(lengths); });
+        return true;
+      });
     }
-    expect(accept(what + " (prepareSwaPrefill)", [&] { return facade.prepareSwaPrefill(right); }),
+    expect(retried([&] {
+             return accept(what + " (prepareSwaPrefill)",
+                           [&] { return facade.prepareSwaPrefill(right); });
+           }),
            what + " (prepareSwaPrefill) returned false");
     return true;
   }
@@ -638,7 +657,13 @@ void Lifecycle::issueDecode(Req& req, DecodeCall& call, bool valid) {
     slidingPressure =
         window.freePages() + window.evictablePages() < static_cast<int32_t>(req.rows.size());
   }
-  bool const prepared = accept(what, prepare);
+  bool prepared = false;
+  try {
+    prepared = accept(what, prepare);
+  } catch (AllocationFailed const&) {
+    req.stepMaybePrepared = slidingReuse();
+    throw;
+  }
   expectf(prepared == fits || (!prepared && slidingPressure), "{}: returned {}, expected {}", what,
           prepared, fits);
   if (!prepared) {
@@ -877,7 +902,9 @@ void Lifecycle::issueCompleteDecode(Req& req, CompleteDecodeCall& call) {
     }
     row.decoded = false;
     row.accepted = 0;
-    row.windowFrom = row.endpoint;
+    if (row.joined) {  // an unfinalised joiner keeps its prefill's mapping until finalised
+      row.windowFrom = row.endpoint;
+    }
   }
   if (req.speculative) {
     ++mStats.verificationRounds;
