@@ -240,6 +240,16 @@ CliOptions parseArguments(int argc, char** argv) {
          "joiners (vLLM's policy; needs --max-batch > 1 with in-flight joins; default 0: a joiner "
          "prefills in the step it joins)",
          int32(1, kInt32Max, c.maxBatchedTokens));
+  option("--preemption", "P",
+         "none (default) or recompute: before a decode step whose page growth the pool cannot "
+         "give, preempt the newest running sequences and admit them again first, reusing what "
+         "they published (vLLM's recompute; needs in-flight joins)",
+         [&](std::string_view flag, std::string_view value) {
+           c.preemption = parseChoice<mkv::testing::PreemptionMode>(
+               flag, value,
+               {{"none", mkv::testing::PreemptionMode::kNone},
+                {"recompute", mkv::testing::PreemptionMode::kRecompute}});
+         });
   option("--layers", "N", "attention layers (swa: sliding layers) (default 1)",
          int32(1, 256, c.layers));
   option("--kv-heads", "N", "KV heads (default 1)", int32(1, 4096, c.kvHeads));

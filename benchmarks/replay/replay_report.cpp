@@ -306,6 +306,14 @@ std::string formatSummary(ReplayResult const& r) {
                      grouped(r.prefillChunks), r.timeToFirstTokenStepsP50,
                      r.timeToFirstTokenStepsP99));
   }
+  if (c.preemption != testing::PreemptionMode::kNone) {
+    line("preemption",
+         fmt::format("recompute: {} preempted, {} resumed ({} prompt tokens, {} reused)",
+                     grouped(r.preemptions), grouped(r.resumed), grouped(r.resumedPromptTokens),
+                     grouped(r.resumedReusedTokens)));
+  }
+  line("steps between tokens",
+       fmt::format("p50 {}, p99 {}", r.timeBetweenTokensStepsP50, r.timeBetweenTokensStepsP99));
   line("prompt tokens", grouped(r.promptTokens));
   line("reused tokens",
        fmt::format("{}  (hit rate {:.2f}%)", grouped(r.reusedTokens), 100.0 * r.hitRate));
@@ -433,6 +441,13 @@ std::string formatJson(ReplayResult const& r) {
       {"prefill_chunks", r.prefillChunks},
       {"time_to_first_token_steps_p50", r.timeToFirstTokenStepsP50},
       {"time_to_first_token_steps_p99", r.timeToFirstTokenStepsP99},
+      {"time_between_tokens_steps_p50", r.timeBetweenTokensStepsP50},
+      {"time_between_tokens_steps_p99", r.timeBetweenTokensStepsP99},
+      {"preemption", c.preemption == testing::PreemptionMode::kNone ? "none" : "recompute"},
+      {"preemptions", r.preemptions},
+      {"resumed", r.resumed},
+      {"resumed_prompt_tokens", r.resumedPromptTokens},
+      {"resumed_reused_tokens", r.resumedReusedTokens},
       {"prompt_tokens", r.promptTokens},
       {"reused_tokens", r.reusedTokens},
       {"hit_rate", r.hitRate},  // NaN and infinities are written as null

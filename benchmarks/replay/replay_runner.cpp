@@ -328,6 +328,14 @@ struct Pending {
   std::string salt;
   std::string lora;
   bool alone = false;  ///< a retry: runs without joiners
+  /// A preempted sequence queued again (sequence.resume): handed to the engine before.
+  bool resumed = false;
+};
+
+/// A request queued for in-flight admission: its index, and whether it is a resumption.
+struct QueuedJoin {
+  std::size_t index = 0;
+  bool resumed = false;
 };
 
 class Runner {
@@ -542,6 +550,7 @@ class Runner {
     options.onStep = [this](int64_t) { onStep(); };
     options.speculativeWidth = c.speculative != SpeculativeKind::kNone ? c.specWidth : 0;
     options.maxBatchedTokens = c.maxBatchedTokens;
+    options.preemption = c.preemption;
     mEngine = std::make_unique<ReferenceEngine>(*mRuntime, std::move(options));
     mJoins = c.mode != ReplayMode::kSwa && batch > 1 && mRuntime->supportsSeatedAdmission();
     if (c.maxBatchedTokens < 0 || (c.maxBatchedTokens > 0 && !mJoins)) {
@@ -550,6 +559,12 @@ class Runner {
           "or sliding-window reuse without recurrent layers or speculative decoding): its chunks "
           "are joiners' prefills",
           c.maxBatchedTokens));
+    }
+    if (c.preemption != testing::PreemptionMode::kNone && !mJoins) {
+      configError(
+          "preemption needs in-flight joins (--max-batch > 1 on context reuse, full storage or "
+          "sliding-window reuse without recurrent layers or speculative decoding): the preempted "
+          "are admitted again in flight");
     }
     // Without in-flight admission, bounded SWA and speculative runs start with a batch of up to
     // maxBatch consecutive requests; hybrid checkpoint runs take one request at a time
@@ -709,7 +724,7 @@ class Runner {
       if (next == nullptr || next->alone || !sameIdentity(*next)) {
         return;
       }
-      mQueuedTags.push_back(next->index);
+      mQueuedTags.push_back(QueuedJoin{next->index, next->resumed});
       mJoinQueue.push_back(std::move(next->sequence));
       mStaged.pop_front();
     }
@@ -736,9 +751,9 @@ class Runner {
     mStepPages.push_back(mEngine->pagesInUse());
     std::size_t const joined = mQueuedTags.size() - mJoinQueue.size();
     for (std::size_t i = 0; i < joined; ++i) {
-      mJoinStep[mQueuedTags.front()] = step;
+      mJoinStep[mQueuedTags.front().index] = step;
+      mHanded += mQueuedTags.front().resumed ? 0U : 1U;
       mQueuedTags.pop_front();
-      ++mHanded;
     }
     if (mRunJoins) {
       fillJoinQueue();
@@ -774,7 +789,9 @@ class Runner {
         request.sequences.push_back(std::move(next->sequence));
         mStaged.pop_front();
       }
-      mHanded += request.sequences.size();
+      mHanded += static_cast<std::size_t>(
+          std::count_if(request.sequences.begin(), request.sequences.end(),
+                        [](EngineSequence const& sequence) { return !sequence.resume; }));
       mStepNanos.clear();
       mStepPages.clear();
       mJoinStep.clear();
@@ -790,18 +807,29 @@ class Runner {
       // Joins after the last step; then what never joined goes back, in order.
       std::size_t const lateJoins = mQueuedTags.size() - mJoinQueue.size();
       for (std::size_t i = 0; i < lateJoins; ++i) {
+        mHanded += mQueuedTags.front().resumed ? 0U : 1U;
         mQueuedTags.pop_front();
-        ++mHanded;
       }
       while (!mJoinQueue.empty()) {
         Pending pending;
-        pending.index = mQueuedTags.back();
+        pending.index = mQueuedTags.back().index;
+        pending.resumed = mQueuedTags.back().resumed;
         pending.sequence = std::move(mJoinQueue.back());
         pending.salt = mRunSalt;
         pending.lora = mRunLora;
         mStaged.push_front(std::move(pending));
         mJoinQueue.pop_back();
         mQueuedTags.pop_back();
+      }
+      // Preempted sequences still waiting go first (--preemption).
+      for (auto it = outcome.preempted.rbegin(); it != outcome.preempted.rend(); ++it) {
+        Pending pending;
+        pending.index = static_cast<std::size_t>(it->tag);
+        pending.resumed = true;
+        pending.sequence = *it;
+        pending.salt = mRunSalt;
+        pending.lora = mRunLora;
+        mStaged.push_front(std::move(pending));
       }
       processOutcome(outcome);
       reportProgress();
@@ -838,11 +866,16 @@ class Runner {
     std::vector<int64_t> active(steps + 1, 0);
     for (SequenceOutcome const& sequence : outcome.sequences) {
       std::size_t start = 0;
-      if (sequence.joinedInFlight) {
+      // A resumed sequence's entry covers the steps since its resumption (--preemption).
+      std::size_t const before =
+          sequence.resumedAtToken >= 0 ? static_cast<std::size_t>(sequence.resumedAtToken) : 0;
+      if (sequence.resumedAtToken >= 0) {
+        start = std::min(static_cast<std::size_t>(sequence.seatedAtRunStep), steps);
+      } else if (sequence.joinedInFlight) {
         auto const it = mJoinStep.find(static_cast<std::size_t>(sequence.tag));
         start = it != mJoinStep.end() ? it->second : steps;
       }
-      std::size_t const sampled = sequence.generated.size();
+      std::size_t const sampled = sequence.generated.size() - before;
       // A verification round commits several tokens: count the steps themselves.
       std::size_t const taken = mConfig.speculative != SpeculativeKind::kNone
                                     ? static_cast<std::size_t>(sequence.decodeSteps)
@@ -861,10 +894,21 @@ class Runner {
                      [](Finished const& a, Finished const& b) { return a.end < b.end; });
     int64_t const pagesAtEnd = mEngine->pagesInUse();
     std::vector<Pending> retries;
+    auto stepNanos = [&](Finished const& f) {
+      double nanos = 0.0;
+      for (std::size_t step = f.start; step < f.start + f.count; ++step) {
+        nanos += static_cast<double>(mStepNanos[step]) / static_cast<double>(active[step]);
+      }
+      return static_cast<int64_t>(nanos + 0.5);
+    };
     for (Finished const& f : finished) {
       SequenceOutcome const& sequence = *f.sequence;
       auto const index = static_cast<std::size_t>(sequence.tag);
       RequestRecord& record = mResult.records[index];
+      if (sequence.preempted) {  // reported by the entry that finishes it
+        record.decodeHostNanoseconds += stepNanos(f);
+        continue;
+      }
       ++record.attempts;
       bool const ok = outcome.admitted && completedNormally(sequence.reason);
       if (!ok && outcome.admitted && outcome.sequences.size() > 1 && record.attempts < 2) {
@@ -881,11 +925,7 @@ class Runner {
         ++mResult.retriedRequests;
         continue;
       }
-      double nanos = 0.0;
-      for (std::size_t step = f.start; step < f.start + f.count; ++step) {
-        nanos += static_cast<double>(mStepNanos[step]) / static_cast<double>(active[step]);
-      }
-      record.decodeHostNanoseconds = static_cast<int64_t>(nanos + 0.5);
+      record.decodeHostNanoseconds += stepNanos(f);
       record.pagesInUseAfter = f.end < steps ? mStepPages[f.end] : pagesAtEnd;
       record.reason = outcome.admitted ? sequence.reason : FinishReason::kNotFinished;
       record.joinedInFlight = sequence.joinedInFlight;
@@ -920,6 +960,14 @@ class Runner {
     r.joins = stats.joins;
     r.chunkedPrefills = stats.chunkedPrefills;
     r.prefillChunks = stats.prefillChunks;
+    r.preemptions = stats.preemptions;
+    r.resumed = stats.resumed;
+    r.resumedPromptTokens = stats.resumedPromptTokens;
+    r.resumedReusedTokens = stats.resumedReusedTokens;
+    std::vector<int64_t> const tbt(stats.timeBetweenTokensSteps.begin(),
+                                   stats.timeBetweenTokensSteps.end());
+    r.timeBetweenTokensStepsP50 = percentile(tbt, 0.50);
+    r.timeBetweenTokensStepsP99 = percentile(tbt, 0.99);
     std::vector<int64_t> const ttft(stats.timeToFirstTokenSteps.begin(),
                                     stats.timeToFirstTokenSteps.end());
     r.timeToFirstTokenStepsP50 = percentile(ttft, 0.50);
@@ -1070,7 +1118,7 @@ class Runner {
   std::string mRunSalt;
   std::string mRunLora;
   std::deque<EngineSequence> mJoinQueue;
-  std::deque<std::size_t> mQueuedTags;                     // request index of each mJoinQueue entry
+  std::deque<QueuedJoin> mQueuedTags;                      // request of each mJoinQueue entry
   std::unordered_map<std::size_t, std::size_t> mJoinStep;  // joiner -> run-local step
   std::vector<int64_t> mStepNanos;
   std::vector<int64_t> mStepPages;

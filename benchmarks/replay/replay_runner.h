@@ -71,6 +71,10 @@ struct ReplayConfig {
   /// Per-step token budget of a serving engine (ReferenceEngineOptions::maxBatchedTokens): joiners
   /// prefill in chunks within it, after the decodes; 0 = a joiner prefills in the step it joins.
   int32_t maxBatchedTokens = 0;
+  /// Preemption under pool pressure (ReferenceEngineOptions::preemption; needs in-flight joins):
+  /// kRecompute preempts the newest running sequences before a decode step whose page growth
+  /// the pool cannot give, and admits them again first, reusing what they published.
+  testing::PreemptionMode preemption = testing::PreemptionMode::kNone;
   int32_t maxOutputTokens = 0;  ///< cap on sampled tokens per request; 0 = none
   std::size_t limit = 0;        ///< replay the first `limit` requests; 0 = all
   DeviceType device = DeviceType::kCPU;
@@ -187,6 +191,17 @@ struct ReplayResult {
   int64_t prefillChunks = 0;
   int64_t timeToFirstTokenStepsP50 = 0;
   int64_t timeToFirstTokenStepsP99 = 0;
+  /// Decode steps between two consecutive tokens of a sequence (p50, p99): 1 while it decodes
+  /// every step, more across a preemption.
+  int64_t timeBetweenTokensStepsP50 = 0;
+  int64_t timeBetweenTokensStepsP99 = 0;
+  /// Preemption: sequences preempted, preempted sequences admitted again, and the prompt tokens of
+  /// those admissions and of them those reused (not in promptTokens / reusedTokens, which count
+  /// first admissions; recomputed = resumedPromptTokens - resumedReusedTokens).
+  int64_t preemptions = 0;
+  int64_t resumed = 0;
+  int64_t resumedPromptTokens = 0;
+  int64_t resumedReusedTokens = 0;
   /// Token figures count every admitted attempt (they differ from the per-request records only
   /// when requests were retried).
   int64_t promptTokens = 0;

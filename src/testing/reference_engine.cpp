@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <iterator>
 
 #include "context_cache/block_hash.h"
 #include "context_cache/context_cache_manager.h"
@@ -331,9 +332,14 @@ void ReferenceEngine::finishPrefill(Run& run, Row& row) {
                    start > 0 ? row.digests.at(start - 1) : 0, promptLength,
                    row.digests.at(promptLength - 1));
   }
-  mStats.promptTokens += promptLength;
-  mStats.reusedTokens += start;
-  mStats.prefillTokensComputed += promptLength - start;
+  if (firstPrefill(row.spec)) {
+    mStats.promptTokens += promptLength;
+    mStats.reusedTokens += start;
+    mStats.prefillTokensComputed += promptLength - start;
+  } else {  // a resumption after a preemption
+    mStats.resumedPromptTokens += promptLength;
+    mStats.resumedReusedTokens += start;
+  }
   verifyRow(run, row, /*full=*/false);
   if (pairsDraft()) {
     executeDraftPrefill(row, start);
@@ -374,8 +380,8 @@ void ReferenceEngine::acquireResidents(Run& run) {
     row.resident = *resident;
     row.promptKeys = positionKeys(sequence, request.mediaTokenIds);
     row.outcome = run.outcome.sequences.size();
-    run.outcome.sequences.push_back(
-        SequenceOutcome{sequence.tag, sequence.prompt, {}, FinishReason::kNotFinished, 0, false});
+    run.outcome.sequences.push_back(outcomeOf(sequence, 0, false, 0));
+    resumeRow(row);
     run.rows.push_back(std::move(row));
   }
 }
@@ -428,7 +434,10 @@ bool ReferenceEngine::beginRequest(Run& run) {
   }
   run.managed.emplace(std::move(*begun));
   run.outcome.admitted = true;
-  mStats.sequences += static_cast<int64_t>(run.rows.size());
+  for (Row const& row : run.rows) {
+    // A resumed sequence was counted at its first admission.
+    ++(row.spec.resume ? mStats.resumed : mStats.sequences);
+  }
   notePages();
   return true;
 }
@@ -442,7 +451,9 @@ bool ReferenceEngine::prefill(Run& run) {
     context.effectivePrefillLengths.push_back(static_cast<int32_t>(run.rows[i].spec.prompt.size()) -
                                               start);
     run.rows[i].prefillStart = start;
-    run.outcome.sequences[run.rows[i].outcome].prefillStart = start;
+    if (firstPrefill(run.rows[i].spec)) {
+      run.outcome.sequences[run.rows[i].outcome].prefillStart = start;
+    }
   }
   auto t0 = std::chrono::steady_clock::now();
   bool ok = managed.preparePrefill() && managed.prepareSwaPrefill(context.effectivePrefillLengths);
@@ -497,8 +508,14 @@ bool ReferenceEngine::prefillStep(Run& run) {
   return ok;
 }
 
-void ReferenceEngine::appendToken(Run& run, Row& row, std::size_t index, int32_t token) {
+void ReferenceEngine::appendToken(Run& run, Row& row, std::size_t index, int32_t token,
+                                  int64_t step) {
   DecodingInferenceContext& context = run.context;
+  if (row.sampled) {
+    mStats.timeBetweenTokensSteps.push_back(static_cast<int32_t>(step - row.lastTokenStep));
+  }
+  row.sampled = true;
+  row.lastTokenStep = step;
   context.generatedTokenIds[index].push_back(token);
   run.outcome.sequences[row.outcome].generated.push_back(token);
   ++mStats.generatedTokens;
@@ -512,7 +529,8 @@ void ReferenceEngine::appendToken(Run& run, Row& row, std::size_t index, int32_t
 }
 
 void ReferenceEngine::sampleAfter(Run& run, Row& row, std::size_t index) {
-  appendToken(run, row, index, sampleToken(row.digests.at(row.materialized - 1)));
+  appendToken(run, row, index, sampleToken(row.digests.at(row.materialized - 1)),
+              mStats.decodeSteps);
 }
 
 RequestOutcome ReferenceEngine::finishRun(Run& run, bool ok) {
@@ -522,6 +540,8 @@ RequestOutcome ReferenceEngine::finishRun(Run& run, bool ok) {
     run.outcome.sequences[row.outcome].reason =
         row.reason == FinishReason::kNotFinished ? FinishReason::kError : row.reason;
   }
+  run.outcome.preempted.assign(std::make_move_iterator(run.preempted.begin()),
+                               std::make_move_iterator(run.preempted.end()));
   bool const finished = run.managed->finish();
   run.outcome.failed = run.outcome.failed || !finished;
   run.managed.reset();

@@ -29,7 +29,7 @@ bool ReferenceEngine::decodeLoop(Run& run) {
     if (!cancelDue(run)) {
       continue;  // compact the cancelled rows away
     }
-    ok = decodeStep(run);
+    ok = preemptForGrowth(run) && decodeStep(run);
   }
   return ok;
 }
@@ -38,7 +38,7 @@ bool ReferenceEngine::compactFinished(Run& run) {
   std::vector<int32_t> mapping(run.rows.size(), -1);
   int32_t survivors = 0;
   for (std::size_t i = 0; i < run.rows.size(); ++i) {
-    if (run.rows[i].reason == FinishReason::kNotFinished) {
+    if (run.rows[i].reason == FinishReason::kNotFinished && !run.rows[i].preempted) {
       mapping[i] = survivors++;
     }
   }
@@ -59,8 +59,13 @@ bool ReferenceEngine::compactFinished(Run& run) {
   next.loraWeightsName = context.loraWeightsName;
   for (std::size_t i = 0; i < run.rows.size(); ++i) {
     if (mapping[i] < 0) {
-      run.outcome.sequences[run.rows[i].outcome].reason = run.rows[i].reason;
-      run.outcome.sequences[run.rows[i].outcome].decodeSteps = run.rows[i].steps;
+      SequenceOutcome& outcome = run.outcome.sequences[run.rows[i].outcome];
+      outcome.reason = run.rows[i].reason;
+      outcome.decodeSteps = run.rows[i].steps;
+      if (run.rows[i].preempted) {  // waits first in line (preempted after any older one)
+        outcome.preempted = true;
+        run.preempted.push_front(resumeOf(run, i));
+      }
       mRuntime.residentSlots().release(run.rows[i].resident);
       continue;
     }
@@ -84,13 +89,17 @@ bool ReferenceEngine::tryJoins(Run& run) {
     return true;
   }
   EngineRequest const& request = *run.request;
-  while (!joinQueue->empty() &&
-         run.rows.size() < static_cast<std::size_t>(mRuntime.config().maxBatchSize)) {
+  while (run.rows.size() < static_cast<std::size_t>(mRuntime.config().maxBatchSize)) {
+    // Preempted sequences first, then the join queue.
+    std::deque<EngineSequence>& queue = run.preempted.empty() ? *joinQueue : run.preempted;
+    if (queue.empty()) {
+      return true;
+    }
+    EngineSequence const& spec = queue.front();
     std::optional<ResidentRef> resident = mRuntime.residentSlots().acquire();
     if (!resident) {
       return true;
     }
-    EngineSequence const& spec = joinQueue->front();
     int32_t prefillStart = 0;
     auto const start = std::chrono::steady_clock::now();
     auto const status = run.managed->admitSequence(
@@ -102,26 +111,31 @@ bool ReferenceEngine::tryJoins(Run& run) {
       ++mStats.joinRefusals;
       return status == AdmitSequenceStatus::kNoCapacity;
     }
-    if (!seatJoiner(run, *resident, prefillStart)) {
+    if (!seatJoiner(run, queue, *resident, prefillStart)) {
       return false;
     }
   }
   return true;
 }
 
-bool ReferenceEngine::seatJoiner(Run& run, ResidentRef resident, int32_t prefillStart) {
+bool ReferenceEngine::seatJoiner(Run& run, std::deque<EngineSequence>& queue, ResidentRef resident,
+                                 int32_t prefillStart) {
   DecodingInferenceContext& context = run.context;
-  ++mStats.joins;
-  ++mStats.sequences;
-  EngineSequence const& spec = run.joinQueue->front();
+  EngineSequence const& spec = queue.front();
+  if (spec.resume) {
+    ++mStats.resumed;  // joined (and counted) at its first admission
+  } else {
+    ++mStats.joins;
+    ++mStats.sequences;
+  }
   Row row;
   row.spec = spec;
   row.resident = resident;
   row.promptKeys = positionKeys(spec, run.request->mediaTokenIds);
   row.outcome = run.outcome.sequences.size();
-  run.outcome.sequences.push_back(
-      SequenceOutcome{spec.tag, spec.prompt, {}, FinishReason::kNotFinished, prefillStart, true});
-  run.joinQueue->pop_front();
+  run.outcome.sequences.push_back(outcomeOf(spec, prefillStart, true, run.outcome.decodeSteps));
+  resumeRow(row);
+  queue.pop_front();
   auto const index = run.rows.size();
   run.rows.push_back(std::move(row));
   context.rawBatchedInputIds.push_back(run.rows[index].spec.prompt);
@@ -283,9 +297,13 @@ bool ReferenceEngine::completeChunks(Run& run) {
       ok = run.managed->finalizeSequenceAdmission(row32, run.context.generatedTokenIds[i].back(),
                                                   promptLength);
       row.prefilling = false;
-      mStats.chunkedPrefills += row.chunks > 1 ? 1 : 0;
-      mStats.timeToFirstTokenSteps.push_back(
-          static_cast<int32_t>(mStats.decodeSteps - row.seatedAtStep));
+      if (firstPrefill(row.spec)) {
+        // A sequence preempted while it prefilled counts from its first admission.
+        EngineResume const before = row.spec.resume.value_or(EngineResume{});
+        int64_t const seated = row.spec.resume ? before.seatedAtStep : row.seatedAtStep;
+        mStats.chunkedPrefills += row.chunks + before.prefillChunks > 1 ? 1 : 0;
+        mStats.timeToFirstTokenSteps.push_back(static_cast<int32_t>(mStats.decodeSteps - seated));
+      }
     }
     run.libraryNanos += nanosSince(start);
     if (!ok) {
@@ -326,14 +344,114 @@ void ReferenceEngine::collectTokens(Run& run, std::size_t batch) {
       continue;  // a prefilling joiner samples after its last chunk (completeChunks)
     }
     ++row.steps;
+    int64_t const step = mStats.decodeSteps + 1;  // the step in progress
     if (!run.speculative) {
-      sampleAfter(run, row, i);
+      appendToken(run, row, i, sampleToken(row.digests.at(row.materialized - 1)), step);
       continue;
     }
     for (int32_t token : row.pendingTokens) {
-      appendToken(run, row, i, token);
+      appendToken(run, row, i, token, step);
     }
   }
+}
+
+bool ReferenceEngine::growthFits(Run const& run) const {
+  auto& runtime = const_cast<KVCacheRuntime&>(mRuntime);
+  KVCachePool const* full = runtime.fullPool();
+  KVPageTable const* table = runtime.fullPageTable();
+  if (full == nullptr || table == nullptr) {
+    return true;  // no paged full pool (bounded SWA): nothing grows here
+  }
+  int64_t const page = full->config().tokensPerPage;
+  int64_t base = 0;
+  int64_t sliding = 0;
+  for (Row const& row : run.rows) {
+    if (row.prefilling) {
+      continue;  // an unfinalised joiner holds: its admission bound its prompt's pages
+    }
+    // What prepareDecodeStep maps: the committed tokens plus the headroom, in pages.
+    int64_t const needed = (row.materialized + run.headroom.baseExtraTokens + page - 1) / page;
+    base += std::max<int64_t>(0, needed - table->liveEntryCount(row.resident.slot));
+    // Sliding-window reuse maps at most one window page per row and step: when the step's
+    // position starts a page (an upper bound).
+    sliding += row.materialized % page == 0 ? 1 : 0;
+  }
+  KVCacheCapacity const capacity = mRuntime.capacity();
+  auto room = [](PagePoolUsage const& pool) {
+    return int64_t{pool.freePages} + pool.reclaimablePages;
+  };
+  bool const slidingReuse = mRuntime.backend() == KVCacheBackend::kSlidingWindowReuse;
+  return (!capacity.base || base <= room(*capacity.base)) &&
+         (!slidingReuse || !capacity.sliding || sliding <= room(*capacity.sliding));
+}
+
+bool ReferenceEngine::preemptForGrowth(Run& run) {
+  if (mOptions.preemption == PreemptionMode::kNone || run.joinQueue == nullptr ||
+      !mRuntime.supportsSeatedAdmission()) {
+    return true;  // the preempted could not be admitted again
+  }
+  while (!growthFits(run)) {
+    // vLLM's victim: the newest running sequence (rows are in admission order), while another
+    // row runs; a step that still cannot grow fails as without preemption.
+    std::size_t victim = run.rows.size();
+    int32_t running = 0;
+    for (std::size_t i = 0; i < run.rows.size(); ++i) {
+      if (run.rows[i].reason == FinishReason::kNotFinished) {
+        ++running;
+        victim = i;
+      }
+    }
+    if (running < 2) {
+      return true;
+    }
+    if (!preemptRow(run, victim)) {
+      return false;
+    }
+  }
+  return true;
+}
+
+bool ReferenceEngine::preemptRow(Run& run, std::size_t index) {
+  Row& row = run.rows[index];
+  if (!row.prefilling) {
+    // Publish the committed state; an unfinalised joiner published its chunks already.
+    auto const start = std::chrono::steady_clock::now();
+    bool const published = run.managed->preemptSequence(static_cast<ExecutionRow>(index));
+    run.libraryNanos += nanosSince(start);
+    if (!published) {
+      return false;
+    }
+  }
+  row.preempted = true;
+  ++mStats.preemptions;
+  return compactFinished(run);  // drops the preempted row (and any cancelled one)
+}
+
+EngineSequence ReferenceEngine::resumeOf(Run const& run, std::size_t index) const {
+  Row const& row = run.rows[index];
+  SequenceOutcome const& outcome = run.outcome.sequences[row.outcome];
+  EngineSequence next = row.spec;
+  EngineResume resume = row.spec.resume.value_or(EngineResume{});
+  if (!row.spec.resume) {
+    resume.joinedInFlight = outcome.joinedInFlight;
+    resume.seatedAtStep = row.seatedAtStep;
+  }
+  if (row.prefilling) {
+    // Nothing sampled: it starts its prefill again, reusing the chunks it published.
+    resume.prefillChunks += row.chunks;
+  } else {
+    std::vector<int32_t> const& generated = run.context.generatedTokenIds[index];
+    if (resume.generatedTokens == 0) {
+      resume.prefillStart = outcome.prefillStart;
+    }
+    next.prompt.insert(next.prompt.end(), generated.begin(), generated.end());
+    next.maxNewTokens -= static_cast<int32_t>(generated.size());
+    resume.generatedTokens += static_cast<int32_t>(generated.size());
+    resume.decodeSteps = row.steps;
+    resume.lastTokenStep = row.lastTokenStep;
+  }
+  next.resume = resume;
+  return next;
 }
 
 }  // namespace mkv::testing

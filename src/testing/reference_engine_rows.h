@@ -38,11 +38,17 @@ struct ReferenceEngine::Row {
   int32_t chunks = 0;
   int64_t seatedAtStep = 0;
   bool chunkThisStep = false;
+  // Preemption: compact this row away as preempted; the step of its last sampled token (time
+  // between tokens) and whether it has sampled one.
+  bool preempted = false;
+  int64_t lastTokenStep = 0;
+  bool sampled = false;
 };
 
 struct ReferenceEngine::Run {
   EngineRequest const* request = nullptr;
   std::deque<EngineSequence>* joinQueue = nullptr;  // run's join queue (may be null)
+  std::deque<EngineSequence> preempted;  // preempted sequences, admitted before the join queue
   LLMGenerationRequest generation;
   DecodingInferenceContext context;
   std::optional<ManagedKVCacheRequest> managed;
@@ -53,6 +59,44 @@ struct ReferenceEngine::Run {
   DecodingKvHeadroom headroom{1, 0};  // set by beginRequest
   int64_t libraryNanos = 0;           // host time in library calls (kept, not reported)
 };
+
+/// The outcome entry of a sequence seated with `prefillStart` reused tokens, `runStep` decode
+/// steps into its run. A resumed sequence (EngineSequence::resume) reports its original prompt,
+/// the tokens it sampled before, and its first admission's figures once that admission completed
+/// its prefill.
+inline SequenceOutcome outcomeOf(EngineSequence const& spec, int32_t prefillStart, bool joined,
+                                 int64_t runStep) {
+  SequenceOutcome outcome{spec.tag,     spec.prompt, {}, FinishReason::kNotFinished,
+                          prefillStart, joined};
+  outcome.seatedAtRunStep = runStep;
+  if (spec.resume) {
+    EngineResume const& resume = *spec.resume;
+    auto const cut = spec.prompt.end() - resume.generatedTokens;
+    outcome.prompt.assign(spec.prompt.begin(), cut);
+    outcome.generated.assign(cut, spec.prompt.end());
+    outcome.joinedInFlight = resume.joinedInFlight;
+    outcome.resumedAtToken = resume.generatedTokens;
+    if (resume.generatedTokens > 0) {
+      outcome.prefillStart = resume.prefillStart;
+    }
+  }
+  return outcome;
+}
+
+/// Whether a row's prefill is its sequence's first completed one (the figures of first
+/// admissions): a new sequence, or one preempted before its first prefill completed.
+inline bool firstPrefill(EngineSequence const& spec) {
+  return !spec.resume || spec.resume->generatedTokens == 0;
+}
+
+/// A row's decode figures carried over from before a preemption.
+inline void ReferenceEngine::resumeRow(Row& row) {
+  if (row.spec.resume && row.spec.resume->generatedTokens > 0) {
+    row.steps = row.spec.resume->decodeSteps;
+    row.lastTokenStep = row.spec.resume->lastTokenStep;
+    row.sampled = true;
+  }
+}
 
 /// Nanoseconds since `start` (the engine's host time in library calls).
 inline int64_t nanosSince(std::chrono::steady_clock::time_point start) {

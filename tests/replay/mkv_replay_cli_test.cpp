@@ -243,6 +243,7 @@ TEST_F(MkvReplayCliTest, HelpExitsZeroAndListsEveryOption) {
                                "--pool-tokens N",
                                "--kv-budget-bytes B",
                                "--max-batch N",
+                               "--preemption P",
                                "--layers N",
                                "--kv-heads N",
                                "--head-dim N",
@@ -409,6 +410,12 @@ TEST_F(MkvReplayCliTest, BadOptionsAreOneLineAndExitTwo) {
                  "a token budget of 512 per step needs in-flight joins (--max-batch > 1");
   expectBadInput({"--max-batched-tokens", "0", "--max-batch", "4"},
                  "--max-batched-tokens 0 is outside [1, ");
+  expectBadInput({"--preemption", "recompute"},
+                 "preemption needs in-flight joins (--max-batch > 1");
+  expectBadInput({"--preemption", "recompute", "--max-batch", "4", "--mode", "swa"},
+                 "preemption needs in-flight joins");
+  expectBadInput({"--preemption", "swap", "--max-batch", "4"},
+                 "--preemption expects one of none, recompute, got 'swap'");
   expectBadInput({"--checkpoint-interval", "512"},
                  "--checkpoint-interval needs --recurrent-layers N > 0 or --window W (reuse mode)");
   expectBadInput({"--recurrent-layers", "2", "--checkpoint-interval", "100"},

@@ -801,6 +801,115 @@ TEST(ReplayRunnerTest, ATokenBudgetPrefillsJoinersInChunksAndKeepsTheReuse) {
   EXPECT_EQ(result.promptTokens, unchunked.promptTokens);
 }
 
+/// Two requests of 64 distinct tokens, page 16, sampling 30 and 40 tokens: the founder and the
+/// joiner take 5 pages each (64 tokens plus the lookahead); the founder ends on 6 pages (93
+/// tokens with KV plus the lookahead), the joiner on 7.
+TraceSource twoGrowingRequests() {
+  std::vector<TraceRecord> records;
+  for (int request = 0; request < 2; ++request) {
+    std::string prompt;
+    for (int i = 0; i < 64; ++i) {
+      prompt.append(i > 0 ? ", " : "").append(std::to_string(1000 + 100 * request + i));
+    }
+    records.push_back(parseTraceLine("{\"prompt\": [" + prompt + "], \"max_new_tokens\": " +
+                                         std::to_string(30 + 10 * request) + "}",
+                                     TraceFormat::kAuto));
+  }
+  return TraceSource(std::move(records), "two growing requests");
+}
+
+TEST(ReplayRunnerTest, APreemptedSequenceResumesFromTheBlocksItPublished) {
+  ReplayConfig config;
+  config.pageSize = 16;
+  config.maxBatch = 2;
+  config.verify = testing::VerifyMode::kAll;
+  TraceSource plainTrace = twoGrowingRequests();
+  RecordingSource plain(plainTrace);
+  ReplayResult const unbounded = runReplay(plain, config);
+  ASSERT_EQ(unbounded.joins, 1);
+  config.poolSizing = PoolSizing::kPages;
+  config.poolAmount = 11;
+  // Without preemption the first step that grows both rows fails the batch: both are retried.
+  TraceSource failingTrace = twoGrowingRequests();
+  ReplayResult const failing = runReplay(failingTrace, config);
+  EXPECT_EQ(failing.retriedRequests, 2);
+  EXPECT_EQ(failing.preemptions, 0);
+  config.preemption = testing::PreemptionMode::kRecompute;
+  for (int32_t budget : {0, 2048}) {
+    config.maxBatchedTokens = budget;
+    TraceSource trace = twoGrowingRequests();
+    RecordingSource recorded(trace);
+    ReplayResult const result = runReplay(recorded, config);
+    // A pool of 11 pages leaves one free. Both rows reach 80 committed tokens and need a sixth
+    // page (with a token budget the joiner, seated a step later, one step after the founder):
+    // the joiner, the newest, is preempted and publishes its 5 full blocks. The founder takes the
+    // free page and runs to its end; the joiner comes back as the next run with its 64 + 17
+    // tokens, reuses the 80 it published and samples its other 23.
+    EXPECT_EQ(result.oracleMismatches, 0) << result.firstMismatch;
+    EXPECT_EQ(result.preemptions, 1) << budget;
+    EXPECT_EQ(result.resumed, 1);
+    EXPECT_EQ(result.resumedPromptTokens, 64 + 17);
+    EXPECT_EQ(result.resumedReusedTokens, 80);
+    EXPECT_EQ(result.retriedRequests, 0);
+    EXPECT_EQ(result.failedRequests, 0);
+    EXPECT_EQ(result.promptTokens, 128);
+    EXPECT_EQ(result.generatedTokens, 70);
+    EXPECT_EQ(result.timeBetweenTokensStepsP50, 1);
+    for (std::size_t i = 0; i < 2; ++i) {
+      EXPECT_EQ(result.records[i].reason, FinishReason::kLength);
+      EXPECT_EQ(result.records[i].reusedTokens, 0);
+      EXPECT_EQ(recorded.generated[i], plain.generated[i]) << i;
+    }
+  }
+}
+
+TEST(ReplayRunnerTest,
+     RecomputePreemptionUnderPoolPressureFinishesEverySequenceAsIfNeverPreempted) {
+  MKV_TEST_INPUT_OR_SKIP(kMooncake500, "tests/data/mooncake_first500.jsonl");
+  // Every sampled token depends on its prefix alone, so a run that never preempts (an unbounded
+  // pool) samples what the preempted and resumed sequences must.
+  TraceSource plainTrace = traceSource(kMooncake500);
+  RecordingSource plain(plainTrace);
+  ReplayConfig config;
+  config.maxBatch = 16;
+  ReplayResult const unbounded = runReplay(plain, config);
+  ASSERT_EQ(unbounded.failedRequests, 0);
+  // 140,000 tokens: the longest prompt (134,773) fits alone; 16 rows of Mooncake prompts do not.
+  config.poolSizing = PoolSizing::kTokens;
+  config.poolAmount = 140'000;
+  config.preemption = testing::PreemptionMode::kRecompute;
+  TraceSource wholeTrace = traceSource(kMooncake500);
+  ReplayResult const whole = runReplay(wholeTrace, config);  // no token budget
+  config.maxBatchedTokens = 2048;
+  TraceSource chunkedTrace = traceSource(kMooncake500);
+  RecordingSource chunked(chunkedTrace);
+  ReplayResult const result = runReplay(chunked, config);
+  EXPECT_EQ(result.oracleMismatches, 0) << result.firstMismatch;
+  // Engagement: sequences were preempted while decoding (their resumptions had prompts) and came
+  // back reusing what they published; no batch failed for lack of pages (no retry alone).
+  EXPECT_GT(result.preemptions, 0);
+  EXPECT_EQ(result.resumed, result.preemptions);
+  EXPECT_GT(result.resumedPromptTokens, 0);
+  EXPECT_GT(result.resumedReusedTokens, 0);
+  EXPECT_GT(result.chunkedPrefills, 50);
+  EXPECT_GT(result.evictedRecords, 0);
+  EXPECT_EQ(result.failedRequests, 0);
+  EXPECT_EQ(result.retriedRequests, 0);
+  EXPECT_EQ(result.timeBetweenTokensStepsP50, 1);
+  EXPECT_EQ(result.promptTokens, unbounded.promptTokens);  // first admissions only
+  EXPECT_EQ(result.generatedTokens, unbounded.generatedTokens);
+  EXPECT_GE(static_cast<double>(result.reusedTokens),
+            0.98 * static_cast<double>(whole.reusedTokens));
+  EXPECT_EQ(whole.oracleMismatches, 0) << whole.firstMismatch;
+  // Every request finished with its whole output: the tokens the run without preemption sampled.
+  ASSERT_EQ(result.records.size(), plain.generated.size());
+  for (std::size_t i = 0; i < result.records.size(); ++i) {
+    EXPECT_EQ(result.records[i].reason, FinishReason::kLength) << i;
+    EXPECT_EQ(result.records[i].generatedTokens, result.records[i].maxNewTokens) << i;
+    EXPECT_EQ(chunked.generated[i], plain.generated[i]) << i;
+  }
+}
+
 /// The independent model of hybrid reuse with reuse points: the exact prefixes a checkpoint
 /// holds, as (length, FNV-1a of the tokens), and the plan's rule: the longest strictly shorter
 /// than the prompt.

@@ -21,6 +21,23 @@
 
 namespace mkv::testing {
 
+/// What a sequence the engine preempted carries back to the waiting queue
+/// (ReferenceEngineOptions::preemption): its EngineSequence's prompt then ends with the
+/// `generatedTokens` it sampled before (the last of them without KV), and maxNewTokens counts the
+/// tokens it has left. Its outcome reports the original prompt, every sampled token and the
+/// figures of its first admission, as if it had never been preempted.
+/// A sequence preempted while it prefilled (an unfinalised joiner) has sampled nothing: 0
+/// generated tokens, and its first completed prefill still counts as its first admission's.
+struct EngineResume {
+  int32_t generatedTokens = 0;  ///< the prompt's last tokens that the sequence sampled
+  int32_t prefillStart = 0;     ///< the first admission's reused tokens (generatedTokens > 0)
+  bool joinedInFlight = false;  ///< the first admission joined a running batch
+  int32_t decodeSteps = 0;      ///< decode steps it took part in before
+  int64_t lastTokenStep = 0;    ///< EngineStats::decodeSteps when it sampled its last token
+  int64_t seatedAtStep = 0;     ///< EngineStats::decodeSteps when it was first seated
+  int32_t prefillChunks = 0;    ///< chunks it ran in prefills that a preemption cut short
+};
+
 /// One sequence to run.
 struct EngineSequence {
   std::vector<int32_t> prompt;
@@ -32,6 +49,8 @@ struct EngineSequence {
   int32_t cancelAtStep = -1;
   /// Caller's id, reported back in the outcome.
   int64_t tag = 0;
+  /// Set by the engine on a preempted sequence it queues again; empty for a new one.
+  std::optional<EngineResume> resume{};
 };
 
 /// One runtime request: a founding batch of sequences sharing request-level settings.
@@ -49,6 +68,15 @@ enum class VerifyMode : uint8_t {
   kAll,     ///< every position attention reads, at every step
   kSample,  ///< reused positions and newly written ones fully; a few random positions per step
   kNone,
+};
+
+/// What the engine does when a decode step's page growth exceeds what the pool can give.
+enum class PreemptionMode : uint8_t {
+  kNone,  ///< nothing: the step fails the batch (the library's contract), as the seed's engine
+  /// vLLM's recompute: preempt the newest running sequences (preemptSequence, then compaction)
+  /// until the growth fits, queue them first for in-flight admission with their sampled tokens
+  /// appended to the prompt; re-admitted, they reuse what they published.
+  kRecompute,
 };
 
 struct ReferenceEngineOptions {
@@ -76,6 +104,19 @@ struct ReferenceEngineOptions {
   /// publishes its full blocks after each (completePrefillChunk), and after its last chunk it
   /// samples its lookahead token and is finalised.
   int32_t maxBatchedTokens = 0;
+  /// Preemption under pool pressure (needs in-flight admission and a join queue: the preempted
+  /// wait there). kRecompute: before each decode step the engine counts the pages the step's
+  /// growth takes (a finalised row's committed tokens plus the headroom, in pages, beyond those
+  /// mapped in its row) against the base pool's free and reclaimable pages
+  /// (KVCacheRuntime::capacity(); on sliding-window reuse also one sliding page per row starting a
+  /// page); while they do not fit and more than one row runs, it preempts the newest running row:
+  /// preemptSequence (an unfinalised joiner has nothing of its own to publish besides its chunks:
+  /// it is only compacted away), compaction, and the sequence waits first in line, ahead of the
+  /// join queue, with its sampled tokens appended to its prompt (EngineResume). Admitted again
+  /// (in flight, or as a founder of a later run: RequestOutcome::preempted), it reuses what it
+  /// published and samples on to its maxNewTokens. A batch whose only running row cannot grow
+  /// fails as with kNone.
+  PreemptionMode preemption = PreemptionMode::kNone;
 };
 
 struct SequenceOutcome {
@@ -86,6 +127,14 @@ struct SequenceOutcome {
   int32_t prefillStart = 0;  ///< reused tokens
   bool joinedInFlight = false;
   int32_t decodeSteps = 0;  ///< decode steps (verification rounds) the sequence took part in
+  /// The sequence was preempted here and went back to the waiting queue: its outcome is reported
+  /// again, whole, by the entry of the run that finishes it (same tag). reason stays
+  /// kNotFinished.
+  bool preempted = false;
+  /// -1, or the tokens it had sampled when it was last resumed (re-admitted after a preemption).
+  int32_t resumedAtToken = -1;
+  /// Decode steps of the run before this entry's row was seated (0 for founders).
+  int64_t seatedAtRunStep = 0;
 };
 
 struct RequestOutcome {
@@ -93,6 +142,9 @@ struct RequestOutcome {
   bool failed = false;    ///< a lifecycle call returned false (request failed / poisoned)
   std::vector<SequenceOutcome> sequences;  ///< founders, then joiners, in admission order
   int64_t decodeSteps = 0;
+  /// Preempted sequences still waiting when the run ended, first in line first: the caller runs
+  /// them again (first in its queue, same salt and adapter).
+  std::vector<EngineSequence> preempted{};
 };
 
 /// Cumulative figures of an engine.
@@ -156,6 +208,17 @@ struct EngineStats {
   /// Per joiner: decode steps from its admission to the step of its last chunk (0: its whole
   /// prompt in its first step).
   std::vector<int32_t> timeToFirstTokenSteps;
+  /// Per sampled token after a sequence's first: decode steps since its previous token (1 for a
+  /// row that decodes every step; more after a preemption; 0 for the second and later tokens a
+  /// verification round commits).
+  std::vector<int32_t> timeBetweenTokensSteps{};
+  // Preemption (ReferenceEngineOptions::preemption).
+  int64_t preemptions = 0;  ///< sequences preempted (a sequence preempted twice counts twice)
+  int64_t resumed = 0;      ///< preempted sequences admitted again
+  /// Prompt tokens of the resumptions, and of them those reused: a resumption is not counted in
+  /// promptTokens / reusedTokens / prefillTokensComputed (those count first admissions).
+  int64_t resumedPromptTokens = 0;
+  int64_t resumedReusedTokens = 0;
   int64_t hiddenChecks = 0;  ///< restored boundary hidden rows verified
   /// Of oracleMismatches: restored boundary hidden rows with a wrong byte.
   int64_t hiddenMismatches = 0;
@@ -255,9 +318,23 @@ class ReferenceEngine {
   bool compactFinished(Run& run);
   /// Admits queued sequences while slots and pools allow; false when an admission fails.
   bool tryJoins(Run& run);
-  /// Seats the admitted front of the join queue: row, prefill, lookahead, finalize; false on
-  /// failure.
-  bool seatJoiner(Run& run, ResidentRef resident, int32_t prefillStart);
+  /// Seats the admitted front of `queue` (the join queue, or the preempted sequences waiting
+  /// before it): row, prefill, lookahead, finalize; false on failure.
+  bool seatJoiner(Run& run, std::deque<EngineSequence>& queue, ResidentRef resident,
+                  int32_t prefillStart);
+  /// Preemption: whether the base pool (and a sliding-window reuse deployment's sliding pool)
+  /// covers the next decode step's page growth, by capacity().
+  bool growthFits(Run const& run) const;
+  /// Preemption before a decode step: preempts the newest running rows while the step's growth
+  /// does not fit and another row runs; false when a library call fails.
+  bool preemptForGrowth(Run& run);
+  /// Preempts row `index` (preemptSequence unless it is an unfinalised joiner) and compacts it
+  /// away; the sequence waits first in line (Run::preempted). False when a call fails.
+  bool preemptRow(Run& run, std::size_t index);
+  /// A seated row's decode figures carried over from before a preemption (EngineResume).
+  static void resumeRow(Row& row);
+  /// The sequence a preempted row resumes as: its sampled tokens appended to its prompt.
+  EngineSequence resumeOf(Run const& run, std::size_t index) const;
   /// Cancels rows whose cancelAtStep is due; true while a row still runs.
   bool cancelDue(Run& run);
   /// One decode step of the running rows; false (after the step's checks) when a call fails.
@@ -266,9 +343,10 @@ class ReferenceEngine {
   void stageDecodeRow(Run& run, std::size_t i);
   /// Appends the step's tokens of the first `batch` running rows (and counts their step).
   void collectTokens(Run& run, std::size_t batch);
-  /// Appends `token` to row `index` and sets its finish reason.
-  void appendToken(Run& run, Row& row, std::size_t index, int32_t token);
-  /// Samples and appends the token after row's materialized prefix.
+  /// Appends `token` to row `index` and sets its finish reason; `step` is the decode step count
+  /// at which the token is sampled (time between tokens).
+  void appendToken(Run& run, Row& row, std::size_t index, int32_t token, int64_t step);
+  /// Samples and appends the token after row's materialized prefix, between decode steps.
   void sampleAfter(Run& run, Row& row, std::size_t index);
   /// Settles every row's outcome, finishes the managed request and gives back the slots.
   RequestOutcome finishRun(Run& run, bool ok);
