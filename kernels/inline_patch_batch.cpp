@@ -8,6 +8,7 @@
 
 #include "core/check.h"
 #include "core/device.h"
+#include "core/faults.h"
 #include "kernel_params.h"
 #include "mkv/kernels.h"
 #include "patch_ring.h"
@@ -156,9 +157,7 @@ void InlinePatchBatch::flush(cudaStream_t stream) {
   }
   // A launch that fails throws here and keeps the queue: the writes are retried by the next
   // flush, so a table that counts them as uploaded still reaches the device.
-  if (mLaunchFaults) {
-    mkv::detail::checkCuda(mLaunchFaults(), kCall);
-  }
+  mkv::detail::injectFault(mFaults, FaultSite::kDeviceWriteLaunch, kCall);
   detail::Int32InlinePatchLaunch* const slot =
       mRing != nullptr && mDeviceType == DeviceType::kGPU ? mRing->acquire(stream) : nullptr;
   if (slot != nullptr) {

@@ -31,7 +31,7 @@ ALLOWED = {
 # Public headers (include/mkv/...) by layer; folders map as a whole.
 PUBLIC_HEADERS = {
     "types.h": "core", "error.h": "core", "logging.h": "core", "tensor.h": "core",
-    "cuda_types.h": "core", "stream.h": "core", "media.h": "core",
+    "cuda_types.h": "core", "stream.h": "core", "media.h": "core", "fault_site.h": "core",
     "generation_request.h": "core",
     "kernels.h": "kernels",
     "kv_cache_pool.h": "resources", "kv_page_table.h": "resources",

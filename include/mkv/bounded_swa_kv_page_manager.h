@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "mkv/cuda_types.h"
+#include "mkv/fault_site.h"
 #include "mkv/kv_cache_pool.h"
 #include "mkv/kv_page_table.h"
 #include "mkv/recurrent_state_pool.h"
@@ -195,9 +196,13 @@ class BoundedSwaKVPageManager {
   /// length pool's batch capacity covers the table's rows, and the recurrent pool (when given)
   /// has a row per table row. The table width (maxPagesPerSeq * P tokens, absolute positions)
   /// bounds how long a sequence may grow: prefill rejects longer prompts and a decode step past
-  /// it returns kRequestFailed.
+  /// it returns kRequestFailed. `synchronizer`: empty = defaultStreamSynchronizer. `faults` is
+  /// consulted at FaultSite::kStreamSynchronize (after each synchronisation) and, for the write
+  /// queue the manager owns when resources.deviceWrites is null, kDeviceWriteLaunch. Empty = no
+  /// faults.
   BoundedSwaKVPageManager(BoundedSwaConfig const& config, BoundedSwaResources resources,
-                          cudaStream_t stream, StreamSynchronizer synchronizer = {});
+                          cudaStream_t stream, StreamSynchronizer synchronizer = {},
+                          FaultInjector faults = {});
   /// Terminates the process if a request is still active or quarantined (a lifetime bug that
   /// would otherwise free memory kernels may still touch).
   ~BoundedSwaKVPageManager();
@@ -451,7 +456,7 @@ class BoundedSwaKVPageManager {
   int32_t mDecodePages;
   BoundedSwaResources mResources;
   cudaStream_t mStream;
-  StreamSynchronizer mSynchronizer;
+  StreamSynchronizer mSynchronizer;  ///< with the constructor's faults at kStreamSynchronize
   std::vector<PageId> mFreePages;
   std::vector<uint8_t> mResidentBusy;
   /// compactBatch's dropped slots, reserved for every row at construction: a compaction

@@ -5,13 +5,12 @@
 /// "The host tier's copies"). Which pages go where is the context cache's bookkeeping.
 
 #include <cstdint>
-#include <functional>
 #include <memory>
 #include <span>
-#include <string_view>
 #include <vector>
 
 #include "mkv/cuda_types.h"
+#include "mkv/fault_site.h"
 #include "mkv/kernels.h"
 #include "mkv/kv_cache_pool.h"
 #include "mkv/tensor.h"
@@ -30,15 +29,12 @@ struct HostPageCopy {
   PageId to = kNoPage;
 };
 
-/// Test seam of the fault model (docs/errors.md, "Poison and quarantine"): called before each
-/// CUDA step of the tier with its name ("offload", "onboard", "order"); a status other than
-/// cudaSuccess makes that step throw mkv::Error as a real CUDA failure there would. Called on
-/// kCPU tiers too, so the host twin exercises the same failure paths. Empty = no faults.
-using HostTierFaults = std::function<cudaError_t(std::string_view operation)>;
-
 struct HostKvTierConfig {
   int32_t numPages = 0;  ///< host pages (each holds one GPU page: every layer, K and V)
-  HostTierFaults faults;
+  /// Consulted before each CUDA step of the tier (FaultSite::kHostTierOffload, kHostTierOnboard,
+  /// kHostTierOrder), kCPU tiers too; a failure makes that step throw mkv::Error naming the call
+  /// and the site. Empty = no faults.
+  FaultInjector faults;
 };
 
 /// Owns the host pool and moves pages between it and a GPU pool.
@@ -113,11 +109,11 @@ class HostKvTier {
 
  private:
   void validate(char const* call, std::span<HostPageCopy const> copies, bool offload);
-  void fault(char const* call, std::string_view operation) const;
+  void fault(char const* call, FaultSite site) const;
   void launch(std::span<HostPageCopy const> copies, bool offload);
 
   int32_t mNumPages;
-  HostTierFaults mFaults;
+  FaultInjector mFaults;
   KVCachePool& mGpu;
   int64_t mLayerBytes = 0;         ///< bytes of one layer of the host pool (both halves)
   void* mHost = nullptr;           ///< host address of the allocation

@@ -15,13 +15,13 @@
 /// staging them, and CPU launches throw for them.
 
 #include <cstdint>
-#include <functional>
 #include <memory>
 #include <span>
 #include <utility>
 #include <vector>
 
 #include "mkv/cuda_types.h"
+#include "mkv/fault_site.h"
 #include "mkv/tensor.h"
 #include "mkv/types.h"
 
@@ -156,11 +156,6 @@ void applyInt32Patch(Tensor& dst, Tensor const& patch, int32_t numRanges, cudaSt
 void applyInt32InlinePatch(Tensor& dst, std::span<int32_t const> patch, int32_t numRanges,
                            cudaStream_t stream);
 
-/// Test seam of the fault model (docs/errors.md, "Device writes that fail"): consulted before each
-/// flush that has writes to apply, kCPU batches too, so the host twin takes the same failure path;
-/// a status other than cudaSuccess fails that flush as a failed launch would. Empty = no faults.
-using LaunchFaults = std::function<cudaError_t()>;
-
 /// Int32 writes to up to kMaxInlinePatchTargets tensors of one device, gathered on the host and
 /// applied by one applyInt32InlinePatch-style launch: a facade call's page-table rows and KV
 /// lengths cost one launch (4-5 µs of the engine thread on an H200, docs/benchmarks.md). The
@@ -202,8 +197,9 @@ class InlinePatchBatch {
   void flush(cudaStream_t stream);
   /// Drops every queued write unapplied.
   void discard() noexcept;
-  /// Installs the fault seam (LaunchFaults) every later flush consults first.
-  void setLaunchFaults(LaunchFaults faults) { mLaunchFaults = std::move(faults); }
+  /// Installs the fault injector every later flush that has writes to apply consults first, at
+  /// FaultSite::kDeviceWriteLaunch (kCPU batches too; docs/errors.md, "Device writes that fail").
+  void setFaults(FaultInjector faults) { mFaults = std::move(faults); }
   /// Calls `queue()` (which adds writes), then flush(stream): also when `queue` throws half-way
   /// (then rethrows what `queue` threw), so that whatever it queued reaches the device like the
   /// writes before it; a flush that fails there keeps its queue for the next one.
@@ -250,7 +246,7 @@ class InlinePatchBatch {
   int64_t mLaunches = 0;
   int64_t mRingLaunches = 0;
   std::unique_ptr<detail::PatchRing> mRing;  // kGPU batches made with a device type
-  LaunchFaults mLaunchFaults;
+  FaultInjector mFaults;
 };
 
 /// Loads every kernel of the library on the current CUDA device now. CUDA's lazy loading would

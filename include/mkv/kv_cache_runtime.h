@@ -12,6 +12,7 @@
 #include "mkv/context_cache/context_cache_config.h"
 #include "mkv/context_cache/context_cache_types.h"
 #include "mkv/cuda_types.h"
+#include "mkv/fault_site.h"
 #include "mkv/kernels.h"
 #include "mkv/resident_slot_pool.h"
 #include "mkv/stream.h"
@@ -112,9 +113,11 @@ struct KVCacheRuntimeConfig {
   /// with every blocking stream: pass a non-blocking one.
   cudaStream_t stream = nullptr;
   StreamSynchronizer synchronizer;  ///< empty = defaultStreamSynchronizer(deviceType)
-  /// Test seam: consulted before each launch of the backends' table and length writes (the
-  /// runtime's write queue; kernels::LaunchFaults). Empty = no faults.
-  kernels::LaunchFaults deviceWriteFaults;
+  /// The fault seam (include/mkv/fault_site.h): consulted at every FaultSite of the runtime's
+  /// parts (its synchronisations, device-write launches, host tier copies, checkpoint captures
+  /// and publications); a non-success status fails that step as a real CUDA failure there would.
+  /// Empty = no faults.
+  FaultInjector faults;
 };
 
 enum class KVCacheBackend : uint8_t {

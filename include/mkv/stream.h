@@ -10,9 +10,9 @@
 namespace mkv {
 
 /// Waits until all work enqueued on a stream has finished; returns its CUDA status.
-/// Managers and coordinators take one at construction; tests inject failures through it (the
-/// fault model: docs/errors.md, "Poison and quarantine"). Every call of it is a host-visible
-/// completion point.
+/// Managers and coordinators take one at construction. Every call of it is a host-visible
+/// completion point. Failures are injected through the fault seam instead
+/// (FaultSite::kStreamSynchronize, mkv/fault_site.h; docs/errors.md, "Poison and quarantine").
 using StreamSynchronizer = std::function<cudaError_t(cudaStream_t)>;
 
 /// kGPU: calls cudaStreamSynchronize. kCPU: returns cudaSuccess (host work is synchronous).

@@ -157,13 +157,13 @@ void CheckpointMode::enqueueCapture(CoordinatorSequence const& sequence,
                                     SnapshotReservation const& reservation, int32_t exactLength,
                                     bool partial) const {
   int32_t const pageSize = mParts.manager.pageSize();
-  mParts.injectFault(CoordinatorFaultSite::kSnapshotCapture);
+  mParts.injectFault(FaultSite::kSnapshotCapture);
   mSnapshotStorage.captureRecurrent(reservation.recurrentSlot, sequence.resident.slot,
                                     mParts.stream);
   if (partial) {
     PageId const page =
         sequence.lease.basePages()[static_cast<std::size_t>(exactLength / pageSize)];
-    mParts.injectFault(CoordinatorFaultSite::kSnapshotCapture);
+    mParts.injectFault(FaultSite::kSnapshotCapture);
     mSnapshotStorage.capturePartialKv(*reservation.partialKvSlot, page, exactLength % pageSize,
                                       kNoPage, mParts.stream);
   }
@@ -350,14 +350,14 @@ void HybridMtpMode::captureEndpoint(CoordinatorSequence& sequence,
   int32_t const full = (residentStateLength - 1) / pageSize;
   auto const page = static_cast<std::size_t>(full);
   try {
-    mParts.injectFault(CoordinatorFaultSite::kSnapshotCapture);
+    mParts.injectFault(FaultSite::kSnapshotCapture);
     mSnapshotStorage.captureRecurrent(reservation.recurrentSlot, sequence.resident.slot,
                                       mParts.stream);
-    mParts.injectFault(CoordinatorFaultSite::kSnapshotCapture);
+    mParts.injectFault(FaultSite::kSnapshotCapture);
     mSnapshotStorage.capturePartialKv(*reservation.partialKvSlot, sequence.lease.basePages()[page],
                                       residentStateLength - full * pageSize,
                                       sequence.lease.draftPages()[page], mParts.stream);
-    mParts.injectFault(CoordinatorFaultSite::kSnapshotCapture);
+    mParts.injectFault(FaultSite::kSnapshotCapture);
     mSnapshotStorage.captureBoundaryHidden(reservation.recurrentSlot, baseHiddenStates,
                                            boundaryHiddenRow, mParts.stream);
   } catch (...) {

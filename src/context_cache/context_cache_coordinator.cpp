@@ -21,6 +21,7 @@
 #include "context_cache/window_block_cache.h"
 #include "core/check.h"
 #include "core/device.h"
+#include "core/faults.h"
 #include "mkv/logging.h"
 #include "resources/backend_requests.h"
 #include "resources/device_write_queue.h"
@@ -62,12 +63,14 @@ ContextCacheCoordinator::ContextCacheCoordinator(ContextCacheConfig const& confi
                                                  ContextCacheDeploymentProfile const& profile,
                                                  ContextCachePhysicalResources resources,
                                                  cudaStream_t stream,
-                                                 StreamSynchronizer synchronizer)
+                                                 StreamSynchronizer synchronizer,
+                                                 FaultInjector faults)
     : mConfig(config),
       mProfile(profile),
       mResources(resources),
       mStream(stream),
       mSynchronizer(std::move(synchronizer)),
+      mFaults(std::move(faults)),
       mRequests(std::make_unique<detail::RequestRegistry<Request>>("ContextCacheCoordinator")) {
   detail::DeploymentLayout const layout = detail::validateDeployment(config, profile, resources);
   mMaxBatch = layout.maxBatch;
@@ -75,16 +78,15 @@ ContextCacheCoordinator::ContextCacheCoordinator(ContextCacheConfig const& confi
   mWrites = mResources.deviceWrites;
   if (mWrites == nullptr) {
     mOwnedWrites =
-        std::make_unique<detail::DeviceWriteQueue>(mDevice, DeviceWriteTiming::kEachCall);
+        std::make_unique<detail::DeviceWriteQueue>(mDevice, DeviceWriteTiming::kEachCall, mFaults);
     mWrites = mOwnedWrites.get();
   }
   mWrites->watch(mResources.basePageTable);
   mWrites->watch(mResources.draftPageTable);
   mWrites->watch(mResources.basePool);
   mWrites->watch(mResources.draftPool);
-  if (!mSynchronizer) {
-    mSynchronizer = defaultStreamSynchronizer(mDevice);
-  }
+  mSynchronizer = detail::withSyncFaults(
+      mSynchronizer ? std::move(mSynchronizer) : defaultStreamSynchronizer(mDevice), mFaults);
   ContextCacheManagerOptions options;
   options.verifyTokens = config.verifyTokens;
   options.eventQueueCapacity = config.eventQueueCapacity;
@@ -108,7 +110,7 @@ ContextCacheCoordinator::ContextCacheCoordinator(ContextCacheConfig const& confi
                                                       mCounters, [this] { poison(); });
   mParts = std::make_unique<detail::CoordinatorParts>(
       detail::CoordinatorParts{mConfig, *mManager, mSnapshots.get(), resources.recurrent, *mWrites,
-                               mStream, mCounters, *mHostTier, mFaultHook});
+                               mStream, mCounters, *mHostTier, mFaults});
   mModes =
       std::make_unique<detail::RequestModes>(detail::makeRequestModes(profile, resources, *mParts));
   mResidentBusy.assign(static_cast<std::size_t>(mMaxBatch), 0);

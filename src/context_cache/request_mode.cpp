@@ -52,7 +52,7 @@ void RequestMode::publishBlocks(CoordinatorRequest& req, std::size_t row, int32_
   if (attempts != nullptr) {
     ++*attempts;
   }
-  mParts.injectFault(CoordinatorFaultSite::kPublication);
+  mParts.injectFault(FaultSite::kPublication);
   PromptView const prefix = prefixOf(sequence, blocks * pageSize);
   // Publication records what the sequence already computed; the completion it belongs to has
   // been applied. Out of host memory, the blocks stay unpublished (the manager rolls the attempt

@@ -26,6 +26,7 @@
 #include "context_cache/context_cache_manager.h"
 #include "context_cache/coordinator_paged_rows.h"
 #include "context_cache/coordinator_request.h"
+#include "core/faults.h"
 #include "mkv/context_cache/context_cache_coordinator.h"
 
 namespace mkv::detail {
@@ -44,12 +45,11 @@ struct CoordinatorParts {
   cudaStream_t stream;
   ContextCacheCoordinatorCounters& counters;
   HostTierMover& hostTier;
-  std::function<void(CoordinatorFaultSite)> const& faultHook;
+  FaultInjector const& faults;
 
-  void injectFault(CoordinatorFaultSite site) const {
-    if (faultHook) {
-      faultHook(site);
-    }
+  /// Throws mkv::Error before the step at `site` when the coordinator's injector fails it.
+  void injectFault(FaultSite site) const {
+    detail::injectFault(faults, site, "ContextCacheCoordinator", /*nameSite=*/true);
   }
 };
 

@@ -10,9 +10,9 @@
 namespace mkv::detail {
 
 DeviceWriteQueue::DeviceWriteQueue(DeviceType device, DeviceWriteTiming timing,
-                                   kernels::LaunchFaults faults)
+                                   FaultInjector faults)
     : mTiming(timing), mBatch(device) {
-  mBatch.setLaunchFaults(std::move(faults));
+  mBatch.setFaults(std::move(faults));
 }
 
 DeviceWriteQueue::~DeviceWriteQueue() {

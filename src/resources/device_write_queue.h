@@ -33,8 +33,8 @@ namespace mkv::detail {
 /// one launch.
 class DeviceWriteQueue {
  public:
-  /// `faults`: the fault seam every flush consults (kernels::LaunchFaults; empty = none).
-  DeviceWriteQueue(DeviceType device, DeviceWriteTiming timing, kernels::LaunchFaults faults = {});
+  /// `faults`: the injector every flush consults (FaultSite::kDeviceWriteLaunch; empty = none).
+  DeviceWriteQueue(DeviceType device, DeviceWriteTiming timing, FaultInjector faults = {});
   /// Detaches the watched pools (KVCachePool::orderWritesAfter(nullptr)).
   ~DeviceWriteQueue();
   DeviceWriteQueue(DeviceWriteQueue const&) = delete;

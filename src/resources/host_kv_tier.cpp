@@ -8,6 +8,7 @@
 
 #include "core/check.h"
 #include "core/device.h"
+#include "core/faults.h"
 
 namespace mkv {
 
@@ -127,10 +128,8 @@ void HostKvTier::validate(char const* call, std::span<HostPageCopy const> copies
   }
 }
 
-void HostKvTier::fault(char const* call, std::string_view operation) const {
-  if (mFaults) {
-    detail::checkCuda(mFaults(operation), fmt::format("{}: host tier {}", call, operation));
-  }
+void HostKvTier::fault(char const* call, FaultSite site) const {
+  detail::injectFault(mFaults, site, call, /*nameSite=*/true);
 }
 
 void HostKvTier::launch(std::span<HostPageCopy const> copies, bool offload) {
@@ -161,7 +160,7 @@ void HostKvTier::transfer(char const* call, std::span<HostPageCopy const> offloa
   cudaStream_t const tier = mStream->get();
   bool offloadsEnqueued = false;
   try {
-    fault(call, offloads.empty() ? "onboard" : "offload");
+    fault(call, offloads.empty() ? FaultSite::kHostTierOnboard : FaultSite::kHostTierOffload);
     mProducerDone->record(producer);
     mProducerDone->orderBefore(tier);
     // The ids of both lists, in as few inline patch launches as their count allows (one up to
@@ -188,7 +187,7 @@ void HostKvTier::transfer(char const* call, std::span<HostPageCopy const> offloa
     launch(offloads, /*offload=*/true);
     offloadsEnqueued = !offloads.empty();
     if (offloadsEnqueued && !onboards.empty()) {
-      fault(call, "onboard");
+      fault(call, FaultSite::kHostTierOnboard);
     }
     launch(onboards, /*offload=*/false);
     mTierDone->record(tier);
@@ -209,7 +208,7 @@ void HostKvTier::transfer(char const* call, std::span<HostPageCopy const> offloa
 }
 
 void HostKvTier::orderBefore(char const* call, cudaStream_t stream) {
-  fault(call, "order");
+  fault(call, FaultSite::kHostTierOrder);
   try {
     if (!mTierDone->query()) {
       mTierDone->orderBefore(stream);

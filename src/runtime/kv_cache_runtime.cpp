@@ -11,6 +11,7 @@
 #include "context_cache/window_block_cache.h"
 #include "core/check.h"
 #include "core/device.h"
+#include "core/faults.h"
 #include "mkv/bounded_swa_kv_page_manager.h"
 #include "mkv/context_cache/context_cache_coordinator.h"
 #include "mkv/host_kv_tier.h"
@@ -368,7 +369,7 @@ std::unique_ptr<KVCacheRuntime> KVCacheRuntime::create(KVCacheRuntimeConfig cons
   runtime->mRecurrent = makeRecurrentPool(config);
   runtime->mResidentSlots.reset(config.maxBatchSize);
   runtime->mDeviceWrites = std::make_unique<detail::DeviceWriteQueue>(
-      config.deviceType, config.deviceWrites, config.deviceWriteFaults);
+      config.deviceType, config.deviceWrites, config.faults);
 
   if (sizes.bounded) {
     runtime->mBackend = KVCacheBackend::kBoundedSwa;
@@ -389,7 +390,8 @@ std::unique_ptr<KVCacheRuntime> KVCacheRuntime::create(KVCacheRuntimeConfig cons
     }
     resources.lengthPools.push_back(runtime->mSwaPool.get());
     runtime->mSwaManager = std::make_unique<BoundedSwaKVPageManager>(
-        BoundedSwaConfig{model.slidingWindowTokens}, resources, config.stream, synchronizer);
+        BoundedSwaConfig{model.slidingWindowTokens}, resources, config.stream, synchronizer,
+        config.faults);
     return runtime;
   }
 
@@ -417,7 +419,7 @@ std::unique_ptr<KVCacheRuntime> KVCacheRuntime::create(KVCacheRuntimeConfig cons
   runtime->createHostTier();
   resources.hostTier = runtime->mHostTier.get();
   runtime->mCoordinator = std::make_unique<ContextCacheCoordinator>(
-      cache, deploymentProfile(config), resources, config.stream, synchronizer);
+      cache, deploymentProfile(config), resources, config.stream, synchronizer, config.faults);
   return runtime;
 }
 
@@ -434,8 +436,11 @@ void KVCacheRuntime::createSlidingReuse(int32_t fullPages, int32_t width, int32_
   mWindowCache =
       std::make_unique<WindowBlockCache>(swaPages, mConfig.tokensPerPage, model.slidingWindowTokens,
                                          mConfig.contextCache.verifyTokens);
-  // Both halves complete together: each completion point of the composed request waits once.
-  mSharedSync = std::make_unique<detail::SharedSynchronizer>(synchronizer);
+  // Both halves complete together: each completion point of the composed request waits once, and
+  // consults the injector once (before the sharing); the halves get it without that site.
+  mSharedSync = std::make_unique<detail::SharedSynchronizer>(
+      detail::withSyncFaults(synchronizer, mConfig.faults));
+  FaultInjector const halves = detail::withoutSite(mConfig.faults, FaultSite::kStreamSynchronize);
   ContextCacheConfig cache = mConfig.contextCache;
   cache.enabled = true;
   ContextCachePhysicalResources resources;
@@ -445,7 +450,7 @@ void KVCacheRuntime::createSlidingReuse(int32_t fullPages, int32_t width, int32_
   resources.windowCache = mWindowCache.get();
   resources.deviceWrites = mDeviceWrites.get();
   mCoordinator = std::make_unique<ContextCacheCoordinator>(
-      cache, deploymentProfile(mConfig), resources, mConfig.stream, mSharedSync->view());
+      cache, deploymentProfile(mConfig), resources, mConfig.stream, mSharedSync->view(), halves);
   BoundedSwaResources swa;
   swa.swaPool = mSwaPool.get();
   swa.swaPageTable = mSwaTable.get();
@@ -454,8 +459,9 @@ void KVCacheRuntime::createSlidingReuse(int32_t fullPages, int32_t width, int32_
   swa.lengthPools.push_back(mSwaPool.get());  // the full pool's lengths are the coordinator's
   swa.sharedSynchronizer = mSharedSync.get();
   swa.deviceWrites = mDeviceWrites.get();
-  mSwaManager = std::make_unique<BoundedSwaKVPageManager>(
-      BoundedSwaConfig{model.slidingWindowTokens}, swa, mConfig.stream, mSharedSync->view());
+  mSwaManager =
+      std::make_unique<BoundedSwaKVPageManager>(BoundedSwaConfig{model.slidingWindowTokens}, swa,
+                                                mConfig.stream, mSharedSync->view(), halves);
 }
 
 void KVCacheRuntime::createDraft(int32_t fullPages, int32_t width) {
@@ -474,6 +480,7 @@ void KVCacheRuntime::createHostTier() {
   }
   HostKvTierConfig tier;
   tier.numPages = static_cast<int32_t>(mConfig.hostPoolTokens / mConfig.tokensPerPage);
+  tier.faults = mConfig.faults;
   mHostTier = std::make_unique<HostKvTier>(tier, *mFullPool);
 }
 

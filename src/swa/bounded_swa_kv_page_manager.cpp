@@ -10,6 +10,7 @@
 
 #include "core/check.h"
 #include "core/device.h"
+#include "core/faults.h"
 #include "mkv/logging.h"
 #include "resources/backend_requests.h"
 #include "resources/device_write_queue.h"
@@ -68,7 +69,8 @@ int32_t BoundedSwaKVPageManager::decodePagesPerSequence(int32_t windowTokens,
 
 BoundedSwaKVPageManager::BoundedSwaKVPageManager(BoundedSwaConfig const& config,
                                                  BoundedSwaResources resources, cudaStream_t stream,
-                                                 StreamSynchronizer synchronizer)
+                                                 StreamSynchronizer synchronizer,
+                                                 FaultInjector faults)
     : mWindow(config.windowTokens),
       mPageSize(0),
       mWindowPages(0),
@@ -115,9 +117,9 @@ BoundedSwaKVPageManager::BoundedSwaKVPageManager(BoundedSwaConfig const& config,
                 "recurrent pool has {} slots but the table has {} rows",
                 mResources.recurrent->numSlots(), table.maxBatch());
   }
-  if (!mSynchronizer) {
-    mSynchronizer = defaultStreamSynchronizer(pool.deviceType());
-  }
+  mSynchronizer = detail::withSyncFaults(
+      mSynchronizer ? std::move(mSynchronizer) : defaultStreamSynchronizer(pool.deviceType()),
+      faults);
   if (mResources.pageSource != nullptr) {
     MKV_REQUIRE(mResources.pageSource->totalPages() == pool.numPages(), kCall,
                 "the page source has {} pages but the SWA pool has {}",
@@ -132,8 +134,8 @@ BoundedSwaKVPageManager::BoundedSwaKVPageManager(BoundedSwaConfig const& config,
   mDroppedSlots.reserve(static_cast<std::size_t>(table.maxBatch()));
   mWrites = mResources.deviceWrites;
   if (mWrites == nullptr) {
-    mOwnedWrites =
-        std::make_unique<detail::DeviceWriteQueue>(pool.deviceType(), DeviceWriteTiming::kEachCall);
+    mOwnedWrites = std::make_unique<detail::DeviceWriteQueue>(
+        pool.deviceType(), DeviceWriteTiming::kEachCall, std::move(faults));
     mWrites = mOwnedWrites.get();
   }
   mWrites->watch(mResources.swaPageTable);

@@ -94,7 +94,7 @@ class CoordinatorRig {
               PageTableMode::kDense, device),
         coordinator(cacheConfig(rigOptions), ContextCacheDeploymentProfile{},
                     ContextCachePhysicalResources{&pool, &table, nullptr, nullptr, nullptr},
-                    nullptr, sync.synchronizer(device)),
+                    nullptr, {}, sync.injector()),
         oracle(pool, table) {}
   /// Drains what a failed test may have left quarantined (the coordinator would terminate).
   ~CoordinatorRig() { (void)coordinator.shutdown(); }

@@ -41,9 +41,7 @@ class HostTierCoordinatorTest : public test::DeviceTest {
     mTable = std::make_unique<KVPageTable>(2, 6, config.numPages, PageTableMode::kDense, device());
     HostKvTierConfig tier;
     tier.numPages = 8;
-    tier.faults = [this](std::string_view operation) {
-      return operation == mFailing ? cudaErrorUnknown : cudaSuccess;
-    };
+    tier.faults = mSync.injector();
     mTier = std::make_unique<HostKvTier>(tier, *mPool);
     ContextCacheConfig cache;
     cache.maxRecords = 16;
@@ -51,8 +49,9 @@ class HostTierCoordinatorTest : public test::DeviceTest {
     cache.evictionPolicy = EvictionPolicyKind::kLru;
     ContextCachePhysicalResources resources{mPool.get(), mTable.get(), nullptr, nullptr, nullptr};
     resources.hostTier = mTier.get();
-    mCoordinator = std::make_unique<ContextCacheCoordinator>(
-        cache, ContextCacheDeploymentProfile{}, resources, nullptr, mSync.synchronizer(device()));
+    mCoordinator =
+        std::make_unique<ContextCacheCoordinator>(cache, ContextCacheDeploymentProfile{}, resources,
+                                                  nullptr, StreamSynchronizer{}, mSync.injector());
     mOracle = std::make_unique<testing::KvOracle>(*mPool, *mTable);
   }
   void TearDown() override {
@@ -118,7 +117,6 @@ class HostTierCoordinatorTest : public test::DeviceTest {
   }
 
   test::SyncFaults mSync;
-  std::string_view mFailing;  ///< the tier operation the fault seam fails ("" = none)
   ContextCacheStatus mLastStatus = ContextCacheStatus::kOk;
   std::unique_ptr<KVCachePool> mPool;
   std::unique_ptr<KVPageTable> mTable;
@@ -165,7 +163,7 @@ TEST_P(HostTierCoordinatorTest, AFailedOnboardingPoisonsAndShutdownRecoversEvery
   std::vector<int32_t> const a = tokenRun(3 * kPage, 100);
   ASSERT_NO_FATAL_FAILURE(publishThenEvict(a));
   int32_t const held = mCoordinator->manager().hostTier()->size();
-  mFailing = "onboard";
+  mSync.failFromNow(FaultSite::kHostTierOnboard);
   Seq again(test::concatenated(a, tokenRun(5, 900)), 1);
   EXPECT_EQ(serve(again), -1);
   EXPECT_EQ(mLastStatus, ContextCacheStatus::kPoisoned);
@@ -173,7 +171,7 @@ TEST_P(HostTierCoordinatorTest, AFailedOnboardingPoisonsAndShutdownRecoversEvery
   Seq refused(tokenRun(kPage, 7000), 0);
   EXPECT_EQ(serve(refused), -1) << "poisoned until shutdown";
   EXPECT_EQ(mLastStatus, ContextCacheStatus::kPoisoned);
-  mFailing = "";
+  mSync.disarm();
   EXPECT_EQ(mCoordinator->shutdown(), ContextCacheStatus::kOk);
   expectEveryPageAccountedFor();
   EXPECT_EQ(serve(again), 3 * kPage) << "after shutdown the host copy is still good";
@@ -184,7 +182,7 @@ TEST_P(HostTierCoordinatorTest, AFailedOffloadForgetsItsBlocksAndLosesNothingEls
   Seq first(a, 0);
   ASSERT_EQ(serve(first), 0);
   (void)mCoordinator->drainEvents();
-  mFailing = "offload";
+  mSync.failFromNow(FaultSite::kHostTierOffload);
   Seq other(tokenRun(5 * kPage, 5000), 0);
   EXPECT_EQ(serve(other), -1);
   EXPECT_EQ(mLastStatus, ContextCacheStatus::kPoisoned);
@@ -195,7 +193,7 @@ TEST_P(HostTierCoordinatorTest, AFailedOffloadForgetsItsBlocksAndLosesNothingEls
     removedOnHost += removed != nullptr && removed->medium == KvMedium::kCpu ? 1 : 0;
   }
   EXPECT_EQ(removedOnHost, 3);
-  mFailing = "";
+  mSync.disarm();
   EXPECT_EQ(mCoordinator->shutdown(), ContextCacheStatus::kOk);
   expectEveryPageAccountedFor();
   Seq again(test::concatenated(a, tokenRun(5, 900)), 1);
@@ -205,11 +203,11 @@ TEST_P(HostTierCoordinatorTest, AFailedOffloadForgetsItsBlocksAndLosesNothingEls
 TEST_P(HostTierCoordinatorTest, AFailedOrderingPoisons) {
   std::vector<int32_t> const a = tokenRun(3 * kPage, 100);
   ASSERT_NO_FATAL_FAILURE(publishThenEvict(a));
-  mFailing = "order";
+  mSync.failFromNow(FaultSite::kHostTierOrder);
   Seq again(test::concatenated(a, tokenRun(5, 900)), 1);
   EXPECT_EQ(serve(again), -1);
   EXPECT_EQ(mLastStatus, ContextCacheStatus::kPoisoned);
-  mFailing = "";
+  mSync.disarm();
   EXPECT_EQ(mCoordinator->shutdown(), ContextCacheStatus::kOk);
   expectEveryPageAccountedFor();
 }

@@ -49,7 +49,8 @@ class HybridRig {
                     PageTableMode::kDense, device);
       oracle.emplace(*pool, *table);
     }
-    coordinator.emplace(cacheConfig(), profile(), resources(), nullptr, sync.synchronizer(device));
+    coordinator.emplace(cacheConfig(), profile(), resources(), nullptr, StreamSynchronizer{},
+                        sync.injector());
   }
   /// Drains what a failed test may have left quarantined (the coordinator would terminate).
   ~HybridRig() { (void)coordinator->shutdown(); }

@@ -80,7 +80,8 @@ class SpecRig {
       recurrent.emplace(HybridRig::recurrentConfig(device, hybrid));
       recurrentOracle.emplace(*recurrent);
     }
-    coordinator.emplace(cacheConfig(), profile(), resources(), nullptr, sync.synchronizer(device));
+    coordinator.emplace(cacheConfig(), profile(), resources(), nullptr, StreamSynchronizer{},
+                        sync.injector());
   }
   ~SpecRig() { (void)coordinator->shutdown(); }
   SpecRig(SpecRig const&) = delete;

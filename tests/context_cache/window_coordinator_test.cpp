@@ -51,8 +51,9 @@ class WindowCoordinatorFixture : public ::testing::Test {
                      PageTableMode::kDense, DeviceType::kCPU};
   WindowBlockCache mWindow{kSlidingPages, kPage, kWindowTokens, /*verifyTokens=*/true};
   test::SyncFaults mSync;
-  ContextCacheCoordinator mCoordinator{cacheConfig(mOptions), ContextCacheDeploymentProfile{},
-                                       resources(), nullptr, mSync.synchronizer(DeviceType::kCPU)};
+  ContextCacheCoordinator mCoordinator{
+      cacheConfig(mOptions), ContextCacheDeploymentProfile{}, resources(), nullptr, {},
+      mSync.injector()};
   // 6 full blocks and one more token.
   std::vector<int32_t> mPrompt = tokenRun(6 * kPage + 1, 0);
 

@@ -38,7 +38,7 @@ struct Rig {
     config.numPages = pages;
     config.contextReuse = true;
     config.deviceType = DeviceType::kCPU;
-    config.synchronizer = syncs.synchronizer();
+    config.faults = syncs.injector();
     runtime = KVCacheRuntime::create(config);
   }
   ~Rig() { (void)runtime->shutdown(); }

@@ -123,7 +123,7 @@ struct Rig {
   explicit Rig(KVCacheRuntimeConfig config) {
     config.deviceType = DeviceType::kCPU;
     config.stream = kStream;
-    config.synchronizer = syncs.synchronizer();
+    config.faults = syncs.injector();
     runtime = KVCacheRuntime::create(config);
     coordinator = runtime->contextCache();
     swa = runtime->swaPageManager();

@@ -4,6 +4,7 @@
 
 #include <cstring>
 #include <memory>
+#include <optional>
 #include <random>
 #include <string>
 #include <vector>
@@ -46,9 +47,9 @@ class HostKvTierTest : public test::DeviceTest {
   std::unique_ptr<HostKvTier> makeTier(int32_t pages = kHostPages) {
     HostKvTierConfig config;
     config.numPages = pages;
-    config.faults = [this](std::string_view operation) {
-      mOperations.emplace_back(operation);
-      return operation == mFailing ? cudaErrorUnknown : cudaSuccess;
+    config.faults = [this](FaultSite site) {
+      mSites.push_back(site);
+      return site == mFailing ? cudaErrorUnknown : cudaSuccess;
     };
     return std::make_unique<HostKvTier>(std::move(config), *mGpu);
   }
@@ -86,8 +87,8 @@ class HostKvTierTest : public test::DeviceTest {
   }
 
   std::unique_ptr<KVCachePool> mGpu;
-  std::vector<std::string> mOperations;
-  std::string mFailing;  ///< the fault seam fails this operation
+  std::vector<FaultSite> mSites;      ///< the sites the tier consulted, in order
+  std::optional<FaultSite> mFailing;  ///< the injector fails this site
 };
 
 TEST_P(HostKvTierTest, HasTheGpuPoolsGeometryAndStartsZeroed) {
@@ -111,7 +112,7 @@ TEST_P(HostKvTierTest, HasTheGpuPoolsGeometryAndStartsZeroed) {
   EXPECT_EQ(static_cast<uint8_t const*>(tier->hostPage(1, 0, 2)), k0 + 2 * kPageBytes);
   EXPECT_EQ(static_cast<uint8_t const*>(tier->hostPage(1, 1, 0)), k0 + kHostPages * kPageBytes);
   EXPECT_EQ(tier->launches(), 0);
-  EXPECT_TRUE(mOperations.empty());
+  EXPECT_TRUE(mSites.empty());
 }
 
 TEST_P(HostKvTierTest, RejectsABadSizeOrAPageOutsideThePool) {
@@ -178,7 +179,9 @@ TEST_P(HostKvTierTest, OffloadThenOnboardRoundTripsEveryByteToOtherPages) {
   EXPECT_EQ(tier->pagesOffloaded(), 3);
   EXPECT_EQ(tier->pagesOnboarded(), 3);
   EXPECT_EQ(tier->launches(), 4);  // per call one id patch and one copy
-  EXPECT_EQ(mOperations, (std::vector<std::string>{"offload", "onboard", "order"}));
+  EXPECT_EQ(mSites,
+            (std::vector<FaultSite>{FaultSite::kHostTierOffload, FaultSite::kHostTierOnboard,
+                                    FaultSite::kHostTierOrder}));
 }
 
 TEST_P(HostKvTierTest, OneCallOffloadsFirstThenOnboards) {
@@ -266,7 +269,7 @@ TEST_P(HostKvTierTest, InvalidCopiesNameTheCallAndChangeNothing) {
   EXPECT_EQ(readHost(*tier), host);
   EXPECT_EQ(tier->launches(), 0);
   EXPECT_EQ(tier->pagesOffloaded(), 0);
-  EXPECT_TRUE(mOperations.empty());  // validation comes before any CUDA step
+  EXPECT_TRUE(mSites.empty());  // validation comes before any CUDA step
   // Distinct destinations are all that is required: one source may feed several pages, and a
   // list that repeated a destination in an earlier call is fine again.
   tier->transfer("valid", std::vector<HostPageCopy>{{0, 3}, {0, 4}},
@@ -282,10 +285,10 @@ TEST_P(HostKvTierTest, FaultsThrowBeforeTheirStepAndNameTheCall) {
   std::vector<HostPageCopy> const offloads{{3, 1}};
   std::vector<HostPageCopy> const onboards{{2, 6}};
 
-  mFailing = "offload";
+  mFailing = FaultSite::kHostTierOffload;
   EXPECT_TRUE(throwsError([&] { tier->transfer("evict", offloads, onboards, nullptr); },
                           {"evict", "host tier offload", "cudaErrorUnknown"}));
-  mFailing = "onboard";
+  mFailing = FaultSite::kHostTierOnboard;
   EXPECT_TRUE(throwsError([&] { tier->transfer("prefill", {}, onboards, nullptr); },
                           {"prefill", "host tier onboard"}));
   EXPECT_EQ(tier->synchronize(), cudaSuccess);
@@ -297,7 +300,7 @@ TEST_P(HostKvTierTest, FaultsThrowBeforeTheirStepAndNameTheCall) {
   // ordered by orderBefore), the onboards not.
   EXPECT_TRUE(throwsError([&] { tier->transfer("both", offloads, onboards, nullptr); },
                           {"both", "host tier onboard"}));
-  mFailing.clear();
+  mFailing.reset();
   tier->orderBefore("after", nullptr);
   EXPECT_EQ(tier->synchronize(), cudaSuccess);
   test::synchronize(device());
@@ -306,11 +309,11 @@ TEST_P(HostKvTierTest, FaultsThrowBeforeTheirStepAndNameTheCall) {
   EXPECT_EQ(tier->pagesOffloaded(), 1);
   EXPECT_EQ(tier->pagesOnboarded(), 0);
 
-  mFailing = "order";
+  mFailing = FaultSite::kHostTierOrder;
   EXPECT_TRUE(throwsError([&] { tier->orderBefore("ContextCacheCoordinator::prefill", nullptr); },
                           {"ContextCacheCoordinator::prefill", "host tier order"}));
   // The onboard of the failed call is not carried out by a later one.
-  mFailing.clear();
+  mFailing.reset();
   tier->transfer("next", {}, std::vector<HostPageCopy>{{1, 0}}, nullptr);
   tier->orderBefore("next", nullptr);
   EXPECT_EQ(tier->synchronize(), cudaSuccess);

@@ -254,7 +254,7 @@ TEST_P(KVCachePoolTest, AFailedFlushOfTheWritesItFollowsThrowsNamingTheCallAndWr
   KVCachePool pool = make();
   pool.resetForNewSequences(std::vector<int32_t>{1, 2}, nullptr);
   kernels::InlinePatchBatch queued(device());
-  queued.setLaunchFaults([] { return cudaErrorUnknown; });
+  queued.setFaults([](FaultSite) { return cudaErrorUnknown; });
   pool.orderWritesAfter(&queued);
   queueLength(queued, pool, 0, 50);
   EXPECT_TRUE(throwsError([&] { pool.writeLengths(1, std::vector<int32_t>{7}, nullptr); },
@@ -271,7 +271,7 @@ TEST_P(KVCachePoolTest, AFailedFlushOfTheWritesItFollowsThrowsNamingTheCallAndWr
   EXPECT_EQ(pool.activeBatchSize(), 2);
   EXPECT_EQ(lengths(pool), (std::vector<int32_t>{1, 2}));
   EXPECT_FALSE(queued.empty()) << "the queued write is kept for the next flush";
-  queued.setLaunchFaults({});
+  queued.setFaults({});
   pool.writeLengths(1, std::vector<int32_t>{7}, nullptr);
   EXPECT_EQ(lengths(pool), (std::vector<int32_t>{50, 7}));
 }

@@ -1,8 +1,8 @@
 // Device writes that fail (docs/errors.md, "Device writes that fail"): the runtime's write queue
-// consults a fault seam (KVCacheRuntimeConfig::deviceWriteFaults) before each launch of the
-// backends' table rows and KV lengths, on host tensors too, so the host twin takes the failure
-// path a failed GPU launch takes. On every backend and device (the kGPU instances skip without a
-// CUDA device):
+// consults the fault seam (KVCacheRuntimeConfig::faults, FaultSite::kDeviceWriteLaunch) before
+// each launch of the backends' table rows and KV lengths, on host tensors too, so the host twin
+// takes the failure path a failed GPU launch takes. On every backend and device (the kGPU instances
+// skip without a CUDA device):
 // * engine step: a failed KVCacheRuntime::flushDeviceWrites throws naming itself, the launcher
 //   and the CUDA error, leaves the device copies as they were and keeps every write queued; the
 //   next flush applies them all in one launch, and the request goes on to the same result;
@@ -20,6 +20,7 @@
 #include "mkv/kv_cache_runtime.h"
 #include "mkv/managed_kv_cache_request.h"
 #include "runtime_test_rig.h"
+#include "support/sync_faults.h"
 #include "support/test_util.h"
 #include "support/token_runs.h"
 
@@ -44,38 +45,16 @@ using AdmitStatus = AdmitSequenceStatus;
 using test::throwsError;
 using test::tokenRun;
 
-/// The fault seam of a test: the next `count` launches it is asked about fail with
-/// cudaErrorUnknown. Copies share one state, so the test keeps its LaunchFaults while the runtime
-/// owns the function.
-class LaunchFaults {
- public:
-  kernels::LaunchFaults seam() const {
-    return [state = mState]() {
-      if (state->failuresLeft > 0) {
-        --state->failuresLeft;
-        return cudaErrorUnknown;
-      }
-      return cudaSuccess;
-    };
-  }
-  void failNext(int32_t count = 1) { mState->failuresLeft = count; }
-  int32_t pending() const { return mState->failuresLeft; }
-
- private:
-  struct State {
-    int32_t failuresLeft = 0;
-  };
-  std::shared_ptr<State> mState = std::make_shared<State>();
-};
+constexpr FaultSite kLaunch = FaultSite::kDeviceWriteLaunch;
 
 class DeviceWriteFaultTest : public RuntimeCaseTest {
  protected:
   std::unique_ptr<KVCacheRuntime> makeRuntime(KVCacheRuntimeConfig config) {
-    config.deviceWriteFaults = mFaults.seam();
+    config.faults = mFaults.injector();
     return KVCacheRuntime::create(config);
   }
 
-  LaunchFaults mFaults;
+  test::SyncFaults mFaults;  ///< armed at kLaunch
 };
 
 INSTANTIATE_TEST_SUITE_P(Backends, DeviceWriteFaultTest,
@@ -90,11 +69,11 @@ TEST_P(DeviceWriteFaultTest, AFailedFlushKeepsEveryWriteForTheNextOne) {
   request.beginAndPreparePrefill();
   int64_t const launches = runtime->deviceWriteLaunches();
 
-  mFaults.failNext();
+  mFaults.failNext(1, kLaunch);
   EXPECT_TRUE(throwsError(
       [&] { runtime->flushDeviceWrites(); },
       {"KVCacheRuntime::flushDeviceWrites", "InlinePatchBatch::flush", "cudaErrorUnknown"}));
-  EXPECT_EQ(mFaults.pending(), 0) << "the flush did not reach its launch";
+  EXPECT_EQ(mFaults.pendingFailures(kLaunch), 0) << "the flush did not reach its launch";
   expectPrefillWaiting(*runtime, idle, launches);
   runtime->flushDeviceWrites();
   expectPrefillFlushed(*runtime, launches);
@@ -124,7 +103,7 @@ TEST_P(DeviceWriteFaultTest, ACallWhoseWriteFailsThrowsAndTheNextFlushDeliversIt
   context.effectivePrefillLengths = {40};
   int64_t const launches = runtime->deviceWriteLaunches();
 
-  mFaults.failNext();
+  mFaults.failNext(1, kLaunch);
   EXPECT_TRUE(throwsError(
       [&] {
         (void)request->preparePrefill();
@@ -132,7 +111,7 @@ TEST_P(DeviceWriteFaultTest, ACallWhoseWriteFailsThrowsAndTheNextFlushDeliversIt
       },
       // The facade call, then the library operation whose launch failed, then the CUDA error.
       {"ManagedKVCacheRequest::prepare", "Prefill: InlinePatchBatch::flush: cudaErrorUnknown"}));
-  EXPECT_EQ(mFaults.pending(), 0);
+  EXPECT_EQ(mFaults.pendingFailures(kLaunch), 0);
   EXPECT_EQ(runtime->deviceWriteLaunches(), launches);
   EXPECT_TRUE(runtime->deviceWritesPending()) << "the failed call dropped its writes";
   Rows const failed = tableRows(*runtime);
@@ -174,10 +153,8 @@ INSTANTIATE_TEST_SUITE_P(Backends, RetractionFaultTest, ::testing::ValuesIn(join
 // returns false and poisons; the clear stays queued for the next flush, the request's finish
 // quarantines it, and shutdown frees everything.
 TEST_P(RetractionFaultTest, ARetractionWhoseRowClearFailsPoisonsAndShutdownClearsTheRow) {
-  LaunchFaults faults;
-  KVCacheRuntimeConfig config = configFor(backend(), device());
-  config.deviceWriteFaults = faults.seam();
-  RuntimeRig rig(config);
+  RuntimeRig rig(configFor(backend(), device()));
+  test::SyncFaults& faults = rig.faults();  // the rig's injector: its launches too
   {
     FacadeDriver driver(rig);
     driver.add(tokenRun(41, 10));
@@ -188,9 +165,9 @@ TEST_P(RetractionFaultTest, ARetractionWhoseRowClearFailsPoisonsAndShutdownClear
     KVPageTable const& table = *rig.runtime().fullPageTable();
     int32_t const width = table.maxPagesPerSeq();
 
-    faults.failNext();
+    faults.failNext(1, kLaunch);
     EXPECT_FALSE(driver.facade().retractSequenceAdmission());
-    EXPECT_EQ(faults.pending(), 0) << "the retraction launched nothing";
+    EXPECT_EQ(faults.pendingFailures(kLaunch), 0) << "the retraction launched nothing";
     EXPECT_TRUE(rig.poisoned());
     EXPECT_EQ(driver.facade().lastFailure(), (RowFailure{RowFailureReason::kPoisoned, -1}));
     ASSERT_NE(driver.facade().prefillStarts(), nullptr);

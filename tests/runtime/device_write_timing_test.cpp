@@ -8,7 +8,8 @@
 // * end to end: one workload per deployment (reuse with hits, compaction and joiners, bounded SWA,
 //   sliding-window reuse, EAGLE-style speculative decoding, hybrid checkpoints, a host tier) run by
 //   the reference engine with the oracle checking every position attention reads, once per
-//   timing: the same outcomes and figures, no mismatch, no more launches at the engine step.
+//   timing: the same outcomes and figures, no mismatch, no more launches at the engine step;
+// * the fault seam: the same workloads consult every site of kFaultSites (FaultSiteTest).
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -18,6 +19,7 @@
 #include <optional>
 #include <ostream>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "device_write_support.h"
@@ -26,6 +28,7 @@
 #include "mkv/managed_kv_cache_request.h"
 #include "mkv/testing/reference_engine.h"
 #include "runtime_test_rig.h"
+#include "support/sync_faults.h"
 #include "support/test_util.h"
 #include "support/token_runs.h"
 
@@ -312,7 +315,7 @@ std::vector<WorkloadCase> everyWorkloadCase() {
 }
 
 KVCacheRuntimeConfig workloadConfig(Deployment deployment, DeviceType device,
-                                    DeviceWriteTiming timing) {
+                                    DeviceWriteTiming timing, FaultInjector faults) {
   KVCacheRuntimeConfig config;
   switch (deployment) {
     case Deployment::kReuse:
@@ -350,6 +353,7 @@ KVCacheRuntimeConfig workloadConfig(Deployment deployment, DeviceType device,
       break;
   }
   config.deviceWrites = timing;
+  config.faults = std::move(faults);
   return config;
 }
 
@@ -364,8 +368,10 @@ struct WorkloadResult {
 /// A batch of three sequences with a shared prefix (one cancelled, so the batch compacts) and two
 /// joiners where the backend seats them, then a multi-turn continuation (a hit), then churn with
 /// distinct prompts that fills the pool and evicts, then the first prompt again.
-WorkloadResult runWorkload(Deployment deployment, DeviceType device, DeviceWriteTiming timing) {
-  auto runtime = KVCacheRuntime::create(workloadConfig(deployment, device, timing));
+WorkloadResult runWorkload(Deployment deployment, DeviceType device, DeviceWriteTiming timing,
+                           FaultInjector faults = {}) {
+  auto runtime =
+      KVCacheRuntime::create(workloadConfig(deployment, device, timing, std::move(faults)));
   testing::ReferenceEngineOptions options;
   options.speculativeWidth = deployment == Deployment::kEagle ? 2 : 0;
   ReferenceEngine engine(*runtime, options);
@@ -473,6 +479,30 @@ TEST_P(EngineStepWorkloadTest, TheOracleAgreesAndEveryFigureMatchesWritesAtEachC
     EXPECT_LT(step.launches, each.launches);
   } else {
     EXPECT_EQ(step.launches, each.launches);
+  }
+}
+
+// The fault seam's one declaration, kFaultSites, is covered: the workloads above (reuse with
+// hits and publications, bounded SWA, sliding-window reuse, EAGLE, hybrid checkpoints, a host tier
+// that offloads and onboards), at both timings, consult the runtime's injector
+// (KVCacheRuntimeConfig
+// ::faults) at every site of the table. A site added to the table without a lifecycle that reaches
+// it fails here.
+TEST(FaultSiteTest, EverySiteOfTheTableIsConsulted) {
+  test::SyncFaults faults;  // counts every site it is asked about, fails none
+  for (WorkloadCase const& workload : everyWorkloadCase()) {
+    if (workload.device != DeviceType::kCPU) {
+      continue;  // the same sites; the host twin needs no device
+    }
+    for (DeviceWriteTiming timing :
+         {DeviceWriteTiming::kEachCall, DeviceWriteTiming::kEngineStep}) {
+      (void)runWorkload(workload.deployment, workload.device, timing, faults.injector());
+    }
+  }
+  for (FaultSiteInfo const& row : kFaultSites) {
+    EXPECT_GT(faults.calls(row.site), 0) << "no lifecycle consulted \"" << row.name << "\"";
+    EXPECT_EQ(faults.failures(row.site), 0);
+    EXPECT_EQ(toString(row.site), row.name);
   }
 }
 

@@ -102,7 +102,7 @@ TEST_P(IntegrationExampleTest, AFailedSynchronisationAbortsTheRequestUntilShutdo
   // The stream really is waited for; the first wait is then reported as failed.
   mkv::test::SyncFaults faults;
   faults.failCall(1);
-  config.synchronizer = faults.synchronizer(device());
+  config.faults = faults.injector();
   auto runtime = mkv::KVCacheRuntime::create(config);
   example::Engine engine(*runtime);
   std::vector<int32_t> prompt(100);

@@ -451,25 +451,21 @@ TEST_P(SpeculativeFacadeTest, SpeculativeRequestsNeedASpeculativeReuseRuntime) {
   swa.expectUnchanged(swaBefore);
 }
 
-// finish publishes a frozen prompt endpoint best effort: a publication that throws is logged and
-// finish goes on, releasing every row and page, and reports success (the request ended).
+// finish publishes a frozen prompt endpoint best effort: a publication that throws (a failure
+// injected at FaultSite::kPublication) is logged and finish goes on, releasing every row and page,
+// and reports success (the request ended).
 TEST_P(SpeculativeFacadeTest, APublicationThatThrowsInFinishIsLoggedAndTheRequestStillEnds) {
   RuntimeRig rig(eagleConfig(device()));
-  ContextCacheCoordinator& coordinator = *rig.runtime().contextCache();
   {
     SpecDriver producer(rig, tokenRun(48, 11), true);
     ASSERT_TRUE(producer.begin());
     ASSERT_TRUE(producer.prefill());
-    int publications = 0;
-    coordinator.setFaultHookForTesting([&](CoordinatorFaultSite site) {
-      if (site == CoordinatorFaultSite::kPublication) {
-        ++publications;
-        throw Error("injected publication failure");
-      }
-    });
+    int64_t const before = rig.faults().calls(FaultSite::kPublication);
+    rig.faults().failCall(before + 1, /*fromThenOn=*/true, FaultSite::kPublication);
     EXPECT_TRUE(producer.managed->finish());
-    coordinator.setFaultHookForTesting({});
-    EXPECT_EQ(publications, 1);
+    rig.faults().disarm();
+    EXPECT_EQ(rig.faults().calls(FaultSite::kPublication) - before, 1);
+    EXPECT_EQ(rig.faults().failures(FaultSite::kPublication), 1);
     EXPECT_FALSE(rig.poisoned());
     EXPECT_TRUE(records(rig).empty()) << "the failed publication left nothing behind";
   }
@@ -608,7 +604,7 @@ TEST_P(HybridMtpFacadeTest, MisuseThrowsAndAFailedEndpointSyncReturnsFalse) {
 }
 
 // The endpoint reserves its snapshot slots before it touches the hit's pins, and a capture that
-// throws (a failed launch, injected by the coordinator's fault hook) retires the reservation: the
+// throws (a failed launch, injected at FaultSite::kSnapshotCapture) retires the reservation: the
 // request is left as it was, its boundary hidden row can still be restored, and a retry publishes.
 TEST_P(HybridMtpFacadeTest, ACaptureThatThrowsLeavesTheRequestAndItsPinsAsTheyWere) {
   RuntimeRig rig(mtpConfig(device()));
@@ -629,20 +625,20 @@ TEST_P(HybridMtpFacadeTest, ACaptureThatThrowsLeavesTheRequestAndItsPinsAsTheyWe
   consumer.executeDraft(39, 59);
   Tensor hidden({20, kHiddenWidth}, DataType::kFloat16, device());
   for (int failing : {1, 2, 3}) {  // each of the three captures in turn
-    int captures = 0;
-    coordinator.setFaultHookForTesting([&](CoordinatorFaultSite site) {
-      if (site == CoordinatorFaultSite::kSnapshotCapture && ++captures == failing) {
-        throw Error("injected capture failure");
-      }
-    });
+    SyncFaults& faults = rig.faults();
+    int64_t const failures = faults.failures(FaultSite::kSnapshotCapture);
+    faults.failCall(faults.calls(FaultSite::kSnapshotCapture) + failing, /*fromThenOn=*/false,
+                    FaultSite::kSnapshotCapture);
     BackendState const before = rig.observe();
     EXPECT_TRUE(test::throwsError(
         [&] { (void)consumer.managed->publishHybridMtpEndpoint(0, 60, hidden, 19); },
-        {"ManagedKVCacheRequest::publishHybridMtpEndpoint", "injected capture failure"}))
+        {"ManagedKVCacheRequest::publishHybridMtpEndpoint", "snapshot capture",
+         "cudaErrorUnknown"}))
         << "capture " << failing;
+    EXPECT_EQ(faults.failures(FaultSite::kSnapshotCapture), failures + 1) << "capture " << failing;
     rig.expectUnchanged(before);
   }
-  coordinator.setFaultHookForTesting({});
+  rig.faults().disarm();
   EXPECT_EQ(coordinator.counters().hybridMtpPublications, 1u) << "the producer's only";
   Tensor restored({1, kHiddenWidth}, DataType::kFloat16, device());
   ASSERT_TRUE(consumer.managed->restoreHybridMtpBoundaryHidden(0, restored, 0))

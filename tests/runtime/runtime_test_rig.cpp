@@ -98,7 +98,7 @@ KVCacheRuntimeConfig configFor(Backend backend, DeviceType device) {
 // ---------------------------------------------------------------- RuntimeRig
 
 RuntimeRig::RuntimeRig(KVCacheRuntimeConfig config) {
-  config.synchronizer = mFaults.synchronizer(config.deviceType);
+  config.faults = mFaults.injector();  // every site; arm them through faults()
   mRuntime = KVCacheRuntime::create(config);
 }
 

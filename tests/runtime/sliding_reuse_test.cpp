@@ -344,7 +344,7 @@ TEST_P(SlidingReuseTest, AJoinerTheSlidingPoolCannotHoldIsRefusedAndTheBatchRuns
 TEST_P(SlidingReuseTest, AFailedSynchronisationPoisonsAndShutdownRecoversEveryPage) {
   test::SyncFaults faults;
   KVCacheRuntimeConfig config = slidingConfig(device());
-  config.synchronizer = faults.synchronizer(device());
+  config.faults = faults.injector();
   auto runtime = KVCacheRuntime::create(config);
   ReferenceEngineOptions options;
   options.throwOnMismatch = false;
@@ -376,7 +376,7 @@ TEST_P(SlidingReuseTest, RandomRequestsKeepEveryByteAndEveryPage) {
     test::SyncFaults faults;
     KVCacheRuntimeConfig config = slidingConfig(device(), 69 + static_cast<int32_t>(seed) * 7);
     config.numPages = 80 + static_cast<int32_t>(seed) * 16;  // the full pool evicts too
-    config.synchronizer = faults.synchronizer(device());
+    config.faults = faults.injector();
     auto runtime = KVCacheRuntime::create(config);
     ReferenceEngineOptions options;
     options.throwOnMismatch = false;

@@ -1,43 +1,41 @@
 #include "support/sync_faults.h"
 
 #include <stdexcept>
-#include <utility>
+#include <string>
 
 namespace mkv::test {
 
-StreamSynchronizer SyncFaults::synchronizer(StreamSynchronizer wait) const {
-  return [state = mState, wait = std::move(wait)](cudaStream_t stream) {
-    cudaError_t const status = wait ? wait(stream) : cudaSuccess;  // device work finishes first
-    ++state->calls;
-    bool fail = state->failAt > 0 && (state->calls == state->failAt ||
-                                      (state->persistent && state->calls > state->failAt));
-    if (state->throwsLeft > 0) {
-      --state->throwsLeft;
-      ++state->throws;
-      throw std::runtime_error("injected synchronizer exception");
+FaultInjector SyncFaults::injector() const {
+  return [state = mState](FaultSite site) {
+    Site& at = (*state)[static_cast<std::size_t>(site)];
+    ++at.calls;
+    bool fail = at.failAt > 0 && (at.calls == at.failAt || (at.persistent && at.calls > at.failAt));
+    if (at.throwsLeft > 0) {
+      --at.throwsLeft;
+      ++at.throws;
+      throw std::runtime_error("injected " + std::string(toString(site)) + " exception");
     }
-    if (state->failuresLeft > 0) {
-      --state->failuresLeft;
+    if (at.failuresLeft > 0) {
+      --at.failuresLeft;
       fail = true;
     }
     if (fail) {
-      ++state->failures;
+      ++at.failures;
       return cudaErrorUnknown;
     }
-    return status;
+    return cudaSuccess;
   };
 }
 
-StreamSynchronizer SyncFaults::synchronizer(DeviceType device) const {
-  return synchronizer(defaultStreamSynchronizer(device));
-}
-
 int32_t SyncFaults::disarm() {
-  int32_t const left = mState->failuresLeft + mState->throwsLeft;
-  mState->failuresLeft = 0;
-  mState->throwsLeft = 0;
-  mState->failAt = 0;
-  mState->persistent = false;
+  int32_t left = 0;
+  for (Site& site : *mState) {
+    left += site.failuresLeft + site.throwsLeft;
+    site.failuresLeft = 0;
+    site.throwsLeft = 0;
+    site.failAt = 0;
+    site.persistent = false;
+  }
   return left;
 }
 

@@ -1,17 +1,25 @@
-/// SyncFaults: the counting and arming every fault-injection verdict of the suites relies on.
+/// SyncFaults: the counting and arming every fault-injection verdict of the suites relies on, and
+/// how a synchronisation consults the injector (detail::withSyncFaults).
 
 #include "support/sync_faults.h"
 
 #include <gtest/gtest.h>
+
+#include "core/faults.h"
 
 #include <stdexcept>
 
 namespace mkv::test {
 namespace {
 
+/// A host synchroniser (nothing to wait for) with `faults`' injector, as a backend builds it.
+StreamSynchronizer hostSync(SyncFaults const& faults) {
+  return detail::withSyncFaults([](cudaStream_t) { return cudaSuccess; }, faults.injector());
+}
+
 TEST(SyncFaultsTest, FailNextFailsTheNextCallsThenSucceeds) {
   SyncFaults faults;
-  StreamSynchronizer const sync = faults.synchronizer();
+  StreamSynchronizer const sync = hostSync(faults);
   faults.failNext(2);
   EXPECT_EQ(faults.pendingFailures(), 2);
   EXPECT_EQ(sync(nullptr), cudaErrorUnknown);
@@ -24,14 +32,14 @@ TEST(SyncFaultsTest, FailNextFailsTheNextCallsThenSucceeds) {
 
 TEST(SyncFaultsTest, FailCallCountsFromConstructionOnceOrFromThenOn) {
   SyncFaults once;
-  StreamSynchronizer const a = once.synchronizer();
+  StreamSynchronizer const a = hostSync(once);
   once.failCall(2);
   EXPECT_EQ(a(nullptr), cudaSuccess);
   EXPECT_EQ(a(nullptr), cudaErrorUnknown);
   EXPECT_EQ(a(nullptr), cudaSuccess);
 
   SyncFaults persistent;
-  StreamSynchronizer const b = persistent.synchronizer();
+  StreamSynchronizer const b = hostSync(persistent);
   persistent.failCall(2, /*fromThenOn=*/true);
   EXPECT_EQ(b(nullptr), cudaSuccess);
   EXPECT_EQ(b(nullptr), cudaErrorUnknown);
@@ -43,7 +51,7 @@ TEST(SyncFaultsTest, FailCallCountsFromConstructionOnceOrFromThenOn) {
 
 TEST(SyncFaultsTest, ThrowsAreCountedApartFromFailures) {
   SyncFaults faults;
-  StreamSynchronizer const sync = faults.synchronizer();
+  StreamSynchronizer const sync = hostSync(faults);
   faults.throwNext();
   faults.failNext();
   EXPECT_THROW(sync(nullptr), std::runtime_error);
@@ -59,23 +67,57 @@ TEST(SyncFaultsTest, DisarmReportsWhatWasStillArmed) {
   faults.failNext(3);
   faults.throwNext();
   EXPECT_EQ(faults.disarm(), 4);
-  EXPECT_EQ(faults.synchronizer()(nullptr), cudaSuccess);
+  EXPECT_EQ(hostSync(faults)(nullptr), cudaSuccess);
   EXPECT_EQ(faults.disarm(), 0);
 }
 
 TEST(SyncFaultsTest, CopiesShareOneStateAndTheWaitRunsFirst) {
   SyncFaults faults;
   int32_t waits = 0;
-  StreamSynchronizer const sync = faults.synchronizer([&waits](cudaStream_t) {
-    ++waits;
-    return cudaErrorNoDevice;
-  });
+  int64_t callsSeenByWait = -1;
+  StreamSynchronizer const sync = detail::withSyncFaults(
+      [&](cudaStream_t) {
+        ++waits;
+        callsSeenByWait = faults.calls();
+        return waits == 1 ? cudaErrorNoDevice : cudaSuccess;
+      },
+      faults.injector());
   SyncFaults copy = faults;
-  EXPECT_EQ(sync(nullptr), cudaErrorNoDevice) << "the wait's status when nothing is armed";
+  EXPECT_EQ(sync(nullptr), cudaErrorNoDevice) << "a real failure is reported as it is";
+  EXPECT_EQ(callsSeenByWait, 0) << "the wait runs before the injector is consulted";
   copy.failNext();
   EXPECT_EQ(sync(nullptr), cudaErrorUnknown);
   EXPECT_EQ(waits, 2);
-  EXPECT_EQ(faults.calls(), 2);
+  EXPECT_EQ(faults.calls(), 2) << "consulted after a failed wait too";
+}
+
+TEST(SyncFaultsTest, EachSiteIsArmedAndCountedApart) {
+  SyncFaults faults;
+  FaultInjector const inject = faults.injector();
+  faults.failNext(1, FaultSite::kPublication);
+  faults.throwNext(FaultSite::kHostTierOrder);
+  EXPECT_EQ(inject(FaultSite::kStreamSynchronize), cudaSuccess);
+  EXPECT_EQ(inject(FaultSite::kPublication), cudaErrorUnknown);
+  EXPECT_EQ(inject(FaultSite::kPublication), cudaSuccess);
+  EXPECT_THROW(inject(FaultSite::kHostTierOrder), std::runtime_error);
+  EXPECT_EQ(faults.calls(), 1);
+  EXPECT_EQ(faults.failures(), 0);
+  EXPECT_EQ(faults.calls(FaultSite::kPublication), 2);
+  EXPECT_EQ(faults.failures(FaultSite::kPublication), 1);
+  EXPECT_EQ(faults.throws(FaultSite::kHostTierOrder), 1);
+  EXPECT_EQ(faults.calls(FaultSite::kSnapshotCapture), 0);
+}
+
+TEST(SyncFaultsTest, WithoutSiteLeavesOneSiteOut) {
+  SyncFaults faults;
+  faults.failNext(2);
+  faults.failNext(1, FaultSite::kDeviceWriteLaunch);
+  FaultInjector const halves =
+      detail::withoutSite(faults.injector(), FaultSite::kStreamSynchronize);
+  EXPECT_EQ(halves(FaultSite::kStreamSynchronize), cudaSuccess);
+  EXPECT_EQ(faults.calls(), 0) << "the left-out site is not consulted";
+  EXPECT_EQ(halves(FaultSite::kDeviceWriteLaunch), cudaErrorUnknown);
+  EXPECT_FALSE(detail::withoutSite({}, FaultSite::kStreamSynchronize)) << "empty stays empty";
 }
 
 }  // namespace

@@ -45,7 +45,7 @@ class AdapterRig {
     config.maxSequenceLength = 256;
     config.tokensPerPage = kPageTokens;
     config.deviceType = device;
-    config.synchronizer = mFaults.synchronizer(device);
+    config.faults = mFaults.injector();
     mRuntime = KVCacheRuntime::create(config);
     mOracle = std::make_unique<testing::KvOracle>(*mRuntime->swaPool(), *mRuntime->swaPageTable());
     mapping = Tensor({config.maxBatchSize}, DataType::kInt32, device);

@@ -91,8 +91,9 @@ class SwaRig {
       mRecurrent = std::make_unique<RecurrentStatePool>(recurrentConfig);
       resources.recurrent = mRecurrent.get();
     }
-    mManager = std::make_unique<BoundedSwaKVPageManager>(
-        BoundedSwaConfig{config.window}, std::move(resources), stream(), mFaults.synchronizer());
+    mManager = std::make_unique<BoundedSwaKVPageManager>(BoundedSwaConfig{config.window},
+                                                         std::move(resources), stream(),
+                                                         StreamSynchronizer{}, mFaults.injector());
     mOracle = std::make_unique<testing::KvOracle>(*mPool, *mTable);
     mMapping = Tensor({config.maxBatch}, DataType::kInt32, config.device);
   }

@@ -20,6 +20,7 @@
 #include "mkv/context_cache/context_cache_types.h"
 #include "mkv/context_cache/kv_events.h"
 #include "mkv/cuda_types.h"
+#include "mkv/fault_site.h"
 #include "mkv/kv_cache_pool.h"
 #include "mkv/kv_page_table.h"
 #include "mkv/recurrent_state_pool.h"
@@ -111,12 +112,6 @@ struct ContextCacheBatchAdmission {
   /// reproduce (a chat template's generation prompt); publishHybridMtpEndpoint refuses a length
   /// that reaches into them. In [0, prompt length).
   int32_t replayTailLength = 0;
-};
-
-/// Where ContextCacheCoordinator::setFaultHookForTesting's hook is called.
-enum class CoordinatorFaultSite : uint8_t {
-  kSnapshotCapture,  ///< before each snapshot capture (recurrent rows, partial page, hidden row)
-  kPublication,  ///< before each publication of full blocks (a block-reuse request's publication)
 };
 
 /// `committedStateLength` of an advance that keeps a sequence where it is (cancelled slot,
@@ -304,10 +299,16 @@ class ContextCacheCoordinator {
   };
 
   /// Validates the deployment and resources (throws mkv::Error) and builds the manager.
+  /// `synchronizer`: empty = defaultStreamSynchronizer. `faults` is consulted at
+  /// FaultSite::kStreamSynchronize (after each synchronisation), kSnapshotCapture (before each
+  /// capture launch), kPublication (before each publication of full blocks) and, for the write
+  /// queue the coordinator owns when resources.deviceWrites is null, kDeviceWriteLaunch; what each
+  /// call leaves after such a failure is documented at the call (publishHybridMtpEndpoint,
+  /// finish). Empty = no faults.
   ContextCacheCoordinator(ContextCacheConfig const& config,
                           ContextCacheDeploymentProfile const& profile,
                           ContextCachePhysicalResources resources, cudaStream_t stream,
-                          StreamSynchronizer synchronizer = {});
+                          StreamSynchronizer synchronizer = {}, FaultInjector faults = {});
   /// Terminates the process when requests are still active or quarantined.
   ~ContextCacheCoordinator();
   ContextCacheCoordinator(ContextCacheCoordinator const&) = delete;
@@ -562,13 +563,6 @@ class ContextCacheCoordinator {
   std::string toPrometheus(std::string_view prefix = "managedkv_") const;
   ContextCacheConfig const& config() const noexcept { return mConfig; }
   ContextCacheDeploymentProfile const& profile() const noexcept { return mProfile; }
-  /// Fault injection for tests: `hook` is called at every CoordinatorFaultSite; a hook that throws
-  /// stands for a capture whose launch failed or a publication that failed. Empty (the default):
-  /// nothing is called. What each call leaves after such a throw is documented at the call
-  /// (publishHybridMtpEndpoint, finish).
-  void setFaultHookForTesting(std::function<void(CoordinatorFaultSite)> hook) {
-    mFaultHook = std::move(hook);
-  }
   /// Checkpoint slabs (hybrid and pure-recurrent deployments), else null. The engine writes the
   /// reuse points of reusePointCaptures into them.
   SnapshotStorage const* snapshots() const noexcept { return mSnapshots.get(); }
@@ -637,7 +631,8 @@ class ContextCacheCoordinator {
   ContextCacheDeploymentProfile mProfile;
   ContextCachePhysicalResources mResources;
   cudaStream_t mStream;
-  StreamSynchronizer mSynchronizer;
+  StreamSynchronizer mSynchronizer;  ///< with mFaults at kStreamSynchronize
+  FaultInjector mFaults;
   std::unique_ptr<ContextCacheManager> mManager;
   std::unique_ptr<SnapshotStorage> mSnapshots;
   int32_t mMaxBatch = 0;
@@ -651,7 +646,6 @@ class ContextCacheCoordinator {
   std::unique_ptr<detail::DeviceWriteQueue> mOwnedWrites;
   detail::DeviceWriteQueue* mWrites = nullptr;
   ContextCacheCoordinatorCounters mCounters;
-  std::function<void(CoordinatorFaultSite)> mFaultHook;
   /// What admission checks a batch against (the deployment's shape, computed once).
   std::unique_ptr<detail::AdmissionLimits> mLimits;
   std::unique_ptr<detail::HostTierMover> mHostTier;

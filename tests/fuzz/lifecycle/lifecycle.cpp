@@ -131,7 +131,7 @@ KVCacheRuntimeConfig Lifecycle::configFromInput() {
   config.model.numKVHeads = 1;
   config.model.headDim = 4;
   config.model.kvDataType = DataType::kFloat16;
-  config.synchronizer = mSync.synchronizer();
+  config.faults = mSync.injector();
   uint8_t const runtimeByte = mIn.byte();
   mKind = runtimeByte < kNewRuntimes ? static_cast<Runtime>(runtimeByte % 3)
                                      : static_cast<Runtime>(3 + (runtimeByte - kNewRuntimes) % 3);
