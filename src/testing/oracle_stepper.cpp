@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cstddef>
 #include <cstring>
 
 #include "core/check.h"
@@ -482,8 +483,8 @@ StepFindings const& OracleStepper::complete(cudaStream_t stream, char const* cal
   if (mSnapshot) {
     auto const* snapshot = reinterpret_cast<int32_t const*>(plan + sizeof(OracleStepHeader));
     for (int32_t p = 0; p < kOraclePools; ++p) {
-      mLengths[p].assign(snapshot + p * mGeometry.storeRows,
-                         snapshot + p * mGeometry.storeRows + mSnapshotRows[p]);
+      int32_t const* const rows = snapshot + std::ptrdiff_t{p} * mGeometry.storeRows;
+      mLengths[p].assign(rows, rows + mSnapshotRows[p]);
       mFindings.lengths[p] = &mLengths[p];
     }
   }
