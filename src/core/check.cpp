@@ -2,6 +2,6 @@
 
 namespace mkv::detail {
 
-void throwError(std::string message) { throw Error(message); }
+void throwError(std::string const& message) { throw Error(message); }
 
 }  // namespace mkv::detail

@@ -14,7 +14,7 @@
 
 namespace mkv::detail {
 
-[[noreturn]] void throwError(std::string message);
+[[noreturn]] void throwError(std::string const& message);
 
 template <typename... Args>
 [[noreturn]] void throwContract(char const* call, fmt::format_string<Args...> format,
