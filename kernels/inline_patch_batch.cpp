@@ -130,9 +130,10 @@ void InlinePatchBatch::fillLaunch(detail::Int32InlinePatchLaunch& launch) {
   int32_t valueStart = kHeaderPerRange * numRanges;
   for (int32_t r = 0; r < numRanges; ++r) {
     Range const& range = mRanges[static_cast<std::size_t>(r)];
-    launch.patch[kHeaderPerRange * r] = static_cast<int32_t>(range.offset);
-    launch.patch[kHeaderPerRange * r + 1] = range.count;
-    launch.patch[kHeaderPerRange * r + 2] = valueStart;
+    int32_t* const header = launch.patch + int64_t{kHeaderPerRange} * r;
+    header[0] = static_cast<int32_t>(range.offset);
+    header[1] = range.count;
+    header[2] = valueStart;
     std::copy_n(mValues.begin() + range.valueStart, range.count, launch.patch + valueStart);
     valueStart += range.count;
   }
