@@ -57,7 +57,7 @@ InlinePatchBatch::~InlinePatchBatch() = default;
 InlinePatchBatch::InlinePatchBatch(InlinePatchBatch&& other) noexcept = default;
 InlinePatchBatch& InlinePatchBatch::operator=(InlinePatchBatch&& other) noexcept = default;
 
-int32_t InlinePatchBatch::findTarget(int32_t* base) const {
+int32_t InlinePatchBatch::findTarget(int32_t const* base) const {
   for (int32_t t = 0; t < mNumTargets; ++t) {
     if (mTargets[t] == base) {
       return t;
@@ -66,7 +66,7 @@ int32_t InlinePatchBatch::findTarget(int32_t* base) const {
   return -1;
 }
 
-bool InlinePatchBatch::overlapsQueued(int32_t* base, int64_t offset, int64_t count) const {
+bool InlinePatchBatch::overlapsQueued(int32_t const* base, int64_t offset, int64_t count) const {
   // Compared as addresses: two tensors may view the same memory.
   auto const begin = reinterpret_cast<std::uintptr_t>(base + offset);
   auto const end = reinterpret_cast<std::uintptr_t>(base + offset + count);
