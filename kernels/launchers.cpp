@@ -327,8 +327,8 @@ void zeroRows(std::span<RowBuffer const> buffers, DeviceType deviceType, Tensor 
   constexpr char const* kCall = "zeroRows";
   requireIndexTensor(rows, kCall, "rows", deviceType, -1);
   requireRowBuffers(buffers, kCall, 0);
-  for (std::size_t b = 0; b < buffers.size(); ++b) {
-    requireIdsInRange(rows, buffers[b].numRows, kCall, "rows");
+  for (RowBuffer const& buffer : buffers) {
+    requireIdsInRange(rows, buffer.numRows, kCall, "rows");
   }
   if (buffers.empty() || rows.numel() == 0) {
     return;
