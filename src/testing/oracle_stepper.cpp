@@ -3,6 +3,7 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstddef>
 #include <cstring>
 
@@ -535,7 +536,7 @@ int64_t StreamMarks::elapsedNanos(int32_t from, int32_t to) const {
     ::mkv::detail::checkCuda(cudaEventElapsedTime(&ms, static_cast<cudaEvent_t>(mEvents[from]),
                                                   static_cast<cudaEvent_t>(mEvents[to])),
                              "ReferenceEngine timing event");
-    return static_cast<int64_t>(static_cast<double>(ms) * 1.0e6 + 0.5);
+    return static_cast<int64_t>(std::llround(static_cast<double>(ms) * 1.0e6));
   }
 #else
   (void)from;
