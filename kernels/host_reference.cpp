@@ -95,9 +95,10 @@ void applyInt32InlinePatchHost(Int32InlinePatchLaunch const& launch) {
     while (target + 1 < launch.numTargets && r >= launch.targetRangeEnd[target]) {
       ++target;
     }
-    int64_t const offset = launch.patch[3 * r];
-    int64_t const count = launch.patch[3 * r + 1];
-    int64_t const valueStart = launch.patch[3 * r + 2];
+    int64_t const header = 3 * int64_t{r};
+    int64_t const offset = launch.patch[header];
+    int64_t const count = launch.patch[header + 1];
+    int64_t const valueStart = launch.patch[header + 2];
     for (int64_t j = 0; j < count; ++j) {
       int64_t const index = offset + j;
       int64_t const source = valueStart + j;
@@ -111,9 +112,10 @@ void applyInt32InlinePatchHost(Int32InlinePatchLaunch const& launch) {
 
 void applyInt32PatchHost(Int32PatchLaunch const& launch) {
   for (int32_t r = 0; r < launch.numRanges; ++r) {
-    int64_t const offset = launch.patch[3 * r];
-    int64_t const count = launch.patch[3 * r + 1];
-    int64_t const valueStart = launch.patch[3 * r + 2];
+    int64_t const header = 3 * int64_t{r};
+    int64_t const offset = launch.patch[header];
+    int64_t const count = launch.patch[header + 1];
+    int64_t const valueStart = launch.patch[header + 2];
     for (int64_t j = 0; j < count; ++j) {
       int64_t const target = offset + j;
       int64_t const source = valueStart + j;

@@ -58,7 +58,7 @@ InlinePatchBatch::~InlinePatchBatch() = default;
 InlinePatchBatch::InlinePatchBatch(InlinePatchBatch&& other) noexcept = default;
 InlinePatchBatch& InlinePatchBatch::operator=(InlinePatchBatch&& other) noexcept = default;
 
-int32_t InlinePatchBatch::findTarget(int32_t* base) const {
+int32_t InlinePatchBatch::findTarget(int32_t const* base) const {
   for (int32_t t = 0; t < mNumTargets; ++t) {
     if (mTargets[t] == base) {
       return t;
@@ -67,7 +67,7 @@ int32_t InlinePatchBatch::findTarget(int32_t* base) const {
   return -1;
 }
 
-bool InlinePatchBatch::overlapsQueued(int32_t* base, int64_t offset, int64_t count) const {
+bool InlinePatchBatch::overlapsQueued(int32_t const* base, int64_t offset, int64_t count) const {
   // Compared as addresses: two tensors may view the same memory.
   auto const begin = reinterpret_cast<std::uintptr_t>(base + offset);
   auto const end = reinterpret_cast<std::uintptr_t>(base + offset + count);
@@ -131,9 +131,10 @@ void InlinePatchBatch::fillLaunch(detail::Int32InlinePatchLaunch& launch) {
   int32_t valueStart = kHeaderPerRange * numRanges;
   for (int32_t r = 0; r < numRanges; ++r) {
     Range const& range = mRanges[static_cast<std::size_t>(r)];
-    launch.patch[kHeaderPerRange * r] = static_cast<int32_t>(range.offset);
-    launch.patch[kHeaderPerRange * r + 1] = range.count;
-    launch.patch[kHeaderPerRange * r + 2] = valueStart;
+    int32_t* const header = launch.patch + int64_t{kHeaderPerRange} * r;
+    header[0] = static_cast<int32_t>(range.offset);
+    header[1] = range.count;
+    header[2] = valueStart;
     std::copy_n(mValues.begin() + range.valueStart, range.count, launch.patch + valueStart);
     valueStart += range.count;
   }

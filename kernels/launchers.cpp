@@ -327,8 +327,8 @@ void zeroRows(std::span<RowBuffer const> buffers, DeviceType deviceType, Tensor 
   constexpr char const* kCall = "zeroRows";
   requireIndexTensor(rows, kCall, "rows", deviceType, -1);
   requireRowBuffers(buffers, kCall, 0);
-  for (std::size_t b = 0; b < buffers.size(); ++b) {
-    requireIdsInRange(rows, buffers[b].numRows, kCall, "rows");
+  for (RowBuffer const& buffer : buffers) {
+    requireIdsInRange(rows, buffer.numRows, kCall, "rows");
   }
   if (buffers.empty() || rows.numel() == 0) {
     return;
@@ -357,9 +357,10 @@ void applyInt32InlinePatch(Tensor& dst, std::span<int32_t const> patch, int32_t 
               "{} ranges need {} header entries but the patch has {}", numRanges,
               3 * int64_t{numRanges}, patchNumel);
   for (int32_t r = 0; r < numRanges; ++r) {
-    int64_t const offset = patch[static_cast<std::size_t>(3 * r)];
-    int64_t const count = patch[static_cast<std::size_t>(3 * r + 1)];
-    int64_t const start = patch[static_cast<std::size_t>(3 * r + 2)];
+    auto const header = static_cast<std::size_t>(3 * int64_t{r});
+    int64_t const offset = patch[header];
+    int64_t const count = patch[header + 1];
+    int64_t const start = patch[header + 2];
     MKV_REQUIRE(offset >= 0 && count >= 0 && offset + count <= dst.numel(), kCall,
                 "range {} [{}, {}) is outside dst of {} entries", r, offset, offset + count,
                 dst.numel());
@@ -392,9 +393,10 @@ void applyInt32Patch(Tensor& dst, Tensor const& patch, int32_t numRanges, cudaSt
   if (patch.deviceType() == DeviceType::kCPU) {
     int32_t const* header = patch.dataPointer<int32_t>();
     for (int32_t r = 0; r < numRanges; ++r) {
-      int64_t const offset = header[3 * r];
-      int64_t const count = header[3 * r + 1];
-      int64_t const start = header[3 * r + 2];
+      int32_t const* const range = header + 3 * int64_t{r};
+      int64_t const offset = range[0];
+      int64_t const count = range[1];
+      int64_t const start = range[2];
       MKV_REQUIRE(offset >= 0 && count >= 0 && offset + count <= dst.numel(), kCall,
                   "range {} [{}, {}) is outside dst of {} entries", r, offset, offset + count,
                   dst.numel());

@@ -21,9 +21,12 @@ PatchRing::PatchRing(uint32_t firstExecution) : mIssued(firstExecution) {
   void* device = nullptr;
   mHost = mkv::detail::allocateMappedHost(kHeaderBytes + kSlots * sizeof(Int32InlinePatchLaunch),
                                           device);
+  // NOLINTBEGIN(cppcoreguidelines-prefer-member-initializer): both point into mHost, allocated
+  // above in the body (clang-tidy 14 does not see that assignment)
   mExecutions = static_cast<uint32_t*>(mHost);
   *mExecutions = firstExecution;
   mSlots = reinterpret_cast<Int32InlinePatchLaunch*>(static_cast<char*>(mHost) + kHeaderBytes);
+  // NOLINTEND(cppcoreguidelines-prefer-member-initializer)
   Int32RingPatchLaunch ring{};
   ring.executions = static_cast<uint32_t*>(device);
   ring.slots =

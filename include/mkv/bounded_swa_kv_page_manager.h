@@ -449,11 +449,11 @@ class BoundedSwaKVPageManager {
   bool synchronize() noexcept;
 
   int32_t mWindow;
-  int32_t mPageSize;
+  int32_t mPageSize = 0;
   int32_t mPageShift = 0;  // log2(mPageSize): pool page sizes are powers of two
-  int32_t mWindowPages;
-  int32_t mAdmissionPages;
-  int32_t mDecodePages;
+  int32_t mWindowPages = 0;
+  int32_t mAdmissionPages = 0;
+  int32_t mDecodePages = 0;
   BoundedSwaResources mResources;
   cudaStream_t mStream;
   StreamSynchronizer mSynchronizer;  ///< with the constructor's faults at kStreamSynchronize

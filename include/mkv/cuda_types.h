@@ -10,6 +10,7 @@
 #if MKV_WITH_CUDA
 #include <cuda_runtime_api.h>
 #else
+// NOLINTBEGIN(readability-identifier-naming): CUDA's own names, declared for host-only builds
 struct CUstream_st;
 using cudaStream_t = CUstream_st*;
 enum cudaError {
@@ -21,4 +22,5 @@ enum cudaError {
   cudaErrorUnknown = 999,
 };
 using cudaError_t = cudaError;
+// NOLINTEND(readability-identifier-naming)
 #endif

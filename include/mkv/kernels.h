@@ -231,9 +231,9 @@ class InlinePatchBatch {
     int32_t count;
   };
   /// Whether [offset, offset + count) of `target`'s memory meets a queued range.
-  bool overlapsQueued(int32_t* base, int64_t offset, int64_t count) const;
+  bool overlapsQueued(int32_t const* base, int64_t offset, int64_t count) const;
   /// Index of dst among the queued targets, or -1.
-  int32_t findTarget(int32_t* base) const;
+  int32_t findTarget(int32_t const* base) const;
   /// Writes the queued ranges, grouped by target, into `launch` (every field a kernel reads).
   void fillLaunch(detail::Int32InlinePatchLaunch& launch);
 

@@ -135,13 +135,10 @@ constexpr std::size_t dataTypeSize(DataType type) noexcept {
     case DataType::kFloat32:
       return 4;
     case DataType::kFloat16:
-      return 2;
     case DataType::kBFloat16:
       return 2;
     case DataType::kFp8E4M3:
-      return 1;
     case DataType::kInt8:
-      return 1;
     case DataType::kUInt8:
       return 1;
     case DataType::kInt32:

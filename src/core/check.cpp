@@ -4,7 +4,7 @@
 
 namespace mkv::detail {
 
-void throwError(std::string message) { throw Error(message); }
+void throwError(std::string const& message) { throw Error(message); }
 
 void throwCallError(std::string call, std::string detail) {
   throw Error(std::move(call), std::move(detail));

@@ -16,7 +16,7 @@
 namespace mkv::detail {
 
 /// Throws mkv::Error(message) (no call of its own: an invariant, a wrapped message).
-[[noreturn]] void throwError(std::string message);
+[[noreturn]] void throwError(std::string const& message);
 /// Throws mkv::Error(call, detail).
 [[noreturn]] void throwCallError(std::string call, std::string detail);
 

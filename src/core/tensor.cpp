@@ -53,8 +53,11 @@ bool operator==(Coords const& a, Coords const& b) noexcept {
 }
 
 Tensor::Tensor(Coords const& shape, DataType dataType, DeviceType deviceType)
-    : mShape(shape), mDataType(dataType), mDeviceType(deviceType), mOwning(true) {
-  mCapacityBytes = sizeBytes();
+    : mShape(shape),
+      mDataType(dataType),
+      mDeviceType(deviceType),
+      mCapacityBytes(sizeBytes()),
+      mOwning(true) {
   auto const bytes = static_cast<std::size_t>(mCapacityBytes);
   if (bytes == 0) {
     return;

@@ -116,6 +116,9 @@ struct KvEventPublisher::Impl {
   std::deque<std::pair<uint64_t, std::string>> replayBuffer;  ///< worker thread only
   std::thread worker;
 
+  Impl() = default;
+  Impl(Impl const&) = delete;
+  Impl& operator=(Impl const&) = delete;
   ~Impl() {
     if (pub != nullptr) {
       zmq_close(pub);

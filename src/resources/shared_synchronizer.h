@@ -21,6 +21,7 @@ namespace mkv::detail {
 class SharedSynchronizer {
  public:
   explicit SharedSynchronizer(StreamSynchronizer real);
+  ~SharedSynchronizer() = default;
   SharedSynchronizer(SharedSynchronizer const&) = delete;
   SharedSynchronizer& operator=(SharedSynchronizer const&) = delete;
 

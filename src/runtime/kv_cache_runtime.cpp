@@ -536,9 +536,9 @@ AdmissionEstimate KVCacheRuntime::estimateAdmission(std::vector<int32_t> const& 
                                                     std::string_view loraWeightsName,
                                                     std::string_view cacheSalt,
                                                     DecodingKvHeadroom const& headroom) const {
-  constexpr char const* kCall = "KVCacheRuntime::estimateAdmission";
-  MKV_REQUIRE(!promptTokens.empty(), kCall, "the prompt is empty");
-  detail::validateHeadroom(kCall, headroom, false);
+  constexpr char const* kEstimateCall = "KVCacheRuntime::estimateAdmission";
+  MKV_REQUIRE(!promptTokens.empty(), kEstimateCall, "the prompt is empty");
+  detail::validateHeadroom(kEstimateCall, headroom, false);
   if (mCoordinator) {
     ContextCacheSequenceAdmission sequence;
     sequence.tokenIds = promptTokens;
@@ -546,7 +546,7 @@ AdmissionEstimate KVCacheRuntime::estimateAdmission(std::vector<int32_t> const& 
     try {
       return mCoordinator->estimateAdmission(sequence, headroom);
     } catch (Error const& error) {  // the coordinator's check, named under the caller's call
-      detail::throwContract(kCall, "{}", error.what());
+      detail::throwContract(kEstimateCall, "{}", error.what());
     }
   }
   AdmissionEstimate estimate;  // bounded SWA: no reuse, one window budget of sliding pages

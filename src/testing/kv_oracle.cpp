@@ -71,7 +71,7 @@ KvOracle::KvOracle(KVCachePool& pool, KVPageTable const& table) : mPool(pool), m
 std::vector<int32_t> KvOracle::deviceRow(CacheSlot slot) const {
   MKV_REQUIRE(slot >= 0 && slot < mTable.maxBatch(), "KvOracle", "slot {} outside [0, {})", slot,
               mTable.maxBatch());
-  auto const width = static_cast<std::size_t>(2 * mTable.maxPagesPerSeq());
+  auto const width = 2 * static_cast<std::size_t>(mTable.maxPagesPerSeq());
   std::vector<int32_t> row(width);
   auto const* base =
       mTable.deviceTable().dataPointer<int32_t>() + width * static_cast<std::size_t>(slot);

@@ -31,7 +31,7 @@ MKV_ORACLE_FN uint64_t loadWord(uint8_t const* p, int64_t n) {
 #if defined(__CUDA_ARCH__)
     return *reinterpret_cast<uint64_t const*>(p);
 #else
-    uint64_t v;
+    uint64_t v = 0;
     std::memcpy(&v, p, 8);
     return v;
 #endif

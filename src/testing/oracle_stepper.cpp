@@ -3,6 +3,8 @@
 #include <fmt/format.h>
 
 #include <algorithm>
+#include <cmath>
+#include <cstddef>
 #include <cstring>
 
 #include "core/check.h"
@@ -484,8 +486,8 @@ StepFindings const& OracleStepper::complete(cudaStream_t stream, char const* cal
   if (mSnapshot) {
     auto const* snapshot = reinterpret_cast<int32_t const*>(plan + sizeof(OracleStepHeader));
     for (int32_t p = 0; p < kOraclePools; ++p) {
-      mLengths[p].assign(snapshot + p * mGeometry.storeRows,
-                         snapshot + p * mGeometry.storeRows + mSnapshotRows[p]);
+      int32_t const* const rows = snapshot + std::ptrdiff_t{p} * mGeometry.storeRows;
+      mLengths[p].assign(rows, rows + mSnapshotRows[p]);
       mFindings.lengths[p] = &mLengths[p];
     }
   }
@@ -536,7 +538,7 @@ int64_t StreamMarks::elapsedNanos(int32_t from, int32_t to) const {
     ::mkv::detail::checkCuda(cudaEventElapsedTime(&ms, static_cast<cudaEvent_t>(mEvents[from]),
                                                   static_cast<cudaEvent_t>(mEvents[to])),
                              "ReferenceEngine timing event");
-    return static_cast<int64_t>(static_cast<double>(ms) * 1.0e6 + 0.5);
+    return static_cast<int64_t>(std::llround(static_cast<double>(ms) * 1.0e6));
   }
 #else
   (void)from;

@@ -28,14 +28,16 @@ constexpr char const* kRunCall = "ReferenceEngine::run";
 }  // namespace
 
 ReferenceEngine::ReferenceEngine(KVCacheRuntime& runtime, ReferenceEngineOptions options)
-    : mRuntime(runtime), mOptions(std::move(options)), mRandom(mix(mOptions.seed + 0x51ED)) {
-  mHasFull = runtime.fullPool() != nullptr;
-  mHasSwa = runtime.swaPool() != nullptr;
+    : mRuntime(runtime),
+      mOptions(std::move(options)),
+      mHasFull(runtime.fullPool() != nullptr),
+      mHasSwa(runtime.swaPool() != nullptr),
+      mSpecWidth(mOptions.speculativeWidth),
+      mRandom(mix(mOptions.seed + 0x51ED)) {
   // Only checkpoint deployments promise a zeroed or restored row at the start of a sequence.
   ContextCacheCoordinator const* coordinator = runtime.contextCache();
   mRecurrent = runtime.recurrentState() != nullptr && coordinator != nullptr &&
                coordinator->profile().usesCheckpointReuse();
-  mSpecWidth = mOptions.speculativeWidth;
   MKV_REQUIRE(mSpecWidth >= 0 && mSpecWidth <= kMaxSpeculativeWidth, "ReferenceEngine",
               "speculativeWidth {} outside [0, {}]", mSpecWidth, kMaxSpeculativeWidth);
   MKV_REQUIRE(mSpecWidth == 0 || runtime.config().speculative.has_value(), "ReferenceEngine",

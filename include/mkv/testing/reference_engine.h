@@ -272,6 +272,8 @@ class ReferenceEngine {
  public:
   explicit ReferenceEngine(KVCacheRuntime& runtime, ReferenceEngineOptions options = {});
   ~ReferenceEngine();
+  ReferenceEngine(ReferenceEngine const&) = delete;
+  ReferenceEngine& operator=(ReferenceEngine const&) = delete;
 
   /// Runs `request` to completion. While it runs, sequences from `joinQueue` (front first) join
   /// the batch through in-flight admission whenever a row and the pools allow it and the backend
