@@ -30,21 +30,21 @@ Hash128 fromXxh(XXH128_hash_t h) noexcept { return {h.high64, h.low64}; }
 // Fixed-layout inputs of the chaining steps. Hashing a packed struct in one XXH3 call is cheaper
 // than the streaming API (no state setup) and allocates nothing.
 struct KeyStep {
-  uint64_t domain;
-  uint64_t tokenCount;
-  Hash128 parent;
-  Hash128 tokens;
-  Hash128 media;
-  Hash128 adapter;
-  Hash128 salt;
+  uint64_t domain = 0;
+  uint64_t tokenCount = 0;
+  Hash128 parent{};
+  Hash128 tokens{};
+  Hash128 media{};
+  Hash128 adapter{};
+  Hash128 salt{};
 };
 static_assert(sizeof(KeyStep) == 96, "KeyStep must have no padding");
 
 struct ContentStep {
-  uint64_t domain;
-  uint64_t tokenCount;
-  Hash128 parent;
-  Hash128 tokens;
+  uint64_t domain = 0;
+  uint64_t tokenCount = 0;
+  Hash128 parent{};
+  Hash128 tokens{};
 };
 static_assert(sizeof(ContentStep) == 48, "ContentStep must have no padding");
 

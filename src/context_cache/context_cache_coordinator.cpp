@@ -71,11 +71,11 @@ ContextCacheCoordinator::ContextCacheCoordinator(ContextCacheConfig const& confi
       mStream(stream),
       mSynchronizer(std::move(synchronizer)),
       mFaults(std::move(faults)),
-      mRequests(std::make_unique<detail::RequestRegistry<Request>>("ContextCacheCoordinator")) {
+      mRequests(std::make_unique<detail::RequestRegistry<Request>>("ContextCacheCoordinator")),
+      mWrites(resources.deviceWrites) {
   detail::DeploymentLayout const layout = detail::validateDeployment(config, profile, resources);
   mMaxBatch = layout.maxBatch;
   mDevice = layout.device;
-  mWrites = mResources.deviceWrites;
   if (mWrites == nullptr) {
     mOwnedWrites =
         std::make_unique<detail::DeviceWriteQueue>(mDevice, DeviceWriteTiming::kEachCall, mFaults);

@@ -69,9 +69,12 @@ class ContextCacheManager::PublicationTransaction {
     if (mRecord != kNoRecord) {
       mManager.mRecords.erase(mRecord);
     }
+    // Reverse order (std::views::reverse does not parse under clang-tidy 14 with libstdc++ 12).
+    // NOLINTNEXTLINE(modernize-loop-convert)
     for (auto it = mIndexed.rbegin(); it != mIndexed.rend(); ++it) {
       mManager.mIndex.erasePage(*it, /*rememberEviction=*/false);
     }
+    // NOLINTNEXTLINE(modernize-loop-convert)
     for (auto it = mRefs.rbegin(); it != mRefs.rend(); ++it) {
       // Every resource was allocated before this publication referenced it, so dropping the
       // reference restores the previous counts and never frees a slot.

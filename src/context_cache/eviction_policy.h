@@ -38,8 +38,9 @@ struct PolicyInsert {
 class SlotVisitor {
  public:
   template <typename Fn>
+  // NOLINTNEXTLINE(google-explicit-constructor,bugprone-forwarding-reference-overload): a callable
   requires(!std::is_same_v<std::remove_cvref_t<Fn>, SlotVisitor>) SlotVisitor(Fn&& fn)
-  noexcept  // NOLINT(google-explicit-constructor): a callable by reference
+  noexcept  // by reference; the constraint keeps copies away from it
       : mObject(const_cast<void*>(static_cast<void const*>(&fn))),
         mCall([](void* object, RecordSlot slot) {
           return (*static_cast<std::remove_reference_t<Fn>*>(object))(slot);

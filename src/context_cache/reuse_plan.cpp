@@ -67,10 +67,10 @@ std::vector<T> firstOf(std::vector<T> const& v, int32_t n) {
 /// One checkpoint length the hybrid search tries: `full` whole pages, a partial-KV snapshot when
 /// `needsPartial`, keyed by the digest of the prompt's first `length` tokens.
 struct HybridCandidate {
-  int32_t length;
-  int32_t full;
-  bool needsPartial;
-  Hash128 digest;
+  int32_t length = 0;
+  int32_t full = 0;
+  bool needsPartial = false;
+  Hash128 digest{};
 };
 
 /// Whether `record` (may be null) is a checkpoint of exactly `candidate` for `blocks`: its full
@@ -390,7 +390,8 @@ std::optional<MissReason> nearestIdentityMismatch(std::vector<BlockProvenance> c
     bool const salt = p.salt == ours.salt;
     bool const adapter = p.adapter == ours.adapter;
     bool const media = p.media == ourMedia;
-    int32_t const matches = int32_t{salt} + int32_t{adapter} + int32_t{media};
+    int32_t const matches =
+        static_cast<int32_t>(salt) + static_cast<int32_t>(adapter) + static_cast<int32_t>(media);
     if (matches == 3) {
       continue;  // the same identity: not what kept this block out
     }

@@ -612,7 +612,7 @@ class ContextCacheCoordinator {
   std::unique_ptr<Request> newRequest(ContextCacheBatchAdmission const& admission,
                                       detail::RequestMode const& mode) const;
   /// Moves the acquired leases into the request's sequences.
-  void addSequences(Request& request, ContextCacheBatchAdmission const& admission,
+  void addSequences(Request& created, ContextCacheBatchAdmission const& admission,
                     std::span<LookupRequest const> lookups,
                     std::vector<mkv::AdmissionResult>& acquired) const;
 
