@@ -18,7 +18,7 @@ void BlockReuseMode::publishPrefill(CoordinatorRequest& req) const {
   }
 }
 
-bool BlockReuseMode::growLease(CacheRequestLease& lease, LanePages const& pages) const {
+bool BlockReuseMode::growLease(CacheRequestLease& lease, LaneCounts const& pages) const {
   return mParts.manager.growBasePages(lease, pages[0]);
 }
 
@@ -63,7 +63,7 @@ void PairedDraftMode::updateCommonLengths(CoordinatorRequest& req,
   advanceCommonLengths(req, advances, lengths);
 }
 
-bool PairedDraftMode::growLease(CacheRequestLease& lease, LanePages const& pages) const {
+bool PairedDraftMode::growLease(CacheRequestLease& lease, LaneCounts const& pages) const {
   return mParts.manager.growSpecPages(lease, pages[0], pages[1]);
 }
 

@@ -14,7 +14,7 @@ class BlockReuseMode final : public RequestMode {
   BlockReuseMode(CoordinatorParts const& parts, RowLane base);
 
   void publishPrefill(CoordinatorRequest& req) const override;
-  bool growLease(CacheRequestLease& lease, LanePages const& pages) const override;
+  bool growLease(CacheRequestLease& lease, LaneCounts const& pages) const override;
   bool stageCompleted(CoordinatorRequest& req, std::span<uint8_t const> completed) const override;
 };
 
@@ -31,7 +31,7 @@ class PairedDraftMode final : public RequestMode {
   void updateCommonLengths(CoordinatorRequest& req,
                            std::span<ContextCacheSequenceAdvance const> advances,
                            std::span<int32_t const> lengths) const override;
-  bool growLease(CacheRequestLease& lease, LanePages const& pages) const override;
+  bool growLease(CacheRequestLease& lease, LaneCounts const& pages) const override;
   bool stageCompleted(CoordinatorRequest& req, std::span<uint8_t const> completed) const override;
 };
 

@@ -82,7 +82,7 @@ void CheckpointMode::publishPrefill(CoordinatorRequest& req) const {
   commitStaged(req);
 }
 
-bool CheckpointMode::growLease(CacheRequestLease& lease, LanePages const& pages) const {
+bool CheckpointMode::growLease(CacheRequestLease& lease, LaneCounts const& pages) const {
   return mParts.manager.growBasePages(lease, pages[0]);
 }
 
@@ -324,7 +324,7 @@ void HybridMtpMode::updateCommonLengths(CoordinatorRequest& req,
   advanceCommonLengths(req, advances, lengths);
 }
 
-bool HybridMtpMode::growLease(CacheRequestLease& lease, LanePages const& pages) const {
+bool HybridMtpMode::growLease(CacheRequestLease& lease, LaneCounts const& pages) const {
   return mParts.manager.growSpecPages(lease, pages[0], pages[1]);
 }
 

@@ -22,7 +22,7 @@ class CheckpointMode : public RequestMode {
   void enqueuePrefillCaptures(CoordinatorRequest& req) const override;
   /// Releases the restored snapshots' pins, then commits the reuse points and the prompt end.
   void publishPrefill(CoordinatorRequest& req) const override;
-  bool growLease(CacheRequestLease& lease, LanePages const& pages) const override;
+  bool growLease(CacheRequestLease& lease, LaneCounts const& pages) const override;
   /// Stages a capture of each completed row's exact state (its snapshot copies enqueued).
   bool stageCompleted(CoordinatorRequest& req, std::span<uint8_t const> completed) const override;
   void commitStaged(CoordinatorRequest& req) const override;

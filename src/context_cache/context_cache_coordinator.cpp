@@ -354,12 +354,12 @@ ContextCacheStatus ContextCacheCoordinator::growPages(Request& req,
     if (!sequence.joined) {
       continue;  // an unfinalised joiner holds: its admission bound its prompt's pages
     }
-    detail::LanePages const needed = table.neededPages(sequence.committed, headroom, pageSize);
+    detail::LaneCounts const needed = table.neededPages(sequence.committed, headroom, pageSize);
     if (table.tableFull(needed)) {
       return fail(RowFailureReason::kTableFull, row);
     }
-    detail::LanePages const held = table.heldPages(sequence);
-    detail::LanePages growth{};
+    detail::LaneCounts const held = table.heldPages(sequence);
+    detail::LaneCounts growth{};
     bool grows = false;
     for (std::size_t lane = 0; lane < growth.size(); ++lane) {
       growth[lane] = std::max(0, needed[lane] - held[lane]);

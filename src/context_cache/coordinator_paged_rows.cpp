@@ -20,7 +20,7 @@ void PagedRows::bindPrefill(CoordinatorRequest const& req) const {
     RowLane const& target = mLanes[lane];
     rows.clear();
     for (auto const& sequence : req.sequences) {
-      rows.push_back({sequence.resident.slot, (sequence.lease.*target.pages)()});
+      rows.push_back({sequence.resident.slot, lanePages(target, sequence.lease)});
       laneLengths[lane].push_back(std::max(0, sequence.reuseTokenLength - target.restoreLag));
     }
     target.table->setRows(rows);
@@ -32,26 +32,26 @@ void PagedRows::bindPrefill(CoordinatorRequest const& req) const {
   });
 }
 
-LanePages PagedRows::heldPages(CoordinatorRequest::Sequence const& sequence) const noexcept {
-  LanePages held{};
+LaneCounts PagedRows::heldPages(CoordinatorRequest::Sequence const& sequence) const noexcept {
+  LaneCounts held{};
   for (std::size_t lane = 0; lane < mLanes.size(); ++lane) {
-    held[lane] = static_cast<int32_t>((sequence.lease.*mLanes[lane].pages)().size());
+    held[lane] = static_cast<int32_t>(lanePages(mLanes[lane], sequence.lease).size());
   }
   return held;
 }
 
-LanePages PagedRows::neededPages(int32_t committed, DecodingKvHeadroom const& headroom,
-                                 int32_t pageSize) const noexcept {
-  LanePages needed{};
+LaneCounts PagedRows::neededPages(int32_t committed, DecodingKvHeadroom const& headroom,
+                                  int32_t pageSize) const noexcept {
+  LaneCounts needed{};
   for (std::size_t lane = 0; lane < mLanes.size(); ++lane) {
-    int64_t const tokens = int64_t{committed} + headroom.*mLanes[lane].extraTokens;
+    int64_t const tokens = int64_t{committed} + laneHeadroom(mLanes[lane], headroom);
     needed[lane] = static_cast<int32_t>(
         std::min<int64_t>((tokens + pageSize - 1) / pageSize, std::numeric_limits<int32_t>::max()));
   }
   return needed;
 }
 
-bool PagedRows::tableFull(LanePages const& needed) const noexcept {
+bool PagedRows::tableFull(LaneCounts const& needed) const noexcept {
   for (std::size_t lane = 0; lane < mLanes.size(); ++lane) {
     if (needed[lane] > mLanes[lane].table->maxPagesPerSeq()) {
       return true;
@@ -61,9 +61,9 @@ bool PagedRows::tableFull(LanePages const& needed) const noexcept {
 }
 
 void PagedRows::mapGrown(CoordinatorRequest::Sequence const& sequence,
-                         LanePages const& held) const {
+                         LaneCounts const& held) const {
   for (std::size_t lane = 0; lane < mLanes.size(); ++lane) {
-    std::span<PageId const> const pages = (sequence.lease.*mLanes[lane].pages)();
+    std::span<PageId const> const pages = lanePages(mLanes[lane], sequence.lease);
     for (auto logical = static_cast<std::size_t>(held[lane]); logical < pages.size(); ++logical) {
       mLanes[lane].table->setEntry(sequence.resident.slot, static_cast<int32_t>(logical),
                                    pages[logical]);
@@ -73,7 +73,7 @@ void PagedRows::mapGrown(CoordinatorRequest::Sequence const& sequence,
 
 void PagedRows::bindJoiner(CacheSlot slot, CacheRequestLease const& lease) const {
   for (RowLane const& lane : mLanes) {
-    lane.table->setRow(slot, (lease.*lane.pages)());
+    lane.table->setRow(slot, lanePages(lane, lease));
   }
   upload();
 }

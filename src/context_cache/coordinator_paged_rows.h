@@ -16,14 +16,15 @@
 
 namespace mkv::detail {
 
+/// Which of a lease's page lists a lane maps.
+enum class LanePages : uint8_t { kBase, kDraft };
+
 /// One page table a request's rows are mapped in, and the KV pool whose lengths follow it.
 struct RowLane {
   KVPageTable* table = nullptr;
   KVCachePool* pool = nullptr;
-  /// The lease pages this lane maps (base or draft).
-  std::span<PageId const> (CacheRequestLease::*pages)() const noexcept = nullptr;
-  /// The decode headroom of this lane's pages.
-  int32_t DecodingKvHeadroom::*extraTokens = nullptr;
+  /// The lease pages this lane maps, and the decode headroom they follow (base or draft).
+  LanePages pages = LanePages::kBase;
   /// A restored row's KV length is its reuse length minus this (Hybrid-MTP's draft: 1, the hit's
   /// boundary token is recomputed), never below 0.
   int32_t restoreLag = 0;
@@ -33,7 +34,18 @@ struct RowLane {
 inline constexpr std::size_t kMaxRowLanes = 2;  ///< base, draft
 
 /// Pages per lane (lane order; 0 past the last lane).
-using LanePages = std::array<int32_t, kMaxRowLanes>;
+using LaneCounts = std::array<int32_t, kMaxRowLanes>;
+
+/// The pages of `lease` that `lane` maps (inlined: the decode step asks per row).
+inline std::span<PageId const> lanePages(RowLane const& lane,
+                                         CacheRequestLease const& lease) noexcept {
+  return lane.pages == LanePages::kBase ? lease.basePages() : lease.draftPages();
+}
+
+/// The headroom of `lane`'s pages.
+inline int32_t laneHeadroom(RowLane const& lane, DecodingKvHeadroom const& headroom) noexcept {
+  return lane.pages == LanePages::kBase ? headroom.baseExtraTokens : headroom.draftExtraTokens;
+}
 
 /// A view of one request's lanes (borrowed; cheap to copy). Every method that writes a table marks
 /// rows dirty; upload() settles them with the KV lengths queued beside them, on the coordinator's
@@ -54,14 +66,14 @@ class PagedRows {
   /// thread 1-5 µs: docs/benchmarks.md).
   void bindPrefill(CoordinatorRequest const& req) const;
   /// The pages `sequence`'s lease holds per lane (before a growth: what mapGrown maps past).
-  LanePages heldPages(CoordinatorRequest::Sequence const& sequence) const noexcept;
+  LaneCounts heldPages(CoordinatorRequest::Sequence const& sequence) const noexcept;
   /// Pages per lane a row of `committed` tokens needs with `headroom`; a lane whose row cannot
   /// hold them is named by tableFull.
-  LanePages neededPages(int32_t committed, DecodingKvHeadroom const& headroom,
-                        int32_t pageSize) const noexcept;
-  bool tableFull(LanePages const& needed) const noexcept;
+  LaneCounts neededPages(int32_t committed, DecodingKvHeadroom const& headroom,
+                         int32_t pageSize) const noexcept;
+  bool tableFull(LaneCounts const& needed) const noexcept;
   /// Maps the pages `sequence`'s lease holds beyond `held` into its rows; no upload.
-  void mapGrown(CoordinatorRequest::Sequence const& sequence, LanePages const& held) const;
+  void mapGrown(CoordinatorRequest::Sequence const& sequence, LaneCounts const& held) const;
   /// Binds a joiner's lease pages to row `slot` of every lane and settles them.
   void bindJoiner(CacheSlot slot, CacheRequestLease const& lease) const;
   /// Clears row `slot` of every lane; no upload.

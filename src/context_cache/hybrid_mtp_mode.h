@@ -21,7 +21,7 @@ class HybridMtpMode final : public CheckpointMode {
   void updateCommonLengths(CoordinatorRequest& req,
                            std::span<ContextCacheSequenceAdvance const> advances,
                            std::span<int32_t const> lengths) const override;
-  bool growLease(CacheRequestLease& lease, LanePages const& pages) const override;
+  bool growLease(CacheRequestLease& lease, LaneCounts const& pages) const override;
 
   /// An endpoint's snapshot slots (recurrent + partial pages + hidden row), releasing the
   /// restored ones' pins if the pool has none free; nullopt (counted, logged) if still none.

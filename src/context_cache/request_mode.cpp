@@ -74,20 +74,11 @@ void RequestMode::publishBlocks(CoordinatorRequest& req, std::size_t row, int32_
 namespace {
 
 RowLane baseLane(ContextCachePhysicalResources const& resources) {
-  return RowLane{resources.basePageTable,
-                 resources.basePool,
-                 &CacheRequestLease::basePages,
-                 &DecodingKvHeadroom::baseExtraTokens,
-                 0,
-                 "base"};
+  return RowLane{resources.basePageTable, resources.basePool, LanePages::kBase, 0, "base"};
 }
 
 RowLane draftLane(ContextCachePhysicalResources const& resources, int32_t restoreLag) {
-  return RowLane{resources.draftPageTable,
-                 resources.draftPool,
-                 &CacheRequestLease::draftPages,
-                 &DecodingKvHeadroom::draftExtraTokens,
-                 restoreLag,
+  return RowLane{resources.draftPageTable, resources.draftPool, LanePages::kDraft, restoreLag,
                  "draft"};
 }
 

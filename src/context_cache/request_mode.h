@@ -96,7 +96,7 @@ class RequestMode {
                                    std::span<ContextCacheSequenceAdvance const> /*advances*/,
                                    std::span<int32_t const> /*lengths*/) const {}
   /// prepareDecodeStep: grows `lease` by `pages` per lane; false when the pools cannot.
-  virtual bool growLease(CacheRequestLease& lease, LanePages const& pages) const = 0;
+  virtual bool growLease(CacheRequestLease& lease, LaneCounts const& pages) const = 0;
   /// Publishes what the rows `completed` committed. True when captures were staged that a
   /// synchronisation must make terminal before commitStaged publishes them.
   virtual bool stageCompleted(CoordinatorRequest& req,
