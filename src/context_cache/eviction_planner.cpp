@@ -47,6 +47,15 @@ class EvictionWalk {
     mTouched.clear();
   }
 
+  /// Whether every resource of `record` is pinned by a lease (a running sequence reads it):
+  /// evicting it could reclaim nothing in this walk and would only drop its index entries, which
+  /// the running sequences never publish again.
+  bool fullyLeased(CacheRecord const& record) const {
+    bool pinned = true;
+    record.forEachResource([&](ResourceId id) { pinned = pinned && mPools.activeRefs(id) > 0; });
+    return pinned;
+  }
+
   /// Appends `record` to the victims, counting each of its resources whose simulated cache count
   /// reaches zero while no lease pins it as reclaimed; true once the reclaimed cover the need.
   bool addVictim(CacheRecord const& record) {
@@ -131,7 +140,7 @@ EvictionPlan EvictionPlanner::plan(ResourceDemand const& demand, ResourcePools c
            protectedRecords.end();
   };
   if (records.forEachVictim([&](CacheRecord const& record) {
-        return !isProtected(record.id) && walk.addVictim(record);
+        return !isProtected(record.id) && !walk.fullyLeased(record) && walk.addVictim(record);
       })) {
     result.feasible = true;
     return result;

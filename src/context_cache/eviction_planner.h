@@ -24,8 +24,10 @@ struct EvictionPlan {
 
 /// Simulates evicting records in the store's victim order (RecordStore::forEachVictim: retention
 /// priority, then the eviction policy; protected records, e.g. the requests' own hits, are moved
-/// to the very end, in the order given) and returns the shortest victim prefix after which the free
-/// slots cover the whole demand in all four pools together. Per visited record it decrements a
+/// to the very end, in the order given), passing over records every resource of which a lease
+/// pins (evicting one would reclaim nothing and only drop blocks a running sequence reads), and
+/// returns the shortest victim prefix after which the free slots cover the whole demand in all
+/// four pools together. Per visited record it decrements a
 /// simulated cache count of each of its resources; a resource counts as reclaimed when that count
 /// reaches zero and no lease pins it (active == 0). Shared ancestors therefore free only once every
 /// record using them is a victim, and pinned resources never count.

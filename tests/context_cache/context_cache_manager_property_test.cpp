@@ -66,17 +66,22 @@ class NaiveModel {
     }
   }
   /// The manager evicted records on its own (capacity pressure): they must be an LRU prefix of
-  /// the model's order. Drops them from the model.
-  void syncEvictions(RecordStore const& records) {
+  /// the model's order, leaving out the records whose every page a lease pins (the walk passes
+  /// over those: evicting one would free nothing). Drops them from the model.
+  void syncEvictions(RecordStore const& records, ResourcePools const& pools) {
     bool survivorSeen = false;
     for (auto it = mLru.begin(); it != mLru.end();) {
-      if (records.get(it->id) == nullptr) {
+      CacheRecord const* survivor = records.get(it->id);
+      if (survivor == nullptr) {
         EXPECT_FALSE(survivorSeen) << "record " << it->id << " evicted out of LRU order";
         it = mLru.erase(it);
-      } else {
-        survivorSeen = true;
-        ++it;
+        continue;
       }
+      bool fullyPinned = true;
+      survivor->forEachResource(
+          [&](ResourceId id) { fullyPinned = fullyPinned && pools.activeRefs(id) > 0; });
+      survivorSeen = survivorSeen || !fullyPinned;
+      ++it;
     }
   }
   std::vector<RecordId> order() const {
@@ -126,6 +131,7 @@ TEST_P(ContextCacheManagerPropertyTest, RandomOperationsKeepInvariantsAndMatchTh
   // Prompts share prefixes heavily: one of a few "system prompts", then a tail over a tiny
   // alphabet; a fifth of them carry another salt.
   std::vector<std::vector<int32_t>> systems;
+  systems.reserve(4);
   for (int32_t s = 0; s < 4; ++s) {
     systems.push_back(test::tokenRun(uniform(0, 12), 1000 * (s + 1)));
   }
@@ -155,7 +161,7 @@ TEST_P(ContextCacheManagerPropertyTest, RandomOperationsKeepInvariantsAndMatchTh
           bypass ? ContextCacheLookupPolicy::kBypass : ContextCacheLookupPolicy::kUseCache;
       int32_t const expected = bypass ? 0 : model.matchedBlocks(prompt, salt);
       AdmissionResult result = manager.admit(request);
-      model.syncEvictions(manager.records());
+      model.syncEvictions(manager.records(), manager.pools());
       if (result.outcome == AdmissionOutcome::kAcquired) {
         auto const n = static_cast<int32_t>(prompt.size());
         int32_t const matched = expected * kPage;
@@ -181,7 +187,7 @@ TEST_P(ContextCacheManagerPropertyTest, RandomOperationsKeepInvariantsAndMatchTh
           seq.ledger.push_back(uniform(0, 2));
         }
       }
-      model.syncEvictions(manager.records());
+      model.syncEvictions(manager.records(), manager.pools());
     } else if (op <= 8) {
       // Publish a random ready prefix.
       LiveSequence& seq =
@@ -191,7 +197,8 @@ TEST_P(ContextCacheManagerPropertyTest, RandomOperationsKeepInvariantsAndMatchTh
       if (count == 0) {
         continue;
       }
-      std::vector<int32_t> const prefix(seq.ledger.begin(), seq.ledger.begin() + count * kPage);
+      std::vector<int32_t> const prefix(seq.ledger.begin(),
+                                        seq.ledger.begin() + std::ptrdiff_t{count} * kPage);
       PromptBlocks const blocks = hashPromptBlocks(viewOf(seq.ledger, {{}, seq.salt}), kPage);
       NaiveModel::Record* existing = model.find(prefix, seq.salt);
       PublishResult const result = manager.publish(seq.lease, blocks, resident);

@@ -100,14 +100,26 @@ TEST_P(EvictionPlannerTest, SharedAncestorRequiresMultipleVictims) {
 }
 
 TEST_P(EvictionPlannerTest, ActiveReferencePreventsReclaim) {
-  RecordId const a = addRecord({0});
+  addRecord({0});  // its only page is pinned below
   RecordId const b = addRecord({1});
   settle(/*pinned=*/{0});  // pages 2 and 3 are free
   EvictionPlan const plan = mPlanner.plan({3, 0, 0, 0}, mPools, mRecords);
   EXPECT_TRUE(plan.feasible);
-  EXPECT_EQ(plan.victims, (std::vector<RecordId>{a, b})) << "a frees nothing: its page is pinned";
+  EXPECT_EQ(plan.victims, (std::vector<RecordId>{b}))
+      << "a is passed over: its only page is pinned, evicting it would free nothing";
   EXPECT_EQ(plan.reclaimed.baseKvPages, 1);
   EXPECT_FALSE(mPlanner.plan({4, 0, 0, 0}, mPools, mRecords).feasible);
+}
+
+TEST_P(EvictionPlannerTest, ARecordWithOnePagePinnedIsStillAVictimForItsOtherPages) {
+  RecordId const a = addRecord({0, 1});
+  RecordId const b = addRecord({2});
+  settle(/*pinned=*/{0});  // page 3 is free
+  EvictionPlan const plan = mPlanner.plan({2, 0, 0, 0}, mPools, mRecords);
+  EXPECT_TRUE(plan.feasible);
+  EXPECT_EQ(plan.victims, (std::vector<RecordId>{a})) << "page 1 is a's own and unpinned";
+  EXPECT_EQ(plan.reclaimed.baseKvPages, 1);
+  EXPECT_EQ(mPlanner.plan({3, 0, 0, 0}, mPools, mRecords).victims, (std::vector<RecordId>{a, b}));
 }
 
 TEST_P(EvictionPlannerTest, InfeasiblePlanReturnsNoVictimsAndMutatesNothing) {
