@@ -349,7 +349,8 @@ std::string formatSummary(ReplayResult const& r) {
                      r.swaPeakPagesPerDecodingRow));
   } else {
     line("evicted records",
-         fmt::format("{}  (published {})", grouped(r.evictedRecords), grouped(r.publishedRecords)));
+         fmt::format("{}  (published {}; {} chunk records replaced)", grouped(r.evictedRecords),
+                     grouped(r.publishedRecords), grouped(r.replacedChunkRecords)));
     if (r.cacheResets > 0) {
       line("prefix cache resets", grouped(r.cacheResets));
     }
@@ -456,6 +457,7 @@ std::string formatJson(ReplayResult const& r) {
       {"decode_steps", r.decodeSteps},
       {"published_records", r.publishedRecords},
       {"evicted_records", r.evictedRecords},
+      {"replaced_chunk_records", r.replacedChunkRecords},
       {"cache_resets", r.cacheResets},
       {"misses_by_reason", misses},
       {"peak_pages_in_use", r.peakPagesInUse},

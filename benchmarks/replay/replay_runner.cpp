@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <deque>
 #include <limits>
 #include <memory>
@@ -33,7 +34,7 @@ constexpr int64_t kMaxHiddenWidth = 1 << 15;     // fp16 elements: the oracle's 
 
 int64_t ceilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-[[noreturn]] void configError(std::string message) { throw ReplayConfigError(std::move(message)); }
+[[noreturn]] void configError(std::string const& message) { throw ReplayConfigError(message); }
 
 void validateSpeculative(ReplayConfig const& c) {
   if (c.speculative == SpeculativeKind::kNone) {
@@ -303,14 +304,15 @@ int64_t mean(std::vector<int64_t> const& values) {
   for (int64_t v : values) {
     sum += static_cast<double>(v);
   }
-  return static_cast<int64_t>(sum / static_cast<double>(values.size()) + 0.5);
+  return std::llround(sum / static_cast<double>(values.size()));
 }
 
 int64_t percentile(std::vector<int64_t> values, double q) {
   if (values.empty()) {
     return 0;
   }
-  auto const rank = static_cast<std::size_t>(q * static_cast<double>(values.size() - 1) + 0.5);
+  auto const rank =
+      static_cast<std::size_t>(std::llround(q * static_cast<double>(values.size() - 1)));
   std::nth_element(values.begin(), values.begin() + static_cast<std::ptrdiff_t>(rank),
                    values.end());
   return values[rank];
@@ -821,7 +823,9 @@ class Runner {
         mJoinQueue.pop_back();
         mQueuedTags.pop_back();
       }
-      // Preempted sequences still waiting go first (--preemption).
+      // Preempted sequences still waiting go first (--preemption); std::views::reverse does not
+      // parse under clang-tidy 14 with libstdc++ 12.
+      // NOLINTNEXTLINE(modernize-loop-convert)
       for (auto it = outcome.preempted.rbegin(); it != outcome.preempted.rend(); ++it) {
         Pending pending;
         pending.index = static_cast<std::size_t>(it->tag);
@@ -899,7 +903,7 @@ class Runner {
       for (std::size_t step = f.start; step < f.start + f.count; ++step) {
         nanos += static_cast<double>(mStepNanos[step]) / static_cast<double>(active[step]);
       }
-      return static_cast<int64_t>(nanos + 0.5);
+      return std::llround(nanos);
     };
     for (Finished const& f : finished) {
       SequenceOutcome const& sequence = *f.sequence;
@@ -948,6 +952,8 @@ class Runner {
       mSource.finished(
           index, ok ? std::span<int32_t const>(sequence.generated) : std::span<int32_t const>());
     }
+    // In reverse (std::views::reverse does not parse under clang-tidy 14 with libstdc++ 12).
+    // NOLINTNEXTLINE(modernize-loop-convert)
     for (auto it = retries.rbegin(); it != retries.rend(); ++it) {
       mStaged.push_front(std::move(*it));
       --mHanded;
@@ -1007,6 +1013,7 @@ class Runner {
       summarizeHostTier(metrics, coordinator->counters());
       r.coordinatorCounters = coordinator->counters();
       r.publishedRecords = static_cast<int64_t>(metrics.publishedRecords);
+      r.replacedChunkRecords = static_cast<int64_t>(metrics.replacedChunkRecords);
       for (std::size_t i = 0; i < r.missesByReason.size(); ++i) {
         r.missesByReason[i] = static_cast<int64_t>(metrics.misses[i]);
       }

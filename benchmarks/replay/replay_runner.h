@@ -225,6 +225,7 @@ struct ReplayResult {
     int64_t transfers = 0;     ///< copy batches enqueued
   } hostTier;
   int64_t publishedRecords = 0;
+  int64_t replacedChunkRecords = 0;  ///< chunk records the next publication replaced
   std::array<int64_t, kMissReasonCount> missesByReason{};
   int64_t peakPagesInUse = 0;
   int64_t peakKvBytes = 0;  ///< each pool's peak pages x its bytes per page, summed

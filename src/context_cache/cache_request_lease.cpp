@@ -33,6 +33,7 @@ void CacheRequestLease::takeFrom(CacheRequestLease& other) noexcept {
   mReservations = std::exchange(other.mReservations, {});
   mRetention = std::exchange(other.mRetention, {});
   mEvictedPrefix = std::exchange(other.mEvictedPrefix, false);
+  mChunkRecord = std::exchange(other.mChunkRecord, kNoRecord);
   mHostPins = std::exchange(other.mHostPins, {});
 }
 
@@ -56,6 +57,7 @@ void CacheRequestLease::release() noexcept {
   mReservations = {};
   mRetention = {};
   mEvictedPrefix = false;
+  mChunkRecord = kNoRecord;
   mHostPins = {};
 }
 

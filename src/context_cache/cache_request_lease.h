@@ -99,6 +99,9 @@ class CacheRequestLease {
   std::vector<SnapshotReservation> mReservations;
   std::vector<RetentionRange> mRetention;  ///< the admitted request's, for its publications
   bool mEvictedPrefix = false;             ///< its lookup stopped at a recently evicted block
+  /// The block record this lease's last chunk publication inserted (Publication::kChunk), which
+  /// its next, longer publication replaces; kNoRecord when none is pending.
+  RecordId mChunkRecord = kNoRecord;
   /// Host tier pages of the plan pinned between the pins and the onboarding (inside one acquire).
   std::vector<PageId> mHostPins;
 };

@@ -117,6 +117,10 @@ struct PublishResult {
   int32_t publishedFullBlockCount = 0;
 };
 
+/// Whether a publication is a prefill chunk's, which the same sequence's next publication
+/// replaces (ContextCacheManager::publish), or one that lasts.
+enum class Publication : uint8_t { kLasting, kChunk };
+
 /// Owns the four typed pools, the block index, the record store, the eviction planner, metrics and
 /// the event queue. Requests hold CacheRequestLeases; published state lives in records.
 ///
@@ -204,8 +208,15 @@ class ContextCacheManager {
   /// whose digest is indexed with other content truncates the publication before it. When the
   /// record limit is exceeded the LRU record is evicted (maxRecords == 0: the new record itself).
   /// Any exception leaves the manager exactly as before (rollback of refs, index, record).
+  ///
+  /// Publication::kChunk: the blocks of a prefill chunk, which the sequence's next publication
+  /// extends; that publication replaces the chunk's record when it is a prefix of its own
+  /// (replaceChunkRecord), so chunking does not add records to the victim order.
   PublishResult publish(CacheRequestLease& lease, PromptBlocks const& blocks,
-                        int32_t residentStateLength);
+                        int32_t residentStateLength, Publication kind = Publication::kLasting);
+  /// The lease's pending chunk record stays as a record of its own (its prefill ended exactly
+  /// where its last chunk did, so no longer publication replaces it).
+  void settlePublications(CacheRequestLease& lease) noexcept;
   /// Publishes an exact checkpoint of a hybrid lease at `exactLength` (<= blocks' tokens): full
   /// blocks = exactLength / page, `reservation` (owned by the lease) must hold exactly a recurrent
   /// slot plus a partial slot iff attention and exactLength % page != 0. Duplicate -> touch.
@@ -348,6 +359,12 @@ class ContextCacheManager {
                      PromptBlocks const& blocks, int32_t count) const;
   PublishResult commitNewRecord(CacheRecord record, CacheRequestLease const& lease,
                                 PromptBlocks const& blocks, Projection const& projection);
+  /// After `lease` published the block record `latest`: drops the record of its pending chunk
+  /// publication when that one is a prefix of `latest` (its pages, and draft pages, the first of
+  /// latest's; the same retention), so a prompt prefilled in chunks leaves the records a prefill
+  /// in one step leaves. Not an eviction: nothing is freed or unindexed, and S3-FIFO's ghost does
+  /// not learn of it.
+  void replaceChunkRecord(CacheRequestLease& lease, RecordId latest) noexcept;
   /// publish's checks of the lease against the first `count` blocks.
   void checkPublication(char const* call, CacheRequestLease const& lease,
                         PromptBlocks const& blocks, int32_t count) const;

@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <unordered_map>
+#include <utility>
 
 #include "context_cache/context_cache_manager.h"
 #include "core/check.h"
@@ -221,7 +222,7 @@ PublishResult ContextCacheManager::publishExisting(CacheRequestLease const& leas
 }
 
 PublishResult ContextCacheManager::publish(CacheRequestLease& lease, PromptBlocks const& blocks,
-                                           int32_t residentStateLength) {
+                                           int32_t residentStateLength, Publication kind) {
   constexpr char const* kCall = "ContextCacheManager::publish";
   checkLease(kCall, lease);
   MKV_REQUIRE(lease.mode() == ReuseMode::kVanilla || lease.mode() == ReuseMode::kSpec, kCall,
@@ -245,7 +246,9 @@ PublishResult ContextCacheManager::publish(CacheRequestLease& lease, PromptBlock
   int32_t const published = projection.count;
   RecordKey const key{blocks.keys[static_cast<std::size_t>(published - 1)], published};
   if (CacheRecord const* existing = mRecords.find(key)) {
-    return publishExisting(lease, *existing, published);
+    PublishResult result = publishExisting(lease, *existing, published);
+    replaceChunkRecord(lease, existing->id);  // the cached record holds the chunk's pages too
+    return result;
   }
 
   CacheRecord record;
@@ -256,7 +259,47 @@ PublishResult ContextCacheManager::publish(CacheRequestLease& lease, PromptBlock
     record.specState = SpecState{firstOf(lease.draftPages(), published)};
   }
   applyRetention(record, lease, int64_t{published} * mPageSize - 1);
-  return commitNewRecord(std::move(record), lease, blocks, projection);
+  PublishResult result = commitNewRecord(std::move(record), lease, blocks, projection);
+  if (result.record != kNoRecord) {
+    replaceChunkRecord(lease, result.record);
+    lease.mChunkRecord = kind == Publication::kChunk ? result.record : kNoRecord;
+  }
+  return result;
+}
+
+void ContextCacheManager::settlePublications(CacheRequestLease& lease) noexcept {
+  lease.mChunkRecord = kNoRecord;
+}
+
+void ContextCacheManager::replaceChunkRecord(CacheRequestLease& lease, RecordId latest) noexcept {
+  RecordId const earlier = std::exchange(lease.mChunkRecord, kNoRecord);
+  CacheRecord const* const old = mRecords.get(earlier);
+  CacheRecord const* const now = mRecords.get(latest);
+  if (old == nullptr || now == nullptr || old->isHybrid() ||
+      old->key.fullBlockCount >= now->key.fullBlockCount ||
+      old->retentionPriority != now->retentionPriority ||
+      old->retentionExpiry != now->retentionExpiry ||
+      old->specState.has_value() != now->specState.has_value()) {
+    return;
+  }
+  auto const isPrefix = [](std::vector<PageId> const& head, std::vector<PageId> const& path) {
+    return head.size() <= path.size() && std::equal(head.begin(), head.end(), path.begin());
+  };
+  if (!isPrefix(old->basePagePath, now->basePagePath) ||
+      (old->specState && !isPrefix(old->specState->draftPagePath, now->specState->draftPagePath))) {
+    return;
+  }
+  // Every resource of the chunk's record is one of the latest's: dropping it frees nothing and
+  // leaves the index as it is (each page keeps the latest record's cache reference).
+  ++mStateVersion;
+  old->forEachResource([&](ResourceId resource) {
+    bool const freed = mPools.dropCache(resource);
+    MKV_ASSERT(!freed && mPools.cacheRefs(resource) > 0,
+               "replaced chunk record {} held {} {} alone", earlier, toString(resource.type),
+               resource.index);
+  });
+  mRecords.erase(earlier);
+  ++mMetrics.replacedChunkRecords;
 }
 
 int32_t ContextCacheManager::checkCheckpoint(char const* call, CacheRequestLease const& lease,

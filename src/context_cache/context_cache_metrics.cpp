@@ -64,6 +64,9 @@ void writeRecordCounters(detail::PrometheusWriter& w, ContextCacheMetrics const&
   w.counter("rejected_publications_total",
             "Publications refused because token verification rejected their first block.",
             m.rejectedPublications);
+  w.counter("replaced_chunk_records_total",
+            "Records of prefill chunks replaced by the same sequence's next publication.",
+            m.replacedChunkRecords);
   w.counter("evicted_records_total", "Records evicted (capacity pressure or record limit).",
             m.evictedRecords);
   w.counter("evicted_reuse_points_total",

@@ -96,7 +96,8 @@ ContextCacheStatus ContextCacheCoordinator::completePrefillChunk(RequestHandle& 
   }
   sequence.committed = prefilledTokens;
   ++mCounters.prefillChunks;
-  req.mode->publishBlocks(req, static_cast<std::size_t>(row), prefilledTokens);
+  req.mode->publishBlocks(req, static_cast<std::size_t>(row), prefilledTokens, nullptr,
+                          Publication::kChunk);
   return ContextCacheStatus::kOk;
 }
 

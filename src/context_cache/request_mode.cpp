@@ -34,7 +34,7 @@ void RequestMode::validateCommonLengths(char const* call, std::size_t batch,
 void RequestMode::bindPrefill(CoordinatorRequest& req) const { rows().bindPrefill(req); }
 
 void RequestMode::publishBlocks(CoordinatorRequest& req, std::size_t row, int32_t length,
-                                uint64_t* attempts) const {
+                                uint64_t* attempts, Publication kind) const {
   CoordinatorSequence& sequence = req.sequences[row];
   if (sequence.policy == ContextCacheLookupPolicy::kBypass) {
     return;
@@ -42,6 +42,9 @@ void RequestMode::publishBlocks(CoordinatorRequest& req, std::size_t row, int32_
   int32_t const pageSize = mParts.manager.pageSize();
   int32_t const blocks = length / pageSize;
   if (blocks <= sequence.publishedBlocks) {
+    if (kind == Publication::kLasting) {
+      mParts.manager.settlePublications(sequence.lease);
+    }
     return;
   }
   // A replayed spec hit publishes once its state covers the path it replayed into again.
@@ -59,7 +62,7 @@ void RequestMode::publishBlocks(CoordinatorRequest& req, std::size_t row, int32_
   // back) and a later completion point of the sequence may publish them.
   try {
     PromptBlocks const digests = hashPromptBlocks(prefix, pageSize);
-    PublishResult const published = mParts.manager.publish(sequence.lease, digests, length);
+    PublishResult const published = mParts.manager.publish(sequence.lease, digests, length, kind);
     sequence.publishedBlocks =
         std::max(sequence.publishedBlocks, published.publishedFullBlockCount);
     mParts.hostTier.move("ContextCacheCoordinator: publication");  // the record limit may evict

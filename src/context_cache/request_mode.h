@@ -106,9 +106,11 @@ class RequestMode {
 
   /// Publishes the full blocks of `row`'s first `length` tokens that are not published yet (block
   /// modes; an in-flight admission's chunk or finalisation); `attempts`, when given, counts each
-  /// publication attempted. Out of host memory the blocks stay unpublished (logged).
+  /// publication attempted. Out of host memory the blocks stay unpublished (logged). A chunk's
+  /// publication (Publication::kChunk) is replaced by the row's next one; a lasting one with no
+  /// new block keeps the pending chunk's record.
   void publishBlocks(CoordinatorRequest& req, std::size_t row, int32_t length,
-                     uint64_t* attempts = nullptr) const;
+                     uint64_t* attempts = nullptr, Publication kind = Publication::kLasting) const;
 
  protected:
   CoordinatorParts const& mParts;

@@ -89,10 +89,24 @@ bool ReferenceEngine::tryJoins(Run& run) {
     return true;
   }
   EngineRequest const& request = *run.request;
+  // Under a token budget, vLLM's scheduler serves the running rows first (a token per decode,
+  // then the ongoing prefills' chunks) and takes a waiting sequence only while the step's budget
+  // has tokens left for it: a joiner seated without any would hold its whole prompt's pages
+  // through steps that give it none.
+  auto const budgetLeft = [&] {
+    int64_t left = mOptions.maxBatchedTokens;
+    for (Row const& row : run.rows) {
+      if (row.reason == FinishReason::kNotFinished) {
+        left -=
+            row.prefilling ? static_cast<int64_t>(row.spec.prompt.size()) - row.materialized : 1;
+      }
+    }
+    return left;
+  };
   while (run.rows.size() < static_cast<std::size_t>(mRuntime.config().maxBatchSize)) {
     // Preempted sequences first, then the join queue.
     std::deque<EngineSequence>& queue = run.preempted.empty() ? *joinQueue : run.preempted;
-    if (queue.empty()) {
+    if (queue.empty() || (mOptions.maxBatchedTokens > 0 && budgetLeft() <= 0)) {
       return true;
     }
     EngineSequence const& spec = queue.front();

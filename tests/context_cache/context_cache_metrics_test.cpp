@@ -85,6 +85,7 @@ TEST(ContextCacheMetricsTest, PrometheusExpositionParsesAndCarriesEveryCounter) 
   m.queriedTokens = 2048;
   m.prefixCacheResets = 3;
   m.resetRecords = 11;
+  m.replacedChunkRecords = 5;
   m.offloadedPages = 12;
   m.onboardedBytes = 4096;
   m.hostTierHitTokens = 256;
@@ -109,6 +110,7 @@ TEST(ContextCacheMetricsTest, PrometheusExpositionParsesAndCarriesEveryCounter) 
   EXPECT_EQ(e.samples.at("managedkv_prefix_cache_hits_total"), 1024);
   EXPECT_EQ(e.samples.at("managedkv_prefix_cache_resets_total"), 3);
   EXPECT_EQ(e.samples.at("managedkv_reset_records_total"), 11);
+  EXPECT_EQ(e.samples.at("managedkv_replaced_chunk_records_total"), 5);
   EXPECT_EQ(e.samples.at("managedkv_host_tier_offloaded_pages_total"), 12);
   EXPECT_EQ(e.samples.at("managedkv_host_tier_onboarded_bytes_total"), 4096);
   EXPECT_EQ(e.samples.at("managedkv_host_tier_hit_tokens_total"), 256);
@@ -128,16 +130,16 @@ TEST(ContextCacheMetricsTest, PrometheusExpositionParsesAndCarriesEveryCounter) 
     bool const total = name.size() > 6 && name.compare(name.size() - 6, 6, "_total") == 0;
     EXPECT_EQ(family.type == "counter", total) << name << ": counters and only they end in _total";
   }
-  // Every counter of the struct appears: 21 scalar counters (windowLimitedTokens and
-  // evictedReusePoints among them) + misses + reclaimed, vLLM's token-counted pair (queriedTokens,
-  // reusedTokens) under vLLM's names, and the host tier's 8.
+  // Every counter of the struct appears: 22 scalar counters (windowLimitedTokens,
+  // evictedReusePoints and replacedChunkRecords among them) + misses + reclaimed, vLLM's
+  // token-counted pair (queriedTokens, reusedTokens) under vLLM's names, and the host tier's 8.
   std::set<std::string> counters;
   for (auto const& [name, family] : e.families) {
     if (family.type == "counter") {
       counters.insert(name);
     }
   }
-  EXPECT_EQ(counters.size(), 32U);
+  EXPECT_EQ(counters.size(), 33U);
 }
 
 TEST(ContextCacheMetricsTest, PrefixCacheQueriesAndHitsAreCountedInTokens) {

@@ -44,6 +44,9 @@ struct ContextCacheMetrics {
   uint64_t existingRecordsTouched = 0;  ///< duplicate publications (first producer kept)
   uint64_t specUpgrades = 0;            ///< spec state attached to an existing base-only record
   uint64_t rejectedPublications = 0;    ///< verification refused the very first block
+  /// Records of prefill chunks the same sequence's next, longer publication replaced (each held
+  /// no resource the longer one does not; not evictions).
+  uint64_t replacedChunkRecords = 0;
 
   // Eviction and verification.
   uint64_t evictedRecords = 0;

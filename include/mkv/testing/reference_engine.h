@@ -100,7 +100,9 @@ struct ReferenceEngineOptions {
   /// whole prompt in the step it joins. N > 0: a per-step token budget spent as vLLM's scheduler
   /// spends it: one token per decoding row first, then the rest on prefill chunks of the joiners
   /// still prefilling, in join order (at least one token when the decodes use up the budget, so
-  /// no joiner waits for ever). A joiner holds in the decode steps of its chunks; the library
+  /// no joiner waits for ever); a waiting sequence joins only while the step's budget has tokens
+  /// left after the running rows' (so none holds its prompt's pages through steps that give it
+  /// none). A joiner holds in the decode steps of its chunks; the library
   /// publishes its full blocks after each (completePrefillChunk), and after its last chunk it
   /// samples its lookahead token and is finalised.
   int32_t maxBatchedTokens = 0;
