@@ -356,9 +356,20 @@ void bindTensor(py::module_& module) {
       .def(
           "__dlpack__",
           [](py::object const& self, py::object const& /*stream*/, py::object const& /*maxVersion*/,
-             py::object const& /*dlDevice*/, py::object const& copy) {
+             py::object const& dlDevice, py::object const& copy) {
             if (!copy.is_none() && copy.cast<bool>()) {
               throw Error("Tensor.__dlpack__", "copy=True: the library only shares its memory");
+            }
+            if (!dlDevice.is_none()) {
+              auto const [type, id] = dlDeviceOf(self.cast<Tensor const&>());
+              auto const wanted = dlDevice.cast<std::pair<int32_t, int32_t>>();
+              if (wanted.first != type || wanted.second != id) {
+                throw Error("Tensor.__dlpack__",
+                            "dl_device (" + std::to_string(wanted.first) + ", " +
+                                std::to_string(wanted.second) + ") is not the tensor's (" +
+                                std::to_string(type) + ", " + std::to_string(id) +
+                                "): the library does not copy across devices");
+              }
             }
             return exportDlpack(self);
           },

@@ -121,6 +121,13 @@ class ZeroCopyTest(unittest.TestCase):
             capsule = runtime.fullPool().layer(0).to_dlpack()
             return torch.utils.dlpack.from_dlpack(capsule), capsule
 
+        layer = make_runtime().fullPool().layer(0)
+        self.assertEqual(torch.from_dlpack(layer.__dlpack__(dl_device=(1, 0))).data_ptr(), layer.data_ptr)
+        with self.assertRaises(mkv.Error):
+            layer.__dlpack__(dl_device=(2, 0))
+        with self.assertRaises(mkv.Error):
+            layer.__dlpack__(copy=True)
+
         kv, capsule = layer_tensor()
         gc.collect()  # the runtime is referenced only through the exported tensor now
         kv.fill_(1.0)
