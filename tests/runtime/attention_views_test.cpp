@@ -12,6 +12,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <optional>
 #include <span>
 #include <string>
@@ -50,7 +51,7 @@ template <typename Key, typename Value>
 std::vector<double> attend(std::vector<int32_t> const& tokens, int32_t position, int32_t head,
                            int32_t keyCount, Key const& key, Value const& value) {
   std::vector<double> scores(static_cast<std::size_t>(keyCount));
-  double best = -INFINITY;
+  double best = -std::numeric_limits<double>::infinity();
   for (int32_t j = 0; j < keyCount; ++j) {
     double dot = 0;
     for (int32_t d = 0; d < kHeadDim; ++d) {
@@ -160,13 +161,17 @@ class ViewsRig {
       for (int32_t h = 0; h < kHeads; ++h) {
         std::vector<double> const dense = attend(
             tokens, position, h, position + 1,
-            [&](int32_t j, int32_t d) { return double{modelValue(tokens, j, 0, h, d)}; },
-            [&](int32_t j, int32_t d) { return double{modelValue(tokens, j, 1, h, d)}; });
+            [&](int32_t j, int32_t d) {
+              return static_cast<double>(modelValue(tokens, j, 0, h, d));
+            },
+            [&](int32_t j, int32_t d) {
+              return static_cast<double>(modelValue(tokens, j, 1, h, d));
+            });
         auto faSlot = [&](int32_t j) { return int64_t{table[j / kPage]} * kPage + j % kPage; };
         std::vector<double> const flash = attend(
             tokens, position, h, position + 1,
-            [&](int32_t j, int32_t d) { return double{poolAt(0, faSlot(j), h, d)}; },
-            [&](int32_t j, int32_t d) { return double{poolAt(1, faSlot(j), h, d)}; });
+            [&](int32_t j, int32_t d) { return static_cast<double>(poolAt(0, faSlot(j), h, d)); },
+            [&](int32_t j, int32_t d) { return static_cast<double>(poolAt(1, faSlot(j), h, d)); });
         // FlashInfer: query t of q_len `fresh` sits at kv_len - q_len + t.
         int32_t const csrPosition = csrLength - fresh + t;
         auto csrSlot = [&](int32_t j) {
@@ -174,8 +179,8 @@ class ViewsRig {
         };
         std::vector<double> const infer = attend(
             tokens, csrPosition, h, csrPosition + 1,
-            [&](int32_t j, int32_t d) { return double{poolAt(0, csrSlot(j), h, d)}; },
-            [&](int32_t j, int32_t d) { return double{poolAt(1, csrSlot(j), h, d)}; });
+            [&](int32_t j, int32_t d) { return static_cast<double>(poolAt(0, csrSlot(j), h, d)); },
+            [&](int32_t j, int32_t d) { return static_cast<double>(poolAt(1, csrSlot(j), h, d)); });
         for (std::size_t d = 0; d < dense.size(); ++d) {
           ASSERT_EQ(flash[d], dense[d]) << "block_table, position " << position << " head " << h;
           ASSERT_EQ(infer[d], dense[d]) << "CSR, position " << position << " head " << h;
@@ -193,6 +198,7 @@ class ViewsRig {
 
 std::vector<int32_t> tokenRun(int32_t first, int32_t count) {
   std::vector<int32_t> tokens;
+  tokens.reserve(static_cast<std::size_t>(count));
   for (int32_t i = 0; i < count; ++i) {
     tokens.push_back((first + i * 7) % 97);
   }
