@@ -16,7 +16,7 @@ if [[ -z $formatter ]]; then
   echo "check_format.sh: clang-format-14 not found (scripts/install-deps.sh installs it)" >&2
   exit 2
 fi
-mapfile -t files < <(find src include kernels tests benchmarks examples -type f \
+mapfile -t files < <(find src include kernels tests benchmarks examples python -type f \
   \( -name '*.h' -o -name '*.hpp' -o -name '*.cpp' -o -name '*.cu' -o -name '*.cuh' \) \
   2>/dev/null | sort)
 if ((${#files[@]} == 0)); then

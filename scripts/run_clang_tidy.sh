@@ -2,8 +2,8 @@
 # Runs clang-tidy (Debian's clang-tidy-14, the checks of .clang-tidy, every one an error) over the
 # host C++ sources of a configured build, from its compile_commands.json; exit status 1 on any
 # finding. The sources:
-#   * every .cpp of src/ and kernels/ the build compiles: the library and its test engine (their
-#     headers, include/ src/ kernels/, are checked through them);
+#   * every .cpp of src/, kernels/ and python/ the build compiles: the library, its test engine
+#     and the Python bindings (their headers, include/ src/ kernels/, are checked through them);
 #   * the .cpp files of tests/ and benchmarks/ changed since BASE (committed or not): unless --base
 #     names one, BASE is the commit that brought clang-tidy to main (tests_base below), so a test
 #     or benchmark file touched since lint came in stays clean from then on;
@@ -82,7 +82,7 @@ if ! git rev-parse --is-inside-work-tree >/dev/null 2>&1; then
   echo "run_clang_tidy.sh: not a git checkout; src/ and kernels/ only" >&2
   mapfile -t files < <(find src kernels -name '*.cpp' | sort)
 elif ((all)); then
-  mapfile -t files < <(git ls-files 'src/*.cpp' 'kernels/*.cpp' 'tests/*.cpp' 'benchmarks/*.cpp')
+  mapfile -t files < <(git ls-files 'src/*.cpp' 'kernels/*.cpp' 'python/*.cpp' 'tests/*.cpp' 'benchmarks/*.cpp')
 else
   if [[ -z $base ]]; then
     base=$tests_base
@@ -91,7 +91,7 @@ else
     echo "run_clang_tidy.sh: a shallow clone; tests changed since ${base:0:12} may be missed" >&2
   fi
   mapfile -t files < <(
-    git ls-files 'src/*.cpp' 'kernels/*.cpp'
+    git ls-files 'src/*.cpp' 'kernels/*.cpp' 'python/*.cpp'
     { git diff --name-only --diff-filter=d "$base" -- 'tests/*.cpp' 'benchmarks/*.cpp'
       git ls-files --others --exclude-standard -- 'tests/*.cpp' 'benchmarks/*.cpp'; } | sort -u)
 fi

@@ -1,4 +1,5 @@
 list(APPEND MKV_LIBRARY_SOURCES
+  ${CMAKE_CURRENT_LIST_DIR}/attention_views.cpp
   ${CMAKE_CURRENT_LIST_DIR}/backend_requests.cpp
   ${CMAKE_CURRENT_LIST_DIR}/device_write_queue.cpp
   ${CMAKE_CURRENT_LIST_DIR}/host_kv_tier.cpp

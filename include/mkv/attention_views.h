@@ -1,0 +1,100 @@
+#pragma once
+/// \file attention_views.h
+/// Kernel-ready views of one engine step: what FlashAttention and vLLM (`block_table`,
+/// `seq_lens`, `slot_mapping`) and FlashInfer (the paged CSR triple) take, built from the page
+/// table's rows in execution order, with no -1 entry a kernel could read (docs/python.md,
+/// "Kernel-ready views").
+
+#include <cstdint>
+#include <span>
+
+#include "mkv/tensor.h"
+#include "mkv/types.h"
+
+namespace mkv {
+
+class KVPageTable;
+
+/// The views of one step, rebuilt by each build() into buffers allocated once at construction
+/// (host tensors, int32 but for the int64 slot mapping). Every view is in execution order: row i
+/// is residentSlots[i] of the last build. With P = tokensPerPage, before_i = seqLens[i],
+/// after_i = before_i + newTokens[i] and pages_i = ceil(after_i / P):
+///
+/// | view | shape | contents |
+/// | --- | --- | --- |
+/// | blockTable | [n, maxPagesPerRow] | K page id of logical page j for j < pages_i, nullPage after
+/// | | seqLensBefore | [n] | before_i: tokens with KV before the step (FA's `cache_seqlens`) | |
+/// seqLensAfter | [n] | after_i (vLLM's and FA varlen's `seq_lens`, FlashInfer's lengths) | |
+/// queryStartLoc | [n + 1] | prefix sums of newTokens (`cu_seqlens_q`, FlashInfer's `qo_indptr`)|
+/// | kvIndptr | [n + 1] | prefix sums of pages_i (FlashInfer's `paged_kv_indptr`) |
+/// | kvIndices | [kvIndptr[n]] | each row's first pages_i entries of blockTable, rows in order |
+/// | kvLastPageLen | [n] | after_i - (pages_i - 1) * P, in [1, P]; 0 for an empty row |
+/// | slotMapping | [sum newTokens] int64 | per new token (rows in order, positions ascending) at |
+/// |  |  | position p of row i: blockTable[i][p / P] * P + p % P (vLLM's `slot_mapping`) |
+///
+/// An entry of the table that holds no page (-1: before a sliding window, in a sparse-window
+/// table) becomes nullPage in every view, so a kernel may read any entry; nullPage must be a
+/// valid page of the pool (the engine's choice: it is only read, under a length mask). The pages
+/// the step writes must be live, and on a dense table every page below after_i: build() throws
+/// otherwise. V pages have the K page's id in the pool's V half (`layer(l)` viewed as K and V
+/// caches of `[numPages, P, heads, headDim]` each).
+///
+/// build() is the host twin and reads the table's host rows (current when each lifecycle call
+/// returns). A device twin filling device buffers in one launch from the device mirror
+/// (KVPageTable::deviceTable()) and device lengths is planned with the same outputs.
+/// Thread-safety: one writer (the engine thread).
+class AttentionViews {
+ public:
+  /// Views over `table` (kept by reference: it must outlive this object) for pages of
+  /// `tokensPerPage` tokens, steps of at most `maxRows` rows and `maxNewTokens` new tokens over
+  /// all rows; rows are maxPagesPerRow = table.maxPagesPerSeq() wide. Throws mkv::Error naming
+  /// "AttentionViews" for tokensPerPage, maxRows or maxNewTokens outside [1, 2^30] (maxRows at
+  /// most table.maxBatch()).
+  AttentionViews(KVPageTable const& table, int32_t tokensPerPage, int32_t maxRows,
+                 int32_t maxNewTokens);
+
+  /// Builds every view for the rows `residentSlots` (execution order), whose KV lengths before
+  /// the step are `seqLens` and which append `newTokens` tokens each (0: a held row). Validates
+  /// everything first and changes nothing when it throws mkv::Error naming "AttentionViews::build"
+  /// and the offending value: sizes that disagree or exceed maxRows, a slot out of range or
+  /// repeated, a negative length, after_i beyond maxPagesPerRow * P, more than maxNewTokens new
+  /// tokens, nullPage outside [0, numPages), or a needed page that is empty.
+  void build(std::span<CacheSlot const> residentSlots, std::span<int32_t const> seqLens,
+             std::span<int32_t const> newTokens, PageId nullPage = 0);
+
+  int32_t rows() const noexcept { return mRows; }                    ///< n of the last build
+  int32_t newTokenCount() const noexcept { return mNewTokenCount; }  ///< sum of newTokens
+  int32_t maxPagesPerRow() const noexcept { return mMaxPagesPerRow; }
+  int32_t tokensPerPage() const noexcept { return mTokensPerPage; }
+
+  Tensor const& blockTable() const noexcept { return mBlockTable; }
+  Tensor const& seqLensBefore() const noexcept { return mSeqLensBefore; }
+  Tensor const& seqLensAfter() const noexcept { return mSeqLensAfter; }
+  Tensor const& queryStartLoc() const noexcept { return mQueryStartLoc; }
+  Tensor const& kvIndptr() const noexcept { return mKvIndptr; }
+  Tensor const& kvIndices() const noexcept { return mKvIndices; }
+  Tensor const& kvLastPageLen() const noexcept { return mKvLastPageLen; }
+  Tensor const& slotMapping() const noexcept { return mSlotMapping; }
+
+ private:
+  void validate(std::span<CacheSlot const> residentSlots, std::span<int32_t const> seqLens,
+                std::span<int32_t const> newTokens, PageId nullPage) const;
+
+  KVPageTable const& mTable;
+  int32_t mTokensPerPage;
+  int32_t mMaxRows;
+  int32_t mMaxNewTokens;
+  int32_t mMaxPagesPerRow;
+  int32_t mRows = 0;
+  int32_t mNewTokenCount = 0;
+  Tensor mBlockTable;
+  Tensor mSeqLensBefore;
+  Tensor mSeqLensAfter;
+  Tensor mQueryStartLoc;
+  Tensor mKvIndptr;
+  Tensor mKvIndices;
+  Tensor mKvLastPageLen;
+  Tensor mSlotMapping;
+};
+
+}  // namespace mkv

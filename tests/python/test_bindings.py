@@ -1,0 +1,265 @@
+"""The managedkv Python module's contract (docs/python.md): library tensors and torch tensors share
+memory both ways without copies (DLPack), library errors arrive as managedkv.Error with the
+library's message, call and detail, the seed facade runs a request, and AttentionViews gives the
+same views as the C++ tests check. Run by ctest (mkv_python.bindings) with PYTHONPATH at the
+build's python/ folder."""
+
+import gc
+import unittest
+
+import numpy
+import torch
+
+import managedkv as mkv
+
+PAGE = 16
+
+
+def make_runtime(num_pages=32, max_batch=4, reuse=True):
+    config = mkv.KVCacheRuntimeConfig()
+    config.model.numFullAttentionLayers = 2
+    config.model.numKVHeads = 2
+    config.model.headDim = 8
+    config.model.kvDataType = mkv.DataType.kFloat32
+    config.maxBatchSize = max_batch
+    config.maxSequenceLength = 256
+    config.tokensPerPage = PAGE
+    config.numPages = num_pages
+    config.contextReuse = reuse
+    config.deviceType = mkv.DeviceType.kCPU
+    return mkv.KVCacheRuntime.create(config)
+
+
+def begin(runtime, prompts):
+    context = mkv.DecodingInferenceContext()
+    for prompt in prompts:
+        context.appendRow(prompt, runtime.residentSlots().acquire())
+    request = mkv.LLMGenerationRequest(len(prompts))
+    managed = mkv.ManagedKVCacheRequest.begin(runtime.contextCache(), runtime.swaPageManager(), request, context)
+    return managed, context
+
+
+class ConfigTest(unittest.TestCase):
+    def test_the_config_reaches_the_runtime(self):
+        runtime = make_runtime(num_pages=24)
+        config = runtime.config()
+        self.assertEqual(config.model.numFullAttentionLayers, 2)
+        self.assertEqual(config.model.headDim, 8)
+        self.assertEqual(config.numPages, 24)
+        self.assertEqual(config.tokensPerPage, PAGE)
+        self.assertEqual(runtime.backend, mkv.KVCacheBackend.kContextReuse)
+        self.assertEqual(runtime.maxPagesPerSequence(), 256 // PAGE)
+        self.assertEqual(runtime.fullPool().numPages, 24)
+        self.assertEqual(runtime.capacity().base.totalPages, 24)
+        self.assertEqual(runtime.kvBytes(), 2 * 2 * 24 * PAGE * 2 * 8 * 4)
+        config.contextReuse = False
+        self.assertEqual(mkv.KVCacheRuntime.create(config).backend, mkv.KVCacheBackend.kFullStorage)
+
+
+class ZeroCopyTest(unittest.TestCase):
+    def test_a_pool_layer_is_the_librarys_memory_both_ways(self):
+        runtime = make_runtime()
+        pool = runtime.fullPool()
+        layer = pool.layer(1)
+        self.assertEqual(layer.shape, (2, 32, PAGE, 2, 8))
+        self.assertEqual(layer.dtype, mkv.DataType.kFloat32)
+        self.assertEqual(layer.__dlpack_device__(), (1, 0))
+        kv = torch.from_dlpack(layer)
+        self.assertEqual(tuple(kv.shape), (2, 32, PAGE, 2, 8))
+        self.assertEqual(kv.data_ptr(), layer.data_ptr)
+        # torch writes, the library's pointer reads (Tensor.tolist reads through mkv::Tensor).
+        kv[1, 3, 5, 1, 7] = 2.5
+        flat = layer.tolist()
+        index = ((((1 * 32 + 3) * PAGE + 5) * 2 + 1) * 8) + 7
+        self.assertEqual(flat[index], 2.5)
+        self.assertEqual(sum(1 for x in flat if x != 0.0), 1)
+        # The library writes (a host-tier-free copy: its KV lengths), torch's earlier view sees it.
+        lengths_before = torch.from_dlpack(pool.kvLengths())
+        self.assertEqual(lengths_before.numel(), 0)
+
+    def test_library_writes_show_in_torch_views_made_before_them(self):
+        runtime = make_runtime()
+        table = runtime.fullPageTable()
+        device_table = torch.from_dlpack(table.deviceTable())  # [maxBatch, 2, maxPages]
+        self.assertTrue(bool((device_table == -1).all()))
+        managed, context = begin(runtime, [list(range(1, 40)), list(range(50, 70))])
+        self.assertTrue(managed.preparePrefill())
+        slot = context.residentRefs[0].slot
+        row = table.hostRow(slot)
+        self.assertEqual(device_table[slot].reshape(-1).tolist(), row)
+        self.assertEqual(table.liveEntryCount(slot), 3)  # 39 tokens + 1 headroom
+        k_ids = device_table[slot, 0, :3].tolist()
+        self.assertEqual(device_table[slot, 1, :3].tolist(), [k + 32 for k in k_ids])  # V = K + numPages
+        pool = runtime.fullPool()
+        lengths = pool.kvLengths()
+        pool.writeLengths(0, [39, 20])
+        self.assertEqual(torch.from_dlpack(lengths).tolist(), [39, 20])
+        self.assertTrue(managed.finish())
+
+    def test_torch_and_numpy_tensors_go_in_without_copies(self):
+        runtime = make_runtime()
+        managed, context = begin(runtime, [list(range(1, 40)), list(range(50, 70))])
+        self.assertTrue(managed.preparePrefill())
+        table = runtime.fullPageTable()
+        slots = torch.tensor([r.slot for r in reversed(context.residentRefs)], dtype=torch.int32)
+        dst = torch.full((4, 2, table.maxPagesPerSeq), 7, dtype=torch.int32)
+        table.gatherRows(dst, slots)  # the library writes into torch's memory
+        self.assertEqual(dst[0].reshape(-1).tolist(), table.hostRow(int(slots[0])))
+        self.assertEqual(dst[1].reshape(-1).tolist(), table.hostRow(int(slots[1])))
+        self.assertEqual(dst[2].unique().tolist(), [7])  # rows past n untouched
+        array = numpy.arange(12, dtype=numpy.int32).reshape(3, 4)
+        view = mkv.Tensor.from_dlpack(array)
+        self.assertEqual(view.shape, (3, 4))
+        self.assertEqual(view.data_ptr, array.ctypes.data)
+        array[2, 3] = 99
+        self.assertEqual(view.tolist()[-1], 99)
+        self.assertTrue(managed.finish())
+
+    def test_a_capsule_is_consumed_once_and_keeps_its_memory_alive(self):
+        def layer_tensor():
+            runtime = make_runtime()
+            capsule = runtime.fullPool().layer(0).to_dlpack()
+            return torch.utils.dlpack.from_dlpack(capsule), capsule
+
+        layer = make_runtime().fullPool().layer(0)
+        self.assertEqual(torch.from_dlpack(layer.__dlpack__(dl_device=(1, 0))).data_ptr(), layer.data_ptr)
+        with self.assertRaises(mkv.Error):
+            layer.__dlpack__(dl_device=(2, 0))
+        with self.assertRaises(mkv.Error):
+            layer.__dlpack__(copy=True)
+
+        kv, capsule = layer_tensor()
+        gc.collect()  # the runtime is referenced only through the exported tensor now
+        kv.fill_(1.0)
+        self.assertEqual(float(kv.sum()), kv.numel())
+        with self.assertRaises(Exception):
+            torch.utils.dlpack.from_dlpack(capsule)  # already consumed
+
+    def test_tensors_the_library_cannot_view_are_refused(self):
+        runtime = make_runtime()
+        dst = torch.zeros(4, 2, 32, dtype=torch.int32)
+        with self.assertRaises(mkv.Error) as caught:
+            runtime.fullPageTable().gatherRows(dst.transpose(0, 2), torch.zeros(1, dtype=torch.int32))
+        self.assertIn("not dense row-major", caught.exception.detail)
+        with self.assertRaises(mkv.Error):
+            mkv.Tensor.from_dlpack(torch.zeros(3, dtype=torch.complex64))
+        with self.assertRaises(mkv.Error):
+            mkv.Tensor.from_dlpack([1, 2, 3])
+
+
+class ErrorTest(unittest.TestCase):
+    def test_library_errors_carry_message_call_and_detail(self):
+        runtime = make_runtime()
+        with self.assertRaises(mkv.Error) as caught:
+            runtime.fullPool().writeLengths(3, [1])
+        error = caught.exception
+        self.assertIsInstance(error, RuntimeError)
+        self.assertTrue(error.call)
+        self.assertTrue(error.detail)
+        self.assertEqual(str(error), f"{error.call}: {error.detail}")
+        config = mkv.KVCacheRuntimeConfig()
+        config.model.numFullAttentionLayers = 1
+        config.maxSequenceLength = 64
+        config.tokensPerPage = 15
+        config.deviceType = mkv.DeviceType.kCPU
+        with self.assertRaises(mkv.Error) as caught:
+            mkv.KVCacheRuntime.create(config)
+        self.assertIn("tokensPerPage", str(caught.exception))
+
+    def test_facade_contract_errors_name_the_facade_call(self):
+        runtime = make_runtime()
+        managed, context = begin(runtime, [list(range(1, 40))])
+        with self.assertRaises(mkv.Error) as caught:
+            managed.completePrefill(context)  # before preparePrefill
+        self.assertIn("completePrefill", caught.exception.call)
+        self.assertTrue(managed.finish())
+
+
+class FacadeTest(unittest.TestCase):
+    def test_a_request_reuses_what_the_previous_one_published_and_joins_in_flight(self):
+        runtime = make_runtime()
+        prefix = list(range(1, 33))
+        pool = runtime.fullPool()
+        managed, context = begin(runtime, [prefix + [40, 41, 42]])
+        self.assertEqual(managed.prefillStarts(), [0])
+        self.assertTrue(managed.preparePrefill())
+        pool.writeLengths(0, [35])
+        context.appendToken(0, 7)
+        self.assertTrue(managed.completePrefill(context))
+        self.assertTrue(managed.prepareDecodeStep(context))
+        pool.writeLengths(0, [36])
+        context.appendToken(0, 8)
+        self.assertTrue(managed.completeDecodeStep(context))
+        self.assertEqual(context.tokens(0), prefix + [40, 41, 42, 7, 8])
+        # A joiner sharing the two published pages.
+        resident = runtime.residentSlots().acquire()
+        status, start = managed.admitSequence(prefix + [50, 51], "", mkv.DecodingKvHeadroom(1, 0), resident)
+        self.assertEqual(status, mkv.AdmitSequenceStatus.kAdmitted)
+        self.assertEqual(start, 32)
+        pool.setActiveBatchSize(2)
+        pool.writeLengths(1, [34])
+        context.appendRow(prefix + [50, 51], resident, 2)
+        context.appendToken(1, 9)
+        self.assertTrue(managed.finalizeSequenceAdmission(1, 9, 34))
+        self.assertFalse(managed.retractSequenceAdmission())
+        # Row 0 finishes and is compacted away; the mapping goes in as a torch tensor.
+        self.assertTrue(managed.prepareDecodeStep(context))
+        pool.writeLengths(0, [37, 35])
+        context.appendToken(0, 10)
+        context.appendToken(1, 11)
+        context.setFinishReason(0, mkv.FinishReason.kLength)
+        self.assertTrue(managed.completeDecodeStep(context))
+        mapping = torch.full((4,), -5, dtype=torch.int32)
+        self.assertTrue(managed.beginBatchCompaction([-1, 0], 1, mapping))
+        self.assertEqual(mapping[:2].tolist(), [-1, 0])
+        self.assertTrue(managed.completeBatchCompaction([-1, 0]))
+        self.assertEqual(torch.from_dlpack(pool.kvLengths()).tolist(), [35])
+        runtime.residentSlots().release(context.residentRefs[0])
+        context.compact([-1, 0])
+        self.assertEqual(context.activeBatchSize, 1)
+        self.assertEqual(context.tokens(0), prefix + [50, 51, 9, 11])
+        self.assertEqual(managed.lastFailure().reason, mkv.RowFailureReason.kNone)
+        self.assertTrue(managed.finish())
+        metrics = runtime.contextCache().metrics()
+        self.assertEqual(metrics.reusedTokens, 32)
+        self.assertEqual(runtime.contextCache().counters().liveAdmissions, 1)
+        self.assertIn("evicted", metrics.misses)
+        estimate = runtime.estimateAdmission(prefix + [60])
+        self.assertEqual(estimate.reusableTokens, 32)
+
+
+class ViewsTest(unittest.TestCase):
+    def test_views_of_a_prepared_request(self):
+        runtime = make_runtime()
+        managed, context = begin(runtime, [list(range(1, 31)), list(range(40, 73))])
+        self.assertTrue(managed.preparePrefill())
+        table = runtime.fullPageTable()
+        views = mkv.AttentionViews(table, PAGE, 4, 128)
+        slots = [r.slot for r in context.residentRefs]
+        views.build(slots, [0, 0], [30, 33], nullPage=31)
+        self.assertEqual(views.rows, 2)
+        self.assertEqual(views.newTokenCount, 63)
+        block_table = torch.from_dlpack(views.blockTable())
+        self.assertEqual(tuple(block_table.shape), (2, 16))
+        k0 = [table.entry(slots[0], j) for j in range(2)]
+        k1 = [table.entry(slots[1], j) for j in range(3)]
+        self.assertEqual(block_table[0].tolist(), k0 + [31] * 14)
+        self.assertEqual(block_table[1].tolist(), k1 + [31] * 13)
+        self.assertEqual(torch.from_dlpack(views.seqLensAfter()).tolist(), [30, 33])
+        self.assertEqual(torch.from_dlpack(views.queryStartLoc()).tolist(), [0, 30, 63])
+        self.assertEqual(torch.from_dlpack(views.kvIndptr()).tolist(), [0, 2, 5])
+        self.assertEqual(torch.from_dlpack(views.kvIndices()).tolist(), k0 + k1)
+        self.assertEqual(torch.from_dlpack(views.kvLastPageLen()).tolist(), [14, 1])
+        slot_mapping = torch.from_dlpack(views.slotMapping())
+        self.assertEqual(slot_mapping.dtype, torch.int64)
+        self.assertEqual(slot_mapping[31].item(), k1[0] * PAGE + 1)
+        with self.assertRaises(mkv.Error) as caught:
+            views.build(slots, [0, 40], [30, 1])  # row 1 holds 3 pages, 41 tokens need 3: fine
+            views.build(slots, [0, 60], [30, 1])  # 61 tokens need 4 pages
+        self.assertEqual(caught.exception.call, "AttentionViews::build")
+        self.assertIn("logical page 3 is empty", caught.exception.detail)
+        self.assertTrue(managed.finish())
+
+
+if __name__ == "__main__":
+    unittest.main()
