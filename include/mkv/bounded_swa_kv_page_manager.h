@@ -386,8 +386,6 @@ class BoundedSwaKVPageManager {
   SwaSequenceState const& state(RequestHandle const& handle, int32_t row) const;
 
  private:
-  enum class Phase : uint8_t { kAdmitted, kExecuting, kFinishing };
-  enum class Pending : uint8_t;
   Request& request(RequestHandle const& handle, char const* call) const;
   // Admission, in the order beginRequest calls them: the checks that throw, the poisoned
   // outcome (false) and the busy check, the request with its capacities (the last allocation;

@@ -387,7 +387,7 @@ void BoundedSwaKVPageManager::retire(SwaSequenceState& state) {
 
 void BoundedSwaKVPageManager::requirePrefillInputs(char const* call, Request const& req,
                                                    std::span<int32_t const> inputLengths) const {
-  MKV_REQUIRE(req.phase == Phase::kAdmitted && req.pending == Pending::kNone, call,
+  MKV_REQUIRE(req.stage == RequestStage::kAdmitted, call,
               "prefill was already prepared for this request");
   MKV_REQUIRE(inputLengths.size() == req.sequences.size(), call, "{} lengths for a batch of {}",
               inputLengths.size(), req.sequences.size());
@@ -463,15 +463,14 @@ void BoundedSwaKVPageManager::preparePrefill(RequestHandle& handle,
   if (!mResources.lengthPools.empty()) {
     mLengthOwner = req.id;
   }
-  req.phase = Phase::kExecuting;
-  req.pending = Pending::kPrefill;
+  req.stage = RequestStage::kPrefilling;
   req.writesMark = mWrites->awaitingFlush();
 }
 
 void BoundedSwaKVPageManager::completePrefill(RequestHandle& handle) {
   constexpr char const* kCall = "BoundedSwaKVPageManager::completePrefill";
   Request& req = request(handle, kCall);
-  MKV_REQUIRE(req.pending == Pending::kPrefill, kCall, "no prepared prefill to complete");
+  MKV_REQUIRE(req.stage == RequestStage::kPrefilling, kCall, "no prepared prefill to complete");
   checkPreparedWritesOnDevice(handle, kCall);
   for (SwaSequenceState& state : req.sequences) {
     if (mResources.pageSource != nullptr) {
@@ -488,7 +487,7 @@ void BoundedSwaKVPageManager::completePrefill(RequestHandle& handle) {
                "slot {} holds {} pages after prefill ({} spare), the decode budget is {}",
                state.resident.slot, state.heldPages(), state.reservedPages.size(), mDecodePages);
   }
-  req.pending = Pending::kNone;
+  req.stage = RequestStage::kSettled;
 }
 
 RowFailure BoundedSwaKVPageManager::lastFailure(RequestHandle const& handle) const noexcept {
@@ -502,7 +501,7 @@ RowFailure BoundedSwaKVPageManager::lastFailure(RequestHandle const& handle) con
 RowFailure BoundedSwaKVPageManager::checkPrepareDecodeStep(RequestHandle const& handle,
                                                            char const* call) const {
   Request const& req = request(handle, call);
-  MKV_REQUIRE(req.phase == Phase::kExecuting && req.pending == Pending::kNone, call,
+  MKV_REQUIRE(req.stage == RequestStage::kSettled, call,
               "a decode step needs a completed prefill or step and no pending work");
   // As stageDecode, row by row: each row that needs a page and has no spare takes one from the
   // page source (without one: none).
@@ -531,19 +530,19 @@ RowFailure BoundedSwaKVPageManager::checkPrepareDecodeStep(RequestHandle const& 
 
 bool BoundedSwaKVPageManager::finishing(RequestHandle const& handle) const noexcept {
   Request const* const live = handle.mManager == this ? mRequests->find(handle.mId) : nullptr;
-  return live != nullptr && live->phase == Phase::kFinishing;
+  return live != nullptr && live->stage == RequestStage::kFinishing;
 }
 
 SwaKVCacheStatus BoundedSwaKVPageManager::prepareDecodeStep(RequestHandle& handle) {
   constexpr char const* kCall = "BoundedSwaKVPageManager::prepareDecodeStep";
   Request& req = request(handle, kCall);
-  MKV_REQUIRE(req.phase == Phase::kExecuting && req.pending == Pending::kNone, kCall,
+  MKV_REQUIRE(req.stage == RequestStage::kSettled, kCall,
               "a decode step needs a completed prefill or step and no pending work");
   // An unfinalised joiner holds: its prefill is staged, not its next token.
   for (SwaSequenceState& state : req.sequences) {
     RowFailureReason const failed = state.joining ? RowFailureReason::kNone : stageDecode(state);
     if (failed != RowFailureReason::kNone) {
-      req.phase = Phase::kFinishing;
+      req.stage = RequestStage::kFinishing;
       req.failure = RowFailure{failed, static_cast<ExecutionRow>(&state - req.sequences.data())};
       return SwaKVCacheStatus::kRequestFailed;
     }
@@ -569,7 +568,7 @@ SwaKVCacheStatus BoundedSwaKVPageManager::prepareDecodeStep(RequestHandle& handl
     }
   }
   mWrites->settle(mStream);
-  req.pending = Pending::kDecode;
+  req.stage = RequestStage::kDecoding;
   req.writesMark = mWrites->awaitingFlush();
   return SwaKVCacheStatus::kOk;
 }
@@ -577,14 +576,14 @@ SwaKVCacheStatus BoundedSwaKVPageManager::prepareDecodeStep(RequestHandle& handl
 void BoundedSwaKVPageManager::completeDecodeStep(RequestHandle& handle) {
   constexpr char const* kCall = "BoundedSwaKVPageManager::completeDecodeStep";
   Request& req = request(handle, kCall);
-  MKV_REQUIRE(req.pending == Pending::kDecode, kCall, "no prepared decode step to complete");
+  MKV_REQUIRE(req.stage == RequestStage::kDecoding, kCall, "no prepared decode step to complete");
   checkPreparedWritesOnDevice(handle, kCall);
   for (SwaSequenceState& state : req.sequences) {
     if (!state.joining) {
       retire(state);
     }
   }
-  req.pending = Pending::kNone;
+  req.stage = RequestStage::kSettled;
 }
 
 void BoundedSwaKVPageManager::requireLengthBatch(char const* call, Request const& req) const {
@@ -602,7 +601,7 @@ void BoundedSwaKVPageManager::checkBeginBatchCompaction(RequestHandle const& han
                                                         Tensor const& deviceMapping,
                                                         char const* call) const {
   Request const& req = request(handle, call);
-  MKV_REQUIRE(req.phase == Phase::kExecuting && req.pending == Pending::kNone, call,
+  MKV_REQUIRE(req.stage == RequestStage::kSettled, call,
               "compaction needs an executing request with no pending work");
   detail::validateCompactionMapping(call, oldToNew, req.sequences.size(), newBatchSize);
   requireLengthBatch(call, req);
@@ -627,13 +626,13 @@ void BoundedSwaKVPageManager::beginBatchCompaction(RequestHandle& handle,
   req.mapping.assign(oldToNew.begin(), oldToNew.end());
   req.newBatchSize = newBatchSize;
   req.deviceMapping = &deviceMapping;
-  req.pending = Pending::kCompaction;
+  req.stage = RequestStage::kCompacting;
 }
 
 void BoundedSwaKVPageManager::checkCompactBatch(RequestHandle const& handle,
                                                 char const* call) const {
   Request const& req = request(handle, call);
-  MKV_REQUIRE(req.pending == Pending::kCompaction, call, "no batch compaction was begun");
+  MKV_REQUIRE(req.stage == RequestStage::kCompacting, call, "no batch compaction was begun");
   requireLengthBatch(call, req);  // the engine may have resized a tensor since the begin
   // The device mapping is read only to compact the length pools.
   if (!mResources.lengthPools.empty()) {
@@ -645,7 +644,7 @@ void BoundedSwaKVPageManager::checkCompactBatch(RequestHandle const& handle,
 void BoundedSwaKVPageManager::checkPreparedWritesOnDevice(RequestHandle const& handle,
                                                           char const* call) const {
   Request const& req = request(handle, call);
-  if (req.pending == Pending::kPrefill || req.pending == Pending::kDecode) {
+  if (req.stage == RequestStage::kPrefilling || req.stage == RequestStage::kDecoding) {
     mWrites->requireReachedDevice(call, req.writesMark);
   }
 }
@@ -695,10 +694,7 @@ SwaKVCacheStatus BoundedSwaKVPageManager::compactBatch(RequestHandle& handle) {
   req.mapping.clear();
   req.newBatchSize = -1;
   req.deviceMapping = nullptr;
-  req.pending = Pending::kNone;
-  if (req.sequences.empty()) {
-    req.phase = Phase::kFinishing;
-  }
+  req.stage = req.sequences.empty() ? RequestStage::kFinishing : RequestStage::kSettled;
   return SwaKVCacheStatus::kOk;
 }
 
