@@ -37,7 +37,7 @@ PUBLIC_HEADERS = {
     "kv_cache_pool.h": "resources", "kv_page_table.h": "resources",
     "resident_slot_pool.h": "resources", "recurrent_state_pool.h": "resources",
     "snapshot_storage.h": "resources", "host_kv_tier.h": "resources",
-    "swa_page_source.h": "resources",
+    "swa_page_source.h": "resources", "request_handle.h": "resources",
     "bounded_swa_kv_page_manager.h": "swa", "bounded_swa_request.h": "swa",
     "context_cache/": "context_cache",
     "events/": "events",

@@ -17,6 +17,7 @@
 #include "mkv/kv_cache_pool.h"
 #include "mkv/kv_page_table.h"
 #include "mkv/recurrent_state_pool.h"
+#include "mkv/request_handle.h"
 #include "mkv/resident_slot_pool.h"
 #include "mkv/stream.h"
 #include "mkv/swa_page_source.h"
@@ -162,29 +163,10 @@ class BoundedSwaKVPageManager {
   struct Request;
 
  public:
-  /// Move-only handle of one admitted request. Destroying a live handle abandons the request:
-  /// synchronises when device work is pending, then releases its pages (a failed
-  /// synchronisation poisons the manager and quarantines the pages instead).
-  class RequestHandle {
-   public:
-    RequestHandle() = default;
-    RequestHandle(RequestHandle&& other) noexcept;
-    RequestHandle& operator=(RequestHandle&& other) noexcept;
-    RequestHandle(RequestHandle const&) = delete;
-    RequestHandle& operator=(RequestHandle const&) = delete;
-    ~RequestHandle();
-    bool valid() const noexcept { return mManager != nullptr; }
-    /// The request's id (1, 2, ... in admission order; named by error messages), 0 once the
-    /// handle is invalid (finished, abandoned, moved from, or quarantined).
-    uint64_t id() const noexcept { return mId; }
-
-   private:
-    friend class BoundedSwaKVPageManager;
-    RequestHandle(BoundedSwaKVPageManager* manager, uint64_t id) : mManager(manager), mId(id) {}
-    void abandon() noexcept;
-    BoundedSwaKVPageManager* mManager = nullptr;
-    uint64_t mId = 0;
-  };
+  /// Move-only handle of one admitted request (mkv/request_handle.h). Destroying a live handle
+  /// abandons the request: synchronises when device work is pending, then releases its pages (a
+  /// failed synchronisation poisons the manager and quarantines the pages instead).
+  using RequestHandle = mkv::RequestHandle<BoundedSwaKVPageManager>;
 
   struct BeginRequestResult {
     SwaKVCacheStatus status = SwaKVCacheStatus::kRequestFailed;
@@ -443,7 +425,9 @@ class BoundedSwaKVPageManager {
   void releaseRequest(Request& request) noexcept;
   /// After a failed synchronisation: invalidates `handle` and quarantines its request.
   SwaKVCacheStatus quarantineHandle(RequestHandle& handle, uint64_t id) noexcept;
+  /// A live handle destroyed or replaced (RequestHandle calls it): the registry's abandon.
   void abandon(uint64_t id) noexcept;
+  friend RequestHandle;
   bool synchronize() noexcept;
 
   int32_t mWindow;

@@ -146,13 +146,13 @@ void BoundedSwaKVPageManager::finalizeSequenceAdmission(RequestHandle& handle, i
 }
 
 bool BoundedSwaKVPageManager::hasRetractableAdmission(RequestHandle const& handle) const noexcept {
-  Request const* const req = handle.mManager == this ? mRequests->find(handle.mId) : nullptr;
+  Request const* const req = handle.mOwner == this ? mRequests->find(handle.mId) : nullptr;
   return req != nullptr && !hasPendingWork(req->stage) && !req->sequences.empty() &&
          req->sequences.back().joining;
 }
 
 bool BoundedSwaKVPageManager::retractSequenceAdmission(RequestHandle& handle) noexcept {
-  Request* const live = handle.mManager == this ? mRequests->find(handle.mId) : nullptr;
+  Request* const live = handle.mOwner == this ? mRequests->find(handle.mId) : nullptr;
   if (live == nullptr || !hasRetractableAdmission(handle)) {
     return false;
   }

@@ -24,31 +24,6 @@ using swa_detail::dropAppendedBindings;
 using swa_detail::pagesCovering;
 using swa_detail::retainedBeginFor;
 
-// ---------------------------------------------------------------- RequestHandle
-
-BoundedSwaKVPageManager::RequestHandle::RequestHandle(RequestHandle&& other) noexcept
-    : mManager(std::exchange(other.mManager, nullptr)), mId(std::exchange(other.mId, 0)) {}
-
-BoundedSwaKVPageManager::RequestHandle& BoundedSwaKVPageManager::RequestHandle::operator=(
-    RequestHandle&& other) noexcept {
-  if (this != &other) {
-    abandon();
-    mManager = std::exchange(other.mManager, nullptr);
-    mId = std::exchange(other.mId, 0);
-  }
-  return *this;
-}
-
-BoundedSwaKVPageManager::RequestHandle::~RequestHandle() { abandon(); }
-
-void BoundedSwaKVPageManager::RequestHandle::abandon() noexcept {
-  if (mManager != nullptr) {
-    mManager->abandon(mId);
-    mManager = nullptr;
-    mId = 0;
-  }
-}
-
 // ---------------------------------------------------------------- construction
 
 int32_t BoundedSwaKVPageManager::windowPages(int32_t windowTokens, int32_t tokensPerPage) {
@@ -182,8 +157,8 @@ int32_t BoundedSwaKVPageManager::activeRequestCount() const noexcept {
 
 BoundedSwaKVPageManager::Request& BoundedSwaKVPageManager::request(RequestHandle const& handle,
                                                                    char const* call) const {
-  MKV_REQUIRE(handle.mManager == this, call, "the request handle is {}",
-              handle.mManager == nullptr ? "invalid" : "from another manager");
+  MKV_REQUIRE(handle.mOwner == this, call, "the request handle is {}",
+              handle.mOwner == nullptr ? "invalid" : "from another manager");
   Request* const live = mRequests->find(handle.mId);
   if (live == nullptr) {
     detail::throwContract(call, "request {} is not active", handle.mId);
@@ -494,7 +469,7 @@ RowFailure BoundedSwaKVPageManager::lastFailure(RequestHandle const& handle) con
   if (poisoned()) {
     return RowFailure{RowFailureReason::kPoisoned, -1};
   }
-  Request const* const live = handle.mManager == this ? mRequests->find(handle.mId) : nullptr;
+  Request const* const live = handle.mOwner == this ? mRequests->find(handle.mId) : nullptr;
   return live != nullptr ? live->failure : RowFailure{};
 }
 
@@ -529,7 +504,7 @@ RowFailure BoundedSwaKVPageManager::checkPrepareDecodeStep(RequestHandle const& 
 }
 
 bool BoundedSwaKVPageManager::finishing(RequestHandle const& handle) const noexcept {
-  Request const* const live = handle.mManager == this ? mRequests->find(handle.mId) : nullptr;
+  Request const* const live = handle.mOwner == this ? mRequests->find(handle.mId) : nullptr;
   return live != nullptr && live->stage == RequestStage::kFinishing;
 }
 
@@ -703,8 +678,7 @@ SwaKVCacheStatus BoundedSwaKVPageManager::finish(RequestHandle& handle) {
     return poisoned() ? SwaKVCacheStatus::kPoisoned : SwaKVCacheStatus::kOk;
   }
   uint64_t const id = request(handle, "BoundedSwaKVPageManager::finish").id;
-  handle.mManager = nullptr;
-  handle.mId = 0;
+  handle.invalidate();
   std::unique_ptr<Request> finished =
       mRequests->detachSettled(id, [this] { return synchronize(); });
   if (finished == nullptr ||
@@ -778,8 +752,7 @@ void BoundedSwaKVPageManager::releaseRequest(Request& req) noexcept {
 
 SwaKVCacheStatus BoundedSwaKVPageManager::quarantineHandle(RequestHandle& handle,
                                                            uint64_t id) noexcept {
-  handle.mManager = nullptr;
-  handle.mId = 0;
+  handle.invalidate();
   mRequests->quarantine(id);  // its pages stay held while device work may touch them
   return SwaKVCacheStatus::kPoisoned;
 }
