@@ -116,7 +116,7 @@ class HostTierCoordinatorTest : public test::DeviceTest {
     ASSERT_EQ(serve(other), 0);
   }
 
-  test::SyncFaults mSync;
+  test::FaultArming mSync;
   ContextCacheStatus mLastStatus = ContextCacheStatus::kOk;
   std::unique_ptr<KVCachePool> mPool;
   std::unique_ptr<KVPageTable> mTable;

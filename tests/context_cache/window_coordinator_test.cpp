@@ -50,7 +50,7 @@ class WindowCoordinatorFixture : public ::testing::Test {
   KVPageTable mTable{mOptions.maxBatch, mOptions.maxPagesPerSeq, mOptions.numPages,
                      PageTableMode::kDense, DeviceType::kCPU};
   WindowBlockCache mWindow{kSlidingPages, kPage, kWindowTokens, /*verifyTokens=*/true};
-  test::SyncFaults mSync;
+  test::FaultArming mSync;
   ContextCacheCoordinator mCoordinator{
       cacheConfig(mOptions), ContextCacheDeploymentProfile{}, resources(), nullptr, {},
       mSync.injector()};

@@ -13,7 +13,7 @@
 #include "mkv/context_cache/context_cache_coordinator.h"
 #include "mkv/error.h"
 #include "mkv/kv_cache_runtime.h"
-#include "support/sync_faults.h"
+#include "support/fault_arming.h"
 #include "support/token_runs.h"
 
 namespace mkv {
@@ -81,7 +81,7 @@ struct Rig {
     return stale;
   }
 
-  test::SyncFaults syncs;  ///< counts the synchronisations (none fails)
+  test::FaultArming syncs;  ///< counts the synchronisations (none fails)
   std::unique_ptr<KVCacheRuntime> runtime;
 };
 

@@ -50,7 +50,7 @@
 #include "mkv/managed_kv_cache_request.h"
 #include "mkv/testing/reference_engine.h"
 #include "support/backend_snapshot.h"
-#include "support/sync_faults.h"
+#include "support/fault_arming.h"
 #include "support/token_runs.h"
 
 // AddressSanitizer replaces operator new itself (GCC defines __SANITIZE_ADDRESS__, clang reports
@@ -422,7 +422,7 @@ struct Rig {
     EXPECT_TRUE(runtime->shutdown()) << where;
   }
 
-  test::SyncFaults syncs;
+  test::FaultArming syncs;
   std::unique_ptr<KVCacheRuntime> runtime;
   ContextCacheCoordinator* coordinator = nullptr;
   BoundedSwaKVPageManager* swa = nullptr;

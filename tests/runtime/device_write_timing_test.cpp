@@ -28,7 +28,7 @@
 #include "mkv/managed_kv_cache_request.h"
 #include "mkv/testing/reference_engine.h"
 #include "runtime_test_rig.h"
-#include "support/sync_faults.h"
+#include "support/fault_arming.h"
 #include "support/test_util.h"
 #include "support/token_runs.h"
 
@@ -489,7 +489,7 @@ TEST_P(EngineStepWorkloadTest, TheOracleAgreesAndEveryFigureMatchesWritesAtEachC
 // ::faults) at every site of the table. A site added to the table without a lifecycle that reaches
 // it fails here.
 TEST(FaultSiteTest, EverySiteOfTheTableIsConsulted) {
-  test::SyncFaults faults;  // counts every site it is asked about, fails none
+  test::FaultArming faults;  // counts every site it is asked about, fails none
   for (WorkloadCase const& workload : everyWorkloadCase()) {
     if (workload.device != DeviceType::kCPU) {
       continue;  // the same sites; the host twin needs no device

@@ -19,7 +19,7 @@
 #include "mkv/error.h"
 #include "mkv/kv_cache_pool.h"
 #include "mkv/stream.h"
-#include "support/sync_faults.h"
+#include "support/fault_arming.h"
 #include "support/test_inputs.h"
 #include "support/test_util.h"
 
@@ -100,7 +100,7 @@ TEST_P(IntegrationExampleTest, ARowThatCannotGrowAbortsTheRequestAndReturnsItsRe
 TEST_P(IntegrationExampleTest, AFailedSynchronisationAbortsTheRequestUntilShutdown) {
   mkv::KVCacheRuntimeConfig config = exampleConfig(device());
   // The stream really is waited for; the first wait is then reported as failed.
-  mkv::test::SyncFaults faults;
+  mkv::test::FaultArming faults;
   faults.failCall(1);
   config.faults = faults.injector();
   auto runtime = mkv::KVCacheRuntime::create(config);

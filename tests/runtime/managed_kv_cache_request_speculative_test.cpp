@@ -625,7 +625,7 @@ TEST_P(HybridMtpFacadeTest, ACaptureThatThrowsLeavesTheRequestAndItsPinsAsTheyWe
   consumer.executeDraft(39, 59);
   Tensor hidden({20, kHiddenWidth}, DataType::kFloat16, device());
   for (int failing : {1, 2, 3}) {  // each of the three captures in turn
-    SyncFaults& faults = rig.faults();
+    FaultArming& faults = rig.faults();
     int64_t const failures = faults.failures(FaultSite::kSnapshotCapture);
     faults.failCall(faults.calls(FaultSite::kSnapshotCapture) + failing, /*fromThenOn=*/false,
                     FaultSite::kSnapshotCapture);
