@@ -226,8 +226,8 @@ class BoundedSwaKVPageManager {
 
   /// Maps each sequence's retained window for its executed prefill length and uploads the
   /// table patch; resets the length pools to 0 for the batch. Call after embeddings and token
-  /// pruning fixed the lengths. Throws for a wrong phase, a length count that differs from the
-  /// batch, a length outside (0, maxPagesPerSeq * P], or length pools that still follow
+  /// pruning fixed the lengths. Throws for a prefill prepared already, a length count that differs
+  /// from the batch, a length outside (0, maxPagesPerSeq * P], or length pools that still follow
   /// another active request.
   /// Cached mode: each length must be the sequence's promptTokens (throws otherwise); maps
   /// logical pages [floor(max(0, s - W) / P), ceil(L / P)) (the held window pages, then private
