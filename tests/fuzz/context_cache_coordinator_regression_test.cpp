@@ -70,7 +70,7 @@ struct Rig {
 
   /// Live entries of a row that differ between the host copy and the device mirror.
   int32_t staleEntries(CacheSlot slot) {
-    auto const width = static_cast<std::size_t>(2 * table().maxPagesPerSeq());
+    auto const width = 2 * static_cast<std::size_t>(table().maxPagesPerSeq());
     int32_t const* device =
         table().deviceTable().dataPointer<int32_t>() + width * static_cast<std::size_t>(slot);
     std::span<int32_t const> const host = table().hostRow(slot);
