@@ -38,6 +38,7 @@ PUBLIC_HEADERS = {
     "resident_slot_pool.h": "resources", "recurrent_state_pool.h": "resources",
     "snapshot_storage.h": "resources", "host_kv_tier.h": "resources",
     "swa_page_source.h": "resources", "attention_views.h": "resources",
+    "request_handle.h": "resources",
     "bounded_swa_kv_page_manager.h": "swa", "bounded_swa_request.h": "swa",
     "context_cache/": "context_cache",
     "events/": "events",

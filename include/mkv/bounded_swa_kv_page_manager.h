@@ -17,6 +17,7 @@
 #include "mkv/kv_cache_pool.h"
 #include "mkv/kv_page_table.h"
 #include "mkv/recurrent_state_pool.h"
+#include "mkv/request_handle.h"
 #include "mkv/resident_slot_pool.h"
 #include "mkv/stream.h"
 #include "mkv/swa_page_source.h"
@@ -162,29 +163,10 @@ class BoundedSwaKVPageManager {
   struct Request;
 
  public:
-  /// Move-only handle of one admitted request. Destroying a live handle abandons the request:
-  /// synchronises when device work is pending, then releases its pages (a failed
-  /// synchronisation poisons the manager and quarantines the pages instead).
-  class RequestHandle {
-   public:
-    RequestHandle() = default;
-    RequestHandle(RequestHandle&& other) noexcept;
-    RequestHandle& operator=(RequestHandle&& other) noexcept;
-    RequestHandle(RequestHandle const&) = delete;
-    RequestHandle& operator=(RequestHandle const&) = delete;
-    ~RequestHandle();
-    bool valid() const noexcept { return mManager != nullptr; }
-    /// The request's id (1, 2, ... in admission order; named by error messages), 0 once the
-    /// handle is invalid (finished, abandoned, moved from, or quarantined).
-    uint64_t id() const noexcept { return mId; }
-
-   private:
-    friend class BoundedSwaKVPageManager;
-    RequestHandle(BoundedSwaKVPageManager* manager, uint64_t id) : mManager(manager), mId(id) {}
-    void abandon() noexcept;
-    BoundedSwaKVPageManager* mManager = nullptr;
-    uint64_t mId = 0;
-  };
+  /// Move-only handle of one admitted request (mkv/request_handle.h). Destroying a live handle
+  /// abandons the request: synchronises when device work is pending, then releases its pages (a
+  /// failed synchronisation poisons the manager and quarantines the pages instead).
+  using RequestHandle = mkv::RequestHandle<BoundedSwaKVPageManager>;
 
   struct BeginRequestResult {
     SwaKVCacheStatus status = SwaKVCacheStatus::kRequestFailed;
@@ -244,8 +226,8 @@ class BoundedSwaKVPageManager {
 
   /// Maps each sequence's retained window for its executed prefill length and uploads the
   /// table patch; resets the length pools to 0 for the batch. Call after embeddings and token
-  /// pruning fixed the lengths. Throws for a wrong phase, a length count that differs from the
-  /// batch, a length outside (0, maxPagesPerSeq * P], or length pools that still follow
+  /// pruning fixed the lengths. Throws for a prefill prepared already, a length count that differs
+  /// from the batch, a length outside (0, maxPagesPerSeq * P], or length pools that still follow
   /// another active request.
   /// Cached mode: each length must be the sequence's promptTokens (throws otherwise); maps
   /// logical pages [floor(max(0, s - W) / P), ceil(L / P)) (the held window pages, then private
@@ -386,8 +368,6 @@ class BoundedSwaKVPageManager {
   SwaSequenceState const& state(RequestHandle const& handle, int32_t row) const;
 
  private:
-  enum class Phase : uint8_t { kAdmitted, kExecuting, kFinishing };
-  enum class Pending : uint8_t;
   Request& request(RequestHandle const& handle, char const* call) const;
   // Admission, in the order beginRequest calls them: the checks that throw, the poisoned
   // outcome (false) and the busy check, the request with its capacities (the last allocation;
@@ -445,7 +425,9 @@ class BoundedSwaKVPageManager {
   void releaseRequest(Request& request) noexcept;
   /// After a failed synchronisation: invalidates `handle` and quarantines its request.
   SwaKVCacheStatus quarantineHandle(RequestHandle& handle, uint64_t id) noexcept;
+  /// A live handle destroyed or replaced (RequestHandle calls it): the registry's abandon.
   void abandon(uint64_t id) noexcept;
+  friend RequestHandle;
   bool synchronize() noexcept;
 
   int32_t mWindow;

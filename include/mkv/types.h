@@ -86,10 +86,16 @@ enum class FinishReason : uint8_t {
   kError
 };
 
-/// Expected outcomes of BoundedSwaKVPageManager calls (contract violations throw instead).
-enum class SwaKVCacheStatus : uint8_t { kOk, kRequestFailed, kPoisoned };
-/// Expected outcomes of ContextCacheCoordinator calls (contract violations throw instead).
-enum class ContextCacheStatus : uint8_t { kOk, kRequestFailed, kPoisoned };
+/// Expected outcome of a KV backend's lifecycle call (ContextCacheCoordinator,
+/// BoundedSwaKVPageManager); contract violations throw mkv::Error instead. kOk: done.
+/// kRequestFailed: not done, the backend healthy (too few pages for an admission; a row that
+/// cannot grow, the request then finishing; requests still active at shutdown). kPoisoned: the
+/// backend is poisoned (a failed synchronisation, launch or row update) and refuses admissions
+/// until shutdown() drains its quarantine.
+enum class KvStatus : uint8_t { kOk, kRequestFailed, kPoisoned };
+/// The names each backend's API spells (one type).
+using SwaKVCacheStatus = KvStatus;
+using ContextCacheStatus = KvStatus;
 
 /// Why a lifecycle call answered false (ManagedKVCacheRequest::lastFailure()): what a scheduler
 /// needs to tell "free pages and retry" from "this sequence cannot grow here" from "the backend
@@ -153,8 +159,8 @@ std::string_view toString(DataType type) noexcept;
 std::string_view toString(DeviceType type) noexcept;
 std::string_view toString(FinishReason reason) noexcept;
 std::string_view toString(ResidentRowState state) noexcept;
-std::string_view toString(SwaKVCacheStatus status) noexcept;
-std::string_view toString(ContextCacheStatus status) noexcept;
+/// "ok", "request-failed", "poisoned".
+std::string_view toString(KvStatus status) noexcept;
 std::string_view toString(DeviceWriteTiming timing) noexcept;
 /// "none", "no-capacity", "table-full", "poisoned".
 std::string_view toString(RowFailureReason reason) noexcept;

@@ -1,4 +1,4 @@
-// ContextCacheCoordinator, the request core: handles and this backend's side of the shared
+// ContextCacheCoordinator, the request core: handle lookup and this backend's side of the shared
 // request registry (src/resources/request_registry.h: synchronisation, clearing rows, freeing
 // residents), construction, prefill, decode, compaction, finish and shutdown. What differs
 // between kinds of request is the request's mode (request_mode.h); batch admission, in-flight
@@ -31,31 +31,6 @@ namespace mkv {
 
 using detail::isHold;
 using detail::sequenceAt;
-
-// ---------------------------------------------------------------- RequestHandle
-
-ContextCacheCoordinator::RequestHandle::RequestHandle(RequestHandle&& other) noexcept
-    : mCoordinator(std::exchange(other.mCoordinator, nullptr)), mId(std::exchange(other.mId, 0)) {}
-
-ContextCacheCoordinator::RequestHandle& ContextCacheCoordinator::RequestHandle::operator=(
-    RequestHandle&& other) noexcept {
-  if (this != &other) {
-    abandon();
-    mCoordinator = std::exchange(other.mCoordinator, nullptr);
-    mId = std::exchange(other.mId, 0);
-  }
-  return *this;
-}
-
-ContextCacheCoordinator::RequestHandle::~RequestHandle() { abandon(); }
-
-void ContextCacheCoordinator::RequestHandle::abandon() noexcept {
-  if (mCoordinator != nullptr) {
-    mCoordinator->abandon(mId);
-    mCoordinator = nullptr;
-    mId = 0;
-  }
-}
 
 // ---------------------------------------------------------------- construction
 
@@ -135,8 +110,8 @@ ContextCacheCoordinator::~ContextCacheCoordinator() {
 
 ContextCacheCoordinator::Request& ContextCacheCoordinator::request(RequestHandle const& handle,
                                                                    char const* call) const {
-  MKV_REQUIRE(handle.mCoordinator == this, call, "the request handle is {}",
-              handle.mCoordinator == nullptr ? "invalid" : "from another coordinator");
+  MKV_REQUIRE(handle.mOwner == this, call, "the request handle is {}",
+              handle.mOwner == nullptr ? "invalid" : "from another coordinator");
   Request* const live = mRequests->find(handle.mId);
   if (live == nullptr) {
     detail::throwContract(call, "request {} is not active", handle.mId);
@@ -146,8 +121,7 @@ ContextCacheCoordinator::Request& ContextCacheCoordinator::request(RequestHandle
 
 ContextCacheStatus ContextCacheCoordinator::quarantineHandle(RequestHandle& handle,
                                                              uint64_t id) noexcept {
-  handle.mCoordinator = nullptr;
-  handle.mId = 0;
+  handle.invalidate();
   mRequests->quarantine(id);  // its pages and slots stay leased while device work may run
   countQuarantines();
   return ContextCacheStatus::kPoisoned;
@@ -397,7 +371,7 @@ RowFailure ContextCacheCoordinator::lastFailure(RequestHandle const& handle) con
   if (poisoned()) {
     return RowFailure{RowFailureReason::kPoisoned, -1};
   }
-  Request const* const live = handle.mCoordinator == this ? mRequests->find(handle.mId) : nullptr;
+  Request const* const live = handle.mOwner == this ? mRequests->find(handle.mId) : nullptr;
   return live != nullptr ? live->failure : RowFailure{};
 }
 
@@ -539,8 +513,7 @@ ContextCacheStatus ContextCacheCoordinator::finish(RequestHandle& handle) {
     return poisoned() ? ContextCacheStatus::kPoisoned : ContextCacheStatus::kOk;
   }
   uint64_t const id = request(handle, "ContextCacheCoordinator::finish").id;
-  handle.mCoordinator = nullptr;
-  handle.mId = 0;
+  handle.invalidate();
   // Detached first: a publication that throws must not strand the request among the live ones
   // (shutdown could not recover its rows and leases any more).
   std::unique_ptr<Request> finished =

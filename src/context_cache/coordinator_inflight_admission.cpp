@@ -153,7 +153,7 @@ ContextCacheStatus ContextCacheCoordinator::finalizeSequenceAdmission(
 }
 
 bool ContextCacheCoordinator::hasRetractableAdmission(RequestHandle const& handle) const noexcept {
-  Request const* const live = handle.mCoordinator == this ? mRequests->find(handle.mId) : nullptr;
+  Request const* const live = handle.mOwner == this ? mRequests->find(handle.mId) : nullptr;
   // Not when pending device work (a decode step, a compaction) may still read the row's pages,
   // the newest row joined, or it is the batch's only row.
   return live != nullptr && !hasPendingWork(live->stage) && live->sequences.size() >= 2 &&
@@ -161,7 +161,7 @@ bool ContextCacheCoordinator::hasRetractableAdmission(RequestHandle const& handl
 }
 
 bool ContextCacheCoordinator::retractSequenceAdmission(RequestHandle& handle) noexcept {
-  Request* const live = handle.mCoordinator == this ? mRequests->find(handle.mId) : nullptr;
+  Request* const live = handle.mOwner == this ? mRequests->find(handle.mId) : nullptr;
   if (live == nullptr || !hasRetractableAdmission(handle)) {
     return false;
   }

@@ -14,34 +14,9 @@
 #include "context_cache/context_cache_manager.h"
 #include "core/check.h"
 #include "mkv/context_cache/context_cache_coordinator.h"
+#include "resources/request_stage.h"
 
-namespace mkv {
-
-/// Where a coordinator request is in its lifecycle. The stages with pending device work
-/// (kPrefilling, kDecoding, kCompacting) name the only call that completes it; a request that
-/// is abandoned or finished in one of them synchronises first.
-enum class RequestStage : uint8_t {
-  kAdmitted,    ///< beginRequest admitted it; preparePrefill comes next
-  kPrefilling,  ///< preparePrefill bound its rows; finalizePrefillPublication completes it
-  kSettled,     ///< executing, nothing pending: a decode step, compaction or join may begin
-  kDecoding,    ///< prepareDecodeStep grew its pages; completeDecodeStep completes it
-  kCompacting,  ///< beginBatchCompaction uploaded the mapping; compactBatch completes it
-  kFinishing,   ///< a failed growth or an emptied batch: only finish remains
-};
-
-/// Device work is enqueued that no completion call has seen complete.
-constexpr bool hasPendingWork(RequestStage stage) noexcept {
-  return stage == RequestStage::kPrefilling || stage == RequestStage::kDecoding ||
-         stage == RequestStage::kCompacting;
-}
-
-/// Past the prefill and not finishing (decode steps, compaction and joins belong here).
-constexpr bool isExecuting(RequestStage stage) noexcept {
-  return stage == RequestStage::kSettled || stage == RequestStage::kDecoding ||
-         stage == RequestStage::kCompacting;
-}
-
-namespace detail {
+namespace mkv::detail {
 
 /// One sequence (execution row) of a coordinator request.
 struct CoordinatorSequence {
@@ -210,5 +185,4 @@ inline void applyAdvances(CoordinatorRequest& req,
   }
 }
 
-}  // namespace detail
-}  // namespace mkv
+}  // namespace mkv::detail

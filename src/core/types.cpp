@@ -58,23 +58,17 @@ std::string_view toString(ResidentRowState state) noexcept {
   return "unknown";
 }
 
-namespace {
-template <typename Status>
-std::string_view statusName(Status status) noexcept {
+std::string_view toString(KvStatus status) noexcept {
   switch (status) {
-    case Status::kOk:
+    case KvStatus::kOk:
       return "ok";
-    case Status::kRequestFailed:
+    case KvStatus::kRequestFailed:
       return "request-failed";
-    case Status::kPoisoned:
+    case KvStatus::kPoisoned:
       return "poisoned";
   }
   return "unknown";
 }
-}  // namespace
-
-std::string_view toString(SwaKVCacheStatus status) noexcept { return statusName(status); }
-std::string_view toString(ContextCacheStatus status) noexcept { return statusName(status); }
 
 std::string_view toString(RowFailureReason reason) noexcept {
   switch (reason) {

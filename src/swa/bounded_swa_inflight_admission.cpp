@@ -21,7 +21,7 @@ using swa_detail::retainedBeginFor;
 int32_t BoundedSwaKVPageManager::validateJoiner(char const* call, Request const& req,
                                                 ResidentRef resident,
                                                 SwaReuseStart const& start) const {
-  MKV_REQUIRE(req.phase == Phase::kExecuting && req.pending == Pending::kNone, call,
+  MKV_REQUIRE(req.stage == RequestStage::kSettled, call,
               "in-flight admission needs an executing request with no pending work");
   int32_t const maxBatch = mResources.swaPageTable->maxBatch();
   MKV_REQUIRE(req.sequences.size() < static_cast<std::size_t>(maxBatch), call,
@@ -126,7 +126,7 @@ SwaKVCacheStatus BoundedSwaKVPageManager::admitSequence(RequestHandle& handle, R
 void BoundedSwaKVPageManager::checkFinalizeSequenceAdmission(RequestHandle const& handle,
                                                              int32_t row, char const* call) const {
   Request const& req = request(handle, call);
-  MKV_REQUIRE(req.pending == Pending::kNone, call,
+  MKV_REQUIRE(!hasPendingWork(req.stage), call,
               "work is pending: finalise the joiner between steps");
   MKV_REQUIRE(row >= 0 && static_cast<std::size_t>(row) < req.sequences.size(), call,
               "row {} outside the batch of {}", row, req.sequences.size());
@@ -146,13 +146,13 @@ void BoundedSwaKVPageManager::finalizeSequenceAdmission(RequestHandle& handle, i
 }
 
 bool BoundedSwaKVPageManager::hasRetractableAdmission(RequestHandle const& handle) const noexcept {
-  Request const* const req = handle.mManager == this ? mRequests->find(handle.mId) : nullptr;
-  return req != nullptr && req->pending == Pending::kNone && !req->sequences.empty() &&
+  Request const* const req = handle.mOwner == this ? mRequests->find(handle.mId) : nullptr;
+  return req != nullptr && !hasPendingWork(req->stage) && !req->sequences.empty() &&
          req->sequences.back().joining;
 }
 
 bool BoundedSwaKVPageManager::retractSequenceAdmission(RequestHandle& handle) noexcept {
-  Request* const live = handle.mManager == this ? mRequests->find(handle.mId) : nullptr;
+  Request* const live = handle.mOwner == this ? mRequests->find(handle.mId) : nullptr;
   if (live == nullptr || !hasRetractableAdmission(handle)) {
     return false;
   }

@@ -24,31 +24,6 @@ using swa_detail::dropAppendedBindings;
 using swa_detail::pagesCovering;
 using swa_detail::retainedBeginFor;
 
-// ---------------------------------------------------------------- RequestHandle
-
-BoundedSwaKVPageManager::RequestHandle::RequestHandle(RequestHandle&& other) noexcept
-    : mManager(std::exchange(other.mManager, nullptr)), mId(std::exchange(other.mId, 0)) {}
-
-BoundedSwaKVPageManager::RequestHandle& BoundedSwaKVPageManager::RequestHandle::operator=(
-    RequestHandle&& other) noexcept {
-  if (this != &other) {
-    abandon();
-    mManager = std::exchange(other.mManager, nullptr);
-    mId = std::exchange(other.mId, 0);
-  }
-  return *this;
-}
-
-BoundedSwaKVPageManager::RequestHandle::~RequestHandle() { abandon(); }
-
-void BoundedSwaKVPageManager::RequestHandle::abandon() noexcept {
-  if (mManager != nullptr) {
-    mManager->abandon(mId);
-    mManager = nullptr;
-    mId = 0;
-  }
-}
-
 // ---------------------------------------------------------------- construction
 
 int32_t BoundedSwaKVPageManager::windowPages(int32_t windowTokens, int32_t tokensPerPage) {
@@ -182,8 +157,8 @@ int32_t BoundedSwaKVPageManager::activeRequestCount() const noexcept {
 
 BoundedSwaKVPageManager::Request& BoundedSwaKVPageManager::request(RequestHandle const& handle,
                                                                    char const* call) const {
-  MKV_REQUIRE(handle.mManager == this, call, "the request handle is {}",
-              handle.mManager == nullptr ? "invalid" : "from another manager");
+  MKV_REQUIRE(handle.mOwner == this, call, "the request handle is {}",
+              handle.mOwner == nullptr ? "invalid" : "from another manager");
   Request* const live = mRequests->find(handle.mId);
   if (live == nullptr) {
     detail::throwContract(call, "request {} is not active", handle.mId);
@@ -387,7 +362,7 @@ void BoundedSwaKVPageManager::retire(SwaSequenceState& state) {
 
 void BoundedSwaKVPageManager::requirePrefillInputs(char const* call, Request const& req,
                                                    std::span<int32_t const> inputLengths) const {
-  MKV_REQUIRE(req.phase == Phase::kAdmitted && req.pending == Pending::kNone, call,
+  MKV_REQUIRE(req.stage == RequestStage::kAdmitted, call,
               "prefill was already prepared for this request");
   MKV_REQUIRE(inputLengths.size() == req.sequences.size(), call, "{} lengths for a batch of {}",
               inputLengths.size(), req.sequences.size());
@@ -463,15 +438,14 @@ void BoundedSwaKVPageManager::preparePrefill(RequestHandle& handle,
   if (!mResources.lengthPools.empty()) {
     mLengthOwner = req.id;
   }
-  req.phase = Phase::kExecuting;
-  req.pending = Pending::kPrefill;
+  req.stage = RequestStage::kPrefilling;
   req.writesMark = mWrites->awaitingFlush();
 }
 
 void BoundedSwaKVPageManager::completePrefill(RequestHandle& handle) {
   constexpr char const* kCall = "BoundedSwaKVPageManager::completePrefill";
   Request& req = request(handle, kCall);
-  MKV_REQUIRE(req.pending == Pending::kPrefill, kCall, "no prepared prefill to complete");
+  MKV_REQUIRE(req.stage == RequestStage::kPrefilling, kCall, "no prepared prefill to complete");
   checkPreparedWritesOnDevice(handle, kCall);
   for (SwaSequenceState& state : req.sequences) {
     if (mResources.pageSource != nullptr) {
@@ -488,21 +462,21 @@ void BoundedSwaKVPageManager::completePrefill(RequestHandle& handle) {
                "slot {} holds {} pages after prefill ({} spare), the decode budget is {}",
                state.resident.slot, state.heldPages(), state.reservedPages.size(), mDecodePages);
   }
-  req.pending = Pending::kNone;
+  req.stage = RequestStage::kSettled;
 }
 
 RowFailure BoundedSwaKVPageManager::lastFailure(RequestHandle const& handle) const noexcept {
   if (poisoned()) {
     return RowFailure{RowFailureReason::kPoisoned, -1};
   }
-  Request const* const live = handle.mManager == this ? mRequests->find(handle.mId) : nullptr;
+  Request const* const live = handle.mOwner == this ? mRequests->find(handle.mId) : nullptr;
   return live != nullptr ? live->failure : RowFailure{};
 }
 
 RowFailure BoundedSwaKVPageManager::checkPrepareDecodeStep(RequestHandle const& handle,
                                                            char const* call) const {
   Request const& req = request(handle, call);
-  MKV_REQUIRE(req.phase == Phase::kExecuting && req.pending == Pending::kNone, call,
+  MKV_REQUIRE(req.stage == RequestStage::kSettled, call,
               "a decode step needs a completed prefill or step and no pending work");
   // As stageDecode, row by row: each row that needs a page and has no spare takes one from the
   // page source (without one: none).
@@ -530,20 +504,20 @@ RowFailure BoundedSwaKVPageManager::checkPrepareDecodeStep(RequestHandle const& 
 }
 
 bool BoundedSwaKVPageManager::finishing(RequestHandle const& handle) const noexcept {
-  Request const* const live = handle.mManager == this ? mRequests->find(handle.mId) : nullptr;
-  return live != nullptr && live->phase == Phase::kFinishing;
+  Request const* const live = handle.mOwner == this ? mRequests->find(handle.mId) : nullptr;
+  return live != nullptr && live->stage == RequestStage::kFinishing;
 }
 
 SwaKVCacheStatus BoundedSwaKVPageManager::prepareDecodeStep(RequestHandle& handle) {
   constexpr char const* kCall = "BoundedSwaKVPageManager::prepareDecodeStep";
   Request& req = request(handle, kCall);
-  MKV_REQUIRE(req.phase == Phase::kExecuting && req.pending == Pending::kNone, kCall,
+  MKV_REQUIRE(req.stage == RequestStage::kSettled, kCall,
               "a decode step needs a completed prefill or step and no pending work");
   // An unfinalised joiner holds: its prefill is staged, not its next token.
   for (SwaSequenceState& state : req.sequences) {
     RowFailureReason const failed = state.joining ? RowFailureReason::kNone : stageDecode(state);
     if (failed != RowFailureReason::kNone) {
-      req.phase = Phase::kFinishing;
+      req.stage = RequestStage::kFinishing;
       req.failure = RowFailure{failed, static_cast<ExecutionRow>(&state - req.sequences.data())};
       return SwaKVCacheStatus::kRequestFailed;
     }
@@ -569,7 +543,7 @@ SwaKVCacheStatus BoundedSwaKVPageManager::prepareDecodeStep(RequestHandle& handl
     }
   }
   mWrites->settle(mStream);
-  req.pending = Pending::kDecode;
+  req.stage = RequestStage::kDecoding;
   req.writesMark = mWrites->awaitingFlush();
   return SwaKVCacheStatus::kOk;
 }
@@ -577,14 +551,14 @@ SwaKVCacheStatus BoundedSwaKVPageManager::prepareDecodeStep(RequestHandle& handl
 void BoundedSwaKVPageManager::completeDecodeStep(RequestHandle& handle) {
   constexpr char const* kCall = "BoundedSwaKVPageManager::completeDecodeStep";
   Request& req = request(handle, kCall);
-  MKV_REQUIRE(req.pending == Pending::kDecode, kCall, "no prepared decode step to complete");
+  MKV_REQUIRE(req.stage == RequestStage::kDecoding, kCall, "no prepared decode step to complete");
   checkPreparedWritesOnDevice(handle, kCall);
   for (SwaSequenceState& state : req.sequences) {
     if (!state.joining) {
       retire(state);
     }
   }
-  req.pending = Pending::kNone;
+  req.stage = RequestStage::kSettled;
 }
 
 void BoundedSwaKVPageManager::requireLengthBatch(char const* call, Request const& req) const {
@@ -602,7 +576,7 @@ void BoundedSwaKVPageManager::checkBeginBatchCompaction(RequestHandle const& han
                                                         Tensor const& deviceMapping,
                                                         char const* call) const {
   Request const& req = request(handle, call);
-  MKV_REQUIRE(req.phase == Phase::kExecuting && req.pending == Pending::kNone, call,
+  MKV_REQUIRE(req.stage == RequestStage::kSettled, call,
               "compaction needs an executing request with no pending work");
   detail::validateCompactionMapping(call, oldToNew, req.sequences.size(), newBatchSize);
   requireLengthBatch(call, req);
@@ -627,13 +601,13 @@ void BoundedSwaKVPageManager::beginBatchCompaction(RequestHandle& handle,
   req.mapping.assign(oldToNew.begin(), oldToNew.end());
   req.newBatchSize = newBatchSize;
   req.deviceMapping = &deviceMapping;
-  req.pending = Pending::kCompaction;
+  req.stage = RequestStage::kCompacting;
 }
 
 void BoundedSwaKVPageManager::checkCompactBatch(RequestHandle const& handle,
                                                 char const* call) const {
   Request const& req = request(handle, call);
-  MKV_REQUIRE(req.pending == Pending::kCompaction, call, "no batch compaction was begun");
+  MKV_REQUIRE(req.stage == RequestStage::kCompacting, call, "no batch compaction was begun");
   requireLengthBatch(call, req);  // the engine may have resized a tensor since the begin
   // The device mapping is read only to compact the length pools.
   if (!mResources.lengthPools.empty()) {
@@ -645,7 +619,7 @@ void BoundedSwaKVPageManager::checkCompactBatch(RequestHandle const& handle,
 void BoundedSwaKVPageManager::checkPreparedWritesOnDevice(RequestHandle const& handle,
                                                           char const* call) const {
   Request const& req = request(handle, call);
-  if (req.pending == Pending::kPrefill || req.pending == Pending::kDecode) {
+  if (req.stage == RequestStage::kPrefilling || req.stage == RequestStage::kDecoding) {
     mWrites->requireReachedDevice(call, req.writesMark);
   }
 }
@@ -695,10 +669,7 @@ SwaKVCacheStatus BoundedSwaKVPageManager::compactBatch(RequestHandle& handle) {
   req.mapping.clear();
   req.newBatchSize = -1;
   req.deviceMapping = nullptr;
-  req.pending = Pending::kNone;
-  if (req.sequences.empty()) {
-    req.phase = Phase::kFinishing;
-  }
+  req.stage = req.sequences.empty() ? RequestStage::kFinishing : RequestStage::kSettled;
   return SwaKVCacheStatus::kOk;
 }
 
@@ -707,8 +678,7 @@ SwaKVCacheStatus BoundedSwaKVPageManager::finish(RequestHandle& handle) {
     return poisoned() ? SwaKVCacheStatus::kPoisoned : SwaKVCacheStatus::kOk;
   }
   uint64_t const id = request(handle, "BoundedSwaKVPageManager::finish").id;
-  handle.mManager = nullptr;
-  handle.mId = 0;
+  handle.invalidate();
   std::unique_ptr<Request> finished =
       mRequests->detachSettled(id, [this] { return synchronize(); });
   if (finished == nullptr ||
@@ -782,8 +752,7 @@ void BoundedSwaKVPageManager::releaseRequest(Request& req) noexcept {
 
 SwaKVCacheStatus BoundedSwaKVPageManager::quarantineHandle(RequestHandle& handle,
                                                            uint64_t id) noexcept {
-  handle.mManager = nullptr;
-  handle.mId = 0;
+  handle.invalidate();
   mRequests->quarantine(id);  // its pages stay held while device work may touch them
   return SwaKVCacheStatus::kPoisoned;
 }

@@ -9,24 +9,16 @@
 
 #include "mkv/bounded_swa_kv_page_manager.h"
 #include "mkv/tensor.h"
+#include "resources/request_stage.h"
 
 namespace mkv {
 
-/// Device work a request has enqueued and not yet seen complete; it names the only call that
-/// may complete it.
-enum class BoundedSwaKVPageManager::Pending : uint8_t {
-  kNone,
-  kPrefill,     // preparePrefill -> completePrefill
-  kDecode,      // prepareDecodeStep -> completeDecodeStep
-  kCompaction,  // beginBatchCompaction -> compactBatch
-};
-
 struct BoundedSwaKVPageManager::Request {
   uint64_t id = 0;
-  Phase phase = Phase::kAdmitted;
-  Pending pending = Pending::kNone;
-  /// DeviceWriteQueue::awaitingFlush() at the end of the prepare call of `pending` (-1: nothing
-  /// waited), checked by its completion.
+  /// Where it is in its lifecycle (resources/request_stage.h, as the coordinator's requests).
+  RequestStage stage = RequestStage::kAdmitted;
+  /// DeviceWriteQueue::awaitingFlush() at the end of the prepared prefill or decode step (-1:
+  /// nothing waited), checked by the call that completes it.
   int64_t writesMark = -1;
   std::vector<SwaSequenceState> sequences;
   /// The row a decode step could not grow, and why (kNone until one fails).
@@ -38,7 +30,7 @@ struct BoundedSwaKVPageManager::Request {
   int32_t newBatchSize = -1;
   Tensor* deviceMapping = nullptr;
   /// Device work is enqueued and not known complete: a finish or abandonment synchronises.
-  bool needsSynchronization() const noexcept { return pending != Pending::kNone; }
+  bool needsSynchronization() const noexcept { return hasPendingWork(stage); }
 };
 
 namespace swa_detail {

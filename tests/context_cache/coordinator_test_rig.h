@@ -21,7 +21,7 @@
 #include "mkv/kv_cache_pool.h"
 #include "mkv/kv_page_table.h"
 #include "mkv/testing/kv_oracle.h"
-#include "support/sync_faults.h"
+#include "support/fault_arming.h"
 #include "support/test_util.h"
 #include "support/token_runs.h"
 
@@ -268,7 +268,7 @@ class CoordinatorRig {
   RigOptions options;
   KVCachePool pool;
   KVPageTable table;
-  SyncFaults sync;  ///< the coordinator's synchroniser
+  FaultArming sync;  ///< the coordinator's synchroniser
   ContextCacheCoordinator coordinator;
   testing::KvOracle oracle;
 };

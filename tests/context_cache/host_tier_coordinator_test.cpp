@@ -116,7 +116,7 @@ class HostTierCoordinatorTest : public test::DeviceTest {
     ASSERT_EQ(serve(other), 0);
   }
 
-  test::SyncFaults mSync;
+  test::FaultArming mSync;
   ContextCacheStatus mLastStatus = ContextCacheStatus::kOk;
   std::unique_ptr<KVCachePool> mPool;
   std::unique_ptr<KVPageTable> mTable;
@@ -136,7 +136,7 @@ TEST_P(HostTierCoordinatorTest, AnEvictedPrefixComesBackFromTheHostBitForBit) {
   EXPECT_EQ(serve(again), 3 * kPage) << "the whole evicted prefix is reused";
   ContextCacheMetrics const back = mCoordinator->metrics();
   EXPECT_EQ(back.onboardedPages, 3U);
-  EXPECT_EQ(back.hostTierHitTokens, uint64_t{3 * kPage});
+  EXPECT_EQ(back.hostTierHitTokens, uint64_t{3} * kPage);
   EXPECT_GE(mCoordinator->counters().hostTierTransfers, 2U);
   test::synchronize(device());
   expectEveryPageAccountedFor();

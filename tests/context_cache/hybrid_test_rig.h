@@ -212,7 +212,7 @@ class HybridRig {
   std::optional<testing::KvOracle> oracle;
   RecurrentStatePool recurrent;
   std::vector<int32_t> capturedPoints;  ///< every reuse point prefill() wrote, in order
-  SyncFaults sync;                      ///< the coordinator's synchroniser
+  FaultArming sync;                     ///< the coordinator's synchroniser
   std::optional<ContextCacheCoordinator> coordinator;
 
  private:

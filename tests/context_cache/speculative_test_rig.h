@@ -322,7 +322,7 @@ class SpecRig {
   std::optional<testing::KvOracle> draftOracle;
   std::optional<RecurrentStatePool> recurrent;
   std::optional<testing::RecurrentOracle> recurrentOracle;
-  SyncFaults sync;  ///< the coordinator's synchroniser
+  FaultArming sync;  ///< the coordinator's synchroniser
   std::optional<ContextCacheCoordinator> coordinator;
 };
 

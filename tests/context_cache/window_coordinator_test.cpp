@@ -50,14 +50,14 @@ class WindowCoordinatorFixture : public ::testing::Test {
   KVPageTable mTable{mOptions.maxBatch, mOptions.maxPagesPerSeq, mOptions.numPages,
                      PageTableMode::kDense, DeviceType::kCPU};
   WindowBlockCache mWindow{kSlidingPages, kPage, kWindowTokens, /*verifyTokens=*/true};
-  test::SyncFaults mSync;
+  test::FaultArming mSync;
   ContextCacheCoordinator mCoordinator{
       cacheConfig(mOptions), ContextCacheDeploymentProfile{}, resources(), nullptr, {},
       mSync.injector()};
   // 6 full blocks and one more token.
   std::vector<int32_t> mPrompt = tokenRun(6 * kPage + 1, 0);
 
-  ~WindowCoordinatorFixture() override { (void)mCoordinator.shutdown(); }
+  void TearDown() override { (void)mCoordinator.shutdown(); }
 
   ContextCachePhysicalResources resources() {
     ContextCachePhysicalResources r{&mPool, &mTable, nullptr, nullptr, nullptr};
@@ -134,7 +134,7 @@ TEST_F(WindowReusePointTest, TheWindowBeforeEveryPointIsKeptAndTheBlocksBetweenG
   EXPECT_EQ(mWindow.evictablePointPages(), 4);
   // A prompt diverging inside block 5: the full layers match 5 blocks, whose window (blocks 3,
   // 4) lost block 3; the hit lands on the point at block 3, whose window (1, 2) is kept.
-  std::vector<int32_t> diverging(mPrompt.begin(), mPrompt.begin() + 5 * kPage + 8);
+  std::vector<int32_t> diverging(mPrompt.begin(), mPrompt.begin() + std::ptrdiff_t{5} * kPage + 8);
   diverging.insert(diverging.end(), {9001, 9002, 9003});
   int32_t start = -1;
   Handle handle = admit(diverging, 1, start);
@@ -146,7 +146,7 @@ TEST_F(WindowReusePointTest, TheWindowBeforeEveryPointIsKeptAndTheBlocksBetweenG
 TEST_F(WindowReusePointTest, AWindowAHitReadOutlastsThePointWindows) {
   publishPrompt({0, 1, 2, 3, 4, 5});
   int32_t start = -1;
-  std::vector<int32_t> diverging(mPrompt.begin(), mPrompt.begin() + 3 * kPage + 5);
+  std::vector<int32_t> diverging(mPrompt.begin(), mPrompt.begin() + std::ptrdiff_t{3} * kPage + 5);
   diverging.push_back(9001);
   Handle handle = admit(diverging, 1, start);  // a hit at block 3 reads blocks 1 and 2
   ASSERT_EQ(start, 3 * kPage);
@@ -169,7 +169,7 @@ TEST_F(WindowCoordinatorTest, WithoutPointsTheReleaseOrderDecides) {
   publishPrompt({0, 1, 2, 3, 4, 5});
   EXPECT_EQ(mWindow.keptBlocks(), 0);
   dropOldestWindowBlocks(2);  // blocks 0 and 1: no window before block 3 is left
-  std::vector<int32_t> diverging(mPrompt.begin(), mPrompt.begin() + 5 * kPage + 8);
+  std::vector<int32_t> diverging(mPrompt.begin(), mPrompt.begin() + std::ptrdiff_t{5} * kPage + 8);
   diverging.insert(diverging.end(), {9001, 9002, 9003});
   int32_t start = -1;
   Handle handle = admit(diverging, 1, start);
@@ -201,8 +201,8 @@ TEST_F(WindowCoordinatorTest, TheWindowRuleCapsAHitWhoseWindowWasDropped) {
   EXPECT_EQ(mCoordinator.reusedWindowPages(handle, 0), (std::vector<PageId>{2, 3}));
   ContextCacheMetrics const metrics = mCoordinator.metrics();
   EXPECT_EQ(windowMisses(), 1U);
-  EXPECT_EQ(metrics.windowLimitedTokens, uint64_t{2 * kPage});
-  EXPECT_EQ(metrics.reusedTokens, uint64_t{4 * kPage});
+  EXPECT_EQ(metrics.windowLimitedTokens, uint64_t{2} * kPage);
+  EXPECT_EQ(metrics.reusedTokens, uint64_t{4} * kPage);
   std::string const text = mCoordinator.toPrometheus();
   EXPECT_NE(text.find("managedkv_misses_total{reason=\"window_evicted\"} 1"), std::string::npos);
   EXPECT_NE(text.find("managedkv_window_limited_tokens_total 32"), std::string::npos);
@@ -244,7 +244,7 @@ TEST_F(WindowCoordinatorTest, TheWindowACappedHitRecomputedIsKeptForTheNextHitTh
 }
 
 TEST_F(WindowCoordinatorTest, ACappedFullInputRewindBecomesAStandardPlan) {
-  std::vector<int32_t> const aligned(mPrompt.begin(), mPrompt.begin() + 6 * kPage);
+  std::vector<int32_t> const aligned(mPrompt.begin(), mPrompt.begin() + std::ptrdiff_t{6} * kPage);
   int32_t start = -1;
   Handle first = admit(aligned, 0, start);
   prefill(first, aligned);
@@ -260,7 +260,7 @@ TEST_F(WindowCoordinatorTest, ACappedFullInputRewindBecomesAStandardPlan) {
   // The rewind keeps 5 blocks; k = 5 needs {3, 4}, k = 3 needs {1, 2}.
   EXPECT_EQ(start, 3 * kPage);
   EXPECT_EQ(mCoordinator.metrics().fullInputRewinds, 0U);
-  EXPECT_EQ(mCoordinator.metrics().windowLimitedTokens, uint64_t{2 * kPage});
+  EXPECT_EQ(mCoordinator.metrics().windowLimitedTokens, uint64_t{2} * kPage);
   EXPECT_EQ(windowMisses(), 1U);
   EXPECT_EQ(mCoordinator.finish(second), ContextCacheStatus::kOk);
 }
@@ -277,7 +277,7 @@ TEST_F(WindowCoordinatorTest, NoCachedWindowGivesTheColdPlan) {
   EXPECT_EQ(start, 0);
   EXPECT_TRUE(mCoordinator.reusedWindowPages(cold, 0).empty());
   EXPECT_EQ(windowMisses(), 2U);
-  EXPECT_EQ(mCoordinator.metrics().windowLimitedTokens, uint64_t{(2 + 6) * kPage});
+  EXPECT_EQ(mCoordinator.metrics().windowLimitedTokens, uint64_t{2 + 6} * kPage);
   EXPECT_EQ(mCoordinator.finish(cold), ContextCacheStatus::kOk);
 }
 
@@ -292,7 +292,7 @@ TEST_F(WindowCoordinatorTest, InFlightAdmissionIsCappedTheSameWay) {
   ASSERT_EQ(joined.status, ContextCacheStatus::kOk);
   EXPECT_EQ(joined.prefillStart, 4 * kPage);
   EXPECT_EQ(windowMisses(), 1U);
-  EXPECT_EQ(mCoordinator.metrics().windowLimitedTokens, uint64_t{2 * kPage});
+  EXPECT_EQ(mCoordinator.metrics().windowLimitedTokens, uint64_t{2} * kPage);
   EXPECT_EQ(mCoordinator.reusedWindowPages(handle, 1), (std::vector<PageId>{2, 3}));
   EXPECT_EQ(mCoordinator.finish(handle), ContextCacheStatus::kOk);
 }

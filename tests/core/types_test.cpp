@@ -4,6 +4,7 @@
 
 #include <set>
 #include <string>
+#include <type_traits>
 
 namespace mkv {
 namespace {
@@ -49,12 +50,11 @@ TEST(TypesTest, FinishReasonNames) {
 }
 
 TEST(TypesTest, StatusNames) {
-  EXPECT_EQ(toString(SwaKVCacheStatus::kOk), "ok");
-  EXPECT_EQ(toString(SwaKVCacheStatus::kRequestFailed), "request-failed");
-  EXPECT_EQ(toString(SwaKVCacheStatus::kPoisoned), "poisoned");
-  EXPECT_EQ(toString(ContextCacheStatus::kOk), "ok");
-  EXPECT_EQ(toString(ContextCacheStatus::kRequestFailed), "request-failed");
-  EXPECT_EQ(toString(ContextCacheStatus::kPoisoned), "poisoned");
+  static_assert(std::is_same_v<SwaKVCacheStatus, KvStatus>);
+  static_assert(std::is_same_v<ContextCacheStatus, KvStatus>);
+  EXPECT_EQ(toString(KvStatus::kOk), "ok");
+  EXPECT_EQ(toString(KvStatus::kRequestFailed), "request-failed");
+  EXPECT_EQ(toString(KvStatus::kPoisoned), "poisoned");
 }
 
 TEST(TypesTest, ResidentRefDefaultIsInvalidAndComparesSlotAndEpoch) {

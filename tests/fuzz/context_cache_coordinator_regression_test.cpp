@@ -13,7 +13,7 @@
 #include "mkv/context_cache/context_cache_coordinator.h"
 #include "mkv/error.h"
 #include "mkv/kv_cache_runtime.h"
-#include "support/sync_faults.h"
+#include "support/fault_arming.h"
 #include "support/token_runs.h"
 
 namespace mkv {
@@ -70,7 +70,7 @@ struct Rig {
 
   /// Live entries of a row that differ between the host copy and the device mirror.
   int32_t staleEntries(CacheSlot slot) {
-    auto const width = static_cast<std::size_t>(2 * table().maxPagesPerSeq());
+    auto const width = 2 * static_cast<std::size_t>(table().maxPagesPerSeq());
     int32_t const* device =
         table().deviceTable().dataPointer<int32_t>() + width * static_cast<std::size_t>(slot);
     std::span<int32_t const> const host = table().hostRow(slot);
@@ -81,7 +81,7 @@ struct Rig {
     return stale;
   }
 
-  test::SyncFaults syncs;  ///< counts the synchronisations (none fails)
+  test::FaultArming syncs;  ///< counts the synchronisations (none fails)
   std::unique_ptr<KVCacheRuntime> runtime;
 };
 

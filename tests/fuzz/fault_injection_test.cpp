@@ -50,7 +50,7 @@
 #include "mkv/managed_kv_cache_request.h"
 #include "mkv/testing/reference_engine.h"
 #include "support/backend_snapshot.h"
-#include "support/sync_faults.h"
+#include "support/fault_arming.h"
 #include "support/token_runs.h"
 
 // AddressSanitizer replaces operator new itself (GCC defines __SANITIZE_ADDRESS__, clang reports
@@ -117,16 +117,21 @@ decltype(auto) library(Call&& call) {
 
 using State = test::BackendSnapshot;
 
+/// `config` on host tensors and kStream, its faults reported to `faults`.
+KVCacheRuntimeConfig onHost(KVCacheRuntimeConfig config, FaultInjector faults) {
+  config.deviceType = DeviceType::kCPU;
+  config.stream = kStream;
+  config.faults = std::move(faults);
+  return config;
+}
+
 /// One runtime on host tensors and what an engine keeps about the request a script drives:
 /// its rows (execution order) in `context`, the backend request, a joiner being admitted.
 struct Rig {
-  explicit Rig(KVCacheRuntimeConfig config) {
-    config.deviceType = DeviceType::kCPU;
-    config.stream = kStream;
-    config.faults = syncs.injector();
-    runtime = KVCacheRuntime::create(config);
-    coordinator = runtime->contextCache();
-    swa = runtime->swaPageManager();
+  explicit Rig(KVCacheRuntimeConfig const& config)
+      : runtime(KVCacheRuntime::create(onHost(config, syncs.injector()))),
+        coordinator(runtime->contextCache()),
+        swa(runtime->swaPageManager()) {
     deviceMapping = Tensor({config.maxBatchSize}, DataType::kInt32, DeviceType::kCPU);
     context.stream = kStream;
   }
@@ -422,7 +427,7 @@ struct Rig {
     EXPECT_TRUE(runtime->shutdown()) << where;
   }
 
-  test::SyncFaults syncs;
+  test::FaultArming syncs;
   std::unique_ptr<KVCacheRuntime> runtime;
   ContextCacheCoordinator* coordinator = nullptr;
   BoundedSwaKVPageManager* swa = nullptr;
@@ -1160,8 +1165,8 @@ TEST_F(AllocationFaultTest, AHybridMtpEndpointThatRunsOutOfHostMemoryKeepsTheHit
   spec.draftHeadDim = 4;
   spec.boundaryHiddenWidth = 8;
   config.speculative = spec;
-  config.contextCache.recurrentSnapshotPoolBytes = 4 * (2 * (24 + 8) + 8 * 2);
-  config.contextCache.partialKvSnapshotPoolBytes = 4 * 3 * (2 * 16 * 4 * 2);
+  config.contextCache.recurrentSnapshotPoolBytes = int64_t{4} * (2 * (24 + 8) + 8 * 2);
+  config.contextCache.partialKvSnapshotPoolBytes = int64_t{4} * 3 * 2 * 16 * 4 * 2;
   std::unique_ptr<KVCacheRuntime> runtime = KVCacheRuntime::create(config);
   ContextCacheCoordinator& coordinator = *runtime->contextCache();
   constexpr DecodingKvHeadroom kHeadroom{4, 4};

@@ -20,7 +20,7 @@
 #include "mkv/kv_cache_runtime.h"
 #include "mkv/managed_kv_cache_request.h"
 #include "runtime_test_rig.h"
-#include "support/sync_faults.h"
+#include "support/fault_arming.h"
 #include "support/test_util.h"
 #include "support/token_runs.h"
 
@@ -54,7 +54,7 @@ class DeviceWriteFaultTest : public RuntimeCaseTest {
     return KVCacheRuntime::create(config);
   }
 
-  test::SyncFaults mFaults;  ///< armed at kLaunch
+  test::FaultArming mFaults;  ///< armed at kLaunch
 };
 
 INSTANTIATE_TEST_SUITE_P(Backends, DeviceWriteFaultTest,
@@ -154,7 +154,7 @@ INSTANTIATE_TEST_SUITE_P(Backends, RetractionFaultTest, ::testing::ValuesIn(join
 // quarantines it, and shutdown frees everything.
 TEST_P(RetractionFaultTest, ARetractionWhoseRowClearFailsPoisonsAndShutdownClearsTheRow) {
   RuntimeRig rig(configFor(backend(), device()));
-  test::SyncFaults& faults = rig.faults();  // the rig's injector: its launches too
+  test::FaultArming& faults = rig.faults();  // the rig's injector: its launches too
   {
     FacadeDriver driver(rig);
     driver.add(tokenRun(41, 10));

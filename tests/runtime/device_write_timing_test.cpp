@@ -28,7 +28,7 @@
 #include "mkv/managed_kv_cache_request.h"
 #include "mkv/testing/reference_engine.h"
 #include "runtime_test_rig.h"
-#include "support/sync_faults.h"
+#include "support/fault_arming.h"
 #include "support/test_util.h"
 #include "support/token_runs.h"
 
@@ -341,15 +341,15 @@ KVCacheRuntimeConfig workloadConfig(Deployment deployment, DeviceType device,
       config.model.numRecurrentLayers = 2;
       config.model.recurrentStateBytes = 24;
       config.model.recurrentConvBytes = 8;
-      config.contextCache.recurrentSnapshotPoolBytes = 8 * 2 * (24 + 8);
+      config.contextCache.recurrentSnapshotPoolBytes = int64_t{8} * 2 * (24 + 8);
       // 2 layers x K and V x 16 tokens x 1 head x 4 x fp16 per partial page.
-      config.contextCache.partialKvSnapshotPoolBytes = 8 * 2 * 2 * 16 * 4 * 2;
+      config.contextCache.partialKvSnapshotPoolBytes = int64_t{8} * 2 * 2 * 16 * 4 * 2;
       break;
     case Deployment::kHostTier:
       config = configFor(Backend::kContextReuse, device);
       config.numPages = 20;  // small: the churn below evicts to the host tier and onboards back
       config.contextCache.evictionPolicy = EvictionPolicyKind::kLru;
-      config.hostPoolTokens = 64 * runtime_test::kPageTokens;
+      config.hostPoolTokens = int64_t{64} * runtime_test::kPageTokens;
       break;
   }
   config.deviceWrites = timing;
@@ -489,7 +489,7 @@ TEST_P(EngineStepWorkloadTest, TheOracleAgreesAndEveryFigureMatchesWritesAtEachC
 // ::faults) at every site of the table. A site added to the table without a lifecycle that reaches
 // it fails here.
 TEST(FaultSiteTest, EverySiteOfTheTableIsConsulted) {
-  test::SyncFaults faults;  // counts every site it is asked about, fails none
+  test::FaultArming faults;  // counts every site it is asked about, fails none
   for (WorkloadCase const& workload : everyWorkloadCase()) {
     if (workload.device != DeviceType::kCPU) {
       continue;  // the same sites; the host twin needs no device

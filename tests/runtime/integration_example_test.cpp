@@ -3,7 +3,7 @@
 // calls), and checks that docs/integration.md shows exactly that file, so the
 // documented example cannot drift from compiling code. The example's engine loop runs on host
 // tensors and, as its header promises, with deviceType = kGPU (skipped without a CUDA device).
-#include "../../docs/examples/integration_example.cpp"
+#include "../../docs/examples/integration_example.cpp"  // NOLINT(bugprone-suspicious-include)
 
 #include <gtest/gtest.h>
 
@@ -19,7 +19,7 @@
 #include "mkv/error.h"
 #include "mkv/kv_cache_pool.h"
 #include "mkv/stream.h"
-#include "support/sync_faults.h"
+#include "support/fault_arming.h"
 #include "support/test_inputs.h"
 #include "support/test_util.h"
 
@@ -100,7 +100,7 @@ TEST_P(IntegrationExampleTest, ARowThatCannotGrowAbortsTheRequestAndReturnsItsRe
 TEST_P(IntegrationExampleTest, AFailedSynchronisationAbortsTheRequestUntilShutdown) {
   mkv::KVCacheRuntimeConfig config = exampleConfig(device());
   // The stream really is waited for; the first wait is then reported as failed.
-  mkv::test::SyncFaults faults;
+  mkv::test::FaultArming faults;
   faults.failCall(1);
   config.faults = faults.injector();
   auto runtime = mkv::KVCacheRuntime::create(config);
@@ -140,8 +140,8 @@ struct LengthRecorder {
   std::vector<std::vector<int32_t>> seen;
 };
 
-std::unique_ptr<mkv::KVCacheRuntime> recordingRuntime(mkv::DeviceType device,
-                                                      std::shared_ptr<LengthRecorder> recorder) {
+std::unique_ptr<mkv::KVCacheRuntime> recordingRuntime(
+    mkv::DeviceType device, std::shared_ptr<LengthRecorder> const& recorder) {
   mkv::KVCacheRuntimeConfig config = exampleConfig(device);
   config.synchronizer = [recorder,
                          wait = mkv::defaultStreamSynchronizer(device)](cudaStream_t stream) {

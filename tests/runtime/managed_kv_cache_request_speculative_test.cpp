@@ -56,8 +56,8 @@ KVCacheRuntimeConfig mtpConfig(DeviceType device) {
   config.speculative->boundaryHiddenWidth = kHiddenWidth;
   // A recurrent slot: 2 x (24 + 8) bytes of rows and one fp16 boundary hidden row. A partial slot:
   // one page (16 tokens x 4 fp16, K and V) of each of the 2 base layers and the draft layer.
-  config.contextCache.recurrentSnapshotPoolBytes = 4 * (2 * (24 + 8) + kHiddenWidth * 2);
-  config.contextCache.partialKvSnapshotPoolBytes = 4 * (2 + 1) * (2 * kPageTokens * 4 * 2);
+  config.contextCache.recurrentSnapshotPoolBytes = 4 * (int64_t{2} * (24 + 8) + kHiddenWidth * 2);
+  config.contextCache.partialKvSnapshotPoolBytes = int64_t{4} * (2 + 1) * 2 * kPageTokens * 4 * 2;
   return config;
 }
 
@@ -625,7 +625,7 @@ TEST_P(HybridMtpFacadeTest, ACaptureThatThrowsLeavesTheRequestAndItsPinsAsTheyWe
   consumer.executeDraft(39, 59);
   Tensor hidden({20, kHiddenWidth}, DataType::kFloat16, device());
   for (int failing : {1, 2, 3}) {  // each of the three captures in turn
-    SyncFaults& faults = rig.faults();
+    FaultArming& faults = rig.faults();
     int64_t const failures = faults.failures(FaultSite::kSnapshotCapture);
     faults.failCall(faults.calls(FaultSite::kSnapshotCapture) + failing, /*fromThenOn=*/false,
                     FaultSite::kSnapshotCapture);

@@ -20,7 +20,7 @@
 #include "mkv/managed_kv_cache_request.h"
 #include "mkv/stream.h"
 #include "mkv/testing/kv_oracle.h"
-#include "support/sync_faults.h"
+#include "support/fault_arming.h"
 #include "support/token_runs.h"
 
 namespace mkv::runtime_test {
@@ -77,7 +77,7 @@ KVCacheRuntimeConfig configFor(Backend backend, DeviceType device);
 using test::concatenated;
 using test::tokenRun;
 
-using test::SyncFaults;
+using test::FaultArming;
 
 /// What a rejected call must leave exactly as it was: the observable state of the runtime and
 /// its backend, compared field by field (RuntimeRig::expectUnchanged). Page tables are taken
@@ -107,7 +107,7 @@ struct BackendState {
   int64_t synchronizations = 0;
 };
 
-/// A KVCacheRuntime whose backend synchronises through SyncFaults. Declare drivers and facades
+/// A KVCacheRuntime whose backend synchronises through FaultArming. Declare drivers and facades
 /// after the rig, so they are destroyed first.
 class RuntimeRig {
  public:
@@ -118,7 +118,7 @@ class RuntimeRig {
   RuntimeRig& operator=(RuntimeRig const&) = delete;
 
   KVCacheRuntime& runtime() { return *mRuntime; }
-  SyncFaults& faults() { return mFaults; }
+  FaultArming& faults() { return mFaults; }
   bool boundedSwa() const { return mRuntime->backend() == KVCacheBackend::kBoundedSwa; }
   bool slidingReuse() const { return mRuntime->backend() == KVCacheBackend::kSlidingWindowReuse; }
   /// The backend's page pool: base KV pages (coordinator) or SWA pages.
@@ -139,7 +139,7 @@ class RuntimeRig {
   void expectIdle() const;
 
  private:
-  SyncFaults mFaults;
+  FaultArming mFaults;
   std::unique_ptr<KVCacheRuntime> mRuntime;
 };
 

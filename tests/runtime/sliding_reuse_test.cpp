@@ -21,7 +21,7 @@
 #include "mkv/managed_kv_cache_request.h"
 #include "mkv/testing/reference_engine.h"
 #include "runtime_test_rig.h"
-#include "support/sync_faults.h"
+#include "support/fault_arming.h"
 #include "support/test_util.h"
 #include "support/token_runs.h"
 
@@ -342,7 +342,7 @@ TEST_P(SlidingReuseTest, AJoinerTheSlidingPoolCannotHoldIsRefusedAndTheBatchRuns
 }
 
 TEST_P(SlidingReuseTest, AFailedSynchronisationPoisonsAndShutdownRecoversEveryPage) {
-  test::SyncFaults faults;
+  test::FaultArming faults;
   KVCacheRuntimeConfig config = slidingConfig(device());
   config.faults = faults.injector();
   auto runtime = KVCacheRuntime::create(config);
@@ -373,7 +373,7 @@ TEST_P(SlidingReuseTest, RandomRequestsKeepEveryByteAndEveryPage) {
   for (uint64_t seed = 1; seed <= 6; ++seed) {
     SCOPED_TRACE(::testing::Message() << "seed " << seed);
     std::mt19937_64 rng(seed);
-    test::SyncFaults faults;
+    test::FaultArming faults;
     KVCacheRuntimeConfig config = slidingConfig(device(), 69 + static_cast<int32_t>(seed) * 7);
     config.numPages = 80 + static_cast<int32_t>(seed) * 16;  // the full pool evicts too
     config.faults = faults.injector();

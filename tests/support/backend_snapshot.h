@@ -21,7 +21,7 @@
 namespace mkv::test {
 
 struct BackendSnapshot {
-  int64_t synchronizations = 0;  ///< set by the caller (SyncFaults::calls()); 0 if not compared
+  int64_t synchronizations = 0;  ///< set by the caller (FaultArming::calls()); 0 if not compared
   bool poisoned = false;
   int32_t activeRequests = 0;
   int32_t quarantined = 0;              ///< requests (coordinator) or pages (bounded SWA)

@@ -16,7 +16,7 @@
 #include "mkv/tensor.h"
 #include "mkv/testing/kv_oracle.h"
 #include "support/backend_snapshot.h"
-#include "support/sync_faults.h"
+#include "support/fault_arming.h"
 #include "support/token_runs.h"
 #include "swa/swa_test_rig.h"
 
@@ -28,7 +28,7 @@ constexpr int32_t kWindowTokens = 24;  // M = ceil(24 / 16) + 1 = 3 pages
 constexpr DecodingKvHeadroom kVanilla{1, 0};
 
 /// A KVCacheRuntime on the bounded-SWA backend (1 full and 1 sliding layer, 4 resident rows,
-/// 4 x (2M + 1) = 28 SWA pages, rows of 16 pages) synchronising through SyncFaults, the KV oracle
+/// 4 x (2M + 1) = 28 SWA pages, rows of 16 pages) synchronising through FaultArming, the KV oracle
 /// over its SWA pool, and the engine's view of one request: context, residents, sequences.
 /// Declare the request after the rig, so that it is destroyed first.
 class AdapterRig {
@@ -62,7 +62,7 @@ class AdapterRig {
 
   KVCacheRuntime& runtime() { return *mRuntime; }
   BoundedSwaKVPageManager& manager() { return *mRuntime->swaPageManager(); }
-  SyncFaults& faults() { return mFaults; }
+  FaultArming& faults() { return mFaults; }
 
   /// A context of one row per prompt length, each on a fresh resident, no token sampled yet.
   DecodingInferenceContext context(std::vector<int32_t> const& promptLengths) {
@@ -94,7 +94,7 @@ class AdapterRig {
   Tensor mapping;
 
  private:
-  SyncFaults mFaults;
+  FaultArming mFaults;
   std::unique_ptr<KVCacheRuntime> mRuntime;
   std::unique_ptr<testing::KvOracle> mOracle;
 };

@@ -27,11 +27,11 @@
 #include "mkv/tensor.h"
 #include "mkv/testing/kv_oracle.h"
 #include "mkv/types.h"
-#include "support/sync_faults.h"
+#include "support/fault_arming.h"
 
 namespace mkv::swa_test {
 
-using test::SyncFaults;
+using test::FaultArming;
 
 struct RigConfig {
   DeviceType device = DeviceType::kCPU;
@@ -120,7 +120,7 @@ class SwaRig {
   KVCachePool* fullPool() { return mFullPool.get(); }
   KVPageTable& table() { return *mTable; }
   RecurrentStatePool* recurrent() { return mRecurrent.get(); }
-  SyncFaults& faults() { return mFaults; }
+  FaultArming& faults() { return mFaults; }
   testing::KvOracle& oracle() { return *mOracle; }
   Tensor& mapping() { return mMapping; }
   int32_t M() const {
@@ -129,7 +129,7 @@ class SwaRig {
 
  private:
   RigConfig mConfig;
-  SyncFaults mFaults;
+  FaultArming mFaults;
   std::unique_ptr<KVCachePool> mPool;
   std::unique_ptr<KVCachePool> mFullPool;
   std::unique_ptr<KVPageTable> mTable;

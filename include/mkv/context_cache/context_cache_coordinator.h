@@ -24,6 +24,7 @@
 #include "mkv/kv_cache_pool.h"
 #include "mkv/kv_page_table.h"
 #include "mkv/recurrent_state_pool.h"
+#include "mkv/request_handle.h"
 #include "mkv/resident_slot_pool.h"
 #include "mkv/snapshot_storage.h"
 #include "mkv/stream.h"
@@ -260,29 +261,9 @@ class ContextCacheCoordinator {
   using Sequence = detail::CoordinatorSequence;
 
  public:
-  /// Move-only handle of an admitted request; destroying a live handle abandons the request
-  /// (synchronises when work is pending; on failure poisons and quarantines).
-  class RequestHandle {
-   public:
-    RequestHandle() = default;
-    RequestHandle(RequestHandle&& other) noexcept;
-    RequestHandle& operator=(RequestHandle&& other) noexcept;
-    RequestHandle(RequestHandle const&) = delete;
-    RequestHandle& operator=(RequestHandle const&) = delete;
-    ~RequestHandle();
-    bool valid() const noexcept { return mCoordinator != nullptr; }
-    /// The request's id (1, 2, ... in admission order; named by error messages), 0 once the
-    /// handle is invalid (finished, abandoned, moved from, or quarantined).
-    uint64_t id() const noexcept { return mId; }
-
-   private:
-    friend class ContextCacheCoordinator;
-    RequestHandle(ContextCacheCoordinator* coordinator, uint64_t id)
-        : mCoordinator(coordinator), mId(id) {}
-    void abandon() noexcept;
-    ContextCacheCoordinator* mCoordinator = nullptr;
-    uint64_t mId = 0;
-  };
+  /// Move-only handle of an admitted request (mkv/request_handle.h); destroying a live handle
+  /// abandons the request (synchronises when work is pending; on failure poisons and quarantines).
+  using RequestHandle = mkv::RequestHandle<ContextCacheCoordinator>;
 
   struct AdmissionResult {
     RequestHandle request;
@@ -589,7 +570,9 @@ class ContextCacheCoordinator {
   /// Refuses admissions until shutdown() (a failed launch, copy or row update).
   void poison() noexcept;
   bool synchronize() noexcept;
+  /// A live handle destroyed or replaced (RequestHandle calls it): the registry's abandon.
   void abandon(uint64_t id) noexcept;
+  friend RequestHandle;
   /// Clears the rows of `requests` (and uploads once); throws what the page tables throw.
   void clearRows(Requests requests);
   /// Marks the request's resident rows free.

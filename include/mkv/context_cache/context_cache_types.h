@@ -26,6 +26,7 @@ struct Hash128 {
 
   constexpr bool isZero() const noexcept { return hi == 0 && lo == 0; }
   friend constexpr bool operator==(Hash128, Hash128) noexcept = default;
+  // NOLINTNEXTLINE(modernize-use-nullptr): clang-tidy 14 misreads the defaulted <=>'s 0
   friend constexpr auto operator<=>(Hash128, Hash128) noexcept = default;
 };
 

@@ -43,7 +43,7 @@
 #include "mkv/managed_kv_cache_request.h"
 #include "mkv/testing/kv_oracle.h"
 #include "support/backend_snapshot.h"
-#include "support/sync_faults.h"
+#include "support/fault_arming.h"
 
 namespace mkv::fuzz::lifecycle {
 
@@ -418,7 +418,7 @@ class Lifecycle {
 
   Input mIn;
   LifecycleOptions mOptions;
-  test::SyncFaults mSync;
+  test::FaultArming mSync;
   LifecycleStats mStats;
   std::deque<std::string> mTrace;
 

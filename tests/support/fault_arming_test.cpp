@@ -1,7 +1,7 @@
-/// SyncFaults: the counting and arming every fault-injection verdict of the suites relies on, and
+/// FaultArming: the counting and arming every fault-injection verdict of the suites relies on, and
 /// how a synchronisation consults the injector (detail::withSyncFaults).
 
-#include "support/sync_faults.h"
+#include "support/fault_arming.h"
 
 #include <gtest/gtest.h>
 
@@ -13,12 +13,12 @@ namespace mkv::test {
 namespace {
 
 /// A host synchroniser (nothing to wait for) with `faults`' injector, as a backend builds it.
-StreamSynchronizer hostSync(SyncFaults const& faults) {
+StreamSynchronizer hostSync(FaultArming const& faults) {
   return detail::withSyncFaults([](cudaStream_t) { return cudaSuccess; }, faults.injector());
 }
 
-TEST(SyncFaultsTest, FailNextFailsTheNextCallsThenSucceeds) {
-  SyncFaults faults;
+TEST(FaultArmingTest, FailNextFailsTheNextCallsThenSucceeds) {
+  FaultArming faults;
   StreamSynchronizer const sync = hostSync(faults);
   faults.failNext(2);
   EXPECT_EQ(faults.pendingFailures(), 2);
@@ -30,15 +30,15 @@ TEST(SyncFaultsTest, FailNextFailsTheNextCallsThenSucceeds) {
   EXPECT_EQ(faults.pendingFailures(), 0);
 }
 
-TEST(SyncFaultsTest, FailCallCountsFromConstructionOnceOrFromThenOn) {
-  SyncFaults once;
+TEST(FaultArmingTest, FailCallCountsFromConstructionOnceOrFromThenOn) {
+  FaultArming once;
   StreamSynchronizer const a = hostSync(once);
   once.failCall(2);
   EXPECT_EQ(a(nullptr), cudaSuccess);
   EXPECT_EQ(a(nullptr), cudaErrorUnknown);
   EXPECT_EQ(a(nullptr), cudaSuccess);
 
-  SyncFaults persistent;
+  FaultArming persistent;
   StreamSynchronizer const b = hostSync(persistent);
   persistent.failCall(2, /*fromThenOn=*/true);
   EXPECT_EQ(b(nullptr), cudaSuccess);
@@ -49,8 +49,8 @@ TEST(SyncFaultsTest, FailCallCountsFromConstructionOnceOrFromThenOn) {
   EXPECT_EQ(b(nullptr), cudaSuccess);
 }
 
-TEST(SyncFaultsTest, ThrowsAreCountedApartFromFailures) {
-  SyncFaults faults;
+TEST(FaultArmingTest, ThrowsAreCountedApartFromFailures) {
+  FaultArming faults;
   StreamSynchronizer const sync = hostSync(faults);
   faults.throwNext();
   faults.failNext();
@@ -62,8 +62,8 @@ TEST(SyncFaultsTest, ThrowsAreCountedApartFromFailures) {
   EXPECT_EQ(faults.calls(), 2);
 }
 
-TEST(SyncFaultsTest, DisarmReportsWhatWasStillArmed) {
-  SyncFaults faults;
+TEST(FaultArmingTest, DisarmReportsWhatWasStillArmed) {
+  FaultArming faults;
   faults.failNext(3);
   faults.throwNext();
   EXPECT_EQ(faults.disarm(), 4);
@@ -71,8 +71,8 @@ TEST(SyncFaultsTest, DisarmReportsWhatWasStillArmed) {
   EXPECT_EQ(faults.disarm(), 0);
 }
 
-TEST(SyncFaultsTest, CopiesShareOneStateAndTheWaitRunsFirst) {
-  SyncFaults faults;
+TEST(FaultArmingTest, CopiesShareOneStateAndTheWaitRunsFirst) {
+  FaultArming faults;
   int32_t waits = 0;
   int64_t callsSeenByWait = -1;
   StreamSynchronizer const sync = detail::withSyncFaults(
@@ -82,7 +82,7 @@ TEST(SyncFaultsTest, CopiesShareOneStateAndTheWaitRunsFirst) {
         return waits == 1 ? cudaErrorNoDevice : cudaSuccess;
       },
       faults.injector());
-  SyncFaults copy = faults;
+  FaultArming copy = faults;
   EXPECT_EQ(sync(nullptr), cudaErrorNoDevice) << "a real failure is reported as it is";
   EXPECT_EQ(callsSeenByWait, 0) << "the wait runs before the injector is consulted";
   copy.failNext();
@@ -91,8 +91,8 @@ TEST(SyncFaultsTest, CopiesShareOneStateAndTheWaitRunsFirst) {
   EXPECT_EQ(faults.calls(), 2) << "consulted after a failed wait too";
 }
 
-TEST(SyncFaultsTest, EachSiteIsArmedAndCountedApart) {
-  SyncFaults faults;
+TEST(FaultArmingTest, EachSiteIsArmedAndCountedApart) {
+  FaultArming faults;
   FaultInjector const inject = faults.injector();
   faults.failNext(1, FaultSite::kPublication);
   faults.throwNext(FaultSite::kHostTierOrder);
@@ -108,8 +108,8 @@ TEST(SyncFaultsTest, EachSiteIsArmedAndCountedApart) {
   EXPECT_EQ(faults.calls(FaultSite::kSnapshotCapture), 0);
 }
 
-TEST(SyncFaultsTest, WithoutSiteLeavesOneSiteOut) {
-  SyncFaults faults;
+TEST(FaultArmingTest, WithoutSiteLeavesOneSiteOut) {
+  FaultArming faults;
   faults.failNext(2);
   faults.failNext(1, FaultSite::kDeviceWriteLaunch);
   FaultInjector const halves =

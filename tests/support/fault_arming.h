@@ -1,10 +1,10 @@
 #pragma once
-/// \file sync_faults.h
+/// \file fault_arming.h
 /// The fault injector of every suite (mkv::FaultInjector, mkv/fault_site.h): a runtime or part
 /// given `injector()` reports every fault site it reaches here, and the test makes chosen calls
 /// of a site fail (cudaErrorUnknown) or throw. The arming and counts name a site; without one they
 /// are the synchronisations' (FaultSite::kStreamSynchronize), the site most suites drive. Copies
-/// share one state, so a test keeps its SyncFaults while the backend owns the std::function.
+/// share one state, so a test keeps its FaultArming while the backend owns the std::function.
 /// Single-threaded, like the backends' synchronisation.
 
 #include <array>
@@ -16,7 +16,7 @@
 
 namespace mkv::test {
 
-class SyncFaults {
+class FaultArming {
  public:
   /// The injector to give a runtime (KVCacheRuntimeConfig::faults) or a part: counts each call of
   /// a site and fails it when armed for that site; otherwise cudaSuccess.

@@ -1,11 +1,11 @@
-#include "support/sync_faults.h"
+#include "support/fault_arming.h"
 
 #include <stdexcept>
 #include <string>
 
 namespace mkv::test {
 
-FaultInjector SyncFaults::injector() const {
+FaultInjector FaultArming::injector() const {
   return [state = mState](FaultSite site) {
     Site& at = (*state)[static_cast<std::size_t>(site)];
     ++at.calls;
@@ -27,7 +27,7 @@ FaultInjector SyncFaults::injector() const {
   };
 }
 
-int32_t SyncFaults::disarm() {
+int32_t FaultArming::disarm() {
   int32_t left = 0;
   for (Site& site : *mState) {
     left += site.failuresLeft + site.throwsLeft;
