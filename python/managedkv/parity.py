@@ -1,9 +1,13 @@
-"""Parity of a tiny Llama-style decoder run dense and through managedkv (docs/python.md, "Parity").
+"""Parity of a tiny Llama decoder run by a reference and through managedkv (docs/python.md, "Parity").
 
-    python3 -m managedkv.parity --model llama --device cpu --reference dense --json FILE
+    python3 -m managedkv.parity --model llama --device cpu|cuda --reference dense|hf-torch|transformers --json FILE
 
-The model (RMSNorm, RoPE, grouped-query attention, SwiGLU; random fp32 weights from a seed) runs
-(a) dense: no paging and no reuse, every token's logits recomputed from the whole sequence, and
+The model (transformers' Llama: RMSNorm, RoPE, grouped-query attention, SwiGLU; random fp32 weights
+from a seed, under transformers' parameter names) runs (a) by the reference, every token's logits
+recomputed from the whole sequence with no paging and no reuse: ``dense`` the same decoder code,
+``hf-torch`` transformers' Llama forward re-implemented in torch (``managedkv.hf_llama``),
+``transformers`` a ``transformers.LlamaForCausalLM`` itself (eager attention, no cache; transformers
+is imported only then), the engine's weights being that module's ``state_dict()``; and
 (b) through managedkv: each step's K and V are written into the library's pool pages through the
 step's ``slotMapping``, and attention reads the pages back through ``blockTable`` (even layers, as
 FlashAttention / vLLM would) or through the FlashInfer CSR triple (odd layers), over a workload
@@ -11,21 +15,22 @@ with prefix hits, an in-flight joiner whose prefill is chunked over decode steps
 finished rows, eviction from a small pool and, on a second runtime, a host tier that onboards
 evicted blocks back. Greedy tokens must be identical and every logit computed on path (b) within
 1e-3 of path (a); each path must engage what it exists for (reuse, eviction, onboarding). Exit
-status 0 when everything holds, 1 otherwise.
+status 0 when everything holds, 1 otherwise, 2 when transformers is asked for and missing.
 
 Only torch APIs present in torch 1.13 are used (attention is matmul + softmax).
 """
 
 import argparse
 import json
-import math
 import platform
 import sys
 import time
 
 import torch
+import torch.nn.functional as F
 
 import managedkv as mkv
+from managedkv import hf_llama
 
 LOGIT_TOLERANCE = 1e-3
 
@@ -37,78 +42,86 @@ SIZES = {
 
 
 class TinyLlama:
-    """A Llama-style decoder with random weights: embeddings, per layer RMSNorm -> attention (RoPE,
-    grouped-query heads) -> residual -> RMSNorm -> SwiGLU -> residual, final RMSNorm, LM head."""
+    """A Llama decoder in the math of transformers' ``LlamaForCausalLM`` (eager attention): embeddings,
+    per layer RMSNorm -> attention (RoPE, grouped-query heads) -> residual -> RMSNorm -> SwiGLU ->
+    residual, final RMSNorm, LM head. Its weights are a state dict under transformers' parameter
+    names and layouts (nn.Linear's [out, in], applied as ``x @ W.T``), checked by
+    ``hf_llama.check_state_dict``: the parity's own seeded random weights (``random``), or a
+    ``transformers.LlamaForCausalLM``'s ``state_dict()`` (``--reference transformers``). The dense
+    forward and the paged engine both run on the methods below."""
 
-    def __init__(self, size, seed, device):
-        self.__dict__.update(size)
+    def __init__(self, geometry, state_dict, device, inv_freq=None):
+        self.__dict__.update(geometry)
         self.device = device
-        generator = torch.Generator().manual_seed(seed)
-
-        def weight(*shape):
-            return (torch.randn(*shape, generator=generator) / math.sqrt(shape[0])).to(device)
-
-        def norm():
-            return (1.0 + 0.1 * torch.randn(self.hidden, generator=generator)).to(device)
-
-        self.embed = torch.randn(self.vocab, self.hidden, generator=generator).to(device)
+        self.eps = geometry.get("rms_norm_eps", hf_llama.RMS_NORM_EPS)
+        self.rope_theta = geometry.get("rope_theta", hf_llama.ROPE_THETA)
+        self.scaling = self.head_dim**-0.5
+        checked = hf_llama.check_state_dict(state_dict, geometry)
+        weights = {k: v.to(device=device, dtype=torch.float32) for k, v in checked.items()}
+        self.embed = weights["model.embed_tokens.weight"]
         self.blocks = []
-        for _ in range(self.layers):
+        for i in range(self.layers):
+            p = f"model.layers.{i}."
             self.blocks.append(
                 dict(
-                    attn_norm=norm(),
-                    wq=weight(self.hidden, self.heads * self.head_dim),
-                    wk=weight(self.hidden, self.kv_heads * self.head_dim),
-                    wv=weight(self.hidden, self.kv_heads * self.head_dim),
-                    wo=weight(self.heads * self.head_dim, self.hidden),
-                    mlp_norm=norm(),
-                    w_gate=weight(self.hidden, self.ffn),
-                    w_up=weight(self.hidden, self.ffn),
-                    w_down=weight(self.ffn, self.hidden),
+                    attn_norm=weights[p + "input_layernorm.weight"],
+                    wq=weights[p + "self_attn.q_proj.weight"],
+                    wk=weights[p + "self_attn.k_proj.weight"],
+                    wv=weights[p + "self_attn.v_proj.weight"],
+                    wo=weights[p + "self_attn.o_proj.weight"],
+                    mlp_norm=weights[p + "post_attention_layernorm.weight"],
+                    w_gate=weights[p + "mlp.gate_proj.weight"],
+                    w_up=weights[p + "mlp.up_proj.weight"],
+                    w_down=weights[p + "mlp.down_proj.weight"],
                 )
             )
-        self.final_norm = norm()
-        self.lm_head = weight(self.hidden, self.vocab)
-        half = self.head_dim // 2
-        self.inv_freq = (1.0 / (10000.0 ** (torch.arange(half, dtype=torch.float32) / half))).to(device)
+        self.final_norm = weights["model.norm.weight"]
+        self.lm_head = weights["lm_head.weight"]
+        if inv_freq is None:
+            inv_freq = hf_llama.rope_inv_freq(self.head_dim, self.rope_theta)
+        self.inv_freq = inv_freq.to(device=device, dtype=torch.float32)
 
-    @staticmethod
-    def rms_norm(x, w):
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+    @classmethod
+    def random(cls, geometry, seed, device):
+        return cls(geometry, hf_llama.random_state_dict(geometry, seed), device)
+
+    def rms_norm(self, x, w):
+        return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
 
     def rope(self, x, positions):
-        """x [T, heads, D] rotated by its absolute positions [T] (half-split RoPE)."""
+        """x [T, heads, D] rotated by its absolute positions [T] (transformers' rotate_half
+        convention: the first half of each head pairs with the second)."""
         angles = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
         cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
         half = self.head_dim // 2
         x1, x2 = x[..., :half], x[..., half:]
-        return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
     def qkv(self, block, h, positions):
         x = self.rms_norm(h, block["attn_norm"])
-        q = (x @ block["wq"]).view(-1, self.heads, self.head_dim)
-        k = (x @ block["wk"]).view(-1, self.kv_heads, self.head_dim)
-        v = (x @ block["wv"]).view(-1, self.kv_heads, self.head_dim)
+        q = F.linear(x, block["wq"]).view(-1, self.heads, self.head_dim)
+        k = F.linear(x, block["wk"]).view(-1, self.kv_heads, self.head_dim)
+        v = F.linear(x, block["wv"]).view(-1, self.kv_heads, self.head_dim)
         return self.rope(q, positions), self.rope(k, positions), v
 
     def attend(self, q, k, v, query_positions):
         """q [Tq, H, D] at absolute positions [Tq]; k, v [Tk, KVH, D] for positions [0, Tk):
-        causal grouped-query attention with matmul + softmax."""
+        causal grouped-query attention with matmul + softmax, scaled by head_dim ** -0.5."""
         repeat = self.heads // self.kv_heads
         k = k.repeat_interleave(repeat, dim=1)
         v = v.repeat_interleave(repeat, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", q, k) / math.sqrt(self.head_dim)
+        scores = torch.einsum("qhd,khd->hqk", q, k) * self.scaling
         keys = torch.arange(k.shape[0], device=q.device)
         scores = scores.masked_fill((keys[None, :] > query_positions[:, None])[None], float("-inf"))
         return torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v)
 
     def finish_layer(self, block, h, attention):
-        h = h + attention.reshape(h.shape[0], -1) @ block["wo"]
+        h = h + F.linear(attention.reshape(h.shape[0], -1), block["wo"])
         x = self.rms_norm(h, block["mlp_norm"])
-        return h + (torch.nn.functional.silu(x @ block["w_gate"]) * (x @ block["w_up"])) @ block["w_down"]
+        return h + F.linear(F.silu(F.linear(x, block["w_gate"])) * F.linear(x, block["w_up"]), block["w_down"])
 
     def logits(self, h):
-        return self.rms_norm(h, self.final_norm) @ self.lm_head
+        return F.linear(self.rms_norm(h, self.final_norm), self.lm_head)
 
     def forward_dense(self, tokens):
         """Logits [T, vocab] of every position, recomputed from the whole sequence."""
@@ -362,29 +375,29 @@ class PagedEngine:
             raise RuntimeError(f"{len(waiting)} joiners never joined")
 
 
-def dense_reference(model, seq):
-    """Path (a): greedy tokens with every step recomputed from the whole sequence, and the logits
-    of every position of the final sequence."""
+def reference_run(reference, seq):
+    """Path (a): greedy tokens with every step recomputed from the whole sequence by the reference
+    (tokens -> logits [T, vocab]), and the logits of every position of the final sequence."""
     tokens = list(seq.prompt)
     generated = []
     for _ in range(len(seq.generated)):
-        token = int(model.forward_dense(tokens)[-1].argmax())
+        token = int(reference(tokens)[-1].argmax())
         generated.append(token)
         tokens.append(token)
-    return generated, model.forward_dense(tokens[:-1])
+    return generated, reference(tokens[:-1])
 
 
-def compare(model, sequences):
+def compare(reference, sequences):
     """Greedy tokens and logits of path (b) against path (a), over every position (b) computed."""
     tokens_equal, max_diff, positions = True, 0.0, 0
     for seq in sequences:
-        generated, dense_logits = dense_reference(model, seq)
+        generated, reference_logits = reference_run(reference, seq)
         if generated != seq.generated:
             tokens_equal = False
-            print(f"  {seq.name}: tokens differ: managedkv {seq.generated}, dense {generated}")
+            print(f"  {seq.name}: tokens differ: managedkv {seq.generated}, reference {generated}")
             continue
         for position, logits in seq.logits.items():
-            diff = float((logits - dense_logits[position]).abs().max())
+            diff = float((logits - reference_logits[position]).abs().max())
             max_diff = max(max_diff, diff)
             positions += 1
     return tokens_equal, max_diff, positions
@@ -406,14 +419,15 @@ class Workload:
         return Sequence(f"s{self.count}", prompt, new_tokens, join_step)
 
 
-def run_path(name, engine, model, body, guards):
-    """Runs `body(engine)` (which returns its sequences), compares them with the dense reference
-    and reports the path's metric deltas and whether its guards hold."""
+def run_path(name, engine, reference, body, guards, collected):
+    """Runs `body(engine)` (which returns its sequences, appended to `collected`), compares them
+    with the reference and reports the path's metric deltas and whether its guards hold."""
     start_metrics = engine.metrics()
     sequences = body(engine)
+    collected.extend(sequences)
     end_metrics = engine.metrics()
     delta = {k: end_metrics[k] - start_metrics[k] for k in end_metrics}
-    tokens_equal, max_diff, positions = compare(model, sequences)
+    tokens_equal, max_diff, positions = compare(reference, sequences)
     failed_guards = [g for g in guards if delta[g] == 0]
     result = dict(
         max_abs_logit_diff=max_diff,
@@ -435,11 +449,89 @@ def run_path(name, engine, model, body, guards):
     return result
 
 
+REFERENCES = {
+    "dense": "the same decoder (TinyLlama) on the same weights, dense: no paging, no reuse",
+    "hf-torch": "transformers' LlamaForCausalLM forward re-implemented in torch "
+    "(managedkv.hf_llama.ReferenceLlamaForCausalLM), the engine on its state_dict()",
+    "transformers": "transformers.LlamaForCausalLM itself (eager attention, fp32, called on the whole "
+    "sequence without a cache), the engine on its state_dict()",
+}
+
+
+def build_reference(args, geometry, device):
+    """The paged engine's model and path (a) of --reference: (model, reference, facts, stand_in),
+    where reference(tokens) gives the logits [T, vocab] of every position, recomputed from the whole
+    sequence, facts go into the JSON, and stand_in (for transformers only, else None) is the
+    hf-torch forward on transformers' weights. Raises hf_llama.TransformersMissing."""
+    if args.reference == "dense":
+        model = TinyLlama.random(geometry, args.seed, device)
+        return model, model.forward_dense, dict(weights="hf_llama.random_state_dict(seed)"), None
+
+    def wrap(module, call):
+        def reference(tokens):
+            with torch.no_grad():
+                return call(module, torch.tensor([tokens], dtype=torch.long, device=device))[0]
+
+        return reference
+
+    if args.reference == "hf-torch":
+        module = hf_llama.ReferenceLlamaForCausalLM(geometry)
+        module.load_state_dict(hf_llama.random_state_dict(geometry, args.seed), strict=True)
+        module = module.to(device).eval()
+        model = TinyLlama(geometry, module.state_dict(), device)
+        facts = dict(
+            weights="hf_llama.random_state_dict(seed), loaded into ReferenceLlamaForCausalLM (strict); "
+            "the engine loads its state_dict()"
+        )
+        return model, wrap(module, lambda m, ids: m(ids)), facts, None
+
+    hf, hf_facts = hf_llama.build_transformers_model(geometry, args.seed, device)
+    inv_freq = hf_facts.pop("inv_freq")
+    engine_geometry = dict(geometry, rms_norm_eps=hf_facts["rms_norm_eps"], rope_theta=hf_facts["rope_theta"])
+    model = TinyLlama(engine_geometry, hf.state_dict(), device, inv_freq=inv_freq)
+    own = hf_llama.rope_inv_freq(geometry["head_dim"], hf_facts["rope_theta"]).to(inv_freq.device)
+    hf_facts["inv_freq_equals_computed"] = bool(torch.equal(own, inv_freq.float()))
+    reference = wrap(hf, lambda m, ids: m(input_ids=ids, use_cache=False).logits)
+    facts = dict(
+        weights="hf_llama.random_state_dict(seed), loaded into transformers.LlamaForCausalLM (strict); "
+        "the engine loads its state_dict()",
+        transformers=hf_facts.pop("transformers"),
+        transformers_config=hf_facts,
+    )
+    # The local stand-in for transformers (what CI checks the loader against), to measure against it.
+    stand_in = hf_llama.ReferenceLlamaForCausalLM(engine_geometry)
+    stand_in.load_state_dict(hf.state_dict(), strict=True)
+    return model, reference, facts, wrap(stand_in.to(device).eval(), lambda m, ids: m(ids))
+
+
+def stand_in_check(stand_in, reference, sequences):
+    """Max |logit difference| and argmax agreement of the pure-torch stand-in and transformers over
+    the whole final sequences the parity generated."""
+    max_diff, positions, argmax_equal = 0.0, 0, True
+    for seq in sequences:
+        tokens = seq.prompt + seq.generated[:-1]
+        a, b = stand_in(tokens), reference(tokens)
+        max_diff = max(max_diff, float((a - b).abs().max()))
+        argmax_equal = argmax_equal and bool(torch.equal(a.argmax(-1), b.argmax(-1)))
+        positions += len(tokens)
+    return dict(
+        max_abs_logit_diff=max_diff,
+        argmax_equal=argmax_equal,
+        positions_compared=positions,
+        passed=argmax_equal and max_diff <= LOGIT_TOLERANCE,
+    )
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(prog="python3 -m managedkv.parity", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=["llama"], default="llama")
     parser.add_argument("--device", default="cpu", help="cpu, or cuda with a CUDA build of the module")
-    parser.add_argument("--reference", choices=["dense"], default="dense")
+    parser.add_argument(
+        "--reference",
+        choices=sorted(REFERENCES),
+        default="dense",
+        help="path (a): " + "; ".join(f"{k}: {v}" for k, v in REFERENCES.items()),
+    )
     parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--chunk", type=int, default=16, help="tokens of a joiner's prefill per step")
@@ -448,8 +540,16 @@ def main(argv=None):
 
     torch.manual_seed(args.seed)
     device = torch.device(args.device)
+    if device.type == "cuda":  # fp32 parity: no TF32 in matrix products (torch's default, made sure)
+        torch.backends.cuda.matmul.allow_tf32 = False
+        torch.backends.cudnn.allow_tf32 = False
     began = time.time()
-    model = TinyLlama(SIZES[args.size], args.seed, device)
+    geometry = dict(SIZES[args.size])
+    try:
+        model, reference, facts, stand_in = build_reference(args, geometry, device)
+    except hf_llama.TransformersMissing as error:
+        print(f"parity: {error}", file=sys.stderr)
+        return 2
     work = Workload(model.vocab, args.seed)
     P = model.page
     system_a, system_b = work.tokens(3 * P), work.tokens(2 * P + 8)
@@ -484,18 +584,36 @@ def main(argv=None):
         engine.serve(again)
         return sequences + again
 
-    paths = {}
+    paths, sequences = {}, []
     engine = PagedEngine(model, args, num_pages=28)
     paths["warm_reuse_chunked_join"] = run_path(
-        "warm_reuse_chunked_join", engine, model, warm, ["reused_tokens", "in_flight_joins", "prefill_chunks"]
+        "warm_reuse_chunked_join",
+        engine,
+        reference,
+        warm,
+        ["reused_tokens", "in_flight_joins", "prefill_chunks"],
+        sequences,
     )
     paths["eviction_then_miss"] = run_path(
-        "eviction_then_miss", engine, model, evict_then_miss, ["evicted_records", "evicted_misses"]
+        "eviction_then_miss", engine, reference, evict_then_miss, ["evicted_records", "evicted_misses"], sequences
     )
     tiered = PagedEngine(model, args, num_pages=28, host_pool_tokens=64 * P)
     paths["host_tier_onboard"] = run_path(
-        "host_tier_onboard", tiered, model, host_tier, ["reused_tokens", "evicted_records", "onboarded_pages"]
+        "host_tier_onboard",
+        tiered,
+        reference,
+        host_tier,
+        ["reused_tokens", "evicted_records", "onboarded_pages"],
+        sequences,
     )
+    if stand_in is not None:
+        check = stand_in_check(stand_in, reference, sequences)
+        facts["hf_torch_vs_transformers"] = check
+        print(
+            f"hf-torch stand-in vs transformers: positions {check['positions_compared']}  "
+            f"max|dlogit| {check['max_abs_logit_diff']:.3e}  argmax_equal {check['argmax_equal']}  "
+            f"{'ok' if check['passed'] else 'DIFFERS: the local self-check no longer mirrors transformers'}"
+        )
 
     keys = ["reused_tokens", "evicted_records", "onboarded_pages", "restored_checkpoints", "positions_compared"]
     report = dict(
@@ -503,10 +621,12 @@ def main(argv=None):
         size=args.size,
         device=args.device,
         reference=args.reference,
+        reference_is=REFERENCES[args.reference],
         seed=args.seed,
         torch=torch.__version__,
         python=platform.python_version(),
-        geometry=dict(SIZES[args.size]),
+        geometry=geometry,
+        **facts,
         tolerance=LOGIT_TOLERANCE,
         max_abs_logit_diff=max(p["max_abs_logit_diff"] for p in paths.values()),
         tokens_equal=all(p["tokens_equal"] for p in paths.values()),
@@ -520,7 +640,8 @@ def main(argv=None):
     report["passed"] = all(p["passed"] for p in paths.values())
     report["seconds"] = round(time.time() - began, 2)
     print(
-        f"parity {'PASSED' if report['passed'] else 'FAILED'}: {report['positions_compared']} positions, "
+        f"parity ({args.reference}) {'PASSED' if report['passed'] else 'FAILED'}: "
+        f"{report['positions_compared']} positions, "
         f"max|dlogit| {report['max_abs_logit_diff']:.3e} (tolerance {LOGIT_TOLERANCE}), "
         f"tokens_equal {report['tokens_equal']}, reused {report['reused_tokens']}, "
         f"evicted {report['evicted_records']}, onboarded {report['onboarded_pages']}, "
