@@ -1,21 +1,38 @@
 // Builds and runs docs/examples/serving_loop_example.cpp, the serving engine's loop (a token budget
-// per step, chunked prefill of joiners, preemption under pool pressure). The loop runs on host
-// tensors and, as its header promises, with deviceType = kGPU (skipped without a CUDA device): the
-// figures are the same on both.
+// per step, chunked prefill of joiners, preemption under pool pressure), and checks that
+// docs/integration.md shows exactly that file, so the documented example cannot drift from
+// compiling code. The loop runs on host tensors and, as its header promises, with deviceType =
+// kGPU (skipped without a CUDA device): the figures are the same on both.
 
 // NOLINTNEXTLINE(bugprone-suspicious-include): the test compiles the documented example itself
 #include "../../docs/examples/serving_loop_example.cpp"
 
 #include <gtest/gtest.h>
 
+#include <fstream>
 #include <numeric>
+#include <optional>
+#include <sstream>
+#include <string>
 
+#include "support/test_inputs.h"
 #include "support/test_util.h"
 
 namespace {
 
 using serving_example::Outcome;
 using serving_example::Sequence;
+
+/// The file's text, or nullopt when it cannot be opened.
+std::optional<std::string> readFile(std::string const& path) {
+  std::ifstream in(path);
+  if (!in) {
+    return std::nullopt;
+  }
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
 
 std::vector<int32_t> range(int32_t first, int32_t count) {
   std::vector<int32_t> tokens(static_cast<std::size_t>(count));
@@ -146,6 +163,24 @@ TEST_P(ServingLoopExampleTest, APreemptedSequenceResumesFromWhatItPublishedWithT
   EXPECT_EQ(tight.outcomes[4].resumedReusedTokens, 80);
   EXPECT_EQ(tight.outcomes[4].prefillChunks, 4 + 1);
   EXPECT_EQ(tight.outcomes[2].reusedTokens, 80) << "a chunk's pages are reused here too";
+}
+
+TEST(ServingLoopExampleDocTest, TheDocumentShowsTheCompiledExample) {
+  // Copies beside the binary (the GPU bundle carries them) or the source tree (test_inputs.h).
+  MKV_TEST_INPUT_OR_SKIP(docPath, "docs/integration.md");
+  MKV_TEST_INPUT_OR_SKIP(codePath, "docs/examples/serving_loop_example.cpp");
+  std::optional<std::string> const doc = readFile(docPath.string());
+  std::optional<std::string> const code = readFile(codePath.string());
+  ASSERT_TRUE(doc && code) << "cannot read " << (doc ? codePath : docPath);
+  ASSERT_FALSE(code->empty());
+  std::string const begin = "<!-- serving-example:begin -->\n```cpp\n";
+  std::string const end = "```\n<!-- serving-example:end -->";
+  auto const from = doc->find(begin);
+  auto const to = doc->find(end);
+  ASSERT_NE(from, std::string::npos);
+  ASSERT_NE(to, std::string::npos);
+  ASSERT_LT(from, to);
+  EXPECT_EQ(doc->substr(from + begin.size(), to - from - begin.size()), *code);
 }
 
 }  // namespace
