@@ -296,8 +296,8 @@ class ViewsRig {
     for (int32_t i = 0; i < n; ++i) {
       for (int32_t t = 0; t < fresh[static_cast<std::size_t>(i)]; ++t) {
         int32_t const position = before[static_cast<std::size_t>(i)] + t;
-        int64_t const slot = current.slotMapping[static_cast<std::size_t>(
-            current.queryStart[static_cast<std::size_t>(i)] + t)];
+        int32_t const entry = current.queryStart[static_cast<std::size_t>(i)] + t;
+        int64_t const slot = current.slotMapping[static_cast<std::size_t>(entry)];
         ASSERT_GE(slot, 0);
         ASSERT_LT(slot, int64_t{kPoolPages} * kPage);
         for (int32_t h = 0; h < kHeads; ++h) {
