@@ -110,6 +110,43 @@ void applyInt32InlinePatchHost(Int32InlinePatchLaunch const& launch) {
   }
 }
 
+void attentionViewsHost(AttentionViewsParams const& params, AttentionViewRow const* rows) {
+  int64_t const pageSize = params.tokensPerPage;
+  int64_t const width = params.width;
+  params.queryStartLoc[0] = 0;
+  params.kvIndptr[0] = 0;
+  for (int32_t i = 0; i < params.numRows; ++i) {
+    AttentionViewRow const& row = rows[i];
+    AttentionViewRow const& next = rows[i + 1];
+    int32_t const after = row.seqLen + (next.queryStart - row.queryStart);
+    int64_t const pages = (after + pageSize - 1) / pageSize;
+    // A slot outside the table reads as a row of empty entries.
+    int32_t const* const kIds = row.slot >= 0 && row.slot < params.tableRows
+                                    ? params.table + 2 * width * row.slot
+                                    : nullptr;
+    int32_t* const tableRow = params.blockTable + width * i;
+    for (int64_t j = 0; j < width; ++j) {
+      int32_t id = params.nullPage;
+      if (j < pages && kIds != nullptr && kIds[j] >= 0 && kIds[j] < params.numPages) {
+        id = kIds[j];
+      }
+      tableRow[j] = id;
+      if (j < pages) {
+        params.kvIndices[row.kvStart + j] = id;
+      }
+    }
+    for (int64_t position = row.seqLen; position < after; ++position) {
+      params.slotMapping[row.queryStart + position - row.seqLen] =
+          int64_t{tableRow[position / pageSize]} * pageSize + position % pageSize;
+    }
+    params.seqLensBefore[i] = row.seqLen;
+    params.seqLensAfter[i] = after;
+    params.queryStartLoc[i + 1] = next.queryStart;
+    params.kvIndptr[i + 1] = next.kvStart;
+    params.kvLastPageLen[i] = pages == 0 ? 0 : static_cast<int32_t>(after - (pages - 1) * pageSize);
+  }
+}
+
 void applyInt32PatchHost(Int32PatchLaunch const& launch) {
   for (int32_t r = 0; r < launch.numRanges; ++r) {
     int64_t const header = 3 * int64_t{r};

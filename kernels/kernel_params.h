@@ -6,6 +6,7 @@
 /// descriptor upload and stays graph-capturable. Plain C++ (compiles with g++ and nvcc).
 /// Private to the library: not installed.
 
+#include <cstddef>
 #include <cstdint>
 
 #include "mkv/cuda_types.h"
@@ -174,6 +175,46 @@ struct Int32RingPatchLaunch {
   uint32_t numSlots;
 };
 
+/// Row i of an attention-views launch (buildAttentionViews). The prefix sums are the host's: it
+/// walks the rows to validate them anyway, while a scan of the parameters in every CTA would read
+/// the constant bank at divergent addresses, one address at a time.
+struct AttentionViewRow {
+  int32_t slot;        // the table row it reads
+  int32_t seqLen;      // tokens with KV before the step
+  int32_t queryStart;  // new tokens of the rows before it: queryStartLoc[i]
+  int32_t kvStart;     // pages of the rows before it: kvIndptr[i]
+};
+
+struct AttentionViewsParams {
+  int32_t const* table;  // [tableRows, 2, width]: K ids, then V ids
+  int32_t* blockTable;   // [numRows, width]
+  int32_t* seqLensBefore;
+  int32_t* seqLensAfter;
+  int32_t* queryStartLoc;  // [numRows + 1]
+  int32_t* kvIndptr;       // [numRows + 1]
+  int32_t* kvIndices;
+  int32_t* kvLastPageLen;
+  int64_t* slotMapping;
+  int32_t numRows;
+  int32_t width;
+  int32_t tokensPerPage;
+  int32_t numPages;  // an entry outside [0, numPages) reads as empty
+  int32_t nullPage;
+  int32_t tableRows;
+};
+
+/// The whole launch in the kernel's parameters: rows[0, numRows) and rows[numRows], whose
+/// queryStart and kvStart are the totals. One instantiation per capacity (kAttentionViewTiers),
+/// so a small step does not pass 32 KiB of parameters.
+template <int32_t MaxRows>
+struct AttentionViewsLaunch {
+  AttentionViewsParams params;
+  AttentionViewRow rows[static_cast<std::size_t>(MaxRows) + 1];
+};
+inline constexpr int32_t kAttentionViewTiers[] = {64, 512, kMaxAttentionViewRows};
+static_assert(sizeof(AttentionViewsLaunch<kMaxAttentionViewRows>) <= 32764,
+              "kernel parameters are limited to 32,764 bytes");
+
 // Host reference twins: synchronous, same semantics bit for bit.
 void copyPagesHost(CopyPagesLaunch const& launch);
 void compactBatchHost(CompactBatchLaunch const& launch);
@@ -181,6 +222,12 @@ void copyRowsHost(CopyRowsLaunch const& launch);
 void zeroRowsHost(ZeroRowsLaunch const& launch);
 void applyInt32PatchHost(Int32PatchLaunch const& launch);
 void applyInt32InlinePatchHost(Int32InlinePatchLaunch const& launch);
+/// `rows` holds params.numRows + 1 entries (AttentionViewsLaunch).
+void attentionViewsHost(AttentionViewsParams const& params, AttentionViewRow const* rows);
+template <int32_t MaxRows>
+void attentionViewsHost(AttentionViewsLaunch<MaxRows> const& launch) {
+  attentionViewsHost(launch.params, launch.rows);
+}
 
 /// Runs an inline patch launch on `device` (the host twin for kCPU); throws mkv::Error naming
 /// `call` when the CUDA launch fails.
@@ -194,6 +241,9 @@ cudaError_t copyRowsCuda(CopyRowsLaunch const& launch, cudaStream_t stream);
 cudaError_t zeroRowsCuda(ZeroRowsLaunch const& launch, cudaStream_t stream);
 cudaError_t applyInt32PatchCuda(Int32PatchLaunch const& launch, cudaStream_t stream);
 cudaError_t applyInt32InlinePatchCuda(Int32InlinePatchLaunch const& launch, cudaStream_t stream);
+/// Instantiated for each of kAttentionViewTiers.
+template <int32_t MaxRows>
+cudaError_t attentionViewsCuda(AttentionViewsLaunch<MaxRows> const& launch, cudaStream_t stream);
 /// Builds and instantiates the one-kernel graph of `ring` on the current device; `*graphExec`
 /// receives the cudaGraphExec_t. destroyInt32RingPatchGraph releases it (null: nothing).
 cudaError_t createInt32RingPatchGraph(Int32RingPatchLaunch const& ring, void** graphExec);
@@ -211,5 +261,6 @@ cudaError_t loadCompactBatchKernels();
 cudaError_t loadCopyRowsKernels();
 cudaError_t loadZeroRowsKernels();
 cudaError_t loadInt32PatchKernels();
+cudaError_t loadAttentionViewsKernels();
 
 }  // namespace mkv::kernels::detail

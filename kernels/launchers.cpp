@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
+#include <limits>
 #include <type_traits>
 
 #include "core/check.h"
@@ -322,6 +323,134 @@ void gatherPageTableRows(Tensor const& table, Tensor const& residentSlots, Tenso
       stream);
 }
 
+namespace {
+
+constexpr char const* kViewsCall = "buildAttentionViews";
+constexpr int64_t kInt32Max = std::numeric_limits<int32_t>::max();
+
+/// A view of buildAttentionViews: given, of `type`, on `device`, with room for `numel` entries.
+void requireView(Tensor const* view, char const* name, DataType type, DeviceType device,
+                 int64_t numel) {
+  MKV_REQUIRE(view != nullptr, kViewsCall, "no {} tensor given", name);
+  MKV_REQUIRE(view->dataType() == type, kViewsCall, "{} must be {}, got {}", name, toString(type),
+              toString(view->dataType()));
+  MKV_REQUIRE(view->deviceType() == device, kViewsCall, "{} is on {} but the table is on {}", name,
+              toString(view->deviceType()), toString(device));
+  int64_t const bytes = numel * static_cast<int64_t>(dataTypeSize(type));
+  MKV_REQUIRE(view->capacityBytes() >= bytes && (bytes == 0 || view->rawPointer() != nullptr),
+              kViewsCall, "{} has room for {} bytes, the step needs {}", name,
+              view->capacityBytes(), bytes);
+}
+
+void reshapeView(Tensor* view, Coords const& shape) {
+  bool const fits = view->reshape(shape);
+  MKV_ASSERT(fits, "a view of shape {} exceeds the capacity checked before the launch",
+             shape.toString());
+}
+
+/// buildAttentionViews once the tier is known: validates the rows while it computes their prefix
+/// sums into the launch, checks the views' capacities, launches, and only then reshapes.
+template <int32_t MaxRows>
+void buildAttentionViewsIn(Tensor const& table, AttentionViewStep const& step,
+                           AttentionViewTensors const& views, cudaStream_t stream) {
+  detail::AttentionViewsLaunch<MaxRows> launch{};
+  auto const n = static_cast<int32_t>(step.residentSlots.size());
+  int64_t const width = table.dim(2);
+  int64_t const pageSize = step.tokensPerPage;
+  int64_t const maxTokens = std::min(width * pageSize, kInt32Max);
+  int64_t queryStart = 0;
+  int64_t kvStart = 0;
+  for (int32_t i = 0; i < n; ++i) {
+    auto const row = static_cast<std::size_t>(i);
+    CacheSlot const slot = step.residentSlots[row];
+    int32_t const seqLen = step.seqLens[row];
+    int32_t const fresh = step.newTokens[row];
+    MKV_REQUIRE(slot >= 0 && slot < table.dim(0), kViewsCall,
+                "row {}: resident slot {} outside [0, {})", i, slot, table.dim(0));
+    MKV_REQUIRE(seqLen >= 0 && fresh >= 0, kViewsCall,
+                "row {}: length {} and {} new tokens, expected both >= 0", i, seqLen, fresh);
+    int64_t const after = int64_t{seqLen} + fresh;
+    MKV_REQUIRE(after <= maxTokens, kViewsCall,
+                "row {}: {} tokens after the step, beyond the {} a row of {} pages of {} holds "
+                "(and int32)",
+                i, after, maxTokens, width, pageSize);
+    launch.rows[i] = detail::AttentionViewRow{slot, seqLen, static_cast<int32_t>(queryStart),
+                                              static_cast<int32_t>(kvStart)};
+    queryStart += fresh;
+    kvStart += (after + pageSize - 1) / pageSize;
+    MKV_REQUIRE(queryStart <= kInt32Max && kvStart <= kInt32Max, kViewsCall,
+                "rows [0, {}] hold {} new tokens and {} pages: beyond int32", i, queryStart,
+                kvStart);
+  }
+  launch.rows[n] = detail::AttentionViewRow{0, 0, static_cast<int32_t>(queryStart),
+                                            static_cast<int32_t>(kvStart)};
+  DeviceType const device = table.deviceType();
+  requireView(views.blockTable, "blockTable", DataType::kInt32, device, n * width);
+  requireView(views.seqLensBefore, "seqLensBefore", DataType::kInt32, device, n);
+  requireView(views.seqLensAfter, "seqLensAfter", DataType::kInt32, device, n);
+  requireView(views.queryStartLoc, "queryStartLoc", DataType::kInt32, device, n + 1);
+  requireView(views.kvIndptr, "kvIndptr", DataType::kInt32, device, n + 1);
+  requireView(views.kvIndices, "kvIndices", DataType::kInt32, device, kvStart);
+  requireView(views.kvLastPageLen, "kvLastPageLen", DataType::kInt32, device, n);
+  requireView(views.slotMapping, "slotMapping", DataType::kInt64, device, queryStart);
+
+  detail::AttentionViewsParams& params = launch.params;
+  params.table = table.dataPointer<int32_t>();
+  params.blockTable = views.blockTable->dataPointer<int32_t>();
+  params.seqLensBefore = views.seqLensBefore->dataPointer<int32_t>();
+  params.seqLensAfter = views.seqLensAfter->dataPointer<int32_t>();
+  params.queryStartLoc = views.queryStartLoc->dataPointer<int32_t>();
+  params.kvIndptr = views.kvIndptr->dataPointer<int32_t>();
+  params.kvIndices = views.kvIndices->dataPointer<int32_t>();
+  params.kvLastPageLen = views.kvLastPageLen->dataPointer<int32_t>();
+  params.slotMapping = views.slotMapping->dataPointer<int64_t>();
+  params.numRows = n;
+  params.width = static_cast<int32_t>(width);
+  params.tokensPerPage = step.tokensPerPage;
+  params.numPages = step.numPages;
+  params.nullPage = step.nullPage;
+  params.tableRows = static_cast<int32_t>(table.dim(0));
+  run(device, kViewsCall, launch, &detail::attentionViewsHost<MaxRows>,
+      MKV_CUDA_IMPL(attentionViewsCuda<MaxRows>), stream);
+  reshapeView(views.blockTable, {n, width});
+  reshapeView(views.seqLensBefore, {n});
+  reshapeView(views.seqLensAfter, {n});
+  reshapeView(views.queryStartLoc, {n + 1});
+  reshapeView(views.kvIndptr, {n + 1});
+  reshapeView(views.kvIndices, {kvStart});
+  reshapeView(views.kvLastPageLen, {n});
+  reshapeView(views.slotMapping, {queryStart});
+}
+
+}  // namespace
+
+void buildAttentionViews(Tensor const& table, AttentionViewStep const& step,
+                         AttentionViewTensors const& views, cudaStream_t stream) {
+  MKV_REQUIRE(table.dataType() == DataType::kInt32 && table.rank() == 3 && table.dim(1) == 2,
+              kViewsCall, "table must be int32 [maxBatch, 2, maxPagesPerSeq], got {} {}",
+              toString(table.dataType()), table.shape().toString());
+  MKV_REQUIRE(table.dim(0) <= kInt32Max && table.dim(2) <= kInt32Max && !table.empty(), kViewsCall,
+              "table of shape {}: expected int32 extents and data", table.shape().toString());
+  std::size_t const n = step.residentSlots.size();
+  MKV_REQUIRE(step.seqLens.size() == n && step.newTokens.size() == n, kViewsCall,
+              "{} resident slots, {} lengths and {} new-token counts: expected one each", n,
+              step.seqLens.size(), step.newTokens.size());
+  MKV_REQUIRE(n <= static_cast<std::size_t>(kMaxAttentionViewRows), kViewsCall,
+              "{} rows, at most kMaxAttentionViewRows = {}", n, kMaxAttentionViewRows);
+  MKV_REQUIRE(step.tokensPerPage >= 1, kViewsCall, "tokensPerPage is {}, expected >= 1",
+              step.tokensPerPage);
+  MKV_REQUIRE(step.numPages >= 1 && step.nullPage >= 0 && step.nullPage < step.numPages, kViewsCall,
+              "nullPage is {}, expected a page in [0, numPages = {})", step.nullPage,
+              step.numPages);
+  if (n <= static_cast<std::size_t>(detail::kAttentionViewTiers[0])) {
+    buildAttentionViewsIn<detail::kAttentionViewTiers[0]>(table, step, views, stream);
+  } else if (n <= static_cast<std::size_t>(detail::kAttentionViewTiers[1])) {
+    buildAttentionViewsIn<detail::kAttentionViewTiers[1]>(table, step, views, stream);
+  } else {
+    buildAttentionViewsIn<detail::kAttentionViewTiers[2]>(table, step, views, stream);
+  }
+}
+
 void zeroRows(std::span<RowBuffer const> buffers, DeviceType deviceType, Tensor const& rows,
               cudaStream_t stream) {
   constexpr char const* kCall = "zeroRows";
@@ -435,6 +564,7 @@ void loadKernels() {
   status = status != cudaSuccess ? status : detail::loadCopyRowsKernels();
   status = status != cudaSuccess ? status : detail::loadZeroRowsKernels();
   status = status != cudaSuccess ? status : detail::loadInt32PatchKernels();
+  status = status != cudaSuccess ? status : detail::loadAttentionViewsKernels();
   mkv::detail::checkCuda(status, "kernels::loadKernels");
 #endif
 }

@@ -12,5 +12,6 @@ if(MKV_WITH_CUDA)
     ${CMAKE_CURRENT_LIST_DIR}/copy_rows.cu
     ${CMAKE_CURRENT_LIST_DIR}/zero_rows.cu
     ${CMAKE_CURRENT_LIST_DIR}/int32_patch.cu
+    ${CMAKE_CURRENT_LIST_DIR}/attention_views.cu
   )
 endif()

@@ -244,6 +244,9 @@ memcheck_suite "sanitizer sliding reuse" sanitizer_memcheck_sliding_reuse "$RUNT
 #     prefill of joiners (each chunk's publication), on GPU tensors.
 memcheck_suite "sanitizer reuse points, chunks" sanitizer_memcheck_points_chunks \
   "$BUILD/tests/context_cache/mkv_context_cache_tests" '*HybridReusePointTest*gpu:*Chunk*gpu'
+# ... and over the kernel-ready views of a GPU table (one launch per step, every capacity).
+memcheck_suite "sanitizer attention views" sanitizer_memcheck_attention_views "$RUNTIME_TESTS" \
+  '*AttentionViewsTest*/gpu'
 
 # 5. The other test suites of the build folder, while the budget lasts: the runtime's end-to-end
 #    scenarios (facade, faults, reference engine, on CPU and GPU tensors) first.

@@ -137,6 +137,47 @@ void restoreHiddenRows(Tensor const& slab, Tensor const& slots, Tensor& hidden, 
 void gatherPageTableRows(Tensor const& table, Tensor const& residentSlots, Tensor& dst,
                          cudaStream_t stream);
 
+/// Most rows of one buildAttentionViews call: each row's inputs travel in the launch's parameters
+/// (16 bytes a row, within CUDA's 32,764 bytes of kernel parameters), so nothing is uploaded.
+inline constexpr int32_t kMaxAttentionViewRows = 2000;
+
+/// The step buildAttentionViews describes: rows in execution order, row i reading table row
+/// residentSlots[i], holding seqLens[i] tokens of KV before the step and appending newTokens[i].
+struct AttentionViewStep {
+  std::span<CacheSlot const> residentSlots;
+  std::span<int32_t const> seqLens;
+  std::span<int32_t const> newTokens;
+  int32_t tokensPerPage = 0;
+  /// Pages of the pool: an entry outside [0, numPages) (-1 included) reads as empty.
+  int32_t numPages = 0;
+  /// What every empty entry and every entry past a row's pages becomes; in [0, numPages).
+  PageId nullPage = 0;
+};
+
+/// The views buildAttentionViews writes, each on the table's device with the capacity of the
+/// largest step; each is reshaped to the step's shape (n rows, P = tokensPerPage, W = the table's
+/// width, after_i = seqLens[i] + newTokens[i], pages_i = ceil(after_i / P)).
+struct AttentionViewTensors {
+  Tensor* blockTable = nullptr;     ///< int32 [n, W]: K id of page j < pages_i, nullPage after
+  Tensor* seqLensBefore = nullptr;  ///< int32 [n]: seqLens
+  Tensor* seqLensAfter = nullptr;   ///< int32 [n]: after_i
+  Tensor* queryStartLoc = nullptr;  ///< int32 [n + 1]: prefix sums of newTokens
+  Tensor* kvIndptr = nullptr;       ///< int32 [n + 1]: prefix sums of pages_i
+  Tensor* kvIndices = nullptr;      ///< int32 [kvIndptr[n]]: row i's first pages_i blockTable ids
+  Tensor* kvLastPageLen = nullptr;  ///< int32 [n]: after_i - (pages_i - 1) * P, 0 for no page
+  Tensor* slotMapping = nullptr;    ///< int64 [sum newTokens]: id * P + offset of each new token
+};
+
+/// Builds the kernel-ready views of one step (mkv/attention_views.h) from `table`, int32
+/// `[maxBatch, 2, W]` (a KVPageTable's rows: K ids, then V ids), in one launch. The row inputs
+/// travel in the launch's parameters; the page ids are read from `table` on the device.
+/// Requires: at most kMaxAttentionViewRows rows, one entry per row in each span, slots in
+/// [0, maxBatch), lengths >= 0, after_i <= W * P and int32, every view on the table's device with
+/// the capacity of its shape. Says nothing about which entries must be live: a caller that needs
+/// that (AttentionViews) checks it on the host.
+void buildAttentionViews(Tensor const& table, AttentionViewStep const& step,
+                         AttentionViewTensors const& views, cudaStream_t stream);
+
 /// Zeroes row rows[i] of every buffer (recurrent / conv state of released residents).
 /// rows int32 `[n]`; -1 skips.
 void zeroRows(std::span<RowBuffer const> buffers, DeviceType deviceType, Tensor const& rows,

@@ -86,6 +86,9 @@ class KVPageTable {
   PageId entry(CacheSlot slot, int32_t logicalPage) const;
   /// Host row: 2 * maxPagesPerSeq entries, K ids then V ids.
   std::span<int32_t const> hostRow(CacheSlot slot) const;
+  /// Every host row, `[maxBatch, 2, maxPagesPerSeq]` row-major (row `slot` is hostRow(slot)), at
+  /// a stable address for the table's lifetime.
+  std::span<int32_t const> hostRows() const noexcept { return mHost; }
   /// Number of live entries in a row.
   int32_t liveEntryCount(CacheSlot slot) const;
 

@@ -4,6 +4,7 @@
 #include <pybind11/stl.h>
 
 #include <cstdint>
+#include <memory>
 #include <optional>
 #include <span>
 #include <string>
@@ -250,11 +251,18 @@ void bindRequest(py::module_& m) {
 void bindViews(py::module_& m) {
   py::class_<AttentionViews>(m, "AttentionViews",
                              "Kernel-ready views of one step (mkv::AttentionViews): block table, "
-                             "lengths, FlashInfer CSR, slot mapping; host tensors, re-exported "
+                             "lengths, FlashInfer CSR, slot mapping; on the table's device (a GPU "
+                             "table's views are built by one launch on `stream`), re-exported "
                              "after each build (their shapes follow the step).")
-      .def(py::init<KVPageTable const&, int32_t, int32_t, int32_t>(), py::arg("table"),
-           py::arg("tokensPerPage"), py::arg("maxRows"), py::arg("maxNewTokens"),
-           py::keep_alive<1, 2>())
+      .def(py::init([](KVPageTable const& table, int32_t tokensPerPage, int32_t maxRows,
+                       int32_t maxNewTokens, py::object const& stream) {
+             return std::make_unique<AttentionViews>(table, tokensPerPage, maxRows, maxNewTokens,
+                                                     streamArg(stream));
+           }),
+           py::arg("table"), py::arg("tokensPerPage"), py::arg("maxRows"), py::arg("maxNewTokens"),
+           py::arg("stream") = py::none(), py::keep_alive<1, 2>(),
+           "stream: the CUDA stream of every build's launch (GPU tables; the runtime's, as an int: "
+           "torch.cuda.Stream.cuda_stream; None = the legacy default stream).")
       .def(
           "build",
           [](AttentionViews& views, std::vector<CacheSlot> const& residentSlots,
@@ -266,6 +274,8 @@ void bindViews(py::module_& m) {
       .def_property_readonly("newTokenCount", &AttentionViews::newTokenCount)
       .def_property_readonly("maxPagesPerRow", &AttentionViews::maxPagesPerRow)
       .def_property_readonly("tokensPerPage", &AttentionViews::tokensPerPage)
+      .def_property_readonly("deviceType", &AttentionViews::deviceType)
+      .def_property_readonly("launches", &AttentionViews::launches)
       .def("blockTable", &AttentionViews::blockTable, kInternal)
       .def("seqLensBefore", &AttentionViews::seqLensBefore, kInternal)
       .def("seqLensAfter", &AttentionViews::seqLensAfter, kInternal)

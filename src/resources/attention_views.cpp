@@ -1,10 +1,12 @@
 #include "mkv/attention_views.h"
 
 #include <cstdint>
+#include <limits>
 #include <span>
 #include <vector>
 
 #include "core/check.h"
+#include "mkv/kernels.h"
 #include "mkv/kv_page_table.h"
 
 namespace mkv {
@@ -18,46 +20,78 @@ int64_t pagesFor(int64_t tokens, int64_t tokensPerPage) {
   return (tokens + tokensPerPage - 1) / tokensPerPage;
 }
 
-int32_t checkedExtent(int32_t value, char const* name) {
-  MKV_REQUIRE(value >= 1 && value <= kMaxExtent, kConstruct, "{} is {}, expected [1, 2^30]", name,
-              value);
+int32_t checkedExtent(int32_t value, char const* name, int64_t limit) {
+  MKV_REQUIRE(value >= 1 && value <= limit, kConstruct, "{} is {}, expected [1, {}]", name, value,
+              limit);
   return value;
 }
-
-Tensor hostInt32(int64_t extent) { return Tensor({extent}, DataType::kInt32, DeviceType::kCPU); }
 
 void reshapeTo(Tensor& tensor, Coords const& shape) {
   bool const fits = tensor.reshape(shape);
   MKV_ASSERT(fits, "view of shape {} exceeds its capacity", shape.toString());
 }
 
+/// What the views' launch reads: the device copy of a kGPU table, the host rows of a kCPU one.
+Tensor tableRowsOf(KVPageTable const& table) {
+  if (table.deviceType() == DeviceType::kGPU) {
+    return Tensor::viewOf(table.deviceTable());
+  }
+  std::span<int32_t const> const rows = table.hostRows();
+  // The launch only reads the rows; a Tensor view has no const flavour.
+  return Tensor::view(const_cast<int32_t*>(rows.data()),  // NOLINT(*-pro-type-const-cast)
+                      {table.maxBatch(), 2, table.maxPagesPerSeq()}, DataType::kInt32,
+                      DeviceType::kCPU);
+}
+
 }  // namespace
 
 AttentionViews::AttentionViews(KVPageTable const& table, int32_t tokensPerPage, int32_t maxRows,
-                               int32_t maxNewTokens)
+                               int32_t maxNewTokens, cudaStream_t stream)
     : mTable(table),
-      mTokensPerPage(checkedExtent(tokensPerPage, "tokensPerPage")),
-      mMaxRows(checkedExtent(maxRows, "maxRows")),
-      mMaxNewTokens(checkedExtent(maxNewTokens, "maxNewTokens")),
+      mDeviceType(table.deviceType()),
+      mStream(stream),
+      mTokensPerPage(checkedExtent(tokensPerPage, "tokensPerPage", kMaxExtent)),
+      mMaxRows(checkedExtent(maxRows, "maxRows", kernels::kMaxAttentionViewRows)),
+      mMaxNewTokens(checkedExtent(maxNewTokens, "maxNewTokens", kMaxExtent)),
       mMaxPagesPerRow(table.maxPagesPerSeq()) {
   MKV_REQUIRE(maxRows <= table.maxBatch(), kConstruct,
               "maxRows is {}, but the page table has {} rows", maxRows, table.maxBatch());
+  mTableRows = tableRowsOf(table);
+  if (mDeviceType == DeviceType::kGPU) {
+    kernels::loadKernels();  // a kernel's lazy load at its first launch may wait for the device
+  }
   auto const rows = static_cast<int64_t>(mMaxRows);
   auto const width = static_cast<int64_t>(mMaxPagesPerRow);
-  mBlockTable = Tensor({rows, width}, DataType::kInt32, DeviceType::kCPU);
-  mSeqLensBefore = hostInt32(rows);
-  mSeqLensAfter = hostInt32(rows);
-  mQueryStartLoc = hostInt32(rows + 1);
-  mKvIndptr = hostInt32(rows + 1);
-  mKvIndices = hostInt32(rows * width);
-  mKvLastPageLen = hostInt32(rows);
-  mSlotMapping = Tensor({mMaxNewTokens}, DataType::kInt64, DeviceType::kCPU);
-  build({}, {}, {}, 0);
+  auto int32Tensor = [this](int64_t extent) {
+    return Tensor({extent}, DataType::kInt32, mDeviceType);
+  };
+  mBlockTable = Tensor({rows, width}, DataType::kInt32, mDeviceType);
+  mSeqLensBefore = int32Tensor(rows);
+  mSeqLensAfter = int32Tensor(rows);
+  mQueryStartLoc = int32Tensor(rows + 1);
+  mKvIndptr = int32Tensor(rows + 1);
+  mKvIndices = int32Tensor(rows * width);
+  mKvLastPageLen = int32Tensor(rows);
+  mSlotMapping = Tensor({mMaxNewTokens}, DataType::kInt64, mDeviceType);
+  // The views of an empty step; the tensors are zero-filled, so queryStartLoc and kvIndptr hold
+  // their one 0.
+  reshapeTo(mBlockTable, {0, width});
+  reshapeTo(mSeqLensBefore, {0});
+  reshapeTo(mSeqLensAfter, {0});
+  reshapeTo(mQueryStartLoc, {1});
+  reshapeTo(mKvIndptr, {1});
+  reshapeTo(mKvIndices, {0});
+  reshapeTo(mKvLastPageLen, {0});
+  reshapeTo(mSlotMapping, {0});
 }
 
 void AttentionViews::validate(std::span<CacheSlot const> residentSlots,
                               std::span<int32_t const> seqLens, std::span<int32_t const> newTokens,
                               PageId nullPage) const {
+  // The launch reads the device copy, the checks below the host rows: they must agree.
+  MKV_REQUIRE(mDeviceType != DeviceType::kGPU || !mTable.dirty(), kBuild,
+              "the page table has entries not yet uploaded to its device copy, which the views "
+              "are built from: flush the device writes first (KVCacheRuntime::flushDeviceWrites)");
   MKV_REQUIRE(seqLens.size() == residentSlots.size() && newTokens.size() == residentSlots.size(),
               kBuild, "{} resident slots, {} lengths and {} new-token counts: expected one each",
               residentSlots.size(), seqLens.size(), newTokens.size());
@@ -84,6 +118,8 @@ void AttentionViews::validate(std::span<CacheSlot const> residentSlots,
     MKV_REQUIRE(after <= maxTokens, kBuild,
                 "row {} (slot {}): {} tokens after the step, beyond the {} of {} pages of {}", i,
                 slot, after, maxTokens, mMaxPagesPerRow, mTokensPerPage);
+    MKV_REQUIRE(after <= std::numeric_limits<int32_t>::max(), kBuild,
+                "row {} (slot {}): {} tokens after the step, beyond int32", i, slot, after);
     totalNew += newTokens[i];
     // Dense tables: every page a kernel attends to; sparse windows: the pages the step writes.
     int64_t const firstNeeded =
@@ -105,54 +141,15 @@ void AttentionViews::build(std::span<CacheSlot const> residentSlots,
                            std::span<int32_t const> seqLens, std::span<int32_t const> newTokens,
                            PageId nullPage) {
   validate(residentSlots, seqLens, newTokens, nullPage);
-  auto const n = static_cast<int64_t>(residentSlots.size());
-  auto const width = static_cast<int64_t>(mMaxPagesPerRow);
-  int64_t const pageSize = mTokensPerPage;
-  reshapeTo(mBlockTable, {n, width});
-  reshapeTo(mSeqLensBefore, {n});
-  reshapeTo(mSeqLensAfter, {n});
-  reshapeTo(mQueryStartLoc, {n + 1});
-  reshapeTo(mKvIndptr, {n + 1});
-  reshapeTo(mKvLastPageLen, {n});
-  auto* table = mBlockTable.dataPointer<int32_t>();
-  auto* before = mSeqLensBefore.dataPointer<int32_t>();
-  auto* after = mSeqLensAfter.dataPointer<int32_t>();
-  auto* queryStart = mQueryStartLoc.dataPointer<int32_t>();
-  auto* indptr = mKvIndptr.dataPointer<int32_t>();
-  auto* indices = mKvIndices.dataPointer<int32_t>();
-  auto* lastPageLen = mKvLastPageLen.dataPointer<int32_t>();
-  auto* slots = mSlotMapping.dataPointer<int64_t>();
-  queryStart[0] = 0;
-  indptr[0] = 0;
-  int64_t slotCount = 0;
-  for (int64_t i = 0; i < n; ++i) {
-    auto const row = static_cast<std::size_t>(i);
-    std::span<int32_t const> const kIds =
-        mTable.hostRow(residentSlots[row]).first(static_cast<std::size_t>(width));
-    int32_t* tableRow = table + i * width;
-    int32_t const length = seqLens[row] + newTokens[row];
-    int64_t const pages = pagesFor(length, pageSize);
-    for (int64_t j = 0; j < width; ++j) {
-      PageId const id = j < pages ? kIds[static_cast<std::size_t>(j)] : kNoPage;
-      tableRow[j] = id == kNoPage ? nullPage : id;
-    }
-    before[i] = seqLens[row];
-    after[i] = length;
-    queryStart[i + 1] = queryStart[i] + newTokens[row];
-    indptr[i + 1] = indptr[i] + static_cast<int32_t>(pages);
-    for (int64_t j = 0; j < pages; ++j) {
-      indices[indptr[i] + j] = tableRow[j];
-    }
-    lastPageLen[i] = pages == 0 ? 0 : static_cast<int32_t>(length - (pages - 1) * pageSize);
-    for (int64_t position = seqLens[row]; position < length; ++position) {
-      slots[slotCount++] =
-          static_cast<int64_t>(tableRow[position / pageSize]) * pageSize + position % pageSize;
-    }
-  }
-  reshapeTo(mKvIndices, {static_cast<int64_t>(indptr[n])});
-  reshapeTo(mSlotMapping, {slotCount});
-  mRows = static_cast<int32_t>(n);
-  mNewTokenCount = static_cast<int32_t>(slotCount);
+  kernels::AttentionViewStep const step{residentSlots,  seqLens,           newTokens,
+                                        mTokensPerPage, mTable.numPages(), nullPage};
+  kernels::AttentionViewTensors const views{&mBlockTable,    &mSeqLensBefore, &mSeqLensAfter,
+                                            &mQueryStartLoc, &mKvIndptr,      &mKvIndices,
+                                            &mKvLastPageLen, &mSlotMapping};
+  kernels::buildAttentionViews(mTableRows, step, views, mStream);
+  mRows = static_cast<int32_t>(residentSlots.size());
+  mNewTokenCount = static_cast<int32_t>(mSlotMapping.numel());
+  ++mLaunches;
 }
 
 }  // namespace mkv

@@ -2,10 +2,11 @@
 // engine loop at engine speed). While kernels spin for a second on two unrelated streams, one
 // non-blocking and one blocking (which work on the legacy default stream would wait for),
 // complete lifecycles run on the engine's stream through ManagedKVCacheRequest on every backend;
-// afterwards cudaStreamQuery of both streams must still say cudaErrorNotReady. A device-wide
-// synchronisation (cudaDeviceSynchronize, or cudaFree, cudaFreeHost and the like, which
-// synchronise implicitly), a context-wide lazy kernel load or any use of stream 0 inside a
-// lifecycle call would have waited for a spinning kernel. Nothing here reads a clock: the verdict
+// afterwards cudaStreamQuery of both streams must still say cudaErrorNotReady (so must it after a
+// step's AttentionViews::build at every launch capacity). A device-wide synchronisation
+// (cudaDeviceSynchronize, or cudaFree, cudaFreeHost and the like, which synchronise implicitly),
+// a context-wide lazy kernel load or any use of stream 0 inside a lifecycle call would have
+// waited for a spinning kernel. Nothing here reads a clock: the verdict
 // is the other streams' state. run_on_device.sh runs this suite in a process of its own with
 // CUDA_MODULE_LOADING=LAZY, so no earlier test has loaded the library's kernels.
 
@@ -20,10 +21,13 @@
 
 #include "busy_stream.h"
 #include "gpu_parity.h"
+#include "mkv/attention_views.h"
 #include "mkv/context_cache/context_cache_coordinator.h"
 #include "mkv/context_cache/context_cache_metrics.h"
+#include "mkv/kernels.h"
 #include "mkv/kv_cache_pool.h"
 #include "mkv/kv_cache_runtime.h"
+#include "mkv/kv_page_table.h"
 #include "mkv/managed_kv_cache_request.h"
 #include "mkv/recurrent_state_pool.h"
 #include "mkv/snapshot_storage.h"
@@ -340,6 +344,31 @@ TEST_F(EngineLoopNoWaitTest, WorkOnTheLegacyDefaultStreamIsSeen) {
   cudaOk(cudaMemsetAsync(buffer.rawPointer(), 0, 4096, nullptr), "cudaMemsetAsync on stream 0");
   cudaOk(cudaStreamSynchronize(nullptr), "cudaStreamSynchronize(0)");
   EXPECT_EQ(blocking.query(), cudaSuccess);
+}
+
+// AttentionViews::build on a GPU table: one launch on the engine's stream at every capacity of
+// the launch (a kernel each, loaded when the views were made), and never a wait.
+TEST_F(EngineLoopNoWaitTest, AttentionViewsAtEveryLaunchCapacity) {
+  int32_t const rows = kernels::kMaxAttentionViewRows;
+  KVPageTable table(rows, 4, 64, PageTableMode::kDense, DeviceType::kGPU);
+  std::vector<PageId> const pages{1, 2, 3};
+  for (CacheSlot slot = 0; slot < rows; ++slot) {
+    table.setRow(slot, pages);
+  }
+  ASSERT_TRUE(table.upload(stream()));
+  AttentionViews views(table, kPage, rows, 1 << 16, stream());
+  occupyOtherStream();
+  for (int32_t const n : {1, 65, rows}) {
+    std::vector<CacheSlot> slots(static_cast<std::size_t>(n));
+    std::iota(slots.begin(), slots.end(), 0);
+    std::vector<int32_t> const before(slots.size(), 2 * kPage);
+    std::vector<int32_t> const fresh(slots.size(), 1);
+    views.build(slots, before, fresh, 0);
+  }
+  expectOtherStreamStillBusy();
+  synchronize();
+  EXPECT_EQ(views.launches(), 3);
+  EXPECT_EQ(views.newTokenCount(), rows);
 }
 
 TEST_F(EngineLoopNoWaitTest, ReuseWithPublicationAndHit) {

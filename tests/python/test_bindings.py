@@ -1,8 +1,8 @@
 """The managedkv Python module's contract (docs/python.md): library tensors and torch tensors share
 memory both ways without copies (DLPack), library errors arrive as managedkv.Error with the
 library's message, call and detail, the seed facade runs a request, and AttentionViews gives the
-same views as the C++ tests check. Run by ctest (mkv_python.bindings) with PYTHONPATH at the
-build's python/ folder."""
+same views as the C++ tests check, as CUDA tensors for a GPU table (skipped without a device). Run
+by ctest (mkv_python.bindings) with PYTHONPATH at the build's python/ folder."""
 
 import gc
 import unittest
@@ -15,7 +15,7 @@ import managedkv as mkv
 PAGE = 16
 
 
-def make_runtime(num_pages=32, max_batch=4, reuse=True):
+def make_runtime(num_pages=32, max_batch=4, reuse=True, device=mkv.DeviceType.kCPU):
     config = mkv.KVCacheRuntimeConfig()
     config.model.numFullAttentionLayers = 2
     config.model.numKVHeads = 2
@@ -26,7 +26,7 @@ def make_runtime(num_pages=32, max_batch=4, reuse=True):
     config.tokensPerPage = PAGE
     config.numPages = num_pages
     config.contextReuse = reuse
-    config.deviceType = mkv.DeviceType.kCPU
+    config.deviceType = device
     return mkv.KVCacheRuntime.create(config)
 
 
@@ -228,18 +228,40 @@ class FacadeTest(unittest.TestCase):
         self.assertEqual(estimate.reusableTokens, 32)
 
 
+def gpu_runtime():
+    """A runtime on the GPU, or None without a CUDA device or in a build without CUDA."""
+    if not torch.cuda.is_available():
+        return None
+    try:
+        return make_runtime(device=mkv.DeviceType.kGPU)
+    except mkv.Error:
+        return None
+
+
 class ViewsTest(unittest.TestCase):
     def test_views_of_a_prepared_request(self):
-        runtime = make_runtime()
+        self.check_views(make_runtime())
+
+    def test_views_of_a_gpu_table_are_cuda_tensors_built_on_the_device(self):
+        runtime = gpu_runtime()
+        if runtime is None:
+            self.skipTest("no CUDA device, or a build without CUDA")
+        self.check_views(runtime)
+
+    def check_views(self, runtime):
         managed, context = begin(runtime, [list(range(1, 31)), list(range(40, 73))])
         self.assertTrue(managed.preparePrefill())
         table = runtime.fullPageTable()
-        views = mkv.AttentionViews(table, PAGE, 4, 128)
+        views = mkv.AttentionViews(table, PAGE, 4, 128, stream=runtime.config().stream)
+        self.assertEqual(views.deviceType, table.deviceType)
         slots = [r.slot for r in context.residentRefs]
         views.build(slots, [0, 0], [30, 33], nullPage=31)
         self.assertEqual(views.rows, 2)
         self.assertEqual(views.newTokenCount, 63)
+        self.assertEqual(views.launches, 1)
         block_table = torch.from_dlpack(views.blockTable())
+        self.assertEqual(block_table.is_cuda, table.deviceType == mkv.DeviceType.kGPU)
+        self.assertEqual(block_table.data_ptr(), views.blockTable().data_ptr)
         self.assertEqual(tuple(block_table.shape), (2, 16))
         k0 = [table.entry(slots[0], j) for j in range(2)]
         k1 = [table.entry(slots[1], j) for j in range(3)]
