@@ -78,6 +78,15 @@ void expectNothingHeld(KVCacheRuntime& runtime) {
   EXPECT_EQ(runtime.swaPageManager()->activeRequestCount(), 0);
 }
 
+/// Runs one request of `prompt` to completion through the facade, so that its blocks are cached.
+void cachePrompt(runtime_test::RuntimeRig& rig, std::vector<int32_t> const& prompt) {
+  runtime_test::FacadeDriver cached(rig);
+  cached.add(prompt);
+  ASSERT_TRUE(cached.begin());
+  ASSERT_TRUE(cached.prefill());
+  ASSERT_TRUE(cached.finish());
+}
+
 class SlidingReuseTest : public test::DeviceTest {};
 INSTANTIATE_TEST_SUITE_P(Devices, SlidingReuseTest, test::allDeviceTypes(), test::deviceName);
 
@@ -572,13 +581,7 @@ TEST(SlidingReuseFacadeTest, ABeginTheSlidingPoolCannotHoldChangesNothingOnEithe
   config.numPages = 150;
   runtime_test::RuntimeRig rig(config);
   KVCacheRuntime& runtime = rig.runtime();
-  {
-    runtime_test::FacadeDriver cached(rig);
-    cached.add(tokenRun(1000, 0));
-    ASSERT_TRUE(cached.begin());
-    ASSERT_TRUE(cached.prefill());
-    ASSERT_TRUE(cached.finish());
-  }
+  ASSERT_NO_FATAL_FAILURE(cachePrompt(rig, tokenRun(1000, 0)));
   ContextCacheManager const& manager = runtime.contextCache()->manager();
   ASSERT_EQ(manager.records().size(), 1u);
   ASSERT_LT(manager.pools().freeCount(ResourceType::kBaseKvPage), 2 * 63);
@@ -672,13 +675,7 @@ TEST(SlidingReuseFacadeTest, AJoinerTheSlidingPoolCannotHoldChangesNothingOnEith
   config.numPages = 120;
   runtime_test::RuntimeRig rig(config);
   KVCacheRuntime& runtime = rig.runtime();
-  {
-    runtime_test::FacadeDriver cached(rig);
-    cached.add(tokenRun(1000, 0));
-    ASSERT_TRUE(cached.begin());
-    ASSERT_TRUE(cached.prefill());
-    ASSERT_TRUE(cached.finish());
-  }
+  ASSERT_NO_FATAL_FAILURE(cachePrompt(rig, tokenRun(1000, 0)));
   runtime_test::FacadeDriver driver(rig);
   driver.add(tokenRun(100, 3000));
   ASSERT_TRUE(driver.begin());
@@ -741,13 +738,7 @@ TEST(SlidingReuseFacadeTest, ADecodeStepTheSlidingHalfRefusesLeavesARequestThatF
   KVCacheRuntime& runtime = rig.runtime();
   WindowBlockCache const& window = *runtime.windowBlockCache();
   std::vector<int32_t> const shared = tokenRun(128, 0);  // 8 blocks
-  {
-    runtime_test::FacadeDriver cached(rig);
-    cached.add(shared);
-    ASSERT_TRUE(cached.begin());
-    ASSERT_TRUE(cached.prefill());
-    ASSERT_TRUE(cached.finish());
-  }
+  ASSERT_NO_FATAL_FAILURE(cachePrompt(rig, shared));
   // Both reuse the 8 blocks and hold the window before block 8 (blocks 4..7).
   runtime_test::FacadeDriver decoding(rig);
   decoding.add(concatenated(shared, tokenRun(8, 1000)));
