@@ -402,7 +402,7 @@ TEST_F(EngineLoopNoWaitTest, HostTierOffloadAndOnboarding) {
   config.contextReuse = true;
   config.maxSequenceLength = 2304;  // 18 pages a row
   config.numPages = 20;             // one 2048-token prompt at a time
-  config.hostPoolTokens = 40 * kPage;
+  config.hostPoolTokens = int64_t{40} * kPage;
   auto runtime = KVCacheRuntime::create(config);
   ASSERT_NE(runtime->hostTier(), nullptr);
   LoopEngine first(*runtime, stream());
@@ -587,9 +587,9 @@ TEST_F(EngineLoopNoWaitTest, HybridCheckpointCapture) {
   config.model.recurrentStateBytes = 4096;
   config.model.recurrentConvBytes = 512;
   config.contextReuse = true;
-  config.contextCache.recurrentSnapshotPoolBytes = 8 * 2 * (4096 + 512);
+  config.contextCache.recurrentSnapshotPoolBytes = int64_t{8} * 2 * (4096 + 512);
   // 1 layer x K and V x 128 tokens x 2 heads x 64 x fp16 per partial page.
-  config.contextCache.partialKvSnapshotPoolBytes = 8 * 2 * kPage * 2 * 64 * 2;
+  config.contextCache.partialKvSnapshotPoolBytes = int64_t{8} * 2 * kPage * 2 * 64 * 2;
   config.contextCache.checkpointInterval = 2 * kPage;  // reuse points at 256, 512, 768
   auto runtime = KVCacheRuntime::create(config);
   ContextCacheCoordinator& coordinator = *runtime->contextCache();
