@@ -283,17 +283,18 @@ TEST(ContextCacheManagerTest, AChunkRecordThatIsNotAPrefixOfTheNextPublicationSt
   std::vector<int32_t> const prompt = tokenRun(12, 0);
   CacheRequestLease lease = admit(m, requestOf(prompt));
   std::vector<RetentionRange> const kept{{0, 4, kMaxRetentionPriority, std::nullopt}};
-  LookupRequest retained = requestOf(tokenRun(12, 50));
+  std::vector<int32_t> const otherPrompt = tokenRun(12, 50);  // the request's view reads it
+  LookupRequest retained = requestOf(otherPrompt);
   retained.retention = kept;
   CacheRequestLease other = admit(m, retained);
   // Another sequence's chunk record is not this lease's to replace; a chunk whose record has
   // another retention than the next publication's stays too.
-  PublishResult const foreign = publishPrefix(m, other, tokenRun(12, 50), 4, Publication::kChunk);
+  PublishResult const foreign = publishPrefix(m, other, otherPrompt, 4, Publication::kChunk);
   PublishResult const mine = publishPrefix(m, lease, prompt, 8, Publication::kChunk);
   publishPrefix(m, lease, prompt, 12, Publication::kLasting);
   EXPECT_NE(m.records().get(foreign.record), nullptr);
   EXPECT_EQ(m.records().get(mine.record), nullptr);
-  PublishResult const longer = publishPrefix(m, other, tokenRun(12, 50), 12, Publication::kLasting);
+  PublishResult const longer = publishPrefix(m, other, otherPrompt, 12, Publication::kLasting);
   ASSERT_EQ(longer.status, PublishStatus::kPublished);
   EXPECT_NE(m.records().get(foreign.record), nullptr)
       << "priority " << kMaxRetentionPriority << " on the chunk, the default on the whole prompt";
