@@ -7,11 +7,9 @@
 
 #include <gtest/gtest.h>
 
-#include <fstream>
 #include <memory>
 #include <numeric>
 #include <optional>
-#include <sstream>
 #include <stdexcept>
 #include <string>
 
@@ -24,17 +22,6 @@
 #include "support/test_util.h"
 
 namespace {
-
-/// The file's text, or nullopt when it cannot be opened.
-std::optional<std::string> readFile(std::string const& path) {
-  std::ifstream in(path);
-  if (!in) {
-    return std::nullopt;
-  }
-  std::stringstream text;
-  text << in.rdbuf();
-  return text.str();
-}
 
 /// The example's configuration on `device`.
 mkv::KVCacheRuntimeConfig exampleConfig(mkv::DeviceType device) {
@@ -213,17 +200,7 @@ TEST(IntegrationExampleDocTest, TheDocumentShowsTheCompiledExample) {
   // Copies beside the binary (the GPU bundle carries them) or the source tree (test_inputs.h).
   MKV_TEST_INPUT_OR_SKIP(docPath, "docs/integration.md");
   MKV_TEST_INPUT_OR_SKIP(codePath, "docs/examples/integration_example.cpp");
-  std::optional<std::string> const doc = readFile(docPath.string());
-  std::optional<std::string> const code = readFile(codePath.string());
-  ASSERT_TRUE(doc && code) << "cannot read " << (doc ? codePath : docPath);
-  ASSERT_FALSE(code->empty());
-  std::string const begin = "<!-- example:begin -->\n```cpp\n";
-  std::string const end = "```\n<!-- example:end -->";
-  auto const from = doc->find(begin);
-  auto const to = doc->find(end);
-  ASSERT_NE(from, std::string::npos);
-  ASSERT_NE(to, std::string::npos);
-  EXPECT_EQ(doc->substr(from + begin.size(), to - from - begin.size()), *code);
+  EXPECT_TRUE(mkv::test::pageShowsFile(docPath.string(), "example", codePath.string()));
 }
 
 }  // namespace

@@ -9,10 +9,8 @@
 
 #include <gtest/gtest.h>
 
-#include <fstream>
 #include <numeric>
 #include <optional>
-#include <sstream>
 #include <string>
 
 #include "support/test_inputs.h"
@@ -22,17 +20,6 @@ namespace {
 
 using serving_example::Outcome;
 using serving_example::Sequence;
-
-/// The file's text, or nullopt when it cannot be opened.
-std::optional<std::string> readFile(std::string const& path) {
-  std::ifstream in(path);
-  if (!in) {
-    return std::nullopt;
-  }
-  std::stringstream text;
-  text << in.rdbuf();
-  return text.str();
-}
 
 std::vector<int32_t> range(int32_t first, int32_t count) {
   std::vector<int32_t> tokens(static_cast<std::size_t>(count));
@@ -169,18 +156,7 @@ TEST(ServingLoopExampleDocTest, TheDocumentShowsTheCompiledExample) {
   // Copies beside the binary (the GPU bundle carries them) or the source tree (test_inputs.h).
   MKV_TEST_INPUT_OR_SKIP(docPath, "docs/integration.md");
   MKV_TEST_INPUT_OR_SKIP(codePath, "docs/examples/serving_loop_example.cpp");
-  std::optional<std::string> const doc = readFile(docPath.string());
-  std::optional<std::string> const code = readFile(codePath.string());
-  ASSERT_TRUE(doc && code) << "cannot read " << (doc ? codePath : docPath);
-  ASSERT_FALSE(code->empty());
-  std::string const begin = "<!-- serving-example:begin -->\n```cpp\n";
-  std::string const end = "```\n<!-- serving-example:end -->";
-  auto const from = doc->find(begin);
-  auto const to = doc->find(end);
-  ASSERT_NE(from, std::string::npos);
-  ASSERT_NE(to, std::string::npos);
-  ASSERT_LT(from, to);
-  EXPECT_EQ(doc->substr(from + begin.size(), to - from - begin.size()), *code);
+  EXPECT_TRUE(mkv::test::pageShowsFile(docPath.string(), "serving-example", codePath.string()));
 }
 
 }  // namespace

@@ -1,8 +1,48 @@
 #include "support/test_util.h"
 
+#include <fstream>
+#include <optional>
+#include <sstream>
+
 #include "core/device.h"
 
 namespace mkv::test {
+
+namespace {
+
+/// The file's text, or nullopt when it cannot be opened.
+std::optional<std::string> readText(std::string const& path) {
+  std::ifstream in(path);
+  if (!in) {
+    return std::nullopt;
+  }
+  std::stringstream text;
+  text << in.rdbuf();
+  return text.str();
+}
+
+}  // namespace
+
+::testing::AssertionResult pageShowsFile(std::string const& docPath, std::string_view marker,
+                                         std::string const& codePath) {
+  std::optional<std::string> const doc = readText(docPath);
+  std::optional<std::string> const code = readText(codePath);
+  if (!doc || !code || code->empty()) {
+    return ::testing::AssertionFailure() << "cannot read " << (doc ? codePath : docPath);
+  }
+  std::string const begin = "<!-- " + std::string(marker) + ":begin -->\n```cpp\n";
+  std::string const end = "```\n<!-- " + std::string(marker) + ":end -->";
+  auto const from = doc->find(begin);
+  auto const to = doc->find(end);
+  if (from == std::string::npos || to == std::string::npos || to < from) {
+    return ::testing::AssertionFailure() << docPath << " has no " << marker << " code block";
+  }
+  if (doc->compare(from + begin.size(), to - from - begin.size(), *code) != 0) {
+    return ::testing::AssertionFailure()
+           << "the " << marker << " block of " << docPath << " differs from " << codePath;
+  }
+  return ::testing::AssertionSuccess();
+}
 
 std::string deviceName(::testing::TestParamInfo<DeviceType> const& info) {
   return std::string(toString(info.param));

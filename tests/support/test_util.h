@@ -21,6 +21,12 @@
 
 namespace mkv::test {
 
+/// Whether the page at `docPath` shows the file at `codePath` verbatim, as the code block between
+/// "<!-- MARKER:begin -->" + "```cpp" and "```" + "<!-- MARKER:end -->" (the documentation's
+/// compiled examples); the failure names what is missing or differs.
+::testing::AssertionResult pageShowsFile(std::string const& docPath, std::string_view marker,
+                                         std::string const& codePath);
+
 /// Parameter list of every device-parameterised suite.
 inline auto allDeviceTypes() { return ::testing::Values(DeviceType::kCPU, DeviceType::kGPU); }
 
