@@ -182,6 +182,19 @@ class LoopEngine {
     finalizeJoiner(joiner);
   }
 
+  /// Preemption (vLLM's recompute): row `row` publishes its committed state and is compacted
+  /// away; `resumed` receives what resuming it admits again, its prompt and sampled tokens.
+  void preempt(std::size_t row, std::vector<int32_t>& resumed) {
+    resumed = mPrompts[row];
+    resumed.insert(resumed.end(), mContext.generatedTokenIds[row].begin(),
+                   mContext.generatedTokenIds[row].end());
+    ASSERT_TRUE(mManaged->preemptSequence(static_cast<ExecutionRow>(row)));
+    dropRow(row);
+  }
+
+  /// What the next decode step would allocate (the scheduler's question before it).
+  DecodeStepDemand decodeStepDemand() const { return mManaged->decodeStepDemand(headroom()); }
+
   /// An in-flight admission taken back before its prefill.
   void admitAndRetract(std::vector<int32_t> const& prompt) {
     ResidentRef const resident = acquire();
@@ -547,6 +560,35 @@ TEST_F(EngineLoopNoWaitTest, ChunkedPrefillOfAJoinerBesideDecodes) {
   ASSERT_NO_FATAL_FAILURE(engine.finish());
   expectOtherStreamStillBusy();
   EXPECT_EQ(runtime->contextCache()->counters().prefillChunks, 4U) << "5 chunks, the last final";
+}
+
+TEST_F(EngineLoopNoWaitTest, PreemptionAndResumptionBesideDecodes) {
+  KVCacheRuntimeConfig config = baseConfig(stream());
+  config.model.numFullAttentionLayers = 2;
+  config.contextReuse = true;
+  auto runtime = KVCacheRuntime::create(config);
+  LoopEngine engine(*runtime, stream());
+  engine.add(tokenRun(600, 10));
+  engine.add(tokenRun(700, 5000));
+  occupyOtherStream();
+  ASSERT_NO_FATAL_FAILURE(engine.begin());
+  ASSERT_NO_FATAL_FAILURE(engine.prefill());
+  ASSERT_NO_FATAL_FAILURE(engine.decode(60));  // row 1: 760 tokens with KV, 5 full pages
+  // The scheduler's questions before a step, then vLLM's recompute of the newest row.
+  DecodeStepDemand const demand = engine.decodeStepDemand();
+  KVCacheCapacity const capacity = runtime->capacity();
+  std::vector<int32_t> resumed;
+  ASSERT_NO_FATAL_FAILURE(engine.preempt(1, resumed));
+  ASSERT_NO_FATAL_FAILURE(engine.decode(2));
+  ASSERT_NO_FATAL_FAILURE(engine.join(resumed));  // resumes from what it published
+  int32_t const resumedStart = engine.prefillStart(1);
+  ASSERT_NO_FATAL_FAILURE(engine.decode(2));
+  ASSERT_NO_FATAL_FAILURE(engine.finish());
+  expectOtherStreamStillBusy();
+  EXPECT_EQ(demand.tableFull, RowFailure{});
+  EXPECT_LE(demand.basePages, capacity.base->freePages);
+  EXPECT_EQ(runtime->contextCache()->counters().preemptions, 1U);
+  EXPECT_EQ(resumedStart, 5 * kPage) << "the preempted row's 5 full pages, published";
 }
 
 TEST_F(EngineLoopNoWaitTest, SpeculativePairedReuse) {
