@@ -125,20 +125,9 @@ class Engine {
     }
     return left;
   }
-  // Pages the next step's prepareDecodeStep maps: a decoding row writes position kvLength and
-  // gets pages for kvLength + headroom positions; a joiner's pages were bound at its admission.
-  int64_t pagesForNextStep() const {
-    int32_t const page = mRuntime.config().tokensPerPage;
-    mkv::KVPageTable const& table = *mRuntime.fullPageTable();
-    int64_t pages = 0;
-    for (std::size_t i = 0; i < mRows.size(); ++i) {
-      if (!mRows[i].prefilling) {
-        int32_t const needed = (mRows[i].kvLength + kHeadroom.baseExtraTokens + page - 1) / page;
-        pages += std::max(0, needed - table.liveEntryCount(mContext.residentRefs[i].slot));
-      }
-    }
-    return pages;
-  }
+  // Pages the next step's prepareDecodeStep would allocate (a joiner's were bound at its
+  // admission): the library answers without changing anything.
+  int64_t pagesForNextStep() const { return mManaged->decodeStepDemand(kHeadroom).basePages; }
   // What the pool can give now: free pages, and cached ones nobody runs on (eviction frees them).
   int64_t pagesAvailable() const {
     mkv::PagePoolUsage const base = mRuntime.capacity().base.value();
@@ -226,7 +215,7 @@ void Engine::found() {
     mRuntime.residentSlots().release(mContext.residentRefs[0]);
     throw std::runtime_error("the first waiting sequence does not fit the pool");
   }
-  mManaged.emplace(std::move(*begun));  // the facade moves, but is not move-assignable
+  mManaged = std::move(begun);
   mWaiting.pop_front();
   ++mStats.requests;
   int32_t const reused = mManaged->prefillStarts()->front();

@@ -282,6 +282,10 @@ class BoundedSwaKVPageManager {
   /// kNone when it would stage the step. For a composed request, whose other half must not
   /// prepare a step this half refuses.
   RowFailure checkPrepareDecodeStep(RequestHandle const& handle, char const* call) const;
+  /// What prepareDecodeStep would take now, changing nothing: `slidingPages`, the pages rows
+  /// without a spare would take from the page source (cached mode; 0 otherwise), and the first
+  /// row past its table width. Throws where prepareDecodeStep throws.
+  DecodeStepDemand decodeStepDemand(RequestHandle const& handle) const;
   /// Why the request of `handle` failed: kPoisoned (row -1) while the manager is poisoned; else
   /// the row a decode step could not grow (kTableFull, kNoCapacity); kNone when nothing failed
   /// or the handle is not live.
@@ -415,6 +419,15 @@ class BoundedSwaKVPageManager {
   /// Makes room for one more token of `state`: kNone, or why it cannot (kTableFull past the
   /// table width, kNoCapacity when cached mode finds no spare page).
   RowFailureReason stageDecode(SwaSequenceState& state);
+  /// A decode step walked as stageDecode would walk it, without effects: the first row that
+  /// would fail it (in row order), the first row past its table width, and the pages rows
+  /// without a spare would take from the page source.
+  struct DecodeWalk {
+    RowFailure failure;
+    RowFailure tableFull;
+    int32_t sourcePages = 0;
+  };
+  DecodeWalk walkDecodeStep(RequestHandle const& handle, char const* call) const;
   void mapNewBindings(SwaSequenceState const& state);
   void retire(SwaSequenceState& state);
   void releaseSequence(SwaSequenceState& state) noexcept;

@@ -102,6 +102,9 @@ class BoundedSwaRequest {
                                  int32_t fullInputLength);
   /// Nothing was admitted, so nothing to undo: false, as on every backend.
   bool retractSequenceAdmission() noexcept { return false; }
+  /// What the next prepareDecodeStep would take (BoundedSwaKVPageManager::decodeStepDemand);
+  /// throws unless headroom is {1, 0}.
+  DecodeStepDemand decodeStepDemand(DecodingKvHeadroom const& headroom) const;
   /// Why a call failed (BoundedSwaKVPageManager::lastFailure).
   RowFailure lastFailure() const noexcept { return mManager->lastFailure(mHandle); }
 

@@ -238,8 +238,8 @@ class KVCacheRuntime {
   /// What admitting the text prompt `promptTokens` with `loraWeightsName` and `cacheSalt` (as
   /// ManagedKVCacheRequest::begin keys it) and `headroom` would take now: reusable tokens, pages
   /// to allocate, and whether they fit with or without eviction. Changes nothing. Context reuse
-  /// backends answer through ContextCacheCoordinator::estimateAdmission (on sliding-window reuse
-  /// the sliding pool's pages are not estimated); bounded SWA reuses nothing and reports its
+  /// backends answer through ContextCacheCoordinator::estimateAdmission (sliding-window reuse adds
+  /// its sliding pool's pages, `slidingPages`); bounded SWA reuses nothing and reports its
   /// per-sequence page budget (2M + 1 sliding pages) in `slidingPages`. Throws mkv::Error naming
   /// this call for an empty prompt, a headroom begin refuses (baseExtraTokens <= 0), or what
   /// ContextCacheCoordinator::estimateAdmission refuses (a prompt too long for a row).

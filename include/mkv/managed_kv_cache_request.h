@@ -61,7 +61,9 @@ class ManagedKVCacheRequest {
 
   /// Defaulted where the adapters are complete (managed_kv_cache_request.cpp).
   ManagedKVCacheRequest(ManagedKVCacheRequest&&) noexcept;
-  ManagedKVCacheRequest& operator=(ManagedKVCacheRequest&&) = delete;
+  /// Abandons the request this facade held (as destroying it would), then takes `other`'s;
+  /// `other` is left moved from. An engine's request slot can be refilled in place.
+  ManagedKVCacheRequest& operator=(ManagedKVCacheRequest&& other) noexcept;
   ManagedKVCacheRequest(ManagedKVCacheRequest const&) = delete;
   ManagedKVCacheRequest& operator=(ManagedKVCacheRequest const&) = delete;
   ~ManagedKVCacheRequest();
@@ -103,6 +105,13 @@ class ManagedKVCacheRequest {
   /// Before each decode execution. Bounded SWA throws unless headroom is {1, 0}.
   bool prepareDecodeStep(DecodingInferenceContext const& context,
                          DecodingKvHeadroom const& headroom);
+  /// What prepareDecodeStep(context, headroom) would take if called now, changing nothing: the
+  /// pages it would allocate per pool (compare with KVCacheRuntime::capacity(): free plus
+  /// reclaimable) and the first row it would find past its table width. A scheduler asks it
+  /// before a step to preempt instead of failing one (an addition beside the reference page's
+  /// API). Throws where prepareDecodeStep throws (no settled request, a headroom the backend
+  /// refuses).
+  DecodeStepDemand decodeStepDemand(DecodingKvHeadroom const& headroom) const;
   /// After the runtime's decode synchronisation. Throws like completePrefill when the step's
   /// writes never reached the device.
   bool completeDecodeStep(DecodingInferenceContext const& context,

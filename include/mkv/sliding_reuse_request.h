@@ -51,6 +51,18 @@ class SlidingReuseRequest {
           DecodingTokenStateContract::kCommittedPlusLookahead,
       ContextCacheCommitPolicy commitPolicy = ContextCacheCommitPolicy::kIncludingGeneratedTokens);
 
+  /// What admitting `sequence` would take from the sliding pool now (KVCacheRuntime::
+  /// estimateAdmission): the pages its row allocates (its prompt from the reuse start the
+  /// coordinator's lookup gives, plus one) and the cached window pages before that start that no
+  /// request holds yet (admission pins them). Changes nothing.
+  struct SlidingPoolEstimate {
+    int32_t privatePages = 0;
+    int32_t unheldWindowPages = 0;
+  };
+  static SlidingPoolEstimate estimateSlidingPool(ContextCacheCoordinator const& coordinator,
+                                                 BoundedSwaKVPageManager const& manager,
+                                                 ContextCacheSequenceAdmission const& sequence);
+
   SlidingReuseRequest(SlidingReuseRequest&&) noexcept = default;
   SlidingReuseRequest& operator=(SlidingReuseRequest&&) = delete;
   SlidingReuseRequest(SlidingReuseRequest const&) = delete;
@@ -131,6 +143,10 @@ class SlidingReuseRequest {
   bool retractSequenceAdmission() noexcept;
   /// Why a call failed: the full half's reason, else the sliding half's.
   RowFailure lastFailure() const noexcept;
+  /// What the next prepareDecodeStep would take on both halves: the full half's base pages and
+  /// the sliding half's page-source pages; the first row either half finds past its table width.
+  /// Throws unless headroom is {1, 0}, and where prepareDecodeStep throws.
+  DecodeStepDemand decodeStepDemand(DecodingKvHeadroom const& headroom) const;
   /// Throw: Hybrid-MTP needs recurrent layers, which this backend refuses.
   bool publishHybridMtpEndpoint(ExecutionRow row, int32_t residentStateLength,
                                 Tensor const& baseHiddenStates, int32_t boundaryHiddenRow);

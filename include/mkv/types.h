@@ -115,6 +115,22 @@ struct RowFailure {
   friend bool operator==(RowFailure const&, RowFailure const&) = default;
 };
 
+/// What a request's next decode step would take (ManagedKVCacheRequest::decodeStepDemand): the
+/// pages prepareDecodeStep would allocate from each pool, to compare with
+/// KVCacheRuntime::capacity() (free + reclaimable pages) before the step, and a row that would pass
+/// its table width.
+struct DecodeStepDemand {
+  int32_t basePages = 0;   ///< the full-attention pool (context reuse; sliding reuse's full half)
+  int32_t draftPages = 0;  ///< a paired draft's pool
+  /// The sliding pool's page source: sliding-window reuse (rows whose next window page has no
+  /// spare); 0 on bounded SWA, whose rows keep their M + 1 pages.
+  int32_t slidingPages = 0;
+  /// The first row that would pass its table width (kTableFull: the step fails whatever the pools
+  /// hold; its pages are not counted), else kNone.
+  RowFailure tableFull;
+  friend bool operator==(DecodeStepDemand const&, DecodeStepDemand const&) = default;
+};
+
 /// Outcome of an in-flight admission (ContextCacheRequest / BoundedSwaRequest::admitSequence):
 /// kNoCapacity is transient pool pressure (retry at a later step boundary); kFailed a poisoned
 /// backend or one without in-flight admission.

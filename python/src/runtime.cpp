@@ -240,6 +240,7 @@ void bindRequest(py::module_& m) {
           py::arg("stream") = py::none(), py::arg("mediaTokenIds") = std::vector<int32_t>{},
           "(status, prefillStart): the C++ out-parameter prefillStart is returned.")
       .def("preemptSequence", &Request::preemptSequence, py::arg("row"))
+      .def("decodeStepDemand", &Request::decodeStepDemand, py::arg("headroom"))
       .def("completePrefillChunk", &Request::completePrefillChunk, py::arg("row"),
            py::arg("prefilledTokens"))
       .def("finalizeSequenceAdmission", &Request::finalizeSequenceAdmission, py::arg("row"),

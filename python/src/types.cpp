@@ -170,6 +170,11 @@ void bindValues(py::module_& m) {
   py::class_<RowFailure>(m, "RowFailure")
       .def_readonly("reason", &RowFailure::reason)
       .def_readonly("row", &RowFailure::row);
+  py::class_<DecodeStepDemand>(m, "DecodeStepDemand")
+      .def_readonly("basePages", &DecodeStepDemand::basePages)
+      .def_readonly("draftPages", &DecodeStepDemand::draftPages)
+      .def_readonly("slidingPages", &DecodeStepDemand::slidingPages)
+      .def_readonly("tableFull", &DecodeStepDemand::tableFull);
   py::class_<RetentionRange>(m, "RetentionRange")
       .def(py::init<>())
       .def_readwrite("tokenStart", &RetentionRange::tokenStart)

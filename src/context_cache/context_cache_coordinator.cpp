@@ -312,10 +312,11 @@ ContextCacheStatus ContextCacheCoordinator::growPages(Request& req,
   detail::PagedRows const table = req.mode->rows();
   int32_t const pageSize = mManager->pageSize();
   bool grew = false;
-  // Rows grown before a failing one keep their pages (mapped and uploaded, so host and device
-  // agree), and a retry of the step does not grow them again.
+  // A row that cannot grow fails alone: the request stays settled, so that the engine can
+  // preempt or drop rows and prepare the step again (or finish). Rows grown before the failing
+  // one keep their pages (mapped and uploaded, so host and device agree), and the retry does not
+  // grow them again.
   auto fail = [&](RowFailureReason reason, ExecutionRow row) {
-    req.stage = RequestStage::kFinishing;
     req.failure = RowFailure{reason, row};
     ++mCounters.growthFailures;
     if (grew) {
@@ -365,6 +366,38 @@ ContextCacheStatus ContextCacheCoordinator::growPages(Request& req,
   }
   table.upload();
   return ContextCacheStatus::kOk;
+}
+
+DecodeStepDemand ContextCacheCoordinator::decodeStepDemand(
+    RequestHandle const& handle, DecodingKvHeadroom const& headroom) const {
+  constexpr char const* kCall = "ContextCacheCoordinator::decodeStepDemand";
+  Request const& req = request(handle, kCall);
+  MKV_REQUIRE(req.stage == RequestStage::kSettled, kCall,
+              "a decode step needs an executing request with no pending work");
+  detail::PagedRows const table = req.mode->rows();
+  table.validateHeadroom(kCall, headroom);
+  int32_t const pageSize = mManager->pageSize();
+  DecodeStepDemand demand;
+  for (auto const& sequence : req.sequences) {
+    if (!sequence.joined) {
+      continue;  // as growPages: an unfinalised joiner grows nothing
+    }
+    detail::LaneCounts const needed = table.neededPages(sequence.committed, headroom, pageSize);
+    if (table.tableFull(needed)) {
+      if (demand.tableFull.reason == RowFailureReason::kNone) {
+        demand.tableFull = RowFailure{RowFailureReason::kTableFull,
+                                      static_cast<ExecutionRow>(&sequence - req.sequences.data())};
+      }
+      continue;
+    }
+    detail::LaneCounts const held = table.heldPages(sequence);
+    for (std::size_t lane = 0; lane < table.laneCount(); ++lane) {
+      int32_t const growth = std::max(0, needed[lane] - held[lane]);
+      (table.laneKind(lane) == detail::LanePages::kBase ? demand.basePages : demand.draftPages) +=
+          growth;
+    }
+  }
+  return demand;
 }
 
 RowFailure ContextCacheCoordinator::lastFailure(RequestHandle const& handle) const noexcept {

@@ -267,9 +267,12 @@ bool ContextCacheRequest::prepareDecodeStep(DecodingInferenceContext const& cont
   for (std::size_t i = 0; i < batch; ++i) {
     counts[i] = context.generatedTokenIds[i].size();
   }
-  if (!check(mCoordinator->prepareDecodeStep(mHandle, headroom), "prepareDecodeStep")) {
+  ContextCacheStatus const status = mCoordinator->prepareDecodeStep(mHandle, headroom);
+  if (status != ContextCacheStatus::kOk) {
     mStepScratch.counts = std::move(counts);
-    return false;
+    return mCoordinator->poisoned()
+               ? check(status, "prepareDecodeStep")
+               : detail::refusedStep("ManagedKVCacheRequest::prepareDecodeStep", lastFailure());
   }
   mPreparedCounts = std::move(counts);
   return true;

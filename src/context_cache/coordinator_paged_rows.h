@@ -59,6 +59,8 @@ class PagedRows {
 
   /// The tables a request writes: 0 (pure recurrent), 1 (base) or 2 (base and draft).
   std::size_t laneCount() const noexcept { return mLanes.size(); }
+  /// Whose pages lane `lane` maps (base or draft pool).
+  LanePages laneKind(std::size_t lane) const noexcept { return mLanes[lane].pages; }
 
   /// preparePrefill: binds each sequence's lease pages to its resident row in every lane and
   /// resets the batch's KV lengths to the reuse lengths (less the lane's restore lag), then

@@ -12,6 +12,7 @@
 #include <fmt/format.h>
 
 #include "mkv/error.h"
+#include "mkv/types.h"
 
 namespace mkv::detail {
 
@@ -32,6 +33,10 @@ template <typename... Args>
   throwError(fmt::format("internal invariant violated at {}:{}: {}", file, line,
                          fmt::format(format, std::forward<Args>(args)...)));
 }
+
+/// Logs (warn) that `call` did not prepare a decode step because of `failure`, a row that fails
+/// alone (the request goes on); every adapter's prepareDecodeStep reports a refusal so. False.
+bool refusedStep(char const* call, RowFailure failure);
 
 }  // namespace mkv::detail
 

@@ -19,6 +19,7 @@
 #include "mkv/kv_cache_pool.h"
 #include "mkv/kv_page_table.h"
 #include "mkv/recurrent_state_pool.h"
+#include "mkv/sliding_reuse_request.h"
 #include "resources/device_write_queue.h"
 #include "resources/shared_synchronizer.h"
 
@@ -544,7 +545,20 @@ AdmissionEstimate KVCacheRuntime::estimateAdmission(std::vector<int32_t> const& 
     sequence.tokenIds = promptTokens;
     sequence.keyExtras = BlockKeyExtras{digestIdentity(loraWeightsName), digestIdentity(cacheSalt)};
     try {
-      return mCoordinator->estimateAdmission(sequence, headroom);
+      AdmissionEstimate estimate = mCoordinator->estimateAdmission(sequence, headroom);
+      if (mBackend == KVCacheBackend::kSlidingWindowReuse) {
+        // The sliding half admits too: its pages from the reuse start, plus the cached window
+        // pages before it that admission pins.
+        SlidingReuseRequest::SlidingPoolEstimate const sliding =
+            SlidingReuseRequest::estimateSlidingPool(*mCoordinator, *mSwaManager, sequence);
+        estimate.slidingPages = sliding.privatePages + sliding.unheldWindowPages;
+        bool const poisoned = mSwaManager->poisoned();
+        estimate.fitsWithoutEviction = estimate.fitsWithoutEviction && !poisoned &&
+                                       sliding.privatePages <= mWindowCache->freePages();
+        estimate.fitsAfterEviction = estimate.fitsAfterEviction && !poisoned &&
+                                     estimate.slidingPages <= mWindowCache->availablePages();
+      }
+      return estimate;
     } catch (Error const& error) {  // the coordinator's check, named under the caller's call
       detail::throwContract(kEstimateCall, "{}", error.what());
     }

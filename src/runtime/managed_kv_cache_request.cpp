@@ -57,6 +57,7 @@ struct ManagedKVCacheRequest::Impl {
 ManagedKVCacheRequest::ManagedKVCacheRequest(std::unique_ptr<Impl> impl) noexcept
     : mImpl(std::move(impl)) {}
 ManagedKVCacheRequest::ManagedKVCacheRequest(ManagedKVCacheRequest&&) noexcept = default;
+ManagedKVCacheRequest& ManagedKVCacheRequest::operator=(ManagedKVCacheRequest&&) noexcept = default;
 ManagedKVCacheRequest::~ManagedKVCacheRequest() = default;
 
 std::optional<ManagedKVCacheRequest> ManagedKVCacheRequest::begin(
@@ -158,6 +159,11 @@ bool ManagedKVCacheRequest::prepareDecodeStep(DecodingInferenceContext const& co
                                               DecodingKvHeadroom const& headroom) {
   return dispatch("ManagedKVCacheRequest::prepareDecodeStep", mImpl,
                   [&](auto& backend) { return backend.prepareDecodeStep(context, headroom); });
+}
+
+DecodeStepDemand ManagedKVCacheRequest::decodeStepDemand(DecodingKvHeadroom const& headroom) const {
+  return dispatch("ManagedKVCacheRequest::decodeStepDemand", mImpl,
+                  [&](auto const& backend) { return backend.decodeStepDemand(headroom); });
 }
 
 bool ManagedKVCacheRequest::completeDecodeStep(DecodingInferenceContext const& context,

@@ -107,12 +107,9 @@ SwaReuseStart plannedStart(ContextCacheCoordinator const& coordinator,
   return start;
 }
 
-/// Whether the sliding pool gives `privatePages` pages once the window pages of `starts` are held
-/// (BoundedSwaKVPageManager::checkBeginRequest): a window page nobody holds yet is cached and
-/// allocatable until then; one already held costs nothing.
-bool slidingPoolHolds(ContextCacheCoordinator const& coordinator,
-                      std::span<SwaReuseStart const> starts, int64_t privatePages) {
-  WindowBlockCache const& window = windowCacheOf(coordinator);
+/// The cached window pages of `starts` that no request holds yet (each counted once).
+std::vector<PageId> unheldWindowPages(WindowBlockCache const& window,
+                                      std::span<SwaReuseStart const> starts) {
   std::vector<PageId> unheld;
   for (SwaReuseStart const& start : starts) {
     for (PageId const page : start.windowPages) {
@@ -122,7 +119,17 @@ bool slidingPoolHolds(ContextCacheCoordinator const& coordinator,
       }
     }
   }
-  return privatePages + static_cast<int64_t>(unheld.size()) <= window.availablePages();
+  return unheld;
+}
+
+/// Whether the sliding pool gives `privatePages` pages once the window pages of `starts` are held
+/// (BoundedSwaKVPageManager::checkBeginRequest): a window page nobody holds yet is cached and
+/// allocatable until then; one already held costs nothing.
+bool slidingPoolHolds(ContextCacheCoordinator const& coordinator,
+                      std::span<SwaReuseStart const> starts, int64_t privatePages) {
+  WindowBlockCache const& window = windowCacheOf(coordinator);
+  return privatePages + static_cast<int64_t>(unheldWindowPages(window, starts).size()) <=
+         window.availablePages();
 }
 
 bool sameStart(SwaReuseStart const& a, SwaReuseStart const& b) {
@@ -256,6 +263,20 @@ SlidingReuseRequest::~SlidingReuseRequest() {
   // Abandoned inside the scope, in the members' order of destruction: the SWA half first.
   ContextCacheRequest const full = std::move(mFull);
   BoundedSwaKVPageManager::RequestHandle const sliding = std::move(mHandle);
+}
+
+SlidingReuseRequest::SlidingPoolEstimate SlidingReuseRequest::estimateSlidingPool(
+    ContextCacheCoordinator const& coordinator, BoundedSwaKVPageManager const& manager,
+    ContextCacheSequenceAdmission const& sequence) {
+  SwaReuseStart const start =
+      plannedStart(coordinator, sequence, "SlidingReuseRequest::estimateSlidingPool");
+  int32_t const page = manager.tokensPerPage();
+  SlidingPoolEstimate estimate;
+  estimate.privatePages =
+      static_cast<int32_t>(pagesOf(sequence.tokenIds.size(), page)) - start.startTokens / page + 1;
+  estimate.unheldWindowPages = static_cast<int32_t>(
+      unheldWindowPages(windowCacheOf(coordinator), std::span(&start, 1)).size());
+  return estimate;
 }
 
 std::optional<SlidingReuseRequest> SlidingReuseRequest::begin(
@@ -452,11 +473,11 @@ bool SlidingReuseRequest::prepareDecodeStep(DecodingInferenceContext const& cont
   constexpr char const* kCall = "SlidingReuseRequest::prepareDecodeStep";
   requireVanillaRequest(kCall, false, headroom,
                         DecodingTokenStateContract::kCommittedPlusLookahead);
-  // A step either half refuses ends the request, which the engine then finishes: the other half
-  // must not have prepared it (ContextCacheRequest::finish refuses while its step is prepared).
-  // So the sliding half's outcome is known first (its checks and its row failure, without
-  // effects); a step it refuses is refused there alone, and one it accepts is prepared on the
-  // full half first (which refuses alone), then on the sliding half.
+  // A step either half refuses leaves both halves settled (the failing row named), so that the
+  // engine can drop or preempt rows and prepare the step again, or finish: the other half must
+  // not have prepared it. So the sliding half's outcome is known first (its checks and its row
+  // failure, without effects); a step it refuses is refused there alone, and one it accepts is
+  // prepared on the full half first (which refuses alone), then on the sliding half.
   MKV_REQUIRE(context.generatedTokenIds.size() == mPromptTokens.size(), kCall,
               "context has {} generated lists for a batch of {}", context.generatedTokenIds.size(),
               mPromptTokens.size());
@@ -465,7 +486,9 @@ bool SlidingReuseRequest::prepareDecodeStep(DecodingInferenceContext const& cont
     SwaKVCacheStatus const refused = mManager->prepareDecodeStep(mHandle);
     MKV_ASSERT(refused != SwaKVCacheStatus::kOk,
                "the sliding half staged a step its check refused (row {})", slidingFailure.row);
-    return swaStatus(refused, "prepareDecodeStep");
+    return mManager->poisoned()
+               ? swaStatus(refused, "prepareDecodeStep")
+               : detail::refusedStep("ManagedKVCacheRequest::prepareDecodeStep", slidingFailure);
   }
   if (!mFull.prepareDecodeStep(context, headroom)) {
     return false;
@@ -652,6 +675,20 @@ bool SlidingReuseRequest::finalizeSequenceAdmission(ExecutionRow row, int32_t co
   publishPromptBlocks(static_cast<std::size_t>(row));
   mManager->finalizeSequenceAdmission(mHandle, row);
   return true;
+}
+
+DecodeStepDemand SlidingReuseRequest::decodeStepDemand(DecodingKvHeadroom const& headroom) const {
+  requireVanillaRequest("SlidingReuseRequest::decodeStepDemand", false, headroom,
+                        DecodingTokenStateContract::kCommittedPlusLookahead);
+  DecodeStepDemand demand = mFull.decodeStepDemand(headroom);
+  DecodeStepDemand const sliding = mManager->decodeStepDemand(mHandle);
+  demand.slidingPages = sliding.slidingPages;
+  if (sliding.tableFull.reason != RowFailureReason::kNone &&
+      (demand.tableFull.reason == RowFailureReason::kNone ||
+       sliding.tableFull.row < demand.tableFull.row)) {
+    demand.tableFull = sliding.tableFull;
+  }
+  return demand;
 }
 
 RowFailure SlidingReuseRequest::lastFailure() const noexcept {

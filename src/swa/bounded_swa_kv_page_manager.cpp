@@ -473,34 +473,52 @@ RowFailure BoundedSwaKVPageManager::lastFailure(RequestHandle const& handle) con
   return live != nullptr ? live->failure : RowFailure{};
 }
 
-RowFailure BoundedSwaKVPageManager::checkPrepareDecodeStep(RequestHandle const& handle,
-                                                           char const* call) const {
+BoundedSwaKVPageManager::DecodeWalk BoundedSwaKVPageManager::walkDecodeStep(
+    RequestHandle const& handle, char const* call) const {
   Request const& req = request(handle, call);
   MKV_REQUIRE(req.stage == RequestStage::kSettled, call,
               "a decode step needs a completed prefill or step and no pending work");
   // As stageDecode, row by row: each row that needs a page and has no spare takes one from the
   // page source (without one: none).
-  int64_t available =
+  int64_t const available =
       mResources.pageSource != nullptr ? mResources.pageSource->availablePages() : 0;
+  DecodeWalk walk;
   for (std::size_t i = 0; i < req.sequences.size(); ++i) {
     SwaSequenceState const& state = req.sequences[i];
     if (state.joining) {
       continue;
     }
     auto const row = static_cast<ExecutionRow>(i);
+    auto keepFirst = [row](RowFailure& first, RowFailureReason reason) {
+      if (first.reason == RowFailureReason::kNone) {
+        first = RowFailure{reason, row};
+      }
+    };
     if (state.endpoint == std::numeric_limits<int32_t>::max() ||
         pagesCovering(state.endpoint + 1, mPageShift) > mResources.swaPageTable->maxPagesPerSeq()) {
-      return RowFailure{RowFailureReason::kTableFull, row};
+      keepFirst(walk.tableFull, RowFailureReason::kTableFull);
+      keepFirst(walk.failure, RowFailureReason::kTableFull);
+      continue;
     }
     bool const needsPage = pagesCovering(state.endpoint + 1, mPageShift) > state.retainedEnd;
-    if (needsPage && state.reservedPages.empty()) {
-      if (available == 0) {
-        return RowFailure{RowFailureReason::kNoCapacity, row};
-      }
-      --available;
+    if (needsPage && state.reservedPages.empty() && ++walk.sourcePages > available) {
+      keepFirst(walk.failure, RowFailureReason::kNoCapacity);
     }
   }
-  return RowFailure{};
+  return walk;
+}
+
+RowFailure BoundedSwaKVPageManager::checkPrepareDecodeStep(RequestHandle const& handle,
+                                                           char const* call) const {
+  return walkDecodeStep(handle, call).failure;
+}
+
+DecodeStepDemand BoundedSwaKVPageManager::decodeStepDemand(RequestHandle const& handle) const {
+  DecodeWalk const walk = walkDecodeStep(handle, "BoundedSwaKVPageManager::decodeStepDemand");
+  DecodeStepDemand demand;
+  demand.slidingPages = walk.sourcePages;
+  demand.tableFull = walk.tableFull;
+  return demand;
 }
 
 bool BoundedSwaKVPageManager::finishing(RequestHandle const& handle) const noexcept {
@@ -513,11 +531,12 @@ SwaKVCacheStatus BoundedSwaKVPageManager::prepareDecodeStep(RequestHandle& handl
   Request& req = request(handle, kCall);
   MKV_REQUIRE(req.stage == RequestStage::kSettled, kCall,
               "a decode step needs a completed prefill or step and no pending work");
-  // An unfinalised joiner holds: its prefill is staged, not its next token.
+  // An unfinalised joiner holds: its prefill is staged, not its next token. A row that cannot
+  // stage fails alone: the request stays settled (spares taken by earlier rows stay theirs), and
+  // the engine drops or preempts rows and prepares the step again, or finishes.
   for (SwaSequenceState& state : req.sequences) {
     RowFailureReason const failed = state.joining ? RowFailureReason::kNone : stageDecode(state);
     if (failed != RowFailureReason::kNone) {
-      req.stage = RequestStage::kFinishing;
       req.failure = RowFailure{failed, static_cast<ExecutionRow>(&state - req.sequences.data())};
       return SwaKVCacheStatus::kRequestFailed;
     }

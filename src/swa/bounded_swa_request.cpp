@@ -99,7 +99,16 @@ bool BoundedSwaRequest::prepareDecodeStep(DecodingInferenceContext const& contex
   constexpr char const* kCall = "BoundedSwaRequest::prepareDecodeStep";
   requireVanillaHeadroom(kCall, headroom);
   requireContextRows(kCall, context);
-  return swaStatus(mManager->prepareDecodeStep(mHandle), *mManager, "prepareDecodeStep");
+  SwaKVCacheStatus const status = mManager->prepareDecodeStep(mHandle);
+  if (status != SwaKVCacheStatus::kOk && !mManager->poisoned()) {
+    return detail::refusedStep("ManagedKVCacheRequest::prepareDecodeStep", lastFailure());
+  }
+  return swaStatus(status, *mManager, "prepareDecodeStep");
+}
+
+DecodeStepDemand BoundedSwaRequest::decodeStepDemand(DecodingKvHeadroom const& headroom) const {
+  requireVanillaHeadroom("BoundedSwaRequest::decodeStepDemand", headroom);
+  return mManager->decodeStepDemand(mHandle);
 }
 
 bool BoundedSwaRequest::completeDecodeStep(DecodingInferenceContext const& context,

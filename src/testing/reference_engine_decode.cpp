@@ -370,33 +370,16 @@ void ReferenceEngine::collectTokens(Run& run, std::size_t batch) {
 }
 
 bool ReferenceEngine::growthFits(Run const& run) const {
-  auto& runtime = const_cast<KVCacheRuntime&>(mRuntime);
-  KVCachePool const* full = runtime.fullPool();
-  KVPageTable const* table = runtime.fullPageTable();
-  if (full == nullptr || table == nullptr) {
-    return true;  // no paged full pool (bounded SWA): nothing grows here
-  }
-  int64_t const page = full->config().tokensPerPage;
-  int64_t base = 0;
-  int64_t sliding = 0;
-  for (Row const& row : run.rows) {
-    if (row.prefilling) {
-      continue;  // an unfinalised joiner holds: its admission bound its prompt's pages
-    }
-    // What prepareDecodeStep maps: the committed tokens plus the headroom, in pages.
-    int64_t const needed = (row.materialized + run.headroom.baseExtraTokens + page - 1) / page;
-    base += std::max<int64_t>(0, needed - table->liveEntryCount(row.resident.slot));
-    // Sliding-window reuse maps at most one window page per row and step: when the step's
-    // position starts a page (an upper bound).
-    sliding += row.materialized % page == 0 ? 1 : 0;
-  }
+  // What the step's prepareDecodeStep would allocate, against what each pool can give now: free
+  // pages and cached ones no request runs on. A row past its table width fails the step
+  // whatever the pools hold: preempting others would not help it.
+  DecodeStepDemand const demand = run.managed->decodeStepDemand(run.headroom);
   KVCacheCapacity const capacity = mRuntime.capacity();
-  auto room = [](PagePoolUsage const& pool) {
-    return int64_t{pool.freePages} + pool.reclaimablePages;
+  auto fits = [](int32_t pages, std::optional<PagePoolUsage> const& pool) {
+    return pages == 0 || (pool && pages <= int64_t{pool->freePages} + pool->reclaimablePages);
   };
-  bool const slidingReuse = mRuntime.backend() == KVCacheBackend::kSlidingWindowReuse;
-  return (!capacity.base || base <= room(*capacity.base)) &&
-         (!slidingReuse || !capacity.sliding || sliding <= room(*capacity.sliding));
+  return fits(demand.basePages, capacity.base) && fits(demand.draftPages, capacity.draft) &&
+         fits(demand.slidingPages, capacity.sliding);
 }
 
 bool ReferenceEngine::preemptForGrowth(Run& run) {

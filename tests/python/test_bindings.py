@@ -202,8 +202,13 @@ class FacadeTest(unittest.TestCase):
         context.appendToken(1, 9)
         self.assertTrue(managed.finalizeSequenceAdmission(1, 9, 34))
         self.assertFalse(managed.retractSequenceAdmission())
-        # Row 0 finishes and is compacted away; the mapping goes in as a torch tensor.
+        # Row 0 finishes and is compacted away; the mapping goes in as a torch tensor. What the
+        # step allocates was answered before it, with nothing changed.
+        demand = managed.decodeStepDemand(mkv.DecodingKvHeadroom(1, 0))
+        self.assertEqual(demand.tableFull.reason, mkv.RowFailureReason.kNone)
+        leased = runtime.capacity().base.leasedPages
         self.assertTrue(managed.prepareDecodeStep(context))
+        self.assertEqual(runtime.capacity().base.leasedPages - leased, demand.basePages)
         pool.writeLengths(0, [37, 35])
         context.appendToken(0, 10)
         context.appendToken(1, 11)

@@ -537,6 +537,31 @@ TEST_P(ManagedKVCacheRequestTest, AMovedFromFacadeRefusesEveryCallAndItsRequestR
   finishCleanly(rig, driver);
 }
 
+TEST_P(ManagedKVCacheRequestTest, AMoveAssignmentAbandonsTheHeldRequestAndTakesTheOther) {
+  RuntimeRig rig(configFor(backend(), device()));
+  FacadeDriver abandoned(rig);
+  abandoned.add(tokenRun(40, 5));
+  ASSERT_TRUE(abandoned.begin());
+  ASSERT_TRUE(abandoned.prefill());
+  FacadeDriver driver(rig);
+  driver.add(tokenRun(33, 9));
+  ASSERT_TRUE(driver.begin());
+  ASSERT_EQ(rig.activeRequests(), 2);
+  int32_t const heldByBoth = rig.heldPages();
+  // The slot that held the first request takes the second: the first is abandoned.
+  *abandoned.managed = std::move(*driver.managed);
+  EXPECT_EQ(rig.activeRequests(), 1);
+  EXPECT_LT(rig.heldPages(), heldByBoth);
+  expectRejected(rig, "finish", [&] { (void)driver.facade().finish(); },
+                 {"ManagedKVCacheRequest::finish", "moved from"});
+  // The moved request runs on in its new facade.
+  driver.managed.emplace(std::move(*abandoned.managed));
+  abandoned.managed.reset();
+  ASSERT_TRUE(driver.prefill());
+  driver.verify();
+  finishCleanly(rig, driver);
+}
+
 TEST_P(ManagedKVCacheRequestTest, SizesThatDisagreeWithTheBatchThrowAndChangeNothing) {
   RuntimeRig rig(configFor(backend(), device()));
   FacadeDriver driver(rig);

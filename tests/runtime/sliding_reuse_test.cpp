@@ -731,9 +731,9 @@ TEST(SlidingReuseFacadeTest, AFinalisationTheSlidingHalfRefusesChangesNothingOnE
 
 // A decode step the sliding half refuses while the full half could take it (the page a row retires
 // is a reused window page another request still holds, so it brings back no spare, and the
-// sliding pool is full) ends the request on the sliding half alone: nothing is prepared on the
-// full half, so the engine can finish the request.
-TEST(SlidingReuseFacadeTest, ADecodeStepTheSlidingHalfRefusesLeavesARequestThatFinishes) {
+// sliding pool is full) is refused on the sliding half alone: nothing is prepared on the full
+// half, so the engine can finish the request, or prepare the step again once pages came back.
+TEST(SlidingReuseFacadeTest, ADecodeStepTheSlidingHalfRefusesLeavesARequestThatGoesOn) {
   runtime_test::RuntimeRig rig(slidingConfig(DeviceType::kCPU, 69));
   KVCacheRuntime& runtime = rig.runtime();
   WindowBlockCache const& window = *runtime.windowBlockCache();
@@ -757,19 +757,82 @@ TEST(SlidingReuseFacadeTest, ADecodeStepTheSlidingHalfRefusesLeavesARequestThatF
   ASSERT_TRUE(filling.begin());
   ASSERT_EQ(window.availablePages(), 0);
   // Each window page the decoding row retires is held by `holding`: no spare comes back, and
-  // the next page it needs is not there.
+  // the next page it needs is not there. decodeStepDemand says so before each step.
   int32_t steps = 0;
-  while (steps < 64 && decoding.decode()) {
+  DecodeStepDemand demand;
+  while (steps < 64) {
+    demand = decoding.facade().decodeStepDemand(runtime_test::kVanilla);
+    if (!decoding.decode()) {
+      break;
+    }
     ++steps;
   }
   ASSERT_LT(steps, 64) << "the sliding half never refused a step";
+  EXPECT_EQ(demand.slidingPages, 1) << "the refused step's page, from the page source";
+  EXPECT_EQ(window.availablePages(), 0);
   RowFailure const failure = decoding.facade().lastFailure();
   EXPECT_EQ(failure.reason, RowFailureReason::kNoCapacity);
   EXPECT_EQ(failure.row, 0);
   EXPECT_EQ(runtime.contextCache()->counters().growthFailures, 0u);  // the full half had room
   EXPECT_FALSE(runtime.contextCache()->poisoned());
-  EXPECT_TRUE(decoding.finish());  // threw "a decode step is still prepared" before
+  // The request goes on: once the other request let go of the shared window, the step is
+  // prepared again (before, the refusal ended the request).
   EXPECT_TRUE(holding.finish());
+  EXPECT_TRUE(filling.finish());
+  int32_t const leased = runtime.capacity().sliding->leasedPages;
+  ASSERT_EQ(decoding.facade().decodeStepDemand(runtime_test::kVanilla).slidingPages, 1);
+  ASSERT_TRUE(decoding.prepareDecode());
+  EXPECT_EQ(runtime.capacity().sliding->leasedPages, leased + 1) << "the page the demand named";
+  ASSERT_TRUE(decoding.completeDecode());
+  for (int step = 0; step < 4; ++step) {
+    ASSERT_TRUE(decoding.decode()) << "step " << step << " after the other requests finished";
+  }
+  decoding.verify();
+  EXPECT_TRUE(decoding.finish());
+  expectNothingHeld(runtime);
+}
+
+// KVCacheRuntime::estimateAdmission on sliding-window reuse counts the sliding pool: the pages
+// the row allocates from its reuse start and the cached window pages it pins (before, 0), and a
+// pool that cannot give them makes both fit flags false, as begin then refuses.
+TEST(SlidingReuseFacadeTest, AnEstimateCountsWhatAdmissionTakesFromTheSlidingPool) {
+  runtime_test::RuntimeRig rig(slidingConfig(DeviceType::kCPU, 69));
+  KVCacheRuntime& runtime = rig.runtime();
+  std::vector<int32_t> const shared = tokenRun(128, 0);  // 8 blocks
+  ASSERT_NO_FATAL_FAILURE(cachePrompt(rig, shared));
+  auto slidingLeased = [&] { return runtime.capacity().sliding->leasedPages; };
+  // Cold: ceil(70 / 16) + 1 pages. Warm: from 128, ceil(136 / 16) - 8 + 1 private pages and
+  // the window's 4 cached pages before the start.
+  for (auto const& [prompt, expected] : {std::pair{tokenRun(70, 9000), 5 + 1},
+                                         std::pair{concatenated(shared, tokenRun(8, 1)), 2 + 4}}) {
+    AdmissionEstimate const estimate = runtime.estimateAdmission(prompt);
+    EXPECT_EQ(estimate.slidingPages, expected) << prompt.size() << " tokens";
+    EXPECT_TRUE(estimate.fitsWithoutEviction);
+    int32_t const before = slidingLeased();
+    runtime_test::FacadeDriver driver(rig);
+    driver.add(prompt);
+    ASSERT_TRUE(driver.begin());
+    EXPECT_EQ(slidingLeased() - before, estimate.slidingPages) << prompt.size() << " tokens";
+    ASSERT_TRUE(driver.prefill());
+    ASSERT_TRUE(driver.finish());
+  }
+  // A prompt the sliding pool cannot hold beside a running one: both flags false, begin refuses.
+  runtime_test::FacadeDriver filling(rig);  // two rows (a row holds at most 64 pages)
+  int32_t const fill = runtime.windowBlockCache()->availablePages() - 4;
+  ASSERT_GT(fill, 40);
+  filling.add(tokenRun(39 * kPage, 7000));                // 40 pages
+  filling.add(tokenRun((fill - 40 - 1) * kPage, 17000));  // the rest but 4
+  ASSERT_TRUE(filling.begin());
+  ASSERT_EQ(runtime.windowBlockCache()->availablePages(), 4);
+  std::vector<int32_t> const large = tokenRun(16 * 12, 8000);
+  AdmissionEstimate const refused = runtime.estimateAdmission(large);
+  EXPECT_EQ(refused.slidingPages, 12 + 1);
+  EXPECT_GT(refused.slidingPages, runtime.windowBlockCache()->availablePages());
+  EXPECT_FALSE(refused.fitsWithoutEviction);
+  EXPECT_FALSE(refused.fitsAfterEviction);
+  runtime_test::FacadeDriver late(rig);
+  late.add(large);
+  EXPECT_FALSE(late.begin());
   EXPECT_TRUE(filling.finish());
   expectNothingHeld(runtime);
 }

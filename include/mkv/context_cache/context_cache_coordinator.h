@@ -346,8 +346,15 @@ class ContextCacheCoordinator {
       std::span<int32_t const> commonStateLengths = {});
   /// Grows each sequence's pages to cover committed + headroom and uploads the grown entries (an
   /// unfinalised joiner holds: its admission bound its prompt's pages, and it grows none).
-  /// kRequestFailed (request finishing) when a sequence cannot grow.
+  /// kRequestFailed when a sequence cannot grow: that row is named by lastFailure, the step is
+  /// not prepared and the request stays settled (rows grown before it keep their pages), so the
+  /// engine may drop or preempt rows and call again.
   ContextCacheStatus prepareDecodeStep(RequestHandle& handle, DecodingKvHeadroom const& headroom);
+  /// The pages prepareDecodeStep(handle, headroom) would allocate now, per pool, and the first
+  /// row it would find past its table width. Changes nothing. Throws where prepareDecodeStep
+  /// throws (no settled request, a headroom of the wrong shape).
+  DecodeStepDemand decodeStepDemand(RequestHandle const& handle,
+                                    DecodingKvHeadroom const& headroom) const;
   /// After the runtime's decode synchronisation: applies advances and publishes the full blocks
   /// of `completedRows` (finished, not cancelled or errored) at decode end. Speculative
   /// requests accept any positive number of tokens per row (committed = previous + accepted) and

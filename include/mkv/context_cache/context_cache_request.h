@@ -75,6 +75,10 @@ class ContextCacheRequest {
                        std::vector<int32_t> const& commonStateLengths);
   bool prepareDecodeStep(DecodingInferenceContext const& context,
                          DecodingKvHeadroom const& headroom);
+  /// What the next prepareDecodeStep would take (ContextCacheCoordinator::decodeStepDemand).
+  DecodeStepDemand decodeStepDemand(DecodingKvHeadroom const& headroom) const {
+    return mCoordinator->decodeStepDemand(mHandle, headroom);
+  }
   /// Decode advances from the growth of generatedTokenIds since prepareDecodeStep. A row that
   /// stopped without a new token must be kCancelled or kError (held); rows finished for any
   /// other reason are published.

@@ -178,7 +178,10 @@ struct AdmissionEstimate {
   bool fitsAfterEviction = false;
   /// Why the lookup reused less than the whole prompt (no_prefix, evicted, ...), if it did.
   std::optional<MissReason> missReason;
-  /// Bounded SWA only (KVCacheRuntime::estimateAdmission): the sliding pages a sequence reserves.
+  /// Sliding pages (KVCacheRuntime::estimateAdmission): on bounded SWA those a sequence reserves;
+  /// on sliding-window reuse those admission takes from the sliding pool (the row's pages from
+  /// its reuse start, plus the cached window pages before it that no request holds), the fit
+  /// flags covering that pool too. 0 elsewhere.
   int32_t slidingPages = 0;
 };
 

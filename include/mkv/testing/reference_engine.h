@@ -326,8 +326,8 @@ class ReferenceEngine {
   /// before it): row, prefill, lookahead, finalize; false on failure.
   bool seatJoiner(Run& run, std::deque<EngineSequence>& queue, ResidentRef resident,
                   int32_t prefillStart);
-  /// Preemption: whether the base pool (and a sliding-window reuse deployment's sliding pool)
-  /// covers the next decode step's page growth, by capacity().
+  /// Preemption: whether every pool covers the next decode step's page growth
+  /// (ManagedKVCacheRequest::decodeStepDemand against KVCacheRuntime::capacity()).
   bool growthFits(Run const& run) const;
   /// Preemption before a decode step: preempts the newest running rows while the step's growth
   /// does not fit and another row runs; false when a library call fails.

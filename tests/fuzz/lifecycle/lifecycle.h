@@ -355,7 +355,18 @@ class Lifecycle {
   void corruptCompletePrefill(Req const& req, CompletePrefillCall& call, int32_t variant);
   void issueCompletePrefill(Req& req, CompletePrefillCall& call);
   bool callCompletePrefill(Req& req, CompletePrefillCall const& call);
+  /// What the model expects the next decode step to allocate: base and draft page growth of the
+  /// running rows, and whether a row would pass its table width (the step then fails).
+  struct ModelDemand {
+    int64_t base = 0;
+    int64_t draft = 0;
+    bool tableFull = false;
+  };
+  ModelDemand modelDecodeDemand(Req const& req, DecodingKvHeadroom const& headroom) const;
   bool decodeFits(Req const& req, DecodingKvHeadroom const& headroom) const;
+  /// decodeStepDemand (facade, coordinator or SWA manager, as the request is driven) against
+  /// modelDecodeDemand.
+  void checkDecodeDemand(Req const& req, DecodingKvHeadroom const& headroom);
   int32_t mappedPages(Row const& row) const;
   void prepareDecode(Req& req);
   void badPrepareDecode(Req& req);

@@ -97,7 +97,7 @@ enum class Stage : uint8_t {
   kIdle,        ///< executing, nothing pending
   kDecode,      ///< prepareDecodeStep done: decode work pending
   kCompaction,  ///< beginBatchCompaction done
-  kFinishing,   ///< a step was refused or every row compacted away: only finish remains
+  kFinishing,   ///< every row compacted away: only finish remains
   kGone,        ///< finished, or quarantined by a failed compaction: the handle is invalid
 };
 

@@ -532,9 +532,9 @@ void Lifecycle::issueCompletePrefill(Req& req, CompletePrefillCall& call) {
 
 /// Whether prepareDecodeStep must succeed: no row passes the row width and (coordinator) the
 /// growth of base and paired draft rows fits the free plus reclaimable pages of each pool.
-bool Lifecycle::decodeFits(Req const& req, DecodingKvHeadroom const& headroom) const {
-  int64_t growth = 0;
-  int64_t draftGrowth = 0;
+Lifecycle::ModelDemand Lifecycle::modelDecodeDemand(Req const& req,
+                                                    DecodingKvHeadroom const& headroom) const {
+  ModelDemand demand;
   for (Row const& row : req.rows) {
     if (coordinatorBackend()) {
       if (!row.joined) {
@@ -542,33 +542,58 @@ bool Lifecycle::decodeFits(Req const& req, DecodingKvHeadroom const& headroom) c
       }
       int32_t const committed = row.materialized;
       int32_t const required = ceilPages(int64_t{committed} + headroom.baseExtraTokens);
-      if (required > mWidth) {
-        return false;
+      int32_t const draft = ceilPages(int64_t{committed} + headroom.draftExtraTokens);
+      // The sliding half's window would pass the row too (a stopped row moves as well).
+      if (required > mWidth || (row.paired && draft > mWidth) ||
+          (slidingReuse() && ceilPages(int64_t{row.endpoint} + 1) > mWidth)) {
+        demand.tableFull = true;
+        continue;  // the library does not count a full row's pages either
       }
-      if (slidingReuse() && row.joined && ceilPages(int64_t{row.endpoint} + 1) > mWidth) {
-        return false;  // the sliding half's window would pass the row (a stopped row moves too)
-      }
-      growth += std::max(0, required - mappedPages(row));
+      demand.base += std::max(0, required - mappedPages(row));
       if (row.paired) {
-        int32_t const draft = ceilPages(int64_t{committed} + headroom.draftExtraTokens);
-        if (draft > mWidth) {
-          return false;
-        }
-        draftGrowth +=
+        demand.draft +=
             std::max(0, draft - mRuntime->draftPageTable()->liveEntryCount(row.resident.slot));
       }
     } else if (ceilPages(int64_t{row.endpoint} + 1) > mWidth) {
-      return false;
+      demand.tableFull = true;
     }
   }
-  if (!coordinatorBackend()) {
-    return true;
+  return demand;
+}
+
+bool Lifecycle::decodeFits(Req const& req, DecodingKvHeadroom const& headroom) const {
+  ModelDemand const demand = modelDecodeDemand(req, headroom);
+  if (demand.tableFull || !coordinatorBackend()) {
+    return !demand.tableFull;
   }
   ResourcePools const& pools = mCoordinator->manager().pools();
-  return growth <= pools.freeCount(ResourceType::kBaseKvPage) +
-                       pools.reclaimableCount(ResourceType::kBaseKvPage) &&
-         draftGrowth <= pools.freeCount(ResourceType::kDraftKvPage) +
-                            pools.reclaimableCount(ResourceType::kDraftKvPage);
+  return demand.base <= pools.freeCount(ResourceType::kBaseKvPage) +
+                            pools.reclaimableCount(ResourceType::kBaseKvPage) &&
+         demand.draft <= pools.freeCount(ResourceType::kDraftKvPage) +
+                             pools.reclaimableCount(ResourceType::kDraftKvPage);
+}
+
+void Lifecycle::checkDecodeDemand(Req const& req, DecodingKvHeadroom const& headroom) {
+  DecodeStepDemand demand;
+  if (req.via == Via::kFacade) {
+    demand = req.facade->decodeStepDemand(headroom);
+  } else if (coordinatorBackend()) {
+    demand = mCoordinator->decodeStepDemand(req.coordinator, headroom);
+  } else {
+    demand = mSwa->decodeStepDemand(req.swa);
+  }
+  ModelDemand const model = modelDecodeDemand(req, headroom);
+  std::string const what = "decodeStepDemand on " + describe(req);
+  expectf((demand.tableFull.reason == RowFailureReason::kTableFull) == model.tableFull,
+          "{}: a row past its table width: {}, the model says {}", what,
+          toString(demand.tableFull.reason), model.tableFull);
+  expectf(demand.basePages == model.base && demand.draftPages == model.draft,
+          "{}: base / draft pages {} / {}, the model says {} / {}", what, demand.basePages,
+          demand.draftPages, model.base, model.draft);
+  if (!slidingReuse()) {  // bounded SWA's rows keep their pages; only the page source lends
+    expectf(demand.slidingPages == 0, "{}: {} sliding pages without a page source", what,
+            demand.slidingPages);
+  }
 }
 
 int32_t Lifecycle::mappedPages(Row const& row) const {
@@ -648,9 +673,12 @@ void Lifecycle::issueDecode(Req& req, DecodeCall& call, bool valid) {
     reject(what, prepare);
     return;
   }
+  if (valid && !call.badArguments) {
+    checkDecodeDemand(req, call.headroom);
+  }
   bool const fits = decodeFits(req, call.headroom);
   // Sliding-window reuse: a row whose retired page stayed held elsewhere went on without a spare
-  // and may find no page now (pool pressure: the request finishes).
+  // and may find no page now (pool pressure: the step is refused).
   bool slidingPressure = false;
   if (slidingReuse()) {
     WindowBlockCache const& window = *mRuntime->windowBlockCache();
@@ -667,9 +695,13 @@ void Lifecycle::issueDecode(Req& req, DecodeCall& call, bool valid) {
   expectf(prepared == fits || (!prepared && slidingPressure), "{}: returned {}, expected {}", what,
           prepared, fits);
   if (!prepared) {
+    // The failing row fails alone: the request stays between steps, so the next operations may
+    // preempt or compact rows away and prepare the step again, or finish.
     ++mStats.refusals;
-    req.stage = Stage::kFinishing;
-    trace(what + ": refused, request finishing");
+    for (std::size_t i = 0; i < req.rows.size(); ++i) {
+      req.rows[i].reason = call.reasons[i];  // cancellations reach the backend with a step
+    }
+    trace(what + ": refused, the request goes on");
     return;
   }
   req.stage = Stage::kDecode;
