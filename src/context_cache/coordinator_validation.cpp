@@ -25,6 +25,19 @@ void validateHeadroom(char const* call, DecodingKvHeadroom const& headroom, bool
 
 namespace {
 
+/// A sequence's own lookup and commit policies, where set, are enumerators.
+void requirePoliciesInRange(char const* call, std::size_t i,
+                            ContextCacheSequenceAdmission const& sequence) {
+  MKV_REQUIRE(static_cast<uint8_t>(
+                  sequence.lookupPolicy.value_or(ContextCacheLookupPolicy::kUseCache)) <= 1 &&
+                  static_cast<uint8_t>(sequence.commitPolicy.value_or(
+                      ContextCacheCommitPolicy::kIncludingGeneratedTokens)) <= 1,
+              call, "sequence {} lookup policy {} / commit policy {} out of range", i,
+              static_cast<int>(sequence.lookupPolicy.value_or(ContextCacheLookupPolicy::kUseCache)),
+              static_cast<int>(sequence.commitPolicy.value_or(
+                  ContextCacheCommitPolicy::kIncludingGeneratedTokens)));
+}
+
 /// The request-wide part of validateBatchAdmission (before any sequence is looked at).
 void validateBatchShape(char const* call, ContextCacheBatchAdmission const& admission,
                         DecodingKvHeadroom const& headroom, AdmissionLimits const& limits) {
@@ -46,9 +59,11 @@ void validateBatchShape(char const* call, ContextCacheBatchAdmission const& admi
     // The runtime's Hybrid-MTP prefill publishes one endpoint of one sequence, and the draft KV
     // lags the base by the accepted span, so a decode-end checkpoint would hold short draft state.
     MKV_REQUIRE(batch == 1, call, "a Hybrid-MTP request has one sequence, got {}", batch);
-    MKV_REQUIRE(admission.commitPolicy == ContextCacheCommitPolicy::kPrefillStateOnly, call,
+    ContextCacheCommitPolicy const policy =
+        admission.sequences.front().commitPolicy.value_or(admission.commitPolicy);
+    MKV_REQUIRE(policy == ContextCacheCommitPolicy::kPrefillStateOnly, call,
                 "a Hybrid-MTP request needs commit policy kPrefillStateOnly, got {}",
-                static_cast<int>(admission.commitPolicy));
+                static_cast<int>(policy));
   }
   // The replay tail bounds the Hybrid-MTP endpoint (publishHybridMtpEndpoint); the other
   // publications are of whole pages at fixed points, which a volatile tail does not move.
@@ -106,11 +121,7 @@ void validateSequence(char const* call, std::size_t i,
   MKV_REQUIRE(sequence.media.empty() || sequence.media.size() == sequence.tokenIds.size(), call,
               "sequence {} has {} media positions for {} tokens", i, sequence.media.size(),
               sequence.tokenIds.size());
-  if (sequence.lookupPolicy) {
-    MKV_REQUIRE(static_cast<uint8_t>(*sequence.lookupPolicy) <= 1, call,
-                "sequence {} lookup policy {} out of range", i,
-                static_cast<int>(*sequence.lookupPolicy));
-  }
+  requirePoliciesInRange(call, i, sequence);
 }
 
 void validateBatchAdmission(char const* call, ContextCacheBatchAdmission const& admission,
@@ -158,6 +169,7 @@ void validateJoiner(char const* call, ContextCacheSequenceAdmission const& admis
   MKV_REQUIRE(admission.media.empty() || admission.media.size() == admission.tokenIds.size(), call,
               "{} media positions for {} tokens", admission.media.size(),
               admission.tokenIds.size());
+  requirePoliciesInRange(call, 0, admission);
   requireValidRetention(call, admission.retention);
 }
 
