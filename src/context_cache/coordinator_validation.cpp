@@ -1,6 +1,9 @@
 #include "context_cache/coordinator_validation.h"
 
+#include <fmt/format.h>
+
 #include <limits>
+#include <string_view>
 
 #include "context_cache/eviction_policy.h"
 #include "context_cache/request_mode.h"
@@ -25,17 +28,16 @@ void validateHeadroom(char const* call, DecodingKvHeadroom const& headroom, bool
 
 namespace {
 
-/// A sequence's own lookup and commit policies, where set, are enumerators.
-void requirePoliciesInRange(char const* call, std::size_t i,
+/// The lookup and commit policies `sequence` sets, where it sets them, are enumerators; `what`
+/// names the sequence in the message.
+void requirePoliciesInRange(char const* call, std::string_view what,
                             ContextCacheSequenceAdmission const& sequence) {
-  MKV_REQUIRE(static_cast<uint8_t>(
-                  sequence.lookupPolicy.value_or(ContextCacheLookupPolicy::kUseCache)) <= 1 &&
-                  static_cast<uint8_t>(sequence.commitPolicy.value_or(
-                      ContextCacheCommitPolicy::kIncludingGeneratedTokens)) <= 1,
-              call, "sequence {} lookup policy {} / commit policy {} out of range", i,
-              static_cast<int>(sequence.lookupPolicy.value_or(ContextCacheLookupPolicy::kUseCache)),
-              static_cast<int>(sequence.commitPolicy.value_or(
-                  ContextCacheCommitPolicy::kIncludingGeneratedTokens)));
+  auto const lookup =
+      static_cast<int>(sequence.lookupPolicy.value_or(ContextCacheLookupPolicy::kUseCache));
+  auto const commit = static_cast<int>(
+      sequence.commitPolicy.value_or(ContextCacheCommitPolicy::kIncludingGeneratedTokens));
+  MKV_REQUIRE(lookup <= 1 && commit <= 1, call,
+              "{}: lookup policy {} / commit policy {} out of range", what, lookup, commit);
 }
 
 /// The request-wide part of validateBatchAdmission (before any sequence is looked at).
@@ -121,7 +123,7 @@ void validateSequence(char const* call, std::size_t i,
   MKV_REQUIRE(sequence.media.empty() || sequence.media.size() == sequence.tokenIds.size(), call,
               "sequence {} has {} media positions for {} tokens", i, sequence.media.size(),
               sequence.tokenIds.size());
-  requirePoliciesInRange(call, i, sequence);
+  requirePoliciesInRange(call, fmt::format("sequence {}", i), sequence);
 }
 
 void validateBatchAdmission(char const* call, ContextCacheBatchAdmission const& admission,
@@ -169,7 +171,7 @@ void validateJoiner(char const* call, ContextCacheSequenceAdmission const& admis
   MKV_REQUIRE(admission.media.empty() || admission.media.size() == admission.tokenIds.size(), call,
               "{} media positions for {} tokens", admission.media.size(),
               admission.tokenIds.size());
-  requirePoliciesInRange(call, 0, admission);
+  requirePoliciesInRange(call, "the joiner", admission);
   requireValidRetention(call, admission.retention);
 }
 
