@@ -12,6 +12,10 @@
                2k-12k tokens, each keeping a uniformly random prefix of its document (a quarter
                to all but one token) and adding 16-400 fresh tokens, so follow-ups diverge at any
                position, not at block boundaries (docs/context_cache.md, "Reuse points").
+
+--salts N gives every conversation (diverge: every document) the cache salt tenant-<k>, k its
+number modulo N (a one-off prompt: its first block id modulo N), so that tenants share nothing
+and each reuses its own history (docs/lifecycle.md, "In-flight admission").
 """
 import argparse
 import json
@@ -37,6 +41,7 @@ def interleaved(seed, convs=300, active=40, oneoff=0.3, variants=4):
         ts += rnd.randint(100, 2000)
         if rnd.random() < oneoff:
             ids = new(rnd.randint(4, 16))
+            c = ids[0]
         else:
             c = rnd.choice(live)
             st = state[c]
@@ -46,7 +51,7 @@ def interleaved(seed, convs=300, active=40, oneoff=0.3, variants=4):
             if st[1] == 0:
                 live.remove(c)
         out.append({"timestamp": ts, "input_length": 512 * len(ids) - rnd.randint(0, 300),
-                    "output_length": rnd.randint(50, 400), "hash_ids": ids})
+                    "output_length": rnd.randint(50, 400), "hash_ids": ids, "_tenant": c})
     return out
 
 
@@ -56,12 +61,12 @@ def roundrobin(seed, convs=60, turns=6):
     history = [[0, 1] for _ in range(convs)]
     out = []
     for _ in range(turns):
-        for ids in history:
+        for c, ids in enumerate(history):
             n = rnd.randint(1, 3)
             ids += list(range(nid, nid + n))
             nid += n
             out.append({"input_length": 512 * len(ids) - 100, "output_length": 100,
-                        "hash_ids": list(ids)})
+                        "hash_ids": list(ids), "_tenant": c})
     return out
 
 
@@ -71,10 +76,12 @@ def diverge(seed, docs=120, requests=600):
              for _ in range(docs)]
     out = []
     for _ in range(requests):
-        text = rnd.choice(texts)
+        doc = rnd.randrange(len(texts))
+        text = texts[doc]
         cut = rnd.randint(len(text) // 4, len(text) - 1)
         tail = [rnd.randint(10, 30000) for _ in range(rnd.randint(16, 400))]
-        out.append({"prompt": text[:cut] + tail, "max_new_tokens": rnd.randint(8, 64)})
+        out.append({"prompt": text[:cut] + tail, "max_new_tokens": rnd.randint(8, 64),
+                    "_tenant": doc})
     return out
 
 
@@ -84,6 +91,8 @@ def main():
     parser.add_argument("out")
     parser.add_argument("--seed", type=int, default=None,
                         help="7 (interleaved), 3 (roundrobin), 11 (diverge)")
+    parser.add_argument("--salts", type=int, default=0,
+                        help="number of tenants, each with its own cache salt (0: no salt)")
     args = parser.parse_args()
     if args.shape == "interleaved":
         rows = interleaved(7 if args.seed is None else args.seed)
@@ -93,6 +102,9 @@ def main():
         rows = roundrobin(3 if args.seed is None else args.seed)
     with open(args.out, "w") as f:
         for row in rows:
+            tenant = row.pop("_tenant")
+            if args.salts > 0:
+                row["salt"] = f"tenant-{tenant % args.salts}"
             f.write(json.dumps(row) + "\n")
 
 

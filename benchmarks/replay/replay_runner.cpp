@@ -20,6 +20,7 @@
 namespace mkv::replay {
 namespace {
 
+using testing::EngineIdentity;
 using testing::EngineRequest;
 using testing::EngineSequence;
 using testing::ReferenceEngine;
@@ -359,6 +360,7 @@ class Runner {
     mResult.workload = mSource.describe();
     mResult.requests = static_cast<int64_t>(mCount);
     mResult.records.resize(mCount);
+    mIdentities.resize(mCount);
     createRuntime();
     replayAll();
     summarize();
@@ -702,6 +704,7 @@ class Runner {
     pending.sequence.tag = static_cast<int64_t>(mNextIndex);
     pending.salt = std::move(request.salt);
     pending.lora = std::move(request.lora);
+    mIdentities[mNextIndex] = EngineIdentity{pending.lora, pending.salt};
     mStaged.push_back(std::move(pending));
     ++mNextIndex;
     return true;
@@ -718,13 +721,27 @@ class Runner {
     return pending.salt == mRunSalt && pending.lora == mRunLora;
   }
 
-  /// Keeps up to maxBatch same-identity requests queued for in-flight admission (FIFO: stops at
-  /// the first request of another salt or adapter, or one that is not ready).
+  /// Request `index` queued again after a run, with its own salt and adapter.
+  Pending requeued(std::size_t index, EngineSequence sequence) const {
+    Pending pending;
+    pending.index = index;
+    pending.salt = mIdentities[index].cacheSalt;
+    pending.lora = mIdentities[index].loraWeightsName;
+    pending.sequence = std::move(sequence);
+    return pending;
+  }
+
+  /// Keeps up to maxBatch requests queued for in-flight admission, in FIFO order up to the first
+  /// one that is not ready (or a retry, which runs alone); one of another salt or adapter than
+  /// the run's joins with its own (ManagedKVCacheRequest::admitSequence's overload for a joiner).
   void fillJoinQueue() {
     while (mJoinQueue.size() < static_cast<std::size_t>(mResult.maxBatch)) {
       Pending* next = peekStaged();
-      if (next == nullptr || next->alone || !sameIdentity(*next)) {
+      if (next == nullptr || next->alone) {
         return;
+      }
+      if (!sameIdentity(*next)) {
+        next->sequence.identity = EngineIdentity{next->lora, next->salt};
       }
       mQueuedTags.push_back(QueuedJoin{next->index, next->resumed});
       mJoinQueue.push_back(std::move(next->sequence));
@@ -788,6 +805,7 @@ class Runner {
         if (next == nullptr || !sameIdentity(*next)) {
           break;
         }
+        next->sequence.identity.reset();  // a founder has the request's
         request.sequences.push_back(std::move(next->sequence));
         mStaged.pop_front();
       }
@@ -813,12 +831,8 @@ class Runner {
         mQueuedTags.pop_front();
       }
       while (!mJoinQueue.empty()) {
-        Pending pending;
-        pending.index = mQueuedTags.back().index;
+        Pending pending = requeued(mQueuedTags.back().index, std::move(mJoinQueue.back()));
         pending.resumed = mQueuedTags.back().resumed;
-        pending.sequence = std::move(mJoinQueue.back());
-        pending.salt = mRunSalt;
-        pending.lora = mRunLora;
         mStaged.push_front(std::move(pending));
         mJoinQueue.pop_back();
         mQueuedTags.pop_back();
@@ -827,12 +841,8 @@ class Runner {
       // parse under clang-tidy 14 with libstdc++ 12.
       // NOLINTNEXTLINE(modernize-loop-convert)
       for (auto it = outcome.preempted.rbegin(); it != outcome.preempted.rend(); ++it) {
-        Pending pending;
-        pending.index = static_cast<std::size_t>(it->tag);
+        Pending pending = requeued(static_cast<std::size_t>(it->tag), *it);
         pending.resumed = true;
-        pending.sequence = *it;
-        pending.salt = mRunSalt;
-        pending.lora = mRunLora;
         mStaged.push_front(std::move(pending));
       }
       processOutcome(outcome);
@@ -917,13 +927,10 @@ class Runner {
       bool const ok = outcome.admitted && completedNormally(sequence.reason);
       if (!ok && outcome.admitted && outcome.sequences.size() > 1 && record.attempts < 2) {
         // Failed in a batch (pages held by the others): once more after the batch drained.
-        Pending pending;
-        pending.index = index;
+        Pending pending = requeued(index, EngineSequence{});
         pending.sequence.prompt = sequence.prompt;
         pending.sequence.maxNewTokens = record.maxNewTokens;
         pending.sequence.tag = sequence.tag;
-        pending.salt = mRunSalt;
-        pending.lora = mRunLora;
         pending.alone = true;
         retries.push_back(std::move(pending));
         ++mResult.retriedRequests;
@@ -1124,6 +1131,8 @@ class Runner {
   bool mRunJoins = false;
   std::string mRunSalt;
   std::string mRunLora;
+  /// Per request: its salt and adapter (the trace's), which it keeps through joins and retries.
+  std::vector<EngineIdentity> mIdentities;
   std::deque<EngineSequence> mJoinQueue;
   std::deque<QueuedJoin> mQueuedTags;                      // request of each mJoinQueue entry
   std::unordered_map<std::size_t, std::size_t> mJoinStep;  // joiner -> run-local step

@@ -92,6 +92,12 @@ class BoundedSwaRequest {
                                     std::vector<int32_t> const& mediaTokenIds = {},
                                     std::vector<imageUtils::ImageData> const& imageBuffers = {},
                                     std::vector<audioUtils::AudioData> const& audioBuffers = {});
+  /// The same refusal for a joiner with its own identity: kFailed and one log line.
+  AdmitSequenceStatus admitSequence(LLMGenerationRequest const& joiner,
+                                    std::vector<int32_t> const& tokenIds,
+                                    DecodingKvHeadroom const& headroom, int32_t& prefillStart,
+                                    ResidentRef resident, cudaStream_t stream,
+                                    std::vector<int32_t> const& mediaTokenIds = {});
   /// Nothing is cached for a resumption to reuse: nothing to publish, true (the engine compacts
   /// the row away; resuming recomputes it). Throws for a row outside the batch.
   bool preemptSequence(ExecutionRow row);

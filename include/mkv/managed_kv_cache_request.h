@@ -126,7 +126,9 @@ class ManagedKVCacheRequest {
   bool finish();
 
   /// In-flight admission, context-reuse and sliding-window reuse backends (the latter admits
-  /// the joiner's sliding window on its SWA half too: SlidingReuseRequest::admitSequence).
+  /// the joiner's sliding window on its SWA half too: SlidingReuseRequest::admitSequence). The
+  /// joiner takes the founding request's cache salt, retention and commit and lookup policies,
+  /// and `loraWeightsName` as its adapter (the overload below gives it its own).
   ///
   /// The bounded-SWA backend has no live-slot admission (no cache its window state could start
   /// from), and KVCacheRuntime::supportsSeatedAdmission() refuses such deployments
@@ -140,6 +142,21 @@ class ManagedKVCacheRequest {
                                     std::vector<int32_t> const& mediaTokenIds = {},
                                     std::vector<imageUtils::ImageData> const& imageBuffers = {},
                                     std::vector<audioUtils::AudioData> const& audioBuffers = {});
+  /// In-flight admission of a sequence with an identity of its own (several tenants in one
+  /// executing batch): `joiner` describes it as begin's request describes a batch of one, and
+  /// the founder's settings apply to nothing of it. Its one entry of `requests` gives the images,
+  /// audio and lookup-policy override; its cacheSalt and loraWeightsName key its blocks, its
+  /// contextCacheRetention ranks its records, its contextCacheCommitPolicy decides what it
+  /// publishes when it completes or is preempted, and its contextCacheLookupPolicy applies where
+  /// the sequence sets none. Statuses, `prefillStart` and the backends as the overload above.
+  /// Throws mkv::Error, changing nothing, for a `joiner` that has not exactly one sequence, a
+  /// non-zero replay tail, a commit or lookup policy out of range, or invalid retention
+  /// (docs/errors.md), besides what the overload above throws for.
+  AdmitSequenceStatus admitSequence(LLMGenerationRequest const& joiner,
+                                    std::vector<int32_t> const& tokenIds,
+                                    DecodingKvHeadroom const& headroom, int32_t& prefillStart,
+                                    ResidentRef resident, cudaStream_t stream,
+                                    std::vector<int32_t> const& mediaTokenIds = {});
   /// Preemption, vLLM's recompute (an addition beside the reference page's API; docs/lifecycle.md,
   /// "Preemption"): between steps, publishes row `row`'s committed state for reuse; the engine
   /// then compacts the row away (its pages go back), and later resumes it by admitting its

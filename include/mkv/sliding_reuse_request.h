@@ -122,9 +122,18 @@ class SlidingReuseRequest {
                                     std::vector<int32_t> const& mediaTokenIds = {},
                                     std::vector<imageUtils::ImageData> const& imageBuffers = {},
                                     std::vector<audioUtils::AudioData> const& audioBuffers = {});
+  /// The same admission of a joiner with its own identity
+  /// (ContextCacheRequest::admitSequence's overload for `joiner`): its salt, adapter, retention
+  /// and policies key and publish both halves' blocks.
+  AdmitSequenceStatus admitSequence(LLMGenerationRequest const& joiner,
+                                    std::vector<int32_t> const& tokenIds,
+                                    DecodingKvHeadroom const& headroom, int32_t& prefillStart,
+                                    ResidentRef resident, cudaStream_t stream,
+                                    std::vector<int32_t> const& mediaTokenIds = {});
   /// Preemption: the full half publishes the row's committed blocks
-  /// (ContextCacheRequest::preemptSequence), then the sliding pages of its complete generated
-  /// blocks still mapped (as a completing row's). False when the full half fails.
+  /// (ContextCacheRequest::preemptSequence), then, under the row's commit policy
+  /// (ContextCacheCoordinator::commitPolicy), the sliding pages of its complete generated blocks
+  /// still mapped (as a completing row's). False when the full half fails.
   bool preemptSequence(ExecutionRow row);
   /// A chunk of a joiner's prefill completed: the full layers publish the row's full blocks so
   /// far (ContextCacheRequest::completePrefillChunk); its sliding pages are published at
@@ -156,26 +165,18 @@ class SlidingReuseRequest {
   bool poisoned() const noexcept;
 
  private:
-  /// What the coordinator keys and looks a joiner up with (ContextCacheRequest keeps the same):
-  /// the request's lookup policy, cache salt and retention, and its stream.
-  struct JoinerIdentity {
-    ContextCacheLookupPolicy batchPolicy = ContextCacheLookupPolicy::kUseCache;
-    std::string cacheSalt;
-    std::vector<RetentionRange> retention;
-    cudaStream_t stream = nullptr;
-  };
-
   SlidingReuseRequest(ContextCacheRequest full, BoundedSwaKVPageManager& manager,
                       BoundedSwaKVPageManager::RequestHandle handle, std::vector<int32_t> prompts,
-                      ContextCacheCommitPolicy commitPolicy, JoinerIdentity joiners);
+                      cudaStream_t stream);
   /// admitSequence's dry run of both halves: the joiner's start on the sliding half when both are
   /// to admit it; nullopt (one log line) when the sliding pool cannot hold it or is poisoned.
   /// Throws for what either half's admission throws for. Changes nothing.
-  std::optional<SwaReuseStart> planJoiner(
-      std::vector<int32_t> const& tokenIds, std::string const& loraWeightsName,
-      ResidentRef resident, cudaStream_t stream, std::vector<int32_t> const& mediaTokenIds,
-      std::vector<imageUtils::ImageData> const& imageBuffers,
-      std::vector<audioUtils::AudioData> const& audioBuffers) const;
+  std::optional<SwaReuseStart> planJoiner(LLMGenerationRequest const& joiner,
+                                          std::vector<int32_t> const& tokenIds,
+                                          ResidentRef resident, cudaStream_t stream,
+                                          std::vector<int32_t> const& mediaTokenIds) const;
+  /// Whether row `row` publishes its generated tokens (its commit policy, the coordinator's).
+  bool publishesGeneratedTokens(std::size_t row) const;
   /// Publishes the sliding pages row `row` still maps for blocks [firstBlock, endBlock) (pages
   /// leaving the window included), which must be a contiguous tail of the range; returns the
   /// first block published (endBlock when none is mapped).
@@ -197,8 +198,7 @@ class SlidingReuseRequest {
   std::vector<int32_t> mSwaLengths;    ///< scratch of prepareSwaPrefill
   std::vector<PageId> mBlockPages;     ///< scratch of publishMappedBlocks
   std::vector<int32_t> mPendingMapping;
-  ContextCacheCommitPolicy mCommitPolicy;
-  JoinerIdentity mJoiners;
+  cudaStream_t mStream;  ///< the request's (a joiner's must be the same)
 };
 
 }  // namespace mkv

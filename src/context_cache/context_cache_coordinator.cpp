@@ -203,6 +203,12 @@ int32_t ContextCacheCoordinator::committedLength(RequestHandle const& handle,
   return sequenceAt(request(handle, kCall), row, kCall).committed;
 }
 
+ContextCacheCommitPolicy ContextCacheCoordinator::commitPolicy(RequestHandle const& handle,
+                                                               ExecutionRow row) const {
+  constexpr char const* kCall = "ContextCacheCoordinator::commitPolicy";
+  return sequenceAt(request(handle, kCall), row, kCall).commitPolicy;
+}
+
 std::span<PageId const> ContextCacheCoordinator::basePages(RequestHandle const& handle,
                                                            ExecutionRow row) const {
   constexpr char const* kCall = "ContextCacheCoordinator::basePages";
@@ -418,7 +424,7 @@ ContextCacheStatus ContextCacheCoordinator::completeDecodeStep(
   MKV_REQUIRE(advances.size() == req.sequences.size(), kCall, "{} advances for a batch of {}",
               advances.size(), req.sequences.size());
   req.mode->validateCommonLengths(kCall, req.sequences.size(), commonStateLengths);
-  std::vector<uint8_t> const completed =
+  std::vector<uint8_t> completed =
       detail::validateDecodeCompletion(kCall, req, advances, completedRows, commonStateLengths);
   detail::applyAdvances(req, advances);
   req.mode->updateCommonLengths(req, advances, commonStateLengths);
@@ -435,8 +441,11 @@ ContextCacheStatus ContextCacheCoordinator::completeDecodeStep(
     }
     req.mode->publishFrozenPrefill(req);
   }
-  if (req.commitPolicy != ContextCacheCommitPolicy::kIncludingGeneratedTokens) {
-    return ContextCacheStatus::kOk;
+  // A completed row publishes its generated tokens only under its own commit policy.
+  for (std::size_t i = 0; i < completed.size(); ++i) {
+    if (req.sequences[i].commitPolicy != ContextCacheCommitPolicy::kIncludingGeneratedTokens) {
+      completed[i] = 0;
+    }
   }
   return publishCompleted(handle, req, completed);
 }

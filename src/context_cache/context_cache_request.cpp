@@ -7,6 +7,7 @@
 #include <utility>
 
 #include "context_cache/block_hash.h"
+#include "context_cache/eviction_policy.h"
 #include "core/check.h"
 #include "mkv/logging.h"
 #include "resources/backend_requests.h"
@@ -163,14 +164,13 @@ std::vector<ContextCacheSequenceAdmission> admissionSequences(
 ContextCacheRequest::ContextCacheRequest(ContextCacheCoordinator& coordinator,
                                          ContextCacheCoordinator::RequestHandle handle,
                                          std::vector<int32_t> prefillStarts,
-                                         DecodingTokenStateContract contract, std::string cacheSalt,
-                                         std::vector<RetentionRange> retention, cudaStream_t stream)
+                                         DecodingTokenStateContract contract,
+                                         LLMGenerationRequest founderIdentity, cudaStream_t stream)
     : mCoordinator(&coordinator),
       mHandle(std::move(handle)),
       mPrefillStarts(std::move(prefillStarts)),
       mContract(contract),
-      mCacheSalt(std::move(cacheSalt)),
-      mRetention(std::move(retention)),
+      mFounderIdentity(std::move(founderIdentity)),
       mStream(stream),
       mUnfinalized(mPrefillStarts.size(), 0) {}
 
@@ -193,9 +193,14 @@ std::optional<ContextCacheRequest> ContextCacheRequest::begin(
                    coordinator.poisoned() ? ", coordinator poisoned" : "");
     return std::nullopt;
   }
+  LLMGenerationRequest founderIdentity;
+  founderIdentity.contextCacheLookupPolicy = admission.lookupPolicy;
+  founderIdentity.contextCacheCommitPolicy = commitPolicy;
+  founderIdentity.cacheSalt = request.cacheSalt;
+  founderIdentity.contextCacheRetention = request.contextCacheRetention;
   return ContextCacheRequest(coordinator, std::move(begun.admission->request),
                              std::move(begun.admission->prefillStarts), tokenStateContract,
-                             request.cacheSalt, request.contextCacheRetention, context.stream);
+                             std::move(founderIdentity), context.stream);
 }
 
 bool ContextCacheRequest::check(ContextCacheStatus status, char const* operation) const {
@@ -373,19 +378,61 @@ ContextCacheRequest::AdmitSequenceStatus ContextCacheRequest::admitSequence(
     cudaStream_t stream, std::vector<int32_t> const& mediaTokenIds,
     std::vector<imageUtils::ImageData> const& imageBuffers,
     std::vector<audioUtils::AudioData> const& audioBuffers) {
+  return admitSequence(inheritedJoiner(loraWeightsName, imageBuffers, audioBuffers), tokenIds,
+                       headroom, prefillStart, resident, stream, mediaTokenIds);
+}
+
+ContextCacheSequenceAdmission ContextCacheRequest::joinerAdmission(
+    char const* call, LLMGenerationRequest const& joiner, std::vector<int32_t> const& tokenIds,
+    ResidentRef resident, std::vector<int32_t> const& mediaTokenIds) {
+  MKV_REQUIRE(joiner.requests.size() == 1, call,
+              "a joiner's request describes exactly one sequence, got {}", joiner.requests.size());
+  MKV_REQUIRE(joiner.contextCacheReplayTailLength == 0, call,
+              "a joiner has no replay tail (Hybrid-MTP requests have no joiners), got {} tokens",
+              joiner.contextCacheReplayTailLength);
+  LLMGenerationRequest::Sequence const& inputs = joiner.requests.front();
+  ContextCacheLookupPolicy const lookupPolicy =
+      inputs.contextCacheLookupPolicy.value_or(joiner.contextCacheLookupPolicy);
+  MKV_REQUIRE(static_cast<uint8_t>(joiner.contextCacheCommitPolicy) <= 1 &&
+                  static_cast<uint8_t>(lookupPolicy) <= 1,
+              call, "the joiner's commit policy {} / lookup policy {} out of range",
+              static_cast<int>(joiner.contextCacheCommitPolicy), static_cast<int>(lookupPolicy));
+  requireValidRetention(call, joiner.contextCacheRetention);
+  ContextCacheSequenceAdmission admission;
+  admission.tokenIds = tokenIds;
+  admission.keyExtras =
+      BlockKeyExtras{digestIdentity(joiner.loraWeightsName), digestIdentity(joiner.cacheSalt)};
+  admission.resident = resident;
+  admission.retention = joiner.contextCacheRetention;
+  admission.commitPolicy = joiner.contextCacheCommitPolicy;
+  admission.lookupPolicy = lookupPolicy;
+  if (!mediaTokenIds.empty() && !imagesHostReadable(inputs.imageBuffers)) {
+    admission.lookupPolicy = ContextCacheLookupPolicy::kBypass;  // bypass, do not fail
+  } else {
+    admission.media =
+        buildMediaPositions(tokenIds, mediaTokenIds, inputs.imageBuffers, inputs.audioBuffers);
+  }
+  return admission;
+}
+
+LLMGenerationRequest ContextCacheRequest::inheritedJoiner(
+    std::string const& loraWeightsName, std::vector<imageUtils::ImageData> const& imageBuffers,
+    std::vector<audioUtils::AudioData> const& audioBuffers) const {
+  LLMGenerationRequest joiner = mFounderIdentity;
+  joiner.loraWeightsName = loraWeightsName;
+  joiner.requests.push_back({imageBuffers, audioBuffers, std::nullopt});
+  return joiner;
+}
+
+ContextCacheRequest::AdmitSequenceStatus ContextCacheRequest::admitSequence(
+    LLMGenerationRequest const& joiner, std::vector<int32_t> const& tokenIds,
+    DecodingKvHeadroom const& headroom, int32_t& prefillStart, ResidentRef resident,
+    cudaStream_t stream, std::vector<int32_t> const& mediaTokenIds) {
   constexpr char const* kCall = "ContextCacheRequest::admitSequence";
   MKV_REQUIRE(stream == mStream, kCall, "stream differs from the request's stream");
   MKV_REQUIRE(!mPreparedCounts.has_value(), kCall, "a decode step is prepared");
-  ContextCacheSequenceAdmission admission;
-  admission.tokenIds = tokenIds;
-  admission.keyExtras = BlockKeyExtras{digestIdentity(loraWeightsName), digestIdentity(mCacheSalt)};
-  admission.resident = resident;
-  admission.retention = mRetention;
-  if (!mediaTokenIds.empty() && !imagesHostReadable(imageBuffers)) {
-    admission.lookupPolicy = ContextCacheLookupPolicy::kBypass;
-  } else {
-    admission.media = buildMediaPositions(tokenIds, mediaTokenIds, imageBuffers, audioBuffers);
-  }
+  ContextCacheSequenceAdmission const admission =
+      joinerAdmission(kCall, joiner, tokenIds, resident, mediaTokenIds);
   // Room for the joiner's row before the coordinator admits it: nothing after can fail.
   mPrefillStarts.reserve(mPrefillStarts.size() + 1);
   mUnfinalized.reserve(mUnfinalized.size() + 1);

@@ -137,8 +137,8 @@ void ContextCacheCoordinator::addSequences(Request& created,
                                            std::span<LookupRequest const> lookups,
                                            std::vector<mkv::AdmissionResult>& acquired) const {
   for (std::size_t i = 0; i < admission.sequences.size(); ++i) {
-    Sequence state =
-        detail::admittedSequence(admission.sequences[i], lookups[i].policy, acquired[i]);
+    Sequence state = detail::admittedSequence(admission.sequences[i], lookups[i].policy,
+                                              admission.commitPolicy, acquired[i]);
     state.common = state.reuseTokenLength;
     created.sequences.push_back(std::move(state));
   }

@@ -53,7 +53,7 @@ ContextCacheCoordinator::AdmitSequenceResult ContextCacheCoordinator::admitSeque
     result.insufficientCapacity = true;
     return result;
   }
-  Sequence state = detail::admittedSequence(admission, lookup.policy, acquired);
+  Sequence state = detail::admittedSequence(admission, lookup.policy, req.commitPolicy, acquired);
   state.joined = false;
   req.sequences.push_back(std::move(state));
   try {
@@ -117,7 +117,7 @@ ContextCacheStatus ContextCacheCoordinator::preemptSequence(RequestHandle& handl
     return ContextCacheStatus::kPoisoned;
   }
   ++mCounters.preemptions;
-  if (req.commitPolicy != ContextCacheCommitPolicy::kIncludingGeneratedTokens ||
+  if (sequence.commitPolicy != ContextCacheCommitPolicy::kIncludingGeneratedTokens ||
       req.draftInitPending) {
     return ContextCacheStatus::kOk;  // nothing past what is already published may be
   }

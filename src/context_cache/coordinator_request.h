@@ -26,6 +26,8 @@ struct CoordinatorSequence {
   std::vector<MediaPosition> media;  // empty, or one entry per ledger token
   BlockKeyExtras extras;
   ContextCacheLookupPolicy policy = ContextCacheLookupPolicy::kUseCache;
+  // What it publishes past its prompt (completion, preemption): its admission's, else the batch's.
+  ContextCacheCommitPolicy commitPolicy = ContextCacheCommitPolicy::kIncludingGeneratedTokens;
   int32_t promptLength = 0;
   int32_t reuseTokenLength = 0;
   // Composed backend: prompt tokens the full layers matched beyond reuseTokenLength, refused
@@ -73,6 +75,7 @@ struct CoordinatorRequest {
   // compactions until one of them completes).
   bool draftInitPending = false;
   DecodingTokenStateContract contract = DecodingTokenStateContract::kCommittedPlusLookahead;
+  /// The batch's commit policy: a sequence's unless its admission set one (Sequence::commitPolicy).
   ContextCacheCommitPolicy commitPolicy = ContextCacheCommitPolicy::kIncludingGeneratedTokens;
   ContextCacheLookupPolicy batchPolicy = ContextCacheLookupPolicy::kUseCache;
   /// Prompt tokens the next turn will not reproduce (Hybrid-MTP only): never published.
@@ -119,10 +122,12 @@ inline PromptView prefixOf(CoordinatorSequence const& sequence, int32_t length) 
                     sequence.extras};
 }
 
-/// A sequence of `admission` that holds `acquired`'s lease under lookup `policy`; its ledger is
-/// the prompt and its committed length the reuse length.
+/// A sequence of `admission` that holds `acquired`'s lease under lookup `policy` and the
+/// admission's commit policy, else `batchCommitPolicy`; its ledger is the prompt and its
+/// committed length the reuse length.
 inline CoordinatorSequence admittedSequence(ContextCacheSequenceAdmission const& admission,
                                             ContextCacheLookupPolicy policy,
+                                            ContextCacheCommitPolicy batchCommitPolicy,
                                             mkv::AdmissionResult& acquired) {
   CoordinatorSequence state;
   state.lease = std::move(*acquired.lease);
@@ -131,6 +136,7 @@ inline CoordinatorSequence admittedSequence(ContextCacheSequenceAdmission const&
   state.media = admission.media;
   state.extras = admission.keyExtras;
   state.policy = policy;
+  state.commitPolicy = admission.commitPolicy.value_or(batchCommitPolicy);
   state.promptLength = static_cast<int32_t>(admission.tokenIds.size());
   state.reuseTokenLength = acquired.plan.reuseTokenLength;
   state.windowLimitedTokens = acquired.plan.windowLimitedTokens;

@@ -1,6 +1,9 @@
 #include "context_cache/coordinator_validation.h"
 
+#include <fmt/format.h>
+
 #include <limits>
+#include <string_view>
 
 #include "context_cache/eviction_policy.h"
 #include "context_cache/request_mode.h"
@@ -25,6 +28,18 @@ void validateHeadroom(char const* call, DecodingKvHeadroom const& headroom, bool
 
 namespace {
 
+/// The lookup and commit policies `sequence` sets, where it sets them, are enumerators; `what`
+/// names the sequence in the message.
+void requirePoliciesInRange(char const* call, std::string_view what,
+                            ContextCacheSequenceAdmission const& sequence) {
+  auto const lookup =
+      static_cast<int>(sequence.lookupPolicy.value_or(ContextCacheLookupPolicy::kUseCache));
+  auto const commit = static_cast<int>(
+      sequence.commitPolicy.value_or(ContextCacheCommitPolicy::kIncludingGeneratedTokens));
+  MKV_REQUIRE(lookup <= 1 && commit <= 1, call,
+              "{}: lookup policy {} / commit policy {} out of range", what, lookup, commit);
+}
+
 /// The request-wide part of validateBatchAdmission (before any sequence is looked at).
 void validateBatchShape(char const* call, ContextCacheBatchAdmission const& admission,
                         DecodingKvHeadroom const& headroom, AdmissionLimits const& limits) {
@@ -46,9 +61,11 @@ void validateBatchShape(char const* call, ContextCacheBatchAdmission const& admi
     // The runtime's Hybrid-MTP prefill publishes one endpoint of one sequence, and the draft KV
     // lags the base by the accepted span, so a decode-end checkpoint would hold short draft state.
     MKV_REQUIRE(batch == 1, call, "a Hybrid-MTP request has one sequence, got {}", batch);
-    MKV_REQUIRE(admission.commitPolicy == ContextCacheCommitPolicy::kPrefillStateOnly, call,
+    ContextCacheCommitPolicy const policy =
+        admission.sequences.front().commitPolicy.value_or(admission.commitPolicy);
+    MKV_REQUIRE(policy == ContextCacheCommitPolicy::kPrefillStateOnly, call,
                 "a Hybrid-MTP request needs commit policy kPrefillStateOnly, got {}",
-                static_cast<int>(admission.commitPolicy));
+                static_cast<int>(policy));
   }
   // The replay tail bounds the Hybrid-MTP endpoint (publishHybridMtpEndpoint); the other
   // publications are of whole pages at fixed points, which a volatile tail does not move.
@@ -106,11 +123,7 @@ void validateSequence(char const* call, std::size_t i,
   MKV_REQUIRE(sequence.media.empty() || sequence.media.size() == sequence.tokenIds.size(), call,
               "sequence {} has {} media positions for {} tokens", i, sequence.media.size(),
               sequence.tokenIds.size());
-  if (sequence.lookupPolicy) {
-    MKV_REQUIRE(static_cast<uint8_t>(*sequence.lookupPolicy) <= 1, call,
-                "sequence {} lookup policy {} out of range", i,
-                static_cast<int>(*sequence.lookupPolicy));
-  }
+  requirePoliciesInRange(call, fmt::format("sequence {}", i), sequence);
 }
 
 void validateBatchAdmission(char const* call, ContextCacheBatchAdmission const& admission,
@@ -158,6 +171,7 @@ void validateJoiner(char const* call, ContextCacheSequenceAdmission const& admis
   MKV_REQUIRE(admission.media.empty() || admission.media.size() == admission.tokenIds.size(), call,
               "{} media positions for {} tokens", admission.media.size(),
               admission.tokenIds.size());
+  requirePoliciesInRange(call, "the joiner", admission);
   requireValidRetention(call, admission.retention);
 }
 

@@ -54,7 +54,8 @@ int32_t ContextCacheCoordinator::publishWindowBlocks(RequestHandle const& handle
               kCall, "row {} of request {} has not completed its prefill", row, req.id);
   int32_t const page = mManager->pageSize();
   // The full layers publish generated blocks under the same policy (publishCompleted).
-  bool const generated = req.commitPolicy == ContextCacheCommitPolicy::kIncludingGeneratedTokens;
+  bool const generated =
+      sequence.commitPolicy == ContextCacheCommitPolicy::kIncludingGeneratedTokens;
   int32_t const fullBlocks = (generated ? sequence.committed : sequence.promptLength) / page;
   auto const count = static_cast<int64_t>(pages.size());
   MKV_REQUIRE(firstBlock >= 0 && firstBlock + count <= fullBlocks, kCall,

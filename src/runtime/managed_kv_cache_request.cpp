@@ -202,6 +202,16 @@ AdmitSequenceStatus ManagedKVCacheRequest::admitSequence(
   });
 }
 
+AdmitSequenceStatus ManagedKVCacheRequest::admitSequence(
+    LLMGenerationRequest const& joiner, std::vector<int32_t> const& tokenIds,
+    DecodingKvHeadroom const& headroom, int32_t& prefillStart, ResidentRef resident,
+    cudaStream_t stream, std::vector<int32_t> const& mediaTokenIds) {
+  return dispatch("ManagedKVCacheRequest::admitSequence", mImpl, [&](auto& backend) {
+    return backend.admitSequence(joiner, tokenIds, headroom, prefillStart, resident, stream,
+                                 mediaTokenIds);
+  });
+}
+
 bool ManagedKVCacheRequest::preemptSequence(ExecutionRow row) {
   return dispatch("ManagedKVCacheRequest::preemptSequence", mImpl,
                   [&](auto& backend) { return backend.preemptSequence(row); });

@@ -248,15 +248,12 @@ std::optional<std::vector<SwaReuseStart>> planAdmission(ContextCacheCoordinator 
 
 SlidingReuseRequest::SlidingReuseRequest(ContextCacheRequest full, BoundedSwaKVPageManager& manager,
                                          BoundedSwaKVPageManager::RequestHandle handle,
-                                         std::vector<int32_t> prompts,
-                                         ContextCacheCommitPolicy commitPolicy,
-                                         JoinerIdentity joiners)
+                                         std::vector<int32_t> prompts, cudaStream_t stream)
     : mFull(std::move(full)),
       mManager(&manager),
       mHandle(std::move(handle)),
       mPromptTokens(std::move(prompts)),
-      mCommitPolicy(commitPolicy),
-      mJoiners(std::move(joiners)) {}
+      mStream(stream) {}
 
 SlidingReuseRequest::~SlidingReuseRequest() {
   detail::SharedSynchronizer::Scope const once(mManager->sharedSynchronizer());
@@ -321,10 +318,8 @@ std::optional<SlidingReuseRequest> SlidingReuseRequest::begin(
   MKV_ASSERT(begun.status == SwaKVCacheStatus::kOk,
              "the sliding half refused ({}) a batch the admission check let through",
              toString(begun.status));
-  return SlidingReuseRequest(
-      std::move(*full), manager, std::move(*begun.request), std::move(prompts), commitPolicy,
-      JoinerIdentity{batchLookupPolicy(request, mediaTokenIds), request.cacheSalt,
-                     request.contextCacheRetention, context.stream});
+  return SlidingReuseRequest(std::move(*full), manager, std::move(*begun.request),
+                             std::move(prompts), context.stream);
 }
 
 bool SlidingReuseRequest::swaStatus(SwaKVCacheStatus status, char const* operation) const {
@@ -422,6 +417,11 @@ void SlidingReuseRequest::publishPromptBlocks(std::size_t row) {
              mappedFrom, startBlock);
 }
 
+bool SlidingReuseRequest::publishesGeneratedTokens(std::size_t row) const {
+  return mFull.coordinator().commitPolicy(mFull.handle(), static_cast<ExecutionRow>(row)) ==
+         ContextCacheCommitPolicy::kIncludingGeneratedTokens;
+}
+
 void SlidingReuseRequest::publishGeneratedWindow(std::size_t row) {
   int32_t const pageSize = mManager->tokensPerPage();
   SwaSequenceState const& state = mManager->state(mHandle, static_cast<int32_t>(row));
@@ -445,7 +445,7 @@ bool SlidingReuseRequest::preemptSequence(ExecutionRow row) {
   if (!mFull.preemptSequence(row)) {
     return false;
   }
-  if (mCommitPolicy == ContextCacheCommitPolicy::kIncludingGeneratedTokens) {
+  if (publishesGeneratedTokens(static_cast<std::size_t>(row))) {
     publishGeneratedWindow(static_cast<std::size_t>(row));
   }
   return true;
@@ -503,13 +503,15 @@ bool SlidingReuseRequest::completeDecodeStep(DecodingInferenceContext const& con
                                              std::vector<int32_t> const& commonStateLengths) {
   mManager->checkPreparedWritesOnDevice(mHandle, "SlidingReuseRequest::completeDecodeStep");
   bool const fullOk = mFull.completeDecodeStep(context, commonStateLengths);
-  if (fullOk && mCommitPolicy == ContextCacheCommitPolicy::kIncludingGeneratedTokens) {
-    // The rows the full half just published (ContextCacheRequest: a normal completion).
+  if (fullOk) {
+    // The rows the full half just published (ContextCacheRequest: a normal completion, under
+    // the row's commit policy).
     for (std::size_t row = 0; row < context.finishReasons.size(); ++row) {
       FinishReason const reason = context.finishReasons[row];
       if (reason != FinishReason::kNotFinished && reason != FinishReason::kCancelled &&
           reason != FinishReason::kError &&
-          !mManager->state(mHandle, static_cast<int32_t>(row)).joining) {
+          !mManager->state(mHandle, static_cast<int32_t>(row)).joining &&
+          publishesGeneratedTokens(row)) {
         publishGeneratedWindow(row);
       }
     }
@@ -573,6 +575,16 @@ AdmitSequenceStatus SlidingReuseRequest::admitSequence(
     cudaStream_t stream, std::vector<int32_t> const& mediaTokenIds,
     std::vector<imageUtils::ImageData> const& imageBuffers,
     std::vector<audioUtils::AudioData> const& audioBuffers) {
+  return admitSequence(mFull.inheritedJoiner(loraWeightsName, imageBuffers, audioBuffers), tokenIds,
+                       headroom, prefillStart, resident, stream, mediaTokenIds);
+}
+
+AdmitSequenceStatus SlidingReuseRequest::admitSequence(LLMGenerationRequest const& joiner,
+                                                       std::vector<int32_t> const& tokenIds,
+                                                       DecodingKvHeadroom const& headroom,
+                                                       int32_t& prefillStart, ResidentRef resident,
+                                                       cudaStream_t stream,
+                                                       std::vector<int32_t> const& mediaTokenIds) {
   constexpr char const* kCall = "SlidingReuseRequest::admitSequence";
   requireVanillaRequest(kCall, false, headroom,
                         DecodingTokenStateContract::kCommittedPlusLookahead);
@@ -580,8 +592,7 @@ AdmitSequenceStatus SlidingReuseRequest::admitSequence(
   // As begin: the joiner is checked against both halves before either admits it.
   std::optional<SwaReuseStart> planned;
   if (!mFull.poisoned() && !slidingPoolHoldsCold(*mManager, std::span(&tokenIds, 1))) {
-    planned = planJoiner(tokenIds, loraWeightsName, resident, stream, mediaTokenIds, imageBuffers,
-                         audioBuffers);
+    planned = planJoiner(joiner, tokenIds, resident, stream, mediaTokenIds);
     if (!planned) {
       return mManager->poisoned() ? AdmitSequenceStatus::kFailed : AdmitSequenceStatus::kNoCapacity;
     }
@@ -589,8 +600,7 @@ AdmitSequenceStatus SlidingReuseRequest::admitSequence(
   mPromptTokens.reserve(mPromptTokens.size() + 1);  // nothing after the admissions allocates
   int32_t start = 0;
   AdmitSequenceStatus const status =
-      mFull.admitSequence(tokenIds, loraWeightsName, headroom, start, resident, stream,
-                          mediaTokenIds, imageBuffers, audioBuffers);
+      mFull.admitSequence(joiner, tokenIds, headroom, start, resident, stream, mediaTokenIds);
   if (status != AdmitSequenceStatus::kAdmitted) {
     return status;
   }
@@ -621,26 +631,14 @@ AdmitSequenceStatus SlidingReuseRequest::admitSequence(
 }
 
 std::optional<SwaReuseStart> SlidingReuseRequest::planJoiner(
-    std::vector<int32_t> const& tokenIds, std::string const& loraWeightsName, ResidentRef resident,
-    cudaStream_t stream, std::vector<int32_t> const& mediaTokenIds,
-    std::vector<imageUtils::ImageData> const& imageBuffers,
-    std::vector<audioUtils::AudioData> const& audioBuffers) const {
+    LLMGenerationRequest const& joiner, std::vector<int32_t> const& tokenIds, ResidentRef resident,
+    cudaStream_t stream, std::vector<int32_t> const& mediaTokenIds) const {
   constexpr char const* kCall = "SlidingReuseRequest::admitSequence";
-  // ContextCacheRequest::admitSequence's own checks; the coordinator's are made by
-  // estimateAdmission (the prompt) and the SWA half's (the request's state, the resident).
-  MKV_REQUIRE(stream == mJoiners.stream, kCall, "stream differs from the request's stream");
-  ContextCacheSequenceAdmission sequence;
-  sequence.tokenIds = tokenIds;
-  sequence.keyExtras =
-      BlockKeyExtras{digestIdentity(loraWeightsName), digestIdentity(mJoiners.cacheSalt)};
-  sequence.resident = resident;
-  sequence.retention = mJoiners.retention;
-  if (!mediaTokenIds.empty() && !imagesHostReadable(imageBuffers)) {
-    sequence.lookupPolicy = ContextCacheLookupPolicy::kBypass;
-  } else {
-    sequence.media = buildMediaPositions(tokenIds, mediaTokenIds, imageBuffers, audioBuffers);
-    sequence.lookupPolicy = mJoiners.batchPolicy;  // the coordinator's: the request's policy
-  }
+  // ContextCacheRequest::admitSequence's own checks and admission; the coordinator's checks are
+  // made by estimateAdmission (the prompt) and the SWA half's (the request's state, the resident).
+  MKV_REQUIRE(stream == mStream, kCall, "stream differs from the request's stream");
+  ContextCacheSequenceAdmission const sequence =
+      ContextCacheRequest::joinerAdmission(kCall, joiner, tokenIds, resident, mediaTokenIds);
   SwaReuseStart start = plannedStart(mFull.coordinator(), sequence, kCall);
   int32_t const privatePages = mManager->checkAdmitSequence(mHandle, resident, start, kCall);
   if (mManager->poisoned() ||

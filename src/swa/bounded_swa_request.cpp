@@ -149,6 +149,16 @@ AdmitSequenceStatus BoundedSwaRequest::admitSequence(
   return AdmitSequenceStatus::kFailed;
 }
 
+AdmitSequenceStatus BoundedSwaRequest::admitSequence(LLMGenerationRequest const& /*joiner*/,
+                                                     std::vector<int32_t> const& tokenIds,
+                                                     DecodingKvHeadroom const& headroom,
+                                                     int32_t& prefillStart, ResidentRef resident,
+                                                     cudaStream_t stream,
+                                                     std::vector<int32_t> const& mediaTokenIds) {
+  return admitSequence(tokenIds, std::string(), headroom, prefillStart, resident, stream,
+                       mediaTokenIds);
+}
+
 bool BoundedSwaRequest::preemptSequence(ExecutionRow row) {
   int32_t const batch = mManager->batchSize(mHandle);
   MKV_REQUIRE(row >= 0 && row < batch, "BoundedSwaRequest::preemptSequence",

@@ -283,7 +283,10 @@ void ReferenceEngine::executePrefill(Run& run, Row& row, int32_t start) {
 }
 
 void ReferenceEngine::startPrefill(Run& run, Row& row, int32_t start) {
-  row.digests = PrefixDigests(run.seed);
+  row.digests =
+      PrefixDigests(row.spec.identity ? testing::identitySeed(row.spec.identity->loraWeightsName,
+                                                              row.spec.identity->cacheSalt)
+                                      : run.seed);
   row.digests.extend(row.promptKeys);
   row.prefillStart = start;
   row.materialized = start;

@@ -12,6 +12,21 @@
 #include "testing/reference_engine_rows.h"
 
 namespace mkv::testing {
+namespace {
+
+/// The request of a joiner with its own identity: its adapter, salt, media and lookup override,
+/// under the running request's lookup and commit policies.
+LLMGenerationRequest joinerRequest(EngineRequest const& request, EngineSequence const& spec) {
+  LLMGenerationRequest joiner;
+  joiner.requests.push_back({spec.images, spec.audios, spec.lookupPolicy});
+  joiner.contextCacheLookupPolicy = request.lookupPolicy;
+  joiner.contextCacheCommitPolicy = request.commitPolicy;
+  joiner.loraWeightsName = spec.identity->loraWeightsName;
+  joiner.cacheSalt = spec.identity->cacheSalt;
+  return joiner;
+}
+
+}  // namespace
 
 bool ReferenceEngine::decodeLoop(Run& run) {
   bool ok = true;
@@ -116,9 +131,14 @@ bool ReferenceEngine::tryJoins(Run& run) {
     }
     int32_t prefillStart = 0;
     auto const start = std::chrono::steady_clock::now();
-    auto const status = run.managed->admitSequence(
-        spec.prompt, request.loraWeightsName, run.headroom, prefillStart, *resident,
-        mRuntime.config().stream, request.mediaTokenIds, spec.images, spec.audios);
+    auto const status =
+        spec.identity
+            ? run.managed->admitSequence(joinerRequest(request, spec), spec.prompt, run.headroom,
+                                         prefillStart, *resident, mRuntime.config().stream,
+                                         request.mediaTokenIds)
+            : run.managed->admitSequence(spec.prompt, request.loraWeightsName, run.headroom,
+                                         prefillStart, *resident, mRuntime.config().stream,
+                                         request.mediaTokenIds, spec.images, spec.audios);
     run.libraryNanos += nanosSince(start);
     if (status != AdmitSequenceStatus::kAdmitted) {
       mRuntime.residentSlots().release(*resident);

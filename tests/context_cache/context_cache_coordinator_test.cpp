@@ -459,6 +459,38 @@ TEST_P(ContextCacheCoordinatorTest, PrefillStateOnlyPublishesNothingAtDecodeEnd)
   rig.expectQuiescent();
 }
 
+TEST_P(ContextCacheCoordinatorTest, ASequencesOwnCommitPolicyOverridesTheBatchsAtDecodeEnd) {
+  for (ContextCacheCommitPolicy const batchPolicy :
+       {ContextCacheCommitPolicy::kIncludingGeneratedTokens,
+        ContextCacheCommitPolicy::kPrefillStateOnly}) {
+    SCOPED_TRACE(static_cast<int>(batchPolicy));
+    ContextCacheCommitPolicy const ownPolicy =
+        batchPolicy == ContextCacheCommitPolicy::kPrefillStateOnly
+            ? ContextCacheCommitPolicy::kIncludingGeneratedTokens
+            : ContextCacheCommitPolicy::kPrefillStateOnly;
+    CoordinatorRig rig(device());
+    Seq own(tokenRun(255, 100), 0);
+    Seq inherits(tokenRun(255, 900), 1);
+    ContextCacheBatchAdmission batch = rig.batchOf({&own, &inherits});
+    batch.commitPolicy = batchPolicy;
+    batch.sequences[0].commitPolicy = ownPolicy;
+    auto begun = rig.begin(batch);
+    ASSERT_EQ(begun.status, kOk);
+    Handle handle = std::move(begun.admission->request);
+    EXPECT_EQ(rig.coordinator.commitPolicy(handle, 0), ownPolicy);
+    EXPECT_EQ(rig.coordinator.commitPolicy(handle, 1), batchPolicy);
+    ASSERT_EQ(rig.prefill(handle, {&own, &inherits}), kOk);
+    EXPECT_EQ(rig.coordinator.metrics().publishedRecords, 2u);
+    // Both complete at 256 committed tokens; only the row under kIncludingGeneratedTokens
+    // publishes its generated block.
+    ASSERT_EQ(rig.decode(handle, {&own, &inherits}, {0, 1}), kOk);
+    EXPECT_EQ(rig.coordinator.counters().decodePublications, 1u);
+    EXPECT_EQ(rig.coordinator.metrics().publishedRecords, 3u);
+    ASSERT_EQ(rig.coordinator.finish(handle), kOk);
+    rig.expectQuiescent();
+  }
+}
+
 TEST_P(ContextCacheCoordinatorTest, BatchAppliesTheLookupPolicyPerSequence) {
   CoordinatorRig rig(device());
   std::vector<int32_t> const prompt = tokenRun(129, 100);

@@ -332,6 +332,12 @@ TEST_P(HybridMtpCoordinatorTest, GuardsSkipAndMisuseThrowsWithoutChangingAnythin
   EXPECT_TRUE(throwsError(
       [&] { (void)rig.coordinator->beginRequest(generated, SpecRig::kSpecHeadroom, nullptr); },
       {"needs commit policy kPrefillStateOnly, got 0"}));
+  // A sequence's own policy cannot lift the rule either.
+  ContextCacheBatchAdmission overridden = rig.batchOf({&a}, true);
+  overridden.sequences[0].commitPolicy = ContextCacheCommitPolicy::kIncludingGeneratedTokens;
+  EXPECT_TRUE(throwsError(
+      [&] { (void)rig.coordinator->beginRequest(overridden, SpecRig::kSpecHeadroom, nullptr); },
+      {"needs commit policy kPrefillStateOnly, got 0"}));
   EXPECT_EQ(rig.manager().liveLeaseCount(), 0);
 
   Handle handle = rig.admit({&a}, true);

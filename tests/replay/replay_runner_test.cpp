@@ -1274,6 +1274,46 @@ TEST(ReplayRunnerTest, SaltsIsolateTenants) {
   EXPECT_EQ(result.oracleMismatches, 0);
 }
 
+TEST(ReplayRunnerTest, SequencesOfTwoSaltsJoinOneRunningRequest) {
+  // A founder of salt "a" decodes 40 steps; four requests of one prompt arrive behind it with
+  // salt "b", "a", "b", and "b" under LoRA "x", and join its batch one after the other in its
+  // first step, each with its own salt and adapter: only the second "b" reuses the first's
+  // prompt (256 tokens, two pages of 128), and every position stays what its own identity wrote.
+  auto const run = [](int32_t first) {
+    std::string tokens;
+    for (int i = 0; i < 300; ++i) {
+      tokens.append(i > 0 ? ", " : "").append(std::to_string(first + i));
+    }
+    return tokens;
+  };
+  std::vector<TraceRecord> records;
+  records.push_back(
+      parseTraceLine(R"({"prompt": [)" + run(1000) + R"(], "max_new_tokens": 40, "salt": "a"})",
+                     TraceFormat::kAuto));
+  for (char const* identity :
+       {R"("salt": "b")", R"("salt": "a")", R"("salt": "b")", R"("salt": "b", "lora": "x")"}) {
+    records.push_back(parseTraceLine(
+        R"({"prompt": [)" + run(5000) + R"(], "max_new_tokens": 2, )" + identity + "}",
+        TraceFormat::kAuto));
+  }
+  TraceSource source(std::move(records), "two salts");
+  ReplayConfig config;
+  config.maxBatch = 5;
+  ReplayResult const result = runReplay(source, config);
+  EXPECT_EQ(result.failedRequests, 0);
+  EXPECT_EQ(result.oracleMismatches, 0);
+  EXPECT_EQ(result.joins, 4);
+  ASSERT_TRUE(result.coordinatorCounters.has_value());
+  EXPECT_EQ(result.coordinatorCounters->requests, 1U);  // one batch served both tenants
+  for (std::size_t i = 1; i < 5; ++i) {
+    EXPECT_TRUE(result.records[i].joinedInFlight) << "request " << i;
+  }
+  EXPECT_EQ(result.records[1].reusedTokens, 0);
+  EXPECT_EQ(result.records[2].reusedTokens, 0);    // salt "a": not "b"'s blocks
+  EXPECT_EQ(result.records[3].reusedTokens, 256);  // salt "b": the first "b"'s
+  EXPECT_EQ(result.records[4].reusedTokens, 0);    // salt "b" under another adapter
+}
+
 TEST(ReplayRunnerTest, OutputCapAndLimit) {
   MKV_TEST_INPUT_OR_SKIP(kTiny, "tests/replay/tiny_mooncake.jsonl");
   TraceSource source = traceSource(kTiny);

@@ -736,6 +736,222 @@ TEST_P(ManagedKVCacheRequestDispatchTest, RetentionRangesReachTheRecordsAndInval
   EXPECT_EQ(records.back().retentionPriority, kDefaultRetentionPriority);
 }
 
+// ---------------------------------------------------------------- joiners of their own
+
+/// A joiner's request with one sequence and the given salt and adapter (defaults elsewhere).
+LLMGenerationRequest joinerRequest(std::string salt, std::string lora = {}) {
+  LLMGenerationRequest joiner;
+  joiner.requests.resize(1);
+  joiner.cacheSalt = std::move(salt);
+  joiner.loraWeightsName = std::move(lora);
+  return joiner;
+}
+
+/// A request of one prompt under `salt` and `lora` reuses `expected` tokens, then runs its prefill
+/// cleanly (what it reused holds the KV its own identity's writer wrote).
+void expectLaterReuse(RuntimeRig& rig, std::vector<int32_t> const& prompt, std::string salt,
+                      std::string lora, int32_t expected) {
+  SCOPED_TRACE(fmt::format("a later request of salt '{}', LoRA '{}'", salt, lora));
+  FacadeDriver later(rig);
+  later.request.cacheSalt = std::move(salt);
+  later.request.loraWeightsName = lora;
+  later.context.loraWeightsName = std::move(lora);
+  later.add(prompt);
+  ASSERT_TRUE(later.begin());
+  EXPECT_EQ(later.facade().reuseTokenLength(0), expected);
+  ASSERT_TRUE(later.prefill());
+  later.verify();
+  EXPECT_TRUE(later.finish());
+}
+
+TEST_P(ManagedKVCacheRequestDispatchTest, JoinersOfTwoSaltsShareNoBlocksAndEachSaltReusesItsOwn) {
+  RuntimeRig rig(configFor(Backend::kContextReuse, device()));
+  std::vector<int32_t> const shared = tokenRun(40, 900);  // two full blocks of 16
+  {
+    FacadeDriver driver(rig);
+    driver.request.cacheSalt = "founder";
+    driver.add(tokenRun(40, 5));
+    ASSERT_TRUE(driver.begin());
+    ASSERT_TRUE(driver.prefill());
+    LLMGenerationRequest const tenantA = joinerRequest("tenant-a");
+    LLMGenerationRequest const tenantB = joinerRequest("tenant-b");
+    ASSERT_EQ(driver.admit(shared, &tenantA), AdmitSequenceStatus::kAdmitted);
+    EXPECT_EQ(driver.rows.back().prefillStart, 0);
+    ASSERT_TRUE(driver.seatNewest());  // publishes tenant A's prompt blocks
+    ASSERT_EQ(driver.admit(shared, &tenantB), AdmitSequenceStatus::kAdmitted);
+    EXPECT_EQ(driver.rows.back().prefillStart, 0);  // A's blocks are not B's
+    ASSERT_TRUE(driver.seatNewest());
+    ASSERT_EQ(driver.admit(shared, &tenantA), AdmitSequenceStatus::kAdmitted);
+    EXPECT_EQ(driver.rows.back().prefillStart, 32);  // A's own
+    ASSERT_TRUE(driver.seatNewest());
+    driver.verify();
+    finishCleanly(rig, driver);
+  }
+  expectLaterReuse(rig, shared, "tenant-a", "", 32);
+  expectLaterReuse(rig, shared, "founder", "", 0);
+}
+
+TEST_P(ManagedKVCacheRequestDispatchTest, EachJoinerKeysItsBlocksWithItsOwnAdapter) {
+  RuntimeRig rig(configFor(Backend::kContextReuse, device()));
+  std::vector<int32_t> const shared = tokenRun(40, 900);
+  FacadeDriver driver(rig);
+  driver.add(tokenRun(40, 5));
+  ASSERT_TRUE(driver.begin());
+  ASSERT_TRUE(driver.prefill());
+  LLMGenerationRequest const adapterA = joinerRequest("", "adapter-a");
+  LLMGenerationRequest const adapterB = joinerRequest("", "adapter-b");
+  ASSERT_EQ(driver.admit(shared, &adapterA), AdmitSequenceStatus::kAdmitted);
+  ASSERT_TRUE(driver.seatNewest());
+  ASSERT_EQ(driver.admit(shared, &adapterB), AdmitSequenceStatus::kAdmitted);
+  EXPECT_EQ(driver.rows.back().prefillStart, 0);
+  ASSERT_TRUE(driver.seatNewest());
+  ASSERT_EQ(driver.admit(shared, &adapterA), AdmitSequenceStatus::kAdmitted);
+  EXPECT_EQ(driver.rows.back().prefillStart, 32);
+  ASSERT_TRUE(driver.seatNewest());
+  driver.verify();
+  finishCleanly(rig, driver);
+}
+
+TEST_P(ManagedKVCacheRequestDispatchTest, EachJoinerPublishesUnderItsOwnCommitPolicy) {
+  RuntimeRig rig(configFor(Backend::kContextReuse, device()));
+  FacadeDriver driver(rig);
+  driver.add(tokenRun(40, 5));
+  ASSERT_TRUE(driver.begin());
+  ASSERT_TRUE(driver.prefill());
+  LLMGenerationRequest promptOnly = joinerRequest("tenant");
+  promptOnly.contextCacheCommitPolicy = ContextCacheCommitPolicy::kPrefillStateOnly;
+  LLMGenerationRequest const everything = joinerRequest("tenant");
+  ASSERT_EQ(driver.admit(tokenRun(40, 2000), &promptOnly), AdmitSequenceStatus::kAdmitted);
+  ASSERT_TRUE(driver.seatNewest());
+  ASSERT_EQ(driver.admit(tokenRun(40, 3000), &everything), AdmitSequenceStatus::kAdmitted);
+  ASSERT_TRUE(driver.seatNewest());
+  for (int step = 0; step < 8; ++step) {
+    ASSERT_TRUE(driver.decode());
+  }
+  // Both joiners finish in the same step, 49 tokens committed each (three full blocks).
+  ASSERT_TRUE(driver.prepareDecode());
+  driver.finishRow(1);
+  driver.finishRow(2);
+  ASSERT_TRUE(driver.completeDecode());
+  std::vector<std::vector<int32_t>> continued;
+  for (std::size_t row : {1U, 2U}) {
+    continued.push_back(driver.rows[row].prompt);
+    continued.back().insert(continued.back().end(), driver.generated(row).begin(),
+                            driver.generated(row).end());
+  }
+  ASSERT_TRUE(driver.compact({0, -1, -1}));
+  driver.verify();
+  finishCleanly(rig, driver);
+  expectLaterReuse(rig, continued[0], "tenant", "", 32);  // its prompt only
+  expectLaterReuse(rig, continued[1], "tenant", "", 48);  // prompt and generated tokens
+}
+
+TEST_P(ManagedKVCacheRequestDispatchTest, EachJoinersRetentionReachesItsRecords) {
+  RuntimeRig rig(configFor(Backend::kContextReuse, device()));
+  auto const& records = rig.runtime().contextCache()->manager().records().lruToMru();
+  FacadeDriver driver(rig);
+  driver.request.contextCacheRetention = {RetentionRange{0, std::nullopt, 90, std::nullopt}};
+  driver.add(tokenRun(40, 5));
+  ASSERT_TRUE(driver.begin());
+  ASSERT_TRUE(driver.prefill());
+  ASSERT_EQ(records.size(), 1U);
+  EXPECT_EQ(records.back().retentionPriority, 90);
+  LLMGenerationRequest kept = joinerRequest("");
+  kept.contextCacheRetention = {RetentionRange{0, std::nullopt, 77, std::nullopt}};
+  ASSERT_EQ(driver.admit(tokenRun(40, 2000), &kept), AdmitSequenceStatus::kAdmitted);
+  ASSERT_TRUE(driver.seatNewest());
+  ASSERT_EQ(records.size(), 2U);
+  EXPECT_EQ(records.back().retentionPriority, 77);
+  LLMGenerationRequest const plain = joinerRequest("");
+  ASSERT_EQ(driver.admit(tokenRun(40, 3000), &plain), AdmitSequenceStatus::kAdmitted);
+  ASSERT_TRUE(driver.seatNewest());
+  ASSERT_EQ(records.size(), 3U);
+  EXPECT_EQ(records.back().retentionPriority, kDefaultRetentionPriority);  // none of its own
+  finishCleanly(rig, driver);
+}
+
+TEST_P(ManagedKVCacheRequestDispatchTest, TheSeedsOverloadStillInheritsTheFoundersIdentity) {
+  RuntimeRig rig(configFor(Backend::kContextReuse, device()));
+  auto const& records = rig.runtime().contextCache()->manager().records().lruToMru();
+  std::vector<int32_t> const joinerPrompt = tokenRun(40, 2000);
+  std::vector<int32_t> continued;
+  {
+    FacadeDriver driver(rig);
+    driver.request.cacheSalt = "founder";
+    driver.request.contextCacheRetention = {RetentionRange{0, std::nullopt, 90, std::nullopt}};
+    driver.request.contextCacheCommitPolicy = ContextCacheCommitPolicy::kPrefillStateOnly;
+    driver.add(tokenRun(40, 5));
+    ASSERT_TRUE(driver.begin());
+    ASSERT_TRUE(driver.prefill());
+    ASSERT_EQ(driver.admit(joinerPrompt), AdmitSequenceStatus::kAdmitted);
+    ASSERT_TRUE(driver.seatNewest());
+    EXPECT_EQ(records.back().retentionPriority, 90);  // the founder's retention
+    for (int step = 0; step < 8; ++step) {
+      ASSERT_TRUE(driver.decode());
+    }
+    ASSERT_TRUE(driver.prepareDecode());
+    driver.finishRow(1);
+    ASSERT_TRUE(driver.completeDecode());
+    continued = joinerPrompt;
+    continued.insert(continued.end(), driver.generated(1).begin(), driver.generated(1).end());
+    ASSERT_TRUE(driver.compact({0, -1}));
+    finishCleanly(rig, driver);
+  }
+  expectLaterReuse(rig, continued, "founder", "", 32);  // the founder's salt, its prompt only
+  expectLaterReuse(rig, joinerPrompt, "", "", 0);
+}
+
+TEST_P(ManagedKVCacheRequestTest, TheJoinerOverloadRefusesAMalformedJoinerAndChangesNothing) {
+  RuntimeRig rig(configFor(backend(), device()));
+  FacadeDriver driver(rig);
+  driver.add(tokenRun(40, 5));
+  ASSERT_TRUE(driver.begin());
+  ASSERT_TRUE(driver.prefill());
+  if (!reuse()) {  // bounded SWA refuses every joiner, as the seed's overload does
+    LLMGenerationRequest const joiner = joinerRequest("tenant");
+    expectNoOp(
+        rig, "a joiner on bounded SWA", [&] { return driver.admit(tokenRun(20, 700), &joiner); },
+        AdmitSequenceStatus::kFailed);
+    finishCleanly(rig, driver);
+    return;
+  }
+  struct Case {
+    char const* what;
+    LLMGenerationRequest joiner;
+    std::string_view fragment;
+  };
+  std::vector<Case> cases;
+  cases.push_back({"no sequence", joinerRequest("t"), "exactly one sequence, got 0"});
+  cases.back().joiner.requests.clear();
+  cases.push_back({"two sequences", joinerRequest("t"), "exactly one sequence, got 2"});
+  cases.back().joiner.requests.resize(2);
+  cases.push_back({"a replay tail", joinerRequest("t"), "no replay tail"});
+  cases.back().joiner.contextCacheReplayTailLength = 4;
+  cases.push_back({"a commit policy out of range", joinerRequest("t"), "commit policy 7"});
+  cases.back().joiner.contextCacheCommitPolicy = static_cast<ContextCacheCommitPolicy>(7);
+  cases.push_back({"a lookup policy out of range", joinerRequest("t"), "lookup policy 5"});
+  cases.back().joiner.contextCacheLookupPolicy = static_cast<ContextCacheLookupPolicy>(5);
+  cases.push_back(
+      {"a sequence's lookup policy out of range", joinerRequest("t"), "lookup policy 6"});
+  cases.back().joiner.requests[0].contextCacheLookupPolicy =
+      static_cast<ContextCacheLookupPolicy>(6);
+  cases.push_back({"priority 101", joinerRequest("t"), "priority 101 outside [0, 100]"});
+  cases.back().joiner.contextCacheRetention = {RetentionRange{0, std::nullopt, 101, std::nullopt}};
+  cases.push_back({"overlapping ranges", joinerRequest("t"), "ascending and disjoint"});
+  cases.back().joiner.contextCacheRetention = {RetentionRange{0, 32, 60, std::nullopt},
+                                               RetentionRange{16, 48, 70, std::nullopt}};
+  for (Case const& c : cases) {
+    expectRejected(rig, c.what, [&] { (void)driver.admit(tokenRun(20, 700), &c.joiner); },
+                   {"ManagedKVCacheRequest::admitSequence", c.fragment});
+  }
+  // The request carries on, and a well-formed joiner of its own still joins.
+  LLMGenerationRequest const joiner = joinerRequest("tenant", driver.context.loraWeightsName);
+  ASSERT_EQ(driver.admit(tokenRun(20, 700), &joiner), AdmitSequenceStatus::kAdmitted);
+  ASSERT_TRUE(driver.seatNewest());
+  driver.verify();
+  finishCleanly(rig, driver);
+}
+
 TEST_P(ManagedKVCacheRequestDispatchTest, BoundedSwaBackend) {
   RuntimeRig rig(configFor(Backend::kBoundedSwa, device()));
   EXPECT_FALSE(rig.runtime().supportsSeatedAdmission());

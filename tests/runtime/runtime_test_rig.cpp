@@ -510,14 +510,17 @@ void FacadeDriver::compactView(std::vector<int32_t> const& oldToNew) {
   request.requests = std::move(sequences);
 }
 
-AdmitSequenceStatus FacadeDriver::admit(std::vector<int32_t> prompt) {
+AdmitSequenceStatus FacadeDriver::admit(std::vector<int32_t> prompt,
+                                        LLMGenerationRequest const* joiner) {
   ResidentSlotPool& slots = mRig.runtime().residentSlots();
   ResidentRef const resident = slots.acquire().value();
   int32_t start = -1;
   AdmitSequenceStatus status{};
   try {
-    status = facade().admitSequence(prompt, context.loraWeightsName, kVanilla, start, resident,
-                                    context.stream);
+    status = joiner != nullptr ? facade().admitSequence(*joiner, prompt, kVanilla, start, resident,
+                                                        context.stream)
+                               : facade().admitSequence(prompt, context.loraWeightsName, kVanilla,
+                                                        start, resident, context.stream);
   } catch (...) {
     (void)slots.release(resident);
     throw;

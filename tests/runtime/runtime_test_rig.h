@@ -190,8 +190,10 @@ class FacadeDriver {
   /// residents are released.
   void compactView(std::vector<int32_t> const& oldToNew);
   /// admitSequence on a fresh resident; the row joins unseated. The resident is released again
-  /// unless the status is kAdmitted.
-  AdmitSequenceStatus admit(std::vector<int32_t> prompt);
+  /// unless the status is kAdmitted. `joiner` null: the overload that inherits the founder's
+  /// identity (with the context's LoRA); else the overload for a joiner of its own.
+  AdmitSequenceStatus admit(std::vector<int32_t> prompt,
+                            LLMGenerationRequest const* joiner = nullptr);
   /// The joiner's prefill, KV length and lookahead, then finalizeSequenceAdmission.
   bool seatNewest();
   /// retractSequenceAdmission; on success the newest row leaves the view.

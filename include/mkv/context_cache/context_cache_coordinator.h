@@ -99,6 +99,10 @@ struct ContextCacheSequenceAdmission {
   std::optional<ContextCacheLookupPolicy> lookupPolicy;
   /// Retention priorities of the records this sequence publishes (requireValidRetention).
   std::vector<RetentionRange> retention;
+  /// Overrides the batch's commit policy for this sequence when set: what it publishes when it
+  /// completes or is preempted (a joiner of another tenant keeps its own; docs/lifecycle.md,
+  /// "In-flight admission"). A Hybrid-MTP sequence must still resolve to kPrefillStateOnly.
+  std::optional<ContextCacheCommitPolicy> commitPolicy;
 };
 
 /// A batch admission (one runtime request).
@@ -460,8 +464,8 @@ class ContextCacheCoordinator {
   bool supportsLiveSequenceAdmission() const noexcept;
   /// Admits one more sequence into an executing request with no pending work; binds only the
   /// new resident's row. The sequence joins at the end of the batch. Unless the admission sets
-  /// its own lookup policy it inherits the request's (the batch policy of beginRequest); the
-  /// commit policy is the request's. Salt and adapter come with the admission's key extras.
+  /// its own lookup or commit policy it inherits the request's (the batch policies of
+  /// beginRequest). Salt and adapter come with the admission's key extras.
   /// Throws for a request under kFullyCommitted: a joiner is finalised with a lookahead token;
   /// and (with resources.residentSlots) for a stale resident, as beginRequest.
   AdmitSequenceResult admitSequence(RequestHandle& handle,
@@ -523,6 +527,8 @@ class ContextCacheCoordinator {
   int32_t reuseTokenLength(RequestHandle const& handle, ExecutionRow row) const;
   /// Tokens with materialised KV of execution row `row`.
   int32_t committedLength(RequestHandle const& handle, ExecutionRow row) const;
+  /// The commit policy execution row `row` publishes under: its admission's, else the batch's.
+  ContextCacheCommitPolicy commitPolicy(RequestHandle const& handle, ExecutionRow row) const;
   /// Base pages held by execution row `row`, in logical order.
   std::span<PageId const> basePages(RequestHandle const& handle, ExecutionRow row) const;
   /// Draft pages held by execution row `row` (empty unless the request pairs a paged draft).

@@ -90,6 +90,8 @@ class ContextCacheRequest {
   bool completeBatchCompaction(std::vector<int32_t> const& keepMapping);
   bool finish();
 
+  /// In-flight admission of a joiner with the founding request's identity (inheritedJoiner) and
+  /// `loraWeightsName` as its adapter: the overload below.
   AdmitSequenceStatus admitSequence(std::vector<int32_t> const& tokenIds,
                                     std::string const& loraWeightsName,
                                     DecodingKvHeadroom const& headroom, int32_t& prefillStart,
@@ -97,6 +99,33 @@ class ContextCacheRequest {
                                     std::vector<int32_t> const& mediaTokenIds = {},
                                     std::vector<imageUtils::ImageData> const& imageBuffers = {},
                                     std::vector<audioUtils::AudioData> const& audioBuffers = {});
+  /// In-flight admission (ContextCacheCoordinator::admitSequence) of the joiner `joiner`
+  /// describes (joinerAdmission). kAdmitted with `prefillStart` set; kNoCapacity, changing
+  /// nothing, when the pool cannot hold it; kFailed when poisoned. Throws what joinerAdmission
+  /// and the coordinator throw for, for another stream than the request's and while a decode
+  /// step is prepared, changing nothing.
+  AdmitSequenceStatus admitSequence(LLMGenerationRequest const& joiner,
+                                    std::vector<int32_t> const& tokenIds,
+                                    DecodingKvHeadroom const& headroom, int32_t& prefillStart,
+                                    ResidentRef resident, cudaStream_t stream,
+                                    std::vector<int32_t> const& mediaTokenIds = {});
+  /// The coordinator's admission of a joiner: `tokenIds` keyed by the joiner's LoRA and salt,
+  /// its retention, its commit policy, its lookup policy (the sequence's override, else the
+  /// request-level one; kBypass when the model takes media and an image is not host-readable)
+  /// and the media positions of its images and audio. Throws mkv::Error (naming `call`) unless
+  /// `joiner` has exactly one sequence, no replay tail, commit and lookup policies in range and
+  /// valid retention, and for what buildMediaPositions throws for.
+  static ContextCacheSequenceAdmission joinerAdmission(char const* call,
+                                                       LLMGenerationRequest const& joiner,
+                                                       std::vector<int32_t> const& tokenIds,
+                                                       ResidentRef resident,
+                                                       std::vector<int32_t> const& mediaTokenIds);
+  /// The joiner the first overload admits: the founding request's cache salt, retention, commit
+  /// policy and resolved batch lookup policy, with `loraWeightsName` and one sequence of these
+  /// images and audio.
+  LLMGenerationRequest inheritedJoiner(
+      std::string const& loraWeightsName, std::vector<imageUtils::ImageData> const& imageBuffers,
+      std::vector<audioUtils::AudioData> const& audioBuffers) const;
   /// Preemption (ContextCacheCoordinator::preemptSequence); false when poisoned or quarantined.
   bool preemptSequence(ExecutionRow row);
   /// A chunk of an in-flight admission's prefill completed
@@ -130,16 +159,16 @@ class ContextCacheRequest {
   ContextCacheRequest(ContextCacheCoordinator& coordinator,
                       ContextCacheCoordinator::RequestHandle handle,
                       std::vector<int32_t> prefillStarts, DecodingTokenStateContract contract,
-                      std::string cacheSalt, std::vector<RetentionRange> retention,
-                      cudaStream_t stream);
+                      LLMGenerationRequest founderIdentity, cudaStream_t stream);
   bool check(ContextCacheStatus status, char const* operation) const;
 
   ContextCacheCoordinator* mCoordinator;
   ContextCacheCoordinator::RequestHandle mHandle;
   std::vector<int32_t> mPrefillStarts;
   DecodingTokenStateContract mContract;
-  std::string mCacheSalt;
-  std::vector<RetentionRange> mRetention;  ///< the request's, for every sequence and joiner
+  /// The founding request's cache salt, retention, commit policy and resolved batch lookup
+  /// policy (no sequences): what inheritedJoiner gives a joiner.
+  LLMGenerationRequest mFounderIdentity;
   cudaStream_t mStream;
   /// Per execution row: 1 while an in-flight admission is not finalised.
   std::vector<uint8_t> mUnfinalized;

@@ -38,6 +38,13 @@ struct EngineResume {
   int32_t prefillChunks = 0;    ///< chunks it ran in prefills that a preemption cut short
 };
 
+/// A joiner's own cache identity (ManagedKVCacheRequest::admitSequence's overload for a joiner
+/// of another request): its adapter and salt key its blocks and seed its KV oracle.
+struct EngineIdentity {
+  std::string loraWeightsName;
+  std::string cacheSalt;
+};
+
 /// One sequence to run.
 struct EngineSequence {
   std::vector<int32_t> prompt;
@@ -51,6 +58,10 @@ struct EngineSequence {
   int64_t tag = 0;
   /// Set by the engine on a preempted sequence it queues again; empty for a new one.
   std::optional<EngineResume> resume{};
+  /// A joiner's own identity, admitted with the request's lookup and commit policies and its
+  /// own lookup override (`lookupPolicy`); unset: the request's (the seed's admitSequence).
+  /// Founders take the request's.
+  std::optional<EngineIdentity> identity{};
 };
 
 /// One runtime request: a founding batch of sequences sharing request-level settings.
