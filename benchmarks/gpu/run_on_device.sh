@@ -275,7 +275,8 @@ REPLAY=$BUILD/benchmarks/replay/mkv-replay
 TRACE=${MKV_TEST_INPUTS:-$BUILD/test_inputs}/tests/data/mooncake_first500.jsonl
 LIMIT=${MKV_REPLAY_LIMIT:-12}
 GEOMETRY=(--layers 32 --kv-heads 8 --head-dim 128 --page-size 128 --verify sample --quiet)
-replay_case() {  # NAME ARGS...: one run per device, then the figures compared
+CASE_GEOMETRY=()  # serving_case's arguments in GEOMETRY's place
+replay_case() {  # NAME ARGS...: one run per device (GEOMETRY appended), then the figures compared
   local name=$1
   shift
   local left=$(( BUDGET - $(elapsed) ))
@@ -284,9 +285,14 @@ replay_case() {  # NAME ARGS...: one run per device, then the figures compared
     return
   fi
   local device status=PASS detail=""
+  local -a geometry=("${GEOMETRY[@]}")
+  if ((${#CASE_GEOMETRY[@]})); then
+    geometry=("${CASE_GEOMETRY[@]}")
+  fi
   for device in cuda cpu; do
     run_step "mkv-replay $name $device" "$OUT/replay_${name}_$device.log" 240 \
-      "$REPLAY" "$@" "${GEOMETRY[@]}" --device "$device" --json "$OUT/replay_${name}_$device.json"
+      "$REPLAY" "$@" "${geometry[@]}" --device "$device" \
+      --json "$OUT/replay_${name}_$device.json"
     if [[ $RC != 0 ]]; then
       status=FAIL
       detail+="$device rc $RC; "
@@ -305,6 +311,15 @@ replay_case() {  # NAME ARGS...: one run per device, then the figures compared
     fi
   fi
   record "mkv-replay $name" "$status" "" "$detail"
+}
+# The serving engine (#37) on the first 500 Mooncake requests at mkv-replay's default geometry
+# (a model's would take the CPU-tensor run hours): a token budget, chunked prefill, preemption
+# under a pool that evicts.
+serving_case() {  # NAME ARGS...
+  CASE_GEOMETRY=(--trace "$TRACE" --max-batch 16 --max-batched-tokens 2048 --pool-tokens 160000
+    --verify sample --quiet)
+  replay_case "$@"
+  CASE_GEOMETRY=()
 }
 if [[ ! -x $REPLAY ]]; then
   record "mkv-replay" FAIL 0 "$REPLAY missing (cuda-release builds it)"
@@ -347,6 +362,7 @@ else
       --recurrent-layers 9 --snapshot-slots 96 --checkpoint-interval 2048 --no-attention-only
     replay_case mooncake_chunked --trace "$TRACE" --limit "$LIMIT" --pool-tokens 131072 \
       --max-batch 8 --max-batched-tokens 2048
+    serving_case mooncake_serving_recompute --preemption recompute
   else
     record "mkv-replay mooncake" FAIL 0 "$TRACE missing (the bundle's test_inputs)"
   fi
