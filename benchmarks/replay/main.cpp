@@ -241,14 +241,17 @@ CliOptions parseArguments(int argc, char** argv) {
          "prefills in the step it joins)",
          int32(1, kInt32Max, c.maxBatchedTokens));
   option("--preemption", "P",
-         "none (default) or recompute: before a decode step whose page growth the pool cannot "
-         "give, preempt the newest running sequences and admit them again first, reusing what "
-         "they published (vLLM's recompute; needs in-flight joins)",
+         "none (default), recompute or swap: before a decode step whose page growth the pool "
+         "cannot give, preempt the newest running sequences and admit them again first, reusing "
+         "what they published (vLLM's recompute; needs in-flight joins); swap also moves their "
+         "published blocks to the host tier when they are compacted away (needs "
+         "--host-pool-tokens)",
          [&](std::string_view flag, std::string_view value) {
            c.preemption = parseChoice<mkv::testing::PreemptionMode>(
                flag, value,
                {{"none", mkv::testing::PreemptionMode::kNone},
-                {"recompute", mkv::testing::PreemptionMode::kRecompute}});
+                {"recompute", mkv::testing::PreemptionMode::kRecompute},
+                {"swap", mkv::testing::PreemptionMode::kSwap}});
          });
   option("--layers", "N", "attention layers (swa: sliding layers) (default 1)",
          int32(1, 256, c.layers));

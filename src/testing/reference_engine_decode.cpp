@@ -115,11 +115,13 @@ bool ReferenceEngine::tryJoins(Run& run) {
       return true;
     }
     int32_t prefillStart = 0;
+    int64_t const hostHits = spec.resume ? hostTierHitTokens() : 0;
     auto const start = std::chrono::steady_clock::now();
     auto const status = run.managed->admitSequence(
         spec.prompt, request.loraWeightsName, run.headroom, prefillStart, *resident,
         mRuntime.config().stream, request.mediaTokenIds, spec.images, spec.audios);
     run.libraryNanos += nanosSince(start);
+    mStats.resumedHostTierTokens += spec.resume ? hostTierHitTokens() - hostHits : 0;
     if (status != AdmitSequenceStatus::kAdmitted) {
       mRuntime.residentSlots().release(*resident);
       ++mStats.joinRefusals;
@@ -430,7 +432,8 @@ bool ReferenceEngine::preemptRow(Run& run, std::size_t index) {
   if (!row.prefilling) {
     // Publish the committed state; an unfinalised joiner published its chunks already.
     auto const start = std::chrono::steady_clock::now();
-    bool const published = run.managed->preemptSequence(static_cast<ExecutionRow>(index));
+    bool const published =
+        run.managed->preemptSequence(static_cast<ExecutionRow>(index), mPreemptionKind);
     run.libraryNanos += nanosSince(start);
     if (!published) {
       return false;
