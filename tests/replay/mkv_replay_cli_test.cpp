@@ -415,7 +415,10 @@ TEST_F(MkvReplayCliTest, BadOptionsAreOneLineAndExitTwo) {
   expectBadInput({"--preemption", "recompute", "--max-batch", "4", "--mode", "swa"},
                  "preemption needs in-flight joins");
   expectBadInput({"--preemption", "swap", "--max-batch", "4"},
-                 "--preemption expects one of none, recompute, got 'swap'");
+                 "swap preemption moves the preempted sequences' blocks to the host tier: it "
+                 "needs --mode reuse with --host-pool-tokens");
+  expectBadInput({"--preemption", "offload"},
+                 "--preemption expects one of none, recompute, swap, got 'offload'");
   expectBadInput({"--checkpoint-interval", "512"},
                  "--checkpoint-interval needs --recurrent-layers N > 0 or --window W (reuse mode)");
   expectBadInput({"--recurrent-layers", "2", "--checkpoint-interval", "100"},
