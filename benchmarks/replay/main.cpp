@@ -35,7 +35,30 @@
 
 namespace {
 
-using namespace mkv::replay;
+using mkv::replay::formatCsv;
+using mkv::replay::formatJson;
+using mkv::replay::formatSummary;
+using mkv::replay::kMaxTraceTokens;
+using mkv::replay::loadTrace;
+using mkv::replay::MultiTurnWorkload;
+using mkv::replay::MultiTurnWorkloadConfig;
+using mkv::replay::PlotOutcome;
+using mkv::replay::PlotStatus;
+using mkv::replay::PoolSizing;
+using mkv::replay::ProgressBar;
+using mkv::replay::ReplayConfig;
+using mkv::replay::ReplayConfigError;
+using mkv::replay::ReplayMode;
+using mkv::replay::ReplayResult;
+using mkv::replay::RequestSource;
+using mkv::replay::runReplay;
+using mkv::replay::SpeculativeKind;
+using mkv::replay::toString;
+using mkv::replay::TraceError;
+using mkv::replay::TraceFormat;
+using mkv::replay::TraceRecord;
+using mkv::replay::TraceSource;
+using mkv::replay::writePlot;
 
 constexpr int kExitOk = 0;
 constexpr int kExitInternal = 1;
@@ -409,7 +432,8 @@ CliOptions parseArguments(int argc, char** argv) {
     }
     throw UsageError(fmt::format("unknown option '{}' (see --help)", arg.substr(0, arg.find('='))));
   }
-  if ((poolPages->count() > 0) + (poolTokens->count() > 0) + (budget->count() > 0) > 1) {
+  auto const given = [](auto const* flag) { return flag->count() > 0 ? 1 : 0; };
+  if (given(poolPages) + given(poolTokens) + given(budget) > 1) {
     throw UsageError("give the pool size once: --pool-pages, --pool-tokens or --kv-budget-bytes");
   }
   if (options.format && !options.trace) {

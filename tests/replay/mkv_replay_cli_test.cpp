@@ -132,7 +132,7 @@ TEST_F(MkvReplayCliTest, TokensTraceQuietAndEveryMode) {
     prompt.append(i > 0 ? "," : "").append(std::to_string(5 + i));
   }
   std::string const tokens =
-      write("t.jsonl", "{\"id\": \"x\", \"prompt\": [" + prompt +
+      write("t.jsonl", R"({"id": "x", "prompt": [)" + prompt +
                            "], \"max_new_tokens\": 3}\n"
                            "{\"id\": \"y\", \"prompt\": [" +
                            prompt + "], \"max_new_tokens\": 2, \"salt\": \"\"}\n");
@@ -164,7 +164,7 @@ TEST_F(MkvReplayCliTest, EngineStepDeviceWritesGiveTheSameFiguresInEveryMode) {
          {"--trace", tiny.c_str(), "--verify", "all", "--quiet", "--json", json.c_str()}) {
       args.push_back(extra);
     }
-    args.push_back("--device-writes");
+    args.emplace_back("--device-writes");
     args.push_back(writes);
     CliResult const result = run(args);
     EXPECT_EQ(result.exitCode, 0) << result.err;
