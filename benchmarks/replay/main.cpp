@@ -35,7 +35,30 @@
 
 namespace {
 
-using namespace mkv::replay;
+using mkv::replay::formatCsv;
+using mkv::replay::formatJson;
+using mkv::replay::formatSummary;
+using mkv::replay::kMaxTraceTokens;
+using mkv::replay::loadTrace;
+using mkv::replay::MultiTurnWorkload;
+using mkv::replay::MultiTurnWorkloadConfig;
+using mkv::replay::PlotOutcome;
+using mkv::replay::PlotStatus;
+using mkv::replay::PoolSizing;
+using mkv::replay::ProgressBar;
+using mkv::replay::ReplayConfig;
+using mkv::replay::ReplayConfigError;
+using mkv::replay::ReplayMode;
+using mkv::replay::ReplayResult;
+using mkv::replay::RequestSource;
+using mkv::replay::runReplay;
+using mkv::replay::SpeculativeKind;
+using mkv::replay::toString;
+using mkv::replay::TraceError;
+using mkv::replay::TraceFormat;
+using mkv::replay::TraceRecord;
+using mkv::replay::TraceSource;
+using mkv::replay::writePlot;
 
 constexpr int kExitOk = 0;
 constexpr int kExitInternal = 1;
@@ -241,14 +264,17 @@ CliOptions parseArguments(int argc, char** argv) {
          "prefills in the step it joins)",
          int32(1, kInt32Max, c.maxBatchedTokens));
   option("--preemption", "P",
-         "none (default) or recompute: before a decode step whose page growth the pool cannot "
-         "give, preempt the newest running sequences and admit them again first, reusing what "
-         "they published (vLLM's recompute; needs in-flight joins)",
+         "none (default), recompute or swap: before a decode step whose page growth the pool "
+         "cannot give, preempt the newest running sequences and admit them again first, reusing "
+         "what they published (vLLM's recompute; needs in-flight joins); swap also moves their "
+         "published blocks to the host tier when they are compacted away (needs "
+         "--host-pool-tokens)",
          [&](std::string_view flag, std::string_view value) {
            c.preemption = parseChoice<mkv::testing::PreemptionMode>(
                flag, value,
                {{"none", mkv::testing::PreemptionMode::kNone},
-                {"recompute", mkv::testing::PreemptionMode::kRecompute}});
+                {"recompute", mkv::testing::PreemptionMode::kRecompute},
+                {"swap", mkv::testing::PreemptionMode::kSwap}});
          });
   option("--layers", "N", "attention layers (swa: sliding layers) (default 1)",
          int32(1, 256, c.layers));
@@ -406,7 +432,8 @@ CliOptions parseArguments(int argc, char** argv) {
     }
     throw UsageError(fmt::format("unknown option '{}' (see --help)", arg.substr(0, arg.find('='))));
   }
-  if ((poolPages->count() > 0) + (poolTokens->count() > 0) + (budget->count() > 0) > 1) {
+  auto const given = [](auto const* flag) { return flag->count() > 0 ? 1 : 0; };
+  if (given(poolPages) + given(poolTokens) + given(budget) > 1) {
     throw UsageError("give the pool size once: --pool-pages, --pool-tokens or --kv-budget-bytes");
   }
   if (options.format && !options.trace) {

@@ -9,6 +9,19 @@
 namespace mkv::replay {
 namespace {
 
+/// --preemption's spelling of `mode`.
+char const* preemptionName(testing::PreemptionMode mode) {
+  switch (mode) {
+    case testing::PreemptionMode::kRecompute:
+      return "recompute";
+    case testing::PreemptionMode::kSwap:
+      return "swap";
+    case testing::PreemptionMode::kNone:
+      break;
+  }
+  return "none";
+}
+
 std::string grouped(int64_t value) {
   std::string digits = std::to_string(value < 0 ? -value : value);
   std::string out;
@@ -307,10 +320,18 @@ std::string formatSummary(ReplayResult const& r) {
                      r.timeToFirstTokenStepsP99));
   }
   if (c.preemption != testing::PreemptionMode::kNone) {
+    bool const swap = c.preemption == testing::PreemptionMode::kSwap;
+    std::string hostTier;
+    if (r.hostTier.pages > 0) {
+      hostTier = fmt::format(", {} of them from the host tier", grouped(r.resumedHostTierTokens));
+    }
+    if (swap) {
+      hostTier += fmt::format("; {} blocks swapped out", grouped(r.hostTier.swappedOutBlocks));
+    }
     line("preemption",
-         fmt::format("recompute: {} preempted, {} resumed ({} prompt tokens, {} reused)",
-                     grouped(r.preemptions), grouped(r.resumed), grouped(r.resumedPromptTokens),
-                     grouped(r.resumedReusedTokens)));
+         fmt::format("{}: {} preempted, {} resumed ({} prompt tokens, {} reused{})",
+                     preemptionName(c.preemption), grouped(r.preemptions), grouped(r.resumed),
+                     grouped(r.resumedPromptTokens), grouped(r.resumedReusedTokens), hostTier));
   }
   line("steps between tokens",
        fmt::format("p50 {}, p99 {}", r.timeBetweenTokensStepsP50, r.timeBetweenTokensStepsP99));
@@ -444,11 +465,12 @@ std::string formatJson(ReplayResult const& r) {
       {"time_to_first_token_steps_p99", r.timeToFirstTokenStepsP99},
       {"time_between_tokens_steps_p50", r.timeBetweenTokensStepsP50},
       {"time_between_tokens_steps_p99", r.timeBetweenTokensStepsP99},
-      {"preemption", c.preemption == testing::PreemptionMode::kNone ? "none" : "recompute"},
+      {"preemption", preemptionName(c.preemption)},
       {"preemptions", r.preemptions},
       {"resumed", r.resumed},
       {"resumed_prompt_tokens", r.resumedPromptTokens},
       {"resumed_reused_tokens", r.resumedReusedTokens},
+      {"resumed_host_tier_tokens", r.resumedHostTierTokens},
       {"prompt_tokens", r.promptTokens},
       {"reused_tokens", r.reusedTokens},
       {"hit_rate", r.hitRate},  // NaN and infinities are written as null
@@ -505,6 +527,7 @@ std::string formatJson(ReplayResult const& r) {
          std::round(static_cast<double>(h.offloadedBytes + h.onboardedBytes) * perRequest)},
         {"dropped_pages", h.droppedPages},
         {"transfers", h.transfers},
+        {"swapped_out_blocks", h.swappedOutBlocks},
     };
   }
   json["recurrent_layers"] = c.recurrentLayers;

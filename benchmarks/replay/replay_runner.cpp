@@ -554,6 +554,11 @@ class Runner {
     options.onStep = [this](int64_t) { onStep(); };
     options.speculativeWidth = c.speculative != SpeculativeKind::kNone ? c.specWidth : 0;
     options.maxBatchedTokens = c.maxBatchedTokens;
+    if (c.preemption == testing::PreemptionMode::kSwap && mRuntime->hostTier() == nullptr) {
+      configError(
+          "swap preemption moves the preempted sequences' blocks to the host tier: it needs "
+          "--mode reuse with --host-pool-tokens");
+    }
     options.preemption = c.preemption;
     mEngine = std::make_unique<ReferenceEngine>(*mRuntime, std::move(options));
     mJoins = c.mode != ReplayMode::kSwa && batch > 1 && mRuntime->supportsSeatedAdmission();
@@ -975,6 +980,7 @@ class Runner {
     r.prefillChunks = stats.prefillChunks;
     r.preemptions = stats.preemptions;
     r.resumed = stats.resumed;
+    r.resumedHostTierTokens = stats.resumedHostTierTokens;
     r.resumedPromptTokens = stats.resumedPromptTokens;
     r.resumedReusedTokens = stats.resumedReusedTokens;
     std::vector<int64_t> const tbt(stats.timeBetweenTokensSteps.begin(),
@@ -1077,6 +1083,7 @@ class Runner {
     h.hitTokens = static_cast<int64_t>(metrics.hostTierHitTokens);
     h.droppedPages = static_cast<int64_t>(metrics.hostTierDroppedPages);
     h.transfers = static_cast<int64_t>(counters.hostTierTransfers);
+    h.swappedOutBlocks = static_cast<int64_t>(metrics.swappedOutBlocks);
   }
 
   void summarizeHybrid(ContextCacheCoordinator const& coordinator) {

@@ -202,6 +202,9 @@ struct ReplayResult {
   int64_t resumed = 0;
   int64_t resumedPromptTokens = 0;
   int64_t resumedReusedTokens = 0;
+  /// Of resumedReusedTokens, those onboarded from the host tier (EngineStats::
+  /// resumedHostTierTokens).
+  int64_t resumedHostTierTokens = 0;
   /// Token figures count every admitted attempt (they differ from the per-request records only
   /// when requests were retried).
   int64_t promptTokens = 0;
@@ -223,6 +226,8 @@ struct ReplayResult {
     int64_t hitTokens = 0;     ///< reused tokens that came from the host tier
     int64_t droppedPages = 0;  ///< blocks the full host tier dropped for good
     int64_t transfers = 0;     ///< copy batches enqueued
+    /// Blocks of swap-preempted rows moved to the host at their compaction (--preemption swap).
+    int64_t swappedOutBlocks = 0;
   } hostTier;
   int64_t publishedRecords = 0;
   int64_t replacedChunkRecords = 0;  ///< chunk records the next publication replaced

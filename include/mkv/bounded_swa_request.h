@@ -101,6 +101,8 @@ class BoundedSwaRequest {
   /// Nothing is cached for a resumption to reuse: nothing to publish, true (the engine compacts
   /// the row away; resuming recomputes it). Throws for a row outside the batch.
   bool preemptSequence(ExecutionRow row);
+  /// kRecompute: preemptSequence(row). kSwap throws, changing nothing: no host tier.
+  bool preemptSequence(ExecutionRow row, PreemptionKind kind);
   /// No in-flight admission, so no joiner to prefill in chunks: false and one log line.
   bool completePrefillChunk(ExecutionRow row, int32_t prefilledTokens);
   /// No in-flight admission: false and one log line.

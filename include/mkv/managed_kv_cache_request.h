@@ -165,6 +165,13 @@ class ManagedKVCacheRequest {
   /// prepareDecodeStep and completeDecodeStep, for a row outside the batch and for an unfinalised
   /// joiner.
   bool preemptSequence(ExecutionRow row);
+  /// Preemption of either kind (docs/lifecycle.md, "Preemption"): kRecompute is
+  /// preemptSequence(row); kSwap also moves the row's published blocks that no other row holds to
+  /// the host tier when the compaction drops the row, freeing their GPU pages (resuming onboards
+  /// them). kSwap needs a host tier: it throws, changing nothing, on a context-reuse backend
+  /// without one, on the sliding-window reuse and the bounded-SWA backends (neither has a host
+  /// tier), and as preemptSequence(row) does. False when the backend is poisoned.
+  bool preemptSequence(ExecutionRow row, PreemptionKind kind);
   /// Chunked prefill of a joiner (an addition beside the reference page's API): the engine may
   /// spread an admitted joiner's prefill over several steps, the joiner holding in their decode
   /// steps; after each step that ran a chunk, this publishes the joiner's full blocks up to

@@ -135,6 +135,9 @@ class SlidingReuseRequest {
   /// (ContextCacheCoordinator::commitPolicy), the sliding pages of its complete generated blocks
   /// still mapped (as a completing row's). False when the full half fails.
   bool preemptSequence(ExecutionRow row);
+  /// kRecompute: preemptSequence(row). kSwap throws, changing nothing: the composed backend has no
+  /// host tier (its deployment refuses one).
+  bool preemptSequence(ExecutionRow row, PreemptionKind kind);
   /// A chunk of a joiner's prefill completed: the full layers publish the row's full blocks so
   /// far (ContextCacheRequest::completePrefillChunk); its sliding pages are published at
   /// finalisation, with the whole prompt's.

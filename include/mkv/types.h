@@ -136,6 +136,12 @@ struct DecodeStepDemand {
 /// backend or one without in-flight admission.
 enum class AdmitSequenceStatus : uint8_t { kAdmitted, kNoCapacity, kFailed };
 
+/// How a preempted row's published blocks wait for its resumption (preemptSequence;
+/// docs/lifecycle.md, "Preemption"). kRecompute: they stay cached on the GPU. kSwap: when the
+/// compaction that drops the row releases its pages, its published blocks that no running row
+/// holds move to the host tier at once and their GPU pages are freed (needs a host tier).
+enum class PreemptionKind : uint8_t { kRecompute, kSwap };
+
 /// When the page-table and KV-length writes of the lifecycle calls reach the device
 /// (KVCacheRuntimeConfig::deviceWrites; docs/architecture.md, "Device writes at the engine step").
 enum class DeviceWriteTiming : uint8_t {

@@ -503,10 +503,17 @@ ContextCacheStatus ContextCacheCoordinator::compactBatch(RequestHandle& handle) 
   dropped.reserve(req.mapping.size());
   std::vector<Request::Sequence> survivors;
   survivors.reserve(req.sequences.capacity());
+  std::vector<std::vector<Hash128>> swapPaths;  // published block keys of dropped swapped rows
   for (std::size_t i = 0; i < req.mapping.size(); ++i) {
-    MKV_ASSERT(!req.sequences[i].staged, "row {} has an uncommitted capture at compaction", i);
+    Request::Sequence const& sequence = req.sequences[i];
+    MKV_ASSERT(!sequence.staged, "row {} has an uncommitted capture at compaction", i);
     if (req.mapping[i] < 0) {
-      dropped.push_back(req.sequences[i].resident.slot);
+      dropped.push_back(sequence.resident.slot);
+      if (sequence.swapOut) {
+        int32_t const page = mManager->pageSize();
+        swapPaths.push_back(
+            hashFullBlocks(detail::prefixOf(sequence, sequence.publishedBlocks * page), page));
+      }
     }
   }
   enqueueCompaction(req, dropped);
@@ -517,6 +524,13 @@ ContextCacheStatus ContextCacheCoordinator::compactBatch(RequestHandle& handle) 
     req.mode->publishFrozenPrefill(req);  // the synchronisation completed the draft init
   }
   settleCompaction(req, survivors);
+  // Swap preemption: the dropped rows' pages are released; their blocks move in one batch.
+  for (std::vector<Hash128> const& path : swapPaths) {
+    mManager->demoteToHostTier(path);
+  }
+  if (!swapPaths.empty() && !moveHostTierPages(kCall)) {
+    return ContextCacheStatus::kPoisoned;  // the moved blocks are forgotten
+  }
   return ContextCacheStatus::kOk;
 }
 

@@ -252,6 +252,19 @@ class ContextCacheManager {
   /// After a failed launch of `offloads` (taken from takeHostTransfers): the host tier forgets
   /// those blocks (their bytes may never have arrived) and announces their removal.
   void forgetHostBlocks(std::span<HostTransfer const> offloads) noexcept;
+  /// Swap preemption (docs/lifecycle.md, "Preemption"): moves the cached blocks of `path` (the
+  /// block keys of a preempted sequence's published full blocks, from block 0, its lease already
+  /// released) to the host tier, as evicting them would: every block record ending on the path
+  /// past its kept prefix is dropped, and each of their blocks that no other record holds leaves
+  /// the GPU index for the host tier (an offload queued unless the tier holds it already, events
+  /// as for an eviction) and frees its page. The kept prefix stays a GPU-cached record: it ends at
+  /// the path's last block whose page a lease still holds (another running row shares it), and
+  /// is long enough that the moved blocks fit the host tier's unpinned pages (the blocks before
+  /// stay on the GPU; the tier's own LRU rule drops its oldest blocks to make room). A record of
+  /// the kept prefix is added when none exists. Returns the blocks moved (swappedOutBlocks); 0
+  /// and nothing changed without a host tier, for a path the GPU index does not hold, or when an
+  /// allocation failed (logged). Take the moves with takeHostTransfers.
+  int32_t demoteToHostTier(std::span<Hash128 const> path) noexcept;
   /// The host tier's bookkeeping, or null without one.
   HostBlockTier const* hostTier() const noexcept { return mHostTier.get(); }
 

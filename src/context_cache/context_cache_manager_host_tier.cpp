@@ -3,7 +3,11 @@
 
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
+#include <cstddef>
 #include <exception>
+#include <optional>
+#include <vector>
 
 #include "context_cache/context_cache_manager.h"
 #include "core/check.h"
@@ -61,6 +65,69 @@ void ContextCacheManager::forgetHostBlocks(std::span<HostTransfer const> offload
       ++mStateVersion;
     }
   }
+}
+
+int32_t ContextCacheManager::demoteToHostTier(std::span<Hash128 const> path) noexcept {
+  if (!mHostTier) {
+    return 0;
+  }
+  // Allocations first: a std::bad_alloc leaves everything as it was.
+  std::vector<PageId> pages;      // the GPU-cached part of the path
+  std::vector<RecordId> victims;  // block records ending past the kept prefix
+  std::size_t kept = 0;           // blocks that stay on the GPU
+  try {
+    pages.reserve(path.size());
+    for (Hash128 const& key : path) {
+      std::optional<PageId> const page = mIndex.find(key);
+      if (!page) {
+        break;
+      }
+      pages.push_back(*page);
+      if (mPools.activeRefs({ResourceType::kBaseKvPage, *page}) > 0) {
+        kept = pages.size();  // a running row still reads it
+      }
+    }
+    auto const room = static_cast<std::size_t>(mHostTier->capacity() - mHostTier->pinnedPages());
+    kept = std::max(kept, pages.size() > room ? pages.size() - room : std::size_t{0});
+    CacheRecord const* longest = nullptr;
+    for (std::size_t block = kept; block < pages.size(); ++block) {
+      if (CacheRecord const* record =
+              mRecords.find(RecordKey{path[block], static_cast<int32_t>(block + 1)})) {
+        victims.push_back(record->id);
+        longest = record;
+      }
+    }
+    if (longest == nullptr) {
+      return 0;
+    }
+    if (kept > 0 &&
+        mRecords.find(RecordKey{path[kept - 1], static_cast<int32_t>(kept)}) == nullptr) {
+      CacheRecord head;  // the kept prefix's own record: its pages stay cached
+      head.key = RecordKey{path[kept - 1], static_cast<int32_t>(kept)};
+      head.logicalBlockDigests.assign(path.begin(),
+                                      path.begin() + static_cast<std::ptrdiff_t>(kept));
+      head.basePagePath.assign(pages.begin(), pages.begin() + static_cast<std::ptrdiff_t>(kept));
+      head.retentionPriority = longest->retentionPriority;
+      head.retentionExpiry = longest->retentionExpiry;
+      // The last step that can throw; adding cache references to held pages cannot.
+      mRecords.insert(std::move(head)).record->forEachResource([this](ResourceId resource) {
+        mPools.addCache(resource);
+      });
+    }
+  } catch (std::exception const& error) {
+    logger()->error("ContextCacheManager::demoteToHostTier: {}; the blocks stay on the GPU",
+                    error.what());
+    return 0;
+  }
+  for (RecordId victim : victims) {
+    dropRecord(victim, true);  // offloads each block that loses its last cache reference
+  }
+  int32_t moved = 0;
+  for (std::size_t block = kept; block < pages.size(); ++block) {
+    moved += !mIndex.find(path[block]) && mHostTier->index().find(path[block]) ? 1 : 0;
+  }
+  mMetrics.swappedOutBlocks += static_cast<uint64_t>(moved);
+  return moved;
 }
 
 void ContextCacheManager::pinHostPages(CacheRequestLease& lease, ReusePlan const& plan) {

@@ -105,6 +105,10 @@ void writeHostTierCounters(detail::PrometheusWriter& w, ContextCacheMetrics cons
             m.hostTierOffloadFailures);
   w.counter("host_tier_reset_pages_total", "Host tier blocks dropped by prefix cache resets.",
             m.hostTierResetPages);
+  w.counter(
+      "host_tier_swapped_out_blocks_total",
+      "Blocks of swap-preempted rows moved from the GPU to the host tier at their compaction.",
+      m.swappedOutBlocks);
 }
 
 /// The gauges: per-pool free slots and capacity, records, indexed blocks, live leases.

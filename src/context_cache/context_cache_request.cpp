@@ -454,6 +454,10 @@ bool ContextCacheRequest::preemptSequence(ExecutionRow row) {
   return check(mCoordinator->preemptSequence(mHandle, row), "preemptSequence");
 }
 
+bool ContextCacheRequest::preemptSequence(ExecutionRow row, PreemptionKind kind) {
+  return check(mCoordinator->preemptSequence(mHandle, row, kind), "preemptSequence");
+}
+
 bool ContextCacheRequest::completePrefillChunk(ExecutionRow row, int32_t prefilledTokens) {
   return check(mCoordinator->completePrefillChunk(mHandle, row, prefilledTokens),
                "completePrefillChunk");

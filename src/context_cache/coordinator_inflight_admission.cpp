@@ -126,6 +126,20 @@ ContextCacheStatus ContextCacheCoordinator::preemptSequence(RequestHandle& handl
   return publishCompleted(handle, req, completed);
 }
 
+ContextCacheStatus ContextCacheCoordinator::preemptSequence(RequestHandle& handle, ExecutionRow row,
+                                                            PreemptionKind kind) {
+  constexpr char const* kCall = "ContextCacheCoordinator::preemptSequence";
+  MKV_REQUIRE(kind == PreemptionKind::kRecompute || mManager->hostTier() != nullptr, kCall,
+              "row {}: swap preemption moves the row's blocks to the host tier, and this "
+              "coordinator has none (resources.hostTier)",
+              row);
+  ContextCacheStatus const status = preemptSequence(handle, row);  // validates, then publishes
+  if (kind == PreemptionKind::kSwap && status == ContextCacheStatus::kOk) {
+    detail::sequenceAt(request(handle, kCall), row, kCall).swapOut = true;
+  }
+  return status;
+}
+
 ContextCacheStatus ContextCacheCoordinator::finalizeSequenceAdmission(
     RequestHandle& handle, ExecutionRow row, ContextCacheSequenceAdvance const& advance) {
   constexpr char const* kCall = "ContextCacheCoordinator::finalizeSequenceAdmission";

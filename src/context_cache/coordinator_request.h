@@ -37,6 +37,9 @@ struct CoordinatorSequence {
   int32_t committed = 0;        // tokens with materialised KV
   int32_t publishedBlocks = 0;  // full blocks already published
   bool joined = true;           // false: admitted in flight, not finalised yet
+  // Preempted with PreemptionKind::kSwap: the compaction that drops the row moves its published
+  // blocks to the host tier (ContextCacheManager::demoteToHostTier).
+  bool swapOut = false;
   // An in-flight admission: DeviceWriteQueue::awaitingFlush() after its row was bound (-1:
   // nothing waited), checked by the calls that publish what its prefill wrote through that row.
   int64_t joinWritesMark = -1;

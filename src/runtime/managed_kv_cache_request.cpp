@@ -217,6 +217,11 @@ bool ManagedKVCacheRequest::preemptSequence(ExecutionRow row) {
                   [&](auto& backend) { return backend.preemptSequence(row); });
 }
 
+bool ManagedKVCacheRequest::preemptSequence(ExecutionRow row, PreemptionKind kind) {
+  return dispatch("ManagedKVCacheRequest::preemptSequence", mImpl,
+                  [&](auto& backend) { return backend.preemptSequence(row, kind); });
+}
+
 bool ManagedKVCacheRequest::completePrefillChunk(ExecutionRow row, int32_t prefilledTokens) {
   return dispatch("ManagedKVCacheRequest::completePrefillChunk", mImpl, [&](auto& backend) {
     return backend.completePrefillChunk(row, prefilledTokens);

@@ -451,6 +451,14 @@ bool SlidingReuseRequest::preemptSequence(ExecutionRow row) {
   return true;
 }
 
+bool SlidingReuseRequest::preemptSequence(ExecutionRow row, PreemptionKind kind) {
+  MKV_REQUIRE(kind == PreemptionKind::kRecompute, "SlidingReuseRequest::preemptSequence",
+              "row {}: swap preemption needs a host tier, which the sliding-window reuse backend "
+              "does not have",
+              row);
+  return preemptSequence(row);
+}
+
 bool SlidingReuseRequest::completePrefill(DecodingInferenceContext const& context,
                                           std::vector<int32_t> const& commonStateLengths) {
   // The coordinator publishes the full layers' blocks and marks the prefill complete; then the

@@ -166,6 +166,14 @@ bool BoundedSwaRequest::preemptSequence(ExecutionRow row) {
   return true;
 }
 
+bool BoundedSwaRequest::preemptSequence(ExecutionRow row, PreemptionKind kind) {
+  MKV_REQUIRE(kind == PreemptionKind::kRecompute, "BoundedSwaRequest::preemptSequence",
+              "row {}: swap preemption needs a host tier, which the bounded-SWA backend does not "
+              "have",
+              row);
+  return preemptSequence(row);
+}
+
 bool BoundedSwaRequest::completePrefillChunk(ExecutionRow /*row*/, int32_t /*prefilledTokens*/) {
   logger()->error(
       "ManagedKVCacheRequest::completePrefillChunk: the bounded-SWA backend has no in-flight "

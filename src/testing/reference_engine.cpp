@@ -33,6 +33,8 @@ ReferenceEngine::ReferenceEngine(KVCacheRuntime& runtime, ReferenceEngineOptions
       mHasFull(runtime.fullPool() != nullptr),
       mHasSwa(runtime.swaPool() != nullptr),
       mSpecWidth(mOptions.speculativeWidth),
+      mPreemptionKind(mOptions.preemption == PreemptionMode::kSwap ? PreemptionKind::kSwap
+                                                                   : PreemptionKind::kRecompute),
       mRandom(mix(mOptions.seed + 0x51ED)) {
   // Only checkpoint deployments promise a zeroed or restored row at the start of a sequence.
   ContextCacheCoordinator const* coordinator = runtime.contextCache();
@@ -43,6 +45,10 @@ ReferenceEngine::ReferenceEngine(KVCacheRuntime& runtime, ReferenceEngineOptions
   MKV_REQUIRE(mSpecWidth == 0 || runtime.config().speculative.has_value(), "ReferenceEngine",
               "speculativeWidth {} needs a runtime built with KVCacheRuntimeConfig::speculative",
               mSpecWidth);
+  MKV_REQUIRE(mOptions.preemption != PreemptionMode::kSwap || runtime.hostTier() != nullptr,
+              "ReferenceEngine",
+              "swap preemption needs a runtime with a host tier (KVCacheRuntimeConfig::"
+              "hostPoolTokens)");
   // On a model with recurrent layers a speculative runtime is a Hybrid-MTP deployment (the
   // runtime builds no other), with the boundary hidden row the engine keeps.
   mHybridMtp = mSpecWidth > 0 && coordinator != nullptr && coordinator->profile().isHybridMtp();
@@ -426,6 +432,9 @@ bool ReferenceEngine::beginRequest(Run& run) {
   run.speculative = mSpecWidth > 0;
   run.headroom = run.speculative ? DecodingKvHeadroom{mSpecWidth + 1, pairsDraft() ? mSpecWidth : 0}
                                  : DecodingKvHeadroom{1, 0};
+  bool const resumptions = std::all_of(run.rows.begin(), run.rows.end(),
+                                       [](Row const& row) { return row.spec.resume.has_value(); });
+  int64_t const hostHits = resumptions ? hostTierHitTokens() : 0;
   auto const beginStart = std::chrono::steady_clock::now();
   std::optional<ManagedKVCacheRequest> begun = ManagedKVCacheRequest::begin(
       mRuntime.contextCache(), mRuntime.swaPageManager(), run.generation, run.context,
@@ -439,12 +448,19 @@ bool ReferenceEngine::beginRequest(Run& run) {
   }
   run.managed.emplace(std::move(*begun));
   run.outcome.admitted = true;
+  mStats.resumedHostTierTokens += resumptions ? hostTierHitTokens() - hostHits : 0;
   for (Row const& row : run.rows) {
     // A resumed sequence was counted at its first admission.
     ++(row.spec.resume ? mStats.resumed : mStats.sequences);
   }
   notePages();
   return true;
+}
+
+int64_t ReferenceEngine::hostTierHitTokens() const {
+  ContextCacheCoordinator const* coordinator = mRuntime.contextCache();
+  return coordinator != nullptr ? static_cast<int64_t>(coordinator->metrics().hostTierHitTokens)
+                                : 0;
 }
 
 bool ReferenceEngine::prefill(Run& run) {

@@ -130,6 +130,7 @@ bool ReferenceEngine::tryJoins(Run& run) {
       return true;
     }
     int32_t prefillStart = 0;
+    int64_t const hostHits = spec.resume ? hostTierHitTokens() : 0;
     auto const start = std::chrono::steady_clock::now();
     auto const status =
         spec.identity
@@ -140,6 +141,7 @@ bool ReferenceEngine::tryJoins(Run& run) {
                                          prefillStart, *resident, mRuntime.config().stream,
                                          request.mediaTokenIds, spec.images, spec.audios);
     run.libraryNanos += nanosSince(start);
+    mStats.resumedHostTierTokens += spec.resume ? hostTierHitTokens() - hostHits : 0;
     if (status != AdmitSequenceStatus::kAdmitted) {
       mRuntime.residentSlots().release(*resident);
       ++mStats.joinRefusals;
@@ -433,7 +435,8 @@ bool ReferenceEngine::preemptRow(Run& run, std::size_t index) {
   if (!row.prefilling) {
     // Publish the committed state; an unfinalised joiner published its chunks already.
     auto const start = std::chrono::steady_clock::now();
-    bool const published = run.managed->preemptSequence(static_cast<ExecutionRow>(index));
+    bool const published =
+        run.managed->preemptSequence(static_cast<ExecutionRow>(index), mPreemptionKind);
     run.libraryNanos += nanosSince(start);
     if (!published) {
       return false;

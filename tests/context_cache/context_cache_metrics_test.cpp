@@ -86,6 +86,7 @@ TEST(ContextCacheMetricsTest, PrometheusExpositionParsesAndCarriesEveryCounter) 
   m.prefixCacheResets = 3;
   m.resetRecords = 11;
   m.replacedChunkRecords = 5;
+  m.swappedOutBlocks = 7;
   m.offloadedPages = 12;
   m.onboardedBytes = 4096;
   m.hostTierHitTokens = 256;
@@ -112,6 +113,7 @@ TEST(ContextCacheMetricsTest, PrometheusExpositionParsesAndCarriesEveryCounter) 
   EXPECT_EQ(e.samples.at("managedkv_reset_records_total"), 11);
   EXPECT_EQ(e.samples.at("managedkv_replaced_chunk_records_total"), 5);
   EXPECT_EQ(e.samples.at("managedkv_host_tier_offloaded_pages_total"), 12);
+  EXPECT_EQ(e.samples.at("managedkv_host_tier_swapped_out_blocks_total"), 7);
   EXPECT_EQ(e.samples.at("managedkv_host_tier_onboarded_bytes_total"), 4096);
   EXPECT_EQ(e.samples.at("managedkv_host_tier_hit_tokens_total"), 256);
   EXPECT_EQ(e.samples.at("managedkv_host_tier_capacity_pages"), 64);
@@ -132,14 +134,14 @@ TEST(ContextCacheMetricsTest, PrometheusExpositionParsesAndCarriesEveryCounter) 
   }
   // Every counter of the struct appears: 22 scalar counters (windowLimitedTokens,
   // evictedReusePoints and replacedChunkRecords among them) + misses + reclaimed, vLLM's
-  // token-counted pair (queriedTokens, reusedTokens) under vLLM's names, and the host tier's 8.
+  // token-counted pair (queriedTokens, reusedTokens) under vLLM's names, and the host tier's 9.
   std::set<std::string> counters;
   for (auto const& [name, family] : e.families) {
     if (family.type == "counter") {
       counters.insert(name);
     }
   }
-  EXPECT_EQ(counters.size(), 33U);
+  EXPECT_EQ(counters.size(), 34U);
 }
 
 TEST(ContextCacheMetricsTest, PrefixCacheQueriesAndHitsAreCountedInTokens) {

@@ -479,6 +479,154 @@ TEST_P(ContextCacheRequestTest, APreemptedRowIsResumedFromWhatItPublished) {
   rig.expectQuiescent();
 }
 
+/// What a preemption of row 1 left behind: its two published blocks on each tier right after the
+/// compaction that dropped it, and its resumption.
+struct PreemptionTrace {
+  int32_t freedPages = 0;  ///< free pages the compaction gained
+  std::vector<bool> onGpu;
+  std::vector<bool> onHost;
+  uint64_t swappedOutBlocks = 0;
+  int32_t resumedStart = -1;
+  uint64_t onboardedPages = 0;
+  std::vector<int32_t> tokens;  ///< row 1's ledger after its resumption and one decode step
+};
+
+/// Row 0 (`firstPrompt`) and row 1 (200 tokens) decode 60 steps (row 1 commits 260 tokens: two
+/// full blocks), row 1 is preempted with `kind` and compacted away, one step runs, and row 1 is
+/// admitted again with its prompt and tokens, seated and decoded once. The rig has a host tier of
+/// 8 pages either way.
+PreemptionTrace preemptAndResume(DeviceType device, PreemptionKind kind,
+                                 std::vector<int32_t> const& firstPrompt) {
+  RigOptions options;
+  options.hostTierPages = 8;
+  CoordinatorRig rig(device, options);
+  RequestDriver driver(rig);
+  driver.add(firstPrompt, 0);
+  driver.add(tokenRun(200, 1000), 1);
+  PreemptionTrace trace;
+  EXPECT_TRUE(driver.begin() && driver.prefill());
+  for (int step = 0; step < 60; ++step) {
+    EXPECT_TRUE(driver.decode());
+  }
+  std::vector<int32_t> const resumed = driver.rows[1].tokens;
+  std::vector<Hash128> const keys = hashFullBlocks(
+      PromptView{std::span<int32_t const>(resumed).first(256), {}, {}}, rig.options.pageSize);
+  int32_t const free = rig.freePages();
+  EXPECT_TRUE(driver.cache->preemptSequence(1, kind));
+  std::vector<int32_t> const mapping{0, -1};
+  Tensor deviceMapping({2}, DataType::kInt32, device);
+  EXPECT_TRUE(driver.cache->beginBatchCompaction(mapping, 1, deviceMapping));
+  EXPECT_TRUE(driver.cache->completeBatchCompaction(mapping));
+  driver.compactView(mapping);
+  trace.freedPages = rig.freePages() - free;
+  for (Hash128 const& key : keys) {
+    trace.onGpu.push_back(rig.manager().index().find(key).has_value());
+    trace.onHost.push_back(rig.manager().hostTier()->index().find(key).has_value());
+  }
+  trace.swappedOutBlocks = rig.coordinator.metrics().swappedOutBlocks;
+  EXPECT_TRUE(driver.decode());
+  EXPECT_EQ(driver.admit(resumed, 1, &trace.resumedStart), AdmitStatus::kAdmitted);
+  trace.onboardedPages = rig.coordinator.metrics().onboardedPages;
+  EXPECT_TRUE(driver.seatNewest()) << "the oracle verified the reused prefix";
+  EXPECT_TRUE(driver.decode());
+  EXPECT_TRUE(rig.verify(driver.rows[1]).ok());
+  trace.tokens = driver.rows[1].tokens;
+  EXPECT_TRUE(driver.cache->finish());
+  rig.expectQuiescent();
+  return trace;
+}
+
+TEST_P(ContextCacheRequestTest, ASwappedOutRowLeavesItsBlocksOnTheHostAndResumesAsRecompute) {
+  PreemptionTrace const recompute =
+      preemptAndResume(device(), PreemptionKind::kRecompute, tokenRun(100, 1));
+  PreemptionTrace const swap = preemptAndResume(device(), PreemptionKind::kSwap, tokenRun(100, 1));
+  // Recompute keeps both published blocks cached on the GPU (only the partial page is freed);
+  // swap moves both to the host and frees all three of the row's pages.
+  EXPECT_EQ(recompute.freedPages, 1);
+  EXPECT_EQ(recompute.onGpu, (std::vector<bool>{true, true}));
+  EXPECT_EQ(recompute.onHost, (std::vector<bool>{false, false}));
+  EXPECT_EQ(recompute.swappedOutBlocks, 0U);
+  EXPECT_EQ(swap.freedPages, 3);
+  EXPECT_EQ(swap.onGpu, (std::vector<bool>{false, false}));
+  EXPECT_EQ(swap.onHost, (std::vector<bool>{true, true}));
+  EXPECT_EQ(swap.swappedOutBlocks, 2U);
+  // Both resume from the same 256 tokens, swap's onboarded from the host; the same tokens follow.
+  EXPECT_EQ(recompute.resumedStart, 256);
+  EXPECT_EQ(swap.resumedStart, 256);
+  EXPECT_EQ(recompute.onboardedPages, 0U);
+  EXPECT_EQ(swap.onboardedPages, 2U);
+  EXPECT_EQ(swap.tokens, recompute.tokens);
+}
+
+TEST_P(ContextCacheRequestTest, ABlockARunningRowSharesStaysOnTheGpuWhenItsRowIsSwappedOut) {
+  // Row 0 runs on row 1's first block (it published it first, so row 1's records name its page).
+  std::vector<int32_t> const prompt = tokenRun(200, 1000);
+  std::vector<int32_t> const sharing =
+      concatenated(std::vector<int32_t>(prompt.begin(), prompt.begin() + 128), tokenRun(10, 5000));
+  PreemptionTrace const swap = preemptAndResume(device(), PreemptionKind::kSwap, sharing);
+  EXPECT_EQ(swap.onGpu, (std::vector<bool>{true, false}));
+  EXPECT_EQ(swap.onHost, (std::vector<bool>{false, true}));
+  EXPECT_EQ(swap.swappedOutBlocks, 1U);
+  EXPECT_EQ(swap.freedPages, 3) << "row 1's own copy of block 0, block 1 and its partial page";
+  EXPECT_EQ(swap.resumedStart, 256);
+  EXPECT_EQ(swap.onboardedPages, 1U);
+  PreemptionTrace const recompute = preemptAndResume(device(), PreemptionKind::kRecompute, sharing);
+  EXPECT_EQ(recompute.freedPages, 2);
+  EXPECT_EQ(swap.tokens, recompute.tokens);
+}
+
+TEST_P(ContextCacheRequestTest, ASwapPreemptionWithoutAHostTierThrowsAndChangesNothing) {
+  CoordinatorRig rig(device());
+  RequestDriver driver(rig);
+  driver.add(tokenRun(100, 1), 0);
+  driver.add(tokenRun(200, 1000), 1);
+  ASSERT_TRUE(driver.begin());
+  ASSERT_TRUE(driver.prefill());
+  for (int step = 0; step < 60; ++step) {
+    ASSERT_TRUE(driver.decode());
+  }
+  std::size_t const records = rig.records().size();
+  EXPECT_TRUE(throwsError(
+      [&] { (void)driver.cache->preemptSequence(1, PreemptionKind::kSwap); },
+      {"ContextCacheCoordinator::preemptSequence",
+       "row 1: swap preemption moves the row's blocks to the host tier", "resources.hostTier"}));
+  EXPECT_EQ(rig.records().size(), records);
+  EXPECT_EQ(rig.coordinator.counters().preemptions, 0u);
+  ASSERT_TRUE(driver.cache->preemptSequence(1, PreemptionKind::kRecompute));
+  EXPECT_EQ(rig.records().size(), records + 1);
+  ASSERT_TRUE(driver.cache->finish());
+  rig.expectQuiescent();
+}
+
+TEST_P(ContextCacheRequestTest, AFailedSwapOffloadPoisonsAndForgetsTheSwappedBlocks) {
+  RigOptions options;
+  options.hostTierPages = 8;
+  CoordinatorRig rig(device(), options);
+  RequestDriver driver(rig);
+  driver.add(tokenRun(100, 1), 0);
+  driver.add(tokenRun(200, 1000), 1);
+  ASSERT_TRUE(driver.begin());
+  ASSERT_TRUE(driver.prefill());
+  for (int step = 0; step < 60; ++step) {
+    ASSERT_TRUE(driver.decode());
+  }
+  ASSERT_TRUE(driver.cache->preemptSequence(1, PreemptionKind::kSwap));
+  rig.sync.failFromNow(FaultSite::kHostTierOffload);
+  std::vector<int32_t> const mapping{0, -1};
+  Tensor deviceMapping({2}, DataType::kInt32, device());
+  ASSERT_TRUE(driver.cache->beginBatchCompaction(mapping, 1, deviceMapping));
+  EXPECT_FALSE(driver.cache->completeBatchCompaction(mapping));
+  EXPECT_TRUE(rig.coordinator.poisoned());
+  EXPECT_EQ(rig.sync.failures(FaultSite::kHostTierOffload), 1);
+  EXPECT_EQ(rig.manager().hostTier()->size(), 0) << "the failed offloads are forgotten";
+  EXPECT_EQ(rig.coordinator.metrics().swappedOutBlocks, 2U);
+  driver.compactView(mapping);
+  EXPECT_FALSE(driver.cache->finish());
+  rig.sync.disarm();
+  EXPECT_EQ(rig.coordinator.shutdown(), ContextCacheStatus::kOk);
+  rig.expectQuiescent();
+}
+
 TEST_P(ContextCacheRequestTest, APreemptionOutsideItsPlaceThrowsAndChangesNothing) {
   CoordinatorRig rig(device());
   JoinFixture fixture(rig);

@@ -18,6 +18,7 @@
 #include "mkv/context_cache/context_cache_coordinator.h"
 #include "mkv/context_cache/context_cache_request.h"
 #include "mkv/generation_request.h"
+#include "mkv/host_kv_tier.h"
 #include "mkv/kv_cache_pool.h"
 #include "mkv/kv_page_table.h"
 #include "mkv/testing/kv_oracle.h"
@@ -41,6 +42,8 @@ struct RigOptions {
   int32_t eventQueueCapacity = 0;
   bool enabled = true;
   EvictionPolicyKind evictionPolicy = ContextCacheConfig{}.evictionPolicy;
+  /// Pages of a host tier (its faults armed through the rig's `sync`); 0: none.
+  int32_t hostTierPages = 0;
 };
 
 /// One sequence as the engine sees it. `tokens` is the ledger (prompt, then sampled tokens; the
@@ -92,9 +95,9 @@ class CoordinatorRig {
         pool(poolConfig(device, rigOptions)),
         table(rigOptions.maxBatch, rigOptions.maxPagesPerSeq, rigOptions.numPages,
               PageTableMode::kDense, device),
+        hostTier(hostTierOf(rigOptions, pool, sync)),
         coordinator(cacheConfig(rigOptions), ContextCacheDeploymentProfile{},
-                    ContextCachePhysicalResources{&pool, &table, nullptr, nullptr, nullptr},
-                    nullptr, {}, sync.injector()),
+                    resourcesOf(pool, table, hostTier.get()), nullptr, {}, sync.injector()),
         oracle(pool, table) {}
   /// Drains what a failed test may have left quarantined (the coordinator would terminate).
   ~CoordinatorRig() { (void)coordinator.shutdown(); }
@@ -112,6 +115,22 @@ class CoordinatorRig {
     config.dataType = DataType::kFloat16;
     config.deviceType = device;
     return config;
+  }
+  static std::unique_ptr<HostKvTier> hostTierOf(RigOptions const& o, KVCachePool& gpuPool,
+                                                FaultArming const& faults) {
+    if (o.hostTierPages == 0) {
+      return nullptr;
+    }
+    HostKvTierConfig config;
+    config.numPages = o.hostTierPages;
+    config.faults = faults.injector();
+    return std::make_unique<HostKvTier>(config, gpuPool);
+  }
+  static ContextCachePhysicalResources resourcesOf(KVCachePool& gpuPool, KVPageTable& pageTable,
+                                                   HostKvTier* tier) {
+    ContextCachePhysicalResources resources{&gpuPool, &pageTable, nullptr, nullptr, nullptr};
+    resources.hostTier = tier;
+    return resources;
   }
   static ContextCacheConfig cacheConfig(RigOptions const& o) {
     ContextCacheConfig config;
@@ -268,7 +287,8 @@ class CoordinatorRig {
   RigOptions options;
   KVCachePool pool;
   KVPageTable table;
-  FaultArming sync;  ///< the coordinator's synchroniser
+  FaultArming sync;  ///< the coordinator's synchroniser (and the host tier's faults)
+  std::unique_ptr<HostKvTier> hostTier;  ///< RigOptions::hostTierPages > 0, else null
   ContextCacheCoordinator coordinator;
   testing::KvOracle oracle;
 };

@@ -132,7 +132,7 @@ TEST_F(MkvReplayCliTest, TokensTraceQuietAndEveryMode) {
     prompt.append(i > 0 ? "," : "").append(std::to_string(5 + i));
   }
   std::string const tokens =
-      write("t.jsonl", "{\"id\": \"x\", \"prompt\": [" + prompt +
+      write("t.jsonl", R"({"id": "x", "prompt": [)" + prompt +
                            "], \"max_new_tokens\": 3}\n"
                            "{\"id\": \"y\", \"prompt\": [" +
                            prompt + "], \"max_new_tokens\": 2, \"salt\": \"\"}\n");
@@ -164,7 +164,7 @@ TEST_F(MkvReplayCliTest, EngineStepDeviceWritesGiveTheSameFiguresInEveryMode) {
          {"--trace", tiny.c_str(), "--verify", "all", "--quiet", "--json", json.c_str()}) {
       args.push_back(extra);
     }
-    args.push_back("--device-writes");
+    args.emplace_back("--device-writes");
     args.push_back(writes);
     CliResult const result = run(args);
     EXPECT_EQ(result.exitCode, 0) << result.err;
@@ -415,7 +415,10 @@ TEST_F(MkvReplayCliTest, BadOptionsAreOneLineAndExitTwo) {
   expectBadInput({"--preemption", "recompute", "--max-batch", "4", "--mode", "swa"},
                  "preemption needs in-flight joins");
   expectBadInput({"--preemption", "swap", "--max-batch", "4"},
-                 "--preemption expects one of none, recompute, got 'swap'");
+                 "swap preemption moves the preempted sequences' blocks to the host tier: it "
+                 "needs --mode reuse with --host-pool-tokens");
+  expectBadInput({"--preemption", "offload"},
+                 "--preemption expects one of none, recompute, swap, got 'offload'");
   expectBadInput({"--checkpoint-interval", "512"},
                  "--checkpoint-interval needs --recurrent-layers N > 0 or --window W (reuse mode)");
   expectBadInput({"--recurrent-layers", "2", "--checkpoint-interval", "100"},

@@ -908,6 +908,60 @@ TEST(ReplayRunnerTest, APreemptedSequenceUnderPoolPressureResumesFromItsCachedBl
   EXPECT_GT(result.resumedReusedTokens, result.resumedPromptTokens / 4);
 }
 
+TEST(ReplayRunnerTest, SwapPreemptionMovesThePreemptedBlocksToTheHostAndResumesFromThere) {
+  MKV_TEST_INPUT_OR_SKIP(kMooncake500, "tests/data/mooncake_first500.jsonl");
+  // The recompute case above with a host tier of 160,000 tokens, once per kind: swap moves the
+  // preempted rows' blocks to the host at their compaction, and their resumptions onboard them.
+  ReplayConfig config;
+  config.maxBatch = 16;
+  config.poolSizing = PoolSizing::kTokens;
+  config.poolAmount = 160'000;
+  config.hostPoolTokens = 160'000;
+  config.preemption = testing::PreemptionMode::kRecompute;
+  TraceSource recomputeTrace = traceSource(kMooncake500);
+  RecordingSource recomputed(recomputeTrace);
+  ReplayResult const recompute = runReplay(recomputed, config);
+  config.preemption = testing::PreemptionMode::kSwap;
+  TraceSource swapTrace = traceSource(kMooncake500);
+  RecordingSource swapped(swapTrace);
+  ReplayResult const swap = runReplay(swapped, config);
+  EXPECT_EQ(recompute.oracleMismatches, 0) << recompute.firstMismatch;
+  EXPECT_EQ(swap.oracleMismatches, 0) << swap.firstMismatch;
+  EXPECT_EQ(swap.failedRequests, 0);
+  ASSERT_GT(swap.preemptions, 0);
+  EXPECT_EQ(swap.resumed, swap.preemptions);
+  EXPECT_EQ(recompute.hostTier.swappedOutBlocks, 0);
+  EXPECT_GT(swap.hostTier.swappedOutBlocks, 0);
+  EXPECT_GT(swap.resumedHostTierTokens, 0);
+  EXPECT_LE(swap.resumedHostTierTokens, swap.resumedReusedTokens);
+  EXPECT_GT(swap.resumedReusedTokens, swap.resumedPromptTokens / 4);
+  // Every sampled token depends on its prefix alone: both runs sample the same outputs.
+  ASSERT_EQ(swapped.generated.size(), recomputed.generated.size());
+  for (std::size_t i = 0; i < swapped.generated.size(); ++i) {
+    EXPECT_EQ(swapped.generated[i], recomputed.generated[i]) << i;
+  }
+}
+
+TEST(ReplayRunnerTest, SwapPreemptionNeedsAHostTier) {
+  ReplayConfig config;
+  config.pageSize = 16;
+  config.maxBatch = 2;
+  config.preemption = testing::PreemptionMode::kSwap;
+  TraceSource trace = twoGrowingRequests();
+  EXPECT_THROW(
+      {
+        try {
+          runReplay(trace, config);
+        } catch (ReplayConfigError const& error) {
+          EXPECT_NE(std::string_view(error.what()).find("--host-pool-tokens"),
+                    std::string_view::npos)
+              << error.what();
+          throw;
+        }
+      },
+      ReplayConfigError);
+}
+
 TEST(ReplayRunnerTest,
      RecomputePreemptionUnderPoolPressureFinishesEverySequenceAsIfNeverPreempted) {
   MKV_TEST_INPUT_OR_SKIP(kMooncake500, "tests/data/mooncake_first500.jsonl");

@@ -382,8 +382,11 @@ class ContextCacheCoordinator {
   void beginBatchCompaction(RequestHandle& handle, std::span<int32_t const> oldToNew,
                             int32_t newBatchSize, Tensor& deviceMapping);
   /// Clears dropped residents' rows, compacts KV lengths, zeroes dropped recurrent rows,
-  /// synchronises, then releases the dropped leases. kPoisoned on a failed synchronisation
-  /// (request quarantined, handle invalidated).
+  /// synchronises, then releases the dropped leases; the published blocks of dropped rows
+  /// preempted with PreemptionKind::kSwap then move to the host tier (one batch of copies).
+  /// kPoisoned on a failed synchronisation (request quarantined, handle invalidated), and when
+  /// launching those copies failed (the compaction is done; the coordinator is poisoned and the
+  /// moved blocks forgotten, as for any host-tier move).
   ContextCacheStatus compactBatch(RequestHandle& handle);
   /// Every check of beginBatchCompaction / compactBatch, without their effects (throws naming
   /// `call`): for a composed request, whose two halves must both accept before either changes.
@@ -494,6 +497,14 @@ class ContextCacheCoordinator {
   /// outside the batch, and for an unfinalised joiner (it has published nothing of its own yet:
   /// compact it away, or retract it if it is the newest).
   ContextCacheStatus preemptSequence(RequestHandle& handle, ExecutionRow row);
+  /// Preemption of either kind: kRecompute is preemptSequence(handle, row); kSwap publishes as
+  /// it does and marks the row, so that compactBatch, once the compaction that drops the row has
+  /// released its pages, moves the row's published blocks that no other lease holds to the host
+  /// tier in one batch of copies and frees their GPU pages (ContextCacheManager::demoteToHostTier;
+  /// metrics().swappedOutBlocks). A row the compaction keeps stays marked; a row that leaves with
+  /// finish() instead is released as under kRecompute. Throws, changing nothing, for kSwap
+  /// without a host tier (resources.hostTier), and as preemptSequence(handle, row) does.
+  ContextCacheStatus preemptSequence(RequestHandle& handle, ExecutionRow row, PreemptionKind kind);
   /// After the joiner's prefill: exactly one accepted token (the lookahead) with committed ==
   /// prompt length; publishes the joiner's prompt blocks.
   ContextCacheStatus finalizeSequenceAdmission(RequestHandle& handle, ExecutionRow row,

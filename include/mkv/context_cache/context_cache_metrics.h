@@ -71,6 +71,10 @@ struct ContextCacheMetrics {
   uint64_t hostTierOffloadFailures =
       0;                            ///< evicted blocks not kept: a host-index allocation failed
   uint64_t hostTierResetPages = 0;  ///< host blocks dropped by prefix cache resets
+  /// Blocks of rows preempted with PreemptionKind::kSwap that left the GPU index for the host tier
+  /// when the compaction dropped their rows (demoteToHostTier; their copies count in
+  /// offloadedPages unless the tier already held them).
+  uint64_t swappedOutBlocks = 0;
 
   // Gauges: occupancy when metrics() was called.
   ResourceDemand freeResources;

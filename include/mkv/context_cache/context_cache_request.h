@@ -128,6 +128,9 @@ class ContextCacheRequest {
       std::vector<audioUtils::AudioData> const& audioBuffers) const;
   /// Preemption (ContextCacheCoordinator::preemptSequence); false when poisoned or quarantined.
   bool preemptSequence(ExecutionRow row);
+  /// Preemption of either kind (ContextCacheCoordinator::preemptSequence with a PreemptionKind;
+  /// kSwap throws without a host tier); false when poisoned or quarantined.
+  bool preemptSequence(ExecutionRow row, PreemptionKind kind);
   /// A chunk of an in-flight admission's prefill completed
   /// (ContextCacheCoordinator::completePrefillChunk); false when poisoned.
   bool completePrefillChunk(ExecutionRow row, int32_t prefilledTokens);

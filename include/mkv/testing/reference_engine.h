@@ -88,6 +88,11 @@ enum class PreemptionMode : uint8_t {
   /// until the growth fits, queue them first for in-flight admission with their sampled tokens
   /// appended to the prompt; re-admitted, they reuse what they published.
   kRecompute,
+  /// vLLM's swap: as kRecompute, but each preempted row is preempted with PreemptionKind::kSwap
+  /// (an unfinalised joiner, which preemptSequence refuses, only compacted away): at the
+  /// compaction its published blocks move to the host tier, and its resumption onboards them.
+  /// Needs a context-reuse runtime with a host tier (KVCacheRuntimeConfig::hostPoolTokens).
+  kSwap,
 };
 
 struct ReferenceEngineOptions {
@@ -232,6 +237,9 @@ struct EngineStats {
   /// promptTokens / reusedTokens / prefillTokensComputed (those count first admissions).
   int64_t resumedPromptTokens = 0;
   int64_t resumedReusedTokens = 0;
+  /// Of resumedReusedTokens, those the host tier held (onboarded; ContextCacheMetrics::
+  /// hostTierHitTokens of the resumptions' admissions).
+  int64_t resumedHostTierTokens = 0;
   int64_t hiddenChecks = 0;  ///< restored boundary hidden rows verified
   /// Of oracleMismatches: restored boundary hidden rows with a wrong byte.
   int64_t hiddenMismatches = 0;
@@ -346,6 +354,8 @@ class ReferenceEngine {
   /// Preempts row `index` (preemptSequence unless it is an unfinalised joiner) and compacts it
   /// away; the sequence waits first in line (Run::preempted). False when a call fails.
   bool preemptRow(Run& run, std::size_t index);
+  /// The context-reuse coordinator's ContextCacheMetrics::hostTierHitTokens (0 without one).
+  int64_t hostTierHitTokens() const;
   /// A seated row's decode figures carried over from before a preemption (EngineResume).
   static void resumeRow(Row& row);
   /// The sequence a preempted row resumes as: its sampled tokens appended to its prompt.
@@ -431,6 +441,7 @@ class ReferenceEngine {
   bool mRecurrent = false;
   bool mHybridMtp = false;  // speculative on a Hybrid-MTP deployment
   int32_t mSpecWidth = 0;
+  PreemptionKind mPreemptionKind = PreemptionKind::kRecompute;  // what preemptRow asks for
   Tensor mHidden;  // Hybrid-MTP: the boundary hidden row [1, width], allocated once
   std::vector<int32_t> mLengthValues;
   std::vector<int32_t> mDraftLengthValues;
