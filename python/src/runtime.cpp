@@ -239,7 +239,26 @@ void bindRequest(py::module_& m) {
           py::arg("tokenIds"), py::arg("loraWeightsName"), py::arg("headroom"), py::arg("resident"),
           py::arg("stream") = py::none(), py::arg("mediaTokenIds") = std::vector<int32_t>{},
           "(status, prefillStart): the C++ out-parameter prefillStart is returned.")
-      .def("preemptSequence", &Request::preemptSequence, py::arg("row"))
+      .def(
+          "admitSequence",
+          [](Request& r, LLMGenerationRequest const& joiner, std::vector<int32_t> const& tokenIds,
+             DecodingKvHeadroom const& headroom, ResidentRef resident, py::object const& stream,
+             std::vector<int32_t> const& mediaTokenIds) {
+            int32_t prefillStart = 0;
+            AdmitSequenceStatus const status =
+                r.admitSequence(joiner, tokenIds, headroom, prefillStart, resident,
+                                streamArg(stream), mediaTokenIds);
+            return py::make_tuple(status, prefillStart);
+          },
+          py::arg("joiner"), py::arg("tokenIds"), py::arg("headroom"), py::arg("resident"),
+          py::arg("stream") = py::none(), py::arg("mediaTokenIds") = std::vector<int32_t>{},
+          "A joiner with its own salt, adapter, retention and commit policy: (status, "
+          "prefillStart).")
+      .def("preemptSequence", py::overload_cast<ExecutionRow>(&Request::preemptSequence),
+           py::arg("row"))
+      .def("preemptSequence",
+           py::overload_cast<ExecutionRow, PreemptionKind>(&Request::preemptSequence),
+           py::arg("row"), py::arg("kind"))
       .def("decodeStepDemand", &Request::decodeStepDemand, py::arg("headroom"))
       .def("completePrefillChunk", &Request::completePrefillChunk, py::arg("row"),
            py::arg("prefilledTokens"))

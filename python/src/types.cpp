@@ -53,6 +53,9 @@ void bindEnums(py::module_& m) {
       .value("kAdmitted", AdmitSequenceStatus::kAdmitted)
       .value("kNoCapacity", AdmitSequenceStatus::kNoCapacity)
       .value("kFailed", AdmitSequenceStatus::kFailed);
+  py::enum_<PreemptionKind>(m, "PreemptionKind")
+      .value("kRecompute", PreemptionKind::kRecompute)
+      .value("kSwap", PreemptionKind::kSwap);
   py::enum_<RowFailureReason>(m, "RowFailureReason")
       .value("kNone", RowFailureReason::kNone)
       .value("kNoCapacity", RowFailureReason::kNoCapacity)

@@ -233,6 +233,31 @@ class FacadeTest(unittest.TestCase):
         self.assertEqual(estimate.reusableTokens, 32)
 
 
+class JoinerIdentityTest(unittest.TestCase):
+    def test_a_joiner_of_another_salt_reuses_nothing_the_founder_published(self):
+        runtime = make_runtime()
+        prefix = list(range(1, 33))
+        managed, context = begin(runtime, [prefix + [40, 41, 42]])
+        self.assertTrue(managed.preparePrefill())
+        runtime.fullPool().writeLengths(0, [35])
+        context.appendToken(0, 7)
+        self.assertTrue(managed.completePrefill(context))
+        starts = {}
+        for salt in ("tenant-b", ""):
+            joiner = mkv.LLMGenerationRequest(1)
+            joiner.cacheSalt = salt
+            resident = runtime.residentSlots().acquire()
+            status, starts[salt] = managed.admitSequence(
+                joiner, prefix + [50, 51], mkv.DecodingKvHeadroom(1, 0), resident)
+            self.assertEqual(status, mkv.AdmitSequenceStatus.kAdmitted)
+            self.assertTrue(managed.retractSequenceAdmission())
+            runtime.residentSlots().release(resident)
+        self.assertEqual(starts, {"tenant-b": 0, "": 32})
+        with self.assertRaises(mkv.Error):  # swap needs a host tier
+            managed.preemptSequence(0, mkv.PreemptionKind.kSwap)
+        self.assertTrue(managed.finish())
+
+
 def gpu_runtime():
     """A runtime on the GPU, or None without a CUDA device or in a build without CUDA."""
     if not torch.cuda.is_available():
