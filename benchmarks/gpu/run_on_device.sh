@@ -313,11 +313,10 @@ replay_case() {  # NAME ARGS...: one run per device (GEOMETRY appended), then th
   record "mkv-replay $name" "$status" "" "$detail"
 }
 # The serving engine (#37) on the first 500 Mooncake requests at mkv-replay's default geometry
-# (a model's would take the CPU-tensor run hours): a token budget, chunked prefill, preemption
-# under a pool that evicts.
+# (a model's would take the CPU-tensor run hours): batch 16 under a 160k-token pool that evicts
+# and preempts; the caller adds the token budget and the preemption kind.
 serving_case() {  # NAME ARGS...
-  CASE_GEOMETRY=(--trace "$TRACE" --max-batch 16 --max-batched-tokens 2048 --pool-tokens 160000
-    --verify sample --quiet)
+  CASE_GEOMETRY=(--trace "$TRACE" --max-batch 16 --pool-tokens 160000 --verify sample --quiet)
   replay_case "$@"
   CASE_GEOMETRY=()
 }
@@ -362,7 +361,10 @@ else
       --recurrent-layers 9 --snapshot-slots 96 --checkpoint-interval 2048 --no-attention-only
     replay_case mooncake_chunked --trace "$TRACE" --limit "$LIMIT" --pool-tokens 131072 \
       --max-batch 8 --max-batched-tokens 2048
-    serving_case mooncake_serving_recompute --preemption recompute
+    serving_case mooncake_serving_recompute --max-batched-tokens 2048 --preemption recompute
+    # Swap moves decoding rows' blocks to the host tier (with a token budget the rows preempted
+    # on this sample are still prefilling: nothing to swap).
+    serving_case mooncake_serving_swap --preemption swap --host-pool-tokens 160000
   else
     record "mkv-replay mooncake" FAIL 0 "$TRACE missing (the bundle's test_inputs)"
   fi
