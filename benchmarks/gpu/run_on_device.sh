@@ -325,6 +325,13 @@ if [[ ! -x $REPLAY ]]; then
 elif [[ $(gtest_status 0 "$OUT/gpu_tests.log") == SKIP ]]; then
   record "mkv-replay" SKIP 0 "no device"
 else
+  # The serving cases first: seconds each, at the default geometry.
+  if [[ -f $TRACE ]]; then
+    serving_case mooncake_serving_recompute --max-batched-tokens 2048 --preemption recompute
+    # Swap moves decoding rows' blocks to the host tier (with a token budget the rows preempted
+    # on this sample are still prefilling: nothing to swap).
+    serving_case mooncake_serving_swap --preemption swap --host-pool-tokens 160000
+  fi
   replay_case embedded_reuse --pool-tokens 32768
   # Hybrid checkpoints: 96 snapshot slots (1.5 GiB of partial pages) keep every restore.
   replay_case embedded_hybrid --pool-tokens 32768 --recurrent-layers 9 --snapshot-slots 96 \
@@ -361,10 +368,6 @@ else
       --recurrent-layers 9 --snapshot-slots 96 --checkpoint-interval 2048 --no-attention-only
     replay_case mooncake_chunked --trace "$TRACE" --limit "$LIMIT" --pool-tokens 131072 \
       --max-batch 8 --max-batched-tokens 2048
-    serving_case mooncake_serving_recompute --max-batched-tokens 2048 --preemption recompute
-    # Swap moves decoding rows' blocks to the host tier (with a token budget the rows preempted
-    # on this sample are still prefilling: nothing to swap).
-    serving_case mooncake_serving_swap --preemption swap --host-pool-tokens 160000
   else
     record "mkv-replay mooncake" FAIL 0 "$TRACE missing (the bundle's test_inputs)"
   fi
