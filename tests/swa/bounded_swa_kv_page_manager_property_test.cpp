@@ -121,6 +121,7 @@ class PropertyRun {
     if (mPoisoned && !mTriedPoisonedAdmission) {
       mTriedPoisonedAdmission = true;
       admitWhilePoisoned();
+      // NOLINTNEXTLINE(bugprone-branch-clone): two reasons to shut down, in this order
     } else if (mPoisoned && (mRequests.empty() || r < 0.15)) {
       shutdownRandom();  // nothing can be admitted until the quarantine drains
     } else if (mRequests.empty() || (slotsLeft && r < 0.3)) {
@@ -500,8 +501,6 @@ class PropertyRun {
     try {
       switch (request.stage) {
         case Stage::kAdmitted:
-          manager().completeDecodeStep(request.handle);
-          break;
         case Stage::kPrefillStaged:
           manager().completeDecodeStep(request.handle);
           break;
