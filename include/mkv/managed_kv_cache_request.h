@@ -102,7 +102,10 @@ class ManagedKVCacheRequest {
   /// read stale rows, an engine bug this detects but cannot undo (docs/errors.md).
   bool completePrefill(DecodingInferenceContext const& context,
                        std::vector<int32_t> const& commonStateLengths);
-  /// Before each decode execution. Bounded SWA throws unless headroom is {1, 0}.
+  /// Before each decode execution. Bounded SWA throws unless headroom is {1, 0}. False when a row
+  /// cannot get its next page or passes its table width (lastFailure() names it): that row fails
+  /// alone, the step is not prepared and the request stays between steps, so the engine may
+  /// preempt or compact rows away and call again, or finish; false and poisoned otherwise.
   bool prepareDecodeStep(DecodingInferenceContext const& context,
                          DecodingKvHeadroom const& headroom);
   /// What prepareDecodeStep(context, headroom) would take if called now, changing nothing: the
