@@ -87,12 +87,13 @@ class ManagedKVCacheRequest {
   /// Maps the SWA windows for the executed prefill lengths (context backend: no-op, true).
   /// Call after embeddings and any token pruning fixed the lengths.
   bool prepareSwaPrefill(std::vector<int32_t> const& effectiveInputLengths);
-  /// Between preparePrefill and completePrefill: the reuse points row `row` captures in this
-  /// prefill, each a position and the snapshot slot its recurrent state and conv rows go to
-  /// (hybrid deployments with a checkpoint interval; empty on other deployments and always on
-  /// bounded SWA). The engine's prefill kernels write them (docs/context_cache.md, "Reuse
-  /// points"). Throws outside preparePrefill -> completePrefill on the context backends and for
-  /// a row outside the batch. An addition beside the reference page's API.
+  /// Between preparePrefill and completePrefill, or for a joiner between admitSequence and
+  /// finalizeSequenceAdmission: the reuse points row `row` captures in its prefill, each a
+  /// position and the snapshot slot its recurrent state and conv rows go to (hybrid deployments
+  /// with a checkpoint interval; empty on other deployments and always on bounded SWA). The
+  /// engine's prefill kernels write them, a joiner's in the chunk that passes each position
+  /// (docs/context_cache.md, "Reuse points"). Throws outside those spans on the context backends
+  /// and for a row outside the batch. An addition beside the reference page's API.
   std::span<ReusePointCapture const> reusePointCaptures(ExecutionRow row) const;
   /// Stages hybrid checkpoint captures at the prompt end (bounded SWA: no-op, true).
   bool enqueuePrefillCaptures();
@@ -178,9 +179,12 @@ class ManagedKVCacheRequest {
   /// Chunked prefill of a joiner (an addition beside the reference page's API): the engine may
   /// spread an admitted joiner's prefill over several steps, the joiner holding in their decode
   /// steps; after each step that ran a chunk, this publishes the joiner's full blocks up to
-  /// `prefilledTokens` (a sequence admitted meanwhile reuses them); finalizeSequenceAdmission
-  /// follows the last chunk. False when poisoned, and on bounded SWA (no joiners). Throws for a
-  /// row that is not an unfinalised joiner or a length outside [done so far, prompt].
+  /// `prefilledTokens` (a sequence admitted meanwhile reuses them; on a hybrid deployment it
+  /// captures the recurrent state the engine carried to the chunk's end as a reuse point, and
+  /// finalizeSequenceAdmission commits the row's checkpoints after one synchronisation);
+  /// finalizeSequenceAdmission follows the last chunk. False when poisoned, and on bounded SWA
+  /// (no joiners). Throws for a row that is not an unfinalised joiner or a length outside [done
+  /// so far, prompt].
   bool completePrefillChunk(ExecutionRow row, int32_t prefilledTokens);
   bool finalizeSequenceAdmission(ExecutionRow row, int32_t const& lookaheadToken,
                                  int32_t fullInputLength);

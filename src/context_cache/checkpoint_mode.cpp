@@ -42,21 +42,26 @@ void CheckpointMode::bindPrefill(CoordinatorRequest& req) const {
 void CheckpointMode::restoreCheckpoints(CoordinatorRequest& req,
                                         std::span<CacheSlot const> cold) const {
   for (auto const& sequence : req.sequences) {
-    std::optional<SnapshotSlot> const recurrent = sequence.lease.recurrentSnapshotSlot();
-    if (!recurrent) {
-      continue;
-    }
-    mSnapshotStorage.restoreRecurrent(*recurrent, sequence.resident.slot, mParts.stream);
-    CacheRecord const* hit = mParts.manager.records().get(sequence.lease.hitRecord());
-    mParts.counters.reusePointRestores += hit != nullptr && hit->reusePoint ? 1U : 0U;
-    if (std::optional<SnapshotSlot> const partial = sequence.lease.partialKvSnapshotSlot()) {
-      restorePartialKv(sequence, *partial);
-    }
-    ++mParts.counters.checkpointRestores;
+    restoreCheckpoint(sequence);
   }
   if (!cold.empty()) {
     mParts.recurrent->clearResidentSlots(cold, mParts.stream);
   }
+}
+
+bool CheckpointMode::restoreCheckpoint(CoordinatorSequence const& sequence) const {
+  std::optional<SnapshotSlot> const recurrent = sequence.lease.recurrentSnapshotSlot();
+  if (!recurrent) {
+    return false;
+  }
+  mSnapshotStorage.restoreRecurrent(*recurrent, sequence.resident.slot, mParts.stream);
+  CacheRecord const* hit = mParts.manager.records().get(sequence.lease.hitRecord());
+  mParts.counters.reusePointRestores += hit != nullptr && hit->reusePoint ? 1U : 0U;
+  if (std::optional<SnapshotSlot> const partial = sequence.lease.partialKvSnapshotSlot()) {
+    restorePartialKv(sequence, *partial);
+  }
+  ++mParts.counters.checkpointRestores;
+  return true;
 }
 
 void CheckpointMode::restorePartialKv(CoordinatorSequence const& sequence,
@@ -78,8 +83,64 @@ void CheckpointMode::publishPrefill(CoordinatorRequest& req) const {
     mParts.manager.releaseRestoredHybridSnapshots(sequence.lease);
     mParts.counters.prefillPublications += sequence.staged ? 1U : 0U;
   }
-  commitReusePoints(req);  // ascending: the points, then the prompt end
+  for (std::size_t row = 0; row < req.sequences.size(); ++row) {
+    commitReusePoints(req, row);  // ascending: the points, then the prompt end
+  }
   commitStaged(req);
+}
+
+void CheckpointMode::bindJoiner(CoordinatorRequest& req) const {
+  RequestMode::bindJoiner(req);
+  CoordinatorSequence const& joiner = req.sequences.back();
+  if (!restoreCheckpoint(joiner)) {  // cold: its resident row must not keep a former owner's state
+    CacheSlot const slot = joiner.resident.slot;
+    mParts.recurrent->clearResidentSlots(std::span(&slot, 1), mParts.stream);
+  }
+  std::unordered_set<Hash128, Hash128Hasher> planned;
+  planRowReusePoints(req, req.sequences.size() - 1, /*endsToKeep=*/1, planned);
+}
+
+void CheckpointMode::publishChunk(CoordinatorRequest& req, std::size_t row) const {
+  CoordinatorSequence& sequence = req.sequences[row];
+  int32_t const length = sequence.committed;
+  if (sequence.policy == ContextCacheLookupPolicy::kBypass || length == sequence.promptLength ||
+      std::ranges::any_of(sequence.reusePoints, [&](ReusePointCapture const& point) {
+        return point.position == length;
+      })) {
+    return;  // the prompt end (finalisation captures it), or a point the engine captures
+  }
+  if (snapshotSlotsLeft() <= 1) {  // the prompt end keeps its slot
+    countPressureSkip("a prefill chunk's end", length);
+    return;
+  }
+  try {
+    sequence.chunkEnds.reserve(sequence.chunkEnds.size() + 1);
+  } catch (std::bad_alloc const&) {
+    logger()->warn(
+        "ContextCacheCoordinator: out of host memory; the chunk end at {} tokens of request {} "
+        "row {} is not captured",
+        length, req.id, row);
+    return;
+  }
+  if (std::optional<StagedCapture> const staged = capture(req, row, length)) {
+    sequence.chunkEnds.push_back(*staged);  // capacity reserved: no throw
+    ++mParts.counters.chunkEndCaptures;
+  }
+}
+
+bool CheckpointMode::stageJoinerPrefill(CoordinatorRequest& req, std::size_t row) const {
+  stageCapture(req, row, req.sequences[row].promptLength);
+  CoordinatorSequence const& sequence = req.sequences[row];
+  return sequence.staged || !sequence.reusePoints.empty() || !sequence.chunkEnds.empty() ||
+         sequence.lease.recurrentSnapshotSlot();
+}
+
+void CheckpointMode::publishJoinerPrefill(CoordinatorRequest& req, std::size_t row) const {
+  CoordinatorSequence& sequence = req.sequences[row];
+  mParts.manager.releaseRestoredHybridSnapshots(sequence.lease);
+  mParts.counters.prefillPublications += sequence.staged ? 1U : 0U;
+  commitReusePoints(req, row);
+  commitStagedRow(req, row);
 }
 
 bool CheckpointMode::growLease(CacheRequestLease& lease, LaneCounts const& pages) const {
@@ -110,14 +171,28 @@ void CheckpointMode::countPressureSkip(char const* what, int32_t length) const {
   }
 }
 
-// Reserves the slots of row `row`'s checkpoint at `exactLength` and enqueues its copies; false
-// when the row bypasses the cache, has it published or staged already, or no slot is free.
+// Reserves the slots of row `row`'s checkpoint at `exactLength` and enqueues its copies as the
+// row's staged capture; false when the row bypasses the cache, has one staged already, or
+// capture() declines.
 bool CheckpointMode::stageCapture(CoordinatorRequest& req, std::size_t row,
                                   int32_t exactLength) const {
   CoordinatorSequence& sequence = req.sequences[row];
-  if (sequence.policy == ContextCacheLookupPolicy::kBypass ||
-      exactLength <= sequence.publishedExact || sequence.staged) {
+  if (sequence.staged) {
     return false;
+  }
+  sequence.staged = capture(req, row, exactLength);
+  return sequence.staged.has_value();
+}
+
+// Reserves the slots of row `row`'s checkpoint at `exactLength` and enqueues its copies; nullopt
+// when the row bypasses the cache, has the length published, it is cached already, or no slot is
+// free. A throw (a failed launch) leaves nothing reserved.
+std::optional<CoordinatorSequence::StagedCapture> CheckpointMode::capture(
+    CoordinatorRequest& req, std::size_t row, int32_t exactLength) const {
+  CoordinatorSequence& sequence = req.sequences[row];
+  if (sequence.policy == ContextCacheLookupPolicy::kBypass ||
+      exactLength <= sequence.publishedExact) {
+    return std::nullopt;
   }
   int32_t const pageSize = mParts.manager.pageSize();
   bool const partial = mPartialKv && exactLength % pageSize != 0;
@@ -128,7 +203,7 @@ bool CheckpointMode::stageCapture(CoordinatorRequest& req, std::size_t row,
     RecordStore const& records = mParts.manager.records();
     if (records.findHybrid(HybridKey{digest, exactLength, false}) != nullptr ||
         (partial && records.findHybrid(HybridKey{digest, exactLength, true}) != nullptr)) {
-      return false;
+      return std::nullopt;
     }
     reservation = mParts.manager.reserveHybridSnapshots(sequence.lease, partial);
   } catch (std::bad_alloc const&) {
@@ -136,11 +211,11 @@ bool CheckpointMode::stageCapture(CoordinatorRequest& req, std::size_t row,
         "ContextCacheCoordinator: out of host memory; the checkpoint of {} tokens of "
         "request {} row {} is not captured",
         exactLength, req.id, row);
-    return false;
+    return std::nullopt;
   }
   if (!reservation) {
     countPressureSkip("a checkpoint", exactLength);
-    return false;
+    return std::nullopt;
   }
   try {
     enqueueCapture(sequence, *reservation, exactLength, partial);
@@ -148,9 +223,8 @@ bool CheckpointMode::stageCapture(CoordinatorRequest& req, std::size_t row,
     mParts.manager.retireHybridSnapshotReservation(sequence.lease, *reservation);
     throw;
   }
-  sequence.staged = CoordinatorSequence::StagedCapture{*reservation, exactLength};
   ++mParts.counters.checkpointCaptures;
-  return true;
+  return StagedCapture{*reservation, exactLength};
 }
 
 void CheckpointMode::enqueueCapture(CoordinatorSequence const& sequence,
@@ -171,29 +245,39 @@ void CheckpointMode::enqueueCapture(CoordinatorSequence const& sequence,
 
 void CheckpointMode::commitStaged(CoordinatorRequest& req) const {
   for (std::size_t row = 0; row < req.sequences.size(); ++row) {
-    CoordinatorSequence& sequence = req.sequences[row];
-    if (!sequence.staged) {
-      continue;
-    }
-    CoordinatorSequence::StagedCapture const staged = *sequence.staged;
-    sequence.staged.reset();
-    try {
-      PromptBlocks const blocks =
-          hashPromptBlocks(prefixOf(sequence, staged.exactLength), mParts.manager.pageSize());
-      PublishResult const published = mParts.manager.publishHybrid(
-          sequence.lease, blocks, staged.exactLength, staged.reservation);
-      if (published.status != PublishStatus::kVerificationRejected) {
-        sequence.publishedExact = staged.exactLength;
-        ++mParts.counters.checkpointPublications;
-      }
-    } catch (std::bad_alloc const&) {
-      logger()->warn(
-          "ContextCacheCoordinator: out of host memory; the checkpoint of {} tokens of "
-          "request {} row {} was not published",
-          staged.exactLength, req.id, row);
-    }
-    mParts.manager.retireHybridSnapshotReservation(sequence.lease, staged.reservation);
+    commitStagedRow(req, row);
   }
+}
+
+void CheckpointMode::commitStagedRow(CoordinatorRequest& req, std::size_t row) const {
+  CoordinatorSequence& sequence = req.sequences[row];
+  if (!sequence.staged) {
+    return;
+  }
+  StagedCapture const staged = *sequence.staged;
+  sequence.staged.reset();
+  try {
+    PromptBlocks const blocks =
+        hashPromptBlocks(prefixOf(sequence, staged.exactLength), mParts.manager.pageSize());
+    PublishResult const published = mParts.manager.publishHybrid(
+        sequence.lease, blocks, staged.exactLength, staged.reservation);
+    if (published.status != PublishStatus::kVerificationRejected) {
+      sequence.publishedExact = staged.exactLength;
+      ++mParts.counters.checkpointPublications;
+    }
+  } catch (std::bad_alloc const&) {
+    logger()->warn(
+        "ContextCacheCoordinator: out of host memory; the checkpoint of {} tokens of "
+        "request {} row {} was not published",
+        staged.exactLength, req.id, row);
+  }
+  mParts.manager.retireHybridSnapshotReservation(sequence.lease, staged.reservation);
+}
+
+int32_t CheckpointMode::snapshotSlotsLeft() const {
+  ResourcePools const& pools = mParts.manager.pools();
+  return pools.freeCount(ResourceType::kRecurrentSnapshot) +
+         pools.reclaimableCount(ResourceType::kRecurrentSnapshot);
 }
 
 // Reserves a recurrent snapshot slot for every multiple of the interval past a row's reuse length
@@ -201,95 +285,111 @@ void CheckpointMode::commitStaged(CoordinatorRequest& req) const {
 // planned by an earlier row of the batch, are skipped; points stop while no more than one slot
 // per capturing row would stay free or reclaimable, so that the prompt ends keep theirs.
 void CheckpointMode::planReusePoints(CoordinatorRequest& req) const {
-  int32_t const interval = mParts.config.checkpointInterval;
-  if (interval == 0) {
+  if (mParts.config.checkpointInterval == 0) {
     return;
   }
-  int32_t const pageSize = mParts.manager.pageSize();
   int32_t endsToKeep = 0;
   for (auto const& sequence : req.sequences) {
     endsToKeep += sequence.policy == ContextCacheLookupPolicy::kBypass ? 0 : 1;
   }
-  ResourcePools const& pools = mParts.manager.pools();
-  auto slotsLeft = [&pools] {
-    return pools.freeCount(ResourceType::kRecurrentSnapshot) +
-           pools.reclaimableCount(ResourceType::kRecurrentSnapshot);
-  };
   std::unordered_set<Hash128, Hash128Hasher> planned;
   for (std::size_t row = 0; row < req.sequences.size(); ++row) {
-    CoordinatorSequence& sequence = req.sequences[row];
-    int32_t const first = (sequence.reuseTokenLength / interval + 1) * interval;
-    if (sequence.policy == ContextCacheLookupPolicy::kBypass || first >= sequence.promptLength) {
-      continue;
-    }
-    try {
-      auto const points = static_cast<std::size_t>((sequence.promptLength - 1 - first) / interval);
-      sequence.reusePoints.reserve(points + 1);
-      sequence.reusePointReservations.reserve(points + 1);
-      PromptBlocks const blocks =
-          hashPromptBlocks(prefixOf(sequence, sequence.promptLength), pageSize);
-      for (int32_t position = first; position < sequence.promptLength; position += interval) {
-        Hash128 const digest = exactPrefixDigest(blocks, position);
-        if (mParts.manager.records().findHybrid(HybridKey{digest, position, false}) != nullptr ||
-            planned.contains(digest)) {
-          continue;
-        }
-        std::optional<SnapshotReservation> reservation;
-        if (slotsLeft() > endsToKeep) {
-          planned.insert(digest);  // before the reservation: a throw leaves nothing reserved
-          reservation = mParts.manager.reserveHybridSnapshots(
-              sequence.lease, mPartialKv && position % pageSize != 0);
-        }
-        if (!reservation) {
-          countPressureSkip("a reuse point (and the row's later ones)", position);
-          break;
-        }
-        sequence.reusePoints.push_back(ReusePointCapture{position, reservation->recurrentSlot});
-        sequence.reusePointReservations.push_back(*reservation);  // capacity reserved: no throw
-        ++mParts.counters.reusePointCaptures;
-      }
-    } catch (std::bad_alloc const&) {
-      logger()->warn(
-          "ContextCacheCoordinator: out of host memory; the reuse points of request {} row {} "
-          "past {} tokens are not captured",
-          req.id, row, sequence.reusePoints.empty() ? first : sequence.reusePoints.back().position);
-    }
+    planRowReusePoints(req, row, endsToKeep, planned);
   }
 }
 
-// Publishes the reuse points the engine captured (ascending) and retires their reservations.
-void CheckpointMode::commitReusePoints(CoordinatorRequest& req) const {
-  int32_t const pageSize = mParts.manager.pageSize();
-  for (std::size_t row = 0; row < req.sequences.size(); ++row) {
-    CoordinatorSequence& sequence = req.sequences[row];
-    if (sequence.reusePoints.empty()) {
-      continue;
-    }
-    try {
-      PromptBlocks const blocks =
-          hashPromptBlocks(prefixOf(sequence, sequence.promptLength), pageSize);
-      for (std::size_t i = 0; i < sequence.reusePoints.size(); ++i) {
-        int32_t const position = sequence.reusePoints[i].position;
-        PublishResult const published = mParts.manager.publishHybrid(
-            sequence.lease, blocks, position, sequence.reusePointReservations[i], true);
-        if (published.status != PublishStatus::kVerificationRejected) {
-          sequence.publishedExact = std::max(sequence.publishedExact, position);
-        }
-        mParts.counters.reusePointPublications +=
-            published.status == PublishStatus::kPublished ? 1U : 0U;
-      }
-    } catch (std::bad_alloc const&) {
-      logger()->warn(
-          "ContextCacheCoordinator: out of host memory; reuse points of request {} row {} were "
-          "not published",
-          req.id, row);
-    }
-    for (SnapshotReservation const& reservation : sequence.reusePointReservations) {
-      mParts.manager.retireHybridSnapshotReservation(sequence.lease, reservation);
-    }
-    sequence.reusePoints.clear();
-    sequence.reusePointReservations.clear();
+void CheckpointMode::planRowReusePoints(CoordinatorRequest& req, std::size_t row,
+                                        int32_t endsToKeep,
+                                        std::unordered_set<Hash128, Hash128Hasher>& planned) const {
+  int32_t const interval = mParts.config.checkpointInterval;
+  CoordinatorSequence& sequence = req.sequences[row];
+  if (interval == 0) {
+    return;
   }
+  int32_t const first = (sequence.reuseTokenLength / interval + 1) * interval;
+  if (sequence.policy == ContextCacheLookupPolicy::kBypass || first >= sequence.promptLength) {
+    return;
+  }
+  int32_t const pageSize = mParts.manager.pageSize();
+  try {
+    auto const points = static_cast<std::size_t>((sequence.promptLength - 1 - first) / interval);
+    sequence.reusePoints.reserve(points + 1);
+    sequence.reusePointReservations.reserve(points + 1);
+    PromptBlocks const blocks =
+        hashPromptBlocks(prefixOf(sequence, sequence.promptLength), pageSize);
+    for (int32_t position = first; position < sequence.promptLength; position += interval) {
+      Hash128 const digest = exactPrefixDigest(blocks, position);
+      if (mParts.manager.records().findHybrid(HybridKey{digest, position, false}) != nullptr ||
+          planned.contains(digest)) {
+        continue;
+      }
+      std::optional<SnapshotReservation> reservation;
+      if (snapshotSlotsLeft() > endsToKeep) {
+        planned.insert(digest);  // before the reservation: a throw leaves nothing reserved
+        reservation = mParts.manager.reserveHybridSnapshots(sequence.lease,
+                                                            mPartialKv && position % pageSize != 0);
+      }
+      if (!reservation) {
+        countPressureSkip("a reuse point (and the row's later ones)", position);
+        break;
+      }
+      sequence.reusePoints.push_back(ReusePointCapture{position, reservation->recurrentSlot});
+      sequence.reusePointReservations.push_back(*reservation);  // capacity reserved: no throw
+      ++mParts.counters.reusePointCaptures;
+    }
+  } catch (std::bad_alloc const&) {
+    logger()->warn(
+        "ContextCacheCoordinator: out of host memory; the reuse points of request {} row {} "
+        "past {} tokens are not captured",
+        req.id, row, sequence.reusePoints.empty() ? first : sequence.reusePoints.back().position);
+  }
+}
+
+// Publishes the row's reuse points the engine captured and the chunk ends the coordinator
+// captured, in ascending order, and retires their reservations.
+void CheckpointMode::commitReusePoints(CoordinatorRequest& req, std::size_t row) const {
+  CoordinatorSequence& sequence = req.sequences[row];
+  if (sequence.reusePoints.empty() && sequence.chunkEnds.empty()) {
+    return;
+  }
+  int32_t const pageSize = mParts.manager.pageSize();
+  try {
+    PromptBlocks const blocks =
+        hashPromptBlocks(prefixOf(sequence, sequence.promptLength), pageSize);
+    std::size_t point = 0;
+    std::size_t chunk = 0;
+    while (point < sequence.reusePoints.size() || chunk < sequence.chunkEnds.size()) {
+      bool const takePoint =
+          chunk == sequence.chunkEnds.size() ||
+          (point < sequence.reusePoints.size() &&
+           sequence.reusePoints[point].position < sequence.chunkEnds[chunk].exactLength);
+      int32_t const position =
+          takePoint ? sequence.reusePoints[point].position : sequence.chunkEnds[chunk].exactLength;
+      SnapshotReservation const& reservation = takePoint ? sequence.reusePointReservations[point++]
+                                                         : sequence.chunkEnds[chunk++].reservation;
+      PublishResult const published =
+          mParts.manager.publishHybrid(sequence.lease, blocks, position, reservation, true);
+      if (published.status != PublishStatus::kVerificationRejected) {
+        sequence.publishedExact = std::max(sequence.publishedExact, position);
+      }
+      mParts.counters.reusePointPublications +=
+          published.status == PublishStatus::kPublished ? 1U : 0U;
+    }
+  } catch (std::bad_alloc const&) {
+    logger()->warn(
+        "ContextCacheCoordinator: out of host memory; reuse points of request {} row {} were "
+        "not published",
+        req.id, row);
+  }
+  for (SnapshotReservation const& reservation : sequence.reusePointReservations) {
+    mParts.manager.retireHybridSnapshotReservation(sequence.lease, reservation);
+  }
+  for (StagedCapture const& staged : sequence.chunkEnds) {
+    mParts.manager.retireHybridSnapshotReservation(sequence.lease, staged.reservation);
+  }
+  sequence.reusePoints.clear();
+  sequence.reusePointReservations.clear();
+  sequence.chunkEnds.clear();
 }
 
 // ---------------------------------------------------------------- HybridMtpMode

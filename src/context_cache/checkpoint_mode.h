@@ -6,6 +6,7 @@
 /// ContextCacheConfig::checkpointInterval (docs/context_cache.md, "Checkpoints", "Reuse points").
 
 #include <optional>
+#include <unordered_set>
 
 #include "context_cache/request_mode.h"
 
@@ -22,6 +23,17 @@ class CheckpointMode : public RequestMode {
   void enqueuePrefillCaptures(CoordinatorRequest& req) const override;
   /// Releases the restored snapshots' pins, then commits the reuse points and the prompt end.
   void publishPrefill(CoordinatorRequest& req) const override;
+  /// A joiner: its row bound, its hit's checkpoint restored (or its recurrent row cleared), its
+  /// reuse points planned.
+  void bindJoiner(CoordinatorRequest& req) const override;
+  /// A capture of the joiner's state at the chunk's end (a reuse point), while a snapshot slot
+  /// beyond the one its prompt end needs is free or reclaimable.
+  void publishChunk(CoordinatorRequest& req, std::size_t row) const override;
+  /// Enqueues the joiner's prompt-end capture; true when it has restores or captures to settle.
+  bool stageJoinerPrefill(CoordinatorRequest& req, std::size_t row) const override;
+  /// Releases the restored snapshots' pins, then commits the joiner's reuse points and chunk
+  /// ends (ascending) and its prompt end.
+  void publishJoinerPrefill(CoordinatorRequest& req, std::size_t row) const override;
   bool growLease(CacheRequestLease& lease, LaneCounts const& pages) const override;
   /// Stages a capture of each completed row's exact state (its snapshot copies enqueued).
   bool stageCompleted(CoordinatorRequest& req, std::span<uint8_t const> completed) const override;
@@ -32,6 +44,8 @@ class CheckpointMode : public RequestMode {
   virtual void restorePartialKv(CoordinatorSequence const& sequence, SnapshotSlot slot) const;
   /// Restores the hits' checkpoints; then clears the recurrent rows in `cold`.
   void restoreCheckpoints(CoordinatorRequest& req, std::span<CacheSlot const> cold) const;
+  /// Restores `sequence`'s hit checkpoint; false when its lease hit none.
+  bool restoreCheckpoint(CoordinatorSequence const& sequence) const;
   /// Warns at the 1st, 2nd, 4th, ... skip for want of a snapshot slot (`what` names it).
   void countPressureSkip(char const* what, int32_t length) const;
 
@@ -39,11 +53,20 @@ class CheckpointMode : public RequestMode {
   bool mPartialKv;  ///< attention: an exact length inside a page keeps its partial page
 
  private:
+  using StagedCapture = CoordinatorSequence::StagedCapture;
+
   bool stageCapture(CoordinatorRequest& req, std::size_t row, int32_t exactLength) const;
+  std::optional<StagedCapture> capture(CoordinatorRequest& req, std::size_t row,
+                                       int32_t exactLength) const;
   void enqueueCapture(CoordinatorSequence const& sequence, SnapshotReservation const& reservation,
                       int32_t exactLength, bool partial) const;
+  /// Recurrent snapshot slots free or reclaimable now.
+  int32_t snapshotSlotsLeft() const;
   void planReusePoints(CoordinatorRequest& req) const;
-  void commitReusePoints(CoordinatorRequest& req) const;
+  void planRowReusePoints(CoordinatorRequest& req, std::size_t row, int32_t endsToKeep,
+                          std::unordered_set<Hash128, Hash128Hasher>& planned) const;
+  void commitReusePoints(CoordinatorRequest& req, std::size_t row) const;
+  void commitStagedRow(CoordinatorRequest& req, std::size_t row) const;
 };
 
 }  // namespace mkv::detail

@@ -27,11 +27,12 @@ std::span<ReusePointCapture const> ContextCacheCoordinator::reusePointCaptures(
     RequestHandle const& handle, ExecutionRow row) const {
   constexpr char const* kCall = "ContextCacheCoordinator::reusePointCaptures";
   Request const& req = request(handle, kCall);
-  MKV_REQUIRE(req.stage == RequestStage::kPrefilling, kCall,
-              "reuse points are captured between preparePrefill and finalizePrefillPublication "
-              "(row {})",
+  auto const& sequence = sequenceAt(req, row, kCall);
+  MKV_REQUIRE(req.stage == RequestStage::kPrefilling || !sequence.joined, kCall,
+              "reuse points are captured between preparePrefill and finalizePrefillPublication, "
+              "or by an in-flight admission before finalizeSequenceAdmission (row {})",
               row);
-  return sequenceAt(req, row, kCall).reusePoints;
+  return sequence.reusePoints;
 }
 
 ContextCacheStatus ContextCacheCoordinator::publishHybridMtpEndpoint(RequestHandle& handle,

@@ -24,7 +24,7 @@ ContextCacheCoordinator::AdmitSequenceResult ContextCacheCoordinator::admitSeque
   constexpr char const* kCall = "ContextCacheCoordinator::admitSequence";
   Request& req = request(handle, kCall);
   detail::validateJoinedRequest(kCall, req, supportsLiveSequenceAdmission(), mMaxBatch);
-  detail::PagedRows const table = req.mode->rows();  // a block-reuse request's: the base lane
+  detail::PagedRows const table = req.mode->rows();  // the base lane
   table.validateHeadroom(kCall, headroom);
   detail::validateJoiner(kCall, admission, headroom, mMaxBatch, mLimits->baseRowPages,
                          mManager->pageSize(), mResources.residentSlots);
@@ -57,7 +57,7 @@ ContextCacheCoordinator::AdmitSequenceResult ContextCacheCoordinator::admitSeque
   state.joined = false;
   req.sequences.push_back(std::move(state));
   try {
-    table.bindJoiner(ref.slot, req.sequences.back().lease);
+    req.mode->bindJoiner(req);
   } catch (...) {
     req.sequences.pop_back();
     try {
@@ -96,8 +96,7 @@ ContextCacheStatus ContextCacheCoordinator::completePrefillChunk(RequestHandle& 
   }
   sequence.committed = prefilledTokens;
   ++mCounters.prefillChunks;
-  req.mode->publishBlocks(req, static_cast<std::size_t>(row), prefilledTokens, nullptr,
-                          Publication::kChunk);
+  req.mode->publishChunk(req, static_cast<std::size_t>(row));
   return ContextCacheStatus::kOk;
 }
 
@@ -159,10 +158,15 @@ ContextCacheStatus ContextCacheCoordinator::finalizeSequenceAdmission(
               row, sequence.tokens.size(), advance.acceptedTokenCount,
               advance.committedStateLength);
   detail::reserveAdvance(sequence, advance);
+  auto const index = static_cast<std::size_t>(row);
+  bool const staged = req.mode->stageJoinerPrefill(req, index);  // a throw changes nothing
   detail::applyAdvance(sequence, advance);
   sequence.joined = true;
-  ++mCounters.prefillPublications;
-  req.mode->publishBlocks(req, static_cast<std::size_t>(row), sequence.committed);
+  // The captures read state the joiner's prefill wrote: one synchronisation makes them terminal.
+  if (staged && !synchronize()) {
+    return quarantineHandle(handle, req.id);
+  }
+  req.mode->publishJoinerPrefill(req, index);
   return ContextCacheStatus::kOk;
 }
 

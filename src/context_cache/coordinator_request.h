@@ -59,6 +59,10 @@ struct CoordinatorSequence {
   // lease's reservation of each, in the same order; committed by finalizePrefillPublication.
   std::vector<ReusePointCapture> reusePoints;
   std::vector<SnapshotReservation> reusePointReservations;
+  // An in-flight admission's state at the ends of its prefill chunks (ascending), captured by
+  // the coordinator at completePrefillChunk and committed with its reuse points when it
+  // finalises.
+  std::vector<StagedCapture> chunkEnds;
 };
 
 /// One admitted request of a ContextCacheCoordinator (its private `Request`).

@@ -33,6 +33,20 @@ void RequestMode::validateCommonLengths(char const* call, std::size_t batch,
 
 void RequestMode::bindPrefill(CoordinatorRequest& req) const { rows().bindPrefill(req); }
 
+void RequestMode::bindJoiner(CoordinatorRequest& req) const {
+  CoordinatorSequence const& joiner = req.sequences.back();
+  rows().bindJoiner(joiner.resident.slot, joiner.lease);
+}
+
+void RequestMode::publishChunk(CoordinatorRequest& req, std::size_t row) const {
+  publishBlocks(req, row, req.sequences[row].committed, nullptr, Publication::kChunk);
+}
+
+void RequestMode::publishJoinerPrefill(CoordinatorRequest& req, std::size_t row) const {
+  ++mParts.counters.prefillPublications;
+  publishBlocks(req, row, req.sequences[row].committed);
+}
+
 void RequestMode::publishBlocks(CoordinatorRequest& req, std::size_t row, int32_t length,
                                 uint64_t* attempts, Publication kind) const {
   CoordinatorSequence& sequence = req.sequences[row];
@@ -110,6 +124,7 @@ RequestModes makeRequestModes(ContextCacheDeploymentProfile const& profile,
     case BaseStateKind::kHybrid:
       modes.plain = std::make_unique<CheckpointMode>(
           parts, std::vector<RowLane>{baseLane(resources)}, ReuseMode::kHybrid);
+      modes.joinable = !profile.speculative;
       if (profile.speculative) {  // Hybrid-MTP (validateDeployment: a paged draft)
         auto mtp = std::make_unique<HybridMtpMode>(
             parts, std::vector<RowLane>{baseLane(resources), draftLane(resources, 1)});

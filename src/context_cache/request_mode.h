@@ -86,6 +86,24 @@ class RequestMode {
   virtual void bindPrefill(CoordinatorRequest& req) const;
   /// enqueuePrefillCaptures: the prompt-end captures of the prefill (checkpoint modes).
   virtual void enqueuePrefillCaptures(CoordinatorRequest& /*req*/) const {}
+
+  // In-flight admission (a joiner: the newest row, admitted while the request executes).
+  /// admitSequence: binds the joiner's row; checkpoint modes also restore the checkpoint its
+  /// lease hit (or clear its recurrent row) and plan its reuse points.
+  virtual void bindJoiner(CoordinatorRequest& req) const;
+  /// completePrefillChunk, once `row`'s committed length reached the chunk's end: block modes
+  /// publish its full blocks (a chunk publication, replaced by the row's next one); checkpoint
+  /// modes enqueue a capture of the state at the chunk's end, committed when the row finalises.
+  virtual void publishChunk(CoordinatorRequest& req, std::size_t row) const;
+  /// finalizeSequenceAdmission, before the advance: checkpoint modes enqueue the prompt-end
+  /// capture. True when a synchronisation must make the row's restores and captures terminal
+  /// before publishJoinerPrefill. A throw leaves the row as it was.
+  virtual bool stageJoinerPrefill(CoordinatorRequest& /*req*/, std::size_t /*row*/) const {
+    return false;
+  }
+  /// finalizeSequenceAdmission, after the advance (and the synchronisation stageJoinerPrefill
+  /// asked for): publishes the joiner's prefill.
+  virtual void publishJoinerPrefill(CoordinatorRequest& req, std::size_t row) const;
   /// finalizePrefillPublication, after the advances were applied: publishes the prefill (or, for
   /// a speculative request, freezes it until the draft initialisation completed).
   virtual void publishPrefill(CoordinatorRequest& req) const = 0;
@@ -127,7 +145,8 @@ struct RequestModes {
   std::unique_ptr<RequestMode> speculative;  ///< null: the deployment is not speculative
   /// `speculative` on a Hybrid-MTP deployment (its endpoint calls), else null.
   HybridMtpMode const* hybridMtp = nullptr;
-  /// Whether plain requests admit sequences in flight (attention-only, non-speculative).
+  /// Whether plain requests admit sequences in flight (non-speculative deployments with
+  /// attention: attention-only and hybrid).
   bool joinable = false;
 };
 

@@ -271,12 +271,16 @@ void ReferenceEngine::executeRecurrent(Row& row, int32_t from, int32_t to) {
                     to > 0 ? row.digests.at(to - 1) : 0);
 }
 
-void ReferenceEngine::captureReusePoints(Run const& run, ExecutionRow index) {
+void ReferenceEngine::captureReusePoints(Run const& run, ExecutionRow index, int32_t from,
+                                         int32_t to) {
   if (!mRecurrent) {
     return;
   }
   Row const& row = run.rows[static_cast<std::size_t>(index)];
   for (ReusePointCapture const& point : run.managed->reusePointCaptures(index)) {
+    if (point.position <= from || point.position > to) {
+      continue;
+    }
     mSteps->reusePoint(point.snapshotSlot, point.position, row.digests.at(point.position - 1));
     ++mStats.reusePointsWritten;
   }
@@ -500,8 +504,9 @@ bool ReferenceEngine::prefillStep(Run& run) {
   ManagedKVCacheRequest& managed = *run.managed;
   mSteps->begin();
   for (std::size_t i = 0; i < run.rows.size(); ++i) {
-    executePrefill(run, run.rows[i], run.rows[i].prefillStart);
-    captureReusePoints(run, static_cast<ExecutionRow>(i));
+    Row& row = run.rows[i];
+    executePrefill(run, row, row.prefillStart);
+    captureReusePoints(run, static_cast<ExecutionRow>(i), row.prefillStart, row.materialized);
   }
   flushWrites(run);
   mSteps->submit(mRuntime.config().stream);

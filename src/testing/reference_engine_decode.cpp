@@ -199,6 +199,8 @@ bool ReferenceEngine::seatJoiner(Run& run, std::deque<EngineSequence>& queue, Re
   }
   mSteps->begin();
   executePrefill(run, run.rows[index], prefillStart);
+  captureReusePoints(run, static_cast<ExecutionRow>(index), prefillStart,
+                     run.rows[index].materialized);
   flushWrites(run);
   mSteps->submit(mRuntime.config().stream);
   writeLengths(run, index, index + 1, [](std::size_t) { return true; });
@@ -293,17 +295,17 @@ void ReferenceEngine::stagePrefillChunks(Run& run, int32_t decoding) {
   // vLLM's order: the decodes took one token each; the rest goes to prefill chunks in join
   // order, at least one token a step.
   int32_t budget = std::max(1, mOptions.maxBatchedTokens - decoding);
-  for (Row& row : run.rows) {
-    if (budget == 0) {
-      break;
-    }
+  for (std::size_t i = 0; i < run.rows.size() && budget > 0; ++i) {
+    Row& row = run.rows[i];
     if (!row.prefilling || row.reason != FinishReason::kNotFinished) {
       continue;
     }
     auto const promptLength = static_cast<int32_t>(row.spec.prompt.size());
     int32_t const end = std::min(promptLength, row.materialized + budget);
     budget -= end - row.materialized;
+    int32_t const from = row.materialized;
     executePrefillChunk(row, end);
+    captureReusePoints(run, static_cast<ExecutionRow>(i), from, end);
     if (end == promptLength) {
       finishPrefill(run, row);
     } else {

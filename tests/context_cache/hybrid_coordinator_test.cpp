@@ -316,9 +316,15 @@ TEST(HybridCoordinatorConstructionTest, ValidatesTheProfileAgainstResourcesAndBu
     EXPECT_EQ(coordinator.manager().pools().capacity(kPartial), 2);
     ASSERT_NE(coordinator.snapshots(), nullptr);
     EXPECT_EQ(coordinator.snapshots()->totalBytes(), 3 * recurrentBytes + 2 * partialBytes);
-    EXPECT_FALSE(coordinator.supportsLiveSequenceAdmission());
+    EXPECT_TRUE(coordinator.supportsLiveSequenceAdmission())
+        << "a hybrid joiner restores at admission";
   }
   EXPECT_NO_THROW(construct(config, pure, {nullptr, nullptr, nullptr, nullptr, &recurrent})());
+  {
+    ContextCacheCoordinator coordinator(config, pure,
+                                        {nullptr, nullptr, nullptr, nullptr, &recurrent}, nullptr);
+    EXPECT_FALSE(coordinator.supportsLiveSequenceAdmission()) << "no page table to bind a joiner";
+  }
   EXPECT_TRUE(throwsError(construct(config, hybrid, {&pool, &table, nullptr, nullptr, nullptr}),
                           {"ContextCacheCoordinator", "hybrid deployment needs the recurrent"}));
   EXPECT_TRUE(throwsError(construct(config, pure, {nullptr, nullptr, nullptr, nullptr, nullptr}),

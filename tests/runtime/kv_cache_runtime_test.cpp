@@ -523,7 +523,7 @@ TEST_P(KVCacheRuntimeValidationTest, ThrowsNamingTheCallAndTheValue) {
 INSTANTIATE_TEST_SUITE_P(InvalidConfigs, KVCacheRuntimeValidationTest,
                          ::testing::ValuesIn(invalidCases()), caseName<InvalidCase>);
 
-TEST_P(KVCacheRuntimeTest, ReuseForAHybridModelIsCheckpointReuseWithoutSeatedAdmission) {
+TEST_P(KVCacheRuntimeTest, ReuseForAHybridModelIsCheckpointReuseWithSeatedAdmission) {
   KVCacheRuntimeConfig config = baseConfig(device());
   config.contextReuse = true;
   config.model.numRecurrentLayers = 2;
@@ -547,7 +547,7 @@ TEST_P(KVCacheRuntimeTest, ReuseForAHybridModelIsCheckpointReuseWithoutSeatedAdm
   EXPECT_EQ(coordinator.profile().baseStateKind, BaseStateKind::kHybrid);
   EXPECT_EQ(coordinator.manager().pools().capacity(ResourceType::kRecurrentSnapshot), 5);
   EXPECT_EQ(coordinator.manager().pools().capacity(ResourceType::kPartialKvSnapshot), 3);
-  EXPECT_FALSE(runtime->supportsSeatedAdmission());
+  EXPECT_TRUE(runtime->supportsSeatedAdmission()) << "joiners restore their checkpoint";
   EXPECT_TRUE(runtime->shutdown());
 
   config.contextReuse = false;  // full storage keeps the attention-only profile

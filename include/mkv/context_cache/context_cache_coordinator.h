@@ -164,6 +164,9 @@ struct ContextCacheCoordinatorCounters {
   uint64_t reusePointCaptures = 0;
   uint64_t reusePointPublications = 0;
   uint64_t reusePointRestores = 0;
+  /// Reuse points the coordinator captured at the ends of in-flight admissions' prefill chunks
+  /// (checkpoint deployments), committed with the row's other points when it finalises.
+  uint64_t chunkEndCaptures = 0;
   uint64_t prefillChunks = 0;  ///< completePrefillChunk calls accepted (chunks of joiners)
   uint64_t preemptions = 0;    ///< rows preempted (preemptSequence)
 };
@@ -234,6 +237,9 @@ inline constexpr auto kCoordinatorCounterFields = std::to_array<CoordinatorCount
      &ContextCacheCoordinatorCounters::reusePointPublications},
     {"coordinator_reuse_point_restores", "Sequences started from a restored reuse point.",
      &ContextCacheCoordinatorCounters::reusePointRestores},
+    {"coordinator_chunk_end_captures",
+     "Reuse points captured at the ends of in-flight admissions' prefill chunks.",
+     &ContextCacheCoordinatorCounters::chunkEndCaptures},
     {"coordinator_prefill_chunks", "Prefill chunks of in-flight admissions completed.",
      &ContextCacheCoordinatorCounters::prefillChunks},
     {"coordinator_preemptions", "Rows preempted, their committed state published.",
@@ -326,8 +332,9 @@ class ContextCacheCoordinator {
   /// Hybrid-MTP request, positions already cached, and once slots run out: snapshotPressureSkips).
   /// The engine writes the state after each `position` into its `snapshotSlot` before the
   /// prefill's synchronisation; finalizePrefillPublication commits them, before the prompt end.
-  /// Valid between preparePrefill and finalizePrefillPublication; throws outside them and for a
-  /// row outside the batch.
+  /// Valid between preparePrefill and finalizePrefillPublication, and for an in-flight admission
+  /// until finalizeSequenceAdmission (which commits them; the engine writes each point in the
+  /// chunk that passes it); throws otherwise and for a row outside the batch.
   std::span<ReusePointCapture const> reusePointCaptures(RequestHandle const& handle,
                                                         ExecutionRow row) const;
   /// After the runtime's prefill synchronisation: applies one advance per sequence (the prompt
@@ -462,8 +469,10 @@ class ContextCacheCoordinator {
   /// The sliding pool of the composed backend, or null.
   WindowBlockCache* windowCache() const noexcept { return mResources.windowCache; }
 
-  /// In-flight admission is offered for attention-only, non-speculative deployments (a joiner
-  /// cannot restore a checkpoint into a running batch).
+  /// In-flight admission is offered for non-speculative deployments with attention layers:
+  /// attention-only and hybrid (a hybrid joiner's hit checkpoint is restored into its resident
+  /// row at admission, or the row is cleared). Speculative pairs and Hybrid-MTP requests, and
+  /// pure-recurrent deployments (no page table), admit no joiners.
   bool supportsLiveSequenceAdmission() const noexcept;
   /// Admits one more sequence into an executing request with no pending work; binds only the
   /// new resident's row. The sequence joins at the end of the batch. Unless the admission sets
@@ -477,7 +486,10 @@ class ContextCacheCoordinator {
   /// Chunked prefill of an in-flight admission (docs/lifecycle.md, "Chunked prefill"): the engine
   /// ran the joiner's prompt up to `prefilledTokens` over one or more steps (the row holds in
   /// their decode steps) and the step that ran the last chunk completed; publishes the row's full
-  /// blocks so far, so a sequence admitted meanwhile reuses them. kPoisoned on a poisoned
+  /// blocks so far, so a sequence admitted meanwhile reuses them. On a hybrid deployment the
+  /// engine carries the row's recurrent state from chunk to chunk, and this enqueues a capture of
+  /// it at `prefilledTokens` (a reuse point, committed when the row finalises, skipped while no
+  /// more than one snapshot slot is left: chunkEndCaptures). kPoisoned on a poisoned
   /// coordinator. Throws, changing nothing, outside an executing request with no pending work,
   /// for a row that is not an unfinalised admission, and for `prefilledTokens` below the row's
   /// committed length or beyond its prompt, and with DeviceWriteTiming::kEngineStep when the row
@@ -506,7 +518,10 @@ class ContextCacheCoordinator {
   /// without a host tier (resources.hostTier), and as preemptSequence(handle, row) does.
   ContextCacheStatus preemptSequence(RequestHandle& handle, ExecutionRow row, PreemptionKind kind);
   /// After the joiner's prefill: exactly one accepted token (the lookahead) with committed ==
-  /// prompt length; publishes the joiner's prompt blocks.
+  /// prompt length; publishes the joiner's prompt blocks (hybrid: captures its prompt-end
+  /// checkpoint, and one synchronisation makes it, the reuse points the engine captured into the
+  /// slots of reusePointCaptures and the chunk ends terminal before they are committed;
+  /// kPoisoned, the request quarantined, when it fails).
   ContextCacheStatus finalizeSequenceAdmission(RequestHandle& handle, ExecutionRow row,
                                                ContextCacheSequenceAdvance const& advance);
   /// Undoes the newest admission that never joined (lease released, row cleared) while no work is

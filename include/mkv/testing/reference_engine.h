@@ -391,8 +391,9 @@ class ReferenceEngine {
   /// After the step: each chunk completed (completePrefillChunk), or, after a joiner's last,
   /// its lookahead token sampled and the joiner finalised. False when a call failed.
   bool completeChunks(Run& run);
-  /// Writes the state after each reuse point of execution row `index` into its snapshot slot.
-  void captureReusePoints(Run const& run, ExecutionRow index);
+  /// Writes the state after each reuse point of execution row `index` in (`from`, `to`] (the
+  /// positions the prefill or chunk that ran [`from`, `to`) passed) into its snapshot slot.
+  void captureReusePoints(Run const& run, ExecutionRow index, int32_t from, int32_t to);
   void verifyRow(Run& run, Row& row, bool full);
   /// Snapshots the device KV-length rows (checked by finishStep).
   void checkLengths(Run& run);

@@ -355,7 +355,8 @@ bool Lifecycle::admitOutcome(Req& req, AdmitCall& call, int32_t& start, std::str
 /// The runtime seats the joiner: its KV-length row, its prefill and its lookahead token.
 void Lifecycle::joined(Req& req, Row row, int32_t start, std::string const& what) {
   auto const length = static_cast<int32_t>(row.prompt.size());
-  expectf(start >= 0 && start < length && start % kPage == 0,
+  // Block reuse starts at a page boundary; a checkpoint at any length it was captured at.
+  expectf(start >= 0 && start < length && (start % kPage == 0 || checkpointDeployment()),
           "{}: joiner starts at {} for {} tokens", what, start, length);
   row.start = start;
   row.chunkCompleted = start;
@@ -452,6 +453,9 @@ void Lifecycle::prefillChunk(Req& req, int32_t slot) {
     expect(accept(what, [&] { return call(end); }), what + " returned false");
     row.chunkCompleted = end;
     ++mStats.prefillChunks;
+    if (mRecurrentOracle) {  // a checkpoint runtime may keep the chunk's end as a reuse point
+      noteCheckpoint(req, row, end, false);
+    }
   }
   if (end == length) {
     sampleInto(row);
@@ -526,9 +530,27 @@ void Lifecycle::issueFinalize(Req& req, int32_t slot, bool corruptLength) {
     ++mStats.refusals;
     return;
   }
-  expect(accept(what, call), what + " returned false");
+  int64_t const calls = syncCalls();
+  int64_t const failures = syncFailures();
+  bool const finalized = accept(what, call);
+  // A hybrid joiner's restore and captures are made terminal by one synchronisation (none when
+  // it restored and captured nothing), which may fail and quarantine the request.
+  int64_t const made = syncCalls() - calls;
+  expectf(made <= (checkpointDeployment() ? 1 : 0), "{}: made {} synchronisations", what, made);
+  if (syncFailures() != failures) {
+    ++mStats.failedSynchronizations;
+    expectf(!finalized, "{}: returned true after a failed synchronisation", what);
+    quarantine(req);
+    req.stage = Stage::kGone;
+    trace(what + ": synchronisation failed, request quarantined");
+    return;
+  }
+  expect(finalized, what + " returned false");
   Row& joiner = req.rows[static_cast<std::size_t>(slot)];
   joiner.joined = true;
+  if (checkpointDeployment()) {  // a hybrid joiner's prompt-end capture
+    noteCheckpoint(req, joiner, static_cast<int32_t>(joiner.prompt.size()), false);
+  }
   joiner.windowFrom = joiner.endpoint;  // sliding-window reuse: the joiner's window is retired
   trace(fmt::format("{}: row {}", what, slot));
 }

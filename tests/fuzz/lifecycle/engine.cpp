@@ -79,6 +79,12 @@ void Lifecycle::executePrefill(Req& req, Row& row, int32_t rowIndex, int32_t end
     int32_t const from = first ? row.start : row.materialized;
     if (first) {
       verifyResumed(req, row, rowIndex);
+    } else if (mRecurrentOracle) {  // a later chunk resumes from the state the last one left
+      testing::OracleReport const state =
+          mRecurrentOracle->verify(row.resident.slot, row.digests, from);
+      ++mStats.recurrentChecks;
+      expectf(state.ok(), "recurrent rows of slot {} carried to the chunk start {}: {}",
+              row.resident.slot, from, state.firstMismatch);
     }
     oracleWrite(*mFullOracle, row.resident.slot, row.digests, from, length);
     if (slidingReuse()) {  // every executed position: complete prompt blocks are published
@@ -86,7 +92,7 @@ void Lifecycle::executePrefill(Req& req, Row& row, int32_t rowIndex, int32_t end
     }
     if (mRecurrentOracle) {
       mRecurrentOracle->write(row.resident.slot, row.digests, length);
-      captureReusePoints(req, row, rowIndex);
+      captureReusePoints(req, row, rowIndex, from, length);
     }
     if (row.paired && req.mtp) {
       executeDraft(row, rowIndex, length - 1);  // up to the boundary token's row
@@ -101,9 +107,11 @@ void Lifecycle::executePrefill(Req& req, Row& row, int32_t rowIndex, int32_t end
   writeLength(rowIndex, length);
 }
 
-/// The scan's states at the reuse points the backend named for the row, into their snapshot
-/// slots; each is filed for the checkpoint invariant (finalisation commits them).
-void Lifecycle::captureReusePoints(Req const& req, Row const& row, int32_t rowIndex) {
+/// The scan's states at the reuse points the backend named for the row that the execution of
+/// [`from`, `to`) passes, into their snapshot slots; each is filed for the checkpoint invariant
+/// (finalisation commits them).
+void Lifecycle::captureReusePoints(Req const& req, Row const& row, int32_t rowIndex, int32_t from,
+                                   int32_t to) {
   std::span<ReusePointCapture const> const points =
       req.facade ? req.facade->reusePointCaptures(rowIndex)
                  : mCoordinator->reusePointCaptures(req.coordinator, rowIndex);
@@ -111,6 +119,9 @@ void Lifecycle::captureReusePoints(Req const& req, Row const& row, int32_t rowIn
     expectf(point.position > row.start && point.position < static_cast<int32_t>(row.prompt.size()),
             "reuse point at {} outside the prefill ({}, {})", point.position, row.start,
             row.prompt.size());
+    if (point.position <= from || point.position > to) {
+      continue;  // another chunk's
+    }
     mRecurrentOracle->writeSnapshot(*mCoordinator->snapshots(), point.snapshotSlot, row.digests,
                                     point.position);
     noteCheckpoint(req, row, point.position, false);

@@ -262,7 +262,8 @@ class Lifecycle {
   /// The prefill of positions [start or materialized, end) of a row (end 0: its whole prompt);
   /// the first chunk checks what it resumes from.
   void executePrefill(Req& req, Row& row, int32_t rowIndex, int32_t end = 0);
-  void captureReusePoints(Req const& req, Row const& row, int32_t rowIndex);
+  void captureReusePoints(Req const& req, Row const& row, int32_t rowIndex, int32_t from,
+                          int32_t to);
   void verifyResumed(Req const& req, Row& row, int32_t rowIndex);
   void executeDraft(Row& row, int32_t rowIndex, int32_t to);
   void writeHiddenStates(Req& req);
