@@ -180,12 +180,13 @@ void hybridSummary(ReplayResult const& r, std::string& out) {
        fmt::format("published {}, restored {}, skipped for snapshot pressure {} (captures {})",
                    grouped(h.checkpointsPublished), grouped(h.checkpointsRestored),
                    grouped(h.snapshotPressureSkips), grouped(h.checkpointCaptures)));
-  if (r.config.checkpointInterval > 0) {
+  if (r.config.checkpointInterval > 0 || h.chunkEndCaptures > 0) {
     line("reuse points",
-         fmt::format("every {} tokens: captured {}, kept {}, hit {}, evicted {}",
+         fmt::format("every {} tokens: captured {} (and {} at prefill chunks' ends), kept {}, hit "
+                     "{}, evicted {}",
                      r.config.checkpointInterval, grouped(h.reusePointCaptures),
-                     grouped(h.reusePointsPublished), grouped(h.reusePointsRestored),
-                     grouped(h.reusePointsEvicted)));
+                     grouped(h.chunkEndCaptures), grouped(h.reusePointsPublished),
+                     grouped(h.reusePointsRestored), grouped(h.reusePointsEvicted)));
   }
   if (h.attentionOnlyRun) {
     line("attention-only reuse",
@@ -547,6 +548,7 @@ std::string formatJson(ReplayResult const& r) {
         {"reuse_points",
          {{"interval", c.checkpointInterval},
           {"captured", h.reusePointCaptures},
+          {"chunk_ends_captured", h.chunkEndCaptures},
           {"written", h.reusePointsWritten},
           {"kept", h.reusePointsPublished},
           {"hit", h.reusePointsRestored},

@@ -1103,6 +1103,7 @@ class Runner {
     h.checkpointsRestored = static_cast<int64_t>(counters.checkpointRestores);
     h.snapshotPressureSkips = static_cast<int64_t>(counters.snapshotPressureSkips);
     h.reusePointCaptures = static_cast<int64_t>(counters.reusePointCaptures);
+    h.chunkEndCaptures = static_cast<int64_t>(counters.chunkEndCaptures);
     h.reusePointsPublished = static_cast<int64_t>(counters.reusePointPublications);
     h.reusePointsRestored = static_cast<int64_t>(counters.reusePointRestores);
     h.reusePointsEvicted = static_cast<int64_t>(coordinator.metrics().evictedReusePoints);

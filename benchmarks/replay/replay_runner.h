@@ -288,9 +288,11 @@ struct ReplayResult {
     int64_t checkpointsPublished = 0;   ///< captured checkpoints committed as records
     int64_t checkpointsRestored = 0;    ///< sequences that started from a restored checkpoint
     int64_t snapshotPressureSkips = 0;  ///< captures skipped: no snapshot slot could be had
-    /// Reuse points (checkpointInterval > 0): slots handed to the engine, points committed as
-    /// records, sequences that restored one, points evicted, and the points the engine wrote.
+    /// Reuse points (checkpointInterval > 0): slots handed to the engine, the ends of joiners'
+    /// prefill chunks the library captured (under a token budget), points committed as records,
+    /// sequences that restored one, points evicted, and the points the engine wrote.
     int64_t reusePointCaptures = 0;
+    int64_t chunkEndCaptures = 0;
     int64_t reusePointsPublished = 0;
     int64_t reusePointsRestored = 0;
     int64_t reusePointsEvicted = 0;

@@ -731,6 +731,34 @@ TEST_P(HybridReplayTest, EachTurnRestoresThePreviousTurnsExactCheckpointAndTheOr
   EXPECT_EQ(h.recurrentChecks, 120 + result.decodeSteps);
 }
 
+// Hybrid sequences joined in flight and prefilled in chunks under a token budget: each joiner
+// restores its hit checkpoint into its resident row, the engine carries its recurrent state from
+// chunk to chunk (the oracle checks it at every chunk start), the library keeps chunk ends as
+// reuse points, and the reuse stays what one sequence at a time gets.
+TEST_P(HybridReplayTest, JoinedAndChunkedSequencesRestoreAndPublishCheckpointsAsWholeOnesDo) {
+  ReplayConfig config = hybridConfig(device());
+  config.verify = testing::VerifyMode::kAll;
+  config.checkpointInterval = 256;
+  MultiTurnWorkload serialWorkload;
+  ReplayResult const serial = runReplay(serialWorkload, config);
+  config.maxBatch = 4;
+  config.maxBatchedTokens = 64;
+  MultiTurnWorkload workload;
+  ReplayResult const result = runReplay(workload, config);
+  EXPECT_EQ(result.failedRequests, 0);
+  EXPECT_EQ(result.oracleMismatches, 0) << result.firstMismatch;
+  ReplayResult::Hybrid const& h = result.hybrid;
+  EXPECT_EQ(h.recurrentMismatches, 0);
+  // Engagement: joiners, chunked prefills, chunk ends kept, checkpoints restored by joiners.
+  EXPECT_GT(result.joins, 50);
+  EXPECT_GT(result.chunkedPrefills, 50);
+  EXPECT_GT(h.chunkEndCaptures, 50);
+  EXPECT_GT(h.checkpointsRestored, 50);
+  EXPECT_GT(h.recurrentChecks, serial.hybrid.recurrentChecks) << "every chunk start is checked";
+  EXPECT_GE(static_cast<double>(result.reusedTokens),
+            0.98 * static_cast<double>(serial.reusedTokens));
+}
+
 /// Six requests, each prompt the previous one plus 37 tokens (100, 137, ... 285), one token each.
 TraceSource chainedPrompts() {
   std::vector<TraceRecord> records;
