@@ -67,8 +67,8 @@ KVCacheRuntimeConfig speculativeConfig(KVCacheRuntimeConfig config, bool hybrid)
     config.model.recurrentStateBytes = 24;
     config.model.recurrentConvBytes = 8;
     spec.boundaryHiddenWidth = 8;
-    config.contextCache.recurrentSnapshotPoolBytes = 2 * (2 * (24 + 8) + 8 * 2);
-    config.contextCache.partialKvSnapshotPoolBytes = 2 * (2 + 1) * (2 * 16 * 4 * 2);
+    config.contextCache.recurrentSnapshotPoolBytes = int64_t{2} * (2 * (24 + 8) + 8 * 2);
+    config.contextCache.partialKvSnapshotPoolBytes = int64_t{2} * (2 + 1) * 2 * 16 * 4 * 2;
   }
   config.speculative = spec;
   return config;
@@ -346,7 +346,7 @@ std::vector<InvalidCase> invalidCases() {
     return [tokens](KVCacheRuntimeConfig& c) { c.tokensPerPage = tokens; };
   };
   // Reuse on with a draft: EAGLE, or Hybrid-MTP with recurrent layers; then `mutate` the draft.
-  auto draft = [](bool hybrid, std::function<void(KVCacheSpeculativeConfig&)> mutate) {
+  auto draft = [](bool hybrid, std::function<void(KVCacheSpeculativeConfig&)> const& mutate) {
     return [hybrid, mutate](KVCacheRuntimeConfig& c) {
       c = speculativeConfig(c, hybrid);
       mutate(*c.speculative);
@@ -539,8 +539,9 @@ TEST_P(KVCacheRuntimeTest, ReuseForAHybridModelIsCheckpointReuseWithSeatedAdmiss
               std::string::npos)
         << message;
   }
-  config.contextCache.recurrentSnapshotPoolBytes = 5 * 64;
-  config.contextCache.partialKvSnapshotPoolBytes = 3 * 2 * 2 * 16 * 4 * 2;  // 2 layers, fp16
+  config.contextCache.recurrentSnapshotPoolBytes = int64_t{5} * 64;
+  config.contextCache.partialKvSnapshotPoolBytes =
+      int64_t{3} * 2 * 2 * 16 * 4 * 2;  // 2 layers, fp16
   auto runtime = KVCacheRuntime::create(config);
   ASSERT_EQ(runtime->backend(), KVCacheBackend::kContextReuse);
   ContextCacheCoordinator const& coordinator = *runtime->contextCache();
