@@ -331,6 +331,12 @@ else
     # Swap moves decoding rows' blocks to the host tier (with a token budget the rows preempted
     # on this sample are still prefilling: nothing to swap).
     serving_case mooncake_serving_swap --preemption swap --host-pool-tokens 160000
+    # Hybrid joiners (3 attention + 9 recurrent layers), unbounded pool: restores at admission,
+    # recurrent state carried across chunks, chunk ends kept as reuse points.
+    CASE_GEOMETRY=(--trace "$TRACE" --max-batch 16 --verify sample --quiet)
+    replay_case mooncake_serving_hybrid --max-batched-tokens 2048 --layers 3 --recurrent-layers 9 \
+      --checkpoint-interval 512 --no-attention-only
+    CASE_GEOMETRY=()
   fi
   replay_case embedded_reuse --pool-tokens 32768
   # Hybrid checkpoints: 96 snapshot slots (1.5 GiB of partial pages) keep every restore.
