@@ -65,13 +65,15 @@ for test in tests/python/test_*.py; do
 done
 references=(dense)
 $python -c 'import transformers' 2>/dev/null && references+=(transformers)
-for reference in "${references[@]}"; do
-  log=$OUT/parity_llama_cuda_$reference
-  if $python -m managedkv.parity --model llama --device cuda --reference "$reference" \
-      --json "$log.json" >"$log.log" 2>&1; then
-    echo "== parity llama cuda $reference: PASS"; tail -12 "$log.log"
-  else
-    echo "== parity llama cuda $reference: FAIL"; tail -30 "$log.log"; failed=1
-  fi
+for model in llama gemma3; do
+  for reference in "${references[@]}"; do
+    log=$OUT/parity_${model}_cuda_$reference
+    if $python -m managedkv.parity --model $model --device cuda --reference "$reference" \
+        --json "$log.json" >"$log.log" 2>&1; then
+      echo "== parity $model cuda $reference: PASS"; tail -6 "$log.log"
+    else
+      echo "== parity $model cuda $reference: FAIL"; tail -30 "$log.log"; failed=1
+    fi
+  done
 done
 exit $failed
