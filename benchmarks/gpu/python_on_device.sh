@@ -66,14 +66,16 @@ done
 references=(dense)
 $python -c 'import transformers' 2>/dev/null && references+=(transformers)
 for model in llama gemma3; do
-  for reference in "${references[@]}"; do
-    log=$OUT/parity_${model}_cuda_$reference
-    if $python -m managedkv.parity --model $model --device cuda --reference "$reference" \
-        --json "$log.json" >"$log.log" 2>&1; then
-      echo "== parity $model cuda $reference: PASS"; tail -6 "$log.log"
-    else
-      echo "== parity $model cuda $reference: FAIL"; tail -30 "$log.log"; failed=1
-    fi
+  for dtype in fp32 bf16; do
+    for reference in "${references[@]}"; do
+      log=$OUT/parity_${model}_${dtype}_cuda_$reference
+      if $python -m managedkv.parity --model $model --dtype $dtype --device cuda \
+          --reference "$reference" --json "$log.json" >"$log.log" 2>&1; then
+        echo "== parity $model $dtype cuda $reference: PASS"; tail -1 "$log.log"
+      else
+        echo "== parity $model $dtype cuda $reference: FAIL"; tail -30 "$log.log"; failed=1
+      fi
+    done
   done
 done
 exit $failed

@@ -114,9 +114,10 @@ class TinyGemma3:
     parity.TinyLlama's): ``embed_tokens``, per layer ``qkv`` -> ``attend`` (or paged reads) ->
     ``finish_layer``, ``logits``; ``layer_window(layer)`` is the layer's sliding window (None: full)."""
 
-    def __init__(self, geometry, state_dict, device, inv_freq=None, facts=None):
+    def __init__(self, geometry, state_dict, device, inv_freq=None, facts=None, dtype=torch.float32):
         self.__dict__.update(geometry)
         self.device = device
+        self.dtype = dtype
         facts = facts or {}
         self.eps = facts.get("rms_norm_eps", RMS_NORM_EPS)
         self.types = facts.get("layer_types", layer_types(geometry))
@@ -124,7 +125,7 @@ class TinyGemma3:
         self.scaling = facts.get("query_pre_attn_scalar", geometry["head_dim"]) ** -0.5
         self.embed_scale = torch.tensor(facts.get("embed_scale", geometry["hidden"] ** 0.5)).to(torch.float32)
         checked = check_state_dict(state_dict, geometry)
-        w = {k: v.to(device=device, dtype=torch.float32) for k, v in checked.items()}
+        w = {k: v.to(device=device, dtype=dtype) for k, v in checked.items()}
         self.embed = w["model.embed_tokens.weight"]
         self.blocks = []
         for i in range(self.layers):
@@ -141,25 +142,26 @@ class TinyGemma3:
         self.inv_freq = {kind: f.to(device=device, dtype=torch.float32) for kind, f in inv_freq.items()}
 
     @classmethod
-    def random(cls, geometry, seed, device):
-        return cls(geometry, random_state_dict(geometry, seed), device)
+    def random(cls, geometry, seed, device, dtype=torch.float32):
+        return cls(geometry, random_state_dict(geometry, seed), device, dtype=dtype)
 
     def layer_window(self, layer):
         return self.sliding_window if self.types[layer] == SLIDING else None
 
     def rms_norm(self, x, w):
-        x = x.to(torch.float32)
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + w)
+        """transformers' order: normalised and scaled in fp32, then cast back."""
+        f = x.float()
+        return (f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + w.float())).to(x.dtype)
 
     def rope(self, x, positions, kind):
         angles = positions.to(torch.float32)[:, None] * self.inv_freq[kind][None, :]
-        cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
+        cos, sin = angles.cos()[:, None, :].to(x.dtype), angles.sin()[:, None, :].to(x.dtype)
         half = self.head_dim // 2
         x1, x2 = x[..., :half], x[..., half:]
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
     def embed_tokens(self, ids):
-        return self.embed[ids] * self.embed_scale
+        return self.embed[ids] * self.embed_scale.to(self.dtype)
 
     def qkv(self, layer, h, positions):
         block, kind = self.blocks[layer], self.types[layer]
@@ -184,7 +186,7 @@ class TinyGemma3:
         if window is not None:
             hidden = hidden | (keys[None, :] <= query_positions[:, None] - window)
         scores = scores.masked_fill(hidden[None], float("-inf"))
-        return torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v)
+        return torch.einsum("hqk,khd->qhd", torch.softmax(scores.float(), dim=-1).to(q.dtype), v)
 
     def finish_layer(self, layer, h, attention):
         block = self.blocks[layer]

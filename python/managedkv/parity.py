@@ -33,6 +33,7 @@ import managedkv as mkv
 from managedkv import gemma3, hf_llama
 
 LOGIT_TOLERANCE = 1e-3
+KL_THRESHOLD = 3e-3  # SGLang's kl_threshold for its cache self-consistency tests
 
 SIZES = {
     # vocab, hidden, layers, heads, kv heads, head dim, ffn, tokens per page
@@ -55,14 +56,15 @@ class TinyLlama:
     ``transformers.LlamaForCausalLM``'s ``state_dict()`` (``--reference transformers``). The dense
     forward and the paged engine both run on the methods below."""
 
-    def __init__(self, geometry, state_dict, device, inv_freq=None):
+    def __init__(self, geometry, state_dict, device, inv_freq=None, dtype=torch.float32):
         self.__dict__.update(geometry)
         self.device = device
+        self.dtype = dtype
         self.eps = geometry.get("rms_norm_eps", hf_llama.RMS_NORM_EPS)
         self.rope_theta = geometry.get("rope_theta", hf_llama.ROPE_THETA)
         self.scaling = self.head_dim**-0.5
         checked = hf_llama.check_state_dict(state_dict, geometry)
-        weights = {k: v.to(device=device, dtype=torch.float32) for k, v in checked.items()}
+        weights = {k: v.to(device=device, dtype=dtype) for k, v in checked.items()}
         self.embed = weights["model.embed_tokens.weight"]
         self.blocks = []
         for i in range(self.layers):
@@ -87,17 +89,19 @@ class TinyLlama:
         self.inv_freq = inv_freq.to(device=device, dtype=torch.float32)
 
     @classmethod
-    def random(cls, geometry, seed, device):
-        return cls(geometry, hf_llama.random_state_dict(geometry, seed), device)
+    def random(cls, geometry, seed, device, dtype=torch.float32):
+        return cls(geometry, hf_llama.random_state_dict(geometry, seed), device, dtype=dtype)
 
     def rms_norm(self, x, w):
-        return w * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+        """transformers' order: normalised in fp32, cast back, then scaled."""
+        f = x.float()
+        return w * (f * torch.rsqrt(f.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
 
     def rope(self, x, positions):
         """x [T, heads, D] rotated by its absolute positions [T] (transformers' rotate_half
         convention: the first half of each head pairs with the second)."""
         angles = positions.to(torch.float32)[:, None] * self.inv_freq[None, :]
-        cos, sin = angles.cos()[:, None, :], angles.sin()[:, None, :]
+        cos, sin = angles.cos()[:, None, :].to(x.dtype), angles.sin()[:, None, :].to(x.dtype)
         half = self.head_dim // 2
         x1, x2 = x[..., :half], x[..., half:]
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
@@ -125,7 +129,7 @@ class TinyLlama:
         scores = torch.einsum("qhd,khd->hqk", q, k) * self.scaling
         keys = torch.arange(k.shape[0], device=q.device)
         scores = scores.masked_fill((keys[None, :] > query_positions[:, None])[None], float("-inf"))
-        return torch.einsum("hqk,khd->qhd", torch.softmax(scores, dim=-1), v)
+        return torch.einsum("hqk,khd->qhd", torch.softmax(scores.float(), dim=-1).to(q.dtype), v)
 
     def finish_layer(self, layer, h, attention):
         block = self.blocks[layer]
@@ -150,14 +154,22 @@ class TinyLlama:
 class Sequence:
     """One user sequence of the workload and what each path made of it."""
 
-    def __init__(self, name, prompt, max_new_tokens, join_step=None):
+    def __init__(self, name, prompt, max_new_tokens, join_step=None, decode_written_from=None):
         self.name = name
         self.prompt = list(prompt)
         self.max_new_tokens = max_new_tokens
         self.join_step = join_step
+        # A follow-up turn: its prompt from this position on is an earlier turn's generated tokens,
+        # whose KV that turn's decode steps wrote.
+        self.decode_written_from = decode_written_from
         self.generated = []
         self.logits = {}  # position -> logits (managedkv path)
         self.reused = 0
+
+    def note_reuse(self, start, engine):
+        self.reused = start
+        if self.decode_written_from is not None:
+            engine.decode_kv_reused += max(0, start - self.decode_written_from)
 
 
 class Row:
@@ -191,7 +203,7 @@ class PagedEngine:
         config.model.slidingWindowTokens = self.window
         config.model.numKVHeads = model.kv_heads
         config.model.headDim = model.head_dim
-        config.model.kvDataType = mkv.DataType.kFloat32
+        config.model.kvDataType = mkv.DataType.kBFloat16 if model.dtype == torch.bfloat16 else mkv.DataType.kFloat32
         config.maxBatchSize = self.max_batch
         config.maxSequenceLength = 512
         config.tokensPerPage = self.page
@@ -219,6 +231,16 @@ class PagedEngine:
         self.mapping = torch.zeros(self.max_batch, dtype=torch.int32, device=self.device)
         self.steps = 0
         self.window_pages_dropped = 0  # sliding pages the library retired from rows the engine runs
+        self.decode_kv_reused = 0  # reused prompt tokens whose KV an earlier turn's decode wrote
+        # Greedy (fp32 parity), or sampled at temperature 1 from a seeded generator (bf16 KL).
+        self.sampler = torch.Generator().manual_seed(args.seed + 2) if args.dtype == "bf16" else None
+
+    def pick(self, logits):
+        """The next token from one position's logits."""
+        if self.sampler is None:
+            return int(logits.argmax())
+        probs = torch.softmax(logits.float(), dim=-1).cpu()
+        return int(torch.multinomial(probs, 1, generator=self.sampler))
 
     def metrics(self):
         m = self.runtime.contextCache().metrics()
@@ -233,6 +255,7 @@ class PagedEngine:
             prefill_chunks=c.prefillChunks,
             evicted_misses=m.misses["evicted"],
             window_pages_dropped=self.window_pages_dropped,
+            decode_kv_reused=self.decode_kv_reused,
         )
 
     def step_views(self, views, rows, counts):
@@ -343,7 +366,7 @@ class PagedEngine:
         starts = managed.prefillStarts()
         for row, start in zip(rows, starts):
             row.kv_length = start
-            row.seq.reused = start
+            row.seq.note_reuse(start, self)
         require(managed.preparePrefill(), "preparePrefill")
         require(managed.prepareSwaPrefill([len(r.seq.prompt) - r.kv_length for r in rows]), "prepareSwaPrefill")
         self.check_lengths(rows)
@@ -352,7 +375,7 @@ class PagedEngine:
             for t in range(logits[i].shape[0]):
                 row.seq.logits[row.kv_length + t] = logits[i][t]
             row.kv_length = len(row.seq.prompt)
-            token = int(logits[i][-1].argmax())
+            token = self.pick(logits[i][-1])
             row.seq.generated.append(token)
             context.appendToken(i, token)
         self.write_lengths(rows)
@@ -378,9 +401,9 @@ class PagedEngine:
                 row.kv_length += len(new_tokens[i])
                 if row.prefilling:
                     if row.kv_length == len(row.seq.prompt):
-                        finalize.append((i, int(logits[i][-1].argmax())))
+                        finalize.append((i, self.pick(logits[i][-1])))
                     continue
-                token = int(logits[i][-1].argmax())
+                token = self.pick(logits[i][-1])
                 row.seq.generated.append(token)
                 context.appendToken(i, token)
                 if len(row.seq.generated) >= row.seq.max_new_tokens:
@@ -426,7 +449,7 @@ class PagedEngine:
                 self.join_row(len(rows), start)
                 context.appendRow(seq.prompt, resident, len(seq.prompt) - start)
                 rows.append(Row(seq, resident, start, prefilling=True))
-                seq.reused = start
+                seq.note_reuse(start, self)
                 self.check_lengths(rows)
         require(managed.finish(), "finish")
         if waiting:
@@ -461,6 +484,39 @@ def compare(reference, sequences):
     return tokens_equal, max_diff, positions
 
 
+def compare_kl(reference, sequences):
+    """SGLang's cache self-consistency (bf16): the logprob of each token the paged path sampled,
+    at the decode that sampled it, against its logprob in a re-prefill of prompt + output by path
+    (a) (no cache), through the k3 estimator mean(exp(r) - 1 - r), r = prefill - decode logprob;
+    cold sequences (nothing reused) and warm ones apart. Also the largest logit difference over every
+    position path (b) computed, and how often the decode's argmax is the re-prefill's."""
+    k3 = {"cold": [], "warm": []}
+    max_diff, positions, agree = 0.0, 0, 0
+    for seq in sequences:
+        prefill = reference(seq.prompt + seq.generated[:-1]).float()
+        for position, logits in seq.logits.items():
+            max_diff = max(max_diff, float((logits.float() - prefill[position]).abs().max()))
+            positions += 1
+        for j, token in enumerate(seq.generated):
+            position = len(seq.prompt) - 1 + j
+            decode = seq.logits[position].float()
+            r = F.log_softmax(prefill[position], -1)[token] - F.log_softmax(decode, -1)[token]
+            k3["warm" if seq.reused > 0 else "cold"].append(float(torch.exp(r) - 1 - r))
+            agree += int(int(decode.argmax()) == int(prefill[position].argmax()))
+    scored = k3["cold"] + k3["warm"]
+    mean = lambda values: sum(values) / len(values) if values else 0.0  # noqa: E731
+    return dict(
+        kl_k3=mean(scored),
+        kl_k3_cold=mean(k3["cold"]),
+        kl_k3_warm=mean(k3["warm"]),
+        tokens_scored=len(scored),
+        warm_tokens_scored=len(k3["warm"]),
+        argmax_agreement=agree / len(scored) if scored else 0.0,
+        max_abs_logit_diff=max_diff,
+        positions_compared=positions,
+    )
+
+
 class Workload:
     """Prompts built from shared prefixes, seeded."""
 
@@ -472,34 +528,44 @@ class Workload:
     def tokens(self, n):
         return torch.randint(1, self.vocab, (n,), generator=self.generator).tolist()
 
-    def seq(self, prompt, new_tokens, join_step=None):
+    def seq(self, prompt, new_tokens, join_step=None, decode_written_from=None):
         self.count += 1
-        return Sequence(f"s{self.count}", prompt, new_tokens, join_step)
+        return Sequence(f"s{self.count}", prompt, new_tokens, join_step, decode_written_from)
 
 
-def run_path(name, engine, reference, body, guards, collected):
+def run_path(name, engine, reference, body, guards, collected, kl=False):
     """Runs `body(engine)` (which returns its sequences, appended to `collected`), compares them
-    with the reference and reports the path's metric deltas and whether its guards hold."""
+    with the reference (greedy tokens and logits; with `kl`, SGLang's KL protocol) and reports the
+    path's metric deltas and whether its guards hold."""
     start_metrics = engine.metrics()
     sequences = body(engine)
     collected.extend(sequences)
     end_metrics = engine.metrics()
     delta = {k: end_metrics[k] - start_metrics[k] for k in end_metrics}
-    tokens_equal, max_diff, positions = compare(reference, sequences)
     failed_guards = [g for g in guards if delta[g] == 0]
+    if kl:
+        figures = compare_kl(reference, sequences)
+        figures["tokens_equal"] = None  # sampled: the re-prefill scores the decode's own tokens
+        judged = figures["kl_k3"] <= KL_THRESHOLD and figures["tokens_scored"] > 0
+        if any(seq.reused > 0 for seq in sequences):
+            judged = judged and figures["warm_tokens_scored"] > 0
+        summary = f"KL(k3) {figures['kl_k3']:.2e} (cold {figures['kl_k3_cold']:.2e}, warm {figures['kl_k3_warm']:.2e})"
+    else:
+        tokens_equal, max_diff, positions = compare(reference, sequences)
+        figures = dict(max_abs_logit_diff=max_diff, tokens_equal=tokens_equal, positions_compared=positions)
+        judged = tokens_equal and max_diff <= LOGIT_TOLERANCE and positions > 0
+        summary = f"max|dlogit| {max_diff:.3e}  tokens_equal {tokens_equal}"
     result = dict(
-        max_abs_logit_diff=max_diff,
-        tokens_equal=tokens_equal,
-        positions_compared=positions,
+        **figures,
         sequences=len(sequences),
         generated_tokens=sum(len(s.generated) for s in sequences),
         **delta,
         guards=list(guards),
         failed_guards=failed_guards,
     )
-    result["passed"] = tokens_equal and max_diff <= LOGIT_TOLERANCE and positions > 0 and not failed_guards
+    result["passed"] = judged and not failed_guards
     print(
-        f"{name:<22} positions {positions:5d}  max|dlogit| {max_diff:.3e}  tokens_equal {tokens_equal}  "
+        f"{name:<22} positions {figures['positions_compared']:5d}  {summary}  "
         f"reused {delta['reused_tokens']:4d}  evicted {delta['evicted_records']:3d}  "
         f"onboarded {delta['onboarded_pages']:3d}  joins {delta['in_flight_joins']}  "
         f"chunks {delta['prefill_chunks']}  {'ok' if result['passed'] else 'FAILED ' + str(failed_guards)}"
@@ -523,8 +589,9 @@ def build_reference(args, geometry, device):
     hf-torch forward on transformers' weights. Raises hf_llama.TransformersMissing."""
     if args.model == "gemma3":
         return build_gemma3_reference(args, geometry, device)
+    dtype = model_dtype(args)
     if args.reference == "dense":
-        model = TinyLlama.random(geometry, args.seed, device)
+        model = TinyLlama.random(geometry, args.seed, device, dtype=dtype)
         return model, model.forward_dense, dict(weights="hf_llama.random_state_dict(seed)"), None
 
     def wrap(module, call):
@@ -538,7 +605,8 @@ def build_reference(args, geometry, device):
         module = hf_llama.ReferenceLlamaForCausalLM(geometry)
         module.load_state_dict(hf_llama.random_state_dict(geometry, args.seed), strict=True)
         module = module.to(device).eval()
-        model = TinyLlama(geometry, module.state_dict(), device)
+        model = TinyLlama(geometry, module.state_dict(), device, dtype=dtype)
+        cast_parameters(module, dtype)
         facts = dict(
             weights="hf_llama.random_state_dict(seed), loaded into ReferenceLlamaForCausalLM (strict); "
             "the engine loads its state_dict()"
@@ -548,7 +616,7 @@ def build_reference(args, geometry, device):
     hf, hf_facts = hf_llama.build_transformers_model(geometry, args.seed, device)
     inv_freq = hf_facts.pop("inv_freq")
     engine_geometry = dict(geometry, rms_norm_eps=hf_facts["rms_norm_eps"], rope_theta=hf_facts["rope_theta"])
-    model = TinyLlama(engine_geometry, hf.state_dict(), device, inv_freq=inv_freq)
+    model = TinyLlama(engine_geometry, hf.state_dict(), device, inv_freq=inv_freq, dtype=dtype)
     own = hf_llama.rope_inv_freq(geometry["head_dim"], hf_facts["rope_theta"]).to(inv_freq.device)
     hf_facts["inv_freq_equals_computed"] = bool(torch.equal(own, inv_freq.float()))
     reference = wrap(hf, lambda m, ids: m(input_ids=ids, use_cache=False).logits)
@@ -561,7 +629,21 @@ def build_reference(args, geometry, device):
     # The local stand-in for transformers (what CI checks the loader against), to measure against it.
     stand_in = hf_llama.ReferenceLlamaForCausalLM(engine_geometry)
     stand_in.load_state_dict(hf.state_dict(), strict=True)
+    cast_parameters(hf, dtype)
+    cast_parameters(stand_in, dtype)
     return model, reference, facts, wrap(stand_in.to(device).eval(), lambda m, ids: m(ids))
+
+
+def model_dtype(args):
+    return torch.bfloat16 if args.dtype == "bf16" else torch.float32
+
+
+def cast_parameters(module, dtype):
+    """The module's parameters in `dtype`, its buffers (rotary inv_freq, embedding scale) kept as
+    they are: what loading a checkpoint in that dtype gives, where ``module.to(dtype)`` would round
+    the rotary frequencies too."""
+    for parameter in module.parameters():
+        parameter.data = parameter.data.to(dtype)
 
 
 def build_gemma3_reference(args, geometry, device):
@@ -569,14 +651,16 @@ def build_gemma3_reference(args, geometry, device):
     densely, ``transformers`` a ``transformers.Gemma3ForCausalLM`` whose state_dict() the engine
     loads, and whose layer types, window, norm epsilon, query scalar, embedding scale and rotary
     frequencies it takes. No hf-torch stand-in."""
+    dtype = model_dtype(args)
     if args.reference == "dense":
-        model = gemma3.TinyGemma3.random(geometry, args.seed, device)
+        model = gemma3.TinyGemma3.random(geometry, args.seed, device, dtype=dtype)
         return model, model.forward_dense, dict(weights="gemma3.random_state_dict(seed)"), None
     if args.reference != "transformers":
         raise SystemExit("parity: --model gemma3 takes --reference dense or transformers")
     hf, hf_facts = gemma3.build_transformers_model(geometry, args.seed, device)
     inv_freq = hf_facts.pop("inv_freq")
-    model = gemma3.TinyGemma3(geometry, hf.state_dict(), device, inv_freq=inv_freq, facts=hf_facts)
+    model = gemma3.TinyGemma3(geometry, hf.state_dict(), device, inv_freq=inv_freq, facts=hf_facts, dtype=dtype)
+    cast_parameters(hf, dtype)
 
     def reference(tokens):
         with torch.no_grad():
@@ -628,6 +712,13 @@ def main(argv=None):
     parser.add_argument("--size", choices=sorted(SIZES), default="tiny")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--chunk", type=int, default=16, help="tokens of a joiner's prefill per step")
+    parser.add_argument(
+        "--dtype",
+        choices=["fp32", "bf16"],
+        default="fp32",
+        help="fp32: greedy tokens identical, logits within 1e-3; bf16: tokens sampled at temperature "
+        "1, SGLang's KL of the decode logprobs against a re-prefill of prompt + output, at most 3e-3",
+    )
     parser.add_argument("--json", help="write the figures to this file")
     args = parser.parse_args(argv)
 
@@ -671,6 +762,17 @@ def main(argv=None):
         engine.serve(again)
         return sequences + again
 
+    def decode_hit(engine):
+        # The second turn's prompt is the first turn's prompt and reply plus a question: its hit
+        # reaches into KV the first turn's decode steps wrote (published at completion).
+        first = work.seq(work.tokens(2 * P + 5), 3 * P)
+        engine.serve([first])
+        second = work.seq(
+            first.prompt + first.generated + work.tokens(9), 4, decode_written_from=len(first.prompt)
+        )
+        engine.serve([second])
+        return [first, second]
+
     def host_tier(engine):
         sequences = warm(engine) + pressure(engine, 4)
         again = [work.seq(system_a + work.tokens(6), 4), work.seq(system_b + work.tokens(3), 4)]
@@ -679,20 +781,17 @@ def main(argv=None):
 
     paths, sequences = {}, []
     sliding = args.model == "gemma3"
+    kl = args.dtype == "bf16"
+
+    def path(name, engine, body, guards):
+        paths[name] = run_path(name, engine, reference, body, guards, sequences, kl=kl)
+
     engine = PagedEngine(model, args, num_pages=28)
     # On Gemma-3 the warm path's hits map cached windows and its decodes rotate them.
     warm_guards = ["reused_tokens", "in_flight_joins", "prefill_chunks"]
-    paths["warm_reuse_chunked_join"] = run_path(
-        "warm_reuse_chunked_join",
-        engine,
-        reference,
-        warm,
-        warm_guards + (["window_pages_dropped"] if sliding else []),
-        sequences,
-    )
-    paths["eviction_then_miss"] = run_path(
-        "eviction_then_miss", engine, reference, evict_then_miss, ["evicted_records", "evicted_misses"], sequences
-    )
+    path("warm_reuse_chunked_join", engine, warm, warm_guards + (["window_pages_dropped"] if sliding else []))
+    path("decode_written_hit", engine, decode_hit, ["decode_kv_reused"])
+    path("eviction_then_miss", engine, evict_then_miss, ["evicted_records", "evicted_misses"])
     not_run = dict(
         restored_checkpoints=f"0: {args.model} has no recurrent layers; checkpoint restores belong to "
         "hybrid deployments, which this parity does not run",
@@ -701,14 +800,7 @@ def main(argv=None):
         not_run["host_tier_onboard"] = "the composed backend (sliding windows with reuse) has no host tier"
     else:
         tiered = PagedEngine(model, args, num_pages=28, host_pool_tokens=64 * P)
-        paths["host_tier_onboard"] = run_path(
-            "host_tier_onboard",
-            tiered,
-            reference,
-            host_tier,
-            ["reused_tokens", "evicted_records", "onboarded_pages"],
-            sequences,
-        )
+        path("host_tier_onboard", tiered, host_tier, ["reused_tokens", "evicted_records", "onboarded_pages"])
     if stand_in is not None:
         check = stand_in_check(stand_in, reference, sequences)
         facts["hf_torch_vs_transformers"] = check
@@ -723,6 +815,7 @@ def main(argv=None):
         model=args.model,
         size=args.size,
         device=args.device,
+        dtype=args.dtype,
         reference=args.reference,
         reference_is=REFERENCES[args.reference],
         seed=args.seed,
@@ -730,20 +823,32 @@ def main(argv=None):
         python=platform.python_version(),
         geometry=geometry,
         **facts,
-        tolerance=LOGIT_TOLERANCE,
         max_abs_logit_diff=max(p["max_abs_logit_diff"] for p in paths.values()),
-        tokens_equal=all(p["tokens_equal"] for p in paths.values()),
         **{k: sum(p[k] for p in paths.values()) for k in keys},
         not_run=not_run,
         paths=paths,
     )
+    if kl:
+        scored = sum(p["tokens_scored"] for p in paths.values())
+        report.update(
+            kl_threshold=KL_THRESHOLD,
+            kl_k3=sum(p["kl_k3"] * p["tokens_scored"] for p in paths.values()) / max(1, scored),
+            kl_k3_max_path=max(p["kl_k3"] for p in paths.values()),
+            tokens_scored=scored,
+            tokens_equal=None,
+        )
+        verdict = f"KL(k3) {report['kl_k3']:.2e}, worst path {report['kl_k3_max_path']:.2e} (threshold {KL_THRESHOLD})"
+    else:
+        report.update(tolerance=LOGIT_TOLERANCE, tokens_equal=all(p["tokens_equal"] for p in paths.values()))
+        verdict = (
+            f"max|dlogit| {report['max_abs_logit_diff']:.3e} (tolerance {LOGIT_TOLERANCE}), "
+            f"tokens_equal {report['tokens_equal']}"
+        )
     report["passed"] = all(p["passed"] for p in paths.values())
     report["seconds"] = round(time.time() - began, 2)
     print(
-        f"parity ({args.reference}) {'PASSED' if report['passed'] else 'FAILED'}: "
-        f"{report['positions_compared']} positions, "
-        f"max|dlogit| {report['max_abs_logit_diff']:.3e} (tolerance {LOGIT_TOLERANCE}), "
-        f"tokens_equal {report['tokens_equal']}, reused {report['reused_tokens']}, "
+        f"parity ({args.model}, {args.dtype}, {args.reference}) {'PASSED' if report['passed'] else 'FAILED'}: "
+        f"{report['positions_compared']} positions, {verdict}, reused {report['reused_tokens']}, "
         f"evicted {report['evicted_records']}, onboarded {report['onboarded_pages']}, "
         f"restored_checkpoints 0 (not run: no recurrent layers), {report['seconds']} s"
     )

@@ -79,5 +79,34 @@ class Gemma3AttentionTest(unittest.TestCase):
         self.assertTrue(torch.allclose(self.model.rms_norm(x, torch.ones(64)), 2 * plain))
 
 
+class KlProtocolTest(unittest.TestCase):
+    """parity.compare_kl, the bf16 judge, measures what it names: 0 when the decode's logits are
+    the re-prefill's, above the threshold when the decode ran another model."""
+
+    def decoded(self, model, prompt, steps):
+        seq = parity.Sequence("s", prompt, steps)
+        tokens = list(prompt)
+        for _ in range(steps):
+            logits = model.forward_dense(tokens)
+            seq.logits[len(tokens) - 1] = logits[-1]
+            token = int(torch.multinomial(torch.softmax(logits[-1], -1), 1, generator=self.generator))
+            seq.generated.append(token)
+            tokens.append(token)
+        return seq
+
+    def setUp(self):
+        self.generator = torch.Generator().manual_seed(11)
+
+    def test_identical_logits_score_zero_and_another_model_fails(self):
+        model = gemma3.TinyGemma3.random(TINY, 0, CPU)
+        prompt = list(range(1, 40))
+        same = parity.compare_kl(model.forward_dense, [self.decoded(model, prompt, 8)])
+        self.assertEqual(same["kl_k3"], 0.0)
+        self.assertEqual(same["tokens_scored"], 8)
+        other = gemma3.TinyGemma3.random(TINY, 1, CPU)
+        differ = parity.compare_kl(model.forward_dense, [self.decoded(other, prompt, 8)])
+        self.assertGreater(differ["kl_k3"], parity.KL_THRESHOLD)
+
+
 if __name__ == "__main__":
     unittest.main()

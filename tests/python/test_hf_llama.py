@@ -173,7 +173,10 @@ class ParityTest(unittest.TestCase):
         self.assertNotIn("transformers", report)
         self.assertTrue(report["tokens_equal"])
         self.assertLessEqual(report["max_abs_logit_diff"], parity.LOGIT_TOLERANCE)
-        self.assertEqual(set(report["paths"]), {"warm_reuse_chunked_join", "eviction_then_miss", "host_tier_onboard"})
+        self.assertEqual(
+            set(report["paths"]),
+            {"warm_reuse_chunked_join", "decode_written_hit", "eviction_then_miss", "host_tier_onboard"},
+        )
         self.assertTrue(all(p["passed"] for p in report["paths"].values()))
 
     def test_transformers_code_path_on_a_stub(self):
