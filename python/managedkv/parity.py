@@ -1,21 +1,26 @@
-"""Parity of a tiny Llama decoder run by a reference and through managedkv (docs/python.md, "Parity").
+"""Parity of a tiny decoder run by a reference and through managedkv (docs/python.md, "Parity").
 
-    python3 -m managedkv.parity --model llama --device cpu|cuda --reference dense|hf-torch|transformers --json FILE
+    python3 -m managedkv.parity --model llama|gemma3 --dtype fp32|bf16 --device cpu|cuda
+        --reference dense|hf-torch|transformers --json FILE
 
-The model (transformers' Llama: RMSNorm, RoPE, grouped-query attention, SwiGLU; random fp32 weights
-from a seed, under transformers' parameter names) runs (a) by the reference, every token's logits
-recomputed from the whole sequence with no paging and no reuse: ``dense`` the same decoder code,
-``hf-torch`` transformers' Llama forward re-implemented in torch (``managedkv.hf_llama``),
-``transformers`` a ``transformers.LlamaForCausalLM`` itself (eager attention, no cache; transformers
-is imported only then), the engine's weights being that module's ``state_dict()``; and
-(b) through managedkv: each step's K and V are written into the library's pool pages through the
-step's ``slotMapping``, and attention reads the pages back through ``blockTable`` (even layers, as
-FlashAttention / vLLM would) or through the FlashInfer CSR triple (odd layers), over a workload
-with prefix hits, an in-flight joiner whose prefill is chunked over decode steps, compaction of
-finished rows, eviction from a small pool and, on a second runtime, a host tier that onboards
-evicted blocks back. Greedy tokens must be identical and every logit computed on path (b) within
-1e-3 of path (a); each path must engage what it exists for (reuse, eviction, onboarding). Exit
-status 0 when everything holds, 1 otherwise, 2 when transformers is asked for and missing.
+The model (``llama``: transformers' Llama, RMSNorm, RoPE, grouped-query attention, SwiGLU;
+``gemma3``: transformers' Gemma-3 text decoder, sliding-window and full layers, managedkv.gemma3;
+random weights from a seed, under transformers' parameter names) runs (a) by the reference, every
+token's logits recomputed from the whole sequence with no paging and no reuse: ``dense`` the same
+decoder code, ``hf-torch`` (Llama) transformers' Llama forward re-implemented in torch
+(``managedkv.hf_llama``), ``transformers`` the transformers model itself (eager attention, no
+cache; transformers is imported only then), the engine's weights being that module's
+``state_dict()``; and (b) through managedkv: each step's K and V are written into the library's
+pool pages through the step's ``slotMapping``, and attention reads the pages back through
+``blockTable`` (even layers, as FlashAttention / vLLM would) or through the FlashInfer CSR triple
+(odd layers); a sliding layer reads the sliding pool through the sliding table's views, whose rows
+keep only the window. The workload has prefix hits, an in-flight joiner whose prefill is chunked
+over decode steps, compaction of finished rows, a hit on KV written by decode steps, eviction from
+a small pool and (Llama) a host tier that onboards evicted blocks back. fp32: greedy tokens must be
+identical and every logit computed on path (b) within 1e-3 of path (a); bf16: SGLang's KL protocol
+(tokens sampled at temperature 1, k3 of decode against re-prefill logprobs at most 3e-3). Each path
+must engage what it exists for (reuse, eviction, onboarding, window rotation). Exit status 0 when
+everything holds, 1 otherwise, 2 when transformers is asked for and missing.
 
 Only torch APIs present in torch 1.13 are used (attention is matmul + softmax).
 """
