@@ -363,6 +363,18 @@ CliOptions parseArguments(int argc, char** argv) {
       "tokens between reuse points, a multiple of the page size: hybrid models keep a checkpoint "
       "there, sliding-window reuse the window before it (default 0: none; docs/replay.md)",
       int32(0, kInt32Max, c.checkpointInterval));
+  auto* pointAdmission = option(
+      "--reuse-point-admission", "A",
+      "hybrid models with --checkpoint-interval: every (default: every interval point, ranked as "
+      "any checkpoint) or branch-first (also where a prompt branches from cached content; interval "
+      "points and chunk ends rank below every other record until a prompt passes through them "
+      "again; docs/context_cache.md)",
+      [&](std::string_view flag, std::string_view value) {
+        c.reusePointAdmission = parseChoice<mkv::ReusePointAdmission>(
+            flag, value,
+            {{"every", mkv::ReusePointAdmission::kEveryInterval},
+             {"branch-first", mkv::ReusePointAdmission::kBranchFirst}});
+      });
   bool noBaseline = false;
   auto* noBaselineFlag =
       app.add_flag("--no-attention-only", noBaseline,
@@ -501,6 +513,10 @@ CliOptions parseArguments(int argc, char** argv) {
   }
   options.attentionOnlyBaseline = !noBaseline;
   c.slidingReuse = c.mode == ReplayMode::kReuse && window->count() > 0;
+  if (pointAdmission->count() > 0 && (c.recurrentLayers == 0 || c.checkpointInterval == 0)) {
+    throw UsageError(
+        "--reuse-point-admission needs --recurrent-layers N > 0 and --checkpoint-interval N > 0");
+  }
   if (checkpointInterval->count() > 0 && c.recurrentLayers == 0 && !c.slidingReuse) {
     throw UsageError(
         "--checkpoint-interval needs --recurrent-layers N > 0 or --window W (reuse mode)");

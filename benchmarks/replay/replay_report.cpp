@@ -547,6 +547,7 @@ std::string formatJson(ReplayResult const& r) {
         {"snapshot_pressure_skips", h.snapshotPressureSkips},
         {"reuse_points",
          {{"interval", c.checkpointInterval},
+          {"admission", std::string(mkv::toString(c.reusePointAdmission))},
           {"captured", h.reusePointCaptures},
           {"chunk_ends_captured", h.chunkEndCaptures},
           {"written", h.reusePointsWritten},

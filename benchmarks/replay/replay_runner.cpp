@@ -661,9 +661,12 @@ class Runner {
     // at most one per interval of the tokens the trace can cache, so every capture of the replay
     // finds a slot (and every checkpoint a record) even if nothing is ever evicted.
     rc.contextCache.checkpointInterval = c.checkpointInterval;
+    rc.contextCache.reusePointAdmission = c.reusePointAdmission;
+    // Branch points: at most one more per request.
     int64_t const points = c.checkpointInterval > 0
                                ? mSource.cachedPagesBound(c.pageSize, c.maxOutputTokens) *
-                                     c.pageSize / c.checkpointInterval
+                                         c.pageSize / c.checkpointInterval +
+                                     mResult.requests
                                : 0;
     int64_t const slots = c.snapshotSlots > 0 ? c.snapshotSlots : 2 * mResult.requests + 2 + points;
     rc.contextCache.maxRecords = static_cast<int32_t>(std::min<int64_t>(

@@ -110,6 +110,9 @@ struct ReplayConfig {
   /// Tokens between the reuse points a prefill keeps (ContextCacheConfig::checkpointInterval); a
   /// multiple of pageSize; 0 = checkpoints at prompt and decode ends only.
   int32_t checkpointInterval = 0;
+  /// Which reuse points a hybrid model keeps and how they rank (ContextCacheConfig::
+  /// reusePointAdmission).
+  mkv::ReusePointAdmission reusePointAdmission = mkv::ReusePointAdmission::kEveryInterval;
   /// Hybrid-MTP (kMtp with recurrent layers): fp16 elements of the base hidden row kept with
   /// each prompt endpoint (docs/replay.md, "Hybrid-MTP").
   int64_t boundaryHiddenWidth = 16;

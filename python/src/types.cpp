@@ -42,6 +42,9 @@ void bindEnums(py::module_& m) {
       .value("kLru", EvictionPolicyKind::kLru)
       .value("kS3Fifo", EvictionPolicyKind::kS3Fifo)
       .value("kLoopAware", EvictionPolicyKind::kLoopAware);
+  py::enum_<ReusePointAdmission>(m, "ReusePointAdmission")
+      .value("kEveryInterval", ReusePointAdmission::kEveryInterval)
+      .value("kBranchFirst", ReusePointAdmission::kBranchFirst);
   py::enum_<FinishReason>(m, "FinishReason")
       .value("kNotFinished", FinishReason::kNotFinished)
       .value("kEndOfSequence", FinishReason::kEndOfSequence)
@@ -124,6 +127,7 @@ void bindConfigs(py::module_& m) {
       .def_readwrite("recurrentSnapshotPoolBytes", &ContextCacheConfig::recurrentSnapshotPoolBytes)
       .def_readwrite("partialKvSnapshotPoolBytes", &ContextCacheConfig::partialKvSnapshotPoolBytes)
       .def_readwrite("checkpointInterval", &ContextCacheConfig::checkpointInterval)
+      .def_readwrite("reusePointAdmission", &ContextCacheConfig::reusePointAdmission)
       .def_readwrite("evictionPolicy", &ContextCacheConfig::evictionPolicy);
   py::class_<KVCacheRuntimeConfig>(m, "KVCacheRuntimeConfig")
       .def(py::init<>())
@@ -251,6 +255,7 @@ void bindMetrics(py::module_& m) {
       .def_readonly("checkpointRestores", &ContextCacheCoordinatorCounters::checkpointRestores)
       .def_readonly("checkpointCaptures", &ContextCacheCoordinatorCounters::checkpointCaptures)
       .def_readonly("prefillChunks", &ContextCacheCoordinatorCounters::prefillChunks)
+      .def_readonly("chunkEndCaptures", &ContextCacheCoordinatorCounters::chunkEndCaptures)
       .def_readonly("preemptions", &ContextCacheCoordinatorCounters::preemptions);
 }
 

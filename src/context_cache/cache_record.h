@@ -75,6 +75,12 @@ struct CacheRecord {
   /// A hybrid checkpoint kept at a reuse point inside a prompt (checkpointInterval), not at a
   /// prompt or decode end.
   bool reusePoint = false;
+  /// A reuse point kept on speculation (an interval point or a chunk end, not a branch of cached
+  /// content): it ranks at kMinRetentionPriority, evicted before every other record, until a
+  /// hit or a second publication of it shows a prompt passing through it again; then it takes
+  /// `heldPriority`, the priority its retention gave it.
+  bool speculative = false;
+  int32_t heldPriority = kDefaultRetentionPriority;
   /// With token verification on, the checkpoint tokens its base pages do not cover (the partial
   /// tail; every token for pure-recurrent checkpoints), compared on every hybrid match.
   std::vector<int32_t> verificationTokens;

@@ -274,6 +274,18 @@ void CheckpointMode::commitStagedRow(CoordinatorRequest& req, std::size_t row) c
   mParts.manager.retireHybridSnapshotReservation(sequence.lease, staged.reservation);
 }
 
+bool CheckpointMode::branchFirst() const noexcept {
+  return mParts.config.reusePointAdmission == ReusePointAdmission::kBranchFirst;
+}
+
+int32_t CheckpointMode::branchPoint(CoordinatorSequence const& sequence) const noexcept {
+  if (!branchFirst()) {
+    return 0;
+  }
+  int32_t const branch = sequence.cachedPrefixBlocks * mParts.manager.pageSize();
+  return branch > sequence.reuseTokenLength && branch < sequence.promptLength ? branch : 0;
+}
+
 int32_t CheckpointMode::snapshotSlotsLeft() const {
   ResourcePools const& pools = mParts.manager.pools();
   return pools.freeCount(ResourceType::kRecurrentSnapshot) +
@@ -306,18 +318,26 @@ void CheckpointMode::planRowReusePoints(CoordinatorRequest& req, std::size_t row
   if (interval == 0) {
     return;
   }
+  int32_t const pageSize = mParts.manager.pageSize();
   int32_t const first = (sequence.reuseTokenLength / interval + 1) * interval;
-  if (sequence.policy == ContextCacheLookupPolicy::kBypass || first >= sequence.promptLength) {
+  int32_t const branch = branchPoint(sequence);
+  if (sequence.policy == ContextCacheLookupPolicy::kBypass ||
+      (first >= sequence.promptLength && branch == 0)) {
     return;
   }
-  int32_t const pageSize = mParts.manager.pageSize();
   try {
-    auto const points = static_cast<std::size_t>((sequence.promptLength - 1 - first) / interval);
-    sequence.reusePoints.reserve(points + 1);
-    sequence.reusePointReservations.reserve(points + 1);
+    std::vector<int32_t> positions;
+    for (int32_t position = first; position < sequence.promptLength; position += interval) {
+      positions.push_back(position);
+    }
+    if (branch != 0 && branch % interval != 0) {  // ascending: the branch among the multiples
+      positions.insert(std::upper_bound(positions.begin(), positions.end(), branch), branch);
+    }
+    sequence.reusePoints.reserve(positions.size());
+    sequence.reusePointReservations.reserve(positions.size());
     PromptBlocks const blocks =
         hashPromptBlocks(prefixOf(sequence, sequence.promptLength), pageSize);
-    for (int32_t position = first; position < sequence.promptLength; position += interval) {
+    for (int32_t position : positions) {
       Hash128 const digest = exactPrefixDigest(blocks, position);
       if (mParts.manager.records().findHybrid(HybridKey{digest, position, false}) != nullptr ||
           planned.contains(digest)) {
@@ -353,6 +373,7 @@ void CheckpointMode::commitReusePoints(CoordinatorRequest& req, std::size_t row)
     return;
   }
   int32_t const pageSize = mParts.manager.pageSize();
+  int32_t const branch = branchPoint(sequence);
   try {
     PromptBlocks const blocks =
         hashPromptBlocks(prefixOf(sequence, sequence.promptLength), pageSize);
@@ -367,8 +388,9 @@ void CheckpointMode::commitReusePoints(CoordinatorRequest& req, std::size_t row)
           takePoint ? sequence.reusePoints[point].position : sequence.chunkEnds[chunk].exactLength;
       SnapshotReservation const& reservation = takePoint ? sequence.reusePointReservations[point++]
                                                          : sequence.chunkEnds[chunk++].reservation;
-      PublishResult const published =
-          mParts.manager.publishHybrid(sequence.lease, blocks, position, reservation, true);
+      bool const speculative = branchFirst() && position != branch;
+      PublishResult const published = mParts.manager.publishHybrid(sequence.lease, blocks, position,
+                                                                   reservation, true, speculative);
       if (published.status != PublishStatus::kVerificationRejected) {
         sequence.publishedExact = std::max(sequence.publishedExact, position);
       }

@@ -62,6 +62,11 @@ class CheckpointMode : public RequestMode {
                       int32_t exactLength, bool partial) const;
   /// Recurrent snapshot slots free or reclaimable now.
   int32_t snapshotSlotsLeft() const;
+  /// ReusePointAdmission::kBranchFirst: points kept on speculation rank below every record.
+  bool branchFirst() const noexcept;
+  /// Under kBranchFirst, where `sequence`'s prompt branches from cached content (the end of the
+  /// block prefix the index held at admission) when its reuse stops short of it; else 0.
+  int32_t branchPoint(CoordinatorSequence const& sequence) const noexcept;
   void planReusePoints(CoordinatorRequest& req) const;
   void planRowReusePoints(CoordinatorRequest& req, std::size_t row, int32_t endsToKeep,
                           std::unordered_set<Hash128, Hash128Hasher>& planned) const;

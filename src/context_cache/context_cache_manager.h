@@ -220,10 +220,11 @@ class ContextCacheManager {
   /// Publishes an exact checkpoint of a hybrid lease at `exactLength` (<= blocks' tokens): full
   /// blocks = exactLength / page, `reservation` (owned by the lease) must hold exactly a recurrent
   /// slot plus a partial slot iff attention and exactLength % page != 0. Duplicate -> touch.
-  /// `reusePoint`: a checkpoint inside a prompt (CacheRecord::reusePoint).
+  /// `reusePoint`: a checkpoint inside a prompt (CacheRecord::reusePoint); `speculative`: one
+  /// no evidence says a later prompt will branch there (CacheRecord::speculative).
   PublishResult publishHybrid(CacheRequestLease& lease, PromptBlocks const& blocks,
                               int32_t exactLength, SnapshotReservation const& reservation,
-                              bool reusePoint = false);
+                              bool reusePoint = false, bool speculative = false);
   /// Hybrid+MTP endpoint: full blocks = (exactLength - 1) / page (the boundary token stays
   /// private), both snapshot slots mandatory, base and draft paths of those blocks.
   PublishResult publishHybridMtp(CacheRequestLease& lease, PromptBlocks const& blocks,
@@ -391,8 +392,8 @@ class ContextCacheManager {
                           SnapshotReservation const& reservation, bool mtp) const;
   PublishResult publishCheckpoint(char const* call, CacheRequestLease& lease,
                                   PromptBlocks const& blocks, int32_t exactLength,
-                                  SnapshotReservation const& reservation, bool mtp,
-                                  bool reusePoint);
+                                  SnapshotReservation const& reservation, bool mtp, bool reusePoint,
+                                  bool speculative);
 
   int32_t mPageSize;
   int32_t mMaxRecords;

@@ -336,7 +336,7 @@ PublishResult ContextCacheManager::publishCheckpoint(char const* call, CacheRequ
                                                      PromptBlocks const& blocks,
                                                      int32_t exactLength,
                                                      SnapshotReservation const& reservation,
-                                                     bool mtp, bool reusePoint) {
+                                                     bool mtp, bool reusePoint, bool speculative) {
   int32_t const full = checkCheckpoint(call, lease, blocks, exactLength, reservation, mtp);
   bool const attention = lease.hasAttention();
   Hash128 const digest = exactPrefixDigest(blocks, exactLength);
@@ -384,22 +384,27 @@ PublishResult ContextCacheManager::publishCheckpoint(char const* call, CacheRequ
     record.verificationTokens.assign(tail.begin(), tail.end());
   }
   applyRetention(record, lease, int64_t{exactLength} - 1);
+  if (speculative) {
+    record.speculative = true;
+    record.heldPriority = record.retentionPriority;
+    record.retentionPriority = kMinRetentionPriority;
+  }
   return commitNewRecord(std::move(record), lease, blocks, projection);
 }
 
 PublishResult ContextCacheManager::publishHybrid(CacheRequestLease& lease,
                                                  PromptBlocks const& blocks, int32_t exactLength,
                                                  SnapshotReservation const& reservation,
-                                                 bool reusePoint) {
+                                                 bool reusePoint, bool speculative) {
   return publishCheckpoint("ContextCacheManager::publishHybrid", lease, blocks, exactLength,
-                           reservation, false, reusePoint);
+                           reservation, false, reusePoint, speculative);
 }
 
 PublishResult ContextCacheManager::publishHybridMtp(CacheRequestLease& lease,
                                                     PromptBlocks const& blocks, int32_t exactLength,
                                                     SnapshotReservation const& reservation) {
   return publishCheckpoint("ContextCacheManager::publishHybridMtp", lease, blocks, exactLength,
-                           reservation, true, false);
+                           reservation, true, false, false);
 }
 
 }  // namespace mkv

@@ -52,6 +52,10 @@ void validateConfig(ContextCacheConfig const& config) {
               config.recurrentSnapshotPoolBytes, config.partialKvSnapshotPoolBytes);
   MKV_REQUIRE(config.checkpointInterval >= 0, kCall, "checkpointInterval must be >= 0, got {}",
               config.checkpointInterval);
+  MKV_REQUIRE(config.reusePointAdmission == ReusePointAdmission::kEveryInterval ||
+                  config.reusePointAdmission == ReusePointAdmission::kBranchFirst,
+              kCall, "reusePointAdmission {} out of range",
+              static_cast<int>(config.reusePointAdmission));
 }
 
 /// The Hybrid-MTP boundary hidden row: described by a Hybrid-MTP profile only.

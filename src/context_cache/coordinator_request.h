@@ -34,6 +34,9 @@ struct CoordinatorSequence {
   // because the sliding layers' window before them was not cached (the plan's
   // windowLimitedTokens). Their end is a point where a hit happened: its window is kept.
   int32_t windowLimitedTokens = 0;
+  // Leading blocks of its prompt the block index held at admission: the prompt branches from
+  // cached content there (checkpoint deployments keep a reuse point at that branch).
+  int32_t cachedPrefixBlocks = 0;
   int32_t committed = 0;        // tokens with materialised KV
   int32_t publishedBlocks = 0;  // full blocks already published
   bool joined = true;           // false: admitted in flight, not finalised yet
@@ -147,6 +150,7 @@ inline CoordinatorSequence admittedSequence(ContextCacheSequenceAdmission const&
   state.promptLength = static_cast<int32_t>(admission.tokenIds.size());
   state.reuseTokenLength = acquired.plan.reuseTokenLength;
   state.windowLimitedTokens = acquired.plan.windowLimitedTokens;
+  state.cachedPrefixBlocks = acquired.plan.indexedPrefixBlocks;
   state.committed = acquired.plan.reuseTokenLength;
   return state;
 }

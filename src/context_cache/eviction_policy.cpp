@@ -20,6 +20,16 @@ std::string_view toString(EvictionPolicyKind kind) noexcept {
   return "unknown";
 }
 
+std::string_view toString(ReusePointAdmission admission) noexcept {
+  switch (admission) {
+    case ReusePointAdmission::kEveryInterval:
+      return "every-interval";
+    case ReusePointAdmission::kBranchFirst:
+      return "branch-first";
+  }
+  return "unknown";
+}
+
 std::unique_ptr<EvictionPolicy> makeEvictionPolicy(EvictionPolicyKind kind, int32_t ghostCapacity) {
   constexpr char const* kCall = "makeEvictionPolicy";
   MKV_REQUIRE(ghostCapacity >= 0, kCall, "ghost capacity must be >= 0, got {}", ghostCapacity);

@@ -204,6 +204,12 @@ void RecordStore::touch(RecordId id) {
   auto const it = mById.find(id);
   MKV_REQUIRE(it != mById.end(), "RecordStore::touch", "unknown record {}", id);
   mLru.splice(mLru.end(), mLru, it->second.record);
+  CacheRecord& record = *it->second.record;
+  if (record.speculative) {  // a prompt came through it again: no longer a speculation
+    record.speculative = false;
+    record.retentionPriority = record.heldPriority;
+    mPolicy->onPriorityChange(it->second.slot, record.retentionPriority);
+  }
   mPolicy->onHit(it->second.slot);
 }
 
@@ -219,7 +225,9 @@ int32_t RecordStore::expireRetention(int64_t now) noexcept {
     Entry const& entry = mById.find(id)->second;
     CacheRecord& record = *entry.record;
     record.retentionExpiry.reset();
-    if (record.retentionPriority != kDefaultRetentionPriority) {
+    if (record.speculative) {  // it keeps its speculative rank; a promotion gives the default
+      record.heldPriority = kDefaultRetentionPriority;
+    } else if (record.retentionPriority != kDefaultRetentionPriority) {
       record.retentionPriority = kDefaultRetentionPriority;
       mPolicy->onPriorityChange(entry.slot, kDefaultRetentionPriority);
     }

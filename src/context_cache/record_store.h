@@ -74,7 +74,9 @@ class RecordStore {
   /// state again only touches. Throws for an unknown id, a hybrid record, a draft path of the wrong
   /// length, or a different existing spec state. Strong exception guarantee.
   void setSpecState(RecordId id, SpecState state);
-  /// Moves a record to the MRU end; a hit for the policy. Throws for an unknown id.
+  /// Moves a record to the MRU end; a hit for the policy. A speculative record (a reuse point no
+  /// prompt had come through again) takes its held priority: a prompt just did. Throws for an
+  /// unknown id.
   void touch(RecordId id);
   /// Removes a record from every index, as if never inserted (a publication's rollback). Unknown
   /// ids are ignored.

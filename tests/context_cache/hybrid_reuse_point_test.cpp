@@ -126,6 +126,64 @@ TEST_P(HybridReusePointTest, PointsLeaveTheSlotsThePromptEndsNeed) {
   rig.expectQuiescent();
 }
 
+/// Each checkpoint record's exact length, retention priority and whether it is speculative, in
+/// victim order.
+struct Ranked {
+  int32_t length;
+  int32_t priority;
+  bool speculative;
+  friend bool operator==(Ranked const&, Ranked const&) = default;
+};
+std::vector<Ranked> victimOrder(HybridRig const& rig) {
+  std::vector<Ranked> ranked;
+  for (RecordId id : rig.manager().records().victimOrder()) {
+    CacheRecord const& record = *rig.manager().records().get(id);
+    ranked.push_back({*record.exactCheckpointLength, record.retentionPriority, record.speculative});
+  }
+  return ranked;
+}
+
+TEST_P(HybridReusePointTest, BranchFirstKeepsTheBranchAndRanksSpeculativePointsBelowEveryRecord) {
+  HybridRigOptions options = pointOptions();
+  options.reusePointAdmission = ReusePointAdmission::kBranchFirst;
+  HybridRig rig(device(), options);
+  std::vector<int32_t> const first = tokenRun(100, 100);
+  Seq producer(first, 0);
+  serve(rig, {&producer});
+  constexpr int32_t kLow = kMinRetentionPriority;
+  constexpr int32_t kNormal = kDefaultRetentionPriority;
+  // Nothing was cached: no branch; the interval points are speculations, the prompt end is not.
+  EXPECT_EQ(victimOrder(rig),
+            (std::vector<Ranked>{
+                {32, kLow, true}, {64, kLow, true}, {96, kLow, true}, {100, kNormal, false}}));
+  // Shares 80 tokens (5 cached pages): restores the point at 64, which a prompt has now passed
+  // through again (promoted), and keeps a point where it branches, 80, as any checkpoint.
+  Seq follower(
+      concatenated(std::vector<int32_t>(first.begin(), first.begin() + 80), tokenRun(20, 5000)), 1);
+  rig.capturedPoints.clear();
+  EXPECT_EQ(serve(rig, {&follower}), std::vector<int32_t>{64}) << "the oracles checked the restore";
+  EXPECT_EQ(rig.capturedPoints, (std::vector<int32_t>{80, 96}));
+  std::vector<Ranked> const order = victimOrder(rig);
+  ASSERT_EQ(order.size(), 7u);
+  for (std::size_t i = 0; i < 3; ++i) {  // the three speculations go first: 32, A's 96, B's 96
+    EXPECT_TRUE(order[i].speculative && order[i].priority == kLow) << i;
+  }
+  EXPECT_EQ(std::count(order.begin(), order.end(), Ranked{64, kNormal, false}), 1) << "promoted";
+  EXPECT_EQ(std::count(order.begin(), order.end(), Ranked{80, kNormal, false}), 1) << "the branch";
+  EXPECT_EQ(std::count(order.begin(), order.end(), Ranked{100, kNormal, false}), 2) << "the ends";
+  rig.expectQuiescent();
+}
+
+TEST_P(HybridReusePointTest, EveryIntervalRanksPointsAsAnyCheckpoint) {
+  HybridRig rig(device(), pointOptions());
+  Seq producer(tokenRun(100, 100), 0);
+  serve(rig, {&producer});
+  for (Ranked const& record : victimOrder(rig)) {
+    EXPECT_FALSE(record.speculative) << record.length;
+    EXPECT_EQ(record.priority, kDefaultRetentionPriority) << record.length;
+  }
+}
+
 TEST_P(HybridReusePointTest, AnAbandonedPrefillReturnsItsPointSlots) {
   HybridRig rig(device(), pointOptions());
   Seq producer(tokenRun(100, 100), 0);

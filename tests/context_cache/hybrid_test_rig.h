@@ -33,6 +33,7 @@ struct HybridRigOptions {
   int32_t recurrentSlots = 4;      ///< snapshot budget, in slots
   int32_t partialSlots = 4;        ///< snapshot budget, in slots
   int32_t checkpointInterval = 0;  ///< ContextCacheConfig::checkpointInterval (reuse points)
+  ReusePointAdmission reusePointAdmission = ReusePointAdmission::kEveryInterval;
 };
 
 class HybridRig {
@@ -78,6 +79,7 @@ class HybridRig {
     ContextCacheConfig config;
     config.maxRecords = options.maxRecords;
     config.checkpointInterval = options.checkpointInterval;
+    config.reusePointAdmission = options.reusePointAdmission;
     config.recurrentSnapshotPoolBytes =
         options.recurrentSlots * SnapshotStorage::recurrentBytesPerSlot(recurrent);
     if (pool) {

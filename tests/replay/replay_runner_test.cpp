@@ -759,6 +759,30 @@ TEST_P(HybridReplayTest, JoinedAndChunkedSequencesRestoreAndPublishCheckpointsAs
             0.98 * static_cast<double>(serial.reusedTokens));
 }
 
+// Dense reuse points under a tight snapshot budget: ranked as any checkpoint they evict each
+// other and the prompt and decode ends before a follow-up comes back; kept on speculation (below
+// every other record until a prompt passes through them again) they only use slots nothing
+// proven needs, and the branch points keep what several prompts share.
+TEST_P(HybridReplayTest, BranchFirstKeepsDenseReusePointsUsefulUnderATightBudget) {
+  ReplayConfig config = hybridConfig(device());
+  config.checkpointInterval = 128;
+  config.snapshotSlots = 64;
+  MultiTurnWorkload everyWorkload;
+  ReplayResult const every = runReplay(everyWorkload, config);
+  config.reusePointAdmission = ReusePointAdmission::kBranchFirst;
+  MultiTurnWorkload branchWorkload;
+  ReplayResult const branchFirst = runReplay(branchWorkload, config);
+  for (ReplayResult const* result : {&every, &branchFirst}) {
+    EXPECT_EQ(result->failedRequests, 0);
+    EXPECT_EQ(result->oracleMismatches, 0) << result->firstMismatch;
+    EXPECT_EQ(result->hybrid.recurrentMismatches, 0);
+    EXPECT_GT(result->hybrid.snapshotPressureSkips + result->hybrid.reusePointsEvicted, 0)
+        << "the budget must bind";
+  }
+  EXPECT_GT(static_cast<double>(branchFirst.reusedTokens),
+            1.5 * static_cast<double>(every.reusedTokens));
+}
+
 /// Six requests, each prompt the previous one plus 37 tokens (100, 137, ... 285), one token each.
 TraceSource chainedPrompts() {
   std::vector<TraceRecord> records;

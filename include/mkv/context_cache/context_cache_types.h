@@ -109,6 +109,19 @@ enum class EvictionPolicyKind : uint8_t {
 };
 std::string_view toString(EvictionPolicyKind kind) noexcept;
 
+/// Which reuse points a checkpoint deployment keeps, and how they rank under the snapshot budget
+/// (ContextCacheConfig::reusePointAdmission, docs/context_cache.md, "Reuse points").
+enum class ReusePointAdmission : uint8_t {
+  /// Every multiple of the interval, ranked as any checkpoint.
+  kEveryInterval,
+  /// Also a point where the prompt branches from cached content (the end of its cached block
+  /// prefix: other prompts went that far), ranked as any checkpoint; the interval points and
+  /// chunk ends, kept on speculation, rank below every other record until a prompt passes
+  /// through them again.
+  kBranchFirst,
+};
+std::string_view toString(ReusePointAdmission admission) noexcept;
+
 /// The kinds of resource a context-cache lease or record can hold. kBaseKvPage ids are PageIds of
 /// the base KVCachePool, kDraftKvPage ids PageIds of the draft pool; snapshot ids are slots of
 /// SnapshotStorage's recurrent and partial-KV slabs.

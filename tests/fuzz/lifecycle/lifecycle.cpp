@@ -177,8 +177,12 @@ KVCacheRuntimeConfig Lifecycle::configFromInput() {
       config.hostPoolTokens = int64_t{kPage} * (1 + 2 * (rawCacheByte >> 6));
     }
     if (mKind == Runtime::kHybrid) {
-      // The same bits on a hybrid runtime: reuse points every 1-3 pages, or none (a quarter).
+      // The same bits on a hybrid runtime: reuse points every 1-3 pages, or none (a quarter);
+      // bit 6: branch points first, interval points and chunk ends on speculation.
       config.contextCache.checkpointInterval = kPage * ((rawCacheByte >> 4) & 3);
+      config.contextCache.reusePointAdmission = (rawCacheByte & 0x40) != 0
+                                                    ? ReusePointAdmission::kBranchFirst
+                                                    : ReusePointAdmission::kEveryInterval;
     }
     config.contextCache.eventQueueCapacity = 4 * mIn.below(2);
   }
