@@ -78,4 +78,18 @@ for model in llama gemma3; do
     done
   done
 done
+# torch's fused scaled_dot_product_attention over the pages gathered through the views.
+if $python -c 'import transformers' 2>/dev/null; then
+  for model in llama gemma3; do
+    for dtype in fp32 bf16; do
+      log=$OUT/parity_${model}_${dtype}_cuda_sdpa
+      if $python -m managedkv.parity --model $model --dtype $dtype --device cuda --attention sdpa \
+          --reference transformers --json "$log.json" >"$log.log" 2>&1; then
+        echo "== parity $model $dtype cuda sdpa transformers: PASS"; tail -1 "$log.log"
+      else
+        echo "== parity $model $dtype cuda sdpa transformers: FAIL"; tail -30 "$log.log"; failed=1
+      fi
+    done
+  done
+fi
 exit $failed

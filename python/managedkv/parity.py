@@ -237,6 +237,7 @@ class PagedEngine:
         self.steps = 0
         self.window_pages_dropped = 0  # sliding pages the library retired from rows the engine runs
         self.decode_kv_reused = 0  # reused prompt tokens whose KV an earlier turn's decode wrote
+        self.sdpa = args.attention == "sdpa"
         # Greedy (fp32 parity), or sampled at temperature 1 from a seeded generator (bf16 KL).
         self.sampler = torch.Generator().manual_seed(args.seed + 2) if args.dtype == "bf16" else None
 
@@ -316,11 +317,29 @@ class PagedEngine:
                 slots = slots[:length]
                 # A sliding layer's pages before its window are the null page: the window mask
                 # never reads them (FlashAttention's window_size, FlashInfer's window_left).
-                out[first:last] = m.attend(layer, q[first:last], k_cache[slots], v_cache[slots], positions[first:last])
+                out[first:last] = self.attend(layer, q[first:last], k_cache[slots], v_cache[slots], positions[first:last])
             h = m.finish_layer(layer, h, out)
         logits = m.logits(h)
         self.steps += 1
         return [logits[int(full["query_start"][i]) : int(full["query_start"][i + 1])] for i in range(len(rows))]
+
+    def attend(self, layer, q, k, v, query_positions):
+        """One row's attention over the keys gathered from its pages: the model's matmul + softmax,
+        or (``--attention sdpa``) torch's fused ``scaled_dot_product_attention`` kernel under the
+        same causal and window mask."""
+        m = self.model
+        if not self.sdpa:
+            return m.attend(layer, q, k, v, query_positions)
+        keys = torch.arange(k.shape[0], device=q.device)
+        allowed = keys[None, :] <= query_positions[:, None]
+        window = m.layer_window(layer)
+        if window is not None:
+            allowed = allowed & (keys[None, :] > query_positions[:, None] - window)
+        repeat = m.heads // m.kv_heads
+        k = k.repeat_interleave(repeat, dim=1).transpose(0, 1)[None]
+        v = v.repeat_interleave(repeat, dim=1).transpose(0, 1)[None]
+        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k, v, attn_mask=allowed, scale=m.scaling)
+        return out[0].transpose(0, 1)
 
     def count_dropped_window_pages(self, rows):
         """Logical pages before a row's window that the sliding table no longer maps (rotation)."""
@@ -724,8 +743,19 @@ def main(argv=None):
         help="fp32: greedy tokens identical, logits within 1e-3; bf16: tokens sampled at temperature "
         "1, SGLang's KL of the decode logprobs against a re-prefill of prompt + output, at most 3e-3",
     )
+    parser.add_argument(
+        "--attention",
+        choices=["matmul", "sdpa"],
+        default="matmul",
+        help="path (b)'s attention over the gathered pages: the model's matmul + softmax, or torch's "
+        "fused scaled_dot_product_attention (torch >= 2.1)",
+    )
     parser.add_argument("--json", help="write the figures to this file")
     args = parser.parse_args(argv)
+    sdpa = getattr(F, "scaled_dot_product_attention", None)
+    if args.attention == "sdpa" and (sdpa is None or "scale" not in (sdpa.__doc__ or "")):
+        print("parity: --attention sdpa needs torch >= 2.1 (scaled_dot_product_attention with scale)", file=sys.stderr)
+        return 2
 
     torch.manual_seed(args.seed)
     device = torch.device(args.device)
@@ -821,6 +851,7 @@ def main(argv=None):
         size=args.size,
         device=args.device,
         dtype=args.dtype,
+        attention=args.attention,
         reference=args.reference,
         reference_is=REFERENCES[args.reference],
         seed=args.seed,
