@@ -29,7 +29,7 @@ Only torch APIs present in torch 1.13 are used; transformers is imported only by
 import torch
 import torch.nn.functional as F
 
-from managedkv import hf_llama
+from managedkv import decoder, hf_llama
 
 RMS_NORM_EPS = 1e-6
 GLOBAL_ROPE_THETA = 1_000_000.0  # transformers' rope_theta default for Gemma-3's full layers
@@ -88,28 +88,12 @@ def random_state_dict(geometry, seed):
 def check_state_dict(state_dict, geometry):
     """Every parameter of parameter_shapes(geometry), fp32, of its shape, nothing else; returns
     {name: tensor} (detached), raises ValueError naming what is wrong."""
-    expected = dict(parameter_shapes(geometry))
-    names = set(state_dict.keys())
-    problems = []
-    missing, unknown = sorted(set(expected) - names), sorted(names - set(expected))
-    if missing:
-        problems.append(f"missing {missing}")
-    if unknown:
-        problems.append(f"unknown {unknown}")
-    for name, shape in expected.items():
-        tensor = state_dict.get(name)
-        if tensor is None:
-            continue
-        if tuple(tensor.shape) != tuple(shape):
-            problems.append(f"{name}: shape {tuple(tensor.shape)}, expected {tuple(shape)}")
-        elif tensor.dtype != torch.float32:
-            problems.append(f"{name}: dtype {tensor.dtype}, expected torch.float32")
-    if problems:
-        raise ValueError(f"Gemma-3 state dict does not fit the geometry {dict(geometry)}: " + "; ".join(problems))
-    return {name: state_dict[name].detach() for name in expected}
+    return decoder.check_named_parameters(
+        state_dict, parameter_shapes(geometry), f"Gemma-3 state dict does not fit the geometry {dict(geometry)}"
+    )
 
 
-class TinyGemma3:
+class TinyGemma3(decoder.DenseDecoder):
     """The decoder the dense reference and the paged engine both run (the engine's interface, as
     parity.TinyLlama's): ``embed_tokens``, per layer ``qkv`` -> ``attend`` (or paged reads) ->
     ``finish_layer``, ``logits``; ``layer_window(layer)`` is the layer's sliding window (None: full)."""
@@ -199,16 +183,6 @@ class TinyGemma3:
 
     def logits(self, h):
         return F.linear(self.rms_norm(h, self.final_norm), self.lm_head)
-
-    def forward_dense(self, tokens):
-        """Logits [T, vocab] of every position, recomputed from the whole sequence."""
-        ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
-        positions = torch.arange(len(tokens), device=self.device)
-        h = self.embed_tokens(ids)
-        for layer in range(self.layers):
-            q, k, v = self.qkv(layer, h, positions)
-            h = self.finish_layer(layer, h, self.attend(layer, q, k, v, positions))
-        return self.logits(h)
 
 
 _LAYER_PARAMETERS = (

@@ -40,6 +40,8 @@ import math
 import torch
 from torch import nn
 
+from managedkv import decoder
+
 RMS_NORM_EPS = 1e-6
 ROPE_THETA = 10000.0
 
@@ -93,26 +95,12 @@ def check_state_dict(state_dict, geometry):
     """The loader's contract: every parameter of parameter_shapes(geometry), fp32, of its shape,
     and nothing else but rotary ``inv_freq`` buffers. Returns {name: tensor} (detached), raises
     ValueError naming what is wrong."""
-    expected = dict(parameter_shapes(geometry))
-    names = set(state_dict.keys())
-    missing = sorted(set(expected) - names)
-    unknown = sorted(n for n in names - set(expected) if not n.endswith("rotary_emb.inv_freq"))
-    problems = []
-    if missing:
-        problems.append(f"missing {missing}")
-    if unknown:
-        problems.append(f"unknown {unknown}")
-    for name, shape in expected.items():
-        if name not in state_dict:
-            continue
-        tensor = state_dict[name]
-        if tuple(tensor.shape) != tuple(shape):
-            problems.append(f"{name}: shape {tuple(tensor.shape)}, expected {tuple(shape)}")
-        elif tensor.dtype != torch.float32:
-            problems.append(f"{name}: dtype {tensor.dtype}, expected torch.float32")
-    if problems:
-        raise ValueError(f"Llama state dict does not fit the geometry {dict(geometry)}: " + "; ".join(problems))
-    return {name: state_dict[name].detach() for name in expected}
+    return decoder.check_named_parameters(
+        state_dict,
+        parameter_shapes(geometry),
+        f"Llama state dict does not fit the geometry {dict(geometry)}",
+        ignored=("rotary_emb.inv_freq",),
+    )
 
 
 def rope_inv_freq(head_dim, theta):

@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 import managedkv as mkv
-from managedkv import gemma3, hf_llama
+from managedkv import decoder, gemma3, hf_llama
 
 LOGIT_TOLERANCE = 1e-3
 KL_THRESHOLD = 3e-3  # SGLang's kl_threshold for its cache self-consistency tests
@@ -52,7 +52,7 @@ GEMMA3_SIZES = {
 }
 
 
-class TinyLlama:
+class TinyLlama(decoder.DenseDecoder):
     """A Llama decoder in the math of transformers' ``LlamaForCausalLM`` (eager attention): embeddings,
     per layer RMSNorm -> attention (RoPE, grouped-query heads) -> residual -> RMSNorm -> SwiGLU ->
     residual, final RMSNorm, LM head. Its weights are a state dict under transformers' parameter
@@ -144,16 +144,6 @@ class TinyLlama:
 
     def logits(self, h):
         return F.linear(self.rms_norm(h, self.final_norm), self.lm_head)
-
-    def forward_dense(self, tokens):
-        """Logits [T, vocab] of every position, recomputed from the whole sequence."""
-        ids = torch.tensor(tokens, dtype=torch.long, device=self.device)
-        positions = torch.arange(len(tokens), device=self.device)
-        h = self.embed_tokens(ids)
-        for layer in range(self.layers):
-            q, k, v = self.qkv(layer, h, positions)
-            h = self.finish_layer(layer, h, self.attend(layer, q, k, v, positions))
-        return self.logits(h)
 
 
 class Sequence:
