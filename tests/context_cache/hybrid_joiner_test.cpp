@@ -34,18 +34,6 @@ HybridRigOptions joinerOptions(int32_t interval, int32_t recurrentSlots = 16) {
   return o;
 }
 
-/// The checkpoint lengths the cache holds, reuse points (`reusePoints`) or the others, ascending.
-std::vector<int32_t> checkpointLengths(HybridRig const& rig, bool reusePoints) {
-  std::vector<int32_t> lengths;
-  for (CacheRecord const& record : rig.manager().records().lruToMru()) {
-    if (record.reusePoint == reusePoints) {
-      lengths.push_back(*record.exactCheckpointLength);
-    }
-  }
-  std::sort(lengths.begin(), lengths.end());
-  return lengths;
-}
-
 /// An executing request of one founder (slot 0, a 30-token prompt) and the joiners a test adds,
 /// driven as an engine would: chunks run through the joiner's row, decode steps advance the
 /// founder while the joiners hold.

@@ -43,17 +43,6 @@ std::vector<int32_t> serve(HybridRig& rig, std::vector<Seq*> const& seqs) {
   return starts;
 }
 
-std::vector<int32_t> checkpointLengths(HybridRig const& rig, bool reusePoints) {
-  std::vector<int32_t> lengths;
-  for (CacheRecord const& record : rig.manager().records().lruToMru()) {
-    if (record.reusePoint == reusePoints) {
-      lengths.push_back(*record.exactCheckpointLength);
-    }
-  }
-  std::sort(lengths.begin(), lengths.end());
-  return lengths;
-}
-
 TEST_P(HybridReusePointTest, AFollowUpThatDivergesInsideThePromptRestoresTheLastPointBeforeIt) {
   HybridRig rig(device(), pointOptions());
   std::vector<int32_t> const first = tokenRun(100, 100);

@@ -8,6 +8,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <memory>
 #include <optional>
@@ -220,5 +221,18 @@ class HybridRig {
  private:
   testing::RecurrentOracle mRecurrentOracle{recurrent};
 };
+
+/// The checkpoint lengths `rig`'s cache holds, reuse points (`reusePoints`) or the others,
+/// ascending.
+inline std::vector<int32_t> checkpointLengths(HybridRig const& rig, bool reusePoints) {
+  std::vector<int32_t> lengths;
+  for (CacheRecord const& record : rig.manager().records().lruToMru()) {
+    if (record.reusePoint == reusePoints) {
+      lengths.push_back(*record.exactCheckpointLength);
+    }
+  }
+  std::sort(lengths.begin(), lengths.end());
+  return lengths;
+}
 
 }  // namespace mkv::test
