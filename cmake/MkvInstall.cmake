@@ -2,7 +2,7 @@
 include(CMakePackageConfigHelpers)
 
 set(MKV_INSTALL_CMAKEDIR ${CMAKE_INSTALL_LIBDIR}/cmake/managedkv)
-set(_mkv_install_targets managedkv managedkv_events)
+set(_mkv_install_targets managedkv managedkv_events managedkv_remote)
 if(TARGET managedkv_testing)
   list(APPEND _mkv_install_targets managedkv_testing)
 endif()
