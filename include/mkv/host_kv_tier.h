@@ -93,6 +93,10 @@ class HostKvTier {
   /// Host wait for every enqueued transfer (shutdown and tests only); returns the CUDA status of
   /// the tier stream (kCPU: cudaSuccess).
   cudaError_t synchronize() noexcept;
+  /// Whether every transfer enqueued so far has completed, asked without waiting (kCPU: always):
+  /// then the host may read and write any host page that no later transfer uses (the remote
+  /// tier's saves and loads). Throws mkv::Error naming `call` on a CUDA failure.
+  bool transfersComplete(char const* call);
 
   /// Descriptor of the host pool for the copy kernels: for a kGPU pool the layer bases are the
   /// device addresses of the mapped memory and deviceType is kGPU.
@@ -101,6 +105,9 @@ class HostKvTier {
   /// tokensPerPage token rows of that page, for tests and the oracle. Throws for an index out of
   /// range.
   void const* hostPage(int32_t layer, int32_t half, PageId page) const;
+  /// The same address, writable: the remote tier fills a host page with a block loaded from its
+  /// store, once transfersComplete() and while no queued transfer uses the page.
+  void* hostPage(int32_t layer, int32_t half, PageId page);
 
   /// Copies enqueued so far (page copies, each covering every layer, K and V), and launches.
   int64_t pagesOffloaded() const noexcept { return mPagesOffloaded; }
@@ -110,6 +117,8 @@ class HostKvTier {
  private:
   void validate(char const* call, std::span<HostPageCopy const> copies, bool offload);
   void fault(char const* call, FaultSite site) const;
+  /// hostPage's address after its checks.
+  uint8_t* pageAddress(int32_t layer, int32_t half, PageId page) const;
   void launch(std::span<HostPageCopy const> copies, bool offload);
 
   int32_t mNumPages;

@@ -267,6 +267,10 @@ Hash128 digestBytes(std::span<std::byte const> bytes) noexcept {
   return fromXxh(XXH3_128bits_withSeed(bytes.data(), bytes.size(), kOpaqueDomain));
 }
 
+BlockKeyExtras blockKeyExtras(std::string_view loraWeightsName, std::string_view cacheSalt) {
+  return BlockKeyExtras{digestIdentity(loraWeightsName), digestIdentity(cacheSalt)};
+}
+
 Hash128 digestIdentity(std::string_view name) noexcept {
   if (name.empty()) {
     return {};

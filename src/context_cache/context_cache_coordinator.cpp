@@ -15,6 +15,7 @@
 #include "context_cache/coordinator_deployment.h"
 #include "context_cache/coordinator_host_tier.h"
 #include "context_cache/coordinator_paged_rows.h"
+#include "context_cache/coordinator_remote_tier.h"
 #include "context_cache/coordinator_request.h"
 #include "context_cache/coordinator_validation.h"
 #include "context_cache/request_mode.h"
@@ -71,6 +72,7 @@ ContextCacheCoordinator::ContextCacheCoordinator(ContextCacheConfig const& confi
   if (resources.hostTier != nullptr) {
     options.hostTierPages = resources.hostTier->numPages();
     options.hostTierBytesPerPage = resources.hostTier->bytesPerPage();
+    options.mirrorPublishedBlocks = config.remoteTier && config.remoteTier->saveBlocks;
   }
   options.windowCache = resources.windowCache;
   mManager = std::make_unique<ContextCacheManager>(layout.blockTokens, layout.capacities,
@@ -83,6 +85,12 @@ ContextCacheCoordinator::ContextCacheCoordinator(ContextCacheConfig const& confi
   mLimits->residentSlots = resources.residentSlots;
   mHostTier = std::make_unique<detail::HostTierMover>(*mManager, resources.hostTier, mStream,
                                                       mCounters, [this] { poison(); });
+  if (config.remoteTier) {  // validated: a host tier and a base pool exist
+    mRemoteTier = std::make_unique<detail::RemoteTierLink>(
+        "ContextCacheCoordinator", *config.remoteTier, *mManager, *resources.hostTier,
+        *resources.basePool);
+    mHostTier->attachRemoteTier(mRemoteTier.get());
+  }
   mParts = std::make_unique<detail::CoordinatorParts>(
       detail::CoordinatorParts{mConfig, *mManager, mSnapshots.get(), resources.recurrent, *mWrites,
                                mStream, mCounters, *mHostTier, mFaults});
@@ -613,6 +621,17 @@ ContextCacheStatus ContextCacheCoordinator::shutdown() noexcept {
 bool ContextCacheCoordinator::resetPrefixCache() noexcept {
   if (poisoned() || !mRequests->active().empty() || !mRequests->quarantined().empty()) {
     return false;
+  }
+  if (mRemoteTier != nullptr && mRemoteTier->pendingSaves() > 0) {
+    try {  // a save reads a held host page, and the reset drops every host block
+      (void)mRemoteTier->drain("ContextCacheCoordinator::resetPrefixCache");
+    } catch (Error const& error) {
+      logger()->error("ContextCacheCoordinator::resetPrefixCache: {}", error.what());
+      return false;
+    }
+    if (mRemoteTier->pendingSaves() > 0) {
+      return false;
+    }
   }
   if (!mManager->resetPrefixCache()) {
     return false;

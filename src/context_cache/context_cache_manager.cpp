@@ -38,6 +38,8 @@ int32_t validatedPageSize(int32_t pageSize, ResourceDemand const& capacities, in
       kCall, "a window cache of page size {} beside page size {} and {} host tier pages",
       options.windowCache ? options.windowCache->index().pageSize() : 0, pageSize,
       options.hostTierPages);
+  MKV_REQUIRE(!options.mirrorPublishedBlocks || options.hostTierPages > 0, kCall,
+              "mirroring published blocks for the remote tier needs a host tier");
   MKV_REQUIRE(options.evictedDigestHistory >= -1, kCall,
               "evicted digest history must be >= -1, got {}", options.evictedDigestHistory);
   MKV_REQUIRE(!options.specContract || options.specContract->futureDependencyTokens >= 0, kCall,
@@ -648,6 +650,7 @@ bool ContextCacheManager::resetPrefixCache() noexcept {
   if (mHostTier) {
     mMetrics.hostTierResetPages += static_cast<uint64_t>(mHostTier->clear());
   }
+  mMirroredBlocks.clear();
   mEvents.push(AllBlocksCleared{});
   ++mMetrics.prefixCacheResets;
   return true;

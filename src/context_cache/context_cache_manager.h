@@ -55,6 +55,10 @@ struct ContextCacheManagerOptions {
   int32_t hostTierPages = 0;
   /// Bytes one page moves between the tiers (all layers, K and V), for the byte counters only.
   int64_t hostTierBytesPerPage = 0;
+  /// Remote tier (docs/context_cache.md, "Remote tier"): every block a publication indexes on the
+  /// GPU is also copied to the host tier (needs one), and its host page listed for the remote
+  /// tier to save (takeMirroredBlocks).
+  bool mirrorPublishedBlocks = false;
   /// The sliding pool of the composed backend (not owned; must outlive the manager), or null.
   /// When set, vanilla lookups apply the window rule (makeWindowedReusePlan); needs the same page
   /// size and no host tier.
@@ -269,6 +273,26 @@ class ContextCacheManager {
   /// The host tier's bookkeeping, or null without one.
   HostBlockTier const* hostTier() const noexcept { return mHostTier.get(); }
 
+  // --- Remote tier (docs/context_cache.md, "Remote tier") ---------------------------------------
+
+  /// Host pages of the blocks mirrored since the last call (options.mirrorPublishedBlocks), whose
+  /// offload copies were taken with the last takeHostTransfers(): the remote tier saves them once
+  /// those copies completed. A page whose block the tier dropped since is not listed.
+  std::vector<PageId> takeMirroredBlocks() noexcept { return std::exchange(mMirroredBlocks, {}); }
+  /// Keeps block `block` of `blocks`, loaded from the remote tier's store and verified against
+  /// the prompt, in the host tier (HostBlockTier::storeLoaded, events as an offload). Returns the
+  /// host page the caller fills with its bytes, or nullopt when the GPU index or the host tier
+  /// holds the block already or every host page is pinned. Call only while no host transfer is
+  /// pending (takeHostTransfers empty) and the tier's copies completed: the page may be one a
+  /// dropped block held. Throws mkv::Error without a host tier or for a block out of range.
+  std::optional<PageId> adoptRemoteBlock(PromptBlocks const& blocks, int32_t block);
+  /// Keeps the block on host `page` from being dropped while the remote tier reads it (a pin,
+  /// HostBlockTier::pin; throws for a page that holds no block); releaseHostPage ends it.
+  void holdHostPage(PageId page);
+  void releaseHostPage(PageId page) noexcept;
+  /// Whether page moves are decided and not yet taken.
+  bool hasPendingHostTransfers() const noexcept { return !mHostTransfers.empty(); }
+
   // --- Observers ------------------------------------------------------------------------------
 
   /// All queued KV events, oldest first (see KvEventQueue).
@@ -345,6 +369,16 @@ class ContextCacheManager {
   /// Host tier: keeps the evicted block on `gpuPage` (still indexed) in the host tier, queueing
   /// its offload and its events; an allocation failure drops it (logged and counted).
   void offloadEvicted(PageId gpuPage, Hash128 digest) noexcept;
+  /// mirrorPublishedBlocks: copies the just published block on `gpuPage` to the host tier (as
+  /// offloadEvicted) and lists its host page in takeMirroredBlocks.
+  void mirrorPublished(PageId gpuPage, Hash128 digest) noexcept;
+  /// offloadEvicted's and mirrorPublished's copy: the host page now holding the block, or nullopt
+  /// when nothing is copied (already there, every page pinned, an allocation failed).
+  std::optional<PageId> copyToHostTier(PageId gpuPage, Hash128 digest) noexcept;
+  /// Events and bookkeeping of blocks the host tier dropped to make room.
+  void announceHostDrops(std::span<HostBlockDropped const> dropped) noexcept;
+  /// The BlockStored event (medium kCpu) of the block now on `hostPage`.
+  void announceHostStore(PageId hostPage, Hash128 digest) noexcept;
   /// Host tier: pins the plan's host pages in the lease (released at onboarding or with it).
   void pinHostPages(CacheRequestLease& lease, ReusePlan const& plan);
   /// Host tier: queues the onboarding of the plan's host pages into the lease's first private base
@@ -405,6 +439,7 @@ class ContextCacheManager {
   KvEventQueue mEvents;
   std::unique_ptr<HostBlockTier> mHostTier;  ///< null without a host tier
   HostTransfers mHostTransfers;              ///< decided, not yet taken by the coordinator
+  std::vector<PageId> mMirroredBlocks;       ///< host pages to save (takeMirroredBlocks)
   ContextCacheMetrics mMetrics;
   int32_t mLiveLeases = 0;
   /// Bumped by every change of the index or the records (what plans are made of).

@@ -16,8 +16,22 @@
 namespace mkv {
 
 void ContextCacheManager::offloadEvicted(PageId gpuPage, Hash128 digest) noexcept {
+  (void)copyToHostTier(gpuPage, digest);
+}
+
+void ContextCacheManager::mirrorPublished(PageId gpuPage, Hash128 digest) noexcept {
+  if (std::optional<PageId> const hostPage = copyToHostTier(gpuPage, digest)) {
+    try {
+      mMirroredBlocks.push_back(*hostPage);
+    } catch (std::exception const&) {
+      ++mMetrics.hostTierOffloadFailures;  // kept in the host tier, not saved to the store
+    }
+  }
+}
+
+std::optional<PageId> ContextCacheManager::copyToHostTier(PageId gpuPage, Hash128 digest) noexcept {
   if (!mHostTier) {
-    return;
+    return std::nullopt;
   }
   std::vector<HostBlockDropped> dropped;
   PageId hostPage = kNoPage;
@@ -30,21 +44,31 @@ void ContextCacheManager::offloadEvicted(PageId gpuPage, Hash128 digest) noexcep
                     error.what());
     ++mMetrics.hostTierOffloadFailures;
   }
+  announceHostDrops(dropped);
+  if (hostPage == kNoPage) {
+    return std::nullopt;
+  }
+  ++mStateVersion;  // plans made before may onboard a page that now holds another block
+  mHostTransfers.offloads.push_back(HostTransfer{gpuPage, hostPage});
+  ++mMetrics.offloadedPages;
+  mMetrics.offloadedBytes += static_cast<uint64_t>(mOptions.hostTierBytesPerPage);
+  announceHostStore(hostPage, digest);
+  return hostPage;
+}
+
+void ContextCacheManager::announceHostDrops(std::span<HostBlockDropped const> dropped) noexcept {
   for (HostBlockDropped const& gone : dropped) {
     mEvents.push(BlockRemoved{gone.digest, gone.page, KvMedium::kCpu});
     // A block stored earlier in the same batch and dropped again: its copy is not needed, and its
     // page is the destination of the copy queued below.
     std::erase_if(mHostTransfers.offloads,
                   [&gone](HostTransfer const& pending) { return pending.hostPage == gone.page; });
+    std::erase(mMirroredBlocks, gone.page);  // its save would read another block's bytes
   }
   mMetrics.hostTierDroppedPages += dropped.size();
-  if (hostPage == kNoPage) {
-    return;
-  }
-  ++mStateVersion;  // plans made before may onboard a page that now holds another block
-  mHostTransfers.offloads.push_back(HostTransfer{gpuPage, hostPage});
-  ++mMetrics.offloadedPages;
-  mMetrics.offloadedBytes += static_cast<uint64_t>(mOptions.hostTierBytesPerPage);
+}
+
+void ContextCacheManager::announceHostStore(PageId hostPage, Hash128 digest) noexcept {
   BlockIndex const& host = mHostTier->index();
   mEvents.pushStored(BlockStored{digest,
                                  host.parentOf(hostPage),
@@ -55,6 +79,28 @@ void ContextCacheManager::offloadEvicted(PageId gpuPage, Hash128 digest) noexcep
                                  KvMedium::kCpu},
                      host.tokensOf(hostPage));
 }
+
+std::optional<PageId> ContextCacheManager::adoptRemoteBlock(PromptBlocks const& blocks,
+                                                            int32_t block) {
+  MKV_REQUIRE(mHostTier != nullptr, "ContextCacheManager::adoptRemoteBlock",
+              "the remote tier loads into the host tier, and this manager has none");
+  Hash128 const digest = blocks.keys.at(static_cast<std::size_t>(block));
+  if (mIndex.find(digest)) {
+    return std::nullopt;  // the GPU holds it already
+  }
+  std::vector<HostBlockDropped> dropped;
+  std::optional<PageId> const hostPage = mHostTier->storeLoaded(blocks, block, dropped);
+  announceHostDrops(dropped);
+  if (hostPage) {
+    ++mStateVersion;
+    announceHostStore(*hostPage, digest);
+  }
+  return hostPage;
+}
+
+void ContextCacheManager::holdHostPage(PageId page) { mHostTier->pin(page); }
+
+void ContextCacheManager::releaseHostPage(PageId page) noexcept { mHostTier->unpin(page); }
 
 void ContextCacheManager::forgetHostBlocks(std::span<HostTransfer const> offloads) noexcept {
   for (HostTransfer const& offload : offloads) {

@@ -174,6 +174,12 @@ PublishResult ContextCacheManager::commitNewRecord(CacheRecord record,
                                    eventGroup()},
                        blocks.blockTokens(b));
   }
+  if (mOptions.mirrorPublishedBlocks) {
+    for (int32_t b : projection.newMappings) {
+      auto const block = static_cast<std::size_t>(b);
+      mirrorPublished(projection.canonical[block], blocks.keys[block]);
+    }
+  }
   enforceRecordLimit();
   if (mRecords.get(result.record) == nullptr) {
     result.record = kNoRecord;  // maxRecords == 0: evicted at once

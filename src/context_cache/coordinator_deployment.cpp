@@ -246,6 +246,9 @@ void layOutSnapshots(ContextCacheConfig const& config, ContextCacheDeploymentPro
 void validateHostTier(ContextCacheConfig const& config, DeploymentKind kind,
                       ContextCachePhysicalResources const& resources) {
   HostKvTier const* tier = resources.hostTier;
+  MKV_REQUIRE(!config.remoteTier || tier != nullptr, kCall,
+              "a remote tier loads into and saves from the host tier: resources.hostTier is "
+              "null");
   if (tier == nullptr) {
     return;
   }

@@ -7,6 +7,7 @@
 #include <exception>
 
 #include "context_cache/context_cache_manager.h"
+#include "context_cache/coordinator_remote_tier.h"
 #include "mkv/logging.h"
 
 namespace mkv::detail {
@@ -51,12 +52,16 @@ bool HostTierMover::move(char const* call) noexcept {
       ++mCounters.hostTierTransfers;
     }
     mTier->orderBefore(call, mStream);
+    if (mRemote != nullptr) {
+      mRemote->takeMirrored();
+    }
     return true;
   } catch (std::exception const& error) {
     logger()->error("{}: moving pages between the GPU and the host tier failed: {}", call,
                     error.what());
   }
   mManager.forgetHostBlocks(moves.offloads);
+  (void)mManager.takeMirroredBlocks();  // their copies may never have run: not saved
   mPoison();
   return false;
 }

@@ -12,6 +12,8 @@
 
 namespace mkv::detail {
 
+class RemoteTierLink;
+
 class HostTierMover {
  public:
   /// `tier` may be null (no host tier). `poison` poisons the coordinator. The copy lists are
@@ -26,6 +28,9 @@ class HostTierMover {
   bool move(char const* call) noexcept;
   /// Waits for the tier's copies; true without a tier or when they completed.
   bool synchronize() noexcept;
+  /// The remote tier whose saves read the blocks mirrored to the host tier (or null): after
+  /// each successful move it takes the mirrored blocks whose copies that move enqueued.
+  void attachRemoteTier(RemoteTierLink* remote) noexcept { mRemote = remote; }
 
  private:
   ContextCacheManager& mManager;
@@ -33,6 +38,7 @@ class HostTierMover {
   cudaStream_t mStream;
   ContextCacheCoordinatorCounters& mCounters;
   std::function<void()> mPoison;
+  RemoteTierLink* mRemote = nullptr;
   std::vector<HostPageCopy> mOffloadCopies;  ///< capacity: the tier's pages
   std::vector<HostPageCopy> mOnboardCopies;
 };

@@ -78,6 +78,33 @@ std::optional<PageId> HostBlockTier::store(BlockIndex const& gpu, PageId gpuPage
   return page;
 }
 
+std::optional<PageId> HostBlockTier::storeLoaded(PromptBlocks const& blocks, int32_t block,
+                                                 std::vector<HostBlockDropped>& dropped) {
+  MKV_REQUIRE(block >= 0 && block < blocks.fullBlockCount(), "HostBlockTier::storeLoaded",
+              "block {} outside the prompt's {} full blocks", block, blocks.fullBlockCount());
+  MKV_REQUIRE(blocks.pageSize == mIndex.pageSize(), "HostBlockTier::storeLoaded",
+              "the prompt has blocks of {} tokens, the host tier {}", blocks.pageSize,
+              mIndex.pageSize());
+  Hash128 const digest = blocks.keys[static_cast<std::size_t>(block)];
+  if (std::optional<PageId> const held = mIndex.find(digest)) {
+    touch(*held);
+    return std::nullopt;
+  }
+  dropped.reserve(dropped.size() + 1);
+  std::optional<PageId> const page = claimPage(dropped);
+  if (!page) {
+    return std::nullopt;
+  }
+  try {
+    mIndex.insert(digest, *page, blocks, block);
+  } catch (...) {
+    mFree.push_back(*page);  // as in store()
+    throw;
+  }
+  mRecency.pushNewest(mLinks, *page);
+  return page;
+}
+
 std::vector<PageId> HostBlockTier::longestRun(PromptBlocks const& blocks, int32_t firstBlock,
                                               int32_t maxBlocks) const {
   return mIndex.longestPrefix(blocks, maxBlocks, firstBlock).pages;

@@ -58,6 +58,12 @@ class HostBlockTier {
   /// dropped stays dropped (and is in `dropped`).
   std::optional<PageId> store(BlockIndex const& gpu, PageId gpuPage,
                               std::vector<HostBlockDropped>& dropped);
+  /// Keeps block `block` of `blocks`, whose bytes the remote tier loaded (docs/context_cache.md,
+  /// "Remote tier"): as store(), keyed and verified by the prompt's own block. Returns the host
+  /// page the caller fills, or nullopt when the digest is already here or every page is pinned.
+  /// Throws (nothing changed) for a block out of range or another page size.
+  std::optional<PageId> storeLoaded(PromptBlocks const& blocks, int32_t block,
+                                    std::vector<HostBlockDropped>& dropped);
   /// Host pages of the longest verified run of blocks [firstBlock, firstBlock + k) of `blocks`
   /// held here, firstBlock + k <= maxBlocks (blocks before firstBlock are verified by the caller).
   /// No side effects.

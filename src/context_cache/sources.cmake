@@ -12,6 +12,7 @@ list(APPEND MKV_LIBRARY_SOURCES
   ${CMAKE_CURRENT_LIST_DIR}/coordinator_host_tier.cpp
   ${CMAKE_CURRENT_LIST_DIR}/coordinator_inflight_admission.cpp
   ${CMAKE_CURRENT_LIST_DIR}/coordinator_paged_rows.cpp
+  ${CMAKE_CURRENT_LIST_DIR}/coordinator_remote_tier.cpp
   ${CMAKE_CURRENT_LIST_DIR}/coordinator_validation.cpp
   ${CMAKE_CURRENT_LIST_DIR}/coordinator_window.cpp
   ${CMAKE_CURRENT_LIST_DIR}/context_cache_manager.cpp
@@ -26,6 +27,8 @@ list(APPEND MKV_LIBRARY_SOURCES
   ${CMAKE_CURRENT_LIST_DIR}/loop_aware_eviction_policy.cpp
   ${CMAKE_CURRENT_LIST_DIR}/lru_eviction_policy.cpp
   ${CMAKE_CURRENT_LIST_DIR}/recent_digest_set.cpp
+  ${CMAKE_CURRENT_LIST_DIR}/remote_block_codec.cpp
+  ${CMAKE_CURRENT_LIST_DIR}/remote_tier_worker.cpp
   ${CMAKE_CURRENT_LIST_DIR}/request_mode.cpp
   ${CMAKE_CURRENT_LIST_DIR}/record_store.cpp
   ${CMAKE_CURRENT_LIST_DIR}/resource_pools.cpp

@@ -66,9 +66,11 @@ void packString(Packer& p, std::string_view s) {
   p.pack_str_body(s.data(), static_cast<uint32_t>(s.size()));
 }
 
-/// The `medium` label of an event: the GPU's from the config, the host tier's "CPU".
+/// The `medium` label of an event, from the config: the GPU's, the host tier's, the store's.
 void packMedium(Packer& p, KvMedium kind, KvEventPublisherConfig const& config) {
-  std::string const& medium = kind == KvMedium::kCpu ? config.hostMedium : config.medium;
+  std::string const& medium = kind == KvMedium::kCpu      ? config.hostMedium
+                              : kind == KvMedium::kRemote ? config.remoteMedium
+                                                          : config.medium;
   if (medium.empty()) {
     p.pack_nil();
   } else {

@@ -92,13 +92,21 @@ kernels::PagedBuffers HostKvTier::pagedBuffers() const noexcept {
 }
 
 void const* HostKvTier::hostPage(int32_t layer, int32_t half, PageId page) const {
+  return pageAddress(layer, half, page);
+}
+
+void* HostKvTier::hostPage(int32_t layer, int32_t half, PageId page) {
+  return pageAddress(layer, half, page);
+}
+
+uint8_t* HostKvTier::pageAddress(int32_t layer, int32_t half, PageId page) const {
   MKV_REQUIRE(layer >= 0 && layer < mGpu.numLayers(), "HostKvTier::hostPage",
               "layer {} outside [0, {})", layer, mGpu.numLayers());
   MKV_REQUIRE(half == 0 || half == 1, "HostKvTier::hostPage", "half {} is neither 0 (K) nor 1 (V)",
               half);
   MKV_REQUIRE(page >= 0 && page < mNumPages, "HostKvTier::hostPage", "page {} outside [0, {})",
               page, mNumPages);
-  return static_cast<uint8_t const*>(mHost) + layer * mLayerBytes +
+  return static_cast<uint8_t*>(mHost) + layer * mLayerBytes +
          (int64_t{half} * mNumPages + page) * mGpu.pageBytes();
 }
 
@@ -219,5 +227,13 @@ void HostKvTier::orderBefore(char const* call, cudaStream_t stream) {
 }
 
 cudaError_t HostKvTier::synchronize() noexcept { return mStream->synchronize(); }
+
+bool HostKvTier::transfersComplete(char const* call) {
+  try {
+    return mTierDone->query();
+  } catch (Error const& error) {
+    detail::throwCallError(call, error.what());
+  }
+}
 
 }  // namespace mkv

@@ -8,7 +8,9 @@
 
 #include <cstdint>
 #include <functional>
+#include <memory>
 #include <optional>
+#include <string>
 
 #include "mkv/context_cache/context_cache_types.h"
 #include "mkv/types.h"
@@ -16,6 +18,32 @@
 namespace mkv {
 
 /// Context-cache settings of a runtime.
+class RemoteKvStore;  // mkv/remote_kv_store.h
+
+/// The remote tier (docs/context_cache.md, "Remote tier"): KV blocks in a store other engines
+/// share (Redis, a shared directory: managedkv::remote's openRemoteKvStore), behind the GPU and
+/// host tiers. Loads go into the host tier and reach the GPU as host-tier hits; saves read the
+/// host tier's copy of each published block. Store calls run on a thread of the tier's own.
+struct RemoteTierConfig {
+  /// Opens one connection to the store; called twice at construction (the worker thread's and
+  /// the engine thread's lookups), e.g. `[] { return openRemoteKvStore("redis://127.0.0.1:6379");
+  /// }`. Required.
+  std::function<std::unique_ptr<RemoteKvStore>()> openStore;
+  /// The model the blocks belong to (name, revision, quantisation): with the pool geometry it is
+  /// the deployment identity every key and value carries; blocks of another identity never load.
+  std::string model;
+  /// Save every block a publication indexes (a copy to the host tier, then to the store).
+  bool saveBlocks = true;
+  /// Host pages held by saves not finished yet, at most; a block published beyond it is not
+  /// saved (RemoteTierCounters::savesSkipped). > 0.
+  int32_t maxPendingSaves = 1024;
+  /// Loads started and not yet taken by pollRemoteTier, at most (> 0); a load beyond it is
+  /// refused (RemoteLoadStart::ticket 0). Each holds at most maxBlocksPerLoad values in memory.
+  int32_t maxLoadsInFlight = 16;
+  /// Blocks one load fetches at most (> 0).
+  int32_t maxBlocksPerLoad = 1024;
+};
+
 struct ContextCacheConfig {
   /// false: lookups and publication are off and the coordinator is a plain paged allocator over
   /// the full pool (the runtime's full-storage mode). Every sequence is treated as kBypass.
@@ -53,6 +81,9 @@ struct ContextCacheConfig {
   /// Clock of retention durations (RetentionRange::duration units); empty = steady-clock
   /// milliseconds. Called on the engine thread; must not throw.
   std::function<int64_t()> retentionClock;
+  /// A store shared with other engines behind the host tier, or none (docs/context_cache.md,
+  /// "Remote tier"). Attention-only deployments with a host tier only.
+  std::optional<RemoteTierConfig> remoteTier;
 };
 
 /// What kind of model state the base model carries.

@@ -40,11 +40,13 @@ class WindowBlockCache;
 struct HostPageCopy;
 struct AdmissionResult;
 struct LookupRequest;
+struct LookupResult;
 struct PromptBlocks;
 struct SnapshotReservation;
 namespace detail {
 class DeviceWriteQueue;
 class HostTierMover;
+class RemoteTierLink;
 class Int32UploadRegions;
 class RequestMode;
 template <class Request>
@@ -575,6 +577,36 @@ class ContextCacheCoordinator {
   AdmissionEstimate estimateAdmission(ContextCacheSequenceAdmission const& sequence,
                                       DecodingKvHeadroom const& headroom,
                                       bool speculativeRequest = false) const;
+
+  // --- Remote tier (config.remoteTier; docs/context_cache.md, "Remote tier") -----------------
+
+  /// How many more tokens of `sequence`'s prompt the store holds, in full blocks right after
+  /// those the GPU and the host tier hold (what vLLM's KV connector answers in
+  /// get_num_new_matched_tokens). Nothing in the cache changes; one round trip to the store on
+  /// the engine thread, bounded by the store's timeout (a store that does not answer reports
+  /// storeAvailable false). Throws mkv::Error naming this call without a remote tier, and for a
+  /// sequence estimateAdmission refuses.
+  RemoteTierLookup lookupRemoteTier(ContextCacheSequenceAdmission const& sequence);
+  /// Starts loading, off the engine thread, the blocks of `sequence`'s prompt after those the GPU
+  /// and the host tier hold (the sequence is copied); pollRemoteTier reports the load when its
+  /// verified blocks are in the host tier, and an admission then reuses them as host-tier hits.
+  /// Ticket 0: nothing to load, or maxLoadsInFlight loads not yet reported. Throws as
+  /// lookupRemoteTier.
+  RemoteLoadStart loadFromRemoteTier(ContextCacheSequenceAdmission const& sequence);
+  /// The engine's poll, once per step (never waits): the loads finished since the last poll,
+  /// their blocks now in the host tier (a load waits for a later poll while host-tier copies are
+  /// in flight); saves whose host copies completed are handed to the worker and the host pages of
+  /// finished saves released. Empty without a remote tier. Throws mkv::Error naming this call on
+  /// a CUDA failure of the host tier.
+  std::vector<RemoteLoadResult> pollRemoteTier();
+  /// Waits for every load and save in flight, then polls (shutdown, a handoff, tests).
+  std::vector<RemoteLoadResult> drainRemoteTier();
+  /// The remote tier's counters (zeros without one).
+  RemoteTierCounters remoteTierCounters() const noexcept;
+  bool hasRemoteTier() const noexcept { return mRemoteTier != nullptr; }
+  /// Host pages held by saves not finished (the remote tier's part of the host tier's pins).
+  int32_t pendingRemoteSaves() const noexcept;
+
   /// The queued KV events, oldest first (config.eventQueueCapacity > 0). On the composed
   /// backend they hold both pools in one order: the full layers' blocks as group 0
   /// (full attention), the sliding pool's window blocks as group 1 (sliding window W).
@@ -625,6 +657,11 @@ class ContextCacheCoordinator {
   /// none for it).
   detail::RequestMode const& modeFor(bool speculativeRequest, char const* call) const;
   /// The manager's lookup of one sequence under `policy` (kBypass when reuse is disabled).
+  /// The remote tier, or mkv::Error naming `call` without one.
+  detail::RemoteTierLink& remoteTier(char const* call) const;
+  /// estimateAdmission's checks and lookup of `sequence` (vanilla, kUseCache, default headroom).
+  mkv::LookupResult lookupForRemoteTier(char const* call,
+                                        ContextCacheSequenceAdmission const& sequence) const;
   LookupRequest lookupOf(ContextCacheSequenceAdmission const& sequence,
                          ContextCacheLookupPolicy policy, DecodingKvHeadroom const& headroom,
                          detail::RequestMode const& mode) const;
@@ -671,6 +708,7 @@ class ContextCacheCoordinator {
   /// What admission checks a batch against (the deployment's shape, computed once).
   std::unique_ptr<detail::AdmissionLimits> mLimits;
   std::unique_ptr<detail::HostTierMover> mHostTier;
+  std::unique_ptr<detail::RemoteTierLink> mRemoteTier;  ///< null without config.remoteTier
   /// What the modes work on, and the modes (made last: they borrow the members above).
   std::unique_ptr<detail::CoordinatorParts> mParts;
   std::unique_ptr<detail::RequestModes> mModes;

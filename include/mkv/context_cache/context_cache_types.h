@@ -52,6 +52,11 @@ struct BlockKeyExtras {
   friend bool operator==(BlockKeyExtras const&, BlockKeyExtras const&) = default;
 };
 
+/// The key extras of a request with LoRA adapter `loraWeightsName` and cache salt `cacheSalt`
+/// (empty: none), as ManagedKVCacheRequest computes them; for the coordinator's calls that take a
+/// ContextCacheSequenceAdmission directly (estimateAdmission, lookupRemoteTier, ...).
+BlockKeyExtras blockKeyExtras(std::string_view loraWeightsName, std::string_view cacheSalt);
+
 /// Media identity of one token position. `content` is the digest of the image / audio item the
 /// position belongs to (zero: not a media position); `offset` is the position's index inside that
 /// item's placeholder run (0 for the item's first placeholder token).
@@ -196,6 +201,48 @@ struct AdmissionEstimate {
   /// its reuse start, plus the cached window pages before it that no request holds), the fit
   /// flags covering that pool too. 0 elsewhere.
   int32_t slidingPages = 0;
+};
+
+/// The remote tier's answer for one prompt (ContextCacheCoordinator::lookupRemoteTier).
+struct RemoteTierLookup {
+  int32_t localTokens = 0;     ///< tokens of full blocks the GPU index and the host tier hold
+  int32_t remoteTokens = 0;    ///< tokens of the full blocks right after them the store holds
+  bool storeAvailable = true;  ///< false: the store did not answer (remoteTokens is 0)
+};
+
+/// A load started by ContextCacheCoordinator::loadFromRemoteTier.
+struct RemoteLoadStart {
+  uint64_t ticket = 0;          ///< 0: nothing started (nothing to load, or too many in flight)
+  int32_t requestedBlocks = 0;  ///< blocks asked of the store
+};
+
+/// A load that finished (ContextCacheCoordinator::pollRemoteTier): its blocks are in the host tier
+/// from now on, so an admission of the prompt reuses them as host-tier hits.
+struct RemoteLoadResult {
+  uint64_t ticket = 0;
+  int32_t requestedBlocks = 0;
+  /// Blocks kept from the first requested one on: verified and in the host tier (or already
+  /// held there or on the GPU). A missing, refused or unreadable block ends the run.
+  int32_t loadedBlocks = 0;
+  bool storeAvailable = true;  ///< false: the store failed the load (loadedBlocks is 0)
+};
+
+/// The remote tier's counters (ContextCacheCoordinator::remoteTierCounters).
+struct RemoteTierCounters {
+  uint64_t lookups = 0;         ///< lookupRemoteTier calls that asked the store
+  uint64_t lookupFailures = 0;  ///< of them, the store did not answer
+  uint64_t loadsStarted = 0;
+  uint64_t loadsRefused = 0;    ///< loadFromRemoteTier calls beyond maxLoadsInFlight
+  uint64_t loadFailures = 0;    ///< loads the store failed (unavailable)
+  uint64_t loadedBlocks = 0;    ///< blocks put into the host tier from the store
+  uint64_t loadedBytes = 0;     ///< their payload bytes
+  uint64_t missingBlocks = 0;   ///< requested blocks the store did not hold
+  uint64_t rejectedBlocks = 0;  ///< values refused: truncated, other deployment or block, checksum
+  uint64_t installsDeferred = 0;  ///< polls that waited for the host tier's copies to complete
+  uint64_t savedBlocks = 0;       ///< blocks the store accepted
+  uint64_t savedBytes = 0;        ///< their value bytes
+  uint64_t saveFailures = 0;      ///< writes the store refused or failed
+  uint64_t savesSkipped = 0;      ///< published blocks not saved (maxPendingSaves reached)
 };
 
 }  // namespace mkv

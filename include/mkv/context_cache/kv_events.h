@@ -14,9 +14,11 @@
 
 namespace mkv {
 
-/// Where a block's KV lives: the GPU cache (the base KV pool) or the host tier (pinned host
-/// memory; docs/context_cache.md, "Host tier"). vLLM's events name it `medium`.
-enum class KvMedium : uint8_t { kGpu, kCpu };
+/// Where a block's KV lives: the GPU cache (the base KV pool), the host tier (pinned host
+/// memory; docs/context_cache.md, "Host tier") or the remote tier's store (shared with other
+/// engines; "Remote tier": a BlockStored when the store accepted a save, page kNoPage; the store
+/// evicts on its own, so no BlockRemoved). vLLM's events name it `medium`.
+enum class KvMedium : uint8_t { kGpu, kCpu, kRemote };
 
 /// What the layers of a KV cache group attend to (vLLM's `kv_cache_spec_kind`).
 enum class KvCacheSpecKind : uint8_t {

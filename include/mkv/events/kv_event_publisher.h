@@ -44,6 +44,8 @@ struct KvEventPublisherConfig {
   std::string medium = "GPU";  ///< `medium` of the GPU cache's events (KvMedium::kGpu); empty: nil
   /// `medium` of the host tier's events (KvMedium::kCpu); empty: nil.
   std::string hostMedium = "CPU";
+  /// `medium` of the remote tier's events (KvMedium::kRemote); empty: nil.
+  std::string remoteMedium = "REMOTE";
   int32_t queueCapacity = 1024;  ///< batches waiting for the worker, > 0
   /// Last batches kept for replay requests, > 0 when there is a replay socket.
   int32_t replayBufferBatches = 10000;
