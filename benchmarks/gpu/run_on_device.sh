@@ -264,7 +264,12 @@ for suite in "${SUITES[@]}"; do
     record "$name" SKIP 0 "time budget used up"
     continue
   fi
-  run_step "$name" "$OUT/$name.log" "$left" "$suite" --gtest_output="xml:$OUT/$name.xml"
+  filter=()
+  if [[ $name == mkv_remote_tests ]] && ! command -v redis-server >/dev/null; then
+    filter=(--gtest_filter='-*Redis*')  # no Redis server here: the directory store's tests only
+  fi
+  run_step "$name" "$OUT/$name.log" "$left" "$suite" --gtest_output="xml:$OUT/$name.xml" \
+    "${filter[@]}"
   record "$name" "$(gtest_status $RC "$OUT/$name.log")" "$SECONDS_TAKEN" "$(gtest_detail "$OUT/$name.log")"
 done
 

@@ -254,6 +254,25 @@ CliOptions parseArguments(int argc, char** argv) {
              [&](std::string_view flag, std::string_view value) {
                c.hostPoolTokens = parseInteger(flag, value, 1, std::numeric_limits<int64_t>::max());
              });
+  option("--remote-tier", "URL",
+         "reuse with a host tier: a KV store shared with other engines, redis://HOST:PORT or "
+         "file:///DIR; each request first loads the blocks the store holds past its local hit, "
+         "and published blocks are saved (docs/context_cache.md, \"Remote tier\")",
+         [&](std::string_view, std::string_view value) { c.remoteTier = std::string(value); });
+  option("--remote-model", "NAME",
+         "with --remote-tier: the model name in the blocks' deployment identity (default "
+         "mkv-replay); engines of another name never load each other's blocks",
+         [&](std::string_view, std::string_view value) { c.remoteModel = std::string(value); });
+  option("--role", "R",
+         "with --remote-tier: both (default), prefill (outputs capped at the first token; saves "
+         "for a decode instance) or decode (loads what a prefill instance saved; saves nothing)",
+         [&](std::string_view flag, std::string_view value) {
+           c.role =
+               parseChoice<mkv::replay::ReplayRole>(flag, value,
+                                                    {{"both", mkv::replay::ReplayRole::kBoth},
+                                                     {"prefill", mkv::replay::ReplayRole::kPrefill},
+                                                     {"decode", mkv::replay::ReplayRole::kDecode}});
+         });
   option("--max-batch", "N",
          "sequences executing at once (default 1); reuse/full: in-flight joins, swa: batches of "
          "N consecutive requests",

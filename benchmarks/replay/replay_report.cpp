@@ -386,6 +386,19 @@ std::string formatSummary(ReplayResult const& r) {
                       grouped(h.offloadedPages), bytes(h.offloadedBytes), grouped(h.onboardedPages),
                       bytes(h.onboardedBytes), grouped(h.droppedPages)));
     }
+    if (r.remoteTier.enabled) {
+      RemoteTierCounters const& t = r.remoteTier.counters;
+      auto count = [](uint64_t value) { return grouped(static_cast<int64_t>(value)); };
+      line("remote tier",
+           fmt::format("{} ({}): {} blocks loaded ({}), {} missing, {} refused, {} failed loads; "
+                       "{} blocks saved ({}), {} failed, {} skipped; {:.1f} ms waiting for loads",
+                       r.remoteTier.store, toString(c.role), count(t.loadedBlocks),
+                       bytes(static_cast<int64_t>(t.loadedBytes)), count(t.missingBlocks),
+                       count(t.rejectedBlocks), count(t.loadFailures), count(t.savedBlocks),
+                       bytes(static_cast<int64_t>(t.savedBytes)), count(t.saveFailures),
+                       count(t.savesSkipped),
+                       static_cast<double>(r.remoteTier.loadWaitNanoseconds) / 1e6));
+    }
     std::string misses;
     for (std::size_t i = 0; i < r.missesByReason.size(); ++i) {
       if (r.missesByReason[i] > 0) {
@@ -529,6 +542,31 @@ std::string formatJson(ReplayResult const& r) {
         {"dropped_pages", h.droppedPages},
         {"transfers", h.transfers},
         {"swapped_out_blocks", h.swappedOutBlocks},
+    };
+  }
+  if (r.remoteTier.enabled) {
+    RemoteTierCounters const& t = r.remoteTier.counters;
+    json["remote_tier"] = {
+        {"store", r.remoteTier.store},
+        {"role", toString(c.role)},
+        {"model", c.remoteModel},
+        {"lookups", t.lookups},
+        {"lookup_failures", t.lookupFailures},
+        {"loads", t.loadsStarted},
+        {"loads_refused", t.loadsRefused},
+        {"load_failures", t.loadFailures},
+        {"loaded_blocks", t.loadedBlocks},
+        {"loaded_tokens", t.loadedBlocks * static_cast<uint64_t>(c.pageSize)},
+        {"loaded_bytes", t.loadedBytes},
+        {"missing_blocks", t.missingBlocks},
+        {"rejected_blocks", t.rejectedBlocks},
+        {"installs_deferred", t.installsDeferred},
+        {"saved_blocks", t.savedBlocks},
+        {"saved_bytes", t.savedBytes},
+        {"save_failures", t.saveFailures},
+        {"saves_skipped", t.savesSkipped},
+        {"load_wait_ms", static_cast<double>(r.remoteTier.loadWaitNanoseconds) / 1e6},
+        {"handoff_wait_ms", static_cast<double>(r.remoteTier.handoffWaitNanoseconds) / 1e6},
     };
   }
   json["recurrent_layers"] = c.recurrentLayers;

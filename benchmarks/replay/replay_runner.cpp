@@ -8,6 +8,7 @@
 #include <deque>
 #include <limits>
 #include <memory>
+#include <thread>
 #include <unordered_map>
 
 #include "context_cache/context_cache_manager.h"
@@ -15,6 +16,7 @@
 #include "mkv/context_cache/context_cache_coordinator.h"
 #include "mkv/host_kv_tier.h"
 #include "mkv/kernels.h"
+#include "mkv/remote/open_remote_kv_store.h"
 #include "mkv/stream.h"
 
 namespace mkv::replay {
@@ -249,7 +251,30 @@ void validateSlidingReuse(ReplayConfig const& c) {
   }
 }
 
+int64_t nanosecondsSince(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() -
+                                                              start)
+      .count();
+}
+
+void validateRemoteTier(ReplayConfig const& c) {
+  if (c.remoteTier.empty()) {
+    if (c.role != ReplayRole::kBoth) {
+      configError(fmt::format("--role {} shares blocks through a store: it needs --remote-tier",
+                              toString(c.role)));
+    }
+    return;
+  }
+  if (c.mode != ReplayMode::kReuse || c.hostPoolTokens <= 0 || c.recurrentLayers > 0 ||
+      c.speculative != SpeculativeKind::kNone || c.slidingReuse) {
+    configError(
+        "--remote-tier loads into and saves from the host tier: it needs --mode reuse with "
+        "--host-pool-tokens on an attention-only model without --speculative or sliding reuse");
+  }
+}
+
 void validate(ReplayConfig const& c) {
+  validateRemoteTier(c);
   if (c.pageSize < 16 || c.pageSize > 1024 || (c.pageSize & (c.pageSize - 1)) != 0) {
     configError(fmt::format("page size {} is not a power of two in [16, 1024]", c.pageSize));
   }
@@ -513,6 +538,18 @@ class Runner {
                              4 * perPage * int64_t{batch} * width}) +
           1024);
     }
+    if (!c.remoteTier.empty()) {
+      RemoteTierConfig remote;
+      remote.openStore = [url = c.remoteTier] { return openRemoteKvStore(url); };
+      remote.model = c.remoteModel;
+      remote.saveBlocks = c.role != ReplayRole::kDecode;
+      // Saves in flight hold host pages: at most half the tier.
+      remote.maxPendingSaves =
+          static_cast<int32_t>(std::max<int64_t>(1, c.hostPoolTokens / c.pageSize / 2));
+      rc.contextCache.remoteTier = std::move(remote);
+      mResult.remoteTier.enabled = true;
+      mResult.remoteTier.store = c.remoteTier;
+    }
     if (c.hostPoolTokens > 0) {
       rc.hostPoolTokens = c.hostPoolTokens / c.pageSize * c.pageSize;
       if (rc.hostPoolTokens == 0) {
@@ -705,6 +742,9 @@ class Runner {
     record.timestampMs = request.timestampMs;
     record.promptTokens = static_cast<int64_t>(request.prompt.size());
     record.maxNewTokens = cappedOutput(request.maxNewTokens, mConfig.maxOutputTokens);
+    if (mConfig.role == ReplayRole::kPrefill) {
+      record.maxNewTokens = std::min(record.maxNewTokens, 1);  // the first token, then handoff
+    }
     Pending pending;
     pending.index = mNextIndex;
     pending.sequence.prompt = std::move(request.prompt);
@@ -713,9 +753,36 @@ class Runner {
     pending.salt = std::move(request.salt);
     pending.lora = std::move(request.lora);
     mIdentities[mNextIndex] = EngineIdentity{pending.lora, pending.salt};
+    loadFromRemoteTier(pending);
     mStaged.push_back(std::move(pending));
     ++mNextIndex;
     return true;
+  }
+
+  /// Remote tier: loads the blocks of `pending`'s prompt the store holds past the local hit into
+  /// the host tier before the request can be admitted. The library's load runs on its worker; a
+  /// serving engine would admit other requests meanwhile, the replay waits (timed).
+  void loadFromRemoteTier(Pending const& pending) {
+    ContextCacheCoordinator* coordinator = mRuntime->contextCache();
+    if (coordinator == nullptr || !coordinator->hasRemoteTier()) {
+      return;
+    }
+    auto const start = std::chrono::steady_clock::now();
+    ContextCacheSequenceAdmission admission;
+    admission.tokenIds = pending.sequence.prompt;
+    admission.keyExtras = blockKeyExtras(pending.lora, pending.salt);
+    RemoteLoadStart const started = coordinator->loadFromRemoteTier(admission);
+    if (started.ticket != 0) {
+      auto const finished = [&](std::vector<RemoteLoadResult> const& results) {
+        return std::any_of(results.begin(), results.end(), [&](RemoteLoadResult const& result) {
+          return result.ticket == started.ticket;
+        });
+      };
+      while (!finished(coordinator->pollRemoteTier())) {
+        std::this_thread::sleep_for(std::chrono::microseconds(20));
+      }
+    }
+    mResult.remoteTier.loadWaitNanoseconds += nanosecondsSince(start);
   }
 
   Pending* peekStaged() {
@@ -773,6 +840,9 @@ class Runner {
 
   void onStep() {
     publishEvents();
+    if (mResult.remoteTier.enabled) {
+      (void)mRuntime->contextCache()->pollRemoteTier();  // saves move on; loads are waited for
+    }
     std::size_t const step = mStepNanos.size();
     mStepNanos.push_back(mEngine->stats().stepHostNanoseconds.back());
     mStepPages.push_back(mEngine->pagesInUse());
@@ -832,6 +902,14 @@ class Runner {
       reportProgress();
       RequestOutcome const outcome = mEngine->run(request, mRunJoins ? &mJoinQueue : nullptr);
       publishEvents();  // the run's last step: its prefill-only or finishing events
+      if (mConfig.role == ReplayRole::kPrefill) {
+        // A prefill instance hands its requests' KV over: their saves finish before it goes on.
+        auto const start = std::chrono::steady_clock::now();
+        (void)mRuntime->contextCache()->drainRemoteTier();
+        mResult.remoteTier.handoffWaitNanoseconds += nanosecondsSince(start);
+      } else if (mResult.remoteTier.enabled) {
+        (void)mRuntime->contextCache()->pollRemoteTier();  // a prefill-only run has no step
+      }
       // Joins after the last step; then what never joined goes back, in order.
       std::size_t const lateJoins = mQueuedTags.size() - mJoinQueue.size();
       for (std::size_t i = 0; i < lateJoins; ++i) {
@@ -978,6 +1056,11 @@ class Runner {
   void summarize() {
     testing::EngineStats const& stats = mEngine->stats();
     ReplayResult& r = mResult;
+    if (r.remoteTier.enabled) {
+      ContextCacheCoordinator* coordinator = mRuntime->contextCache();
+      (void)coordinator->drainRemoteTier();  // every save in the store before the process ends
+      r.remoteTier.counters = coordinator->remoteTierCounters();
+    }
     r.joins = stats.joins;
     r.chunkedPrefills = stats.chunkedPrefills;
     r.prefillChunks = stats.prefillChunks;
@@ -1161,6 +1244,18 @@ std::string_view toString(ReplayMode mode) noexcept {
       return "swa";
     case ReplayMode::kFull:
       return "full";
+  }
+  return "unknown";
+}
+
+std::string_view toString(ReplayRole role) noexcept {
+  switch (role) {
+    case ReplayRole::kBoth:
+      return "both";
+    case ReplayRole::kPrefill:
+      return "prefill";
+    case ReplayRole::kDecode:
+      return "decode";
   }
   return "unknown";
 }

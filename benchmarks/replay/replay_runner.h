@@ -39,6 +39,14 @@ enum class SpeculativeKind : uint8_t {
 };
 std::string_view toString(SpeculativeKind kind) noexcept;
 
+/// A process's part when several share a remote tier.
+enum class ReplayRole : uint8_t {
+  kBoth,     ///< loads before admission and saves what it publishes
+  kPrefill,  ///< a prefill instance: each request's output capped at its first token; saves
+  kDecode,   ///< a decode instance: loads what a prefill instance saved, saves nothing
+};
+std::string_view toString(ReplayRole role) noexcept;
+
 /// How the pool size was chosen.
 enum class PoolSizing : uint8_t {
   kUnbounded,  ///< computed from the workload so that nothing is ever evicted
@@ -91,6 +99,15 @@ struct ReplayConfig {
   /// kReuse: tokens of the host tier (KVCacheRuntimeConfig::hostPoolTokens), rounded down to
   /// whole pages; 0 = none (docs/context_cache.md, "Host tier").
   int64_t hostPoolTokens = 0;
+  /// kReuse with a host tier: a store shared with other engines (ContextCacheConfig::remoteTier;
+  /// docs/context_cache.md, "Remote tier"), "redis://HOST:PORT" or "file:///DIR"; empty = none.
+  /// Each request's blocks past what the GPU and the host tier hold are loaded before it is
+  /// admitted; published blocks are saved unless the role is kDecode.
+  std::string remoteTier;
+  /// The deployment identity's model name (RemoteTierConfig::model).
+  std::string remoteModel = "mkv-replay";
+  /// What this process does with the remote tier (docs/replay.md, "Remote tier").
+  ReplayRole role = ReplayRole::kBoth;
   /// kReuse: each engine step's KV events go to this publisher as one batch (not owned).
   KvEventPublisher* kvEvents = nullptr;
   // Speculative decoding (kReuse only).
@@ -232,6 +249,16 @@ struct ReplayResult {
     /// Blocks of swap-preempted rows moved to the host at their compaction (--preemption swap).
     int64_t swappedOutBlocks = 0;
   } hostTier;
+  /// The remote tier (ReplayConfig::remoteTier): the coordinator's counters at the end, the
+  /// store's address, and the time admissions waited for their loads.
+  struct RemoteTier {
+    bool enabled = false;
+    std::string store;
+    RemoteTierCounters counters;
+    int64_t loadWaitNanoseconds = 0;
+    /// kPrefill: time spent after each run waiting for its saves (the handoff).
+    int64_t handoffWaitNanoseconds = 0;
+  } remoteTier;
   int64_t publishedRecords = 0;
   int64_t replacedChunkRecords = 0;  ///< chunk records the next publication replaced
   std::array<int64_t, kMissReasonCount> missesByReason{};

@@ -4,8 +4,10 @@
 #include "replay_runner.h"
 
 #include <gtest/gtest.h>
+#include <unistd.h>
 #include <nlohmann/json.hpp>
 
+#include <filesystem>
 #include <limits>
 #include <map>
 #include <numeric>
@@ -1723,6 +1725,81 @@ TEST(ReplayReportTest, JsonKeepsStringsExactlyAndNonFiniteFiguresAsNull) {
   EXPECT_TRUE(json.at("hit_rate").is_null());
   // One top-level key per line.
   EXPECT_EQ(static_cast<std::size_t>(std::count(text.begin(), text.end(), '\n')), json.size() + 2);
+}
+
+}  // namespace
+}  // namespace mkv::replay
+
+namespace mkv::replay {
+namespace {
+
+/// A directory store of the test's own, removed with it.
+struct StoreFolder {
+  StoreFolder()
+      : path(std::filesystem::temp_directory_path() /
+             ("mkv_replay_remote_" + std::to_string(::getpid()))) {
+    std::filesystem::remove_all(path);
+  }
+  ~StoreFolder() { std::filesystem::remove_all(path); }
+  std::string url() const { return "file://" + path.string(); }
+  std::filesystem::path path;
+};
+
+ReplayConfig remoteConfig(std::string url, ReplayRole role) {
+  ReplayConfig config;
+  config.poolSizing = PoolSizing::kTokens;
+  config.poolAmount = 200'000;  // evicts on the first 120 requests
+  config.hostPoolTokens = 400'000;
+  config.remoteTier = std::move(url);
+  config.role = role;
+  return config;
+}
+
+TEST(ReplayRemoteTierTest,
+     ASecondProcessReusesWhatTheFirstComputedAndADecodeOneWhatAPrefillOneSaved) {
+  MKV_TEST_INPUT_OR_SKIP(kMooncake500, "tests/data/mooncake_first500.jsonl");
+  StoreFolder store;
+  TraceSource firstTrace = traceSource(kMooncake500, 120);
+  ReplayResult const first = runReplay(firstTrace, remoteConfig(store.url(), ReplayRole::kBoth));
+  ASSERT_TRUE(first.remoteTier.enabled);
+  EXPECT_GT(first.remoteTier.counters.savedBlocks, 0U);
+  EXPECT_EQ(first.remoteTier.counters.saveFailures, 0U);
+  EXPECT_EQ(first.oracleMismatches, 0) << first.firstMismatch;
+  TraceSource secondTrace = traceSource(kMooncake500, 120);
+  ReplayResult const second = runReplay(secondTrace, remoteConfig(store.url(), ReplayRole::kBoth));
+  EXPECT_GT(second.remoteTier.counters.loadedBlocks, first.remoteTier.counters.loadedBlocks);
+  EXPECT_GT(second.reusedTokens, 2 * first.reusedTokens) << "the store holds what evicted";
+  EXPECT_EQ(second.remoteTier.counters.rejectedBlocks, 0U);
+  EXPECT_EQ(second.oracleMismatches, 0) << second.firstMismatch;
+  EXPECT_GT(second.oracleChecks, second.reusedTokens / 2);
+
+  StoreFolder handoff;
+  TraceSource prefillTrace = traceSource(kMooncake500, 120);
+  ReplayResult const prefill =
+      runReplay(prefillTrace, remoteConfig(handoff.url(), ReplayRole::kPrefill));
+  EXPECT_EQ(prefill.remoteTier.counters.savesSkipped, 0U) << "every block handed over";
+  EXPECT_EQ(prefill.generatedTokens, prefill.requests - prefill.failedRequests);
+  TraceSource decodeTrace = traceSource(kMooncake500, 120);
+  ReplayResult const decode =
+      runReplay(decodeTrace, remoteConfig(handoff.url(), ReplayRole::kDecode));
+  EXPECT_EQ(decode.remoteTier.counters.savedBlocks, 0U);
+  EXPECT_EQ(decode.remoteTier.counters.missingBlocks, 0U);
+  int64_t fullBlockTokens = 0;
+  for (RequestRecord const& record : decode.records) {
+    fullBlockTokens += (record.promptTokens - 1) / 128 * 128;  // the last token is computed
+  }
+  EXPECT_GE(decode.reusedTokens, fullBlockTokens) << "every full block came from the prefill side";
+  EXPECT_EQ(decode.oracleMismatches, 0) << decode.firstMismatch;
+}
+
+TEST(ReplayRemoteTierTest, ARemoteTierOutsideItsDeploymentIsBadInput) {
+  MKV_TEST_INPUT_OR_SKIP(kTiny, "tests/replay/tiny_mooncake.jsonl");
+  ReplayConfig noHostTier;
+  noHostTier.remoteTier = "file:///nonexistent/never-opened";
+  EXPECT_NE(budgetError(kTiny, noHostTier).find("--remote-tier"), std::string::npos);
+  ReplayConfig noStore;
+  noStore.role = ReplayRole::kDecode;
+  EXPECT_NE(budgetError(kTiny, noStore).find("--role decode"), std::string::npos);
 }
 
 }  // namespace
