@@ -263,6 +263,12 @@ CliOptions parseArguments(int argc, char** argv) {
          "with --remote-tier: the model name in the blocks' deployment identity (default "
          "mkv-replay); engines of another name never load each other's blocks",
          [&](std::string_view, std::string_view value) { c.remoteModel = std::string(value); });
+  option("--remote-ttl", "S",
+         "with --remote-tier: each saved value expires after S seconds (default 0: never; the "
+         "store's own eviction, e.g. Redis maxmemory with an allkeys policy, bounds it)",
+         [&](std::string_view flag, std::string_view value) {
+           c.remoteTtlSeconds = parseInteger(flag, value, 1, int64_t{1} << 31);
+         });
   option("--role", "R",
          "with --remote-tier: both (default), prefill (outputs capped at the first token; saves "
          "for a decode instance) or decode (loads what a prefill instance saved; saves nothing)",

@@ -259,6 +259,10 @@ int64_t nanosecondsSince(std::chrono::steady_clock::time_point start) {
 
 void validateRemoteTier(ReplayConfig const& c) {
   if (c.remoteTier.empty()) {
+    if (c.remoteTtlSeconds != 0) {
+      configError(
+          "--remote-ttl applies to the values --remote-tier writes: it needs --remote-tier");
+    }
     if (c.role != ReplayRole::kBoth) {
       configError(fmt::format("--role {} shares blocks through a store: it needs --remote-tier",
                               toString(c.role)));
@@ -540,7 +544,9 @@ class Runner {
     }
     if (!c.remoteTier.empty()) {
       RemoteTierConfig remote;
-      remote.openStore = [url = c.remoteTier] { return openRemoteKvStore(url); };
+      RemoteKvStoreOptions store;
+      store.ttlSeconds = c.remoteTtlSeconds;
+      remote.openStore = [url = c.remoteTier, store] { return openRemoteKvStore(url, store); };
       remote.model = c.remoteModel;
       remote.saveBlocks = c.role != ReplayRole::kDecode;
       // Saves in flight hold host pages: at most half the tier.

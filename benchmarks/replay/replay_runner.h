@@ -106,6 +106,9 @@ struct ReplayConfig {
   std::string remoteTier;
   /// The deployment identity's model name (RemoteTierConfig::model).
   std::string remoteModel = "mkv-replay";
+  /// Time to live of each value the remote tier writes, in seconds; 0 = none (the store's own
+  /// eviction bounds it: RemoteKvStoreOptions::ttlSeconds).
+  int64_t remoteTtlSeconds = 0;
   /// What this process does with the remote tier (docs/replay.md, "Remote tier").
   ReplayRole role = ReplayRole::kBoth;
   /// kReuse: each engine step's KV events go to this publisher as one batch (not owned).

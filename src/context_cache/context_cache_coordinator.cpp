@@ -604,6 +604,14 @@ ContextCacheStatus ContextCacheCoordinator::finish(RequestHandle& handle) {
 }
 
 ContextCacheStatus ContextCacheCoordinator::shutdown() noexcept {
+  if (mRemoteTier != nullptr) {
+    try {
+      (void)mRemoteTier->drain("ContextCacheCoordinator::shutdown");
+    } catch (Error const& error) {  // the host tier's CUDA query failed
+      logger()->error("ContextCacheCoordinator::shutdown: {}", error.what());
+      poison();
+    }
+  }
   // A failed host-tier launch poisons: its other copies may still run.
   if (poisoned() && !mHostTier->synchronize()) {
     return ContextCacheStatus::kPoisoned;

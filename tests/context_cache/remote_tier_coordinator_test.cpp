@@ -314,7 +314,8 @@ TEST_P(RemoteTierCoordinatorTest, SavesBeyondTheBoundAreSkippedAndCounted) {
   EXPECT_EQ(bounded.coordinator->pendingRemoteSaves(), 2);
   EXPECT_EQ(bounded.coordinator->remoteTierCounters().savesSkipped, 1U);
   mStore->unblock();
-  (void)bounded.coordinator->drainRemoteTier();
+  EXPECT_EQ(bounded.coordinator->shutdown(), ContextCacheStatus::kOk)
+      << "shutdown waits for the saves";
   EXPECT_EQ(bounded.coordinator->remoteTierCounters().savedBlocks, 2U);
   EXPECT_EQ(bounded.coordinator->manager().hostTier()->pinnedPages(), 0);
 }

@@ -407,8 +407,9 @@ class ContextCacheCoordinator {
   /// (request quarantined) or the coordinator is poisoned, else kOk. An invalid handle (finished,
   /// or quarantined by compactBatch) changes nothing and reports the same way.
   ContextCacheStatus finish(RequestHandle& handle);
-  /// Drains quarantined requests; clears the poison when every drain succeeded.
-  /// kRequestFailed when requests are still active.
+  /// Drains quarantined requests; clears the poison when every drain succeeded. With a remote
+  /// tier, first waits for its loads and saves (each bounded by the store's timeout), so no host
+  /// page stays held. kRequestFailed when requests are still active.
   ContextCacheStatus shutdown() noexcept;
   /// Clears the prefix cache between requests (ContextCacheManager::resetPrefixCache): every
   /// record dropped, its pages and snapshot slots free, the composed backend's sliding pool
