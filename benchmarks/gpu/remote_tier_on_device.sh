@@ -21,11 +21,19 @@ step() {  # NAME LOG COMMAND...: runs it, prints one line
   printf '%-40s rc %-3s %4s s\n' "$name" "$rc" "$((SECONDS - start))"
   ((rc == 0)) || FAILED=1
 }
+# A redis-server carried with the bundle (BUILD/redis: Debian's binary and the libraries it loads)
+# when the machine has none.
+if ! command -v redis-server >/dev/null && [[ -x $BUILD/redis/bin/redis-server ]]; then
+  export PATH=$BUILD/redis/bin:$PATH
+  export LD_LIBRARY_PATH=${LD_LIBRARY_PATH:+$LD_LIBRARY_PATH:}$BUILD/redis/lib
+fi
+STORE_FILTER=()
+command -v redis-server >/dev/null || STORE_FILTER=(--gtest_filter='-*Redis*')
 CC_TESTS=$BUILD/tests/context_cache/mkv_context_cache_tests
 step "remote tier tests (gpu)" "$OUT/remote_tests.log" "$CC_TESTS" \
   --gtest_filter='*RemoteTier*gpu:*RemoteBlockCodec*:*RemoteDeployment*'
-step "directory store tests (gpu)" "$OUT/remote_store_tests.log" \
-  "$BUILD/tests/remote/mkv_remote_tests" --gtest_filter='-*Redis*'
+step "store tests (redis: $(command -v redis-server >/dev/null && echo yes || echo no))" \
+  "$OUT/remote_store_tests.log" "$BUILD/tests/remote/mkv_remote_tests" "${STORE_FILTER[@]}"
 if SANITIZER=$(command -v compute-sanitizer); then
   step "memcheck remote tier" "$OUT/remote_memcheck.log" "$SANITIZER" --tool memcheck \
     --error-exitcode 3 "$CC_TESTS" --gtest_filter='*RemoteTier*gpu'
@@ -37,12 +45,25 @@ TRACE=${MKV_TEST_INPUTS:-$BUILD/test_inputs}/tests/data/mooncake_first500.jsonl
 # GiB of blocks to the store for these 500 requests.
 COMMON=(--trace "$TRACE" --verify sample --quiet --pool-tokens 100000 --host-pool-tokens 50000)
 STORE=$(mktemp -d)
+PORT=6391
 for device in cuda cpu; do
   rm -rf "${STORE:?}"/*
   for run in first second; do
     step "mkv-replay $run ($device)" "$OUT/replay_${run}_$device.log" "$REPLAY" "${COMMON[@]}" \
       --device "$device" --remote-tier "file://$STORE" --json "$OUT/replay_${run}_$device.json"
   done
+  if command -v redis-server >/dev/null; then  # the same pair on a Redis server of its own
+    PORT=$((PORT + 1))
+    redis-server --port "$PORT" --bind 127.0.0.1 --save '' --appendonly no --daemonize yes \
+      --logfile "$OUT/redis_$PORT.log" --pidfile "$OUT/redis_$PORT.pid" >/dev/null
+    sleep 1
+    for run in redis_first redis_second; do
+      step "mkv-replay $run ($device)" "$OUT/replay_${run}_$device.log" "$REPLAY" \
+        "${COMMON[@]}" --device "$device" --remote-tier "redis://127.0.0.1:$PORT" \
+        --json "$OUT/replay_${run}_$device.json"
+    done
+    kill "$(cat "$OUT/redis_$PORT.pid")"
+  fi
   rm -rf "${STORE:?}"/*
   for role in prefill decode; do
     step "mkv-replay $role ($device)" "$OUT/replay_${role}_$device.log" "$REPLAY" "${COMMON[@]}" \
@@ -52,7 +73,8 @@ for device in cuda cpu; do
 done
 rm -rf "$STORE"
 timing='"(device|wall_s|requests_per_s|host_ns_per_step_[a-z0-9]+|gpu_[a-z_0-9]+|coordinator_timings|load_wait_ms|handoff_wait_ms|store)":'
-for run in first second prefill decode; do
+for run in first second prefill decode redis_first redis_second; do
+  [[ -f $OUT/replay_${run}_cuda.json ]] || continue
   if diff <(grep -vE "$timing" "$OUT/replay_${run}_cuda.json") \
           <(grep -vE "$timing" "$OUT/replay_${run}_cpu.json") >"$OUT/replay_${run}_diff.txt"; then
     echo "mkv-replay $run: GPU and CPU figures agree"

@@ -45,7 +45,7 @@ RemoteTierConfig const& checked(char const* call, RemoteTierConfig const& config
 
 }  // namespace
 
-RemoteTierLink::RemoteTierLink(char const* call, RemoteTierConfig config,
+RemoteTierLink::RemoteTierLink(char const* call, RemoteTierConfig const& config,
                                ContextCacheManager& manager, HostKvTier& tier,
                                KVCachePool const& basePool)
     : mConfig(checked(call, config)),

@@ -24,7 +24,7 @@ class RemoteTierLink {
   /// Throws mkv::Error naming `call` for a config without openStore or with a bound <= 0, a
   /// manager without token verification (a saved value carries the block's tokens), or a store
   /// that cannot be opened.
-  RemoteTierLink(char const* call, RemoteTierConfig config, ContextCacheManager& manager,
+  RemoteTierLink(char const* call, RemoteTierConfig const& config, ContextCacheManager& manager,
                  HostKvTier& tier, KVCachePool const& basePool);
   ~RemoteTierLink();
   RemoteTierLink(RemoteTierLink const&) = delete;

@@ -1741,6 +1741,8 @@ struct StoreFolder {
     std::filesystem::remove_all(path);
   }
   ~StoreFolder() { std::filesystem::remove_all(path); }
+  StoreFolder(StoreFolder const&) = delete;
+  StoreFolder& operator=(StoreFolder const&) = delete;
   std::string url() const { return "file://" + path.string(); }
   std::filesystem::path path;
 };
