@@ -48,9 +48,9 @@ fi
 
 deferred='^$'
 # Tests and benchmarks changed after this commit are checked. It was 00f462e (the merge that
-# brought .clang-tidy to main), then 1fd71a6, then 829638f, each a commit whose CI run had checked
-# every file changed since the previous base clean; move it only to such a commit.
-tests_base=829638f
+# brought .clang-tidy to main), then 1fd71a6, then 829638f, then 5b93438, each a commit whose CI
+# run had checked every file changed since the previous base clean; move it only to such a commit.
+tests_base=5b93438
 
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT

@@ -104,7 +104,8 @@ TEST_P(RemoteTierRedisTest, TwoEnginesShareOneServerAndSurviveItsFaults) {
   auto const before = std::chrono::steady_clock::now();
   EXPECT_FALSE(
       second->coordinator->lookupRemoteTier(test::promptAdmissionOf(unseen)).storeAvailable);
-  EXPECT_LT(std::chrono::steady_clock::now() - before, std::chrono::seconds(3));
+  EXPECT_LT(std::chrono::steady_clock::now() - before, std::chrono::seconds(10))
+      << "a lookup of a store that does not answer returns (its timeout: 300 ms)";
   server.resume();
 }
 
