@@ -63,9 +63,14 @@ struct SwaSequenceState {
   std::vector<SwaPageBinding> newBindings;
   /// Pages that left the window; still mapped and held until the completion call.
   std::vector<SwaPageBinding> pendingRetire;
-  /// Cached mode: admitted in flight (admitSequence) and not finalised yet; decode steps skip
-  /// the sequence until finalizeSequenceAdmission commits its prefill.
+  /// Admitted in flight (admitSequence) and not finalised yet; decode steps skip the sequence
+  /// until finalizeSequenceAdmission commits its prefill.
   bool joining = false;
+  /// An unfinalised joiner's prompt length L (0 otherwise). Without a page source its prefill
+  /// may run in chunks: `endpoint` is what the completed chunks wrote, `pendingEndpoint` the end
+  /// of the chunk staged for the next step (the rest of the prompt unless prepareSequenceChunk
+  /// staged a shorter one).
+  int32_t joinerPromptTokens = 0;
   /// bindings + reserved + pendingRetire (pendingRetire pages are not in bindings).
   int32_t heldPages() const noexcept {
     return static_cast<int32_t>(bindings.size() + reservedPages.size() + pendingRetire.size());
@@ -149,12 +154,17 @@ struct BoundedSwaResources {
 /// its next spare there; finish, compaction, abandonment and shutdown's drain release every
 /// held page to the source.
 ///
-/// In-flight admission (cached mode only): a sequence joins an executing request at the end of
-/// its batch with its own reuse start (admitSequence maps its prefill at once), is finalised
-/// after the engine ran that prefill (finalizeSequenceAdmission: the same retirement as
-/// completePrefill) or retracted before (retractSequenceAdmission). Decode steps skip it until
+/// In-flight admission: a sequence joins an executing request at the end of its batch
+/// (admitSequence maps its prefill at once; in cached mode from its own reuse start), is
+/// finalised after the engine ran that prefill (finalizeSequenceAdmission: the same retirement
+/// as completePrefill) or retracted before (retractSequenceAdmission). Decode steps skip it until
 /// it is finalised. The manager never touches the length pools for a joiner: the engine seats
-/// it (active batch, its length row), as with the context-reuse coordinator.
+/// it (active batch, its length row), as with the context-reuse coordinator. Without a page
+/// source a joiner starts at 0 with the 2M + 1 pages of any sequence and may prefill in chunks:
+/// before the step that runs a chunk [e, c), prepareSequenceChunk maps what that chunk reads and
+/// keeps (the window before e, the pages of [max(e, c - W), c)); completeSequenceChunk retires
+/// what left the window of c, so the window rotates across chunks within the same 2M + 1 pages.
+/// A cached-mode joiner maps its whole prompt at admission and needs neither call.
 ///
 /// Limits: vanilla one-token decode only (headroom {1,0}, kCommittedPlusLookahead, not
 /// speculative). All calls use the construction stream.
@@ -239,31 +249,55 @@ class BoundedSwaKVPageManager {
   /// pageSource->release; the sequence keeps one spare and releases the rest of its reserve.
   /// Throws, changing nothing, without a prepared prefill or as checkPreparedWritesOnDevice.
   void completePrefill(RequestHandle& handle);
-  /// Cached mode: one sequence joins the executing request `handle` (no pending work) as its
-  /// last row, starting at `start` (see SwaReuseStart): it holds the window pages, reserves
+  /// One sequence joins the executing request `handle` (no pending work) as its last row,
+  /// starting at `start` (see SwaReuseStart). Cached mode: it holds the window pages, reserves
   /// ceil(L / P) - s / P + 1 private pages from the source, and its row maps logical pages
   /// [floor(max(0, s - W) / P), ceil(L / P)) in one table upload, ready for the engine's
-  /// prefill of the row. kPoisoned when poisoned; kRequestFailed (nothing changed) when the
-  /// source has too few pages. Throws (nothing changed) without a page source, for a request
-  /// that is not executing or has pending work, a full batch, a resident that is invalid,
-  /// stale or already held, and a start beginRequest would refuse.
+  /// prefill of the row. Without a page source: s must be 0 (nothing is cached); it reserves
+  /// 2M + 1 pages from the free list and its row maps the window of L (the whole prompt's
+  /// prefill, as preparePrefill maps it; prepareSequenceChunk stages a chunk instead).
+  /// kPoisoned when poisoned; kRequestFailed (nothing changed) when too few pages are free.
+  /// Throws (nothing changed) for a request that is not executing or has pending work, a full
+  /// batch, a resident that is invalid, stale or already held, and a start beginRequest would
+  /// refuse (without a page source: a start other than 0).
   SwaKVCacheStatus admitSequence(RequestHandle& handle, ResidentRef resident,
                                  SwaReuseStart const& start);
   /// Every check of admitSequence, without its effects (throws naming `call` where it throws,
   /// the busy check included unless poisoned); returns the joiner's private pages, refused for
-  /// capacity as checkBeginRequest's.
+  /// capacity as checkBeginRequest's (without a page source: 2M + 1 against freePageCount()).
   int32_t checkAdmitSequence(RequestHandle const& handle, ResidentRef resident,
                              SwaReuseStart const& start, char const* call) const;
+  /// Without a page source, before the step that runs the next chunk of joiner `row`'s prefill,
+  /// positions [endpoint, chunkEnd): replaces the staged chunk (the rest of the prompt after
+  /// admission or a completed chunk) with this one, mapping the pages of [max(endpoint,
+  /// chunkEnd - W), chunkEnd) beside the window before `endpoint` (one table upload); the
+  /// chunk's positions before chunkEnd - W are read from the engine's activations, not kept.
+  /// kOk; kPoisoned (nothing changed) when poisoned, after the checks. Throws, changing nothing,
+  /// with a page source (a cached-mode joiner's whole prompt is mapped from admission), with work
+  /// pending, for a row that is not an unfinalised joiner and for chunkEnd outside (endpoint, L].
+  SwaKVCacheStatus prepareSequenceChunk(RequestHandle& handle, int32_t row, int32_t chunkEnd);
+  /// Without a page source, after the step that ran joiner `row`'s chunk to `chunkEnd`: commits
+  /// the chunk (endpoint = chunkEnd), unmaps the pages that left its window (back to the row's
+  /// reserve) and stages the rest of the prompt. chunkEnd == endpoint is a no-op. kOk; kPoisoned
+  /// (nothing changed) when poisoned, after the checks. Throws, changing nothing, with a page
+  /// source, with work pending, for a row that is not an unfinalised joiner, and for a chunkEnd
+  /// other than the staged chunk's end (prepare each chunk shorter than the rest of the prompt).
+  SwaKVCacheStatus completeSequenceChunk(RequestHandle& handle, int32_t row, int32_t chunkEnd);
   /// After the engine's completion point for the joiner's prefill: commits row `row` at its
-  /// prompt length as completePrefill does (pages outside the window go to the source, one
-  /// spare kept); decode steps include it from now on. Throws unless `row` is an unfinalised
-  /// joiner and no work is pending.
+  /// prompt length as completePrefill does (pages outside the window go to the source, or the
+  /// free list, one spare kept); decode steps include it from now on. Throws unless `row` is an
+  /// unfinalised joiner, no work is pending and (without a page source) its prefill reached L:
+  /// every chunk completed, or the staged one ends at L.
   void finalizeSequenceAdmission(RequestHandle& handle, int32_t row);
   /// Every check of finalizeSequenceAdmission, without its effects (throws naming `call`).
   void checkFinalizeSequenceAdmission(RequestHandle const& handle, int32_t row,
                                       char const* call) const;
+  /// Every check of a preemption of row `row` (nothing is cached, so nothing to publish): an
+  /// executing request with no pending work, a row inside the batch that is not an unfinalised
+  /// joiner. Throws naming `call`.
+  void checkPreemptSequence(RequestHandle const& handle, int32_t row, char const* call) const;
   /// What retractSequenceAdmission would undo: true when `handle`'s request is live, no work is
-  /// pending and its newest row is an unfinalised joiner.
+  /// pending and its newest row is an unfinalised joiner that is not its only row.
   bool hasRetractableAdmission(RequestHandle const& handle) const noexcept;
   /// Undoes the newest admission that was not finalised: clears its row (one table upload) and
   /// gives its pages back to the source; true when it did. Never throws: false, changing nothing,
@@ -357,6 +391,8 @@ class BoundedSwaKVPageManager {
   int32_t quarantinedRequestCount() const noexcept;
   int32_t activeRequestCount() const noexcept;
   int32_t windowTokens() const noexcept { return mWindow; }
+  /// The construction stream, which every call uses.
+  cudaStream_t stream() const noexcept { return mStream; }
   int32_t tokensPerPage() const noexcept { return mPageSize; }
   /// 2M + 1 (admission / prefill budget per sequence; a cached-mode sequence reserves
   /// ceil(L / P) - s / P + 1 private pages instead, besides its held window pages).
@@ -400,9 +436,27 @@ class BoundedSwaKVPageManager {
   void completeCachedPrefill(SwaSequenceState& state);
   /// In-flight admission (bounded_swa_inflight_admission.cpp): the checks that throw, then the
   /// joiner's pages (false: the source has too few, nothing taken). validateJoiner returns the
-  /// joiner's private pages, ceil(L / P) - s / P + 1.
+  /// joiner's private pages, ceil(L / P) - s / P + 1 (2M + 1 without a page source).
   int32_t validateJoiner(char const* call, Request const& req, ResidentRef resident,
                          SwaReuseStart const& start) const;
+  /// The unfinalised joiner at `row` of an executing request with no pending work, or throws
+  /// naming `call`.
+  SwaSequenceState& joinerAt(char const* call, Request& req, int32_t row) const;
+  /// Without a page source: a joiner's 2M + 1 pages from the free list (false: too few, nothing
+  /// taken; its capacities are reserved first), and its admission.
+  bool takeUncachedJoinerPages(SwaSequenceState& state);
+  SwaKVCacheStatus admitUncached(Request& req, ResidentRef resident, int32_t promptTokens);
+  /// A chunk call in two halves, so that an allocation failure changes nothing: the plan builds
+  /// the joiner's next bindings and reserve in copies (the bindings below `retireBelow` retired,
+  /// the staged chunk dropped when `dropStaged`, the chunk to `chunkEnd` staged from the
+  /// reserve); applying it only rewrites the row's entries and swaps the copies in.
+  struct ChunkPlan;
+  ChunkPlan planJoinerChunk(SwaSequenceState const& state, int32_t retireBelow, bool dropStaged,
+                            int32_t chunkEnd) const;
+  void applyJoinerChunk(SwaSequenceState& state, ChunkPlan& plan, int32_t endpoint,
+                        int32_t chunkEnd) noexcept;
+  /// Commits the staged chunk: what left its window goes back to the row's reserve.
+  void commitJoinerChunk(SwaSequenceState& state) noexcept;
   bool takeJoinerPages(SwaSequenceState& state, SwaReuseStart const& start, int32_t privatePages);
   /// Cached mode: appends one page from the source to the reserve; false when it has none
   /// (and always without a source).

@@ -84,7 +84,12 @@ class BoundedSwaRequest {
   /// the synchronisation failed (request quarantined).
   bool finish();
 
-  /// No in-flight admission on this backend: kFailed and one log line, `prefillStart` untouched.
+  /// In-flight admission (BoundedSwaKVPageManager::admitSequence without a page source): the
+  /// joiner takes 2M + 1 pages and its row maps the window of its whole prompt; nothing is
+  /// cached, so `prefillStart` is 0 and the adapter, media and images mean nothing here.
+  /// kNoCapacity when fewer than 2M + 1 pages are free, kFailed (one log line) when poisoned.
+  /// Throws, changing nothing, unless headroom is {1, 0} and `stream` is the request's, for a
+  /// prompt outside (0, the table width], and where the manager's admitSequence throws.
   AdmitSequenceStatus admitSequence(std::vector<int32_t> const& tokenIds,
                                     std::string const& loraWeightsName,
                                     DecodingKvHeadroom const& headroom, int32_t& prefillStart,
@@ -92,24 +97,35 @@ class BoundedSwaRequest {
                                     std::vector<int32_t> const& mediaTokenIds = {},
                                     std::vector<imageUtils::ImageData> const& imageBuffers = {},
                                     std::vector<audioUtils::AudioData> const& audioBuffers = {});
-  /// The same refusal for a joiner with its own identity: kFailed and one log line.
+  /// The same for a joiner with its own identity (which keys nothing without a cache, and whose
+  /// retention is not read); throws as well for a `joiner` that has not exactly one sequence,
+  /// has a replay tail, or a commit or lookup policy out of range.
   AdmitSequenceStatus admitSequence(LLMGenerationRequest const& joiner,
                                     std::vector<int32_t> const& tokenIds,
                                     DecodingKvHeadroom const& headroom, int32_t& prefillStart,
                                     ResidentRef resident, cudaStream_t stream,
                                     std::vector<int32_t> const& mediaTokenIds = {});
   /// Nothing is cached for a resumption to reuse: nothing to publish, true (the engine compacts
-  /// the row away; resuming recomputes it). Throws for a row outside the batch.
+  /// the row away; resuming recomputes it). Throws during a step or compaction, for a row
+  /// outside the batch and for an unfinalised joiner
+  /// (BoundedSwaKVPageManager::checkPreemptSequence).
   bool preemptSequence(ExecutionRow row);
   /// kRecompute: preemptSequence(row). kSwap throws, changing nothing: no host tier.
   bool preemptSequence(ExecutionRow row, PreemptionKind kind);
-  /// No in-flight admission, so no joiner to prefill in chunks: false and one log line.
+  /// Before the step that runs joiner `row`'s chunk to `chunkEnd`: maps what the chunk reads and
+  /// keeps (BoundedSwaKVPageManager::prepareSequenceChunk); false (one log line) when poisoned.
+  bool preparePrefillChunk(ExecutionRow row, int32_t chunkEnd);
+  /// After the step that ran it: commits the chunk, the window rotating
+  /// (BoundedSwaKVPageManager::completeSequenceChunk); false when poisoned.
   bool completePrefillChunk(ExecutionRow row, int32_t prefilledTokens);
-  /// No in-flight admission: false and one log line.
+  /// After the joiner's last chunk (or its whole prefill): it decodes from the next step on
+  /// (BoundedSwaKVPageManager::finalizeSequenceAdmission). Throws as the manager does and for a
+  /// fullInputLength other than its prompt; false when poisoned.
   bool finalizeSequenceAdmission(ExecutionRow row, int32_t const& lookaheadToken,
                                  int32_t fullInputLength);
-  /// Nothing was admitted, so nothing to undo: false, as on every backend.
-  bool retractSequenceAdmission() noexcept { return false; }
+  /// Undoes the newest joiner that was not finalised (BoundedSwaKVPageManager::
+  /// retractSequenceAdmission): true when it did; never throws.
+  bool retractSequenceAdmission() noexcept;
   /// What the next prepareDecodeStep would take (BoundedSwaKVPageManager::decodeStepDemand);
   /// throws unless headroom is {1, 0}.
   DecodeStepDemand decodeStepDemand(DecodingKvHeadroom const& headroom) const;

@@ -199,10 +199,10 @@ class KVCacheRuntime {
   BoundedSwaKVPageManager* swaPageManager() noexcept { return mSwaManager.get(); }
   /// The sliding pool's free pages and cached window blocks (kSlidingWindowReuse), else null.
   WindowBlockCache* windowBlockCache() noexcept { return mWindowCache.get(); }
-  /// Whether a running batch may admit sequences in flight: true for context reuse and
-  /// sliding-window reuse; false for bounded SWA (no cache to start a joiner's window from), for
-  /// speculative deployments and for hybrid checkpoint reuse (a joiner cannot restore a
-  /// checkpoint or pair a draft in a running batch).
+  /// Whether a running batch may admit sequences in flight: true for context reuse (hybrid
+  /// checkpoint reuse included), sliding-window reuse and bounded SWA (a joiner prefills from 0,
+  /// in chunks if the engine likes); false for speculative deployments (a joiner cannot pair a
+  /// draft in a running batch) and Hybrid-MTP.
   bool supportsSeatedAdmission() const noexcept;
 
   KVCacheRuntimeConfig const& config() const noexcept { return mConfig; }

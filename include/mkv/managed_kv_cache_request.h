@@ -129,15 +129,13 @@ class ManagedKVCacheRequest {
   /// Ends the request (synchronises pending work, releases everything).
   bool finish();
 
-  /// In-flight admission, context-reuse and sliding-window reuse backends (the latter admits
-  /// the joiner's sliding window on its SWA half too: SlidingReuseRequest::admitSequence). The
-  /// joiner takes the founding request's cache salt, retention and commit and lookup policies,
-  /// and `loraWeightsName` as its adapter (the overload below gives it its own).
-  ///
-  /// The bounded-SWA backend has no live-slot admission (no cache its window state could start
-  /// from), and KVCacheRuntime::supportsSeatedAdmission() refuses such deployments
-  /// before an engine that would call these is ever constructed; the kFailed / false returns
-  /// here are the backstop. The status is mkv::AdmitSequenceStatus (types.h), the type that the
+  /// In-flight admission, every backend but speculative and Hybrid-MTP ones (sliding-window reuse
+  /// admits the joiner's sliding window on its SWA half too: SlidingReuseRequest::admitSequence;
+  /// bounded SWA caches nothing, so its joiner prefills from 0 in 2M + 1 pages:
+  /// BoundedSwaRequest::admitSequence). The joiner takes the founding request's cache salt,
+  /// retention and commit and lookup policies, and `loraWeightsName` as its adapter (the overload
+  /// below gives it its own). KVCacheRuntime::supportsSeatedAdmission() says whether a deployment
+  /// admits joiners. The status is mkv::AdmitSequenceStatus (types.h), the type that the
   /// reference page's ContextCacheRequest::AdmitSequenceStatus names.
   AdmitSequenceStatus admitSequence(std::vector<int32_t> const& tokenIds,
                                     std::string const& loraWeightsName,
@@ -176,22 +174,31 @@ class ManagedKVCacheRequest {
   /// without one, on the sliding-window reuse and the bounded-SWA backends (neither has a host
   /// tier), and as preemptSequence(row) does. False when the backend is poisoned.
   bool preemptSequence(ExecutionRow row, PreemptionKind kind);
-  /// Chunked prefill of a joiner (an addition beside the reference page's API): the engine may
+  /// Chunked prefill of a joiner (additions beside the reference page's API): the engine may
   /// spread an admitted joiner's prefill over several steps, the joiner holding in their decode
-  /// steps; after each step that ran a chunk, this publishes the joiner's full blocks up to
+  /// steps. Between steps, before the step that runs the chunk [done so far, chunkEnd),
+  /// preparePrefillChunk makes its pages ready: on bounded SWA it maps the window before the
+  /// chunk and the pages of the chunk's last W tokens (the window rotates from chunk to chunk
+  /// within the joiner's 2M + 1 pages); elsewhere the joiner holds its whole prompt's pages from
+  /// admission and the call only checks. An engine that prefills in chunks calls it for every
+  /// chunk, on every backend (a chunk that is the rest of the prompt needs none). False when
+  /// poisoned. Throws between prepareDecodeStep and completeDecodeStep, for a row that is not an
+  /// unfinalised joiner and for a chunkEnd outside (done so far, prompt].
+  bool preparePrefillChunk(ExecutionRow row, int32_t chunkEnd);
+  /// After each step that ran a chunk: publishes the joiner's full blocks up to
   /// `prefilledTokens` (a sequence admitted meanwhile reuses them; on a hybrid deployment it
   /// captures the recurrent state the engine carried to the chunk's end as a reuse point, and
-  /// finalizeSequenceAdmission commits the row's checkpoints after one synchronisation);
-  /// finalizeSequenceAdmission follows the last chunk. False when poisoned, and on bounded SWA
-  /// (no joiners). Throws for a row that is not an unfinalised joiner or a length outside [done
-  /// so far, prompt].
+  /// finalizeSequenceAdmission commits the row's checkpoints after one synchronisation; on
+  /// bounded SWA it unmaps what left the chunk's window); finalizeSequenceAdmission follows the
+  /// last chunk. False when poisoned. Throws for a row that is not an unfinalised joiner, a
+  /// length outside [done so far, prompt], and on bounded SWA for a chunk that was not prepared.
   bool completePrefillChunk(ExecutionRow row, int32_t prefilledTokens);
   bool finalizeSequenceAdmission(ExecutionRow row, int32_t const& lookaheadToken,
                                  int32_t fullInputLength);
   /// Undoes the newest in-flight admission that was not finalised: true when it did. Never
   /// throws (the seed's contract: an engine calls it while unwinding a failed join). With
   /// nothing to undo (the newest row joined or is the only one, work is pending, the request
-  /// finished; always on bounded SWA) it returns false and changes nothing. It also returns
+  /// finished) it returns false and changes nothing. It also returns
   /// false when the joiner was undone but clearing its row failed on the device: the backend is
   /// then poisoned (lastFailure() says kPoisoned), and the request should be finished.
   bool retractSequenceAdmission() noexcept;

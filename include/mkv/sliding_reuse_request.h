@@ -138,6 +138,9 @@ class SlidingReuseRequest {
   /// kRecompute: preemptSequence(row). kSwap throws, changing nothing: the composed backend has no
   /// host tier (its deployment refuses one).
   bool preemptSequence(ExecutionRow row, PreemptionKind kind);
+  /// Before the step that runs a joiner's next chunk: both halves hold its whole prompt's pages
+  /// from admission (ContextCacheRequest::preparePrefillChunk checks the row and the end).
+  bool preparePrefillChunk(ExecutionRow row, int32_t chunkEnd);
   /// A chunk of a joiner's prefill completed: the full layers publish the row's full blocks so
   /// far (ContextCacheRequest::completePrefillChunk); its sliding pages are published at
   /// finalisation, with the whole prompt's.

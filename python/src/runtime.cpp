@@ -260,6 +260,8 @@ void bindRequest(py::module_& m) {
            py::overload_cast<ExecutionRow, PreemptionKind>(&Request::preemptSequence),
            py::arg("row"), py::arg("kind"))
       .def("decodeStepDemand", &Request::decodeStepDemand, py::arg("headroom"))
+      .def("preparePrefillChunk", &Request::preparePrefillChunk, py::arg("row"),
+           py::arg("chunkEnd"))
       .def("completePrefillChunk", &Request::completePrefillChunk, py::arg("row"),
            py::arg("prefilledTokens"))
       .def("finalizeSequenceAdmission", &Request::finalizeSequenceAdmission, py::arg("row"),

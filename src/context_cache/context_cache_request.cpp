@@ -458,6 +458,10 @@ bool ContextCacheRequest::preemptSequence(ExecutionRow row, PreemptionKind kind)
   return check(mCoordinator->preemptSequence(mHandle, row, kind), "preemptSequence");
 }
 
+bool ContextCacheRequest::preparePrefillChunk(ExecutionRow row, int32_t chunkEnd) {
+  return check(mCoordinator->preparePrefillChunk(mHandle, row, chunkEnd), "preparePrefillChunk");
+}
+
 bool ContextCacheRequest::completePrefillChunk(ExecutionRow row, int32_t prefilledTokens) {
   return check(mCoordinator->completePrefillChunk(mHandle, row, prefilledTokens),
                "completePrefillChunk");

@@ -100,6 +100,23 @@ ContextCacheStatus ContextCacheCoordinator::completePrefillChunk(RequestHandle& 
   return ContextCacheStatus::kOk;
 }
 
+ContextCacheStatus ContextCacheCoordinator::preparePrefillChunk(RequestHandle const& handle,
+                                                                ExecutionRow row,
+                                                                int32_t chunkEnd) const {
+  constexpr char const* kCall = "ContextCacheCoordinator::preparePrefillChunk";
+  Request const& req = request(handle, kCall);
+  MKV_REQUIRE(req.stage == RequestStage::kSettled, kCall,
+              "row {}: a chunk is prepared before the step that runs it (an executing request "
+              "with no pending work)",
+              row);
+  auto const& sequence = detail::sequenceAt(req, row, kCall);
+  MKV_REQUIRE(!sequence.joined, kCall, "row {} is not an unfinalised in-flight admission", row);
+  MKV_REQUIRE(chunkEnd > sequence.committed && chunkEnd <= sequence.promptLength, kCall,
+              "row {}: chunk end {} outside ({} (done so far), {} (the prompt)]", row, chunkEnd,
+              sequence.committed, sequence.promptLength);
+  return poisoned() ? ContextCacheStatus::kPoisoned : ContextCacheStatus::kOk;
+}
+
 ContextCacheStatus ContextCacheCoordinator::preemptSequence(RequestHandle& handle,
                                                             ExecutionRow row) {
   constexpr char const* kCall = "ContextCacheCoordinator::preemptSequence";

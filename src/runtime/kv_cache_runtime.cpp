@@ -486,6 +486,9 @@ void KVCacheRuntime::createHostTier() {
 }
 
 bool KVCacheRuntime::supportsSeatedAdmission() const noexcept {
+  if (mBackend == KVCacheBackend::kBoundedSwa) {
+    return true;  // never speculative; a joiner prefills from 0 in its own 2M + 1 pages
+  }
   return mCoordinator != nullptr && mCoordinator->supportsLiveSequenceAdmission();
 }
 

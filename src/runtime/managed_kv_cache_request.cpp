@@ -222,6 +222,11 @@ bool ManagedKVCacheRequest::preemptSequence(ExecutionRow row, PreemptionKind kin
                   [&](auto& backend) { return backend.preemptSequence(row, kind); });
 }
 
+bool ManagedKVCacheRequest::preparePrefillChunk(ExecutionRow row, int32_t chunkEnd) {
+  return dispatch("ManagedKVCacheRequest::preparePrefillChunk", mImpl,
+                  [&](auto& backend) { return backend.preparePrefillChunk(row, chunkEnd); });
+}
+
 bool ManagedKVCacheRequest::completePrefillChunk(ExecutionRow row, int32_t prefilledTokens) {
   return dispatch("ManagedKVCacheRequest::completePrefillChunk", mImpl, [&](auto& backend) {
     return backend.completePrefillChunk(row, prefilledTokens);

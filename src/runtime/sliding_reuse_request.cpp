@@ -435,6 +435,11 @@ void SlidingReuseRequest::publishGeneratedWindow(std::size_t row) {
   (void)publishMappedBlocks(row, mPromptTokens[row] / pageSize, endBlock);
 }
 
+bool SlidingReuseRequest::preparePrefillChunk(ExecutionRow row, int32_t chunkEnd) {
+  requireSlidingHalfExecuting("SlidingReuseRequest::preparePrefillChunk");
+  return mFull.preparePrefillChunk(row, chunkEnd);
+}
+
 bool SlidingReuseRequest::completePrefillChunk(ExecutionRow row, int32_t prefilledTokens) {
   requireSlidingHalfExecuting("SlidingReuseRequest::completePrefillChunk");
   return mFull.completePrefillChunk(row, prefilledTokens);

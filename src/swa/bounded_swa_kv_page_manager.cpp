@@ -213,9 +213,8 @@ std::unique_ptr<BoundedSwaKVPageManager::Request> BoundedSwaKVPageManager::newRe
     std::span<ResidentRef const> residents, std::span<int32_t const> pagesPerSequence) {
   auto created = std::make_unique<Request>();
   created->id = mRequests->nextId();
-  if (mResources.pageSource != nullptr) {  // in-flight joiners never move the rows
-    created->sequences.reserve(static_cast<std::size_t>(mResources.swaPageTable->maxBatch()));
-  }
+  // In-flight joiners never move the rows (a state reference stays valid).
+  created->sequences.reserve(static_cast<std::size_t>(mResources.swaPageTable->maxBatch()));
   created->sequences.resize(residents.size());
   // A compaction's mapping never allocates: a composed request begins this half's compaction
   // after the other half's, which it could not undo.

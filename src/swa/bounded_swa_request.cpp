@@ -3,6 +3,7 @@
 #include <fmt/ranges.h>
 #include <spdlog/spdlog.h>
 
+#include <limits>
 #include <utility>
 
 #include "core/check.h"
@@ -139,30 +140,55 @@ bool BoundedSwaRequest::finish() {
 }
 
 AdmitSequenceStatus BoundedSwaRequest::admitSequence(
-    std::vector<int32_t> const& /*tokenIds*/, std::string const& /*loraWeightsName*/,
-    DecodingKvHeadroom const& /*headroom*/, int32_t& /*prefillStart*/, ResidentRef /*resident*/,
-    cudaStream_t /*stream*/, std::vector<int32_t> const& /*mediaTokenIds*/,
+    std::vector<int32_t> const& tokenIds, std::string const& /*loraWeightsName*/,
+    DecodingKvHeadroom const& headroom, int32_t& prefillStart, ResidentRef resident,
+    cudaStream_t stream, std::vector<int32_t> const& /*mediaTokenIds*/,
     std::vector<imageUtils::ImageData> const& /*imageBuffers*/,
     std::vector<audioUtils::AudioData> const& /*audioBuffers*/) {
-  logger()->error(
-      "ManagedKVCacheRequest::admitSequence: the bounded-SWA backend has no in-flight admission");
+  constexpr char const* kCall = "BoundedSwaRequest::admitSequence";
+  requireVanillaHeadroom(kCall, headroom);
+  MKV_REQUIRE(stream == mManager->stream(), kCall, "stream differs from the request's stream");
+  MKV_REQUIRE(tokenIds.size() <= static_cast<std::size_t>(std::numeric_limits<int32_t>::max()),
+              kCall, "a prompt of {} tokens", tokenIds.size());
+  SwaReuseStart start;  // nothing is cached: the joiner prefills from 0
+  start.promptTokens = static_cast<int32_t>(tokenIds.size());
+  SwaKVCacheStatus const status = mManager->admitSequence(mHandle, resident, start);
+  if (status == SwaKVCacheStatus::kOk) {
+    prefillStart = 0;
+    return AdmitSequenceStatus::kAdmitted;
+  }
+  if (status == SwaKVCacheStatus::kRequestFailed) {
+    return AdmitSequenceStatus::kNoCapacity;  // fewer than 2M + 1 free pages
+  }
+  swaStatus(status, *mManager, "admitSequence");
   return AdmitSequenceStatus::kFailed;
 }
 
-AdmitSequenceStatus BoundedSwaRequest::admitSequence(LLMGenerationRequest const& /*joiner*/,
+AdmitSequenceStatus BoundedSwaRequest::admitSequence(LLMGenerationRequest const& joiner,
                                                      std::vector<int32_t> const& tokenIds,
                                                      DecodingKvHeadroom const& headroom,
                                                      int32_t& prefillStart, ResidentRef resident,
                                                      cudaStream_t stream,
                                                      std::vector<int32_t> const& mediaTokenIds) {
-  return admitSequence(tokenIds, std::string(), headroom, prefillStart, resident, stream,
+  constexpr char const* kCall = "BoundedSwaRequest::admitSequence";
+  // Its identity keys nothing here (no cache), but a malformed one is the engine bug every
+  // backend rejects.
+  MKV_REQUIRE(joiner.requests.size() == 1, kCall,
+              "a joiner's request describes exactly one sequence, got {}", joiner.requests.size());
+  MKV_REQUIRE(joiner.contextCacheReplayTailLength == 0, kCall,
+              "a joiner has no replay tail, got {} tokens", joiner.contextCacheReplayTailLength);
+  ContextCacheLookupPolicy const lookupPolicy =
+      joiner.requests.front().contextCacheLookupPolicy.value_or(joiner.contextCacheLookupPolicy);
+  MKV_REQUIRE(static_cast<uint8_t>(joiner.contextCacheCommitPolicy) <= 1 &&
+                  static_cast<uint8_t>(lookupPolicy) <= 1,
+              kCall, "the joiner's commit policy {} / lookup policy {} out of range",
+              static_cast<int>(joiner.contextCacheCommitPolicy), static_cast<int>(lookupPolicy));
+  return admitSequence(tokenIds, joiner.loraWeightsName, headroom, prefillStart, resident, stream,
                        mediaTokenIds);
 }
 
 bool BoundedSwaRequest::preemptSequence(ExecutionRow row) {
-  int32_t const batch = mManager->batchSize(mHandle);
-  MKV_REQUIRE(row >= 0 && row < batch, "BoundedSwaRequest::preemptSequence",
-              "row {} outside the batch of {}", row, batch);
+  mManager->checkPreemptSequence(mHandle, row, "BoundedSwaRequest::preemptSequence");
   return true;
 }
 
@@ -174,20 +200,33 @@ bool BoundedSwaRequest::preemptSequence(ExecutionRow row, PreemptionKind kind) {
   return preemptSequence(row);
 }
 
-bool BoundedSwaRequest::completePrefillChunk(ExecutionRow /*row*/, int32_t /*prefilledTokens*/) {
-  logger()->error(
-      "ManagedKVCacheRequest::completePrefillChunk: the bounded-SWA backend has no in-flight "
-      "admission");
-  return false;
+bool BoundedSwaRequest::preparePrefillChunk(ExecutionRow row, int32_t chunkEnd) {
+  return swaStatus(mManager->prepareSequenceChunk(mHandle, row, chunkEnd), *mManager,
+                   "preparePrefillChunk");
 }
 
-bool BoundedSwaRequest::finalizeSequenceAdmission(int32_t /*row*/,
-                                                  int32_t const& /*lookaheadToken*/,
-                                                  int32_t /*fullInputLength*/) {
-  logger()->error(
-      "ManagedKVCacheRequest::finalizeSequenceAdmission: the bounded-SWA backend has no "
-      "in-flight admission");
-  return false;
+bool BoundedSwaRequest::completePrefillChunk(ExecutionRow row, int32_t prefilledTokens) {
+  return swaStatus(mManager->completeSequenceChunk(mHandle, row, prefilledTokens), *mManager,
+                   "completePrefillChunk");
+}
+
+bool BoundedSwaRequest::finalizeSequenceAdmission(int32_t row, int32_t const& /*lookaheadToken*/,
+                                                  int32_t fullInputLength) {
+  constexpr char const* kCall = "BoundedSwaRequest::finalizeSequenceAdmission";
+  mManager->checkFinalizeSequenceAdmission(mHandle, row, kCall);
+  int32_t const prompt = mManager->state(mHandle, row).joinerPromptTokens;
+  MKV_REQUIRE(fullInputLength == prompt, kCall,
+              "row {}: fullInputLength {} differs from its admitted prompt of {} tokens", row,
+              fullInputLength, prompt);
+  if (mManager->poisoned()) {
+    return swaStatus(SwaKVCacheStatus::kPoisoned, *mManager, "finalizeSequenceAdmission");
+  }
+  mManager->finalizeSequenceAdmission(mHandle, row);
+  return true;
+}
+
+bool BoundedSwaRequest::retractSequenceAdmission() noexcept {
+  return mManager->retractSequenceAdmission(mHandle);
 }
 
 bool BoundedSwaRequest::publishHybridMtpEndpoint(ExecutionRow row, int32_t /*residentStateLength*/,

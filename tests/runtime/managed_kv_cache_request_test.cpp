@@ -907,14 +907,6 @@ TEST_P(ManagedKVCacheRequestTest, TheJoinerOverloadRefusesAMalformedJoinerAndCha
   driver.add(tokenRun(40, 5));
   ASSERT_TRUE(driver.begin());
   ASSERT_TRUE(driver.prefill());
-  if (!reuse()) {  // bounded SWA refuses every joiner, as the seed's overload does
-    LLMGenerationRequest const joiner = joinerRequest("tenant");
-    expectNoOp(
-        rig, "a joiner on bounded SWA", [&] { return driver.admit(tokenRun(20, 700), &joiner); },
-        AdmitSequenceStatus::kFailed);
-    finishCleanly(rig, driver);
-    return;
-  }
   struct Case {
     char const* what;
     LLMGenerationRequest joiner;
@@ -935,11 +927,15 @@ TEST_P(ManagedKVCacheRequestTest, TheJoinerOverloadRefusesAMalformedJoinerAndCha
       {"a sequence's lookup policy out of range", joinerRequest("t"), "lookup policy 6"});
   cases.back().joiner.requests[0].contextCacheLookupPolicy =
       static_cast<ContextCacheLookupPolicy>(6);
-  cases.push_back({"priority 101", joinerRequest("t"), "priority 101 outside [0, 100]"});
-  cases.back().joiner.contextCacheRetention = {RetentionRange{0, std::nullopt, 101, std::nullopt}};
-  cases.push_back({"overlapping ranges", joinerRequest("t"), "ascending and disjoint"});
-  cases.back().joiner.contextCacheRetention = {RetentionRange{0, 32, 60, std::nullopt},
-                                               RetentionRange{16, 48, 70, std::nullopt}};
+  // Bounded SWA caches nothing: the retention would rank no record, and is not read there.
+  if (reuse()) {
+    cases.push_back({"priority 101", joinerRequest("t"), "priority 101 outside [0, 100]"});
+    cases.back().joiner.contextCacheRetention = {
+        RetentionRange{0, std::nullopt, 101, std::nullopt}};
+    cases.push_back({"overlapping ranges", joinerRequest("t"), "ascending and disjoint"});
+    cases.back().joiner.contextCacheRetention = {RetentionRange{0, 32, 60, std::nullopt},
+                                                 RetentionRange{16, 48, 70, std::nullopt}};
+  }
   for (Case const& c : cases) {
     expectRejected(rig, c.what, [&] { (void)driver.admit(tokenRun(20, 700), &c.joiner); },
                    {"ManagedKVCacheRequest::admitSequence", c.fragment});
@@ -954,7 +950,7 @@ TEST_P(ManagedKVCacheRequestTest, TheJoinerOverloadRefusesAMalformedJoinerAndCha
 
 TEST_P(ManagedKVCacheRequestDispatchTest, BoundedSwaBackend) {
   RuntimeRig rig(configFor(Backend::kBoundedSwa, device()));
-  EXPECT_FALSE(rig.runtime().supportsSeatedAdmission());
+  EXPECT_TRUE(rig.runtime().supportsSeatedAdmission());
   FacadeDriver driver(rig);
   driver.add(tokenRun(40, 5));
   driver.add(tokenRun(23, 300));
@@ -979,29 +975,51 @@ TEST_P(ManagedKVCacheRequestDispatchTest, BoundedSwaBackend) {
       rig, "enqueuePrefillCaptures", [&] { return facade.enqueuePrefillCaptures(); }, true);
   driver.executePrefill();
   ASSERT_TRUE(driver.completePrefill());
-  // In-flight admission is the backstop here: refused, nothing taken, no poison.
-  {
-    SCOPED_TRACE("admitSequence");
-    BackendState const before = rig.observe();
-    int32_t prefillStart = -7;
-    ResidentRef const resident = rig.runtime().residentSlots().acquire().value();
-    EXPECT_EQ(facade.admitSequence(tokenRun(10, 1), {}, kVanilla, prefillStart, resident,
-                                   driver.context.stream),
-              AdmitStatus::kFailed);
-    EXPECT_EQ(prefillStart, -7);
-    (void)rig.runtime().residentSlots().release(resident);
-    rig.expectUnchanged(before);
-  }
+  // In-flight admission: nothing is cached, so a joiner prefills from 0 in its own 2M + 1
+  // pages; misuse throws naming the facade's call and changes nothing.
+  // A stream that is not the request's (never used: the admission refuses it).
+  auto* const foreign = reinterpret_cast<cudaStream_t>(  // NOLINT(performance-no-int-to-ptr)
+      uintptr_t{0x1234});
+  expectRejected(rig, "admitSequence on another stream",
+                 [&] {
+                   int32_t start = -1;
+                   (void)facade.admitSequence(tokenRun(10, 1), {}, kVanilla, start,
+                                              driver.rows[0].resident, foreign);
+                 },
+                 {"ManagedKVCacheRequest::admitSequence", "stream differs"});
+  int32_t const freeBefore = rig.freePages();
+  ASSERT_EQ(driver.admit(tokenRun(30, 900)), AdmitStatus::kAdmitted);
+  EXPECT_EQ(driver.rows.back().prefillStart, 0);
+  EXPECT_EQ(rig.freePages(),
+            freeBefore - rig.runtime().swaPageManager()->privatePagesPerSequence());
   int32_t const lookahead = driver.generated(0).back();
-  expectNoOp(
-      rig, "completePrefillChunk", [&] { return facade.completePrefillChunk(0, 20); }, false);
+  expectRejected(rig, "preemptSequence of a joiner", [&] { (void)facade.preemptSequence(2); },
+                 {"ManagedKVCacheRequest::preemptSequence", "row 2 is an unfinalised"});
+  expectRejected(rig, "preparePrefillChunk past the prompt",
+                 [&] { (void)facade.preparePrefillChunk(2, 31); },
+                 {"ManagedKVCacheRequest::preparePrefillChunk", "chunk end 31 outside"});
+  expectRejected(rig, "completePrefillChunk of an unprepared chunk",
+                 [&] { (void)facade.completePrefillChunk(2, 20); },
+                 {"ManagedKVCacheRequest::completePrefillChunk", "a chunk to 20"});
+  expectRejected(rig, "finalizeSequenceAdmission of a founder",
+                 [&] { (void)facade.finalizeSequenceAdmission(0, lookahead, 40); },
+                 {"ManagedKVCacheRequest::finalizeSequenceAdmission", "row 0 is not"});
+  expectRejected(rig, "finalizeSequenceAdmission with another length",
+                 [&] { (void)facade.finalizeSequenceAdmission(2, lookahead, 29); },
+                 {"ManagedKVCacheRequest::finalizeSequenceAdmission", "fullInputLength 29"});
+  ASSERT_TRUE(facade.preparePrefillChunk(2, 20));
+  ASSERT_TRUE(driver.retractNewest());
+  EXPECT_EQ(rig.freePages(), freeBefore);
+  ASSERT_EQ(driver.admit(tokenRun(30, 900)), AdmitStatus::kAdmitted);
+  ASSERT_TRUE(driver.seatNewest());
   expectNoOp(
       rig, "preemptSequence (nothing to publish)", [&] { return facade.preemptSequence(0); }, true);
   expectNoOp(
-      rig, "finalizeSequenceAdmission",
-      [&] { return facade.finalizeSequenceAdmission(0, lookahead, 40); }, false);
-  expectNoOp(
-      rig, "retractSequenceAdmission", [&] { return facade.retractSequenceAdmission(); }, false);
+      rig, "retractSequenceAdmission (nothing to undo)",
+      [&] { return facade.retractSequenceAdmission(); }, false);
+  for (int step = 0; step < 3; ++step) {
+    ASSERT_TRUE(driver.decode());
+  }
   driver.verify();
   finishCleanly(rig, driver);
 }

@@ -244,13 +244,14 @@ TEST(BoundedSwaRequestTest, CallsTheBackendDoesNotOfferThrowOrAnswerWithoutChang
   expectContractError(
       [&] { request->restoreHybridMtpBoundaryHidden(0, hidden, 1); },
       {"BoundedSwaRequest::restoreHybridMtpBoundaryHidden: row 0: ", "no context reuse"});
-  int32_t prefillStart = -7;
-  EXPECT_EQ(request->admitSequence(test::tokenRun(8, 1), "", kVanilla, prefillStart,
-                                   ResidentRef{2, 1}, nullptr),
-            AdmitSequenceStatus::kFailed);
-  EXPECT_EQ(prefillStart, -7);
   int32_t const lookahead = 5;
-  EXPECT_FALSE(request->finalizeSequenceAdmission(1, lookahead, 20));
+  expectContractError(
+      [&] { (void)request->finalizeSequenceAdmission(1, lookahead, 20); },
+      {"BoundedSwaRequest::finalizeSequenceAdmission", "row 1 is not an unfinalised"});
+  expectContractError([&] { (void)request->preparePrefillChunk(0, 30); },
+                      {"BoundedSwaKVPageManager::prepareSequenceChunk", "row 0 is not"});
+  expectContractError([&] { (void)request->completePrefillChunk(0, 30); },
+                      {"BoundedSwaKVPageManager::completeSequenceChunk", "row 0 is not"});
   EXPECT_FALSE(request->retractSequenceAdmission());  // nothing was admitted: nothing to undo
   EXPECT_TRUE(request->preparePrefill());
   EXPECT_TRUE(request->enqueuePrefillCaptures());

@@ -318,6 +318,13 @@ class EngineSequence {
     oracle.write(mSlot, mDigests, std::max<int64_t>(0, length - window), length);
     mWritten = length;
   }
+  /// A chunk [from, end) of a chunked prefill: only its last window [max(from, end - W), end)
+  /// is persisted (the earlier positions are read from the engine's activations).
+  void prefillChunk(testing::KvOracle& oracle, int32_t from, int32_t end, int32_t window) {
+    ensureTokens(end);
+    oracle.write(mSlot, mDigests, std::max<int64_t>(from, int64_t{end} - window), end);
+    mWritten = end;
+  }
   /// One decode step writes position e (the staged page must already be mapped on the device).
   void decode(testing::KvOracle& oracle) {
     ensureTokens(mWritten + 1);

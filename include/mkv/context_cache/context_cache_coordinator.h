@@ -500,6 +500,14 @@ class ContextCacheCoordinator {
   /// finalizeSequenceAdmission does.
   ContextCacheStatus completePrefillChunk(RequestHandle& handle, ExecutionRow row,
                                           int32_t prefilledTokens);
+  /// Before the step that runs joiner `row`'s next chunk, positions [committed, chunkEnd): the
+  /// engine's per-step hook, as on the bounded-SWA backend, where it maps the chunk's window.
+  /// Here the joiner holds its whole prompt's pages from admission, so nothing changes: kOk, or
+  /// kPoisoned on a poisoned coordinator. Throws, as completePrefillChunk does, outside an
+  /// executing request with no pending work, for a row that is not an unfinalised admission, and
+  /// for chunkEnd outside (committed, prompt].
+  ContextCacheStatus preparePrefillChunk(RequestHandle const& handle, ExecutionRow row,
+                                         int32_t chunkEnd) const;
   /// Preemption, vLLM's recompute (docs/lifecycle.md, "Preemption"): between steps, publishes
   /// execution row `row`'s committed state as a normal completion publishes it (full blocks;
   /// on checkpoint deployments a checkpoint, one synchronisation; nothing more under

@@ -131,6 +131,10 @@ class ContextCacheRequest {
   /// Preemption of either kind (ContextCacheCoordinator::preemptSequence with a PreemptionKind;
   /// kSwap throws without a host tier); false when poisoned or quarantined.
   bool preemptSequence(ExecutionRow row, PreemptionKind kind);
+  /// Before the step that runs a joiner's next chunk (ContextCacheCoordinator::
+  /// preparePrefillChunk: the pages are held from admission, nothing changes); false when
+  /// poisoned.
+  bool preparePrefillChunk(ExecutionRow row, int32_t chunkEnd);
   /// A chunk of an in-flight admission's prefill completed
   /// (ContextCacheCoordinator::completePrefillChunk); false when poisoned.
   bool completePrefillChunk(ExecutionRow row, int32_t prefilledTokens);
