@@ -1017,6 +1017,10 @@ TEST_P(ManagedKVCacheRequestDispatchTest, BoundedSwaBackend) {
   expectNoOp(
       rig, "retractSequenceAdmission (nothing to undo)",
       [&] { return facade.retractSequenceAdmission(); }, false);
+  ASSERT_TRUE(driver.prepareDecode());  // prepared and executed, not completed
+  expectRejected(rig, "preemptSequence during a step", [&] { (void)facade.preemptSequence(0); },
+                 {"ManagedKVCacheRequest::preemptSequence", "between steps"});
+  ASSERT_TRUE(driver.completeDecode());
   for (int step = 0; step < 3; ++step) {
     ASSERT_TRUE(driver.decode());
   }

@@ -273,6 +273,24 @@ TEST_P(BoundedSwaJoinerTest, RetractionCapacityAndCompactionGiveEveryPageBack) {
   EXPECT_EQ(hostRow(rig.table(), 1), emptyRow(rig.table()));
   EXPECT_FALSE(manager.retractSequenceAdmission(handle)) << "the founder: nothing to undo";
 
+  // A joiner left alone by a compaction is not undone: the batch would be empty.
+  ASSERT_EQ(manager.admitSequence(handle, residentsFor({1}).front(), {800, 0, {}}),
+            SwaKVCacheStatus::kOk);
+  for (KVCachePool* pool : {&rig.pool(), rig.fullPool()}) {
+    pool->setActiveBatchSize(2);
+  }
+  std::vector<int32_t> const dropFounder{-1, 0};
+  manager.beginBatchCompaction(handle, dropFounder, 1, rig.mapping());
+  ASSERT_EQ(manager.compactBatch(handle), SwaKVCacheStatus::kOk);
+  ASSERT_EQ(manager.batchSize(handle), 1);
+  EXPECT_TRUE(manager.state(handle, 0).joining);
+  EXPECT_FALSE(manager.hasRetractableAdmission(handle));
+  EXPECT_FALSE(manager.retractSequenceAdmission(handle));
+  EXPECT_EQ(manager.batchSize(handle), 1);
+  EXPECT_EQ(manager.finish(handle), SwaKVCacheStatus::kOk);
+  EXPECT_EQ(manager.freePageCount(), 26);
+  handle = founder(rig, first, 100);
+
   // A joiner compacted away between two chunks (the engine preempted it): every page returns.
   ASSERT_EQ(manager.admitSequence(handle, residentsFor({1}).front(), {800, 0, {}}),
             SwaKVCacheStatus::kOk);
