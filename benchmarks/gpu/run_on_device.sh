@@ -341,6 +341,9 @@ else
     CASE_GEOMETRY=(--trace "$TRACE" --max-batch 16 --verify sample --quiet)
     replay_case mooncake_serving_hybrid --max-batched-tokens 2048 --layers 3 --recurrent-layers 9 \
       --checkpoint-interval 512 --no-attention-only
+    # Bounded-SWA joiners: chunks whose window rotates within each joiner's 2M + 1 pages.
+    replay_case mooncake_serving_swa --mode swa --window 4096 --full-layers 1 \
+      --max-batched-tokens 2048
     CASE_GEOMETRY=()
   fi
   replay_case embedded_reuse --pool-tokens 32768

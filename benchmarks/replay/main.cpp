@@ -281,12 +281,12 @@ CliOptions parseArguments(int argc, char** argv) {
          });
   option("--max-batch", "N",
          "sequences executing at once (default 1); reuse/full: in-flight joins, swa: batches of "
-         "N consecutive requests",
+         "N consecutive requests (in-flight joins with --max-batched-tokens)",
          int32(1, 4096, c.maxBatch));
   option("--max-batched-tokens", "N",
          "a serving engine's token budget per step: decodes first, then prefill chunks of the "
-         "joiners (vLLM's policy; needs --max-batch > 1 with in-flight joins; default 0: a joiner "
-         "prefills in the step it joins)",
+         "joiners (vLLM's policy; needs --max-batch > 1 with in-flight joins, which it turns on "
+         "in swa mode; default 0: a joiner prefills in the step it joins)",
          int32(1, kInt32Max, c.maxBatchedTokens));
   option("--preemption", "P",
          "none (default), recompute or swap: before a decode step whose page growth the pool "

@@ -604,25 +604,31 @@ class Runner {
     }
     options.preemption = c.preemption;
     mEngine = std::make_unique<ReferenceEngine>(*mRuntime, std::move(options));
-    mJoins = c.mode != ReplayMode::kSwa && batch > 1 && mRuntime->supportsSeatedAdmission();
+    // Bounded SWA joins in flight under a token budget (a serving engine); without one it runs
+    // batches of consecutive requests, as the seed's batch loop does.
+    mJoins = (c.mode != ReplayMode::kSwa || c.maxBatchedTokens > 0) && batch > 1 &&
+             mRuntime->supportsSeatedAdmission();
     if (c.maxBatchedTokens < 0 || (c.maxBatchedTokens > 0 && !mJoins)) {
       configError(fmt::format(
-          "a token budget of {} per step needs in-flight joins (--max-batch > 1 on context reuse "
-          "or sliding-window reuse without recurrent layers or speculative decoding): its chunks "
-          "are joiners' prefills",
+          "a token budget of {} per step needs in-flight joins (--max-batch > 1 without "
+          "speculative decoding): its chunks are joiners' prefills",
           c.maxBatchedTokens));
     }
     if (c.preemption != testing::PreemptionMode::kNone && !mJoins) {
       configError(
-          "preemption needs in-flight joins (--max-batch > 1 on context reuse, full storage or "
-          "sliding-window reuse without recurrent layers or speculative decoding): the preempted "
-          "are admitted again in flight");
+          "preemption needs in-flight joins (--max-batch > 1 without speculative decoding; in "
+          "swa mode with --max-batched-tokens): the preempted are admitted again in flight");
+    }
+    if (c.preemption != testing::PreemptionMode::kNone && c.mode == ReplayMode::kSwa) {
+      configError(
+          "preemption in swa mode: bounded SWA caches nothing a resumed sequence could reuse, and "
+          "each sequence holds its own 2M + 1 pages (no row's growth waits for another's)");
     }
     // Without in-flight admission, bounded SWA and speculative runs start with a batch of up to
     // maxBatch consecutive requests; hybrid checkpoint runs take one request at a time
     // (docs/replay.md, "Hybrid models"), and so do Hybrid-MTP runs (a Hybrid-MTP request has
     // exactly one sequence).
-    bool const batches = c.mode == ReplayMode::kSwa ||
+    bool const batches = (c.mode == ReplayMode::kSwa && !mJoins) ||
                          (c.speculative != SpeculativeKind::kNone && c.recurrentLayers == 0);
     mFoundersPerRun = batches ? static_cast<std::size_t>(batch) : 1;
   }

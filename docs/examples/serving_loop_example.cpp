@@ -291,10 +291,10 @@ void Engine::admitWaiting() {
 }
 
 // One decode step: a token per decoding row, then the budget's rest on the joiners' chunks in
-// join order. After it, each chunk's blocks are published (a sequence admitted later reuses
-// them); a joiner whose prompt is done samples its first token and is finalised.
+// join order, each chunk's pages made ready before the step (on bounded SWA its window). After
+// it, each chunk's blocks are published (a sequence admitted later reuses them); a joiner whose
+// prompt is done samples its first token and is finalised.
 void Engine::step() {
-  require(mManaged->prepareDecodeStep(mContext, kHeadroom), "prepareDecodeStep");
   int32_t budget = mMaxBatchedTokens;
   for (Row const& row : mRows) {
     budget -= row.prefilling ? 0 : 1;
@@ -303,7 +303,13 @@ void Engine::step() {
     Row& row = mRows[i];
     row.chunk = row.prefilling ? std::min(budget, promptLength(i) - row.kvLength) : 0;
     budget -= row.chunk;
+    if (row.chunk > 0) {
+      require(mManaged->preparePrefillChunk(static_cast<mkv::ExecutionRow>(i),
+                                            row.kvLength + row.chunk),
+              "preparePrefillChunk");
+    }
   }
+  require(mManaged->prepareDecodeStep(mContext, kHeadroom), "prepareDecodeStep");
   // ... engine: one forward over the step's tokens (each decoding row's lookahead, each chunk);
   // synchronise; sample
   for (std::size_t i = 0; i < mRows.size(); ++i) {

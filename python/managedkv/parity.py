@@ -399,14 +399,15 @@ class PagedEngine:
         waiting = list(joiners)
         step = 0
         while rows:
-            require(managed.prepareDecodeStep(context), "prepareDecodeStep")
             new_tokens = []
-            for row in rows:
+            for i, row in enumerate(rows):  # each chunk's pages before the step (its window on bounded SWA)
                 if row.prefilling:
                     end = min(len(row.seq.prompt), row.kv_length + self.chunk)
+                    require(managed.preparePrefillChunk(i, end), "preparePrefillChunk")
                     new_tokens.append(row.seq.prompt[row.kv_length : end])
                 else:
                     new_tokens.append([row.seq.generated[-1]])
+            require(managed.prepareDecodeStep(context), "prepareDecodeStep")
             logits = self.forward(rows, new_tokens)
             finalize = []
             for i, row in enumerate(rows):

@@ -136,21 +136,50 @@ void ReferenceEngine::notePages() {
   }
 }
 
-void ReferenceEngine::noteDecodePages() {
+void ReferenceEngine::noteDecodePages(Run const& run) {
   notePages();
-  mStats.peakSwaPagesPerDecodingRow = std::max(mStats.peakSwaPagesPerDecodingRow, swaPagesPerRow());
+  int64_t prefilling = 0;
+  if (mRuntime.backend() == KVCacheBackend::kBoundedSwa) {
+    for (Row const& row : run.rows) {
+      prefilling += row.prefilling ? 1 : 0;
+    }
+  }
+  mStats.peakSwaPagesPerDecodingRow =
+      std::max(mStats.peakSwaPagesPerDecodingRow, swaPagesPerRow(prefilling));
 }
 
-int64_t ReferenceEngine::swaPagesPerRow() const {
+int64_t ReferenceEngine::swaPagesPerRow(int64_t prefillingJoiners) const {
   auto& runtime = const_cast<KVCacheRuntime&>(mRuntime);
   BoundedSwaKVPageManager const* swa = runtime.swaPageManager();
-  int64_t const rows = swa != nullptr ? runtime.swaPool()->activeBatchSize() : 0;
-  if (rows == 0) {
+  int64_t const rows =
+      swa != nullptr ? runtime.swaPool()->activeBatchSize() - prefillingJoiners : 0;
+  if (rows <= 0) {
     return 0;
   }
   // Pages the running windows hold (with a page source, free counts its evictable pages too).
-  int64_t const held = swa->totalPageCount() - swa->freePageCount();
+  int64_t const held = swa->totalPageCount() - swa->freePageCount() -
+                       prefillingJoiners * swa->privatePagesPerSequence();
   return (held + rows - 1) / rows;
+}
+
+void ReferenceEngine::verifyRange(int32_t pool, int32_t slot, int32_t begin, int32_t stop,
+                                  bool full) {
+  auto check = [&](int32_t from, int32_t to) {
+    mSteps->verify(pool, slot, from, to, oracle::kOracleAttention);
+  };
+  if (full || mOptions.verify == VerifyMode::kAll) {
+    check(begin, stop);
+    return;
+  }
+  if (begin >= stop) {
+    return;
+  }
+  check(stop - 1, stop);  // the position just written
+  for (int i = 0; i < 2; ++i) {
+    mRandom = mix(mRandom + 0x9E37);
+    auto const p = begin + static_cast<int32_t>(mRandom % static_cast<uint64_t>(stop - begin));
+    check(p, p + 1);
+  }
 }
 
 void ReferenceEngine::verifyRow(Run& run, Row& row, bool full) {
@@ -160,30 +189,12 @@ void ReferenceEngine::verifyRow(Run& run, Row& row, bool full) {
   }
   int32_t const end = row.materialized;
   int32_t const window = mRuntime.config().model.slidingWindowTokens;
-  auto check = [&](int32_t pool, int64_t begin, int64_t stop) {
-    mSteps->verify(pool, row.resident.slot, static_cast<int32_t>(begin), static_cast<int32_t>(stop),
-                   oracle::kOracleAttention);
-  };
-  auto sampled = [&](int32_t pool, int64_t begin, int64_t stop) {
-    if (full || mOptions.verify == VerifyMode::kAll) {
-      check(pool, begin, stop);
-      return;
-    }
-    if (begin >= stop) {
-      return;
-    }
-    check(pool, stop - 1, stop);  // the position just written
-    for (int i = 0; i < 2; ++i) {
-      mRandom = mix(mRandom + 0x9E37);
-      int64_t const p = begin + static_cast<int64_t>(mRandom % static_cast<uint64_t>(stop - begin));
-      check(pool, p, p + 1);
-    }
-  };
   if (mHasFull) {
-    sampled(oracle::OracleStepper::kFull, 0, end);
+    verifyRange(oracle::OracleStepper::kFull, row.resident.slot, 0, end, full);
   }
   if (mHasSwa) {  // bounded SWA or sliding-window reuse: the sliding layers read their window
-    sampled(oracle::OracleStepper::kSwa, std::max(0, end - window), end);
+    verifyRange(oracle::OracleStepper::kSwa, row.resident.slot, std::max(0, end - window), end,
+                full);
   }
 }
 
@@ -308,9 +319,11 @@ void ReferenceEngine::executePrefillChunk(Row& row, int32_t end) {
   int32_t const window = mRuntime.config().model.slidingWindowTokens;
   int32_t const slot = row.resident.slot;
   bool const verify = mOptions.verify != VerifyMode::kNone;
-  // The first chunk stages the reused prefix too: its checks read those digests.
+  // The first chunk stages the reused prefix too: its checks read those digests. A later chunk
+  // on bounded SWA stages the window before it, which it reads from the rotated pages.
   bool const first = from == row.prefillStart;
-  int32_t const stagedFrom = first ? 0 : from;
+  bool const readsWindow = !first && bounded && mHasSwa && verify;
+  int32_t const stagedFrom = first ? 0 : readsWindow ? std::max(0, from - window) : from;
   auto const stagedSpan = row.digests.values().subspan(static_cast<std::size_t>(stagedFrom),
                                                        static_cast<std::size_t>(end - stagedFrom));
   int64_t const positionZero = mSteps->stage(slot, stagedFrom, stagedSpan) - stagedFrom;
@@ -323,14 +336,17 @@ void ReferenceEngine::executePrefillChunk(Row& row, int32_t end) {
     mSteps->verify(oracle::OracleStepper::kSwa, slot, std::max(0, from - window), from,
                    oracle::kOracleReusedPrefix);
   }
-  if (mHasFull) {
-    int32_t const begin = bounded ? 0 : from;
-    mSteps->write(oracle::OracleStepper::kFull, slot, begin, end, positionZero + begin);
+  if (readsWindow) {
+    verifyRange(oracle::OracleStepper::kSwa, slot, std::max(0, from - window), from, false);
+  }
+  if (mHasFull) {  // bounded SWA's identity-mapped full layers as well: a joiner starts at 0
+    mSteps->write(oracle::OracleStepper::kFull, slot, from, end, positionZero + from);
   }
   if (mHasSwa) {
-    // Bounded SWA keeps only the last window; sliding-window reuse writes every executed
-    // position (its complete prompt blocks are published for later hits).
-    int32_t const begin = bounded ? std::max(0, end - window) : from;
+    // Bounded SWA keeps only the chunk's last window (its earlier positions are read from the
+    // engine's activations); sliding-window reuse writes every executed position (its complete
+    // prompt blocks are published for later hits).
+    int32_t const begin = bounded ? std::max(from, end - window) : from;
     mSteps->write(oracle::OracleStepper::kSwa, slot, begin, end, positionZero + begin);
   }
   executeRecurrent(row, from, end);

@@ -240,7 +240,7 @@ bool ReferenceEngine::decodeStep(Run& run) {
   int64_t stepNanos = 0;
   mMarks->mark(0, stream);
   auto start = std::chrono::steady_clock::now();
-  bool ok = run.managed->prepareDecodeStep(run.context, run.headroom);
+  bool ok = prepareChunks(run) && run.managed->prepareDecodeStep(run.context, run.headroom);
   mRuntime.flushDeviceWrites();  // the step's rows and lengths (kEngineStep), before its launches
   stepNanos += nanosSince(start);
   mMarks->mark(1, stream);
@@ -252,18 +252,16 @@ bool ReferenceEngine::decodeStep(Run& run) {
     }
     return false;
   }
-  noteDecodePages();
+  noteDecodePages(run);
   std::size_t const batch = run.rows.size();
   auto running = [&](std::size_t i) { return run.rows[i].reason == FinishReason::kNotFinished; };
   mSteps->begin();
-  int32_t decoding = 0;
   for (std::size_t i = 0; i < batch; ++i) {
     if (running(i) && !run.rows[i].prefilling) {
       stageDecodeRow(run, i);
-      ++decoding;
     }
   }
-  stagePrefillChunks(run, decoding);
+  stagePrefillChunks(run);
   mSteps->submit(stream);
   writeLengths(run, 0, batch, running);
   collectTokens(run, batch);
@@ -288,12 +286,16 @@ bool ReferenceEngine::decodeStep(Run& run) {
   return ok && completeChunks(run);
 }
 
-void ReferenceEngine::stagePrefillChunks(Run& run, int32_t decoding) {
+bool ReferenceEngine::prepareChunks(Run& run) {
   if (mOptions.maxBatchedTokens == 0) {
-    return;
+    return true;
   }
-  // vLLM's order: the decodes took one token each; the rest goes to prefill chunks in join
-  // order, at least one token a step.
+  // vLLM's order: the decodes take one token each; the rest goes to prefill chunks in join
+  // order, at least one token a step. Each chunk's pages are made ready before the step.
+  int32_t decoding = 0;
+  for (Row const& row : run.rows) {
+    decoding += row.reason == FinishReason::kNotFinished && !row.prefilling ? 1 : 0;
+  }
   int32_t budget = std::max(1, mOptions.maxBatchedTokens - decoding);
   for (std::size_t i = 0; i < run.rows.size() && budget > 0; ++i) {
     Row& row = run.rows[i];
@@ -303,25 +305,39 @@ void ReferenceEngine::stagePrefillChunks(Run& run, int32_t decoding) {
     auto const promptLength = static_cast<int32_t>(row.spec.prompt.size());
     int32_t const end = std::min(promptLength, row.materialized + budget);
     budget -= end - row.materialized;
+    if (!run.managed->preparePrefillChunk(static_cast<ExecutionRow>(i), end)) {
+      return false;
+    }
+    row.chunkEnd = end;
+  }
+  return true;
+}
+
+void ReferenceEngine::stagePrefillChunks(Run& run) {
+  for (std::size_t i = 0; i < run.rows.size(); ++i) {
+    Row& row = run.rows[i];
+    if (row.chunkEnd == 0) {
+      continue;
+    }
     int32_t const from = row.materialized;
+    int32_t const end = row.chunkEnd;
     executePrefillChunk(row, end);
     captureReusePoints(run, static_cast<ExecutionRow>(i), from, end);
-    if (end == promptLength) {
+    if (end == static_cast<int32_t>(row.spec.prompt.size())) {
       finishPrefill(run, row);
     } else {
       verifyRow(run, row, /*full=*/false);
     }
-    row.chunkThisStep = true;
   }
 }
 
 bool ReferenceEngine::completeChunks(Run& run) {
   for (std::size_t i = 0; i < run.rows.size(); ++i) {
     Row& row = run.rows[i];
-    if (!row.chunkThisStep) {
+    if (row.chunkEnd == 0) {
       continue;
     }
-    row.chunkThisStep = false;
+    row.chunkEnd = 0;
     ++row.chunks;
     ++mStats.prefillChunks;
     auto const row32 = static_cast<ExecutionRow>(i);

@@ -33,11 +33,11 @@ struct ReferenceEngine::Row {
   int32_t steps = 0;
   FinishReason reason = FinishReason::kNotFinished;
   // Chunked prefill of a joiner (maxBatchedTokens > 0): not finalised yet, chunks run so far, the
-  // decode step it was seated before, and whether the current step runs one of its chunks.
+  // decode step it was seated before, and the end of the chunk the current step runs (0: none).
   bool prefilling = false;
   int32_t chunks = 0;
   int64_t seatedAtStep = 0;
-  bool chunkThisStep = false;
+  int32_t chunkEnd = 0;
   // Preemption: compact this row away as preempted; the step of its last sampled token (time
   // between tokens) and whether it has sampled one.
   bool preempted = false;

@@ -168,6 +168,7 @@ class LoopEngine {
     writeLength(joiner, done);
     while (done < promptLength(joiner)) {
       done = std::min(promptLength(joiner), done + chunk);
+      ASSERT_TRUE(mManaged->preparePrefillChunk(static_cast<ExecutionRow>(joiner), done));
       ASSERT_TRUE(mManaged->prepareDecodeStep(mContext, kVanilla));
       for (std::size_t row = 0; row < joiner; ++row) {
         writeLength(row, materialized(row) + 1);
@@ -478,6 +479,31 @@ TEST_F(EngineLoopNoWaitTest, BoundedSwaWithCompaction) {
   engine.decode(130);  // crosses page boundaries: windows map and retire pages
   ASSERT_NO_FATAL_FAILURE(engine.dropRow(1));
   ASSERT_NO_FATAL_FAILURE(engine.decode(3));
+  ASSERT_NO_FATAL_FAILURE(engine.finish());
+  expectOtherStreamStillBusy();
+}
+
+// Bounded SWA as a serving engine: a joiner prefilled in chunks beside the decodes (its window
+// rotating from chunk to chunk), one taken back, and a compaction.
+TEST_F(EngineLoopNoWaitTest, BoundedSwaChunkedJoinerRetractAndCompaction) {
+  KVCacheRuntimeConfig config = baseConfig(stream());
+  config.model.numFullAttentionLayers = 1;
+  config.model.numSlidingWindowLayers = 1;
+  config.model.slidingWindowTokens = 256;
+  auto runtime = KVCacheRuntime::create(config);
+  ASSERT_EQ(runtime->backend(), KVCacheBackend::kBoundedSwa);
+  ASSERT_TRUE(runtime->supportsSeatedAdmission());
+  LoopEngine engine(*runtime, stream());
+  engine.add(tokenRun(700, 10));
+  occupyOtherStream();
+  ASSERT_NO_FATAL_FAILURE(engine.begin());
+  ASSERT_NO_FATAL_FAILURE(engine.prefill());
+  ASSERT_NO_FATAL_FAILURE(engine.decode(2));
+  ASSERT_NO_FATAL_FAILURE(engine.joinChunked(tokenRun(1500, 4000), 300));
+  ASSERT_NO_FATAL_FAILURE(engine.decode(130));  // crosses page boundaries: windows rotate
+  ASSERT_NO_FATAL_FAILURE(engine.admitAndRetract(tokenRun(400, 7000)));
+  ASSERT_NO_FATAL_FAILURE(engine.dropRow(0));
+  ASSERT_NO_FATAL_FAILURE(engine.decode(2));
   ASSERT_NO_FATAL_FAILURE(engine.finish());
   expectOtherStreamStillBusy();
 }

@@ -414,6 +414,9 @@ TEST_F(MkvReplayCliTest, BadOptionsAreOneLineAndExitTwo) {
                  "preemption needs in-flight joins (--max-batch > 1");
   expectBadInput({"--preemption", "recompute", "--max-batch", "4", "--mode", "swa"},
                  "preemption needs in-flight joins");
+  expectBadInput({"--preemption", "recompute", "--max-batch", "4", "--mode", "swa",
+                  "--max-batched-tokens", "256"},
+                 "preemption in swa mode: bounded SWA caches nothing");
   expectBadInput({"--preemption", "swap", "--max-batch", "4"},
                  "swap preemption moves the preempted sequences' blocks to the host tier: it "
                  "needs --mode reuse with --host-pool-tokens");

@@ -226,6 +226,45 @@ TEST(ReplayRunnerTest, FullModeReusesNothing) {
   EXPECT_LE(result.peakPagesInUse, (1500 + 3 + 2 + 127) / 128);
 }
 
+TEST(ReplayRunnerTest, BoundedSwaServesJoinersAndChunksUnderATokenBudget) {
+  MKV_TEST_INPUT_OR_SKIP(kMooncake500, "tests/data/mooncake_first500.jsonl");
+  // A serving engine on bounded SWA: sequences join the running batch and prefill in chunks
+  // under a 512-token budget, each chunk reading the window the one before it kept (the oracle
+  // samples those reads and every window after). Nothing is cached, so every figure but the
+  // steps matches the static batches of the seed's loop, token for token.
+  ReplayConfig config;
+  config.mode = ReplayMode::kSwa;
+  config.windowTokens = 1024;
+  config.fullLayers = 1;
+  config.maxBatch = 8;
+  config.limit = 30;
+  config.verify = testing::VerifyMode::kSample;
+  TraceSource batchTrace = traceSource(kMooncake500);
+  RecordingSource batches(batchTrace);
+  ReplayResult const batched = runReplay(batches, config);
+  ASSERT_EQ(batched.joins, 0);
+  config.maxBatchedTokens = 512;
+  TraceSource servedTrace = traceSource(kMooncake500);
+  RecordingSource served(servedTrace);
+  ReplayResult const result = runReplay(served, config);
+  EXPECT_EQ(result.oracleMismatches, 0) << result.firstMismatch;
+  EXPECT_GT(result.oracleChecks, 0);
+  EXPECT_EQ(result.failedRequests, 0);
+  EXPECT_EQ(result.retriedRequests, 0);
+  EXPECT_EQ(result.joins, 29);
+  EXPECT_GT(result.chunkedPrefills, 15) << "most prompts are longer than the budget";
+  EXPECT_GT(result.prefillChunks, 2 * result.chunkedPrefills);
+  EXPECT_LT(result.decodeSteps, batched.decodeSteps) << "no row waits for a batch to drain";
+  EXPECT_EQ(result.promptTokens, batched.promptTokens);
+  EXPECT_EQ(result.generatedTokens, batched.generatedTokens);
+  for (std::size_t i = 0; i < served.generated.size(); ++i) {
+    EXPECT_EQ(served.generated[i], batches.generated[i]) << "request " << i;
+  }
+  int32_t const m = 1024 / 128 + 1;
+  EXPECT_EQ(result.swaPeakPagesPerDecodingRow, m + 1);
+  EXPECT_LE(result.peakPagesInUse, result.poolPages);
+}
+
 TEST(ReplayRunnerTest, SwaKeepsTheBoundedBudget) {
   MKV_TEST_INPUT_OR_SKIP(kTiny, "tests/replay/tiny_mooncake.jsonl");
   TraceSource source = traceSource(kTiny);

@@ -385,9 +385,12 @@ class ReferenceEngine {
   /// After the last chunk: the Hybrid-MTP hidden row, the prefill's figures, the attention
   /// check of the whole prompt, the draft's prefill.
   void finishPrefill(Run& run, Row& row);
-  /// Chunked prefill: this step's chunks of the prefilling joiners, within the token budget
-  /// left after `decoding` decode rows.
-  void stagePrefillChunks(Run& run, int32_t decoding);
+  /// Chunked prefill, before the step's prepareDecodeStep: this step's chunks of the prefilling
+  /// joiners, within the token budget left after the decode rows (vLLM's order), each made ready
+  /// with preparePrefillChunk. False when a call failed.
+  bool prepareChunks(Run& run);
+  /// Runs the chunks prepareChunks planned.
+  void stagePrefillChunks(Run& run);
   /// After the step: each chunk completed (completePrefillChunk), or, after a joiner's last,
   /// its lookahead token sampled and the joiner finalised. False when a call failed.
   bool completeChunks(Run& run);
@@ -395,6 +398,9 @@ class ReferenceEngine {
   /// positions the prefill or chunk that ran [`from`, `to`) passed) into its snapshot slot.
   void captureReusePoints(Run const& run, ExecutionRow index, int32_t from, int32_t to);
   void verifyRow(Run& run, Row& row, bool full);
+  /// Verifies positions [begin, stop) of `slot` in `pool`: all of them when `full` or
+  /// VerifyMode::kAll, else the last one and two drawn at random.
+  void verifyRange(int32_t pool, int32_t slot, int32_t begin, int32_t stop, bool full);
   /// Snapshots the device KV-length rows (checked by finishStep).
   void checkLengths(Run& run);
   /// KVCacheRuntime::flushDeviceWrites, timed as library time: what an engine calls before the
@@ -411,10 +417,12 @@ class ReferenceEngine {
   /// Recurrent state: verify the row resumes from `from` tokens, then write the state after `to`.
   void executeRecurrent(Row& row, int32_t from, int32_t to);
   void notePages();
-  /// Decode steps: notePages and, on bounded SWA, peakSwaPagesPerDecodingRow.
-  void noteDecodePages();
+  /// Decode steps: notePages and, on bounded SWA, peakSwaPagesPerDecodingRow (over the rows
+  /// past their prefill).
+  void noteDecodePages(Run const& run);
   /// SWA pages the running windows hold per row of the batch, rounded up (0 without SWA rows).
-  int64_t swaPagesPerRow() const;
+  /// `prefillingJoiners` rows are left out, with the 2M + 1 pages each holds on bounded SWA.
+  int64_t swaPagesPerRow(int64_t prefillingJoiners = 0) const;
   void report(std::string const& what);
   // Speculative decoding (reference_engine_speculative.cpp).
   bool pairsDraft() const noexcept;
