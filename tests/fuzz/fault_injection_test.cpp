@@ -26,6 +26,7 @@
 #include <spdlog/sinks/null_sink.h>
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -409,7 +410,8 @@ struct Rig {
     joiners.push_back({concatenated(shared, tokenRun(5, 23000)), 4, {}, {}, {}, -1, 2});
     bool const reuse = runtime->backend() == KVCacheBackend::kContextReuse;
     try {
-      testing::RequestOutcome const outcome = engine.run(first, reuse ? &joiners : nullptr);
+      testing::RequestOutcome const outcome =
+          engine.run(first, runtime->supportsSeatedAdmission() ? &joiners : nullptr);
       EXPECT_TRUE(outcome.admitted && !outcome.failed) << where << ": clean lifecycle refused";
       if (reuse) {
         testing::EngineRequest second;
@@ -915,28 +917,57 @@ std::vector<Step> longSwaScript() {
 
 // ---------------------------------------------------------------- ManagedKVCacheRequest
 
-/// The facade over the backend `config` selects: the same engine loop for both, with the calls
-/// only the context-reuse backend honours (joins) answered by the bounded-SWA backstop there.
+/// The facade's calls shared by its scripts: begin (the rig's rows, a vanilla request), a call
+/// on the begun request, admitSequence of the rig's joiner, finish.
+int64_t facadeBegin(Rig& rig) {
+  LLMGenerationRequest const request;
+  auto begun = library([&] {
+    return ManagedKVCacheRequest::begin(rig.coordinator, rig.swa, request, rig.context, false,
+                                        kVanilla,
+                                        DecodingTokenStateContract::kCommittedPlusLookahead,
+                                        ContextCacheCommitPolicy::kIncludingGeneratedTokens);
+  });
+  if (begun) {
+    rig.facade.emplace(std::move(*begun));
+  }
+  return static_cast<int64_t>(begun.has_value());
+}
+
+template <typename Method>
+Step facadeCall(std::string name, Method method) {
+  return Step{std::move(name), [method](Rig& rig) {
+                return static_cast<int64_t>(library([&] { return method(*rig.facade, rig); }));
+              }};
+}
+
+int64_t facadeAdmit(Rig& rig) {
+  int32_t start = -1;
+  ResidentRef const resident = rig.joinerResident.value_or(ResidentRef{});
+  auto const status = library([&] {
+    return rig.facade->admitSequence(rig.joinerPrompt, "", kVanilla, start, resident, kStream);
+  });
+  if (status == AdmitSequenceStatus::kAdmitted) {
+    rig.prefillStart = start;
+    rig.joinerAdmitted();
+  }
+  return code(status);
+}
+
+int64_t facadeFinish(Rig& rig) {
+  bool const finished = library([&] { return rig.facade->finish(); });
+  rig.requestEnded(finished);
+  return static_cast<int64_t>(finished);
+}
+
+/// The facade over the backend `config` selects: the same engine loop for both. On bounded SWA
+/// the joiner J prefills from 0 in two chunks (the first prepared, the rest staged by the first's
+/// completion) in its 2M + 1 pages.
 std::vector<Step> facadeScript(bool reuse) {
   // Only context reuse can evict for an admission (the SWA manager's is all or nothing).
   Guarantee const admission = reuse ? Guarantee::kAdmission : Guarantee::kStrong;
-  auto begin = [](Rig& rig) {
-    LLMGenerationRequest const request;
-    auto begun = library([&] {
-      return ManagedKVCacheRequest::begin(rig.coordinator, rig.swa, request, rig.context, false,
-                                          kVanilla,
-                                          DecodingTokenStateContract::kCommittedPlusLookahead,
-                                          ContextCacheCommitPolicy::kIncludingGeneratedTokens);
-    });
-    if (begun) {
-      rig.facade.emplace(std::move(*begun));
-    }
-    return static_cast<int64_t>(begun.has_value());
-  };
-  auto call = [](std::string name, auto method) {
-    return Step{std::move(name), [method](Rig& rig) {
-                  return static_cast<int64_t>(library([&] { return method(*rig.facade, rig); }));
-                }};
+  auto const begin = facadeBegin;
+  auto const call = [](std::string name, auto method) {
+    return facadeCall(std::move(name), method);
   };
   auto preparePrefill =
       call("preparePrefill", [](ManagedKVCacheRequest& f, Rig&) { return f.preparePrefill(); });
@@ -946,23 +977,8 @@ std::vector<Step> facadeScript(bool reuse) {
   auto completeDecode = call("completeDecodeStep", [](ManagedKVCacheRequest& f, Rig& rig) {
     return f.completeDecodeStep(rig.context, {});
   });
-  auto admit = [](Rig& rig) {
-    int32_t start = -1;
-    ResidentRef const resident = rig.joinerResident.value_or(ResidentRef{});
-    auto const status = library([&] {
-      return rig.facade->admitSequence(rig.joinerPrompt, "", kVanilla, start, resident, kStream);
-    });
-    if (status == AdmitSequenceStatus::kAdmitted) {
-      rig.prefillStart = start;
-      rig.joinerAdmitted();
-    }
-    return code(status);
-  };
-  auto finish = [](Rig& rig) {
-    bool const finished = library([&] { return rig.facade->finish(); });
-    rig.requestEnded(finished);
-    return static_cast<int64_t>(finished);
-  };
+  auto const admit = facadeAdmit;
+  auto const finish = facadeFinish;
   std::vector<Step> steps = {
       reuse ? newRows({kP0, kP1}) : newRows({tokenRun(32, 1), tokenRun(51, 1)}),
       {"begin", begin, admission},
@@ -982,12 +998,7 @@ std::vector<Step> facadeScript(bool reuse) {
       {"prepareDecodeStep (page growth)", prepareDecode.run, Guarantee::kGrowth},
       engineStep("row 0 ends, row 1 cancelled", endRows),
       completeDecode,
-      engineStep("joiner J",
-                 [](Rig& rig) {
-                   if (rig.coordinator != nullptr) {
-                     rig.newJoiner(kJ);
-                   }
-                 }),
+      engineStep("joiner J", [](Rig& rig) { rig.newJoiner(kJ); }),
       {"admitSequence", admit, admission},
       {"finalizeSequenceAdmission",
        [](Rig& rig) {
@@ -1004,8 +1015,7 @@ std::vector<Step> facadeScript(bool reuse) {
        }},
       engineStep("drop the ended rows",
                  [](Rig& rig) {
-                   rig.setMapping(rig.coordinator != nullptr ? std::vector<int32_t>{-1, -1, 0}
-                                                             : std::vector<int32_t>{-1, 0});
+                   rig.setMapping({-1, -1, 0});
                  }),
       call("beginBatchCompaction",
            [](ManagedKVCacheRequest& f, Rig& rig) {
@@ -1020,17 +1030,12 @@ std::vector<Step> facadeScript(bool reuse) {
          }
          return static_cast<int64_t>(compacted);
        }},
-      engineStep("joiner K",
-                 [](Rig& rig) {
-                   if (rig.coordinator != nullptr) {
-                     rig.newJoiner(kK);
-                   }
-                 }),
+      engineStep("joiner K", [](Rig& rig) { rig.newJoiner(kK); }),
       {"admitSequence (to retract)", admit, admission},
       {"retractSequenceAdmission",
        [](Rig& rig) {
          bool const retracted = library([&] { return rig.facade->retractSequenceAdmission(); });
-         if (retracted && rig.coordinator != nullptr) {
+         if (retracted) {
            rig.joinerRetracted();
          }
          return static_cast<int64_t>(retracted);
@@ -1068,6 +1073,56 @@ std::vector<Step> facadeScript(bool reuse) {
          return static_cast<int64_t>(library([&] { return rig.runtime->shutdown(); }));
        }},
   };
+  if (!reuse) {
+    // J's prefill in two chunks: [0, 20) prepared before its step, [20, 42) staged by the
+    // first's completion (finalizeSequenceAdmission follows the step that ran it).
+    auto const at = std::find_if(steps.begin(), steps.end(), [](Step const& step) {
+      return step.name == "finalizeSequenceAdmission";
+    });
+    steps.insert(
+        at, {call("preparePrefillChunk (J to 20)",
+                  [](ManagedKVCacheRequest& f, Rig&) { return f.preparePrefillChunk(2, 20); }),
+             prepareDecode, engineStep("decode, J's first chunk", [](Rig& rig) { rig.sample(); }),
+             completeDecode,
+             call("completePrefillChunk (J to 20)",
+                  [](ManagedKVCacheRequest& f, Rig&) { return f.completePrefillChunk(2, 20); })});
+  }
+  return steps;
+}
+
+/// Bounded SWA: a joiner of 1400 tokens prefilled in 20-token chunks. Each chunk maps the pages of
+/// its last window and unmaps what left it, so the row's bindings rotate through far more pages
+/// than it holds (its binding list grows at the back and shrinks at the front, allocating now and
+/// then); every prepare and complete call that runs out of host memory must change nothing.
+std::vector<Step> longSwaJoinerScript() {
+  std::vector<Step> steps = {
+      newRows({tokenRun(30, 1)}),
+      {"begin", facadeBegin},
+      facadeCall("preparePrefill",
+                 [](ManagedKVCacheRequest& f, Rig&) { return f.preparePrefill(); }),
+      facadeCall("prepareSwaPrefill",
+                 [](ManagedKVCacheRequest& f, Rig& rig) {
+                   return f.prepareSwaPrefill(rig.context.effectivePrefillLengths);
+                 }),
+      engineStep("prefill, lookahead token", [](Rig& rig) { rig.sample(); }),
+      facadeCall("completePrefill", [](ManagedKVCacheRequest& f,
+                                       Rig& rig) { return f.completePrefill(rig.context, {}); }),
+      engineStep("joiner", [](Rig& rig) { rig.newJoiner(tokenRun(1400, 1)); }),
+      {"admitSequence", facadeAdmit},
+  };
+  for (int32_t end = 20; end < 1400; end += 20) {
+    steps.push_back(facadeCall(
+        "preparePrefillChunk to " + std::to_string(end),
+        [end](ManagedKVCacheRequest& f, Rig&) { return f.preparePrefillChunk(1, end); }));
+    steps.push_back(facadeCall(
+        "completePrefillChunk to " + std::to_string(end),
+        [end](ManagedKVCacheRequest& f, Rig&) { return f.completePrefillChunk(1, end); }));
+  }
+  steps.push_back(facadeCall("finalizeSequenceAdmission", [](ManagedKVCacheRequest& f, Rig&) {
+    int32_t const lookahead = kJoinerLookahead;
+    return f.finalizeSequenceAdmission(1, lookahead, 1400);
+  }));
+  steps.push_back({"finish", facadeFinish});
   return steps;
 }
 
@@ -1140,6 +1195,13 @@ TEST_F(AllocationFaultTest, FacadeOverContextReuseFailsWithoutATrace) {
 TEST_F(AllocationFaultTest, FacadeOverBoundedSwaFailsWithoutATrace) {
   report("ManagedKVCacheRequest, bounded SWA",
          failEveryAllocation(swaConfig(), facadeScript(false)), 10);
+}
+
+TEST_F(AllocationFaultTest, BoundedSwaJoinerChunksRotatingTheirBindingsFailWithoutATrace) {
+  KVCacheRuntimeConfig config = swaConfig();
+  config.maxSequenceLength = 96 * kPage;
+  report("ManagedKVCacheRequest, bounded SWA, a joiner's 70 chunks",
+         failEveryAllocation(config, longSwaJoinerScript()), 10);
 }
 
 /// publishHybridMtpEndpoint reserves its snapshot slots before it releases the pins of the

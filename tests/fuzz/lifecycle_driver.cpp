@@ -58,6 +58,12 @@ LifecycleStats& LifecycleStats::operator+=(LifecycleStats const& other) {
   engineStepLifecycles += other.engineStepLifecycles;
   deviceFlushes += other.deviceFlushes;
   forgottenFlushes += other.forgottenFlushes;
+  swaJoins += other.swaJoins;
+  swaChunksRun += other.swaChunksRun;
+  swaStepChunks += other.swaStepChunks;
+  swaPrefillChunks += other.swaPrefillChunks;
+  swaFinalizations += other.swaFinalizations;
+  swaRetractions += other.swaRetractions;
   for (std::size_t i = 0; i < std::size(runtimeOperations); ++i) {
     runtimeOperations[i] += other.runtimeOperations[i];
   }

@@ -91,6 +91,13 @@ struct LifecycleStats {
   int64_t engineStepLifecycles = 0;    ///< lifecycles with DeviceWriteTiming::kEngineStep
   int64_t deviceFlushes = 0;           ///< the engine's flushDeviceWrites() calls
   int64_t forgottenFlushes = 0;        ///< completions refused because the step's flush was missing
+  // Bounded SWA's joiners (in-flight admission without a cache, chunked prefill).
+  int64_t swaJoins = 0;          ///< joiners admitted (2M + 1 pages each)
+  int64_t swaChunksRun = 0;      ///< their prefill chunks the engine ran (window checked first)
+  int64_t swaStepChunks = 0;     ///< of which within a decode step of the batch
+  int64_t swaPrefillChunks = 0;  ///< chunks completed (the window rotated)
+  int64_t swaFinalizations = 0;  ///< joiners finalised (trimmed to M + 1 pages)
+  int64_t swaRetractions = 0;    ///< joiners retracted (2M + 1 pages back)
   /// Operations per runtime kind (tests/fuzz/lifecycle/lifecycle.h, Runtime; kRuntimeNames).
   int64_t runtimeOperations[7] = {};
   int64_t engineStepOperations = 0;  ///< operations of engine-step lifecycles

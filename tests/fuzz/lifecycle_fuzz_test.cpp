@@ -68,6 +68,14 @@ TEST(LifecycleFuzzTest, SeededLifecyclesKeepEveryInvariant) {
   EXPECT_GT(total.drops, 100);
   EXPECT_GT(total.oraclePositions, 1'000'000);
   EXPECT_GT(total.slidingReuseLifecycles, 0);  // one bounded-SWA input in four
+  // Bounded SWA's joiners: admitted in 2M + 1 pages, prefilled in chunks (some within the batch's
+  // decode steps) whose window rotates, finalised or retracted.
+  EXPECT_GT(total.swaJoins, 50);
+  EXPECT_GT(total.swaChunksRun, total.swaJoins);
+  EXPECT_GT(total.swaStepChunks, 10);
+  EXPECT_GT(total.swaPrefillChunks, 10);
+  EXPECT_GT(total.swaFinalizations, 10);
+  EXPECT_GT(total.swaRetractions, 10);
   RecordProperty("operations", std::to_string(total.operations));
   std::printf(
       "operations %lld, library calls %lld, rejected %lld, refusals %lld, requests %lld, "
@@ -84,6 +92,12 @@ TEST(LifecycleFuzzTest, SeededLifecyclesKeepEveryInvariant) {
       static_cast<long long>(total.failedSynchronizations),
       static_cast<long long>(total.quarantines), static_cast<long long>(total.shutdowns),
       static_cast<long long>(total.cacheResets), static_cast<long long>(total.oraclePositions));
+  std::printf(
+      "bounded SWA: joins %lld, prefill chunks run %lld (%lld in decode steps), completed %lld, "
+      "finalised %lld, retracted %lld\n",
+      static_cast<long long>(total.swaJoins), static_cast<long long>(total.swaChunksRun),
+      static_cast<long long>(total.swaStepChunks), static_cast<long long>(total.swaPrefillChunks),
+      static_cast<long long>(total.swaFinalizations), static_cast<long long>(total.swaRetractions));
 }
 
 /// Synchronisation faults at fixed points instead of where the input asks: for each seed the
@@ -155,7 +169,7 @@ TEST(LifecycleFuzzTest, HybridSpeculativeAndMtpRuntimesKeepEveryInvariant) {
   LifecycleStats total;
   for (uint64_t seed = 1; seed <= kSeeds; ++seed) {
     std::vector<uint8_t> input = seededInput(seed + 1'000'000, 1500);
-    input[1] = static_cast<uint8_t>(0xC0 + seed % 3 + 3 * (input[1] % 21));
+    input[1] = static_cast<uint8_t>(0xC0 + seed % 3 + uint64_t{3} * (input[1] % 21));
     LifecycleResult const result = runLifecycle(input);
     ASSERT_TRUE(result.ok) << "seed " << seed << " (runtime byte " << int{input[1]}
                            << "): " << result.failure;
@@ -282,13 +296,16 @@ TEST(LifecycleFuzzTest, EngineStepWritesKeepEveryInvariant) {
   for (std::size_t k = 0; k < 7; ++k) {
     EXPECT_GT(total.runtimeOperations[k], 0) << kRuntimeNames[k];
   }
+  EXPECT_GT(total.swaChunksRun, 10 * kScale);  // bounded SWA's joiners' chunks, flushed first
   std::printf(
       "operations %lld (engine-step %lld), rejected %lld, engine flushes %lld, completions refused "
       "for a forgotten flush "
-      "%lld, joins %lld, compactions %lld, failed syncs %lld, quarantines %lld\n",
+      "%lld, joins %lld (bounded SWA %lld, %lld chunks run), compactions %lld, failed syncs %lld, "
+      "quarantines %lld\n",
       static_cast<long long>(total.operations), static_cast<long long>(total.engineStepOperations),
       static_cast<long long>(total.rejectedCalls), static_cast<long long>(total.deviceFlushes),
       static_cast<long long>(total.forgottenFlushes), static_cast<long long>(total.joins),
+      static_cast<long long>(total.swaJoins), static_cast<long long>(total.swaChunksRun),
       static_cast<long long>(total.compactions),
       static_cast<long long>(total.failedSynchronizations),
       static_cast<long long>(total.quarantines));

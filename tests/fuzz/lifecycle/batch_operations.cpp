@@ -2,7 +2,8 @@
 /// Operations that change a request's batch: compaction (beginBatchCompaction then
 /// completeBatchCompaction) and in-flight admission (admitSequence, then
 /// finalizeSequenceAdmission or retractSequenceAdmission), valid and with corrupted arguments.
-/// In-flight admission is the coordinator's; the SWA facade only answers its backstops.
+/// A bounded-SWA joiner prefills from 0 in chunks whose window the manager stages before each
+/// step (preparePrefillChunk) and rotates after it (completePrefillChunk).
 
 #include <algorithm>
 
@@ -177,41 +178,16 @@ void Lifecycle::issueCompleteCompaction(Req& req, std::vector<int32_t> const& ke
 // ---------------------------------------------------------------- in-flight admission
 
 void Lifecycle::admit(Req& req) {
-  if (swaAdmitBackstop(req)) {
-    return;
-  }
   if (std::optional<AdmitCall> call = planAdmit(req)) {
     issueAdmit(req, *call);
   }
 }
 
 void Lifecycle::badAdmit(Req& req) {
-  if (swaAdmitBackstop(req)) {
-    return;
-  }
   if (std::optional<AdmitCall> call = planAdmit(req)) {
     corruptAdmit(req, *call);
     issueAdmit(req, *call);
   }
-}
-
-/// On the SWA backend the facade's admitSequence fails without a change (nothing to corrupt);
-/// true when the backend is the SWA manager.
-bool Lifecycle::swaAdmitBackstop(Req& req) {
-  if (coordinatorBackend()) {
-    return false;
-  }
-  if (req.via == Via::kFacade) {
-    std::string const what = "admitSequence on " + describe(req);
-    int32_t start = -7;
-    ResidentRef const resident{0, 1};
-    auto const status = unchanged(what, [&] {
-      return req.facade->admitSequence({1, 2, 3}, req.lora, kVanilla, start, resident, kStream);
-    });
-    expect(status == AdmitSequenceStatus::kFailed && start == -7,
-           what + ": the SWA backend admitted in flight");
-  }
-  return true;
 }
 
 /// A joiner on a fresh resident (none free: nothing to do).
@@ -235,26 +211,35 @@ std::optional<Lifecycle::AdmitCall> Lifecycle::planAdmit(Req& req) {
   call.admission.resident = row.resident;
   call.tokens = row.prompt;
   call.resident = row.resident;
+  call.swaStart.promptTokens = static_cast<int32_t>(row.prompt.size());
   return call;
 }
 
-/// An empty or too long prompt, a stale or out-of-range resident, a wrong headroom, a foreign
-/// stream, or a resident another row holds.
+/// An empty or too long prompt, a stale or out-of-range resident, a wrong headroom (the SWA
+/// manager, which takes none: a reuse start, where nothing is cached), a foreign stream, or a
+/// resident another row holds.
 void Lifecycle::corruptAdmit(Req& req, AdmitCall& call) {
   call.badArguments = true;
   std::vector<ResidentRef> const busy = busyResidents();
+  bool const directSwa = req.via == Via::kDirect && !coordinatorBackend();
   switch (mIn.below(6)) {
     case 0:
       call.tokens.clear();
       break;
-    case 1:
-      call.tokens.resize(static_cast<std::size_t>(mWidth * kPage), 9);
+    case 1: {  // bounded SWA takes a prompt as long as the row (it maps the window only)
+      int32_t const tooLong = mWidth * kPage + (coordinatorBackend() ? 0 : 1);
+      call.tokens.resize(static_cast<std::size_t>(tooLong), 9);
       break;
+    }
     case 2:
       call.resident.epoch = 0;
       break;
     case 3:
-      call.headroom = DecodingKvHeadroom{0, 0};
+      if (directSwa) {
+        call.swaStart.startTokens = kPage;
+      } else {
+        call.headroom = DecodingKvHeadroom{0, 0};
+      }
       break;
     case 4:
       if (req.via == Via::kFacade) {
@@ -274,6 +259,28 @@ void Lifecycle::corruptAdmit(Req& req, AdmitCall& call) {
   }
   call.admission.tokenIds = call.tokens;
   call.admission.resident = call.resident;
+  call.swaStart.promptTokens = static_cast<int32_t>(call.tokens.size());
+}
+
+/// admitSequence through the request's path, as the facade's status (`start`: the facade's
+/// prefill start, the coordinator's, 0 on the SWA manager).
+AdmitSequenceStatus Lifecycle::callAdmit(Req& req, AdmitCall const& call, int32_t& start) {
+  if (req.via == Via::kFacade) {
+    return req.facade->admitSequence(call.tokens, req.lora, call.headroom, start, call.resident,
+                                     call.stream);
+  }
+  if (coordinatorBackend()) {
+    auto const result = mCoordinator->admitSequence(req.coordinator, call.admission, call.headroom);
+    start = result.prefillStart;
+    return result.status == ContextCacheStatus::kOk ? AdmitSequenceStatus::kAdmitted
+           : result.insufficientCapacity            ? AdmitSequenceStatus::kNoCapacity
+                                                    : AdmitSequenceStatus::kFailed;
+  }
+  SwaKVCacheStatus const status = mSwa->admitSequence(req.swa, call.resident, call.swaStart);
+  start = 0;
+  return status == SwaKVCacheStatus::kOk              ? AdmitSequenceStatus::kAdmitted
+         : status == SwaKVCacheStatus::kRequestFailed ? AdmitSequenceStatus::kNoCapacity
+                                                      : AdmitSequenceStatus::kFailed;
 }
 
 void Lifecycle::issueAdmit(Req& req, AdmitCall& call) {
@@ -281,22 +288,15 @@ void Lifecycle::issueAdmit(Req& req, AdmitCall& call) {
   auto release = [&]() { mRuntime->residentSlots().release(call.row.resident); };
   int32_t start = -1;
   try {
-    // A busy resident is reported as poisoned on a poisoned coordinator (after the other checks).
+    // A busy resident is reported as poisoned on a poisoned backend (after the other checks).
     if (!call.valid || (call.badArguments && !(call.busyResident && mPoisoned))) {
-      if (req.via == Via::kFacade) {
-        reject(what, [&] {
-          return req.facade->admitSequence(call.tokens, req.lora, call.headroom, start,
-                                           call.resident, call.stream);
-        });
-      } else {
-        reject(what, [&] {
-          return mCoordinator->admitSequence(req.coordinator, call.admission, call.headroom);
-        });
-      }
+      reject(what, [&] { return callAdmit(req, call, start); });
       release();
       return;
     }
-    if (!admitOutcome(req, call, start, what)) {
+    bool const admitted = coordinatorBackend() ? admitOutcome(req, call, start, what)
+                                               : swaAdmitOutcome(req, call, start, what);
+    if (!admitted) {
       release();
       return;
     }
@@ -304,7 +304,11 @@ void Lifecycle::issueAdmit(Req& req, AdmitCall& call) {
     release();
     throw;
   }
-  joined(req, std::move(call.row), start, what);
+  if (coordinatorBackend()) {
+    joined(req, std::move(call.row), start, what);
+  } else {
+    swaJoined(req, std::move(call.row), what);
+  }
 }
 
 /// Makes the admission; true when admitted. A refusal must be documented (poison, capacity),
@@ -352,6 +356,28 @@ bool Lifecycle::admitOutcome(Req& req, AdmitCall& call, int32_t& start, std::str
   return true;
 }
 
+bool Lifecycle::swaAdmitOutcome(Req& req, AdmitCall& call, int32_t& start,
+                                std::string const& what) {
+  BackendSnapshot const before = snapshot();
+  bool const fits = mSwa->freePageCount() >= 2 * mWindowPages + 1;
+  AdmitSequenceStatus const expected = mPoisoned ? AdmitSequenceStatus::kFailed
+                                       : fits    ? AdmitSequenceStatus::kAdmitted
+                                                 : AdmitSequenceStatus::kNoCapacity;
+  AdmitSequenceStatus const status = accept(what, [&] { return callAdmit(req, call, start); });
+  expectf(status == expected, "{}: status {} with {} pages free (a joiner takes {}){}", what,
+          static_cast<int>(status), mSwa->freePageCount(), 2 * mWindowPages + 1,
+          mPoisoned ? ", poisoned" : "");
+  if (status != AdmitSequenceStatus::kAdmitted) {
+    expectRefusalChangedNothing(what, before);
+    ++mStats.refusals;
+    trace(what + ": refused");
+    return false;
+  }
+  expect(!call.busyResident && !call.badArguments, what + ": admitted an invalid sequence");
+  expectf(start == 0, "{}: a bounded-SWA joiner starts at {}", what, start);
+  return true;
+}
+
 /// The runtime seats the joiner: its KV-length row, its prefill and its lookahead token.
 void Lifecycle::joined(Req& req, Row row, int32_t start, std::string const& what) {
   auto const length = static_cast<int32_t>(row.prompt.size());
@@ -377,6 +403,38 @@ void Lifecycle::joined(Req& req, Row row, int32_t start, std::string const& what
   trace(fmt::format("{}: joined at row {} from {}", what, req.rows.size() - 1, start));
 }
 
+/// Row model of a joiner: windowFrom (= chunkCompleted) is the end of its completed chunks, the
+/// manager's endpoint; endpoint the end of the staged chunk; materialized > windowFrom while the
+/// chunk the last step ran waits for its completePrefillChunk.
+void Lifecycle::swaJoined(Req& req, Row row, std::string const& what) {
+  auto const length = static_cast<int32_t>(row.prompt.size());
+  row.start = 0;
+  row.chunkCompleted = 0;
+  row.bound = true;
+  row.endpoint = length;  // the rest of the prompt is staged
+  row.windowFrom = 0;
+  req.rows.push_back(std::move(row));
+  auto const slot = static_cast<int32_t>(req.rows.size()) - 1;
+  setActiveBatch(slot + 1);
+  writeLength(slot, 0);  // the engine seats the joiner at its prefill start
+  ++mStats.joins;
+  ++mStats.swaJoins;
+  trace(fmt::format("{}: joined at row {}", what, slot));
+  switch (mIn.below(4)) {
+    case 0:
+      return;  // its chunks run in later steps
+    case 1:
+      break;  // the whole prompt, staged at admission, in the next step
+    default:
+      if (length >= 2) {  // a first chunk shorter than the prompt
+        (void)prepareSwaChunk(req, slot, 1 + mIn.below(length - 1));
+      }
+      break;
+  }
+  flushForStep();  // the joiner's rows and length, before its chunk's forward
+  executeSwaChunk(req, req.rows.back(), slot);
+}
+
 void Lifecycle::finalize(Req& req) {
   if (!finalizeModelled(req)) {
     return;
@@ -390,9 +448,17 @@ void Lifecycle::finalize(Req& req) {
     preempt(req, static_cast<int32_t>(mIn.below(rows + 1)));
     return;
   }
-  if (unjoined &&
-      req.rows.back().materialized < static_cast<int32_t>(req.rows.back().prompt.size()) &&
-      mIn.oneIn(2)) {
+  if (!coordinatorBackend() && unjoined) {
+    Row const& joiner = req.rows.back();
+    // Most operations on a bounded-SWA joiner move its chunks on; its finalisation needs the
+    // last one to have run.
+    if (joiner.windowFrom < static_cast<int32_t>(joiner.prompt.size()) && !mIn.oneIn(3)) {
+      swaJoinerStep(req, slot);
+      return;
+    }
+  } else if (unjoined &&
+             req.rows.back().materialized < static_cast<int32_t>(req.rows.back().prompt.size()) &&
+             mIn.oneIn(2)) {
     prefillChunk(req, slot);
     return;
   }
@@ -400,6 +466,9 @@ void Lifecycle::finalize(Req& req) {
 }
 
 void Lifecycle::preempt(Req& req, int32_t slot) {
+  if (req.via == Via::kDirect && !coordinatorBackend()) {
+    return;  // the SWA manager keeps nothing to publish: the engine only compacts the row away
+  }
   std::string const what = "preemptSequence on " + describe(req);
   auto call = [&] {
     if (req.via == Via::kFacade) {
@@ -407,6 +476,7 @@ void Lifecycle::preempt(Req& req, int32_t slot) {
     }
     return mCoordinator->preemptSequence(req.coordinator, slot) == ContextCacheStatus::kOk;
   };
+  // Between steps on every backend (bounded SWA then publishes nothing).
   bool const valid = req.stage == Stage::kIdle && slot < static_cast<int32_t>(req.rows.size()) &&
                      req.rows[static_cast<std::size_t>(slot)].joined;
   if (!valid) {
@@ -472,6 +542,163 @@ void Lifecycle::prefillRest(Req& req, int32_t slot) {
   sampleInto(row);
 }
 
+// ---------------------------------------------------------------- bounded-SWA joiners
+
+void Lifecycle::swaJoinerStep(Req& req, int32_t slot) {
+  Row& row = req.rows[static_cast<std::size_t>(slot)];
+  auto const length = static_cast<int32_t>(row.prompt.size());
+  int32_t const done = row.windowFrom;
+  bool const ran = row.materialized > done;  // the last step ran the staged chunk
+  if (req.stage != Stage::kIdle) {           // during a step (or compaction): each call throws
+    if (ran) {
+      (void)completeSwaChunk(req, slot, row.endpoint);
+    } else {
+      (void)prepareSwaChunk(req, slot, done + 1 + mIn.below(length - done));
+    }
+    return;
+  }
+  if (mIn.oneIn(10)) {  // preempted mid-prefill: refused for a joiner, so it is compacted away
+    preempt(req, slot);
+    compactJoinerAway(req);
+    return;
+  }
+  if (ran) {
+    if (mIn.oneIn(4)) {  // a chunk end other than the staged one: unprepared, or outside
+      int32_t const other = done + 1 + mIn.below(length - done);
+      (void)completeSwaChunk(req, slot, other != row.endpoint ? other : length + 1);
+      return;
+    }
+    (void)completeSwaChunk(req, slot, row.endpoint);
+    return;
+  }
+  switch (mIn.below(8)) {
+    case 0:  // a chunk end outside (done, prompt]
+      (void)prepareSwaChunk(req, slot, mIn.oneIn(2) ? done : length + 1);
+      return;
+    case 1: {  // completing a chunk that was not staged
+      int32_t const other = done + 1 + mIn.below(length - done);
+      (void)completeSwaChunk(req, slot, other != row.endpoint ? other : length + 1);
+      return;
+    }
+    case 2:  // completing what is done: a no-op
+      (void)completeSwaChunk(req, slot, done);
+      return;
+    default:
+      break;
+  }
+  // The next chunk [done, end): the rest of the prompt is staged already (a prepare call for it
+  // is a no-op), a shorter one is prepared.
+  int32_t const end = done + 1 + mIn.below(length - done);
+  if ((end != row.endpoint || mIn.oneIn(4)) && !prepareSwaChunk(req, slot, end)) {
+    return;
+  }
+  if (mIn.oneIn(3)) {
+    return;  // it runs in a later step (a decode step's, perhaps)
+  }
+  flushForStep();  // the chunk's rows, before its forward
+  executeSwaChunk(req, row, slot);
+  if (mIn.oneIn(2)) {
+    (void)completeSwaChunk(req, slot, end);
+  }
+}
+
+bool Lifecycle::prepareSwaChunk(Req& req, int32_t slot, int32_t end) {
+  std::string const what =
+      fmt::format("preparePrefillChunk(row {}, to {}) on {}", slot, end, describe(req));
+  auto call = [&] {
+    if (req.via == Via::kFacade) {
+      return req.facade->preparePrefillChunk(slot, end);
+    }
+    return mSwa->prepareSequenceChunk(req.swa, slot, end) == SwaKVCacheStatus::kOk;
+  };
+  Row& row = req.rows[static_cast<std::size_t>(slot)];
+  bool const valid = req.stage == Stage::kIdle && !row.joined && end > row.windowFrom &&
+                     end <= static_cast<int32_t>(row.prompt.size());
+  if (!valid) {
+    reject(what, call);
+    return false;
+  }
+  if (mPoisoned) {  // checked, then refused: nothing staged
+    expect(!unchanged(what, call), what + ": staged a chunk on a poisoned backend");
+    ++mStats.refusals;
+    return false;
+  }
+  if (end == row.endpoint) {  // staged already (the rest of the prompt): a no-op
+    expect(unchanged(what, call), what + " returned false");
+    return true;
+  }
+  expect(accept(what, call), what + " returned false");
+  row.endpoint = end;
+  trace(what);
+  return true;
+}
+
+bool Lifecycle::completeSwaChunk(Req& req, int32_t slot, int32_t end) {
+  std::string const what =
+      fmt::format("completePrefillChunk(row {}, to {}) on {}", slot, end, describe(req));
+  auto call = [&] {
+    if (req.via == Via::kFacade) {
+      return req.facade->completePrefillChunk(slot, end);
+    }
+    return mSwa->completeSequenceChunk(req.swa, slot, end) == SwaKVCacheStatus::kOk;
+  };
+  Row& row = req.rows[static_cast<std::size_t>(slot)];
+  bool const ran = row.materialized > row.windowFrom;
+  bool const valid = req.stage == Stage::kIdle && !row.joined &&
+                     (end == row.windowFrom || (ran && end == row.endpoint));
+  if (!valid) {
+    reject(what, call);
+    return false;
+  }
+  if (mPoisoned) {  // checked, then refused: nothing committed
+    expect(!unchanged(what, call), what + ": completed a chunk on a poisoned backend");
+    ++mStats.refusals;
+    return false;
+  }
+  if (end == row.windowFrom) {
+    expect(unchanged(what, call), what + " returned false");
+    return true;
+  }
+  expect(accept(what, call), what + " returned false");
+  // What left the chunk's window is unmapped; the rest of the prompt is staged.
+  row.windowFrom = end;
+  row.chunkCompleted = end;
+  row.endpoint = static_cast<int32_t>(row.prompt.size());
+  ++mStats.prefillChunks;
+  ++mStats.swaPrefillChunks;
+  trace(what);
+  return true;
+}
+
+void Lifecycle::swaPrefillRest(Req& req, int32_t slot) {
+  Row& row = req.rows[static_cast<std::size_t>(slot)];
+  auto const length = static_cast<int32_t>(row.prompt.size());
+  if (req.via == Via::kFacade && mPoisoned) {
+    return;  // the facade refuses every chunk call
+  }
+  if (row.materialized > row.windowFrom && row.endpoint < length) {
+    (void)completeSwaChunk(req, slot, row.endpoint);  // the last step's chunk
+  }
+  if (row.endpoint < length) {  // a shorter chunk staged that did not run: the rest instead
+    (void)prepareSwaChunk(req, slot, length);
+  }
+  if (row.materialized < length) {
+    flushForStep();
+    executeSwaChunk(req, row, slot);
+  }
+}
+
+void Lifecycle::compactJoinerAway(Req& req) {
+  CompactionCall call;
+  auto const rows = static_cast<int32_t>(req.rows.size());
+  for (int32_t i = 0; i < rows; ++i) {
+    call.mapping.push_back(i + 1 < rows ? i : -1);
+  }
+  call.newSize = rows - 1;
+  call.device = &mMapping;
+  issueBeginCompaction(req, call);
+}
+
 /// A row past the batch or one already joined, or the joiner's length off by one.
 void Lifecycle::badFinalize(Req& req) {
   if (!finalizeModelled(req)) {
@@ -482,22 +709,17 @@ void Lifecycle::badFinalize(Req& req) {
   issueFinalize(req, slot, true);
 }
 
-/// False when the call is not modelled here: the SWA facade's backstop (answered here), and
-/// finalisation during a decode step or compaction (allowed by the coordinator).
+/// False when the call is not modelled here: finalisation during a decode step or compaction
+/// (allowed by the coordinator; bounded SWA rejects it).
 bool Lifecycle::finalizeModelled(Req& req) {
-  if (!coordinatorBackend()) {
-    if (req.via == Via::kFacade) {
-      std::string const what = "finalizeSequenceAdmission on " + describe(req);
-      int32_t const token = 1;
-      expect(!unchanged(what, [&] { return req.facade->finalizeSequenceAdmission(0, token, 1); }),
-             what + ": the SWA backend finalised an admission");
-    }
-    return false;
-  }
-  return req.stage != Stage::kDecode && req.stage != Stage::kCompaction;
+  return !coordinatorBackend() || (req.stage != Stage::kDecode && req.stage != Stage::kCompaction);
 }
 
 void Lifecycle::issueFinalize(Req& req, int32_t slot, bool corruptLength) {
+  if (!coordinatorBackend()) {
+    issueSwaFinalize(req, slot, corruptLength);
+    return;
+  }
   std::string const what = "finalizeSequenceAdmission on " + describe(req);
   auto const rows = static_cast<int32_t>(req.rows.size());
   bool const unjoined = slot < rows && !req.rows[static_cast<std::size_t>(slot)].joined;
@@ -555,20 +777,65 @@ void Lifecycle::issueFinalize(Req& req, int32_t slot, bool corruptLength) {
   trace(fmt::format("{}: row {}", what, slot));
 }
 
-void Lifecycle::retract(Req& req) {
-  std::string const what = "retractSequenceAdmission on " + describe(req);
-  if (!coordinatorBackend()) {
+/// Bounded SWA: valid between steps for an unfinalised joiner whose staged chunk ends at its
+/// prompt (the facade: and the prompt's length); the facade answers false when poisoned, after
+/// its checks. The corrupted form may also skip the last chunk (the prefill did not reach L).
+void Lifecycle::issueSwaFinalize(Req& req, int32_t slot, bool corrupt) {
+  std::string const what = "finalizeSequenceAdmission on " + describe(req);
+  auto const rows = static_cast<int32_t>(req.rows.size());
+  Row* row = slot < rows ? &req.rows[static_cast<std::size_t>(slot)] : nullptr;
+  bool const unjoined = row != nullptr && !row->joined;
+  auto const prompt = row != nullptr ? static_cast<int32_t>(row->prompt.size()) : 1;
+  if (req.stage == Stage::kIdle && unjoined &&
+      !(corrupt && mIn.oneIn(2) && row->endpoint != prompt)) {
+    swaPrefillRest(req, slot);  // the last chunk runs before the finalisation
+  }
+  int32_t const lookahead = row != nullptr && !row->generated.empty() ? row->generated.back() : 1;
+  int32_t length = prompt;
+  bool badLength = false;
+  if (corrupt && req.via == Via::kFacade && mIn.oneIn(2)) {
+    length += 1;
+    badLength = true;
+  }
+  bool const valid = req.stage == Stage::kIdle && unjoined && row->endpoint == prompt && !badLength;
+  auto call = [&] {
     if (req.via == Via::kFacade) {
-      expect(!unchanged(what, [&] { return req.facade->retractSequenceAdmission(); }),
-             what + ": bounded SWA admitted nothing, yet the retraction returned true");
+      return req.facade->finalizeSequenceAdmission(slot, lookahead, length);
     }
+    mSwa->finalizeSequenceAdmission(req.swa, slot);
+    return true;
+  };
+  if (!valid) {
+    reject(what, call);
     return;
   }
+  if (req.via == Via::kFacade && mPoisoned) {
+    expect(!unchanged(what, call), what + ": finalised on a poisoned backend");
+    ++mStats.refusals;
+    return;
+  }
+  expectf(row->materialized == prompt, "{}: the driver finalises row {} before its prompt ran",
+          what, slot);
+  expect(accept(what, call), what + " returned false");
+  // Trimmed to M + 1 pages (the surplus back to the free list); it decodes from the next step.
+  row->joined = true;
+  row->windowFrom = prompt;
+  row->endpoint = prompt;
+  row->chunkCompleted = prompt;
+  ++mStats.swaFinalizations;
+  trace(fmt::format("{}: row {}", what, slot));
+}
+
+void Lifecycle::retract(Req& req) {
+  std::string const what = "retractSequenceAdmission on " + describe(req);
   auto call = [&] {
     if (req.via == Via::kFacade) {
       return req.facade->retractSequenceAdmission();
     }
-    return mCoordinator->retractSequenceAdmission(req.coordinator);
+    if (coordinatorBackend()) {
+      return mCoordinator->retractSequenceAdmission(req.coordinator);
+    }
+    return mSwa->retractSequenceAdmission(req.swa);
   };
   bool const possible = req.stage != Stage::kGone && req.rows.size() > 1 &&
                         !req.rows.back().joined &&
@@ -586,6 +853,7 @@ void Lifecycle::retract(Req& req) {
     setActiveBatch(static_cast<int32_t>(req.rows.size()));  // the runtime un-seats the joiner
   }
   ++mStats.retractions;
+  mStats.swaRetractions += coordinatorBackend() ? 0 : 1;
   trace(what);
 }
 

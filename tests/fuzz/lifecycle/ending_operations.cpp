@@ -12,7 +12,11 @@ namespace mkv::fuzz::lifecycle {
 /// Moves the rows of a request whose synchronisation failed into the quarantine.
 void Lifecycle::quarantine(Req& req) {
   Quarantined q;
-  q.swaPages = coordinatorBackend() ? 0 : static_cast<int32_t>(req.rows.size()) * swaRowPages(req);
+  if (!coordinatorBackend()) {
+    for (Row const& row : req.rows) {
+      q.swaPages += swaRowPages(req, row);
+    }
+  }
   q.rows = std::move(req.rows);
   req.rows.clear();
   mQuarantine.push_back(std::move(q));

@@ -70,8 +70,9 @@ void Lifecycle::setActiveBatch(int32_t batch) {
 
 /// The engine's prefill of one bound row: the reused prefix must already hold this prefix's
 /// KV (and on checkpoint runtimes the recurrent rows of exactly that prefix; on paired ones the
-/// draft KV); the rest is written (SWA: only the retained window; full identity layers: all of
-/// it), and the recurrent rows are advanced to the prompt's end.
+/// draft KV); the rest is written (SWA: only the retained window of the chunk's end, positions
+/// before it coming from the forward's activations; full identity layers: all of it), and the
+/// recurrent rows are advanced to the prompt's end.
 void Lifecycle::executePrefill(Req& req, Row& row, int32_t rowIndex, int32_t end) {
   auto const length = end > 0 ? end : static_cast<int32_t>(row.prompt.size());
   if (coordinatorBackend()) {
@@ -98,13 +99,33 @@ void Lifecycle::executePrefill(Req& req, Row& row, int32_t rowIndex, int32_t end
       executeDraft(row, rowIndex, length - 1);  // up to the boundary token's row
     }
   } else {
-    mSwaOracle->write(row.resident.slot, row.digests, std::max(0, length - mWindow), length);
+    int32_t const from = row.materialized;  // a joiner's later chunk starts where one ended
+    mSwaOracle->write(row.resident.slot, row.digests, std::max(from, length - mWindow), length);
     if (mFullOracle) {
-      mFullOracle->write(row.resident.slot, row.digests, 0, length);
+      mFullOracle->write(row.resident.slot, row.digests, from, length);
     }
   }
   row.materialized = length;
   writeLength(rowIndex, length);
+}
+
+void Lifecycle::executeSwaChunk(Req& req, Row& row, int32_t rowIndex) {
+  int32_t const from = row.materialized;
+  expectf(from == row.windowFrom && row.endpoint > from,
+          "driver: slot {} runs a chunk [{}, {}) after {} completed", row.resident.slot, from,
+          row.endpoint, row.windowFrom);
+  testing::OracleReport const read =
+      mSwaOracle->verify(row.resident.slot, row.digests, std::max(0, from - mWindow), from);
+  mStats.oraclePositions += read.positionsChecked;
+  expectf(read.ok(), "the window before slot {}'s prefill chunk [{}, {}): {}", row.resident.slot,
+          from, row.endpoint, read.firstMismatch);
+  executePrefill(req, row, rowIndex, row.endpoint);
+  ++mStats.swaChunksRun;
+  trace(fmt::format("engine: row {} (slot {}) runs its prefill chunk [{}, {}) of {}", rowIndex,
+                    row.resident.slot, from, row.endpoint, row.prompt.size()));
+  if (row.materialized == static_cast<int32_t>(row.prompt.size())) {
+    sampleInto(row);  // the lookahead token after its prompt
+  }
 }
 
 /// The scan's states at the reuse points the backend named for the row that the execution of

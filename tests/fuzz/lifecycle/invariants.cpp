@@ -201,17 +201,21 @@ void Lifecycle::checkDenseRow(KVPageTable const& table, CacheSlot slot, Row cons
   }
 }
 
-/// SWA: exactly the window of the committed endpoint up to the staged one is mapped, and no
-/// page is mapped by two rows.
+/// SWA: exactly the window of the committed endpoint and the staged pages past it are mapped,
+/// the staged ones those of [endpoint - W, endpoint) (a decode step's next position; a joiner's
+/// prefill chunk, which keeps only its last window); no page is mapped by two rows.
 void Lifecycle::checkSwaRow(KVPageTable const& table, CacheSlot slot, Row const& row,
                             std::vector<int32_t>& seen) {
   int32_t const from = std::max(0, row.windowFrom - mWindow) / kPage;
-  int32_t const to = ceilPages(row.endpoint);
+  int32_t const to = ceilPages(row.windowFrom);
+  int32_t const stagedFrom = std::max(to, std::max(0, row.endpoint - mWindow) / kPage);
+  int32_t const stagedTo = ceilPages(row.endpoint);
   for (int32_t p = 0; p < table.maxPagesPerSeq(); ++p) {
     PageId const page = table.entry(slot, p);
-    bool const inWindow = p >= from && p < to;
-    expectf((page != kNoPage) == inWindow, "SWA row {} logical page {} is {} (window [{}, {}))",
-            slot, p, page == kNoPage ? "unmapped" : "mapped", from, to);
+    bool const inWindow = (p >= from && p < to) || (p >= stagedFrom && p < stagedTo);
+    expectf((page != kNoPage) == inWindow,
+            "SWA row {} logical page {} is {} (window [{}, {}), staged [{}, {}))", slot, p,
+            page == kNoPage ? "unmapped" : "mapped", from, to, stagedFrom, stagedTo);
     if (page != kNoPage) {
       expectf(seen[static_cast<std::size_t>(page)]++ == 0, "SWA page {} is mapped twice", page);
     }

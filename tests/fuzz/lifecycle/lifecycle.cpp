@@ -431,18 +431,29 @@ Family Lifecycle::naturalNext(Req const& req) {
         stopped = stopped || row.reason != FinishReason::kNotFinished;
       }
       if (!req.rows.empty() && !req.rows.back().joined) {
-        return mIn.oneIn(4) ? Family::kRetract : Family::kFinalize;
+        if (coordinatorBackend()) {
+          return mIn.oneIn(4) ? Family::kRetract : Family::kFinalize;
+        }
+        // A bounded-SWA joiner prefills in chunks while the batch decodes.
+        int32_t const choice = mIn.below(16);
+        return choice == 0  ? Family::kRetract
+               : choice < 9 ? Family::kFinalize
+                            : Family::kPrepareDecode;
       }
       if (stopped || mIn.oneIn(16)) {
         return Family::kBeginCompaction;
       }
       // Runtimes without in-flight admission are asked rarely (the call must be rejected).
-      if (coordinatorBackend() && mIn.oneIn(mRuntime->supportsSeatedAdmission() ? 6 : 24)) {
+      if (mIn.oneIn(mRuntime->supportsSeatedAdmission() ? 6 : 24)) {
         return Family::kAdmit;
       }
       return mIn.oneIn(40) ? Family::kFinish : Family::kPrepareDecode;
     }
     case Stage::kDecode:
+      // A bounded-SWA joiner's chunk and finalisation calls during the step: refused.
+      if (!req.rows.empty() && swaJoiner(req.rows.back()) && mIn.oneIn(8)) {
+        return Family::kFinalize;
+      }
       return Family::kCompleteDecode;
     case Stage::kCompaction:
       return Family::kCompleteCompaction;
@@ -722,9 +733,10 @@ std::string Lifecycle::describe(Req const& req) const {
                      req.rows.size(), toString(req.stage));
 }
 
-/// Pages a live SWA row holds (2M + 1 until completePrefill trims it to M + 1).
-int32_t Lifecycle::swaRowPages(Req const& req) const {
-  return req.trimmed ? mWindowPages + 1 : 2 * mWindowPages + 1;
+/// Pages a live SWA row holds (2M + 1 until completePrefill, or a joiner's finalisation, trims
+/// it to M + 1).
+int32_t Lifecycle::swaRowPages(Req const& req, Row const& row) const {
+  return req.trimmed && row.joined ? mWindowPages + 1 : 2 * mWindowPages + 1;
 }
 
 int32_t Lifecycle::liveRequests() const {

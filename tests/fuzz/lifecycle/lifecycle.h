@@ -179,6 +179,7 @@ class Lifecycle {
   struct AdmitCall {
     Row row;
     ContextCacheSequenceAdmission admission;
+    SwaReuseStart swaStart;  ///< the SWA manager's (direct bounded-SWA requests)
     std::vector<int32_t> tokens;
     ResidentRef resident;
     DecodingKvHeadroom headroom = kVanilla;
@@ -233,7 +234,9 @@ class Lifecycle {
                     int64_t expected);
   Req* find(uint64_t serial);
   std::string describe(Req const& req) const;
-  int32_t swaRowPages(Req const& req) const;
+  int32_t swaRowPages(Req const& req, Row const& row) const;
+  /// A bounded-SWA joiner that is not finalised (its prefill's window is staged chunk by chunk).
+  bool swaJoiner(Row const& row) const noexcept { return !coordinatorBackend() && !row.joined; }
   int32_t liveRequests() const;
   std::vector<ResidentRef> busyResidents() const;
 
@@ -262,6 +265,9 @@ class Lifecycle {
   /// The prefill of positions [start or materialized, end) of a row (end 0: its whole prompt);
   /// the first chunk checks what it resumes from.
   void executePrefill(Req& req, Row& row, int32_t rowIndex, int32_t end = 0);
+  /// A bounded-SWA joiner's staged chunk [windowFrom, endpoint) in the engine's step: the window
+  /// it reads, [from - W, from), must hold the row's own KV; then the chunk is executed.
+  void executeSwaChunk(Req& req, Row& row, int32_t rowIndex);
   void captureReusePoints(Req const& req, Row const& row, int32_t rowIndex, int32_t from,
                           int32_t to);
   void verifyResumed(Req const& req, Row& row, int32_t rowIndex);
@@ -391,19 +397,40 @@ class Lifecycle {
   void issueCompleteCompaction(Req& req, std::vector<int32_t> const& keep, bool badArguments);
   void admit(Req& req);
   void badAdmit(Req& req);
-  bool swaAdmitBackstop(Req& req);
   std::optional<AdmitCall> planAdmit(Req& req);
   void corruptAdmit(Req& req, AdmitCall& call);
   void issueAdmit(Req& req, AdmitCall& call);
+  AdmitSequenceStatus callAdmit(Req& req, AdmitCall const& call, int32_t& start);
   bool admitOutcome(Req& req, AdmitCall& call, int32_t& start, std::string const& what);
+  /// Bounded SWA: admitted exactly when 2M + 1 pages are free and the backend is not poisoned.
+  bool swaAdmitOutcome(Req& req, AdmitCall& call, int32_t& start, std::string const& what);
   void joined(Req& req, Row row, int32_t start, std::string const& what);
+  /// Bounded SWA: the joiner starts at 0 with the window of its whole prompt staged; it runs no
+  /// chunk yet, its whole prompt, or a first chunk prepared shorter.
+  void swaJoined(Req& req, Row row, std::string const& what);
   void finalize(Req& req);
-  /// preemptSequence of row `slot` (any row: refused outside a settled batch, beyond it or for
-  /// an unfinalised joiner); the row goes on (the library allows it; engines compact it away).
+  /// Bounded SWA's joiner operations (between steps; during one, each must throw): complete the
+  /// chunk the last step ran, or prepare and run the next one (wrong calls among them), or undo
+  /// the joiner by compaction.
+  void swaJoinerStep(Req& req, int32_t slot);
+  /// preparePrefillChunk / prepareSequenceChunk of joiner `slot` to `end`; false when it did not
+  /// stage (rejected, or refused on a poisoned facade).
+  bool prepareSwaChunk(Req& req, int32_t slot, int32_t end);
+  /// completePrefillChunk / completeSequenceChunk of joiner `slot` at `end`; false as above.
+  bool completeSwaChunk(Req& req, int32_t slot, int32_t end);
+  /// Brings joiner `slot` to a staged chunk that ends at its prompt and ran (the engine's last
+  /// chunk before finalisation).
+  void swaPrefillRest(Req& req, int32_t slot);
+  /// The engine compacts an unfinalised joiner away (preemption refuses one).
+  void compactJoinerAway(Req& req);
+  /// preemptSequence of row `slot` (any row: refused beyond the batch, for an unfinalised joiner
+  /// and, on the coordinator, outside a settled batch); the row goes on (the library allows it;
+  /// engines compact it away). Direct bounded-SWA requests have no such call.
   void preempt(Req& req, int32_t slot);
   void badFinalize(Req& req);
   bool finalizeModelled(Req& req);
   void issueFinalize(Req& req, int32_t slot, bool corruptLength);
+  void issueSwaFinalize(Req& req, int32_t slot, bool corrupt);
   /// Chunked prefill of the unjoined row `slot` whose prompt is not done: one more chunk and its
   /// completePrefillChunk (refused during a step), its lookahead sampled after the last.
   void prefillChunk(Req& req, int32_t slot);

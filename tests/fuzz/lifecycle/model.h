@@ -125,12 +125,16 @@ struct Row {
   /// A chunked joiner: the prefill length the library was last told (completePrefillChunk; the
   /// reuse length before), the least it accepts next.
   int32_t chunkCompleted = 0;
-  int32_t endpoint = 0;    ///< SWA: endpoint of the window (staged one while a step is pending)
-  int32_t windowFrom = 0;  ///< SWA: endpoint whose window pages are still mapped (committed)
-  bool bound = false;      ///< the backend mapped the row
-  bool joined = true;      ///< false: admitted in flight, not finalised
-  bool decoded = false;    ///< produced a token in the pending decode step
-  int32_t accepted = 0;    ///< tokens the pending step accepted (speculative rounds: 1 or more)
+  /// SWA: endpoint of the window (the staged one while a step is pending; a bounded-SWA joiner's:
+  /// the end of its staged prefill chunk)
+  int32_t endpoint = 0;
+  /// SWA: endpoint whose window pages are still mapped (committed; a bounded-SWA joiner's: the
+  /// end of its completed chunks, the manager's endpoint)
+  int32_t windowFrom = 0;
+  bool bound = false;    ///< the backend mapped the row
+  bool joined = true;    ///< false: admitted in flight, not finalised
+  bool decoded = false;  ///< produced a token in the pending decode step
+  int32_t accepted = 0;  ///< tokens the pending step accepted (speculative rounds: 1 or more)
   FinishReason reason = FinishReason::kNotFinished;
   /// Draft model (speculative requests with a paged draft): entry p covers the tokens [0, p + 1]
   /// when the draft row of position p depends on the next token (EAGLE's and MTP's do), else

@@ -536,10 +536,10 @@ Lifecycle::ModelDemand Lifecycle::modelDecodeDemand(Req const& req,
                                                     DecodingKvHeadroom const& headroom) const {
   ModelDemand demand;
   for (Row const& row : req.rows) {
+    if (!row.joined) {
+      continue;  // an unfinalised joiner holds: no growth
+    }
     if (coordinatorBackend()) {
-      if (!row.joined) {
-        continue;  // an unfinalised joiner holds: no growth
-      }
       int32_t const committed = row.materialized;
       int32_t const required = ceilPages(int64_t{committed} + headroom.baseExtraTokens);
       int32_t const draft = ceilPages(int64_t{committed} + headroom.draftExtraTokens);
@@ -730,6 +730,10 @@ void Lifecycle::issueDecode(Req& req, DecodeCall& call, bool valid) {
         executeDraft(row, static_cast<int32_t>(i),
                      std::max(row.drafted, row.materialized - mIn.below(3)));
       }
+    } else if (swaJoiner(row) && !forgot && row.materialized == row.windowFrom &&
+               row.endpoint > row.materialized && !mIn.oneIn(4)) {
+      executeSwaChunk(req, row, static_cast<int32_t>(i));  // its staged chunk runs in the step
+      ++mStats.swaStepChunks;
     }
   }
   mStaleRows = false;

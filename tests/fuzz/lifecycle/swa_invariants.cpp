@@ -19,7 +19,10 @@ void Lifecycle::checkSwaManager() {
     if (req->stage == Stage::kGone) {
       continue;
     }
-    int32_t const rowPages = static_cast<int32_t>(req->rows.size()) * swaRowPages(*req);
+    int32_t rowPages = 0;
+    for (Row const& row : req->rows) {
+      rowPages += swaRowPages(*req, row);
+    }
     held += rowPages;
     checkSwaRequest(*req, rowPages);
   }
@@ -44,7 +47,8 @@ void Lifecycle::checkSwaManager() {
   }
 }
 
-/// The rows of a live request: their residents, endpoints and the pages they hold.
+/// The rows of a live request: their residents, endpoints and the pages they hold; a joiner's
+/// completed chunks (its endpoint) and prompt.
 void Lifecycle::checkSwaRequest(Req const& req, int32_t rowPages) {
   if (!req.swa.valid()) {
     return;
@@ -59,6 +63,13 @@ void Lifecycle::checkSwaRequest(Req const& req, int32_t rowPages) {
     expectf(state.pendingEndpoint.value_or(state.endpoint) == row.endpoint,
             "{} row {}: endpoint {} (pending {}), expected {}", describe(req), i, state.endpoint,
             state.pendingEndpoint.value_or(-1), row.endpoint);
+    expectf(state.joining == !row.joined, "{} row {}: joining {}", describe(req), i, state.joining);
+    if (!row.joined) {
+      expectf(state.endpoint == row.windowFrom &&
+                  state.joinerPromptTokens == static_cast<int32_t>(row.prompt.size()),
+              "{} row {}: a joiner at {} of {} prompt tokens, expected {} of {}", describe(req), i,
+              state.endpoint, state.joinerPromptTokens, row.windowFrom, row.prompt.size());
+    }
   }
   expectf(reported == rowPages, "{} holds {} pages, expected {}", describe(req), reported,
           rowPages);
