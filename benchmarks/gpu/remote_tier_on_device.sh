@@ -47,7 +47,7 @@ COMMON=(--trace "$TRACE" --verify sample --quiet --pool-tokens 100000 --host-poo
 STORE=$(mktemp -d)
 PORT=6391
 for device in cuda cpu; do
-  rm -rf "${STORE:?}"/*
+  find "${STORE:?}" -mindepth 1 -delete
   for run in first second; do
     step "mkv-replay $run ($device)" "$OUT/replay_${run}_$device.log" "$REPLAY" "${COMMON[@]}" \
       --device "$device" --remote-tier "file://$STORE" --json "$OUT/replay_${run}_$device.json"
@@ -64,7 +64,7 @@ for device in cuda cpu; do
     done
     kill "$(cat "$OUT/redis_$PORT.pid")"
   fi
-  rm -rf "${STORE:?}"/*
+  find "${STORE:?}" -mindepth 1 -delete
   for role in prefill decode; do
     step "mkv-replay $role ($device)" "$OUT/replay_${role}_$device.log" "$REPLAY" "${COMMON[@]}" \
       --device "$device" --remote-tier "file://$STORE" --role "$role" \
