@@ -630,14 +630,19 @@ bool ContextCacheCoordinator::resetPrefixCache() noexcept {
   if (poisoned() || !mRequests->active().empty() || !mRequests->quarantined().empty()) {
     return false;
   }
-  if (mRemoteTier != nullptr && mRemoteTier->pendingSaves() > 0) {
-    try {  // a save reads a held host page, and the reset drops every host block
+  auto const remoteBusy = [this] {
+    return mRemoteTier->pendingSaves() > 0 || mRemoteTier->placementsInFlight() > 0;
+  };
+  if (mRemoteTier != nullptr && remoteBusy()) {
+    // A save reads a held host page, and the reset drops every host block; a placement would
+    // index a loaded block after it.
+    try {
       (void)mRemoteTier->drain("ContextCacheCoordinator::resetPrefixCache");
     } catch (Error const& error) {
       logger()->error("ContextCacheCoordinator::resetPrefixCache: {}", error.what());
       return false;
     }
-    if (mRemoteTier->pendingSaves() > 0) {
+    if (remoteBusy()) {
       return false;
     }
   }

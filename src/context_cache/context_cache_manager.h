@@ -279,13 +279,20 @@ class ContextCacheManager {
   /// offload copies were taken with the last takeHostTransfers(): the remote tier saves them once
   /// those copies completed. A page whose block the tier dropped since is not listed.
   std::vector<PageId> takeMirroredBlocks() noexcept { return std::exchange(mMirroredBlocks, {}); }
-  /// Keeps block `block` of `blocks`, loaded from the remote tier's store and verified against
-  /// the prompt, in the host tier (HostBlockTier::storeLoaded, events as an offload). Returns the
-  /// host page the caller fills with its bytes, or nullopt when the GPU index or the host tier
-  /// holds the block already or every host page is pinned. Call only while no host transfer is
-  /// pending (takeHostTransfers empty) and the tier's copies completed: the page may be one a
-  /// dropped block held. Throws mkv::Error without a host tier or for a block out of range.
-  std::optional<PageId> adoptRemoteBlock(PromptBlocks const& blocks, int32_t block);
+  /// A host page into which the remote tier's worker copies block `block` of `blocks`, loaded
+  /// from the store and verified against the prompt (HostBlockTier::reserve: the tier's LRU rule
+  /// makes room, drops announced as evictions). nullopt when the GPU index or the host tier holds
+  /// the block already, or every host page is pinned. Call only while no host transfer is pending
+  /// (takeHostTransfers empty) and the tier's copies completed: the page may be one a dropped
+  /// block held. Throws mkv::Error without a host tier.
+  std::optional<PageId> reserveHostPageForLoad(PromptBlocks const& blocks, int32_t block);
+  /// Indexes the reserved `page`, now holding the bytes of block `block` of `blocks`, in the host
+  /// tier (events as an offload): returns true; false (the page released) when the GPU index or
+  /// the host tier came to hold the block meanwhile. Throws (the page released) for a block out
+  /// of range or an allocation failure.
+  bool adoptLoadedHostPage(PromptBlocks const& blocks, int32_t block, PageId page);
+  /// Gives back a reserved page that will not be filled.
+  void releaseLoadedHostPage(PageId page) noexcept { mHostTier->releaseReserved(page); }
   /// Keeps the block on host `page` from being dropped while the remote tier reads it (a pin,
   /// HostBlockTier::pin; throws for a page that holds no block); releaseHostPage ends it.
   void holdHostPage(PageId page);

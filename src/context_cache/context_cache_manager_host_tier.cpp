@@ -7,6 +7,7 @@
 #include <cstddef>
 #include <exception>
 #include <optional>
+#include <utility>
 #include <vector>
 
 #include "context_cache/context_cache_manager.h"
@@ -80,22 +81,33 @@ void ContextCacheManager::announceHostStore(PageId hostPage, Hash128 digest) noe
                      host.tokensOf(hostPage));
 }
 
-std::optional<PageId> ContextCacheManager::adoptRemoteBlock(PromptBlocks const& blocks,
-                                                            int32_t block) {
-  MKV_REQUIRE(mHostTier != nullptr, "ContextCacheManager::adoptRemoteBlock",
+std::optional<PageId> ContextCacheManager::reserveHostPageForLoad(PromptBlocks const& blocks,
+                                                                  int32_t block) {
+  MKV_REQUIRE(mHostTier != nullptr, "ContextCacheManager::reserveHostPageForLoad",
               "the remote tier loads into the host tier, and this manager has none");
   Hash128 const digest = blocks.keys.at(static_cast<std::size_t>(block));
-  if (mIndex.find(digest)) {
-    return std::nullopt;  // the GPU holds it already
+  if (mIndex.find(digest) || mHostTier->index().find(digest)) {
+    return std::nullopt;  // held already
   }
   std::vector<HostBlockDropped> dropped;
-  std::optional<PageId> const hostPage = mHostTier->storeLoaded(blocks, block, dropped);
+  std::optional<PageId> const hostPage = mHostTier->reserve(dropped);
   announceHostDrops(dropped);
-  if (hostPage) {
-    ++mStateVersion;
-    announceHostStore(*hostPage, digest);
-  }
   return hostPage;
+}
+
+bool ContextCacheManager::adoptLoadedHostPage(PromptBlocks const& blocks, int32_t block,
+                                              PageId page) {
+  bool const inRange = block >= 0 && std::cmp_less(block, blocks.keys.size());
+  if (inRange && mIndex.find(blocks.keys[static_cast<std::size_t>(block)])) {
+    mHostTier->releaseReserved(page);  // the GPU came to hold it
+    return false;
+  }
+  if (!mHostTier->fillReserved(page, blocks, block)) {  // checks the range, releases on a throw
+    return false;
+  }
+  ++mStateVersion;
+  announceHostStore(page, blocks.keys[static_cast<std::size_t>(block)]);
+  return true;
 }
 
 void ContextCacheManager::holdHostPage(PageId page) { mHostTier->pin(page); }
@@ -133,7 +145,8 @@ int32_t ContextCacheManager::demoteToHostTier(std::span<Hash128 const> path) noe
         kept = pages.size();  // a running row still reads it
       }
     }
-    auto const room = static_cast<std::size_t>(mHostTier->capacity() - mHostTier->pinnedPages());
+    auto const room = static_cast<std::size_t>(mHostTier->capacity() - mHostTier->pinnedPages() -
+                                               mHostTier->reservedPages());
     kept = std::max(kept, pages.size() > room ? pages.size() - room : std::size_t{0});
     CacheRecord const* longest = nullptr;
     for (std::size_t block = kept; block < pages.size(); ++block) {

@@ -5,7 +5,6 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
-#include <cstring>
 #include <exception>
 #include <utility>
 
@@ -186,7 +185,7 @@ void RemoteTierLink::submitSaves(char const* call) {
 
 std::vector<RemoteLoadResult> RemoteTierLink::poll(char const* call) {
   std::vector<RemoteTierWorker::SaveDone> saves;
-  mWorker->takeFinished(mFinishedLoads, saves);
+  mWorker->takeFinished(mFinishedLoads, saves, mPlaced);
   for (RemoteTierWorker::SaveDone const& done : saves) {
     if (done.status == RemoteStoreStatus::kOk) {
       ++mCounters.savedBlocks;
@@ -200,72 +199,138 @@ std::vector<RemoteLoadResult> RemoteTierLink::poll(char const* call) {
   }
   submitSaves(call);
   std::vector<RemoteLoadResult> results;
+  results.reserve(mPlaced.size() + mFinishedLoads.size());
+  for (uint64_t const ticket : mPlaced) {
+    auto const found = mLoads.find(ticket);
+    MKV_ASSERT(found != mLoads.end(), "remote placement {} finished without a load", ticket);
+    results.push_back(adopt(ticket, found->second));
+    mLoads.erase(found);
+    --mPlacements;
+  }
+  mPlaced.clear();
   if (mFinishedLoads.empty()) {
     return results;
   }
-  // A loaded block goes into a host page that may have held a block an onboarding still reads,
-  // or that a decided move still names: install only when neither can be.
+  // A reserved host page may be one a dropped block held, which an onboarding still reads or a
+  // decided move still names: reserve only when neither can be.
   if (mManager.hasPendingHostTransfers() || !mTier.transfersComplete(call)) {
     ++mCounters.installsDeferred;
     return results;
   }
-  results.reserve(mFinishedLoads.size());
-  for (RemoteTierWorker::LoadDone const& done : mFinishedLoads) {
-    auto const found = mLoads.find(done.ticket);
-    MKV_ASSERT(found != mLoads.end(), "remote load {} finished without being started", done.ticket);
-    results.push_back(install(found->second, done));
-    mLoads.erase(found);
+  for (RemoteTierWorker::LoadDone& done : mFinishedLoads) {
+    uint64_t const ticket = done.ticket;
+    auto const found = mLoads.find(ticket);
+    MKV_ASSERT(found != mLoads.end(), "remote load {} finished without being started", ticket);
+    if (std::optional<RemoteLoadResult> const result =
+            place(ticket, found->second, std::move(done))) {
+      results.push_back(*result);
+      mLoads.erase(found);
+    } else {
+      ++mPlacements;
+    }
   }
   mFinishedLoads.clear();
   return results;
 }
 
-RemoteLoadResult RemoteTierLink::install(PendingLoad const& pending,
-                                         RemoteTierWorker::LoadDone const& done) {
-  RemoteLoadResult result{done.ticket, pending.requestedBlocks, 0,
-                          done.status == RemoteStoreStatus::kOk};
-  if (!result.storeAvailable) {
+bool RemoteTierLink::held(Hash128 block) const {
+  return mManager.index().find(block) || mManager.hostTier()->index().find(block);
+}
+
+std::optional<RemoteLoadResult> RemoteTierLink::place(uint64_t ticket, PendingLoad& pending,
+                                                      RemoteTierWorker::LoadDone done) {
+  if (done.status != RemoteStoreStatus::kOk) {
     ++mCounters.loadFailures;
-    return result;
+    return RemoteLoadResult{ticket, pending.requestedBlocks, 0, false};
   }
   mCounters.missingBlocks += static_cast<uint64_t>(done.missing);
   mCounters.rejectedBlocks += static_cast<uint64_t>(done.rejected);
-  for (std::size_t i = 0; i < done.blocks.size(); ++i) {
+  pending.loaded = std::move(done);  // in the map's node: the copies' source stays put
+  std::vector<RemoteTierWorker::LoadedBlock> const& blocks = pending.loaded.blocks;
+  RemoteTierWorker::PlaceJob job{ticket, {}};
+  try {
+    pending.placedPages.reserve(blocks.size());  // so that no push below throws
+    job.copies.reserve(blocks.size() * 2 * static_cast<std::size_t>(mLayers));
+  } catch (std::exception const& error) {
+    logger()->error("remote tier: placing load {} failed: {}", ticket, error.what());
+    ++mCounters.loadFailures;
+    return RemoteLoadResult{ticket, pending.requestedBlocks, 0, true};
+  }
+  for (std::size_t i = 0; i < blocks.size(); ++i) {
     int32_t const block = pending.firstBlock + static_cast<int32_t>(i);
     std::optional<PageId> page;
     try {
-      page = mManager.adoptRemoteBlock(pending.blocks, block);
-    } catch (std::exception const& error) {  // an allocation of the host index: nothing changed
-      logger()->error("remote tier: keeping loaded block {} failed: {}", block, error.what());
+      page = mManager.reserveHostPageForLoad(pending.blocks, block);
+    } catch (std::exception const& error) {  // an allocation: nothing changed
+      logger()->error("remote tier: placing loaded block {} failed: {}", block, error.what());
       break;
     }
     if (!page) {
-      Hash128 const key = pending.blocks.keys[static_cast<std::size_t>(block)];
-      if (!mManager.index().find(key) && !mManager.hostTier()->index().find(key)) {
-        break;  // every host page is held: the rest would not be reachable
+      if (!held(pending.blocks.keys[static_cast<std::size_t>(block)])) {
+        break;  // every host page is pinned: the rest would not be reachable
       }
-      ++result.loadedBlocks;  // the GPU or the host tier holds it already
+      pending.placedPages.push_back(kNoPage);
       continue;
     }
-    std::span<std::byte const> const payload = done.blocks[i].payload();
-    std::size_t offset = 0;
+    pending.placedPages.push_back(*page);
+    std::byte const* from = blocks[i].payload().data();
     for (int32_t layer = 0; layer < mLayers; ++layer) {
       for (int32_t half = 0; half < 2; ++half) {
-        std::memcpy(mTier.hostPage(layer, half, *page), payload.data() + offset,
-                    static_cast<std::size_t>(mPageBytes));
-        offset += static_cast<std::size_t>(mPageBytes);
+        job.copies.push_back({from, static_cast<std::byte*>(mTier.hostPage(layer, half, *page)),
+                              static_cast<std::size_t>(mPageBytes)});
+        from += mPageBytes;
       }
     }
-    ++result.loadedBlocks;
-    ++mCounters.loadedBlocks;
-    mCounters.loadedBytes += payload.size();
+  }
+  if (job.copies.empty()) {
+    return adopt(ticket, pending);
+  }
+  try {
+    mWorker->submit(std::move(job));
+  } catch (std::exception const& error) {  // the queue's allocation: give the pages back
+    logger()->error("remote tier: placing load {} failed: {}", ticket, error.what());
+    for (PageId const page : pending.placedPages) {
+      if (page != kNoPage) {
+        mManager.releaseLoadedHostPage(page);
+      }
+    }
+    ++mCounters.loadFailures;
+    return RemoteLoadResult{ticket, pending.requestedBlocks, 0, true};
+  }
+  return std::nullopt;
+}
+
+RemoteLoadResult RemoteTierLink::adopt(uint64_t ticket, PendingLoad& pending) {
+  RemoteLoadResult result{ticket, pending.requestedBlocks, 0, true};
+  bool inRun = true;  // the blocks counted loaded are the run from the first one
+  for (std::size_t i = 0; i < pending.placedPages.size(); ++i) {
+    int32_t const block = pending.firstBlock + static_cast<int32_t>(i);
+    PageId const page = pending.placedPages[i];
+    bool present = false;
+    if (page == kNoPage) {
+      present = held(pending.blocks.keys[static_cast<std::size_t>(block)]);
+    } else {
+      try {
+        if (mManager.adoptLoadedHostPage(pending.blocks, block, page)) {
+          ++mCounters.loadedBlocks;
+          mCounters.loadedBytes += pending.loaded.blocks[i].payload().size();
+        }
+        present = true;                        // here, or held already by the GPU or the host tier
+      } catch (std::exception const& error) {  // an allocation of the host index: page released
+        logger()->error("remote tier: keeping loaded block {} failed: {}", block, error.what());
+      }
+    }
+    inRun = inRun && present;
+    if (inRun) {
+      ++result.loadedBlocks;
+    }
   }
   return result;
 }
 
 std::vector<RemoteLoadResult> RemoteTierLink::drain(char const* call) {
   std::vector<RemoteLoadResult> results;
-  // Twice: the first poll may hand the worker saves whose copies just completed.
+  // Twice: the first poll may place loads and hand the worker saves whose copies just completed.
   for (int pass = 0; pass < 2; ++pass) {
     mWorker->waitIdle();
     (void)mTier.synchronize();  // a failure shows in transfersComplete's query below

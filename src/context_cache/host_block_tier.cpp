@@ -78,31 +78,43 @@ std::optional<PageId> HostBlockTier::store(BlockIndex const& gpu, PageId gpuPage
   return page;
 }
 
-std::optional<PageId> HostBlockTier::storeLoaded(PromptBlocks const& blocks, int32_t block,
-                                                 std::vector<HostBlockDropped>& dropped) {
-  MKV_REQUIRE(block >= 0 && block < blocks.fullBlockCount(), "HostBlockTier::storeLoaded",
-              "block {} outside the prompt's {} full blocks", block, blocks.fullBlockCount());
-  MKV_REQUIRE(blocks.pageSize == mIndex.pageSize(), "HostBlockTier::storeLoaded",
-              "the prompt has blocks of {} tokens, the host tier {}", blocks.pageSize,
-              mIndex.pageSize());
-  Hash128 const digest = blocks.keys[static_cast<std::size_t>(block)];
-  if (std::optional<PageId> const held = mIndex.find(digest)) {
-    touch(*held);
-    return std::nullopt;
-  }
+std::optional<PageId> HostBlockTier::reserve(std::vector<HostBlockDropped>& dropped) {
   dropped.reserve(dropped.size() + 1);
   std::optional<PageId> const page = claimPage(dropped);
-  if (!page) {
-    return std::nullopt;
+  if (page) {
+    ++mReservedPages;
   }
+  return page;
+}
+
+bool HostBlockTier::fillReserved(PageId page, PromptBlocks const& blocks, int32_t block) {
+  MKV_DASSERT(mReservedPages > 0 && !mIndex.digestOf(page), "host page {} is not reserved", page);
   try {
-    mIndex.insert(digest, *page, blocks, block);
+    MKV_REQUIRE(block >= 0 && block < blocks.fullBlockCount(), "HostBlockTier::fillReserved",
+                "block {} outside the prompt's {} full blocks", block, blocks.fullBlockCount());
+    MKV_REQUIRE(blocks.pageSize == mIndex.pageSize(), "HostBlockTier::fillReserved",
+                "the prompt has blocks of {} tokens, the host tier {}", blocks.pageSize,
+                mIndex.pageSize());
+    Hash128 const digest = blocks.keys[static_cast<std::size_t>(block)];
+    if (std::optional<PageId> const held = mIndex.find(digest)) {
+      touch(*held);
+      releaseReserved(page);
+      return false;
+    }
+    mIndex.insert(digest, page, blocks, block);
   } catch (...) {
-    mFree.push_back(*page);  // as in store()
+    releaseReserved(page);
     throw;
   }
-  mRecency.pushNewest(mLinks, *page);
-  return page;
+  --mReservedPages;
+  mRecency.pushNewest(mLinks, page);
+  return true;
+}
+
+void HostBlockTier::releaseReserved(PageId page) noexcept {
+  MKV_DASSERT(mReservedPages > 0, "host page {} is not reserved", page);
+  --mReservedPages;
+  mFree.push_back(page);  // reserved to capacity: cannot throw
 }
 
 std::vector<PageId> HostBlockTier::longestRun(PromptBlocks const& blocks, int32_t firstBlock,

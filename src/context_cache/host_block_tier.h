@@ -58,12 +58,18 @@ class HostBlockTier {
   /// dropped stays dropped (and is in `dropped`).
   std::optional<PageId> store(BlockIndex const& gpu, PageId gpuPage,
                               std::vector<HostBlockDropped>& dropped);
-  /// Keeps block `block` of `blocks`, whose bytes the remote tier loaded (docs/context_cache.md,
-  /// "Remote tier"): as store(), keyed and verified by the prompt's own block. Returns the host
-  /// page the caller fills, or nullopt when the digest is already here or every page is pinned.
-  /// Throws (nothing changed) for a block out of range or another page size.
-  std::optional<PageId> storeLoaded(PromptBlocks const& blocks, int32_t block,
-                                    std::vector<HostBlockDropped>& dropped);
+  /// A host page for a block the remote tier loaded (docs/context_cache.md, "Remote tier"),
+  /// claimed as store() claims one (a free page, else the least recently used unpinned block is
+  /// dropped and appended to `dropped`) but holding no block: no store() claims it and no lookup
+  /// finds it until fillReserved or releaseReserved. nullopt when every page is pinned.
+  std::optional<PageId> reserve(std::vector<HostBlockDropped>& dropped);
+  /// Keeps block `block` of `blocks` on the reserved `page`, whose bytes are now the block's:
+  /// returns true. Returns false, releasing `page`, when the digest is held here already (that
+  /// page becomes the most recently used). Throws (nothing changed but `page` released) for a
+  /// block out of range, another page size, or an allocation failure of the index.
+  bool fillReserved(PageId page, PromptBlocks const& blocks, int32_t block);
+  /// Gives a reserved page back to the free list.
+  void releaseReserved(PageId page) noexcept;
   /// Host pages of the longest verified run of blocks [firstBlock, firstBlock + k) of `blocks`
   /// held here, firstBlock + k <= maxBlocks (blocks before firstBlock are verified by the caller).
   /// No side effects.
@@ -86,6 +92,7 @@ class HostBlockTier {
   int32_t capacity() const noexcept { return mIndex.pageCapacity(); }
   int32_t size() const noexcept { return mIndex.size(); }
   int32_t pinnedPages() const noexcept { return mPinnedPages; }
+  int32_t reservedPages() const noexcept { return mReservedPages; }
   BlockIndex const& index() const noexcept { return mIndex; }
 
  private:
@@ -100,6 +107,7 @@ class HostBlockTier {
   std::vector<PageId> mFree;
   std::vector<int32_t> mPins;
   int32_t mPinnedPages = 0;
+  int32_t mReservedPages = 0;
 };
 
 }  // namespace mkv

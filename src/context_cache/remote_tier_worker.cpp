@@ -4,6 +4,7 @@
 
 #include <spdlog/spdlog.h>
 
+#include <cstring>
 #include <optional>
 #include <utility>
 
@@ -47,30 +48,54 @@ void RemoteTierWorker::submit(SaveJob job) {
   mWake.notify_one();
 }
 
-void RemoteTierWorker::takeFinished(std::vector<LoadDone>& loads, std::vector<SaveDone>& saves) {
+void RemoteTierWorker::submit(PlaceJob job) {
+  {
+    std::lock_guard const lock(mMutex);
+    mPlacements.push_back(std::move(job));
+  }
+  mWake.notify_one();
+}
+
+void RemoteTierWorker::takeFinished(std::vector<LoadDone>& loads, std::vector<SaveDone>& saves,
+                                    std::vector<uint64_t>& placed) {
   std::lock_guard const lock(mMutex);
   for (LoadDone& done : mLoadsDone) {
     loads.push_back(std::move(done));
   }
   saves.insert(saves.end(), mSavesDone.begin(), mSavesDone.end());
+  placed.insert(placed.end(), mPlaced.begin(), mPlaced.end());
   mLoadsDone.clear();
   mSavesDone.clear();
+  mPlaced.clear();
 }
 
 void RemoteTierWorker::waitIdle() {
   std::unique_lock lock(mMutex);
-  mIdle.wait(lock, [this] { return mLoads.empty() && mSaves.empty() && mRunning == 0; });
+  mIdle.wait(lock, [this] {
+    return mLoads.empty() && mSaves.empty() && mPlacements.empty() && mRunning == 0;
+  });
 }
 
 void RemoteTierWorker::run() {
   std::unique_lock lock(mMutex);
   while (true) {
-    mWake.wait(lock, [this] { return mStop || !mLoads.empty() || !mSaves.empty(); });
+    mWake.wait(lock, [this] {
+      return mStop || !mLoads.empty() || !mSaves.empty() || !mPlacements.empty();
+    });
     if (mStop) {
       return;
     }
     ++mRunning;
-    if (!mLoads.empty()) {
+    if (!mPlacements.empty()) {
+      PlaceJob const job = std::move(mPlacements.front());
+      mPlacements.pop_front();
+      lock.unlock();
+      for (ByteCopy const& copy : job.copies) {
+        std::memcpy(copy.to, copy.from, copy.bytes);
+      }
+      lock.lock();
+      mPlaced.push_back(job.ticket);
+    } else if (!mLoads.empty()) {
       LoadJob const job = std::move(mLoads.front());
       mLoads.pop_front();
       lock.unlock();

@@ -1,11 +1,13 @@
 #pragma once
 /// \file remote_tier_worker.h
 /// The remote tier's thread (docs/context_cache.md, "Remote tier"): every store call of a load or
-/// a save runs here, off the engine thread and off every CUDA stream. Loads run before saves (a
-/// request waits on a load; a save only frees a host page), each kind in submission order. A load
-/// checks every value against the block the prompt expects (remote_block_codec.h) and keeps the
-/// run of valid blocks from the first one; a save encodes a block from host memory the engine
-/// keeps pinned until the save is reported finished.
+/// a save, and the copy of loaded bytes into host pages, runs here, off the engine thread and off
+/// every CUDA stream. Placements run first (a request waits on them and they touch no network),
+/// then loads (a request waits on a load; a save only frees a host page), then saves, each kind in
+/// submission order. A load checks every value against the block the prompt expects
+/// (remote_block_codec.h) and keeps the run of valid blocks from the first one; a placement copies
+/// loaded payloads into host pages the engine reserved for them; a save encodes a block from host
+/// memory the engine keeps pinned until the save is reported finished.
 ///
 /// Thread-safety: submit and takeFinished from the engine thread; the store only from the worker.
 
@@ -64,6 +66,19 @@ class RemoteTierWorker {
     std::vector<int32_t> tokens;
     std::vector<std::span<std::byte const>> payload;
   };
+  /// One contiguous copy of a placement: `bytes` from `from` (a loaded value the engine keeps
+  /// alive) to `to` (a reserved host page that nothing else reads or writes until the placement
+  /// is taken back).
+  struct ByteCopy {
+    std::byte const* from = nullptr;
+    std::byte* to = nullptr;
+    std::size_t bytes = 0;
+  };
+  /// The copies that put a finished load's blocks into their host pages.
+  struct PlaceJob {
+    uint64_t ticket = 0;
+    std::vector<ByteCopy> copies;
+  };
   struct SaveDone {
     uint64_t id = 0;
     PageId hostPage = kNoPage;
@@ -80,8 +95,11 @@ class RemoteTierWorker {
 
   void submit(LoadJob job);
   void submit(SaveJob job);
-  /// Appends the jobs finished since the last call (never waits).
-  void takeFinished(std::vector<LoadDone>& loads, std::vector<SaveDone>& saves);
+  void submit(PlaceJob job);
+  /// Appends the jobs finished since the last call (never waits); `placed` gets the tickets of
+  /// finished placements.
+  void takeFinished(std::vector<LoadDone>& loads, std::vector<SaveDone>& saves,
+                    std::vector<uint64_t>& placed);
   /// Waits until every submitted job has finished (shutdown, a cache reset, tests).
   void waitIdle();
 
@@ -96,8 +114,10 @@ class RemoteTierWorker {
   std::condition_variable mIdle;  ///< a job finished
   std::deque<LoadJob> mLoads;
   std::deque<SaveJob> mSaves;
+  std::deque<PlaceJob> mPlacements;
   std::vector<LoadDone> mLoadsDone;
   std::vector<SaveDone> mSavesDone;
+  std::vector<uint64_t> mPlaced;
   int32_t mRunning = 0;  ///< jobs taken from the queues and not finished
   bool mStop = false;
   std::thread mThread;  ///< last: started after every other member exists

@@ -83,6 +83,45 @@ TEST(HostBlockTierTest, PinnedPagesAreNeverDroppedAndStoreSkipsWhenEveryPageIsPi
   EXPECT_THROW(tier.pin(5), Error);
 }
 
+TEST(HostBlockTierTest, AReservedPageIsNeitherFoundNorClaimedUntilFilled) {
+  std::vector<int32_t> const tokens = tokenRun(12, 0);
+  PromptBlocks const blocks = blocksOf(tokens);
+  BlockIndex gpu(3, kPage, true, 0);
+  for (int32_t b = 0; b < 3; ++b) {
+    gpu.insert(blocks.keys[static_cast<std::size_t>(b)], b, blocks, b);
+  }
+  HostBlockTier tier(2, kPage, true);
+  std::vector<HostBlockDropped> dropped;
+  ASSERT_EQ(tier.store(gpu, 0, dropped), 0);
+  std::optional<PageId> const reserved = tier.reserve(dropped);
+  ASSERT_EQ(reserved, 1) << "the free page";
+  EXPECT_EQ(tier.reservedPages(), 1);
+  EXPECT_EQ(tier.size(), 1) << "a reserved page holds no block";
+  EXPECT_EQ(tier.store(gpu, 2, dropped), 0) << "store() takes the indexed page, not the reserved";
+  ASSERT_EQ(dropped.size(), 1U);
+  EXPECT_EQ(dropped[0].digest, blocks.keys[0]);
+  tier.pin(0);
+  EXPECT_EQ(tier.reserve(dropped), std::nullopt) << "every other page is pinned or reserved";
+  tier.unpin(0);
+
+  EXPECT_TRUE(tier.fillReserved(*reserved, blocks, 1));
+  EXPECT_EQ(tier.reservedPages(), 0);
+  EXPECT_TRUE(tier.holds(1, blocks, 1));
+  EXPECT_EQ(tier.longestRun(blocks, 1, 3), (std::vector<PageId>{1, 0}));
+
+  // A digest held already: the reserved page goes back (here it is the LRU block's page).
+  std::optional<PageId> const again = tier.reserve(dropped);
+  ASSERT_EQ(again, 0);
+  EXPECT_FALSE(tier.fillReserved(*again, blocks, 1));
+  EXPECT_EQ(tier.reservedPages(), 0);
+  EXPECT_EQ(tier.reserve(dropped), 0) << "released to the free list";
+  EXPECT_THROW((void)tier.fillReserved(0, blocks, 7), Error);
+  EXPECT_EQ(tier.reservedPages(), 0) << "a refused fill releases its page";
+  EXPECT_EQ(tier.reserve(dropped), 0);
+  tier.releaseReserved(0);
+  EXPECT_EQ(tier.reservedPages(), 0);
+}
+
 TEST(HostBlockTierTest, VerificationRefusesAHostBlockWithOtherTokensUnderTheSameDigest) {
   std::vector<int32_t> const tokens = tokenRun(4, 0);
   std::vector<int32_t> const other = tokenRun(4, 50);

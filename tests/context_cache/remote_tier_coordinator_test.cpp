@@ -38,15 +38,31 @@ struct SharedMemoryStore {
   std::atomic<bool> down{false};         ///< every call kUnavailable
   std::atomic<bool> full{false};         ///< every put kRejected
   std::atomic<bool> putsBlocked{false};  ///< puts wait until unblocked (a slow store)
+  std::atomic<bool> getsBlocked{false};  ///< gets wait until unblocked
   std::condition_variable unblocked;
+  std::condition_variable getsChanged;  ///< a get began waiting or finished
   int32_t puts = 0;
+  int32_t waitingGets = 0;
+  int32_t finishedGets = 0;
 
   void unblock() {
     {
       std::lock_guard const lock(mutex);
       putsBlocked = false;
+      getsBlocked = false;
     }
     unblocked.notify_all();
+  }
+  /// Waits until a get is blocked (the worker is inside it); false after 30 s (a hang).
+  bool awaitBlockedGet() {
+    std::unique_lock lock(mutex);
+    return getsChanged.wait_for(lock, std::chrono::seconds(30), [this] { return waitingGets > 0; });
+  }
+  /// Waits until `count` gets have finished; false after 30 s (a hang).
+  bool awaitFinishedGets(int32_t count) {
+    std::unique_lock lock(mutex);
+    return getsChanged.wait_for(lock, std::chrono::seconds(30),
+                                [this, count] { return finishedGets >= count; });
   }
 };
 
@@ -72,12 +88,20 @@ class MemoryKvStore final : public RemoteKvStore {
     if (mShared->down) {
       return RemoteStoreStatus::kUnavailable;
     }
-    std::lock_guard const lock(mShared->mutex);
+    std::unique_lock lock(mShared->mutex);
+    if (mShared->getsBlocked) {
+      ++mShared->waitingGets;
+      mShared->getsChanged.notify_all();
+      mShared->unblocked.wait(lock, [this] { return !mShared->getsBlocked; });
+      --mShared->waitingGets;
+    }
     for (std::size_t i = 0; i < keys.size(); ++i) {
       if (auto const found = mShared->values.find(keys[i]); found != mShared->values.end()) {
         values[i] = found->second;
       }
     }
+    ++mShared->finishedGets;
+    mShared->getsChanged.notify_all();
     return RemoteStoreStatus::kOk;
   }
   RemoteStoreStatus put(std::string const& key, std::string_view value) override {
@@ -180,6 +204,50 @@ TEST_P(RemoteTierCoordinatorTest, ASecondEngineReusesWhatOnlyTheFirstComputed) {
   EXPECT_EQ(counters.loadedBlocks, 3U);
   EXPECT_EQ(counters.loadedBytes, 3U * static_cast<uint64_t>(mSecond->tier->bytesPerPage()));
   EXPECT_EQ(counters.rejectedBlocks + counters.missingBlocks + counters.loadFailures, 0U);
+}
+
+TEST_P(RemoteTierCoordinatorTest, TheWorkerCopiesALoadIntoItsHostPagesBeforeAnyLookupFindsThem) {
+  std::vector<int32_t> const prompt = tokenRun(3 * kPage + 5, 100);
+  std::vector<int32_t> const otherPrompt = tokenRun(2 * kPage + 5, 4000);
+  Seq first(prompt, 0);
+  ASSERT_EQ(mFirst->serve(first), 0);
+  Seq second(otherPrompt, 1);
+  ASSERT_EQ(mFirst->serve(second), 0);
+  (void)mFirst->coordinator->drainRemoteTier();
+
+  // Load A is fetched; load B then holds the worker inside its get, so A's placement (the copy
+  // into host pages) waits behind it.
+  Seq again(test::concatenated(prompt, tokenRun(7, 900)), 0);
+  ContextCacheSequenceAdmission const admission = test::promptAdmissionOf(again);
+  ContextCacheCoordinator& coordinator = *mSecond->coordinator;
+  RemoteLoadStart const a = coordinator.loadFromRemoteTier(admission);
+  ASSERT_NE(a.ticket, 0U);
+  ASSERT_TRUE(mStore->awaitFinishedGets(1)) << "load A never reached the store";
+  mStore->getsBlocked = true;
+  Seq const otherAgain(test::concatenated(otherPrompt, tokenRun(3, 700)), 1);
+  RemoteLoadStart const b = coordinator.loadFromRemoteTier(test::promptAdmissionOf(otherAgain));
+  ASSERT_NE(b.ticket, 0U);
+  ASSERT_TRUE(mStore->awaitBlockedGet()) << "load B never reached the store";
+
+  HostBlockTier const& host = *coordinator.manager().hostTier();
+  EXPECT_TRUE(coordinator.pollRemoteTier().empty()) << "A is placed, not yet in the host tier";
+  EXPECT_EQ(host.reservedPages(), 3) << "one reserved host page per loaded block of A";
+  EXPECT_EQ(host.size(), 0);
+  EXPECT_EQ(coordinator.lookupRemoteTier(admission).localTokens, 0)
+      << "no lookup finds a page the worker has not filled";
+  EXPECT_TRUE(coordinator.pollRemoteTier().empty()) << "the copy waits behind load B";
+
+  mStore->unblock();
+  std::vector<RemoteLoadResult> const loaded = coordinator.drainRemoteTier();
+  ASSERT_EQ(loaded.size(), 2U);
+  EXPECT_EQ(loaded[0].ticket, a.ticket);
+  EXPECT_EQ(loaded[0].loadedBlocks, 3);
+  EXPECT_EQ(loaded[1].ticket, b.ticket);
+  EXPECT_EQ(loaded[1].loadedBlocks, 2);
+  EXPECT_EQ(host.reservedPages(), 0);
+  EXPECT_EQ(host.size(), 5);
+  EXPECT_EQ(coordinator.lookupRemoteTier(admission).localTokens, 3 * kPage);
+  EXPECT_EQ(mSecond->serve(again), 3 * kPage) << "the oracle read every byte the worker copied";
 }
 
 TEST_P(RemoteTierCoordinatorTest, DamagedTruncatedOrForeignValuesAreMissesNeverHits) {

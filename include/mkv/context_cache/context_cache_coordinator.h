@@ -603,10 +603,11 @@ class ContextCacheCoordinator {
   /// lookupRemoteTier.
   RemoteLoadStart loadFromRemoteTier(ContextCacheSequenceAdmission const& sequence);
   /// The engine's poll, once per step (never waits): the loads finished since the last poll,
-  /// their blocks now in the host tier (a load waits for a later poll while host-tier copies are
-  /// in flight); saves whose host copies completed are handed to the worker and the host pages of
-  /// finished saves released. Empty without a remote tier. Throws mkv::Error naming this call on
-  /// a CUDA failure of the host tier.
+  /// their blocks now in the host tier. A fetched load takes two polls: the first reserves its
+  /// host pages and the worker copies the bytes there, the next indexes them (the first waits
+  /// while host-tier copies are in flight). Saves whose host copies completed are handed to the
+  /// worker and the host pages of finished saves released. Empty without a remote tier. Throws
+  /// mkv::Error naming this call on a CUDA failure of the host tier.
   std::vector<RemoteLoadResult> pollRemoteTier();
   /// Waits for every load and save in flight, then polls (shutdown, a handoff, tests).
   std::vector<RemoteLoadResult> drainRemoteTier();
