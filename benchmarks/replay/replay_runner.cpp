@@ -711,12 +711,18 @@ class Runner {
     // finds a slot (and every checkpoint a record) even if nothing is ever evicted.
     rc.contextCache.checkpointInterval = c.checkpointInterval;
     rc.contextCache.reusePointAdmission = c.reusePointAdmission;
-    // Branch points: at most one more per request.
-    int64_t const points = c.checkpointInterval > 0
-                               ? mSource.cachedPagesBound(c.pageSize, c.maxOutputTokens) *
-                                         c.pageSize / c.checkpointInterval +
-                                     mResult.requests
-                               : 0;
+    // Branch points: at most one more per request. Chunk ends (a token budget B): a step ends
+    // at most one chunk short of its prompt (rows take the budget in order), and that step
+    // prefills at least max(1, B - maxBatch) tokens (decodes take at most maxBatch of B).
+    int64_t const cachedTokens =
+        mSource.cachedPagesBound(c.pageSize, c.maxOutputTokens) * c.pageSize;
+    int64_t const intervalPoints =
+        c.checkpointInterval > 0 ? cachedTokens / c.checkpointInterval + mResult.requests : 0;
+    int64_t const chunkEnds =
+        c.maxBatchedTokens > 0
+            ? cachedTokens / std::max(1, c.maxBatchedTokens - c.maxBatch) + mResult.requests
+            : 0;
+    int64_t const points = intervalPoints + chunkEnds;
     int64_t const slots = c.snapshotSlots > 0 ? c.snapshotSlots : 2 * mResult.requests + 2 + points;
     rc.contextCache.maxRecords = static_cast<int32_t>(std::min<int64_t>(
         std::numeric_limits<int32_t>::max(), int64_t{rc.contextCache.maxRecords} + points));

@@ -800,6 +800,22 @@ TEST_P(HybridReplayTest, JoinedAndChunkedSequencesRestoreAndPublishCheckpointsAs
             0.98 * static_cast<double>(serial.reusedTokens));
 }
 
+// An unbounded run sizes the snapshot budget and the record limit for every capture, the chunk
+// ends of a token budget included: nothing is skipped or evicted, even without interval points.
+TEST_P(HybridReplayTest, UnboundedSizingHasASlotForEveryChunkEnd) {
+  ReplayConfig config = hybridConfig(device());
+  config.maxBatch = 4;
+  config.maxBatchedTokens = 64;
+  MultiTurnWorkload workload;
+  ReplayResult const result = runReplay(workload, config);
+  EXPECT_EQ(result.failedRequests, 0);
+  EXPECT_EQ(result.oracleMismatches, 0) << result.firstMismatch;
+  EXPECT_GT(result.hybrid.chunkEndCaptures, 50) << "engagement: chunk ends are captured";
+  EXPECT_EQ(result.hybrid.snapshotPressureSkips, 0);
+  EXPECT_EQ(result.hybrid.reusePointsEvicted, 0);
+  EXPECT_EQ(result.evictedRecords, 0);
+}
+
 // Dense reuse points under a tight snapshot budget: ranked as any checkpoint they evict each
 // other and the prompt and decode ends before a follow-up comes back; kept on speculation (below
 // every other record until a prompt passes through them again) they only use slots nothing
