@@ -1,5 +1,6 @@
 /// mkv_gpu_bench: CUDA-event benchmark of the managedkv data-movement kernels, cases G1-G5, G7 and
-/// G8 of docs/benchmarks.md, "What is measured" (method and results there too).
+/// G8 of docs/benchmarks.md, "What is measured" (method and results there too), and G9, the
+/// kernel-ready attention views of one decode step (docs/benchmarks.md, "Kernel-ready views").
 ///
 /// Per case, in one run and on one non-blocking stream, it times
 ///   1. a contiguous cudaMemcpyAsync of the same byte count (the denominator of "ratio"),
@@ -18,6 +19,7 @@
 #include <CLI/CLI.hpp>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -33,9 +35,11 @@
 #include <vector>
 
 #include "bench_device.h"
+#include "mkv/attention_views.h"
 #include "mkv/host_kv_tier.h"
 #include "mkv/kernels.h"
 #include "mkv/kv_cache_pool.h"
+#include "mkv/kv_page_table.h"
 #include "mkv/tensor.h"
 
 #ifndef MKV_BENCH_COMMIT
@@ -223,6 +227,11 @@ class Bench {
     for (bool const offload : {true, false}) {
       for (int64_t const pageKiB : {32, 256}) {
         hostTierCase(offload, pageKiB * kKiB);
+      }
+    }
+    for (int32_t const rows : {64, 256, 1024}) {
+      for (int32_t const context : {4096, 32768}) {
+        viewsCase(rows, context);
       }
     }
   }
@@ -601,6 +610,116 @@ class Bench {
     check(tier.synchronize(), "HostKvTier::synchronize");
   }
 
+  /// G9: the kernel-ready views of one decode step (AttentionViews::build): `rows` rows of
+  /// `context` tokens each in pages of 16 tokens (distinct random page ids), one new token per row,
+  /// resident slots in reverse execution order. Rows: the views' bytes as one contiguous
+  /// cudaMemcpyAsync (denominator); the GPU build, one launch from the table's device copy
+  /// (event-timed); what that build() call costs the engine thread (host clock, nothing waited
+  /// for: validation and the launch); the host twin over the same table on the CPU (host clock).
+  /// Every GPU view is compared with the twin's, byte for byte.
+  void viewsCase(int32_t rows, int32_t context) {
+    std::string const name = fmt::format("G9 views n={} ctx={}", rows, context);
+    if (!selected(name)) {
+      return;
+    }
+    constexpr int32_t kViewPage = 16;
+    int32_t const pagesPerRow = (context + 1 + kViewPage - 1) / kViewPage;
+    int32_t const numPages = rows * pagesPerRow + 1;  // page 0 stays the null page
+    std::mt19937_64 rng(static_cast<uint64_t>(rows) * 131 + static_cast<uint64_t>(context));
+    std::vector<int32_t> ids = distinct(int64_t{rows} * pagesPerRow, numPages - 1, rng);
+    for (int32_t& id : ids) {
+      ++id;
+    }
+    std::vector<mkv::CacheSlot> slots(static_cast<std::size_t>(rows));
+    std::vector<int32_t> const lengths(static_cast<std::size_t>(rows), context);
+    std::vector<int32_t> const newTokens(static_cast<std::size_t>(rows), 1);
+    mkv::KVPageTable gpuTable(rows, pagesPerRow, numPages, mkv::PageTableMode::kDense,
+                              DeviceType::kGPU);
+    mkv::KVPageTable cpuTable(rows, pagesPerRow, numPages, mkv::PageTableMode::kDense,
+                              DeviceType::kCPU);
+    for (int32_t r = 0; r < rows; ++r) {
+      slots[static_cast<std::size_t>(r)] = rows - 1 - r;
+      std::span<int32_t const> const row(ids.data() + int64_t{r} * pagesPerRow,
+                                         static_cast<std::size_t>(pagesPerRow));
+      gpuTable.setRow(r, row);
+      cpuTable.setRow(r, row);
+    }
+    if (!gpuTable.upload(mStream)) {
+      fail(name + ": table upload failed");
+    }
+    mkv::AttentionViews gpuViews(gpuTable, kViewPage, rows, rows, mStream);
+    mkv::AttentionViews cpuViews(cpuTable, kViewPage, rows, rows);
+    auto const build = [&](mkv::AttentionViews& views) { views.build(slots, lengths, newTokens); };
+    build(cpuViews);
+    build(gpuViews);
+    check(cudaStreamSynchronize(mStream), "first build");
+    std::vector<Tensor const*> const gpuTensors = viewTensors(gpuViews);
+    std::vector<Tensor const*> const cpuTensors = viewTensors(cpuViews);
+    int64_t bytes = 0;
+    uint64_t mismatches = 0;
+    for (std::size_t i = 0; i < gpuTensors.size(); ++i) {
+      auto const size = static_cast<std::size_t>(cpuTensors[i]->sizeBytes());
+      std::vector<unsigned char> host(size);
+      check(cudaMemcpy(host.data(), gpuTensors[i]->rawPointer(), size, cudaMemcpyDeviceToHost),
+            "read views");
+      auto const* twin = static_cast<unsigned char const*>(cpuTensors[i]->rawPointer());
+      for (std::size_t b = 0; b < size; ++b) {
+        mismatches += host[b] != twin[b] ? 1U : 0U;
+      }
+      bytes += static_cast<int64_t>(size);
+    }
+    fmt::print("{}: {} table entries, {} of views\n", name, int64_t{rows} * pagesPerRow,
+               humanBytes(bytes));
+    Row denominator = memcpyRow(name, bytes);
+    add(denominator);
+    Row kernel{name, "AttentionViews::build GPU (1 launch)", bytes};
+    kernel.us = medianUs([&] { build(gpuViews); });
+    kernel.ratio = denominator.us / kernel.us;
+    kernel.target = "report";
+    kernel.status = "-";
+    kernel.mismatches = mismatches;
+    add(kernel);
+    Row call{name, "build() GPU: engine-thread cost", bytes};
+    call.us = hostMedianUs([&] { build(gpuViews); });
+    call.ratio = denominator.us / call.us;
+    call.target = "report";
+    call.status = "-";
+    call.note = "host clock, no wait";
+    add(call);
+    check(cudaStreamSynchronize(mStream), "views builds");
+    Row twin{name, "AttentionViews::build CPU twin", bytes};
+    twin.us = hostMedianUs([&] { build(cpuViews); });
+    twin.ratio = denominator.us / twin.us;
+    twin.target = "report";
+    twin.status = "-";
+    twin.note = fmt::format("host clock; the GPU launch takes 1/{:.1f} of it", twin.us / kernel.us);
+    add(twin);
+  }
+
+  static std::vector<Tensor const*> viewTensors(mkv::AttentionViews const& views) {
+    return {&views.blockTable(),    &views.seqLensBefore(), &views.seqLensAfter(),
+            &views.queryStartLoc(), &views.kvIndptr(),      &views.kvIndices(),
+            &views.kvLastPageLen(), &views.slotMapping()};
+  }
+
+  /// Median host-clock time in us of `op` over the run's repetitions after its warm-ups (what a
+  /// call costs the calling thread; nothing is synchronised between calls).
+  double hostMedianUs(std::function<void()> const& op) const {
+    for (int i = 0; i < mOptions.warmups; ++i) {
+      op();
+    }
+    std::vector<double> times;
+    for (int i = 0; i < mOptions.reps; ++i) {
+      auto const start = std::chrono::steady_clock::now();
+      op();
+      times.push_back(
+          std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - start)
+              .count());
+    }
+    std::sort(times.begin(), times.end());
+    return times[times.size() / 2];
+  }
+
   /// The pinned host pool of the G7 cases, allocated at their first use.
   PinnedBuffer& pinned() {
     if (!mPinned) {
@@ -906,7 +1025,7 @@ void writeCsv(std::string const& path, std::vector<Row> const& rows) {
 Options parse(int argc, char** argv) {
   Options options;
   CLI::App app(
-      "Times memcpy / managedkv kernels / per-copy loops on the cases G1-G5 of "
+      "Times memcpy / managedkv kernels / per-copy loops on the cases G1-G9 of "
       "docs/benchmarks.md,\n"
       "verifying every method bitwise on the device.",
       "mkv_gpu_bench");
