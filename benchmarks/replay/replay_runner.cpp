@@ -610,14 +610,14 @@ class Runner {
              mRuntime->supportsSeatedAdmission();
     if (c.maxBatchedTokens < 0 || (c.maxBatchedTokens > 0 && !mJoins)) {
       configError(fmt::format(
-          "a token budget of {} per step needs in-flight joins (--max-batch > 1 without "
-          "speculative decoding): its chunks are joiners' prefills",
+          "a token budget of {} per step needs in-flight joins (--max-batch > 1, not Hybrid-MTP): "
+          "its chunks are joiners' prefills",
           c.maxBatchedTokens));
     }
     if (c.preemption != testing::PreemptionMode::kNone && !mJoins) {
       configError(
-          "preemption needs in-flight joins (--max-batch > 1 without speculative decoding; in "
-          "swa mode with --max-batched-tokens): the preempted are admitted again in flight");
+          "preemption needs in-flight joins (--max-batch > 1, not Hybrid-MTP; in swa mode with "
+          "--max-batched-tokens): the preempted are admitted again in flight");
     }
     if (c.preemption != testing::PreemptionMode::kNone && c.mode == ReplayMode::kSwa) {
       configError(

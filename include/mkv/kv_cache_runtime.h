@@ -200,9 +200,9 @@ class KVCacheRuntime {
   /// The sliding pool's free pages and cached window blocks (kSlidingWindowReuse), else null.
   WindowBlockCache* windowBlockCache() noexcept { return mWindowCache.get(); }
   /// Whether a running batch may admit sequences in flight: true for context reuse (hybrid
-  /// checkpoint reuse included), sliding-window reuse and bounded SWA (a joiner prefills from 0,
-  /// in chunks if the engine likes); false for speculative deployments (a joiner cannot pair a
-  /// draft in a running batch) and Hybrid-MTP.
+  /// checkpoint reuse and EAGLE-style speculative pairs included: a speculative joiner gets a draft
+  /// row too), sliding-window reuse and bounded SWA (a joiner prefills from 0, in chunks if the
+  /// engine likes); false for Hybrid-MTP (one sequence per request).
   bool supportsSeatedAdmission() const noexcept;
 
   KVCacheRuntimeConfig const& config() const noexcept { return mConfig; }

@@ -39,18 +39,38 @@ PairedDraftMode::PairedDraftMode(CoordinatorParts const& parts, std::vector<RowL
                                  CommonLengths commonLengths)
     : RequestMode(parts, std::move(lanes), ReuseMode::kSpec, commonLengths) {}
 
-void PairedDraftMode::publishPrefill(CoordinatorRequest& req) const {
-  // The runtime enqueues the draft initialisation after this call: the prompt endpoint waits.
-  for (auto& sequence : req.sequences) {
-    sequence.frozenPrefill = sequence.committed;
-  }
+namespace {
+
+/// The row's prompt endpoint waits for its draft initialisation, which the runtime enqueues after
+/// the call that froze it.
+void freezePrefill(CoordinatorRequest& req, CoordinatorSequence& sequence) {
+  sequence.frozenPrefill = sequence.committed;
+  sequence.endpointFrozen = true;
   req.draftInitPending = true;
+}
+
+}  // namespace
+
+void PairedDraftMode::publishJoinerPrefill(CoordinatorRequest& req, std::size_t row) const {
+  CoordinatorSequence& joiner = req.sequences[row];
+  joiner.common = joiner.committed;  // the draft initialisation writes the whole prompt
+  freezePrefill(req, joiner);
+}
+
+void PairedDraftMode::publishPrefill(CoordinatorRequest& req) const {
+  for (auto& sequence : req.sequences) {
+    freezePrefill(req, sequence);
+  }
 }
 
 void PairedDraftMode::publishFrozenPrefill(CoordinatorRequest& req) const {
   req.draftInitPending = false;
   for (std::size_t row = 0; row < req.sequences.size(); ++row) {
-    CoordinatorSequence const& sequence = req.sequences[row];
+    CoordinatorSequence& sequence = req.sequences[row];
+    if (!sequence.endpointFrozen) {
+      continue;  // published already (a row of an earlier freeze)
+    }
+    sequence.endpointFrozen = false;
     ++mParts.counters.prefillPublications;
     publishBlocks(req, row, std::min(sequence.frozenPrefill, sequence.common),
                   &mParts.counters.specPairPublications);

@@ -19,13 +19,17 @@ class BlockReuseMode final : public RequestMode {
 };
 
 /// Speculative requests of an attention-only deployment (EAGLE / MTP with a paged draft: two
-/// lanes; a shared-KV draft: the base lane only). A prefill is frozen until the draft
-/// initialisation completed; blocks publish up to the common base/draft length.
+/// lanes; a shared-KV draft: the base lane only). A prefill, the founders' or a joiner's, is
+/// frozen until the draft initialisation completed; blocks publish up to the common base/draft
+/// length. A joiner's chunks publish nothing: their draft state is written by the draft
+/// initialisation after the last chunk.
 class PairedDraftMode final : public RequestMode {
  public:
   PairedDraftMode(CoordinatorParts const& parts, std::vector<RowLane> lanes,
                   CommonLengths commonLengths);
 
+  void publishChunk(CoordinatorRequest& /*req*/, std::size_t /*row*/) const override {}
+  void publishJoinerPrefill(CoordinatorRequest& req, std::size_t row) const override;
   void publishPrefill(CoordinatorRequest& req) const override;
   void publishFrozenPrefill(CoordinatorRequest& req) const override;
   void updateCommonLengths(CoordinatorRequest& req,

@@ -660,7 +660,7 @@ bool ContextCacheCoordinator::resetPrefixCache() noexcept {
 // ---------------------------------------------------------------- observability
 
 bool ContextCacheCoordinator::supportsLiveSequenceAdmission() const noexcept {
-  return mModes->joinable;
+  return mModes->plainJoinable || mModes->speculativeJoinable;
 }
 
 bool ContextCacheCoordinator::moveHostTierPages(char const* call) noexcept {

@@ -23,7 +23,7 @@ ContextCacheCoordinator::AdmitSequenceResult ContextCacheCoordinator::admitSeque
     DecodingKvHeadroom const& headroom) {
   constexpr char const* kCall = "ContextCacheCoordinator::admitSequence";
   Request& req = request(handle, kCall);
-  detail::validateJoinedRequest(kCall, req, supportsLiveSequenceAdmission(), mMaxBatch);
+  detail::validateJoinedRequest(kCall, req, mModes->joinable(req.mode), mMaxBatch);
   detail::PagedRows const table = req.mode->rows();  // the base lane
   table.validateHeadroom(kCall, headroom);
   detail::validateJoiner(kCall, admission, headroom, mMaxBatch, mLimits->baseRowPages,
@@ -36,9 +36,12 @@ ContextCacheCoordinator::AdmitSequenceResult ContextCacheCoordinator::admitSeque
   ResidentRef const ref = admission.resident;
   MKV_REQUIRE(mResidentBusy[static_cast<std::size_t>(ref.slot)] == 0, kCall,
               "resident slot {} is already held", ref.slot);
-  // The request's own policy: the first surviving row after a compaction is not the founder.
-  LookupRequest const lookup =
-      lookupOf(admission, admission.lookupPolicy.value_or(req.batchPolicy), headroom, *req.mode);
+  // The request's own policy: the first surviving row after a compaction is not the founder. A
+  // speculative joiner with media bypasses the cache (the draft's state is not keyed by media).
+  ContextCacheLookupPolicy const policy = req.mode->speculativeRounds() && !admission.media.empty()
+                                              ? ContextCacheLookupPolicy::kBypass
+                                              : admission.lookupPolicy.value_or(req.batchPolicy);
+  LookupRequest const lookup = lookupOf(admission, policy, headroom, *req.mode);
   auto const start = std::chrono::steady_clock::now();
   mkv::AdmissionResult acquired = mManager->admit(lookup);
   bool const moved = moveHostTierPages(kCall);

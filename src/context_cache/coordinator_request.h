@@ -50,9 +50,11 @@ struct CoordinatorSequence {
   // but not committed yet (its slots are reservations of the lease).
   int32_t publishedExact = 0;
   // Speculative requests: tokens whose base and draft state are both materialised, and the
-  // prompt endpoint frozen until the draft initialisation is known complete.
+  // prompt endpoint frozen until the draft initialisation is known complete (endpointFrozen: the
+  // row's prompt endpoint waits for it; frozenPrefill its length, 0 once a round held the row).
   int32_t common = 0;
   int32_t frozenPrefill = 0;
+  bool endpointFrozen = false;
   struct StagedCapture {
     SnapshotReservation reservation;
     int32_t exactLength = 0;

@@ -142,7 +142,8 @@ void validateBatchAdmission(char const* call, ContextCacheBatchAdmission const& 
 void validateJoinedRequest(char const* call, CoordinatorRequest const& request, bool liveAdmission,
                            int32_t maxBatch) {
   MKV_REQUIRE(liveAdmission, call,
-              "in-flight admission needs a non-speculative deployment with attention layers");
+              "this request admits no sequences in flight (a Hybrid-MTP request, or a deployment "
+              "without attention layers)");
   MKV_REQUIRE(request.stage == RequestStage::kSettled, call,
               "admission needs an executing request with no pending work or compaction");
   MKV_REQUIRE(!request.sequences.empty(), call, "the request has no founding sequence");

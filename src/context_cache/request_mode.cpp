@@ -108,10 +108,11 @@ RequestModes makeRequestModes(ContextCacheDeploymentProfile const& profile,
   switch (profile.baseStateKind) {
     case BaseStateKind::kAttentionOnly:
       modes.plain = std::make_unique<BlockReuseMode>(parts, baseLane(resources));
-      modes.joinable = !profile.speculative;
+      modes.plainJoinable = true;  // a vanilla row on a speculative deployment has no draft row
       if (!profile.speculative) {
         break;
       }
+      modes.speculativeJoinable = true;
       if (profile.speculative->pagedSpecState) {
         modes.speculative = std::make_unique<PairedDraftMode>(
             parts, std::vector<RowLane>{baseLane(resources), draftLane(resources, 0)},
@@ -124,7 +125,7 @@ RequestModes makeRequestModes(ContextCacheDeploymentProfile const& profile,
     case BaseStateKind::kHybrid:
       modes.plain = std::make_unique<CheckpointMode>(
           parts, std::vector<RowLane>{baseLane(resources)}, ReuseMode::kHybrid);
-      modes.joinable = !profile.speculative;
+      modes.plainJoinable = !profile.speculative;
       if (profile.speculative) {  // Hybrid-MTP (validateDeployment: a paged draft)
         auto mtp = std::make_unique<HybridMtpMode>(
             parts, std::vector<RowLane>{baseLane(resources), draftLane(resources, 1)});

@@ -102,12 +102,14 @@ class RequestMode {
     return false;
   }
   /// finalizeSequenceAdmission, after the advance (and the synchronisation stageJoinerPrefill
-  /// asked for): publishes the joiner's prefill.
+  /// asked for): publishes the joiner's prefill (or, for a speculative request, freezes it until
+  /// the joiner's draft initialisation completed).
   virtual void publishJoinerPrefill(CoordinatorRequest& req, std::size_t row) const;
   /// finalizePrefillPublication, after the advances were applied: publishes the prefill (or, for
   /// a speculative request, freezes it until the draft initialisation completed).
   virtual void publishPrefill(CoordinatorRequest& req) const = 0;
-  /// A speculative request's frozen prompt endpoint, once its draft state is written.
+  /// A speculative request's frozen prompt endpoints (the rows whose endpoint waits), once their
+  /// draft state is written.
   virtual void publishFrozenPrefill(CoordinatorRequest& /*req*/) const {}
   /// completeDecodeStep, after the advances: the common lengths of the rows that advanced.
   virtual void updateCommonLengths(CoordinatorRequest& /*req*/,
@@ -145,9 +147,17 @@ struct RequestModes {
   std::unique_ptr<RequestMode> speculative;  ///< null: the deployment is not speculative
   /// `speculative` on a Hybrid-MTP deployment (its endpoint calls), else null.
   HybridMtpMode const* hybridMtp = nullptr;
-  /// Whether plain requests admit sequences in flight (non-speculative deployments with
-  /// attention: attention-only and hybrid).
-  bool joinable = false;
+  /// Whether requests of each kind admit sequences in flight: plain requests on deployments with
+  /// attention (attention-only, speculative or not, and hybrid without an MTP draft), speculative
+  /// requests on attention-only deployments (paired draft rows); never Hybrid-MTP requests (one
+  /// sequence, endpoints published by the engine) nor pure-recurrent deployments (no page table).
+  bool plainJoinable = false;
+  bool speculativeJoinable = false;
+
+  /// Whether requests of `mode` (one of the above) admit sequences in flight.
+  bool joinable(RequestMode const* mode) const noexcept {
+    return mode == plain.get() ? plainJoinable : speculativeJoinable;
+  }
 };
 
 /// The modes `profile` serves over `resources` (validated by validateDeployment).

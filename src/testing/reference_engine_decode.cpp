@@ -182,7 +182,7 @@ bool ReferenceEngine::seatJoiner(Run& run, std::deque<EngineSequence>& queue, Re
   context.finishReasons.push_back(FinishReason::kNotFinished);
   context.activeBatchSize = static_cast<int32_t>(run.rows.size());
   // Seat the joiner: its KV-length row, its prefill, its lookahead token.
-  for (KVCachePool* pool : {mRuntime.fullPool(), mRuntime.swaPool()}) {
+  for (KVCachePool* pool : {mRuntime.fullPool(), mRuntime.swaPool(), mRuntime.draftPool()}) {
     if (pool != nullptr) {
       pool->setActiveBatchSize(context.activeBatchSize);
     }

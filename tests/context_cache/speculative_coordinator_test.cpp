@@ -5,6 +5,7 @@
 // correct only when it is byte-exact for the consumer's own prefix.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <vector>
 
 #include "speculative_test_rig.h"
@@ -56,6 +57,84 @@ TEST_P(SpeculativeCoordinatorTest, FirstVerificationPublishesThePairAndTheNextRe
   EXPECT_EQ(readAs<int32_t>(rig.draftPool->kvLengths())[0], 340);
   ASSERT_EQ(rig.step(next, {&consumer}, {3}, {1}, {0}, true), kOk);
   ASSERT_EQ(rig.coordinator->finish(next), kOk);
+  rig.expectQuiescent();
+}
+
+// In-flight admission into a speculative request: the joiner reuses a paired path (base and draft
+// pages, the last page replayed), its chunks publish nothing (their draft rows are written by the
+// draft initialisation after the last chunk), and its prompt endpoint is frozen at finalisation
+// and published after the first round that advances it; a joiner that round holds publishes none.
+TEST_P(SpeculativeCoordinatorTest, AJoinerPairsADraftRowAndPublishesItsPromptAfterItsFirstRound) {
+  SpecRigOptions options;
+  options.maxBatch = 3;
+  SpecRig rig(device(), options);
+  Seq producer(tokenRun(300, 1), 0);
+  Handle first = rig.admit({&producer}, true);
+  ASSERT_EQ(rig.prefill(first, {&producer}, true), kOk);
+  ASSERT_EQ(rig.step(first, {&producer}, {2}, {0}, {}, true), kOk);
+  ASSERT_EQ(rig.coordinator->finish(first), kOk);
+  ASSERT_EQ(rig.records().size(), 1u);
+  PageId const producerDraft = rig.records().front().specState->draftPagePath[0];
+
+  Seq founder(tokenRun(200, 5000), 0);
+  Handle handle = rig.admit({&founder}, true);
+  ASSERT_EQ(rig.prefill(handle, {&founder}, true), kOk);
+  ASSERT_EQ(rig.step(handle, {&founder}, {1}, {0}, {}, true), kOk);
+  ASSERT_EQ(rig.records().size(), 2u) << "the founder's prompt endpoint";
+
+  Seq joiner(concatenated(tokenRun(300, 1), tokenRun(140, 9000)), 1);
+  auto const admitted =
+      rig.coordinator->admitSequence(handle, promptAdmissionOf(joiner), SpecRig::kSpecHeadroom);
+  ASSERT_EQ(admitted.status, kOk);
+  EXPECT_EQ(admitted.prefillStart, 128) << "the paired path, its last page replayed";
+  ASSERT_FALSE(rig.coordinator->draftPages(handle, 1).empty());
+  EXPECT_EQ(rig.coordinator->draftPages(handle, 1)[0], producerDraft) << "a draft row of its own";
+  rig.pool.setActiveBatchSize(2);  // the engine seats the joiner's KV-length rows
+  rig.draftPool->setActiveBatchSize(2);
+  rig.verifyResumed(joiner, 128, 128, "joiner");
+  uint64_t const pairs = rig.coordinator->counters().specPairPublications;
+  rig.executeBase(joiner, 1, 128, 256);
+  ASSERT_EQ(rig.coordinator->completePrefillChunk(handle, 1, 256), kOk);
+  EXPECT_EQ(rig.records().size(), 2u) << "a speculative chunk publishes nothing";
+  rig.executeBase(joiner, 1, 256, 440);
+  joiner.sample();
+  rig.executeDraft(joiner, 1, 128, 440);  // the joiner's draft initialisation
+  ContextCacheSequenceAdvance const lookahead{&joiner.tokens.back(), 1, 440};
+  ASSERT_EQ(rig.coordinator->finalizeSequenceAdmission(handle, 1, lookahead), kOk);
+  EXPECT_EQ(rig.records().size(), 2u) << "frozen: the draft initialisation may still run";
+  EXPECT_EQ(rig.coordinator->commonLength(handle, 1), 440);
+
+  Seq held(tokenRun(260, 7000), 2);
+  auto const second =
+      rig.coordinator->admitSequence(handle, promptAdmissionOf(held), SpecRig::kSpecHeadroom);
+  ASSERT_EQ(second.status, kOk);
+  EXPECT_EQ(second.prefillStart, 0);
+  rig.pool.setActiveBatchSize(3);
+  rig.draftPool->setActiveBatchSize(3);
+  rig.executeBase(held, 2, 0, 260);
+  held.sample();
+  rig.executeDraft(held, 2, 0, 260);
+  ContextCacheSequenceAdvance const heldLookahead{&held.tokens.back(), 1, 260};
+  ASSERT_EQ(rig.coordinator->finalizeSequenceAdmission(handle, 2, heldLookahead), kOk);
+
+  // The first round: the joiner advances, the second joiner is held (cancelled).
+  ASSERT_EQ(rig.step(handle, {&founder, &joiner, &held}, {1, 2, 0}, {0, 0, 0}, {}, true), kOk);
+  ASSERT_EQ(rig.records().size(), 3u) << "the joiner's prompt endpoint, and only it";
+  std::vector<CacheRecord> const records = rig.records();
+  auto const longest = std::max_element(records.begin(), records.end(),
+                                        [](CacheRecord const& a, CacheRecord const& b) {
+                                          return a.basePagePath.size() < b.basePagePath.size();
+                                        });
+  CacheRecord const& published = *longest;
+  EXPECT_EQ(published.basePagePath.size(), 3u);
+  ASSERT_TRUE(published.specState.has_value());
+  EXPECT_EQ(published.specState->draftPagePath.size(), 3u);
+  EXPECT_EQ(published.specState->draftPagePath[0], producerDraft);
+  EXPECT_EQ(rig.coordinator->counters().specPairPublications, pairs + 1);
+  ASSERT_EQ(rig.step(handle, {&founder, &joiner, &held}, {1, 1, 1}, {0, 0, 0}, {}, true), kOk);
+  EXPECT_EQ(rig.records().size(), 3u) << "a row the first round held never publishes its prompt";
+  ASSERT_EQ(rig.coordinator->finish(handle), kOk);
+  EXPECT_EQ(rig.records().size(), 3u);
   rig.expectQuiescent();
 }
 

@@ -49,6 +49,7 @@ LifecycleStats& LifecycleStats::operator+=(LifecycleStats const& other) {
   reusePointsRestored += other.reusePointsRestored;
   draftOraclePositions += other.draftOraclePositions;
   pairedReuses += other.pairedReuses;
+  pairedJoins += other.pairedJoins;
   verificationRounds += other.verificationRounds;
   acceptedTokens += other.acceptedTokens;
   mtpEndpoints += other.mtpEndpoints;

@@ -78,9 +78,10 @@ struct LifecycleStats {
   int64_t prefillChunks = 0;       ///< chunks of joiners' prefills completed (completePrefillChunk)
   int64_t preemptions = 0;         ///< rows preempted (preemptSequence accepted)
   int64_t reusePointsWritten = 0;  ///< reuse points the engine captured into named slots
-  int64_t reusePointsRestored = 0;     ///< rows that resumed from a reuse point, verified
-  int64_t draftOraclePositions = 0;    ///< draft KV positions verified
-  int64_t pairedReuses = 0;            ///< speculative rows that resumed on reused base + draft KV
+  int64_t reusePointsRestored = 0;   ///< rows that resumed from a reuse point, verified
+  int64_t draftOraclePositions = 0;  ///< draft KV positions verified
+  int64_t pairedReuses = 0;          ///< speculative rows that resumed on reused base + draft KV
+  int64_t pairedJoins = 0;  ///< joiners of speculative requests with a paged draft (draft rows)
   int64_t verificationRounds = 0;      ///< speculative decode steps completed
   int64_t acceptedTokens = 0;          ///< tokens accepted by those rounds
   int64_t mtpEndpoints = 0;            ///< Hybrid-MTP endpoints committed

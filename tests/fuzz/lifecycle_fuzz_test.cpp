@@ -190,6 +190,7 @@ TEST(LifecycleFuzzTest, HybridSpeculativeAndMtpRuntimesKeepEveryInvariant) {
   EXPECT_GT(total.reusePointsRestored, 0);
   EXPECT_GT(total.draftOraclePositions, 100'000 * kScale);
   EXPECT_GT(total.pairedReuses, 30 * kScale);
+  EXPECT_GT(total.pairedJoins, 0);
   EXPECT_GT(total.verificationRounds, 1000 * kScale);
   EXPECT_GT(total.acceptedTokens, total.verificationRounds);  // rounds accept several tokens
   EXPECT_GT(total.mtpEndpoints, 100 * kScale);
@@ -201,7 +202,7 @@ TEST(LifecycleFuzzTest, HybridSpeculativeAndMtpRuntimesKeepEveryInvariant) {
       "operations %lld, rejected %lld, lifecycles hybrid %lld / speculative %lld / Hybrid-MTP "
       "%lld, recurrent checks %lld, checkpoints restored %lld / published %lld / slabs checked "
       "%lld, pressure skips %lld, reuse points written %lld / restored %lld, draft oracle "
-      "positions %lld, paired reuses %lld, verification "
+      "positions %lld, paired reuses %lld, paired joiners %lld, verification "
       "rounds %lld (%lld tokens accepted), "
       "Hybrid-MTP endpoints %lld, boundary hidden restores %lld, failed syncs %lld, quarantines "
       "%lld\n",
@@ -216,7 +217,8 @@ TEST(LifecycleFuzzTest, HybridSpeculativeAndMtpRuntimesKeepEveryInvariant) {
       static_cast<long long>(total.reusePointsWritten),
       static_cast<long long>(total.reusePointsRestored),
       static_cast<long long>(total.draftOraclePositions),
-      static_cast<long long>(total.pairedReuses), static_cast<long long>(total.verificationRounds),
+      static_cast<long long>(total.pairedReuses), static_cast<long long>(total.pairedJoins),
+      static_cast<long long>(total.verificationRounds),
       static_cast<long long>(total.acceptedTokens), static_cast<long long>(total.mtpEndpoints),
       static_cast<long long>(total.boundaryHiddenRestores),
       static_cast<long long>(total.failedSynchronizations),

@@ -588,7 +588,7 @@ TEST_P(KVCacheRuntimeTest, SpeculativeReuseOwnsTheDraftPoolAndTableAndPassesTheC
   EXPECT_EQ(coordinator.profile().speculative, (SpecReuseContract{true, 1}));
   EXPECT_EQ(coordinator.profile().baseStateKind, BaseStateKind::kAttentionOnly);
   EXPECT_EQ(coordinator.manager().pools().capacity(ResourceType::kDraftKvPage), 64);
-  EXPECT_FALSE(runtime->supportsSeatedAdmission()) << "a joiner cannot pair a draft mid-batch";
+  EXPECT_TRUE(runtime->supportsSeatedAdmission()) << "a joiner gets base and draft rows";
   EXPECT_TRUE(runtime->shutdown());
 
   config.speculative->numDraftPages = 20;

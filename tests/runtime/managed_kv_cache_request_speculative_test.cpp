@@ -260,7 +260,7 @@ TEST_P(SpeculativeFacadeTest, PairedReuseWithAFullPageReplayAndBaseOnlyVanillaRe
   RuntimeRig rig(eagleConfig(device()));
   KVCacheRuntime& runtime = rig.runtime();
   ASSERT_NE(runtime.draftPool(), nullptr);
-  EXPECT_FALSE(runtime.supportsSeatedAdmission());
+  EXPECT_TRUE(runtime.supportsSeatedAdmission());
   std::vector<int32_t> const shared = tokenRun(40, 1);
   {
     SpecDriver producer(rig, shared, true);

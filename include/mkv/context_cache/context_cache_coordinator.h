@@ -472,10 +472,12 @@ class ContextCacheCoordinator {
   /// The sliding pool of the composed backend, or null.
   WindowBlockCache* windowCache() const noexcept { return mResources.windowCache; }
 
-  /// In-flight admission is offered for non-speculative deployments with attention layers:
-  /// attention-only and hybrid (a hybrid joiner's hit checkpoint is restored into its resident
-  /// row at admission, or the row is cleared). Speculative pairs and Hybrid-MTP requests, and
-  /// pure-recurrent deployments (no page table), admit no joiners.
+  /// In-flight admission is offered on deployments with attention layers: attention-only
+  /// requests, vanilla or speculative (a speculative joiner gets base and draft rows; its prompt
+  /// endpoint is frozen at finalisation until the first verification round after it), and plain
+  /// hybrid requests (a hybrid joiner's hit checkpoint is restored into its resident row at
+  /// admission, or the row is cleared). Hybrid-MTP requests and pure-recurrent deployments (no
+  /// page table) admit no joiners.
   bool supportsLiveSequenceAdmission() const noexcept;
   /// Admits one more sequence into an executing request with no pending work; binds only the
   /// new resident's row. The sequence joins at the end of the batch. Unless the admission sets

@@ -190,22 +190,33 @@ void Lifecycle::badAdmit(Req& req) {
   }
 }
 
-/// A joiner on a fresh resident (none free: nothing to do).
+/// A joiner on a fresh resident (none free: nothing to do). A speculative request's joiner takes
+/// the request's headroom and, with a paged draft, a draft row of its own (Hybrid-MTP requests
+/// admit none).
 std::optional<Lifecycle::AdmitCall> Lifecycle::planAdmit(Req& req) {
   AdmitCall call;
   call.valid = mRuntime->supportsSeatedAdmission() && req.stage == Stage::kIdle &&
                !req.rows.empty() && static_cast<int32_t>(req.rows.size()) < mMaxBatch &&
-               req.contract == DecodingTokenStateContract::kCommittedPlusLookahead;
+               req.contract == DecodingTokenStateContract::kCommittedPlusLookahead && !req.mtp;
   std::optional<ResidentRef> const fresh = mRuntime->residentSlots().acquire();
   if (!fresh) {
     return std::nullopt;
   }
   Row& row = call.row;
   row.resident = *fresh;
+  if (req.speculative) {  // the prompt and the request's headroom fit a row
+    mPromptHeadroom = std::max(req.headroom.baseExtraTokens, req.headroom.draftExtraTokens);
+  }
   row.prompt = makePrompt(promptLength());
+  mPromptHeadroom = 1;
   row.digests = testing::PrefixDigests(req.seed);
-  row.digests.extendTokens(row.prompt);
+  row.paired = req.paired;
+  row.draft = testing::PrefixDigests(req.seed ^ kDraftSeed);
+  appendTokens(row, row.prompt, mDraftLookahead);
   row.joined = false;
+  if (req.speculative) {
+    call.headroom = req.headroom;
+  }
   call.admission.tokenIds = row.prompt;
   call.admission.keyExtras = BlockKeyExtras{digestIdentity(req.lora), digestIdentity(req.salt)};
   call.admission.resident = row.resident;
@@ -316,8 +327,14 @@ void Lifecycle::issueAdmit(Req& req, AdmitCall& call) {
 bool Lifecycle::admitOutcome(Req& req, AdmitCall& call, int32_t& start, std::string const& what) {
   using AdmitStatus = AdmitSequenceStatus;
   BackendSnapshot const before = snapshot();
-  int32_t const pages = ceilPages(int64_t{static_cast<int32_t>(call.row.prompt.size())} + 1);
-  bool must = pages <= mCoordinator->manager().pools().freeCount(ResourceType::kBaseKvPage);
+  auto const promptTokens = static_cast<int64_t>(call.row.prompt.size());
+  int32_t const pages = ceilPages(promptTokens + call.headroom.baseExtraTokens);
+  ResourcePools const& pools = mCoordinator->manager().pools();
+  bool must = pages <= pools.freeCount(ResourceType::kBaseKvPage);
+  if (call.row.paired) {  // and its draft row's pages
+    must = must && ceilPages(promptTokens + call.headroom.draftExtraTokens) <=
+                       pools.freeCount(ResourceType::kDraftKvPage);
+  }
   if (slidingReuse()) {  // the sliding half: the prompt's pages and a spare, from free pages
     must = must && pages + 1 <= mRuntime->windowBlockCache()->freePages();
   }
@@ -391,6 +408,10 @@ void Lifecycle::joined(Req& req, Row row, int32_t start, std::string const& what
   row.windowFrom = start;
   req.rows.push_back(std::move(row));
   setActiveBatch(static_cast<int32_t>(req.rows.size()));
+  if (req.rows.back().paired) {  // its draft KV-length row, at the reused draft prefix
+    writeDraftLength(static_cast<int32_t>(req.rows.size()) - 1, start);
+    ++mStats.pairedJoins;
+  }
   flushForStep();  // the joiner's rows and length, before its prefill's forward
   // Chunked prefill: half the joiners of two or more tokens run only a first chunk now.
   int32_t const end =
@@ -770,6 +791,15 @@ void Lifecycle::issueFinalize(Req& req, int32_t slot, bool corruptLength) {
   expect(finalized, what + " returned false");
   Row& joiner = req.rows[static_cast<std::size_t>(slot)];
   joiner.joined = true;
+  if (req.speculative) {
+    // Its draft initialises after the call; its prompt endpoint waits for the next round, a
+    // compaction or finish (the facade's speculative contract, per row).
+    joiner.common = static_cast<int32_t>(joiner.prompt.size());
+    req.draftInitPending = true;
+    if (joiner.paired) {
+      executeDraft(joiner, slot, joiner.common);
+    }
+  }
   if (checkpointDeployment()) {  // a hybrid joiner's prompt-end capture
     noteCheckpoint(req, joiner, static_cast<int32_t>(joiner.prompt.size()), false);
   }

@@ -66,6 +66,9 @@ void Lifecycle::setActiveBatch(int32_t batch) {
   for (KVCachePool* pool : mLengthPools) {
     pool->setActiveBatchSize(batch);
   }
+  if (mRuntime->draftPool() != nullptr) {  // a paired request's draft rows follow its base rows
+    mRuntime->draftPool()->setActiveBatchSize(batch);
+  }
 }
 
 /// The engine's prefill of one bound row: the reused prefix must already hold this prefix's
