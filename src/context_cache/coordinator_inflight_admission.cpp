@@ -136,9 +136,11 @@ ContextCacheStatus ContextCacheCoordinator::preemptSequence(RequestHandle& handl
     return ContextCacheStatus::kPoisoned;
   }
   ++mCounters.preemptions;
+  // Nothing past what is already published may be: a row whose prompt endpoint waits for its
+  // draft initialisation publishes with it (a speculative row's rule; the other rows go on).
   if (sequence.commitPolicy != ContextCacheCommitPolicy::kIncludingGeneratedTokens ||
-      req.draftInitPending) {
-    return ContextCacheStatus::kOk;  // nothing past what is already published may be
+      sequence.endpointFrozen) {
+    return ContextCacheStatus::kOk;
   }
   std::vector<uint8_t> completed(req.sequences.size(), 0);
   completed[static_cast<std::size_t>(row)] = 1;

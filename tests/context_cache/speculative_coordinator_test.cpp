@@ -138,6 +138,39 @@ TEST_P(SpeculativeCoordinatorTest, AJoinerPairsADraftRowAndPublishesItsPromptAft
   rig.expectQuiescent();
 }
 
+// Preempting a decoding row publishes what it committed even while a joiner's prompt endpoint
+// waits for the joiner's draft initialisation (only the waiting row's own publication waits).
+TEST_P(SpeculativeCoordinatorTest, APreemptedRowPublishesWhileAJoinersEndpointWaits) {
+  SpecRig rig(device());
+  Seq founder(tokenRun(250, 5000), 0);
+  Handle handle = rig.admit({&founder}, true);
+  ASSERT_EQ(rig.prefill(handle, {&founder}, true), kOk);
+  ASSERT_EQ(rig.step(handle, {&founder}, {3}, {0}, {}, true), kOk);
+  ASSERT_EQ(rig.step(handle, {&founder}, {4}, {0}, {}, true), kOk);  // committed and common 257
+  ASSERT_EQ(rig.records().size(), 1u) << "the founder's prompt endpoint, one block";
+
+  Seq joiner(tokenRun(130, 9000), 1);
+  ASSERT_EQ(
+      rig.coordinator->admitSequence(handle, promptAdmissionOf(joiner), SpecRig::kSpecHeadroom)
+          .status,
+      kOk);
+  rig.pool.setActiveBatchSize(2);
+  rig.draftPool->setActiveBatchSize(2);
+  rig.executeBase(joiner, 1, 0, 130);
+  joiner.sample();
+  rig.executeDraft(joiner, 1, 0, 130);
+  ContextCacheSequenceAdvance const lookahead{&joiner.tokens.back(), 1, 130};
+  ASSERT_EQ(rig.coordinator->finalizeSequenceAdmission(handle, 1, lookahead), kOk);
+
+  ASSERT_EQ(rig.coordinator->preemptSequence(handle, 0), kOk);
+  ASSERT_EQ(rig.records().size(), 2u) << "the founder's second block, published at preemption";
+  ASSERT_EQ(rig.coordinator->preemptSequence(handle, 1), kOk);
+  EXPECT_EQ(rig.records().size(), 2u) << "the joiner's own endpoint still waits";
+  ASSERT_EQ(rig.coordinator->finish(handle), kOk);
+  EXPECT_EQ(rig.records().size(), 3u) << "finish's synchronisation publishes the joiner's prompt";
+  rig.expectQuiescent();
+}
+
 TEST_P(SpeculativeCoordinatorTest, AnAbandonedSpeculativeRequestPublishesNothing) {
   SpecRig rig(device());
   Seq producer(tokenRun(300, 1), 0);
