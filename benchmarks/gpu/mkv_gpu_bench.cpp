@@ -23,6 +23,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <exception>
 #include <fstream>
 #include <functional>
 #include <memory>
@@ -61,7 +62,7 @@ constexpr int64_t kKiB = 1024;
 constexpr int64_t kMiB = 1024 * kKiB;
 constexpr int64_t kGiB = 1024 * kMiB;
 /// K or V page row of one token: 8 KV heads x 128 dims x 2 B (bf16).
-constexpr int64_t kTokenBytes = 8 * 128 * 2;
+constexpr int64_t kTokenBytes = int64_t{8} * 128 * 2;
 /// Bytes one G1-G3 call moves (>= 256 MiB so HBM, not L2, is measured: docs/benchmarks.md, "The
 /// measurements behind the kernels").
 constexpr int64_t kBandwidthBytes = kGiB;
@@ -132,8 +133,8 @@ class PinnedBuffer {
 
 /// One line of the result table.
 struct Row {
-  Row(std::string caseName_, std::string method_, int64_t bytes_)
-      : caseName(std::move(caseName_)), method(std::move(method_)), bytes(bytes_) {}
+  Row(std::string name, std::string how, int64_t byteCount)
+      : caseName(std::move(name)), method(std::move(how)), bytes(byteCount) {}
   std::string caseName;
   std::string method;
   int64_t bytes = 0;
@@ -177,7 +178,7 @@ class Bench {
         mSource(4 * kGiB),
         mDestination(2 * kGiB),
         mScratch(2 * kGiB),
-        mMap(2 * 2 * 65536 * static_cast<int64_t>(sizeof(int64_t))) {
+        mMap(int64_t{2} * 2 * 65536 * static_cast<int64_t>(sizeof(int64_t))) {
     check(cudaStreamCreateWithFlags(&mStream, cudaStreamNonBlocking), "cudaStreamCreate");
     check(cudaEventCreate(&mStart), "cudaEventCreate");
     check(cudaEventCreate(&mStop), "cudaEventCreate");
@@ -806,7 +807,7 @@ class Bench {
     check(cudaGraphDestroy(graph), "cudaGraphDestroy");
 
     int64_t const copies = int64_t{layers} * 2 * items;
-    int64_t const loopItems = std::clamp<int64_t>(kLoopCopies / (2 * layers), 1, items);
+    int64_t const loopItems = std::clamp<int64_t>(kLoopCopies / (2 * int64_t{layers}), 1, items);
     poison(mDestination.data(), layers * poolBytes);
     double const loopUs =
         medianUs(
@@ -1052,9 +1053,8 @@ Options parse(int argc, char** argv) {
   return options;
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
+/// The program; main() turns an exception that escapes it into exit status 1.
+int run(int argc, char** argv) {
   Options options = parse(argc, argv);
   int devices = 0;
   cudaError_t const status = cudaGetDeviceCount(&devices);
@@ -1088,4 +1088,15 @@ int main(int argc, char** argv) {
   }
   printTable(rows);
   return mismatch ? kExitMismatch : 0;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    return run(argc, argv);
+  } catch (std::exception const& error) {  // a library or allocation error outside check()
+    std::fprintf(stderr, "mkv_gpu_bench: %s\n", error.what());
+    return 1;
+  }
 }
