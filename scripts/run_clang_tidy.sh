@@ -2,12 +2,16 @@
 # Runs clang-tidy (Debian's clang-tidy-14, the checks of .clang-tidy, every one an error) over the
 # host C++ sources of a configured build, from its compile_commands.json; exit status 1 on any
 # finding. The sources:
-#   * every .cpp of src/, kernels/ and python/ the build compiles: the library, its test engine
-#     and the Python bindings (their headers, include/ src/ kernels/, are checked through them);
+#   * the .cpp files of src/, kernels/ and python/ the build compiles (the library, its test
+#     engine and the Python bindings; their headers, include/ src/ kernels/, are checked through
+#     them) whose translation unit changed since BASE: the file or any file it includes, as the
+#     build's dependency record (`ninja -t deps`) lists them. Every one when the checks changed
+#     (.clang-tidy, this script) or a file has no record (not built yet);
 #   * the .cpp files of tests/ and benchmarks/ changed since BASE (committed or not): unless --base
-#     names one, BASE is tests_base below, a commit at which every test and benchmark file changed
-#     since lint came in (00f462e) was checked clean by CI; a file touched after it is checked
-#     again, so each stays clean from then on without CI re-reading the unchanged ones;
+#     names one, BASE is tests_base below, a commit at which CI had checked every library file
+#     and every test and benchmark file changed since lint came in (00f462e) clean; a file touched
+#     after it is checked again, so each stays clean from then on without CI re-reading the
+#     unchanged ones;
 #   * not .cu files (nvcc code), nor files this build does not compile (the GPU-only ones in a host
 #     build): those are named and skipped.
 # Paths listed in `deferred` (empty now) would have their .cpp files skipped and the findings in
@@ -47,18 +51,18 @@ if [[ -z $tidy ]]; then
 fi
 
 deferred='^$'
-# Tests and benchmarks changed after this commit are checked. It was 00f462e (the merge that
-# brought .clang-tidy to main), then 1fd71a6, 829638f, 5b93438, 670b4b3, then 68026bb, each a
-# commit whose CI run had checked every file changed since the previous base clean; move it only
-# to such a commit.
-tests_base=68026bb
+# Sources changed after this commit are checked (library files: their translation unit). It was
+# 00f462e (the merge that brought .clang-tidy to main), then 1fd71a6, 829638f, 5b93438, 670b4b3,
+# 68026bb, then 2cb20e9, each a commit whose CI run had checked every library file and every test
+# and benchmark file changed since the previous base clean; move it only to such a commit.
+tests_base=2cb20e9
 
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 # The database clang-tidy reads: the build's, but for the precompiled test headers. GCC's .gch
 # beside CMake's cmake_pch.hxx is not a PCH clang can read, and clang picks it up for
 # "-include cmake_pch.hxx", so each test target's cmake_pch.hxx is included from a copy in $out.
-# Prints the project's .cpp files that the database compiles.
+# Prints the project's .cpp files that the database compiles, each with its object file.
 mapfile -t compiled < <(python3 - "$build" "$root" "$out" <<'EOF'
 import json, os, shlex, shutil, sys
 build, root, out = sys.argv[1], sys.argv[2] + "/", sys.argv[3]
@@ -75,12 +79,17 @@ for index, entry in enumerate(entries):
     entry["arguments"] = [word for word in words if word != "-Winvalid-pch"]
     path = os.path.normpath(os.path.join(entry["directory"], entry["file"]))
     if path.startswith(root) and path.endswith(".cpp"):
-        print(path[len(root):])
+        words = entry["arguments"]
+        obj = words[words.index("-o") + 1] if "-o" in words[:-1] else ""
+        print(path[len(root):] + "\t" + obj)
 json.dump(entries, open(os.path.join(out, "compile_commands.json"), "w"))
 EOF
 )
-declare -A in_build=()
-for file in "${compiled[@]}"; do in_build[$file]=1; done
+declare -A in_build=() object_of=()
+for line in "${compiled[@]}"; do
+  in_build[${line%%$'\t'*}]=1
+  object_of[${line%%$'\t'*}]=${line#*$'\t'}
+done
 
 if ! git rev-parse --is-inside-work-tree >/dev/null 2>&1; then
   echo "run_clang_tidy.sh: not a git checkout; src/ and kernels/ only" >&2
@@ -94,8 +103,45 @@ else
   if [[ $(git rev-parse --is-shallow-repository) == true ]]; then
     echo "run_clang_tidy.sh: a shallow clone; tests changed since ${base:0:12} may be missed" >&2
   fi
+  mapfile -t changed < <({ git diff --name-only "$base"; git ls-files --others --exclude-standard; } |
+                         sort -u)
+  library=()
+  for file in $(git ls-files 'src/*.cpp' 'kernels/*.cpp' 'python/*.cpp'); do
+    library+=("$file	${object_of[$file]:-}")
+  done
+  printf '%s\n' "${changed[@]}" >"$out/changed.txt"
+  # The library files whose translation unit changed (python: the dependency records of the
+  # build, read in one ninja call; the paths changed since BASE in changed.txt).
   mapfile -t files < <(
-    git ls-files 'src/*.cpp' 'kernels/*.cpp' 'python/*.cpp'
+    python3 - "$build" "$root" "$out/changed.txt" "${library[@]}" <<'EOF'
+import os, subprocess, sys
+build, root, pairs = sys.argv[1], sys.argv[2] + "/", sys.argv[4:]
+changed = set(line.strip() for line in open(sys.argv[3]) if line.strip())
+files = [pair.split("\t")[0] for pair in pairs]
+objects = {pair.split("\t")[0]: pair.split("\t")[1] for pair in pairs}
+if changed & {".clang-tidy", "scripts/run_clang_tidy.sh"}:
+    print("\n".join(files))
+    sys.exit(0)
+targets = sorted({o for o in objects.values() if o})
+deps, current = {}, None
+if targets:
+    text = subprocess.run(["ninja", "-C", build, "-t", "deps", *targets], capture_output=True,
+                          text=True).stdout
+    for line in text.splitlines():
+        if line and not line[0].isspace() and "#deps" in line and "(VALID)" in line:
+            current = line.split(":")[0]
+            deps[current] = []
+        elif line and not line[0].isspace():
+            current = None
+        elif current is not None and line.strip():
+            path = os.path.normpath(os.path.join(build, line.strip()))
+            if path.startswith(root):
+                deps[current].append(path[len(root):])
+for file in files:
+    record = deps.get(objects[file])
+    if record is None or file in changed or any(dep in changed for dep in record):
+        print(file)
+EOF
     { git diff --name-only --diff-filter=d "$base" -- 'tests/*.cpp' 'benchmarks/*.cpp'
       git ls-files --others --exclude-standard -- 'tests/*.cpp' 'benchmarks/*.cpp'; } | sort -u)
 fi
