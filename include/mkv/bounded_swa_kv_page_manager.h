@@ -276,6 +276,10 @@ class BoundedSwaKVPageManager {
   /// with a page source (a cached-mode joiner's whole prompt is mapped from admission), with work
   /// pending, for a row that is not an unfinalised joiner and for chunkEnd outside (endpoint, L].
   SwaKVCacheStatus prepareSequenceChunk(RequestHandle& handle, int32_t row, int32_t chunkEnd);
+  /// What prepareSequenceChunk(handle, row, chunkEnd) would allocate: nothing (the window rotates
+  /// within the 2M + 1 pages the joiner's admission took). Throws as it does.
+  DecodeStepDemand sequenceChunkDemand(RequestHandle const& handle, int32_t row,
+                                       int32_t chunkEnd) const;
   /// Without a page source, after the step that ran joiner `row`'s chunk to `chunkEnd`: commits
   /// the chunk (endpoint = chunkEnd), unmaps the pages that left its window (back to the row's
   /// reserve) and stages the rest of the prompt. chunkEnd == endpoint is a no-op. kOk; kPoisoned
@@ -442,6 +446,9 @@ class BoundedSwaKVPageManager {
   /// The unfinalised joiner at `row` of an executing request with no pending work, or throws
   /// naming `call`.
   SwaSequenceState& joinerAt(char const* call, Request& req, int32_t row) const;
+  /// The checks of prepareSequenceChunk: the joiner whose chunk to `chunkEnd` is prepared.
+  SwaSequenceState& chunkJoiner(char const* call, RequestHandle const& handle, int32_t row,
+                                int32_t chunkEnd) const;
   /// Without a page source: a joiner's 2M + 1 pages from the free list (false: too few, nothing
   /// taken; its capacities are reserved first), and its admission.
   bool takeUncachedJoinerPages(SwaSequenceState& state);

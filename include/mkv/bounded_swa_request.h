@@ -115,6 +115,9 @@ class BoundedSwaRequest {
   /// Before the step that runs joiner `row`'s chunk to `chunkEnd`: maps what the chunk reads and
   /// keeps (BoundedSwaKVPageManager::prepareSequenceChunk); false (one log line) when poisoned.
   bool preparePrefillChunk(ExecutionRow row, int32_t chunkEnd);
+  /// What preparePrefillChunk would allocate: nothing (the joiner's window rotates within the
+  /// 2M + 1 pages its admission took); checks the row and the end as the manager's chunk calls.
+  DecodeStepDemand prefillChunkDemand(ExecutionRow row, int32_t chunkEnd) const;
   /// After the step that ran it: commits the chunk, the window rotating
   /// (BoundedSwaKVPageManager::completeSequenceChunk); false when poisoned.
   bool completePrefillChunk(ExecutionRow row, int32_t prefilledTokens);

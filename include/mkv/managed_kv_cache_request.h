@@ -181,12 +181,23 @@ class ManagedKVCacheRequest {
   /// steps. Between steps, before the step that runs the chunk [done so far, chunkEnd),
   /// preparePrefillChunk makes its pages ready: on bounded SWA it maps the window before the
   /// chunk and the pages of the chunk's last W tokens (the window rotates from chunk to chunk
-  /// within the joiner's 2M + 1 pages); elsewhere the joiner holds its whole prompt's pages from
-  /// admission and the call only checks. An engine that prefills in chunks calls it for every
-  /// chunk, on every backend (a chunk that is the rest of the prompt needs none). False when
-  /// poisoned. Throws between prepareDecodeStep and completeDecodeStep, for a row that is not an
+  /// within the joiner's 2M + 1 pages); on the other backends, with
+  /// ContextCacheConfig::joinerPages = kPerChunk (vLLM's allocation per scheduled chunk), it
+  /// allocates the row's full-attention (and paired draft) pages up to chunkEnd, the joiner's
+  /// admission having bound only its reused prefix; with kWholePrompt (the default) the joiner
+  /// holds its whole prompt's pages from admission and the call only checks. An engine that
+  /// prefills in chunks calls it for every chunk, on every backend; under kPerChunk for the last
+  /// chunk and a whole-prompt prefill too (completePrefillChunk and finalizeSequenceAdmission
+  /// throw for tokens whose pages were never prepared). False when the pools cannot give the
+  /// chunk's pages even after eviction (lastFailure(): kNoCapacity and the row; nothing changed,
+  /// so the engine may preempt, retract the joiner, or try at a later step) and when poisoned.
+  /// Throws between prepareDecodeStep and completeDecodeStep, for a row that is not an
   /// unfinalised joiner and for a chunkEnd outside (done so far, prompt].
   bool preparePrefillChunk(ExecutionRow row, int32_t chunkEnd);
+  /// What preparePrefillChunk(row, chunkEnd) would allocate now, changing nothing (compare with
+  /// KVCacheRuntime::capacity(), as for decodeStepDemand): pages only under kPerChunk. Throws as
+  /// preparePrefillChunk does. An addition beside the reference page's API.
+  DecodeStepDemand prefillChunkDemand(ExecutionRow row, int32_t chunkEnd) const;
   /// After each step that ran a chunk: publishes the joiner's full blocks up to
   /// `prefilledTokens` (a sequence admitted meanwhile reuses them; on a hybrid deployment it
   /// captures the recurrent state the engine carried to the chunk's end as a reuse point, and

@@ -138,9 +138,12 @@ class SlidingReuseRequest {
   /// kRecompute: preemptSequence(row). kSwap throws, changing nothing: the composed backend has no
   /// host tier (its deployment refuses one).
   bool preemptSequence(ExecutionRow row, PreemptionKind kind);
-  /// Before the step that runs a joiner's next chunk: both halves hold its whole prompt's pages
-  /// from admission (ContextCacheRequest::preparePrefillChunk checks the row and the end).
+  /// Before the step that runs a joiner's next chunk: the full layers' pages up to chunkEnd
+  /// (ContextCacheRequest::preparePrefillChunk: allocated now under
+  /// JoinerPageAllocation::kPerChunk); the sliding half holds its prompt's window from admission.
   bool preparePrefillChunk(ExecutionRow row, int32_t chunkEnd);
+  /// What preparePrefillChunk(row, chunkEnd) would allocate: the full layers' pages.
+  DecodeStepDemand prefillChunkDemand(ExecutionRow row, int32_t chunkEnd) const;
   /// A chunk of a joiner's prefill completed: the full layers publish the row's full blocks so
   /// far (ContextCacheRequest::completePrefillChunk); its sliding pages are published at
   /// finalisation, with the whole prompt's.

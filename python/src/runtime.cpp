@@ -260,6 +260,7 @@ void bindRequest(py::module_& m) {
            py::overload_cast<ExecutionRow, PreemptionKind>(&Request::preemptSequence),
            py::arg("row"), py::arg("kind"))
       .def("decodeStepDemand", &Request::decodeStepDemand, py::arg("headroom"))
+      .def("prefillChunkDemand", &Request::prefillChunkDemand, py::arg("row"), py::arg("chunkEnd"))
       .def("preparePrefillChunk", &Request::preparePrefillChunk, py::arg("row"),
            py::arg("chunkEnd"))
       .def("completePrefillChunk", &Request::completePrefillChunk, py::arg("row"),

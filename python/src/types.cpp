@@ -45,6 +45,9 @@ void bindEnums(py::module_& m) {
   py::enum_<ReusePointAdmission>(m, "ReusePointAdmission")
       .value("kEveryInterval", ReusePointAdmission::kEveryInterval)
       .value("kBranchFirst", ReusePointAdmission::kBranchFirst);
+  py::enum_<JoinerPageAllocation>(m, "JoinerPageAllocation")
+      .value("kWholePrompt", JoinerPageAllocation::kWholePrompt)
+      .value("kPerChunk", JoinerPageAllocation::kPerChunk);
   py::enum_<FinishReason>(m, "FinishReason")
       .value("kNotFinished", FinishReason::kNotFinished)
       .value("kEndOfSequence", FinishReason::kEndOfSequence)
@@ -128,7 +131,8 @@ void bindConfigs(py::module_& m) {
       .def_readwrite("partialKvSnapshotPoolBytes", &ContextCacheConfig::partialKvSnapshotPoolBytes)
       .def_readwrite("checkpointInterval", &ContextCacheConfig::checkpointInterval)
       .def_readwrite("reusePointAdmission", &ContextCacheConfig::reusePointAdmission)
-      .def_readwrite("evictionPolicy", &ContextCacheConfig::evictionPolicy);
+      .def_readwrite("evictionPolicy", &ContextCacheConfig::evictionPolicy)
+      .def_readwrite("joinerPages", &ContextCacheConfig::joinerPages);
   py::class_<KVCacheRuntimeConfig>(m, "KVCacheRuntimeConfig")
       .def(py::init<>())
       .def_readwrite("model", &KVCacheRuntimeConfig::model)

@@ -341,45 +341,60 @@ ContextCacheStatus ContextCacheCoordinator::growPages(Request& req,
   for (auto& sequence : req.sequences) {
     auto const row = static_cast<ExecutionRow>(&sequence - req.sequences.data());
     if (!sequence.joined) {
-      continue;  // an unfinalised joiner holds: its admission bound its prompt's pages
+      continue;  // an unfinalised joiner holds: its chunks take their pages (preparePrefillChunk)
     }
-    detail::LaneCounts const needed = table.neededPages(sequence.committed, headroom, pageSize);
-    if (table.tableFull(needed)) {
-      return fail(RowFailureReason::kTableFull, row);
-    }
-    detail::LaneCounts const held = table.heldPages(sequence);
-    detail::LaneCounts growth{};
-    bool grows = false;
-    for (std::size_t lane = 0; lane < growth.size(); ++lane) {
-      growth[lane] = std::max(0, needed[lane] - held[lane]);
-      grows = grows || growth[lane] > 0;
-    }
-    if (!grows) {
-      continue;
-    }
-    bool grown = false;
+    RowGrowth growth = RowGrowth::kUnchanged;
     try {
-      grown = req.mode->growLease(sequence.lease, growth);
+      growth = growRow(req, sequence, table.neededPages(sequence.committed, headroom, pageSize),
+                       "ContextCacheCoordinator::prepareDecodeStep");
     } catch (...) {
       if (grew) {  // the failed growth changed nothing
         table.upload();
       }
       throw;
     }
-    if (!grown) {
-      return fail(RowFailureReason::kNoCapacity, row);
+    switch (growth) {
+      case RowGrowth::kUnchanged:
+        break;
+      case RowGrowth::kGrown:
+        ++mCounters.pageGrowths;
+        grew = true;
+        break;
+      case RowGrowth::kTableFull:
+        return fail(RowFailureReason::kTableFull, row);
+      case RowGrowth::kNoCapacity:
+        return fail(RowFailureReason::kNoCapacity, row);
+      case RowGrowth::kPoisoned:
+        table.upload();
+        return ContextCacheStatus::kPoisoned;
     }
-    if (!moveHostTierPages("ContextCacheCoordinator::prepareDecodeStep")) {
-      table.mapGrown(sequence, held);
-      table.upload();
-      return ContextCacheStatus::kPoisoned;
-    }
-    table.mapGrown(sequence, held);
-    ++mCounters.pageGrowths;
-    grew = true;
   }
   table.upload();
   return ContextCacheStatus::kOk;
+}
+
+ContextCacheCoordinator::RowGrowth ContextCacheCoordinator::growRow(
+    Request& req, Sequence& sequence, detail::LaneCounts const& needed, char const* call) {
+  detail::PagedRows const table = req.mode->rows();
+  if (table.tableFull(needed)) {
+    return RowGrowth::kTableFull;
+  }
+  detail::LaneCounts const held = table.heldPages(sequence);
+  detail::LaneCounts growth{};
+  bool grows = false;
+  for (std::size_t lane = 0; lane < growth.size(); ++lane) {
+    growth[lane] = std::max(0, needed[lane] - held[lane]);
+    grows = grows || growth[lane] > 0;
+  }
+  if (!grows) {
+    return RowGrowth::kUnchanged;
+  }
+  if (!req.mode->growLease(sequence.lease, growth)) {  // a throw changes nothing either
+    return RowGrowth::kNoCapacity;
+  }
+  bool const moved = moveHostTierPages(call);  // the blocks the growth evicted
+  table.mapGrown(sequence, held);
+  return moved ? RowGrowth::kGrown : RowGrowth::kPoisoned;
 }
 
 DecodeStepDemand ContextCacheCoordinator::decodeStepDemand(
@@ -404,12 +419,7 @@ DecodeStepDemand ContextCacheCoordinator::decodeStepDemand(
       }
       continue;
     }
-    detail::LaneCounts const held = table.heldPages(sequence);
-    for (std::size_t lane = 0; lane < table.laneCount(); ++lane) {
-      int32_t const growth = std::max(0, needed[lane] - held[lane]);
-      (table.laneKind(lane) == detail::LanePages::kBase ? demand.basePages : demand.draftPages) +=
-          growth;
-    }
+    table.addGrowth(needed, table.heldPages(sequence), demand);
   }
   return demand;
 }

@@ -126,10 +126,24 @@ void ContextCacheManager::checkRequest(char const* call, LookupRequest const& re
 }
 
 void ContextCacheManager::applyCoverage(ReusePlan& plan, LookupRequest const& request) const {
+  bool const draft = pairedDraft(request.mode);
+  if (request.coverReusedPrefixOnly) {
+    // The pages of the reused prefix only (onboarding targets and a restored partial page
+    // included): the planners sized the demand for the whole prompt.
+    int32_t const reused = (plan.reuseTokenLength + mPageSize - 1) / mPageSize;
+    auto const beyond = [reused](std::size_t bound) {
+      return std::max(0, reused - static_cast<int32_t>(bound));
+    };
+    plan.demand.baseKvPages = request.hasAttention ? std::min(plan.demand.baseKvPages,
+                                                              beyond(plan.basePageBindings.size()))
+                                                   : 0;
+    plan.demand.draftKvPages =
+        draft ? std::min(plan.demand.draftKvPages, beyond(plan.draftPageBindings.size())) : 0;
+    return;
+  }
   auto const n = static_cast<int32_t>(request.prompt.tokens.size());
   int32_t const base = request.hasAttention ? n + request.baseExtraTokens : 0;
-  int32_t const draft = pairedDraft(request.mode) ? n + request.draftExtraTokens : 0;
-  requireKvPageCoverage(plan, mPageSize, base, draft);
+  requireKvPageCoverage(plan, mPageSize, base, draft ? n + request.draftExtraTokens : 0);
 }
 
 void ContextCacheManager::checkPlan(ReusePlan const& plan, bool fresh) const {

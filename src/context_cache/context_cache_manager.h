@@ -73,6 +73,9 @@ struct LookupRequest {
   bool hasAttention = true;      ///< kHybrid only: false for pure-recurrent models
   int32_t baseExtraTokens = 0;   ///< decoding headroom: base pages must cover input + this
   int32_t draftExtraTokens = 0;  ///< paired draft pages must cover input + this
+  /// The pages cover only the reused prefix (the reuse length; the extra tokens ignored): an
+  /// in-flight admission under JoinerPageAllocation::kPerChunk, whose chunks grow the lease.
+  bool coverReusedPrefixOnly = false;
   /// Retention priorities of the records the sequence publishes (not owned; copied into the
   /// lease at admission): requireValidRetention's rules.
   std::span<RetentionRange const> retention;

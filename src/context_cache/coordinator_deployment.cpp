@@ -56,6 +56,9 @@ void validateConfig(ContextCacheConfig const& config) {
                   config.reusePointAdmission == ReusePointAdmission::kBranchFirst,
               kCall, "reusePointAdmission {} out of range",
               static_cast<int>(config.reusePointAdmission));
+  MKV_REQUIRE(config.joinerPages == JoinerPageAllocation::kWholePrompt ||
+                  config.joinerPages == JoinerPageAllocation::kPerChunk,
+              kCall, "joinerPages {} out of range", static_cast<int>(config.joinerPages));
 }
 
 /// The Hybrid-MTP boundary hidden row: described by a Hybrid-MTP profile only.

@@ -4,8 +4,10 @@
 
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
 #include <chrono>
 #include <exception>
+#include <string_view>
 
 #include "context_cache/coordinator_paged_rows.h"
 #include "context_cache/coordinator_request.h"
@@ -17,6 +19,16 @@
 #include "resources/request_registry.h"
 
 namespace mkv {
+
+std::string_view toString(JoinerPageAllocation allocation) noexcept {
+  switch (allocation) {
+    case JoinerPageAllocation::kWholePrompt:
+      return "whole-prompt";
+    case JoinerPageAllocation::kPerChunk:
+      return "per-chunk";
+  }
+  return "unknown";
+}
 
 ContextCacheCoordinator::AdmitSequenceResult ContextCacheCoordinator::admitSequence(
     RequestHandle& handle, ContextCacheSequenceAdmission const& admission,
@@ -41,7 +53,9 @@ ContextCacheCoordinator::AdmitSequenceResult ContextCacheCoordinator::admitSeque
   ContextCacheLookupPolicy const policy = req.mode->speculativeRounds() && !admission.media.empty()
                                               ? ContextCacheLookupPolicy::kBypass
                                               : admission.lookupPolicy.value_or(req.batchPolicy);
-  LookupRequest const lookup = lookupOf(admission, policy, headroom, *req.mode);
+  LookupRequest lookup = lookupOf(admission, policy, headroom, *req.mode);
+  // Per chunk: the lease binds the reused prefix only; preparePrefillChunk grows it chunk by chunk.
+  lookup.coverReusedPrefixOnly = mConfig.joinerPages == JoinerPageAllocation::kPerChunk;
   auto const start = std::chrono::steady_clock::now();
   mkv::AdmissionResult acquired = mManager->admit(lookup);
   bool const moved = moveHostTierPages(kCall);
@@ -92,6 +106,7 @@ ContextCacheStatus ContextCacheCoordinator::completePrefillChunk(RequestHandle& 
   MKV_REQUIRE(prefilledTokens >= sequence.committed && prefilledTokens <= sequence.promptLength,
               kCall, "row {}: {} prefilled tokens outside [{} (done so far), {} (the prompt)]", row,
               prefilledTokens, sequence.committed, sequence.promptLength);
+  req.mode->rows().requireCovered(kCall, row, sequence, prefilledTokens, mManager->pageSize());
   // Its chunks ran through the row admitSequence bound: that row must have reached the device.
   mWrites->requireReachedDevice(kCall, sequence.joinWritesMark);
   if (poisoned()) {
@@ -103,21 +118,67 @@ ContextCacheStatus ContextCacheCoordinator::completePrefillChunk(RequestHandle& 
   return ContextCacheStatus::kOk;
 }
 
-ContextCacheStatus ContextCacheCoordinator::preparePrefillChunk(RequestHandle const& handle,
-                                                                ExecutionRow row,
-                                                                int32_t chunkEnd) const {
-  constexpr char const* kCall = "ContextCacheCoordinator::preparePrefillChunk";
-  Request const& req = request(handle, kCall);
-  MKV_REQUIRE(req.stage == RequestStage::kSettled, kCall,
+ContextCacheCoordinator::Sequence const& ContextCacheCoordinator::prefillChunkRow(
+    char const* call, Request const& req, ExecutionRow row, int32_t chunkEnd) const {
+  MKV_REQUIRE(req.stage == RequestStage::kSettled, call,
               "row {}: a chunk is prepared before the step that runs it (an executing request "
               "with no pending work)",
               row);
-  auto const& sequence = detail::sequenceAt(req, row, kCall);
-  MKV_REQUIRE(!sequence.joined, kCall, "row {} is not an unfinalised in-flight admission", row);
-  MKV_REQUIRE(chunkEnd > sequence.committed && chunkEnd <= sequence.promptLength, kCall,
+  auto const& sequence = detail::sequenceAt(req, row, call);
+  MKV_REQUIRE(!sequence.joined, call, "row {} is not an unfinalised in-flight admission", row);
+  MKV_REQUIRE(chunkEnd > sequence.committed && chunkEnd <= sequence.promptLength, call,
               "row {}: chunk end {} outside ({} (done so far), {} (the prompt)]", row, chunkEnd,
               sequence.committed, sequence.promptLength);
-  return poisoned() ? ContextCacheStatus::kPoisoned : ContextCacheStatus::kOk;
+  return sequence;
+}
+
+ContextCacheStatus ContextCacheCoordinator::preparePrefillChunk(RequestHandle& handle,
+                                                                ExecutionRow row,
+                                                                int32_t chunkEnd) {
+  constexpr char const* kCall = "ContextCacheCoordinator::preparePrefillChunk";
+  Request& req = request(handle, kCall);
+  prefillChunkRow(kCall, req, row, chunkEnd);
+  if (poisoned()) {
+    return ContextCacheStatus::kPoisoned;
+  }
+  // The pages up to the chunk's end: a kPerChunk joiner takes them now, a joiner admitted with its
+  // whole prompt's pages already holds them (nothing grows).
+  detail::PagedRows const table = req.mode->rows();
+  Sequence& sequence = req.sequences[static_cast<std::size_t>(row)];
+  detail::LaneCounts const needed =
+      table.neededPages(chunkEnd, DecodingKvHeadroom{0, 0}, mManager->pageSize());
+  switch (growRow(req, sequence, needed, kCall)) {
+    case RowGrowth::kUnchanged:
+      return ContextCacheStatus::kOk;
+    case RowGrowth::kGrown:
+      ++mCounters.chunkPageGrowths;
+      table.upload();
+      sequence.joinWritesMark = mWrites->awaitingFlush();  // the chunk runs through these pages
+      return ContextCacheStatus::kOk;
+    case RowGrowth::kPoisoned:
+      table.upload();
+      return ContextCacheStatus::kPoisoned;
+    case RowGrowth::kTableFull:  // unreachable: admission checked the prompt fits its row
+    case RowGrowth::kNoCapacity:
+      break;
+  }
+  req.failure = RowFailure{RowFailureReason::kNoCapacity, row};
+  ++mCounters.growthFailures;
+  return ContextCacheStatus::kRequestFailed;
+}
+
+DecodeStepDemand ContextCacheCoordinator::prefillChunkDemand(RequestHandle const& handle,
+                                                             ExecutionRow row,
+                                                             int32_t chunkEnd) const {
+  constexpr char const* kCall = "ContextCacheCoordinator::prefillChunkDemand";
+  Request const& req = request(handle, kCall);
+  Sequence const& sequence = prefillChunkRow(kCall, req, row, chunkEnd);
+  detail::PagedRows const table = req.mode->rows();
+  detail::LaneCounts const needed =
+      table.neededPages(chunkEnd, DecodingKvHeadroom{0, 0}, mManager->pageSize());
+  DecodeStepDemand demand;
+  table.addGrowth(needed, table.heldPages(sequence), demand);
+  return demand;
 }
 
 ContextCacheStatus ContextCacheCoordinator::preemptSequence(RequestHandle& handle,
@@ -168,6 +229,8 @@ ContextCacheStatus ContextCacheCoordinator::finalizeSequenceAdmission(
   MKV_REQUIRE(isExecuting(req.stage), kCall, "the request is not executing");
   auto& sequence = detail::sequenceAt(req, row, kCall);
   MKV_REQUIRE(!sequence.joined, kCall, "row {} is not an unfinalised in-flight admission", row);
+  req.mode->rows().requireCovered(kCall, row, sequence, sequence.promptLength,
+                                  mManager->pageSize());
   mWrites->requireReachedDevice(kCall, sequence.joinWritesMark);
   if (poisoned()) {
     return ContextCacheStatus::kPoisoned;

@@ -60,6 +60,27 @@ bool PagedRows::tableFull(LaneCounts const& needed) const noexcept {
   return false;
 }
 
+void PagedRows::addGrowth(LaneCounts const& needed, LaneCounts const& held,
+                          DecodeStepDemand& demand) const noexcept {
+  for (std::size_t lane = 0; lane < mLanes.size(); ++lane) {
+    int32_t const growth = std::max(0, needed[lane] - held[lane]);
+    (mLanes[lane].pages == LanePages::kBase ? demand.basePages : demand.draftPages) += growth;
+  }
+}
+
+void PagedRows::requireCovered(char const* call, ExecutionRow row,
+                               CoordinatorRequest::Sequence const& sequence, int32_t tokens,
+                               int32_t pageSize) const {
+  LaneCounts const needed = neededPages(tokens, DecodingKvHeadroom{0, 0}, pageSize);
+  LaneCounts const held = heldPages(sequence);
+  for (std::size_t lane = 0; lane < mLanes.size(); ++lane) {
+    MKV_REQUIRE(held[lane] >= needed[lane], call,
+                "row {}: its first {} tokens need {} {} pages and it holds {}: call "
+                "preparePrefillChunk before each chunk (JoinerPageAllocation::kPerChunk)",
+                row, tokens, needed[lane], mLanes[lane].name, held[lane]);
+  }
+}
+
 void PagedRows::mapGrown(CoordinatorRequest::Sequence const& sequence,
                          LaneCounts const& held) const {
   for (std::size_t lane = 0; lane < mLanes.size(); ++lane) {

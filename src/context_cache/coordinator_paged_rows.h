@@ -74,6 +74,15 @@ class PagedRows {
   LaneCounts neededPages(int32_t committed, DecodingKvHeadroom const& headroom,
                          int32_t pageSize) const noexcept;
   bool tableFull(LaneCounts const& needed) const noexcept;
+  /// Adds the pages a growth from `held` to `needed` takes to `demand`'s base and draft counts.
+  void addGrowth(LaneCounts const& needed, LaneCounts const& held,
+                 DecodeStepDemand& demand) const noexcept;
+  /// Throws naming `call` unless `sequence` (execution row `row`) holds the pages of its first
+  /// `tokens` tokens in every lane: what a prefill chunk wrote through its row (a joiner admitted
+  /// with JoinerPageAllocation::kPerChunk has them once preparePrefillChunk made them ready).
+  void requireCovered(char const* call, ExecutionRow row,
+                      CoordinatorRequest::Sequence const& sequence, int32_t tokens,
+                      int32_t pageSize) const;
   /// Maps the pages `sequence`'s lease holds beyond `held` into its rows; no upload.
   void mapGrown(CoordinatorRequest::Sequence const& sequence, LaneCounts const& held) const;
   /// Binds a joiner's lease pages to row `slot` of every lane and settles them.

@@ -43,8 +43,9 @@ struct CoordinatorSequence {
   // Preempted with PreemptionKind::kSwap: the compaction that drops the row moves its published
   // blocks to the host tier (ContextCacheManager::demoteToHostTier).
   bool swapOut = false;
-  // An in-flight admission: DeviceWriteQueue::awaitingFlush() after its row was bound (-1:
-  // nothing waited), checked by the calls that publish what its prefill wrote through that row.
+  // An in-flight admission: DeviceWriteQueue::awaitingFlush() after its row was bound or last
+  // grown for a chunk (-1: nothing waited), checked by the calls that publish what its prefill
+  // wrote through that row.
   int64_t joinWritesMark = -1;
   // Checkpoint deployments: the longest exact checkpoint published, and the capture enqueued
   // but not committed yet (its slots are reservations of the lease).

@@ -227,6 +227,12 @@ bool ManagedKVCacheRequest::preparePrefillChunk(ExecutionRow row, int32_t chunkE
                   [&](auto& backend) { return backend.preparePrefillChunk(row, chunkEnd); });
 }
 
+DecodeStepDemand ManagedKVCacheRequest::prefillChunkDemand(ExecutionRow row,
+                                                           int32_t chunkEnd) const {
+  return dispatch("ManagedKVCacheRequest::prefillChunkDemand", mImpl,
+                  [&](auto const& backend) { return backend.prefillChunkDemand(row, chunkEnd); });
+}
+
 bool ManagedKVCacheRequest::completePrefillChunk(ExecutionRow row, int32_t prefilledTokens) {
   return dispatch("ManagedKVCacheRequest::completePrefillChunk", mImpl, [&](auto& backend) {
     return backend.completePrefillChunk(row, prefilledTokens);

@@ -440,6 +440,11 @@ bool SlidingReuseRequest::preparePrefillChunk(ExecutionRow row, int32_t chunkEnd
   return mFull.preparePrefillChunk(row, chunkEnd);
 }
 
+DecodeStepDemand SlidingReuseRequest::prefillChunkDemand(ExecutionRow row, int32_t chunkEnd) const {
+  requireSlidingHalfExecuting("SlidingReuseRequest::prefillChunkDemand");
+  return mFull.prefillChunkDemand(row, chunkEnd);
+}
+
 bool SlidingReuseRequest::completePrefillChunk(ExecutionRow row, int32_t prefilledTokens) {
   requireSlidingHalfExecuting("SlidingReuseRequest::completePrefillChunk");
   return mFull.completePrefillChunk(row, prefilledTokens);

@@ -150,17 +150,30 @@ void BoundedSwaKVPageManager::commitJoinerChunk(SwaSequenceState& state) noexcep
   state.pendingEndpoint.reset();
 }
 
-SwaKVCacheStatus BoundedSwaKVPageManager::prepareSequenceChunk(RequestHandle& handle, int32_t row,
-                                                               int32_t chunkEnd) {
-  constexpr char const* kCall = "BoundedSwaKVPageManager::prepareSequenceChunk";
-  MKV_REQUIRE(mResources.pageSource == nullptr, kCall,
+SwaSequenceState& BoundedSwaKVPageManager::chunkJoiner(char const* call,
+                                                       RequestHandle const& handle, int32_t row,
+                                                       int32_t chunkEnd) const {
+  MKV_REQUIRE(mResources.pageSource == nullptr, call,
               "row {}: with a page source a joiner's whole prompt is mapped from admission, "
               "there is no chunk to prepare",
               row);
-  SwaSequenceState& state = joinerAt(kCall, request(handle, kCall), row);
-  MKV_REQUIRE(chunkEnd > state.endpoint && chunkEnd <= state.joinerPromptTokens, kCall,
+  SwaSequenceState& state = joinerAt(call, request(handle, call), row);
+  MKV_REQUIRE(chunkEnd > state.endpoint && chunkEnd <= state.joinerPromptTokens, call,
               "row {}: chunk end {} outside ({} (done so far), {} (the prompt)]", row, chunkEnd,
               state.endpoint, state.joinerPromptTokens);
+  return state;
+}
+
+DecodeStepDemand BoundedSwaKVPageManager::sequenceChunkDemand(RequestHandle const& handle,
+                                                              int32_t row, int32_t chunkEnd) const {
+  (void)chunkJoiner("BoundedSwaKVPageManager::sequenceChunkDemand", handle, row, chunkEnd);
+  return DecodeStepDemand{};
+}
+
+SwaKVCacheStatus BoundedSwaKVPageManager::prepareSequenceChunk(RequestHandle& handle, int32_t row,
+                                                               int32_t chunkEnd) {
+  constexpr char const* kCall = "BoundedSwaKVPageManager::prepareSequenceChunk";
+  SwaSequenceState& state = chunkJoiner(kCall, handle, row, chunkEnd);
   if (mRequests->poisoned()) {
     return SwaKVCacheStatus::kPoisoned;
   }

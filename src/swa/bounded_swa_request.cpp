@@ -205,6 +205,10 @@ bool BoundedSwaRequest::preparePrefillChunk(ExecutionRow row, int32_t chunkEnd) 
                    "preparePrefillChunk");
 }
 
+DecodeStepDemand BoundedSwaRequest::prefillChunkDemand(ExecutionRow row, int32_t chunkEnd) const {
+  return mManager->sequenceChunkDemand(mHandle, row, chunkEnd);
+}
+
 bool BoundedSwaRequest::completePrefillChunk(ExecutionRow row, int32_t prefilledTokens) {
   return swaStatus(mManager->completeSequenceChunk(mHandle, row, prefilledTokens), *mManager,
                    "completePrefillChunk");

@@ -444,6 +444,127 @@ TEST_P(ContextCacheRequestTest, AChunkOutsideItsPlaceThrowsAndChangesNothing) {
   rig.expectQuiescent();
 }
 
+// ---------------------------------------------------------------- pages per chunk
+
+RigOptions perChunkPages(int32_t numPages = 16) {
+  RigOptions options;
+  options.numPages = numPages;
+  options.joinerPages = JoinerPageAllocation::kPerChunk;
+  return options;
+}
+
+TEST_P(ContextCacheRequestTest, APerChunkJoinerTakesEachChunksPagesWhenItIsPrepared) {
+  CoordinatorRig rig(device(), perChunkPages());
+  JoinFixture fixture(rig);  // the founder: 3 pages, its 256-token system prompt published
+  RequestDriver& driver = fixture.driver;
+  std::vector<int32_t> const prompt = fixture.joinerPrompt();  // 386 tokens, 256 shared
+  int32_t const free = rig.freePages();
+  int32_t start = -1;
+  ASSERT_EQ(driver.admit(prompt, 1, &start), AdmitStatus::kAdmitted);
+  ASSERT_EQ(start, 256);
+  // Admission binds the reused prefix only: the founder's two pages, shared, nothing fresh.
+  std::vector<PageId> const founderPages = rig.mirroredPages(0);
+  EXPECT_EQ(rig.mirroredPages(1),
+            std::vector<PageId>(founderPages.begin(), founderPages.begin() + 2));
+  EXPECT_EQ(rig.freePages(), free);
+  // A chunk's demand is what its prepare takes: one page for [256, 300).
+  EXPECT_EQ(driver.cache->prefillChunkDemand(1, 300).basePages, 1);
+  EXPECT_EQ(driver.cache->prefillChunkDemand(1, 386).basePages, 2);
+  EXPECT_EQ(rig.freePages(), free) << "the demand changes nothing";
+  ASSERT_TRUE(driver.cache->preparePrefillChunk(1, 300));
+  EXPECT_EQ(rig.freePages(), free - 1);
+  ASSERT_EQ(rig.mirroredPages(1).size(), 3u);
+  EXPECT_EQ(driver.cache->prefillChunkDemand(1, 384).basePages, 0);
+  ASSERT_TRUE(driver.cache->preparePrefillChunk(1, 300)) << "prepared twice: nothing more";
+  EXPECT_EQ(rig.freePages(), free - 1);
+  ASSERT_TRUE(driver.prefillChunk(1, 300));
+  ASSERT_TRUE(driver.decode()) << "the founder decodes, the joiner holds";
+  ASSERT_TRUE(driver.cache->preparePrefillChunk(1, 384));  // the page [256, 384) has it already
+  EXPECT_EQ(rig.freePages(), free - 1);
+  ASSERT_TRUE(driver.prefillChunk(1, 384));
+  EXPECT_EQ(rig.records().back().key.fullBlockCount, 3);
+  ASSERT_TRUE(driver.cache->preparePrefillChunk(1, 386));  // the last chunk takes its page
+  EXPECT_EQ(rig.freePages(), free - 2);
+  EXPECT_EQ(rig.coordinator.counters().chunkPageGrowths, 2u);
+  ASSERT_TRUE(driver.seat(1));
+  ASSERT_TRUE(driver.decode());
+  EXPECT_TRUE(rig.verify(driver.rows[0]).ok());
+  EXPECT_TRUE(rig.verify(driver.rows[1]).ok());
+  ASSERT_TRUE(driver.cache->finish());
+  rig.expectQuiescent();
+}
+
+TEST_P(ContextCacheRequestTest, APerChunkJoinerWhoseChunkHasNoPagesFailsAloneAndChangesNothing) {
+  CoordinatorRig rig(device(), perChunkPages(8));
+  JoinFixture fixture(rig);  // 3 pages, 2 of them published
+  RequestDriver& driver = fixture.driver;
+  Seq bystander(tokenRun(400, 50), 2);
+  ContextCacheBatchAdmission batch = rig.batchOf({&bystander});
+  batch.lookupPolicy = ContextCacheLookupPolicy::kBypass;
+  auto held = rig.begin(batch);  // 4 pages
+  ASSERT_EQ(held.status, ContextCacheStatus::kOk);
+  ASSERT_EQ(rig.freePages(), 1);
+  // Whole-prompt admission would need 2 fresh pages and be refused; per chunk it is admitted.
+  ASSERT_EQ(driver.admit(fixture.joinerPrompt(), 1), AdmitStatus::kAdmitted);
+  EXPECT_EQ(rig.freePages(), 1);
+  ASSERT_TRUE(driver.cache->preparePrefillChunk(1, 384));
+  ASSERT_TRUE(driver.prefillChunk(1, 384));
+  ASSERT_EQ(rig.freePages(), 0);
+  std::vector<int32_t> const founderRow = rig.hostRow(0);
+  std::vector<int32_t> const joinerRow = rig.hostRow(1);
+  // The last chunk's page: none free, nothing reclaimable (every cached page is leased).
+  EXPECT_EQ(driver.cache->prefillChunkDemand(1, 386).basePages, 1);
+  EXPECT_FALSE(driver.cache->preparePrefillChunk(1, 386));
+  EXPECT_EQ(driver.cache->lastFailure(), (RowFailure{RowFailureReason::kNoCapacity, 1}));
+  EXPECT_EQ(rig.coordinator.counters().growthFailures, 1u);
+  EXPECT_FALSE(rig.coordinator.poisoned());
+  EXPECT_EQ(rig.hostRow(0), founderRow);
+  EXPECT_EQ(rig.hostRow(1), joinerRow);
+  EXPECT_EQ(rig.freePages(), 0);
+  // Finalising tokens whose pages were never prepared is the engine's bug: it throws.
+  int32_t const lookahead = 7;
+  EXPECT_TRUE(throwsError(
+      [&] { (void)driver.cache->finalizeSequenceAdmission(1, lookahead, 386); },
+      {"ContextCacheCoordinator::finalizeSequenceAdmission",
+       "row 1: its first 386 tokens need 4 base pages and it holds 3", "preparePrefillChunk"}));
+  // The batch goes on; once the bystander is gone the chunk gets its page.
+  ASSERT_TRUE(driver.decode());
+  ASSERT_EQ(rig.coordinator.finish(held.admission->request), ContextCacheStatus::kOk);
+  ASSERT_TRUE(driver.cache->preparePrefillChunk(1, 386));
+  ASSERT_TRUE(driver.seat(1));
+  ASSERT_TRUE(driver.decode());
+  EXPECT_TRUE(rig.verify(driver.rows[0]).ok());
+  EXPECT_TRUE(rig.verify(driver.rows[1]).ok());
+  ASSERT_TRUE(driver.cache->finish());
+  rig.expectQuiescent();
+}
+
+TEST_P(ContextCacheRequestTest, AChunkWithoutItsPagesCannotComplete) {
+  CoordinatorRig rig(device(), perChunkPages());
+  JoinFixture fixture(rig);
+  RequestDriver& driver = fixture.driver;
+  ASSERT_EQ(driver.admit(fixture.joinerPrompt(), 1), AdmitStatus::kAdmitted);
+  std::size_t const records = rig.records().size();
+  EXPECT_TRUE(throwsError([&] { (void)driver.cache->completePrefillChunk(1, 300); },
+                          {"ContextCacheCoordinator::completePrefillChunk",
+                           "row 1: its first 300 tokens need 3 base pages and it holds 2"}));
+  EXPECT_EQ(rig.coordinator.counters().prefillChunks, 0u);
+  EXPECT_EQ(rig.records().size(), records);
+  EXPECT_TRUE(throwsError([&] { (void)driver.cache->preparePrefillChunk(1, 387); },
+                          {"ContextCacheCoordinator::preparePrefillChunk",
+                           "chunk end 387 outside (256 (done so far), 386 (the prompt)]"}));
+  EXPECT_TRUE(throwsError([&] { (void)driver.cache->prefillChunkDemand(0, 300); },
+                          {"ContextCacheCoordinator::prefillChunkDemand",
+                           "row 0 is not an unfinalised in-flight admission"}));
+  // Retracting it gives back the shared pages it pinned and nothing else.
+  int32_t const free = rig.freePages();
+  ASSERT_TRUE(driver.retractNewest());
+  EXPECT_EQ(rig.freePages(), free);
+  ASSERT_TRUE(driver.decode());
+  ASSERT_TRUE(driver.cache->finish());
+  rig.expectQuiescent();
+}
+
 TEST_P(ContextCacheRequestTest, APreemptedRowIsResumedFromWhatItPublished) {
   CoordinatorRig rig(device());
   RequestDriver driver(rig);

@@ -44,6 +44,7 @@ struct RigOptions {
   EvictionPolicyKind evictionPolicy = ContextCacheConfig{}.evictionPolicy;
   /// Pages of a host tier (its faults armed through the rig's `sync`); 0: none.
   int32_t hostTierPages = 0;
+  JoinerPageAllocation joinerPages = JoinerPageAllocation::kWholePrompt;
 };
 
 /// One sequence as the engine sees it. `tokens` is the ledger (prompt, then sampled tokens; the
@@ -139,6 +140,7 @@ class CoordinatorRig {
     config.verifyTokens = o.verifyTokens;
     config.eventQueueCapacity = o.eventQueueCapacity;
     config.evictionPolicy = o.evictionPolicy;
+    config.joinerPages = o.joinerPages;
     return config;
   }
 

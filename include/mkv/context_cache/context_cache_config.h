@@ -78,6 +78,11 @@ struct ContextCacheConfig {
   /// more than kLru in every replay measured, docs/benchmarks.md) or kLru (docs/context_cache.md,
   /// "Eviction").
   EvictionPolicyKind evictionPolicy = EvictionPolicyKind::kS3Fifo;
+  /// When an in-flight admission takes its fresh pages: all at admission (kWholePrompt), or per
+  /// prefill chunk (kPerChunk: the engine calls preparePrefillChunk before every chunk, the last
+  /// one and a whole-prompt prefill included, and a joiner waiting for its next chunk holds only
+  /// the pages it has written). Founding rows always take their prompt's pages at admission.
+  JoinerPageAllocation joinerPages = JoinerPageAllocation::kWholePrompt;
   /// Clock of retention durations (RetentionRange::duration units); empty = steady-clock
   /// milliseconds. Called on the engine thread; must not throw.
   std::function<int64_t()> retentionClock;

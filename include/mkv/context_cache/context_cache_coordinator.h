@@ -144,7 +144,7 @@ struct ContextCacheCoordinatorCounters {
   uint64_t liveAdmissionRefusals = 0;  ///< in-flight admissions refused for capacity
   uint64_t retractedAdmissions = 0;
   uint64_t pageGrowths = 0;       ///< decode steps that grew a sequence's pages
-  uint64_t growthFailures = 0;    ///< growth refused: the request was failed
+  uint64_t growthFailures = 0;    ///< growth refused (a decode step's or a chunk's): row failed
   uint64_t synchronizations = 0;  ///< stream synchronisations made by the coordinator
   uint64_t quarantinedRequests = 0;
   uint64_t checkpointRestores = 0;      ///< sequences that started from a restored checkpoint
@@ -170,7 +170,9 @@ struct ContextCacheCoordinatorCounters {
   /// (checkpoint deployments), committed with the row's other points when it finalises.
   uint64_t chunkEndCaptures = 0;
   uint64_t prefillChunks = 0;  ///< completePrefillChunk calls accepted (chunks of joiners)
-  uint64_t preemptions = 0;    ///< rows preempted (preemptSequence)
+  /// preparePrefillChunk calls that allocated a chunk's pages (JoinerPageAllocation::kPerChunk).
+  uint64_t chunkPageGrowths = 0;
+  uint64_t preemptions = 0;  ///< rows preempted (preemptSequence)
 };
 
 /// One counter of ContextCacheCoordinatorCounters as every export names it: the Prometheus
@@ -244,6 +246,8 @@ inline constexpr auto kCoordinatorCounterFields = std::to_array<CoordinatorCount
      &ContextCacheCoordinatorCounters::chunkEndCaptures},
     {"coordinator_prefill_chunks", "Prefill chunks of in-flight admissions completed.",
      &ContextCacheCoordinatorCounters::prefillChunks},
+    {"coordinator_chunk_page_growths", "Prefill chunks whose pages were allocated when prepared.",
+     &ContextCacheCoordinatorCounters::chunkPageGrowths},
     {"coordinator_preemptions", "Rows preempted, their committed state published.",
      &ContextCacheCoordinatorCounters::preemptions},
 });
@@ -503,13 +507,19 @@ class ContextCacheCoordinator {
   ContextCacheStatus completePrefillChunk(RequestHandle& handle, ExecutionRow row,
                                           int32_t prefilledTokens);
   /// Before the step that runs joiner `row`'s next chunk, positions [committed, chunkEnd): the
-  /// engine's per-step hook, as on the bounded-SWA backend, where it maps the chunk's window.
-  /// Here the joiner holds its whole prompt's pages from admission, so nothing changes: kOk, or
-  /// kPoisoned on a poisoned coordinator. Throws, as completePrefillChunk does, outside an
-  /// executing request with no pending work, for a row that is not an unfinalised admission, and
-  /// for chunkEnd outside (committed, prompt].
-  ContextCacheStatus preparePrefillChunk(RequestHandle const& handle, ExecutionRow row,
-                                         int32_t chunkEnd) const;
+  /// engine's per-step hook (vLLM's allocate_slots for a scheduled chunk). With
+  /// JoinerPageAllocation::kPerChunk it allocates and maps the row's pages up to chunkEnd (every
+  /// lane: base and paired draft); a joiner that holds its whole prompt's pages (kWholePrompt)
+  /// grows nothing. kRequestFailed when the pools cannot give them even after eviction:
+  /// lastFailure names the row (kNoCapacity) and nothing changed, so the engine may preempt and
+  /// prepare again, or retract the joiner; kPoisoned on a poisoned coordinator. Throws, as
+  /// completePrefillChunk does, outside an executing request with no pending work, for a row
+  /// that is not an unfinalised admission, and for chunkEnd outside (committed, prompt].
+  ContextCacheStatus preparePrefillChunk(RequestHandle& handle, ExecutionRow row, int32_t chunkEnd);
+  /// What preparePrefillChunk(handle, row, chunkEnd) would allocate, changing nothing: its base
+  /// and draft pages (0 unless the joiner was admitted with kPerChunk). Throws as it does.
+  DecodeStepDemand prefillChunkDemand(RequestHandle const& handle, ExecutionRow row,
+                                      int32_t chunkEnd) const;
   /// Preemption, vLLM's recompute (docs/lifecycle.md, "Preemption"): between steps, publishes
   /// execution row `row`'s committed state as a normal completion publishes it (full blocks;
   /// on checkpoint deployments a checkpoint, one synchronisation; nothing more under
@@ -694,6 +704,16 @@ class ContextCacheCoordinator {
                                       std::span<uint8_t const> completed);
   /// Grows each sequence's pages to cover committed + headroom and maps them (prepareDecodeStep).
   ContextCacheStatus growPages(Request& request, DecodingKvHeadroom const& headroom);
+  /// What growRow did to one row.
+  enum class RowGrowth : uint8_t { kUnchanged, kGrown, kTableFull, kNoCapacity, kPoisoned };
+  /// Grows `sequence`'s lease to `needed` pages per lane of `request`'s rows and maps the new
+  /// ones (no upload). kTableFull and kNoCapacity change nothing (a throw neither); kPoisoned:
+  /// grown and mapped, but moving evicted blocks to the host tier failed.
+  RowGrowth growRow(Request& request, Sequence& sequence, std::array<int32_t, 2> const& needed,
+                    char const* call);
+  /// The checks of preparePrefillChunk and prefillChunkDemand; the joiner's sequence.
+  Sequence const& prefillChunkRow(char const* call, Request const& request, ExecutionRow row,
+                                  int32_t chunkEnd) const;
   /// compactBatch's device work: clears dropped rows, compacts lengths, zeroes recurrent rows.
   void enqueueCompaction(Request& request, std::span<CacheSlot const> dropped);
   /// compactBatch after its synchronisation: releases the dropped rows, keeps the survivors.

@@ -132,9 +132,14 @@ class ContextCacheRequest {
   /// kSwap throws without a host tier); false when poisoned or quarantined.
   bool preemptSequence(ExecutionRow row, PreemptionKind kind);
   /// Before the step that runs a joiner's next chunk (ContextCacheCoordinator::
-  /// preparePrefillChunk: the pages are held from admission, nothing changes); false when
-  /// poisoned.
+  /// preparePrefillChunk: under JoinerPageAllocation::kPerChunk it allocates the chunk's pages);
+  /// false when the pools cannot (lastFailure() names the row, kNoCapacity) or when poisoned.
   bool preparePrefillChunk(ExecutionRow row, int32_t chunkEnd);
+  /// What preparePrefillChunk(row, chunkEnd) would allocate
+  /// (ContextCacheCoordinator::prefillChunkDemand).
+  DecodeStepDemand prefillChunkDemand(ExecutionRow row, int32_t chunkEnd) const {
+    return mCoordinator->prefillChunkDemand(mHandle, row, chunkEnd);
+  }
   /// A chunk of an in-flight admission's prefill completed
   /// (ContextCacheCoordinator::completePrefillChunk); false when poisoned.
   bool completePrefillChunk(ExecutionRow row, int32_t prefilledTokens);

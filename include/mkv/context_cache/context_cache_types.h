@@ -127,6 +127,19 @@ enum class ReusePointAdmission : uint8_t {
 };
 std::string_view toString(ReusePointAdmission admission) noexcept;
 
+/// When an in-flight admission's fresh pages are allocated (ContextCacheConfig::joinerPages;
+/// docs/lifecycle.md, "Chunked prefill").
+enum class JoinerPageAllocation : uint8_t {
+  /// At admission: the pages of the whole prompt and the headroom, so that a prefill in one step
+  /// or in chunks needs nothing more (the seed's contract).
+  kWholePrompt,
+  /// Per chunk, as vLLM allocates slots for each scheduled chunk: admission binds only the reused
+  /// prefix, and preparePrefillChunk allocates the pages up to each chunk's end (the last chunk's
+  /// too), failing that row alone when the pools cannot.
+  kPerChunk,
+};
+std::string_view toString(JoinerPageAllocation allocation) noexcept;
+
 /// The kinds of resource a context-cache lease or record can hold. kBaseKvPage ids are PageIds of
 /// the base KVCachePool, kDraftKvPage ids PageIds of the draft pool; snapshot ids are slots of
 /// SnapshotStorage's recurrent and partial-KV slabs.

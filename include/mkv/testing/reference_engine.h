@@ -341,12 +341,16 @@ class ReferenceEngine {
   bool compactFinished(Run& run);
   /// Admits queued sequences while slots and pools allow; false when an admission fails.
   bool tryJoins(Run& run);
+  /// After a joiner's admission when it prefills whole (no token budget): preparePrefillChunk to
+  /// its prompt's end; when that fails the joiner is retracted (false; lastFailure() says why).
+  bool prepareWholePrefill(Run& run, EngineSequence const& spec, int32_t prefillStart);
   /// Seats the admitted front of `queue` (the join queue, or the preempted sequences waiting
   /// before it): row, prefill, lookahead, finalize; false on failure.
   bool seatJoiner(Run& run, std::deque<EngineSequence>& queue, ResidentRef resident,
                   int32_t prefillStart);
-  /// Preemption: whether every pool covers the next decode step's page growth
-  /// (ManagedKVCacheRequest::decodeStepDemand against KVCacheRuntime::capacity()).
+  /// Preemption: whether every pool covers the next decode step's page growth and the pages of
+  /// the chunks planChunks planned (ManagedKVCacheRequest::decodeStepDemand and
+  /// prefillChunkDemand against KVCacheRuntime::capacity()).
   bool growthFits(Run const& run) const;
   /// Preemption before a decode step: preempts the newest running rows while the step's growth
   /// does not fit and another row runs; false when a library call fails.
@@ -385,9 +389,11 @@ class ReferenceEngine {
   /// After the last chunk: the Hybrid-MTP hidden row, the prefill's figures, the attention
   /// check of the whole prompt, the draft's prefill.
   void finishPrefill(Run& run, Row& row);
-  /// Chunked prefill, before the step's prepareDecodeStep: this step's chunks of the prefilling
-  /// joiners, within the token budget left after the decode rows (vLLM's order), each made ready
-  /// with preparePrefillChunk. False when a call failed.
+  /// Chunked prefill: plans this step's chunks of the prefilling joiners (Row::chunkEnd), within
+  /// the token budget left after the decode rows (vLLM's order).
+  void planChunks(Run& run) const;
+  /// Before the step's prepareDecodeStep: makes each planned chunk ready with
+  /// preparePrefillChunk. False when a call failed.
   bool prepareChunks(Run& run);
   /// Runs the chunks prepareChunks planned.
   void stagePrefillChunks(Run& run);
