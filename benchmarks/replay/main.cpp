@@ -301,6 +301,16 @@ CliOptions parseArguments(int argc, char** argv) {
                 {"recompute", mkv::testing::PreemptionMode::kRecompute},
                 {"swap", mkv::testing::PreemptionMode::kSwap}});
          });
+  option("--joiner-pages", "A",
+         "whole-prompt (default: a joiner takes its prompt's pages when it is admitted) or "
+         "per-chunk (vLLM's allocation: admission binds the reused prefix, each prefill chunk "
+         "allocates its pages before its step; needs in-flight joins)",
+         [&](std::string_view flag, std::string_view value) {
+           c.joinerPages = parseChoice<mkv::JoinerPageAllocation>(
+               flag, value,
+               {{"whole-prompt", mkv::JoinerPageAllocation::kWholePrompt},
+                {"per-chunk", mkv::JoinerPageAllocation::kPerChunk}});
+         });
   option("--layers", "N", "attention layers (swa: sliding layers) (default 1)",
          int32(1, 256, c.layers));
   option("--kv-heads", "N", "KV heads (default 1)", int32(1, 4096, c.kvHeads));
@@ -692,22 +702,23 @@ int run(int argc, char** argv) {
 }  // namespace
 
 int main(int argc, char** argv) {
+  // The handlers write with std::fprintf, which does not throw (fmt::print may).
   try {
     return run(argc, argv);
   } catch (UsageError const& error) {
-    fmt::print(stderr, "mkv-replay: {}\n", error.what());
+    std::fprintf(stderr, "mkv-replay: %s\n", error.what());
   } catch (TraceError const& error) {
-    fmt::print(stderr, "mkv-replay: {}\n", error.what());
+    std::fprintf(stderr, "mkv-replay: %s\n", error.what());
   } catch (ReplayConfigError const& error) {
-    fmt::print(stderr, "mkv-replay: {}\n", error.what());
+    std::fprintf(stderr, "mkv-replay: %s\n", error.what());
   } catch (mkv::Error const& error) {
-    fmt::print(stderr, "mkv-replay: internal error: {}\n", error.what());
+    std::fprintf(stderr, "mkv-replay: internal error: %s\n", error.what());
     return kExitInternal;
   } catch (std::exception const& error) {
-    fmt::print(stderr, "mkv-replay: internal error: {}\n", error.what());
+    std::fprintf(stderr, "mkv-replay: internal error: %s\n", error.what());
     return kExitInternal;
   } catch (...) {
-    fmt::print(stderr, "mkv-replay: internal error: an unknown exception\n");
+    std::fprintf(stderr, "mkv-replay: internal error: an unknown exception\n");
     return kExitInternal;
   }
   return kExitBadInput;

@@ -320,6 +320,9 @@ std::string formatSummary(ReplayResult const& r) {
                      grouped(r.prefillChunks), r.timeToFirstTokenStepsP50,
                      r.timeToFirstTokenStepsP99));
   }
+  if (c.joinerPages != JoinerPageAllocation::kWholePrompt) {
+    line("joiner pages", std::string(mkv::toString(c.joinerPages)));
+  }
   if (c.preemption != testing::PreemptionMode::kNone) {
     bool const swap = c.preemption == testing::PreemptionMode::kSwap;
     std::string hostTier;
@@ -480,6 +483,7 @@ std::string formatJson(ReplayResult const& r) {
       {"time_between_tokens_steps_p50", r.timeBetweenTokensStepsP50},
       {"time_between_tokens_steps_p99", r.timeBetweenTokensStepsP99},
       {"preemption", preemptionName(c.preemption)},
+      {"joiner_pages", std::string(mkv::toString(c.joinerPages))},
       {"preemptions", r.preemptions},
       {"resumed", r.resumed},
       {"resumed_prompt_tokens", r.resumedPromptTokens},

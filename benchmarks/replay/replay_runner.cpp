@@ -438,6 +438,7 @@ class Runner {
     rc.deviceWrites = c.deviceWrites;
     rc.contextCache.verifyTokens = true;
     rc.contextCache.evictionPolicy = c.eviction;
+    rc.contextCache.joinerPages = c.joinerPages;
     // Records are limited by pages, never by count: a request publishes at most twice, or (with
     // a token budget) once more per prefill chunk, each ending on a distinct cached page.
     int64_t const chunkRecords =
@@ -618,6 +619,12 @@ class Runner {
       configError(
           "preemption needs in-flight joins (--max-batch > 1, not Hybrid-MTP; in swa mode with "
           "--max-batched-tokens): the preempted are admitted again in flight");
+    }
+    if (c.joinerPages == JoinerPageAllocation::kPerChunk &&
+        (!mJoins || c.mode == ReplayMode::kSwa)) {
+      configError(
+          "--joiner-pages per-chunk needs in-flight joins (--max-batch > 1, not Hybrid-MTP) on a "
+          "context-reuse mode: bounded SWA's joiners rotate within their 2M + 1 pages");
     }
     if (c.preemption != testing::PreemptionMode::kNone && c.mode == ReplayMode::kSwa) {
       configError(

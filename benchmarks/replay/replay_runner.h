@@ -83,6 +83,9 @@ struct ReplayConfig {
   /// kRecompute preempts the newest running sequences before a decode step whose page growth
   /// the pool cannot give, and admits them again first, reusing what they published.
   testing::PreemptionMode preemption = testing::PreemptionMode::kNone;
+  /// When a joiner takes its fresh pages (ContextCacheConfig::joinerPages): at admission, or per
+  /// prefill chunk (needs in-flight joins; not swa mode, whose joiners hold 2M + 1 pages).
+  JoinerPageAllocation joinerPages = JoinerPageAllocation::kWholePrompt;
   int32_t maxOutputTokens = 0;  ///< cap on sampled tokens per request; 0 = none
   std::size_t limit = 0;        ///< replay the first `limit` requests; 0 = all
   DeviceType device = DeviceType::kCPU;

@@ -147,11 +147,37 @@ bool ReferenceEngine::tryJoins(Run& run) {
       ++mStats.joinRefusals;
       return status == AdmitSequenceStatus::kNoCapacity;
     }
+    if (mOptions.maxBatchedTokens == 0 && !prepareWholePrefill(run, spec, prefillStart)) {
+      mRuntime.residentSlots().release(*resident);
+      ++mStats.joinRefusals;
+      return run.managed->lastFailure().reason == RowFailureReason::kNoCapacity;
+    }
     if (!seatJoiner(run, queue, *resident, prefillStart)) {
       return false;
     }
   }
   return true;
+}
+
+bool ReferenceEngine::prepareWholePrefill(Run& run, EngineSequence const& spec,
+                                          int32_t prefillStart) {
+  // The whole prompt in the joining step: its pages (allocated now under
+  // JoinerPageAllocation::kPerChunk; a joiner admitted with them only checks). When the pools
+  // cannot give them the joiner is retracted and waits, as vLLM leaves a request it cannot
+  // allocate for in its queue.
+  auto const promptLength = static_cast<int32_t>(spec.prompt.size());
+  if (prefillStart >= promptLength) {
+    return true;
+  }
+  auto const start = std::chrono::steady_clock::now();
+  bool ready =
+      run.managed->preparePrefillChunk(static_cast<ExecutionRow>(run.rows.size()), promptLength);
+  if (!ready && !run.managed->retractSequenceAdmission()) {
+    run.libraryNanos += nanosSince(start);
+    return false;  // lastFailure() says kPoisoned
+  }
+  run.libraryNanos += nanosSince(start);
+  return ready;
 }
 
 bool ReferenceEngine::seatJoiner(Run& run, std::deque<EngineSequence>& queue, ResidentRef resident,
@@ -286,29 +312,41 @@ bool ReferenceEngine::decodeStep(Run& run) {
   return ok && completeChunks(run);
 }
 
-bool ReferenceEngine::prepareChunks(Run& run) {
+void ReferenceEngine::planChunks(Run& run) const {
+  for (Row& row : run.rows) {
+    row.chunkEnd = 0;
+  }
   if (mOptions.maxBatchedTokens == 0) {
-    return true;
+    return;
   }
   // vLLM's order: the decodes take one token each; the rest goes to prefill chunks in join
-  // order, at least one token a step. Each chunk's pages are made ready before the step.
+  // order, at least one token a step.
   int32_t decoding = 0;
   for (Row const& row : run.rows) {
     decoding += row.reason == FinishReason::kNotFinished && !row.prefilling ? 1 : 0;
   }
   int32_t budget = std::max(1, mOptions.maxBatchedTokens - decoding);
-  for (std::size_t i = 0; i < run.rows.size() && budget > 0; ++i) {
-    Row& row = run.rows[i];
+  for (Row& row : run.rows) {
+    if (budget <= 0) {
+      break;
+    }
     if (!row.prefilling || row.reason != FinishReason::kNotFinished) {
       continue;
     }
     auto const promptLength = static_cast<int32_t>(row.spec.prompt.size());
-    int32_t const end = std::min(promptLength, row.materialized + budget);
-    budget -= end - row.materialized;
-    if (!run.managed->preparePrefillChunk(static_cast<ExecutionRow>(i), end)) {
+    row.chunkEnd = std::min(promptLength, row.materialized + budget);
+    budget -= row.chunkEnd - row.materialized;
+  }
+}
+
+bool ReferenceEngine::prepareChunks(Run& run) {
+  planChunks(run);  // again: a preemption since the last plan may have freed budget
+  // Each chunk's pages are made ready before the step.
+  for (std::size_t i = 0; i < run.rows.size(); ++i) {
+    if (run.rows[i].chunkEnd > 0 &&
+        !run.managed->preparePrefillChunk(static_cast<ExecutionRow>(i), run.rows[i].chunkEnd)) {
       return false;
     }
-    row.chunkEnd = end;
   }
   return true;
 }
@@ -413,7 +451,15 @@ bool ReferenceEngine::growthFits(Run const& run) const {
   // What the step's prepareDecodeStep would allocate, against what each pool can give now: free
   // pages and cached ones no request runs on. A row past its table width fails the step
   // whatever the pools hold: preempting others would not help it.
-  DecodeStepDemand const demand = run.managed->decodeStepDemand(run.headroom);
+  DecodeStepDemand demand = run.managed->decodeStepDemand(run.headroom);
+  for (std::size_t i = 0; i < run.rows.size(); ++i) {
+    if (run.rows[i].chunkEnd > 0) {
+      DecodeStepDemand const chunk =
+          run.managed->prefillChunkDemand(static_cast<ExecutionRow>(i), run.rows[i].chunkEnd);
+      demand.basePages += chunk.basePages;
+      demand.draftPages += chunk.draftPages;
+    }
+  }
   KVCacheCapacity const capacity = mRuntime.capacity();
   auto fits = [](int32_t pages, std::optional<PagePoolUsage> const& pool) {
     return pages == 0 || (pool && pages <= int64_t{pool->freePages} + pool->reclaimablePages);
@@ -427,7 +473,7 @@ bool ReferenceEngine::preemptForGrowth(Run& run) {
       !mRuntime.supportsSeatedAdmission()) {
     return true;  // the preempted could not be admitted again
   }
-  while (!growthFits(run)) {
+  for (planChunks(run); !growthFits(run); planChunks(run)) {
     // vLLM's victim: the newest running sequence (rows are in admission order), while another
     // row runs; a step that still cannot grow fails as without preemption.
     std::size_t victim = run.rows.size();

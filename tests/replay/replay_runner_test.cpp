@@ -1017,6 +1017,43 @@ TEST(ReplayRunnerTest, APreemptedSequenceUnderPoolPressureResumesFromItsCachedBl
   EXPECT_GT(result.resumedReusedTokens, result.resumedPromptTokens / 4);
 }
 
+TEST(ReplayRunnerTest, PerChunkJoinerPagesServeTheSameTokensUnderPressure) {
+  MKV_TEST_INPUT_OR_SKIP(kMooncake500, "tests/data/mooncake_first500.jsonl");
+  // A pool that preempts: with pages per chunk a joiner waiting for its next chunk holds only
+  // what it has written, and the engine counts the planned chunks' pages before each step.
+  ReplayConfig config;
+  config.maxBatch = 16;
+  config.poolSizing = PoolSizing::kTokens;
+  config.poolAmount = 160'000;
+  config.maxBatchedTokens = 2048;
+  config.preemption = testing::PreemptionMode::kRecompute;
+  TraceSource wholeTrace = traceSource(kMooncake500);
+  RecordingSource whole(wholeTrace);
+  ReplayResult const wholePrompt = runReplay(whole, config);
+  config.joinerPages = JoinerPageAllocation::kPerChunk;
+  TraceSource perChunkTrace = traceSource(kMooncake500);
+  RecordingSource perChunk(perChunkTrace);
+  ReplayResult const result = runReplay(perChunk, config);
+  EXPECT_EQ(result.oracleMismatches, 0) << result.firstMismatch;
+  EXPECT_EQ(result.failedRequests, 0);
+  EXPECT_EQ(result.retriedRequests, 0);
+  EXPECT_EQ(wholePrompt.failedRequests, 0);
+  // Engagement: chunks took their pages when prepared, and the whole-prompt run took none so.
+  ASSERT_TRUE(result.coordinatorCounters.has_value());
+  ASSERT_TRUE(wholePrompt.coordinatorCounters.has_value());
+  EXPECT_GT(result.coordinatorCounters->chunkPageGrowths, 100U);
+  EXPECT_EQ(wholePrompt.coordinatorCounters->chunkPageGrowths, 0U);
+  EXPECT_GT(result.chunkedPrefills, 50);
+  EXPECT_GT(result.preemptions, 0);
+  // The schedule differs; what each request is served does not.
+  EXPECT_EQ(result.promptTokens, wholePrompt.promptTokens);
+  EXPECT_EQ(result.generatedTokens, wholePrompt.generatedTokens);
+  ASSERT_EQ(perChunk.generated.size(), whole.generated.size());
+  for (std::size_t i = 0; i < whole.generated.size(); ++i) {
+    EXPECT_EQ(perChunk.generated[i], whole.generated[i]) << i;
+  }
+}
+
 TEST(ReplayRunnerTest, SwapPreemptionMovesThePreemptedBlocksToTheHostAndResumesFromThere) {
   MKV_TEST_INPUT_OR_SKIP(kMooncake500, "tests/data/mooncake_first500.jsonl");
   // The recompute case above with a host tier of 160,000 tokens, once per kind: swap moves the
