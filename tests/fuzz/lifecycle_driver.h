@@ -75,9 +75,13 @@ struct LifecycleStats {
   int64_t checkpointsPublished = 0;   ///< checkpoints committed (prefill and decode end)
   int64_t checkpointSlabChecks = 0;   ///< checkpoint records whose slabs were compared
   int64_t snapshotPressureSkips = 0;  ///< captures skipped for want of a snapshot slot
-  int64_t prefillChunks = 0;       ///< chunks of joiners' prefills completed (completePrefillChunk)
-  int64_t preemptions = 0;         ///< rows preempted (preemptSequence accepted)
-  int64_t reusePointsWritten = 0;  ///< reuse points the engine captured into named slots
+  int64_t prefillChunks = 0;  ///< chunks of joiners' prefills completed (completePrefillChunk)
+  int64_t preemptions = 0;    ///< rows preempted (preemptSequence accepted)
+  /// Joiners' chunks whose pages preparePrefillChunk allocated (JoinerPageAllocation::kPerChunk),
+  /// and chunks it refused for capacity (the model said they did not fit; nothing changed).
+  int64_t chunkPagePrepares = 0;
+  int64_t chunkPageRefusals = 0;
+  int64_t reusePointsWritten = 0;    ///< reuse points the engine captured into named slots
   int64_t reusePointsRestored = 0;   ///< rows that resumed from a reuse point, verified
   int64_t draftOraclePositions = 0;  ///< draft KV positions verified
   int64_t pairedReuses = 0;          ///< speculative rows that resumed on reused base + draft KV

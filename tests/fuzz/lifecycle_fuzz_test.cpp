@@ -60,6 +60,10 @@ TEST(LifecycleFuzzTest, SeededLifecyclesKeepEveryInvariant) {
   EXPECT_GT(total.prefillChunks, 10);  // chunked prefill of joiners
   EXPECT_GT(total.preemptions, 10);
   EXPECT_GT(total.retractions, 10);
+  // Joiners that take their pages per chunk: chunks prepared with pages, and refused for want of
+  // them (the model decides which, exactly).
+  EXPECT_GT(total.chunkPagePrepares, 50);
+  EXPECT_GT(total.chunkPageRefusals, 10);
   EXPECT_GT(total.failedSynchronizations, 100);
   EXPECT_GT(total.quarantines, 100);
   EXPECT_GT(total.shutdowns, 100);
@@ -92,6 +96,9 @@ TEST(LifecycleFuzzTest, SeededLifecyclesKeepEveryInvariant) {
       static_cast<long long>(total.failedSynchronizations),
       static_cast<long long>(total.quarantines), static_cast<long long>(total.shutdowns),
       static_cast<long long>(total.cacheResets), static_cast<long long>(total.oraclePositions));
+  std::printf("pages per chunk: %lld chunks prepared with pages, %lld refused\n",
+              static_cast<long long>(total.chunkPagePrepares),
+              static_cast<long long>(total.chunkPageRefusals));
   std::printf(
       "bounded SWA: joins %lld, prefill chunks run %lld (%lld in decode steps), completed %lld, "
       "finalised %lld, retracted %lld\n",

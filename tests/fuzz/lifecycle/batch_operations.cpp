@@ -412,16 +412,94 @@ void Lifecycle::joined(Req& req, Row row, int32_t start, std::string const& what
     writeDraftLength(static_cast<int32_t>(req.rows.size()) - 1, start);
     ++mStats.pairedJoins;
   }
-  flushForStep();  // the joiner's rows and length, before its prefill's forward
+  ++mStats.joins;
+  trace(fmt::format("{}: joined at row {} from {}", what, req.rows.size() - 1, start));
   // Chunked prefill: half the joiners of two or more tokens run only a first chunk now.
   int32_t const end =
       length - start >= 2 && mIn.oneIn(2) ? start + 1 + mIn.below(length - start - 1) : length;
-  executePrefill(req, req.rows.back(), static_cast<int32_t>(req.rows.size()) - 1, end);
+  auto const slot = static_cast<int32_t>(req.rows.size()) - 1;
+  // No pages for it now: its chunks run later, or it is retracted (on a poisoned backend, a
+  // joiner that holds its pages runs on to the refusals of its completion calls).
+  if (!prepareJoinerChunk(req, slot, end) && !(mPoisoned && chunkCovered(req.rows.back(), end))) {
+    // The engine seats it at its prefill start (what it reused checked there); no chunk runs.
+    flushForStep();
+    if (start > 0) {
+      executePrefill(req, req.rows.back(), slot, start);
+    } else {
+      writeLength(slot, 0);
+    }
+    return;
+  }
+  flushForStep();  // the joiner's rows and length, before its prefill's forward
+  executePrefill(req, req.rows.back(), slot, end);
   if (end == length) {
     sampleInto(req.rows.back());
   }
-  ++mStats.joins;
-  trace(fmt::format("{}: joined at row {} from {}", what, req.rows.size() - 1, start));
+}
+
+bool Lifecycle::chunkCovered(Row const& row, int32_t end) const {
+  return mappedPages(row) >= ceilPages(end) &&
+         (!row.paired || mappedDraftPages(row) >= ceilPages(end));
+}
+
+bool Lifecycle::prepareJoinerChunk(Req& req, int32_t slot, int32_t end) {
+  std::string const what =
+      fmt::format("preparePrefillChunk(row {}, to {}) on {}", slot, end, describe(req));
+  auto call = [&] {
+    if (req.via == Via::kFacade) {
+      return req.facade->preparePrefillChunk(slot, end);
+    }
+    return mCoordinator->preparePrefillChunk(req.coordinator, slot, end) == ContextCacheStatus::kOk;
+  };
+  Row const& row = req.rows[static_cast<std::size_t>(slot)];
+  bool const valid = req.stage == Stage::kIdle && !row.joined && end > row.chunkCompleted &&
+                     end <= static_cast<int32_t>(row.prompt.size());
+  if (!valid) {
+    reject(what, call);
+    return false;
+  }
+  // The chunk's pages, as the library counts them: those the row's table does not map yet.
+  int32_t const base = std::max(0, ceilPages(end) - mappedPages(row));
+  int32_t const draft = row.paired ? std::max(0, ceilPages(end) - mappedDraftPages(row)) : 0;
+  DecodeStepDemand const demand = accept("prefillChunkDemand", [&] {
+    return req.via == Via::kFacade ? req.facade->prefillChunkDemand(slot, end)
+                                   : mCoordinator->prefillChunkDemand(req.coordinator, slot, end);
+  });
+  expectf(demand.basePages == base && demand.draftPages == draft,
+          "{}: prefillChunkDemand says {} / {} base / draft pages, the model {} / {}", what,
+          demand.basePages, demand.draftPages, base, draft);
+  if (mPoisoned) {  // checked, then refused: nothing allocated
+    expect(!unchanged(what, call), what + ": prepared a chunk on a poisoned backend");
+    ++mStats.refusals;
+    return false;
+  }
+  ResourcePools const& pools = mCoordinator->manager().pools();
+  bool const fits = base <= pools.freeCount(ResourceType::kBaseKvPage) +
+                                pools.reclaimableCount(ResourceType::kBaseKvPage) &&
+                    draft <= pools.freeCount(ResourceType::kDraftKvPage) +
+                                 pools.reclaimableCount(ResourceType::kDraftKvPage);
+  BackendSnapshot const before = snapshot();
+  bool const prepared = accept(what, call);
+  expectf(prepared == fits, "{}: prepared {}, the model says the pages fit: {}", what, prepared,
+          fits);
+  if (!prepared) {
+    expectRefusalChangedNothing(what, before);
+    RowFailure const failure = req.via == Via::kFacade ? req.facade->lastFailure()
+                                                       : mCoordinator->lastFailure(req.coordinator);
+    expectf(failure == RowFailure{RowFailureReason::kNoCapacity, slot},
+            "{}: refused with {} on row {}", what, toString(failure.reason), failure.row);
+    ++mStats.refusals;
+    ++mStats.chunkPageRefusals;
+    trace(what + ": refused (capacity)");
+    return false;
+  }
+  expectf(mappedPages(row) >= ceilPages(end), "{}: the row maps {} pages for {} tokens", what,
+          mappedPages(row), end);
+  if (base + draft > 0) {
+    ++mStats.chunkPagePrepares;
+    trace(fmt::format("{}: {} + {} pages", what, base, draft));
+  }
+  return true;
 }
 
 /// Row model of a joiner: windowFrom (= chunkCompleted) is the end of its completed chunks, the
@@ -536,6 +614,10 @@ void Lifecycle::prefillChunk(Req& req, int32_t slot) {
     reject(what + " (bad length)", [&] { return call(bad); });
     return;
   }
+  if (!prepareJoinerChunk(req, slot, end) && !(mPoisoned && chunkCovered(row, end))) {
+    return;
+  }
+  flushForStep();                       // the chunk's rows, before its forward
   executePrefill(req, row, slot, end);  // the chunk's forward, in the engine's step
   if (mPoisoned) {
     expect(!unchanged(what, [&] { return call(end); }), what + ": completed on a poisoned backend");
@@ -554,13 +636,19 @@ void Lifecycle::prefillChunk(Req& req, int32_t slot) {
   trace(fmt::format("{}: row {} to {} of {}", what, slot, end, length));
 }
 
-void Lifecycle::prefillRest(Req& req, int32_t slot) {
+bool Lifecycle::prefillRest(Req& req, int32_t slot) {
   Row& row = req.rows[static_cast<std::size_t>(slot)];
-  if (row.joined || row.materialized == static_cast<int32_t>(row.prompt.size())) {
-    return;
+  auto const length = static_cast<int32_t>(row.prompt.size());
+  if (row.joined || row.materialized == length) {
+    return true;
   }
+  if (!prepareJoinerChunk(req, slot, length) && !(mPoisoned && chunkCovered(row, length))) {
+    return false;
+  }
+  flushForStep();
   executePrefill(req, row, slot);
   sampleInto(row);
+  return true;
 }
 
 // ---------------------------------------------------------------- bounded-SWA joiners
@@ -745,8 +833,8 @@ void Lifecycle::issueFinalize(Req& req, int32_t slot, bool corruptLength) {
   auto const rows = static_cast<int32_t>(req.rows.size());
   bool const unjoined = slot < rows && !req.rows[static_cast<std::size_t>(slot)].joined;
   bool const valid = req.stage == Stage::kIdle && unjoined;
-  if (valid) {
-    prefillRest(req, slot);  // a chunked joiner's last chunk runs before its finalisation
+  if (valid && !prefillRest(req, slot)) {  // a chunked joiner's last chunk runs before
+    return;                                // its finalisation, once its pages are ready
   }
   Row const* row = valid ? &req.rows[static_cast<std::size_t>(slot)] : nullptr;
   int32_t const lookahead = row != nullptr ? row->generated.back() : 1;

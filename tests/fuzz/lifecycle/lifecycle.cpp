@@ -173,6 +173,10 @@ KVCacheRuntimeConfig Lifecycle::configFromInput() {
     config.contextCache.evictionPolicy = cacheByte >= 6   ? EvictionPolicyKind::kLoopAware
                                          : cacheByte >= 4 ? EvictionPolicyKind::kS3Fifo
                                                           : EvictionPolicyKind::kLru;
+    // Bit 3: joiners take their pages per prefill chunk (docs/lifecycle.md, "Chunked prefill").
+    config.contextCache.joinerPages = (rawCacheByte & 0x08) != 0
+                                          ? JoinerPageAllocation::kPerChunk
+                                          : JoinerPageAllocation::kWholePrompt;
     if (mKind == Runtime::kContextReuse && (rawCacheByte & 0x30) == 0x30) {
       config.hostPoolTokens = int64_t{kPage} * (1 + 2 * (rawCacheByte >> 6));
     }

@@ -374,7 +374,9 @@ class Lifecycle {
   /// decodeStepDemand (facade, coordinator or SWA manager, as the request is driven) against
   /// modelDecodeDemand.
   void checkDecodeDemand(Req const& req, DecodingKvHeadroom const& headroom);
+  /// Pages the row's base (draft) table maps.
   int32_t mappedPages(Row const& row) const;
+  int32_t mappedDraftPages(Row const& row) const;
   void prepareDecode(Req& req);
   void badPrepareDecode(Req& req);
   DecodeCall planDecode(Req& req, bool valid);
@@ -434,8 +436,16 @@ class Lifecycle {
   /// Chunked prefill of the unjoined row `slot` whose prompt is not done: one more chunk and its
   /// completePrefillChunk (refused during a step), its lookahead sampled after the last.
   void prefillChunk(Req& req, int32_t slot);
-  /// The rest of a chunked joiner's prefill and its lookahead, before it is finalised.
-  void prefillRest(Req& req, int32_t slot);
+  /// The rest of a chunked joiner's prefill and its lookahead, before it is finalised; false
+  /// when its pages could not be prepared (the finalisation is then not attempted).
+  bool prefillRest(Req& req, int32_t slot);
+  /// preparePrefillChunk of coordinator joiner `slot` to `end` (with its prefillChunkDemand
+  /// checked against the row's mapped pages): allocates the chunk's pages under
+  /// JoinerPageAllocation::kPerChunk, must succeed exactly when the pools can give them, and a
+  /// refusal names the row and changes nothing. False when refused (capacity, poison).
+  bool prepareJoinerChunk(Req& req, int32_t slot, int32_t end);
+  /// Whether the row's tables already map the pages of its first `end` tokens.
+  bool chunkCovered(Row const& row, int32_t end) const;
   void retract(Req& req);
 
   // ending_operations.cpp: finish, drop, shutdown, injected faults

@@ -551,8 +551,7 @@ Lifecycle::ModelDemand Lifecycle::modelDecodeDemand(Req const& req,
       }
       demand.base += std::max(0, required - mappedPages(row));
       if (row.paired) {
-        demand.draft +=
-            std::max(0, draft - mRuntime->draftPageTable()->liveEntryCount(row.resident.slot));
+        demand.draft += std::max(0, draft - mappedDraftPages(row));
       }
     } else if (ceilPages(int64_t{row.endpoint} + 1) > mWidth) {
       demand.tableFull = true;
@@ -598,6 +597,10 @@ void Lifecycle::checkDecodeDemand(Req const& req, DecodingKvHeadroom const& head
 
 int32_t Lifecycle::mappedPages(Row const& row) const {
   return mRuntime->fullPageTable()->liveEntryCount(row.resident.slot);
+}
+
+int32_t Lifecycle::mappedDraftPages(Row const& row) const {
+  return mRuntime->draftPageTable()->liveEntryCount(row.resident.slot);
 }
 
 void Lifecycle::prepareDecode(Req& req) {
