@@ -35,6 +35,8 @@ ReferenceEngine::ReferenceEngine(KVCacheRuntime& runtime, ReferenceEngineOptions
       mSpecWidth(mOptions.speculativeWidth),
       mPreemptionKind(mOptions.preemption == PreemptionMode::kSwap ? PreemptionKind::kSwap
                                                                    : PreemptionKind::kRecompute),
+      mPagesPerChunk(runtime.contextCache() != nullptr &&
+                     runtime.config().contextCache.joinerPages == JoinerPageAllocation::kPerChunk),
       mRandom(mix(mOptions.seed + 0x51ED)) {
   // Only checkpoint deployments promise a zeroed or restored row at the start of a sequence.
   ContextCacheCoordinator const* coordinator = runtime.contextCache();

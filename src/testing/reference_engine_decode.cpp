@@ -2,8 +2,11 @@
 /// The reference engine's decode loop (ReferenceEngine::run's last phase before finishRun): steps,
 /// compaction of finished rows and in-flight joins.
 
+#include <algorithm>
 #include <chrono>
+#include <optional>
 #include <span>
+#include <string_view>
 
 #include "core/check.h"
 #include "mkv/managed_kv_cache_request.h"
@@ -125,6 +128,12 @@ bool ReferenceEngine::tryJoins(Run& run) {
       return true;
     }
     EngineSequence const& spec = queue.front();
+    if (mPagesPerChunk) {
+      planChunks(run);  // the step's chunks so far, whose pages come first
+      if (!firstChunkFits(run, spec, mOptions.maxBatchedTokens > 0 ? budgetLeft() : 0)) {
+        return true;
+      }
+    }
     std::optional<ResidentRef> resident = mRuntime.residentSlots().acquire();
     if (!resident) {
       return true;
@@ -451,6 +460,16 @@ bool ReferenceEngine::growthFits(Run const& run) const {
   // What the step's prepareDecodeStep would allocate, against what each pool can give now: free
   // pages and cached ones no request runs on. A row past its table width fails the step
   // whatever the pools hold: preempting others would not help it.
+  DecodeStepDemand const demand = stepDemand(run);
+  KVCacheCapacity const capacity = mRuntime.capacity();
+  auto fits = [](int32_t pages, std::optional<PagePoolUsage> const& pool) {
+    return pages == 0 || (pool && pages <= int64_t{pool->freePages} + pool->reclaimablePages);
+  };
+  return fits(demand.basePages, capacity.base) && fits(demand.draftPages, capacity.draft) &&
+         fits(demand.slidingPages, capacity.sliding);
+}
+
+DecodeStepDemand ReferenceEngine::stepDemand(Run const& run) const {
   DecodeStepDemand demand = run.managed->decodeStepDemand(run.headroom);
   for (std::size_t i = 0; i < run.rows.size(); ++i) {
     if (run.rows[i].chunkEnd > 0) {
@@ -460,12 +479,32 @@ bool ReferenceEngine::growthFits(Run const& run) const {
       demand.draftPages += chunk.draftPages;
     }
   }
+  return demand;
+}
+
+bool ReferenceEngine::firstChunkFits(Run const& run, EngineSequence const& spec,
+                                     int64_t budget) const {
+  EngineRequest const& request = *run.request;
+  std::string_view const lora =
+      spec.identity ? spec.identity->loraWeightsName : request.loraWeightsName;
+  std::string_view const salt = spec.identity ? spec.identity->cacheSalt : request.cacheSalt;
+  // The estimate is a vanilla text lookup (media keys aside): close enough for a schedule.
+  AdmissionEstimate const estimate = mRuntime.estimateAdmission(
+      spec.prompt, lora, salt, DecodingKvHeadroom{run.headroom.baseExtraTokens, 0});
+  int64_t const page = mRuntime.config().tokensPerPage;
+  auto const prompt = static_cast<int64_t>(spec.prompt.size());
+  int64_t const end = budget > 0 ? std::min(prompt, estimate.reusableTokens + budget) : prompt;
+  // Pages past those the lookup binds from the GPU cache (host-tier blocks onboard into new ones).
+  int64_t const chunk =
+      (end + page - 1) / page - (estimate.reusableTokens - estimate.hostTierTokens) / page;
+  DecodeStepDemand const demand = stepDemand(run);
   KVCacheCapacity const capacity = mRuntime.capacity();
-  auto fits = [](int32_t pages, std::optional<PagePoolUsage> const& pool) {
-    return pages == 0 || (pool && pages <= int64_t{pool->freePages} + pool->reclaimablePages);
+  auto fits = [chunk](int64_t step, int32_t pinned, std::optional<PagePoolUsage> const& pool) {
+    return !pool || step + chunk + pinned <= int64_t{pool->freePages} + pool->reclaimablePages;
   };
-  return fits(demand.basePages, capacity.base) && fits(demand.draftPages, capacity.draft) &&
-         fits(demand.slidingPages, capacity.sliding);
+  return fits(demand.basePages, estimate.pinnedReclaimable.baseKvPages, capacity.base) &&
+         (!run.speculative ||
+          fits(demand.draftPages, estimate.pinnedReclaimable.draftKvPages, capacity.draft));
 }
 
 bool ReferenceEngine::preemptForGrowth(Run& run) {

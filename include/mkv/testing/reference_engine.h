@@ -352,6 +352,14 @@ class ReferenceEngine {
   /// the chunks planChunks planned (ManagedKVCacheRequest::decodeStepDemand and
   /// prefillChunkDemand against KVCacheRuntime::capacity()).
   bool growthFits(Run const& run) const;
+  /// The pages the next step takes: decodeStepDemand and the prefillChunkDemand of every chunk
+  /// planChunks planned.
+  DecodeStepDemand stepDemand(Run const& run) const;
+  /// Pages per chunk: whether the pools can give the first chunk of `spec` (what the step's
+  /// `budget` leaves it past its reusable prefix; its whole prompt without a budget) beside the
+  /// step's own demand and the reclaimable pages its admission would pin (estimateAdmission) —
+  /// vLLM schedules a waiting request only when its first chunk's slots can be allocated.
+  bool firstChunkFits(Run const& run, EngineSequence const& spec, int64_t budget) const;
   /// Preemption before a decode step: preempts the newest running rows while the step's growth
   /// does not fit and another row runs; false when a library call fails.
   bool preemptForGrowth(Run& run);
@@ -457,6 +465,9 @@ class ReferenceEngine {
   bool mHybridMtp = false;  // speculative on a Hybrid-MTP deployment
   int32_t mSpecWidth = 0;
   PreemptionKind mPreemptionKind = PreemptionKind::kRecompute;  // what preemptRow asks for
+  // Joiners take their pages per chunk (ContextCacheConfig::joinerPages on a coordinator
+  // backend): a waiting sequence joins only when its first chunk fits (firstChunkFits).
+  bool mPagesPerChunk = false;
   Tensor mHidden;  // Hybrid-MTP: the boundary hidden row [1, width], allocated once
   std::vector<int32_t> mLengthValues;
   std::vector<int32_t> mDraftLengthValues;
