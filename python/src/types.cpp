@@ -260,6 +260,7 @@ void bindMetrics(py::module_& m) {
       .def_readonly("checkpointCaptures", &ContextCacheCoordinatorCounters::checkpointCaptures)
       .def_readonly("prefillChunks", &ContextCacheCoordinatorCounters::prefillChunks)
       .def_readonly("chunkEndCaptures", &ContextCacheCoordinatorCounters::chunkEndCaptures)
+      .def_readonly("chunkPageGrowths", &ContextCacheCoordinatorCounters::chunkPageGrowths)
       .def_readonly("preemptions", &ContextCacheCoordinatorCounters::preemptions);
 }
 

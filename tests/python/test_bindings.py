@@ -15,8 +15,10 @@ import managedkv as mkv
 PAGE = 16
 
 
-def make_runtime(num_pages=32, max_batch=4, reuse=True, device=mkv.DeviceType.kCPU):
+def make_runtime(num_pages=32, max_batch=4, reuse=True, device=mkv.DeviceType.kCPU,
+                 joiner_pages=mkv.JoinerPageAllocation.kWholePrompt):
     config = mkv.KVCacheRuntimeConfig()
+    config.contextCache.joinerPages = joiner_pages
     config.model.numFullAttentionLayers = 2
     config.model.numKVHeads = 2
     config.model.headDim = 8
@@ -255,6 +257,43 @@ class JoinerIdentityTest(unittest.TestCase):
         self.assertEqual(starts, {"tenant-b": 0, "": 32})
         with self.assertRaises(mkv.Error):  # swap needs a host tier
             managed.preemptSequence(0, mkv.PreemptionKind.kSwap)
+        self.assertTrue(managed.finish())
+
+
+class PerChunkJoinerTest(unittest.TestCase):
+    def test_a_joiner_takes_each_chunks_pages_when_it_is_prepared(self):
+        runtime = make_runtime(joiner_pages=mkv.JoinerPageAllocation.kPerChunk)
+        self.assertEqual(runtime.config().contextCache.joinerPages, mkv.JoinerPageAllocation.kPerChunk)
+        prefix = list(range(1, 33))
+        pool = runtime.fullPool()
+        managed, context = begin(runtime, [prefix + [40, 41, 42]])
+        self.assertTrue(managed.preparePrefill())
+        pool.writeLengths(0, [35])
+        context.appendToken(0, 7)
+        self.assertTrue(managed.completePrefill(context))
+        leased = runtime.capacity().base.leasedPages
+        resident = runtime.residentSlots().acquire()
+        prompt = prefix + list(range(100, 140))  # 72 tokens, 32 reused
+        status, start = managed.admitSequence(prompt, "", mkv.DecodingKvHeadroom(1, 0), resident)
+        self.assertEqual((status, start), (mkv.AdmitSequenceStatus.kAdmitted, 32))
+        self.assertEqual(runtime.capacity().base.leasedPages, leased)  # the shared prefix only
+        pool.setActiveBatchSize(2)
+        pool.writeLengths(1, [32])
+        context.appendRow(prompt, resident, 32)
+        for end in (50, 72):
+            demand = managed.prefillChunkDemand(1, end)
+            before = runtime.capacity().base.leasedPages
+            self.assertTrue(managed.preparePrefillChunk(1, end))
+            self.assertEqual(runtime.capacity().base.leasedPages - before, demand.basePages)
+            self.assertGreater(demand.basePages, 0)
+            pool.writeLengths(1, [end])
+            if end < 72:
+                self.assertTrue(managed.completePrefillChunk(1, end))
+        context.appendToken(1, 9)
+        self.assertTrue(managed.finalizeSequenceAdmission(1, 9, 72))
+        with self.assertRaises(mkv.Error):  # a chunk end outside (done, prompt]
+            managed.prefillChunkDemand(1, 80)
+        self.assertEqual(runtime.contextCache().counters().chunkPageGrowths, 2)
         self.assertTrue(managed.finish())
 
 
