@@ -55,11 +55,12 @@ bool CheckpointMode::restoreCheckpoint(CoordinatorSequence const& sequence) cons
     return false;
   }
   mSnapshotStorage.restoreRecurrent(*recurrent, sequence.resident.slot, mParts.stream);
-  CacheRecord const* hit = mParts.manager.records().get(sequence.lease.hitRecord());
-  mParts.counters.reusePointRestores += hit != nullptr && hit->reusePoint ? 1U : 0U;
   if (std::optional<SnapshotSlot> const partial = sequence.lease.partialKvSnapshotSlot()) {
     restorePartialKv(sequence, *partial);
   }
+  // Counted once both copies were enqueued (a copy that throws leaves the counters as they were).
+  CacheRecord const* hit = mParts.manager.records().get(sequence.lease.hitRecord());
+  mParts.counters.reusePointRestores += hit != nullptr && hit->reusePoint ? 1U : 0U;
   ++mParts.counters.checkpointRestores;
   return true;
 }

@@ -1317,6 +1317,99 @@ TEST_F(AllocationFaultTest, AHybridMtpEndpointThatRunsOutOfHostMemoryKeepsTheHit
   EXPECT_TRUE(runtime->shutdown());
 }
 
+/// A hybrid joiner's admission restores the checkpoint its prompt hits and then plans its reuse
+/// points, which allocates: an allocation that fails anywhere in it leaves the batch, the snapshot
+/// slots and the restore counters as they were (the restore was counted before the planning once).
+TEST_F(AllocationFaultTest, AHybridJoinerThatRunsOutOfHostMemoryCountsNoRestore) {
+  KVCacheRuntimeConfig config;
+  config.model.numFullAttentionLayers = 1;
+  config.model.numKVHeads = 1;
+  config.model.headDim = 4;
+  config.model.numRecurrentLayers = 2;
+  config.model.recurrentStateBytes = 24;
+  config.model.recurrentConvBytes = 8;
+  config.maxBatchSize = 2;
+  config.maxSequenceLength = 128;
+  config.tokensPerPage = 16;
+  config.contextReuse = true;
+  config.deviceType = DeviceType::kCPU;
+  config.contextCache.checkpointInterval = 16;
+  config.contextCache.recurrentSnapshotPoolBytes = int64_t{16} * 2 * (24 + 8);
+  config.contextCache.partialKvSnapshotPoolBytes = int64_t{16} * 2 * 16 * 4 * 2;
+  std::unique_ptr<KVCacheRuntime> runtime = KVCacheRuntime::create(config);
+  ContextCacheCoordinator& coordinator = *runtime->contextCache();
+  std::vector<int32_t> prompt(100);
+  std::iota(prompt.begin(), prompt.end(), 100);
+  std::vector<int32_t> const founderPrompt(prompt.begin(), prompt.begin() + 40);
+  ResidentRef const founderSlot = runtime->residentSlots().acquire().value();
+  DecodingInferenceContext context;
+  context.activeBatchSize = 1;
+  context.rawBatchedInputIds = {founderPrompt};
+  context.generatedTokenIds = {{}};
+  context.residentRefs = {founderSlot};
+  context.finishReasons = {FinishReason::kNotFinished};
+  LLMGenerationRequest request;
+  request.requests.resize(1);
+  auto founder = ManagedKVCacheRequest::begin(&coordinator, nullptr, request, context, false,
+                                              DecodingKvHeadroom{1, 0},
+                                              DecodingTokenStateContract::kCommittedPlusLookahead,
+                                              ContextCacheCommitPolicy::kIncludingGeneratedTokens);
+  ASSERT_TRUE(founder.has_value());
+  ASSERT_TRUE(founder->preparePrefill());
+  context.generatedTokenIds[0].push_back(7);
+  ASSERT_TRUE(founder->completePrefill(context, {}));  // its prompt end, a checkpoint at 40
+  ResidentRef const joinerSlot = runtime->residentSlots().acquire().value();
+  ResourcePools const& pools = coordinator.manager().pools();
+  auto slotRefs = [&] {
+    std::vector<int32_t> refs;
+    for (ResourceType type : {ResourceType::kRecurrentSnapshot, ResourceType::kPartialKvSnapshot,
+                              ResourceType::kBaseKvPage}) {
+      for (int32_t id = 0; id < pools.capacity(type); ++id) {
+        refs.push_back(pools.activeRefs({type, id}));
+        refs.push_back(pools.cacheRefs({type, id}));
+      }
+    }
+    return refs;
+  };
+  int64_t failures = 0;
+  for (int64_t k = 1;; ++k) {
+    std::vector<int32_t> const before = slotRefs();
+    ContextCacheCoordinatorCounters const counters = coordinator.counters();
+    armAllocationFault(k);
+    bool threw = false;
+    int32_t start = -1;
+    AdmitSequenceStatus status = AdmitSequenceStatus::kFailed;
+    try {
+      LibraryCall call;
+      status = founder->admitSequence(prompt, "", DecodingKvHeadroom{1, 0}, start, joinerSlot,
+                                      runtime->config().stream);
+    } catch (std::bad_alloc const&) {
+      threw = true;
+    }
+    armAllocationFault(0);
+    if (!threw) {
+      ASSERT_EQ(status, AdmitSequenceStatus::kAdmitted);
+      EXPECT_GT(start, 0);  // a checkpoint of the founder's prompt
+      EXPECT_EQ(coordinator.counters().checkpointRestores, counters.checkpointRestores + 1);
+      break;
+    }
+    ++failures;
+    EXPECT_EQ(slotRefs(), before) << "allocation " << k;
+    EXPECT_EQ(coordinator.counters().checkpointRestores, counters.checkpointRestores)
+        << "allocation " << k;
+    EXPECT_EQ(coordinator.counters().reusePointRestores, counters.reusePointRestores);
+    EXPECT_EQ(coordinator.counters().liveAdmissions, counters.liveAdmissions);
+    EXPECT_EQ(founder->prefillStarts()->size(), 1U) << "allocation " << k;
+  }
+  EXPECT_GE(failures, 3) << "the lookup, the lease and the reuse points allocate";
+  EXPECT_TRUE(founder->retractSequenceAdmission());
+  ASSERT_TRUE(founder->finish());
+  founder.reset();
+  ASSERT_TRUE(runtime->residentSlots().release(joinerSlot));
+  ASSERT_TRUE(runtime->residentSlots().release(founderSlot));
+  EXPECT_TRUE(runtime->shutdown());
+}
+
 /// The lifecycle fuzzer with one allocation failing at a point spread over each lifecycle: the
 /// driver drops the request whose call threw std::bad_alloc and every invariant and the KV
 /// oracle must still hold, through to a teardown that finds every page back.
