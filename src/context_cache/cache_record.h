@@ -81,6 +81,9 @@ struct CacheRecord {
   /// `heldPriority`, the priority its retention gave it.
   bool speculative = false;
   int32_t heldPriority = kDefaultRetentionPriority;
+  /// Times a prompt came through it since it was published (admissions that hit it, and
+  /// publications of the same record): more than one proves a branch (RecordStore::demote).
+  int32_t hits = 0;
   /// With token verification on, the checkpoint tokens its base pages do not cover (the partial
   /// tail; every token for pure-recurrent checkpoints), compared on every hybrid match.
   std::vector<int32_t> verificationTokens;

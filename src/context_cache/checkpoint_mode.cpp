@@ -265,6 +265,9 @@ void CheckpointMode::commitStagedRow(CoordinatorRequest& req, std::size_t row) c
     if (published.status != PublishStatus::kVerificationRejected) {
       sequence.publishedExact = staged.exactLength;
       ++mParts.counters.checkpointPublications;
+      if (branchFirst()) {  // the checkpoint this row restored is superseded for its line
+        mParts.manager.supersedeHit(sequence.lease, staged.exactLength);
+      }
     }
   } catch (std::bad_alloc const&) {
     logger()->warn(

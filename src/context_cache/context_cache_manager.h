@@ -232,6 +232,13 @@ class ContextCacheManager {
   PublishResult publishHybrid(CacheRequestLease& lease, PromptBlocks const& blocks,
                               int32_t exactLength, SnapshotReservation const& reservation,
                               bool reusePoint = false, bool speculative = false);
+  /// Branch-first ranking, after `lease`'s sequence published a checkpoint of `exactLength`
+  /// tokens: when what it restored was a shorter prompt or decode end (an earlier turn of its
+  /// conversation, not a point inside a prompt), that checkpoint is superseded: the
+  /// conversation's next turn lands on the longer one, and the shorter serves only a prompt that
+  /// branches inside it, so it ranks as a speculation again unless a second prompt came through
+  /// it (RecordStore::demote).
+  void supersedeHit(CacheRequestLease const& lease, int32_t exactLength) noexcept;
   /// Hybrid+MTP endpoint: full blocks = (exactLength - 1) / page (the boundary token stays
   /// private), both snapshot slots mandatory, base and draft paths of those blocks.
   PublishResult publishHybridMtp(CacheRequestLease& lease, PromptBlocks const& blocks,

@@ -406,6 +406,17 @@ PublishResult ContextCacheManager::publishHybrid(CacheRequestLease& lease,
                            reservation, false, reusePoint, speculative);
 }
 
+void ContextCacheManager::supersedeHit(CacheRequestLease const& lease,
+                                       int32_t exactLength) noexcept {
+  CacheRecord const* hit =
+      lease.hitRecord() != kNoRecord ? mRecords.get(lease.hitRecord()) : nullptr;
+  // A prompt or decode end the line went past; a point inside a prompt is a shared prefix.
+  if (hit != nullptr && hit->isHybrid() && !hit->reusePoint &&
+      *hit->exactCheckpointLength < exactLength) {
+    mRecords.demote(hit->id);
+  }
+}
+
 PublishResult ContextCacheManager::publishHybridMtp(CacheRequestLease& lease,
                                                     PromptBlocks const& blocks, int32_t exactLength,
                                                     SnapshotReservation const& reservation) {

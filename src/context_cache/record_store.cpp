@@ -205,12 +205,29 @@ void RecordStore::touch(RecordId id) {
   MKV_REQUIRE(it != mById.end(), "RecordStore::touch", "unknown record {}", id);
   mLru.splice(mLru.end(), mLru, it->second.record);
   CacheRecord& record = *it->second.record;
+  ++record.hits;
   if (record.speculative) {  // a prompt came through it again: no longer a speculation
     record.speculative = false;
     record.retentionPriority = record.heldPriority;
     mPolicy->onPriorityChange(it->second.slot, record.retentionPriority);
   }
   mPolicy->onHit(it->second.slot);
+}
+
+void RecordStore::demote(RecordId id) noexcept {
+  auto const it = mById.find(id);
+  if (it == mById.end()) {
+    return;
+  }
+  CacheRecord& record = *it->second.record;
+  if (record.speculative || record.hits > 1 ||
+      record.retentionPriority > kDefaultRetentionPriority) {
+    return;
+  }
+  record.speculative = true;
+  record.heldPriority = record.retentionPriority;
+  record.retentionPriority = kMinRetentionPriority;
+  mPolicy->onPriorityChange(it->second.slot, record.retentionPriority);
 }
 
 void RecordStore::erase(RecordId id) noexcept { remove(id, /*evicted=*/false); }

@@ -78,6 +78,11 @@ class RecordStore {
   /// prompt had come through again) takes its held priority: a prompt just did. Throws for an
   /// unknown id.
   void touch(RecordId id);
+  /// A checkpoint superseded by a longer one of the prompt that restored it: unless a second
+  /// prompt came through it (hits > 1), retention raised it above the default, or it is one
+  /// already, it ranks as a speculation again (kMinRetentionPriority until a hit promotes it).
+  /// Unknown ids are ignored.
+  void demote(RecordId id) noexcept;
   /// Removes a record from every index, as if never inserted (a publication's rollback). Unknown
   /// ids are ignored.
   void erase(RecordId id) noexcept;

@@ -163,6 +163,45 @@ TEST_P(HybridReusePointTest, BranchFirstKeepsTheBranchAndRanksSpeculativePointsB
   rig.expectQuiescent();
 }
 
+TEST_P(HybridReusePointTest, BranchFirstRanksATurnTheNextTurnExtendedAsASpeculation) {
+  HybridRigOptions options = pointOptions();
+  options.reusePointAdmission = ReusePointAdmission::kBranchFirst;
+  HybridRig rig(device(), options);
+  constexpr int32_t kLow = kMinRetentionPriority;
+  constexpr int32_t kNormal = kDefaultRetentionPriority;
+  auto ranked = [&](int32_t length) {
+    for (Ranked const& record : victimOrder(rig)) {
+      if (record.length == length) {
+        return record;
+      }
+    }
+    return Ranked{length, -1, false};
+  };
+  std::vector<int32_t> const turn1 = tokenRun(40, 100);
+  Seq first(turn1, 0);
+  serve(rig, {&first});
+  EXPECT_EQ(ranked(40), (Ranked{40, kNormal, false})) << "a prompt end";
+  // The next turn extends the first: it restores the first turn's end, publishes its own, and
+  // the first turn's end now serves only a prompt that branches inside the second turn.
+  std::vector<int32_t> const turn2 = concatenated(turn1, tokenRun(30, 3000));
+  Seq second(turn2, 1);
+  EXPECT_EQ(serve(rig, {&second}), std::vector<int32_t>{40});
+  EXPECT_EQ(ranked(70), (Ranked{70, kNormal, false}));
+  EXPECT_EQ(ranked(40), (Ranked{40, kLow, true})) << "superseded";
+  // A prompt that branches right after the first turn restores it again: a second prompt came
+  // through it, so it is a branch and ranks as any checkpoint from then on.
+  Seq branch(concatenated(turn1, tokenRun(20, 7000)), 0);
+  EXPECT_EQ(serve(rig, {&branch}), std::vector<int32_t>{40}) << "the oracles checked the restore";
+  EXPECT_EQ(ranked(40), (Ranked{40, kNormal, false})) << "promoted, and not superseded again";
+  EXPECT_EQ(ranked(60), (Ranked{60, kNormal, false}));
+  // A point inside a prompt that a longer prompt passes through is a shared prefix, never
+  // superseded: the second turn's interval point at 64 stays a speculation only until a hit.
+  Seq third(concatenated(turn2, tokenRun(10, 9000)), 0);
+  EXPECT_EQ(serve(rig, {&third}), std::vector<int32_t>{70});
+  EXPECT_EQ(ranked(70), (Ranked{70, kLow, true})) << "the second turn's end, superseded";
+  rig.expectQuiescent();
+}
+
 TEST_P(HybridReusePointTest, EveryIntervalRanksPointsAsAnyCheckpoint) {
   HybridRig rig(device(), pointOptions());
   Seq producer(tokenRun(100, 100), 0);
