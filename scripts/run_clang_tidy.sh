@@ -8,8 +8,9 @@
 #     build's dependency record (`ninja -t deps`) lists them. Every one when the checks changed
 #     (.clang-tidy, this script) or a file has no record (not built yet);
 #   * the .cpp files of tests/ and benchmarks/ changed since BASE (committed or not): unless --base
-#     names one, BASE is tests_base below, a commit at which CI had checked every library file
-#     and every test and benchmark file changed since lint came in (00f462e) clean; a file touched
+#     names one, BASE is tests_base below (read from scripts/clang_tidy_base), a commit at which
+#     CI had checked every library file and every test and benchmark file changed since lint came
+#     in (00f462e) clean; a file touched
 #     after it is checked again, so each stays clean from then on without CI re-reading the
 #     unchanged ones;
 #   * not .cu files (nvcc code), nor files this build does not compile (the GPU-only ones in a host
@@ -51,11 +52,13 @@ if [[ -z $tidy ]]; then
 fi
 
 deferred='^$'
-# Sources changed after this commit are checked (library files: their translation unit). It was
-# 00f462e (the merge that brought .clang-tidy to main), then 1fd71a6, 829638f, 5b93438, 670b4b3,
-# 68026bb, then 2cb20e9, each a commit whose CI run had checked every library file and every test
-# and benchmark file changed since the previous base clean; move it only to such a commit.
-tests_base=2cb20e9
+# Sources changed after the commit in scripts/clang_tidy_base are checked (library files: their
+# translation unit). It was 00f462e (the merge that brought .clang-tidy to main), then 1fd71a6,
+# 829638f, 5b93438, 670b4b3, 68026bb, 2cb20e9, then a38940d, each a commit whose CI run had
+# checked every library file and every test and benchmark file changed since the previous base
+# clean; move it only to such a commit. It lives in a file of its own so that moving it does not
+# count as a change of this script (which checks every library file).
+tests_base=$(tr -d '[:space:]' <"$root/scripts/clang_tidy_base")
 
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
