@@ -13,7 +13,8 @@
 #          compiles _managedkv for that machine's python3 into $OUT/pkg/managedkv, then runs the
 #          Python tests (tests/python/test_*.py) and the parity with CUDA tensors against the dense
 #          reference and, where transformers is installed, against transformers; logs and JSON
-#          under $OUT (default ./out). Exit status 0 when everything passed.
+#          under $OUT (default ./out). MODELS (default "llama gemma3 hybrid") picks the parity's
+#          models. Exit status 0 when everything passed.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$root"
@@ -36,6 +37,7 @@ OUT=${OUT:-./out}
 mkdir -p "$OUT/pkg/managedkv"
 OUT=$(cd "$OUT" && pwd)
 python=${PYTHON:-python3}
+models=${MODELS:-llama gemma3 hybrid}
 cuda=${CUDA_HOME:-/usr/local/cuda}
 suffix=$($python -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
 package=$OUT/pkg/managedkv
@@ -65,7 +67,7 @@ for test in tests/python/test_*.py; do
 done
 references=(dense)
 $python -c 'import transformers' 2>/dev/null && references+=(transformers)
-for model in llama gemma3; do
+for model in $models; do
   for dtype in fp32 bf16; do
     for reference in "${references[@]}"; do
       log=$OUT/parity_${model}_${dtype}_cuda_$reference
@@ -80,7 +82,7 @@ for model in llama gemma3; do
 done
 # torch's fused scaled_dot_product_attention over the pages gathered through the views.
 if $python -c 'import transformers' 2>/dev/null; then
-  for model in llama gemma3; do
+  for model in $models; do
     for dtype in fp32 bf16; do
       log=$OUT/parity_${model}_${dtype}_cuda_sdpa
       if $python -m managedkv.parity --model $model --dtype $dtype --device cuda --attention sdpa \

@@ -1,25 +1,29 @@
 """Parity of a tiny decoder run by a reference and through managedkv (docs/python.md, "Parity").
 
-    python3 -m managedkv.parity --model llama|gemma3 --dtype fp32|bf16 --device cpu|cuda
+    python3 -m managedkv.parity --model llama|gemma3|hybrid --dtype fp32|bf16 --device cpu|cuda
         --reference dense|hf-torch|transformers --json FILE
 
 The model (``llama``: transformers' Llama, RMSNorm, RoPE, grouped-query attention, SwiGLU;
 ``gemma3``: transformers' Gemma-3 text decoder, sliding-window and full layers, managedkv.gemma3;
-random weights from a seed, under transformers' parameter names) runs (a) by the reference, every
+``hybrid``: transformers' Qwen3-Next, gated delta net and full attention layers,
+managedkv.qwen3_next, its recurrent state in the library's RecurrentStatePool rows and reused
+through exact checkpoints; random weights from a seed, under transformers' parameter names) runs (a) by the reference, every
 token's logits recomputed from the whole sequence with no paging and no reuse: ``dense`` the same
 decoder code, ``hf-torch`` (Llama) transformers' Llama forward re-implemented in torch
 (``managedkv.hf_llama``), ``transformers`` the transformers model itself (eager attention, no
 cache; transformers is imported only then), the engine's weights being that module's
 ``state_dict()``; and (b) through managedkv: each step's K and V are written into the library's
 pool pages through the step's ``slotMapping``, and attention reads the pages back through
-``blockTable`` (even layers, as FlashAttention / vLLM would) or through the FlashInfer CSR triple
-(odd layers); a sliding layer reads the sliding pool through the sliding table's views, whose rows
-keep only the window. The workload has prefix hits, an in-flight joiner whose prefill is chunked
-over decode steps, compaction of finished rows, a hit on KV written by decode steps, eviction from
-a small pool and (Llama) a host tier that onboards evicted blocks back. fp32: greedy tokens must be
+``blockTable`` (even attention layers, as FlashAttention / vLLM would) or through the FlashInfer
+CSR triple (odd ones); a sliding layer reads the sliding pool through the sliding table's views,
+whose rows keep only the window; a linear-attention layer advances each row's state in its
+resident slot's recurrent rows, which the library captures and restores. The workload has prefix
+hits (on the hybrid model checkpoint restores), an in-flight joiner whose prefill is chunked over
+decode steps, compaction of finished rows, a hit on KV written by decode steps, eviction from a
+small pool and (Llama) a host tier that onboards evicted blocks back. fp32: greedy tokens must be
 identical and every logit computed on path (b) within 1e-3 of path (a); bf16: SGLang's KL protocol
 (tokens sampled at temperature 1, k3 of decode against re-prefill logprobs at most 3e-3). Each path
-must engage what it exists for (reuse, eviction, onboarding, window rotation). Exit status 0 when
+must engage what it exists for (reuse, eviction, onboarding, window rotation, restores). Exit status 0 when
 everything holds, 1 otherwise, 2 when transformers is asked for and missing.
 
 Only torch APIs present in torch 1.13 are used (attention is matmul + softmax).
@@ -27,6 +31,7 @@ Only torch APIs present in torch 1.13 are used (attention is matmul + softmax).
 
 import argparse
 import json
+import math
 import platform
 import sys
 import time
@@ -35,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 import managedkv as mkv
-from managedkv import decoder, gemma3, hf_llama
+from managedkv import decoder, gemma3, hf_llama, qwen3_next
 
 LOGIT_TOLERANCE = 1e-3
 KL_THRESHOLD = 3e-3  # SGLang's kl_threshold for its cache self-consistency tests
@@ -50,6 +55,24 @@ GEMMA3_SIZES = {
     size: dict(geometry, layers=3 * (geometry["layers"] // 2), window=2 * geometry["page"], pattern=3)
     for size, geometry in SIZES.items()
 }
+# Qwen3-Next: gated delta net and full attention layers alternating (the real models: three linear
+# layers to one full), the linear layers as wide as the attention (key heads = KV heads, value heads
+# = query heads), a conv of 4 taps, RoPE on a quarter of each head.
+HYBRID_SIZES = {
+    size: dict(
+        geometry,
+        layers=2 * geometry["layers"],
+        full_attention_interval=2,
+        linear_key_heads=geometry["kv_heads"],
+        linear_value_heads=geometry["heads"],
+        linear_key_head_dim=geometry["head_dim"],
+        linear_value_head_dim=geometry["head_dim"],
+        conv_kernel=4,
+        partial_rotary_factor=0.25,
+    )
+    for size, geometry in SIZES.items()
+}
+MODEL_SIZES = {"llama": SIZES, "gemma3": GEMMA3_SIZES, "hybrid": HYBRID_SIZES}
 
 
 class TinyLlama(decoder.DenseDecoder):
@@ -163,6 +186,7 @@ class Sequence:
 
     def note_reuse(self, start, engine):
         self.reused = start
+        engine.mid_page_restores += int(start % engine.page != 0)
         if self.decode_written_from is not None:
             engine.decode_kv_reused += max(0, start - self.decode_written_from)
 
@@ -189,11 +213,15 @@ class PagedEngine:
         self.page = model.page
         self.max_batch = 4
         self.chunk = args.chunk
-        windows = [model.layer_window(layer) for layer in range(model.layers)]
+        kinds = [getattr(model, "layer_kind", lambda layer: qwen3_next.FULL)(layer) for layer in range(model.layers)]
+        recurrent = [layer for layer, kind in enumerate(kinds) if kind == qwen3_next.LINEAR]
+        windows = [model.layer_window(layer) for layer in range(model.layers) if layer not in recurrent]
         sliding = [w for w in windows if w is not None]
         config = mkv.KVCacheRuntimeConfig()
         config.model.numFullAttentionLayers = len(windows) - len(sliding)
         config.model.numSlidingWindowLayers = len(sliding)
+        if recurrent:  # a hybrid model: the library's hybrid deployment (exact checkpoints)
+            self.configure_recurrent(config, model, len(recurrent), len(windows))
         self.window = sliding[0] if sliding else 0
         config.model.slidingWindowTokens = self.window
         config.model.numKVHeads = model.kv_heads
@@ -217,19 +245,50 @@ class PagedEngine:
         # ([2, numPages, P, KVH, D]), and the views of its pool's table.
         self.views = mkv.AttentionViews(self.runtime.fullPageTable(), self.page, self.max_batch, 1024)
         self.swa_views = mkv.AttentionViews(self.swa_table, self.page, self.max_batch, 1024) if sliding else None
-        self.layers, counts = [], [0, 0]
-        for window in windows:
-            kind = 0 if window is None else 1
+        # Per model layer: an attention layer's pool layer and which table's views it reads, or a
+        # recurrent layer's rows (index None): per resident slot its fp32 memory and conv window,
+        # torch views over the library's RecurrentStatePool rows.
+        self.layers, counts, rows = [], [0, 0], 0
+        state = self.runtime.recurrentState()
+        # Attention layers alternate between the two table formats: FlashAttention / vLLM's
+        # block_table, then FlashInfer's CSR.
+        self.reads_block_table = [i % 2 == 0 for i in range(model.layers - len(recurrent))]
+        for layer in range(model.layers):
+            if layer in recurrent:
+                memory_shape, conv_shape = model.memory_shape, model.conv_shape
+                memory = torch.from_dlpack(state.state(rows)).view(torch.float32).view(-1, *memory_shape)
+                conv = torch.from_dlpack(state.conv(rows)).view(torch.float32).view(-1, *conv_shape)
+                self.layers.append(((memory, conv), None))
+                rows += 1
+                continue
+            kind = 0 if model.layer_window(layer) is None else 1
             self.layers.append((torch.from_dlpack(self.pools[kind].layer(counts[kind])), kind))
             counts[kind] += 1
-        assert self.layers[0][0].data_ptr() == self.pools[self.layers[0][1]].layer(0).data_ptr, "DLPack copied the pool"
+        first = next(entry for entry in self.layers if entry[1] is not None)
+        assert first[0].data_ptr() == self.pools[first[1]].layer(0).data_ptr, "DLPack copied the pool"
+        if recurrent:
+            assert self.layers[recurrent[0]][0][0].data_ptr() == state.state(0).data_ptr, "DLPack copied the rows"
         self.mapping = torch.zeros(self.max_batch, dtype=torch.int32, device=self.device)
         self.steps = 0
         self.window_pages_dropped = 0  # sliding pages the library retired from rows the engine runs
         self.decode_kv_reused = 0  # reused prompt tokens whose KV an earlier turn's decode wrote
+        self.mid_page_restores = 0  # rows resumed mid-page: a checkpoint's partial page restored
         self.sdpa = args.attention == "sdpa"
         # Greedy (fp32 parity), or sampled at temperature 1 from a seeded generator (bf16 KL).
         self.sampler = torch.Generator().manual_seed(args.seed + 2) if args.dtype == "bf16" else None
+
+    @staticmethod
+    def configure_recurrent(config, model, recurrent_layers, attention_layers, snapshot_slots=48):
+        """A hybrid model's recurrent rows (its fp32 memory and conv window per layer and resident
+        slot) and the checkpoint slots that hold them and the partial last page of a checkpoint."""
+        element = 2 if model.dtype == torch.bfloat16 else 4
+        config.model.numRecurrentLayers = recurrent_layers
+        config.model.recurrentStateBytes = 4 * math.prod(model.memory_shape)
+        config.model.recurrentConvBytes = 4 * math.prod(model.conv_shape)
+        per_slot = recurrent_layers * (config.model.recurrentStateBytes + config.model.recurrentConvBytes)
+        config.contextCache.recurrentSnapshotPoolBytes = snapshot_slots * per_slot
+        partial_page = attention_layers * 2 * model.page * model.kv_heads * model.head_dim * element
+        config.contextCache.partialKvSnapshotPoolBytes = snapshot_slots * partial_page
 
     def pick(self, logits):
         """The next token from one position's logits."""
@@ -247,6 +306,9 @@ class PagedEngine:
             onboarded_pages=m.onboardedPages,
             offloaded_pages=m.offloadedPages,
             restored_checkpoints=c.checkpointRestores,
+            checkpoint_captures=c.checkpointCaptures,
+            chunk_end_captures=c.chunkEndCaptures,
+            mid_page_restores=self.mid_page_restores,
             in_flight_joins=c.liveAdmissions,
             prefill_chunks=c.prefillChunks,
             evicted_misses=m.misses["evicted"],
@@ -285,8 +347,14 @@ class PagedEngine:
         )
         m = self.model
         h = m.embed_tokens(ids)
+        attention_layer = 0
         for layer, (cache, kind) in enumerate(self.layers):
+            if kind is None:  # a recurrent layer: each row resumes from its resident slot's rows
+                h = self.mix(layer, h, cache, rows, full["query_start"])
+                continue
             v = steps[kind]
+            block_table = self.reads_block_table[attention_layer]
+            attention_layer += 1
             q, k, v_new = m.qkv(layer, h, positions)
             k_cache = cache[0].view(-1, m.kv_heads, m.head_dim)
             v_cache = cache[1].view(-1, m.kv_heads, m.head_dim)
@@ -297,7 +365,7 @@ class PagedEngine:
                 first, last = int(v["query_start"][i]), int(v["query_start"][i + 1])
                 if first == last:
                     continue
-                if layer % 2 == 0:  # FlashAttention / vLLM: block_table + seq_lens
+                if block_table:  # FlashAttention / vLLM: block_table + seq_lens
                     length = int(v["after"][i])
                     pages = v["block_table"][i, : (length + self.page - 1) // self.page]
                 else:  # FlashInfer: paged_kv_indptr / indices / last_page_len
@@ -312,6 +380,19 @@ class PagedEngine:
         logits = m.logits(h)
         self.steps += 1
         return [logits[int(full["query_start"][i]) : int(full["query_start"][i + 1])] for i in range(len(rows))]
+
+    def mix(self, layer, h, rows_state, rows, query_start):
+        """A recurrent layer over the step's tokens: row i's tokens advance the memory and conv
+        window in its resident slot's rows of the library's RecurrentStatePool, in place (what
+        the library captures into checkpoints and restores from them)."""
+        memory, conv = rows_state
+        out = torch.empty_like(h)
+        for i, row in enumerate(rows):
+            first, last = int(query_start[i]), int(query_start[i + 1])
+            if first < last:
+                slot = row.resident.slot
+                out[first:last] = self.model.mix(layer, h[first:last], memory[slot], conv[slot])
+        return out
 
     def attend(self, layer, q, k, v, query_positions):
         """One row's attention over the keys gathered from its pages: the model's matmul + softmax,
@@ -604,6 +685,8 @@ def build_reference(args, geometry, device):
     hf-torch forward on transformers' weights. Raises hf_llama.TransformersMissing."""
     if args.model == "gemma3":
         return build_gemma3_reference(args, geometry, device)
+    if args.model == "hybrid":
+        return build_hybrid_reference(args, geometry, device)
     dtype = model_dtype(args)
     if args.reference == "dense":
         model = TinyLlama.random(geometry, args.seed, device, dtype=dtype)
@@ -691,6 +774,36 @@ def build_gemma3_reference(args, geometry, device):
     return model, reference, facts, None
 
 
+def build_hybrid_reference(args, geometry, device):
+    """build_reference for --model hybrid: ``dense`` the engine's decoder (qwen3_next.TinyQwen3Next)
+    run densely (every linear-attention layer from a zero state over the whole sequence),
+    ``transformers`` a ``transformers.Qwen3NextForCausalLM`` whose state_dict() the engine loads and
+    whose layer types, norm epsilon, rotary fraction and inv_freq it takes. No hf-torch stand-in."""
+    dtype = model_dtype(args)
+    if args.reference == "dense":
+        model = qwen3_next.TinyQwen3Next.random(geometry, args.seed, device, dtype=dtype)
+        return model, model.forward_dense, dict(weights="qwen3_next.random_state_dict(seed)"), None
+    if args.reference != "transformers":
+        raise SystemExit("parity: --model hybrid takes --reference dense or transformers")
+    hf, hf_facts = qwen3_next.build_transformers_model(geometry, args.seed, device)
+    inv_freq = hf_facts.pop("inv_freq")
+    model = qwen3_next.TinyQwen3Next(geometry, hf.state_dict(), device, inv_freq=inv_freq, facts=hf_facts, dtype=dtype)
+    cast_parameters(hf, dtype)
+
+    def reference(tokens):
+        with torch.no_grad():
+            ids = torch.tensor([tokens], dtype=torch.long, device=device)
+            return hf(input_ids=ids, use_cache=False).logits[0]
+
+    facts = dict(
+        weights="qwen3_next.random_state_dict(seed), loaded into transformers.Qwen3NextForCausalLM (strict); "
+        "the engine loads its state_dict()",
+        transformers=hf_facts.pop("transformers"),
+        transformers_config=hf_facts,
+    )
+    return model, reference, facts, None
+
+
 def stand_in_check(stand_in, reference, sequences):
     """Max |logit difference| and argmax agreement of the pure-torch stand-in and transformers over
     the whole final sequences the parity generated."""
@@ -713,9 +826,11 @@ def main(argv=None):
     parser = argparse.ArgumentParser(prog="python3 -m managedkv.parity", description=__doc__.split("\n\n")[0])
     parser.add_argument(
         "--model",
-        choices=["llama", "gemma3"],
+        choices=["llama", "gemma3", "hybrid"],
         default="llama",
-        help="llama: attention-only; gemma3: sliding-window and full layers (the composed backend)",
+        help="llama: attention-only; gemma3: sliding-window and full layers (the composed backend); "
+        "hybrid: Qwen3-Next, gated delta net and full attention layers (the hybrid deployment: "
+        "exact checkpoints)",
     )
     parser.add_argument("--device", default="cpu", help="cpu, or cuda with a CUDA build of the module")
     parser.add_argument(
@@ -754,7 +869,7 @@ def main(argv=None):
         torch.backends.cuda.matmul.allow_tf32 = False
         torch.backends.cudnn.allow_tf32 = False
     began = time.time()
-    geometry = dict((GEMMA3_SIZES if args.model == "gemma3" else SIZES)[args.size])
+    geometry = dict(MODEL_SIZES[args.model][args.size])
     try:
         model, reference, facts, stand_in = build_reference(args, geometry, device)
     except hf_llama.TransformersMissing as error:
@@ -805,25 +920,52 @@ def main(argv=None):
         engine.serve(again)
         return sequences + again
 
+    def hybrid_warm(engine):
+        # The joiner is cold and chunked: its chunk ends are captured as checkpoints. The second
+        # request restores the first founder's prompt end (mid-page: the partial page too), the
+        # joiner's chunk end at system_a, and a joiner of its own restores the second founder's
+        # decode end (its follow-up turn) at admission.
+        first = [work.seq(system_a + work.tokens(7), 6), work.seq(system_b + work.tokens(9), 10)]
+        joiner = [work.seq(system_a + work.tokens(30), 5, join_step=1)]
+        engine.serve(first, joiner)
+        second = [work.seq(first[0].prompt + work.tokens(6), 4), work.seq(system_a + work.tokens(5), 4)]
+        follow_up = first[1].prompt + first[1].generated + work.tokens(5)
+        joiner2 = [work.seq(follow_up, 4, join_step=1, decode_written_from=len(first[1].prompt))]
+        engine.serve(second, joiner2)
+        return first + joiner + second + joiner2
+
     paths, sequences = {}, []
     sliding = args.model == "gemma3"
+    hybrid = args.model == "hybrid"
     kl = args.dtype == "bf16"
 
     def path(name, engine, body, guards):
         paths[name] = run_path(name, engine, reference, body, guards, sequences, kl=kl)
 
     engine = PagedEngine(model, args, num_pages=28)
-    # On Gemma-3 the warm path's hits map cached windows and its decodes rotate them.
-    warm_guards = ["reused_tokens", "in_flight_joins", "prefill_chunks"]
-    path("warm_reuse_chunked_join", engine, warm, warm_guards + (["window_pages_dropped"] if sliding else []))
-    path("decode_written_hit", engine, decode_hit, ["decode_kv_reused"])
+    not_run = {}
+    if hybrid:
+        # Exact checkpoints: every reuse is a restore of recurrent rows (and of a partial page).
+        warm_guards = ["reused_tokens", "restored_checkpoints", "in_flight_joins", "prefill_chunks"]
+        warm_guards += ["chunk_end_captures", "mid_page_restores", "decode_kv_reused"]
+        path("warm_restore_chunked_join", engine, hybrid_warm, warm_guards)
+        path("decode_written_hit", engine, decode_hit, ["decode_kv_reused", "restored_checkpoints"])
+    else:
+        # On Gemma-3 the warm path's hits map cached windows and its decodes rotate them.
+        warm_guards = ["reused_tokens", "in_flight_joins", "prefill_chunks"]
+        path("warm_reuse_chunked_join", engine, warm, warm_guards + (["window_pages_dropped"] if sliding else []))
+        path("decode_written_hit", engine, decode_hit, ["decode_kv_reused"])
+        not_run["restored_checkpoints"] = (
+            f"0: {args.model} has no recurrent layers; checkpoint restores belong to hybrid deployments "
+            "(--model hybrid)"
+        )
     path("eviction_then_miss", engine, evict_then_miss, ["evicted_records", "evicted_misses"])
-    not_run = dict(
-        restored_checkpoints=f"0: {args.model} has no recurrent layers; checkpoint restores belong to "
-        "hybrid deployments, which this parity does not run",
-    )
     if sliding:
         not_run["host_tier_onboard"] = "the composed backend (sliding windows with reuse) has no host tier"
+    elif hybrid:
+        not_run["host_tier_onboard"] = (
+            "the host tier serves attention-only deployments: a hybrid model's checkpoints stay on the device"
+        )
     else:
         tiered = PagedEngine(model, args, num_pages=28, host_pool_tokens=64 * P)
         path("host_tier_onboard", tiered, host_tier, ["reused_tokens", "evicted_records", "onboarded_pages"])
@@ -877,7 +1019,7 @@ def main(argv=None):
         f"parity ({args.model}, {args.dtype}, {args.reference}) {'PASSED' if report['passed'] else 'FAILED'}: "
         f"{report['positions_compared']} positions, {verdict}, reused {report['reused_tokens']}, "
         f"evicted {report['evicted_records']}, onboarded {report['onboarded_pages']}, "
-        f"restored_checkpoints 0 (not run: no recurrent layers), {report['seconds']} s"
+        f"restored_checkpoints {report['restored_checkpoints']}, {report['seconds']} s"
     )
     if args.json:
         with open(args.json, "w") as out:

@@ -20,6 +20,7 @@
 #include "mkv/kv_cache_runtime.h"
 #include "mkv/kv_page_table.h"
 #include "mkv/managed_kv_cache_request.h"
+#include "mkv/recurrent_state_pool.h"
 #include "mkv/resident_slot_pool.h"
 
 namespace mkv::python {
@@ -109,6 +110,17 @@ void bindBackends(py::module_& m) {
           py::arg("prefix") = "managedkv_");
   py::class_<BoundedSwaKVPageManager>(m, "BoundedSwaKVPageManager")
       .def("poisoned", &BoundedSwaKVPageManager::poisoned);
+  py::class_<RecurrentStatePool>(m, "RecurrentStatePool")
+      .def_property_readonly("numLayers", &RecurrentStatePool::numLayers)
+      .def_property_readonly("numSlots", &RecurrentStatePool::numSlots)
+      .def_property_readonly("deviceType", &RecurrentStatePool::deviceType)
+      .def("bytesPerSlot", &RecurrentStatePool::bytesPerSlot)
+      .def("state", py::overload_cast<int32_t>(&RecurrentStatePool::state), py::arg("layer"),
+           kInternal,
+           "Recurrent layer `layer`'s state rows, uint8 [numSlots, stateBytesPerSlot]: row `slot` "
+           "belongs to the resident with that slot (the engine chooses what the bytes hold).")
+      .def("conv", py::overload_cast<int32_t>(&RecurrentStatePool::conv), py::arg("layer"),
+           kInternal, "Recurrent layer `layer`'s conv rows, uint8 [numSlots, convBytesPerSlot].");
 }
 
 void bindRuntimeClass(py::module_& m) {
@@ -129,6 +141,9 @@ void bindRuntimeClass(py::module_& m) {
       .def("draftPageTable", &KVCacheRuntime::draftPageTable, kInternal)
       .def("residentSlots", &KVCacheRuntime::residentSlots, kInternal)
       .def("lengthPool", &KVCacheRuntime::lengthPool, kInternal)
+      .def(
+          "recurrentState", &KVCacheRuntime::recurrentState, kInternal,
+          "The recurrent rows of a model with recurrent layers (one per resident slot), else None.")
       .def("maxPagesPerSequence", &KVCacheRuntime::maxPagesPerSequence)
       .def("kvBytes", &KVCacheRuntime::kvBytes)
       .def("capacity", &KVCacheRuntime::capacity)

@@ -149,6 +149,30 @@ class ZeroCopyTest(unittest.TestCase):
             mkv.Tensor.from_dlpack([1, 2, 3])
 
 
+class RecurrentStateTest(unittest.TestCase):
+    def test_a_hybrid_runtimes_recurrent_rows_are_the_librarys_memory(self):
+        self.assertIsNone(make_runtime().recurrentState())  # attention-only: no rows
+        config = make_runtime().config()
+        config.model.numRecurrentLayers = 2
+        config.model.recurrentStateBytes = 64
+        config.model.recurrentConvBytes = 16
+        config.contextCache.recurrentSnapshotPoolBytes = 4 * 2 * (64 + 16)
+        config.contextCache.partialKvSnapshotPoolBytes = 4 * 2 * 2 * PAGE * 2 * 8 * 4
+        runtime = mkv.KVCacheRuntime.create(config)
+        rows = runtime.recurrentState()
+        self.assertEqual((rows.numLayers, rows.numSlots, rows.bytesPerSlot()), (2, 4, 2 * (64 + 16)))
+        state, conv = rows.state(1), rows.conv(1)
+        self.assertEqual((state.shape, conv.shape), ((4, 64), (4, 16)))
+        self.assertEqual(state.dtype, mkv.DataType.kUInt8)
+        view = torch.from_dlpack(state).view(torch.float32)  # the engine's layout over the bytes
+        self.assertEqual(view.data_ptr(), state.data_ptr)
+        view[2, 3] = 1.5
+        self.assertEqual(torch.from_dlpack(rows.state(1)).view(torch.float32)[2, 3].item(), 1.5)
+        with self.assertRaises(mkv.Error) as caught:
+            rows.conv(2)
+        self.assertIn("RecurrentStatePool::conv", str(caught.exception))
+
+
 class ErrorTest(unittest.TestCase):
     def test_library_errors_carry_message_call_and_detail(self):
         runtime = make_runtime()
