@@ -80,6 +80,16 @@ for model in $models; do
     done
   done
 done
+# The example engine with CUDA tensors: multi-turn chats, continuous batching, a pool that evicts.
+for model in $models; do
+  log=$OUT/engine_${model}_cuda
+  if $python -m managedkv.engine --model $model --device cuda --pages 20 --verify \
+      --expect evicted_records --json "$log.json" >"$log.log" 2>&1; then
+    echo "== engine $model cuda: PASS"
+  else
+    echo "== engine $model cuda: FAIL"; tail -30 "$log.log"; failed=1
+  fi
+done
 # torch's fused scaled_dot_product_attention over the pages gathered through the views.
 if $python -c 'import transformers' 2>/dev/null; then
   for model in $models; do

@@ -31,7 +31,6 @@ Only torch APIs present in torch 1.13 are used (attention is matmul + softmax).
 
 import argparse
 import json
-import math
 import platform
 import sys
 import time
@@ -39,8 +38,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-import managedkv as mkv
 from managedkv import decoder, gemma3, hf_llama, qwen3_next
+from managedkv.engine import PagedEngine, Sequence  # noqa: F401 (the parity's engine and sequences)
 
 LOGIT_TOLERANCE = 1e-3
 KL_THRESHOLD = 3e-3  # SGLang's kl_threshold for its cache self-consistency tests
@@ -169,387 +168,14 @@ class TinyLlama(decoder.DenseDecoder):
         return F.linear(self.rms_norm(h, self.final_norm), self.lm_head)
 
 
-class Sequence:
-    """One user sequence of the workload and what each path made of it."""
-
-    def __init__(self, name, prompt, max_new_tokens, join_step=None, decode_written_from=None):
-        self.name = name
-        self.prompt = list(prompt)
-        self.max_new_tokens = max_new_tokens
-        self.join_step = join_step
-        # A follow-up turn: its prompt from this position on is an earlier turn's generated tokens,
-        # whose KV that turn's decode steps wrote.
-        self.decode_written_from = decode_written_from
-        self.generated = []
-        self.logits = {}  # position -> logits (managedkv path)
-        self.reused = 0
-
-    def note_reuse(self, start, engine):
-        self.reused = start
-        engine.mid_page_restores += int(start % engine.page != 0)
-        if self.decode_written_from is not None:
-            engine.decode_kv_reused += max(0, start - self.decode_written_from)
-
-
-class Row:
-    """The engine's state of one execution row."""
-
-    def __init__(self, seq, resident, kv_length, prefilling=False):
-        self.seq = seq
-        self.resident = resident
-        self.kv_length = kv_length
-        self.prefilling = prefilling  # an unfinalised joiner
-
-
-class PagedEngine:
-    """A minimal engine on managedkv: one runtime, requests of founding sequences plus in-flight
-    joiners, attention over the library's pages through AttentionViews. A model with sliding
-    layers (``model.layer_window(layer)``) runs on the composed backend: its full layers in the full
-    pool, its sliding layers in the sliding pool, whose rows keep only the window."""
-
-    def __init__(self, model, args, num_pages, host_pool_tokens=0):
-        self.model = model
-        self.device = model.device
-        self.page = model.page
-        self.max_batch = 4
-        self.chunk = args.chunk
-        kinds = [getattr(model, "layer_kind", lambda layer: qwen3_next.FULL)(layer) for layer in range(model.layers)]
-        recurrent = [layer for layer, kind in enumerate(kinds) if kind == qwen3_next.LINEAR]
-        windows = [model.layer_window(layer) for layer in range(model.layers) if layer not in recurrent]
-        sliding = [w for w in windows if w is not None]
-        config = mkv.KVCacheRuntimeConfig()
-        config.model.numFullAttentionLayers = len(windows) - len(sliding)
-        config.model.numSlidingWindowLayers = len(sliding)
-        if recurrent:  # a hybrid model: the library's hybrid deployment (exact checkpoints)
-            self.configure_recurrent(config, model, len(recurrent), len(windows))
-        self.window = sliding[0] if sliding else 0
-        config.model.slidingWindowTokens = self.window
-        config.model.numKVHeads = model.kv_heads
-        config.model.headDim = model.head_dim
-        config.model.kvDataType = mkv.DataType.kBFloat16 if model.dtype == torch.bfloat16 else mkv.DataType.kFloat32
-        config.maxBatchSize = self.max_batch
-        config.maxSequenceLength = 512
-        config.tokensPerPage = self.page
-        config.numPages = num_pages
-        config.numSwaPages = 4 * num_pages if sliding else 0
-        config.contextReuse = True
-        config.contextCache.evictionPolicy = mkv.EvictionPolicyKind.kLru
-        config.hostPoolTokens = host_pool_tokens
-        config.deviceType = mkv.DeviceType.kGPU if self.device.type == "cuda" else mkv.DeviceType.kCPU
-        self.runtime = mkv.KVCacheRuntime.create(config)
-        self.pool = self.runtime.fullPool()
-        self.swa_pool = self.runtime.swaPool() if sliding else None
-        self.pools = [self.pool] + ([self.swa_pool] if sliding else [])
-        self.swa_table = self.runtime.swaPageTable() if sliding else None
-        # Per model layer: its pool's layer as a torch tensor over the library's memory
-        # ([2, numPages, P, KVH, D]), and the views of its pool's table.
-        self.views = mkv.AttentionViews(self.runtime.fullPageTable(), self.page, self.max_batch, 1024)
-        self.swa_views = mkv.AttentionViews(self.swa_table, self.page, self.max_batch, 1024) if sliding else None
-        # Per model layer: an attention layer's pool layer and which table's views it reads, or a
-        # recurrent layer's rows (index None): per resident slot its fp32 memory and conv window,
-        # torch views over the library's RecurrentStatePool rows.
-        self.layers, counts, rows = [], [0, 0], 0
-        state = self.runtime.recurrentState()
-        # Attention layers alternate between the two table formats: FlashAttention / vLLM's
-        # block_table, then FlashInfer's CSR.
-        self.reads_block_table = [i % 2 == 0 for i in range(model.layers - len(recurrent))]
-        for layer in range(model.layers):
-            if layer in recurrent:
-                memory_shape, conv_shape = model.memory_shape, model.conv_shape
-                memory = torch.from_dlpack(state.state(rows)).view(torch.float32).view(-1, *memory_shape)
-                conv = torch.from_dlpack(state.conv(rows)).view(torch.float32).view(-1, *conv_shape)
-                self.layers.append(((memory, conv), None))
-                rows += 1
-                continue
-            kind = 0 if model.layer_window(layer) is None else 1
-            self.layers.append((torch.from_dlpack(self.pools[kind].layer(counts[kind])), kind))
-            counts[kind] += 1
-        first = next(entry for entry in self.layers if entry[1] is not None)
-        assert first[0].data_ptr() == self.pools[first[1]].layer(0).data_ptr, "DLPack copied the pool"
-        if recurrent:
-            assert self.layers[recurrent[0]][0][0].data_ptr() == state.state(0).data_ptr, "DLPack copied the rows"
-        self.mapping = torch.zeros(self.max_batch, dtype=torch.int32, device=self.device)
-        self.steps = 0
-        self.window_pages_dropped = 0  # sliding pages the library retired from rows the engine runs
-        self.decode_kv_reused = 0  # reused prompt tokens whose KV an earlier turn's decode wrote
-        self.mid_page_restores = 0  # rows resumed mid-page: a checkpoint's partial page restored
-        self.sdpa = args.attention == "sdpa"
-        # Greedy (fp32 parity), or sampled at temperature 1 from a seeded generator (bf16 KL).
-        self.sampler = torch.Generator().manual_seed(args.seed + 2) if args.dtype == "bf16" else None
-
-    @staticmethod
-    def configure_recurrent(config, model, recurrent_layers, attention_layers, snapshot_slots=48):
-        """A hybrid model's recurrent rows (its fp32 memory and conv window per layer and resident
-        slot) and the checkpoint slots that hold them and the partial last page of a checkpoint."""
-        element = 2 if model.dtype == torch.bfloat16 else 4
-        config.model.numRecurrentLayers = recurrent_layers
-        config.model.recurrentStateBytes = 4 * math.prod(model.memory_shape)
-        config.model.recurrentConvBytes = 4 * math.prod(model.conv_shape)
-        per_slot = recurrent_layers * (config.model.recurrentStateBytes + config.model.recurrentConvBytes)
-        config.contextCache.recurrentSnapshotPoolBytes = snapshot_slots * per_slot
-        partial_page = attention_layers * 2 * model.page * model.kv_heads * model.head_dim * element
-        config.contextCache.partialKvSnapshotPoolBytes = snapshot_slots * partial_page
-
-    def pick(self, logits):
-        """The next token from one position's logits."""
-        if self.sampler is None:
-            return int(logits.argmax())
-        probs = torch.softmax(logits.float(), dim=-1).cpu()
-        return int(torch.multinomial(probs, 1, generator=self.sampler))
-
-    def metrics(self):
-        m = self.runtime.contextCache().metrics()
-        c = self.runtime.contextCache().counters()
-        return dict(
-            reused_tokens=m.reusedTokens,
-            evicted_records=m.evictedRecords,
-            onboarded_pages=m.onboardedPages,
-            offloaded_pages=m.offloadedPages,
-            restored_checkpoints=c.checkpointRestores,
-            checkpoint_captures=c.checkpointCaptures,
-            chunk_end_captures=c.chunkEndCaptures,
-            mid_page_restores=self.mid_page_restores,
-            in_flight_joins=c.liveAdmissions,
-            prefill_chunks=c.prefillChunks,
-            evicted_misses=m.misses["evicted"],
-            window_pages_dropped=self.window_pages_dropped,
-            decode_kv_reused=self.decode_kv_reused,
-        )
-
-    def step_views(self, views, rows, counts):
-        """The step's views of one table, as torch tensors (int64) on the engine's device."""
-        views.build([r.resident.slot for r in rows], [r.kv_length for r in rows], counts, 0)
-        view = lambda tensor: torch.from_dlpack(tensor).to(self.device, torch.long)  # noqa: E731
-        return dict(
-            block_table=view(views.blockTable()),
-            before=view(views.seqLensBefore()),
-            after=view(views.seqLensAfter()),
-            query_start=view(views.queryStartLoc()),
-            indptr=view(views.kvIndptr()),
-            indices=view(views.kvIndices()),
-            last_page_len=view(views.kvLastPageLen()),
-            slot_mapping=view(views.slotMapping()),
-        )
-
-    def forward(self, rows, new_tokens):
-        """One step: row i appends new_tokens[i] (possibly none) at its KV length. Writes their K
-        and V into the pool through slotMapping, attends through the views, returns per row the
-        logits of its new tokens."""
-        counts = [len(t) for t in new_tokens]
-        steps = [self.step_views(self.views, rows, counts)]
-        if self.swa_views is not None:
-            steps.append(self.step_views(self.swa_views, rows, counts))
-            self.count_dropped_window_pages(rows)
-        full = steps[0]
-        ids = torch.tensor([t for tokens in new_tokens for t in tokens], dtype=torch.long, device=self.device)
-        positions = torch.cat(
-            [torch.arange(int(full["before"][i]), int(full["after"][i]), device=self.device) for i in range(len(rows))]
-        )
-        m = self.model
-        h = m.embed_tokens(ids)
-        attention_layer = 0
-        for layer, (cache, kind) in enumerate(self.layers):
-            if kind is None:  # a recurrent layer: each row resumes from its resident slot's rows
-                h = self.mix(layer, h, cache, rows, full["query_start"])
-                continue
-            v = steps[kind]
-            block_table = self.reads_block_table[attention_layer]
-            attention_layer += 1
-            q, k, v_new = m.qkv(layer, h, positions)
-            k_cache = cache[0].view(-1, m.kv_heads, m.head_dim)
-            v_cache = cache[1].view(-1, m.kv_heads, m.head_dim)
-            k_cache[v["slot_mapping"]] = k  # vLLM's reshape_and_cache, into the library's pages
-            v_cache[v["slot_mapping"]] = v_new
-            out = torch.empty_like(q)
-            for i in range(len(rows)):
-                first, last = int(v["query_start"][i]), int(v["query_start"][i + 1])
-                if first == last:
-                    continue
-                if block_table:  # FlashAttention / vLLM: block_table + seq_lens
-                    length = int(v["after"][i])
-                    pages = v["block_table"][i, : (length + self.page - 1) // self.page]
-                else:  # FlashInfer: paged_kv_indptr / indices / last_page_len
-                    pages = v["indices"][int(v["indptr"][i]) : int(v["indptr"][i + 1])]
-                    length = (len(pages) - 1) * self.page + int(v["last_page_len"][i])
-                slots = (pages[:, None] * self.page + torch.arange(self.page, device=self.device)).reshape(-1)
-                slots = slots[:length]
-                # A sliding layer's pages before its window are the null page: the window mask
-                # never reads them (FlashAttention's window_size, FlashInfer's window_left).
-                out[first:last] = self.attend(layer, q[first:last], k_cache[slots], v_cache[slots], positions[first:last])
-            h = m.finish_layer(layer, h, out)
-        logits = m.logits(h)
-        self.steps += 1
-        return [logits[int(full["query_start"][i]) : int(full["query_start"][i + 1])] for i in range(len(rows))]
-
-    def mix(self, layer, h, rows_state, rows, query_start):
-        """A recurrent layer over the step's tokens: row i's tokens advance the memory and conv
-        window in its resident slot's rows of the library's RecurrentStatePool, in place (what
-        the library captures into checkpoints and restores from them)."""
-        memory, conv = rows_state
-        out = torch.empty_like(h)
-        for i, row in enumerate(rows):
-            first, last = int(query_start[i]), int(query_start[i + 1])
-            if first < last:
-                slot = row.resident.slot
-                out[first:last] = self.model.mix(layer, h[first:last], memory[slot], conv[slot])
-        return out
-
-    def attend(self, layer, q, k, v, query_positions):
-        """One row's attention over the keys gathered from its pages: the model's matmul + softmax,
-        or (``--attention sdpa``) torch's fused ``scaled_dot_product_attention`` kernel under the
-        same causal and window mask."""
-        m = self.model
-        if not self.sdpa:
-            return m.attend(layer, q, k, v, query_positions)
-        keys = torch.arange(k.shape[0], device=q.device)
-        allowed = keys[None, :] <= query_positions[:, None]
-        window = m.layer_window(layer)
-        if window is not None:
-            allowed = allowed & (keys[None, :] > query_positions[:, None] - window)
-        repeat = m.heads // m.kv_heads
-        k = k.repeat_interleave(repeat, dim=1).transpose(0, 1)[None]
-        v = v.repeat_interleave(repeat, dim=1).transpose(0, 1)[None]
-        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k, v, attn_mask=allowed, scale=m.scaling)
-        return out[0].transpose(0, 1)
-
-    def count_dropped_window_pages(self, rows):
-        """Logical pages before a row's window that the sliding table no longer maps (rotation)."""
-        for row in rows:
-            first_kept = max(0, row.kv_length - self.window) // self.page
-            self.window_pages_dropped += sum(
-                1 for page in range(first_kept) if self.swa_table.entry(row.resident.slot, page) < 0
-            )
-
-    def check_lengths(self, rows):
-        """The library's KV-length tensors, read through DLPack, hold the engine's lengths."""
-        expected = [r.kv_length for r in rows]
-        for pool in self.pools:
-            lengths = torch.from_dlpack(pool.kvLengths()).tolist()
-            if lengths != expected:
-                raise AssertionError(f"KV lengths {lengths}, the engine's {expected}")
-
-    def write_lengths(self, rows):
-        for pool in self.pools:
-            pool.writeLengths(0, [r.kv_length for r in rows])
-
-    def join_row(self, row_index, start):
-        for pool in self.pools:
-            pool.setActiveBatchSize(row_index + 1)
-            pool.writeLengths(row_index, [start])
-
-    def serve(self, founders, joiners=()):
-        """Serves one request: `founders` start together, `joiners` join in flight from their
-        join_step on, their prefill chunked over decode steps."""
-        slots = self.runtime.residentSlots()
-        context = mkv.DecodingInferenceContext()
-        rows = []
-        for seq in founders:
-            resident = slots.acquire()
-            context.appendRow(seq.prompt, resident)
-            rows.append(Row(seq, resident, 0))
-        request = mkv.LLMGenerationRequest(len(founders))
-        managed = mkv.ManagedKVCacheRequest.begin(
-            self.runtime.contextCache(), self.runtime.swaPageManager(), request, context
-        )
-        if managed is None:
-            raise RuntimeError("the pool cannot hold the request")
-
-        def require(ok, what):
-            if not ok:
-                raise RuntimeError(f"{what} failed: {managed.lastFailure().reason}")
-
-        starts = managed.prefillStarts()
-        for row, start in zip(rows, starts):
-            row.kv_length = start
-            row.seq.note_reuse(start, self)
-        require(managed.preparePrefill(), "preparePrefill")
-        require(managed.prepareSwaPrefill([len(r.seq.prompt) - r.kv_length for r in rows]), "prepareSwaPrefill")
-        self.check_lengths(rows)
-        logits = self.forward(rows, [r.seq.prompt[r.kv_length :] for r in rows])
-        for i, row in enumerate(rows):
-            for t in range(logits[i].shape[0]):
-                row.seq.logits[row.kv_length + t] = logits[i][t]
-            row.kv_length = len(row.seq.prompt)
-            token = self.pick(logits[i][-1])
-            row.seq.generated.append(token)
-            context.appendToken(i, token)
-        self.write_lengths(rows)
-        require(managed.enqueuePrefillCaptures(), "enqueuePrefillCaptures")
-        require(managed.completePrefill(context), "completePrefill")
-
-        waiting = list(joiners)
-        step = 0
-        while rows:
-            new_tokens = []
-            for i, row in enumerate(rows):  # each chunk's pages before the step (its window on bounded SWA)
-                if row.prefilling:
-                    end = min(len(row.seq.prompt), row.kv_length + self.chunk)
-                    require(managed.preparePrefillChunk(i, end), "preparePrefillChunk")
-                    new_tokens.append(row.seq.prompt[row.kv_length : end])
-                else:
-                    new_tokens.append([row.seq.generated[-1]])
-            require(managed.prepareDecodeStep(context), "prepareDecodeStep")
-            logits = self.forward(rows, new_tokens)
-            finalize = []
-            for i, row in enumerate(rows):
-                for t in range(len(new_tokens[i])):
-                    row.seq.logits[row.kv_length + t] = logits[i][t]
-                row.kv_length += len(new_tokens[i])
-                if row.prefilling:
-                    if row.kv_length == len(row.seq.prompt):
-                        finalize.append((i, self.pick(logits[i][-1])))
-                    continue
-                token = self.pick(logits[i][-1])
-                row.seq.generated.append(token)
-                context.appendToken(i, token)
-                if len(row.seq.generated) >= row.seq.max_new_tokens:
-                    context.setFinishReason(i, mkv.FinishReason.kLength)
-            self.write_lengths(rows)
-            require(managed.completeDecodeStep(context), "completeDecodeStep")
-            for i, row in enumerate(rows):
-                if row.prefilling and row.kv_length < len(row.seq.prompt):
-                    require(managed.completePrefillChunk(i, row.kv_length), "completePrefillChunk")
-            for i, token in finalize:  # between steps: the joiner's lookahead, then it decodes
-                rows[i].prefilling = False
-                rows[i].seq.generated.append(token)
-                context.appendToken(i, token)
-                require(managed.finalizeSequenceAdmission(i, token, len(rows[i].seq.prompt)), "finalize")
-            step += 1
-
-            # Compaction of finished rows (order-preserving); the mapping goes in as a torch tensor.
-            done = [reason != mkv.FinishReason.kNotFinished for reason in context.finishReasons]
-            if any(done):
-                old_to_new, survivors = [], 0
-                for finished in done:
-                    old_to_new.append(-1 if finished else survivors)
-                    survivors += 0 if finished else 1
-                require(managed.beginBatchCompaction(old_to_new, survivors, self.mapping), "beginBatchCompaction")
-                require(managed.completeBatchCompaction(old_to_new), "completeBatchCompaction")
-                for row, finished in zip(rows, done):
-                    if finished:
-                        slots.release(row.resident)
-                context.compact(old_to_new)
-                rows = [row for row, finished in zip(rows, done) if not finished]
-                self.check_lengths(rows)
-
-            # In-flight admission of joiners whose step came, while the batch has room.
-            while rows and waiting and waiting[0].join_step <= step and len(rows) < self.max_batch:
-                seq = waiting.pop(0)
-                resident = slots.acquire()
-                status, start = managed.admitSequence(seq.prompt, "", mkv.DecodingKvHeadroom(1, 0), resident)
-                if status != mkv.AdmitSequenceStatus.kAdmitted:
-                    slots.release(resident)
-                    require(status == mkv.AdmitSequenceStatus.kNoCapacity, "admitSequence")
-                    waiting.insert(0, seq)
-                    break
-                self.join_row(len(rows), start)
-                context.appendRow(seq.prompt, resident, len(seq.prompt) - start)
-                rows.append(Row(seq, resident, start, prefilling=True))
-                seq.note_reuse(start, self)
-                self.check_lengths(rows)
-        require(managed.finish(), "finish")
-        if waiting:
-            raise RuntimeError(f"{len(waiting)} joiners never joined")
+def make_engine(model, args, num_pages, host_pool_tokens=0):
+    """The parity's engine (managedkv.engine.PagedEngine): 4 rows, joiners prefilled in chunks of
+    --chunk tokens with no step budget, every computed position's logits kept; greedy (fp32) or
+    sampled at temperature 1 from a seeded generator (bf16, SGLang's KL protocol)."""
+    sampler = torch.Generator().manual_seed(args.seed + 2) if args.dtype == "bf16" else None
+    return PagedEngine(
+        model, num_pages, host_pool_tokens=host_pool_tokens, chunk=args.chunk, attention=args.attention, sampler=sampler
+    )
 
 
 def reference_run(reference, seq):
@@ -624,9 +250,11 @@ class Workload:
     def tokens(self, n):
         return torch.randint(1, self.vocab, (n,), generator=self.generator).tolist()
 
-    def seq(self, prompt, new_tokens, join_step=None, decode_written_from=None):
+    def seq(self, prompt, new_tokens, join_step=0, decode_written_from=None):
+        """A sequence; a joiner's ``join_step`` counts the decode steps after its batch's prefill
+        (PagedEngine.serve)."""
         self.count += 1
-        return Sequence(f"s{self.count}", prompt, new_tokens, join_step, decode_written_from)
+        return Sequence(f"s{self.count}", prompt, new_tokens, arrival=join_step, decode_written_from=decode_written_from)
 
 
 def run_path(name, engine, reference, body, guards, collected, kl=False):
@@ -942,7 +570,7 @@ def main(argv=None):
     def path(name, engine, body, guards):
         paths[name] = run_path(name, engine, reference, body, guards, sequences, kl=kl)
 
-    engine = PagedEngine(model, args, num_pages=28)
+    engine = make_engine(model, args, num_pages=28)
     not_run = {}
     if hybrid:
         # Exact checkpoints: every reuse is a restore of recurrent rows (and of a partial page).
@@ -967,7 +595,7 @@ def main(argv=None):
             "the host tier serves attention-only deployments: a hybrid model's checkpoints stay on the device"
         )
     else:
-        tiered = PagedEngine(model, args, num_pages=28, host_pool_tokens=64 * P)
+        tiered = make_engine(model, args, num_pages=28, host_pool_tokens=64 * P)
         path("host_tier_onboard", tiered, host_tier, ["reused_tokens", "evicted_records", "onboarded_pages"])
     if stand_in is not None:
         check = stand_in_check(stand_in, reference, sequences)

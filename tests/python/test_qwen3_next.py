@@ -13,7 +13,7 @@ import unittest
 
 import torch
 
-from managedkv import parity, qwen3_next
+from managedkv import engine, parity, qwen3_next
 
 TINY = parity.HYBRID_SIZES["tiny"]
 STUB_VERSION = "0+managedkv-test-stub (not transformers)"
@@ -97,28 +97,28 @@ class SabotageTest(unittest.TestCase):
     """The hybrid parity must fail when a resumed row does not get what the library restores."""
 
     def sabotaged_parity(self, damage):
-        original = parity.PagedEngine.forward
+        original = engine.PagedEngine.forward
         damaged = set()
 
-        def forward(engine, rows, new_tokens):
+        def forward(paged, rows, new_tokens):
             for row in rows:
                 resumed = row.seq.reused > 0 and row.kv_length == row.seq.reused
                 if resumed and id(row.seq) not in damaged:
                     damaged.add(id(row.seq))
-                    damage(engine, row)
-            return original(engine, rows, new_tokens)
+                    damage(paged, row)
+            return original(paged, rows, new_tokens)
 
-        parity.PagedEngine.forward = forward
+        engine.PagedEngine.forward = forward
         try:
             status, report = run_parity()
         finally:
-            parity.PagedEngine.forward = original
+            engine.PagedEngine.forward = original
         self.assertTrue(damaged, "no row resumed: the sabotage never ran")
         return status, report
 
     def test_zeroed_recurrent_rows_fail_the_parity(self):
-        def zero_rows(engine, row):
-            for state, kind in engine.layers:
+        def zero_rows(paged, row):
+            for state, kind in paged.layers:
                 if kind is None:
                     state[0][row.resident.slot].zero_()
                     state[1][row.resident.slot].zero_()
@@ -128,12 +128,12 @@ class SabotageTest(unittest.TestCase):
         self.assertFalse(report["passed"])
 
     def test_a_lost_partial_page_fails_the_parity(self):
-        def zero_partial_page(engine, row):
-            valid = row.kv_length % engine.page
+        def zero_partial_page(paged, row):
+            valid = row.kv_length % paged.page
             if valid == 0:
                 return
-            page = engine.runtime.fullPageTable().entry(row.resident.slot, row.kv_length // engine.page)
-            for cache, kind in engine.layers:
+            page = paged.runtime.fullPageTable().entry(row.resident.slot, row.kv_length // paged.page)
+            for cache, kind in paged.layers:
                 if kind is not None:
                     cache[:, page, :valid].zero_()
 

@@ -1,0 +1,99 @@
+"""The example engine (managedkv.engine): the step token budget and chunk size hold, arrivals join in
+flight or begin the next request, and --verify fails when a token differs from the dense model's."""
+
+import json
+import os
+import tempfile
+import unittest
+
+import torch
+
+from managedkv import engine, parity
+
+CPU = torch.device("cpu")
+
+
+def tiny_llama():
+    return parity.TinyLlama.random(parity.SIZES["tiny"], 0, CPU)
+
+
+def tokens(n, seed):
+    return torch.randint(1, 128, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+class BudgetTest(unittest.TestCase):
+    def test_each_step_stays_within_the_budget_and_the_chunk(self):
+        paged = engine.PagedEngine(tiny_llama(), 64, chunk=16, max_batched_tokens=18, keep_logits=False)
+        recorded = []
+        original = paged.forward
+
+        def forward(rows, new_tokens):
+            recorded.append([len(t) for t in new_tokens])
+            return original(rows, new_tokens)
+
+        paged.forward = forward
+        founders = [engine.Sequence("a", tokens(40, 1), 12), engine.Sequence("b", tokens(30, 2), 12)]
+        joiners = [engine.Sequence("c", tokens(70, 3), 3, arrival=0), engine.Sequence("d", tokens(50, 4), 3, arrival=1)]
+        for seq in founders:
+            seq.arrival = 0
+        paged.serve(founders, joiners)
+        decode_steps = recorded[1:]  # the first forward is the founders' prefill
+        self.assertTrue(all(sum(counts) <= 18 for counts in decode_steps), decode_steps)
+        self.assertTrue(all(max(counts) <= 16 for counts in decode_steps), decode_steps)
+        # Two joiners prefilling at once under a budget of 18 with two decodes: the second holds.
+        self.assertTrue(any(0 in counts and len(counts) == 4 for counts in decode_steps), decode_steps)
+        self.assertGreater(joiners[0].prefill_chunks, 1)
+        self.assertEqual(len(joiners[0].generated), 3)
+        self.assertEqual(paged.metrics()["in_flight_joins"], 2)
+
+
+class ArrivalTest(unittest.TestCase):
+    def test_a_late_arrival_begins_the_next_request(self):
+        paged = engine.PagedEngine(tiny_llama(), 64, keep_logits=False)
+        early = engine.Sequence("early", tokens(20, 5), 2, arrival=0)
+        late = engine.Sequence("late", tokens(20, 6), 2, arrival=50)  # after "early" finished
+        paged.submit(early)
+        paged.submit(late)
+        paged.run()
+        self.assertEqual(paged.metrics()["in_flight_joins"], 0)
+        self.assertEqual(late.token_steps[0], 50)  # began at its arrival: the engine idled until then
+        self.assertEqual((len(early.generated), len(late.generated)), (2, 2))
+
+
+class VerifyTest(unittest.TestCase):
+    def run_main(self, extra=()):
+        with tempfile.TemporaryDirectory() as folder:
+            path = os.path.join(folder, "engine.json")
+            argv = ["--model", "llama", "--turns", "2", "--conversations", "4", "--verify", "--json", path]
+            status = engine.main([*argv, *extra])
+            with open(path) as file:
+                return status, json.load(file)
+
+    def test_verify_passes_and_fails_on_a_wrong_token(self):
+        status, report = self.run_main()
+        self.assertEqual(status, 0)
+        self.assertEqual(report["mismatched_sequences"], [])
+        original = engine.PagedEngine.pick
+        calls = []
+
+        def pick(paged, logits):
+            calls.append(1)
+            token = original(paged, logits)
+            return (token + 1) % 128 if len(calls) == 30 else token
+
+        engine.PagedEngine.pick = pick
+        try:
+            status, report = self.run_main()
+        finally:
+            engine.PagedEngine.pick = original
+        self.assertEqual(status, 1)
+        self.assertEqual(len(report["mismatched_sequences"]), 1)
+
+    def test_an_expected_figure_that_stays_zero_fails(self):
+        status, report = self.run_main(["--expect", "evicted_records"])  # 48 pages: nothing evicted
+        self.assertEqual(status, 1)
+        self.assertFalse(report["engaged"]["evicted_records"])
+
+
+if __name__ == "__main__":
+    unittest.main()
