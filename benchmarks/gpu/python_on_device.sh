@@ -14,7 +14,8 @@
 #          Python tests (tests/python/test_*.py) and the parity with CUDA tensors against the dense
 #          reference and, where transformers is installed, against transformers; logs and JSON
 #          under $OUT (default ./out). MODELS (default "llama gemma3 hybrid") picks the parity's
-#          models. Exit status 0 when everything passed.
+#          models; BUILD_ONLY=1 stops after the build (PYTHONPATH=$OUT/pkg then imports it).
+#          Exit status 0 when everything passed.
 set -euo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)
 cd "$root"
@@ -55,6 +56,7 @@ g++ -std=c++20 -O1 -shared -fPIC -fvisibility=hidden \
   "$cuda/lib64/libcudart_static.a" -ldl -lrt -lpthread -Wl,-rpath,"$pylib/lib" \
   2>&1 | tee "$OUT/build.log"
 echo "== built $package/_managedkv$suffix in $((SECONDS - start)) s"
+[[ ${BUILD_ONLY:-0} == 1 ]] && exit 0
 
 export PYTHONPATH=$OUT/pkg PYTHONUNBUFFERED=1
 failed=0

@@ -47,6 +47,49 @@ import managedkv as mkv
 from managedkv import qwen3_next
 
 
+try:  # torch >= 2.3: a lower-right causal mask the fused SDPA kernels take as is
+    from torch.nn.attention.bias import causal_lower_right as _causal_lower_right
+except ImportError:
+    _causal_lower_right = None
+
+
+class LibraryClock:
+    """Host seconds spent inside library calls (``wrap`` a library object: each of its methods is
+    timed). On CUDA the device is drained before each call, so that a call's time is its own and
+    not that of the queued kernels a synchronising call would wait for."""
+
+    def __init__(self, device):
+        self.seconds = 0.0
+        self.calls = 0
+        self.cuda = device.type == "cuda"
+
+    def wrap(self, target):
+        return _Timed(target, self)
+
+
+class _Timed:
+    def __init__(self, target, clock):
+        self._target, self._clock = target, clock
+
+    def __getattr__(self, name):
+        attribute = getattr(self._target, name)
+        if not callable(attribute):
+            return attribute
+        clock = self._clock
+
+        def timed(*args, **kwargs):
+            if clock.cuda:
+                torch.cuda.synchronize()
+            began = time.perf_counter()
+            try:
+                return attribute(*args, **kwargs)
+            finally:
+                clock.seconds += time.perf_counter() - began
+                clock.calls += 1
+
+        return timed
+
+
 class Sequence:
     """One user sequence: its prompt, how many tokens to generate, the engine step it arrives at,
     and what the engine made of it."""
@@ -99,11 +142,15 @@ class PagedEngine:
         attention="matmul",
         sampler=None,
         keep_logits=True,
+        reuse=True,
+        time_library=False,
     ):
         """``num_pages`` full-attention pages of ``model.page`` tokens; ``chunk``: the most prompt
         tokens of one joiner per step; ``max_batched_tokens``: the step's token budget (None: no
         budget); ``sampler``: a torch.Generator to sample at temperature 1 (None: greedy);
-        ``keep_logits``: keep every computed position's logits in its Sequence (the parity's)."""
+        ``keep_logits``: keep every computed position's logits in its Sequence (the parity's);
+        ``reuse``: False runs the full-storage backend (no prefix reuse, same lifecycle);
+        ``time_library``: count the host seconds spent in library calls (``library``)."""
         self.model = model
         self.device = model.device
         self.page = model.page
@@ -130,18 +177,24 @@ class PagedEngine:
         config.tokensPerPage = self.page
         config.numPages = num_pages
         config.numSwaPages = 4 * num_pages if sliding else 0
-        config.contextReuse = True
+        config.contextReuse = reuse
         config.contextCache.evictionPolicy = mkv.EvictionPolicyKind.kLru
         config.hostPoolTokens = host_pool_tokens
         config.deviceType = mkv.DeviceType.kGPU if self.device.type == "cuda" else mkv.DeviceType.kCPU
         self.runtime = mkv.KVCacheRuntime.create(config)
         self.pool = self.runtime.fullPool()
         self.swa_pool = self.runtime.swaPool() if sliding else None
-        self.pools = [self.pool] + ([self.swa_pool] if sliding else [])
+        self.library = LibraryClock(self.device) if time_library else None
+        timed = self.library.wrap if self.library else (lambda target: target)
+        self.pools = [timed(self.pool)] + ([timed(self.swa_pool)] if sliding else [])
         self.swa_table = self.runtime.swaPageTable() if sliding else None
-        # The views of each pool's table (at most 1,024 pages per row).
-        self.views = mkv.AttentionViews(self.runtime.fullPageTable(), self.page, self.max_batch, 1024)
-        self.swa_views = mkv.AttentionViews(self.swa_table, self.page, self.max_batch, 1024) if sliding else None
+        # The views of each pool's table, for a step of up to every row's whole sequence (a request's
+        # founders are prefilled in one step).
+        step_tokens = self.max_batch * max_sequence_length
+        self.views = timed(mkv.AttentionViews(self.runtime.fullPageTable(), self.page, self.max_batch, step_tokens))
+        self.swa_views = (
+            timed(mkv.AttentionViews(self.swa_table, self.page, self.max_batch, step_tokens)) if sliding else None
+        )
         # Per model layer: an attention layer's pool layer as a torch tensor over the library's
         # memory ([2, numPages, P, KVH, D]) and which table's views it reads, or a recurrent layer's
         # rows (index None): per resident slot its fp32 memory and conv window, torch views over
@@ -160,10 +213,10 @@ class PagedEngine:
                 rows += 1
                 continue
             kind = 0 if model.layer_window(layer) is None else 1
-            self.layers.append((torch.from_dlpack(self.pools[kind].layer(counts[kind])), kind))
+            self.layers.append((torch.from_dlpack((self.pool, self.swa_pool)[kind].layer(counts[kind])), kind))
             counts[kind] += 1
         first = next(entry for entry in self.layers if entry[1] is not None)
-        assert first[0].data_ptr() == self.pools[first[1]].layer(0).data_ptr, "DLPack copied the pool"
+        assert first[0].data_ptr() == (self.pool, self.swa_pool)[first[1]].layer(0).data_ptr, "DLPack copied the pool"
         if recurrent:
             assert self.layers[recurrent[0]][0][0].data_ptr() == state.state(0).data_ptr, "DLPack copied the rows"
         self.mapping = torch.zeros(self.max_batch, dtype=torch.int32, device=self.device)
@@ -241,11 +294,12 @@ class PagedEngine:
             context.appendRow(seq.prompt, resident)
             rows.append(Row(seq, resident, 0))
         request = mkv.LLMGenerationRequest(len(founders))
-        managed = mkv.ManagedKVCacheRequest.begin(
-            self.runtime.contextCache(), self.runtime.swaPageManager(), request, context
-        )
+        begin = self.library.wrap(mkv.ManagedKVCacheRequest).begin if self.library else mkv.ManagedKVCacheRequest.begin
+        managed = begin(self.runtime.contextCache(), self.runtime.swaPageManager(), request, context)
         if managed is None:
             raise RuntimeError("the pool cannot hold the request")
+        if self.library:
+            managed = self.library.wrap(managed)
         require = lambda ok, what: self.require(managed, ok, what)  # noqa: E731
 
         for row, start in zip(rows, managed.prefillStarts()):
@@ -388,18 +442,21 @@ class PagedEngine:
         )
 
     def step_views(self, views, rows, counts):
-        """The step's views of one table, as torch tensors (int64) on the engine's device."""
+        """The step's views of one table: the tables a kernel gathers through as torch tensors
+        (int64) on the engine's device, the per-row scalars read once to host lists (so that the
+        per-row loops below do not wait on the device for each)."""
         views.build([r.resident.slot for r in rows], [r.kv_length for r in rows], counts, 0)
         view = lambda tensor: torch.from_dlpack(tensor).to(self.device, torch.long)  # noqa: E731
+        host = lambda tensor: torch.from_dlpack(tensor).tolist()  # noqa: E731
         return dict(
             block_table=view(views.blockTable()),
-            before=view(views.seqLensBefore()),
-            after=view(views.seqLensAfter()),
-            query_start=view(views.queryStartLoc()),
-            indptr=view(views.kvIndptr()),
             indices=view(views.kvIndices()),
-            last_page_len=view(views.kvLastPageLen()),
             slot_mapping=view(views.slotMapping()),
+            before=host(views.seqLensBefore()),
+            after=host(views.seqLensAfter()),
+            query_start=host(views.queryStartLoc()),
+            indptr=host(views.kvIndptr()),
+            last_page_len=host(views.kvLastPageLen()),
         )
 
     def forward(self, rows, new_tokens):
@@ -414,7 +471,7 @@ class PagedEngine:
         full = steps[0]
         ids = torch.tensor([t for tokens in new_tokens for t in tokens], dtype=torch.long, device=self.device)
         positions = torch.cat(
-            [torch.arange(int(full["before"][i]), int(full["after"][i]), device=self.device) for i in range(len(rows))]
+            [torch.arange(full["before"][i], full["after"][i], device=self.device) for i in range(len(rows))]
         )
         m = self.model
         h = m.embed_tokens(ids)
@@ -433,24 +490,30 @@ class PagedEngine:
             v_cache[v["slot_mapping"]] = v_new
             out = torch.empty_like(q)
             for i in range(len(rows)):
-                first, last = int(v["query_start"][i]), int(v["query_start"][i + 1])
+                first, last = v["query_start"][i], v["query_start"][i + 1]
                 if first == last:
                     continue
                 if block_table:  # FlashAttention / vLLM: block_table + seq_lens
-                    length = int(v["after"][i])
+                    length = v["after"][i]
                     pages = v["block_table"][i, : (length + self.page - 1) // self.page]
                 else:  # FlashInfer: paged_kv_indptr / indices / last_page_len
-                    pages = v["indices"][int(v["indptr"][i]) : int(v["indptr"][i + 1])]
-                    length = (len(pages) - 1) * self.page + int(v["last_page_len"][i])
+                    pages = v["indices"][v["indptr"][i] : v["indptr"][i + 1]]
+                    length = (len(pages) - 1) * self.page + v["last_page_len"][i]
                 slots = (pages[:, None] * self.page + torch.arange(self.page, device=self.device)).reshape(-1)
                 slots = slots[:length]
                 # A sliding layer's pages before its window are the null page: the window mask
                 # never reads them (FlashAttention's window_size, FlashInfer's window_left).
                 out[first:last] = self.attend(layer, q[first:last], k_cache[slots], v_cache[slots], positions[first:last])
             h = m.finish_layer(layer, h, out)
-        logits = m.logits(h)
         self.steps += 1
-        return [logits[int(full["query_start"][i]) : int(full["query_start"][i + 1])] for i in range(len(rows))]
+        starts = full["query_start"]
+        if self.keep_logits:
+            logits = m.logits(h)
+            return [logits[starts[i] : starts[i + 1]] for i in range(len(rows))]
+        # Only each row's last new token is sampled from: the LM head runs on those alone.
+        last = [starts[i + 1] - 1 for i in range(len(rows)) if starts[i + 1] > starts[i]]
+        logits = iter(m.logits(h[torch.tensor(last, dtype=torch.long, device=self.device)]))
+        return [next(logits)[None] if starts[i + 1] > starts[i] else h[:0] for i in range(len(rows))]
 
     def mix(self, layer, h, rows_state, rows, query_start):
         """A recurrent layer over the step's tokens: row i's tokens advance the memory and conv
@@ -459,7 +522,7 @@ class PagedEngine:
         memory, conv = rows_state
         out = torch.empty_like(h)
         for i, row in enumerate(rows):
-            first, last = int(query_start[i]), int(query_start[i + 1])
+            first, last = query_start[i], query_start[i + 1]
             if first < last:
                 slot = row.resident.slot
                 out[first:last] = self.model.mix(layer, h[first:last], memory[slot], conv[slot])
@@ -472,15 +535,20 @@ class PagedEngine:
         m = self.model
         if not self.sdpa:
             return m.attend(layer, q, k, v, query_positions)
-        keys = torch.arange(k.shape[0], device=q.device)
-        allowed = keys[None, :] <= query_positions[:, None]
         window = m.layer_window(layer)
-        if window is not None:
-            allowed = allowed & (keys[None, :] > query_positions[:, None] - window)
+        if window is None and _causal_lower_right is not None:
+            # The row's queries are its last keys: a causal mask aligned to the bottom right, which
+            # the fused kernels take without materialising a [queries, keys] mask.
+            mask = _causal_lower_right(q.shape[0], k.shape[0])
+        else:
+            keys = torch.arange(k.shape[0], device=q.device)
+            mask = keys[None, :] <= query_positions[:, None]
+            if window is not None:
+                mask = mask & (keys[None, :] > query_positions[:, None] - window)
         repeat = m.heads // m.kv_heads
         k = k.repeat_interleave(repeat, dim=1).transpose(0, 1)[None]
         v = v.repeat_interleave(repeat, dim=1).transpose(0, 1)[None]
-        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k, v, attn_mask=allowed, scale=m.scaling)
+        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k, v, attn_mask=mask, scale=m.scaling)
         return out[0].transpose(0, 1)
 
     def count_dropped_window_pages(self, rows):
