@@ -7,8 +7,9 @@ library's rows, run with continuous batching.
 What it does, and which library call does it:
 
 * **continuous batching**: sequences are submitted with an arrival step; when no request executes,
-  the arrived ones (up to ``max_batch``) begin one (``ManagedKVCacheRequest.begin``, prefilled
-  whole); while it executes, later arrivals join it in flight (``admitSequence``) and leave it as
+  the arrived ones (up to ``max_batch``) begin one (``ManagedKVCacheRequest.begin``; their prefill
+  runs between ``preparePrefill`` and ``completePrefill``, under the token budget in several steps
+  if it must); while it executes, later arrivals join it in flight (``admitSequence``) and leave it as
   they finish (``beginBatchCompaction`` / ``completeBatchCompaction``); when its last row finishes
   the request ends (``finish``) and the next one begins;
 * **chunked prefill under a token budget** (vLLM's policy): each step's decodes first, one token
@@ -308,18 +309,12 @@ class PagedEngine:
         require(managed.preparePrefill(), "preparePrefill")
         require(managed.prepareSwaPrefill([len(r.seq.prompt) - r.kv_length for r in rows]), "prepareSwaPrefill")
         self.check_lengths(rows)
-        logits = self.forward(rows, [r.seq.prompt[r.kv_length :] for r in rows])
+        self.prefill_founders(rows)
         for i, row in enumerate(rows):
-            self.keep(row, logits[i])
-            self.prefill_tokens += len(row.seq.prompt) - row.kv_length
-            row.seq.prefill_chunks += 1
-            row.kv_length = len(row.seq.prompt)
-            self.emit(row, self.pick(logits[i][-1]))
             context.appendToken(i, row.seq.generated[-1])
         self.write_lengths(rows)
         require(managed.enqueuePrefillCaptures(), "enqueuePrefillCaptures")
         require(managed.completePrefill(context), "completePrefill")
-        self.clock += 1
 
         while rows:
             new_tokens = self.plan_step(managed, rows)
@@ -354,6 +349,30 @@ class PagedEngine:
             if rows:
                 self.admit_arrivals(managed, context, rows, slots)
         require(managed.finish(), "finish")
+
+    def prefill_founders(self, rows):
+        """The founders' prompts from their reuse lengths, between preparePrefill and
+        completePrefill: in one step, or under a token budget in as many steps as it takes (rows in
+        order, each taking what the budget leaves; no decode row runs yet, so the steps are all
+        prefill). The pages are all bound by preparePrefill; the library sees only the end."""
+        while any(row.kv_length < len(row.seq.prompt) for row in rows):
+            budget = math.inf if self.max_batched_tokens is None else self.max_batched_tokens
+            new_tokens = []
+            for row in rows:
+                take = int(min(len(row.seq.prompt) - row.kv_length, budget))
+                new_tokens.append(row.seq.prompt[row.kv_length : row.kv_length + take])
+                budget -= take
+            logits = self.forward(rows, new_tokens)
+            for i, row in enumerate(rows):
+                if not new_tokens[i]:
+                    continue
+                self.keep(row, logits[i])
+                self.prefill_tokens += len(new_tokens[i])
+                row.seq.prefill_chunks += 1
+                row.kv_length += len(new_tokens[i])
+                if row.kv_length == len(row.seq.prompt):
+                    self.emit(row, self.pick(logits[i][-1]))
+            self.clock += 1
 
     def plan_step(self, managed, rows):
         """Each row's tokens of the coming step: a decoding row its last token; then, while the
