@@ -3,8 +3,9 @@
 /// walks the row's block-table width in chunks of kViewChunkPages pages. A CTA writes its chunk of
 /// the row's block-table entries and of its kvIndices, keeps the chunk's ids in shared memory and
 /// writes the slot mapping of the row's new tokens whose pages lie in the chunk; the CTA of the
-/// first chunk writes the row's lengths, prefix sums and last-page length. Page ids are read from
-/// the table on the device (KVPageTable::deviceTable()), only below the row's page count.
+/// first chunk writes the row's lengths, prefix sums and last-page length, and (when asked) the
+/// row's physical-to-logical page map. Page ids are read from the table on the device
+/// (KVPageTable::deviceTable()), only below the row's page count.
 #include <algorithm>
 #include <iterator>
 
@@ -82,6 +83,21 @@ __global__ void __launch_bounds__(kViewThreads)
     if (i == 0) {
       params.queryStartLoc[0] = 0;
       params.kvIndptr[0] = 0;
+    }
+  }
+  // FlexAttention's physical-to-logical map of the row: the first CTA clears the row's numPages
+  // entries, then writes the logical index of each of its live pages (block-uniform branch).
+  if (params.physicalToLogical != nullptr && blockIdx.x == 0) {
+    int32_t* const map = params.physicalToLogical + int64_t{params.numPages} * i;
+    for (int64_t page = thread; page < params.numPages; page += kViewThreads) {
+      map[page] = -1;
+    }
+    __syncthreads();
+    for (int64_t j = thread; j < pages && kIds != nullptr; j += kViewThreads) {
+      int32_t const entry = kIds[j];
+      if (entry >= 0 && entry < params.numPages) {
+        map[entry] = static_cast<int32_t>(j);
+      }
     }
   }
 }

@@ -1,5 +1,6 @@
 /// Host reference twins of the CUDA kernels. They define the semantics the GPU kernels must
 /// reproduce bit for bit (tests/gpu compares the two on random data).
+#include <algorithm>
 #include <cstring>
 
 #include "kernel_params.h"
@@ -144,6 +145,15 @@ void attentionViewsHost(AttentionViewsParams const& params, AttentionViewRow con
     params.queryStartLoc[i + 1] = next.queryStart;
     params.kvIndptr[i + 1] = next.kvStart;
     params.kvLastPageLen[i] = pages == 0 ? 0 : static_cast<int32_t>(after - (pages - 1) * pageSize);
+    if (params.physicalToLogical != nullptr) {
+      int32_t* const map = params.physicalToLogical + int64_t{params.numPages} * i;
+      std::fill(map, map + params.numPages, -1);
+      for (int64_t j = 0; j < pages && kIds != nullptr; ++j) {
+        if (kIds[j] >= 0 && kIds[j] < params.numPages) {
+          map[kIds[j]] = static_cast<int32_t>(j);
+        }
+      }
+    }
   }
 }
 

@@ -195,6 +195,7 @@ struct AttentionViewsParams {
   int32_t* kvIndices;
   int32_t* kvLastPageLen;
   int64_t* slotMapping;
+  int32_t* physicalToLogical;  // [numRows, numPages], or null: not built
   int32_t numRows;
   int32_t width;
   int32_t tokensPerPage;

@@ -393,6 +393,10 @@ void buildAttentionViewsIn(Tensor const& table, AttentionViewStep const& step,
   requireView(views.kvIndices, "kvIndices", DataType::kInt32, device, kvStart);
   requireView(views.kvLastPageLen, "kvLastPageLen", DataType::kInt32, device, n);
   requireView(views.slotMapping, "slotMapping", DataType::kInt64, device, queryStart);
+  if (views.physicalToLogical != nullptr) {
+    requireView(views.physicalToLogical, "physicalToLogical", DataType::kInt32, device,
+                int64_t{n} * step.numPages);
+  }
 
   detail::AttentionViewsParams& params = launch.params;
   params.table = table.dataPointer<int32_t>();
@@ -404,6 +408,9 @@ void buildAttentionViewsIn(Tensor const& table, AttentionViewStep const& step,
   params.kvIndices = views.kvIndices->dataPointer<int32_t>();
   params.kvLastPageLen = views.kvLastPageLen->dataPointer<int32_t>();
   params.slotMapping = views.slotMapping->dataPointer<int64_t>();
+  params.physicalToLogical = views.physicalToLogical != nullptr
+                                 ? views.physicalToLogical->dataPointer<int32_t>()
+                                 : nullptr;
   params.numRows = n;
   params.width = static_cast<int32_t>(width);
   params.tokensPerPage = step.tokensPerPage;
@@ -420,6 +427,9 @@ void buildAttentionViewsIn(Tensor const& table, AttentionViewStep const& step,
   reshapeView(views.kvIndices, {kvStart});
   reshapeView(views.kvLastPageLen, {n});
   reshapeView(views.slotMapping, {queryStart});
+  if (views.physicalToLogical != nullptr) {
+    reshapeView(views.physicalToLogical, {n, step.numPages});
+  }
 }
 
 }  // namespace

@@ -16,6 +16,10 @@ namespace mkv {
 
 class KVPageTable;
 
+/// Whether AttentionViews also builds the physical-to-logical page map FlexAttention's paged
+/// attention reads (kPerRow: one [numPages] row per step row, rebuilt by every build()).
+enum class PhysicalPageMap : uint8_t { kNone, kPerRow };
+
 /// The views of one step, rebuilt by each build() into buffers allocated once at construction, on
 /// the table's device (int32 but for the int64 slot mapping). Every view is in execution order: row
 /// i is residentSlots[i] of the last build. With P = tokensPerPage, before_i = seqLens[i],
@@ -30,6 +34,10 @@ class KVPageTable;
 /// - kvLastPageLen [n]: after_i - (pages_i - 1) * P, in [1, P]; 0 for an empty row
 /// - slotMapping [sum newTokens] int64: blockTable[i][p / P] * P + p % P for each new position
 ///   p of row i, rows in order, positions ascending (vLLM's `slot_mapping`)
+/// - physicalToLogical [n, numPages], only with PhysicalPageMap::kPerRow: entry [i, p] is the
+///   logical page j < pages_i whose table entry is page p, -1 for every page row i does not hold
+///   (FlexAttention's `PagedAttention.physical_to_logical`, whose `page_table` is blockTable;
+///   n * numPages writes a step, so opt-in)
 ///
 /// An entry of the table that holds no page (-1: before a sliding window, in a sparse-window
 /// table) becomes nullPage in every view, so a kernel may read any entry; nullPage must be a
@@ -58,9 +66,11 @@ class AttentionViews {
   /// engine's stream, never owned; ignored for kCPU) carries every build's launch. Allocates the
   /// views and, for kGPU, loads the library's kernels (kernels::loadKernels). Throws mkv::Error
   /// naming "AttentionViews" for tokensPerPage or maxNewTokens outside [1, 2^30], or maxRows
-  /// outside [1, kernels::kMaxAttentionViewRows] or beyond table.maxBatch().
+  /// outside [1, kernels::kMaxAttentionViewRows] or beyond table.maxBatch(). `pageMap` kPerRow
+  /// also allocates and builds physicalToLogical() ([maxRows, numPages] int32).
   AttentionViews(KVPageTable const& table, int32_t tokensPerPage, int32_t maxRows,
-                 int32_t maxNewTokens, cudaStream_t stream = nullptr);
+                 int32_t maxNewTokens, cudaStream_t stream = nullptr,
+                 PhysicalPageMap pageMap = PhysicalPageMap::kNone);
 
   /// Builds every view for the rows `residentSlots` (execution order), whose KV lengths before
   /// the step are `seqLens` and which append `newTokens` tokens each (0: a held row). Validates
@@ -89,6 +99,11 @@ class AttentionViews {
   Tensor const& kvIndices() const noexcept { return mKvIndices; }
   Tensor const& kvLastPageLen() const noexcept { return mKvLastPageLen; }
   Tensor const& slotMapping() const noexcept { return mSlotMapping; }
+  /// Whether build() writes physicalToLogical().
+  bool hasPhysicalPageMap() const noexcept { return mPageMap == PhysicalPageMap::kPerRow; }
+  /// [n, numPages] (see the class comment). Throws mkv::Error naming
+  /// "AttentionViews::physicalToLogical" on views made without PhysicalPageMap::kPerRow.
+  Tensor const& physicalToLogical() const;
 
  private:
   void validate(std::span<CacheSlot const> residentSlots, std::span<int32_t const> seqLens,
@@ -103,6 +118,7 @@ class AttentionViews {
   int32_t mMaxRows;
   int32_t mMaxNewTokens;
   int32_t mMaxPagesPerRow;
+  PhysicalPageMap mPageMap;
   int32_t mRows = 0;
   int32_t mNewTokenCount = 0;
   int64_t mLaunches = 0;
@@ -114,6 +130,7 @@ class AttentionViews {
   Tensor mKvIndices;
   Tensor mKvLastPageLen;
   Tensor mSlotMapping;
+  Tensor mPhysicalToLogical;  ///< empty unless mPageMap is kPerRow
 };
 
 }  // namespace mkv

@@ -166,6 +166,10 @@ struct AttentionViewTensors {
   Tensor* kvIndices = nullptr;      ///< int32 [kvIndptr[n]]: row i's first pages_i blockTable ids
   Tensor* kvLastPageLen = nullptr;  ///< int32 [n]: after_i - (pages_i - 1) * P, 0 for no page
   Tensor* slotMapping = nullptr;    ///< int64 [sum newTokens]: id * P + offset of each new token
+  /// Optional (null: not built), int32 [n, numPages]: entry [i, p] is the logical page j <
+  /// pages_i whose live table entry is page p, -1 for every other page (FlexAttention's
+  /// physical-to-logical map; O(n * numPages) writes).
+  Tensor* physicalToLogical = nullptr;
 };
 
 /// Builds the kernel-ready views of one step (mkv/attention_views.h) from `table`, int32

@@ -293,14 +293,17 @@ void bindViews(py::module_& m) {
                              "table's views are built by one launch on `stream`), re-exported "
                              "after each build (their shapes follow the step).")
       .def(py::init([](KVPageTable const& table, int32_t tokensPerPage, int32_t maxRows,
-                       int32_t maxNewTokens, py::object const& stream) {
-             return std::make_unique<AttentionViews>(table, tokensPerPage, maxRows, maxNewTokens,
-                                                     streamArg(stream));
+                       int32_t maxNewTokens, py::object const& stream, bool physicalToLogical) {
+             return std::make_unique<AttentionViews>(
+                 table, tokensPerPage, maxRows, maxNewTokens, streamArg(stream),
+                 physicalToLogical ? PhysicalPageMap::kPerRow : PhysicalPageMap::kNone);
            }),
            py::arg("table"), py::arg("tokensPerPage"), py::arg("maxRows"), py::arg("maxNewTokens"),
-           py::arg("stream") = py::none(), py::keep_alive<1, 2>(),
+           py::arg("stream") = py::none(), py::arg("physicalToLogical") = false,
+           py::keep_alive<1, 2>(),
            "stream: the CUDA stream of every build's launch (GPU tables; the runtime's, as an int: "
-           "torch.cuda.Stream.cuda_stream; None = the legacy default stream).")
+           "torch.cuda.Stream.cuda_stream; None = the legacy default stream). physicalToLogical: "
+           "also build FlexAttention's physical-to-logical page map ([n, numPages] a step).")
       .def(
           "build",
           [](AttentionViews& views, std::vector<CacheSlot> const& residentSlots,
@@ -321,7 +324,9 @@ void bindViews(py::module_& m) {
       .def("kvIndptr", &AttentionViews::kvIndptr, kInternal)
       .def("kvIndices", &AttentionViews::kvIndices, kInternal)
       .def("kvLastPageLen", &AttentionViews::kvLastPageLen, kInternal)
-      .def("slotMapping", &AttentionViews::slotMapping, kInternal);
+      .def("slotMapping", &AttentionViews::slotMapping, kInternal)
+      .def_property_readonly("hasPhysicalPageMap", &AttentionViews::hasPhysicalPageMap)
+      .def("physicalToLogical", &AttentionViews::physicalToLogical, kInternal);
 }
 
 }  // namespace

@@ -46,16 +46,19 @@ Tensor tableRowsOf(KVPageTable const& table) {
 }  // namespace
 
 AttentionViews::AttentionViews(KVPageTable const& table, int32_t tokensPerPage, int32_t maxRows,
-                               int32_t maxNewTokens, cudaStream_t stream)
+                               int32_t maxNewTokens, cudaStream_t stream, PhysicalPageMap pageMap)
     : mTable(table),
       mDeviceType(table.deviceType()),
       mStream(stream),
       mTokensPerPage(checkedExtent(tokensPerPage, "tokensPerPage", kMaxExtent)),
       mMaxRows(checkedExtent(maxRows, "maxRows", kernels::kMaxAttentionViewRows)),
       mMaxNewTokens(checkedExtent(maxNewTokens, "maxNewTokens", kMaxExtent)),
-      mMaxPagesPerRow(table.maxPagesPerSeq()) {
+      mMaxPagesPerRow(table.maxPagesPerSeq()),
+      mPageMap(pageMap) {
   MKV_REQUIRE(maxRows <= table.maxBatch(), kConstruct,
               "maxRows is {}, but the page table has {} rows", maxRows, table.maxBatch());
+  MKV_REQUIRE(pageMap == PhysicalPageMap::kNone || pageMap == PhysicalPageMap::kPerRow, kConstruct,
+              "pageMap is {}, expected kNone or kPerRow", static_cast<int>(pageMap));
   mTableRows = tableRowsOf(table);
   if (mDeviceType == DeviceType::kGPU) {
     kernels::loadKernels();  // a kernel's lazy load at its first launch may wait for the device
@@ -73,6 +76,10 @@ AttentionViews::AttentionViews(KVPageTable const& table, int32_t tokensPerPage, 
   mKvIndices = int32Tensor(rows * width);
   mKvLastPageLen = int32Tensor(rows);
   mSlotMapping = Tensor({mMaxNewTokens}, DataType::kInt64, mDeviceType);
+  if (hasPhysicalPageMap()) {
+    mPhysicalToLogical = Tensor({rows, int64_t{table.numPages()}}, DataType::kInt32, mDeviceType);
+    reshapeTo(mPhysicalToLogical, {0, int64_t{table.numPages()}});
+  }
   // The views of an empty step; the tensors are zero-filled, so queryStartLoc and kvIndptr hold
   // their one 0.
   reshapeTo(mBlockTable, {0, width});
@@ -143,13 +150,21 @@ void AttentionViews::build(std::span<CacheSlot const> residentSlots,
   validate(residentSlots, seqLens, newTokens, nullPage);
   kernels::AttentionViewStep const step{residentSlots,  seqLens,           newTokens,
                                         mTokensPerPage, mTable.numPages(), nullPage};
-  kernels::AttentionViewTensors const views{&mBlockTable,    &mSeqLensBefore, &mSeqLensAfter,
-                                            &mQueryStartLoc, &mKvIndptr,      &mKvIndices,
-                                            &mKvLastPageLen, &mSlotMapping};
+  kernels::AttentionViewTensors const views{
+      &mBlockTable,    &mSeqLensBefore, &mSeqLensAfter,
+      &mQueryStartLoc, &mKvIndptr,      &mKvIndices,
+      &mKvLastPageLen, &mSlotMapping,   hasPhysicalPageMap() ? &mPhysicalToLogical : nullptr};
   kernels::buildAttentionViews(mTableRows, step, views, mStream);
   mRows = static_cast<int32_t>(residentSlots.size());
   mNewTokenCount = static_cast<int32_t>(mSlotMapping.numel());
   ++mLaunches;
+}
+
+Tensor const& AttentionViews::physicalToLogical() const {
+  MKV_REQUIRE(hasPhysicalPageMap(), "AttentionViews::physicalToLogical",
+              "these views were made without PhysicalPageMap::kPerRow: construct them with it to "
+              "build FlexAttention's physical-to-logical map");
+  return mPhysicalToLogical;
 }
 
 }  // namespace mkv

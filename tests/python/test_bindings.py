@@ -373,6 +373,20 @@ class ViewsTest(unittest.TestCase):
             views.build(slots, [0, 60], [30, 1])  # 61 tokens need 4 pages
         self.assertEqual(caught.exception.call, "AttentionViews::build")
         self.assertIn("logical page 3 is empty", caught.exception.detail)
+        self.assertFalse(views.hasPhysicalPageMap)
+        with self.assertRaises(mkv.Error):
+            views.physicalToLogical()
+        # FlexAttention's physical-to-logical map: the inverse of each row's live block-table entries.
+        flex = mkv.AttentionViews(table, PAGE, 4, 128, stream=runtime.config().stream, physicalToLogical=True)
+        flex.build(slots, [0, 0], [30, 33], nullPage=31)
+        page_map = torch.from_dlpack(flex.physicalToLogical())
+        self.assertEqual(page_map.is_cuda, table.deviceType == mkv.DeviceType.kGPU)
+        self.assertEqual(tuple(page_map.shape), (2, table.numPages))
+        for row, pages in enumerate((k0, k1)):
+            expected = [-1] * table.numPages
+            for logical, physical in enumerate(pages):
+                expected[physical] = logical
+            self.assertEqual(page_map[row].tolist(), expected)
         self.assertTrue(managed.finish())
 
 

@@ -60,6 +60,8 @@ struct HostViews {
   std::vector<int32_t> indices;
   std::vector<int32_t> lastPageLen;
   std::vector<int64_t> slotMapping;
+  /// [rows, numPages], empty for views made without PhysicalPageMap::kPerRow.
+  std::vector<int32_t> physicalToLogical;
 };
 
 HostViews readViews(AttentionViews const& views) {
@@ -78,6 +80,11 @@ HostViews readViews(AttentionViews const& views) {
   out.lastPageLen = test::readAs<int32_t>(views.kvLastPageLen());
   out.slotMapping = test::readAs<int64_t>(views.slotMapping());
   EXPECT_EQ(static_cast<int64_t>(out.slotMapping.size()), views.newTokenCount());
+  if (views.hasPhysicalPageMap()) {
+    EXPECT_EQ(views.physicalToLogical().rank(), 2);
+    EXPECT_EQ(views.physicalToLogical().dim(0), views.rows());
+    out.physicalToLogical = test::readAs<int32_t>(views.physicalToLogical());
+  }
   return out;
 }
 
@@ -116,6 +123,9 @@ HostViews readViews(AttentionViews const& views) {
   if (actual.slotMapping != expected.slotMapping) {
     return differ("slotMapping");
   }
+  if (actual.physicalToLogical != expected.physicalToLogical) {
+    return differ("physicalToLogical");
+  }
   return ::testing::AssertionSuccess();
 }
 
@@ -123,7 +133,8 @@ HostViews readViews(AttentionViews const& views) {
 /// AttentionViews), from the table's host rows: written apart from the library on purpose.
 HostViews expectedViews(KVPageTable const& table, int32_t tokensPerPage,
                         std::vector<CacheSlot> const& slots, std::vector<int32_t> const& before,
-                        std::vector<int32_t> const& fresh, PageId nullPage) {
+                        std::vector<int32_t> const& fresh, PageId nullPage,
+                        bool withPageMap = false) {
   HostViews out;
   out.rows = static_cast<int32_t>(slots.size());
   out.tableWidth = table.maxPagesPerSeq();
@@ -148,6 +159,15 @@ HostViews expectedViews(KVPageTable const& table, int32_t tokensPerPage,
       out.slotMapping.push_back(int64_t{row[static_cast<std::size_t>(position / tokensPerPage)]} *
                                     tokensPerPage +
                                 position % tokensPerPage);
+    }
+    if (withPageMap) {  // FlexAttention: which logical page of the row each physical page is
+      std::vector<int32_t> map(static_cast<std::size_t>(table.numPages()), -1);
+      for (int32_t j = 0; j < pages; ++j) {
+        if (PageId const id = table.entry(slots[i], j); id != kNoPage) {
+          map[static_cast<std::size_t>(id)] = j;
+        }
+      }
+      out.physicalToLogical.insert(out.physicalToLogical.end(), map.begin(), map.end());
     }
   }
   return out;
@@ -174,8 +194,8 @@ class TwinViews {
         mTokensPerPage(tokensPerPage),
         mMirror(table.maxBatch(), table.maxPagesPerSeq(), table.numPages(), table.mode(),
                 DeviceType::kCPU),
-        mViews(table, tokensPerPage, maxRows, maxNewTokens, stream),
-        mTwin(mMirror, tokensPerPage, maxRows, maxNewTokens) {}
+        mViews(table, tokensPerPage, maxRows, maxNewTokens, stream, PhysicalPageMap::kPerRow),
+        mTwin(mMirror, tokensPerPage, maxRows, maxNewTokens, nullptr, PhysicalPageMap::kPerRow) {}
 
   /// Builds the views of the step and returns them, read back, after checking them.
   HostViews build(std::vector<CacheSlot> const& slots, std::vector<int32_t> const& before,
@@ -185,8 +205,8 @@ class TwinViews {
     mTwin.build(slots, before, fresh, nullPage);
     HostViews actual = readViews(mViews);
     EXPECT_TRUE(sameViews(actual, readViews(mTwin))) << "the host twin's views";
-    EXPECT_TRUE(
-        sameViews(actual, expectedViews(mTable, mTokensPerPage, slots, before, fresh, nullPage)))
+    EXPECT_TRUE(sameViews(
+        actual, expectedViews(mTable, mTokensPerPage, slots, before, fresh, nullPage, true)))
         << "the contract's views";
     return actual;
   }
@@ -541,6 +561,22 @@ TEST_P(AttentionViewsTest, ExactValuesOfADenseTable) {
   EXPECT_EQ(v.lastPageLen, (Ints{16, 1, 0}));
   EXPECT_EQ(v.slotMapping, (std::vector<int64_t>{2 * 16 + 14, 2 * 16 + 15, 6 * 16 + 0}));
   EXPECT_EQ(views.newTokenCount(), 3);
+  EXPECT_FALSE(views.hasPhysicalPageMap());
+  EXPECT_TRUE(v.physicalToLogical.empty());
+  EXPECT_TRUE(test::throwsError([&] { (void)views.physicalToLogical(); },
+                                {"AttentionViews::physicalToLogical", "PhysicalPageMap::kPerRow"}));
+
+  // FlexAttention's map: page 7 is row 0's logical 0, page 2 its logical 1; row 1 holds pages
+  // 4, 5, 6 as 0, 1, 2; the empty row holds none. The null page (9) is no row's.
+  AttentionViews flex(table, 16, 3, 64, nullptr, PhysicalPageMap::kPerRow);
+  flex.build(std::vector<CacheSlot>{0, 2, 1}, Ints{30, 32, 0}, Ints{2, 1, 0}, 9);
+  EXPECT_EQ(flex.physicalToLogical().shape(), (Coords{3, 10}));
+  EXPECT_EQ(readViews(flex).physicalToLogical, (Ints{-1, -1, 1,  -1, -1, -1, -1, 0,  -1, -1,  //
+                                                     -1, -1, -1, -1, 0,  1,  2,  -1, -1, -1,  //
+                                                     -1, -1, -1, -1, -1, -1, -1, -1, -1, -1}));
+  // The next step's map holds only that step's rows: row 0 now reads slot 2.
+  flex.build(std::vector<CacheSlot>{2}, Ints{16}, Ints{1}, 9);
+  EXPECT_EQ(readViews(flex).physicalToLogical, (Ints{-1, -1, -1, -1, 0, 1, -1, -1, -1, -1}));
 }
 
 TEST_P(AttentionViewsTest, SparseWindowEntriesBecomeTheNullPage) {
@@ -557,6 +593,10 @@ TEST_P(AttentionViewsTest, SparseWindowEntriesBecomeTheNullPage) {
   EXPECT_EQ(v.indices, (Ints{0, 0, 5, 6}));
   EXPECT_EQ(v.lastPageLen, (Ints{3}));
   EXPECT_EQ(v.slotMapping, (std::vector<int64_t>{6 * 16 + 2}));
+  // FlexAttention's map holds the live pages only, never the null page the empty entries read.
+  AttentionViews flex(table, 16, 1, 8, nullptr, PhysicalPageMap::kPerRow);
+  flex.build(std::vector<CacheSlot>{0}, Ints{50}, Ints{1}, 0);
+  EXPECT_EQ(readViews(flex).physicalToLogical, (Ints{-1, -1, -1, -1, -1, 2, 3, -1}));
   // The page a step writes must be live, even in a sparse table.
   EXPECT_THROW(views.build(std::vector<CacheSlot>{0}, Ints{64}, Ints{1}, 0), Error);
 }
@@ -691,6 +731,10 @@ TEST_P(AttentionViewsTest, TheLauncherRefusesWhatItCannotBuildAndWritesNothing) 
   narrow = views;
   narrow.seqLensAfter = nullptr;
   refused(step, narrow, deviceTable, "no seqLensAfter tensor given");
+  Tensor shortMap = int32s(19);  // the page map of 2 rows needs 2 x 10 entries
+  narrow = views;
+  narrow.physicalToLogical = &shortMap;
+  refused(step, narrow, deviceTable, "physicalToLogical has room for 76 bytes, the step needs 80");
   refused(step, views, indices, "table must be int32 [maxBatch, 2, maxPagesPerSeq]");
   if (device() == DeviceType::kGPU) {
     Tensor hostLengths({3}, DataType::kInt32, DeviceType::kCPU);
@@ -820,7 +864,8 @@ TEST_P(AttentionViewsTest, BuildIsOneLaunchThatWaitsForNothing) {
   table.setRow(3, std::vector<PageId>{6, 7});
   detail::OwnedStream const stream(device());
   ASSERT_TRUE(table.upload(stream.get()));
-  AttentionViews views(table, 8, 4, 32, stream.get());
+  // With FlexAttention's page map too: still one launch.
+  AttentionViews views(table, 8, 4, 32, stream.get(), PhysicalPageMap::kPerRow);
   EXPECT_EQ(views.launches(), 0) << "construction launched";
   views.build(std::vector<CacheSlot>{3, 0}, Ints{9, 20}, Ints{3, 1}, 19);
   EXPECT_EQ(views.launches(), 1);
@@ -829,7 +874,7 @@ TEST_P(AttentionViewsTest, BuildIsOneLaunchThatWaitsForNothing) {
   std::vector<CacheSlot> const slots{0, 3};
   Ints const before{17, 0};
   Ints const fresh{7, 16};
-  HostViews const expected = expectedViews(table, 8, slots, before, fresh, 0);
+  HostViews const expected = expectedViews(table, 8, slots, before, fresh, 0, true);
   if (device() == DeviceType::kCPU) {
     views.build(slots, before, fresh, 0);
     EXPECT_EQ(views.launches(), 2);
