@@ -92,6 +92,18 @@ for model in $models; do
     echo "== engine $model cuda: FAIL"; tail -30 "$log.log"; failed=1
   fi
 done
+# FlexAttention (torch >= 2.5) over the pool's physical layout, through the physical-to-logical map.
+if $python -c 'import torch.nn.attention.flex_attention' 2>/dev/null; then
+  for model in $models; do
+    log=$OUT/parity_${model}_fp32_cuda_flex
+    if $python -m managedkv.parity --model $model --device cuda --attention flex \
+        --reference dense --json "$log.json" >"$log.log" 2>&1; then
+      echo "== parity $model fp32 cuda flex dense: PASS"; tail -1 "$log.log"
+    else
+      echo "== parity $model fp32 cuda flex dense: FAIL"; tail -30 "$log.log"; failed=1
+    fi
+  done
+fi
 # torch's fused scaled_dot_product_attention over the pages gathered through the views.
 if $python -c 'import transformers' 2>/dev/null; then
   for model in $models; do

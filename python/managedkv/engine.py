@@ -21,7 +21,9 @@ What it does, and which library call does it:
 * **paged attention** through ``AttentionViews``: K and V written through ``slotMapping``, read
   back through ``blockTable`` + ``seqLensAfter`` (FlashAttention / vLLM) on even attention layers
   and the FlashInfer CSR triple on odd ones, by the model's matmul + softmax or torch's fused
-  ``scaled_dot_product_attention`` (``attention="sdpa"``);
+  ``scaled_dot_product_attention`` (``attention="sdpa"``); or (``attention="flex"``, torch >= 2.5)
+  by FlexAttention over the pool's physical layout, masked through the views' physical-to-logical
+  page map, as torch's paged FlexAttention reads a cache;
 * **sliding windows** (Gemma-3): the sliding layers in the sliding pool, whose rows keep only the
   window (the composed backend);
 * **host tier**: ``host_pool_tokens`` > 0 (attention-only models): evicted blocks onboard back;
@@ -52,6 +54,16 @@ try:  # torch >= 2.3: a lower-right causal mask the fused SDPA kernels take as i
     from torch.nn.attention.bias import causal_lower_right as _causal_lower_right
 except ImportError:
     _causal_lower_right = None
+try:  # torch >= 2.5: FlexAttention
+    from torch.nn.attention.flex_attention import create_block_mask as _create_block_mask
+    from torch.nn.attention.flex_attention import flex_attention as _flex_attention
+except ImportError:
+    _create_block_mask = _flex_attention = None
+
+
+def flex_available():
+    """Whether this torch has FlexAttention (attention="flex")."""
+    return _flex_attention is not None
 
 
 class LibraryClock:
@@ -192,10 +204,14 @@ class PagedEngine:
         # The views of each pool's table, for a step of up to every row's whole sequence (a request's
         # founders are prefilled in one step).
         step_tokens = self.max_batch * max_sequence_length
-        self.views = timed(mkv.AttentionViews(self.runtime.fullPageTable(), self.page, self.max_batch, step_tokens))
-        self.swa_views = (
-            timed(mkv.AttentionViews(self.swa_table, self.page, self.max_batch, step_tokens)) if sliding else None
+        if attention == "flex" and not flex_available():
+            raise ValueError('attention="flex" needs torch >= 2.5 (torch.nn.attention.flex_attention)')
+        self.flex = attention == "flex"  # FlexAttention reads the physical-to-logical page map
+        table_views = lambda table: mkv.AttentionViews(  # noqa: E731
+            table, self.page, self.max_batch, step_tokens, physicalToLogical=self.flex
         )
+        self.views = timed(table_views(self.runtime.fullPageTable()))
+        self.swa_views = timed(table_views(self.swa_table)) if sliding else None
         # Per model layer: an attention layer's pool layer as a torch tensor over the library's
         # memory ([2, numPages, P, KVH, D]) and which table's views it reads, or a recurrent layer's
         # rows (index None): per resident slot its fp32 memory and conv window, torch views over
@@ -468,6 +484,7 @@ class PagedEngine:
         view = lambda tensor: torch.from_dlpack(tensor).to(self.device, torch.long)  # noqa: E731
         host = lambda tensor: torch.from_dlpack(tensor).tolist()  # noqa: E731
         return dict(
+            page_map=view(views.physicalToLogical()) if self.flex else None,
             block_table=view(views.blockTable()),
             indices=view(views.kvIndices()),
             slot_mapping=view(views.slotMapping()),
@@ -511,6 +528,11 @@ class PagedEngine:
             for i in range(len(rows)):
                 first, last = v["query_start"][i], v["query_start"][i + 1]
                 if first == last:
+                    continue
+                if self.flex:  # FlexAttention over the whole pool, the row's pages by its page map
+                    out[first:last] = self.attend_flex(
+                        layer, q[first:last], k_cache, v_cache, v["page_map"][i], positions[first:last]
+                    )
                     continue
                 if block_table:  # FlashAttention / vLLM: block_table + seq_lens
                     length = v["after"][i]
@@ -568,6 +590,34 @@ class PagedEngine:
         k = k.repeat_interleave(repeat, dim=1).transpose(0, 1)[None]
         v = v.repeat_interleave(repeat, dim=1).transpose(0, 1)[None]
         out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k, v, attn_mask=mask, scale=m.scaling)
+        return out[0].transpose(0, 1)
+
+    def attend_flex(self, layer, q, k_cache, v_cache, page_map, query_positions):
+        """One row's attention by FlexAttention over the pool in its physical layout (every page,
+        K and V ``[numPages * P, KVH, D]``), as torch's paged FlexAttention runs it: a key at
+        physical slot s belongs to logical position ``page_map[s // P] * P + s % P`` of the row
+        (``AttentionViews.physicalToLogical``), and is masked unless the row holds its page, it
+        is not after the query and (sliding layers) it is inside the window."""
+        m, page = self.model, self.page
+        window = m.layer_window(layer)
+
+        def mask_mod(b, h, q_index, kv_index):
+            logical = page_map[kv_index // page]
+            position = logical * page + kv_index % page
+            allowed = (logical >= 0) & (position <= query_positions[q_index])
+            if window is not None:
+                allowed = allowed & (position > query_positions[q_index] - window)
+            return allowed
+
+        block_mask = _create_block_mask(mask_mod, None, None, q.shape[0], k_cache.shape[0], device=q.device)
+        out = _flex_attention(
+            q.transpose(0, 1)[None],
+            k_cache.transpose(0, 1)[None],
+            v_cache.transpose(0, 1)[None],
+            block_mask=block_mask,
+            scale=m.scaling,
+            enable_gqa=True,
+        )
         return out[0].transpose(0, 1)
 
     def count_dropped_window_pages(self, rows):

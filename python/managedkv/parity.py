@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from managedkv import decoder, gemma3, hf_llama, qwen3_next
-from managedkv.engine import PagedEngine, Sequence  # noqa: F401 (the parity's engine and sequences)
+from managedkv.engine import PagedEngine, Sequence, flex_available  # noqa: F401 (Sequence: the tests')
 
 LOGIT_TOLERANCE = 1e-3
 KL_THRESHOLD = 3e-3  # SGLang's kl_threshold for its cache self-consistency tests
@@ -479,16 +479,20 @@ def main(argv=None):
     )
     parser.add_argument(
         "--attention",
-        choices=["matmul", "sdpa"],
+        choices=["matmul", "sdpa", "flex"],
         default="matmul",
         help="path (b)'s attention over the gathered pages: the model's matmul + softmax, or torch's "
-        "fused scaled_dot_product_attention (torch >= 2.1)",
+        "fused scaled_dot_product_attention (torch >= 2.1); flex: FlexAttention over the whole pool "
+        "through the physical-to-logical page map (torch >= 2.5)",
     )
     parser.add_argument("--json", help="write the figures to this file")
     args = parser.parse_args(argv)
     sdpa = getattr(F, "scaled_dot_product_attention", None)
     if args.attention == "sdpa" and (sdpa is None or "scale" not in (sdpa.__doc__ or "")):
         print("parity: --attention sdpa needs torch >= 2.1 (scaled_dot_product_attention with scale)", file=sys.stderr)
+        return 2
+    if args.attention == "flex" and not flex_available():
+        print("parity: --attention flex needs torch >= 2.5 (torch.nn.attention.flex_attention)", file=sys.stderr)
         return 2
 
     torch.manual_seed(args.seed)

@@ -98,5 +98,40 @@ class VerifyTest(unittest.TestCase):
         self.assertFalse(report["engaged"]["evicted_records"])
 
 
+class FlexContractTest(unittest.TestCase):
+    """attention="flex" on this torch (without FlexAttention): the engine's mask over the pool's
+    physical layout, read through the views' physical-to-logical map, under dense stand-ins that
+    follow FlexAttention's documented semantics (the mask_mod decides each (query, key) pair; GQA
+    by repeating KV heads). The parity must hold on every path, as with the gathered pages."""
+
+    @staticmethod
+    def create_block_mask(mask_mod, batch, heads, q_len, kv_len, device=None):
+        return mask_mod(None, None, torch.arange(q_len)[:, None], torch.arange(kv_len)[None, :])
+
+    @staticmethod
+    def flex_attention(q, k, v, block_mask=None, scale=None, enable_gqa=False):
+        repeat = q.shape[1] // k.shape[1]
+        k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+        scores = (q @ k.transpose(-1, -2)) * scale
+        scores = scores.masked_fill(~block_mask, float("-inf"))
+        return torch.softmax(scores.float(), dim=-1).to(q.dtype) @ v
+
+    def test_the_flex_path_reads_the_pool_through_the_page_map(self):
+        saved = engine._create_block_mask, engine._flex_attention
+        engine._create_block_mask, engine._flex_attention = self.create_block_mask, self.flex_attention
+        try:
+            for model in ("llama", "gemma3", "hybrid"):
+                with tempfile.TemporaryDirectory() as folder:
+                    path = os.path.join(folder, "parity.json")
+                    status = parity.main(["--model", model, "--attention", "flex", "--json", path])
+                    with open(path) as file:
+                        report = json.load(file)
+                self.assertEqual(status, 0, model)
+                self.assertEqual(report["attention"], "flex")
+                self.assertLess(report["max_abs_logit_diff"], 1e-4, model)
+        finally:
+            engine._create_block_mask, engine._flex_attention = saved
+
+
 if __name__ == "__main__":
     unittest.main()
