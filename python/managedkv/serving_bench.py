@@ -21,6 +21,7 @@ reused nothing, or (fp32) when any request generated other tokens than without r
 """
 
 import argparse
+import gc
 import json
 import platform
 import sys
@@ -176,6 +177,9 @@ def main(argv=None):
     for reuse in {"both": (True, False), "on": (True,), "off": (False,)}[args.reuse]:
         name = "reuse" if reuse else "no_reuse"
         runs[name], outputs[name] = serve(model, sequences, args, reuse)
+        gc.collect()  # the run's engine (its pool) goes before the next one allocates its own
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
         r = runs[name]
         print(
             f"{name:<9} prompt {r['prompt_tokens']:>8} computed {r['prefill_tokens_computed']:>8} "
