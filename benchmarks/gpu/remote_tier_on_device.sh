@@ -3,15 +3,18 @@
 # GPU tensors, under compute-sanitizer memcheck, and two mkv-replay processes sharing one
 # directory store (the GPU machine runs no Redis server) on GPU and on CPU tensors: the second
 # process reuses what the first computed, and a decode process onboards what a prefill process
-# handed over; the oracle reads every onboarded position, and each pair's figures must agree
-# between the devices.
+# handed over; the oracle reads every onboarded position (0 mismatches in every process), and the
+# handoff's figures must agree between the devices (the other pairs depend on the tier's
+# asynchronous saves: see the comparison below).
 #
-# Usage: OUT=DIR remote_tier_on_device.sh BUILD_DIR   (BUILD_DIR: a cuda-release build or bundle)
+# Usage: OUT=DIR remote_tier_on_device.sh BUILD_DIR   (BUILD_DIR: a cuda-release build or bundle;
+# the bundle's libraries on LD_LIBRARY_PATH, BUILD_DIR/lib)
 set -uo pipefail
 BUILD=$1
 OUT=${OUT:-/tmp/mkv_remote_tier}
 mkdir -p "$OUT"
 FAILED=0
+export LD_LIBRARY_PATH=$BUILD/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 step() {  # NAME LOG COMMAND...: runs it, prints one line
   local name=$1 log=$2
   shift 2
@@ -73,7 +76,11 @@ for device in cuda cpu; do
 done
 rm -rf "$STORE"
 timing='"(device|wall_s|requests_per_s|host_ns_per_step_[a-z0-9]+|gpu_[a-z_0-9]+|coordinator_timings|load_wait_ms|handoff_wait_ms|store)":'
-for run in first second prefill decode redis_first redis_second; do
+# Only the handoff is deterministic: a prefill process waits for its saves, so the decode process
+# finds every block. A first or second process finds what the tier's worker saved before each
+# lookup (asynchronous saves, at most maxPendingSaves in flight): its figures follow the worker's
+# timing, differ from run to run on one device, and are printed side by side, not compared.
+for run in prefill decode; do
   [[ -f $OUT/replay_${run}_cuda.json ]] || continue
   if diff <(grep -vE "$timing" "$OUT/replay_${run}_cuda.json") \
           <(grep -vE "$timing" "$OUT/replay_${run}_cpu.json") >"$OUT/replay_${run}_diff.txt"; then
@@ -82,6 +89,16 @@ for run in first second prefill decode redis_first redis_second; do
     echo "mkv-replay $run: figures differ (replay_${run}_diff.txt)"
     FAILED=1
   fi
+done
+for json in "$OUT"/replay_*_cpu.json; do
+  python3 - "$json" <<'PY'
+import json, sys
+d = json.load(open(sys.argv[1]))
+print(f"{sys.argv[1].rsplit('/', 1)[-1]}: hit rate {d['hit_rate']:.4f}, reused {d['reused_tokens']}, "
+      f"oracle {d['oracle_checks']} checked {d['oracle_mismatches']} mismatches")
+sys.exit(1 if d["oracle_mismatches"] else 0)
+PY
+  (($? == 0)) || FAILED=1
 done
 for json in "$OUT"/replay_*_cuda.json; do
   python3 - "$json" <<'PY'
@@ -92,6 +109,8 @@ print(f"{sys.argv[1].rsplit('/', 1)[-1]}: hit rate {d['hit_rate']:.4f}, reused {
       f"loaded {t.get('loaded_blocks')} blocks / {t.get('loaded_bytes')} B in {t.get('load_wait_ms')} ms, "
       f"saved {t.get('saved_blocks')} / {t.get('saved_bytes')} B, handoff wait {t.get('handoff_wait_ms')} ms, "
       f"oracle {d['oracle_checks']} checked {d['oracle_mismatches']} mismatches, wall {d['wall_s']} s")
+sys.exit(1 if d["oracle_mismatches"] else 0)
 PY
+  (($? == 0)) || FAILED=1
 done
 exit $FAILED
