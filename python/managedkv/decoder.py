@@ -31,6 +31,23 @@ def check_named_parameters(state_dict, shapes, what, ignored=()):
     return {name: state_dict[name].detach() for name in expected}
 
 
+def grouped_query_attention(q, k, v, query_positions, scaling, window=None):
+    """q [Tq, H, D] at absolute positions [Tq]; k, v [Tk, KVH, D] for positions [0, Tk): causal
+    grouped-query attention (each KV head repeated for its H / KVH query heads) with matmul +
+    softmax in fp32, scores scaled by ``scaling``; with ``window`` only keys q - window < k <= q
+    (a sliding layer)."""
+    repeat = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(repeat, dim=1)
+    v = v.repeat_interleave(repeat, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scaling
+    keys = torch.arange(k.shape[0], device=q.device)
+    hidden = keys[None, :] > query_positions[:, None]
+    if window is not None:
+        hidden = hidden | (keys[None, :] <= query_positions[:, None] - window)
+    scores = scores.masked_fill(hidden[None], float("-inf"))
+    return torch.einsum("hqk,khd->qhd", torch.softmax(scores.float(), dim=-1).to(q.dtype), v)
+
+
 class DenseDecoder:
     """Path (a) of a decoder with the paged engine's interface (``embed_tokens``, per layer ``qkv``,
     ``attend``, ``finish_layer``, then ``logits``): every position recomputed from the whole

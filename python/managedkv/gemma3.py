@@ -158,19 +158,8 @@ class TinyGemma3(decoder.DenseDecoder):
         return self.rope(q, positions, kind), self.rope(k, positions, kind), v
 
     def attend(self, layer, q, k, v, query_positions):
-        """q [Tq, H, D] at absolute positions [Tq]; k, v [Tk, KVH, D] for positions [0, Tk):
-        causal grouped-query attention, and on a sliding layer only keys q - window < k."""
-        repeat = self.heads // self.kv_heads
-        k = k.repeat_interleave(repeat, dim=1)
-        v = v.repeat_interleave(repeat, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", q, k) * self.scaling
-        keys = torch.arange(k.shape[0], device=q.device)
-        hidden = keys[None, :] > query_positions[:, None]
-        window = self.layer_window(layer)
-        if window is not None:
-            hidden = hidden | (keys[None, :] <= query_positions[:, None] - window)
-        scores = scores.masked_fill(hidden[None], float("-inf"))
-        return torch.einsum("hqk,khd->qhd", torch.softmax(scores.float(), dim=-1).to(q.dtype), v)
+        """Causal grouped-query attention, and on a sliding layer only keys q - window < k."""
+        return decoder.grouped_query_attention(q, k, v, query_positions, self.scaling, self.layer_window(layer))
 
     def finish_layer(self, layer, h, attention):
         block = self.blocks[layer]

@@ -148,15 +148,8 @@ class TinyLlama(decoder.DenseDecoder):
         return self.rope(q, positions), self.rope(k, positions), v
 
     def attend(self, layer, q, k, v, query_positions):
-        """q [Tq, H, D] at absolute positions [Tq]; k, v [Tk, KVH, D] for positions [0, Tk):
-        causal grouped-query attention with matmul + softmax, scaled by head_dim ** -0.5."""
-        repeat = self.heads // self.kv_heads
-        k = k.repeat_interleave(repeat, dim=1)
-        v = v.repeat_interleave(repeat, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", q, k) * self.scaling
-        keys = torch.arange(k.shape[0], device=q.device)
-        scores = scores.masked_fill((keys[None, :] > query_positions[:, None])[None], float("-inf"))
-        return torch.einsum("hqk,khd->qhd", torch.softmax(scores.float(), dim=-1).to(q.dtype), v)
+        """Causal grouped-query attention, scaled by head_dim ** -0.5."""
+        return decoder.grouped_query_attention(q, k, v, query_positions, self.scaling)
 
     def finish_layer(self, layer, h, attention):
         block = self.blocks[layer]
@@ -311,10 +304,8 @@ def build_reference(args, geometry, device):
     where reference(tokens) gives the logits [T, vocab] of every position, recomputed from the whole
     sequence, facts go into the JSON, and stand_in (for transformers only, else None) is the
     hf-torch forward on transformers' weights. Raises hf_llama.TransformersMissing."""
-    if args.model == "gemma3":
-        return build_gemma3_reference(args, geometry, device)
-    if args.model == "hybrid":
-        return build_hybrid_reference(args, geometry, device)
+    if args.model in TRANSFORMERS_MODELS:
+        return build_model_reference(args, geometry, device)
     dtype = model_dtype(args)
     if args.reference == "dense":
         model = TinyLlama.random(geometry, args.seed, device, dtype=dtype)
@@ -372,20 +363,30 @@ def cast_parameters(module, dtype):
         parameter.data = parameter.data.to(dtype)
 
 
-def build_gemma3_reference(args, geometry, device):
-    """build_reference for --model gemma3: ``dense`` the engine's decoder (gemma3.TinyGemma3) run
-    densely, ``transformers`` a ``transformers.Gemma3ForCausalLM`` whose state_dict() the engine
-    loads, and whose layer types, window, norm epsilon, query scalar, embedding scale and rotary
-    frequencies it takes. No hf-torch stand-in."""
+TRANSFORMERS_MODELS = {
+    # --model: (the decoder's module, its class, transformers' class; no hf-torch stand-in)
+    "gemma3": (gemma3, gemma3.TinyGemma3, "Gemma3ForCausalLM"),
+    "hybrid": (qwen3_next, qwen3_next.TinyQwen3Next, "Qwen3NextForCausalLM"),
+}
+
+
+def build_model_reference(args, geometry, device):
+    """build_reference for --model gemma3 and hybrid: ``dense`` the engine's decoder (gemma3.TinyGemma3,
+    qwen3_next.TinyQwen3Next) run densely, ``transformers`` transformers' model of that architecture
+    (the module's ``build_transformers_model``), whose state_dict() the engine loads and whose facts
+    (layer types, norm epsilon, rotary frequencies; Gemma-3's window, query scalar and embedding
+    scale; Qwen3-Next's rotary fraction) it takes."""
+    module, decoder_class, hf_class = TRANSFORMERS_MODELS[args.model]
     dtype = model_dtype(args)
+    weights = f"{module.__name__.rsplit('.', 1)[-1]}.random_state_dict(seed)"
     if args.reference == "dense":
-        model = gemma3.TinyGemma3.random(geometry, args.seed, device, dtype=dtype)
-        return model, model.forward_dense, dict(weights="gemma3.random_state_dict(seed)"), None
+        model = decoder_class.random(geometry, args.seed, device, dtype=dtype)
+        return model, model.forward_dense, dict(weights=weights), None
     if args.reference != "transformers":
-        raise SystemExit("parity: --model gemma3 takes --reference dense or transformers")
-    hf, hf_facts = gemma3.build_transformers_model(geometry, args.seed, device)
+        raise SystemExit(f"parity: --model {args.model} takes --reference dense or transformers")
+    hf, hf_facts = module.build_transformers_model(geometry, args.seed, device)
     inv_freq = hf_facts.pop("inv_freq")
-    model = gemma3.TinyGemma3(geometry, hf.state_dict(), device, inv_freq=inv_freq, facts=hf_facts, dtype=dtype)
+    model = decoder_class(geometry, hf.state_dict(), device, inv_freq=inv_freq, facts=hf_facts, dtype=dtype)
     cast_parameters(hf, dtype)
 
     def reference(tokens):
@@ -394,38 +395,7 @@ def build_gemma3_reference(args, geometry, device):
             return hf(input_ids=ids, use_cache=False).logits[0]
 
     facts = dict(
-        weights="gemma3.random_state_dict(seed), loaded into transformers.Gemma3ForCausalLM (strict); "
-        "the engine loads its state_dict()",
-        transformers=hf_facts.pop("transformers"),
-        transformers_config=hf_facts,
-    )
-    return model, reference, facts, None
-
-
-def build_hybrid_reference(args, geometry, device):
-    """build_reference for --model hybrid: ``dense`` the engine's decoder (qwen3_next.TinyQwen3Next)
-    run densely (every linear-attention layer from a zero state over the whole sequence),
-    ``transformers`` a ``transformers.Qwen3NextForCausalLM`` whose state_dict() the engine loads and
-    whose layer types, norm epsilon, rotary fraction and inv_freq it takes. No hf-torch stand-in."""
-    dtype = model_dtype(args)
-    if args.reference == "dense":
-        model = qwen3_next.TinyQwen3Next.random(geometry, args.seed, device, dtype=dtype)
-        return model, model.forward_dense, dict(weights="qwen3_next.random_state_dict(seed)"), None
-    if args.reference != "transformers":
-        raise SystemExit("parity: --model hybrid takes --reference dense or transformers")
-    hf, hf_facts = qwen3_next.build_transformers_model(geometry, args.seed, device)
-    inv_freq = hf_facts.pop("inv_freq")
-    model = qwen3_next.TinyQwen3Next(geometry, hf.state_dict(), device, inv_freq=inv_freq, facts=hf_facts, dtype=dtype)
-    cast_parameters(hf, dtype)
-
-    def reference(tokens):
-        with torch.no_grad():
-            ids = torch.tensor([tokens], dtype=torch.long, device=device)
-            return hf(input_ids=ids, use_cache=False).logits[0]
-
-    facts = dict(
-        weights="qwen3_next.random_state_dict(seed), loaded into transformers.Qwen3NextForCausalLM (strict); "
-        "the engine loads its state_dict()",
+        weights=f"{weights}, loaded into transformers.{hf_class} (strict); the engine loads its state_dict()",
         transformers=hf_facts.pop("transformers"),
         transformers_config=hf_facts,
     )

@@ -262,14 +262,8 @@ class TinyQwen3Next:
         return self.rope(q, positions), self.rope(k, positions), v
 
     def attend(self, layer, q, k, v, query_positions):
-        """q [Tq, H, D] at absolute positions [Tq]; k, v [Tk, KVH, D] for positions [0, Tk)."""
-        repeat = self.heads // self.kv_heads
-        k = k.repeat_interleave(repeat, dim=1)
-        v = v.repeat_interleave(repeat, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", q, k) * self.scaling
-        keys = torch.arange(k.shape[0], device=q.device)
-        scores = scores.masked_fill((keys[None, :] > query_positions[:, None])[None], float("-inf"))
-        return torch.einsum("hqk,khd->qhd", torch.softmax(scores.float(), dim=-1).to(q.dtype), v)
+        """Causal grouped-query attention, scaled by head_dim ** -0.5."""
+        return decoder.grouped_query_attention(q, k, v, query_positions, self.scaling)
 
     def finish_layer(self, layer, h, attention):
         """The attention output gated by sigmoid of q_proj's gate half (recomputed from h), o_proj,
