@@ -164,6 +164,8 @@ class PagedEngine:
         ``keep_logits``: keep every computed position's logits in its Sequence (the parity's);
         ``reuse``: False runs the full-storage backend (no prefix reuse, same lifecycle);
         ``time_library``: count the host seconds spent in library calls (``library``)."""
+        if attention == "flex" and not flex_available():  # before anything is made
+            raise ValueError('attention="flex" needs torch >= 2.5 (torch.nn.attention.flex_attention)')
         self.model = model
         self.device = model.device
         self.page = model.page
@@ -204,8 +206,6 @@ class PagedEngine:
         # The views of each pool's table, for a step of up to every row's whole sequence (a request's
         # founders are prefilled in one step).
         step_tokens = self.max_batch * max_sequence_length
-        if attention == "flex" and not flex_available():
-            raise ValueError('attention="flex" needs torch >= 2.5 (torch.nn.attention.flex_attention)')
         self.flex = attention == "flex"  # FlexAttention reads the physical-to-logical page map
         table_views = lambda table: mkv.AttentionViews(  # noqa: E731
             table, self.page, self.max_batch, step_tokens, physicalToLogical=self.flex
