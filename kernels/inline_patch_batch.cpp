@@ -16,6 +16,20 @@
 namespace mkv::kernels {
 namespace {
 
+/// One write folded into a batch's running digest (a splitmix64 finaliser per value).
+uint64_t digestWrite(uint64_t digest, int64_t offset, std::span<int32_t const> values) {
+  auto const mix = [](uint64_t x) {
+    x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
+    x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
+    return x ^ (x >> 31);
+  };
+  digest = mix(digest ^ static_cast<uint64_t>(offset) ^ (values.size() << 40));
+  for (int32_t const value : values) {
+    digest = mix(digest + static_cast<uint32_t>(value) + 0x9E3779B97F4A7C15ULL);
+  }
+  return digest;
+}
+
 /// The header entries (offset, count, valueStart) each range adds to the launch's patch.
 constexpr int32_t kHeaderPerRange = 3;
 
@@ -99,6 +113,7 @@ void InlinePatchBatch::add(char const* call, Tensor& dst, int64_t offset,
   if (count == 0) {
     return;
   }
+  mWrittenDigest = digestWrite(mWrittenDigest, offset, values);
   int32_t* const base = dst.dataPointer<int32_t>();
   if (replaceInside(mRanges, mTargets, mValues, base + offset, values)) {
     return;

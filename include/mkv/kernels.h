@@ -267,6 +267,10 @@ class InlinePatchBatch {
   int64_t launches() const noexcept { return mLaunches; }
   /// Of those, the ones made through the ring (graph launches).
   int64_t ringLaunches() const noexcept { return mRingLaunches; }
+  /// A digest of every write add() was given (offset, count and values, in order): equal batches
+  /// fed the same writes have equal digests (a tensor-parallel rank's decisions, whatever its
+  /// tensors' addresses).
+  uint64_t writtenDigest() const noexcept { return mWrittenDigest; }
 
  private:
   struct Range {
@@ -290,6 +294,7 @@ class InlinePatchBatch {
   std::vector<int32_t> mValues;
   int64_t mLaunches = 0;
   int64_t mRingLaunches = 0;
+  uint64_t mWrittenDigest = 0;
   std::unique_ptr<detail::PatchRing> mRing;  // kGPU batches made with a device type
   FaultInjector mFaults;
 };

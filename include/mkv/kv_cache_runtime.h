@@ -16,6 +16,7 @@
 #include "mkv/kernels.h"
 #include "mkv/resident_slot_pool.h"
 #include "mkv/stream.h"
+#include "mkv/tensor_parallel.h"
 #include "mkv/types.h"
 
 namespace mkv {
@@ -32,6 +33,7 @@ class WindowBlockCache;         // src/context_cache/window_block_cache.h (inter
 namespace detail {
 class DeviceWriteQueue;    // src/resources/device_write_queue.h (internal)
 class SharedSynchronizer;  // src/resources/shared_synchronizer.h (internal)
+class RankAgreementPoint;  // src/runtime/rank_agreement.h (internal)
 }  // namespace detail
 
 /// The attention and recurrent geometry of the model the engine runs.
@@ -118,6 +120,14 @@ struct KVCacheRuntimeConfig {
   /// and publications); a non-success status fails that step as a real CUDA failure there would.
   /// Empty = no faults.
   FaultInjector faults;
+  /// This runtime's rank of a tensor-parallel deployment (mkv/tensor_parallel.h; docs/
+  /// architecture.md, "Tensor parallelism"): each rank creates its own runtime from the same
+  /// config but for `rank`, on its own device and stream, and every rank's engine makes the same
+  /// lifecycle calls in the same order. The rank's pools hold its share of the heads; its
+  /// completion points (and, with `faults`, its fault sites) go through the group's agreement, so
+  /// a step fails on every rank or on none. config() then holds the rank's share (heads divided)
+  /// and the synchronizer and injector wrapped with the agreement.
+  TensorParallelConfig tensorParallel;
 };
 
 enum class KVCacheBackend : uint8_t {
@@ -181,8 +191,9 @@ class KVCacheRuntime {
   /// that check and can still fail in their own allocation.
   static std::unique_ptr<KVCacheRuntime> create(KVCacheRuntimeConfig const& config);
   /// The bytes kvBytes() will report for a runtime created from `config` (every KV pool: full,
-  /// SWA, draft), without allocating; validates `config` as create does. For sizing numPages
-  /// from a byte budget: bytes per page of a pool are KVCachePool::bytesPerPage.
+  /// SWA, draft; a tensor-parallel rank's share), without allocating; validates `config` as create
+  /// does. For sizing numPages from a byte budget: bytes per page of a pool are
+  /// KVCachePool::bytesPerPage.
   static int64_t kvBytesFor(KVCacheRuntimeConfig const& config);
   /// Bytes an allocation on `device` can take now: kGPU the current device's free memory
   /// (cudaMemGetInfo), kCPU the host's available memory (MemAvailable, capped by a cgroup v2
@@ -268,6 +279,8 @@ class KVCacheRuntime {
   /// (one launch after its staged copy), and a KVCachePool write that first flushed the waiting
   /// lengths (KVCachePool::orderWritesAfter).
   int64_t deviceWriteLaunches() const noexcept;
+  /// What the tensor-parallel agreement did on this rank (zeros with tensorParallel.size 1).
+  TensorParallelStats tensorParallelStats() const noexcept;
 
   /// Drains the backend's quarantine (see the backends' shutdown()).
   bool shutdown() noexcept;
@@ -305,6 +318,9 @@ class KVCacheRuntime {
   std::unique_ptr<detail::SharedSynchronizer> mSharedSync;
   // The backends' table and length writes until they reach the device (one queue for both).
   std::unique_ptr<detail::DeviceWriteQueue> mDeviceWrites;
+  // tensorParallel.size > 1: this rank's side of the agreement (shared with the wrapped
+  // synchronizer and injector), else null.
+  std::shared_ptr<detail::RankAgreementPoint> mRankAgreement;
   // Backends last: they are destroyed before the resources they borrow.
   std::unique_ptr<ContextCacheCoordinator> mCoordinator;
   std::unique_ptr<BoundedSwaKVPageManager> mSwaManager;

@@ -118,6 +118,9 @@ class KVPageTable {
   /// Cumulative counts over every upload of this table.
   PageTableUploadStats totalUploadStats() const noexcept { return mTotalUpload; }
   bool dirty() const noexcept { return !mDirtyEntries.empty(); }
+  /// Flat indices (slot x maxPagesPerSeq + logical page) of the entries changed since the last
+  /// upload, unsorted; their values are in hostRows().
+  std::span<int64_t const> dirtyEntries() const noexcept { return mDirtyEntries; }
 
   /// Device mirror `[maxBatch, 2, maxPagesPerSeq]`, stable address for the table's lifetime.
   Tensor const& deviceTable() const noexcept { return mDevice; }

@@ -1,13 +1,26 @@
 #include "resources/device_write_queue.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <exception>
+#include <span>
 #include <utility>
 
 #include "core/check.h"
 #include "mkv/kv_cache_pool.h"
 
 namespace mkv::detail {
+namespace {
+
+/// One table entry's word of DeviceWriteQueue's digest (a splitmix64 finaliser).
+uint64_t entryWord(int64_t entry, int32_t value) {
+  uint64_t x = (static_cast<uint64_t>(entry) << 32) ^ static_cast<uint32_t>(value);
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBULL;
+  return x ^ (x >> 31);
+}
+
+}  // namespace
 
 DeviceWriteQueue::DeviceWriteQueue(DeviceType device, DeviceWriteTiming timing,
                                    FaultInjector faults)
@@ -57,6 +70,10 @@ void DeviceWriteQueue::queueTables(cudaStream_t stream) {
     if (!table->dirty()) {
       continue;  // a clean table's upload would still reset its lastUpload()
     }
+    std::span<int32_t const> const values = table->hostRows();
+    for (int64_t const entry : table->dirtyEntries()) {
+      mTableDigest += entryWord(entry, values[static_cast<std::size_t>(entry)]);
+    }
     try {
       table->uploadDirty(mBatch, stream);
       mStagedUploads += table->lastUploadStats().staged;
@@ -78,6 +95,10 @@ void DeviceWriteQueue::requireReachedDevice(char const* call, int64_t mark) cons
               "the table rows and KV lengths its prepare call wrote never reached the device: "
               "with DeviceWriteTiming::kEngineStep call KVCacheRuntime::flushDeviceWrites() after "
               "the step's lifecycle calls and before the forward");
+}
+
+uint64_t DeviceWriteQueue::decisionDigest() const noexcept {
+  return mTableDigest * 0x9E3779B97F4A7C15ULL ^ mBatch.writtenDigest();
 }
 
 bool DeviceWriteQueue::pending() const noexcept {

@@ -94,6 +94,10 @@ class DeviceWriteQueue {
   /// makes one; a length write overlapping a queued one only partly makes one more) and one per
   /// table upload beyond the inline limit (its own launch, after a staged copy).
   int64_t launches() const noexcept { return mBatch.launches() + mStagedUploads; }
+  /// A digest of every table entry and KV length the queue has been given so far (a rank's
+  /// decisions: equal on every rank of a tensor-parallel deployment driven alike). Tables count
+  /// when a flush queues them.
+  uint64_t decisionDigest() const noexcept;
 
  private:
   /// Queues the dirty entries of every watched table in mBatch; rethrows the first table's error
@@ -106,6 +110,7 @@ class DeviceWriteQueue {
   std::vector<KVCachePool*> mPools;
   int64_t mStagedUploads = 0;  // table uploads of the flushes that went through staging
   int64_t mFlushes = 0;        // flushes (settle's included) that returned normally
+  uint64_t mTableDigest = 0;   // sum of one word per table entry queued (order-free)
 };
 
 }  // namespace mkv::detail

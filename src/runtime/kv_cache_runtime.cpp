@@ -22,6 +22,7 @@
 #include "mkv/sliding_reuse_request.h"
 #include "resources/device_write_queue.h"
 #include "resources/shared_synchronizer.h"
+#include "runtime/rank_agreement.h"
 
 namespace mkv {
 
@@ -143,6 +144,7 @@ void validate(KVCacheRuntimeConfig const& config) {
     validateSpeculative(config, *config.speculative, kMaxPages);
   }
   validateHostPool(config, kMaxPages);
+  detail::validateTensorParallel(config, kCall);
 }
 
 /// The pools' sizes, checked: `width` pages per sequence (a page-table row), the full pool's
@@ -355,13 +357,27 @@ KVCacheRuntime::KVCacheRuntime(KVCacheRuntimeConfig const& config) : mConfig(con
 
 KVCacheRuntime::~KVCacheRuntime() = default;
 
-std::unique_ptr<KVCacheRuntime> KVCacheRuntime::create(KVCacheRuntimeConfig const& config) {
-  validate(config);
+std::unique_ptr<KVCacheRuntime> KVCacheRuntime::create(KVCacheRuntimeConfig const& requested) {
+  validate(requested);
+  // A tensor-parallel rank builds its share: from here on `config` is what it allocates.
+  KVCacheRuntimeConfig config = detail::rankShare(requested);
   PoolSizes const sizes = sizePools(config);  // the last checks: nothing is allocated before
   requireMemoryFor(config, sizes);
   KVCacheModelConfig const& model = config.model;
   if (config.deviceType == DeviceType::kGPU) {
     kernels::loadKernels();  // no lazy kernel load (which may wait for other streams) later
+  }
+  std::shared_ptr<detail::RankAgreementPoint> agreement;
+  if (config.tensorParallel.size > 1) {
+    // Every completion point agrees once, after this rank's wait and its injected sync fault;
+    // every other fault site agrees where it is consulted.
+    agreement = std::make_shared<detail::RankAgreementPoint>(config.tensorParallel.agreement);
+    StreamSynchronizer const own =
+        config.synchronizer ? config.synchronizer : defaultStreamSynchronizer(config.deviceType);
+    config.synchronizer =
+        detail::withRankAgreement(detail::withSyncFaults(own, config.faults), agreement);
+    config.faults = detail::withoutSite(detail::withRankAgreement(config.faults, agreement),
+                                        FaultSite::kStreamSynchronize);
   }
   std::unique_ptr<KVCacheRuntime> runtime(new KVCacheRuntime(config));
   runtime->mMaxPagesPerSequence = sizes.width;
@@ -371,6 +387,10 @@ std::unique_ptr<KVCacheRuntime> KVCacheRuntime::create(KVCacheRuntimeConfig cons
   runtime->mResidentSlots.reset(config.maxBatchSize);
   runtime->mDeviceWrites = std::make_unique<detail::DeviceWriteQueue>(
       config.deviceType, config.deviceWrites, config.faults);
+  if (agreement) {
+    agreement->setDecisions(runtime->mDeviceWrites.get());
+    runtime->mRankAgreement = std::move(agreement);
+  }
 
   if (sizes.bounded) {
     runtime->mBackend = KVCacheBackend::kBoundedSwa;
@@ -496,7 +516,8 @@ KVCachePool& KVCacheRuntime::lengthPool() noexcept { return mFullPool ? *mFullPo
 
 int64_t KVCacheRuntime::kvBytesFor(KVCacheRuntimeConfig const& config) {
   validate(config);
-  return kvPoolBytes(config, sizePools(config));
+  KVCacheRuntimeConfig const share = detail::rankShare(config);
+  return kvPoolBytes(share, sizePools(share));
 }
 
 int64_t KVCacheRuntime::availableMemoryBytes(DeviceType device) {
@@ -601,6 +622,10 @@ void KVCacheRuntime::flushDeviceWrites() {
 bool KVCacheRuntime::deviceWritesPending() const noexcept { return mDeviceWrites->pending(); }
 
 int64_t KVCacheRuntime::deviceWriteLaunches() const noexcept { return mDeviceWrites->launches(); }
+
+TensorParallelStats KVCacheRuntime::tensorParallelStats() const noexcept {
+  return mRankAgreement ? mRankAgreement->stats() : TensorParallelStats{};
+}
 
 bool KVCacheRuntime::shutdown() noexcept {
   detail::SharedSynchronizer::Scope const once(mSharedSync.get());  // the composed backend
