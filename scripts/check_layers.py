@@ -45,7 +45,7 @@ PUBLIC_HEADERS = {
     "events/": "events",
     "remote/": "remote",
     "managed_kv_cache_request.h": "runtime", "kv_cache_runtime.h": "runtime",
-    "sliding_reuse_request.h": "runtime",
+    "sliding_reuse_request.h": "runtime", "tensor_parallel.h": "runtime",
     "testing/": "testing",
 }
 

@@ -188,8 +188,9 @@ class KVCacheRuntime {
   /// allocating, throws mkv::Error naming the bytes when the KV pools (kvBytesFor), the bulk of
   /// a runtime's memory, exceed what the device has available (availableMemoryBytes). The
   /// smaller allocations (tables, lengths, recurrent rows, snapshots, a host tier) are not in
-  /// that check and can still fail in their own allocation.
-  static std::unique_ptr<KVCacheRuntime> create(KVCacheRuntimeConfig const& config);
+  /// that check and can still fail in their own allocation. A tensor-parallel rank
+  /// (`requested.tensorParallel`) allocates its share (docs/architecture.md, "Tensor parallelism").
+  static std::unique_ptr<KVCacheRuntime> create(KVCacheRuntimeConfig const& requested);
   /// The bytes kvBytes() will report for a runtime created from `config` (every KV pool: full,
   /// SWA, draft; a tensor-parallel rank's share), without allocating; validates `config` as create
   /// does. For sizing numPages from a byte budget: bytes per page of a pool are

@@ -22,8 +22,9 @@ class DeviceWriteQueue;
 void validateTensorParallel(KVCacheRuntimeConfig const& config, char const* call);
 
 /// The config rank `config.tensorParallel.rank` builds its runtime from: with kSplitHeads the
-/// model's heads (and the draft's) and recurrent bytes divided by size; KV events recorded on rank
-/// 0 only (the deployment publishes them once). Size 1: `config` unchanged.
+/// model's heads (and the draft's) and recurrent bytes divided by size, and the snapshot budgets
+/// cut to the same slot counts as the whole deployment's; KV events recorded on rank 0 only (the
+/// deployment publishes them once). Size 1: `config` unchanged.
 KVCacheRuntimeConfig rankShare(KVCacheRuntimeConfig const& config);
 
 /// The agreement of one rank: each call of agree() is one call of the engine's RankAgreement with

@@ -140,11 +140,29 @@ KVCacheRuntimeConfig rankShare(KVCacheRuntimeConfig const& config) {
     return share;
   }
   if (tp.kvHeads == KvHeadLayout::kSplitHeads) {
+    KVCacheModelConfig const& model = config.model;
     share.model.numKVHeads /= tp.size;
     share.model.recurrentStateBytes /= tp.size;
     share.model.recurrentConvBytes /= tp.size;
     if (share.speculative && share.speculative->pagedDraft) {
       share.speculative->numDraftKVHeads /= tp.size;
+    }
+    // The snapshot budgets keep the whole deployment's slot counts (the same decisions as one
+    // rank): a partial-KV slot splits like the pages (floor(floor(B / N) / (s / N)) =
+    // floor(B / s)); a recurrent slot splits its state and conv rows, but a Hybrid-MTP slot's
+    // boundary hidden row stays whole.
+    ContextCacheConfig& cache = share.contextCache;
+    cache.partialKvSnapshotPoolBytes /= tp.size;
+    int64_t const recurrentBytes =
+        int64_t{model.numRecurrentLayers} * (model.recurrentStateBytes + model.recurrentConvBytes);
+    int64_t const hiddenBytes =
+        model.numRecurrentLayers > 0 && config.speculative
+            ? config.speculative->boundaryHiddenWidth *
+                  static_cast<int64_t>(dataTypeSize(config.speculative->boundaryHiddenType))
+            : 0;
+    if (recurrentBytes + hiddenBytes > 0) {
+      int64_t const slots = cache.recurrentSnapshotPoolBytes / (recurrentBytes + hiddenBytes);
+      cache.recurrentSnapshotPoolBytes = slots * (recurrentBytes / tp.size + hiddenBytes);
     }
   }
   if (tp.rank != 0) {
