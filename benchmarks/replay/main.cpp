@@ -46,12 +46,14 @@ using mkv::replay::PlotOutcome;
 using mkv::replay::PlotStatus;
 using mkv::replay::PoolSizing;
 using mkv::replay::ProgressBar;
+using mkv::replay::ProgressCallback;
 using mkv::replay::ReplayConfig;
 using mkv::replay::ReplayConfigError;
 using mkv::replay::ReplayMode;
 using mkv::replay::ReplayResult;
 using mkv::replay::RequestSource;
 using mkv::replay::runReplay;
+using mkv::replay::runTensorParallelReplay;
 using mkv::replay::SpeculativeKind;
 using mkv::replay::toString;
 using mkv::replay::TraceError;
@@ -310,6 +312,20 @@ CliOptions parseArguments(int argc, char** argv) {
                flag, value,
                {{"whole-prompt", mkv::JoinerPageAllocation::kWholePrompt},
                 {"per-chunk", mkv::JoinerPageAllocation::kPerChunk}});
+         });
+  option("--tensor-parallel", "N",
+         "replay on N tensor-parallel ranks at once, one runtime and thread each, every rank "
+         "holding its share of the KV heads and agreeing at every completion point; the figures "
+         "are rank 0's, and every rank's must equal them (default 1)",
+         int32(1, 64, c.tensorParallel));
+  option("--kv-head-layout", "L",
+         "split-heads (default: each rank holds kv-heads / N heads) or replicated (MLA-style "
+         "latent KV: every rank holds the same bytes)",
+         [&](std::string_view flag, std::string_view value) {
+           c.kvHeadLayout =
+               parseChoice<mkv::KvHeadLayout>(flag, value,
+                                              {{"split-heads", mkv::KvHeadLayout::kSplitHeads},
+                                               {"replicated", mkv::KvHeadLayout::kReplicated}});
          });
   option("--layers", "N", "attention layers (swa: sliding layers) (default 1)",
          int32(1, 256, c.layers));
@@ -604,28 +620,28 @@ int run(int argc, char** argv) {
   // the library's own lines about them are opt-in.
   mkv::logger()->set_level(options.logLevel);
   ReplayConfig config = options.config;
-  std::unique_ptr<RequestSource> source;
-  // Hybrid: a second, fresh copy of the workload for the attention-only replay.
-  std::unique_ptr<RequestSource> attentionOnly;
-  bool const baseline = config.recurrentLayers > 0 && options.attentionOnlyBaseline;
+  // Hybrid: a second, fresh copy of the workload for the attention-only replay (not with
+  // --tensor-parallel); tensor parallelism: one fresh copy per rank.
+  bool const baseline =
+      config.recurrentLayers > 0 && options.attentionOnlyBaseline && config.tensorParallel == 1;
+  std::size_t const copies = static_cast<std::size_t>(config.tensorParallel) + (baseline ? 1 : 0);
+  std::vector<std::unique_ptr<RequestSource>> sources;
   if (options.trace) {
     TraceFormat const format = options.format.value_or(TraceFormat::kAuto);
     std::vector<TraceRecord> records = loadTrace(*options.trace, format, config.limit);
     if (records.empty()) {
       throw TraceError(fmt::format("{}: no requests", *options.trace));
     }
-    std::string description = fmt::format("trace {} ({} requests, format {})", *options.trace,
-                                          records.size(), toString(format));
-    if (baseline) {
-      attentionOnly = std::make_unique<TraceSource>(records, description);
+    std::string const description = fmt::format("trace {} ({} requests, format {})", *options.trace,
+                                                records.size(), toString(format));
+    while (sources.size() < copies) {
+      sources.push_back(std::make_unique<TraceSource>(records, description));
     }
-    source = std::make_unique<TraceSource>(std::move(records), std::move(description));
   } else {
     MultiTurnWorkloadConfig workload;
     workload.seed = config.seed;
-    source = std::make_unique<MultiTurnWorkload>(workload);
-    if (baseline) {
-      attentionOnly = std::make_unique<MultiTurnWorkload>(workload);
+    while (sources.size() < copies) {
+      sources.push_back(std::make_unique<MultiTurnWorkload>(workload));
     }
   }
   auto const json = openOutput(options.json);
@@ -652,9 +668,20 @@ int run(int argc, char** argv) {
   }
 
   ProgressBar bar(stderr, !options.quiet && ::isatty(STDERR_FILENO) != 0);
-  ReplayResult const result = runReplay(
-      *source, config, [&bar](std::size_t done, std::size_t total) { bar.update(done, total); },
-      attentionOnly.get());
+  ProgressCallback const progress = [&bar](std::size_t done, std::size_t total) {
+    bar.update(done, total);
+  };
+  ReplayResult result;
+  if (config.tensorParallel > 1) {
+    std::vector<RequestSource*> ranks;
+    ranks.reserve(sources.size());
+    for (auto const& source : sources) {
+      ranks.push_back(source.get());
+    }
+    result = runTensorParallelReplay(ranks, config, progress);
+  } else {
+    result = runReplay(*sources[0], config, progress, baseline ? sources[1].get() : nullptr);
+  }
   bar.clear();
   if (events) {
     events->flush();
@@ -683,6 +710,16 @@ int run(int argc, char** argv) {
     std::fflush(stderr);
     for (int c = std::fgetc(stdin); c != EOF; c = std::fgetc(stdin)) {
     }
+  }
+  if (!result.tensorParallel.ranksIdentical) {
+    fmt::print(stderr, "mkv-replay: the tensor-parallel ranks decided differently; {}\n",
+               result.tensorParallel.firstDifference);
+    return kExitCorruption;
+  }
+  if (result.tensorParallel.oracleMismatchesAllRanks > result.oracleMismatches) {
+    fmt::print(stderr, "mkv-replay: the KV oracle found {} corrupted positions in other ranks\n",
+               result.tensorParallel.oracleMismatchesAllRanks - result.oracleMismatches);
+    return kExitCorruption;
   }
   if (result.oracleMismatches > 0) {
     if (result.hybrid.recurrentMismatches > 0) {

@@ -5,6 +5,8 @@
 #include <nlohmann/json.hpp>
 
 #include <cmath>
+#include <string>
+#include <vector>
 
 namespace mkv::replay {
 namespace {
@@ -639,6 +641,21 @@ std::string formatJson(ReplayResult const& r) {
     json["coordinator_counters"] = counters;
     json["coordinator_timings"] = timings;
   }
+  if (r.tensorParallel.size > 1) {
+    ReplayResult::TensorParallel const& tp = r.tensorParallel;
+    json["tensor_parallel"] = {
+        {"size", tp.size},
+        {"devices", tp.devices},
+        {"kv_head_layout",
+         c.kvHeadLayout == KvHeadLayout::kSplitHeads ? "split-heads" : "replicated"},
+        {"agreements", tp.agreements},
+        {"divergences", tp.divergences},
+        {"ranks_identical", tp.ranksIdentical},
+        {"first_difference", tp.firstDifference},
+        {"oracle_checks_all_ranks", tp.oracleChecksAllRanks},
+        {"oracle_mismatches_all_ranks", tp.oracleMismatchesAllRanks},
+    };
+  }
   json["wall_s"] = std::round(r.wallSeconds * 1000.0) / 1000.0;
   // One top-level key per line, nested values on the line of their key; bytes that are not
   // UTF-8 (a trace path's, in `workload`) become U+FFFD.
@@ -663,6 +680,48 @@ std::string formatCsv(ReplayResult const& r) {
         record.decodeHostNanoseconds);
   }
   return out;
+}
+
+std::string firstDifference(ReplayResult const& reference, ReplayResult const& other) {
+  // What differs between two runs of one replay whatever they decided.
+  auto const figures = [](ReplayResult const& r) {
+    nlohmann::ordered_json json = nlohmann::ordered_json::parse(formatJson(r));
+    for (char const* key :
+         {"wall_s", "requests_per_s", "host_ns_per_step_p50", "host_ns_per_step_p99",
+          "host_ns_per_step_mean", "gpu_timed", "gpu_ns_per_step_p50", "gpu_ns_per_step_p99",
+          "gpu_ns_per_step_mean", "coordinator_timings", "tensor_parallel"}) {
+      json.erase(key);
+    }
+    return json;
+  };
+  nlohmann::ordered_json const a = figures(reference);
+  nlohmann::ordered_json const b = figures(other);
+  for (auto const& [key, value] : a.items()) {
+    if (!b.contains(key) || b[key] != value) {
+      return fmt::format("{}: {} vs {}", key, value.dump(), b.contains(key) ? b[key].dump() : "");
+    }
+  }
+  if (reference.records.size() != other.records.size()) {
+    return fmt::format("{} vs {} requests", reference.records.size(), other.records.size());
+  }
+  // Each request's row without its last column (decode_host_ns, a timing).
+  auto const rows = [](std::string const& csv) {
+    std::vector<std::string> lines;
+    for (std::size_t begin = csv.find('\n') + 1; begin < csv.size();) {
+      std::size_t const end = csv.find('\n', begin);
+      lines.push_back(csv.substr(begin, csv.rfind(',', end) - begin));
+      begin = end + 1;
+    }
+    return lines;
+  };
+  std::vector<std::string> const rowsA = rows(formatCsv(reference));
+  std::vector<std::string> const rowsB = rows(formatCsv(other));
+  for (std::size_t i = 0; i < rowsA.size(); ++i) {
+    if (rowsA[i] != rowsB[i]) {
+      return fmt::format("request row {}: {} vs {}", i, rowsA[i], rowsB[i]);
+    }
+  }
+  return {};
 }
 
 }  // namespace mkv::replay

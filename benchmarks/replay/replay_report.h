@@ -17,4 +17,9 @@ std::string formatJson(ReplayResult const& result);
 /// Header plus one row per request in index order.
 std::string formatCsv(ReplayResult const& result);
 
+/// The first figure in which `other` differs from `reference` (two ranks of one tensor-parallel
+/// replay), timings and the tensor_parallel block aside: a JSON key, or a request's CSV row; empty
+/// when they agree.
+std::string firstDifference(ReplayResult const& reference, ReplayResult const& other);
+
 }  // namespace mkv::replay

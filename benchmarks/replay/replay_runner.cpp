@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cmath>
 #include <deque>
+#include <exception>
 #include <limits>
 #include <memory>
 #include <thread>
@@ -18,6 +19,7 @@
 #include "mkv/kernels.h"
 #include "mkv/remote/open_remote_kv_store.h"
 #include "mkv/stream.h"
+#include "replay_report.h"
 
 namespace mkv::replay {
 namespace {
@@ -30,6 +32,7 @@ using testing::RequestOutcome;
 using testing::SequenceOutcome;
 
 constexpr int32_t kMaxBatch = 4096;
+constexpr int32_t kMaxTensorParallel = 64;
 constexpr int32_t kMaxGeometry = 4096;           // KV heads, head dim
 constexpr int32_t kMaxRecurrentLayers = 128;     // the recurrent oracle addresses this many
 constexpr int64_t kMaxRecurrentBytes = 1 << 30;  // state or conv bytes per layer and sequence
@@ -277,7 +280,29 @@ void validateRemoteTier(ReplayConfig const& c) {
   }
 }
 
+void validateTensorParallel(ReplayConfig const& c) {
+  if (c.tensorParallel < 1 || c.tensorParallel > kMaxTensorParallel) {
+    configError(fmt::format("tensor-parallel size {} must be in [1, {}]", c.tensorParallel,
+                            kMaxTensorParallel));
+  }
+  if (c.tensorParallel == 1) {
+    return;
+  }
+  if (!c.remoteTier.empty()) {
+    configError("--tensor-parallel does not serve a remote tier (its lookups differ per rank)");
+  }
+  int32_t const n = c.tensorParallel;
+  if (c.kvHeadLayout == KvHeadLayout::kSplitHeads &&
+      (c.kvHeads % n != 0 || c.recurrentStateBytes % n != 0 || c.recurrentConvBytes % n != 0)) {
+    configError(fmt::format(
+        "--tensor-parallel {} splits the KV heads ({}) and the recurrent state and conv bytes ({} "
+        "and {}) over the ranks: give multiples of {}, or --kv-head-layout replicated",
+        n, c.kvHeads, c.recurrentStateBytes, c.recurrentConvBytes, n));
+  }
+}
+
 void validate(ReplayConfig const& c) {
+  validateTensorParallel(c);
   validateRemoteTier(c);
   if (c.pageSize < 16 || c.pageSize > 1024 || (c.pageSize & (c.pageSize - 1)) != 0) {
     configError(fmt::format("page size {} is not a power of two in [16, 1024]", c.pageSize));
@@ -436,6 +461,7 @@ class Runner {
     rc.maxSequenceLength = static_cast<int32_t>(longest);
     rc.deviceType = c.device;
     rc.deviceWrites = c.deviceWrites;
+    rc.tensorParallel = {c.tensorParallel, c.tensorParallelRank, c.kvHeadLayout, c.rankAgreement};
     rc.contextCache.verifyTokens = true;
     rc.contextCache.evictionPolicy = c.eviction;
     rc.contextCache.joinerPages = c.joinerPages;
@@ -1081,6 +1107,9 @@ class Runner {
   void summarize() {
     testing::EngineStats const& stats = mEngine->stats();
     ReplayResult& r = mResult;
+    r.tensorParallel.size = mConfig.tensorParallel;
+    r.tensorParallel.agreements = mRuntime->tensorParallelStats().agreements;
+    r.tensorParallel.divergences = mRuntime->tensorParallelStats().divergences;
     if (r.remoteTier.enabled) {
       ContextCacheCoordinator* coordinator = mRuntime->contextCache();
       (void)coordinator->drainRemoteTier();  // every save in the store before the process ends
@@ -1326,6 +1355,67 @@ ReplayResult runReplay(RequestSource& source, ReplayConfig const& config,
     result.hybrid.attentionOnlyRun = true;
     result.hybrid.attentionOnlyReusedTokens = plain.reusedTokens;
     result.hybrid.attentionOnlyHitRate = plain.hitRate;
+  }
+  return result;
+}
+
+ReplayResult runTensorParallelReplay(std::vector<RequestSource*> const& sources,
+                                     ReplayConfig const& config, ProgressCallback const& progress) {
+  int32_t const size = config.tensorParallel;
+  if (size < 2 || sources.size() != static_cast<std::size_t>(size)) {
+    configError(
+        fmt::format("a tensor-parallel replay needs a size >= 2 and one workload per rank "
+                    "(size {}, {} workloads)",
+                    size, sources.size()));
+  }
+  LocalRankGroup group(size);
+  int32_t const devices = config.device == DeviceType::kGPU ? cudaDeviceCount() : 0;
+  auto const ranks = static_cast<std::size_t>(size);
+  std::vector<ReplayResult> results(ranks);
+  std::vector<std::exception_ptr> errors(ranks);
+  std::vector<std::thread> threads;
+  threads.reserve(ranks);
+  for (int32_t rank = 0; rank < size; ++rank) {
+    threads.emplace_back([&, rank] {
+      auto const r = static_cast<std::size_t>(rank);
+      ReplayConfig rankConfig = config;
+      rankConfig.tensorParallelRank = rank;
+      rankConfig.rankAgreement = group.agreement(rank);
+      if (rank != 0) {
+        rankConfig.kvEvents = nullptr;  // the deployment publishes once
+      }
+      try {
+        if (config.device == DeviceType::kGPU && devices > 0) {
+          setCurrentCudaDevice(rank % devices);  // a GPU per rank where there are enough
+        }
+        results[r] =
+            Runner(*sources[r], rankConfig, rank == 0 ? progress : ProgressCallback{}).run();
+      } catch (...) {
+        errors[r] = std::current_exception();
+      }
+    });
+  }
+  for (std::thread& thread : threads) {
+    thread.join();
+  }
+  for (std::exception_ptr const& error : errors) {
+    if (error) {
+      std::rethrow_exception(error);
+    }
+  }
+  ReplayResult result = std::move(results[0]);
+  ReplayResult::TensorParallel& tp = result.tensorParallel;
+  tp.devices = devices > 0 ? std::min(devices, size) : 0;
+  tp.oracleChecksAllRanks = result.oracleChecks;
+  tp.oracleMismatchesAllRanks = result.oracleMismatches;
+  for (std::size_t r = 1; r < ranks; ++r) {
+    tp.oracleChecksAllRanks += results[r].oracleChecks;
+    tp.oracleMismatchesAllRanks += results[r].oracleMismatches;
+    std::string const difference = firstDifference(result, results[r]);
+    if (tp.ranksIdentical && !difference.empty()) {
+      tp.ranksIdentical = false;
+      tp.firstDifference = fmt::format("rank {}: {}", r, difference);
+    }
   }
   return result;
 }

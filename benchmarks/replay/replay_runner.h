@@ -16,6 +16,7 @@
 #include "mkv/context_cache/context_cache_types.h"
 #include "mkv/events/kv_event_publisher.h"
 #include "mkv/kv_cache_runtime.h"
+#include "mkv/tensor_parallel.h"
 #include "mkv/testing/reference_engine.h"
 #include "mkv/types.h"
 #include "request_source.h"
@@ -116,6 +117,13 @@ struct ReplayConfig {
   ReplayRole role = ReplayRole::kBoth;
   /// kReuse: each engine step's KV events go to this publisher as one batch (not owned).
   KvEventPublisher* kvEvents = nullptr;
+  /// Tensor-parallel ranks (docs/replay.md, "Tensor parallelism"): runTensorParallelReplay
+  /// replays on this many runtimes at once, each holding its share of the heads; 1 = one runtime.
+  int32_t tensorParallel = 1;
+  KvHeadLayout kvHeadLayout = KvHeadLayout::kSplitHeads;
+  /// Set by runTensorParallelReplay for each rank's replay: its rank and the group's agreement.
+  int32_t tensorParallelRank = 0;
+  RankAgreement rankAgreement;
   // Speculative decoding (kReuse only).
   SpeculativeKind speculative = SpeculativeKind::kNone;
   /// Attention layers of the draft (same heads, head dim and dtype as the base); 0 = an MTP
@@ -349,6 +357,19 @@ struct ReplayResult {
     double attentionOnlyHitRate = 0.0;
   } hybrid;
 
+  /// runTensorParallelReplay's figures (size 1 for runReplay).
+  struct TensorParallel {
+    int32_t size = 1;
+    int32_t devices = 0;      ///< CUDA devices the ranks ran on (rank r on r % visible); 0 on CPU
+    int64_t agreements = 0;   ///< of rank 0's runtime (TensorParallelStats)
+    int64_t divergences = 0;  ///< of rank 0's runtime
+    /// Every rank's figures, timings aside, equal rank 0's; else the first that differs.
+    bool ranksIdentical = true;
+    std::string firstDifference;
+    int64_t oracleChecksAllRanks = 0;      ///< positions verified in every rank's pools
+    int64_t oracleMismatchesAllRanks = 0;  ///< of them wrong
+  } tensorParallel;
+
   std::vector<RequestRecord> records;   ///< by request index
   std::vector<TimelinePoint> timeline;  ///< by completion
 };
@@ -364,5 +385,17 @@ using ProgressCallback = std::function<void(std::size_t, std::size_t)>;
 ReplayResult runReplay(RequestSource& source, ReplayConfig const& config,
                        ProgressCallback const& progress = {},
                        RequestSource* attentionOnly = nullptr);
+
+/// Replays on config.tensorParallel ranks at once, each in a thread of its own with its own
+/// runtime (and stream) holding its share of the heads (config.kvHeadLayout), joined by a
+/// LocalRankGroup: `sources` holds one fresh copy of the workload per rank. On kGPU rank r runs on
+/// CUDA device r % (visible devices), so N ranks use N GPUs where there are as many. Rank 0 reports
+/// progress and publishes KV events. Returns rank 0's result, its tensorParallel figures filled
+/// in (whether every rank's figures equal rank 0's, every rank's oracle counts). Throws as
+/// runReplay does (the lowest rank's error), and ReplayConfigError for a size below 2 or a number
+/// of sources other than the size.
+ReplayResult runTensorParallelReplay(std::vector<RequestSource*> const& sources,
+                                     ReplayConfig const& config,
+                                     ProgressCallback const& progress = {});
 
 }  // namespace mkv::replay

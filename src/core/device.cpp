@@ -453,16 +453,27 @@ StreamSynchronizer defaultStreamSynchronizer(DeviceType deviceType) {
 #endif
 }
 
-bool cudaDeviceAvailable() noexcept {
+bool cudaDeviceAvailable() noexcept { return cudaDeviceCount() > 0; }
+
+int32_t cudaDeviceCount() noexcept {
 #if MKV_WITH_CUDA
   int count = 0;
   if (cudaGetDeviceCount(&count) != cudaSuccess) {
     (void)cudaGetLastError();
-    return false;
+    return 0;
   }
-  return count > 0;
+  return count;
 #else
-  return false;
+  return 0;
+#endif
+}
+
+void setCurrentCudaDevice(int32_t device) {
+  int32_t const count = cudaDeviceCount();
+  MKV_REQUIRE(device >= 0 && device < count, "setCurrentCudaDevice",
+              "device {} is not one of the {} visible CUDA devices", device, count);
+#if MKV_WITH_CUDA
+  detail::checkCuda(cudaSetDevice(device), "setCurrentCudaDevice");
 #endif
 }
 

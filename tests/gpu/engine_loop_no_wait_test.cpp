@@ -15,11 +15,14 @@
 
 #include <chrono>
 #include <cstdint>
+#include <memory>
 #include <numeric>
 #include <optional>
+#include <thread>
 #include <vector>
 
 #include "busy_stream.h"
+#include "core/device.h"
 #include "gpu_parity.h"
 #include "mkv/attention_views.h"
 #include "mkv/context_cache/context_cache_coordinator.h"
@@ -32,6 +35,7 @@
 #include "mkv/recurrent_state_pool.h"
 #include "mkv/snapshot_storage.h"
 #include "mkv/tensor.h"
+#include "mkv/tensor_parallel.h"
 #include "support/token_runs.h"
 
 namespace mkv::gputest {
@@ -405,6 +409,66 @@ TEST_F(EngineLoopNoWaitTest, ReuseWithPublicationAndHit) {
   ASSERT_NO_FATAL_FAILURE(second.decode(2));
   ASSERT_NO_FATAL_FAILURE(second.finish());
   expectOtherStreamStillBusy();
+}
+
+// Tensor parallelism on the one device: two ranks' runtimes, each on a stream of its own and
+// driven by a thread of its own, run publication and a hit; every completion point of both agrees
+// through a LocalRankGroup (a host-side rendezvous, no device wait), and no call of either rank
+// waits for the unrelated streams.
+TEST_F(EngineLoopNoWaitTest, TwoTensorParallelRanksWithPublicationAndHit) {
+  constexpr int32_t kRanks = 2;
+  LocalRankGroup group(kRanks);
+  std::vector<detail::OwnedStream> streams;
+  std::vector<std::unique_ptr<KVCacheRuntime>> runtimes;
+  std::vector<std::unique_ptr<LoopEngine>> engines;  // two requests per rank
+  for (int32_t rank = 0; rank < kRanks; ++rank) {
+    streams.emplace_back(DeviceType::kGPU);
+    KVCacheRuntimeConfig config = baseConfig(streams.back().get());
+    config.model.numFullAttentionLayers = 2;
+    config.contextReuse = true;
+    config.tensorParallel = {kRanks, rank, KvHeadLayout::kSplitHeads, group.agreement(rank)};
+    runtimes.push_back(KVCacheRuntime::create(config));
+    ASSERT_EQ(runtimes.back()->fullPool()->config().numKVHeads, 1);
+    for (int request = 0; request < 2; ++request) {
+      engines.push_back(std::make_unique<LoopEngine>(*runtimes.back(), streams.back().get()));
+      engines.back()->add(tokenRun(2048, 10));
+    }
+  }
+  occupyOtherStream();
+  std::vector<std::thread> ranks;
+  ranks.reserve(kRanks);
+  std::vector<int32_t> hits(kRanks, -1);
+  for (std::size_t rank = 0; rank < static_cast<std::size_t>(kRanks); ++rank) {
+    ranks.emplace_back([&, rank] {
+      LoopEngine& first = *engines[2 * rank];
+      LoopEngine& second = *engines[2 * rank + 1];
+      first.begin();
+      first.prefill();
+      first.decode(4);
+      first.finish();
+      second.begin();
+      hits[rank] = second.prefillStart(0);
+      second.prefill();
+      second.decode(2);
+      second.finish();
+    });
+  }
+  for (std::thread& rank : ranks) {
+    rank.join();
+  }
+  expectOtherStreamStillBusy();
+  for (int32_t rank = 0; rank < kRanks; ++rank) {
+    EXPECT_GE(hits[static_cast<std::size_t>(rank)], 2048 - kPage) << "rank " << rank;
+    TensorParallelStats const stats =
+        runtimes[static_cast<std::size_t>(rank)]->tensorParallelStats();
+    EXPECT_GT(stats.agreements, 0);
+    EXPECT_EQ(stats.agreements, runtimes[0]->tensorParallelStats().agreements);
+    EXPECT_EQ(stats.divergences + stats.failedElsewhere, 0);
+  }
+  engines.clear();
+  for (std::size_t rank = 0; rank < runtimes.size(); ++rank) {
+    cudaOk(streams[rank].synchronize(), "a rank's stream");
+  }
 }
 
 // The host tier: the second request's admission evicts the first prompt, whose pages are copied
