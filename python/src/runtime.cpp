@@ -153,6 +153,7 @@ void bindRuntimeClass(py::module_& m) {
       .def("flushDeviceWrites", &KVCacheRuntime::flushDeviceWrites)
       .def("deviceWritesPending", &KVCacheRuntime::deviceWritesPending)
       .def("deviceWriteLaunches", &KVCacheRuntime::deviceWriteLaunches)
+      .def("tensorParallelStats", &KVCacheRuntime::tensorParallelStats)
       .def("shutdown", &KVCacheRuntime::shutdown)
       .def("residentRowState", &KVCacheRuntime::residentRowState, py::arg("slot"));
 }

@@ -1,5 +1,8 @@
 // The library's enums, configs and value types in Python, under their C++ names. Fields that hold
-// C++ callables (synchronizer, faults, retentionClock) and media buffers are not bound.
+// C++ callables (synchronizer, faults, retentionClock) and media buffers are not bound, but for
+// TensorParallelConfig.agreement: a Python callable (RankOutcome) -> AgreedOutcome, such as
+// managedkv.tensor_parallel.torch_agreement().
+#include <pybind11/functional.h>
 #include <pybind11/stl.h>
 
 #include <algorithm>
@@ -17,6 +20,7 @@
 #include "mkv/generation_request.h"
 #include "mkv/kv_cache_runtime.h"
 #include "mkv/kv_page_table.h"
+#include "mkv/tensor_parallel.h"
 #include "mkv/types.h"
 
 namespace mkv::python {
@@ -85,6 +89,9 @@ void bindEnums(py::module_& m) {
       .value("kFree", ResidentRowState::kFree)
       .value("kActive", ResidentRowState::kActive)
       .value("kQuarantined", ResidentRowState::kQuarantined);
+  py::enum_<KvHeadLayout>(m, "KvHeadLayout")
+      .value("kSplitHeads", KvHeadLayout::kSplitHeads)
+      .value("kReplicated", KvHeadLayout::kReplicated);
   py::enum_<PageTableMode>(m, "PageTableMode")
       .value("kDense", PageTableMode::kDense)
       .value("kSparseWindow", PageTableMode::kSparseWindow);
@@ -133,6 +140,26 @@ void bindConfigs(py::module_& m) {
       .def_readwrite("reusePointAdmission", &ContextCacheConfig::reusePointAdmission)
       .def_readwrite("evictionPolicy", &ContextCacheConfig::evictionPolicy)
       .def_readwrite("joinerPages", &ContextCacheConfig::joinerPages);
+  py::class_<RankOutcome>(m, "RankOutcome")
+      .def(py::init<>())
+      .def_readwrite("succeeded", &RankOutcome::succeeded)
+      .def_readwrite("decisionDigest", &RankOutcome::decisionDigest);
+  py::class_<AgreedOutcome>(m, "AgreedOutcome")
+      .def(py::init<>())
+      .def(py::init([](bool allSucceeded, bool digestsAgree) {
+             return AgreedOutcome{allSucceeded, digestsAgree};
+           }),
+           py::arg("allSucceeded"), py::arg("digestsAgree"))
+      .def_readwrite("allSucceeded", &AgreedOutcome::allSucceeded)
+      .def_readwrite("digestsAgree", &AgreedOutcome::digestsAgree);
+  py::class_<TensorParallelConfig>(m, "TensorParallelConfig")
+      .def(py::init<>())
+      .def_readwrite("size", &TensorParallelConfig::size)
+      .def_readwrite("rank", &TensorParallelConfig::rank)
+      .def_readwrite("kvHeads", &TensorParallelConfig::kvHeads)
+      .def_readwrite("agreement", &TensorParallelConfig::agreement,
+                     "The group's collective: a callable (RankOutcome) -> AgreedOutcome that every "
+                     "rank calls at the same points (managedkv.tensor_parallel.torch_agreement).");
   py::class_<KVCacheRuntimeConfig>(m, "KVCacheRuntimeConfig")
       .def(py::init<>())
       .def_readwrite("model", &KVCacheRuntimeConfig::model)
@@ -147,6 +174,7 @@ void bindConfigs(py::module_& m) {
       .def_readwrite("speculative", &KVCacheRuntimeConfig::speculative)
       .def_readwrite("deviceType", &KVCacheRuntimeConfig::deviceType)
       .def_readwrite("deviceWrites", &KVCacheRuntimeConfig::deviceWrites)
+      .def_readwrite("tensorParallel", &KVCacheRuntimeConfig::tensorParallel)
       .def_property(
           "stream",
           [](KVCacheRuntimeConfig const& c) { return reinterpret_cast<uintptr_t>(c.stream); },
@@ -195,6 +223,10 @@ void bindValues(py::module_& m) {
   py::class_<ReusePointCapture>(m, "ReusePointCapture")
       .def_readonly("position", &ReusePointCapture::position)
       .def_readonly("snapshotSlot", &ReusePointCapture::snapshotSlot);
+  py::class_<TensorParallelStats>(m, "TensorParallelStats")
+      .def_readonly("agreements", &TensorParallelStats::agreements)
+      .def_readonly("failedElsewhere", &TensorParallelStats::failedElsewhere)
+      .def_readonly("divergences", &TensorParallelStats::divergences);
   py::class_<PagePoolUsage>(m, "PagePoolUsage")
       .def_readonly("totalPages", &PagePoolUsage::totalPages)
       .def_readonly("freePages", &PagePoolUsage::freePages)
