@@ -412,55 +412,75 @@ TEST_F(EngineLoopNoWaitTest, ReuseWithPublicationAndHit) {
   expectOtherStreamStillBusy();
 }
 
-// Tensor parallelism on the one device: two ranks' runtimes, each on a stream of its own and
-// driven by a thread of its own, run publication and a hit with the same decisions, and no call of
-// either rank waits for the unrelated streams (their agreement is a host-side rendezvous at the
-// library's completion points, of which this lifecycle has none on the GPU).
-TEST_F(EngineLoopNoWaitTest, TwoTensorParallelRanksWithPublicationAndHit) {
-  constexpr int32_t kRanks = 2;
-  LocalRankGroup group(kRanks);
+// Tensor parallelism: a rank per GPU (two ranks on one GPU when there is only one), each rank's
+// runtime on a stream of its own and driven by a thread of its own, run publication and a hit with
+// the same decisions, and no call of any rank waits for the unrelated streams kept busy on every
+// device (the ranks' agreement is a host-side rendezvous at the library's completion points, of
+// which this lifecycle has none on the GPU).
+TEST_F(EngineLoopNoWaitTest, TensorParallelRanksWithPublicationAndHit) {
+  int32_t const devices = std::min(cudaDeviceCount(), 8);
+  int32_t const ranks = std::max(devices, 2);
+  auto const deviceOf = [devices](int32_t rank) { return rank % devices; };
+  LocalRankGroup group(ranks);
   std::vector<detail::OwnedStream> streams;
   std::vector<std::unique_ptr<KVCacheRuntime>> runtimes;
   std::vector<std::unique_ptr<LoopEngine>> engines;  // two requests per rank
-  for (int32_t rank = 0; rank < kRanks; ++rank) {
+  for (int32_t rank = 0; rank < ranks; ++rank) {
+    setCurrentCudaDevice(deviceOf(rank));
     streams.emplace_back(DeviceType::kGPU);
     KVCacheRuntimeConfig config = baseConfig(streams.back().get());
     config.model.numFullAttentionLayers = 2;
+    config.model.numKVHeads = 8;
     config.contextReuse = true;
-    config.tensorParallel = {kRanks, rank, KvHeadLayout::kSplitHeads, group.agreement(rank)};
+    config.tensorParallel = {ranks, rank, KvHeadLayout::kSplitHeads, group.agreement(rank)};
     runtimes.push_back(KVCacheRuntime::create(config));
-    ASSERT_EQ(runtimes.back()->fullPool()->config().numKVHeads, 1);
+    ASSERT_EQ(runtimes.back()->fullPool()->config().numKVHeads, 8 / ranks);
     for (int request = 0; request < 2; ++request) {
       engines.push_back(std::make_unique<LoopEngine>(*runtimes.back(), streams.back().get()));
       engines.back()->add(tokenRun(2048, 10));
     }
   }
-  occupyOtherStream();
-  std::vector<std::thread> ranks;
-  ranks.reserve(kRanks);
-  std::vector<int32_t> hits(kRanks, -1);
-  for (std::size_t rank = 0; rank < static_cast<std::size_t>(kRanks); ++rank) {
-    ranks.emplace_back([&, rank] {
-      LoopEngine& first = *engines[2 * rank];
-      LoopEngine& second = *engines[2 * rank + 1];
+  std::vector<std::unique_ptr<BusyStream>> busy;  // a non-blocking and a blocking one per device
+  for (int32_t device = 0; device < devices; ++device) {
+    setCurrentCudaDevice(device);
+    for (bool const blocking : {false, true}) {
+      busy.push_back(std::make_unique<BusyStream>(blocking));
+      busy.back()->occupy(kBusyFor);
+    }
+  }
+  std::vector<std::thread> threads;
+  threads.reserve(static_cast<std::size_t>(ranks));
+  std::vector<int32_t> hits(static_cast<std::size_t>(ranks), -1);
+  for (int32_t rank = 0; rank < ranks; ++rank) {
+    threads.emplace_back([&, rank] {
+      auto const r = static_cast<std::size_t>(rank);
+      setCurrentCudaDevice(deviceOf(rank));
+      LoopEngine& first = *engines[2 * r];
+      LoopEngine& second = *engines[2 * r + 1];
       first.begin();
       first.prefill();
       first.decode(4);
       first.finish();
       second.begin();
-      hits[rank] = second.prefillStart(0);
+      hits[r] = second.prefillStart(0);
       second.prefill();
       second.decode(2);
       second.finish();
     });
   }
-  for (std::thread& rank : ranks) {
-    rank.join();
+  for (std::thread& thread : threads) {
+    thread.join();
   }
-  expectOtherStreamStillBusy();
+  for (std::size_t b = 0; b < busy.size(); ++b) {
+    setCurrentCudaDevice(static_cast<int32_t>(b / 2));
+    EXPECT_EQ(busy[b]->query(), cudaErrorNotReady)
+        << "a rank's lifecycle call waited for a " << (b % 2 == 1 ? "blocking" : "non-blocking")
+        << " stream of device " << b / 2;
+    busy[b]->drain();
+  }
   // The same decisions: equal tables, and the same agreements (a lifecycle without a completion
   // point, as this one on the GPU, exchanges none: it waits for nothing).
-  for (int32_t rank = 0; rank < kRanks; ++rank) {
+  for (int32_t rank = 0; rank < ranks; ++rank) {
     auto const r = static_cast<std::size_t>(rank);
     EXPECT_GE(hits[r], 2048 - kPage) << "rank " << rank;
     auto const rows = runtimes[r]->fullPageTable()->hostRows();
@@ -470,10 +490,15 @@ TEST_F(EngineLoopNoWaitTest, TwoTensorParallelRanksWithPublicationAndHit) {
     EXPECT_EQ(stats.agreements, runtimes[0]->tensorParallelStats().agreements);
     EXPECT_EQ(stats.divergences + stats.failedElsewhere, 0);
   }
-  engines.clear();
-  for (std::size_t rank = 0; rank < runtimes.size(); ++rank) {
-    cudaOk(streams[rank].synchronize(), "a rank's stream");
+  for (int32_t rank = ranks - 1; rank >= 0; --rank) {  // each rank's objects on its device
+    auto const r = static_cast<std::size_t>(rank);
+    setCurrentCudaDevice(deviceOf(rank));
+    engines[2 * r + 1].reset();
+    engines[2 * r].reset();
+    cudaOk(streams[r].synchronize(), "a rank's stream");
+    runtimes[r].reset();
   }
+  setCurrentCudaDevice(0);
 }
 
 // The host tier: the second request's admission evicts the first prompt, whose pages are copied
