@@ -91,6 +91,10 @@ class KVPageTable {
   std::span<int32_t const> hostRows() const noexcept { return mHost; }
   /// Number of live entries in a row.
   int32_t liveEntryCount(CacheSlot slot) const;
+  /// Whether every entry [first, last) of row `slot` is live (true for an empty range): O(1) when
+  /// the row's live entries are contiguous, as a dense row's are, else O(last - first). Throws
+  /// mkv::Error naming this call for a slot or a range outside the table.
+  bool entriesLive(CacheSlot slot, int32_t first, int32_t last) const;
 
   /// Checks V derivation, id range and the mode's rule on every row. Returns false and writes
   /// a description of the first violation to *error (when given).

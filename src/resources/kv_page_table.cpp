@@ -473,6 +473,25 @@ int32_t KVPageTable::liveEntryCount(CacheSlot slot) const {
   return mLiveCount[static_cast<std::size_t>(slot)];
 }
 
+bool KVPageTable::entriesLive(CacheSlot slot, int32_t first, int32_t last) const {
+  constexpr char const* kCall = "KVPageTable::entriesLive";
+  validateSlot(kCall, slot);
+  MKV_REQUIRE(first >= 0 && first <= last && last <= mMaxPagesPerSeq, kCall,
+              "entries [{}, {}) outside a row of {}", first, last, mMaxPagesPerSeq);
+  if (first == last) {
+    return true;
+  }
+  auto const s = static_cast<std::size_t>(slot);
+  // The live range is tight (writeEntry keeps a live entry at each end), so a range holding as
+  // many entries as the row has live ones has no hole.
+  if (mLiveEnd[s] - mLiveBegin[s] == mLiveCount[s]) {
+    return mLiveBegin[s] <= first && last <= mLiveEnd[s];
+  }
+  std::span<int32_t const> const k = hostRow(slot);
+  return std::all_of(k.begin() + first, k.begin() + last,
+                     [](int32_t page) { return page != kNoPage; });
+}
+
 bool KVPageTable::upload(cudaStream_t stream) {
   return uploadRanges(/*rowGranular=*/true, nullptr, stream);
 }
