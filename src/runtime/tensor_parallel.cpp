@@ -201,19 +201,31 @@ bool RankAgreementPoint::agree(bool succeeded) noexcept {
   return succeeded && all;
 }
 
+namespace {
+
+/// Runs `step` (a synchronisation, a fault consult) and agrees on its status: a step that
+/// succeeded here fails with cudaErrorUnknown when it failed on another rank (or the decisions
+/// diverged); one that threw here is agreed as failed before its exception goes on.
+template <typename Step>
+cudaError_t agreedStatus(RankAgreementPoint& point, Step const& step) {
+  cudaError_t status = cudaErrorUnknown;
+  try {
+    status = step();
+  } catch (...) {
+    point.agree(false);
+    throw;
+  }
+  bool const everywhere = point.agree(status == cudaSuccess);
+  return status != cudaSuccess ? status : everywhere ? cudaSuccess : cudaErrorUnknown;
+}
+
+}  // namespace
+
 StreamSynchronizer withRankAgreement(StreamSynchronizer synchronizer,
                                      std::shared_ptr<RankAgreementPoint> point) {
   return [synchronizer = std::move(synchronizer),
           point = std::move(point)](cudaStream_t stream) -> cudaError_t {
-    cudaError_t status = cudaErrorUnknown;
-    try {
-      status = synchronizer(stream);
-    } catch (...) {  // a throwing synchronizer failed here; the others must hear of it
-      point->agree(false);
-      throw;
-    }
-    bool const everywhere = point->agree(status == cudaSuccess);
-    return status != cudaSuccess ? status : everywhere ? cudaSuccess : cudaErrorUnknown;
+    return agreedStatus(*point, [&] { return synchronizer(stream); });
   };
 }
 
@@ -222,15 +234,7 @@ FaultInjector withRankAgreement(FaultInjector faults, std::shared_ptr<RankAgreem
     return faults;
   }
   return [faults = std::move(faults), point = std::move(point)](FaultSite site) -> cudaError_t {
-    cudaError_t status = cudaErrorUnknown;
-    try {
-      status = faults(site);
-    } catch (...) {
-      point->agree(false);
-      throw;
-    }
-    bool const everywhere = point->agree(status == cudaSuccess);
-    return status != cudaSuccess ? status : everywhere ? cudaSuccess : cudaErrorUnknown;
+    return agreedStatus(*point, [&] { return faults(site); });
   };
 }
 
