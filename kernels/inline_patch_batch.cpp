@@ -113,7 +113,9 @@ void InlinePatchBatch::add(char const* call, Tensor& dst, int64_t offset,
   if (count == 0) {
     return;
   }
-  mWrittenDigest = digestWrite(mWrittenDigest, offset, values);
+  if (mRecordsDigest) {
+    mWrittenDigest = digestWrite(mWrittenDigest, offset, values);
+  }
   int32_t* const base = dst.dataPointer<int32_t>();
   if (replaceInside(mRanges, mTargets, mValues, base + offset, values)) {
     return;

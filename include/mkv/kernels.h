@@ -267,9 +267,11 @@ class InlinePatchBatch {
   int64_t launches() const noexcept { return mLaunches; }
   /// Of those, the ones made through the ring (graph launches).
   int64_t ringLaunches() const noexcept { return mRingLaunches; }
-  /// A digest of every write add() was given (offset, count and values, in order): equal batches
-  /// fed the same writes have equal digests (a tensor-parallel rank's decisions, whatever its
-  /// tensors' addresses).
+  /// From now on, keep a digest of every write add() is given (offset, count and values, in
+  /// order): equal batches fed the same writes have equal digests, whatever their tensors'
+  /// addresses (a tensor-parallel rank's decisions). Off by default: add() then hashes nothing.
+  void recordWrittenDigest() noexcept { mRecordsDigest = true; }
+  /// The digest recordWrittenDigest() keeps; 0 before it.
   uint64_t writtenDigest() const noexcept { return mWrittenDigest; }
 
  private:
@@ -295,6 +297,7 @@ class InlinePatchBatch {
   int64_t mLaunches = 0;
   int64_t mRingLaunches = 0;
   uint64_t mWrittenDigest = 0;
+  bool mRecordsDigest = false;
   std::unique_ptr<detail::PatchRing> mRing;  // kGPU batches made with a device type
   FaultInjector mFaults;
 };

@@ -70,9 +70,11 @@ void DeviceWriteQueue::queueTables(cudaStream_t stream) {
     if (!table->dirty()) {
       continue;  // a clean table's upload would still reset its lastUpload()
     }
-    std::span<int32_t const> const values = table->hostRows();
-    for (int64_t const entry : table->dirtyEntries()) {
-      mTableDigest += entryWord(entry, values[static_cast<std::size_t>(entry)]);
+    if (mRecordsDecisions) {
+      std::span<int32_t const> const values = table->hostRows();
+      for (int64_t const entry : table->dirtyEntries()) {
+        mTableDigest += entryWord(entry, values[static_cast<std::size_t>(entry)]);
+      }
     }
     try {
       table->uploadDirty(mBatch, stream);
@@ -95,6 +97,11 @@ void DeviceWriteQueue::requireReachedDevice(char const* call, int64_t mark) cons
               "the table rows and KV lengths its prepare call wrote never reached the device: "
               "with DeviceWriteTiming::kEngineStep call KVCacheRuntime::flushDeviceWrites() after "
               "the step's lifecycle calls and before the forward");
+}
+
+void DeviceWriteQueue::recordDecisions() noexcept {
+  mRecordsDecisions = true;
+  mBatch.recordWrittenDigest();
 }
 
 uint64_t DeviceWriteQueue::decisionDigest() const noexcept {

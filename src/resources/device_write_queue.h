@@ -94,9 +94,11 @@ class DeviceWriteQueue {
   /// makes one; a length write overlapping a queued one only partly makes one more) and one per
   /// table upload beyond the inline limit (its own launch, after a staged copy).
   int64_t launches() const noexcept { return mBatch.launches() + mStagedUploads; }
-  /// A digest of every table entry and KV length the queue has been given so far (a rank's
-  /// decisions: equal on every rank of a tensor-parallel deployment driven alike). Tables count
-  /// when a flush queues them.
+  /// From now on, keep decisionDigest() (a tensor-parallel runtime's; others hash nothing).
+  void recordDecisions() noexcept;
+  /// A digest of every table entry and KV length the queue has been given since
+  /// recordDecisions() (a rank's decisions: equal on every rank of a tensor-parallel deployment
+  /// driven alike); tables count when a flush queues them. 0 without recordDecisions().
   uint64_t decisionDigest() const noexcept;
 
  private:
@@ -111,6 +113,7 @@ class DeviceWriteQueue {
   int64_t mStagedUploads = 0;  // table uploads of the flushes that went through staging
   int64_t mFlushes = 0;        // flushes (settle's included) that returned normally
   uint64_t mTableDigest = 0;   // sum of one word per table entry queued (order-free)
+  bool mRecordsDecisions = false;
 };
 
 }  // namespace mkv::detail

@@ -388,6 +388,7 @@ std::unique_ptr<KVCacheRuntime> KVCacheRuntime::create(KVCacheRuntimeConfig cons
   runtime->mDeviceWrites = std::make_unique<detail::DeviceWriteQueue>(
       config.deviceType, config.deviceWrites, config.faults);
   if (agreement) {
+    runtime->mDeviceWrites->recordDecisions();
     agreement->setDecisions(runtime->mDeviceWrites.get());
     runtime->mRankAgreement = std::move(agreement);
   }
