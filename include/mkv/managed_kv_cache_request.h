@@ -97,7 +97,9 @@ class ManagedKVCacheRequest {
   std::span<ReusePointCapture const> reusePointCaptures(ExecutionRow row) const;
   /// Stages hybrid checkpoint captures at the prompt end (bounded SWA: no-op, true).
   bool enqueuePrefillCaptures();
-  /// After the runtime's prefill synchronisation. With DeviceWriteTiming::kEngineStep, throws
+  /// After the runtime's prefill synchronisation. A founder whose prefill chunks stopped short of
+  /// its prompt (completePrefillChunk) holds: its generated list is empty and it finishes as a
+  /// joiner. With DeviceWriteTiming::kEngineStep, throws
   /// mkv::Error, changing nothing, when the rows and lengths the prepare calls wrote never reached
   /// the device (no KVCacheRuntime::flushDeviceWrites() returned in between): the engine's forward
   /// read stale rows, an engine bug this detects but cannot undo (docs/errors.md).
@@ -203,8 +205,15 @@ class ManagedKVCacheRequest {
   /// captures the recurrent state the engine carried to the chunk's end as a reuse point, and
   /// finalizeSequenceAdmission commits the row's checkpoints after one synchronisation; on
   /// bounded SWA it unmaps what left the chunk's window); finalizeSequenceAdmission follows the
-  /// last chunk. False when poisoned. Throws for a row that is not an unfinalised joiner, a
-  /// length outside [done so far, prompt], and on bounded SWA for a chunk that was not prepared.
+  /// last chunk. On the context-reuse backend a founder's prefill goes in chunks too: after the
+  /// prefill step ran the founder's first chunk (before enqueuePrefillCaptures and
+  /// completePrefill) this publishes it; completePrefill then holds the founder (it samples
+  /// nothing: an empty generated list) and it goes on as an unfinalised joiner, so sequences
+  /// admitted from the next step reuse what it published (docs/lifecycle.md, "Chunked
+  /// prefill"). False when poisoned. Throws for a row that is not an unfinalised joiner (or, in
+  /// the prefill, a founder of a context-reuse request that is not speculative, on a deployment
+  /// with attention layers, under kCommittedPlusLookahead), a length outside [done so far, prompt],
+  /// and on bounded SWA for a chunk that was not prepared.
   bool completePrefillChunk(ExecutionRow row, int32_t prefilledTokens);
   bool finalizeSequenceAdmission(ExecutionRow row, int32_t const& lookaheadToken,
                                  int32_t fullInputLength);

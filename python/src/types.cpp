@@ -293,6 +293,7 @@ void bindMetrics(py::module_& m) {
       .def_readonly("prefillChunks", &ContextCacheCoordinatorCounters::prefillChunks)
       .def_readonly("chunkEndCaptures", &ContextCacheCoordinatorCounters::chunkEndCaptures)
       .def_readonly("chunkPageGrowths", &ContextCacheCoordinatorCounters::chunkPageGrowths)
+      .def_readonly("heldPrefills", &ContextCacheCoordinatorCounters::heldPrefills)
       .def_readonly("preemptions", &ContextCacheCoordinatorCounters::preemptions);
 }
 

@@ -13,6 +13,9 @@ BlockReuseMode::BlockReuseMode(CoordinatorParts const& parts, RowLane base)
 
 void BlockReuseMode::publishPrefill(CoordinatorRequest& req) const {
   for (std::size_t row = 0; row < req.sequences.size(); ++row) {
+    if (!req.sequences[row].joined) {
+      continue;  // a founder whose prefill goes on in chunks: published when it finalises
+    }
     ++mParts.counters.prefillPublications;
     publishBlocks(req, row, req.sequences[row].committed);
   }
@@ -59,7 +62,9 @@ void PairedDraftMode::publishJoinerPrefill(CoordinatorRequest& req, std::size_t 
 
 void PairedDraftMode::publishPrefill(CoordinatorRequest& req) const {
   for (auto& sequence : req.sequences) {
-    freezePrefill(req, sequence);
+    if (sequence.joined) {  // a founder whose prefill goes on in chunks freezes when it finalises
+      freezePrefill(req, sequence);
+    }
   }
 }
 

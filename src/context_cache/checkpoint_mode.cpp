@@ -75,17 +75,25 @@ void CheckpointMode::restorePartialKv(CoordinatorSequence const& sequence,
 
 void CheckpointMode::enqueuePrefillCaptures(CoordinatorRequest& req) const {
   for (std::size_t row = 0; row < req.sequences.size(); ++row) {
-    stageCapture(req, row, req.sequences[row].promptLength);  // a staged row is skipped
+    if (!req.sequences[row].prefillHeld) {  // a held founder's state is not at its prompt end
+      stageCapture(req, row, req.sequences[row].promptLength);  // a staged row is skipped
+    }
   }
 }
 
 void CheckpointMode::publishPrefill(CoordinatorRequest& req) const {
+  // A founder whose prefill goes on in chunks (not joined) keeps its restored checkpoint's pins,
+  // its reuse points and chunk ends until it finalises (publishJoinerPrefill).
   for (auto& sequence : req.sequences) {
-    mParts.manager.releaseRestoredHybridSnapshots(sequence.lease);
-    mParts.counters.prefillPublications += sequence.staged ? 1U : 0U;
+    if (sequence.joined) {
+      mParts.manager.releaseRestoredHybridSnapshots(sequence.lease);
+      mParts.counters.prefillPublications += sequence.staged ? 1U : 0U;
+    }
   }
   for (std::size_t row = 0; row < req.sequences.size(); ++row) {
-    commitReusePoints(req, row);  // ascending: the points, then the prompt end
+    if (req.sequences[row].joined) {
+      commitReusePoints(req, row);  // ascending: the points, then the prompt end
+    }
   }
   commitStaged(req);
 }

@@ -273,6 +273,14 @@ ContextCacheStatus ContextCacheCoordinator::finalizePrefillPublication(
   req.mode->validateCommonLengths(kCall, req.sequences.size(), commonStateLengths);
   for (std::size_t i = 0; i < advances.size(); ++i) {
     MKV_REQUIRE(req.sequences[i].joined, kCall, "row {} was admitted in flight", i);
+    if (req.sequences[i].prefillHeld) {
+      MKV_REQUIRE(detail::isHold(advances[i]), kCall,
+                  "row {}: its prefill chunks stopped at {} of its {} prompt tokens, so it holds "
+                  "(0 tokens, kHoldCommittedStateLength), got {} accepted / {} committed",
+                  i, req.sequences[i].committed, req.sequences[i].promptLength,
+                  advances[i].acceptedTokenCount, advances[i].committedStateLength);
+      continue;  // a founder's chunked prefill: no common length (joinable requests take none)
+    }
     detail::validatePrefillAdvance(kCall, i, static_cast<int32_t>(req.sequences[i].tokens.size()),
                                    advances[i], req.contract);
     MKV_REQUIRE(
@@ -285,6 +293,14 @@ ContextCacheStatus ContextCacheCoordinator::finalizePrefillPublication(
   req.stage = RequestStage::kSettled;
   for (auto& sequence : req.sequences) {
     sequence.common = sequence.committed;
+    if (sequence.prefillHeld) {
+      // Goes on as an unfinalised in-flight admission: the rows preparePrefill bound reached the
+      // device (checked above), and publishPrefill leaves it to finalizeSequenceAdmission.
+      sequence.prefillHeld = false;
+      sequence.joined = false;
+      sequence.joinWritesMark = -1;
+      ++mCounters.heldPrefills;
+    }
   }
   req.mode->publishPrefill(req);
   return ContextCacheStatus::kOk;

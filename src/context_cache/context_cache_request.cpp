@@ -238,9 +238,19 @@ bool ContextCacheRequest::completePrefill(DecodingInferenceContext const& contex
       kCall, "context has {} prompts / {} generated lists for a batch of {}",
       context.rawBatchedInputIds.size(), context.generatedTokenIds.size(), batch);
   std::vector<ContextCacheSequenceAdvance> advances(batch);
+  std::vector<uint8_t> held(batch, 0);  // founders whose prefill goes on in chunks
   for (std::size_t i = 0; i < batch; ++i) {
     auto const& generated = context.generatedTokenIds[i];
     auto const rawSize = static_cast<int32_t>(context.rawBatchedInputIds[i].size());
+    if (mCoordinator->awaitsPrefill(mHandle, static_cast<ExecutionRow>(i))) {
+      MKV_REQUIRE(generated.empty(), kCall,
+                  "row {}: its prefill chunks stopped short of its prompt, so it samples nothing "
+                  "yet, got {} generated tokens",
+                  i, generated.size());
+      advances[i] = {nullptr, 0, kHoldCommittedStateLength};
+      held[i] = 1;
+      continue;
+    }
     if (mContract == DecodingTokenStateContract::kFullyCommitted) {
       MKV_REQUIRE(generated.empty(), kCall,
                   "row {}: a fully committed prefill has no generated token, got {}", i,
@@ -253,8 +263,14 @@ bool ContextCacheRequest::completePrefill(DecodingInferenceContext const& contex
       advances[i] = {&generated.back(), 1, rawSize};
     }
   }
-  return check(mCoordinator->finalizePrefillPublication(mHandle, advances, commonStateLengths),
-               "completePrefill");
+  if (!check(mCoordinator->finalizePrefillPublication(mHandle, advances, commonStateLengths),
+             "completePrefill")) {
+    return false;
+  }
+  for (std::size_t i = 0; i < batch; ++i) {
+    mUnfinalized[i] = held[i];  // a held founder finishes as an in-flight admission
+  }
+  return true;
 }
 
 bool ContextCacheRequest::prepareDecodeStep(DecodingInferenceContext const& context,

@@ -97,25 +97,51 @@ ContextCacheStatus ContextCacheCoordinator::completePrefillChunk(RequestHandle& 
                                                                  int32_t prefilledTokens) {
   constexpr char const* kCall = "ContextCacheCoordinator::completePrefillChunk";
   Request& req = request(handle, kCall);
-  MKV_REQUIRE(req.stage == RequestStage::kSettled, kCall,
-              "row {}: a chunk completes after the step that ran it (an executing request with no "
-              "pending work)",
+  bool const founder = req.stage == RequestStage::kPrefilling;
+  MKV_REQUIRE(founder || req.stage == RequestStage::kSettled, kCall,
+              "row {}: a chunk completes after the step that ran it (a founder's before "
+              "finalizePrefillPublication, a joiner's in an executing request with no pending "
+              "work)",
               row);
   auto& sequence = detail::sequenceAt(req, row, kCall);
-  MKV_REQUIRE(!sequence.joined, kCall, "row {} is not an unfinalised in-flight admission", row);
+  if (founder) {
+    MKV_REQUIRE(mModes->joinable(req.mode) && !req.mode->speculativeRounds() &&
+                    req.contract == DecodingTokenStateContract::kCommittedPlusLookahead,
+                kCall,
+                "row {}: a founder's prefill goes on in chunks as an in-flight admission, which "
+                "this request does not take (speculative, pure recurrent, or kFullyCommitted): "
+                "its founders prefill whole",
+                row);
+    MKV_REQUIRE(!sequence.staged, kCall,
+                "row {}: its prompt-end capture was enqueued (enqueuePrefillCaptures): a founder's "
+                "chunk completes before it",
+                row);
+  } else {
+    MKV_REQUIRE(!sequence.joined, kCall, "row {} is not an unfinalised in-flight admission", row);
+  }
   MKV_REQUIRE(prefilledTokens >= sequence.committed && prefilledTokens <= sequence.promptLength,
               kCall, "row {}: {} prefilled tokens outside [{} (done so far), {} (the prompt)]", row,
               prefilledTokens, sequence.committed, sequence.promptLength);
   req.mode->rows().requireCovered(kCall, row, sequence, prefilledTokens, mManager->pageSize());
-  // Its chunks ran through the row admitSequence bound: that row must have reached the device.
-  mWrites->requireReachedDevice(kCall, sequence.joinWritesMark);
+  // Its chunks ran through the row its admission (or preparePrefill) bound: that row must have
+  // reached the device.
+  mWrites->requireReachedDevice(kCall, founder ? req.writesMark : sequence.joinWritesMark);
   if (poisoned()) {
     return ContextCacheStatus::kPoisoned;
   }
   sequence.committed = prefilledTokens;
+  if (founder) {
+    sequence.prefillHeld = prefilledTokens < sequence.promptLength;
+  }
   ++mCounters.prefillChunks;
   req.mode->publishChunk(req, static_cast<std::size_t>(row));
   return ContextCacheStatus::kOk;
+}
+
+bool ContextCacheCoordinator::awaitsPrefill(RequestHandle const& handle, ExecutionRow row) const {
+  constexpr char const* kCall = "ContextCacheCoordinator::awaitsPrefill";
+  auto const& sequence = detail::sequenceAt(request(handle, kCall), row, kCall);
+  return !sequence.joined || sequence.prefillHeld;
 }
 
 ContextCacheCoordinator::Sequence const& ContextCacheCoordinator::prefillChunkRow(

@@ -40,6 +40,10 @@ struct CoordinatorSequence {
   int32_t committed = 0;        // tokens with materialised KV
   int32_t publishedBlocks = 0;  // full blocks already published
   bool joined = true;           // false: admitted in flight, not finalised yet
+  // A founder whose prefill chunks (completePrefillChunk before finalizePrefillPublication)
+  // stopped short of its prompt: the prefill's completion holds it and it goes on as an
+  // unfinalised in-flight admission (joined = false).
+  bool prefillHeld = false;
   // Preempted with PreemptionKind::kSwap: the compaction that drops the row moves its published
   // blocks to the host tier (ContextCacheManager::demoteToHostTier).
   bool swapOut = false;

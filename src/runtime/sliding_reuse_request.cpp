@@ -446,7 +446,14 @@ DecodeStepDemand SlidingReuseRequest::prefillChunkDemand(ExecutionRow row, int32
 }
 
 bool SlidingReuseRequest::completePrefillChunk(ExecutionRow row, int32_t prefilledTokens) {
-  requireSlidingHalfExecuting("SlidingReuseRequest::completePrefillChunk");
+  constexpr char const* kCall = "SlidingReuseRequest::completePrefillChunk";
+  requireSlidingHalfExecuting(kCall);
+  // The sliding half windows a founder's whole prompt at prepareSwaPrefill: founders prefill
+  // whole here, and only joiners go in chunks.
+  MKV_REQUIRE(mFull.awaitsPrefill(row), kCall,
+              "row {} is not an unfinalised in-flight admission (a founder's prefill is not "
+              "chunked on sliding-window reuse)",
+              row);
   return mFull.completePrefillChunk(row, prefilledTokens);
 }
 

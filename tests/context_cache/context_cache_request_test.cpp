@@ -444,6 +444,131 @@ TEST_P(ContextCacheRequestTest, AChunkOutsideItsPlaceThrowsAndChangesNothing) {
   rig.expectQuiescent();
 }
 
+// ---------------------------------------------------------------- founders in chunks
+
+TEST_P(ContextCacheRequestTest, AFoundersChunksAreReusedByAJoinerAdmittedWhileItPrefills) {
+  CoordinatorRig rig(device());
+  RequestDriver driver(rig);
+  std::vector<int32_t> const prompt = tokenRun(450, 10);
+  driver.add(prompt, 0);
+  ASSERT_TRUE(driver.begin());
+  std::size_t const records = rig.records().size();
+  ASSERT_TRUE(driver.prefillFirstChunks({300})) << "the founder's first chunk, [0, 300)";
+  ASSERT_EQ(rig.records().size(), records + 1) << "its two full blocks are published";
+  EXPECT_EQ(rig.records().back().key.fullBlockCount, 2);
+  EXPECT_TRUE(driver.cache->awaitsPrefill(0));
+  EXPECT_TRUE(driver.context.generatedTokenIds[0].empty());
+  EXPECT_EQ(rig.coordinator.counters().heldPrefills, 1u);
+  EXPECT_EQ(rig.coordinator.counters().prefillChunks, 1u);
+  EXPECT_EQ(rig.coordinator.counters().prefillPublications, 0u) << "its prompt is not done";
+  // A sequence arriving now joins and reuses the founder's first chunk.
+  int32_t start = -1;
+  ASSERT_EQ(driver.admit(concatenated(std::vector<int32_t>(prompt.begin(), prompt.begin() + 280),
+                                      tokenRun(40, 7000)),
+                         1, &start),
+            AdmitStatus::kAdmitted);
+  EXPECT_EQ(start, 256);
+  EXPECT_EQ(rig.mirroredPages(1)[0], rig.mirroredPages(0)[0]);
+  ASSERT_TRUE(driver.seat(1));
+  ASSERT_TRUE(driver.decode()) << "the joiner decodes, the founder holds";
+  ASSERT_TRUE(driver.prefillChunk(0, 384));
+  EXPECT_EQ(rig.records().back().key.fullBlockCount, 3);
+  ASSERT_TRUE(driver.decode());
+  ASSERT_TRUE(driver.seat(0)) << "the founder's last chunk, [384, 450), then its lookahead";
+  EXPECT_FALSE(driver.cache->awaitsPrefill(0));
+  ASSERT_TRUE(driver.decode());
+  ASSERT_TRUE(driver.decode());
+  for (std::size_t row = 0; row < 2; ++row) {
+    EXPECT_TRUE(rig.verify(driver.rows[row]).ok()) << row;
+  }
+  EXPECT_EQ(rig.coordinator.counters().prefillChunks, 2u);
+  ASSERT_TRUE(driver.cache->finish());
+  EXPECT_EQ(
+      runOnce(rig, concatenated(std::vector<int32_t>(prompt.begin(), prompt.begin() + 384), {9}),
+              {}, {}, {}, 2),
+      384);
+  rig.expectQuiescent();
+}
+
+TEST_P(ContextCacheRequestTest, AFounderAndAWholeFounderShareAPrefillAndTheHeldOneFinishesLater) {
+  CoordinatorRig rig(device());
+  RequestDriver driver(rig);
+  driver.add(tokenRun(400, 10), 0);
+  driver.add(tokenRun(200, 3000), 1);
+  ASSERT_TRUE(driver.begin());
+  ASSERT_TRUE(driver.prefillFirstChunks({130, 200}));
+  EXPECT_TRUE(driver.cache->awaitsPrefill(0));
+  EXPECT_FALSE(driver.cache->awaitsPrefill(1));
+  EXPECT_EQ(rig.coordinator.counters().prefillPublications, 1u) << "the whole founder only";
+  ASSERT_TRUE(driver.decode()) << "the whole founder decodes, the held one holds";
+  ASSERT_TRUE(driver.prefillChunk(0, 260));
+  ASSERT_TRUE(driver.decode());
+  ASSERT_TRUE(driver.seat(0));
+  ASSERT_TRUE(driver.decode());
+  EXPECT_TRUE(rig.verify(driver.rows[0]).ok());
+  EXPECT_TRUE(rig.verify(driver.rows[1]).ok());
+  EXPECT_EQ(rig.coordinator.counters().prefillPublications, 2u);
+  ASSERT_TRUE(driver.cache->finish());
+  rig.expectQuiescent();
+}
+
+TEST_P(ContextCacheRequestTest, AFoundersChunkOutsideItsPlaceThrowsAndChangesNothing) {
+  CoordinatorRig rig(device());
+  {
+    // Under kFullyCommitted no row may hold (a held founder is finalised with a lookahead).
+    RequestDriver driver(rig);
+    driver.add(tokenRun(300, 10), 0);
+    ASSERT_TRUE(driver.begin(DecodingTokenStateContract::kFullyCommitted));
+    ASSERT_TRUE(driver.cache->preparePrefill());
+    rig.oracle.write(driver.rows[0].resident.slot, driver.rows[0].digests, 0, 200);
+    EXPECT_TRUE(throwsError([&] { (void)driver.cache->completePrefillChunk(0, 200); },
+                            {"ContextCacheCoordinator::completePrefillChunk",
+                             "row 0: a founder's prefill goes on in chunks as an in-flight "
+                             "admission, which this request does not take"}));
+    EXPECT_EQ(rig.coordinator.counters().prefillChunks, 0u);
+    EXPECT_FALSE(driver.cache->awaitsPrefill(0));
+    ASSERT_TRUE(driver.cache->finish());
+  }
+  RequestDriver driver(rig);
+  driver.add(tokenRun(300, 10), 0);
+  ASSERT_TRUE(driver.begin());
+  ASSERT_TRUE(driver.cache->preparePrefill());
+  Seq& founder = driver.rows[0];
+  rig.oracle.write(founder.resident.slot, founder.digests, 0, 200);
+  founder.materialized = 200;
+  EXPECT_TRUE(throwsError([&] { (void)driver.cache->completePrefillChunk(0, 301); },
+                          {"row 0: 301 prefilled tokens outside [0 (done so far), 300"}));
+  std::size_t const records = rig.records().size();
+  ASSERT_TRUE(driver.cache->completePrefillChunk(0, 200));
+  EXPECT_EQ(rig.records().size(), records + 1);
+  EXPECT_TRUE(throwsError([&] { (void)driver.cache->completePrefillChunk(0, 199); },
+                          {"outside [200 (done so far), 300 (the prompt)]"}));
+  // A held founder samples nothing: completePrefill refuses a lookahead for it, changing nothing.
+  driver.context.generatedTokenIds[0].push_back(1);
+  EXPECT_TRUE(throwsError([&] { (void)driver.cache->completePrefill(driver.context, {}); },
+                          {"ContextCacheRequest::completePrefill",
+                           "row 0: its prefill chunks stopped short of its prompt, so it samples "
+                           "nothing yet, got 1 generated tokens"}));
+  EXPECT_EQ(rig.coordinator.counters().heldPrefills, 0u);
+  driver.context.generatedTokenIds[0].clear();
+  ASSERT_TRUE(driver.cache->completePrefill(driver.context, {}));
+  EXPECT_EQ(rig.coordinator.counters().heldPrefills, 1u);
+  // Now an in-flight admission: preemption refuses it, its next chunks and finalisation work.
+  EXPECT_TRUE(throwsError([&] { (void)driver.cache->preemptSequence(0); },
+                          {"row 0 is an unfinalised in-flight admission"}));
+  ASSERT_TRUE(driver.cache->preparePrefillChunk(0, 300));
+  rig.oracle.write(founder.resident.slot, founder.digests, 200, 300);
+  founder.materialized = 300;
+  int32_t const length = 300;
+  rig.pool.writeLengths(0, std::span<int32_t const>(&length, 1), nullptr);
+  int32_t const lookahead = founder.sample();
+  driver.context.generatedTokenIds[0].push_back(lookahead);
+  ASSERT_TRUE(driver.cache->finalizeSequenceAdmission(0, lookahead, 300));
+  ASSERT_TRUE(driver.cache->finish());
+  EXPECT_EQ(runOnce(rig, concatenated(tokenRun(256, 10), {5}), {}, {}, {}, 1), 256);
+  rig.expectQuiescent();
+}
+
 // ---------------------------------------------------------------- pages per chunk
 
 RigOptions perChunkPages(int32_t numPages = 16) {

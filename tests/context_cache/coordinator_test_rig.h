@@ -358,6 +358,30 @@ class RequestDriver {
     return cache->completePrefill(context, {});
   }
 
+  /// A prefill in which founder `i` runs [its reuse length, firstChunkEnds[i]): a founder whose
+  /// first chunk is its whole prompt samples its lookahead as prefill() does; one short of it
+  /// completes that chunk (completePrefillChunk, before completePrefill), samples nothing and
+  /// goes on unseated, as a joiner does (prefillChunk, seat).
+  bool prefillFirstChunks(std::vector<int32_t> const& firstChunkEnds) {
+    if (!cache->preparePrefill()) {
+      return false;
+    }
+    for (std::size_t i = 0; i < rows.size(); ++i) {
+      auto const row = static_cast<int32_t>(i);
+      if (firstChunkEnds[i] == rows[i].promptLength) {
+        mRig.executePrefill(rows[i], row, cache->reuseTokenLength(row));
+        context.generatedTokenIds[i].push_back(rows[i].sample());
+        continue;
+      }
+      rows[i].materialized = cache->reuseTokenLength(row);
+      mUnseated[i] = true;
+      if (!prefillChunk(i, firstChunkEnds[i])) {
+        return false;
+      }
+    }
+    return cache->completePrefill(context, {});
+  }
+
   /// One decode step. Rows listed in `stopped` produce no token and end with the given reason
   /// (cancel / error before the step's token); `finishAfter` rows produce their token and finish
   /// with that reason.

@@ -45,6 +45,20 @@ class JoinerDriver {
     rows.push_back(&founder);
   }
 
+  /// The founder (slot 0, `founderPrompt`) prefills only its first chunk [0, firstChunkEnd): the
+  /// chunk completes in the prefill, and the founder holds at the prefill's completion, an
+  /// unfinalised admission from then on (chunk, finish).
+  JoinerDriver(HybridRig& rig, std::vector<int32_t> founderPrompt, int32_t firstChunkEnd)
+      : founder(std::move(founderPrompt), 0), mRig(rig) {
+    handle = rig.admit({&founder});
+    rows.push_back(&founder);
+    rig.coordinator->preparePrefill(handle);
+    EXPECT_EQ(chunk(0, firstChunkEnd), kOk);
+    rig.coordinator->enqueuePrefillCaptures(handle);
+    ContextCacheSequenceAdvance const hold{nullptr, 0, kHoldCommittedStateLength};
+    EXPECT_EQ(rig.coordinator->finalizePrefillPublication(handle, std::span(&hold, 1)), kOk);
+  }
+
   /// Admits `seq` at the end of the batch; its prefill start, or -1 when refused.
   int32_t admit(Seq& seq) {
     auto const result = mRig.coordinator->admitSequence(handle, promptAdmissionOf(seq), kVanilla);
@@ -196,6 +210,41 @@ TEST_P(HybridJoinerTest, AChunkedJoinerCarriesItsStateAcrossChunksAndKeepsEachCh
   EXPECT_EQ(starts, std::vector<int32_t>{75});
   ASSERT_EQ(rig.prefill(handle, {&follower}), kOk) << "the oracles checked the restore";
   EXPECT_EQ(rig.coordinator->counters().reusePointRestores, 1u);
+  ASSERT_EQ(rig.coordinator->finish(handle), kOk);
+  rig.expectQuiescent();
+}
+
+TEST_P(HybridJoinerTest, AFounderPrefilledInChunksKeepsItsPointsAndChunkEndsForTheNextPrompt) {
+  HybridRig rig(device(), joinerOptions(32));
+  std::vector<int32_t> const prompt = tokenRun(100, 100);
+  JoinerDriver driver(rig, prompt, 40);  // points at 32, 64, 96; its first chunk ends at 40
+  EXPECT_TRUE(rig.coordinator->awaitsPrefill(driver.handle, 0));
+  EXPECT_EQ(rig.coordinator->counters().heldPrefills, 1u);
+  EXPECT_EQ(rig.coordinator->counters().chunkEndCaptures, 1u) << "40";
+  EXPECT_EQ(checkpointLengths(rig, false), std::vector<int32_t>{}) << "no prompt end yet";
+  EXPECT_EQ(rig.coordinator->reusePointCaptures(driver.handle, 0).size(), 3u);
+  // A sequence arriving meanwhile joins beside the held founder (nothing committed to hit yet).
+  Seq joiner(tokenRun(30, 4000), 1);  // shorter than an interval: no points of its own
+  ASSERT_EQ(driver.admit(joiner), 0);
+  ASSERT_EQ(driver.finish(1), kOk);
+  ASSERT_EQ(driver.decode({true, false}), kOk) << "the joiner decodes, the founder holds";
+  ASSERT_EQ(driver.chunk(0, 75), kOk) << "the recurrent oracle checks the state it resumes";
+  ASSERT_EQ(driver.decode({true, false}), kOk);
+  ASSERT_EQ(driver.finish(0), kOk);
+  EXPECT_FALSE(rig.coordinator->awaitsPrefill(driver.handle, 0));
+  EXPECT_EQ(driver.writtenPoints, (std::vector<int32_t>{32, 64, 96}));
+  EXPECT_EQ(checkpointLengths(rig, true), (std::vector<int32_t>{32, 40, 64, 75, 96}));
+  EXPECT_EQ(checkpointLengths(rig, false), (std::vector<int32_t>{30, 100}));
+  ASSERT_EQ(driver.decode({}), kOk);
+  ASSERT_EQ(rig.coordinator->finish(driver.handle), kOk);
+  // A prompt diverging at 80 restores the founder's chunk end at 75.
+  Seq follower(
+      concatenated(std::vector<int32_t>(prompt.begin(), prompt.begin() + 80), tokenRun(10, 5000)),
+      2);
+  std::vector<int32_t> starts;
+  Handle handle = rig.admit({&follower}, &starts);
+  EXPECT_EQ(starts, std::vector<int32_t>{75});
+  ASSERT_EQ(rig.prefill(handle, {&follower}), kOk) << "the oracles checked the restore";
   ASSERT_EQ(rig.coordinator->finish(handle), kOk);
   rig.expectQuiescent();
 }

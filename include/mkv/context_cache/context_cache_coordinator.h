@@ -169,7 +169,10 @@ struct ContextCacheCoordinatorCounters {
   /// Reuse points the coordinator captured at the ends of in-flight admissions' prefill chunks
   /// (checkpoint deployments), committed with the row's other points when it finalises.
   uint64_t chunkEndCaptures = 0;
-  uint64_t prefillChunks = 0;  ///< completePrefillChunk calls accepted (chunks of joiners)
+  uint64_t prefillChunks = 0;  ///< completePrefillChunk calls accepted (joiners' and founders')
+  /// Founders whose prefill went on in chunks after the request's prefill completed (held at
+  /// finalizePrefillPublication, finalised later as in-flight admissions).
+  uint64_t heldPrefills = 0;
   /// preparePrefillChunk calls that allocated a chunk's pages (JoinerPageAllocation::kPerChunk).
   uint64_t chunkPageGrowths = 0;
   uint64_t preemptions = 0;  ///< rows preempted (preemptSequence)
@@ -244,8 +247,11 @@ inline constexpr auto kCoordinatorCounterFields = std::to_array<CoordinatorCount
     {"coordinator_chunk_end_captures",
      "Reuse points captured at the ends of in-flight admissions' prefill chunks.",
      &ContextCacheCoordinatorCounters::chunkEndCaptures},
-    {"coordinator_prefill_chunks", "Prefill chunks of in-flight admissions completed.",
+    {"coordinator_prefill_chunks", "Prefill chunks completed (in-flight admissions and founders).",
      &ContextCacheCoordinatorCounters::prefillChunks},
+    {"coordinator_held_prefills",
+     "Founders whose prefill went on in chunks after the request's prefill completed.",
+     &ContextCacheCoordinatorCounters::heldPrefills},
     {"coordinator_chunk_page_growths", "Prefill chunks whose pages were allocated when prepared.",
      &ContextCacheCoordinatorCounters::chunkPageGrowths},
     {"coordinator_preemptions", "Rows preempted, their committed state published.",
@@ -355,6 +361,9 @@ class ContextCacheCoordinator {
   /// the prompt endpoint is frozen and published after the first verification round, for the rows
   /// that round advances (a row it holds, cancelled or errored, publishes nothing), or, when no
   /// round follows, after the synchronisation of compactBatch / finish; never on abandonment.
+  /// A founder whose prefill chunks stopped short of its prompt (awaitsPrefill) takes a hold
+  /// advance (0 tokens, kHoldCommittedStateLength) and goes on as an unfinalised in-flight
+  /// admission; the other rows' advances are as above.
   /// Throws unless a prefill is prepared (before preparePrefill, after finalisation, during a
   /// decode step), and with DeviceWriteTiming::kEngineStep when the rows and lengths preparePrefill
   /// wrote never reached the device (no flush returned since: docs/errors.md).
@@ -498,12 +507,21 @@ class ContextCacheCoordinator {
   /// blocks so far, so a sequence admitted meanwhile reuses them. On a hybrid deployment the
   /// engine carries the row's recurrent state from chunk to chunk, and this enqueues a capture of
   /// it at `prefilledTokens` (a reuse point, committed when the row finalises, skipped while no
-  /// more than one snapshot slot is left: chunkEndCaptures). kPoisoned on a poisoned
-  /// coordinator. Throws, changing nothing, outside an executing request with no pending work,
-  /// for a row that is not an unfinalised admission, and for `prefilledTokens` below the row's
-  /// committed length or beyond its prompt, and with DeviceWriteTiming::kEngineStep when the row
-  /// admitSequence bound never reached the device (no flush returned since), as
-  /// finalizeSequenceAdmission does.
+  /// more than one snapshot slot is left: chunkEndCaptures).
+  /// A founder's prefill is chunked the same way: between preparePrefill and
+  /// finalizePrefillPublication, after the step that ran its first chunk (and before
+  /// enqueuePrefillCaptures), this publishes the founder's chunk; a founder whose chunks stopped
+  /// short of its prompt then holds at finalizePrefillPublication and goes on as an unfinalised
+  /// in-flight admission (its next chunks and finalizeSequenceAdmission as a joiner's, while
+  /// sequences admitted meanwhile reuse what it published). Founders of speculative requests, of
+  /// pure-recurrent deployments (no joiners) and of requests under kFullyCommitted prefill whole.
+  /// kPoisoned on a poisoned coordinator. Throws, changing nothing, outside an executing request
+  /// with no pending work or a prepared prefill, for a row that is neither an unfinalised
+  /// admission nor (in the prefill) a founder of a request that takes joiners, for a founder
+  /// whose prompt-end capture was enqueued, for `prefilledTokens` below the row's committed
+  /// length or beyond its prompt, and with DeviceWriteTiming::kEngineStep when the row
+  /// admitSequence (or preparePrefill) bound never reached the device (no flush returned
+  /// since), as finalizeSequenceAdmission does.
   ContextCacheStatus completePrefillChunk(RequestHandle& handle, ExecutionRow row,
                                           int32_t prefilledTokens);
   /// Before the step that runs joiner `row`'s next chunk, positions [committed, chunkEnd): the
@@ -556,6 +574,10 @@ class ContextCacheCoordinator {
   /// What retractSequenceAdmission would undo: true when `handle`'s request is live, no work is
   /// pending and its newest sequence is an in-flight admission that never joined, beside others.
   bool hasRetractableAdmission(RequestHandle const& handle) const noexcept;
+  /// Whether row `row` of `handle`'s request has prompt tokens left to prefill before it may
+  /// sample: an unfinalised in-flight admission, or a founder whose prefill chunks stopped short
+  /// of its prompt (completePrefillChunk in the prefill). Throws for a row outside the batch.
+  bool awaitsPrefill(RequestHandle const& handle, ExecutionRow row) const;
   /// Why the request of `handle` failed: kPoisoned (row -1) while the coordinator is poisoned;
   /// else the row whose page growth failed a decode step (kTableFull: it would pass the table
   /// width; kNoCapacity: no page even after eviction); kNone when nothing failed or the handle

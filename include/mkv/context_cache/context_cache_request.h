@@ -70,9 +70,14 @@ class ContextCacheRequest {
     return mCoordinator->reusePointCaptures(mHandle, row);
   }
   /// Prefill advances from the context: the whole prompt, plus the one sampled lookahead token
-  /// under kCommittedPlusLookahead (generatedTokenIds[row].size() must be 1, else 0).
+  /// under kCommittedPlusLookahead (generatedTokenIds[row].size() must be 1, else 0). A founder
+  /// whose prefill chunks stopped short of its prompt (awaitsPrefill) samples nothing (its list
+  /// must be empty): it holds and goes on as an unfinalised in-flight admission.
   bool completePrefill(DecodingInferenceContext const& context,
                        std::vector<int32_t> const& commonStateLengths);
+  /// Whether row `row` has prompt tokens left to prefill before it samples
+  /// (ContextCacheCoordinator::awaitsPrefill).
+  bool awaitsPrefill(ExecutionRow row) const { return mCoordinator->awaitsPrefill(mHandle, row); }
   bool prepareDecodeStep(DecodingInferenceContext const& context,
                          DecodingKvHeadroom const& headroom);
   /// What the next prepareDecodeStep would take (ContextCacheCoordinator::decodeStepDemand).
