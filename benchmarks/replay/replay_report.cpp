@@ -316,7 +316,7 @@ std::string formatSummary(ReplayResult const& r) {
                    r.failedRequests, r.retriedRequests, grouped(r.joins)));
   if (r.config.maxBatchedTokens > 0) {
     line("chunked prefill",
-         fmt::format("{} tokens a step: {} joiners in more than one chunk, {} chunks; steps to "
+         fmt::format("{} tokens a step: {} sequences in more than one chunk, {} chunks; steps to "
                      "first token p50 {}, p99 {}",
                      grouped(r.config.maxBatchedTokens), grouped(r.chunkedPrefills),
                      grouped(r.prefillChunks), r.timeToFirstTokenStepsP50,

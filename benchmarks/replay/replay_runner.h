@@ -219,8 +219,9 @@ struct ReplayResult {
   int64_t failedRequests = 0;
   int64_t retriedRequests = 0;
   int64_t joins = 0;
-  /// Chunked prefill (maxBatchedTokens > 0): joiners prefilled in more than one chunk, chunks in
-  /// all, and each joiner's decode steps from admission to its first token (p50, p99).
+  /// Chunked prefill (maxBatchedTokens > 0): sequences (joiners, and founders the prefill step's
+  /// budget did not cover) prefilled in more than one chunk, chunks in all, and each such
+  /// sequence's decode steps from admission to its first token (p50, p99).
   int64_t chunkedPrefills = 0;
   int64_t prefillChunks = 0;
   int64_t timeToFirstTokenStepsP50 = 0;

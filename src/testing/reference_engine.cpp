@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <chrono>
 #include <iterator>
+#include <limits>
 
 #include "context_cache/block_hash.h"
 #include "context_cache/context_cache_manager.h"
@@ -518,19 +519,48 @@ bool ReferenceEngine::prefill(Run& run) {
   return ok;
 }
 
+bool ReferenceEngine::chunksFounders(Run const& run) const {
+  // Context reuse or full storage (the coordinator alone), requests that take joiners.
+  return mOptions.maxBatchedTokens > 0 && !run.speculative && mRuntime.contextCache() != nullptr &&
+         mRuntime.swaPageManager() == nullptr && mRuntime.supportsSeatedAdmission();
+}
+
 bool ReferenceEngine::prefillStep(Run& run) {
   ManagedKVCacheRequest& managed = *run.managed;
+  // Under a token budget the founders take it in order, as joiners' chunks do; a founder it
+  // does not cover goes on in chunks (its first chunk may be empty) as a joiner would.
+  int32_t budget =
+      chunksFounders(run) ? mOptions.maxBatchedTokens : std::numeric_limits<int32_t>::max();
   mSteps->begin();
   for (std::size_t i = 0; i < run.rows.size(); ++i) {
     Row& row = run.rows[i];
-    executePrefill(run, row, row.prefillStart);
-    captureReusePoints(run, static_cast<ExecutionRow>(i), row.prefillStart, row.materialized);
+    auto const promptLength = static_cast<int32_t>(row.spec.prompt.size());
+    int32_t const end = row.prefillStart + std::min(promptLength - row.prefillStart, budget);
+    budget -= end - row.prefillStart;
+    startPrefill(run, row, row.prefillStart);
+    executePrefillChunk(row, end);
+    captureReusePoints(run, static_cast<ExecutionRow>(i), row.prefillStart, end);
+    if (end == promptLength) {
+      finishPrefill(run, row);
+    } else {
+      verifyRow(run, row, /*full=*/false);
+      row.prefilling = true;
+      row.chunks = 1;
+      row.seatedAtStep = mStats.decodeSteps;
+      ++mStats.prefillChunks;
+    }
   }
   flushWrites(run);
   mSteps->submit(mRuntime.config().stream);
   writeLengths(run, 0, run.rows.size(), [](std::size_t) { return true; });
   auto t0 = std::chrono::steady_clock::now();
-  bool ok = managed.enqueuePrefillCaptures();
+  bool ok = true;
+  for (std::size_t i = 0; i < run.rows.size() && ok; ++i) {
+    if (run.rows[i].prefilling) {  // publishes the founder's first chunk
+      ok = managed.completePrefillChunk(static_cast<ExecutionRow>(i), run.rows[i].materialized);
+    }
+  }
+  ok = ok && managed.enqueuePrefillCaptures();
   if (ok && mHybridMtp) {
     // The whole prompt's endpoint with its boundary hidden row (written by the step): the
     // base and draft rows it captures are in the submitted plan, stream-ordered before it.
@@ -540,7 +570,9 @@ bool ReferenceEngine::prefillStep(Run& run) {
   }
   run.libraryNanos += nanosSince(t0);
   for (std::size_t i = 0; i < run.rows.size(); ++i) {
-    sampleAfter(run, run.rows[i], i);
+    if (!run.rows[i].prefilling) {  // a held founder samples after its last chunk
+      sampleAfter(run, run.rows[i], i);
+    }
   }
   // Speculative rows: base and draft both hold the prompt (the draft initialisation ran).
   commonLengths(run, run.speculative);

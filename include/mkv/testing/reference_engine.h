@@ -120,7 +120,9 @@ struct ReferenceEngineOptions {
   /// left after the running rows' (so none holds its prompt's pages through steps that give it
   /// none). A joiner holds in the decode steps of its chunks; the library
   /// publishes its full blocks after each (completePrefillChunk), and after its last chunk it
-  /// samples its lookahead token and is finalised.
+  /// samples its lookahead token and is finalised. On context reuse and full storage the
+  /// founders' prefill step spends the budget too, founders in order: a founder it does not
+  /// cover publishes its first chunk, holds at completePrefill and goes on as a joiner.
   int32_t maxBatchedTokens = 0;
   /// Preemption under pool pressure (needs in-flight admission and a join queue: the preempted
   /// wait there). kRecompute: before each decode step the engine counts the pages the step's
@@ -221,10 +223,11 @@ struct EngineStats {
   /// (ManagedKVCacheRequest::reusePointCaptures).
   int64_t reusePointsWritten = 0;
   // Chunked prefill (ReferenceEngineOptions::maxBatchedTokens > 0).
-  int64_t prefillChunks = 0;    ///< prefill chunks executed for joiners
-  int64_t chunkedPrefills = 0;  ///< joiners whose prefill took more than one chunk
-  /// Per joiner: decode steps from its admission to the step of its last chunk (0: its whole
-  /// prompt in its first step).
+  int64_t prefillChunks = 0;    ///< prefill chunks executed for joiners and held founders
+  int64_t chunkedPrefills = 0;  ///< sequences whose prefill took more than one chunk
+  /// Per joiner and per founder whose prefill went on in chunks: decode steps from its admission
+  /// (a founder's: the request's prefill) to the step of its last chunk (0: its whole prompt in
+  /// its first step).
   std::vector<int32_t> timeToFirstTokenSteps;
   /// Per sampled token after a sequence's first: decode steps since its previous token (1 for a
   /// row that decodes every step; more after a preemption; 0 for the second and later tokens a
@@ -335,6 +338,10 @@ class ReferenceEngine {
   bool prefill(Run& run);
   /// The prefill step: writes, captures and lookahead tokens, then completePrefill.
   bool prefillStep(Run& run);
+  /// Whether the founders' prefill takes the token budget too (maxBatchedTokens on context reuse
+  /// or full storage, a request that takes joiners): a founder it does not cover holds and goes
+  /// on in chunks.
+  bool chunksFounders(Run const& run) const;
   /// Decode steps with compaction and joins until no row is left or a call fails (false).
   bool decodeLoop(Run& run);
   /// Compacts finished rows out of the batch (with a length step); false when compaction fails.
