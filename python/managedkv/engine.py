@@ -8,10 +8,13 @@ What it does, and which library call does it:
 
 * **continuous batching**: sequences are submitted with an arrival step; when no request executes,
   the arrived ones (up to ``max_batch``) begin one (``ManagedKVCacheRequest.begin``; their prefill
-  runs between ``preparePrefill`` and ``completePrefill``, under the token budget in several steps
-  if it must); while it executes, later arrivals join it in flight (``admitSequence``) and leave it as
-  they finish (``beginBatchCompaction`` / ``completeBatchCompaction``); when its last row finishes
-  the request ends (``finish``) and the next one begins;
+  runs between ``preparePrefill`` and ``completePrefill``; under a token budget on context reuse a
+  founder the prefill step's budget does not cover publishes its first chunk
+  (``completePrefillChunk``), holds at ``completePrefill`` and goes on in chunks as a joiner, and on
+  the composed backend the founders' prefill takes as many steps as it must); while it executes,
+  later arrivals join it in flight (``admitSequence``) and leave it as they finish
+  (``beginBatchCompaction`` / ``completeBatchCompaction``); when its last row finishes the request
+  ends (``finish``) and the next one begins;
 * **chunked prefill under a token budget** (vLLM's policy): each step's decodes first, one token
   per decoding row, then joiners' prompt chunks of at most ``chunk`` tokens while
   ``max_batched_tokens`` lasts (``preparePrefillChunk``, ``completePrefillChunk``,
@@ -135,7 +138,7 @@ class Row:
         self.seq = seq
         self.resident = resident
         self.kv_length = kv_length
-        self.prefilling = prefilling  # an unfinalised joiner
+        self.prefilling = prefilling  # an unfinalised joiner (or a founder held after its first chunk)
 
 
 class PagedEngine:
@@ -325,9 +328,19 @@ class PagedEngine:
         require(managed.preparePrefill(), "preparePrefill")
         require(managed.prepareSwaPrefill([len(r.seq.prompt) - r.kv_length for r in rows]), "prepareSwaPrefill")
         self.check_lengths(rows)
-        self.prefill_founders(rows)
+        chunks_founders = self.max_batched_tokens is not None and self.runtime.backend in (
+            mkv.KVCacheBackend.kContextReuse,
+            mkv.KVCacheBackend.kFullStorage,
+        )
+        if chunks_founders:
+            self.prefill_first_chunks(rows)
+        else:
+            self.prefill_founders(rows)
         for i, row in enumerate(rows):
-            context.appendToken(i, row.seq.generated[-1])
+            if row.prefilling:  # publishes its first chunk; it holds at completePrefill
+                require(managed.completePrefillChunk(i, row.kv_length), "completePrefillChunk")
+            else:
+                context.appendToken(i, row.seq.generated[-1])
         self.write_lengths(rows)
         require(managed.enqueuePrefillCaptures(), "enqueuePrefillCaptures")
         require(managed.completePrefill(context), "completePrefill")
@@ -389,6 +402,28 @@ class PagedEngine:
                 if row.kv_length == len(row.seq.prompt):
                     self.emit(row, self.pick(logits[i][-1]))
             self.clock += 1
+
+    def prefill_first_chunks(self, rows):
+        """The founders' prefill step under the token budget (context reuse): rows in order, each
+        taking what the budget leaves; a founder left short of its prompt goes on in chunks as a
+        joiner (``prefilling``), its first chunk possibly empty."""
+        budget = self.max_batched_tokens
+        new_tokens = []
+        for row in rows:
+            take = min(len(row.seq.prompt) - row.kv_length, budget)
+            new_tokens.append(row.seq.prompt[row.kv_length : row.kv_length + take])
+            budget -= take
+        logits = self.forward(rows, new_tokens)
+        for i, row in enumerate(rows):
+            self.keep(row, logits[i])
+            self.prefill_tokens += len(new_tokens[i])
+            row.seq.prefill_chunks += int(len(new_tokens[i]) > 0)
+            row.kv_length += len(new_tokens[i])
+            if row.kv_length == len(row.seq.prompt):
+                self.emit(row, self.pick(logits[i][-1]))
+            else:
+                row.prefilling = True
+        self.clock += 1
 
     def plan_step(self, managed, rows):
         """Each row's tokens of the coming step: a decoding row its last token; then, while the
@@ -471,6 +506,7 @@ class PagedEngine:
             mid_page_restores=self.mid_page_restores,
             in_flight_joins=c.liveAdmissions,
             prefill_chunks=c.prefillChunks,
+            held_prefills=c.heldPrefills,
             evicted_misses=m.misses["evicted"],
             window_pages_dropped=self.window_pages_dropped,
             decode_kv_reused=self.decode_kv_reused,

@@ -1,6 +1,6 @@
-"""The example engine (managedkv.engine): the step token budget (the founders' prefill included) and
-the joiners' chunk size hold, arrivals join in flight or begin the next request, and --verify fails
-when a token differs from the dense model's."""
+"""The example engine (managedkv.engine): the step token budget (the founders' prefill included: a
+founder it does not cover goes on in chunks) and the joiners' chunk size hold, arrivals join in
+flight or begin the next request, and --verify fails when a token differs from the dense model's."""
 
 import json
 import os
@@ -39,13 +39,17 @@ class BudgetTest(unittest.TestCase):
             seq.arrival = 0
         paged.serve(founders, joiners)
         self.assertTrue(all(sum(counts) <= 18 for counts in recorded), recorded)
-        # The founders' 70 prompt tokens went in steps of the budget (no decode runs yet).
-        self.assertEqual([sum(counts) for counts in recorded[:4]], [18, 18, 18, 16])
-        decode_steps = recorded[4:]
-        self.assertTrue(all(max(counts[2:], default=0) <= 16 for counts in decode_steps), decode_steps)
-        # Two joiners prefilling at once under a budget of 18 with two decodes: the second holds.
+        # The prefill step spends the budget on the founders in order: "a" takes all 18, "b" none;
+        # both publish their first chunk, hold at completePrefill and go on in chunks as joiners.
+        self.assertEqual(recorded[0], [18, 0])
+        self.assertEqual(paged.metrics()["held_prefills"], 2)
+        decode_steps = recorded[1:]
+        self.assertTrue(all(max(counts, default=0) <= 16 for counts in decode_steps), decode_steps)
+        # Rows prefilling at once under a budget of 18: a row the budget leaves out holds.
         self.assertTrue(any(0 in counts and len(counts) == 4 for counts in decode_steps), decode_steps)
+        self.assertGreater(founders[0].prefill_chunks, 1)
         self.assertGreater(joiners[0].prefill_chunks, 1)
+        self.assertEqual(len(founders[1].generated), 12)
         self.assertEqual(len(joiners[0].generated), 3)
         self.assertEqual(paged.metrics()["in_flight_joins"], 2)
 
