@@ -105,11 +105,11 @@ ContextCacheStatus ContextCacheCoordinator::completePrefillChunk(RequestHandle& 
               row);
   auto& sequence = detail::sequenceAt(req, row, kCall);
   if (founder) {
-    MKV_REQUIRE(mModes->joinable(req.mode) && !req.mode->speculativeRounds() &&
+    MKV_REQUIRE(mModes->joinable(req.mode) &&
                     req.contract == DecodingTokenStateContract::kCommittedPlusLookahead,
                 kCall,
                 "row {}: a founder's prefill goes on in chunks as an in-flight admission, which "
-                "this request does not take (speculative, pure recurrent, or kFullyCommitted): "
+                "this request does not take (Hybrid-MTP, pure recurrent, or kFullyCommitted): "
                 "its founders prefill whole",
                 row);
     MKV_REQUIRE(!sequence.staged, kCall,

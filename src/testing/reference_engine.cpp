@@ -519,9 +519,9 @@ bool ReferenceEngine::prefill(Run& run) {
   return ok;
 }
 
-bool ReferenceEngine::chunksFounders(Run const& run) const {
+bool ReferenceEngine::chunksFounders() const {
   // Context reuse or full storage (the coordinator alone), requests that take joiners.
-  return mOptions.maxBatchedTokens > 0 && !run.speculative && mRuntime.contextCache() != nullptr &&
+  return mOptions.maxBatchedTokens > 0 && mRuntime.contextCache() != nullptr &&
          mRuntime.swaPageManager() == nullptr && mRuntime.supportsSeatedAdmission();
 }
 
@@ -530,7 +530,7 @@ bool ReferenceEngine::prefillStep(Run& run) {
   // Under a token budget the founders take it in order, as joiners' chunks do; a founder it
   // does not cover goes on in chunks (its first chunk may be empty) as a joiner would.
   int32_t budget =
-      chunksFounders(run) ? mOptions.maxBatchedTokens : std::numeric_limits<int32_t>::max();
+      chunksFounders() ? mOptions.maxBatchedTokens : std::numeric_limits<int32_t>::max();
   mSteps->begin();
   for (std::size_t i = 0; i < run.rows.size(); ++i) {
     Row& row = run.rows[i];

@@ -1054,38 +1054,6 @@ TEST(ReplayRunnerTest, PerChunkJoinerPagesServeTheSameTokensUnderPressure) {
   }
 }
 
-TEST(ReplayRunnerTest, FoundersTakeTheTokenBudgetAndFinishTheirPrefillAsJoiners) {
-  MKV_TEST_INPUT_OR_SKIP(kMooncake500, "tests/data/mooncake_first500.jsonl");
-  // Under a budget of 2,048 tokens a step, a founding prompt longer than it publishes its first
-  // chunk in the prefill step and goes on in chunks, while the requests arriving meanwhile join:
-  // on attention-only and hybrid deployments, every token as without a budget.
-  for (int32_t const recurrentLayers : {0, 2}) {
-    SCOPED_TRACE(recurrentLayers);
-    ReplayConfig config;
-    config.maxBatch = 16;
-    config.recurrentLayers = recurrentLayers;
-    TraceSource plainTrace = traceSource(kMooncake500);
-    RecordingSource plain(plainTrace);
-    ReplayResult const unbudgeted = runReplay(plain, config);
-    config.maxBatchedTokens = 2048;
-    TraceSource budgetTrace = traceSource(kMooncake500);
-    RecordingSource budgeted(budgetTrace);
-    ReplayResult const result = runReplay(budgeted, config);
-    EXPECT_EQ(result.oracleMismatches, 0) << result.firstMismatch;
-    EXPECT_EQ(unbudgeted.oracleMismatches, 0) << unbudgeted.firstMismatch;
-    EXPECT_EQ(result.failedRequests, 0);
-    ASSERT_TRUE(result.coordinatorCounters.has_value());
-    EXPECT_GT(result.coordinatorCounters->heldPrefills, 0U);
-    EXPECT_EQ(unbudgeted.coordinatorCounters->heldPrefills, 0U);
-    EXPECT_GT(result.chunkedPrefills, 0);
-    EXPECT_EQ(result.promptTokens, unbudgeted.promptTokens);
-    ASSERT_EQ(budgeted.generated.size(), plain.generated.size());
-    for (std::size_t i = 0; i < plain.generated.size(); ++i) {
-      EXPECT_EQ(budgeted.generated[i], plain.generated[i]) << i;
-    }
-  }
-}
-
 TEST(ReplayRunnerTest, SwapPreemptionMovesThePreemptedBlocksToTheHostAndResumesFromThere) {
   MKV_TEST_INPUT_OR_SKIP(kMooncake500, "tests/data/mooncake_first500.jsonl");
   // The recompute case above with a host tier of 160,000 tokens, once per kind: swap moves the
@@ -1627,6 +1595,41 @@ TEST(ReplayRunnerTest, EagleBatchesUnderPressureSampleWhatVanillaSamplesWithoutM
   EXPECT_EQ(speculative.generated, vanilla.generated);
   EXPECT_LE(result.peakPagesInUse, 150);
   EXPECT_LE(result.peakDraftPagesInUse, 150);
+}
+
+TEST(ReplayRunnerTest, FoundersTakeTheTokenBudgetAndFinishTheirPrefillAsJoiners) {
+  MKV_TEST_INPUT_OR_SKIP(kMooncake500, "tests/data/mooncake_first500.jsonl");
+  // Under a budget of 2,048 tokens a step, a founding prompt longer than it publishes its first
+  // chunk in the prefill step and goes on in chunks, while the requests arriving meanwhile join:
+  // on attention-only, hybrid and EAGLE deployments, every token as without a budget.
+  enum class Deployment : uint8_t { kAttention, kHybrid, kEagle };
+  for (Deployment const deployment :
+       {Deployment::kAttention, Deployment::kHybrid, Deployment::kEagle}) {
+    SCOPED_TRACE(static_cast<int>(deployment));
+    ReplayConfig config = deployment == Deployment::kEagle ? eagle() : ReplayConfig{};
+    config.verify = testing::VerifyMode::kSample;
+    config.maxBatch = 16;
+    config.recurrentLayers = deployment == Deployment::kHybrid ? 2 : 0;
+    TraceSource plainTrace = traceSource(kMooncake500);
+    RecordingSource plain(plainTrace);
+    ReplayResult const unbudgeted = runReplay(plain, config);
+    config.maxBatchedTokens = 2048;
+    TraceSource budgetTrace = traceSource(kMooncake500);
+    RecordingSource budgeted(budgetTrace);
+    ReplayResult const result = runReplay(budgeted, config);
+    EXPECT_EQ(result.oracleMismatches, 0) << result.firstMismatch;
+    EXPECT_EQ(unbudgeted.oracleMismatches, 0) << unbudgeted.firstMismatch;
+    EXPECT_EQ(result.failedRequests, 0);
+    ASSERT_TRUE(result.coordinatorCounters.has_value());
+    EXPECT_GT(result.coordinatorCounters->heldPrefills, 0U);
+    EXPECT_EQ(unbudgeted.coordinatorCounters->heldPrefills, 0U);
+    EXPECT_GT(result.chunkedPrefills, 0);
+    EXPECT_EQ(result.promptTokens, unbudgeted.promptTokens);
+    ASSERT_EQ(budgeted.generated.size(), plain.generated.size());
+    for (std::size_t i = 0; i < plain.generated.size(); ++i) {
+      EXPECT_EQ(budgeted.generated[i], plain.generated[i]) << i;
+    }
+  }
 }
 
 TEST(ReplayRunnerTest, MtpWithoutDraftKvChecksTheBaseOnly) {

@@ -513,8 +513,9 @@ class ContextCacheCoordinator {
   /// enqueuePrefillCaptures), this publishes the founder's chunk; a founder whose chunks stopped
   /// short of its prompt then holds at finalizePrefillPublication and goes on as an unfinalised
   /// in-flight admission (its next chunks and finalizeSequenceAdmission as a joiner's, while
-  /// sequences admitted meanwhile reuse what it published). Founders of speculative requests, of
-  /// pure-recurrent deployments (no joiners) and of requests under kFullyCommitted prefill whole.
+  /// sequences admitted meanwhile reuse what it published). Founders of Hybrid-MTP requests and
+  /// pure-recurrent deployments (no joiners) and of requests under kFullyCommitted prefill whole;
+  /// an EAGLE / MTP founder's draft initialisation runs after its last chunk, as a joiner's.
   /// kPoisoned on a poisoned coordinator. Throws, changing nothing, outside an executing request
   /// with no pending work or a prepared prefill, for a row that is neither an unfinalised
   /// admission nor (in the prefill) a founder of a request that takes joiners, for a founder

@@ -339,9 +339,9 @@ class ReferenceEngine {
   /// The prefill step: writes, captures and lookahead tokens, then completePrefill.
   bool prefillStep(Run& run);
   /// Whether the founders' prefill takes the token budget too (maxBatchedTokens on context reuse
-  /// or full storage, a request that takes joiners): a founder it does not cover holds and goes
-  /// on in chunks.
-  bool chunksFounders(Run const& run) const;
+  /// or full storage, requests that take joiners): a founder it does not cover holds and goes on
+  /// in chunks.
+  bool chunksFounders() const;
   /// Decode steps with compaction and joins until no row is left or a call fails (false).
   bool decodeLoop(Run& run);
   /// Compacts finished rows out of the batch (with a length step); false when compaction fails.
