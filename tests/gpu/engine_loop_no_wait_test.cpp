@@ -91,7 +91,9 @@ class LoopEngine {
   }
 
   /// preparePrefill, the SWA windows, captures, the prefill's KV lengths, one sampled token.
-  void prefill() {
+  /// `heldEnd` > 0: the last founder runs only [its start, heldEnd), completes it as a chunk
+  /// before the captures, samples nothing and holds (continueChunked goes on with it).
+  void prefill(int32_t heldEnd = 0) {
     std::vector<int32_t> const* starts = mManaged->prefillStarts();
     for (std::size_t row = 0; row < mPrompts.size(); ++row) {
       int32_t const start = starts != nullptr ? (*starts)[row] : 0;
@@ -100,9 +102,14 @@ class LoopEngine {
     ASSERT_TRUE(mManaged->preparePrefill());
     ASSERT_TRUE(mManaged->prepareSwaPrefill(mContext.effectivePrefillLengths));
     writeReusePoints();
+    std::size_t const whole = heldEnd > 0 ? mPrompts.size() - 1 : mPrompts.size();
+    if (heldEnd > 0) {
+      writeLength(whole, heldEnd);
+      ASSERT_TRUE(mManaged->completePrefillChunk(static_cast<ExecutionRow>(whole), heldEnd));
+    }
     ASSERT_TRUE(mManaged->enqueuePrefillCaptures());
     std::vector<int32_t> common;  // lengths both models hold (speculative requests only)
-    for (std::size_t row = 0; row < mPrompts.size(); ++row) {
+    for (std::size_t row = 0; row < whole; ++row) {
       writeLength(row, promptLength(row));
       mContext.generatedTokenIds[row].push_back(sampled(row));
       if (mSpeculative) {
@@ -169,8 +176,14 @@ class LoopEngine {
   void joinChunked(std::vector<int32_t> prompt, int32_t chunk) {
     std::size_t joiner = 0;
     ASSERT_NO_FATAL_FAILURE(admitJoiner(std::move(prompt), joiner));
-    int32_t done = promptLength(joiner) - mContext.effectivePrefillLengths[joiner];  // its start
-    writeLength(joiner, done);
+    int32_t const start = promptLength(joiner) - mContext.effectivePrefillLengths[joiner];
+    writeLength(joiner, start);
+    continueChunked(joiner, start, chunk);
+  }
+
+  /// The chunks of unfinalised row `joiner` (the last row) from `done`, one per decode step of
+  /// the rows before it, each completed with completePrefillChunk; then finalisation.
+  void continueChunked(std::size_t joiner, int32_t done, int32_t chunk) {
     while (done < promptLength(joiner)) {
       done = std::min(promptLength(joiner), done + chunk);
       ASSERT_TRUE(mManaged->preparePrefillChunk(static_cast<ExecutionRow>(joiner), done));
@@ -680,6 +693,25 @@ TEST_F(EngineLoopNoWaitTest, ChunkedPrefillOfAJoinerBesideDecodes) {
   ASSERT_NO_FATAL_FAILURE(engine.finish());
   expectOtherStreamStillBusy();
   EXPECT_EQ(runtime->contextCache()->counters().prefillChunks, 4U) << "5 chunks, the last final";
+}
+
+TEST_F(EngineLoopNoWaitTest, AFoundersChunkedPrefillBesideDecodes) {
+  KVCacheRuntimeConfig config = baseConfig(stream());
+  config.model.numFullAttentionLayers = 2;
+  config.contextReuse = true;
+  auto runtime = KVCacheRuntime::create(config);
+  LoopEngine engine(*runtime, stream());
+  engine.add(tokenRun(600, 10));
+  engine.add(tokenRun(1400, 4000));  // its first chunk in the prefill, then chunks of 300
+  occupyOtherStream();
+  ASSERT_NO_FATAL_FAILURE(engine.begin());
+  ASSERT_NO_FATAL_FAILURE(engine.prefill(/*heldEnd=*/300));
+  ASSERT_NO_FATAL_FAILURE(engine.continueChunked(1, 300, 300));
+  ASSERT_NO_FATAL_FAILURE(engine.decode(2));
+  ASSERT_NO_FATAL_FAILURE(engine.finish());
+  expectOtherStreamStillBusy();
+  EXPECT_EQ(runtime->contextCache()->counters().heldPrefills, 1U);
+  EXPECT_EQ(runtime->contextCache()->counters().prefillChunks, 4U) << "300 in the prefill, 3 more";
 }
 
 TEST_F(EngineLoopNoWaitTest, PreemptionAndResumptionBesideDecodes) {
