@@ -247,8 +247,12 @@ class BoundedSwaKVPageManager {
   /// sequence to M + 1 held pages. No synchronisation: call after the runtime's completion point.
   /// Cached mode: every mapped page outside [floor(max(0, L - W) / P), ceil(L / P)) goes to
   /// pageSource->release; the sequence keeps one spare and releases the rest of its reserve.
-  /// Throws, changing nothing, without a prepared prefill or as checkPreparedWritesOnDevice.
-  void completePrefill(RequestHandle& handle);
+  /// `held` (cached mode; empty, or one flag per sequence): a sequence flagged goes on prefilling
+  /// in chunks (a founder whose prefill is chunked): it keeps its staged prompt, as an in-flight
+  /// admission does from admitSequence, and finalizeSequenceAdmission completes it.
+  /// Throws, changing nothing, without a prepared prefill, for `held` flags outside cached mode or
+  /// of another count, or as checkPreparedWritesOnDevice.
+  void completePrefill(RequestHandle& handle, std::span<uint8_t const> held = {});
   /// One sequence joins the executing request `handle` (no pending work) as its last row,
   /// starting at `start` (see SwaReuseStart). Cached mode: it holds the window pages, reserves
   /// ceil(L / P) - s / P + 1 private pages from the source, and its row maps logical pages

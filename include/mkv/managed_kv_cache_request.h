@@ -205,15 +205,17 @@ class ManagedKVCacheRequest {
   /// captures the recurrent state the engine carried to the chunk's end as a reuse point, and
   /// finalizeSequenceAdmission commits the row's checkpoints after one synchronisation; on
   /// bounded SWA it unmaps what left the chunk's window); finalizeSequenceAdmission follows the
-  /// last chunk. On the context-reuse backend a founder's prefill goes in chunks too: after the
-  /// prefill step ran the founder's first chunk (before enqueuePrefillCaptures and
-  /// completePrefill) this publishes it; completePrefill then holds the founder (it samples
-  /// nothing: an empty generated list) and it goes on as an unfinalised joiner, so sequences
-  /// admitted from the next step reuse what it published (docs/lifecycle.md, "Chunked
-  /// prefill"). False when poisoned. Throws for a row that is not an unfinalised joiner (or, in
-  /// the prefill, a founder of a context-reuse request that admits joiners, i.e. not Hybrid-MTP,
-  /// on a deployment with attention layers, under kCommittedPlusLookahead), a length outside [done
-  /// so far, prompt], and on bounded SWA for a chunk that was not prepared.
+  /// last chunk. On the context-reuse and sliding-window reuse backends a founder's prefill goes
+  /// in chunks too: after the prefill step ran the founder's first chunk (before
+  /// enqueuePrefillCaptures and completePrefill) this publishes it (sliding-window reuse: its
+  /// full layers; the sliding pages at finalisation, as a joiner's); completePrefill then holds
+  /// the founder (it samples nothing: an empty generated list) and it goes on as an unfinalised
+  /// joiner, so sequences admitted from the next step reuse what it published
+  /// (docs/lifecycle.md, "Chunked prefill"). False when poisoned. Throws for a row that is not an
+  /// unfinalised joiner (or, in the prefill, a founder of a request that admits joiners, i.e. not
+  /// Hybrid-MTP, on a deployment with attention layers, under kCommittedPlusLookahead, not on
+  /// bounded SWA), a length outside [done so far, prompt], and on bounded SWA for a chunk that
+  /// was not prepared.
   bool completePrefillChunk(ExecutionRow row, int32_t prefilledTokens);
   bool finalizeSequenceAdmission(ExecutionRow row, int32_t const& lookaheadToken,
                                  int32_t fullInputLength);

@@ -8,10 +8,9 @@ What it does, and which library call does it:
 
 * **continuous batching**: sequences are submitted with an arrival step; when no request executes,
   the arrived ones (up to ``max_batch``) begin one (``ManagedKVCacheRequest.begin``; their prefill
-  runs between ``preparePrefill`` and ``completePrefill``; under a token budget on context reuse a
-  founder the prefill step's budget does not cover publishes its first chunk
-  (``completePrefillChunk``), holds at ``completePrefill`` and goes on in chunks as a joiner, and on
-  the composed backend the founders' prefill takes as many steps as it must); while it executes,
+  runs between ``preparePrefill`` and ``completePrefill``; under a token budget a founder the
+  prefill step's budget does not cover publishes its first chunk (``completePrefillChunk``), holds
+  at ``completePrefill`` and goes on in chunks as a joiner); while it executes,
   later arrivals join it in flight (``admitSequence``) and leave it as they finish
   (``beginBatchCompaction`` / ``completeBatchCompaction``); when its last row finishes the request
   ends (``finish``) and the next one begins;
@@ -328,14 +327,7 @@ class PagedEngine:
         require(managed.preparePrefill(), "preparePrefill")
         require(managed.prepareSwaPrefill([len(r.seq.prompt) - r.kv_length for r in rows]), "prepareSwaPrefill")
         self.check_lengths(rows)
-        chunks_founders = self.max_batched_tokens is not None and self.runtime.backend in (
-            mkv.KVCacheBackend.kContextReuse,
-            mkv.KVCacheBackend.kFullStorage,
-        )
-        if chunks_founders:
-            self.prefill_first_chunks(rows)
-        else:
-            self.prefill_founders(rows)
+        self.prefill_first_chunks(rows)
         for i, row in enumerate(rows):
             if row.prefilling:  # publishes its first chunk; it holds at completePrefill
                 require(managed.completePrefillChunk(i, row.kv_length), "completePrefillChunk")
@@ -379,38 +371,15 @@ class PagedEngine:
                 self.admit_arrivals(managed, context, rows, slots)
         require(managed.finish(), "finish")
 
-    def prefill_founders(self, rows):
-        """The founders' prompts from their reuse lengths, between preparePrefill and
-        completePrefill: in one step, or under a token budget in as many steps as it takes (rows in
-        order, each taking what the budget leaves; no decode row runs yet, so the steps are all
-        prefill). The pages are all bound by preparePrefill; the library sees only the end."""
-        while any(row.kv_length < len(row.seq.prompt) for row in rows):
-            budget = math.inf if self.max_batched_tokens is None else self.max_batched_tokens
-            new_tokens = []
-            for row in rows:
-                take = int(min(len(row.seq.prompt) - row.kv_length, budget))
-                new_tokens.append(row.seq.prompt[row.kv_length : row.kv_length + take])
-                budget -= take
-            logits = self.forward(rows, new_tokens)
-            for i, row in enumerate(rows):
-                if not new_tokens[i]:
-                    continue
-                self.keep(row, logits[i])
-                self.prefill_tokens += len(new_tokens[i])
-                row.seq.prefill_chunks += 1
-                row.kv_length += len(new_tokens[i])
-                if row.kv_length == len(row.seq.prompt):
-                    self.emit(row, self.pick(logits[i][-1]))
-            self.clock += 1
-
     def prefill_first_chunks(self, rows):
-        """The founders' prefill step under the token budget (context reuse): rows in order, each
-        taking what the budget leaves; a founder left short of its prompt goes on in chunks as a
-        joiner (``prefilling``), its first chunk possibly empty."""
-        budget = self.max_batched_tokens
+        """The founders' prefill step, between preparePrefill and completePrefill: rows in order,
+        each taking what the token budget leaves (all of its prompt without one); a founder left
+        short of its prompt goes on in chunks as a joiner (``prefilling``), its first chunk
+        possibly empty."""
+        budget = math.inf if self.max_batched_tokens is None else self.max_batched_tokens
         new_tokens = []
         for row in rows:
-            take = min(len(row.seq.prompt) - row.kv_length, budget)
+            take = int(min(len(row.seq.prompt) - row.kv_length, budget))
             new_tokens.append(row.seq.prompt[row.kv_length : row.kv_length + take])
             budget -= take
         logits = self.forward(rows, new_tokens)

@@ -446,14 +446,9 @@ DecodeStepDemand SlidingReuseRequest::prefillChunkDemand(ExecutionRow row, int32
 }
 
 bool SlidingReuseRequest::completePrefillChunk(ExecutionRow row, int32_t prefilledTokens) {
-  constexpr char const* kCall = "SlidingReuseRequest::completePrefillChunk";
-  requireSlidingHalfExecuting(kCall);
-  // The sliding half windows a founder's whole prompt at prepareSwaPrefill: founders prefill
-  // whole here, and only joiners go in chunks.
-  MKV_REQUIRE(mFull.awaitsPrefill(row), kCall,
-              "row {} is not an unfinalised in-flight admission (a founder's prefill is not "
-              "chunked on sliding-window reuse)",
-              row);
+  // The full layers publish per chunk (a founder's in the prefill too); the sliding pages of the
+  // row's whole prompt stay mapped until it finalises, which publishes them.
+  requireSlidingHalfExecuting("SlidingReuseRequest::completePrefillChunk");
   return mFull.completePrefillChunk(row, prefilledTokens);
 }
 
@@ -482,14 +477,22 @@ bool SlidingReuseRequest::completePrefill(DecodingInferenceContext const& contex
   // sliding pages of the same blocks are published, before the SWA half retires the ones that
   // left the window (a published page stays cached). The SWA half's checks come first: neither
   // half changes unless both accept.
+  // A founder whose prefill goes on in chunks (its chunks stopped short of its prompt) keeps its
+  // staged prompt on the sliding half, as a joiner does, and publishes at finalisation.
   mManager->checkPreparedWritesOnDevice(mHandle, "SlidingReuseRequest::completePrefill");
+  std::vector<uint8_t> held(mPromptTokens.size(), 0);
+  for (std::size_t row = 0; row < held.size(); ++row) {
+    held[row] = mFull.awaitsPrefill(static_cast<ExecutionRow>(row)) ? 1 : 0;
+  }
   bool const fullOk = mFull.completePrefill(context, commonStateLengths);
   if (fullOk) {
     for (std::size_t row = 0; row < mPromptTokens.size(); ++row) {
-      publishPromptBlocks(row);
+      if (held[row] == 0) {
+        publishPromptBlocks(row);
+      }
     }
   }
-  mManager->completePrefill(mHandle);
+  mManager->completePrefill(mHandle, held);
   return fullOk;
 }
 

@@ -441,12 +441,25 @@ void BoundedSwaKVPageManager::preparePrefill(RequestHandle& handle,
   req.writesMark = mWrites->awaitingFlush();
 }
 
-void BoundedSwaKVPageManager::completePrefill(RequestHandle& handle) {
+void BoundedSwaKVPageManager::completePrefill(RequestHandle& handle,
+                                              std::span<uint8_t const> held) {
   constexpr char const* kCall = "BoundedSwaKVPageManager::completePrefill";
   Request& req = request(handle, kCall);
   MKV_REQUIRE(req.stage == RequestStage::kPrefilling, kCall, "no prepared prefill to complete");
+  MKV_REQUIRE(
+      held.empty() || (mResources.pageSource != nullptr && held.size() == req.sequences.size()),
+      kCall, "{} held flags for a batch of {} ({}): only cached mode holds a founder's prefill",
+      held.size(), req.sequences.size(),
+      mResources.pageSource != nullptr ? "cached mode" : "no page source");
   checkPreparedWritesOnDevice(handle, kCall);
-  for (SwaSequenceState& state : req.sequences) {
+  for (std::size_t row = 0; row < req.sequences.size(); ++row) {
+    SwaSequenceState& state = req.sequences[row];
+    if (!held.empty() && held[row] != 0) {
+      // Its prompt stays staged and mapped, as a cached-mode joiner's from admission.
+      state.joining = true;
+      state.joinerPromptTokens = *state.pendingEndpoint;
+      continue;
+    }
     if (mResources.pageSource != nullptr) {
       completeCachedPrefill(state);
     } else {

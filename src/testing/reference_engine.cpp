@@ -520,9 +520,10 @@ bool ReferenceEngine::prefill(Run& run) {
 }
 
 bool ReferenceEngine::chunksFounders() const {
-  // Context reuse or full storage (the coordinator alone), requests that take joiners.
+  // Backends with the coordinator (context reuse, full storage, sliding-window reuse), requests
+  // that take joiners; bounded SWA's founders prefill whole.
   return mOptions.maxBatchedTokens > 0 && mRuntime.contextCache() != nullptr &&
-         mRuntime.swaPageManager() == nullptr && mRuntime.supportsSeatedAdmission();
+         mRuntime.supportsSeatedAdmission();
 }
 
 bool ReferenceEngine::prefillStep(Run& run) {

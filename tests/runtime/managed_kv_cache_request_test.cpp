@@ -440,23 +440,21 @@ TEST_P(ManagedKVCacheRequestTest, ACompactionWhoseDeviceMappingChangedThrowsBefo
   finishCleanly(rig, driver);
 }
 
-TEST_P(ManagedKVCacheRequestDispatchTest, AFoundersChunkIsRefusedWhereFoundersPrefillWhole) {
-  // Bounded SWA and sliding-window reuse window a founder's whole prompt at prepareSwaPrefill:
-  // only the context-reuse backend takes a founder's chunk (ContextCacheRequestTest).
-  for (Backend const backend : {Backend::kBoundedSwa, Backend::kSlidingWindowReuse}) {
-    SCOPED_TRACE(static_cast<int>(backend));
-    RuntimeRig rig(configFor(backend, device()));
-    FacadeDriver driver(rig);
-    driver.add(tokenRun(40, 5));
-    ASSERT_TRUE(driver.begin());
-    ASSERT_TRUE(driver.preparePrefill());
-    expectRejected(rig, "completePrefillChunk of a founder in the prefill",
-                   [&] { (void)driver.facade().completePrefillChunk(0, 20); },
-                   {"ManagedKVCacheRequest::completePrefillChunk", "row 0"});
-    driver.executePrefill();
-    ASSERT_TRUE(driver.completePrefill());
-    finishCleanly(rig, driver);
-  }
+TEST_P(ManagedKVCacheRequestDispatchTest, AFoundersChunkIsRefusedOnBoundedSwa) {
+  // Bounded SWA windows a founder's prompt at prepareSwaPrefill and rotates only a joiner's
+  // window from chunk to chunk: its founders prefill whole (the backends with the coordinator
+  // take a founder's chunk: ContextCacheRequestTest, SlidingReuseTest).
+  RuntimeRig rig(configFor(Backend::kBoundedSwa, device()));
+  FacadeDriver driver(rig);
+  driver.add(tokenRun(40, 5));
+  ASSERT_TRUE(driver.begin());
+  ASSERT_TRUE(driver.preparePrefill());
+  expectRejected(rig, "completePrefillChunk of a founder in the prefill",
+                 [&] { (void)driver.facade().completePrefillChunk(0, 20); },
+                 {"ManagedKVCacheRequest::completePrefillChunk", "row 0"});
+  driver.executePrefill();
+  ASSERT_TRUE(driver.completePrefill());
+  finishCleanly(rig, driver);
 }
 
 TEST_P(ManagedKVCacheRequestDispatchTest, TheJoinCallsThrowBeforeTheyChangeAnything) {

@@ -327,6 +327,36 @@ TEST_P(SlidingReuseTest, InFlightJoinersStartFromTheirCachedWindowAndPublishThei
   expectNothingHeld(*runtime);
 }
 
+TEST_P(SlidingReuseTest, AFounderPrefilledInChunksPublishesBothHalvesWhenItFinalises) {
+  auto runtime = KVCacheRuntime::create(slidingConfig(device()));
+  ReferenceEngineOptions options;  // verify kAll, throws on the first oracle mismatch
+  options.maxBatchedTokens = 64;   // the founder's 200 tokens: 64 in the prefill step, then chunks
+  ReferenceEngine engine(*runtime, options);
+  std::vector<int32_t> const prompt = tokenRun(200, 0);
+  std::deque<EngineSequence> joiners;
+  joiners.push_back(EngineSequence{
+      concatenated(std::vector<int32_t>(prompt.begin(), prompt.begin() + 100), tokenRun(30, 900)),
+      5,
+      {},
+      {},
+      {},
+      -1,
+      1});
+  auto const outcome = engine.run(single(prompt, 8), &joiners);
+  ASSERT_TRUE(outcome.admitted);
+  EXPECT_FALSE(outcome.failed);
+  ASSERT_EQ(outcome.sequences.size(), 2u);
+  EXPECT_EQ(outcome.sequences[0].reason, FinishReason::kLength);
+  EXPECT_EQ(runtime->contextCache()->counters().heldPrefills, 1u);
+  EXPECT_GE(engine.stats().chunkedPrefills, 1);
+  EXPECT_EQ(engine.stats().oracleMismatches, 0);
+  expectNothingHeld(*runtime);
+  // Its 12 full blocks and the windows before them were published when it finalised (its chunks
+  // published the full layers' blocks only: a joiner meanwhile finds no window before them).
+  EXPECT_EQ(runOnce(engine, single(concatenated(prompt, tokenRun(20, 8000)))), 192);
+  expectNothingHeld(*runtime);
+}
+
 TEST_P(SlidingReuseTest, AJoinerTheSlidingPoolCannotHoldIsRefusedAndTheBatchRunsOn) {
   // 69 sliding pages: the founder keeps at most 6 once decoding, a 1000-token joiner needs 64
   // private pages; the full pool holds both.

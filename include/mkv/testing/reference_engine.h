@@ -120,9 +120,10 @@ struct ReferenceEngineOptions {
   /// left after the running rows' (so none holds its prompt's pages through steps that give it
   /// none). A joiner holds in the decode steps of its chunks; the library
   /// publishes its full blocks after each (completePrefillChunk), and after its last chunk it
-  /// samples its lookahead token and is finalised. On context reuse and full storage the
-  /// founders' prefill step spends the budget too, founders in order: a founder it does not
-  /// cover publishes its first chunk, holds at completePrefill and goes on as a joiner.
+  /// samples its lookahead token and is finalised. On context reuse, full storage and
+  /// sliding-window reuse the founders' prefill step spends the budget too, founders in order: a
+  /// founder it does not cover publishes its first chunk, holds at completePrefill and goes on as a
+  /// joiner.
   int32_t maxBatchedTokens = 0;
   /// Preemption under pool pressure (needs in-flight admission and a join queue: the preempted
   /// wait there). kRecompute: before each decode step the engine counts the pages the step's
@@ -338,9 +339,9 @@ class ReferenceEngine {
   bool prefill(Run& run);
   /// The prefill step: writes, captures and lookahead tokens, then completePrefill.
   bool prefillStep(Run& run);
-  /// Whether the founders' prefill takes the token budget too (maxBatchedTokens on context reuse
-  /// or full storage, requests that take joiners): a founder it does not cover holds and goes on
-  /// in chunks.
+  /// Whether the founders' prefill takes the token budget too (maxBatchedTokens on context reuse,
+  /// full storage and sliding-window reuse, requests that take joiners): a founder it does not
+  /// cover holds and goes on in chunks.
   bool chunksFounders() const;
   /// Decode steps with compaction and joins until no row is left or a call fails (false).
   bool decodeLoop(Run& run);
