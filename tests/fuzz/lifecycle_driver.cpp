@@ -44,6 +44,7 @@ LifecycleStats& LifecycleStats::operator+=(LifecycleStats const& other) {
   checkpointSlabChecks += other.checkpointSlabChecks;
   snapshotPressureSkips += other.snapshotPressureSkips;
   prefillChunks += other.prefillChunks;
+  heldFounders += other.heldFounders;
   preemptions += other.preemptions;
   reusePointsWritten += other.reusePointsWritten;
   reusePointsRestored += other.reusePointsRestored;

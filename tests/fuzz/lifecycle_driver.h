@@ -76,7 +76,9 @@ struct LifecycleStats {
   int64_t checkpointSlabChecks = 0;   ///< checkpoint records whose slabs were compared
   int64_t snapshotPressureSkips = 0;  ///< captures skipped for want of a snapshot slot
   int64_t prefillChunks = 0;  ///< chunks of joiners' prefills completed (completePrefillChunk)
-  int64_t preemptions = 0;    ///< rows preempted (preemptSequence accepted)
+  /// Founders whose first chunk completed in the prefill and who went on as joiners.
+  int64_t heldFounders = 0;
+  int64_t preemptions = 0;  ///< rows preempted (preemptSequence accepted)
   /// Joiners' chunks whose pages preparePrefillChunk allocated (JoinerPageAllocation::kPerChunk),
   /// and chunks it refused for capacity (the model said they did not fit; nothing changed).
   int64_t chunkPagePrepares = 0;

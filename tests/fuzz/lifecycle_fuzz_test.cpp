@@ -58,6 +58,7 @@ TEST(LifecycleFuzzTest, SeededLifecyclesKeepEveryInvariant) {
   EXPECT_GT(total.compactions, 100);
   EXPECT_GT(total.joins, 50);
   EXPECT_GT(total.prefillChunks, 10);  // chunked prefill of joiners
+  EXPECT_GT(total.heldFounders, 100);  // and of founders, whose first chunk ran in the prefill
   EXPECT_GT(total.preemptions, 10);
   EXPECT_GT(total.retractions, 10);
   // Joiners that take their pages per chunk: chunks prepared with pages, and refused for want of
@@ -197,6 +198,7 @@ TEST(LifecycleFuzzTest, HybridSpeculativeAndMtpRuntimesKeepEveryInvariant) {
   EXPECT_GT(total.reusePointsRestored, 0);
   EXPECT_GT(total.draftOraclePositions, 100'000 * kScale);
   EXPECT_GT(total.pairedReuses, 30 * kScale);
+  EXPECT_GT(total.heldFounders, 100 * kScale);  // hybrid and EAGLE founders in chunks
   EXPECT_GT(total.pairedJoins, 0);
   EXPECT_GT(total.verificationRounds, 1000 * kScale);
   EXPECT_GT(total.acceptedTokens, total.verificationRounds);  // rounds accept several tokens
@@ -258,6 +260,7 @@ TEST(LifecycleFuzzTest, SlidingWindowReuseKeepsEveryInvariant) {
   EXPECT_GT(total.joins, 50 * kScale);
   EXPECT_GT(total.retractions, 10 * kScale);
   EXPECT_GT(total.prefillChunks, 5 * kScale);
+  EXPECT_GT(total.heldFounders, 50 * kScale);  // their sliding halves keep the staged prompt
   EXPECT_GT(total.preemptions, 10 * kScale);
   EXPECT_GT(total.compactions, 100 * kScale);
   EXPECT_GT(total.failedSynchronizations, 100 * kScale);
@@ -297,6 +300,7 @@ TEST(LifecycleFuzzTest, EngineStepWritesKeepEveryInvariant) {
   EXPECT_GT(total.rejectedCalls, total.operations / 20);
   EXPECT_GT(total.deviceFlushes, 1000 * kScale);
   EXPECT_GT(total.forgottenFlushes, 20 * kScale);
+  EXPECT_GT(total.heldFounders, 50 * kScale);
   EXPECT_GT(total.joins, 10 * kScale);
   EXPECT_GT(total.compactions, 30 * kScale);
   EXPECT_GT(total.failedSynchronizations, 30 * kScale);

@@ -436,6 +436,10 @@ class Lifecycle {
   /// Chunked prefill of the unjoined row `slot` whose prompt is not done: one more chunk and its
   /// completePrefillChunk (refused during a step), its lookahead sampled after the last.
   void prefillChunk(Req& req, int32_t slot);
+  /// Whether a founder of `req` may run only a first chunk in its prefill (the backends with the
+  /// coordinator, requests that admit joiners).
+  bool foundersChunk(Req const& req) const;
+  void founderChunk(Req& req, int32_t slot, int32_t end);
   /// The rest of a chunked joiner's prefill and its lookahead, before it is finalised; false
   /// when its pages could not be prepared (the finalisation is then not attempted).
   bool prefillRest(Req& req, int32_t slot);

@@ -131,8 +131,11 @@ struct Row {
   /// SWA: endpoint whose window pages are still mapped (committed; a bounded-SWA joiner's: the
   /// end of its completed chunks, the manager's endpoint)
   int32_t windowFrom = 0;
-  bool bound = false;    ///< the backend mapped the row
-  bool joined = true;    ///< false: admitted in flight, not finalised
+  bool bound = false;  ///< the backend mapped the row
+  bool joined = true;  ///< false: admitted in flight, not finalised
+  /// A founder whose prefill chunk (completePrefillChunk in the prefill) stopped short of its
+  /// prompt: completePrefill holds it, and it goes on as an unfinalised joiner.
+  bool heldPrefill = false;
   bool decoded = false;  ///< produced a token in the pending decode step
   int32_t accepted = 0;  ///< tokens the pending step accepted (speculative rounds: 1 or more)
   FinishReason reason = FinishReason::kNotFinished;

@@ -77,8 +77,9 @@ void Lifecycle::observeCoordinator(Req& req, int32_t slot, bool inBatch, std::st
     return;
   }
   Row const& row = req.rows[static_cast<std::size_t>(slot)];
-  // An unfinalised joiner: what its completed prefill chunks told the library (its start before).
-  int32_t const committed = !row.joined ? row.chunkCompleted
+  // An unfinalised joiner or a founder holding its first chunk: what its completed prefill chunks
+  // told the library (its start before).
+  int32_t const committed = !row.joined || row.heldPrefill ? row.chunkCompleted
                             : req.stage == Stage::kAdmitted || req.stage == Stage::kPrefill
                                 ? row.start
                                 : row.materialized - (row.decoded ? std::max(1, row.accepted) : 0);

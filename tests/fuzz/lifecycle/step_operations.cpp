@@ -102,13 +102,53 @@ void Lifecycle::issuePreparePrefill(Req& req, std::vector<int32_t> const& length
   }
   flushForStep();
   for (std::size_t i = 0; i < req.rows.size(); ++i) {
-    executePrefill(req, req.rows[i], static_cast<int32_t>(i));
+    Row& row = req.rows[i];
+    auto const length = static_cast<int32_t>(row.prompt.size());
+    // The last founder may run only a first chunk, completed in the prefill (it then holds at
+    // completePrefill and goes on as a joiner): on the backends with the coordinator, for
+    // requests that admit joiners.
+    if (i + 1 == req.rows.size() && foundersChunk(req) && length - row.start >= 2 && mIn.oneIn(3)) {
+      int32_t const end = row.start + 1 + mIn.below(length - row.start - 1);
+      executePrefill(req, row, static_cast<int32_t>(i), end);
+      founderChunk(req, static_cast<int32_t>(i), end);
+      continue;
+    }
+    executePrefill(req, row, static_cast<int32_t>(i));
   }
   if (req.mtp) {
     writeHiddenStates(req);
   }
   ++mStats.prefills;
   trace(fmt::format("{}: starts at {}", what, req.rows.empty() ? 0 : req.rows.front().start));
+}
+
+bool Lifecycle::foundersChunk(Req const& req) const {
+  return coordinatorBackend() && mRuntime->supportsSeatedAdmission() && !req.mtp &&
+         req.contract == DecodingTokenStateContract::kCommittedPlusLookahead && !mPoisoned;
+}
+
+/// completePrefillChunk of founder `slot` in the prefill, after its first chunk [start, end) ran.
+void Lifecycle::founderChunk(Req& req, int32_t slot, int32_t end) {
+  std::string const what =
+      fmt::format("completePrefillChunk(founder {}, to {}) on {}", slot, end, describe(req));
+  Row& row = req.rows[static_cast<std::size_t>(slot)];
+  expect(accept(what,
+                [&] {
+                  if (req.via == Via::kFacade) {
+                    return req.facade->completePrefillChunk(slot, end);
+                  }
+                  return mCoordinator->completePrefillChunk(req.coordinator, slot, end) ==
+                         ContextCacheStatus::kOk;
+                }),
+         what + " returned false");
+  row.heldPrefill = true;
+  row.chunkCompleted = end;
+  ++mStats.prefillChunks;
+  ++mStats.heldFounders;
+  if (mRecurrentOracle) {  // a checkpoint runtime may keep the chunk's end as a reuse point
+    noteCheckpoint(req, row, end, false);
+  }
+  trace(fmt::format("{}: held", what));
 }
 
 /// preparePrefill then prepareSwaPrefill through the facade; false when the call was rejected.
@@ -422,7 +462,7 @@ Lifecycle::CompletePrefillCall Lifecycle::planCompletePrefill(Req& req) {
   bool const lookahead = req.contract == DecodingTokenStateContract::kCommittedPlusLookahead;
   if (lookahead && (call.valid || mIn.oneIn(2))) {
     for (Row& row : call.sampled) {
-      if (row.generated.empty()) {
+      if (row.generated.empty() && !row.heldPrefill) {  // a held founder samples nothing yet
         sampleInto(row);
       }
     }
@@ -432,7 +472,9 @@ Lifecycle::CompletePrefillCall Lifecycle::planCompletePrefill(Req& req) {
   std::swap(call.sampled, req.rows);
   for (Row const& row : call.sampled) {
     auto const length = static_cast<int32_t>(row.prompt.size());
-    if (lookahead) {
+    if (row.heldPrefill) {
+      call.advances.push_back({nullptr, 0, kHoldCommittedStateLength});
+    } else if (lookahead) {
       call.advances.push_back({row.generated.empty() ? nullptr : &row.generated.back(), 1, length});
     } else {
       call.advances.push_back({nullptr, 0, length});
@@ -506,6 +548,11 @@ void Lifecycle::issueCompletePrefill(Req& req, CompletePrefillCall& call) {
   req.stage = Stage::kIdle;
   req.trimmed = true;
   for (Row& row : req.rows) {
+    if (row.heldPrefill) {  // an unfinalised joiner from here on; its prompt stays mapped
+      row.heldPrefill = false;
+      row.joined = false;
+      continue;
+    }
     row.windowFrom = row.endpoint;  // the SWA rows keep the prompt end's window
   }
   if (coordinatorBackend()) {
@@ -514,9 +561,14 @@ void Lifecycle::issueCompletePrefill(Req& req, CompletePrefillCall& call) {
   }
   // An EAGLE-style speculative request: the draft initialises after the call, and its prompt
   // endpoint waits for it (the first round, a compaction or finish synchronises it).
-  req.draftInitPending = req.speculative && !req.mtp;
+  // A held founder initialises its draft after its last chunk (its finalisation freezes it).
+  req.draftInitPending = req.speculative && !req.mtp &&
+                         std::ranges::any_of(req.rows, [](Row const& row) { return row.joined; });
   for (std::size_t i = 0; i < req.rows.size(); ++i) {
     Row& row = req.rows[i];
+    if (!row.joined) {
+      continue;  // a held founder: its checkpoints and draft come with its finalisation
+    }
     row.common = static_cast<int32_t>(row.prompt.size());
     if (checkpointDeployment() && !req.mtp) {  // the prompt-end captures were committed
       noteCheckpoint(req, row, row.common, false);
