@@ -2,13 +2,13 @@
 // a queue and run in one request at a time: the first waiting sequence founds it, the others join
 // it in flight, and it ends when its batch is empty. Each step spends a token budget
 // (maxBatchedTokens): one token per decoding row first, then prefill chunks of the joiners in
-// join order; a waiting sequence is admitted only while the budget has tokens left and its pages
-// fit beside the step's growth. Before each step the capacity query decides whether the decoding
-// rows' growth fits the pool; if not, the newest row is preempted (vLLM's recompute) and waits
-// first in line with its prompt and generated tokens, to be admitted again reusing what it
-// published. The "model" is left out: the engine advances the token lists and the KV lengths and
-// samples a token that is a function of the whole sequence. Host tensors keep it runnable
-// anywhere; set deviceType = kGPU and pass the engine's stream on a GPU.
+// join order (the founder's prefill step spends it too); a waiting sequence is admitted only while
+// the budget has tokens left and its pages fit beside the step's growth. Before each step the
+// capacity query decides whether the decoding rows' growth fits the pool; if not, the newest row is
+// preempted (vLLM's recompute) and waits first in line with its prompt and generated tokens, to be
+// admitted again reusing what it published. The "model" is left out: the engine advances the token
+// lists and the KV lengths and samples a token that is a function of the whole sequence. Host
+// tensors keep it runnable anywhere; set deviceType = kGPU and pass the engine's stream on a GPU.
 #include <mkv/kv_cache_pool.h>
 #include <mkv/kv_cache_runtime.h>
 #include <mkv/kv_page_table.h>
@@ -37,7 +37,7 @@ struct Outcome {
   std::vector<int32_t> generated;   // every token it sampled
   int32_t reusedTokens = 0;         // prompt tokens reused at its first admission
   int32_t resumedReusedTokens = 0;  // tokens reused when it was admitted again after preemptions
-  int32_t prefillChunks = 0;        // steps that ran a chunk of its prefill as a joiner
+  int32_t prefillChunks = 0;        // steps that ran a chunk of its prefill (0: in one step)
   int32_t preemptions = 0;
 };
 
@@ -45,7 +45,7 @@ struct Stats {
   int32_t requests = 0;       // requests begun: one per stretch of a non-empty batch
   int32_t steps = 0;          // decode steps
   int32_t joins = 0;          // in-flight admissions (re-admissions included)
-  int32_t prefillChunks = 0;  // chunks run for joiners
+  int32_t prefillChunks = 0;  // chunks of prefills run over more than one step
   int32_t preemptions = 0;
 };
 
@@ -192,9 +192,8 @@ std::vector<Outcome> Engine::serve(std::vector<Sequence> const& sequences) {
   return mOutcomes;
 }
 
-// The first waiting sequence begins a request. A founder's prefill is one preparePrefill ->
-// completePrefill, published whole at its end, so it is not chunked (the batch is empty: no
-// decode waits for it).
+// The first waiting sequence begins a request (the batch is empty: no decode waits for its
+// prefill, but the step's budget holds all the same).
 void Engine::found() {
   std::size_t const id = mWaiting.front();
   std::vector<int32_t> const tokens = tokensOf(id);
@@ -221,13 +220,25 @@ void Engine::found() {
   int32_t const reused = mManaged->prefillStarts()->front();
   noteAdmission(id, reused);
   mContext.effectivePrefillLengths = {static_cast<int32_t>(tokens.size()) - reused};
-  mRows = {Row{id, static_cast<int32_t>(tokens.size()), false, 0}};
+  // The prefill step takes what the budget allows. A longer prompt runs its first chunk, which
+  // completePrefillChunk publishes before the captures; the founder samples nothing, holds at
+  // completePrefill and goes on in chunks as a joiner does (a bounded-SWA founder would not).
+  int32_t const first = std::min(static_cast<int32_t>(tokens.size()) - reused, mMaxBatchedTokens);
+  bool const chunked = reused + first < static_cast<int32_t>(tokens.size());
+  mRows = {Row{id, reused + first, chunked, first}};
   require(mManaged->preparePrefill(), "preparePrefill");
   require(mManaged->prepareSwaPrefill(mContext.effectivePrefillLengths), "prepareSwaPrefill");
-  // ... engine: the prefill from `reused`; synchronise; sample
+  // ... engine: the prefill of [reused, kvLength); synchronise
   writeLength(0, mRows[0].kvLength);
+  if (chunked) {
+    ++mStats.prefillChunks;
+    ++mOutcomes[id].prefillChunks;
+    require(mManaged->completePrefillChunk(0, mRows[0].kvLength), "completePrefillChunk");
+  }
   require(mManaged->enqueuePrefillCaptures(), "enqueuePrefillCaptures");
-  sample(0);
+  if (!chunked) {
+    sample(0);  // ... the lookahead
+  }
   require(mManaged->completePrefill(mContext, {}), "completePrefill");
 }
 

@@ -40,8 +40,8 @@ constexpr int32_t kTightPool = 15;    // pages: the decoding rows outgrow it onc
 std::vector<Sequence> workload() {
   std::vector<int32_t> const document = range(500, 96);
   return {
-      {range(1, 40), 30},                           // 0: founds the request, decodes throughout
-      {concat(document, {901, 902, 903, 904}), 6},  // 1: 100 tokens, chunks of 31, 31, 31, 7
+      {range(1, 40), 30},                           // 0: founds the request: chunks of 32, 8
+      {concat(document, {901, 902, 903, 904}), 6},  // 1: 100 tokens, chunks of 24, 31, 31, 14
       {concat(document, {911, 912, 913}), 6},       // 2: joins before 1's last chunk
       {range(2000, 60), 20},                        // 3
       {range(3000, 70), 24},  // 4: the newest row when the tight pool runs out
@@ -88,18 +88,20 @@ void expectAllServed(Served const& served) {
   EXPECT_EQ(served.freeResidents, served.residents);
 }
 
-// (a) and (b) on a pool that never runs short. The founder decodes from the first step, so a step
-// has 31 tokens for prefill chunks: sequence 1's 100 tokens take four (31, 31, 31, 7). Sequence
-// 2 is admitted before that last chunk, once the budget has tokens left after sequence 1's 7
-// remaining: it reuses the 80 tokens (five full pages) that sequence 1's first three chunks
-// published (93 tokens done; its finalisation would have published 96).
+// (a) and (b) on a pool that never runs short. The founder's 40 tokens pass the budget: 32 run in
+// the prefill step and its last 8 in the first decode step, beside sequence 1's first 24; from
+// then on the founder decodes and a step has 31 tokens for chunks: sequence 1's next ones are 31,
+// 31 and 14. Sequence 2 is admitted before that last chunk, once the budget has tokens left after
+// sequence 1's 14 remaining: it reuses the 80 tokens (five full pages) that sequence 1's first
+// three chunks published (86 tokens done; its finalisation would have published 96), and runs
+// its other 19 in two chunks (17, and 2 beside two decodes).
 TEST_P(ServingLoopExampleTest, LongPromptsAreChunkedAndAJoinerReusesWhatAChunkPublished) {
   Served const served = serve(kRoomyPool);
   expectAllServed(served);
   EXPECT_EQ(served.stats.requests, 1);
   EXPECT_EQ(served.stats.steps, 35);
   EXPECT_EQ(served.stats.joins, 4);
-  EXPECT_EQ(served.stats.prefillChunks, 11);
+  EXPECT_EQ(served.stats.prefillChunks, 14);
   EXPECT_GT(served.stats.prefillChunks, served.stats.joins) << "prompts were chunked";
   EXPECT_EQ(served.stats.preemptions, 0);
   std::vector<int32_t> reused;
@@ -111,7 +113,7 @@ TEST_P(ServingLoopExampleTest, LongPromptsAreChunkedAndAJoinerReusesWhatAChunkPu
     EXPECT_EQ(outcome.resumedReusedTokens, 0);
   }
   EXPECT_EQ(reused, (std::vector<int32_t>{0, 0, 80, 0, 0}));
-  EXPECT_EQ(chunks, (std::vector<int32_t>{0, 4, 1, 3, 3})) << "the founder's prefill is whole";
+  EXPECT_EQ(chunks, (std::vector<int32_t>{2, 4, 2, 3, 3})) << "the founder's prefill too";
 }
 
 // With a budget no prompt exceeds, every joiner prefills in the step it joins: one chunk each.
@@ -126,20 +128,21 @@ TEST_P(ServingLoopExampleTest, ABudgetAboveEveryPromptRunsEachPrefillInOneStep) 
   EXPECT_TRUE(runtime->shutdown());
 }
 
-// (c) and (d) on a pool of 15 pages. Sequence 4, the newest row, is preempted before a step in
-// which two rows need a page and the pool has one: it had sampled 11 of its 24 tokens.
-// preemptSequence published its committed 80 tokens (the 70 of its prompt and the first 10 it
-// generated), and when it is admitted again with its 81 tokens it reuses those 80 (more than
-// the 64 its prompt's full pages hold): one chunk of 1 token, then it samples the remaining 13.
-// Every sequence samples exactly the tokens it samples on the roomy pool.
+// (c) and (d) on a pool of 15 pages. Sequence 4, the newest row, is preempted when the running
+// rows' growth no longer fits the pool: it had sampled 11 of its 24 tokens. preemptSequence
+// published its committed 80 tokens (the 70 of its prompt and the first 10 it generated). Its 81
+// tokens fit beside the running rows no more, so it waits until the batch empties and founds the
+// next request, which reuses those 80 (more than the 64 its prompt's full pages hold): its one
+// token in the prefill step, then it samples the remaining 13. Every sequence samples exactly the
+// tokens it samples on the roomy pool.
 TEST_P(ServingLoopExampleTest, APreemptedSequenceResumesFromWhatItPublishedWithTheSameTokens) {
   Served const roomy = serve(kRoomyPool);
   Served const tight = serve(kTightPool);
   expectAllServed(tight);
-  EXPECT_EQ(tight.stats.requests, 1);
-  EXPECT_EQ(tight.stats.steps, 42);
-  EXPECT_EQ(tight.stats.joins, 5) << "four joins and one resumption";
-  EXPECT_EQ(tight.stats.prefillChunks, 12);
+  EXPECT_EQ(tight.stats.requests, 2) << "the resumption founds the second";
+  EXPECT_EQ(tight.stats.steps, 41);
+  EXPECT_EQ(tight.stats.joins, 4);
+  EXPECT_EQ(tight.stats.prefillChunks, 14);
   EXPECT_EQ(tight.stats.preemptions, 1);
   ASSERT_EQ(tight.outcomes.size(), roomy.outcomes.size());
   for (std::size_t i = 0; i < tight.outcomes.size(); ++i) {
@@ -148,7 +151,7 @@ TEST_P(ServingLoopExampleTest, APreemptedSequenceResumesFromWhatItPublishedWithT
   }
   EXPECT_EQ(tight.outcomes[4].reusedTokens, 0);
   EXPECT_EQ(tight.outcomes[4].resumedReusedTokens, 80);
-  EXPECT_EQ(tight.outcomes[4].prefillChunks, 4 + 1);
+  EXPECT_EQ(tight.outcomes[4].prefillChunks, 4) << "1, 30, 30, 9; then one token, whole";
   EXPECT_EQ(tight.outcomes[2].reusedTokens, 80) << "a chunk's pages are reused here too";
 }
 
