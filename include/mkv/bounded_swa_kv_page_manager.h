@@ -63,13 +63,14 @@ struct SwaSequenceState {
   std::vector<SwaPageBinding> newBindings;
   /// Pages that left the window; still mapped and held until the completion call.
   std::vector<SwaPageBinding> pendingRetire;
-  /// Admitted in flight (admitSequence) and not finalised yet; decode steps skip the sequence
-  /// until finalizeSequenceAdmission commits its prefill.
+  /// Admitted in flight (admitSequence), or a founder whose first chunk completed short of its
+  /// prompt in the prefill (completeSequenceChunk), and not finalised yet; decode steps skip the
+  /// sequence until finalizeSequenceAdmission commits its prefill.
   bool joining = false;
-  /// An unfinalised joiner's prompt length L (0 otherwise). Without a page source its prefill
-  /// may run in chunks: `endpoint` is what the completed chunks wrote, `pendingEndpoint` the end
-  /// of the chunk staged for the next step (the rest of the prompt unless prepareSequenceChunk
-  /// staged a shorter one).
+  /// An unfinalised joiner's prompt length L, and a founder's in the prefill once its first chunk
+  /// was prepared (0 otherwise). Without a page source its prefill may run in chunks: `endpoint`
+  /// is what the completed chunks wrote, `pendingEndpoint` the end of the chunk staged for the
+  /// next step (the rest of the prompt unless prepareSequenceChunk staged a shorter one).
   int32_t joinerPromptTokens = 0;
   /// bindings + reserved + pendingRetire (pendingRetire pages are not in bindings).
   int32_t heldPages() const noexcept {
@@ -164,6 +165,10 @@ struct BoundedSwaResources {
 /// before the step that runs a chunk [e, c), prepareSequenceChunk maps what that chunk reads and
 /// keeps (the window before e, the pages of [max(e, c - W), c)); completeSequenceChunk retires
 /// what left the window of c, so the window rotates across chunks within the same 2M + 1 pages.
+/// A founder's prefill chunks the same way: in the prefill (after preparePrefill), before the
+/// step, prepareSequenceChunk stages its first chunk instead of the whole prompt, and after it
+/// completeSequenceChunk commits that chunk; completePrefill then holds the founder as such a
+/// joiner (decode steps skip it; its next chunks and finalizeSequenceAdmission are a joiner's).
 /// A cached-mode joiner maps its whole prompt at admission and needs neither call.
 ///
 /// Limits: vanilla one-token decode only (headroom {1,0}, kCommittedPlusLookahead, not
@@ -249,9 +254,12 @@ class BoundedSwaKVPageManager {
   /// pageSource->release; the sequence keeps one spare and releases the rest of its reserve.
   /// `held` (cached mode; empty, or one flag per sequence): a sequence flagged goes on prefilling
   /// in chunks (a founder whose prefill is chunked): it keeps its staged prompt, as an in-flight
-  /// admission does from admitSequence, and finalizeSequenceAdmission completes it.
+  /// admission does from admitSequence, and finalizeSequenceAdmission completes it. Without a
+  /// page source a founder whose first chunk completed short of its prompt (completeSequenceChunk
+  /// in the prefill) is held so, its chunk committed and the rest of its prompt staged.
   /// Throws, changing nothing, without a prepared prefill, for `held` flags outside cached mode or
-  /// of another count, or as checkPreparedWritesOnDevice.
+  /// of another count, for a founder whose first chunk was prepared but not completed, or as
+  /// checkPreparedWritesOnDevice.
   void completePrefill(RequestHandle& handle, std::span<uint8_t const> held = {});
   /// One sequence joins the executing request `handle` (no pending work) as its last row,
   /// starting at `start` (see SwaReuseStart). Cached mode: it holds the window pages, reserves
@@ -276,9 +284,12 @@ class BoundedSwaKVPageManager {
   /// admission or a completed chunk) with this one, mapping the pages of [max(endpoint,
   /// chunkEnd - W), chunkEnd) beside the window before `endpoint` (one table upload); the
   /// chunk's positions before chunkEnd - W are read from the engine's activations, not kept.
+  /// In the prefill (after preparePrefill, before the step) it stages founder `row`'s first chunk
+  /// [0, chunkEnd) the same way, in place of its whole prompt.
   /// kOk; kPoisoned (nothing changed) when poisoned, after the checks. Throws, changing nothing,
   /// with a page source (a cached-mode joiner's whole prompt is mapped from admission), with work
-  /// pending, for a row that is not an unfinalised joiner and for chunkEnd outside (endpoint, L].
+  /// pending (but the prefill), for a row that is not an unfinalised joiner (or, in the prefill,
+  /// a founder that has not completed a chunk) and for chunkEnd outside (endpoint, L].
   SwaKVCacheStatus prepareSequenceChunk(RequestHandle& handle, int32_t row, int32_t chunkEnd);
   /// What prepareSequenceChunk(handle, row, chunkEnd) would allocate: nothing (the window rotates
   /// within the 2M + 1 pages the joiner's admission took). Throws as it does.
@@ -290,6 +301,9 @@ class BoundedSwaKVPageManager {
   /// (nothing changed) when poisoned, after the checks. Throws, changing nothing, with a page
   /// source, with work pending, for a row that is not an unfinalised joiner, and for a chunkEnd
   /// other than the staged chunk's end (prepare each chunk shorter than the rest of the prompt).
+  /// In the prefill, after the step that ran founder `row`'s first chunk (possibly empty: chunkEnd
+  /// 0): the same commit, and completePrefill will hold the founder (a chunk to its whole prompt
+  /// changes nothing: completePrefill commits it); a founder completes one chunk in the prefill.
   SwaKVCacheStatus completeSequenceChunk(RequestHandle& handle, int32_t row, int32_t chunkEnd);
   /// After the engine's completion point for the joiner's prefill: commits row `row` at its
   /// prompt length as completePrefill does (pages outside the window go to the source, or the
@@ -335,6 +349,11 @@ class BoundedSwaKVPageManager {
   /// True when `handle`'s request is live and finishing: a decode step it could not take (or a
   /// compaction that dropped every row) ended it, and only finish or abandonment remain.
   bool finishing(RequestHandle const& handle) const noexcept;
+  /// True when row `row` has more of its prompt to prefill before it may sample: an unfinalised
+  /// in-flight admission, or, in the prefill, a founder whose first chunk completed short of its
+  /// prompt (completeSequenceChunk; completePrefill then holds it as such an admission). Throws
+  /// for an invalid handle or row.
+  bool awaitsPrefill(RequestHandle const& handle, int32_t row) const;
   /// Commits the step and retires pages that left the window.
   /// Cached mode: a retired page goes to pageSource->release and the sequence takes its next
   /// spare with pageSource->allocate(1). That cannot fail when the release made the page
@@ -450,9 +469,18 @@ class BoundedSwaKVPageManager {
   /// The unfinalised joiner at `row` of an executing request with no pending work, or throws
   /// naming `call`.
   SwaSequenceState& joinerAt(char const* call, Request& req, int32_t row) const;
-  /// The checks of prepareSequenceChunk: the joiner whose chunk to `chunkEnd` is prepared.
+  /// The checks of prepareSequenceChunk: the joiner (or, in the prefill, the founder) whose chunk
+  /// to `chunkEnd` is prepared.
   SwaSequenceState& chunkJoiner(char const* call, RequestHandle const& handle, int32_t row,
                                 int32_t chunkEnd) const;
+  /// In the prefill: founder `row`, which has not completed a chunk yet (a founder runs one chunk
+  /// in the prefill step, possibly empty; chunkEnd equal to a completed chunk's end is the no-op
+  /// call).
+  SwaSequenceState& founderBeforeItsChunk(char const* call, Request& req, int32_t row,
+                                          int32_t chunkEnd) const;
+  /// The prompt length a row's chunks run to: an unfinalised joiner's, or a founder's in the
+  /// prefill (the whole prompt preparePrefill staged, until its first chunk is prepared).
+  static int32_t promptInChunks(SwaSequenceState const& state) noexcept;
   /// Without a page source: a joiner's 2M + 1 pages from the free list (false: too few, nothing
   /// taken; its capacities are reserved first), and its admission.
   bool takeUncachedJoinerPages(SwaSequenceState& state);

@@ -61,8 +61,10 @@ class BoundedSwaRequest {
   bool prepareSwaPrefill(std::vector<int32_t> const& effectiveInputLengths);
   /// No-op (no checkpoints), true.
   bool enqueuePrefillCaptures() { return true; }
-  /// Retires pages that left the window and trims each row to M + 1 pages; true. Throws when the
-  /// context's prompts or generated lists disagree with the batch (`commonStateLengths` unread).
+  /// Retires pages that left the window and trims each row to M + 1 pages; true. A founder whose
+  /// first chunk completed short of its prompt (completePrefillChunk in the prefill) holds, as an
+  /// unfinalised joiner. Throws when the context's prompts or generated lists disagree with the
+  /// batch, or a held founder's generated list is not empty (`commonStateLengths` unread).
   bool completePrefill(DecodingInferenceContext const& context,
                        std::vector<int32_t> const& commonStateLengths);
   /// Maps the next window page and stages one retirement per row. Throws unless headroom is
@@ -112,8 +114,9 @@ class BoundedSwaRequest {
   bool preemptSequence(ExecutionRow row);
   /// kRecompute: preemptSequence(row). kSwap throws, changing nothing: no host tier.
   bool preemptSequence(ExecutionRow row, PreemptionKind kind);
-  /// Before the step that runs joiner `row`'s chunk to `chunkEnd`: maps what the chunk reads and
-  /// keeps (BoundedSwaKVPageManager::prepareSequenceChunk); false (one log line) when poisoned.
+  /// Before the step that runs joiner `row`'s chunk to `chunkEnd` (or, in the prefill, founder
+  /// `row`'s first chunk): maps what the chunk reads and keeps
+  /// (BoundedSwaKVPageManager::prepareSequenceChunk); false (one log line) when poisoned.
   bool preparePrefillChunk(ExecutionRow row, int32_t chunkEnd);
   /// What preparePrefillChunk would allocate: nothing (the joiner's window rotates within the
   /// 2M + 1 pages its admission took); checks the row and the end as the manager's chunk calls.

@@ -105,17 +105,7 @@ ContextCacheStatus ContextCacheCoordinator::completePrefillChunk(RequestHandle& 
               row);
   auto& sequence = detail::sequenceAt(req, row, kCall);
   if (founder) {
-    MKV_REQUIRE(mModes->joinable(req.mode) &&
-                    req.contract == DecodingTokenStateContract::kCommittedPlusLookahead,
-                kCall,
-                "row {}: a founder's prefill goes on in chunks as an in-flight admission, which "
-                "this request does not take (Hybrid-MTP, pure recurrent, or kFullyCommitted): "
-                "its founders prefill whole",
-                row);
-    MKV_REQUIRE(!sequence.staged, kCall,
-                "row {}: its prompt-end capture was enqueued (enqueuePrefillCaptures): a founder's "
-                "chunk completes before it",
-                row);
+    requireChunkableFounder(kCall, req, sequence, row);
   } else {
     MKV_REQUIRE(!sequence.joined, kCall, "row {} is not an unfinalised in-flight admission", row);
   }
@@ -144,14 +134,35 @@ bool ContextCacheCoordinator::awaitsPrefill(RequestHandle const& handle, Executi
   return !sequence.joined || sequence.prefillHeld;
 }
 
+void ContextCacheCoordinator::requireChunkableFounder(char const* call, Request const& req,
+                                                      Sequence const& sequence,
+                                                      ExecutionRow row) const {
+  MKV_REQUIRE(mModes->joinable(req.mode) &&
+                  req.contract == DecodingTokenStateContract::kCommittedPlusLookahead,
+              call,
+              "row {}: a founder's prefill goes on in chunks as an in-flight admission, which "
+              "this request does not take (Hybrid-MTP, pure recurrent, or kFullyCommitted): "
+              "its founders prefill whole",
+              row);
+  MKV_REQUIRE(!sequence.staged, call,
+              "row {}: its prompt-end capture was enqueued (enqueuePrefillCaptures): a founder's "
+              "chunk completes before it",
+              row);
+}
+
 ContextCacheCoordinator::Sequence const& ContextCacheCoordinator::prefillChunkRow(
     char const* call, Request const& req, ExecutionRow row, int32_t chunkEnd) const {
-  MKV_REQUIRE(req.stage == RequestStage::kSettled, call,
-              "row {}: a chunk is prepared before the step that runs it (an executing request "
-              "with no pending work)",
+  bool const founder = req.stage == RequestStage::kPrefilling;
+  MKV_REQUIRE(founder || req.stage == RequestStage::kSettled, call,
+              "row {}: a chunk is prepared before the step that runs it (a founder's in the "
+              "prefill, a joiner's in an executing request with no pending work)",
               row);
   auto const& sequence = detail::sequenceAt(req, row, call);
-  MKV_REQUIRE(!sequence.joined, call, "row {} is not an unfinalised in-flight admission", row);
+  if (founder) {
+    requireChunkableFounder(call, req, sequence, row);
+  } else {
+    MKV_REQUIRE(!sequence.joined, call, "row {} is not an unfinalised in-flight admission", row);
+  }
   MKV_REQUIRE(chunkEnd > sequence.committed && chunkEnd <= sequence.promptLength, call,
               "row {}: chunk end {} outside ({} (done so far), {} (the prompt)]", row, chunkEnd,
               sequence.committed, sequence.promptLength);
@@ -166,6 +177,9 @@ ContextCacheStatus ContextCacheCoordinator::preparePrefillChunk(RequestHandle& h
   prefillChunkRow(kCall, req, row, chunkEnd);
   if (poisoned()) {
     return ContextCacheStatus::kPoisoned;
+  }
+  if (req.stage == RequestStage::kPrefilling) {
+    return ContextCacheStatus::kOk;  // a founder: preparePrefill bound its whole prompt's pages
   }
   // The pages up to the chunk's end: a kPerChunk joiner takes them now, a joiner admitted with its
   // whole prompt's pages already holds them (nothing grows).

@@ -150,6 +150,16 @@ void BoundedSwaKVPageManager::commitJoinerChunk(SwaSequenceState& state) noexcep
   state.pendingEndpoint.reset();
 }
 
+int32_t BoundedSwaKVPageManager::promptInChunks(SwaSequenceState const& state) noexcept {
+  // A founder in the prefill whose first chunk was never prepared has its whole prompt staged.
+  return state.joinerPromptTokens > 0 ? state.joinerPromptTokens
+                                      : state.pendingEndpoint.value_or(state.endpoint);
+}
+
+bool BoundedSwaKVPageManager::awaitsPrefill(RequestHandle const& handle, int32_t row) const {
+  return state(handle, row).joining;
+}
+
 SwaSequenceState& BoundedSwaKVPageManager::chunkJoiner(char const* call,
                                                        RequestHandle const& handle, int32_t row,
                                                        int32_t chunkEnd) const {
@@ -157,11 +167,28 @@ SwaSequenceState& BoundedSwaKVPageManager::chunkJoiner(char const* call,
               "row {}: with a page source a joiner's whole prompt is mapped from admission, "
               "there is no chunk to prepare",
               row);
-  SwaSequenceState& state = joinerAt(call, request(handle, call), row);
-  MKV_REQUIRE(chunkEnd > state.endpoint && chunkEnd <= state.joinerPromptTokens, call,
+  Request& req = request(handle, call);
+  SwaSequenceState& chunked = req.stage == RequestStage::kPrefilling
+                                  ? founderBeforeItsChunk(call, req, row, chunkEnd)
+                                  : joinerAt(call, req, row);
+  int32_t const prompt = promptInChunks(chunked);
+  MKV_REQUIRE(chunkEnd > chunked.endpoint && chunkEnd <= prompt, call,
               "row {}: chunk end {} outside ({} (done so far), {} (the prompt)]", row, chunkEnd,
-              state.endpoint, state.joinerPromptTokens);
-  return state;
+              chunked.endpoint, prompt);
+  return chunked;
+}
+
+SwaSequenceState& BoundedSwaKVPageManager::founderBeforeItsChunk(char const* call, Request& req,
+                                                                 int32_t row,
+                                                                 int32_t chunkEnd) const {
+  MKV_REQUIRE(row >= 0 && static_cast<std::size_t>(row) < req.sequences.size(), call,
+              "row {} outside the batch of {}", row, req.sequences.size());
+  SwaSequenceState& founder = req.sequences[static_cast<std::size_t>(row)];
+  MKV_REQUIRE(!founder.joining || chunkEnd == founder.endpoint, call,
+              "row {}: its first chunk (to {}) completed in this prefill; a founder's next chunks "
+              "come after completePrefill, as a joiner's",
+              row, founder.endpoint);
+  return founder;
 }
 
 DecodeStepDemand BoundedSwaKVPageManager::sequenceChunkDemand(RequestHandle const& handle,
@@ -180,9 +207,15 @@ SwaKVCacheStatus BoundedSwaKVPageManager::prepareSequenceChunk(RequestHandle& ha
   if (state.pendingEndpoint == chunkEnd) {
     return SwaKVCacheStatus::kOk;  // staged already (the rest of the prompt)
   }
+  int32_t const prompt = promptInChunks(state);
   ChunkPlan plan = planJoinerChunk(state, std::numeric_limits<int32_t>::min(), true, chunkEnd);
   applyJoinerChunk(state, plan, state.endpoint, chunkEnd);
+  state.joinerPromptTokens = prompt;  // a founder's from its first chunk on
   mWrites->settle(mStream);
+  Request& req = request(handle, kCall);
+  if (req.stage == RequestStage::kPrefilling) {
+    req.writesMark = mWrites->awaitingFlush();  // the prefill step runs through the new entries
+  }
   return SwaKVCacheStatus::kOk;
 }
 
@@ -191,7 +224,10 @@ SwaKVCacheStatus BoundedSwaKVPageManager::completeSequenceChunk(RequestHandle& h
   constexpr char const* kCall = "BoundedSwaKVPageManager::completeSequenceChunk";
   MKV_REQUIRE(mResources.pageSource == nullptr, kCall,
               "row {}: with a page source a joiner's pages are retired when it is finalised", row);
-  SwaSequenceState& state = joinerAt(kCall, request(handle, kCall), row);
+  Request& req = request(handle, kCall);
+  bool const founder = req.stage == RequestStage::kPrefilling;
+  SwaSequenceState& state =
+      founder ? founderBeforeItsChunk(kCall, req, row, chunkEnd) : joinerAt(kCall, req, row);
   MKV_REQUIRE(chunkEnd == state.endpoint || state.pendingEndpoint == chunkEnd, kCall,
               "row {}: a chunk to {}, but the chunk staged for the step ends at {} (prepare each "
               "chunk shorter than the rest of the prompt before its step)",
@@ -199,18 +235,24 @@ SwaKVCacheStatus BoundedSwaKVPageManager::completeSequenceChunk(RequestHandle& h
   if (mRequests->poisoned()) {
     return SwaKVCacheStatus::kPoisoned;
   }
-  if (chunkEnd == state.endpoint) {
-    return SwaKVCacheStatus::kOk;  // no progress: nothing to commit
-  }
-  if (chunkEnd == state.joinerPromptTokens) {
+  int32_t const prompt = promptInChunks(state);
+  bool const progress = chunkEnd != state.endpoint && !(founder && chunkEnd == prompt);
+  if (progress && chunkEnd == prompt) {
     commitJoinerChunk(state);  // the whole prompt done: finalisation trims the row
-  } else {
+  } else if (progress) {
     // The chunk committed (what left its window unmapped), the rest of the prompt staged.
-    ChunkPlan plan = planJoinerChunk(state, retainedBeginFor(chunkEnd, mWindow, mPageShift), false,
-                                     state.joinerPromptTokens);
-    applyJoinerChunk(state, plan, chunkEnd, state.joinerPromptTokens);
+    ChunkPlan plan =
+        planJoinerChunk(state, retainedBeginFor(chunkEnd, mWindow, mPageShift), false, prompt);
+    applyJoinerChunk(state, plan, chunkEnd, prompt);
   }
-  mWrites->settle(mStream);
+  if (founder && chunkEnd < prompt) {
+    // completePrefill holds it (after an empty first chunk too); its next chunks are a joiner's.
+    state.joining = true;
+    state.joinerPromptTokens = prompt;
+  }
+  if (progress) {
+    mWrites->settle(mStream);
+  }
   return SwaKVCacheStatus::kOk;
 }
 

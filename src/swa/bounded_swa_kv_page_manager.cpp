@@ -451,6 +451,15 @@ void BoundedSwaKVPageManager::completePrefill(RequestHandle& handle,
       kCall, "{} held flags for a batch of {} ({}): only cached mode holds a founder's prefill",
       held.size(), req.sequences.size(),
       mResources.pageSource != nullptr ? "cached mode" : "no page source");
+  for (std::size_t row = 0; row < req.sequences.size(); ++row) {
+    SwaSequenceState const& state = req.sequences[row];
+    MKV_REQUIRE(state.joining || state.joinerPromptTokens == 0 ||
+                    state.pendingEndpoint == state.joinerPromptTokens,
+                kCall,
+                "row {}: its first chunk to {} was prepared (prepareSequenceChunk) but not "
+                "completed (completeSequenceChunk)",
+                row, state.pendingEndpoint.value_or(state.endpoint));
+  }
   checkPreparedWritesOnDevice(handle, kCall);
   for (std::size_t row = 0; row < req.sequences.size(); ++row) {
     SwaSequenceState& state = req.sequences[row];
@@ -460,6 +469,10 @@ void BoundedSwaKVPageManager::completePrefill(RequestHandle& handle,
       state.joinerPromptTokens = *state.pendingEndpoint;
       continue;
     }
+    if (state.joining) {
+      continue;  // a founder's first chunk completed (completeSequenceChunk): a joiner from here
+    }
+    state.joinerPromptTokens = 0;  // a first chunk prepared to the whole prompt again
     if (mResources.pageSource != nullptr) {
       completeCachedPrefill(state);
     } else {

@@ -90,7 +90,16 @@ bool BoundedSwaRequest::prepareSwaPrefill(std::vector<int32_t> const& effectiveI
 
 bool BoundedSwaRequest::completePrefill(DecodingInferenceContext const& context,
                                         std::vector<int32_t> const& /*commonStateLengths*/) {
-  requireContextRows("BoundedSwaRequest::completePrefill", context);
+  constexpr char const* kCall = "BoundedSwaRequest::completePrefill";
+  requireContextRows(kCall, context);
+  for (std::size_t i = 0; i < context.generatedTokenIds.size(); ++i) {
+    MKV_REQUIRE(!mManager->awaitsPrefill(mHandle, static_cast<int32_t>(i)) ||
+                    context.generatedTokenIds[i].empty(),
+                kCall,
+                "row {}: its prefill chunks stopped short of its prompt, so it samples nothing "
+                "yet, got {} generated tokens",
+                i, context.generatedTokenIds[i].size());
+  }
   mManager->completePrefill(mHandle);
   return true;
 }

@@ -440,21 +440,47 @@ TEST_P(ManagedKVCacheRequestTest, ACompactionWhoseDeviceMappingChangedThrowsBefo
   finishCleanly(rig, driver);
 }
 
-TEST_P(ManagedKVCacheRequestDispatchTest, AFoundersChunkIsRefusedOnBoundedSwa) {
-  // Bounded SWA windows a founder's prompt at prepareSwaPrefill and rotates only a joiner's
-  // window from chunk to chunk: its founders prefill whole (the backends with the coordinator
-  // take a founder's chunk: ContextCacheRequestTest, SlidingReuseTest).
+TEST_P(ManagedKVCacheRequestDispatchTest,
+       AFoundersChunkOnBoundedSwaHoldsItAndMisuseChangesNothing) {
+  // Bounded SWA stages a founder's first chunk in place of its whole prompt (preparePrefillChunk
+  // in the prefill); completePrefill then holds the founder as an unfinalised joiner. The window
+  // through the chunks is checked by BoundedSwaJoinerTest and ReplayRunnerTest (KV oracle).
   RuntimeRig rig(configFor(Backend::kBoundedSwa, device()));
   FacadeDriver driver(rig);
   driver.add(tokenRun(40, 5));
   ASSERT_TRUE(driver.begin());
   ASSERT_TRUE(driver.preparePrefill());
-  expectRejected(rig, "completePrefillChunk of a founder in the prefill",
-                 [&] { (void)driver.facade().completePrefillChunk(0, 20); },
-                 {"ManagedKVCacheRequest::completePrefillChunk", "row 0"});
-  driver.executePrefill();
+  ManagedKVCacheRequest& facade = driver.facade();
+  expectRejected(
+      rig, "completePrefillChunk of a chunk never prepared",
+      [&] { (void)facade.completePrefillChunk(0, 20); },
+      {"ManagedKVCacheRequest::completePrefillChunk", "row 0", "a chunk to 20", "ends at 40"});
+  ASSERT_TRUE(facade.preparePrefillChunk(0, 20));
+  expectRejected(rig, "completePrefill before the founder's chunk completed",
+                 [&] { (void)driver.completePrefill(); },
+                 {"ManagedKVCacheRequest::completePrefill", "row 0",
+                  "first chunk to 20 was prepared", "but not completed"});
+  ASSERT_TRUE(facade.completePrefillChunk(0, 20));
+  expectRejected(rig, "a second chunk in the prefill",
+                 [&] { (void)facade.preparePrefillChunk(0, 30); },
+                 {"ManagedKVCacheRequest::preparePrefillChunk",
+                  "first chunk (to 20) completed in this prefill"});
+  driver.context.generatedTokenIds[0] = {7};
+  expectRejected(rig, "a held founder that sampled", [&] { (void)driver.completePrefill(); },
+                 {"ManagedKVCacheRequest::completePrefill", "row 0",
+                  "samples nothing yet, got 1 generated tokens"});
+  driver.context.generatedTokenIds[0].clear();
   ASSERT_TRUE(driver.completePrefill());
-  finishCleanly(rig, driver);
+  expectRejected(rig, "preempting the held founder", [&] { (void)facade.preemptSequence(0); },
+                 {"ManagedKVCacheRequest::preemptSequence", "row 0 is an unfinalised"});
+  expectRejected(rig, "finalising it with another prompt length",
+                 [&] { (void)facade.finalizeSequenceAdmission(0, 7, 39); },
+                 {"ManagedKVCacheRequest::finalizeSequenceAdmission", "fullInputLength 39"});
+  EXPECT_EQ(facade.prefillChunkDemand(0, 40), DecodeStepDemand{});
+  ASSERT_TRUE(facade.preparePrefillChunk(0, 30));  // its next chunk, as a joiner's
+  EXPECT_TRUE(driver.finish());
+  EXPECT_FALSE(rig.poisoned());
+  EXPECT_EQ(rig.activeRequests(), 0);
 }
 
 TEST_P(ManagedKVCacheRequestDispatchTest, TheJoinCallsThrowBeforeTheyChangeAnything) {

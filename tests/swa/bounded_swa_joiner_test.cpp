@@ -2,7 +2,8 @@
 /// (docs/architecture.md, "Bounded SWA"). A joiner takes 2M + 1 pages and prefills from 0; the
 /// window of a chunked prefill rotates from chunk to chunk within those pages, every chunk reads
 /// the window its predecessor kept (checked with the KV oracle through the table's rows), and
-/// every contract violation changes nothing.
+/// every contract violation changes nothing. A founder's prefill chunks the same way: its first
+/// chunk runs in the prefill step, and it holds as a joiner until its last.
 
 #include <gtest/gtest.h>
 
@@ -247,6 +248,160 @@ TEST_P(BoundedSwaJoinerTest, MisuseThrowsNamingTheCallAndChangesNothing) {
   EXPECT_EQ(state.pendingEndpoint, 500);
   manager.finalizeSequenceAdmission(handle, 1);
   EXPECT_EQ(manager.finish(handle), SwaKVCacheStatus::kOk);
+}
+
+TEST_P(BoundedSwaJoinerTest, AFoundersPrefillGoesInChunksAndHoldsAsAJoinerUntilItsLastChunk) {
+  SwaRig rig(joinerConfig());
+  BoundedSwaKVPageManager& manager = rig.manager();
+  Handle handle = admit(rig, {0, 1});
+  manager.preparePrefill(handle, std::vector<int32_t>{400, 2000});
+  SwaSequenceState const& whole = manager.state(handle, 0);
+  SwaSequenceState const& held = manager.state(handle, 1);
+  EXPECT_EQ(logicalPages(held), covering(1700, 2000)) << "preparePrefill stages the whole prompt";
+  // The prefill step runs founder 1's first chunk only: staged in place of its whole prompt.
+  EXPECT_EQ(manager.sequenceChunkDemand(handle, 1, 250), DecodeStepDemand{});
+  ASSERT_EQ(manager.prepareSequenceChunk(handle, 1, 250), SwaKVCacheStatus::kOk);
+  EXPECT_EQ(held.pendingEndpoint, 250);
+  EXPECT_EQ(held.joinerPromptTokens, 2000);
+  EXPECT_EQ(logicalPages(held), chunkPages(0, 250));
+  EXPECT_EQ(held.heldPages(), 13);
+  expectRowMirrorsBindings(rig, held);
+  EXPECT_FALSE(manager.awaitsPrefill(handle, 1)) << "its chunk has not run yet";
+  EngineSequence first(0, 9);
+  EngineSequence second(1, 31);
+  first.prefill(rig.oracle(), 400, kWindow);
+  second.prefillChunk(rig.oracle(), 0, 250, kWindow);
+  ASSERT_EQ(manager.completeSequenceChunk(handle, 1, 250), SwaKVCacheStatus::kOk);
+  EXPECT_EQ(held.endpoint, 250);
+  EXPECT_EQ(held.pendingEndpoint, 2000) << "the rest of the prompt is staged";
+  EXPECT_TRUE(manager.awaitsPrefill(handle, 1));
+  EXPECT_FALSE(manager.awaitsPrefill(handle, 0));
+  manager.completePrefill(handle);
+  EXPECT_TRUE(held.joining) << "the founder goes on as an unfinalised joiner";
+  EXPECT_EQ(held.heldPages(), 13) << "it keeps its admission pages while it prefills";
+  EXPECT_FALSE(whole.joining);
+  EXPECT_EQ(whole.heldPages(), manager.decodePagesPerSequence());
+  expectPagesAccountedFor(manager, {&handle});
+
+  // Founder 0 decodes while founder 1's chunks run, the window rotating from chunk to chunk.
+  int32_t from = 250;
+  for (int32_t const end : {1200, 2000}) {
+    SCOPED_TRACE(::testing::Message() << "chunk [" << from << ", " << end << ")");
+    ASSERT_EQ(manager.prepareSequenceChunk(handle, 1, end), SwaKVCacheStatus::kOk);
+    EXPECT_EQ(logicalPages(held), chunkPages(from, end));
+    testing::OracleReport const read = second.verifyWindow(rig.oracle(), kWindow);
+    EXPECT_TRUE(read.ok()) << read.firstMismatch;
+    EXPECT_EQ(read.positionsChecked, std::min(from, kWindow));
+    ASSERT_EQ(manager.prepareDecodeStep(handle), SwaKVCacheStatus::kOk);
+    first.decode(rig.oracle());
+    second.prefillChunk(rig.oracle(), from, end, kWindow);
+    manager.completeDecodeStep(handle);
+    ASSERT_EQ(manager.completeSequenceChunk(handle, 1, end), SwaKVCacheStatus::kOk);
+    EXPECT_EQ(held.endpoint, end);
+    from = end;
+  }
+  manager.finalizeSequenceAdmission(handle, 1);
+  EXPECT_FALSE(manager.awaitsPrefill(handle, 1));
+  EXPECT_EQ(logicalPages(held), covering(1700, 2000));
+  EXPECT_EQ(held.heldPages(), manager.decodePagesPerSequence());
+  for (int32_t step = 0; step < 70; ++step) {
+    ASSERT_EQ(manager.prepareDecodeStep(handle), SwaKVCacheStatus::kOk);
+    first.decode(rig.oracle());
+    second.decode(rig.oracle());
+    manager.completeDecodeStep(handle);
+  }
+  for (EngineSequence* sequence : {&first, &second}) {
+    testing::OracleReport const report = sequence->verifyWindow(rig.oracle(), kWindow);
+    EXPECT_TRUE(report.ok()) << report.firstMismatch;
+    EXPECT_EQ(report.positionsChecked, kWindow);
+  }
+  EXPECT_EQ(manager.finish(handle), SwaKVCacheStatus::kOk);
+  EXPECT_EQ(manager.freePageCount(), manager.totalPageCount());
+}
+
+TEST_P(BoundedSwaJoinerTest, AnEmptyFirstChunkHoldsTheFounderWithItsWholePromptStaged) {
+  // A token budget the founders before it spent: the prefill step runs none of its prompt.
+  SwaRig rig(joinerConfig());
+  BoundedSwaKVPageManager& manager = rig.manager();
+  Handle handle = admit(rig, {0, 1});
+  manager.preparePrefill(handle, std::vector<int32_t>{400, 700});
+  EngineSequence first(0, 4);
+  EngineSequence second(1, 8);
+  first.prefill(rig.oracle(), 400, kWindow);
+  ASSERT_EQ(manager.completeSequenceChunk(handle, 1, 0), SwaKVCacheStatus::kOk);
+  EXPECT_TRUE(manager.awaitsPrefill(handle, 1));
+  manager.completePrefill(handle);
+  SwaSequenceState const& held = manager.state(handle, 1);
+  EXPECT_TRUE(held.joining);
+  EXPECT_EQ(held.endpoint, 0);
+  EXPECT_EQ(held.pendingEndpoint, 700);
+  EXPECT_EQ(held.joinerPromptTokens, 700);
+  ASSERT_EQ(manager.prepareSequenceChunk(handle, 1, 700), SwaKVCacheStatus::kOk);
+  ASSERT_EQ(manager.prepareDecodeStep(handle), SwaKVCacheStatus::kOk);
+  first.decode(rig.oracle());
+  second.prefillChunk(rig.oracle(), 0, 700, kWindow);
+  manager.completeDecodeStep(handle);
+  ASSERT_EQ(manager.completeSequenceChunk(handle, 1, 700), SwaKVCacheStatus::kOk);
+  manager.finalizeSequenceAdmission(handle, 1);
+  for (int32_t step = 0; step < 10; ++step) {
+    ASSERT_EQ(manager.prepareDecodeStep(handle), SwaKVCacheStatus::kOk);
+    first.decode(rig.oracle());
+    second.decode(rig.oracle());
+    manager.completeDecodeStep(handle);
+  }
+  for (EngineSequence* sequence : {&first, &second}) {
+    testing::OracleReport const report = sequence->verifyWindow(rig.oracle(), kWindow);
+    EXPECT_TRUE(report.ok()) << report.firstMismatch;
+    EXPECT_EQ(report.positionsChecked, kWindow);
+  }
+  EXPECT_EQ(manager.finish(handle), SwaKVCacheStatus::kOk);
+  EXPECT_EQ(manager.freePageCount(), manager.totalPageCount());
+}
+
+TEST_P(BoundedSwaJoinerTest, AFoundersChunkOutsideItsPlaceThrowsAndChangesNothing) {
+  SwaRig rig(joinerConfig());
+  BoundedSwaKVPageManager& manager = rig.manager();
+  Handle handle = admit(rig, {0});
+  manager.preparePrefill(handle, std::vector<int32_t>{900});
+  SwaSequenceState const& state = manager.state(handle, 0);
+  expectContractError([&] { manager.prepareSequenceChunk(handle, 0, 901); },
+                      {"BoundedSwaKVPageManager::prepareSequenceChunk", "chunk end 901 outside",
+                       "(0 (done so far), 900 (the prompt)]"});
+  expectContractError([&] { manager.completeSequenceChunk(handle, 0, 300); },
+                      {"completeSequenceChunk", "a chunk to 300", "ends at 900"});
+  manager.prepareSequenceChunk(handle, 0, 300);
+  auto const bindings = state.bindings;
+  auto const reserved = state.reservedPages;
+  std::vector<int32_t> const row = hostRow(rig.table(), 0);
+  auto unchanged = [&] {
+    EXPECT_EQ(state.bindings, bindings);
+    EXPECT_EQ(state.reservedPages, reserved);
+    EXPECT_EQ(state.pendingEndpoint, 300);
+    EXPECT_EQ(state.endpoint, 0);
+    EXPECT_FALSE(state.joining);
+    EXPECT_EQ(hostRow(rig.table(), 0), row);
+  };
+  // The prefill step ran the chunk but the engine never completed it.
+  expectContractError([&] { manager.completePrefill(handle); },
+                      {"BoundedSwaKVPageManager::completePrefill", "row 0",
+                       "first chunk to 300 was prepared", "but not completed"});
+  unchanged();
+  manager.completeSequenceChunk(handle, 0, 300);
+  manager.completeSequenceChunk(handle, 0, 300);  // no progress: nothing to do
+  expectContractError([&] { manager.prepareSequenceChunk(handle, 0, 600); },
+                      {"prepareSequenceChunk", "first chunk (to 300) completed in this prefill",
+                       "after completePrefill"});
+  expectContractError([&] { manager.completeSequenceChunk(handle, 0, 900); },
+                      {"completeSequenceChunk", "first chunk (to 300) completed in this prefill"});
+  EXPECT_EQ(state.endpoint, 300);
+  EXPECT_EQ(state.pendingEndpoint, 900);
+  manager.completePrefill(handle);
+  EXPECT_TRUE(state.joining);
+  // Its only row holds: the request decodes nothing until the founder finalises.
+  manager.finalizeSequenceAdmission(handle, 0);
+  EXPECT_EQ(state.endpoint, 900);
+  EXPECT_EQ(manager.finish(handle), SwaKVCacheStatus::kOk);
+  EXPECT_EQ(manager.freePageCount(), manager.totalPageCount());
 }
 
 TEST_P(BoundedSwaJoinerTest, RetractionCapacityAndCompactionGiveEveryPageBack) {

@@ -529,11 +529,14 @@ class ContextCacheCoordinator {
   /// engine's per-step hook (vLLM's allocate_slots for a scheduled chunk). With
   /// JoinerPageAllocation::kPerChunk it allocates and maps the row's pages up to chunkEnd (every
   /// lane: base and paired draft); a joiner that holds its whole prompt's pages (kWholePrompt)
-  /// grows nothing. kRequestFailed when the pools cannot give them even after eviction:
-  /// lastFailure names the row (kNoCapacity) and nothing changed, so the engine may preempt and
-  /// prepare again, or retract the joiner; kPoisoned on a poisoned coordinator. Throws, as
-  /// completePrefillChunk does, outside an executing request with no pending work, for a row
-  /// that is not an unfinalised admission, and for chunkEnd outside (committed, prompt].
+  /// grows nothing. A founder's first chunk is prepared in the prefill (between preparePrefill
+  /// and finalizePrefillPublication, where completePrefillChunk takes it): preparePrefill bound
+  /// its whole prompt, so the call only checks. kRequestFailed when the pools cannot give them
+  /// even after eviction: lastFailure names the row (kNoCapacity) and nothing changed, so the
+  /// engine may preempt and prepare again, or retract the joiner; kPoisoned on a poisoned
+  /// coordinator. Throws, as completePrefillChunk does, outside an executing request with no
+  /// pending work (or, for a founder, its prefill), for a row that is not an unfinalised
+  /// admission or a founder whose prefill may chunk, and for chunkEnd outside (committed, prompt].
   ContextCacheStatus preparePrefillChunk(RequestHandle& handle, ExecutionRow row, int32_t chunkEnd);
   /// What preparePrefillChunk(handle, row, chunkEnd) would allocate, changing nothing: its base
   /// and draft pages (0 unless the joiner was admitted with kPerChunk). Throws as it does.
@@ -734,7 +737,12 @@ class ContextCacheCoordinator {
   /// grown and mapped, but moving evicted blocks to the host tier failed.
   RowGrowth growRow(Request& request, Sequence& sequence, std::array<int32_t, 2> const& needed,
                     char const* call);
-  /// The checks of preparePrefillChunk and prefillChunkDemand; the joiner's sequence.
+  /// A founder's chunk in the prefill: the request takes joiners (the founder goes on as one)
+  /// under kCommittedPlusLookahead, and the row's prompt-end capture is not enqueued yet.
+  void requireChunkableFounder(char const* call, Request const& request, Sequence const& sequence,
+                               ExecutionRow row) const;
+  /// The checks of preparePrefillChunk and prefillChunkDemand; the joiner's (or founder's)
+  /// sequence.
   Sequence const& prefillChunkRow(char const* call, Request const& request, ExecutionRow row,
                                   int32_t chunkEnd) const;
   /// compactBatch's device work: clears dropped rows, compacts lengths, zeroes recurrent rows.
