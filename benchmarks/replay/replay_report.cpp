@@ -316,10 +316,10 @@ std::string formatSummary(ReplayResult const& r) {
                    r.failedRequests, r.retriedRequests, grouped(r.joins)));
   if (r.config.maxBatchedTokens > 0) {
     line("chunked prefill",
-         fmt::format("{} tokens a step: {} sequences in more than one chunk, {} chunks; steps to "
-                     "first token p50 {}, p99 {}",
+         fmt::format("{} tokens a step: {} sequences in more than one chunk ({} founders), {} "
+                     "chunks; steps to first token p50 {}, p99 {}",
                      grouped(r.config.maxBatchedTokens), grouped(r.chunkedPrefills),
-                     grouped(r.prefillChunks), r.timeToFirstTokenStepsP50,
+                     grouped(r.heldFounders), grouped(r.prefillChunks), r.timeToFirstTokenStepsP50,
                      r.timeToFirstTokenStepsP99));
   }
   if (c.joinerPages != JoinerPageAllocation::kWholePrompt) {
@@ -480,6 +480,7 @@ std::string formatJson(ReplayResult const& r) {
       {"max_batched_tokens", c.maxBatchedTokens},
       {"chunked_prefills", r.chunkedPrefills},
       {"prefill_chunks", r.prefillChunks},
+      {"held_founders", r.heldFounders},
       {"time_to_first_token_steps_p50", r.timeToFirstTokenStepsP50},
       {"time_to_first_token_steps_p99", r.timeToFirstTokenStepsP99},
       {"time_between_tokens_steps_p50", r.timeBetweenTokensStepsP50},

@@ -1118,6 +1118,7 @@ class Runner {
     r.joins = stats.joins;
     r.chunkedPrefills = stats.chunkedPrefills;
     r.prefillChunks = stats.prefillChunks;
+    r.heldFounders = stats.heldFounders;
     r.preemptions = stats.preemptions;
     r.resumed = stats.resumed;
     r.resumedHostTierTokens = stats.resumedHostTierTokens;

@@ -224,6 +224,8 @@ struct ReplayResult {
   /// sequence's decode steps from admission to its first token (p50, p99).
   int64_t chunkedPrefills = 0;
   int64_t prefillChunks = 0;
+  int64_t heldFounders =
+      0;  ///< of chunkedPrefills, founders (their prefill step ran a first chunk)
   int64_t timeToFirstTokenStepsP50 = 0;
   int64_t timeToFirstTokenStepsP99 = 0;
   /// Decode steps between two consecutive tokens of a sequence (p50, p99): 1 while it decodes

@@ -327,7 +327,7 @@ class PagedEngine:
         require(managed.preparePrefill(), "preparePrefill")
         require(managed.prepareSwaPrefill([len(r.seq.prompt) - r.kv_length for r in rows]), "prepareSwaPrefill")
         self.check_lengths(rows)
-        self.prefill_first_chunks(rows)
+        self.prefill_first_chunks(managed, rows)
         for i, row in enumerate(rows):
             if row.prefilling:  # publishes its first chunk; it holds at completePrefill
                 require(managed.completePrefillChunk(i, row.kv_length), "completePrefillChunk")
@@ -371,15 +371,18 @@ class PagedEngine:
                 self.admit_arrivals(managed, context, rows, slots)
         require(managed.finish(), "finish")
 
-    def prefill_first_chunks(self, rows):
+    def prefill_first_chunks(self, managed, rows):
         """The founders' prefill step, between preparePrefill and completePrefill: rows in order,
         each taking what the token budget leaves (all of its prompt without one); a founder left
         short of its prompt goes on in chunks as a joiner (``prefilling``), its first chunk
-        possibly empty."""
+        possibly empty and, when not, prepared before the forward (bounded SWA maps its window)."""
         budget = math.inf if self.max_batched_tokens is None else self.max_batched_tokens
         new_tokens = []
-        for row in rows:
-            take = int(min(len(row.seq.prompt) - row.kv_length, budget))
+        for i, row in enumerate(rows):
+            left = len(row.seq.prompt) - row.kv_length
+            take = int(min(left, budget))
+            if 0 < take < left:
+                self.require(managed, managed.preparePrefillChunk(i, row.kv_length + take), "preparePrefillChunk")
             new_tokens.append(row.seq.prompt[row.kv_length : row.kv_length + take])
             budget -= take
         logits = self.forward(rows, new_tokens)

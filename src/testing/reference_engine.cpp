@@ -520,24 +520,38 @@ bool ReferenceEngine::prefill(Run& run) {
 }
 
 bool ReferenceEngine::chunksFounders() const {
-  // Backends with the coordinator (context reuse, full storage, sliding-window reuse), requests
-  // that take joiners; bounded SWA's founders prefill whole.
-  return mOptions.maxBatchedTokens > 0 && mRuntime.contextCache() != nullptr &&
-         mRuntime.supportsSeatedAdmission();
+  // Requests that take joiners (a held founder goes on as one), on every backend.
+  return mOptions.maxBatchedTokens > 0 && mRuntime.supportsSeatedAdmission();
 }
 
 bool ReferenceEngine::prefillStep(Run& run) {
   ManagedKVCacheRequest& managed = *run.managed;
   // Under a token budget the founders take it in order, as joiners' chunks do; a founder it
-  // does not cover goes on in chunks (its first chunk may be empty) as a joiner would.
+  // does not cover goes on in chunks (its first chunk may be empty) as a joiner would. Each
+  // shorter first chunk is prepared before the step (bounded SWA stages its window).
   int32_t budget =
       chunksFounders() ? mOptions.maxBatchedTokens : std::numeric_limits<int32_t>::max();
+  std::vector<int32_t> ends(run.rows.size());
+  auto t0 = std::chrono::steady_clock::now();
+  bool ok = true;
+  for (std::size_t i = 0; i < run.rows.size() && ok; ++i) {
+    Row const& row = run.rows[i];
+    auto const promptLength = static_cast<int32_t>(row.spec.prompt.size());
+    ends[i] = row.prefillStart + std::min(promptLength - row.prefillStart, budget);
+    budget -= ends[i] - row.prefillStart;
+    if (ends[i] > row.prefillStart && ends[i] < promptLength) {
+      ok = managed.preparePrefillChunk(static_cast<ExecutionRow>(i), ends[i]);
+    }
+  }
+  run.libraryNanos += nanosSince(t0);
+  if (!ok) {
+    return false;
+  }
   mSteps->begin();
   for (std::size_t i = 0; i < run.rows.size(); ++i) {
     Row& row = run.rows[i];
     auto const promptLength = static_cast<int32_t>(row.spec.prompt.size());
-    int32_t const end = row.prefillStart + std::min(promptLength - row.prefillStart, budget);
-    budget -= end - row.prefillStart;
+    int32_t const end = ends[i];
     startPrefill(run, row, row.prefillStart);
     executePrefillChunk(row, end);
     captureReusePoints(run, static_cast<ExecutionRow>(i), row.prefillStart, end);
@@ -547,6 +561,7 @@ bool ReferenceEngine::prefillStep(Run& run) {
       verifyRow(run, row, /*full=*/false);
       row.prefilling = true;
       row.chunks = 1;
+      ++mStats.heldFounders;
       row.seatedAtStep = mStats.decodeSteps;
       ++mStats.prefillChunks;
     }
@@ -554,8 +569,7 @@ bool ReferenceEngine::prefillStep(Run& run) {
   flushWrites(run);
   mSteps->submit(mRuntime.config().stream);
   writeLengths(run, 0, run.rows.size(), [](std::size_t) { return true; });
-  auto t0 = std::chrono::steady_clock::now();
-  bool ok = true;
+  t0 = std::chrono::steady_clock::now();
   for (std::size_t i = 0; i < run.rows.size() && ok; ++i) {
     if (run.rows[i].prefilling) {  // publishes the founder's first chunk
       ok = managed.completePrefillChunk(static_cast<ExecutionRow>(i), run.rows[i].materialized);

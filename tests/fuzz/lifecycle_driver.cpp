@@ -66,6 +66,7 @@ LifecycleStats& LifecycleStats::operator+=(LifecycleStats const& other) {
   swaChunksRun += other.swaChunksRun;
   swaStepChunks += other.swaStepChunks;
   swaPrefillChunks += other.swaPrefillChunks;
+  swaHeldFounders += other.swaHeldFounders;
   swaFinalizations += other.swaFinalizations;
   swaRetractions += other.swaRetractions;
   for (std::size_t i = 0; i < std::size(runtimeOperations); ++i) {

@@ -105,6 +105,7 @@ struct LifecycleStats {
   int64_t swaPrefillChunks = 0;  ///< chunks completed (the window rotated)
   int64_t swaFinalizations = 0;  ///< joiners finalised (trimmed to M + 1 pages)
   int64_t swaRetractions = 0;    ///< joiners retracted (2M + 1 pages back)
+  int64_t swaHeldFounders = 0;   ///< founders whose first chunk ran in the prefill (held)
   /// Operations per runtime kind (tests/fuzz/lifecycle/lifecycle.h, Runtime; kRuntimeNames).
   int64_t runtimeOperations[7] = {};
   int64_t engineStepOperations = 0;  ///< operations of engine-step lifecycles

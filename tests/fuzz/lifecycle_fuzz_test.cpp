@@ -81,6 +81,7 @@ TEST(LifecycleFuzzTest, SeededLifecyclesKeepEveryInvariant) {
   EXPECT_GT(total.swaPrefillChunks, 10);
   EXPECT_GT(total.swaFinalizations, 10);
   EXPECT_GT(total.swaRetractions, 10);
+  EXPECT_GT(total.swaHeldFounders, 10);  // founders whose window rotates from their first chunk
   RecordProperty("operations", std::to_string(total.operations));
   std::printf(
       "operations %lld, library calls %lld, rejected %lld, refusals %lld, requests %lld, "
@@ -102,10 +103,11 @@ TEST(LifecycleFuzzTest, SeededLifecyclesKeepEveryInvariant) {
               static_cast<long long>(total.chunkPageRefusals));
   std::printf(
       "bounded SWA: joins %lld, prefill chunks run %lld (%lld in decode steps), completed %lld, "
-      "finalised %lld, retracted %lld\n",
+      "finalised %lld, retracted %lld; founders held after a first chunk %lld\n",
       static_cast<long long>(total.swaJoins), static_cast<long long>(total.swaChunksRun),
       static_cast<long long>(total.swaStepChunks), static_cast<long long>(total.swaPrefillChunks),
-      static_cast<long long>(total.swaFinalizations), static_cast<long long>(total.swaRetractions));
+      static_cast<long long>(total.swaFinalizations), static_cast<long long>(total.swaRetractions),
+      static_cast<long long>(total.swaHeldFounders));
 }
 
 /// Synchronisation faults at fixed points instead of where the input asks: for each seed the

@@ -252,6 +252,8 @@ TEST(ReplayRunnerTest, BoundedSwaServesJoinersAndChunksUnderATokenBudget) {
   EXPECT_EQ(result.failedRequests, 0);
   EXPECT_EQ(result.retriedRequests, 0);
   EXPECT_EQ(result.joins, 29);
+  EXPECT_EQ(result.heldFounders, 1) << "the founder's prefill step ran its first 512 tokens";
+  EXPECT_EQ(batched.heldFounders, 0);
   EXPECT_GT(result.chunkedPrefills, 15) << "most prompts are longer than the budget";
   EXPECT_GT(result.prefillChunks, 2 * result.chunkedPrefills);
   EXPECT_LT(result.decodeSteps, batched.decodeSteps) << "no row waits for a batch to drain";
@@ -1622,6 +1624,7 @@ TEST(ReplayRunnerTest, FoundersTakeTheTokenBudgetAndFinishTheirPrefillAsJoiners)
     EXPECT_EQ(result.failedRequests, 0);
     ASSERT_TRUE(result.coordinatorCounters.has_value());
     EXPECT_GT(result.coordinatorCounters->heldPrefills, 0U);
+    EXPECT_EQ(result.heldFounders, static_cast<int64_t>(result.coordinatorCounters->heldPrefills));
     EXPECT_EQ(unbudgeted.coordinatorCounters->heldPrefills, 0U);
     EXPECT_GT(result.chunkedPrefills, 0);
     EXPECT_EQ(result.promptTokens, unbudgeted.promptTokens);

@@ -259,20 +259,20 @@ TEST_P(BoundedSwaJoinerTest, AFoundersPrefillGoesInChunksAndHoldsAsAJoinerUntilI
   SwaSequenceState const& held = manager.state(handle, 1);
   EXPECT_EQ(logicalPages(held), covering(1700, 2000)) << "preparePrefill stages the whole prompt";
   // The prefill step runs founder 1's first chunk only: staged in place of its whole prompt.
-  EXPECT_EQ(manager.sequenceChunkDemand(handle, 1, 250), DecodeStepDemand{});
-  ASSERT_EQ(manager.prepareSequenceChunk(handle, 1, 250), SwaKVCacheStatus::kOk);
-  EXPECT_EQ(held.pendingEndpoint, 250);
+  EXPECT_EQ(manager.sequenceChunkDemand(handle, 1, 700), DecodeStepDemand{});
+  ASSERT_EQ(manager.prepareSequenceChunk(handle, 1, 700), SwaKVCacheStatus::kOk);
+  EXPECT_EQ(held.pendingEndpoint, 700);
   EXPECT_EQ(held.joinerPromptTokens, 2000);
-  EXPECT_EQ(logicalPages(held), chunkPages(0, 250));
+  EXPECT_EQ(logicalPages(held), chunkPages(0, 700));
   EXPECT_EQ(held.heldPages(), 13);
   expectRowMirrorsBindings(rig, held);
   EXPECT_FALSE(manager.awaitsPrefill(handle, 1)) << "its chunk has not run yet";
   EngineSequence first(0, 9);
   EngineSequence second(1, 31);
   first.prefill(rig.oracle(), 400, kWindow);
-  second.prefillChunk(rig.oracle(), 0, 250, kWindow);
-  ASSERT_EQ(manager.completeSequenceChunk(handle, 1, 250), SwaKVCacheStatus::kOk);
-  EXPECT_EQ(held.endpoint, 250);
+  second.prefillChunk(rig.oracle(), 0, 700, kWindow);
+  ASSERT_EQ(manager.completeSequenceChunk(handle, 1, 700), SwaKVCacheStatus::kOk);
+  EXPECT_EQ(held.endpoint, 700);
   EXPECT_EQ(held.pendingEndpoint, 2000) << "the rest of the prompt is staged";
   EXPECT_TRUE(manager.awaitsPrefill(handle, 1));
   EXPECT_FALSE(manager.awaitsPrefill(handle, 0));
@@ -284,7 +284,7 @@ TEST_P(BoundedSwaJoinerTest, AFoundersPrefillGoesInChunksAndHoldsAsAJoinerUntilI
   expectPagesAccountedFor(manager, {&handle});
 
   // Founder 0 decodes while founder 1's chunks run, the window rotating from chunk to chunk.
-  int32_t from = 250;
+  int32_t from = 700;
   for (int32_t const end : {1200, 2000}) {
     SCOPED_TRACE(::testing::Message() << "chunk [" << from << ", " << end << ")");
     ASSERT_EQ(manager.prepareSequenceChunk(handle, 1, end), SwaKVCacheStatus::kOk);

@@ -226,6 +226,7 @@ struct EngineStats {
   // Chunked prefill (ReferenceEngineOptions::maxBatchedTokens > 0).
   int64_t prefillChunks = 0;    ///< prefill chunks executed for joiners and held founders
   int64_t chunkedPrefills = 0;  ///< sequences whose prefill took more than one chunk
+  int64_t heldFounders = 0;     ///< founders whose prefill step ran only a first chunk
   /// Per joiner and per founder whose prefill went on in chunks: decode steps from its admission
   /// (a founder's: the request's prefill) to the step of its last chunk (0: its whole prompt in
   /// its first step).
@@ -339,9 +340,8 @@ class ReferenceEngine {
   bool prefill(Run& run);
   /// The prefill step: writes, captures and lookahead tokens, then completePrefill.
   bool prefillStep(Run& run);
-  /// Whether the founders' prefill takes the token budget too (maxBatchedTokens on context reuse,
-  /// full storage and sliding-window reuse, requests that take joiners): a founder it does not
-  /// cover holds and goes on in chunks.
+  /// Whether the founders' prefill takes the token budget too (maxBatchedTokens, on every backend,
+  /// for requests that take joiners): a founder it does not cover holds and goes on in chunks.
   bool chunksFounders() const;
   /// Decode steps with compaction and joins until no row is left or a call fails (false).
   bool decodeLoop(Run& run);

@@ -112,11 +112,12 @@ void Lifecycle::observeCoordinator(Req& req, int32_t slot, bool inBatch, std::st
 }
 
 /// The SWA manager's view of a live row: the retained window of its endpoint; whether the
-/// request has a joiner to retract (its newest row, between steps).
+/// request has a joiner to retract (its newest row, between steps, not the only one: a held
+/// founder may be alone).
 void Lifecycle::observeSwa(Req& req, int32_t slot, bool inBatch, std::string const& what) {
   BoundedSwaKVPageManager::RequestHandle const& handle = req.swa;
   bool const retractable =
-      req.stage == Stage::kIdle && !req.rows.empty() && !req.rows.back().joined;
+      req.stage == Stage::kIdle && req.rows.size() > 1 && !req.rows.back().joined;
   expectf(unchanged(what, [&] { return mSwa->hasRetractableAdmission(handle); }) == retractable,
           "{}: hasRetractableAdmission is not {}", what, retractable);
   if (!inBatch) {

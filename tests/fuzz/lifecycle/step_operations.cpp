@@ -95,6 +95,18 @@ void Lifecycle::issuePreparePrefill(Req& req, std::vector<int32_t> const& length
     // Sliding-window reuse maps the window before the start and every executed page.
     row.windowFrom = slidingReuse() ? row.start : row.endpoint;
   }
+  // The last founder may run only a first chunk, prepared before the step (bounded SWA stages
+  // its window) and completed in the prefill (it then holds at completePrefill and goes on as a
+  // joiner), for requests that admit joiners.
+  int32_t founderEnd = -1;
+  if (!req.rows.empty() && foundersChunk(req)) {
+    Row const& last = req.rows.back();
+    auto const length = static_cast<int32_t>(last.prompt.size());
+    if (length - last.start >= 2 && mIn.oneIn(3)) {
+      founderEnd = last.start + 1 + mIn.below(length - last.start - 1);
+      prepareFounderChunk(req, static_cast<int32_t>(req.rows.size()) - 1, founderEnd);
+    }
+  }
   // Engine-step writes: the engine flushes before the prefill's forward (having forgotten it, it
   // learns so from the completion, which must refuse and change nothing).
   if (forgetFlush()) {
@@ -103,14 +115,9 @@ void Lifecycle::issuePreparePrefill(Req& req, std::vector<int32_t> const& length
   flushForStep();
   for (std::size_t i = 0; i < req.rows.size(); ++i) {
     Row& row = req.rows[i];
-    auto const length = static_cast<int32_t>(row.prompt.size());
-    // The last founder may run only a first chunk, completed in the prefill (it then holds at
-    // completePrefill and goes on as a joiner): on the backends with the coordinator, for
-    // requests that admit joiners.
-    if (i + 1 == req.rows.size() && foundersChunk(req) && length - row.start >= 2 && mIn.oneIn(3)) {
-      int32_t const end = row.start + 1 + mIn.below(length - row.start - 1);
-      executePrefill(req, row, static_cast<int32_t>(i), end);
-      founderChunk(req, static_cast<int32_t>(i), end);
+    if (i + 1 == req.rows.size() && founderEnd >= 0) {
+      executePrefill(req, row, static_cast<int32_t>(i), founderEnd);
+      founderChunk(req, static_cast<int32_t>(i), founderEnd);
       continue;
     }
     executePrefill(req, row, static_cast<int32_t>(i));
@@ -123,8 +130,32 @@ void Lifecycle::issuePreparePrefill(Req& req, std::vector<int32_t> const& length
 }
 
 bool Lifecycle::foundersChunk(Req const& req) const {
-  return coordinatorBackend() && mRuntime->supportsSeatedAdmission() && !req.mtp &&
+  return mRuntime->supportsSeatedAdmission() && !req.mtp &&
          req.contract == DecodingTokenStateContract::kCommittedPlusLookahead && !mPoisoned;
+}
+
+/// preparePrefillChunk of founder `slot` in the prefill, before the step that runs [start, end):
+/// bounded SWA maps that chunk's window instead of the whole prompt's; the backends with the
+/// coordinator only check (its whole prompt is bound).
+void Lifecycle::prepareFounderChunk(Req& req, int32_t slot, int32_t end) {
+  std::string const what =
+      fmt::format("preparePrefillChunk(founder {}, to {}) on {}", slot, end, describe(req));
+  expect(accept(what,
+                [&] {
+                  if (req.via == Via::kFacade) {
+                    return req.facade->preparePrefillChunk(slot, end);
+                  }
+                  if (coordinatorBackend()) {
+                    return mCoordinator->preparePrefillChunk(req.coordinator, slot, end) ==
+                           ContextCacheStatus::kOk;
+                  }
+                  return mSwa->prepareSequenceChunk(req.swa, slot, end) == SwaKVCacheStatus::kOk;
+                }),
+         what + " returned false");
+  if (!coordinatorBackend()) {
+    req.rows[static_cast<std::size_t>(slot)].endpoint = end;  // the staged chunk
+  }
+  trace(what);
 }
 
 /// completePrefillChunk of founder `slot` in the prefill, after its first chunk [start, end) ran.
@@ -137,12 +168,20 @@ void Lifecycle::founderChunk(Req& req, int32_t slot, int32_t end) {
                   if (req.via == Via::kFacade) {
                     return req.facade->completePrefillChunk(slot, end);
                   }
-                  return mCoordinator->completePrefillChunk(req.coordinator, slot, end) ==
-                         ContextCacheStatus::kOk;
+                  if (coordinatorBackend()) {
+                    return mCoordinator->completePrefillChunk(req.coordinator, slot, end) ==
+                           ContextCacheStatus::kOk;
+                  }
+                  return mSwa->completeSequenceChunk(req.swa, slot, end) == SwaKVCacheStatus::kOk;
                 }),
          what + " returned false");
   row.heldPrefill = true;
   row.chunkCompleted = end;
+  if (!coordinatorBackend()) {  // bounded SWA: the rest of the prompt is staged, as a joiner's
+    row.windowFrom = end;
+    row.endpoint = static_cast<int32_t>(row.prompt.size());
+    ++mStats.swaHeldFounders;
+  }
   ++mStats.prefillChunks;
   ++mStats.heldFounders;
   if (mRecurrentOracle) {  // a checkpoint runtime may keep the chunk's end as a reuse point
@@ -502,9 +541,11 @@ void Lifecycle::corruptCompletePrefill(Req const& req, CompletePrefillCall& call
     context.generatedTokenIds.emplace_back();  // more rows than the batch
     context.rawBatchedInputIds.emplace_back(1, 1);
   }
-  // The SWA facade reads only the context's row count (common lengths and tokens it ignores).
+  // The SWA facade reads the context's row count and the generated lists of held founders,
+  // which must be empty (common lengths and the other tokens it ignores).
   if (req.via == Via::kFacade) {
-    call.badArguments = coordinatorBackend() ? variant <= 2 : variant == 2;
+    bool const heldSampled = variant == 1 && !req.rows.empty() && req.rows[0].heldPrefill;
+    call.badArguments = coordinatorBackend() ? variant <= 2 : variant == 2 || heldSampled;
     return;
   }
   if (!coordinatorBackend()) {

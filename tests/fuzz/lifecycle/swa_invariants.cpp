@@ -63,8 +63,12 @@ void Lifecycle::checkSwaRequest(Req const& req, int32_t rowPages) {
     expectf(state.pendingEndpoint.value_or(state.endpoint) == row.endpoint,
             "{} row {}: endpoint {} (pending {}), expected {}", describe(req), i, state.endpoint,
             state.pendingEndpoint.value_or(-1), row.endpoint);
-    expectf(state.joining == !row.joined, "{} row {}: joining {}", describe(req), i, state.joining);
-    if (!row.joined) {
+    // Bounded SWA holds a founder from its first chunk's completion (sliding-window reuse's half
+    // at completePrefill).
+    bool const held = row.heldPrefill && !slidingReuse();
+    expectf(state.joining == (!row.joined || held), "{} row {}: joining {}", describe(req), i,
+            state.joining);
+    if (!row.joined || held) {
       expectf(state.endpoint == row.windowFrom &&
                   state.joinerPromptTokens == static_cast<int32_t>(row.prompt.size()),
               "{} row {}: a joiner at {} of {} prompt tokens, expected {} of {}", describe(req), i,
