@@ -220,14 +220,18 @@ void Engine::found() {
   int32_t const reused = mManaged->prefillStarts()->front();
   noteAdmission(id, reused);
   mContext.effectivePrefillLengths = {static_cast<int32_t>(tokens.size()) - reused};
-  // The prefill step takes what the budget allows. A longer prompt runs its first chunk, which
-  // completePrefillChunk publishes before the captures; the founder samples nothing, holds at
-  // completePrefill and goes on in chunks as a joiner does (a bounded-SWA founder would not).
+  // The prefill step takes what the budget allows. A longer prompt runs its first chunk,
+  // prepared before the step (bounded SWA maps that chunk's window) and published by
+  // completePrefillChunk before the captures; the founder samples nothing, holds at
+  // completePrefill and goes on in chunks as a joiner does.
   int32_t const first = std::min(static_cast<int32_t>(tokens.size()) - reused, mMaxBatchedTokens);
   bool const chunked = reused + first < static_cast<int32_t>(tokens.size());
   mRows = {Row{id, reused + first, chunked, first}};
   require(mManaged->preparePrefill(), "preparePrefill");
   require(mManaged->prepareSwaPrefill(mContext.effectivePrefillLengths), "prepareSwaPrefill");
+  if (chunked && first > 0) {
+    require(mManaged->preparePrefillChunk(0, reused + first), "preparePrefillChunk");
+  }
   // ... engine: the prefill of [reused, kvLength); synchronise
   writeLength(0, mRows[0].kvLength);
   if (chunked) {

@@ -190,11 +190,15 @@ class ManagedKVCacheRequest {
   /// holds its whole prompt's pages from admission and the call only checks. An engine that
   /// prefills in chunks calls it for every chunk, on every backend; under kPerChunk for the last
   /// chunk and a whole-prompt prefill too (completePrefillChunk and finalizeSequenceAdmission
-  /// throw for tokens whose pages were never prepared). False when the pools cannot give the
+  /// throw for tokens whose pages were never prepared). A founder's first chunk is prepared in the
+  /// prefill, after prepareSwaPrefill and before the step that runs it: bounded SWA stages that
+  /// chunk's window in place of the whole prompt's; the other backends bound the founder's whole
+  /// prompt at preparePrefill and only check. False when the pools cannot give the
   /// chunk's pages even after eviction (lastFailure(): kNoCapacity and the row; nothing changed,
   /// so the engine may preempt, retract the joiner, or try at a later step) and when poisoned.
   /// Throws between prepareDecodeStep and completeDecodeStep, for a row that is not an
-  /// unfinalised joiner and for a chunkEnd outside (done so far, prompt].
+  /// unfinalised joiner (or, in the prefill, a founder that may chunk and has not completed a
+  /// chunk) and for a chunkEnd outside (done so far, prompt].
   bool preparePrefillChunk(ExecutionRow row, int32_t chunkEnd);
   /// What preparePrefillChunk(row, chunkEnd) would allocate now, changing nothing (compare with
   /// KVCacheRuntime::capacity(), as for decodeStepDemand): pages only under kPerChunk. Throws as
@@ -205,17 +209,17 @@ class ManagedKVCacheRequest {
   /// captures the recurrent state the engine carried to the chunk's end as a reuse point, and
   /// finalizeSequenceAdmission commits the row's checkpoints after one synchronisation; on
   /// bounded SWA it unmaps what left the chunk's window); finalizeSequenceAdmission follows the
-  /// last chunk. On the context-reuse and sliding-window reuse backends a founder's prefill goes
-  /// in chunks too: after the prefill step ran the founder's first chunk (before
+  /// last chunk. A founder's prefill goes in chunks too, on every backend: after the prefill step
+  /// ran the founder's first chunk (prepared with preparePrefillChunk before it; before
   /// enqueuePrefillCaptures and completePrefill) this publishes it (sliding-window reuse: its
-  /// full layers; the sliding pages at finalisation, as a joiner's); completePrefill then holds
-  /// the founder (it samples nothing: an empty generated list) and it goes on as an unfinalised
-  /// joiner, so sequences admitted from the next step reuse what it published
-  /// (docs/lifecycle.md, "Chunked prefill"). False when poisoned. Throws for a row that is not an
-  /// unfinalised joiner (or, in the prefill, a founder of a request that admits joiners, i.e. not
-  /// Hybrid-MTP, on a deployment with attention layers, under kCommittedPlusLookahead, not on
-  /// bounded SWA), a length outside [done so far, prompt], and on bounded SWA for a chunk that
-  /// was not prepared.
+  /// full layers; the sliding pages at finalisation, as a joiner's; bounded SWA publishes nothing
+  /// and rotates its window); completePrefill then holds the founder (it samples nothing: an
+  /// empty generated list) and it goes on as an unfinalised joiner, so sequences admitted from
+  /// the next step reuse what it published (docs/lifecycle.md, "Chunked prefill"). False when
+  /// poisoned. Throws for a row that is not an unfinalised joiner (or, in the prefill, a founder
+  /// of a request that admits joiners, i.e. not Hybrid-MTP, on a deployment with attention
+  /// layers, under kCommittedPlusLookahead), a length outside [done so far, prompt], and on
+  /// bounded SWA for a chunk that was not prepared.
   bool completePrefillChunk(ExecutionRow row, int32_t prefilledTokens);
   bool finalizeSequenceAdmission(ExecutionRow row, int32_t const& lookaheadToken,
                                  int32_t fullInputLength);

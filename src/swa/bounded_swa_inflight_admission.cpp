@@ -235,20 +235,20 @@ SwaKVCacheStatus BoundedSwaKVPageManager::completeSequenceChunk(RequestHandle& h
   if (mRequests->poisoned()) {
     return SwaKVCacheStatus::kPoisoned;
   }
-  int32_t const prompt = promptInChunks(state);
-  bool const progress = chunkEnd != state.endpoint && !(founder && chunkEnd == prompt);
-  if (progress && chunkEnd == prompt) {
+  int32_t const promptTokens = promptInChunks(state);
+  bool const progress = chunkEnd != state.endpoint && !(founder && chunkEnd == promptTokens);
+  if (progress && chunkEnd == promptTokens) {
     commitJoinerChunk(state);  // the whole prompt done: finalisation trims the row
   } else if (progress) {
     // The chunk committed (what left its window unmapped), the rest of the prompt staged.
-    ChunkPlan plan =
-        planJoinerChunk(state, retainedBeginFor(chunkEnd, mWindow, mPageShift), false, prompt);
-    applyJoinerChunk(state, plan, chunkEnd, prompt);
+    ChunkPlan plan = planJoinerChunk(state, retainedBeginFor(chunkEnd, mWindow, mPageShift), false,
+                                     promptTokens);
+    applyJoinerChunk(state, plan, chunkEnd, promptTokens);
   }
-  if (founder && chunkEnd < prompt) {
+  if (founder && chunkEnd < promptTokens) {
     // completePrefill holds it (after an empty first chunk too); its next chunks are a joiner's.
     state.joining = true;
-    state.joinerPromptTokens = prompt;
+    state.joinerPromptTokens = promptTokens;
   }
   if (progress) {
     mWrites->settle(mStream);
