@@ -113,7 +113,10 @@ def apply_batch(blocks, stats, sequence, payload, encoding, grouped):
     check(isinstance(batch, list) and len(batch) == 3,
           f"batch {sequence} is not [timestamp, events, rank]")
     timestamp, events, rank = batch
-    check(isinstance(timestamp, float) and timestamp > 1e9, f"batch {sequence}: bad timestamp")
+    # The value and the payload's first bytes say whether the clock or the bytes were wrong.
+    check(isinstance(timestamp, float) and timestamp > 1e9,
+          f"batch {sequence}: bad timestamp {timestamp!r} (payload of {len(payload)} bytes starts "
+          f"{payload[:12].hex()})")
     check(rank == 0, f"batch {sequence}: data parallel rank {rank!r}")
     check(isinstance(events, list) and events, f"batch {sequence} has no events")
     for raw in events:
