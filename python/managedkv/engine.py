@@ -164,7 +164,9 @@ class PagedEngine:
         tokens of one joiner per step; ``max_batched_tokens``: the step's token budget (None: no
         budget); ``sampler``: a torch.Generator to sample at temperature 1 (None: greedy);
         ``keep_logits``: keep every computed position's logits in its Sequence (the parity's);
-        ``reuse``: False runs the full-storage backend (no prefix reuse, same lifecycle);
+        ``reuse``: False runs the full-storage backend (no prefix reuse, same lifecycle; models
+        without sliding layers: without reuse those would run on bounded SWA, which this engine
+        does not drive);
         ``time_library``: count the host seconds spent in library calls (``library``)."""
         if attention == "flex" and not flex_available():  # before anything is made
             raise ValueError('attention="flex" needs torch >= 2.5 (torch.nn.attention.flex_attention)')
@@ -179,6 +181,11 @@ class PagedEngine:
         recurrent = [layer for layer, kind in enumerate(kinds) if kind == qwen3_next.LINEAR]
         windows = [model.layer_window(layer) for layer in range(model.layers) if layer not in recurrent]
         sliding = [w for w in windows if w is not None]
+        if sliding and not reuse:
+            raise ValueError(
+                "reuse=False with sliding-window layers selects the bounded-SWA backend, which this example "
+                "engine does not drive (it reads the full layers through context reuse's page table): use reuse=True"
+            )
         config = mkv.KVCacheRuntimeConfig()
         config.model.numFullAttentionLayers = len(windows) - len(sliding)
         config.model.numSlidingWindowLayers = len(sliding)

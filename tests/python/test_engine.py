@@ -54,6 +54,13 @@ class BudgetTest(unittest.TestCase):
         self.assertEqual(paged.metrics()["in_flight_joins"], 2)
 
 
+class ConfigTest(unittest.TestCase):
+    def test_sliding_layers_without_reuse_are_refused_before_anything_is_made(self):
+        model = engine.build_model("gemma3", "tiny", 0, CPU, torch.float32)
+        with self.assertRaisesRegex(ValueError, "reuse=False with sliding-window layers"):
+            engine.PagedEngine(model, 64, reuse=False)
+
+
 class ArrivalTest(unittest.TestCase):
     def test_a_late_arrival_begins_the_next_request(self):
         paged = engine.PagedEngine(tiny_llama(), 64, keep_logits=False)
