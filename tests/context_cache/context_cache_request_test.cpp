@@ -521,6 +521,10 @@ TEST_P(ContextCacheRequestTest, AFoundersChunkOutsideItsPlaceThrowsAndChangesNot
     ASSERT_TRUE(driver.begin(DecodingTokenStateContract::kFullyCommitted));
     ASSERT_TRUE(driver.cache->preparePrefill());
     rig.oracle.write(driver.rows[0].resident.slot, driver.rows[0].digests, 0, 200);
+    EXPECT_TRUE(throwsError([&] { (void)driver.cache->preparePrefillChunk(0, 200); },
+                            {"ContextCacheCoordinator::preparePrefillChunk",
+                             "row 0: a founder's prefill goes on in chunks as an in-flight "
+                             "admission, which this request does not take"}));
     EXPECT_TRUE(throwsError([&] { (void)driver.cache->completePrefillChunk(0, 200); },
                             {"ContextCacheCoordinator::completePrefillChunk",
                              "row 0: a founder's prefill goes on in chunks as an in-flight "
@@ -534,6 +538,12 @@ TEST_P(ContextCacheRequestTest, AFoundersChunkOutsideItsPlaceThrowsAndChangesNot
   ASSERT_TRUE(driver.begin());
   ASSERT_TRUE(driver.cache->preparePrefill());
   Seq& founder = driver.rows[0];
+  // Preparing the founder's first chunk only checks: its whole prompt is bound already.
+  EXPECT_TRUE(throwsError([&] { (void)driver.cache->preparePrefillChunk(0, 301); },
+                          {"ContextCacheCoordinator::preparePrefillChunk",
+                           "row 0: chunk end 301 outside (0 (done so far), 300 (the prompt)]"}));
+  EXPECT_EQ(driver.cache->prefillChunkDemand(0, 200), DecodeStepDemand{});
+  ASSERT_TRUE(driver.cache->preparePrefillChunk(0, 200));
   rig.oracle.write(founder.resident.slot, founder.digests, 0, 200);
   founder.materialized = 200;
   EXPECT_TRUE(throwsError([&] { (void)driver.cache->completePrefillChunk(0, 301); },
