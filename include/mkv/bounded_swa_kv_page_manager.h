@@ -492,8 +492,10 @@ class BoundedSwaKVPageManager {
   struct ChunkPlan;
   ChunkPlan planJoinerChunk(SwaSequenceState const& state, int32_t retireBelow, bool dropStaged,
                             int32_t chunkEnd) const;
-  void applyJoinerChunk(SwaSequenceState& state, ChunkPlan& plan, int32_t endpoint,
-                        int32_t chunkEnd) noexcept;
+  /// Swaps the plan in: the row's committed endpoint `committedEnd`, the chunk to `stagedEnd`
+  /// staged.
+  void applyJoinerChunk(SwaSequenceState& state, ChunkPlan& plan, int32_t committedEnd,
+                        int32_t stagedEnd) noexcept;
   /// Commits the staged chunk: what left its window goes back to the row's reserve.
   void commitJoinerChunk(SwaSequenceState& state) noexcept;
   bool takeJoinerPages(SwaSequenceState& state, SwaReuseStart const& start, int32_t privatePages);

@@ -121,7 +121,7 @@ BoundedSwaKVPageManager::ChunkPlan BoundedSwaKVPageManager::planJoinerChunk(
 }
 
 void BoundedSwaKVPageManager::applyJoinerChunk(SwaSequenceState& state, ChunkPlan& plan,
-                                               int32_t endpoint, int32_t chunkEnd) noexcept {
+                                               int32_t committedEnd, int32_t stagedEnd) noexcept {
   for (SwaPageBinding const& binding : plan.unmapped) {
     mResources.swaPageTable->clearEntry(state.resident.slot, binding.logicalPage);
   }
@@ -131,10 +131,10 @@ void BoundedSwaKVPageManager::applyJoinerChunk(SwaSequenceState& state, ChunkPla
   state.bindings.swap(plan.bindings);
   state.newBindings.swap(plan.staged);
   state.reservedPages.swap(plan.reserve);
-  state.endpoint = endpoint;
-  state.pendingEndpoint = chunkEnd;
-  state.retainedBegin = retainedBeginFor(chunkEnd, mWindow, mPageShift);
-  state.retainedEnd = pagesCovering(chunkEnd, mPageShift);
+  state.endpoint = committedEnd;
+  state.pendingEndpoint = stagedEnd;
+  state.retainedBegin = retainedBeginFor(stagedEnd, mWindow, mPageShift);
+  state.retainedEnd = pagesCovering(stagedEnd, mPageShift);
 }
 
 void BoundedSwaKVPageManager::commitJoinerChunk(SwaSequenceState& state) noexcept {
