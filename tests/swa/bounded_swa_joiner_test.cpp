@@ -42,6 +42,26 @@ class BoundedSwaJoinerTest : public DeviceTest {
     return handle;
   }
 
+  /// Both rows decode `steps` steps; then each one's window reads back whole (KV oracle), and the
+  /// request finishes with every page free.
+  static void decodeVerifyAndFinish(SwaRig& rig, Handle& handle, EngineSequence& first,
+                                    EngineSequence& second, int32_t steps) {
+    BoundedSwaKVPageManager& manager = rig.manager();
+    for (int32_t step = 0; step < steps; ++step) {
+      ASSERT_EQ(manager.prepareDecodeStep(handle), SwaKVCacheStatus::kOk) << "step " << step;
+      first.decode(rig.oracle());
+      second.decode(rig.oracle());
+      manager.completeDecodeStep(handle);
+    }
+    for (EngineSequence* sequence : {&first, &second}) {
+      testing::OracleReport const report = sequence->verifyWindow(rig.oracle(), kWindow);
+      EXPECT_TRUE(report.ok()) << report.firstMismatch;
+      EXPECT_EQ(report.positionsChecked, kWindow);
+    }
+    EXPECT_EQ(manager.finish(handle), SwaKVCacheStatus::kOk);
+    EXPECT_EQ(manager.freePageCount(), manager.totalPageCount());
+  }
+
   static void expectRowMirrorsBindings(SwaRig& rig, SwaSequenceState const& state) {
     EXPECT_EQ(hostRow(rig.table(), state.resident.slot), expectedRow(rig.table(), state.bindings));
     EXPECT_EQ(deviceRow(rig.table(), state.resident.slot),
@@ -304,19 +324,7 @@ TEST_P(BoundedSwaJoinerTest, AFoundersPrefillGoesInChunksAndHoldsAsAJoinerUntilI
   EXPECT_FALSE(manager.awaitsPrefill(handle, 1));
   EXPECT_EQ(logicalPages(held), covering(1700, 2000));
   EXPECT_EQ(held.heldPages(), manager.decodePagesPerSequence());
-  for (int32_t step = 0; step < 70; ++step) {
-    ASSERT_EQ(manager.prepareDecodeStep(handle), SwaKVCacheStatus::kOk);
-    first.decode(rig.oracle());
-    second.decode(rig.oracle());
-    manager.completeDecodeStep(handle);
-  }
-  for (EngineSequence* sequence : {&first, &second}) {
-    testing::OracleReport const report = sequence->verifyWindow(rig.oracle(), kWindow);
-    EXPECT_TRUE(report.ok()) << report.firstMismatch;
-    EXPECT_EQ(report.positionsChecked, kWindow);
-  }
-  EXPECT_EQ(manager.finish(handle), SwaKVCacheStatus::kOk);
-  EXPECT_EQ(manager.freePageCount(), manager.totalPageCount());
+  decodeVerifyAndFinish(rig, handle, first, second, 70);
 }
 
 TEST_P(BoundedSwaJoinerTest, AnEmptyFirstChunkHoldsTheFounderWithItsWholePromptStaged) {
@@ -343,19 +351,7 @@ TEST_P(BoundedSwaJoinerTest, AnEmptyFirstChunkHoldsTheFounderWithItsWholePromptS
   manager.completeDecodeStep(handle);
   ASSERT_EQ(manager.completeSequenceChunk(handle, 1, 700), SwaKVCacheStatus::kOk);
   manager.finalizeSequenceAdmission(handle, 1);
-  for (int32_t step = 0; step < 10; ++step) {
-    ASSERT_EQ(manager.prepareDecodeStep(handle), SwaKVCacheStatus::kOk);
-    first.decode(rig.oracle());
-    second.decode(rig.oracle());
-    manager.completeDecodeStep(handle);
-  }
-  for (EngineSequence* sequence : {&first, &second}) {
-    testing::OracleReport const report = sequence->verifyWindow(rig.oracle(), kWindow);
-    EXPECT_TRUE(report.ok()) << report.firstMismatch;
-    EXPECT_EQ(report.positionsChecked, kWindow);
-  }
-  EXPECT_EQ(manager.finish(handle), SwaKVCacheStatus::kOk);
-  EXPECT_EQ(manager.freePageCount(), manager.totalPageCount());
+  decodeVerifyAndFinish(rig, handle, first, second, 10);
 }
 
 TEST_P(BoundedSwaJoinerTest, AFoundersChunkOutsideItsPlaceThrowsAndChangesNothing) {
