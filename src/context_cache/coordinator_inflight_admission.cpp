@@ -112,6 +112,10 @@ ContextCacheStatus ContextCacheCoordinator::completePrefillChunk(RequestHandle& 
   MKV_REQUIRE(prefilledTokens >= sequence.committed && prefilledTokens <= sequence.promptLength,
               kCall, "row {}: {} prefilled tokens outside [{} (done so far), {} (the prompt)]", row,
               prefilledTokens, sequence.committed, sequence.promptLength);
+  MKV_REQUIRE(!founder || !sequence.prefillHeld || prefilledTokens == sequence.committed, kCall,
+              "row {}: its first chunk (to {}) completed in this prefill; a founder's next chunks "
+              "come after completePrefill, as a joiner's",
+              row, sequence.committed);
   req.mode->rows().requireCovered(kCall, row, sequence, prefilledTokens, mManager->pageSize());
   // Its chunks ran through the row its admission (or preparePrefill) bound: that row must have
   // reached the device.
@@ -160,6 +164,10 @@ ContextCacheCoordinator::Sequence const& ContextCacheCoordinator::prefillChunkRo
   auto const& sequence = detail::sequenceAt(req, row, call);
   if (founder) {
     requireChunkableFounder(call, req, sequence, row);
+    MKV_REQUIRE(!sequence.prefillHeld, call,
+                "row {}: its first chunk (to {}) completed in this prefill; a founder's next "
+                "chunks come after completePrefill, as a joiner's",
+                row, sequence.committed);
   } else {
     MKV_REQUIRE(!sequence.joined, call, "row {} is not an unfinalised in-flight admission", row);
   }

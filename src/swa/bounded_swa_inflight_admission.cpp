@@ -232,6 +232,9 @@ SwaKVCacheStatus BoundedSwaKVPageManager::completeSequenceChunk(RequestHandle& h
               "row {}: a chunk to {}, but the chunk staged for the step ends at {} (prepare each "
               "chunk shorter than the rest of the prompt before its step)",
               row, chunkEnd, state.pendingEndpoint.value_or(state.endpoint));
+  if (founder) {
+    checkPreparedWritesOnDevice(handle, kCall);  // the prefill step ran through those rows
+  }
   if (mRequests->poisoned()) {
     return SwaKVCacheStatus::kPoisoned;
   }

@@ -553,6 +553,14 @@ TEST_P(ContextCacheRequestTest, AFoundersChunkOutsideItsPlaceThrowsAndChangesNot
   EXPECT_EQ(rig.records().size(), records + 1);
   EXPECT_TRUE(throwsError([&] { (void)driver.cache->completePrefillChunk(0, 199); },
                           {"outside [200 (done so far), 300 (the prompt)]"}));
+  // One chunk in the prefill step: the next ones come after completePrefill, as a joiner's.
+  EXPECT_TRUE(throwsError([&] { (void)driver.cache->preparePrefillChunk(0, 250); },
+                          {"ContextCacheCoordinator::preparePrefillChunk",
+                           "its first chunk (to 200) completed in this prefill"}));
+  EXPECT_TRUE(throwsError([&] { (void)driver.cache->completePrefillChunk(0, 250); },
+                          {"ContextCacheCoordinator::completePrefillChunk",
+                           "its first chunk (to 200) completed in this prefill"}));
+  EXPECT_EQ(rig.records().size(), records + 1);
   // A held founder samples nothing: completePrefill refuses a lookahead for it, changing nothing.
   driver.context.generatedTokenIds[0].push_back(1);
   EXPECT_TRUE(throwsError([&] { (void)driver.cache->completePrefill(driver.context, {}); },

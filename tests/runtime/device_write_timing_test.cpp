@@ -187,6 +187,29 @@ TEST_P(DeviceWriteTimingTest, ACompletionWhoseWritesNeverReachedTheDeviceIsRefus
   rig.runtime().flushDeviceWrites();
 }
 
+// A founder's first chunk completed in the prefill (completePrefillChunk) after a step that read
+// stale rows (its prepare calls' writes never flushed) is refused the same way, on every backend,
+// before anything of the founder changes; after the flush it completes and the founder holds.
+TEST_P(DeviceWriteTimingTest, AFoundersChunkCompletedBeforeItsRowsReachedTheDeviceIsRefused) {
+  RuntimeRig rig(engineStepConfig(backend(), device()));
+  FacadeDriver driver(rig);
+  driver.add(tokenRun(40, 100));
+  ASSERT_TRUE(driver.begin());
+  ASSERT_TRUE(driver.preparePrefill());
+  ASSERT_TRUE(driver.facade().preparePrefillChunk(0, 20));
+  ASSERT_TRUE(rig.runtime().deviceWritesPending());
+  BackendState const before = rig.observe();
+  EXPECT_TRUE(throwsError([&] { (void)driver.facade().completePrefillChunk(0, 20); },
+                          {"ManagedKVCacheRequest::completePrefillChunk",
+                           "never reached the device", "flushDeviceWrites"}));
+  rig.expectUnchanged(before);
+  rig.runtime().flushDeviceWrites();
+  ASSERT_TRUE(driver.facade().completePrefillChunk(0, 20));
+  ASSERT_TRUE(driver.completePrefill());  // the founder samples nothing: it holds
+  ASSERT_TRUE(driver.finish());
+  rig.runtime().flushDeviceWrites();
+}
+
 // A flush between the prefill's two prepare calls carries only the first one's writes. With
 // sliding-window reuse the second (the sliding half's rows) still waits: the completion is
 // refused before either half changes (the full half's own writes did reach the device).
