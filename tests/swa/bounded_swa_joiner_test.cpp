@@ -354,6 +354,49 @@ TEST_P(BoundedSwaJoinerTest, AnEmptyFirstChunkHoldsTheFounderWithItsWholePromptS
   decodeVerifyAndFinish(rig, handle, first, second, 10);
 }
 
+TEST_P(BoundedSwaJoinerTest, AFoundersFirstChunkPreparedAgainReplacesTheStagedOne) {
+  // The engine changes its mind before the step: a first chunk prepared to 700, then to 400 (the
+  // window of 400 replaces it), and on another founder back to the whole prompt, which
+  // completePrefill then commits as a founder prefilled whole.
+  SwaRig rig(joinerConfig());
+  BoundedSwaKVPageManager& manager = rig.manager();
+  Handle handle = admit(rig, {0, 1});
+  manager.preparePrefill(handle, std::vector<int32_t>{900, 600});
+  SwaSequenceState const& held = manager.state(handle, 0);
+  SwaSequenceState const& whole = manager.state(handle, 1);
+  ASSERT_EQ(manager.prepareSequenceChunk(handle, 0, 700), SwaKVCacheStatus::kOk);
+  ASSERT_EQ(manager.prepareSequenceChunk(handle, 0, 400), SwaKVCacheStatus::kOk);
+  EXPECT_EQ(held.pendingEndpoint, 400);
+  EXPECT_EQ(held.joinerPromptTokens, 900);
+  EXPECT_EQ(logicalPages(held), chunkPages(0, 400));
+  EXPECT_EQ(held.heldPages(), 13);
+  expectRowMirrorsBindings(rig, held);
+  ASSERT_EQ(manager.prepareSequenceChunk(handle, 1, 200), SwaKVCacheStatus::kOk);
+  ASSERT_EQ(manager.prepareSequenceChunk(handle, 1, 600), SwaKVCacheStatus::kOk);
+  EXPECT_EQ(logicalPages(whole), covering(300, 600));
+  expectRowMirrorsBindings(rig, whole);
+  EngineSequence first(0, 12);
+  EngineSequence second(1, 13);
+  first.prefillChunk(rig.oracle(), 0, 400, kWindow);
+  second.prefill(rig.oracle(), 600, kWindow);
+  ASSERT_EQ(manager.completeSequenceChunk(handle, 0, 400), SwaKVCacheStatus::kOk);
+  ASSERT_EQ(manager.completeSequenceChunk(handle, 1, 600), SwaKVCacheStatus::kOk);  // no-op
+  EXPECT_FALSE(manager.awaitsPrefill(handle, 1)) << "its whole prompt ran in the prefill step";
+  manager.completePrefill(handle);
+  EXPECT_TRUE(held.joining);
+  EXPECT_FALSE(whole.joining);
+  EXPECT_EQ(whole.joinerPromptTokens, 0);
+  EXPECT_EQ(whole.endpoint, 600);
+  EXPECT_EQ(whole.heldPages(), manager.decodePagesPerSequence());
+  // The held founder's rest of the prompt, beside a decode step of the other.
+  ASSERT_EQ(manager.prepareDecodeStep(handle), SwaKVCacheStatus::kOk);
+  second.decode(rig.oracle());
+  first.prefillChunk(rig.oracle(), 400, 900, kWindow);
+  manager.completeDecodeStep(handle);
+  manager.finalizeSequenceAdmission(handle, 0);
+  decodeVerifyAndFinish(rig, handle, first, second, 20);
+}
+
 TEST_P(BoundedSwaJoinerTest, AFoundersChunkOutsideItsPlaceThrowsAndChangesNothing) {
   SwaRig rig(joinerConfig());
   BoundedSwaKVPageManager& manager = rig.manager();
