@@ -657,12 +657,12 @@ class Runner {
           "preemption in swa mode: bounded SWA caches nothing a resumed sequence could reuse, and "
           "each sequence holds its own 2M + 1 pages (no row's growth waits for another's)");
     }
-    // Without in-flight admission, bounded SWA and speculative runs start with a batch of up to
-    // maxBatch consecutive requests; hybrid checkpoint runs take one request at a time
-    // (docs/replay.md, "Hybrid models"), and so do Hybrid-MTP runs (a Hybrid-MTP request has
-    // exactly one sequence).
-    bool const batches = (c.mode == ReplayMode::kSwa && !mJoins) ||
-                         (c.speculative != SpeculativeKind::kNone && c.recurrentLayers == 0);
+    // Without in-flight admission, bounded SWA and speculative runs (Hybrid-MTP included: each
+    // row publishes its own endpoint) start with a batch of up to maxBatch consecutive
+    // requests; hybrid checkpoint runs take one request at a time (docs/replay.md, "Hybrid
+    // models").
+    bool const batches =
+        (c.mode == ReplayMode::kSwa && !mJoins) || c.speculative != SpeculativeKind::kNone;
     mFoundersPerRun = batches ? static_cast<std::size_t>(batch) : 1;
   }
 

@@ -214,7 +214,8 @@ class KVCacheRuntime {
   /// Whether a running batch may admit sequences in flight: true for context reuse (hybrid
   /// checkpoint reuse and EAGLE-style speculative pairs included: a speculative joiner gets a draft
   /// row too), sliding-window reuse and bounded SWA (a joiner prefills from 0, in chunks if the
-  /// engine likes); false for Hybrid-MTP (one sequence per request).
+  /// engine likes); false for Hybrid-MTP (a batch's rows restore and publish their endpoints in
+  /// its prefill; a joiner's would come between chunks, which is not built).
   bool supportsSeatedAdmission() const noexcept;
 
   KVCacheRuntimeConfig const& config() const noexcept { return mConfig; }

@@ -58,14 +58,15 @@ void validateBatchShape(char const* call, ContextCacheBatchAdmission const& admi
               "batch of {} sequences outside [1, {}]", batch, limits.maxBatch);
   bool const hybridMtp = admission.speculativeRequest && limits.hybridMtpDeployment;
   if (hybridMtp) {
-    // The runtime's Hybrid-MTP prefill publishes one endpoint of one sequence, and the draft KV
+    // The engine publishes each row's prompt endpoint (publishHybridMtpEndpoint); the draft KV
     // lags the base by the accepted span, so a decode-end checkpoint would hold short draft state.
-    MKV_REQUIRE(batch == 1, call, "a Hybrid-MTP request has one sequence, got {}", batch);
-    ContextCacheCommitPolicy const policy =
-        admission.sequences.front().commitPolicy.value_or(admission.commitPolicy);
-    MKV_REQUIRE(policy == ContextCacheCommitPolicy::kPrefillStateOnly, call,
-                "a Hybrid-MTP request needs commit policy kPrefillStateOnly, got {}",
-                static_cast<int>(policy));
+    for (std::size_t i = 0; i < batch; ++i) {
+      ContextCacheCommitPolicy const policy =
+          admission.sequences[i].commitPolicy.value_or(admission.commitPolicy);
+      MKV_REQUIRE(policy == ContextCacheCommitPolicy::kPrefillStateOnly, call,
+                  "a Hybrid-MTP request needs commit policy kPrefillStateOnly, got {} (row {})",
+                  static_cast<int>(policy), i);
+    }
   }
   // The replay tail bounds the Hybrid-MTP endpoint (publishHybridMtpEndpoint); the other
   // publications are of whole pages at fixed points, which a volatile tail does not move.

@@ -126,8 +126,10 @@ OracleStepper::OracleStepper(KVCacheRuntime& runtime, bool recurrent, Tensor* hi
   if (hidden != nullptr) {
     fillHidden(mGeometry.hidden, *hidden, mDevice);
   }
-  MKV_REQUIRE(int64_t{rows} < kOracleMaxItems, kCall,
-              "{} resident slots exceed the {} the oracle addresses", rows, kOracleMaxItems);
+  // A step's recurrent items: per row an execution and a boundary hidden row, and at most
+  // kOracleMaxItems / 2 reuse points.
+  MKV_REQUIRE(int64_t{rows} <= kOracleMaxItems / 4, kCall,
+              "{} resident slots exceed the {} the oracle addresses", rows, kOracleMaxItems / 4);
   pitch = std::max<int64_t>(pitch, 1);
   int32_t const planes = hasDraft() ? 2 : 1;
   mDigestStore = Tensor({int64_t{planes} * rows, pitch}, DataType::kInt64, mDevice);
@@ -137,7 +139,8 @@ OracleStepper::OracleStepper(KVCacheRuntime& runtime, bool recurrent, Tensor* hi
   mGeometry.draftPlaneRow = hasDraft() ? rows : 0;
 
   // Capacities of one step: per row and plane one staged range; per row one write per pool;
-  // per row and pool one reused-prefix check plus up to three checks; one recurrent execution;
+  // per row and pool one reused-prefix check plus up to three checks; per row one recurrent
+  // execution and one boundary hidden row, and the reuse points;
   // every position of every row and plane.
   auto const r = static_cast<std::size_t>(rows);
   auto const p = static_cast<std::size_t>(planes);
@@ -145,13 +148,13 @@ OracleStepper::OracleStepper(KVCacheRuntime& runtime, bool recurrent, Tensor* hi
   mMaxDigests = p * r * static_cast<std::size_t>(pitch);
   mResultBytes = align8(sizeof(OracleStepHeader) + kOraclePools * r * sizeof(int32_t));
   mStagingBytes = mResultBytes + (p * r + kOraclePools * r + mMaxRanges) * sizeof(OracleRange) +
-                  (r + 1 + points) * sizeof(OracleRecurrentItem) + mMaxDigests * sizeof(uint64_t);
+                  (2 * r + points) * sizeof(OracleRecurrentItem) + mMaxDigests * sizeof(uint64_t);
   mStaging = ::mkv::detail::HostBuffer(mStagingBytes, mDevice);
   std::memset(mStaging.data(), 0, mStagingBytes);
   mStores.reserve(p * r);
   mWrites.reserve(kOraclePools * r);
   mVerifies.reserve(mMaxRanges);
-  mRecurrent.reserve(r + 1 + points);  // one execution per row, a boundary hidden row, points
+  mRecurrent.reserve(2 * r + points);  // per row an execution and a boundary hidden row; points
   mDigests.reserve(mMaxDigests);
   for (auto& lengths : mLengths) {
     lengths.reserve(r);

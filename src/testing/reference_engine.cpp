@@ -57,8 +57,8 @@ ReferenceEngine::ReferenceEngine(KVCacheRuntime& runtime, ReferenceEngineOptions
   mHybridMtp = mSpecWidth > 0 && coordinator != nullptr && coordinator->profile().isHybridMtp();
   if (mHybridMtp) {
     KVCacheSpeculativeConfig const& draft = *runtime.config().speculative;
-    mHidden = Tensor({1, draft.boundaryHiddenWidth}, draft.boundaryHiddenType,
-                     runtime.config().deviceType);
+    mHidden = Tensor({runtime.config().maxBatchSize, draft.boundaryHiddenWidth},
+                     draft.boundaryHiddenType, runtime.config().deviceType);
   }
   mSteps =
       std::make_unique<oracle::OracleStepper>(runtime, mRecurrent, mHybridMtp ? &mHidden : nullptr);
@@ -300,10 +300,11 @@ void ReferenceEngine::captureReusePoints(Run const& run, ExecutionRow index, int
   }
 }
 
-void ReferenceEngine::executePrefill(Run& run, Row& row, int32_t start) {
+void ReferenceEngine::executePrefill(Run& run, std::size_t index, int32_t start) {
+  Row& row = run.rows[index];
   startPrefill(run, row, start);
   executePrefillChunk(row, static_cast<int32_t>(row.spec.prompt.size()));
-  finishPrefill(run, row);
+  finishPrefill(run, index);
 }
 
 void ReferenceEngine::startPrefill(Run& run, Row& row, int32_t start) {
@@ -356,14 +357,15 @@ void ReferenceEngine::executePrefillChunk(Row& row, int32_t end) {
   row.materialized = end;
 }
 
-void ReferenceEngine::finishPrefill(Run& run, Row& row) {
+void ReferenceEngine::finishPrefill(Run& run, std::size_t index) {
+  Row& row = run.rows[index];
   auto const promptLength = static_cast<int32_t>(row.spec.prompt.size());
   int32_t const start = row.prefillStart;
   if (mHybridMtp) {
     // The restored boundary hidden row (prefill from a hit) is the R-token prefix's; the
     // endpoint publishes the whole prompt's.
-    mSteps->hidden(0, start > 0 && mOptions.verify != VerifyMode::kNone, start,
-                   start > 0 ? row.digests.at(start - 1) : 0, promptLength,
+    mSteps->hidden(static_cast<int32_t>(index), start > 0 && mOptions.verify != VerifyMode::kNone,
+                   start, start > 0 ? row.digests.at(start - 1) : 0, promptLength,
                    row.digests.at(promptLength - 1));
   }
   if (firstPrefill(row.spec)) {
@@ -504,11 +506,15 @@ bool ReferenceEngine::prefill(Run& run) {
   run.libraryNanos += nanosSince(t0);
   mStats.peakSwaPagesPerPrefillRow =
       std::max(mStats.peakSwaPagesPerPrefillRow, ok ? swaPagesPerRow() : 0);
-  if (ok && mHybridMtp && run.rows.front().prefillStart > 0) {
-    // The checkpoint's boundary hidden row, stream-ordered before the step's check of it (and
-    // before the endpoint, which releases the hit's pins).
+  for (std::size_t i = 0; ok && mHybridMtp && i < run.rows.size(); ++i) {
+    if (run.rows[i].prefillStart == 0) {
+      continue;
+    }
+    // Each hit's boundary hidden row into the row's own, stream-ordered before the step's check
+    // of it (and before the endpoint, which releases the hit's pins).
     t0 = std::chrono::steady_clock::now();
-    ok = managed.restoreHybridMtpBoundaryHidden(0, mHidden, 0);
+    auto const executionRow = static_cast<int32_t>(i);
+    ok = managed.restoreHybridMtpBoundaryHidden(executionRow, mHidden, executionRow);
     run.libraryNanos += nanosSince(t0);
     ++mStats.hiddenRestores;
   }
@@ -556,7 +562,7 @@ bool ReferenceEngine::prefillStep(Run& run) {
     executePrefillChunk(row, end);
     captureReusePoints(run, static_cast<ExecutionRow>(i), row.prefillStart, end);
     if (end == promptLength) {
-      finishPrefill(run, row);
+      finishPrefill(run, i);
     } else {
       verifyRow(run, row, /*full=*/false);
       row.prefilling = true;
@@ -576,11 +582,12 @@ bool ReferenceEngine::prefillStep(Run& run) {
     }
   }
   ok = ok && managed.enqueuePrefillCaptures();
-  if (ok && mHybridMtp) {
-    // The whole prompt's endpoint with its boundary hidden row (written by the step): the
+  for (std::size_t i = 0; ok && mHybridMtp && i < run.rows.size(); ++i) {
+    // Each row's whole-prompt endpoint with its boundary hidden row (written by the step): the
     // base and draft rows it captures are in the submitted plan, stream-ordered before it.
+    auto const executionRow = static_cast<int32_t>(i);
     ok = managed.publishHybridMtpEndpoint(
-        0, static_cast<int32_t>(run.rows.front().spec.prompt.size()), mHidden, 0);
+        executionRow, static_cast<int32_t>(run.rows[i].spec.prompt.size()), mHidden, executionRow);
     ++mStats.hiddenEndpoints;
   }
   run.libraryNanos += nanosSince(t0);

@@ -233,7 +233,7 @@ bool ReferenceEngine::seatJoiner(Run& run, std::deque<EngineSequence>& queue, Re
     return true;
   }
   mSteps->begin();
-  executePrefill(run, run.rows[index], prefillStart);
+  executePrefill(run, index, prefillStart);
   captureReusePoints(run, static_cast<ExecutionRow>(index), prefillStart,
                      run.rows[index].materialized);
   flushWrites(run);
@@ -371,7 +371,7 @@ void ReferenceEngine::stagePrefillChunks(Run& run) {
     executePrefillChunk(row, end);
     captureReusePoints(run, static_cast<ExecutionRow>(i), from, end);
     if (end == static_cast<int32_t>(row.spec.prompt.size())) {
-      finishPrefill(run, row);
+      finishPrefill(run, i);
     } else {
       verifyRow(run, row, /*full=*/false);
     }

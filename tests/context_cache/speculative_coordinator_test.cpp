@@ -385,6 +385,80 @@ TEST_P(HybridMtpCoordinatorTest, EndpointReuseRestoresThePairedStateAndTheBounda
   rig.expectQuiescent();
 }
 
+TEST_P(HybridMtpCoordinatorTest, EveryRowOfABatchRestoresAndPublishesItsOwnEndpoint) {
+  SpecRigOptions options = mtp();
+  options.recurrentSlots = 8;  // six endpoints, none evicted
+  options.partialSlots = 8;
+  SpecRig rig(device(), options);
+  Seq a(tokenRun(129, 100), 0);
+  Seq b(tokenRun(200, 300), 1);
+  Handle handle = rig.admit({&a, &b}, true);
+  // mtpPrefill publishes each row's endpoint from its own hidden states.
+  ASSERT_EQ(rig.mtpPrefill(handle, {&a, &b}), kOk);
+  EXPECT_EQ(rig.coordinator->counters().hybridMtpPublications, 2u);
+  std::vector<int32_t> lengths;
+  for (CacheRecord const& record : rig.records()) {
+    lengths.push_back(record.exactCheckpointLength.value_or(-1));
+  }
+  std::sort(lengths.begin(), lengths.end());
+  EXPECT_EQ(lengths, (std::vector<int32_t>{129, 200}));
+  // Rows accept and lag differently; no decode-end checkpoint (kPrefillStateOnly).
+  ASSERT_EQ(rig.step(handle, {&a, &b}, {3, 1}, {0, 1}, {}, true), kOk);
+  ASSERT_EQ(rig.step(handle, {&a, &b}, {2, 2}, {1, 0}, {0, 1}, true), kOk);
+  EXPECT_EQ(rig.records().size(), 2u);
+  ASSERT_EQ(rig.coordinator->finish(handle), kOk);
+
+  // The rows swapped, each the next turn of the other row's producer: each restores its own
+  // hit (base, draft one row short, recurrent rows) and its boundary hidden row lands in its
+  // own row of the tensor (mtpPrefill checks all of it).
+  Seq nextB(concatenated(tokenRun(200, 300), tokenRun(9, 7)), 0);
+  Seq nextA(concatenated(tokenRun(129, 100), tokenRun(20, 9)), 1);
+  std::vector<int32_t> starts;
+  Handle next = rig.admit({&nextB, &nextA}, true, &starts);
+  EXPECT_EQ(starts, (std::vector<int32_t>{200, 129}));
+  ASSERT_EQ(rig.mtpPrefill(next, {&nextB, &nextA}), kOk);
+  EXPECT_EQ(rig.coordinator->counters().checkpointRestores, 2u);
+  EXPECT_EQ(rig.coordinator->counters().boundaryHiddenRestores, 2u);
+  EXPECT_EQ(rig.records().size(), 4u) << "the next turns' endpoints at 209 and 149";
+  ASSERT_EQ(rig.step(next, {&nextB, &nextA}, {1, 2}, {0, 0}, {0, 1}, true), kOk);
+  ASSERT_EQ(rig.coordinator->finish(next), kOk);
+
+  // One row hits, the other starts cold: only the hit has a boundary row to restore.
+  Seq again(concatenated(tokenRun(129, 100), tokenRun(4, 11)), 0);
+  Seq cold(tokenRun(70, 900), 1);
+  Handle third = rig.admit({&again, &cold}, true, &starts);
+  EXPECT_EQ(starts, (std::vector<int32_t>{129, 0}));
+  rig.coordinator->preparePrefill(third);
+  Tensor restored({2, rig.options.hiddenWidth}, DataType::kFloat16, device());
+  EXPECT_TRUE(throwsError(
+      [&] { rig.coordinator->restoreHybridMtpBoundaryHidden(third, 1, restored, 1); },
+      {"restoreHybridMtpBoundaryHidden", "row 1 restored no Hybrid-MTP checkpoint (reuse 0)"}));
+  rig.coordinator->restoreHybridMtpBoundaryHidden(third, 0, restored, 1);
+  std::vector<uint8_t> const rows = readBytes(restored);
+  EXPECT_EQ(std::vector<uint8_t>(rows.begin() + rig.options.hiddenWidth * 2, rows.end()),
+            rig.hiddenRow(again.digests.at(128)))
+      << "row 0's boundary row, into row 1 where the engine asked for it";
+  rig.verifyResumed(again, 129, 128, "restored");
+  rig.executeBase(again, 0, 129, again.promptLength);
+  rig.executeBase(cold, 1, 0, cold.promptLength);
+  Tensor const hiddenAgain = rig.hiddenStates(again, 129, again.promptLength);
+  Tensor const hiddenCold = rig.hiddenStates(cold, 0, cold.promptLength);
+  ASSERT_EQ(rig.coordinator->publishHybridMtpEndpoint(third, 1, cold.promptLength, hiddenCold,
+                                                      cold.promptLength - 1),
+            kOk);
+  ASSERT_EQ(rig.coordinator->publishHybridMtpEndpoint(third, 0, again.promptLength, hiddenAgain,
+                                                      again.promptLength - 1 - 129),
+            kOk);
+  again.sample();
+  cold.sample();
+  std::vector<ContextCacheSequenceAdvance> const advances{
+      {&again.tokens.back(), 1, again.promptLength}, {&cold.tokens.back(), 1, cold.promptLength}};
+  ASSERT_EQ(rig.coordinator->finalizePrefillPublication(third, advances), kOk);
+  EXPECT_EQ(rig.records().size(), 6u);
+  ASSERT_EQ(rig.coordinator->finish(third), kOk);
+  rig.expectQuiescent();
+}
+
 TEST_P(HybridMtpCoordinatorTest, ThePreparedDraftLengthLeavesTheBoundaryRowToRecompute) {
   SpecRig rig(device(), mtp());
   Seq producer(tokenRun(256, 100), 0);
@@ -433,12 +507,12 @@ TEST_P(HybridMtpCoordinatorTest, GuardsSkipAndMisuseThrowsWithoutChangingAnythin
   SpecRig rig(device(), mtp());
   Seq a(tokenRun(40, 1), 0);
   Seq b(tokenRun(40, 500), 1);
+  // Every row's policy: one row's override refuses the whole batch.
+  ContextCacheBatchAdmission mixed = rig.batchOf({&a, &b}, true);
+  mixed.sequences[1].commitPolicy = ContextCacheCommitPolicy::kIncludingGeneratedTokens;
   EXPECT_TRUE(throwsError(
-      [&] {
-        (void)rig.coordinator->beginRequest(rig.batchOf({&a, &b}, true), SpecRig::kSpecHeadroom,
-                                            nullptr);
-      },
-      {"beginRequest", "a Hybrid-MTP request has one sequence, got 2"}));
+      [&] { (void)rig.coordinator->beginRequest(mixed, SpecRig::kSpecHeadroom, nullptr); },
+      {"beginRequest", "needs commit policy kPrefillStateOnly, got 0 (row 1)"}));
   ContextCacheBatchAdmission generated = rig.batchOf({&a}, true);
   generated.commitPolicy = ContextCacheCommitPolicy::kIncludingGeneratedTokens;
   EXPECT_TRUE(throwsError(

@@ -52,11 +52,12 @@ void runWorkload(SpecRigOptions options, uint32_t seed, int32_t requests) {
   std::uniform_int_distribution<int32_t> lag(0, 2);
   int32_t const pageSize = options.pageSize;
   int32_t reused = 0;
+  int32_t mtpBatches = 0;  // Hybrid-MTP requests of two rows, each publishing its endpoint
   std::vector<std::vector<int32_t>> history;
   for (int32_t r = 0; r < requests; ++r) {
     SCOPED_TRACE(::testing::Message() << "seed " << seed << " request " << r);
     bool const speculative = coin(rng);
-    int32_t const batch = speculative && options.hybrid ? 1 : 1 + (coin(rng) ? 1 : 0);
+    int32_t const batch = 1 + (coin(rng) ? 1 : 0);
     std::vector<Seq> seqs;
     for (int32_t i = 0; i < batch; ++i) {
       seqs.emplace_back(promptOf(rng, pageSize, history), i);
@@ -91,7 +92,8 @@ void runWorkload(SpecRigOptions options, uint32_t seed, int32_t requests) {
     }
     bool const mtp = speculative && options.hybrid;
     ContextCacheStatus const prefilled =
-        mtp ? rig.mtpPrefill(handle, seqs[0]) : rig.prefill(handle, rows, speculative);
+        mtp ? rig.mtpPrefill(handle, rows) : rig.prefill(handle, rows, speculative);
+    mtpBatches += mtp && rows.size() > 1 ? 1 : 0;
     ASSERT_EQ(prefilled, kOk);
     bool failed = false;
     for (int32_t round = rounds(rng); round > 0 && !failed; --round) {
@@ -135,6 +137,9 @@ void runWorkload(SpecRigOptions options, uint32_t seed, int32_t requests) {
     }
   }
   EXPECT_GT(reused, requests / 20) << "the workload must exercise reuse";
+  if (options.hybrid) {
+    EXPECT_GT(mtpBatches, requests / 20) << "the workload must run Hybrid-MTP batches";
+  }
 }
 
 SpecRigOptions small(bool hybrid) {

@@ -242,29 +242,55 @@ class SpecRig {
   /// (or `publishAt`), lookahead, finalisation.
   ContextCacheStatus mtpPrefill(ContextCacheCoordinator::RequestHandle& handle, Seq& seq,
                                 std::optional<int32_t> publishAt = std::nullopt) {
+    return mtpPrefill(handle, std::vector<Seq*>{&seq}, publishAt);
+  }
+  /// The same for every row of a batch (row i runs seqs[i]): each row that hit restores its
+  /// boundary hidden row into row i of one [rows, width] tensor (checked), and each publishes
+  /// its own endpoint from its own hidden states.
+  ContextCacheStatus mtpPrefill(ContextCacheCoordinator::RequestHandle& handle,
+                                std::vector<Seq*> const& seqs,
+                                std::optional<int32_t> publishAt = std::nullopt) {
     coordinator->preparePrefill(handle);
-    int32_t const reuse = coordinator->reuseTokenLength(handle, 0);
-    int32_t const n = seq.promptLength;
-    Tensor hidden = hiddenStates(seq, reuse, n);
-    if (reuse > 0) {
-      // The runtime shifts its rows down and restores the boundary's row into row 0.
-      Tensor restored({1, options.hiddenWidth}, DataType::kFloat16, device);
-      coordinator->restoreHybridMtpBoundaryHidden(handle, 0, restored, 0);
-      EXPECT_EQ(readBytes(restored), hiddenRow(seq.digests.at(reuse - 1)))
-          << "the boundary hidden row of the checkpoint at " << reuse;
+    auto const rows = static_cast<int64_t>(seqs.size());
+    Tensor restored({rows, options.hiddenWidth}, DataType::kFloat16, device);
+    std::vector<uint8_t> expected(static_cast<std::size_t>(restored.sizeBytes()), 0xa5);
+    writeBytes(restored, expected);
+    std::vector<int32_t> reuses;
+    for (std::size_t i = 0; i < seqs.size(); ++i) {
+      Seq& seq = *seqs[i];
+      auto const row = static_cast<int32_t>(i);
+      int32_t const reuse = coordinator->reuseTokenLength(handle, row);
+      reuses.push_back(reuse);
+      if (reuse > 0) {
+        // The runtime shifts its rows down and restores the boundary's row into its row.
+        coordinator->restoreHybridMtpBoundaryHidden(handle, row, restored, row);
+        std::vector<uint8_t> const boundary = hiddenRow(seq.digests.at(reuse - 1));
+        std::copy(boundary.begin(), boundary.end(),
+                  expected.begin() + static_cast<std::ptrdiff_t>(i * boundary.size()));
+      }
+      verifyResumed(seq, reuse, reuse > 0 ? reuse - 1 : 0, "Hybrid-MTP prefill");
+      executeBase(seq, row, reuse, seq.promptLength);
+      // Row n - 1 needs the lookahead.
+      executeDraft(seq, row, reuse > 0 ? reuse - 1 : 0, seq.promptLength - 1);
     }
-    verifyResumed(seq, reuse, reuse > 0 ? reuse - 1 : 0, "Hybrid-MTP prefill");
-    executeBase(seq, 0, reuse, n);
-    executeDraft(seq, 0, reuse > 0 ? reuse - 1 : 0, n - 1);  // row n - 1 needs the lookahead
-    int32_t const length = publishAt.value_or(n);
-    ContextCacheStatus const published = coordinator->publishHybridMtpEndpoint(
-        handle, 0, length, hidden, std::max(0, length - 1 - reuse));
-    if (published != ContextCacheStatus::kOk) {
-      return published;
+    EXPECT_EQ(readBytes(restored), expected) << "the boundary hidden rows of the rows' hits";
+    std::vector<ContextCacheSequenceAdvance> advances;
+    for (std::size_t i = 0; i < seqs.size(); ++i) {
+      Seq& seq = *seqs[i];
+      int32_t const reuse = reuses[i];
+      int32_t const length = publishAt.value_or(seq.promptLength);
+      Tensor const hidden = hiddenStates(seq, reuse, seq.promptLength);
+      ContextCacheStatus const published = coordinator->publishHybridMtpEndpoint(
+          handle, static_cast<ExecutionRow>(i), length, hidden, std::max(0, length - 1 - reuse));
+      if (published != ContextCacheStatus::kOk) {
+        return published;
+      }
     }
-    seq.sample();
-    ContextCacheSequenceAdvance const advance{&seq.tokens.back(), 1, n};
-    return coordinator->finalizePrefillPublication(handle, {&advance, 1});
+    for (Seq* seq : seqs) {
+      seq->sample();
+      advances.push_back({&seq->tokens.back(), 1, seq->promptLength});
+    }
+    return coordinator->finalizePrefillPublication(handle, advances);
   }
 
   /// One verification round: row i accepts accepted[i] tokens (0 = held, e.g. cancelled); the

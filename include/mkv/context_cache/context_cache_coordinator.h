@@ -322,7 +322,7 @@ class ContextCacheCoordinator {
   /// held by a quarantined request are rejected). Throws for a foreign stream, an empty or
   /// oversized batch, bad or busy residents, empty or oversized prompts, bad headroom (draft
   /// headroom > 0 exactly when the request pairs a paged draft), a speculative request on a
-  /// non-speculative deployment, or a Hybrid-MTP request with more than one sequence or without
+  /// non-speculative deployment, or a Hybrid-MTP request with a sequence without
   /// kPrefillStateOnly, and (with resources.residentSlots) for a resident the runtime's pool does
   /// not hold with that epoch (stale). A speculative batch with media in any sequence bypasses
   /// the cache as a whole (no lookup, no publication).

@@ -275,14 +275,15 @@ struct EngineStats {
 /// (as an engine writes them) but never verified.
 ///
 /// Hybrid-MTP (speculativeWidth K > 0 on a model with recurrent layers and context reuse; a
-/// paged draft, requests of one sequence committing their prefill state only): the engine owns
-/// one boundary hidden row [1, boundaryHiddenWidth], whose bytes for a prefix are the oracle's
-/// row of a row-seed of their own (oracle_step.h, kOracleHiddenHalf). A prefill from a hit of R
-/// tokens restores the checkpoint's row into it (restoreHybridMtpBoundaryHidden) and checks it
+/// paged draft, requests committing their prefill state only): the engine owns a boundary hidden
+/// row per execution row [maxBatch, boundaryHiddenWidth], whose bytes for a prefix are the
+/// oracle's row of a row-seed of their own (oracle_step.h, kOracleHiddenHalf). A row's prefill
+/// from a hit of R tokens restores the checkpoint's row into its row
+/// (restoreHybridMtpBoundaryHidden) and checks it
 /// holds the row of the R-token prefix (the base hidden state at token R - 1, which the MTP
 /// head combines with token R); the draft resumes at R - 1 (its reused rows [0, R - 1) are
 /// checked). The prefill then writes the row of the whole prompt (length L) and publishes the
-/// endpoint at L (publishHybridMtpEndpoint, row 0) before completePrefill. Rounds run the
+/// endpoint at L (publishHybridMtpEndpoint, each row) before completePrefill. Rounds run the
 /// recurrent layers over the committed tokens (the state is checked as after m tokens, then
 /// written as after m + n).
 ///
@@ -395,16 +396,17 @@ class ReferenceEngine {
   void sampleAfter(Run& run, Row& row, std::size_t index);
   /// Settles every row's outcome, finishes the managed request and gives back the slots.
   RequestOutcome finishRun(Run& run, bool ok);
-  /// The whole prompt of a row from `start` in one step: startPrefill, one chunk, finishPrefill.
-  void executePrefill(Run& run, Row& row, int32_t start);
+  /// The whole prompt of row `index` from `start` in one step: startPrefill, one chunk,
+  /// finishPrefill.
+  void executePrefill(Run& run, std::size_t index, int32_t start);
   /// A row's prefill from `start` (its reuse length) begins: its prompt digests.
   void startPrefill(Run& run, Row& row, int32_t start);
   /// Writes prompt positions [materialized, end) of a prefilling row into this step's plan (the
   /// first chunk checks the reused prefix and window first) and advances its recurrent state.
   void executePrefillChunk(Row& row, int32_t end);
-  /// After the last chunk: the Hybrid-MTP hidden row, the prefill's figures, the attention
-  /// check of the whole prompt, the draft's prefill.
-  void finishPrefill(Run& run, Row& row);
+  /// After the last chunk of row `index`: its Hybrid-MTP hidden row (row `index` of mHidden), the
+  /// prefill's figures, the attention check of the whole prompt, the draft's prefill.
+  void finishPrefill(Run& run, std::size_t index);
   /// Chunked prefill: plans this step's chunks of the prefilling joiners (Row::chunkEnd), within
   /// the token budget left after the decode rows (vLLM's order).
   void planChunks(Run& run) const;
@@ -476,7 +478,7 @@ class ReferenceEngine {
   // Joiners take their pages per chunk (ContextCacheConfig::joinerPages on a coordinator
   // backend): a waiting sequence joins only when its first chunk fits (firstChunkFits).
   bool mPagesPerChunk = false;
-  Tensor mHidden;  // Hybrid-MTP: the boundary hidden row [1, width], allocated once
+  Tensor mHidden;  // Hybrid-MTP: a boundary hidden row per execution row [maxBatch, width]
   std::vector<int32_t> mLengthValues;
   std::vector<int32_t> mDraftLengthValues;
   std::vector<uint64_t> mDraftDigests;  // scratch: the draft rows' digests of one execution
