@@ -56,6 +56,7 @@ LifecycleStats& LifecycleStats::operator+=(LifecycleStats const& other) {
   verificationRounds += other.verificationRounds;
   acceptedTokens += other.acceptedTokens;
   mtpEndpoints += other.mtpEndpoints;
+  mtpBatchEndpoints += other.mtpBatchEndpoints;
   boundaryHiddenRestores += other.boundaryHiddenRestores;
   slidingReuseLifecycles += other.slidingReuseLifecycles;
   slidingWindowReuses += other.slidingWindowReuses;

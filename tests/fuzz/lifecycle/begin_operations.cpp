@@ -18,10 +18,10 @@ std::optional<Lifecycle::BeginPlan> Lifecycle::planBegin() {
   if (available == 0) {
     return std::nullopt;
   }
-  // Speculative runtimes: two requests in three are speculative (Hybrid-MTP ones have one row).
+  // Speculative runtimes: two requests in three are speculative.
   plan.speculative = speculativeDeployment() && !mIn.oneIn(3);
   bool const mtp = plan.speculative && mKind == Runtime::kHybridMtp;
-  int32_t const batch = mtp ? 1 : 1 + mIn.below(available);
+  int32_t const batch = 1 + mIn.below(available);
   plan.lora = mIn.oneIn(4) ? "adapter" : "";
   plan.salt = mIn.oneIn(4) ? "tenant" : "";
   if (coordinatorBackend()) {
@@ -109,8 +109,6 @@ void Lifecycle::begin() {
     req->paired = pairs(plan);
     req->mtp = plan.speculative && mKind == Runtime::kHybridMtp;
     req->headroom = plan.headroom;
-    req->bypass =
-        plan.rowPolicies.front().value_or(plan.lookup) == ContextCacheLookupPolicy::kBypass;
     std::optional<std::vector<int32_t>> const starts =
         plan.via == Via::kFacade ? beginThroughFacade(plan, *req, what)
         : coordinatorBackend()   ? beginOnCoordinator(plan, *req, what)
@@ -187,6 +185,7 @@ void Lifecycle::admitted(BeginPlan& plan, std::unique_ptr<Req> req,
   for (std::size_t i = 0; i < plan.rows.size(); ++i) {
     Row& row = plan.rows[i];
     row.start = starts[i];
+    row.bypass = plan.rowPolicies[i].value_or(plan.lookup) == ContextCacheLookupPolicy::kBypass;
     auto const length = static_cast<int32_t>(row.prompt.size());
     // Checkpoint runtimes resume from exact checkpoints, which may end mid-page.
     expectf(

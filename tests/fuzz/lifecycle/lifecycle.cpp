@@ -3,6 +3,9 @@
 /// request), teardown, and the helpers every operation family uses.
 
 #include "fuzz/lifecycle/lifecycle.h"
+
+#include <algorithm>
+
 #include "mkv/bounded_swa_kv_page_manager.h"
 
 namespace mkv::fuzz::lifecycle {
@@ -422,7 +425,9 @@ Family Lifecycle::naturalNext(Req const& req) {
     case Stage::kAdmitted:
       return Family::kPreparePrefill;
     case Stage::kPrefill:
-      if (req.mtp && !req.endpointPublished) {  // the endpoint (and a restore) come first
+      if (req.mtp && std::any_of(req.rows.begin(), req.rows.end(), [](Row const& row) {
+            return !row.endpointPublished;
+          })) {  // the endpoints (and restores) come first
         return mIn.oneIn(4) ? Family::kCompletePrefill : Family::kCaptures;
       }
       if (mKind == Runtime::kHybrid || mKind == Runtime::kHybridMtp) {  // captures half the time

@@ -355,7 +355,8 @@ class Lifecycle {
   void publishEndpoint(Req& req, int32_t slot, int32_t length, Tensor const& hidden, int32_t row,
                        bool valid);
   void restoreBoundaryHidden(Req& req, int32_t slot, Tensor& hidden, int32_t row, bool valid);
-  bool restorable(Req const& req) const;
+  /// Hybrid-MTP: row `slot` restored a checkpoint whose pins it still holds (in the prefill).
+  bool restorable(Req const& req, int32_t slot) const;
   void completePrefill(Req& req);
   void badCompletePrefill(Req& req);
   CompletePrefillCall planCompletePrefill(Req& req);

@@ -146,6 +146,11 @@ struct Row {
   bool paired = false;  ///< keeps draft digests and a draft row
   int32_t drafted = 0;  ///< draft positions the engine wrote (the draft KV length)
   int32_t common = 0;   ///< the last common (base and draft) length the backend was given
+  // Rows of a Hybrid-MTP request: each restores its own hit and publishes its own endpoint.
+  bool bypass = false;             ///< looks nothing up (its policy, or the request's)
+  bool endpointPublished = false;  ///< publishHybridMtpEndpoint made its capture
+  bool pinsReleased = false;       ///< the restored checkpoint's pins are gone
+  bool hiddenRestored = false;     ///< its boundary hidden row was restored
 };
 
 /// Appends tokens to a row's ledger (prompt + generated): its digests and, for a paired row, its
@@ -199,14 +204,10 @@ struct Req {
   /// EAGLE: the prompt endpoint waits for the draft initialisation (completePrefill until the
   /// first round, compaction or finish): abandoning or finishing synchronises.
   bool draftInitPending = false;
-  bool endpointPublished = false;  ///< Hybrid-MTP: publishHybridMtpEndpoint made its capture
-  bool pinsReleased = false;       ///< Hybrid-MTP: the restored checkpoint's pins are gone
-  bool hiddenRestored = false;     ///< Hybrid-MTP: the boundary hidden row was restored
-  bool bypass = false;             ///< Hybrid-MTP: the one row looks nothing up
   /// Sliding-window reuse: a prepareDecodeStep ran out of host memory, which may have left the
   /// full half's step prepared (errors.md, "Out of host memory"): dropping the request may wait.
   bool stepMaybePrepared = false;
-  Tensor hidden;  ///< Hybrid-MTP: the base hidden rows of the prefill
+  std::vector<Tensor> hidden;  ///< Hybrid-MTP: per row, the base hidden rows of its prefill
 };
 
 /// A prefix a checkpoint may have been captured for (the driver's checkpoint ledger): its key as

@@ -275,15 +275,24 @@ void Lifecycle::captures(Req& req) {
     return;
   }
   if (req.mtp && valid && !mIn.oneIn(5)) {
-    // The boundary hidden row is restored before the endpoint (which releases the hit's pins).
-    if (restorable(req) && (!req.hiddenRestored || mIn.oneIn(4)) && !mIn.oneIn(8)) {
+    // A row whose endpoint is not published yet, if any: its boundary hidden row is restored
+    // before its endpoint (which releases its hit's pins).
+    int32_t slot = mIn.below(static_cast<int32_t>(req.rows.size()));
+    for (std::size_t i = 0; i < req.rows.size(); ++i) {
+      if (!req.rows[i].endpointPublished) {
+        slot = static_cast<int32_t>(i);
+        break;
+      }
+    }
+    Row const& row = req.rows[static_cast<std::size_t>(slot)];
+    if (restorable(req, slot) && (!row.hiddenRestored || mIn.oneIn(4)) && !mIn.oneIn(8)) {
       Tensor hidden({3, kHiddenWidth}, DataType::kFloat16, DeviceType::kCPU);
-      restoreBoundaryHidden(req, 0, hidden, mIn.below(3), true);
+      restoreBoundaryHidden(req, slot, hidden, mIn.below(3), true);
       return;
     }
-    Row const& row = req.rows.front();
     auto const length = static_cast<int32_t>(row.prompt.size());
-    publishEndpoint(req, 0, length, req.hidden, length - 1 - row.start, true);
+    publishEndpoint(req, slot, length, req.hidden.at(static_cast<std::size_t>(slot)),
+                    length - 1 - row.start, true);
     return;
   }
   auto call = [&] {
@@ -320,11 +329,14 @@ void Lifecycle::badCaptures(Req& req) {
     captures(req);
     return;
   }
-  Row const* row = req.rows.empty() ? nullptr : &req.rows.front();
+  auto const rows = static_cast<int32_t>(req.rows.size());
+  int32_t const slot = rows > 0 ? mIn.below(rows) : 0;
+  Row const* row = rows > 0 ? &req.rows[static_cast<std::size_t>(slot)] : nullptr;
   int32_t const length = row != nullptr ? static_cast<int32_t>(row->prompt.size()) : 1;
   int32_t const start = row != nullptr ? row->start : 0;
   // Before the prefill there are no hidden rows: any tensor (the call is invalid for its stage).
-  Tensor const& hidden = req.hidden.rank() == 2 ? req.hidden : mMapping;
+  auto const index = static_cast<std::size_t>(slot);
+  Tensor const& hidden = index < req.hidden.size() ? req.hidden[index] : mMapping;
   auto const hiddenRows = static_cast<int32_t>(hidden.rank() == 2 ? hidden.dim(0) : 1);
   int32_t const hiddenRow = std::max(0, length - 1 - start);
   if (!req.mtp) {  // a vanilla request, or a deployment that is not Hybrid-MTP
@@ -338,32 +350,32 @@ void Lifecycle::badCaptures(Req& req) {
   }
   switch (mIn.below(7)) {
     case 0:
-      publishEndpoint(req, 0, length + 1, hidden, hiddenRow, false);
+      publishEndpoint(req, slot, length + 1, hidden, hiddenRow, false);
       return;
     case 1:
-      publishEndpoint(req, 0, -1, hidden, hiddenRow, false);
+      publishEndpoint(req, slot, -1, hidden, hiddenRow, false);
       return;
     case 2:
       if (start > 1) {
-        publishEndpoint(req, 0, 1 + mIn.below(start - 1), hidden, hiddenRow, false);
+        publishEndpoint(req, slot, 1 + mIn.below(start - 1), hidden, hiddenRow, false);
       } else {
-        publishEndpoint(req, 0, length + 2, hidden, hiddenRow, false);
+        publishEndpoint(req, slot, length + 2, hidden, hiddenRow, false);
       }
       return;
     case 3:
-      publishEndpoint(req, 1, length, hidden, hiddenRow, false);
+      publishEndpoint(req, rows, length, hidden, hiddenRow, false);  // a slot outside the batch
       return;
     case 4: {
       Tensor narrow({hiddenRows, kHiddenWidth / 2}, DataType::kFloat16, DeviceType::kCPU);
-      publishEndpoint(req, 0, length, narrow, 0, false);
+      publishEndpoint(req, slot, length, narrow, 0, false);
       return;
     }
     case 5:
-      publishEndpoint(req, 0, length, hidden, hiddenRows, false);
+      publishEndpoint(req, slot, length, hidden, hiddenRows, false);
       return;
     default: {
       Tensor scratch({3, kHiddenWidth}, DataType::kFloat16, DeviceType::kCPU);
-      restoreBoundaryHidden(req, 0, scratch, restorable(req) ? 3 : mIn.below(3), false);
+      restoreBoundaryHidden(req, slot, scratch, restorable(req, slot) ? 3 : mIn.below(3), false);
       return;
     }
   }
@@ -371,9 +383,13 @@ void Lifecycle::badCaptures(Req& req) {
 
 /// Hybrid-MTP: the row restored a checkpoint whose pins it still holds (the endpoint's capture or
 /// a reservation under pressure releases them; completePrefill does).
-bool Lifecycle::restorable(Req const& req) const {
-  return req.mtp && req.stage == Stage::kPrefill && !req.rows.empty() &&
-         req.rows.front().start > 0 && !req.pinsReleased;
+bool Lifecycle::restorable(Req const& req, int32_t slot) const {
+  if (!req.mtp || req.stage != Stage::kPrefill || slot < 0 ||
+      slot >= static_cast<int32_t>(req.rows.size())) {
+    return false;
+  }
+  Row const& row = req.rows[static_cast<std::size_t>(slot)];
+  return row.start > 0 && !row.pinsReleased;
 }
 
 /// publishHybridMtpEndpoint: a valid call returns true and makes at most one synchronisation;
@@ -394,7 +410,8 @@ void Lifecycle::publishEndpoint(Req& req, int32_t slot, int32_t length, Tensor c
     reject(what, call);
     return;
   }
-  noteCheckpoint(req, req.rows.front(), length, true);
+  Row& target = req.rows[static_cast<std::size_t>(slot)];
+  noteCheckpoint(req, target, length, true);
   ContextCacheCoordinatorCounters const before = mCoordinator->counters();
   int64_t const calls = syncCalls();
   int64_t const failures = syncFailures();
@@ -402,7 +419,8 @@ void Lifecycle::publishEndpoint(Req& req, int32_t slot, int32_t length, Tensor c
   ContextCacheCoordinatorCounters const& after = mCoordinator->counters();
   bool const captured = after.checkpointCaptures != before.checkpointCaptures;
   bool const failed = synchronised(what, calls, failures, captured ? 1 : 0);
-  expectf(!(captured && req.endpointPublished), "{}: the row's endpoint was captured twice", what);
+  expectf(!(captured && target.endpointPublished), "{}: the row's endpoint was captured twice",
+          what);
   if (failed) {
     expect(!published, what + ": returned true after a failed synchronisation");
     quarantine(req);
@@ -411,16 +429,18 @@ void Lifecycle::publishEndpoint(Req& req, int32_t slot, int32_t length, Tensor c
     return;
   }
   expect(published, what + " returned false");
-  expect(!captured || !req.bypass, what + ": a bypass row captured an endpoint");
+  expect(!captured || !target.bypass, what + ": a bypass row captured an endpoint");
   if (captured || after.snapshotPressureSkips != before.snapshotPressureSkips) {
-    req.pinsReleased = true;
+    target.pinsReleased = true;
   }
   // Published once committed: a commit that ran out of host memory skips the publication, and
   // the row may capture its endpoint again.
-  req.endpointPublished =
-      req.endpointPublished || after.hybridMtpPublications != before.hybridMtpPublications;
-  mStats.mtpEndpoints +=
+  target.endpointPublished =
+      target.endpointPublished || after.hybridMtpPublications != before.hybridMtpPublications;
+  auto const endpoints =
       static_cast<int64_t>(after.hybridMtpPublications - before.hybridMtpPublications);
+  mStats.mtpEndpoints += endpoints;
+  mStats.mtpBatchEndpoints += req.rows.size() > 1 ? endpoints : 0;
   trace(fmt::format("{}: {}", what, captured ? "captured" : "nothing to publish"));
 }
 
@@ -438,7 +458,7 @@ void Lifecycle::restoreBoundaryHidden(Req& req, int32_t slot, Tensor& hidden, in
     mCoordinator->restoreHybridMtpBoundaryHidden(req.coordinator, slot, hidden, row);
     return true;
   };
-  if (!valid || !restorable(req)) {
+  if (!valid || !restorable(req, slot)) {
     reject(what, call);
     return;
   }
@@ -446,7 +466,7 @@ void Lifecycle::restoreBoundaryHidden(Req& req, int32_t slot, Tensor& hidden, in
   std::vector<uint8_t> expected(static_cast<std::size_t>(hidden.sizeBytes()), 0xa5);
   std::memcpy(hidden.rawPointer(), expected.data(), expected.size());
   expect(accept(what, call), what + " returned false");
-  Row const& restored = req.rows.front();
+  Row& restored = req.rows[static_cast<std::size_t>(slot)];
   testing::KvOracle::expectedRow(
       restored.digests.at(restored.start - 1), 7, 0,
       std::span<uint8_t>(expected.data() + static_cast<std::size_t>(row) * rowBytes, rowBytes));
@@ -454,7 +474,7 @@ void Lifecycle::restoreBoundaryHidden(Req& req, int32_t slot, Tensor& hidden, in
           "{}: the restored boundary hidden row is not the one of the {}-token prefix", what,
           restored.start);
   ++mStats.boundaryHiddenRestores;
-  req.hiddenRestored = true;
+  restored.hiddenRestored = true;
   trace(what);
 }
 
