@@ -637,20 +637,22 @@ class Runner {
              mRuntime->supportsSeatedAdmission();
     if (c.maxBatchedTokens < 0 || (c.maxBatchedTokens > 0 && !mJoins)) {
       configError(fmt::format(
-          "a token budget of {} per step needs in-flight joins (--max-batch > 1, not Hybrid-MTP): "
-          "its chunks are joiners' prefills",
+          "a token budget of {} per step needs in-flight joins (--max-batch > 1, a model with "
+          "attention layers): its chunks are joiners' prefills",
           c.maxBatchedTokens));
     }
     if (c.preemption != testing::PreemptionMode::kNone && !mJoins) {
       configError(
-          "preemption needs in-flight joins (--max-batch > 1, not Hybrid-MTP; in swa mode with "
-          "--max-batched-tokens): the preempted are admitted again in flight");
+          "preemption needs in-flight joins (--max-batch > 1, a model with attention layers; in "
+          "swa "
+          "mode with --max-batched-tokens): the preempted are admitted again in flight");
     }
     if (c.joinerPages == JoinerPageAllocation::kPerChunk &&
         (!mJoins || c.mode == ReplayMode::kSwa)) {
       configError(
-          "--joiner-pages per-chunk needs in-flight joins (--max-batch > 1, not Hybrid-MTP) on a "
-          "context-reuse mode: bounded SWA's joiners rotate within their 2M + 1 pages");
+          "--joiner-pages per-chunk needs in-flight joins (--max-batch > 1, a model with attention "
+          "layers) on a context-reuse mode: bounded SWA's joiners rotate within their 2M + 1 "
+          "pages");
     }
     if (c.preemption != testing::PreemptionMode::kNone && c.mode == ReplayMode::kSwa) {
       configError(

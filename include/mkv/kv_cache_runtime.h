@@ -212,10 +212,10 @@ class KVCacheRuntime {
   /// The sliding pool's free pages and cached window blocks (kSlidingWindowReuse), else null.
   WindowBlockCache* windowBlockCache() noexcept { return mWindowCache.get(); }
   /// Whether a running batch may admit sequences in flight: true for context reuse (hybrid
-  /// checkpoint reuse and EAGLE-style speculative pairs included: a speculative joiner gets a draft
-  /// row too), sliding-window reuse and bounded SWA (a joiner prefills from 0, in chunks if the
-  /// engine likes); false for Hybrid-MTP (a batch's rows restore and publish their endpoints in
-  /// its prefill; a joiner's would come between chunks, which is not built).
+  /// checkpoint reuse, EAGLE-style speculative pairs and Hybrid-MTP included: a speculative joiner
+  /// gets a draft row too, a Hybrid-MTP one restores its boundary hidden row and publishes its
+  /// endpoint before its finalisation), sliding-window reuse and bounded SWA (a joiner prefills
+  /// from 0, in chunks if the engine likes); false for a pure-recurrent model (no page table).
   bool supportsSeatedAdmission() const noexcept;
 
   KVCacheRuntimeConfig const& config() const noexcept { return mConfig; }

@@ -217,8 +217,8 @@ class ManagedKVCacheRequest {
   /// empty generated list) and it goes on as an unfinalised joiner, so sequences admitted from
   /// the next step reuse what it published (docs/lifecycle.md, "Chunked prefill"). False when
   /// poisoned. Throws for a row that is not an unfinalised joiner (or, in the prefill, a founder
-  /// of a request that admits joiners, i.e. not Hybrid-MTP, on a deployment with attention
-  /// layers, under kCommittedPlusLookahead), a length outside [done so far, prompt], and on
+  /// of a request that admits joiners: on a deployment with attention layers, under
+  /// kCommittedPlusLookahead), a length outside [done so far, prompt], and on
   /// bounded SWA for a chunk that was not prepared.
   bool completePrefillChunk(ExecutionRow row, int32_t prefilledTokens);
   bool finalizeSequenceAdmission(ExecutionRow row, int32_t const& lookaheadToken,

@@ -99,14 +99,18 @@ void CheckpointMode::publishPrefill(CoordinatorRequest& req) const {
 }
 
 void CheckpointMode::bindJoiner(CoordinatorRequest& req) const {
+  bindJoinerRow(req);
+  std::unordered_set<Hash128, Hash128Hasher> planned;
+  planRowReusePoints(req, req.sequences.size() - 1, /*endsToKeep=*/1, planned);
+}
+
+void CheckpointMode::bindJoinerRow(CoordinatorRequest& req) const {
   RequestMode::bindJoiner(req);
   CoordinatorSequence const& joiner = req.sequences.back();
   if (!restoreCheckpoint(joiner)) {  // cold: its resident row must not keep a former owner's state
     CacheSlot const slot = joiner.resident.slot;
     mParts.recurrent->clearResidentSlots(std::span(&slot, 1), mParts.stream);
   }
-  std::unordered_set<Hash128, Hash128Hasher> planned;
-  planRowReusePoints(req, req.sequences.size() - 1, /*endsToKeep=*/1, planned);
 }
 
 void CheckpointMode::publishChunk(CoordinatorRequest& req, std::size_t row) const {
@@ -442,6 +446,8 @@ void HybridMtpMode::bindPrefill(CoordinatorRequest& req) const {
   rows().bindPrefill(req);
   restoreCheckpoints(req, cold);  // a Hybrid-MTP request publishes its endpoints only
 }
+
+void HybridMtpMode::bindJoiner(CoordinatorRequest& req) const { bindJoinerRow(req); }
 
 void HybridMtpMode::restorePartialKv(CoordinatorSequence const& sequence, SnapshotSlot slot) const {
   int32_t const pageSize = mParts.manager.pageSize();

@@ -46,6 +46,8 @@ class CheckpointMode : public RequestMode {
   void restoreCheckpoints(CoordinatorRequest& req, std::span<CacheSlot const> cold) const;
   /// Restores `sequence`'s hit checkpoint; false when its lease hit none.
   bool restoreCheckpoint(CoordinatorSequence const& sequence) const;
+  /// The newest joiner: binds its row and restores its hit (a cold one's recurrent row cleared).
+  void bindJoinerRow(CoordinatorRequest& req) const;
   /// Warns at the 1st, 2nd, 4th, ... skip for want of a snapshot slot (`what` names it).
   void countPressureSkip(char const* what, int32_t length) const;
 

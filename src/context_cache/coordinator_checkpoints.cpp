@@ -15,6 +15,25 @@ namespace mkv {
 using detail::prefixOf;
 using detail::sequenceAt;
 
+namespace {
+
+/// The Hybrid-MTP calls of a row whose prefill is under way: a founder's between preparePrefill
+/// and finalizePrefillPublication, or an unfinalised joiner's (or a founder's held after a
+/// chunk) while the request executes with no pending work.
+void requireAwaitingPrefill(char const* call, detail::CoordinatorRequest const& req,
+                            detail::CoordinatorSequence const& sequence, ExecutionRow row) {
+  bool const joiner = !sequence.joined || sequence.prefillHeld;
+  MKV_REQUIRE(
+      req.stage == RequestStage::kPrefilling || (req.stage == RequestStage::kSettled && joiner),
+      call,
+      "row {}: a Hybrid-MTP row restores and publishes between preparePrefill and "
+      "finalizePrefillPublication, or as an unfinalised in-flight admission before "
+      "finalizeSequenceAdmission, with no step pending",
+      row);
+}
+
+}  // namespace
+
 void ContextCacheCoordinator::enqueuePrefillCaptures(RequestHandle& handle) {
   constexpr char const* kCall = "ContextCacheCoordinator::enqueuePrefillCaptures";
   Request& req = request(handle, kCall);
@@ -47,9 +66,14 @@ ContextCacheStatus ContextCacheCoordinator::publishHybridMtpEndpoint(RequestHand
               residentStateLength);
   MKV_REQUIRE(req.mode == mtp, kCall, "request {} is not speculative (row {}, length {})", req.id,
               row, residentStateLength);
-  MKV_REQUIRE(req.stage == RequestStage::kPrefilling, kCall,
-              "an endpoint is published between preparePrefill and finalizePrefillPublication");
   Request::Sequence& sequence = sequenceAt(req, row, kCall);
+  requireAwaitingPrefill(kCall, req, sequence, row);
+  // A row whose prefill went in chunks has computed its state up to its last completed chunk.
+  bool const chunked = sequence.prefillHeld || sequence.committed > sequence.reuseTokenLength;
+  MKV_REQUIRE(!chunked || residentStateLength <= sequence.committed, kCall,
+              "row {}: residentStateLength {} beyond its completed chunks ({} tokens): publish "
+              "after its last chunk",
+              row, residentStateLength, sequence.committed);
   MKV_REQUIRE(residentStateLength >= 0 && residentStateLength <= sequence.promptLength, kCall,
               "row {}: residentStateLength {} outside [0, prompt {}]", row, residentStateLength,
               sequence.promptLength);
@@ -95,10 +119,8 @@ void ContextCacheCoordinator::restoreHybridMtpBoundaryHidden(RequestHandle& hand
   detail::HybridMtpMode const* const mtp = mModes->hybridMtp;
   MKV_REQUIRE(mtp != nullptr, kCall,
               "the deployment is not Hybrid-MTP (row {}, destination row {})", row, destinationRow);
-  MKV_REQUIRE(req.stage == RequestStage::kPrefilling, kCall,
-              "the boundary hidden row is restored between preparePrefill and the endpoint's "
-              "publication");
   Request::Sequence const& sequence = sequenceAt(req, row, kCall);
+  requireAwaitingPrefill(kCall, req, sequence, row);
   std::optional<SnapshotSlot> const recurrent = sequence.lease.recurrentSnapshotSlot();
   bool const restoredEndpoint = req.mode == mtp && recurrent.has_value();
   MKV_REQUIRE(restoredEndpoint, kCall, "row {} restored no Hybrid-MTP checkpoint (reuse {}){}", row,

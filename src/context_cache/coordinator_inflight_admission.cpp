@@ -12,6 +12,7 @@
 #include "context_cache/coordinator_paged_rows.h"
 #include "context_cache/coordinator_request.h"
 #include "context_cache/coordinator_validation.h"
+#include "context_cache/hybrid_mtp_mode.h"
 #include "context_cache/request_mode.h"
 #include "core/check.h"
 #include "mkv/context_cache/context_cache_coordinator.h"
@@ -40,6 +41,12 @@ ContextCacheCoordinator::AdmitSequenceResult ContextCacheCoordinator::admitSeque
   table.validateHeadroom(kCall, headroom);
   detail::validateJoiner(kCall, admission, headroom, mMaxBatch, mLimits->baseRowPages,
                          mManager->pageSize(), mResources.residentSlots);
+  if (req.mode == mModes->hybridMtp) {  // as beginRequest's rule for every founder
+    ContextCacheCommitPolicy const policy = admission.commitPolicy.value_or(req.commitPolicy);
+    MKV_REQUIRE(policy == ContextCacheCommitPolicy::kPrefillStateOnly, kCall,
+                "a Hybrid-MTP request's joiner needs commit policy kPrefillStateOnly, got {}",
+                static_cast<int>(policy));
+  }
   AdmitSequenceResult result;
   if (poisoned()) {  // before the busy check, as in beginRequest
     result.status = ContextCacheStatus::kPoisoned;
@@ -145,8 +152,8 @@ void ContextCacheCoordinator::requireChunkableFounder(char const* call, Request 
                   req.contract == DecodingTokenStateContract::kCommittedPlusLookahead,
               call,
               "row {}: a founder's prefill goes on in chunks as an in-flight admission, which "
-              "this request does not take (Hybrid-MTP, pure recurrent, or kFullyCommitted): "
-              "its founders prefill whole",
+              "this request does not take (pure recurrent, or kFullyCommitted): its founders "
+              "prefill whole",
               row);
   MKV_REQUIRE(!sequence.staged, call,
               "row {}: its prompt-end capture was enqueued (enqueuePrefillCaptures): a founder's "

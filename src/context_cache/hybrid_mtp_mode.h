@@ -3,8 +3,8 @@
 /// Speculative requests of a hybrid deployment (Hybrid-MTP: an own-KV draft beside a hybrid
 /// base). Besides a checkpoint request's decode-end captures, the engine publishes endpoints
 /// (recurrent rows, the partial base and draft pages, the boundary hidden row) itself
-/// (ContextCacheCoordinator::publishHybridMtpEndpoint); prefill captures and reuse points are not
-/// made (docs/context_cache.md, "Hybrid-MTP").
+/// (ContextCacheCoordinator::publishHybridMtpEndpoint), a joiner's as a founder's; prefill
+/// captures, chunk ends and reuse points are not made (docs/context_cache.md, "Hybrid-MTP").
 
 #include "context_cache/checkpoint_mode.h"
 
@@ -18,6 +18,15 @@ class HybridMtpMode final : public CheckpointMode {
   /// Restores the hits' endpoints; no reuse points.
   void bindPrefill(CoordinatorRequest& req) const override;
   void enqueuePrefillCaptures(CoordinatorRequest& /*req*/) const override {}
+  /// A joiner: its row, its hit's endpoint restored (or its recurrent row cleared); no reuse
+  /// points.
+  void bindJoiner(CoordinatorRequest& req) const override;
+  /// A chunk's end is not kept: it would need the boundary hidden row there.
+  void publishChunk(CoordinatorRequest& /*req*/, std::size_t /*row*/) const override {}
+  /// Nothing to capture: the engine published the joiner's endpoint (publishHybridMtpEndpoint).
+  bool stageJoinerPrefill(CoordinatorRequest& /*req*/, std::size_t /*row*/) const override {
+    return false;
+  }
   void updateCommonLengths(CoordinatorRequest& req,
                            std::span<ContextCacheSequenceAdvance const> advances,
                            std::span<int32_t const> lengths) const override;

@@ -125,12 +125,13 @@ RequestModes makeRequestModes(ContextCacheDeploymentProfile const& profile,
     case BaseStateKind::kHybrid:
       modes.plain = std::make_unique<CheckpointMode>(
           parts, std::vector<RowLane>{baseLane(resources)}, ReuseMode::kHybrid);
-      modes.plainJoinable = !profile.speculative;
+      modes.plainJoinable = true;
       if (profile.speculative) {  // Hybrid-MTP (validateDeployment: a paged draft)
         auto mtp = std::make_unique<HybridMtpMode>(
             parts, std::vector<RowLane>{baseLane(resources), draftLane(resources, 1)});
         modes.hybridMtp = mtp.get();
         modes.speculative = std::move(mtp);
+        modes.speculativeJoinable = true;  // a joiner restores and publishes as a founder does
       }
       break;
     case BaseStateKind::kPureRecurrent:

@@ -148,9 +148,10 @@ struct RequestModes {
   /// `speculative` on a Hybrid-MTP deployment (its endpoint calls), else null.
   HybridMtpMode const* hybridMtp = nullptr;
   /// Whether requests of each kind admit sequences in flight: plain requests on deployments with
-  /// attention (attention-only, speculative or not, and hybrid without an MTP draft), speculative
-  /// requests on attention-only deployments (paired draft rows); never Hybrid-MTP requests (one
-  /// sequence, endpoints published by the engine) nor pure-recurrent deployments (no page table).
+  /// attention (attention-only and hybrid, speculative or not), speculative requests on
+  /// attention-only deployments (paired draft rows) and Hybrid-MTP ones (the engine restores a
+  /// joiner's boundary hidden row and publishes its endpoint); never pure-recurrent deployments
+  /// (no page table).
   bool plainJoinable = false;
   bool speculativeJoinable = false;
 

@@ -364,8 +364,8 @@ void ReferenceEngine::finishPrefill(Run& run, std::size_t index) {
   if (mHybridMtp) {
     // The restored boundary hidden row (prefill from a hit) is the R-token prefix's; the
     // endpoint publishes the whole prompt's.
-    mSteps->hidden(static_cast<int32_t>(index), start > 0 && mOptions.verify != VerifyMode::kNone,
-                   start, start > 0 ? row.digests.at(start - 1) : 0, promptLength,
+    mSteps->hidden(row.resident.slot, start > 0 && mOptions.verify != VerifyMode::kNone, start,
+                   start > 0 ? row.digests.at(start - 1) : 0, promptLength,
                    row.digests.at(promptLength - 1));
   }
   if (firstPrefill(row.spec)) {
@@ -506,22 +506,46 @@ bool ReferenceEngine::prefill(Run& run) {
   run.libraryNanos += nanosSince(t0);
   mStats.peakSwaPagesPerPrefillRow =
       std::max(mStats.peakSwaPagesPerPrefillRow, ok ? swaPagesPerRow() : 0);
-  for (std::size_t i = 0; ok && mHybridMtp && i < run.rows.size(); ++i) {
-    if (run.rows[i].prefillStart == 0) {
-      continue;
-    }
-    // Each hit's boundary hidden row into the row's own, stream-ordered before the step's check
-    // of it (and before the endpoint, which releases the hit's pins).
-    t0 = std::chrono::steady_clock::now();
-    auto const executionRow = static_cast<int32_t>(i);
-    ok = managed.restoreHybridMtpBoundaryHidden(executionRow, mHidden, executionRow);
-    run.libraryNanos += nanosSince(t0);
-    ++mStats.hiddenRestores;
+  for (std::size_t i = 0; ok && i < run.rows.size(); ++i) {
+    ok = restoreBoundaryHidden(run, i);
   }
   if (ok) {
     ok = prefillStep(run);
   }
   notePages();
+  return ok;
+}
+
+bool ReferenceEngine::restoreBoundaryHidden(Run& run, std::size_t index) {
+  Row const& row = run.rows[index];
+  if (!mHybridMtp || row.prefillStart == 0) {
+    return true;
+  }
+  // The hit's boundary hidden row into the row's own (its resident slot's: compaction does not
+  // move it), stream-ordered before the check of it in the step that finishes the prefill (and
+  // before the endpoint, which releases the hit's pins).
+  auto const start = std::chrono::steady_clock::now();
+  bool const ok = run.managed->restoreHybridMtpBoundaryHidden(static_cast<ExecutionRow>(index),
+                                                              mHidden, row.resident.slot);
+  run.libraryNanos += nanosSince(start);
+  ++mStats.hiddenRestores;
+  return ok;
+}
+
+bool ReferenceEngine::publishEndpoint(Run& run, std::size_t index) {
+  if (!mHybridMtp) {
+    return true;
+  }
+  // The whole prompt's endpoint with its boundary hidden row (written by the step that finished
+  // the prefill): the base and draft rows it captures are in the submitted plan, stream-ordered
+  // before it.
+  Row const& row = run.rows[index];
+  auto const start = std::chrono::steady_clock::now();
+  bool const ok = run.managed->publishHybridMtpEndpoint(
+      static_cast<ExecutionRow>(index), static_cast<int32_t>(row.spec.prompt.size()), mHidden,
+      row.resident.slot);
+  run.libraryNanos += nanosSince(start);
+  ++mStats.hiddenEndpoints;
   return ok;
 }
 
@@ -582,13 +606,10 @@ bool ReferenceEngine::prefillStep(Run& run) {
     }
   }
   ok = ok && managed.enqueuePrefillCaptures();
-  for (std::size_t i = 0; ok && mHybridMtp && i < run.rows.size(); ++i) {
-    // Each row's whole-prompt endpoint with its boundary hidden row (written by the step): the
-    // base and draft rows it captures are in the submitted plan, stream-ordered before it.
-    auto const executionRow = static_cast<int32_t>(i);
-    ok = managed.publishHybridMtpEndpoint(
-        executionRow, static_cast<int32_t>(run.rows[i].spec.prompt.size()), mHidden, executionRow);
-    ++mStats.hiddenEndpoints;
+  for (std::size_t i = 0; ok && i < run.rows.size(); ++i) {
+    if (!run.rows[i].prefilling) {  // a held founder publishes after its last chunk
+      ok = publishEndpoint(run, i);
+    }
   }
   run.libraryNanos += nanosSince(t0);
   for (std::size_t i = 0; i < run.rows.size(); ++i) {

@@ -222,6 +222,10 @@ bool ReferenceEngine::seatJoiner(Run& run, std::deque<EngineSequence>& queue, Re
       pool->setActiveBatchSize(context.activeBatchSize);
     }
   }
+  run.rows[index].prefillStart = prefillStart;
+  if (!restoreBoundaryHidden(run, index)) {
+    return false;
+  }
   if (mOptions.maxBatchedTokens > 0) {
     // Chunked: the decode steps run its prefill under their token budget (stagePrefillChunks).
     Row& seated = run.rows[index];
@@ -239,6 +243,10 @@ bool ReferenceEngine::seatJoiner(Run& run, std::deque<EngineSequence>& queue, Re
   flushWrites(run);
   mSteps->submit(mRuntime.config().stream);
   writeLengths(run, index, index + 1, [](std::size_t) { return true; });
+  if (!publishEndpoint(run, index)) {
+    finishStep(run);
+    return false;
+  }
   sampleAfter(run, run.rows[index], index);
   int32_t const lookahead = context.generatedTokenIds[index].back();
   auto const finalizeStart = std::chrono::steady_clock::now();
@@ -394,6 +402,14 @@ bool ReferenceEngine::completeChunks(Run& run) {
     if (row.materialized < promptLength) {
       ok = run.managed->completePrefillChunk(row32, row.materialized);
     } else {
+      if (mHybridMtp) {
+        // Its endpoint reads the state its chunks computed: the last chunk completes first.
+        ok = run.managed->completePrefillChunk(row32, promptLength) && publishEndpoint(run, i);
+      }
+      if (!ok) {
+        run.libraryNanos += nanosSince(start);
+        return false;
+      }
       sampleAfter(run, row, i);
       ok = run.managed->finalizeSequenceAdmission(row32, run.context.generatedTokenIds[i].back(),
                                                   promptLength);

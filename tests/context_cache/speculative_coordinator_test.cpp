@@ -459,6 +459,100 @@ TEST_P(HybridMtpCoordinatorTest, EveryRowOfABatchRestoresAndPublishesItsOwnEndpo
   rig.expectQuiescent();
 }
 
+TEST_P(HybridMtpCoordinatorTest, AJoinerRestoresItsHitInChunksAndPublishesItsEndpoint) {
+  SpecRigOptions options = mtp();
+  options.recurrentSlots = 8;
+  options.partialSlots = 8;
+  SpecRig rig(device(), options);
+  Seq producer(tokenRun(129, 100), 0);
+  Handle first = rig.admit({&producer}, true);
+  ASSERT_EQ(rig.mtpPrefill(first, producer), kOk);
+  ASSERT_EQ(rig.coordinator->finish(first), kOk);
+
+  Seq founder(tokenRun(60, 700), 0);
+  Handle handle = rig.admit({&founder}, true);
+  ASSERT_EQ(rig.mtpPrefill(handle, founder), kOk);
+  ASSERT_EQ(rig.records().size(), 2u);
+  Tensor restored({2, rig.options.hiddenWidth}, DataType::kFloat16, device());
+  Tensor const founderHidden = rig.hiddenStates(founder, 0, founder.promptLength);
+  EXPECT_TRUE(throwsError(
+      [&] { rig.coordinator->restoreHybridMtpBoundaryHidden(handle, 0, restored, 0); },
+      {"restoreHybridMtpBoundaryHidden", "row 0: a Hybrid-MTP row restores and publishes"}))
+      << "a finalised row has no prefill under way";
+
+  // A joiner's own commit policy cannot lift the rule.
+  Seq joiner(concatenated(tokenRun(129, 100), tokenRun(20, 9)), 1);
+  ContextCacheSequenceAdmission generated = promptAdmissionOf(joiner);
+  generated.commitPolicy = ContextCacheCommitPolicy::kIncludingGeneratedTokens;
+  int32_t const leases = rig.manager().liveLeaseCount();
+  EXPECT_TRUE(throwsError(
+      [&] { (void)rig.coordinator->admitSequence(handle, generated, SpecRig::kSpecHeadroom); },
+      {"admitSequence", "joiner needs commit policy kPrefillStateOnly, got 0"}));
+  EXPECT_EQ(rig.manager().liveLeaseCount(), leases);
+
+  auto const admitted =
+      rig.coordinator->admitSequence(handle, promptAdmissionOf(joiner), SpecRig::kSpecHeadroom);
+  ASSERT_EQ(admitted.status, kOk);
+  EXPECT_EQ(admitted.prefillStart, 129) << "the producer's endpoint, mid-page";
+  rig.pool.setActiveBatchSize(2);  // the engine seats the joiner's KV-length rows
+  rig.draftPool->setActiveBatchSize(2);
+  // The boundary hidden row of its hit, into row 1 of the engine's tensor; row 0 untouched.
+  std::vector<uint8_t> expected(static_cast<std::size_t>(restored.sizeBytes()), 0xa5);
+  writeBytes(restored, expected);
+  rig.coordinator->restoreHybridMtpBoundaryHidden(handle, 1, restored, 1);
+  std::vector<uint8_t> const boundary = rig.hiddenRow(joiner.digests.at(128));
+  std::copy(boundary.begin(), boundary.end(),
+            expected.begin() + static_cast<std::ptrdiff_t>(boundary.size()));
+  EXPECT_EQ(readBytes(restored), expected);
+  EXPECT_EQ(rig.coordinator->counters().boundaryHiddenRestores, 1u);
+  rig.verifyResumed(joiner, 129, 128, "joiner");  // base, the draft one row short, recurrent
+
+  // Two chunks; the endpoint reads what its chunks computed.
+  rig.executeBase(joiner, 1, 129, 140);
+  ASSERT_EQ(rig.coordinator->completePrefillChunk(handle, 1, 140), kOk);
+  EXPECT_EQ(rig.records().size(), 2u) << "a Hybrid-MTP chunk's end is not kept";
+  Tensor const hidden = rig.hiddenStates(joiner, 129, joiner.promptLength);
+  EXPECT_TRUE(throwsError(
+      [&] {
+        (void)rig.coordinator->publishHybridMtpEndpoint(handle, 1, joiner.promptLength, hidden,
+                                                        joiner.promptLength - 1 - 129);
+      },
+      {"publishHybridMtpEndpoint",
+       "row 1: residentStateLength 149 beyond its completed chunks "
+       "(140 tokens): publish after its last chunk"}));
+  rig.executeBase(joiner, 1, 140, joiner.promptLength);
+  rig.executeDraft(joiner, 1, 128, joiner.promptLength - 1);
+  ASSERT_EQ(rig.coordinator->completePrefillChunk(handle, 1, joiner.promptLength), kOk);
+  ASSERT_EQ(rig.coordinator->publishHybridMtpEndpoint(handle, 1, joiner.promptLength, hidden,
+                                                      joiner.promptLength - 1 - 129),
+            kOk);
+  EXPECT_EQ(rig.records().size(), 3u) << "the joiner's endpoint at 149";
+  EXPECT_EQ(rig.coordinator->counters().hybridMtpPublications, 3u);
+  joiner.sample();
+  ContextCacheSequenceAdvance const lookahead{&joiner.tokens.back(), 1, joiner.promptLength};
+  ASSERT_EQ(rig.coordinator->finalizeSequenceAdmission(handle, 1, lookahead), kOk);
+  EXPECT_EQ(rig.records().size(), 3u) << "finalisation captures nothing more";
+  EXPECT_TRUE(throwsError(
+      [&] {
+        (void)rig.coordinator->publishHybridMtpEndpoint(handle, 1, joiner.promptLength,
+                                                        founderHidden, 0);
+      },
+      {"row 1: a Hybrid-MTP row restores and publishes"}))
+      << "finalised";
+  ASSERT_EQ(rig.step(handle, {&founder, &joiner}, {2, 3}, {0, 1}, {0, 1}, true), kOk);
+  EXPECT_EQ(rig.records().size(), 3u) << "kPrefillStateOnly: no decode-end checkpoint";
+  ASSERT_EQ(rig.coordinator->finish(handle), kOk);
+
+  // The joiner's next turn restores the joiner's endpoint.
+  Seq next(concatenated(joiner.tokens, tokenRun(5, 3)), 0);
+  std::vector<int32_t> starts;
+  Handle third = rig.admit({&next}, true, &starts);
+  EXPECT_EQ(starts, std::vector<int32_t>{149});
+  ASSERT_EQ(rig.mtpPrefill(third, next), kOk);  // verifies base, draft, recurrent and hidden
+  ASSERT_EQ(rig.coordinator->finish(third), kOk);
+  rig.expectQuiescent();
+}
+
 TEST_P(HybridMtpCoordinatorTest, ThePreparedDraftLengthLeavesTheBoundaryRowToRecompute) {
   SpecRig rig(device(), mtp());
   Seq producer(tokenRun(256, 100), 0);
@@ -789,7 +883,7 @@ TEST(SpeculativeCoordinatorConstructionTest, ValidatesProfilesAgainstDraftResour
     ASSERT_NE(coordinator.snapshots(), nullptr);
     EXPECT_TRUE(coordinator.snapshots()->hasDraft());
     EXPECT_TRUE(coordinator.snapshots()->hasBoundaryHidden());
-    EXPECT_FALSE(coordinator.supportsLiveSequenceAdmission());
+    EXPECT_TRUE(coordinator.supportsLiveSequenceAdmission()) << "Hybrid-MTP joiners";
   }
   EXPECT_NO_THROW(construct(config, eagle, {&pool, &table, &draft, &draftTable, nullptr})());
   EXPECT_NO_THROW(construct(config, shared, {&pool, &table, nullptr, nullptr, nullptr})());

@@ -57,6 +57,7 @@ LifecycleStats& LifecycleStats::operator+=(LifecycleStats const& other) {
   acceptedTokens += other.acceptedTokens;
   mtpEndpoints += other.mtpEndpoints;
   mtpBatchEndpoints += other.mtpBatchEndpoints;
+  mtpJoinerEndpoints += other.mtpJoinerEndpoints;
   boundaryHiddenRestores += other.boundaryHiddenRestores;
   slidingReuseLifecycles += other.slidingReuseLifecycles;
   slidingWindowReuses += other.slidingWindowReuses;

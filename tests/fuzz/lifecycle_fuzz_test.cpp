@@ -205,7 +205,8 @@ TEST(LifecycleFuzzTest, HybridSpeculativeAndMtpRuntimesKeepEveryInvariant) {
   EXPECT_GT(total.verificationRounds, 1000 * kScale);
   EXPECT_GT(total.acceptedTokens, total.verificationRounds);  // rounds accept several tokens
   EXPECT_GT(total.mtpEndpoints, 100 * kScale);
-  EXPECT_GT(total.mtpBatchEndpoints, 30 * kScale);  // rows of Hybrid-MTP batches
+  EXPECT_GT(total.mtpBatchEndpoints, 30 * kScale);   // rows of Hybrid-MTP batches
+  EXPECT_GT(total.mtpJoinerEndpoints, 10 * kScale);  // Hybrid-MTP joiners
   EXPECT_GT(total.boundaryHiddenRestores, 12 * kScale);
   EXPECT_GT(total.failedSynchronizations, 100 * kScale);
   EXPECT_GT(total.quarantines, 100 * kScale);
@@ -216,8 +217,8 @@ TEST(LifecycleFuzzTest, HybridSpeculativeAndMtpRuntimesKeepEveryInvariant) {
       "%lld, pressure skips %lld, reuse points written %lld / restored %lld, draft oracle "
       "positions %lld, paired reuses %lld, paired joiners %lld, verification "
       "rounds %lld (%lld tokens accepted), "
-      "Hybrid-MTP endpoints %lld (%lld by rows of batches), boundary hidden restores %lld, failed "
-      "syncs %lld, quarantines %lld\n",
+      "Hybrid-MTP endpoints %lld (%lld by rows of batches, %lld joiners'), boundary hidden "
+      "restores %lld, failed syncs %lld, quarantines %lld\n",
       static_cast<long long>(total.operations), static_cast<long long>(total.rejectedCalls),
       static_cast<long long>(total.hybridLifecycles),
       static_cast<long long>(total.speculativeLifecycles),
@@ -233,6 +234,7 @@ TEST(LifecycleFuzzTest, HybridSpeculativeAndMtpRuntimesKeepEveryInvariant) {
       static_cast<long long>(total.verificationRounds),
       static_cast<long long>(total.acceptedTokens), static_cast<long long>(total.mtpEndpoints),
       static_cast<long long>(total.mtpBatchEndpoints),
+      static_cast<long long>(total.mtpJoinerEndpoints),
       static_cast<long long>(total.boundaryHiddenRestores),
       static_cast<long long>(total.failedSynchronizations),
       static_cast<long long>(total.quarantines));

@@ -404,9 +404,16 @@ class ReferenceEngine {
   /// Writes prompt positions [materialized, end) of a prefilling row into this step's plan (the
   /// first chunk checks the reused prefix and window first) and advances its recurrent state.
   void executePrefillChunk(Row& row, int32_t end);
-  /// After the last chunk of row `index`: its Hybrid-MTP hidden row (row `index` of mHidden), the
-  /// prefill's figures, the attention check of the whole prompt, the draft's prefill.
+  /// After the last chunk of row `index`: its Hybrid-MTP hidden row (mHidden's row of its
+  /// resident slot), the prefill's figures, the attention check of the whole prompt, the draft's
+  /// prefill.
   void finishPrefill(Run& run, std::size_t index);
+  /// Hybrid-MTP: row `index`'s hit's boundary hidden row into mHidden's row of its resident slot
+  /// (true without a hit or off Hybrid-MTP); false as the call returns it.
+  bool restoreBoundaryHidden(Run& run, std::size_t index);
+  /// Hybrid-MTP: row `index`'s whole-prompt endpoint, after the step that finished its prefill
+  /// and before its finalisation (true off Hybrid-MTP); false as the call returns it.
+  bool publishEndpoint(Run& run, std::size_t index);
   /// Chunked prefill: plans this step's chunks of the prefilling joiners (Row::chunkEnd), within
   /// the token budget left after the decode rows (vLLM's order).
   void planChunks(Run& run) const;
@@ -478,7 +485,7 @@ class ReferenceEngine {
   // Joiners take their pages per chunk (ContextCacheConfig::joinerPages on a coordinator
   // backend): a waiting sequence joins only when its first chunk fits (firstChunkFits).
   bool mPagesPerChunk = false;
-  Tensor mHidden;  // Hybrid-MTP: a boundary hidden row per execution row [maxBatch, width]
+  Tensor mHidden;  // Hybrid-MTP: a boundary hidden row per resident slot [maxBatch, width]
   std::vector<int32_t> mLengthValues;
   std::vector<int32_t> mDraftLengthValues;
   std::vector<uint64_t> mDraftDigests;  // scratch: the draft rows' digests of one execution

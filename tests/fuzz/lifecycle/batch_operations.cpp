@@ -191,13 +191,13 @@ void Lifecycle::badAdmit(Req& req) {
 }
 
 /// A joiner on a fresh resident (none free: nothing to do). A speculative request's joiner takes
-/// the request's headroom and, with a paged draft, a draft row of its own (Hybrid-MTP requests
-/// admit none).
+/// the request's headroom and, with a paged draft, a draft row of its own (a Hybrid-MTP joiner's
+/// one row short of its reuse).
 std::optional<Lifecycle::AdmitCall> Lifecycle::planAdmit(Req& req) {
   AdmitCall call;
   call.valid = mRuntime->supportsSeatedAdmission() && req.stage == Stage::kIdle &&
                !req.rows.empty() && static_cast<int32_t>(req.rows.size()) < mMaxBatch &&
-               req.contract == DecodingTokenStateContract::kCommittedPlusLookahead && !req.mtp;
+               req.contract == DecodingTokenStateContract::kCommittedPlusLookahead;
   std::optional<ResidentRef> const fresh = mRuntime->residentSlots().acquire();
   if (!fresh) {
     return std::nullopt;
@@ -409,7 +409,8 @@ void Lifecycle::joined(Req& req, Row row, int32_t start, std::string const& what
   req.rows.push_back(std::move(row));
   setActiveBatch(static_cast<int32_t>(req.rows.size()));
   if (req.rows.back().paired) {  // its draft KV-length row, at the reused draft prefix
-    writeDraftLength(static_cast<int32_t>(req.rows.size()) - 1, start);
+    writeDraftLength(static_cast<int32_t>(req.rows.size()) - 1,
+                     req.mtp ? std::max(0, start - 1) : start);
     ++mStats.pairedJoins;
   }
   ++mStats.joins;
@@ -435,6 +436,42 @@ void Lifecycle::joined(Req& req, Row row, int32_t start, std::string const& what
   if (end == length) {
     sampleInto(req.rows.back());
   }
+}
+
+bool Lifecycle::publishJoinerEndpoint(Req& req, int32_t slot) {
+  Row& row = req.rows[static_cast<std::size_t>(slot)];
+  auto const length = static_cast<int32_t>(row.prompt.size());
+  if (restorable(req, slot) && (!row.hiddenRestored || mIn.oneIn(4)) && !mIn.oneIn(4)) {
+    Tensor restored({3, kHiddenWidth}, DataType::kFloat16, DeviceType::kCPU);
+    restoreBoundaryHidden(req, slot, restored, mIn.below(3), true);
+  }
+  Tensor const hidden = hiddenStatesOf(row);
+  int32_t const hiddenRow = length - 1 - row.start;
+  if (row.chunkCompleted > row.start && row.chunkCompleted < length) {
+    // In chunks: its endpoint reads what its completed chunks computed.
+    if (mIn.oneIn(4)) {
+      publishEndpoint(req, slot, length, hidden, hiddenRow, false);  // before its last chunk
+    }
+    std::string const what =
+        fmt::format("completePrefillChunk({}, {}) on {}", slot, length, describe(req));
+    expect(accept(what,
+                  [&] {
+                    if (req.via == Via::kFacade) {
+                      return req.facade->completePrefillChunk(slot, length);
+                    }
+                    return mCoordinator->completePrefillChunk(req.coordinator, slot, length) ==
+                           ContextCacheStatus::kOk;
+                  }),
+           what + " returned false");
+    row.chunkCompleted = length;
+    ++mStats.prefillChunks;
+  }
+  if (mIn.oneIn(5)) {
+    return true;  // no endpoint: finalisation releases the hit's pins
+  }
+  publishEndpoint(req, slot, length, hidden, hiddenRow, true);
+  ++mStats.mtpJoinerEndpoints;
+  return req.stage != Stage::kGone;
 }
 
 bool Lifecycle::chunkCovered(Row const& row, int32_t end) const {
@@ -626,7 +663,7 @@ void Lifecycle::prefillChunk(Req& req, int32_t slot) {
     expect(accept(what, [&] { return call(end); }), what + " returned false");
     row.chunkCompleted = end;
     ++mStats.prefillChunks;
-    if (mRecurrentOracle) {  // a checkpoint runtime may keep the chunk's end as a reuse point
+    if (mRecurrentOracle && !req.mtp) {  // a hybrid chunk's end may be kept as a reuse point
       noteCheckpoint(req, row, end, false);
     }
   }
@@ -836,6 +873,9 @@ void Lifecycle::issueFinalize(Req& req, int32_t slot, bool corruptLength) {
   if (valid && !prefillRest(req, slot)) {  // a chunked joiner's last chunk runs before
     return;                                // its finalisation, once its pages are ready
   }
+  if (valid && req.mtp && !corruptLength && !mPoisoned && !publishJoinerEndpoint(req, slot)) {
+    return;
+  }
   Row const* row = valid ? &req.rows[static_cast<std::size_t>(slot)] : nullptr;
   int32_t const lookahead = row != nullptr ? row->generated.back() : 1;
   int32_t length = row != nullptr ? static_cast<int32_t>(row->prompt.size()) : 1;
@@ -880,15 +920,16 @@ void Lifecycle::issueFinalize(Req& req, int32_t slot, bool corruptLength) {
   Row& joiner = req.rows[static_cast<std::size_t>(slot)];
   joiner.joined = true;
   if (req.speculative) {
-    // Its draft initialises after the call; its prompt endpoint waits for the next round, a
-    // compaction or finish (the facade's speculative contract, per row).
+    // EAGLE: its draft initialises after the call; its prompt endpoint waits for the next round,
+    // a compaction or finish (the facade's speculative contract, per row). Hybrid-MTP: its
+    // endpoint was published before the call, its draft stops at the boundary token's row.
     joiner.common = static_cast<int32_t>(joiner.prompt.size());
-    req.draftInitPending = true;
-    if (joiner.paired) {
+    req.draftInitPending = req.draftInitPending || !req.mtp;
+    if (joiner.paired && !req.mtp) {
       executeDraft(joiner, slot, joiner.common);
     }
   }
-  if (checkpointDeployment()) {  // a hybrid joiner's prompt-end capture
+  if (checkpointDeployment() && !req.mtp) {  // a hybrid joiner's prompt-end capture
     noteCheckpoint(req, joiner, static_cast<int32_t>(joiner.prompt.size()), false);
   }
   joiner.windowFrom = joiner.endpoint;  // sliding-window reuse: the joiner's window is retired

@@ -216,17 +216,21 @@ void Lifecycle::executeDraft(Row& row, int32_t rowIndex, int32_t to) {
 void Lifecycle::writeHiddenStates(Req& req) {
   req.hidden.clear();
   for (Row const& row : req.rows) {
-    auto const length = static_cast<int32_t>(row.prompt.size());
-    Tensor& hidden = req.hidden.emplace_back(Coords{length - row.start, kHiddenWidth},
-                                             DataType::kFloat16, DeviceType::kCPU);
-    auto* bytes = static_cast<uint8_t*>(hidden.rawPointer());
-    std::size_t const rowBytes = static_cast<std::size_t>(kHiddenWidth) * 2;
-    for (int32_t p = row.start; p < length; ++p) {
-      testing::KvOracle::expectedRow(
-          row.digests.at(p), 7, 0,
-          std::span<uint8_t>(bytes + static_cast<std::size_t>(p - row.start) * rowBytes, rowBytes));
-    }
+    req.hidden.push_back(hiddenStatesOf(row));
   }
+}
+
+Tensor Lifecycle::hiddenStatesOf(Row const& row) {
+  auto const length = static_cast<int32_t>(row.prompt.size());
+  Tensor hidden(Coords{length - row.start, kHiddenWidth}, DataType::kFloat16, DeviceType::kCPU);
+  auto* bytes = static_cast<uint8_t*>(hidden.rawPointer());
+  std::size_t const rowBytes = static_cast<std::size_t>(kHiddenWidth) * 2;
+  for (int32_t p = row.start; p < length; ++p) {
+    testing::KvOracle::expectedRow(
+        row.digests.at(p), 7, 0,
+        std::span<uint8_t>(bytes + static_cast<std::size_t>(p - row.start) * rowBytes, rowBytes));
+  }
+  return hidden;
 }
 
 void Lifecycle::sampleInto(Row& row) {

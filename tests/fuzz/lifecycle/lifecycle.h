@@ -273,6 +273,11 @@ class Lifecycle {
   void verifyResumed(Req const& req, Row& row, int32_t rowIndex);
   void executeDraft(Row& row, int32_t rowIndex, int32_t to);
   void writeHiddenStates(Req& req);
+  /// Hybrid-MTP: the base hidden rows of `row`'s prefill positions [start, prompt).
+  static Tensor hiddenStatesOf(Row const& row);
+  /// Hybrid-MTP: an unfinalised joiner's restore, last chunk and endpoint before its
+  /// finalisation; false when the request is gone (a failed synchronisation quarantined it).
+  bool publishJoinerEndpoint(Req& req, int32_t slot);
   void sampleInto(Row& row);
   void executeDecode(Req& req, Row& row, int32_t rowIndex);
   void verifyRow(Row const& row);

@@ -384,12 +384,12 @@ void Lifecycle::badCaptures(Req& req) {
 /// Hybrid-MTP: the row restored a checkpoint whose pins it still holds (the endpoint's capture or
 /// a reservation under pressure releases them; completePrefill does).
 bool Lifecycle::restorable(Req const& req, int32_t slot) const {
-  if (!req.mtp || req.stage != Stage::kPrefill || slot < 0 ||
-      slot >= static_cast<int32_t>(req.rows.size())) {
+  if (!req.mtp || slot < 0 || slot >= static_cast<int32_t>(req.rows.size())) {
     return false;
   }
   Row const& row = req.rows[static_cast<std::size_t>(slot)];
-  return row.start > 0 && !row.pinsReleased;
+  bool const awaiting = req.stage == Stage::kPrefill || (req.stage == Stage::kIdle && !row.joined);
+  return awaiting && row.start > 0 && !row.pinsReleased;
 }
 
 /// publishHybridMtpEndpoint: a valid call returns true and makes at most one synchronisation;
@@ -406,7 +406,18 @@ void Lifecycle::publishEndpoint(Req& req, int32_t slot, int32_t length, Tensor c
     return mCoordinator->publishHybridMtpEndpoint(req.coordinator, slot, length, hidden, row) ==
            ContextCacheStatus::kOk;
   };
-  if (!valid || req.stage != Stage::kPrefill) {
+  // A founder's in the prefill; an unfinalised joiner's between steps, within its completed
+  // chunks when it went in chunks.
+  Row const* awaiting =
+      slot >= 0 && slot < static_cast<int32_t>(req.rows.size()) &&
+              (req.stage == Stage::kPrefill ||
+               (req.stage == Stage::kIdle && !req.rows[static_cast<std::size_t>(slot)].joined))
+          ? &req.rows[static_cast<std::size_t>(slot)]
+          : nullptr;
+  bool const computed =
+      awaiting != nullptr && (awaiting->chunkCompleted <= awaiting->start ||
+                              req.stage == Stage::kPrefill || length <= awaiting->chunkCompleted);
+  if (!valid || awaiting == nullptr || !computed) {
     reject(what, call);
     return;
   }
