@@ -643,9 +643,8 @@ class Runner {
     }
     if (c.preemption != testing::PreemptionMode::kNone && !mJoins) {
       configError(
-          "preemption needs in-flight joins (--max-batch > 1, a model with attention layers; in "
-          "swa "
-          "mode with --max-batched-tokens): the preempted are admitted again in flight");
+          "preemption needs in-flight joins (--max-batch > 1, a model with attention layers; "
+          "in swa mode with --max-batched-tokens): the preempted are admitted again in flight");
     }
     if (c.joinerPages == JoinerPageAllocation::kPerChunk &&
         (!mJoins || c.mode == ReplayMode::kSwa)) {

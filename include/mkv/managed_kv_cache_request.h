@@ -131,8 +131,9 @@ class ManagedKVCacheRequest {
   /// Ends the request (synchronises pending work, releases everything).
   bool finish();
 
-  /// In-flight admission, every backend but Hybrid-MTP (a speculative request's joiner takes the
-  /// request's headroom and gets a draft row; docs/context_cache.md, "Speculative paired reuse";
+  /// In-flight admission, every backend with attention layers (a speculative request's joiner
+  /// takes the request's headroom and gets a draft row, a Hybrid-MTP joiner restores its hit;
+  /// docs/context_cache.md, "Speculative paired reuse" and "Hybrid-MTP endpoints";
   /// sliding-window reuse
   /// admits the joiner's sliding window on its SWA half too: SlidingReuseRequest::admitSequence;
   /// bounded SWA caches nothing, so its joiner prefills from 0 in 2M + 1 pages:

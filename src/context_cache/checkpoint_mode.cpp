@@ -449,6 +449,10 @@ void HybridMtpMode::bindPrefill(CoordinatorRequest& req) const {
 
 void HybridMtpMode::bindJoiner(CoordinatorRequest& req) const { bindJoinerRow(req); }
 
+bool HybridMtpMode::stageJoinerPrefill(CoordinatorRequest& req, std::size_t row) const {
+  return req.sequences[row].lease.recurrentSnapshotSlot().has_value();
+}
+
 void HybridMtpMode::restorePartialKv(CoordinatorSequence const& sequence, SnapshotSlot slot) const {
   int32_t const pageSize = mParts.manager.pageSize();
   int32_t const reuse = sequence.reuseTokenLength;

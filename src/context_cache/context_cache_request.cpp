@@ -404,7 +404,7 @@ ContextCacheSequenceAdmission ContextCacheRequest::joinerAdmission(
   MKV_REQUIRE(joiner.requests.size() == 1, call,
               "a joiner's request describes exactly one sequence, got {}", joiner.requests.size());
   MKV_REQUIRE(joiner.contextCacheReplayTailLength == 0, call,
-              "a joiner has no replay tail (Hybrid-MTP requests have no joiners), got {} tokens",
+              "a joiner has no replay tail of its own (it takes the request's), got {} tokens",
               joiner.contextCacheReplayTailLength);
   LLMGenerationRequest::Sequence const& inputs = joiner.requests.front();
   ContextCacheLookupPolicy const lookupPolicy =

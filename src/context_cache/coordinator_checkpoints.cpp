@@ -68,15 +68,21 @@ ContextCacheStatus ContextCacheCoordinator::publishHybridMtpEndpoint(RequestHand
               row, residentStateLength);
   Request::Sequence& sequence = sequenceAt(req, row, kCall);
   requireAwaitingPrefill(kCall, req, sequence, row);
-  // A row whose prefill went in chunks has computed its state up to its last completed chunk.
-  bool const chunked = sequence.prefillHeld || sequence.committed > sequence.reuseTokenLength;
-  MKV_REQUIRE(!chunked || residentStateLength <= sequence.committed, kCall,
-              "row {}: residentStateLength {} beyond its completed chunks ({} tokens): publish "
-              "after its last chunk",
-              row, residentStateLength, sequence.committed);
   MKV_REQUIRE(residentStateLength >= 0 && residentStateLength <= sequence.promptLength, kCall,
               "row {}: residentStateLength {} outside [0, prompt {}]", row, residentStateLength,
               sequence.promptLength);
+  // What the row's state holds: a founder's whole prompt in the prefill (unless it was held
+  // after a first chunk); a joiner's or a held founder's, what its completed chunks computed.
+  bool const founder = req.stage == RequestStage::kPrefilling;
+  int32_t const computed =
+      founder && !sequence.prefillHeld ? sequence.promptLength : sequence.committed;
+  MKV_REQUIRE(residentStateLength <= computed, kCall,
+              "row {}: residentStateLength {} beyond its completed chunks ({} tokens): complete "
+              "its last chunk (completePrefillChunk) first",
+              row, residentStateLength, computed);
+  req.mode->rows().requireCovered(kCall, row, sequence, residentStateLength, mManager->pageSize());
+  // The endpoint copies the row's pages: its rows must have reached the device.
+  mWrites->requireReachedDevice(kCall, founder ? req.writesMark : sequence.joinWritesMark);
   MKV_REQUIRE(residentStateLength <= sequence.promptLength - req.replayTailLength, kCall,
               "row {}: residentStateLength {} reaches into the replay tail ({} of the prompt's {} "
               "tokens): publish at most {}",

@@ -41,11 +41,15 @@ ContextCacheCoordinator::AdmitSequenceResult ContextCacheCoordinator::admitSeque
   table.validateHeadroom(kCall, headroom);
   detail::validateJoiner(kCall, admission, headroom, mMaxBatch, mLimits->baseRowPages,
                          mManager->pageSize(), mResources.residentSlots);
-  if (req.mode == mModes->hybridMtp) {  // as beginRequest's rule for every founder
+  if (req.mode == mModes->hybridMtp) {  // as beginRequest's rules for every founder
     ContextCacheCommitPolicy const policy = admission.commitPolicy.value_or(req.commitPolicy);
     MKV_REQUIRE(policy == ContextCacheCommitPolicy::kPrefillStateOnly, kCall,
                 "a Hybrid-MTP request's joiner needs commit policy kPrefillStateOnly, got {}",
                 static_cast<int>(policy));
+    MKV_REQUIRE(static_cast<std::size_t>(req.replayTailLength) < admission.tokenIds.size(), kCall,
+                "the request's replay tail of {} tokens leaves nothing of the joiner's {}-token "
+                "prompt",
+                req.replayTailLength, admission.tokenIds.size());
   }
   AdmitSequenceResult result;
   if (poisoned()) {  // before the busy check, as in beginRequest
@@ -119,6 +123,10 @@ ContextCacheStatus ContextCacheCoordinator::completePrefillChunk(RequestHandle& 
   MKV_REQUIRE(prefilledTokens >= sequence.committed && prefilledTokens <= sequence.promptLength,
               kCall, "row {}: {} prefilled tokens outside [{} (done so far), {} (the prompt)]", row,
               prefilledTokens, sequence.committed, sequence.promptLength);
+  MKV_REQUIRE(prefilledTokens >= sequence.publishedExact || req.mode != mModes->hybridMtp, kCall,
+              "row {}: its endpoint at {} tokens was published (publishHybridMtpEndpoint): its "
+              "prefill is past {}",
+              row, sequence.publishedExact, prefilledTokens);
   MKV_REQUIRE(!founder || !sequence.prefillHeld || prefilledTokens == sequence.committed, kCall,
               "row {}: its first chunk (to {}) completed in this prefill; a founder's next chunks "
               "come after completePrefill, as a joiner's",

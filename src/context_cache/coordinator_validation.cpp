@@ -77,11 +77,12 @@ void validateBatchShape(char const* call, ContextCacheBatchAdmission const& admi
   MKV_REQUIRE(admission.replayTailLength == 0 || hybridMtp, call,
               "a replay tail ({} tokens) applies to Hybrid-MTP requests only",
               admission.replayTailLength);
-  MKV_REQUIRE(
-      admission.replayTailLength == 0 || static_cast<std::size_t>(admission.replayTailLength) <
-                                             admission.sequences.front().tokenIds.size(),
-      call, "replay tail of {} tokens leaves nothing of a {}-token prompt",
-      admission.replayTailLength, admission.sequences.front().tokenIds.size());
+  for (std::size_t i = 0; i < batch && admission.replayTailLength > 0; ++i) {
+    MKV_REQUIRE(static_cast<std::size_t>(admission.replayTailLength) <
+                    admission.sequences[i].tokenIds.size(),
+                call, "replay tail of {} tokens leaves nothing of row {}'s {}-token prompt",
+                admission.replayTailLength, i, admission.sequences[i].tokenIds.size());
+  }
 }
 
 /// The prompt of sequence `i`: not empty, within int32 positions, and within a row (base, and

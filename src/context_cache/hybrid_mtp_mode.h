@@ -24,9 +24,9 @@ class HybridMtpMode final : public CheckpointMode {
   /// A chunk's end is not kept: it would need the boundary hidden row there.
   void publishChunk(CoordinatorRequest& /*req*/, std::size_t /*row*/) const override {}
   /// Nothing to capture: the engine published the joiner's endpoint (publishHybridMtpEndpoint).
-  bool stageJoinerPrefill(CoordinatorRequest& /*req*/, std::size_t /*row*/) const override {
-    return false;
-  }
+  /// True while the joiner still pins its hit (no endpoint released it): the restore's copies
+  /// must be done before finalisation releases the pins.
+  bool stageJoinerPrefill(CoordinatorRequest& req, std::size_t row) const override;
   void updateCommonLengths(CoordinatorRequest& req,
                            std::span<ContextCacheSequenceAdvance const> advances,
                            std::span<int32_t const> lengths) const override;

@@ -315,6 +315,9 @@ void ReferenceEngine::startPrefill(Run& run, Row& row, int32_t start) {
   row.digests.extend(row.promptKeys);
   row.prefillStart = start;
   row.materialized = start;
+  if (mHybridMtp) {  // the draft resumes one row short (its boundary row is recomputed)
+    row.draftMaterialized = std::max(0, start - 1);
+  }
 }
 
 void ReferenceEngine::executePrefillChunk(Row& row, int32_t end) {

@@ -243,7 +243,14 @@ bool ReferenceEngine::seatJoiner(Run& run, std::deque<EngineSequence>& queue, Re
   flushWrites(run);
   mSteps->submit(mRuntime.config().stream);
   writeLengths(run, index, index + 1, [](std::size_t) { return true; });
-  if (!publishEndpoint(run, index)) {
+  // Hybrid-MTP: its endpoint reads the state its prefill computed, which the library learns
+  // from the completed chunk (here the whole prompt).
+  bool const published =
+      !mHybridMtp || (run.managed->completePrefillChunk(
+                          static_cast<ExecutionRow>(index),
+                          static_cast<int32_t>(run.rows[index].spec.prompt.size())) &&
+                      publishEndpoint(run, index));
+  if (!published) {
     finishStep(run);
     return false;
   }

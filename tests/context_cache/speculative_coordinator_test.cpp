@@ -449,6 +449,10 @@ TEST_P(HybridMtpCoordinatorTest, EveryRowOfABatchRestoresAndPublishesItsOwnEndpo
   ASSERT_EQ(rig.coordinator->publishHybridMtpEndpoint(third, 0, again.promptLength, hiddenAgain,
                                                       again.promptLength - 1 - 129),
             kOk);
+  // Its endpoint says its prefill reached 133: a chunk of the prefill cannot end before it.
+  EXPECT_TRUE(
+      throwsError([&] { (void)rig.coordinator->completePrefillChunk(third, 0, 131); },
+                  {"completePrefillChunk", "row 0: its endpoint at 133 tokens was published"}));
   again.sample();
   cold.sample();
   std::vector<ContextCacheSequenceAdvance> const advances{
@@ -519,7 +523,7 @@ TEST_P(HybridMtpCoordinatorTest, AJoinerRestoresItsHitInChunksAndPublishesItsEnd
       },
       {"publishHybridMtpEndpoint",
        "row 1: residentStateLength 149 beyond its completed chunks "
-       "(140 tokens): publish after its last chunk"}));
+       "(140 tokens): complete its last chunk"}));
   rig.executeBase(joiner, 1, 140, joiner.promptLength);
   rig.executeDraft(joiner, 1, 128, joiner.promptLength - 1);
   ASSERT_EQ(rig.coordinator->completePrefillChunk(handle, 1, joiner.promptLength), kOk);

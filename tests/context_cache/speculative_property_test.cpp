@@ -59,10 +59,12 @@ void runWorkload(SpecRigOptions options, uint32_t seed, int32_t requests) {
     bool const speculative = coin(rng);
     int32_t const batch = 1 + (coin(rng) ? 1 : 0);
     std::vector<Seq> seqs;
+    seqs.reserve(static_cast<std::size_t>(batch));
     for (int32_t i = 0; i < batch; ++i) {
       seqs.emplace_back(promptOf(rng, pageSize, history), i);
     }
     std::vector<Seq*> rows;
+    rows.reserve(seqs.size());
     for (Seq& seq : seqs) {
       rows.push_back(&seq);
     }

@@ -92,7 +92,7 @@ struct LifecycleStats {
   int64_t acceptedTokens = 0;          ///< tokens accepted by those rounds
   int64_t mtpEndpoints = 0;            ///< Hybrid-MTP endpoints committed
   int64_t mtpBatchEndpoints = 0;       ///< of them, by a row of a request of several rows
-  int64_t mtpJoinerEndpoints = 0;      ///< endpoints published (or tried) for joiners
+  int64_t mtpJoinerEndpoints = 0;      ///< of them, joiners' endpoints
   int64_t boundaryHiddenRestores = 0;  ///< boundary hidden rows restored and verified
   // Sliding-window reuse and engine-step device writes.
   int64_t slidingReuseLifecycles = 0;  ///< lifecycles on a sliding-window reuse runtime

@@ -432,9 +432,12 @@ class ContextCacheCoordinator {
   /// quarantined, or the coordinator is poisoned (shutdown() first).
   bool resetPrefixCache() noexcept;
 
-  /// Hybrid-MTP (speculative request on a Hybrid-MTP deployment), between preparePrefill and
-  /// finalizePrefillPublication: publishes the exact checkpoint of row `row` at
-  /// `residentStateLength` tokens with the boundary token (the last one) kept private. Captures
+  /// Hybrid-MTP (speculative request on a Hybrid-MTP deployment): publishes the exact checkpoint
+  /// of row `row` at `residentStateLength` tokens with the boundary token (the last one) kept
+  /// private. A founder's between preparePrefill and finalizePrefillPublication (within its
+  /// whole prompt, or within its completed first chunk when it is held); an unfinalised joiner's
+  /// (or a held founder's) between steps before finalizeSequenceAdmission, within its completed
+  /// chunks (completePrefillChunk(row, L) first, also for a joiner prefilled whole). Captures
   /// the recurrent rows, the valid rows of the paired base and draft boundary pages (page
   /// (length - 1) / tokensPerPage) and row `boundaryHiddenRow` of `baseHiddenStates`
   /// ([rows, boundaryHiddenWidth] of boundaryHiddenType on the pools' device), synchronises the
@@ -443,8 +446,10 @@ class ContextCacheCoordinator {
   /// a length of 0, a length already published, or when no snapshot slot can be had (pressure,
   /// counted in snapshotPressureSkips). kPoisoned when the synchronisation fails (request
   /// quarantined, handle invalidated). Throws, changing nothing, on another deployment, for a
-  /// non-speculative request, outside the prefill, for a slot outside the batch, a negative
-  /// length or one beyond the prompt, or a hidden tensor / row that does not fit. The snapshot
+  /// non-speculative request, for a row whose prefill is not under way as above, a slot outside
+  /// the batch, a negative length or one beyond the prompt (the replay tail excluded) or the
+  /// completed chunks, pages the row does not hold, rows that have not reached the device
+  /// (DeviceWriteTiming::kEngineStep), or a hidden tensor / row that does not fit. The snapshot
   /// slots are reserved while the hit's pins are still held; only when none is free are the pins
   /// released and the reservation retried. A std::bad_alloc of the first reservation or a capture
   /// that throws (its reservation is retired first) leaves the request as it was, pins included,
@@ -453,11 +458,12 @@ class ContextCacheCoordinator {
                                               int32_t residentStateLength,
                                               Tensor const& baseHiddenStates,
                                               int32_t boundaryHiddenRow);
-  /// Hybrid-MTP, between preparePrefill and publishHybridMtpEndpoint / finalisation: enqueues
-  /// the copy of the boundary hidden row of row `row`'s restored checkpoint into row
+  /// Hybrid-MTP, while row `row`'s prefill is under way (a founder's between preparePrefill and
+  /// finalizePrefillPublication, an unfinalised joiner's between steps) and before its endpoint:
+  /// enqueues the copy of the boundary hidden row of the row's restored checkpoint into row
   /// `destinationRow` of `baseHiddenStates` (stream-ordered, no synchronisation). Throws,
-  /// changing nothing, on another deployment, when the row restored no Hybrid-MTP checkpoint
-  /// (or its pins were released), or for a tensor / row that does not fit.
+  /// changing nothing, on another deployment, outside those stages, when the row restored no
+  /// Hybrid-MTP checkpoint (or its pins were released), or for a tensor / row that does not fit.
   void restoreHybridMtpBoundaryHidden(RequestHandle& handle, ExecutionRow row,
                                       Tensor& baseHiddenStates, int32_t destinationRow);
 
@@ -489,15 +495,17 @@ class ContextCacheCoordinator {
   /// requests, vanilla or speculative (a speculative joiner gets base and draft rows; its prompt
   /// endpoint is frozen at finalisation until the first verification round after it), and plain
   /// hybrid requests (a hybrid joiner's hit checkpoint is restored into its resident row at
-  /// admission, or the row is cleared). Hybrid-MTP requests and pure-recurrent deployments (no
-  /// page table) admit no joiners.
+  /// admission, or the row is cleared), and Hybrid-MTP requests (the same restore; the engine
+  /// restores the joiner's boundary hidden row and publishes its endpoint before its
+  /// finalisation). Pure-recurrent deployments (no page table) admit no joiners.
   bool supportsLiveSequenceAdmission() const noexcept;
   /// Admits one more sequence into an executing request with no pending work; binds only the
   /// new resident's row. The sequence joins at the end of the batch. Unless the admission sets
   /// its own lookup or commit policy it inherits the request's (the batch policies of
   /// beginRequest). Salt and adapter come with the admission's key extras.
   /// Throws for a request under kFullyCommitted: a joiner is finalised with a lookahead token;
-  /// and (with resources.residentSlots) for a stale resident, as beginRequest.
+  /// for a Hybrid-MTP joiner not under kPrefillStateOnly or whose prompt the request's replay
+  /// tail covers; and (with resources.residentSlots) for a stale resident, as beginRequest.
   AdmitSequenceResult admitSequence(RequestHandle& handle,
                                     ContextCacheSequenceAdmission const& admission,
                                     DecodingKvHeadroom const& headroom);
@@ -513,8 +521,9 @@ class ContextCacheCoordinator {
   /// enqueuePrefillCaptures), this publishes the founder's chunk; a founder whose chunks stopped
   /// short of its prompt then holds at finalizePrefillPublication and goes on as an unfinalised
   /// in-flight admission (its next chunks and finalizeSequenceAdmission as a joiner's, while
-  /// sequences admitted meanwhile reuse what it published). Founders of Hybrid-MTP requests and
-  /// pure-recurrent deployments (no joiners) and of requests under kFullyCommitted prefill whole;
+  /// sequences admitted meanwhile reuse what it published). Founders of pure-recurrent
+  /// deployments (no joiners) and of requests under kFullyCommitted prefill whole; a Hybrid-MTP
+  /// row keeps no chunk ends, and a length below its published endpoint throws;
   /// an EAGLE / MTP founder's draft initialisation runs after its last chunk, as a joiner's.
   /// kPoisoned on a poisoned coordinator. Throws, changing nothing, outside an executing request
   /// with no pending work or a prepared prefill, for a row that is neither an unfinalised

@@ -106,7 +106,7 @@ struct ReferenceEngineOptions {
   std::function<void(int64_t)> onStep;
   /// Speculative decoding: 0 = vanilla (one token per decode step). K > 0 needs a runtime built
   /// with KVCacheRuntimeConfig::speculative: on an attention-only model EAGLE-style or MTP, on a
-  /// model with recurrent layers and context reuse Hybrid-MTP (requests of one sequence under
+  /// model with recurrent layers and context reuse Hybrid-MTP (requests under
   /// ContextCacheCommitPolicy::kPrefillStateOnly). Every request is then a speculative request
   /// with headroom {K + 1, K} (paged draft) or {K + 1, 0}, and every decode step a verification
   /// round in which the draft proposes K tokens and the base verifies them; how many are

@@ -447,8 +447,8 @@ bool Lifecycle::publishJoinerEndpoint(Req& req, int32_t slot) {
   }
   Tensor const hidden = hiddenStatesOf(row);
   int32_t const hiddenRow = length - 1 - row.start;
-  if (row.chunkCompleted > row.start && row.chunkCompleted < length) {
-    // In chunks: its endpoint reads what its completed chunks computed.
+  if (row.chunkCompleted < length) {
+    // Its endpoint reads what its completed chunks computed: the last one completes first.
     if (mIn.oneIn(4)) {
       publishEndpoint(req, slot, length, hidden, hiddenRow, false);  // before its last chunk
     }
@@ -469,8 +469,10 @@ bool Lifecycle::publishJoinerEndpoint(Req& req, int32_t slot) {
   if (mIn.oneIn(5)) {
     return true;  // no endpoint: finalisation releases the hit's pins
   }
+  uint64_t const before = mCoordinator->counters().hybridMtpPublications;
   publishEndpoint(req, slot, length, hidden, hiddenRow, true);
-  ++mStats.mtpJoinerEndpoints;
+  mStats.mtpJoinerEndpoints +=
+      static_cast<int64_t>(mCoordinator->counters().hybridMtpPublications - before);
   return req.stage != Stage::kGone;
 }
 

@@ -130,7 +130,7 @@ void Lifecycle::issuePreparePrefill(Req& req, std::vector<int32_t> const& length
 }
 
 bool Lifecycle::foundersChunk(Req const& req) const {
-  return mRuntime->supportsSeatedAdmission() && !req.mtp &&
+  return mRuntime->supportsSeatedAdmission() &&
          req.contract == DecodingTokenStateContract::kCommittedPlusLookahead && !mPoisoned;
 }
 
@@ -414,9 +414,11 @@ void Lifecycle::publishEndpoint(Req& req, int32_t slot, int32_t length, Tensor c
                (req.stage == Stage::kIdle && !req.rows[static_cast<std::size_t>(slot)].joined))
           ? &req.rows[static_cast<std::size_t>(slot)]
           : nullptr;
+  // A founder in the prefill computed its whole prompt (unless held after a first chunk); a
+  // joiner or a held founder what its completed chunks did.
   bool const computed =
-      awaiting != nullptr && (awaiting->chunkCompleted <= awaiting->start ||
-                              req.stage == Stage::kPrefill || length <= awaiting->chunkCompleted);
+      awaiting != nullptr && ((req.stage == Stage::kPrefill && !awaiting->heldPrefill) ||
+                              length <= awaiting->chunkCompleted);
   if (!valid || awaiting == nullptr || !computed) {
     reject(what, call);
     return;
