@@ -552,6 +552,38 @@ TEST_P(HybridMtpFacadeTest, EndpointThenByteExactBoundaryHiddenRestoreIntoAGiven
   expectDraftIdle(rig);
 }
 
+// With engine-step writes, an endpoint copies pages through rows that must have reached the
+// device: before the engine's flush it is refused, naming the call, and nothing changes.
+TEST_P(HybridMtpFacadeTest, AnEndpointBeforeItsRowsReachedTheDeviceIsRefused) {
+  KVCacheRuntimeConfig config = mtpConfig(device());
+  config.deviceWrites = DeviceWriteTiming::kEngineStep;
+  RuntimeRig rig(config);
+  {
+    SpecDriver producer(rig, tokenRun(40, 100), true);
+    ASSERT_TRUE(producer.begin(kPrefillOnly));
+    ASSERT_TRUE(producer.managed->preparePrefill());
+    ASSERT_TRUE(rig.runtime().deviceWritesPending());
+    // (The step's kernels would have read the stale rows: the endpoint would copy other pages.)
+    Tensor hidden({40, kHiddenWidth}, DataType::kFloat16, device());
+    BackendState const before = rig.observe();
+    EXPECT_TRUE(test::throwsError(
+        [&] { (void)producer.managed->publishHybridMtpEndpoint(0, 40, hidden, 39); },
+        {"publishHybridMtpEndpoint", "never reached the device", "flushDeviceWrites"}));
+    rig.expectUnchanged(before);
+    EXPECT_TRUE(records(rig).empty());
+    rig.runtime().flushDeviceWrites();
+    producer.executeBase(0, 40);
+    producer.executeDraft(0, 39);
+    ASSERT_TRUE(producer.managed->publishHybridMtpEndpoint(0, 40, hidden, 39));
+    EXPECT_EQ(records(rig).size(), 1u);
+    producer.sample();
+    ASSERT_TRUE(producer.managed->completePrefill(producer.context, {}));
+    ASSERT_TRUE(producer.managed->finish());
+  }
+  rig.runtime().flushDeviceWrites();
+  rig.expectIdle();
+}
+
 TEST_P(HybridMtpFacadeTest, MisuseThrowsAndAFailedEndpointSyncReturnsFalse) {
   RuntimeRig rig(mtpConfig(device()));
   {  // Hybrid-MTP requests take several sequences (each publishes its own endpoint; the
