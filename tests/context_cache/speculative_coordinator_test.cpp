@@ -557,6 +557,63 @@ TEST_P(HybridMtpCoordinatorTest, AJoinerRestoresItsHitInChunksAndPublishesItsEnd
   rig.expectQuiescent();
 }
 
+// vLLM's recompute on Hybrid-MTP: preempting a row publishes nothing more (its prompt endpoint
+// is what kPrefillStateOnly keeps); once compacted away, its prompt and generated tokens admitted
+// again resume from that endpoint, boundary hidden row included, and go on as a joiner.
+TEST_P(HybridMtpCoordinatorTest, APreemptedRowResumesFromItsPromptEndpointAsAJoiner) {
+  SpecRigOptions options = mtp();
+  options.recurrentSlots = 8;
+  options.partialSlots = 8;
+  SpecRig rig(device(), options);
+  Seq a(tokenRun(70, 100), 0);
+  Seq b(tokenRun(129, 300), 1);
+  Handle handle = rig.admit({&a, &b}, true);
+  ASSERT_EQ(rig.mtpPrefill(handle, {&a, &b}), kOk);
+  ASSERT_EQ(rig.step(handle, {&a, &b}, {2, 3}, {0, 1}, {}, true), kOk);
+  std::size_t const records = rig.records().size();
+  ASSERT_EQ(records, 2u);
+  EXPECT_TRUE(
+      throwsError([&] { (void)rig.coordinator->preemptSequence(handle, 2); }, {"preemptSequence"}));
+  ASSERT_EQ(rig.coordinator->preemptSequence(handle, 1), kOk);
+  EXPECT_EQ(rig.coordinator->counters().preemptions, 1u);
+  EXPECT_EQ(rig.records().size(), records) << "kPrefillStateOnly: nothing more to publish";
+  Tensor mapping({2}, DataType::kInt32, device());
+  std::vector<int32_t> const keepFirst{0, -1};
+  rig.coordinator->beginBatchCompaction(handle, keepFirst, 1, mapping);
+  ASSERT_EQ(rig.coordinator->compactBatch(handle), kOk);
+  rig.pool.setActiveBatchSize(1);
+  rig.draftPool->setActiveBatchSize(1);
+
+  // The preempted sequence again, on a fresh resident: its prompt and what it generated.
+  Seq resumed(b.tokens, 1);
+  auto const admitted =
+      rig.coordinator->admitSequence(handle, promptAdmissionOf(resumed), SpecRig::kSpecHeadroom);
+  ASSERT_EQ(admitted.status, kOk);
+  EXPECT_EQ(admitted.prefillStart, 129) << "its prompt endpoint";
+  rig.pool.setActiveBatchSize(2);
+  rig.draftPool->setActiveBatchSize(2);
+  Tensor restored({2, rig.options.hiddenWidth}, DataType::kFloat16, device());
+  rig.coordinator->restoreHybridMtpBoundaryHidden(handle, 1, restored, 0);
+  std::vector<uint8_t> const rows = readBytes(restored);
+  EXPECT_EQ(std::vector<uint8_t>(rows.begin(), rows.begin() + rig.options.hiddenWidth * 2),
+            rig.hiddenRow(resumed.digests.at(128)));
+  rig.verifyResumed(resumed, 129, 128, "resumed");
+  rig.executeBase(resumed, 1, 129, resumed.promptLength);
+  rig.executeDraft(resumed, 1, 128, resumed.promptLength - 1);
+  ASSERT_EQ(rig.coordinator->completePrefillChunk(handle, 1, resumed.promptLength), kOk);
+  Tensor const hidden = rig.hiddenStates(resumed, 129, resumed.promptLength);
+  ASSERT_EQ(rig.coordinator->publishHybridMtpEndpoint(handle, 1, resumed.promptLength, hidden,
+                                                      resumed.promptLength - 1 - 129),
+            kOk);
+  resumed.sample();
+  ContextCacheSequenceAdvance const lookahead{&resumed.tokens.back(), 1, resumed.promptLength};
+  ASSERT_EQ(rig.coordinator->finalizeSequenceAdmission(handle, 1, lookahead), kOk);
+  EXPECT_EQ(rig.records().size(), records + 1) << "the resumed prompt's own endpoint";
+  ASSERT_EQ(rig.step(handle, {&a, &resumed}, {1, 2}, {0, 0}, {0, 1}, true), kOk);
+  ASSERT_EQ(rig.coordinator->finish(handle), kOk);
+  rig.expectQuiescent();
+}
+
 TEST_P(HybridMtpCoordinatorTest, ThePreparedDraftLengthLeavesTheBoundaryRowToRecompute) {
   SpecRig rig(device(), mtp());
   Seq producer(tokenRun(256, 100), 0);
