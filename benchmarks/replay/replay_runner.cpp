@@ -1063,8 +1063,9 @@ class Runner {
       }
       ++record.attempts;
       bool const ok = outcome.admitted && completedNormally(sequence.reason);
-      if (!ok && outcome.admitted && outcome.sequences.size() > 1 && record.attempts < 2) {
-        // Failed in a batch (pages held by the others): once more after the batch drained.
+      if (!ok && outcome.sequences.size() > 1 && record.attempts < 2) {
+        // Failed in a batch, or a founding batch the pools could not hold: once more, alone,
+        // after the batch drained.
         Pending pending = requeued(index, EngineSequence{});
         pending.sequence.prompt = sequence.prompt;
         pending.sequence.maxNewTokens = record.maxNewTokens;

@@ -1429,6 +1429,22 @@ TEST_P(HybridMtpReplayTest, JoinersInChunksPublishTheirEndpointsAfterTheirLastCh
   EXPECT_EQ(h.boundaryHiddenChecks, 96);
 }
 
+// A founding batch the pools cannot hold (sixteen founders in a 60-page pool) is not failed: its
+// sequences run again alone once the batch drained, as a sequence that failed inside a batch.
+TEST_P(HybridMtpReplayTest, AFoundingBatchThePoolCannotHoldIsRetriedAlone) {
+  MultiTurnWorkload workload;
+  ReplayConfig config = hybridMtpConfig(device());
+  config.maxBatch = 16;
+  config.poolSizing = PoolSizing::kPages;
+  config.poolAmount = 60;
+  ReplayResult const result = runReplay(workload, config);
+  EXPECT_EQ(result.failedRequests, 0);
+  EXPECT_GT(result.retriedRequests, 0);
+  EXPECT_EQ(result.oracleMismatches, 0) << result.firstMismatch;
+  EXPECT_EQ(result.hybrid.boundaryHiddenMismatches, 0);
+  EXPECT_GT(result.reusedTokens, 0);
+}
+
 TEST_P(HybridMtpReplayTest, ACorruptedBoundaryHiddenRowIsCaughtAtEveryRestore) {
   ReplayConfig config = hybridMtpConfig(device());
   config.limit = 60;
