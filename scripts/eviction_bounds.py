@@ -17,6 +17,9 @@ request being admitted are never victims. Policies:
                used (0, 1, 2, 3+ times) x how far from its prompt's end it sits (0, 1, 2, 3+
                blocks); `--classes output` adds the request's output length (6 buckets). Every
                online policy over those features has less to go on.
+  class-online the same ranking learned as it goes (not a bound: an online candidate): per class,
+               histograms of the ages at which blocks were hit and evicted, decayed and turned into
+               ranks every 50 requests.
 
 Why it exists: docs/context_cache.md ("Eviction policies") explains from these figures why no
 policy reaches 1.3x LRU on the Mooncake sample. Run it on any trace of the same format:
@@ -31,7 +34,7 @@ import heapq
 import json
 import sys
 
-POLICIES = ("lru", "belady", "dead-oracle", "class-oracle")
+POLICIES = ("lru", "belady", "dead-oracle", "class-oracle", "class-online")
 NEVER = 1 << 60
 
 
@@ -108,6 +111,45 @@ def class_ranks(trace, with_output, horizon, age_step, ages):
     return ranks
 
 
+class OnlineRanks:
+    """class-online's state: decayed histograms of the ages (in requests, `step` a bucket) at which
+    the blocks of each class were hit or evicted, and the ranks they give."""
+
+    def __init__(self, step, buckets):
+        self.step, self.buckets = step, buckets
+        self.hits = collections.defaultdict(lambda: [0.0] * buckets)
+        self.evictions = collections.defaultdict(lambda: [0.0] * buckets)
+
+    def bucket(self, age):
+        return min(age // self.step, self.buckets - 1)
+
+    def hit(self, c, age):
+        self.hits[c][self.bucket(age)] += 1
+
+    def evicted(self, c, age):
+        self.evictions[c][self.bucket(age)] += 1
+
+    def ranks(self):
+        """Per class and age bucket: the chance of a hit from that age on over the expected time
+        left in the cache; then the histograms decay (weight 0.8 per 50 requests)."""
+        out = {}
+        for c in set(self.hits) | set(self.evictions):
+            h, e = self.hits[c], self.evictions[c]
+            row = [0.0] * self.buckets
+            hits = events = weighted = 0.0
+            for a in range(self.buckets - 1, -1, -1):
+                hits += h[a]
+                events += h[a] + e[a]
+                weighted += (h[a] + e[a]) * a
+                if events > 0:
+                    remaining = (weighted / events - a) * self.step
+                    row[a] = (hits / events) / max(remaining, 1.0)
+            out[c] = row
+            self.hits[c] = [x * 0.8 for x in h]
+            self.evictions[c] = [x * 0.8 for x in e]
+        return out
+
+
 def replay(trace, pool_tokens, policy, with_output=False):
     cap = pool_tokens // trace.block
     if cap < 1:
@@ -117,17 +159,20 @@ def replay(trace, pool_tokens, policy, with_output=False):
     used = collections.Counter()
     heaps = collections.defaultdict(list)  # class (or 0) -> [(key, version, block)]
     version = {}
-    ranks, age_step = None, 1
+    classed = policy in ("class-oracle", "class-online")
+    ranks, age_step = {}, 1
+    # The horizon is the cache's reach: how many requests it takes to insert a cache's worth of
+    # new blocks, on average.
+    horizon = max(1, int(cap / (len(trace.uses) / max(1, len(trace.reqs)))))
     if policy == "class-oracle":
-        # The horizon is the cache's reach: how many requests it takes to insert a cache's worth
-        # of new blocks, on average.
-        new_blocks_per_request = len(trace.uses) / max(1, len(trace.reqs))
-        horizon = max(1, int(cap / new_blocks_per_request))
         age_step = max(1, horizon // 50)
         ranks = class_ranks(trace, with_output, horizon, age_step, 400)
+    online = OnlineRanks(max(1, 4 * horizon // 200), 200) if policy == "class-online" else None
+    if online is not None:
+        age_step = online.step
 
     def key(h, i, c):
-        if policy == "lru" or policy == "class-oracle":
+        if policy == "lru" or classed:
             return i
         u = trace.uses[h]
         k = bisect.bisect_right(u, i)
@@ -138,7 +183,7 @@ def replay(trace, pool_tokens, policy, with_output=False):
     def offer(h, i):
         c, _ = cached[h]
         version[h] = version.get(h, 0) + 1
-        heapq.heappush(heaps[c if ranks else 0], (key(h, i, c), version[h], h))
+        heapq.heappush(heaps[c if classed else 0], (key(h, i, c), version[h], h))
 
     def top(heap, busy):
         skipped = []
@@ -159,7 +204,7 @@ def replay(trace, pool_tokens, policy, with_output=False):
         return found
 
     def evict(i, busy):
-        if ranks is None:
+        if not classed:
             victim = top(heaps[0], busy)
         else:
             victim, best = None, None
@@ -167,14 +212,16 @@ def replay(trace, pool_tokens, policy, with_output=False):
                 e = top(heap, busy)
                 if e is None:
                     continue
-                row = ranks[c]
-                rank = row[min((i - e[0]) // age_step, len(row) - 1)]
+                row = ranks.get(c)
+                rank = row[min((i - e[0]) // age_step, len(row) - 1)] if row else 0.0
                 if best is None or rank < best:
                     victim, best = e, rank
         if victim is None:
             sys.exit(f"eviction_bounds.py: a {trace.block}-token block pool of {cap} blocks cannot "
                      "hold one request's blocks; give a larger --pool-tokens")
         h = victim[2]
+        if online is not None:
+            online.evicted(cached[h][0], i - cached[h][1])
         del cached[h]
         version[h] = version.get(h, 0) + 1
         p = trace.parent[h]
@@ -185,6 +232,8 @@ def replay(trace, pool_tokens, policy, with_output=False):
 
     reused = 0
     for i, r in enumerate(trace.reqs):
+        if online is not None and i % 50 == 0:
+            ranks = online.ranks()
         ids = r["hash_ids"]
         hit = 0
         for h in ids:
@@ -194,8 +243,10 @@ def replay(trace, pool_tokens, policy, with_output=False):
         reused += min(hit, r["input_length"] // trace.block) * trace.block
         busy = set(ids)
         for j, h in enumerate(ids):
-            c = block_class(used[h], len(ids) - 1 - j, r, with_output) if ranks else 0
+            c = block_class(used[h], len(ids) - 1 - j, r, with_output) if classed else 0
             used[h] += 1
+            if h in cached and online is not None:
+                online.hit(cached[h][0], i - cached[h][1])
             if h not in cached:
                 while len(cached) >= cap:
                     evict(i, busy)
@@ -226,6 +277,7 @@ def self_test():
     # The dead-block oracle knows [3,4] never returns: the same as Belady here.
     assert got["dead-oracle"] == 2048 / 5120, got
     assert 0 <= got["class-oracle"] <= got["belady"], got
+    assert 0 <= got["class-online"] <= got["belady"], got
     # Leaves only: a shared root stays while a child of it is cached.
     reqs = [{"input_length": 1536, "hash_ids": [1, 2, 3]},
             {"input_length": 1536, "hash_ids": [1, 7, 8]},
