@@ -454,14 +454,7 @@ bool Lifecycle::publishJoinerEndpoint(Req& req, int32_t slot) {
     }
     std::string const what =
         fmt::format("completePrefillChunk({}, {}) on {}", slot, length, describe(req));
-    expect(accept(what,
-                  [&] {
-                    if (req.via == Via::kFacade) {
-                      return req.facade->completePrefillChunk(slot, length);
-                    }
-                    return mCoordinator->completePrefillChunk(req.coordinator, slot, length) ==
-                           ContextCacheStatus::kOk;
-                  }),
+    expect(accept(what, [&] { return callCompleteChunk(req, slot, length); }),
            what + " returned false");
     row.chunkCompleted = length;
     ++mStats.prefillChunks;
@@ -636,13 +629,7 @@ void Lifecycle::prefillChunk(Req& req, int32_t slot) {
   Row& row = req.rows[static_cast<std::size_t>(slot)];
   auto const length = static_cast<int32_t>(row.prompt.size());
   int32_t const end = row.materialized + 1 + mIn.below(length - row.materialized);
-  auto call = [&](int32_t tokens) {
-    if (req.via == Via::kFacade) {
-      return req.facade->completePrefillChunk(slot, tokens);
-    }
-    return mCoordinator->completePrefillChunk(req.coordinator, slot, tokens) ==
-           ContextCacheStatus::kOk;
-  };
+  auto call = [&](int32_t tokens) { return callCompleteChunk(req, slot, tokens); };
   if (req.stage != Stage::kIdle) {  // during a step (or finishing): refused, nothing changed
     reject(what + " during a step", [&] { return call(end); });
     return;

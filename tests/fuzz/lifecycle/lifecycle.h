@@ -446,6 +446,9 @@ class Lifecycle {
   /// coordinator, requests that admit joiners).
   bool foundersChunk(Req const& req) const;
   void founderChunk(Req& req, int32_t slot, int32_t end);
+  /// completePrefillChunk(slot, tokens) through the request's path (facade, coordinator or the
+  /// SWA manager), as the facade's answer.
+  bool callCompleteChunk(Req& req, int32_t slot, int32_t tokens);
   void prepareFounderChunk(Req& req, int32_t slot, int32_t end);
   /// The rest of a chunked joiner's prefill and its lookahead, before it is finalised; false
   /// when its pages could not be prepared (the finalisation is then not attempted).

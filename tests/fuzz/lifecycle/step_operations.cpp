@@ -158,23 +158,23 @@ void Lifecycle::prepareFounderChunk(Req& req, int32_t slot, int32_t end) {
   trace(what);
 }
 
+bool Lifecycle::callCompleteChunk(Req& req, int32_t slot, int32_t tokens) {
+  if (req.via == Via::kFacade) {
+    return req.facade->completePrefillChunk(slot, tokens);
+  }
+  if (coordinatorBackend()) {
+    return mCoordinator->completePrefillChunk(req.coordinator, slot, tokens) ==
+           ContextCacheStatus::kOk;
+  }
+  return mSwa->completeSequenceChunk(req.swa, slot, tokens) == SwaKVCacheStatus::kOk;
+}
+
 /// completePrefillChunk of founder `slot` in the prefill, after its first chunk [start, end) ran.
 void Lifecycle::founderChunk(Req& req, int32_t slot, int32_t end) {
   std::string const what =
       fmt::format("completePrefillChunk(founder {}, to {}) on {}", slot, end, describe(req));
   Row& row = req.rows[static_cast<std::size_t>(slot)];
-  expect(accept(what,
-                [&] {
-                  if (req.via == Via::kFacade) {
-                    return req.facade->completePrefillChunk(slot, end);
-                  }
-                  if (coordinatorBackend()) {
-                    return mCoordinator->completePrefillChunk(req.coordinator, slot, end) ==
-                           ContextCacheStatus::kOk;
-                  }
-                  return mSwa->completeSequenceChunk(req.swa, slot, end) == SwaKVCacheStatus::kOk;
-                }),
-         what + " returned false");
+  expect(accept(what, [&] { return callCompleteChunk(req, slot, end); }), what + " returned false");
   row.heldPrefill = true;
   row.chunkCompleted = end;
   if (!coordinatorBackend()) {  // bounded SWA: the rest of the prompt is staged, as a joiner's
