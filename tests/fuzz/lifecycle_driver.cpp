@@ -46,6 +46,7 @@ LifecycleStats& LifecycleStats::operator+=(LifecycleStats const& other) {
   prefillChunks += other.prefillChunks;
   heldFounders += other.heldFounders;
   preemptions += other.preemptions;
+  checkpointPreemptions += other.checkpointPreemptions;
   reusePointsWritten += other.reusePointsWritten;
   reusePointsRestored += other.reusePointsRestored;
   draftOraclePositions += other.draftOraclePositions;

@@ -211,6 +211,7 @@ TEST(LifecycleFuzzTest, HybridSpeculativeAndMtpRuntimesKeepEveryInvariant) {
   EXPECT_GT(total.failedSynchronizations, 100 * kScale);
   EXPECT_GT(total.quarantines, 100 * kScale);
   EXPECT_GT(total.compactions, 100 * kScale);
+  EXPECT_GT(total.checkpointPreemptions, 10 * kScale);  // rows preempted, their state captured
   std::printf(
       "operations %lld, rejected %lld, lifecycles hybrid %lld / speculative %lld / Hybrid-MTP "
       "%lld, recurrent checks %lld, checkpoints restored %lld / published %lld / slabs checked "
@@ -218,7 +219,7 @@ TEST(LifecycleFuzzTest, HybridSpeculativeAndMtpRuntimesKeepEveryInvariant) {
       "positions %lld, paired reuses %lld, paired joiners %lld, verification "
       "rounds %lld (%lld tokens accepted), "
       "Hybrid-MTP endpoints %lld (%lld by rows of batches, %lld joiners'), boundary hidden "
-      "restores %lld, failed syncs %lld, quarantines %lld\n",
+      "restores %lld, preemptions captured %lld, failed syncs %lld, quarantines %lld\n",
       static_cast<long long>(total.operations), static_cast<long long>(total.rejectedCalls),
       static_cast<long long>(total.hybridLifecycles),
       static_cast<long long>(total.speculativeLifecycles),
@@ -236,6 +237,7 @@ TEST(LifecycleFuzzTest, HybridSpeculativeAndMtpRuntimesKeepEveryInvariant) {
       static_cast<long long>(total.mtpBatchEndpoints),
       static_cast<long long>(total.mtpJoinerEndpoints),
       static_cast<long long>(total.boundaryHiddenRestores),
+      static_cast<long long>(total.checkpointPreemptions),
       static_cast<long long>(total.failedSynchronizations),
       static_cast<long long>(total.quarantines));
 }

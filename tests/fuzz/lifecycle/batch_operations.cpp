@@ -573,9 +573,7 @@ void Lifecycle::finalize(Req& req) {
   auto const rows = static_cast<int32_t>(req.rows.size());
   bool const unjoined = rows > 0 && !req.rows.back().joined;
   int32_t const slot = unjoined ? rows - 1 : (mIn.oneIn(2) ? rows : std::max(0, rows - 1));
-  // Preemption on the runtimes without checkpoints (a checkpoint's capture synchronises, which
-  // the fault model drives through the completion calls).
-  if (!checkpointDeployment() && mIn.oneIn(3)) {
+  if (mIn.oneIn(3)) {
     preempt(req, static_cast<int32_t>(mIn.below(rows + 1)));
     return;
   }
@@ -619,8 +617,36 @@ void Lifecycle::preempt(Req& req, int32_t slot) {
     ++mStats.refusals;
     return;
   }
-  expect(accept(what, call), what + " returned false");
+  ContextCacheCoordinatorCounters const before =
+      coordinatorBackend() ? mCoordinator->counters() : ContextCacheCoordinatorCounters{};
+  int64_t const calls = syncCalls();
+  int64_t const failures = syncFailures();
+  bool const accepted = accept(what, call);
+  // On a checkpoint runtime the row's state is captured where it stands (unless its commit
+  // policy keeps the prompt only) and one synchronisation makes the capture terminal; a failed
+  // one quarantines the request.
+  uint64_t const captureSyncs =
+      coordinatorBackend()
+          ? mCoordinator->counters().captureSynchronizations - before.captureSynchronizations
+          : 0;
+  expectf(captureSyncs == 0 || checkpointDeployment(), "{}: capture synchronisation", what);
+  if (coordinatorBackend() &&
+      synchronised(what, calls, failures, static_cast<int64_t>(captureSyncs))) {
+    expect(!accepted, what + ": returned true after a failed capture synchronisation");
+    quarantine(req);
+    req.stage = Stage::kGone;
+    trace(what + ": capture synchronisation failed, request quarantined");
+    return;
+  }
+  expect(accepted, what + " returned false");
   ++mStats.preemptions;
+  if (captureSyncs > 0) {
+    Row const& row = req.rows[static_cast<std::size_t>(slot)];
+    noteCheckpoint(req, row, row.materialized, false);
+    ++mStats.checkpointPreemptions;
+    mStats.checkpointsPublished += static_cast<int64_t>(
+        mCoordinator->counters().checkpointPublications - before.checkpointPublications);
+  }
   trace(fmt::format("{}: row {}", what, slot));
 }
 
