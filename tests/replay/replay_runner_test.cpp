@@ -1445,6 +1445,42 @@ TEST_P(HybridMtpReplayTest, AFoundingBatchThePoolCannotHoldIsRetriedAlone) {
   EXPECT_GT(result.reusedTokens, 0);
 }
 
+// A row preempted under pool pressure (sixteen rows in 45 pages) publishes nothing more
+// (kPrefillStateOnly): it comes back with its prompt and the tokens it generated, restores its
+// own prompt endpoint (recurrent rows, boundary page, boundary hidden row) and recomputes the
+// rest, and every request is served the tokens it is served without pressure.
+TEST_P(HybridMtpReplayTest, APreemptedRowResumesFromItsPromptEndpoint) {
+  ReplayConfig config = hybridMtpConfig(device());
+  config.maxBatch = 16;
+  MultiTurnWorkload plainWorkload;
+  RecordingSource plain(plainWorkload);
+  ReplayResult const unbounded = runReplay(plain, config);
+  ASSERT_EQ(unbounded.preemptions, 0);
+  config.poolSizing = PoolSizing::kPages;
+  config.poolAmount = 45;
+  config.preemption = testing::PreemptionMode::kRecompute;
+  MultiTurnWorkload workload;
+  RecordingSource recorded(workload);
+  ReplayResult const result = runReplay(recorded, config);
+  EXPECT_EQ(result.failedRequests, 0);
+  EXPECT_EQ(result.oracleMismatches, 0) << result.firstMismatch;
+  EXPECT_EQ(result.draftOracleMismatches, 0);
+  ReplayResult::Hybrid const& h = result.hybrid;
+  EXPECT_EQ(h.recurrentMismatches, 0);
+  EXPECT_EQ(h.boundaryHiddenMismatches, 0);
+  EXPECT_EQ(h.boundaryHiddenChecks, h.boundaryHiddenRestores);
+  ASSERT_GT(result.preemptions, 0);
+  EXPECT_EQ(result.resumed, result.preemptions);
+  // Reused: the prompt endpoints only; the generated tokens before the preemption are recomputed.
+  EXPECT_GT(result.resumedReusedTokens, 0);
+  EXPECT_LT(result.resumedReusedTokens, result.resumedPromptTokens);
+  ASSERT_EQ(plain.generated.size(), 120U);
+  ASSERT_EQ(recorded.generated.size(), plain.generated.size());
+  for (std::size_t i = 0; i < plain.generated.size(); ++i) {
+    EXPECT_EQ(recorded.generated[i], plain.generated[i]) << i;
+  }
+}
+
 TEST_P(HybridMtpReplayTest, ACorruptedBoundaryHiddenRowIsCaughtAtEveryRestore) {
   ReplayConfig config = hybridMtpConfig(device());
   config.limit = 60;
