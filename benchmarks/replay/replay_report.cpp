@@ -335,9 +335,11 @@ std::string formatSummary(ReplayResult const& r) {
       hostTier += fmt::format("; {} blocks swapped out", grouped(r.hostTier.swappedOutBlocks));
     }
     line("preemption",
-         fmt::format("{}: {} preempted, {} resumed ({} prompt tokens, {} reused{})",
+         fmt::format("{}: {} preempted, {} resumed ({} prompt tokens, {} of them generated "
+                     "before the preemption; {} reused{})",
                      preemptionName(c.preemption), grouped(r.preemptions), grouped(r.resumed),
-                     grouped(r.resumedPromptTokens), grouped(r.resumedReusedTokens), hostTier));
+                     grouped(r.resumedPromptTokens), grouped(r.resumedGeneratedTokens),
+                     grouped(r.resumedReusedTokens), hostTier));
   }
   line("steps between tokens",
        fmt::format("p50 {}, p99 {}", r.timeBetweenTokensStepsP50, r.timeBetweenTokensStepsP99));
@@ -491,6 +493,7 @@ std::string formatJson(ReplayResult const& r) {
       {"resumed", r.resumed},
       {"resumed_prompt_tokens", r.resumedPromptTokens},
       {"resumed_reused_tokens", r.resumedReusedTokens},
+      {"resumed_generated_tokens", r.resumedGeneratedTokens},
       {"resumed_host_tier_tokens", r.resumedHostTierTokens},
       {"prompt_tokens", r.promptTokens},
       {"reused_tokens", r.reusedTokens},

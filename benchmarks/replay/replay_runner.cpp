@@ -1126,6 +1126,7 @@ class Runner {
     r.resumedHostTierTokens = stats.resumedHostTierTokens;
     r.resumedPromptTokens = stats.resumedPromptTokens;
     r.resumedReusedTokens = stats.resumedReusedTokens;
+    r.resumedGeneratedTokens = stats.resumedGeneratedTokens;
     std::vector<int64_t> const tbt(stats.timeBetweenTokensSteps.begin(),
                                    stats.timeBetweenTokensSteps.end());
     r.timeBetweenTokensStepsP50 = percentile(tbt, 0.50);

@@ -239,6 +239,9 @@ struct ReplayResult {
   int64_t resumed = 0;
   int64_t resumedPromptTokens = 0;
   int64_t resumedReusedTokens = 0;
+  /// Of resumedPromptTokens, those generated before the preemptions (EngineStats::
+  /// resumedGeneratedTokens).
+  int64_t resumedGeneratedTokens = 0;
   /// Of resumedReusedTokens, those onboarded from the host tier (EngineStats::
   /// resumedHostTierTokens).
   int64_t resumedHostTierTokens = 0;

@@ -378,6 +378,7 @@ void ReferenceEngine::finishPrefill(Run& run, std::size_t index) {
   } else {  // a resumption after a preemption
     mStats.resumedPromptTokens += promptLength;
     mStats.resumedReusedTokens += start;
+    mStats.resumedGeneratedTokens += row.spec.resume->generatedTokens;
   }
   verifyRow(run, row, /*full=*/false);
   if (pairsDraft()) {

@@ -242,6 +242,9 @@ struct EngineStats {
   /// promptTokens / reusedTokens / prefillTokensComputed (those count first admissions).
   int64_t resumedPromptTokens = 0;
   int64_t resumedReusedTokens = 0;
+  /// Of resumedPromptTokens, those the sequences had generated before their preemptions (what a
+  /// commit policy that keeps the prompt only never lets a resumption reuse).
+  int64_t resumedGeneratedTokens = 0;
   /// Of resumedReusedTokens, those the host tier held (onboarded; ContextCacheMetrics::
   /// hostTierHitTokens of the resumptions' admissions).
   int64_t resumedHostTierTokens = 0;
