@@ -47,6 +47,7 @@ LifecycleStats& LifecycleStats::operator+=(LifecycleStats const& other) {
   heldFounders += other.heldFounders;
   preemptions += other.preemptions;
   checkpointPreemptions += other.checkpointPreemptions;
+  checkpointPreemptionQuarantines += other.checkpointPreemptionQuarantines;
   reusePointsWritten += other.reusePointsWritten;
   reusePointsRestored += other.reusePointsRestored;
   draftOraclePositions += other.draftOraclePositions;

@@ -80,6 +80,8 @@ struct LifecycleStats {
   int64_t heldFounders = 0;
   int64_t preemptions = 0;            ///< rows preempted (preemptSequence accepted)
   int64_t checkpointPreemptions = 0;  ///< of them, on a checkpoint runtime, their state captured
+  /// Preemptions whose capture's synchronisation failed (the request quarantined).
+  int64_t checkpointPreemptionQuarantines = 0;
   /// Joiners' chunks whose pages preparePrefillChunk allocated (JoinerPageAllocation::kPerChunk),
   /// and chunks it refused for capacity (the model said they did not fit; nothing changed).
   int64_t chunkPagePrepares = 0;

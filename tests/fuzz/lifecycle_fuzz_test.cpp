@@ -212,6 +212,7 @@ TEST(LifecycleFuzzTest, HybridSpeculativeAndMtpRuntimesKeepEveryInvariant) {
   EXPECT_GT(total.quarantines, 100 * kScale);
   EXPECT_GT(total.compactions, 100 * kScale);
   EXPECT_GT(total.checkpointPreemptions, 10 * kScale);  // rows preempted, their state captured
+  EXPECT_GT(total.checkpointPreemptionQuarantines, 0);  // ... or that capture's sync failed
   std::printf(
       "operations %lld, rejected %lld, lifecycles hybrid %lld / speculative %lld / Hybrid-MTP "
       "%lld, recurrent checks %lld, checkpoints restored %lld / published %lld / slabs checked "
@@ -219,7 +220,9 @@ TEST(LifecycleFuzzTest, HybridSpeculativeAndMtpRuntimesKeepEveryInvariant) {
       "positions %lld, paired reuses %lld, paired joiners %lld, verification "
       "rounds %lld (%lld tokens accepted), "
       "Hybrid-MTP endpoints %lld (%lld by rows of batches, %lld joiners'), boundary hidden "
-      "restores %lld, preemptions captured %lld, failed syncs %lld, quarantines %lld\n",
+      "restores %lld, preemptions captured %lld (and %lld quarantined by their capture), failed "
+      "syncs "
+      "%lld, quarantines %lld\n",
       static_cast<long long>(total.operations), static_cast<long long>(total.rejectedCalls),
       static_cast<long long>(total.hybridLifecycles),
       static_cast<long long>(total.speculativeLifecycles),
@@ -238,6 +241,7 @@ TEST(LifecycleFuzzTest, HybridSpeculativeAndMtpRuntimesKeepEveryInvariant) {
       static_cast<long long>(total.mtpJoinerEndpoints),
       static_cast<long long>(total.boundaryHiddenRestores),
       static_cast<long long>(total.checkpointPreemptions),
+      static_cast<long long>(total.checkpointPreemptionQuarantines),
       static_cast<long long>(total.failedSynchronizations),
       static_cast<long long>(total.quarantines));
 }

@@ -622,25 +622,20 @@ void Lifecycle::preempt(Req& req, int32_t slot) {
   int64_t const calls = syncCalls();
   int64_t const failures = syncFailures();
   bool const accepted = accept(what, call);
-  // On a checkpoint runtime the row's state is captured where it stands (unless its commit
-  // policy keeps the prompt only) and one synchronisation makes the capture terminal; a failed
-  // one quarantines the request.
-  uint64_t const captureSyncs =
-      coordinatorBackend()
-          ? mCoordinator->counters().captureSynchronizations - before.captureSynchronizations
-          : 0;
-  expectf(captureSyncs == 0 || checkpointDeployment(), "{}: capture synchronisation", what);
-  if (coordinatorBackend() &&
-      synchronised(what, calls, failures, static_cast<int64_t>(captureSyncs))) {
-    expect(!accepted, what + ": returned true after a failed capture synchronisation");
-    quarantine(req);
-    req.stage = Stage::kGone;
-    trace(what + ": capture synchronisation failed, request quarantined");
+  // On a checkpoint runtime the row's state may be captured where it stands (not when its commit
+  // policy keeps the prompt only, that length is published or cached, the row bypasses the
+  // cache or no snapshot slot is free); a capture synchronises once, and a failed
+  // synchronisation quarantines the request.
+  if (quarantinedByCapture(req, what, before, calls, failures, accepted)) {
+    ++mStats.checkpointPreemptionQuarantines;
     return;
   }
   expect(accepted, what + " returned false");
   ++mStats.preemptions;
-  if (captureSyncs > 0) {
+  if (coordinatorBackend() &&
+      mCoordinator->counters().captureSynchronizations != before.captureSynchronizations) {
+    // Defensive: the last completion filed this prefix already (the slabs are checked against
+    // the ledger either way).
     Row const& row = req.rows[static_cast<std::size_t>(slot)];
     noteCheckpoint(req, row, row.materialized, false);
     ++mStats.checkpointPreemptions;

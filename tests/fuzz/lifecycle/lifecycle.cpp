@@ -723,6 +723,25 @@ bool Lifecycle::synchronised(std::string const& what, int64_t callsBefore, int64
   return failed;
 }
 
+bool Lifecycle::quarantinedByCapture(Req& req, std::string const& what,
+                                     ContextCacheCoordinatorCounters const& before,
+                                     int64_t callsBefore, int64_t failuresBefore, bool returned) {
+  if (!coordinatorBackend()) {
+    return false;
+  }
+  uint64_t const captureSyncs =
+      mCoordinator->counters().captureSynchronizations - before.captureSynchronizations;
+  expectf(captureSyncs == 0 || checkpointDeployment(), "{}: capture synchronisation", what);
+  if (!synchronised(what, callsBefore, failuresBefore, static_cast<int64_t>(captureSyncs))) {
+    return false;
+  }
+  expect(!returned, what + ": returned true after a failed capture synchronisation");
+  quarantine(req);
+  req.stage = Stage::kGone;
+  trace(what + ": capture synchronisation failed, request quarantined");
+  return true;
+}
+
 Req* Lifecycle::find(uint64_t serial) {
   for (auto& req : mRequests) {
     if (req->serial == serial) {

@@ -232,6 +232,13 @@ class Lifecycle {
   int64_t syncFailures() const { return mSync.failures() + mSync.throws(); }
   bool synchronised(std::string const& what, int64_t callsBefore, int64_t failuresBefore,
                     int64_t expected);
+  /// After a call that may capture checkpoints and synchronise once (completeDecodeStep,
+  /// preemptSequence; `before`, `callsBefore`, `failuresBefore` taken before it, `returned` its
+  /// result): checks the synchronisations it made and, when the capture's failed, that it
+  /// returned false, and quarantines the request. Returns whether it did.
+  bool quarantinedByCapture(Req& req, std::string const& what,
+                            ContextCacheCoordinatorCounters const& before, int64_t callsBefore,
+                            int64_t failuresBefore, bool returned);
   Req* find(uint64_t serial);
   std::string describe(Req const& req) const;
   int32_t swaRowPages(Req const& req, Row const& row) const;

@@ -1035,20 +1035,9 @@ void Lifecycle::issueCompleteDecode(Req& req, CompleteDecodeCall& call) {
   int64_t const calls = syncCalls();
   int64_t const failures = syncFailures();
   bool const completed = accept(what, complete);
-  // Checkpoint runtimes capture the rows that finished normally and synchronise once.
-  uint64_t const captureSyncs =
-      coordinatorBackend()
-          ? mCoordinator->counters().captureSynchronizations - before.captureSynchronizations
-          : 0;
-  expectf(captureSyncs == 0 || checkpointDeployment(), "{}: capture synchronisation", what);
-  bool const failed = coordinatorBackend() &&
-                      synchronised(what, calls, failures, static_cast<int64_t>(captureSyncs));
   req.rows = std::move(call.rows);
-  if (failed) {
-    expect(!completed, what + ": returned true after a failed capture synchronisation");
-    quarantine(req);
-    req.stage = Stage::kGone;
-    trace(what + ": capture synchronisation failed, request quarantined");
+  // Checkpoint runtimes capture the rows that finished normally and synchronise once.
+  if (quarantinedByCapture(req, what, before, calls, failures, completed)) {
     return;
   }
   expect(completed, what + " returned false");
