@@ -365,9 +365,10 @@ else
   replay_case embedded_sliding_reuse --window 512 --full-layers 4 --max-batch 4 --kv-budget-bytes 6442450944
   # An EAGLE deployment: paired base + draft reuse, the draft's KV checked by its own oracle.
   replay_case embedded_eagle --pool-tokens 32768 --speculative eagle --draft-layers 1
-  # Hybrid-MTP: prompt endpoints with their boundary hidden rows, checked by the hidden-row oracle.
+  # Hybrid-MTP: prompt endpoints with their boundary hidden rows, checked by the hidden-row oracle;
+  # served as an engine would (batch 16, joiners, founders and joiners in chunks of a budget).
   replay_case embedded_hybrid_mtp --pool-tokens 32768 --recurrent-layers 9 --snapshot-slots 96 \
-    --speculative mtp --draft-layers 1 --no-attention-only
+    --speculative mtp --draft-layers 1 --no-attention-only --max-batch 16 --max-batched-tokens 512
   # Reuse points every 256 tokens (the reference engine's step kernels write the snapshot slots);
   # chunked prefill of joiners under a token budget of 256 a step.
   replay_case embedded_hybrid_points --pool-tokens 32768 --recurrent-layers 9 --snapshot-slots 96 \
