@@ -98,7 +98,8 @@ gtest_status() {  # STATUS of a gtest run: SKIP when every test skipped (no devi
   echo "date: $(date -u +%FT%TZ)"
   echo "host: $(uname -a)"
   echo "build: $BUILD"
-  (cd "$SCRIPT_DIR" && git describe --always --dirty 2>/dev/null) | sed 's/^/commit: /'
+  echo "bundle commit: $(cat "$BUILD/COMMIT" 2>/dev/null || echo unknown)"
+  (cd "$SCRIPT_DIR" && git describe --always --dirty 2>/dev/null) | sed 's/^/scripts commit: /'
   command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,memory.total --format=csv
 } >"$OUT/environment.txt" 2>&1
 command -v nvidia-smi >/dev/null && nvidia-smi >"$OUT/nvidia-smi.txt" 2>&1
