@@ -416,10 +416,10 @@ CliOptions parseArguments(int argc, char** argv) {
       int32(0, kInt32Max, c.checkpointInterval));
   auto* pointAdmission = option(
       "--reuse-point-admission", "A",
-      "hybrid models with --checkpoint-interval: every (default: every interval point, ranked as "
-      "any checkpoint) or branch-first (also where a prompt branches from cached content; interval "
-      "points and chunk ends rank below every other record until a prompt passes through them "
-      "again; docs/context_cache.md)",
+      "hybrid models with --checkpoint-interval: branch-first (default: also where a prompt "
+      "branches from cached content; interval points and chunk ends rank below every other record, "
+      "the finest first, until a prompt passes through them again) or every (every interval point, "
+      "ranked as any checkpoint); docs/context_cache.md",
       [&](std::string_view flag, std::string_view value) {
         c.reusePointAdmission = parseChoice<mkv::ReusePointAdmission>(
             flag, value,

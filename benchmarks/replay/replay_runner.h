@@ -143,7 +143,7 @@ struct ReplayConfig {
   int32_t checkpointInterval = 0;
   /// Which reuse points a hybrid model keeps and how they rank (ContextCacheConfig::
   /// reusePointAdmission).
-  mkv::ReusePointAdmission reusePointAdmission = mkv::ReusePointAdmission::kEveryInterval;
+  mkv::ReusePointAdmission reusePointAdmission = mkv::ReusePointAdmission::kBranchFirst;
   /// Hybrid-MTP (kMtp with recurrent layers): fp16 elements of the base hidden row kept with
   /// each prompt endpoint (docs/replay.md, "Hybrid-MTP").
   int64_t boundaryHiddenWidth = 16;

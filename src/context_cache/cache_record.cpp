@@ -1,5 +1,7 @@
 #include "context_cache/cache_record.h"
 
+#include <algorithm>
+
 #include "core/check.h"
 
 namespace mkv {
@@ -50,6 +52,11 @@ void CacheRecord::validate() const {
       retentionPriority >= kMinRetentionPriority && retentionPriority <= kMaxRetentionPriority,
       kCall, "retention priority {} outside [{}, {}]", retentionPriority, kMinRetentionPriority,
       kMaxRetentionPriority);
+}
+
+int32_t speculationPriority(int32_t rank, int32_t heldPriority) noexcept {
+  int32_t const ceiling = std::max(kMinRetentionPriority, heldPriority - 1);
+  return std::clamp(rank, kMinRetentionPriority, std::min(kMaxSpeculationRank, ceiling));
 }
 
 }  // namespace mkv

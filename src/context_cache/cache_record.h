@@ -57,6 +57,16 @@ struct SpecState {
   friend bool operator==(SpecState const&, SpecState const&) = default;
 };
 
+/// Speculations rank from kMinRetentionPriority to kMaxSpeculationRank (CacheRecord::speculative).
+inline constexpr int32_t kMaxSpeculationRank = 16;
+
+/// The retention priority of a speculation of `rank` whose retention gave it `heldPriority`: the
+/// rank clamped to [kMinRetentionPriority, kMaxSpeculationRank], and below `heldPriority` (at
+/// kMinRetentionPriority when that is already the lowest), so that a speculation never outranks
+/// a proven record of its own priority. docs/context_cache.md, "Reuse points", says which rank a
+/// point takes and why.
+int32_t speculationPriority(int32_t rank, int32_t heldPriority) noexcept;
+
 /// One published record. It owns one cache reference on every resource it lists (resources()).
 ///
 /// Kinds: a plain record (no exactCheckpointLength) reuses whole blocks; a hybrid checkpoint
@@ -76,9 +86,9 @@ struct CacheRecord {
   /// prompt or decode end.
   bool reusePoint = false;
   /// A reuse point kept on speculation (an interval point or a chunk end, not a branch of cached
-  /// content): it ranks at kMinRetentionPriority, evicted before every other record, until a
-  /// hit or a second publication of it shows a prompt passing through it again; then it takes
-  /// `heldPriority`, the priority its retention gave it.
+  /// content, or a superseded turn): it ranks at its speculationPriority(), below every record its
+  /// retention would rank, until a hit or a second publication of it shows a prompt passing
+  /// through it again; then it takes `heldPriority`, the priority its retention gave it.
   bool speculative = false;
   int32_t heldPriority = kDefaultRetentionPriority;
   /// Times a prompt came through it since it was published (admissions that hit it, and

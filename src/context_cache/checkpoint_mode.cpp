@@ -8,6 +8,7 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
+#include <bit>
 #include <new>
 #include <unordered_set>
 
@@ -294,6 +295,18 @@ bool CheckpointMode::branchFirst() const noexcept {
   return mParts.config.reusePointAdmission == ReusePointAdmission::kBranchFirst;
 }
 
+std::optional<int32_t> CheckpointMode::speculationRank(int32_t position,
+                                                       int32_t branch) const noexcept {
+  if (!branchFirst() || position == branch) {
+    return std::nullopt;
+  }
+  int32_t const interval = mParts.config.checkpointInterval;
+  if (interval == 0 || position % interval != 0) {
+    return 0;
+  }
+  return std::countr_zero(static_cast<uint32_t>(position / interval));
+}
+
 int32_t CheckpointMode::branchPoint(CoordinatorSequence const& sequence) const noexcept {
   if (!branchFirst()) {
     return 0;
@@ -404,9 +417,8 @@ void CheckpointMode::commitReusePoints(CoordinatorRequest& req, std::size_t row)
           takePoint ? sequence.reusePoints[point].position : sequence.chunkEnds[chunk].exactLength;
       SnapshotReservation const& reservation = takePoint ? sequence.reusePointReservations[point++]
                                                          : sequence.chunkEnds[chunk++].reservation;
-      bool const speculative = branchFirst() && position != branch;
-      PublishResult const published = mParts.manager.publishHybrid(sequence.lease, blocks, position,
-                                                                   reservation, true, speculative);
+      PublishResult const published = mParts.manager.publishHybrid(
+          sequence.lease, blocks, position, reservation, true, speculationRank(position, branch));
       if (published.status != PublishStatus::kVerificationRejected) {
         sequence.publishedExact = std::max(sequence.publishedExact, position);
       }

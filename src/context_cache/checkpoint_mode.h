@@ -69,6 +69,10 @@ class CheckpointMode : public RequestMode {
   /// Under kBranchFirst, where `sequence`'s prompt branches from cached content (the end of the
   /// block prefix the index held at admission) when its reuse stops short of it; else 0.
   int32_t branchPoint(CoordinatorSequence const& sequence) const noexcept;
+  /// Under kBranchFirst, the speculation rank of a point at `position` (nullopt for the branch
+  /// point, which is kept on evidence): r for an interval point at (2^r x odd) intervals, 0 for
+  /// a chunk end off the interval's grid. docs/context_cache.md, "Reuse points".
+  std::optional<int32_t> speculationRank(int32_t position, int32_t branch) const noexcept;
   void planReusePoints(CoordinatorRequest& req) const;
   void planRowReusePoints(CoordinatorRequest& req, std::size_t row, int32_t endsToKeep,
                           std::unordered_set<Hash128, Hash128Hasher>& planned) const;

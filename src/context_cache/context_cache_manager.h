@@ -227,11 +227,13 @@ class ContextCacheManager {
   /// Publishes an exact checkpoint of a hybrid lease at `exactLength` (<= blocks' tokens): full
   /// blocks = exactLength / page, `reservation` (owned by the lease) must hold exactly a recurrent
   /// slot plus a partial slot iff attention and exactLength % page != 0. Duplicate -> touch.
-  /// `reusePoint`: a checkpoint inside a prompt (CacheRecord::reusePoint); `speculative`: one
-  /// no evidence says a later prompt will branch there (CacheRecord::speculative).
+  /// `reusePoint`: a checkpoint inside a prompt (CacheRecord::reusePoint); `speculationRank`:
+  /// set for one no evidence says a later prompt will branch there (CacheRecord::speculative),
+  /// the rank it takes among speculations (speculationPriority).
   PublishResult publishHybrid(CacheRequestLease& lease, PromptBlocks const& blocks,
                               int32_t exactLength, SnapshotReservation const& reservation,
-                              bool reusePoint = false, bool speculative = false);
+                              bool reusePoint = false,
+                              std::optional<int32_t> speculationRank = std::nullopt);
   /// Branch-first ranking, after `lease`'s sequence published a checkpoint of `exactLength`
   /// tokens: when what it restored was a shorter prompt or decode end (an earlier turn of its
   /// conversation, not a point inside a prompt), that checkpoint is superseded: the
@@ -444,7 +446,7 @@ class ContextCacheManager {
   PublishResult publishCheckpoint(char const* call, CacheRequestLease& lease,
                                   PromptBlocks const& blocks, int32_t exactLength,
                                   SnapshotReservation const& reservation, bool mtp, bool reusePoint,
-                                  bool speculative);
+                                  std::optional<int32_t> speculationRank);
 
   int32_t mPageSize;
   int32_t mMaxRecords;

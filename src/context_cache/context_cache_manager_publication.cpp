@@ -342,7 +342,8 @@ PublishResult ContextCacheManager::publishCheckpoint(char const* call, CacheRequ
                                                      PromptBlocks const& blocks,
                                                      int32_t exactLength,
                                                      SnapshotReservation const& reservation,
-                                                     bool mtp, bool reusePoint, bool speculative) {
+                                                     bool mtp, bool reusePoint,
+                                                     std::optional<int32_t> speculationRank) {
   int32_t const full = checkCheckpoint(call, lease, blocks, exactLength, reservation, mtp);
   bool const attention = lease.hasAttention();
   Hash128 const digest = exactPrefixDigest(blocks, exactLength);
@@ -390,10 +391,10 @@ PublishResult ContextCacheManager::publishCheckpoint(char const* call, CacheRequ
     record.verificationTokens.assign(tail.begin(), tail.end());
   }
   applyRetention(record, lease, int64_t{exactLength} - 1);
-  if (speculative) {
+  if (speculationRank) {
     record.speculative = true;
     record.heldPriority = record.retentionPriority;
-    record.retentionPriority = kMinRetentionPriority;
+    record.retentionPriority = speculationPriority(*speculationRank, record.heldPriority);
   }
   return commitNewRecord(std::move(record), lease, blocks, projection);
 }
@@ -401,9 +402,10 @@ PublishResult ContextCacheManager::publishCheckpoint(char const* call, CacheRequ
 PublishResult ContextCacheManager::publishHybrid(CacheRequestLease& lease,
                                                  PromptBlocks const& blocks, int32_t exactLength,
                                                  SnapshotReservation const& reservation,
-                                                 bool reusePoint, bool speculative) {
+                                                 bool reusePoint,
+                                                 std::optional<int32_t> speculationRank) {
   return publishCheckpoint("ContextCacheManager::publishHybrid", lease, blocks, exactLength,
-                           reservation, false, reusePoint, speculative);
+                           reservation, false, reusePoint, speculationRank);
 }
 
 void ContextCacheManager::supersedeHit(CacheRequestLease const& lease,
@@ -421,7 +423,7 @@ PublishResult ContextCacheManager::publishHybridMtp(CacheRequestLease& lease,
                                                     PromptBlocks const& blocks, int32_t exactLength,
                                                     SnapshotReservation const& reservation) {
   return publishCheckpoint("ContextCacheManager::publishHybridMtp", lease, blocks, exactLength,
-                           reservation, true, false, false);
+                           reservation, true, false, std::nullopt);
 }
 
 }  // namespace mkv

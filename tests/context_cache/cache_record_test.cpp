@@ -96,5 +96,16 @@ TEST(CacheRecordTest, ResourcesListEveryReference) {
   EXPECT_EQ(r.resources(), expected);
 }
 
+TEST(CacheRecordTest, ASpeculationRanksBelowWhatItsRetentionGaveIt) {
+  EXPECT_EQ(speculationPriority(0, kDefaultRetentionPriority), kMinRetentionPriority);
+  EXPECT_EQ(speculationPriority(3, kDefaultRetentionPriority), 3);
+  EXPECT_EQ(speculationPriority(31, kDefaultRetentionPriority), kMaxSpeculationRank);
+  EXPECT_EQ(speculationPriority(-1, kDefaultRetentionPriority), kMinRetentionPriority);
+  EXPECT_EQ(speculationPriority(12, 10), 9) << "below a lowered retention";
+  EXPECT_EQ(speculationPriority(5, 1), kMinRetentionPriority);
+  EXPECT_EQ(speculationPriority(5, kMinRetentionPriority), kMinRetentionPriority);
+  EXPECT_EQ(speculationPriority(40, kMaxRetentionPriority), kMaxSpeculationRank);
+}
+
 }  // namespace
 }  // namespace mkv

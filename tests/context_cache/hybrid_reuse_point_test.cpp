@@ -142,9 +142,10 @@ TEST_P(HybridReusePointTest, BranchFirstKeepsTheBranchAndRanksSpeculativePointsB
   constexpr int32_t kLow = kMinRetentionPriority;
   constexpr int32_t kNormal = kDefaultRetentionPriority;
   // Nothing was cached: no branch; the interval points are speculations, the prompt end is not.
+  // 64 is two intervals: it ranks above 32 and 96, which a thinning budget drops first.
   EXPECT_EQ(victimOrder(rig),
             (std::vector<Ranked>{
-                {32, kLow, true}, {64, kLow, true}, {96, kLow, true}, {100, kNormal, false}}));
+                {32, kLow, true}, {96, kLow, true}, {64, kLow + 1, true}, {100, kNormal, false}}));
   // Shares 80 tokens (5 cached pages): restores the point at 64, which a prompt has now passed
   // through again (promoted), and keeps a point where it branches, 80, as any checkpoint.
   Seq follower(
@@ -160,6 +161,39 @@ TEST_P(HybridReusePointTest, BranchFirstKeepsTheBranchAndRanksSpeculativePointsB
   EXPECT_EQ(std::count(order.begin(), order.end(), Ranked{64, kNormal, false}), 1) << "promoted";
   EXPECT_EQ(std::count(order.begin(), order.end(), Ranked{80, kNormal, false}), 1) << "the branch";
   EXPECT_EQ(std::count(order.begin(), order.end(), Ranked{100, kNormal, false}), 2) << "the ends";
+  rig.expectQuiescent();
+}
+
+TEST_P(HybridReusePointTest, BranchFirstThinsThePointsOfEveryPromptUnderABudget) {
+  HybridRigOptions options = pointOptions();
+  options.reusePointAdmission = ReusePointAdmission::kBranchFirst;
+  options.checkpointInterval = 16;
+  options.recurrentSlots = 12;
+  HybridRig rig(device(), options);
+  std::vector<int32_t> const first = tokenRun(128, 100);
+  Seq a(first, 0);
+  serve(rig, {&a});
+  // A speculation at (2^r x odd) intervals ranks r: the points a budget keeps when it halves
+  // the density, each saving a hit up to 2^r intervals more than the next coarser one would.
+  EXPECT_EQ(victimOrder(rig), (std::vector<Ranked>{{16, 0, true},
+                                                   {48, 0, true},
+                                                   {80, 0, true},
+                                                   {112, 0, true},
+                                                   {32, 1, true},
+                                                   {96, 1, true},
+                                                   {64, 2, true},
+                                                   {128, kDefaultRetentionPriority, false}}));
+  // Another prompt needs 8 of the 12 slots: it takes A's odd points, not A's oldest ones.
+  Seq b(tokenRun(128, 5000), 1);
+  serve(rig, {&b});
+  EXPECT_EQ(rig.coordinator->counters().snapshotPressureSkips, 0u);
+  EXPECT_EQ(rig.manager().records().size(), 12u);
+  // A follow-up of A diverging at 70 still lands one interval short of it (every point up to
+  // 64, the oldest four, would have gone first by age alone).
+  Seq follower(
+      concatenated(std::vector<int32_t>(first.begin(), first.begin() + 70), tokenRun(20, 9000)), 0);
+  EXPECT_EQ(serve(rig, {&follower}), std::vector<int32_t>{64}) << "the oracles checked the restore";
+  EXPECT_EQ(rig.coordinator->counters().reusePointRestores, 1u);
   rig.expectQuiescent();
 }
 
@@ -203,7 +237,9 @@ TEST_P(HybridReusePointTest, BranchFirstRanksATurnTheNextTurnExtendedAsASpeculat
 }
 
 TEST_P(HybridReusePointTest, EveryIntervalRanksPointsAsAnyCheckpoint) {
-  HybridRig rig(device(), pointOptions());
+  HybridRigOptions options = pointOptions();
+  options.reusePointAdmission = ReusePointAdmission::kEveryInterval;
+  HybridRig rig(device(), options);
   Seq producer(tokenRun(100, 100), 0);
   serve(rig, {&producer});
   for (Ranked const& record : victimOrder(rig)) {

@@ -34,7 +34,7 @@ struct HybridRigOptions {
   int32_t recurrentSlots = 4;      ///< snapshot budget, in slots
   int32_t partialSlots = 4;        ///< snapshot budget, in slots
   int32_t checkpointInterval = 0;  ///< ContextCacheConfig::checkpointInterval (reuse points)
-  ReusePointAdmission reusePointAdmission = ReusePointAdmission::kEveryInterval;
+  ReusePointAdmission reusePointAdmission = ContextCacheConfig{}.reusePointAdmission;
 };
 
 class HybridRig {

@@ -826,6 +826,7 @@ TEST_P(HybridReplayTest, BranchFirstKeepsDenseReusePointsUsefulUnderATightBudget
   ReplayConfig config = hybridConfig(device());
   config.checkpointInterval = 128;
   config.snapshotSlots = 64;
+  config.reusePointAdmission = ReusePointAdmission::kEveryInterval;
   MultiTurnWorkload everyWorkload;
   ReplayResult const every = runReplay(everyWorkload, config);
   config.reusePointAdmission = ReusePointAdmission::kBranchFirst;
@@ -1218,6 +1219,7 @@ TEST_P(HybridReplayTest, ReusePointsLetAHybridModelReuseOnMooncakeWhatTheModelPr
   config.maxBatch = 1;
   config.limit = 300;  // the sanitizer run of CI stays short
   config.checkpointInterval = 1024;
+  config.reusePointAdmission = ReusePointAdmission::kEveryInterval;  // the model's points only
   TraceSource trace = traceSource(kMooncake500);
   RecordingSource source(trace);
   TraceSource shadowTrace = traceSource(kMooncake500);

@@ -122,7 +122,9 @@ enum class ReusePointAdmission : uint8_t {
   /// Also a point where the prompt branches from cached content (the end of its cached block
   /// prefix: other prompts went that far), ranked as any checkpoint; the interval points and
   /// chunk ends, kept on speculation, rank below every other record until a prompt passes
-  /// through them again.
+  /// through them again, and among themselves by the tokens a hit on them saves (a point at
+  /// 2^r x odd intervals ranks r: a budget thins every prompt's points before it drops any
+  /// prompt's coarse ones). The default.
   kBranchFirst,
 };
 std::string_view toString(ReusePointAdmission admission) noexcept;
