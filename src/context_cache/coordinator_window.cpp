@@ -4,6 +4,7 @@
 // row's prefill start is found (docs/context_cache.md, "Window rule").
 
 #include <algorithm>
+#include <bit>
 
 #include "context_cache/coordinator_request.h"
 #include "context_cache/window_block_cache.h"
@@ -80,10 +81,13 @@ int32_t ContextCacheCoordinator::publishWindowBlocks(RequestHandle const& handle
   }
   // Reuse points: the window before each point these blocks complete is kept, so a later prompt
   // that diverges anywhere lands on the last point before the divergence with its window; the
-  // blocks between the windows are the first a full sliding pool drops.
+  // blocks between the windows are the first a full sliding pool drops, then the windows of the
+  // points at odd intervals, then those at odd multiples of two intervals, and so on: the pool
+  // thins every prompt's points before it drops any prompt's coarse ones.
   if (int32_t const interval = mConfig.checkpointInterval / page; interval > 0) {
     for (int32_t point = (firstBlock / interval + 1) * interval; point <= end; point += interval) {
-      (void)window.keepPointWindow(blocks, point);
+      (void)window.keepPointWindow(blocks, point,
+                                   std::countr_zero(static_cast<uint32_t>(point / interval)));
     }
   }
   return published;

@@ -149,8 +149,10 @@ int32_t WindowBlockCache::keepWindowBefore(PromptBlocks const& blocks, int32_t e
   return marked;
 }
 
-int32_t WindowBlockCache::keepPointWindow(PromptBlocks const& blocks, int32_t endBlock) {
-  return raiseWindowBefore("WindowBlockCache::keepPointWindow", blocks, endBlock, kPointWindow);
+int32_t WindowBlockCache::keepPointWindow(PromptBlocks const& blocks, int32_t endBlock,
+                                          int32_t rank) {
+  auto const tier = static_cast<Tier>(kPointWindow + std::clamp(rank, 0, kMaxPointRank));
+  return raiseWindowBefore("WindowBlockCache::keepPointWindow", blocks, endBlock, tier);
 }
 
 int32_t WindowBlockCache::raiseWindowBefore(char const* call, PromptBlocks const& blocks,
@@ -170,11 +172,11 @@ int32_t WindowBlockCache::raiseWindowBefore(char const* call, PromptBlocks const
     }
     bool const cached = mHolders[slot] == 0;  // in a release order: move it between orders
     if (cached) {
-      orderOf(page).unlink(mLinks, page);
+      unlinkCached(page);
     }
     mTier[slot] = tier;
     if (cached) {
-      orderOf(page).pushNewest(mLinks, page);
+      linkCached(page);
     }
     ++marked;
   }
@@ -236,9 +238,7 @@ bool WindowBlockCache::allocate(int32_t count, std::vector<PageId>& out) {
     if (!mFree.empty()) {
       page = popFree(mFree);
     } else {
-      page = !mUnread.empty()         ? mUnread.oldest
-             : !mPointWindows.empty() ? mPointWindows.oldest
-                                      : mRead.oldest;
+      page = firstVictim();
       unlinkCached(page);
       mTier[static_cast<std::size_t>(page)] = kUnread;
       ++mDroppedBlocks;
@@ -283,7 +283,7 @@ void WindowBlockCache::release(PageId page) noexcept {
   }
   --mHeldPages;
   if (mIndex.digestOf(page)) {
-    orderOf(page).pushNewest(mLinks, page);
+    linkCached(page);
   } else {
     mTier[static_cast<std::size_t>(page)] = kUnread;
     pushFree(mFree, page);
@@ -291,17 +291,41 @@ void WindowBlockCache::release(PageId page) noexcept {
 }
 
 SlotList& WindowBlockCache::orderOf(PageId page) noexcept {
-  switch (mTier[static_cast<std::size_t>(page)]) {
-    case kRead:
-      return mRead;
-    case kPointWindow:
-      return mPointWindows;
-    default:
-      return mUnread;
+  uint8_t const tier = mTier[static_cast<std::size_t>(page)];
+  if (tier == kUnread) {
+    return mUnread;
   }
+  return tier == kRead ? mRead : mPointWindows[static_cast<std::size_t>(tier - kPointWindow)];
 }
 
-void WindowBlockCache::unlinkCached(PageId page) noexcept { orderOf(page).unlink(mLinks, page); }
+PageId WindowBlockCache::firstVictim() const noexcept {
+  if (!mUnread.empty()) {
+    return mUnread.oldest;
+  }
+  if (mPointPages > 0) {
+    for (SlotList const& rank : mPointWindows) {
+      if (!rank.empty()) {
+        return rank.oldest;
+      }
+    }
+  }
+  return mRead.oldest;
+}
+
+bool WindowBlockCache::inPointTier(PageId page) const noexcept {
+  uint8_t const tier = mTier[static_cast<std::size_t>(page)];
+  return tier != kUnread && tier != kRead;
+}
+
+void WindowBlockCache::linkCached(PageId page) noexcept {
+  orderOf(page).pushNewest(mLinks, page);
+  mPointPages += inPointTier(page) ? 1 : 0;
+}
+
+void WindowBlockCache::unlinkCached(PageId page) noexcept {
+  orderOf(page).unlink(mLinks, page);
+  mPointPages -= inPointTier(page) ? 1 : 0;
+}
 
 int32_t WindowBlockCache::holders(PageId page) const {
   checkPage("WindowBlockCache::holders", page);

@@ -7,6 +7,7 @@
 ///
 /// Thread-safety: single writer (the engine thread).
 
+#include <array>
 #include <cstdint>
 #include <string>
 #include <string_view>
@@ -26,8 +27,8 @@ namespace mkv {
 /// holder, and dropped for good (unindexed, handed out) when allocate() needs a page and no free
 /// one is left. A cached page that a new window maps is held again (and leaves the order) until
 /// released; from then on it is a *read* block, as are the blocks keepWindowBefore() marks. The
-/// victim order: unread blocks, least recently released first, then the windows before reuse
-/// points (keepPointWindow), then read ones, each least recently released first.
+/// victim order: unread blocks, then the windows before reuse points (keepPointWindow) by rank,
+/// lowest first, then read ones, each least recently released first.
 ///
 /// The hit rule of the composed backend: a prefix of k blocks (page-aligned at k * P tokens) is
 /// reusable by the sliding layers when the blocks of the window before it, [max(0, k -
@@ -70,10 +71,15 @@ class WindowBlockCache final : public SwaPageSource {
   /// hashed with another page size or endBlock outside [0, blocks.fullBlockCount()].
   int32_t keepWindowBefore(PromptBlocks const& blocks, int32_t endBlock);
   /// The same for the window before a reuse point (ContextCacheConfig::checkpointInterval), into
-  /// the point tier between unread and read blocks: a window no hit has read yet is kept over
-  /// the blocks between windows, but never over the windows hits did read. A read block stays
-  /// read. Returns how many blocks newly joined the point tier (not counted in keptBlocks).
-  int32_t keepPointWindow(PromptBlocks const& blocks, int32_t endBlock);
+  /// the point tier of `rank` (clamped to [0, kMaxPointRank]) between unread and read blocks: a
+  /// window no hit has read yet is kept over the blocks between windows, but never over the
+  /// windows hits did read, and lower ranks go first. A block in the windows of several points
+  /// keeps the highest rank; a read block stays read. Returns how many blocks were newly raised
+  /// (not counted in keptBlocks). The coordinator ranks a point at (2^r x odd) intervals r, as a
+  /// hybrid model's speculations (docs/context_cache.md, "Reuse points").
+  int32_t keepPointWindow(PromptBlocks const& blocks, int32_t endBlock, int32_t rank = 0);
+  /// The highest rank of the point tier.
+  static constexpr int32_t kMaxPointRank = 15;
   /// Drops every cached block (a cache reset): pages nobody holds become free, held pages stay
   /// held and unindexed. Returns how many blocks were dropped. Announces nothing: the reset that
   /// calls it sends one AllBlocksCleared for both pools.
@@ -113,24 +119,30 @@ class WindowBlockCache final : public SwaPageSource {
   int32_t cachedBlocks() const noexcept { return mIndex.size(); }
   /// Indexed pages nobody holds (evictable).
   int32_t evictablePages() const noexcept {
-    return mUnread.count + mPointWindows.count + mRead.count;
+    return mUnread.count + evictablePointPages() + mRead.count;
   }
   /// Of them, the blocks a hit's window has mapped since they were published (dropped last).
   int32_t evictableReadPages() const noexcept { return mRead.count; }
   /// Of them, the windows before reuse points no hit has read yet (dropped after unread blocks).
-  int32_t evictablePointPages() const noexcept { return mPointWindows.count; }
+  int32_t evictablePointPages() const noexcept { return mPointPages; }
   int32_t holders(PageId page) const;
   BlockIndex const& index() const noexcept { return mIndex; }
 
  private:
-  /// The tier of a cached block, and its release order.
-  enum Tier : uint8_t { kUnread = 0, kPointWindow = 1, kRead = 2 };
+  /// The tier of a cached block, and its release order: unread, the point windows of rank r at
+  /// kPointWindow + r, read.
+  enum Tier : uint8_t { kUnread = 0, kPointWindow = 1, kRead = kPointWindow + kMaxPointRank + 1 };
   SlotList& orderOf(PageId page) noexcept;
+  /// The oldest page of the first non-empty release order (allocate's victim); one must be.
+  PageId firstVictim() const noexcept;
   /// Raises the cached blocks of the window before `endBlock` to `tier` (see keepWindowBefore).
   int32_t raiseWindowBefore(char const* call, PromptBlocks const& blocks, int32_t endBlock,
                             Tier tier);
   /// Takes a cached page nobody holds out of its release order.
   void unlinkCached(PageId page) noexcept;
+  /// Puts a cached page nobody holds at the newest end of its tier's release order.
+  void linkCached(PageId page) noexcept;
+  bool inPointTier(PageId page) const noexcept;
   void checkPage(char const* call, PageId page) const;
   void checkBlocks(char const* call, PromptBlocks const& blocks) const;
   /// Block `block` of `blocks` is indexed here and verified (ancestors counted as verified).
@@ -140,13 +152,15 @@ class WindowBlockCache final : public SwaPageSource {
   int32_t mWindowBlocks;
   BlockIndex mIndex;
   SlotLinks mLinks;  ///< the release order of cached pages nobody holds
-  /// Cached pages nobody holds, in three release orders: blocks no hit has read since they were
-  /// published (dropped first, oldest first), the windows before reuse points (then), and blocks
-  /// a hit's window mapped (last). A prefill publishes every prompt block, most of which no later
-  /// hit reads; the windows hits do read must not be flushed by the next long prompt.
+  /// Cached pages nobody holds, in release orders: blocks no hit has read since they were
+  /// published (dropped first, oldest first), the windows before reuse points (then, by rank),
+  /// and blocks a hit's window mapped (last). A prefill publishes every prompt block, most of
+  /// which no later hit reads; the windows hits do read must not be flushed by the next long
+  /// prompt.
   SlotList mUnread;
-  SlotList mPointWindows;
+  std::array<SlotList, kMaxPointRank + 1> mPointWindows;  ///< by rank
   SlotList mRead;
+  int32_t mPointPages = 0;     ///< pages in mPointWindows, all ranks
   std::vector<uint8_t> mTier;  ///< per page (a Tier): read by a hit or wanted by a lookup, etc.
   std::vector<PageId> mFree;   ///< a min-heap: the lowest free id is handed out first
   std::vector<int32_t> mHolders;

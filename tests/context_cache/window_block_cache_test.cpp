@@ -254,6 +254,27 @@ TEST_F(WindowBlockCacheTest, KeepWindowBeforeMovesTheWindowToTheReadTier) {
                                                  mBlocks.keys[2]}));
 }
 
+TEST_F(WindowBlockCacheTest, PointWindowsGoByRankAfterUnreadBlocksAndBeforeReadOnes) {
+  std::vector<PageId> const pages = allocated(mCache, 8);  // the whole pool: nothing free
+  for (int32_t b = 0; b < 6; ++b) {
+    ASSERT_TRUE(mCache.publish(pages[static_cast<std::size_t>(b)], mBlocks, b));
+    mCache.release(pages[static_cast<std::size_t>(b)]);
+  }
+  EXPECT_EQ(mCache.keepPointWindow(mBlocks, 2, 1), 2) << "blocks 0 and 1 at rank 1";
+  EXPECT_EQ(mCache.keepPointWindow(mBlocks, 4, 0), 2) << "blocks 2 and 3 at rank 0";
+  EXPECT_EQ(mCache.keepPointWindow(mBlocks, 3, 0), 0) << "block 1 keeps rank 1, block 2 rank 0";
+  EXPECT_EQ(mCache.keepPointWindow(mBlocks, 2, 2), 2) << "raised to rank 2";
+  EXPECT_EQ(mCache.evictablePointPages(), 4);
+  EXPECT_EQ(mCache.keptBlocks(), 0) << "point windows are not kept reads";
+  mCache.hold(pages[5]);  // block 5 read by a hit's window: the read tier
+  mCache.release(pages[5]);
+  EXPECT_EQ(mCache.keepPointWindow(mBlocks, 6, 3), 1) << "block 4 only: block 5 stays read";
+  // Unread first (none left), then rank 0 (2, 3), rank 2 (0, 1), rank 3 (4), then read (5).
+  EXPECT_EQ(allocated(mCache, 6),
+            (std::vector<PageId>{pages[2], pages[3], pages[0], pages[1], pages[4], pages[5]}));
+  EXPECT_EQ(mCache.evictablePointPages(), 0);
+}
+
 TEST_F(WindowBlockCacheTest, KeepWindowBeforeSkipsBlocksNotCachedAndChecksItsArguments) {
   PageId const page = cacheBlock(mOtherBlocks, 1);  // another prompt's block 1
   CacheState const before = stateOf(mCache);
@@ -416,16 +437,16 @@ TEST_F(WindowedPrefixTest, ArgumentContracts) {
 // ---------------------------------------------------------------------------------------------
 // Property test: random operations against a model of the pool.
 
-/// The model: holders, digest (block number) and whether a window read it (or keepWindowBefore
-/// kept it), per page; the release
-/// orders of cached pages nobody holds (unread ones drop first, then read ones); and the events
-/// the cache must have announced, in order.
+/// The model: holders, digest (block number) and tier per page (unread; the window before a
+/// reuse point, by rank; read by a window or kept by keepWindowBefore); the release orders of
+/// cached pages nobody holds, one per tier, dropped lowest tier first; and the events the cache
+/// must have announced, in order.
 struct PoolModel {
+  static constexpr int32_t kRead = WindowBlockCache::kMaxPointRank + 2;  ///< tier; 1 + r: rank r
   std::vector<int32_t> holders;
-  std::vector<int32_t> block;   ///< -1: unindexed
-  std::vector<uint8_t> read;    ///< a hold on the indexed page (a hit's window) since publication
-  std::deque<PageId> released;  ///< unread, oldest first
-  std::deque<PageId> releasedRead;  ///< read, oldest first
+  std::vector<int32_t> block;  ///< -1: unindexed
+  std::vector<int32_t> tier;
+  std::vector<std::deque<PageId>> released;  ///< per tier, oldest first
   /// (stored?, block): a publication that indexed a block, or an allocation that dropped one.
   std::vector<std::pair<bool, int32_t>> events;
   int64_t kept = 0;  ///< blocks keepWindowBefore marked, over the run
@@ -433,11 +454,20 @@ struct PoolModel {
   explicit PoolModel(int32_t capacity)
       : holders(static_cast<std::size_t>(capacity), 0),
         block(static_cast<std::size_t>(capacity), -1),
-        read(static_cast<std::size_t>(capacity), 0) {}
+        tier(static_cast<std::size_t>(capacity), 0),
+        released(kRead + 1) {}
 
-  std::size_t evictable() const { return released.size() + releasedRead.size(); }
+  std::size_t evictable() const {
+    std::size_t count = 0;
+    for (auto const& order : released) {
+      count += order.size();
+    }
+    return count;
+  }
+  std::size_t pointPages() const { return evictable() - released.front().size() - readPages(); }
+  std::size_t readPages() const { return released.back().size(); }
   std::deque<PageId>& orderOf(PageId page) {
-    return read[static_cast<std::size_t>(page)] != 0 ? releasedRead : released;
+    return released[static_cast<std::size_t>(tier[static_cast<std::size_t>(page)])];
   }
 
   std::vector<PageId> freePages() const {
@@ -458,7 +488,7 @@ struct PoolModel {
       events.emplace_back(false, block[static_cast<std::size_t>(page)]);
     }
     block[static_cast<std::size_t>(page)] = -1;
-    read[static_cast<std::size_t>(page)] = 0;
+    tier[static_cast<std::size_t>(page)] = 0;
   }
   std::vector<PageId> allocate(int32_t count) {
     std::vector<PageId> pages = freePages();
@@ -467,9 +497,10 @@ struct PoolModel {
     }
     pages.resize(std::min(pages.size(), static_cast<std::size_t>(count)));
     while (static_cast<int32_t>(pages.size()) < count) {
-      std::deque<PageId>& order = released.empty() ? releasedRead : released;
-      pages.push_back(order.front());
-      order.pop_front();
+      auto const order = std::find_if(released.begin(), released.end(),
+                                      [](std::deque<PageId> const& o) { return !o.empty(); });
+      pages.push_back(order->front());
+      order->pop_front();
       drop(pages.back(), /*announced=*/true);
     }
     for (PageId p : pages) {
@@ -484,7 +515,7 @@ struct PoolModel {
       order.erase(std::find(order.begin(), order.end(), page));
     }
     if (block[i] >= 0) {
-      read[i] = 1;
+      tier[i] = kRead;
     }
   }
   void release(PageId page) {
@@ -493,23 +524,35 @@ struct PoolModel {
       orderOf(page).push_back(page);
     }
   }
-  /// keepWindowBefore(blocks, end) with a window of `window` blocks; returns the blocks marked.
-  int32_t keepWindowBefore(int32_t end, int32_t window) {
+  /// Raises the cached blocks of the window of `window` blocks before `end` to `to`; returns
+  /// how many it raised.
+  int32_t raise(int32_t end, int32_t window, int32_t to) {
     int32_t marked = 0;
     for (int32_t b = std::max(0, end - window); b < end; ++b) {
       std::optional<PageId> const page = pageOf(b);
-      if (!page || read[static_cast<std::size_t>(*page)] != 0) {
+      if (!page || tier[static_cast<std::size_t>(*page)] >= to) {
         continue;
       }
-      if (holders[static_cast<std::size_t>(*page)] == 0) {
-        released.erase(std::find(released.begin(), released.end(), *page));
-        releasedRead.push_back(*page);
+      bool const cached = holders[static_cast<std::size_t>(*page)] == 0;
+      if (cached) {
+        std::deque<PageId>& order = orderOf(*page);
+        order.erase(std::find(order.begin(), order.end(), *page));
       }
-      read[static_cast<std::size_t>(*page)] = 1;
+      tier[static_cast<std::size_t>(*page)] = to;
+      if (cached) {
+        orderOf(*page).push_back(*page);
+      }
       ++marked;
     }
+    return marked;
+  }
+  int32_t keepWindowBefore(int32_t end, int32_t window) {
+    int32_t const marked = raise(end, window, kRead);
     kept += marked;
     return marked;
+  }
+  int32_t keepPointWindow(int32_t end, int32_t window, int32_t rank) {
+    return raise(end, window, 1 + std::clamp(rank, 0, WindowBlockCache::kMaxPointRank));
   }
   void clear() {
     for (PageId p = 0; p < static_cast<PageId>(block.size()); ++p) {
@@ -517,8 +560,9 @@ struct PoolModel {
         drop(p, /*announced=*/false);
       }
     }
-    released.clear();
-    releasedRead.clear();
+    for (auto& order : released) {
+      order.clear();
+    }
   }
 };
 
@@ -546,7 +590,8 @@ void expectMatchesModel(WindowBlockCache const& cache, PoolModel const& model,
   ASSERT_EQ(cache.freePages() + held + evictable, cache.totalPages());
   ASSERT_EQ(cache.availablePages(), cache.freePages() + evictable);
   ASSERT_EQ(static_cast<int32_t>(model.evictable()), evictable);
-  ASSERT_EQ(cache.evictableReadPages(), static_cast<int32_t>(model.releasedRead.size()));
+  ASSERT_EQ(cache.evictableReadPages(), static_cast<int32_t>(model.readPages()));
+  ASSERT_EQ(cache.evictablePointPages(), static_cast<int32_t>(model.pointPages()));
   ASSERT_EQ(cache.keptBlocks(), model.kept);
 }
 
@@ -599,9 +644,14 @@ TEST(WindowBlockCachePropertyTest, RandomOperationsMatchTheModel) {
         holdings.erase(holdings.begin() + static_cast<std::ptrdiff_t>(i));
         model.release(page);
         cache.release(page);
-      } else if (op >= 90 && op < 95) {
+      } else if (op >= 90 && op < 93) {
         int32_t const end = std::uniform_int_distribution<int32_t>(0, 16)(rng);
         ASSERT_EQ(cache.keepWindowBefore(blocks, end), model.keepWindowBefore(end, 3));
+      } else if (op >= 93 && op < 96) {
+        int32_t const end = std::uniform_int_distribution<int32_t>(0, 16)(rng);
+        int32_t const rank = std::uniform_int_distribution<int32_t>(-1, 3)(rng) +
+                             (op == 95 ? WindowBlockCache::kMaxPointRank : 0);  // clamped
+        ASSERT_EQ(cache.keepPointWindow(blocks, end, rank), model.keepPointWindow(end, 3, rank));
       } else if (op < 90 && !holdings.empty()) {
         PageId const page = pick(holdings);
         int32_t const b = std::uniform_int_distribution<int32_t>(0, 15)(rng);
@@ -619,7 +669,7 @@ TEST(WindowBlockCachePropertyTest, RandomOperationsMatchTheModel) {
             model.block[static_cast<std::size_t>(page)] = b;
           }
         }
-      } else if (op >= 95) {
+      } else if (op >= 96) {
         int32_t const cached = cache.cachedBlocks();
         model.clear();
         ASSERT_EQ(cache.clear(), cached);

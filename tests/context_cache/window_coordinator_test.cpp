@@ -143,6 +143,22 @@ TEST_F(WindowReusePointTest, TheWindowBeforeEveryPointIsKeptAndTheBlocksBetweenG
   EXPECT_EQ(mCoordinator.finish(handle), ContextCacheStatus::kOk);
 }
 
+TEST_F(WindowReusePointTest, ThePointsAtOddIntervalsGoBeforeTheCoarserOnes) {
+  publishPrompt({5, 4, 3, 2, 1, 0});  // by release order the window before 6 would go first
+  dropOldestWindowBlocks(2);          // the unread blocks 3 and 0
+  EXPECT_EQ(mWindow.evictablePointPages(), 4);
+  // Point 3 is one interval (rank 0), point 6 two (rank 1): the pool drops the window before 3.
+  dropOldestWindowBlocks(2);
+  EXPECT_EQ(mWindow.evictablePointPages(), 2);
+  std::vector<int32_t> extending = mPrompt;
+  extending.insert(extending.end(), {9001, 9002, 9003});
+  int32_t start = -1;
+  Handle handle = admit(extending, 1, start);
+  EXPECT_EQ(start, 6 * kPage) << "the window before 6, blocks 4 and 5, is still there";
+  EXPECT_EQ(mCoordinator.reusedWindowPages(handle, 0).size(), 2U);
+  EXPECT_EQ(mCoordinator.finish(handle), ContextCacheStatus::kOk);
+}
+
 TEST_F(WindowReusePointTest, AWindowAHitReadOutlastsThePointWindows) {
   publishPrompt({0, 1, 2, 3, 4, 5});
   int32_t start = -1;
