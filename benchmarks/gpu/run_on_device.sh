@@ -345,6 +345,14 @@ else
     # Bounded-SWA joiners: chunks whose window rotates within each joiner's 2M + 1 pages.
     replay_case mooncake_serving_swa --mode swa --window 4096 --full-layers 1 \
       --max-batched-tokens 2048
+    # Reuse points every page under a snapshot budget that keeps one in 32 of them: the ranked
+    # speculations (branch-first, the default) thin every prompt's points.
+    replay_case mooncake_serving_hybrid_budget --max-batched-tokens 2048 --layers 3 \
+      --recurrent-layers 9 --checkpoint-interval 128 --snapshot-slots 2000 --no-attention-only
+    CASE_GEOMETRY=(--trace "$TRACE" --verify sample --quiet)
+    # Sliding-window reuse with the windows before reuse points ranked, in a budget that evicts.
+    replay_case mooncake_sliding_points --layers 5 --window 1024 --full-layers 1 \
+      --kv-budget-bytes 72000000 --checkpoint-interval 2048
     CASE_GEOMETRY=()
   fi
   replay_case embedded_reuse --pool-tokens 32768
