@@ -67,7 +67,8 @@ struct ContextCacheConfig {
   /// decode ends); speculative requests of Hybrid-MTP keep their endpoints only. Sliding-window
   /// reuse (a window cache): the sliding blocks of the window before every multiple of the
   /// interval are kept in a tier of their own, dropped after the blocks between those windows and
-  /// before the windows hits have read (WindowBlockCache::keepPointWindow). A
+  /// before the windows hits have read, the windows of the points at odd intervals first
+  /// (WindowBlockCache::keepPointWindow). A
   /// multiple of the page size with attention. Must be 0 on other attention-only deployments.
   int32_t checkpointInterval = 0;
   /// Hybrid and pure-recurrent deployments with a checkpoint interval: which reuse points are
