@@ -417,7 +417,7 @@ CliOptions parseArguments(int argc, char** argv) {
   auto* pointAdmission = option(
       "--reuse-point-admission", "A",
       "hybrid models with --checkpoint-interval: branch-first (default: also where a prompt "
-      "branches from cached content; interval points and chunk ends rank below every other record, "
+      "branches from cached content; interval points and chunk ends rank below the proven records, "
       "the finest first, until a prompt passes through them again) or every (every interval point, "
       "ranked as any checkpoint); docs/context_cache.md",
       [&](std::string_view flag, std::string_view value) {

@@ -91,6 +91,8 @@ struct CacheRecord {
   /// through it again; then it takes `heldPriority`, the priority its retention gave it.
   bool speculative = false;
   int32_t heldPriority = kDefaultRetentionPriority;
+  /// A speculation's rank (speculationPriority); 0 for a superseded turn.
+  int32_t speculationRank = 0;
   /// Times a prompt came through it since it was published (admissions that hit it, and
   /// publications of the same record): more than one proves a branch (RecordStore::demote).
   int32_t hits = 0;

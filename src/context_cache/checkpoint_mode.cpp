@@ -292,7 +292,8 @@ void CheckpointMode::commitStagedRow(CoordinatorRequest& req, std::size_t row) c
 }
 
 bool CheckpointMode::branchFirst() const noexcept {
-  return mParts.config.reusePointAdmission == ReusePointAdmission::kBranchFirst;
+  return mParts.config.checkpointInterval > 0 &&
+         mParts.config.reusePointAdmission == ReusePointAdmission::kBranchFirst;
 }
 
 std::optional<int32_t> CheckpointMode::speculationRank(int32_t position,
@@ -301,7 +302,7 @@ std::optional<int32_t> CheckpointMode::speculationRank(int32_t position,
     return std::nullopt;
   }
   int32_t const interval = mParts.config.checkpointInterval;
-  if (interval == 0 || position % interval != 0) {
+  if (position % interval != 0) {  // branchFirst(): interval > 0
     return 0;
   }
   return std::countr_zero(static_cast<uint32_t>(position / interval));

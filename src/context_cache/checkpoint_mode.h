@@ -64,7 +64,8 @@ class CheckpointMode : public RequestMode {
                       int32_t exactLength, bool partial) const;
   /// Recurrent snapshot slots free or reclaimable now.
   int32_t snapshotSlotsLeft() const;
-  /// ReusePointAdmission::kBranchFirst: points kept on speculation rank below every record.
+  /// ReusePointAdmission::kBranchFirst with a checkpoint interval (without one the setting
+  /// changes nothing): points kept on speculation rank below the proven records.
   bool branchFirst() const noexcept;
   /// Under kBranchFirst, where `sequence`'s prompt branches from cached content (the end of the
   /// block prefix the index held at admission) when its reuse stops short of it; else 0.

@@ -234,6 +234,10 @@ class ContextCacheManager {
                               int32_t exactLength, SnapshotReservation const& reservation,
                               bool reusePoint = false,
                               std::optional<int32_t> speculationRank = std::nullopt);
+  /// A speculation is a rank, not a flag (a bool would convert to rank 0 or 1).
+  PublishResult publishHybrid(CacheRequestLease& lease, PromptBlocks const& blocks,
+                              int32_t exactLength, SnapshotReservation const& reservation,
+                              bool reusePoint, bool speculative) = delete;
   /// Branch-first ranking, after `lease`'s sequence published a checkpoint of `exactLength`
   /// tokens: when what it restored was a shorter prompt or decode end (an earlier turn of its
   /// conversation, not a point inside a prompt), that checkpoint is superseded: the

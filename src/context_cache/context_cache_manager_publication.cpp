@@ -393,6 +393,7 @@ PublishResult ContextCacheManager::publishCheckpoint(char const* call, CacheRequ
   applyRetention(record, lease, int64_t{exactLength} - 1);
   if (speculationRank) {
     record.speculative = true;
+    record.speculationRank = *speculationRank;
     record.heldPriority = record.retentionPriority;
     record.retentionPriority = speculationPriority(*speculationRank, record.heldPriority);
   }

@@ -225,6 +225,7 @@ void RecordStore::demote(RecordId id) noexcept {
     return;
   }
   record.speculative = true;
+  record.speculationRank = 0;
   record.heldPriority = record.retentionPriority;
   record.retentionPriority = kMinRetentionPriority;
   mPolicy->onPriorityChange(it->second.slot, record.retentionPriority);
@@ -242,8 +243,13 @@ int32_t RecordStore::expireRetention(int64_t now) noexcept {
     Entry const& entry = mById.find(id)->second;
     CacheRecord& record = *entry.record;
     record.retentionExpiry.reset();
-    if (record.speculative) {  // it keeps its speculative rank; a promotion gives the default
+    if (record.speculative) {  // still a speculation, of its rank; a promotion gives the default
       record.heldPriority = kDefaultRetentionPriority;
+      int32_t const priority = speculationPriority(record.speculationRank, record.heldPriority);
+      if (priority != record.retentionPriority) {
+        record.retentionPriority = priority;
+        mPolicy->onPriorityChange(entry.slot, priority);
+      }
     } else if (record.retentionPriority != kDefaultRetentionPriority) {
       record.retentionPriority = kDefaultRetentionPriority;
       mPolicy->onPriorityChange(entry.slot, kDefaultRetentionPriority);

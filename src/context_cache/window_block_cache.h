@@ -78,8 +78,8 @@ class WindowBlockCache final : public SwaPageSource {
   /// (not counted in keptBlocks). The coordinator ranks a point at (2^r x odd) intervals r, as a
   /// hybrid model's speculations (docs/context_cache.md, "Reuse points").
   int32_t keepPointWindow(PromptBlocks const& blocks, int32_t endBlock, int32_t rank = 0);
-  /// The highest rank of the point tier.
-  static constexpr int32_t kMaxPointRank = 15;
+  /// The highest rank of the point tier (a hybrid model's kMaxSpeculationRank).
+  static constexpr int32_t kMaxPointRank = 16;
   /// Drops every cached block (a cache reset): pages nobody holds become free, held pages stay
   /// held and unindexed. Returns how many blocks were dropped. Announces nothing: the reset that
   /// calls it sends one AllBlocksCleared for both pools.

@@ -132,7 +132,8 @@ std::vector<Ranked> victimOrder(HybridRig const& rig) {
   return ranked;
 }
 
-TEST_P(HybridReusePointTest, BranchFirstKeepsTheBranchAndRanksSpeculativePointsBelowEveryRecord) {
+TEST_P(HybridReusePointTest,
+       BranchFirstKeepsTheBranchAndRanksSpeculativePointsBelowTheProvenRecords) {
   HybridRigOptions options = pointOptions();
   options.reusePointAdmission = ReusePointAdmission::kBranchFirst;
   HybridRig rig(device(), options);

@@ -161,5 +161,31 @@ TEST(RecordStoreTest, InvalidRecordIsRejectedWithoutChange) {
   EXPECT_EQ(store.insert(blockRecord(1, 1)).record->id, 1U) << "no id was consumed";
 }
 
+TEST(RecordStoreTest, ASpeculationWhoseRetentionExpiresRanksByItsRankAgain) {
+  RecordStore store;
+  CacheRecord low = checkpoint(1, 64);  // published under a retention range of priority 2
+  low.speculative = true;
+  low.speculationRank = 3;
+  low.heldPriority = 2;
+  low.retentionPriority = speculationPriority(3, 2);
+  low.retentionExpiry = 10;
+  RecordId const id = store.insert(low).record->id;
+  CacheRecord peer = checkpoint(2, 64);  // a rank-2 speculation under the default retention
+  peer.speculative = true;
+  peer.speculationRank = 2;
+  peer.heldPriority = kDefaultRetentionPriority;
+  peer.retentionPriority = 2;
+  RecordId const peerId = store.insert(peer).record->id;
+  EXPECT_EQ(store.get(id)->retentionPriority, 1);
+  EXPECT_EQ(store.victimOrder(), (std::vector<RecordId>{id, peerId}));
+  EXPECT_EQ(store.expireRetention(10), 1);
+  EXPECT_EQ(store.get(id)->retentionPriority, 3) << "its rank, now under the default priority";
+  EXPECT_EQ(store.get(id)->heldPriority, kDefaultRetentionPriority);
+  EXPECT_TRUE(store.get(id)->speculative);
+  EXPECT_EQ(store.victimOrder(), (std::vector<RecordId>{peerId, id}));
+  store.touch(id);  // a prompt came through it: proven
+  EXPECT_EQ(store.get(id)->retentionPriority, kDefaultRetentionPriority);
+}
+
 }  // namespace
 }  // namespace mkv

@@ -71,10 +71,10 @@ struct ContextCacheConfig {
   /// (WindowBlockCache::keepPointWindow). A
   /// multiple of the page size with attention. Must be 0 on other attention-only deployments.
   int32_t checkpointInterval = 0;
-  /// Hybrid and pure-recurrent deployments with a checkpoint interval: which reuse points are
-  /// kept and how they rank (ReusePointAdmission; kBranchFirst, the default, reuses at least what
-  /// kEveryInterval does in every replay measured and keeps dense intervals useful under a tight
-  /// snapshot budget, docs/benchmarks.md, "Hybrid models").
+  /// Hybrid and pure-recurrent deployments with a checkpoint interval (without one, nothing):
+  /// which reuse points are kept and how they rank (ReusePointAdmission; kBranchFirst, the default,
+  /// reuses at least what kEveryInterval does in every replay measured and keeps dense intervals
+  /// useful under a tight snapshot budget, docs/benchmarks.md, "Hybrid models").
   ReusePointAdmission reusePointAdmission = ReusePointAdmission::kBranchFirst;
   /// Victim order of published records within a retention priority: kS3Fifo (default: it reuses
   /// more than kLru in every replay measured, docs/benchmarks.md) or kLru (docs/context_cache.md,

@@ -121,10 +121,12 @@ enum class ReusePointAdmission : uint8_t {
   kEveryInterval,
   /// Also a point where the prompt branches from cached content (the end of its cached block
   /// prefix: other prompts went that far), ranked as any checkpoint; the interval points and
-  /// chunk ends, kept on speculation, rank below every other record until a prompt passes
-  /// through them again, and among themselves by the tokens a hit on them saves (a point at
-  /// 2^r x odd intervals ranks r: a budget thins every prompt's points before it drops any
-  /// prompt's coarse ones). The default.
+  /// chunk ends, kept on speculation, rank at retention priorities 0 to 16 (below the default
+  /// priority and their own retention's) until a prompt passes through them again, and among
+  /// themselves by the tokens a hit on them saves (a point at 2^r x odd intervals ranks r: a
+  /// budget thins every prompt's points before it drops any prompt's coarse ones). Superseded
+  /// conversation turns rank as speculations of rank 0. The default; it applies only with a
+  /// checkpoint interval.
   kBranchFirst,
 };
 std::string_view toString(ReusePointAdmission admission) noexcept;
