@@ -679,7 +679,8 @@ TEST(WindowBlockCachePropertyTest, RandomOperationsMatchTheModel) {
         std::vector<std::pair<bool, int32_t>> got;
         for (KvEvent const& event : queue.drain()) {
           auto const* stored = std::get_if<BlockStored>(&event);
-          Hash128 const digest = stored ? stored->digest : std::get<BlockRemoved>(event).digest;
+          Hash128 const digest =
+              stored != nullptr ? stored->digest : std::get<BlockRemoved>(event).digest;
           auto const it = std::find(blocks.keys.begin(), blocks.keys.end(), digest);
           got.emplace_back(stored != nullptr, static_cast<int32_t>(it - blocks.keys.begin()));
         }
