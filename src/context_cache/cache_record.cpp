@@ -1,6 +1,7 @@
 #include "context_cache/cache_record.h"
 
 #include <algorithm>
+#include <bit>
 
 #include "core/check.h"
 
@@ -52,6 +53,10 @@ void CacheRecord::validate() const {
       retentionPriority >= kMinRetentionPriority && retentionPriority <= kMaxRetentionPriority,
       kCall, "retention priority {} outside [{}, {}]", retentionPriority, kMinRetentionPriority,
       kMaxRetentionPriority);
+}
+
+int32_t reusePointRank(int32_t intervals) noexcept {
+  return std::countr_zero(static_cast<uint32_t>(intervals));
 }
 
 int32_t speculationPriority(int32_t rank, int32_t heldPriority) noexcept {

@@ -67,6 +67,11 @@ inline constexpr int32_t kMaxSpeculationRank = 16;
 /// point takes and why.
 int32_t speculationPriority(int32_t rank, int32_t heldPriority) noexcept;
 
+/// The rank of the reuse point `intervals` intervals into a prompt (intervals >= 1): r for
+/// 2^r x odd, the points a budget keeps when it halves their density. Hybrid checkpoints and the
+/// sliding windows before reuse points rank by it.
+int32_t reusePointRank(int32_t intervals) noexcept;
+
 /// One published record. It owns one cache reference on every resource it lists (resources()).
 ///
 /// Kinds: a plain record (no exactCheckpointLength) reuses whole blocks; a hybrid checkpoint

@@ -8,7 +8,6 @@
 #include <spdlog/spdlog.h>
 
 #include <algorithm>
-#include <bit>
 #include <new>
 #include <unordered_set>
 
@@ -305,7 +304,7 @@ std::optional<int32_t> CheckpointMode::speculationRank(int32_t position,
   if (position % interval != 0) {  // branchFirst(): interval > 0
     return 0;
   }
-  return std::countr_zero(static_cast<uint32_t>(position / interval));
+  return reusePointRank(position / interval);
 }
 
 int32_t CheckpointMode::branchPoint(CoordinatorSequence const& sequence) const noexcept {

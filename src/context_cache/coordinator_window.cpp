@@ -4,8 +4,8 @@
 // row's prefill start is found (docs/context_cache.md, "Window rule").
 
 #include <algorithm>
-#include <bit>
 
+#include "context_cache/cache_record.h"
 #include "context_cache/coordinator_request.h"
 #include "context_cache/window_block_cache.h"
 #include "core/check.h"
@@ -86,8 +86,7 @@ int32_t ContextCacheCoordinator::publishWindowBlocks(RequestHandle const& handle
   // thins every prompt's points before it drops any prompt's coarse ones.
   if (int32_t const interval = mConfig.checkpointInterval / page; interval > 0) {
     for (int32_t point = (firstBlock / interval + 1) * interval; point <= end; point += interval) {
-      (void)window.keepPointWindow(blocks, point,
-                                   std::countr_zero(static_cast<uint32_t>(point / interval)));
+      (void)window.keepPointWindow(blocks, point, reusePointRank(point / interval));
     }
   }
   return published;
